@@ -1,0 +1,1 @@
+"""The checkout example: a payment service whose Charge runs once per idempotency key."""

@@ -1,0 +1,103 @@
+"""PaymentService: ``Charge`` inserts one row into ``payments.charges`` per operation.
+
+The handler writes through ``current_call().connection``: the transaction in which the
+interceptor claimed the key, so the charge and its stored response commit together.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
+from checkout.v1 import payments_pb2, payments_pb2_grpc
+from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+
+SCHEMA_SQL = """
+CREATE SCHEMA IF NOT EXISTS payments;
+CREATE TABLE IF NOT EXISTS payments.charges (
+    charge_id     text PRIMARY KEY,
+    order_id      text NOT NULL,
+    amount_cents  bigint NOT NULL CHECK (amount_cents > 0),
+    currency      text NOT NULL,
+    tenant        text NOT NULL,
+    charged_at    timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS charges_order ON payments.charges (order_id);
+"""
+
+# The example takes its scope from x-tenant-id, standing in for an authenticating gateway that
+# sets it (and strips whatever a client sent). Without such a gateway use the TLS identity.
+TENANT_HEADER = "x-tenant-id"
+
+
+class PaymentService(payments_pb2_grpc.PaymentServiceServicer):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def Charge(
+        self, request: payments_pb2.ChargeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> payments_pb2.ChargeResponse:
+        if request.amount_cents <= 0:
+            # A deterministic error: recorded, and replayed to retries of the same key.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "amount_cents must be positive")
+        call = current_call()
+        charge_id = "ch_" + uuid.uuid4().hex[:16]
+        charged_at = await call.connection.fetchval(
+            "INSERT INTO payments.charges (charge_id, order_id, amount_cents, currency, tenant)"
+            " VALUES ($1, $2, $3, $4, $5) RETURNING charged_at",
+            charge_id,
+            request.order_id,
+            request.amount_cents,
+            request.currency or "EUR",
+            call.scope,
+        )
+        stamp = Timestamp()
+        stamp.FromDatetime(charged_at)
+        return payments_pb2.ChargeResponse(
+            charge_id=charge_id,
+            order_id=request.order_id,
+            amount_cents=request.amount_cents,
+            charged_at=stamp,
+        )
+
+    async def ListCharges(
+        self, request: payments_pb2.ListChargesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> payments_pb2.ListChargesResponse:
+        rows = await self.store.pool.fetch(
+            "SELECT charge_id, order_id, amount_cents, charged_at FROM payments.charges"
+            " WHERE order_id = $1 ORDER BY charged_at",
+            request.order_id,
+        )
+        response = payments_pb2.ListChargesResponse()
+        for row in rows:
+            charge = response.charges.add(
+                charge_id=row["charge_id"], order_id=row["order_id"], amount_cents=row["amount_cents"]
+            )
+            charge.charged_at.FromDatetime(row["charged_at"])
+        return response
+
+
+async def prepare(store: Store) -> None:
+    """Creates the example's tables and the idempotency schema (idempotent)."""
+    await store.migrate()
+    async with store.pool.acquire() as conn:
+        await conn.execute(SCHEMA_SQL)
+
+
+async def serve(store: Store, listen: str) -> tuple[grpc.aio.Server, int]:
+    """Starts PaymentService on ``listen`` ("host:port", port 0 picks one); returns the port."""
+    server = grpc.aio.server(
+        interceptors=[
+            IdempotencyInterceptor(
+                store, services=[payments_pb2], scope=MetadataScope(TENANT_HEADER)
+            )
+        ]
+    )
+    payments_pb2_grpc.add_PaymentServiceServicer_to_server(PaymentService(store), server)
+    port = server.add_insecure_port(listen)
+    await server.start()
+    return server, port

@@ -1,0 +1,77 @@
+"""grpc-idempotency: exactly-once gRPC writes with idempotency keys claimed in PostgreSQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grpc_idempotency.call import IdempotentCall, current_call
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import (
+    IdempotencyError,
+    KeyInProgress,
+    KeyInvalid,
+    KeyMissing,
+    KeyReused,
+    LeaseLost,
+    NotInIdempotentCall,
+    PolicyError,
+    ScopeUnavailable,
+    StoreUnavailable,
+)
+from grpc_idempotency.core.keys import KEY_HEADER, REPLAYED_HEADER, child_key
+from grpc_idempotency.core.lifecycle import CallOutcome
+from grpc_idempotency.core.policy import (
+    KeyRequirement,
+    MethodOverride,
+    MethodPolicy,
+    Mode,
+    Step,
+    StoreDown,
+)
+from grpc_idempotency.retention import Purger
+from grpc_idempotency.scope import MetadataScope, ScopeResolver, StaticScope, peer_identity_scope
+from grpc_idempotency.server import IdempotencyInterceptor
+from grpc_idempotency.store.postgres import Store
+from grpc_idempotency.telemetry import Telemetry
+
+
+def proto_include() -> str:
+    """The directory to pass to protoc as ``-I`` so that ``import
+    "grpc_idempotency/v1/options.proto";`` resolves (also: ``grpc-idempotency include-path``)."""
+    return str(Path(__file__).parent / "_proto")
+
+
+__all__ = [
+    "KEY_HEADER",
+    "REPLAYED_HEADER",
+    "CallOutcome",
+    "Code",
+    "IdempotencyError",
+    "IdempotencyInterceptor",
+    "IdempotentCall",
+    "KeyInProgress",
+    "KeyInvalid",
+    "KeyMissing",
+    "KeyRequirement",
+    "KeyReused",
+    "LeaseLost",
+    "MetadataScope",
+    "MethodOverride",
+    "MethodPolicy",
+    "Mode",
+    "NotInIdempotentCall",
+    "PolicyError",
+    "Purger",
+    "ScopeResolver",
+    "ScopeUnavailable",
+    "StaticScope",
+    "Step",
+    "Store",
+    "StoreDown",
+    "StoreUnavailable",
+    "Telemetry",
+    "child_key",
+    "current_call",
+    "peer_identity_scope",
+    "proto_include",
+]

@@ -1,0 +1,59 @@
+"""Failpoint specs: named crash, delay and error points on the request path, for tests.
+
+``GRPC_IDEMPOTENCY_FAILPOINTS="after_commit_before_response=crash,after_claim=sleep:2000"``
+
+Parsing is here (pure); carrying out an action is the driver's (``grpc_idempotency.failpoints``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_VAR = "GRPC_IDEMPOTENCY_FAILPOINTS"
+
+POINTS = frozenset(
+    {
+        "after_claim",  # the claim is made (atomic: not yet committed), the handler has not run
+        "before_commit",  # the handler ran; its writes and the outcome are about to commit
+        "after_commit_before_response",  # committed; the response has not been sent
+    }
+)
+
+
+class FailAction(enum.Enum):
+    CRASH = "crash"  # the process dies at once, as with kill -9
+    SLEEP = "sleep"  # delay, in milliseconds
+    ERROR = "error"  # raise FailpointError: the attempt fails like an unexpected exception
+
+
+@dataclass(frozen=True, slots=True)
+class Failpoint:
+    action: FailAction
+    sleep_ms: int = 0
+
+
+def parse_failpoints(spec: str) -> Mapping[str, Failpoint]:
+    """Parses the environment variable's value; raises ValueError naming the bad part."""
+    points: dict[str, Failpoint] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, action = part.partition("=")
+        if not sep or name not in POINTS:
+            raise ValueError(f"{ENV_VAR}: unknown failpoint {part!r}; known: {sorted(POINTS)}")
+        verb, _, arg = action.partition(":")
+        try:
+            kind = FailAction(verb)
+        except ValueError:
+            raise ValueError(
+                f"{ENV_VAR}: {part!r}: action must be crash, sleep:MS or error"
+            ) from None
+        if kind is FailAction.SLEEP:
+            if not arg.isdigit():
+                raise ValueError(f"{ENV_VAR}: {part!r}: sleep needs milliseconds, e.g. sleep:2000")
+            points[name] = Failpoint(kind, int(arg))
+        elif arg:
+            raise ValueError(f"{ENV_VAR}: {part!r}: {verb} takes no argument")
+        else:
+            points[name] = Failpoint(kind)
+    return points

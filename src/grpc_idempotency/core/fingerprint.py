@@ -1,0 +1,130 @@
+"""Request fingerprints: what makes two attempts "the same request".
+
+fingerprint = SHA-256( lp(full method name) || deterministic serialization of the request after
+clearing every field marked ``(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE`` )
+
+Clearing is recursive through nested messages, repeated fields and map values. The plan of what
+to clear is computed once per message type; a type with nothing to clear is hashed without a copy.
+Deterministic serialization makes the result independent of map order and of the client's
+serializer, so it is stable across processes and restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from grpc_idempotency.v1 import options_pb2
+
+
+def _is_excluded(field: FieldDescriptor) -> bool:
+    if not field.has_options:
+        return False
+    options: Any = field.GetOptions()  # typed loosely: protoc's stubs mistype extensions
+    if not options.HasExtension(options_pb2.field):
+        return False
+    return bool(
+        options.Extensions[options_pb2.field].fingerprint == options_pb2.FINGERPRINT_EXCLUDE
+    )
+
+
+def _message_fields(descriptor: Descriptor) -> list[Any]:
+    return [f for f in descriptor.fields if f.type == FieldDescriptor.TYPE_MESSAGE]
+
+
+def _map_value(field: Any) -> Any:
+    entry = field.message_type
+    if entry is not None and entry.GetOptions().map_entry:
+        return entry.fields_by_name["value"]
+    return None
+
+
+def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str]]:
+    """(types, fields): full names of the message types reachable from ``root`` that contain an
+    excluded field, directly or through a nested message, and of the excluded fields themselves.
+    A fixpoint, so recursive message types terminate."""
+    reachable: dict[str, Descriptor] = {}
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        if d.full_name in reachable:
+            continue
+        reachable[d.full_name] = d
+        stack.extend(f.message_type for f in _message_fields(d))
+    excluded = {f.full_name for d in reachable.values() for f in d.fields if _is_excluded(f)}
+    needs = {
+        name for name, d in reachable.items() if any(f.full_name in excluded for f in d.fields)
+    }
+    changed = True
+    while changed:
+        changed = False
+        for name, d in reachable.items():
+            if name not in needs and any(
+                f.message_type.full_name in needs for f in _message_fields(d)
+            ):
+                needs.add(name)
+                changed = True
+    return frozenset(needs), frozenset(excluded)
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprinter:
+    """Computes fingerprints for one method. Build once per method (see ``for_method``)."""
+
+    method: str
+    excluded_types: frozenset[str]
+    excluded_fields: frozenset[str]
+
+    @classmethod
+    def for_method(cls, method: str, request_type: Descriptor) -> Fingerprinter:
+        types, fields = _exclusion_plan(request_type)
+        return cls(method=method, excluded_types=types, excluded_fields=fields)
+
+    @property
+    def excludes_anything(self) -> bool:
+        return bool(self.excluded_types)
+
+    def __call__(self, request: Message) -> bytes:
+        if self.excluded_types:
+            clone = type(request)()
+            clone.CopyFrom(request)
+            self._clear(clone)
+            request = clone
+        body = request.SerializeToString(deterministic=True)
+        name = self.method.encode("utf-8")
+        return hashlib.sha256(len(name).to_bytes(4, "big") + name + body).digest()
+
+    def _clear(self, message: Message) -> None:
+        descriptor: Any = message.DESCRIPTOR
+        if descriptor.full_name not in self.excluded_types:
+            return
+        for field in descriptor.fields:
+            if field.full_name in self.excluded_fields:
+                message.ClearField(field.name)
+                continue
+            # A map field's type is its entry message, which is in excluded_types exactly when
+            # the map's values need clearing.
+            if (
+                field.type == FieldDescriptor.TYPE_MESSAGE
+                and field.message_type.full_name in self.excluded_types
+            ):
+                self._clear_field(message, field)
+
+    def _clear_field(self, message: Message, field: Any) -> None:
+        value = getattr(message, field.name)
+        value_field = _map_value(field)
+        visit: Callable[[Message], None] = self._clear
+        if value_field is not None:
+            if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                for item in value.values():
+                    visit(item)
+        elif field.is_repeated:
+            for item in value:
+                visit(item)
+        elif message.HasField(field.name):
+            visit(value)

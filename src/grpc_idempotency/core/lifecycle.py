@@ -1,0 +1,147 @@
+"""The life of an idempotency key, as data and pure functions. No I/O happens here.
+
+Theory of operation
+-------------------
+A record lives under (scope, key) and is either IN_PROGRESS (an attempt owns it) or COMPLETED
+(its outcome is stored). Every attempt first *looks* at the record and ``decide`` says what to do:
+
+    no record, or record past retention          -> CLAIM        (treated as new)
+    fingerprint differs (another method/payload) -> MISMATCH     FAILED_PRECONDITION, no effect
+    COMPLETED                                    -> REPLAY       the stored bytes, no handler
+    IN_PROGRESS, lease alive                     -> WAIT         then look again
+    IN_PROGRESS, lease expired                   -> CLAIM        taken over (a crashed owner)
+
+A CLAIM is one atomic statement in the store: it may still lose a race to another attempt, in
+which case the driver WAITs and looks again. While waiting no database connection is held. A wait
+is bounded by the method's ``max_wait`` and the call's deadline; when it runs out the answer is
+ABORTED with a retry hint (``KeyInProgress``).
+
+When the owner's handler ends, ``finish`` classifies its status:
+
+    OK                                   -> RECORD        commit the writes and the response
+    a recorded error (deterministic)     -> RECORD_ERROR  roll back the writes, commit the status
+    anything else, or an exception       -> RELEASE       roll back everything; a retry runs again
+
+The drivers (server interceptor, consumers) carry out these decisions; none re-implements them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from grpc_idempotency.core.codes import Code
+
+
+class State(enum.Enum):
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a completed attempt answered: replayed byte for byte."""
+
+    code: Code
+    message: str = ""
+    details: bytes | None = None
+    """The serialized ``google.rpc.Status`` the handler sent (``grpc-status-details-bin``)."""
+    response: bytes | None = None
+    """The serialized response message, for ``Code.OK``."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRecord:
+    """A record as a look-up saw it. Time comparisons were made by the database's clock."""
+
+    fingerprint: bytes
+    state: State
+    outcome: Outcome | None
+    expired: bool
+    lease_expired: bool
+    lease_remaining_ms: int
+
+
+class Action(enum.Enum):
+    CLAIM = "claim"
+    REPLAY = "replay"
+    MISMATCH = "mismatch"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    takeover: bool = False
+    """The claim replaces an in-progress record whose owner's lease expired."""
+    outcome: Outcome | None = None
+    retry_after_ms: int = 0
+
+
+def decide(record: StoredRecord | None, fingerprint: bytes) -> Decision:
+    if record is None or record.expired:
+        return Decision(Action.CLAIM)
+    if record.fingerprint != fingerprint:
+        return Decision(Action.MISMATCH)
+    if record.state is State.COMPLETED:
+        assert record.outcome is not None, "a completed record always has an outcome"
+        return Decision(Action.REPLAY, outcome=record.outcome)
+    if record.lease_expired:
+        return Decision(Action.CLAIM, takeover=True)
+    return Decision(Action.WAIT, retry_after_ms=retry_after_ms(record.lease_remaining_ms))
+
+
+class Finish(enum.Enum):
+    RECORD = "record"
+    RECORD_ERROR = "record_error"
+    RELEASE = "release"
+
+
+def finish(code: Code, recorded_errors: frozenset[Code]) -> Finish:
+    if code is Code.OK:
+        return Finish.RECORD
+    if code in recorded_errors:
+        return Finish.RECORD_ERROR
+    return Finish.RELEASE
+
+
+class CallOutcome(enum.Enum):
+    """How a keyed call ended: the span attribute and the metric label."""
+
+    EXECUTED = "executed"
+    REPLAYED = "replayed"
+    WAITED = "waited"  # waited for another attempt, then replayed its outcome
+    CONFLICT = "conflict"  # still in progress when the wait ran out: ABORTED
+    MISMATCH = "mismatch"
+    TAKEN_OVER = "taken_over"
+    RELEASED = "released"
+    BYPASSED = "bypassed"  # ran without deduplication: no key on an optional method, or fail-open
+    REJECTED = "rejected"  # malformed key or no scope: refused before the store
+    UNAVAILABLE = "unavailable"  # store down, fail closed
+
+
+# Backoff while polling for another process's attempt. In-process duplicates do not poll: they
+# wait on the owner directly. Short first steps because atomic handlers are usually quick.
+_POLL_STEPS_MS = (2, 5, 10, 20, 40, 80, 100)
+MIN_RETRY_AFTER_MS = 50
+MAX_RETRY_AFTER_MS = 2000
+DEFAULT_RETRY_AFTER_MS = 250
+
+
+def poll_delay_ms(attempt: int) -> int:
+    return _POLL_STEPS_MS[min(attempt, len(_POLL_STEPS_MS) - 1)]
+
+
+def retry_after_ms(lease_remaining_ms: int | None) -> int:
+    """The retry hint sent with ABORTED: about when the current owner will be done or gone."""
+    if lease_remaining_ms is None or lease_remaining_ms <= 0:
+        return DEFAULT_RETRY_AFTER_MS
+    return max(MIN_RETRY_AFTER_MS, min(MAX_RETRY_AFTER_MS, lease_remaining_ms))
+
+
+def wait_budget_s(max_wait_s: float, time_remaining_s: float | None) -> float:
+    """How long a duplicate may wait: the method's max wait, and never past the call deadline
+    (keeping a small margin so the ABORTED answer still reaches the client in time)."""
+    if time_remaining_s is None:
+        return max_wait_s
+    return max(0.0, min(max_wait_s, time_remaining_s - 0.05))

@@ -1,0 +1,234 @@
+"""Per-method policies, compiled once from proto options (plus Python overrides).
+
+A policy is everything the server needs to decide about one method's calls, computed when the
+server starts so that a call does no descriptor lookups and bad options fail the start, with an
+error naming the method, instead of failing calls later.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.descriptor_pb2 import MethodOptions as _MethodOptions
+
+from grpc_idempotency.core.codes import DEFAULT_RECORDED_ERRORS, NEVER_RECORDED, Code
+from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.fingerprint import Fingerprinter
+from grpc_idempotency.core.keys import STEP_NAME, is_step_name
+from grpc_idempotency.v1 import options_pb2
+
+DEFAULT_RETENTION = timedelta(hours=24)
+DEFAULT_LEASE = timedelta(seconds=30)
+DEFAULT_MAX_WAIT = timedelta(seconds=5)
+
+
+class KeyRequirement(enum.Enum):
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+
+
+class Mode(enum.Enum):
+    ATOMIC = "atomic"
+    PHASED = "phased"
+
+
+class StoreDown(enum.Enum):
+    FAIL_CLOSED = "fail_closed"
+    FAIL_OPEN = "fail_open"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Step:
+    """A declared downstream effect: a call to another method, or an outbox message."""
+
+    name: str
+    call: str | None = None
+    outbox: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MethodOverride:
+    """Python overrides of a method's proto options; ``None`` keeps what the proto says.
+
+    Overriding a method that has no option in its proto makes it keyed: the rest is defaulted.
+    """
+
+    key: KeyRequirement | None = None
+    retention: timedelta | None = None
+    lease: timedelta | None = None
+    max_wait: timedelta | None = None
+    mode: Mode | None = None
+    recorded_errors: Iterable[Code] | None = None
+    store_down: StoreDown | None = None
+    steps: Iterable[Step] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MethodPolicy:
+    method: str
+    """The gRPC path, "/package.Service/Method"."""
+    key: KeyRequirement
+    retention: timedelta
+    lease: timedelta
+    max_wait: timedelta
+    mode: Mode
+    recorded_errors: frozenset[Code]
+    store_down: StoreDown
+    steps: tuple[Step, ...]
+    fingerprint: Fingerprinter = field(repr=False)
+
+
+def method_path(method: MethodDescriptor) -> str:
+    return f"/{method.containing_service.full_name}/{method.name}"
+
+
+def _duration(options: options_pb2.MethodPolicy, name: str, default: timedelta) -> timedelta:
+    if not options.HasField(name):
+        return default
+    value = getattr(options, name)
+    return timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
+
+
+_KEY = {
+    options_pb2.KEY_UNSPECIFIED: KeyRequirement.REQUIRED,
+    options_pb2.KEY_REQUIRED: KeyRequirement.REQUIRED,
+    options_pb2.KEY_OPTIONAL: KeyRequirement.OPTIONAL,
+}
+_MODE = {
+    options_pb2.MODE_UNSPECIFIED: Mode.ATOMIC,
+    options_pb2.MODE_ATOMIC: Mode.ATOMIC,
+    options_pb2.MODE_PHASED: Mode.PHASED,
+}
+_STORE_DOWN = {
+    options_pb2.STORE_DOWN_UNSPECIFIED: StoreDown.FAIL_CLOSED,
+    options_pb2.STORE_DOWN_FAIL_CLOSED: StoreDown.FAIL_CLOSED,
+    options_pb2.STORE_DOWN_FAIL_OPEN: StoreDown.FAIL_OPEN,
+}
+
+
+def read_method_options(method: MethodDescriptor) -> options_pb2.MethodPolicy | None:
+    if not method.has_options:
+        return None
+    options: Any = method.GetOptions()  # typed loosely: protoc's stubs mistype extensions
+    if not options.HasExtension(options_pb2.method):
+        return None
+    policy: options_pb2.MethodPolicy = options.Extensions[options_pb2.method]
+    return policy
+
+
+def compile_policy(
+    method: MethodDescriptor, override: MethodOverride | None = None
+) -> MethodPolicy | None:
+    """The method's policy, or ``None`` when it is not keyed (no option and no override)."""
+    path = method_path(method)
+    options = read_method_options(method)
+    if options is None and override is None:
+        return None
+    options = options if options is not None else options_pb2.MethodPolicy()
+    ov = override if override is not None else MethodOverride()
+
+    def fail(problem: str) -> PolicyError:
+        return PolicyError(f"{path}: {problem}")
+
+    if method.client_streaming or method.server_streaming:
+        raise fail("idempotency options apply to unary methods only; this method streams")
+    level = method.GetOptions().idempotency_level
+    if level in (_MethodOptions.IDEMPOTENT, _MethodOptions.NO_SIDE_EFFECTS):
+        raise fail(
+            "the method is declared idempotent by protobuf's idempotency_level and needs no key;"
+            " remove one of the two"
+        )
+
+    if ov.recorded_errors is not None:
+        recorded = frozenset(Code(c) for c in ov.recorded_errors)
+    elif options.recorded_error_codes:
+        names = list(options.recorded_error_codes)
+        unknown = [n for n in names if n not in Code.__members__]
+        if unknown:
+            raise fail(f"recorded_error_codes names unknown status codes: {unknown}")
+        recorded = frozenset(Code[n] for n in names)
+    else:
+        recorded = DEFAULT_RECORDED_ERRORS
+    bad = sorted(c.name for c in recorded & (NEVER_RECORDED | {Code.OK}))
+    if bad:
+        raise fail(
+            f"recorded_error_codes may not contain {bad}: they mean the attempt did not finish"
+        )
+
+    steps = (
+        tuple(ov.steps)
+        if ov.steps is not None
+        else tuple(Step(name=s.name, call=s.call or None, outbox=s.outbox) for s in options.steps)
+    )
+    _check_steps(path, steps)
+
+    policy = MethodPolicy(
+        method=path,
+        key=ov.key or _KEY[options.key],
+        retention=ov.retention or _duration(options, "retention", DEFAULT_RETENTION),
+        lease=ov.lease or _duration(options, "lease", DEFAULT_LEASE),
+        max_wait=ov.max_wait
+        if ov.max_wait is not None
+        else _duration(options, "max_wait", DEFAULT_MAX_WAIT),
+        mode=ov.mode or _MODE[options.mode],
+        recorded_errors=recorded,
+        store_down=ov.store_down or _STORE_DOWN[options.store_down],
+        steps=steps,
+        fingerprint=Fingerprinter.for_method(path, method.input_type),
+    )
+    if policy.retention <= timedelta(0):
+        raise fail("retention must be positive")
+    if policy.lease <= timedelta(0):
+        raise fail("lease must be positive")
+    if policy.max_wait < timedelta(0):
+        raise fail("max_wait may not be negative")
+    return policy
+
+
+def _check_steps(path: str, steps: tuple[Step, ...]) -> None:
+    seen: set[str] = set()
+    for step in steps:
+        if not is_step_name(step.name):
+            raise PolicyError(f"{path}: step name {step.name!r} does not match {STEP_NAME.pattern}")
+        if step.name in seen:
+            raise PolicyError(f"{path}: step {step.name!r} is declared twice")
+        seen.add(step.name)
+        if bool(step.call) == bool(step.outbox):
+            raise PolicyError(f"{path}: step {step.name!r} must set exactly one of call and outbox")
+        if step.call and not _is_method_name(step.call):
+            raise PolicyError(
+                f"{path}: step {step.name!r} calls {step.call!r}; expected 'package.Service/Method'"
+            )
+
+
+def _is_method_name(name: str) -> bool:
+    service, sep, method = name.lstrip("/").partition("/")
+    return bool(sep and "." in service and method and "/" not in method)
+
+
+def compile_policies(
+    methods: Iterable[MethodDescriptor], overrides: Mapping[str, MethodOverride] | None = None
+) -> dict[str, MethodPolicy]:
+    """Policies for every keyed method in ``methods``, by gRPC path."""
+    overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
+    compiled: dict[str, MethodPolicy] = {}
+    for method in methods:
+        path = method_path(method)
+        policy = compile_policy(method, overrides.get(path))
+        if policy is not None:
+            compiled[path] = policy
+    return compiled
+
+
+def normalize_method(name: str) -> str:
+    """Accepts "/pkg.Svc/M", "pkg.Svc/M" or "pkg.Svc.M"; returns "/pkg.Svc/M"."""
+    name = name.lstrip("/")
+    if "/" not in name:
+        service, _, method = name.rpartition(".")
+        name = f"{service}/{method}"
+    return "/" + name

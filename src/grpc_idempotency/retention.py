@@ -1,0 +1,60 @@
+"""Retention: delete records past ``expires_at`` in bounded batches, now or in the background.
+
+Deleting is an optimisation, not a correctness need: a record past retention is already treated
+as new by the claim (the database clock decides). Batches keep each DELETE short, and
+``FOR UPDATE SKIP LOCKED`` lets several purgers (one per replica) run without blocking each other
+or the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.store.postgres import Store
+
+log = logging.getLogger("grpc_idempotency.retention")
+
+
+class Purger:
+    """A background task purging expired records every ``interval`` seconds.
+
+    ``async with Purger(store):`` or ``start()`` / ``await stop()``.
+    """
+
+    def __init__(self, store: Store, *, interval: float = 60.0, batch_size: int = 1000) -> None:
+        if interval <= 0 or batch_size <= 0:
+            raise ValueError("interval and batch_size must be positive")
+        self.store = store
+        self.interval = interval
+        self.batch_size = batch_size
+        self.purged = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="purger")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def __aenter__(self) -> Purger:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.purged += await self.store.purge(batch_size=self.batch_size)
+            except StoreUnavailable as err:
+                log.warning("purge skipped: %s", err)
+            await asyncio.sleep(self.interval)

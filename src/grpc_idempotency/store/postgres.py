@@ -1,0 +1,358 @@
+"""The PostgreSQL store: the only place that talks to the database about idempotency records.
+
+Round trips per call (asyncpg, no pool reset query; see ``Store.connect``):
+    replay:           1  (look-up)
+    first execution:  3 + the handler's own (look-up; BEGIN+claim+SAVEPOINT; complete+COMMIT)
+Every time comparison (retention, leases) happens in SQL with ``clock_timestamp()``, never with
+the application's clock. Errors below this module are asyncpg's and the OS's; above it they are
+``StoreUnavailable`` or ``LeaseLost``: nothing raw escapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import asyncpg
+
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import LeaseLost, StoreUnavailable
+from grpc_idempotency.core.keys import claim_lock_id
+from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
+from grpc_idempotency.store import migrations
+from grpc_idempotency.store.sql import Statements
+
+log = logging.getLogger("grpc_idempotency.store")
+
+if TYPE_CHECKING:
+    PooledConnection: TypeAlias = asyncpg.pool.PoolConnectionProxy[asyncpg.Record]
+else:
+    PooledConnection = asyncpg.pool.PoolConnectionProxy
+
+DEFAULT_SCHEMA = "grpc_idempotency"
+
+# SQLSTATEs raised by the store's own functions (migrations/0001_records.sql).
+_CLAIM_BUSY = "GI001"
+_ALREADY_RECORDED = "GI002"
+_CLAIM_LOST = "GI003"
+
+
+class _ClaimNotTaken(Exception):
+    """Internal: the claim lost a race; the caller looks again."""
+
+
+def _unavailable(exc: BaseException, doing: str) -> StoreUnavailable:
+    detail = getattr(exc, "sqlstate", None) or type(exc).__name__
+    return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
+
+
+# What a broken or unreachable database looks like from asyncpg.
+_STORE_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    OSError,
+    TimeoutError,
+)
+
+
+async def _no_session_reset(_conn: PooledConnection) -> None:
+    """The library ends every transaction it opens, takes only transaction-scoped locks and
+    sets nothing on the session, so the pool's default reset query would be a wasted round trip
+    on every call (see README, "Handlers and the connection")."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    scope: str
+    key: str
+    retention_s: float
+
+
+class AtomicAttempt:
+    """A claimed key in atomic mode: an open transaction holding the claim.
+
+    Exactly one of ``record``, ``record_error`` or ``release`` ends it, and the connection goes
+    back to the pool in every case.
+    """
+
+    def __init__(self, store: Store, conn: PooledConnection, claim: _Claim) -> None:
+        self._store = store
+        self.connection = conn
+        self._claim = claim
+        self._done = False
+
+    async def record(self, outcome: Outcome) -> None:
+        """Commits the handler's writes with the outcome. Raises ``StoreUnavailable`` when the
+        commit's fate is unknown or failed (the caller must not claim success)."""
+        await self._complete(outcome, discard_writes=False)
+
+    async def record_error(self, outcome: Outcome) -> None:
+        """Rolls back the handler's writes and commits the (deterministic) error outcome."""
+        await self._complete(outcome, discard_writes=True)
+
+    async def _complete(self, outcome: Outcome, *, discard_writes: bool) -> None:
+        conn = self.connection
+        try:
+            if not conn.is_in_transaction():
+                raise LeaseLost("the handler ended the call's transaction itself; nothing recorded")
+            sql = self._store.statements.complete_and_commit(
+                scope=self._claim.scope,
+                key=self._claim.key,
+                token=None,
+                code=int(outcome.code),
+                message=outcome.message.replace("\x00", "\ufffd"),
+                details=outcome.details,
+                response=outcome.response,
+                retention_s=self._claim.retention_s,
+                discard_writes=discard_writes,
+            )
+            await conn.execute(sql)
+        except asyncpg.PostgresError as exc:
+            await self._rollback_quietly()
+            if exc.sqlstate == _CLAIM_LOST:
+                raise LeaseLost("the claim was lost before commit; nothing recorded") from exc
+            raise _unavailable(exc, "committing the outcome") from exc
+        except LeaseLost:
+            await self._rollback_quietly()
+            raise
+        except _STORE_ERRORS as exc:
+            await self._rollback_quietly()
+            raise _unavailable(exc, "committing the outcome") from exc
+        finally:
+            await self._finish()
+
+    async def release(self) -> None:
+        """Rolls back everything: the claim disappears and a retry runs the handler again."""
+        try:
+            await self._rollback_quietly()
+        finally:
+            await self._finish()
+
+    async def _rollback_quietly(self) -> None:
+        conn = self.connection
+        if conn.is_closed() or not conn.is_in_transaction():
+            return
+        try:
+            await conn.execute("ROLLBACK")
+        except _STORE_ERRORS:
+            # The transaction dies with the connection; make sure the pool does not reuse it.
+            conn.terminate()
+
+    async def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        await self._store._release(self.connection)
+
+
+class Store:
+    """Idempotency records in PostgreSQL, under their own schema."""
+
+    def __init__(
+        self, pool: asyncpg.Pool, *, schema: str = DEFAULT_SCHEMA, acquire_timeout: float = 5.0
+    ) -> None:
+        self.pool = pool
+        self.schema = schema
+        self.statements = Statements(schema)
+        self.acquire_timeout = acquire_timeout
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        min_size: int = 2,
+        max_size: int = 10,
+        acquire_timeout: float = 5.0,
+        migrate: bool = False,
+        **pool_options: Any,
+    ) -> Store:
+        """Opens a pool for the store (and for handlers' writes, which share its transaction).
+
+        ``migrate=True`` applies missing migrations first; production deployments usually run
+        ``grpc-idempotency migrate`` instead.
+        """
+        pool_options.setdefault("reset", _no_session_reset)
+        pool_options.setdefault("server_settings", {"application_name": "grpc-idempotency"})
+        try:
+            pool = await asyncpg.create_pool(
+                dsn, min_size=min_size, max_size=max_size, **pool_options
+            )
+        except _STORE_ERRORS as exc:
+            raise _unavailable(exc, "connecting") from exc
+        store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
+        if migrate:
+            await store.migrate()
+        return store
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def migrate(self) -> list[int]:
+        async with self.connection("migrating") as conn:
+            return await migrations.migrate(conn, self.schema)
+
+    @contextlib.asynccontextmanager
+    async def connection(
+        self, doing: str, timeout: float | None = None
+    ) -> AsyncIterator[PooledConnection]:
+        """A pooled connection; database errors inside the block become ``StoreUnavailable``."""
+        conn = await self._acquire(doing, timeout)
+        try:
+            yield conn
+        except _STORE_ERRORS as exc:
+            raise _unavailable(exc, doing) from exc
+        finally:
+            await self._release(conn)
+
+    async def _acquire(self, doing: str, timeout: float | None) -> PooledConnection:
+        budget = self.acquire_timeout if timeout is None else min(timeout, self.acquire_timeout)
+        try:
+            conn: PooledConnection = await self.pool.acquire(timeout=max(budget, 0.001))
+        except _STORE_ERRORS as exc:
+            raise _unavailable(exc, doing) from exc
+        return conn
+
+    async def _release(self, conn: PooledConnection) -> None:
+        try:
+            await self.pool.release(conn)
+        except _STORE_ERRORS:
+            log.debug("dropping a broken connection", exc_info=True)
+
+    async def lookup(
+        self, scope: str, key: str, *, timeout: float | None = None
+    ) -> StoredRecord | None:
+        """The record under (scope, key), as the database's clock sees it now."""
+        # A pooled connection may have died with a database restart; a look-up is a read, so
+        # one retry on a fresh connection is safe and spares the caller a spurious UNAVAILABLE.
+        for attempt in (1, 2):
+            conn = await self._acquire("looking up a key", timeout)
+            try:
+                row = await conn.fetchrow(self.statements.lookup, scope, key)
+            except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
+                conn.terminate()
+                if attempt == 2:
+                    raise _unavailable(exc, "looking up a key") from exc
+                continue
+            except _STORE_ERRORS as exc:
+                raise _unavailable(exc, "looking up a key") from exc
+            finally:
+                await self._release(conn)
+            return None if row is None else _record(row)
+        raise AssertionError("unreachable")
+
+    async def claim_atomic(
+        self,
+        *,
+        scope: str,
+        key: str,
+        method: str,
+        fingerprint: bytes,
+        retention_s: float,
+        lease_s: float,
+        timeout: float | None = None,
+    ) -> AtomicAttempt | None:
+        """Opens the call's transaction and claims the key in it; ``None`` if another attempt
+        holds or has recorded the key (look again)."""
+        conn = await self._acquire("claiming a key", timeout)
+        sql = self.statements.begin_atomic_claim(
+            scope=scope,
+            key=key,
+            lock_id=claim_lock_id(self.schema, scope, key),
+            method=method,
+            fingerprint=fingerprint,
+            retention_s=retention_s,
+            lease_s=lease_s,
+        )
+        attempt = AtomicAttempt(self, conn, _Claim(scope, key, retention_s))
+        try:
+            await conn.execute(sql)
+        except asyncpg.PostgresError as exc:
+            await attempt.release()
+            if exc.sqlstate in (_CLAIM_BUSY, _ALREADY_RECORDED):
+                return None
+            raise _unavailable(exc, "claiming a key") from exc
+        except BaseException as exc:
+            await attempt.release()
+            if isinstance(exc, _STORE_ERRORS):
+                raise _unavailable(exc, "claiming a key") from exc
+            raise
+        return attempt
+
+    async def begin(self, *, timeout: float | None = None) -> PlainTransaction:
+        conn = await self._acquire("beginning a transaction", timeout)
+        try:
+            await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        except _STORE_ERRORS as exc:
+            conn.terminate()
+            await self._release(conn)
+            raise _unavailable(exc, "beginning a transaction") from exc
+        return PlainTransaction(self, conn)
+
+    async def purge(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        """Deletes records past retention in batches of ``batch_size``; returns how many."""
+        total = 0
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            async with self.connection("purging") as conn:
+                status = await conn.execute(self.statements.purge, batch_size)
+            deleted = int(status.split()[-1])
+            total += deleted
+            batches += 1
+            if deleted < batch_size:
+                break
+        return total
+
+    async def ping(self, timeout: float | None = None) -> None:
+        async with self.connection("checking the store", timeout) as conn:
+            await conn.fetchval("SELECT 1")
+
+
+def _record(row: asyncpg.Record) -> StoredRecord:
+    state = State(row["state"])
+    outcome = None
+    if state is State.COMPLETED:
+        outcome = Outcome(
+            code=Code(row["status_code"]),
+            message=row["status_message"] or "",
+            details=row["status_details"],
+            response=row["response"],
+        )
+    return StoredRecord(
+        fingerprint=bytes(row["fingerprint"]),
+        state=state,
+        outcome=outcome,
+        expired=bool(row["expired"]),
+        lease_expired=bool(row["lease_expired"]),
+        lease_remaining_ms=int(row["lease_remaining_ms"] or 0),
+    )
+
+
+class PlainTransaction:
+    """A transaction with no idempotency record: optional-key calls made without a key."""
+
+    def __init__(self, store: Store, conn: PooledConnection) -> None:
+        self._store = store
+        self.connection = conn
+
+    async def commit(self) -> None:
+        try:
+            await self.connection.execute("COMMIT")
+        except _STORE_ERRORS as exc:
+            self.connection.terminate()
+            raise _unavailable(exc, "committing") from exc
+        finally:
+            await self._store._release(self.connection)
+
+    async def rollback(self) -> None:
+        try:
+            if not self.connection.is_closed() and self.connection.is_in_transaction():
+                await self.connection.execute("ROLLBACK")
+        except _STORE_ERRORS:
+            self.connection.terminate()
+        finally:
+            await self._store._release(self.connection)

@@ -1,0 +1,110 @@
+"""SQL text for the store, and the literal encoding of the hot path's batched statements.
+
+Why literals: the claim and the commit are each sent as one simple-protocol query holding
+several statements ("BEGIN; SELECT claim(...); SAVEPOINT ..." and "SELECT complete(...); COMMIT"),
+which saves two database round trips per call. Simple-protocol queries take no parameters, so
+values are encoded here, and only here:
+- text becomes an escape-string literal E'...' with backslashes and quotes doubled, which reads
+  the same whatever ``standard_conforming_strings`` says; NUL (which PostgreSQL text cannot hold)
+  is refused;
+- bytes become decode('<hex>', 'hex'): hex digits only, nothing to escape;
+- numbers are formatted from int/float, never from strings.
+Everything else uses ordinary bind parameters.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def schema_identifier(schema: str) -> str:
+    if not _SCHEMA_NAME.fullmatch(schema):
+        raise ValueError(f"schema name {schema!r} must match {_SCHEMA_NAME.pattern}")
+    return f'"{schema}"'
+
+
+def text_literal(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("PostgreSQL text cannot hold NUL characters")
+    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def bytes_literal(value: bytes | None) -> str:
+    if value is None:
+        return "NULL"
+    return f"decode('{value.hex()}', 'hex')"
+
+
+def int_literal(value: int | None) -> str:
+    return "NULL" if value is None else str(int(value))
+
+
+def float_literal(value: float) -> str:
+    return repr(float(value))
+
+
+SAVEPOINT = "grpc_idempotency_handler"
+
+
+class Statements:
+    """The store's statements for one schema, formatted once."""
+
+    def __init__(self, schema: str) -> None:
+        s = schema_identifier(schema)
+        self.schema = s
+        self.lookup = f"""
+            SELECT fingerprint, state, status_code, status_message, status_details, response,
+                   (state = 'completed' AND expires_at <= clock_timestamp()) AS expired,
+                   (locked_until IS NULL OR locked_until <= clock_timestamp()) AS lease_expired,
+                   GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
+                       AS lease_remaining_ms
+            FROM {s}.records WHERE scope = $1 AND key = $2"""
+        self.purge = f"""
+            WITH doomed AS (
+                SELECT scope, key FROM {s}.records
+                WHERE expires_at <= clock_timestamp()
+                  AND (state = 'completed' OR locked_until <= clock_timestamp())
+                LIMIT $1 FOR UPDATE SKIP LOCKED)
+            DELETE FROM {s}.records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"""
+
+    def begin_atomic_claim(
+        self,
+        *,
+        scope: str,
+        key: str,
+        lock_id: int,
+        method: str,
+        fingerprint: bytes,
+        retention_s: float,
+        lease_s: float,
+    ) -> str:
+        return (
+            "BEGIN ISOLATION LEVEL READ COMMITTED; "
+            f"SELECT {self.schema}.claim({text_literal(scope)}, {text_literal(key)}, "
+            f"{int_literal(lock_id)}, {text_literal(method)}, {bytes_literal(fingerprint)}, "
+            f"{float_literal(retention_s)}, {float_literal(lease_s)}); "
+            f"SAVEPOINT {SAVEPOINT}"
+        )
+
+    def complete_and_commit(
+        self,
+        *,
+        scope: str,
+        key: str,
+        token: int | None,
+        code: int,
+        message: str,
+        details: bytes | None,
+        response: bytes | None,
+        retention_s: float,
+        discard_writes: bool,
+    ) -> str:
+        rollback = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; " if discard_writes else ""
+        return (
+            f"{rollback}SELECT {self.schema}.complete({text_literal(scope)}, {text_literal(key)}, "
+            f"{int_literal(token)}, {int_literal(code)}, {text_literal(message)}, "
+            f"{bytes_literal(details)}, {bytes_literal(response)}, {float_literal(retention_s)}); "
+            "COMMIT"
+        )
