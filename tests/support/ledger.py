@@ -1,0 +1,188 @@
+"""LedgerService for the tests: every execution inserts one row into test_ledger.ledger.
+
+``behaviour`` in the request steers the handler after its write: "" answers OK; a status code
+name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and returns; "raise" raises;
+"sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    Store,
+    current_call,
+)
+
+LEDGER_SQL = """
+CREATE SCHEMA IF NOT EXISTS test_ledger;
+CREATE TABLE IF NOT EXISTS test_ledger.ledger (
+    id        bigserial PRIMARY KEY,
+    account   text NOT NULL,
+    amount    bigint NOT NULL,
+    tenant    text
+);
+CREATE INDEX IF NOT EXISTS ledger_account ON test_ledger.ledger (account);
+"""
+
+TENANT = "x-tenant-id"
+
+
+async def prepare(store: Store) -> None:
+    async with store.pool.acquire() as conn:
+        await conn.execute(LEDGER_SQL)
+
+
+async def ledger_rows(store: Store, account: str) -> int:
+    async with store.pool.acquire() as conn:
+        count: int = await conn.fetchval(
+            "SELECT count(*) FROM test_ledger.ledger WHERE account = $1", account
+        )
+    return count
+
+
+@dataclass
+class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
+    store: Store
+    executions: int = 0
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    sync_started: threading.Event = field(default_factory=threading.Event)
+    sync_release: threading.Event = field(default_factory=threading.Event)
+
+    async def _post(self, request: testsvc_pb2.PostRequest, context: Any) -> testsvc_pb2.PostResponse:
+        self.executions += 1
+        behaviour = request.behaviour
+        if behaviour.startswith("sleep:"):
+            await asyncio.sleep(int(behaviour.split(":")[1]) / 1000)
+        if behaviour == "wait":
+            self.started.set()
+            await self.release.wait()
+        call = current_call()
+        entry_id = await call.connection.fetchval(
+            "INSERT INTO test_ledger.ledger (account, amount, tenant) VALUES ($1, $2, $3)"
+            " RETURNING id",
+            request.account,
+            request.amount,
+            call.scope,
+        )
+        if behaviour == "raise":
+            raise RuntimeError("handler failed after writing")
+        if behaviour.startswith("set:"):
+            context.set_code(getattr(grpc.StatusCode, behaviour[4:]))
+            context.set_details(f"set {behaviour[4:]}")
+            return testsvc_pb2.PostResponse()
+        if behaviour == "rich":
+            status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message="no such account")
+            status.details.add().Pack(error_details_pb2.ErrorInfo(reason="ACCOUNT_MISSING", domain="test"))
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                "no such account",
+                (("grpc-status-details-bin", status.SerializeToString()),),
+            )
+        if behaviour and hasattr(grpc.StatusCode, behaviour):
+            await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
+        return testsvc_pb2.PostResponse(
+            entry_id=entry_id,
+            account=request.account,
+            amount=request.amount,
+            execution_nonce=uuid.uuid4().hex,
+        )
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        return await self._post(request, context)
+
+    async def PostOptional(self, request: Any, context: Any) -> Any:
+        return await self._post(request, context)
+
+    async def PostFailOpen(self, request: Any, context: Any) -> Any:
+        self.executions += 1
+        return testsvc_pb2.PostResponse(account=request.account, execution_nonce=uuid.uuid4().hex)
+
+    async def PostShortLived(self, request: Any, context: Any) -> Any:
+        return await self._post(request, context)
+
+    def PostSync(self, request: Any, context: Any) -> Any:  # a sync handler, offloaded
+        self.executions += 1
+        call = current_call()
+        entry_id = call.run(
+            call.connection.fetchval(
+                "INSERT INTO test_ledger.ledger (account, amount, tenant) VALUES ($1, $2, $3)"
+                " RETURNING id",
+                request.account,
+                request.amount,
+                call.scope,
+            )
+        )
+        if request.behaviour == "block":
+            self.sync_started.set()
+            assert self.sync_release.wait(10), "test never released the sync handler"
+        if request.behaviour == "NOT_FOUND":
+            context.abort(grpc.StatusCode.NOT_FOUND, "sync handler says NOT_FOUND")
+        # Blocking on purpose: it must not block the event loop.
+        time.sleep(0.05)
+        return testsvc_pb2.PostResponse(
+            entry_id=entry_id, account=request.account, execution_nonce=uuid.uuid4().hex
+        )
+
+    async def Peek(self, request: Any, context: Any) -> Any:
+        return testsvc_pb2.PeekResponse(entries=await ledger_rows(self.store, request.account))
+
+
+@dataclass
+class RunningLedger:
+    server: grpc.aio.Server
+    interceptor: IdempotencyInterceptor
+    service: LedgerService
+    address: str
+    channel: grpc.aio.Channel
+    stub: testsvc_pb2_grpc.LedgerServiceStub
+
+
+@contextlib.asynccontextmanager
+async def running_ledger(
+    store: Store, *, overrides: Mapping[str, MethodOverride] | None = None, **kwargs: Any
+) -> AsyncIterator[RunningLedger]:
+    """A real grpc.aio server on loopback port 0 with the interceptor, and a client stub."""
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT), **kwargs
+    )
+    server = grpc.aio.server(interceptors=[interceptor])
+    service = LedgerService(store)
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        yield RunningLedger(server, interceptor, service, address, channel, stub)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+def metadata(key: str | None, tenant: str = "tenant-a", *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    md: list[tuple[str, str]] = [(TENANT, tenant)]
+    if key is not None:
+        md.append(("idempotency-key", key))
+    md.extend(extra)
+    return tuple(md)
+
+
+def fresh(prefix: str = "k") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

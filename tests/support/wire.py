@@ -1,0 +1,73 @@
+"""Client-side helpers to read what the server answered, byte for byte."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+
+@dataclass
+class Answer:
+    code: grpc.StatusCode
+    body: bytes | None
+    initial: dict[str, Any]
+    trailing: dict[str, Any]
+    details: str | None
+
+    @property
+    def replayed(self) -> bool:
+        return self.initial.get("idempotency-replayed") == "true"
+
+    def status(self) -> status_pb2.Status | None:
+        raw = self.trailing.get("grpc-status-details-bin")
+        return None if raw is None else status_pb2.Status.FromString(raw)
+
+    def reason(self) -> str | None:
+        status = self.status()
+        for detail in status.details if status else ():
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                return info.reason
+        return None
+
+    def retry_delay_ms(self) -> int | None:
+        status = self.status()
+        for detail in status.details if status else ():
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                info = error_details_pb2.RetryInfo()
+                detail.Unpack(info)
+                return int(info.retry_delay.ToMilliseconds())
+        return None
+
+
+async def call_raw(
+    channel: grpc.aio.Channel,
+    method: str,
+    request: Any,
+    metadata: tuple[tuple[str, str], ...],
+    timeout: float | None = 10.0,
+) -> Answer:
+    """Calls ``method`` and returns the raw response bytes (no deserialization) and metadata."""
+    stub = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString())
+    call = stub(request, metadata=metadata, timeout=timeout)
+    try:
+        body = await call
+    except grpc.aio.AioRpcError as err:
+        return Answer(
+            err.code(),
+            None,
+            dict(err.initial_metadata() or ()),
+            dict(err.trailing_metadata() or ()),
+            err.details(),
+        )
+    return Answer(
+        await call.code(),
+        body,
+        dict(await call.initial_metadata() or ()),
+        dict(await call.trailing_metadata() or ()),
+        await call.details(),
+    )

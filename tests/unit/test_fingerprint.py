@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency.core.fingerprint import Fingerprinter
+
+METHOD = "/testsvc.v1.LedgerService/Post"
+fingerprint = Fingerprinter.for_method(METHOD, testsvc_pb2.PostRequest.DESCRIPTOR)
+
+
+def request(**kw: object) -> testsvc_pb2.PostRequest:
+    r = testsvc_pb2.PostRequest(account="acc", amount=5, **kw)  # type: ignore[arg-type]
+    r.meta.origin = "cli"
+    r.lines.add(amount=1).meta.origin = "web"
+    r.tags["a"].origin = "x"
+    r.labels["z"] = "1"
+    return r
+
+
+def test_excluded_fields_are_ignored_at_every_depth() -> None:
+    base = fingerprint(request())
+    r = request()
+    r.sent_at.seconds = 1234
+    r.meta.trace_id = "t-1"
+    r.lines[0].seen_at.seconds = 99
+    r.lines[0].meta.trace_id = "t-2"
+    r.tags["a"].trace_id = "t-3"
+    assert fingerprint(r) == base
+    # The caller's message is not modified by fingerprinting.
+    assert r.meta.trace_id == "t-1" and r.tags["a"].trace_id == "t-3"
+
+
+def test_included_fields_count_at_every_depth() -> None:
+    base = fingerprint(request())
+    changes = [
+        lambda r: setattr(r, "amount", 6),
+        lambda r: setattr(r.meta, "origin", "api"),
+        lambda r: setattr(r.lines[0], "amount", 2),
+        lambda r: setattr(r.lines[0].meta, "origin", "app"),
+        lambda r: setattr(r.tags["a"], "origin", "y"),
+        lambda r: r.labels.__setitem__("z", "2"),
+        lambda r: r.lines.add(),
+    ]
+    for change in changes:
+        r = request()
+        change(r)
+        assert fingerprint(r) != base
+
+
+def test_clearing_keeps_the_presence_of_a_message_that_held_only_excluded_fields() -> None:
+    # The spec clears excluded fields; it does not erase the message that contained them.
+    # "meta: {}" and "no meta" remain different requests, as protobuf presence says.
+    a = testsvc_pb2.PostRequest(account="x")
+    b = testsvc_pb2.PostRequest(account="x")
+    b.meta.trace_id = "t"
+    c = testsvc_pb2.PostRequest(account="x")
+    c.meta.trace_id = "u"
+    assert fingerprint(b) == fingerprint(c)
+    assert fingerprint(a) != fingerprint(b)
+
+
+def test_method_name_is_part_of_the_fingerprint() -> None:
+    other = Fingerprinter.for_method("/testsvc.v1.LedgerService/PostOptional", testsvc_pb2.PostRequest.DESCRIPTOR)
+    assert other(request()) != fingerprint(request())
+
+
+def test_a_type_without_exclusions_needs_no_copy() -> None:
+    plain = Fingerprinter.for_method("/x/Y", testsvc_pb2.PeekRequest.DESCRIPTOR)
+    assert not plain.excludes_anything
+    assert fingerprint.excludes_anything
+
+
+@given(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=8))
+def test_map_insertion_order_does_not_matter(labels: dict[str, str]) -> None:
+    a = testsvc_pb2.PostRequest(account="x")
+    b = testsvc_pb2.PostRequest(account="x")
+    for k, v in labels.items():
+        a.labels[k] = v
+    for k, v in reversed(list(labels.items())):
+        b.labels[k] = v
+    assert fingerprint(a) == fingerprint(b)
+
+
+@given(st.text(), st.integers(min_value=0, max_value=2**40))
+def test_fingerprint_is_stable_and_ignores_exclusions(trace: str, seconds: int) -> None:
+    r = request()
+    r.meta.trace_id = trace
+    r.sent_at.seconds = seconds
+    assert fingerprint(r) == fingerprint(request())
+    assert len(fingerprint(r)) == 32

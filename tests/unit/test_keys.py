@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from grpc_idempotency.core.errors import KeyInvalid, ScopeUnavailable
+from grpc_idempotency.core.keys import (
+    child_key,
+    claim_lock_id,
+    is_step_name,
+    key_from_metadata,
+    validate_scope,
+)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "problem"),
+    [
+        ([("idempotency-key", "")], "empty"),
+        ([("idempotency-key", "a" * 256)], "longer than 255"),
+        ([("idempotency-key", "caf\u00e9")], "visible ASCII"),
+        ([("idempotency-key", "a b")], "visible ASCII"),
+        ([("idempotency-key", "a\tb")], "visible ASCII"),
+        ([("idempotency-key", "a\x7fb")], "visible ASCII"),
+        ([("idempotency-key", "a"), ("idempotency-key", "a")], "more than once"),
+        ([("idempotency-key-bin", b"abc")], "-bin"),
+    ],
+)
+def test_malformed_keys_are_refused(metadata: list[tuple[str, str | bytes]], problem: str) -> None:
+    with pytest.raises(KeyInvalid, match=problem):
+        key_from_metadata(metadata)
+
+
+def test_key_found_among_other_metadata() -> None:
+    md = [("x-tenant-id", "t"), ("idempotency-key", "A-1_~!"), ("user-agent", "x")]
+    assert key_from_metadata(md) == "A-1_~!"
+    assert key_from_metadata([("x", "y")]) is None
+    assert key_from_metadata(None) is None
+
+
+@given(st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=255))
+def test_every_visible_ascii_key_up_to_255_is_accepted(key: str) -> None:
+    assert key_from_metadata([("idempotency-key", key)]) == key
+
+
+def test_child_key_matches_the_documented_formula() -> None:
+    def lp(s: str) -> bytes:
+        b = s.encode()
+        return len(b).to_bytes(4, "big") + b
+
+    expected = hashlib.sha256(
+        b"grpc-idempotency/child/v1" + lp("tenant:a") + lp("order-1") + lp("charge-card.v1")
+    ).hexdigest()
+    assert child_key("tenant:a", "order-1", "charge-card.v1") == expected
+
+
+def test_child_keys_never_cross_tenants_or_steps() -> None:
+    base = child_key("tenant:a", "order-1", "charge-card.v1")
+    assert child_key("tenant:b", "order-1", "charge-card.v1") != base
+    assert child_key("tenant:a", "order-1", "charge-card.v2") != base
+    # The textbook sha256(parent + ":" + step) would be equal for both tenants.
+    assert child_key("tenant:a", "order-1", "send-email.v1") != base
+
+
+@given(st.text(max_size=20), st.text(max_size=20), st.text(max_size=20), st.text(max_size=20))
+def test_length_prefixes_make_field_boundaries_unambiguous(a: str, b: str, c: str, d: str) -> None:
+    # Shifting characters between scope and key must change the child key.
+    if (a, b) != (c, d):
+        assert child_key(a, b, "step.v1") != child_key(c, d, "step.v1")
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("charge-card.v1", True),
+        ("a.v12", True),
+        ("charge-card", False),
+        ("Charge.v1", False),
+        ("charge.v0", False),
+        ("1charge.v1", False),
+        ("charge_card.v1", False),
+        ("charge.v1 ", False),
+    ],
+)
+def test_step_names(name: str, ok: bool) -> None:
+    assert is_step_name(name) is ok
+    if not ok:
+        with pytest.raises(ValueError):
+            child_key("s", "k", name)
+
+
+def test_scope_validation() -> None:
+    assert validate_scope("tenant:a") == "tenant:a"
+    for bad in ("", "x" * 1025, "a\x00b"):
+        with pytest.raises(ScopeUnavailable):
+            validate_scope(bad)
+
+
+def test_claim_lock_ids_are_signed_64_bit_and_namespaced() -> None:
+    a = claim_lock_id("grpc_idempotency", "s", "k")
+    assert -(2**63) <= a < 2**63
+    assert a == claim_lock_id("grpc_idempotency", "s", "k")
+    assert a != claim_lock_id("other_schema", "s", "k")
+    assert a != claim_lock_id("grpc_idempotency", "sk", "")

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import pytest
+
+from grpc_idempotency.core.codes import DEFAULT_RECORDED_ERRORS, Code
+from grpc_idempotency.core.failpoints import FailAction, parse_failpoints
+from grpc_idempotency.core.lifecycle import (
+    Action,
+    Finish,
+    Outcome,
+    State,
+    StoredRecord,
+    decide,
+    finish,
+    retry_after_ms,
+    wait_budget_s,
+)
+
+FP = b"f" * 32
+OTHER = b"o" * 32
+DONE = Outcome(Code.OK, response=b"\x08\x01")
+
+
+def record(
+    state: State = State.COMPLETED,
+    *,
+    fp: bytes = FP,
+    expired: bool = False,
+    lease_expired: bool = False,
+    remaining: int = 0,
+) -> StoredRecord:
+    return StoredRecord(
+        fingerprint=fp,
+        state=state,
+        outcome=DONE if state is State.COMPLETED else None,
+        expired=expired,
+        lease_expired=lease_expired,
+        lease_remaining_ms=remaining,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rec", "action", "takeover"),
+    [
+        (None, Action.CLAIM, False),
+        (record(expired=True), Action.CLAIM, False),
+        (record(expired=True, fp=OTHER), Action.CLAIM, False),
+        (record(), Action.REPLAY, False),
+        (record(fp=OTHER), Action.MISMATCH, False),
+        (record(State.IN_PROGRESS, remaining=900), Action.WAIT, False),
+        (record(State.IN_PROGRESS, fp=OTHER, remaining=900), Action.MISMATCH, False),
+        (record(State.IN_PROGRESS, lease_expired=True), Action.CLAIM, True),
+        (record(State.IN_PROGRESS, fp=OTHER, lease_expired=True), Action.MISMATCH, False),
+    ],
+)
+def test_decide(rec: StoredRecord | None, action: Action, takeover: bool) -> None:
+    decision = decide(rec, FP)
+    assert decision.action is action
+    assert decision.takeover is takeover
+    if action is Action.REPLAY:
+        assert decision.outcome == DONE
+    if action is Action.WAIT:
+        assert decision.retry_after_ms == 900
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (Code.OK, Finish.RECORD),
+        (Code.INVALID_ARGUMENT, Finish.RECORD_ERROR),
+        (Code.NOT_FOUND, Finish.RECORD_ERROR),
+        (Code.ALREADY_EXISTS, Finish.RECORD_ERROR),
+        (Code.FAILED_PRECONDITION, Finish.RECORD_ERROR),
+        (Code.OUT_OF_RANGE, Finish.RECORD_ERROR),
+        (Code.UNAVAILABLE, Finish.RELEASE),
+        (Code.DEADLINE_EXCEEDED, Finish.RELEASE),
+        (Code.RESOURCE_EXHAUSTED, Finish.RELEASE),
+        (Code.ABORTED, Finish.RELEASE),
+        (Code.INTERNAL, Finish.RELEASE),
+        (Code.UNKNOWN, Finish.RELEASE),
+        (Code.CANCELLED, Finish.RELEASE),
+        (Code.PERMISSION_DENIED, Finish.RELEASE),
+    ],
+)
+def test_finish_classifies_by_default_recorded_set(code: Code, expected: Finish) -> None:
+    assert finish(code, DEFAULT_RECORDED_ERRORS) is expected
+
+
+def test_finish_respects_an_overridden_set() -> None:
+    assert finish(Code.NOT_FOUND, frozenset({Code.PERMISSION_DENIED})) is Finish.RELEASE
+    assert finish(Code.PERMISSION_DENIED, frozenset({Code.PERMISSION_DENIED})) is Finish.RECORD_ERROR
+
+
+def test_wait_budget_is_bounded_by_deadline_and_max_wait() -> None:
+    assert wait_budget_s(5.0, None) == 5.0
+    assert wait_budget_s(5.0, 1.0) == pytest.approx(0.95)
+    assert wait_budget_s(0.5, 10.0) == 0.5
+    assert wait_budget_s(5.0, 0.01) == 0.0
+
+
+def test_retry_hint_is_clamped() -> None:
+    assert retry_after_ms(None) == 250
+    assert retry_after_ms(10) == 50
+    assert retry_after_ms(700) == 700
+    assert retry_after_ms(60_000) == 2000
+
+
+def test_failpoint_specs() -> None:
+    points = parse_failpoints("after_claim=crash, before_commit=sleep:2000,after_commit_before_response=error")
+    assert points["after_claim"].action is FailAction.CRASH
+    assert points["before_commit"].sleep_ms == 2000
+    assert points["after_commit_before_response"].action is FailAction.ERROR
+    assert parse_failpoints("") == {}
+    for bad in ("nowhere=crash", "after_claim", "after_claim=explode", "after_claim=sleep:x", "after_claim=crash:1"):
+        with pytest.raises(ValueError):
+            parse_failpoints(bad)

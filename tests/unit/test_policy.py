@@ -1,0 +1,173 @@
+"""Policies compiled from proto options, and every way options can be wrong."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.descriptor import MethodDescriptor
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency.core.codes import DEFAULT_RECORDED_ERRORS, Code
+from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.policy import (
+    KeyRequirement,
+    MethodOverride,
+    Mode,
+    Step,
+    StoreDown,
+    compile_policies,
+    compile_policy,
+    normalize_method,
+)
+from grpc_idempotency.v1 import options_pb2
+
+_counter = itertools.count()
+
+
+def method_with(
+    configure: Callable[[options_pb2.MethodPolicy], None] | None,
+    *,
+    streaming: bool = False,
+    level: int = 0,
+) -> MethodDescriptor:
+    """A method in a fresh file in the default pool, with the given options."""
+    n = next(_counter)
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name=f"policy_test_{n}.proto", package=f"policytest{n}", syntax="proto3"
+    )
+    fdp.dependency.append("grpc_idempotency/v1/options.proto")
+    fdp.message_type.add(name="Req").field.add(
+        name="a", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING
+    )
+    m = fdp.service.add(name="Svc").method.add(
+        name="Do", input_type=f".policytest{n}.Req", output_type=f".policytest{n}.Req"
+    )
+    m.server_streaming = streaming
+    if level:
+        m.options.idempotency_level = level  # type: ignore[assignment]
+    if configure is not None:
+        configure(m.options.Extensions[options_pb2.method])
+    pool = descriptor_pool.Default()
+    pool.Add(fdp)
+    return pool.FindServiceByName(f"policytest{n}.Svc").methods_by_name["Do"]
+
+
+def test_method_without_option_is_not_keyed() -> None:
+    assert compile_policy(method_with(None)) is None
+
+
+def test_defaults() -> None:
+    policy = compile_policy(method_with(lambda o: o.SetInParent()))
+    assert policy is not None
+    assert policy.key is KeyRequirement.REQUIRED
+    assert policy.mode is Mode.ATOMIC
+    assert policy.store_down is StoreDown.FAIL_CLOSED
+    assert policy.retention == timedelta(hours=24)
+    assert policy.lease == timedelta(seconds=30)
+    assert policy.max_wait == timedelta(seconds=5)
+    assert policy.recorded_errors == DEFAULT_RECORDED_ERRORS
+    assert policy.method.startswith("/policytest") and policy.method.endswith(".Svc/Do")
+
+
+def test_options_from_the_proto() -> None:
+    policy = compile_policy(testsvc_pb2.DESCRIPTOR.services_by_name["LedgerService"].methods_by_name["Post"])
+    assert policy is not None
+    assert policy.retention == timedelta(hours=1)
+    assert policy.max_wait == timedelta(seconds=2)
+
+    def configure(o: options_pb2.MethodPolicy) -> None:
+        o.key = options_pb2.KEY_OPTIONAL
+        o.mode = options_pb2.MODE_PHASED
+        o.store_down = options_pb2.STORE_DOWN_FAIL_OPEN
+        o.lease.seconds = 7
+        o.recorded_error_codes.extend(["NOT_FOUND", "PERMISSION_DENIED"])
+        o.steps.add(name="charge-card.v1", call="checkout.v1.PaymentService/Charge")
+        o.steps.add(name="order-created.v1", outbox=True)
+
+    policy = compile_policy(method_with(configure))
+    assert policy is not None
+    assert policy.key is KeyRequirement.OPTIONAL
+    assert policy.mode is Mode.PHASED
+    assert policy.store_down is StoreDown.FAIL_OPEN
+    assert policy.lease == timedelta(seconds=7)
+    assert policy.recorded_errors == {Code.NOT_FOUND, Code.PERMISSION_DENIED}
+    assert policy.steps == (
+        Step(name="charge-card.v1", call="checkout.v1.PaymentService/Charge"),
+        Step(name="order-created.v1", outbox=True),
+    )
+
+
+def test_every_option_can_be_overridden_in_python() -> None:
+    override = MethodOverride(
+        key=KeyRequirement.OPTIONAL,
+        retention=timedelta(minutes=5),
+        lease=timedelta(seconds=3),
+        max_wait=timedelta(0),
+        mode=Mode.PHASED,
+        recorded_errors=[Code.NOT_FOUND],
+        store_down=StoreDown.FAIL_OPEN,
+        steps=[Step(name="send-email.v2", call="a.B/C")],
+    )
+    policy = compile_policy(method_with(lambda o: o.SetInParent()), override)
+    assert policy is not None
+    assert (policy.key, policy.retention, policy.lease, policy.max_wait) == (
+        KeyRequirement.OPTIONAL, timedelta(minutes=5), timedelta(seconds=3), timedelta(0),
+    )  # fmt: skip
+    assert (policy.mode, policy.store_down) == (Mode.PHASED, StoreDown.FAIL_OPEN)
+    assert policy.recorded_errors == {Code.NOT_FOUND}
+    assert policy.steps == (Step(name="send-email.v2", call="a.B/C"),)
+
+
+def test_an_override_makes_an_unannotated_method_keyed() -> None:
+    policy = compile_policy(method_with(None), MethodOverride())
+    assert policy is not None and policy.key is KeyRequirement.REQUIRED
+
+
+def _step(name: str, call: str = "", outbox: bool = False) -> Callable[[options_pb2.MethodPolicy], None]:
+    return lambda o: o.steps.add(name=name, call=call, outbox=outbox) and None
+
+
+def _two_steps(o: options_pb2.MethodPolicy) -> None:
+    o.steps.add(name="charge.v1", call="a.B/C")
+    o.steps.add(name="charge.v1", call="a.B/D")
+
+
+@pytest.mark.parametrize(
+    ("configure", "kwargs", "message"),
+    [
+        (_step("Charge.v1", "a.B/C"), {}, "does not match"),
+        (_step("charge", "a.B/C"), {}, "does not match"),
+        (_two_steps, {}, "declared twice"),
+        (_step("charge.v1"), {}, "exactly one of call and outbox"),
+        (_step("charge.v1", "a.B/C", outbox=True), {}, "exactly one of call and outbox"),
+        (_step("charge.v1", "PaymentService.Charge"), {}, "expected 'package.Service/Method'"),
+        (lambda o: o.SetInParent(), {"streaming": True}, "unary methods only"),
+        (lambda o: o.SetInParent(), {"level": descriptor_pb2.MethodOptions.IDEMPOTENT}, "idempotency_level"),
+        (lambda o: o.SetInParent(), {"level": descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS}, "idempotency_level"),
+        (lambda o: o.recorded_error_codes.append("NOT_A_CODE"), {}, "unknown status codes"),
+        (lambda o: o.recorded_error_codes.append("UNAVAILABLE"), {}, "may not contain"),
+        (lambda o: o.recorded_error_codes.append("OK"), {}, "may not contain"),
+        (lambda o: setattr(o.retention, "seconds", -1), {}, "retention must be positive"),
+        (lambda o: setattr(o.lease, "seconds", -5), {}, "lease must be positive"),
+        (lambda o: setattr(o.max_wait, "seconds", -1), {}, "max_wait"),
+    ],
+)
+def test_bad_options_fail_with_the_method_named(
+    configure: Callable[[options_pb2.MethodPolicy], None], kwargs: dict[str, int], message: str
+) -> None:
+    method = method_with(configure, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(PolicyError, match=message) as caught:
+        compile_policy(method)
+    assert caught.value.message.startswith(f"/{method.containing_service.full_name}/Do:")
+
+
+def test_compile_policies_uses_overrides_by_any_spelling() -> None:
+    methods = list(testsvc_pb2.DESCRIPTOR.services_by_name["LedgerService"].methods)
+    policies = compile_policies(methods, {"testsvc.v1.LedgerService.Peek": MethodOverride()})
+    assert "/testsvc.v1.LedgerService/Peek" in policies
+    assert "/testsvc.v1.LedgerService/Post" in policies
+    assert normalize_method("pkg.Svc/M") == normalize_method("/pkg.Svc/M") == "/pkg.Svc/M"
