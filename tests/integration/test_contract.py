@@ -34,9 +34,13 @@ def post(account: str, amount: int = 10, behaviour: str = "") -> testsvc_pb2.Pos
     return testsvc_pb2.PostRequest(account=account, amount=amount, behaviour=behaviour)
 
 
-async def test_method_without_option_passes_through_untouched(ledger: RunningLedger, store: Store) -> None:
+async def test_method_without_option_passes_through_untouched(
+    ledger: RunningLedger, store: Store
+) -> None:
     key = fresh()
-    answer = await call_raw(ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account="x"), metadata(key))
+    answer = await call_raw(
+        ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account="x"), metadata(key)
+    )
     assert answer.code is grpc.StatusCode.OK
     assert not answer.replayed
     assert await record_row(store, "tenant:tenant-a", key) is None
@@ -62,7 +66,9 @@ async def test_missing_key_on_required_method(ledger: RunningLedger, store: Stor
     ],
     ids=["empty", "256-chars", "space", "sent-twice", "bin"],
 )
-async def test_malformed_keys(ledger: RunningLedger, store: Store, md: tuple[tuple[str, object], ...]) -> None:
+async def test_malformed_keys(
+    ledger: RunningLedger, store: Store, md: tuple[tuple[str, object], ...]
+) -> None:
     account = fresh("acct")
     answer = await call_raw(ledger.channel, POST, post(account), (("x-tenant-id", "t"), *md))  # type: ignore[arg-type]
     assert answer.code is grpc.StatusCode.INVALID_ARGUMENT
@@ -71,7 +77,9 @@ async def test_malformed_keys(ledger: RunningLedger, store: Store, md: tuple[tup
     assert await ledger_rows(store, account) == 0
 
 
-async def test_new_key_executes_once_and_commits_with_the_outcome(ledger: RunningLedger, store: Store) -> None:
+async def test_new_key_executes_once_and_commits_with_the_outcome(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     answer = await call_raw(ledger.channel, POST, post(account), metadata(key))
     assert answer.code is grpc.StatusCode.OK and not answer.replayed
@@ -93,7 +101,9 @@ async def test_completed_key_replays_identical_bytes(ledger: RunningLedger, stor
     assert await ledger_rows(store, account) == 1
 
 
-async def test_excluded_fields_do_not_change_the_request(ledger: RunningLedger, store: Store) -> None:
+async def test_excluded_fields_do_not_change_the_request(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     a = post(account)
     a.sent_at.seconds = 1
@@ -105,7 +115,9 @@ async def test_excluded_fields_do_not_change_the_request(ledger: RunningLedger, 
     assert await ledger_rows(store, account) == 1
 
 
-async def test_same_key_with_mutated_payload_is_refused(ledger: RunningLedger, store: Store) -> None:
+async def test_same_key_with_mutated_payload_is_refused(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     await call_raw(ledger.channel, POST, post(account, 10), metadata(key))
     answer = await call_raw(ledger.channel, POST, post(account, 11), metadata(key))
@@ -146,7 +158,18 @@ async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) 
     assert ledger.service.executions == 0
 
 
-@pytest.mark.parametrize("behaviour", ["NOT_FOUND", "INVALID_ARGUMENT", "ALREADY_EXISTS", "FAILED_PRECONDITION", "OUT_OF_RANGE", "set:NOT_FOUND", "rich"])
+@pytest.mark.parametrize(
+    "behaviour",
+    [
+        "NOT_FOUND",
+        "INVALID_ARGUMENT",
+        "ALREADY_EXISTS",
+        "FAILED_PRECONDITION",
+        "OUT_OF_RANGE",
+        "set:NOT_FOUND",
+        "rich",
+    ],
+)
 async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
     ledger: RunningLedger, store: Store, behaviour: str
 ) -> None:
@@ -157,16 +180,35 @@ async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
     second = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
     assert second.replayed
     assert (second.code, second.details) == (first.code, first.details)
-    assert second.trailing.get("grpc-status-details-bin") == first.trailing.get("grpc-status-details-bin")
+    assert second.trailing.get("grpc-status-details-bin") == first.trailing.get(
+        "grpc-status-details-bin"
+    )
     assert ledger.service.executions == 1
     row = await record_row(store, "tenant:tenant-a", key)
-    assert row is not None and row["state"] == "completed" and row["status_code"] == first.code.value[0]
+    assert (
+        row is not None
+        and row["state"] == "completed"
+        and row["status_code"] == first.code.value[0]
+    )
     if behaviour == "rich":
         assert first.reason() == "ACCOUNT_MISSING"
 
 
-@pytest.mark.parametrize("behaviour", ["UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN", "raise", "set:UNAVAILABLE"])
-async def test_transient_error_releases_the_claim(ledger: RunningLedger, store: Store, behaviour: str) -> None:
+@pytest.mark.parametrize(
+    "behaviour",
+    [
+        "UNAVAILABLE",
+        "RESOURCE_EXHAUSTED",
+        "ABORTED",
+        "INTERNAL",
+        "UNKNOWN",
+        "raise",
+        "set:UNAVAILABLE",
+    ],
+)
+async def test_transient_error_releases_the_claim(
+    ledger: RunningLedger, store: Store, behaviour: str
+) -> None:
     key, account = fresh(), fresh("acct")
     first = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
     assert first.code is not grpc.StatusCode.OK
@@ -181,14 +223,21 @@ async def test_transient_error_releases_the_claim(ledger: RunningLedger, store: 
 
 async def test_cancelled_call_releases_the_claim(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
-    answer = await call_raw(ledger.channel, POST, post(account, behaviour="sleep:2000"), metadata(key), timeout=0.3)
+    answer = await call_raw(
+        ledger.channel, POST, post(account, behaviour="sleep:2000"), metadata(key), timeout=0.3
+    )
     assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
     # The server notices the deadline, cancels the handler and rolls the claim back.
     for _ in range(200):
-        if ledger.service.executions == 1 and await record_row(store, "tenant:tenant-a", key) is None:
+        if (
+            ledger.service.executions == 1
+            and await record_row(store, "tenant:tenant-a", key) is None
+        ):
             break
         await asyncio.sleep(0.01)
-    retry = await call_raw(ledger.channel, POST, post(account, behaviour="sleep:0"), metadata(fresh()))
+    retry = await call_raw(
+        ledger.channel, POST, post(account, behaviour="sleep:0"), metadata(fresh())
+    )
     assert retry.code is grpc.StatusCode.OK
     assert await ledger_rows(store, account) == 1  # only the second, fresh operation wrote
 
@@ -216,7 +265,9 @@ async def test_key_past_retention_is_treated_as_new(ledger: RunningLedger, store
     assert row is not None and row["fencing_token"] == 2  # the expired row was taken over in place
 
 
-async def test_expired_record_with_another_payload_is_a_new_operation(ledger: RunningLedger, store: Store) -> None:
+async def test_expired_record_with_another_payload_is_a_new_operation(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     await call_raw(ledger.channel, POST, post(account, 1), metadata(key))
     await store.pool.execute(
@@ -230,7 +281,9 @@ async def test_expired_record_with_another_payload_is_a_new_operation(ledger: Ru
     assert await ledger_rows(store, account) == 2
 
 
-async def _plant_in_progress(store: Store, key: str, request: testsvc_pb2.PostRequest, lease_s: float) -> None:
+async def _plant_in_progress(
+    store: Store, key: str, request: testsvc_pb2.PostRequest, lease_s: float
+) -> None:
     """An in-progress claim committed by some other attempt (as phased mode leaves one)."""
     from grpc_idempotency.core.fingerprint import Fingerprinter
 
@@ -247,7 +300,9 @@ async def _plant_in_progress(store: Store, key: str, request: testsvc_pb2.PostRe
     )
 
 
-async def test_in_progress_claim_with_expired_lease_is_taken_over(ledger: RunningLedger, store: Store) -> None:
+async def test_in_progress_claim_with_expired_lease_is_taken_over(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     await _plant_in_progress(store, key, post(account), lease_s=-1)
     answer = await call_raw(ledger.channel, POST, post(account), metadata(key))
@@ -257,7 +312,9 @@ async def test_in_progress_claim_with_expired_lease_is_taken_over(ledger: Runnin
     assert await ledger_rows(store, account) == 1
 
 
-async def test_in_progress_claim_with_another_fingerprint_is_a_mismatch(ledger: RunningLedger, store: Store) -> None:
+async def test_in_progress_claim_with_another_fingerprint_is_a_mismatch(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     await _plant_in_progress(store, key, post(account, 1), lease_s=-1)
     answer = await call_raw(ledger.channel, POST, post(account, 2), metadata(key))
@@ -266,7 +323,9 @@ async def test_in_progress_claim_with_another_fingerprint_is_a_mismatch(ledger: 
     assert ledger.service.executions == 0
 
 
-async def test_live_claim_elsewhere_ends_in_aborted_with_retry_info(ledger: RunningLedger, store: Store) -> None:
+async def test_live_claim_elsewhere_ends_in_aborted_with_retry_info(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     await _plant_in_progress(store, key, post(account), lease_s=30)
     answer = await call_raw(ledger.channel, POST, post(account), metadata(key), timeout=0.5)
@@ -286,7 +345,9 @@ async def test_optional_key(ledger: RunningLedger, store: Store) -> None:
     b = await call_raw(ledger.channel, method, post(account), metadata(None))
     assert a.code is b.code is grpc.StatusCode.OK
     assert await ledger_rows(store, account) == 2  # no key: no deduplication, each call commits
-    failed = await call_raw(ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(None))
+    failed = await call_raw(
+        ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(None)
+    )
     assert failed.code is grpc.StatusCode.NOT_FOUND
     assert await ledger_rows(store, account) == 2  # an error rolls the unkeyed call back
     key = fresh()
@@ -296,13 +357,19 @@ async def test_optional_key(ledger: RunningLedger, store: Store) -> None:
     assert await ledger_rows(store, account) == 3
 
 
-async def test_sync_handler_is_offloaded_and_deduplicated(ledger: RunningLedger, store: Store) -> None:
+async def test_sync_handler_is_offloaded_and_deduplicated(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
     method = SVC + "PostSync"
-    blocked = asyncio.ensure_future(call_raw(ledger.channel, method, post(account, behaviour="block"), metadata(key)))
+    blocked = asyncio.ensure_future(
+        call_raw(ledger.channel, method, post(account, behaviour="block"), metadata(key))
+    )
     assert await asyncio.to_thread(ledger.service.sync_started.wait, 10)
     # The sync handler is blocked on a thread; the event loop still serves other calls.
-    peek = await call_raw(ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account=account), metadata(None))
+    peek = await call_raw(
+        ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account=account), metadata(None)
+    )
     assert peek.code is grpc.StatusCode.OK
     ledger.service.sync_release.set()
     first = await blocked
@@ -311,8 +378,12 @@ async def test_sync_handler_is_offloaded_and_deduplicated(ledger: RunningLedger,
     assert again.replayed and again.body == first.body
     assert await ledger_rows(store, account) == 1
     err_key = fresh()
-    e1 = await call_raw(ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key))
-    e2 = await call_raw(ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key))
+    e1 = await call_raw(
+        ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key)
+    )
+    e2 = await call_raw(
+        ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key)
+    )
     assert e1.code is e2.code is grpc.StatusCode.NOT_FOUND and e2.replayed
     assert await ledger_rows(store, account) == 1
 

@@ -64,7 +64,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     sync_started: threading.Event = field(default_factory=threading.Event)
     sync_release: threading.Event = field(default_factory=threading.Event)
 
-    async def _post(self, request: testsvc_pb2.PostRequest, context: Any) -> testsvc_pb2.PostResponse:
+    async def _post(
+        self, request: testsvc_pb2.PostRequest, context: Any
+    ) -> testsvc_pb2.PostResponse:
         self.executions += 1
         behaviour = request.behaviour
         if behaviour.startswith("sleep:"):
@@ -87,8 +89,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             context.set_details(f"set {behaviour[4:]}")
             return testsvc_pb2.PostResponse()
         if behaviour == "rich":
-            status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message="no such account")
-            status.details.add().Pack(error_details_pb2.ErrorInfo(reason="ACCOUNT_MISSING", domain="test"))
+            status = status_pb2.Status(
+                code=grpc.StatusCode.NOT_FOUND.value[0], message="no such account"
+            )
+            status.details.add().Pack(
+                error_details_pb2.ErrorInfo(reason="ACCOUNT_MISSING", domain="test")
+            )
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 "no such account",
@@ -176,7 +182,9 @@ async def running_ledger(
         await server.stop(None)
 
 
-def metadata(key: str | None, tenant: str = "tenant-a", *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+def metadata(
+    key: str | None, tenant: str = "tenant-a", *extra: tuple[str, str]
+) -> tuple[tuple[str, str], ...]:
     md: list[tuple[str, str]] = [(TENANT, tenant)]
     if key is not None:
         md.append(("idempotency-key", key))

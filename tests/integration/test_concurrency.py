@@ -1,0 +1,171 @@
+"""Concurrent duplicates: one execution, consistent answers, and no starvation of other keys."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.wire import call_raw
+
+POST = "/testsvc.v1.LedgerService/Post"
+
+
+@pytest.fixture
+async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
+    async with running_ledger(store) as running:
+        yield running
+
+
+async def until(condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Polls a condition (coordination on observable state, bounded), never a blind sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result if isinstance(result, bool) else await result:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+async def test_100_concurrent_duplicates_execute_once(ledger: RunningLedger, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="sleep:100")
+    answers = await asyncio.gather(
+        *(call_raw(ledger.channel, POST, request, metadata(key), timeout=1.0) for _ in range(100))
+    )
+    ok = [a for a in answers if a.code is grpc.StatusCode.OK]
+    aborted = [a for a in answers if a.code is grpc.StatusCode.ABORTED]
+    assert len(ok) + len(aborted) == 100, {a.code for a in answers}
+    assert ok, "at least the owner answers OK"
+    assert len({a.body for a in ok}) == 1  # identical bytes
+    assert sum(not a.replayed for a in ok) == 1  # exactly one execution answered as such
+    for a in aborted:
+        assert a.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS" and a.retry_delay_ms()
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_duplicates_waiting_within_their_deadline_get_the_outcome(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
+    owner = asyncio.ensure_future(call_raw(ledger.channel, POST, request, metadata(key)))
+    await ledger.service.started.wait()
+    waiters = [
+        asyncio.ensure_future(call_raw(ledger.channel, POST, request, metadata(key)))
+        for _ in range(5)
+    ]
+    await until(lambda: ledger.interceptor.waiting_calls == 5)
+    ledger.service.release.set()
+    first = await owner
+    rest = await asyncio.gather(*waiters)
+    assert first.code is grpc.StatusCode.OK and not first.replayed
+    assert all(a.code is grpc.StatusCode.OK and a.replayed and a.body == first.body for a in rest)
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_waiting_is_bounded_by_the_deadline(ledger: RunningLedger) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
+    owner = asyncio.ensure_future(call_raw(ledger.channel, POST, request, metadata(key)))
+    await ledger.service.started.wait()
+    started = time.monotonic()
+    dup = await call_raw(ledger.channel, POST, request, metadata(key), timeout=0.4)
+    elapsed = time.monotonic() - started
+    assert dup.code is grpc.StatusCode.ABORTED and dup.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+    assert dup.initial == {} and "grpc-retry-pushback-ms" in dup.trailing
+    assert elapsed < 0.4  # answered before the deadline, not by it
+    ledger.service.release.set()
+    assert (await owner).code is grpc.StatusCode.OK
+
+
+async def test_a_mutated_duplicate_waiting_on_an_owner_is_refused(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    owner = asyncio.ensure_future(
+        call_raw(
+            ledger.channel,
+            POST,
+            testsvc_pb2.PostRequest(account=account, behaviour="wait"),
+            metadata(key),
+        )
+    )
+    await ledger.service.started.wait()
+    mutated = asyncio.ensure_future(
+        call_raw(
+            ledger.channel,
+            POST,
+            testsvc_pb2.PostRequest(account=account, amount=9, behaviour="wait"),
+            metadata(key),
+        )
+    )
+    await until(lambda: ledger.interceptor.waiting_calls == 1)
+    ledger.service.release.set()
+    assert (await owner).code is grpc.StatusCode.OK
+    answer = await mutated
+    assert (
+        answer.code is grpc.StatusCode.FAILED_PRECONDITION
+        and answer.reason() == "IDEMPOTENCY_KEY_REUSED"
+    )
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_duplicates_across_two_servers_execute_once(store: Store) -> None:
+    """Two server instances (as two replicas) sharing one database: the claim arbitrates."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="sleep:150")
+    async with running_ledger(store) as a, running_ledger(store) as b:
+        answers = await asyncio.gather(
+            *(call_raw(s.channel, POST, request, metadata(key), timeout=3.0) for s in (a, b) * 10)
+        )
+        assert {x.code for x in answers} == {grpc.StatusCode.OK}
+        assert len({x.body for x in answers}) == 1
+        assert a.service.executions + b.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_storm_of_duplicates_does_not_starve_other_keys(store: Store) -> None:
+    """200 duplicates of one key whose owner is stuck, against a pool of 10 connections: calls
+    with other keys still complete, during the storm."""
+    assert store.pool.get_max_size() == 10
+    async with running_ledger(store) as ledger:
+        key, account = fresh(), fresh("acct")
+        stuck = testsvc_pb2.PostRequest(account=account, behaviour="wait")
+        storm = [
+            asyncio.ensure_future(call_raw(ledger.channel, POST, stuck, metadata(key), timeout=5.0))
+            for _ in range(200)
+        ]
+        await ledger.service.started.wait()
+        await until(lambda: ledger.interceptor.waiting_calls == 199)
+        others = fresh("other")
+        answers = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    call_raw(
+                        ledger.channel,
+                        POST,
+                        testsvc_pb2.PostRequest(account=others),
+                        metadata(fresh()),
+                    )
+                    for _ in range(30)
+                )
+            ),
+            timeout=5.0,
+        )
+        assert {a.code for a in answers} == {grpc.StatusCode.OK}
+        assert not any(s.done() for s in storm)  # the storm was still on while they completed
+        ledger.service.release.set()
+        results = await asyncio.gather(*storm)
+        assert {r.code for r in results} == {grpc.StatusCode.OK}
+        assert len({r.body for r in results}) == 1
+        assert await ledger_rows(store, account) == 1
+        assert await ledger_rows(store, others) == 30

@@ -1,0 +1,103 @@
+"""PostgreSQL going away and coming back, on a private server this module may stop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store
+from grpc_idempotency.store.embedded import EmbeddedPostgres
+from tests.support.ledger import (
+    RunningLedger,
+    fresh,
+    ledger_rows,
+    metadata,
+    prepare,
+    running_ledger,
+)
+from tests.support.wire import call_raw
+
+SVC = "/testsvc.v1.LedgerService/"
+
+
+@pytest.fixture(scope="module")
+def private_pg() -> Iterator[EmbeddedPostgres]:
+    with EmbeddedPostgres(durable=False) as pg:
+        yield pg
+
+
+@pytest.fixture(scope="module")
+async def private_store(private_pg: EmbeddedPostgres) -> AsyncIterator[Store]:
+    store = await Store.connect(private_pg.dsn, max_size=4, acquire_timeout=1.0, migrate=True)
+    await prepare(store)
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def ledger(
+    private_store: Store, private_pg: EmbeddedPostgres
+) -> AsyncIterator[RunningLedger]:
+    async with running_ledger(private_store) as running:
+        yield running
+    if not private_pg.running:
+        private_pg.start()
+
+
+def post(account: str) -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=1)
+
+
+async def test_store_down_fails_closed_then_recovers_without_restart(
+    ledger: RunningLedger, private_pg: EmbeddedPostgres, private_store: Store
+) -> None:
+    account = fresh("acct")
+    warm = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(fresh()))
+    assert warm.code is grpc.StatusCode.OK
+
+    private_pg.stop(mode="immediate")  # as abrupt as a crash: pooled connections die
+    key = fresh()
+    down = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(key))
+    assert down.code is grpc.StatusCode.UNAVAILABLE
+    assert down.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    assert ledger.service.executions == 1  # the handler never ran while the store was down
+
+    # Fail-open methods run without deduplication and are counted as bypassed.
+    opened = await call_raw(ledger.channel, SVC + "PostFailOpen", post(account), metadata(fresh()))
+    assert opened.code is grpc.StatusCode.OK
+    assert ledger.service.executions == 2
+
+    private_pg.start()
+    back = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(key))
+    assert back.code is grpc.StatusCode.OK and not back.replayed
+    again = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(key))
+    assert again.replayed and again.body == back.body
+    assert await ledger_rows(private_store, account) == 2
+
+
+@pytest.mark.parametrize(
+    "md",
+    [
+        (("idempotency-key", ""),),
+        (("idempotency-key", "k" * 256),),
+        (("idempotency-key", "has space"),),
+        (("idempotency-key", "a"), ("idempotency-key", "a")),
+        (("idempotency-key-bin", b"abc"),),
+    ],
+    ids=["empty", "256-chars", "space", "sent-twice", "bin"],
+)
+async def test_bad_keys_are_refused_without_a_database_round_trip(
+    ledger: RunningLedger, private_pg: EmbeddedPostgres, md: tuple[tuple[str, object], ...]
+) -> None:
+    # With the database stopped, any round trip would turn the answer into UNAVAILABLE.
+    private_pg.stop(mode="immediate")
+    good = await call_raw(ledger.channel, SVC + "Post", post("x"), metadata(fresh()))
+    assert good.code is grpc.StatusCode.UNAVAILABLE  # proves the store really is unreachable
+    answer = await call_raw(ledger.channel, SVC + "Post", post("x"), (("x-tenant-id", "t"), *md))  # type: ignore[arg-type]
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert answer.reason() == "IDEMPOTENCY_KEY_INVALID"
+    missing = await call_raw(ledger.channel, SVC + "Post", post("x"), metadata(None))
+    assert missing.reason() == "IDEMPOTENCY_KEY_MISSING"
