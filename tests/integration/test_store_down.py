@@ -101,3 +101,30 @@ async def test_bad_keys_are_refused_without_a_database_round_trip(
     assert answer.reason() == "IDEMPOTENCY_KEY_INVALID"
     missing = await call_raw(ledger.channel, SVC + "Post", post("x"), metadata(None))
     assert missing.reason() == "IDEMPOTENCY_KEY_MISSING"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"caf\xc3\xa9", b"\xff\xfe", b"a\tb", b"a\x01b", b"a\x7fb"],
+    ids=["utf8", "latin1", "tab", "control", "del"],
+)
+async def test_non_ascii_and_control_keys_from_a_raw_http2_client(
+    ledger: RunningLedger, private_pg: EmbeddedPostgres, value: bytes
+) -> None:
+    """gRPC clients refuse these values, but the server accepts them off the wire."""
+    import asyncio
+
+    from tests.support.raw_h2 import unary_call
+
+    private_pg.stop(mode="immediate")
+    port = int(ledger.address.rpartition(":")[2])
+    answer = await asyncio.to_thread(
+        unary_call,
+        port,
+        SVC + "Post",
+        post("x").SerializeToString(),
+        [(b"x-tenant-id", b"t"), (b"idempotency-key", value)],
+    )
+    assert answer.get(b"grpc-status") == str(grpc.StatusCode.INVALID_ARGUMENT.value[0]).encode()
+    assert b"visible ASCII" in answer.get(b"grpc-message", b"")
+    assert ledger.service.executions == 0
