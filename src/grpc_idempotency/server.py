@@ -124,13 +124,6 @@ async def _abort(context: Context, err: IdempotencyError) -> NoReturn:
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
-def _override_status(context: Context, err: IdempotencyError) -> None:
-    """Replaces the status of a call whose handler already aborted (abort cannot run twice)."""
-    context.set_code(_grpc_code(err.status_code))
-    context.set_details(err.message)
-    context.set_trailing_metadata(_error_trailers(err))
-
-
 def _time_remaining(context: Context) -> float | None:
     remaining = context.time_remaining()
     # grpc reports a huge number when the client set no deadline.
@@ -144,24 +137,69 @@ def _code_of(context: Context) -> Code:
     return Code.OK if code is None else Code(code.value[0])
 
 
-def _details_of(context: Context) -> bytes | None:
-    for name, value in context.trailing_metadata() or ():
+def _details_in(metadata: Any) -> bytes | None:
+    for name, value in metadata or ():
         if name == DETAILS_TRAILER and isinstance(value, bytes):
             return value
     return None
 
 
+class _DeferredAbort(grpc.aio.AbortError):
+    """A handler's ``context.abort(...)``, held back until its outcome is committed.
+
+    grpc.aio's own ``abort`` sends the status to the client at once; an answer must never leave
+    before the outcome it reports is durable, so keyed handlers get a context whose ``abort``
+    raises this instead, and the interceptor sends the status after the commit. It subclasses
+    ``AbortError`` so handler code that catches aborts behaves as usual.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Any) -> None:
+        super().__init__("aborted by the handler")
+        self.code = code
+        self.details = details
+        self.trailing_metadata = tuple(trailing_metadata or ())
+
+    async def send(self, context: Context) -> NoReturn:
+        await context.abort(self.code, self.details, self.trailing_metadata)
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+class _KeyedContext:
+    """The context a keyed async handler sees: the call's context, with ``abort`` deferred."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> NoReturn:
+        raise _DeferredAbort(code, details, trailing_metadata)
+
+    async def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        raise _DeferredAbort(status.code, status.details, status.trailing_metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
 class _SyncContext:
     """What a sync (``def``) handler, running on a worker thread, sees as its context: blocking
-    versions of the aio context's coroutine methods, run on the server's loop."""
+    versions of the aio context's coroutine methods, run on the server's loop, and ``abort``
+    deferred as for async handlers."""
 
     def __init__(self, context: Context, loop: asyncio.AbstractEventLoop) -> None:
         self._context = context
         self._loop = loop
 
-    def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
-        coro = self._context.abort(code, details, trailing_metadata)
-        asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> NoReturn:
+        raise _DeferredAbort(code, details, trailing_metadata)
+
+    def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        raise _DeferredAbort(status.code, status.details, status.trailing_metadata)
 
     def send_initial_metadata(self, metadata: Any) -> None:
         coro = self._context.send_initial_metadata(metadata)
@@ -487,13 +525,13 @@ class IdempotencyInterceptor(_Interceptor):
         bound = call_context.bind(
             call_context.IdempotentCall(policy.method, scope, key, loop, attempt.connection)
         )
-        aborted: BaseException | None = None
+        aborted: _DeferredAbort | None = None
         response: Any = None
         try:
             if failpoints.ENABLED:
                 await failpoints.hit("after_claim")
             response = await self._invoke(inner, is_async, request, context)
-        except grpc.aio.AbortError as exc:  # the handler called context.abort()
+        except _DeferredAbort as exc:  # the handler called context.abort()
             aborted = exc
         except BaseException:
             state.outcome = CallOutcome.RELEASED
@@ -502,13 +540,13 @@ class IdempotencyInterceptor(_Interceptor):
         finally:
             call_context.unbind(bound)
 
-        code = _code_of(context)
+        code = _code_of(context) if aborted is None else Code(aborted.code.value[0])
         what = finish(code, policy.recorded_errors)
         if what is Finish.RELEASE:
             state.outcome = CallOutcome.RELEASED
             await asyncio.shield(attempt.release())
             if aborted is not None:
-                raise aborted
+                await aborted.send(context)
             return response, None
 
         data: bytes | None = None
@@ -520,8 +558,11 @@ class IdempotencyInterceptor(_Interceptor):
                 await asyncio.shield(attempt.release())
                 raise
             outcome = Outcome(Code.OK, context.details() or "", None, data)
+        elif aborted is not None:
+            outcome = Outcome(code, aborted.details or "", _details_in(aborted.trailing_metadata))
         else:
-            outcome = Outcome(code, context.details() or "", _details_of(context), None)
+            details = _details_in(context.trailing_metadata())
+            outcome = Outcome(code, context.details() or "", details)
         try:
             if failpoints.ENABLED:
                 await failpoints.hit("before_commit")
@@ -530,14 +571,12 @@ class IdempotencyInterceptor(_Interceptor):
             else:
                 await asyncio.shield(attempt.record_error(outcome))
         except (StoreUnavailable, LeaseLost) as err:
+            # Nothing was recorded: the answer says so instead of what the handler wanted.
             state.outcome = (
                 CallOutcome.UNAVAILABLE
                 if isinstance(err, StoreUnavailable)
-                else (CallOutcome.RELEASED)
+                else CallOutcome.RELEASED
             )
-            if aborted is not None:
-                _override_status(context, err)
-                raise aborted from None
             await _abort(context, err)
         except BaseException:
             state.outcome = CallOutcome.RELEASED
@@ -548,7 +587,7 @@ class IdempotencyInterceptor(_Interceptor):
         if failpoints.ENABLED:
             await failpoints.hit("after_commit_before_response")
         if aborted is not None:
-            raise aborted
+            await aborted.send(context)
         if data is None:
             return (
                 response,
@@ -557,11 +596,21 @@ class IdempotencyInterceptor(_Interceptor):
         return _Serialized(data), shared
 
     async def _invoke(self, inner: Handler, is_async: bool, request: Any, context: Context) -> Any:
+        """Runs the handler with its aborts deferred (``_DeferredAbort``)."""
         if is_async:
-            return await inner(request, context)
+            return await inner(request, _KeyedContext(context))
         # A sync handler would block the event loop (and every other call) while it runs.
         loop = asyncio.get_running_loop()
         return await asyncio.to_thread(inner, request, _SyncContext(context, loop))
+
+    async def _invoke_now(
+        self, inner: Handler, is_async: bool, request: Any, context: Context
+    ) -> Any:
+        """Runs the handler of a call with nothing to record: an abort is sent as it comes."""
+        try:
+            return await self._invoke(inner, is_async, request, context)
+        except _DeferredAbort as aborted:
+            await aborted.send(context)
 
     async def _invoke_bare(
         self, inner: Handler, is_async: bool, request: Any, context: Context, policy: MethodPolicy
@@ -570,7 +619,7 @@ class IdempotencyInterceptor(_Interceptor):
         loop = asyncio.get_running_loop()
         bound = call_context.bind(call_context.IdempotentCall(policy.method, None, None, loop))
         try:
-            return await self._invoke(inner, is_async, request, context)
+            return await self._invoke_now(inner, is_async, request, context)
         finally:
             call_context.unbind(bound)
 
@@ -591,6 +640,9 @@ class IdempotencyInterceptor(_Interceptor):
         )
         try:
             response = await self._invoke(inner, is_async, request, context)
+        except _DeferredAbort as aborted:
+            await asyncio.shield(tx.rollback())
+            await aborted.send(context)
         except BaseException:
             await asyncio.shield(tx.rollback())
             raise

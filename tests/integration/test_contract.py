@@ -393,3 +393,15 @@ async def test_current_call_outside_a_handler_is_a_clear_error() -> None:
 
     with pytest.raises(NotInIdempotentCall):
         current_call()
+
+
+@pytest.mark.parametrize("behaviour", ["commit", "commit-then:NOT_FOUND"])
+async def test_a_handler_that_ends_the_transaction_itself_gets_no_success(
+    ledger: RunningLedger, store: Store, behaviour: str
+) -> None:
+    """The outcome cannot be stored with the writes any more: the call must not report success
+    (or a recorded error) as if it had been; it answers ABORTED, reason IDEMPOTENCY_LEASE_LOST."""
+    key, account = fresh(), fresh("acct")
+    answer = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    assert answer.code is grpc.StatusCode.ABORTED
+    assert answer.reason() == "IDEMPOTENCY_LEASE_LOST"

@@ -2,7 +2,8 @@
 
 ``behaviour`` in the request steers the handler after its write: "" answers OK; a status code
 name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and returns; "raise" raises;
-"sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event).
+"sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event);
+"commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             request.amount,
             call.scope,
         )
+        if behaviour.startswith("commit"):
+            # A misbehaving handler that ends the library's transaction itself.
+            await call.connection.execute("COMMIT")
+            if behaviour.startswith("commit-then:"):
+                code = getattr(grpc.StatusCode, behaviour.split(":")[1])
+                await context.abort(code, "aborted after committing")
         if behaviour == "raise":
             raise RuntimeError("handler failed after writing")
         if behaviour.startswith("set:"):
