@@ -10,10 +10,9 @@ import uuid
 from typing import Any
 
 import grpc
+from checkout.v1 import payments_pb2, payments_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
-from checkout.v1 import payments_pb2, payments_pb2_grpc
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
 
 SCHEMA_SQL = """
@@ -75,7 +74,9 @@ class PaymentService(payments_pb2_grpc.PaymentServiceServicer):
         response = payments_pb2.ListChargesResponse()
         for row in rows:
             charge = response.charges.add(
-                charge_id=row["charge_id"], order_id=row["order_id"], amount_cents=row["amount_cents"]
+                charge_id=row["charge_id"],
+                order_id=row["order_id"],
+                amount_cents=row["amount_cents"],
             )
             charge.charged_at.FromDatetime(row["charged_at"])
         return response

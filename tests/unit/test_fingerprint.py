@@ -62,7 +62,9 @@ def test_clearing_keeps_the_presence_of_a_message_that_held_only_excluded_fields
 
 
 def test_method_name_is_part_of_the_fingerprint() -> None:
-    other = Fingerprinter.for_method("/testsvc.v1.LedgerService/PostOptional", testsvc_pb2.PostRequest.DESCRIPTOR)
+    other = Fingerprinter.for_method(
+        "/testsvc.v1.LedgerService/PostOptional", testsvc_pb2.PostRequest.DESCRIPTOR
+    )
     assert other(request()) != fingerprint(request())
 
 

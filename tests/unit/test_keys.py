@@ -41,7 +41,11 @@ def test_key_found_among_other_metadata() -> None:
     assert key_from_metadata(None) is None
 
 
-@given(st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=255))
+@given(
+    st.text(
+        alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=255
+    )
+)
 def test_every_visible_ascii_key_up_to_255_is_accepted(key: str) -> None:
     assert key_from_metadata([("idempotency-key", key)]) == key
 

@@ -88,7 +88,9 @@ def test_finish_classifies_by_default_recorded_set(code: Code, expected: Finish)
 
 def test_finish_respects_an_overridden_set() -> None:
     assert finish(Code.NOT_FOUND, frozenset({Code.PERMISSION_DENIED})) is Finish.RELEASE
-    assert finish(Code.PERMISSION_DENIED, frozenset({Code.PERMISSION_DENIED})) is Finish.RECORD_ERROR
+    assert (
+        finish(Code.PERMISSION_DENIED, frozenset({Code.PERMISSION_DENIED})) is Finish.RECORD_ERROR
+    )
 
 
 def test_wait_budget_is_bounded_by_deadline_and_max_wait() -> None:
@@ -106,11 +108,19 @@ def test_retry_hint_is_clamped() -> None:
 
 
 def test_failpoint_specs() -> None:
-    points = parse_failpoints("after_claim=crash, before_commit=sleep:2000,after_commit_before_response=error")
+    points = parse_failpoints(
+        "after_claim=crash, before_commit=sleep:2000,after_commit_before_response=error"
+    )
     assert points["after_claim"].action is FailAction.CRASH
     assert points["before_commit"].sleep_ms == 2000
     assert points["after_commit_before_response"].action is FailAction.ERROR
     assert parse_failpoints("") == {}
-    for bad in ("nowhere=crash", "after_claim", "after_claim=explode", "after_claim=sleep:x", "after_claim=crash:1"):
+    for bad in (
+        "nowhere=crash",
+        "after_claim",
+        "after_claim=explode",
+        "after_claim=sleep:x",
+        "after_claim=crash:1",
+    ):
         with pytest.raises(ValueError):
             parse_failpoints(bad)

@@ -74,7 +74,9 @@ def test_defaults() -> None:
 
 
 def test_options_from_the_proto() -> None:
-    policy = compile_policy(testsvc_pb2.DESCRIPTOR.services_by_name["LedgerService"].methods_by_name["Post"])
+    policy = compile_policy(
+        testsvc_pb2.DESCRIPTOR.services_by_name["LedgerService"].methods_by_name["Post"]
+    )
     assert policy is not None
     assert policy.retention == timedelta(hours=1)
     assert policy.max_wait == timedelta(seconds=2)
@@ -127,7 +129,9 @@ def test_an_override_makes_an_unannotated_method_keyed() -> None:
     assert policy is not None and policy.key is KeyRequirement.REQUIRED
 
 
-def _step(name: str, call: str = "", outbox: bool = False) -> Callable[[options_pb2.MethodPolicy], None]:
+def _step(
+    name: str, call: str = "", outbox: bool = False
+) -> Callable[[options_pb2.MethodPolicy], None]:
     return lambda o: o.steps.add(name=name, call=call, outbox=outbox) and None
 
 
@@ -146,8 +150,16 @@ def _two_steps(o: options_pb2.MethodPolicy) -> None:
         (_step("charge.v1", "a.B/C", outbox=True), {}, "exactly one of call and outbox"),
         (_step("charge.v1", "PaymentService.Charge"), {}, "expected 'package.Service/Method'"),
         (lambda o: o.SetInParent(), {"streaming": True}, "unary methods only"),
-        (lambda o: o.SetInParent(), {"level": descriptor_pb2.MethodOptions.IDEMPOTENT}, "idempotency_level"),
-        (lambda o: o.SetInParent(), {"level": descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS}, "idempotency_level"),
+        (
+            lambda o: o.SetInParent(),
+            {"level": descriptor_pb2.MethodOptions.IDEMPOTENT},
+            "idempotency_level",
+        ),
+        (
+            lambda o: o.SetInParent(),
+            {"level": descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS},
+            "idempotency_level",
+        ),
         (lambda o: o.recorded_error_codes.append("NOT_A_CODE"), {}, "unknown status codes"),
         (lambda o: o.recorded_error_codes.append("UNAVAILABLE"), {}, "may not contain"),
         (lambda o: o.recorded_error_codes.append("OK"), {}, "may not contain"),

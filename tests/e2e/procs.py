@@ -1,0 +1,149 @@
+"""Run example services as real child processes: start, wait until listening, kill, reap.
+
+Output goes to files, not pipes: a child that logs a lot can never block on a full pipe, and the
+files are there to show when a start or a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on right now (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The current environment with the repo root on PYTHONPATH and no inherited failpoints."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_IDEMPOTENCY_FAILPOINTS"}
+    paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class ServiceProcess:
+    """One child process running ``python -m <module> <args>`` until it prints ``ready``."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        ready: str,
+        log_dir: Path,
+        name: str,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.args = [sys.executable, *args]
+        self.ready = ready
+        self.env = child_env(env)
+        self.stdout_path = log_dir / f"{name}.stdout"
+        self.stderr_path = log_dir / f"{name}.stderr"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    async def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=ROOT,
+                env=self.env,
+                start_new_session=True,  # a Ctrl-C of pytest must not reach it first
+            )
+        deadline = time.monotonic() + timeout
+        while self.ready not in self.stdout_path.read_text(errors="replace"):
+            if self.proc.returncode is not None:
+                raise RuntimeError(f"{self.args} exited with {self.proc.returncode}\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.args}: no {self.ready!r} in {timeout}s\n{self.logs()}")
+            # Wakes at once if the child exits; otherwise looks at its output again.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), 0.02)
+
+    async def wait(self, timeout: float = 10.0) -> int:
+        """Waits for the process to exit; returns its return code (-9: SIGKILL)."""
+        assert self.proc is not None, "not started"
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    def kill(self) -> None:
+        """SIGKILL, like a crash; no-op once it has exited."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (a clean shutdown), SIGKILL if it is still alive after ``timeout``."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        try:
+            self.proc.terminate()
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except ProcessLookupError:
+            pass
+        except TimeoutError:
+            self.kill()
+            await self.proc.wait()
+
+    def logs(self) -> str:
+        parts = []
+        for path in (self.stdout_path, self.stderr_path):
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                text = ""
+            parts.append(f"--- {path.name} ---\n{text[-4000:]}")
+        return "\n".join(parts)
+
+
+class Processes:
+    """Every process a test started, so that a fixture can reap them all however it ends."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._started: list[ServiceProcess] = []
+
+    async def payments(
+        self, dsn: str, port: int, *, failpoints: str | None = None
+    ) -> ServiceProcess:
+        """Starts ``python -m examples.checkout payments`` on 127.0.0.1:``port``."""
+        env = {"GRPC_IDEMPOTENCY_FAILPOINTS": failpoints} if failpoints else {}
+        proc = ServiceProcess(
+            ["-m", "examples.checkout", "payments", "--listen", f"127.0.0.1:{port}", "--dsn", dsn],
+            ready="payments listening on",
+            log_dir=self.log_dir,
+            name=f"payments-{len(self._started)}",
+            env=env,
+        )
+        self._started.append(proc)
+        await proc.start()
+        return proc
+
+    async def close(self) -> None:
+        for proc in self._started:
+            await proc.stop()
