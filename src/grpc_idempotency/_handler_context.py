@@ -1,0 +1,75 @@
+"""The context a keyed handler sees: the call's own, except that ``abort`` waits for the commit.
+
+grpc.aio's ``context.abort`` sends the status to the client at once. An answer must never leave
+before the outcome it reports is durable (a client that saw NOT_FOUND must get NOT_FOUND again
+on retry), so keyed handlers get a context whose ``abort`` raises ``DeferredAbort`` instead, and
+the interceptor sends the status after the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, NoReturn
+
+import grpc
+
+from grpc_idempotency._answers import Context
+
+
+class DeferredAbort(grpc.aio.AbortError):
+    """A handler's ``context.abort(...)``, held until its outcome is committed. A subclass of
+    ``AbortError`` so that handler code catching aborts behaves as usual."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Any) -> None:
+        super().__init__("aborted by the handler")
+        self.code = code
+        self.details = details
+        self.trailing_metadata = tuple(trailing_metadata or ())
+
+    async def send(self, context: Context) -> NoReturn:
+        await context.abort(self.code, self.details, self.trailing_metadata)
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+class KeyedContext:
+    """For async handlers: the call's context with ``abort`` deferred."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> NoReturn:
+        raise DeferredAbort(code, details, trailing_metadata)
+
+    async def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        raise DeferredAbort(status.code, status.details, status.trailing_metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+class SyncContext:
+    """For sync (``def``) handlers on a worker thread: blocking versions of the aio context's
+    coroutine methods, run on the server's loop, and ``abort`` deferred."""
+
+    def __init__(self, context: Context, loop: asyncio.AbstractEventLoop) -> None:
+        self._context = context
+        self._loop = loop
+
+    def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> NoReturn:
+        raise DeferredAbort(code, details, trailing_metadata)
+
+    def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        raise DeferredAbort(status.code, status.details, status.trailing_metadata)
+
+    def send_initial_metadata(self, metadata: Any) -> None:
+        coro = self._context.send_initial_metadata(metadata)
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
