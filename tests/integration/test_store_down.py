@@ -1,4 +1,5 @@
-"""PostgreSQL going away and coming back, on a private server this module may stop."""
+"""PostgreSQL going away and coming back, on a private server this module may stop; and bad keys,
+refused while the database is down (so provably without a round trip)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ async def test_bad_keys_are_refused_without_a_database_round_trip(
     assert answer.reason() == "IDEMPOTENCY_KEY_INVALID"
     missing = await call_raw(ledger.channel, SVC + "Post", post("x"), metadata(None))
     assert missing.reason() == "IDEMPOTENCY_KEY_MISSING"
+    assert ledger.service.executions == 0
 
 
 @pytest.mark.parametrize(
