@@ -183,3 +183,26 @@ def test_compile_policies_uses_overrides_by_any_spelling() -> None:
     assert "/testsvc.v1.LedgerService/Peek" in policies
     assert "/testsvc.v1.LedgerService/Post" in policies
     assert normalize_method("pkg.Svc/M") == normalize_method("/pkg.Svc/M") == "/pkg.Svc/M"
+
+
+def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
+    from grpc_idempotency import IdempotencyInterceptor, Store
+
+    bad = method_with(lambda o: o.steps.add(name="Bad Name", call="a.B/C") and None)
+    streaming = method_with(lambda o: o.SetInParent(), streaming=True)
+    phased = method_with(lambda o: setattr(o, "mode", options_pb2.MODE_PHASED))
+    store: Store = object()  # type: ignore[assignment]  # never touched while compiling
+    for method, message in ((bad, "does not match"), (streaming, "unary"), (phased, "MODE_PHASED")):
+        with pytest.raises(PolicyError, match=message) as caught:
+            IdempotencyInterceptor(store, services=[method.containing_service])
+        assert method.containing_service.full_name in str(caught.value)
+    # An override on a streaming method is refused the same way.
+    plain_streaming = method_with(None, streaming=True)
+    service = plain_streaming.containing_service
+    assert IdempotencyInterceptor(store, services=[service]).policies == {
+        f"/{service.full_name}/Do": None
+    }
+    with pytest.raises(PolicyError, match="unary"):
+        IdempotencyInterceptor(
+            store, services=[service], overrides={service.full_name + "/Do": MethodOverride()}
+        )
