@@ -18,14 +18,11 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf import descriptor_pool
-from google.protobuf.descriptor import FileDescriptor, MethodDescriptor, ServiceDescriptor
 
 from grpc_idempotency import _answers as answers
 from grpc_idempotency import call as call_context
@@ -60,18 +57,13 @@ from grpc_idempotency.core.policy import (
     MethodPolicy,
     Mode,
     StoreDown,
-    compile_policies,
-    compile_policy,
-    method_path,
-    normalize_method,
 )
+from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
 from grpc_idempotency.store.postgres import AtomicAttempt, Store
 from grpc_idempotency.telemetry import Telemetry
 
 log = logging.getLogger("grpc_idempotency.server")
-
-Services = Iterable[ServiceDescriptor | FileDescriptor | ModuleType]
 
 if TYPE_CHECKING:
     _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
@@ -148,49 +140,20 @@ class IdempotencyInterceptor(_Interceptor):
     ) -> None:
         self.store = store
         self._scope = scope
-        self._overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
         self._telemetry = telemetry or Telemetry()
-        self._policies: dict[str, MethodPolicy | None] = {}
+        self._registry = PolicyRegistry(services, overrides, check=_check_supported)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], asyncio.Future[_Shared | None]] = {}
         self._waiting = 0
-        methods = list(_methods_of(services))
-        self._policies.update(compile_policies(methods, self._overrides))
-        for method in methods:
-            self._policies.setdefault(method_path(method), None)
-        for policy in self._policies.values():
-            if policy is not None:
-                _check_supported(policy)
 
     @property
     def policies(self) -> Mapping[str, MethodPolicy | None]:
-        return dict(self._policies)
+        return self._registry.policies
 
     @property
     def waiting_calls(self) -> int:
         """Calls now waiting for another attempt with the same key to finish."""
         return self._waiting
-
-    def _policy_for(self, path: str) -> MethodPolicy | None:
-        try:
-            return self._policies[path]
-        except KeyError:
-            pass
-        # Not compiled at start: look in the default pool (a descriptor is there once its
-        # _pb2 module was imported, which registering the servicer has done).
-        policy = None
-        service_name, _, method_name = path.lstrip("/").partition("/")
-        try:
-            service = descriptor_pool.Default().FindServiceByName(service_name)
-            method = service.methods_by_name.get(method_name)
-        except KeyError:
-            method = None
-        if method is not None:
-            policy = compile_policy(method, self._overrides.get(path))
-            if policy is not None:
-                _check_supported(policy)
-        self._policies[path] = policy
-        return policy
 
     async def intercept_service(
         self,
@@ -204,7 +167,7 @@ class IdempotencyInterceptor(_Interceptor):
         if handler is None:
             return handler
         try:
-            policy = self._policy_for(path)
+            policy = self._registry.get(path)
         except PolicyError:
             log.exception("bad idempotency options on %s", path)
             raise
@@ -510,16 +473,3 @@ def _in_progress(policy: MethodPolicy, retry_after: int) -> KeyInProgress:
 def _check_supported(policy: MethodPolicy) -> None:
     if policy.mode is Mode.PHASED:
         raise PolicyError(f"{policy.method}: MODE_PHASED is not supported by this release yet")
-
-
-def _methods_of(services: Services) -> Iterable[MethodDescriptor]:
-    for item in services:
-        if isinstance(item, ModuleType):
-            item = item.DESCRIPTOR
-        if isinstance(item, FileDescriptor):
-            for service in item.services_by_name.values():
-                yield from service.methods
-        elif isinstance(item, ServiceDescriptor):
-            yield from item.methods
-        else:
-            raise TypeError(f"expected a service or file descriptor or a _pb2 module, got {item!r}")

@@ -1,0 +1,115 @@
+"""Which key an outgoing call carries. Pure decisions; the client interceptor carries them out.
+
+In order:
+1. the caller set ``idempotency-key`` itself (an ``Operation``): keep it;
+2. the call is made while serving a keyed call: the child key of the declared step whose
+   ``call`` is the target method (or of the step the handler named), derived from the parent's
+   scope, key and the step name (``keys.child_key``). A keyed target with no declared step is
+   an error *before anything is sent*: a fresh random key there would re-execute the downstream
+   effect on every retry of the parent, which is the bug this library exists to prevent;
+3. an operation is active in the caller's context: its key;
+4. the target requires a key and none of the above applies: a fresh key for this call, which
+   gRPC's transparent retries then resend unchanged;
+5. the target is not keyed (a read): nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.core.keys import child_key
+from grpc_idempotency.core.policy import Step, normalize_method
+
+
+class StepUndeclared(IdempotencyError):
+    """A handler called a keyed method for which its own method declares no step."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_STEP_UNDECLARED"
+
+
+class StepAmbiguous(IdempotencyError):
+    """Several declared steps call the target; the handler must name one."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_STEP_AMBIGUOUS"
+
+
+class KeySource(enum.Enum):
+    EXPLICIT = "explicit"
+    CHILD = "child"
+    OPERATION = "operation"
+    MINTED = "minted"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Parent:
+    """The keyed call being served, as far as propagation needs it."""
+
+    method: str
+    scope: str
+    key: str
+    steps: tuple[Step, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyChoice:
+    source: KeySource
+    key: str | None = None
+    step: str | None = None
+
+
+def choose_step(parent: Parent, target: str, named: str | None) -> Step:
+    target = normalize_method(target)
+    calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
+    if named is not None:
+        for step in calling:
+            if step.name == named:
+                return step
+        declared = [s.name for s in calling]
+        raise StepUndeclared(
+            f"{parent.method} names step {named!r} for a call to {target}, but its declared steps"
+            f" calling {target} are {declared}"
+        )
+    if not calling:
+        raise StepUndeclared(
+            f"{parent.method} calls keyed method {target} without a declared step: add"
+            f' steps: {{ name: "<what>.v1" call: "{target.lstrip("/")}" }} to its'
+            " (grpc_idempotency.v1.method) option"
+        )
+    if len(calling) > 1:
+        raise StepAmbiguous(
+            f"{parent.method} declares several steps calling {target}"
+            f" ({[s.name for s in calling]}); name one with step(...) or step= on the call"
+        )
+    return calling[0]
+
+
+def choose_key(
+    *,
+    target: str,
+    target_keyed: bool,
+    explicit_key: str | None,
+    parent: Parent | None,
+    named_step: str | None,
+    operation_key: str | None,
+    mint: Sequence[str] | None = None,
+) -> KeyChoice:
+    """``mint`` is a one-element sequence with a fresh key, used only when one is needed."""
+    if explicit_key is not None:
+        return KeyChoice(KeySource.EXPLICIT, explicit_key)
+    if not target_keyed:
+        return KeyChoice(KeySource.NONE)
+    if parent is not None:
+        step = choose_step(parent, target, named_step)
+        return KeyChoice(KeySource.CHILD, child_key(parent.scope, parent.key, step.name), step.name)
+    if operation_key is not None:
+        return KeyChoice(KeySource.OPERATION, operation_key)
+    if mint:
+        return KeyChoice(KeySource.MINTED, mint[0])
+    raise ValueError("a keyed call needs a key and none was minted")

@@ -1,0 +1,83 @@
+"""Method policies by gRPC path, shared by the server and client interceptors.
+
+Services named at construction are compiled at once, so bad options fail the start; any other
+method is looked up in the default descriptor pool on first use (its ``_pb2`` module is imported
+by then: a servicer or stub needs it) and the answer, keyed or not, is cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
+
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import FileDescriptor, MethodDescriptor, ServiceDescriptor
+
+from grpc_idempotency.core.policy import (
+    MethodOverride,
+    MethodPolicy,
+    compile_policies,
+    compile_policy,
+    method_path,
+    normalize_method,
+)
+
+Services = Iterable[ServiceDescriptor | FileDescriptor | ModuleType]
+
+
+class PolicyRegistry:
+    def __init__(
+        self,
+        services: Services = (),
+        overrides: Mapping[str, MethodOverride] | None = None,
+        *,
+        check: Callable[[MethodPolicy], None] | None = None,
+    ) -> None:
+        self._overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
+        self._check = check
+        self._policies: dict[str, MethodPolicy | None] = {}
+        methods = list(methods_of(services))
+        self._policies.update(compile_policies(methods, self._overrides))
+        for method in methods:
+            self._policies.setdefault(method_path(method), None)
+        for policy in self._policies.values():
+            if policy is not None and check is not None:
+                check(policy)
+
+    @property
+    def policies(self) -> Mapping[str, MethodPolicy | None]:
+        return dict(self._policies)
+
+    def get(self, path: str) -> MethodPolicy | None:
+        """The policy of "/pkg.Service/Method", ``None`` when the method is not keyed."""
+        try:
+            return self._policies[path]
+        except KeyError:
+            pass
+        policy = None
+        service_name, _, method_name = path.lstrip("/").partition("/")
+        try:
+            service = descriptor_pool.Default().FindServiceByName(service_name)
+            method = service.methods_by_name.get(method_name)
+        except KeyError:
+            method = None
+        override = self._overrides.get(path)
+        if method is not None:
+            policy = compile_policy(method, override)
+            if policy is not None and self._check is not None:
+                self._check(policy)
+        self._policies[path] = policy
+        return policy
+
+
+def methods_of(services: Services) -> Iterable[MethodDescriptor]:
+    for item in services:
+        if isinstance(item, ModuleType):
+            item = item.DESCRIPTOR
+        if isinstance(item, FileDescriptor):
+            for service in item.services_by_name.values():
+                yield from service.methods
+        elif isinstance(item, ServiceDescriptor):
+            yield from item.methods
+        else:
+            raise TypeError(f"expected a service or file descriptor or a _pb2 module, got {item!r}")
