@@ -1,36 +1,74 @@
 """The one accessor handlers use to reach the call's transaction: ``current_call()``.
 
-In atomic mode the handler's writes must go through ``current_call().connection``: that
-connection holds the transaction in which the key was claimed and in which the outcome commits,
-so the business write and the stored response succeed or fail together. Never open another
-connection for them: its writes would commit even when the outcome does not.
+The handler's writes must go through the call's transaction: it is the one in which the outcome
+commits, so the business write and the stored response succeed or fail together. Never open
+another connection for them: its writes would commit even when the outcome does not.
+
+- Atomic mode: the transaction is open before the handler starts; ``current_call().connection``.
+- Phased mode: no transaction is open while the handler calls other services. The handler makes
+  its downstream calls first, then ``conn = await current_call().transaction()`` opens the final
+  transaction (checking that this attempt still owns the key) for its local writes, and the
+  outcome commits in it. Downstream calls after that are refused: a transaction must not stay
+  open across them.
+
+``await current_call().transaction()`` works in both modes, so a handler can be written once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable
+from grpc_idempotency.core.policy import Step
 from grpc_idempotency.store.postgres import PooledConnection
 
 T = TypeVar("T")
+_savepoints = itertools.count(1)
 
 
-@dataclass(frozen=True, slots=True)
 class IdempotentCall:
     """The keyed call being handled."""
 
-    method: str
-    """The gRPC path, "/package.Service/Method"."""
-    scope: str | None
-    key: str | None
-    """``None`` when an optional-key method was called without one (no deduplication)."""
-    loop: asyncio.AbstractEventLoop = field(repr=False)
-    _connection: PooledConnection | None = field(repr=False, default=None)
+    def __init__(
+        self,
+        method: str,
+        scope: str | None,
+        key: str | None,
+        loop: asyncio.AbstractEventLoop,
+        connection: PooledConnection | None = None,
+        *,
+        steps: tuple[Step, ...] = (),
+        deadline: float | None = None,
+        open_final: Callable[[], Awaitable[PooledConnection]] | None = None,
+    ) -> None:
+        self.method = method
+        """The gRPC path, "/package.Service/Method"."""
+        self.scope = scope
+        self.key = key
+        """``None`` when an optional-key method was called without one (no deduplication)."""
+        self.steps = steps
+        self.deadline = deadline
+        """``time.monotonic()`` value of the incoming call's deadline, if it has one."""
+        self.loop = loop
+        self._connection = connection
+        self._open_final = open_final
+        self._opening: asyncio.Future[PooledConnection] | None = None
+
+    @property
+    def phased(self) -> bool:
+        return self._open_final is not None
+
+    @property
+    def transaction_open(self) -> bool:
+        return self._connection is not None
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     @property
     def connection(self) -> PooledConnection:
@@ -40,10 +78,24 @@ class IdempotentCall:
         (``async with call.savepoint():``) rather than ``connection.transaction()`` for nesting.
         """
         if self._connection is None:
+            if self.phased:
+                raise NotInIdempotentCall(
+                    f"{self.method} runs in phased mode: open the final transaction with"
+                    " `await current_call().transaction()` after the downstream calls"
+                )
             raise StoreUnavailable(
                 f"{self.method}: no transaction: the store is unavailable"
                 " and this method fails open"
             )
+        return self._connection
+
+    async def transaction(self) -> PooledConnection:
+        """The connection of the call's transaction, opening it first in phased mode."""
+        if self._connection is not None or self._open_final is None:
+            return self.connection
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open_final())
+        self._connection = await asyncio.shield(self._opening)
         return self._connection
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -56,12 +108,9 @@ class IdempotentCall:
 
 
 class _Savepoint:
-    _counter = 0
-
     def __init__(self, conn: PooledConnection) -> None:
-        _Savepoint._counter += 1
         self._conn = conn
-        self._name = f"grpc_idempotency_sp_{_Savepoint._counter}"
+        self._name = f"grpc_idempotency_sp_{next(_savepoints)}"
 
     async def __aenter__(self) -> PooledConnection:
         await self._conn.execute(f"SAVEPOINT {self._name}")
@@ -85,6 +134,10 @@ def current_call() -> IdempotentCall:
         raise NotInIdempotentCall(
             "current_call() is only available inside a handler of a keyed method"
         ) from None
+
+
+def current_call_or_none() -> IdempotentCall | None:
+    return _current.get(None)
 
 
 def bind(call: IdempotentCall) -> contextvars.Token[IdempotentCall]:

@@ -15,6 +15,7 @@ Either wait ends at the method's ``max_wait`` or the call's deadline, whichever 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -60,7 +61,7 @@ from grpc_idempotency.core.policy import (
 )
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
-from grpc_idempotency.store.postgres import AtomicAttempt, Store
+from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store
 from grpc_idempotency.telemetry import Telemetry
 
 log = logging.getLogger("grpc_idempotency.server")
@@ -141,7 +142,7 @@ class IdempotencyInterceptor(_Interceptor):
         self.store = store
         self._scope = scope
         self._telemetry = telemetry or Telemetry()
-        self._registry = PolicyRegistry(services, overrides, check=_check_supported)
+        self._registry = PolicyRegistry(services, overrides)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], asyncio.Future[_Shared | None]] = {}
         self._waiting = 0
@@ -302,6 +303,20 @@ class IdempotencyInterceptor(_Interceptor):
                 await answers.abort(context, _reused())
             if decision.action is Action.WAIT:
                 raise _Busy(decision.retry_after_ms)
+            if policy.mode is Mode.PHASED:
+                claim = await self.store.claim_phased(
+                    scope=scope,
+                    key=key,
+                    method=policy.method,
+                    fingerprint=fingerprint,
+                    retention_s=policy.retention.total_seconds(),
+                    lease_s=policy.lease.total_seconds(),
+                    timeout=answers.time_remaining(context),
+                )
+                if claim is None:
+                    raise _Busy(retry_after_ms(None))
+                executed = CallOutcome.TAKEN_OVER if decision.takeover else CallOutcome.EXECUTED
+                return await self._execute_phased(call, claim, scope, key, fingerprint, executed)
             attempt = await self.store.claim_atomic(
                 scope=scope,
                 key=key,
@@ -327,7 +342,7 @@ class IdempotencyInterceptor(_Interceptor):
     async def _execute(
         self,
         call: _Call,
-        attempt: AtomicAttempt,
+        attempt: Attempt,
         scope: str,
         key: str,
         fingerprint: bytes,
@@ -338,7 +353,15 @@ class IdempotencyInterceptor(_Interceptor):
         policy, context = call.policy, call.context
         loop = asyncio.get_running_loop()
         bound = call_context.bind(
-            call_context.IdempotentCall(policy.method, scope, key, loop, attempt.connection)
+            call_context.IdempotentCall(
+                policy.method,
+                scope,
+                key,
+                loop,
+                attempt.connection,
+                steps=policy.steps,
+                deadline=_deadline(context),
+            )
         )
         aborted: DeferredAbort | None = None
         response: Any = None
@@ -348,6 +371,10 @@ class IdempotencyInterceptor(_Interceptor):
             response = await self._invoke(call)
         except DeferredAbort as exc:  # the handler called context.abort()
             aborted = exc
+        except IdempotencyError as err:  # e.g. an undeclared step on a downstream call
+            call.outcome = CallOutcome.RELEASED
+            await asyncio.shield(attempt.release())
+            await answers.abort(context, err)
         except BaseException:
             call.outcome = CallOutcome.RELEASED
             await asyncio.shield(attempt.release())
@@ -355,11 +382,27 @@ class IdempotencyInterceptor(_Interceptor):
         finally:
             call_context.unbind(bound)
 
+        return await self._finish(call, response, aborted, fingerprint, executed, attempt)
+
+    async def _finish(
+        self,
+        call: _Call,
+        response: Any,
+        aborted: DeferredAbort | None,
+        fingerprint: bytes,
+        executed: CallOutcome,
+        attempt: Attempt | None,
+        claim: PhasedClaim | None = None,
+    ) -> _Result:
+        """Commits the handler's outcome (or releases the key), then answers. ``attempt`` is the
+        open transaction holding the claim; in phased mode it may be ``None`` (the handler wrote
+        nothing) and is opened here from ``claim``."""
+        policy, context = call.policy, call.context
         code = answers.code_of(context) if aborted is None else Code(aborted.code.value[0])
         what = finish(code, policy.recorded_errors)
         if what is Finish.RELEASE:
             call.outcome = CallOutcome.RELEASED
-            await asyncio.shield(attempt.release())
+            await self._release(attempt, claim)
             if aborted is not None:
                 await aborted.send(context)
             return _Result(response)
@@ -377,6 +420,9 @@ class IdempotencyInterceptor(_Interceptor):
                 outcome = Outcome(code, context.details() or "", details)
             if failpoints.ENABLED:
                 await failpoints.hit("before_commit")
+            if attempt is None:
+                assert claim is not None
+                attempt = await claim.begin_final(timeout=answers.time_remaining(context))
             if what is Finish.RECORD:
                 await asyncio.shield(attempt.record(outcome))
             else:
@@ -385,10 +431,12 @@ class IdempotencyInterceptor(_Interceptor):
             # Nothing was recorded: the answer says so instead of what the handler wanted.
             lost = isinstance(err, LeaseLost)
             call.outcome = CallOutcome.RELEASED if lost else CallOutcome.UNAVAILABLE
+            if not lost and claim is not None:
+                await asyncio.shield(claim.release())
             await answers.abort(context, err)
         except BaseException:
             call.outcome = CallOutcome.RELEASED
-            await asyncio.shield(attempt.release())
+            await self._release(attempt, claim)
             raise
         call.outcome = executed
         shared = _Shared(fingerprint, outcome)
@@ -399,6 +447,85 @@ class IdempotencyInterceptor(_Interceptor):
         if data is None:
             return _Result(response, shared)  # set_code(): answer as the handler did
         return _Result(answers.Serialized(data), shared)
+
+    async def _release(self, attempt: Attempt | None, claim: PhasedClaim | None) -> None:
+        if attempt is not None:
+            await asyncio.shield(attempt.release())
+        if claim is not None:
+            await asyncio.shield(claim.release())
+
+    async def _execute_phased(
+        self,
+        call: _Call,
+        claim: PhasedClaim,
+        scope: str,
+        key: str,
+        fingerprint: bytes,
+        executed: CallOutcome,
+    ) -> _Result:
+        """Phased mode: the claim is committed with a lease. The handler runs with no
+        transaction open (it may call other services with child keys) while the lease is
+        renewed; its local writes and the outcome commit in a final transaction that first
+        checks the fencing token."""
+        policy, context = call.policy, call.context
+        loop = asyncio.get_running_loop()
+        handler_task = asyncio.current_task()
+        assert handler_task is not None
+        final: Attempt | None = None
+        lease = _LeaseKeeper(claim, handler_task)
+
+        async def open_final() -> Any:
+            nonlocal final
+            # The final transaction locks the claim row: renewing from here on would wait on
+            # that lock and then find the key completed.
+            await lease.stop()
+            final = await claim.begin_final(timeout=answers.time_remaining(context))
+            return final.connection
+
+        icall = call_context.IdempotentCall(
+            policy.method,
+            scope,
+            key,
+            loop,
+            steps=policy.steps,
+            deadline=_deadline(context),
+            open_final=open_final,
+        )
+        bound = call_context.bind(icall)
+        aborted: DeferredAbort | None = None
+        response: Any = None
+        lease.start()
+        try:
+            if failpoints.ENABLED:
+                await failpoints.hit("after_claim")
+            response = await self._invoke(call)
+        except DeferredAbort as exc:
+            aborted = exc
+        except asyncio.CancelledError:
+            if not lease.lost:
+                call.outcome = CallOutcome.RELEASED
+                await self._release(final, claim)
+                raise
+            # Cancelled by the lease keeper: another attempt owns the key now.
+            handler_task.uncancel()
+        except IdempotencyError as err:  # lease lost at the final transaction, undeclared step
+            call.outcome = CallOutcome.RELEASED
+            await self._release(final, claim)
+            await answers.abort(context, err)
+        except BaseException:
+            call.outcome = CallOutcome.RELEASED
+            await self._release(final, claim)
+            raise
+        finally:
+            call_context.unbind(bound)
+            await lease.stop()
+        if lease.lost:
+            call.outcome = CallOutcome.RELEASED
+            await self._release(final, None)
+            await answers.abort(
+                context, LeaseLost("the lease ran out and another attempt took over")
+            )
+        return await self._finish(call, response, aborted, fingerprint, executed, final, claim)
 
     async def _invoke(self, call: _Call) -> Any:
         """Runs the handler with its aborts deferred (``DeferredAbort``)."""
@@ -455,6 +582,45 @@ class IdempotencyInterceptor(_Interceptor):
         return response
 
 
+class _LeaseKeeper:
+    """Renews a phased claim's lease while its handler runs; if the claim is lost (taken over
+    after this process stalled), cancels the handler: its work is no longer wanted."""
+
+    def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any]) -> None:
+        self._claim = claim
+        self._handler = handler
+        self._task: asyncio.Task[None] | None = None
+        self.lost = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        interval = max(0.05, self._claim.lease_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if await self._claim.renew():
+                    continue
+            except StoreUnavailable:
+                continue  # the lease may still hold; the final commit checks the token anyway
+            self.lost = True
+            self._handler.cancel()
+            return
+
+
+def _deadline(context: Context) -> float | None:
+    remaining = answers.time_remaining(context)
+    return None if remaining is None else time.monotonic() + remaining
+
+
 def _reused() -> KeyReused:
     return KeyReused(
         "this idempotency key was already used with a different request (method or payload);"
@@ -468,8 +634,3 @@ def _in_progress(policy: MethodPolicy, retry_after: int) -> KeyInProgress:
         f" retry after {retry_after} ms",
         retry_after_ms=retry_after,
     )
-
-
-def _check_supported(policy: MethodPolicy) -> None:
-    if policy.mode is Mode.PHASED:
-        raise PolicyError(f"{policy.method}: MODE_PHASED is not supported by this release yet")

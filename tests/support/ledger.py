@@ -76,7 +76,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             self.started.set()
             await self.release.wait()
         call = current_call()
-        entry_id = await call.connection.fetchval(
+        conn = await call.transaction()
+        entry_id = await conn.fetchval(
             "INSERT INTO test_ledger.ledger (account, amount, tenant) VALUES ($1, $2, $3)"
             " RETURNING id",
             request.account,
@@ -85,7 +86,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         )
         if behaviour.startswith("commit"):
             # A misbehaving handler that ends the library's transaction itself.
-            await call.connection.execute("COMMIT")
+            await conn.execute("COMMIT")
             if behaviour.startswith("commit-then:"):
                 code = getattr(grpc.StatusCode, behaviour.split(":")[1])
                 await context.abort(code, "aborted after committing")
@@ -125,6 +126,16 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     async def PostFailOpen(self, request: Any, context: Any) -> Any:
         self.executions += 1
         return testsvc_pb2.PostResponse(account=request.account, execution_nonce=uuid.uuid4().hex)
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        if request.behaviour == "no-writes":
+            self.executions += 1
+            return testsvc_pb2.PostResponse(
+                account=request.account, execution_nonce=uuid.uuid4().hex
+            )
+        if request.behaviour == "early-connection":
+            current_call().connection  # noqa: B018  (must raise: no transaction yet)
+        return await self._post(request, context)
 
     async def PostShortLived(self, request: Any, context: Any) -> Any:
         return await self._post(request, context)

@@ -124,6 +124,23 @@ def test_every_option_can_be_overridden_in_python() -> None:
     assert policy.steps == (Step(name="send-email.v2", call="a.B/C"),)
 
 
+def test_mode_follows_the_steps_unless_set() -> None:
+    def calls(o: options_pb2.MethodPolicy) -> None:
+        o.steps.add(name="charge.v1", call="a.B/C")
+
+    def outbox_only(o: options_pb2.MethodPolicy) -> None:
+        o.steps.add(name="event.v1", outbox=True)
+
+    def atomic_with_calls(o: options_pb2.MethodPolicy) -> None:
+        o.mode = options_pb2.MODE_ATOMIC
+        calls(o)
+
+    assert compile_policy(method_with(calls)).mode is Mode.PHASED  # type: ignore[union-attr]
+    assert compile_policy(method_with(outbox_only)).mode is Mode.ATOMIC  # type: ignore[union-attr]
+    with pytest.raises(PolicyError, match="MODE_ATOMIC cannot declare steps that call"):
+        compile_policy(method_with(atomic_with_calls))
+
+
 def test_an_override_makes_an_unannotated_method_keyed() -> None:
     policy = compile_policy(method_with(None), MethodOverride())
     assert policy is not None and policy.key is KeyRequirement.REQUIRED
@@ -190,9 +207,8 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
 
     bad = method_with(lambda o: o.steps.add(name="Bad Name", call="a.B/C") and None)
     streaming = method_with(lambda o: o.SetInParent(), streaming=True)
-    phased = method_with(lambda o: setattr(o, "mode", options_pb2.MODE_PHASED))
     store: Store = object()  # type: ignore[assignment]  # never touched while compiling
-    for method, message in ((bad, "does not match"), (streaming, "unary"), (phased, "MODE_PHASED")):
+    for method, message in ((bad, "does not match"), (streaming, "unary")):
         with pytest.raises(PolicyError, match=message) as caught:
             IdempotencyInterceptor(store, services=[method.containing_service])
         assert method.containing_service.full_name in str(caught.value)

@@ -175,7 +175,7 @@ def compile_policy(
         max_wait=ov.max_wait
         if ov.max_wait is not None
         else _duration(options, "max_wait", DEFAULT_MAX_WAIT),
-        mode=ov.mode or _MODE[options.mode],
+        mode=ov.mode or _mode(options, steps, path),
         recorded_errors=recorded,
         store_down=ov.store_down or _STORE_DOWN[options.store_down],
         steps=steps,
@@ -188,6 +188,22 @@ def compile_policy(
     if policy.max_wait < timedelta(0):
         raise fail("max_wait may not be negative")
     return policy
+
+
+def _mode(options: options_pb2.MethodPolicy, steps: tuple[Step, ...], path: str) -> Mode:
+    """Unset mode: phased when a step calls another service, else atomic. An explicitly atomic
+    method that calls other services is refused: its transaction would stay open across the
+    calls, holding a connection and locks for as long as the slowest downstream service."""
+    calls = [s.name for s in steps if s.call]
+    if options.mode == options_pb2.MODE_UNSPECIFIED:
+        return Mode.PHASED if calls else Mode.ATOMIC
+    mode = _MODE[options.mode]
+    if mode is Mode.ATOMIC and calls:
+        raise PolicyError(
+            f"{path}: MODE_ATOMIC cannot declare steps that call other services ({calls});"
+            " leave mode unset or use MODE_PHASED"
+        )
+    return mode
 
 
 def _check_steps(path: str, steps: tuple[Step, ...]) -> None:

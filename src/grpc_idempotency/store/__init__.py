@@ -1,5 +1,5 @@
 """The PostgreSQL store (asyncpg): claim, complete, release, look up, purge; SQL migrations."""
 
-from grpc_idempotency.store.postgres import AtomicAttempt, Store
+from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store
 
-__all__ = ["AtomicAttempt", "Store"]
+__all__ = ["Attempt", "PhasedClaim", "Store"]

@@ -69,10 +69,13 @@ class _Claim:
     scope: str
     key: str
     retention_s: float
+    token: int | None = None
+    """The fencing token; ``None`` in atomic mode, where the claim is in the same transaction."""
 
 
-class AtomicAttempt:
-    """A claimed key in atomic mode: an open transaction holding the claim.
+class Attempt:
+    """An open transaction that holds a claimed key: in atomic mode the claim itself is in it,
+    in phased mode it has verified and locked the committed claim (``PhasedClaim.begin_final``).
 
     Exactly one of ``record``, ``record_error`` or ``release`` ends it, and the connection goes
     back to the pool in every case.
@@ -101,7 +104,7 @@ class AtomicAttempt:
             sql = self._store.statements.complete_and_commit(
                 scope=self._claim.scope,
                 key=self._claim.key,
-                token=None,
+                token=self._claim.token,
                 code=int(outcome.code),
                 message=outcome.message.replace("\x00", "\ufffd"),
                 details=outcome.details,
@@ -255,7 +258,7 @@ class Store:
         retention_s: float,
         lease_s: float,
         timeout: float | None = None,
-    ) -> AtomicAttempt | None:
+    ) -> Attempt | None:
         """Opens the call's transaction and claims the key in it; ``None`` if another attempt
         holds or has recorded the key (look again)."""
         conn = await self._acquire("claiming a key", timeout)
@@ -268,7 +271,7 @@ class Store:
             retention_s=retention_s,
             lease_s=lease_s,
         )
-        attempt = AtomicAttempt(self, conn, _Claim(scope, key, retention_s))
+        attempt = Attempt(self, conn, _Claim(scope, key, retention_s))
         try:
             await conn.execute(sql)
         except asyncpg.PostgresError as exc:
@@ -292,6 +295,37 @@ class Store:
             await self._release(conn)
             raise _unavailable(exc, "beginning a transaction") from exc
         return PlainTransaction(self, conn)
+
+    async def claim_phased(
+        self,
+        *,
+        scope: str,
+        key: str,
+        method: str,
+        fingerprint: bytes,
+        retention_s: float,
+        lease_s: float,
+        timeout: float | None = None,
+    ) -> PhasedClaim | None:
+        """Claims the key in a statement of its own, committed with a lease; ``None`` if another
+        attempt holds or has recorded the key (look again)."""
+        sql = self.statements.claim(
+            scope=scope,
+            key=key,
+            lock_id=claim_lock_id(self.schema, scope, key),
+            method=method,
+            fingerprint=fingerprint,
+            retention_s=retention_s,
+            lease_s=lease_s,
+        )
+        async with self.connection("claiming a key", timeout) as conn:
+            try:
+                token: int = await conn.fetchval(sql)
+            except asyncpg.PostgresError as exc:
+                if exc.sqlstate in (_CLAIM_BUSY, _ALREADY_RECORDED):
+                    return None
+                raise
+        return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s)
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
         """Deletes records past retention in batches of ``batch_size``; returns how many."""
@@ -356,3 +390,62 @@ class PlainTransaction:
             self.connection.terminate()
         finally:
             await self._store._release(self.connection)
+
+
+class PhasedClaim:
+    """A committed in-progress claim with a lease and a fencing token (phased mode).
+
+    No transaction is open while the handler runs. The outcome commits in a final transaction
+    (``begin_final`` or ``complete``) that first checks the fencing token, so an owner whose lease
+    expired and was taken over cannot commit.
+    """
+
+    def __init__(self, store: Store, claim: _Claim, lease_s: float) -> None:
+        self._store = store
+        self._claim = claim
+        self.lease_s = lease_s
+
+    @property
+    def token(self) -> int:
+        assert self._claim.token is not None
+        return self._claim.token
+
+    async def renew(self) -> bool:
+        """Extends the lease; ``False`` when the claim is no longer this attempt's."""
+        c = self._claim
+        async with self._store.connection("renewing a lease") as conn:
+            status = await conn.execute(
+                self._store.statements.renew, c.scope, c.key, self.token, self.lease_s
+            )
+        return status.endswith(" 1")
+
+    async def begin_final(self, *, timeout: float | None = None) -> Attempt:
+        """Opens the final transaction, holding the claim row; raises ``LeaseLost``."""
+        store, c = self._store, self._claim
+        conn = await store._acquire("opening the final transaction", timeout)
+        attempt = Attempt(store, conn, c)
+        try:
+            await conn.execute(
+                store.statements.begin_final(scope=c.scope, key=c.key, token=self.token)
+            )
+        except asyncpg.PostgresError as exc:
+            await attempt.release()
+            if exc.sqlstate == _CLAIM_LOST:
+                raise LeaseLost("the claim was taken over by another attempt") from exc
+            raise _unavailable(exc, "opening the final transaction") from exc
+        except BaseException as exc:
+            await attempt.release()
+            if isinstance(exc, _STORE_ERRORS):
+                raise _unavailable(exc, "opening the final transaction") from exc
+            raise
+        return attempt
+
+    async def release(self) -> None:
+        """Deletes the claim so that a retry runs at once instead of waiting out the lease.
+        Best effort: if this fails the lease still expires."""
+        c = self._claim
+        try:
+            async with self._store.connection("releasing a claim") as conn:
+                await conn.execute(self._store.statements.release, c.scope, c.key, self.token)
+        except StoreUnavailable:
+            log.warning("could not release claim %s/%s; it expires with its lease", c.scope, c.key)

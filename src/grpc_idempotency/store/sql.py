@@ -61,6 +61,12 @@ class Statements:
                    GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
                        AS lease_remaining_ms
             FROM {s}.records WHERE scope = $1 AND key = $2"""
+        self.renew = f"""
+            UPDATE {s}.records SET locked_until = clock_timestamp() + make_interval(secs => $4)
+            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
+        self.release = f"""
+            DELETE FROM {s}.records
+            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
         self.purge = f"""
             WITH doomed AS (
                 SELECT scope, key FROM {s}.records
@@ -68,6 +74,23 @@ class Statements:
                   AND (state = 'completed' OR locked_until <= clock_timestamp())
                 LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"""
+
+    def claim(
+        self,
+        *,
+        scope: str,
+        key: str,
+        lock_id: int,
+        method: str,
+        fingerprint: bytes,
+        retention_s: float,
+        lease_s: float,
+    ) -> str:
+        return (
+            f"SELECT {self.schema}.claim({text_literal(scope)}, {text_literal(key)}, "
+            f"{int_literal(lock_id)}, {text_literal(method)}, {bytes_literal(fingerprint)}, "
+            f"{float_literal(retention_s)}, {float_literal(lease_s)})"
+        )
 
     def begin_atomic_claim(
         self,
@@ -80,12 +103,22 @@ class Statements:
         retention_s: float,
         lease_s: float,
     ) -> str:
+        claim = self.claim(
+            scope=scope,
+            key=key,
+            lock_id=lock_id,
+            method=method,
+            fingerprint=fingerprint,
+            retention_s=retention_s,
+            lease_s=lease_s,
+        )
+        return f"BEGIN ISOLATION LEVEL READ COMMITTED; {claim}; SAVEPOINT {SAVEPOINT}"
+
+    def begin_final(self, *, scope: str, key: str, token: int) -> str:
         return (
             "BEGIN ISOLATION LEVEL READ COMMITTED; "
-            f"SELECT {self.schema}.claim({text_literal(scope)}, {text_literal(key)}, "
-            f"{int_literal(lock_id)}, {text_literal(method)}, {bytes_literal(fingerprint)}, "
-            f"{float_literal(retention_s)}, {float_literal(lease_s)}); "
-            f"SAVEPOINT {SAVEPOINT}"
+            f"SELECT {self.schema}.verify_claim({text_literal(scope)}, {text_literal(key)}, "
+            f"{int_literal(token)}); SAVEPOINT {SAVEPOINT}"
         )
 
     def complete_and_commit(

@@ -1,0 +1,173 @@
+"""Phased mode: a committed claim with a lease, no transaction during the handler, and a final
+transaction that only the claim's current owner can commit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store
+from tests.integration.test_concurrency import until
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.wire import call_raw
+
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+SCOPE = "tenant:tenant-a"
+
+
+@pytest.fixture
+async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
+    async with running_ledger(store) as running:
+        yield running
+
+
+async def record(store: Store, key: str) -> dict[str, object] | None:
+    row = await store.pool.fetchrow(
+        "SELECT state, fencing_token, locked_until, clock_timestamp() AS now, status_code"
+        " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    return None if row is None else dict(row)
+
+
+async def open_transactions(store: Store) -> int:
+    count: int = await store.pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'grpc-idempotency'"
+        " AND state LIKE 'idle in transaction%'"
+    )
+    return count
+
+
+def post(account: str, behaviour: str = "") -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=4, behaviour=behaviour)
+
+
+async def test_claim_commits_first_and_no_transaction_is_open_while_the_handler_runs(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    owner = asyncio.ensure_future(
+        call_raw(ledger.channel, PHASED, post(account, "wait"), metadata(key))
+    )
+    await ledger.service.started.wait()
+    claimed = await record(store, key)
+    assert claimed is not None and claimed["state"] == "in_progress"  # visible: committed
+    assert await open_transactions(store) == 0
+    first_lease = claimed["locked_until"]
+    # The lease (0.6 s) is renewed while the handler runs.
+    await until(lambda: _renewed(store, key, first_lease), timeout=5)
+    ledger.service.release.set()
+    answer = await owner
+    assert answer.code is grpc.StatusCode.OK and not answer.replayed
+    done = await record(store, key)
+    assert (
+        done is not None
+        and done["state"] == "completed"
+        and done["fencing_token"] == claimed["fencing_token"]
+    )
+    again = await call_raw(ledger.channel, PHASED, post(account, "wait"), metadata(key))
+    assert again.replayed and again.body == answer.body
+    assert await ledger_rows(store, account) == 1
+
+
+async def _renewed(store: Store, key: str, first: object) -> bool:
+    row = await record(store, key)
+    return row is not None and row["locked_until"] > first  # type: ignore[operator]
+
+
+async def test_a_live_claim_is_not_taken_over_by_another_replica(store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as a, running_ledger(store) as b:
+        owner = asyncio.ensure_future(
+            call_raw(a.channel, PHASED, post(account, "wait"), metadata(key))
+        )
+        await a.service.started.wait()
+        # Longer than the lease: only renewal keeps the claim alive.
+        dup = await call_raw(b.channel, PHASED, post(account, "wait"), metadata(key), timeout=1.5)
+        assert dup.code is grpc.StatusCode.ABORTED and dup.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+        assert b.service.executions == 0
+        a.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+        replay = await call_raw(b.channel, PHASED, post(account, "wait"), metadata(key))
+        assert replay.replayed
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_an_owner_whose_claim_was_taken_over_cannot_commit(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    owner = asyncio.ensure_future(
+        call_raw(ledger.channel, PHASED, post(account, "wait"), metadata(key))
+    )
+    await ledger.service.started.wait()
+    # Another attempt takes the key over (as after this owner stalled past its lease).
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
+        " WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    ledger.service.release.set()
+    answer = await owner
+    assert answer.code is grpc.StatusCode.ABORTED
+    assert answer.reason() == "IDEMPOTENCY_LEASE_LOST"
+    assert await ledger_rows(store, account) == 0  # its writes never committed
+    row = await record(store, key)
+    assert row is not None and row["state"] == "in_progress"  # the new owner's claim stands
+
+
+async def test_transient_error_deletes_the_claim_so_a_retry_runs_at_once(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    first = await call_raw(ledger.channel, PHASED, post(account, "UNAVAILABLE"), metadata(key))
+    assert first.code is grpc.StatusCode.UNAVAILABLE
+    assert await record(store, key) is None
+    again = await call_raw(
+        ledger.channel, PHASED, post(account, "UNAVAILABLE"), metadata(key), timeout=0.5
+    )
+    assert again.code is grpc.StatusCode.UNAVAILABLE and not again.replayed  # ran again, no wait
+    assert ledger.service.executions == 2
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_deterministic_error_is_recorded_with_the_writes_rolled_back(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    first = await call_raw(ledger.channel, PHASED, post(account, "NOT_FOUND"), metadata(key))
+    second = await call_raw(ledger.channel, PHASED, post(account, "NOT_FOUND"), metadata(key))
+    assert first.code is second.code is grpc.StatusCode.NOT_FOUND
+    assert second.replayed and ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_a_handler_without_local_writes_still_commits_its_outcome(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    first = await call_raw(ledger.channel, PHASED, post(account, "no-writes"), metadata(key))
+    second = await call_raw(ledger.channel, PHASED, post(account, "no-writes"), metadata(key))
+    assert second.replayed and second.body == first.body
+    row = await record(store, key)
+    assert row is not None and row["state"] == "completed"
+
+
+async def test_connection_before_the_final_transaction_is_a_clear_error(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key = fresh()
+    answer = await call_raw(
+        ledger.channel, PHASED, post(fresh(), "early-connection"), metadata(key)
+    )
+    # A programming error, reported as such (not UNKNOWN); the key is released.
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert answer.reason() == "IDEMPOTENCY_NO_CURRENT_CALL"
+    assert "await current_call().transaction()" in (answer.details or "")
+    assert await record(store, key) is None
