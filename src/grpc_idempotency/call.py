@@ -20,7 +20,7 @@ import asyncio
 import contextvars
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable
@@ -45,6 +45,7 @@ class IdempotentCall:
         steps: tuple[Step, ...] = (),
         deadline: float | None = None,
         open_final: Callable[[], Awaitable[PooledConnection]] | None = None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> None:
         self.method = method
         """The gRPC path, "/package.Service/Method"."""
@@ -55,6 +56,8 @@ class IdempotentCall:
         self.deadline = deadline
         """``time.monotonic()`` value of the incoming call's deadline, if it has one."""
         self.loop = loop
+        self.metadata = tuple(metadata)
+        """The incoming call's metadata."""
         self._connection = connection
         self._open_final = open_final
         self._opening: asyncio.Future[PooledConnection] | None = None
@@ -66,6 +69,10 @@ class IdempotentCall:
     @property
     def transaction_open(self) -> bool:
         return self._connection is not None
+
+    def forwarded_metadata(self, names: Sequence[str]) -> list[tuple[str, str | bytes]]:
+        """The incoming call's entries named in ``names`` (to pass on to downstream calls)."""
+        return [(k, v) for k, v in self.metadata if k in names] if names else []
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())

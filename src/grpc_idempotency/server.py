@@ -361,6 +361,7 @@ class IdempotencyInterceptor(_Interceptor):
                 attempt.connection,
                 steps=policy.steps,
                 deadline=_deadline(context),
+                metadata=tuple(context.invocation_metadata() or ()),
             )
         )
         aborted: DeferredAbort | None = None
@@ -490,6 +491,7 @@ class IdempotencyInterceptor(_Interceptor):
             steps=policy.steps,
             deadline=_deadline(context),
             open_final=open_final,
+            metadata=tuple(context.invocation_metadata() or ()),
         )
         bound = call_context.bind(icall)
         aborted: DeferredAbort | None = None

@@ -62,14 +62,32 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     executions: int = 0
     started: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    keys_seen: list[str] = field(default_factory=list)
+    deadlines_seen: list[float | None] = field(default_factory=list)
+    tenants_seen: list[str] = field(default_factory=list)
+    attempts: dict[str, int] = field(default_factory=dict)
     sync_started: threading.Event = field(default_factory=threading.Event)
     sync_release: threading.Event = field(default_factory=threading.Event)
+
+    def _observe(self, context: Any) -> str | None:
+        md = dict(context.invocation_metadata() or ())
+        key = md.get("idempotency-key")
+        self.keys_seen.append(key)
+        self.tenants_seen.append(md.get(TENANT))
+        self.deadlines_seen.append(context.time_remaining())
+        if key is not None:
+            self.attempts[key] = self.attempts.get(key, 0) + 1
+        return key
 
     async def _post(
         self, request: testsvc_pb2.PostRequest, context: Any
     ) -> testsvc_pb2.PostResponse:
-        self.executions += 1
+        key = self._observe(context)
         behaviour = request.behaviour
+        if behaviour.startswith("flaky:") and self.attempts.get(key or "", 0) <= int(behaviour[6:]):
+            # Fails the first N attempts of a key, before doing anything: a transient error.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "flaky")
+        self.executions += 1
         if behaviour.startswith("sleep:"):
             await asyncio.sleep(int(behaviour.split(":")[1]) / 1000)
         if behaviour == "wait":
@@ -164,6 +182,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         )
 
     async def Peek(self, request: Any, context: Any) -> Any:
+        self._observe(context)
         return testsvc_pb2.PeekResponse(entries=await ledger_rows(self.store, request.account))
 
 

@@ -1,0 +1,280 @@
+"""The client side: keys minted once per operation, retries that keep them, and child keys.
+
+- ``Operation``: one logical operation and its key. Mint it once (``Operation.new()``), store the
+  key with the application's pending work, and make every attempt through it. There is no way to
+  change an operation's key: a retry loop cannot regenerate it by accident.
+- ``Operation.call(...)``: an attempt, or attempts under a ``RetryPolicy`` that honours the
+  server's ``RetryInfo`` / ``grpc-retry-pushback-ms``.
+- ``IdempotencyClientInterceptor``: on a channel, gives keyed calls their key (see
+  ``core.propagation`` for the order) and, inside a handler serving a keyed call, the child key of
+  the declared step for the target method, plus the remaining deadline.
+- ``service_config(...)``: the channel's retry configuration for keyed methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import random
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from grpc_idempotency._answers import DETAILS_TRAILER, PUSHBACK_TRAILER
+from grpc_idempotency.call import current_call_or_none
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.core.keys import KEY_HEADER, validate_key
+from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
+from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
+from grpc_idempotency.core.retry import RetryPolicy
+from grpc_idempotency.core.retry import service_config as _service_config
+from grpc_idempotency.registry import PolicyRegistry, Services
+
+STEP_HEADER = "x-grpc-idempotency-step"
+"""A pseudo metadata entry naming the step of one call; removed before the call is sent."""
+
+_operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
+_step: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_idempotency_step")
+_captured: contextvars.ContextVar[list[str]] = contextvars.ContextVar("grpc_idempotency_keys")
+
+
+class TransactionOpen(IdempotencyError):
+    """A phased handler called another service after opening its final transaction."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_TRANSACTION_OPEN"
+
+
+class Operation:
+    """One logical operation, named by its idempotency key. Immutable."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: str) -> None:
+        self._key = validate_key(key)
+
+    @classmethod
+    def new(cls) -> Operation:
+        """A fresh operation with a random key (a UUID4)."""
+        return cls(str(uuid.uuid4()))
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def __repr__(self) -> str:
+        return f"Operation({self._key!r})"
+
+    def metadata(self) -> tuple[tuple[str, str]]:
+        return ((KEY_HEADER, self._key),)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Operation]:
+        """Within this block, keyed calls through an intercepted channel carry this key."""
+        token = _operation.set(self)
+        try:
+            yield self
+        finally:
+            _operation.reset(token)
+
+    async def call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Any, Any],
+        request: Any,
+        *,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Any:
+        """Calls ``method`` with this operation's key; with ``retry``, attempts again on
+        retryable errors, waiting as the server asks. ``timeout`` is per attempt."""
+        md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await method(request, metadata=md, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                if retry is None:
+                    raise
+                code = Code(err.code().value[0])
+                delay = retry.delay_s(
+                    attempt=attempt,
+                    code=code,
+                    retry_after_ms=retry_after_ms(err.trailing_metadata()),
+                    jitter=random.random(),
+                )
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+
+
+def retry_after_ms(trailing_metadata: Any) -> int | None:
+    """The server's retry hint: ``grpc-retry-pushback-ms``, else ``google.rpc.RetryInfo``."""
+    pushback = None
+    details = None
+    for name, value in trailing_metadata or ():
+        if name == PUSHBACK_TRAILER:
+            pushback = value
+        elif name == DETAILS_TRAILER:
+            details = value
+    if isinstance(pushback, str):
+        try:
+            return int(pushback)
+        except ValueError:
+            return -1  # malformed pushback: gRPC's rule is not to retry
+    if isinstance(details, bytes):
+        status = status_pb2.Status.FromString(details)
+        for detail in status.details:
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                info = error_details_pb2.RetryInfo()
+                detail.Unpack(info)
+                return int(info.retry_delay.ToMilliseconds())
+    return None
+
+
+@contextlib.contextmanager
+def step(name: str) -> Iterator[None]:
+    """Names the declared step of the calls made within the block (when several steps of the
+    current method call the same target)."""
+    token = _step.set(name)
+    try:
+        yield
+    finally:
+        _step.reset(token)
+
+
+def step_metadata(name: str) -> tuple[str, str]:
+    """Names the step of one call: ``stub.Charge(req, metadata=[step_metadata("x.v1")])``."""
+    return (STEP_HEADER, name)
+
+
+@contextlib.contextmanager
+def capture_keys() -> Iterator[list[str]]:
+    """Collects the keys that intercepted calls made within the block carried, in order; for
+    callers that let the interceptor mint a key and want to know it."""
+    keys: list[str] = []
+    token = _captured.set(keys)
+    try:
+        yield keys
+    finally:
+        _captured.reset(token)
+
+
+if TYPE_CHECKING:
+    _Interceptor = grpc.aio.UnaryUnaryClientInterceptor[Any, Any]
+else:
+    _Interceptor = grpc.aio.UnaryUnaryClientInterceptor
+
+
+class IdempotencyClientInterceptor(_Interceptor):
+    """Gives each keyed call its idempotency key. Add it to a channel:
+    ``grpc.aio.insecure_channel(addr, interceptors=[IdempotencyClientInterceptor(...)])``.
+
+    ``services``: the services called through the channel (descriptors or ``_pb2`` modules);
+    others are found in the default descriptor pool. ``forward_metadata``: entries copied from
+    the incoming call to calls made while serving it (e.g. a tenant header a gateway set).
+    """
+
+    def __init__(
+        self,
+        *,
+        services: Services = (),
+        overrides: Mapping[str, MethodOverride] | None = None,
+        forward_metadata: Sequence[str] = (),
+    ) -> None:
+        self._registry = PolicyRegistry(services, overrides)
+        self._forward = tuple(h.lower() for h in forward_metadata)
+
+    def policy(self, method: str) -> MethodPolicy | None:
+        return self._registry.get(method)
+
+    async def intercept_unary_unary(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        method = client_call_details.method
+        path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
+        metadata = list(client_call_details.metadata or ())
+        explicit = None
+        named = _step.get(None)
+        kept = []
+        for name, value in metadata:
+            if name == KEY_HEADER:
+                explicit = str(value)
+            elif name == STEP_HEADER:
+                named = str(value)
+                continue
+            kept.append((name, value))
+
+        serving = current_call_or_none()
+        parent = None
+        if serving is not None and serving.key is not None and serving.scope is not None:
+            parent = Parent(serving.method, serving.scope, serving.key, serving.steps)
+        choice = choose_key(
+            target=path,
+            target_keyed=self._registry.get(path) is not None,
+            explicit_key=explicit,
+            parent=parent,
+            named_step=named,
+            operation_key=op.key if (op := _operation.get(None)) is not None else None,
+            mint=[str(uuid.uuid4())],
+        )
+        if serving is not None and serving.phased and serving.transaction_open:
+            raise TransactionOpen(
+                f"{serving.method} called {path} after opening its final transaction; make"
+                " downstream calls first, then `await current_call().transaction()`"
+            )
+        if choice.key is not None and choice.source is not KeySource.EXPLICIT:
+            kept.append((KEY_HEADER, choice.key))
+        if choice.key is not None:
+            captured = _captured.get(None)
+            if captured is not None:
+                captured.append(choice.key)
+
+        timeout = client_call_details.timeout
+        if serving is not None:
+            incoming = serving.time_remaining()
+            if incoming is not None:
+                timeout = incoming if timeout is None else min(timeout, incoming)
+            present = {name for name, _ in kept}
+            for name, value in serving.forwarded_metadata(self._forward):
+                if name not in present:
+                    kept.append((name, value))
+
+        details = grpc.aio.ClientCallDetails(
+            client_call_details.method,
+            timeout,
+            grpc.aio.Metadata(*kept),
+            client_call_details.credentials,
+            client_call_details.wait_for_ready,
+        )
+        return await continuation(details, request)
+
+
+def service_config(
+    registry_or_services: Services | PolicyRegistry, *, max_attempts: int = 5
+) -> str:
+    """The recommended ``grpc.service_config`` (JSON) for a channel: retry UNAVAILABLE and
+    ABORTED on every keyed method of the given services. Pass it with
+    ``options=[("grpc.service_config", service_config([...])), ("grpc.enable_retries", 1)]``."""
+    registry = (
+        registry_or_services
+        if isinstance(registry_or_services, PolicyRegistry)
+        else PolicyRegistry(registry_or_services)
+    )
+    keyed = [path for path, policy in registry.policies.items() if policy is not None]
+    return json.dumps(_service_config(keyed, max_attempts=max_attempts))
+
+
+def channel_options(services: Services, *, max_attempts: int = 5) -> list[tuple[str, Any]]:
+    """Channel options enabling gRPC's retries for the keyed methods of ``services``."""
+    return [
+        ("grpc.service_config", service_config(services, max_attempts=max_attempts)),
+        ("grpc.enable_retries", 1),
+    ]

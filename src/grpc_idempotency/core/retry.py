@@ -1,0 +1,72 @@
+"""When and how long to wait before retrying a keyed call. Pure; the client drives it.
+
+Retrying a keyed call is safe by construction: the key belongs to the operation, so every attempt
+is the same operation and the server runs it at most once. What is left to decide is *when*: a
+server that answered ABORTED / IDEMPOTENCY_KEY_IN_PROGRESS says how long the first attempt may
+still take (``RetryInfo`` or ``grpc-retry-pushback-ms``), and that hint wins over backoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpc_idempotency.core.codes import Code
+
+RETRYABLE: frozenset[Code] = frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+    retryable: frozenset[Code] = field(default=RETRYABLE)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
+            raise ValueError("backoffs must be positive, and max_backoff_s >= initial_backoff_s")
+        if self.multiplier < 1:
+            raise ValueError("multiplier must be at least 1")
+
+    def delay_s(
+        self, *, attempt: int, code: Code, retry_after_ms: int | None, jitter: float
+    ) -> float | None:
+        """Seconds to wait before attempt ``attempt + 1`` (attempts count from 1), or ``None``
+        to stop. ``jitter`` is a random number in [0, 1): full jitter on the backoff."""
+        if attempt >= self.max_attempts or code not in self.retryable:
+            return None
+        if retry_after_ms is not None:
+            if retry_after_ms < 0:
+                return None  # the server says: do not retry
+            return retry_after_ms / 1000
+        ceiling = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
+        return ceiling * jitter
+
+
+def service_config(methods: list[str], *, max_attempts: int = 5) -> dict[str, object]:
+    """gRPC's channel service config retrying UNAVAILABLE and ABORTED on the keyed ``methods``
+    ("/pkg.Service/Method"): safe because each attempt carries the same key. gRPC caps attempts
+    at 5 and honours the server's ``grpc-retry-pushback-ms``."""
+    names = []
+    for method in sorted(set(methods)):
+        service, _, name = method.lstrip("/").partition("/")
+        names.append({"service": service, "method": name})
+    if not names:
+        return {}
+    return {
+        "methodConfig": [
+            {
+                "name": names,
+                "retryPolicy": {
+                    "maxAttempts": max(2, min(5, max_attempts)),
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"],
+                },
+            }
+        ]
+    }

@@ -1,0 +1,311 @@
+"""The client side on real servers: keys minted once, gRPC retries, retry helper, child keys."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import Store, Telemetry, child_key
+from grpc_idempotency.client import (
+    IdempotencyClientInterceptor,
+    Operation,
+    capture_keys,
+    channel_options,
+    retry_after_ms,
+    service_config,
+)
+from grpc_idempotency.core.retry import RetryPolicy
+from tests.integration.test_concurrency import until
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.relay import running_relay
+from tests.support.wire import call_raw
+
+TENANT_MD = (("x-tenant-id", "tenant-a"),)
+
+
+@pytest.fixture
+async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
+    async with running_ledger(store) as running:
+        yield running
+
+
+def keyed_channel(address: str, *, retries: bool = False) -> grpc.aio.Channel:
+    options = channel_options([testsvc_pb2]) if retries else []
+    return grpc.aio.insecure_channel(
+        address,
+        options=options,
+        interceptors=[IdempotencyClientInterceptor(services=[testsvc_pb2])],
+    )
+
+
+async def test_minted_key_is_identical_on_every_attempt_of_grpc_retries(
+    ledger: RunningLedger, store: Store
+) -> None:
+    account = fresh("acct")
+    async with keyed_channel(ledger.address, retries=True) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with capture_keys() as used:
+            response = await stub.Post(
+                testsvc_pb2.PostRequest(account=account, behaviour="flaky:2"),
+                metadata=TENANT_MD,
+                timeout=10,
+            )
+    assert len(used) == 1  # the interceptor ran once; gRPC retried below it
+    key = used[0]
+    assert ledger.service.keys_seen == [key] * 3, (ledger.service.keys_seen, key)
+    assert ledger.service.attempts[key] == 3  # two UNAVAILABLE, then success, one key
+    assert ledger.service.keys_seen.count(key) == 3
+    assert response.account == account
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_each_call_without_a_key_gets_its_own(ledger: RunningLedger) -> None:
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with capture_keys() as used:
+            await stub.Post(testsvc_pb2.PostRequest(account=fresh()), metadata=TENANT_MD)
+            await stub.Post(testsvc_pb2.PostRequest(account=fresh()), metadata=TENANT_MD)
+            await stub.Peek(testsvc_pb2.PeekRequest(account="x"), metadata=TENANT_MD)
+    assert len(used) == 2 and used[0] != used[1]
+    assert ledger.service.keys_seen[-1] is None  # a read carries no key
+
+
+async def test_operation_key_is_reused_and_cannot_change(
+    ledger: RunningLedger, store: Store
+) -> None:
+    account = fresh("acct")
+    op = Operation.new()
+    restored = Operation(op.key)  # as if loaded from the application's pending work
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        request = testsvc_pb2.PostRequest(account=account)
+        first = await op.call(stub.Post, request, metadata=TENANT_MD)
+        second = await restored.call(
+            stub.Post, request, metadata=(*TENANT_MD, ("idempotency-key", "other"))
+        )
+        with op.active():
+            third = await stub.Post(request, metadata=TENANT_MD)
+    # One execution under op.key; the other two attempts were replays of it.
+    assert first.execution_nonce == second.execution_nonce == third.execution_nonce
+    assert ledger.service.keys_seen == [op.key]
+    assert await ledger_rows(store, account) == 1
+    with pytest.raises(AttributeError):
+        op.key = "new"  # type: ignore[misc]
+    with pytest.raises(Exception, match="visible ASCII"):
+        Operation("not a key")
+
+
+def conflicts(reader: InMemoryMetricReader) -> int:
+    data = reader.get_metrics_data()
+    total = 0
+    for rm in data.resource_metrics if data else ():
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                if m.name == "grpc_idempotency.calls":
+                    total += sum(
+                        p.value
+                        for p in m.data.data_points
+                        if p.attributes["grpc_idempotency.outcome"] == "conflict"
+                    )
+    return total
+
+
+async def test_retry_helper_waits_as_the_server_asks_then_gets_the_outcome(store: Store) -> None:
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        account = fresh("acct")
+        op = Operation.new()
+        request = testsvc_pb2.PostRequest(account=account, behaviour="wait")
+        owner = asyncio.ensure_future(
+            call_raw(ledger.channel, "/testsvc.v1.LedgerService/Post", request, metadata(op.key))
+        )
+        await ledger.service.started.wait()
+        async with keyed_channel(ledger.address) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            retrying = asyncio.ensure_future(
+                op.call(
+                    stub.Post,
+                    request,
+                    metadata=TENANT_MD,
+                    timeout=0.3,
+                    retry=RetryPolicy(max_attempts=20),
+                )
+            )
+            # The first attempts end ABORTED (in progress) within their 0.3 s deadline.
+            await until(lambda: conflicts(reader) >= 3)
+            assert not retrying.done()
+            ledger.service.release.set()
+            result = await retrying
+        owner_answer = await owner
+        assert owner_answer.code is grpc.StatusCode.OK
+        assert result.SerializeToString() == owner_answer.body
+        assert ledger.service.executions == 1
+
+
+async def test_retry_helper_gives_up_on_non_retryable_errors(ledger: RunningLedger) -> None:
+    op = Operation.new()
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        await op.call(stub.Post, testsvc_pb2.PostRequest(account="a"), metadata=TENANT_MD)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await op.call(
+                stub.Post,
+                testsvc_pb2.PostRequest(account="b"),
+                metadata=TENANT_MD,
+                retry=RetryPolicy(),
+            )
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert ledger.service.keys_seen.count(op.key) == 1  # the reused key never reached the handler
+
+
+def test_retry_hint_parsing() -> None:
+    assert retry_after_ms((("grpc-retry-pushback-ms", "120"),)) == 120
+    assert retry_after_ms((("grpc-retry-pushback-ms", "soon"),)) == -1
+    assert retry_after_ms(()) is None
+
+
+def test_service_config_retries_keyed_methods_only() -> None:
+    config = json.loads(service_config([testsvc_pb2]))
+    (method_config,) = config["methodConfig"]
+    names = {(n["service"], n["method"]) for n in method_config["name"]}
+    assert ("testsvc.v1.LedgerService", "Post") in names
+    assert ("testsvc.v1.RelayService", "Forward") in names
+    assert ("testsvc.v1.LedgerService", "Peek") not in names
+    assert set(method_config["retryPolicy"]["retryableStatusCodes"]) == {"UNAVAILABLE", "ABORTED"}
+
+
+async def test_child_keys_follow_the_declared_step(ledger: RunningLedger, store: Store) -> None:
+    async with running_relay(store, ledger.address) as relay:
+        key, account = fresh(), fresh("acct")
+        md = metadata(key, "tenant-a")
+        first = await call_raw(
+            relay.channel,
+            "/testsvc.v1.RelayService/Forward",
+            testsvc_pb2.ForwardRequest(account=account, mode="post"),
+            md,
+        )
+        assert first.code is grpc.StatusCode.OK
+        expected = child_key("tenant:tenant-a", key, "post-ledger.v1")
+        assert ledger.service.keys_seen == [expected]
+        assert ledger.service.tenants_seen == ["tenant-a"]  # forwarded
+        # The parent's retry replays without calling downstream again.
+        again = await call_raw(
+            relay.channel,
+            "/testsvc.v1.RelayService/Forward",
+            testsvc_pb2.ForwardRequest(account=account, mode="post"),
+            md,
+        )
+        assert again.replayed and again.body == first.body
+        assert ledger.service.keys_seen == [expected]
+        assert await ledger_rows(store, account) == 1
+
+
+async def test_a_parent_rerun_reaches_the_same_child_record(
+    ledger: RunningLedger, store: Store
+) -> None:
+    async with running_relay(store, ledger.address) as relay:
+        key, account = fresh(), fresh("acct")
+        md = metadata(key, "tenant-a")
+        request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+        first = await call_raw(relay.channel, "/testsvc.v1.RelayService/Forward", request, md)
+        # Forget the parent's outcome, as if the relay crashed before its final commit.
+        await store.pool.execute(
+            "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            "tenant:tenant-a",
+            key,
+        )
+        second = await call_raw(relay.channel, "/testsvc.v1.RelayService/Forward", request, md)
+        assert not second.replayed
+        assert second.body == first.body  # the downstream child replayed the same entry
+        assert await ledger_rows(store, account) == 1
+        assert ledger.service.executions == 1
+
+
+async def test_two_tenants_with_one_parent_key_get_two_children(
+    ledger: RunningLedger, store: Store
+) -> None:
+    async with running_relay(store, ledger.address) as relay:
+        key, account = fresh(), fresh("acct")
+        request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+        a = await call_raw(
+            relay.channel, "/testsvc.v1.RelayService/Forward", request, metadata(key, "tenant-a")
+        )
+        b = await call_raw(
+            relay.channel, "/testsvc.v1.RelayService/Forward", request, metadata(key, "tenant-b")
+        )
+        assert a.code is b.code is grpc.StatusCode.OK and a.body != b.body
+        assert len(set(ledger.service.keys_seen)) == 2
+        assert await ledger_rows(store, account) == 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("undeclared", "IDEMPOTENCY_STEP_UNDECLARED"),
+        ("ambiguous", "IDEMPOTENCY_STEP_AMBIGUOUS"),
+        ("after-transaction", "IDEMPOTENCY_TRANSACTION_OPEN"),
+    ],
+)
+async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
+    ledger: RunningLedger, store: Store, mode: str, reason: str
+) -> None:
+    async with running_relay(store, ledger.address) as relay:
+        key = fresh()
+        answer = await call_raw(
+            relay.channel,
+            "/testsvc.v1.RelayService/Forward",
+            testsvc_pb2.ForwardRequest(account=fresh(), mode=mode),
+            metadata(key),
+        )
+        assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert answer.reason() == reason
+        assert ledger.service.keys_seen == []  # nothing reached the downstream service
+        row = await store.pool.fetchval(
+            "SELECT count(*) FROM grpc_idempotency.records WHERE key = $1", key
+        )
+        assert row == 0  # the parent's claim was released
+
+
+async def test_named_step_and_unkeyed_reads(ledger: RunningLedger, store: Store) -> None:
+    async with running_relay(store, ledger.address) as relay:
+        key = fresh()
+        named = await call_raw(
+            relay.channel,
+            "/testsvc.v1.RelayService/Forward",
+            testsvc_pb2.ForwardRequest(account=fresh(), mode="named"),
+            metadata(key),
+        )
+        assert named.code is grpc.StatusCode.OK
+        assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-phased-b.v1")]
+        key2 = fresh()
+        read = await call_raw(
+            relay.channel,
+            "/testsvc.v1.RelayService/Forward",
+            testsvc_pb2.ForwardRequest(account=fresh(), mode="read"),
+            metadata(key2),
+        )
+        assert read.code is grpc.StatusCode.OK
+        assert ledger.service.keys_seen[1] is None  # Peek: unkeyed, passes through
+        assert ledger.service.keys_seen[2] == child_key("tenant:tenant-a", key2, "post-ledger.v1")
+
+
+async def test_the_remaining_deadline_propagates(ledger: RunningLedger, store: Store) -> None:
+    async with running_relay(store, ledger.address) as relay:
+        answer = await call_raw(
+            relay.channel,
+            "/testsvc.v1.RelayService/Forward",
+            testsvc_pb2.ForwardRequest(account=fresh(), mode="post"),
+            metadata(fresh()),
+            timeout=1.5,
+        )
+        assert answer.code is grpc.StatusCode.OK
+        (remaining,) = ledger.service.deadlines_seen
+        assert remaining is not None and remaining <= 1.5

@@ -1,0 +1,79 @@
+"""RelayService for the tests: a keyed, phased method that calls LedgerService downstream
+through a channel with the client interceptor, the way a real service calls another."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from grpc_idempotency.client import IdempotencyClientInterceptor, step
+from tests.support.ledger import TENANT
+
+
+class RelayService(testsvc_pb2_grpc.RelayServiceServicer):
+    def __init__(self, ledger: testsvc_pb2_grpc.LedgerServiceStub) -> None:
+        self.ledger = ledger
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        mode = request.mode
+        if mode == "post":
+            answer = await self.ledger.Post(post)
+        elif mode == "undeclared":
+            answer = await self.ledger.PostShortLived(post)
+        elif mode == "ambiguous":
+            answer = await self.ledger.PostPhased(post)
+        elif mode == "named":
+            with step("post-phased-b.v1"):
+                answer = await self.ledger.PostPhased(post)
+        elif mode == "read":
+            await self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
+            answer = await self.ledger.Post(post)
+        elif mode == "after-transaction":
+            await current_call().transaction()
+            answer = await self.ledger.Post(post)
+        else:
+            raise ValueError(mode)
+        return testsvc_pb2.ForwardResponse(
+            entry_id=answer.entry_id, execution_nonce=answer.execution_nonce
+        )
+
+
+@dataclass
+class RunningRelay:
+    server: grpc.aio.Server
+    channel: grpc.aio.Channel
+    stub: testsvc_pb2_grpc.RelayServiceStub
+
+
+@contextlib.asynccontextmanager
+async def running_relay(store: Store, ledger_address: str) -> AsyncIterator[RunningRelay]:
+    downstream = grpc.aio.insecure_channel(
+        ledger_address,
+        interceptors=[
+            IdempotencyClientInterceptor(services=[testsvc_pb2], forward_metadata=[TENANT])
+        ],
+    )
+    server = grpc.aio.server(
+        interceptors=[
+            IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+        ]
+    )
+    testsvc_pb2_grpc.add_RelayServiceServicer_to_server(
+        RelayService(testsvc_pb2_grpc.LedgerServiceStub(downstream)), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield RunningRelay(server, channel, testsvc_pb2_grpc.RelayServiceStub(channel))
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await downstream.close()

@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.keys import child_key
+from grpc_idempotency.core.policy import Step
+from grpc_idempotency.core.propagation import (
+    KeySource,
+    Parent,
+    StepAmbiguous,
+    StepUndeclared,
+    choose_key,
+)
+from grpc_idempotency.core.retry import RetryPolicy, service_config
+
+PARENT = Parent(
+    method="/checkout.v1.OrderService/PlaceOrder",
+    scope="tenant:a",
+    key="order-1",
+    steps=(
+        Step(name="charge-card.v1", call="checkout.v1.PaymentService/Charge"),
+        Step(name="send-confirmation.v1", call="checkout.v1.NotificationService/SendEmail"),
+        Step(name="send-receipt.v1", call="checkout.v1.NotificationService/SendEmail"),
+        Step(name="order-created-event.v1", outbox=True),
+    ),
+)
+CHARGE = "/checkout.v1.PaymentService/Charge"
+EMAIL = "/checkout.v1.NotificationService/SendEmail"
+
+
+def choose(**kw: object) -> object:
+    args: dict[str, object] = {
+        "target": CHARGE,
+        "target_keyed": True,
+        "explicit_key": None,
+        "parent": None,
+        "named_step": None,
+        "operation_key": None,
+        "mint": ["minted"],
+    }
+    args.update(kw)
+    return choose_key(**args)  # type: ignore[arg-type]
+
+
+def test_order_of_precedence() -> None:
+    assert choose(explicit_key="mine", parent=PARENT, operation_key="op") == choose(
+        explicit_key="mine"
+    )
+    assert choose(explicit_key="mine").source is KeySource.EXPLICIT  # type: ignore[attr-defined]
+    child = choose(parent=PARENT, operation_key="op")
+    assert child.source is KeySource.CHILD  # type: ignore[attr-defined]
+    assert child.key == child_key("tenant:a", "order-1", "charge-card.v1")  # type: ignore[attr-defined]
+    assert choose(operation_key="op").key == "op"  # type: ignore[attr-defined]
+    assert choose().source is KeySource.MINTED  # type: ignore[attr-defined]
+    assert choose(target_keyed=False, parent=PARENT).source is KeySource.NONE  # type: ignore[attr-defined]
+
+
+def test_a_keyed_target_without_a_declared_step_is_refused() -> None:
+    with pytest.raises(StepUndeclared, match="without a declared step") as caught:
+        choose(parent=PARENT, target="/checkout.v1.LedgerService/Post")
+    assert caught.value.status_code is Code.FAILED_PRECONDITION
+
+
+def test_several_steps_on_one_target_need_a_name() -> None:
+    with pytest.raises(StepAmbiguous):
+        choose(parent=PARENT, target=EMAIL)
+    receipt = choose(parent=PARENT, target=EMAIL, named_step="send-receipt.v1")
+    assert receipt.step == "send-receipt.v1"  # type: ignore[attr-defined]
+    with pytest.raises(StepUndeclared, match="names step"):
+        choose(parent=PARENT, target=EMAIL, named_step="charge-card.v1")
+
+
+def test_renaming_a_step_changes_the_child_key() -> None:
+    """Step names are a contract: the child key is derived from them, so a renamed (or
+    re-versioned) step gets a new key, and an operation in flight across the rename would run
+    that downstream effect a second time. Rename only by adding a new version."""
+    renamed = Parent(
+        PARENT.method, PARENT.scope, PARENT.key, (Step(name="charge-card.v2", call=CHARGE),)
+    )
+    before = choose(parent=PARENT)
+    after = choose(parent=renamed)
+    assert before.key != after.key  # type: ignore[attr-defined]
+
+
+@given(st.integers(min_value=1, max_value=10), st.floats(min_value=0, max_value=0.999))
+def test_backoff_is_bounded_and_grows(attempt: int, jitter: float) -> None:
+    policy = RetryPolicy(max_attempts=11, initial_backoff_s=0.1, max_backoff_s=2.0)
+    delay = policy.delay_s(
+        attempt=attempt, code=Code.UNAVAILABLE, retry_after_ms=None, jitter=jitter
+    )
+    assert delay is not None and 0 <= delay <= min(2.0, 0.1 * 2 ** (attempt - 1))
+
+
+def test_retry_decisions() -> None:
+    policy = RetryPolicy(max_attempts=3)
+    assert policy.delay_s(attempt=1, code=Code.ABORTED, retry_after_ms=700, jitter=0.5) == 0.7
+    assert policy.delay_s(attempt=1, code=Code.ABORTED, retry_after_ms=-1, jitter=0.5) is None
+    assert policy.delay_s(attempt=3, code=Code.ABORTED, retry_after_ms=None, jitter=0.5) is None
+    assert (
+        policy.delay_s(attempt=1, code=Code.FAILED_PRECONDITION, retry_after_ms=None, jitter=0.5)
+        is None
+    )
+    assert (
+        policy.delay_s(attempt=1, code=Code.INVALID_ARGUMENT, retry_after_ms=10, jitter=0.5) is None
+    )
+    with pytest.raises(ValueError):
+        RetryPolicy(max_attempts=0)
+
+
+def test_service_config_shape() -> None:
+    assert service_config([]) == {}
+    config = service_config([CHARGE, CHARGE, EMAIL], max_attempts=9)
+    (method,) = config["methodConfig"]  # type: ignore[misc]
+    assert method["name"] == [  # type: ignore[index]
+        {"service": "checkout.v1.NotificationService", "method": "SendEmail"},
+        {"service": "checkout.v1.PaymentService", "method": "Charge"},
+    ]
+    assert method["retryPolicy"]["maxAttempts"] == 5  # type: ignore[index]  # gRPC's cap
