@@ -13,10 +13,11 @@ import grpc
 from checkout.v1 import payments_pb2, payments_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from examples.checkout import service
+from grpc_idempotency import Store, current_call
 
-SCHEMA_SQL = """
-CREATE SCHEMA IF NOT EXISTS payments;
+NAME = "payments"
+TABLES_SQL = """
 CREATE TABLE IF NOT EXISTS payments.charges (
     charge_id     text PRIMARY KEY,
     order_id      text NOT NULL,
@@ -27,10 +28,6 @@ CREATE TABLE IF NOT EXISTS payments.charges (
 );
 CREATE INDEX IF NOT EXISTS charges_order ON payments.charges (order_id);
 """
-
-# The example takes its scope from x-tenant-id, standing in for an authenticating gateway that
-# sets it (and strips whatever a client sent). Without such a gateway use the TLS identity.
-TENANT_HEADER = "x-tenant-id"
 
 
 class PaymentService(payments_pb2_grpc.PaymentServiceServicer):
@@ -82,22 +79,9 @@ class PaymentService(payments_pb2_grpc.PaymentServiceServicer):
         return response
 
 
-async def prepare(store: Store) -> None:
-    """Creates the example's tables and the idempotency schema (idempotent)."""
-    await store.migrate()
-    async with store.pool.acquire() as conn:
-        await conn.execute(SCHEMA_SQL)
-
-
 async def serve(store: Store, listen: str) -> tuple[grpc.aio.Server, int]:
     """Starts PaymentService on ``listen`` ("host:port", port 0 picks one); returns the port."""
-    server = grpc.aio.server(
-        interceptors=[
-            IdempotencyInterceptor(
-                store, services=[payments_pb2], scope=MetadataScope(TENANT_HEADER)
-            )
-        ]
-    )
+    server = service.make_server(store, NAME, [payments_pb2])
     payments_pb2_grpc.add_PaymentServiceServicer_to_server(PaymentService(store), server)
     port = server.add_insecure_port(listen)
     await server.start()

@@ -24,8 +24,8 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
+from examples.checkout.service import records_schema
 from grpc_idempotency.core.keys import claim_lock_id
-from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 from tests.e2e.procs import Processes, ServiceProcess, free_port
 
 # isort: split
@@ -34,6 +34,7 @@ from checkout.v1 import payments_pb2  # importable only once examples.checkout.g
 pytestmark = pytest.mark.e2e
 
 CHARGE = "/checkout.v1.PaymentService/Charge"
+PAYMENTS_RECORDS = records_schema("payments")
 APP_NAME = "grpc-idempotency"
 CALL_TIMEOUT_S = 10.0
 SIGKILLED = -signal.SIGKILL
@@ -84,7 +85,7 @@ class Operation:
         return (("idempotency-key", self.key), ("x-tenant-id", self.tenant))
 
     def lock_id(self) -> int:
-        return claim_lock_id(DEFAULT_SCHEMA, self.scope, self.key)
+        return claim_lock_id(PAYMENTS_RECORDS, self.scope, self.key)
 
 
 class Answer:
@@ -142,7 +143,7 @@ async def charges_of(db: asyncpg.Connection, op: Operation) -> list[asyncpg.Reco
 
 async def record_of(db: asyncpg.Connection, op: Operation) -> asyncpg.Record | None:
     return await db.fetchrow(
-        f"SELECT state, status_code, response FROM {DEFAULT_SCHEMA}.records"
+        f"SELECT state, status_code, response FROM {PAYMENTS_RECORDS}.records"
         " WHERE scope = $1 AND key = $2",
         op.scope,
         op.key,
