@@ -1,0 +1,51 @@
+"""Shared by the benchmark's processes: the proto (compiled at run time) and the table."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).resolve().parent
+PROTO = HERE / "bench.proto"
+SERVICE = "grpc_idempotency.bench.v1.BenchService"
+CHARGE = f"{SERVICE}/Charge"
+SLOW_CHARGE = f"{SERVICE}/SlowCharge"
+
+SCHEMA_SQL = """
+CREATE SCHEMA IF NOT EXISTS bench;
+CREATE TABLE IF NOT EXISTS bench.charges (
+    charge_id     text PRIMARY KEY,
+    order_id      text NOT NULL,
+    amount_cents  bigint NOT NULL,
+    currency      text NOT NULL,
+    variant       text NOT NULL
+);
+"""
+
+INSERT_SQL = (
+    "INSERT INTO bench.charges (charge_id, order_id, amount_cents, currency, variant)"
+    " VALUES ($1, $2, $3, $4, $5)"
+)
+
+
+def generate(out_dir: Path) -> None:
+    """Compiles bench.proto into ``out_dir`` (``bench_pb2.py``, ``bench_pb2_grpc.py``)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{HERE}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(PROTO),
+    ]
+    subprocess.run(cmd, check=True)
+
+
+def load(gen_dir: Path) -> tuple[ModuleType, ModuleType]:
+    if str(gen_dir) not in sys.path:
+        sys.path.insert(0, str(gen_dir))
+    return importlib.import_module("bench_pb2"), importlib.import_module("bench_pb2_grpc")

@@ -1,0 +1,197 @@
+"""The benchmark's server process (started by bench_server.py; not meant to be run by hand).
+
+One process, one event loop, three grpc.aio servers on three ports, all serving the same
+BenchService.Charge (one INSERT in a transaction):
+
+- bare:         no interceptor; ``async with pool.acquire() as c, c.transaction()`` on a default
+                asyncpg pool (min 10, max 10, the default reset query on release);
+- bare_noreset: the same on a pool created with ``reset=<no-op>``;
+- keyed:        IdempotencyInterceptor on a ``Store`` (max_size=10); the handler writes through
+                ``current_call().connection``. SlowCharge sleeps inside the transaction first.
+
+Prints one JSON line {"ports": {...}} when ready; exits when stdin closes or on SIGTERM.
+SIGUSR1 starts a cProfile of the loop thread, SIGUSR2 stops it and dumps it to --profile-out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import signal
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import _common
+import asyncpg
+import grpc
+
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MethodOverride,
+    StaticScope,
+    Store,
+    current_call,
+)
+
+
+async def _no_reset(_conn: Any) -> None:
+    pass
+
+
+def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
+    Response = pb2.ChargeResponse
+
+    class Bare(pb2_grpc.BenchServiceServicer):
+        variant = "bare"
+
+        def __init__(self, pool: asyncpg.Pool) -> None:
+            self.pool = pool
+
+        async def Charge(self, request: Any, context: Any) -> Any:
+            charge_id = "ch_" + uuid.uuid4().hex[:16]
+            async with self.pool.acquire() as c, c.transaction():
+                await c.execute(
+                    _common.INSERT_SQL,
+                    charge_id,
+                    request.order_id,
+                    request.amount_cents,
+                    request.currency,
+                    self.variant,
+                )
+            return Response(
+                charge_id=charge_id,
+                order_id=request.order_id,
+                amount_cents=request.amount_cents,
+                currency=request.currency,
+            )
+
+    class BareNoReset(Bare):
+        variant = "bare_noreset"
+
+    class Keyed(pb2_grpc.BenchServiceServicer):
+        async def Charge(self, request: Any, context: Any) -> Any:
+            charge_id = "ch_" + uuid.uuid4().hex[:16]
+            await current_call().connection.execute(
+                _common.INSERT_SQL,
+                charge_id,
+                request.order_id,
+                request.amount_cents,
+                request.currency,
+                "keyed",
+            )
+            return Response(
+                charge_id=charge_id,
+                order_id=request.order_id,
+                amount_cents=request.amount_cents,
+                currency=request.currency,
+            )
+
+        async def SlowCharge(self, request: Any, context: Any) -> Any:
+            await asyncio.sleep(slow_s)  # inside the claim's transaction, holding a connection
+            charge_id = "ch_" + uuid.uuid4().hex[:16]
+            await current_call().connection.execute(
+                _common.INSERT_SQL,
+                charge_id,
+                request.order_id,
+                request.amount_cents,
+                request.currency,
+                "slow",
+            )
+            return Response(charge_id=charge_id, order_id=request.order_id)
+
+    return {"bare": Bare, "bare_noreset": BareNoReset, "keyed": Keyed}
+
+
+class _Profiler:
+    def __init__(self, out: str | None) -> None:
+        self.out = out
+        self.prof: cProfile.Profile | None = None
+        self.n = 0
+
+    def start(self) -> None:
+        if self.prof is None:
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.disable()
+        if self.out:
+            self.prof.dump_stats(f"{self.out}.{self.n}")
+            self.n += 1
+        self.prof = None
+        print(json.dumps({"profile_dumped": self.n - 1}), flush=True)
+
+
+async def main(args: argparse.Namespace) -> None:
+    pb2, pb2_grpc = _common.load(Path(args.gen))
+    kinds = _servicers(pb2, pb2_grpc, args.slow_ms / 1000)
+
+    bare_pool = await asyncpg.create_pool(args.dsn)  # asyncpg's defaults: what users write
+    noreset_pool = await asyncpg.create_pool(args.dsn, reset=_no_reset)
+    store = await Store.connect(args.dsn, max_size=args.store_max_size, migrate=True)
+
+    servers: dict[str, grpc.aio.Server] = {}
+    ports: dict[str, int] = {}
+    for name, interceptors, servicer in (
+        ("bare", [], kinds["bare"](bare_pool)),
+        ("bare_noreset", [], kinds["bare_noreset"](noreset_pool)),
+        (
+            "keyed",
+            [
+                IdempotencyInterceptor(
+                    store,
+                    services=[pb2],
+                    overrides={
+                        _common.CHARGE: MethodOverride(),
+                        _common.SLOW_CHARGE: MethodOverride(),
+                    },
+                    scope=StaticScope("bench"),
+                )
+            ],
+            kinds["keyed"](),
+        ),
+    ):
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        pb2_grpc.add_BenchServiceServicer_to_server(servicer, server)
+        ports[name] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers[name] = server
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    profiler = _Profiler(args.profile_out)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, profiler.start)
+    loop.add_signal_handler(signal.SIGUSR2, profiler.stop)
+
+    def watch_stdin() -> None:  # the parent died or is done: stop
+        sys.stdin.read()
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    print(json.dumps({"ports": ports}), flush=True)
+    await stop.wait()
+    profiler.stop()
+    for server in servers.values():
+        await server.stop(grace=0.5)
+    await bare_pool.close()
+    await noreset_pool.close()
+    await store.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dsn", required=True)
+    parser.add_argument("--gen", required=True)
+    parser.add_argument("--slow-ms", type=float, default=300)
+    parser.add_argument("--store-max-size", type=int, default=10)
+    parser.add_argument("--profile-out", default=None)
+    asyncio.run(main(parser.parse_args()))
