@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from grpc_idempotency.core.lifecycle import (
     Outcome,
     decide,
     finish,
+    look_first,
     poll_delay_ms,
     retry_after_ms,
     wait_budget_s,
@@ -145,6 +147,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._registry = PolicyRegistry(services, overrides)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], asyncio.Future[_Shared | None]] = {}
+        self._recent = _RecentKeys()
         self._waiting = 0
 
     @property
@@ -290,7 +293,17 @@ class IdempotencyInterceptor(_Interceptor):
     async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> _Result:
         """One look at the record and what follows; raises ``_Busy`` when the key is busy."""
         policy, context = call.policy, call.context
+        slot = (scope, key)
+        atomic = policy.mode is Mode.ATOMIC
         try:
+            if not look_first(recently_seen=self._recent.seen(slot), atomic=atomic):
+                self._recent.add(slot)
+                attempt = await self._claim_atomic(call, scope, key, fingerprint)
+                if attempt is not None:
+                    return await self._execute(
+                        call, attempt, scope, key, fingerprint, CallOutcome.EXECUTED
+                    )
+            self._recent.add(slot)
             record = await self.store.lookup(scope, key, timeout=answers.time_remaining(context))
             decision = decide(record, fingerprint)
             if decision.action is Action.REPLAY:
@@ -317,15 +330,7 @@ class IdempotencyInterceptor(_Interceptor):
                     raise _Busy(retry_after_ms(None))
                 executed = CallOutcome.TAKEN_OVER if decision.takeover else CallOutcome.EXECUTED
                 return await self._execute_phased(call, claim, scope, key, fingerprint, executed)
-            attempt = await self.store.claim_atomic(
-                scope=scope,
-                key=key,
-                method=policy.method,
-                fingerprint=fingerprint,
-                retention_s=policy.retention.total_seconds(),
-                lease_s=policy.lease.total_seconds(),
-                timeout=answers.time_remaining(context),
-            )
+            attempt = await self._claim_atomic(call, scope, key, fingerprint)
         except StoreUnavailable as err:
             if policy.store_down is StoreDown.FAIL_OPEN:
                 log.warning("%s: store unavailable, running without deduplication", policy.method)
@@ -338,6 +343,20 @@ class IdempotencyInterceptor(_Interceptor):
             raise _Busy(retry_after_ms(None))
         executed = CallOutcome.TAKEN_OVER if decision.takeover else CallOutcome.EXECUTED
         return await self._execute(call, attempt, scope, key, fingerprint, executed)
+
+    async def _claim_atomic(
+        self, call: _Call, scope: str, key: str, fingerprint: bytes
+    ) -> Attempt | None:
+        policy = call.policy
+        return await self.store.claim_atomic(
+            scope=scope,
+            key=key,
+            method=policy.method,
+            fingerprint=fingerprint,
+            retention_s=policy.retention.total_seconds(),
+            lease_s=policy.lease.total_seconds(),
+            timeout=answers.time_remaining(call.context),
+        )
 
     async def _execute(
         self,
@@ -424,10 +443,12 @@ class IdempotencyInterceptor(_Interceptor):
             if attempt is None:
                 assert claim is not None
                 attempt = await claim.begin_final(timeout=answers.time_remaining(context))
+            # Not shielded: if the call is cancelled mid-commit, the commit's fate is PostgreSQL's
+            # (all or nothing), the client has gone, and a retry replays or runs again.
             if what is Finish.RECORD:
-                await asyncio.shield(attempt.record(outcome))
+                await attempt.record(outcome)
             else:
-                await asyncio.shield(attempt.record_error(outcome))
+                await attempt.record_error(outcome)
         except (StoreUnavailable, LeaseLost) as err:
             # Nothing was recorded: the answer says so instead of what the handler wanted.
             lost = isinstance(err, LeaseLost)
@@ -582,6 +603,24 @@ class IdempotencyInterceptor(_Interceptor):
         else:
             await asyncio.shield(tx.rollback())
         return response
+
+
+class _RecentKeys:
+    """The keys this process served lately (bounded, least recently used out): a hint for
+    ``look_first``, never a source of truth."""
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._capacity = capacity
+
+    def seen(self, slot: tuple[str, str]) -> bool:
+        return slot in self._keys
+
+    def add(self, slot: tuple[str, str]) -> None:
+        self._keys[slot] = None
+        self._keys.move_to_end(slot)
+        if len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
 
 
 class _LeaseKeeper:

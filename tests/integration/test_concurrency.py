@@ -169,3 +169,21 @@ async def test_storm_of_duplicates_does_not_starve_other_keys(store: Store) -> N
         assert len({r.body for r in results}) == 1
         assert await ledger_rows(store, account) == 1
         assert await ledger_rows(store, others) == 30
+
+
+async def test_a_retry_reaching_another_replica_replays(store: Store) -> None:
+    """Replica B has never seen the key, so it claims first; the claim fails on the recorded
+    key and B falls back to the look-up, which replays A's answer."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=3)
+    async with running_ledger(store) as a, running_ledger(store) as b:
+        first = await call_raw(a.channel, POST, request, metadata(key))
+        second = await call_raw(b.channel, POST, request, metadata(key))
+        mutated = await call_raw(
+            b.channel, POST, testsvc_pb2.PostRequest(account=account, amount=4), metadata(key)
+        )
+    assert first.code is grpc.StatusCode.OK and not first.replayed
+    assert second.replayed and second.body == first.body
+    assert mutated.reason() == "IDEMPOTENCY_KEY_REUSED"
+    assert a.service.executions == 1 and b.service.executions == 0
+    assert await ledger_rows(store, account) == 1

@@ -12,9 +12,12 @@ A record lives under (scope, key) and is either IN_PROGRESS (an attempt owns it)
     IN_PROGRESS, lease expired                   -> CLAIM        taken over (a crashed owner)
 
 A CLAIM is one atomic statement in the store: it may still lose a race to another attempt, in
-which case the driver WAITs and looks again. While waiting no database connection is held. A wait
-is bounded by the method's ``max_wait`` and the call's deadline; when it runs out the answer is
-ABORTED with a retry hint (``KeyInProgress``).
+which case the driver WAITs and looks again. Because the claim is authoritative, the look may
+also come *after* a failed claim: ``look_first`` picks the order (a key this process has not
+seen is almost always new, so claiming first saves the look-up's round trip; a key it has seen
+is likely a retry, and a look-up answers a replay in one round trip). While waiting no database
+connection is held. A wait is bounded by the method's ``max_wait`` and the call's deadline; when
+it runs out the answer is ABORTED with a retry hint (``KeyInProgress``).
 
 When the owner's handler ends, ``finish`` classifies its status:
 
@@ -89,6 +92,13 @@ def decide(record: StoredRecord | None, fingerprint: bytes) -> Decision:
     if record.lease_expired:
         return Decision(Action.CLAIM, takeover=True)
     return Decision(Action.WAIT, retry_after_ms=retry_after_ms(record.lease_remaining_ms))
+
+
+def look_first(*, recently_seen: bool, atomic: bool) -> bool:
+    """Whether to look the key up before trying to claim it. Correct either way; only the
+    number of round trips differs. Phased claims always look first: their handlers call other
+    services, so a round trip is noise there, and the look-up tells a takeover apart."""
+    return recently_seen or not atomic
 
 
 class Finish(enum.Enum):

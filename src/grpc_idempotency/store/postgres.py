@@ -155,7 +155,11 @@ class Store:
     """Idempotency records in PostgreSQL, under their own schema."""
 
     def __init__(
-        self, pool: asyncpg.Pool, *, schema: str = DEFAULT_SCHEMA, acquire_timeout: float = 5.0
+        self,
+        pool: asyncpg.Pool,
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        acquire_timeout: float | None = None,
     ) -> None:
         self.pool = pool
         self.schema = schema
@@ -170,11 +174,15 @@ class Store:
         schema: str = DEFAULT_SCHEMA,
         min_size: int = 2,
         max_size: int = 10,
-        acquire_timeout: float = 5.0,
+        acquire_timeout: float | None = None,
         migrate: bool = False,
         **pool_options: Any,
     ) -> Store:
         """Opens a pool for the store (and for handlers' writes, which share its transaction).
+
+        ``acquire_timeout`` bounds the wait for a pooled connection; a call's own deadline always
+        does. ``None`` (the default) waits as long as the call may, without arming a timer when
+        it has no deadline.
 
         ``migrate=True`` applies missing migrations first; production deployments usually run
         ``grpc-idempotency migrate`` instead.
@@ -213,9 +221,13 @@ class Store:
             await self._release(conn)
 
     async def _acquire(self, doing: str, timeout: float | None) -> PooledConnection:
-        budget = self.acquire_timeout if timeout is None else min(timeout, self.acquire_timeout)
+        budget = self.acquire_timeout
+        if timeout is not None:
+            budget = timeout if budget is None else min(timeout, budget)
         try:
-            conn: PooledConnection = await self.pool.acquire(timeout=max(budget, 0.001))
+            conn: PooledConnection = await self.pool.acquire(
+                timeout=None if budget is None else max(budget, 0.001)
+            )
         except _STORE_ERRORS as exc:
             raise _unavailable(exc, doing) from exc
         return conn
