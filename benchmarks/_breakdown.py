@@ -5,8 +5,9 @@ one call, statement by statement:
 
 - bare: BEGIN; INSERT; COMMIT; the pool's reset query (asyncpg's ``get_reset_query()``), as
   ``async with pool.acquire() as c, c.transaction(): await c.execute(INSERT ...)`` does;
-- keyed first execution: look-up; BEGIN+claim+SAVEPOINT; INSERT; complete+COMMIT, with the SQL
-  text the library itself builds (``grpc_idempotency.store.sql.Statements``), so this follows src/.
+- keyed first execution: BEGIN+claim+SAVEPOINT; INSERT; complete+COMMIT, with the SQL text the
+  library itself builds (``grpc_idempotency.store.sql.Statements``), so this follows src/. (A key
+  the server has not seen is claimed without a look-up first; a replay is one look-up.)
 
 The two paths alternate. Even iterations time each round trip (client-observed wall time); odd
 ones measure, for each round trip, the CPU its PostgreSQL backend spent (``/proc/PID/schedstat``,
@@ -29,7 +30,7 @@ from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 from grpc_idempotency.store.sql import Statements
 
 BARE_STEPS = ("BEGIN", "INSERT", "COMMIT", "pool reset query")
-KEYED_STEPS = ("look-up", "BEGIN+claim+SAVEPOINT", "INSERT", "complete+COMMIT")
+KEYED_STEPS = ("BEGIN+claim+SAVEPOINT", "INSERT", "complete+COMMIT")
 
 Samples = dict[str, dict[str, list[float]]]  # step -> {"wall"|"pg_cpu"|"client_cpu": [seconds]}
 
@@ -112,8 +113,6 @@ async def _bare(conn: asyncpg.Connection, reset_query: str, order_id: str, timer
 async def _keyed(conn: asyncpg.Connection, statements: Statements, key: str, timer: _Timer) -> None:
     scope = "bench-rt"
     fingerprint = uuid.uuid4().bytes * 2  # 32 bytes, like a SHA-256
-    row = await timer.step("look-up", conn.fetchrow(statements.lookup, scope, key))
-    assert row is None
     claim = statements.begin_atomic_claim(
         scope=scope,
         key=key,

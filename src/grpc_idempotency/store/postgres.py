@@ -2,7 +2,8 @@
 
 Round trips per call (asyncpg, no pool reset query; see ``Store.connect``):
     replay:           1  (look-up)
-    first execution:  3 + the handler's own (look-up; BEGIN+claim+SAVEPOINT; complete+COMMIT)
+    first execution:  2 + the handler's own (BEGIN+claim+SAVEPOINT; complete+COMMIT), plus a
+                      look-up when the server has seen the key before (``lifecycle.look_first``)
 Every time comparison (retention, leases) happens in SQL with ``clock_timestamp()``, never with
 the application's clock. Errors below this module are asyncpg's and the OS's; above it they are
 ``StoreUnavailable`` or ``LeaseLost``: nothing raw escapes.
