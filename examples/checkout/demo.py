@@ -1,8 +1,11 @@
-"""``python -m examples.checkout demo [--dsn DSN]``: failure drills against a real payments process.
+"""``python -m examples.checkout demo [--dsn DSN]``: failure drills against real service processes.
 
-PaymentService runs as a separate process (restarted with failpoints where a drill needs one);
-this process is a grpc.aio client that retries the way a real caller would and then counts, with
-SQL, the rows each operation wrote to ``payments.charges``. The drills:
+Payments, notifications and orders each run as a separate process on one PostgreSQL (restarted
+with failpoints where a drill needs one); this process is a grpc.aio client that retries the way a
+real caller would and then counts, with SQL, what each service received (``<service>.attempts``)
+against what it did (``payments.charges``, ``notifications.emails``, ``orders.orders``).
+
+PaymentService.Charge on its own:
 
 a. plain retries        the same key three times: one charge, attempts 2-3 replayed
 b. lost response        the charge commits but the answer never arrives (a deadline; a crash
@@ -10,6 +13,17 @@ b. lost response        the charge commits but the answer never arrives (a deadl
 c. concurrent dups      50 calls at once with one key: one charge, identical answers
 d. mutated payload      the same key with another amount: refused, nothing written
 e. two tenants          one key, two tenants: two independent charges
+
+The checkout flow, OrderService.PlaceOrder (phased: it calls Charge and SendEmail with child keys
+derived from its own key, tenant and declared steps, then commits the order):
+
+f. lost order response  the order commits, the answer misses the client's deadline: the retry
+                        replays it; payments and notifications are not called again
+g. two tenants          one parent key, two tenants: two charges, two emails, two orders, each
+                        tenant's retry replays its own
+h. crash mid-order      orders dies (kill -9) after the charge and before its final commit; the
+                        retry, once the lease ran out, runs PlaceOrder again: payments replays
+                        the charge to the same child key, the order completes once
 
 Exit status 1 when any side effect happened more often than expected or any expectation failed.
 """
@@ -26,7 +40,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -36,15 +50,18 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
-from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER
+from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.core.failpoints import ENV_VAR as FAILPOINTS_ENV
 
 # isort: split
 # Only importable once examples.checkout.gen has run: keep the import sorter from hoisting it.
-from checkout.v1 import payments_pb2
+from checkout.v1 import orders_pb2, payments_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 CHARGE = "/checkout.v1.PaymentService/Charge"
+PLACE_ORDER = "/checkout.v1.OrderService/PlaceOrder"
+CHARGE_STEP = "charge-card.v1"
+EMAIL_STEP = "send-confirmation.v1"
 TENANT_HEADER = "x-tenant-id"
 DETAILS_TRAILER = "grpc-status-details-bin"
 IN_PROGRESS = "IDEMPOTENCY_KEY_IN_PROGRESS"
@@ -52,9 +69,18 @@ REUSED = "IDEMPOTENCY_KEY_REUSED"
 TIMEOUT_S = 5.0
 START_TIMEOUT_S = 20.0
 CONCURRENT_CALLS = 50
+ORDER_LEASE_S = 1.0  # drill h: orders runs with a short lease so a crashed claim frees quickly
+SERVICES = ("orders", "payments", "notifications")
+# The side-effect table of each service; each has order_id and tenant (the scope) columns.
+EFFECTS = {
+    "orders": "orders.orders",
+    "payments": "payments.charges",
+    "notifications": "notifications.emails",
+}
+EFFECT_NAMES = {"orders": "orders", "payments": "charges", "notifications": "emails"}
 
 
-# --- talking to PaymentService ----------------------------------------------------------------
+# --- talking to the services ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -73,9 +99,17 @@ class Answer:
 
     @property
     def charge_id(self) -> str | None:
+        """The charge a ChargeResponse names (payments drills)."""
         if self.response is None:
             return None
         return payments_pb2.ChargeResponse.FromString(self.response).charge_id
+
+    @property
+    def order(self) -> orders_pb2.PlaceOrderResponse | None:
+        """The PlaceOrderResponse (order drills)."""
+        if self.response is None:
+            return None
+        return orders_pb2.PlaceOrderResponse.FromString(self.response)
 
     @property
     def label(self) -> str:
@@ -103,6 +137,19 @@ def _reason(trailers: Any) -> str | None:
     return None
 
 
+async def _answer(call: Any) -> Answer:
+    try:
+        response = await call
+    except grpc.aio.AioRpcError as err:
+        return Answer(
+            err.code(),
+            _replayed(err.initial_metadata()),
+            reason=_reason(err.trailing_metadata()),
+            details=err.details() or "",
+        )
+    return Answer(grpc.StatusCode.OK, _replayed(await call.initial_metadata()), response)
+
+
 class Client:
     """Charge over one channel; responses are kept as raw bytes so replays can be compared."""
 
@@ -127,23 +174,41 @@ class Client:
         )
         request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
         metadata = ((TENANT_HEADER, tenant), (KEY_HEADER, key))
-        call = self._charge(request, metadata=metadata, timeout=timeout)
-        try:
-            response = await call
-        except grpc.aio.AioRpcError as err:
-            return Answer(
-                err.code(),
-                _replayed(err.initial_metadata()),
-                reason=_reason(err.trailing_metadata()),
-                details=err.details() or "",
-            )
-        return Answer(grpc.StatusCode.OK, _replayed(await call.initial_metadata()), response)
+        return await _answer(self._charge(request, metadata=metadata, timeout=timeout))
 
     async def close(self) -> None:
         await self.channel.close()
 
 
-# --- the payments process ---------------------------------------------------------------------
+class OrdersClient:
+    """PlaceOrder over one channel, raw bytes as for Charge. A plain channel, no retries of its
+    own: each drill makes its attempts explicitly, with one key per logical order."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self._place = self.channel.unary_unary(
+            PLACE_ORDER, request_serializer=orders_pb2.PlaceOrderRequest.SerializeToString
+        )
+
+    async def place(
+        self, tenant: str, key: str, order_id: str, *, timeout: float = TIMEOUT_S
+    ) -> Answer:
+        request = orders_pb2.PlaceOrderRequest(
+            order_id=order_id,
+            amount_cents=4200,
+            currency="EUR",
+            card_token="tok_visa",
+            email="buyer@example.com",
+        )
+        request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
+        metadata = ((TENANT_HEADER, tenant), (KEY_HEADER, key))
+        return await _answer(self._place(request, metadata=metadata, timeout=timeout))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+# --- the service processes --------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -152,18 +217,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Payments:
-    """``python -m examples.checkout payments`` as a child process, restartable on one port."""
+class Service:
+    """``python -m examples.checkout <name>`` as a child process, restartable on one port."""
 
-    def __init__(self, dsn: str, port: int) -> None:
+    def __init__(self, name: str, dsn: str, port: int, args: Sequence[str] = ()) -> None:
+        self.name = name
         self.dsn = dsn
         self.port = port
+        self.args = list(args)
         self.proc: asyncio.subprocess.Process | None = None
-        self.client: Client | None = None
         self._stderr: IO[bytes] | None = None
         self._drain: asyncio.Task[bytes] | None = None
 
-    async def start(self, failpoints: str | None = None) -> Client:
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, failpoints: str | None = None, args: Sequence[str] = ()) -> None:
+        """(Re)starts the process, with ``failpoints`` and ``args`` (after the fixed ones)."""
         await self.stop()
         env = dict(os.environ)
         env.pop(FAILPOINTS_ENV, None)
@@ -173,8 +244,8 @@ class Payments:
         # Kept open for the child's lifetime (closed in stop()); shown when it fails to start.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "examples.checkout", "payments",
-            "--listen", f"127.0.0.1:{self.port}", "--dsn", self.dsn,
+            sys.executable, "-m", "examples.checkout", self.name,
+            "--listen", self.address, "--dsn", self.dsn, *self.args, *args,
             cwd=ROOT, env=env, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=self._stderr,
         )  # fmt: skip
@@ -189,18 +260,18 @@ class Payments:
             if not line:
                 code = await self.wait_exit(1)
                 status = "still running" if code is None else f"exit {code}"
-                raise RuntimeError(f"payments did not start ({status}):\n{self.stderr_tail()}")
+                raise RuntimeError(f"{self.name} did not start ({status}):\n{self.stderr_tail()}")
             text = line.decode(errors="replace").strip()
-            if text.startswith("payments listening"):
+            if text.startswith(f"{self.name} listening"):
                 # The line names the port actually bound.
                 self.port = int(text.rpartition(":")[2])
                 break
         # Keep reading, so that a chatty child can never block on a full pipe.
         self._drain = asyncio.create_task(self.proc.stdout.read())
-        note = f" with {FAILPOINTS_ENV}={failpoints}" if failpoints else ""
-        print(f"  payments pid {self.proc.pid} on 127.0.0.1:{self.port}{note}", flush=True)
-        self.client = Client(f"127.0.0.1:{self.port}")
-        return self.client
+        extra = " ".join(args)
+        note = f" {extra}" if extra else ""
+        note += f" with {FAILPOINTS_ENV}={failpoints}" if failpoints else ""
+        print(f"  {self.name} pid {self.proc.pid} on {self.address}{note}", flush=True)
 
     async def wait_exit(self, timeout: float) -> int | None:
         """The exit code once the process has exited by itself, None if it still runs."""
@@ -210,9 +281,6 @@ class Payments:
         return None
 
     async def stop(self) -> None:
-        if self.client is not None:
-            client, self.client = self.client, None
-            await client.close()
         if self.proc is not None:
             proc, self.proc = self.proc, None
             if proc.returncode is None:
@@ -238,18 +306,65 @@ class Payments:
         return "\n".join(self._stderr.read().decode(errors="replace").splitlines()[-lines:])
 
 
+class Payments(Service):
+    """PaymentService, with a Charge client for the payments drills."""
+
+    def __init__(self, dsn: str, port: int) -> None:
+        super().__init__("payments", dsn, port)
+        self.client: Client | None = None
+
+    async def start(self, failpoints: str | None = None, args: Sequence[str] = ()) -> None:
+        await super().start(failpoints, args)
+        self.client = Client(self.address)
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.close()
+        await super().stop()
+
+
+class Orders(Service):
+    """OrderService calling the given payments and notifications, with a PlaceOrder client."""
+
+    def __init__(self, dsn: str, port: int, payments: Service, notifications: Service) -> None:
+        args = ["--payments", payments.address, "--notifications", notifications.address]
+        super().__init__("orders", dsn, port, args)
+        self.client: OrdersClient | None = None
+
+    async def start(self, failpoints: str | None = None, args: Sequence[str] = ()) -> None:
+        await super().start(failpoints, args)
+        self.client = OrdersClient(self.address)
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.close()
+        await super().stop()
+
+
 # --- the drills -------------------------------------------------------------------------------
+
+
+def _tenant(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass
 class Drill:
+    """One drill: its expectations, what the client saw, and what each service received (calls
+    logged in ``<service>.attempts``) and did (rows in its side-effect table)."""
+
     name: str
     expected: str
-    expected_charges: int
+    effects_expected: dict[str, int]  # service -> rows the drill must leave, in total
     order_id: str = field(default_factory=lambda: "ord_" + uuid.uuid4().hex[:12])
+    tenants: tuple[str, str] = field(default_factory=lambda: (_tenant("acme"), _tenant("globex")))
     answers: list[Answer] = field(default_factory=list)
-    charges: int | None = None
+    attempts: dict[str, int] = field(default_factory=dict)
+    effects: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def check(self, condition: bool, problem: str) -> None:
         if not condition:
@@ -260,18 +375,38 @@ class Drill:
         counts = Counter(a.label for a in self.answers)
         return ", ".join(f"{n} {label}" for label, n in counts.items()) or "-"
 
+    def cell(self, service: str) -> str:
+        """``calls received -> rows written`` for one service, "-" where it took no part."""
+        calls, rows = self.attempts.get(service), self.effects.get(service)
+        if calls is None or rows is None:
+            return "?"
+        if not calls and not rows and not self.effects_expected.get(service):
+            return "-"
+        return f"{calls} -> {rows}"
+
 
 class Demo:
-    def __init__(self, db: asyncpg.Connection, payments: Payments) -> None:
+    def __init__(
+        self,
+        db: asyncpg.Connection,
+        payments: Payments,
+        notifications: Service,
+        orders: Orders,
+    ) -> None:
         self.db = db
         self.payments = payments
-        run = uuid.uuid4().hex[:8]
-        self.tenants = (f"acme-{run}", f"globex-{run}")
+        self.notifications = notifications
+        self.orders = orders
 
     @property
     def client(self) -> Client:
         assert self.payments.client is not None, "payments is not running"
         return self.payments.client
+
+    @property
+    def orders_client(self) -> OrdersClient:
+        assert self.orders.client is not None, "orders is not running"
+        return self.orders.client
 
     async def charge_rows(self, order_id: str) -> list[str]:
         rows = await self.db.fetch(
@@ -280,10 +415,26 @@ class Demo:
         )
         return [r["charge_id"] for r in rows]
 
+    async def order_rows(self, tenant: str, order_id: str) -> list[tuple[str, str]]:
+        rows = await self.db.fetch(
+            "SELECT charge_id, email_id FROM orders.orders WHERE tenant = $1 AND order_id = $2",
+            "tenant:" + tenant,
+            order_id,
+        )
+        return [(r["charge_id"], r["email_id"]) for r in rows]
+
+    async def attempt_keys(self, service: str, tenant: str) -> list[str]:
+        rows = await self.db.fetch(
+            f"SELECT key FROM {service}.attempts WHERE tenant = $1 ORDER BY id", tenant
+        )
+        return [r["key"] for r in rows]
+
+    # --- a-e: PaymentService on its own ---
+
     async def plain_retries(self, d: Drill) -> None:
         key = "pay-" + uuid.uuid4().hex
         for _ in range(3):
-            d.answers.append(await self.client.charge(self.tenants[0], key, d.order_id, 1999))
+            d.answers.append(await self.client.charge(d.tenants[0], key, d.order_id, 1999))
         d.check(all(a.ok for a in d.answers), "not every attempt succeeded")
         d.check(
             [a.replayed for a in d.answers] == [False, True, True],
@@ -295,7 +446,7 @@ class Demo:
     async def lost_response_deadline(self, d: Drill) -> None:
         await self.payments.start("after_commit_before_response=sleep:1500")
         key = "pay-" + uuid.uuid4().hex
-        first = await self.client.charge(self.tenants[0], key, d.order_id, 2500, timeout=0.5)
+        first = await self.client.charge(d.tenants[0], key, d.order_id, 2500, timeout=0.5)
         d.answers.append(first)
         d.check(
             first.code is grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -303,7 +454,7 @@ class Demo:
         )
         committed = await self.charge_rows(d.order_id)
         d.check(len(committed) == 1, f"the charge did not commit before the deadline: {committed}")
-        retry = await self.client.charge(self.tenants[0], key, d.order_id, 2500)
+        retry = await self.client.charge(d.tenants[0], key, d.order_id, 2500)
         d.answers.append(retry)
         d.check(retry.ok and retry.replayed, f"retry: expected a replay, got {retry.label}")
         d.check(
@@ -313,7 +464,7 @@ class Demo:
     async def lost_response_crash(self, d: Drill) -> None:
         await self.payments.start("after_commit_before_response=crash")
         key = "pay-" + uuid.uuid4().hex
-        first = await self.client.charge(self.tenants[0], key, d.order_id, 4200)
+        first = await self.client.charge(d.tenants[0], key, d.order_id, 4200)
         d.answers.append(first)
         d.check(not first.ok, f"attempt 1: expected the call to fail, got {first.label}")
         code = await self.payments.wait_exit(5)
@@ -322,7 +473,7 @@ class Demo:
         committed = await self.charge_rows(d.order_id)
         d.check(len(committed) == 1, f"the charge did not commit before the crash: {committed}")
         await self.payments.start()
-        retry = await self.client.charge(self.tenants[0], key, d.order_id, 4200)
+        retry = await self.client.charge(d.tenants[0], key, d.order_id, 4200)
         d.answers.append(retry)
         d.check(retry.ok and retry.replayed, f"retry: expected a replay, got {retry.label}")
         d.check(
@@ -332,8 +483,7 @@ class Demo:
     async def concurrent_duplicates(self, d: Drill) -> None:
         key = "pay-" + uuid.uuid4().hex
         calls = [
-            self.client.charge(self.tenants[0], key, d.order_id, 999)
-            for _ in range(CONCURRENT_CALLS)
+            self.client.charge(d.tenants[0], key, d.order_id, 999) for _ in range(CONCURRENT_CALLS)
         ]
         d.answers.extend(await asyncio.gather(*calls))
         bodies = {a.response for a in d.answers if a.ok}
@@ -347,10 +497,10 @@ class Demo:
 
     async def mutated_payload(self, d: Drill) -> None:
         key = "pay-" + uuid.uuid4().hex
-        first = await self.client.charge(self.tenants[0], key, d.order_id, 5000)
+        first = await self.client.charge(d.tenants[0], key, d.order_id, 5000)
         d.answers.append(first)
         d.check(first.ok and not first.replayed, f"attempt 1: expected OK, got {first.label}")
-        mutated = await self.client.charge(self.tenants[0], key, d.order_id, 50000)
+        mutated = await self.client.charge(d.tenants[0], key, d.order_id, 50000)
         d.answers.append(mutated)
         d.check(
             mutated.code is grpc.StatusCode.FAILED_PRECONDITION and mutated.reason == REUSED,
@@ -359,8 +509,8 @@ class Demo:
 
     async def two_tenants(self, d: Drill) -> None:
         key = "pay-" + uuid.uuid4().hex
-        firsts = [await self.client.charge(t, key, d.order_id, 1234) for t in self.tenants]
-        retries = [await self.client.charge(t, key, d.order_id, 1234) for t in self.tenants]
+        firsts = [await self.client.charge(t, key, d.order_id, 1234) for t in d.tenants]
+        retries = [await self.client.charge(t, key, d.order_id, 1234) for t in d.tenants]
         d.answers.extend(firsts + retries)
         d.check(
             all(a.ok and not a.replayed for a in firsts),
@@ -372,15 +522,119 @@ class Demo:
             and [r.charge_id for r in retries] == [f.charge_id for f in firsts],
             "each tenant's retry should replay its own charge",
         )
-        per_tenant = await self.db.fetch(
-            "SELECT tenant, count(*) AS n FROM payments.charges WHERE order_id = $1"
-            " GROUP BY tenant",
-            d.order_id,
-        )
+
+    # --- f-h: the checkout flow, OrderService -> PaymentService, NotificationService ---
+
+    async def lost_order_response(self, d: Drill) -> None:
+        await self.orders.start("after_commit_before_response=sleep:1500")
+        tenant, key = d.tenants[0], "order-" + uuid.uuid4().hex
+        first = await self.orders_client.place(tenant, key, d.order_id, timeout=0.5)
+        d.answers.append(first)
         d.check(
-            sorted(r["n"] for r in per_tenant) == [1, 1],
-            f"expected one charge per tenant: {[tuple(r) for r in per_tenant]}",
+            first.code is grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"attempt 1: expected DEADLINE_EXCEEDED, got {first.label}",
         )
+        committed = await self.order_rows(tenant, d.order_id)
+        d.check(len(committed) == 1, f"the order did not commit before the deadline: {committed}")
+        retry = await self.orders_client.place(tenant, key, d.order_id)
+        d.answers.append(retry)
+        d.check(retry.ok and retry.replayed, f"retry: expected a replay, got {retry.label}")
+        order = retry.order
+        d.check(
+            order is not None and [(order.charge_id, order.email_id)] == committed,
+            f"retry answered {order}, rows: {committed}",
+        )
+        # OrderService replayed its record: the downstream services were called once.
+        await self.expect_child_keys(d, tenant, key, calls=1)
+
+    async def two_tenants_one_order_key(self, d: Drill) -> None:
+        await self.orders.start()
+        key = "order-" + uuid.uuid4().hex
+        # Byte-identical requests with the same key: only the tenant header differs.
+        firsts = [await self.orders_client.place(t, key, d.order_id) for t in d.tenants]
+        retries = [await self.orders_client.place(t, key, d.order_id) for t in d.tenants]
+        d.answers.extend(firsts + retries)
+        d.check(
+            all(a.ok and not a.replayed for a in firsts),
+            "each tenant's first call should execute (not replay the other tenant's)",
+        )
+        placed = [o for a in firsts if (o := a.order) is not None]
+        d.check(
+            len({o.charge_id for o in placed}) == len(d.tenants), "the tenants share one charge"
+        )
+        d.check(len({o.email_id for o in placed}) == len(d.tenants), "the tenants share one email")
+        d.check(
+            all(r.ok and r.replayed for r in retries)
+            and [r.response for r in retries] == [f.response for f in firsts],
+            "each tenant's retry should replay its own order",
+        )
+        for tenant in d.tenants:
+            await self.expect_child_keys(d, tenant, key, calls=1)
+
+    async def crash_between_charge_and_order(self, d: Drill) -> None:
+        lease = ["--lease", f"{ORDER_LEASE_S:g}"]
+        await self.orders.start("before_commit=crash", lease)
+        tenant, key = d.tenants[0], "order-" + uuid.uuid4().hex
+        first = await self.orders_client.place(tenant, key, d.order_id)
+        d.answers.append(first)
+        d.check(not first.ok, f"attempt 1: expected the call to fail, got {first.label}")
+        code = await self.orders.wait_exit(5)
+        d.check(code is not None, "the orders process did not crash")
+        charges = await self.charge_rows(d.order_id)
+        d.check(len(charges) == 1, f"expected the charge before the crash, rows: {charges}")
+        d.check(
+            not await self.order_rows(tenant, d.order_id), "an order committed before the crash"
+        )
+        print(
+            f"  orders killed after the charge, before its final commit (exit {code});"
+            " restarting it, retrying once its lease has run out",
+            flush=True,
+        )
+        await self.orders.start(args=lease)
+        waited = await self.wait_for_lease(tenant, key)
+        print(f"  the dead attempt's lease ran out after {waited:.1f} s (database clock)")
+        retry = await self.orders_client.place(tenant, key, d.order_id)
+        d.answers.append(retry)
+        d.check(retry.ok and not retry.replayed, f"retry: expected a takeover, got {retry.label}")
+        order = retry.order
+        d.check(
+            order is not None and [order.charge_id] == charges,
+            f"retry answered charge {order and order.charge_id}, rows: {charges}",
+        )
+        # The re-run sent the same child keys: payments and notifications replayed.
+        await self.expect_child_keys(d, tenant, key, calls=2)
+
+    async def wait_for_lease(self, tenant: str, key: str, timeout: float = 10.0) -> float:
+        """Polls until the claim's lease has run out by the database's clock; returns the wait."""
+        started = time.monotonic()
+        while True:
+            expired = await self.db.fetchval(
+                "SELECT locked_until <= clock_timestamp() FROM orders_idempotency.records"
+                " WHERE scope = $1 AND key = $2 AND state = 'in_progress'",
+                "tenant:" + tenant,
+                key,
+            )
+            if expired:
+                return time.monotonic() - started
+            if expired is None:
+                raise RuntimeError("no in-progress claim left by the crashed attempt")
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"the lease did not run out within {timeout} s")
+            await asyncio.sleep(0.02)
+
+    async def expect_child_keys(self, d: Drill, tenant: str, key: str, *, calls: int) -> None:
+        """Payments and notifications received ``calls`` calls for the tenant, all with the
+        child key of their step: ``child_key("tenant:<t>", parent key, step)``."""
+        for service, step in (("payments", CHARGE_STEP), ("notifications", EMAIL_STEP)):
+            keys = await self.attempt_keys(service, tenant)
+            expected = child_key("tenant:" + tenant, key, step)
+            d.check(
+                keys == [expected] * calls,
+                f"{service}.attempts for {tenant}: expected {calls} x child key"
+                f" {expected[:12]}..., got {[k[:12] if k else k for k in keys]}",
+            )
+            if len(keys) > 1 and len(set(keys)) == 1:
+                d.notes.append(f"{service}.attempts: {len(keys)} calls, one child key {keys[0]}")
 
     async def run(self, d: Drill, drill: Callable[[Drill], Awaitable[None]]) -> Drill:
         print(f"{d.name} ...", flush=True)
@@ -389,27 +643,67 @@ class Demo:
         except Exception as exc:
             d.problems.append(f"{type(exc).__name__}: {exc}")
         try:
-            d.charges = len(await self.charge_rows(d.order_id))
+            await self.count(d)
         except Exception as exc:
-            d.problems.append(f"counting charges failed: {type(exc).__name__}: {exc}")
-            return d
-        if d.charges > d.expected_charges:
-            d.problems.append(
-                f"SIDE EFFECT REPEATED: {d.charges} charges written, {d.expected_charges} expected"
-            )
-        elif d.charges < d.expected_charges:
-            d.problems.append(f"{d.charges} charges written, {d.expected_charges} expected")
+            d.problems.append(f"counting failed: {type(exc).__name__}: {exc}")
+        for note in d.notes:
+            print(f"  {note}")
         return d
+
+    async def count(self, d: Drill) -> None:
+        """Calls received and rows written per service, and the verdict on repeats."""
+        tenants = list(d.tenants)
+        scopes = ["tenant:" + t for t in tenants]
+        for service in SERVICES:
+            d.attempts[service] = await self.db.fetchval(
+                f"SELECT count(*) FROM {service}.attempts WHERE tenant = ANY($1::text[])",
+                tenants,
+            )
+            table = EFFECTS[service]
+            d.effects[service] = await self.db.fetchval(
+                f"SELECT count(*) FROM {table} WHERE order_id = $1", d.order_id
+            )
+            # A side effect happens at most once per tenant and order, whatever the drill.
+            repeated = await self.db.fetch(
+                f"SELECT tenant, count(*) AS n FROM {table}"
+                " WHERE order_id = $1 AND tenant = ANY($2::text[]) GROUP BY tenant"
+                " HAVING count(*) > 1",
+                d.order_id,
+                scopes,
+            )
+            for row in repeated:
+                d.problems.append(
+                    f"SIDE EFFECT REPEATED: {row['n']} {EFFECT_NAMES[service]} for"
+                    f" {row['tenant']}, order {d.order_id}"
+                )
+            want, got = d.effects_expected.get(service, 0), d.effects[service]
+            if got > want and not repeated:
+                d.problems.append(
+                    f"SIDE EFFECT REPEATED: {got} {EFFECT_NAMES[service]} written, {want} expected"
+                )
+            elif got < want:
+                d.problems.append(f"{got} {EFFECT_NAMES[service]} written, {want} expected")
 
 
 def print_table(drills: list[Drill]) -> None:
-    header = ("drill", "sent", "answers", "charges", "expected", "verdict")
+    header = (
+        "drill",
+        "sent",
+        "answers",
+        "orders",
+        "payments",
+        "notifications",
+        "expected",
+        "verdict",
+    )
     rows = [
         (
             d.name,
             str(len(d.answers)),
             d.summary,
-            "?" if d.charges is None else str(d.charges),
+            d.cell("orders"),
+            d.cell("payments"),
+            d.cell("notifications"),
             d.expected,
             "FAIL" if d.problems else "PASS",
         )
@@ -420,6 +714,9 @@ def print_table(drills: list[Drill]) -> None:
     def line(cells: tuple[str, ...]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
+    print()
+    print("per service: calls received (<service>.attempts) -> rows written (orders.orders,")
+    print("payments.charges, notifications.emails); '-': the drill does not involve it")
     print()
     print(line(header))
     print(line(tuple("-" * w for w in widths)))
@@ -435,7 +732,7 @@ def print_table(drills: list[Drill]) -> None:
 
 async def run(dsn: str | None) -> int:
     """Runs the drills, prints the table; 0 when every expectation held, else 1."""
-    # SIGTERM would otherwise end this process without cleanup, orphaning the payments process
+    # SIGTERM would otherwise end this process without cleanup, orphaning the service processes
     # and the embedded PostgreSQL: turn it into a cancellation, which the finally blocks handle.
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -459,6 +756,70 @@ async def run(dsn: str | None) -> int:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
+def _plan(demo: Demo) -> list[tuple[Drill, Callable[[Drill], Awaitable[None]]]]:
+    one = "1 charge"
+    charge = {"payments": 1}
+    once = {"orders": 1, "payments": 1, "notifications": 1}
+    return [
+        (
+            Drill("a. plain retries", f"{one}; attempts 2-3 replayed, same charge_id", charge),
+            demo.plain_retries,
+        ),
+        (
+            Drill("b. lost response: deadline", f"{one}; DEADLINE_EXCEEDED, then replayed", charge),
+            demo.lost_response_deadline,
+        ),
+        (
+            Drill("b. lost response: crash", f"{one}; crash after commit, then replayed", charge),
+            demo.lost_response_crash,
+        ),
+        (
+            Drill(
+                "c. concurrent duplicates",
+                f"{one}; identical bytes or aborted (IN_PROGRESS)",
+                charge,
+            ),
+            demo.concurrent_duplicates,
+        ),
+        (
+            Drill("d. mutated payload", f"{one}; FAILED_PRECONDITION/KEY_REUSED", charge),
+            demo.mutated_payload,
+        ),
+        (
+            Drill(
+                "e. two tenants, one key",
+                "2 charges, 1 per tenant; retries replay own",
+                {"payments": 2},
+            ),
+            demo.two_tenants,
+        ),
+        (
+            Drill(
+                "f. lost order response",
+                "1 of each; DEADLINE_EXCEEDED, then replayed",
+                once,
+            ),
+            demo.lost_order_response,
+        ),
+        (
+            Drill(
+                "g. two tenants, one order key",
+                "2 of each, 1 per tenant; retries replay own",
+                {"orders": 2, "payments": 2, "notifications": 2},
+            ),
+            demo.two_tenants_one_order_key,
+        ),
+        (
+            Drill(
+                "h. crash between charge and order",
+                "1 of each; re-run after the lease, same child keys",
+                once,
+            ),
+            demo.crash_between_charge_and_order,
+        ),
+    ]
+
+
 async def _run(dsn: str | None) -> int:
     started = time.monotonic()
     pg = None
@@ -466,7 +827,7 @@ async def _run(dsn: str | None) -> int:
         from grpc_idempotency.store.embedded import EmbeddedPostgres
 
         pg = EmbeddedPostgres()
-    payments: Payments | None = None
+    services: list[Service] = []
     db: asyncpg.Connection | None = None
     try:
         if pg is not None:
@@ -474,41 +835,15 @@ async def _run(dsn: str | None) -> int:
             print(f"embedded PostgreSQL: {dsn}", flush=True)
         assert dsn is not None
         payments = Payments(dsn, _free_port())
-        await payments.start()
+        notifications = Service("notifications", dsn, _free_port())
+        orders = Orders(dsn, _free_port(), payments, notifications)
+        services += [payments, notifications, orders]
+        # All three from the start: each creates its schemas, which every drill's count reads.
+        # The drills restart payments and orders with failpoints where they need them.
+        await asyncio.gather(*(service.start() for service in services))
         db = await asyncpg.connect(dsn)
-        demo = Demo(db, payments)
-        one = "1 charge"
-        plan: list[tuple[Drill, Callable[[Drill], Awaitable[None]]]] = [
-            (
-                Drill("a. plain retries", f"{one}; attempts 2-3 replayed, same charge_id", 1),
-                demo.plain_retries,
-            ),
-            (
-                Drill("b. lost response: deadline", f"{one}; DEADLINE_EXCEEDED, then replayed", 1),
-                demo.lost_response_deadline,
-            ),
-            (
-                Drill("b. lost response: crash", f"{one}; crash after commit, then replayed", 1),
-                demo.lost_response_crash,
-            ),
-            (
-                Drill(
-                    "c. concurrent duplicates",
-                    f"{one}; identical bytes or aborted (IN_PROGRESS)",
-                    1,
-                ),
-                demo.concurrent_duplicates,
-            ),
-            (
-                Drill("d. mutated payload", f"{one}; FAILED_PRECONDITION/KEY_REUSED", 1),
-                demo.mutated_payload,
-            ),
-            (
-                Drill("e. two tenants, one key", "2 charges, 1 per tenant; retries replay own", 2),
-                demo.two_tenants,
-            ),
-        ]
-        drills = [await demo.run(drill, fn) for drill, fn in plan]
+        demo = Demo(db, payments, notifications, orders)
+        drills = [await demo.run(drill, fn) for drill, fn in _plan(demo)]
         print_table(drills)
         print(f"({time.monotonic() - started:.1f} s)")
         return 1 if any(d.problems for d in drills) else 0
@@ -519,7 +854,7 @@ async def _run(dsn: str | None) -> int:
         if db is not None:
             with contextlib.suppress(Exception):
                 await db.close()
-        if payments is not None:
-            await payments.stop()
+        for service in reversed(services):
+            await service.stop()
         if pg is not None:
             pg.close()

@@ -41,7 +41,10 @@ def records_schema(service: str) -> str:
 async def open_store(dsn: str, service: str, tables_sql: str) -> Store:
     """The service's store, migrated, with its business tables and attempt log created."""
     store = await Store.connect(dsn, schema=records_schema(service), migrate=True)
-    async with store.pool.acquire() as conn:
+    async with store.pool.acquire() as conn, conn.transaction():
+        # Replicas may start together: CREATE ... IF NOT EXISTS is not safe against a concurrent
+        # CREATE, so they take turns.
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"checkout-{service}")
         await conn.execute(ATTEMPTS_SQL.format(schema=service))
         await conn.execute(tables_sql)
     return store

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -55,11 +56,19 @@ class ServiceProcess:
         self.stdout_path = log_dir / f"{name}.stdout"
         self.stderr_path = log_dir / f"{name}.stderr"
         self.proc: asyncio.subprocess.Process | None = None
+        self.port: int | None = None
+        """The TCP port named at the end of the ready line, once started."""
 
     @property
     def pid(self) -> int:
         assert self.proc is not None, "not started"
         return self.proc.pid
+
+    @property
+    def address(self) -> str:
+        """``127.0.0.1:<port>``, for a service that named its port when it became ready."""
+        assert self.port is not None, "not started, or its ready line named no port"
+        return f"127.0.0.1:{self.port}"
 
     @property
     def returncode(self) -> int | None:
@@ -77,7 +86,7 @@ class ServiceProcess:
                 start_new_session=True,  # a Ctrl-C of pytest must not reach it first
             )
         deadline = time.monotonic() + timeout
-        while self.ready not in self.stdout_path.read_text(errors="replace"):
+        while (line := self._ready_line()) is None:
             if self.proc.returncode is not None:
                 raise RuntimeError(f"{self.args} exited with {self.proc.returncode}\n{self.logs()}")
             if time.monotonic() > deadline:
@@ -85,6 +94,16 @@ class ServiceProcess:
             # Wakes at once if the child exits; otherwise looks at its output again.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.proc.wait()), 0.02)
+        # "<name> listening on HOST:PORT" names the port actually bound (the port may be 0).
+        bound = re.search(r":(\d+)\s*$", line)
+        self.port = int(bound.group(1)) if bound else None
+
+    def _ready_line(self) -> str | None:
+        """The first complete line of output containing ``ready``, once there is one."""
+        for line in self.stdout_path.read_text(errors="replace").splitlines(keepends=True):
+            if self.ready in line and line.endswith("\n"):
+                return line
+        return None
 
     async def wait(self, timeout: float = 10.0) -> int:
         """Waits for the process to exit; returns its return code (-9: SIGKILL)."""
@@ -93,15 +112,29 @@ class ServiceProcess:
 
     def kill(self) -> None:
         """SIGKILL, like a crash; no-op once it has exited."""
+        self.send_signal(signal.SIGKILL)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stalls where it is (a GC pause, a frozen VM), holding its
+        sockets and database connections, until ``resume``."""
+        self.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause``."""
+        self.send_signal(signal.SIGCONT)
+
+    def send_signal(self, sig: int) -> None:
+        """Sends ``sig``; no-op once the process has exited."""
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
+                os.kill(self.proc.pid, sig)
 
     async def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM (a clean shutdown), SIGKILL if it is still alive after ``timeout``."""
         if self.proc is None or self.proc.returncode is not None:
             return
         try:
+            self.proc.send_signal(signal.SIGCONT)  # a paused process would never see SIGTERM
             self.proc.terminate()
             await asyncio.wait_for(self.proc.wait(), timeout)
         except ProcessLookupError:
@@ -132,12 +165,53 @@ class Processes:
         self, dsn: str, port: int, *, failpoints: str | None = None
     ) -> ServiceProcess:
         """Starts ``python -m examples.checkout payments`` on 127.0.0.1:``port``."""
+        return await self.service("payments", dsn, port, failpoints=failpoints)
+
+    async def notifications(
+        self, dsn: str, port: int, *, failpoints: str | None = None
+    ) -> ServiceProcess:
+        """Starts ``python -m examples.checkout notifications`` on 127.0.0.1:``port``."""
+        return await self.service("notifications", dsn, port, failpoints=failpoints)
+
+    async def orders(
+        self,
+        dsn: str,
+        port: int,
+        *,
+        payments: int,
+        notifications: int,
+        lease: float | None = None,
+        failpoints: str | None = None,
+    ) -> ServiceProcess:
+        """Starts ``python -m examples.checkout orders`` on 127.0.0.1:``port``, calling payments
+        and notifications on the given local ports; ``lease`` overrides PlaceOrder's lease."""
+        args = [
+            "--payments",
+            f"127.0.0.1:{payments}",
+            "--notifications",
+            f"127.0.0.1:{notifications}",
+        ]
+        if lease is not None:
+            args += ["--lease", str(lease)]
+        return await self.service("orders", dsn, port, args, failpoints=failpoints)
+
+    async def service(
+        self,
+        name: str,
+        dsn: str,
+        port: int,
+        args: Sequence[str] = (),
+        *,
+        failpoints: str | None = None,
+    ) -> ServiceProcess:
+        """Starts ``python -m examples.checkout <name>`` on 127.0.0.1:``port`` and waits until
+        it listens."""
         env = {"GRPC_IDEMPOTENCY_FAILPOINTS": failpoints} if failpoints else {}
         proc = ServiceProcess(
-            ["-m", "examples.checkout", "payments", "--listen", f"127.0.0.1:{port}", "--dsn", dsn],
-            ready="payments listening on",
+            ["-m", "examples.checkout", name, "--listen", f"127.0.0.1:{port}", "--dsn", dsn, *args],
+            ready=f"{name} listening on",
             log_dir=self.log_dir,
-            name=f"payments-{len(self._started)}",
+            name=f"{name}-{len(self._started)}",
             env=env,
         )
         self._started.append(proc)

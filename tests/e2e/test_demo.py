@@ -24,6 +24,9 @@ DRILLS = (
     "c. concurrent duplicates",
     "d. mutated payload",
     "e. two tenants, one key",
+    "f. lost order response",
+    "g. two tenants, one order key",
+    "h. crash between charge and order",
 )
 
 

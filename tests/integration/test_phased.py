@@ -171,3 +171,39 @@ async def test_connection_before_the_final_transaction_is_a_clear_error(
     assert answer.reason() == "IDEMPOTENCY_NO_CURRENT_CALL"
     assert "await current_call().transaction()" in (answer.details or "")
     assert await record(store, key) is None
+
+
+async def test_a_final_transaction_outliving_its_lease_does_not_block_other_replicas(
+    store: Store,
+) -> None:
+    """The final transaction holds the key's claim lock: a competing claim fails fast and waits
+    without a connection, instead of queueing on the row lock for as long as the owner takes."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as a, running_ledger(store) as b:
+        owner = asyncio.ensure_future(
+            call_raw(a.channel, PHASED, post(account, "hold"), metadata(key))
+        )
+        await a.service.started.wait()  # inside the final transaction, lease no longer renewed
+        await until(lambda: _lease_over(store, key), timeout=5)
+        started = asyncio.get_running_loop().time()
+        dup = await call_raw(b.channel, PHASED, post(account, "hold"), metadata(key), timeout=5)
+        waited = asyncio.get_running_loop().time() - started
+        assert dup.code is grpc.StatusCode.ABORTED and dup.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+        assert waited < 2.0  # max_wait is 1 s; it did not sit on the row lock until release
+        assert b.service.executions == 0
+        a.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+        replay = await call_raw(b.channel, PHASED, post(account, "hold"), metadata(key))
+        assert replay.replayed
+    assert await ledger_rows(store, account) == 1
+
+
+async def _lease_over(store: Store, key: str) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records"
+            " WHERE scope = $1 AND key = $2",
+            SCOPE,
+            key,
+        )
+    )

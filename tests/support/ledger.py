@@ -102,6 +102,10 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             request.amount,
             call.scope,
         )
+        if behaviour == "hold":
+            # Keeps the (final) transaction open until the test releases it.
+            self.started.set()
+            await self.release.wait()
         if behaviour.startswith("commit"):
             # A misbehaving handler that ends the library's transaction itself.
             await conn.execute("COMMIT")

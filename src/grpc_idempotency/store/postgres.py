@@ -439,7 +439,12 @@ class PhasedClaim:
         attempt = Attempt(store, conn, c)
         try:
             await conn.execute(
-                store.statements.begin_final(scope=c.scope, key=c.key, token=self.token)
+                store.statements.begin_final(
+                    scope=c.scope,
+                    key=c.key,
+                    token=self.token,
+                    lock_id=claim_lock_id(store.schema, c.scope, c.key),
+                )
             )
         except asyncpg.PostgresError as exc:
             await attempt.release()

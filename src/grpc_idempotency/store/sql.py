@@ -114,11 +114,11 @@ class Statements:
         )
         return f"BEGIN ISOLATION LEVEL READ COMMITTED; {claim}; SAVEPOINT {SAVEPOINT}"
 
-    def begin_final(self, *, scope: str, key: str, token: int) -> str:
+    def begin_final(self, *, scope: str, key: str, token: int, lock_id: int) -> str:
         return (
             "BEGIN ISOLATION LEVEL READ COMMITTED; "
             f"SELECT {self.schema}.verify_claim({text_literal(scope)}, {text_literal(key)}, "
-            f"{int_literal(token)}); SAVEPOINT {SAVEPOINT}"
+            f"{int_literal(token)}, {int_literal(lock_id)}); SAVEPOINT {SAVEPOINT}"
         )
 
     def complete_and_commit(

@@ -1,0 +1,613 @@
+"""Acceptance tests of the checkout flow, each service a real process on the session PostgreSQL.
+
+OrderService.PlaceOrder runs in phased mode: its claim commits with a lease, it calls
+PaymentService.Charge and NotificationService.SendEmail with child keys derived from its key,
+its tenant and the declared steps, and it writes the order in a final transaction guarded by the
+claim's fencing token. These tests break the flow where it hurts (a lost response, an abandoned
+attempt, a crash between the charge and the order, an owner stalled past its lease, connections
+reset under gRPC's own retries) and count, with SQL, what each service received
+(``<service>.attempts``) against what it did (``payments.charges``, ``notifications.emails``,
+``orders.orders``).
+
+Coordination polls the database and the attempt logs; nothing sleeps blindly. Waiting out a lease
+polls ``locked_until <= clock_timestamp()`` too: the database's clock decides, as in the library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
+from examples.checkout import orders as orders_service
+from examples.checkout.service import open_store, records_schema
+from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
+from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, channel_options
+from tests.e2e.procs import Processes, ServiceProcess
+
+# isort: split
+from checkout.v1 import orders_pb2, orders_pb2_grpc  # importable only once examples.checkout.gen is
+
+pytestmark = pytest.mark.e2e
+
+PLACE_ORDER = "/checkout.v1.OrderService/PlaceOrder"
+CHARGE = "/checkout.v1.PaymentService/Charge"
+SEND_EMAIL = "/checkout.v1.NotificationService/SendEmail"
+CHARGE_STEP = "charge-card.v1"
+EMAIL_STEP = "send-confirmation.v1"
+ORDERS_RECORDS = records_schema("orders")
+TENANT_HEADER = "x-tenant-id"
+DETAILS_TRAILER = "grpc-status-details-bin"
+CALL_TIMEOUT_S = 15.0
+SIGKILLED = -signal.SIGKILL
+
+T = TypeVar("T")
+
+
+# --- processes --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Downstream:
+    payments: int
+    notifications: int
+
+
+@pytest.fixture(scope="module")
+async def downstream(
+    pg_dsn: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Downstream]:
+    """Payments and notifications, shared by the module's tests (none of them kills these two);
+    each test isolates itself by its own tenant."""
+    # Replicas of one service started together on a fresh database race to create its schemas
+    # (examples/checkout/service.py takes no lock around them): create orders' first, once.
+    store = await open_store(pg_dsn, orders_service.NAME, orders_service.TABLES_SQL)
+    await store.close()
+    processes = Processes(tmp_path_factory.mktemp("downstream"))
+    try:
+        payments, notifications = await asyncio.gather(
+            processes.payments(pg_dsn, 0), processes.notifications(pg_dsn, 0)
+        )
+        assert payments.port and notifications.port
+        yield Downstream(payments.port, notifications.port)
+    finally:
+        await processes.close()
+
+
+@pytest.fixture
+async def procs(tmp_path: Path) -> AsyncIterator[Processes]:
+    processes = Processes(tmp_path)
+    try:
+        yield processes
+    finally:
+        await processes.close()
+
+
+@pytest.fixture
+async def db(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(pg_dsn, server_settings={"application_name": "flow-tests"})
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def start_orders(
+    procs: Processes,
+    pg_dsn: str,
+    downstream: Downstream,
+    *,
+    lease: float | None = None,
+    failpoints: str | None = None,
+    notifications: int | None = None,
+) -> ServiceProcess:
+    proc = await procs.orders(
+        pg_dsn,
+        0,
+        payments=downstream.payments,
+        notifications=notifications or downstream.notifications,
+        lease=lease,
+        failpoints=failpoints,
+    )
+    assert proc.port is not None
+    return proc
+
+
+# --- one order, and calling OrderService --------------------------------------------------------
+
+
+class Order:
+    """One logical PlaceOrder: a tenant, a key, an order; every attempt sends the same request."""
+
+    def __init__(self, *, tenant: str | None = None, key: str | None = None) -> None:
+        self.tenant = tenant or "t-" + uuid.uuid4().hex[:12]
+        self.scope = "tenant:" + self.tenant
+        self.key = key or "order-" + uuid.uuid4().hex
+        self.order_id = "ord-" + uuid.uuid4().hex[:12]
+
+    def request(self) -> orders_pb2.PlaceOrderRequest:
+        request = orders_pb2.PlaceOrderRequest(
+            order_id=self.order_id,
+            amount_cents=4200,
+            currency="EUR",
+            card_token="tok_visa",
+            email="buyer@example.com",
+        )
+        request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
+        return request
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((KEY_HEADER, self.key), (TENANT_HEADER, self.tenant))
+
+    def child(self, step: str) -> str:
+        """The key the step's downstream call must carry, derived here independently."""
+        return child_key(self.scope, self.key, step)
+
+
+@dataclass(frozen=True)
+class Placed:
+    response: orders_pb2.PlaceOrderResponse
+    replayed: bool
+
+
+def _replayed(metadata: Any) -> bool:
+    return any(k == REPLAYED_HEADER and v == "true" for k, v in metadata or ())
+
+
+def _start_place(channel: grpc.aio.Channel, order: Order, timeout: float) -> Any:
+    stub = orders_pb2_grpc.OrderServiceStub(channel)
+    return stub.PlaceOrder(order.request(), metadata=order.metadata(), timeout=timeout)
+
+
+async def place(target: str, order: Order, *, timeout: float = CALL_TIMEOUT_S) -> Placed:
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = _start_place(channel, order, timeout)
+        response = await call
+        return Placed(response, _replayed(await call.initial_metadata()))
+
+
+def reason_of(err: grpc.aio.AioRpcError) -> str | None:
+    """The ``google.rpc.ErrorInfo`` reason an error carries, if any."""
+    for name, value in err.trailing_metadata() or ():
+        if name == DETAILS_TRAILER and isinstance(value, bytes):
+            for detail in status_pb2.Status.FromString(value).details:
+                if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                    info = error_details_pb2.ErrorInfo()
+                    detail.Unpack(info)
+                    return str(info.reason)
+    return None
+
+
+# --- what the services received and did ---------------------------------------------------------
+
+
+async def attempts(db: asyncpg.Connection, service: str, tenant: str) -> list[tuple[str, str]]:
+    """(method, key) of every call ``service`` received for ``tenant``, in arrival order."""
+    rows = await db.fetch(
+        f"SELECT method, key FROM {service}.attempts WHERE tenant = $1 ORDER BY id", tenant
+    )
+    return [(r["method"], r["key"]) for r in rows]
+
+
+@dataclass(frozen=True)
+class Effects:
+    charges: list[str]
+    emails: list[str]
+    orders: list[tuple[str, str]]  # (charge_id, email_id) of each order row
+
+
+async def effects(db: asyncpg.Connection, order: Order) -> Effects:
+    charges = await db.fetch(
+        "SELECT charge_id FROM payments.charges WHERE order_id = $1 AND tenant = $2",
+        order.order_id,
+        order.scope,
+    )
+    emails = await db.fetch(
+        "SELECT email_id FROM notifications.emails WHERE order_id = $1 AND tenant = $2",
+        order.order_id,
+        order.scope,
+    )
+    orders = await db.fetch(
+        "SELECT charge_id, email_id FROM orders.orders WHERE order_id = $1 AND tenant = $2",
+        order.order_id,
+        order.scope,
+    )
+    return Effects(
+        [r["charge_id"] for r in charges],
+        [r["email_id"] for r in emails],
+        [(r["charge_id"], r["email_id"]) for r in orders],
+    )
+
+
+async def record_of(db: asyncpg.Connection, order: Order) -> asyncpg.Record | None:
+    """OrderService's idempotency record of ``order``, with the lease judged by the DB clock."""
+    return await db.fetchrow(
+        f"SELECT state, fencing_token, response,"
+        f" (locked_until IS NOT NULL AND locked_until <= clock_timestamp()) AS lease_expired"
+        f" FROM {ORDERS_RECORDS}.records WHERE scope = $1 AND key = $2",
+        order.scope,
+        order.key,
+    )
+
+
+async def until(what: str, probe: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
+    """Polls ``probe()`` until it returns something truthy; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await probe()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def lease_expired(db: asyncpg.Connection, order: Order) -> None:
+    async def expired() -> bool:
+        record = await record_of(db, order)
+        return record is not None and record["state"] == "in_progress" and record["lease_expired"]
+
+    await until("the orders lease to run out", expired)
+
+
+async def claimed(db: asyncpg.Connection, order: Order, attempts_seen: int) -> None:
+    """Waits until OrderService received ``attempts_seen`` attempts of ``order`` and one of them
+    holds the claim (committed in progress, with a lease): it is inside the phased execution."""
+
+    async def inside() -> bool:
+        record = await record_of(db, order)
+        seen = await attempts(db, "orders", order.tenant)
+        return (
+            len(seen) >= attempts_seen and record is not None and record["state"] == "in_progress"
+        )
+
+    await until(f"attempt {attempts_seen} of PlaceOrder to hold the claim", inside)
+
+
+async def final_open(db: asyncpg.Connection) -> bool:
+    """A library connection sits in an open transaction whose last statement wrote an order:
+    a PlaceOrder attempt is inside its final transaction, not yet committed."""
+    open_orders: int = await db.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'grpc-idempotency'"
+        " AND state = 'idle in transaction' AND query LIKE 'INSERT INTO orders.orders%'"
+    )
+    return open_orders == 1
+
+
+async def assert_once_each(db: asyncpg.Connection, order: Order, placed: Placed) -> None:
+    """One charge, one email, one order, and the answer names exactly those."""
+    done = await effects(db, order)
+    response = placed.response
+    assert done.charges == [response.charge_id], done
+    assert done.emails == [response.email_id], done
+    assert done.orders == [(response.charge_id, response.email_id)], done
+    assert response.order_id == order.order_id
+    record = await record_of(db, order)
+    assert record is not None and record["state"] == "completed", record
+    assert orders_pb2.PlaceOrderResponse.FromString(bytes(record["response"])) == response
+
+
+async def assert_child_keys(
+    db: asyncpg.Connection, order: Order, *, charges: int, emails: int
+) -> None:
+    """Payments and notifications received ``charges`` / ``emails`` attempts for the order, each
+    with the child key that ``child_key(scope, parent key, step)`` gives."""
+    charge = (CHARGE, order.child(CHARGE_STEP))
+    email = (SEND_EMAIL, order.child(EMAIL_STEP))
+    assert await attempts(db, "payments", order.tenant) == [charge] * charges
+    assert await attempts(db, "notifications", order.tenant) == [email] * emails
+
+
+# --- the tests ----------------------------------------------------------------------------------
+
+
+async def test_lost_response_after_commit_replays_without_calling_downstream(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """The order commits, then the process dies before answering; the retry replays it."""
+    order = Order()
+    point = "after_commit_before_response"
+    first = await start_orders(procs, pg_dsn, downstream, failpoints=f"{point}=crash")
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await place(first.address, order)
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE, failed.value
+    assert await first.wait() == SIGKILLED, first.logs()
+    assert f"failpoint {point}=crash" in first.stderr_path.read_text(), first.logs()
+
+    # Everything committed before the response was lost.
+    done = await effects(db, order)
+    assert (len(done.charges), len(done.emails), len(done.orders)) == (1, 1, 1), done
+
+    restarted = await start_orders(procs, pg_dsn, downstream)
+    placed = await place(restarted.address, order)
+
+    assert placed.replayed
+    await assert_once_each(db, order, placed)
+    assert await attempts(db, "orders", order.tenant) == [(PLACE_ORDER, order.key)] * 2
+    # The replay came from OrderService's record: downstream saw the first attempt only.
+    await assert_child_keys(db, order, charges=1, emails=1)
+
+
+async def test_abandoned_attempt_rerun_sends_the_same_child_keys(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """The client gives up after the charge and the email but before the order commits (its
+    response is lost for good); the retry, on another replica, runs the handler again and the
+    downstream services replay: the same child keys, one charge, one email, one order."""
+    order = Order()
+    stalling, other = await asyncio.gather(
+        start_orders(procs, pg_dsn, downstream, failpoints="before_commit=sleep:20000"),
+        start_orders(procs, pg_dsn, downstream),
+    )
+    async with grpc.aio.insecure_channel(stalling.address) as channel:
+        call = _start_place(channel, order, CALL_TIMEOUT_S)
+
+        await until("the order written in the open final transaction", lambda: final_open(db))
+        done = await effects(db, order)
+        assert (len(done.charges), len(done.emails), done.orders) == (1, 1, []), done
+        assert not call.done()
+        call.cancel()  # the client's deadline, at the worst moment
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    # The abandoned attempt rolls back its final transaction and releases the claim.
+    async def released() -> bool:
+        return await record_of(db, order) is None
+
+    await until("the abandoned attempt to release its claim", released)
+    assert (await effects(db, order)).orders == []
+
+    placed = await place(other.address, order)
+
+    assert not placed.replayed  # ran again at OrderService ...
+    await assert_once_each(db, order, placed)  # ... and downstream replayed
+    await assert_child_keys(db, order, charges=2, emails=2)
+
+
+async def test_two_tenants_with_one_parent_key_never_share_downstream_records(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    key = "order-" + uuid.uuid4().hex
+    acme, globex = Order(key=key), Order(key=key)
+    globex.order_id = acme.order_id  # byte-identical requests: only the tenant differs
+    orders = await start_orders(procs, pg_dsn, downstream)
+
+    firsts = [await place(orders.address, o) for o in (acme, globex)]
+    retries = [await place(orders.address, o) for o in (acme, globex)]
+
+    assert [p.replayed for p in firsts] == [False, False]
+    assert [p.replayed for p in retries] == [True, True]
+    assert firsts[0].response.charge_id != firsts[1].response.charge_id
+    assert firsts[0].response.email_id != firsts[1].response.email_id
+    for order, first, retry in zip((acme, globex), firsts, retries, strict=True):
+        assert retry.response == first.response  # each tenant's retry replays its own order
+        await assert_once_each(db, order, first)
+        await assert_child_keys(db, order, charges=1, emails=1)
+    assert acme.child(CHARGE_STEP) != globex.child(CHARGE_STEP)
+    assert acme.child(EMAIL_STEP) != globex.child(EMAIL_STEP)
+    total = await db.fetchval(
+        "SELECT count(*) FROM payments.charges WHERE order_id = $1", acme.order_id
+    )
+    assert total == 2
+
+
+async def test_kill_between_charge_and_order_then_retry_after_lease_charges_once(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    order = Order()
+    first = await start_orders(procs, pg_dsn, downstream, lease=1, failpoints="before_commit=crash")
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await place(first.address, order)
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE, failed.value
+    assert await first.wait() == SIGKILLED, first.logs()
+    assert "failpoint before_commit=crash" in first.stderr_path.read_text(), first.logs()
+
+    # Charged and emailed, no order; the claim outlives the process until its lease ends.
+    done = await effects(db, order)
+    assert (len(done.charges), len(done.emails), done.orders) == (1, 1, []), done
+    record = await record_of(db, order)
+    assert record is not None and record["state"] == "in_progress", record
+
+    restarted = await start_orders(procs, pg_dsn, downstream, lease=1)
+    await lease_expired(db, order)
+    placed = await place(restarted.address, order)
+
+    assert not placed.replayed  # taken over and run again ...
+    await assert_once_each(db, order, placed)  # ... with the first attempt's charge and email
+    assert placed.response.charge_id == done.charges[0]
+    record = await record_of(db, order)
+    assert record is not None and record["fencing_token"] == 2, record
+    # Both runs sent the same child keys; payments and notifications replayed the second.
+    await assert_child_keys(db, order, charges=2, emails=2)
+
+
+@pytest.mark.parametrize("stall", ["before_the_charge", "after_the_charge"])
+async def test_stalled_owner_past_its_lease_cannot_commit(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream, stall: str
+) -> None:
+    """Replica A claims the order and stalls (SIGSTOP) past its lease, either before it charged
+    or after (while it waits for the email); the retry on replica B takes the order over and
+    completes it; A, resumed, must not commit a second order."""
+    order = Order()
+    if stall == "before_the_charge":
+        # A waits after its claim: provably inside the phased execution, nothing charged yet.
+        a_setup: dict[str, Any] = {"failpoints": "after_claim=sleep:3000"}
+    else:
+        # A's own notifications replica is slow: A has charged and waits for the email.
+        slow = await procs.notifications(pg_dsn, 0, failpoints="after_claim=sleep:1500")
+        a_setup = {"notifications": slow.port}
+    a, b = await asyncio.gather(
+        start_orders(procs, pg_dsn, downstream, lease=1, **a_setup),
+        start_orders(procs, pg_dsn, downstream, lease=1),
+    )
+    async with grpc.aio.insecure_channel(a.address) as channel:
+        stale = _start_place(channel, order, CALL_TIMEOUT_S)
+        await claimed(db, order, attempts_seen=1)
+        if stall == "after_the_charge":
+
+            async def charged_and_emailing() -> bool:
+                done = await effects(db, order)
+                return bool(done.charges) and bool(
+                    await attempts(db, "notifications", order.tenant)
+                )
+
+            await until("A to charge and call SendEmail", charged_and_emailing)
+        charged_by_a = (await effects(db, order)).charges
+        a.pause()
+        try:
+            await lease_expired(db, order)  # nobody renews it now
+            placed = await place(b.address, order)
+            assert not placed.replayed
+            await assert_once_each(db, order, placed)
+            record = await record_of(db, order)
+            assert record is not None and record["fencing_token"] == 2, record
+        finally:
+            a.resume()
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stale
+
+    err = failed.value
+    assert err.code() is grpc.StatusCode.ABORTED, err
+    assert reason_of(err) == "IDEMPOTENCY_LEASE_LOST", err
+    # Exactly B's order with B's stored answer; a charge A made before it stalled was replayed.
+    await assert_once_each(db, order, placed)
+    if charged_by_a:
+        assert placed.response.charge_id == charged_by_a[0]
+        await assert_child_keys(db, order, charges=2, emails=2)
+    else:
+        charges = await attempts(db, "payments", order.tenant)
+        assert set(charges) == {(CHARGE, order.child(CHARGE_STEP))}, charges
+    assert (await place(a.address, order)).response == placed.response  # A now replays it
+
+
+# --- gRPC's own retries keep the minted key ----------------------------------------------------
+
+
+class ResettingProxy:
+    """A TCP proxy in front of a server; ``reset()`` drops every connection open through it (an
+    RST to the client, a close to the server), as a load balancer restart or a flaky link would."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.connections = 0
+        self._open: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_w.transport.abort()
+            return
+        pair = (client_w, server_w)
+        self._open.append(pair)
+        pipes = [
+            asyncio.create_task(self._pipe(client_r, server_w)),
+            asyncio.create_task(self._pipe(server_r, client_w)),
+        ]
+        self._tasks.update(pipes)
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pipes:
+                task.cancel()
+                self._tasks.discard(task)
+            if pair in self._open:
+                self._open.remove(pair)
+            client_w.transport.abort()
+            server_w.transport.abort()
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+    def reset(self) -> int:
+        """Drops the open connections; returns how many."""
+        dropped, self._open = self._open, []
+        for client_w, server_w in dropped:
+            sock = client_w.get_extra_info("socket")
+            if sock is not None:  # linger 0: close with RST, not FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
+            client_w.transport.abort()
+            server_w.transport.abort()
+        return len(dropped)
+
+    async def close(self) -> None:
+        self.reset()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+
+
+async def test_minted_key_is_the_same_on_every_grpc_retry(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """The client interceptor mints one key per call; gRPC's configured retries (here after the
+    connection is reset under the first two attempts: UNAVAILABLE) resend it unchanged."""
+    tenant = "t-" + uuid.uuid4().hex[:12]
+    # Each attempt waits a little after claiming the key, so that it is provably inside the
+    # handler when its connection drops.
+    orders = await start_orders(procs, pg_dsn, downstream, failpoints="after_claim=sleep:1000")
+    assert orders.port is not None
+    proxy = ResettingProxy(orders.port)
+    port = await proxy.start()
+    channel = grpc.aio.insecure_channel(
+        f"127.0.0.1:{port}",
+        options=channel_options([orders_pb2]),
+        interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
+    )
+    try:
+        order = Order(tenant=tenant)
+        stub = orders_pb2_grpc.OrderServiceStub(channel)
+        with capture_keys() as keys:
+            call = stub.PlaceOrder(
+                order.request(), metadata=((TENANT_HEADER, tenant),), timeout=CALL_TIMEOUT_S
+            )
+
+            async def minted() -> bool:  # the interceptor runs once the call has started
+                return bool(keys)
+
+            await until("the interceptor to mint a key", minted)
+        assert len(keys) == 1, keys
+        order.key = keys[0]
+
+        for attempt in (1, 2):
+            await claimed(db, order, attempts_seen=attempt)
+            assert proxy.reset() == 1, f"attempt {attempt}: no connection to drop"
+
+        response = await call
+        placed = Placed(response, _replayed(await call.initial_metadata()))
+    finally:
+        await channel.close()
+        await proxy.close()
+
+    assert proxy.connections == 3
+    seen = await attempts(db, "orders", tenant)
+    assert seen == [(PLACE_ORDER, order.key)] * 3, seen
+    assert not placed.replayed
+    await assert_once_each(db, order, placed)
+    await assert_child_keys(db, order, charges=1, emails=1)
