@@ -796,7 +796,7 @@ class Bench:
                     f" {pg * 1e6:15.0f} {client * 1e6:12.0f}"
                 )
             print(
-                f"  {path + ': all four':<44} {pct(samples['total']['wall'], 0.5) * 1e3:9.3f}"
+                f"  {path + ': all':<44} {pct(samples['total']['wall'], 0.5) * 1e3:9.3f}"
                 f" {pg_total * 1e6:15.0f} {client_total * 1e6:12.0f}"
             )
         records = checks["records"]
