@@ -5,6 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpc_idempotency.call import IdempotentCall, current_call
+from grpc_idempotency.client import (
+    IdempotencyClientInterceptor,
+    Operation,
+    OperationStub,
+    TransactionOpen,
+    capture_keys,
+    channel_options,
+    service_config,
+    step,
+    step_metadata,
+)
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
     IdempotencyError,
@@ -28,6 +39,8 @@ from grpc_idempotency.core.policy import (
     Step,
     StoreDown,
 )
+from grpc_idempotency.core.propagation import StepAmbiguous, StepUndeclared
+from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.retention import Purger
 from grpc_idempotency.scope import MetadataScope, ScopeResolver, StaticScope, peer_identity_scope
 from grpc_idempotency.server import IdempotencyInterceptor
@@ -46,6 +59,7 @@ __all__ = [
     "REPLAYED_HEADER",
     "CallOutcome",
     "Code",
+    "IdempotencyClientInterceptor",
     "IdempotencyError",
     "IdempotencyInterceptor",
     "IdempotentCall",
@@ -60,18 +74,29 @@ __all__ = [
     "MethodPolicy",
     "Mode",
     "NotInIdempotentCall",
+    "Operation",
+    "OperationStub",
     "PolicyError",
     "Purger",
+    "RetryPolicy",
     "ScopeResolver",
     "ScopeUnavailable",
     "StaticScope",
     "Step",
+    "StepAmbiguous",
+    "StepUndeclared",
     "Store",
     "StoreDown",
     "StoreUnavailable",
     "Telemetry",
+    "TransactionOpen",
+    "capture_keys",
+    "channel_options",
     "child_key",
     "current_call",
     "peer_identity_scope",
     "proto_include",
+    "service_config",
+    "step",
+    "step_metadata",
 ]

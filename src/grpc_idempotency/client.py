@@ -114,6 +114,43 @@ class Operation:
                     raise
                 await asyncio.sleep(delay)
 
+    def bind(
+        self,
+        stub: Any,
+        *,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> OperationStub:
+        """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
+        retry=RetryPolicy()).Charge(request)``."""
+        return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+
+
+class OperationStub:
+    """A generated stub whose methods carry one operation's key (see ``Operation.bind``)."""
+
+    def __init__(
+        self,
+        operation: Operation,
+        stub: Any,
+        *,
+        metadata: Sequence[tuple[str, str | bytes]],
+        timeout: float | None,
+        retry: RetryPolicy | None,
+    ) -> None:
+        self._operation = operation
+        self._stub = stub
+        self._options: dict[str, Any] = {"metadata": metadata, "timeout": timeout, "retry": retry}
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+
+        async def call(request: Any) -> Any:
+            return await self._operation.call(method, request, **self._options)
+
+        return call
+
 
 def retry_after_ms(trailing_metadata: Any) -> int | None:
     """The server's retry hint: ``grpc-retry-pushback-ms``, else ``google.rpc.RetryInfo``."""

@@ -92,6 +92,8 @@ async def test_operation_key_is_reused_and_cannot_change(
         )
         with op.active():
             third = await stub.Post(request, metadata=TENANT_MD)
+        fourth = await op.bind(stub, metadata=TENANT_MD, retry=RetryPolicy()).Post(request)
+    assert fourth.execution_nonce == first.execution_nonce
     # One execution under op.key; the other two attempts were replays of it.
     assert first.execution_nonce == second.execution_nonce == third.execution_nonce
     assert ledger.service.keys_seen == [op.key]
