@@ -222,3 +222,15 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
         IdempotencyInterceptor(
             store, services=[service], overrides={service.full_name + "/Do": MethodOverride()}
         )
+
+
+def test_retired_steps_are_read_and_do_not_make_a_method_phased() -> None:
+    def retired(o: options_pb2.MethodPolicy) -> None:
+        step = o.steps.add(name="charge.v1", call="a.B/C")
+        step.retired_at.seconds = 1_700_000_000
+
+    policy = compile_policy(method_with(retired))
+    assert policy is not None
+    assert policy.mode is Mode.ATOMIC
+    (step,) = policy.steps
+    assert step.retired_at is not None and step.retired_at.year == 2023 and not step.active

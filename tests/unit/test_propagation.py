@@ -119,3 +119,16 @@ def test_service_config_shape() -> None:
         {"service": "checkout.v1.PaymentService", "method": "Charge"},
     ]
     assert method["retryPolicy"]["maxAttempts"] == 5  # type: ignore[index]  # gRPC's cap
+
+
+def test_a_retired_step_no_longer_keys_calls() -> None:
+    from datetime import UTC, datetime
+
+    retired = Step(name="charge-card.v1", call=CHARGE, retired_at=datetime(2026, 1, 1, tzinfo=UTC))
+    current = Step(name="charge-card.v2", call=CHARGE)
+    parent = Parent(PARENT.method, PARENT.scope, PARENT.key, (retired, current))
+    choice = choose(parent=parent)
+    assert choice.step == "charge-card.v2"  # type: ignore[attr-defined]
+    only_retired = Parent(PARENT.method, PARENT.scope, PARENT.key, (retired,))
+    with pytest.raises(StepUndeclared):
+        choose(parent=only_retired)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from google.protobuf.descriptor import MethodDescriptor
@@ -49,6 +49,12 @@ class Step:
     name: str
     call: str | None = None
     outbox: bool = False
+    retired_at: datetime | None = None
+    """When the step was retired: it is kept declared (for ``check-steps``) but no longer used."""
+
+    @property
+    def active(self) -> bool:
+        return self.retired_at is None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,11 +166,7 @@ def compile_policy(
             f"recorded_error_codes may not contain {bad}: they mean the attempt did not finish"
         )
 
-    steps = (
-        tuple(ov.steps)
-        if ov.steps is not None
-        else tuple(Step(name=s.name, call=s.call or None, outbox=s.outbox) for s in options.steps)
-    )
+    steps = tuple(ov.steps) if ov.steps is not None else _steps_of(options)
     _check_steps(path, steps)
 
     policy = MethodPolicy(
@@ -190,11 +192,23 @@ def compile_policy(
     return policy
 
 
+def _steps_of(options: options_pb2.MethodPolicy) -> tuple[Step, ...]:
+    return tuple(
+        Step(
+            name=s.name,
+            call=s.call or None,
+            outbox=s.outbox,
+            retired_at=s.retired_at.ToDatetime(tzinfo=UTC) if s.HasField("retired_at") else None,
+        )
+        for s in options.steps
+    )
+
+
 def _mode(options: options_pb2.MethodPolicy, steps: tuple[Step, ...], path: str) -> Mode:
     """Unset mode: phased when a step calls another service, else atomic. An explicitly atomic
     method that calls other services is refused: its transaction would stay open across the
     calls, holding a connection and locks for as long as the slowest downstream service."""
-    calls = [s.name for s in steps if s.call]
+    calls = [s.name for s in steps if s.call and s.active]
     if options.mode == options_pb2.MODE_UNSPECIFIED:
         return Mode.PHASED if calls else Mode.ATOMIC
     mode = _MODE[options.mode]

@@ -66,7 +66,10 @@ class KeyChoice:
 
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
     target = normalize_method(target)
-    calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
+    # Retired steps stay declared for check-steps but never key a new call.
+    calling = [
+        s for s in parent.steps if s.active and s.call and normalize_method(s.call) == target
+    ]
     if named is not None:
         for step in calling:
             if step.name == named:

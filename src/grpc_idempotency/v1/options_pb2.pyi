@@ -2,6 +2,7 @@ import datetime
 
 from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -52,14 +53,16 @@ FIELD_FIELD_NUMBER: _ClassVar[int]
 field: _descriptor.FieldDescriptor
 
 class Step(_message.Message):
-    __slots__ = ("name", "call", "outbox")
+    __slots__ = ("name", "call", "outbox", "retired_at")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CALL_FIELD_NUMBER: _ClassVar[int]
     OUTBOX_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_AT_FIELD_NUMBER: _ClassVar[int]
     name: str
     call: str
     outbox: bool
-    def __init__(self, name: _Optional[str] = ..., call: _Optional[str] = ..., outbox: _Optional[bool] = ...) -> None: ...
+    retired_at: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., call: _Optional[str] = ..., outbox: _Optional[bool] = ..., retired_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class MethodPolicy(_message.Message):
     __slots__ = ("key", "retention", "lease", "max_wait", "mode", "recorded_error_codes", "store_down", "steps")
