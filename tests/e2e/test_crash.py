@@ -14,8 +14,7 @@ import asyncio
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import asyncpg
@@ -40,24 +39,6 @@ CALL_TIMEOUT_S = 10.0
 SIGKILLED = -signal.SIGKILL
 
 T = TypeVar("T")
-
-
-@pytest.fixture
-async def procs(tmp_path: Path) -> AsyncIterator[Processes]:
-    processes = Processes(tmp_path)
-    try:
-        yield processes
-    finally:
-        await processes.close()
-
-
-@pytest.fixture
-async def db(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(pg_dsn, server_settings={"application_name": "crash-tests"})
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 class Operation:

@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import asyncpg
@@ -85,24 +84,6 @@ async def downstream(
         yield Downstream(payments.port, notifications.port)
     finally:
         await processes.close()
-
-
-@pytest.fixture
-async def procs(tmp_path: Path) -> AsyncIterator[Processes]:
-    processes = Processes(tmp_path)
-    try:
-        yield processes
-    finally:
-        await processes.close()
-
-
-@pytest.fixture
-async def db(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(pg_dsn, server_settings={"application_name": "flow-tests"})
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def start_orders(
