@@ -21,6 +21,7 @@ import contextvars
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable
@@ -46,6 +47,7 @@ class IdempotentCall:
         deadline: float | None = None,
         open_final: Callable[[], Awaitable[PooledConnection]] | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        started_at: datetime | None = None,
     ) -> None:
         self.method = method
         """The gRPC path, "/package.Service/Method"."""
@@ -57,6 +59,8 @@ class IdempotentCall:
         """``time.monotonic()`` value of the incoming call's deadline, if it has one."""
         self.loop = loop
         self.metadata = tuple(metadata)
+        self.started_at = started_at
+        """When the operation began, if an earlier attempt began it (a takeover)."""
         """The incoming call's metadata."""
         self._connection = connection
         self._open_final = open_final

@@ -1,4 +1,4 @@
-"""The ``grpc-idempotency`` command: migrate, purge, include-path."""
+"""The ``grpc-idempotency`` command: migrate, purge, include-path, check-steps."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
@@ -31,7 +32,49 @@ def _parser() -> argparse.ArgumentParser:
     purge.add_argument("--batch-size", type=int, default=1000)
     purge.add_argument("--max-batches", type=int, default=None)
     commands.add_parser("include-path", help="print the -I path for options.proto")
+    check = commands.add_parser(
+        "check-steps",
+        help="fail when a change of declared steps would re-execute in-flight work",
+        description=(
+            "Compare the steps declared in (grpc_idempotency.v1.method) options between two"
+            " descriptor sets. Fails (exit 1) when a step is removed, renamed, changes version"
+            " or changes target without the old step staying declared with retired_at for the"
+            " method's retention, or when a keyed method with live steps disappears. Exit 2:"
+            " unreadable input."
+        ),
+    )
+    check.add_argument(
+        "--against",
+        required=True,
+        metavar="OLD",
+        help="the baseline descriptor set (e.g. main): `buf build -o old.binpb`, or protoc"
+        " --descriptor_set_out=old.binpb --include_imports; - reads stdin",
+    )
+    check.add_argument(
+        "new",
+        nargs="?",
+        default="-",
+        metavar="NEW",
+        help="the changed descriptor set (default: -, read from stdin, as in"
+        " `buf build -o - | grpc-idempotency check-steps --against old.binpb`)",
+    )
+    check.add_argument(
+        "--now",
+        type=_timestamp,
+        default=None,
+        metavar="TIME",
+        help="ISO 8601 time used to decide whether retired_at + retention has passed"
+        " (default: the current time; without a zone, UTC)",
+    )
     return parser
+
+
+def _timestamp(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from err
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 async def _with_store(args: argparse.Namespace) -> int:
@@ -58,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(proto_include())
         return 0
+    if args.command == "check-steps":
+        from grpc_idempotency.step_check import run
+
+        return run(args.against, args.new, now=args.now)
     try:
         return asyncio.run(_with_store(args))
     except StoreUnavailable as err:

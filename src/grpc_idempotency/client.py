@@ -252,7 +252,9 @@ class IdempotencyClientInterceptor(_Interceptor):
         serving = current_call_or_none()
         parent = None
         if serving is not None and serving.key is not None and serving.scope is not None:
-            parent = Parent(serving.method, serving.scope, serving.key, serving.steps)
+            parent = Parent(
+                serving.method, serving.scope, serving.key, serving.steps, serving.started_at
+            )
         choice = choose_key(
             target=path,
             target_keyed=self._registry.get(path) is not None,

@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -329,7 +330,12 @@ class IdempotencyInterceptor(_Interceptor):
                 if claim is None:
                     raise _Busy(retry_after_ms(None))
                 executed = CallOutcome.TAKEN_OVER if decision.takeover else CallOutcome.EXECUTED
-                return await self._execute_phased(call, claim, scope, key, fingerprint, executed)
+                # A takeover continues an operation begun earlier: its steps are those declared
+                # when it began (see propagation.choose_step on retired steps).
+                started_at = record.started_at if decision.takeover and record else None
+                return await self._execute_phased(
+                    call, claim, scope, key, fingerprint, executed, started_at
+                )
             attempt = await self._claim_atomic(call, scope, key, fingerprint)
         except StoreUnavailable as err:
             if policy.store_down is StoreDown.FAIL_OPEN:
@@ -484,6 +490,7 @@ class IdempotencyInterceptor(_Interceptor):
         key: str,
         fingerprint: bytes,
         executed: CallOutcome,
+        started_at: datetime | None,
     ) -> _Result:
         """Phased mode: the claim is committed with a lease. The handler runs with no
         transaction open (it may call other services with child keys) while the lease is
@@ -513,6 +520,7 @@ class IdempotencyInterceptor(_Interceptor):
             deadline=_deadline(context),
             open_final=open_final,
             metadata=tuple(context.invocation_metadata() or ()),
+            started_at=started_at,
         )
         bound = call_context.bind(icall)
         aborted: DeferredAbort | None = None

@@ -207,3 +207,43 @@ async def _lease_over(store: Store, key: str) -> bool:
             key,
         )
     )
+
+
+async def test_a_takeover_continues_the_operation_begun_earlier(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The record keeps the operation's start across a takeover (child keys use it to pick a
+    retired step the operation may already have run); a new operation gets a new start."""
+    from grpc_idempotency.core.fingerprint import Fingerprinter
+
+    key, account = fresh(), fresh("acct")
+    request = post(account, "no-writes")
+    fingerprint = Fingerprinter.for_method(PHASED, testsvc_pb2.PostRequest.DESCRIPTOR)(request)
+    await store.pool.execute(
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state, fencing_token,"
+        " locked_until, created_at, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 3,"
+        " clock_timestamp() - interval '1 second', '2026-01-01T00:00:00Z', clock_timestamp() + interval '1 hour')",
+        SCOPE,
+        key,
+        PHASED,
+        fingerprint,
+    )
+    answer = await call_raw(ledger.channel, PHASED, request, metadata(key))
+    assert answer.code is grpc.StatusCode.OK
+    row = await store.pool.fetchrow(
+        "SELECT fencing_token, created_at FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    assert (
+        row["fencing_token"] == 4
+        and row["created_at"].year == 2026
+        and row["created_at"].month == 1
+    )
+    (started,) = ledger.service.operation_starts
+    assert started == row["created_at"]  # the handler's call knows when its operation began
+    fresh_answer = await call_raw(
+        ledger.channel, PHASED, post(account, "no-writes"), metadata(fresh())
+    )
+    assert fresh_answer.code is grpc.StatusCode.OK
+    assert ledger.service.operation_starts[-1] is None  # a new operation: no earlier start

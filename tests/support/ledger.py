@@ -63,6 +63,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     started: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     keys_seen: list[str] = field(default_factory=list)
+    operation_starts: list[Any] = field(default_factory=list)
     deadlines_seen: list[float | None] = field(default_factory=list)
     tenants_seen: list[str] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
@@ -150,6 +151,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         return testsvc_pb2.PostResponse(account=request.account, execution_nonce=uuid.uuid4().hex)
 
     async def PostPhased(self, request: Any, context: Any) -> Any:
+        self.operation_starts.append(current_call().started_at)
         if request.behaviour == "no-writes":
             self.executions += 1
             return testsvc_pb2.PostResponse(

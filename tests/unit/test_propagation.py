@@ -132,3 +132,24 @@ def test_a_retired_step_no_longer_keys_calls() -> None:
     only_retired = Parent(PARENT.method, PARENT.scope, PARENT.key, (retired,))
     with pytest.raises(StepUndeclared):
         choose(parent=only_retired)
+
+
+def test_an_operation_begun_before_a_retirement_keeps_the_retired_step() -> None:
+    """Retiring charge-card.v1 for v2 must not make a crashed-and-retried order charge again:
+    an operation that began before the retirement (it may already have run v1) keeps v1's child
+    key; operations begun after it use v2."""
+    from datetime import UTC, datetime
+
+    retired_at = datetime(2026, 6, 1, tzinfo=UTC)
+    steps = (
+        Step(name="charge-card.v1", call=CHARGE, retired_at=retired_at),
+        Step(name="charge-card.v2", call=CHARGE),
+    )
+
+    def step_for(started_at: datetime | None) -> str:
+        parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, started_at)
+        return choose(parent=parent).step  # type: ignore[attr-defined,no-any-return]
+
+    assert step_for(datetime(2026, 5, 31, tzinfo=UTC)) == "charge-card.v1"
+    assert step_for(datetime(2026, 6, 2, tzinfo=UTC)) == "charge-card.v2"
+    assert step_for(None) == "charge-card.v2"  # a new operation

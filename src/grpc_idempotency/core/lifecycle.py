@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from datetime import datetime
 
 from grpc_idempotency.core.codes import Code
 
@@ -63,6 +64,8 @@ class StoredRecord:
     expired: bool
     lease_expired: bool
     lease_remaining_ms: int
+    started_at: datetime | None = None
+    """When the operation first claimed the key (kept across takeovers)."""
 
 
 class Action(enum.Enum):

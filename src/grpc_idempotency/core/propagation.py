@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import IdempotencyError
@@ -55,6 +56,8 @@ class Parent:
     scope: str
     key: str
     steps: tuple[Step, ...]
+    started_at: datetime | None = None
+    """When the operation began, if it began before this attempt (a takeover)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +67,25 @@ class KeyChoice:
     step: str | None = None
 
 
+def _applies(step: Step, started_at: datetime | None) -> bool:
+    """Retired steps key no call of an operation that began after their retirement."""
+    if step.retired_at is None:
+        return True
+    return started_at is not None and started_at < step.retired_at
+
+
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
     target = normalize_method(target)
-    # Retired steps stay declared for check-steps but never key a new call.
     calling = [
-        s for s in parent.steps if s.active and s.call and normalize_method(s.call) == target
+        s
+        for s in parent.steps
+        if s.call and normalize_method(s.call) == target and _applies(s, parent.started_at)
     ]
+    # An operation begun before a step was retired keeps the retired step: it may already have
+    # run it, and the new step's child key would run the effect a second time.
+    retired = [s for s in calling if not s.active]
+    if retired:
+        calling = retired
     if named is not None:
         for step in calling:
             if step.name == named:

@@ -376,6 +376,7 @@ def _record(row: asyncpg.Record) -> StoredRecord:
         expired=bool(row["expired"]),
         lease_expired=bool(row["lease_expired"]),
         lease_remaining_ms=int(row["lease_remaining_ms"] or 0),
+        started_at=row["created_at"],
     )
 
 

@@ -56,6 +56,7 @@ class Statements:
         self.schema = s
         self.lookup = f"""
             SELECT fingerprint, state, status_code, status_message, status_details, response,
+                   created_at,
                    (state = 'completed' AND expires_at <= clock_timestamp()) AS expired,
                    (locked_until IS NULL OR locked_until <= clock_timestamp()) AS lease_expired,
                    GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
