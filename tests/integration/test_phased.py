@@ -122,18 +122,23 @@ async def test_an_owner_whose_claim_was_taken_over_cannot_commit(
     assert row is not None and row["state"] == "in_progress"  # the new owner's claim stands
 
 
-async def test_transient_error_deletes_the_claim_so_a_retry_runs_at_once(
+async def test_transient_error_ends_the_lease_so_a_retry_runs_at_once(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
     first = await call_raw(ledger.channel, PHASED, post(account, "UNAVAILABLE"), metadata(key))
     assert first.code is grpc.StatusCode.UNAVAILABLE
-    assert await record(store, key) is None
+    released = await record(store, key)
+    # Kept, with its lease over: the retry takes the same operation over (keeping its start).
+    assert released is not None and released["state"] == "in_progress"
+    assert released["locked_until"] <= released["now"]
     again = await call_raw(
         ledger.channel, PHASED, post(account, "UNAVAILABLE"), metadata(key), timeout=0.5
     )
     assert again.code is grpc.StatusCode.UNAVAILABLE and not again.replayed  # ran again, no wait
     assert ledger.service.executions == 2
+    taken = await record(store, key)
+    assert taken is not None and taken["fencing_token"] == released["fencing_token"] + 1
     assert await ledger_rows(store, account) == 0
 
 
@@ -170,7 +175,9 @@ async def test_connection_before_the_final_transaction_is_a_clear_error(
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
     assert answer.reason() == "IDEMPOTENCY_NO_CURRENT_CALL"
     assert "await current_call().transaction()" in (answer.details or "")
-    assert await record(store, key) is None
+    released = await record(store, key)
+    assert released is not None and released["state"] == "in_progress"
+    assert released["locked_until"] <= released["now"]
 
 
 async def test_a_final_transaction_outliving_its_lease_does_not_block_other_replicas(

@@ -460,8 +460,8 @@ class PhasedClaim:
         return attempt
 
     async def release(self) -> None:
-        """Deletes the claim so that a retry runs at once instead of waiting out the lease.
-        Best effort: if this fails the lease still expires."""
+        """Ends the claim's lease now, so that a retry takes the operation over at once instead
+        of waiting the lease out. Best effort: if this fails the lease still expires."""
         c = self._claim
         try:
             async with self._store.connection("releasing a claim") as conn:

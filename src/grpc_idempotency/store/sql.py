@@ -65,8 +65,10 @@ class Statements:
         self.renew = f"""
             UPDATE {s}.records SET locked_until = clock_timestamp() + make_interval(secs => $4)
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
+        # Ends the lease now rather than deleting the claim: a retry takes it over at once, and
+        # the takeover keeps the operation's start (created_at), which child keys rely on.
         self.release = f"""
-            DELETE FROM {s}.records
+            UPDATE {s}.records SET locked_until = clock_timestamp()
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
         self.purge = f"""
             WITH doomed AS (
