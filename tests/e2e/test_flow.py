@@ -344,9 +344,11 @@ async def test_abandoned_attempt_rerun_sends_the_same_child_keys(
         with pytest.raises(asyncio.CancelledError):
             await call
 
-    # The abandoned attempt rolls back its final transaction and releases the claim.
+    # The abandoned attempt rolls back its final transaction and releases the claim: its lease
+    # ends at once (the record stays, so the retry continues the same operation).
     async def released() -> bool:
-        return await record_of(db, order) is None
+        record = await record_of(db, order)
+        return record is not None and record["state"] == "in_progress" and record["lease_expired"]
 
     await until("the abandoned attempt to release its claim", released)
     assert (await effects(db, order)).orders == []

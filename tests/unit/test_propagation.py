@@ -153,3 +153,34 @@ def test_an_operation_begun_before_a_retirement_keeps_the_retired_step() -> None
     assert step_for(datetime(2026, 5, 31, tzinfo=UTC)) == "charge-card.v1"
     assert step_for(datetime(2026, 6, 2, tzinfo=UTC)) == "charge-card.v2"
     assert step_for(None) == "charge-card.v2"  # a new operation
+
+
+def test_versions_map_per_step_and_named_active_steps_still_work() -> None:
+    """debit.v1 retired for debit.v2, refund.v1 active, all on one target: an old operation's
+    refund stays refund.v1, its debit maps back to debit.v1; a new operation uses debit.v2."""
+    from datetime import UTC, datetime
+
+    t1, t2 = datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 6, 1, tzinfo=UTC)
+    steps = (
+        Step(name="debit.v1", call=CHARGE, retired_at=t1),
+        Step(name="debit.v2", call=CHARGE, retired_at=t2),
+        Step(name="debit.v3", call=CHARGE),
+        Step(name="refund.v1", call=CHARGE),
+    )
+
+    def step_for(named: str, started_at: datetime | None) -> str:
+        parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, started_at)
+        return choose(parent=parent, named_step=named).step  # type: ignore[attr-defined,no-any-return]
+
+    before_t1, between, after = (
+        datetime(2026, 2, 1, tzinfo=UTC),
+        datetime(2026, 4, 1, tzinfo=UTC),
+        datetime(2026, 7, 1, tzinfo=UTC),
+    )
+    assert step_for("debit.v3", before_t1) == "debit.v1"
+    assert step_for("debit.v3", between) == "debit.v2"
+    assert step_for("debit.v3", after) == "debit.v3"
+    assert step_for("debit.v3", None) == "debit.v3"
+    assert step_for("refund.v1", before_t1) == "refund.v1"
+    with pytest.raises(StepAmbiguous):
+        choose(parent=Parent(PARENT.method, PARENT.scope, PARENT.key, steps, before_t1))

@@ -67,46 +67,55 @@ class KeyChoice:
     step: str | None = None
 
 
-def _applies(step: Step, started_at: datetime | None) -> bool:
-    """Retired steps key no call of an operation that began after their retirement."""
-    if step.retired_at is None:
-        return True
-    return started_at is not None and started_at < step.retired_at
-
-
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
+    """The step keying a call to ``target``: the one named, else the only active step calling
+    it; then, for an operation begun before an earlier version of that step was retired, that
+    earlier version (``as_of``)."""
     target = normalize_method(target)
-    calling = [
-        s
-        for s in parent.steps
-        if s.call and normalize_method(s.call) == target and _applies(s, parent.started_at)
-    ]
-    # An operation begun before a step was retired keeps the retired step: it may already have
-    # run it, and the new step's child key would run the effect a second time.
-    retired = [s for s in calling if not s.active]
-    if retired:
-        calling = retired
+    calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
+    active = [s for s in calling if s.active]
     if named is not None:
-        for step in calling:
-            if step.name == named:
-                return step
-        declared = [s.name for s in calling]
-        raise StepUndeclared(
-            f"{parent.method} names step {named!r} for a call to {target}, but its declared steps"
-            f" calling {target} are {declared}"
-        )
-    if not calling:
+        chosen = next((s for s in calling if s.name == named), None)
+        if chosen is None:
+            raise StepUndeclared(
+                f"{parent.method} names step {named!r} for a call to {target}, but its declared"
+                f" steps calling {target} are {[s.name for s in calling]}"
+            )
+    elif not active:
         raise StepUndeclared(
             f"{parent.method} calls keyed method {target} without a declared step: add"
             f' steps: {{ name: "<what>.v1" call: "{target.lstrip("/")}" }} to its'
             " (grpc_idempotency.v1.method) option"
         )
-    if len(calling) > 1:
+    elif len(active) > 1:
         raise StepAmbiguous(
             f"{parent.method} declares several steps calling {target}"
-            f" ({[s.name for s in calling]}); name one with step(...) or step= on the call"
+            f" ({[s.name for s in active]}); name one with step(...) or step= on the call"
         )
-    return calling[0]
+    else:
+        chosen = active[0]
+    return as_of(chosen, calling, parent.started_at)
+
+
+def _base(name: str) -> str:
+    return name.rpartition(".v")[0]
+
+
+def as_of(step: Step, calling: list[Step], started_at: datetime | None) -> Step:
+    """The version of ``step`` that an operation begun at ``started_at`` used: an operation
+    begun before ``charge-card.v1`` was retired for ``charge-card.v2`` may already have run v1,
+    and v2's child key would run the effect a second time, so it keeps v1. A new operation
+    (``started_at`` is ``None``) uses the step as declared."""
+    if started_at is None or not step.active:
+        return step
+    earlier = [
+        s
+        for s in calling
+        if s.retired_at is not None
+        and _base(s.name) == _base(step.name)
+        and started_at < s.retired_at
+    ]
+    return min(earlier, key=lambda s: s.retired_at or started_at) if earlier else step
 
 
 def choose_key(
