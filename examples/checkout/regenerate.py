@@ -1,6 +1,8 @@
 """Regenerate the committed protobuf code: ``python -m examples.checkout.regenerate [--check]``.
 
-- ``examples/checkout/gen/`` from ``examples/checkout/protos/`` (messages, ``.pyi`` and gRPC stubs);
+- ``examples/checkout/gen/`` from ``examples/checkout/protos/`` (messages, ``.pyi``, gRPC stubs
+  and, from this package's own protoc plugin, ``protoc-gen-grpc-idempotency``, the
+  ``*_idempotency.py`` modules: step names, policies, typed step calls, service config);
 - the library's ``src/grpc_idempotency/v1/options_pb2.py(.pyi)`` from
   ``protos/grpc_idempotency/v1/options.proto``, and the copy of that proto that ships in the wheel
   (``src/grpc_idempotency/_proto/...``, what ``grpc_idempotency.proto_include()`` points at).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +32,8 @@ LIBRARY_PROTOS = ROOT / "protos"
 LIBRARY_SRC = ROOT / "src"
 OPTIONS_PROTO = Path("grpc_idempotency/v1/options.proto")
 SHIPPED_PROTO = Path("grpc_idempotency/_proto") / OPTIONS_PROTO  # relative to src/
-GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_idempotency.py")
+PLUGIN = "protoc-gen-grpc-idempotency"
 
 
 def _protoc(*args: str | Path) -> None:
@@ -55,19 +59,34 @@ def generate_library(out: Path) -> set[Path]:
     return _files(out)
 
 
+def _plugin(scratch: Path) -> Path:
+    """The plugin executable of this interpreter's grpc_idempotency: the console script next to
+    the interpreter when installed, else a wrapper running ``-m grpc_idempotency.protoc_gen``."""
+    script = Path(sys.executable).parent / PLUGIN
+    if script.is_file() and os.access(script, os.X_OK):
+        return script
+    wrapper = scratch / PLUGIN
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m grpc_idempotency.protoc_gen "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 def generate_example(out: Path) -> set[Path]:
     """Generates the example's code into ``out`` laid out like ``gen/``; returns the paths."""
     from grpc_idempotency import proto_include
 
     protos = sorted(p.relative_to(EXAMPLE_PROTOS) for p in EXAMPLE_PROTOS.rglob("*.proto"))
-    _protoc(
-        f"-I{EXAMPLE_PROTOS}",
-        f"-I{proto_include()}",
-        f"--python_out={out}",
-        f"--pyi_out={out}",
-        f"--grpc_python_out={out}",
-        *protos,
-    )
+    with tempfile.TemporaryDirectory(prefix="gi-plugin-") as scratch:
+        _protoc(
+            f"-I{EXAMPLE_PROTOS}",
+            f"-I{proto_include()}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            f"--plugin={PLUGIN}={_plugin(Path(scratch))}",
+            f"--grpc-idempotency_out={out}",
+            *protos,
+        )
     return _files(out)
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from grpc_idempotency.cli import main
 from grpc_idempotency.step_check import _raw_set_class, run
+from tests.support.tools import buf_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = "2026-06-01T12:00:00Z"
@@ -325,20 +326,12 @@ def test_the_checkout_example_holds_against_itself(tmp_path: Path, include_path:
     assert "3 keyed method(s)" in done.stdout
 
 
-def _buf() -> str | None:
-    for candidate in (
-        ROOT / ".ci/.buf/node_modules/.bin/buf",
-        Path("/tmp/buf/node_modules/.bin/buf"),
-    ):
-        if candidate.exists():
-            return str(candidate)
-    return shutil.which("buf")
-
-
-@pytest.mark.skipif(_buf() is None, reason="buf is not installed (CI installs it into .ci/.buf)")
+@pytest.mark.skipif(
+    buf_binary() is None, reason="buf is not installed (CI installs it into .ci/.buf)"
+)
 def test_buf_images(tmp_path: Path, include_path: str) -> None:
     """`buf build -o x.binpb` images (FileDescriptorSet-compatible) and `buf build -o -` piped."""
-    buf = _buf()
+    buf = buf_binary()
     assert buf is not None
 
     def module(name: str, source: str) -> Path:

@@ -1,0 +1,58 @@
+"""``protoc-gen-grpc-idempotency``: a protoc plugin generating ``<name>_idempotency.py`` for every
+proto file with methods annotated ``(grpc_idempotency.v1.method)``.
+
+    python -m grpc_tools.protoc -I protos -I "$(grpc-idempotency include-path)" \\
+        --python_out=gen --pyi_out=gen --grpc-idempotency_out=gen protos/checkout/v1/*.proto
+
+or ``buf generate`` with ``local: protoc-gen-grpc-idempotency`` in ``buf.gen.yaml``. Modules:
+``pool`` reads the request into a descriptor pool, ``validate`` checks the options (with the
+library's own rules) and ``render`` writes the code.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import descriptor_pb2
+from google.protobuf.compiler import plugin_pb2
+
+from grpc_idempotency.protoc_gen import names
+from grpc_idempotency.protoc_gen.pool import load
+from grpc_idempotency.protoc_gen.render import NameClash, render
+from grpc_idempotency.protoc_gen.validate import KeyedFile, check_file
+
+_Response = plugin_pb2.CodeGeneratorResponse
+
+
+def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGeneratorResponse:
+    """The plugin's answer to ``request``: the generated files, or an error naming every
+    problem found (protoc then prints it and fails)."""
+    response = _Response(
+        supported_features=_Response.FEATURE_PROTO3_OPTIONAL | _Response.FEATURE_SUPPORTS_EDITIONS,
+        minimum_edition=descriptor_pb2.EDITION_PROTO2,
+        maximum_edition=descriptor_pb2.EDITION_2023,
+    )
+    if request.parameter:
+        response.error = f"unknown parameter {request.parameter!r}: the plugin takes none"
+        return response
+    loaded = load(request)
+    keyed: list[KeyedFile] = []
+    errors: list[str] = []
+    for file in loaded.files:
+        checked, problems = check_file(file, loaded.pool)
+        errors += problems
+        if checked.methods:
+            keyed.append(checked)
+    if not errors:
+        for checked in keyed:
+            try:
+                content = render(checked)
+            except NameClash as clash:
+                errors.append(str(clash))
+                continue
+            response.file.add(name=names.output_file(checked.descriptor.name), content=content)
+    if errors:
+        del response.file[:]
+        response.error = "\n".join(errors)
+    return response
+
+
+__all__ = ["generate"]

@@ -1,0 +1,230 @@
+"""The code protoc-gen-grpc-idempotency generates drives real servers (grpc.aio, PostgreSQL).
+
+CheckoutService/Checkout (tests/protos/codegen_shop) declares three active steps; two of them
+call the same method (LedgerService/Post), which without named steps is ambiguous. Its handler
+makes each call through the generated ``CheckoutServiceCheckoutSteps``; the servers and the
+client interceptor are configured from the generated ``SERVICES`` and ``POLICIES`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import pytest
+
+from grpc_idempotency import (
+    IdempotencyClientInterceptor,
+    IdempotencyInterceptor,
+    MetadataScope,
+    Operation,
+    StaticScope,
+    Store,
+    child_key,
+    current_call,
+    proto_include,
+)
+from grpc_idempotency.client import service_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TENANT = "x-tenant-id"
+DOWNSTREAM_SCOPE = "svc:checkout"
+
+
+@dataclass
+class Generated:
+    shop_pb2: ModuleType
+    shop_pb2_grpc: ModuleType
+    ledger_pb2: ModuleType
+    ledger_pb2_grpc: ModuleType
+    shop: ModuleType
+    ledger: ModuleType
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Generated]:
+    out = tmp_path_factory.mktemp("codegen-shop-int")
+    plugin = Path(sys.executable).parent / "protoc-gen-grpc-idempotency"
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'tests' / 'protos'}",
+         f"-I{proto_include()}", f"--plugin=protoc-gen-grpc-idempotency={plugin}",
+         f"--python_out={out}", f"--grpc_python_out={out}", f"--grpc-idempotency_out={out}",
+         "codegen_shop/v1/shop.proto", "codegen_shop/v1/ledger.proto"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    sys.path.insert(0, str(out))
+    try:
+        from codegen_shop.v1 import (
+            ledger_idempotency,
+            ledger_pb2,
+            ledger_pb2_grpc,
+            shop_idempotency,
+            shop_pb2,
+            shop_pb2_grpc,
+        )
+
+        yield Generated(
+            shop_pb2,
+            shop_pb2_grpc,
+            ledger_pb2,
+            ledger_pb2_grpc,
+            shop_idempotency,
+            ledger_idempotency,
+        )
+    finally:
+        sys.path.remove(str(out))
+
+
+@dataclass
+class Seen:
+    """What the downstream handlers saw, per execution (replays do not reach them)."""
+
+    calls: list[tuple[str, str | None, str | None]] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+
+    def record(self, method: str, context: Any) -> str:
+        md = dict(context.invocation_metadata() or ())
+        self.calls.append((method, md.get("idempotency-key"), md.get("x-trace")))
+        self.ids.append(uuid.uuid4().hex)
+        return self.ids[-1]
+
+
+@dataclass
+class Running:
+    seen: Seen
+    checkout: Any
+    channel: grpc.aio.Channel
+    fail_after_downstream: list[bool]
+    handler_runs: list[int]
+
+
+@contextlib.asynccontextmanager
+async def running(store: Store, gen: Generated) -> AsyncIterator[Running]:
+    seen = Seen()
+    fail_after_downstream = [False]
+    handler_runs = [0]
+    policies = {**gen.shop.POLICIES, **gen.ledger.POLICIES}
+    services = [*gen.shop.SERVICES, *gen.ledger.SERVICES]
+
+    class Stock(gen.shop_pb2_grpc.StockServiceServicer):
+        async def Reserve(self, request: Any, context: Any) -> Any:
+            return gen.shop_pb2.ReserveResponse(reservation_id=seen.record("reserve", context))
+
+    class Ledger(gen.ledger_pb2_grpc.LedgerServiceServicer):
+        async def Post(self, request: Any, context: Any) -> Any:
+            return gen.ledger_pb2.Ledger.Posted(entry_id=seen.record("post", context))
+
+    downstream = grpc.aio.server(
+        interceptors=[
+            IdempotencyInterceptor(
+                store, services=services, overrides=policies, scope=StaticScope(DOWNSTREAM_SCOPE)
+            )
+        ]
+    )
+    gen.shop_pb2_grpc.add_StockServiceServicer_to_server(Stock(), downstream)
+    gen.ledger_pb2_grpc.add_LedgerServiceServicer_to_server(Ledger(), downstream)
+    downstream_port = downstream.add_insecure_port("127.0.0.1:0")
+    await downstream.start()
+    to_downstream = grpc.aio.insecure_channel(
+        f"127.0.0.1:{downstream_port}",
+        options=[("grpc.service_config", service_config(services)), ("grpc.enable_retries", 1)],
+        interceptors=[IdempotencyClientInterceptor(services=services, overrides=policies)],
+    )
+    steps = gen.shop.CheckoutServiceCheckoutSteps(
+        stock_service=to_downstream, ledger_service=to_downstream
+    )
+
+    class Checkout(gen.shop_pb2_grpc.CheckoutServiceServicer):
+        async def Checkout(self, request: Any, context: Any) -> Any:
+            handler_runs[0] += 1
+            reserved = await steps.reserve_stock(
+                gen.shop_pb2.ReserveRequest(cart_id=request.cart_id)
+            )
+            post = gen.ledger_pb2.Ledger.Post(account=request.cart_id, amount=request.amount)
+            debit = await steps.debit(post, metadata=[("x-trace", "debit")])
+            refund = await steps.refund(post, timeout=5)
+            if fail_after_downstream[0]:
+                fail_after_downstream[0] = False
+                # Transient: the claim is released and a retry runs the handler again.
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "flaky")
+            await current_call().transaction()
+            return gen.shop_pb2.CheckoutResponse(
+                reservation_id=reserved.reservation_id,
+                debit_entry=debit.entry_id,
+                refund_entry=refund.entry_id,
+            )
+
+    upstream = grpc.aio.server(
+        interceptors=[
+            IdempotencyInterceptor(
+                store,
+                services=gen.shop.SERVICES,
+                overrides=gen.shop.POLICIES,
+                scope=MetadataScope(TENANT),
+            )
+        ]
+    )
+    gen.shop_pb2_grpc.add_CheckoutServiceServicer_to_server(Checkout(), upstream)
+    port = upstream.add_insecure_port("127.0.0.1:0")
+    await upstream.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=gen.shop.CHANNEL_OPTIONS)
+    try:
+        yield Running(
+            seen,
+            gen.shop_pb2_grpc.CheckoutServiceStub(channel),
+            channel,
+            fail_after_downstream,
+            handler_runs,
+        )
+    finally:
+        await channel.close()
+        await upstream.stop(None)
+        await to_downstream.close()
+        await downstream.stop(None)
+
+
+async def test_each_step_call_carries_its_own_child_key(store: Store, gen: Generated) -> None:
+    async with running(store, gen) as svc:
+        op = Operation.new()
+        request = gen.shop_pb2.CheckoutRequest(cart_id=f"cart-{uuid.uuid4().hex}", amount=7)
+        md = [(TENANT, "acme")]
+        first = await op.call(svc.checkout.Checkout, request, metadata=md)
+        scope = "tenant:acme"
+        assert svc.seen.calls == [
+            ("reserve", child_key(scope, op.key, "reserve-stock.v1"), None),
+            ("post", child_key(scope, op.key, "debit.v2"), "debit"),
+            ("post", child_key(scope, op.key, "refund.v1"), None),
+        ]
+        # A retry of the operation replays; nothing downstream runs again.
+        again = await op.call(svc.checkout.Checkout, request, metadata=md)
+        assert again == first
+        assert len(svc.seen.calls) == 3
+        # Another tenant with the same key is another operation, with other child keys.
+        other = await op.call(svc.checkout.Checkout, request, metadata=[(TENANT, "globex")])
+        assert other.debit_entry != first.debit_entry
+        assert svc.seen.calls[3][1] == child_key("tenant:globex", op.key, "reserve-stock.v1")
+
+
+async def test_a_re_run_handler_reaches_the_same_downstream_records(
+    store: Store, gen: Generated
+) -> None:
+    async with running(store, gen) as svc:
+        # The first run fails transiently after its downstream calls: the claim is released and
+        # gRPC's own retry (CHANNEL_OPTIONS: retry UNAVAILABLE) runs the handler again. Its step
+        # calls carry the same child keys, so the downstream services replay their first
+        # answers instead of reserving and posting twice.
+        svc.fail_after_downstream[0] = True
+        op = Operation.new()
+        request = gen.shop_pb2.CheckoutRequest(cart_id=f"cart-{uuid.uuid4().hex}", amount=3)
+        done = await op.call(svc.checkout.Checkout, request, metadata=[(TENANT, "acme")])
+        assert svc.handler_runs == [2]
+        assert len(svc.seen.calls) == 3
+        assert [done.reservation_id, done.debit_entry, done.refund_entry] == svc.seen.ids

@@ -1,0 +1,612 @@
+"""protoc-gen-grpc-idempotency: golden output, generated-code quality, and every validation error.
+
+Everything runs the real protoc (``python -m grpc_tools.protoc``) with the installed plugin, on
+tests/protos/codegen_shop (golden files in tests/golden/) or on small .proto files written to
+tmp_path. ``GRPC_IDEMPOTENCY_UPDATE_GOLDEN=1`` rewrites the golden files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.compiler import plugin_pb2
+
+from grpc_idempotency import proto_include
+from grpc_idempotency.client import service_config
+from grpc_idempotency.core.policy import compile_policy, method_path
+from grpc_idempotency.protoc_gen import generate, names
+from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options, load
+from tests.support.tools import buf_binary
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_PROTOS = ROOT / "tests" / "protos"
+GOLDEN = ROOT / "tests" / "golden"
+SHOP = ("codegen_shop/v1/shop.proto", "codegen_shop/v1/ledger.proto")
+PLUGIN_NAME = "protoc-gen-grpc-idempotency"
+BIN = Path(sys.executable).parent
+UPDATE = os.environ.get("GRPC_IDEMPOTENCY_UPDATE_GOLDEN") == "1"
+
+
+def plugin() -> Path:
+    script = BIN / PLUGIN_NAME
+    assert script.is_file(), (
+        f"{script} missing: pip install -e '.[dev]' installs the console script"
+    )
+    return script
+
+
+def protoc(
+    include: Path, out: Path, *files: str, extra: tuple[str, ...] = (), plugin_flag: bool = True
+) -> subprocess.CompletedProcess[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "grpc_tools.protoc", f"-I{include}", f"-I{proto_include()}",
+        f"--grpc-idempotency_out={out}", *extra, *files,
+    ]  # fmt: skip
+    if plugin_flag:
+        command.insert(3, f"--plugin={PLUGIN_NAME}={plugin()}")
+    env = dict(os.environ, PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60, check=False)
+
+
+def generated_files(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("*_idempotency.py"))}
+
+
+# -- golden files ----------------------------------------------------------------------------
+
+
+def test_generated_code_matches_the_golden_files(tmp_path: Path) -> None:
+    done = protoc(TEST_PROTOS, tmp_path, *SHOP)
+    assert done.returncode == 0, done.stderr
+    files = generated_files(tmp_path)
+    assert sorted(files) == [
+        "codegen_shop/v1/ledger_idempotency.py",
+        "codegen_shop/v1/shop_idempotency.py",
+    ]
+    if UPDATE:
+        shutil.rmtree(GOLDEN / "codegen_shop", ignore_errors=True)
+        for name, content in files.items():
+            (GOLDEN / name).parent.mkdir(parents=True, exist_ok=True)
+            (GOLDEN / name).write_text(content)
+    golden = generated_files(GOLDEN)
+    assert sorted(golden) == sorted(files)
+    for name, content in files.items():
+        assert content == golden[name], (
+            f"{name} differs from tests/golden/{name}; if the change is intended, rerun with"
+            " GRPC_IDEMPOTENCY_UPDATE_GOLDEN=1 and review the diff"
+        )
+
+
+def test_output_does_not_depend_on_file_order_or_on_the_plugin_being_named(
+    tmp_path: Path,
+) -> None:
+    # Reversed order, and the plugin found on PATH (no --plugin flag), as with a pip install.
+    done = protoc(TEST_PROTOS, tmp_path, *reversed(SHOP), plugin_flag=False)
+    assert done.returncode == 0, done.stderr
+    assert generated_files(tmp_path) == generated_files(GOLDEN)
+
+
+def test_the_example_is_generated_with_the_plugin() -> None:
+    gen = ROOT / "examples" / "checkout" / "gen"
+    assert sorted(generated_files(gen)) == [
+        "checkout/v1/notifications_idempotency.py",
+        "checkout/v1/orders_idempotency.py",
+        "checkout/v1/payments_idempotency.py",
+    ]  # that they are current is tests/unit/test_generated_current.py
+
+
+@pytest.mark.skipif(
+    buf_binary() is None, reason="buf is not installed (CI installs it into .ci/.buf)"
+)
+def test_buf_generate_with_the_repository_template_gives_the_committed_code(
+    tmp_path: Path,
+) -> None:
+    env = dict(os.environ, PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+    done = subprocess.run(
+        [str(buf_binary()), "generate", "--output", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    gen = ROOT / "examples" / "checkout" / "gen"
+    assert generated_files(tmp_path / "examples" / "checkout" / "gen") == generated_files(gen)
+
+
+# -- the generated code: lint, format, types, imports, behaviour -----------------------------
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """codegen_shop generated with messages, .pyi, gRPC stubs and the plugin, importable."""
+    out = tmp_path_factory.mktemp("codegen-shop")
+    extra = (f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}")
+    done = protoc(TEST_PROTOS, out, *SHOP, extra=extra)
+    assert done.returncode == 0, done.stderr
+    sys.path.insert(0, str(out))
+    try:
+        yield out
+    finally:
+        sys.path.remove(str(out))
+
+
+def shop_modules() -> tuple[ModuleType, ModuleType]:
+    from codegen_shop.v1 import ledger_idempotency, shop_idempotency
+
+    return shop_idempotency, ledger_idempotency
+
+
+def test_generated_code_is_formatted_and_lint_clean(shop: Path) -> None:
+    files = sorted(str(p) for p in shop.rglob("*_idempotency.py"))
+    # --isolated: ruff's defaults (line length 88), not this repository's settings. ASYNC109:
+    # the step calls take gRPC's ``timeout`` (a deadline sent to the server), as stubs do.
+    ruff = [sys.executable, "-m", "ruff"]
+    fmt = subprocess.run([*ruff, "format", "--isolated", "--check", "--diff", *files],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    lint = subprocess.run(
+        [*ruff, "check", "--isolated", "--target-version", "py311",
+         "--select", "E,F,W,I,B,UP,SIM,RUF,ASYNC", "--ignore", "ASYNC109", *files],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+USAGE = """
+from __future__ import annotations
+
+import grpc
+
+from codegen_shop.v1 import ledger_pb2, shop_idempotency, shop_pb2
+from codegen_shop.v1.shop_idempotency import CheckoutServiceCheckoutSteps as Steps
+
+
+async def handler(channel: grpc.aio.Channel) -> str:
+    steps = Steps(stock_service=channel, ledger_service=channel)
+    reserved: shop_pb2.ReserveResponse = await steps.reserve_stock(shop_pb2.ReserveRequest())
+    posted: ledger_pb2.Ledger.Posted = await steps.debit(
+        ledger_pb2.Ledger.Post(account="a"), timeout=1.0, metadata=[("x-trace", "1")]
+    )
+    step: str = Steps.RECEIPT_EMAIL
+    config: str = shop_idempotency.SERVICE_CONFIG
+    return reserved.reservation_id + posted.entry_id + step + config
+"""
+
+MISUSE = """
+from __future__ import annotations
+
+import grpc
+
+from codegen_shop.v1 import shop_pb2
+from codegen_shop.v1.shop_idempotency import CheckoutServiceCheckoutSteps as Steps
+
+
+async def handler(channel: grpc.aio.Channel) -> None:
+    steps = Steps(stock_service=channel, ledger_service=channel)
+    await steps.debit(shop_pb2.ReserveRequest())
+    await steps.debit_v1(shop_pb2.ReserveRequest())
+"""
+
+
+def mypy(root: Path, *files: str) -> subprocess.CompletedProcess[str]:
+    # --follow-imports=silent: the messages' .pyi that protoc writes are not mypy-strict clean
+    # (bare Mapping); the files named here are checked in full.
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--explicit-package-bases",
+         "--python-version", "3.11", "--cache-dir", str(root / ".mypy_cache"), *files],
+        cwd=root, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_generated_code_passes_mypy_strict_and_is_typed(shop: Path) -> None:
+    (shop / "usage.py").write_text(USAGE)
+    (shop / "misuse.py").write_text(MISUSE)
+    generated = [str(p.relative_to(shop)) for p in sorted(shop.rglob("*_idempotency.py"))]
+    clean = mypy(shop, *generated, "usage.py")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    # The wrappers are typed, not Any: a wrong request type and a retired step are errors.
+    wrong = mypy(shop, "misuse.py")
+    assert wrong.returncode == 1, wrong.stdout
+    assert 'incompatible type "ReserveRequest"; expected "Post"' in wrong.stdout, wrong.stdout
+    assert '"CheckoutServiceCheckoutSteps" has no attribute "debit_v1"' in wrong.stdout
+
+
+def test_generated_module_surface(shop: Path) -> None:
+    shop_idempotency, ledger_idempotency = shop_modules()
+    for module in (shop_idempotency, ledger_idempotency):
+        for name in module.__all__:
+            assert getattr(module, name) is not None
+    steps = shop_idempotency.CheckoutServiceCheckoutSteps
+    # Active steps only; the retired debit.v1 keys no calls and has no constant.
+    assert (steps.RESERVE_STOCK, steps.DEBIT, steps.REFUND, steps.RECEIPT_EMAIL) == (
+        "reserve-stock.v1", "debit.v2", "refund.v1", "receipt-email.v1",
+    )  # fmt: skip
+    assert not hasattr(steps, "receipt_email")  # an outbox step is not a call
+    assert [s.full_name for s in shop_idempotency.SERVICES] == [
+        "codegen_shop.v1.CheckoutService",
+        "codegen_shop.v1.StockService",
+    ]
+    assert sorted(shop_idempotency.POLICIES) == [
+        "/codegen_shop.v1.CheckoutService/Cancel",
+        "/codegen_shop.v1.CheckoutService/Checkout",
+        "/codegen_shop.v1.StockService/Reserve",
+    ]
+
+
+def test_policies_compile_to_what_the_proto_options_compile_to(shop: Path) -> None:
+    shop_idempotency, ledger_idempotency = shop_modules()
+    from codegen_shop.v1 import ledger_pb2, shop_pb2
+
+    for module, pb2 in ((shop_idempotency, shop_pb2), (ledger_idempotency, ledger_pb2)):
+        bare = _without_method_options(pb2.DESCRIPTOR)
+        keyed = {
+            method_path(m): m
+            for s in pb2.DESCRIPTOR.services_by_name.values()
+            for m in s.methods
+            if compile_policy(m) is not None
+        }
+        assert sorted(module.POLICIES) == sorted(keyed)
+        for path, method in keyed.items():
+            from_options = compile_policy(method)
+            override = module.POLICIES[path]
+            assert compile_policy(method, override) == from_options, path
+            # Without any option in the descriptors, POLICIES alone gives the same policy.
+            stripped = bare.FindMethodByName(method.full_name)
+            assert compile_policy(stripped) is None
+            assert compile_policy(stripped, override) == from_options, path
+            # And a change is one dataclasses.replace away.
+            longer = dataclasses.replace(override, lease=timedelta(seconds=42))
+            changed = compile_policy(method, longer)
+            assert changed == dataclasses.replace(from_options, lease=timedelta(seconds=42))
+
+
+def _without_method_options(file: object) -> descriptor_pool.DescriptorPool:
+    proto = descriptor_pb2.FileDescriptorProto()
+    file.CopyToProto(proto)  # type: ignore[attr-defined]
+    del proto.dependency[:]  # options.proto: no option of it is left
+    for service in proto.service:
+        for method in service.method:
+            method.ClearField("options")
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(proto.SerializeToString())
+    return pool
+
+
+def test_service_config_is_the_librarys(shop: Path) -> None:
+    shop_idempotency, ledger_idempotency = shop_modules()
+    for module in (shop_idempotency, ledger_idempotency):
+        assert service_config(module.SERVICES) == module.SERVICE_CONFIG
+        assert dict(module.CHANNEL_OPTIONS) == {
+            "grpc.service_config": module.SERVICE_CONFIG,
+            "grpc.enable_retries": 1,
+        }
+
+
+# -- validation: each error fails protoc and names the file and the method -------------------
+
+HEADER = """\
+syntax = "proto3";
+package errs.v1;
+import "grpc_idempotency/v1/options.proto";
+"""
+MESSAGES = "message Req {}\nmessage Res {}\n"
+
+
+def svc(options: str, *, extra_rpc: str = "", body: str = "") -> str:
+    return (
+        HEADER
+        + "service Svc {\n"
+        + f"  rpc Do(Req) returns (Res) {{\n    option (grpc_idempotency.v1.method) = {{ {options} }};\n    {body}\n  }}\n"
+        + "  rpc Target(Req) returns (Res);\n"
+        + extra_rpc
+        + "}\n"
+        + MESSAGES
+    )
+
+
+def run_on(tmp_path: Path, files: dict[str, str], *names_: str) -> subprocess.CompletedProcess[str]:
+    for name, text in files.items():
+        (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "protos" / name).write_text(text)
+    return protoc(tmp_path / "protos", tmp_path / "out", *(names_ or tuple(files)))
+
+
+def assert_fails(done: subprocess.CompletedProcess[str], *expected: str) -> None:
+    assert done.returncode == 1, done.stdout + done.stderr
+    for text in expected:
+        assert text in done.stderr, done.stderr
+
+
+ERRORS = {
+    "malformed step name": (
+        'steps: { name: "Charge-Card.v1" outbox: true }',
+        "",
+        "step name 'Charge-Card.v1' does not match",
+    ),
+    "unversioned step name": (
+        'steps: { name: "charge-card" outbox: true }',
+        "",
+        "step name 'charge-card' does not match",
+    ),
+    "duplicate step names": (
+        'steps: { name: "charge.v1" outbox: true } steps: { name: "charge.v1" call: "errs.v1.Svc/Target" }',
+        "",
+        "step 'charge.v1' is declared twice",
+    ),
+    "call to a service in no file of the request": (
+        'steps: { name: "charge.v1" call: "errs.v1.Payments/Charge" }',
+        "",
+        "step 'charge.v1' calls 'errs.v1.Payments/Charge', but no file given to the generator"
+        " declares service errs.v1.Payments",
+    ),
+    "call to a method the service lacks": (
+        'steps: { name: "charge.v1" call: "errs.v1.Svc/Charge" }',
+        "",
+        "step 'charge.v1' calls 'errs.v1.Svc/Charge', but service errs.v1.Svc has no method Charge",
+    ),
+    "call to a streaming method": (
+        'steps: { name: "watch.v1" call: "errs.v1.Svc/Watch" }',
+        "",
+        "step 'watch.v1' calls 'errs.v1.Svc/Watch', a streaming method",
+    ),
+    "keyed and IDEMPOTENT": (
+        "",
+        "option idempotency_level = IDEMPOTENT;",
+        "the method is declared idempotent by protobuf's idempotency_level",
+    ),
+    "keyed and NO_SIDE_EFFECTS": (
+        "",
+        "option idempotency_level = NO_SIDE_EFFECTS;",
+        "the method is declared idempotent by protobuf's idempotency_level",
+    ),
+    "outbox step with a call": (
+        'steps: { name: "event.v1" outbox: true call: "errs.v1.Svc/Target" }',
+        "",
+        "step 'event.v1' must set exactly one of call and outbox",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_validation_error(tmp_path: Path, case: str) -> None:
+    options, body, message = ERRORS[case]
+    extra = "  rpc Watch(Req) returns (stream Res);\n"
+    done = run_on(tmp_path, {"errs/v1/bad.proto": svc(options, body=body, extra_rpc=extra)})
+    assert_fails(done, f"--grpc-idempotency_out: errs/v1/bad.proto: /errs.v1.Svc/Do: {message}")
+    assert not (tmp_path / "out" / "errs").exists()
+
+
+def test_valid_options_generate_a_module(tmp_path: Path) -> None:
+    ok = run_on(tmp_path, {"errs/v1/ok.proto": svc('steps: { name: "a.v1" outbox: true }')})
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "out" / "errs" / "v1" / "ok_idempotency.py").is_file()
+
+
+def test_every_error_is_reported_in_one_run(tmp_path: Path) -> None:
+    text = svc(
+        'steps: { name: "Bad" outbox: true }',
+        extra_rpc=(
+            "  rpc Other(Req) returns (Res) {\n"
+            '    option (grpc_idempotency.v1.method) = { steps: { name: "x.v1" call: "errs.v1.Nope/X" } };\n'
+            "  }\n"
+        ),
+    )
+    done = run_on(tmp_path, {"errs/v1/two.proto": text, "errs/v2/three.proto": svc("").replace(
+        "errs.v1", "errs.v2").replace("rpc Do(Req) returns (Res) {", "rpc Do(Req) returns (Res) {\n    option idempotency_level = NO_SIDE_EFFECTS;")})  # fmt: skip
+    assert_fails(
+        done,
+        "errs/v1/two.proto: /errs.v1.Svc/Do: step name 'Bad'",
+        "errs/v1/two.proto: /errs.v1.Svc/Other: step 'x.v1' calls 'errs.v1.Nope/X'",
+        "errs/v2/three.proto: /errs.v2.Svc/Do: the method is declared idempotent",
+    )
+
+
+def test_a_called_method_counts_when_its_file_is_given_or_imported(tmp_path: Path) -> None:
+    payments = HEADER.replace("errs.v1", "pay.v1") + (
+        "service Payments {\n  rpc Charge(Req) returns (Res) {\n"
+        "    option (grpc_idempotency.v1.method) = {};\n  }\n}\n" + MESSAGES
+    )
+    orders = svc('steps: { name: "charge.v1" call: "pay.v1.Payments/Charge" }')
+    files = {"pay/v1/payments.proto": payments, "errs/v1/orders.proto": orders}
+    alone = run_on(tmp_path, files, "errs/v1/orders.proto")
+    assert_fails(alone, "no file given to the generator declares service pay.v1.Payments")
+    both = run_on(tmp_path, files, "errs/v1/orders.proto", "pay/v1/payments.proto")
+    assert both.returncode == 0, both.stderr
+    generated = (tmp_path / "out" / "errs" / "v1" / "orders_idempotency.py").read_text()
+    assert "from pay.v1 import payments_pb2" in generated
+    imported = orders.replace(
+        'import "grpc_idempotency/v1/options.proto";',
+        'import "grpc_idempotency/v1/options.proto";\nimport "pay/v1/payments.proto";',
+    )
+    files["errs/v1/orders.proto"] = imported
+    # protoc warns that the import is unused; the request still carries the file.
+    assert run_on(tmp_path, files, "errs/v1/orders.proto").returncode == 0
+
+
+def test_a_retired_step_may_call_a_method_that_is_gone(tmp_path: Path) -> None:
+    text = svc(
+        'steps: { name: "old.v1" call: "errs.v1.Gone/X" retired_at: { seconds: 1767225600 } }'
+    )
+    done = run_on(tmp_path, {"errs/v1/retired.proto": text})
+    assert done.returncode == 0, done.stderr
+
+
+def test_files_without_keyed_methods_get_no_module(tmp_path: Path) -> None:
+    plain = HEADER + "service Svc {\n  rpc Do(Req) returns (Res);\n}\n" + MESSAGES
+    done = run_on(tmp_path, {"errs/v1/plain.proto": plain})
+    assert done.returncode == 0, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.proto").write_text(svc(""))
+    done = protoc(tmp_path / "p", tmp_path / "out", "a.proto", extra=("--grpc-idempotency_opt=x",))
+    assert_fails(done, "unknown parameter 'x'")
+
+
+def test_generated_names_never_collide(tmp_path: Path) -> None:
+    # Two active versions of one step, a keyword step name, two called services of one name,
+    # and two message modules of one basename.
+    other = lambda pkg: (  # noqa: E731
+        f'syntax = "proto3";\npackage {pkg};\nimport "grpc_idempotency/v1/options.proto";\n'
+        "service Payments {\n  rpc Charge(Req) returns (Res) {\n"
+        "    option (grpc_idempotency.v1.method) = {};\n  }\n}\n" + MESSAGES
+    )
+    main = svc(
+        'steps: { name: "pay.v1" call: "a.v1.Payments/Charge" }'
+        ' steps: { name: "pay.v2" call: "b.v1.Payments/Charge" }'
+        ' steps: { name: "import.v1" call: "errs.v1.Svc/Target" }'
+    )
+    files = {"a/v1/types.proto": other("a.v1"), "b/v1/types.proto": other("b.v1"),
+             "errs/v1/main.proto": main}  # fmt: skip
+    done = run_on(tmp_path, files)
+    assert done.returncode == 0, done.stderr
+    source = (tmp_path / "out" / "errs" / "v1" / "main_idempotency.py").read_text()
+    compile(source, "main_idempotency.py", "exec")
+    for expected in (
+        'PAY_V1: Final = "pay.v1"',
+        'PAY_V2: Final = "pay.v2"',
+        'IMPORT: Final = "import.v1"',
+        "async def pay_v1(",
+        "async def import_(",
+        "a_v1_payments: grpc.aio.Channel,",
+        "b_v1_payments: grpc.aio.Channel,",
+        "svc: grpc.aio.Channel,",
+        "from a.v1 import types_pb2 as a_dot_v1_dot_types__pb2",
+        "a_dot_v1_dot_types__pb2.Req,",
+    ):
+        assert expected in source, expected
+
+
+# -- the request's descriptor pool -----------------------------------------------------------
+
+
+def request_for(*files: str) -> plugin_pb2.CodeGeneratorRequest:
+    """What protoc sends, from --descriptor_set_out --include_imports: the same
+    FileDescriptorProtos, in dependency order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "set.binpb"
+        subprocess.run(
+            [sys.executable, "-m", "grpc_tools.protoc", f"-I{TEST_PROTOS}", f"-I{proto_include()}",
+             "--include_imports", f"--descriptor_set_out={out}", *files],
+            capture_output=True, check=True,
+        )  # fmt: skip
+        fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    return plugin_pb2.CodeGeneratorRequest(file_to_generate=files, proto_file=fds.file)
+
+
+def test_options_parsed_before_the_extension_is_known_are_still_read() -> None:
+    # A request parsed in a process that has not imported options_pb2 holds the options as
+    # unknown fields; the plugin's own pool must still see them.
+    request = request_for(*SHOP).SerializeToString()
+    script = textwrap.dedent(
+        """
+        import sys
+        from google.protobuf.compiler import plugin_pb2
+        request = plugin_pb2.CodeGeneratorRequest.FromString(sys.stdin.buffer.read())
+        assert "grpc_idempotency.v1.options_pb2" not in sys.modules
+        from grpc_idempotency.protoc_gen import generate
+        response = generate(request)
+        assert not response.error, response.error
+        print(sorted(f.name for f in response.file))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], input=request, capture_output=True, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().strip() == str(
+        ["codegen_shop/v1/ledger_idempotency.py", "codegen_shop/v1/shop_idempotency.py"]
+    )
+
+
+def test_generate_in_process_matches_protoc() -> None:
+    response = generate(request_for(*SHOP))
+    assert not response.error
+    assert {f.name: f.content for f in response.file} == generated_files(GOLDEN)
+    assert response.supported_features & plugin_pb2.CodeGeneratorResponse.FEATURE_PROTO3_OPTIONAL
+
+
+def test_options_the_descriptors_hide_are_refused_not_skipped() -> None:
+    # If a descriptor's cached options missed the extension (parsed before it was known), the
+    # library's compiler would see an unkeyed method; the plugin must fail loudly instead.
+    script = textwrap.dedent(
+        """
+        import sys
+        from google.protobuf import descriptor_pool
+        from google.protobuf.compiler import plugin_pb2
+        request = plugin_pb2.CodeGeneratorRequest.FromString(sys.stdin.buffer.read())
+        pool = descriptor_pool.DescriptorPool()
+        for proto in request.proto_file:
+            pool.AddSerializedFile(proto.SerializeToString())
+        method = pool.FindMethodByName("codegen_shop.v1.LedgerService.Post")
+        method.GetOptions()  # parsed and cached while the extension is unknown
+        from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options
+        try:
+            declared_options(method)
+        except OptionsInvisible as err:
+            print("refused:", err)
+        else:
+            print("read")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input=request_for(*SHOP).SerializeToString(),
+        capture_output=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().startswith("refused: codegen_shop.v1.LedgerService.Post")
+
+
+def test_declared_options_in_the_request_pool() -> None:
+    loaded = load(request_for(*SHOP))
+    method = loaded.pool.FindMethodByName("codegen_shop.v1.CheckoutService.Cancel")
+    declared = declared_options(method)
+    assert declared is not None and list(declared.recorded_error_codes) == [
+        "NOT_FOUND",
+        "PERMISSION_DENIED",
+    ]
+    status = loaded.pool.FindMethodByName("codegen_shop.v1.CheckoutService.Status")
+    assert declared_options(status) is None
+    assert OptionsInvisible.__mro__[1] is RuntimeError
+
+
+# -- names -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("proto", "module", "output"),
+    [
+        ("checkout/v1/orders.proto", "checkout.v1.orders_pb2", "checkout/v1/orders_idempotency.py"),
+        ("my-dir/a-b.proto", "my_dir.a_b_pb2", "my_dir/a_b_idempotency.py"),
+        ("top.proto", "top_pb2", "top_idempotency.py"),
+    ],
+)
+def test_module_names_follow_protocs_python_generator(proto: str, module: str, output: str) -> None:
+    assert names.pb2_module(proto) == module
+    assert names.output_file(proto) == output
+
+
+def test_identifiers() -> None:
+    assert names.snake_case("PaymentService") == "payment_service"
+    assert names.snake_case("HTTPGateway") == "http_gateway"
+    assert names.snake_case("a.v1.Payments") == "a_v1_payments"
+    assert names.safe_identifier("import") == "import_"
+    assert names.safe_identifier("self") == "self_"
+    assert names.step_base("send-confirmation.v12") == "send_confirmation"
+    assert names.step_versioned("charge-card.v2") == "charge_card_v2"
+    assert names.module_alias("a.v1.types_pb2") == "a_dot_v1_dot_types__pb2"
