@@ -24,7 +24,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
+from google.protobuf.message import Message
+
 from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable
+from grpc_idempotency.core.outbox import message_key, outbox_step
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.store.postgres import PooledConnection
 
@@ -48,6 +51,7 @@ class IdempotentCall:
         open_final: Callable[[], Awaitable[PooledConnection]] | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
         started_at: datetime | None = None,
+        enqueue_sql: str | None = None,
     ) -> None:
         self.method = method
         """The gRPC path, "/package.Service/Method"."""
@@ -61,6 +65,7 @@ class IdempotentCall:
         self.metadata = tuple(metadata)
         self.started_at = started_at
         """When the operation began, if an earlier attempt began it (a takeover)."""
+        self._enqueue_sql = enqueue_sql
         """The incoming call's metadata."""
         self._connection = connection
         self._open_final = open_final
@@ -108,6 +113,30 @@ class IdempotentCall:
             self._opening = asyncio.ensure_future(self._open_final())
         self._connection = await asyncio.shield(self._opening)
         return self._connection
+
+    async def enqueue(self, step: str, message: Message) -> str:
+        """Puts ``message`` in the transactional outbox as the declared outbox step ``step``, in
+        the call's transaction (phased mode: the final one, opened if need be). Returns the
+        message's key: the step's child key, which a re-run of the handler reproduces, so the
+        message is enqueued once however often the handler runs."""
+        if self.key is None or self.scope is None or self._enqueue_sql is None:
+            raise NotInIdempotentCall(
+                f"{self.method}: only a keyed call can enqueue outbox messages"
+            )
+        chosen = outbox_step(self.method, self.steps, step, self.started_at)
+        key = message_key(self.scope, self.key, chosen)
+        conn = await self.transaction()
+        await conn.execute(
+            self._enqueue_sql,
+            self.scope,
+            key,
+            chosen.name,
+            self.key,
+            self.method,
+            message.DESCRIPTOR.full_name,
+            message.SerializeToString(deterministic=True),
+        )
+        return key
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """From a sync (``def``) handler, which runs on a worker thread: run ``coro`` (a query on

@@ -387,6 +387,7 @@ class IdempotencyInterceptor(_Interceptor):
                 steps=policy.steps,
                 deadline=_deadline(context),
                 metadata=tuple(context.invocation_metadata() or ()),
+                enqueue_sql=self.store.statements.enqueue,
             )
         )
         aborted: DeferredAbort | None = None
@@ -521,6 +522,7 @@ class IdempotencyInterceptor(_Interceptor):
             open_final=open_final,
             metadata=tuple(context.invocation_metadata() or ()),
             started_at=started_at,
+            enqueue_sql=self.store.statements.enqueue,
         )
         bound = call_context.bind(icall)
         aborted: DeferredAbort | None = None

@@ -161,6 +161,18 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             current_call().connection  # noqa: B018  (must raise: no transaction yet)
         return await self._post(request, context)
 
+    async def PostWithEvent(self, request: Any, context: Any) -> Any:
+        response = await self._post(
+            testsvc_pb2.PostRequest(account=request.account, amount=request.amount), context
+        )
+        step = "undeclared.v1" if request.behaviour == "undeclared-event" else "entry-posted.v1"
+        await current_call().enqueue(step, response)
+        if request.behaviour and request.behaviour != "undeclared-event":
+            # Fails after enqueuing: the event must go with the rest of the transaction.
+            code = getattr(grpc.StatusCode, request.behaviour)
+            await context.abort(code, f"handler says {request.behaviour}")
+        return response
+
     async def PostShortLived(self, request: Any, context: Any) -> Any:
         return await self._post(request, context)
 

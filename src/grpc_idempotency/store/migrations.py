@@ -1,7 +1,8 @@
 """Numbered SQL migrations with a version table, safe when several replicas start at once.
 
 Each file ``migrations/NNNN_name.sql`` runs once, in its own transaction, with ``{schema}``
-replaced by the quoted schema name. A transaction-scoped advisory lock per schema serialises
+replaced by the quoted schema name (``{schema_name}``: the bare name, for use inside strings).
+A transaction-scoped advisory lock per schema serialises
 concurrent runners: the second waits, then sees the first's versions and does nothing.
 """
 
@@ -65,7 +66,8 @@ async def migrate(conn: Any, schema: str) -> list[int]:
             )
             if done:
                 continue
-            await conn.execute(migration.sql.replace("{schema}", s))
+            sql = migration.sql.replace("{schema}", s).replace("{schema_name}", schema)
+            await conn.execute(sql)
             await conn.execute(
                 f"INSERT INTO {s}.schema_migrations (version, name) VALUES ($1, $2)",
                 migration.version,

@@ -70,6 +70,11 @@ class Statements:
         self.release = f"""
             UPDATE {s}.records SET locked_until = clock_timestamp()
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
+        # A re-run of the handler enqueues nothing new: the key is the outbox step's child key.
+        self.enqueue = f"""
+            INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload)
+            VALUES ($1, $2, $3, $4, $5, $6, $7)
+            ON CONFLICT (scope, key) DO NOTHING"""
         self.purge = f"""
             WITH doomed AS (
                 SELECT scope, key FROM {s}.records
