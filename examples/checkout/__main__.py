@@ -1,7 +1,9 @@
-"""Run a checkout service, or the demo:
+"""Run a checkout service, the outbox relay, or the demo:
 
-python -m examples.checkout orders|payments|notifications --listen HOST:PORT [--dsn DSN]
+python -m examples.checkout orders|payments|notifications|ledger --listen HOST:PORT [--dsn DSN]
     [--payments ADDR] [--notifications ADDR]          (orders only)
+python -m examples.checkout relay --dsn DSN [--ledger ADDR] [--lease S] [--batch-size N]
+    (delivers the orders outbox, OrderCreated events, to the ledger)
 python -m examples.checkout demo [--dsn DSN]
 """
 
@@ -28,9 +30,14 @@ async def database(dsn: str | None) -> AsyncIterator[str]:
 
 
 async def run_service(args: argparse.Namespace) -> None:
-    from examples.checkout import notifications, orders, payments, service
+    from examples.checkout import ledger, notifications, orders, payments, service
 
-    module = {"payments": payments, "notifications": notifications, "orders": orders}[args.command]
+    module = {
+        "payments": payments,
+        "notifications": notifications,
+        "orders": orders,
+        "ledger": ledger,
+    }[args.command]
     async with database(args.dsn) as url:
         store = await service.open_store(url, module.NAME, module.TABLES_SQL)
         if module is orders:
@@ -50,7 +57,8 @@ async def run_service(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.checkout")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, port in (("payments", 50051), ("notifications", 50052), ("orders", 50050)):
+    services = (("payments", 50051), ("notifications", 50052), ("orders", 50050), ("ledger", 50053))
+    for name, port in services:
         sub = commands.add_parser(name, help=f"run the {name} service")
         sub.add_argument("--listen", default=f"127.0.0.1:{port}")
         sub.add_argument("--dsn", default=None, help="PostgreSQL DSN (default: embedded)")
@@ -58,9 +66,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             sub.add_argument("--payments", default="127.0.0.1:50051", help="payments address")
             sub.add_argument("--notifications", default="127.0.0.1:50052")
             sub.add_argument("--lease", type=float, default=None, help="lease override, seconds")
+    relay = commands.add_parser("relay", help="deliver the orders outbox to the ledger")
+    relay.add_argument("--dsn", required=True, help="PostgreSQL DSN of the orders service")
+    relay.add_argument("--ledger", default="127.0.0.1:50053", help="ledger address")
+    relay.add_argument("--lease", type=float, default=5.0, help="claim lease, seconds")
+    relay.add_argument("--batch-size", type=int, default=100)
+    relay.add_argument("--poll-interval", type=float, default=1.0, help="seconds")
     demo = commands.add_parser("demo", help="run the failure drills and print the table")
     demo.add_argument("--dsn", default=None)
     args = parser.parse_args(argv)
+    if args.command == "relay":
+        from examples.checkout import ledger
+
+        asyncio.run(
+            ledger.relay(
+                args.dsn,
+                args.ledger,
+                lease=args.lease,
+                batch_size=args.batch_size,
+                poll_interval=args.poll_interval,
+            )
+        )
+        return 0
     if args.command != "demo":
         asyncio.run(run_service(args))
         return 0

@@ -1,9 +1,10 @@
 """``python -m examples.checkout demo [--dsn DSN]``: failure drills against real service processes.
 
-Payments, notifications and orders each run as a separate process on one PostgreSQL (restarted
-with failpoints where a drill needs one); this process is a grpc.aio client that retries the way a
-real caller would and then counts, with SQL, what each service received (``<service>.attempts``)
-against what it did (``payments.charges``, ``notifications.emails``, ``orders.orders``).
+Payments, notifications, orders, the ledger and the outbox relay each run as a separate process
+on one PostgreSQL (restarted with failpoints where a drill needs one); this process is a grpc.aio
+client that retries the way a real caller would and then counts, with SQL, what each service
+received (``<service>.attempts``) against what it did (``payments.charges``,
+``notifications.emails``, ``orders.orders``, ``ledger.entries``).
 
 PaymentService.Charge on its own:
 
@@ -24,6 +25,16 @@ g. two tenants          one parent key, two tenants: two charges, two emails, tw
 h. crash mid-order      orders dies (kill -9) after the charge and before its final commit; the
                         retry, once the lease ran out, runs PlaceOrder again: payments replays
                         the charge to the same child key, the order completes once
+
+The outbox, OrderService -> relay -> LedgerService (PlaceOrder enqueues an OrderCreated event in
+its final transaction; the relay delivers it at least once; the ledger dedupes with the consumer
+API, keyed by the event's outbox key):
+
+i. outbox to ledger     first the relay delivers the events of drills f-h (a replayed order, two
+                        tenants, an order re-run after a crash): one entry per order; then two
+                        new orders (one retried) and a relay killed after delivering an event
+                        and before marking it sent: a second relay delivers it again, and the
+                        ledger still writes one entry per order
 
 Exit status 1 when any side effect happened more often than expected or any expectation failed.
 """
@@ -62,6 +73,7 @@ CHARGE = "/checkout.v1.PaymentService/Charge"
 PLACE_ORDER = "/checkout.v1.OrderService/PlaceOrder"
 CHARGE_STEP = "charge-card.v1"
 EMAIL_STEP = "send-confirmation.v1"
+ORDER_EVENT_STEP = "order-created-event.v1"
 TENANT_HEADER = "x-tenant-id"
 DETAILS_TRAILER = "grpc-status-details-bin"
 IN_PROGRESS = "IDEMPOTENCY_KEY_IN_PROGRESS"
@@ -70,14 +82,22 @@ TIMEOUT_S = 5.0
 START_TIMEOUT_S = 20.0
 CONCURRENT_CALLS = 50
 ORDER_LEASE_S = 1.0  # drill h: orders runs with a short lease so a crashed claim frees quickly
-SERVICES = ("orders", "payments", "notifications")
+RELAY_LEASE_S = 1.5  # drill i: how soon the events a crashed relay claimed are due again
+OUTBOX = "orders_idempotency.outbox"
+SERVICES = ("orders", "payments", "notifications", "ledger")
 # The side-effect table of each service; each has order_id and tenant (the scope) columns.
 EFFECTS = {
     "orders": "orders.orders",
     "payments": "payments.charges",
     "notifications": "notifications.emails",
+    "ledger": "ledger.entries",
 }
-EFFECT_NAMES = {"orders": "orders", "payments": "charges", "notifications": "emails"}
+EFFECT_NAMES = {
+    "orders": "orders",
+    "payments": "charges",
+    "notifications": "emails",
+    "ledger": "ledger entries",
+}
 
 
 # --- talking to the services ------------------------------------------------------------------
@@ -244,8 +264,7 @@ class Service:
         # Kept open for the child's lifetime (closed in stop()); shown when it fails to start.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "examples.checkout", self.name,
-            "--listen", self.address, "--dsn", self.dsn, *self.args, *args,
+            sys.executable, "-m", "examples.checkout", self.name, *self.command(args),
             cwd=ROOT, env=env, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=self._stderr,
         )  # fmt: skip
@@ -261,17 +280,29 @@ class Service:
                 code = await self.wait_exit(1)
                 status = "still running" if code is None else f"exit {code}"
                 raise RuntimeError(f"{self.name} did not start ({status}):\n{self.stderr_tail()}")
-            text = line.decode(errors="replace").strip()
-            if text.startswith(f"{self.name} listening"):
-                # The line names the port actually bound.
-                self.port = int(text.rpartition(":")[2])
+            if self.ready(line.decode(errors="replace").strip()):
                 break
         # Keep reading, so that a chatty child can never block on a full pipe.
         self._drain = asyncio.create_task(self.proc.stdout.read())
         extra = " ".join(args)
         note = f" {extra}" if extra else ""
         note += f" with {FAILPOINTS_ENV}={failpoints}" if failpoints else ""
-        print(f"  {self.name} pid {self.proc.pid} on {self.address}{note}", flush=True)
+        print(f"  {self.name} pid {self.proc.pid} {self.where}{note}", flush=True)
+
+    def command(self, args: Sequence[str]) -> list[str]:
+        """The arguments after ``python -m examples.checkout <name>``."""
+        return ["--listen", self.address, "--dsn", self.dsn, *self.args, *args]
+
+    def ready(self, line: str) -> bool:
+        if not line.startswith(f"{self.name} listening"):
+            return False
+        # The line names the port actually bound.
+        self.port = int(line.rpartition(":")[2])
+        return True
+
+    @property
+    def where(self) -> str:
+        return f"on {self.address}"
 
     async def wait_exit(self, timeout: float) -> int | None:
         """The exit code once the process has exited by itself, None if it still runs."""
@@ -322,6 +353,25 @@ class Payments(Service):
             client, self.client = self.client, None
             await client.close()
         await super().stop()
+
+
+class OutboxRelay(Service):
+    """``python -m examples.checkout relay``: delivers the orders outbox (OrderCreated events)
+    to the ledger. It listens on no port; it is ready once it holds its LISTEN connection."""
+
+    def __init__(self, dsn: str, ledger: Service) -> None:
+        super().__init__("relay", dsn, 0)
+        self.ledger = ledger
+
+    def command(self, args: Sequence[str]) -> list[str]:
+        return ["--dsn", self.dsn, "--ledger", self.ledger.address, *self.args, *args]
+
+    def ready(self, line: str) -> bool:
+        return line.startswith("relay listening")
+
+    @property
+    def where(self) -> str:
+        return f"-> ledger {self.ledger.address}"
 
 
 class Orders(Service):
@@ -392,11 +442,15 @@ class Demo:
         payments: Payments,
         notifications: Service,
         orders: Orders,
+        relay: OutboxRelay,
     ) -> None:
         self.db = db
         self.payments = payments
         self.notifications = notifications
         self.orders = orders
+        self.relay = relay
+        self.placed: list[Drill] = []
+        """The drills so far that placed orders (their events wait in the outbox)."""
 
     @property
     def client(self) -> Client:
@@ -604,6 +658,91 @@ class Demo:
         # The re-run sent the same child keys: payments and notifications replayed.
         await self.expect_child_keys(d, tenant, key, calls=2)
 
+    # --- i: the outbox, OrderService -> relay -> LedgerService ---
+
+    async def outbox_to_ledger(self, d: Drill) -> None:
+        # The orders of drills f-h left one OrderCreated event each in the outbox: no relay ran.
+        earlier = ["tenant:" + t for drill in self.placed for t in drill.tenants]
+        await self.relay.start(args=["--lease", f"{RELAY_LEASE_S:g}"])
+        await self.outbox_sent(earlier)
+        await self.relay.stop()
+        orders = await self.entries_per_order(earlier)
+        d.check(bool(orders), "drills f-h left no orders to record")
+        d.check(
+            all(n == 1 for n in orders.values()),
+            f"drills f-h: ledger entries per order should be 1: {orders}",
+        )
+        d.notes.append(
+            f"drills f-h: {len(orders)} orders (replayed, two tenants, re-run after a crash)"
+            f" -> {sum(orders.values())} ledger entries"
+        )
+
+        # Two new orders, one retried: two events (the replay enqueues nothing).
+        first_key = "order-" + uuid.uuid4().hex
+        first = await self.orders_client.place(d.tenants[0], first_key, d.order_id)
+        retry = await self.orders_client.place(d.tenants[0], first_key, d.order_id)
+        other = await self.orders_client.place(
+            d.tenants[1], "order-" + uuid.uuid4().hex, d.order_id
+        )
+        d.answers += [first, retry, other]
+        d.check(first.ok and not first.replayed, f"attempt 1: expected OK, got {first.label}")
+        d.check(retry.ok and retry.replayed, f"retry: expected a replay, got {retry.label}")
+        d.check(other.ok and not other.replayed, f"other tenant: expected OK, got {other.label}")
+        scopes = ["tenant:" + t for t in d.tenants]
+        events = await self.outbox_states(scopes)
+        d.check(events == ["pending", "pending"], f"expected 2 pending events, got {events}")
+
+        # A relay takes the first event (batches of one), delivers it, and dies (kill -9) before
+        # marking it sent: the event stays claimed until its lease runs out.
+        await self.relay.start(
+            "relay_after_delivery=crash", ["--batch-size", "1", "--lease", f"{RELAY_LEASE_S:g}"]
+        )
+        code = await self.relay.wait_exit(10)
+        d.check(code is not None, "the relay did not crash after delivering")
+        delivered = await self.attempt_keys("ledger", d.tenants[0])
+        d.check(len(delivered) == 1, f"expected 1 delivery before the crash, got {delivered}")
+        print(
+            f"  relay killed after delivering an event, before marking it sent (exit {code});"
+            " starting another",
+            flush=True,
+        )
+        await self.relay.start(args=["--lease", f"{RELAY_LEASE_S:g}"])
+        await self.outbox_sent(scopes)
+        await self.relay.stop()
+        again = await self.attempt_keys("ledger", d.tenants[0])
+        expected = child_key(scopes[0], first_key, ORDER_EVENT_STEP)
+        d.check(
+            again == [expected] * 2,
+            f"the first event should reach the ledger twice with key {expected[:12]}...,"
+            f" got {[k[:12] if k else k for k in again]}",
+        )
+        if len(again) == 2 and len(set(again)) == 1:
+            d.notes.append(f"ledger.attempts: one event delivered twice, key {again[0]}")
+
+    async def outbox_states(self, scopes: list[str]) -> list[str]:
+        rows = await self.db.fetch(
+            f"SELECT state FROM {OUTBOX} WHERE scope = ANY($1::text[]) ORDER BY id", scopes
+        )
+        return [r["state"] for r in rows]
+
+    async def outbox_sent(self, scopes: list[str], timeout: float = 15.0) -> None:
+        """Waits until the relay has delivered and marked every event of ``scopes``."""
+        deadline = time.monotonic() + timeout
+        while any(state != "sent" for state in await self.outbox_states(scopes)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the relay did not deliver the events within {timeout} s")
+            await asyncio.sleep(0.02)
+
+    async def entries_per_order(self, scopes: list[str]) -> dict[str, int]:
+        """Ledger entries per order placed under ``scopes`` ("tenant order_id" -> count)."""
+        rows = await self.db.fetch(
+            "SELECT o.tenant, o.order_id, (SELECT count(*) FROM ledger.entries e"
+            "  WHERE e.tenant = o.tenant AND e.order_id = o.order_id) AS entries"
+            " FROM orders.orders o WHERE o.tenant = ANY($1::text[])",
+            scopes,
+        )
+        return {f"{r['tenant']} {r['order_id']}": r["entries"] for r in rows}
+
     async def wait_for_lease(self, tenant: str, key: str, timeout: float = 10.0) -> float:
         """Polls until the claim's lease has run out by the database's clock; returns the wait."""
         started = time.monotonic()
@@ -642,6 +781,8 @@ class Demo:
             await drill(d)
         except Exception as exc:
             d.problems.append(f"{type(exc).__name__}: {exc}")
+        if d.effects_expected.get("orders"):
+            self.placed.append(d)
         try:
             await self.count(d)
         except Exception as exc:
@@ -693,6 +834,7 @@ def print_table(drills: list[Drill]) -> None:
         "orders",
         "payments",
         "notifications",
+        "ledger",
         "expected",
         "verdict",
     )
@@ -704,6 +846,7 @@ def print_table(drills: list[Drill]) -> None:
             d.cell("orders"),
             d.cell("payments"),
             d.cell("notifications"),
+            d.cell("ledger"),
             d.expected,
             "FAIL" if d.problems else "PASS",
         )
@@ -716,7 +859,8 @@ def print_table(drills: list[Drill]) -> None:
 
     print()
     print("per service: calls received (<service>.attempts) -> rows written (orders.orders,")
-    print("payments.charges, notifications.emails); '-': the drill does not involve it")
+    print("payments.charges, notifications.emails, ledger.entries); '-': the drill does not")
+    print("involve it")
     print()
     print(line(header))
     print(line(tuple("-" * w for w in widths)))
@@ -817,6 +961,14 @@ def _plan(demo: Demo) -> list[tuple[Drill, Callable[[Drill], Awaitable[None]]]]:
             ),
             demo.crash_between_charge_and_order,
         ),
+        (
+            Drill(
+                "i. outbox to ledger",
+                "2 of each; an event delivered twice, 1 entry",
+                {"orders": 2, "payments": 2, "notifications": 2, "ledger": 2},
+            ),
+            demo.outbox_to_ledger,
+        ),
     ]
 
 
@@ -837,12 +989,16 @@ async def _run(dsn: str | None) -> int:
         payments = Payments(dsn, _free_port())
         notifications = Service("notifications", dsn, _free_port())
         orders = Orders(dsn, _free_port(), payments, notifications)
-        services += [payments, notifications, orders]
-        # All three from the start: each creates its schemas, which every drill's count reads.
-        # The drills restart payments and orders with failpoints where they need them.
-        await asyncio.gather(*(service.start() for service in services))
+        ledger = Service("ledger", dsn, _free_port())
+        relay = OutboxRelay(dsn, ledger)
+        servers: list[Service] = [payments, notifications, orders, ledger]
+        services += [*servers, relay]
+        # The four services from the start: each creates its schemas, which every drill's count
+        # reads. The drills restart payments and orders with failpoints where they need them;
+        # drill i runs the relay.
+        await asyncio.gather(*(service.start() for service in servers))
         db = await asyncpg.connect(dsn)
-        demo = Demo(db, payments, notifications, orders)
+        demo = Demo(db, payments, notifications, orders, relay)
         drills = [await demo.run(drill, fn) for drill, fn in _plan(demo)]
         print_table(drills)
         print(f"({time.monotonic() - started:.1f} s)")

@@ -16,6 +16,13 @@ from grpc_idempotency.client import (
     step,
     step_metadata,
 )
+from grpc_idempotency.consumer import (
+    Consumed,
+    ConsumeResult,
+    IdempotentConsumer,
+    MessageInProgress,
+    purge_processed,
+)
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
     IdempotencyError,
@@ -31,6 +38,7 @@ from grpc_idempotency.core.errors import (
 )
 from grpc_idempotency.core.keys import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.core.lifecycle import CallOutcome
+from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.core.policy import (
     KeyRequirement,
     MethodOverride,
@@ -41,6 +49,16 @@ from grpc_idempotency.core.policy import (
 )
 from grpc_idempotency.core.propagation import StepAmbiguous, StepUndeclared
 from grpc_idempotency.core.retry import RetryPolicy
+from grpc_idempotency.outbox import (
+    CallableSink,
+    DeliveryError,
+    GrpcSink,
+    OutboxMessage,
+    PermanentDeliveryError,
+    Relay,
+    Sink,
+    forward_scope,
+)
 from grpc_idempotency.retention import Purger
 from grpc_idempotency.scope import MetadataScope, ScopeResolver, StaticScope, peer_identity_scope
 from grpc_idempotency.server import IdempotencyInterceptor
@@ -58,17 +76,25 @@ __all__ = [
     "KEY_HEADER",
     "REPLAYED_HEADER",
     "CallOutcome",
+    "CallableSink",
     "Code",
+    "ConsumeResult",
+    "Consumed",
+    "DeliveryError",
+    "DeliveryPolicy",
+    "GrpcSink",
     "IdempotencyClientInterceptor",
     "IdempotencyError",
     "IdempotencyInterceptor",
     "IdempotentCall",
+    "IdempotentConsumer",
     "KeyInProgress",
     "KeyInvalid",
     "KeyMissing",
     "KeyRequirement",
     "KeyReused",
     "LeaseLost",
+    "MessageInProgress",
     "MetadataScope",
     "MethodOverride",
     "MethodPolicy",
@@ -76,11 +102,15 @@ __all__ = [
     "NotInIdempotentCall",
     "Operation",
     "OperationStub",
+    "OutboxMessage",
+    "PermanentDeliveryError",
     "PolicyError",
     "Purger",
+    "Relay",
     "RetryPolicy",
     "ScopeResolver",
     "ScopeUnavailable",
+    "Sink",
     "StaticScope",
     "Step",
     "StepAmbiguous",
@@ -94,8 +124,10 @@ __all__ = [
     "channel_options",
     "child_key",
     "current_call",
+    "forward_scope",
     "peer_identity_scope",
     "proto_include",
+    "purge_processed",
     "service_config",
     "step",
     "step_metadata",

@@ -195,6 +195,77 @@ class Processes:
             args += ["--lease", str(lease)]
         return await self.service("orders", dsn, port, args, failpoints=failpoints)
 
+    async def ledger(self, dsn: str, port: int, *, failpoints: str | None = None) -> ServiceProcess:
+        """Starts ``python -m examples.checkout ledger`` on 127.0.0.1:``port``."""
+        return await self.service("ledger", dsn, port, failpoints=failpoints)
+
+    async def relay(
+        self,
+        dsn: str,
+        *,
+        ledger: int,
+        lease: float | None = None,
+        batch_size: int | None = None,
+        poll_interval: float | None = None,
+        failpoints: str | None = None,
+    ) -> ServiceProcess:
+        """Starts the example's relay, ``python -m examples.checkout relay``, delivering the
+        orders outbox to the ledger on local port ``ledger``; waits until it listens for new
+        rows."""
+        args = ["--dsn", dsn, "--ledger", f"127.0.0.1:{ledger}"]
+        for flag, value in (
+            ("--lease", lease),
+            ("--batch-size", batch_size),
+            ("--poll-interval", poll_interval),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        return await self._start(
+            ["-m", "examples.checkout", "relay", *args],
+            ready="relay listening on",
+            name="relay",
+            failpoints=failpoints,
+        )
+
+    async def library_relay(
+        self,
+        dsn: str,
+        *,
+        schema: str,
+        target: str,
+        method: str,
+        args: Sequence[str] = (),
+        failpoints: str | None = None,
+    ) -> ServiceProcess:
+        """Starts the library's ``grpc-idempotency relay`` (as ``python -m
+        grpc_idempotency.cli``) delivering ``schema``'s outbox to ``method`` on ``target``; waits
+        until it is ready."""
+        name = f"e2e-relay-{len(self._started)}"
+        return await self._start(
+            [
+                "-m", "grpc_idempotency.cli", "relay", "--dsn", dsn, "--schema", schema,
+                "--grpc-target", target, "--method", method, "--name", name, *args,
+            ],
+            ready=f"relay {name} ready",
+            name=name,
+            failpoints=failpoints,
+        )  # fmt: skip
+
+    async def _start(
+        self, args: Sequence[str], *, ready: str, name: str, failpoints: str | None
+    ) -> ServiceProcess:
+        env = {"GRPC_IDEMPOTENCY_FAILPOINTS": failpoints} if failpoints else {}
+        proc = ServiceProcess(
+            args,
+            ready=ready,
+            log_dir=self.log_dir,
+            name=f"{name}-{len(self._started)}",
+            env=env,
+        )
+        self._started.append(proc)
+        await proc.start()
+        return proc
+
     async def service(
         self,
         name: str,
@@ -206,17 +277,12 @@ class Processes:
     ) -> ServiceProcess:
         """Starts ``python -m examples.checkout <name>`` on 127.0.0.1:``port`` and waits until
         it listens."""
-        env = {"GRPC_IDEMPOTENCY_FAILPOINTS": failpoints} if failpoints else {}
-        proc = ServiceProcess(
+        return await self._start(
             ["-m", "examples.checkout", name, "--listen", f"127.0.0.1:{port}", "--dsn", dsn, *args],
             ready=f"{name} listening on",
-            log_dir=self.log_dir,
-            name=f"{name}-{len(self._started)}",
-            env=env,
+            name=name,
+            failpoints=failpoints,
         )
-        self._started.append(proc)
-        await proc.start()
-        return proc
 
     async def close(self) -> None:
         for proc in self._started:

@@ -27,6 +27,7 @@ DRILLS = (
     "f. lost order response",
     "g. two tenants, one order key",
     "h. crash between charge and order",
+    "i. outbox to ledger",
 )
 
 

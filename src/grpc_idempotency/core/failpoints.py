@@ -1,4 +1,5 @@
-"""Failpoint specs: named crash, delay and error points on the request path, for tests.
+"""Failpoint specs: named crash, delay and error points on the request path and in the outbox
+relay, for tests.
 
 ``GRPC_IDEMPOTENCY_FAILPOINTS="after_commit_before_response=crash,after_claim=sleep:2000"``
 
@@ -18,6 +19,9 @@ POINTS = frozenset(
         "after_claim",  # the claim is made (atomic: not yet committed), the handler has not run
         "before_commit",  # the handler ran; its writes and the outcome are about to commit
         "after_commit_before_response",  # committed; the response has not been sent
+        # the outbox relay: a sink delivered a message; the row is not yet marked sent (a crash
+        # here leaves it claimed, and it is delivered again once the claim's lease expires)
+        "relay_after_delivery",
     }
 )
 

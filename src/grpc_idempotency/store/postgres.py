@@ -54,6 +54,8 @@ def _unavailable(exc: BaseException, doing: str) -> StoreUnavailable:
 _STORE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
+    # e.g. "cannot switch to state ..." when the server killed a pooled connection just before use
+    asyncpg.InternalClientError,
     OSError,
     TimeoutError,
 )
@@ -137,13 +139,16 @@ class Attempt:
 
     async def _rollback_quietly(self) -> None:
         conn = self.connection
-        if conn.is_closed() or not conn.is_in_transaction():
-            return
         try:
+            if conn.is_closed() or not conn.is_in_transaction():
+                return
             await conn.execute("ROLLBACK")
         except _STORE_ERRORS:
             # The transaction dies with the connection; make sure the pool does not reuse it.
-            conn.terminate()
+            # (asyncpg may have detached the proxy of a lost connection already: then even
+            # terminate() raises, and there is nothing left to do.)
+            with contextlib.suppress(*_STORE_ERRORS):
+                conn.terminate()
 
     async def _finish(self) -> None:
         if self._done:

@@ -60,6 +60,10 @@ POLICIES: Final[Mapping[str, MethodOverride]] = {
                 name="send-confirmation.v1",
                 call="checkout.v1.NotificationService/SendEmail",
             ),
+            Step(
+                name="order-created-event.v1",
+                outbox=True,
+            ),
         ),
     ),
 }
@@ -130,6 +134,8 @@ class OrderServicePlaceOrderSteps:
     """Calls ``checkout.v1.PaymentService/Charge``."""
     SEND_CONFIRMATION: Final = "send-confirmation.v1"
     """Calls ``checkout.v1.NotificationService/SendEmail``."""
+    ORDER_CREATED_EVENT: Final = "order-created-event.v1"
+    """An outbox message."""
 
     def __init__(
         self,

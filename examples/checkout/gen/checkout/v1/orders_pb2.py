@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from grpc_idempotency.v1 import options_pb2 as grpc__idempotency_dot_v1_dot_options__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63heckout/v1/orders.proto\x12\x0b\x63heckout.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!grpc_idempotency/v1/options.proto\"\xa5\x01\n\x11PlaceOrderRequest\x12\x10\n\x08order_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61mount_cents\x18\x02 \x01(\x03\x12\x10\n\x08\x63urrency\x18\x03 \x01(\t\x12\x12\n\ncard_token\x18\x04 \x01(\t\x12\r\n\x05\x65mail\x18\x05 \x01(\t\x12\x33\n\x07sent_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x06\x92\xa8\x19\x02\x08\x02\"z\n\x12PlaceOrderResponse\x12\x10\n\x08order_id\x18\x01 \x01(\t\x12\x11\n\tcharge_id\x18\x02 \x01(\t\x12\x10\n\x08\x65mail_id\x18\x03 \x01(\t\x12-\n\tplaced_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"#\n\x0fGetOrderRequest\x12\x10\n\x08order_id\x18\x01 \x01(\t\"Q\n\x10GetOrderResponse\x12.\n\x05order\x18\x01 \x01(\x0b\x32\x1f.checkout.v1.PlaceOrderResponse\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x32\xb7\x02\n\x0cOrderService\x12\xdd\x01\n\nPlaceOrder\x12\x1e.checkout.v1.PlaceOrderRequest\x1a\x1f.checkout.v1.PlaceOrderResponse\"\x8d\x01\x92\xa8\x19\x88\x01\x08\x01\x12\x04\x08\x80\xa3\x05\x1a\x02\x08\x05\"\x02\x08\x03\x42\x33\n\x0e\x63harge-card.v1\x12!checkout.v1.PaymentService/ChargeBA\n\x14send-confirmation.v1\x12)checkout.v1.NotificationService/SendEmail\x12G\n\x08GetOrder\x12\x1c.checkout.v1.GetOrderRequest\x1a\x1d.checkout.v1.GetOrderResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63heckout/v1/orders.proto\x12\x0b\x63heckout.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!grpc_idempotency/v1/options.proto\"\xa5\x01\n\x11PlaceOrderRequest\x12\x10\n\x08order_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61mount_cents\x18\x02 \x01(\x03\x12\x10\n\x08\x63urrency\x18\x03 \x01(\t\x12\x12\n\ncard_token\x18\x04 \x01(\t\x12\r\n\x05\x65mail\x18\x05 \x01(\t\x12\x33\n\x07sent_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x06\x92\xa8\x19\x02\x08\x02\"z\n\x12PlaceOrderResponse\x12\x10\n\x08order_id\x18\x01 \x01(\t\x12\x11\n\tcharge_id\x18\x02 \x01(\t\x12\x10\n\x08\x65mail_id\x18\x03 \x01(\t\x12-\n\tplaced_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"#\n\x0fGetOrderRequest\x12\x10\n\x08order_id\x18\x01 \x01(\t\"Q\n\x10GetOrderResponse\x12.\n\x05order\x18\x01 \x01(\x0b\x32\x1f.checkout.v1.PlaceOrderResponse\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x32\xd3\x02\n\x0cOrderService\x12\xf9\x01\n\nPlaceOrder\x12\x1e.checkout.v1.PlaceOrderRequest\x1a\x1f.checkout.v1.PlaceOrderResponse\"\xa9\x01\x92\xa8\x19\xa4\x01\x08\x01\x12\x04\x08\x80\xa3\x05\x1a\x02\x08\x05\"\x02\x08\x03\x42\x33\n\x0e\x63harge-card.v1\x12!checkout.v1.PaymentService/ChargeBA\n\x14send-confirmation.v1\x12)checkout.v1.NotificationService/SendEmailB\x1a\n\x16order-created-event.v1\x18\x01\x12G\n\x08GetOrder\x12\x1c.checkout.v1.GetOrderRequest\x1a\x1d.checkout.v1.GetOrderResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,7 +36,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLACEORDERREQUEST'].fields_by_name['sent_at']._loaded_options = None
   _globals['_PLACEORDERREQUEST'].fields_by_name['sent_at']._serialized_options = b'\222\250\031\002\010\002'
   _globals['_ORDERSERVICE'].methods_by_name['PlaceOrder']._loaded_options = None
-  _globals['_ORDERSERVICE'].methods_by_name['PlaceOrder']._serialized_options = b'\222\250\031\210\001\010\001\022\004\010\200\243\005\032\002\010\005\"\002\010\003B3\n\016charge-card.v1\022!checkout.v1.PaymentService/ChargeBA\n\024send-confirmation.v1\022)checkout.v1.NotificationService/SendEmail'
+  _globals['_ORDERSERVICE'].methods_by_name['PlaceOrder']._serialized_options = b'\222\250\031\244\001\010\001\022\004\010\200\243\005\032\002\010\005\"\002\010\003B3\n\016charge-card.v1\022!checkout.v1.PaymentService/ChargeBA\n\024send-confirmation.v1\022)checkout.v1.NotificationService/SendEmailB\032\n\026order-created-event.v1\030\001'
   _globals['_PLACEORDERREQUEST']._serialized_start=110
   _globals['_PLACEORDERREQUEST']._serialized_end=275
   _globals['_PLACEORDERRESPONSE']._serialized_start=277
@@ -46,5 +46,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETORDERRESPONSE']._serialized_start=438
   _globals['_GETORDERRESPONSE']._serialized_end=519
   _globals['_ORDERSERVICE']._serialized_start=522
-  _globals['_ORDERSERVICE']._serialized_end=833
+  _globals['_ORDERSERVICE']._serialized_end=861
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,8 @@ class OrderServiceServicer:
     def PlaceOrder(self, request, context):
         """Places an order. Its steps call other services, so it runs in phased mode: the claim
         commits first with a lease, the downstream calls carry child keys derived from the steps
-        below, and the order and the response commit in a final transaction.
+        below, and the order, its OrderCreated event (outbox) and the response commit in a final
+        transaction.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,123 @@
+"""Idempotent consumer decisions: which message ids are acceptable, how long a duplicate waits,
+and what marking a message id means.
+
+Theory of operation (the driver is ``grpc_idempotency.consumer``):
+
+- A consumer marks a message id in ``processed_messages`` **in the same transaction** as its
+  effect, commits, and only then acknowledges. So either both the mark and the effect committed
+  (every later delivery is a duplicate: acknowledged, no effect), or neither did (the message is
+  not acknowledged, and a redelivery runs the effect).
+- The mark is one statement, ``INSERT ... ON CONFLICT``, that returns whether this transaction
+  now owns the id. A concurrent duplicate (another replica, or a second delivery racing the
+  first) blocks on the uncommitted row: when the first commits it sees a duplicate, when the first
+  rolls back it owns the id and runs the effect itself. That wait is bounded (``max_wait`` and the
+  caller's own timeout); past it the duplicate gives up with ``MessageInProgress``, without effect
+  and without acknowledging, and the message comes back later.
+- A mark expires ``retention`` after it was made (database clock). An expired mark is treated as
+  absent, exactly like an idempotency key past retention: a redelivery after that runs the effect
+  again, and takes the expired row over in the same statement. Whether expired marks have been
+  purged yet changes nothing. Choose a retention longer than any redelivery can arrive (the
+  relay's retries, a dead letter retried by hand).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from grpc_idempotency.core.errors import KeyInProgress, KeyInvalid, KeyMissing
+from grpc_idempotency.core.keys import KEY_HEADER, key_from_metadata
+
+MAX_MESSAGE_ID_LENGTH = 1024
+MAX_CONSUMER_NAME_LENGTH = 255
+_CONSUMER_NAME = re.compile(r"[\x21-\x7e]+")
+# A lock_timeout of 0 means "wait forever" to PostgreSQL: never send less than a millisecond.
+_MIN_WAIT_MS = 1
+
+
+class MessageInProgress(KeyInProgress):
+    """Another delivery of the same message is being processed and did not finish within the
+    wait: nothing ran, nothing is marked. Do not acknowledge; the message comes back later (over
+    gRPC: ``ABORTED``, reason ``IDEMPOTENCY_KEY_IN_PROGRESS``, with a retry delay)."""
+
+
+class Consumed(enum.Enum):
+    PROCESSED = "processed"
+    """The effect ran and committed with the mark, in this call."""
+    DUPLICATE = "duplicate"
+    """The id was already marked: the effect did not run. Acknowledge the message."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConsumerPolicy:
+    retention: timedelta = timedelta(days=7)
+    """How long a processed message id is remembered (from when it was processed)."""
+    max_wait: timedelta = timedelta(seconds=5)
+    """How long a duplicate waits for a concurrent delivery of the same id to finish."""
+
+    def __post_init__(self) -> None:
+        if self.retention <= timedelta(0):
+            raise ValueError("retention must be positive")
+        if self.max_wait < timedelta(0):
+            raise ValueError("max_wait must not be negative")
+
+    @property
+    def retention_s(self) -> float:
+        return self.retention.total_seconds()
+
+    def wait_s(self, timeout: float | None) -> float:
+        """How long a duplicate may wait: ``max_wait``, never past the caller's ``timeout``."""
+        bound = self.max_wait.total_seconds()
+        return bound if timeout is None else max(0.0, min(bound, timeout))
+
+
+def validate_consumer_name(name: str) -> str:
+    if not name or len(name) > MAX_CONSUMER_NAME_LENGTH or not _CONSUMER_NAME.fullmatch(name):
+        raise ValueError(
+            f"consumer name {name!r} must be 1-{MAX_CONSUMER_NAME_LENGTH} visible ASCII characters"
+        )
+    return name
+
+
+def validate_message_id(message_id: str) -> str:
+    """A message id is any text PostgreSQL can hold, 1..1024 characters; ``KeyInvalid`` else."""
+    if not isinstance(message_id, str) or not message_id:
+        raise KeyInvalid("message id is empty")
+    if len(message_id) > MAX_MESSAGE_ID_LENGTH:
+        raise KeyInvalid(f"message id is longer than {MAX_MESSAGE_ID_LENGTH} characters")
+    if "\x00" in message_id:
+        raise KeyInvalid("message id contains NUL")
+    return message_id
+
+
+def lock_timeout(wait_s: float) -> str:
+    """The ``lock_timeout`` setting that bounds the wait on a concurrent delivery's row."""
+    return f"{max(_MIN_WAIT_MS, round(wait_s * 1000))}ms"
+
+
+def consumed(rows_marked: int) -> Consumed:
+    """What the mark statement's row count means: 1, this transaction owns the id (a new id, or
+    an expired mark taken over); 0, the id is marked and live: a duplicate."""
+    return Consumed.PROCESSED if rows_marked else Consumed.DUPLICATE
+
+
+def in_progress(message_id: str, waited_s: float) -> MessageInProgress:
+    # A hint, not a promise: the other delivery has been running for at least the wait.
+    retry_ms = min(1000, max(50, round(waited_s * 500)))
+    return MessageInProgress(
+        f"message {message_id!r} is being processed by another delivery"
+        f" (waited {waited_s:.3g} s); not acknowledged",
+        retry_after_ms=retry_ms,
+    )
+
+
+def message_id_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The message id a gRPC delivery carries: its ``idempotency-key`` (the outbox relay sets it
+    to the row's key). ``KeyMissing`` without one; ``KeyInvalid`` when malformed."""
+    key = key_from_metadata(metadata)
+    if key is None:
+        raise KeyMissing(f"the delivery carries no {KEY_HEADER!r} to deduplicate it by")
+    return key

@@ -1,0 +1,514 @@
+"""The outbox relay: delivers what keyed handlers enqueued, at least once, through sinks.
+
+A handler enqueues a message with ``current_call().enqueue(step, message)`` in the transaction of
+its business change; the message's key is the outbox step's child key, the same on every
+delivery, so receivers dedupe on it. The relay:
+
+- **claims** a batch of due pending rows (``FOR UPDATE SKIP LOCKED``) and gives them a lease, in a
+  short transaction that commits before any delivery; several relays side by side never hold one
+  row at the same time;
+- **delivers** the batch concurrently through a ``Sink`` (``GrpcSink`` calls a unary method with
+  the payload as the request and the key as ``idempotency-key``; ``CallableSink`` awaits a
+  function), each delivery bounded by ``delivery_timeout`` (shorter than the lease);
+- **marks** the delivered rows ``sent``; a failed delivery is retried after
+  ``DeliveryPolicy.after_failure`` (exponential backoff with jitter) and, after
+  ``policy.max_attempts`` or at once on ``PermanentDeliveryError``, parked as ``dead`` with its
+  last error (``grpc-idempotency outbox dead|retry|purge-dead``);
+- a relay that dies between delivering and marking leaves the row claimed: it is due again when
+  the lease expires, and delivered again;
+- **wakes** on ``LISTEN <schema>_outbox`` (the outbox's insert trigger notifies it) on a
+  connection of its own, reconnecting when it drops, and also polls every ``poll_interval``
+  seconds (or sooner, when a retry falls due);
+- **purges** rows sent more than ``sent_retention`` seconds ago, in bounded batches.
+
+    relay = Relay(store, GrpcSink(channel, "/billing.v1.Ledger/Record"))
+    stop = asyncio.Event()
+    await relay.run(stop)           # until stop is set; or relay.run_once() for one batch
+
+Or from the command line: ``grpc-idempotency relay --dsn DSN --grpc-target HOST:PORT --method
+/pkg.Svc/Method``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import secrets
+import socket
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import asyncpg
+import grpc
+from opentelemetry import metrics
+
+from grpc_idempotency import failpoints
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import IdempotencyError, StoreUnavailable
+from grpc_idempotency.core.keys import KEY_HEADER
+from grpc_idempotency.core.outbox import DeliveryPolicy
+from grpc_idempotency.store.outbox_store import (
+    DeadLetter,
+    Failure,
+    OutboxMessage,
+    OutboxStore,
+    StateCount,
+)
+from grpc_idempotency.store.postgres import PooledConnection, Store
+
+__all__ = [
+    "DEFAULT_PERMANENT_CODES",
+    "CallableSink",
+    "DeadLetter",
+    "DeliveryError",
+    "DeliveryPolicy",
+    "GrpcSink",
+    "OutboxMessage",
+    "OutboxStore",
+    "PermanentDeliveryError",
+    "Relay",
+    "RelayStats",
+    "Sink",
+    "StateCount",
+    "forward_scope",
+]
+
+log = logging.getLogger("grpc_idempotency.outbox")
+
+
+class DeliveryError(IdempotencyError):
+    """A delivery failed; it is retried with backoff (any other exception from a sink is too).
+    Its message becomes the row's ``last_error`` as it is."""
+
+    status_code = Code.UNAVAILABLE
+    reason = "IDEMPOTENCY_DELIVERY_FAILED"
+
+
+class PermanentDeliveryError(DeliveryError):
+    """Raised by a sink when retrying cannot help: the row is parked as a dead letter at once."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_DELIVERY_REJECTED"
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where messages go. ``deliver`` returns once the receiver has accepted the message; it is
+    called concurrently for the messages of a batch, and again for a message whose earlier
+    delivery failed or whose relay died before marking it: receivers dedupe on
+    ``message.key``. Raising is a failed delivery (retried); ``PermanentDeliveryError`` parks
+    the message as a dead letter."""
+
+    async def deliver(self, message: OutboxMessage) -> None: ...
+
+
+class CallableSink:
+    """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder."""
+
+    def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object]]) -> None:
+        self._fn = fn
+
+    async def deliver(self, message: OutboxMessage) -> None:
+        await self._fn(message)
+
+
+MetadataFor = Callable[[OutboxMessage], Iterable[tuple[str, str | bytes]]]
+
+# A receiver behind IdempotencyInterceptor records these for the key and replays them to every
+# retry, so retrying with the same key cannot change the answer; UNIMPLEMENTED: no such method.
+DEFAULT_PERMANENT_CODES: frozenset[grpc.StatusCode] = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+class GrpcSink:
+    """Calls the unary ``method`` (``/package.Service/Method``) on ``channel`` with the message's
+    payload bytes as the request, unchanged (the method's request type should be the payload's
+    ``payload_type``), and the message's key as ``idempotency-key`` metadata, so a receiver behind
+    ``IdempotencyInterceptor`` runs each message once however often it is delivered.
+
+    ``metadata_for(message)`` adds metadata per message (``forward_scope`` passes the enqueuing
+    call's tenant on). A status in ``permanent_codes`` dead-letters the message at once; any
+    other error, including a deadline of ``timeout`` seconds, is retried.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        method: str,
+        *,
+        metadata_for: MetadataFor | None = None,
+        timeout: float | None = 10.0,
+        permanent_codes: Collection[grpc.StatusCode] = DEFAULT_PERMANENT_CODES,
+    ) -> None:
+        parts = method.split("/")
+        if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
+            raise ValueError(f"method must look like /package.Service/Method, not {method!r}")
+        self.method = method
+        self.metadata_for = metadata_for
+        self.timeout = timeout
+        self.permanent_codes = frozenset(permanent_codes)
+        # No serializers: the request is the payload's bytes, the response is left as bytes.
+        self._call: Any = channel.unary_unary(
+            method, request_serializer=None, response_deserializer=None
+        )
+
+    async def deliver(self, message: OutboxMessage) -> None:
+        metadata: list[tuple[str, str | bytes]] = [(KEY_HEADER, message.key)]
+        if self.metadata_for is not None:
+            metadata.extend(self.metadata_for(message))
+        try:
+            await self._call(message.payload, metadata=tuple(metadata), timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            text = f"{self.method}: {code.name}: {err.details() or ''}"
+            if code in self.permanent_codes:
+                raise PermanentDeliveryError(text) from err
+            raise DeliveryError(text) from err
+
+
+def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> MetadataFor:
+    """``metadata_for`` passing the enqueuing call's scope on as ``header``, without ``prefix``:
+    the counterpart of ``MetadataScope(header, prefix=prefix)`` on the receiving side. A message
+    whose scope lacks the prefix cannot be delivered with it (``PermanentDeliveryError``)."""
+
+    def metadata_for(message: OutboxMessage) -> list[tuple[str, str | bytes]]:
+        if not message.scope.startswith(prefix) or len(message.scope) == len(prefix):
+            raise PermanentDeliveryError(
+                f"scope {message.scope!r} does not start with {prefix!r}: no {header} to send"
+            )
+        return [(header, message.scope[len(prefix) :])]
+
+    return metadata_for
+
+
+@dataclass(slots=True)
+class RelayStats:
+    """Counts since the relay was made."""
+
+    batches: int = 0
+    claimed: int = 0
+    delivered: int = 0
+    """Deliveries that succeeded and were marked sent."""
+    retried: int = 0
+    """Failed deliveries rescheduled."""
+    dead: int = 0
+    """Rows parked as dead letters."""
+    unrecorded: int = 0
+    """Outcomes not recorded: the claim was taken over meanwhile, or marking failed; such rows
+    are delivered again when their lease expires."""
+    purged: int = 0
+    """Sent rows deleted after retention."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    claimed: int = 0
+    delivered: int = 0
+    retried: int = 0
+    dead: int = 0
+
+
+_SENT = "sent"
+_UNRECORDED = "unrecorded"
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: str
+    permanent: bool
+
+
+class Relay:
+    """Delivers the outbox of ``store`` through ``sink``.
+
+    - ``batch_size``: rows claimed at once, and delivered concurrently;
+    - ``lease``: seconds a claim lasts; a relay that dies mid-batch leaves its rows to others for
+      that long. ``delivery_timeout`` (default half the lease) bounds each delivery, so a batch is
+      marked well within its lease;
+    - ``poll_interval``: the longest the relay sleeps without a notification;
+    - ``sent_retention``: sent rows older than this many seconds are purged (every
+      ``purge_interval``); ``None`` keeps them;
+    - ``name``: recorded as ``claimed_by``; unique per relay (default: host, pid, random).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        sink: Sink,
+        *,
+        policy: DeliveryPolicy = DeliveryPolicy(),  # noqa: B008  (frozen, immutable)
+        batch_size: int = 100,
+        lease: float = 30.0,
+        poll_interval: float = 5.0,
+        sent_retention: float | None = 86400.0,
+        purge_interval: float = 60.0,
+        delivery_timeout: float | None = None,
+        name: str | None = None,
+        rng: random.Random | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if lease <= 0 or poll_interval <= 0 or purge_interval <= 0:
+            raise ValueError("lease, poll_interval and purge_interval must be positive")
+        if sent_retention is not None and sent_retention < 0:
+            raise ValueError("sent_retention must not be negative")
+        if delivery_timeout is None:
+            delivery_timeout = lease / 2
+        if not 0 < delivery_timeout < lease:
+            raise ValueError("delivery_timeout must be positive and shorter than the lease")
+        self.store = store
+        self.sink = sink
+        self.policy = policy
+        self.batch_size = batch_size
+        self.lease = lease
+        self.poll_interval = poll_interval
+        self.sent_retention = sent_retention
+        self.purge_interval = purge_interval
+        self.delivery_timeout = delivery_timeout
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.outbox = OutboxStore(store)
+        self.stats = RelayStats()
+        self.listening = asyncio.Event()
+        """Set while the relay holds its LISTEN connection (``run`` only)."""
+        self._random = rng or random.Random()
+        self._wake = asyncio.Event()
+        self._running = False
+        meter = metrics.get_meter("grpc_idempotency", meter_provider=meter_provider)
+        self._deliveries = meter.create_counter(
+            "grpc_idempotency.outbox.deliveries",
+            unit="{message}",
+            description="Outbox deliveries by outcome: sent, retry, dead",
+        )
+
+    # -- one batch -------------------------------------------------------------------------
+
+    async def run_once(self) -> int:
+        """Claims one batch of due rows, delivers it and records the outcomes; returns how many
+        were delivered. Raises ``StoreUnavailable`` if the database fails (rows already claimed
+        are delivered again once their lease expires)."""
+        return (await self._batch()).delivered
+
+    async def drain(self) -> int:
+        """Runs batches until one is not full (nothing more is due); returns how many rows were
+        delivered. Rows that failed wait for their retry and are not counted."""
+        total = 0
+        while True:
+            batch = await self._batch()
+            total += batch.delivered
+            if batch.claimed < self.batch_size:
+                return total
+
+    async def _batch(self) -> _Batch:
+        messages = await self.outbox.claim(
+            relay=self.name, limit=self.batch_size, lease_s=self.lease
+        )
+        self.stats.batches += 1
+        if not messages:
+            return _Batch()
+        self.stats.claimed += len(messages)
+        outcomes = await asyncio.gather(*(self._deliver(m) for m in messages))
+        sent: list[tuple[int, int]] = []
+        failures: list[Failure] = []
+        for message, outcome in zip(messages, outcomes, strict=True):
+            if outcome == _SENT:
+                sent.append((message.id, message.attempts))
+            elif isinstance(outcome, _Failed):
+                delay = (
+                    None
+                    if outcome.permanent
+                    else self.policy.after_failure(message.attempts, self._random.random())
+                )
+                failures.append(
+                    Failure(
+                        id=message.id,
+                        attempts=message.attempts,
+                        delay_s=delay,
+                        error=outcome.error,
+                    )
+                )
+                if delay is None:
+                    log.warning(
+                        "outbox row %d (%s, key %s) is a dead letter after %d attempt(s): %s",
+                        message.id,
+                        message.step,
+                        message.key,
+                        message.attempts,
+                        outcome.error,
+                    )
+                else:
+                    log.info(
+                        "outbox row %d: delivery %d failed, retrying in %.1fs: %s",
+                        message.id,
+                        message.attempts,
+                        delay,
+                        outcome.error,
+                    )
+        # An outcome that cannot be recorded (the database fails here) leaves the rows claimed:
+        # they are delivered again when the lease expires.
+        try:
+            delivered = await self.outbox.mark_sent(relay=self.name, claims=sent)
+            retried, dead = await self.outbox.mark_failed(relay=self.name, failures=failures)
+        except StoreUnavailable:
+            self.stats.unrecorded += len(sent) + len(failures)
+            raise
+        self.stats.unrecorded += len(messages) - delivered - retried - dead
+        self.stats.delivered += delivered
+        self.stats.retried += retried
+        self.stats.dead += dead
+        for outcome_name, count in (("sent", delivered), ("retry", retried), ("dead", dead)):
+            if count:
+                self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome_name})
+        return _Batch(claimed=len(messages), delivered=delivered, retried=retried, dead=dead)
+
+    async def _deliver(self, message: OutboxMessage) -> str | _Failed:
+        try:
+            async with asyncio.timeout(self.delivery_timeout):
+                await self.sink.deliver(message)
+        except PermanentDeliveryError as err:
+            return _Failed(str(err), permanent=True)
+        except TimeoutError:
+            return _Failed(f"delivery timed out after {self.delivery_timeout:g}s", permanent=False)
+        except Exception as err:
+            text = str(err) if isinstance(err, DeliveryError) else f"{type(err).__name__}: {err}"
+            return _Failed(text, permanent=False)
+        if failpoints.ENABLED:
+            try:
+                await failpoints.hit("relay_after_delivery")
+            except failpoints.FailpointError:
+                return _UNRECORDED  # as if marking failed: redelivered after the lease
+        return _SENT
+
+    # -- running -----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
+        ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
+        and are delivered again after the lease. Database outages are logged and waited out."""
+        if self._running:
+            raise RuntimeError("this relay is already running")
+        self._running = True
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        helpers = [
+            asyncio.create_task(self._listen(), name=f"relay-listen {self.name}"),
+            asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}"),
+        ]
+        next_purge = loop.time()
+        outage = 0
+        try:
+            while not stop.is_set():
+                # Cleared before claiming: a notification that arrives during the batch wakes
+                # the next wait at once.
+                self._wake.clear()
+                try:
+                    batch = await self._batch()
+                    wait = 0.0 if batch.claimed >= self.batch_size else await self._idle_wait(batch)
+                    outage = 0
+                except StoreUnavailable as err:
+                    outage += 1
+                    wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
+                    log.warning("relay %s: %s; trying again in %.1fs", self.name, err, wait)
+                if self.sent_retention is not None and loop.time() >= next_purge:
+                    next_purge = loop.time() + self.purge_interval
+                    await self._purge(self.sent_retention)
+                if wait > 0 and not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
+        finally:
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            self._running = False
+
+    async def _idle_wait(self, batch: _Batch) -> float:
+        """How long to sleep after a batch that was not full: until the next row falls due (a
+        retry), at most ``poll_interval``; notifications cut it short."""
+        due = await self.outbox.next_due_in()
+        if due is None:
+            return self.poll_interval
+        if due > 0:
+            return min(due, self.poll_interval)
+        # Due rows that this claim did not get: new ones (go again), or rows another relay was
+        # claiming at that instant (its claim commits within milliseconds: do not spin).
+        return 0.0 if batch.claimed else 0.05
+
+    async def _wake_on(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._wake.set()
+
+    async def _purge(self, retention: float) -> None:
+        try:
+            purged = await self.outbox.purge_sent(
+                older_than_s=retention, batch_size=1000, max_batches=10
+            )
+        except StoreUnavailable as err:
+            log.warning("relay %s: purging sent rows failed: %s", self.name, err)
+            return
+        self.stats.purged += purged
+        if purged:
+            log.info("relay %s: purged %d sent rows", self.name, purged)
+
+    # -- wake-ups ----------------------------------------------------------------------------
+
+    def _notified(self, *_args: object) -> None:
+        self._wake.set()
+
+    async def _listen(self) -> None:
+        """Holds a pooled connection with ``LISTEN <schema>_outbox`` for as long as the relay
+        runs, and replaces it when it drops (checked every ``poll_interval``). After each
+        (re)connection the relay looks for due rows once: a notification sent while nobody
+        listened is lost, and polling would otherwise find its row only later."""
+        pause = 0.0
+        while True:
+            if pause:
+                await asyncio.sleep(pause)
+            conn: PooledConnection | None = None
+            lost = asyncio.Event()
+
+            def on_lost(*_args: object, lost: asyncio.Event = lost) -> None:
+                lost.set()
+
+            try:
+                conn = await self.store.pool.acquire()
+                conn.add_termination_listener(on_lost)
+                await conn.add_listener(self.outbox.channel, self._notified)
+                self.listening.set()
+                self._wake.set()
+                pause = 0.05
+                while not lost.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(lost.wait(), self.poll_interval)
+                    if not lost.is_set():
+                        # A link that died silently (no FIN) shows up only when used.
+                        await conn.execute("SELECT 1", timeout=self.poll_interval)
+                log.warning("relay %s: LISTEN connection lost; reconnecting", self.name)
+            except Exception as err:  # database errors, and anything else: listen again
+                log.warning("relay %s: LISTEN connection failed (%r); reconnecting", self.name, err)
+                pause = min(max(pause * 2, 0.1), self.poll_interval)
+            finally:
+                self.listening.clear()
+                if conn is not None:
+                    await self._drop(conn, on_lost)
+
+    async def _drop(self, conn: PooledConnection, on_lost: Callable[..., None]) -> None:
+        # Never handed back with LISTEN on it (the pool's reset is a no-op): closed, and the pool
+        # opens a fresh connection when it needs one. A connection that was lost has already
+        # gone back to the pool (asyncpg detaches the proxy): then there is nothing to do.
+        with contextlib.suppress(asyncpg.InterfaceError):
+            conn.remove_termination_listener(on_lost)
+            conn.terminate()
+        with contextlib.suppress(asyncpg.InterfaceError):
+            await self.store.pool.release(conn)

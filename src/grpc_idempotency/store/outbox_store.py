@@ -1,0 +1,315 @@
+"""The relay's side of the transactional outbox: claim due rows, mark them, park and revive dead
+letters, purge. The only place that talks to PostgreSQL about outbox delivery.
+
+Claims are short transactions of their own: ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)``
+takes a batch of due pending rows and gives them a lease (``locked_until``, and ``next_attempt_at``
+moved to the same instant, so a claimed row is simply not due until its lease runs out), commits,
+and only then are the messages delivered. No transaction stays open across deliveries. A relay that
+dies after delivering and before marking leaves its rows claimed; they become due again when the
+lease expires, and are delivered again (at least once; receivers dedupe on the key).
+
+Every claim increments ``attempts`` and records the relay as ``claimed_by``; marking a row
+(``sent``, rescheduled, ``dead``) requires both to be unchanged, so a relay that stalled past its
+lease and was overtaken by another cannot overwrite the newer claim's outcome.
+
+The database's clock (``clock_timestamp()``) decides every time: due, lease, retention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from grpc_idempotency.store.postgres import Store
+from grpc_idempotency.store.sql import schema_identifier
+
+_SELECT_MESSAGE = (
+    "o.id, o.scope, o.key, o.step, o.method, o.payload_type, o.payload, o.attempts, o.created_at"
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OutboxMessage:
+    """One claimed outbox row, as a sink receives it."""
+
+    id: int
+    scope: str
+    """The scope of the keyed call that enqueued it."""
+    key: str
+    """The outbox step's child key: the same on every delivery; receivers dedupe on it."""
+    step: str
+    """The declared outbox step, e.g. ``order-created-event.v1``."""
+    method: str
+    """The gRPC method whose handler enqueued it."""
+    payload_type: str
+    """The protobuf full name of the payload, e.g. ``checkout.v1.OrderCreated``."""
+    payload: bytes
+    """The serialized message (deterministic serialization)."""
+    attempts: int
+    """Deliveries of this row begun so far, this one included: 1 on the first delivery."""
+    created_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failure:
+    """A failed delivery to record: rescheduled ``delay_s`` from now, or dead when ``None``."""
+
+    id: int
+    attempts: int
+    delay_s: float | None
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeadLetter:
+    id: int
+    scope: str
+    key: str
+    step: str
+    method: str
+    payload_type: str
+    attempts: int
+    last_error: str | None
+    created_at: datetime
+    dead_since: datetime
+    claimed_by: str | None
+
+
+class OutboxStatements:
+    """The relay's statements for one schema, formatted once."""
+
+    def __init__(self, schema: str) -> None:
+        s = schema_identifier(schema)
+        self.channel = f"{schema}_outbox"
+        """The LISTEN channel; the outbox's insert trigger notifies it (migration 0006)."""
+        self.table_exists = "SELECT to_regclass($1) IS NOT NULL"
+        self.table_name = f"{s}.outbox"
+        # $1 batch size, $2 lease in seconds, $3 relay name. The row's next_attempt_at moves to
+        # the end of the lease: the claimed row leaves the "due" range of the outbox_due index,
+        # other relays skip it without looking at locked_until, and if this relay dies the row
+        # is due again exactly when the lease ends. In READ COMMITTED, FOR UPDATE re-checks the
+        # WHERE clause against the newest version of a row that another relay claimed (and
+        # committed) meanwhile, so a row is never claimed twice within one lease.
+        self.claim = f"""
+            WITH lease AS (SELECT clock_timestamp() + make_interval(secs => $2) AS until),
+            due AS (
+                SELECT id FROM {s}.outbox
+                WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()
+                ORDER BY next_attempt_at, id
+                LIMIT $1
+                FOR UPDATE SKIP LOCKED)
+            UPDATE {s}.outbox o
+            SET attempts = o.attempts + 1, claimed_by = $3,
+                locked_until = lease.until, next_attempt_at = lease.until
+            FROM due, lease
+            WHERE o.id = due.id
+            RETURNING {_SELECT_MESSAGE}"""
+        # $1 ids, $2 attempts (the claim's), $3 relay name.
+        self.mark_sent = f"""
+            UPDATE {s}.outbox o
+            SET state = 'sent', sent_at = clock_timestamp(), locked_until = NULL
+            FROM unnest($1::bigint[], $2::integer[]) AS d(id, attempts)
+            WHERE o.id = d.id AND o.attempts = d.attempts AND o.claimed_by = $3
+              AND o.state = 'pending'"""
+        # $1 ids, $2 attempts, $3 delays (NULL: dead), $4 errors, $5 relay name. A dead row's
+        # next_attempt_at records when it was parked (purge-dead --older-than counts from it).
+        self.mark_failed = f"""
+            UPDATE {s}.outbox o
+            SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
+                next_attempt_at = clock_timestamp()
+                    + make_interval(secs => COALESCE(f.delay_s, 0)),
+                locked_until = NULL,
+                last_error = f.error
+            FROM unnest($1::bigint[], $2::integer[], $3::float8[], $4::text[])
+                AS f(id, attempts, delay_s, error)
+            WHERE o.id = f.id AND o.attempts = f.attempts AND o.claimed_by = $5
+              AND o.state = 'pending'
+            RETURNING o.state"""
+        # Seconds until the earliest pending row is due (negative: overdue); NULL: none pending.
+        self.next_due_in = f"""
+            SELECT EXTRACT(EPOCH FROM min(next_attempt_at) - clock_timestamp())::float8
+            FROM {s}.outbox WHERE state = 'pending'"""
+        # $1 age in seconds, $2 batch size; bounded batches that skip locked rows (like purge).
+        self.purge_sent = f"""
+            WITH doomed AS (
+                SELECT id FROM {s}.outbox
+                WHERE state = 'sent' AND sent_at <= clock_timestamp() - make_interval(secs => $1)
+                LIMIT $2 FOR UPDATE SKIP LOCKED)
+            DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
+        self.purge_dead = f"""
+            WITH doomed AS (
+                SELECT id FROM {s}.outbox
+                WHERE state = 'dead'
+                  AND next_attempt_at <= clock_timestamp() - make_interval(secs => $1)
+                LIMIT $2 FOR UPDATE SKIP LOCKED)
+            DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
+        self.dead_letters = f"""
+            SELECT id, scope, key, step, method, payload_type, attempts, last_error, created_at,
+                   next_attempt_at AS dead_since, claimed_by
+            FROM {s}.outbox WHERE state = 'dead' ORDER BY id LIMIT $1"""
+        # $1 ids, or NULL for every dead row. Back to pending, due now, attempts from zero;
+        # last_error stays as a record of why it died.
+        self.retry_dead = f"""
+            UPDATE {s}.outbox
+            SET state = 'pending', attempts = 0, next_attempt_at = clock_timestamp(),
+                locked_until = NULL, claimed_by = NULL
+            WHERE state = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))"""
+        self.notify = "SELECT pg_notify($1, '')"
+        self.counts = f"""
+            SELECT state, count(*) AS n,
+                   count(*) FILTER (WHERE state = 'pending'
+                                    AND next_attempt_at <= clock_timestamp()) AS due,
+                   count(*) FILTER (WHERE state = 'pending'
+                                    AND locked_until > clock_timestamp()) AS claimed,
+                   EXTRACT(EPOCH FROM clock_timestamp() - min(created_at))::float8 AS oldest_s
+            FROM {s}.outbox GROUP BY state"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateCount:
+    rows: int
+    due: int
+    """Pending rows due now (not claimed, not waiting for a retry)."""
+    claimed: int
+    """Pending rows under a relay's lease (being delivered, or left by a relay that died)."""
+    oldest_s: float | None
+    """Age of the oldest row in this state, in seconds."""
+
+
+class OutboxStore:
+    """Outbox delivery operations on a ``Store``'s pool and schema. Database errors become
+    ``StoreUnavailable``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.statements = OutboxStatements(store.schema)
+
+    @property
+    def channel(self) -> str:
+        return self.statements.channel
+
+    async def exists(self) -> bool:
+        """Whether the outbox table is there (the schema is migrated)."""
+        async with self.store.connection("looking for the outbox") as conn:
+            found: bool = await conn.fetchval(
+                self.statements.table_exists, self.statements.table_name
+            )
+        return found
+
+    async def claim(self, *, relay: str, limit: int, lease_s: float) -> list[OutboxMessage]:
+        """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once)."""
+        async with self.store.connection("claiming outbox rows") as conn:
+            rows = await conn.fetch(self.statements.claim, limit, lease_s, relay)
+        messages = [
+            OutboxMessage(
+                id=r["id"],
+                scope=r["scope"],
+                key=r["key"],
+                step=r["step"],
+                method=r["method"],
+                payload_type=r["payload_type"],
+                payload=bytes(r["payload"]),
+                attempts=r["attempts"],
+                created_at=r["created_at"],
+            )
+            for r in rows
+        ]
+        messages.sort(key=lambda m: m.id)
+        return messages
+
+    async def mark_sent(self, *, relay: str, claims: Sequence[tuple[int, int]]) -> int:
+        """Marks delivered rows (``(id, attempts)`` of their claims) sent; returns how many were
+        still this relay's claim (the others were taken over after their lease expired)."""
+        if not claims:
+            return 0
+        async with self.store.connection("marking outbox rows sent") as conn:
+            status = await conn.execute(
+                self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
+            )
+        return int(status.split()[-1])
+
+    async def mark_failed(self, *, relay: str, failures: Sequence[Failure]) -> tuple[int, int]:
+        """Reschedules failed rows, or parks them as dead letters; returns (rescheduled, dead)
+        among the rows still claimed by this relay."""
+        if not failures:
+            return 0, 0
+        async with self.store.connection("recording failed deliveries") as conn:
+            rows = await conn.fetch(
+                self.statements.mark_failed,
+                [f.id for f in failures],
+                [f.attempts for f in failures],
+                [f.delay_s for f in failures],
+                [_text(f.error) for f in failures],
+                relay,
+            )
+        dead = sum(1 for r in rows if r["state"] == "dead")
+        return len(rows) - dead, dead
+
+    async def next_due_in(self) -> float | None:
+        """Seconds until the earliest pending row is due (<= 0: due now), ``None``: none."""
+        async with self.store.connection("looking for due outbox rows") as conn:
+            value: float | None = await conn.fetchval(self.statements.next_due_in)
+        return value
+
+    async def purge_sent(
+        self, *, older_than_s: float, batch_size: int = 1000, max_batches: int | None = None
+    ) -> int:
+        """Deletes rows sent more than ``older_than_s`` seconds ago, in bounded batches."""
+        return await self._purge(self.statements.purge_sent, older_than_s, batch_size, max_batches)
+
+    async def purge_dead(
+        self, *, older_than_s: float = 0.0, batch_size: int = 1000, max_batches: int | None = None
+    ) -> int:
+        """Deletes dead letters parked more than ``older_than_s`` seconds ago."""
+        return await self._purge(self.statements.purge_dead, older_than_s, batch_size, max_batches)
+
+    async def _purge(
+        self, sql: str, older_than_s: float, batch_size: int, max_batches: int | None
+    ) -> int:
+        if batch_size <= 0 or older_than_s < 0:
+            raise ValueError("batch_size must be positive and older_than_s not negative")
+        total = batches = 0
+        while max_batches is None or batches < max_batches:
+            async with self.store.connection("purging outbox rows") as conn:
+                status = await conn.execute(sql, float(older_than_s), batch_size)
+            deleted = int(status.split()[-1])
+            total += deleted
+            batches += 1
+            if deleted < batch_size:
+                break
+        return total
+
+    async def dead_letters(self, *, limit: int = 1000) -> list[DeadLetter]:
+        async with self.store.connection("listing dead letters") as conn:
+            rows = await conn.fetch(self.statements.dead_letters, limit)
+        return [DeadLetter(**dict(r)) for r in rows]
+
+    async def retry_dead(self, ids: Sequence[int] | None) -> int:
+        """Puts dead letters (``ids``, or all of them with ``None``) back to pending, due now,
+        with attempts from zero, and wakes the relays; returns how many."""
+        async with self.store.connection("retrying dead letters") as conn, conn.transaction():
+            status = await conn.execute(
+                self.statements.retry_dead, None if ids is None else list(ids)
+            )
+            count = int(status.split()[-1])
+            if count:
+                await conn.execute(self.statements.notify, self.channel)
+        return count
+
+    async def counts(self) -> dict[str, StateCount]:
+        """Rows per state (``pending``, ``sent``, ``dead``; absent states are left out)."""
+        async with self.store.connection("counting outbox rows") as conn:
+            rows = await conn.fetch(self.statements.counts)
+        return {
+            r["state"]: StateCount(
+                rows=r["n"], due=r["due"], claimed=r["claimed"], oldest_s=r["oldest_s"]
+            )
+            for r in rows
+        }
+
+
+def _text(value: str, limit: int = 2000) -> str:
+    """An error message fit for a text column: no NUL, bounded length."""
+    value = value.replace("\x00", "\ufffd")
+    return value if len(value) <= limit else value[: limit - 1] + "\u2026"

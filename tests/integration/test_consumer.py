@@ -1,0 +1,644 @@
+"""The idempotent consumer on a real PostgreSQL: the effect and the mark of its message id commit
+together, duplicates are acknowledged without effect, concurrent deliveries of one id run it once,
+marks expire and are purged in batches, and database failures surface as StoreUnavailable."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+
+from grpc_idempotency import KEY_HEADER, KeyInvalid, Store, StoreUnavailable
+from grpc_idempotency.consumer import (
+    Consumed,
+    ConsumeResult,
+    IdempotentConsumer,
+    MessageInProgress,
+    purge_processed,
+)
+from tests.support.wire import call_raw
+
+EFFECTS_SQL = """
+CREATE SCHEMA IF NOT EXISTS consumer_test;
+CREATE TABLE IF NOT EXISTS consumer_test.effects (
+    id         bigserial PRIMARY KEY,
+    consumer   text NOT NULL,
+    message_id text NOT NULL,
+    amount     bigint NOT NULL CHECK (amount >= 0)
+);
+"""
+TABLE = "grpc_idempotency.processed_messages"
+
+
+@pytest.fixture(scope="module")
+async def effects_table(store: Store) -> None:
+    await store.pool.execute(EFFECTS_SQL)
+
+
+@pytest.fixture
+def consumer(store: Store, effects_table: None) -> IdempotentConsumer:
+    return IdempotentConsumer(store, fresh("consumer"))
+
+
+def fresh(prefix: str = "msg") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def write(consumer: IdempotentConsumer, message_id: str, amount: int = 1) -> Any:
+    """An effect that records one row and returns its id."""
+
+    async def effect(conn: Any) -> int:
+        row_id: int = await conn.fetchval(
+            "INSERT INTO consumer_test.effects (consumer, message_id, amount)"
+            " VALUES ($1, $2, $3) RETURNING id",
+            consumer.name,
+            message_id,
+            amount,
+        )
+        return row_id
+
+    return effect
+
+
+async def effect_rows(store: Store, consumer: IdempotentConsumer, message_id: str) -> int:
+    count: int = await store.pool.fetchval(
+        "SELECT count(*) FROM consumer_test.effects WHERE consumer = $1 AND message_id = $2",
+        consumer.name,
+        message_id,
+    )
+    return count
+
+
+async def marks(store: Store, consumer: str) -> list[str]:
+    rows = await store.pool.fetch(
+        f"SELECT message_id FROM {TABLE} WHERE consumer = $1 ORDER BY message_id", consumer
+    )
+    return [r["message_id"] for r in rows]
+
+
+async def waiting_on_a_lock(store: Store, timeout: float = 5.0) -> None:
+    """Until some backend of the store waits on a lock (a duplicate blocked on the mark)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        waiting = await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%INSERT INTO %processed_messages%'"
+        )
+        if waiting:
+            return
+        assert time.monotonic() < deadline, "no delivery waited on the marked row"
+        await asyncio.sleep(0.01)
+
+
+class Gate:
+    """An effect that writes, then holds its transaction open until released."""
+
+    def __init__(self, consumer: IdempotentConsumer, message_id: str) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.fail = False
+        self.runs = 0
+        self._write = write(consumer, message_id)
+
+    async def __call__(self, conn: Any) -> int:
+        self.runs += 1
+        row_id: int = await self._write(conn)
+        self.entered.set()
+        await self.release.wait()
+        if self.fail:
+            raise RuntimeError("the effect failed after writing")
+        return row_id
+
+
+# --- one delivery at a time --------------------------------------------------------------------
+
+
+async def test_a_new_message_runs_the_effect_and_a_repeat_is_a_duplicate(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+    first = await consumer.process(message_id, write(consumer, message_id))
+    assert first.outcome is Consumed.PROCESSED and not first.duplicate
+    assert isinstance(first.value, int)
+    assert await consumer.is_processed(message_id)
+
+    ran: list[str] = []
+
+    async def must_not_run(conn: Any) -> None:
+        ran.append(message_id)
+
+    again = await consumer.process(message_id, must_not_run)
+    assert again == ConsumeResult(message_id, Consumed.DUPLICATE, None)
+    assert again.duplicate and ran == []
+    assert await effect_rows(store, consumer, message_id) == 1
+    assert await marks(store, consumer.name) == [message_id]
+
+
+async def test_the_mark_expires_after_the_retention(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    retention = timedelta(days=3)
+    consumer = IdempotentConsumer(store, consumer.name, retention=retention)
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id))
+    lifetime = await store.pool.fetchval(
+        f"SELECT expires_at - processed_at FROM {TABLE} WHERE consumer = $1 AND message_id = $2",
+        consumer.name,
+        message_id,
+    )
+    assert abs(lifetime - retention) < timedelta(seconds=1)
+
+
+async def test_a_failing_effect_rolls_back_its_writes_and_the_mark(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+
+    async def fails(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        raise RuntimeError("downstream said no")
+
+    with pytest.raises(RuntimeError, match="downstream said no"):
+        await consumer.process(message_id, fails)
+    assert await effect_rows(store, consumer, message_id) == 0
+    assert not await consumer.is_processed(message_id)
+
+    # The message was not acknowledged; its redelivery runs the effect.
+    redelivered = await consumer.process(message_id, write(consumer, message_id))
+    assert redelivered.outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_an_effect_database_error_is_the_effects_own(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """A constraint the message violates is the message's problem (poison), not the store's: it
+    propagates unchanged, for the caller to dead-letter it; nothing is marked."""
+    message_id = fresh()
+    with pytest.raises(asyncpg.CheckViolationError):
+        await consumer.process(message_id, write(consumer, message_id, amount=-1))
+    assert not await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == 0
+
+
+async def test_the_effect_may_nest_with_savepoints(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+
+    async def nested(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute("SAVEPOINT attempt")
+        with pytest.raises(asyncpg.CheckViolationError):
+            await write(consumer, message_id, amount=-5)(conn)
+        await conn.execute("ROLLBACK TO SAVEPOINT attempt")
+
+    assert (await consumer.process(message_id, nested)).outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_an_effect_that_commits_by_itself_is_not_acknowledged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+
+    async def commits(conn: Any) -> None:
+        await conn.execute("COMMIT")
+
+    with pytest.raises(StoreUnavailable, match="ended the consumer's transaction"):
+        await consumer.process(message_id, commits)
+
+
+async def test_consumers_are_separated_by_name(store: Store, effects_table: None) -> None:
+    message_id = fresh()
+    ledger = IdempotentConsumer(store, fresh("ledger"))
+    analytics = IdempotentConsumer(store, fresh("analytics"))
+    for consumer in (ledger, analytics, ledger, analytics):
+        await consumer.process(message_id, write(consumer, message_id))
+    assert await effect_rows(store, ledger, message_id) == 1
+    assert await effect_rows(store, analytics, message_id) == 1
+
+
+@pytest.mark.parametrize("message_id", ["", "x" * 1025, "nul\x00byte"])
+async def test_malformed_message_ids_are_refused_before_the_database(
+    consumer: IdempotentConsumer, message_id: str
+) -> None:
+    with pytest.raises(KeyInvalid):
+        await consumer.process(message_id, write(consumer, message_id))
+
+
+async def test_message_ids_are_data_not_sql(store: Store, consumer: IdempotentConsumer) -> None:
+    """The mark is sent as literals (one round trip): quotes and backslashes stay data."""
+    message_id = "it's \\' ); DROP TABLE x; --  ünïcode"
+    await consumer.process(message_id, write(consumer, message_id))
+    assert await marks(store, consumer.name) == [message_id]
+    assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
+# --- concurrent deliveries of one id -----------------------------------------------------------
+
+
+async def test_concurrent_deliveries_in_one_process_run_the_effect_once(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+    gate = Gate(consumer, message_id)
+    deliveries = [
+        asyncio.create_task(consumer.process(message_id, gate, timeout=10)) for _ in range(20)
+    ]
+    await gate.entered.wait()
+    await asyncio.sleep(0.05)  # the others are queued behind the running one
+    assert not any(d.done() for d in deliveries)
+    gate.release.set()
+    results = await asyncio.gather(*deliveries)
+
+    assert gate.runs == 1
+    assert sorted(r.outcome.value for r in results) == ["duplicate"] * 19 + ["processed"]
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_a_duplicate_in_another_process_waits_on_the_row_then_sees_a_duplicate(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """Two consumer instances of one name stand for two replicas: the second delivery blocks on
+    the first's uncommitted mark (a lock wait in PostgreSQL) and answers once it commits."""
+    replica = IdempotentConsumer(store, consumer.name)
+    message_id = fresh()
+    gate = Gate(consumer, message_id)
+    first = asyncio.create_task(consumer.process(message_id, gate))
+    await gate.entered.wait()
+    second = asyncio.create_task(replica.process(message_id, write(replica, message_id)))
+    await waiting_on_a_lock(store)
+    assert not second.done()
+    gate.release.set()
+
+    assert (await first).outcome is Consumed.PROCESSED
+    assert (await second).outcome is Consumed.DUPLICATE
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_when_the_first_delivery_fails_the_waiting_one_runs_the_effect(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    replica = IdempotentConsumer(store, consumer.name)
+    message_id = fresh()
+    gate = Gate(consumer, message_id)
+    gate.fail = True
+    first = asyncio.create_task(consumer.process(message_id, gate))
+    await gate.entered.wait()
+    second = asyncio.create_task(replica.process(message_id, write(replica, message_id)))
+    await waiting_on_a_lock(store)
+    gate.release.set()
+
+    with pytest.raises(RuntimeError):
+        await first
+    assert (await second).outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == 1
+    assert await consumer.is_processed(message_id)
+
+
+@pytest.mark.parametrize("where", ["another process", "this process"])
+async def test_the_wait_for_a_concurrent_delivery_is_bounded(
+    store: Store, consumer: IdempotentConsumer, where: str
+) -> None:
+    waiter = IdempotentConsumer(store, consumer.name) if where == "another process" else consumer
+    message_id = fresh()
+    gate = Gate(consumer, message_id)
+    first = asyncio.create_task(consumer.process(message_id, gate))
+    await gate.entered.wait()
+    try:
+        started = time.monotonic()
+        with pytest.raises(MessageInProgress) as raised:
+            # max_wait is 5 s: the caller's timeout is the tighter bound here.
+            await waiter.process(message_id, write(waiter, message_id), timeout=0.3)
+        waited = time.monotonic() - started
+        assert 0.25 < waited < 2.0, waited
+        assert raised.value.retry_after_ms > 0
+        assert not first.done()
+    finally:
+        gate.release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_max_wait_bounds_a_duplicate_without_a_timeout(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    waiter = IdempotentConsumer(store, consumer.name, max_wait=timedelta(milliseconds=200))
+    message_id = fresh()
+    gate = Gate(consumer, message_id)
+    first = asyncio.create_task(consumer.process(message_id, gate))
+    await gate.entered.wait()
+    try:
+        with pytest.raises(MessageInProgress):
+            await waiter.process(message_id, write(waiter, message_id))
+    finally:
+        gate.release.set()
+    await first
+
+
+async def test_the_effect_keeps_the_sessions_lock_timeout(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """The bound on the wait for a concurrent delivery applies to the mark only: the effect's own
+    lock waits keep the session's setting."""
+    message_id = fresh()
+    consumer = IdempotentConsumer(store, consumer.name, max_wait=timedelta(milliseconds=250))
+    session = await store.pool.fetchval("SHOW lock_timeout")
+
+    async def show(conn: Any) -> str:
+        setting: str = await conn.fetchval("SHOW lock_timeout")
+        return setting
+
+    result = await consumer.process(message_id, show)
+    assert result.value == session != "250ms"
+
+
+# --- retention and purging ---------------------------------------------------------------------
+
+
+async def expire(store: Store, consumer: IdempotentConsumer, *message_ids: str) -> None:
+    """Moves marks past their retention by the database's clock."""
+    await store.pool.execute(
+        f"UPDATE {TABLE} SET expires_at = clock_timestamp() - interval '1 second'"
+        " WHERE consumer = $1 AND message_id = ANY($2::text[])",
+        consumer.name,
+        list(message_ids),
+    )
+
+
+async def test_an_expired_mark_is_treated_as_new_whether_or_not_purged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id))
+    await expire(store, consumer, message_id)
+    assert not await consumer.is_processed(message_id)
+
+    again = await consumer.process(message_id, write(consumer, message_id))
+    assert again.outcome is Consumed.PROCESSED  # taken over: the mark is live again
+    assert await effect_rows(store, consumer, message_id) == 2
+    assert await consumer.is_processed(message_id)
+    assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
+async def test_purge_deletes_expired_marks_in_bounded_batches(
+    store: Store, effects_table: None
+) -> None:
+    consumer = IdempotentConsumer(store, fresh("purged"))
+    other = IdempotentConsumer(store, fresh("other"))
+    expired = [fresh() for _ in range(7)]
+    live = [fresh() for _ in range(3)]
+    for message_id in expired + live:
+        await consumer.process(message_id, write(consumer, message_id))
+    await other.process(expired[0], write(other, expired[0]))
+    await expire(store, consumer, *expired)
+    await expire(store, other, expired[0])
+
+    assert await consumer.purge_processed(batch_size=3, max_batches=2) == 6
+    assert len(await marks(store, consumer.name)) == 4  # one expired left, 3 live
+    assert await consumer.purge_processed(batch_size=3) == 1
+    assert await marks(store, consumer.name) == sorted(live)
+    # Another consumer's expired marks are its own to purge.
+    assert await marks(store, other.name) == [expired[0]]
+    assert await purge_processed(store, batch_size=1000) >= 1
+    assert await marks(store, other.name) == []
+    with pytest.raises(ValueError):
+        await consumer.purge_processed(batch_size=0)
+
+
+async def test_purge_skips_a_mark_being_taken_over(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id))
+    await expire(store, consumer, message_id)
+    gate = Gate(consumer, message_id)
+    takeover = asyncio.create_task(consumer.process(message_id, gate))
+    await gate.entered.wait()
+    try:
+        assert await consumer.purge_processed() == 0  # locked by the takeover: skipped
+    finally:
+        gate.release.set()
+    assert (await takeover).outcome is Consumed.PROCESSED
+    assert await consumer.is_processed(message_id)
+
+
+# --- the store failing -------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def own_store(pg_dsn: str) -> AsyncIterator[Store]:
+    """A store with a pool of its own, whose connections a test can kill."""
+    store = await Store.connect(pg_dsn, min_size=1, max_size=2, server_settings={
+        "application_name": "consumer-kill-me"
+    })  # fmt: skip
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def kill_backends(store: Store) -> int:
+    """Terminates the backends of ``own_store``, from ``store``'s pool."""
+    killed: int = await store.pool.fetchval(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+        " WHERE application_name = 'consumer-kill-me'"
+    )
+    return killed
+
+
+async def test_a_connection_lost_under_the_effect_is_store_unavailable(
+    store: Store, own_store: Store, effects_table: None
+) -> None:
+    consumer = IdempotentConsumer(own_store, fresh("killed"))
+    message_id = fresh()
+
+    async def killed_midway(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await store.pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+        await write(consumer, message_id)(conn)
+
+    with pytest.raises(StoreUnavailable) as raised:
+        await consumer.process(message_id, killed_midway)
+    assert not isinstance(raised.value, asyncpg.PostgresError)
+    assert await effect_rows(store, consumer, message_id) == 0
+    assert not await IdempotentConsumer(store, consumer.name).is_processed(message_id)
+    # The consumer recovers on a fresh connection.
+    assert (await consumer.process(message_id, write(consumer, message_id))).outcome is (
+        Consumed.PROCESSED
+    )
+
+
+async def test_idle_connections_killed_in_the_pool_are_replaced(
+    store: Store, own_store: Store, effects_table: None
+) -> None:
+    """A database restart, or an administrator, ends the pool's idle connections: a delivery
+    that meets a dead one fails as StoreUnavailable (never asyncpg's error, nothing marked), and
+    the redelivery gets a fresh connection."""
+    consumer = IdempotentConsumer(own_store, fresh("restarted"))
+    await own_store.ping()
+    assert await kill_backends(store) >= 1
+    message_id = fresh()
+    try:
+        result = await consumer.process(message_id, write(consumer, message_id))
+    except StoreUnavailable:
+        assert not await IdempotentConsumer(store, consumer.name).is_processed(message_id)
+        result = await consumer.process(message_id, write(consumer, message_id))
+    assert result.outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_a_failing_mark_is_store_unavailable_and_nothing_runs(
+    store: Store, effects_table: None
+) -> None:
+    """A schema without the consumer's table (never migrated): the mark fails in the database;
+    the caller sees StoreUnavailable, not asyncpg's error, and the effect does not run."""
+    consumer = IdempotentConsumer(Store(store.pool, schema="consumer_test"), fresh("unmigrated"))
+    ran: list[int] = []
+
+    async def effect(conn: Any) -> None:
+        ran.append(1)
+
+    with pytest.raises(StoreUnavailable, match="42P01") as raised:
+        await consumer.process(fresh(), effect)
+    assert isinstance(raised.value.__cause__, asyncpg.UndefinedTableError)
+    assert ran == []
+    with pytest.raises(StoreUnavailable):
+        await consumer.is_processed(fresh())
+
+
+async def test_an_unreachable_store_is_store_unavailable(effects_table: None) -> None:
+    pool = await asyncpg.create_pool("postgresql://nobody@127.0.0.1:1/none", min_size=0, max_size=1)
+    consumer = IdempotentConsumer(Store(pool), fresh("unreachable"))
+    try:
+        with pytest.raises(StoreUnavailable):
+            await consumer.process(fresh(), write(consumer, "x"), timeout=2)
+        with pytest.raises(StoreUnavailable):
+            await consumer.purge_processed()
+    finally:
+        await pool.close()
+
+
+async def test_a_cancelled_delivery_leaves_nothing_and_no_open_transaction(
+    store: Store, own_store: Store, effects_table: None
+) -> None:
+    consumer = IdempotentConsumer(own_store, fresh("cancelled"))
+    message_id = fresh()
+    gate = Gate(consumer, message_id)
+    delivery = asyncio.create_task(consumer.process(message_id, gate))
+    await gate.entered.wait()
+    delivery.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await delivery
+    assert await effect_rows(store, consumer, message_id) == 0
+    assert not await consumer.is_processed(message_id)
+    idle_in_transaction = await store.pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'consumer-kill-me'"
+        " AND state LIKE 'idle in transaction%'"
+    )
+    assert idle_in_transaction == 0
+    assert (await consumer.process(message_id, write(consumer, message_id))).outcome is (
+        Consumed.PROCESSED
+    )
+
+
+# --- over gRPC: the message id is the call's idempotency-key -----------------------------------
+
+RECORD = "/consumer_test.Receiver/Record"
+
+
+@pytest.fixture
+async def receiver(
+    store: Store, effects_table: None
+) -> AsyncIterator[tuple[grpc.aio.Channel, IdempotentConsumer, dict[str, Gate]]]:
+    """An unkeyed gRPC method (raw bytes) that consumes each call with ``process_call``; a body
+    of b"hold" holds the effect open on the gate registered for the call's key."""
+    consumer = IdempotentConsumer(store, fresh("receiver"), max_wait=timedelta(milliseconds=300))
+    gates: dict[str, Gate] = {}
+
+    async def record(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        key = dict(context.invocation_metadata() or ()).get(KEY_HEADER, "")
+        effect = gates[key] if request == b"hold" else write(consumer, key)
+        result = await consumer.process_call(context, effect)
+        return result.outcome.value.encode()
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "consumer_test.Receiver", {"Record": grpc.unary_unary_rpc_method_handler(record)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield channel, consumer, gates
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+class Raw:
+    """A request that is already bytes (call_raw serializes with SerializeToString)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+async def test_process_call_dedupes_by_the_idempotency_key(
+    store: Store, receiver: tuple[grpc.aio.Channel, IdempotentConsumer, dict[str, Gate]]
+) -> None:
+    channel, consumer, _ = receiver
+    key = fresh()
+    answers = [await call_raw(channel, RECORD, Raw(b""), ((KEY_HEADER, key),)) for _ in range(3)]
+    assert [a.code for a in answers] == [grpc.StatusCode.OK] * 3
+    assert [a.body for a in answers] == [b"processed", b"duplicate", b"duplicate"]
+    assert await effect_rows(store, consumer, key) == 1
+
+
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [((), "IDEMPOTENCY_KEY_MISSING"), (((KEY_HEADER, "a b"),), "IDEMPOTENCY_KEY_INVALID")],
+)
+async def test_process_call_refuses_a_delivery_without_a_usable_key(
+    receiver: tuple[grpc.aio.Channel, IdempotentConsumer, dict[str, Gate]],
+    metadata: tuple[tuple[str, str], ...],
+    reason: str,
+) -> None:
+    channel, _, _ = receiver
+    answer = await call_raw(channel, RECORD, Raw(b""), metadata)
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert answer.reason() == reason
+
+
+async def test_process_call_answers_aborted_while_another_delivery_runs(
+    store: Store, receiver: tuple[grpc.aio.Channel, IdempotentConsumer, dict[str, Gate]]
+) -> None:
+    channel, consumer, gates = receiver
+    key = fresh()
+    gate = gates[key] = Gate(consumer, key)
+    first = asyncio.create_task(call_raw(channel, RECORD, Raw(b"hold"), ((KEY_HEADER, key),)))
+    await gate.entered.wait()
+    try:
+        busy = await call_raw(channel, RECORD, Raw(b""), ((KEY_HEADER, key),))
+    finally:
+        gate.release.set()
+    assert busy.code is grpc.StatusCode.ABORTED
+    assert busy.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+    assert busy.retry_delay_ms() is not None and "grpc-retry-pushback-ms" in busy.trailing
+    done = await first
+    assert done.code is grpc.StatusCode.OK and done.body == b"processed"
+    assert await effect_rows(store, consumer, key) == 1

@@ -1,0 +1,631 @@
+"""The outbox relay against a real PostgreSQL: claims, concurrency, retries, dead letters, wake-ups.
+
+Every test gets a schema of its own (migrated from scratch), so relays here never see the rows of
+other tests, and other tests' relays never see these. Rows are inserted with SQL (the enqueue
+side is tested in test_outbox_enqueue.py); coordination waits on events set by the sinks, or on a
+condition in the database, never on a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store, StoreUnavailable
+from grpc_idempotency.core.outbox import DeliveryPolicy
+from grpc_idempotency.outbox import (
+    CallableSink,
+    GrpcSink,
+    OutboxMessage,
+    PermanentDeliveryError,
+    Relay,
+    Sink,
+    forward_scope,
+)
+from tests.support.ledger import RunningLedger, ledger_rows, running_ledger
+
+WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
+
+
+@pytest.fixture
+async def outbox(pg_dsn: str) -> AsyncIterator[Store]:
+    """A store on a fresh schema: an empty outbox of this test's own."""
+    schema = "relay_" + uuid.uuid4().hex[:12]
+    store = await Store.connect(pg_dsn, schema=schema, min_size=1, max_size=10, migrate=True)
+    try:
+        yield store
+    finally:
+        await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await store.close()
+
+
+@contextlib.asynccontextmanager
+async def second_store(pg_dsn: str, outbox: Store) -> AsyncIterator[Store]:
+    """Another pool on the same schema, as a second relay process would have."""
+    store = await Store.connect(pg_dsn, schema=outbox.schema, min_size=1, max_size=5)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def insert(
+    conn: asyncpg.Connection | asyncpg.Pool | Store,
+    schema: str,
+    keys: Iterable[str],
+    *,
+    payload: Callable[[str], bytes] = str.encode,
+    scope: str = "tenant:tenant-a",
+) -> list[int]:
+    """Enqueues one row per key, in one statement (one NOTIFY); returns their ids."""
+    keys = list(keys)
+    target = conn.pool if isinstance(conn, Store) else conn
+    rows = await target.fetch(
+        f"""INSERT INTO "{schema}".outbox (scope, key, step, parent_key, method, payload_type, payload)
+            SELECT $1, k, 'entry-posted.v1', 'parent-' || k, '/testsvc.v1.LedgerService/PostWithEvent',
+                   'testsvc.v1.PostRequest', p
+            FROM unnest($2::text[], $3::bytea[]) AS t(k, p)
+            RETURNING id""",
+        scope,
+        keys,
+        [payload(k) for k in keys],
+    )
+    return [r["id"] for r in rows]
+
+
+async def row(store: Store, key: str) -> dict[str, object]:
+    found = await store.pool.fetchrow(f'SELECT * FROM "{store.schema}".outbox WHERE key = $1', key)
+    assert found is not None, key
+    return dict(found)
+
+
+async def states(store: Store) -> dict[str, int]:
+    rows = await store.pool.fetch(
+        f'SELECT state, count(*) AS n FROM "{store.schema}".outbox GROUP BY state'
+    )
+    return {r["state"]: r["n"] for r in rows}
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Waits for a condition (in the database) to hold, looking every 20 ms, up to WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+class Receiver:
+    """A sink that records deliveries, checks that no key is ever delivered by two relays at the
+    same time, and fails for chosen keys."""
+
+    def __init__(self, *, expect: int = 0, failing: Iterable[str] = ()) -> None:
+        self.delivered: collections.Counter[str] = collections.Counter()
+        self.attempts: collections.Counter[str] = collections.Counter()
+        self.messages: list[OutboxMessage] = []
+        self.in_flight: set[str] = set()
+        self.overlaps: list[str] = []
+        self.failing = set(failing)
+        self.expect = expect
+        self.all_in = asyncio.Event()
+        self.arrived = asyncio.Event()
+        self.events: list[str] = []
+
+    async def deliver(self, message: OutboxMessage) -> None:
+        key = message.key
+        if key in self.in_flight:
+            self.overlaps.append(key)  # an assert here would be caught as a failed delivery
+        self.in_flight.add(key)
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0)  # let the other relay run while this one is "sending"
+            self.attempts[key] += 1
+            self.events.append(f"{key}#{self.attempts[key]}")
+            self.arrived.set()
+            if key in self.failing:
+                raise RuntimeError(f"receiver refuses {key}")
+            self.delivered[key] += 1
+            self.messages.append(message)
+            if self.expect and len(self.delivered) >= self.expect:
+                self.all_in.set()
+        finally:
+            self.in_flight.discard(key)
+
+
+@contextlib.asynccontextmanager
+async def running(*relays: Relay) -> AsyncIterator[None]:
+    """Runs relays until the block ends, then stops them cleanly (in-flight batches finish)."""
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(r.run(stop)) for r in relays]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(r.listening.wait() for r in relays)), WAIT_S)
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "grpc_idempotency.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# -- delivery and concurrency -----------------------------------------------------------------
+
+
+async def test_two_relays_deliver_every_row_once_and_never_the_same_row_at_once(
+    pg_dsn: str, outbox: Store
+) -> None:
+    receiver = Receiver(expect=1000)
+    keys = [f"row-{i:04d}" for i in range(1000)]
+    async with second_store(pg_dsn, outbox) as other:
+        first = Relay(outbox, receiver, batch_size=25, poll_interval=30, name="relay-1")
+        second = Relay(other, receiver, batch_size=25, poll_interval=30, name="relay-2")
+        async with running(first, second):
+            await insert(outbox, outbox.schema, keys)  # one commit, one NOTIFY: both wake
+            await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+    assert receiver.overlaps == []
+    assert set(receiver.delivered) == set(keys)  # none lost
+    assert set(receiver.delivered.values()) == {1}  # none twice (no failures, no crashes)
+    assert first.stats.delivered + second.stats.delivered == 1000
+    assert first.stats.delivered > 0 and second.stats.delivered > 0  # both took part
+    assert await states(outbox) == {"sent": 1000}
+    claimed_by = await outbox.pool.fetch(
+        f'SELECT claimed_by, count(*) AS n FROM "{outbox.schema}".outbox GROUP BY claimed_by'
+    )
+    assert {r["claimed_by"]: r["n"] for r in claimed_by} == {
+        "relay-1": first.stats.delivered,
+        "relay-2": second.stats.delivered,
+    }
+
+
+async def test_a_message_carries_the_row(outbox: Store) -> None:
+    receiver = Receiver()
+    (row_id,) = await insert(outbox, outbox.schema, ["k-1"], payload=lambda k: b"\x00\xffbytes")
+    relay = Relay(outbox, receiver)
+    assert await relay.run_once() == 1
+    (message,) = receiver.messages
+    assert message.id == row_id and message.key == "k-1"
+    assert message.scope == "tenant:tenant-a" and message.step == "entry-posted.v1"
+    assert message.payload == b"\x00\xffbytes" and message.payload_type == "testsvc.v1.PostRequest"
+    assert message.method == "/testsvc.v1.LedgerService/PostWithEvent"
+    assert message.attempts == 1
+    sent = await row(outbox, "k-1")
+    assert sent["state"] == "sent" and sent["sent_at"] is not None
+    assert sent["locked_until"] is None and sent["claimed_by"] == relay.name
+    assert await relay.run_once() == 0  # nothing more is due
+
+
+# -- failures, dead letters and the CLI ---------------------------------------------------------
+
+
+async def fast_forward(store: Store, key: str) -> None:
+    """Makes a row's retry due now, instead of waiting out its backoff."""
+    await store.pool.execute(
+        f'UPDATE "{store.schema}".outbox SET next_attempt_at = clock_timestamp() WHERE key = $1',
+        key,
+    )
+
+
+async def test_a_poison_row_is_dead_lettered_while_the_others_keep_flowing(
+    pg_dsn: str, outbox: Store
+) -> None:
+    receiver = Receiver(failing={"poison"})
+    policy = DeliveryPolicy(max_attempts=3, initial_backoff_s=60, max_backoff_s=600)
+    relay = Relay(outbox, receiver, policy=policy, batch_size=10)
+    await insert(outbox, outbox.schema, ["poison", *(f"a-{i}" for i in range(15))])
+
+    assert await relay.drain() == 15
+    poison = await row(outbox, "poison")
+    assert poison["state"] == "pending" and poison["attempts"] == 1
+    assert "receiver refuses poison" in str(poison["last_error"])
+    # Backed off (30-60 s with jitter for a 60 s initial backoff), by the database's clock.
+    wait = await outbox.pool.fetchval(
+        f'SELECT EXTRACT(EPOCH FROM next_attempt_at - clock_timestamp()) FROM "{outbox.schema}".outbox'
+        " WHERE key = 'poison'"
+    )
+    assert 25 < wait <= 60
+    assert await relay.drain() == 0  # not due: the others are not held up by it
+
+    for attempt, wave in ((2, "b"), (3, "c")):
+        await insert(outbox, outbox.schema, [f"{wave}-{i}" for i in range(15)])
+        await fast_forward(outbox, "poison")
+        assert await relay.drain() == 15  # every good row of the wave, and the poison failed
+        assert receiver.attempts["poison"] == attempt
+    dead = await row(outbox, "poison")
+    assert dead["state"] == "dead" and dead["attempts"] == 3
+    assert "RuntimeError: receiver refuses poison" in str(dead["last_error"])
+    assert relay.stats.dead == 1 and relay.stats.retried == 2 and relay.stats.delivered == 45
+    assert await states(outbox) == {"sent": 45, "dead": 1}
+    await fast_forward(outbox, "poison")
+    assert await relay.drain() == 0 and receiver.attempts["poison"] == 3  # dead: left alone
+
+    store_args = ("--dsn", pg_dsn, "--schema", outbox.schema)
+    listed = cli("outbox", "dead", *store_args, "--json")
+    assert listed.returncode == 0, listed.stderr
+    (letter,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert letter["id"] == dead["id"] and letter["key"] == "poison" and letter["attempts"] == 3
+    assert "receiver refuses poison" in letter["last_error"]
+    table = cli("outbox", "dead", *store_args)
+    assert "poison" in table.stdout and "1 dead letter(s)" in table.stdout
+
+    retried = cli("outbox", "retry", *store_args, str(dead["id"]))
+    assert retried.returncode == 0 and "1 dead letter(s) back to pending" in retried.stdout
+    revived = await row(outbox, "poison")
+    assert revived["state"] == "pending" and revived["attempts"] == 0
+    receiver.failing.clear()  # the receiver was fixed
+    assert await relay.run_once() == 1
+    assert receiver.delivered["poison"] == 1
+    assert (await row(outbox, "poison"))["state"] == "sent"
+    assert cli("outbox", "dead", *store_args).stdout.strip() == "no dead letters"
+
+
+async def test_dead_letter_cli_retry_all_purge_and_stats(pg_dsn: str, outbox: Store) -> None:
+    async def refuse(message: OutboxMessage) -> None:
+        raise PermanentDeliveryError(f"no such account for {message.key}")
+
+    await insert(outbox, outbox.schema, ["d-1", "d-2", "d-3"])
+    relay = Relay(outbox, CallableSink(refuse))
+    assert await relay.run_once() == 0
+    assert await states(outbox) == {"dead": 3}  # permanent: dead on the first attempt
+    assert (await row(outbox, "d-1"))["last_error"] == "no such account for d-1"
+    store_args = ("--dsn", pg_dsn, "--schema", outbox.schema)
+
+    stats = cli("outbox", "stats", *store_args)
+    assert stats.returncode == 0 and "dead     3" in stats.stdout, stats.stdout
+    assert cli("outbox", "retry", *store_args).returncode == 2  # IDs or --all
+    assert "3 dead letter(s)" in cli("outbox", "retry", *store_args, "--all").stdout
+    assert await states(outbox) == {"pending": 3}
+
+    assert await relay.run_once() == 0  # dead again
+    young = cli("outbox", "purge-dead", *store_args, "--older-than", "3600")
+    assert "purged 0 dead letter(s)" in young.stdout
+    assert "purged 3 dead letter(s)" in cli("outbox", "purge-dead", *store_args).stdout
+    assert await states(outbox) == {}
+
+    await insert(outbox, outbox.schema, ["s-1", "s-2"])
+    assert await Relay(outbox, Receiver()).run_once() == 2
+    kept = cli("outbox", "purge-sent", *store_args)  # default: older than a day
+    assert "purged 0 sent row(s)" in kept.stdout
+    gone = cli("outbox", "purge-sent", *store_args, "--older-than", "0")
+    assert "purged 2 sent row(s)" in gone.stdout
+    assert await states(outbox) == {}
+
+    missing = cli("outbox", "dead", "--dsn", pg_dsn, "--schema", "no_such_schema_here")
+    assert missing.returncode == 2 and "migrate" in missing.stderr
+
+
+async def test_retries_fall_due_without_waiting_for_the_poll(outbox: Store) -> None:
+    receiver = Receiver(failing={"flaky"})
+    receiver_done = asyncio.Event()
+
+    async def deliver(message: OutboxMessage) -> None:
+        try:
+            await receiver.deliver(message)
+        finally:
+            if receiver.attempts["flaky"] == 3:
+                receiver_done.set()
+
+    policy = DeliveryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2)
+    relay = Relay(outbox, CallableSink(deliver), policy=policy, poll_interval=60)
+    started = time.monotonic()
+    async with running(relay):
+        await insert(outbox, outbox.schema, ["flaky"])
+        await asyncio.wait_for(receiver_done.wait(), WAIT_S)
+    assert time.monotonic() - started < 10  # three attempts, the poll interval is 60 s
+    dead = await row(outbox, "flaky")
+    assert dead["state"] == "dead" and dead["attempts"] == 3
+
+
+# -- leases: a relay that dies mid-batch ---------------------------------------------------------
+
+
+async def test_rows_of_a_dead_relay_are_delivered_again_after_its_lease(outbox: Store) -> None:
+    await insert(outbox, outbox.schema, ["orphan"])
+    # A relay claims the row and dies before marking it (nothing more is ever heard from it).
+    (claimed,) = await relay_claims(outbox, lease_s=0.5)
+    assert claimed.attempts == 1
+    receiver = Receiver(expect=1)
+    relay = Relay(outbox, receiver, poll_interval=60)
+    assert await relay.run_once() == 0  # still under the dead relay's lease
+    async with running(relay):
+        # No notification comes: the relay sleeps until the lease ends, by the database's clock.
+        await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+    (message,) = receiver.messages
+    assert message.key == "orphan" and message.attempts == 2
+    assert (await row(outbox, "orphan"))["state"] == "sent"
+    # The dead relay comes back and tries to record its outcome: its claim is gone.
+    from grpc_idempotency.outbox import OutboxStore
+
+    late = OutboxStore(outbox)
+    assert await late.mark_sent(relay="dead-relay", claims=[(claimed.id, 1)]) == 0
+
+
+async def relay_claims(store: Store, *, lease_s: float) -> list[OutboxMessage]:
+    from grpc_idempotency.outbox import OutboxStore
+
+    return await OutboxStore(store).claim(relay="dead-relay", limit=10, lease_s=lease_s)
+
+
+async def test_a_stale_relay_cannot_overwrite_a_newer_claim(outbox: Store) -> None:
+    from grpc_idempotency.outbox import OutboxStore
+    from grpc_idempotency.store.outbox_store import Failure
+
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["contested"])
+    (old,) = await store.claim(relay="stale", limit=10, lease_s=0.05)
+    await wait_until(lambda: due_now(store), "the stale lease to expire")
+    (new,) = await store.claim(relay="fresh", limit=10, lease_s=30)
+    assert new.attempts == 2
+    # The stale relay's delivery failed; recording that must not undo the fresh claim.
+    stale_failure = Failure(id=old.id, attempts=old.attempts, delay_s=None, error="stale")
+    assert await store.mark_failed(relay="stale", failures=[stale_failure]) == (0, 0)
+    assert await store.mark_sent(relay="fresh", claims=[(new.id, new.attempts)]) == 1
+    assert (await row(outbox, "contested"))["state"] == "sent"
+
+
+async def due_now(store: object) -> bool:
+    from grpc_idempotency.outbox import OutboxStore
+
+    assert isinstance(store, OutboxStore)
+    due = await store.next_due_in()
+    return due is not None and due <= 0
+
+
+async def test_a_delivery_that_hangs_is_cut_at_the_delivery_timeout(outbox: Store) -> None:
+    release = asyncio.Event()
+
+    async def hang(message: OutboxMessage) -> None:
+        await release.wait()
+
+    await insert(outbox, outbox.schema, ["slow"])
+    relay = Relay(outbox, CallableSink(hang), lease=0.4)  # delivery_timeout: 0.2 s
+    assert await relay.run_once() == 0
+    slow = await row(outbox, "slow")
+    assert slow["state"] == "pending" and slow["attempts"] == 1
+    assert "timed out after 0.2s" in str(slow["last_error"])
+    assert relay.stats.retried == 1
+
+
+# -- commit order, wake-ups ----------------------------------------------------------------------
+
+
+async def test_a_row_committed_after_a_higher_numbered_row_is_still_delivered(
+    pg_dsn: str, outbox: Store
+) -> None:
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, poll_interval=60)
+    late = await asyncpg.connect(pg_dsn)
+    try:
+        async with running(relay):
+            tx = late.transaction()
+            await tx.start()
+            (a_id,) = await insert(late, outbox.schema, ["A"])  # lower id, not yet committed
+            (b_id,) = await insert(outbox, outbox.schema, ["B"])  # higher id, committed now
+            assert a_id < b_id
+            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+            assert list(receiver.delivered) == ["B"]
+            await wait_until(
+                lambda: relay_idle(relay, outbox), "the relay to finish with B and go idle"
+            )
+            receiver.arrived.clear()
+            await tx.commit()  # A's NOTIFY goes out with its commit
+            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+        assert receiver.delivered == {"A": 1, "B": 1}
+        assert await states(outbox) == {"sent": 2}
+    finally:
+        await late.close()
+
+
+async def relay_idle(relay: Relay, store: Store) -> bool:
+    return (await states(store)).get("pending", 0) == 0
+
+
+async def test_a_notification_wakes_a_relay_long_before_its_poll(outbox: Store) -> None:
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, poll_interval=60)
+    async with running(relay):
+        await wait_until(lambda: batches_after_listen(relay), "the relay to go idle")
+        for attempt in range(3):
+            receiver.arrived.clear()
+            inserted = time.monotonic()
+            await insert(outbox, outbox.schema, [f"ping-{attempt}"])
+            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+            latency = time.monotonic() - inserted
+            assert latency < 2.0, latency  # the poll would take 60 s
+    assert len(receiver.delivered) == 3
+
+
+async def batches_after_listen(relay: Relay) -> bool:
+    return relay.listening.is_set() and relay.stats.batches >= 2
+
+
+async def test_the_relay_listens_again_after_its_connection_dies(
+    pg_dsn: str, outbox: Store
+) -> None:
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, poll_interval=60)
+    admin = await asyncpg.connect(pg_dsn)
+    channel = f"{outbox.schema}_outbox"
+
+    async def listeners() -> list[int]:
+        rows = await admin.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE query = $1", f'LISTEN "{channel}"'
+        )
+        return [r["pid"] for r in rows]
+
+    try:
+        async with running(relay):
+            (pid,) = await listeners()
+            assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
+
+            async def listening_again() -> bool:
+                pids = await listeners()
+                return relay.listening.is_set() and bool(pids) and pid not in pids
+
+            await wait_until(listening_again, "a new LISTEN connection")
+            inserted = time.monotonic()
+            await insert(outbox, outbox.schema, ["after-reconnect"])
+            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+            assert time.monotonic() - inserted < 2.0  # woken, not polled (60 s)
+        assert receiver.delivered == {"after-reconnect": 1}
+    finally:
+        await admin.close()
+
+
+async def test_a_relay_waits_out_a_database_outage(pg_dsn: str, outbox: Store) -> None:
+    """The claim fails while the pool cannot reach the database; the relay logs, waits, and
+    delivers once the database is back (here: once the connections are allowed again)."""
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, poll_interval=0.2)
+    real_claim = relay.outbox.claim
+    failures = 0
+
+    async def flaky_claim(**kwargs: object) -> list[OutboxMessage]:
+        nonlocal failures
+        if failures < 3:
+            failures += 1
+            raise StoreUnavailable("idempotency store unavailable while claiming (test)")
+        return await real_claim(**kwargs)  # type: ignore[arg-type]
+
+    relay.outbox.claim = flaky_claim  # type: ignore[method-assign]
+    await insert(outbox, outbox.schema, ["survivor"])
+    async with running(relay):
+        await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+    assert failures == 3 and receiver.delivered == {"survivor": 1}
+
+
+async def test_the_relay_purges_sent_rows_after_retention(outbox: Store) -> None:
+    receiver = Receiver(expect=5)
+    relay = Relay(outbox, receiver, sent_retention=0, purge_interval=0.05, poll_interval=0.1)
+    async with running(relay):
+        await insert(outbox, outbox.schema, [f"p-{i}" for i in range(5)])
+        await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+
+        async def purged() -> bool:
+            return await states(outbox) == {}
+
+        await wait_until(purged, "the sent rows to be purged")
+    assert relay.stats.purged == 5
+
+
+# -- the gRPC sink --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
+    async with running_ledger(store) as running_:
+        yield running_
+
+
+async def test_the_grpc_sink_sends_the_payload_with_the_key_to_a_keyed_receiver(
+    outbox: Store, ledger: RunningLedger, store: Store
+) -> None:
+    account = "acct-" + uuid.uuid4().hex
+
+    def post(behaviour: str) -> Callable[[str], bytes]:
+        return lambda _k: testsvc_pb2.PostRequest(
+            account=account, amount=5, behaviour=behaviour
+        ).SerializeToString()
+
+    ok_key, refused_key, flaky_key = (f"{n}-{uuid.uuid4().hex}" for n in ("ok", "nf", "un"))
+    await insert(outbox, outbox.schema, [ok_key], payload=post(""))
+    await insert(outbox, outbox.schema, [refused_key], payload=post("NOT_FOUND"))
+    await insert(outbox, outbox.schema, [flaky_key], payload=post("UNAVAILABLE"))
+    sink: Sink = GrpcSink(
+        ledger.channel, "/testsvc.v1.LedgerService/Post", metadata_for=forward_scope()
+    )
+    relay = Relay(outbox, sink)
+    assert await relay.run_once() == 1
+    assert ledger.service.attempts == {ok_key: 1, refused_key: 1, flaky_key: 1}
+    assert set(ledger.service.tenants_seen[-3:]) == {"tenant-a"}  # "tenant:" prefix removed
+    refused, flaky = await row(outbox, refused_key), await row(outbox, flaky_key)
+    assert refused["state"] == "dead"  # NOT_FOUND is recorded by the receiver: permanent
+    assert "NOT_FOUND: handler says NOT_FOUND" in str(refused["last_error"])
+    assert flaky["state"] == "pending" and "UNAVAILABLE" in str(flaky["last_error"])
+
+    # Delivered again (as after a crash before marking): the keyed receiver replays.
+    await outbox.pool.execute(
+        f"""UPDATE "{outbox.schema}".outbox SET state = 'pending', next_attempt_at = clock_timestamp()
+            WHERE key = $1""",
+        ok_key,
+    )
+    assert await relay.run_once() == 1
+    assert relay.stats.delivered == 2  # delivered twice, answered from the stored outcome:
+    assert ledger.service.attempts[ok_key] == 1  # the handler ran once
+    assert await ledger_rows(store, account) == 1  # and the effect happened once
+
+    with pytest.raises(ValueError, match=r"/package\.Service/Method"):
+        GrpcSink(ledger.channel, "testsvc.v1.LedgerService/Post")
+
+
+async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> None:
+    await insert(outbox, outbox.schema, ["peer-row"], scope="peer:spiffe://x")
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never reached
+    try:
+        relay = Relay(outbox, GrpcSink(channel, "/a.B/C", metadata_for=forward_scope()))
+        assert await relay.run_once() == 0
+    finally:
+        await channel.close()
+    dead = await row(outbox, "peer-row")
+    assert dead["state"] == "dead" and "does not start with 'tenant:'" in str(dead["last_error"])
+
+
+def test_relay_arguments_are_checked() -> None:
+    sink = CallableSink(lambda m: asyncio.sleep(0))
+    store: Store = object()  # type: ignore[assignment]
+    for bad in (
+        {"batch_size": 0},
+        {"lease": 0},
+        {"lease": 1, "delivery_timeout": 1},
+        {"sent_retention": -1},
+    ):
+        with pytest.raises(ValueError):
+            Relay(store, sink, **bad)  # type: ignore[arg-type]
+
+
+async def test_an_outcome_lost_after_delivery_means_redelivery_after_the_lease(
+    outbox: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """relay_after_delivery=error: the sink succeeded, the mark never happens (as when the
+    database fails at that moment). The row stays claimed until its lease ends, then goes again."""
+    from grpc_idempotency import failpoints
+    from grpc_idempotency.core.failpoints import FailAction, Failpoint, parse_failpoints
+
+    assert "relay_after_delivery" in parse_failpoints("relay_after_delivery=crash")
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(
+        failpoints, "_points", {"relay_after_delivery": Failpoint(FailAction.ERROR)}
+    )
+    receiver = Receiver(expect=1)
+    relay = Relay(outbox, receiver, lease=0.5, poll_interval=60)
+    await insert(outbox, outbox.schema, ["unmarked"])
+    assert await relay.run_once() == 0
+    assert receiver.delivered == {"unmarked": 1} and relay.stats.unrecorded == 1
+    claimed = await row(outbox, "unmarked")
+    assert claimed["state"] == "pending" and claimed["locked_until"] is not None
+    monkeypatch.setattr(failpoints, "ENABLED", False)
+
+    async with running(relay):  # sleeps until the lease ends (no notification comes)
+        await wait_until(lambda: sent(outbox, "unmarked"), "the redelivered row to be sent")
+    assert receiver.delivered == {"unmarked": 2}
+    assert (await row(outbox, "unmarked"))["attempts"] == 2
+
+
+async def sent(store: Store, key: str) -> bool:
+    return (await row(store, key))["state"] == "sent"
