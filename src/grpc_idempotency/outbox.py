@@ -374,6 +374,15 @@ class Relay:
         return _Batch(claimed=len(messages), delivered=delivered, retried=retried, dead=dead)
 
     async def _deliver(self, message: OutboxMessage) -> str | _Failed:
+        if message.attempts > self.policy.max_attempts:
+            # Every claim counts an attempt, and recorded failures dead-letter at max_attempts:
+            # a row claimed more often than that ended its claims without any outcome, as when
+            # delivering it kills the relay. Park it rather than let it kill relays forever.
+            return _Failed(
+                f"claimed {message.attempts} times with no recorded outcome (does delivering it"
+                " crash the relay?)",
+                permanent=True,
+            )
         try:
             async with asyncio.timeout(self.delivery_timeout):
                 await self.sink.deliver(message)

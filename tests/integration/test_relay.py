@@ -629,3 +629,38 @@ async def test_an_outcome_lost_after_delivery_means_redelivery_after_the_lease(
 
 async def sent(store: Store, key: str) -> bool:
     return (await row(store, key))["state"] == "sent"
+
+
+async def test_a_row_whose_delivery_never_records_an_outcome_is_dead_lettered(
+    outbox: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claims that end with no outcome (the relay died delivering) count as attempts: past
+    max_attempts the row is parked instead of being delivered again and again."""
+    from grpc_idempotency import DeliveryPolicy, failpoints
+    from grpc_idempotency.core.failpoints import FailAction, Failpoint
+
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(
+        failpoints, "_points", {"relay_after_delivery": Failpoint(FailAction.ERROR)}
+    )
+    receiver = Receiver(expect=2)
+    relay = Relay(
+        outbox, receiver, policy=DeliveryPolicy(max_attempts=2), lease=0.2, poll_interval=60
+    )
+    await insert(outbox, outbox.schema, ["crasher"])
+    for delivered in (1, 2):
+        assert await relay.run_once() == 0
+        assert receiver.delivered == {"crasher": delivered}
+        await wait_until(lambda: _due(outbox, "crasher"), "the claim's lease to end")
+    assert await relay.run_once() == 0  # the third claim parks it without delivering
+    parked = await row(outbox, "crasher")
+    assert parked["state"] == "dead" and receiver.delivered == {"crasher": 2}
+
+
+async def _due(store: Store, key: str) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            f'SELECT next_attempt_at <= clock_timestamp() FROM "{store.schema}".outbox WHERE key = $1',
+            key,
+        )
+    )
