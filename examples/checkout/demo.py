@@ -253,8 +253,11 @@ class Service:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self, failpoints: str | None = None, args: Sequence[str] = ()) -> None:
-        """(Re)starts the process, with ``failpoints`` and ``args`` (after the fixed ones)."""
+    async def start(
+        self, failpoints: str | None = None, args: Sequence[str] = (), *, may_crash: bool = False
+    ) -> None:
+        """(Re)starts the process, with ``failpoints`` and ``args`` (after the fixed ones).
+        ``may_crash``: a crash failpoint may kill it (kill -9) before it reports ready."""
         await self.stop()
         env = dict(os.environ)
         env.pop(FAILPOINTS_ENV, None)
@@ -278,6 +281,8 @@ class Service:
                 line = None
             if not line:
                 code = await self.wait_exit(1)
+                if may_crash and code == -signal.SIGKILL:
+                    return  # the failpoint fired before the ready line got out
                 status = "still running" if code is None else f"exit {code}"
                 raise RuntimeError(f"{self.name} did not start ({status}):\n{self.stderr_tail()}")
             if self.ready(line.decode(errors="replace").strip()):
@@ -695,7 +700,9 @@ class Demo:
         # A relay takes the first event (batches of one), delivers it, and dies (kill -9) before
         # marking it sent: the event stays claimed until its lease runs out.
         await self.relay.start(
-            "relay_after_delivery=crash", ["--batch-size", "1", "--lease", f"{RELAY_LEASE_S:g}"]
+            "relay_after_delivery=crash",
+            ["--batch-size", "1", "--lease", f"{RELAY_LEASE_S:g}"],
+            may_crash=True,
         )
         code = await self.relay.wait_exit(10)
         d.check(code is not None, "the relay did not crash after delivering")

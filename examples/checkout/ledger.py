@@ -136,23 +136,19 @@ async def relay(
             batch_size=batch_size,
             lease=lease,
             poll_interval=poll_interval,
+            # The ready line, printed before the first batch is claimed: the relay holds its
+            # LISTEN connection, so no commit is missed, and no delivery can come before it.
+            on_listening=lambda: print(
+                f"relay listening on {outbox_relay.outbox.channel}, delivering to"
+                f" {ledger}{RECORD_ORDER_CREATED}",
+                flush=True,
+            ),
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        running = asyncio.create_task(outbox_relay.run(stop))
-        listening = asyncio.create_task(outbox_relay.listening.wait())
-        await asyncio.wait({running, listening}, return_when=asyncio.FIRST_COMPLETED)
-        listening.cancel()
-        if not running.done():
-            # The ready line: the relay holds its LISTEN connection, so no commit is missed.
-            print(
-                f"relay listening on {outbox_relay.outbox.channel}, delivering to"
-                f" {ledger}{RECORD_ORDER_CREATED}",
-                flush=True,
-            )
-        await running
+        await outbox_relay.run(stop)
         s = outbox_relay.stats
         print(
             f"relay stopped: delivered {s.delivered}, retried {s.retried}, dead {s.dead}",

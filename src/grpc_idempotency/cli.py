@@ -273,6 +273,20 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         return headers + (list(scope(message)) if scope is not None else [])
 
     sink = GrpcSink(channel, args.method, metadata_for=metadata_for, timeout=args.timeout)
+    announced = False
+
+    def ready() -> None:
+        # Printed before the first batch is claimed, so that it always precedes any delivery
+        # (a crash failpoint right after a delivery can no longer swallow it).
+        nonlocal announced
+        if not announced:
+            announced = True
+            print(
+                f"relay {relay.name} ready: listening on {relay.outbox.channel}, delivering to"
+                f" {args.grpc_target}{args.method}",
+                flush=True,
+            )
+
     relay = Relay(
         store,
         sink,
@@ -283,6 +297,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         sent_retention=None if args.sent_retention < 0 else args.sent_retention,
         delivery_timeout=min(args.timeout + 1.0, args.lease / 2),
         name=args.name,
+        on_listening=ready,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -290,15 +305,6 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         loop.add_signal_handler(sig, stop.set)
     running = asyncio.create_task(relay.run(stop))
     try:
-        listening = asyncio.create_task(relay.listening.wait())
-        await asyncio.wait({running, listening}, return_when=asyncio.FIRST_COMPLETED)
-        listening.cancel()
-        if not running.done():
-            print(
-                f"relay {relay.name} ready: listening on {relay.outbox.channel}, delivering to"
-                f" {args.grpc_target}{args.method}",
-                flush=True,
-            )
         await running
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):

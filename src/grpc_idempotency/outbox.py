@@ -258,6 +258,7 @@ class Relay:
         name: str | None = None,
         rng: random.Random | None = None,
         meter_provider: metrics.MeterProvider | None = None,
+        on_listening: Callable[[], None] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -283,6 +284,9 @@ class Relay:
         self.stats = RelayStats()
         self.listening = asyncio.Event()
         """Set while the relay holds its LISTEN connection (``run`` only)."""
+        self._on_listening = on_listening
+        """Called each time LISTEN is (re)established, before the next batch is claimed: a
+        process can report itself ready there without racing its first delivery."""
         self._random = rng or random.Random()
         self._wake = asyncio.Event()
         self._running = False
@@ -495,6 +499,8 @@ class Relay:
                 conn.add_termination_listener(on_lost)
                 await conn.add_listener(self.outbox.channel, self._notified)
                 self.listening.set()
+                if self._on_listening is not None:
+                    self._on_listening()
                 self._wake.set()
                 pause = 0.05
                 while not lost.is_set():
