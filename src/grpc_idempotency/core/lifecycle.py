@@ -152,9 +152,14 @@ def retry_after_ms(lease_remaining_ms: int | None) -> int:
     return max(MIN_RETRY_AFTER_MS, min(MAX_RETRY_AFTER_MS, lease_remaining_ms))
 
 
+# Kept from the deadline for the ABORTED answer to travel back (and for a loaded server to send
+# it): answering late would turn a useful retry hint into a bare DEADLINE_EXCEEDED.
+ANSWER_MARGIN_S = 0.1
+
+
 def wait_budget_s(max_wait_s: float, time_remaining_s: float | None) -> float:
     """How long a duplicate may wait: the method's max wait, and never past the call deadline
     (keeping a small margin so the ABORTED answer still reaches the client in time)."""
     if time_remaining_s is None:
         return max_wait_s
-    return max(0.0, min(max_wait_s, time_remaining_s - 0.05))
+    return max(0.0, min(max_wait_s, time_remaining_s - ANSWER_MARGIN_S))
