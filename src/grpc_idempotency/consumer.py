@@ -74,7 +74,7 @@ from grpc_idempotency.core.consumer import (
     validate_message_id,
 )
 from grpc_idempotency.core.errors import IdempotencyError, StoreUnavailable
-from grpc_idempotency.store.postgres import PooledConnection, Store
+from grpc_idempotency.store.postgres import STORE_ERRORS, PooledConnection, Store
 from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
 
 __all__ = [
@@ -101,13 +101,6 @@ _CONNECTION_LOST: tuple[type[BaseException], ...] = (
     OSError,
 )
 _CONNECTION_LOST_STATES = ("08", "57P")
-_STORE_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    OSError,
-    TimeoutError,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +243,7 @@ class IdempotentConsumer:
                 await _abandon(conn, exc)
                 if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
                     raise in_progress(message_id, time.monotonic() - started) from None
-                if isinstance(exc, _STORE_ERRORS):
+                if isinstance(exc, STORE_ERRORS):
                     raise _unavailable(exc, "marking a message") from exc
                 raise
             outcome = consumed(int(status.split()[-1]))
@@ -278,7 +271,7 @@ class IdempotentConsumer:
             except BaseException as exc:
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
-                if isinstance(exc, _STORE_ERRORS):
+                if isinstance(exc, STORE_ERRORS):
                     raise _unavailable(exc, "committing a processed message") from exc
                 raise
             return ConsumeResult(message_id, outcome, value)

@@ -51,7 +51,7 @@ def _unavailable(exc: BaseException, doing: str) -> StoreUnavailable:
 
 
 # What a broken or unreachable database looks like from asyncpg.
-_STORE_ERRORS: tuple[type[BaseException], ...] = (
+STORE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
     # e.g. "cannot switch to state ..." when the server killed a pooled connection just before use
@@ -124,7 +124,7 @@ class Attempt:
         except LeaseLost:
             await self._rollback_quietly()
             raise
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             await self._rollback_quietly()
             raise _unavailable(exc, "committing the outcome") from exc
         finally:
@@ -143,11 +143,11 @@ class Attempt:
             if conn.is_closed() or not conn.is_in_transaction():
                 return
             await conn.execute("ROLLBACK")
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             # The transaction dies with the connection; make sure the pool does not reuse it.
             # (asyncpg may have detached the proxy of a lost connection already: then even
             # terminate() raises, and there is nothing left to do.)
-            with contextlib.suppress(*_STORE_ERRORS):
+            with contextlib.suppress(*STORE_ERRORS):
                 conn.terminate()
 
     async def _finish(self) -> None:
@@ -199,7 +199,7 @@ class Store:
             pool = await asyncpg.create_pool(
                 dsn, min_size=min_size, max_size=max_size, **pool_options
             )
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise _unavailable(exc, "connecting") from exc
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         if migrate:
@@ -221,7 +221,7 @@ class Store:
         conn = await self._acquire(doing, timeout)
         try:
             yield conn
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise _unavailable(exc, doing) from exc
         finally:
             await self._release(conn)
@@ -234,14 +234,14 @@ class Store:
             conn: PooledConnection = await self.pool.acquire(
                 timeout=None if budget is None else max(budget, 0.001)
             )
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise _unavailable(exc, doing) from exc
         return conn
 
     async def _release(self, conn: PooledConnection) -> None:
         try:
             await self.pool.release(conn)
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             log.debug("dropping a broken connection", exc_info=True)
 
     async def lookup(
@@ -259,7 +259,7 @@ class Store:
                 if attempt == 2:
                     raise _unavailable(exc, "looking up a key") from exc
                 continue
-            except _STORE_ERRORS as exc:
+            except STORE_ERRORS as exc:
                 raise _unavailable(exc, "looking up a key") from exc
             finally:
                 await self._release(conn)
@@ -299,7 +299,7 @@ class Store:
             raise _unavailable(exc, "claiming a key") from exc
         except BaseException as exc:
             await attempt.release()
-            if isinstance(exc, _STORE_ERRORS):
+            if isinstance(exc, STORE_ERRORS):
                 raise _unavailable(exc, "claiming a key") from exc
             raise
         return attempt
@@ -308,7 +308,7 @@ class Store:
         conn = await self._acquire("beginning a transaction", timeout)
         try:
             await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             conn.terminate()
             await self._release(conn)
             raise _unavailable(exc, "beginning a transaction") from exc
@@ -395,7 +395,7 @@ class PlainTransaction:
     async def commit(self) -> None:
         try:
             await self.connection.execute("COMMIT")
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             self.connection.terminate()
             raise _unavailable(exc, "committing") from exc
         finally:
@@ -405,7 +405,7 @@ class PlainTransaction:
         try:
             if not self.connection.is_closed() and self.connection.is_in_transaction():
                 await self.connection.execute("ROLLBACK")
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             self.connection.terminate()
         finally:
             await self._store._release(self.connection)
@@ -459,7 +459,7 @@ class PhasedClaim:
             raise _unavailable(exc, "opening the final transaction") from exc
         except BaseException as exc:
             await attempt.release()
-            if isinstance(exc, _STORE_ERRORS):
+            if isinstance(exc, STORE_ERRORS):
                 raise _unavailable(exc, "opening the final transaction") from exc
             raise
         return attempt
