@@ -36,6 +36,18 @@ i. outbox to ledger     first the relay delivers the events of drills f-h (a rep
                         and before marking it sent: a second relay delivers it again, and the
                         ledger still writes one entry per order
 
+Two more ways for one order to be attempted twice:
+
+j. orders stalled past  a second orders replica (lease 1 s) claims the order and is frozen
+   its lease            (SIGSTOP) before it charges; once its lease has run out by the database's
+                        clock, the retry on the other replica takes the order over and completes
+                        it; the frozen replica, resumed (SIGCONT), must not commit: its call ends
+                        ABORTED/LEASE_LOST
+k. one key across gRPC  a channel with IdempotencyClientInterceptor and channel_options: no key
+   retries              from the caller; a proxy resets the connection under the first two
+                        attempts and gRPC's own retries resend the request, with the one key the
+                        interceptor minted: one call, three attempts, one order
+
 Exit status 1 when any side effect happened more often than expected or any expectation failed.
 """
 
@@ -62,6 +74,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
+from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, channel_options
 from grpc_idempotency.core.failpoints import ENV_VAR as FAILPOINTS_ENV
 
 # isort: split
@@ -81,8 +94,13 @@ REUSED = "IDEMPOTENCY_KEY_REUSED"
 TIMEOUT_S = 5.0
 START_TIMEOUT_S = 20.0
 CONCURRENT_CALLS = 50
-ORDER_LEASE_S = 1.0  # drill h: orders runs with a short lease so a crashed claim frees quickly
+ORDER_LEASE_S = 1.0  # drills h, j: a short orders lease, so a dead or frozen claim frees quickly
 RELAY_LEASE_S = 1.5  # drill i: how soon the events a crashed relay claimed are due again
+STALL_MS = 3000  # drill j: how long the stalled replica waits after its claim (it is frozen there)
+RETRY_TIMEOUT_S = 15.0  # drills j-k: calls that span a lease or gRPC's retries
+RESETS = 2  # drill k: connections dropped under the first attempts
+LEASE_LOST = "IDEMPOTENCY_LEASE_LOST"
+RECORDS = "orders_idempotency.records"
 OUTBOX = "orders_idempotency.outbox"
 SERVICES = ("orders", "payments", "notifications", "ledger")
 # The side-effect table of each service; each has order_id and tenant (the scope) columns.
@@ -201,18 +219,29 @@ class Client:
 
 
 class OrdersClient:
-    """PlaceOrder over one channel, raw bytes as for Charge. A plain channel, no retries of its
-    own: each drill makes its attempts explicitly, with one key per logical order."""
+    """PlaceOrder over one channel, raw bytes as for Charge. By default a plain channel, no
+    retries of its own: each drill makes its attempts explicitly, with one key per logical order.
+    Drill k passes the client interceptor and ``channel_options`` instead (key minted, gRPC
+    retries)."""
 
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        interceptors: Sequence[Any] = (),  # grpc.aio client interceptors
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.channel = grpc.aio.insecure_channel(
+            target, options=list(options), interceptors=list(interceptors) or None
+        )
         self._place = self.channel.unary_unary(
             PLACE_ORDER, request_serializer=orders_pb2.PlaceOrderRequest.SerializeToString
         )
 
     async def place(
-        self, tenant: str, key: str, order_id: str, *, timeout: float = TIMEOUT_S
+        self, tenant: str, key: str | None, order_id: str, *, timeout: float = TIMEOUT_S
     ) -> Answer:
+        """One PlaceOrder; ``key`` None sends none (the interceptor, if any, mints one)."""
         request = orders_pb2.PlaceOrderRequest(
             order_id=order_id,
             amount_cents=4200,
@@ -221,7 +250,7 @@ class OrdersClient:
             email="buyer@example.com",
         )
         request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
-        metadata = ((TENANT_HEADER, tenant), (KEY_HEADER, key))
+        metadata = ((TENANT_HEADER, tenant),) + (((KEY_HEADER, key),) if key else ())
         return await _answer(self._place(request, metadata=metadata, timeout=timeout))
 
     async def close(self) -> None:
@@ -316,11 +345,22 @@ class Service:
             return await asyncio.wait_for(self.proc.wait(), timeout)
         return None
 
+    def pause(self) -> None:
+        """SIGSTOP: the process stays, frozen (no renewals, no answers) until ``resume()``."""
+        assert self.proc is not None and self.proc.returncode is None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     async def stop(self) -> None:
         if self.proc is not None:
             proc, self.proc = self.proc, None
             if proc.returncode is None:
                 proc.terminate()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)  # a paused process acts on SIGTERM now
                 try:
                     await asyncio.wait_for(proc.wait(), 5)
                 except TimeoutError:
@@ -396,6 +436,74 @@ class Orders(Service):
             client, self.client = self.client, None
             await client.close()
         await super().stop()
+
+
+class ResettingProxy:
+    """Drill k: a TCP proxy in front of a server; ``reset()`` drops every connection open through
+    it (an RST to the client, a close to the server), as a load balancer restart would."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.connections = 0
+        self._open: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        host, _, port = self.upstream.rpartition(":")
+        try:
+            server_r, server_w = await asyncio.open_connection(host, int(port))
+        except OSError:
+            client_w.transport.abort()
+            return
+        pair = (client_w, server_w)
+        self._open.append(pair)
+        pipes = [
+            asyncio.create_task(self._pipe(client_r, server_w)),
+            asyncio.create_task(self._pipe(server_r, client_w)),
+        ]
+        self._tasks.update(pipes)
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pipes:
+                task.cancel()
+                self._tasks.discard(task)
+            if pair in self._open:
+                self._open.remove(pair)
+            client_w.transport.abort()
+            server_w.transport.abort()
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+    def reset(self) -> int:
+        """Drops the open connections; returns how many."""
+        dropped, self._open = self._open, []
+        for client_w, server_w in dropped:
+            sock = client_w.get_extra_info("socket")
+            if sock is not None:  # linger 0: close with RST, not FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
+            client_w.transport.abort()
+            server_w.transport.abort()
+        return len(dropped)
+
+    async def close(self) -> None:
+        self.reset()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
 
 
 # --- the drills -------------------------------------------------------------------------------
@@ -782,6 +890,149 @@ class Demo:
             if len(keys) > 1 and len(set(keys)) == 1:
                 d.notes.append(f"{service}.attempts: {len(keys)} calls, one child key {keys[0]}")
 
+    # --- j-k: one order attempted twice, by a stalled replica or by gRPC's own retries ---
+
+    async def stalled_past_lease(self, d: Drill) -> None:
+        tenant, key = d.tenants[0], "order-" + uuid.uuid4().hex
+        # A second replica (A) with a short lease that waits after claiming: it holds the claim
+        # and has not charged yet when it is frozen. The running replica (B) takes over.
+        stalled = Orders(self.orders.dsn, _free_port(), self.payments, self.notifications)
+        try:
+            await stalled.start(f"after_claim=sleep:{STALL_MS}", ["--lease", f"{ORDER_LEASE_S:g}"])
+            assert stalled.client is not None and stalled.proc is not None
+            pid = stalled.proc.pid
+            stale = asyncio.create_task(
+                stalled.client.place(tenant, key, d.order_id, timeout=RETRY_TIMEOUT_S)
+            )
+            try:
+                await self.wait_for_claim(tenant, key)
+                stalled.pause()
+                try:
+                    print(f"  orders pid {pid} holds the claim: frozen (SIGSTOP)", flush=True)
+                    waited = await self.wait_for_lease(tenant, key)
+                    print(f"  its lease ran out after {waited:.1f} s (database clock); retrying")
+                    retry = await self.orders_client.place(tenant, key, d.order_id)
+                finally:
+                    stalled.resume()
+                    print(f"  orders pid {pid} resumed (SIGCONT)", flush=True)
+                first = await stale
+            finally:
+                if not stale.done():
+                    stale.cancel()
+        finally:
+            await stalled.stop()
+        d.answers += [retry, first]
+        d.check(retry.ok and not retry.replayed, f"retry: expected a takeover, got {retry.label}")
+        d.check(
+            first.code is grpc.StatusCode.ABORTED and first.reason == LEASE_LOST,
+            f"the stalled attempt: expected ABORTED/{LEASE_LOST.removeprefix('IDEMPOTENCY_')},"
+            f" got {first.label}",
+        )
+        order = retry.order
+        committed = await self.order_rows(tenant, d.order_id)
+        d.check(
+            order is not None and [(order.charge_id, order.email_id)] == committed,
+            f"retry answered {order}, rows: {committed}",
+        )
+        record = await self.record_of(tenant, key)
+        d.check(
+            record is not None and record["state"] == "completed" and record["fencing_token"] == 2,
+            f"expected the record completed by the takeover (fencing token 2), got {record}",
+        )
+        if record is not None:
+            d.notes.append(
+                f"{RECORDS}: {record['state']}, fencing token {record['fencing_token']}"
+                f" (the stalled replica held 1)"
+            )
+        # B charged and emailed with the child keys; A, stalled before its charge, sent nothing
+        # (or, had it got that far, the same child keys: replayed).
+        for service, step in (("payments", CHARGE_STEP), ("notifications", EMAIL_STEP)):
+            keys = await self.attempt_keys(service, tenant)
+            expected = child_key("tenant:" + tenant, key, step)
+            d.check(
+                bool(keys) and set(keys) == {expected},
+                f"{service}.attempts: expected child key {expected[:12]}...,"
+                f" got {[k[:12] if k else k for k in keys]}",
+            )
+
+    async def one_key_across_grpc_retries(self, d: Drill) -> None:
+        tenant = d.tenants[0]
+        # Each attempt waits after its claim: provably inside the handler when its connection
+        # drops (the server then cancels it and releases the claim for the next attempt).
+        await self.orders.start("after_claim=sleep:500")
+        proxy = ResettingProxy(self.orders.address)
+        client = OrdersClient(
+            await proxy.start(),
+            interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
+            options=channel_options([orders_pb2]),
+        )
+        try:
+            with capture_keys() as keys:  # the task's context shares this list
+                call = asyncio.create_task(
+                    client.place(tenant, None, d.order_id, timeout=RETRY_TIMEOUT_S)
+                )
+            try:
+                deadline = time.monotonic() + 10
+                while not keys:  # the interceptor runs once the call has started
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the interceptor minted no key")
+                    await asyncio.sleep(0.01)
+                key = keys[0]
+                for attempt in range(1, RESETS + 1):
+                    await self.wait_for_claim(tenant, key, attempts=attempt)
+                    dropped = proxy.reset()
+                    d.check(dropped == 1, f"attempt {attempt}: {dropped} connections to drop")
+                    print(f"  attempt {attempt} holds the claim: connection reset", flush=True)
+                answer = await call
+            finally:
+                if not call.done():
+                    call.cancel()
+        finally:
+            await client.close()
+            await proxy.close()
+        d.answers.append(answer)
+        d.check(len(keys) == 1, f"the interceptor minted {len(keys)} keys (expected 1)")
+        d.check(answer.ok and not answer.replayed, f"the call: expected OK, got {answer.label}")
+        seen = await self.attempt_keys("orders", tenant)
+        # RESETS + 1 attempts; one more per ABORTED/IN_PROGRESS should a retry outrun a release.
+        d.check(
+            len(seen) > RESETS and set(seen) == {key},
+            f"orders.attempts: expected {RESETS + 1}+ attempts with key {key},"
+            f" got {len(seen)}: {sorted(set(seen))}",
+        )
+        if len(seen) > 1 and len(set(seen)) == 1:
+            d.notes.append(
+                f"orders.attempts: {len(seen)} attempts of one call ({proxy.connections}"
+                f" connections), one minted key {seen[0]}"
+            )
+        await self.expect_child_keys(d, tenant, key, calls=1)
+
+    async def record_of(self, tenant: str, key: str) -> asyncpg.Record | None:
+        """The key's record at orders; ``held``: claimed, its lease running (database clock)."""
+        return await self.db.fetchrow(
+            "SELECT state, fencing_token, state = 'in_progress'"
+            "  AND locked_until > clock_timestamp() AS held"
+            f" FROM {RECORDS} WHERE scope = $1 AND key = $2",
+            "tenant:" + tenant,
+            key,
+        )
+
+    async def wait_for_claim(
+        self, tenant: str, key: str, *, attempts: int = 1, timeout: float = 10.0
+    ) -> None:
+        """Polls until orders received ``attempts`` calls for the tenant and the key is claimed,
+        its lease running: an attempt is inside the handler (a released claim stays in progress,
+        its lease ended)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = len(await self.attempt_keys("orders", tenant))
+            record = await self.record_of(tenant, key)
+            if seen >= attempts and record is not None and record["held"]:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"attempt {attempts} did not claim the key within {timeout} s")
+            await asyncio.sleep(0.01)
+
     async def run(self, d: Drill, drill: Callable[[Drill], Awaitable[None]]) -> Drill:
         print(f"{d.name} ...", flush=True)
         try:
@@ -975,6 +1226,22 @@ def _plan(demo: Demo) -> list[tuple[Drill, Callable[[Drill], Awaitable[None]]]]:
                 {"orders": 2, "payments": 2, "notifications": 2, "ledger": 2},
             ),
             demo.outbox_to_ledger,
+        ),
+        (
+            Drill(
+                "j. orders stalled past its lease",
+                "1 of each; taken over, stalled one ABORTED",
+                once,
+            ),
+            demo.stalled_past_lease,
+        ),
+        (
+            Drill(
+                "k. one key across gRPC retries",
+                "1 of each; 1 call, 3+ attempts, 1 minted key",
+                once,
+            ),
+            demo.one_key_across_grpc_retries,
         ),
     ]
 

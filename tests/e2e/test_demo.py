@@ -28,6 +28,8 @@ DRILLS = (
     "g. two tenants, one order key",
     "h. crash between charge and order",
     "i. outbox to ledger",
+    "j. orders stalled past its lease",
+    "k. one key across gRPC retries",
 )
 
 
