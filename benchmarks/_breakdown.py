@@ -113,7 +113,7 @@ async def _bare(conn: asyncpg.Connection, reset_query: str, order_id: str, timer
 async def _keyed(conn: asyncpg.Connection, statements: Statements, key: str, timer: _Timer) -> None:
     scope = "bench-rt"
     fingerprint = uuid.uuid4().bytes * 2  # 32 bytes, like a SHA-256
-    claim = statements.begin_atomic_claim(
+    claim = statements.claim(
         scope=scope,
         key=key,
         lock_id=claim_lock_id(DEFAULT_SCHEMA, scope, key),
@@ -122,7 +122,8 @@ async def _keyed(conn: asyncpg.Connection, statements: Statements, key: str, tim
         retention_s=86400.0,
         lease_s=30.0,
     )
-    await timer.step("BEGIN+claim+SAVEPOINT", conn.execute(claim))
+    begin_claim = statements.begin_atomic_claim(claim)
+    await timer.step("BEGIN+claim+SAVEPOINT", conn.execute(begin_claim))
     await timer.step("INSERT", conn.execute(_common.INSERT_SQL, *_args(key, "rt_keyed")))
     complete = statements.complete_and_commit(
         scope=scope,

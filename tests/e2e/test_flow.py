@@ -16,9 +16,7 @@ polls ``locked_until <= clock_timestamp()`` too: the database's clock decides, a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +30,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
 from examples.checkout import orders as orders_service
+from examples.checkout.proxy import ResettingProxy
 from examples.checkout.service import open_store, records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, channel_options
@@ -479,73 +478,6 @@ async def test_stalled_owner_past_its_lease_cannot_commit(
 # --- gRPC's own retries keep the minted key ----------------------------------------------------
 
 
-class ResettingProxy:
-    """A TCP proxy in front of a server; ``reset()`` drops every connection open through it (an
-    RST to the client, a close to the server), as a load balancer restart or a flaky link would."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.connections = 0
-        self._open: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            client_w.transport.abort()
-            return
-        pair = (client_w, server_w)
-        self._open.append(pair)
-        pipes = [
-            asyncio.create_task(self._pipe(client_r, server_w)),
-            asyncio.create_task(self._pipe(server_r, client_w)),
-        ]
-        self._tasks.update(pipes)
-        try:
-            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in pipes:
-                task.cancel()
-                self._tasks.discard(task)
-            if pair in self._open:
-                self._open.remove(pair)
-            client_w.transport.abort()
-            server_w.transport.abort()
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-
-    def reset(self) -> int:
-        """Drops the open connections; returns how many."""
-        dropped, self._open = self._open, []
-        for client_w, server_w in dropped:
-            sock = client_w.get_extra_info("socket")
-            if sock is not None:  # linger 0: close with RST, not FIN
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
-            client_w.transport.abort()
-            server_w.transport.abort()
-        return len(dropped)
-
-    async def close(self) -> None:
-        self.reset()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        for task in list(self._tasks):
-            task.cancel()
-
-
 async def test_minted_key_is_the_same_on_every_grpc_retry(
     pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
 ) -> None:
@@ -556,10 +488,10 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
     # handler when its connection drops.
     orders = await start_orders(procs, pg_dsn, downstream, failpoints="after_claim=sleep:1000")
     assert orders.port is not None
-    proxy = ResettingProxy(orders.port)
-    port = await proxy.start()
+    proxy = ResettingProxy(f"127.0.0.1:{orders.port}")
+    address = await proxy.start()
     channel = grpc.aio.insecure_channel(
-        f"127.0.0.1:{port}",
+        address,
         options=channel_options([orders_pb2]),
         interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
     )

@@ -266,6 +266,25 @@ class Store:
             return None if row is None else _record(row)
         raise AssertionError("unreachable")
 
+    def _claim_sql(
+        self,
+        scope: str,
+        key: str,
+        method: str,
+        fingerprint: bytes,
+        retention_s: float,
+        lease_s: float,
+    ) -> str:
+        return self.statements.claim(
+            scope=scope,
+            key=key,
+            lock_id=claim_lock_id(self.schema, scope, key),
+            method=method,
+            fingerprint=fingerprint,
+            retention_s=retention_s,
+            lease_s=lease_s,
+        )
+
     async def claim_atomic(
         self,
         *,
@@ -280,15 +299,8 @@ class Store:
         """Opens the call's transaction and claims the key in it; ``None`` if another attempt
         holds or has recorded the key (look again)."""
         conn = await self._acquire("claiming a key", timeout)
-        sql = self.statements.begin_atomic_claim(
-            scope=scope,
-            key=key,
-            lock_id=claim_lock_id(self.schema, scope, key),
-            method=method,
-            fingerprint=fingerprint,
-            retention_s=retention_s,
-            lease_s=lease_s,
-        )
+        claim = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
+        sql = self.statements.begin_atomic_claim(claim)
         attempt = Attempt(self, conn, _Claim(scope, key, retention_s))
         try:
             await conn.execute(sql)
@@ -327,15 +339,7 @@ class Store:
     ) -> PhasedClaim | None:
         """Claims the key in a statement of its own, committed with a lease; ``None`` if another
         attempt holds or has recorded the key (look again)."""
-        sql = self.statements.claim(
-            scope=scope,
-            key=key,
-            lock_id=claim_lock_id(self.schema, scope, key),
-            method=method,
-            fingerprint=fingerprint,
-            retention_s=retention_s,
-            lease_s=lease_s,
-        )
+        sql = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
         async with self.connection("claiming a key", timeout) as conn:
             try:
                 token: int = await conn.fetchval(sql)

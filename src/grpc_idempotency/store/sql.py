@@ -100,26 +100,9 @@ class Statements:
             f"{float_literal(retention_s)}, {float_literal(lease_s)})"
         )
 
-    def begin_atomic_claim(
-        self,
-        *,
-        scope: str,
-        key: str,
-        lock_id: int,
-        method: str,
-        fingerprint: bytes,
-        retention_s: float,
-        lease_s: float,
-    ) -> str:
-        claim = self.claim(
-            scope=scope,
-            key=key,
-            lock_id=lock_id,
-            method=method,
-            fingerprint=fingerprint,
-            retention_s=retention_s,
-            lease_s=lease_s,
-        )
+    @staticmethod
+    def begin_atomic_claim(claim: str) -> str:
+        """``claim`` (from ``claim()``) as the first statement of the call's transaction."""
         return f"BEGIN ISOLATION LEVEL READ COMMITTED; {claim}; SAVEPOINT {SAVEPOINT}"
 
     def begin_final(self, *, scope: str, key: str, token: int, lock_id: int) -> str:
