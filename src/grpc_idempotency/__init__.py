@@ -25,6 +25,7 @@ from grpc_idempotency.consumer import (
 )
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
+    HandlerDatabaseError,
     IdempotencyError,
     KeyInProgress,
     KeyInvalid,
@@ -33,13 +34,17 @@ from grpc_idempotency.core.errors import (
     LeaseLost,
     NotInIdempotentCall,
     PolicyError,
+    ResponseTooLarge,
     ScopeUnavailable,
+    StoreMisconfigured,
     StoreUnavailable,
+    TransactionConflict,
 )
 from grpc_idempotency.core.keys import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.core.lifecycle import CallOutcome
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.core.policy import (
+    Isolation,
     KeyRequirement,
     MethodOverride,
     MethodPolicy,
@@ -83,11 +88,13 @@ __all__ = [
     "DeliveryError",
     "DeliveryPolicy",
     "GrpcSink",
+    "HandlerDatabaseError",
     "IdempotencyClientInterceptor",
     "IdempotencyError",
     "IdempotencyInterceptor",
     "IdempotentCall",
     "IdempotentConsumer",
+    "Isolation",
     "KeyInProgress",
     "KeyInvalid",
     "KeyMissing",
@@ -107,6 +114,7 @@ __all__ = [
     "PolicyError",
     "Purger",
     "Relay",
+    "ResponseTooLarge",
     "RetryPolicy",
     "ScopeResolver",
     "ScopeUnavailable",
@@ -117,8 +125,10 @@ __all__ = [
     "StepUndeclared",
     "Store",
     "StoreDown",
+    "StoreMisconfigured",
     "StoreUnavailable",
     "Telemetry",
+    "TransactionConflict",
     "TransactionOpen",
     "capture_keys",
     "channel_options",

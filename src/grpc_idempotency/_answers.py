@@ -77,6 +77,11 @@ def error_trailers(err: IdempotencyError) -> tuple[tuple[str, str | bytes], ...]
     return tuple(trailers)
 
 
+def recorded_error(err: IdempotencyError) -> Outcome:
+    """``err`` as an outcome to record: replayed with the same status, message and details."""
+    return Outcome(err.status_code, err.message, details_in(error_trailers(err)))
+
+
 async def abort(context: Context, err: IdempotencyError) -> NoReturn:
     await context.abort(grpc_code(err.status_code), err.message, error_trailers(err))
     raise AssertionError("context.abort returned")  # pragma: no cover

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TypeAlias
 
-from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
 if TYPE_CHECKING:
@@ -216,7 +216,14 @@ async def _with_store(args: argparse.Namespace) -> int:
         return 2
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
-    store = await Store.connect(args.dsn, schema=args.schema, min_size=1, max_size=pool_size)
+    store = await Store.connect(
+        args.dsn,
+        schema=args.schema,
+        min_size=1,
+        max_size=pool_size,
+        # Every command but migrate needs the schema in place, and says so plainly if it is not.
+        check_schema=args.command != "migrate",
+    )
     try:
         if args.command == "migrate":
             applied = await store.migrate()
@@ -414,6 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args.against, args.new, now=args.now)
     try:
         return asyncio.run(_with_store(args))
+    except StoreMisconfigured as err:
+        # Not migrated, no such database, no privilege: retrying will not help (exit 2).
+        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        return 2
     except StoreUnavailable as err:
         print(f"grpc-idempotency: {err}", file=sys.stderr)
         return 1

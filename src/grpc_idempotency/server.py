@@ -40,7 +40,9 @@ from grpc_idempotency.core.errors import (
     KeyReused,
     LeaseLost,
     PolicyError,
+    ResponseTooLarge,
     StoreUnavailable,
+    TransactionConflict,
 )
 from grpc_idempotency.core.keys import KEY_HEADER, key_from_metadata, validate_scope
 from grpc_idempotency.core.lifecycle import (
@@ -64,7 +66,7 @@ from grpc_idempotency.core.policy import (
 )
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
-from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store
+from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store, handler_error
 from grpc_idempotency.telemetry import Telemetry
 
 log = logging.getLogger("grpc_idempotency.server")
@@ -325,6 +327,7 @@ class IdempotencyInterceptor(_Interceptor):
                     fingerprint=fingerprint,
                     retention_s=policy.retention.total_seconds(),
                     lease_s=policy.lease.total_seconds(),
+                    isolation=policy.isolation,
                     timeout=answers.time_remaining(context),
                 )
                 if claim is None:
@@ -361,6 +364,7 @@ class IdempotencyInterceptor(_Interceptor):
             fingerprint=fingerprint,
             retention_s=policy.retention.total_seconds(),
             lease_s=policy.lease.total_seconds(),
+            isolation=policy.isolation,
             timeout=answers.time_remaining(call.context),
         )
 
@@ -435,10 +439,17 @@ class IdempotencyInterceptor(_Interceptor):
             return _Result(response)
 
         data: bytes | None = None
+        too_large: ResponseTooLarge | None = None
         try:
             if what is Finish.RECORD:
                 data = answers.serialize(call.method.serializer, response)
                 outcome = Outcome(Code.OK, context.details() or "", None, data)
+                if len(data) > policy.max_response_bytes:
+                    # Stored or not, such a response would fail every retry the same way (or
+                    # reach no client): record that, and not the writes behind it.
+                    too_large = _too_large(policy, len(data))
+                    what, data, aborted = Finish.RECORD_ERROR, None, None
+                    outcome = answers.recorded_error(too_large)
             elif aborted is not None:
                 details = answers.details_in(aborted.trailing_metadata)
                 outcome = Outcome(code, aborted.details or "", details)
@@ -456,7 +467,7 @@ class IdempotencyInterceptor(_Interceptor):
                 await attempt.record(outcome)
             else:
                 await attempt.record_error(outcome)
-        except (StoreUnavailable, LeaseLost) as err:
+        except (StoreUnavailable, LeaseLost, TransactionConflict) as err:
             # Nothing was recorded: the answer says so instead of what the handler wanted.
             lost = isinstance(err, LeaseLost)
             call.outcome = CallOutcome.RELEASED if lost else CallOutcome.UNAVAILABLE
@@ -471,6 +482,8 @@ class IdempotencyInterceptor(_Interceptor):
         shared = _Shared(fingerprint, outcome)
         if failpoints.ENABLED:
             await failpoints.hit("after_commit_before_response")
+        if too_large is not None:
+            await answers.abort(context, too_large)
         if aborted is not None:
             await aborted.send(context)
         if data is None:
@@ -561,14 +574,22 @@ class IdempotencyInterceptor(_Interceptor):
         return await self._finish(call, response, aborted, fingerprint, executed, final, claim)
 
     async def _invoke(self, call: _Call) -> Any:
-        """Runs the handler with its aborts deferred (``DeferredAbort``)."""
+        """Runs the handler with its aborts deferred (``DeferredAbort``). A database error that
+        escapes it (a lost connection, a serialization failure, a failed statement) becomes an
+        ``IdempotencyError`` with the right status instead of UNKNOWN with the driver's text."""
         method = call.method
-        if method.is_async:
-            return await method.handler(call.request, KeyedContext(call.context))
-        # A sync handler would block the event loop (and every other call) while it runs.
-        loop = asyncio.get_running_loop()
-        context = SyncContext(call.context, loop)
-        return await asyncio.to_thread(method.handler, call.request, context)
+        try:
+            if method.is_async:
+                return await method.handler(call.request, KeyedContext(call.context))
+            # A sync handler would block the event loop (and every other call) while it runs.
+            loop = asyncio.get_running_loop()
+            context = SyncContext(call.context, loop)
+            return await asyncio.to_thread(method.handler, call.request, context)
+        except Exception as exc:
+            mapped = handler_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
 
     async def _run_without_store(self, call: _Call) -> Any:
         """Fail-open: the handler runs with no transaction and no deduplication."""
@@ -578,6 +599,8 @@ class IdempotencyInterceptor(_Interceptor):
             return await self._invoke(call)
         except DeferredAbort as aborted:
             await aborted.send(call.context)
+        except IdempotencyError as err:
+            await answers.abort(call.context, err)
         finally:
             call_context.unbind(bound)
 
@@ -586,7 +609,9 @@ class IdempotencyInterceptor(_Interceptor):
         the handler's code is the same with and without a key."""
         policy, context = call.policy, call.context
         try:
-            tx = await self.store.begin(timeout=answers.time_remaining(context))
+            tx = await self.store.begin(
+                isolation=policy.isolation, timeout=answers.time_remaining(context)
+            )
         except StoreUnavailable as err:
             if policy.store_down is StoreDown.FAIL_OPEN:
                 return await self._run_without_store(call)
@@ -600,6 +625,9 @@ class IdempotencyInterceptor(_Interceptor):
         except DeferredAbort as aborted:
             await asyncio.shield(tx.rollback())
             await aborted.send(context)
+        except IdempotencyError as err:
+            await asyncio.shield(tx.rollback())
+            await answers.abort(context, err)
         except BaseException:
             await asyncio.shield(tx.rollback())
             raise
@@ -608,7 +636,7 @@ class IdempotencyInterceptor(_Interceptor):
         if answers.code_of(context) is Code.OK:
             try:
                 await asyncio.shield(tx.commit())
-            except StoreUnavailable as err:
+            except (StoreUnavailable, TransactionConflict) as err:
                 await answers.abort(context, err)
         else:
             await asyncio.shield(tx.rollback())
@@ -670,6 +698,20 @@ class _LeaseKeeper:
 def _deadline(context: Context) -> float | None:
     remaining = answers.time_remaining(context)
     return None if remaining is None else time.monotonic() + remaining
+
+
+def _too_large(policy: MethodPolicy, size: int) -> ResponseTooLarge:
+    log.warning(
+        "%s: response of %d bytes exceeds max_response_bytes (%d); recorded as an error",
+        policy.method,
+        size,
+        policy.max_response_bytes,
+    )
+    return ResponseTooLarge(
+        f"{policy.method}: the response ({size} bytes) exceeds max_response_bytes"
+        f" ({policy.max_response_bytes}); the operation's writes were rolled back and this"
+        " answer is recorded for its key"
+    )
 
 
 def _reused() -> KeyReused:

@@ -249,7 +249,8 @@ async def test_expired_record_with_another_payload_is_a_new_operation(
     key, account = fresh(), fresh("acct")
     await call_raw(ledger.channel, POST, post(account, 1), metadata(key))
     await store.pool.execute(
-        "UPDATE grpc_idempotency.records SET expires_at = clock_timestamp() - interval '1 second'"
+        "UPDATE grpc_idempotency.records SET expires_at = clock_timestamp() - interval '1 second',"
+        " retention = interval '0'"
         " WHERE scope = $1 AND key = $2",
         "tenant:tenant-a",
         key,

@@ -11,6 +11,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
+from grpc_idempotency.client import Operation, RetryPolicy
 from tests.integration.test_concurrency import until
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
 from tests.support.wire import call_raw
@@ -186,22 +187,54 @@ async def test_a_final_transaction_outliving_its_lease_does_not_block_other_repl
     """The final transaction holds the key's claim lock: a competing claim fails fast and waits
     without a connection, instead of queueing on the row lock for as long as the owner takes."""
     key, account = fresh(), fresh("acct")
-    async with running_ledger(store) as a, running_ledger(store) as b:
+    async with store.pool.acquire() as gate, running_ledger(store) as a, running_ledger(store) as b:
+        await gate.execute("SELECT pg_advisory_lock(hashtext($1))", account)
         owner = asyncio.ensure_future(
-            call_raw(a.channel, PHASED, post(account, "hold"), metadata(key))
+            call_raw(a.channel, PHASED, post(account, "busy"), metadata(key))
         )
         await a.service.started.wait()  # inside the final transaction, lease no longer renewed
         await until(lambda: _lease_over(store, key), timeout=5)
         started = asyncio.get_running_loop().time()
-        dup = await call_raw(b.channel, PHASED, post(account, "hold"), metadata(key), timeout=5)
+        dup = await call_raw(b.channel, PHASED, post(account, "busy"), metadata(key), timeout=5)
         waited = asyncio.get_running_loop().time() - started
         assert dup.code is grpc.StatusCode.ABORTED and dup.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
         assert waited < 2.0  # max_wait is 1 s; it did not sit on the row lock until release
         assert b.service.executions == 0
-        a.service.release.set()
+        await gate.execute("SELECT pg_advisory_unlock(hashtext($1))", account)
         assert (await owner).code is grpc.StatusCode.OK
-        replay = await call_raw(b.channel, PHASED, post(account, "hold"), metadata(key))
+        replay = await call_raw(b.channel, PHASED, post(account, "busy"), metadata(key))
         assert replay.replayed
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_a_final_transaction_left_idle_past_its_lease_is_ended_by_postgres(
+    store: Store,
+) -> None:
+    """An owner that stalls inside its final transaction (frozen process, partition) does not
+    keep the key: PostgreSQL ends its session once it has sat idle for the lease, the claim lock
+    goes with it, and another replica takes the operation over. The stalled owner cannot commit."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as a, running_ledger(store) as b:
+        owner = asyncio.ensure_future(
+            call_raw(a.channel, PHASED, post(account, "hold"), metadata(key))
+        )
+        await a.service.started.wait()  # idle inside the final transaction
+        b.service.release.set()  # B's own run of the handler does not stall
+        # Without the bound, this retry would get IN_PROGRESS for as long as A stays stalled.
+        retry = RetryPolicy(max_attempts=40, initial_backoff_s=0.05, max_backoff_s=0.5)
+        taken_over = await Operation(key).call(
+            b.stub.PostPhased,
+            post(account, "hold"),
+            metadata=metadata(None),
+            retry=retry,
+            timeout=5,
+        )
+        assert taken_over.account == account and b.service.executions == 1
+        a.service.release.set()
+        stalled = await owner
+        assert stalled.code is not grpc.StatusCode.OK
+        replay = await call_raw(a.channel, PHASED, post(account, "hold"), metadata(key))
+        assert replay.replayed and replay.body == taken_over.SerializeToString()
     assert await ledger_rows(store, account) == 1
 
 

@@ -3,7 +3,9 @@
 ``behaviour`` in the request steers the handler after its write: "" answers OK; a status code
 name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and returns; "raise" raises;
 "sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event);
-"commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves.
+"commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves;
+"hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
+the test lets go of the advisory lock ``hashtext(account)``.
 """
 
 from __future__ import annotations
@@ -104,9 +106,14 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             call.scope,
         )
         if behaviour == "hold":
-            # Keeps the (final) transaction open until the test releases it.
+            # Keeps the (final) transaction open, idle, until the test releases it.
             self.started.set()
             await self.release.wait()
+        if behaviour == "busy":
+            # Keeps the (final) transaction busy in a statement (not idle) until the test lets
+            # go of an advisory lock keyed by the account.
+            self.started.set()
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", request.account)
         if behaviour.startswith("commit"):
             # A misbehaving handler that ends the library's transaction itself.
             await conn.execute("COMMIT")

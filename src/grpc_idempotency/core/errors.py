@@ -8,6 +8,10 @@
     ├── KeyReused                        FAILED_PRECONDITION IDEMPOTENCY_KEY_REUSED
     ├── KeyInProgress                    ABORTED           IDEMPOTENCY_KEY_IN_PROGRESS (retry_after)
     ├── StoreUnavailable                 UNAVAILABLE       IDEMPOTENCY_STORE_UNAVAILABLE
+    │   └── StoreMisconfigured           INTERNAL          IDEMPOTENCY_STORE_MISCONFIGURED
+    ├── TransactionConflict              ABORTED           IDEMPOTENCY_TRANSACTION_CONFLICT
+    ├── HandlerDatabaseError             INTERNAL          IDEMPOTENCY_HANDLER_DATABASE_ERROR
+    ├── ResponseTooLarge                 FAILED_PRECONDITION IDEMPOTENCY_RESPONSE_TOO_LARGE
     ├── LeaseLost                        ABORTED           IDEMPOTENCY_LEASE_LOST
     └── NotInIdempotentCall              FAILED_PRECONDITION (programming error: no current call)
 
@@ -75,6 +79,45 @@ class KeyInProgress(IdempotencyError):
 class StoreUnavailable(IdempotencyError):
     status_code = Code.UNAVAILABLE
     reason = "IDEMPOTENCY_STORE_UNAVAILABLE"
+
+
+class StoreMisconfigured(StoreUnavailable):
+    """The store answers, but permanently wrongly: schema not migrated, no such database or
+    schema, missing privileges, bad credentials. Not retryable: a retry gets the same answer
+    until an operator acts, so it travels as INTERNAL (which clients do not retry) and is logged
+    with its cause. A subclass of ``StoreUnavailable`` because the store cannot be used either
+    way (a fail-open method runs without it)."""
+
+    status_code = Code.INTERNAL
+    reason = "IDEMPOTENCY_STORE_MISCONFIGURED"
+
+
+class TransactionConflict(IdempotencyError):
+    """The call's transaction lost a serialization race (SQLSTATE 40001, a deadlock, a lock
+    timeout) and was rolled back with everything it wrote; the key is released, so a retry runs
+    it again. ABORTED is the status gRPC reserves for this and that retry policies retry."""
+
+    status_code = Code.ABORTED
+    reason = "IDEMPOTENCY_TRANSACTION_CONFLICT"
+
+
+class HandlerDatabaseError(IdempotencyError):
+    """A statement the handler ran on the call's connection failed and the handler did not
+    handle it (a constraint, a missing table of its own, ...). The writes are rolled back and the
+    key released; the driver's text stays in the server log instead of travelling to clients."""
+
+    status_code = Code.INTERNAL
+    reason = "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
+
+
+class ResponseTooLarge(IdempotencyError):
+    """The handler's response is larger than the method's ``max_response_bytes``. Recorded (and
+    replayed) instead of the response, with the handler's writes rolled back: a response too
+    large to store, or for the client to receive, must not look like a failure that a retry
+    could fix while the writes behind it had committed."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_RESPONSE_TOO_LARGE"
 
 
 class LeaseLost(IdempotencyError):

@@ -25,6 +25,8 @@ from grpc_idempotency.v1 import options_pb2
 DEFAULT_RETENTION = timedelta(hours=24)
 DEFAULT_LEASE = timedelta(seconds=30)
 DEFAULT_MAX_WAIT = timedelta(seconds=5)
+# Below gRPC's default 4 MiB receive limit, so that whatever is stored can also be received.
+DEFAULT_MAX_RESPONSE_BYTES = 1 << 20
 
 
 class KeyRequirement(enum.Enum):
@@ -40,6 +42,14 @@ class Mode(enum.Enum):
 class StoreDown(enum.Enum):
     FAIL_CLOSED = "fail_closed"
     FAIL_OPEN = "fail_open"
+
+
+class Isolation(enum.Enum):
+    """A transaction isolation level; the value is PostgreSQL's spelling."""
+
+    READ_COMMITTED = "read committed"
+    REPEATABLE_READ = "repeatable read"
+    SERIALIZABLE = "serializable"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +82,8 @@ class MethodOverride:
     recorded_errors: Iterable[Code] | None = None
     store_down: StoreDown | None = None
     steps: Iterable[Step] | None = None
+    isolation: Isolation | None = None
+    max_response_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +99,9 @@ class MethodPolicy:
     store_down: StoreDown
     steps: tuple[Step, ...]
     fingerprint: Fingerprinter = field(repr=False)
+    isolation: Isolation | None = None
+    """``None``: the database's default isolation."""
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
 
 def method_path(method: MethodDescriptor) -> str:
@@ -109,6 +124,12 @@ _MODE = {
     options_pb2.MODE_UNSPECIFIED: Mode.ATOMIC,
     options_pb2.MODE_ATOMIC: Mode.ATOMIC,
     options_pb2.MODE_PHASED: Mode.PHASED,
+}
+_ISOLATION = {
+    options_pb2.ISOLATION_UNSPECIFIED: None,
+    options_pb2.ISOLATION_READ_COMMITTED: Isolation.READ_COMMITTED,
+    options_pb2.ISOLATION_REPEATABLE_READ: Isolation.REPEATABLE_READ,
+    options_pb2.ISOLATION_SERIALIZABLE: Isolation.SERIALIZABLE,
 }
 _STORE_DOWN = {
     options_pb2.STORE_DOWN_UNSPECIFIED: StoreDown.FAIL_CLOSED,
@@ -182,6 +203,10 @@ def compile_policy(
         store_down=ov.store_down or _STORE_DOWN[options.store_down],
         steps=steps,
         fingerprint=Fingerprinter.for_method(path, method.input_type),
+        isolation=ov.isolation or _isolation(options, path),
+        max_response_bytes=ov.max_response_bytes
+        or options.max_response_bytes
+        or DEFAULT_MAX_RESPONSE_BYTES,
     )
     if policy.retention <= timedelta(0):
         raise fail("retention must be positive")
@@ -189,7 +214,16 @@ def compile_policy(
         raise fail("lease must be positive")
     if policy.max_wait < timedelta(0):
         raise fail("max_wait may not be negative")
+    if policy.max_response_bytes < 0:
+        raise fail("max_response_bytes may not be negative")
     return policy
+
+
+def _isolation(options: options_pb2.MethodPolicy, path: str) -> Isolation | None:
+    try:
+        return _ISOLATION[options.isolation]
+    except KeyError:
+        raise PolicyError(f"{path}: unknown isolation {options.isolation}") from None
 
 
 def _steps_of(options: options_pb2.MethodPolicy) -> tuple[Step, ...]:

@@ -26,6 +26,11 @@ _STORE_DOWN = {
     options_pb2.STORE_DOWN_FAIL_CLOSED: "FAIL_CLOSED",
     options_pb2.STORE_DOWN_FAIL_OPEN: "FAIL_OPEN",
 }
+_ISOLATION = {
+    options_pb2.ISOLATION_READ_COMMITTED: "READ_COMMITTED",
+    options_pb2.ISOLATION_REPEATABLE_READ: "REPEATABLE_READ",
+    options_pb2.ISOLATION_SERIALIZABLE: "SERIALIZABLE",
+}
 
 
 class NameClash(Exception):
@@ -118,7 +123,8 @@ class _Renderer:
         if "Message" in self.needs:
             third.append("from google.protobuf.message import Message")
         library = sorted(
-            self.needs & {"Code", "KeyRequirement", "MethodOverride", "Mode", "Step", "StoreDown"}
+            self.needs
+            & {"Code", "Isolation", "KeyRequirement", "MethodOverride", "Mode", "Step", "StoreDown"}
         )
         if "step_metadata" in self.needs:
             library.append("step_metadata")
@@ -201,6 +207,11 @@ class _Renderer:
         if declared.store_down in _STORE_DOWN:
             self.needs.add("StoreDown")
             fields.append(f"store_down=StoreDown.{_STORE_DOWN[declared.store_down]},")
+        if declared.isolation in _ISOLATION:
+            self.needs.add("Isolation")
+            fields.append(f"isolation=Isolation.{_ISOLATION[declared.isolation]},")
+        if declared.max_response_bytes:
+            fields.append(f"max_response_bytes={declared.max_response_bytes},")
         if declared.steps:
             self.needs.add("Step")
             fields.append("steps=(")

@@ -11,8 +11,10 @@ the application's clock. Errors below this module are asyncpg's and the OS's; ab
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -20,11 +22,20 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import asyncpg
 
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import LeaseLost, StoreUnavailable
+from grpc_idempotency.core.db_failures import Failure, classify
+from grpc_idempotency.core.errors import (
+    HandlerDatabaseError,
+    IdempotencyError,
+    LeaseLost,
+    StoreMisconfigured,
+    StoreUnavailable,
+    TransactionConflict,
+)
 from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
+from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
-from grpc_idempotency.store.sql import Statements
+from grpc_idempotency.store.sql import SAVEPOINT, Statements
 
 log = logging.getLogger("grpc_idempotency.store")
 
@@ -41,13 +52,98 @@ _ALREADY_RECORDED = "GI002"
 _CLAIM_LOST = "GI003"
 
 
-class _ClaimNotTaken(Exception):
-    """Internal: the claim lost a race; the caller looks again."""
+# Outcomes up to this size are inlined in the batched commit (one round trip); larger ones
+# travel as binary bind parameters (hex literals would double them on the wire and in memory).
+INLINE_OUTCOME_BYTES = 16 * 1024
+# A rollback after a failure gets this long before the connection is dropped instead: after a
+# partition the connection may never answer again.
+_ROLLBACK_TIMEOUT_S = 2.0
+_DEFAULT_COMMAND_TIMEOUT_S = 30.0
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    state = getattr(exc, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+class _MisconfiguredLog:
+    """Logs permanent store errors with their cause, at most once a minute per SQLSTATE: every
+    call fails the same way until an operator acts, and the log must say why, not drown."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self._every_s = every_s
+        self._last: dict[str | None, float] = {}
+
+    def __call__(self, exc: BaseException, doing: str) -> None:
+        state = _sqlstate(exc)
+        now = time.monotonic()
+        if now - self._last.get(state, -self._every_s) < self._every_s:
+            return
+        self._last[state] = now
+        log.error(
+            "idempotency store misconfigured while %s (SQLSTATE %s): %s; every keyed call fails"
+            " until this is fixed (missing migrations: run `grpc-idempotency migrate`)",
+            doing,
+            state,
+            exc,
+        )
+
+
+_log_misconfigured = _MisconfiguredLog()
 
 
 def _unavailable(exc: BaseException, doing: str) -> StoreUnavailable:
-    detail = getattr(exc, "sqlstate", None) or type(exc).__name__
+    """The store's own statement failed: unavailable (retryable) or misconfigured (not)."""
+    state = _sqlstate(exc)
+    if classify(state) is Failure.MISCONFIGURED:
+        _log_misconfigured(exc, doing)
+        return StoreMisconfigured(
+            f"idempotency store misconfigured while {doing} (SQLSTATE {state}); see server log"
+        )
+    detail = state or type(exc).__name__
     return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
+
+
+def _lost_race(exc: asyncpg.PostgresError) -> bool:
+    """A claim that failed this way lost to a concurrent attempt: look again. Besides the claim
+    function's own codes, at REPEATABLE READ or SERIALIZABLE a concurrent claim that committed
+    after this transaction's snapshot is a serialization failure (DESIGN pitfall 7)."""
+    state = exc.sqlstate
+    return state in (_CLAIM_BUSY, _ALREADY_RECORDED) or classify(state) is Failure.CONFLICT
+
+
+def _raised_in_asyncpg(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("asyncpg."):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def handler_error(exc: BaseException) -> IdempotencyError | None:
+    """What a database error that escaped the handler (raised by a statement it ran on the
+    call's connection) answers; ``None`` when ``exc`` is not a database error. The key is
+    released in every case; only the status differs."""
+    if isinstance(exc, (OSError, TimeoutError)):
+        # Also what the handler's own network calls raise: only asyncpg's are the store's.
+        if not _raised_in_asyncpg(exc):
+            return None
+    elif not isinstance(exc, STORE_ERRORS):
+        return None
+    state = _sqlstate(exc)
+    failure = classify(state)
+    if isinstance(exc, asyncpg.PostgresError) and failure is Failure.CONFLICT:
+        return TransactionConflict(
+            f"the call's transaction was rolled back by a conflict (SQLSTATE {state});"
+            " nothing was recorded: retry"
+        )
+    if failure is Failure.UNAVAILABLE or not isinstance(exc, asyncpg.PostgresError):
+        return _unavailable(exc, "running the handler")
+    log.error("the handler's database statement failed (SQLSTATE %s)", state, exc_info=exc)
+    return HandlerDatabaseError(
+        f"the handler's database statement failed (SQLSTATE {state}); nothing was recorded"
+    )
 
 
 # What a broken or unreachable database looks like from asyncpg.
@@ -84,10 +180,13 @@ class Attempt:
     back to the pool in every case.
     """
 
-    def __init__(self, store: Store, conn: PooledConnection, claim: _Claim) -> None:
+    def __init__(
+        self, store: Store, conn: PooledConnection, claim: _Claim, timeout: float | None = None
+    ) -> None:
         self._store = store
         self.connection = conn
         self._claim = claim
+        self._timeout = timeout
         self._done = False
 
     async def record(self, outcome: Outcome) -> None:
@@ -101,25 +200,51 @@ class Attempt:
 
     async def _complete(self, outcome: Outcome, *, discard_writes: bool) -> None:
         conn = self.connection
+        c = self._claim
+        message = outcome.message.replace("\x00", "\ufffd")
+        size = len(outcome.response or b"") + len(outcome.details or b"")
         try:
             if not conn.is_in_transaction():
                 raise LeaseLost("the handler ended the call's transaction itself; nothing recorded")
-            sql = self._store.statements.complete_and_commit(
-                scope=self._claim.scope,
-                key=self._claim.key,
-                token=self._claim.token,
-                code=int(outcome.code),
-                message=outcome.message.replace("\x00", "\ufffd"),
-                details=outcome.details,
-                response=outcome.response,
-                retention_s=self._claim.retention_s,
-                discard_writes=discard_writes,
-            )
-            await conn.execute(sql)
+            if size <= INLINE_OUTCOME_BYTES:
+                sql = self._store.statements.complete_and_commit(
+                    scope=c.scope,
+                    key=c.key,
+                    token=c.token,
+                    code=int(outcome.code),
+                    message=message,
+                    details=outcome.details,
+                    response=outcome.response,
+                    retention_s=c.retention_s,
+                    discard_writes=discard_writes,
+                )
+                await conn.execute(sql, timeout=self._timeout)
+            else:
+                # Two more round trips, a small price next to shipping the bytes as text.
+                if discard_writes:
+                    await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", timeout=self._timeout)
+                await conn.execute(
+                    self._store.statements.complete,
+                    c.scope,
+                    c.key,
+                    c.token,
+                    int(outcome.code),
+                    message,
+                    outcome.details,
+                    outcome.response,
+                    c.retention_s,
+                    timeout=self._timeout,
+                )
+                await conn.execute("COMMIT", timeout=self._timeout)
         except asyncpg.PostgresError as exc:
             await self._rollback_quietly()
             if exc.sqlstate == _CLAIM_LOST:
                 raise LeaseLost("the claim was lost before commit; nothing recorded") from exc
+            if classify(exc.sqlstate) is Failure.CONFLICT:
+                raise TransactionConflict(
+                    f"the commit failed on a serialization conflict (SQLSTATE {exc.sqlstate});"
+                    " nothing was recorded: retry"
+                ) from exc
             raise _unavailable(exc, "committing the outcome") from exc
         except LeaseLost:
             await self._rollback_quietly()
@@ -142,7 +267,7 @@ class Attempt:
         try:
             if conn.is_closed() or not conn.is_in_transaction():
                 return
-            await conn.execute("ROLLBACK")
+            await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
         except STORE_ERRORS:
             # The transaction dies with the connection; make sure the pool does not reuse it.
             # (asyncpg may have detached the proxy of a lost connection already: then even
@@ -181,7 +306,9 @@ class Store:
         min_size: int = 2,
         max_size: int = 10,
         acquire_timeout: float | None = None,
+        command_timeout: float | None = _DEFAULT_COMMAND_TIMEOUT_S,
         migrate: bool = False,
+        check_schema: bool = True,
         **pool_options: Any,
     ) -> Store:
         """Opens a pool for the store (and for handlers' writes, which share its transaction).
@@ -190,24 +317,69 @@ class Store:
         does. ``None`` (the default) waits as long as the call may, without arming a timer when
         it has no deadline.
 
+        ``command_timeout`` (asyncpg's: the default timeout of every statement on the pool's
+        connections, the handlers' included; pass ``timeout=`` on a statement to override it)
+        bounds how long a call can hang on a database that stopped answering, e.g. behind a
+        network partition. ``None`` waits forever.
+
         ``migrate=True`` applies missing migrations first; production deployments usually run
-        ``grpc-idempotency migrate`` instead.
+        ``grpc-idempotency migrate`` instead. Otherwise ``check_schema`` (the default) verifies
+        that the schema is migrated and raises ``StoreMisconfigured`` naming the fix if not, so a
+        server does not start only to fail every keyed call.
         """
         pool_options.setdefault("reset", _no_session_reset)
         pool_options.setdefault("server_settings", {"application_name": "grpc-idempotency"})
         try:
             pool = await asyncpg.create_pool(
-                dsn, min_size=min_size, max_size=max_size, **pool_options
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                command_timeout=command_timeout,
+                **pool_options,
             )
         except STORE_ERRORS as exc:
             raise _unavailable(exc, "connecting") from exc
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
-        if migrate:
-            await store.migrate()
+        try:
+            if migrate:
+                await store.migrate()
+            elif check_schema:
+                await store.check_schema()
+        except BaseException:
+            await store.close()
+            raise
         return store
 
-    async def close(self) -> None:
-        await self.pool.close()
+    async def close(self, timeout: float = 10.0) -> None:
+        """Closes the pool; connections that do not close in ``timeout`` (a partitioned
+        database never answers) are dropped."""
+        try:
+            await asyncio.wait_for(self.pool.close(), timeout)
+        except TimeoutError:
+            self.pool.terminate()
+
+    async def check_schema(self) -> None:
+        """Raises ``StoreMisconfigured`` unless every migration this version of the library
+        needs has been applied to the store's schema."""
+        async with self.connection("checking the schema") as conn:
+            applied = set(await migrations.applied_versions(conn, self.schema))
+        wanted = [m.version for m in migrations.available_migrations()]
+        missing = [v for v in wanted if v not in applied]
+        if missing:
+            state = f"at version {max(applied)}" if applied else "not created"
+            raise StoreMisconfigured(
+                f"the idempotency schema {self.schema!r} is {state}; this version of"
+                f" grpc-idempotency needs migrations {missing}: run `grpc-idempotency migrate"
+                f" --dsn DSN --schema {self.schema}` (or Store.connect(..., migrate=True))"
+            )
+        newer = sorted(v for v in applied if v > max(wanted))
+        if newer:
+            log.warning(
+                "schema %r has migrations %s that this version of grpc-idempotency does not"
+                " know (a newer release migrated it); running anyway",
+                self.schema,
+                newer,
+            )
 
     async def migrate(self) -> list[int]:
         async with self.connection("migrating") as conn:
@@ -294,19 +466,25 @@ class Store:
         fingerprint: bytes,
         retention_s: float,
         lease_s: float,
+        isolation: Isolation | None = None,
         timeout: float | None = None,
     ) -> Attempt | None:
         """Opens the call's transaction and claims the key in it; ``None`` if another attempt
-        holds or has recorded the key (look again)."""
+        holds or has recorded the key (look again).
+
+        The transaction may sit idle for at most ``lease_s`` (the atomic lease): a frozen or
+        partitioned owner loses the claim then, and a retry can take the key."""
         conn = await self._acquire("claiming a key", timeout)
         claim = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
-        sql = self.statements.begin_atomic_claim(claim)
-        attempt = Attempt(self, conn, _Claim(scope, key, retention_s))
+        sql = self.statements.begin_atomic_claim(
+            claim, isolation=_level(isolation), idle_timeout_s=lease_s
+        )
+        attempt = Attempt(self, conn, _Claim(scope, key, retention_s), _commit_timeout(lease_s))
         try:
-            await conn.execute(sql)
+            await conn.execute(sql, timeout=timeout)
         except asyncpg.PostgresError as exc:
             await attempt.release()
-            if exc.sqlstate in (_CLAIM_BUSY, _ALREADY_RECORDED):
+            if _lost_race(exc):
                 return None
             raise _unavailable(exc, "claiming a key") from exc
         except BaseException as exc:
@@ -316,10 +494,12 @@ class Store:
             raise
         return attempt
 
-    async def begin(self, *, timeout: float | None = None) -> PlainTransaction:
+    async def begin(
+        self, *, isolation: Isolation | None = None, timeout: float | None = None
+    ) -> PlainTransaction:
         conn = await self._acquire("beginning a transaction", timeout)
         try:
-            await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            await conn.execute(f"BEGIN{_isolation_clause(isolation)}", timeout=timeout)
         except STORE_ERRORS as exc:
             conn.terminate()
             await self._release(conn)
@@ -335,19 +515,21 @@ class Store:
         fingerprint: bytes,
         retention_s: float,
         lease_s: float,
+        isolation: Isolation | None = None,
         timeout: float | None = None,
     ) -> PhasedClaim | None:
         """Claims the key in a statement of its own, committed with a lease; ``None`` if another
-        attempt holds or has recorded the key (look again)."""
+        attempt holds or has recorded the key (look again). ``isolation`` is that of the final
+        transaction (the claim itself runs at the database's default)."""
         sql = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
         async with self.connection("claiming a key", timeout) as conn:
             try:
-                token: int = await conn.fetchval(sql)
+                token: int = await conn.fetchval(sql, timeout=timeout)
             except asyncpg.PostgresError as exc:
-                if exc.sqlstate in (_CLAIM_BUSY, _ALREADY_RECORDED):
+                if _lost_race(exc):
                     return None
                 raise
-        return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s)
+        return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s, isolation)
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
         """Deletes records past retention in batches of ``batch_size``; returns how many."""
@@ -366,6 +548,21 @@ class Store:
     async def ping(self, timeout: float | None = None) -> None:
         async with self.connection("checking the store", timeout) as conn:
             await conn.fetchval("SELECT 1")
+
+
+def _level(isolation: Isolation | None) -> str | None:
+    return None if isolation is None else isolation.value
+
+
+def _isolation_clause(isolation: Isolation | None) -> str:
+    return "" if isolation is None else f" ISOLATION LEVEL {isolation.value.upper()}"
+
+
+def _commit_timeout(lease_s: float) -> float:
+    """How long the final commit may take before its fate is declared unknown (and the call
+    answered UNAVAILABLE): PostgreSQL ends a transaction left idle for the lease anyway, so a
+    commit that has not answered by then is no longer worth waiting for."""
+    return max(5.0, lease_s * 2)
 
 
 def _record(row: asyncpg.Record) -> StoredRecord:
@@ -401,6 +598,10 @@ class PlainTransaction:
             await self.connection.execute("COMMIT")
         except STORE_ERRORS as exc:
             self.connection.terminate()
+            if classify(_sqlstate(exc)) is Failure.CONFLICT:
+                raise TransactionConflict(
+                    f"the commit failed on a serialization conflict (SQLSTATE {_sqlstate(exc)})"
+                ) from exc
             raise _unavailable(exc, "committing") from exc
         finally:
             await self._store._release(self.connection)
@@ -423,10 +624,17 @@ class PhasedClaim:
     expired and was taken over cannot commit.
     """
 
-    def __init__(self, store: Store, claim: _Claim, lease_s: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        claim: _Claim,
+        lease_s: float,
+        isolation: Isolation | None = None,
+    ) -> None:
         self._store = store
         self._claim = claim
         self.lease_s = lease_s
+        self._isolation = isolation
 
     @property
     def token(self) -> int:
@@ -446,7 +654,7 @@ class PhasedClaim:
         """Opens the final transaction, holding the claim row; raises ``LeaseLost``."""
         store, c = self._store, self._claim
         conn = await store._acquire("opening the final transaction", timeout)
-        attempt = Attempt(store, conn, c)
+        attempt = Attempt(store, conn, c, _commit_timeout(self.lease_s))
         try:
             await conn.execute(
                 store.statements.begin_final(
@@ -454,12 +662,19 @@ class PhasedClaim:
                     key=c.key,
                     token=self.token,
                     lock_id=claim_lock_id(store.schema, c.scope, c.key),
-                )
+                    isolation=_level(self._isolation),
+                    idle_timeout_s=self.lease_s,
+                ),
+                timeout=timeout,
             )
         except asyncpg.PostgresError as exc:
             await attempt.release()
             if exc.sqlstate == _CLAIM_LOST:
                 raise LeaseLost("the claim was taken over by another attempt") from exc
+            if classify(exc.sqlstate) is Failure.CONFLICT:
+                # At REPEATABLE READ or above: the claim row changed after the snapshot, which
+                # only a takeover does once the lease keeper has stopped.
+                raise LeaseLost("the claim changed under the final transaction") from exc
             raise _unavailable(exc, "opening the final transaction") from exc
         except BaseException as exc:
             await attempt.release()

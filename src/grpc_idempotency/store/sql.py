@@ -47,6 +47,28 @@ def float_literal(value: float) -> str:
 
 SAVEPOINT = "grpc_idempotency_handler"
 
+ISOLATION_LEVELS = frozenset({"read committed", "repeatable read", "serializable"})
+
+
+def begin(isolation: str | None, idle_timeout_s: float | None = None) -> str:
+    """BEGIN at ``isolation`` (``None``: the database's default_transaction_isolation).
+
+    ``idle_timeout_s`` bounds how long the transaction may sit idle: if this process freezes or
+    the network partitions while it holds a claim, PostgreSQL ends the session after that long
+    (rolling the claim back and freeing its lock) instead of keeping it "idle in transaction"
+    until TCP keepalive notices, hours later, with every retry answered IN_PROGRESS meanwhile.
+    SET LOCAL lasts for this transaction only: no session state (safe behind PgBouncer).
+    """
+    sql = "BEGIN"
+    if isolation is not None:
+        if isolation not in ISOLATION_LEVELS:
+            raise ValueError(f"unknown isolation level {isolation!r}")
+        sql += f" ISOLATION LEVEL {isolation.upper()}"
+    if idle_timeout_s is not None:
+        ms = max(1, round(idle_timeout_s * 1000))
+        sql += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+    return sql
+
 
 class Statements:
     """The store's statements for one schema, formatted once."""
@@ -57,7 +79,8 @@ class Statements:
         self.lookup = f"""
             SELECT fingerprint, state, status_code, status_message, status_details, response,
                    created_at,
-                   (state = 'completed' AND expires_at <= clock_timestamp()) AS expired,
+                   (state = 'completed' AND GREATEST(expires_at, completed_at + retention)
+                       <= clock_timestamp()) AS expired,
                    (locked_until IS NULL OR locked_until <= clock_timestamp()) AS lease_expired,
                    GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
                        AS lease_remaining_ms
@@ -75,13 +98,24 @@ class Statements:
             INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload)
             VALUES ($1, $2, $3, $4, $5, $6, $7)
             ON CONFLICT (scope, key) DO NOTHING"""
+        # expires_at (indexed) is the earliest a record can expire; a completed one lives on
+        # until completed_at + retention (see migration 0007).
         self.purge = f"""
             WITH doomed AS (
                 SELECT scope, key FROM {s}.records
                 WHERE expires_at <= clock_timestamp()
-                  AND (state = 'completed' OR locked_until <= clock_timestamp())
+                  AND ((state = 'completed'
+                        AND GREATEST(expires_at, completed_at + retention) <= clock_timestamp())
+                       OR (state = 'in_progress' AND locked_until <= clock_timestamp()))
                 LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"""
+
+        # The completion with bind parameters, for outcomes too large to inline as literals:
+        # bytea travels in binary, instead of as hex text twice its size.
+        self.complete = (
+            f"SELECT {s}.complete($1::text, $2::text, $3::bigint, $4::integer, $5::text,"
+            " $6::bytea, $7::bytea, $8::float8)"
+        )
 
     def claim(
         self,
@@ -101,13 +135,22 @@ class Statements:
         )
 
     @staticmethod
-    def begin_atomic_claim(claim: str) -> str:
+    def begin_atomic_claim(claim: str, *, isolation: str | None, idle_timeout_s: float) -> str:
         """``claim`` (from ``claim()``) as the first statement of the call's transaction."""
-        return f"BEGIN ISOLATION LEVEL READ COMMITTED; {claim}; SAVEPOINT {SAVEPOINT}"
+        return f"{begin(isolation, idle_timeout_s)}; {claim}; SAVEPOINT {SAVEPOINT}"
 
-    def begin_final(self, *, scope: str, key: str, token: int, lock_id: int) -> str:
+    def begin_final(
+        self,
+        *,
+        scope: str,
+        key: str,
+        token: int,
+        lock_id: int,
+        isolation: str | None,
+        idle_timeout_s: float,
+    ) -> str:
         return (
-            "BEGIN ISOLATION LEVEL READ COMMITTED; "
+            f"{begin(isolation, idle_timeout_s)}; "
             f"SELECT {self.schema}.verify_claim({text_literal(scope)}, {text_literal(key)}, "
             f"{int_literal(token)}, {int_literal(lock_id)}); SAVEPOINT {SAVEPOINT}"
         )

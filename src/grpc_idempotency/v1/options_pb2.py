@@ -27,25 +27,27 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!grpc_idempotency/v1/options.proto\x12\x13grpc_idempotency.v1\x1a google/protobuf/descriptor.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n\x04Step\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x63\x61ll\x18\x02 \x01(\t\x12\x0e\n\x06outbox\x18\x03 \x01(\x08\x12.\n\nretired_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xdf\x02\n\x0cMethodPolicy\x12%\n\x03key\x18\x01 \x01(\x0e\x32\x18.grpc_idempotency.v1.Key\x12,\n\tretention\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05lease\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08max_wait\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04mode\x18\x05 \x01(\x0e\x32\x19.grpc_idempotency.v1.Mode\x12\x1c\n\x14recorded_error_codes\x18\x06 \x03(\t\x12\x32\n\nstore_down\x18\x07 \x01(\x0e\x32\x1e.grpc_idempotency.v1.StoreDown\x12(\n\x05steps\x18\x08 \x03(\x0b\x32\x19.grpc_idempotency.v1.Step\"D\n\x0b\x46ieldPolicy\x12\x35\n\x0b\x66ingerprint\x18\x01 \x01(\x0e\x32 .grpc_idempotency.v1.Fingerprint*>\n\x03Key\x12\x13\n\x0fKEY_UNSPECIFIED\x10\x00\x12\x10\n\x0cKEY_REQUIRED\x10\x01\x12\x10\n\x0cKEY_OPTIONAL\x10\x02*>\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bMODE_ATOMIC\x10\x01\x12\x0f\n\x0bMODE_PHASED\x10\x02*]\n\tStoreDown\x12\x1a\n\x16STORE_DOWN_UNSPECIFIED\x10\x00\x12\x1a\n\x16STORE_DOWN_FAIL_CLOSED\x10\x01\x12\x18\n\x14STORE_DOWN_FAIL_OPEN\x10\x02*\\\n\x0b\x46ingerprint\x12\x1b\n\x17\x46INGERPRINT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46INGERPRINT_INCLUDE\x10\x01\x12\x17\n\x13\x46INGERPRINT_EXCLUDE\x10\x02:S\n\x06method\x12\x1e.google.protobuf.MethodOptions\x18\x82\x95\x03 \x01(\x0b\x32!.grpc_idempotency.v1.MethodPolicy:P\n\x05\x66ield\x12\x1d.google.protobuf.FieldOptions\x18\x82\x95\x03 \x01(\x0b\x32 .grpc_idempotency.v1.FieldPolicyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!grpc_idempotency/v1/options.proto\x12\x13grpc_idempotency.v1\x1a google/protobuf/descriptor.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n\x04Step\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x63\x61ll\x18\x02 \x01(\t\x12\x0e\n\x06outbox\x18\x03 \x01(\x08\x12.\n\nretired_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xae\x03\n\x0cMethodPolicy\x12%\n\x03key\x18\x01 \x01(\x0e\x32\x18.grpc_idempotency.v1.Key\x12,\n\tretention\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05lease\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08max_wait\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04mode\x18\x05 \x01(\x0e\x32\x19.grpc_idempotency.v1.Mode\x12\x1c\n\x14recorded_error_codes\x18\x06 \x03(\t\x12\x32\n\nstore_down\x18\x07 \x01(\x0e\x32\x1e.grpc_idempotency.v1.StoreDown\x12(\n\x05steps\x18\x08 \x03(\x0b\x32\x19.grpc_idempotency.v1.Step\x12\x31\n\tisolation\x18\t \x01(\x0e\x32\x1e.grpc_idempotency.v1.Isolation\x12\x1a\n\x12max_response_bytes\x18\n \x01(\x04\"D\n\x0b\x46ieldPolicy\x12\x35\n\x0b\x66ingerprint\x18\x01 \x01(\x0e\x32 .grpc_idempotency.v1.Fingerprint*>\n\x03Key\x12\x13\n\x0fKEY_UNSPECIFIED\x10\x00\x12\x10\n\x0cKEY_REQUIRED\x10\x01\x12\x10\n\x0cKEY_OPTIONAL\x10\x02*>\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bMODE_ATOMIC\x10\x01\x12\x0f\n\x0bMODE_PHASED\x10\x02*]\n\tStoreDown\x12\x1a\n\x16STORE_DOWN_UNSPECIFIED\x10\x00\x12\x1a\n\x16STORE_DOWN_FAIL_CLOSED\x10\x01\x12\x18\n\x14STORE_DOWN_FAIL_OPEN\x10\x02*\x7f\n\tIsolation\x12\x19\n\x15ISOLATION_UNSPECIFIED\x10\x00\x12\x1c\n\x18ISOLATION_READ_COMMITTED\x10\x01\x12\x1d\n\x19ISOLATION_REPEATABLE_READ\x10\x02\x12\x1a\n\x16ISOLATION_SERIALIZABLE\x10\x03*\\\n\x0b\x46ingerprint\x12\x1b\n\x17\x46INGERPRINT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46INGERPRINT_INCLUDE\x10\x01\x12\x17\n\x13\x46INGERPRINT_EXCLUDE\x10\x02:S\n\x06method\x12\x1e.google.protobuf.MethodOptions\x18\x82\x95\x03 \x01(\x0b\x32!.grpc_idempotency.v1.MethodPolicy:P\n\x05\x66ield\x12\x1d.google.protobuf.FieldOptions\x18\x82\x95\x03 \x01(\x0b\x32 .grpc_idempotency.v1.FieldPolicyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grpc_idempotency.v1.options_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KEY']._serialized_start=681
-  _globals['_KEY']._serialized_end=743
-  _globals['_MODE']._serialized_start=745
-  _globals['_MODE']._serialized_end=807
-  _globals['_STOREDOWN']._serialized_start=809
-  _globals['_STOREDOWN']._serialized_end=902
-  _globals['_FINGERPRINT']._serialized_start=904
-  _globals['_FINGERPRINT']._serialized_end=996
+  _globals['_KEY']._serialized_start=760
+  _globals['_KEY']._serialized_end=822
+  _globals['_MODE']._serialized_start=824
+  _globals['_MODE']._serialized_end=886
+  _globals['_STOREDOWN']._serialized_start=888
+  _globals['_STOREDOWN']._serialized_end=981
+  _globals['_ISOLATION']._serialized_start=983
+  _globals['_ISOLATION']._serialized_end=1110
+  _globals['_FINGERPRINT']._serialized_start=1112
+  _globals['_FINGERPRINT']._serialized_end=1204
   _globals['_STEP']._serialized_start=157
   _globals['_STEP']._serialized_end=255
   _globals['_METHODPOLICY']._serialized_start=258
-  _globals['_METHODPOLICY']._serialized_end=609
-  _globals['_FIELDPOLICY']._serialized_start=611
-  _globals['_FIELDPOLICY']._serialized_end=679
+  _globals['_METHODPOLICY']._serialized_end=688
+  _globals['_FIELDPOLICY']._serialized_start=690
+  _globals['_FIELDPOLICY']._serialized_end=758
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,13 @@ class StoreDown(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STORE_DOWN_FAIL_CLOSED: _ClassVar[StoreDown]
     STORE_DOWN_FAIL_OPEN: _ClassVar[StoreDown]
 
+class Isolation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ISOLATION_UNSPECIFIED: _ClassVar[Isolation]
+    ISOLATION_READ_COMMITTED: _ClassVar[Isolation]
+    ISOLATION_REPEATABLE_READ: _ClassVar[Isolation]
+    ISOLATION_SERIALIZABLE: _ClassVar[Isolation]
+
 class Fingerprint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINGERPRINT_UNSPECIFIED: _ClassVar[Fingerprint]
@@ -44,6 +51,10 @@ MODE_PHASED: Mode
 STORE_DOWN_UNSPECIFIED: StoreDown
 STORE_DOWN_FAIL_CLOSED: StoreDown
 STORE_DOWN_FAIL_OPEN: StoreDown
+ISOLATION_UNSPECIFIED: Isolation
+ISOLATION_READ_COMMITTED: Isolation
+ISOLATION_REPEATABLE_READ: Isolation
+ISOLATION_SERIALIZABLE: Isolation
 FINGERPRINT_UNSPECIFIED: Fingerprint
 FINGERPRINT_INCLUDE: Fingerprint
 FINGERPRINT_EXCLUDE: Fingerprint
@@ -65,7 +76,7 @@ class Step(_message.Message):
     def __init__(self, name: _Optional[str] = ..., call: _Optional[str] = ..., outbox: _Optional[bool] = ..., retired_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class MethodPolicy(_message.Message):
-    __slots__ = ("key", "retention", "lease", "max_wait", "mode", "recorded_error_codes", "store_down", "steps")
+    __slots__ = ("key", "retention", "lease", "max_wait", "mode", "recorded_error_codes", "store_down", "steps", "isolation", "max_response_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +85,8 @@ class MethodPolicy(_message.Message):
     RECORDED_ERROR_CODES_FIELD_NUMBER: _ClassVar[int]
     STORE_DOWN_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: Key
     retention: _duration_pb2.Duration
     lease: _duration_pb2.Duration
@@ -82,7 +95,9 @@ class MethodPolicy(_message.Message):
     recorded_error_codes: _containers.RepeatedScalarFieldContainer[str]
     store_down: StoreDown
     steps: _containers.RepeatedCompositeFieldContainer[Step]
-    def __init__(self, key: _Optional[_Union[Key, str]] = ..., retention: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., recorded_error_codes: _Optional[_Iterable[str]] = ..., store_down: _Optional[_Union[StoreDown, str]] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ...) -> None: ...
+    isolation: Isolation
+    max_response_bytes: int
+    def __init__(self, key: _Optional[_Union[Key, str]] = ..., retention: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., recorded_error_codes: _Optional[_Iterable[str]] = ..., store_down: _Optional[_Union[StoreDown, str]] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., isolation: _Optional[_Union[Isolation, str]] = ..., max_response_bytes: _Optional[int] = ...) -> None: ...
 
 class FieldPolicy(_message.Message):
     __slots__ = ("fingerprint",)
