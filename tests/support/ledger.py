@@ -122,6 +122,19 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 await context.abort(code, "aborted after committing")
         if behaviour == "raise":
             raise RuntimeError("handler failed after writing")
+        first_attempt = self.attempts.get(key or "", 0) <= 1
+        if behaviour == "conflict" and first_attempt:
+            # What PostgreSQL raises when a REPEATABLE READ/SERIALIZABLE transaction loses.
+            await conn.execute(
+                "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access'"
+                " USING ERRCODE = '40001'; END $$"
+            )
+        if behaviour == "kill-connection" and first_attempt:
+            # The database ends the session under the handler (failover, restart, a proxy).
+            await self.store.pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+            await conn.fetchval("SELECT 1")
+        if behaviour == "table-missing":
+            await conn.execute("INSERT INTO test_ledger.no_such_table VALUES (1)")
         if behaviour.startswith("set:"):
             context.set_code(getattr(grpc.StatusCode, behaviour[4:]))
             context.set_details(f"set {behaviour[4:]}")
@@ -140,11 +153,19 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             )
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
+        blob = b""
+        if behaviour.startswith("big:"):
+            blob = bytes(range(256)) * (int(behaviour[4:]) // 256)
+        isolation = ""
+        if behaviour == "isolation":
+            isolation = await conn.fetchval("SELECT current_setting('transaction_isolation')")
         return testsvc_pb2.PostResponse(
             entry_id=entry_id,
             account=request.account,
             amount=request.amount,
             execution_nonce=uuid.uuid4().hex,
+            blob=blob,
+            isolation=isolation,
         )
 
     async def Post(self, request: Any, context: Any) -> Any:

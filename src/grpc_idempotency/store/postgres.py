@@ -420,17 +420,23 @@ class Store:
         self, scope: str, key: str, *, timeout: float | None = None
     ) -> StoredRecord | None:
         """The record under (scope, key), as the database's clock sees it now."""
-        # A pooled connection may have died with a database restart; a look-up is a read, so
-        # one retry on a fresh connection is safe and spares the caller a spurious UNAVAILABLE.
-        for attempt in (1, 2):
+        # A pooled connection may have died with a database restart, and at SERIALIZABLE even a
+        # read-only statement can lose a serialization race (40001): a look-up is a read, so
+        # trying again is safe and spares the caller a spurious UNAVAILABLE.
+        attempts = 3
+        for attempt in range(1, attempts + 1):
             conn = await self._acquire("looking up a key", timeout)
             try:
-                row = await conn.fetchrow(self.statements.lookup, scope, key)
+                row = await conn.fetchrow(self.statements.lookup, scope, key, timeout=timeout)
             except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
                 conn.terminate()
-                if attempt == 2:
+                if attempt == attempts:
                     raise _unavailable(exc, "looking up a key") from exc
                 continue
+            except asyncpg.PostgresError as exc:
+                if classify(exc.sqlstate) is Failure.CONFLICT and attempt < attempts:
+                    continue
+                raise _unavailable(exc, "looking up a key") from exc
             except STORE_ERRORS as exc:
                 raise _unavailable(exc, "looking up a key") from exc
             finally:

@@ -8,7 +8,7 @@
 -- the completion stays a HOT update; expires_at (indexed) stays the earliest possible expiry,
 -- which is what purge walks. Rows written before this migration have no retention and keep
 -- expiring at expires_at (GREATEST ignores NULL).
-ALTER TABLE {schema}.records ADD COLUMN retention interval;
+ALTER TABLE {schema}.records ADD COLUMN IF NOT EXISTS retention interval;
 
 CREATE OR REPLACE FUNCTION {schema}.claim(
     p_scope text, p_key text, p_lock bigint, p_method text, p_fingerprint bytea,

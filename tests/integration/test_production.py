@@ -1,0 +1,305 @@
+"""Production configurations: a retention shorter than a slow handler, isolation levels other
+than READ COMMITTED, the database ending a handler's session, database errors escaping a
+handler, responses too large to store, and a schema that was never migrated.
+
+Each test here failed before the matching fix (see the README's "Running in production")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Isolation, MethodOverride, Store, StoreMisconfigured
+from grpc_idempotency.client import Operation, RetryPolicy
+from tests.integration.test_concurrency import until
+from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
+from tests.support.wire import Answer, call_raw
+
+POST = "/testsvc.v1.LedgerService/Post"
+OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+SHORT = "/testsvc.v1.LedgerService/PostShortLived"
+SCOPE = "tenant:tenant-a"
+
+
+def post(account: str, behaviour: str = "") -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=7, behaviour=behaviour)
+
+
+def response(answer: Answer) -> testsvc_pb2.PostResponse:
+    assert answer.body is not None, (answer.code, answer.details)
+    return testsvc_pb2.PostResponse.FromString(answer.body)
+
+
+async def stored(store: Store, key: str, schema: str = "grpc_idempotency") -> bool:
+    found = await store.pool.fetchval(
+        f"SELECT count(*) FROM {schema}.records WHERE scope = $1 AND key = $2", SCOPE, key
+    )
+    return bool(found)
+
+
+# -- 1. retention counts from completion too --------------------------------------------------
+
+
+async def test_an_outcome_stays_replayable_for_its_retention_after_a_slow_completion(
+    store: Store,
+) -> None:
+    """Retention counts from the claim (its index stays HOT), but a handler slower than its
+    retention used to store an outcome that had already expired: the next retry ran again."""
+    retention = timedelta(seconds=2)
+    key, account = fresh(), fresh("acct")
+    overrides = {SHORT: MethodOverride(retention=retention)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        claimed_before = await store.pool.fetchval("SELECT clock_timestamp()")
+        first = asyncio.ensure_future(
+            call_raw(ledger.channel, SHORT, post(account, "wait"), metadata(key))
+        )
+        await ledger.service.started.wait()
+
+        async def retention_over() -> bool:
+            passed = await store.pool.fetchval(
+                "SELECT clock_timestamp() > $1::timestamptz + $2::interval",
+                claimed_before,
+                retention,
+            )
+            return bool(passed)
+
+        # The handler is still running when the retention counted from its claim runs out.
+        await until(retention_over, timeout=10)
+        ledger.service.release.set()
+        answer = await first
+        assert answer.code is grpc.StatusCode.OK
+        retry = await call_raw(ledger.channel, SHORT, post(account, "wait"), metadata(key))
+        assert retry.replayed and retry.body == answer.body
+        assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+# -- 2. isolation levels -----------------------------------------------------------------------
+
+
+@pytest.fixture(params=["repeatable read", "serializable"])
+async def strict_store(
+    pg_dsn: str, store: Store, request: pytest.FixtureRequest
+) -> AsyncIterator[Store]:
+    """A store whose sessions default to a stricter isolation level, as a DBA may configure
+    (``default_transaction_isolation``) for the whole database. (``store`` migrated it.)"""
+    s = await Store.connect(
+        pg_dsn,
+        max_size=10,
+        server_settings={
+            "application_name": "grpc-idempotency",
+            "default_transaction_isolation": request.param,
+        },
+    )
+    yield s
+    await s.close()
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_concurrent_duplicates_on_two_replicas_at_strict_isolation(
+    strict_store: Store, method: str
+) -> None:
+    """At REPEATABLE READ or SERIALIZABLE a claim that loses to a concurrent one is a
+    serialization failure (40001); it used to reach clients as UNAVAILABLE with the SQLSTATE.
+    Now a lost claim is a lost race like any other (wait, then replay), and a handler's
+    transaction that loses (SERIALIZABLE can fail any of them) is a retryable ABORTED with the
+    key released. Clients retry ABORTED: after one more round every key ran exactly once."""
+    keys = [(fresh(), fresh("acct")) for _ in range(30)]
+    async with running_ledger(strict_store) as a, running_ledger(strict_store) as b:
+        calls = [
+            call_raw(replica.channel, method, post(account, "sleep:20"), metadata(key), timeout=20)
+            for key, account in keys
+            for replica in (a, b, a, b)
+        ]
+        answers = await asyncio.gather(*calls)
+        codes = {answer.code for answer in answers}
+        aborted = {x.reason() for x in answers if x.code is grpc.StatusCode.ABORTED}
+        assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.ABORTED}, [
+            (x.code, x.details) for x in answers if x.code is not grpc.StatusCode.OK
+        ]
+        assert aborted <= {"IDEMPOTENCY_KEY_IN_PROGRESS", "IDEMPOTENCY_TRANSACTION_CONFLICT"}
+        retry = RetryPolicy(max_attempts=20, initial_backoff_s=0.01, max_backoff_s=0.2)
+        finals = [
+            await Operation(key).call(
+                a.stub.Post if method == POST else a.stub.PostPhased,
+                post(account, "sleep:20"),
+                metadata=metadata(None),
+                retry=retry,
+                timeout=20,
+            )
+            for key, account in keys
+        ]
+    for i, (_, account) in enumerate(keys):
+        assert await ledger_rows(strict_store, account) == 1
+        bodies = {x.body for x in answers[4 * i : 4 * i + 4] if x.code is grpc.StatusCode.OK}
+        bodies.add(finals[i].SerializeToString())
+        assert len(bodies) == 1  # every OK answer of a key is the one execution's response
+
+
+async def test_a_method_runs_at_the_isolation_it_declares(strict_store: Store) -> None:
+    """Unset, the handler runs at the database's default (it used to be forced to READ
+    COMMITTED silently); ``isolation`` (proto option or override) picks another."""
+    default = await strict_store.pool.fetchval("SHOW default_transaction_isolation")
+    overrides = {
+        POST: MethodOverride(isolation=Isolation.SERIALIZABLE),
+        PHASED: MethodOverride(isolation=Isolation.READ_COMMITTED),
+    }
+    async with running_ledger(strict_store, overrides=overrides) as ledger:
+        seen = {}
+        for method in (POST, PHASED, OPTIONAL):
+            answer = await call_raw(
+                ledger.channel, method, post(fresh("acct"), "isolation"), metadata(fresh())
+            )
+            seen[method] = response(answer).isolation
+        unkeyed = await call_raw(
+            ledger.channel, OPTIONAL, post(fresh("acct"), "isolation"), metadata(None)
+        )
+    assert seen == {POST: "serializable", PHASED: "read committed", OPTIONAL: default}
+    assert response(unkeyed).isolation == default
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_a_serialization_failure_in_the_handler_is_a_retryable_abort(
+    store: Store, method: str
+) -> None:
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger:
+        lost = await call_raw(ledger.channel, method, post(account, "conflict"), metadata(key))
+        assert lost.code is grpc.StatusCode.ABORTED
+        assert lost.reason() == "IDEMPOTENCY_TRANSACTION_CONFLICT"
+        assert await ledger_rows(store, account) == 0
+        # The key was released (phased: its lease ended): the retry runs at once, and once.
+        retry = await call_raw(ledger.channel, method, post(account, "conflict"), metadata(key))
+        assert retry.code is grpc.StatusCode.OK and not retry.replayed
+        assert ledger.service.executions == 2
+    assert await ledger_rows(store, account) == 1
+
+
+# -- 3. database errors escaping the handler ---------------------------------------------------
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_a_connection_lost_under_the_handler_is_unavailable_and_releases_the_key(
+    store: Store, method: str
+) -> None:
+    """It used to answer UNKNOWN "Unexpected <class 'asyncpg...ConnectionDoesNotExistError'>",
+    which no retry policy retries, with the driver's text."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger:
+        lost = await call_raw(
+            ledger.channel, method, post(account, "kill-connection"), metadata(key)
+        )
+        assert lost.code is grpc.StatusCode.UNAVAILABLE, (lost.code, lost.details)
+        assert lost.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        assert "asyncpg" not in (lost.details or "") and "Unexpected" not in (lost.details or "")
+        assert await ledger_rows(store, account) == 0
+        retry = await call_raw(
+            ledger.channel, method, post(account, "kill-connection"), metadata(key)
+        )
+        assert retry.code is grpc.StatusCode.OK and not retry.replayed
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_a_failed_statement_of_the_handler_is_internal_without_the_drivers_text(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger:
+        with caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"):
+            failed = await call_raw(
+                ledger.channel, POST, post(account, "table-missing"), metadata(key)
+            )
+    assert failed.code is grpc.StatusCode.INTERNAL
+    assert failed.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
+    assert "42P01" in (failed.details or "") and "no_such_table" not in (failed.details or "")
+    assert "no_such_table" in caplog.text  # the cause is in the server's log
+    assert not await stored(store, key)  # released: nothing recorded
+    assert await ledger_rows(store, account) == 0
+
+
+# -- 6. big responses --------------------------------------------------------------------------
+
+
+async def test_a_response_over_max_response_bytes_is_a_recorded_error_and_nothing_commits(
+    store: Store,
+) -> None:
+    """Over gRPC's 4 MiB receive limit such a response used to commit (the charge happened)
+    and then fail RESOURCE_EXHAUSTED on every retry. Now nothing commits but the answer."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger:
+        first = await call_raw(ledger.channel, POST, post(account, "big:2000000"), metadata(key))
+        assert first.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert first.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
+        assert "1048576" in (first.details or "")
+        retry = await call_raw(ledger.channel, POST, post(account, "big:2000000"), metadata(key))
+        assert retry.replayed and retry.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert retry.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
+        assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_a_large_response_within_its_limit_is_stored_and_replayed_byte_for_byte(
+    store: Store, method: str
+) -> None:
+    size = 6_000_000
+    key, account = fresh(), fresh("acct")
+    overrides = {method: MethodOverride(max_response_bytes=8 << 20)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        channel = grpc.aio.insecure_channel(
+            ledger.address, options=[("grpc.max_receive_message_length", 16 << 20)]
+        )
+        async with channel:
+            first = await call_raw(channel, method, post(account, f"big:{size}"), metadata(key))
+            assert first.code is grpc.StatusCode.OK, (first.code, first.details)
+            assert len(response(first).blob) >= size - 256
+            retry = await call_raw(channel, method, post(account, f"big:{size}"), metadata(key))
+            assert retry.replayed and retry.body == first.body
+    assert await ledger_rows(store, account) == 1
+
+
+# -- 7. schema not migrated --------------------------------------------------------------------
+
+
+async def test_connect_refuses_a_schema_that_was_never_migrated(pg_dsn: str) -> None:
+    schema = f"gi_never_{uuid.uuid4().hex[:8]}"
+    with pytest.raises(StoreMisconfigured) as raised:
+        await Store.connect(pg_dsn, schema=schema)
+    assert "grpc-idempotency migrate" in str(raised.value) and schema in str(raised.value)
+
+
+async def test_connect_names_the_migrations_missing_from_an_older_schema(pg_dsn: str) -> None:
+    schema = f"gi_older_{uuid.uuid4().hex[:8]}"
+    migrated = await Store.connect(pg_dsn, schema=schema, migrate=True)
+    try:
+        await migrated.pool.execute(f"DELETE FROM {schema}.schema_migrations WHERE version = 7")
+        with pytest.raises(StoreMisconfigured, match=r"needs migrations \[7\]"):
+            await Store.connect(pg_dsn, schema=schema)
+        await (await Store.connect(pg_dsn, schema=schema, migrate=True)).close()
+        await (await Store.connect(pg_dsn, schema=schema)).close()  # fixed by migrating
+    finally:
+        await migrated.pool.execute(f"DROP SCHEMA {schema} CASCADE")
+        await migrated.close()
+
+
+async def test_a_permanent_store_error_is_logged_and_not_answered_as_retryable(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store built without the check (or whose schema was dropped under it) used to answer
+    every keyed call UNAVAILABLE (42P01), which clients retry forever, and log nothing."""
+    unmigrated = Store(store.pool, schema=f"gi_nowhere_{uuid.uuid4().hex[:8]}")
+    async with running_ledger(unmigrated) as ledger:
+        with caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"):
+            answer = await call_raw(ledger.channel, POST, post(fresh("acct")), metadata(fresh()))
+        assert answer.code is grpc.StatusCode.INTERNAL
+        assert answer.reason() == "IDEMPOTENCY_STORE_MISCONFIGURED"
+        assert ledger.service.executions == 0
+    assert "misconfigured" in caplog.text and "grpc-idempotency migrate" in caplog.text
