@@ -1,0 +1,70 @@
+"""A replica partitioned from PostgreSQL (or frozen) while it holds an atomic claim.
+
+Its claim transaction stays open on the database side, "idle in transaction", holding the key's
+claim lock: without a bound every retry, on any replica, is answered IN_PROGRESS until TCP
+keepalive ends the session, hours later. The claim transaction now carries
+``idle_in_transaction_session_timeout`` = the method's lease, so PostgreSQL ends it after the
+lease and another replica takes the operation over; the partitioned owner cannot commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import grpc
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency.client import Operation, RetryPolicy
+from tests.support.blackhole import BlackholeProxy
+from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
+from tests.support.wire import call_raw
+
+POST = "/testsvc.v1.LedgerService/Post"
+
+
+async def test_a_partitioned_owner_loses_its_atomic_claim_after_the_lease(
+    pg_dsn: str, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5, behaviour="wait")
+    overrides = {POST: MethodOverride(lease=timedelta(seconds=1))}
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    # A short command timeout so that the partitioned replica's own statements give up soon
+    # (the default is 30 s); the point here is the database side.
+    partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=3)
+    try:
+        async with (
+            running_ledger(partitioned, overrides=overrides) as a,
+            running_ledger(store, overrides=overrides) as b,
+        ):
+            owner = call_raw(a.channel, POST, request, metadata(key), timeout=30)
+            owner_call = asyncio.ensure_future(owner)
+            await a.service.started.wait()  # A's claim transaction is open, the handler waits
+            proxy.blackhole()
+            b.service.release.set()
+            # Clients retry IN_PROGRESS as told; the key frees up once the lease has passed.
+            # (Unbounded, they would wait for as long as A stays partitioned: here until its
+            # 30 s deadline, in production until TCP keepalive, hours. 15 s is far from both.)
+            retry = RetryPolicy(max_attempts=100, initial_backoff_s=0.05, max_backoff_s=0.5)
+            taken_over = await asyncio.wait_for(
+                Operation(key).call(
+                    b.stub.Post, request, metadata=metadata(None), retry=retry, timeout=5
+                ),
+                timeout=15,
+            )
+            assert taken_over.account == account and b.service.executions == 1
+
+            a.service.release.set()  # A's handler writes into the partition, and gives up
+            stalled = await owner_call
+            assert stalled.code is not grpc.StatusCode.OK
+            assert stalled.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+
+            replay = await call_raw(b.channel, POST, request, metadata(key))
+            assert replay.replayed and replay.body == taken_over.SerializeToString()
+    finally:
+        await partitioned.close(timeout=1)
+        await proxy.close()
+    assert await ledger_rows(store, account) == 1

@@ -1,0 +1,84 @@
+"""A TCP proxy in front of PostgreSQL that can partition the network: ``blackhole()`` keeps every
+connection open but delivers nothing more in either direction, as a dead link or a frozen peer
+behind a load balancer would. Nothing is closed or reset, so neither side notices on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from urllib.parse import parse_qs, quote, urlsplit
+
+
+class BlackholeProxy:
+    def __init__(self, dsn: str) -> None:
+        parts = urlsplit(dsn)
+        query = parse_qs(parts.query)
+        host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
+        port = int(query.get("port", [parts.port or 5432])[0])
+        self._unix = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else None
+        self._tcp = (host, port)
+        self._user = parts.username or "postgres"
+        self._password = parts.password
+        self._database = parts.path.lstrip("/") or "postgres"
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self.partitioned = False
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def dsn(self) -> str:
+        auth = quote(self._user) + (f":{quote(self._password)}" if self._password else "")
+        return f"postgresql://{auth}@127.0.0.1:{self.port}/{self._database}"
+
+    def blackhole(self) -> None:
+        """From now on nothing passes, and new connections hang."""
+        self.partitioned = True
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self._writers.append(client_w)
+        if self.partitioned:
+            await self._swallow(client_r)
+            return
+        if self._unix is not None:
+            server_r, server_w = await asyncio.open_unix_connection(self._unix)
+        else:
+            server_r, server_w = await asyncio.open_connection(*self._tcp)
+        self._writers.append(server_w)
+        pipes = [
+            asyncio.ensure_future(self._pipe(client_r, server_w)),
+            asyncio.ensure_future(self._pipe(server_r, client_w)),
+        ]
+        self._tasks.update(pipes)
+        await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        for task in pipes:
+            task.cancel()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while data := await reader.read(65536):
+                if self.partitioned:
+                    continue  # read and dropped: the peer's writes succeed, nothing arrives
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    @staticmethod
+    async def _swallow(reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._server is not None:
+            await self._server.wait_closed()
