@@ -19,6 +19,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import Isolation, MethodOverride, Store, StoreMisconfigured
 from grpc_idempotency.client import Operation, RetryPolicy
 from tests.integration.test_concurrency import until
+from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
 from tests.support.wire import Answer, call_raw
 
@@ -264,6 +265,35 @@ async def test_a_large_response_within_its_limit_is_stored_and_replayed_byte_for
             retry = await call_raw(channel, method, post(account, f"big:{size}"), metadata(key))
             assert retry.replayed and retry.body == first.body
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_large_response_travels_to_postgres_in_binary_not_as_hex_text(
+    pg_dsn: str, store: Store
+) -> None:
+    """Inlined as a hex literal, a response cost twice its size on the wire (and more in the
+    server's memory: a 50 MB response peaked at 447 MB); now large outcomes are bind
+    parameters. Measured at a proxy in front of PostgreSQL."""
+    size = 4_000_000
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    measured = await Store.connect(proxy.dsn, max_size=2)
+    try:
+        overrides = {POST: MethodOverride(max_response_bytes=8 << 20)}
+        async with running_ledger(measured, overrides=overrides) as ledger:
+            channel = grpc.aio.insecure_channel(
+                ledger.address, options=[("grpc.max_receive_message_length", 16 << 20)]
+            )
+            async with channel:
+                before = proxy.bytes_upstream
+                answer = await call_raw(
+                    channel, POST, post(fresh("acct"), f"big:{size}"), metadata(fresh())
+                )
+                sent = proxy.bytes_upstream - before
+        assert answer.code is grpc.StatusCode.OK
+        assert size <= sent < 1.2 * size, sent  # hex text would be more than 2 * size
+    finally:
+        await measured.close(timeout=1)
+        await proxy.close()
 
 
 # -- 7. schema not migrated --------------------------------------------------------------------

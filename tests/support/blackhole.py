@@ -1,6 +1,7 @@
 """A TCP proxy in front of PostgreSQL that can partition the network: ``blackhole()`` keeps every
 connection open but delivers nothing more in either direction, as a dead link or a frozen peer
-behind a load balancer would. Nothing is closed or reset, so neither side notices on its own."""
+behind a load balancer would. Nothing is closed or reset, so neither side notices on its own.
+It also counts the bytes the client sends, to measure what a call puts on the wire."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class BlackholeProxy:
         self._writers: list[asyncio.StreamWriter] = []
         self.partitioned = False
         self.port = 0
+        self.bytes_upstream = 0
+        """Bytes delivered to PostgreSQL so far (what the client sent)."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -50,7 +53,7 @@ class BlackholeProxy:
             server_r, server_w = await asyncio.open_connection(*self._tcp)
         self._writers.append(server_w)
         pipes = [
-            asyncio.ensure_future(self._pipe(client_r, server_w)),
+            asyncio.ensure_future(self._pipe(client_r, server_w, upstream=True)),
             asyncio.ensure_future(self._pipe(server_r, client_w)),
         ]
         self._tasks.update(pipes)
@@ -58,11 +61,15 @@ class BlackholeProxy:
         for task in pipes:
             task.cancel()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool = False
+    ) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while data := await reader.read(65536):
                 if self.partitioned:
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
+                if upstream:
+                    self.bytes_upstream += len(data)
                 writer.write(data)
                 await writer.drain()
         writer.close()

@@ -14,6 +14,8 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency.core.codes import DEFAULT_RECORDED_ERRORS, Code
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.policy import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    Isolation,
     KeyRequirement,
     MethodOverride,
     Mode,
@@ -70,6 +72,8 @@ def test_defaults() -> None:
     assert policy.lease == timedelta(seconds=30)
     assert policy.max_wait == timedelta(seconds=5)
     assert policy.recorded_errors == DEFAULT_RECORDED_ERRORS
+    assert policy.isolation is None  # the database's default
+    assert policy.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES == 1 << 20
     assert policy.method.startswith("/policytest") and policy.method.endswith(".Svc/Do")
 
 
@@ -89,9 +93,13 @@ def test_options_from_the_proto() -> None:
         o.recorded_error_codes.extend(["NOT_FOUND", "PERMISSION_DENIED"])
         o.steps.add(name="charge-card.v1", call="checkout.v1.PaymentService/Charge")
         o.steps.add(name="order-created.v1", outbox=True)
+        o.isolation = options_pb2.ISOLATION_REPEATABLE_READ
+        o.max_response_bytes = 4096
 
     policy = compile_policy(method_with(configure))
     assert policy is not None
+    assert policy.isolation is Isolation.REPEATABLE_READ
+    assert policy.max_response_bytes == 4096
     assert policy.key is KeyRequirement.OPTIONAL
     assert policy.mode is Mode.PHASED
     assert policy.store_down is StoreDown.FAIL_OPEN
@@ -113,6 +121,8 @@ def test_every_option_can_be_overridden_in_python() -> None:
         recorded_errors=[Code.NOT_FOUND],
         store_down=StoreDown.FAIL_OPEN,
         steps=[Step(name="send-email.v2", call="a.B/C")],
+        isolation=Isolation.SERIALIZABLE,
+        max_response_bytes=10,
     )
     policy = compile_policy(method_with(lambda o: o.SetInParent()), override)
     assert policy is not None
@@ -122,6 +132,7 @@ def test_every_option_can_be_overridden_in_python() -> None:
     assert (policy.mode, policy.store_down) == (Mode.PHASED, StoreDown.FAIL_OPEN)
     assert policy.recorded_errors == {Code.NOT_FOUND}
     assert policy.steps == (Step(name="send-email.v2", call="a.B/C"),)
+    assert (policy.isolation, policy.max_response_bytes) == (Isolation.SERIALIZABLE, 10)
 
 
 def test_mode_follows_the_steps_unless_set() -> None:

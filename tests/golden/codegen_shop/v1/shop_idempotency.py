@@ -28,6 +28,7 @@ from google.protobuf.message import Message
 
 from grpc_idempotency import (
     Code,
+    Isolation,
     KeyRequirement,
     MethodOverride,
     Mode,
@@ -90,6 +91,8 @@ POLICIES: Final[Mapping[str, MethodOverride]] = {
             Code.PERMISSION_DENIED,
         ),
         store_down=StoreDown.FAIL_OPEN,
+        isolation=Isolation.SERIALIZABLE,
+        max_response_bytes=65536,
     ),
     "/codegen_shop.v1.StockService/Reserve": MethodOverride(),
 }

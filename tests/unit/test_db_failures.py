@@ -1,0 +1,38 @@
+"""What a database failure means for a call, by SQLSTATE (no database here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpc_idempotency.core.db_failures import Failure, classify
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "failure"),
+    [
+        (None, Failure.UNAVAILABLE),  # a socket error, a closed connection: no SQLSTATE
+        ("", Failure.UNAVAILABLE),
+        ("08006", Failure.UNAVAILABLE),  # connection_failure
+        ("57P01", Failure.UNAVAILABLE),  # admin_shutdown: failover, restart
+        ("57P03", Failure.UNAVAILABLE),  # cannot_connect_now: starting up
+        ("57014", Failure.UNAVAILABLE),  # query_canceled: statement_timeout
+        ("53300", Failure.UNAVAILABLE),  # too_many_connections
+        ("25P03", Failure.UNAVAILABLE),  # idle_in_transaction_session_timeout
+        ("25006", Failure.UNAVAILABLE),  # read_only_sql_transaction: a replica after failover
+        ("40001", Failure.CONFLICT),  # serialization_failure
+        ("40P01", Failure.CONFLICT),  # deadlock_detected
+        ("55P03", Failure.CONFLICT),  # lock_not_available
+        ("42P01", Failure.MISCONFIGURED),  # undefined_table: not migrated
+        ("42883", Failure.MISCONFIGURED),  # undefined_function
+        ("3F000", Failure.MISCONFIGURED),  # invalid_schema_name
+        ("3D000", Failure.MISCONFIGURED),  # invalid_catalog_name
+        ("42501", Failure.MISCONFIGURED),  # insufficient_privilege
+        ("28000", Failure.MISCONFIGURED),  # invalid_authorization_specification
+        ("28P01", Failure.MISCONFIGURED),  # invalid_password
+        ("23505", Failure.OTHER),  # unique_violation: a handler's bug, not the store's
+        ("22P02", Failure.OTHER),
+        ("GI001", Failure.OTHER),  # the store's own codes are handled where they are raised
+    ],
+)
+def test_classify(sqlstate: str | None, failure: Failure) -> None:
+    assert classify(sqlstate) is failure
