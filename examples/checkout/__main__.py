@@ -5,6 +5,12 @@ python -m examples.checkout orders|payments|notifications|ledger --listen HOST:P
 python -m examples.checkout relay --dsn DSN [--ledger ADDR] [--lease S] [--batch-size N]
     (delivers the orders outbox, OrderCreated events, to the ledger)
 python -m examples.checkout demo [--dsn DSN]
+
+Every call needs "authorization: Bearer <token>". The services take their tokens from the
+environment: CHECKOUT_TOKENS="token=tenant,..." (payments, notifications, orders) and
+CHECKOUT_RELAY_TOKEN (the relay, and the only caller the ledger accepts). Unset, they fall back
+to the demo's public tokens: demo-token-acme (tenant acme), demo-token-globex (tenant globex)
+and demo-token-relay. See examples/checkout/auth.py.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ async def database(dsn: str | None) -> AsyncIterator[str]:
 
 async def run_service(args: argparse.Namespace) -> None:
     from examples.checkout import ledger, notifications, orders, payments, service
+    from examples.checkout.auth import Authenticator
 
     module = {
         "payments": payments,
@@ -38,24 +45,30 @@ async def run_service(args: argparse.Namespace) -> None:
         "orders": orders,
         "ledger": ledger,
     }[args.command]
+    auth = Authenticator.for_service(module.NAME)  # before anything starts: bad tokens fail it
     async with database(args.dsn) as url:
         store = await service.open_store(url, module.NAME, module.TABLES_SQL)
         if module is orders:
             server, port = await orders.serve(
                 store,
                 args.listen,
+                auth=auth,
                 payments=args.payments,
                 notifications=args.notifications,
                 lease_s=args.lease,
             )
         else:
-            server, port = await module.serve(store, args.listen)
+            server, port = await module.serve(store, args.listen, auth=auth)
         await service.run_until_stopped(server, module.NAME, args.listen, port)
         await store.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.checkout")
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.checkout",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     services = (("payments", 50051), ("notifications", 50052), ("orders", 50050), ("ledger", 50053))
     for name, port in services:

@@ -13,7 +13,8 @@ b. lost response        the charge commits but the answer never arrives (a deadl
                         after commit): the retry replays the committed charge
 c. concurrent dups      50 calls at once with one key: one charge, identical answers
 d. mutated payload      the same key with another amount: refused, nothing written
-e. two tenants          one key, two tenants: two independent charges
+e. two tenants          one key, two tenants (two tokens): two independent charges; the first
+                        tenant's token naming the second in x-tenant-id replays its own charge
 
 The checkout flow, OrderService.PlaceOrder (phased: it calls Charge and SendEmail with child keys
 derived from its own key, tenant and declared steps, then commits the order):
@@ -48,6 +49,15 @@ k. one key across gRPC  a channel with IdempotencyClientInterceptor and channel_
                         attempts and gRPC's own retries resend the request, with the one key the
                         interceptor minted: one call, three attempts, one order
 
+Every call carries ``authorization: Bearer <token>``: each drill's tenants get tokens of their own
+(random, given to the services at start in ``CHECKOUT_TOKENS``), so a drill with two tenants
+uses two tokens, and the scope is the token's tenant (examples/checkout/auth.py).
+
+And the door:
+
+l. no valid token       no token, a forged token, x-tenant-id alone: UNAUTHENTICATED, before the
+                        attempt log and any claim; nothing stored
+
 Exit status 1 when any side effect happened more often than expected or any expectation failed.
 """
 
@@ -56,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -73,6 +84,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
+from examples.checkout.auth import RELAY_TOKEN_ENV, TOKENS_ENV, bearer
 from examples.checkout.proxy import ResettingProxy
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, channel_options
@@ -88,7 +100,6 @@ PLACE_ORDER = "/checkout.v1.OrderService/PlaceOrder"
 CHARGE_STEP = "charge-card.v1"
 EMAIL_STEP = "send-confirmation.v1"
 ORDER_EVENT_STEP = "order-created-event.v1"
-TENANT_HEADER = "x-tenant-id"
 DETAILS_TRAILER = "grpc-status-details-bin"
 IN_PROGRESS = "IDEMPOTENCY_KEY_IN_PROGRESS"
 REUSED = "IDEMPOTENCY_KEY_REUSED"
@@ -120,6 +131,26 @@ EFFECT_NAMES = {
 
 
 # --- talking to the services ------------------------------------------------------------------
+
+
+class Credentials:
+    """The demo's tenants and their bearer tokens: a random token per tenant, which the services
+    accept from the start (``CHECKOUT_TOKENS``) and the clients send. The relay's token too."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, str] = {}  # tenant -> token
+        self.relay = "relay-" + secrets.token_urlsafe(24)
+
+    def add(self, tenant: str) -> None:
+        self.tokens.setdefault(tenant, "tok-" + secrets.token_urlsafe(24))
+
+    def of(self, tenant: str) -> tuple[str, str]:
+        """``tenant``'s ``authorization`` metadata entry."""
+        return bearer(self.tokens[tenant])
+
+    def environment(self) -> dict[str, str]:
+        table = ",".join(f"{token}={tenant}" for tenant, token in self.tokens.items())
+        return {TOKENS_ENV: table, RELAY_TOKEN_ENV: self.relay}
 
 
 @dataclass(frozen=True)
@@ -190,9 +221,11 @@ async def _answer(call: Any) -> Answer:
 
 
 class Client:
-    """Charge over one channel; responses are kept as raw bytes so replays can be compared."""
+    """Charge over one channel; responses are kept as raw bytes so replays can be compared. Each
+    call carries its tenant's token."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, credentials: Credentials) -> None:
+        self.credentials = credentials
         self.channel = grpc.aio.insecure_channel(target)
         # No response deserializer: the call returns the serialized bytes as received.
         self._charge = self.channel.unary_unary(
@@ -207,12 +240,15 @@ class Client:
         amount_cents: int,
         *,
         timeout: float = TIMEOUT_S,
+        auth: Sequence[tuple[str, str]] | None = None,
     ) -> Answer:
+        """One Charge as ``tenant``; ``auth`` replaces the tenant's token (drills e and l)."""
         request = payments_pb2.ChargeRequest(
             order_id=order_id, amount_cents=amount_cents, currency="EUR", card_token="tok_visa"
         )
         request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
-        metadata = ((TENANT_HEADER, tenant), (KEY_HEADER, key))
+        credential = (self.credentials.of(tenant),) if auth is None else tuple(auth)
+        metadata = (*credential, (KEY_HEADER, key))
         return await _answer(self._charge(request, metadata=metadata, timeout=timeout))
 
     async def close(self) -> None:
@@ -228,10 +264,12 @@ class OrdersClient:
     def __init__(
         self,
         target: str,
+        credentials: Credentials,
         *,
         interceptors: Sequence[Any] = (),  # grpc.aio client interceptors
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
+        self.credentials = credentials
         self.channel = grpc.aio.insecure_channel(
             target, options=list(options), interceptors=list(interceptors) or None
         )
@@ -240,9 +278,16 @@ class OrdersClient:
         )
 
     async def place(
-        self, tenant: str, key: str | None, order_id: str, *, timeout: float = TIMEOUT_S
+        self,
+        tenant: str,
+        key: str | None,
+        order_id: str,
+        *,
+        timeout: float = TIMEOUT_S,
+        auth: Sequence[tuple[str, str]] | None = None,
     ) -> Answer:
-        """One PlaceOrder; ``key`` None sends none (the interceptor, if any, mints one)."""
+        """One PlaceOrder as ``tenant``; ``key`` None sends none (the interceptor, if any, mints
+        one); ``auth`` replaces the tenant's token (drill l)."""
         request = orders_pb2.PlaceOrderRequest(
             order_id=order_id,
             amount_cents=4200,
@@ -251,7 +296,8 @@ class OrdersClient:
             email="buyer@example.com",
         )
         request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
-        metadata = ((TENANT_HEADER, tenant),) + (((KEY_HEADER, key),) if key else ())
+        credential = (self.credentials.of(tenant),) if auth is None else tuple(auth)
+        metadata = credential + (((KEY_HEADER, key),) if key else ())
         return await _answer(self._place(request, metadata=metadata, timeout=timeout))
 
     async def close(self) -> None:
@@ -270,8 +316,11 @@ def _free_port() -> int:
 class Service:
     """``python -m examples.checkout <name>`` as a child process, restartable on one port."""
 
-    def __init__(self, name: str, dsn: str, port: int, args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, name: str, dsn: str, port: int, credentials: Credentials, args: Sequence[str] = ()
+    ) -> None:
         self.name = name
+        self.credentials = credentials
         self.dsn = dsn
         self.port = port
         self.args = list(args)
@@ -293,6 +342,7 @@ class Service:
         env.pop(FAILPOINTS_ENV, None)
         if failpoints:
             env[FAILPOINTS_ENV] = failpoints
+        env.update(self.credentials.environment())  # the tokens the service accepts
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         # Kept open for the child's lifetime (closed in stop()); shown when it fails to start.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
@@ -386,13 +436,13 @@ class Service:
 class Payments(Service):
     """PaymentService, with a Charge client for the payments drills."""
 
-    def __init__(self, dsn: str, port: int) -> None:
-        super().__init__("payments", dsn, port)
+    def __init__(self, dsn: str, port: int, credentials: Credentials) -> None:
+        super().__init__("payments", dsn, port, credentials)
         self.client: Client | None = None
 
     async def start(self, failpoints: str | None = None, args: Sequence[str] = ()) -> None:
         await super().start(failpoints, args)
-        self.client = Client(self.address)
+        self.client = Client(self.address, self.credentials)
 
     async def stop(self) -> None:
         if self.client is not None:
@@ -406,7 +456,7 @@ class OutboxRelay(Service):
     to the ledger. It listens on no port; it is ready once it holds its LISTEN connection."""
 
     def __init__(self, dsn: str, ledger: Service) -> None:
-        super().__init__("relay", dsn, 0)
+        super().__init__("relay", dsn, 0, ledger.credentials)
         self.ledger = ledger
 
     def command(self, args: Sequence[str]) -> list[str]:
@@ -425,12 +475,12 @@ class Orders(Service):
 
     def __init__(self, dsn: str, port: int, payments: Service, notifications: Service) -> None:
         args = ["--payments", payments.address, "--notifications", notifications.address]
-        super().__init__("orders", dsn, port, args)
+        super().__init__("orders", dsn, port, payments.credentials, args)
         self.client: OrdersClient | None = None
 
     async def start(self, failpoints: str | None = None, args: Sequence[str] = ()) -> None:
         await super().start(failpoints, args)
-        self.client = OrdersClient(self.address)
+        self.client = OrdersClient(self.address, self.credentials)
 
     async def stop(self) -> None:
         if self.client is not None:
@@ -621,6 +671,21 @@ class Demo:
             all(r.ok and r.replayed for r in retries)
             and [r.charge_id for r in retries] == [f.charge_id for f in firsts],
             "each tenant's retry should replay its own charge",
+        )
+        # The first tenant's token, naming the second tenant in x-tenant-id: the token decides.
+        mine, theirs = d.tenants
+        spoofed = await self.client.charge(
+            mine,
+            key,
+            d.order_id,
+            1234,
+            auth=(self.client.credentials.of(mine), ("x-tenant-id", theirs)),
+        )
+        d.answers.append(spoofed)
+        d.check(
+            spoofed.ok and spoofed.replayed and spoofed.charge_id == firsts[0].charge_id,
+            f"{mine}'s token naming {theirs} in x-tenant-id: expected {mine}'s own charge"
+            f" replayed, got {spoofed.label} {spoofed.charge_id}",
         )
 
     # --- f-h: the checkout flow, OrderService -> PaymentService, NotificationService ---
@@ -896,6 +961,7 @@ class Demo:
         proxy = ResettingProxy(self.orders.address)
         client = OrdersClient(
             await proxy.start(),
+            self.orders.credentials,
             interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
             options=channel_options([orders_pb2]),
         )
@@ -939,6 +1005,47 @@ class Demo:
                 f" connections), one minted key {seen[0]}"
             )
         await self.expect_child_keys(d, tenant, key, calls=1)
+
+    # --- l: no valid token ---
+
+    async def no_valid_token(self, d: Drill) -> None:
+        tenant = d.tenants[0]
+        key, order_key = "pay-" + uuid.uuid4().hex, "order-" + uuid.uuid4().hex
+        forged = bearer("tok-" + secrets.token_urlsafe(24))
+        attempts = (
+            ("Charge, no token", self.client.charge(tenant, key, d.order_id, 700, auth=())),
+            (
+                "Charge, a forged token",
+                self.client.charge(tenant, key, d.order_id, 700, auth=[forged]),
+            ),
+            (
+                "Charge, x-tenant-id and no token",
+                self.client.charge(tenant, key, d.order_id, 700, auth=[("x-tenant-id", tenant)]),
+            ),
+            (
+                "PlaceOrder, a forged token",
+                self.orders_client.place(tenant, order_key, d.order_id, auth=[forged]),
+            ),
+        )
+        for what, attempt in attempts:
+            answer = await attempt
+            d.answers.append(answer)
+            d.check(
+                answer.code is grpc.StatusCode.UNAUTHENTICATED,
+                f"{what}: expected UNAUTHENTICATED, got {answer.label}",
+            )
+        # Refused before the attempt log and before any claim: nothing received, nothing stored.
+        for service, k in (("payments", key), ("orders", order_key)):
+            logged = await self.db.fetchval(
+                f"SELECT count(*) FROM {service}.attempts WHERE key = $1", k
+            )
+            stored = await self.db.fetchval(
+                f"SELECT count(*) FROM {service}_idempotency.records WHERE key = $1", k
+            )
+            d.check(
+                (logged, stored) == (0, 0),
+                f"{service}: {logged} attempts logged, {stored} records stored (expected none)",
+            )
 
     async def record_of(self, tenant: str, key: str) -> asyncpg.Record | None:
         """The key's record at orders; ``held``: claimed, its lease running (database clock)."""
@@ -1176,6 +1283,10 @@ def _plan(demo: Demo) -> list[tuple[Drill, Callable[[Drill], Awaitable[None]]]]:
             ),
             demo.one_key_across_grpc_retries,
         ),
+        (
+            Drill("l. no valid token", "nothing; UNAUTHENTICATED, nothing logged or stored", {}),
+            demo.no_valid_token,
+        ),
     ]
 
 
@@ -1193,20 +1304,25 @@ async def _run(dsn: str | None) -> int:
             dsn = pg.start()
             print(f"embedded PostgreSQL: {dsn}", flush=True)
         assert dsn is not None
-        payments = Payments(dsn, _free_port())
-        notifications = Service("notifications", dsn, _free_port())
+        credentials = Credentials()
+        payments = Payments(dsn, _free_port(), credentials)
+        notifications = Service("notifications", dsn, _free_port(), credentials)
         orders = Orders(dsn, _free_port(), payments, notifications)
-        ledger = Service("ledger", dsn, _free_port())
+        ledger = Service("ledger", dsn, _free_port(), credentials)
         relay = OutboxRelay(dsn, ledger)
         servers: list[Service] = [payments, notifications, orders, ledger]
         services += [*servers, relay]
+        db = await asyncpg.connect(dsn)
+        demo = Demo(db, payments, notifications, orders, relay)
+        plan = _plan(demo)
+        for drill, _ in plan:  # every tenant of every drill, known to the services from the start
+            for tenant in drill.tenants:
+                credentials.add(tenant)
         # The four services from the start: each creates its schemas, which every drill's count
         # reads. The drills restart payments and orders with failpoints where they need them;
         # drill i runs the relay.
         await asyncio.gather(*(service.start() for service in servers))
-        db = await asyncpg.connect(dsn)
-        demo = Demo(db, payments, notifications, orders, relay)
-        drills = [await demo.run(drill, fn) for drill, fn in _plan(demo)]
+        drills = [await demo.run(drill, fn) for drill, fn in plan]
         print_table(drills)
         print(f"({time.monotonic() - started:.1f} s)")
         return 1 if any(d.problems for d in drills) else 0

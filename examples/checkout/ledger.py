@@ -25,6 +25,7 @@ import grpc
 from checkout.v1 import events_pb2, ledger_pb2, ledger_pb2_grpc
 
 from examples.checkout import service
+from examples.checkout.auth import TENANT_HEADER, Authenticator, bearer, relay_token
 from grpc_idempotency import Store
 from grpc_idempotency.consumer import IdempotentConsumer, message_id_from_call
 from grpc_idempotency.core.outbox import DeliveryPolicy
@@ -93,8 +94,10 @@ class LedgerService(ledger_pb2_grpc.LedgerServiceServicer):
         )
 
 
-async def serve(store: Store, listen: str) -> tuple[grpc.aio.Server, int]:
-    server = service.make_server(store, NAME, [ledger_pb2])
+async def serve(store: Store, listen: str, *, auth: Authenticator) -> tuple[grpc.aio.Server, int]:
+    """``auth`` should accept the relay's token only (``Authenticator.for_service("ledger")``):
+    the relay is the one caller that may record an order."""
+    server = service.make_server(store, NAME, [ledger_pb2], auth=auth)
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerService(store), server)
     port = server.add_insecure_port(listen)
     await server.start()
@@ -112,21 +115,26 @@ async def relay(
     """Delivers the orders outbox to ``ledger`` (``host:port``) until SIGTERM or SIGINT.
 
     The library's ``Relay`` with a ``GrpcSink``: each event's payload is the request, its key the
-    ``idempotency-key``, and its scope goes on as ``x-tenant-id`` (``forward_scope``), which the
-    ledger's attempt log records. Several relays may run side by side. Equivalent to::
+    ``idempotency-key``; it authenticates with the relay's token (``CHECKOUT_RELAY_TOKEN``) and
+    names the event's tenant in ``x-tenant-id`` (``forward_scope``), which the ledger believes
+    from the relay's token only and its attempt log records. Several relays may run side by side.
+    Equivalent to::
 
         grpc-idempotency relay --dsn DSN --schema orders_idempotency --grpc-target LEDGER \\
-            --method /checkout.v1.LedgerService/RecordOrderCreated --scope-header x-tenant-id
+            --method /checkout.v1.LedgerService/RecordOrderCreated --scope-header x-tenant-id \\
+            --header "authorization=Bearer $CHECKOUT_RELAY_TOKEN"
     """
     store = await Store.connect(
         dsn, schema=service.records_schema("orders"), min_size=1, max_size=3, migrate=True
     )
     channel = grpc.aio.insecure_channel(ledger)
     try:
+        credential = bearer(relay_token())
+        tenant_of = forward_scope(TENANT_HEADER)
         sink = GrpcSink(
             channel,
             RECORD_ORDER_CREATED,
-            metadata_for=forward_scope(service.TENANT_HEADER),
+            metadata_for=lambda message: [credential, *tenant_of(message)],
             timeout=lease / 2,
         )
         outbox_relay = Relay(

@@ -10,6 +10,7 @@ import grpc
 from checkout.v1 import notifications_pb2, notifications_pb2_grpc
 
 from examples.checkout import service
+from examples.checkout.auth import Authenticator
 from grpc_idempotency import Store, current_call
 
 NAME = "notifications"
@@ -50,8 +51,8 @@ class NotificationService(notifications_pb2_grpc.NotificationServiceServicer):
         return response
 
 
-async def serve(store: Store, listen: str) -> tuple[grpc.aio.Server, int]:
-    server = service.make_server(store, NAME, [notifications_pb2])
+async def serve(store: Store, listen: str, *, auth: Authenticator) -> tuple[grpc.aio.Server, int]:
+    server = service.make_server(store, NAME, [notifications_pb2], auth=auth)
     notifications_pb2_grpc.add_NotificationServiceServicer_to_server(NotificationService(), server)
     port = server.add_insecure_port(listen)
     await server.start()

@@ -37,6 +37,7 @@ from checkout.v1 import (
 from google.protobuf.descriptor import ServiceDescriptor
 
 from examples.checkout import service
+from examples.checkout.auth import AUTHORIZATION, Authenticator
 from grpc_idempotency import MethodOverride, Store, current_call
 from grpc_idempotency.client import IdempotencyClientInterceptor
 
@@ -65,21 +66,31 @@ def downstream_channel(
     policies: Mapping[str, MethodOverride],
 ) -> grpc.aio.Channel:
     """A channel to one downstream service, from its generated module: gRPC's retries on for its
-    keyed methods, and the client interceptor that gives each call its step's child key."""
+    keyed methods, and the client interceptor that gives each call its step's child key and
+    forwards the caller's credential."""
     return grpc.aio.insecure_channel(
         address,
         options=options,
         interceptors=[
+            # The caller's own token goes downstream with each call: payments and notifications
+            # authenticate the same tenant, so the child keys' scope is the one proven here.
             IdempotencyClientInterceptor(
-                services=services, overrides=policies, forward_metadata=[service.TENANT_HEADER]
+                services=services, overrides=policies, forward_metadata=[AUTHORIZATION]
             )
         ],
     )
 
 
 class OrderService(orders_pb2_grpc.OrderServiceServicer):
-    def __init__(self, store: Store, payments: grpc.aio.Channel, notifications: grpc.aio.Channel):
+    def __init__(
+        self,
+        store: Store,
+        payments: grpc.aio.Channel,
+        notifications: grpc.aio.Channel,
+        auth: Authenticator,
+    ):
         self.store = store
+        self.auth = auth
         # Typed calls, one per declared step: steps.charge_card(...) calls PaymentService/Charge
         # as step charge-card.v1, so it carries that step's child key.
         self.steps = orders_idempotency.OrderServicePlaceOrderSteps(
@@ -139,11 +150,11 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
     async def GetOrder(
         self, request: orders_pb2.GetOrderRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> orders_pb2.GetOrderResponse:
-        tenant = dict(context.invocation_metadata() or ()).get(service.TENANT_HEADER)
+        # The caller's own orders only: the tenant comes from its token.
         row = await self.store.pool.fetchrow(
             "SELECT order_id, charge_id, email_id, placed_at FROM orders.orders"
             " WHERE tenant = $1 AND order_id = $2",
-            f"tenant:{tenant}",
+            self.auth.identify(context.invocation_metadata()).scope,
             request.order_id,
         )
         if row is None:
@@ -156,7 +167,13 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
 
 
 async def serve(
-    store: Store, listen: str, *, payments: str, notifications: str, lease_s: float | None = None
+    store: Store,
+    listen: str,
+    *,
+    auth: Authenticator,
+    payments: str,
+    notifications: str,
+    lease_s: float | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """``lease_s`` overrides the proto's lease (drills shorten it to stall the service past it)."""
     overrides = dict(orders_idempotency.POLICIES)
@@ -164,7 +181,7 @@ async def serve(
         overrides[PLACE_ORDER] = dataclasses.replace(
             overrides[PLACE_ORDER], lease=timedelta(seconds=lease_s)
         )
-    server = service.make_server(store, NAME, orders_idempotency.SERVICES, overrides)
+    server = service.make_server(store, NAME, orders_idempotency.SERVICES, overrides, auth=auth)
     payments_channel = downstream_channel(
         payments,
         options=payments_idempotency.CHANNEL_OPTIONS,
@@ -178,7 +195,7 @@ async def serve(
         policies=notifications_idempotency.POLICIES,
     )
     orders_pb2_grpc.add_OrderServiceServicer_to_server(
-        OrderService(store, payments_channel, notifications_channel), server
+        OrderService(store, payments_channel, notifications_channel, auth), server
     )
     port = server.add_insecure_port(listen)
     await server.start()

@@ -14,6 +14,7 @@ from checkout.v1 import payments_pb2, payments_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from examples.checkout import service
+from examples.checkout.auth import Authenticator
 from grpc_idempotency import Store, current_call
 
 NAME = "payments"
@@ -31,8 +32,9 @@ CREATE INDEX IF NOT EXISTS charges_order ON payments.charges (order_id);
 
 
 class PaymentService(payments_pb2_grpc.PaymentServiceServicer):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, auth: Authenticator) -> None:
         self.store = store
+        self.auth = auth
 
     async def Charge(
         self, request: payments_pb2.ChargeRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -63,10 +65,12 @@ class PaymentService(payments_pb2_grpc.PaymentServiceServicer):
     async def ListCharges(
         self, request: payments_pb2.ListChargesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> payments_pb2.ListChargesResponse:
+        # The caller's own charges only: the tenant comes from its token.
         rows = await self.store.pool.fetch(
             "SELECT charge_id, order_id, amount_cents, charged_at FROM payments.charges"
-            " WHERE order_id = $1 ORDER BY charged_at",
+            " WHERE order_id = $1 AND tenant = $2 ORDER BY charged_at",
             request.order_id,
+            self.auth.identify(context.invocation_metadata()).scope,
         )
         response = payments_pb2.ListChargesResponse()
         for row in rows:
@@ -79,10 +83,10 @@ class PaymentService(payments_pb2_grpc.PaymentServiceServicer):
         return response
 
 
-async def serve(store: Store, listen: str) -> tuple[grpc.aio.Server, int]:
+async def serve(store: Store, listen: str, *, auth: Authenticator) -> tuple[grpc.aio.Server, int]:
     """Starts PaymentService on ``listen`` ("host:port", port 0 picks one); returns the port."""
-    server = service.make_server(store, NAME, [payments_pb2])
-    payments_pb2_grpc.add_PaymentServiceServicer_to_server(PaymentService(store), server)
+    server = service.make_server(store, NAME, [payments_pb2], auth=auth)
+    payments_pb2_grpc.add_PaymentServiceServicer_to_server(PaymentService(store, auth), server)
     port = server.add_insecure_port(listen)
     await server.start()
     return server, port

@@ -1,5 +1,6 @@
-"""What the three checkout services share: a store in the service's own schemas, the attempt log,
-and how a service process starts and stops.
+"""What the checkout services share: a store in the service's own schemas, the server with its
+interceptors (authentication, the attempt log, idempotency), and how a service process starts
+and stops.
 
 Each service keeps its business tables in its own schema (``payments``, ``notifications``,
 ``orders``) and its idempotency records in ``<service>_idempotency``: in production each would
@@ -9,18 +10,28 @@ have its own database; here one PostgreSQL holds them all.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import asyncpg
 import grpc
 
-from grpc_idempotency import IdempotencyInterceptor, MetadataScope, MethodOverride, Store
+from examples.checkout.auth import Authenticator, AuthInterceptor, Unauthenticated
+from grpc_idempotency import IdempotencyInterceptor, MethodOverride, Store
 from grpc_idempotency.registry import Services
 
-# The example takes its scope from x-tenant-id, standing in for an authenticating gateway that
-# sets it (and strips whatever a client sent). Without such a gateway use the TLS identity.
-TENANT_HEADER = "x-tenant-id"
+log = logging.getLogger("examples.checkout")
+
+# What a database that is down, restarting or unreachable raises through asyncpg.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 
 ATTEMPTS_SQL = """
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -51,11 +62,22 @@ async def open_store(dsn: str, service: str, tables_sql: str) -> Store:
 
 
 class AttemptLog(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Logs every call the service receives (before any deduplication) into
-    ``<service>.attempts``, in a statement of its own: the demo prints attempts against effects."""
+    """Logs every call the service lets in (before any deduplication) into
+    ``<service>.attempts``, in a statement of its own: the demo prints attempts against effects.
 
-    def __init__(self, store: Store, service: str) -> None:
+    Best effort: a diagnostic must never decide a call's answer. When the database is down (or
+    slower than ``timeout_s``) the entry is skipped with a warning and the call goes on to the
+    idempotency interceptor, which answers for the store: UNAVAILABLE with reason
+    ``IDEMPOTENCY_STORE_UNAVAILABLE`` (fail closed), which clients know to retry. Raising here
+    would answer UNKNOWN instead, which they do not.
+    """
+
+    def __init__(
+        self, store: Store, service: str, auth: Authenticator, *, timeout_s: float = 1.0
+    ) -> None:
         self._store = store
+        self._auth = auth
+        self._timeout_s = timeout_s
         self._sql = f"INSERT INTO {service}.attempts (method, key, tenant) VALUES ($1, $2, $3)"
 
     async def intercept_service(
@@ -63,13 +85,23 @@ class AttemptLog(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
-        md = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
-        await self._store.pool.execute(
-            self._sql,
-            details.method,
-            md.get("idempotency-key"),
-            md.get(TENANT_HEADER),  # type: ignore[attr-defined]
-        )
+        metadata = tuple(details.invocation_metadata or ())  # type: ignore[attr-defined]
+        try:
+            # The authenticated tenant, never one the client named (AuthInterceptor ran first).
+            tenant: str | None = self._auth.identify(metadata).tenant
+        except Unauthenticated:
+            tenant = None
+        key = dict(metadata).get("idempotency-key")
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._store.pool.execute(self._sql, details.method, key, tenant)  # type: ignore[attr-defined]
+        except DATABASE_ERRORS as exc:
+            log.warning(
+                "attempt log: %s not logged (%s: %s)",
+                details.method,  # type: ignore[attr-defined]
+                type(exc).__name__,
+                exc,
+            )
         return await continuation(details)
 
 
@@ -78,12 +110,24 @@ def make_server(
     service: str,
     services: Services,
     overrides: Mapping[str, MethodOverride] | None = None,
+    *,
+    auth: Authenticator,
 ) -> grpc.aio.Server:
-    # The idempotency interceptor goes last, so the others see the application's messages.
+    """The service's server. Interceptors run in list order, each before the ones after it:
+
+    1. ``AuthInterceptor``: no valid token, no further: UNAUTHENTICATED, nothing logged or stored.
+       First, because ``IdempotencyInterceptor`` answers a replay itself, without calling
+       anything placed after it: an authentication placed there would be skipped by every replay.
+    2. ``AttemptLog``: every call let in, best effort.
+    3. ``IdempotencyInterceptor``, last, so the others see the application's messages; its scope
+       is the token's tenant (``Authenticator.scope``).
+    """
     idempotency = IdempotencyInterceptor(
-        store, services=services, overrides=overrides, scope=MetadataScope(TENANT_HEADER)
+        store, services=services, overrides=overrides, scope=auth.scope
     )
-    return grpc.aio.server(interceptors=[AttemptLog(store, service), idempotency])
+    return grpc.aio.server(
+        interceptors=[AuthInterceptor(auth), AttemptLog(store, service, auth), idempotency]
+    )
 
 
 async def run_until_stopped(server: grpc.aio.Server, name: str, listen: str, port: int) -> None:

@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tests.e2e import tenants
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
 
@@ -29,11 +31,13 @@ def free_port() -> int:
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The current environment with the repo root on PYTHONPATH and no inherited failpoints."""
+    """The current environment with the repo root on PYTHONPATH, no inherited failpoints, and
+    the tokens of the session's tenants (``tenants.environment()``)."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_IDEMPOTENCY_FAILPOINTS"}
     paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(tenants.environment())
     env.update(extra or {})
     return env
 

@@ -25,6 +25,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
 from examples.checkout.service import records_schema
 from grpc_idempotency.core.keys import claim_lock_id
+from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess, free_port
 
 # isort: split
@@ -45,8 +46,9 @@ class Operation:
     """One logical charge: a tenant, a key, an order; every attempt sends the same request."""
 
     def __init__(self) -> None:
-        self.tenant = "t-" + uuid.uuid4().hex[:12]
-        self.scope = "tenant:" + self.tenant
+        self.account = tenants.fresh()  # the tenant its token authenticates
+        self.tenant = self.account.name
+        self.scope = self.account.scope
         self.key = "crash-" + uuid.uuid4().hex
         self.order_id = "ord-" + uuid.uuid4().hex[:12]
 
@@ -63,7 +65,7 @@ class Operation:
         )
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("idempotency-key", self.key), ("x-tenant-id", self.tenant))
+        return (("idempotency-key", self.key), self.account.credential)
 
     def lock_id(self) -> int:
         return claim_lock_id(PAYMENTS_RECORDS, self.scope, self.key)

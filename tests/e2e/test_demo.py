@@ -30,6 +30,7 @@ DRILLS = (
     "i. outbox to ledger",
     "j. orders stalled past its lease",
     "k. one key across gRPC retries",
+    "l. no valid token",
 )
 
 

@@ -34,7 +34,9 @@ from examples.checkout.proxy import ResettingProxy
 from examples.checkout.service import open_store, records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, channel_options
+from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess
+from tests.e2e.tenants import Tenant
 
 # isort: split
 from checkout.v1 import orders_pb2, orders_pb2_grpc  # importable only once examples.checkout.gen is
@@ -47,7 +49,6 @@ SEND_EMAIL = "/checkout.v1.NotificationService/SendEmail"
 CHARGE_STEP = "charge-card.v1"
 EMAIL_STEP = "send-confirmation.v1"
 ORDERS_RECORDS = records_schema("orders")
-TENANT_HEADER = "x-tenant-id"
 DETAILS_TRAILER = "grpc-status-details-bin"
 CALL_TIMEOUT_S = 15.0
 SIGKILLED = -signal.SIGKILL
@@ -110,11 +111,13 @@ async def start_orders(
 
 
 class Order:
-    """One logical PlaceOrder: a tenant, a key, an order; every attempt sends the same request."""
+    """One logical PlaceOrder: a tenant (authenticated by its token), a key, an order; every
+    attempt sends the same request."""
 
-    def __init__(self, *, tenant: str | None = None, key: str | None = None) -> None:
-        self.tenant = tenant or "t-" + uuid.uuid4().hex[:12]
-        self.scope = "tenant:" + self.tenant
+    def __init__(self, *, tenant: Tenant | None = None, key: str | None = None) -> None:
+        self.account = tenant or tenants.fresh()
+        self.tenant = self.account.name
+        self.scope = self.account.scope
         self.key = key or "order-" + uuid.uuid4().hex
         self.order_id = "ord-" + uuid.uuid4().hex[:12]
 
@@ -130,7 +133,7 @@ class Order:
         return request
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((KEY_HEADER, self.key), (TENANT_HEADER, self.tenant))
+        return ((KEY_HEADER, self.key), self.account.credential)
 
     def child(self, step: str) -> str:
         """The key the step's downstream call must carry, derived here independently."""
@@ -364,7 +367,7 @@ async def test_two_tenants_with_one_parent_key_never_share_downstream_records(
 ) -> None:
     key = "order-" + uuid.uuid4().hex
     acme, globex = Order(key=key), Order(key=key)
-    globex.order_id = acme.order_id  # byte-identical requests: only the tenant differs
+    globex.order_id = acme.order_id  # byte-identical requests: only the token differs
     orders = await start_orders(procs, pg_dsn, downstream)
 
     firsts = [await place(orders.address, o) for o in (acme, globex)]
@@ -483,7 +486,7 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
 ) -> None:
     """The client interceptor mints one key per call; gRPC's configured retries (here after the
     connection is reset under the first two attempts: UNAVAILABLE) resend it unchanged."""
-    tenant = "t-" + uuid.uuid4().hex[:12]
+    tenant = tenants.fresh()
     # Each attempt waits a little after claiming the key, so that it is provably inside the
     # handler when its connection drops.
     orders = await start_orders(procs, pg_dsn, downstream, failpoints="after_claim=sleep:1000")
@@ -500,7 +503,7 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
         stub = orders_pb2_grpc.OrderServiceStub(channel)
         with capture_keys() as keys:
             call = stub.PlaceOrder(
-                order.request(), metadata=((TENANT_HEADER, tenant),), timeout=CALL_TIMEOUT_S
+                order.request(), metadata=(tenant.credential,), timeout=CALL_TIMEOUT_S
             )
 
             async def minted() -> bool:  # the interceptor runs once the call has started
@@ -521,7 +524,7 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
         await proxy.close()
 
     assert proxy.connections == 3
-    seen = await attempts(db, "orders", tenant)
+    seen = await attempts(db, "orders", tenant.name)
     assert seen == [(PLACE_ORDER, order.key)] * 3, seen
     assert not placed.replayed
     await assert_once_each(db, order, placed)

@@ -22,6 +22,7 @@ import pytest
 from examples.checkout import orders as orders_service
 from examples.checkout.ledger import CONSUMER, RECORD_ORDER_CREATED
 from examples.checkout.service import open_store, records_schema
+from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess
 from tests.e2e.test_flow import SIGKILLED, Order, attempts, place, until
 
@@ -92,7 +93,7 @@ async def delivered(db: asyncpg.Connection, order: Order) -> int:
     """How many times the ledger received ``order``'s event (before any deduplication)."""
     calls = await attempts(db, "ledger", order.tenant)
     expected = (RECORD_ORDER_CREATED, order.child(EVENT_STEP))
-    assert set(calls) <= {expected}, calls  # the tenant travels in x-tenant-id, the key as is
+    assert set(calls) <= {expected}, calls  # the relay names the tenant, the key goes as is
     return len(calls)
 
 
@@ -238,11 +239,13 @@ async def _library_relay(
     args: list[str],
     failpoints: str | None = None,
 ) -> ServiceProcess:
+    # The ledger accepts the relay's token only (examples/checkout/auth.py).
+    credential = ["--header", f"authorization=Bearer {tenants.RELAY_TOKEN}"]
     return await procs.library_relay(
         dsn,
         schema=ORDERS_SCHEMA,
         target=f"127.0.0.1:{checkout.ledger}",
         method=RECORD_ORDER_CREATED,
-        args=args,
+        args=[*args, *credential],
         failpoints=failpoints,
     )
