@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
@@ -91,10 +91,38 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
             " TARGET with each row's payload as the request and its key as idempotency-key,"
             " marks them sent, retries failures with backoff and parks rows as dead letters"
             " after --max-attempts. Wakes on LISTEN/NOTIFY, polls as a fallback. Several relays"
-            " may run side by side. Stops cleanly on SIGTERM or SIGINT."
+            " may run side by side. Stops cleanly on SIGTERM or SIGINT. Behind PgBouncer in"
+            " transaction mode: --statement-cache-size 0, and --listen-dsn naming PostgreSQL"
+            " itself (LISTEN needs a session of its own) or --no-listen."
         ),
     )
     with_store(relay)
+    wake = relay.add_mutually_exclusive_group()
+    wake.add_argument(
+        "--listen-dsn",
+        default=os.environ.get("GRPC_IDEMPOTENCY_LISTEN_DSN"),
+        metavar="DSN",
+        help="LISTEN for new rows on a connection of its own to this DSN instead of one from"
+        " --dsn's pool: PostgreSQL itself, or a session-mode pool, when --dsn goes through"
+        " PgBouncer in transaction mode, where LISTEN cannot work"
+        " (default: $GRPC_IDEMPOTENCY_LISTEN_DSN, else --dsn's pool)",
+    )
+    wake.add_argument(
+        "--no-listen",
+        action="store_true",
+        help="do not LISTEN: find new rows by polling every --poll-interval seconds only (for a"
+        " database reachable only through a transaction pooler)",
+    )
+    relay.add_argument(
+        "--statement-cache-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="asyncpg's prepared-statement cache per connection (default: asyncpg's, 100)."
+        " 0 when --dsn goes through PgBouncer in transaction mode: its server connections do"
+        " not keep a client's named prepared statements (unless PgBouncer >= 1.21 tracks them,"
+        " max_prepared_statements > 0)",
+    )
     relay.add_argument("--grpc-target", required=True, metavar="HOST:PORT")
     relay.add_argument("--method", required=True, metavar="/pkg.Service/Method")
     relay.add_argument(
@@ -126,7 +154,8 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         "--poll-interval",
         type=_positive,
         default=5.0,
-        help="longest sleep without a notification, seconds (default 5)",
+        help="longest sleep without a notification, seconds (default 5); with --no-listen,"
+        " the longest a new row waits",
     )
     relay.add_argument("--max-attempts", type=int, default=10)
     relay.add_argument("--initial-backoff", type=_positive, default=0.5, metavar="SECONDS")
@@ -216,6 +245,7 @@ async def _with_store(args: argparse.Namespace) -> int:
         return 2
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
+    pool_options = _relay_pool_options(args) if args.command == "relay" else {}
     store = await Store.connect(
         args.dsn,
         schema=args.schema,
@@ -223,6 +253,7 @@ async def _with_store(args: argparse.Namespace) -> int:
         max_size=pool_size,
         # Every command but migrate needs the schema in place, and says so plainly if it is not.
         check_schema=args.command != "migrate",
+        **pool_options,
     )
     try:
         if args.command == "migrate":
@@ -238,6 +269,12 @@ async def _with_store(args: argparse.Namespace) -> int:
     finally:
         await store.close()
     return 0
+
+
+def _relay_pool_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.statement_cache_size is None:
+        return {}
+    return {"statement_cache_size": args.statement_cache_size}
 
 
 async def _relay(args: argparse.Namespace, store: Store) -> int:
@@ -288,9 +325,13 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         nonlocal announced
         if not announced:
             announced = True
+            wake = (
+                f"polling every {relay.poll_interval:g}s"
+                if relay.polling_only
+                else f"listening on {relay.outbox.channel}"
+            )
             print(
-                f"relay {relay.name} ready: listening on {relay.outbox.channel}, delivering to"
-                f" {args.grpc_target}{args.method}",
+                f"relay {relay.name} ready: {wake}, delivering to {args.grpc_target}{args.method}",
                 flush=True,
             )
 
@@ -305,6 +346,8 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         delivery_timeout=min(args.timeout + 1.0, args.lease / 2),
         name=args.name,
         on_listening=ready,
+        listen=not args.no_listen,
+        listen_dsn=args.listen_dsn if not args.no_listen else None,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -18,7 +18,9 @@ delivery, so receivers dedupe on it. The relay:
   the lease expires, and delivered again;
 - **wakes** on ``LISTEN <schema>_outbox`` (the outbox's insert trigger notifies it) on a
   connection of its own, reconnecting when it drops, and also polls every ``poll_interval``
-  seconds (or sooner, when a retry falls due);
+  seconds (or sooner, when a retry falls due). LISTEN needs a session of its own: behind
+  PgBouncer in transaction mode, give it a direct DSN (``listen_dsn=``) or poll only
+  (``listen=False``); a LISTEN found not to hold on its session is given up for polling;
 - **purges** rows sent more than ``sent_retention`` seconds ago, in bounded batches.
 
     relay = Relay(store, GrpcSink(channel, "/billing.v1.Ledger/Record"))
@@ -240,7 +242,20 @@ class Relay:
     - ``poll_interval``: the longest the relay sleeps without a notification;
     - ``sent_retention``: sent rows older than this many seconds are purged (every
       ``purge_interval``); ``None`` keeps them;
-    - ``name``: recorded as ``claimed_by``; unique per relay (default: host, pid, random).
+    - ``name``: recorded as ``claimed_by``; unique per relay (default: host, pid, random);
+    - ``listen``: wake on ``LISTEN/NOTIFY`` (default). ``False`` polls only, every
+      ``poll_interval`` (and when a retry falls due): for a database reached only through a
+      transaction pooler, where LISTEN cannot work;
+    - ``listen_dsn``: LISTEN on a connection of its own to this DSN instead of on a connection
+      of the store's pool. When the store's DSN goes through PgBouncer in transaction (or
+      statement) mode, point this at PostgreSQL itself, or at a session-mode pool: a
+      notification reaches only the session that listens, and a pooler hands each
+      transaction to any server connection.
+
+    Through a transaction pooler LISTEN fails silently: the relay would only poll, and the
+    pooled server connection it ran on goes on receiving notifications that nobody reads. So
+    the relay checks, every ``poll_interval``, that its session still listens; when it does not
+    (the check ran on another server connection), it logs a warning, stops listening and polls.
     """
 
     def __init__(
@@ -259,7 +274,11 @@ class Relay:
         rng: random.Random | None = None,
         meter_provider: metrics.MeterProvider | None = None,
         on_listening: Callable[[], None] | None = None,
+        listen: bool = True,
+        listen_dsn: str | None = None,
     ) -> None:
+        if listen_dsn is not None and not listen:
+            raise ValueError("listen_dsn is for listening: not with listen=False")
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if lease <= 0 or poll_interval <= 0 or purge_interval <= 0:
@@ -282,11 +301,17 @@ class Relay:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.outbox = OutboxStore(store)
         self.stats = RelayStats()
+        self.listen_dsn = listen_dsn
         self.listening = asyncio.Event()
         """Set while the relay holds its LISTEN connection (``run`` only)."""
         self._on_listening = on_listening
-        """Called each time LISTEN is (re)established, before the next batch is claimed: a
-        process can report itself ready there without racing its first delivery."""
+        """Called each time LISTEN is (re)established, before the next batch is claimed (when
+        polling only, once, before the first batch): a process can report itself ready there
+        without racing its first delivery."""
+        self._listen = listen
+        self.listen_failure: str | None = None
+        """Why the relay gave up LISTEN for polling (it did not hold on its session), if it
+        did."""
         self._random = rng or random.Random()
         self._wake = asyncio.Event()
         self._running = False
@@ -404,6 +429,11 @@ class Relay:
                 return _UNRECORDED  # as if marking failed: redelivered after the lease
         return _SENT
 
+    @property
+    def polling_only(self) -> bool:
+        """Whether the relay wakes on its poll alone: ``listen=False``, or LISTEN given up."""
+        return not self._listen or self.listen_failure is not None
+
     # -- running -----------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -415,10 +445,15 @@ class Relay:
         self._running = True
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        helpers = [
-            asyncio.create_task(self._listen(), name=f"relay-listen {self.name}"),
-            asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}"),
-        ]
+        helpers = [asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}")]
+        if self.polling_only:
+            log.info("relay %s: polling every %gs (no LISTEN)", self.name, self.poll_interval)
+            if self._on_listening is not None:
+                self._on_listening()
+        else:
+            helpers.append(
+                asyncio.create_task(self._listen_loop(), name=f"relay-listen {self.name}")
+            )
         next_purge = loop.time()
         outage = 0
         try:
@@ -479,23 +514,24 @@ class Relay:
     def _notified(self, *_args: object) -> None:
         self._wake.set()
 
-    async def _listen(self) -> None:
-        """Holds a pooled connection with ``LISTEN <schema>_outbox`` for as long as the relay
-        runs, and replaces it when it drops (checked every ``poll_interval``). After each
-        (re)connection the relay looks for due rows once: a notification sent while nobody
-        listened is lost, and polling would otherwise find its row only later."""
+    async def _listen_loop(self) -> None:
+        """Holds a connection with ``LISTEN <schema>_outbox`` for as long as the relay runs, and
+        replaces it when it drops (checked every ``poll_interval``). After each (re)connection
+        the relay looks for due rows once: a notification sent while nobody listened is lost,
+        and polling would otherwise find its row only later. Ends, leaving the relay to poll,
+        when the LISTEN does not hold on its session (a transaction pooler)."""
         pause = 0.0
         while True:
             if pause:
                 await asyncio.sleep(pause)
-            conn: PooledConnection | None = None
+            conn: asyncpg.Connection[Any] | PooledConnection | None = None
             lost = asyncio.Event()
 
             def on_lost(*_args: object, lost: asyncio.Event = lost) -> None:
                 lost.set()
 
             try:
-                conn = await self.store.pool.acquire()
+                conn = await self._connect_listener()
                 conn.add_termination_listener(on_lost)
                 await conn.add_listener(self.outbox.channel, self._notified)
                 self.listening.set()
@@ -506,9 +542,16 @@ class Relay:
                 while not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), self.poll_interval)
-                    if not lost.is_set():
-                        # A link that died silently (no FIN) shows up only when used.
-                        await conn.execute("SELECT 1", timeout=self.poll_interval)
+                    if lost.is_set():
+                        break
+                    # A link that died silently (no FIN) shows up only when used; a LISTEN
+                    # that went to a pooled server connection shows up as a session that is
+                    # not listening.
+                    if not await conn.fetchval(
+                        _LISTENS_SQL, self.outbox.channel, timeout=self.poll_interval
+                    ):
+                        self._give_up_listening()
+                        return
                 log.warning("relay %s: LISTEN connection lost; reconnecting", self.name)
             except Exception as err:  # database errors, and anything else: listen again
                 log.warning("relay %s: LISTEN connection failed (%r); reconnecting", self.name, err)
@@ -518,12 +561,45 @@ class Relay:
                 if conn is not None:
                     await self._drop(conn, on_lost)
 
-    async def _drop(self, conn: PooledConnection, on_lost: Callable[..., None]) -> None:
+    async def _connect_listener(self) -> asyncpg.Connection[Any] | PooledConnection:
+        if self.listen_dsn is None:
+            conn: PooledConnection = await self.store.pool.acquire()
+            return conn
+        direct: asyncpg.Connection[Any] = await asyncpg.connect(
+            self.listen_dsn,
+            timeout=min(60.0, max(5.0, self.poll_interval)),
+            server_settings={"application_name": "grpc-idempotency"},
+        )
+        return direct
+
+    def _give_up_listening(self) -> None:
+        where = "listen_dsn" if self.listen_dsn is not None else "the store's DSN"
+        self.listen_failure = (
+            f"LISTEN {self.outbox.channel} did not hold on its session: {where} goes through a"
+            " pooler in transaction or statement mode (PgBouncer?)"
+        )
+        log.warning(
+            "relay %s: %s; polling every %gs from now on. Pass listen_dsn= (CLI --listen-dsn)"
+            " naming PostgreSQL itself or a session-mode pool, or listen=False (--no-listen) to"
+            " poll without trying.",
+            self.name,
+            self.listen_failure,
+            self.poll_interval,
+        )
+
+    async def _drop(
+        self, conn: asyncpg.Connection[Any] | PooledConnection, on_lost: Callable[..., None]
+    ) -> None:
         # Never handed back with LISTEN on it (the pool's reset is a no-op): closed, and the pool
         # opens a fresh connection when it needs one. A connection that was lost has already
         # gone back to the pool (asyncpg detaches the proxy): then there is nothing to do.
         with contextlib.suppress(asyncpg.InterfaceError):
             conn.remove_termination_listener(on_lost)
             conn.terminate()
-        with contextlib.suppress(asyncpg.InterfaceError):
-            await self.store.pool.release(conn)
+        if self.listen_dsn is None:
+            with contextlib.suppress(asyncpg.InterfaceError):
+                await self.store.pool.release(conn)  # type: ignore[arg-type]
+
+
+# Whether this session listens on the channel ($1).
+_LISTENS_SQL = "SELECT $1::text IN (SELECT pg_listening_channels())"
