@@ -1,0 +1,406 @@
+"""The library behind a real PgBouncer in transaction pooling mode.
+
+In transaction mode PgBouncer hands each transaction (and each statement outside one) to
+whichever server connection is free, so nothing a client leaves on a session survives: not
+asyncpg's named prepared statements (its statement cache, on by default), not LISTEN. With
+``statement_cache_size=0`` asyncpg uses only the unnamed statement, parsed again in the same
+Parse/Bind/Execute/Sync exchange that runs it, and the store keeps no session state (its
+locks are transaction-scoped, its ``SET``s are ``SET LOCAL``, its pool runs no reset query).
+
+PgBouncer is started by the tests (tests/support/pgbouncer.py) with fewer server connections
+than the clients' pools hold, so clients really do share and swap them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store, cli
+from grpc_idempotency.outbox import OutboxMessage, Relay
+from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
+from tests.support.pgbouncer import PgBouncer, running_pgbouncer
+from tests.support.wire import Answer, call_raw
+
+# What a store behind PgBouncer (before 1.21's max_prepared_statements) needs.
+POOL_OPTIONS: dict[str, Any] = {"statement_cache_size": 0}
+SERVER_CONNECTIONS = 4  # PgBouncer's pool; the stores below hold up to 16 client connections
+WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
+LISTENS = "SELECT $1::text IN (SELECT pg_listening_channels())"
+
+
+@pytest.fixture(scope="module")
+def bouncer(pg_dsn: str) -> Iterator[PgBouncer]:
+    with running_pgbouncer(pg_dsn, pool_size=SERVER_CONNECTIONS) as running:
+        yield running
+
+
+@pytest.fixture
+async def bounced(bouncer: PgBouncer, store: Store) -> AsyncIterator[Store]:
+    """A store whose pool goes through PgBouncer (``store``, direct, migrated the schema)."""
+    through = await Store.connect(bouncer.dsn, min_size=1, max_size=16, **POOL_OPTIONS)
+    try:
+        yield through
+    finally:
+        await through.close()
+
+
+@pytest.fixture
+async def bounced_outbox(bouncer: PgBouncer, store: Store) -> AsyncIterator[Store]:
+    """A store through PgBouncer on a fresh schema, migrated through PgBouncer too."""
+    schema = "pgb_" + uuid.uuid4().hex[:12]
+    through = await Store.connect(
+        bouncer.dsn, schema=schema, min_size=1, max_size=8, migrate=True, **POOL_OPTIONS
+    )
+    try:
+        yield through
+    finally:
+        await through.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await through.close()
+
+
+# -- the cause ----------------------------------------------------------------------------------
+
+
+async def test_transaction_pooling_loses_named_statements_and_keeps_unnamed_ones(
+    pg_dsn: str,
+) -> None:
+    """Why asyncpg's defaults fail behind PgBouncer: a statement it prepared (and cached) on one
+    server connection is executed later on another. Without the cache it works."""
+    with running_pgbouncer(pg_dsn, pool_size=2) as small:
+        cached = await asyncpg.connect(small.dsn)  # asyncpg's defaults
+        uncached = await asyncpg.connect(small.dsn, **POOL_OPTIONS)
+        holder = await asyncpg.connect(small.dsn, **POOL_OPTIONS)
+        try:
+            first = await cached.fetchval("SELECT pg_backend_pid()")  # __asyncpg_stmt_1__
+            async with holder.transaction():
+                # PgBouncer reuses idle server connections last in, first out: the holder's
+                # transaction gets (and pins) the one the cached statement lives on.
+                assert await holder.fetchval("SELECT pg_backend_pid()") == first
+                with pytest.raises(
+                    asyncpg.InvalidSQLStatementNameError,
+                    match=r'prepared statement "__asyncpg_stmt_[0-9a-f]+__" does not exist',
+                ):
+                    await cached.fetchval("SELECT pg_backend_pid()")
+                # Without the cache: another server connection, and it works, with parameters.
+                assert await uncached.fetchval("SELECT pg_backend_pid()") != first
+                assert await uncached.fetchval("SELECT $1::int + 1", 41) == 42
+        finally:
+            for conn in (cached, uncached, holder):
+                await conn.close()
+
+
+# -- keyed calls --------------------------------------------------------------------------------
+
+
+class Client:
+    """Calls keyed methods, answering ABORTED/IDEMPOTENCY_KEY_IN_PROGRESS as a client should (the
+    same key again after the pushback), and keeps every other failure."""
+
+    def __init__(self, ledger: RunningLedger) -> None:
+        self.channel = ledger.channel
+        self.answers: dict[str, list[Answer]] = collections.defaultdict(list)
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.examples: list[str] = []
+        self.in_progress = 0
+
+    async def call(self, method: str, key: str, request: testsvc_pb2.PostRequest) -> None:
+        for _ in range(50):
+            answer = await call_raw(
+                self.channel, f"/testsvc.v1.LedgerService/{method}", request, metadata(key)
+            )
+            if answer.code is grpc.StatusCode.OK:
+                self.answers[key].append(answer)
+                return
+            if (
+                answer.code is grpc.StatusCode.ABORTED
+                and answer.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+            ):
+                self.in_progress += 1
+                # The server's pushback: the protocol's own backoff, not a guess.
+                await asyncio.sleep((answer.retry_delay_ms() or 50) / 1000)
+                continue
+            self.failures[answer.code.name] += 1
+            self.examples.append(f"{method} {key}: {answer.code.name}: {answer.details}")
+            return
+        self.failures["IN_PROGRESS_FOREVER"] += 1
+
+
+async def test_keyed_calls_through_pgbouncer_run_once_and_replay_byte_identical(
+    bounced: Store, store: Store
+) -> None:
+    run = uuid.uuid4().hex[:10]
+    # (method, key, account): atomic (claim batched with BEGIN, complete with COMMIT) and phased
+    # (claim committed on its own, final transaction later) methods.
+    work = [("Post", f"pgb-{run}-a{i}", f"pgb-{run}-a{i}") for i in range(100)]
+    work += [("PostPhased", f"pgb-{run}-p{i}", f"pgb-{run}-p{i}") for i in range(50)]
+    async with running_ledger(bounced) as ledger:
+        client = Client(ledger)
+        in_flight = asyncio.Semaphore(24)
+
+        async def duplicates(i: int, method: str, key: str, account: str) -> None:
+            request = testsvc_pb2.PostRequest(account=account, amount=i + 1)
+            async with in_flight:  # 2 or 3 attempts of the key at the same time
+                copies = 3 if i % 5 == 0 else 2
+                await asyncio.gather(*(client.call(method, key, request) for _ in range(copies)))
+
+        await asyncio.gather(*(duplicates(i, *w) for i, w in enumerate(work)))
+        assert bounced.pool.get_size() > SERVER_CONNECTIONS  # more clients than servers
+        # A second wave: every key again (retries arriving after the first outcome).
+        await asyncio.gather(
+            *(
+                client.call(m, k, testsvc_pb2.PostRequest(account=a, amount=i + 1))
+                for i, (m, k, a) in enumerate(work)
+            )
+        )
+        executions = ledger.service.executions
+
+    # No UNKNOWN, no UNAVAILABLE, nothing else either; every call answered OK (ABORTED
+    # IN_PROGRESS answers are retried with the same key, as clients do).
+    assert not client.failures, (client.failures, client.examples[:5])
+    assert sum(len(a) for a in client.answers.values()) == 2 * 150 + 30 + 150
+    assert executions == len(work)  # each key's handler ran once...
+    counts = await store.pool.fetch(
+        "SELECT account, count(*) AS n FROM test_ledger.ledger WHERE account LIKE $1"
+        " GROUP BY account",
+        f"pgb-{run}-%",
+    )
+    assert {r["account"]: r["n"] for r in counts} == {a: 1 for _, _, a in work}  # ...and wrote once
+    for _, key, _ in work:
+        answers = client.answers[key]
+        assert len({a.body for a in answers}) == 1, key  # replays are the original's bytes
+        assert [a.replayed for a in answers].count(False) == 1, key  # one execution, rest replays
+
+
+# -- relays -------------------------------------------------------------------------------------
+
+
+class Receiver:
+    def __init__(self, expect: int) -> None:
+        self.delivered: collections.Counter[str] = collections.Counter()
+        self.expect = expect
+        self.all_in = asyncio.Event()
+
+    async def deliver(self, message: OutboxMessage) -> None:
+        self.delivered[message.key] += 1
+        if len(self.delivered) >= self.expect:
+            self.all_in.set()
+
+
+async def enqueue(store: Store, count: int) -> list[str]:
+    """``count`` keyed PostWithEvent calls through ``store`` (behind PgBouncer): one outbox row
+    each, committed with the handler's write; returns the parent keys."""
+    keys = [f"ev-{uuid.uuid4().hex}" for _ in range(count)]
+    async with running_ledger(store) as ledger:
+        client = Client(ledger)
+        await asyncio.gather(
+            *(
+                client.call("PostWithEvent", k, testsvc_pb2.PostRequest(account=k, amount=1))
+                for k in keys
+            )
+        )
+    assert not client.failures, (client.failures, client.examples[:5])
+    return keys
+
+
+@contextlib.asynccontextmanager
+async def running(relay: Relay) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, WAIT_S)
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Waits for a condition to hold, looking every 20 ms, up to WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def listeners(pg_dsn: str, channel: str) -> int:
+    """Sessions listening on ``channel`` right now, on the server itself."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        count: int = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE query = $1", f'LISTEN "{channel}"'
+        )
+        return count
+    finally:
+        await conn.close()
+
+
+async def test_a_polling_relay_delivers_every_row_through_pgbouncer(
+    pg_dsn: str, bounced_outbox: Store
+) -> None:
+    receiver = Receiver(expect=60)
+    relay = Relay(bounced_outbox, receiver, listen=False, poll_interval=0.1, batch_size=25)
+    assert relay.polling_only
+    async with running(relay):
+        keys = await enqueue(bounced_outbox, 60)
+        await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+        assert not relay.listening.is_set()
+        assert await listeners(pg_dsn, relay.outbox.channel) == 0  # not even on a pooled server
+    assert len(receiver.delivered) == 60 and set(receiver.delivered.values()) == {1}
+    parents = await bounced_outbox.pool.fetch(
+        f'SELECT parent_key, state FROM "{bounced_outbox.schema}".outbox'
+    )
+    assert {r["parent_key"]: r["state"] for r in parents} == {k: "sent" for k in keys}
+    assert relay.stats.delivered == 60 and relay.listen_failure is None
+
+
+async def test_a_relay_behind_pgbouncer_is_woken_through_its_direct_listen_dsn(
+    pg_dsn: str, bounced_outbox: Store
+) -> None:
+    receiver = Receiver(expect=20)
+    relay = Relay(bounced_outbox, receiver, listen_dsn=pg_dsn, poll_interval=60)
+    assert not relay.polling_only
+    async with running(relay):
+        await asyncio.wait_for(relay.listening.wait(), WAIT_S)
+
+        async def idle() -> bool:  # its first batch (after LISTEN) is done: now it sleeps 60 s
+            return relay.stats.batches >= 1
+
+        await wait_until(idle, "the relay's first batch")
+        enqueued = time.monotonic()
+        await enqueue(bounced_outbox, 20)  # committed through PgBouncer; NOTIFY at commit
+        await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+        assert time.monotonic() - enqueued < 5.0  # woken, not polled (60 s)
+        assert relay.listening.is_set() and relay.listen_failure is None
+    assert len(receiver.delivered) == 20 and set(receiver.delivered.values()) == {1}
+
+
+async def test_a_relay_listening_through_pgbouncer_notices_and_falls_back_to_polling(
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LISTEN on the store's pool, through PgBouncer: it lands on one of the two server
+    connections and stays there. With that one held by another client, the relay's check runs
+    on the other, finds no LISTEN, and the relay says so and goes on by polling."""
+    schema = "pgb_" + uuid.uuid4().hex[:12]
+    caplog.set_level(logging.WARNING, logger="grpc_idempotency.outbox")
+    with running_pgbouncer(pg_dsn, pool_size=2) as small:
+        outbox = await Store.connect(
+            small.dsn, schema=schema, min_size=1, max_size=3, migrate=True, **POOL_OPTIONS
+        )
+        clients = [await asyncpg.connect(small.dsn, **POOL_OPTIONS) for _ in range(2)]
+        receiver = Receiver(expect=10)
+        relay = Relay(outbox, receiver, poll_interval=1.0)
+        channel = relay.outbox.channel
+        try:
+            async with running(relay):
+                await asyncio.wait_for(relay.listening.wait(), WAIT_S)
+                # Both server connections, one each: which one holds the relay's LISTEN?
+                held = [c.transaction() for c in clients]
+                for tx in held:
+                    await tx.start()
+                on_it = [await c.fetchval(LISTENS, channel) for c in clients]
+                assert sorted(on_it) == [False, True], on_it
+                keep = held[on_it.index(True)]
+                await held[on_it.index(False)].rollback()  # the relay's check runs there
+
+                async def gave_up() -> bool:
+                    return relay.polling_only
+
+                await wait_until(gave_up, "the relay to notice its LISTEN is not on its session")
+                assert not relay.listening.is_set()
+                await keep.rollback()
+                await enqueue(outbox, 10)
+                await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)  # polled
+        finally:
+            for c in clients:
+                await c.close()
+            await outbox.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            await outbox.close()
+    assert "did not hold on its session" in (relay.listen_failure or "")
+    assert "polling every 1s from now on" in caplog.text and "--listen-dsn" in caplog.text
+    assert set(receiver.delivered.values()) == {1} and len(receiver.delivered) == 10
+
+
+async def test_the_relay_command_runs_behind_pgbouncer(
+    bounced_outbox: Store, store: Store, bouncer: PgBouncer
+) -> None:
+    """``grpc-idempotency relay --statement-cache-size 0 --no-listen`` through PgBouncer,
+    delivering to a keyed gRPC receiver: every row, once."""
+    async with running_ledger(store) as receiver:  # the receiver's own store: direct
+        accounts = [f"cli-{uuid.uuid4().hex}" for _ in range(10)]
+        await bounced_outbox.pool.execute(
+            f"""INSERT INTO "{bounced_outbox.schema}".outbox
+                    (scope, key, step, parent_key, method, payload_type, payload)
+                SELECT 'tenant:tenant-a', a, 'entry-posted.v1', a, '/x.Y/Z',
+                       'testsvc.v1.PostRequest', p
+                FROM unnest($1::text[], $2::bytea[]) AS t(a, p)""",
+            accounts,
+            [testsvc_pb2.PostRequest(account=a, amount=3).SerializeToString() for a in accounts],
+        )
+        args = [
+            sys.executable, "-m", "grpc_idempotency.cli", "relay",
+            "--dsn", bouncer.dsn, "--schema", bounced_outbox.schema,
+            "--statement-cache-size", "0", "--no-listen", "--poll-interval", "0.1",
+            "--grpc-target", receiver.address, "--method", "/testsvc.v1.LedgerService/Post",
+            "--scope-header", "x-tenant-id", "--name", "cli-relay",
+        ]  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            assert proc.stdout is not None
+            seen: list[str] = []  # its log lines (stderr) come first
+            while not (seen and seen[-1].startswith("relay cli-relay ready")):
+                line = await asyncio.wait_for(proc.stdout.readline(), WAIT_S)
+                assert line, f"the relay command ended before it was ready: {seen}"
+                seen.append(line.decode())
+            assert seen[-1].startswith("relay cli-relay ready: polling every 0.1s,"), seen
+
+            async def all_sent() -> bool:
+                n: int = await store.pool.fetchval(
+                    f"""SELECT count(*) FROM "{bounced_outbox.schema}".outbox
+                        WHERE state = 'sent'"""
+                )
+                return n == len(accounts)
+
+            await wait_until(all_sent, "the relay command to deliver every row")
+            proc.send_signal(signal.SIGTERM)
+            out, _ = await asyncio.wait_for(proc.communicate(), WAIT_S)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, out.decode()
+        assert "stopped: delivered 10," in out.decode(), out.decode()
+        for account in accounts:
+            assert await ledger_rows(store, account) == 1
+
+
+def test_relay_wake_up_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="listen_dsn"):
+        Relay(object(), object(), listen=False, listen_dsn="postgresql://x")  # type: ignore[arg-type]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(
+            [
+                "relay", "--dsn", "postgresql://x", "--grpc-target", "x:1", "--method", "/a.B/C",
+                "--no-listen", "--listen-dsn", "postgresql://y",
+            ]
+        )  # fmt: skip
+    assert exited.value.code == 2
+    assert "--listen-dsn: not allowed with argument --no-listen" in capsys.readouterr().err
