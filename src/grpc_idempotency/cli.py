@@ -35,6 +35,16 @@ def _parser() -> argparse.ArgumentParser:
             help="PostgreSQL DSN (default: $GRPC_IDEMPOTENCY_DSN)",
         )
         p.add_argument("--schema", default=DEFAULT_SCHEMA)
+        p.add_argument(
+            "--statement-cache-size",
+            type=int,
+            default=None,
+            metavar="N",
+            help="asyncpg's prepared-statement cache per connection (default: asyncpg's, 100)."
+            " 0 when --dsn goes through PgBouncer in transaction mode: its server connections"
+            " do not keep a client's named prepared statements (unless PgBouncer >= 1.21 tracks"
+            " them, max_prepared_statements > 0)",
+        )
 
     migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
     with_store(migrate)
@@ -112,16 +122,6 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         action="store_true",
         help="do not LISTEN: find new rows by polling every --poll-interval seconds only (for a"
         " database reachable only through a transaction pooler)",
-    )
-    relay.add_argument(
-        "--statement-cache-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="asyncpg's prepared-statement cache per connection (default: asyncpg's, 100)."
-        " 0 when --dsn goes through PgBouncer in transaction mode: its server connections do"
-        " not keep a client's named prepared statements (unless PgBouncer >= 1.21 tracks them,"
-        " max_prepared_statements > 0)",
     )
     relay.add_argument("--grpc-target", required=True, metavar="HOST:PORT")
     relay.add_argument("--method", required=True, metavar="/pkg.Service/Method")
@@ -245,7 +245,7 @@ async def _with_store(args: argparse.Namespace) -> int:
         return 2
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
-    pool_options = _relay_pool_options(args) if args.command == "relay" else {}
+    pool_options = _pool_options(args)
     store = await Store.connect(
         args.dsn,
         schema=args.schema,
@@ -271,7 +271,7 @@ async def _with_store(args: argparse.Namespace) -> int:
     return 0
 
 
-def _relay_pool_options(args: argparse.Namespace) -> dict[str, Any]:
+def _pool_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.statement_cache_size is None:
         return {}
     return {"statement_cache_size": args.statement_cache_size}

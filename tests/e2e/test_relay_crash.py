@@ -152,4 +152,4 @@ async def test_the_relay_process_stops_cleanly_on_sigterm_and_refuses_an_unmigra
     missing = relay_process(pg_dsn, "no_outbox_here", "127.0.0.1:1", tmp_path, "relay-missing")
     with pytest.raises(RuntimeError, match="exited with 2"):
         await missing.start()
-    assert "run grpc-idempotency migrate" in missing.logs()
+    assert "grpc-idempotency migrate" in missing.logs()

@@ -322,6 +322,11 @@ class Store:
         bounds how long a call can hang on a database that stopped answering, e.g. behind a
         network partition. ``None`` waits forever.
 
+        Behind PgBouncer in transaction mode pass ``statement_cache_size=0`` (an asyncpg pool
+        option): its server connections do not keep a client's named prepared statements. The
+        library keeps no session state, so nothing else changes (README, "Running in
+        production").
+
         ``migrate=True`` applies missing migrations first; production deployments usually run
         ``grpc-idempotency migrate`` instead. Otherwise ``check_schema`` (the default) verifies
         that the schema is migrated and raises ``StoreMisconfigured`` naming the fix if not, so a
