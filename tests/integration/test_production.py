@@ -58,11 +58,11 @@ async def test_an_outcome_stays_replayable_for_its_retention_after_a_slow_comple
     key, account = fresh(), fresh("acct")
     overrides = {SHORT: MethodOverride(retention=retention)}
     async with running_ledger(store, overrides=overrides) as ledger:
-        claimed_before = await store.pool.fetchval("SELECT clock_timestamp()")
         first = asyncio.ensure_future(
             call_raw(ledger.channel, SHORT, post(account, "wait"), metadata(key))
         )
         await ledger.service.started.wait()
+        claimed_before = await store.pool.fetchval("SELECT clock_timestamp()")  # claim <= this
 
         async def retention_over() -> bool:
             passed = await store.pool.fetchval(
@@ -107,7 +107,7 @@ async def strict_store(
 
 
 @pytest.mark.parametrize("method", [POST, PHASED])
-async def test_concurrent_duplicates_on_two_replicas_at_strict_isolation(
+async def test_concurrent_duplicates_on_four_replicas_at_strict_isolation(
     strict_store: Store, method: str
 ) -> None:
     """At REPEATABLE READ or SERIALIZABLE a claim that loses to a concurrent one is a
@@ -116,11 +116,18 @@ async def test_concurrent_duplicates_on_two_replicas_at_strict_isolation(
     transaction that loses (SERIALIZABLE can fail any of them) is a retryable ABORTED with the
     key released. Clients retry ABORTED: after one more round every key ran exactly once."""
     keys = [(fresh(), fresh("acct")) for _ in range(30)]
-    async with running_ledger(strict_store) as a, running_ledger(strict_store) as b:
+    async with (
+        running_ledger(strict_store) as a,
+        running_ledger(strict_store) as b,
+        running_ledger(strict_store) as c,
+        running_ledger(strict_store) as d,
+    ):
+        # Four replicas: duplicates within one replica wait on its local owner, so each key
+        # gets up to four claims racing in the database.
         calls = [
             call_raw(replica.channel, method, post(account, "sleep:20"), metadata(key), timeout=20)
             for key, account in keys
-            for replica in (a, b, a, b)
+            for replica in (a, b, c, d)
         ]
         answers = await asyncio.gather(*calls)
         codes = {answer.code for answer in answers}
