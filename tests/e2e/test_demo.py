@@ -1,8 +1,9 @@
 """The checkout demo end to end: ``python -m examples.checkout demo`` must pass every drill.
 
-The demo starts its own embedded PostgreSQL (or uses GRPC_IDEMPOTENCY_TEST_DSN), runs the
-payments service as a separate process, restarts it with failpoints, and exits non-zero when any
-charge was written more often than expected or any expectation failed.
+The demo starts its own embedded PostgreSQL (or uses GRPC_IDEMPOTENCY_TEST_DSN), runs each
+service as a separate process, restarts them with failpoints, and exits non-zero when any side
+effect was written more often than expected or any expectation failed. Its drills wait for what
+the database shows, never for a timer, so a loaded machine makes the demo slower, not red.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
+# Only a guard against a hang: the demo takes some 15 s on an idle 2-core machine.
+DEMO_TIMEOUT_S = 600
 DRILLS = (
     "a. plain retries",
-    "b. lost response: deadline",
+    "b. lost response: gave up",
     "b. lost response: crash",
     "c. concurrent duplicates",
     "d. mutated payload",
@@ -42,7 +45,7 @@ def test_demo_passes_every_drill() -> None:
     if dsn := os.environ.get("GRPC_IDEMPOTENCY_TEST_DSN"):
         args += ["--dsn", dsn]
     done = subprocess.run(
-        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False
     )
     report = f"exit {done.returncode}\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
     assert done.returncode == 0, report

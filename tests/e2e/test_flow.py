@@ -283,15 +283,28 @@ async def assert_once_each(db: asyncpg.Connection, order: Order, placed: Placed)
     assert orders_pb2.PlaceOrderResponse.FromString(bytes(record["response"])) == response
 
 
-async def assert_child_keys(
-    db: asyncpg.Connection, order: Order, *, charges: int, emails: int
-) -> None:
-    """Payments and notifications received ``charges`` / ``emails`` attempts for the order, each
-    with the child key that ``child_key(scope, parent key, step)`` gives."""
+@dataclass(frozen=True)
+class DownstreamCalls:
+    charges: int
+    emails: int
+
+
+async def assert_child_keys(db: asyncpg.Connection, order: Order, *, runs: int) -> DownstreamCalls:
+    """Every call payments and notifications received for the order carried the child key that
+    ``child_key(scope, parent key, step)`` gives, and each received at least ``runs`` calls (one
+    per run of PlaceOrder's handler that got past its downstream calls); returns the counts.
+
+    At least, not exactly: the downstream channels retry ABORTED and UNAVAILABLE (gRPC's own
+    retries, e.g. of a SendEmail that waited past ``max_wait`` on another attempt of its key), and
+    how often that happens is the scheduler's business. The contract is the key on every call and
+    one effect (``assert_once_each``)."""
     charge = (CHARGE, order.child(CHARGE_STEP))
     email = (SEND_EMAIL, order.child(EMAIL_STEP))
-    assert await attempts(db, "payments", order.tenant) == [charge] * charges
-    assert await attempts(db, "notifications", order.tenant) == [email] * emails
+    charges = await attempts(db, "payments", order.tenant)
+    emails = await attempts(db, "notifications", order.tenant)
+    assert set(charges) == {charge} and len(charges) >= runs, charges
+    assert set(emails) == {email} and len(emails) >= runs, emails
+    return DownstreamCalls(len(charges), len(emails))
 
 
 # --- the tests ----------------------------------------------------------------------------------
@@ -313,6 +326,7 @@ async def test_lost_response_after_commit_replays_without_calling_downstream(
     # Everything committed before the response was lost.
     done = await effects(db, order)
     assert (len(done.charges), len(done.emails), len(done.orders)) == (1, 1, 1), done
+    called = await assert_child_keys(db, order, runs=1)
 
     restarted = await start_orders(procs, pg_dsn, downstream)
     placed = await place(restarted.address, order)
@@ -320,8 +334,8 @@ async def test_lost_response_after_commit_replays_without_calling_downstream(
     assert placed.replayed
     await assert_once_each(db, order, placed)
     assert await attempts(db, "orders", order.tenant) == [(PLACE_ORDER, order.key)] * 2
-    # The replay came from OrderService's record: downstream saw the first attempt only.
-    await assert_child_keys(db, order, charges=1, emails=1)
+    # The replay came from OrderService's record: downstream received nothing more.
+    assert await assert_child_keys(db, order, runs=1) == called
 
 
 async def test_abandoned_attempt_rerun_sends_the_same_child_keys(
@@ -354,12 +368,14 @@ async def test_abandoned_attempt_rerun_sends_the_same_child_keys(
 
     await until("the abandoned attempt to release its claim", released)
     assert (await effects(db, order)).orders == []
+    called = await assert_child_keys(db, order, runs=1)
 
     placed = await place(other.address, order)
 
-    assert not placed.replayed  # ran again at OrderService ...
-    await assert_once_each(db, order, placed)  # ... and downstream replayed
-    await assert_child_keys(db, order, charges=2, emails=2)
+    assert not placed.replayed  # ran again at OrderService, calling downstream again ...
+    await assert_once_each(db, order, placed)  # ... which replayed
+    again = await assert_child_keys(db, order, runs=2)
+    assert again.charges > called.charges and again.emails > called.emails, (called, again)
 
 
 async def test_two_tenants_with_one_parent_key_never_share_downstream_records(
@@ -380,7 +396,7 @@ async def test_two_tenants_with_one_parent_key_never_share_downstream_records(
     for order, first, retry in zip((acme, globex), firsts, retries, strict=True):
         assert retry.response == first.response  # each tenant's retry replays its own order
         await assert_once_each(db, order, first)
-        await assert_child_keys(db, order, charges=1, emails=1)
+        await assert_child_keys(db, order, runs=1)
     assert acme.child(CHARGE_STEP) != globex.child(CHARGE_STEP)
     assert acme.child(EMAIL_STEP) != globex.child(EMAIL_STEP)
     total = await db.fetchval(
@@ -416,7 +432,7 @@ async def test_kill_between_charge_and_order_then_retry_after_lease_charges_once
     record = await record_of(db, order)
     assert record is not None and record["fencing_token"] == 2, record
     # Both runs sent the same child keys; payments and notifications replayed the second.
-    await assert_child_keys(db, order, charges=2, emails=2)
+    await assert_child_keys(db, order, runs=2)
 
 
 @pytest.mark.parametrize("stall", ["before_the_charge", "after_the_charge"])
@@ -471,7 +487,7 @@ async def test_stalled_owner_past_its_lease_cannot_commit(
     await assert_once_each(db, order, placed)
     if charged_by_a:
         assert placed.response.charge_id == charged_by_a[0]
-        await assert_child_keys(db, order, charges=2, emails=2)
+        await assert_child_keys(db, order, runs=2)
     else:
         charges = await attempts(db, "payments", order.tenant)
         assert set(charges) == {(CHARGE, order.child(CHARGE_STEP))}, charges
@@ -481,15 +497,38 @@ async def test_stalled_owner_past_its_lease_cannot_commit(
 # --- gRPC's own retries keep the minted key ----------------------------------------------------
 
 
+async def holds_claim(db: asyncpg.Connection, order: Order, claim: int) -> None:
+    """Waits until the ``claim``-th claim of the order's key is held: committed in progress, its
+    lease running by the database's clock. Every claim (first or takeover) adds one to the
+    fencing token, so the attempt that made this one is inside PlaceOrder's phased execution;
+    an earlier attempt's claim, not yet released, does not count."""
+
+    async def held() -> bool:
+        record = await db.fetchrow(
+            f"SELECT fencing_token, state = 'in_progress' AND locked_until > clock_timestamp()"
+            f" AS held FROM {ORDERS_RECORDS}.records WHERE scope = $1 AND key = $2",
+            order.scope,
+            order.key,
+        )
+        return record is not None and record["fencing_token"] == claim and record["held"]
+
+    await until(f"claim {claim} of the order's key to be held", held)
+
+
 async def test_minted_key_is_the_same_on_every_grpc_retry(
     pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
 ) -> None:
-    """The client interceptor mints one key per call; gRPC's configured retries (here after the
-    connection is reset under the first two attempts: UNAVAILABLE) resend it unchanged."""
-    tenant = tenants.fresh()
-    # Each attempt waits a little after claiming the key, so that it is provably inside the
-    # handler when its connection drops.
-    orders = await start_orders(procs, pg_dsn, downstream, failpoints="after_claim=sleep:1000")
+    """The client interceptor mints one key per call; gRPC's configured retries resend it
+    unchanged. The connection is reset under the attempt holding the claim, twice (UNAVAILABLE,
+    which gRPC retries), so at least three attempts reach OrderService.
+
+    How many more is the scheduler's business: an attempt that arrives before the server has
+    released the previous one's claim waits for it, and may be answered ABORTED and retried. The
+    test asserts the contract, not a count: one minted key on every attempt, one effect."""
+    order = Order()
+    # Each attempt waits after claiming the key: the window in which its connection is reset. It
+    # costs only the last attempt's wait (the test resets the others as soon as they claim).
+    orders = await start_orders(procs, pg_dsn, downstream, failpoints="after_claim=sleep:3000")
     assert orders.port is not None
     proxy = ResettingProxy(f"127.0.0.1:{orders.port}")
     address = await proxy.start()
@@ -499,11 +538,10 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
         interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
     )
     try:
-        order = Order(tenant=tenant)
         stub = orders_pb2_grpc.OrderServiceStub(channel)
         with capture_keys() as keys:
             call = stub.PlaceOrder(
-                order.request(), metadata=(tenant.credential,), timeout=CALL_TIMEOUT_S
+                order.request(), metadata=(order.account.credential,), timeout=CALL_TIMEOUT_S
             )
 
             async def minted() -> bool:  # the interceptor runs once the call has started
@@ -513,9 +551,9 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
         assert len(keys) == 1, keys
         order.key = keys[0]
 
-        for attempt in (1, 2):
-            await claimed(db, order, attempts_seen=attempt)
-            assert proxy.reset() == 1, f"attempt {attempt}: no connection to drop"
+        for claim in (1, 2):
+            await holds_claim(db, order, claim)
+            assert proxy.reset() == 1, f"claim {claim}: no connection to drop"
 
         response = await call
         placed = Placed(response, _replayed(await call.initial_metadata()))
@@ -523,9 +561,12 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
         await channel.close()
         await proxy.close()
 
-    assert proxy.connections == 3
-    seen = await attempts(db, "orders", tenant.name)
-    assert seen == [(PLACE_ORDER, order.key)] * 3, seen
+    assert len(keys) == 1, keys  # gRPC's retries resent the call; nothing minted a second key
+    seen = await attempts(db, "orders", order.tenant)
+    assert len(seen) >= 3 and set(seen) == {(PLACE_ORDER, order.key)}, seen
+    assert proxy.connections >= 3  # each reset attempt's retry came over a new connection
     assert not placed.replayed
     await assert_once_each(db, order, placed)
-    await assert_child_keys(db, order, charges=1, emails=1)
+    record = await record_of(db, order)
+    assert record is not None and record["fencing_token"] >= 3, record  # claimed 3+ times
+    await assert_child_keys(db, order, runs=1)
