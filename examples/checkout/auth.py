@@ -23,12 +23,12 @@ Three pieces share one ``Authenticator``:
   UNAUTHENTICATED before any other interceptor runs, so it touches no database and is never
   deduplicated, logged or replayed. Placed after ``IdempotencyInterceptor`` it would come too
   late for replays, which the idempotency interceptor answers from its records without calling
-  further in (see README, "Interceptor order").
+  further in (tests/integration/test_auth_order.py shows both orders).
 - ``Authenticator.scope``, the ``IdempotencyInterceptor``'s scope resolver: the token's tenant
   again (it raises ``ScopeUnavailable``, so even a misordered server refuses a bad token on a
   keyed method).
-- ``Authenticator.identify`` for handlers that need the caller's tenant (``GetOrder``) and for
-  the attempt log.
+- ``Authenticator.identify`` for handlers that read the caller's own rows (``GetOrder``,
+  ``ListCharges``) and for the attempt log.
 
 Orders calls payments and notifications on the caller's behalf with the caller's own token
 (``forward_metadata=["authorization"]`` on its client interceptor): downstream, the tenant, and so
@@ -168,10 +168,6 @@ class Authenticator:
             return self.identify(context.invocation_metadata()).scope
         except Unauthenticated as exc:
             raise ScopeUnavailable(str(exc)) from exc
-
-    def tenant(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
-        """The caller's tenant, in a handler (the interceptor has already let the call in)."""
-        return self.identify(context.invocation_metadata()).tenant
 
 
 def relay_token(environ: Mapping[str, str] | None = None) -> str:
