@@ -183,6 +183,13 @@ class IdempotencyInterceptor(_Interceptor):
         cached = self._wrapped.get(path)
         if cached is not None and cached[0] is handler:
             return cached[1]
+        if handler.request_deserializer is None:
+            # Not the application's handler but one an interceptor after this one put in its
+            # place (typically one that refuses the call): it gets raw bytes, which cannot be
+            # fingerprinted, and it does not serve the method. Interceptors that must apply to
+            # replays (authentication) go *before* this one (README, "Running in production").
+            log.debug("%s: handler without a request deserializer passed through", path)
+            return handler
         wrapped = self._wrap(policy, handler)
         self._wrapped[path] = (handler, wrapped)
         return wrapped

@@ -39,9 +39,11 @@ class BearerAuth(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     UNAUTHENTICATED, with the real handler's (de)serializers, so it works at any position in the
     interceptor list (a common pattern; checking inside the handler comes to the same)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, bare: bool = False) -> None:
         self.tokens: dict[str, str] = {}  # token -> tenant
         self.refused = 0
+        self.bare = bare
+        """Refuse with a handler that has no (de)serializers, as many interceptors do."""
 
     def issue(self, tenant: str) -> str:
         token = fresh("tok")
@@ -69,6 +71,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             self.refused += 1
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked token")
 
+        if self.bare:
+            return grpc.unary_unary_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(
             refuse,
             request_deserializer=handler.request_deserializer,
@@ -89,8 +93,8 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def serving(store: Store, *, auth_first: bool) -> AsyncIterator[Server]:
-    auth = BearerAuth()
+async def serving(store: Store, *, auth_first: bool, bare: bool = False) -> AsyncIterator[Server]:
+    auth = BearerAuth(bare=bare)
     idempotency = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
     order: list[Any] = [auth, idempotency] if auth_first else [idempotency, auth]
     server = grpc.aio.server(interceptors=order)
@@ -192,3 +196,17 @@ async def test_auth_before_the_idempotency_interceptor_refuses_a_revoked_tokens_
     assert await record_state(store, "tenant:" + tenant, key) == "completed"
     assert srv.service.executions == 1
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_refusing_handler_without_deserializers_after_the_interceptor_is_not_wrapped(
+    store: Store,
+) -> None:
+    """Such a handler gets the raw request bytes, which cannot be fingerprinted: wrapping it
+    answered UNKNOWN ('bytes' object has no attribute ...). It is passed through instead, so
+    the refusal reaches the client as the interceptor meant it, and nothing is stored."""
+    key, tenant = fresh(), fresh("tenant")
+    async with serving(store, auth_first=False, bare=True) as server:
+        refused = await server.post(key, tenant, "never-issued", fresh("acct"))
+        assert refused.code is grpc.StatusCode.UNAUTHENTICATED, (refused.code, refused.details)
+        assert server.auth.refused == 1 and server.service.executions == 0
+    assert await record_state(store, f"tenant:{tenant}", key) is None

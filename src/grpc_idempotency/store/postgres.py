@@ -533,13 +533,23 @@ class Store:
         attempt holds or has recorded the key (look again). ``isolation`` is that of the final
         transaction (the claim itself runs at the database's default)."""
         sql = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
-        async with self.connection("claiming a key", timeout) as conn:
-            try:
-                token: int = await conn.fetchval(sql, timeout=timeout)
-            except asyncpg.PostgresError as exc:
-                if _lost_race(exc):
-                    return None
-                raise
+        token: int | None = None
+        try:
+            async with self.connection("claiming a key", timeout) as conn:
+                try:
+                    token = await conn.fetchval(sql, timeout=timeout)
+                except asyncpg.PostgresError as exc:
+                    if _lost_race(exc):
+                        return None
+                    raise
+        except asyncio.CancelledError:
+            # Cancelled after the claim committed (while the connection went back to the pool):
+            # end its lease now, or every retry would wait the whole lease out for nothing.
+            if token is not None:
+                claim = PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s)
+                await asyncio.shield(claim.release())
+            raise
+        assert token is not None
         return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s, isolation)
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
