@@ -451,9 +451,21 @@ class Relay:
             if self._on_listening is not None:
                 self._on_listening()
         else:
-            helpers.append(
-                asyncio.create_task(self._listen_loop(), name=f"relay-listen {self.name}")
-            )
+            listener = asyncio.create_task(self._listen_loop(), name=f"relay-listen {self.name}")
+            helpers.append(listener)
+            # The first claim waits for the LISTEN (bounded, in case the database is down):
+            # whoever waits for ``on_listening`` then knows that no delivery came before it (a
+            # crash failpoint after the first delivery cannot swallow the ready line), and no
+            # notification sent after it is missed.
+            listening = asyncio.ensure_future(self.listening.wait())
+            try:
+                await asyncio.wait(
+                    [listening, listener],
+                    timeout=max(self.poll_interval, 5.0),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                listening.cancel()
         next_purge = loop.time()
         outage = 0
         try:

@@ -452,7 +452,8 @@ async def test_a_notification_wakes_a_relay_long_before_its_poll(outbox: Store) 
 
 
 async def batches_after_listen(relay: Relay) -> bool:
-    return relay.listening.is_set() and relay.stats.batches >= 2
+    # The first batch waits for the LISTEN: once it has run, the relay sleeps until notified.
+    return relay.listening.is_set() and relay.stats.batches >= 1
 
 
 async def test_the_relay_listens_again_after_its_connection_dies(
