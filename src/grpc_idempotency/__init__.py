@@ -1,74 +1,166 @@
-"""grpc-idempotency: exactly-once gRPC writes with idempotency keys claimed in PostgreSQL."""
+"""grpc-idempotency: exactly-once gRPC writes with idempotency keys claimed in PostgreSQL.
+
+Names are imported on first use (PEP 562), so that ``import grpc_idempotency.core``, the sans-I/O
+decisions, loads neither asyncpg nor grpc: the public API below is the same either way.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from grpc_idempotency.call import IdempotentCall, current_call
-from grpc_idempotency.client import (
-    IdempotencyClientInterceptor,
-    Operation,
-    OperationStub,
-    TransactionOpen,
-    capture_keys,
-    channel_options,
-    service_config,
-    step,
-    step_metadata,
-)
-from grpc_idempotency.consumer import (
-    Consumed,
-    ConsumeResult,
-    IdempotentConsumer,
-    MessageInProgress,
-    purge_processed,
-)
-from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import (
-    HandlerDatabaseError,
-    IdempotencyError,
-    KeyInProgress,
-    KeyInvalid,
-    KeyMissing,
-    KeyReused,
-    LeaseLost,
-    NotInIdempotentCall,
-    PolicyError,
-    ResponseTooLarge,
-    ScopeUnavailable,
-    StoreMisconfigured,
-    StoreUnavailable,
-    TransactionConflict,
-)
-from grpc_idempotency.core.keys import KEY_HEADER, REPLAYED_HEADER, child_key
-from grpc_idempotency.core.lifecycle import CallOutcome
-from grpc_idempotency.core.outbox import DeliveryPolicy
-from grpc_idempotency.core.policy import (
-    Isolation,
-    KeyRequirement,
-    MethodOverride,
-    MethodPolicy,
-    Mode,
-    Step,
-    StoreDown,
-)
-from grpc_idempotency.core.propagation import StepAmbiguous, StepUndeclared
-from grpc_idempotency.core.retry import RetryPolicy
-from grpc_idempotency.outbox import (
-    CallableSink,
-    DeliveryError,
-    GrpcSink,
-    OutboxMessage,
-    PermanentDeliveryError,
-    Relay,
-    Sink,
-    forward_scope,
-)
-from grpc_idempotency.retention import Purger
-from grpc_idempotency.scope import MetadataScope, ScopeResolver, StaticScope, peer_identity_scope
-from grpc_idempotency.server import IdempotencyInterceptor
-from grpc_idempotency.store.postgres import Store
-from grpc_idempotency.telemetry import Telemetry
+if TYPE_CHECKING:
+    from grpc_idempotency.call import IdempotentCall, current_call
+    from grpc_idempotency.client import (
+        IdempotencyClientInterceptor,
+        Operation,
+        OperationStub,
+        TransactionOpen,
+        capture_keys,
+        channel_options,
+        service_config,
+        step,
+        step_metadata,
+    )
+    from grpc_idempotency.consumer import (
+        Consumed,
+        ConsumeResult,
+        IdempotentConsumer,
+        MessageInProgress,
+        purge_processed,
+    )
+    from grpc_idempotency.core.codes import Code
+    from grpc_idempotency.core.errors import (
+        HandlerDatabaseError,
+        IdempotencyError,
+        KeyInProgress,
+        KeyInvalid,
+        KeyMissing,
+        KeyReused,
+        LeaseLost,
+        NotInIdempotentCall,
+        PolicyError,
+        ResponseTooLarge,
+        ScopeUnavailable,
+        StoreMisconfigured,
+        StoreUnavailable,
+        TransactionConflict,
+    )
+    from grpc_idempotency.core.keys import child_key
+    from grpc_idempotency.core.lifecycle import CallOutcome
+    from grpc_idempotency.core.outbox import DeliveryPolicy
+    from grpc_idempotency.core.policy import (
+        Isolation,
+        KeyRequirement,
+        MethodOverride,
+        MethodPolicy,
+        Mode,
+        Step,
+        StoreDown,
+    )
+    from grpc_idempotency.core.propagation import StepAmbiguous, StepUndeclared
+    from grpc_idempotency.core.retry import RetryPolicy
+    from grpc_idempotency.core.wire import KEY_HEADER, REPLAYED_HEADER
+    from grpc_idempotency.outbox import (
+        CallableSink,
+        DeliveryError,
+        GrpcSink,
+        OutboxMessage,
+        PermanentDeliveryError,
+        Relay,
+        Sink,
+        forward_scope,
+    )
+    from grpc_idempotency.retention import Purger
+    from grpc_idempotency.scope import (
+        MetadataScope,
+        ScopeResolver,
+        StaticScope,
+        peer_identity_scope,
+    )
+    from grpc_idempotency.server import IdempotencyInterceptor
+    from grpc_idempotency.store.postgres import Store
+    from grpc_idempotency.telemetry import Telemetry
+
+# Where each public name lives.
+_LOCATIONS: dict[str, str] = {
+    "CallOutcome": "grpc_idempotency.core.lifecycle",
+    "CallableSink": "grpc_idempotency.outbox",
+    "Code": "grpc_idempotency.core.codes",
+    "ConsumeResult": "grpc_idempotency.consumer",
+    "Consumed": "grpc_idempotency.consumer",
+    "DeliveryError": "grpc_idempotency.outbox",
+    "DeliveryPolicy": "grpc_idempotency.core.outbox",
+    "GrpcSink": "grpc_idempotency.outbox",
+    "HandlerDatabaseError": "grpc_idempotency.core.errors",
+    "IdempotencyClientInterceptor": "grpc_idempotency.client",
+    "IdempotencyError": "grpc_idempotency.core.errors",
+    "IdempotencyInterceptor": "grpc_idempotency.server",
+    "IdempotentCall": "grpc_idempotency.call",
+    "IdempotentConsumer": "grpc_idempotency.consumer",
+    "Isolation": "grpc_idempotency.core.policy",
+    "KEY_HEADER": "grpc_idempotency.core.wire",
+    "KeyInProgress": "grpc_idempotency.core.errors",
+    "KeyInvalid": "grpc_idempotency.core.errors",
+    "KeyMissing": "grpc_idempotency.core.errors",
+    "KeyRequirement": "grpc_idempotency.core.policy",
+    "KeyReused": "grpc_idempotency.core.errors",
+    "LeaseLost": "grpc_idempotency.core.errors",
+    "MessageInProgress": "grpc_idempotency.consumer",
+    "MetadataScope": "grpc_idempotency.scope",
+    "MethodOverride": "grpc_idempotency.core.policy",
+    "MethodPolicy": "grpc_idempotency.core.policy",
+    "Mode": "grpc_idempotency.core.policy",
+    "NotInIdempotentCall": "grpc_idempotency.core.errors",
+    "Operation": "grpc_idempotency.client",
+    "OperationStub": "grpc_idempotency.client",
+    "OutboxMessage": "grpc_idempotency.outbox",
+    "PermanentDeliveryError": "grpc_idempotency.outbox",
+    "PolicyError": "grpc_idempotency.core.errors",
+    "Purger": "grpc_idempotency.retention",
+    "REPLAYED_HEADER": "grpc_idempotency.core.wire",
+    "Relay": "grpc_idempotency.outbox",
+    "ResponseTooLarge": "grpc_idempotency.core.errors",
+    "RetryPolicy": "grpc_idempotency.core.retry",
+    "ScopeResolver": "grpc_idempotency.scope",
+    "ScopeUnavailable": "grpc_idempotency.core.errors",
+    "Sink": "grpc_idempotency.outbox",
+    "StaticScope": "grpc_idempotency.scope",
+    "Step": "grpc_idempotency.core.policy",
+    "StepAmbiguous": "grpc_idempotency.core.propagation",
+    "StepUndeclared": "grpc_idempotency.core.propagation",
+    "Store": "grpc_idempotency.store.postgres",
+    "StoreDown": "grpc_idempotency.core.policy",
+    "StoreMisconfigured": "grpc_idempotency.core.errors",
+    "StoreUnavailable": "grpc_idempotency.core.errors",
+    "Telemetry": "grpc_idempotency.telemetry",
+    "TransactionConflict": "grpc_idempotency.core.errors",
+    "TransactionOpen": "grpc_idempotency.client",
+    "capture_keys": "grpc_idempotency.client",
+    "channel_options": "grpc_idempotency.client",
+    "child_key": "grpc_idempotency.core.keys",
+    "current_call": "grpc_idempotency.call",
+    "forward_scope": "grpc_idempotency.outbox",
+    "peer_identity_scope": "grpc_idempotency.scope",
+    "purge_processed": "grpc_idempotency.consumer",
+    "service_config": "grpc_idempotency.client",
+    "step": "grpc_idempotency.client",
+    "step_metadata": "grpc_idempotency.client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LOCATIONS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # next time, a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def proto_include() -> str:

@@ -1,4 +1,5 @@
-"""How answers leave the server: errors with rich status details, and replays byte for byte."""
+"""How answers leave the server: errors with rich status details (``core.wire`` encodes them,
+grpcio-status puts them on the call), and replays byte for byte."""
 
 from __future__ import annotations
 
@@ -6,19 +7,16 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
+from grpc_idempotency.core import wire
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import ERROR_DOMAIN, IdempotencyError, KeyInProgress
-from grpc_idempotency.core.keys import REPLAYED_HEADER
+from grpc_idempotency.core.errors import IdempotencyError
 from grpc_idempotency.core.lifecycle import Outcome
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-DETAILS_TRAILER = "grpc-status-details-bin"
-PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
 _GRPC_CODES = {c.value[0]: c for c in grpc.StatusCode}
-_REPLAYED_METADATA = ((REPLAYED_HEADER, "true"),)
 
 
 class Serialized:
@@ -59,39 +57,29 @@ def code_of(context: Context) -> Code:
 
 def details_in(metadata: Any) -> bytes | None:
     for name, value in metadata or ():
-        if name == DETAILS_TRAILER and isinstance(value, bytes):
+        if name == wire.DETAILS_TRAILER and isinstance(value, bytes):
             return value
     return None
 
 
-def error_trailers(err: IdempotencyError) -> tuple[tuple[str, str | bytes], ...]:
-    status = status_pb2.Status(code=int(err.status_code), message=err.message)
-    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN))
-    trailers: list[tuple[str, str | bytes]] = []
-    if isinstance(err, KeyInProgress):
-        retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromMilliseconds(err.retry_after_ms)
-        status.details.add().Pack(retry)
-        trailers.append((PUSHBACK_TRAILER, str(err.retry_after_ms)))
-    trailers.append((DETAILS_TRAILER, status.SerializeToString()))
-    return tuple(trailers)
-
-
 def recorded_error(err: IdempotencyError) -> Outcome:
     """``err`` as an outcome to record: replayed with the same status, message and details."""
-    return Outcome(err.status_code, err.message, details_in(error_trailers(err)))
+    return Outcome(err.status_code, err.message, wire.error_status(err).SerializeToString())
 
 
 async def abort(context: Context, err: IdempotencyError) -> NoReturn:
-    await context.abort(grpc_code(err.status_code), err.message, error_trailers(err))
+    status = rpc_status.to_status(wire.error_status(err))
+    # Pitfall 4: abort() sends at once and set_trailing_metadata() replaces: all trailers here.
+    trailers = (*status.trailing_metadata, *wire.pushback_trailers(err))
+    await context.abort(status.code, status.details, trailers)
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
 async def replay(context: Context, outcome: Outcome) -> Any:
-    await context.send_initial_metadata(_REPLAYED_METADATA)
+    await context.send_initial_metadata(wire.REPLAYED_METADATA)
     if outcome.code is Code.OK:
         return Serialized(outcome.response or b"")
-    trailers = ((DETAILS_TRAILER, outcome.details),) if outcome.details else ()
+    trailers = ((wire.DETAILS_TRAILER, outcome.details),) if outcome.details else ()
     await context.abort(grpc_code(outcome.code), outcome.message, trailers)
 
 

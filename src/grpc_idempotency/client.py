@@ -23,17 +23,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
 
-from grpc_idempotency._answers import DETAILS_TRAILER, PUSHBACK_TRAILER
 from grpc_idempotency.call import current_call_or_none
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import IdempotencyError
-from grpc_idempotency.core.keys import KEY_HEADER, validate_key
+from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
+from grpc_idempotency.core.wire import KEY_HEADER, retry_after_ms
 from grpc_idempotency.registry import PolicyRegistry, Services
 
 STEP_HEADER = "x-grpc-idempotency-step"
@@ -150,30 +149,6 @@ class OperationStub:
             return await self._operation.call(method, request, **self._options)
 
         return call
-
-
-def retry_after_ms(trailing_metadata: Any) -> int | None:
-    """The server's retry hint: ``grpc-retry-pushback-ms``, else ``google.rpc.RetryInfo``."""
-    pushback = None
-    details = None
-    for name, value in trailing_metadata or ():
-        if name == PUSHBACK_TRAILER:
-            pushback = value
-        elif name == DETAILS_TRAILER:
-            details = value
-    if isinstance(pushback, str):
-        try:
-            return int(pushback)
-        except ValueError:
-            return -1  # malformed pushback: gRPC's rule is not to retry
-    if isinstance(details, bytes):
-        status = status_pb2.Status.FromString(details)
-        for detail in status.details:
-            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                info = error_details_pb2.RetryInfo()
-                detail.Unpack(info)
-                return int(info.retry_delay.ToMilliseconds())
-    return None
 
 
 @contextlib.contextmanager

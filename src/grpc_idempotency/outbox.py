@@ -51,8 +51,8 @@ from opentelemetry import metrics
 from grpc_idempotency import failpoints
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import IdempotencyError, StoreUnavailable
-from grpc_idempotency.core.keys import KEY_HEADER
 from grpc_idempotency.core.outbox import DeliveryPolicy
+from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.store.outbox_store import (
     DeadLetter,
     Failure,

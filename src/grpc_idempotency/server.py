@@ -44,7 +44,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
     TransactionConflict,
 )
-from grpc_idempotency.core.keys import KEY_HEADER, key_from_metadata, validate_scope
+from grpc_idempotency.core.keys import key_from_metadata, validate_scope
 from grpc_idempotency.core.lifecycle import (
     Action,
     CallOutcome,
@@ -64,6 +64,7 @@ from grpc_idempotency.core.policy import (
     Mode,
     StoreDown,
 )
+from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
 from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store, handler_error

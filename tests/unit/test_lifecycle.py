@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpc_idempotency.core.codes import DEFAULT_RECORDED_ERRORS, Code
+from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.failpoints import FailAction, parse_failpoints
 from grpc_idempotency.core.lifecycle import (
     Action,
@@ -15,6 +15,7 @@ from grpc_idempotency.core.lifecycle import (
     retry_after_ms,
     wait_budget_s,
 )
+from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
 
 FP = b"f" * 32
 OTHER = b"o" * 32

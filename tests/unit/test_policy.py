@@ -11,7 +11,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import MethodDescriptor
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency.core.codes import DEFAULT_RECORDED_ERRORS, Code
+from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.policy import (
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -25,6 +25,7 @@ from grpc_idempotency.core.policy import (
     compile_policy,
     normalize_method,
 )
+from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
 from grpc_idempotency.v1 import options_pb2
 
 _counter = itertools.count()

@@ -1,3 +1,5 @@
+import pytest
+
 import grpc_idempotency
 
 
@@ -12,3 +14,28 @@ def test_public_names_resolve_and_are_sorted() -> None:
         if isinstance(value, type) and issubclass(value, Exception):
             assert issubclass(value, grpc_idempotency.IdempotencyError), name
             assert value.reason.startswith("IDEMPOTENCY_"), name
+
+
+def test_importing_core_loads_neither_asyncpg_nor_grpc() -> None:
+    """core/ decides and does no I/O: importing it (and so the package's __init__) must not pull
+    in the database driver or gRPC. Checked in a fresh interpreter, where nothing is loaded yet."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, pkgutil, importlib, grpc_idempotency.core as core\n"
+        "for m in pkgutil.iter_modules(core.__path__): importlib.import_module(f'{core.__name__}.{m.name}')\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('asyncpg', 'grpc', 'opentelemetry')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_public_names_are_importable_by_name() -> None:
+    from grpc_idempotency import IdempotencyInterceptor, Store  # resolved lazily
+
+    assert IdempotencyInterceptor.__module__ == "grpc_idempotency.server"
+    assert Store.__module__ == "grpc_idempotency.store.postgres"
+    with pytest.raises(AttributeError):
+        grpc_idempotency.NoSuchName  # noqa: B018
+    assert set(grpc_idempotency.__all__) <= set(dir(grpc_idempotency))

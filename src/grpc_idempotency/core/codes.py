@@ -26,29 +26,3 @@ class Code(enum.IntEnum):
     UNAVAILABLE = 14
     DATA_LOSS = 15
     UNAUTHENTICATED = 16
-
-
-# Errors that a retry of the same request would get again: recorded and replayed like a response.
-DEFAULT_RECORDED_ERRORS: frozenset[Code] = frozenset(
-    {
-        Code.INVALID_ARGUMENT,
-        Code.NOT_FOUND,
-        Code.ALREADY_EXISTS,
-        Code.FAILED_PRECONDITION,
-        Code.OUT_OF_RANGE,
-    }
-)
-
-# Codes that may never be recorded: they say the attempt did not finish, so recording them would
-# turn a transient failure into a permanent answer for the key.
-NEVER_RECORDED: frozenset[Code] = frozenset(
-    {
-        Code.UNAVAILABLE,
-        Code.DEADLINE_EXCEEDED,
-        Code.RESOURCE_EXHAUSTED,
-        Code.ABORTED,
-        Code.INTERNAL,
-        Code.UNKNOWN,
-        Code.CANCELLED,
-    }
-)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from grpc_idempotency.core.errors import KeyInProgress, KeyInvalid, KeyMissing
-from grpc_idempotency.core.keys import KEY_HEADER, key_from_metadata
+from grpc_idempotency.core.keys import key_from_metadata
+from grpc_idempotency.core.wire import KEY_HEADER
 
 MAX_MESSAGE_ID_LENGTH = 1024
 MAX_CONSUMER_NAME_LENGTH = 255

@@ -16,10 +16,8 @@ import re
 from collections.abc import Iterable
 
 from grpc_idempotency.core.errors import KeyInvalid, ScopeUnavailable
+from grpc_idempotency.core.wire import KEY_HEADER, KEY_HEADER_BIN
 
-KEY_HEADER = "idempotency-key"
-KEY_HEADER_BIN = KEY_HEADER + "-bin"
-REPLAYED_HEADER = "idempotency-replayed"
 MAX_KEY_LENGTH = 255
 MAX_SCOPE_LENGTH = 1024
 STEP_NAME = re.compile(r"[a-z][a-z0-9-]*\.v[1-9][0-9]*")

@@ -16,10 +16,11 @@ from typing import Any
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions as _MethodOptions
 
-from grpc_idempotency.core.codes import DEFAULT_RECORDED_ERRORS, NEVER_RECORDED, Code
+from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.fingerprint import Fingerprinter
 from grpc_idempotency.core.keys import STEP_NAME, is_step_name
+from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS, NEVER_RECORDED
 from grpc_idempotency.v1 import options_pb2
 
 DEFAULT_RETENTION = timedelta(hours=24)

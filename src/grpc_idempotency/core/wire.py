@@ -1,0 +1,135 @@
+"""The wire contract: every name and encoding the library puts on gRPC, or reads back from it.
+
+Server, client, relay and consumer all speak through this module, so the contract in the README
+("The wire contract") has one implementation:
+
+- metadata: the key travels as text ``idempotency-key`` (never ``-bin``); a replay carries
+  initial metadata ``idempotency-replayed: true``;
+- errors: a ``google.rpc.Status`` (the ``grpc-status-details-bin`` trailer, via grpcio-status)
+  holding ``ErrorInfo{reason, domain: "grpc-idempotency"}``, and for a key still in progress a
+  ``RetryInfo`` plus the ``grpc-retry-pushback-ms`` trailer that gRPC's own retries honour;
+- status codes: which a handler's error is recorded and replayed with (``DEFAULT_RECORDED_ERRORS``)
+  and which may never be recorded, because they say the attempt did not finish (``NEVER_RECORDED``).
+
+Pure: protobuf messages and tuples of metadata, no grpc import. ``_answers`` (server) turns the
+``Status`` into a gRPC answer with grpcio-status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from google.rpc import error_details_pb2, status_pb2
+
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import ERROR_DOMAIN, IdempotencyError, KeyInProgress
+
+KEY_HEADER = "idempotency-key"
+KEY_HEADER_BIN = KEY_HEADER + "-bin"
+REPLAYED_HEADER = "idempotency-replayed"
+REPLAYED_METADATA: tuple[tuple[str, str], ...] = ((REPLAYED_HEADER, "true"),)
+DETAILS_TRAILER = "grpc-status-details-bin"
+PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
+
+__all__ = [
+    "DEFAULT_RECORDED_ERRORS",
+    "DETAILS_TRAILER",
+    "ERROR_DOMAIN",
+    "KEY_HEADER",
+    "KEY_HEADER_BIN",
+    "NEVER_RECORDED",
+    "PUSHBACK_TRAILER",
+    "REPLAYED_HEADER",
+    "REPLAYED_METADATA",
+    "error_status",
+    "pushback_trailers",
+    "reason_of",
+    "retry_after_ms",
+]
+
+Metadata = Iterable[Any]
+"""gRPC metadata: (name, str or bytes) pairs; typed loosely, as grpc's own stubs type it."""
+
+# Errors that a retry of the same request would get again: recorded and replayed like a response.
+DEFAULT_RECORDED_ERRORS: frozenset[Code] = frozenset(
+    {
+        Code.INVALID_ARGUMENT,
+        Code.NOT_FOUND,
+        Code.ALREADY_EXISTS,
+        Code.FAILED_PRECONDITION,
+        Code.OUT_OF_RANGE,
+    }
+)
+
+# Codes that may never be recorded: they say the attempt did not finish, so recording them would
+# turn a transient failure into a permanent answer for the key.
+NEVER_RECORDED: frozenset[Code] = frozenset(
+    {
+        Code.UNAVAILABLE,
+        Code.DEADLINE_EXCEEDED,
+        Code.RESOURCE_EXHAUSTED,
+        Code.ABORTED,
+        Code.INTERNAL,
+        Code.UNKNOWN,
+        Code.CANCELLED,
+    }
+)
+
+
+def error_status(err: IdempotencyError) -> status_pb2.Status:
+    """The rich status of one of the library's errors: its code and message, an ``ErrorInfo``
+    with its reason, and a ``RetryInfo`` when the client should come back later."""
+    status = status_pb2.Status(code=int(err.status_code), message=err.message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN))
+    if isinstance(err, KeyInProgress):
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(err.retry_after_ms)
+        status.details.add().Pack(retry)
+    return status
+
+
+def pushback_trailers(err: IdempotencyError) -> tuple[tuple[str, str], ...]:
+    """Trailers besides the status: gRPC's retry pushback for a key still in progress (its
+    transparent retries read this, not ``RetryInfo``)."""
+    if isinstance(err, KeyInProgress):
+        return ((PUSHBACK_TRAILER, str(err.retry_after_ms)),)
+    return ()
+
+
+def _status_in(trailing_metadata: Metadata | None) -> status_pb2.Status | None:
+    for name, value in trailing_metadata or ():
+        if name == DETAILS_TRAILER and isinstance(value, bytes):
+            return status_pb2.Status.FromString(value)
+    return None
+
+
+def retry_after_ms(trailing_metadata: Metadata | None) -> int | None:
+    """The server's retry hint: ``grpc-retry-pushback-ms``, else ``google.rpc.RetryInfo``;
+    ``None`` when there is none, -1 for a malformed pushback (gRPC's rule: do not retry)."""
+    for name, value in trailing_metadata or ():
+        if name == PUSHBACK_TRAILER:
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            try:
+                return int(text)
+            except ValueError:
+                return -1
+    status = _status_in(trailing_metadata)
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return int(info.retry_delay.ToMilliseconds())
+    return None
+
+
+def reason_of(trailing_metadata: Metadata | None) -> str | None:
+    """The ``ErrorInfo.reason`` of the library's domain in an answer's status, if any."""
+    status = _status_in(trailing_metadata)
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN:
+                return str(info.reason)
+    return None
