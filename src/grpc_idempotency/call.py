@@ -22,7 +22,7 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf.message import Message
 
@@ -32,6 +32,25 @@ from grpc_idempotency.core.policy import Step
 from grpc_idempotency.store.postgres import PooledConnection
 
 T = TypeVar("T")
+
+
+class Enqueue(Protocol):
+    """Writes one outbox row on the given connection (``Store.enqueue``)."""
+
+    def __call__(
+        self,
+        conn: PooledConnection,
+        *,
+        scope: str,
+        key: str,
+        step: str,
+        parent_key: str,
+        method: str,
+        payload_type: str,
+        payload: bytes,
+    ) -> Awaitable[None]: ...
+
+
 _savepoints = itertools.count(1)
 
 
@@ -51,7 +70,7 @@ class IdempotentCall:
         open_final: Callable[[], Awaitable[PooledConnection]] | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
         started_at: datetime | None = None,
-        enqueue_sql: str | None = None,
+        outbox: Enqueue | None = None,
     ) -> None:
         self.method = method
         """The gRPC path, "/package.Service/Method"."""
@@ -65,7 +84,7 @@ class IdempotentCall:
         self.metadata = tuple(metadata)
         self.started_at = started_at
         """When the operation began, if an earlier attempt began it (a takeover)."""
-        self._enqueue_sql = enqueue_sql
+        self._outbox = outbox
         """The incoming call's metadata."""
         self._connection = connection
         self._open_final = open_final
@@ -119,22 +138,22 @@ class IdempotentCall:
         the call's transaction (phased mode: the final one, opened if need be). Returns the
         message's key: the step's child key, which a re-run of the handler reproduces, so the
         message is enqueued once however often the handler runs."""
-        if self.key is None or self.scope is None or self._enqueue_sql is None:
+        if self.key is None or self.scope is None or self._outbox is None:
             raise NotInIdempotentCall(
                 f"{self.method}: only a keyed call can enqueue outbox messages"
             )
         chosen = outbox_step(self.method, self.steps, step, self.started_at)
         key = message_key(self.scope, self.key, chosen)
         conn = await self.transaction()
-        await conn.execute(
-            self._enqueue_sql,
-            self.scope,
-            key,
-            chosen.name,
-            self.key,
-            self.method,
-            message.DESCRIPTOR.full_name,
-            message.SerializeToString(deterministic=True),
+        await self._outbox(
+            conn,
+            scope=self.scope,
+            key=key,
+            step=chosen.name,
+            parent_key=self.key,
+            method=self.method,
+            payload_type=message.DESCRIPTOR.full_name,
+            payload=message.SerializeToString(deterministic=True),
         )
         return key
 

@@ -50,7 +50,6 @@ errors with the library's statuses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,7 +57,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, NoReturn, TypeVar
 
-import asyncpg
 import grpc
 
 from grpc_idempotency import _answers
@@ -66,16 +64,15 @@ from grpc_idempotency.core.consumer import (
     Consumed,
     ConsumerPolicy,
     MessageInProgress,
-    consumed,
     in_progress,
-    lock_timeout,
     message_id_from_metadata,
     validate_consumer_name,
     validate_message_id,
 )
-from grpc_idempotency.core.errors import IdempotencyError, StoreUnavailable
-from grpc_idempotency.store.postgres import STORE_ERRORS, PooledConnection, Store
-from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
+from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
+from grpc_idempotency.store.errors import store_error
+from grpc_idempotency.store.postgres import PooledConnection, Store
 
 __all__ = [
     "ConsumeResult",
@@ -91,17 +88,6 @@ log = logging.getLogger("grpc_idempotency.consumer")
 T = TypeVar("T")
 Effect = Callable[[PooledConnection], Awaitable[T]]
 
-_LOCK_NOT_AVAILABLE = "55P03"
-# A connection that broke under the effect: the store's failure, not the effect's. Also the
-# SQLSTATE classes 08 (connection exception) and 57P (the server shutting down or restarting).
-_CONNECTION_LOST: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,  # the protocol noticed the server hang up mid-operation
-    OSError,
-)
-_CONNECTION_LOST_STATES = ("08", "57P")
-
 
 @dataclass(frozen=True, slots=True)
 class ConsumeResult(Generic[T]):
@@ -115,55 +101,6 @@ class ConsumeResult(Generic[T]):
     @property
     def duplicate(self) -> bool:
         return self.outcome is Consumed.DUPLICATE
-
-
-def _unavailable(exc: BaseException, doing: str) -> StoreUnavailable:
-    detail = getattr(exc, "sqlstate", None) or type(exc).__name__
-    return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
-
-
-class _Statements:
-    def __init__(self, schema: str) -> None:
-        s = schema_identifier(schema)
-        self.table = f"{s}.processed_messages"
-        # Set to this call's bound for the mark only: the wait on a concurrent delivery's row is
-        # a lock wait, which lock_timeout bounds. The RETURNING clause puts the session's own
-        # setting back, so the effect's lock waits are not cut short by ours.
-        self.mark_template = (
-            "BEGIN ISOLATION LEVEL READ COMMITTED; "
-            "WITH prior AS MATERIALIZED (SELECT current_setting('lock_timeout') AS setting), "
-            "bounded AS MATERIALIZED ("
-            "SELECT setting, set_config('lock_timeout', {wait}, true) FROM prior) "
-            f"INSERT INTO {self.table} AS p (consumer, message_id, expires_at) "
-            "SELECT {consumer}, {message_id}, "
-            "clock_timestamp() + make_interval(secs => {retention}) FROM bounded "
-            "ON CONFLICT (consumer, message_id) DO UPDATE "
-            "SET processed_at = clock_timestamp(), expires_at = EXCLUDED.expires_at "
-            # A live mark is a duplicate; an expired one is taken over, as if purged already.
-            "WHERE p.expires_at <= clock_timestamp() "
-            "RETURNING set_config('lock_timeout', (SELECT setting FROM bounded), true)"
-        )
-        self.is_processed = (
-            f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
-            " AND expires_at > clock_timestamp())"
-        )
-        # statement_timestamp(), not clock_timestamp(): a volatile bound cannot use the index on
-        # expires_at; each batch is a statement in its own transaction, so the two agree.
-        self.purge = f"""
-            WITH doomed AS (
-                SELECT consumer, message_id FROM {self.table}
-                WHERE expires_at <= statement_timestamp() AND ($2::text IS NULL OR consumer = $2)
-                LIMIT $1 FOR UPDATE SKIP LOCKED)
-            DELETE FROM {self.table} p USING doomed d
-            WHERE p.consumer = d.consumer AND p.message_id = d.message_id"""
-
-    def mark(self, consumer: str, message_id: str, retention_s: float, wait_s: float) -> str:
-        return self.mark_template.format(
-            wait=text_literal(lock_timeout(wait_s)),
-            consumer=text_literal(consumer),
-            message_id=text_literal(message_id),
-            retention=float_literal(retention_s),
-        )
 
 
 class IdempotentConsumer:
@@ -185,7 +122,7 @@ class IdempotentConsumer:
         self.store = store
         self.name = validate_consumer_name(name)
         self.policy = ConsumerPolicy(retention=retention, max_wait=max_wait)
-        self._sql = _Statements(store.schema)
+        self._messages = ProcessedMessages(store)
         # Deliveries of one id in this process queue here, holding no connection; the database
         # row decides between processes.
         self._running: dict[str, asyncio.Future[None]] = {}
@@ -233,50 +170,29 @@ class IdempotentConsumer:
         acquire_timeout: float | None,
         started: float,
     ) -> ConsumeResult[T]:
-        store = self.store
-        conn = await store._acquire("marking a message", acquire_timeout)
         try:
-            sql = self._sql.mark(self.name, message_id, self.policy.retention_s, wait_s)
-            try:
-                status = await conn.execute(sql)
-            except BaseException as exc:
-                await _abandon(conn, exc)
-                if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
-                    raise in_progress(message_id, time.monotonic() - started) from None
-                if isinstance(exc, STORE_ERRORS):
-                    raise _unavailable(exc, "marking a message") from exc
-                raise
-            outcome = consumed(int(status.split()[-1]))
-            if outcome is Consumed.DUPLICATE:
-                await _abandon(conn, None)
-                return ConsumeResult(message_id, outcome)
-            try:
-                value = await effect(conn)
-            except BaseException as exc:
-                lost = _connection_lost(conn, exc)
-                await _abandon(conn, exc)
-                if lost:
-                    raise _unavailable(exc, "running the effect") from exc
-                raise
-            if _closed(conn) or not conn.is_in_transaction():
-                # The effect committed or rolled back itself: whether the mark went with it is
-                # unknown, so do not claim success (the message is not acknowledged; a
-                # redelivery sees the mark or runs again).
-                raise StoreUnavailable(
-                    f"the effect of message {message_id!r} ended the consumer's transaction"
-                    " itself; never COMMIT or ROLLBACK it"
-                )
-            try:
-                await conn.execute("COMMIT")
-            except BaseException as exc:
-                # The commit may or may not have happened: never reuse this connection.
-                _terminate(conn)
-                if isinstance(exc, STORE_ERRORS):
-                    raise _unavailable(exc, "committing a processed message") from exc
-                raise
-            return ConsumeResult(message_id, outcome, value)
-        finally:
-            await store._release(conn)
+            mark = await self._messages.mark(
+                self.name,
+                message_id,
+                retention_s=self.policy.retention_s,
+                wait_s=wait_s,
+                acquire_timeout=acquire_timeout,
+            )
+        except MarkBusy:
+            raise in_progress(message_id, time.monotonic() - started) from None
+        if mark.outcome is Consumed.DUPLICATE:
+            await mark.abandon(None)
+            return ConsumeResult(message_id, mark.outcome)
+        try:
+            value = await effect(mark.connection)
+        except BaseException as exc:
+            lost = mark.lost_by(exc)
+            await mark.abandon(exc)
+            if lost:
+                raise store_error(exc, "running the effect") from exc
+            raise
+        await mark.commit(message_id)
+        return ConsumeResult(message_id, mark.outcome, value)
 
     async def process_call(
         self, context: grpc.aio.ServicerContext[Any, Any], effect: Effect[T]
@@ -295,9 +211,7 @@ class IdempotentConsumer:
     async def is_processed(self, message_id: str) -> bool:
         """Whether ``message_id`` is marked and within its retention (committed marks only)."""
         validate_message_id(message_id)
-        async with self.store.connection("looking up a message") as conn:
-            found: bool = await conn.fetchval(self._sql.is_processed, self.name, message_id)
-        return found
+        return await self._messages.is_processed(self.name, message_id)
 
     async def purge_processed(
         self, *, batch_size: int = 1000, max_batches: int | None = None
@@ -319,19 +233,9 @@ async def purge_processed(
     """Deletes expired marks of ``consumer`` (``None``: of every consumer) in batches of
     ``batch_size``, each its own short transaction that skips rows locked by a delivery taking
     them over; stops after a short batch or ``max_batches``. Returns how many were deleted."""
-    if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
-        raise ValueError("batch_size and max_batches must be positive")
-    sql = _Statements(store.schema).purge
-    total = batches = 0
-    while max_batches is None or batches < max_batches:
-        async with store.connection("purging processed messages") as conn:
-            status = await conn.execute(sql, batch_size, consumer)
-        deleted = int(status.split()[-1])
-        total += deleted
-        batches += 1
-        if deleted < batch_size:
-            break
-    return total
+    return await ProcessedMessages(store).purge(
+        consumer=consumer, batch_size=batch_size, max_batches=max_batches
+    )
 
 
 def message_id_from_call(context: grpc.aio.ServicerContext[Any, Any]) -> str:
@@ -342,46 +246,3 @@ def message_id_from_call(context: grpc.aio.ServicerContext[Any, Any]) -> str:
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: IdempotencyError) -> NoReturn:
     await _answers.abort(context, err)
-
-
-def _closed(conn: PooledConnection) -> bool:
-    try:
-        return conn.is_closed()
-    except asyncpg.InterfaceError:  # asyncpg detaches the proxy of a connection it lost
-        return True
-
-
-def _terminate(conn: PooledConnection) -> None:
-    with contextlib.suppress(asyncpg.InterfaceError):
-        conn.terminate()
-
-
-def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
-    if not isinstance(exc, Exception):
-        return False
-    state = getattr(exc, "sqlstate", None) or ""
-    return (
-        isinstance(exc, _CONNECTION_LOST)
-        or state.startswith(_CONNECTION_LOST_STATES)
-        or _closed(conn)
-    )
-
-
-async def _abandon(conn: PooledConnection, exc: BaseException | None) -> None:
-    """Ends the transaction without committing. A cancellation may have interrupted a statement
-    mid-flight, and a failed ROLLBACK leaves the transaction's fate with the connection: in both
-    cases the connection is dropped (PostgreSQL rolls back) rather than reused."""
-    if _closed(conn):
-        return
-    if exc is not None and not isinstance(exc, Exception):
-        _terminate(conn)
-        return
-    try:
-        if conn.is_in_transaction():
-            await conn.execute("ROLLBACK")
-    except Exception:
-        log.debug("rollback failed; dropping the connection", exc_info=True)
-        _terminate(conn)
-    except BaseException:
-        _terminate(conn)
-        raise

@@ -44,7 +44,6 @@ from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import asyncpg
 import grpc
 from opentelemetry import metrics
 
@@ -56,11 +55,12 @@ from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.store.outbox_store import (
     DeadLetter,
     Failure,
+    Listener,
     OutboxMessage,
     OutboxStore,
     StateCount,
 )
-from grpc_idempotency.store.postgres import PooledConnection, Store
+from grpc_idempotency.store.postgres import Store
 
 __all__ = [
     "DEFAULT_PERMANENT_CODES",
@@ -536,16 +536,14 @@ class Relay:
         while True:
             if pause:
                 await asyncio.sleep(pause)
-            conn: asyncpg.Connection[Any] | PooledConnection | None = None
-            lost = asyncio.Event()
-
-            def on_lost(*_args: object, lost: asyncio.Event = lost) -> None:
-                lost.set()
-
+            listener: Listener | None = None
             try:
-                conn = await self._connect_listener()
-                conn.add_termination_listener(on_lost)
-                await conn.add_listener(self.outbox.channel, self._notified)
+                listener = await self.outbox.listen(
+                    self._notified,
+                    dsn=self.listen_dsn,
+                    connect_timeout=min(60.0, max(5.0, self.poll_interval)),
+                )
+                lost = listener.lost
                 self.listening.set()
                 if self._on_listening is not None:
                     self._on_listening()
@@ -559,9 +557,7 @@ class Relay:
                     # A link that died silently (no FIN) shows up only when used; a LISTEN
                     # that went to a pooled server connection shows up as a session that is
                     # not listening.
-                    if not await conn.fetchval(
-                        _LISTENS_SQL, self.outbox.channel, timeout=self.poll_interval
-                    ):
+                    if not await listener.still_listening(timeout=self.poll_interval):
                         self._give_up_listening()
                         return
                 log.warning("relay %s: LISTEN connection lost; reconnecting", self.name)
@@ -570,19 +566,8 @@ class Relay:
                 pause = min(max(pause * 2, 0.1), self.poll_interval)
             finally:
                 self.listening.clear()
-                if conn is not None:
-                    await self._drop(conn, on_lost)
-
-    async def _connect_listener(self) -> asyncpg.Connection[Any] | PooledConnection:
-        if self.listen_dsn is None:
-            conn: PooledConnection = await self.store.pool.acquire()
-            return conn
-        direct: asyncpg.Connection[Any] = await asyncpg.connect(
-            self.listen_dsn,
-            timeout=min(60.0, max(5.0, self.poll_interval)),
-            server_settings={"application_name": "grpc-idempotency"},
-        )
-        return direct
+                if listener is not None:
+                    await listener.close()
 
     def _give_up_listening(self) -> None:
         where = "listen_dsn" if self.listen_dsn is not None else "the store's DSN"
@@ -598,20 +583,3 @@ class Relay:
             self.listen_failure,
             self.poll_interval,
         )
-
-    async def _drop(
-        self, conn: asyncpg.Connection[Any] | PooledConnection, on_lost: Callable[..., None]
-    ) -> None:
-        # Never handed back with LISTEN on it (the pool's reset is a no-op): closed, and the pool
-        # opens a fresh connection when it needs one. A connection that was lost has already
-        # gone back to the pool (asyncpg detaches the proxy): then there is nothing to do.
-        with contextlib.suppress(asyncpg.InterfaceError):
-            conn.remove_termination_listener(on_lost)
-            conn.terminate()
-        if self.listen_dsn is None:
-            with contextlib.suppress(asyncpg.InterfaceError):
-                await self.store.pool.release(conn)  # type: ignore[arg-type]
-
-
-# Whether this session listens on the channel ($1).
-_LISTENS_SQL = "SELECT $1::text IN (SELECT pg_listening_channels())"

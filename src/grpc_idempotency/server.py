@@ -67,7 +67,8 @@ from grpc_idempotency.core.policy import (
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
-from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store, handler_error
+from grpc_idempotency.store.errors import handler_error
+from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store
 from grpc_idempotency.telemetry import Telemetry
 
 log = logging.getLogger("grpc_idempotency.server")
@@ -399,7 +400,7 @@ class IdempotencyInterceptor(_Interceptor):
                 steps=policy.steps,
                 deadline=_deadline(context),
                 metadata=tuple(context.invocation_metadata() or ()),
-                enqueue_sql=self.store.statements.enqueue,
+                outbox=self.store.enqueue,
             )
         )
         aborted: DeferredAbort | None = None
@@ -543,7 +544,7 @@ class IdempotencyInterceptor(_Interceptor):
             open_final=open_final,
             metadata=tuple(context.invocation_metadata() or ()),
             started_at=started_at,
-            enqueue_sql=self.store.statements.enqueue,
+            outbox=self.store.enqueue,
         )
         bound = call_context.bind(icall)
         aborted: DeferredAbort | None = None

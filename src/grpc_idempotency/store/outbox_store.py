@@ -17,11 +17,16 @@ The database's clock (``clock_timestamp()``) decides every time: due, lease, ret
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from grpc_idempotency.store.postgres import Store
+import asyncpg
+
+from grpc_idempotency.store.postgres import PooledConnection, Store
 from grpc_idempotency.store.sql import schema_identifier
 
 _SELECT_MESSAGE = (
@@ -130,19 +135,19 @@ class OutboxStatements:
         self.next_due_in = f"""
             SELECT EXTRACT(EPOCH FROM min(next_attempt_at) - clock_timestamp())::float8
             FROM {s}.outbox WHERE state = 'pending'"""
-        # $1 age in seconds, $2 batch size; bounded batches that skip locked rows (like purge).
+        # $1 batch size, $2 age in seconds; bounded batches that skip locked rows (like purge).
         self.purge_sent = f"""
             WITH doomed AS (
                 SELECT id FROM {s}.outbox
-                WHERE state = 'sent' AND sent_at <= clock_timestamp() - make_interval(secs => $1)
-                LIMIT $2 FOR UPDATE SKIP LOCKED)
+                WHERE state = 'sent' AND sent_at <= clock_timestamp() - make_interval(secs => $2)
+                LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
         self.purge_dead = f"""
             WITH doomed AS (
                 SELECT id FROM {s}.outbox
                 WHERE state = 'dead'
-                  AND next_attempt_at <= clock_timestamp() - make_interval(secs => $1)
-                LIMIT $2 FOR UPDATE SKIP LOCKED)
+                  AND next_attempt_at <= clock_timestamp() - make_interval(secs => $2)
+                LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
         self.dead_letters = f"""
             SELECT id, scope, key, step, method, payload_type, attempts, last_error, created_at,
@@ -188,6 +193,33 @@ class OutboxStore:
     @property
     def channel(self) -> str:
         return self.statements.channel
+
+    async def listen(
+        self,
+        on_notify: Callable[..., None],
+        *,
+        dsn: str | None = None,
+        connect_timeout: float = 60.0,
+    ) -> Listener:
+        """A session that LISTENs on ``channel`` and calls ``on_notify`` per notification: a
+        connection of the pool, or one of its own to ``dsn`` (PostgreSQL itself, when the pool
+        goes through a transaction pooler, where LISTEN cannot hold)."""
+        conn: asyncpg.Connection[Any] | PooledConnection
+        if dsn is None:
+            conn = await self.store.pool.acquire()
+        else:
+            conn = await asyncpg.connect(
+                dsn,
+                timeout=connect_timeout,
+                server_settings={"application_name": "grpc-idempotency"},
+            )
+        listener = Listener(self, conn, pooled=dsn is None)
+        try:
+            await conn.add_listener(self.channel, on_notify)
+        except BaseException:
+            await listener.close()
+            raise
+        return listener
 
     async def exists(self) -> bool:
         """Whether the outbox table is there (the schema is migrated)."""
@@ -267,18 +299,15 @@ class OutboxStore:
     async def _purge(
         self, sql: str, older_than_s: float, batch_size: int, max_batches: int | None
     ) -> int:
-        if batch_size <= 0 or older_than_s < 0:
-            raise ValueError("batch_size must be positive and older_than_s not negative")
-        total = batches = 0
-        while max_batches is None or batches < max_batches:
-            async with self.store.connection("purging outbox rows") as conn:
-                status = await conn.execute(sql, float(older_than_s), batch_size)
-            deleted = int(status.split()[-1])
-            total += deleted
-            batches += 1
-            if deleted < batch_size:
-                break
-        return total
+        if older_than_s < 0:
+            raise ValueError("older_than_s must not be negative")
+        return await self.store.purge_in_batches(
+            "purging outbox rows",
+            sql,
+            float(older_than_s),
+            batch_size=batch_size,
+            max_batches=max_batches,
+        )
 
     async def dead_letters(self, *, limit: int = 1000) -> list[DeadLetter]:
         async with self.store.connection("listing dead letters") as conn:
@@ -313,3 +342,44 @@ def _text(value: str, limit: int = 2000) -> str:
     """An error message fit for a text column: no NUL, bounded length."""
     value = value.replace("\x00", "\ufffd")
     return value if len(value) <= limit else value[: limit - 1] + "\u2026"
+
+
+class Listener:
+    """A session LISTENing for new outbox rows (``OutboxStore.listen``). ``lost`` is set when the
+    connection drops; ``close()`` ends it (never handed back to the pool with LISTEN on it)."""
+
+    def __init__(
+        self, outbox: OutboxStore, conn: asyncpg.Connection[Any] | PooledConnection, *, pooled: bool
+    ) -> None:
+        self._outbox = outbox
+        self._conn = conn
+        self._pooled = pooled
+        self.lost = asyncio.Event()
+        conn.add_termination_listener(self._on_lost)
+
+    def _on_lost(self, *_args: object) -> None:
+        self.lost.set()
+
+    async def still_listening(self, *, timeout: float) -> bool:
+        """Whether this session still listens: a link that died silently (no FIN) shows up only
+        when used (it raises), and a LISTEN that went to a pooled server connection (PgBouncer in
+        transaction mode) as a session that is not listening (``False``)."""
+        listening: bool = await self._conn.fetchval(
+            _LISTENS_SQL, self._outbox.channel, timeout=timeout
+        )
+        return listening
+
+    async def close(self) -> None:
+        # Closed rather than reused (the pool's reset is a no-op, so LISTEN would stay on it);
+        # the pool opens a fresh connection when it needs one. A connection that was lost has
+        # already gone back to the pool (asyncpg detached the proxy): nothing left to do then.
+        with contextlib.suppress(asyncpg.InterfaceError):
+            self._conn.remove_termination_listener(self._on_lost)
+            self._conn.terminate()
+        if self._pooled:
+            with contextlib.suppress(asyncpg.InterfaceError):
+                await self._outbox.store.pool.release(self._conn)  # type: ignore[arg-type]
+
+
+# Whether this session listens on the channel ($1).
+_LISTENS_SQL = "SELECT $1::text IN (SELECT pg_listening_channels())"

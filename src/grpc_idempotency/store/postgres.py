@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -24,8 +23,6 @@ import asyncpg
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import (
-    HandlerDatabaseError,
-    IdempotencyError,
     LeaseLost,
     StoreMisconfigured,
     StoreUnavailable,
@@ -35,6 +32,7 @@ from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
+from grpc_idempotency.store.errors import STORE_ERRORS, sqlstate, store_error
 from grpc_idempotency.store.sql import SAVEPOINT, Statements
 
 log = logging.getLogger("grpc_idempotency.store")
@@ -61,100 +59,12 @@ _ROLLBACK_TIMEOUT_S = 2.0
 _DEFAULT_COMMAND_TIMEOUT_S = 30.0
 
 
-def _sqlstate(exc: BaseException) -> str | None:
-    state = getattr(exc, "sqlstate", None)
-    return state if isinstance(state, str) else None
-
-
-class _MisconfiguredLog:
-    """Logs permanent store errors with their cause, at most once a minute per SQLSTATE: every
-    call fails the same way until an operator acts, and the log must say why, not drown."""
-
-    def __init__(self, every_s: float = 60.0) -> None:
-        self._every_s = every_s
-        self._last: dict[str | None, float] = {}
-
-    def __call__(self, exc: BaseException, doing: str) -> None:
-        state = _sqlstate(exc)
-        now = time.monotonic()
-        if now - self._last.get(state, -self._every_s) < self._every_s:
-            return
-        self._last[state] = now
-        log.error(
-            "idempotency store misconfigured while %s (SQLSTATE %s): %s; every keyed call fails"
-            " until this is fixed (missing migrations: run `grpc-idempotency migrate`)",
-            doing,
-            state,
-            exc,
-        )
-
-
-_log_misconfigured = _MisconfiguredLog()
-
-
-def _unavailable(exc: BaseException, doing: str) -> StoreUnavailable:
-    """The store's own statement failed: unavailable (retryable) or misconfigured (not)."""
-    state = _sqlstate(exc)
-    if classify(state) is Failure.MISCONFIGURED:
-        _log_misconfigured(exc, doing)
-        return StoreMisconfigured(
-            f"idempotency store misconfigured while {doing} (SQLSTATE {state}); see server log"
-        )
-    detail = state or type(exc).__name__
-    return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
-
-
 def _lost_race(exc: asyncpg.PostgresError) -> bool:
     """A claim that failed this way lost to a concurrent attempt: look again. Besides the claim
     function's own codes, at REPEATABLE READ or SERIALIZABLE a concurrent claim that committed
     after this transaction's snapshot is a serialization failure (DESIGN pitfall 7)."""
     state = exc.sqlstate
     return state in (_CLAIM_BUSY, _ALREADY_RECORDED) or classify(state) is Failure.CONFLICT
-
-
-def _raised_in_asyncpg(exc: BaseException) -> bool:
-    tb = exc.__traceback__
-    while tb is not None:
-        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("asyncpg."):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def handler_error(exc: BaseException) -> IdempotencyError | None:
-    """What a database error that escaped the handler (raised by a statement it ran on the
-    call's connection) answers; ``None`` when ``exc`` is not a database error. The key is
-    released in every case; only the status differs."""
-    if isinstance(exc, (OSError, TimeoutError)):
-        # Also what the handler's own network calls raise: only asyncpg's are the store's.
-        if not _raised_in_asyncpg(exc):
-            return None
-    elif not isinstance(exc, STORE_ERRORS):
-        return None
-    state = _sqlstate(exc)
-    failure = classify(state)
-    if isinstance(exc, asyncpg.PostgresError) and failure is Failure.CONFLICT:
-        return TransactionConflict(
-            f"the call's transaction was rolled back by a conflict (SQLSTATE {state});"
-            " nothing was recorded: retry"
-        )
-    if failure is Failure.UNAVAILABLE or not isinstance(exc, asyncpg.PostgresError):
-        return _unavailable(exc, "running the handler")
-    log.error("the handler's database statement failed (SQLSTATE %s)", state, exc_info=exc)
-    return HandlerDatabaseError(
-        f"the handler's database statement failed (SQLSTATE {state}); nothing was recorded"
-    )
-
-
-# What a broken or unreachable database looks like from asyncpg.
-STORE_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    # e.g. "cannot switch to state ..." when the server killed a pooled connection just before use
-    asyncpg.InternalClientError,
-    OSError,
-    TimeoutError,
-)
 
 
 async def _no_session_reset(_conn: PooledConnection) -> None:
@@ -245,13 +155,13 @@ class Attempt:
                     f"the commit failed on a serialization conflict (SQLSTATE {exc.sqlstate});"
                     " nothing was recorded: retry"
                 ) from exc
-            raise _unavailable(exc, "committing the outcome") from exc
+            raise store_error(exc, "committing the outcome") from exc
         except LeaseLost:
             await self._rollback_quietly()
             raise
         except STORE_ERRORS as exc:
             await self._rollback_quietly()
-            raise _unavailable(exc, "committing the outcome") from exc
+            raise store_error(exc, "committing the outcome") from exc
         finally:
             await self._finish()
 
@@ -343,7 +253,7 @@ class Store:
                 **pool_options,
             )
         except STORE_ERRORS as exc:
-            raise _unavailable(exc, "connecting") from exc
+            raise store_error(exc, "connecting") from exc
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         try:
             if migrate:
@@ -399,7 +309,7 @@ class Store:
         try:
             yield conn
         except STORE_ERRORS as exc:
-            raise _unavailable(exc, doing) from exc
+            raise store_error(exc, doing) from exc
         finally:
             await self._release(conn)
 
@@ -412,7 +322,7 @@ class Store:
                 timeout=None if budget is None else max(budget, 0.001)
             )
         except STORE_ERRORS as exc:
-            raise _unavailable(exc, doing) from exc
+            raise store_error(exc, doing) from exc
         return conn
 
     async def _release(self, conn: PooledConnection) -> None:
@@ -436,14 +346,14 @@ class Store:
             except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
                 conn.terminate()
                 if attempt == attempts:
-                    raise _unavailable(exc, "looking up a key") from exc
+                    raise store_error(exc, "looking up a key") from exc
                 continue
             except asyncpg.PostgresError as exc:
                 if classify(exc.sqlstate) is Failure.CONFLICT and attempt < attempts:
                     continue
-                raise _unavailable(exc, "looking up a key") from exc
+                raise store_error(exc, "looking up a key") from exc
             except STORE_ERRORS as exc:
-                raise _unavailable(exc, "looking up a key") from exc
+                raise store_error(exc, "looking up a key") from exc
             finally:
                 await self._release(conn)
             return None if row is None else _record(row)
@@ -497,11 +407,11 @@ class Store:
             await attempt.release()
             if _lost_race(exc):
                 return None
-            raise _unavailable(exc, "claiming a key") from exc
+            raise store_error(exc, "claiming a key") from exc
         except BaseException as exc:
             await attempt.release()
             if isinstance(exc, STORE_ERRORS):
-                raise _unavailable(exc, "claiming a key") from exc
+                raise store_error(exc, "claiming a key") from exc
             raise
         return attempt
 
@@ -514,7 +424,7 @@ class Store:
         except STORE_ERRORS as exc:
             conn.terminate()
             await self._release(conn)
-            raise _unavailable(exc, "beginning a transaction") from exc
+            raise store_error(exc, "beginning a transaction") from exc
         return PlainTransaction(self, conn)
 
     async def claim_phased(
@@ -554,17 +464,47 @@ class Store:
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
         """Deletes records past retention in batches of ``batch_size``; returns how many."""
-        total = 0
-        batches = 0
+        return await self.purge_in_batches(
+            "purging records", self.statements.purge, batch_size=batch_size, max_batches=max_batches
+        )
+
+    async def purge_in_batches(
+        self, doing: str, sql: str, *args: object, batch_size: int, max_batches: int | None
+    ) -> int:
+        """Runs a purge statement (``$1`` the batch size, ``args`` after it; ``DELETE ... LIMIT
+        $1 ... SKIP LOCKED``) once per transaction until a batch comes back short or
+        ``max_batches`` ran; returns how many rows went. Every purge of the library goes
+        through here: short transactions, so housekeeping never holds locks that calls wait on."""
+        if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
+            raise ValueError("batch_size and max_batches must be positive")
+        total = batches = 0
         while max_batches is None or batches < max_batches:
-            async with self.connection("purging") as conn:
-                status = await conn.execute(self.statements.purge, batch_size)
+            async with self.connection(doing) as conn:
+                status = await conn.execute(sql, batch_size, *args)
             deleted = int(status.split()[-1])
             total += deleted
             batches += 1
             if deleted < batch_size:
                 break
         return total
+
+    async def enqueue(
+        self,
+        conn: PooledConnection,
+        *,
+        scope: str,
+        key: str,
+        step: str,
+        parent_key: str,
+        method: str,
+        payload_type: str,
+        payload: bytes,
+    ) -> None:
+        """Writes an outbox row on ``conn``, in the call's transaction. ``key`` (the outbox
+        step's child key) is unique with ``scope``: a handler that runs again adds nothing."""
+        await conn.execute(
+            self.statements.enqueue, scope, key, step, parent_key, method, payload_type, payload
+        )
 
     async def ping(self, timeout: float | None = None) -> None:
         async with self.connection("checking the store", timeout) as conn:
@@ -619,11 +559,11 @@ class PlainTransaction:
             await self.connection.execute("COMMIT")
         except STORE_ERRORS as exc:
             self.connection.terminate()
-            if classify(_sqlstate(exc)) is Failure.CONFLICT:
+            if classify(sqlstate(exc)) is Failure.CONFLICT:
                 raise TransactionConflict(
-                    f"the commit failed on a serialization conflict (SQLSTATE {_sqlstate(exc)})"
+                    f"the commit failed on a serialization conflict (SQLSTATE {sqlstate(exc)})"
                 ) from exc
-            raise _unavailable(exc, "committing") from exc
+            raise store_error(exc, "committing") from exc
         finally:
             await self._store._release(self.connection)
 
@@ -696,11 +636,11 @@ class PhasedClaim:
                 # At REPEATABLE READ or above: the claim row changed after the snapshot, which
                 # only a takeover does once the lease keeper has stopped.
                 raise LeaseLost("the claim changed under the final transaction") from exc
-            raise _unavailable(exc, "opening the final transaction") from exc
+            raise store_error(exc, "opening the final transaction") from exc
         except BaseException as exc:
             await attempt.release()
             if isinstance(exc, STORE_ERRORS):
-                raise _unavailable(exc, "opening the final transaction") from exc
+                raise store_error(exc, "opening the final transaction") from exc
             raise
         return attempt
 

@@ -1,0 +1,224 @@
+"""The idempotent consumers' table, ``processed_messages``: the only SQL of the consumers.
+
+A delivery opens a transaction that marks its message id (``ProcessedMessages.mark``), the
+consumer runs its effect on that transaction's connection, and the mark commits with the effect
+(``Mark.commit``) or goes with it (``Mark.abandon``). A duplicate finds the mark; a concurrent
+delivery of the same id waits on the row's lock, bounded by ``lock_timeout``, and then is told
+``MarkBusy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import asyncpg
+
+from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
+from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.store.errors import STORE_ERRORS, store_error
+from grpc_idempotency.store.postgres import PooledConnection, Store
+from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
+
+log = logging.getLogger("grpc_idempotency.consumer")
+
+
+class MarkBusy(Exception):
+    """Another delivery of the same message id holds its mark (still running its effect)."""
+
+
+_LOCK_NOT_AVAILABLE = "55P03"
+# A connection that broke under the effect: the store's failure, not the effect's. Also the
+# SQLSTATE classes 08 (connection exception) and 57P (the server shutting down or restarting).
+_CONNECTION_LOST: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,  # the protocol noticed the server hang up mid-operation
+    OSError,
+)
+_CONNECTION_LOST_STATES = ("08", "57P")
+
+
+class ConsumerStatements:
+    def __init__(self, schema: str) -> None:
+        s = schema_identifier(schema)
+        self.table = f"{s}.processed_messages"
+        # Set to this call's bound for the mark only: the wait on a concurrent delivery's row is
+        # a lock wait, which lock_timeout bounds. The RETURNING clause puts the session's own
+        # setting back, so the effect's lock waits are not cut short by ours.
+        self.mark_template = (
+            "BEGIN ISOLATION LEVEL READ COMMITTED; "
+            "WITH prior AS MATERIALIZED (SELECT current_setting('lock_timeout') AS setting), "
+            "bounded AS MATERIALIZED ("
+            "SELECT setting, set_config('lock_timeout', {wait}, true) FROM prior) "
+            f"INSERT INTO {self.table} AS p (consumer, message_id, expires_at) "
+            "SELECT {consumer}, {message_id}, "
+            "clock_timestamp() + make_interval(secs => {retention}) FROM bounded "
+            "ON CONFLICT (consumer, message_id) DO UPDATE "
+            "SET processed_at = clock_timestamp(), expires_at = EXCLUDED.expires_at "
+            # A live mark is a duplicate; an expired one is taken over, as if purged already.
+            "WHERE p.expires_at <= clock_timestamp() "
+            "RETURNING set_config('lock_timeout', (SELECT setting FROM bounded), true)"
+        )
+        self.is_processed = (
+            f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
+            " AND expires_at > clock_timestamp())"
+        )
+        # statement_timestamp(), not clock_timestamp(): a volatile bound cannot use the index on
+        # expires_at; each batch is a statement in its own transaction, so the two agree.
+        self.purge = f"""
+            WITH doomed AS (
+                SELECT consumer, message_id FROM {self.table}
+                WHERE expires_at <= statement_timestamp() AND ($2::text IS NULL OR consumer = $2)
+                LIMIT $1 FOR UPDATE SKIP LOCKED)
+            DELETE FROM {self.table} p USING doomed d
+            WHERE p.consumer = d.consumer AND p.message_id = d.message_id"""
+
+    def mark(self, consumer: str, message_id: str, retention_s: float, wait_s: float) -> str:
+        return self.mark_template.format(
+            wait=text_literal(lock_timeout(wait_s)),
+            consumer=text_literal(consumer),
+            message_id=text_literal(message_id),
+            retention=float_literal(retention_s),
+        )
+
+
+class ProcessedMessages:
+    """Marks of processed message ids, per consumer name."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._sql = ConsumerStatements(store.schema)
+
+    async def mark(
+        self,
+        consumer: str,
+        message_id: str,
+        *,
+        retention_s: float,
+        wait_s: float,
+        acquire_timeout: float | None,
+    ) -> Mark:
+        """Opens a transaction holding ``message_id``'s mark for ``consumer``; its ``outcome``
+        says whether the id was new (``PROCESSED``) or marked already (``DUPLICATE``). Raises
+        ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
+        store = self.store
+        conn = await store._acquire("marking a message", acquire_timeout)
+        sql = self._sql.mark(consumer, message_id, retention_s, wait_s)
+        try:
+            status = await conn.execute(sql)
+        except BaseException as exc:
+            await _abandon(conn, exc)
+            await store._release(conn)
+            if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                raise MarkBusy(message_id) from None
+            if isinstance(exc, STORE_ERRORS):
+                raise store_error(exc, "marking a message") from exc
+            raise
+        return Mark(store, conn, consumed(int(status.split()[-1])))
+
+    async def is_processed(self, consumer: str, message_id: str) -> bool:
+        async with self.store.connection("looking up a message") as conn:
+            found: bool = await conn.fetchval(self._sql.is_processed, consumer, message_id)
+        return found
+
+    async def purge(self, *, consumer: str | None, batch_size: int, max_batches: int | None) -> int:
+        return await self.store.purge_in_batches(
+            "purging processed messages",
+            self._sql.purge,
+            consumer,
+            batch_size=batch_size,
+            max_batches=max_batches,
+        )
+
+
+class Mark:
+    """An open transaction holding a message's mark; ``commit`` or ``abandon`` ends it and
+    gives the connection back."""
+
+    def __init__(self, store: Store, conn: PooledConnection, outcome: Consumed) -> None:
+        self._store = store
+        self.connection = conn
+        self.outcome = outcome
+        self._done = False
+
+    def lost_by(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (raised by the effect) is the connection breaking under it: the
+        store's failure, not the effect's."""
+        return _connection_lost(self.connection, exc)
+
+    async def commit(self, message_id: str) -> None:
+        conn = self.connection
+        try:
+            if _closed(conn) or not conn.is_in_transaction():
+                # The effect committed or rolled back itself: whether the mark went with it is
+                # unknown, so do not claim success (the message is not acknowledged; a
+                # redelivery sees the mark or runs again).
+                raise StoreUnavailable(
+                    f"the effect of message {message_id!r} ended the consumer's transaction"
+                    " itself; never COMMIT or ROLLBACK it"
+                )
+            try:
+                await conn.execute("COMMIT")
+            except BaseException as exc:
+                # The commit may or may not have happened: never reuse this connection.
+                _terminate(conn)
+                if isinstance(exc, STORE_ERRORS):
+                    raise store_error(exc, "committing a processed message") from exc
+                raise
+        finally:
+            await self._finish()
+
+    async def abandon(self, exc: BaseException | None) -> None:
+        try:
+            await _abandon(self.connection, exc)
+        finally:
+            await self._finish()
+
+    async def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            await self._store._release(self.connection)
+
+
+def _closed(conn: PooledConnection) -> bool:
+    try:
+        return conn.is_closed()
+    except asyncpg.InterfaceError:  # asyncpg detaches the proxy of a connection it lost
+        return True
+
+
+def _terminate(conn: PooledConnection) -> None:
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()
+
+
+def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
+    if not isinstance(exc, Exception):
+        return False
+    state = getattr(exc, "sqlstate", None) or ""
+    return (
+        isinstance(exc, _CONNECTION_LOST)
+        or state.startswith(_CONNECTION_LOST_STATES)
+        or _closed(conn)
+    )
+
+
+async def _abandon(conn: PooledConnection, exc: BaseException | None) -> None:
+    """Ends the transaction without committing. A cancellation may have interrupted a statement
+    mid-flight, and a failed ROLLBACK leaves the transaction's fate with the connection: in both
+    cases the connection is dropped (PostgreSQL rolls back) rather than reused."""
+    if _closed(conn):
+        return
+    if exc is not None and not isinstance(exc, Exception):
+        _terminate(conn)
+        return
+    try:
+        if conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
+    except Exception:
+        log.debug("rollback failed; dropping the connection", exc_info=True)
+        _terminate(conn)
+    except BaseException:
+        _terminate(conn)
+        raise

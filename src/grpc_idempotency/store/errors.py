@@ -1,0 +1,115 @@
+"""Database errors, mapped in one place: what the store's own statements and the statements a
+handler runs on the call's connection raise, and what each becomes for a client.
+
+Below this module errors are asyncpg's and the OS's; above it they are ``StoreUnavailable``
+(retryable), ``StoreMisconfigured`` (logged with its cause, not retryable), ``TransactionConflict``
+or ``HandlerDatabaseError``. ``core.db_failures`` decides by SQLSTATE; this module only knows
+which exceptions are the database's. The original exception stays attached as ``__cause__``
+(``raise ... from``), which the CLI prints; clients only ever see the mapped message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import asyncpg
+
+from grpc_idempotency.core.db_failures import Failure, classify
+from grpc_idempotency.core.errors import (
+    HandlerDatabaseError,
+    IdempotencyError,
+    StoreMisconfigured,
+    StoreUnavailable,
+    TransactionConflict,
+)
+
+log = logging.getLogger("grpc_idempotency.store")
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    state = getattr(exc, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+class _MisconfiguredLog:
+    """Logs permanent store errors with their cause, at most once a minute per SQLSTATE: every
+    call fails the same way until an operator acts, and the log must say why, not drown."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self._every_s = every_s
+        self._last: dict[str | None, float] = {}
+
+    def __call__(self, exc: BaseException, doing: str) -> None:
+        state = sqlstate(exc)
+        now = time.monotonic()
+        if now - self._last.get(state, -self._every_s) < self._every_s:
+            return
+        self._last[state] = now
+        log.error(
+            "idempotency store misconfigured while %s (SQLSTATE %s): %s; every keyed call fails"
+            " until this is fixed (missing migrations: run `grpc-idempotency migrate`)",
+            doing,
+            state,
+            exc,
+        )
+
+
+_log_misconfigured = _MisconfiguredLog()
+
+
+def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
+    """The store's own statement failed: unavailable (retryable) or misconfigured (not)."""
+    state = sqlstate(exc)
+    if classify(state) is Failure.MISCONFIGURED:
+        _log_misconfigured(exc, doing)
+        return StoreMisconfigured(
+            f"idempotency store misconfigured while {doing} (SQLSTATE {state}); see server log"
+        )
+    detail = state or type(exc).__name__
+    return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
+
+
+def _raised_in_asyncpg(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("asyncpg."):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def handler_error(exc: BaseException) -> IdempotencyError | None:
+    """What a database error that escaped the handler (raised by a statement it ran on the
+    call's connection) answers; ``None`` when ``exc`` is not a database error. The key is
+    released in every case; only the status differs."""
+    if isinstance(exc, (OSError, TimeoutError)):
+        # Also what the handler's own network calls raise: only asyncpg's are the store's.
+        if not _raised_in_asyncpg(exc):
+            return None
+    elif not isinstance(exc, STORE_ERRORS):
+        return None
+    state = sqlstate(exc)
+    failure = classify(state)
+    if isinstance(exc, asyncpg.PostgresError) and failure is Failure.CONFLICT:
+        return TransactionConflict(
+            f"the call's transaction was rolled back by a conflict (SQLSTATE {state});"
+            " nothing was recorded: retry"
+        )
+    if failure is Failure.UNAVAILABLE or not isinstance(exc, asyncpg.PostgresError):
+        return store_error(exc, "running the handler")
+    log.error("the handler's database statement failed (SQLSTATE %s)", state, exc_info=exc)
+    return HandlerDatabaseError(
+        f"the handler's database statement failed (SQLSTATE {state}); nothing was recorded"
+    )
+
+
+# What a broken or unreachable database looks like from asyncpg.
+STORE_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    # e.g. "cannot switch to state ..." when the server killed a pooled connection just before use
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
