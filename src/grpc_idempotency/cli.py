@@ -1,17 +1,24 @@
-"""The ``grpc-idempotency`` command: migrate, purge, include-path, check-steps, relay, outbox."""
+"""The grpc-idempotency command: migrate, purge, include-path, export-protos, check-steps, relay,
+outbox."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
@@ -23,18 +30,52 @@ if TYPE_CHECKING:
 _Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 _WithStore: TypeAlias = Callable[[argparse.ArgumentParser], None]
 
+_DESCRIPTION = (
+    "Operate grpc-idempotency: migrate and purge the PostgreSQL store, give protoc and buf the"
+    " options.proto, check that step names stay a contract, relay and inspect the outbox."
+    " Commands that use the database exit 1 when it cannot be reached (retry later) and 2 when"
+    " it answers but cannot be used (no such database or role, bad password, schema not"
+    " migrated) or on bad usage."
+)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("grpc-idempotency")
+    except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed)"
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpc-idempotency", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="grpc-idempotency", description=_DESCRIPTION)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_version()}",
+        help="print the installed version of grpc-idempotency and exit",
+    )
+    commands = parser.add_subparsers(
+        title="commands",
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="run grpc-idempotency COMMAND --help for its options",
+    )
 
     def with_store(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--dsn",
             default=os.environ.get("GRPC_IDEMPOTENCY_DSN"),
-            help="PostgreSQL DSN (default: $GRPC_IDEMPOTENCY_DSN)",
+            metavar="DSN",
+            help="the PostgreSQL URL, postgresql://USER@HOST:PORT/DATABASE"
+            " (default: $GRPC_IDEMPOTENCY_DSN)",
         )
-        p.add_argument("--schema", default=DEFAULT_SCHEMA)
+        p.add_argument(
+            "--schema",
+            default=DEFAULT_SCHEMA,
+            metavar="NAME",
+            help="the PostgreSQL schema holding the store's tables (default: %(default)s)",
+        )
         p.add_argument(
             "--statement-cache-size",
             type=int,
@@ -46,29 +87,81 @@ def _parser() -> argparse.ArgumentParser:
             " them, max_prepared_statements > 0)",
         )
 
-    migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
+    migrate = _command(
+        commands,
+        "migrate",
+        "apply the store's SQL migrations",
+        "Create or upgrade the store's tables in --schema. Safe to run from several replicas at"
+        " once (they serialise on an advisory lock) and to run again (already applied migrations"
+        " are skipped).",
+    )
     with_store(migrate)
-    purge = commands.add_parser("purge", help="delete records past retention, in batches")
+    purge = _command(
+        commands,
+        "purge",
+        "delete records past retention, in batches",
+        "Delete idempotency records whose retention has passed, in bounded batches that skip"
+        " locked rows. Expired records are already treated as new: this only reclaims space.",
+    )
     with_store(purge)
-    purge.add_argument("--batch-size", type=int, default=1000)
-    purge.add_argument("--max-batches", type=int, default=None)
-    commands.add_parser("include-path", help="print the -I path for options.proto")
-    check = commands.add_parser(
+    purge.add_argument(
+        "--batch-size",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="records deleted per transaction (default: %(default)s)",
+    )
+    purge.add_argument(
+        "--max-batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after this many batches (default: until nothing expired is left)",
+    )
+    _command(
+        commands,
+        "include-path",
+        "print the protoc -I directory holding grpc_idempotency/v1/options.proto",
+        "Print the directory inside the installed package that holds"
+        " grpc_idempotency/v1/options.proto, for protoc: python -m grpc_tools.protoc -I protos"
+        ' -I "$(grpc-idempotency include-path)" ... (buf cannot use a path outside its'
+        " workspace: see export-protos).",
+    )
+    export = _command(
+        commands,
+        "export-protos",
+        "copy grpc_idempotency/v1/options.proto into a directory (for buf, or to vendor it)",
+        "Copy the options.proto shipped with this version into DIR, keeping its import path:"
+        " DIR/grpc_idempotency/v1/options.proto. With buf, list DIR as a module in buf.yaml"
+        " (modules: [{path: proto}, {path: DIR}]); with protoc, pass -I DIR. Refuses to replace"
+        " a different existing file unless --force (exit 1). Run it again after upgrading.",
+    )
+    export.add_argument(
+        "dir",
+        type=Path,
+        metavar="DIR",
+        help="the directory to export into; created if missing",
+    )
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite existing files that differ from the shipped ones",
+    )
+    check = _command(
+        commands,
         "check-steps",
-        help="fail when a change of declared steps would re-execute in-flight work",
-        description=(
-            "Compare the steps declared in (grpc_idempotency.v1.method) options between two"
-            " descriptor sets. Fails (exit 1) when a step is removed, renamed, changes version"
-            " or changes target without the old step staying declared with retired_at for the"
-            " method's retention, or when a keyed method with live steps disappears. Exit 2:"
-            " unreadable input."
-        ),
+        "fail when a change of declared steps would re-execute in-flight work",
+        "Compare the steps declared in (grpc_idempotency.v1.method) options between two"
+        " descriptor sets. Fails (exit 1) when a step is removed, renamed, changes version"
+        " or changes target without the old step staying declared with retired_at for the"
+        " method's retention, or when a keyed method with live steps disappears. Exit 2:"
+        " unreadable input.",
     )
     check.add_argument(
         "--against",
         required=True,
         metavar="OLD",
-        help="the baseline descriptor set (e.g. main): `buf build -o old.binpb`, or protoc"
+        help="the baseline descriptor set (e.g. main): buf build -o old.binpb, or protoc"
         " --descriptor_set_out=old.binpb --include_imports; - reads stdin",
     )
     check.add_argument(
@@ -77,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
         default="-",
         metavar="NEW",
         help="the changed descriptor set (default: -, read from stdin, as in"
-        " `buf build -o - | grpc-idempotency check-steps --against old.binpb`)",
+        " buf build -o - | grpc-idempotency check-steps --against old.binpb)",
     )
     check.add_argument(
         "--now",
@@ -92,19 +185,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(
+    commands: _Subparsers, name: str, summary: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand whose summary shows in the command list and whose description (the summary
+    when not given) heads its own --help."""
+    return commands.add_parser(
+        name, help=summary, description=description or summary[:1].upper() + summary[1:] + "."
+    )
+
+
 def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
-    relay = commands.add_parser(
+    relay = _command(
+        commands,
         "relay",
-        help="deliver the transactional outbox to a gRPC method until SIGTERM/SIGINT",
-        description=(
-            "Claims due outbox rows (FOR UPDATE SKIP LOCKED, with a lease), calls METHOD on"
-            " TARGET with each row's payload as the request and its key as idempotency-key,"
-            " marks them sent, retries failures with backoff and parks rows as dead letters"
-            " after --max-attempts. Wakes on LISTEN/NOTIFY, polls as a fallback. Several relays"
-            " may run side by side. Stops cleanly on SIGTERM or SIGINT. Behind PgBouncer in"
-            " transaction mode: --statement-cache-size 0, and --listen-dsn naming PostgreSQL"
-            " itself (LISTEN needs a session of its own) or --no-listen."
-        ),
+        "deliver the transactional outbox to a gRPC method until SIGTERM/SIGINT",
+        "Claims due outbox rows (FOR UPDATE SKIP LOCKED, with a lease), calls --method on"
+        " --grpc-target with each row's payload as the request and its key as idempotency-key,"
+        " marks them sent, retries failures with backoff and parks rows as dead letters"
+        " after --max-attempts. Wakes on LISTEN/NOTIFY, polls as a fallback. Several relays"
+        " may run side by side. Stops cleanly on SIGTERM or SIGINT. Behind PgBouncer in"
+        " transaction mode: --statement-cache-size 0, and --listen-dsn naming PostgreSQL"
+        " itself (LISTEN needs a session of its own) or --no-listen.",
     )
     with_store(relay)
     wake = relay.add_mutually_exclusive_group()
@@ -123,90 +225,198 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         help="do not LISTEN: find new rows by polling every --poll-interval seconds only (for a"
         " database reachable only through a transaction pooler)",
     )
-    relay.add_argument("--grpc-target", required=True, metavar="HOST:PORT")
-    relay.add_argument("--method", required=True, metavar="/pkg.Service/Method")
+    relay.add_argument(
+        "--grpc-target",
+        required=True,
+        metavar="HOST:PORT",
+        help="the gRPC server to deliver to (any gRPC target, e.g. dns:///ledger:50051)",
+    )
+    relay.add_argument(
+        "--method",
+        required=True,
+        metavar="/PACKAGE.SERVICE/METHOD",
+        help="the unary method called with each row's payload as its request",
+    )
     relay.add_argument(
         "--header",
         action="append",
         default=[],
         type=_header,
         metavar="NAME=VALUE",
-        help="metadata sent with every delivery (repeatable)",
+        help="metadata sent with every delivery (repeatable; default: none)",
     )
     relay.add_argument(
         "--scope-header",
         metavar="NAME",
         help="send each row's scope in this header (minus --scope-prefix), as MetadataScope reads"
-        " it on the receiving side",
+        " it on the receiving side (default: the scope is not sent)",
     )
-    relay.add_argument("--scope-prefix", default="tenant:", metavar="PREFIX")
     relay.add_argument(
-        "--timeout", type=_positive, default=10.0, help="deadline per call, seconds (default 10)"
+        "--scope-prefix",
+        default="tenant:",
+        metavar="PREFIX",
+        help="removed from the start of each scope sent in --scope-header (default: %(default)s)",
     )
-    relay.add_argument("--tls-ca", metavar="FILE", help="use TLS, trusting these root certificates")
-    relay.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
-    relay.add_argument("--tls-key", metavar="FILE", help="client private key (mutual TLS)")
-    relay.add_argument("--batch-size", type=int, default=100)
     relay.add_argument(
-        "--lease", type=_positive, default=30.0, help="seconds a claim lasts (default 30)"
+        "--timeout",
+        type=_positive,
+        default=10.0,
+        metavar="SECONDS",
+        help="deadline of each delivery call (default: %(default)s)",
+    )
+    relay.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="use TLS, trusting these PEM root certificates (default: plaintext)",
+    )
+    relay.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="PEM client certificate chain, for mutual TLS (default: none)",
+    )
+    relay.add_argument(
+        "--tls-key",
+        metavar="FILE",
+        help="PEM private key of --tls-cert (default: none)",
+    )
+    relay.add_argument(
+        "--batch-size",
+        type=int,
+        default=100,
+        metavar="N",
+        help="rows claimed at a time (default: %(default)s)",
+    )
+    relay.add_argument(
+        "--lease",
+        type=_positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a claim lasts before another relay may take the rows over"
+        " (default: %(default)s)",
     )
     relay.add_argument(
         "--poll-interval",
         type=_positive,
         default=5.0,
-        help="longest sleep without a notification, seconds (default 5); with --no-listen,"
+        metavar="SECONDS",
+        help="longest sleep without a notification (default: %(default)s); with --no-listen,"
         " the longest a new row waits",
     )
-    relay.add_argument("--max-attempts", type=int, default=10)
-    relay.add_argument("--initial-backoff", type=_positive, default=0.5, metavar="SECONDS")
-    relay.add_argument("--max-backoff", type=_positive, default=300.0, metavar="SECONDS")
+    relay.add_argument(
+        "--max-attempts",
+        type=int,
+        default=10,
+        metavar="N",
+        help="failed deliveries before a row is parked as a dead letter (default: %(default)s)",
+    )
+    relay.add_argument(
+        "--initial-backoff",
+        type=_positive,
+        default=0.5,
+        metavar="SECONDS",
+        help="wait before the first redelivery, doubled after each failure, with jitter"
+        " (default: %(default)s)",
+    )
+    relay.add_argument(
+        "--max-backoff",
+        type=_positive,
+        default=300.0,
+        metavar="SECONDS",
+        help="the longest wait between redeliveries (default: %(default)s)",
+    )
     relay.add_argument(
         "--sent-retention",
         type=float,
         default=86400.0,
         metavar="SECONDS",
-        help="purge sent rows older than this (default 86400; negative: keep them)",
+        help="purge sent rows older than this (default: %(default)s; negative: keep them)",
     )
-    relay.add_argument("--name", help="this relay's name in claimed_by (default: host:pid:random)")
-    relay.add_argument("--log-level", default="INFO")
+    relay.add_argument(
+        "--name",
+        metavar="NAME",
+        help="this relay's name in claimed_by and its log lines (default: host:pid:random)",
+    )
+    relay.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: %(default)s)",
+    )
 
 
 def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
-    outbox = commands.add_parser(
-        "outbox", help="inspect the outbox; list, retry, purge dead letters"
+    outbox = _command(
+        commands,
+        "outbox",
+        "inspect the outbox; list, retry, purge dead letters",
+        "Inspect and repair the transactional outbox in --schema: rows per state, dead letters"
+        " (rows a relay gave up on) with their last error, putting them back to pending, and"
+        " purging.",
     )
-    actions = outbox.add_subparsers(dest="outbox_command", required=True)
-    dead = actions.add_parser("dead", help="list dead letters")
+    actions = outbox.add_subparsers(
+        title="outbox commands",
+        dest="outbox_command",
+        required=True,
+        metavar="ACTION",
+        help="run grpc-idempotency outbox ACTION --help for its options",
+    )
+    dead = _command(actions, "dead", "list dead letters with their last error")
     with_store(dead)
-    dead.add_argument("--limit", type=int, default=1000)
+    dead.add_argument(
+        "--limit",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="list at most this many, by id (default: %(default)s)",
+    )
     dead.add_argument("--json", action="store_true", help="one JSON object per line")
-    retry = actions.add_parser(
-        "retry", help="put dead letters back to pending (attempts from zero), due now"
+    retry = _command(
+        actions, "retry", "put dead letters back to pending (attempts from zero), due now"
     )
     with_store(retry)
-    retry.add_argument("ids", nargs="*", type=int, metavar="ID")
-    retry.add_argument("--all", action="store_true", help="every dead letter")
-    purge_dead = actions.add_parser("purge-dead", help="delete dead letters")
+    retry.add_argument(
+        "ids",
+        nargs="*",
+        type=int,
+        metavar="ID",
+        help="the dead letters to retry, as listed by outbox dead (or --all)",
+    )
+    retry.add_argument("--all", action="store_true", help="retry every dead letter")
+    purge_dead = _command(actions, "purge-dead", "delete dead letters")
     with_store(purge_dead)
     purge_dead.add_argument(
         "--older-than",
         type=_not_negative,
         default=0.0,
         metavar="SECONDS",
-        help="only those parked longer ago than this (default 0: all)",
+        help="only those parked longer ago than this (default: %(default)s, all)",
     )
-    purge_dead.add_argument("--batch-size", type=int, default=1000)
-    purge_sent = actions.add_parser("purge-sent", help="delete sent rows past retention")
+    purge_dead.add_argument(
+        "--batch-size",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="rows deleted per transaction (default: %(default)s)",
+    )
+    purge_sent = _command(actions, "purge-sent", "delete sent rows past retention")
     with_store(purge_sent)
     purge_sent.add_argument(
         "--older-than",
         type=_not_negative,
         default=86400.0,
         metavar="SECONDS",
-        help="sent longer ago than this (default 86400)",
+        help="only those sent longer ago than this (default: %(default)s)",
     )
-    purge_sent.add_argument("--batch-size", type=int, default=1000)
-    stats = actions.add_parser("stats", help="rows per state: due, claimed, oldest")
+    purge_sent.add_argument(
+        "--batch-size",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="rows deleted per transaction (default: %(default)s)",
+    )
+    stats = _command(actions, "stats", "rows per state: due, claimed, oldest")
     with_store(stats)
 
 
@@ -451,6 +661,169 @@ def _one_line(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
+def _export_protos(dest: Path, *, force: bool) -> int:
+    """Copies the shipped .proto files into ``dest`` under their import paths."""
+    from grpc_idempotency import proto_include
+
+    root = Path(proto_include())
+    files = sorted(path.relative_to(root) for path in root.rglob("*.proto"))
+    different = [
+        rel
+        for rel in files
+        if (dest / rel).is_file() and (dest / rel).read_bytes() != (root / rel).read_bytes()
+    ]
+    if different and not force:
+        for rel in different:
+            print(
+                f"grpc-idempotency: {dest / rel} exists and differs from the {rel} of"
+                f" grpc-idempotency {_version()}; not overwritten (pass --force to replace it)",
+                file=sys.stderr,
+            )
+        return 1
+    try:
+        for rel in files:
+            target = dest / rel
+            if rel not in different and target.is_file():
+                print(f"unchanged {target}")
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            shutil.copyfile(root / rel, partial)
+            partial.replace(target)  # atomic: a reader never sees half a file
+            print(f"{'replaced' if rel in different else 'wrote'} {target}")
+    except OSError as err:
+        print(f"grpc-idempotency: cannot export to {dest}: {err}", file=sys.stderr)
+        return 2
+    print(
+        f'import "{files[0].as_posix()}" with protoc -I {dest}, or list {dest} as a module in'
+        " buf.yaml"
+    )
+    return 0
+
+
+# -- database errors: the message, its causes and the target, never the password -----------------
+
+_MASK = "***"
+_PASSWORD_PARAM = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def _safe_dsn(dsn: str) -> str:
+    """``dsn`` with every password replaced by ``***``: the one in the URL's user info, any
+    ``password``-like query parameter, and a ``password=`` of a keyword/value string."""
+    if "://" not in dsn:
+        return _PASSWORD_PARAM.sub(rf"\g<1>{_MASK}", dsn)
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return "(a DSN that is not a valid URL)"
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    user, colon, _password = userinfo.partition(":")
+    netloc = f"{user}{colon and ':' + _MASK}{at}{hosts}"
+    params = parse_qsl(parts.query, keep_blank_values=True)
+    query = parts.query
+    if any("password" in name.lower() for name, _ in params):
+        masked = [(n, _MASK if "password" in n.lower() else v) for n, v in params]
+        query = urlencode(masked, safe="/,:*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _dsn_target(dsn: str) -> str:
+    """Where ``dsn`` connects, for an error message: the server (host:port, or the unix socket),
+    the database and the user, with libpq's defaults (PGHOST, PGPORT, PGUSER, PGDATABASE, the OS
+    user) where the DSN names none. Never the password."""
+    try:
+        parts = urlsplit(dsn)
+        if parts.scheme not in ("postgres", "postgresql"):
+            raise ValueError(dsn)
+        query = dict(parse_qsl(parts.query))
+        userinfo, _, hostlist = parts.netloc.rpartition("@")
+        user = (
+            unquote(userinfo.partition(":")[0])
+            or query.get("user")
+            or os.environ.get("PGUSER")
+            or getpass.getuser()
+        )
+        database = (
+            unquote(parts.path.lstrip("/"))
+            or query.get("dbname")
+            or query.get("database")
+            or os.environ.get("PGDATABASE")
+            or user
+        )
+        default_port = query.get("port") or os.environ.get("PGPORT") or "5432"
+        servers = [_server(spec, default_port) for spec in hostlist.split(",") if spec]
+        if not servers:
+            hosts = query.get("host") or os.environ.get("PGHOST")
+            servers = [
+                _server(host, default_port) for host in (hosts or "").split(",") if host
+            ] or ["the default host (a local unix socket, else localhost)"]
+    except ValueError:
+        return "(the DSN is not a postgresql:// URL)"
+    return f'{", ".join(servers)}, database "{database}", user "{user}"'
+
+
+def _server(spec: str, default_port: str) -> str:
+    spec = unquote(spec)
+    if spec.startswith("/"):  # a unix socket directory (in ?host=, or percent-encoded)
+        return f"socket {spec.rstrip('/')}/.s.PGSQL.{default_port}"
+    if spec.startswith("["):  # [IPv6]:port
+        host, _, rest = spec.partition("]")
+        return f"{host}]:{rest.lstrip(':') or default_port}"
+    host, _, port = spec.partition(":")
+    return f"{host}:{port or default_port}"
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """The exceptions behind ``err``: its ``__cause__`` chain (or unsuppressed context)."""
+    seen = {id(err)}
+    current: BaseException | None = err
+    while current is not None:
+        following = current.__cause__
+        if following is None and not current.__suppress_context__:
+            following = current.__context__
+        if following is None or id(following) in seen:
+            return
+        seen.add(id(following))
+        yield following
+        current = following
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    for extra in ("detail", "hint"):  # asyncpg.PostgresError carries PostgreSQL's DETAIL, HINT
+        value = getattr(exc, extra, None)
+        if isinstance(value, str) and value:
+            text += f" ({extra}: {value})"
+    return _one_line(text, limit=400)
+
+
+def _report_store_error(err: StoreUnavailable, dsn: str | None) -> None:
+    lines = [f"grpc-idempotency: {err}"]
+    lines += [f"  caused by {_describe(cause)}" for cause in _causes(err)]
+    if dsn:
+        lines.append(f"  database: {_dsn_target(dsn)} ({_safe_dsn(dsn)})")
+    text = "\n".join(lines)
+    if dsn:
+        # Drivers do not echo passwords, but a message quoting the DSN itself would.
+        text = text.replace(dsn, _safe_dsn(dsn))
+    print(text, file=sys.stderr)
+
+
+class _ReportedByMain(logging.Filter):
+    """Drops the store's ERROR records: in a one-shot command each of them comes with an
+    exception that ``main`` reports, cause and target included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("grpc_idempotency.") and record.levelno >= logging.ERROR)
+
+
+def _log_warnings() -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("grpc-idempotency: %(levelname)s: %(message)s"))
+    handler.addFilter(_ReportedByMain())
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "include-path":
@@ -458,21 +831,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(proto_include())
         return 0
+    if args.command == "export-protos":
+        return _export_protos(args.dir, force=args.force)
     if args.command == "check-steps":
         from grpc_idempotency.step_check import run
 
         return run(args.against, args.new, now=args.now)
+    if args.command != "relay":  # the relay configures logging for a long-running process
+        _log_warnings()
     try:
         return asyncio.run(_with_store(args))
     except StoreMisconfigured as err:
-        # Not migrated, no such database, no privilege: retrying will not help (exit 2).
-        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        # No such database or role, bad password, not migrated, no privilege: retrying will not
+        # help (exit 2).
+        _report_store_error(err, args.dsn)
         return 2
     except StoreUnavailable as err:
-        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        # Unreachable, refused, timed out, shutting down: retry later (exit 1).
+        _report_store_error(err, args.dsn)
         return 1
     except ValueError as err:
-        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        message = f"grpc-idempotency: {err}"
+        print(
+            message.replace(args.dsn, _safe_dsn(args.dsn)) if args.dsn else message, file=sys.stderr
+        )
         return 2
 
 

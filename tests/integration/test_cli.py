@@ -1,0 +1,324 @@
+"""The ``grpc-idempotency`` command itself: help and version, database errors, export-protos.
+
+Help is checked on the parser (every option of every command, walked); database errors and
+exports run the command as a subprocess (``python -m grpc_idempotency.cli``), as a user would,
+against the session's real PostgreSQL; the exported options.proto is compiled by protoc and,
+when buf is installed, by ``buf build`` and ``buf lint`` with the README's buf.yaml recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from grpc_idempotency import proto_include
+from grpc_idempotency.cli import _dsn_target, _parser, _safe_dsn
+from tests.e2e.procs import free_port
+from tests.support.tools import buf_binary
+
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIAL_PROTO = ROOT / "examples" / "tutorial" / "payments.proto"
+OPTIONS = Path("grpc_idempotency") / "v1" / "options.proto"
+# The README's buf recipe: the user's protos in proto/, the exported options in third_party/.
+BUF_YAML = """\
+version: v2
+modules:
+  - path: proto
+  - path: third_party   # grpc-idempotency export-protos third_party
+lint:
+  use:
+    - STANDARD
+  ignore:
+    - third_party
+"""
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "grpc_idempotency.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=env,
+        check=False,
+    )
+
+
+# -- help and version ---------------------------------------------------------------------------
+
+
+def parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """The parser and every subcommand's parser, depth first, with the words that reach it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from parsers(sub, (*path, name))
+
+
+ALL = list(parsers(_parser()))
+
+
+def test_the_walk_reaches_every_command() -> None:
+    names = {" ".join(path) for path, _ in ALL}
+    assert {
+        "", "migrate", "purge", "include-path", "export-protos", "check-steps", "relay",
+        "outbox", "outbox dead", "outbox retry", "outbox purge-dead", "outbox purge-sent",
+        "outbox stats",
+    } <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("path, parser", ALL, ids=[" ".join(p) or "top" for p, _ in ALL])
+def test_every_option_and_command_has_plain_help(
+    path: tuple[str, ...], parser: argparse.ArgumentParser
+) -> None:
+    where = "grpc-idempotency " + " ".join(path)
+    assert parser.description and "``" not in parser.description, where
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help.strip(), f"{where}: {name} has no help"
+        assert "``" not in action.help, f"{where}: {name}: reStructuredText in help"
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:  # the one-line summaries of the commands
+                assert choice.help and "``" not in choice.help, f"{where}: {choice.dest}"
+            continue
+        takes_value = action.nargs != 0
+        if takes_value:
+            assert action.metavar, f"{where}: {name} has no explicit metavar"
+        if action.default not in (None, False, [], argparse.SUPPRESS):
+            assert "default" in action.help, f"{where}: {name} does not show its default"
+    # Rendering substitutes %(default)s and friends; a typo there raises here.
+    text = parser.format_help()
+    assert "``" not in text and "%(" not in text, where
+
+
+def test_defaults_are_shown_with_their_values() -> None:
+    purge = dict(ALL)[("purge",)].format_help()
+    assert "records deleted per transaction (default: 1000)" in " ".join(purge.split())
+    relay = " ".join(dict(ALL)[("relay",)].format_help().split())
+    assert "--lease SECONDS" in relay and "(default: 30.0)" in relay
+
+
+def test_version_prints_the_installed_version() -> None:
+    done = cli("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"grpc-idempotency {metadata.version('grpc-idempotency')}"
+
+
+# -- database errors: the real message, the target, never the password --------------------------
+
+
+def with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + database))
+
+
+def with_user(dsn: str, user: str, password: str) -> str:
+    parts = urlsplit(dsn)
+    hosts = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{hosts}"))
+
+
+def test_a_missing_database_is_named_with_the_user_and_exit_2(pg_dsn: str) -> None:
+    database = f"no_such_db_{secrets.token_hex(4)}"
+    dsn = with_database(pg_dsn, database)
+    password = urlsplit(pg_dsn).password
+    done = cli("migrate", "--dsn", dsn)
+    assert done.returncode == 2, done.stderr
+    user = urlsplit(pg_dsn).username or "postgres"
+    assert f'database "{database}" does not exist' in done.stderr  # PostgreSQL's own words
+    assert f'database "{database}", user "{user}"' in done.stderr  # the target
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    if password:
+        assert password not in done.stderr
+
+
+def test_a_missing_role_is_named_without_its_password_and_exit_2(pg_dsn: str) -> None:
+    user = f"nobody_{secrets.token_hex(4)}"
+    password = f"pw-{secrets.token_hex(8)}"
+    done = cli("outbox", "stats", "--dsn", with_user(pg_dsn, user, password))
+    assert done.returncode == 2, done.stderr
+    # Trust authentication says the role is missing; password authentication says the password
+    # failed for it: either way PostgreSQL names the role.
+    assert f'"{user}"' in done.stderr.splitlines()[1], done.stderr
+    assert f'user "{user}"' in done.stderr
+    assert password not in done.stderr
+    assert ":***@" in done.stderr  # the DSN is shown, masked
+
+
+def test_an_unreachable_server_names_host_and_port_and_exits_1() -> None:
+    port = free_port()
+    password = f"pw-{secrets.token_hex(8)}"
+    dsn = f"postgresql://payments:{password}@127.0.0.1:{port}/shop"
+    done = cli("purge", "--dsn", dsn)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert "unavailable while connecting" in lines[0]
+    assert any("ConnectionRefusedError" in line for line in lines[1:]), done.stderr
+    assert f'127.0.0.1:{port}, database "shop", user "payments"' in done.stderr
+    assert password not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
+    schema = f"never_migrated_{secrets.token_hex(4)}"
+    done = cli("purge", "--dsn", pg_dsn, "--schema", schema)
+    assert done.returncode == 2, done.stderr
+    assert "grpc-idempotency migrate" in done.stderr and schema in done.stderr
+    assert "database: " in done.stderr
+
+
+@pytest.mark.parametrize(
+    "dsn, safe",
+    [
+        ("postgresql://u:hunter22@db:5433/app", "postgresql://u:***@db:5433/app"),
+        ("postgresql://u@db/app?password=hunter22&sslmode=require",
+         "postgresql://u@db/app?password=***&sslmode=require"),
+        ("postgres://u:p%40ss@/app?host=/run/pg", "postgres://u:***@/app?host=/run/pg"),
+        ("host=db user=u password='hun ter' dbname=app", "host=db user=u password=*** dbname=app"),
+        ("postgresql://u@db/app", "postgresql://u@db/app"),
+    ],
+)  # fmt: skip
+def test_safe_dsn_masks_every_password(dsn: str, safe: str) -> None:
+    assert _safe_dsn(dsn) == safe
+
+
+@pytest.mark.parametrize(
+    "dsn, target",
+    [
+        ("postgresql://u:pw@db.internal:6432/app", 'db.internal:6432, database "app", user "u"'),
+        ("postgresql://u@h1,h2:5433/app", 'h1:5432, h2:5433, database "app", user "u"'),
+        ("postgresql://u@[::1]:5433/app", '[::1]:5433, database "app", user "u"'),
+        ("postgresql://postgres@/postgres?host=/tmp/pg-x&port=5999",
+         'socket /tmp/pg-x/.s.PGSQL.5999, database "postgres", user "postgres"'),
+        ("postgresql://u@db", 'db:5432, database "u", user "u"'),  # libpq: dbname = user
+    ],
+)  # fmt: skip
+def test_dsn_target_names_server_database_and_user(
+    dsn: str, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("PGHOST", "PGPORT", "PGUSER", "PGDATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    assert _dsn_target(dsn) == target
+
+
+# -- export-protos --------------------------------------------------------------------------------
+
+
+def test_export_protos_copies_refuses_to_clobber_and_forces(tmp_path: Path) -> None:
+    shipped = (Path(proto_include()) / OPTIONS).read_bytes()
+    out = tmp_path / "third_party"
+    exported = out / OPTIONS
+
+    first = cli("export-protos", str(out))
+    assert first.returncode == 0, first.stderr
+    assert exported.read_bytes() == shipped
+    assert f"wrote {exported}" in first.stdout
+
+    again = cli("export-protos", str(out))
+    assert again.returncode == 0 and f"unchanged {exported}" in again.stdout
+
+    exported.write_bytes(shipped + b"// edited by hand\n")
+    refused = cli("export-protos", str(out))
+    assert refused.returncode == 1
+    assert str(exported) in refused.stderr and "--force" in refused.stderr
+    assert exported.read_bytes().endswith(b"// edited by hand\n")  # untouched
+
+    forced = cli("export-protos", str(out), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert f"replaced {exported}" in forced.stdout
+    assert exported.read_bytes() == shipped
+    assert not [p for p in exported.parent.iterdir() if p.name != "options.proto"]
+
+
+def user_workspace(root: Path) -> Path:
+    """A user's layout: the tutorial's payments.proto in proto/, options exported to
+    third_party/."""
+    proto = root / "proto" / "payments" / "v1" / "payments.proto"
+    proto.parent.mkdir(parents=True)
+    shutil.copyfile(TUTORIAL_PROTO, proto)
+    done = cli("export-protos", "third_party", cwd=root)
+    assert done.returncode == 0, done.stderr
+    return proto
+
+
+def assert_one_keyed_method(image: Path) -> None:
+    """check-steps reads the options out of the built image: the import resolved."""
+    done = cli("check-steps", "--against", str(image), str(image))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 keyed method(s)" in done.stdout, done.stdout
+
+
+def test_protoc_compiles_a_proto_importing_the_exported_options(tmp_path: Path) -> None:
+    user_workspace(tmp_path)
+    (tmp_path / "gen").mkdir()
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "grpc_tools.protoc", "-I", "proto", "-I", "third_party",
+            "--python_out=gen", "--include_imports", "--descriptor_set_out=image.binpb",
+            "payments/v1/payments.proto",
+        ],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "gen" / "payments" / "v1" / "payments_pb2.py").exists()
+    assert_one_keyed_method(tmp_path / "image.binpb")
+
+
+@pytest.mark.skipif(
+    buf_binary() is None, reason="buf is not installed (CI installs it into .ci/.buf)"
+)
+def test_buf_builds_and_lints_with_the_exported_options_as_a_module(tmp_path: Path) -> None:
+    buf = str(buf_binary())
+    user_workspace(tmp_path)
+    (tmp_path / "buf.yaml").write_text(BUF_YAML)
+    env = {**os.environ, "BUF_CACHE_DIR": str(tmp_path / ".buf-cache")}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [buf, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+
+    built = run("build", "-o", "image.binpb")
+    assert built.returncode == 0, built.stderr
+    linted = run("lint")
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    assert_one_keyed_method(tmp_path / "image.binpb")
+
+
+@pytest.mark.skipif(
+    buf_binary() is None, reason="buf is not installed (CI installs it into .ci/.buf)"
+)
+def test_buf_cannot_use_the_include_path_itself(tmp_path: Path) -> None:
+    """Why export-protos exists: a buf.yaml module must be inside the workspace."""
+    user_workspace(tmp_path)
+    shutil.rmtree(tmp_path / "third_party")
+    (tmp_path / "buf.yaml").write_text(
+        f"version: v2\nmodules:\n  - path: proto\n  - path: {proto_include()}\n"
+    )
+    done = subprocess.run(
+        [str(buf_binary()), "build", "-o", "image.binpb"],
+        cwd=tmp_path,
+        env={**os.environ, "BUF_CACHE_DIR": str(tmp_path / ".buf-cache")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "relative" in done.stderr, done.stderr
