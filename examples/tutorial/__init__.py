@@ -1,0 +1,7 @@
+"""The README's five-minute tutorial as a program: ``python -m examples.tutorial [--dsn DSN]``.
+
+``payments.proto`` declares a keyed ``PaymentService.Charge``; ``server.py`` serves it behind
+``IdempotencyInterceptor``; ``client.py`` charges once and retries with the same key, and the
+retry is replayed. ``__main__.py`` ties them together on an embedded PostgreSQL. Needs only
+``pip install 'grpc-idempotency[codegen,embedded]'``.
+"""
