@@ -13,6 +13,7 @@ from types import ModuleType
 from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import FileDescriptor, MethodDescriptor, ServiceDescriptor
 
+from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.policy import (
     MethodOverride,
     MethodPolicy,
@@ -36,6 +37,9 @@ class PolicyRegistry:
         self._overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
         self._check = check
         self._policies: dict[str, MethodPolicy | None] = {}
+        # A method found on first use whose options are bad: the same error on every call,
+        # without compiling (and logging a traceback for) the options each time.
+        self._errors: dict[str, PolicyError] = {}
         methods = list(methods_of(services))
         self._policies.update(compile_policies(methods, self._overrides))
         for method in methods:
@@ -54,6 +58,8 @@ class PolicyRegistry:
             return self._policies[path]
         except KeyError:
             pass
+        if path in self._errors:
+            raise self._errors[path]
         policy = None
         service_name, _, method_name = path.lstrip("/").partition("/")
         try:
@@ -63,9 +69,13 @@ class PolicyRegistry:
             method = None
         override = self._overrides.get(path)
         if method is not None:
-            policy = compile_policy(method, override)
-            if policy is not None and self._check is not None:
-                self._check(policy)
+            try:
+                policy = compile_policy(method, override)
+                if policy is not None and self._check is not None:
+                    self._check(policy)
+            except PolicyError as err:
+                self._errors[path] = err
+                raise
         self._policies[path] = policy
         return policy
 

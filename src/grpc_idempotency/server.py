@@ -153,6 +153,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], asyncio.Future[_Shared | None]] = {}
         self._recent = _RecentKeys()
+        self._reported: set[str] = set()
         self._waiting = 0
 
     @property
@@ -178,7 +179,9 @@ class IdempotencyInterceptor(_Interceptor):
         try:
             policy = self._registry.get(path)
         except PolicyError:
-            log.exception("bad idempotency options on %s", path)
+            if path not in self._reported:  # the registry keeps the error: log it once
+                self._reported.add(path)
+                log.exception("bad idempotency options on %s", path)
             raise
         if policy is None:
             return handler

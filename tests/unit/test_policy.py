@@ -246,3 +246,19 @@ def test_retired_steps_are_read_and_do_not_make_a_method_phased() -> None:
     assert policy.mode is Mode.ATOMIC
     (step,) = policy.steps
     assert step.retired_at is not None and step.retired_at.year == 2023 and not step.active
+
+
+def test_a_method_found_on_first_use_with_bad_options_fails_the_same_way_every_call() -> None:
+    """Methods not named at construction are compiled on their first call; bad options there
+    fail that call, and every later one with the same error, compiled once."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    bad = method_with(lambda o: o.steps.add(name="Bad Name", call="a.B/C") and None)
+    path = f"/{bad.containing_service.full_name}/Do"
+    registry = PolicyRegistry()  # nothing named: found in the default pool on first use
+    with pytest.raises(PolicyError, match="does not match") as first:
+        registry.get(path)
+    with pytest.raises(PolicyError) as again:
+        registry.get(path)
+    assert again.value is first.value  # cached, not compiled again
+    assert path not in registry.policies
