@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
         "Copy the options.proto shipped with this version into DIR, keeping its import path:"
         " DIR/grpc_idempotency/v1/options.proto. With buf, list DIR as a module in buf.yaml"
         " (modules: [{path: proto}, {path: DIR}]); with protoc, pass -I DIR. Refuses to replace"
-        " a different existing file unless --force (exit 1). Run it again after upgrading.",
+        " a different existing file unless --force (exit 1): after upgrading grpc-idempotency,"
+        " run it again with --force.",
     )
     export.add_argument(
         "dir",
@@ -351,7 +352,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         commands,
         "outbox",
         "inspect the outbox; list, retry, purge dead letters",
-        "Inspect and repair the transactional outbox in --schema: rows per state, dead letters"
+        "Inspect and repair the transactional outbox: rows per state, dead letters"
         " (rows a relay gave up on) with their last error, putting them back to pending, and"
         " purging.",
     )
