@@ -79,7 +79,7 @@ if TYPE_CHECKING:
         StaticScope,
         peer_identity_scope,
     )
-    from grpc_idempotency.server import IdempotencyInterceptor
+    from grpc_idempotency.server.interceptor import IdempotencyInterceptor
     from grpc_idempotency.store.postgres import Store
     from grpc_idempotency.telemetry import Telemetry
 
@@ -96,7 +96,7 @@ _LOCATIONS: dict[str, str] = {
     "HandlerDatabaseError": "grpc_idempotency.core.errors",
     "IdempotencyClientInterceptor": "grpc_idempotency.client",
     "IdempotencyError": "grpc_idempotency.core.errors",
-    "IdempotencyInterceptor": "grpc_idempotency.server",
+    "IdempotencyInterceptor": "grpc_idempotency.server.interceptor",
     "IdempotentCall": "grpc_idempotency.call",
     "IdempotentConsumer": "grpc_idempotency.consumer",
     "Isolation": "grpc_idempotency.core.policy",

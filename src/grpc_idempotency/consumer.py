@@ -59,7 +59,6 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 import grpc
 
-from grpc_idempotency import _answers
 from grpc_idempotency.core.consumer import (
     Consumed,
     ConsumerPolicy,
@@ -70,6 +69,7 @@ from grpc_idempotency.core.consumer import (
     validate_message_id,
 )
 from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.server import answers as _answers
 from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
 from grpc_idempotency.store.errors import store_error
 from grpc_idempotency.store.postgres import PooledConnection, Store

@@ -34,7 +34,7 @@ def test_importing_core_loads_neither_asyncpg_nor_grpc() -> None:
 def test_public_names_are_importable_by_name() -> None:
     from grpc_idempotency import IdempotencyInterceptor, Store  # resolved lazily
 
-    assert IdempotencyInterceptor.__module__ == "grpc_idempotency.server"
+    assert IdempotencyInterceptor.__module__ == "grpc_idempotency.server.interceptor"
     assert Store.__module__ == "grpc_idempotency.store.postgres"
     with pytest.raises(AttributeError):
         grpc_idempotency.NoSuchName  # noqa: B018

@@ -11,7 +11,7 @@ Server, client, relay and consumer all speak through this module, so the contrac
 - status codes: which a handler's error is recorded and replayed with (``DEFAULT_RECORDED_ERRORS``)
   and which may never be recorded, because they say the attempt did not finish (``NEVER_RECORDED``).
 
-Pure: protobuf messages and tuples of metadata, no grpc import. ``_answers`` (server) turns the
+Pure: protobuf messages and tuples of metadata, no grpc import. ``server.answers`` turns the
 ``Status`` into a gRPC answer with grpcio-status.
 """
 

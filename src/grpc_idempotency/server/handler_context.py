@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from grpc_idempotency._answers import Context
+from grpc_idempotency.server.answers import Context
 
 
 class DeferredAbort(grpc.aio.AbortError):

@@ -27,11 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from grpc_idempotency import _answers as answers
 from grpc_idempotency import call as call_context
 from grpc_idempotency import failpoints
-from grpc_idempotency._answers import Context
-from grpc_idempotency._handler_context import DeferredAbort, KeyedContext, SyncContext
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
     IdempotencyError,
@@ -67,6 +64,9 @@ from grpc_idempotency.core.policy import (
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
+from grpc_idempotency.server import answers
+from grpc_idempotency.server.answers import Context
+from grpc_idempotency.server.handler_context import DeferredAbort, KeyedContext, SyncContext
 from grpc_idempotency.store.errors import handler_error
 from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store
 from grpc_idempotency.telemetry import Telemetry
