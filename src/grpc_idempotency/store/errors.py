@@ -48,11 +48,22 @@ class _MisconfiguredLog:
         self._last[state] = now
         log.error(
             "idempotency store misconfigured while %s (SQLSTATE %s): %s; every keyed call fails"
-            " until this is fixed (missing migrations: run `grpc-idempotency migrate`)",
+            " until this is fixed (%s)",
             doing,
             state,
             exc,
+            _hint(state),
         )
+
+
+def _hint(state: str | None) -> str:
+    if state in ("42P01", "42703", "42883", "3F000"):
+        return "the schema is not migrated: run `grpc-idempotency migrate`"
+    if state == "3D000":
+        return "no such database: check the DSN"
+    if state == "42501":
+        return "the role lacks a privilege on the store's schema or tables"
+    return "authentication failed: check the role and its password"
 
 
 _log_misconfigured = _MisconfiguredLog()
@@ -64,7 +75,7 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     if classify(state) is Failure.MISCONFIGURED:
         _log_misconfigured(exc, doing)
         return StoreMisconfigured(
-            f"idempotency store misconfigured while {doing} (SQLSTATE {state}); see server log"
+            f"idempotency store misconfigured while {doing} (SQLSTATE {state}): {_hint(state)}"
         )
     detail = state or type(exc).__name__
     return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
