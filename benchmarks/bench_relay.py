@@ -163,7 +163,7 @@ async def driver(args: argparse.Namespace) -> None:
     if args.dsn:
         await measure(args.dsn, args)
         return
-    from grpc_idempotency.store.embedded import EmbeddedPostgres
+    from grpc_idempotency.testing import EmbeddedPostgres
 
     with EmbeddedPostgres() as pg:
         await measure(pg.dsn, args)

@@ -54,7 +54,7 @@ import _common
 import asyncpg
 import grpc
 
-from grpc_idempotency.store.embedded import EmbeddedPostgres
+from grpc_idempotency.testing import EmbeddedPostgres
 
 HERE = Path(__file__).resolve().parent
 CLK = os.sysconf("SC_CLK_TCK")

@@ -48,7 +48,7 @@ def pg_dsn() -> Iterator[str]:
     if dsn:
         yield dsn
         return
-    from grpc_idempotency.store.embedded import EmbeddedPostgres
+    from grpc_idempotency.testing import EmbeddedPostgres
 
     with EmbeddedPostgres(durable=False) as pg:
         yield pg.dsn

@@ -28,7 +28,7 @@ async def database(dsn: str | None) -> AsyncIterator[str]:
     if dsn:
         yield dsn
         return
-    from grpc_idempotency.store.embedded import EmbeddedPostgres
+    from grpc_idempotency.testing import EmbeddedPostgres
 
     with EmbeddedPostgres() as pg:
         print(f"embedded PostgreSQL: {pg.dsn}", flush=True)

@@ -1362,7 +1362,7 @@ async def _run(dsn: str | None) -> int:
     started = time.monotonic()
     pg = None
     if dsn is None:
-        from grpc_idempotency.store.embedded import EmbeddedPostgres
+        from grpc_idempotency.testing import EmbeddedPostgres
 
         pg = EmbeddedPostgres()
     services: list[Service] = []

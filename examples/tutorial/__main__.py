@@ -74,7 +74,7 @@ def main() -> int:
         generate(Path(gen))
         if args.dsn:
             return asyncio.run(run(args.dsn))
-        from grpc_idempotency.store.embedded import EmbeddedPostgres
+        from grpc_idempotency.testing import EmbeddedPostgres
 
         postgres = EmbeddedPostgres()
         dsn = postgres.start()  # initdb on first use, then start; returns the DSN

@@ -835,7 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "export-protos":
         return _export_protos(args.dir, force=args.force)
     if args.command == "check-steps":
-        from grpc_idempotency.step_check import run
+        from grpc_idempotency.protoc_gen.step_check import run
 
         return run(args.against, args.new, now=args.now)
     if args.command != "relay":  # the relay configures logging for a long-running process

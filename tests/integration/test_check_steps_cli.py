@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from grpc_idempotency.cli import main
-from grpc_idempotency.step_check import _raw_set_class, run
+from grpc_idempotency.protoc_gen.step_check import _raw_set_class, run
 from tests.support.tools import buf_binary
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
-from grpc_idempotency.store.embedded import EmbeddedPostgres
+from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.ledger import (
     RunningLedger,
     fresh,

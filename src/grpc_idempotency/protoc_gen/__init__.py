@@ -6,7 +6,8 @@ proto file with methods annotated ``(grpc_idempotency.v1.method)``.
 
 or ``buf generate`` with ``local: protoc-gen-grpc-idempotency`` in ``buf.gen.yaml``. Modules:
 ``pool`` reads the request into a descriptor pool, ``validate`` checks the options (with the
-library's own rules) and ``render`` writes the code.
+library's own rules) and ``render`` writes the code. ``step_check`` (``grpc-idempotency
+check-steps``) compares the same options across two descriptor sets.
 """
 
 from __future__ import annotations
