@@ -332,16 +332,7 @@ class IdempotencyInterceptor(_Interceptor):
             if decision.action is Action.WAIT:
                 raise _Busy(decision.retry_after_ms)
             if policy.mode is Mode.PHASED:
-                claim = await self.store.claim_phased(
-                    scope=scope,
-                    key=key,
-                    method=policy.method,
-                    fingerprint=fingerprint,
-                    retention_s=policy.retention.total_seconds(),
-                    lease_s=policy.lease.total_seconds(),
-                    isolation=policy.isolation,
-                    timeout=answers.time_remaining(context),
-                )
+                claim = await self.store.claim_phased(**_claim_of(call, scope, key, fingerprint))
                 if claim is None:
                     raise _Busy(retry_after_ms(None))
                 executed = CallOutcome.TAKEN_OVER if decision.takeover else CallOutcome.EXECUTED
@@ -368,17 +359,7 @@ class IdempotencyInterceptor(_Interceptor):
     async def _claim_atomic(
         self, call: _Call, scope: str, key: str, fingerprint: bytes
     ) -> Attempt | None:
-        policy = call.policy
-        return await self.store.claim_atomic(
-            scope=scope,
-            key=key,
-            method=policy.method,
-            fingerprint=fingerprint,
-            retention_s=policy.retention.total_seconds(),
-            lease_s=policy.lease.total_seconds(),
-            isolation=policy.isolation,
-            timeout=answers.time_remaining(call.context),
-        )
+        return await self.store.claim_atomic(**_claim_of(call, scope, key, fingerprint))
 
     async def _execute(
         self,
@@ -705,6 +686,21 @@ class _LeaseKeeper:
             self.lost = True
             self._handler.cancel()
             return
+
+
+def _claim_of(call: _Call, scope: str, key: str, fingerprint: bytes) -> dict[str, Any]:
+    """The arguments of a claim (atomic or phased) of ``call``'s key."""
+    policy = call.policy
+    return {
+        "scope": scope,
+        "key": key,
+        "method": policy.method,
+        "fingerprint": fingerprint,
+        "retention_s": policy.retention.total_seconds(),
+        "lease_s": policy.lease.total_seconds(),
+        "isolation": policy.isolation,
+        "timeout": answers.time_remaining(call.context),
+    }
 
 
 def _deadline(context: Context) -> float | None:
