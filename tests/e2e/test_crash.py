@@ -10,11 +10,8 @@ lock goes with it) and the retry executes.
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import asyncpg
@@ -27,6 +24,7 @@ from examples.checkout.service import records_schema
 from grpc_idempotency.core.keys import claim_lock_id
 from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess, free_port
+from tests.support.waiting import until
 
 # isort: split
 from checkout.v1 import payments_pb2  # importable only once examples.checkout.gen is
@@ -155,18 +153,6 @@ async def claim_released(db: asyncpg.Connection, op: Operation) -> None:
         return not await claim_holders(db, op)
 
     await until("the claim lock to be released", released)
-
-
-async def until(what: str, probe: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
-    """Polls ``probe()`` until it returns something truthy; fails after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await probe()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def assert_executed_once(db: asyncpg.Connection, op: Operation, answer: Answer) -> None:

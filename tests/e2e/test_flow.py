@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,6 +36,7 @@ from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, 
 from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess
 from tests.e2e.tenants import Tenant
+from tests.support.waiting import until
 
 # isort: split
 from checkout.v1 import orders_pb2, orders_pb2_grpc  # importable only once examples.checkout.gen is
@@ -224,18 +224,6 @@ async def record_of(db: asyncpg.Connection, order: Order) -> asyncpg.Record | No
         order.scope,
         order.key,
     )
-
-
-async def until(what: str, probe: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
-    """Polls ``probe()`` until it returns something truthy; fails after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await probe()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def lease_expired(db: asyncpg.Connection, order: Order) -> None:

@@ -24,7 +24,8 @@ from examples.checkout.ledger import CONSUMER, RECORD_ORDER_CREATED
 from examples.checkout.service import open_store, records_schema
 from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess
-from tests.e2e.test_flow import SIGKILLED, Order, attempts, place, until
+from tests.e2e.test_flow import SIGKILLED, Order, attempts, place
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -22,18 +21,12 @@ from grpc_idempotency.client import (
     service_config,
 )
 from grpc_idempotency.core.retry import RetryPolicy
-from tests.integration.test_concurrency import until
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
 from tests.support.relay import running_relay
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 TENANT_MD = (("x-tenant-id", "tenant-a"),)
-
-
-@pytest.fixture
-async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
-    async with running_ledger(store) as running:
-        yield running
 
 
 def keyed_channel(address: str, *, retries: bool = False) -> grpc.aio.Channel:
@@ -142,7 +135,7 @@ async def test_retry_helper_waits_as_the_server_asks_then_gets_the_outcome(store
                 )
             )
             # The first attempts end ABORTED (in progress) within their 0.3 s deadline.
-            await until(lambda: conflicts(reader) >= 3)
+            await until("3 conflicts", lambda: conflicts(reader) >= 3)
             assert not retrying.done()
             ledger.service.release.set()
             result = await retrying

@@ -4,34 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
-import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
-
-
-@pytest.fixture
-async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
-    async with running_ledger(store) as running:
-        yield running
-
-
-async def until(condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:
-    """Polls a condition (coordination on observable state, bounded), never a blind sleep."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result if isinstance(result, bool) else await result:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
 
 
 async def test_100_concurrent_duplicates_execute_once(ledger: RunningLedger, store: Store) -> None:
@@ -63,7 +45,7 @@ async def test_duplicates_waiting_within_their_deadline_get_the_outcome(
         asyncio.ensure_future(call_raw(ledger.channel, POST, request, metadata(key)))
         for _ in range(5)
     ]
-    await until(lambda: ledger.interceptor.waiting_calls == 5)
+    await until("5 calls waiting", lambda: ledger.interceptor.waiting_calls == 5)
     ledger.service.release.set()
     first = await owner
     rest = await asyncio.gather(*waiters)
@@ -108,7 +90,7 @@ async def test_a_mutated_duplicate_waiting_on_an_owner_is_refused(
             metadata(key),
         )
     )
-    await until(lambda: ledger.interceptor.waiting_calls == 1)
+    await until("1 call waiting", lambda: ledger.interceptor.waiting_calls == 1)
     ledger.service.release.set()
     assert (await owner).code is grpc.StatusCode.OK
     answer = await mutated
@@ -145,7 +127,7 @@ async def test_storm_of_duplicates_does_not_starve_other_keys(store: Store) -> N
             for _ in range(200)
         ]
         await ledger.service.started.wait()
-        await until(lambda: ledger.interceptor.waiting_calls == 199)
+        await until("199 calls waiting", lambda: ledger.interceptor.waiting_calls == 199)
         others = fresh("other")
         answers = await asyncio.wait_for(
             asyncio.gather(

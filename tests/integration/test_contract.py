@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
-from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata
 from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
 SVC = "/testsvc.v1.LedgerService/"
-
-
-@pytest.fixture
-async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
-    async with running_ledger(store) as running:
-        yield running
 
 
 async def record_row(store: Store, scope: str, key: str) -> dict[str, object] | None:

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, child_key
-from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata
 from tests.support.wire import call_raw
 
 WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
-
-
-@pytest.fixture
-async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
-    async with running_ledger(store) as running:
-        yield running
 
 
 async def outbox_rows(store: Store, parent_key: str) -> list[dict[str, object]]:

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import asyncpg
@@ -34,6 +34,7 @@ from grpc_idempotency import Store, cli
 from grpc_idempotency.outbox import OutboxMessage, Relay
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
 from tests.support.pgbouncer import PgBouncer, running_pgbouncer
+from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
 
 # What a store behind PgBouncer (before 1.21's max_prepared_statements) needs.
@@ -228,14 +229,6 @@ async def running(relay: Relay) -> AsyncIterator[None]:
         await asyncio.wait_for(task, WAIT_S)
 
 
-async def wait_until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Waits for a condition to hold, looking every 20 ms, up to WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def listeners(pg_dsn: str, channel: str) -> int:
     """Sessions listening on ``channel`` right now, on the server itself."""
     conn = await asyncpg.connect(pg_dsn)
@@ -279,7 +272,7 @@ async def test_a_relay_behind_pgbouncer_is_woken_through_its_direct_listen_dsn(
         async def idle() -> bool:  # its first batch (after LISTEN) is done: now it sleeps 60 s
             return relay.stats.batches >= 1
 
-        await wait_until(idle, "the relay's first batch")
+        await until("the relay's first batch", idle, timeout=WAIT_S)
         enqueued = time.monotonic()
         await enqueue(bounced_outbox, 20)  # committed through PgBouncer; NOTIFY at commit
         await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
@@ -319,7 +312,9 @@ async def test_a_relay_listening_through_pgbouncer_notices_and_falls_back_to_pol
                 async def gave_up() -> bool:
                     return relay.polling_only
 
-                await wait_until(gave_up, "the relay to notice its LISTEN is not on its session")
+                await until(
+                    "the relay to notice its LISTEN is not on its session", gave_up, timeout=WAIT_S
+                )
                 assert not relay.listening.is_set()
                 await keep.rollback()
                 await enqueue(outbox, 10)
@@ -379,7 +374,7 @@ async def test_the_relay_command_runs_behind_pgbouncer(
                 )
                 return n == len(accounts)
 
-            await wait_until(all_sent, "the relay command to deliver every row")
+            await until("the relay command to deliver every row", all_sent, timeout=WAIT_S)
             proc.send_signal(signal.SIGTERM)
             out, _ = await asyncio.wait_for(proc.communicate(), WAIT_S)
         finally:

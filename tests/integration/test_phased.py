@@ -4,26 +4,18 @@ transaction that only the claim's current owner can commit."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
-import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
 from grpc_idempotency.client import Operation, RetryPolicy
-from tests.integration.test_concurrency import until
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
 SCOPE = "tenant:tenant-a"
-
-
-@pytest.fixture
-async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
-    async with running_ledger(store) as running:
-        yield running
 
 
 async def record(store: Store, key: str) -> dict[str, object] | None:
@@ -61,7 +53,7 @@ async def test_claim_commits_first_and_no_transaction_is_open_while_the_handler_
     assert await open_transactions(store) == 0
     first_lease = claimed["locked_until"]
     # The lease (0.6 s) is renewed while the handler runs.
-    await until(lambda: _renewed(store, key, first_lease), timeout=5)
+    await until("the lease to be renewed", lambda: _renewed(store, key, first_lease), timeout=5)
     ledger.service.release.set()
     answer = await owner
     assert answer.code is grpc.StatusCode.OK and not answer.replayed
@@ -193,7 +185,7 @@ async def test_a_final_transaction_outliving_its_lease_does_not_block_other_repl
             call_raw(a.channel, PHASED, post(account, "busy"), metadata(key))
         )
         await a.service.started.wait()  # inside the final transaction, lease no longer renewed
-        await until(lambda: _lease_over(store, key), timeout=5)
+        await until("the lease to run out", lambda: _lease_over(store, key), timeout=5)
         started = asyncio.get_running_loop().time()
         dup = await call_raw(b.channel, PHASED, post(account, "busy"), metadata(key), timeout=5)
         waited = asyncio.get_running_loop().time() - started

@@ -18,9 +18,9 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Isolation, MethodOverride, Store, StoreMisconfigured
 from grpc_idempotency.client import Operation, RetryPolicy
-from tests.integration.test_concurrency import until
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
+from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -73,7 +73,7 @@ async def test_an_outcome_stays_replayable_for_its_retention_after_a_slow_comple
             return bool(passed)
 
         # The handler is still running when the retention counted from its claim runs out.
-        await until(retention_over, timeout=10)
+        await until("the retention counted from the claim to pass", retention_over)
         ledger.service.release.set()
         answer = await first
         assert answer.code is grpc.StatusCode.OK

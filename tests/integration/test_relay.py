@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import asyncpg
 import grpc
@@ -34,7 +34,8 @@ from grpc_idempotency.outbox import (
     Sink,
     forward_scope,
 )
-from tests.support.ledger import RunningLedger, ledger_rows, running_ledger
+from tests.support.ledger import RunningLedger, ledger_rows
+from tests.support.waiting import until
 
 WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
 
@@ -96,14 +97,6 @@ async def states(store: Store) -> dict[str, int]:
         f'SELECT state, count(*) AS n FROM "{store.schema}".outbox GROUP BY state'
     )
     return {r["state"]: r["n"] for r in rows}
-
-
-async def wait_until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Waits for a condition (in the database) to hold, looking every 20 ms, up to WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 class Receiver:
@@ -369,7 +362,7 @@ async def test_a_stale_relay_cannot_overwrite_a_newer_claim(outbox: Store) -> No
     store = OutboxStore(outbox)
     await insert(outbox, outbox.schema, ["contested"])
     (old,) = await store.claim(relay="stale", limit=10, lease_s=0.05)
-    await wait_until(lambda: due_now(store), "the stale lease to expire")
+    await until("the stale lease to expire", lambda: due_now(store), timeout=WAIT_S)
     (new,) = await store.claim(relay="fresh", limit=10, lease_s=30)
     assert new.attempts == 2
     # The stale relay's delivery failed; recording that must not undo the fresh claim.
@@ -420,8 +413,10 @@ async def test_a_row_committed_after_a_higher_numbered_row_is_still_delivered(
             assert a_id < b_id
             await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
             assert list(receiver.delivered) == ["B"]
-            await wait_until(
-                lambda: relay_idle(relay, outbox), "the relay to finish with B and go idle"
+            await until(
+                "the relay to finish with B and go idle",
+                lambda: relay_idle(relay, outbox),
+                timeout=WAIT_S,
             )
             receiver.arrived.clear()
             await tx.commit()  # A's NOTIFY goes out with its commit
@@ -440,7 +435,7 @@ async def test_a_notification_wakes_a_relay_long_before_its_poll(outbox: Store) 
     receiver = Receiver()
     relay = Relay(outbox, receiver, poll_interval=60)
     async with running(relay):
-        await wait_until(lambda: batches_after_listen(relay), "the relay to go idle")
+        await until("the relay to go idle", lambda: batches_after_listen(relay), timeout=WAIT_S)
         for attempt in range(3):
             receiver.arrived.clear()
             inserted = time.monotonic()
@@ -479,7 +474,7 @@ async def test_the_relay_listens_again_after_its_connection_dies(
                 pids = await listeners()
                 return relay.listening.is_set() and bool(pids) and pid not in pids
 
-            await wait_until(listening_again, "a new LISTEN connection")
+            await until("a new LISTEN connection", listening_again, timeout=WAIT_S)
             inserted = time.monotonic()
             await insert(outbox, outbox.schema, ["after-reconnect"])
             await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
@@ -521,17 +516,11 @@ async def test_the_relay_purges_sent_rows_after_retention(outbox: Store) -> None
         async def purged() -> bool:
             return await states(outbox) == {}
 
-        await wait_until(purged, "the sent rows to be purged")
+        await until("the sent rows to be purged", purged, timeout=WAIT_S)
     assert relay.stats.purged == 5
 
 
 # -- the gRPC sink --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def ledger(store: Store) -> AsyncIterator[RunningLedger]:
-    async with running_ledger(store) as running_:
-        yield running_
 
 
 async def test_the_grpc_sink_sends_the_payload_with_the_key_to_a_keyed_receiver(
@@ -623,7 +612,9 @@ async def test_an_outcome_lost_after_delivery_means_redelivery_after_the_lease(
     monkeypatch.setattr(failpoints, "ENABLED", False)
 
     async with running(relay):  # sleeps until the lease ends (no notification comes)
-        await wait_until(lambda: sent(outbox, "unmarked"), "the redelivered row to be sent")
+        await until(
+            "the redelivered row to be sent", lambda: sent(outbox, "unmarked"), timeout=WAIT_S
+        )
     assert receiver.delivered == {"unmarked": 2}
     assert (await row(outbox, "unmarked"))["attempts"] == 2
 
@@ -652,7 +643,7 @@ async def test_a_row_whose_delivery_never_records_an_outcome_is_dead_lettered(
     for delivered in (1, 2):
         assert await relay.run_once() == 0
         assert receiver.delivered == {"crasher": delivered}
-        await wait_until(lambda: _due(outbox, "crasher"), "the claim's lease to end")
+        await until("the claim's lease to end", lambda: _due(outbox, "crasher"), timeout=WAIT_S)
     assert await relay.run_once() == 0  # the third claim parks it without delivering
     parked = await row(outbox, "crasher")
     assert parked["state"] == "dead" and receiver.delivered == {"crasher": 2}

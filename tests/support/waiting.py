@@ -1,0 +1,29 @@
+"""Waiting for observable state (a row, a counter, a log line), bounded: the tests' one way to
+coordinate with servers and processes, never a blind sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+
+async def until(what: str, probe: Callable[[], T | Awaitable[T]], timeout: float = 10.0) -> T:
+    """Polls ``probe()`` (sync or async) until it returns something truthy, and returns that;
+    fails the test, naming ``what``, after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = probe()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
