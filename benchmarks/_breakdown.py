@@ -122,7 +122,8 @@ async def _keyed(conn: asyncpg.Connection, statements: Statements, key: str, tim
         retention_s=86400.0,
         lease_s=30.0,
     )
-    begin_claim = statements.begin_atomic_claim(claim)
+    # As the store sends it: the database's default isolation, idle bound = the lease.
+    begin_claim = statements.begin_atomic_claim(claim, isolation=None, idle_timeout_s=30.0)
     await timer.step("BEGIN+claim+SAVEPOINT", conn.execute(begin_claim))
     await timer.step("INSERT", conn.execute(_common.INSERT_SQL, *_args(key, "rt_keyed")))
     complete = statements.complete_and_commit(
