@@ -1,30 +1,137 @@
-"""The wheel carries what users need at run time and at protoc time."""
+"""The wheel and the sdist carry what users need at run time, at protoc time and to comply with the
+license; the dependency floors are the versions CI's lowest-versions job installs."""
 
 from __future__ import annotations
 
+import email
+import email.message
 import subprocess
 import sys
+import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+PROJECT = PYPROJECT["project"]
+CONSTRAINTS_LOWEST = ROOT / ".ci" / "constraints-lowest.txt"
+MIGRATIONS = sorted((ROOT / "src" / "grpc_idempotency" / "store" / "migrations").glob("*.sql"))
 
 
-def test_wheel_ships_the_proto_migrations_and_type_marker(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
+         "-w", str(out), str(ROOT)],
         check=True,
         capture_output=True,
     )  # fmt: skip
-    (wheel,) = tmp_path.glob("grpc_idempotency-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    (path,) = out.glob("grpc_idempotency-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def _metadata(wheel: zipfile.ZipFile) -> email.message.Message:
+    (name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    return email.message_from_bytes(wheel.read(name))
+
+
+def test_wheel_ships_the_proto_migrations_and_type_marker(wheel: zipfile.ZipFile) -> None:
+    names = set(wheel.namelist())
+    assert MIGRATIONS
     for required in (
         "grpc_idempotency/_proto/grpc_idempotency/v1/options.proto",
         "grpc_idempotency/v1/options_pb2.py",
         "grpc_idempotency/v1/options_pb2.pyi",
-        "grpc_idempotency/store/migrations/0001_records.sql",
+        *(f"grpc_idempotency/store/migrations/{m.name}" for m in MIGRATIONS),
         "grpc_idempotency/py.typed",
     ):
         assert required in names, required
     assert not any(n.startswith(("tests/", "examples/")) for n in names)
+
+
+def test_license_is_apache_2_and_ships_in_the_wheel(wheel: zipfile.ZipFile) -> None:
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the full text, not a pointer to it
+    assert PROJECT["license"] == "Apache-2.0"
+    (shipped,) = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    assert wheel.read(shipped).decode("utf-8") == text
+    metadata = _metadata(wheel)
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata.get_all("License-File") == ["LICENSE"]
+
+
+def test_metadata_names_pythons_urls_and_extras(wheel: zipfile.ZipFile) -> None:
+    metadata = _metadata(wheel)
+    assert metadata["Requires-Python"] == ">=3.11"
+    classifiers = set(metadata.get_all("Classifier") or [])
+    for version in ("3.11", "3.12", "3.13"):
+        assert f"Programming Language :: Python :: {version}" in classifiers
+    assert {"Typing :: Typed", "Framework :: AsyncIO", "Topic :: Database"} <= classifiers
+    urls = {u.split(",", 1)[0] for u in metadata.get_all("Project-URL") or []}
+    assert {"Homepage", "Repository", "Documentation", "Changelog", "Issues"} <= urls
+    assert {"codegen", "embedded", "dev"} <= set(metadata.get_all("Provides-Extra") or [])
+
+
+def test_sdist_ships_the_license_proto_and_migrations(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-c",
+         f"from setuptools import build_meta; build_meta.build_sdist({str(tmp_path)!r})"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    (sdist,) = tmp_path.glob("grpc_idempotency-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
+    for required in (
+        "LICENSE",
+        "pyproject.toml",
+        "src/grpc_idempotency/_proto/grpc_idempotency/v1/options.proto",
+        *(f"src/grpc_idempotency/store/migrations/{m.name}" for m in MIGRATIONS),
+    ):
+        assert required in names, required
+
+
+def _floors() -> dict[str, str]:
+    floors = {}
+    for line in PROJECT["dependencies"]:
+        requirement = Requirement(line)
+        (floor,) = [s.version for s in requirement.specifier if s.operator == ">="]
+        floors[requirement.name] = floor
+    return floors
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"{path.name}: {raw!r} is not name==version"
+            pins[name.strip()] = version.strip()
+    return pins
+
+
+def test_every_dependency_has_a_floor_and_ci_installs_exactly_the_floors() -> None:
+    floors = _floors()
+    assert set(floors) == {Requirement(d).name for d in PROJECT["dependencies"]}
+    pins = _pins(CONSTRAINTS_LOWEST)
+    # The tests' OpenTelemetry SDK requires exactly its own API version.
+    assert pins.pop("opentelemetry-sdk") == floors["opentelemetry-api"]
+    assert pins == floors, "raise a floor in pyproject.toml and .ci/constraints-lowest.txt alike"
+
+
+def test_protobuf_floor_is_the_gencode_version_of_the_committed_pb2() -> None:
+    # protobuf refuses a runtime older than the gencode (VersionError at import), and supports
+    # gencode only with a runtime of the same major version.
+    generated = (ROOT / "src" / "grpc_idempotency" / "v1" / "options_pb2.py").read_text()
+    (line,) = [x for x in generated.splitlines() if x.startswith("# Protobuf Python Version:")]
+    gencode = line.rsplit(" ", 1)[1]
+    (protobuf,) = [Requirement(d) for d in PROJECT["dependencies"] if d.startswith("protobuf")]
+    assert str(protobuf.specifier) == f"<{int(gencode.split('.')[0]) + 1},>={gencode}"
