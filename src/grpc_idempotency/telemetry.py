@@ -26,6 +26,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 
 class Telemetry:
+    """The span, counters and histogram of keyed calls (opentelemetry-api only; the SDK, if
+    configured, exports them). Pass your own providers to ``IdempotencyInterceptor(telemetry=)``."""
+
     def __init__(
         self,
         *,

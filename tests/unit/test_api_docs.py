@@ -20,16 +20,7 @@ UNDOCUMENTED = frozenset(
     {
         "grpc_idempotency.KEY_HEADER",
         "grpc_idempotency.REPLAYED_HEADER",
-        "grpc_idempotency.Code",
-        "grpc_idempotency.Consumed",
-        "grpc_idempotency.DeliveryPolicy",
-        "grpc_idempotency.KeyRequirement",
-        "grpc_idempotency.MethodPolicy",
-        "grpc_idempotency.Mode",
-        "grpc_idempotency.RetryPolicy",
         "grpc_idempotency.ScopeResolver",
-        "grpc_idempotency.StoreDown",
-        "grpc_idempotency.Telemetry",
     }
 )
 

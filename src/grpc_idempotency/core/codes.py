@@ -9,6 +9,8 @@ import enum
 
 
 class Code(enum.IntEnum):
+    """A gRPC status code by its google.rpc.Code number (``grpc.StatusCode`` without grpc)."""
+
     OK = 0
     CANCELLED = 1
     UNKNOWN = 2

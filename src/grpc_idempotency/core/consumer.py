@@ -46,6 +46,8 @@ class MessageInProgress(KeyInProgress):
 
 
 class Consumed(enum.Enum):
+    """What ``IdempotentConsumer.process`` did with a delivery."""
+
     PROCESSED = "processed"
     """The effect ran and committed with the mark, in this call."""
     DUPLICATE = "duplicate"

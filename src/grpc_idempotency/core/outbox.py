@@ -39,6 +39,9 @@ def message_key(scope: str, parent_key: str, step: Step) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeliveryPolicy:
+    """How a relay retries a failed delivery: exponential backoff with full jitter from
+    ``initial_backoff_s`` up to ``max_backoff_s``, then a dead letter after ``max_attempts``."""
+
     max_attempts: int = 10
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 300.0

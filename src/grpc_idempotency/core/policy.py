@@ -31,16 +31,24 @@ DEFAULT_MAX_RESPONSE_BYTES = 1 << 20
 
 
 class KeyRequirement(enum.Enum):
+    """Whether a call must carry an idempotency key (proto option ``key``)."""
+
     REQUIRED = "required"
     OPTIONAL = "optional"
 
 
 class Mode(enum.Enum):
+    """How a method's writes and outcome commit: in the claim's transaction (``ATOMIC``), or
+    after a committed claim with a lease, in a final transaction (``PHASED``)."""
+
     ATOMIC = "atomic"
     PHASED = "phased"
 
 
 class StoreDown(enum.Enum):
+    """What a call does when the store cannot be used: refuse (``FAIL_CLOSED``) or run the
+    handler without deduplication and count it (``FAIL_OPEN``)."""
+
     FAIL_CLOSED = "fail_closed"
     FAIL_OPEN = "fail_open"
 
@@ -89,6 +97,9 @@ class MethodOverride:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MethodPolicy:
+    """Everything the server decides about one keyed method's calls, compiled once from its
+    proto options and ``MethodOverride`` when the interceptor is built."""
+
     method: str
     """The gRPC path, "/package.Service/Method"."""
     key: KeyRequirement

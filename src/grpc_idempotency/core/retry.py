@@ -17,6 +17,9 @@ RETRYABLE: frozenset[Code] = frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEA
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RetryPolicy:
+    """How ``Operation.call`` retries one operation (always with its key): up to ``max_attempts``,
+    on the ``retryable`` codes, waiting as the server asks or else with jittered backoff."""
+
     max_attempts: int = 5
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
