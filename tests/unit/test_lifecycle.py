@@ -5,14 +5,26 @@ import pytest
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.failpoints import FailAction, parse_failpoints
 from grpc_idempotency.core.lifecycle import (
+    TRANSITIONS,
     Action,
+    CallOutcome,
+    Event,
     Finish,
+    IllegalTransition,
     Outcome,
+    Phase,
     State,
+    Step,
     StoredRecord,
+    begin_event,
+    budget_event,
     decide,
+    executed_outcome,
     finish,
+    look_event,
     retry_after_ms,
+    store_down_event,
+    transition,
     wait_budget_s,
 )
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
@@ -125,3 +137,85 @@ def test_failpoint_specs() -> None:
     ):
         with pytest.raises(ValueError):
             parse_failpoints(bad)
+
+
+# -- the transition table ----------------------------------------------------------------------
+
+
+def _walk(phase: Phase, *events: Event) -> list[Step]:
+    steps = []
+    for event in events:
+        step, phase = transition(phase, event)
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("events", "steps"),
+    [
+        # A new key: claimed straight away, no look-up.
+        ([Event.UNSEEN_KEY, Event.CLAIM_WON], [Step.CLAIM, Step.EXECUTE]),
+        # The blind claim lost (recorded): look why, then replay.
+        (
+            [Event.UNSEEN_KEY, Event.CLAIM_LOST, Event.COMPLETED],
+            [Step.CLAIM, Step.LOOK_UP, Step.REPLAY],
+        ),
+        # A retry of a seen key: one look-up, replayed.
+        ([Event.SEEN_KEY, Event.COMPLETED], [Step.LOOK_UP, Step.REPLAY]),
+        ([Event.SEEN_KEY, Event.OTHER_REQUEST], [Step.LOOK_UP, Step.REFUSE]),
+        # Running elsewhere: wait, poll again, then it has completed.
+        (
+            [Event.SEEN_KEY, Event.RUNNING, Event.BUDGET_LEFT, Event.SEEN_KEY, Event.COMPLETED],
+            [Step.LOOK_UP, Step.WAIT, Step.SLEEP, Step.LOOK_UP, Step.REPLAY],
+        ),
+        (
+            [Event.SEEN_KEY, Event.RUNNING, Event.BUDGET_SPENT],
+            [Step.LOOK_UP, Step.WAIT, Step.ANSWER_IN_PROGRESS],
+        ),
+        # An abandoned claim is taken over; a lost race for it waits.
+        (
+            [Event.SEEN_KEY, Event.ABANDONED, Event.CLAIM_WON],
+            [Step.LOOK_UP, Step.CLAIM, Step.EXECUTE],
+        ),
+        (
+            [Event.SEEN_KEY, Event.NOTHING_LIVE, Event.CLAIM_LOST],
+            [Step.LOOK_UP, Step.CLAIM, Step.WAIT],
+        ),
+        # The store down at any step that uses it.
+        ([Event.UNSEEN_KEY, Event.STORE_DOWN_OPEN], [Step.CLAIM, Step.RUN_WITHOUT_STORE]),
+        ([Event.SEEN_KEY, Event.STORE_DOWN_CLOSED], [Step.LOOK_UP, Step.ANSWER_UNAVAILABLE]),
+    ],
+)
+def test_paths_through_the_table(events: list[Event], steps: list[Step]) -> None:
+    assert _walk(Phase.FRESH, *events) == steps
+
+
+def test_events_that_cannot_happen_are_refused_not_guessed() -> None:
+    legal = {(phase, event) for phase, row in TRANSITIONS.items() for event in row}
+    for phase in Phase:
+        for event in Event:
+            if (phase, event) in legal:
+                continue
+            with pytest.raises(IllegalTransition, match=event.name):
+                transition(phase, event)
+    # Nothing leaves the end states.
+    assert Phase.DONE not in TRANSITIONS and Phase.EXECUTING not in TRANSITIONS
+
+
+def test_events_from_what_the_driver_saw() -> None:
+    assert begin_event(recently_seen=False, atomic=True) is Event.UNSEEN_KEY
+    assert begin_event(recently_seen=True, atomic=True) is Event.SEEN_KEY
+    assert begin_event(recently_seen=False, atomic=False) is Event.SEEN_KEY  # phased looks first
+    assert look_event(None, FP) is Event.NOTHING_LIVE
+    assert look_event(record(), FP) is Event.COMPLETED
+    assert look_event(record(), OTHER) is Event.OTHER_REQUEST
+    assert look_event(record(expired=True), OTHER) is Event.NOTHING_LIVE  # past retention: new
+    assert look_event(record(State.IN_PROGRESS), FP) is Event.RUNNING
+    assert look_event(record(State.IN_PROGRESS, lease_expired=True), FP) is Event.ABANDONED
+    assert store_down_event(fail_open=True) is Event.STORE_DOWN_OPEN
+    assert store_down_event(fail_open=False) is Event.STORE_DOWN_CLOSED
+    assert budget_event(now=5.0, wait_until=5.0) is Event.BUDGET_SPENT
+    assert budget_event(now=4.9, wait_until=5.0) is Event.BUDGET_LEFT
+    assert executed_outcome(Phase.TAKING_OVER) is CallOutcome.TAKEN_OVER
+    assert executed_outcome(Phase.CLAIMING) is CallOutcome.EXECUTED
+    assert executed_outcome(Phase.CLAIMING_BLIND) is CallOutcome.EXECUTED

@@ -25,7 +25,11 @@ When the owner's handler ends, ``finish`` classifies its status:
     a recorded error (deterministic)     -> RECORD_ERROR  roll back the writes, commit the status
     anything else, or an exception       -> RELEASE       roll back everything; a retry runs again
 
-The drivers (server interceptor, consumers) carry out these decisions; none re-implements them.
+The server interceptor walks a call through these decisions with ``transition`` (the table
+below ``Finish``'s neighbours: phase and event in, next step and phase out), so the look-up
+order, the wait's expiry, fail-open and takeovers are decided here, as data, and tested without
+a database. The drivers (server interceptor, consumers) carry out the steps; none re-implements
+the rules.
 """
 
 from __future__ import annotations
@@ -102,6 +106,155 @@ def look_first(*, recently_seen: bool, atomic: bool) -> bool:
     number of round trips differs. Phased claims always look first: their handlers call other
     services, so a round trip is noise there, and the look-up tells a takeover apart."""
     return recently_seen or not atomic
+
+
+# -- the call's path to an answer, as a transition table -----------------------------------
+#
+# The driver (the server interceptor) reports what happened as an ``Event``; the table says the
+# next ``Step`` and the ``Phase`` the call is in then. A pair missing from the table is a bug in
+# the driver, and ``transition`` says so (``IllegalTransition``) instead of guessing.
+#
+#   FRESH          UNSEEN_KEY      -> CLAIM    CLAIMING_BLIND   (claim-first: saves the look-up)
+#                  SEEN_KEY        -> LOOK_UP  LOOKING          (a likely retry: replay in 1 trip)
+#   CLAIMING_BLIND CLAIM_WON       -> EXECUTE  EXECUTING
+#                  CLAIM_LOST      -> LOOK_UP  LOOKING          (recorded or busy: look why)
+#   LOOKING        NOTHING_LIVE    -> CLAIM    CLAIMING         (no record, or past retention)
+#                  ABANDONED       -> CLAIM    TAKING_OVER      (in progress, lease expired)
+#                  COMPLETED       -> REPLAY   DONE
+#                  OTHER_REQUEST   -> REFUSE   DONE             (FAILED_PRECONDITION, KEY_REUSED)
+#                  RUNNING         -> WAIT     WAITING
+#   CLAIMING,      CLAIM_WON       -> EXECUTE  EXECUTING        (TAKEN_OVER from TAKING_OVER)
+#   TAKING_OVER    CLAIM_LOST      -> WAIT     WAITING          (another attempt won the race)
+#   WAITING        BUDGET_LEFT     -> SLEEP    FRESH            (poll again, no connection held)
+#                  BUDGET_SPENT    -> ANSWER_IN_PROGRESS DONE   (ABORTED with a retry hint)
+#   any phase that talks to the store:
+#                  STORE_DOWN_OPEN   -> RUN_WITHOUT_STORE DONE  (fail open, counted)
+#                  STORE_DOWN_CLOSED -> ANSWER_UNAVAILABLE DONE (fail closed)
+
+
+class Phase(enum.Enum):
+    FRESH = "fresh"
+    CLAIMING_BLIND = "claiming_blind"
+    LOOKING = "looking"
+    CLAIMING = "claiming"
+    TAKING_OVER = "taking_over"
+    WAITING = "waiting"
+    EXECUTING = "executing"
+    DONE = "done"
+
+
+class Event(enum.Enum):
+    UNSEEN_KEY = "unseen_key"
+    SEEN_KEY = "seen_key"
+    CLAIM_WON = "claim_won"
+    CLAIM_LOST = "claim_lost"
+    NOTHING_LIVE = "nothing_live"
+    ABANDONED = "abandoned"
+    COMPLETED = "completed"
+    OTHER_REQUEST = "other_request"
+    RUNNING = "running"
+    BUDGET_LEFT = "budget_left"
+    BUDGET_SPENT = "budget_spent"
+    STORE_DOWN_OPEN = "store_down_open"
+    STORE_DOWN_CLOSED = "store_down_closed"
+
+
+class Step(enum.Enum):
+    CLAIM = "claim"
+    LOOK_UP = "look_up"
+    EXECUTE = "execute"
+    REPLAY = "replay"
+    REFUSE = "refuse"
+    WAIT = "wait"
+    SLEEP = "sleep"
+    ANSWER_IN_PROGRESS = "answer_in_progress"
+    RUN_WITHOUT_STORE = "run_without_store"
+    ANSWER_UNAVAILABLE = "answer_unavailable"
+
+
+class IllegalTransition(Exception):
+    """The driver reported an event that cannot happen in the call's phase."""
+
+
+_STORE_DOWN: dict[Event, tuple[Step, Phase]] = {
+    Event.STORE_DOWN_OPEN: (Step.RUN_WITHOUT_STORE, Phase.DONE),
+    Event.STORE_DOWN_CLOSED: (Step.ANSWER_UNAVAILABLE, Phase.DONE),
+}
+
+TRANSITIONS: dict[Phase, dict[Event, tuple[Step, Phase]]] = {
+    Phase.FRESH: {
+        Event.UNSEEN_KEY: (Step.CLAIM, Phase.CLAIMING_BLIND),
+        Event.SEEN_KEY: (Step.LOOK_UP, Phase.LOOKING),
+    },
+    Phase.CLAIMING_BLIND: {
+        Event.CLAIM_WON: (Step.EXECUTE, Phase.EXECUTING),
+        Event.CLAIM_LOST: (Step.LOOK_UP, Phase.LOOKING),
+        **_STORE_DOWN,
+    },
+    Phase.LOOKING: {
+        Event.NOTHING_LIVE: (Step.CLAIM, Phase.CLAIMING),
+        Event.ABANDONED: (Step.CLAIM, Phase.TAKING_OVER),
+        Event.COMPLETED: (Step.REPLAY, Phase.DONE),
+        Event.OTHER_REQUEST: (Step.REFUSE, Phase.DONE),
+        Event.RUNNING: (Step.WAIT, Phase.WAITING),
+        **_STORE_DOWN,
+    },
+    Phase.CLAIMING: {
+        Event.CLAIM_WON: (Step.EXECUTE, Phase.EXECUTING),
+        Event.CLAIM_LOST: (Step.WAIT, Phase.WAITING),
+        **_STORE_DOWN,
+    },
+    Phase.TAKING_OVER: {
+        Event.CLAIM_WON: (Step.EXECUTE, Phase.EXECUTING),
+        Event.CLAIM_LOST: (Step.WAIT, Phase.WAITING),
+        **_STORE_DOWN,
+    },
+    Phase.WAITING: {
+        Event.BUDGET_LEFT: (Step.SLEEP, Phase.FRESH),
+        Event.BUDGET_SPENT: (Step.ANSWER_IN_PROGRESS, Phase.DONE),
+    },
+}
+
+
+def transition(phase: Phase, event: Event) -> tuple[Step, Phase]:
+    """The next step and phase of a call in ``phase`` after ``event``."""
+    try:
+        return TRANSITIONS[phase][event]
+    except KeyError:
+        raise IllegalTransition(f"{event.name} cannot happen in phase {phase.name}") from None
+
+
+def begin_event(*, recently_seen: bool, atomic: bool) -> Event:
+    return (
+        Event.SEEN_KEY
+        if look_first(recently_seen=recently_seen, atomic=atomic)
+        else (Event.UNSEEN_KEY)
+    )
+
+
+def look_event(record: StoredRecord | None, fingerprint: bytes) -> Event:
+    """What a look-up found, as an event (``decide`` holds the rules)."""
+    decision = decide(record, fingerprint)
+    if decision.action is Action.CLAIM:
+        return Event.ABANDONED if decision.takeover else Event.NOTHING_LIVE
+    return {
+        Action.REPLAY: Event.COMPLETED,
+        Action.MISMATCH: Event.OTHER_REQUEST,
+        Action.WAIT: Event.RUNNING,
+    }[decision.action]
+
+
+def store_down_event(*, fail_open: bool) -> Event:
+    return Event.STORE_DOWN_OPEN if fail_open else Event.STORE_DOWN_CLOSED
+
+
+def budget_event(*, now: float, wait_until: float) -> Event:
+    return Event.BUDGET_SPENT if now >= wait_until else Event.BUDGET_LEFT
+
+
+def executed_outcome(phase: Phase) -> CallOutcome:
+    """How a call that ran its handler from ``phase`` (the claiming phase) is counted."""
+    return CallOutcome.TAKEN_OVER if phase is Phase.TAKING_OVER else CallOutcome.EXECUTED
 
 
 class Finish(enum.Enum):

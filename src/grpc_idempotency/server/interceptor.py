@@ -43,15 +43,23 @@ from grpc_idempotency.core.errors import (
 )
 from grpc_idempotency.core.keys import key_from_metadata, validate_scope
 from grpc_idempotency.core.lifecycle import (
-    Action,
     CallOutcome,
+    Event,
     Finish,
+    IllegalTransition,
     Outcome,
-    decide,
+    Phase,
+    Step,
+    StoredRecord,
+    begin_event,
+    budget_event,
+    executed_outcome,
     finish,
-    look_first,
+    look_event,
     poll_delay_ms,
     retry_after_ms,
+    store_down_event,
+    transition,
     wait_budget_s,
 )
 from grpc_idempotency.core.policy import (
@@ -269,7 +277,10 @@ class IdempotencyInterceptor(_Interceptor):
                 shared = result.shared
                 return result.answer
             except _Busy as busy:
-                if time.monotonic() >= wait_until:
+                step, _ = transition(
+                    Phase.WAITING, budget_event(now=time.monotonic(), wait_until=wait_until)
+                )
+                if step is Step.ANSWER_IN_PROGRESS:
                     call.outcome = CallOutcome.CONFLICT
                     await answers.abort(context, _in_progress(policy, busy.retry_after_ms))
             finally:
@@ -306,55 +317,75 @@ class IdempotencyInterceptor(_Interceptor):
         return await answers.replay(call.context, shared.outcome)
 
     async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> _Result:
-        """One look at the record and what follows; raises ``_Busy`` when the key is busy."""
+        """Drives the call through ``core.lifecycle``'s transition table until it has an answer;
+        raises ``_Busy`` when the table says to wait (the caller checks the wait's budget)."""
         policy, context = call.policy, call.context
         slot = (scope, key)
-        atomic = policy.mode is Mode.ATOMIC
-        try:
-            if not look_first(recently_seen=self._recent.seen(slot), atomic=atomic):
-                self._recent.add(slot)
-                attempt = await self._claim_atomic(call, scope, key, fingerprint)
-                if attempt is not None:
-                    return await self._execute(
-                        call, attempt, scope, key, fingerprint, CallOutcome.EXECUTED
+        begin = begin_event(
+            recently_seen=self._recent.seen(slot), atomic=policy.mode is Mode.ATOMIC
+        )
+        self._recent.add(slot)
+        step, phase = transition(Phase.FRESH, begin)
+        record: StoredRecord | None = None
+        busy_ms = retry_after_ms(None)
+        while True:
+            try:
+                if step is Step.LOOK_UP:
+                    record = await self.store.lookup(
+                        scope, key, timeout=answers.time_remaining(context)
                     )
-            self._recent.add(slot)
-            record = await self.store.lookup(scope, key, timeout=answers.time_remaining(context))
-            decision = decide(record, fingerprint)
-            if decision.action is Action.REPLAY:
-                assert decision.outcome is not None and record is not None
+                    busy_ms = retry_after_ms(record.lease_remaining_ms if record else None)
+                    step, phase = transition(phase, look_event(record, fingerprint))
+                    continue
+                if step is Step.CLAIM:
+                    claiming = phase
+                    claim = await self._claim(call, scope, key, fingerprint)
+                    won = Event.CLAIM_WON if claim is not None else Event.CLAIM_LOST
+                    busy_ms = retry_after_ms(None)
+                    step, phase = transition(phase, won)
+                    if step is Step.EXECUTE:
+                        assert claim is not None
+                        executed = executed_outcome(claiming)
+                        if isinstance(claim, PhasedClaim):
+                            # A takeover continues an operation begun earlier: its steps are
+                            # those declared when it began (propagation.choose_step).
+                            takeover = claiming is Phase.TAKING_OVER and record is not None
+                            started_at = record.started_at if takeover and record else None
+                            return await self._execute_phased(
+                                call, claim, scope, key, fingerprint, executed, started_at
+                            )
+                        return await self._execute(call, claim, scope, key, fingerprint, executed)
+                    continue
+            except StoreUnavailable as err:
+                fail_open = policy.store_down is StoreDown.FAIL_OPEN
+                step, phase = transition(phase, store_down_event(fail_open=fail_open))
+                if step is Step.RUN_WITHOUT_STORE:
+                    log.warning(
+                        "%s: store unavailable, running without deduplication", policy.method
+                    )
+                    self._telemetry.bypassed.add(1, {"rpc.method": policy.method})
+                    call.outcome = CallOutcome.BYPASSED
+                    return _Result(await self._run_without_store(call))
+                call.outcome = CallOutcome.UNAVAILABLE
+                await answers.abort(context, err)
+            if step is Step.REPLAY:
+                assert record is not None and record.outcome is not None
                 call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
-                answer = await answers.replay(context, decision.outcome)
-                return _Result(answer, _Shared(record.fingerprint, decision.outcome))
-            if decision.action is Action.MISMATCH:
+                answer = await answers.replay(context, record.outcome)
+                return _Result(answer, _Shared(record.fingerprint, record.outcome))
+            if step is Step.REFUSE:
                 call.outcome = CallOutcome.MISMATCH
                 await answers.abort(context, _reused())
-            if decision.action is Action.WAIT:
-                raise _Busy(decision.retry_after_ms)
-            if policy.mode is Mode.PHASED:
-                claim = await self.store.claim_phased(**_claim_of(call, scope, key, fingerprint))
-                if claim is None:
-                    raise _Busy(retry_after_ms(None))
-                executed = CallOutcome.TAKEN_OVER if decision.takeover else CallOutcome.EXECUTED
-                # A takeover continues an operation begun earlier: its steps are those declared
-                # when it began (see propagation.choose_step on retired steps).
-                started_at = record.started_at if decision.takeover and record else None
-                return await self._execute_phased(
-                    call, claim, scope, key, fingerprint, executed, started_at
-                )
-            attempt = await self._claim_atomic(call, scope, key, fingerprint)
-        except StoreUnavailable as err:
-            if policy.store_down is StoreDown.FAIL_OPEN:
-                log.warning("%s: store unavailable, running without deduplication", policy.method)
-                self._telemetry.bypassed.add(1, {"rpc.method": policy.method})
-                call.outcome = CallOutcome.BYPASSED
-                return _Result(await self._run_without_store(call))
-            call.outcome = CallOutcome.UNAVAILABLE
-            await answers.abort(context, err)
-        if attempt is None:
-            raise _Busy(retry_after_ms(None))
-        executed = CallOutcome.TAKEN_OVER if decision.takeover else CallOutcome.EXECUTED
-        return await self._execute(call, attempt, scope, key, fingerprint, executed)
+            if step is Step.WAIT:
+                raise _Busy(busy_ms)
+            raise IllegalTransition(f"the driver cannot carry out {step.name} in {phase.name}")
+
+    async def _claim(
+        self, call: _Call, scope: str, key: str, fingerprint: bytes
+    ) -> Attempt | PhasedClaim | None:
+        if call.policy.mode is Mode.PHASED:
+            return await self.store.claim_phased(**_claim_of(call, scope, key, fingerprint))
+        return await self._claim_atomic(call, scope, key, fingerprint)
 
     async def _claim_atomic(
         self, call: _Call, scope: str, key: str, fingerprint: bytes
