@@ -346,15 +346,13 @@ class IdempotencyInterceptor(_Interceptor):
                     if step is Step.EXECUTE:
                         assert claim is not None
                         executed = executed_outcome(claiming)
-                        if isinstance(claim, PhasedClaim):
-                            # A takeover continues an operation begun earlier: its steps are
-                            # those declared when it began (propagation.choose_step).
-                            takeover = claiming is Phase.TAKING_OVER and record is not None
-                            started_at = record.started_at if takeover and record else None
-                            return await self._execute_phased(
-                                call, claim, scope, key, fingerprint, executed, started_at
-                            )
-                        return await self._execute(call, claim, scope, key, fingerprint, executed)
+                        # A phased takeover continues an operation begun earlier: its steps are
+                        # those declared when it began (propagation.choose_step).
+                        continues = claiming is Phase.TAKING_OVER and isinstance(claim, PhasedClaim)
+                        started_at = record.started_at if continues and record else None
+                        return await self._execute(
+                            call, claim, scope, key, fingerprint, executed, started_at
+                        )
                     continue
             except StoreUnavailable as err:
                 fail_open = policy.store_down is StoreDown.FAIL_OPEN
@@ -395,49 +393,91 @@ class IdempotencyInterceptor(_Interceptor):
     async def _execute(
         self,
         call: _Call,
-        attempt: Attempt,
+        held: Attempt | PhasedClaim,
         scope: str,
         key: str,
         fingerprint: bytes,
         executed: CallOutcome,
+        started_at: datetime | None = None,
     ) -> _Result:
-        """Runs the handler in the claim's transaction, then commits or releases; only then
-        does the answer leave."""
+        """Runs the handler, then commits its outcome or releases the key; only then does the
+        answer leave. One path for both modes, which differ only in where the transaction is:
+
+        - atomic (``held`` is an ``Attempt``): the claim's transaction is open already and the
+          handler writes in it;
+        - phased (``held`` is a ``PhasedClaim``): the claim is committed with a lease, renewed
+          while the handler runs with no transaction open (it may call other services with
+          child keys); ``current_call().transaction()`` opens the final transaction, which
+          first checks the fencing token, and the outcome commits there.
+        """
         policy, context = call.policy, call.context
         loop = asyncio.get_running_loop()
+        handler_task = asyncio.current_task()
+        assert handler_task is not None
+        tx: Attempt | None = held if isinstance(held, Attempt) else None
+        claim: PhasedClaim | None = held if isinstance(held, PhasedClaim) else None
+        lease = _LeaseKeeper(claim, handler_task) if claim is not None else None
+
+        async def open_final() -> Any:
+            nonlocal tx
+            assert claim is not None and lease is not None
+            # The final transaction locks the claim row: renewing from here on would wait on
+            # that lock and then find the key completed.
+            await lease.stop()
+            tx = await claim.begin_final(timeout=answers.time_remaining(context))
+            return tx.connection
+
         bound = call_context.bind(
             call_context.IdempotentCall(
                 policy.method,
                 scope,
                 key,
                 loop,
-                attempt.connection,
+                tx.connection if tx is not None else None,
                 steps=policy.steps,
                 deadline=_deadline(context),
+                open_final=open_final if claim is not None else None,
                 metadata=tuple(context.invocation_metadata() or ()),
+                started_at=started_at,
                 outbox=self.store.enqueue,
             )
         )
         aborted: DeferredAbort | None = None
         response: Any = None
+        if lease is not None:
+            lease.start()
         try:
             if failpoints.ENABLED:
                 await failpoints.hit("after_claim")
             response = await self._invoke(call)
         except DeferredAbort as exc:  # the handler called context.abort()
             aborted = exc
-        except IdempotencyError as err:  # e.g. an undeclared step on a downstream call
+        except asyncio.CancelledError:
+            if lease is None or not lease.lost:
+                call.outcome = CallOutcome.RELEASED
+                await self._release(tx, claim)
+                raise
+            # Cancelled by the lease keeper: another attempt owns the key now.
+            handler_task.uncancel()
+        except IdempotencyError as err:  # a lost lease, an undeclared step, a database error
             call.outcome = CallOutcome.RELEASED
-            await asyncio.shield(attempt.release())
+            await self._release(tx, claim)
             await answers.abort(context, err)
         except BaseException:
             call.outcome = CallOutcome.RELEASED
-            await asyncio.shield(attempt.release())
+            await self._release(tx, claim)
             raise
         finally:
             call_context.unbind(bound)
-
-        return await self._finish(call, response, aborted, fingerprint, executed, attempt)
+            if lease is not None:
+                await lease.stop()
+        if lease is not None and lease.lost:
+            call.outcome = CallOutcome.RELEASED
+            await self._release(tx, None)
+            await answers.abort(
+                context, LeaseLost("the lease ran out and another attempt took over")
+            )
+        return await self._finish(call, response, aborted, fingerprint, executed, tx, claim)
 
     async def _finish(
         self,
@@ -519,83 +559,6 @@ class IdempotencyInterceptor(_Interceptor):
             await asyncio.shield(attempt.release())
         if claim is not None:
             await asyncio.shield(claim.release())
-
-    async def _execute_phased(
-        self,
-        call: _Call,
-        claim: PhasedClaim,
-        scope: str,
-        key: str,
-        fingerprint: bytes,
-        executed: CallOutcome,
-        started_at: datetime | None,
-    ) -> _Result:
-        """Phased mode: the claim is committed with a lease. The handler runs with no
-        transaction open (it may call other services with child keys) while the lease is
-        renewed; its local writes and the outcome commit in a final transaction that first
-        checks the fencing token."""
-        policy, context = call.policy, call.context
-        loop = asyncio.get_running_loop()
-        handler_task = asyncio.current_task()
-        assert handler_task is not None
-        final: Attempt | None = None
-        lease = _LeaseKeeper(claim, handler_task)
-
-        async def open_final() -> Any:
-            nonlocal final
-            # The final transaction locks the claim row: renewing from here on would wait on
-            # that lock and then find the key completed.
-            await lease.stop()
-            final = await claim.begin_final(timeout=answers.time_remaining(context))
-            return final.connection
-
-        icall = call_context.IdempotentCall(
-            policy.method,
-            scope,
-            key,
-            loop,
-            steps=policy.steps,
-            deadline=_deadline(context),
-            open_final=open_final,
-            metadata=tuple(context.invocation_metadata() or ()),
-            started_at=started_at,
-            outbox=self.store.enqueue,
-        )
-        bound = call_context.bind(icall)
-        aborted: DeferredAbort | None = None
-        response: Any = None
-        lease.start()
-        try:
-            if failpoints.ENABLED:
-                await failpoints.hit("after_claim")
-            response = await self._invoke(call)
-        except DeferredAbort as exc:
-            aborted = exc
-        except asyncio.CancelledError:
-            if not lease.lost:
-                call.outcome = CallOutcome.RELEASED
-                await self._release(final, claim)
-                raise
-            # Cancelled by the lease keeper: another attempt owns the key now.
-            handler_task.uncancel()
-        except IdempotencyError as err:  # lease lost at the final transaction, undeclared step
-            call.outcome = CallOutcome.RELEASED
-            await self._release(final, claim)
-            await answers.abort(context, err)
-        except BaseException:
-            call.outcome = CallOutcome.RELEASED
-            await self._release(final, claim)
-            raise
-        finally:
-            call_context.unbind(bound)
-            await lease.stop()
-        if lease.lost:
-            call.outcome = CallOutcome.RELEASED
-            await self._release(final, None)
-            await answers.abort(
-                context, LeaseLost("the lease ran out and another attempt took over")
-            )
-        return await self._finish(call, response, aborted, fingerprint, executed, final, claim)
 
     async def _invoke(self, call: _Call) -> Any:
         """Runs the handler with its aborts deferred (``DeferredAbort``). A database error that
