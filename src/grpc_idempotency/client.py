@@ -26,7 +26,9 @@ import grpc
 
 from grpc_idempotency.call import current_call_or_none
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.core.errors import (
+    TransactionOpen,
+)
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
@@ -41,13 +43,6 @@ STEP_HEADER = "x-grpc-idempotency-step"
 _operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
 _step: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_idempotency_step")
 _captured: contextvars.ContextVar[list[str]] = contextvars.ContextVar("grpc_idempotency_keys")
-
-
-class TransactionOpen(IdempotencyError):
-    """A phased handler called another service after opening its final transaction."""
-
-    status_code = Code.FAILED_PRECONDITION
-    reason = "IDEMPOTENCY_TRANSACTION_OPEN"
 
 
 class Operation:

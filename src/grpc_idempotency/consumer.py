@@ -62,13 +62,12 @@ import grpc
 from grpc_idempotency.core.consumer import (
     Consumed,
     ConsumerPolicy,
-    MessageInProgress,
     in_progress,
     message_id_from_metadata,
     validate_consumer_name,
     validate_message_id,
 )
-from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.core.errors import IdempotencyError, MessageInProgress
 from grpc_idempotency.server import answers as _answers
 from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
 from grpc_idempotency.store.errors import store_error

@@ -48,8 +48,11 @@ import grpc
 from opentelemetry import metrics
 
 from grpc_idempotency import failpoints
-from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import IdempotencyError, StoreUnavailable
+from grpc_idempotency.core.errors import (
+    DeliveryError,
+    PermanentDeliveryError,
+    StoreUnavailable,
+)
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.store.outbox_store import (
@@ -80,21 +83,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("grpc_idempotency.outbox")
-
-
-class DeliveryError(IdempotencyError):
-    """A delivery failed; it is retried with backoff (any other exception from a sink is too).
-    Its message becomes the row's ``last_error`` as it is."""
-
-    status_code = Code.UNAVAILABLE
-    reason = "IDEMPOTENCY_DELIVERY_FAILED"
-
-
-class PermanentDeliveryError(DeliveryError):
-    """Raised by a sink when retrying cannot help: the row is parked as a dead letter at once."""
-
-    status_code = Code.FAILED_PRECONDITION
-    reason = "IDEMPOTENCY_DELIVERY_REJECTED"
 
 
 @runtime_checkable

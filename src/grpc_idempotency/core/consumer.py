@@ -28,7 +28,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from grpc_idempotency.core.errors import KeyInProgress, KeyInvalid, KeyMissing
+from grpc_idempotency.core.errors import (
+    KeyInvalid,
+    KeyMissing,
+    MessageInProgress,
+)
 from grpc_idempotency.core.keys import key_from_metadata
 from grpc_idempotency.core.wire import KEY_HEADER
 
@@ -37,12 +41,6 @@ MAX_CONSUMER_NAME_LENGTH = 255
 _CONSUMER_NAME = re.compile(r"[\x21-\x7e]+")
 # A lock_timeout of 0 means "wait forever" to PostgreSQL: never send less than a millisecond.
 _MIN_WAIT_MS = 1
-
-
-class MessageInProgress(KeyInProgress):
-    """Another delivery of the same message is being processed and did not finish within the
-    wait: nothing ran, nothing is marked. Do not acknowledge; the message comes back later (over
-    gRPC: ``ABORTED``, reason ``IDEMPOTENCY_KEY_IN_PROGRESS``, with a retry delay)."""
 
 
 class Consumed(enum.Enum):

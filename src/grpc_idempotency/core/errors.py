@@ -12,8 +12,18 @@
     ├── TransactionConflict              ABORTED           IDEMPOTENCY_TRANSACTION_CONFLICT
     ├── HandlerDatabaseError             INTERNAL          IDEMPOTENCY_HANDLER_DATABASE_ERROR
     ├── ResponseTooLarge                 FAILED_PRECONDITION IDEMPOTENCY_RESPONSE_TOO_LARGE
+    ├── KeyInProgress ...
+    │   └── MessageInProgress            ABORTED           IDEMPOTENCY_KEY_IN_PROGRESS (consumers)
     ├── LeaseLost                        ABORTED           IDEMPOTENCY_LEASE_LOST
+    ├── StepUndeclared                   FAILED_PRECONDITION IDEMPOTENCY_STEP_UNDECLARED
+    ├── StepAmbiguous                    FAILED_PRECONDITION IDEMPOTENCY_STEP_AMBIGUOUS
+    ├── TransactionOpen                  FAILED_PRECONDITION IDEMPOTENCY_TRANSACTION_OPEN
+    ├── DeliveryError                    UNAVAILABLE       IDEMPOTENCY_DELIVERY_FAILED (relay sinks)
+    │   └── PermanentDeliveryError       FAILED_PRECONDITION IDEMPOTENCY_DELIVERY_REJECTED
     └── NotInIdempotentCall              FAILED_PRECONDITION (programming error: no current call)
+
+Internal, never raised through the public API: ``core.lifecycle.IllegalTransition`` (a driver
+bug), ``store.consumer_store.MarkBusy`` (becomes ``MessageInProgress``).
 
 Lower-layer errors (asyncpg, OSError, grpc) are mapped to these at the boundary, ``raise ... from``.
 """
@@ -132,3 +142,45 @@ class NotInIdempotentCall(IdempotencyError):
 
     status_code = Code.FAILED_PRECONDITION
     reason = "IDEMPOTENCY_NO_CURRENT_CALL"
+
+
+class StepUndeclared(IdempotencyError):
+    """A handler called a keyed method for which its own method declares no step."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_STEP_UNDECLARED"
+
+
+class StepAmbiguous(IdempotencyError):
+    """Several declared steps call the target; the handler must name one."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_STEP_AMBIGUOUS"
+
+
+class TransactionOpen(IdempotencyError):
+    """A phased handler called another service after opening its final transaction."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_TRANSACTION_OPEN"
+
+
+class MessageInProgress(KeyInProgress):
+    """Another delivery of the same message is being processed and did not finish within the
+    wait: nothing ran, nothing is marked. Do not acknowledge; the message comes back later (over
+    gRPC: ``ABORTED``, reason ``IDEMPOTENCY_KEY_IN_PROGRESS``, with a retry delay)."""
+
+
+class DeliveryError(IdempotencyError):
+    """A delivery failed; it is retried with backoff (any other exception from a sink is too).
+    Its message becomes the row's ``last_error`` as it is."""
+
+    status_code = Code.UNAVAILABLE
+    reason = "IDEMPOTENCY_DELIVERY_FAILED"
+
+
+class PermanentDeliveryError(DeliveryError):
+    """Raised by a sink when retrying cannot help: the row is parked as a dead letter at once."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_DELIVERY_REJECTED"

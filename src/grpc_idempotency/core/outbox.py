@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.keys import child_key
 from grpc_idempotency.core.policy import Step
-from grpc_idempotency.core.propagation import StepUndeclared, as_of
+from grpc_idempotency.core.propagation import as_of
 
 
 def outbox_step(

@@ -20,24 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.core.errors import StepAmbiguous, StepUndeclared
 from grpc_idempotency.core.keys import child_key
 from grpc_idempotency.core.policy import Step, normalize_method
-
-
-class StepUndeclared(IdempotencyError):
-    """A handler called a keyed method for which its own method declares no step."""
-
-    status_code = Code.FAILED_PRECONDITION
-    reason = "IDEMPOTENCY_STEP_UNDECLARED"
-
-
-class StepAmbiguous(IdempotencyError):
-    """Several declared steps call the target; the handler must name one."""
-
-    status_code = Code.FAILED_PRECONDITION
-    reason = "IDEMPOTENCY_STEP_AMBIGUOUS"
 
 
 class KeySource(enum.Enum):
