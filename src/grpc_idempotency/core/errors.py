@@ -7,13 +7,12 @@
     ├── ScopeUnavailable                 UNAUTHENTICATED   IDEMPOTENCY_SCOPE_UNAVAILABLE
     ├── KeyReused                        FAILED_PRECONDITION IDEMPOTENCY_KEY_REUSED
     ├── KeyInProgress                    ABORTED           IDEMPOTENCY_KEY_IN_PROGRESS (retry_after)
+    │   └── MessageInProgress            (a consumer's concurrent delivery of the same message)
     ├── StoreUnavailable                 UNAVAILABLE       IDEMPOTENCY_STORE_UNAVAILABLE
     │   └── StoreMisconfigured           INTERNAL          IDEMPOTENCY_STORE_MISCONFIGURED
     ├── TransactionConflict              ABORTED           IDEMPOTENCY_TRANSACTION_CONFLICT
     ├── HandlerDatabaseError             INTERNAL          IDEMPOTENCY_HANDLER_DATABASE_ERROR
     ├── ResponseTooLarge                 FAILED_PRECONDITION IDEMPOTENCY_RESPONSE_TOO_LARGE
-    ├── KeyInProgress ...
-    │   └── MessageInProgress            ABORTED           IDEMPOTENCY_KEY_IN_PROGRESS (consumers)
     ├── LeaseLost                        ABORTED           IDEMPOTENCY_LEASE_LOST
     ├── StepUndeclared                   FAILED_PRECONDITION IDEMPOTENCY_STEP_UNDECLARED
     ├── StepAmbiguous                    FAILED_PRECONDITION IDEMPOTENCY_STEP_AMBIGUOUS
