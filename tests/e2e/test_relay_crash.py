@@ -27,6 +27,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import Store, Telemetry
 from tests.e2e.procs import ServiceProcess
 from tests.support.ledger import ledger_rows, running_ledger
+from tests.support.schemas import fresh_store
 
 pytestmark = pytest.mark.e2e
 
@@ -37,13 +38,8 @@ WAIT_S = 30.0
 
 @pytest.fixture
 async def outbox(pg_dsn: str) -> AsyncIterator[Store]:
-    schema = "relay_e2e_" + uuid.uuid4().hex[:10]
-    store = await Store.connect(pg_dsn, schema=schema, min_size=1, max_size=3, migrate=True)
-    try:
+    async with fresh_store(pg_dsn, "relay_e2e", max_size=3) as store:
         yield store
-    finally:
-        await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
-        await store.close()
 
 
 def relay_process(

@@ -35,6 +35,7 @@ from grpc_idempotency.outbox import (
     forward_scope,
 )
 from tests.support.ledger import RunningLedger, ledger_rows
+from tests.support.schemas import fresh_store
 from tests.support.waiting import until
 
 WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
@@ -43,13 +44,8 @@ WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
 @pytest.fixture
 async def outbox(pg_dsn: str) -> AsyncIterator[Store]:
     """A store on a fresh schema: an empty outbox of this test's own."""
-    schema = "relay_" + uuid.uuid4().hex[:12]
-    store = await Store.connect(pg_dsn, schema=schema, min_size=1, max_size=10, migrate=True)
-    try:
+    async with fresh_store(pg_dsn, "relay", max_size=10) as store:
         yield store
-    finally:
-        await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
-        await store.close()
 
 
 @contextlib.asynccontextmanager
