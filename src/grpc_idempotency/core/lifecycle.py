@@ -133,6 +133,10 @@ def look_first(*, recently_seen: bool, atomic: bool) -> bool:
 
 
 class Phase(enum.Enum):
+    # Members are singletons compared by identity: hash them as objects, in C, rather than by
+    # Enum's Python-level __hash__ (the table is looked up on every call's hot path).
+    __hash__ = object.__hash__
+
     FRESH = "fresh"
     CLAIMING_BLIND = "claiming_blind"
     LOOKING = "looking"
@@ -144,6 +148,8 @@ class Phase(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__
+
     UNSEEN_KEY = "unseen_key"
     SEEN_KEY = "seen_key"
     CLAIM_WON = "claim_won"
@@ -235,13 +241,14 @@ def begin_event(*, recently_seen: bool, atomic: bool) -> Event:
 def look_event(record: StoredRecord | None, fingerprint: bytes) -> Event:
     """What a look-up found, as an event (``decide`` holds the rules)."""
     decision = decide(record, fingerprint)
-    if decision.action is Action.CLAIM:
+    action = decision.action
+    if action is Action.CLAIM:
         return Event.ABANDONED if decision.takeover else Event.NOTHING_LIVE
-    return {
-        Action.REPLAY: Event.COMPLETED,
-        Action.MISMATCH: Event.OTHER_REQUEST,
-        Action.WAIT: Event.RUNNING,
-    }[decision.action]
+    if action is Action.REPLAY:
+        return Event.COMPLETED
+    if action is Action.MISMATCH:
+        return Event.OTHER_REQUEST
+    return Event.RUNNING
 
 
 def store_down_event(*, fail_open: bool) -> Event:
