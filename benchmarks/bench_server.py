@@ -112,8 +112,8 @@ QUICK = Config(
 )
 
 LABELS = {
-    "bare": "bare",
     "bare_noreset": "bare, no pool reset",
+    "bare": "bare (pool reset)",
     "keyed_first": "keyed, first execution",
     "keyed_replay": "keyed, replay",
 }
@@ -666,7 +666,10 @@ class Bench:
     def report(self, storm: dict[str, Any], checks: dict[str, Any], elapsed: float) -> None:
         cfg = self.cfg
         v = self.variants
-        bare = v["bare"]
+        # The baseline is the strongest bare handler: a pool without the reset round trip.
+        # Against the default pool (its reset query costs a round trip per call) the library
+        # would look about 10% better than it is; that variant stays as a row.
+        bare = v["bare_noreset"]
         bare_p50 = pct(bare.seq, 0.5)
         bare_rate = bare.tp_calls / bare.tp_wall
 
@@ -761,17 +764,25 @@ class Bench:
         replay = pct(v["keyed_replay"].seq, 0.5) / bare_p50
         first_tp = v["keyed_first"].tp_calls / v["keyed_first"].tp_wall / bare_rate
         replay_tp = v["keyed_replay"].tp_calls / v["keyed_replay"].tp_wall / bare_rate
-        print("\ntargets (pooled samples)")
+        reset = v["bare"]
+        reset_first = pct(v["keyed_first"].seq, 0.5) / pct(reset.seq, 0.5)
+        print("\ntargets (pooled samples; bare = no pool reset)")
+
+        def target(label: str, value: float, goal: float, *, at_most: bool) -> None:
+            met = value <= goal if at_most else value >= goal
+            sign = "<=" if at_most else ">="
+            print(
+                f"  {label:<32} = {value:.2f}x  (target {sign} {goal:.2f}x): "
+                f"{'MET' if met else 'MISSED'}"
+            )
+
+        target("first execution p50 / bare p50", first, 1.15, at_most=True)
+        target("first execution calls/s / bare", first_tp, 0.85, at_most=False)
+        target("replay p50 / bare p50", replay, 0.50, at_most=True)
+        print(f"  {'replay calls/s / bare':<32} = {replay_tp:.2f}x")
         print(
-            f"  first execution p50 / bare p50 = {first:.2f}x  (target <= 1.25x):"
-            f" {'MET' if first <= 1.25 else 'MISSED'}"
+            f"  {'first execution p50 / bare (reset)':<32} = {reset_first:.2f}x  (the old baseline)"
         )
-        print(
-            f"  replay p50 / bare p50          = {replay:.2f}x  (target <= 0.80x):"
-            f" {'MET' if replay <= 0.80 else 'MISSED'}"
-        )
-        print(f"  first execution calls/s / bare = {first_tp:.2f}x")
-        print(f"  replay calls/s / bare          = {replay_tp:.2f}x")
 
         print(
             f"\nround trips, one by one ({cfg.rt_iterations} timed + {cfg.rt_iterations}"
@@ -828,6 +839,11 @@ class Bench:
         print(
             f"  {'during storm':<36} {pct(during, 0.5) * 1e3:7.2f}"
             f" {pct(during, 0.99) * 1e3:7.2f} {len(during):6d}"
+        )
+        p99_ratio = pct(during, 0.99) / pct(quiet, 0.99)
+        print(
+            f"  other keys' p99 during / without storm = {p99_ratio:.2f}x  (target <= 2.00x):"
+            f" {'MET' if p99_ratio <= 2 else 'MISSED'}"
         )
         exact = checks["keyed_rows"] == checks["keyed_calls"]
         print(
