@@ -9,15 +9,23 @@ import asyncpg
 import pytest
 
 from tests.e2e.procs import Processes
+from tests.e2e.services import Checkout, start_checkout
 
 
 @pytest.fixture
 async def procs(tmp_path: Path) -> AsyncIterator[Processes]:
-    processes = Processes(tmp_path)
-    try:
+    async with Processes(tmp_path) as processes:
         yield processes
-    finally:
-        await processes.close()
+
+
+@pytest.fixture(scope="module")
+async def checkout_services(
+    pg_dsn: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Checkout]:
+    """Payments, notifications, the ledger and orders, started once for the module that asks and
+    shared by its tests (none of them stops these; each isolates itself by its tenant)."""
+    async with Processes(tmp_path_factory.mktemp("checkout")) as processes:
+        yield await start_checkout(processes, pg_dsn)
 
 
 @pytest.fixture

@@ -12,15 +12,19 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 
 from tests.e2e import tenants
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
+SIGKILLED = -signal.SIGKILL
+"""The return code of a process killed by SIGKILL (a failpoint's crash, or ``kill``)."""
 
 
 def free_port() -> int:
@@ -159,11 +163,23 @@ class ServiceProcess:
 
 
 class Processes:
-    """Every process a test started, so that a fixture can reap them all however it ends."""
+    """Every process a test started, so that a fixture can reap them all however it ends
+    (``async with Processes(log_dir) as processes:`` stops them all on the way out)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self._started: list[ServiceProcess] = []
+
+    async def __aenter__(self) -> Processes:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
 
     async def payments(
         self, dsn: str, port: int, *, failpoints: str | None = None
@@ -291,3 +307,21 @@ class Processes:
     async def close(self) -> None:
         for proc in self._started:
             await proc.stop()
+
+
+def run_example(
+    args: Sequence[str], timeout: float
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Runs ``python -m <args>`` (an example that starts what it needs) to the end, on GRPC_IDEMPOTENCY_TEST_DSN when set (else the
+    example starts its own PostgreSQL), without inherited failpoints; returns the finished process
+    and a report of its exit code and output for assertion messages."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_IDEMPOTENCY_FAILPOINTS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", *args]
+    if dsn := os.environ.get("GRPC_IDEMPOTENCY_TEST_DSN"):
+        command += ["--dsn", dsn]
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    report = f"exit {done.returncode}\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    return done, report

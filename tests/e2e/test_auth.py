@@ -9,9 +9,8 @@ logged, claimed or written.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +21,10 @@ import pytest
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
 from examples.checkout import orders as orders_service
 from examples.checkout.ledger import RECORD_ORDER_CREATED
-from examples.checkout.service import open_store, records_schema
+from examples.checkout.service import records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER
-from tests.e2e import tenants
-from tests.e2e.procs import Processes
+from tests.e2e import services, tenants
+from tests.e2e.services import CHARGE
 from tests.e2e.tenants import Tenant
 
 # isort: split
@@ -33,7 +32,6 @@ from checkout.v1 import events_pb2, orders_pb2, orders_pb2_grpc, payments_pb2
 
 pytestmark = pytest.mark.e2e
 
-CHARGE = "/checkout.v1.PaymentService/Charge"
 LIST_CHARGES = "/checkout.v1.PaymentService/ListCharges"
 PAYMENTS_RECORDS = f"{records_schema('payments')}.records"
 Metadata = Sequence[tuple[str, str]]
@@ -47,25 +45,12 @@ class Checkout:
 
 
 @pytest.fixture(scope="module")
-async def checkout(
-    pg_dsn: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Checkout]:
-    store = await open_store(pg_dsn, orders_service.NAME, orders_service.TABLES_SQL)
-    await store.close()
-    processes = Processes(tmp_path_factory.mktemp("auth"))
-    try:
-        payments, notifications, ledger = await asyncio.gather(
-            processes.payments(pg_dsn, 0),
-            processes.notifications(pg_dsn, 0),
-            processes.ledger(pg_dsn, 0),
-        )
-        assert payments.port and notifications.port
-        orders = await processes.orders(
-            pg_dsn, 0, payments=payments.port, notifications=notifications.port
-        )
-        yield Checkout(payments.address, orders.address, ledger.address)
-    finally:
-        await processes.close()
+def checkout(checkout_services: services.Checkout) -> Checkout:
+    return Checkout(
+        checkout_services.payments.address,
+        checkout_services.orders.address,
+        checkout_services.ledger.address,
+    )
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,8 @@ lock goes with it) and the retry executes.
 
 from __future__ import annotations
 
-import signal
 import uuid
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import grpc
@@ -23,7 +22,8 @@ import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.p
 from examples.checkout.service import records_schema
 from grpc_idempotency.core.keys import claim_lock_id
 from tests.e2e import tenants
-from tests.e2e.procs import Processes, ServiceProcess, free_port
+from tests.e2e.procs import SIGKILLED, Processes, ServiceProcess, free_port
+from tests.e2e.services import CHARGE
 from tests.support.waiting import until
 
 # isort: split
@@ -31,13 +31,9 @@ from checkout.v1 import payments_pb2  # importable only once examples.checkout.g
 
 pytestmark = pytest.mark.e2e
 
-CHARGE = "/checkout.v1.PaymentService/Charge"
 PAYMENTS_RECORDS = records_schema("payments")
 APP_NAME = "grpc-idempotency"
 CALL_TIMEOUT_S = 10.0
-SIGKILLED = -signal.SIGKILL
-
-T = TypeVar("T")
 
 
 class Operation:

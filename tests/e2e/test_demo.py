@@ -8,16 +8,12 @@ the database shows, never for a timer, so a loaded machine makes the demo slower
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.e2e.procs import run_example
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 # Only a guard against a hang: the demo takes some 15 s on an idle 2-core machine.
 DEMO_TIMEOUT_S = 600
 DRILLS = (
@@ -38,16 +34,7 @@ DRILLS = (
 
 
 def test_demo_passes_every_drill() -> None:
-    env = dict(os.environ)
-    env.pop("GRPC_IDEMPOTENCY_FAILPOINTS", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    args = [sys.executable, "-m", "examples.checkout", "demo"]
-    if dsn := os.environ.get("GRPC_IDEMPOTENCY_TEST_DSN"):
-        args += ["--dsn", dsn]
-    done = subprocess.run(
-        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False
-    )
-    report = f"exit {done.returncode}\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    done, report = run_example(["examples.checkout", "demo"], DEMO_TIMEOUT_S)
     assert done.returncode == 0, report
     rows = {line.split("  ")[0]: line for line in done.stdout.splitlines()}
     for drill in DRILLS:

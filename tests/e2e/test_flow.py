@@ -16,11 +16,10 @@ polls ``locked_until <= clock_timestamp()`` too: the database's clock decides, a
 from __future__ import annotations
 
 import asyncio
-import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import grpc
@@ -28,13 +27,13 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
-from examples.checkout import orders as orders_service
 from examples.checkout.proxy import ResettingProxy
-from examples.checkout.service import open_store, records_schema
+from examples.checkout.service import records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, channel_options
 from tests.e2e import tenants
-from tests.e2e.procs import Processes, ServiceProcess
+from tests.e2e.procs import SIGKILLED, Processes, ServiceProcess
+from tests.e2e.services import CHARGE, start_downstream
 from tests.e2e.tenants import Tenant
 from tests.support.waiting import until
 
@@ -44,16 +43,12 @@ from checkout.v1 import orders_pb2, orders_pb2_grpc  # importable only once exam
 pytestmark = pytest.mark.e2e
 
 PLACE_ORDER = "/checkout.v1.OrderService/PlaceOrder"
-CHARGE = "/checkout.v1.PaymentService/Charge"
 SEND_EMAIL = "/checkout.v1.NotificationService/SendEmail"
 CHARGE_STEP = "charge-card.v1"
 EMAIL_STEP = "send-confirmation.v1"
 ORDERS_RECORDS = records_schema("orders")
 DETAILS_TRAILER = "grpc-status-details-bin"
 CALL_TIMEOUT_S = 15.0
-SIGKILLED = -signal.SIGKILL
-
-T = TypeVar("T")
 
 
 # --- processes --------------------------------------------------------------------------------
@@ -71,19 +66,10 @@ async def downstream(
 ) -> AsyncIterator[Downstream]:
     """Payments and notifications, shared by the module's tests (none of them kills these two);
     each test isolates itself by its own tenant."""
-    # Replicas of one service started together on a fresh database race to create its schemas
-    # (examples/checkout/service.py takes no lock around them): create orders' first, once.
-    store = await open_store(pg_dsn, orders_service.NAME, orders_service.TABLES_SQL)
-    await store.close()
-    processes = Processes(tmp_path_factory.mktemp("downstream"))
-    try:
-        payments, notifications = await asyncio.gather(
-            processes.payments(pg_dsn, 0), processes.notifications(pg_dsn, 0)
-        )
+    async with Processes(tmp_path_factory.mktemp("downstream")) as processes:
+        payments, notifications = await start_downstream(processes, pg_dsn)
         assert payments.port and notifications.port
         yield Downstream(payments.port, notifications.port)
-    finally:
-        await processes.close()
 
 
 async def start_orders(

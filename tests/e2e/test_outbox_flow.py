@@ -12,19 +12,17 @@ received (``ledger.attempts``) against what it wrote (``ledger.entries``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import asyncpg
 import grpc
 import pytest
 
-from examples.checkout import orders as orders_service
 from examples.checkout.ledger import CONSUMER, RECORD_ORDER_CREATED
-from examples.checkout.service import open_store, records_schema
-from tests.e2e import tenants
-from tests.e2e.procs import Processes, ServiceProcess
-from tests.e2e.test_flow import SIGKILLED, Order, attempts, place
+from examples.checkout.service import records_schema
+from tests.e2e import services, tenants
+from tests.e2e.procs import SIGKILLED, Processes, ServiceProcess
+from tests.e2e.test_flow import Order, attempts, place
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e
@@ -45,27 +43,16 @@ class Checkout:
 
 
 @pytest.fixture(scope="module")
-async def checkout(
-    pg_dsn: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Checkout]:
-    """Payments, notifications, the ledger and orders, shared by the module's tests (none of them
-    stops these); the tests start their own relays. Each test isolates itself by its tenant."""
-    store = await open_store(pg_dsn, orders_service.NAME, orders_service.TABLES_SQL)
-    await store.close()
-    processes = Processes(tmp_path_factory.mktemp("checkout"))
-    try:
-        payments, notifications, ledger = await asyncio.gather(
-            processes.payments(pg_dsn, 0),
-            processes.notifications(pg_dsn, 0),
-            processes.ledger(pg_dsn, 0),
-        )
-        assert payments.port and notifications.port and ledger.port
-        orders = await processes.orders(
-            pg_dsn, 0, payments=payments.port, notifications=notifications.port
-        )
-        yield Checkout(orders.address, ledger.port, payments.port, notifications.port)
-    finally:
-        await processes.close()
+def checkout(checkout_services: services.Checkout) -> Checkout:
+    """The module's shared services (``checkout_services``); the tests start their own relays."""
+    started = checkout_services
+    assert started.ledger.port and started.payments.port and started.notifications.port
+    return Checkout(
+        started.orders.address,
+        started.ledger.port,
+        started.payments.port,
+        started.notifications.port,
+    )
 
 
 # --- what the outbox holds and what the ledger did ---------------------------------------------

@@ -12,32 +12,23 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.e2e.procs import ROOT, run_example
+
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = ROOT / "examples" / "tutorial"
 TIMEOUT_S = 300  # a guard against a hang: it takes some 3 s
 
 
 def test_the_tutorial_replays_the_retry_and_charges_once() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "GRPC_IDEMPOTENCY_FAILPOINTS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    args = [sys.executable, "-m", "examples.tutorial"]
-    if dsn := os.environ.get("GRPC_IDEMPOTENCY_TEST_DSN"):
-        args += ["--dsn", dsn]
-    done = subprocess.run(
-        args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
-    )
-    report = f"exit {done.returncode}\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    done, report = run_example(["examples.tutorial"], TIMEOUT_S)
     assert done.returncode == 0, report
     out = done.stdout
-    if not dsn:
+    if not os.environ.get("GRPC_IDEMPOTENCY_TEST_DSN"):
         assert re.search(r"^PostgreSQL started: postgresql://\S+$", out, re.M), report
     first = re.search(
         r"^attempt 1: charged (ch_\w+) for (order-\w+) \(key [0-9a-f-]{36}\)$", out, re.M
