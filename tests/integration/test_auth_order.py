@@ -110,6 +110,30 @@ async def serving(store: Store, *, auth_first: bool, bare: bool = False) -> Asyn
         await server.stop(None)
 
 
+@dataclass(frozen=True)
+class Revoked:
+    """A tenant's key posted once with a token (``first``), the token revoked, and the key posted
+    again with the revoked token (``replay``) and with a token never issued (``forged``)."""
+
+    tenant: str
+    key: str
+    account: str
+    token: str
+    first: Answer
+    replay: Answer
+    forged: Answer
+
+
+async def post_then_revoke(srv: Server) -> Revoked:
+    tenant, key, account = fresh("tenant"), fresh(), fresh("acct")
+    token = srv.auth.issue(tenant)
+    first = await srv.post(key, tenant, token, account)
+    srv.auth.revoke(token)
+    replay = await srv.post(key, tenant, token, account)
+    forged = await srv.post(key, tenant, fresh("tok"), account)  # a token never issued
+    return Revoked(tenant, key, account, token, first, replay, forged)
+
+
 async def record_state(store: Store, scope: str, key: str) -> str | None:
     state: str | None = await store.pool.fetchval(
         f'SELECT state FROM "{store.schema}".records WHERE scope = $1 AND key = $2', scope, key
@@ -139,22 +163,18 @@ async def test_auth_after_the_idempotency_interceptor_lets_replays_bypass_a_revo
 ) -> None:
     """``interceptors=[IdempotencyInterceptor(...), auth]``: what NOT to do."""
     async with serving(store, auth_first=False) as srv:
-        tenant, key, account = fresh("tenant"), fresh(), fresh("acct")
-        token = srv.auth.issue(tenant)
-        first = await srv.post(key, tenant, token, account)
-        srv.auth.revoke(token)
-
-        replay = await srv.post(key, tenant, token, account)
-        forged = await srv.post(key, tenant, fresh("tok"), account)  # a token never issued
+        revoked = await post_then_revoke(srv)
+        tenant, account, first = revoked.tenant, revoked.account, revoked.first
         new_key = fresh()
-        fresh_work = await srv.post(new_key, tenant, token, account)
+        fresh_work = await srv.post(new_key, tenant, revoked.token, account)
         peek = await call_raw(
             srv.channel,
             PEEK,
             testsvc_pb2.PeekRequest(account=account),
-            metadata(None, tenant, ("authorization", f"Bearer {token}")),
+            metadata(None, tenant, ("authorization", f"Bearer {revoked.token}")),
         )
 
+    replay, forged = revoked.replay, revoked.forged
     assert first.code is grpc.StatusCode.OK
     # The revoked token still reads the stored response: the idempotency interceptor answered
     # from its record and never ran the handler in which the authentication sits.
@@ -176,16 +196,12 @@ async def test_auth_before_the_idempotency_interceptor_refuses_a_revoked_tokens_
 ) -> None:
     """``interceptors=[auth, IdempotencyInterceptor(...)]``: put authentication first."""
     async with serving(store, auth_first=True) as srv:
-        tenant, key, account = fresh("tenant"), fresh(), fresh("acct")
-        token = srv.auth.issue(tenant)
-        first = await srv.post(key, tenant, token, account)
-        srv.auth.revoke(token)
-
-        replay = await srv.post(key, tenant, token, account)
-        forged = await srv.post(key, tenant, fresh("tok"), account)
+        revoked = await post_then_revoke(srv)
+        tenant, key, account, first = revoked.tenant, revoked.key, revoked.account, revoked.first
         # The record is the tenant's, not the token's: a token issued anew replays it.
         renewed = await srv.post(key, tenant, srv.auth.issue(tenant), account)
 
+    replay, forged = revoked.replay, revoked.forged
     assert first.code is grpc.StatusCode.OK
     assert replay.code is grpc.StatusCode.UNAUTHENTICATED, replay
     assert forged.code is grpc.StatusCode.UNAUTHENTICATED, forged

@@ -23,6 +23,7 @@ from grpc_idempotency.consumer import (
     MessageInProgress,
     purge_processed,
 )
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 EFFECTS_SQL = """
@@ -85,16 +86,15 @@ async def marks(store: Store, consumer: str) -> list[str]:
 
 async def waiting_on_a_lock(store: Store, timeout: float = 5.0) -> None:
     """Until some backend of the store waits on a lock (a duplicate blocked on the mark)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        waiting = await store.pool.fetchval(
+
+    async def waiting() -> int:
+        count: int = await store.pool.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
             " AND query LIKE '%INSERT INTO %processed_messages%'"
         )
-        if waiting:
-            return
-        assert time.monotonic() < deadline, "no delivery waited on the marked row"
-        await asyncio.sleep(0.01)
+        return count
+
+    await until("a delivery to wait on the marked row", waiting, timeout=timeout)
 
 
 class Gate:
@@ -115,6 +115,18 @@ class Gate:
         if self.fail:
             raise RuntimeError("the effect failed after writing")
         return row_id
+
+
+async def held(
+    consumer: IdempotentConsumer, message_id: str, *, fail: bool = False
+) -> tuple[Gate, asyncio.Task[ConsumeResult]]:
+    """A delivery of ``message_id`` whose effect has written and now holds its transaction open
+    until ``gate.release`` is set (then raises if ``fail``)."""
+    gate = Gate(consumer, message_id)
+    gate.fail = fail
+    delivery = asyncio.create_task(consumer.process(message_id, gate))
+    await gate.entered.wait()
+    return gate, delivery
 
 
 # --- one delivery at a time --------------------------------------------------------------------
@@ -271,9 +283,7 @@ async def test_a_duplicate_in_another_process_waits_on_the_row_then_sees_a_dupli
     the first's uncommitted mark (a lock wait in PostgreSQL) and answers once it commits."""
     replica = IdempotentConsumer(store, consumer.name)
     message_id = fresh()
-    gate = Gate(consumer, message_id)
-    first = asyncio.create_task(consumer.process(message_id, gate))
-    await gate.entered.wait()
+    gate, first = await held(consumer, message_id)
     second = asyncio.create_task(replica.process(message_id, write(replica, message_id)))
     await waiting_on_a_lock(store)
     assert not second.done()
@@ -289,10 +299,7 @@ async def test_when_the_first_delivery_fails_the_waiting_one_runs_the_effect(
 ) -> None:
     replica = IdempotentConsumer(store, consumer.name)
     message_id = fresh()
-    gate = Gate(consumer, message_id)
-    gate.fail = True
-    first = asyncio.create_task(consumer.process(message_id, gate))
-    await gate.entered.wait()
+    gate, first = await held(consumer, message_id, fail=True)
     second = asyncio.create_task(replica.process(message_id, write(replica, message_id)))
     await waiting_on_a_lock(store)
     gate.release.set()
@@ -310,9 +317,7 @@ async def test_the_wait_for_a_concurrent_delivery_is_bounded(
 ) -> None:
     waiter = IdempotentConsumer(store, consumer.name) if where == "another process" else consumer
     message_id = fresh()
-    gate = Gate(consumer, message_id)
-    first = asyncio.create_task(consumer.process(message_id, gate))
-    await gate.entered.wait()
+    gate, first = await held(consumer, message_id)
     try:
         started = time.monotonic()
         with pytest.raises(MessageInProgress) as raised:
@@ -333,9 +338,7 @@ async def test_max_wait_bounds_a_duplicate_without_a_timeout(
 ) -> None:
     waiter = IdempotentConsumer(store, consumer.name, max_wait=timedelta(milliseconds=200))
     message_id = fresh()
-    gate = Gate(consumer, message_id)
-    first = asyncio.create_task(consumer.process(message_id, gate))
-    await gate.entered.wait()
+    gate, first = await held(consumer, message_id)
     try:
         with pytest.raises(MessageInProgress):
             await waiter.process(message_id, write(waiter, message_id))
@@ -420,9 +423,7 @@ async def test_purge_skips_a_mark_being_taken_over(
     message_id = fresh()
     await consumer.process(message_id, write(consumer, message_id))
     await expire(store, consumer, message_id)
-    gate = Gate(consumer, message_id)
-    takeover = asyncio.create_task(consumer.process(message_id, gate))
-    await gate.entered.wait()
+    gate, takeover = await held(consumer, message_id)
     try:
         assert await consumer.purge_processed() == 0  # locked by the takeover: skipped
     finally:
@@ -532,9 +533,7 @@ async def test_a_cancelled_delivery_leaves_nothing_and_no_open_transaction(
 ) -> None:
     consumer = IdempotentConsumer(own_store, fresh("cancelled"))
     message_id = fresh()
-    gate = Gate(consumer, message_id)
-    delivery = asyncio.create_task(consumer.process(message_id, gate))
-    await gate.entered.wait()
+    _, delivery = await held(consumer, message_id)
     delivery.cancel()
     with pytest.raises(asyncio.CancelledError):
         await delivery
