@@ -1,5 +1,5 @@
 """The grpc-idempotency command: migrate, purge, include-path, export-protos, check-steps, relay,
-outbox."""
+outbox, inspect, list (the last two in ``inspect_cli``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
+from grpc_idempotency import inspect_cli
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
@@ -32,10 +33,11 @@ _WithStore: TypeAlias = Callable[[argparse.ArgumentParser], None]
 
 _DESCRIPTION = (
     "Operate grpc-idempotency: migrate and purge the PostgreSQL store, give protoc and buf the"
-    " options.proto, check that step names stay a contract, relay and inspect the outbox."
-    " Commands that use the database exit 1 when it cannot be reached (retry later) and 2 when"
-    " it answers but cannot be used (no such database or role, bad password, schema not"
-    " migrated) or on bad usage."
+    " options.proto, check that step names stay a contract, relay and inspect the outbox,"
+    " inspect an operation and the records of a scope. Commands that use the database exit 1"
+    " when it cannot be reached (retry later) and 2 when it answers but cannot be used (no such"
+    " database or role, bad password, schema not migrated) or on bad usage; inspect and list"
+    " exit 3 when nothing matched."
 )
 
 
@@ -183,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _relay_parser(commands, with_store)
     _outbox_parser(commands, with_store)
+    inspect_cli.add_parsers(commands, _command, with_store)
     return parser
 
 
@@ -475,6 +478,8 @@ async def _with_store(args: argparse.Namespace) -> int:
             print(f"purged {purged} expired records")
         elif args.command == "relay":
             return await _relay(args, store)
+        elif args.command == "list":
+            return await inspect_cli.run_list(args, store)
         else:
             return await _outbox(args, store)
     finally:
@@ -838,6 +843,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from grpc_idempotency.protoc_gen.step_check import run
 
         return run(args.against, args.new, now=args.now)
+    if args.command == "inspect":  # several stores, each reporting its own errors
+        _log_warnings()
+        return inspect_cli.run_inspect(args)
     if args.command != "relay":  # the relay configures logging for a long-running process
         _log_warnings()
     try:

@@ -1,0 +1,141 @@
+"""Read-only look-ups for ``grpc-idempotency inspect`` and ``list``: records by (scope, key), a
+scope's records, and the outbox rows an operation enqueued. The only place these reads talk to
+PostgreSQL.
+
+Everything here reads; nothing locks, claims or writes, so an inspection can run beside live
+traffic. Times are compared by the database's clock (``clock_timestamp()``), as everywhere in
+the store, and each row says when it was read. Look-ups go through the primary key (scope, key)
+or the outbox's unique (scope, key); listing a scope walks that scope's part of the primary key.
+Database errors become ``StoreUnavailable`` / ``StoreMisconfigured`` (``Store.connection``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from grpc_idempotency.core.inspection import OutboxEntry, Record, RecordState
+from grpc_idempotency.store.postgres import Store
+from grpc_idempotency.store.sql import schema_identifier
+
+_RECORD_COLUMNS = """
+    scope, key, method, state, fingerprint, fencing_token, created_at, completed_at,
+    CASE WHEN state = 'completed' THEN GREATEST(expires_at, completed_at + retention)
+         ELSE expires_at END AS expires_at,
+    locked_until,
+    CASE WHEN state = 'in_progress' AND locked_until IS NOT NULL
+         THEN GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()))::float8 END
+        AS lease_remaining_s,
+    (state = 'completed' AND GREATEST(expires_at, completed_at + retention)
+        <= clock_timestamp()) AS expired,
+    status_code, status_message, status_details, response,
+    clock_timestamp() AS read_at"""
+
+_STATE_FILTER = {
+    None: "TRUE",
+    RecordState.IN_PROGRESS: "state = 'in_progress'",
+    RecordState.COMPLETED: "state = 'completed' AND status_code = 0",
+    RecordState.ERROR: "state = 'completed' AND status_code <> 0",
+}
+
+
+class InspectionStore:
+    """Read-only look-ups on a ``Store``'s pool and schema."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        s = schema_identifier(store.schema)
+        self._records = f"SELECT {_RECORD_COLUMNS} FROM {s}.records"
+        self._outbox_table = f"{s}.outbox"
+        self._outbox = f"""
+            SELECT id, scope, key, step, parent_key, method, payload_type, payload, state,
+                   attempts, next_attempt_at, locked_until, claimed_by, last_error, created_at,
+                   sent_at
+            FROM {s}.outbox
+            WHERE scope = $1 AND (key = ANY($2::text[]) OR parent_key = $3)
+            ORDER BY id"""
+
+    async def records(self, scope: str, keys: Sequence[str]) -> list[Record]:
+        """The records under ``scope`` and any of ``keys`` (through the primary key)."""
+        if not keys:
+            return []
+        async with self.store.connection("inspecting records") as conn:
+            rows = await conn.fetch(
+                f"{self._records} WHERE scope = $1 AND key = ANY($2::text[])", scope, list(keys)
+            )
+        return [_record(r) for r in rows]
+
+    async def record(self, scope: str, key: str) -> Record | None:
+        """The record under (``scope``, ``key``), or ``None``."""
+        found = await self.records(scope, [key])
+        return found[0] if found else None
+
+    async def scope_records(
+        self,
+        scope: str,
+        *,
+        state: RecordState | None = None,
+        method: str | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """``scope``'s records, newest operation first, at most ``limit``."""
+        sql = (
+            f"{self._records} WHERE scope = $1 AND ({_STATE_FILTER[state]})"
+            " AND ($2::text IS NULL OR method = $2) ORDER BY created_at DESC, key LIMIT $3"
+        )
+        async with self.store.connection("listing records") as conn:
+            rows = await conn.fetch(sql, scope, method, limit)
+        return [_record(r) for r in rows]
+
+    async def outbox(self, scope: str, parent_key: str, keys: Sequence[str]) -> list[OutboxEntry]:
+        """Outbox rows under ``scope`` keyed by one of ``keys`` (the declared outbox steps'
+        child keys) or enqueued by the operation ``parent_key``; none when the schema has no
+        outbox (migrations before 0006)."""
+        async with self.store.connection("inspecting the outbox") as conn:
+            if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", self._outbox_table):
+                return []
+            rows = await conn.fetch(self._outbox, scope, list(keys), parent_key)
+        return [_outbox_entry(r) for r in rows]
+
+
+def _record(row: Any) -> Record:
+    return Record(
+        scope=row["scope"],
+        key=row["key"],
+        method=row["method"],
+        state=row["state"],
+        fingerprint=bytes(row["fingerprint"]),
+        fencing_token=row["fencing_token"],
+        created_at=row["created_at"],
+        completed_at=row["completed_at"],
+        expires_at=row["expires_at"],
+        locked_until=row["locked_until"],
+        lease_remaining_s=row["lease_remaining_s"],
+        expired=bool(row["expired"]),
+        status_code=row["status_code"],
+        status_message=row["status_message"],
+        status_details=None if row["status_details"] is None else bytes(row["status_details"]),
+        response=None if row["response"] is None else bytes(row["response"]),
+        read_at=row["read_at"],
+    )
+
+
+def _outbox_entry(row: Any) -> OutboxEntry:
+    return OutboxEntry(
+        id=row["id"],
+        scope=row["scope"],
+        key=row["key"],
+        step=row["step"],
+        parent_key=row["parent_key"],
+        method=row["method"],
+        payload_type=row["payload_type"],
+        payload=bytes(row["payload"]),
+        state=row["state"],
+        attempts=row["attempts"],
+        next_attempt_at=row["next_attempt_at"],
+        locked_until=row["locked_until"],
+        claimed_by=row["claimed_by"],
+        last_error=row["last_error"],
+        created_at=row["created_at"],
+        sent_at=row["sent_at"],
+    )
