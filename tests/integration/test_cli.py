@@ -24,7 +24,7 @@ import pytest
 from grpc_idempotency import proto_include
 from grpc_idempotency.cli import _dsn_target, _parser, _safe_dsn
 from tests.e2e.procs import free_port
-from tests.support.tools import buf_binary
+from tests.support.tools import buf_binary, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL_PROTO = ROOT / "examples" / "tutorial" / "payments.proto"
@@ -45,15 +45,7 @@ lint:
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "grpc_idempotency.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=cwd,
-        env=env,
-        check=False,
-    )
+    return run_cli(*args, cwd=cwd, env=env)
 
 
 # -- help and version ---------------------------------------------------------------------------

@@ -12,8 +12,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -36,6 +34,7 @@ from grpc_idempotency.outbox import (
 )
 from tests.support.ledger import RunningLedger, ledger_rows
 from tests.support.schemas import fresh_store
+from tests.support.tools import run_cli
 from tests.support.waiting import until
 
 WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
@@ -145,15 +144,6 @@ async def running(*relays: Relay) -> AsyncIterator[None]:
         await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "grpc_idempotency.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 # -- delivery and concurrency -----------------------------------------------------------------
 
 
@@ -245,15 +235,15 @@ async def test_a_poison_row_is_dead_lettered_while_the_others_keep_flowing(
     assert await relay.drain() == 0 and receiver.attempts["poison"] == 3  # dead: left alone
 
     store_args = ("--dsn", pg_dsn, "--schema", outbox.schema)
-    listed = cli("outbox", "dead", *store_args, "--json")
+    listed = run_cli("outbox", "dead", *store_args, "--json")
     assert listed.returncode == 0, listed.stderr
     (letter,) = [json.loads(line) for line in listed.stdout.splitlines()]
     assert letter["id"] == dead["id"] and letter["key"] == "poison" and letter["attempts"] == 3
     assert "receiver refuses poison" in letter["last_error"]
-    table = cli("outbox", "dead", *store_args)
+    table = run_cli("outbox", "dead", *store_args)
     assert "poison" in table.stdout and "1 dead letter(s)" in table.stdout
 
-    retried = cli("outbox", "retry", *store_args, str(dead["id"]))
+    retried = run_cli("outbox", "retry", *store_args, str(dead["id"]))
     assert retried.returncode == 0 and "1 dead letter(s) back to pending" in retried.stdout
     revived = await row(outbox, "poison")
     assert revived["state"] == "pending" and revived["attempts"] == 0
@@ -261,7 +251,7 @@ async def test_a_poison_row_is_dead_lettered_while_the_others_keep_flowing(
     assert await relay.run_once() == 1
     assert receiver.delivered["poison"] == 1
     assert (await row(outbox, "poison"))["state"] == "sent"
-    assert cli("outbox", "dead", *store_args).stdout.strip() == "no dead letters"
+    assert run_cli("outbox", "dead", *store_args).stdout.strip() == "no dead letters"
 
 
 async def test_dead_letter_cli_retry_all_purge_and_stats(pg_dsn: str, outbox: Store) -> None:
@@ -275,27 +265,27 @@ async def test_dead_letter_cli_retry_all_purge_and_stats(pg_dsn: str, outbox: St
     assert (await row(outbox, "d-1"))["last_error"] == "no such account for d-1"
     store_args = ("--dsn", pg_dsn, "--schema", outbox.schema)
 
-    stats = cli("outbox", "stats", *store_args)
+    stats = run_cli("outbox", "stats", *store_args)
     assert stats.returncode == 0 and "dead     3" in stats.stdout, stats.stdout
-    assert cli("outbox", "retry", *store_args).returncode == 2  # IDs or --all
-    assert "3 dead letter(s)" in cli("outbox", "retry", *store_args, "--all").stdout
+    assert run_cli("outbox", "retry", *store_args).returncode == 2  # IDs or --all
+    assert "3 dead letter(s)" in run_cli("outbox", "retry", *store_args, "--all").stdout
     assert await states(outbox) == {"pending": 3}
 
     assert await relay.run_once() == 0  # dead again
-    young = cli("outbox", "purge-dead", *store_args, "--older-than", "3600")
+    young = run_cli("outbox", "purge-dead", *store_args, "--older-than", "3600")
     assert "purged 0 dead letter(s)" in young.stdout
-    assert "purged 3 dead letter(s)" in cli("outbox", "purge-dead", *store_args).stdout
+    assert "purged 3 dead letter(s)" in run_cli("outbox", "purge-dead", *store_args).stdout
     assert await states(outbox) == {}
 
     await insert(outbox, outbox.schema, ["s-1", "s-2"])
     assert await Relay(outbox, Receiver()).run_once() == 2
-    kept = cli("outbox", "purge-sent", *store_args)  # default: older than a day
+    kept = run_cli("outbox", "purge-sent", *store_args)  # default: older than a day
     assert "purged 0 sent row(s)" in kept.stdout
-    gone = cli("outbox", "purge-sent", *store_args, "--older-than", "0")
+    gone = run_cli("outbox", "purge-sent", *store_args, "--older-than", "0")
     assert "purged 2 sent row(s)" in gone.stdout
     assert await states(outbox) == {}
 
-    missing = cli("outbox", "dead", "--dsn", pg_dsn, "--schema", "no_such_schema_here")
+    missing = run_cli("outbox", "dead", "--dsn", pg_dsn, "--schema", "no_such_schema_here")
     assert missing.returncode == 2 and "migrate" in missing.stderr
 
 
@@ -395,32 +385,28 @@ async def test_a_delivery_that_hangs_is_cut_at_the_delivery_timeout(outbox: Stor
 
 
 async def test_a_row_committed_after_a_higher_numbered_row_is_still_delivered(
-    pg_dsn: str, outbox: Store
+    db: asyncpg.Connection, outbox: Store
 ) -> None:
     receiver = Receiver()
     relay = Relay(outbox, receiver, poll_interval=60)
-    late = await asyncpg.connect(pg_dsn)
-    try:
-        async with running(relay):
-            tx = late.transaction()
-            await tx.start()
-            (a_id,) = await insert(late, outbox.schema, ["A"])  # lower id, not yet committed
-            (b_id,) = await insert(outbox, outbox.schema, ["B"])  # higher id, committed now
-            assert a_id < b_id
-            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
-            assert list(receiver.delivered) == ["B"]
-            await until(
-                "the relay to finish with B and go idle",
-                lambda: relay_idle(relay, outbox),
-                timeout=WAIT_S,
-            )
-            receiver.arrived.clear()
-            await tx.commit()  # A's NOTIFY goes out with its commit
-            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
-        assert receiver.delivered == {"A": 1, "B": 1}
-        assert await states(outbox) == {"sent": 2}
-    finally:
-        await late.close()
+    async with running(relay):
+        tx = db.transaction()  # a writer whose row commits late
+        await tx.start()
+        (a_id,) = await insert(db, outbox.schema, ["A"])  # lower id, not yet committed
+        (b_id,) = await insert(outbox, outbox.schema, ["B"])  # higher id, committed now
+        assert a_id < b_id
+        await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+        assert list(receiver.delivered) == ["B"]
+        await until(
+            "the relay to finish with B and go idle",
+            lambda: relay_idle(relay, outbox),
+            timeout=WAIT_S,
+        )
+        receiver.arrived.clear()
+        await tx.commit()  # A's NOTIFY goes out with its commit
+        await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+    assert receiver.delivered == {"A": 1, "B": 1}
+    assert await states(outbox) == {"sent": 2}
 
 
 async def relay_idle(relay: Relay, store: Store) -> bool:
@@ -448,36 +434,32 @@ async def batches_after_listen(relay: Relay) -> bool:
 
 
 async def test_the_relay_listens_again_after_its_connection_dies(
-    pg_dsn: str, outbox: Store
+    db: asyncpg.Connection, outbox: Store
 ) -> None:
     receiver = Receiver()
     relay = Relay(outbox, receiver, poll_interval=60)
-    admin = await asyncpg.connect(pg_dsn)
     channel = f"{outbox.schema}_outbox"
 
     async def listeners() -> list[int]:
-        rows = await admin.fetch(
+        rows = await db.fetch(
             "SELECT pid FROM pg_stat_activity WHERE query = $1", f'LISTEN "{channel}"'
         )
         return [r["pid"] for r in rows]
 
-    try:
-        async with running(relay):
-            (pid,) = await listeners()
-            assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
+    async with running(relay):
+        (pid,) = await listeners()
+        assert await db.fetchval("SELECT pg_terminate_backend($1)", pid)
 
-            async def listening_again() -> bool:
-                pids = await listeners()
-                return relay.listening.is_set() and bool(pids) and pid not in pids
+        async def listening_again() -> bool:
+            pids = await listeners()
+            return relay.listening.is_set() and bool(pids) and pid not in pids
 
-            await until("a new LISTEN connection", listening_again, timeout=WAIT_S)
-            inserted = time.monotonic()
-            await insert(outbox, outbox.schema, ["after-reconnect"])
-            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
-            assert time.monotonic() - inserted < 2.0  # woken, not polled (60 s)
-        assert receiver.delivered == {"after-reconnect": 1}
-    finally:
-        await admin.close()
+        await until("a new LISTEN connection", listening_again, timeout=WAIT_S)
+        inserted = time.monotonic()
+        await insert(outbox, outbox.schema, ["after-reconnect"])
+        await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+        assert time.monotonic() - inserted < 2.0  # woken, not polled (60 s)
+    assert receiver.delivered == {"after-reconnect": 1}
 
 
 async def test_a_relay_waits_out_a_database_outage(pg_dsn: str, outbox: Store) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import uuid
 
 import asyncpg
@@ -16,6 +14,7 @@ from hypothesis import strategies as st
 from grpc_idempotency import Store, StoreUnavailable
 from grpc_idempotency.store.migrations import applied_versions, available_migrations
 from grpc_idempotency.store.sql import bytes_literal, schema_identifier, text_literal
+from tests.support.tools import run_cli
 
 
 def fresh_schema() -> str:
@@ -95,29 +94,19 @@ async def test_unreachable_store_raises_store_unavailable() -> None:
         await Store.connect("postgresql://postgres@/postgres?host=/nonexistent&port=1", min_size=1)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "grpc_idempotency.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ,
-    )
-
-
 def test_cli_migrate_and_purge(pg_dsn: str) -> None:
     schema = fresh_schema()
-    first = _cli("migrate", "--dsn", pg_dsn, "--schema", schema)
+    first = run_cli("migrate", "--dsn", pg_dsn, "--schema", schema)
     assert first.returncode == 0, first.stderr
     assert f"applied migrations: {[m.version for m in available_migrations()]}" in first.stdout
-    second = _cli("migrate", "--dsn", pg_dsn, "--schema", schema)
+    second = run_cli("migrate", "--dsn", pg_dsn, "--schema", schema)
     assert second.returncode == 0 and "up to date" in second.stdout
-    purge = _cli("purge", "--dsn", pg_dsn, "--schema", schema, "--batch-size", "5")
+    purge = run_cli("purge", "--dsn", pg_dsn, "--schema", schema, "--batch-size", "5")
     assert purge.returncode == 0 and "purged 0 expired records" in purge.stdout
-    bad = _cli("migrate", "--dsn", "postgresql://postgres@/postgres?host=/nonexistent&port=1")
+    bad = run_cli("migrate", "--dsn", "postgresql://postgres@/postgres?host=/nonexistent&port=1")
     assert bad.returncode == 1 and "unavailable" in bad.stderr
     assert "Traceback" not in bad.stderr
-    include = _cli("include-path")
+    include = run_cli("include-path")
     assert include.returncode == 0
     assert os.path.exists(os.path.join(include.stdout.strip(), "grpc_idempotency/v1/options.proto"))
 

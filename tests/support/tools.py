@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,3 +20,19 @@ def buf_binary() -> str | None:
         if candidate.exists():
             return str(candidate)
     return shutil.which("buf")
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``grpc-idempotency <args>`` run to the end as ``python -m grpc_idempotency.cli`` (60 s at
+    most), its output captured as text; ``env`` replaces the inherited environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "grpc_idempotency.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=env,
+        check=False,
+    )
