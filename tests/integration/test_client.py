@@ -120,7 +120,7 @@ async def test_retry_helper_waits_as_the_server_asks_then_gets_the_outcome(store
         op = Operation.new()
         request = testsvc_pb2.PostRequest(account=account, behaviour="wait")
         owner = asyncio.ensure_future(
-            call_raw(ledger.channel, "/testsvc.v1.LedgerService/Post", request, metadata(op.key))
+            ledger.call("/testsvc.v1.LedgerService/Post", request, op.key)
         )
         await ledger.service.started.wait()
         async with keyed_channel(ledger.address) as channel:

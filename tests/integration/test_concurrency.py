@@ -20,7 +20,7 @@ async def test_100_concurrent_duplicates_execute_once(ledger: RunningLedger, sto
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="sleep:100")
     answers = await asyncio.gather(
-        *(call_raw(ledger.channel, POST, request, metadata(key), timeout=1.0) for _ in range(100))
+        *(ledger.call(POST, request, key, timeout=1.0) for _ in range(100))
     )
     ok = [a for a in answers if a.code is grpc.StatusCode.OK]
     aborted = [a for a in answers if a.code is grpc.StatusCode.ABORTED]
@@ -39,12 +39,9 @@ async def test_duplicates_waiting_within_their_deadline_get_the_outcome(
 ) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
-    owner = asyncio.ensure_future(call_raw(ledger.channel, POST, request, metadata(key)))
+    owner = asyncio.ensure_future(ledger.call(POST, request, key))
     await ledger.service.started.wait()
-    waiters = [
-        asyncio.ensure_future(call_raw(ledger.channel, POST, request, metadata(key)))
-        for _ in range(5)
-    ]
+    waiters = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(5)]
     await until("5 calls waiting", lambda: ledger.interceptor.waiting_calls == 5)
     ledger.service.release.set()
     first = await owner
@@ -57,10 +54,10 @@ async def test_duplicates_waiting_within_their_deadline_get_the_outcome(
 async def test_waiting_is_bounded_by_the_deadline(ledger: RunningLedger) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
-    owner = asyncio.ensure_future(call_raw(ledger.channel, POST, request, metadata(key)))
+    owner = asyncio.ensure_future(ledger.call(POST, request, key))
     await ledger.service.started.wait()
     started = time.monotonic()
-    dup = await call_raw(ledger.channel, POST, request, metadata(key), timeout=0.4)
+    dup = await ledger.call(POST, request, key, timeout=0.4)
     elapsed = time.monotonic() - started
     assert dup.code is grpc.StatusCode.ABORTED and dup.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
     assert dup.initial == {} and "grpc-retry-pushback-ms" in dup.trailing
@@ -74,21 +71,11 @@ async def test_a_mutated_duplicate_waiting_on_an_owner_is_refused(
 ) -> None:
     key, account = fresh(), fresh("acct")
     owner = asyncio.ensure_future(
-        call_raw(
-            ledger.channel,
-            POST,
-            testsvc_pb2.PostRequest(account=account, behaviour="wait"),
-            metadata(key),
-        )
+        ledger.call(POST, testsvc_pb2.PostRequest(account=account, behaviour="wait"), key)
     )
     await ledger.service.started.wait()
     mutated = asyncio.ensure_future(
-        call_raw(
-            ledger.channel,
-            POST,
-            testsvc_pb2.PostRequest(account=account, amount=9, behaviour="wait"),
-            metadata(key),
-        )
+        ledger.call(POST, testsvc_pb2.PostRequest(account=account, amount=9, behaviour="wait"), key)
     )
     await until("1 call waiting", lambda: ledger.interceptor.waiting_calls == 1)
     ledger.service.release.set()
@@ -123,8 +110,7 @@ async def test_storm_of_duplicates_does_not_starve_other_keys(store: Store) -> N
         key, account = fresh(), fresh("acct")
         stuck = testsvc_pb2.PostRequest(account=account, behaviour="wait")
         storm = [
-            asyncio.ensure_future(call_raw(ledger.channel, POST, stuck, metadata(key), timeout=5.0))
-            for _ in range(200)
+            asyncio.ensure_future(ledger.call(POST, stuck, key, timeout=5.0)) for _ in range(200)
         ]
         await ledger.service.started.wait()
         await until("199 calls waiting", lambda: ledger.interceptor.waiting_calls == 199)
@@ -132,12 +118,7 @@ async def test_storm_of_duplicates_does_not_starve_other_keys(store: Store) -> N
         answers = await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    call_raw(
-                        ledger.channel,
-                        POST,
-                        testsvc_pb2.PostRequest(account=others),
-                        metadata(fresh()),
-                    )
+                    ledger.call(POST, testsvc_pb2.PostRequest(account=others), fresh())
                     for _ in range(30)
                 )
             ),

@@ -9,7 +9,8 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
-from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata
+from tests.support.ledger import RunningLedger, fresh, ledger_rows
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -31,9 +32,7 @@ async def test_method_without_option_passes_through_untouched(
     ledger: RunningLedger, store: Store
 ) -> None:
     key = fresh()
-    answer = await call_raw(
-        ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account="x"), metadata(key)
-    )
+    answer = await ledger.call(SVC + "Peek", testsvc_pb2.PeekRequest(account="x"), key)
     assert answer.code is grpc.StatusCode.OK
     assert not answer.replayed
     assert await record_row(store, "tenant:tenant-a", key) is None
@@ -41,7 +40,7 @@ async def test_method_without_option_passes_through_untouched(
 
 async def test_missing_key_on_required_method(ledger: RunningLedger, store: Store) -> None:
     account = fresh("acct")
-    answer = await call_raw(ledger.channel, POST, post(account), metadata(None))
+    answer = await ledger.call(POST, post(account), None)
     assert answer.code is grpc.StatusCode.INVALID_ARGUMENT
     assert answer.reason() == "IDEMPOTENCY_KEY_MISSING"
     assert ledger.service.executions == 0
@@ -52,7 +51,7 @@ async def test_new_key_executes_once_and_commits_with_the_outcome(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    answer = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    answer = await ledger.call(POST, post(account), key)
     assert answer.code is grpc.StatusCode.OK and not answer.replayed
     assert await ledger_rows(store, account) == 1
     row = await record_row(store, "tenant:tenant-a", key)
@@ -63,9 +62,9 @@ async def test_new_key_executes_once_and_commits_with_the_outcome(
 
 async def test_completed_key_replays_identical_bytes(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
-    first = await call_raw(ledger.channel, POST, post(account), metadata(key))
-    second = await call_raw(ledger.channel, POST, post(account), metadata(key))
-    third = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    first = await ledger.call(POST, post(account), key)
+    second = await ledger.call(POST, post(account), key)
+    third = await ledger.call(POST, post(account), key)
     assert first.body and second.body == first.body and third.body == first.body
     assert not first.replayed and second.replayed and third.replayed
     assert ledger.service.executions == 1
@@ -80,8 +79,8 @@ async def test_excluded_fields_do_not_change_the_request(
     a.sent_at.seconds = 1
     b = post(account)
     b.sent_at.seconds = 2
-    first = await call_raw(ledger.channel, POST, a, metadata(key))
-    second = await call_raw(ledger.channel, POST, b, metadata(key))
+    first = await ledger.call(POST, a, key)
+    second = await ledger.call(POST, b, key)
     assert second.replayed and second.body == first.body
     assert await ledger_rows(store, account) == 1
 
@@ -90,8 +89,8 @@ async def test_same_key_with_mutated_payload_is_refused(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    await call_raw(ledger.channel, POST, post(account, 10), metadata(key))
-    answer = await call_raw(ledger.channel, POST, post(account, 11), metadata(key))
+    await ledger.call(POST, post(account, 10), key)
+    answer = await ledger.call(POST, post(account, 11), key)
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
     assert answer.reason() == "IDEMPOTENCY_KEY_REUSED"
     assert ledger.service.executions == 1
@@ -100,8 +99,8 @@ async def test_same_key_with_mutated_payload_is_refused(
 
 async def test_same_key_on_another_method_is_refused(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
-    await call_raw(ledger.channel, POST, post(account), metadata(key))
-    answer = await call_raw(ledger.channel, SVC + "PostOptional", post(account), metadata(key))
+    await ledger.call(POST, post(account), key)
+    answer = await ledger.call(SVC + "PostOptional", post(account), key)
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
     assert answer.reason() == "IDEMPOTENCY_KEY_REUSED"
     assert await ledger_rows(store, account) == 1
@@ -109,16 +108,16 @@ async def test_same_key_on_another_method_is_refused(ledger: RunningLedger, stor
 
 async def test_two_scopes_with_one_key_are_independent(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
-    a = await call_raw(ledger.channel, POST, post(account), metadata(key, "tenant-a"))
-    b = await call_raw(ledger.channel, POST, post(account), metadata(key, "tenant-b"))
+    a = await ledger.call(POST, post(account), key, "tenant-a")
+    b = await ledger.call(POST, post(account), key, "tenant-b")
     assert a.code is b.code is grpc.StatusCode.OK
     assert not a.replayed and not b.replayed
     assert a.body != b.body  # b never sees a's stored response
     # Even a mutated payload under tenant-b is its own operation, not a mismatch with tenant-a.
-    c = await call_raw(ledger.channel, POST, post(account, 99), metadata(key, "tenant-c"))
+    c = await ledger.call(POST, post(account, 99), key, "tenant-c")
     assert c.code is grpc.StatusCode.OK
     assert await ledger_rows(store, account) == 3
-    again = await call_raw(ledger.channel, POST, post(account), metadata(key, "tenant-b"))
+    again = await ledger.call(POST, post(account), key, "tenant-b")
     assert again.replayed and again.body == b.body
 
 
@@ -145,10 +144,10 @@ async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
     ledger: RunningLedger, store: Store, behaviour: str
 ) -> None:
     key, account = fresh(), fresh("acct")
-    first = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    first = await ledger.call(POST, post(account, behaviour=behaviour), key)
     assert first.code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN)
     assert await ledger_rows(store, account) == 0  # the handler wrote, and it was rolled back
-    second = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    second = await ledger.call(POST, post(account, behaviour=behaviour), key)
     assert second.replayed
     assert (second.code, second.details) == (first.code, first.details)
     assert second.trailing.get("grpc-status-details-bin") == first.trailing.get(
@@ -181,34 +180,31 @@ async def test_transient_error_releases_the_claim(
     ledger: RunningLedger, store: Store, behaviour: str
 ) -> None:
     key, account = fresh(), fresh("acct")
-    first = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    first = await ledger.call(POST, post(account, behaviour=behaviour), key)
     assert first.code is not grpc.StatusCode.OK
     assert await ledger_rows(store, account) == 0
     assert await record_row(store, "tenant:tenant-a", key) is None
     # The retry runs the handler again (here it succeeds: same fingerprint, so the payload is the
     # same; the behaviour field is what fails, so retry a fresh account under a fresh key).
-    again = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    again = await ledger.call(POST, post(account, behaviour=behaviour), key)
     assert again.code is first.code and not again.replayed
     assert ledger.service.executions == 2
 
 
 async def test_cancelled_call_releases_the_claim(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
-    answer = await call_raw(
-        ledger.channel, POST, post(account, behaviour="sleep:2000"), metadata(key), timeout=0.3
-    )
+    answer = await ledger.call(POST, post(account, behaviour="sleep:2000"), key, timeout=0.3)
     assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
+
     # The server notices the deadline, cancels the handler and rolls the claim back.
-    for _ in range(200):
-        if (
+    async def released() -> bool:
+        return (
             ledger.service.executions == 1
             and await record_row(store, "tenant:tenant-a", key) is None
-        ):
-            break
-        await asyncio.sleep(0.01)
-    retry = await call_raw(
-        ledger.channel, POST, post(account, behaviour="sleep:0"), metadata(fresh())
-    )
+        )
+
+    await until("the cancelled call's claim to be rolled back", released)
+    retry = await ledger.call(POST, post(account, behaviour="sleep:0"), fresh())
     assert retry.code is grpc.StatusCode.OK
     assert await ledger_rows(store, account) == 1  # only the second, fresh operation wrote
 
@@ -216,19 +212,22 @@ async def test_cancelled_call_releases_the_claim(ledger: RunningLedger, store: S
 async def test_key_past_retention_is_treated_as_new(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
     method = SVC + "PostShortLived"  # retention 0.3 s
-    first = await call_raw(ledger.channel, method, post(account), metadata(key))
-    replay = await call_raw(ledger.channel, method, post(account), metadata(key))
+    first = await ledger.call(method, post(account), key)
+    replay = await ledger.call(method, post(account), key)
     assert replay.replayed and replay.body == first.body
+
     # Wait for the database's clock, not ours, to pass expires_at.
-    for _ in range(300):
-        if await store.pool.fetchval(
-            "SELECT expires_at <= clock_timestamp() FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+    async def expired() -> bool:
+        past: bool = await store.pool.fetchval(
+            "SELECT expires_at <= clock_timestamp() FROM grpc_idempotency.records"
+            " WHERE scope = $1 AND key = $2",
             "tenant:tenant-a",
             key,
-        ):
-            break
-        await asyncio.sleep(0.01)
-    again = await call_raw(ledger.channel, method, post(account), metadata(key))
+        )
+        return past
+
+    await until("the record to pass its expires_at", expired)
+    again = await ledger.call(method, post(account), key)
     assert again.code is grpc.StatusCode.OK and not again.replayed
     assert again.body != first.body
     assert await ledger_rows(store, account) == 2
@@ -240,7 +239,7 @@ async def test_expired_record_with_another_payload_is_a_new_operation(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    await call_raw(ledger.channel, POST, post(account, 1), metadata(key))
+    await ledger.call(POST, post(account, 1), key)
     await store.pool.execute(
         "UPDATE grpc_idempotency.records SET expires_at = clock_timestamp() - interval '1 second',"
         " retention = interval '0'"
@@ -248,7 +247,7 @@ async def test_expired_record_with_another_payload_is_a_new_operation(
         "tenant:tenant-a",
         key,
     )
-    answer = await call_raw(ledger.channel, POST, post(account, 2), metadata(key))
+    answer = await ledger.call(POST, post(account, 2), key)
     assert answer.code is grpc.StatusCode.OK and not answer.replayed
     assert await ledger_rows(store, account) == 2
 
@@ -277,7 +276,7 @@ async def test_in_progress_claim_with_expired_lease_is_taken_over(
 ) -> None:
     key, account = fresh(), fresh("acct")
     await _plant_in_progress(store, key, post(account), lease_s=-1)
-    answer = await call_raw(ledger.channel, POST, post(account), metadata(key))
+    answer = await ledger.call(POST, post(account), key)
     assert answer.code is grpc.StatusCode.OK and not answer.replayed
     row = await record_row(store, "tenant:tenant-a", key)
     assert row is not None and row["state"] == "completed" and row["fencing_token"] == 8
@@ -289,7 +288,7 @@ async def test_in_progress_claim_with_another_fingerprint_is_a_mismatch(
 ) -> None:
     key, account = fresh(), fresh("acct")
     await _plant_in_progress(store, key, post(account, 1), lease_s=-1)
-    answer = await call_raw(ledger.channel, POST, post(account, 2), metadata(key))
+    answer = await ledger.call(POST, post(account, 2), key)
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
     assert answer.reason() == "IDEMPOTENCY_KEY_REUSED"
     assert ledger.service.executions == 0
@@ -300,7 +299,7 @@ async def test_live_claim_elsewhere_ends_in_aborted_with_retry_info(
 ) -> None:
     key, account = fresh(), fresh("acct")
     await _plant_in_progress(store, key, post(account), lease_s=30)
-    answer = await call_raw(ledger.channel, POST, post(account), metadata(key), timeout=0.5)
+    answer = await ledger.call(POST, post(account), key, timeout=0.5)
     assert answer.code is grpc.StatusCode.ABORTED
     assert answer.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
     assert answer.initial == {}  # nothing sent before the error: gRPC's own retries stay possible
@@ -313,18 +312,16 @@ async def test_live_claim_elsewhere_ends_in_aborted_with_retry_info(
 async def test_optional_key(ledger: RunningLedger, store: Store) -> None:
     account = fresh("acct")
     method = SVC + "PostOptional"
-    a = await call_raw(ledger.channel, method, post(account), metadata(None))
-    b = await call_raw(ledger.channel, method, post(account), metadata(None))
+    a = await ledger.call(method, post(account), None)
+    b = await ledger.call(method, post(account), None)
     assert a.code is b.code is grpc.StatusCode.OK
     assert await ledger_rows(store, account) == 2  # no key: no deduplication, each call commits
-    failed = await call_raw(
-        ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(None)
-    )
+    failed = await ledger.call(method, post(account, behaviour="NOT_FOUND"), None)
     assert failed.code is grpc.StatusCode.NOT_FOUND
     assert await ledger_rows(store, account) == 2  # an error rolls the unkeyed call back
     key = fresh()
-    c = await call_raw(ledger.channel, method, post(account), metadata(key))
-    d = await call_raw(ledger.channel, method, post(account), metadata(key))
+    c = await ledger.call(method, post(account), key)
+    d = await ledger.call(method, post(account), key)
     assert d.replayed and d.body == c.body
     assert await ledger_rows(store, account) == 3
 
@@ -334,28 +331,20 @@ async def test_sync_handler_is_offloaded_and_deduplicated(
 ) -> None:
     key, account = fresh(), fresh("acct")
     method = SVC + "PostSync"
-    blocked = asyncio.ensure_future(
-        call_raw(ledger.channel, method, post(account, behaviour="block"), metadata(key))
-    )
+    blocked = asyncio.ensure_future(ledger.call(method, post(account, behaviour="block"), key))
     assert await asyncio.to_thread(ledger.service.sync_started.wait, 10)
     # The sync handler is blocked on a thread; the event loop still serves other calls.
-    peek = await call_raw(
-        ledger.channel, SVC + "Peek", testsvc_pb2.PeekRequest(account=account), metadata(None)
-    )
+    peek = await ledger.call(SVC + "Peek", testsvc_pb2.PeekRequest(account=account), None)
     assert peek.code is grpc.StatusCode.OK
     ledger.service.sync_release.set()
     first = await blocked
     assert first.code is grpc.StatusCode.OK
-    again = await call_raw(ledger.channel, method, post(account, behaviour="block"), metadata(key))
+    again = await ledger.call(method, post(account, behaviour="block"), key)
     assert again.replayed and again.body == first.body
     assert await ledger_rows(store, account) == 1
     err_key = fresh()
-    e1 = await call_raw(
-        ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key)
-    )
-    e2 = await call_raw(
-        ledger.channel, method, post(account, behaviour="NOT_FOUND"), metadata(err_key)
-    )
+    e1 = await ledger.call(method, post(account, behaviour="NOT_FOUND"), err_key)
+    e2 = await ledger.call(method, post(account, behaviour="NOT_FOUND"), err_key)
     assert e1.code is e2.code is grpc.StatusCode.NOT_FOUND and e2.replayed
     assert await ledger_rows(store, account) == 1
 
@@ -374,6 +363,6 @@ async def test_a_handler_that_ends_the_transaction_itself_gets_no_success(
     """The outcome cannot be stored with the writes any more: the call must not report success
     (or a recorded error) as if it had been; it answers ABORTED, reason IDEMPOTENCY_LEASE_LOST."""
     key, account = fresh(), fresh("acct")
-    answer = await call_raw(ledger.channel, POST, post(account, behaviour=behaviour), metadata(key))
+    answer = await ledger.call(POST, post(account, behaviour=behaviour), key)
     assert answer.code is grpc.StatusCode.ABORTED
     assert answer.reason() == "IDEMPOTENCY_LEASE_LOST"

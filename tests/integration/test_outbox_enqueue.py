@@ -7,8 +7,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, child_key
-from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata
-from tests.support.wire import call_raw
+from tests.support.ledger import RunningLedger, fresh, ledger_rows
 
 WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
 
@@ -27,8 +26,8 @@ async def test_the_event_commits_with_the_write_keyed_by_the_step(
 ) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=7)
-    first = await call_raw(ledger.channel, WITH_EVENT, request, metadata(key))
-    again = await call_raw(ledger.channel, WITH_EVENT, request, metadata(key))
+    first = await ledger.call(WITH_EVENT, request, key)
+    again = await ledger.call(WITH_EVENT, request, key)
     assert first.code is grpc.StatusCode.OK and again.replayed
     (row,) = await outbox_rows(store, key)
     assert row["key"] == child_key("tenant:tenant-a", key, "entry-posted.v1")
@@ -42,13 +41,13 @@ async def test_the_event_commits_with_the_write_keyed_by_the_step(
 async def test_a_rerun_does_not_enqueue_twice(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=7)
-    await call_raw(ledger.channel, WITH_EVENT, request, metadata(key))
+    await ledger.call(WITH_EVENT, request, key)
     # Forget the outcome (as after a crash between the outbox insert and ... a lost record), and
     # run the handler again: the event's key is the same child key, so nothing new is queued.
     await store.pool.execute(
         "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", "tenant:tenant-a", key
     )
-    await call_raw(ledger.channel, WITH_EVENT, request, metadata(key))
+    await ledger.call(WITH_EVENT, request, key)
     assert len(await outbox_rows(store, key)) == 1
 
 
@@ -58,7 +57,7 @@ async def test_a_rolled_back_handler_never_produces_an_outbox_row(
 ) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=7, behaviour=behaviour)
-    answer = await call_raw(ledger.channel, WITH_EVENT, request, metadata(key))
+    answer = await ledger.call(WITH_EVENT, request, key)
     assert answer.code is getattr(grpc.StatusCode, behaviour)
     assert await outbox_rows(store, key) == []
     assert await ledger_rows(store, account) == 0
@@ -67,7 +66,7 @@ async def test_a_rolled_back_handler_never_produces_an_outbox_row(
 async def test_an_undeclared_outbox_step_is_refused(ledger: RunningLedger, store: Store) -> None:
     key = fresh()
     request = testsvc_pb2.PostRequest(account=fresh(), behaviour="undeclared-event")
-    answer = await call_raw(ledger.channel, WITH_EVENT, request, metadata(key))
+    answer = await ledger.call(WITH_EVENT, request, key)
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
     assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
     assert "entry-posted.v1" in (answer.details or "")

@@ -44,9 +44,7 @@ async def test_claim_commits_first_and_no_transaction_is_open_while_the_handler_
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    owner = asyncio.ensure_future(
-        call_raw(ledger.channel, PHASED, post(account, "wait"), metadata(key))
-    )
+    owner = asyncio.ensure_future(ledger.call(PHASED, post(account, "wait"), key))
     await ledger.service.started.wait()
     claimed = await record(store, key)
     assert claimed is not None and claimed["state"] == "in_progress"  # visible: committed
@@ -63,7 +61,7 @@ async def test_claim_commits_first_and_no_transaction_is_open_while_the_handler_
         and done["state"] == "completed"
         and done["fencing_token"] == claimed["fencing_token"]
     )
-    again = await call_raw(ledger.channel, PHASED, post(account, "wait"), metadata(key))
+    again = await ledger.call(PHASED, post(account, "wait"), key)
     assert again.replayed and again.body == answer.body
     assert await ledger_rows(store, account) == 1
 
@@ -95,9 +93,7 @@ async def test_an_owner_whose_claim_was_taken_over_cannot_commit(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    owner = asyncio.ensure_future(
-        call_raw(ledger.channel, PHASED, post(account, "wait"), metadata(key))
-    )
+    owner = asyncio.ensure_future(ledger.call(PHASED, post(account, "wait"), key))
     await ledger.service.started.wait()
     # Another attempt takes the key over (as after this owner stalled past its lease).
     await store.pool.execute(
@@ -119,15 +115,13 @@ async def test_transient_error_ends_the_lease_so_a_retry_runs_at_once(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    first = await call_raw(ledger.channel, PHASED, post(account, "UNAVAILABLE"), metadata(key))
+    first = await ledger.call(PHASED, post(account, "UNAVAILABLE"), key)
     assert first.code is grpc.StatusCode.UNAVAILABLE
     released = await record(store, key)
     # Kept, with its lease over: the retry takes the same operation over (keeping its start).
     assert released is not None and released["state"] == "in_progress"
     assert released["locked_until"] <= released["now"]
-    again = await call_raw(
-        ledger.channel, PHASED, post(account, "UNAVAILABLE"), metadata(key), timeout=0.5
-    )
+    again = await ledger.call(PHASED, post(account, "UNAVAILABLE"), key, timeout=0.5)
     assert again.code is grpc.StatusCode.UNAVAILABLE and not again.replayed  # ran again, no wait
     assert ledger.service.executions == 2
     taken = await record(store, key)
@@ -139,8 +133,8 @@ async def test_deterministic_error_is_recorded_with_the_writes_rolled_back(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    first = await call_raw(ledger.channel, PHASED, post(account, "NOT_FOUND"), metadata(key))
-    second = await call_raw(ledger.channel, PHASED, post(account, "NOT_FOUND"), metadata(key))
+    first = await ledger.call(PHASED, post(account, "NOT_FOUND"), key)
+    second = await ledger.call(PHASED, post(account, "NOT_FOUND"), key)
     assert first.code is second.code is grpc.StatusCode.NOT_FOUND
     assert second.replayed and ledger.service.executions == 1
     assert await ledger_rows(store, account) == 0
@@ -150,8 +144,8 @@ async def test_a_handler_without_local_writes_still_commits_its_outcome(
     ledger: RunningLedger, store: Store
 ) -> None:
     key, account = fresh(), fresh("acct")
-    first = await call_raw(ledger.channel, PHASED, post(account, "no-writes"), metadata(key))
-    second = await call_raw(ledger.channel, PHASED, post(account, "no-writes"), metadata(key))
+    first = await ledger.call(PHASED, post(account, "no-writes"), key)
+    second = await ledger.call(PHASED, post(account, "no-writes"), key)
     assert second.replayed and second.body == first.body
     row = await record(store, key)
     assert row is not None and row["state"] == "completed"
@@ -161,9 +155,7 @@ async def test_connection_before_the_final_transaction_is_a_clear_error(
     ledger: RunningLedger, store: Store
 ) -> None:
     key = fresh()
-    answer = await call_raw(
-        ledger.channel, PHASED, post(fresh(), "early-connection"), metadata(key)
-    )
+    answer = await ledger.call(PHASED, post(fresh(), "early-connection"), key)
     # A programming error, reported as such (not UNKNOWN); the key is released.
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
     assert answer.reason() == "IDEMPOTENCY_NO_CURRENT_CALL"
@@ -260,7 +252,7 @@ async def test_a_takeover_continues_the_operation_begun_earlier(
         PHASED,
         fingerprint,
     )
-    answer = await call_raw(ledger.channel, PHASED, request, metadata(key))
+    answer = await ledger.call(PHASED, request, key)
     assert answer.code is grpc.StatusCode.OK
     row = await store.pool.fetchrow(
         "SELECT fencing_token, created_at FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
@@ -274,8 +266,6 @@ async def test_a_takeover_continues_the_operation_begun_earlier(
     )
     (started,) = ledger.service.operation_starts
     assert started == row["created_at"]  # the handler's call knows when its operation began
-    fresh_answer = await call_raw(
-        ledger.channel, PHASED, post(account, "no-writes"), metadata(fresh())
-    )
+    fresh_answer = await ledger.call(PHASED, post(account, "no-writes"), fresh())
     assert fresh_answer.code is grpc.StatusCode.OK
     assert ledger.service.operation_starts[-1] is None  # a new operation: no earlier start

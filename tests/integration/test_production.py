@@ -58,9 +58,7 @@ async def test_an_outcome_stays_replayable_for_its_retention_after_a_slow_comple
     key, account = fresh(), fresh("acct")
     overrides = {SHORT: MethodOverride(retention=retention)}
     async with running_ledger(store, overrides=overrides) as ledger:
-        first = asyncio.ensure_future(
-            call_raw(ledger.channel, SHORT, post(account, "wait"), metadata(key))
-        )
+        first = asyncio.ensure_future(ledger.call(SHORT, post(account, "wait"), key))
         await ledger.service.started.wait()
         claimed_before = await store.pool.fetchval("SELECT clock_timestamp()")  # claim <= this
 
@@ -79,7 +77,7 @@ async def test_an_outcome_stays_replayable_for_its_retention_after_a_slow_comple
         assert answer.code is grpc.StatusCode.OK
         await store.purge()  # housekeeping agrees: the outcome is not expired yet
         assert await stored(store, key)
-        retry = await call_raw(ledger.channel, SHORT, post(account, "wait"), metadata(key))
+        retry = await ledger.call(SHORT, post(account, "wait"), key)
         assert retry.replayed and retry.body == answer.body
         assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
@@ -165,13 +163,9 @@ async def test_a_method_runs_at_the_isolation_it_declares(strict_store: Store) -
     async with running_ledger(strict_store, overrides=overrides) as ledger:
         seen = {}
         for method in (POST, PHASED, OPTIONAL):
-            answer = await call_raw(
-                ledger.channel, method, post(fresh("acct"), "isolation"), metadata(fresh())
-            )
+            answer = await ledger.call(method, post(fresh("acct"), "isolation"), fresh())
             seen[method] = response(answer).isolation
-        unkeyed = await call_raw(
-            ledger.channel, OPTIONAL, post(fresh("acct"), "isolation"), metadata(None)
-        )
+        unkeyed = await ledger.call(OPTIONAL, post(fresh("acct"), "isolation"), None)
     assert seen == {POST: "serializable", PHASED: "read committed", OPTIONAL: default}
     assert response(unkeyed).isolation == default
 
@@ -182,12 +176,12 @@ async def test_a_serialization_failure_in_the_handler_is_a_retryable_abort(
 ) -> None:
     key, account = fresh(), fresh("acct")
     async with running_ledger(store) as ledger:
-        lost = await call_raw(ledger.channel, method, post(account, "conflict"), metadata(key))
+        lost = await ledger.call(method, post(account, "conflict"), key)
         assert lost.code is grpc.StatusCode.ABORTED
         assert lost.reason() == "IDEMPOTENCY_TRANSACTION_CONFLICT"
         assert await ledger_rows(store, account) == 0
         # The key was released (phased: its lease ended): the retry runs at once, and once.
-        retry = await call_raw(ledger.channel, method, post(account, "conflict"), metadata(key))
+        retry = await ledger.call(method, post(account, "conflict"), key)
         assert retry.code is grpc.StatusCode.OK and not retry.replayed
         assert ledger.service.executions == 2
     assert await ledger_rows(store, account) == 1
@@ -204,16 +198,12 @@ async def test_a_connection_lost_under_the_handler_is_unavailable_and_releases_t
     which no retry policy retries, with the driver's text."""
     key, account = fresh(), fresh("acct")
     async with running_ledger(store) as ledger:
-        lost = await call_raw(
-            ledger.channel, method, post(account, "kill-connection"), metadata(key)
-        )
+        lost = await ledger.call(method, post(account, "kill-connection"), key)
         assert lost.code is grpc.StatusCode.UNAVAILABLE, (lost.code, lost.details)
         assert lost.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
         assert "asyncpg" not in (lost.details or "") and "Unexpected" not in (lost.details or "")
         assert await ledger_rows(store, account) == 0
-        retry = await call_raw(
-            ledger.channel, method, post(account, "kill-connection"), metadata(key)
-        )
+        retry = await ledger.call(method, post(account, "kill-connection"), key)
         assert retry.code is grpc.StatusCode.OK and not retry.replayed
     assert await ledger_rows(store, account) == 1
 
@@ -224,9 +214,7 @@ async def test_a_failed_statement_of_the_handler_is_internal_without_the_drivers
     key, account = fresh(), fresh("acct")
     async with running_ledger(store) as ledger:
         with caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"):
-            failed = await call_raw(
-                ledger.channel, POST, post(account, "table-missing"), metadata(key)
-            )
+            failed = await ledger.call(POST, post(account, "table-missing"), key)
     assert failed.code is grpc.StatusCode.INTERNAL
     assert failed.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
     assert "42P01" in (failed.details or "") and "no_such_table" not in (failed.details or "")
@@ -245,11 +233,11 @@ async def test_a_response_over_max_response_bytes_is_a_recorded_error_and_nothin
     and then fail RESOURCE_EXHAUSTED on every retry. Now nothing commits but the answer."""
     key, account = fresh(), fresh("acct")
     async with running_ledger(store) as ledger:
-        first = await call_raw(ledger.channel, POST, post(account, "big:2000000"), metadata(key))
+        first = await ledger.call(POST, post(account, "big:2000000"), key)
         assert first.code is grpc.StatusCode.FAILED_PRECONDITION
         assert first.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
         assert "1048576" in (first.details or "")
-        retry = await call_raw(ledger.channel, POST, post(account, "big:2000000"), metadata(key))
+        retry = await ledger.call(POST, post(account, "big:2000000"), key)
         assert retry.replayed and retry.code is grpc.StatusCode.FAILED_PRECONDITION
         assert retry.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
         assert ledger.service.executions == 1
@@ -337,7 +325,7 @@ async def test_a_permanent_store_error_is_logged_and_not_answered_as_retryable(
     unmigrated = Store(store.pool, schema=f"gi_nowhere_{uuid.uuid4().hex[:8]}")
     async with running_ledger(unmigrated) as ledger:
         with caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"):
-            answer = await call_raw(ledger.channel, POST, post(fresh("acct")), metadata(fresh()))
+            answer = await ledger.call(POST, post(fresh("acct")), fresh())
         assert answer.code is grpc.StatusCode.INTERNAL
         assert answer.reason() == "IDEMPOTENCY_STORE_MISCONFIGURED"
         assert ledger.service.executions == 0

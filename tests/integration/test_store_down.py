@@ -15,7 +15,6 @@ from tests.support.ledger import (
     RunningLedger,
     fresh,
     ledger_rows,
-    metadata,
     prepare,
     running_ledger,
 )
@@ -56,25 +55,25 @@ async def test_store_down_fails_closed_then_recovers_without_restart(
     ledger: RunningLedger, private_pg: EmbeddedPostgres, private_store: Store
 ) -> None:
     account = fresh("acct")
-    warm = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(fresh()))
+    warm = await ledger.call(SVC + "Post", post(account), fresh())
     assert warm.code is grpc.StatusCode.OK
 
     private_pg.stop(mode="immediate")  # as abrupt as a crash: pooled connections die
     key = fresh()
-    down = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(key))
+    down = await ledger.call(SVC + "Post", post(account), key)
     assert down.code is grpc.StatusCode.UNAVAILABLE
     assert down.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
     assert ledger.service.executions == 1  # the handler never ran while the store was down
 
     # Fail-open methods run without deduplication and are counted as bypassed.
-    opened = await call_raw(ledger.channel, SVC + "PostFailOpen", post(account), metadata(fresh()))
+    opened = await ledger.call(SVC + "PostFailOpen", post(account), fresh())
     assert opened.code is grpc.StatusCode.OK
     assert ledger.service.executions == 2
 
     private_pg.start()
-    back = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(key))
+    back = await ledger.call(SVC + "Post", post(account), key)
     assert back.code is grpc.StatusCode.OK and not back.replayed
-    again = await call_raw(ledger.channel, SVC + "Post", post(account), metadata(key))
+    again = await ledger.call(SVC + "Post", post(account), key)
     assert again.replayed and again.body == back.body
     assert await ledger_rows(private_store, account) == 2
 
@@ -95,12 +94,12 @@ async def test_bad_keys_are_refused_without_a_database_round_trip(
 ) -> None:
     # With the database stopped, any round trip would turn the answer into UNAVAILABLE.
     private_pg.stop(mode="immediate")
-    good = await call_raw(ledger.channel, SVC + "Post", post("x"), metadata(fresh()))
+    good = await ledger.call(SVC + "Post", post("x"), fresh())
     assert good.code is grpc.StatusCode.UNAVAILABLE  # proves the store really is unreachable
     answer = await call_raw(ledger.channel, SVC + "Post", post("x"), (("x-tenant-id", "t"), *md))  # type: ignore[arg-type]
     assert answer.code is grpc.StatusCode.INVALID_ARGUMENT
     assert answer.reason() == "IDEMPOTENCY_KEY_INVALID"
-    missing = await call_raw(ledger.channel, SVC + "Post", post("x"), metadata(None))
+    missing = await ledger.call(SVC + "Post", post("x"), None)
     assert missing.reason() == "IDEMPOTENCY_KEY_MISSING"
     assert ledger.service.executions == 0
 

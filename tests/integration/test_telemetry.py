@@ -15,8 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, Telemetry
-from tests.support.ledger import fresh, metadata, running_ledger
-from tests.support.wire import call_raw
+from tests.support.ledger import fresh, running_ledger
 
 POST = "/testsvc.v1.LedgerService/Post"
 
@@ -32,24 +31,14 @@ async def test_one_span_per_keyed_call_with_its_outcome(store: Store) -> None:
     async with running_ledger(store, telemetry=telemetry) as ledger:
         key, account = fresh(), fresh("acct")
         request = testsvc_pb2.PostRequest(account=account)
-        await call_raw(ledger.channel, POST, request, metadata(key))
-        await call_raw(ledger.channel, POST, request, metadata(key))
-        await call_raw(
-            ledger.channel, POST, testsvc_pb2.PostRequest(account="other"), metadata(key)
+        await ledger.call(POST, request, key)
+        await ledger.call(POST, request, key)
+        await ledger.call(POST, testsvc_pb2.PostRequest(account="other"), key)
+        await ledger.call(POST, request, "bad key")
+        await ledger.call(
+            POST, testsvc_pb2.PostRequest(account=account, behaviour="raise"), fresh()
         )
-        await call_raw(ledger.channel, POST, request, metadata("bad key"))
-        await call_raw(
-            ledger.channel,
-            POST,
-            testsvc_pb2.PostRequest(account=account, behaviour="raise"),
-            metadata(fresh()),
-        )
-        await call_raw(
-            ledger.channel,
-            "/testsvc.v1.LedgerService/Peek",
-            testsvc_pb2.PeekRequest(),
-            metadata(None),
-        )
+        await ledger.call("/testsvc.v1.LedgerService/Peek", testsvc_pb2.PeekRequest(), None)
 
     outcomes = [s.attributes["grpc_idempotency.outcome"] for s in spans.get_finished_spans()]
     assert outcomes == ["executed", "replayed", "mismatch", "rejected", "released"]  # Peek: no span
@@ -92,8 +81,8 @@ def test_works_without_the_opentelemetry_sdk(pg_dsn: str) -> None:
             async with running_ledger(store) as ledger:
                 key = fresh()
                 req = testsvc_pb2.PostRequest(account=fresh())
-                a = await call_raw(ledger.channel, "/testsvc.v1.LedgerService/Post", req, metadata(key))
-                b = await call_raw(ledger.channel, "/testsvc.v1.LedgerService/Post", req, metadata(key))
+                a = await ledger.call("/testsvc.v1.LedgerService/Post", req, key)
+                b = await ledger.call("/testsvc.v1.LedgerService/Post", req, key)
                 assert a.code == grpc.StatusCode.OK and b.replayed, (a, b)
             await store.close()
             assert not any(m.startswith("opentelemetry.sdk") for m in sys.modules)

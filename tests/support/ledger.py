@@ -30,6 +30,7 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from tests.support.wire import Answer, call_raw
 
 LEDGER_SQL = """
 CREATE SCHEMA IF NOT EXISTS test_ledger;
@@ -240,6 +241,18 @@ class RunningLedger:
     address: str
     channel: grpc.aio.Channel
     stub: testsvc_pb2_grpc.LedgerServiceStub
+
+    async def call(
+        self,
+        method: str,
+        request: Any,
+        key: str | None,
+        tenant: str = "tenant-a",
+        *,
+        timeout: float | None = 10.0,
+    ) -> Answer:
+        """``call_raw`` on this server's channel, with ``metadata(key, tenant)``."""
+        return await call_raw(self.channel, method, request, metadata(key, tenant), timeout)
 
 
 @contextlib.asynccontextmanager
