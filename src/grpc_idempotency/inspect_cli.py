@@ -734,6 +734,8 @@ def _ts(t: datetime | None) -> str:
 
 
 def _seconds(s: float) -> str:
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
     if s < 120:
         return f"{s:.1f} s"
     if s < 7200:
@@ -878,8 +880,10 @@ def render_tree(
         if t.duplicates:
             lines.append(f"DUPLICATED: {', '.join(t.duplicates)} reached more than one record")
         if t.missing:
-            lines.append(f"not found: {', '.join(t.missing)} (not called, or its store is not"
-                         " configured)")  # fmt: skip
+            lines.append(
+                f"nothing under: {', '.join(t.missing)} (steps the handler did not take, or"
+                " whose store is not configured)"
+            )
     if not descriptors.given:
         lines.append("(no --proto-module or --descriptor-set: responses shown as bytes)")
     return lines

@@ -1,0 +1,403 @@
+"""``grpc-idempotency inspect`` and ``list`` against real stores, run as a user runs them.
+
+Two services on their own schemas of the session's PostgreSQL: RelayService.Forward (phased,
+steps calling LedgerService) in one, LedgerService in the other, both real grpc.aio servers.
+Each test makes real calls through them, then runs the command as a subprocess
+(``python -m grpc_idempotency.cli``) and checks what it prints against what the stores hold:
+the child key is ``child_key(scope, key, step)``, the child record is found in the other store,
+stored responses are decoded with the generated module or a descriptor set (and shown as bytes
+without either), recorded errors and outbox rows appear, and the exit status says found (0),
+not found (3), unreachable (1) or unusable (2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store, child_key
+from tests.e2e.procs import free_port
+from tests.support.ledger import RunningLedger, fresh, metadata, running_ledger
+from tests.support.relay import RunningRelay, running_relay
+from tests.support.schemas import fresh_store
+
+ROOT = Path(__file__).resolve().parents[2]
+FORWARD = "/testsvc.v1.RelayService/Forward"
+POST = "/testsvc.v1.LedgerService/Post"
+MODULE = "testsvc.v1.testsvc_pb2"
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+async def cli(*args: str, env: dict[str, str] | None = None) -> Done:
+    """The command as a subprocess, without the caller's PG* / GRPC_IDEMPOTENCY_* settings; the
+    generated test modules stay importable (PYTHONPATH, set by tests/conftest.py)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "grpc_idempotency.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**clean, **(env or {})},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return Done(proc.returncode, out.decode(), err.decode())
+
+
+@dataclass
+class Services:
+    dsn: str
+    forward: Store
+    ledger_store: Store
+    ledger: RunningLedger
+    relay: RunningRelay
+
+    def stores(self) -> list[str]:
+        """--dsn and one --schema per service."""
+        return [
+            "--dsn", self.dsn, "--schema", self.forward.schema, "--schema", self.ledger_store.schema
+        ]  # fmt: skip
+
+
+@pytest.fixture
+async def services(pg_dsn: str, store: Store) -> AsyncIterator[Services]:
+    # ``store`` (the session's) has created the ledger's business table.
+    async with (
+        fresh_store(pg_dsn, "insp_fwd") as forward,
+        fresh_store(pg_dsn, "insp_ledger") as ledger_store,
+        running_ledger(ledger_store) as ledger,
+        running_relay(forward, ledger.address) as relay,
+    ):
+        yield Services(pg_dsn, forward, ledger_store, ledger, relay)
+
+
+async def forward(s: Services, key: str, tenant: str) -> testsvc_pb2.ForwardResponse:
+    request = testsvc_pb2.ForwardRequest(account=fresh("acct"), mode="post")
+    response: testsvc_pb2.ForwardResponse = await s.relay.stub.Forward(
+        request, metadata=metadata(key, tenant)
+    )
+    return response
+
+
+def step_of(operation: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [s for s in operation["steps"] if s["step"] == name]
+    return found
+
+
+async def test_inspect_shows_the_operation_its_child_key_and_the_child_in_the_other_store(
+    services: Services,
+) -> None:
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    response = await forward(services, key, tenant)
+
+    done = await cli("inspect", *services.stores(), "--proto-module", MODULE,
+                     "--scope", scope, key, "--json")  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    report = done.json()
+    assert report["found"] is True
+    (op,) = report["operations"]
+    assert op["service"] == services.forward.schema
+    assert (op["scope"], op["key"], op["method"]) == (scope, key, FORWARD)
+    assert op["state"] == "completed" and op["status_code"] == 0
+    assert op["claims"] == 1 and op["lease"] is None and op["expired"] is False
+    assert op["response"]["type"] == "testsvc.v1.ForwardResponse"
+    assert op["response"]["decoded"]["entry_id"] == str(response.entry_id)  # int64: a string
+    assert op["response"]["decoded"]["execution_nonce"] == response.execution_nonce
+    assert op["steps_known"] is True
+
+    post = step_of(op, "post-ledger.v1")
+    assert post["key"] == child_key(scope, key, "post-ledger.v1")
+    assert post["call"] == POST and post["in_effect"] is True
+    assert post["looked_in"] == [services.forward.schema, services.ledger_store.schema]
+    (child,) = post["records"]
+    assert child["service"] == services.ledger_store.schema
+    assert (child["method"], child["state"], child["key"]) == (POST, "completed", post["key"])
+    assert child["response"]["decoded"]["entry_id"] == str(response.entry_id)
+    # The steps this run did not take derive keys that reached nothing.
+    for other in ("post-phased-a.v1", "post-phased-b.v1"):
+        assert step_of(op, other)["records"] == []
+    assert op["totals"]["effects_by_step"] == {
+        "post-ledger.v1": 1, "post-phased-a.v1": 0, "post-phased-b.v1": 0
+    }  # fmt: skip
+    assert op["totals"]["duplicates"] == []
+
+    # The same facts as a tree.
+    tree = await cli("inspect", *services.stores(), "--proto-module", MODULE, "--scope", scope, key)
+    assert tree.returncode == 0, tree.stderr
+    text = tree.stdout
+    assert f"{FORWARD}  completed OK  [{services.forward.schema}]" in text
+    assert f"{POST}  completed OK  [{services.ledger_store.schema}]" in text
+    assert f"step post-ledger.v1 -> {POST}" in text
+    assert f"key {post['key']}" in text
+    assert f'entry_id: "{response.entry_id}"' in text
+    assert "effects: post-ledger.v1 x1, post-phased-a.v1 x0, post-phased-b.v1 x0" in text
+
+
+async def test_a_descriptor_set_decodes_and_declares_steps_without_the_module(
+    services: Services, tmp_path: Path
+) -> None:
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    response = await forward(services, key, tenant)
+    image = tmp_path / "testsvc.binpb"
+    protoc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "grpc_tools.protoc",
+        f"-I{ROOT / 'tests' / 'protos'}", f"-I{ROOT / 'src' / 'grpc_idempotency' / '_proto'}",
+        "--include_imports", f"--descriptor_set_out={image}", "testsvc/v1/testsvc.proto",
+    )  # fmt: skip
+    assert await protoc.wait() == 0
+
+    done = await cli("inspect", *services.stores(), "--descriptor-set", str(image),
+                     "--scope", scope, key, "--json")  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    (op,) = done.json()["operations"]
+    assert op["response"]["decoded"]["execution_nonce"] == response.execution_nonce
+    (child,) = step_of(op, "post-ledger.v1")["records"]
+    assert child["response"]["decoded"]["entry_id"] == str(response.entry_id)
+
+
+async def test_without_descriptors_the_response_is_shown_as_bytes(services: Services) -> None:
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    await forward(services, key, tenant)
+    stored = bytes(
+        await services.forward.pool.fetchval(
+            f'SELECT response FROM "{services.forward.schema}".records'
+            " WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+        )
+    )
+
+    done = await cli("inspect", *services.stores(), "--scope", scope, key, "--json")
+
+    assert done.returncode == 0, done.stderr
+    (op,) = done.json()["operations"]
+    assert op["steps_known"] is False and op["steps"] == []
+    shown = op["response"]
+    assert shown["size"] == len(stored) and "decoded" not in shown
+    assert shown["hex_prefix"] == stored[:32].hex()
+    assert base64.b64decode(shown["base64_prefix"]) == stored[:32]
+    assert "--proto-module" in shown["undecoded"]
+    tree = await cli("inspect", *services.stores(), "--scope", scope, key)
+    assert tree.returncode == 0, tree.stderr
+    assert f"({len(stored)} bytes, not decoded" in tree.stdout
+    assert f"hex {stored[:32].hex()}" in tree.stdout
+    assert "steps unknown" in tree.stdout
+
+
+async def test_outbox_rows_and_recorded_errors(services: Services) -> None:
+    tenant = fresh("tenant")
+    scope = f"tenant:{tenant}"
+    stub = services.ledger.stub
+    event_key, error_key = fresh(), fresh()
+    posted = await stub.PostWithEvent(
+        testsvc_pb2.PostRequest(account=fresh("acct"), amount=7),
+        metadata=metadata(event_key, tenant),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await stub.Post(
+            testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="rich"),
+            metadata=metadata(error_key, tenant),
+        )
+    assert failed.value.code() is grpc.StatusCode.NOT_FOUND
+
+    done = await cli("inspect", *services.stores(), "--proto-module", MODULE,
+                     "--scope", scope, event_key, "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (op,) = done.json()["operations"]
+    assert op["service"] == services.ledger_store.schema
+    event = step_of(op, "entry-posted.v1")
+    assert event["kind"] == "outbox" and event["key"] == child_key(
+        scope, event_key, "entry-posted.v1"
+    )
+    (row,) = event["outbox"]
+    assert (row["key"], row["state"], row["attempts"]) == (event["key"], "pending", 0)
+    assert row["payload"]["type"] == "testsvc.v1.PostResponse"
+    assert row["payload"]["decoded"]["entry_id"] == str(posted.entry_id)
+    assert op["totals"]["effects_by_step"] == {"entry-posted.v1": 1}
+
+    done = await cli("inspect", *services.stores(), "--proto-module", MODULE,
+                     "--scope", scope, error_key, "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (op,) = done.json()["operations"]
+    assert op["state"] == "error" and op["response"] is None
+    assert op["error"]["code"] == "NOT_FOUND"
+    assert op["error"]["message"] == "no such account"
+    (detail,) = op["error"]["details"]
+    assert detail["@type"].endswith("google.rpc.ErrorInfo")
+    assert detail["reason"] == "ACCOUNT_MISSING"
+    tree = await cli("inspect", *services.stores(), "--scope", scope, error_key)
+    assert "recorded error: NOT_FOUND: no such account" in tree.stdout
+
+
+async def test_an_operation_in_progress_shows_its_lease(services: Services) -> None:
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    ledger = services.ledger
+    call = asyncio.ensure_future(
+        ledger.stub.PostPhased(
+            testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="wait"),
+            metadata=metadata(key, tenant),
+        )
+    )
+    try:
+        await asyncio.wait_for(ledger.service.started.wait(), 10)
+
+        done = await cli("inspect", *services.stores(), "--scope", scope, key, "--json")
+        assert done.returncode == 0, done.stderr
+        (op,) = done.json()["operations"]
+        assert op["state"] == "in_progress" and op["completed_at"] is None
+        assert op["lease"] is not None and op["lease"]["locked_until"] is not None
+        listed = await cli("list", "--dsn", services.dsn, "--schema", services.ledger_store.schema,
+                           "--scope", scope, "--state", "in_progress", "--json")  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        assert [json.loads(line)["key"] for line in listed.stdout.splitlines()] == [key]
+    finally:
+        ledger.service.release.set()
+        await call
+
+
+async def test_list_filters_by_state_and_method(services: Services) -> None:
+    tenant = fresh("tenant")
+    scope = f"tenant:{tenant}"
+    stub = services.ledger.stub
+    ok_keys = [fresh(), fresh()]
+    for key in ok_keys:
+        await stub.Post(
+            testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(key, tenant)
+        )
+    error_key = fresh()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await stub.Post(
+            testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="NOT_FOUND"),
+            metadata=metadata(error_key, tenant),
+        )
+    event_key = fresh()
+    await stub.PostWithEvent(
+        testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(event_key, tenant)
+    )
+    base = [
+        "list",
+        "--dsn",
+        services.dsn,
+        "--schema",
+        services.ledger_store.schema,
+        "--scope",
+        scope,
+    ]
+
+    async def keys(*extra: str) -> tuple[int, list[dict[str, Any]]]:
+        done = await cli(*base, "--json", *extra)
+        assert done.returncode in (0, 3), done.stderr
+        return done.returncode, [json.loads(line) for line in done.stdout.splitlines()]
+
+    code, every = await keys()
+    assert code == 0
+    # Newest first.
+    assert [r["key"] for r in every] == [event_key, error_key, *reversed(ok_keys)]
+    assert {r["state"] for r in every} == {"completed", "error"}
+    _, errors = await keys("--state", "error")
+    assert [(r["key"], r["status_code"]) for r in errors] == [(error_key, 5)]
+    _, completed = await keys("--state", "completed", "--method", POST)
+    assert [r["key"] for r in completed] == list(reversed(ok_keys))
+    _, limited = await keys("--limit", "1")
+    assert [r["key"] for r in limited] == [event_key]
+    code, none = await keys("--state", "in_progress")
+    assert (code, none) == (3, [])
+
+    table = await cli(*base)
+    assert table.returncode == 0, table.stderr
+    assert "error NOT_FOUND" in table.stdout and error_key in table.stdout
+    assert "4 record(s)" in table.stdout
+    empty = await cli("list", "--dsn", services.dsn, "--schema", services.ledger_store.schema,
+                      "--scope", "tenant:nobody-" + fresh())  # fmt: skip
+    assert empty.returncode == 3 and "no records under" in empty.stdout
+
+
+async def test_a_config_file_names_the_services(services: Services, tmp_path: Path) -> None:
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    response = await forward(services, key, tenant)
+    config = tmp_path / "inspect.toml"
+    config.write_text(
+        f"""
+proto_modules = ["{MODULE}"]
+
+[services.relay]
+dsn_env = "INSPECT_TEST_DSN"
+schema = "{services.forward.schema}"
+
+[services.ledger]
+dsn_env = "INSPECT_TEST_DSN"
+schema = "{services.ledger_store.schema}"
+"""
+    )
+    done = await cli("inspect", "--config", str(config), "--scope", scope, key, "--json",
+                     env={"INSPECT_TEST_DSN": services.dsn})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (op,) = done.json()["operations"]
+    assert op["service"] == "relay"
+    (child,) = step_of(op, "post-ledger.v1")["records"]
+    assert child["service"] == "ledger"
+    assert child["response"]["decoded"]["entry_id"] == str(response.entry_id)
+
+    unset = await cli("inspect", "--config", str(config), "--scope", scope, key)
+    assert unset.returncode == 2 and "INSPECT_TEST_DSN" in unset.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[services.relay\n")
+    bad = await cli("inspect", "--config", str(broken), "--scope", scope, key)
+    assert bad.returncode == 2 and "not valid TOML" in bad.stderr
+
+
+async def test_exit_status_not_found_unreachable_unusable(services: Services, pg_dsn: str) -> None:
+    missing = await cli("inspect", *services.stores(), "--scope", "tenant:x", fresh(), "--json")
+    assert missing.returncode == 3, missing.stderr
+    assert missing.json()["found"] is False and missing.json()["operations"] == []
+    text = await cli("inspect", *services.stores(), "--scope", "tenant:x", "nope")
+    assert text.returncode == 3 and "tenant:x nope: no record in" in text.stdout
+
+    port = free_port()
+    unreachable = await cli(
+        "inspect", "--dsn", f"postgresql://u:s3cret@127.0.0.1:{port}/db", "--scope", "s", "k"
+    )
+    assert unreachable.returncode == 1, unreachable.stderr
+    assert f"127.0.0.1:{port}" in unreachable.stderr and "s3cret" not in unreachable.stderr
+    assert "store: grpc_idempotency" in unreachable.stderr
+
+    unmigrated = await cli("inspect", "--dsn", pg_dsn, "--schema", "no_such_schema_here",
+                           "--scope", "s", "k")  # fmt: skip
+    assert unmigrated.returncode == 2, unmigrated.stderr
+    assert "grpc-idempotency migrate" in unmigrated.stderr
+
+    pairs = await cli("inspect", "--dsn", pg_dsn, "--dsn", pg_dsn, "--schema", "a", "--schema",
+                      "b", "--schema", "c", "--scope", "s", "k")  # fmt: skip
+    assert pairs.returncode == 2 and "paired in order" in pairs.stderr
+    module = await cli("inspect", "--dsn", pg_dsn, "--proto-module", "no.such_pb2",
+                       "--scope", "s", "k")  # fmt: skip
+    assert module.returncode == 2 and "no.such_pb2" in module.stderr
