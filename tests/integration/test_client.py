@@ -21,10 +21,9 @@ from grpc_idempotency.client import (
     service_config,
 )
 from grpc_idempotency.core.retry import RetryPolicy
-from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.relay import running_relay
 from tests.support.waiting import until
-from tests.support.wire import call_raw
 
 TENANT_MD = (("x-tenant-id", "tenant-a"),)
 
@@ -180,24 +179,13 @@ def test_service_config_retries_keyed_methods_only() -> None:
 async def test_child_keys_follow_the_declared_step(ledger: RunningLedger, store: Store) -> None:
     async with running_relay(store, ledger.address) as relay:
         key, account = fresh(), fresh("acct")
-        md = metadata(key, "tenant-a")
-        first = await call_raw(
-            relay.channel,
-            "/testsvc.v1.RelayService/Forward",
-            testsvc_pb2.ForwardRequest(account=account, mode="post"),
-            md,
-        )
+        first = await relay.forward(testsvc_pb2.ForwardRequest(account=account, mode="post"), key)
         assert first.code is grpc.StatusCode.OK
         expected = child_key("tenant:tenant-a", key, "post-ledger.v1")
         assert ledger.service.keys_seen == [expected]
         assert ledger.service.tenants_seen == ["tenant-a"]  # forwarded
         # The parent's retry replays without calling downstream again.
-        again = await call_raw(
-            relay.channel,
-            "/testsvc.v1.RelayService/Forward",
-            testsvc_pb2.ForwardRequest(account=account, mode="post"),
-            md,
-        )
+        again = await relay.forward(testsvc_pb2.ForwardRequest(account=account, mode="post"), key)
         assert again.replayed and again.body == first.body
         assert ledger.service.keys_seen == [expected]
         assert await ledger_rows(store, account) == 1
@@ -208,16 +196,15 @@ async def test_a_parent_rerun_reaches_the_same_child_record(
 ) -> None:
     async with running_relay(store, ledger.address) as relay:
         key, account = fresh(), fresh("acct")
-        md = metadata(key, "tenant-a")
         request = testsvc_pb2.ForwardRequest(account=account, mode="post")
-        first = await call_raw(relay.channel, "/testsvc.v1.RelayService/Forward", request, md)
+        first = await relay.forward(request, key)
         # Forget the parent's outcome, as if the relay crashed before its final commit.
         await store.pool.execute(
             "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
             "tenant:tenant-a",
             key,
         )
-        second = await call_raw(relay.channel, "/testsvc.v1.RelayService/Forward", request, md)
+        second = await relay.forward(request, key)
         assert not second.replayed
         assert second.body == first.body  # the downstream child replayed the same entry
         assert await ledger_rows(store, account) == 1
@@ -230,12 +217,8 @@ async def test_two_tenants_with_one_parent_key_get_two_children(
     async with running_relay(store, ledger.address) as relay:
         key, account = fresh(), fresh("acct")
         request = testsvc_pb2.ForwardRequest(account=account, mode="post")
-        a = await call_raw(
-            relay.channel, "/testsvc.v1.RelayService/Forward", request, metadata(key, "tenant-a")
-        )
-        b = await call_raw(
-            relay.channel, "/testsvc.v1.RelayService/Forward", request, metadata(key, "tenant-b")
-        )
+        a = await relay.forward(request, key)
+        b = await relay.forward(request, key, "tenant-b")
         assert a.code is b.code is grpc.StatusCode.OK and a.body != b.body
         assert len(set(ledger.service.keys_seen)) == 2
         assert await ledger_rows(store, account) == 2
@@ -254,12 +237,7 @@ async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
 ) -> None:
     async with running_relay(store, ledger.address) as relay:
         key = fresh()
-        answer = await call_raw(
-            relay.channel,
-            "/testsvc.v1.RelayService/Forward",
-            testsvc_pb2.ForwardRequest(account=fresh(), mode=mode),
-            metadata(key),
-        )
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh(), mode=mode), key)
         assert answer.code is grpc.StatusCode.FAILED_PRECONDITION
         assert answer.reason() == reason
         assert ledger.service.keys_seen == []  # nothing reached the downstream service
@@ -274,21 +252,11 @@ async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
 async def test_named_step_and_unkeyed_reads(ledger: RunningLedger, store: Store) -> None:
     async with running_relay(store, ledger.address) as relay:
         key = fresh()
-        named = await call_raw(
-            relay.channel,
-            "/testsvc.v1.RelayService/Forward",
-            testsvc_pb2.ForwardRequest(account=fresh(), mode="named"),
-            metadata(key),
-        )
+        named = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh(), mode="named"), key)
         assert named.code is grpc.StatusCode.OK
         assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-phased-b.v1")]
         key2 = fresh()
-        read = await call_raw(
-            relay.channel,
-            "/testsvc.v1.RelayService/Forward",
-            testsvc_pb2.ForwardRequest(account=fresh(), mode="read"),
-            metadata(key2),
-        )
+        read = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh(), mode="read"), key2)
         assert read.code is grpc.StatusCode.OK
         assert ledger.service.keys_seen[1] is None  # Peek: unkeyed, passes through
         assert ledger.service.keys_seen[2] == child_key("tenant:tenant-a", key2, "post-ledger.v1")
@@ -296,12 +264,8 @@ async def test_named_step_and_unkeyed_reads(ledger: RunningLedger, store: Store)
 
 async def test_the_remaining_deadline_propagates(ledger: RunningLedger, store: Store) -> None:
     async with running_relay(store, ledger.address) as relay:
-        answer = await call_raw(
-            relay.channel,
-            "/testsvc.v1.RelayService/Forward",
-            testsvc_pb2.ForwardRequest(account=fresh(), mode="post"),
-            metadata(fresh()),
-            timeout=1.5,
+        answer = await relay.forward(
+            testsvc_pb2.ForwardRequest(account=fresh(), mode="post"), fresh(), timeout=1.5
         )
         assert answer.code is grpc.StatusCode.OK
         (remaining,) = ledger.service.deadlines_seen

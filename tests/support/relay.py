@@ -13,7 +13,10 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
 from grpc_idempotency.client import IdempotencyClientInterceptor, step
-from tests.support.ledger import TENANT
+from tests.support.ledger import TENANT, metadata
+from tests.support.wire import Answer, call_raw
+
+FORWARD = "/testsvc.v1.RelayService/Forward"
 
 
 class RelayService(testsvc_pb2_grpc.RelayServiceServicer):
@@ -50,6 +53,17 @@ class RunningRelay:
     server: grpc.aio.Server
     channel: grpc.aio.Channel
     stub: testsvc_pb2_grpc.RelayServiceStub
+
+    async def forward(
+        self,
+        request: testsvc_pb2.ForwardRequest,
+        key: str | None,
+        tenant: str = "tenant-a",
+        *,
+        timeout: float | None = 10.0,
+    ) -> Answer:
+        """RelayService.Forward through ``call_raw``, with ``metadata(key, tenant)``."""
+        return await call_raw(self.channel, FORWARD, request, metadata(key, tenant), timeout)
 
 
 @contextlib.asynccontextmanager
