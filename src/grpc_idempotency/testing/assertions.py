@@ -1,0 +1,67 @@
+"""Assertions on answers: was this one replayed from a stored outcome, or executed?
+
+A replay, whether of a response or of a recorded error, carries the initial metadata
+``idempotency-replayed: true`` (``core.wire.REPLAYED_METADATA``); an executed call never does.
+Both helpers take what a grpc.aio test has in hand: the call object (awaited already), the
+``grpc.aio.AioRpcError`` an error raised, or the initial metadata itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+from grpc_idempotency.core.wire import REPLAYED_HEADER, REPLAYED_METADATA
+
+__all__ = ["assert_not_replayed", "assert_replayed", "is_replayed"]
+
+_REPLAYED_VALUE = dict(REPLAYED_METADATA)[REPLAYED_HEADER]
+
+
+async def _initial_metadata(answer: Any) -> tuple[tuple[str, str | bytes], ...]:
+    metadata_of = getattr(answer, "initial_metadata", None)
+    if metadata_of is None:
+        if isinstance(answer, str | bytes) or not isinstance(answer, Iterable):
+            raise TypeError(
+                "expected a grpc.aio call, a grpc.aio.AioRpcError or initial metadata,"
+                f" not {type(answer).__name__}"
+            )
+        metadata: Any = answer
+    else:
+        metadata = metadata_of()  # async on a call, sync on an AioRpcError
+        if inspect.isawaitable(metadata):
+            metadata = await metadata
+    return tuple((str(name), value) for name, value in metadata or ())
+
+
+def _describe(metadata: tuple[tuple[str, str | bytes], ...]) -> str:
+    return ", ".join(f"{name}: {value!r}" for name, value in metadata) or "none"
+
+
+async def is_replayed(answer: Any) -> bool:
+    """Whether ``answer`` (an awaited grpc.aio call, an ``AioRpcError``, or initial metadata)
+    is a replay of a stored outcome."""
+    return (REPLAYED_HEADER, _REPLAYED_VALUE) in await _initial_metadata(answer)
+
+
+async def assert_replayed(answer: Any) -> None:
+    """Fails unless ``answer`` is a replay: ``await assert_replayed(call)`` after ``await call``,
+    or ``await assert_replayed(err)`` with the ``AioRpcError`` of a replayed recorded error."""
+    metadata = await _initial_metadata(answer)
+    if (REPLAYED_HEADER, _REPLAYED_VALUE) not in metadata:
+        raise AssertionError(
+            f"expected a replay (initial metadata '{REPLAYED_HEADER}: {_REPLAYED_VALUE}'), but"
+            f" the handler ran: initial metadata {_describe(metadata)}. Same key, same request,"
+            " and the method served through IdempotencyInterceptor with an idempotency option?"
+        )
+
+
+async def assert_not_replayed(answer: Any) -> None:
+    """Fails if ``answer`` is a replay: the call must have executed the handler."""
+    metadata = await _initial_metadata(answer)
+    if (REPLAYED_HEADER, _REPLAYED_VALUE) in metadata:
+        raise AssertionError(
+            f"expected an execution, but the answer is a replay ('{REPLAYED_HEADER}:"
+            f" {_REPLAYED_VALUE}'): the key was used before. Use a fresh key per operation."
+        )

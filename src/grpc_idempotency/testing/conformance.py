@@ -1,0 +1,680 @@
+"""The conformance kit: the idempotency test plan, run against a user's own service.
+
+Each check calls the user's method over gRPC, with real keys, on the user's server running as a
+child process (``python -m grpc_idempotency.testing.serve package.module:build_server``), and
+counts the business effect with the user's own query. A server started with a crash failpoint
+really dies (SIGKILL from inside, at that point of the request path); the retry then goes to
+another process of the same server, as it would to another replica. The checks:
+
+==========================  =================================================================
+``sequential_replay``       a retry with the same key replays the first answer byte for byte,
+                            and the effect happened once
+``mutated_payload``         the same key with another request is refused: FAILED_PRECONDITION,
+                            reason ``IDEMPOTENCY_KEY_REUSED``; nothing runs
+``concurrent_duplicates``   N duplicates at once, over two processes, one of them slow to
+                            commit: one execution, every answer the same bytes
+``crash`` (each point)      the server dies at ``after_claim``, ``before_commit`` or
+                            ``after_commit_before_response``; the retry executes once (or
+                            replays, when the crash came after COMMIT)
+``lost_response``           the client's deadline passes after COMMIT: the retry replays
+``deterministic_error``     a recorded error (INVALID_ARGUMENT, ...) is replayed, nothing kept
+``transient_error``         an attempt that fails unexpectedly after the handler ran is rolled
+                            back and released: the retry runs the handler
+==========================  =================================================================
+
+Use it by subclassing ``IdempotencyConformance`` in a test module (each check is a test), or
+drive a ``ConformancePlan`` directly. A failed check raises ``ConformanceFailure`` (an
+``AssertionError``) saying what the service did and what usually causes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pytest
+
+from grpc_idempotency.core import wire
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import KeyInProgress, KeyReused
+from grpc_idempotency.testing._process import ServerProcess
+
+if TYPE_CHECKING:
+    import asyncpg
+    import grpc
+
+__all__ = [
+    "CRASH_POINTS",
+    "ConformanceFailure",
+    "ConformancePlan",
+    "ConformanceTarget",
+    "IdempotencyConformance",
+]
+
+CRASH_POINTS: tuple[str, ...] = ("after_claim", "before_commit", "after_commit_before_response")
+"""The request path's failpoints the crash check kills the server at, in path order."""
+
+EffectCounter = Callable[["asyncpg.Connection[Any]", Any], Awaitable[int]]
+"""``async def count(db, request) -> int``: how many times ``request``'s business effect
+happened (rows written for it), read on a connection to the test database."""
+
+_NOT_INTERCEPTED = (
+    "Is the method served through IdempotencyInterceptor (last in the server's interceptors),"
+    " and does it have an idempotency option (or a MethodOverride)?"
+)
+_OUTSIDE_TRANSACTION = (
+    "The handler writes outside the call's transaction: write through"
+    " current_call().connection (or current_call().transaction() in phased mode), never through"
+    " a connection of your own."
+)
+
+
+class ConformanceFailure(AssertionError):
+    """A check of the conformance plan failed; the message says what the service did."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConformanceTarget:
+    """The method under test and how to reach, call and observe it.
+
+    ``server``: ``"package.module:build_server"``, run in child processes by
+    ``python -m grpc_idempotency.testing.serve`` (see that module). ``method``: the full name,
+    ``"/package.Service/Method"``. ``request()``: a fresh request, a new operation each time.
+    ``count_effects(db, request)``: the number of times that request's effect happened.
+    ``mutate(request)``: a request that must not reuse ``request``'s key (default: a fresh
+    ``request()``). ``error_request()``: a request the method answers with a deterministic error
+    (needed by the deterministic-error check only). ``metadata``: sent with every call
+    (credentials). ``server_env``: added to the server processes' environment.
+    """
+
+    server: str
+    method: str
+    request: Callable[[], Any]
+    count_effects: EffectCounter
+    mutate: Callable[[Any], Any] | None = None
+    error_request: Callable[[], Any] | None = None
+    metadata: Sequence[tuple[str, str]] = ()
+    server_env: Mapping[str, str] = field(default_factory=dict)
+    concurrency: int = 8
+    """Duplicates sent at once by the concurrency check."""
+    slow_commit_ms: int = 300
+    """How long one of the concurrency check's servers pauses before each COMMIT."""
+    call_timeout_s: float = 10.0
+    start_timeout_s: float = 60.0
+    lost_response_deadline_s: float = 2.0
+    """The client's deadline in the lost-response check: long enough for the handler to commit."""
+    in_progress_timeout_s: float = 30.0
+    """How long a retry keeps coming back while the key is in progress (after a crash in phased
+    mode, the dead owner's lease must run out first)."""
+
+    def __post_init__(self) -> None:
+        parts = self.method.split("/")
+        if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
+            raise ValueError(f"method must be '/package.Service/Method', not {self.method!r}")
+        if ":" not in self.server:
+            raise ValueError(f"server must be 'package.module:build_server', not {self.server!r}")
+        if self.concurrency < 2:
+            raise ValueError("concurrency must be at least 2")
+
+
+@dataclass(frozen=True)
+class _Answer:
+    code: grpc.StatusCode
+    details: str
+    data: bytes | None
+    initial_metadata: tuple[tuple[str, str | bytes], ...]
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.data is not None
+
+    @property
+    def replayed(self) -> bool:
+        return wire.REPLAYED_METADATA[0] in self.initial_metadata
+
+    @property
+    def reason(self) -> str | None:
+        return wire.reason_of(self.trailing_metadata)
+
+    @property
+    def status_details(self) -> bytes | None:
+        for name, value in self.trailing_metadata:
+            if name == wire.DETAILS_TRAILER and isinstance(value, bytes):
+                return value
+        return None
+
+    def __str__(self) -> str:
+        replay = ", replayed" if self.replayed else ""
+        if self.data is not None:
+            return f"OK ({len(self.data)} bytes{replay})"
+        reason = f", reason {self.reason}" if self.reason else ""
+        return f"{self.code.name} {self.details!r}{reason}{replay}"
+
+
+def _pairs(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+    return tuple((str(name), value) for name, value in metadata or ())
+
+
+def _bytes_diff(first: bytes, second: bytes) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), None)
+    where = f"first difference at byte {at}" if at is not None else "one is a prefix of the other"
+    return f"{len(first)} vs {len(second)} bytes, {where}: {first[:64]!r} vs {second[:64]!r}"
+
+
+class ConformancePlan:
+    """The checks, run against ``target`` on PostgreSQL ``dsn``; server output goes to
+    ``log_dir``. One server process without failpoints serves every check's ordinary calls and
+    retries; checks that need failpoints start (and stop) processes of their own. ``close()``
+    stops them all."""
+
+    def __init__(self, target: ConformanceTarget, dsn: str, log_dir: Path) -> None:
+        self.target = target
+        self.dsn = dsn
+        self.log_dir = log_dir
+        self._clean: ServerProcess | None = None
+        self._started: list[ServerProcess] = []
+
+    # -- processes and calls -------------------------------------------------------------
+
+    async def _start(self, failpoints: str | None, name: str) -> ServerProcess:
+        process = ServerProcess(
+            self.target.server,
+            self.dsn,
+            log_dir=self.log_dir,
+            name=f"{len(self._started):02d}-{name}",
+            failpoints=failpoints,
+            env=self.target.server_env,
+        )
+        self._started.append(process)
+        await process.start(self.target.start_timeout_s)
+        return process
+
+    async def _clean_server(self) -> ServerProcess:
+        if self._clean is None or self._clean.returncode is not None:
+            self._clean = await self._start(None, "server")
+        return self._clean
+
+    @contextlib.asynccontextmanager
+    async def _server_with(self, failpoints: str, name: str) -> AsyncIterator[ServerProcess]:
+        process = await self._start(failpoints, name)
+        try:
+            yield process
+        finally:
+            process.stop()
+
+    @contextlib.asynccontextmanager
+    async def _db(self) -> AsyncIterator[asyncpg.Connection[Any]]:
+        import asyncpg
+
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            yield conn
+        finally:
+            await conn.close()
+
+    def close(self) -> None:
+        """Stops every server process the plan started."""
+        for process in self._started:
+            process.stop()
+
+    def _key(self, check: str) -> str:
+        return f"conformance-{check}-{uuid.uuid4().hex}"
+
+    async def _call(
+        self, address: str, request: Any, key: str, *, timeout: float | None = None
+    ) -> _Answer:
+        import grpc
+
+        metadata = (*self.target.metadata, (wire.KEY_HEADER, key))
+        async with grpc.aio.insecure_channel(address) as channel:
+            method = channel.unary_unary(
+                self.target.method,
+                request_serializer=lambda message: message.SerializeToString(),
+                response_deserializer=None,  # the bytes on the wire, to compare replays with
+            )
+            call = method(request, metadata=metadata, timeout=timeout or self.target.call_timeout_s)
+            try:
+                data = await call
+            except grpc.aio.AioRpcError as err:
+                return _Answer(
+                    err.code(),
+                    err.details() or "",
+                    None,
+                    _pairs(err.initial_metadata()),
+                    _pairs(err.trailing_metadata()),
+                )
+            return _Answer(
+                grpc.StatusCode.OK,
+                await call.details() or "",
+                bytes(data),
+                _pairs(await call.initial_metadata()),
+                _pairs(await call.trailing_metadata()),
+            )
+
+    async def _settled(self, address: str, request: Any, key: str) -> _Answer:
+        """Calls until the key is no longer in progress elsewhere (bounded), honouring the
+        server's retry pushback, as a well-behaved client does."""
+        deadline = time.monotonic() + self.target.in_progress_timeout_s
+        while True:
+            answer = await self._call(address, request, key)
+            if answer.reason != KeyInProgress.reason or time.monotonic() > deadline:
+                return answer
+            pushback = wire.retry_after_ms(answer.trailing_metadata) or 50
+            await asyncio.sleep(min(max(pushback, 10), 1000) / 1000)
+
+    async def _count(self, db: asyncpg.Connection[Any], request: Any) -> int:
+        return int(await self.target.count_effects(db, request))
+
+    def _fail(
+        self, check: str, message: str, *processes: ServerProcess | None
+    ) -> ConformanceFailure:
+        logs = "".join(f"\n{p.describe()}:\n{p.logs()}" for p in processes if p is not None)
+        return ConformanceFailure(f"[{check}] {message}{logs}")
+
+    async def _first(self, check: str, server: ServerProcess, request: Any, key: str) -> _Answer:
+        answer = await self._call(server.address, request, key)
+        if not answer.ok:
+            raise self._fail(
+                check,
+                f"the first call with a new key failed: {answer}; the request factory must make"
+                " a request the method answers OK",
+                server,
+            )
+        if answer.replayed:
+            raise self._fail(check, f"the first call with a new key was a replay: {answer}")
+        return answer
+
+    # -- the checks ----------------------------------------------------------------------
+
+    async def check_sequential_replay(self) -> None:
+        """A retry with the same key and request replays the first answer, byte for byte, and
+        the business effect happened once."""
+        check = "sequential replay"
+        server = await self._clean_server()
+        request, key = self.target.request(), self._key("replay")
+        async with self._db() as db:
+            first = await self._first(check, server, request, key)
+            if (count := await self._count(db, request)) != 1:
+                raise self._fail(check, f"one call made {count} business effects, expected 1")
+            retry = await self._call(server.address, request, key)
+            count = await self._count(db, request)
+        if count != 1:
+            raise self._fail(
+                check, f"the retry executed again: {count} business effects. {_NOT_INTERCEPTED}"
+            )
+        if not retry.ok:
+            raise self._fail(check, f"the retry failed: {retry}", server)
+        if not retry.replayed:
+            raise self._fail(
+                check, f"the retry was not marked as a replay: {retry}. {_NOT_INTERCEPTED}"
+            )
+        if retry.data != first.data:
+            assert first.data is not None and retry.data is not None
+            raise self._fail(
+                check,
+                "the replayed response differs from the first one:"
+                f" {_bytes_diff(first.data, retry.data)}",
+            )
+
+    async def check_mutated_payload(self) -> None:
+        """The same key with another request is refused (FAILED_PRECONDITION, reason
+        ``IDEMPOTENCY_KEY_REUSED``) and runs nothing."""
+        check = "mutated payload"
+        server = await self._clean_server()
+        request, key = self.target.request(), self._key("mutated")
+        mutated = (self.target.mutate or (lambda _: self.target.request()))(request)
+        if mutated.SerializeToString(deterministic=True) == request.SerializeToString(
+            deterministic=True
+        ):
+            raise ValueError("mutate(request) returned an equal request: change a field")
+        async with self._db() as db:
+            await self._first(check, server, request, key)
+            before = await self._count(db, mutated)
+            answer = await self._call(server.address, mutated, key)
+            original, after = await self._count(db, request), await self._count(db, mutated)
+        if answer.ok or after != before:
+            raise self._fail(
+                check,
+                f"another request with a used key ran: {answer}, its effects {before} -> {after}."
+                f" {_NOT_INTERCEPTED} (Fields marked fingerprint = EXCLUDE do not count: mutate"
+                " one that does.)",
+            )
+        refused = answer.code.value[0] == int(Code.FAILED_PRECONDITION)
+        if not refused or answer.reason != KeyReused.reason:
+            raise self._fail(
+                check,
+                f"expected FAILED_PRECONDITION with reason {KeyReused.reason}, got {answer}",
+                server,
+            )
+        if original != 1:
+            raise self._fail(check, f"the first request's effect count is {original}, expected 1")
+
+    async def check_concurrent_duplicates(self) -> None:
+        """``concurrency`` duplicates at once, spread over two server processes (one pausing
+        before each COMMIT): the effect happens once, one answer executes, the others replay
+        the same bytes (or are told the key is in progress)."""
+        check = "concurrent duplicates"
+        n = self.target.concurrency
+        clean = await self._clean_server()
+        slow_points = f"before_commit=sleep:{self.target.slow_commit_ms}"
+        async with self._server_with(slow_points, "slow") as slow, self._db() as db:
+            request, key = self.target.request(), self._key("concurrent")
+            servers = [slow, clean] * n
+            answers = await asyncio.gather(
+                *(self._call(servers[i].address, request, key) for i in range(n))
+            )
+            count = await self._count(db, request)
+        summary = ", ".join(str(a) for a in answers)
+        if count != 1:
+            raise self._fail(
+                check,
+                f"{n} concurrent duplicates made {count} business effects: {summary}."
+                f" {_NOT_INTERCEPTED}",
+            )
+        unexpected = [a for a in answers if not a.ok and a.reason != KeyInProgress.reason]
+        if unexpected:
+            raise self._fail(check, f"unexpected answers: {summary}", clean, slow)
+        oks = [a for a in answers if a.ok]
+        executed = [a for a in oks if not a.replayed]
+        if not oks or len(executed) != 1:
+            raise self._fail(
+                check, f"expected exactly one executed answer among the OKs, got: {summary}"
+            )
+        if any(a.data != executed[0].data for a in oks):
+            raise self._fail(check, f"the duplicates were answered different bytes: {summary}")
+
+    async def check_crash(self, point: str) -> None:
+        """The server dies (SIGKILL) at failpoint ``point``; a retry with the same key on
+        another process executes once (or replays, after COMMIT), and the effect exists once."""
+        if point not in CRASH_POINTS:
+            raise ValueError(f"point must be one of {CRASH_POINTS}, not {point!r}")
+        check = f"crash at {point}"
+        committed = point == "after_commit_before_response"
+        request, key = self.target.request(), self._key(point)
+        clean = await self._clean_server()
+        async with self._server_with(f"{point}=crash", f"crash-{point}") as doomed:
+            answer = await self._call(doomed.address, request, key)
+            code = await doomed.wait_exit(self.target.call_timeout_s)
+            if answer.ok or code is None:
+                raise self._fail(
+                    check,
+                    f"the failpoint never fired: the call answered {answer} and the server"
+                    f" {'is still running' if code is None else f'exited with {code}'}."
+                    f" {_NOT_INTERCEPTED}",
+                    doomed,
+                )
+        async with self._db() as db:
+            left = await self._count(db, request)
+            expected = 1 if committed else 0
+            if left != expected:
+                cause = _OUTSIDE_TRANSACTION if left > expected else "The effect was lost."
+                raise self._fail(
+                    check,
+                    f"after the crash the effect count is {left}, expected {expected}. {cause}",
+                )
+            retry = await self._settled(clean.address, request, key)
+            count = await self._count(db, request)
+            again = await self._call(clean.address, request, key)
+        if count != 1:
+            raise self._fail(
+                check, f"after the retry the effect count is {count}, expected 1: {retry}", clean
+            )
+        if not retry.ok:
+            raise self._fail(check, f"the retry after the crash failed: {retry}", clean)
+        if retry.replayed != committed:
+            expected_answer = "a replay of the committed" if committed else "a new execution"
+            raise self._fail(check, f"the retry should be {expected_answer} answer: {retry}")
+        if not (again.ok and again.replayed and again.data == retry.data):
+            raise self._fail(check, f"a second retry should replay the first retry: {again}")
+
+    async def check_lost_response(self) -> None:
+        """The client's deadline passes after COMMIT, before the answer: the retry replays the
+        committed outcome and the effect exists once."""
+        check = "lost response"
+        deadline = self.target.lost_response_deadline_s
+        hold_ms = int((deadline + self.target.call_timeout_s) * 1000)
+        request, key = self.target.request(), self._key("lost")
+        clean = await self._clean_server()
+        points = f"after_commit_before_response=sleep:{hold_ms}"
+        async with self._server_with(points, "lost-response") as holding, self._db() as db:
+            lost = await self._call(holding.address, request, key, timeout=deadline)
+            committed = await self._count(db, request)
+            if lost.ok:
+                raise self._fail(
+                    check,
+                    f"the answer arrived despite a {hold_ms} ms pause after COMMIT: {lost}."
+                    f" {_NOT_INTERCEPTED}",
+                )
+            if committed != 1:
+                raise self._fail(
+                    check,
+                    f"{lost}: the attempt had made {committed} effects by its deadline, expected"
+                    f" 1 (did it commit within lost_response_deadline_s={deadline}?)",
+                    holding,
+                )
+            retry = await self._settled(clean.address, request, key)
+            count = await self._count(db, request)
+        if not (retry.ok and retry.replayed) or count != 1:
+            raise self._fail(
+                check,
+                f"the retry after a lost response answered {retry} with {count} effects;"
+                " expected a replay and 1",
+                clean,
+            )
+
+    async def check_deterministic_error(self) -> None:
+        """A recorded error (INVALID_ARGUMENT, NOT_FOUND, ...) is answered again from the record
+        on retry, the same status, message and details, and leaves no effect."""
+        check = "deterministic error"
+        if self.target.error_request is None:
+            raise ValueError("the deterministic-error check needs error_request")
+        request, key = self.target.error_request(), self._key("error")
+        clean = await self._clean_server()
+        async with self._db() as db:
+            first = await self._call(clean.address, request, key)
+            retry = await self._call(clean.address, request, key)
+            count = await self._count(db, request)
+        if first.ok or Code(first.code.value[0]) in wire.NEVER_RECORDED:
+            raise self._fail(
+                check,
+                f"error_request was answered {first}: it must make the method fail with a"
+                " deterministic error (INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,"
+                " FAILED_PRECONDITION, OUT_OF_RANGE)",
+                clean,
+            )
+        if first.replayed:
+            raise self._fail(check, f"the first call with a new key was a replay: {first}")
+        if not retry.replayed:
+            raise self._fail(
+                check,
+                f"the retry ran again instead of replaying the error: {retry}. Is"
+                f" {first.code.name} in the method's recorded errors? {_NOT_INTERCEPTED}",
+            )
+        same = (retry.code, retry.details, retry.status_details) == (
+            first.code,
+            first.details,
+            first.status_details,
+        )
+        if not same:
+            raise self._fail(check, f"the replayed error differs: {first} then {retry}")
+        if count != 0:
+            raise self._fail(
+                check, f"a failed call left {count} effects, expected 0. {_OUTSIDE_TRANSACTION}"
+            )
+
+    async def check_transient_error(self) -> None:
+        """An attempt that fails unexpectedly after its handler ran (failpoint
+        ``before_commit=error``) is rolled back and its key released: the retry runs the
+        handler again, and the effect exists once."""
+        check = "transient error"
+        request, key = self.target.request(), self._key("transient")
+        clean = await self._clean_server()
+        async with self._server_with("before_commit=error", "transient") as failing:
+            failed = await self._call(failing.address, request, key)
+        async with self._db() as db:
+            left = await self._count(db, request)
+            if failed.ok:
+                raise self._fail(
+                    check, f"the failpoint never fired: {failed}. {_NOT_INTERCEPTED}", failing
+                )
+            if left != 0:
+                raise self._fail(
+                    check,
+                    f"the failed attempt ({failed}) left {left} effects, expected 0."
+                    f" {_OUTSIDE_TRANSACTION}",
+                )
+            retry = await self._settled(clean.address, request, key)
+            count = await self._count(db, request)
+        if not retry.ok or retry.replayed:
+            raise self._fail(
+                check, f"the retry should run the handler and answer OK, got {retry}", clean
+            )
+        if count != 1:
+            raise self._fail(check, f"after the retry the effect count is {count}, expected 1")
+
+    async def run_all(self) -> None:
+        """Every check, in order; stops at the first failure."""
+        await self.check_sequential_replay()
+        await self.check_mutated_payload()
+        await self.check_concurrent_duplicates()
+        for point in CRASH_POINTS:
+            await self.check_crash(point)
+        await self.check_lost_response()
+        if self.target.error_request is not None:
+            await self.check_deterministic_error()
+        await self.check_transient_error()
+
+
+class IdempotencyConformance:
+    """Subclass it in a test module, named ``Test...``, to run the plan as one test per check::
+
+        class TestChargeIsIdempotent(IdempotencyConformance):
+            server = "myshop.server:build_server"
+            method = "/shop.v1.PaymentService/Charge"
+            metadata = (("authorization", "Bearer test-token"),)
+
+            def make_request(self):
+                return ChargeRequest(order_id=uuid.uuid4().hex, amount_cents=1250)
+
+            async def count_effects(self, db, request):
+                return await db.fetchval(
+                    "SELECT count(*) FROM charges WHERE order_id = $1", request.order_id
+                )
+
+            def make_error_request(self):  # optional: the deterministic-error check
+                return ChargeRequest(order_id=uuid.uuid4().hex, amount_cents=0)
+
+    The class attributes and methods are ``ConformanceTarget``'s fields. The plugin's
+    ``idempotency_conformance`` fixture holds the class's ``ConformancePlan`` (its server
+    processes stop after the class's last check) on the ``idempotency_dsn`` database (override
+    that fixture to use another). Needs the plugin and pytest-asyncio (the ``testing`` extra).
+    """
+
+    server: ClassVar[str]
+    """``"package.module:build_server"``; see ``grpc_idempotency.testing.serve``."""
+    method: ClassVar[str]
+    """The full method name, ``"/package.Service/Method"``."""
+    metadata: ClassVar[Sequence[tuple[str, str]]] = ()
+    """Sent with every call, e.g. credentials."""
+    server_env: ClassVar[Mapping[str, str]] = {}
+    """Added to the server processes' environment."""
+    concurrency: ClassVar[int] = 8
+    """Duplicates sent at once by the concurrency check."""
+    lost_response_deadline_s: ClassVar[float] = 2.0
+    """The client deadline of the lost-response check."""
+    in_progress_timeout_s: ClassVar[float] = 30.0
+    """How long a retry may keep finding the key in progress (a phased method's lease)."""
+
+    def make_request(self) -> Any:
+        """A fresh request: a new operation each time it is called."""
+        raise NotImplementedError(f"{type(self).__name__} must define make_request()")
+
+    async def count_effects(self, db: asyncpg.Connection[Any], request: Any) -> int:
+        """How many times ``request``'s business effect happened (e.g. rows for its id)."""
+        raise NotImplementedError(f"{type(self).__name__} must define count_effects()")
+
+    def mutate_request(self, request: Any) -> Any:
+        """A request different from ``request`` (in a fingerprinted field); default: a fresh
+        ``make_request()``."""
+        return self.make_request()
+
+    def make_error_request(self) -> Any:
+        """A request answered with a deterministic error; ``None`` (the default) skips the
+        deterministic-error check."""
+        return None
+
+    def conformance_target(self) -> ConformanceTarget:
+        """The ``ConformanceTarget`` this class describes."""
+        error = self.make_error_request
+        return ConformanceTarget(
+            server=self.server,
+            method=self.method,
+            request=self.make_request,
+            count_effects=self.count_effects,
+            mutate=self.mutate_request,
+            error_request=error if self.make_error_request() is not None else None,
+            metadata=self.metadata,
+            server_env=self.server_env,
+            concurrency=self.concurrency,
+            lost_response_deadline_s=self.lost_response_deadline_s,
+            in_progress_timeout_s=self.in_progress_timeout_s,
+        )
+
+    @pytest.mark.asyncio
+    async def test_sequential_retry_replays_byte_identical(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: a retry replays the first answer byte for byte; one effect."""
+        await idempotency_conformance.check_sequential_replay()
+
+    @pytest.mark.asyncio
+    async def test_mutated_payload_is_refused(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: another request under a used key is refused with KEY_REUSED."""
+        await idempotency_conformance.check_mutated_payload()
+
+    @pytest.mark.asyncio
+    async def test_concurrent_duplicates_execute_once(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: concurrent duplicates over two processes execute once."""
+        await idempotency_conformance.check_concurrent_duplicates()
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("failpoint", CRASH_POINTS)
+    async def test_crash_then_retry_executes_once(
+        self, idempotency_conformance: ConformancePlan, failpoint: str
+    ) -> None:
+        """Check: the server dies at ``failpoint``; the retry makes the effect exist once."""
+        await idempotency_conformance.check_crash(failpoint)
+
+    @pytest.mark.asyncio
+    async def test_lost_response_is_replayed(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: a deadline that passes after COMMIT; the retry replays."""
+        await idempotency_conformance.check_lost_response()
+
+    @pytest.mark.asyncio
+    async def test_deterministic_error_is_replayed(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: a recorded error is replayed, same status and details."""
+        if idempotency_conformance.target.error_request is None:
+            pytest.skip("define make_error_request() to run the deterministic-error check")
+        await idempotency_conformance.check_deterministic_error()
+
+    @pytest.mark.asyncio
+    async def test_transient_error_is_released(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: an attempt that fails unexpectedly is released; the retry runs again."""
+        await idempotency_conformance.check_transient_error()

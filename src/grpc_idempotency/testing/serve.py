@@ -1,0 +1,118 @@
+"""Runs a user's server in a process of its own, for the conformance kit's crash checks:
+
+    python -m grpc_idempotency.testing.serve package.module:build_server
+
+``build_server(dsn)`` builds the server and does not start it: an async function returning a
+``grpc.aio.Server``, or an async generator yielding one (what follows the ``yield`` runs at
+shutdown: close your store there). This runner binds the address, starts the server, prints
+``grpc-idempotency serve: listening on HOST:PORT`` (the port actually bound) and serves until
+SIGTERM or SIGINT.
+
+The environment carries the rest, so that the server is configured before anything is imported:
+
+- ``GRPC_IDEMPOTENCY_SERVE_DSN``: the PostgreSQL DSN passed to ``build_server`` (required);
+- ``GRPC_IDEMPOTENCY_SERVE_ADDRESS``: where to listen (default ``127.0.0.1:0``, any free port);
+- ``GRPC_IDEMPOTENCY_FAILPOINTS``: the failpoints, read once when the library is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import grpc
+
+DSN_ENV = "GRPC_IDEMPOTENCY_SERVE_DSN"
+ADDRESS_ENV = "GRPC_IDEMPOTENCY_SERVE_ADDRESS"
+DEFAULT_ADDRESS = "127.0.0.1:0"
+READY = "grpc-idempotency serve: listening on "
+_USAGE = "usage: python -m grpc_idempotency.testing.serve package.module:build_server"
+
+
+class ServeError(Exception):
+    """The server could not be built or started; the message says what to fix."""
+
+
+def load(target: str) -> Any:
+    """The object ``package.module:attribute`` names."""
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ServeError(f"{target!r} is not 'package.module:build_server'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ServeError(f"cannot import {module_name!r} (is it on PYTHONPATH?): {exc}") from exc
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ServeError(f"{module_name!r} has no attribute {attribute!r}") from None
+
+
+@contextlib.asynccontextmanager
+async def built(build: Any, dsn: str) -> AsyncIterator[grpc.aio.Server]:
+    """The server ``build(dsn)`` makes, with its clean-up (an async generator's tail) on exit."""
+    if inspect.isasyncgenfunction(build):
+        generator = build(dsn)
+        server = await generator.__anext__()
+        try:
+            yield server
+        finally:
+            with contextlib.suppress(StopAsyncIteration):
+                await generator.__anext__()
+        return
+    made = build(dsn)
+    server = await made if inspect.isawaitable(made) else made
+    yield server
+
+
+async def serve(target: str, dsn: str, address: str) -> None:
+    """Builds ``target``'s server, starts it on ``address``, prints the ready line, and serves
+    until SIGTERM or SIGINT."""
+    import grpc
+
+    build = load(target)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with built(build, dsn) as server:
+        if not isinstance(server, grpc.aio.Server):
+            raise ServeError(f"{target} returned {type(server).__name__}, not a grpc.aio.Server")
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise ServeError(f"cannot listen on {address}")
+        await server.start()
+        host = address.rpartition(":")[0]
+        print(f"{READY}{host}:{port}", flush=True)
+        await stop.wait()
+        await server.stop(grace=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: one argument, the import path of ``build_server``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or args[0].startswith("-"):
+        print(_USAGE, file=sys.stderr)
+        return 2
+    dsn = os.environ.get(DSN_ENV)
+    if not dsn:
+        print(f"grpc-idempotency serve: set {DSN_ENV} to the PostgreSQL DSN", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(args[0], dsn, os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS))
+    except ServeError as exc:
+        print(f"grpc-idempotency serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
