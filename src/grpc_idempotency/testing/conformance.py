@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -296,6 +297,7 @@ class ConformancePlan:
     async def check_sequential_replay(self) -> None:
         """A retry with the same key and request replays the first answer, byte for byte, and
         the business effect happened once."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "sequential replay"
         server = await self._clean_server()
         request, key = self.target.request(), self._key("replay")
@@ -326,6 +328,7 @@ class ConformancePlan:
     async def check_mutated_payload(self) -> None:
         """The same key with another request is refused (FAILED_PRECONDITION, reason
         ``IDEMPOTENCY_KEY_REUSED``) and runs nothing."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "mutated payload"
         server = await self._clean_server()
         request, key = self.target.request(), self._key("mutated")
@@ -360,6 +363,7 @@ class ConformancePlan:
         """``concurrency`` duplicates at once, spread over two server processes (one pausing
         before each COMMIT): the effect happens once, one answer executes, the others replay
         the same bytes (or are told the key is in progress)."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "concurrent duplicates"
         n = self.target.concurrency
         clean = await self._clean_server()
@@ -395,19 +399,26 @@ class ConformancePlan:
         another process executes once (or replays, after COMMIT), and the effect exists once."""
         if point not in CRASH_POINTS:
             raise ValueError(f"point must be one of {CRASH_POINTS}, not {point!r}")
+        __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = f"crash at {point}"
         committed = point == "after_commit_before_response"
         request, key = self.target.request(), self._key(point)
         clean = await self._clean_server()
         async with self._server_with(f"{point}=crash", f"crash-{point}") as doomed:
             answer = await self._call(doomed.address, request, key)
-            code = await doomed.wait_exit(self.target.call_timeout_s)
-            if answer.ok or code is None:
+            if answer.ok:
                 raise self._fail(
                     check,
-                    f"the failpoint never fired: the call answered {answer} and the server"
-                    f" {'is still running' if code is None else f'exited with {code}'}."
-                    f" {_NOT_INTERCEPTED}",
+                    f"the failpoint never fired: the call answered {answer}. {_NOT_INTERCEPTED}",
+                    doomed,
+                )
+            code = await doomed.wait_exit(self.target.call_timeout_s)
+            if code != -signal.SIGKILL:
+                state = "is still running" if code is None else f"exited with {code}"
+                raise self._fail(
+                    check,
+                    f"the call failed ({answer}) but the server {state}: expected it to kill"
+                    " itself at the failpoint",
                     doomed,
                 )
         async with self._db() as db:
@@ -437,6 +448,7 @@ class ConformancePlan:
     async def check_lost_response(self) -> None:
         """The client's deadline passes after COMMIT, before the answer: the retry replays the
         committed outcome and the effect exists once."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "lost response"
         deadline = self.target.lost_response_deadline_s
         hold_ms = int((deadline + self.target.call_timeout_s) * 1000)
@@ -472,6 +484,7 @@ class ConformancePlan:
     async def check_deterministic_error(self) -> None:
         """A recorded error (INVALID_ARGUMENT, NOT_FOUND, ...) is answered again from the record
         on retry, the same status, message and details, and leaves no effect."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "deterministic error"
         if self.target.error_request is None:
             raise ValueError("the deterministic-error check needs error_request")
@@ -513,6 +526,7 @@ class ConformancePlan:
         """An attempt that fails unexpectedly after its handler ran (failpoint
         ``before_commit=error``) is rolled back and its key released: the retry runs the
         handler again, and the effect exists once."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "transient error"
         request, key = self.target.request(), self._key("transient")
         clean = await self._clean_server()

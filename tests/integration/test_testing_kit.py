@@ -1,0 +1,296 @@
+"""The test kit catches what it is for: the conformance checks fail, saying why, on services that
+are not idempotent (no interceptor; a handler writing outside the call's transaction) and pass on
+the same handler written correctly, phased mode included; the plugin's fixtures serve a user's
+service in an inner pytest run, and ``assert_replayed`` / ``assert_not_replayed`` tell a replay
+from an execution.
+
+The three services below are ``build_server`` functions, run by the kit in child processes
+(``python -m grpc_idempotency.testing.serve tests.integration.test_testing_kit:<name>``); they
+write into ``test_ledger.ledger`` (created by the session's ``store`` fixture).
+"""
+
+from __future__ import annotations
+
+import tomllib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store, current_call
+from grpc_idempotency.testing import (
+    ConformanceFailure,
+    ConformancePlan,
+    ConformanceTarget,
+    assert_not_replayed,
+    assert_replayed,
+)
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[2]
+POST = "/testsvc.v1.LedgerService/Post"
+POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
+MODULE = "tests.integration.test_testing_kit"
+
+
+class KitLedger(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Post and PostPhased insert one ledger row; ``outside`` writes through the pool, outside
+    the call's transaction (the bug the kit must catch), instead of the call's connection."""
+
+    def __init__(self, pool: asyncpg.Pool[Any], *, outside: bool = False) -> None:
+        self.pool = pool
+        self.outside = outside
+
+    async def _insert(self, conn: Any, request: testsvc_pb2.PostRequest) -> int:
+        entry_id: int = await conn.fetchval(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2) RETURNING id",
+            request.account,
+            request.amount,
+        )
+        return entry_id
+
+    async def Post(
+        self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> testsvc_pb2.PostResponse:
+        if request.amount <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "amount must be positive")
+        conn = self.pool if self.outside else current_call().connection
+        entry_id = await self._insert(conn, request)
+        return testsvc_pb2.PostResponse(
+            entry_id=entry_id,
+            account=request.account,
+            amount=request.amount,
+            execution_nonce=uuid.uuid4().hex,
+        )
+
+    async def PostPhased(
+        self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> testsvc_pb2.PostResponse:
+        entry_id = await self._insert(await current_call().transaction(), request)
+        return testsvc_pb2.PostResponse(entry_id=entry_id, execution_nonce=uuid.uuid4().hex)
+
+
+async def _ledger_server(dsn: str, *, intercepted: bool, outside: bool) -> AsyncIterator[Any]:
+    store = await Store.connect(dsn, min_size=1, max_size=10)
+    interceptors: list[Any] = []
+    if intercepted:
+        interceptors.append(
+            IdempotencyInterceptor(store, services=[testsvc_pb2], scope=StaticScope("kit"))
+        )
+    server = grpc.aio.server(interceptors=interceptors)
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(
+        KitLedger(store.pool, outside=outside), server
+    )
+    try:
+        yield server
+    finally:
+        await store.close()
+
+
+async def correct_server(dsn: str) -> AsyncIterator[Any]:
+    """The handler writes through the call's connection, behind the interceptor."""
+    async for server in _ledger_server(dsn, intercepted=True, outside=False):
+        yield server
+
+
+async def no_interceptor_server(dsn: str) -> AsyncIterator[Any]:
+    """The same servicer with no IdempotencyInterceptor: every call executes."""
+    async for server in _ledger_server(dsn, intercepted=False, outside=True):
+        yield server
+
+
+async def outside_transaction_server(dsn: str) -> AsyncIterator[Any]:
+    """Behind the interceptor, but the handler writes through a pool connection of its own."""
+    async for server in _ledger_server(dsn, intercepted=True, outside=True):
+        yield server
+
+
+def _request() -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account="kit-" + uuid.uuid4().hex, amount=5)
+
+
+async def _rows(db: asyncpg.Connection[Any], request: Any) -> int:
+    count: int = await db.fetchval(
+        "SELECT count(*) FROM test_ledger.ledger WHERE account = $1", request.account
+    )
+    return count
+
+
+def _plan(
+    pg_dsn: str, tmp_path_factory: pytest.TempPathFactory, server: str, method: str = POST
+) -> Iterator[ConformancePlan]:
+    target = ConformanceTarget(
+        server=f"{MODULE}:{server}",
+        method=method,
+        request=_request,
+        count_effects=_rows,
+        error_request=lambda: testsvc_pb2.PostRequest(account="kit-" + uuid.uuid4().hex),
+        concurrency=4,
+    )
+    plan = ConformancePlan(target, pg_dsn, tmp_path_factory.mktemp(server))
+    try:
+        yield plan
+    finally:
+        plan.close()
+
+
+@pytest.fixture(scope="module")
+def correct(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ConformancePlan]:
+    yield from _plan(pg_dsn, tmp_path_factory, "correct_server")
+
+
+@pytest.fixture(scope="module")
+def no_interceptor(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ConformancePlan]:
+    yield from _plan(pg_dsn, tmp_path_factory, "no_interceptor_server")
+
+
+@pytest.fixture(scope="module")
+def outside_transaction(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ConformancePlan]:
+    yield from _plan(pg_dsn, tmp_path_factory, "outside_transaction_server")
+
+
+@pytest.mark.e2e
+async def test_without_the_interceptor_replay_concurrency_and_crash_checks_fail(
+    no_interceptor: ConformancePlan,
+) -> None:
+    with pytest.raises(ConformanceFailure, match=r"\[sequential replay\] the retry executed again"):
+        await no_interceptor.check_sequential_replay()
+    with pytest.raises(ConformanceFailure, match=r"4 concurrent duplicates made 4 business"):
+        await no_interceptor.check_concurrent_duplicates()
+    with pytest.raises(ConformanceFailure, match=r"\[crash at before_commit\] the failpoint never"):
+        await no_interceptor.check_crash("before_commit")
+    with pytest.raises(ConformanceFailure, match=r"\[mutated payload\] another request"):
+        await no_interceptor.check_mutated_payload()
+
+
+@pytest.mark.e2e
+async def test_writes_outside_the_transaction_fail_the_crash_and_transient_checks(
+    outside_transaction: ConformancePlan,
+) -> None:
+    # The interceptor still deduplicates completed calls: the replay check cannot see the bug.
+    await outside_transaction.check_sequential_replay()
+    with pytest.raises(
+        ConformanceFailure, match=r"effect count is 1, expected 0\. The handler writes outside"
+    ):
+        await outside_transaction.check_crash("before_commit")
+    with pytest.raises(
+        ConformanceFailure, match=r"\[transient error\] the failed attempt .* left 1"
+    ):
+        await outside_transaction.check_transient_error()
+
+
+@pytest.mark.e2e
+async def test_the_same_handler_written_correctly_passes(correct: ConformancePlan) -> None:
+    await correct.check_crash("before_commit")
+    await correct.check_transient_error()
+    await correct.check_deterministic_error()
+
+
+@pytest.mark.e2e
+async def test_phased_crash_after_claim_retries_until_the_lease_runs_out(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # PostPhased commits its claim first (lease 0.6 s): after the crash the retry is told the
+    # key is in progress until the dead owner's lease runs out, then executes once.
+    for plan in _plan(pg_dsn, tmp_path_factory, "correct_server", POST_PHASED):
+        await plan.check_crash("after_claim")
+
+
+def test_target_refuses_a_malformed_method_name() -> None:
+    with pytest.raises(ValueError, match=r"'/package\.Service/Method'"):
+        ConformanceTarget(
+            server=f"{MODULE}:correct_server",
+            method="testsvc.v1.LedgerService.Post",
+            request=_request,
+            count_effects=_rows,
+        )
+
+
+async def test_assertions_tell_a_replay_from_an_execution() -> None:
+    replayed = (("idempotency-replayed", "true"),)
+    await assert_replayed(replayed)
+    await assert_not_replayed(())
+    with pytest.raises(AssertionError, match="expected a replay"):
+        await assert_replayed((("other", "x"),))
+    with pytest.raises(AssertionError, match="expected an execution"):
+        await assert_not_replayed(replayed)
+    with pytest.raises(TypeError):
+        await assert_replayed("idempotency-replayed")
+
+
+def test_dev_extra_holds_the_testing_extra_and_the_plugin_is_registered() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert set(extras["testing"]) <= set(extras["dev"])
+    assert project["entry-points"]["pytest11"] == {
+        "grpc_idempotency": "grpc_idempotency.testing.plugin"
+    }
+
+
+INNER_TEST = """
+import uuid
+
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import current_call
+from grpc_idempotency.testing import ServiceUnderTest, assert_not_replayed, assert_replayed
+
+
+class Ledger(testsvc_pb2_grpc.LedgerServiceServicer):
+    async def Post(self, request, context):
+        nonce = await current_call().connection.fetchval("SELECT gen_random_uuid()::text")
+        return testsvc_pb2.PostResponse(account=request.account, execution_nonce=nonce)
+
+
+@pytest.fixture
+def idempotency_service():
+    def register(server, store):
+        testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(Ledger(), server)
+
+    return ServiceUnderTest(register=register, services=[testsvc_pb2])
+
+
+@pytest.mark.asyncio
+async def test_a_retry_is_replayed(idempotency_server):
+    stub = testsvc_pb2_grpc.LedgerServiceStub(idempotency_server.channel)
+    metadata = (("idempotency-key", uuid.uuid4().hex),)
+    request = testsvc_pb2.PostRequest(account="inner", amount=1)
+    first = stub.Post(request, metadata=metadata)
+    answer = await first
+    await assert_not_replayed(first)
+    retry = stub.Post(request, metadata=metadata)
+    assert (await retry).execution_nonce == answer.execution_nonce
+    await assert_replayed(retry)
+    assert idempotency_server.store.schema == "grpc_idempotency_test"
+"""
+
+INNER_WITHOUT_SERVICE = """
+import pytest
+
+@pytest.mark.asyncio
+async def test_needs_a_service(idempotency_server):
+    pass
+"""
+
+
+def test_plugin_fixtures_serve_a_users_service(
+    pytester: pytest.Pytester, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRPC_IDEMPOTENCY_TEST_DSN", pg_dsn)
+    pytester.makepyfile(test_inner=INNER_TEST, test_no_service=INNER_WITHOUT_SERVICE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*define a fixture named idempotency_service*"])
