@@ -840,7 +840,12 @@ def _node_lines(service: str, n: Node) -> list[str]:
         heads = [_child_head(s.child), f"key {s.child.key}"]
         parts: list[list[str]] = []
         if s.child.kind is ChildKind.CALL:
-            parts += [_node_lines(f.service, f.node) for f in s.records]
+            for f in s.records:
+                sub_lines = _node_lines(f.service, f.node)
+                if f in s.mismatched:
+                    note = f"not the step's method ({s.child.call}): the key was reused?"
+                    sub_lines.insert(1, note)
+                parts.append(sub_lines)
             if not s.records:
                 where = ", ".join(s.looked_in) if s.looked_in else "(below --depth)"
                 parts.append([f"no record in {where}"])
