@@ -63,6 +63,7 @@ if TYPE_CHECKING:
         Step,
         StoreDown,
     )
+    from grpc_idempotency.core.replay_cache import ReplayCache
     from grpc_idempotency.core.retry import RetryPolicy
     from grpc_idempotency.core.wire import KEY_HEADER, REPLAYED_HEADER
     from grpc_idempotency.outbox import (
@@ -122,6 +123,7 @@ _LOCATIONS: dict[str, str] = {
     "Purger": "grpc_idempotency.retention",
     "REPLAYED_HEADER": "grpc_idempotency.core.wire",
     "Relay": "grpc_idempotency.outbox",
+    "ReplayCache": "grpc_idempotency.core.replay_cache",
     "ResponseTooLarge": "grpc_idempotency.core.errors",
     "RetryPolicy": "grpc_idempotency.core.retry",
     "ScopeResolver": "grpc_idempotency.scope",
@@ -207,6 +209,7 @@ __all__ = [
     "PolicyError",
     "Purger",
     "Relay",
+    "ReplayCache",
     "ResponseTooLarge",
     "RetryPolicy",
     "ScopeResolver",

@@ -194,17 +194,19 @@ async def test_child_keys_follow_the_declared_step(ledger: RunningLedger, store:
 async def test_a_parent_rerun_reaches_the_same_child_record(
     ledger: RunningLedger, store: Store
 ) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post")
     async with running_relay(store, ledger.address) as relay:
-        key, account = fresh(), fresh("acct")
-        request = testsvc_pb2.ForwardRequest(account=account, mode="post")
         first = await relay.forward(request, key)
-        # Forget the parent's outcome, as if the relay crashed before its final commit.
-        await store.pool.execute(
-            "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
-            "tenant:tenant-a",
-            key,
-        )
-        second = await relay.forward(request, key)
+    # Forget the parent's outcome, as if the relay crashed before its final commit; the retry
+    # reaches a restarted relay (nothing of the first one's memory survives a crash).
+    await store.pool.execute(
+        "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+    async with running_relay(store, ledger.address) as restarted:
+        second = await restarted.forward(request, key)
         assert not second.replayed
         assert second.body == first.body  # the downstream child replayed the same entry
         assert await ledger_rows(store, account) == 1

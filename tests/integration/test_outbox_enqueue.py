@@ -7,7 +7,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, child_key
-from tests.support.ledger import RunningLedger, fresh, ledger_rows
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 
 WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
 
@@ -47,7 +47,9 @@ async def test_a_rerun_does_not_enqueue_twice(ledger: RunningLedger, store: Stor
     await store.pool.execute(
         "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", "tenant:tenant-a", key
     )
-    await ledger.call(WITH_EVENT, request, key)
+    async with running_ledger(store) as restarted:  # a crash empties the replay cache too
+        again = await restarted.call(WITH_EVENT, request, key)
+    assert again.code is grpc.StatusCode.OK and not again.replayed  # the handler ran again
     assert len(await outbox_rows(store, key)) == 1
 
 

@@ -70,6 +70,9 @@ class StoredRecord:
     lease_remaining_ms: int
     started_at: datetime | None = None
     """When the operation first claimed the key (kept across takeovers)."""
+    replayable_ms: int | None = None
+    """For a completed record: how much longer (ms, by the database's clock, from some instant
+    after the look-up was sent) its outcome stays replayable."""
 
 
 class Action(enum.Enum):

@@ -544,6 +544,7 @@ def _record(row: asyncpg.Record) -> StoredRecord:
         lease_expired=bool(row["lease_expired"]),
         lease_remaining_ms=int(row["lease_remaining_ms"] or 0),
         started_at=row["created_at"],
+        replayable_ms=row["replayable_ms"],
     )
 
 

@@ -1,0 +1,141 @@
+"""Completed outcomes kept in memory, so that a replay costs no database round trip.
+
+Why a cached outcome is still the truth on every replica
+--------------------------------------------------------
+A COMPLETED record does not change until it expires, at
+``GREATEST(expires_at, completed_at + retention)`` by the database's clock: the claim takes over
+only expired records, purge deletes only expired records, and renew and release touch only
+IN_PROGRESS ones. So the outcome under (scope, key), once committed, is the answer for that key
+on every replica until that instant, and a replica may answer from memory until then.
+
+The cache never learns that instant exactly, so each entry keeps a bound that is provably no
+later, taken on this process's monotonic clock:
+
+- an outcome this process committed: the commit statement was *sent* at ``sent`` (read before
+  the round trip), so PostgreSQL's ``completed_at`` is later, and the record lives at least until
+  ``sent + retention``;
+- an outcome read by a look-up: the database computed the record's remaining life ``life`` at some
+  instant after the look-up was sent at ``sent``, so the record lives at least until
+  ``sent + life``.
+
+Both are shortened by ``CLOCK_RATE_MARGIN`` (the two clocks may run at rates that differ by up to
+NTP's 500 ppm slew), and by the cache's ``max_age``, which bounds what the library cannot see:
+an operator deleting a record by hand, or a failover that lost committed transactions. The
+fingerprint is still compared on every hit, so a mutated retry is refused as it would be by the
+database. Nothing else is cached: in-progress records change under their owner.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import timedelta
+
+from grpc_idempotency.core.lifecycle import Outcome
+
+# Rates of this process's monotonic clock and PostgreSQL's clock may differ (NTP slews a clock
+# by up to 500 ppm): a bound derived on one and spent on the other is shortened by twice that.
+CLOCK_RATE_MARGIN = 1e-3
+
+Slot = tuple[str, str]
+"""(scope, key)"""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedOutcome:
+    fingerprint: bytes
+    outcome: Outcome
+    valid_until: float
+    """Monotonic time (seconds) after which the entry is not used."""
+    size: int
+
+
+def outcome_size(outcome: Outcome) -> int:
+    """What an entry weighs against ``max_bytes``: the stored bytes and a fixed overhead."""
+    return (
+        256
+        + len(outcome.response or b"")
+        + len(outcome.details or b"")
+        + len(outcome.message.encode("utf-8", "surrogatepass"))
+    )
+
+
+class ReplayCache:
+    """A bounded in-process cache of completed outcomes (least recently used out), used by
+    ``IdempotencyInterceptor(replay_cache=...)`` to answer replays without the database.
+
+    ``max_entries`` and ``max_bytes`` bound its memory (an outcome larger than an eighth of
+    ``max_bytes`` is not kept); ``max_age`` bounds how long any entry is used, on top of the
+    record's own retention, which is never exceeded. Pure: the caller passes the monotonic time.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_entries: int = 10_000,
+        max_bytes: int = 32 * 1024 * 1024,
+        max_age: timedelta = timedelta(seconds=60),
+    ) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        if max_bytes < 1024:
+            raise ValueError("max_bytes must be at least 1024")
+        if max_age <= timedelta(0):
+            raise ValueError("max_age must be positive")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age.total_seconds()
+        self._entries: OrderedDict[Slot, CachedOutcome] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def get(self, slot: Slot, now: float) -> CachedOutcome | None:
+        entry = self._entries.get(slot)
+        if entry is None:
+            return None
+        if now >= entry.valid_until:
+            self._drop(slot)
+            return None
+        self._entries.move_to_end(slot)
+        return entry
+
+    def put(
+        self,
+        slot: Slot,
+        fingerprint: bytes,
+        outcome: Outcome,
+        *,
+        sent: float,
+        life_s: float,
+        now: float,
+    ) -> None:
+        """Keeps ``outcome`` for ``slot``: it was committed, or read, by a statement sent at
+        monotonic time ``sent``, and the record lives at least ``life_s`` after that."""
+        until = replayable_until(sent=sent, life_s=life_s, now=now, max_age_s=self.max_age_s)
+        size = outcome_size(outcome)
+        if until <= now or size > self.max_bytes // 8:
+            return
+        if slot in self._entries:
+            self._drop(slot)
+        self._entries[slot] = CachedOutcome(fingerprint, outcome, until, size)
+        self._bytes += size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            oldest = next(iter(self._entries))
+            self._drop(oldest)
+
+    def _drop(self, slot: Slot) -> None:
+        entry = self._entries.pop(slot)
+        self._bytes -= entry.size
+
+
+def replayable_until(*, sent: float, life_s: float, now: float, max_age_s: float) -> float:
+    """The monotonic time until which an outcome may be answered from memory (see the module's
+    first lines): never past ``sent + life_s`` shortened for clock rates, nor past ``max_age_s``
+    from ``now``."""
+    return min(sent + life_s * (1 - CLOCK_RATE_MARGIN), now + max_age_s)

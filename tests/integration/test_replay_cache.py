@@ -1,0 +1,116 @@
+"""The replay cache: completed outcomes answered from memory, never past the record's life.
+
+A cached replay must be what the database would answer: the same bytes, the same refusal of a
+mutated payload, and nothing once the record has expired (a new operation may then use the key,
+on any replica). The partition proxy shows that a cache hit makes no database round trip at all.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import grpc
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Store
+from tests.support.blackhole import BlackholeProxy
+from tests.support.ledger import fresh, ledger_rows, running_ledger
+from tests.support.waiting import until
+
+POST = "/testsvc.v1.LedgerService/Post"
+SHORT = "/testsvc.v1.LedgerService/PostShortLived"
+
+
+async def _partitionable_store(pg_dsn: str) -> tuple[BlackholeProxy, Store]:
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    return proxy, await Store.connect(proxy.dsn, max_size=2, command_timeout=2)
+
+
+async def test_a_replay_from_the_cache_needs_no_database(pg_dsn: str, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5)
+    proxy, partitioned = await _partitionable_store(pg_dsn)
+    try:
+        async with running_ledger(partitioned) as a:
+            first = await a.call(POST, request, key)
+            assert first.code is grpc.StatusCode.OK and not first.replayed
+            proxy.blackhole()
+
+            again = await a.call(POST, request, key, timeout=5)
+            assert again.code is grpc.StatusCode.OK and again.replayed
+            assert again.body == first.body
+
+            mutated = testsvc_pb2.PostRequest(account=account, amount=6)
+            refused = await a.call(POST, mutated, key, timeout=5)
+            assert refused.code is grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.reason() == "IDEMPOTENCY_KEY_REUSED"
+
+            # The database really is out of reach: a new key cannot be served.
+            other = await a.call(POST, request, fresh(), timeout=3)
+            assert other.code is not grpc.StatusCode.OK
+    finally:
+        await partitioned.close(timeout=1)
+        await proxy.close()
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_without_the_cache_every_replay_reads_the_database(pg_dsn: str, store: Store) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5)
+    proxy, partitioned = await _partitionable_store(pg_dsn)
+    try:
+        async with running_ledger(partitioned, replay_cache=False) as a:
+            first = await a.call(POST, request, key)
+            assert first.code is grpc.StatusCode.OK
+            proxy.blackhole()
+            again = await a.call(POST, request, key, timeout=3)
+            assert again.code is not grpc.StatusCode.OK
+    finally:
+        await partitioned.close(timeout=1)
+        await proxy.close()
+
+
+async def _expired(store: Store, scope: str, key: str) -> bool:
+    record = await store.lookup(scope, key)
+    return record is not None and record.expired
+
+
+async def test_the_owner_never_replays_from_memory_past_the_retention(store: Store) -> None:
+    """PostShortLived keeps outcomes 300 ms: once the database calls the record expired, the
+    same key is a new operation, also on the replica that committed the outcome and cached it."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5)
+    async with running_ledger(store) as a:
+        first = await a.call(SHORT, request, key)
+        assert first.code is grpc.StatusCode.OK and not first.replayed
+        await until("the record to expire", lambda: _expired(store, "tenant:tenant-a", key))
+        again = await a.call(SHORT, request, key)
+        assert again.code is grpc.StatusCode.OK and not again.replayed
+    assert await ledger_rows(store, account) == 2
+
+
+async def test_a_replica_caches_a_read_outcome_only_for_the_records_remaining_life(
+    store: Store,
+) -> None:
+    """Replica B replays A's outcome from the database and keeps it; after the record expires, a
+    new operation under the key (another payload) runs on B instead of being refused by B's
+    memory of the old one."""
+    overrides = {SHORT.lstrip("/"): MethodOverride(retention=timedelta(seconds=2))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5)
+    async with (
+        running_ledger(store, overrides=overrides) as a,
+        running_ledger(store, overrides=overrides) as b,
+    ):
+        first = await a.call(SHORT, request, key)
+        assert first.code is grpc.StatusCode.OK and not first.replayed
+        read = await b.call(SHORT, request, key)
+        assert read.code is grpc.StatusCode.OK and read.replayed and read.body == first.body
+        assert len(b.interceptor.replay_cache or ()) == 1
+
+        await until("the record to expire", lambda: _expired(store, "tenant:tenant-a", key), timeout=15)
+        changed = testsvc_pb2.PostRequest(account=account, amount=7)
+        new_operation = await b.call(SHORT, changed, key)
+        assert new_operation.code is grpc.StatusCode.OK and not new_operation.replayed
+    assert await ledger_rows(store, account) == 2
