@@ -1,13 +1,15 @@
 """The benchmark's server process (started by bench_server.py; not meant to be run by hand).
 
-One process, one event loop, three grpc.aio servers on three ports, all serving the same
-BenchService.Charge (one INSERT in a transaction):
+One process, one event loop, five grpc.aio servers on five ports, all serving the same
+BenchService.Charge (one INSERT in a transaction, but for the floor):
 
 - bare:         no interceptor; ``async with pool.acquire() as c, c.transaction()`` on a default
                 asyncpg pool (min 10, max 10, the default reset query on release);
 - bare_noreset: the same on a pool created with ``reset=<no-op>``;
 - keyed:        IdempotencyInterceptor on a ``Store`` (max_size=10); the handler writes through
                 ``current_call().connection``. SlowCharge sleeps inside the transaction first.
+- keyed_nocache: the same with ``replay_cache=False`` (replays read the database);
+- floor:        no interceptor, no database: the gRPC floor.
 
 Prints one JSON line {"ports": {...}} when ready; exits when stdin closes or on SIGTERM.
 SIGUSR1 starts a cProfile of the loop thread, SIGUSR2 stops it and dumps it to --profile-out.
@@ -104,7 +106,18 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
             )
             return Response(charge_id=charge_id, order_id=request.order_id)
 
-    return {"bare": Bare, "bare_noreset": BareNoReset, "keyed": Keyed}
+    class Floor(pb2_grpc.BenchServiceServicer):
+        """No database at all: what a unary call costs through gRPC alone."""
+
+        async def Charge(self, request: Any, context: Any) -> Any:
+            return Response(
+                charge_id="ch_" + uuid.uuid4().hex[:16],
+                order_id=request.order_id,
+                amount_cents=request.amount_cents,
+                currency=request.currency,
+            )
+
+    return {"bare": Bare, "bare_noreset": BareNoReset, "keyed": Keyed, "floor": Floor}
 
 
 class _Profiler:
@@ -137,26 +150,29 @@ async def main(args: argparse.Namespace) -> None:
     noreset_pool = await asyncpg.create_pool(args.dsn, reset=_no_reset)
     store = await Store.connect(args.dsn, max_size=args.store_max_size, migrate=True)
 
+    def keyed(replay_cache: bool) -> list[Any]:
+        return [
+            IdempotencyInterceptor(
+                store,
+                services=[pb2],
+                overrides={
+                    _common.CHARGE: MethodOverride(),
+                    _common.SLOW_CHARGE: MethodOverride(),
+                },
+                scope=StaticScope("bench"),
+                replay_cache=replay_cache,
+            )
+        ]
+
     servers: dict[str, grpc.aio.Server] = {}
     ports: dict[str, int] = {}
     for name, interceptors, servicer in (
         ("bare", [], kinds["bare"](bare_pool)),
         ("bare_noreset", [], kinds["bare_noreset"](noreset_pool)),
-        (
-            "keyed",
-            [
-                IdempotencyInterceptor(
-                    store,
-                    services=[pb2],
-                    overrides={
-                        _common.CHARGE: MethodOverride(),
-                        _common.SLOW_CHARGE: MethodOverride(),
-                    },
-                    scope=StaticScope("bench"),
-                )
-            ],
-            kinds["keyed"](),
-        ),
+        ("keyed", keyed(True), kinds["keyed"]()),
+        # Another replica's view: the same store, no cache, so every replay reads the database.
+        ("keyed_nocache", keyed(False), kinds["keyed"]()),
+        ("floor", [], kinds["floor"]()),
     ):
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         pb2_grpc.add_BenchServiceServicer_to_server(servicer, server)

@@ -118,6 +118,8 @@ LABELS = {
     "bare": "bare (pool reset)",
     "keyed_first": "keyed, first execution",
     "keyed_replay": "keyed, replay",
+    "keyed_replay_db": "keyed, replay, no cache",
+    "floor": "gRPC floor (no database)",
 }
 ORDER = list(LABELS)
 
@@ -463,6 +465,10 @@ class Bench:
                 ),
                 "keyed_first": Variant("keyed_first", stubs["keyed"].Charge, self.fresh_keyed),
                 "keyed_replay": Variant("keyed_replay", stubs["keyed"].Charge, self.replayed_keyed),
+                "keyed_replay_db": Variant(
+                    "keyed_replay_db", stubs["keyed_nocache"].Charge, self.replayed_keyed
+                ),
+                "floor": Variant("floor", stubs["floor"].Charge, self.bare_request),
             }
             self.variants = variants
 
@@ -471,13 +477,14 @@ class Bench:
                 " variant)...",
                 flush=True,
             )
-            for name in ("bare", "bare_noreset", "keyed_first"):
+            for name in ("bare", "bare_noreset", "keyed_first", "floor"):
                 await run_seq(variants[name], cfg.warm_seq, None)
                 await run_tp(variants[name], cfg.warm_tp, cfg.inflight)
             self.replay_pool = len(self.replay_keys)
             await self.check_replay()
-            await run_seq(variants["keyed_replay"], cfg.warm_seq, None)
-            await run_tp(variants["keyed_replay"], cfg.warm_tp, cfg.inflight)
+            for name in ("keyed_replay", "keyed_replay_db"):
+                await run_seq(variants[name], cfg.warm_seq, None)
+                await run_tp(variants[name], cfg.warm_tp, cfg.inflight)
 
             if self.args.profile:
                 await self.profile(server, gen)
@@ -782,6 +789,13 @@ class Bench:
         target("first execution calls/s / bare", first_tp, 0.85, at_most=False)
         target("replay p50 / bare p50", replay, 0.50, at_most=True)
         print(f"  {'replay calls/s / bare':<32} = {replay_tp:.2f}x")
+        floor = pct(v["floor"].seq, 0.5)
+        replay_db = pct(v["keyed_replay_db"].seq, 0.5)
+        cached = pct(v["keyed_replay"].seq, 0.5)
+        print(
+            f"  {'replay p50 / gRPC floor p50':<32} = {cached / floor:.2f}x"
+            f"  (no cache: {replay_db / floor:.2f}x; no cache / bare: {replay_db / bare_p50:.2f}x)"
+        )
         print(
             f"  {'first execution p50 / bare (reset)':<32} = {reset_first:.2f}x  (the old baseline)"
         )

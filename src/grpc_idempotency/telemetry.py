@@ -1,9 +1,22 @@
-"""OpenTelemetry spans and metrics, through opentelemetry-api only.
+"""OpenTelemetry spans and metrics, through opentelemetry-api only, following the RPC semantic
+conventions.
 
 With no SDK installed (or none configured) the API's no-op providers make this nearly free.
-One span per keyed call, ``grpc_idempotency <method>``, with attribute
-``grpc_idempotency.outcome``; a counter ``grpc_idempotency.calls`` and a histogram
-``grpc_idempotency.call.duration`` (seconds), both labelled by ``rpc.method`` and outcome.
+One span per keyed call, ``grpc_idempotency <service>/<method>`` (kind INTERNAL: it sits inside
+the gRPC server span that instrumentation such as opentelemetry-instrumentation-grpc makes), with
+``rpc.system`` = ``grpc``, ``rpc.service`` (``pkg.Service``), ``rpc.method`` (``Method``, no
+slash), ``rpc.grpc.status_code`` (the answer's code, an int) and ``grpc_idempotency.outcome``.
+The span's status is ERROR when the answer is a server-side failure (UNKNOWN, DEADLINE_EXCEEDED,
+UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS: a store that is down or misconfigured among
+them), unset otherwise, as the conventions ask of a server. The idempotency key and the scope can
+identify a customer: they become span attributes (``grpc_idempotency.key``,
+``grpc_idempotency.scope``) only when ``Telemetry(record_key=True, record_scope=True)`` asks, and
+never metric labels.
+
+Metrics: a counter ``grpc_idempotency.calls`` and a histogram ``grpc_idempotency.call.duration``
+(seconds), both labelled by ``rpc.system``, ``rpc.service``, ``rpc.method``,
+``rpc.grpc.status_code`` and the outcome; a counter ``grpc_idempotency.bypassed`` for fail-open
+calls.
 """
 
 from __future__ import annotations
@@ -13,11 +26,30 @@ from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from opentelemetry import metrics, trace
+from opentelemetry.trace import Status, StatusCode
 
+from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import CallOutcome
 
 OUTCOME = "grpc_idempotency.outcome"
+KEY = "grpc_idempotency.key"
+SCOPE = "grpc_idempotency.scope"
+SYSTEM = "rpc.system"
+SERVICE = "rpc.service"
 METHOD = "rpc.method"
+STATUS_CODE = "rpc.grpc.status_code"
+
+# What the RPC conventions count as a server's error (the client's mistakes are not).
+SERVER_ERRORS = frozenset(
+    {
+        Code.UNKNOWN,
+        Code.DEADLINE_EXCEEDED,
+        Code.UNIMPLEMENTED,
+        Code.INTERNAL,
+        Code.UNAVAILABLE,
+        Code.DATA_LOSS,
+    }
+)
 
 try:
     _VERSION = version("grpc-idempotency")
@@ -25,17 +57,32 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     _VERSION = "0"
 
 
+def rpc_attributes(method: str) -> dict[str, str]:
+    """``rpc.system``, ``rpc.service`` and ``rpc.method`` of a gRPC method path
+    (``/pkg.Service/Method`` or ``pkg.Service/Method``)."""
+    service, _, name = method.lstrip("/").rpartition("/")
+    return {SYSTEM: "grpc", SERVICE: service, METHOD: name}
+
+
 class Telemetry:
     """The span, counters and histogram of keyed calls (opentelemetry-api only; the SDK, if
-    configured, exports them). Pass your own providers to ``IdempotencyInterceptor(telemetry=)``."""
+    configured, exports them). Pass your own providers to ``IdempotencyInterceptor(telemetry=)``.
+
+    ``record_key`` / ``record_scope``: put the idempotency key / the scope on each span (off by
+    default: both can identify a customer)."""
 
     def __init__(
         self,
         *,
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: metrics.MeterProvider | None = None,
+        record_key: bool = False,
+        record_scope: bool = False,
     ) -> None:
         self.tracer = trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider)
+        self.record_key = record_key
+        self.record_scope = record_scope
+        self._attributes: dict[str, dict[str, str]] = {}
         meter = metrics.get_meter("grpc_idempotency", _VERSION, meter_provider)
         self.calls = meter.create_counter(
             "grpc_idempotency.calls", unit="{call}", description="Keyed calls by outcome"
@@ -51,19 +98,44 @@ class Telemetry:
             description="Calls run without deduplication (fail-open while the store was down)",
         )
 
+    def attributes(self, method: str) -> dict[str, str]:
+        """The method's RPC attributes (computed once per method)."""
+        found = self._attributes.get(method)
+        if found is None:
+            found = self._attributes[method] = rpc_attributes(method)
+        return found
+
     @contextmanager
     def span(self, method: str) -> Iterator[trace.Span]:
+        attributes = self.attributes(method)
         with self.tracer.start_as_current_span(
-            f"grpc_idempotency {method}",
+            f"grpc_idempotency {attributes[SERVICE]}/{attributes[METHOD]}",
             kind=trace.SpanKind.INTERNAL,
-            attributes={METHOD: method},
+            attributes=attributes,
             record_exception=False,
             set_status_on_exception=False,
         ) as span:
             yield span
 
-    def record(self, span: trace.Span, method: str, outcome: CallOutcome, seconds: float) -> None:
+    def record(
+        self,
+        span: trace.Span,
+        method: str,
+        outcome: CallOutcome,
+        seconds: float,
+        *,
+        code: Code = Code.OK,
+        key: str | None = None,
+        scope: str | None = None,
+    ) -> None:
         span.set_attribute(OUTCOME, outcome.value)
-        attributes = {METHOD: method, OUTCOME: outcome.value}
-        self.calls.add(1, attributes)
-        self.duration.record(seconds, attributes)
+        span.set_attribute(STATUS_CODE, int(code))
+        if code in SERVER_ERRORS:
+            span.set_status(Status(StatusCode.ERROR, f"{code.name} ({outcome.value})"))
+        if self.record_key and key is not None:
+            span.set_attribute(KEY, key)
+        if self.record_scope and scope is not None:
+            span.set_attribute(SCOPE, scope)
+        labels = {**self.attributes(method), STATUS_CODE: int(code), OUTCOME: outcome.value}
+        self.calls.add(1, labels)
+        self.duration.record(seconds, labels)

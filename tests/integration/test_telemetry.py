@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -12,22 +13,32 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, Telemetry
+from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, running_ledger
 
 POST = "/testsvc.v1.LedgerService/Post"
+RPC = {"rpc.system": "grpc", "rpc.service": "testsvc.v1.LedgerService", "rpc.method": "Post"}
 
 
-async def test_one_span_per_keyed_call_with_its_outcome(store: Store) -> None:
+def _telemetry(**options: bool) -> tuple[Telemetry, InMemorySpanExporter, InMemoryMetricReader]:
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     reader = InMemoryMetricReader()
     telemetry = Telemetry(
-        tracer_provider=tracer_provider, meter_provider=MeterProvider(metric_readers=[reader])
+        tracer_provider=tracer_provider,
+        meter_provider=MeterProvider(metric_readers=[reader]),
+        **options,
     )
+    return telemetry, spans, reader
+
+
+async def test_one_span_per_keyed_call_with_its_outcome(store: Store) -> None:
+    telemetry, spans, reader = _telemetry()
     async with running_ledger(store, telemetry=telemetry) as ledger:
         key, account = fresh(), fresh("acct")
         request = testsvc_pb2.PostRequest(account=account)
@@ -40,18 +51,28 @@ async def test_one_span_per_keyed_call_with_its_outcome(store: Store) -> None:
         )
         await ledger.call("/testsvc.v1.LedgerService/Peek", testsvc_pb2.PeekRequest(), None)
 
-    outcomes = [s.attributes["grpc_idempotency.outcome"] for s in spans.get_finished_spans()]
+    finished = spans.get_finished_spans()
+    outcomes = [s.attributes["grpc_idempotency.outcome"] for s in finished]
     assert outcomes == ["executed", "replayed", "mismatch", "rejected", "released"]  # Peek: no span
-    assert all(s.name == f"grpc_idempotency {POST}" for s in spans.get_finished_spans())
+    # The RPC semantic conventions: rpc.method is the method's own name, without any slash.
+    assert all(s.name == "grpc_idempotency testsvc.v1.LedgerService/Post" for s in finished)
+    assert all({k: s.attributes[k] for k in RPC} == RPC for s in finished)
+    codes = [s.attributes["rpc.grpc.status_code"] for s in finished]
+    assert codes == [0, 0, 9, 3, 2]  # OK, OK, FAILED_PRECONDITION, INVALID_ARGUMENT, UNKNOWN
+    # Only the server's own failure (the handler raised: UNKNOWN) is an error span.
+    assert [s.status.status_code for s in finished] == [StatusCode.UNSET] * 4 + [StatusCode.ERROR]
+    # Key and scope can identify a customer: not recorded unless asked for.
+    assert not any("grpc_idempotency.key" in s.attributes for s in finished)
+    assert not any("grpc_idempotency.scope" in s.attributes for s in finished)
 
     data = reader.get_metrics_data()
     metrics = {
         m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
     }
-    counted = {
-        dict(p.attributes)["grpc_idempotency.outcome"]: p.value
-        for p in metrics["grpc_idempotency.calls"].data.data_points
-    }
+    points = metrics["grpc_idempotency.calls"].data.data_points
+    counted = {dict(p.attributes)["grpc_idempotency.outcome"]: p.value for p in points}
+    assert all({k: dict(p.attributes)[k] for k in RPC} == RPC for p in points)
+    assert not any("grpc_idempotency.key" in dict(p.attributes) for p in points)
     assert counted == {"executed": 1, "replayed": 1, "mismatch": 1, "rejected": 1, "released": 1}
     histogram = metrics["grpc_idempotency.call.duration"].data.data_points
     assert sum(p.count for p in histogram) == 5
@@ -100,3 +121,36 @@ def test_works_without_the_opentelemetry_sdk(pg_dsn: str) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "NO-SDK-OK" in done.stdout
+
+
+async def test_key_and_scope_are_span_attributes_when_asked_for(store: Store) -> None:
+    telemetry, spans, _ = _telemetry(record_key=True, record_scope=True)
+    key = fresh()
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        await ledger.call(POST, testsvc_pb2.PostRequest(account=fresh("acct")), key)
+    (span,) = spans.get_finished_spans()
+    assert span.attributes["grpc_idempotency.key"] == key
+    assert span.attributes["grpc_idempotency.scope"] == "tenant:tenant-a"
+
+
+async def test_a_store_that_does_not_answer_makes_an_error_span(pg_dsn: str) -> None:
+    telemetry, spans, _ = _telemetry()
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=1)
+    try:
+        async with running_ledger(partitioned, telemetry=telemetry) as ledger:
+            proxy.blackhole()
+            # No call deadline: the store's command_timeout (1 s) is what gives up.
+            call = ledger.call(
+                POST, testsvc_pb2.PostRequest(account=fresh()), fresh(), timeout=None
+            )
+            answer = await asyncio.wait_for(call, 20)
+            assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    finally:
+        await partitioned.close(timeout=1)
+        await proxy.close()
+    (span,) = spans.get_finished_spans()
+    assert span.attributes["grpc_idempotency.outcome"] == "unavailable"
+    assert span.attributes["rpc.grpc.status_code"] == 14
+    assert span.status.status_code is StatusCode.ERROR

@@ -50,9 +50,10 @@ def grpc_code(code: Code) -> grpc.StatusCode:
     return _GRPC_CODES[int(code)]
 
 
-def code_of(context: Context) -> Code:
-    code = context.code()  # None when the handler set nothing: that is OK
-    return Code.OK if code is None else Code(code.value[0])
+def code_of(context: Context, *, unset: Code = Code.OK) -> Code:
+    """The status the call has set (``unset`` when none: a handler that returned is OK)."""
+    code = context.code()
+    return unset if code is None else Code(code.value[0])
 
 
 def details_in(metadata: Any) -> bytes | None:

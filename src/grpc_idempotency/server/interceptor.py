@@ -69,6 +69,7 @@ from grpc_idempotency.core.policy import (
     Mode,
     StoreDown,
 )
+from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
@@ -106,6 +107,8 @@ class _Call:
     context: Context
     outcome: CallOutcome = CallOutcome.REJECTED
     waited: bool = False
+    key: str | None = None
+    scope: str | None = None
 
     @property
     def policy(self) -> MethodPolicy:
@@ -125,6 +128,10 @@ class _Shared:
 class _Result:
     answer: Any
     shared: _Shared | None = field(default=None)
+    sent: float = 0.0
+    """Monotonic time the statement that committed or read ``shared`` was sent."""
+    life_s: float = 0.0
+    """How long after ``sent`` the stored outcome stays replayable at least (0: unknown)."""
 
 
 class _Busy(Exception):
@@ -143,6 +150,9 @@ class IdempotencyInterceptor(_Interceptor):
     services are found in the default descriptor pool on their first call.
     ``overrides``: per-method ``MethodOverride`` by method name ("pkg.Service/Method").
     ``scope``: how a call's scope is resolved (default: the TLS peer identity).
+    ``replay_cache``: completed outcomes kept in memory so that replays skip the database
+    (``True``: a ``ReplayCache()`` with its default bounds; ``False``: none). Correct across
+    replicas: see ``grpc_idempotency.core.replay_cache``.
     """
 
     def __init__(
@@ -153,8 +163,14 @@ class IdempotencyInterceptor(_Interceptor):
         overrides: Mapping[str, MethodOverride] | None = None,
         scope: ScopeResolver = peer_identity_scope,
         telemetry: Telemetry | None = None,
+        replay_cache: ReplayCache | bool = True,
     ) -> None:
         self.store = store
+        self._replay_cache: ReplayCache | None = None
+        if isinstance(replay_cache, ReplayCache):
+            self._replay_cache = replay_cache
+        elif replay_cache:
+            self._replay_cache = ReplayCache()
         self._scope = scope
         self._telemetry = telemetry or Telemetry()
         self._registry = PolicyRegistry(services, overrides)
@@ -167,6 +183,11 @@ class IdempotencyInterceptor(_Interceptor):
     @property
     def policies(self) -> Mapping[str, MethodPolicy | None]:
         return self._registry.policies
+
+    @property
+    def replay_cache(self) -> ReplayCache | None:
+        """The cache of completed outcomes replays are answered from (``None``: disabled)."""
+        return self._replay_cache
 
     @property
     def waiting_calls(self) -> int:
@@ -229,12 +250,24 @@ class IdempotencyInterceptor(_Interceptor):
     async def _serve(self, call: _Call) -> Any:
         started = time.perf_counter()
         method = call.policy.method
-        with self._telemetry.span(method) as span:
+        telemetry = self._telemetry
+        with telemetry.span(method) as span:
+            code = Code.UNKNOWN
             try:
-                return await self._serve_keyed(call)
+                answer = await self._serve_keyed(call)
+                code = answers.code_of(call.context)
+                return answer
+            except asyncio.CancelledError:
+                code = Code.CANCELLED
+                raise
+            except BaseException:
+                code = answers.code_of(call.context, unset=Code.UNKNOWN)  # aborted, or raised
+                raise
             finally:
                 elapsed = time.perf_counter() - started
-                self._telemetry.record(span, method, call.outcome, elapsed)
+                telemetry.record(
+                    span, method, call.outcome, elapsed, code=code, key=call.key, scope=call.scope
+                )
 
     async def _serve_keyed(self, call: _Call) -> Any:
         policy, context = call.policy, call.context
@@ -249,6 +282,7 @@ class IdempotencyInterceptor(_Interceptor):
             scope = None if key is None else validate_scope(self._scope(context))
         except IdempotencyError as err:
             await answers.abort(context, err)
+        call.key, call.scope = key, scope
         if key is None or scope is None:
             call.outcome = CallOutcome.BYPASSED
             return await self._run_unkeyed(call)
@@ -257,8 +291,13 @@ class IdempotencyInterceptor(_Interceptor):
         budget = wait_budget_s(policy.max_wait.total_seconds(), answers.time_remaining(context))
         wait_until = time.monotonic() + budget
         slot = (scope, key)
+        cache = self._replay_cache
         polls = 0
         while True:
+            if cache is not None:
+                hit = cache.get(slot, time.monotonic())
+                if hit is not None:
+                    return await self._answer_cached(call, hit, fingerprint)
             owner = self._owners.get(slot)
             if owner is not None:
                 # Another call in this process is working on the key: wait for its result
@@ -275,6 +314,15 @@ class IdempotencyInterceptor(_Interceptor):
             try:
                 result = await self._attempt(call, scope, key, fingerprint)
                 shared = result.shared
+                if cache is not None and shared is not None and result.life_s > 0:
+                    cache.put(
+                        slot,
+                        shared.fingerprint,
+                        shared.outcome,
+                        sent=result.sent,
+                        life_s=result.life_s,
+                        now=time.monotonic(),
+                    )
                 return result.answer
             except _Busy as busy:
                 step, _ = transition(
@@ -316,6 +364,13 @@ class IdempotencyInterceptor(_Interceptor):
         call.outcome = CallOutcome.WAITED
         return await answers.replay(call.context, shared.outcome)
 
+    async def _answer_cached(self, call: _Call, hit: CachedOutcome, fingerprint: bytes) -> Any:
+        if hit.fingerprint != fingerprint:
+            call.outcome = CallOutcome.MISMATCH
+            await answers.abort(call.context, _reused())
+        call.outcome = CallOutcome.REPLAYED
+        return await answers.replay(call.context, hit.outcome)
+
     async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> _Result:
         """Drives the call through ``core.lifecycle``'s transition table until it has an answer;
         raises ``_Busy`` when the table says to wait (the caller checks the wait's budget)."""
@@ -327,10 +382,12 @@ class IdempotencyInterceptor(_Interceptor):
         self._recent.add(slot)
         step, phase = transition(Phase.FRESH, begin)
         record: StoredRecord | None = None
+        looked_at = 0.0
         busy_ms = retry_after_ms(None)
         while True:
             try:
                 if step is Step.LOOK_UP:
+                    looked_at = time.monotonic()
                     record = await self.store.lookup(
                         scope, key, timeout=answers.time_remaining(context)
                     )
@@ -361,7 +418,7 @@ class IdempotencyInterceptor(_Interceptor):
                     log.warning(
                         "%s: store unavailable, running without deduplication", policy.method
                     )
-                    self._telemetry.bypassed.add(1, {"rpc.method": policy.method})
+                    self._telemetry.bypassed.add(1, self._telemetry.attributes(policy.method))
                     call.outcome = CallOutcome.BYPASSED
                     return _Result(await self._run_without_store(call))
                 call.outcome = CallOutcome.UNAVAILABLE
@@ -370,7 +427,9 @@ class IdempotencyInterceptor(_Interceptor):
                 assert record is not None and record.outcome is not None
                 call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
                 answer = await answers.replay(context, record.outcome)
-                return _Result(answer, _Shared(record.fingerprint, record.outcome))
+                life_s = (record.replayable_ms or 0) / 1000
+                shared = _Shared(record.fingerprint, record.outcome)
+                return _Result(answer, shared, sent=looked_at, life_s=life_s)
             if step is Step.REFUSE:
                 call.outcome = CallOutcome.MISMATCH
                 await answers.abort(context, _reused())
@@ -527,6 +586,7 @@ class IdempotencyInterceptor(_Interceptor):
                 attempt = await claim.begin_final(timeout=answers.time_remaining(context))
             # Not shielded: if the call is cancelled mid-commit, the commit's fate is PostgreSQL's
             # (all or nothing), the client has gone, and a retry replays or runs again.
+            sent = time.monotonic()  # before the commit: the record's completed_at is later
             if what is Finish.RECORD:
                 await attempt.record(outcome)
             else:
@@ -550,9 +610,10 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(context, too_large)
         if aborted is not None:
             await aborted.send(context)
-        if data is None:
-            return _Result(response, shared)  # set_code(): answer as the handler did
-        return _Result(answers.Serialized(data), shared)
+        life_s = policy.retention.total_seconds()
+        if data is None:  # set_code(): answer as the handler did
+            return _Result(response, shared, sent=sent, life_s=life_s)
+        return _Result(answers.Serialized(data), shared, sent=sent, life_s=life_s)
 
     async def _release(self, attempt: Attempt | None, claim: PhasedClaim | None) -> None:
         if attempt is not None:
