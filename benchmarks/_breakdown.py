@@ -121,6 +121,7 @@ async def _keyed(conn: asyncpg.Connection, statements: Statements, key: str, tim
         fingerprint=fingerprint,
         retention_s=86400.0,
         lease_s=30.0,
+        atomic=True,
     )
     # As the store sends it: the database's default isolation, idle bound = the lease.
     begin_claim = statements.begin_atomic_claim(claim, isolation=None, idle_timeout_s=30.0)
@@ -130,6 +131,8 @@ async def _keyed(conn: asyncpg.Connection, statements: Statements, key: str, tim
         scope=scope,
         key=key,
         token=None,
+        method=f"/{_common.CHARGE}",
+        fingerprint=fingerprint,
         code=0,
         message="",
         details=None,

@@ -170,6 +170,42 @@ async def test_a_method_runs_at_the_isolation_it_declares(strict_store: Store) -
     assert response(unkeyed).isolation == default
 
 
+@pytest.mark.parametrize(
+    ("isolation", "seen_in_handler"),
+    [
+        (Isolation.READ_COMMITTED, "none"),
+        (Isolation.REPEATABLE_READ, "in_progress"),
+        (Isolation.SERIALIZABLE, "in_progress"),
+    ],
+)
+async def test_an_atomic_record_is_written_once_at_completion_where_looking_is_safe(
+    store: Store, isolation: Isolation, seen_in_handler: str
+) -> None:
+    """At READ COMMITTED the atomic claim only takes the lock and looks: the handler's own
+    transaction holds no record yet, and the completion inserts the finished one (one heap
+    write, no dead row version). At stricter levels the snapshot predates the lock, so the claim
+    still writes its row first (migration 0008). Either way the record ends the same."""
+    overrides = {POST: MethodOverride(isolation=isolation)}
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store, overrides=overrides) as ledger:
+        first = await ledger.call(POST, post(account, "claim-row"), key)
+        assert first.code is grpc.StatusCode.OK
+        assert response(first).claim_row == seen_in_handler
+        again = await ledger.call(POST, post(account, "claim-row"), key)
+        assert again.replayed and again.body == first.body
+    row = await store.pool.fetchrow(
+        "SELECT state, fencing_token, created_at, completed_at, expires_at, retention"
+        " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+    assert row["state"] == "completed" and row["fencing_token"] == 1
+    assert row["created_at"] <= row["completed_at"]  # the claim's time, not the completion's
+    # retention counts from the claim (clock_timestamp() read twice there: microseconds apart)
+    assert abs(row["expires_at"] - (row["created_at"] + row["retention"])) < timedelta(seconds=1)
+    assert await ledger_rows(store, account) == 1
+
+
 @pytest.mark.parametrize("method", [POST, PHASED])
 async def test_a_serialization_failure_in_the_handler_is_a_retryable_abort(
     store: Store, method: str

@@ -5,7 +5,8 @@ name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and return
 "sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event);
 "commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
-the test lets go of the advisory lock ``hashtext(account)``.
+the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
+the transaction's isolation and the call's own record as the transaction sees it.
 """
 
 from __future__ import annotations
@@ -157,9 +158,16 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         blob = b""
         if behaviour.startswith("big:"):
             blob = bytes(range(256)) * (int(behaviour[4:]) // 256)
-        isolation = ""
-        if behaviour == "isolation":
+        isolation = claim_row = ""
+        if behaviour in ("isolation", "claim-row"):
             isolation = await conn.fetchval("SELECT current_setting('transaction_isolation')")
+        if behaviour == "claim-row":
+            state = await conn.fetchval(
+                "SELECT state FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+                call.scope,
+                call.key,
+            )
+            claim_row = state or "none"
         return testsvc_pb2.PostResponse(
             entry_id=entry_id,
             account=request.account,
@@ -167,6 +175,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             execution_nonce=uuid.uuid4().hex,
             blob=blob,
             isolation=isolation,
+            claim_row=claim_row,
         )
 
     async def Post(self, request: Any, context: Any) -> Any:

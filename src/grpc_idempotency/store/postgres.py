@@ -80,6 +80,9 @@ class _Claim:
     retention_s: float
     token: int | None = None
     """The fencing token; ``None`` in atomic mode, where the claim is in the same transaction."""
+    method: str = ""
+    fingerprint: bytes = b""
+    """Atomic mode: what the record written at completion holds."""
 
 
 class Attempt:
@@ -121,6 +124,8 @@ class Attempt:
                     scope=c.scope,
                     key=c.key,
                     token=c.token,
+                    method=c.method,
+                    fingerprint=c.fingerprint,
                     code=int(outcome.code),
                     message=message,
                     details=outcome.details,
@@ -133,11 +138,16 @@ class Attempt:
                 # Two more round trips, a small price next to shipping the bytes as text.
                 if discard_writes:
                     await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", timeout=self._timeout)
+                statements = self._store.statements
+                by_token: tuple[Any, ...] = (c.token,)
+                sql = statements.complete
+                if c.token is None:
+                    by_token, sql = (c.method, c.fingerprint), statements.complete_atomic
                 await conn.execute(
-                    self._store.statements.complete,
+                    sql,
                     c.scope,
                     c.key,
-                    c.token,
+                    *by_token,
                     int(outcome.code),
                     message,
                     outcome.details,
@@ -367,6 +377,8 @@ class Store:
         fingerprint: bytes,
         retention_s: float,
         lease_s: float,
+        *,
+        atomic: bool = False,
     ) -> str:
         return self.statements.claim(
             scope=scope,
@@ -376,6 +388,7 @@ class Store:
             fingerprint=fingerprint,
             retention_s=retention_s,
             lease_s=lease_s,
+            atomic=atomic,
         )
 
     async def claim_atomic(
@@ -396,11 +409,12 @@ class Store:
         The transaction may sit idle for at most ``lease_s`` (the atomic lease): a frozen or
         partitioned owner loses the claim then, and a retry can take the key."""
         conn = await self._acquire("claiming a key", timeout)
-        claim = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
+        claim = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s, atomic=True)
         sql = self.statements.begin_atomic_claim(
             claim, isolation=_level(isolation), idle_timeout_s=lease_s
         )
-        attempt = Attempt(self, conn, _Claim(scope, key, retention_s), _commit_timeout(lease_s))
+        held = _Claim(scope, key, retention_s, method=method, fingerprint=fingerprint)
+        attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
         try:
             await conn.execute(sql, timeout=timeout)
         except asyncpg.PostgresError as exc:

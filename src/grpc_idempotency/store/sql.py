@@ -120,6 +120,10 @@ class Statements:
             f"SELECT {s}.complete($1::text, $2::text, $3::bigint, $4::integer, $5::text,"
             " $6::bytea, $7::bytea, $8::float8)"
         )
+        self.complete_atomic = (
+            f"SELECT {s}.complete_atomic($1::text, $2::text, $3::text, $4::bytea, $5::integer,"
+            " $6::text, $7::bytea, $8::bytea, $9::float8)"
+        )
 
     def claim(
         self,
@@ -131,9 +135,13 @@ class Statements:
         fingerprint: bytes,
         retention_s: float,
         lease_s: float,
+        atomic: bool = False,
     ) -> str:
+        """The claim; ``atomic``: the atomic-mode claim, which writes nothing when the key is
+        new (the record is written once, by ``complete_atomic``: migration 0008)."""
+        function = "claim_atomic" if atomic else "claim"
         return (
-            f"SELECT {self.schema}.claim({text_literal(scope)}, {text_literal(key)}, "
+            f"SELECT {self.schema}.{function}({text_literal(scope)}, {text_literal(key)}, "
             f"{int_literal(lock_id)}, {text_literal(method)}, {bytes_literal(fingerprint)}, "
             f"{float_literal(retention_s)}, {float_literal(lease_s)})"
         )
@@ -165,6 +173,8 @@ class Statements:
         scope: str,
         key: str,
         token: int | None,
+        method: str,
+        fingerprint: bytes,
         code: int,
         message: str,
         details: bytes | None,
@@ -172,10 +182,18 @@ class Statements:
         retention_s: float,
         discard_writes: bool,
     ) -> str:
+        """The outcome and COMMIT, one round trip. ``token`` ``None``: an atomic attempt, whose
+        record is written here (``complete_atomic``); else the phased claim holding ``token``."""
         rollback = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; " if discard_writes else ""
-        return (
-            f"{rollback}SELECT {self.schema}.complete({text_literal(scope)}, {text_literal(key)}, "
-            f"{int_literal(token)}, {int_literal(code)}, {text_literal(message)}, "
-            f"{bytes_literal(details)}, {bytes_literal(response)}, {float_literal(retention_s)}); "
-            "COMMIT"
+        outcome = (
+            f"{int_literal(code)}, {text_literal(message)}, {bytes_literal(details)}, "
+            f"{bytes_literal(response)}, {float_literal(retention_s)}"
         )
+        if token is None:
+            call = (
+                f"complete_atomic({text_literal(scope)}, {text_literal(key)}, "
+                f"{text_literal(method)}, {bytes_literal(fingerprint)}, {outcome})"
+            )
+        else:
+            call = f"complete({text_literal(scope)}, {text_literal(key)}, {token:d}, {outcome})"
+        return f"{rollback}SELECT {self.schema}.{call}; COMMIT"
