@@ -154,3 +154,47 @@ async def test_a_store_that_does_not_answer_makes_an_error_span(pg_dsn: str) -> 
     assert span.attributes["grpc_idempotency.outcome"] == "unavailable"
     assert span.attributes["rpc.grpc.status_code"] == 14
     assert span.status.status_code is StatusCode.ERROR
+
+
+def test_a_global_provider_set_after_the_server_started_gets_its_spans(pg_dsn: str) -> None:
+    """Until an SDK sets a global provider no span is made (they would record nothing); one set
+    later, while the server runs, gets the spans of the calls that follow."""
+    script = textwrap.dedent(
+        """
+        import asyncio, sys
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from testsvc.v1 import testsvc_pb2
+        from grpc_idempotency import Store
+        from tests.support.ledger import running_ledger, fresh, prepare
+
+        async def main():
+            store = await Store.connect(sys.argv[1])
+            await prepare(store)
+            spans = InMemorySpanExporter()
+            async with running_ledger(store) as ledger:
+                req = testsvc_pb2.PostRequest(account=fresh())
+                await ledger.call("/testsvc.v1.LedgerService/Post", req, fresh())
+                provider = TracerProvider()
+                provider.add_span_processor(SimpleSpanProcessor(spans))
+                trace.set_tracer_provider(provider)
+                await ledger.call("/testsvc.v1.LedgerService/Post", req, fresh())
+            await store.close()
+            names = [s.name for s in spans.get_finished_spans()]
+            assert names == ["grpc_idempotency testsvc.v1.LedgerService/Post"], names
+            print("LATE-PROVIDER-OK")
+
+        asyncio.run(main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, pg_dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "LATE-PROVIDER-OK" in done.stdout
