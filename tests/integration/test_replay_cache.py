@@ -109,7 +109,9 @@ async def test_a_replica_caches_a_read_outcome_only_for_the_records_remaining_li
         assert read.code is grpc.StatusCode.OK and read.replayed and read.body == first.body
         assert len(b.interceptor.replay_cache or ()) == 1
 
-        await until("the record to expire", lambda: _expired(store, "tenant:tenant-a", key), timeout=15)
+        await until(
+            "the record to expire", lambda: _expired(store, "tenant:tenant-a", key), timeout=15
+        )
         changed = testsvc_pb2.PostRequest(account=account, amount=7)
         new_operation = await b.call(SHORT, changed, key)
         assert new_operation.code is grpc.StatusCode.OK and not new_operation.replayed
