@@ -17,7 +17,7 @@ from opentelemetry.trace import StatusCode
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, Telemetry
-from tests.support.blackhole import BlackholeProxy
+from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.ledger import fresh, running_ledger
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -133,23 +133,18 @@ async def test_key_and_scope_are_span_attributes_when_asked_for(store: Store) ->
     assert span.attributes["grpc_idempotency.scope"] == "tenant:tenant-a"
 
 
-async def test_a_store_that_does_not_answer_makes_an_error_span(pg_dsn: str) -> None:
+async def test_a_store_that_is_down_makes_an_error_span() -> None:
     telemetry, spans, _ = _telemetry()
-    proxy = BlackholeProxy(pg_dsn)
-    await proxy.start()
-    partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=1)
-    try:
-        async with running_ledger(partitioned, telemetry=telemetry) as ledger:
-            proxy.blackhole()
-            # No call deadline: the store's command_timeout (1 s) is what gives up.
-            call = ledger.call(
-                POST, testsvc_pb2.PostRequest(account=fresh()), fresh(), timeout=None
-            )
-            answer = await asyncio.wait_for(call, 20)
-            assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
-    finally:
-        await partitioned.close(timeout=1)
-        await proxy.close()
+    with EmbeddedPostgres(durable=False) as pg:  # a private server, to stop
+        down = await Store.connect(pg.dsn, max_size=2, acquire_timeout=2, migrate=True)
+        try:
+            async with running_ledger(down, telemetry=telemetry) as ledger:
+                pg.stop()
+                request = testsvc_pb2.PostRequest(account=fresh())
+                answer = await asyncio.wait_for(ledger.call(POST, request, fresh()), 20)
+                assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        finally:
+            await down.close(timeout=1)
     (span,) = spans.get_finished_spans()
     assert span.attributes["grpc_idempotency.outcome"] == "unavailable"
     assert span.attributes["rpc.grpc.status_code"] == 14
