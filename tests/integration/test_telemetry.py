@@ -112,15 +112,7 @@ def test_works_without_the_opentelemetry_sdk(pg_dsn: str) -> None:
         asyncio.run(main())
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script, pg_dsn],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "NO-SDK-OK" in done.stdout
+    _run_script(script, pg_dsn, "NO-SDK-OK")
 
 
 async def test_key_and_scope_are_span_attributes_when_asked_for(store: Store) -> None:
@@ -184,6 +176,11 @@ def test_a_global_provider_set_after_the_server_started_gets_its_spans(pg_dsn: s
         asyncio.run(main())
         """
     )
+    _run_script(script, pg_dsn, "LATE-PROVIDER-OK")
+
+
+def _run_script(script: str, pg_dsn: str, marker: str) -> None:
+    """Runs ``script`` in a fresh interpreter (global OpenTelemetry state of its own)."""
     done = subprocess.run(
         [sys.executable, "-c", script, pg_dsn],
         capture_output=True,
@@ -192,4 +189,4 @@ def test_a_global_provider_set_after_the_server_started_gets_its_spans(pg_dsn: s
         env=os.environ,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "LATE-PROVIDER-OK" in done.stdout
+    assert marker in done.stdout
