@@ -49,3 +49,20 @@ def load(gen_dir: Path) -> tuple[ModuleType, ModuleType]:
     if str(gen_dir) not in sys.path:
         sys.path.insert(0, str(gen_dir))
     return importlib.import_module("bench_pb2"), importlib.import_module("bench_pb2_grpc")
+
+
+def postmaster_pid(data_directory: str) -> int | None:
+    """The PID of the PostgreSQL server whose data directory this is (for CPU accounting)."""
+    try:
+        return int((Path(data_directory) / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line, shortened, for the noise report."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:70] or "?"

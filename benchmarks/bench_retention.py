@@ -200,7 +200,7 @@ class CpuWatch:
                 if self.postmaster is not None and int(fields[1]) == self.postmaster:
                     self.ours.add(pid)
                 if not initial:
-                    self.names[pid] = _cmdline(pid)
+                    self.names[pid] = _common.cmdline(pid)
             self.last[pid] = cpu
 
     def _run(self) -> None:
@@ -223,27 +223,12 @@ class CpuWatch:
         self.wall = time.perf_counter() - self.started
         self.steal = self._steal() - self._steal0
         used = [
-            (self.last[p] - self.first[p], p, self.names.get(p) or _cmdline(p))
+            (self.last[p] - self.first[p], p, self.names.get(p) or _common.cmdline(p))
             for p in self.last
             if p not in self.ours
         ]
         used = sorted((u for u in used if u[0] > 0), reverse=True)
         return sum(u[0] for u in used) / self.wall * 100, used
-
-
-def _postmaster_pid(data_dir: str) -> int | None:
-    try:
-        return int(Path(data_dir, "postmaster.pid").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:70] or "?"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -783,7 +768,7 @@ async def run(args: argparse.Namespace) -> None:
             f" wal_compression={info[5]}), {os.cpu_count()} cores, Python"
             f" {sys.version.split()[0]}, asyncpg {asyncpg.__version__}"
         )
-        postmaster = _postmaster_pid(data_dir)
+        postmaster = _common.postmaster_pid(data_dir)
         if postmaster is None:
             print("(cannot read postmaster.pid: PostgreSQL CPU counted as other processes')")
         watch = CpuWatch(postmaster)

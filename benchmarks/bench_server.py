@@ -158,14 +158,6 @@ def _all_cpu() -> dict[int, float]:
     return cpu
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:70] or "?"
-
-
 def _foreign(
     before: dict[int, float], after: dict[int, float], meter: CpuMeter, storm_pid: int
 ) -> list[tuple[float, int, str]]:
@@ -174,7 +166,7 @@ def _foreign(
     if meter.postmaster_pid is not None:
         ours |= {meter.postmaster_pid, *_children(meter.postmaster_pid)}
     used = [
-        (cpu - before.get(pid, 0.0), pid, _cmdline(pid))
+        (cpu - before.get(pid, 0.0), pid, _common.cmdline(pid))
         for pid, cpu in after.items()
         if pid not in ours
     ]
@@ -357,13 +349,6 @@ def _source_revision() -> str:
     return head + (" + uncommitted changes in src/" if dirty else "")
 
 
-def _postmaster_pid(data_directory: str) -> int | None:
-    try:
-        return int((Path(data_directory) / "postmaster.pid").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -433,7 +418,7 @@ class Bench:
             assert server.stdout is not None
             ports = (await _read_json(server.stdout, 60))["ports"]
             self.server = server
-            self.meter = CpuMeter(server.pid, _postmaster_pid(data_directory))
+            self.meter = CpuMeter(server.pid, _common.postmaster_pid(data_directory))
             if self.meter.postmaster_pid is None:
                 print("(cannot read postmaster.pid: PostgreSQL CPU not accounted)")
             # Started before this process opens channels (no fork while gRPC threads run).
