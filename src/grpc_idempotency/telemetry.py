@@ -86,6 +86,7 @@ class Telemetry:
         self.record_key = record_key
         self.record_scope = record_scope
         self._attributes: dict[str, dict[str, str]] = {}
+        self._labels: dict[tuple[str, Code, CallOutcome], dict[str, str | int]] = {}
         meter = metrics.get_meter("grpc_idempotency", _VERSION, meter_provider)
         self.calls = meter.create_counter(
             "grpc_idempotency.calls", unit="{call}", description="Keyed calls by outcome"
@@ -151,6 +152,10 @@ class Telemetry:
                 span.set_attribute(KEY, key)
             if self.record_scope and scope is not None:
                 span.set_attribute(SCOPE, scope)
-        labels = {**self.attributes(method), STATUS_CODE: int(code), OUTCOME: outcome.value}
+        # Bounded (methods x codes x outcomes) and built once each: this runs on every call.
+        labels = self._labels.get((method, code, outcome))
+        if labels is None:
+            labels = {**self.attributes(method), STATUS_CODE: int(code), OUTCOME: outcome.value}
+            self._labels[(method, code, outcome)] = labels
         self.calls.add(1, labels)
         self.duration.record(seconds, labels)

@@ -114,6 +114,15 @@ class MethodPolicy:
     isolation: Isolation | None = None
     """``None``: the database's default isolation."""
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    # The durations in seconds, as every call needs them (computed once, not per call).
+    retention_s: float = field(init=False, repr=False, compare=False)
+    lease_s: float = field(init=False, repr=False, compare=False)
+    max_wait_s: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "retention_s", self.retention.total_seconds())
+        object.__setattr__(self, "lease_s", self.lease.total_seconds())
+        object.__setattr__(self, "max_wait_s", self.max_wait.total_seconds())
 
 
 def method_path(method: MethodDescriptor) -> str:

@@ -327,6 +327,12 @@ class Store:
         budget = self.acquire_timeout
         if timeout is not None:
             budget = timeout if budget is None else min(timeout, budget)
+            if self.pool.get_idle_size() > 0:
+                # A connection is free, so acquiring does not wait for one: skip the timeout,
+                # which asyncpg implements with a task and a timer per acquire. (If the free
+                # holder must reconnect first, asyncpg's connect timeout bounds that, and a
+                # gRPC call's deadline cancels it anyway.)
+                budget = self.acquire_timeout
         try:
             conn: PooledConnection = await self.pool.acquire(
                 timeout=None if budget is None else max(budget, 0.001)
