@@ -106,6 +106,12 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
             )
             return Response(charge_id=charge_id, order_id=request.order_id)
 
+        async def Nap(self, request: Any, context: Any) -> Any:
+            # Not keyed (no options, no override): the interceptor passes it through. The control
+            # storm: the storm's traffic shape on the same server, with no idempotency.
+            await asyncio.sleep(slow_s)
+            return Response(charge_id="ch_" + uuid.uuid4().hex[:16], order_id=request.order_id)
+
     class Floor(pb2_grpc.BenchServiceServicer):
         """No database at all: what a unary call costs through gRPC alone."""
 

@@ -1,7 +1,8 @@
 """The storm generator process (started by bench_server.py; not meant to be run by hand).
 
 On each stdin line "go SECONDS" it runs storms back to back for that long: each storm sends
-``--dups`` concurrent calls of SlowCharge carrying one fresh key (same request), waits for all,
+``--dups`` concurrent calls of ``--method`` (SlowCharge; Nap for the control storm) carrying
+one fresh key (same request), waits for all,
 and starts the next. Then it prints one JSON line with what happened. Exits when stdin closes.
 """
 
@@ -37,7 +38,7 @@ async def storm_window(
 
         async def one(request: Any = request, metadata: Any = metadata) -> str:
             try:
-                await stub.SlowCharge(request, metadata=metadata, timeout=30)
+                await getattr(stub, args.method)(request, metadata=metadata, timeout=30)
                 return "OK"
             except grpc.aio.AioRpcError as err:
                 return err.code().name
@@ -73,4 +74,5 @@ if __name__ == "__main__":
     parser.add_argument("--gen", required=True)
     parser.add_argument("--dups", type=int, default=200)
     parser.add_argument("--run-id", required=True)
+    parser.add_argument("--method", default="SlowCharge", help="SlowCharge, or Nap (control)")
     asyncio.run(main(parser.parse_args()))

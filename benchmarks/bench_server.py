@@ -19,6 +19,10 @@ interleaved in rounds (the order rotates every round) so that machine noise hits
 Then a storm: 200 concurrent duplicates of one key whose handler sleeps 300 ms in its
 transaction (store pool max_size=10), back to back, while this process makes sequential
 fresh-key calls; their latency is compared with quiet windows alternated with the storm windows.
+A control storm with the same traffic shape (200 concurrent calls of ``Nap``, which sleeps 300 ms,
+is not keyed and touches no database) on the same server runs in windows of its own: what 200
+concurrent calls cost the other calls with no idempotency at all (the storm generator runs on
+the same two cores).
 
 Ratios against "bare, no pool reset" (the strongest bare handler) are what to read: absolute
 figures on a shared 2-core machine move. The default-pool "bare" stays as a row (its reset query
@@ -159,10 +163,10 @@ def _all_cpu() -> dict[int, float]:
 
 
 def _foreign(
-    before: dict[int, float], after: dict[int, float], meter: CpuMeter, storm_pid: int
+    before: dict[int, float], after: dict[int, float], meter: CpuMeter, storm_pids: set[int]
 ) -> list[tuple[float, int, str]]:
     """Other processes' CPU seconds over the measured phases, largest first."""
-    ours = {os.getpid(), meter.server_pid, storm_pid}
+    ours = {os.getpid(), meter.server_pid, *storm_pids}
     if meter.postmaster_pid is not None:
         ours |= {meter.postmaster_pid, *_children(meter.postmaster_pid)}
     used = [
@@ -394,7 +398,7 @@ class Bench:
         started = time.perf_counter()
         gen = Path(tempfile.mkdtemp(prefix="bench-gen-"))
         pg = EmbeddedPostgres()  # durable defaults (fsync on), unix socket only
-        server = storm = None
+        server = storm = control = None
         try:
             _common.generate(gen)
             self.pb2, pb2_grpc = _common.load(gen)
@@ -433,8 +437,22 @@ class Bench:
                 "--run-id",
                 self.run_id,
             )
-            assert storm.stdout is not None
-            await _read_json(storm.stdout, 60)
+            control = await _spawn(
+                "_storm.py",
+                "--port",
+                str(ports["keyed"]),
+                "--method",
+                "Nap",
+                "--gen",
+                str(gen),
+                "--dups",
+                str(cfg.storm_dups),
+                "--run-id",
+                f"{self.run_id}-control",
+            )
+            for generator in (storm, control):
+                assert generator.stdout is not None
+                await _read_json(generator.stdout, 60)
 
             channels = {
                 name: grpc.aio.insecure_channel(f"127.0.0.1:{port}") for name, port in ports.items()
@@ -519,12 +537,12 @@ class Bench:
                     v.tp_wall += wall
                     v.tp_round_rate.append(cfg.tp_per_round / wall)
                     v.tp_lat += lat
-            self.foreign = _foreign(before, _all_cpu(), self.meter, storm.pid)
+            self.foreign = _foreign(before, _all_cpu(), self.meter, {storm.pid, control.pid})
 
             print(f"round trips: {cfg.rt_iterations} iterations, direct asyncpg", flush=True)
             self.rt = await _breakdown.breakdown(dsn, cfg.rt_iterations)
 
-            storm_result = await self.storm(storm)
+            storm_result = await self.storm(storm, control)
 
             checks = await self.verify(dsn, storm_result)
             await self.mon.close()
@@ -533,8 +551,9 @@ class Bench:
             self.report(storm_result, checks, time.perf_counter() - started)
             return 0
         finally:
-            if storm is not None:
-                await _stop(storm)
+            for generator in (storm, control):
+                if generator is not None:
+                    await _stop(generator)
             if server is not None:
                 await _stop(server)
             pg.close()
@@ -552,31 +571,51 @@ class Bench:
             raise SystemExit(f"replay check failed: metadata {initial}, {first} vs {again}")
 
     # storm -------------------------------------------------------------------
-    async def storm(self, storm: asyncio.subprocess.Process) -> dict[str, Any]:
+    async def storm(
+        self, storm: asyncio.subprocess.Process, control: asyncio.subprocess.Process
+    ) -> dict[str, Any]:
         cfg = self.cfg
-        assert storm.stdin is not None and storm.stdout is not None
         quiet: list[float] = []
         during: list[float] = []
+        during_control: list[float] = []
         storms: list[dict[str, Any]] = []
         v = Variant("probe", self.keyed_stub.Charge, self.fresh_keyed)
         print(
-            f"storm: {cfg.storm_windows} quiet and {cfg.storm_windows} storm windows of"
-            f" {cfg.storm_window_s:g} s, {cfg.storm_dups} duplicates per key, handler sleeps"
-            f" {cfg.slow_ms:g} ms, store pool max_size={cfg.store_max_size}",
+            f"storm: {cfg.storm_windows} quiet, {cfg.storm_windows} storm and"
+            f" {cfg.storm_windows} control windows of {cfg.storm_window_s:g} s,"
+            f" {cfg.storm_dups} duplicates per key, handler sleeps {cfg.slow_ms:g} ms,"
+            f" store pool max_size={cfg.store_max_size}",
             flush=True,
         )
-        for _ in range(cfg.storm_windows):
+
+        async def window(generator: asyncio.subprocess.Process, into: list[float]) -> Any:
+            assert generator.stdin is not None and generator.stdout is not None
+            generator.stdin.write(f"go {cfg.storm_window_s}\n".encode())
+            await generator.stdin.drain()
+            result = asyncio.ensure_future(_read_json(generator.stdout, cfg.storm_window_s + 60))
+            await asyncio.sleep(0.005)  # let the first storm's calls leave
+            while not result.done():
+                await run_seq(v, 1, into)
+            return result.result()
+
+        for i in range(cfg.storm_windows):
             deadline = time.perf_counter() + cfg.storm_window_s
             while time.perf_counter() < deadline:
                 await run_seq(v, 1, quiet)
-            storm.stdin.write(f"go {cfg.storm_window_s}\n".encode())
-            await storm.stdin.drain()
-            result = asyncio.ensure_future(_read_json(storm.stdout, cfg.storm_window_s + 60))
-            await asyncio.sleep(0.005)  # let the first storm's calls leave
-            while not result.done():
-                await run_seq(v, 1, during)
-            storms.append(result.result())
-        return {"quiet": quiet, "during": during, "storms": storms, "probe_calls": v.calls_made}
+            # The two kinds of storm take turns going first.
+            if i % 2 == 0:
+                storms.append(await window(storm, during))
+                await window(control, during_control)
+            else:
+                await window(control, during_control)
+                storms.append(await window(storm, during))
+        return {
+            "quiet": quiet,
+            "during": during,
+            "during_control": during_control,
+            "storms": storms,
+            "probe_calls": v.calls_made,
+        }
 
     # checks ------------------------------------------------------------------
     async def verify(self, dsn: str, storm: dict[str, Any]) -> dict[str, Any]:
@@ -841,10 +880,20 @@ class Bench:
             f"  {'during storm':<36} {pct(during, 0.5) * 1e3:7.2f}"
             f" {pct(during, 0.99) * 1e3:7.2f} {len(during):6d}"
         )
+        control = storm["during_control"]
+        print(
+            f"  {'during control storm (not keyed)':<36} {pct(control, 0.5) * 1e3:7.2f}"
+            f" {pct(control, 0.99) * 1e3:7.2f} {len(control):6d}"
+        )
         p99_ratio = pct(during, 0.99) / pct(quiet, 0.99)
+        control_ratio = pct(control, 0.99) / pct(quiet, 0.99)
         print(
             f"  other keys' p99 during / without storm = {p99_ratio:.2f}x  (target <= 2.00x):"
             f" {'MET' if p99_ratio <= 2 else 'MISSED'}"
+        )
+        print(
+            f"  the same traffic with no idempotency (control storm) = {control_ratio:.2f}x;"
+            f" storm / control p99 = {pct(during, 0.99) / pct(control, 0.99):.2f}x"
         )
         exact = checks["keyed_rows"] == checks["keyed_calls"]
         print(
