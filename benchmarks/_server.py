@@ -1,11 +1,14 @@
 """The benchmark's server process (started by bench_server.py; not meant to be run by hand).
 
-One process, one event loop, five grpc.aio servers on five ports, all serving the same
+One process, one event loop, six grpc.aio servers on six ports, all serving the same
 BenchService.Charge (one INSERT in a transaction, but for the floor):
 
 - bare:         no interceptor; ``async with pool.acquire() as c, c.transaction()`` on a default
                 asyncpg pool (min 10, max 10, the default reset query on release);
 - bare_noreset: the same on a pool created with ``reset=<no-op>``;
+- library_sql:  no interceptor; the handler sends the keyed first execution's SQL itself (the
+                store's statements) on the no-reset pool: the records' cost without the library's
+                Python, i.e. the ceiling of a keyed first execution;
 - keyed:        IdempotencyInterceptor on a ``Store`` (max_size=10); the handler writes through
                 ``current_call().connection``. SlowCharge sleeps inside the transaction first.
 - keyed_nocache: the same with ``replay_cache=False`` (replays read the database);
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import hashlib
 import json
 import signal
 import sys
@@ -39,6 +43,9 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from grpc_idempotency.core.keys import claim_lock_id
+from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
+from grpc_idempotency.store.sql import Statements
 
 
 async def _no_reset(_conn: Any) -> None:
@@ -112,6 +119,63 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
             await asyncio.sleep(slow_s)
             return Response(charge_id="ch_" + uuid.uuid4().hex[:16], order_id=request.order_id)
 
+    class LibrarySql(pb2_grpc.BenchServiceServicer):
+        """No interceptor: a plain handler that sends the SQL the interceptor sends for a keyed
+        first execution (the store's own statements, one claim, the INSERT, the completion with
+        the response and COMMIT) on a no-reset pool. What the records cost with no library Python:
+        the ceiling of a keyed first execution's throughput."""
+
+        def __init__(self, pool: asyncpg.Pool) -> None:
+            self.pool = pool
+            self.statements = Statements(DEFAULT_SCHEMA)
+
+        async def Charge(self, request: Any, context: Any) -> Any:
+            st, key = self.statements, request.order_id
+            charge_id = "ch_" + uuid.uuid4().hex[:16]
+            fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+            claim = st.claim(
+                scope="bench-sql",
+                key=key,
+                lock_id=claim_lock_id(DEFAULT_SCHEMA, "bench-sql", key),
+                method=_common.CHARGE,
+                fingerprint=fingerprint,
+                retention_s=86400.0,
+                lease_s=30.0,
+                atomic=True,
+            )
+            response = Response(
+                charge_id=charge_id,
+                order_id=request.order_id,
+                amount_cents=request.amount_cents,
+                currency=request.currency,
+            )
+            async with self.pool.acquire() as c:
+                await c.execute(st.begin_atomic_claim(claim, isolation=None, idle_timeout_s=30.0))
+                await c.execute(
+                    _common.INSERT_SQL,
+                    charge_id,
+                    request.order_id,
+                    request.amount_cents,
+                    request.currency,
+                    "library_sql",
+                )
+                await c.execute(
+                    st.complete_and_commit(
+                        scope="bench-sql",
+                        key=key,
+                        token=None,
+                        method=_common.CHARGE,
+                        fingerprint=fingerprint,
+                        code=0,
+                        message="",
+                        details=None,
+                        response=response.SerializeToString(),
+                        retention_s=86400.0,
+                        discard_writes=False,
+                    )
+                )
+            return response
+
     class Floor(pb2_grpc.BenchServiceServicer):
         """No database at all: what a unary call costs through gRPC alone."""
 
@@ -123,7 +187,13 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
                 currency=request.currency,
             )
 
-    return {"bare": Bare, "bare_noreset": BareNoReset, "keyed": Keyed, "floor": Floor}
+    return {
+        "bare": Bare,
+        "bare_noreset": BareNoReset,
+        "library_sql": LibrarySql,
+        "keyed": Keyed,
+        "floor": Floor,
+    }
 
 
 class _Profiler:
@@ -175,6 +245,7 @@ async def main(args: argparse.Namespace) -> None:
     for name, interceptors, servicer in (
         ("bare", [], kinds["bare"](bare_pool)),
         ("bare_noreset", [], kinds["bare_noreset"](noreset_pool)),
+        ("library_sql", [], kinds["library_sql"](noreset_pool)),
         ("keyed", keyed(True), kinds["keyed"]()),
         # Another replica's view: the same store, no cache, so every replay reads the database.
         ("keyed_nocache", keyed(False), kinds["keyed"]()),

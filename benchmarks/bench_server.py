@@ -4,15 +4,19 @@
     cd /work/main && PYTHONPATH=. .venv/bin/python benchmarks/bench_server.py [--quick]
 
 One run starts a durable embedded PostgreSQL 18 (unix socket), a server process (benchmarks/
-_server.py: three grpc.aio servers in one event loop) and, for the storm, a load process
+_server.py: six grpc.aio servers in one event loop) and, for the storm, two load processes
 (benchmarks/_storm.py). This process is the client. Variants, all serving the same
 BenchService.Charge (one INSERT in a transaction, same request and response):
 
   bare                    ``async with pool.acquire() as c, c.transaction(): await c.execute(...)``
                           on a default asyncpg pool: what a user writes without the library
   bare, no pool reset     the same, pool created with ``reset=<no-op coroutine>``
+  bare + the library's SQL  no interceptor: the handler sends the keyed first execution's SQL
+                          itself (the records' own cost, without the library's Python)
   keyed, first execution  behind IdempotencyInterceptor, a fresh idempotency key per call
   keyed, replay           keys already completed: the stored response is replayed
+  keyed, replay, no cache another replica's replay (``replay_cache=False``): reads the database
+  gRPC floor              no interceptor, no database
 
 For each: sequential latency (p50/p99) and throughput with 64 calls in flight. The variants are
 interleaved in rounds (the order rotates every round) so that machine noise hits all of them.
@@ -120,6 +124,7 @@ QUICK = Config(
 LABELS = {
     "bare_noreset": "bare, no pool reset",
     "bare": "bare (pool reset)",
+    "library_sql": "bare + the library's SQL",
     "keyed_first": "keyed, first execution",
     "keyed_replay": "keyed, replay",
     "keyed_replay_db": "keyed, replay, no cache",
@@ -465,6 +470,9 @@ class Bench:
                 "bare": Variant("bare", stubs["bare"].Charge, self.bare_request),
                 "bare_noreset": Variant(
                     "bare_noreset", stubs["bare_noreset"].Charge, self.bare_request
+                ),
+                "library_sql": Variant(
+                    "library_sql", stubs["library_sql"].Charge, self.bare_request
                 ),
                 "keyed_first": Variant("keyed_first", stubs["keyed"].Charge, self.fresh_keyed),
                 "keyed_replay": Variant("keyed_replay", stubs["keyed"].Charge, self.replayed_keyed),
@@ -822,6 +830,12 @@ class Bench:
         )
         print(
             f"  {'first execution p50 / bare (reset)':<32} = {reset_first:.2f}x  (the old baseline)"
+        )
+        sql = v["library_sql"]
+        sql_tp = sql.tp_calls / sql.tp_wall / bare_rate
+        print(
+            f"  {'bare + the library SQL / bare':<32} = p50 {pct(sql.seq, 0.5) / bare_p50:.2f}x,"
+            f" calls/s {sql_tp:.2f}x  (the records' own cost: the ceiling of a first execution)"
         )
 
         print(
