@@ -180,7 +180,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._telemetry = telemetry or Telemetry()
         self._registry = PolicyRegistry(services, overrides)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
-        self._owners: dict[tuple[str, str], asyncio.Future[_Shared | None]] = {}
+        self._owners: dict[tuple[str, str], _Owner] = {}
         self._recent = _RecentKeys()
         self._reported: set[str] = set()
         self._waiting = 0
@@ -312,8 +312,7 @@ class IdempotencyInterceptor(_Interceptor):
                 continue
 
             # This call becomes the key's local owner: local duplicates wait on it.
-            future: asyncio.Future[_Shared | None] = asyncio.get_running_loop().create_future()
-            self._owners[slot] = future
+            owned = self._owners[slot] = _Owner()
             shared = None
             try:
                 result = await self._attempt(call, scope, key, fingerprint)
@@ -337,7 +336,7 @@ class IdempotencyInterceptor(_Interceptor):
                     await answers.abort(context, _in_progress(policy, busy.retry_after_ms))
             finally:
                 del self._owners[slot]
-                future.set_result(shared)
+                owned.hand_over(shared)
             call.waited = True
             delay = min(poll_delay_ms(polls) / 1000, max(0.0, wait_until - time.monotonic()))
             polls += 1
@@ -348,13 +347,13 @@ class IdempotencyInterceptor(_Interceptor):
                 self._waiting -= 1
 
     async def _wait_for_owner(
-        self, call: _Call, owner: asyncio.Future[_Shared | None], wait_until: float
+        self, call: _Call, owner: _Owner, wait_until: float
     ) -> _Shared | None:
         call.waited = True
         self._waiting += 1
         try:
-            timeout = max(0.0, wait_until - time.monotonic())
-            return await asyncio.wait_for(asyncio.shield(owner), timeout=timeout)
+            async with asyncio.timeout(max(0.0, wait_until - time.monotonic())):
+                return await owner.wait()
         except TimeoutError:
             call.outcome = CallOutcome.CONFLICT
             await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
@@ -689,6 +688,30 @@ class IdempotencyInterceptor(_Interceptor):
         else:
             await asyncio.shield(tx.rollback())
         return response
+
+
+class _Owner:
+    """The call in this process that is executing a key, and the duplicates waiting on it.
+
+    Each waiter has a future of its own (cancelling one, when its client goes, touches no
+    other), resolved directly when the owner is done: one wake-up per waiter, which matters when
+    hundreds of duplicates wait on one key."""
+
+    __slots__ = ("_waiters",)
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future[_Shared | None]] = []
+
+    def wait(self) -> asyncio.Future[_Shared | None]:
+        waiter: asyncio.Future[_Shared | None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return waiter
+
+    def hand_over(self, shared: _Shared | None) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(shared)
+        self._waiters.clear()
 
 
 class _RecentKeys:
