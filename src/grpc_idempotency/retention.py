@@ -1,9 +1,11 @@
-"""Retention: delete records past ``expires_at`` in bounded batches, now or in the background.
+"""Retention: delete records past retention in bounded batches, now or in the background.
 
 Deleting is an optimisation, not a correctness need: a record past retention is already treated
-as new by the claim (the database clock decides). Batches keep each DELETE short, and
-``FOR UPDATE SKIP LOCKED`` lets several purgers (one per replica) run without blocking each other
-or the request path.
+as new by the claim (the database clock decides). Batches keep each DELETE short and walk the
+``expires_at`` index in order (``Store.purge``); the DELETE re-checks retention and leases on any
+row a concurrent takeover changed, so it never removes a record that an attempt holds. Several
+purgers (one per replica) may run: one that meets another's batch waits for it, finds its rows
+gone, and ends its run.
 """
 
 from __future__ import annotations
