@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 from grpc_idempotency import Store
+from grpc_idempotency.store.outbox_store import OutboxStatements
 from tests.support.waiting import until
 
 COLUMNS = (
@@ -270,3 +271,24 @@ async def test_takeover_completes_after_the_purge_deleted_its_expired_record(
         f"SELECT state, response FROM {records(purge_store)} WHERE key = 'taken'"
     )
     assert row is not None and (row["state"], row["response"]) == ("completed", b"new outcome")
+
+
+async def test_outbox_purge_of_sent_rows_uses_its_index(
+    purge_store: Store, db: asyncpg.Connection
+) -> None:
+    schema = purge_store.schema
+    await db.execute(
+        f'INSERT INTO "{schema}".outbox (scope, key, step, parent_key, method, payload_type,'
+        " payload, state, sent_at)"
+        " SELECT 's', 'k-' || i, 'e.v1', 'p', '/m', 't', '\\x00', 'sent', clock_timestamp()"
+        " FROM generate_series(1, 5000) i"
+    )
+    await db.execute(f'VACUUM ANALYZE "{schema}".outbox')
+    sql = OutboxStatements(schema).purge_sent
+    async with db.transaction():
+        await db.execute(f"PREPARE purge_sent(integer, float8) AS {sql}")
+        text = await db.fetchval("EXPLAIN (FORMAT JSON) EXECUTE purge_sent(1000, 3600)")
+        await db.execute("DEALLOCATE purge_sent")
+    scans = {(n["Node Type"], n.get("Index Name")) for n in nodes(json.loads(text)[0]["Plan"])}
+    assert not any(kind == "Seq Scan" for kind, _ in scans), scans
+    assert ("Index Scan", "outbox_done") in scans or ("Bitmap Index Scan", "outbox_done") in scans
