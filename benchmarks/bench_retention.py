@@ -2,7 +2,8 @@
 """The records table at scale: bytes per record, purge throughput, purge under live traffic, growth.
 
     cd /work/main
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_retention.py [--quick] [--dsn DSN] [--phases 2,3]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_retention.py [--quick] [--dsn DSN]
+        [--phases 2,3] [--pause S]
 
 One run, on a durable embedded PostgreSQL (fsync on; or ``--dsn``), on the store's real schema
 (``Store.connect(dsn, schema=..., migrate=True)``, a fresh schema per measurement):
@@ -28,10 +29,11 @@ One run, on a durable embedded PostgreSQL (fsync on; or ``--dsn``), on the store
 3. **Purge under live traffic.** 4 connections run first-execution transactions back to back
    (``BEGIN+claim+SAVEPOINT``; a business ``INSERT``; ``complete+COMMIT``; the SQL text from
    ``grpc_idempotency.store.sql.Statements``, 1 KiB responses, into the same table the purge
-   deletes from). Windows where the old or the new purge (batch 1000) deletes a share of a pile
-   of expired records non-stop (the worst case: a backlog) alternate with quiet windows as long as
-   the purge window before them; old and new windows alternate; p50/p99 of the transactions that
-   began and ended in each kind of window.
+   deletes from). Windows where a purge (batch 1000: the old statement, the new one, and the new
+   one with ``pause=PAUSE_S`` between batches) deletes a share of a pile of expired records (the
+   worst case: a backlog) alternate with quiet windows as long as the purge window before them;
+   the variants take turns; p50/p99 of the transactions that began and ended in each kind of
+   window.
 4. **Growth with and without purge.** Two tables fed identically, in ticks, with records whose
    retention is 1 s: one is never purged, the other has a ``Purger`` (interval 0.5 s); autovacuum
    on (``autovacuum_naptime = 1s`` for this phase, set with ALTER SYSTEM on the benchmark's own
@@ -127,14 +129,19 @@ OLD_PURGE = """
         LIMIT $1 FOR UPDATE SKIP LOCKED)
     DELETE FROM {s}.records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"""
 VARIANTS = ("old", "new")
+# Phase 3 also runs the new purge with a pause between batches (Store.purge(pause=...)).
+LIVE_VARIANTS = (*VARIANTS, "paced")
+PAUSE_S = 0.01  # --pause
 
 
 async def purge_with(
     variant: str, store: Store, *, batch_size: int, max_batches: int | None = None
 ) -> int:
-    """``Store.purge`` ("new"), or the same batching around ``OLD_PURGE`` ("old")."""
-    if variant == "new":
-        return await store.purge(batch_size=batch_size, max_batches=max_batches)
+    """``Store.purge`` ("new"; "paced": ``PAUSE_S`` between batches), or the same batching
+    around ``OLD_PURGE`` ("old")."""
+    if variant in ("new", "paced"):
+        pause = PAUSE_S if variant == "paced" else 0.0
+        return await store.purge(batch_size=batch_size, max_batches=max_batches, pause=pause)
     return await store.purge_in_batches(
         "purging records (old statement)",
         OLD_PURGE.format(s=store.statements.schema),
@@ -163,7 +170,7 @@ FULL = Config(
     purge_rows=100_000,
     purge_batches=(100, 1000, 10_000),
     purge_rounds=2,
-    live_preload=240_000,
+    live_preload=270_000,
     live_workers=4,
     live_pairs=3,
     growth_ticks=10,
@@ -175,7 +182,7 @@ QUICK = Config(
     purge_rows=25_000,
     purge_batches=(100, 1000, 10_000),
     purge_rounds=1,
-    live_preload=60_000,
+    live_preload=90_000,
     live_workers=4,
     live_pairs=2,
     growth_ticks=6,
@@ -574,10 +581,11 @@ async def phase_purge(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Resul
 
 
 async def phase_live(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Results) -> None:
-    per_window = cfg.live_preload // (cfg.live_pairs * len(VARIANTS))
+    per_window = cfg.live_preload // (cfg.live_pairs * len(LIVE_VARIANTS))
     print(
         f"\n3. live traffic with and without a purge: {cfg.live_workers} connections of first"
-        f" executions (1 KiB responses); {cfg.live_pairs} purge windows per statement (old, new;"
+        f" executions (1 KiB responses); {cfg.live_pairs} purge windows per variant (old, new,"
+        f" new paced with {PAUSE_S * 1e3:.0f} ms between batches;"
         f" each: batches of 1000 deleting {per_window:,} expired records non-stop), each next to"
         f" a quiet window as long as it"
     )
@@ -605,15 +613,15 @@ async def phase_live(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Result
             await first_execution(conn, statements, scope, uuid.uuid4().hex, response)
             done.append((began, time.perf_counter()))
 
-    kinds = ("quiet", *VARIANTS)
+    kinds = ("quiet", *LIVE_VARIANTS)
     windows: list[tuple[str, float, float]] = []
-    purged = {v: [0.0, 0.0, 0.0] for v in VARIANTS}  # rows, seconds, WAL bytes
+    purged = {v: [0.0, 0.0, 0.0] for v in LIVE_VARIANTS}  # rows, seconds, WAL bytes
     tasks = [asyncio.create_task(worker(c, w)) for w, c in enumerate(conns)]
     try:
         await asyncio.sleep(1.0)  # warm-up
         length = 1.0
         for pair in range(cfg.live_pairs):
-            for variant in VARIANTS if pair % 2 == 0 else VARIANTS[::-1]:
+            for variant in LIVE_VARIANTS if pair % 2 == 0 else LIVE_VARIANTS[::-1]:
                 for kind in (variant, "quiet") if pair % 2 == 0 else ("quiet", variant):
                     began = time.perf_counter()
                     if kind == "quiet":
@@ -659,7 +667,7 @@ async def phase_live(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Result
             f" {r.live_rate[kind]:,.0f} tx/s; per-window p50 ms: "
             + " ".join(f"{x * 1e3:.2f}" for x in r.live_windows[kind])
         )
-    for v in VARIANTS:
+    for v in LIVE_VARIANTS:
         p, lp = by_kind[v], r.live_purge[v]
         print(
             f"  while the {v} purge ran: p50 {pct(p, 0.5) / pct(q, 0.5):.2f}x, p99"
@@ -755,11 +763,12 @@ def report(
                 f"| {size:,} B records, {mb(total)} | {old * 1e3:.2f} ms | {new * 1e3:.2f} ms |"
                 f" {old / new:,.0f}x |"
             )
-    print(
-        "\n| batch size | old rows/s (median, range) | new rows/s (median, range) | new/old"
-        " | WAL B/row old, new |"
-    )
-    print("|---|---|---|---|---|")
+    if r.purge:
+        print(
+            "\n| batch size | old rows/s (median, range) | new rows/s (median, range) | new/old"
+            " | WAL B/row old, new |"
+        )
+        print("|---|---|---|---|---|")
     for bs in sorted({b for _, b in r.purge}):
         cells, medians, wals = [], [], []
         for v in VARIANTS:
@@ -781,7 +790,7 @@ def report(
             " | purge rows/s | WAL B/row |"
         )
         print("|---|---|---|---|---|---|---|")
-        for kind in ("quiet", *VARIANTS):
+        for kind in ("quiet", *LIVE_VARIANTS):
             lat = r.live.get(kind, [])
             if not lat:
                 continue
@@ -793,6 +802,8 @@ def report(
             rate = f"{lp['rows_per_s']:,.0f}" if lp else "-"
             wal = f"{lp['wal_per_row']:,.0f}" if lp else "-"
             label = "quiet" if kind == "quiet" else f"while the {kind} purge runs"
+            if kind == "paced":
+                label = f"while the new purge runs, {PAUSE_S * 1e3:.0f} ms between batches"
             print(
                 f"| {label} | {pct(lat, 0.5) * 1e3:.2f} | {pct(lat, 0.99) * 1e3:.2f} |"
                 f" {r.live_rate[kind]:,.0f} | {ratios if kind != 'quiet' else '-'} | {rate} |"
@@ -829,6 +840,8 @@ def report(
 
 
 async def run(args: argparse.Namespace) -> None:
+    global PAUSE_S
+    PAUSE_S = args.pause
     cfg = QUICK if args.quick else FULL
     started = time.perf_counter()
     pg = None
@@ -885,6 +898,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller tables (under a minute)")
     parser.add_argument("--dsn", help="an existing PostgreSQL instead of the embedded one")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=PAUSE_S,
+        help="seconds between batches of phase 3's paced purge (default: %(default)s)",
+    )
     parser.add_argument(
         "--phases",
         type=lambda v: {int(x) for x in v.split(",")},

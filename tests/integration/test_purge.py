@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from grpc_idempotency import Store
+from grpc_idempotency import Purger, Store
 from grpc_idempotency.store.outbox_store import OutboxStatements
 from tests.support.waiting import until
 
@@ -174,6 +174,24 @@ async def test_batches_walk_past_equal_expiries_and_held_records(purge_store: St
     assert await purge_store.purge(batch_size=10, max_batches=1) == 10
     assert await purge_store.purge(batch_size=10) == 27  # 15 ties + 12 later, in 3 more batches
     assert await keys(purge_store) == ["held-1", "held-2", "held-3"]
+
+
+async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
+    purge_store: Store,
+) -> None:
+    await purge_store.pool.execute(
+        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
+        " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  clock_timestamp() - interval '2 h',"
+        "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
+        " FROM generate_series(1, 35) i"
+    )
+    with pytest.raises(ValueError):
+        await purge_store.purge(pause=-1)
+    with pytest.raises(ValueError):
+        Purger(purge_store, pause=-1)
+    assert await purge_store.purge(batch_size=10, pause=0.001) == 35
+    assert await keys(purge_store) == []
 
 
 # -- concurrent takeovers ----------------------------------------------------------------------

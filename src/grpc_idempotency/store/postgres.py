@@ -476,15 +476,20 @@ class Store:
         assert token is not None
         return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s, isolation)
 
-    async def purge(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+    async def purge(
+        self, *, batch_size: int = 1000, max_batches: int | None = None, pause: float = 0.0
+    ) -> int:
         """Deletes records past retention in batches of ``batch_size``; returns how many. The
-        batches walk ``records_expires_at`` in order, each starting where the last stopped."""
+        batches walk ``records_expires_at`` in order, each starting where the last stopped.
+        ``pause``: seconds to wait between batches, so that a backlog leaves the calls some of
+        the database's CPU and WAL bandwidth (benchmarks/README.md, "Retention")."""
         return await self.purge_in_batches(
             "purging records",
             self.statements.purge,
             batch_size=batch_size,
             max_batches=max_batches,
             walk=True,
+            pause=pause,
         )
 
     async def purge_in_batches(
@@ -495,20 +500,24 @@ class Store:
         batch_size: int,
         max_batches: int | None,
         walk: bool = False,
+        pause: float = 0.0,
     ) -> int:
         """Runs a purge statement (``$1`` the batch size, ``args`` after it) once per transaction
-        until a batch comes back short or ``max_batches`` ran; returns how many rows went. Every
-        purge of the library goes through here: short transactions, so housekeeping never holds
-        locks that calls wait on for long.
+        until a batch comes back short or ``max_batches`` ran, ``pause`` seconds apart (holding
+        no connection meanwhile); returns how many rows went. Every purge of the library goes
+        through here: short transactions, so housekeeping never holds locks that calls wait on
+        for long.
 
         ``walk``: the statement takes where the previous batch stopped as ``$2`` (``None`` at
         first) and returns one row, ``deleted`` and ``last`` (where the next batch starts);
         otherwise it is a ``DELETE`` and its status says how many rows went."""
-        if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
-            raise ValueError("batch_size and max_batches must be positive")
+        if batch_size <= 0 or (max_batches is not None and max_batches <= 0) or pause < 0:
+            raise ValueError("batch_size and max_batches must be positive, pause not negative")
         total = batches = 0
         position: object = None
         while max_batches is None or batches < max_batches:
+            if batches and pause:
+                await asyncio.sleep(pause)
             async with self.connection(doing) as conn:
                 if walk:
                     row = await conn.fetchrow(sql, batch_size, position, *args)
