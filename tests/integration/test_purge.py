@@ -16,6 +16,7 @@ import pytest
 
 from grpc_idempotency import Purger, Store
 from grpc_idempotency.store.outbox_store import OutboxStatements
+from tests.support.tools import run_cli
 from tests.support.waiting import until
 
 COLUMNS = (
@@ -192,6 +193,23 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
         Purger(purge_store, pause=-1)
     assert await purge_store.purge(batch_size=10, pause=0.001) == 35
     assert await keys(purge_store) == []
+
+
+async def test_cli_purge_with_a_pause(purge_store: Store, pg_dsn: str) -> None:
+    await insert(
+        purge_store,
+        ",".join(
+            f"('s', 'old-{i}', '/m', '\\x00', 'completed', 1, NULL, 0,"
+            " clock_timestamp() - interval '2 h', clock_timestamp() - interval '1 h',"
+            " interval '1 h')"
+            for i in range(25)
+        ),
+    )
+    common = ("purge", "--dsn", pg_dsn, "--schema", purge_store.schema, "--batch-size", "10")
+    bad = await asyncio.to_thread(run_cli, *common, "--pause", "-1")
+    assert bad.returncode == 2 and "pause" in bad.stderr, bad.stderr
+    done = await asyncio.to_thread(run_cli, *common, "--pause", "0.001")
+    assert done.returncode == 0 and "purged 25 expired records" in done.stdout, done.stderr
 
 
 async def test_purgers_on_two_replicas_at_once_delete_each_record_once(
