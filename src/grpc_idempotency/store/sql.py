@@ -110,13 +110,14 @@ class Statements:
         # follows records_expires_at (expires_at is the earliest a record can expire; a
         # completed one lives on until completed_at + retention: migration 0007) from $2, so a
         # batch does not rescan the index entries its predecessors left dead, and a purge that
-        # finds nothing reads two index pages.
+        # finds nothing reads a few index pages, whatever the table's size.
         #
-        # No FOR UPDATE SKIP LOCKED pass (it wrote every row twice, a lock then the delete, and
-        # measured 2-2.5x slower: benchmarks/README.md). Instead the DELETE repeats the whole
-        # condition: a row updated by a concurrent takeover (claim(), complete_atomic(): both
-        # under the key's claim lock) makes the DELETE wait for that transaction and, at READ
-        # COMMITTED, re-evaluate its WHERE on the new version, which is within retention or
+        # No FOR UPDATE SKIP LOCKED pass: it wrote every row twice (a lock, then the delete);
+        # without it, deleting by ctid, a batch runs 2.2-2.6x faster (benchmarks/README.md). A
+        # row another transaction holds is waited for, not skipped, so the DELETE repeats the
+        # whole condition: a row updated by a concurrent takeover (claim(), complete_atomic():
+        # both under the key's claim lock) makes the DELETE wait for that transaction and, at
+        # READ COMMITTED, re-evaluate its WHERE on the new version, which is within retention or
         # held by a lease and so stays. The condition sits in a CASE so that the planner cannot
         # turn it into an expires_at index scan: the DELETE must find its rows by ctid.
         purgeable = f"""CASE state
