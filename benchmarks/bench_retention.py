@@ -3,6 +3,7 @@
 
     cd /work/main
     PYTHONPATH=. .venv/bin/python benchmarks/bench_retention.py [--quick] [--dsn DSN]
+        [--phases 2,3] [--pause S]
 
 One run, on a durable embedded PostgreSQL (fsync on; or ``--dsn``), on the store's real schema
 (``Store.connect(dsn, schema=..., migrate=True)``, a fresh schema per measurement):
@@ -16,18 +17,23 @@ One run, on a durable embedded PostgreSQL (fsync on; or ``--dsn``), on the store
    Sizes: ``pg_relation_size`` of the heap, its TOAST table (and TOAST index), each index. A
    cross-check writes 1 KiB records through the library's own batched statements instead
    (``Statements.begin_atomic_claim`` / ``complete_and_commit`` sent with asyncpg, 4 connections
-   at once, as concurrent calls would). Then the time of a purge that finds nothing on each table.
-2. **Purge throughput.** ``Store.purge(batch_size=...)`` over tables of expired 1 KiB records,
-   one fresh table per run, batch sizes interleaved (the order rotates every round), a
-   ``CHECKPOINT`` before each run (so every page the purge touches first writes a full-page image,
-   as it does in production where purged rows are a retention period old); rows/s and WAL bytes
-   per purged row.
+   at once, as concurrent calls would). Then the time of a purge that finds nothing on each table,
+   the old statement and the new one alternately.
+2. **Purge throughput.** ``Store.purge(batch_size=...)`` ("new") and the statement it replaced
+   ("old", ``OLD_PURGE``: a ``FOR UPDATE SKIP LOCKED`` pass bounded by ``clock_timestamp()``)
+   over tables of expired 1 KiB records, one fresh table per run (a copy of one loaded template),
+   statements and batch sizes interleaved (the order rotates every round), a ``CHECKPOINT``
+   before each run (so every page the purge touches first writes a full-page image, as it does in
+   production where purged rows are a retention period old); rows/s and WAL bytes per purged
+   row.
 3. **Purge under live traffic.** 4 connections run first-execution transactions back to back
    (``BEGIN+claim+SAVEPOINT``; a business ``INSERT``; ``complete+COMMIT``; the SQL text from
    ``grpc_idempotency.store.sql.Statements``, 1 KiB responses, into the same table the purge
-   deletes from). Windows where ``Store.purge(batch_size=1000)`` deletes a
-   share of a pile of expired records non-stop (the worst case: a backlog) alternate with quiet
-   windows of the same length; p50/p99 of the transactions that began and ended in each kind.
+   deletes from). Windows where a purge (batch 1000: the old statement, the new one, and the new
+   one with ``pause=PAUSE_S`` between batches) deletes a share of a pile of expired records (the
+   worst case: a backlog) alternate with quiet windows as long as the purge window before them;
+   the variants take turns; p50/p99 of the transactions that began and ended in each kind of
+   window.
 4. **Growth with and without purge.** Two tables fed identically, in ticks, with records whose
    retention is 1 s: one is never purged, the other has a ``Purger`` (interval 0.5 s); autovacuum
    on (``autovacuum_naptime = 1s`` for this phase, set with ALTER SYSTEM on the benchmark's own
@@ -110,6 +116,39 @@ ATOMIC_CLAIM_THEN_COMPLETE = """PERFORM {schema}.claim(s, k, hashtextextended(k,
                                    p_retention, 30.0);
             PERFORM {schema}.complete(s, k, NULL, 0, '', NULL, p_response, p_retention);"""
 
+# The purge statement before issue 9 (store/sql.py at 9580cfb), kept here to measure the new one
+# against it in the same run: clock_timestamp() (volatile) keeps it off records_expires_at, and
+# it locks every row (FOR UPDATE SKIP LOCKED) before deleting it.
+OLD_PURGE = """
+    WITH doomed AS (
+        SELECT scope, key FROM {s}.records
+        WHERE expires_at <= clock_timestamp()
+          AND ((state = 'completed'
+                AND GREATEST(expires_at, completed_at + retention) <= clock_timestamp())
+               OR (state = 'in_progress' AND locked_until <= clock_timestamp()))
+        LIMIT $1 FOR UPDATE SKIP LOCKED)
+    DELETE FROM {s}.records r USING doomed d WHERE r.scope = d.scope AND r.key = d.key"""
+VARIANTS = ("old", "new")
+# Phase 3 also runs the new purge with a pause between batches (Store.purge(pause=...)).
+LIVE_VARIANTS = (*VARIANTS, "paced")
+PAUSE_S = 0.01  # --pause
+
+
+async def purge_with(
+    variant: str, store: Store, *, batch_size: int, max_batches: int | None = None
+) -> int:
+    """``Store.purge`` ("new"; "paced": ``PAUSE_S`` between batches), or the same batching
+    around ``OLD_PURGE`` ("old")."""
+    if variant in ("new", "paced"):
+        pause = PAUSE_S if variant == "paced" else 0.0
+        return await store.purge(batch_size=batch_size, max_batches=max_batches, pause=pause)
+    return await store.purge_in_batches(
+        "purging records (old statement)",
+        OLD_PURGE.format(s=store.statements.schema),
+        batch_size=batch_size,
+        max_batches=max_batches,
+    )
+
 
 @dataclass(frozen=True)
 class Config:
@@ -131,9 +170,9 @@ FULL = Config(
     purge_rows=100_000,
     purge_batches=(100, 1000, 10_000),
     purge_rounds=2,
-    live_preload=160_000,
+    live_preload=270_000,
     live_workers=4,
-    live_pairs=4,
+    live_pairs=3,
     growth_ticks=10,
     growth_rows=10_000,
 )
@@ -143,7 +182,7 @@ QUICK = Config(
     purge_rows=25_000,
     purge_batches=(100, 1000, 10_000),
     purge_rounds=1,
-    live_preload=60_000,
+    live_preload=90_000,
     live_workers=4,
     live_pairs=2,
     growth_ticks=6,
@@ -383,11 +422,11 @@ class Results:
     crosscheck: dict[str, float] = field(default_factory=dict)
     phased: dict[str, float] = field(default_factory=dict)
     noop_purge: list[tuple[int, int, float, float]] = field(default_factory=list)
-    purge: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    purge: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
     live: dict[str, list[float]] = field(default_factory=dict)
     live_windows: dict[str, list[float]] = field(default_factory=dict)
     live_rate: dict[str, float] = field(default_factory=dict)
-    live_purge: dict[str, float] = field(default_factory=dict)
+    live_purge: dict[str, dict[str, float]] = field(default_factory=dict)
     growth: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -454,32 +493,35 @@ async def phase_sizes(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Resul
         )
         await drop_table(admin, t)
 
-        # A purge with nothing to delete still reads the whole table: its clock_timestamp() is
-        # volatile, so the planner cannot use records_expires_at (see EXPLAIN below).
-        print("  a purge that finds nothing (every record within retention), median of 3:")
+        # A purge with nothing to delete: the old statement's clock_timestamp() is volatile, so
+        # it reads the whole table; the new one walks records_expires_at (EXPLAIN below).
+        print(
+            "  a purge that finds nothing (every record within retention), old and new"
+            " alternately, median of 5:"
+        )
         for size, t in tables.items():
-            library, now_variant = [], []
-            what_if = t.store.statements.purge.replace("clock_timestamp()", "now()")
-            for _ in range(3):
-                began = time.perf_counter()
-                assert await t.store.purge(batch_size=1000) == 0
-                library.append(time.perf_counter() - began)
-                began = time.perf_counter()
-                await t.store.purge_in_batches("what-if", what_if, batch_size=1000, max_batches=1)
-                now_variant.append(time.perf_counter() - began)
+            took: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for i in range(5):
+                for variant in VARIANTS if i % 2 == 0 else VARIANTS[::-1]:
+                    began = time.perf_counter()
+                    assert await purge_with(variant, t.store, batch_size=1000) == 0
+                    took[variant].append(time.perf_counter() - began)
             total = (await sizes(admin, t))["total"]
-            lib, alt = statistics.median(library), statistics.median(now_variant)
-            r.noop_purge.append((size, total, lib, alt))
+            old, new = statistics.median(took["old"]), statistics.median(took["new"])
+            r.noop_purge.append((size, total, old, new))
             print(
                 f"    {size:>5} B table ({mb(total)}, {cfg.size_rows[size]:,} records):"
-                f" {lib * 1e3:7.1f} ms; the same statement with now() instead of"
-                f" clock_timestamp() (not the library's SQL): {alt * 1e3:5.2f} ms"
+                f" old {old * 1e3:7.2f} ms, new {new * 1e3:5.2f} ms ({old / new:,.0f}x)"
             )
-        plan = await admin.fetch(
-            "EXPLAIN " + tables[1024].store.statements.purge.replace("$1", "1000")
-        )
-        scan = next(p[0].strip() for p in plan if "Scan on records " in p[0])
-        print(f"    plan of the library's purge: {scan.split('(')[0].strip('-> ')}")
+        for variant, sql in (
+            ("old", OLD_PURGE.format(s=tables[1024].store.statements.schema)),
+            ("new", tables[1024].store.statements.purge),
+        ):
+            plan = await admin.fetch(
+                "EXPLAIN " + sql.replace("$1", "1000").replace("$2", "NULL::timestamptz")
+            )
+            scans = [p[0].split("(")[0].strip("-> ") for p in plan if " Scan " in p[0]]
+            print(f"    plan of the {variant} purge: {'; '.join(scans)}")
     finally:
         await loader.close()
         for t in tables.values():
@@ -488,49 +530,64 @@ async def phase_sizes(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Resul
 
 async def phase_purge(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Results) -> None:
     print(
-        f"\n2. purge throughput: Store.purge(batch_size=N) over {cfg.purge_rows:,} expired 1 KiB"
-        f" records, a fresh table per run, CHECKPOINT before each"
+        f"\n2. purge throughput: the old and the new purge, batch sizes"
+        f" {', '.join(map(str, cfg.purge_batches))}, over {cfg.purge_rows:,} expired 1 KiB records;"
+        f" each run on a fresh copy of one loaded table (VACUUM ANALYZE, then CHECKPOINT)"
     )
     loader = await asyncpg.connect(dsn)
     await loader.execute("SET synchronous_commit = off")
-    batches = list(cfg.purge_batches)
+    template = await new_table(dsn, admin, autovacuum=False)
+    runs = [(v, bs) for bs in cfg.purge_batches for v in VARIANTS]
     try:
+        await load(loader, template, cfg.purge_rows, os.urandom(1024), 0.0)
+        await admin.execute(f"VACUUM ANALYZE {template.records}")
+        plan = await admin.fetch(
+            "EXPLAIN "
+            + template.store.statements.purge.replace("$1", "1000").replace(
+                "$2", "NULL::timestamptz"
+            )
+        )
+        scans = [p[0].split("(")[0].strip("-> ") for p in plan if " Scan " in p[0]]
+        print(f"  plan of the new purge over this backlog: {'; '.join(scans)}")
         for round_ in range(cfg.purge_rounds):
-            shift = round_ % len(batches)
-            order = batches[shift:] + batches[:shift]
+            shift = round_ % len(runs)
+            order = runs[shift:] + runs[:shift]
             if round_ % 2:
                 order.reverse()
-            for bs in order:
+            for variant, bs in order:
                 t = await new_table(dsn, admin, autovacuum=False)
-                await load(loader, t, cfg.purge_rows, os.urandom(1024), 0.0)
+                await admin.execute(f"INSERT INTO {t.records} SELECT * FROM {template.records}")
+                await admin.execute(f"VACUUM ANALYZE {t.records}")
                 total = (await sizes(admin, t))["total"]
                 await admin.execute("CHECKPOINT")
                 lsn = await wal_lsn(admin)
                 began = time.perf_counter()
-                purged = await t.store.purge(batch_size=bs)
+                purged = await purge_with(variant, t.store, batch_size=bs)
                 took = time.perf_counter() - began
                 wal = await wal_since(admin, lsn)
-                assert purged == cfg.purge_rows, (purged, cfg.purge_rows)
+                assert purged == cfg.purge_rows, (variant, purged, cfg.purge_rows)
                 left = await admin.fetchval(f"SELECT count(*) FROM {t.records}")
                 assert left == 0, left
-                r.purge.setdefault(bs, []).append((purged / took, wal / purged))
+                r.purge.setdefault((variant, bs), []).append((purged / took, wal / purged))
                 print(
-                    f"  round {round_ + 1}, batch {bs:>6}: {purged / took:9,.0f} rows/s,"
+                    f"  round {round_ + 1}, {variant}, batch {bs:>6}: {purged / took:9,.0f} rows/s,"
                     f" {took:5.2f} s, WAL {wal / purged:6,.0f} B/row (table {mb(total)})",
                     flush=True,
                 )
                 await drop_table(admin, t)
     finally:
         await loader.close()
+        await drop_table(admin, template)
 
 
 async def phase_live(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Results) -> None:
-    per_window = cfg.live_preload // cfg.live_pairs
+    per_window = cfg.live_preload // (cfg.live_pairs * len(LIVE_VARIANTS))
     print(
         f"\n3. live traffic with and without a purge: {cfg.live_workers} connections of first"
-        f" executions (1 KiB responses); {cfg.live_pairs} purge windows (each: Store.purge("
-        f"batch_size=1000) deleting {per_window:,} expired records non-stop) alternated with as"
-        f" many quiet windows of the same length"
+        f" executions (1 KiB responses); {cfg.live_pairs} purge windows per variant (old, new,"
+        f" new paced with {PAUSE_S * 1e3:.0f} ms between batches;"
+        f" each: batches of 1000 deleting {per_window:,} expired records non-stop), each next to"
+        f" a quiet window as long as it"
     )
     await admin.execute(_common.SCHEMA_SQL)
     t = await new_table(dsn, admin, autovacuum=True)
@@ -556,35 +613,39 @@ async def phase_live(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Result
             await first_execution(conn, statements, scope, uuid.uuid4().hex, response)
             done.append((began, time.perf_counter()))
 
+    kinds = ("quiet", *LIVE_VARIANTS)
     windows: list[tuple[str, float, float]] = []
-    purge_rows = purge_time = purge_wal = 0.0
+    purged = {v: [0.0, 0.0, 0.0] for v in LIVE_VARIANTS}  # rows, seconds, WAL bytes
     tasks = [asyncio.create_task(worker(c, w)) for w, c in enumerate(conns)]
     try:
         await asyncio.sleep(1.0)  # warm-up
         length = 1.0
         for pair in range(cfg.live_pairs):
-            for kind in ("purge", "quiet") if pair % 2 == 0 else ("quiet", "purge"):
-                began = time.perf_counter()
-                if kind == "purge":
-                    lsn = await wal_lsn(admin)
-                    n = await t.store.purge(batch_size=1000, max_batches=per_window // 1000)
-                    length = time.perf_counter() - began
-                    purge_wal += await wal_since(admin, lsn)
-                    purge_rows += n
-                    purge_time += length
-                    assert n == per_window // 1000 * 1000, n
-                else:
-                    await asyncio.sleep(length)  # as long as the last purge window
-                windows.append((kind, began, time.perf_counter()))
+            for variant in LIVE_VARIANTS if pair % 2 == 0 else LIVE_VARIANTS[::-1]:
+                for kind in (variant, "quiet") if pair % 2 == 0 else ("quiet", variant):
+                    began = time.perf_counter()
+                    if kind == "quiet":
+                        await asyncio.sleep(length)  # as long as the last purge window
+                    else:
+                        lsn = await wal_lsn(admin)
+                        n = await purge_with(
+                            kind, t.store, batch_size=1000, max_batches=per_window // 1000
+                        )
+                        length = time.perf_counter() - began
+                        assert n == per_window // 1000 * 1000, n
+                        purged[kind][0] += n
+                        purged[kind][1] += length
+                        purged[kind][2] += await wal_since(admin, lsn)
+                    windows.append((kind, began, time.perf_counter()))
     finally:
         stop.set()
         await asyncio.gather(*tasks)
         for c in conns:
             await c.close()
     # A transaction counts for a window if it began and ended within it.
-    by_kind: dict[str, list[float]] = {"quiet": [], "purge": []}
-    spans = {"quiet": 0.0, "purge": 0.0}
-    r.live_windows = {"quiet": [], "purge": []}
+    by_kind: dict[str, list[float]] = {k: [] for k in kinds}
+    spans = dict.fromkeys(kinds, 0.0)
+    r.live_windows = {k: [] for k in kinds}
     for kind, w0, w1 in windows:
         lat = [e - b for b, e in done if b >= w0 and e <= w1]
         by_kind[kind] += lat
@@ -592,27 +653,29 @@ async def phase_live(dsn: str, admin: asyncpg.Connection, cfg: Config, r: Result
         if lat:
             r.live_windows[kind].append(pct(lat, 0.5))
     r.live = by_kind
-    r.live_rate = {k: len(by_kind[k]) / spans[k] for k in by_kind}
+    r.live_rate = {k: len(by_kind[k]) / spans[k] for k in kinds}
     r.live_purge = {
-        "rows": purge_rows,
-        "rows_per_s": purge_rows / purge_time,
-        "wal_per_row": purge_wal / purge_rows,
+        v: {"rows": n, "rows_per_s": n / secs, "wal_per_row": wal / n}
+        for v, (n, secs, wal) in purged.items()
     }
-    q, p = by_kind["quiet"], by_kind["purge"]
-    for kind, lat in (("quiet", q), ("purge", p)):
+    q = by_kind["quiet"]
+    for kind in kinds:
+        lat = by_kind[kind]
         print(
             f"  {kind}: {len(lat):,} transactions in {spans[kind]:.1f} s, p50"
             f" {pct(lat, 0.5) * 1e3:.2f} ms, p99 {pct(lat, 0.99) * 1e3:.2f} ms,"
             f" {r.live_rate[kind]:,.0f} tx/s; per-window p50 ms: "
             + " ".join(f"{x * 1e3:.2f}" for x in r.live_windows[kind])
         )
-    print(
-        f"  while purging: p50 {pct(p, 0.5) / pct(q, 0.5):.2f}x, p99"
-        f" {pct(p, 0.99) / pct(q, 0.99):.2f}x, tx/s"
-        f" {r.live_rate['purge'] / r.live_rate['quiet']:.2f}x;"
-        f" the purge deleted {purge_rows:,.0f} rows at {r.live_purge['rows_per_s']:,.0f} rows/s,"
-        f" WAL {r.live_purge['wal_per_row']:,.0f} B/row (no checkpoint right before)"
-    )
+    for v in LIVE_VARIANTS:
+        p, lp = by_kind[v], r.live_purge[v]
+        print(
+            f"  while the {v} purge ran: p50 {pct(p, 0.5) / pct(q, 0.5):.2f}x, p99"
+            f" {pct(p, 0.99) / pct(q, 0.99):.2f}x, tx/s"
+            f" {r.live_rate[v] / r.live_rate['quiet']:.2f}x of quiet; it deleted"
+            f" {lp['rows']:,.0f} rows at {lp['rows_per_s']:,.0f} rows/s,"
+            f" WAL {lp['wal_per_row']:,.0f} B/row (no checkpoint right before)"
+        )
     await drop_table(admin, t)
 
 
@@ -673,40 +736,79 @@ def report(
     r: Results, cfg: Config, elapsed: float, noise: tuple[float, list[Any]], w: CpuWatch
 ) -> None:
     print("\n=== summary")
-    print(
-        "| response | heap B/record | TOAST B/record | pkey B/record | expires_at B/record"
-        " | total B/record |"
-    )
-    print("|---|---|---|---|---|---|")
-    for size, v in r.per_record.items():
+    if r.per_record:
         print(
-            f"| {size:,} B | {v['heap']:,.0f} | {v['toast']:,.0f} | {v['pkey']:,.0f} |"
-            f" {v['expires_at']:,.0f} | **{v['total']:,.0f}** |"
+            "| response | heap B/record | TOAST B/record | pkey B/record | expires_at B/record"
+            " | total B/record |"
         )
-    print("\nper million records held (24 h of 1M calls/day at 24 h retention):")
-    print(
-        "  "
-        + ", ".join(
-            f"{s:,} B responses {v['total'] * 1e6 / 1e9:.2f} GB" for s, v in r.per_record.items()
-        )
-    )
-    print("\n| purge batch size | rows/s (median) | range | vs batch 1000 | WAL B/row |")
-    print("|---|---|---|---|---|")
-    base = statistics.median(x for x, _ in r.purge.get(1000, [(1.0, 0.0)]))
-    for bs in sorted(r.purge):
-        rates = [x for x, _ in r.purge[bs]]
-        wal = statistics.median(y for _, y in r.purge[bs])
+        print("|---|---|---|---|---|---|")
+        for size, v in r.per_record.items():
+            print(
+                f"| {size:,} B | {v['heap']:,.0f} | {v['toast']:,.0f} | {v['pkey']:,.0f} |"
+                f" {v['expires_at']:,.0f} | **{v['total']:,.0f}** |"
+            )
+        print("\nper million records held (24 h of 1M calls/day at 24 h retention):")
         print(
-            f"| {bs:,} | {statistics.median(rates):,.0f} | {min(rates):,.0f}-{max(rates):,.0f} |"
-            f" {statistics.median(rates) / base:.2f}x | {wal:,.0f} |"
+            "  "
+            + ", ".join(
+                f"{s:,} B responses {v['total'] * 1e6 / 1e9:.2f} GB"
+                for s, v in r.per_record.items()
+            )
         )
-    q, p = r.live.get("quiet", []), r.live.get("purge", [])
-    if q and p:
+    if r.noop_purge:
+        print("\n| table | a purge that finds nothing: old | new | old/new |")
+        print("|---|---|---|---|")
+        for size, total, old, new in r.noop_purge:
+            print(
+                f"| {size:,} B records, {mb(total)} | {old * 1e3:.2f} ms | {new * 1e3:.2f} ms |"
+                f" {old / new:,.0f}x |"
+            )
+    if r.purge:
         print(
-            f"\nlive first executions while purging: p50 {pct(p, 0.5) / pct(q, 0.5):.2f}x,"
-            f" p99 {pct(p, 0.99) / pct(q, 0.99):.2f}x, tx/s"
-            f" {r.live_rate['purge'] / r.live_rate['quiet']:.2f}x of quiet windows"
+            "\n| batch size | old rows/s (median, range) | new rows/s (median, range) | new/old"
+            " | WAL B/row old, new |"
         )
+        print("|---|---|---|---|---|")
+    for bs in sorted({b for _, b in r.purge}):
+        cells, medians, wals = [], [], []
+        for v in VARIANTS:
+            rates = [x for x, _ in r.purge.get((v, bs), [])]
+            if not rates:
+                continue
+            medians.append(statistics.median(rates))
+            wals.append(statistics.median(y for _, y in r.purge[(v, bs)]))
+            cells.append(f"{medians[-1]:,.0f} ({min(rates):,.0f}-{max(rates):,.0f})")
+        if len(medians) == 2:
+            print(
+                f"| {bs:,} | {cells[0]} | {cells[1]} | {medians[1] / medians[0]:.2f}x |"
+                f" {wals[0]:,.0f}, {wals[1]:,.0f} |"
+            )
+    q = r.live.get("quiet", [])
+    if q:
+        print(
+            "\n| live first executions | p50 ms | p99 ms | tx/s | vs quiet: p50, p99, tx/s"
+            " | purge rows/s | WAL B/row |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for kind in ("quiet", *LIVE_VARIANTS):
+            lat = r.live.get(kind, [])
+            if not lat:
+                continue
+            ratios = (
+                f"{pct(lat, 0.5) / pct(q, 0.5):.2f}x, {pct(lat, 0.99) / pct(q, 0.99):.2f}x,"
+                f" {r.live_rate[kind] / r.live_rate['quiet']:.2f}x"
+            )
+            lp = r.live_purge.get(kind)
+            rate = f"{lp['rows_per_s']:,.0f}" if lp else "-"
+            wal = f"{lp['wal_per_row']:,.0f}" if lp else "-"
+            label = "quiet" if kind == "quiet" else f"while the {kind} purge runs"
+            if kind == "paced":
+                label = f"while the new purge runs, {PAUSE_S * 1e3:.0f} ms between batches"
+            print(
+                f"| {label} | {pct(lat, 0.5) * 1e3:.2f} | {pct(lat, 0.99) * 1e3:.2f} |"
+                f" {r.live_rate[kind]:,.0f} | {ratios if kind != 'quiet' else '-'} | {rate} |"
+                f" {wal} |"
+            )
     if r.growth:
         last = r.growth[-1]
         peak_b = max(g["b"] for g in r.growth)
@@ -738,6 +840,8 @@ def report(
 
 
 async def run(args: argparse.Namespace) -> None:
+    global PAUSE_S
+    PAUSE_S = args.pause
     cfg = QUICK if args.quick else FULL
     started = time.perf_counter()
     pg = None
@@ -774,10 +878,14 @@ async def run(args: argparse.Namespace) -> None:
         watch = CpuWatch(postmaster)
         watch.start()
         r = Results()
-        await phase_sizes(dsn, admin, cfg, r)
-        await phase_purge(dsn, admin, cfg, r)
-        await phase_live(dsn, admin, cfg, r)
-        await phase_growth(dsn, admin, cfg, r, own_server=pg is not None)
+        if 1 in args.phases:
+            await phase_sizes(dsn, admin, cfg, r)
+        if 2 in args.phases:
+            await phase_purge(dsn, admin, cfg, r)
+        if 3 in args.phases:
+            await phase_live(dsn, admin, cfg, r)
+        if 4 in args.phases:
+            await phase_growth(dsn, admin, cfg, r, own_server=pg is not None)
         noise = watch.stop()
         report(r, cfg, time.perf_counter() - started, noise, watch)
     finally:
@@ -790,6 +898,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller tables (under a minute)")
     parser.add_argument("--dsn", help="an existing PostgreSQL instead of the embedded one")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=PAUSE_S,
+        help="seconds between batches of phase 3's paced purge (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--phases",
+        type=lambda v: {int(x) for x in v.split(",")},
+        default={1, 2, 3, 4},
+        help="which phases to run, e.g. 2,3 (default: all)",
+    )
     asyncio.run(run(parser.parse_args()))
 
 

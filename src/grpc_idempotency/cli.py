@@ -102,8 +102,9 @@ def _parser() -> argparse.ArgumentParser:
         commands,
         "purge",
         "delete records past retention, in batches",
-        "Delete idempotency records whose retention has passed, in bounded batches that skip"
-        " locked rows. Expired records are already treated as new: this only reclaims space.",
+        "Delete idempotency records whose retention has passed, in bounded batches that walk"
+        " the expires_at index. Expired records are already treated as new: this only reclaims"
+        " space.",
     )
     with_store(purge)
     purge.add_argument(
@@ -119,6 +120,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="stop after this many batches (default: until nothing expired is left)",
+    )
+    purge.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds between batches, to spare live calls while a backlog goes"
+        " (default: %(default)s)",
     )
     _command(
         commands,
@@ -474,7 +483,9 @@ async def _with_store(args: argparse.Namespace) -> int:
             applied = await store.migrate()
             print(f"applied migrations: {applied}" if applied else "schema is up to date")
         elif args.command == "purge":
-            purged = await store.purge(batch_size=args.batch_size, max_batches=args.max_batches)
+            purged = await store.purge(
+                batch_size=args.batch_size, max_batches=args.max_batches, pause=args.pause
+            )
             print(f"purged {purged} expired records")
         elif args.command == "relay":
             return await _relay(args, store)

@@ -1,9 +1,11 @@
-"""Retention: delete records past ``expires_at`` in bounded batches, now or in the background.
+"""Retention: delete records past retention in bounded batches, now or in the background.
 
 Deleting is an optimisation, not a correctness need: a record past retention is already treated
-as new by the claim (the database clock decides). Batches keep each DELETE short, and
-``FOR UPDATE SKIP LOCKED`` lets several purgers (one per replica) run without blocking each other
-or the request path.
+as new by the claim (the database clock decides). Batches keep each DELETE short and walk the
+``expires_at`` index in order (``Store.purge``); the DELETE re-checks retention and leases on any
+row a concurrent takeover changed, so it never removes a record that an attempt holds. Several
+purgers (one per replica) may run: one that meets another's batch waits for it, finds its rows
+gone, and ends its run.
 """
 
 from __future__ import annotations
@@ -19,17 +21,28 @@ log = logging.getLogger("grpc_idempotency.retention")
 
 
 class Purger:
-    """A background task purging expired records every ``interval`` seconds.
+    """A background task purging expired records every ``interval`` seconds, in batches of
+    ``batch_size``, ``pause`` seconds apart (``Store.purge``).
 
     ``async with Purger(store):`` or ``start()`` / ``await stop()``.
     """
 
-    def __init__(self, store: Store, *, interval: float = 60.0, batch_size: int = 1000) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        interval: float = 60.0,
+        batch_size: int = 1000,
+        pause: float = 0.0,
+    ) -> None:
         if interval <= 0 or batch_size <= 0:
             raise ValueError("interval and batch_size must be positive")
+        if pause < 0:
+            raise ValueError("pause must not be negative")
         self.store = store
         self.interval = interval
         self.batch_size = batch_size
+        self.pause = pause
         self.purged = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -54,7 +67,7 @@ class Purger:
     async def _run(self) -> None:
         while True:
             try:
-                self.purged += await self.store.purge(batch_size=self.batch_size)
+                self.purged += await self.store.purge(batch_size=self.batch_size, pause=self.pause)
             except StoreUnavailable as err:
                 log.warning("purge skipped: %s", err)
             await asyncio.sleep(self.interval)

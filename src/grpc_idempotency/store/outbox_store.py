@@ -135,18 +135,22 @@ class OutboxStatements:
         self.next_due_in = f"""
             SELECT EXTRACT(EPOCH FROM min(next_attempt_at) - clock_timestamp())::float8
             FROM {s}.outbox WHERE state = 'pending'"""
-        # $1 batch size, $2 age in seconds; bounded batches that skip locked rows (like purge).
+        # $1 batch size, $2 age in seconds; bounded batches that skip locked rows. The bound is
+        # statement_timestamp(), not clock_timestamp(): a volatile bound cannot be an index
+        # condition (outbox_done), and every purge read all the sent rows. Each batch is a
+        # statement in its own transaction, so the two agree.
         self.purge_sent = f"""
             WITH doomed AS (
                 SELECT id FROM {s}.outbox
-                WHERE state = 'sent' AND sent_at <= clock_timestamp() - make_interval(secs => $2)
+                WHERE state = 'sent'
+                  AND sent_at <= statement_timestamp() - make_interval(secs => $2)
                 LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
         self.purge_dead = f"""
             WITH doomed AS (
                 SELECT id FROM {s}.outbox
                 WHERE state = 'dead'
-                  AND next_attempt_at <= clock_timestamp() - make_interval(secs => $2)
+                  AND next_attempt_at <= statement_timestamp() - make_interval(secs => $2)
                 LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
         self.dead_letters = f"""

@@ -482,26 +482,57 @@ class Store:
         assert token is not None
         return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s, isolation)
 
-    async def purge(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
-        """Deletes records past retention in batches of ``batch_size``; returns how many."""
+    async def purge(
+        self, *, batch_size: int = 1000, max_batches: int | None = None, pause: float = 0.0
+    ) -> int:
+        """Deletes records past retention in batches of ``batch_size``; returns how many. The
+        batches walk ``records_expires_at`` in order, each starting where the last stopped.
+        ``pause``: seconds to wait between batches, so that a backlog leaves the calls some of
+        the database's CPU and WAL bandwidth (benchmarks/README.md, "Retention")."""
         return await self.purge_in_batches(
-            "purging records", self.statements.purge, batch_size=batch_size, max_batches=max_batches
+            "purging records",
+            self.statements.purge,
+            batch_size=batch_size,
+            max_batches=max_batches,
+            walk=True,
+            pause=pause,
         )
 
     async def purge_in_batches(
-        self, doing: str, sql: str, *args: object, batch_size: int, max_batches: int | None
+        self,
+        doing: str,
+        sql: str,
+        *args: object,
+        batch_size: int,
+        max_batches: int | None,
+        walk: bool = False,
+        pause: float = 0.0,
     ) -> int:
-        """Runs a purge statement (``$1`` the batch size, ``args`` after it; ``DELETE ... LIMIT
-        $1 ... SKIP LOCKED``) once per transaction until a batch comes back short or
-        ``max_batches`` ran; returns how many rows went. Every purge of the library goes
-        through here: short transactions, so housekeeping never holds locks that calls wait on."""
-        if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
-            raise ValueError("batch_size and max_batches must be positive")
+        """Runs a purge statement (``$1`` the batch size, ``args`` after it) once per transaction
+        until a batch comes back short or ``max_batches`` ran, ``pause`` seconds apart (holding
+        no connection meanwhile); returns how many rows went. Every purge of the library goes
+        through here: short transactions, so housekeeping never holds locks that calls wait on
+        for long.
+
+        ``walk``: the statement takes where the previous batch stopped as ``$2`` (``None`` at
+        first) and returns one row, ``deleted`` and ``last`` (where the next batch starts);
+        otherwise it is a ``DELETE`` and its status says how many rows went."""
+        if batch_size <= 0 or (max_batches is not None and max_batches <= 0) or pause < 0:
+            raise ValueError("batch_size and max_batches must be positive, pause not negative")
         total = batches = 0
+        position: object = None
         while max_batches is None or batches < max_batches:
+            if batches and pause:
+                await asyncio.sleep(pause)
             async with self.connection(doing) as conn:
-                status = await conn.execute(sql, batch_size, *args)
-            deleted = int(status.split()[-1])
+                if walk:
+                    row = await conn.fetchrow(sql, batch_size, position, *args)
+                    assert row is not None
+                    deleted = int(row["deleted"])
+                    position = row["last"] if row["last"] is not None else position
+                else:
+                    status = await conn.execute(sql, batch_size, *args)
+                    deleted = int(status.split()[-1])
             total += deleted
             batches += 1
             if deleted < batch_size:

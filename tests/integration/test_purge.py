@@ -1,0 +1,354 @@
+"""Purging records past retention: the plan it runs, what it keeps, and concurrent takeovers.
+
+Each test has a schema of its own: a purge deletes every expired record it can see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from grpc_idempotency import Purger, Store
+from grpc_idempotency.store.outbox_store import OutboxStatements
+from tests.support.tools import run_cli
+from tests.support.waiting import until
+
+COLUMNS = (
+    "scope, key, method, fingerprint, state, fencing_token, locked_until, status_code,"
+    " completed_at, expires_at, retention"
+)
+
+
+@pytest.fixture
+async def purge_store(pg_dsn: str) -> AsyncIterator[Store]:
+    store = await Store.connect(pg_dsn, schema="gi_" + uuid.uuid4().hex[:12], migrate=True)
+    try:
+        yield store
+    finally:
+        await store.pool.execute(f'DROP SCHEMA "{store.schema}" CASCADE')
+        await store.close()
+
+
+def records(store: Store) -> str:
+    return f'"{store.schema}".records'
+
+
+async def insert(store: Store, values: str) -> None:
+    """Rows given as SQL tuples in COLUMNS order (times relative to clock_timestamp())."""
+    await store.pool.execute(f"INSERT INTO {records(store)} ({COLUMNS}) VALUES {values}")
+
+
+async def keys(store: Store) -> list[str]:
+    return sorted(r["key"] for r in await store.pool.fetch(f"SELECT key FROM {records(store)}"))
+
+
+async def fill_within_retention(store: Store, n: int) -> int:
+    """n completed 1 KiB records a day from expiring; returns the table's size in pages."""
+    await store.pool.execute(
+        f"INSERT INTO {records(store)} ({COLUMNS}, response)"
+        " SELECT 's', 'live-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  clock_timestamp(), clock_timestamp() + interval '1 day', interval '1 day',"
+        "  decode(repeat(md5(i::text), 32), 'hex')"
+        f" FROM generate_series(1, {n}) i"
+    )
+    await store.pool.execute(f"VACUUM ANALYZE {records(store)}")
+    pages: int = await store.pool.fetchval(
+        "SELECT pg_relation_size($1::regclass) / current_setting('block_size')::int",
+        records(store),
+    )
+    return pages
+
+
+async def explain(conn: asyncpg.Connection, sql: str, *, analyze: bool, generic: bool) -> Any:
+    """The JSON plan of the purge statement (``$1`` 1000, ``$2`` NULL), run in a transaction
+    that is rolled back, with the plan the cache would use after many executions or not."""
+    mode = "force_generic_plan" if generic else "force_custom_plan"
+    options = "ANALYZE, BUFFERS, " if analyze else ""
+    async with conn.transaction():
+        await conn.execute(f"SET LOCAL plan_cache_mode = {mode}")
+        await conn.execute(f"PREPARE purge_batch(integer, timestamptz) AS {sql}")
+        try:
+            text = await conn.fetchval(
+                f"EXPLAIN ({options}FORMAT JSON) EXECUTE purge_batch(1000, NULL)"
+            )
+        finally:
+            await conn.execute("DEALLOCATE purge_batch")
+        plan = json.loads(text)[0]
+        await conn.execute("ROLLBACK AND CHAIN")  # nothing an ANALYZE deleted stays deleted
+    return plan
+
+
+def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    found = [plan]
+    for child in plan.get("Plans", []):
+        found += nodes(child)
+    return found
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom-plan", "generic-plan"])
+async def test_purge_walks_the_expires_at_index_and_deletes_by_ctid(
+    purge_store: Store, db: asyncpg.Connection, generic: bool
+) -> None:
+    await fill_within_retention(purge_store, 2_000)
+    plan = await explain(db, purge_store.statements.purge, analyze=False, generic=generic)
+    scans = {(n["Node Type"], n.get("Index Name")) for n in nodes(plan["Plan"])}
+    assert ("Index Scan", "records_expires_at") in scans, scans
+    assert ("Tid Scan", None) in scans, scans
+    assert not any(kind == "Seq Scan" for kind, _ in scans), scans
+
+
+async def test_purge_that_finds_nothing_reads_no_table_pages(
+    purge_store: Store, db: asyncpg.Connection
+) -> None:
+    pages = await fill_within_retention(purge_store, 4_000)
+    assert pages >= 500  # a sequential scan would read all of them
+    for generic in (False, True):
+        plan = await explain(db, purge_store.statements.purge, analyze=True, generic=generic)
+        read = plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"]
+        assert read <= 4, (generic, read)  # the index's root and leaf (and its metapage)
+    assert await purge_store.purge() == 0
+    assert len(await keys(purge_store)) == 4_000
+
+
+async def test_purge_keeps_what_retention_or_a_lease_still_holds(purge_store: Store) -> None:
+    now = "clock_timestamp()"
+    await insert(
+        purge_store,
+        ",".join(
+            [
+                # gone: past expires_at and past completion + retention
+                f"('s', 'old', '/m', '\\x00', 'completed', 1, NULL, 0, {now} - interval '2 h',"
+                f" {now} - interval '1 h', interval '1 h')",
+                # gone: a record from before migration 0007 (no retention of its own)
+                f"('s', 'legacy', '/m', '\\x00', 'completed', 1, NULL, 0, {now} - interval '2 h',"
+                f" {now} - interval '1 s', NULL)",
+                # gone: a claim abandoned past its lease and past retention
+                f"('s', 'abandoned', '/m', '\\x00', 'in_progress', 1, {now} - interval '1 s',"
+                f" NULL, NULL, {now} - interval '1 s', interval '1 h')",
+                # kept: within retention
+                f"('s', 'live', '/m', '\\x00', 'completed', 1, NULL, 0, {now},"
+                f" {now} + interval '1 h', interval '1 h')",
+                # kept: past expires_at, but it completed late and retention counts from then
+                f"('s', 'extended', '/m', '\\x00', 'completed', 1, NULL, 0,"
+                f" {now} - interval '1 min', {now} - interval '1 h', interval '1 h')",
+                # kept: past expires_at, but its lease is alive
+                f"('s', 'running', '/m', '\\x00', 'in_progress', 1, {now} + interval '1 h',"
+                f" NULL, NULL, {now} - interval '1 s', interval '1 h')",
+                # kept: its lease ended (released) but it is within retention
+                f"('s', 'released', '/m', '\\x00', 'in_progress', 1, {now} - interval '1 s',"
+                f" NULL, NULL, {now} + interval '1 h', interval '1 h')",
+            ]
+        ),
+    )
+    assert await purge_store.purge() == 3
+    assert await keys(purge_store) == ["extended", "live", "released", "running"]
+
+
+async def test_batches_walk_past_equal_expiries_and_held_records(purge_store: Store) -> None:
+    # 25 expired records sharing one expires_at (batches of 10 split them), with records that
+    # are held interleaved before, between and after them in the index.
+    await purge_store.pool.execute(
+        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
+        " SELECT 's', 'tie-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  timestamptz '2020-01-01 00:00:00+00', timestamptz '2020-01-01 00:00:00+00',"
+        "  interval '1 s' FROM generate_series(1, 25) i"
+    )
+    await purge_store.pool.execute(
+        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
+        " SELECT 's', 'held-' || i, '/m', '\\x00', 'in_progress', 1,"
+        "  clock_timestamp() + interval '1 h', NULL, NULL,"
+        "  timestamptz '2020-01-01 00:00:00+00' + (i - 2) * interval '1 us', interval '1 s'"
+        " FROM generate_series(1, 3) i"
+    )
+    await purge_store.pool.execute(
+        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
+        " SELECT 's', 'later-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  timestamptz '2021-01-01 00:00:00+00', timestamptz '2021-01-01 00:00:00+00'"
+        "  + i * interval '1 s', interval '1 s' FROM generate_series(1, 12) i"
+    )
+    assert await purge_store.purge(batch_size=10, max_batches=1) == 10
+    assert await purge_store.purge(batch_size=10) == 27  # 15 ties + 12 later, in 3 more batches
+    assert await keys(purge_store) == ["held-1", "held-2", "held-3"]
+
+
+async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
+    purge_store: Store,
+) -> None:
+    await purge_store.pool.execute(
+        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
+        " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  clock_timestamp() - interval '2 h',"
+        "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
+        " FROM generate_series(1, 35) i"
+    )
+    with pytest.raises(ValueError):
+        await purge_store.purge(pause=-1)
+    with pytest.raises(ValueError):
+        Purger(purge_store, pause=-1)
+    assert await purge_store.purge(batch_size=10, pause=0.001) == 35
+    assert await keys(purge_store) == []
+
+
+async def test_cli_purge_with_a_pause(purge_store: Store, pg_dsn: str) -> None:
+    await insert(
+        purge_store,
+        ",".join(
+            f"('s', 'old-{i}', '/m', '\\x00', 'completed', 1, NULL, 0,"
+            " clock_timestamp() - interval '2 h', clock_timestamp() - interval '1 h',"
+            " interval '1 h')"
+            for i in range(25)
+        ),
+    )
+    common = ("purge", "--dsn", pg_dsn, "--schema", purge_store.schema, "--batch-size", "10")
+    bad = await asyncio.to_thread(run_cli, *common, "--pause", "-1")
+    assert bad.returncode == 2 and "pause" in bad.stderr, bad.stderr
+    done = await asyncio.to_thread(run_cli, *common, "--pause", "0.001")
+    assert done.returncode == 0 and "purged 25 expired records" in done.stdout, done.stderr
+
+
+async def test_purgers_on_two_replicas_at_once_delete_each_record_once(
+    purge_store: Store, pg_dsn: str
+) -> None:
+    await purge_store.pool.execute(
+        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
+        " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  clock_timestamp() - interval '2 h',"
+        "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
+        " FROM generate_series(1, 3000) i"
+    )
+    other = await Store.connect(pg_dsn, schema=purge_store.schema)
+    try:
+        # They meet on the same rows: one waits for the other's batch (no deadlock: both lock
+        # in ctid order), finds the rows gone and ends its run; nothing is counted twice.
+        counts = await asyncio.gather(
+            *(s.purge(batch_size=50) for s in (purge_store, other, purge_store, other))
+        )
+    finally:
+        await other.close()
+    left = 3000 - sum(counts)
+    assert await purge_store.purge() == left  # a run may end early; the next one finishes
+    assert await keys(purge_store) == []
+
+
+# -- concurrent takeovers ----------------------------------------------------------------------
+
+
+async def expired_record(store: Store, key: str, *, state: str = "completed") -> None:
+    lease = "clock_timestamp() - interval '1 s'" if state == "in_progress" else "NULL"
+    await insert(
+        store,
+        f"('s', '{key}', '/m', '\\x01', '{state}', 7, {lease}, NULL,"
+        " clock_timestamp() - interval '2 h', clock_timestamp() - interval '1 h', interval '1 h')",
+    )
+
+
+@pytest.mark.parametrize("takeover", ["atomic", "phased", "phased-abandoned"])
+async def test_purge_never_deletes_a_key_taken_over_concurrently(
+    purge_store: Store, pg_dsn: str, db: asyncpg.Connection, takeover: str
+) -> None:
+    s = f'"{purge_store.schema}"'
+    state = "in_progress" if takeover == "phased-abandoned" else "completed"
+    await expired_record(purge_store, "taken", state=state)
+    for i in range(5):
+        await expired_record(purge_store, f"other-{i}")
+    owner = await asyncpg.connect(pg_dsn)
+    try:
+        holder = await owner.fetchval("SELECT pg_backend_pid()")
+        tx = owner.transaction()
+        await tx.start()
+        # The new attempt's writes, uncommitted: the row is locked and has a new version.
+        if takeover == "atomic":
+            await owner.fetchval(
+                f"SELECT {s}.claim_atomic('s', 'taken', 42, '/m', '\\x01', 3600, 30)"
+            )
+            await owner.execute(
+                f"SELECT {s}.complete_atomic('s', 'taken', '/m', '\\x01', 0, '', NULL,"
+                " 'new outcome', 3600)"
+            )
+        else:
+            token = await owner.fetchval(
+                f"SELECT {s}.claim('s', 'taken', 42, '/m', '\\x01', 3600, 30)"
+            )
+            assert token == 8
+        purge = asyncio.ensure_future(purge_store.purge(batch_size=100))
+
+        async def blocked_or_done() -> bool:
+            waiting = await db.fetchval(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid)))",
+                holder,
+            )
+            return bool(waiting) or purge.done()
+
+        await until("the purge to wait for the takeover or finish", blocked_or_done)
+        await tx.commit()
+        assert await purge == 5
+    finally:
+        await owner.close()
+    row = await purge_store.pool.fetchrow(
+        f"SELECT state, fencing_token, response, locked_until > clock_timestamp() AS leased"
+        f" FROM {records(purge_store)} WHERE key = 'taken'"
+    )
+    assert row is not None, "the purge deleted a record an attempt had just taken over"
+    if takeover == "atomic":
+        assert (row["state"], row["fencing_token"], row["response"]) == (
+            "completed",
+            8,
+            b"new outcome",
+        )
+    else:
+        assert (row["state"], row["fencing_token"], row["leased"]) == ("in_progress", 8, True)
+    assert await keys(purge_store) == ["taken"]
+
+
+async def test_takeover_completes_after_the_purge_deleted_its_expired_record(
+    purge_store: Store, pg_dsn: str
+) -> None:
+    s = f'"{purge_store.schema}"'
+    await expired_record(purge_store, "taken")
+    owner = await asyncpg.connect(pg_dsn)
+    try:
+        async with owner.transaction():
+            # The atomic claim only looks (it writes nothing): the purge does not wait for it.
+            token = await owner.fetchval(
+                f"SELECT {s}.claim_atomic('s', 'taken', 42, '/m', '\\x01', 3600, 30)"
+            )
+            assert token == 8
+            assert await purge_store.purge() == 1
+            await owner.execute(
+                f"SELECT {s}.complete_atomic('s', 'taken', '/m', '\\x01', 0, '', NULL,"
+                " 'new outcome', 3600)"
+            )
+    finally:
+        await owner.close()
+    row = await purge_store.pool.fetchrow(
+        f"SELECT state, response FROM {records(purge_store)} WHERE key = 'taken'"
+    )
+    assert row is not None and (row["state"], row["response"]) == ("completed", b"new outcome")
+
+
+async def test_outbox_purge_of_sent_rows_uses_its_index(
+    purge_store: Store, db: asyncpg.Connection
+) -> None:
+    schema = purge_store.schema
+    await db.execute(
+        f'INSERT INTO "{schema}".outbox (scope, key, step, parent_key, method, payload_type,'
+        " payload, state, sent_at)"
+        " SELECT 's', 'k-' || i, 'e.v1', 'p', '/m', 't', '\\x00', 'sent', clock_timestamp()"
+        " FROM generate_series(1, 5000) i"
+    )
+    await db.execute(f'VACUUM ANALYZE "{schema}".outbox')
+    sql = OutboxStatements(schema).purge_sent
+    async with db.transaction():
+        await db.execute(f"PREPARE purge_sent(integer, float8) AS {sql}")
+        text = await db.fetchval("EXPLAIN (FORMAT JSON) EXECUTE purge_sent(1000, 3600)")
+        await db.execute("DEALLOCATE purge_sent")
+    scans = {(n["Node Type"], n.get("Index Name")) for n in nodes(json.loads(text)[0]["Plan"])}
+    assert not any(kind == "Seq Scan" for kind, _ in scans), scans
+    assert ("Index Scan", "outbox_done") in scans or ("Bitmap Index Scan", "outbox_done") in scans
