@@ -15,6 +15,8 @@ import asyncpg
 import pytest
 
 from grpc_idempotency import Purger, Store
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.store.outbox_store import OutboxStatements
 from tests.support.tools import run_cli
 from tests.support.waiting import until
@@ -352,3 +354,55 @@ async def test_outbox_purge_of_sent_rows_uses_its_index(
     scans = {(n["Node Type"], n.get("Index Name")) for n in nodes(json.loads(text)[0]["Plan"])}
     assert not any(kind == "Seq Scan" for kind, _ in scans), scans
     assert ("Index Scan", "outbox_done") in scans or ("Bitmap Index Scan", "outbox_done") in scans
+
+
+async def test_a_takeover_completes_when_a_purge_deletes_the_expired_record_under_it(
+    purge_store: Store, pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    """complete_atomic finds the expired record (its INSERT does nothing), and a purge deletes
+    the record before the UPDATE that replaces it: the completion inserts again instead of
+    losing the outcome (migration 0009). The purge is played by a connection that locks the
+    row first, so that the completion's UPDATE waits for it at that exact point."""
+    s = f'"{purge_store.schema}"'
+    await expired_record(purge_store, "reused")
+    purger = await asyncpg.connect(pg_dsn)
+    try:
+        purger_pid = await purger.fetchval("SELECT pg_backend_pid()")
+        tx = purger.transaction()
+        await tx.start()
+        await purger.execute(f"SELECT 1 FROM {s}.records WHERE key = 'reused' FOR UPDATE")
+        attempt = await purge_store.claim_atomic(
+            scope="s",
+            key="reused",
+            method="/m",
+            fingerprint=b"\x02",
+            retention_s=3600,
+            lease_s=30,
+        )
+        assert attempt is not None  # past retention: a new operation
+        done = asyncio.ensure_future(attempt.record(Outcome(Code.OK, "", None, b"the new outcome")))
+
+        async def completion_waits() -> bool:
+            return bool(
+                await db.fetchval(
+                    "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid)))",
+                    purger_pid,
+                )
+            )
+
+        await until("the completion's UPDATE to wait for the purge", completion_waits)
+        await purger.execute(f"DELETE FROM {s}.records WHERE key = 'reused'")
+        await tx.commit()
+        await done  # raised LeaseLost before migration 0009's second INSERT
+    finally:
+        await purger.close()
+    row = await purge_store.pool.fetchrow(
+        f"SELECT state, fingerprint, response FROM {records(purge_store)} WHERE key = 'reused'"
+    )
+    assert row is not None
+    assert (row["state"], bytes(row["fingerprint"]), row["response"]) == (
+        "completed",
+        b"\x02",
+        b"the new outcome",
+    )

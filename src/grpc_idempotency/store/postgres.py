@@ -4,8 +4,9 @@ Round trips per call (asyncpg, no pool reset query; see ``Store.connect``):
     replay:           1  (look-up)
     first execution:  2 + the handler's own (BEGIN+claim+SAVEPOINT; complete+COMMIT), plus a
                       look-up when the server has seen the key before (``lifecycle.look_first``)
-Every time comparison (retention, leases) happens in SQL with ``clock_timestamp()``, never with
-the application's clock. Errors below this module are asyncpg's and the OS's; above it they are
+Every time comparison (retention, leases) happens in SQL with the database's clock, never with
+the application's: ``clock_timestamp()`` on the request path, the statement's start in purges
+(an index can serve it). Errors below this module are asyncpg's and the OS's; above it they are
 ``StoreUnavailable`` or ``LeaseLost``: nothing raw escapes.
 """
 

@@ -7,7 +7,7 @@ values are encoded here, and only here:
 - text becomes an escape-string literal E'...' with backslashes and quotes doubled, which reads
   the same whatever ``standard_conforming_strings`` says; NUL (which PostgreSQL text cannot hold)
   is refused;
-- bytes become decode('<hex>', 'hex'): hex digits only, nothing to escape;
+- bytes become E'\\\\x<hex>'::bytea: hex digits only, nothing to escape;
 - numbers are formatted from int/float, never from strings.
 Everything else uses ordinary bind parameters.
 """
@@ -34,7 +34,10 @@ def text_literal(value: str) -> str:
 def bytes_literal(value: bytes | None) -> str:
     if value is None:
         return "NULL"
-    return f"decode('{value.hex()}', 'hex')"
+    # bytea's hex input format in an escape string (E'\\x...' is \x... whatever
+    # standard_conforming_strings says): a constant to PostgreSQL, where decode() was a function
+    # call it had to resolve and fold on every statement.
+    return f"E'\\\\x{value.hex()}'::bytea"
 
 
 def int_literal(value: int | None) -> str:
