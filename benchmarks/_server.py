@@ -1,6 +1,6 @@
 """The benchmark's server process (started by bench_server.py; not meant to be run by hand).
 
-One process, one event loop, six grpc.aio servers on six ports, all serving the same
+One process, one event loop, seven grpc.aio servers on seven ports, all serving the same
 BenchService.Charge (one INSERT in a transaction, but for the floor):
 
 - bare:         no interceptor; ``async with pool.acquire() as c, c.transaction()`` on a default
@@ -9,6 +9,8 @@ BenchService.Charge (one INSERT in a transaction, but for the floor):
 - library_sql:  no interceptor; the handler sends the keyed first execution's SQL itself (the
                 store's statements) on the no-reset pool: the records' cost without the library's
                 Python, i.e. the ceiling of a keyed first execution;
+- record_only:  no interceptor, no claim: BEGIN, the INSERT, the record's INSERT with COMMIT: the
+                least any design keeping a durable record in the handler's transaction pays;
 - keyed:        IdempotencyInterceptor on a ``Store`` (max_size=10); the handler writes through
                 ``current_call().connection``. SlowCharge sleeps inside the transaction first.
 - keyed_nocache: the same with ``replay_cache=False`` (replays read the database);
@@ -45,7 +47,7 @@ from grpc_idempotency import (
 )
 from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
-from grpc_idempotency.store.sql import Statements
+from grpc_idempotency.store.sql import Statements, bytes_literal, text_literal
 
 
 async def _no_reset(_conn: Any) -> None:
@@ -176,6 +178,42 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
                 )
             return response
 
+    class RecordOnly(LibrarySql):
+        """No interceptor, no claim: BEGIN, the INSERT, then the record's INSERT with COMMIT in
+        one query. The least any design that keeps a durable record in the handler's
+        transaction pays (it could not stop a concurrent duplicate from running the handler)."""
+
+        async def Charge(self, request: Any, context: Any) -> Any:
+            charge_id = "ch_" + uuid.uuid4().hex[:16]
+            fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+            response = Response(
+                charge_id=charge_id,
+                order_id=request.order_id,
+                amount_cents=request.amount_cents,
+                currency=request.currency,
+            )
+            record = (
+                f"INSERT INTO {DEFAULT_SCHEMA}.records (scope, key, method, fingerprint, state,"
+                " fencing_token, status_code, status_message, response, created_at,"
+                " completed_at, expires_at, retention) VALUES ('bench-record',"
+                f" {text_literal(request.order_id)}, {text_literal(_common.CHARGE)},"
+                f" {bytes_literal(fingerprint)}, 'completed', 1, 0, '',"
+                f" {bytes_literal(response.SerializeToString())}, now(), clock_timestamp(),"
+                " now() + interval '1 day', interval '1 day'); COMMIT"
+            )
+            async with self.pool.acquire() as c:
+                await c.execute("BEGIN")
+                await c.execute(
+                    _common.INSERT_SQL,
+                    charge_id,
+                    request.order_id,
+                    request.amount_cents,
+                    request.currency,
+                    "record_only",
+                )
+                await c.execute(record)
+            return response
+
     class Floor(pb2_grpc.BenchServiceServicer):
         """No database at all: what a unary call costs through gRPC alone."""
 
@@ -191,6 +229,7 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
         "bare": Bare,
         "bare_noreset": BareNoReset,
         "library_sql": LibrarySql,
+        "record_only": RecordOnly,
         "keyed": Keyed,
         "floor": Floor,
     }
@@ -246,6 +285,7 @@ async def main(args: argparse.Namespace) -> None:
         ("bare", [], kinds["bare"](bare_pool)),
         ("bare_noreset", [], kinds["bare_noreset"](noreset_pool)),
         ("library_sql", [], kinds["library_sql"](noreset_pool)),
+        ("record_only", [], kinds["record_only"](noreset_pool)),
         ("keyed", keyed(True), kinds["keyed"]()),
         # Another replica's view: the same store, no cache, so every replay reads the database.
         ("keyed_nocache", keyed(False), kinds["keyed"]()),

@@ -4,7 +4,7 @@
     cd /work/main && PYTHONPATH=. .venv/bin/python benchmarks/bench_server.py [--quick]
 
 One run starts a durable embedded PostgreSQL 18 (unix socket), a server process (benchmarks/
-_server.py: six grpc.aio servers in one event loop) and, for the storm, two load processes
+_server.py: seven grpc.aio servers in one event loop) and, for the storm, two load processes
 (benchmarks/_storm.py). This process is the client. Variants, all serving the same
 BenchService.Charge (one INSERT in a transaction, same request and response):
 
@@ -13,6 +13,8 @@ BenchService.Charge (one INSERT in a transaction, same request and response):
   bare, no pool reset     the same, pool created with ``reset=<no-op coroutine>``
   bare + the library's SQL  no interceptor: the handler sends the keyed first execution's SQL
                           itself (the records' own cost, without the library's Python)
+  bare + one record insert  no interceptor, no claim: the record inserted with the COMMIT (the
+                          least any design keeping a durable record in the transaction pays)
   keyed, first execution  behind IdempotencyInterceptor, a fresh idempotency key per call
   keyed, replay           keys already completed: the stored response is replayed
   keyed, replay, no cache another replica's replay (``replay_cache=False``): reads the database
@@ -125,6 +127,7 @@ LABELS = {
     "bare_noreset": "bare, no pool reset",
     "bare": "bare (pool reset)",
     "library_sql": "bare + the library's SQL",
+    "record_only": "bare + one record insert",
     "keyed_first": "keyed, first execution",
     "keyed_replay": "keyed, replay",
     "keyed_replay_db": "keyed, replay, no cache",
@@ -473,6 +476,9 @@ class Bench:
                 ),
                 "library_sql": Variant(
                     "library_sql", stubs["library_sql"].Charge, self.bare_request
+                ),
+                "record_only": Variant(
+                    "record_only", stubs["record_only"].Charge, self.bare_request
                 ),
                 "keyed_first": Variant("keyed_first", stubs["keyed"].Charge, self.fresh_keyed),
                 "keyed_replay": Variant("keyed_replay", stubs["keyed"].Charge, self.replayed_keyed),
@@ -836,6 +842,12 @@ class Bench:
         print(
             f"  {'bare + the library SQL / bare':<32} = p50 {pct(sql.seq, 0.5) / bare_p50:.2f}x,"
             f" calls/s {sql_tp:.2f}x  (the records' own cost: the ceiling of a first execution)"
+        )
+        rec = v["record_only"]
+        rec_tp = rec.tp_calls / rec.tp_wall / bare_rate
+        print(
+            f"  {'bare + one record insert / bare':<32} = p50 {pct(rec.seq, 0.5) / bare_p50:.2f}x,"
+            f" calls/s {rec_tp:.2f}x  (no claim: the floor of any durable record)"
         )
 
         print(
