@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Two versions of the library side by side: server CPU per keyed call, and calls/s.
+
+    cd /work/main
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_versions.py --base <commit> [--inflight 1,32]
+        [--rounds 8] [--calls 400] [--storms 10]
+
+What a change did, measured in one run: the working tree's ``src/`` and ``git archive <commit>
+src`` each serve keyed first executions (the benchmark's Charge: one INSERT through
+``current_call().connection``) from a server process of their own, each on a database of its own
+(so each runs its own migrations) in one embedded PostgreSQL; a bare handler (no interceptor,
+no-reset pool) is the yardstick. Rounds interleave the servers, the order alternating; per
+server: its process's CPU (utime+stime) per call and the median of the rounds' calls/s, at each
+concurrency. ``--storms N``: then N storms of 200 concurrent duplicates of one fresh key
+(SlowCharge, 300 ms in its transaction) per version, and the server CPU per storm call.
+
+Server CPU per call is the figure to read: it is what the library's Python costs, and it moves
+less with the machine's noise than latency does (which bench_server.py reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import _common
+import asyncpg
+import grpc
+
+from grpc_idempotency.testing import EmbeddedPostgres
+
+REPO = _common.HERE.parent
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def _spawn(src: Path, dsn: str, gen: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{_common.HERE}"}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(_common.HERE / "_versions_server.py"),
+            "--dsn",
+            dsn,
+            "--gen",
+            str(gen),
+            *extra,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+async def _database(admin_dsn: str, name: str) -> str:
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    if "@/postgres?" not in admin_dsn:
+        raise SystemExit(f"cannot derive a database DSN from {admin_dsn!r}")
+    dsn = admin_dsn.replace("@/postgres?", f"@/{name}?")
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(_common.SCHEMA_SQL)
+    finally:
+        await conn.close()
+    return dsn
+
+
+def _export(commit: str) -> tuple[str, Path]:
+    """``src/`` at ``commit`` in a new directory (and the benchmark's generated proto there)."""
+    base = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", commit],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    work = Path(tempfile.mkdtemp(prefix="bench-versions-"))
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", base, "src"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
+    (work / "gen").mkdir()
+    _common.generate(work / "gen")
+    return base, work
+
+
+async def main(args: argparse.Namespace, base: str, work: Path) -> None:
+    gen = work / "gen"
+    pb2, pb2_grpc = _common.load(gen)
+
+    pg = EmbeddedPostgres()
+    admin = pg.start()
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        dsns = {name: await _database(admin, f"v_{name}") for name in ("base", "head")}
+        # Started before this process opens channels (no fork while gRPC threads run).
+        procs["bare"] = _spawn(REPO / "src", dsns["head"], gen, "--bare")
+        procs[f"keyed @ {base}"] = _spawn(work / "src", dsns["base"], gen)
+        procs["keyed @ working tree"] = _spawn(REPO / "src", dsns["head"], gen)
+        ports = {}
+        for name, p in procs.items():
+            assert p.stdout is not None
+            ports[name] = json.loads(p.stdout.readline())["port"]
+        stubs = {
+            name: pb2_grpc.BenchServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+            for name, port in ports.items()
+        }
+
+        async def run(name: str, calls: int, inflight: int) -> tuple[float, float]:
+            stub = stubs[name]
+
+            async def worker(n: int) -> None:
+                for _ in range(n):
+                    key = uuid.uuid4().hex
+                    request = pb2.ChargeRequest(order_id=key, amount_cents=1, currency="EUR")
+                    await stub.Charge(request, metadata=(("idempotency-key", key),), timeout=30)
+
+            before, began = _cpu(procs[name].pid), time.perf_counter()
+            await asyncio.gather(*(worker(calls // inflight) for _ in range(inflight)))
+            return _cpu(procs[name].pid) - before, time.perf_counter() - began
+
+        print(
+            f"bench_versions: base {base} vs the working tree; {args.rounds} rounds x"
+            f" {args.calls} keyed first executions per server and concurrency"
+        )
+        names = list(procs)
+        for inflight in (int(x) for x in args.inflight.split(",")):
+            for name in names:
+                await run(name, 200, inflight)  # warm up
+            cpu = {name: 0.0 for name in names}
+            rates: dict[str, list[float]] = {name: [] for name in names}
+            for r in range(args.rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    used, wall = await run(name, args.calls, inflight)
+                    cpu[name] += used
+                    rates[name].append(args.calls / wall)
+            bare_cpu = cpu["bare"] / (args.rounds * args.calls)
+            bare_rate = statistics.median(rates["bare"])
+            print(f"\n{inflight} in flight      server CPU us/call   x bare   calls/s   x bare")
+            for name in names:
+                per_call = cpu[name] / (args.rounds * args.calls)
+                rate = statistics.median(rates[name])
+                print(
+                    f"  {name:<22} {per_call * 1e6:10.0f}   {per_call / bare_cpu:6.2f}"
+                    f"   {rate:7.0f}   {rate / bare_rate:6.2f}"
+                )
+
+        if args.storms:
+            keyed = [n for n in names if n != "bare"]
+            used = {name: 0.0 for name in keyed}
+            for r in range(args.storms):
+                for name in keyed if r % 2 == 0 else keyed[::-1]:
+                    key = uuid.uuid4().hex
+                    request = pb2.ChargeRequest(order_id=key, amount_cents=1, currency="EUR")
+                    before = _cpu(procs[name].pid)
+                    await asyncio.gather(
+                        *(
+                            stubs[name].SlowCharge(
+                                request, metadata=(("idempotency-key", key),), timeout=30
+                            )
+                            for _ in range(200)
+                        )
+                    )
+                    used[name] += _cpu(procs[name].pid) - before
+            print(f"\nstorms: {args.storms} x 200 concurrent duplicates of one key per version")
+            for name in keyed:
+                per_call = used[name] / args.storms / 200
+                print(f"  {name:<22} server CPU per storm call {per_call * 1e6:6.0f} us")
+    finally:
+        for p in procs.values():
+            if p.stdin is not None:
+                p.stdin.close()
+            p.wait(timeout=30)
+        pg.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the commit to compare the working tree with")
+    parser.add_argument("--inflight", default="1,32", help="concurrencies, comma-separated")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--storms", type=int, default=10)
+    arguments = parser.parse_args()
+    asyncio.run(main(arguments, *_export(arguments.base)))
