@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PROTO = HERE / "bench.proto"
@@ -29,6 +31,25 @@ INSERT_SQL = (
     "INSERT INTO bench.charges (charge_id, order_id, amount_cents, currency, variant)"
     " VALUES ($1, $2, $3, $4, $5)"
 )
+
+
+async def no_reset(_conn: Any) -> None:
+    """A pool reset that does nothing (``asyncpg.create_pool(reset=no_reset)``)."""
+
+
+async def charge(conn: Any, request: Any, variant: str, response_type: Any) -> Any:
+    """The benchmark's business write, the same in every variant: one INSERT on ``conn``; returns
+    the response."""
+    charge_id = "ch_" + uuid.uuid4().hex[:16]
+    await conn.execute(
+        INSERT_SQL, charge_id, request.order_id, request.amount_cents, request.currency, variant
+    )
+    return response_type(
+        charge_id=charge_id,
+        order_id=request.order_id,
+        amount_cents=request.amount_cents,
+        currency=request.currency,
+    )
 
 
 def generate(out_dir: Path) -> None:

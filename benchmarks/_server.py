@@ -50,10 +50,6 @@ from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 from grpc_idempotency.store.sql import Statements, bytes_literal, text_literal
 
 
-async def _no_reset(_conn: Any) -> None:
-    pass
-
-
 def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
     Response = pb2.ChargeResponse
 
@@ -64,56 +60,19 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
             self.pool = pool
 
         async def Charge(self, request: Any, context: Any) -> Any:
-            charge_id = "ch_" + uuid.uuid4().hex[:16]
             async with self.pool.acquire() as c, c.transaction():
-                await c.execute(
-                    _common.INSERT_SQL,
-                    charge_id,
-                    request.order_id,
-                    request.amount_cents,
-                    request.currency,
-                    self.variant,
-                )
-            return Response(
-                charge_id=charge_id,
-                order_id=request.order_id,
-                amount_cents=request.amount_cents,
-                currency=request.currency,
-            )
+                return await _common.charge(c, request, self.variant, Response)
 
     class BareNoReset(Bare):
         variant = "bare_noreset"
 
     class Keyed(pb2_grpc.BenchServiceServicer):
         async def Charge(self, request: Any, context: Any) -> Any:
-            charge_id = "ch_" + uuid.uuid4().hex[:16]
-            await current_call().connection.execute(
-                _common.INSERT_SQL,
-                charge_id,
-                request.order_id,
-                request.amount_cents,
-                request.currency,
-                "keyed",
-            )
-            return Response(
-                charge_id=charge_id,
-                order_id=request.order_id,
-                amount_cents=request.amount_cents,
-                currency=request.currency,
-            )
+            return await _common.charge(current_call().connection, request, "keyed", Response)
 
         async def SlowCharge(self, request: Any, context: Any) -> Any:
             await asyncio.sleep(slow_s)  # inside the claim's transaction, holding a connection
-            charge_id = "ch_" + uuid.uuid4().hex[:16]
-            await current_call().connection.execute(
-                _common.INSERT_SQL,
-                charge_id,
-                request.order_id,
-                request.amount_cents,
-                request.currency,
-                "slow",
-            )
-            return Response(charge_id=charge_id, order_id=request.order_id)
+            return await _common.charge(current_call().connection, request, "slow", Response)
 
         async def Nap(self, request: Any, context: Any) -> Any:
             # Not keyed (no options, no override): the interceptor passes it through. The control
@@ -133,7 +92,6 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
 
         async def Charge(self, request: Any, context: Any) -> Any:
             st, key = self.statements, request.order_id
-            charge_id = "ch_" + uuid.uuid4().hex[:16]
             fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
             claim = st.claim(
                 scope="bench-sql",
@@ -145,22 +103,9 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
                 lease_s=30.0,
                 atomic=True,
             )
-            response = Response(
-                charge_id=charge_id,
-                order_id=request.order_id,
-                amount_cents=request.amount_cents,
-                currency=request.currency,
-            )
             async with self.pool.acquire() as c:
                 await c.execute(st.begin_atomic_claim(claim, isolation=None, idle_timeout_s=30.0))
-                await c.execute(
-                    _common.INSERT_SQL,
-                    charge_id,
-                    request.order_id,
-                    request.amount_cents,
-                    request.currency,
-                    "library_sql",
-                )
+                response = await _common.charge(c, request, "library_sql", Response)
                 await c.execute(
                     st.complete_and_commit(
                         scope="bench-sql",
@@ -184,34 +129,19 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
         transaction pays (it could not stop a concurrent duplicate from running the handler)."""
 
         async def Charge(self, request: Any, context: Any) -> Any:
-            charge_id = "ch_" + uuid.uuid4().hex[:16]
             fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
-            response = Response(
-                charge_id=charge_id,
-                order_id=request.order_id,
-                amount_cents=request.amount_cents,
-                currency=request.currency,
-            )
-            record = (
-                f"INSERT INTO {DEFAULT_SCHEMA}.records (scope, key, method, fingerprint, state,"
-                " fencing_token, status_code, status_message, response, created_at,"
-                " completed_at, expires_at, retention) VALUES ('bench-record',"
-                f" {text_literal(request.order_id)}, {text_literal(_common.CHARGE)},"
-                f" {bytes_literal(fingerprint)}, 'completed', 1, 0, '',"
-                f" {bytes_literal(response.SerializeToString())}, now(), clock_timestamp(),"
-                " now() + interval '1 day', interval '1 day'); COMMIT"
-            )
             async with self.pool.acquire() as c:
                 await c.execute("BEGIN")
+                response = await _common.charge(c, request, "record_only", Response)
                 await c.execute(
-                    _common.INSERT_SQL,
-                    charge_id,
-                    request.order_id,
-                    request.amount_cents,
-                    request.currency,
-                    "record_only",
+                    f"INSERT INTO {DEFAULT_SCHEMA}.records (scope, key, method, fingerprint,"
+                    " state, fencing_token, status_code, status_message, response, created_at,"
+                    " completed_at, expires_at, retention) VALUES ('bench-record',"
+                    f" {text_literal(request.order_id)}, {text_literal(_common.CHARGE)},"
+                    f" {bytes_literal(fingerprint)}, 'completed', 1, 0, '',"
+                    f" {bytes_literal(response.SerializeToString())}, now(), clock_timestamp(),"
+                    " now() + interval '1 day', interval '1 day'); COMMIT"
                 )
-                await c.execute(record)
             return response
 
     class Floor(pb2_grpc.BenchServiceServicer):
@@ -262,7 +192,7 @@ async def main(args: argparse.Namespace) -> None:
     kinds = _servicers(pb2, pb2_grpc, args.slow_ms / 1000)
 
     bare_pool = await asyncpg.create_pool(args.dsn)  # asyncpg's defaults: what users write
-    noreset_pool = await asyncpg.create_pool(args.dsn, reset=_no_reset)
+    noreset_pool = await asyncpg.create_pool(args.dsn, reset=_common.no_reset)
     store = await Store.connect(args.dsn, max_size=args.store_max_size, migrate=True)
 
     def keyed(replay_cache: bool) -> list[Any]:

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +29,17 @@ from grpc_idempotency import (
 )
 
 
-async def _no_reset(_conn: Any) -> None:
-    pass
-
-
 async def main(args: argparse.Namespace) -> None:
     pb2, pb2_grpc = _common.load(Path(args.gen))
     Response = pb2.ChargeResponse
 
-    async def insert(conn: Any, request: Any, variant: str) -> Any:
-        charge_id = "ch_" + uuid.uuid4().hex[:16]
-        await conn.execute(
-            _common.INSERT_SQL,
-            charge_id,
-            request.order_id,
-            request.amount_cents,
-            request.currency,
-            variant,
-        )
-        return Response(charge_id=charge_id, order_id=request.order_id)
-
     if args.bare:
-        pool = await asyncpg.create_pool(args.dsn, reset=_no_reset)
+        pool = await asyncpg.create_pool(args.dsn, reset=_common.no_reset)
 
         class Bare(pb2_grpc.BenchServiceServicer):
             async def Charge(self, request: Any, context: Any) -> Any:
                 async with pool.acquire() as c, c.transaction():
-                    return await insert(c, request, "bare")
+                    return await _common.charge(c, request, "bare", Response)
 
         server = grpc.aio.server()
         pb2_grpc.add_BenchServiceServicer_to_server(Bare(), server)
@@ -65,11 +48,11 @@ async def main(args: argparse.Namespace) -> None:
 
         class Keyed(pb2_grpc.BenchServiceServicer):
             async def Charge(self, request: Any, context: Any) -> Any:
-                return await insert(current_call().connection, request, "keyed")
+                return await _common.charge(current_call().connection, request, "keyed", Response)
 
             async def SlowCharge(self, request: Any, context: Any) -> Any:
                 await asyncio.sleep(args.slow_ms / 1000)
-                return await insert(current_call().connection, request, "slow")
+                return await _common.charge(current_call().connection, request, "slow", Response)
 
         interceptor = IdempotencyInterceptor(
             store,

@@ -50,6 +50,17 @@ async def keys(store: Store) -> list[str]:
     return sorted(r["key"] for r in await store.pool.fetch(f"SELECT key FROM {records(store)}"))
 
 
+async def expired_records(store: Store, n: int) -> None:
+    """n completed records an hour past retention, 1 ms apart (keys old-1 .. old-n)."""
+    await store.pool.execute(
+        f"INSERT INTO {records(store)} ({COLUMNS})"
+        " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  clock_timestamp() - interval '2 h',"
+        "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
+        f" FROM generate_series(1, {n}) i"
+    )
+
+
 async def fill_within_retention(store: Store, n: int) -> int:
     """n completed 1 KiB records a day from expiring; returns the table's size in pages."""
     await store.pool.execute(
@@ -182,13 +193,7 @@ async def test_batches_walk_past_equal_expiries_and_held_records(purge_store: St
 async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
     purge_store: Store,
 ) -> None:
-    await purge_store.pool.execute(
-        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
-        " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
-        "  clock_timestamp() - interval '2 h',"
-        "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
-        " FROM generate_series(1, 35) i"
-    )
+    await expired_records(purge_store, 35)
     with pytest.raises(ValueError):
         await purge_store.purge(pause=-1)
     with pytest.raises(ValueError):
@@ -217,13 +222,7 @@ async def test_cli_purge_with_a_pause(purge_store: Store, pg_dsn: str) -> None:
 async def test_purgers_on_two_replicas_at_once_delete_each_record_once(
     purge_store: Store, pg_dsn: str
 ) -> None:
-    await purge_store.pool.execute(
-        f"INSERT INTO {records(purge_store)} ({COLUMNS})"
-        " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
-        "  clock_timestamp() - interval '2 h',"
-        "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
-        " FROM generate_series(1, 3000) i"
-    )
+    await expired_records(purge_store, 3000)
     other = await Store.connect(pg_dsn, schema=purge_store.schema)
     try:
         # They meet on the same rows: one waits for the other's batch (no deadlock: both lock
