@@ -66,6 +66,34 @@ async def test_waiting_is_bounded_by_the_deadline(ledger: RunningLedger) -> None
     assert (await owner).code is grpc.StatusCode.OK
 
 
+async def test_a_waiter_that_gives_up_leaves_the_owner_and_the_other_waiters_alone(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Each duplicate waits on a future of its own: one whose deadline passes, and one whose
+    client goes away, must not take the owner's outcome from the others (nor cancel the owner)."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
+    owner = asyncio.ensure_future(ledger.call(POST, request, key))
+    await ledger.service.started.wait()
+    patient = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(3)]
+    hasty = asyncio.ensure_future(ledger.call(POST, request, key, timeout=0.5))
+    leaving = asyncio.ensure_future(ledger.call(POST, request, key))
+    await until("5 calls waiting", lambda: ledger.interceptor.waiting_calls == 5)
+    leaving.cancel()
+    gave_up = await hasty
+    assert gave_up.code is grpc.StatusCode.ABORTED
+    assert gave_up.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+    await until("3 calls waiting", lambda: ledger.interceptor.waiting_calls == 3)
+    assert not owner.done()
+    ledger.service.release.set()
+    first = await owner
+    rest = await asyncio.gather(*patient)
+    assert first.code is grpc.StatusCode.OK and not first.replayed
+    assert all(a.code is grpc.StatusCode.OK and a.replayed and a.body == first.body for a in rest)
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
 async def test_a_mutated_duplicate_waiting_on_an_owner_is_refused(
     ledger: RunningLedger, store: Store
 ) -> None:
