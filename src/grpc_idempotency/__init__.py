@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     )
     from grpc_idempotency.server.interceptor import IdempotencyInterceptor
     from grpc_idempotency.store.postgres import Store
+    from grpc_idempotency.store.shards import ShardedStores
     from grpc_idempotency.telemetry import Telemetry
 
 # Where each public name lives.
@@ -128,6 +129,7 @@ _LOCATIONS: dict[str, str] = {
     "RetryPolicy": "grpc_idempotency.core.retry",
     "ScopeResolver": "grpc_idempotency.scope",
     "ScopeUnavailable": "grpc_idempotency.core.errors",
+    "ShardedStores": "grpc_idempotency.store.shards",
     "Sink": "grpc_idempotency.outbox",
     "StaticScope": "grpc_idempotency.scope",
     "Step": "grpc_idempotency.core.policy",
@@ -214,6 +216,7 @@ __all__ = [
     "RetryPolicy",
     "ScopeResolver",
     "ScopeUnavailable",
+    "ShardedStores",
     "Sink",
     "StaticScope",
     "Step",

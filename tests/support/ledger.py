@@ -28,6 +28,7 @@ from grpc_idempotency import (
     IdempotencyInterceptor,
     MetadataScope,
     MethodOverride,
+    ShardedStores,
     Store,
     current_call,
 )
@@ -266,14 +267,18 @@ class RunningLedger:
 
 @contextlib.asynccontextmanager
 async def running_ledger(
-    store: Store, *, overrides: Mapping[str, MethodOverride] | None = None, **kwargs: Any
+    store: Store | ShardedStores,
+    *,
+    overrides: Mapping[str, MethodOverride] | None = None,
+    **kwargs: Any,
 ) -> AsyncIterator[RunningLedger]:
     """A real grpc.aio server on loopback port 0 with the interceptor, and a client stub."""
     interceptor = IdempotencyInterceptor(
         store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT), **kwargs
     )
     server = grpc.aio.server(interceptors=[interceptor])
-    service = LedgerService(store)
+    # Peek and "kill-connection" use a store of their own; sharded, the first shard's.
+    service = LedgerService(store if isinstance(store, Store) else next(iter(store)))
     testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -79,6 +79,7 @@ from grpc_idempotency.server.answers import Context
 from grpc_idempotency.server.handler_context import DeferredAbort, KeyedContext, SyncContext
 from grpc_idempotency.store.errors import handler_error
 from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store
+from grpc_idempotency.store.shards import ShardedStores
 from grpc_idempotency.telemetry import Telemetry
 
 log = logging.getLogger("grpc_idempotency.server")
@@ -109,6 +110,8 @@ class _Call:
     method: _Method
     request: Any
     context: Context
+    store: Store | None = None
+    """Where this call's records live (its scope's shard); set before any database access."""
     outcome: CallOutcome = CallOutcome.REJECTED
     waited: bool = False
     key: str | None = None
@@ -153,6 +156,9 @@ class IdempotencyInterceptor(_Interceptor):
     are compiled when the interceptor is built, so bad options fail the start. Methods of other
     services are found in the default descriptor pool on their first call.
     ``overrides``: per-method ``MethodOverride`` by method name ("pkg.Service/Method").
+    ``store``: the ``Store``, or ``ShardedStores`` when the database is sharded by tenant (each
+    call's records then live on its scope's shard; the scope is resolved for unkeyed calls too,
+    to find their shard).
     ``scope``: how a call's scope is resolved (default: the TLS peer identity).
     ``replay_cache``: completed outcomes kept in memory so that replays skip the database
     (``True``: a ``ReplayCache()`` with its default bounds; ``False``: none). Correct across
@@ -161,7 +167,7 @@ class IdempotencyInterceptor(_Interceptor):
 
     def __init__(
         self,
-        store: Store,
+        store: Store | ShardedStores,
         *,
         services: Services = (),
         overrides: Mapping[str, MethodOverride] | None = None,
@@ -287,10 +293,17 @@ class IdempotencyInterceptor(_Interceptor):
                     f"{policy.method} requires an idempotency key: send one per operation as"
                     f" {KEY_HEADER!r} metadata, the same on every retry"
                 )
-            scope = None if key is None else validate_scope(self._scope(context))
+            scope: str | None
+            store = self.store
+            if isinstance(store, ShardedStores):
+                # Sharded, an unkeyed call needs its scope too: its transaction runs on its shard.
+                scope = validate_scope(self._scope(context))
+                store = store.for_scope(scope)
+            else:
+                scope = None if key is None else validate_scope(self._scope(context))
         except IdempotencyError as err:
             await answers.abort(context, err)
-        call.key, call.scope = key, scope
+        call.key, call.scope, call.store = key, scope, store
         if key is None or scope is None:
             call.outcome = CallOutcome.BYPASSED
             return await self._run_unkeyed(call)
@@ -381,7 +394,8 @@ class IdempotencyInterceptor(_Interceptor):
     async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> _Result:
         """Drives the call through ``core.lifecycle``'s transition table until it has an answer;
         raises ``_Busy`` when the table says to wait (the caller checks the wait's budget)."""
-        policy, context = call.policy, call.context
+        policy, context, store = call.policy, call.context, call.store
+        assert store is not None
         slot = (scope, key)
         phased = policy.mode is Mode.PHASED
         begin = begin_event(recently_seen=self._recent.seen(slot), atomic=not phased)
@@ -394,15 +408,13 @@ class IdempotencyInterceptor(_Interceptor):
             try:
                 if step is Step.LOOK_UP:
                     looked_at = time.monotonic()
-                    record = await self.store.lookup(
-                        scope, key, timeout=answers.time_remaining(context)
-                    )
+                    record = await store.lookup(scope, key, timeout=answers.time_remaining(context))
                     busy_ms = retry_after_ms(record.lease_remaining_ms if record else None)
                     step, phase = transition(phase, look_event(record, fingerprint))
                     continue
                 if step is Step.CLAIM:
                     claiming = phase
-                    claim = await (self.store.claim_phased if phased else self.store.claim_atomic)(
+                    claim = await (store.claim_phased if phased else store.claim_atomic)(
                         scope=scope,
                         key=key,
                         method=policy.method,
@@ -501,7 +513,7 @@ class IdempotencyInterceptor(_Interceptor):
                 open_final=open_final if claim is not None else None,
                 metadata=tuple(context.invocation_metadata() or ()),
                 started_at=started_at,
-                outbox=self.store.enqueue,
+                outbox=call.store.enqueue if call.store is not None else None,
             )
         )
         aborted: DeferredAbort | None = None
@@ -658,9 +670,10 @@ class IdempotencyInterceptor(_Interceptor):
     async def _run_unkeyed(self, call: _Call) -> Any:
         """An optional-key method called without a key: once, in a transaction of its own, so
         the handler's code is the same with and without a key."""
-        policy, context = call.policy, call.context
+        policy, context, store = call.policy, call.context, call.store
+        assert store is not None
         try:
-            tx = await self.store.begin(
+            tx = await store.begin(
                 isolation=policy.isolation, timeout=answers.time_remaining(context)
             )
         except StoreUnavailable as err:

@@ -1,0 +1,256 @@
+"""A database sharded by tenant: each scope's records live on the shard of its tenant's rows.
+
+Two real databases play two shards (each with the library's schema and the ledger table). The
+records, the business rows and the outbox rows of a scope must all land on its shard, in one
+transaction there; retries must be answered from that shard; a scope the server cannot place is
+refused before the handler runs; a shard that is down takes only its own tenants down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import ScopeUnavailable, ShardedStores, Store
+from tests.support.blackhole import BlackholeProxy
+from tests.support.ledger import fresh, prepare, running_ledger
+
+POST = "/testsvc.v1.LedgerService/Post"
+OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
+WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+
+# MetadataScope("x-tenant-id") files tenant T's keys under "tenant:T".
+PLACEMENT = {"tenant:a": "one", "tenant:b": "two", "tenant:lost": "three"}
+
+
+def _database_dsn(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
+@dataclass
+class Shard:
+    name: str
+    dsn: str
+    store: Store
+
+    async def fetchval(self, sql: str, *args: object) -> object:
+        async with self.store.pool.acquire() as conn:
+            return await conn.fetchval(sql, *args)
+
+    async def rows(self, account: str) -> list[tuple[str, int]]:
+        async with self.store.pool.acquire() as conn:
+            found = await conn.fetch(
+                "SELECT tenant, amount FROM test_ledger.ledger WHERE account = $1 ORDER BY id",
+                account,
+            )
+        return [(r["tenant"], r["amount"]) for r in found]
+
+    async def records(self, key: str) -> list[tuple[str, str]]:
+        async with self.store.pool.acquire() as conn:
+            found = await conn.fetch(
+                "SELECT scope, state FROM grpc_idempotency.records WHERE key = $1 ORDER BY scope",
+                key,
+            )
+        return [(r["scope"], r["state"]) for r in found]
+
+
+@pytest.fixture(scope="module")
+async def shards(pg_dsn: str) -> AsyncIterator[dict[str, Shard]]:
+    """Two databases of their own in the session's PostgreSQL, migrated, with the ledger table."""
+    admin = await asyncpg.connect(pg_dsn)
+    made: dict[str, Shard] = {}
+    try:
+        for name in ("one", "two"):
+            database = f"gi_shard_{name}_{uuid.uuid4().hex[:8]}"
+            await admin.execute(f'CREATE DATABASE "{database}"')
+            dsn = _database_dsn(pg_dsn, database)
+            store = await Store.connect(dsn, min_size=1, max_size=5, migrate=True)
+            await prepare(store)
+            made[name] = Shard(database, dsn, store)
+        yield made
+    finally:
+        for shard in made.values():
+            await shard.store.close()
+            await admin.execute(f'DROP DATABASE IF EXISTS "{shard.name}" WITH (FORCE)')
+        await admin.close()
+
+
+def _sharded(
+    shards: dict[str, Shard], shard_of: Callable[[str], str] | None = None
+) -> ShardedStores:
+    return ShardedStores(
+        {name: shard.store for name, shard in shards.items()},
+        shard_of or PLACEMENT.__getitem__,
+    )
+
+
+async def test_a_scopes_records_and_writes_live_on_its_shard_and_retries_replay_from_it(
+    shards: dict[str, Shard],
+) -> None:
+    one, two = shards["one"], shards["two"]
+    key = fresh()  # the same key under two scopes: two operations, one per shard
+    account_a, account_b = fresh("acct"), fresh("acct")
+    request_a = testsvc_pb2.PostRequest(account=account_a, amount=7)
+    request_b = testsvc_pb2.PostRequest(account=account_b, amount=9)
+    # No replay cache: a retry must find the record in the database, on the right shard.
+    async with running_ledger(_sharded(shards), replay_cache=False) as server:
+        first_a = await server.call(POST, request_a, key, tenant="a")
+        first_b = await server.call(POST, request_b, key, tenant="b")
+        assert first_a.code is grpc.StatusCode.OK and not first_a.replayed
+        assert first_b.code is grpc.StatusCode.OK and not first_b.replayed
+
+        again_a = await server.call(POST, request_a, key, tenant="a")
+        again_b = await server.call(POST, request_b, key, tenant="b")
+        assert again_a.replayed and again_a.body == first_a.body
+        assert again_b.replayed and again_b.body == first_b.body
+        assert server.service.executions == 2
+
+    assert await one.rows(account_a) == [("tenant:a", 7)]
+    assert await two.rows(account_b) == [("tenant:b", 9)]
+    assert await one.rows(account_b) == [] and await two.rows(account_a) == []
+    assert await one.records(key) == [("tenant:a", "completed")]
+    assert await two.records(key) == [("tenant:b", "completed")]
+
+
+async def test_a_phased_call_claims_and_completes_on_its_shard(shards: dict[str, Shard]) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5)
+    async with running_ledger(_sharded(shards), replay_cache=False) as server:
+        first = await server.call(PHASED, request, key, tenant="b")
+        again = await server.call(PHASED, request, key, tenant="b")
+        assert first.code is grpc.StatusCode.OK and not first.replayed
+        assert again.replayed and again.body == first.body
+        assert server.service.executions == 1
+    assert await shards["two"].rows(account) == [("tenant:b", 5)]
+    assert await shards["two"].records(key) == [("tenant:b", "completed")]
+    assert await shards["one"].rows(account) == [] and await shards["one"].records(key) == []
+
+
+async def test_concurrent_duplicates_on_a_shard_run_the_handler_once(
+    shards: dict[str, Shard],
+) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=3)
+    async with running_ledger(_sharded(shards)) as server:
+        answers = await asyncio.gather(
+            *(server.call(POST, request, key, tenant="b") for _ in range(20))
+        )
+        assert {a.code for a in answers} == {grpc.StatusCode.OK}
+        assert len({a.body for a in answers}) == 1
+        assert sum(not a.replayed for a in answers) == 1
+        assert server.service.executions == 1
+    assert await shards["two"].rows(account) == [("tenant:b", 3)]
+    assert await shards["one"].rows(account) == []
+
+
+@pytest.mark.parametrize(
+    ("tenant", "shard_of"),
+    [
+        ("lost", PLACEMENT.__getitem__),  # placed on a shard the server does not have
+        ("nobody", PLACEMENT.__getitem__),  # shard_of raises KeyError
+    ],
+)
+async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
+    shards: dict[str, Shard], tenant: str, shard_of: Callable[[str], str]
+) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with running_ledger(_sharded(shards, shard_of)) as server:
+        for method in (POST, OPTIONAL):
+            answer = await server.call(method, request, key, tenant=tenant)
+            assert answer.code is grpc.StatusCode.INTERNAL
+            assert answer.reason() == "IDEMPOTENCY_STORE_MISCONFIGURED"
+            # The scope names a tenant: the server logs it and keeps it out of the answer.
+            assert answer.details is not None and f"tenant:{tenant}" not in answer.details
+        assert server.service.executions == 0
+    for shard in shards.values():
+        assert await shard.rows(account) == []
+        assert await shard.records(key) == []
+
+
+async def test_shard_of_may_refuse_a_call_with_an_error_of_its_own(
+    shards: dict[str, Shard],
+) -> None:
+    def shard_of(scope: str) -> str:
+        if scope == "tenant:suspended":
+            raise ScopeUnavailable("this tenant is suspended")
+        return PLACEMENT[scope]
+
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    async with running_ledger(_sharded(shards, shard_of)) as server:
+        answer = await server.call(POST, request, fresh(), tenant="suspended")
+        assert answer.code is grpc.StatusCode.UNAUTHENTICATED
+        assert answer.details == "this tenant is suspended"
+        assert server.service.executions == 0
+
+
+async def test_an_unkeyed_call_runs_on_its_shard_and_needs_a_scope_to_find_it(
+    shards: dict[str, Shard],
+) -> None:
+    account = fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=4)
+    async with running_ledger(_sharded(shards)) as server:
+        answer = await server.call(OPTIONAL, request, None, tenant="b")
+        assert answer.code is grpc.StatusCode.OK
+        # No tenant, no shard: refused before any database access.
+        refused = await server.call(OPTIONAL, request, None, tenant="")
+        assert refused.code is grpc.StatusCode.UNAUTHENTICATED
+        assert server.service.executions == 1
+    # (An unkeyed call has no key and no scope in current_call(): the handler wrote NULL.)
+    assert await shards["two"].rows(account) == [(None, 4)]
+    assert await shards["one"].rows(account) == []
+
+
+async def test_outbox_messages_are_enqueued_on_the_scopes_shard(shards: dict[str, Shard]) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=2)
+    async with running_ledger(_sharded(shards)) as server:
+        answer = await server.call(WITH_EVENT, request, key, tenant="b")
+        assert answer.code is grpc.StatusCode.OK
+    query = "SELECT count(*) FROM grpc_idempotency.outbox WHERE scope = $1 AND parent_key = $2"
+    assert await shards["two"].fetchval(query, "tenant:b", key) == 1
+    assert await shards["one"].fetchval(query, "tenant:b", key) == 0
+
+
+async def test_a_shard_that_is_down_takes_only_its_own_tenants_down(
+    shards: dict[str, Shard],
+) -> None:
+    proxy = BlackholeProxy(shards["two"].dsn)
+    await proxy.start()
+    two = await Store.connect(proxy.dsn, min_size=1, max_size=2, command_timeout=2)
+    sharded = ShardedStores({"one": shards["one"].store, "two": two}, PLACEMENT.__getitem__)
+    account_a, account_b = fresh("acct"), fresh("acct")
+    try:
+        async with running_ledger(sharded) as server:
+            proxy.blackhole()
+            down = await server.call(
+                POST, testsvc_pb2.PostRequest(account=account_b, amount=1), fresh(), tenant="b",
+                timeout=5,
+            )  # fmt: skip
+            assert down.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            up = await server.call(
+                POST, testsvc_pb2.PostRequest(account=account_a, amount=1), fresh(), tenant="a"
+            )
+            assert up.code is grpc.StatusCode.OK
+    finally:
+        with contextlib.suppress(Exception):
+            await two.close(timeout=1)
+        await proxy.close()
+    assert await shards["one"].rows(account_a) == [("tenant:a", 1)]
+    assert await shards["two"].rows(account_b) == []
+
+
+def test_sharded_stores_need_a_shard() -> None:
+    with pytest.raises(ValueError, match="at least one shard"):
+        ShardedStores({}, PLACEMENT.__getitem__)
