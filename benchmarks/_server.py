@@ -1,6 +1,6 @@
 """The benchmark's server process (started by bench_server.py; not meant to be run by hand).
 
-One process, one event loop, seven grpc.aio servers on seven ports, all serving the same
+One process, one event loop, eight grpc.aio servers on eight ports, all serving the same
 BenchService.Charge (one INSERT in a transaction, but for the floor):
 
 - bare:         no interceptor; ``async with pool.acquire() as c, c.transaction()`` on a default
@@ -15,6 +15,8 @@ BenchService.Charge (one INSERT in a transaction, but for the floor):
                 ``current_call().connection``. SlowCharge sleeps inside the transaction first.
 - keyed_nocache: the same with ``replay_cache=False`` (replays read the database);
 - floor:        no interceptor, no database: the gRPC floor.
+- floor_marker: the same, sending the replay marker (``idempotency-replayed: true``) as initial
+                metadata first, as the wire contract has every replay do: a replay's floor.
 
 Prints one JSON line {"ports": {...}} when ready; exits when stdin closes or on SIGTERM.
 SIGUSR1 starts a cProfile of the loop thread, SIGUSR2 stops it and dumps it to --profile-out.
@@ -39,6 +41,7 @@ import asyncpg
 import grpc
 
 from grpc_idempotency import (
+    REPLAYED_HEADER,
     IdempotencyInterceptor,
     MethodOverride,
     StaticScope,
@@ -78,6 +81,13 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
             # Not keyed (no options, no override): the interceptor passes it through. The control
             # storm: the storm's traffic shape on the same server, with no idempotency.
             await asyncio.sleep(slow_s)
+            return Response(charge_id="ch_" + uuid.uuid4().hex[:16], order_id=request.order_id)
+
+        async def NapMarked(self, request: Any, context: Any) -> Any:
+            # The second control storm: Nap answered the way every storm duplicate is answered
+            # (the wire contract's replay marker in initial metadata: a gRPC batch of its own).
+            await asyncio.sleep(slow_s)
+            await context.send_initial_metadata(((REPLAYED_HEADER, "true"),))
             return Response(charge_id="ch_" + uuid.uuid4().hex[:16], order_id=request.order_id)
 
     class LibrarySql(pb2_grpc.BenchServiceServicer):
@@ -145,9 +155,15 @@ def _servicers(pb2: Any, pb2_grpc: Any, slow_s: float) -> dict[str, type]:
             return response
 
     class Floor(pb2_grpc.BenchServiceServicer):
-        """No database at all: what a unary call costs through gRPC alone."""
+        """No database at all: what a unary call costs through gRPC alone. With ``marker``, it
+        sends initial metadata first (grpc.aio sends it in a batch of its own), as a replay does."""
+
+        def __init__(self, marker: bool = False) -> None:
+            self.marker = marker
 
         async def Charge(self, request: Any, context: Any) -> Any:
+            if self.marker:
+                await context.send_initial_metadata(((REPLAYED_HEADER, "true"),))
             return Response(
                 charge_id="ch_" + uuid.uuid4().hex[:16],
                 order_id=request.order_id,
@@ -220,6 +236,7 @@ async def main(args: argparse.Namespace) -> None:
         # Another replica's view: the same store, no cache, so every replay reads the database.
         ("keyed_nocache", keyed(False), kinds["keyed"]()),
         ("floor", [], kinds["floor"]()),
+        ("floor_marker", [], kinds["floor"](True)),
     ):
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         pb2_grpc.add_BenchServiceServicer_to_server(servicer, server)

@@ -1,7 +1,8 @@
 """The storm generator process (started by bench_server.py; not meant to be run by hand).
 
 On each stdin line "go SECONDS" it runs storms back to back for that long: each storm sends
-``--dups`` concurrent calls of ``--method`` (SlowCharge; Nap for the control storm) carrying
+``--dups`` concurrent calls of ``--method`` (SlowCharge; Nap or NapMarked for the control
+storms) carrying
 one fresh key (same request), waits for all,
 and starts the next. Then it prints one JSON line with what happened. Exits when stdin closes.
 """
@@ -74,5 +75,7 @@ if __name__ == "__main__":
     parser.add_argument("--gen", required=True)
     parser.add_argument("--dups", type=int, default=200)
     parser.add_argument("--run-id", required=True)
-    parser.add_argument("--method", default="SlowCharge", help="SlowCharge, or Nap (control)")
+    parser.add_argument(
+        "--method", default="SlowCharge", help="SlowCharge, or Nap / NapMarked (controls)"
+    )
     asyncio.run(main(parser.parse_args()))

@@ -4,7 +4,7 @@
     cd /work/main && PYTHONPATH=. .venv/bin/python benchmarks/bench_server.py [--quick]
 
 One run starts a durable embedded PostgreSQL 18 (unix socket), a server process (benchmarks/
-_server.py: seven grpc.aio servers in one event loop) and, for the storm, two load processes
+_server.py: eight grpc.aio servers in one event loop) and, for the storm, two load processes
 (benchmarks/_storm.py). This process is the client. Variants, all serving the same
 BenchService.Charge (one INSERT in a transaction, same request and response):
 
@@ -19,6 +19,8 @@ BenchService.Charge (one INSERT in a transaction, same request and response):
   keyed, replay           keys already completed: the stored response is replayed
   keyed, replay, no cache another replica's replay (``replay_cache=False``): reads the database
   gRPC floor              no interceptor, no database
+  gRPC floor + marker     the same, sending ``idempotency-replayed: true`` as initial metadata
+                          first, as every replay must (grpc.aio sends it in a batch of its own)
 
 For each: sequential latency (p50/p99) and throughput with 64 calls in flight. The variants are
 interleaved in rounds (the order rotates every round) so that machine noise hits all of them.
@@ -28,7 +30,9 @@ fresh-key calls; their latency is compared with quiet windows alternated with th
 A control storm with the same traffic shape (200 concurrent calls of ``Nap``, which sleeps 300 ms,
 is not keyed and touches no database) on the same server runs in windows of its own: what 200
 concurrent calls cost the other calls with no idempotency at all (the storm generator runs on
-the same two cores).
+the same two cores). A second control storm (``NapMarked``) answers each call as a storm's
+duplicates are answered, with the replay marker sent as initial metadata first (a gRPC batch of
+its own): what the wire contract alone costs the other calls.
 
 Ratios against "bare, no pool reset" (the strongest bare handler) are what to read: absolute
 figures on a shared 2-core machine move. The default-pool "bare" stays as a row (its reset query
@@ -132,6 +136,7 @@ LABELS = {
     "keyed_replay": "keyed, replay",
     "keyed_replay_db": "keyed, replay, no cache",
     "floor": "gRPC floor (no database)",
+    "floor_marker": "floor + replay marker",
 }
 ORDER = list(LABELS)
 
@@ -406,7 +411,7 @@ class Bench:
         started = time.perf_counter()
         gen = Path(tempfile.mkdtemp(prefix="bench-gen-"))
         pg = EmbeddedPostgres()  # durable defaults (fsync on), unix socket only
-        server = storm = control = None
+        server = storm = control = marked = None
         try:
             _common.generate(gen)
             self.pb2, pb2_grpc = _common.load(gen)
@@ -458,7 +463,20 @@ class Bench:
                 "--run-id",
                 f"{self.run_id}-control",
             )
-            for generator in (storm, control):
+            marked = await _spawn(
+                "_storm.py",
+                "--port",
+                str(ports["keyed"]),
+                "--method",
+                "NapMarked",
+                "--gen",
+                str(gen),
+                "--dups",
+                str(cfg.storm_dups),
+                "--run-id",
+                f"{self.run_id}-marked",
+            )
+            for generator in (storm, control, marked):
                 assert generator.stdout is not None
                 await _read_json(generator.stdout, 60)
 
@@ -486,6 +504,9 @@ class Bench:
                     "keyed_replay_db", stubs["keyed_nocache"].Charge, self.replayed_keyed
                 ),
                 "floor": Variant("floor", stubs["floor"].Charge, self.bare_request),
+                "floor_marker": Variant(
+                    "floor_marker", stubs["floor_marker"].Charge, self.bare_request
+                ),
             }
             self.variants = variants
 
@@ -551,12 +572,13 @@ class Bench:
                     v.tp_wall += wall
                     v.tp_round_rate.append(cfg.tp_per_round / wall)
                     v.tp_lat += lat
-            self.foreign = _foreign(before, _all_cpu(), self.meter, {storm.pid, control.pid})
+            generators = {storm.pid, control.pid, marked.pid}
+            self.foreign = _foreign(before, _all_cpu(), self.meter, generators)
 
             print(f"round trips: {cfg.rt_iterations} iterations, direct asyncpg", flush=True)
             self.rt = await _breakdown.breakdown(dsn, cfg.rt_iterations)
 
-            storm_result = await self.storm(storm, control)
+            storm_result = await self.storm(storm, control, marked)
 
             checks = await self.verify(dsn, storm_result)
             await self.mon.close()
@@ -565,7 +587,7 @@ class Bench:
             self.report(storm_result, checks, time.perf_counter() - started)
             return 0
         finally:
-            for generator in (storm, control):
+            for generator in (storm, control, marked):
                 if generator is not None:
                     await _stop(generator)
             if server is not None:
@@ -586,17 +608,21 @@ class Bench:
 
     # storm -------------------------------------------------------------------
     async def storm(
-        self, storm: asyncio.subprocess.Process, control: asyncio.subprocess.Process
+        self,
+        storm: asyncio.subprocess.Process,
+        control: asyncio.subprocess.Process,
+        marked: asyncio.subprocess.Process,
     ) -> dict[str, Any]:
         cfg = self.cfg
         quiet: list[float] = []
         during: list[float] = []
         during_control: list[float] = []
+        during_marked: list[float] = []
         storms: list[dict[str, Any]] = []
         v = Variant("probe", self.keyed_stub.Charge, self.fresh_keyed)
         print(
             f"storm: {cfg.storm_windows} quiet, {cfg.storm_windows} storm and"
-            f" {cfg.storm_windows} control windows of {cfg.storm_window_s:g} s,"
+            f" 2 x {cfg.storm_windows} control windows of {cfg.storm_window_s:g} s,"
             f" {cfg.storm_dups} duplicates per key, handler sleeps {cfg.slow_ms:g} ms,"
             f" store pool max_size={cfg.store_max_size}",
             flush=True,
@@ -616,17 +642,17 @@ class Bench:
             deadline = time.perf_counter() + cfg.storm_window_s
             while time.perf_counter() < deadline:
                 await run_seq(v, 1, quiet)
-            # The two kinds of storm take turns going first.
-            if i % 2 == 0:
-                storms.append(await window(storm, during))
-                await window(control, during_control)
-            else:
-                await window(control, during_control)
-                storms.append(await window(storm, during))
+            # The three kinds of storm take turns going first.
+            kinds = [(storm, during), (control, during_control), (marked, during_marked)]
+            for generator, into in kinds[i % 3 :] + kinds[: i % 3]:
+                result = await window(generator, into)
+                if generator is storm:
+                    storms.append(result)
         return {
             "quiet": quiet,
             "during": during,
             "during_control": during_control,
+            "during_marked": during_marked,
             "storms": storms,
             "probe_calls": v.calls_made,
         }
@@ -834,6 +860,11 @@ class Bench:
             f"  {'replay p50 / gRPC floor p50':<32} = {cached / floor:.2f}x"
             f"  (no cache: {replay_db / floor:.2f}x; no cache / bare: {replay_db / bare_p50:.2f}x)"
         )
+        marker = pct(v["floor_marker"].seq, 0.5)
+        print(
+            f"  {'replay-marker floor p50 / bare':<32} = {marker / bare_p50:.2f}x"
+            f"  (a replay's floor under the wire contract; replay / it: {cached / marker:.2f}x)"
+        )
         print(
             f"  {'first execution p50 / bare (reset)':<32} = {reset_first:.2f}x  (the old baseline)"
         )
@@ -911,6 +942,11 @@ class Bench:
             f"  {'during control storm (not keyed)':<36} {pct(control, 0.5) * 1e3:7.2f}"
             f" {pct(control, 0.99) * 1e3:7.2f} {len(control):6d}"
         )
+        marked = storm["during_marked"]
+        print(
+            f"  {'during control storm + replay marker':<36} {pct(marked, 0.5) * 1e3:7.2f}"
+            f" {pct(marked, 0.99) * 1e3:7.2f} {len(marked):6d}"
+        )
         p99_ratio = pct(during, 0.99) / pct(quiet, 0.99)
         control_ratio = pct(control, 0.99) / pct(quiet, 0.99)
         print(
@@ -920,6 +956,11 @@ class Bench:
         print(
             f"  the same traffic with no idempotency (control storm) = {control_ratio:.2f}x;"
             f" storm / control p99 = {pct(during, 0.99) / pct(control, 0.99):.2f}x"
+        )
+        print(
+            f"  the same, every answer carrying the replay marker (as the storm's do)"
+            f" = {pct(marked, 0.99) / pct(quiet, 0.99):.2f}x;"
+            f" storm / it p99 = {pct(during, 0.99) / pct(marked, 0.99):.2f}x"
         )
         exact = checks["keyed_rows"] == checks["keyed_calls"]
         print(
