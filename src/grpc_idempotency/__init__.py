@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         TransactionConflict,
         TransactionOpen,
     )
+    from grpc_idempotency.core.herd import HerdRelease
     from grpc_idempotency.core.keys import child_key
     from grpc_idempotency.core.lifecycle import CallOutcome
     from grpc_idempotency.core.outbox import DeliveryPolicy
@@ -97,6 +98,7 @@ _LOCATIONS: dict[str, str] = {
     "DeliveryPolicy": "grpc_idempotency.core.outbox",
     "GrpcSink": "grpc_idempotency.outbox",
     "HandlerDatabaseError": "grpc_idempotency.core.errors",
+    "HerdRelease": "grpc_idempotency.core.herd",
     "IdempotencyClientInterceptor": "grpc_idempotency.client",
     "IdempotencyError": "grpc_idempotency.core.errors",
     "IdempotencyInterceptor": "grpc_idempotency.server.interceptor",
@@ -186,6 +188,7 @@ __all__ = [
     "DeliveryPolicy",
     "GrpcSink",
     "HandlerDatabaseError",
+    "HerdRelease",
     "IdempotencyClientInterceptor",
     "IdempotencyError",
     "IdempotencyInterceptor",

@@ -42,6 +42,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
     TransactionConflict,
 )
+from grpc_idempotency.core.herd import HerdRelease
 from grpc_idempotency.core.keys import key_from_metadata, validate_scope
 from grpc_idempotency.core.lifecycle import (
     CallOutcome,
@@ -163,6 +164,10 @@ class IdempotencyInterceptor(_Interceptor):
     ``replay_cache``: completed outcomes kept in memory so that replays skip the database
     (``True``: a ``ReplayCache()`` with its default bounds; ``False``: none). Correct across
     replicas: see ``grpc_idempotency.core.replay_cache``.
+    ``herd_release``: how the duplicates waiting on a key this process executes are answered when
+    its outcome is in: a batch at a time (the default, 8 every 2 ms), so that a herd does not
+    stall every other call on the server; ``None`` answers them all at once. See
+    ``grpc_idempotency.core.herd``.
     """
 
     def __init__(
@@ -174,8 +179,10 @@ class IdempotencyInterceptor(_Interceptor):
         scope: ScopeResolver = peer_identity_scope,
         telemetry: Telemetry | None = None,
         replay_cache: ReplayCache | bool = True,
+        herd_release: HerdRelease | None = HerdRelease(),  # noqa: B008  (frozen: shared safely)
     ) -> None:
         self.store = store
+        self._herd_release = herd_release
         self._replay_cache: ReplayCache | None = None
         if isinstance(replay_cache, ReplayCache):
             self._replay_cache = replay_cache
@@ -329,7 +336,7 @@ class IdempotencyInterceptor(_Interceptor):
                 continue
 
             # This call becomes the key's local owner: local duplicates wait on it.
-            owned = self._owners[slot] = _Owner()
+            owned = self._owners[slot] = _Owner(self._herd_release)
             shared = None
             try:
                 result = await self._attempt(call, scope, key, fingerprint)
@@ -372,6 +379,10 @@ class IdempotencyInterceptor(_Interceptor):
             async with asyncio.timeout(max(0.0, wait_until - time.monotonic())):
                 return await owner.wait()
         except TimeoutError:
+            if owner.handed:
+                # The outcome is in and this call was only queued for its batch: no reason to
+                # give up now (core/herd.py); it answers as if released with the first batch.
+                return owner.shared
             call.outcome = CallOutcome.CONFLICT
             await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
         finally:
@@ -712,12 +723,17 @@ class _Owner:
 
     Each waiter has a future of its own (cancelling one, when its client goes, touches no
     other), resolved directly when the owner is done: one wake-up per waiter, which matters when
-    hundreds of duplicates wait on one key."""
+    hundreds of duplicates wait on one key. They are resolved a batch at a time when
+    ``release`` says so (``core/herd.py``)."""
 
-    __slots__ = ("_waiters",)
+    __slots__ = ("_release", "_waiters", "handed", "shared")
 
-    def __init__(self) -> None:
+    def __init__(self, release: HerdRelease | None = None) -> None:
+        self._release = release
         self._waiters: list[asyncio.Future[_Shared | None]] = []
+        self.handed = False
+        self.shared: _Shared | None = None
+        """What the owner handed over (once ``handed``): the outcome, or ``None``, look again."""
 
     def wait(self) -> asyncio.Future[_Shared | None]:
         waiter: asyncio.Future[_Shared | None] = asyncio.get_running_loop().create_future()
@@ -725,10 +741,24 @@ class _Owner:
         return waiter
 
     def hand_over(self, shared: _Shared | None) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(shared)
-        self._waiters.clear()
+        self.handed, self.shared = True, shared
+        waiters, self._waiters = self._waiters, []
+        release = self._release
+        if release is None or len(waiters) <= release.per_batch:
+            _answer(waiters, shared)
+            return
+        loop = asyncio.get_running_loop()
+        for delay, start, stop in release.batches(len(waiters)):
+            if delay > 0:
+                loop.call_later(delay, _answer, waiters[start:stop], shared)
+            else:
+                _answer(waiters[start:stop], shared)
+
+
+def _answer(waiters: list[asyncio.Future[_Shared | None]], shared: _Shared | None) -> None:
+    for waiter in waiters:
+        if not waiter.done():  # its client went, or its wait ran out
+            waiter.set_result(shared)
 
 
 class _RecentKeys:
