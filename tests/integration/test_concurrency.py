@@ -9,7 +9,14 @@ import grpc
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
-from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
+from tests.support.ledger import (
+    RunningLedger,
+    fresh,
+    ledger_rows,
+    metadata,
+    owner_and_herd,
+    running_ledger,
+)
 from tests.support.waiting import until
 from tests.support.wire import call_raw
 
@@ -37,17 +44,13 @@ async def test_100_concurrent_duplicates_execute_once(ledger: RunningLedger, sto
 async def test_duplicates_waiting_within_their_deadline_get_the_outcome(
     ledger: RunningLedger, store: Store
 ) -> None:
-    key, account = fresh(), fresh("acct")
+    account = fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
-    owner = asyncio.ensure_future(ledger.call(POST, request, key))
-    await ledger.service.started.wait()
-    waiters = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(5)]
-    await until("5 calls waiting", lambda: ledger.interceptor.waiting_calls == 5)
-    ledger.service.release.set()
-    first = await owner
-    rest = await asyncio.gather(*waiters)
+    first, rest, _ = await owner_and_herd(ledger, request, fresh(), 5)
     assert first.code is grpc.StatusCode.OK and not first.replayed
-    assert all(a.code is grpc.StatusCode.OK and a.replayed and a.body == first.body for a in rest)
+    assert all(
+        a.code is grpc.StatusCode.OK and a.replayed and a.body == first.body for a, _ in rest
+    )
     assert await ledger_rows(store, account) == 1
 
 

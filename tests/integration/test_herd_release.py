@@ -8,40 +8,20 @@ its batch takes the outcome that is already there.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable
-
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import HerdRelease, Store
-from tests.support.ledger import fresh, ledger_rows, running_ledger
-from tests.support.waiting import until
-from tests.support.wire import Answer
-
-POST = "/testsvc.v1.LedgerService/Post"
-
-
-async def _when(call: Awaitable[Answer]) -> tuple[Answer, float]:
-    answer = await call
-    return answer, time.monotonic()
+from tests.support.ledger import fresh, ledger_rows, owner_and_herd, running_ledger
 
 
 async def test_waiting_duplicates_are_answered_a_batch_per_interval(store: Store) -> None:
-    key, account = fresh(), fresh("acct")
+    account = fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
     release = HerdRelease(per_batch=3, interval_s=0.3)
     async with running_ledger(store, herd_release=release) as ledger:
-        owner = asyncio.ensure_future(ledger.call(POST, request, key))
-        await ledger.service.started.wait()
-        herd = [asyncio.ensure_future(_when(ledger.call(POST, request, key))) for _ in range(9)]
-        await until("9 calls waiting", lambda: ledger.interceptor.waiting_calls == 9)
-        outcome_before = time.monotonic()  # the owner commits after this
-        ledger.service.release.set()
-        first = await owner
-        answered = await asyncio.gather(*herd)
+        first, answered, let_go = await owner_and_herd(ledger, request, fresh(), 9)
     assert first.code is grpc.StatusCode.OK and not first.replayed
     for answer, _ in answered:
         assert answer.code is grpc.StatusCode.OK and answer.replayed and answer.body == first.body
@@ -49,7 +29,7 @@ async def test_waiting_duplicates_are_answered_a_batch_per_interval(store: Store
     assert await ledger_rows(store, account) == 1
     # Lower bounds only (a batch cannot leave before its release): batch 2 no earlier than one
     # interval after the outcome, batch 3 no earlier than two.
-    times = sorted(t - outcome_before for _, t in answered)
+    times = sorted(t - let_go for _, t in answered)
     assert times[3] >= 0.3 and times[6] >= 0.6, times
 
 
@@ -58,36 +38,22 @@ async def test_a_duplicate_whose_wait_runs_out_while_queued_takes_the_outcome(
 ) -> None:
     """One duplicate a minute: all but the first would be released long after their deadline.
     They are answered with the owner's outcome when their wait runs out, not refused."""
-    key, account = fresh(), fresh("acct")
-    request = testsvc_pb2.PostRequest(account=account, amount=4, behaviour="wait")
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=4, behaviour="wait")
     release = HerdRelease(per_batch=1, interval_s=60)
     async with running_ledger(store, herd_release=release) as ledger:
-        owner = asyncio.ensure_future(ledger.call(POST, request, key))
-        await ledger.service.started.wait()
-        herd = [asyncio.ensure_future(ledger.call(POST, request, key, timeout=3)) for _ in range(4)]
-        await until("4 calls waiting", lambda: ledger.interceptor.waiting_calls == 4)
-        ledger.service.release.set()
-        first = await owner
-        answers = await asyncio.gather(*herd)
+        first, answered, _ = await owner_and_herd(ledger, request, fresh(), 4, timeout=3)
     assert first.code is grpc.StatusCode.OK
-    for answer in answers:
+    for answer, _ in answered:
         assert answer.code is grpc.StatusCode.OK, (answer.code, answer.details)
         assert answer.replayed and answer.body == first.body
     assert ledger.service.executions == 1
 
 
 async def test_without_pacing_every_duplicate_is_answered_with_the_outcome(store: Store) -> None:
-    key, account = fresh(), fresh("acct")
-    request = testsvc_pb2.PostRequest(account=account, amount=5, behaviour="wait")
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
     async with running_ledger(store, herd_release=None) as ledger:
-        owner = asyncio.ensure_future(ledger.call(POST, request, key))
-        await ledger.service.started.wait()
-        herd = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(20)]
-        await until("20 calls waiting", lambda: ledger.interceptor.waiting_calls == 20)
-        ledger.service.release.set()
-        first = await owner
-        answers = await asyncio.gather(*herd)
-    assert all(a.code is grpc.StatusCode.OK and a.body == first.body for a in answers)
+        first, answered, _ = await owner_and_herd(ledger, request, fresh(), 20)
+    assert all(a.code is grpc.StatusCode.OK and a.body == first.body for a, _ in answered)
     assert ledger.service.executions == 1
 
 

@@ -48,21 +48,19 @@ class Shard:
         async with self.store.pool.acquire() as conn:
             return await conn.fetchval(sql, *args)
 
-    async def rows(self, account: str) -> list[tuple[str, int]]:
+    async def fetch(self, sql: str, *args: object) -> list[tuple[object, ...]]:
         async with self.store.pool.acquire() as conn:
-            found = await conn.fetch(
-                "SELECT tenant, amount FROM test_ledger.ledger WHERE account = $1 ORDER BY id",
-                account,
-            )
-        return [(r["tenant"], r["amount"]) for r in found]
+            return [tuple(row) for row in await conn.fetch(sql, *args)]
 
-    async def records(self, key: str) -> list[tuple[str, str]]:
-        async with self.store.pool.acquire() as conn:
-            found = await conn.fetch(
-                "SELECT scope, state FROM grpc_idempotency.records WHERE key = $1 ORDER BY scope",
-                key,
-            )
-        return [(r["scope"], r["state"]) for r in found]
+    async def rows(self, account: str) -> list[tuple[object, ...]]:
+        """(tenant, amount) of the ledger rows of ``account`` on this shard."""
+        sql = "SELECT tenant, amount FROM test_ledger.ledger WHERE account = $1 ORDER BY id"
+        return await self.fetch(sql, account)
+
+    async def records(self, key: str) -> list[tuple[object, ...]]:
+        """(scope, state) of the records of ``key`` on this shard."""
+        sql = "SELECT scope, state FROM grpc_idempotency.records WHERE key = $1 ORDER BY scope"
+        return await self.fetch(sql, key)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,10 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
+
+POST = "/testsvc.v1.LedgerService/Post"
 
 LEDGER_SQL = """
 CREATE SCHEMA IF NOT EXISTS test_ledger;
@@ -290,6 +293,30 @@ async def running_ledger(
     finally:
         await channel.close()
         await server.stop(None)
+
+
+async def owner_and_herd(
+    ledger: RunningLedger, request: Any, key: str, size: int, *, timeout: float | None = 10.0
+) -> tuple[Answer, list[tuple[Answer, float]], float]:
+    """An owner call whose handler waits (``request.behaviour`` must be "wait") and ``size``
+    duplicates waiting on it; then lets the owner finish. Returns the owner's answer, each
+    duplicate's answer with the monotonic time it arrived, and the time the owner was let go
+    (its outcome is committed after that)."""
+
+    async def answered(call: Any) -> tuple[Answer, float]:
+        answer = await call
+        return answer, time.monotonic()
+
+    owner = asyncio.ensure_future(ledger.call(POST, request, key))
+    await ledger.service.started.wait()
+    herd = [
+        asyncio.ensure_future(answered(ledger.call(POST, request, key, timeout=timeout)))
+        for _ in range(size)
+    ]
+    await until(f"{size} calls waiting", lambda: ledger.interceptor.waiting_calls == size)
+    let_go = time.monotonic()
+    ledger.service.release.set()
+    return await owner, list(await asyncio.gather(*herd)), let_go
 
 
 def metadata(
