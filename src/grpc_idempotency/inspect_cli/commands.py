@@ -1,0 +1,88 @@
+"""The ``inspect`` and ``list`` commands as ``cli.py`` runs them: each does its look-ups, prints,
+and returns its exit status (described in the package's docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from grpc_idempotency.core import inspection
+from grpc_idempotency.core.errors import StoreMisconfigured
+from grpc_idempotency.core.inspection import RecordState
+from grpc_idempotency.core.policy import normalize_method
+from grpc_idempotency.inspect_cli.config import ConfigError, config_of
+from grpc_idempotency.inspect_cli.descriptors import Descriptors
+from grpc_idempotency.inspect_cli.json_output import inspect_json, record_json
+from grpc_idempotency.inspect_cli.lookup import _inspect, _StoreFailed
+from grpc_idempotency.inspect_cli.text_output import _outcome, _ts, render_tree
+from grpc_idempotency.store.inspection_store import InspectionStore
+from grpc_idempotency.store.postgres import Store
+
+FOUND = 0
+UNREACHABLE = 1
+UNUSABLE = 2
+NOT_FOUND = 3
+DUPLICATED = 4
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """``grpc-idempotency inspect``: prints the tree (or JSON); returns the exit status."""
+    try:
+        config = config_of(args)
+        descriptors = Descriptors(config.proto_modules, config.descriptor_sets)
+    except ConfigError as err:
+        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        return UNUSABLE
+    if args.depth < 0:
+        print("grpc-idempotency: --depth must not be negative", file=sys.stderr)
+        return UNUSABLE
+    try:
+        roots = asyncio.run(_inspect(config, descriptors, args.scope, args.key, args.depth))
+    except ConfigError as err:
+        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        return UNUSABLE
+    except _StoreFailed as failed:
+        from grpc_idempotency.cli import _report_store_error
+
+        _report_store_error(failed.error, failed.store.dsn)
+        print(f"  store: {failed.store.name} (schema {failed.store.schema})", file=sys.stderr)
+        return UNUSABLE if isinstance(failed.error, StoreMisconfigured) else UNREACHABLE
+    totals = [inspection.totals(f.node) for f in roots]
+    if args.json:
+        print(json.dumps(inspect_json(args.scope, args.key, config, roots), indent=2))
+    else:
+        print("\n".join(render_tree(args.scope, args.key, config, roots, descriptors)))
+    if not roots:
+        return NOT_FOUND
+    if any(t.duplicates for t in totals):
+        return DUPLICATED
+    return FOUND
+
+
+async def run_list(args: argparse.Namespace, store: Store) -> int:
+    """``grpc-idempotency list``: the scope's records; returns the exit status."""
+    if args.limit < 1:
+        print("grpc-idempotency: --limit must be at least 1", file=sys.stderr)
+        return UNUSABLE
+    state = RecordState(args.state) if args.state else None
+    method = normalize_method(args.method) if args.method else None
+    records = await InspectionStore(store).scope_records(
+        args.scope, state=state, method=method, limit=args.limit
+    )
+    if args.json:
+        for r in records:
+            print(json.dumps(record_json(r)))
+    elif records:
+        print(f"{'state':<12} {'claims':>6}  {'started':<24}  {'method':<40}  key")
+        for r in records:
+            print(
+                f"{_outcome(r):<12} {r.fencing_token:>6}  {_ts(r.created_at):<24}"
+                f"  {r.method:<40}  {r.key}{'  (expired)' if r.expired else ''}"
+            )
+        more = " (--limit reached)" if len(records) == args.limit else ""
+        print(f"{len(records)} record(s){more}; details: grpc-idempotency inspect --scope ...")
+    else:
+        print(f"no records under {args.scope}" + (f" in state {args.state}" if state else ""))
+    return FOUND if records else NOT_FOUND

@@ -1,0 +1,92 @@
+"""The descriptors that decode stored messages and declare the methods' steps, from imported
+generated ``_pb2`` modules and from descriptor sets."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+from google.protobuf import descriptor_pool, message_factory
+from google.protobuf.descriptor import MethodDescriptor
+
+from grpc_idempotency.core import inspection
+from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.policy import Step, compile_policy, normalize_method
+from grpc_idempotency.inspect_cli.config import ConfigError
+
+
+class Descriptors:
+    """Methods and message types from imported ``_pb2`` modules (the default pool) and from
+    descriptor sets (a pool each, never the default one, which would refuse files it already
+    holds)."""
+
+    def __init__(self, modules: Sequence[str], descriptor_sets: Sequence[str]) -> None:
+        from grpc_idempotency.protoc_gen.step_check import (
+            InputError,
+            build_pool,
+            contract_of,
+            read_descriptor_set,
+        )
+
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # a broken module raises anything while it runs
+                raise ConfigError(
+                    f"--proto-module {name}: cannot import: {type(err).__name__}: {err}"
+                    " (is its directory on PYTHONPATH, or in the config's python_path?)"
+                ) from err
+        self.given = bool(modules or descriptor_sets)
+        self._pools = [descriptor_pool.Default()]
+        self._steps: dict[str, tuple[Step, ...]] = {}
+        for path in descriptor_sets:
+            label = f"--descriptor-set {path}"
+            try:
+                fds = read_descriptor_set(path, label=label)
+                self._pools.append(build_pool(fds, label=label))
+                for method, declared in contract_of(fds, label=label).items():
+                    self._steps.setdefault(method, declared.steps)
+            except InputError as err:
+                raise ConfigError(str(err)) from err
+
+    def method(self, path: str) -> MethodDescriptor | None:
+        service_name, _, method_name = normalize_method(path).lstrip("/").partition("/")
+        for pool in self._pools:
+            try:
+                service = pool.FindServiceByName(service_name)
+            except KeyError:
+                continue
+            found = service.methods_by_name.get(method_name)
+            if found is not None:
+                return found
+        return None
+
+    def steps_of(self, path: str) -> tuple[Step, ...] | None:
+        """The method's declared steps; ``None`` when its descriptors are unknown."""
+        path = normalize_method(path)
+        if path in self._steps:
+            return self._steps[path]
+        method = self.method(path)
+        if method is None:
+            return None
+        try:
+            policy = compile_policy(method)
+        except PolicyError:
+            return None
+        return policy.steps if policy is not None else ()
+
+    def output_type(self, path: str) -> str | None:
+        method = self.method(path)
+        return None if method is None else method.output_type.full_name
+
+    def message_class(self, type_name: str | None) -> inspection.MessageClass | None:
+        if type_name is None:
+            return None
+        for pool in self._pools:
+            try:
+                descriptor = pool.FindMessageTypeByName(type_name)
+            except KeyError:
+                continue
+            cls: inspection.MessageClass = message_factory.GetMessageClass(descriptor)
+            return cls
+        return None

@@ -1,0 +1,148 @@
+"""The look-ups of ``inspect``: opens the configured stores (one pool per DSN) and follows an
+operation's steps through them, child key by child key, down to ``--depth``; a store that fails
+is named (``_StoreFailed``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from grpc_idempotency.core import inspection
+from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.core.inspection import (
+    ChildKind,
+    Found,
+    Node,
+    OutboxEntry,
+    Payload,
+    Record,
+    StepNode,
+)
+from grpc_idempotency.inspect_cli.config import Config, ConfigError, StoreConfig
+from grpc_idempotency.inspect_cli.descriptors import Descriptors
+from grpc_idempotency.store.inspection_store import InspectionStore
+from grpc_idempotency.store.postgres import Store
+
+_T = TypeVar("_T")
+
+
+class _StoreFailed(Exception):
+    def __init__(self, error: StoreUnavailable, store: StoreConfig) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.store = store
+
+
+@dataclass
+class _Open:
+    config: StoreConfig
+    reads: InspectionStore
+
+
+async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
+    """One pool per DSN, shared by the stores (schemas) on it; each schema checked."""
+    pools: dict[str, Store] = {}
+    opened: list[_Open] = []
+    options: dict[str, Any] = {}
+    if config.statement_cache_size is not None:
+        options["statement_cache_size"] = config.statement_cache_size
+    try:
+        for s in config.stores:
+            try:
+                owner = pools.get(s.dsn)
+                if owner is None:
+                    owner = await Store.connect(
+                        s.dsn, schema=s.schema, min_size=1, max_size=2, **options
+                    )
+                    pools[s.dsn] = owner
+                    store = owner
+                else:
+                    store = Store(owner.pool, schema=s.schema)
+                    await store.check_schema()
+            except StoreUnavailable as err:
+                raise _StoreFailed(err, s) from err
+            except ValueError as err:  # a schema name that is not an identifier
+                raise ConfigError(f"store {s.name}: {err}") from err
+            opened.append(_Open(s, InspectionStore(store)))
+    except BaseException:
+        await asyncio.gather(*(p.close() for p in pools.values()))
+        raise
+    return opened, list(pools.values())
+
+
+class _Inspector:
+    def __init__(self, stores: list[_Open], descriptors: Descriptors, depth: int) -> None:
+        self.stores = stores
+        self.descriptors = descriptors
+        self.depth = depth
+
+    async def _in(self, s: _Open, read: Awaitable[_T]) -> _T:
+        """Awaits a read of store ``s``, naming the store if it fails."""
+        try:
+            return await read
+        except StoreUnavailable as err:
+            raise _StoreFailed(err, s.config) from err
+
+    async def roots(self, scope: str, key: str) -> list[Found]:
+        found = []
+        for s in self.stores:
+            record = await self._in(s, s.reads.record(scope, key))
+            if record is not None:
+                found.append(Found(service=s.config.name, node=await self.expand(s, record, 0)))
+        return found
+
+    async def expand(self, home: _Open, record: Record, depth: int) -> Node:
+        d = self.descriptors
+        steps = d.steps_of(record.method)
+        output = d.output_type(record.method)
+        node = inspection.node(
+            record,
+            output_type=output,
+            output_class=d.message_class(output),
+            steps_known=steps is not None,
+        )
+        kids = inspection.children(record, steps or ())
+        outbox_keys = [c.key for c in kids if c.kind is ChildKind.OUTBOX]
+        rows = await self._in(home, home.reads.outbox(record.scope, record.key, outbox_keys))
+        by_step, other = inspection.split_outbox(rows, kids)
+        node.other_outbox.extend(other)
+        node.other_payloads.extend(self._payload(row) for row in other)
+        calls = [c for c in kids if c.kind is ChildKind.CALL]
+        found: dict[str, list[Found]] = {c.key: [] for c in calls}
+        if calls and depth < self.depth:
+            for s in self.stores:
+                scope = s.config.scope or record.scope
+                records = await self._in(s, s.reads.records(scope, [c.key for c in calls]))
+                for child in records:
+                    found[child.key].append(
+                        Found(
+                            service=s.config.name,
+                            node=await self.expand(s, child, depth + 1),
+                        )
+                    )
+        looked_in = [s.config.name for s in self.stores] if depth < self.depth else []
+        for c in kids:
+            if c.kind is ChildKind.CALL:
+                node.steps.append(StepNode(child=c, records=found[c.key], looked_in=looked_in))
+            else:
+                entries = by_step.get(c.step, [])
+                node.steps.append(
+                    StepNode(child=c, outbox=entries, payloads=[self._payload(e) for e in entries])
+                )
+        return node
+
+    def _payload(self, row: OutboxEntry) -> Payload:
+        cls = self.descriptors.message_class(row.payload_type)
+        return inspection.decode(row.payload, row.payload_type, cls)
+
+
+async def _inspect(
+    config: Config, descriptors: Descriptors, scope: str, key: str, depth: int
+) -> list[Found]:
+    stores, owners = await _open_stores(config)
+    try:
+        return await _Inspector(stores, descriptors, depth).roots(scope, key)
+    finally:
+        await asyncio.gather(*(o.close() for o in owners))

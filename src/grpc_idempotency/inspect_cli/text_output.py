@@ -1,0 +1,186 @@
+"""``inspect``'s text output: the operation as a tree of records, steps and outbox rows, then a
+summary; ``list``'s table uses its outcome and time formats (``_outcome``, ``_ts``)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+from grpc_idempotency.core import inspection
+from grpc_idempotency.core.inspection import (
+    Child,
+    ChildKind,
+    Found,
+    Node,
+    OutboxEntry,
+    Payload,
+    Record,
+    RecordState,
+)
+from grpc_idempotency.inspect_cli.config import Config
+from grpc_idempotency.inspect_cli.descriptors import Descriptors
+
+
+def _ts(t: datetime | None) -> str:
+    return "-" if t is None else t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def _seconds(s: float) -> str:
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def _outcome(record: Record) -> str:
+    state = record.record_state
+    if state is RecordState.IN_PROGRESS:
+        return "in_progress"
+    if state is RecordState.COMPLETED:
+        return "completed OK"
+    err = inspection.recorded_error(record)
+    return f"error {err.code if err else record.status_code}"
+
+
+def _record_lines(service: str, n: Node) -> list[str]:
+    r = n.record
+    head = f"{r.method}  {_outcome(r)}  [{service}]"
+    lines = [head]
+    takeovers = r.fencing_token - 1
+    claims = f"claims: {r.fencing_token} (fencing token {r.fencing_token}"
+    claims += f": the first and {takeovers} takeover(s))" if takeovers else ": the first)"
+    lines.append(claims)
+    times = f"started {_ts(r.created_at)}"
+    if r.completed_at is not None:
+        took = (r.completed_at - r.created_at).total_seconds()
+        times += f", completed {_ts(r.completed_at)} ({_seconds(took)})"
+    verb = "expired" if r.expired else "replayed until"
+    times += f", {verb} {_ts(r.expires_at)}" if r.state == "completed" else ""
+    lines.append(times)
+    if r.record_state is RecordState.IN_PROGRESS:
+        left = r.lease_remaining_s or 0.0
+        lines.append(
+            f"lease: until {_ts(r.locked_until)}, "
+            + (f"{_seconds(left)} left" if left > 0 else "run out: a retry takes it over")
+        )
+    if n.response is not None:
+        lines += _payload_lines("response", n.response)
+    if n.error is not None:
+        lines.append(f"recorded error: {n.error.code}: {n.error.message}")
+        lines += [f"  detail {json.dumps(d, sort_keys=True)}" for d in n.error.details]
+    return lines
+
+
+def _payload_lines(label: str, p: Payload) -> list[str]:
+    if p.decoded and p.fields is not None:
+        lines = [f"{label} {p.type_name} ({p.size} bytes)"]
+        lines += [f"  {name}: {json.dumps(value)}" for name, value in p.fields.items()]
+        return lines
+    what = p.type_name or "of unknown type"
+    return [
+        f"{label} {what} ({p.size} bytes, not decoded: {p.problem})",
+        f"  hex {p.hex_prefix}{'...' if p.size > inspection.PREFIX_BYTES else ''}",
+        f"  base64 {p.base64_prefix}{'...' if p.size > inspection.PREFIX_BYTES else ''}",
+    ]
+
+
+def _outbox_lines(row: OutboxEntry, payload: Payload) -> list[str]:
+    line = f"outbox row {row.id}: {row.state}, {row.attempts} delivery attempt(s)"
+    if row.sent_at is not None:
+        line += f", sent {_ts(row.sent_at)}"
+    elif row.state == "pending":
+        line += f", next {_ts(row.next_attempt_at)}"
+    lines = [line]
+    if row.last_error:
+        lines.append(f"last error: {row.last_error}")
+    return lines + _payload_lines("payload", payload)
+
+
+def _child_head(c: Child) -> str:
+    target = f" -> {c.call}" if c.call else " (outbox)"
+    notes = []
+    if c.retired_at is not None:
+        notes.append(f"retired {_ts(c.retired_at)}")
+    if not c.in_effect:
+        notes.append("not in effect for this operation")
+    extra = f" [{'; '.join(notes)}]" if notes else ""
+    return f"step {c.step}{target}{extra}"
+
+
+def _tree(lines: list[str], head: list[str], items: list[list[str]], prefix: str) -> None:
+    """Appends ``head`` (the node's own lines) then ``items`` (each a subtree's lines) with
+    box-drawing branches under ``prefix``."""
+    for line in head:
+        lines.append(f"{prefix}{line}")
+    for i, item in enumerate(items):
+        last = i == len(items) - 1
+        for j, line in enumerate(item):
+            if j == 0:
+                lines.append(f"{prefix}{'└─ ' if last else '├─ '}{line}")
+            else:
+                lines.append(f"{prefix}{'   ' if last else '│  '}{line}")
+
+
+def _node_lines(service: str, n: Node) -> list[str]:
+    own = _record_lines(service, n)
+    items: list[list[str]] = []
+    for s in n.steps:
+        sub: list[str] = []
+        heads = [_child_head(s.child), f"key {s.child.key}"]
+        parts: list[list[str]] = []
+        if s.child.kind is ChildKind.CALL:
+            for f in s.records:
+                sub_lines = _node_lines(f.service, f.node)
+                if f in s.mismatched:
+                    note = f"not the step's method ({s.child.call}): the key was reused?"
+                    sub_lines.insert(1, note)
+                parts.append(sub_lines)
+            if not s.records:
+                where = ", ".join(s.looked_in) if s.looked_in else "(below --depth)"
+                parts.append([f"no record in {where}"])
+        else:
+            parts += [_outbox_lines(r, p) for r, p in zip(s.outbox, s.payloads, strict=True)]
+            if not s.outbox:
+                parts.append(["no outbox row"])
+        _tree(sub, heads, parts, "")
+        items.append(sub)
+    for row, payload in zip(n.other_outbox, n.other_payloads, strict=True):
+        items.append([f"undeclared step {row.step} (outbox)", *_outbox_lines(row, payload)])
+    if not n.steps_known:
+        items.append(
+            [
+                f"steps unknown: no descriptors for {n.record.method}"
+                " (--proto-module, --descriptor-set)"
+            ]
+        )
+    lines: list[str] = []
+    _tree(lines, own, items, "")
+    return lines
+
+
+def render_tree(
+    scope: str, key: str, config: Config, roots: list[Found], descriptors: Descriptors
+) -> list[str]:
+    """The inspection as text: one tree per store holding the operation, then a summary."""
+    names = ", ".join(s.name for s in config.stores)
+    if not roots:
+        return [f"{scope} {key}: no record in {names}"]
+    lines = [f"{scope} {key}"]
+    for found in roots:
+        lines += _node_lines(found.service, found.node)
+        t = inspection.totals(found.node)
+        effects = ", ".join(f"{step} x{n}" for step, n in t.effects_by_step.items()) or "none"
+        lines.append(f"effects: {effects}")
+        if t.duplicates:
+            lines.append(f"DUPLICATED: {', '.join(t.duplicates)} reached more than one record")
+        if t.missing:
+            lines.append(
+                f"nothing under: {', '.join(t.missing)} (steps the handler did not take, or"
+                " whose store is not configured)"
+            )
+    if not descriptors.given:
+        lines.append("(no --proto-module or --descriptor-set: responses shown as bytes)")
+    return lines
