@@ -1,5 +1,5 @@
 """What ``grpc-idempotency inspect`` decides: one operation as a tree. Pure: records in, a tree
-out; the store reads (``store/inspection_store.py``) and the rendering (``inspect_cli.py``)
+out; the store reads (``store/inspection_store.py``) and the rendering (the ``inspect_cli`` package)
 happen elsewhere.
 
 Theory of operation. An operation is the record under (scope, key) in the store of the service

@@ -1,9 +1,10 @@
 """``grpc-idempotency inspect`` and ``list``: one operation as a tree, and a scope's records.
 
-``cli.py`` wires these commands in; this module parses their options and configuration file,
-loads the descriptors that decode stored messages, drives the look-ups
-(``store/inspection_store.py``), and renders what ``core/inspection.py`` decides, as a tree or
-as JSON.
+``cli.py`` wires these commands in. This package parses their options (``parsers``) and
+configuration file (``config``), loads the descriptors that decode stored messages
+(``descriptors``), drives the look-ups (``lookup``, over ``store/inspection_store.py``), and
+renders what ``core/inspection.py`` decides, as a tree (``text_output``) or as JSON
+(``json_output``); ``commands`` runs the two commands.
 
 Exit status of ``inspect``: 0 the operation was found; 3 no configured store holds it; 4 found,
 but a step's child key reached more than one record or outbox row (never expected: a store
