@@ -16,6 +16,7 @@ import logging
 
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.store.postgres import Store
+from grpc_idempotency.store.shards import ShardedStores
 
 log = logging.getLogger("grpc_idempotency.retention")
 
@@ -24,12 +25,14 @@ class Purger:
     """A background task purging expired records every ``interval`` seconds, in batches of
     ``batch_size``, ``pause`` seconds apart (``Store.purge``).
 
-    ``async with Purger(store):`` or ``start()`` / ``await stop()``.
+    ``async with Purger(store):`` or ``start()`` / ``await stop()``. Given ``ShardedStores``, it
+    purges every shard in turn each interval; a shard that cannot be reached is skipped (and
+    logged) without holding up the others.
     """
 
     def __init__(
         self,
-        store: Store,
+        store: Store | ShardedStores,
         *,
         interval: float = 60.0,
         batch_size: int = 1000,
@@ -65,9 +68,11 @@ class Purger:
         await self.stop()
 
     async def _run(self) -> None:
+        stores = list(self.store) if isinstance(self.store, ShardedStores) else [self.store]
         while True:
-            try:
-                self.purged += await self.store.purge(batch_size=self.batch_size, pause=self.pause)
-            except StoreUnavailable as err:
-                log.warning("purge skipped: %s", err)
+            for store in stores:
+                try:
+                    self.purged += await store.purge(batch_size=self.batch_size, pause=self.pause)
+                except StoreUnavailable as err:
+                    log.warning("purge skipped: %s", err)
             await asyncio.sleep(self.interval)

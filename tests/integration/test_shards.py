@@ -20,9 +20,10 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import ScopeUnavailable, ShardedStores, Store
+from grpc_idempotency import Purger, ScopeUnavailable, ShardedStores, Store
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, prepare, running_ledger
+from tests.support.waiting import until
 
 POST = "/testsvc.v1.LedgerService/Post"
 OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
@@ -247,6 +248,43 @@ async def test_a_shard_that_is_down_takes_only_its_own_tenants_down(
         await proxy.close()
     assert await shards["one"].rows(account_a) == [("tenant:a", 1)]
     assert await shards["two"].rows(account_b) == []
+
+
+async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_none(
+    shards: dict[str, Shard],
+) -> None:
+    proxy = BlackholeProxy(shards["two"].dsn)
+    await proxy.start()
+    down = await Store.connect(proxy.dsn, min_size=1, max_size=1, command_timeout=1)
+    scope = f"purge-{uuid.uuid4().hex[:8]}"
+    expired = (
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
+        " clock_timestamp() - interval '1 s')"
+    )
+    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
+    try:
+        for shard in shards.values():
+            await shard.fetch(expired, scope, "old")
+        # Both shards purged by one Purger.
+        both = ShardedStores({n: s.store for n, s in shards.items()}, PLACEMENT.__getitem__)
+        async with Purger(both, interval=0.02):
+            for shard in shards.values():
+                await until(f"{shard.name} purged", lambda s=shard: _none(s, count, scope))
+        # Shard "two" partitioned: "one" is still purged, every interval.
+        await shards["one"].fetch(expired, scope, "again")
+        proxy.blackhole()
+        partly = ShardedStores({"two": down, "one": shards["one"].store}, PLACEMENT.__getitem__)
+        async with Purger(partly, interval=0.02):
+            await until("one purged again", lambda: _none(shards["one"], count, scope))
+    finally:
+        with contextlib.suppress(Exception):
+            await down.close(timeout=1)
+        await proxy.close()
+
+
+async def _none(shard: Shard, count: str, scope: str) -> bool:
+    return await shard.fetchval(count, scope) == 0
 
 
 def test_sharded_stores_need_a_shard() -> None:

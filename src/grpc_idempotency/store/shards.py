@@ -35,8 +35,8 @@ class ShardedStores:
     exception, or a name that is not a shard, refuses the call with INTERNAL
     (``StoreMisconfigured``) before the handler runs, and is logged.
 
-    Each shard keeps its own retention, outbox and migrations: run ``Purger``, ``Relay`` and
-    ``grpc-idempotency migrate`` for every store in ``shards``.
+    Each shard keeps its own retention, outbox and migrations: ``Purger(sharded)`` purges every
+    shard; run a ``Relay`` and ``grpc-idempotency migrate`` for every store in ``shards``.
     """
 
     def __init__(self, shards: Mapping[str, Store], shard_of: ShardOf) -> None:
