@@ -26,8 +26,8 @@ class Purger:
     ``batch_size``, ``pause`` seconds apart (``Store.purge``).
 
     ``async with Purger(store):`` or ``start()`` / ``await stop()``. Given ``ShardedStores``, it
-    purges every shard in turn each interval; a shard that cannot be reached is skipped (and
-    logged) without holding up the others.
+    purges every shard, each on a schedule of its own: a shard that cannot be reached (each of
+    its statements waits out its timeout) or has a long backlog holds up no other.
     """
 
     def __init__(
@@ -68,11 +68,17 @@ class Purger:
         await self.stop()
 
     async def _run(self) -> None:
-        stores = list(self.store) if isinstance(self.store, ShardedStores) else [self.store]
+        if not isinstance(self.store, ShardedStores):
+            await self._purge_every_interval(self.store, "")
+            return
+        async with asyncio.TaskGroup() as shards:
+            for name, store in self.store.shards.items():
+                shards.create_task(self._purge_every_interval(store, f" on shard {name!r}"))
+
+    async def _purge_every_interval(self, store: Store, where: str) -> None:
         while True:
-            for store in stores:
-                try:
-                    self.purged += await store.purge(batch_size=self.batch_size, pause=self.pause)
-                except StoreUnavailable as err:
-                    log.warning("purge skipped: %s", err)
+            try:
+                self.purged += await store.purge(batch_size=self.batch_size, pause=self.pause)
+            except StoreUnavailable as err:
+                log.warning("purge skipped%s: %s", where, err)
             await asyncio.sleep(self.interval)

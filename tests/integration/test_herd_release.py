@@ -19,7 +19,9 @@ from tests.support.ledger import fresh, ledger_rows, owner_and_herd, running_led
 async def test_waiting_duplicates_are_answered_a_batch_per_interval(store: Store) -> None:
     account = fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=3, behaviour="wait")
-    release = HerdRelease(per_batch=3, interval_s=0.3)
+    # Two intervals stay within Post's 2 s max_wait: no duplicate falls back to taking the
+    # outcome when its wait runs out (the next test) before its batch is released.
+    release = HerdRelease(per_batch=3, interval_s=0.6)
     async with running_ledger(store, herd_release=release) as ledger:
         first, answered, let_go = await owner_and_herd(ledger, request, fresh(), 9)
     assert first.code is grpc.StatusCode.OK and not first.replayed
@@ -27,17 +29,19 @@ async def test_waiting_duplicates_are_answered_a_batch_per_interval(store: Store
         assert answer.code is grpc.StatusCode.OK and answer.replayed and answer.body == first.body
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
-    # Lower bounds only (a batch cannot leave before its release): batch 2 no earlier than one
-    # interval after the outcome, batch 3 no earlier than two.
+    # A batch cannot leave before its release: batch 2 no earlier than one interval after the
+    # outcome, batch 3 no earlier than two. And batch 1 does not wait for an interval.
     times = sorted(t - let_go for _, t in answered)
-    assert times[3] >= 0.3 and times[6] >= 0.6, times
+    assert times[3] >= 0.6 and times[6] >= 1.2, times
+    assert times[2] < 0.6, times
 
 
 async def test_a_duplicate_whose_wait_runs_out_while_queued_takes_the_outcome(
     store: Store,
 ) -> None:
-    """One duplicate a minute: all but the first would be released long after their deadline.
-    They are answered with the owner's outcome when their wait runs out, not refused."""
+    """One duplicate a minute: all but the first would be released long after their wait (the
+    method's 2 s max_wait) runs out. They are answered with the owner's outcome then, not
+    refused."""
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=4, behaviour="wait")
     release = HerdRelease(per_batch=1, interval_s=60)
     async with running_ledger(store, herd_release=release) as ledger:
@@ -65,7 +69,15 @@ def test_herd_release_batches_cover_every_waiter_once_in_arrival_order() -> None
 
 
 @pytest.mark.parametrize(
-    "bad", [{"per_batch": 0}, {"interval_s": -1.0}, {"interval_s": float("nan")}]
+    "bad",
+    [
+        {"per_batch": 0},
+        {"per_batch": 2.5},
+        {"per_batch": True},
+        {"interval_s": -1.0},
+        {"interval_s": float("nan")},
+        {"interval_s": float("inf")},
+    ],
 )
 def test_herd_release_refuses_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="HerdRelease"):

@@ -68,3 +68,27 @@ async def test_a_partitioned_owner_loses_its_atomic_claim_after_the_lease(
         await partitioned.close(timeout=1)
         await proxy.close()
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_look_up_that_times_out_is_not_tried_again(pg_dsn: str) -> None:
+    """A look-up retries a connection that died (a database restart), but not one that stopped
+    answering: that would wait out the statement timeout again, and then a connect."""
+    from grpc_idempotency import StoreUnavailable
+
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    store = await Store.connect(proxy.dsn, min_size=1, max_size=1, command_timeout=1)
+    try:
+        proxy.blackhole()
+        began = asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(store.lookup("s", fresh()), timeout=10)
+        except StoreUnavailable:
+            pass
+        else:
+            raise AssertionError("a partitioned look-up returned")
+        # One statement timeout (1 s), not three, nor a connect through the partition.
+        assert asyncio.get_running_loop().time() - began < 2.5
+    finally:
+        await store.close(timeout=1)
+        await proxy.close()

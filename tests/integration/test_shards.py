@@ -158,6 +158,7 @@ async def test_concurrent_duplicates_on_a_shard_run_the_handler_once(
     [
         ("lost", PLACEMENT.__getitem__),  # placed on a shard the server does not have
         ("nobody", PLACEMENT.__getitem__),  # shard_of raises KeyError
+        ("a", lambda scope: ["one"]),  # not a shard name at all (unhashable)
     ],
 )
 async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
@@ -170,8 +171,11 @@ async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
             answer = await server.call(method, request, key, tenant=tenant)
             assert answer.code is grpc.StatusCode.INTERNAL
             assert answer.reason() == "IDEMPOTENCY_STORE_MISCONFIGURED"
-            # The scope names a tenant: the server logs it and keeps it out of the answer.
-            assert answer.details is not None and f"tenant:{tenant}" not in answer.details
+            # The scope names a tenant, and the shard layout is the server's: both stay out of
+            # the answer (the server logs them).
+            assert answer.details is not None and "could not place this call" in answer.details
+            assert f"tenant:{tenant}" not in answer.details
+            assert not any(name in answer.details for name in ("one", "two", "three"))
         assert server.service.executions == 0
     for shard in shards.values():
         assert await shard.rows(account) == []
@@ -255,7 +259,9 @@ async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_n
 ) -> None:
     proxy = BlackholeProxy(shards["two"].dsn)
     await proxy.start()
-    down = await Store.connect(proxy.dsn, min_size=1, max_size=1, command_timeout=1)
+    # The default command timeout (30 s): every purge statement on the partitioned shard waits
+    # that long, which must hold up no other shard's purge.
+    down = await Store.connect(proxy.dsn, min_size=1, max_size=1)
     scope = f"purge-{uuid.uuid4().hex[:8]}"
     expired = (
         "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
@@ -277,6 +283,8 @@ async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_n
         partly = ShardedStores({"two": down, "one": shards["one"].store}, PLACEMENT.__getitem__)
         async with Purger(partly, interval=0.02):
             await until("one purged again", lambda: _none(shards["one"], count, scope))
+            # Otherwise stopping waits for the partitioned shard's statement to time out.
+            down.pool.terminate()
     finally:
         with contextlib.suppress(Exception):
             await down.close(timeout=1)

@@ -19,6 +19,7 @@ takes the outcome that is already there instead of giving up (``interceptor._wai
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -31,10 +32,14 @@ class HerdRelease:
     interval_s: float = 0.002
 
     def __post_init__(self) -> None:
+        # Checked here, not when a herd is released: that happens in the owner's ``finally``,
+        # after its commit, where a bad value would turn a committed answer into an error.
+        if isinstance(self.per_batch, bool) or not isinstance(self.per_batch, int):
+            raise ValueError("HerdRelease.per_batch must be an int")
         if self.per_batch < 1:
             raise ValueError("HerdRelease.per_batch must be at least 1")
-        if not self.interval_s >= 0:
-            raise ValueError("HerdRelease.interval_s must not be negative")
+        if not 0 <= self.interval_s < math.inf:
+            raise ValueError("HerdRelease.interval_s must be a finite number of seconds >= 0")
 
     def batches(self, waiting: int) -> list[tuple[float, int, int]]:
         """``(delay_s, start, stop)`` for each batch of ``waiting`` duplicates in arrival order:

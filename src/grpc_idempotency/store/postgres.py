@@ -362,7 +362,9 @@ class Store:
                 row = await conn.fetchrow(self.statements.lookup, scope, key, timeout=timeout)
             except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
                 conn.terminate()
-                if attempt == attempts:
+                # A statement that timed out met a database that stopped answering (TimeoutError
+                # is an OSError): trying again would wait out the timeout again, then a connect.
+                if attempt == attempts or isinstance(exc, TimeoutError):
                     raise store_error(exc, "looking up a key") from exc
                 continue
             except asyncpg.PostgresError as exc:

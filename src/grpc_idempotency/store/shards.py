@@ -15,6 +15,7 @@ records (``WHERE scope = ...``) with its rows, in the same maintenance step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from grpc_idempotency.core.errors import IdempotencyError, StoreMisconfigured
@@ -33,7 +34,9 @@ class ShardedStores:
     ``shard_of`` runs on every call: keep it a lookup (a dict, a hash of the tenant id), not I/O.
     It may raise an ``IdempotencyError`` to refuse a call with that error's status; any other
     exception, or a name that is not a shard, refuses the call with INTERNAL
-    (``StoreMisconfigured``) before the handler runs, and is logged.
+    (``StoreMisconfigured``) before the handler runs. The caller is told only that its call could
+    not be placed (the scope and the shard layout stay on the server); the log says why, at most
+    once a minute (the scope may come from the caller, who must not be able to flood the log).
 
     Each shard keeps its own retention, outbox and migrations: ``Purger(sharded)`` purges every
     shard; run a ``Relay`` and ``grpc-idempotency migrate`` for every store in ``shards``.
@@ -44,6 +47,7 @@ class ShardedStores:
             raise ValueError("ShardedStores needs at least one shard")
         self.shards: dict[str, Store] = dict(shards)
         self._shard_of = shard_of
+        self._logged_at = -_LOG_EVERY_S
 
     def __iter__(self) -> Iterator[Store]:
         return iter(self.shards.values())
@@ -59,22 +63,36 @@ class ShardedStores:
         except IdempotencyError:
             raise
         except Exception as exc:
-            # The scope names a tenant: logged here, not sent to the caller.
-            log.exception("shard_of failed for scope %r", scope)
-            raise StoreMisconfigured(
-                f"the server could not place this call's scope on a shard"
-                f" (shard_of raised {type(exc).__name__})"
-            ) from exc
-        store = self.shards.get(name)
+            self._log("shard_of raised for scope %r", scope, exc_info=True)
+            raise _unplaced() from exc
+        store = self.shards.get(name) if isinstance(name, str) else None
         if store is None:
-            log.error("shard_of placed scope %r on %r, which is not a shard", scope, name)
-            raise StoreMisconfigured(
-                f"the server placed this call's scope on shard {name!r}, which it does not have"
-                f" (shards: {', '.join(sorted(self.shards))})"
+            self._log(
+                "shard_of placed scope %r on %r, which is not one of the shards %s",
+                scope,
+                name,
+                sorted(self.shards),
             )
+            raise _unplaced()
         return store
+
+    def _log(self, message: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_EVERY_S:
+            self._logged_at = now
+            log.error(message + " (logged at most once a minute)", *args, exc_info=exc_info)
 
     async def close(self, timeout: float = 10.0) -> None:
         """Closes every shard's pool."""
         for store in self.shards.values():
             await store.close(timeout)
+
+
+_LOG_EVERY_S = 60.0
+
+
+def _unplaced() -> StoreMisconfigured:
+    return StoreMisconfigured(
+        "the server could not place this call on a database shard (its shard configuration has"
+        " no shard for the call's scope; the server's log says more)"
+    )
