@@ -8,12 +8,16 @@ its batch takes the outcome that is already there.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import HerdRelease, Store
-from tests.support.ledger import fresh, ledger_rows, owner_and_herd, running_ledger
+from tests.support.ledger import POST, fresh, ledger_rows, owner_and_herd, running_ledger
+from tests.support.waiting import until
 
 
 async def test_waiting_duplicates_are_answered_a_batch_per_interval(store: Store) -> None:
@@ -51,6 +55,37 @@ async def test_a_duplicate_whose_wait_runs_out_while_queued_takes_the_outcome(
         assert answer.code is grpc.StatusCode.OK, (answer.code, answer.details)
         assert answer.replayed and answer.body == first.body
     assert ledger.service.executions == 1
+
+
+async def test_a_duplicate_whose_client_goes_while_queued_leaves_the_others_their_batches(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=6, behaviour="wait")
+    async with running_ledger(
+        store, herd_release=HerdRelease(per_batch=2, interval_s=1.0)
+    ) as ledger:
+        owner = asyncio.ensure_future(ledger.call(POST, request, key))
+        await ledger.service.started.wait()
+        herd = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(6)]
+        await until("6 calls waiting", lambda: ledger.interceptor.waiting_calls == 6)
+        ledger.service.release.set()
+        first = await owner
+        # The first batch is answered; the other four are queued for theirs. One client goes.
+        await until("a batch answered", lambda: sum(c.done() for c in herd) >= 2)
+        queued = [c for c in herd if not c.done()]
+        assert len(queued) == 4
+        queued[0].cancel()
+        answers = [await c for c in herd if c is not queued[0]]
+        await until("no call waiting", lambda: ledger.interceptor.waiting_calls == 0)
+    assert queued[0].cancelled()
+    # Its batch was released around its cancelled wait, with no error in the event loop's
+    # callback (the others would then have had to wait out their max_wait for the outcome).
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    assert all(
+        a.code is grpc.StatusCode.OK and a.replayed and a.body == first.body for a in answers
+    )
+    assert len(answers) == 5 and ledger.service.executions == 1
 
 
 async def test_without_pacing_every_duplicate_is_answered_with_the_outcome(store: Store) -> None:
