@@ -42,6 +42,7 @@ import grpc
 
 from grpc_idempotency import (
     REPLAYED_HEADER,
+    HerdRelease,
     IdempotencyInterceptor,
     MethodOverride,
     StaticScope,
@@ -211,6 +212,13 @@ async def main(args: argparse.Namespace) -> None:
     noreset_pool = await asyncpg.create_pool(args.dsn, reset=_common.no_reset)
     store = await Store.connect(args.dsn, max_size=args.store_max_size, migrate=True)
 
+    herd: dict[str, Any] = {}
+    if args.herd == "off":
+        herd["herd_release"] = None
+    elif args.herd:
+        per_batch, interval_ms = args.herd.split(",")
+        herd["herd_release"] = HerdRelease(int(per_batch), float(interval_ms) / 1000)
+
     def keyed(replay_cache: bool) -> list[Any]:
         return [
             IdempotencyInterceptor(
@@ -222,6 +230,7 @@ async def main(args: argparse.Namespace) -> None:
                 },
                 scope=StaticScope("bench"),
                 replay_cache=replay_cache,
+                **herd,
             )
         ]
 
@@ -274,4 +283,7 @@ if __name__ == "__main__":
     parser.add_argument("--slow-ms", type=float, default=300)
     parser.add_argument("--store-max-size", type=int, default=10)
     parser.add_argument("--profile-out", default=None)
+    parser.add_argument(
+        "--herd", default=None, help="PER_BATCH,INTERVAL_MS or off (default: HerdRelease())"
+    )
     asyncio.run(main(parser.parse_args()))

@@ -428,6 +428,8 @@ class Bench:
 
             server_args = ["--dsn", dsn, "--gen", str(gen), "--slow-ms", str(cfg.slow_ms)]
             server_args += ["--store-max-size", str(cfg.store_max_size)]
+            if self.args.herd:
+                server_args += ["--herd", self.args.herd]
             if self.args.profile:
                 server_args += ["--profile-out", str(gen / "server.prof")]
             self.mon = await asyncpg.connect(dsn)  # WAL positions and statistics
@@ -925,7 +927,8 @@ class Bench:
         print(
             f"\nstorm: {len(walls)} storms x {cfg.storm_dups} concurrent duplicates of one key"
             f" (handler sleeps {cfg.slow_ms:g} ms in its transaction), store pool max_size="
-            f"{cfg.store_max_size}; each storm took p50 {pct(walls, 0.5) * 1e3:.0f} ms,"
+            f"{cfg.store_max_size}, herd release {self.args.herd or 'default (8 per 2 ms)'};"
+            f" each storm took p50 {pct(walls, 0.5) * 1e3:.0f} ms,"
             f" max {max(walls) * 1e3:.0f} ms; answers: {codes}"
         )
         print(f"  {'fresh-key keyed calls, sequential':<36} {'p50 ms':>7} {'p99 ms':>7} {'n':>6}")
@@ -1073,6 +1076,11 @@ def _area(frames: list[str]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--herd",
+        default=None,
+        help="the keyed servers' HerdRelease: PER_BATCH,INTERVAL_MS (e.g. 8,2), or off",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer calls (~40 s)")
     parser.add_argument(
         "--profile",
