@@ -315,12 +315,20 @@ class Store:
     async def connection(
         self, doing: str, timeout: float | None = None
     ) -> AsyncIterator[PooledConnection]:
-        """A pooled connection; database errors inside the block become ``StoreUnavailable``."""
+        """A pooled connection; database errors inside the block become ``StoreUnavailable``.
+
+        Cancelled inside the block (a purger or relay stopping, a call's deadline), the
+        connection is dropped, not handed back: its statement may still be running, and asyncpg
+        would wait for the database to confirm the cancellation, which behind a network
+        partition takes the whole statement timeout. PostgreSQL rolls back what was open."""
         conn = await self._acquire(doing, timeout)
         try:
             yield conn
         except STORE_ERRORS as exc:
             raise store_error(exc, doing) from exc
+        except asyncio.CancelledError:
+            conn.terminate()
+            raise
         finally:
             await self._release(conn)
 
