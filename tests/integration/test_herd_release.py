@@ -88,6 +88,30 @@ async def test_a_duplicate_whose_client_goes_while_queued_leaves_the_others_thei
     assert len(answers) == 5 and ledger.service.executions == 1
 
 
+async def test_an_owner_that_ends_without_an_outcome_hands_its_paced_herd_one_re_execution(
+    store: Store,
+) -> None:
+    """The owner fails after its write (UNAVAILABLE: rolled back, the key released, nothing
+    recorded). Its duplicates are released a batch at a time to look again: the first to look
+    takes the key over and runs the handler once more; every other duplicate, in whichever
+    batch, gets that second execution's outcome."""
+    account = fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=8, behaviour="wait-flaky")
+    release = HerdRelease(per_batch=2, interval_s=0.3)
+    async with running_ledger(store, herd_release=release) as ledger:
+        first, answered, _ = await owner_and_herd(ledger, request, fresh(), 7)
+        await until("no call waiting", lambda: ledger.interceptor.waiting_calls == 0)
+    assert first.code is grpc.StatusCode.UNAVAILABLE, (first.code, first.details)
+    assert ledger.service.executions == 2
+    assert await ledger_rows(store, account) == 1  # the failed attempt's write rolled back
+    codes = [a.code for a, _ in answered]
+    assert codes == [grpc.StatusCode.OK] * 7, codes
+    # One duplicate ran the handler again; the six others were answered with its outcome.
+    executed = [a for a, _ in answered if not a.replayed]
+    assert len(executed) == 1
+    assert all(a.body == executed[0].body for a, _ in answered)
+
+
 async def test_without_pacing_every_duplicate_is_answered_with_the_outcome(store: Store) -> None:
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
     async with running_ledger(store, herd_release=None) as ledger:

@@ -3,6 +3,7 @@
 ``behaviour`` in the request steers the handler after its write: "" answers OK; a status code
 name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and returns; "raise" raises;
 "sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event);
+"wait-flaky" does the same, then the key's first attempt aborts UNAVAILABLE after its write;
 "commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
@@ -99,7 +100,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         self.executions += 1
         if behaviour.startswith("sleep:"):
             await asyncio.sleep(int(behaviour.split(":")[1]) / 1000)
-        if behaviour == "wait":
+        if behaviour in ("wait", "wait-flaky"):
             self.started.set()
             await self.release.wait()
         call = current_call()
@@ -129,6 +130,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         if behaviour == "raise":
             raise RuntimeError("handler failed after writing")
         first_attempt = self.attempts.get(key or "", 0) <= 1
+        if behaviour == "wait-flaky" and first_attempt:
+            # A transient failure after the write: rolled back, the key released, no outcome.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "flaky after waiting")
         if behaviour == "conflict" and first_attempt:
             # What PostgreSQL raises when a REPEATABLE READ/SERIALIZABLE transaction loses.
             await conn.execute(
@@ -298,7 +302,7 @@ async def running_ledger(
 async def owner_and_herd(
     ledger: RunningLedger, request: Any, key: str, size: int, *, timeout: float | None = 10.0
 ) -> tuple[Answer, list[tuple[Answer, float]], float]:
-    """An owner call whose handler waits (``request.behaviour`` must be "wait") and ``size``
+    """An owner call whose handler waits (``request.behaviour`` "wait" or "wait-flaky") and ``size``
     duplicates waiting on it; then lets the owner finish. Returns the owner's answer, each
     duplicate's answer with the monotonic time it arrived, and the time the owner was let go
     (its outcome is committed after that)."""
