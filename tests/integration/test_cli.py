@@ -22,7 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from grpc_idempotency import proto_include
-from grpc_idempotency.cli import _dsn_target, _parser, _safe_dsn
+from grpc_idempotency.cli import _parser
+from grpc_idempotency.cli_errors import dsn_target, safe_dsn
 from tests.e2e.procs import free_port
 from tests.support.tools import buf_binary, run_cli
 
@@ -187,7 +188,7 @@ def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
     ],
 )  # fmt: skip
 def test_safe_dsn_masks_every_password(dsn: str, safe: str) -> None:
-    assert _safe_dsn(dsn) == safe
+    assert safe_dsn(dsn) == safe
 
 
 @pytest.mark.parametrize(
@@ -206,7 +207,7 @@ def test_dsn_target_names_server_database_and_user(
 ) -> None:
     for name in ("PGHOST", "PGPORT", "PGUSER", "PGDATABASE"):
         monkeypatch.delenv(name, raising=False)
-    assert _dsn_target(dsn) == target
+    assert dsn_target(dsn) == target
 
 
 # -- export-protos --------------------------------------------------------------------------------

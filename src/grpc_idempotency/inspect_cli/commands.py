@@ -8,6 +8,7 @@ import asyncio
 import json
 import sys
 
+from grpc_idempotency.cli_errors import report_store_error
 from grpc_idempotency.core import inspection
 from grpc_idempotency.core.errors import StoreMisconfigured
 from grpc_idempotency.core.inspection import RecordState
@@ -15,8 +16,8 @@ from grpc_idempotency.core.policy import normalize_method
 from grpc_idempotency.inspect_cli.config import ConfigError, config_of
 from grpc_idempotency.inspect_cli.descriptors import Descriptors
 from grpc_idempotency.inspect_cli.json_output import inspect_json, record_json
-from grpc_idempotency.inspect_cli.lookup import _inspect, _StoreFailed
-from grpc_idempotency.inspect_cli.text_output import _outcome, _ts, render_tree
+from grpc_idempotency.inspect_cli.lookup import StoreFailed, inspect_key
+from grpc_idempotency.inspect_cli.text_output import outcome_label, render_tree, timestamp
 from grpc_idempotency.store.inspection_store import InspectionStore
 from grpc_idempotency.store.postgres import Store
 
@@ -39,14 +40,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         print("grpc-idempotency: --depth must not be negative", file=sys.stderr)
         return UNUSABLE
     try:
-        roots = asyncio.run(_inspect(config, descriptors, args.scope, args.key, args.depth))
+        roots = asyncio.run(inspect_key(config, descriptors, args.scope, args.key, args.depth))
     except ConfigError as err:
         print(f"grpc-idempotency: {err}", file=sys.stderr)
         return UNUSABLE
-    except _StoreFailed as failed:
-        from grpc_idempotency.cli import _report_store_error
-
-        _report_store_error(failed.error, failed.store.dsn)
+    except StoreFailed as failed:
+        report_store_error(failed.error, failed.store.dsn)
         print(f"  store: {failed.store.name} (schema {failed.store.schema})", file=sys.stderr)
         return UNUSABLE if isinstance(failed.error, StoreMisconfigured) else UNREACHABLE
     totals = [inspection.totals(f.node) for f in roots]
@@ -78,7 +77,7 @@ async def run_list(args: argparse.Namespace, store: Store) -> int:
         print(f"{'state':<12} {'claims':>6}  {'started':<24}  {'method':<40}  key")
         for r in records:
             print(
-                f"{_outcome(r):<12} {r.fencing_token:>6}  {_ts(r.created_at):<24}"
+                f"{outcome_label(r):<12} {r.fencing_token:>6}  {timestamp(r.created_at):<24}"
                 f"  {r.method:<40}  {r.key}{'  (expired)' if r.expired else ''}"
             )
         more = " (--limit reached)" if len(records) == args.limit else ""

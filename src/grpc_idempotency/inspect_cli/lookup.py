@@ -1,6 +1,6 @@
 """The look-ups of ``inspect``: opens the configured stores (one pool per DSN) and follows an
 operation's steps through them, child key by child key, down to ``--depth``; a store that fails
-is named (``_StoreFailed``)."""
+is named (``StoreFailed``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from grpc_idempotency.store.postgres import Store
 _T = TypeVar("_T")
 
 
-class _StoreFailed(Exception):
+class StoreFailed(Exception):
     def __init__(self, error: StoreUnavailable, store: StoreConfig) -> None:
         super().__init__(str(error))
         self.error = error
@@ -62,7 +62,7 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
                     store = Store(owner.pool, schema=s.schema)
                     await store.check_schema()
             except StoreUnavailable as err:
-                raise _StoreFailed(err, s) from err
+                raise StoreFailed(err, s) from err
             except ValueError as err:  # a schema name that is not an identifier
                 raise ConfigError(f"store {s.name}: {err}") from err
             opened.append(_Open(s, InspectionStore(store)))
@@ -83,7 +83,7 @@ class _Inspector:
         try:
             return await read
         except StoreUnavailable as err:
-            raise _StoreFailed(err, s.config) from err
+            raise StoreFailed(err, s.config) from err
 
     async def roots(self, scope: str, key: str) -> list[Found]:
         found = []
@@ -138,7 +138,7 @@ class _Inspector:
         return inspection.decode(row.payload, row.payload_type, cls)
 
 
-async def _inspect(
+async def inspect_key(
     config: Config, descriptors: Descriptors, scope: str, key: str, depth: int
 ) -> list[Found]:
     stores, owners = await _open_stores(config)

@@ -1,5 +1,5 @@
 """``inspect``'s text output: the operation as a tree of records, steps and outbox rows, then a
-summary; ``list``'s table uses its outcome and time formats (``_outcome``, ``_ts``)."""
+summary; ``list``'s table uses its outcome and time formats (``outcome_label``, ``timestamp``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from grpc_idempotency.inspect_cli.config import Config
 from grpc_idempotency.inspect_cli.descriptors import Descriptors
 
 
-def _ts(t: datetime | None) -> str:
+def timestamp(t: datetime | None) -> str:
     return "-" if t is None else t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
@@ -35,7 +35,7 @@ def _seconds(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def _outcome(record: Record) -> str:
+def outcome_label(record: Record) -> str:
     state = record.record_state
     if state is RecordState.IN_PROGRESS:
         return "in_progress"
@@ -47,23 +47,23 @@ def _outcome(record: Record) -> str:
 
 def _record_lines(service: str, n: Node) -> list[str]:
     r = n.record
-    head = f"{r.method}  {_outcome(r)}  [{service}]"
+    head = f"{r.method}  {outcome_label(r)}  [{service}]"
     lines = [head]
     takeovers = r.fencing_token - 1
     claims = f"claims: {r.fencing_token} (fencing token {r.fencing_token}"
     claims += f": the first and {takeovers} takeover(s))" if takeovers else ": the first)"
     lines.append(claims)
-    times = f"started {_ts(r.created_at)}"
+    times = f"started {timestamp(r.created_at)}"
     if r.completed_at is not None:
         took = (r.completed_at - r.created_at).total_seconds()
-        times += f", completed {_ts(r.completed_at)} ({_seconds(took)})"
+        times += f", completed {timestamp(r.completed_at)} ({_seconds(took)})"
     verb = "expired" if r.expired else "replayed until"
-    times += f", {verb} {_ts(r.expires_at)}" if r.state == "completed" else ""
+    times += f", {verb} {timestamp(r.expires_at)}" if r.state == "completed" else ""
     lines.append(times)
     if r.record_state is RecordState.IN_PROGRESS:
         left = r.lease_remaining_s or 0.0
         lines.append(
-            f"lease: until {_ts(r.locked_until)}, "
+            f"lease: until {timestamp(r.locked_until)}, "
             + (f"{_seconds(left)} left" if left > 0 else "run out: a retry takes it over")
         )
     if n.response is not None:
@@ -90,9 +90,9 @@ def _payload_lines(label: str, p: Payload) -> list[str]:
 def _outbox_lines(row: OutboxEntry, payload: Payload) -> list[str]:
     line = f"outbox row {row.id}: {row.state}, {row.attempts} delivery attempt(s)"
     if row.sent_at is not None:
-        line += f", sent {_ts(row.sent_at)}"
+        line += f", sent {timestamp(row.sent_at)}"
     elif row.state == "pending":
-        line += f", next {_ts(row.next_attempt_at)}"
+        line += f", next {timestamp(row.next_attempt_at)}"
     lines = [line]
     if row.last_error:
         lines.append(f"last error: {row.last_error}")
@@ -103,7 +103,7 @@ def _child_head(c: Child) -> str:
     target = f" -> {c.call}" if c.call else " (outbox)"
     notes = []
     if c.retired_at is not None:
-        notes.append(f"retired {_ts(c.retired_at)}")
+        notes.append(f"retired {timestamp(c.retired_at)}")
     if not c.in_effect:
         notes.append("not in effect for this operation")
     extra = f" [{'; '.join(notes)}]" if notes else ""
