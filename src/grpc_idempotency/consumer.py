@@ -33,7 +33,10 @@ The effect gets the asyncpg connection of the open transaction: write through it
 ``COMMIT`` or ``ROLLBACK`` it, and nest with ``SAVEPOINT`` statements (asyncpg's
 ``connection.transaction()`` refuses to nest inside a transaction it did not open). Exceptions the
 effect raises are its own and propagate unchanged (a constraint it violates is the message's
-problem, not the store's), except a lost connection, which becomes ``StoreUnavailable``.
+problem, not the store's, also when it is checked only at ``COMMIT``), except a lost
+connection, which becomes ``StoreUnavailable``. An effect that catches a failed statement's error
+and returns has an aborted transaction, which cannot commit: ``HandlerDatabaseError``, nothing
+marked (do not acknowledge).
 
 Processed ids expire ``retention`` after processing (database clock); a delivery after that runs
 the effect again, whether or not the expired mark has been purged (``purge_processed`` deletes

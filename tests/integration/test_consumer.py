@@ -5,6 +5,7 @@ marks expire and are purged in batches, and database failures surface as StoreUn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +16,13 @@ import asyncpg
 import grpc
 import pytest
 
-from grpc_idempotency import KEY_HEADER, KeyInvalid, Store, StoreUnavailable
+from grpc_idempotency import (
+    KEY_HEADER,
+    HandlerDatabaseError,
+    KeyInvalid,
+    Store,
+    StoreUnavailable,
+)
 from grpc_idempotency.consumer import (
     Consumed,
     ConsumeResult,
@@ -33,6 +40,9 @@ CREATE TABLE IF NOT EXISTS consumer_test.effects (
     consumer   text NOT NULL,
     message_id text NOT NULL,
     amount     bigint NOT NULL CHECK (amount >= 0)
+);
+CREATE TABLE IF NOT EXISTS consumer_test.checked_at_commit (
+    message_id text CONSTRAINT checked_at_commit_once UNIQUE DEFERRABLE INITIALLY DEFERRED
 );
 """
 TABLE = "grpc_idempotency.processed_messages"
@@ -196,6 +206,49 @@ async def test_an_effect_database_error_is_the_effects_own(
     message_id = fresh()
     with pytest.raises(asyncpg.CheckViolationError):
         await consumer.process(message_id, write(consumer, message_id, amount=-1))
+    assert not await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == 0
+
+
+async def test_an_effect_that_catches_a_failed_statement_is_not_acknowledged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """The caught error left the transaction aborted: PostgreSQL answers its COMMIT with
+    ROLLBACK, not an error, and ``process`` used to return PROCESSED (acknowledge) with neither
+    the effect nor the mark committed: the message was lost."""
+    message_id = fresh()
+
+    async def swallowing(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        with contextlib.suppress(asyncpg.CheckViolationError):
+            await write(consumer, message_id, amount=-1)(conn)
+
+    with pytest.raises(HandlerDatabaseError, match="aborted"):
+        await consumer.process(message_id, swallowing)
+    assert not await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == 0
+    # Redelivered, a fixed effect runs (its connection went back to the pool in good order).
+    again = await consumer.process(message_id, write(consumer, message_id))
+    assert again.outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_a_constraint_checked_at_commit_is_the_effects_error_too(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """A constraint the effect violates fails only in the consumer's COMMIT when it is
+    DEFERRABLE INITIALLY DEFERRED: still the message's problem, raised unchanged as when it
+    fails at once, not ``StoreUnavailable`` (which says "retry later, the store is down")."""
+    message_id = fresh()
+
+    async def twice(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute(
+            "INSERT INTO consumer_test.checked_at_commit VALUES ($1), ($1)", message_id
+        )
+
+    with pytest.raises(asyncpg.UniqueViolationError):
+        await consumer.process(message_id, twice)
     assert not await consumer.is_processed(message_id)
     assert await effect_rows(store, consumer, message_id) == 0
 

@@ -5,6 +5,9 @@ name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and return
 "sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event);
 "wait-flaky" does the same, then the key's first attempt aborts UNAVAILABLE after its write;
 "commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves;
+"swallow" (a key's first attempt) runs a failing statement and catches the error (its
+transaction is then aborted); "deferred-violation" (a key's first attempt) writes a row that
+violates a constraint checked only at COMMIT;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
@@ -21,6 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import asyncpg
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
@@ -47,6 +51,10 @@ CREATE TABLE IF NOT EXISTS test_ledger.ledger (
     tenant    text
 );
 CREATE INDEX IF NOT EXISTS ledger_account ON test_ledger.ledger (account);
+-- "deferred-violation": a write whose constraint is checked only at COMMIT.
+CREATE TABLE IF NOT EXISTS test_ledger.checked_at_commit (
+    account   text CONSTRAINT checked_at_commit_once UNIQUE DEFERRABLE INITIALLY DEFERRED
+);
 """
 
 TENANT = "x-tenant-id"
@@ -143,6 +151,15 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             # The database ends the session under the handler (failover, restart, a proxy).
             await self.store.pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
             await conn.fetchval("SELECT 1")
+        if behaviour == "swallow" and self.attempts.get(key or "", 0) <= 1:
+            # "Insert it if it is not there yet", done wrong: the error is caught, but the
+            # transaction is aborted and nothing the handler wrote can commit.
+            with contextlib.suppress(asyncpg.PostgresError):
+                await conn.execute("SELECT 1 / 0")
+        if behaviour == "deferred-violation" and self.attempts.get(key or "", 0) <= 1:
+            await conn.execute(
+                "INSERT INTO test_ledger.checked_at_commit VALUES ($1), ($1)", request.account
+            )
         if behaviour == "table-missing":
             await conn.execute("INSERT INTO test_ledger.no_such_table VALUES (1)")
         if behaviour.startswith("set:"):

@@ -32,6 +32,7 @@ from grpc_idempotency import call as call_context
 from grpc_idempotency import failpoints
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
+    HandlerDatabaseError,
     IdempotencyError,
     KeyInProgress,
     KeyMissing,
@@ -617,10 +618,11 @@ class IdempotencyInterceptor(_Interceptor):
                 await attempt.record(outcome)
             else:
                 await attempt.record_error(outcome)
-        except (StoreUnavailable, LeaseLost, TransactionConflict) as err:
+        except (StoreUnavailable, LeaseLost, TransactionConflict, HandlerDatabaseError) as err:
             # Nothing was recorded: the answer says so instead of what the handler wanted.
             lost = isinstance(err, LeaseLost)
-            call.outcome = CallOutcome.RELEASED if lost else CallOutcome.UNAVAILABLE
+            released = lost or isinstance(err, HandlerDatabaseError)  # the handler's fault
+            call.outcome = CallOutcome.RELEASED if released else CallOutcome.UNAVAILABLE
             if not lost and claim is not None:
                 await asyncio.shield(claim.release())
             await answers.abort(context, err)
@@ -711,7 +713,7 @@ class IdempotencyInterceptor(_Interceptor):
         if answers.code_of(context) is Code.OK:
             try:
                 await asyncio.shield(tx.commit())
-            except (StoreUnavailable, TransactionConflict) as err:
+            except IdempotencyError as err:
                 await answers.abort(context, err)
         else:
             await asyncio.shield(tx.rollback())

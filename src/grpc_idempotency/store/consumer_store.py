@@ -15,8 +15,9 @@ import logging
 import asyncpg
 
 from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
+from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import StoreUnavailable
-from grpc_idempotency.store.errors import STORE_ERRORS, store_error
+from grpc_idempotency.store.errors import STORE_ERRORS, aborted_by, store_error
 from grpc_idempotency.store.postgres import PooledConnection, Store
 from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
 
@@ -159,13 +160,21 @@ class Mark:
                     " itself; never COMMIT or ROLLBACK it"
                 )
             try:
-                await conn.execute("COMMIT")
+                status = await conn.execute("COMMIT")
             except BaseException as exc:
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
+                if isinstance(exc, asyncpg.PostgresError) and classify(exc.sqlstate) is (
+                    Failure.OTHER
+                ):
+                    # The effect's own write failing only now (a constraint checked at
+                    # COMMIT): the message's problem, raised as it would be at once.
+                    raise
                 if isinstance(exc, STORE_ERRORS):
                     raise store_error(exc, "committing a processed message") from exc
                 raise
+            if status != "COMMIT":  # ROLLBACK: neither the effect nor the mark committed
+                raise aborted_by("the effect")
         finally:
             await self._finish()
 

@@ -115,6 +115,28 @@ def handler_error(exc: BaseException) -> IdempotencyError | None:
     )
 
 
+# in_failed_sql_transaction: a statement sent after an earlier one failed in the transaction.
+IN_FAILED_TRANSACTION = "25P02"
+
+
+def aborted_by(who: str) -> HandlerDatabaseError:
+    """``who`` (the handler, a consumer's effect) caught the error of a statement that failed
+    and carried on: its transaction is aborted and nothing it wrote can commit. PostgreSQL
+    answers the COMMIT of such a transaction with ROLLBACK, not an error, so the library must
+    notice itself, or it would report success for writes that never happened."""
+    log.error(
+        "%s caught the error of a failed database statement and carried on: its transaction"
+        " was aborted, and nothing it wrote was committed (run a statement whose error is"
+        " caught between `SAVEPOINT s` and `ROLLBACK TO SAVEPOINT s`, or let the error"
+        " propagate)",
+        who,
+    )
+    return HandlerDatabaseError(
+        f"{who}'s transaction was aborted by a failed statement whose error it caught;"
+        " nothing was recorded"
+    )
+
+
 # What a broken or unreachable database looks like from asyncpg.
 STORE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,

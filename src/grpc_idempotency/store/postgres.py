@@ -24,6 +24,7 @@ import asyncpg
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import (
+    IdempotencyError,
     LeaseLost,
     StoreMisconfigured,
     StoreUnavailable,
@@ -33,7 +34,14 @@ from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
-from grpc_idempotency.store.errors import STORE_ERRORS, sqlstate, store_error
+from grpc_idempotency.store.errors import (
+    IN_FAILED_TRANSACTION,
+    STORE_ERRORS,
+    aborted_by,
+    handler_error,
+    sqlstate,
+    store_error,
+)
 from grpc_idempotency.store.sql import SAVEPOINT, Statements
 
 log = logging.getLogger("grpc_idempotency.store")
@@ -161,11 +169,17 @@ class Attempt:
             await self._rollback_quietly()
             if exc.sqlstate == _CLAIM_LOST:
                 raise LeaseLost("the claim was lost before commit; nothing recorded") from exc
-            if classify(exc.sqlstate) is Failure.CONFLICT:
+            if exc.sqlstate == IN_FAILED_TRANSACTION:
+                raise aborted_by("the handler") from exc
+            failure = classify(exc.sqlstate)
+            if failure is Failure.CONFLICT:
                 raise TransactionConflict(
                     f"the commit failed on a serialization conflict (SQLSTATE {exc.sqlstate});"
                     " nothing was recorded: retry"
                 ) from exc
+            if failure is Failure.OTHER:
+                # The handler's write failing only now: a constraint checked at COMMIT.
+                raise _handler_failed(exc) from exc
             raise store_error(exc, "committing the outcome") from exc
         except LeaseLost:
             await self._rollback_quietly()
@@ -610,6 +624,12 @@ def _record(row: asyncpg.Record) -> StoredRecord:
     )
 
 
+def _handler_failed(exc: asyncpg.PostgresError) -> IdempotencyError:
+    mapped = handler_error(exc)
+    assert mapped is not None  # a PostgresError always maps
+    return mapped
+
+
 class PlainTransaction:
     """A transaction with no idempotency record: optional-key calls made without a key."""
 
@@ -619,13 +639,17 @@ class PlainTransaction:
 
     async def commit(self) -> None:
         try:
-            await self.connection.execute("COMMIT")
+            if await self.connection.execute("COMMIT") != "COMMIT":
+                raise aborted_by("the handler")  # the transaction is over: the connection is fine
         except STORE_ERRORS as exc:
             self.connection.terminate()
-            if classify(sqlstate(exc)) is Failure.CONFLICT:
+            failure = classify(sqlstate(exc))
+            if failure is Failure.CONFLICT:
                 raise TransactionConflict(
                     f"the commit failed on a serialization conflict (SQLSTATE {sqlstate(exc)})"
                 ) from exc
+            if failure is Failure.OTHER and isinstance(exc, asyncpg.PostgresError):
+                raise _handler_failed(exc) from exc  # a constraint checked at COMMIT
             raise store_error(exc, "committing") from exc
         finally:
             await self._store._release(self.connection)
