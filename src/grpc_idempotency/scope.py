@@ -6,7 +6,7 @@ A resolver takes the call's ``grpc.aio.ServicerContext`` and returns the scope s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -28,7 +28,24 @@ def peer_identity_scope(context: grpc.aio.ServicerContext[Any, Any]) -> str:
             "no authenticated peer identity (mutual TLS) to scope the idempotency key;"
             " configure a scope resolver"
         )
-    return "peer:" + ",".join(sorted(i.decode("utf-8", "replace") for i in identities))
+    return peer_scope(identities)
+
+
+def peer_scope(identities: Iterable[bytes]) -> str:
+    """The scope of a peer with these certificate names: one-to-one, so that two peers share a
+    scope only if they have the same names. Names are sorted and joined with "," after escaping
+    "\\" and "," (a name may hold a comma: a URI SAN); a name that is not UTF-8 is written as
+    "\\x" and its hex digits (decoding it with replacement characters made different names
+    equal). Names of plain text, which is what certificates hold, read as they are."""
+    return "peer:" + ",".join(sorted(_name(identity) for identity in identities))
+
+
+def _name(identity: bytes) -> str:
+    try:
+        text = identity.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\\x" + identity.hex()
+    return text.replace("\\", "\\\\").replace(",", "\\,")
 
 
 class StaticScope:

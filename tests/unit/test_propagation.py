@@ -94,6 +94,32 @@ def test_backoff_is_bounded_and_grows(attempt: int, jitter: float) -> None:
     assert delay is not None and 0 <= delay <= min(2.0, 0.1 * 2 ** (attempt - 1))
 
 
+def test_backoff_stays_at_its_ceiling_however_many_attempts() -> None:
+    """2.0 ** 1024 overflows a float: ``Operation.call`` raised OverflowError at attempt 1026."""
+    policy = RetryPolicy(max_attempts=100_000, initial_backoff_s=0.1, max_backoff_s=2.0)
+    for attempt in (1025, 1026, 99_999):
+        delay = policy.delay_s(
+            attempt=attempt, code=Code.UNAVAILABLE, retry_after_ms=None, jitter=0.5
+        )
+        assert delay == 1.0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"initial_backoff_s": float("nan")},
+        {"max_backoff_s": float("inf")},
+        {"multiplier": float("nan")},
+        {"multiplier": float("inf")},
+        {"multiplier": 0.5},
+        {"initial_backoff_s": 0},
+    ],
+)
+def test_retry_policy_refuses_backoffs_that_are_not_numbers(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
 def test_retry_decisions() -> None:
     policy = RetryPolicy(max_attempts=3)
     assert policy.delay_s(attempt=1, code=Code.ABORTED, retry_after_ms=700, jitter=0.5) == 0.7

@@ -43,6 +43,14 @@ def test_pushback_is_read_like_grpc_reads_it(value: object, expected: int) -> No
     assert wire.retry_after_ms([(wire.PUSHBACK_TRAILER, value)]) == expected
 
 
+def test_status_details_that_do_not_parse_are_no_hint_and_no_crash() -> None:
+    """A proxy's garbage in grpc-status-details-bin raised protobuf's DecodeError out of
+    ``Operation.call``, instead of the call's own error."""
+    garbage = [(wire.DETAILS_TRAILER, b"\xff\xff\xff")]
+    assert wire.retry_after_ms(garbage) is None
+    assert wire.reason_of(garbage) is None
+
+
 def test_reasons_of_other_domains_are_not_ours() -> None:
     from google.rpc import status_pb2
 

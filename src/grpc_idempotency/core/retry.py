@@ -8,6 +8,7 @@ still take (``RetryInfo`` or ``grpc-retry-pushback-ms``), and that hint wins ove
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from grpc_idempotency.core.codes import Code
@@ -29,10 +30,12 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
-            raise ValueError("backoffs must be positive, and max_backoff_s >= initial_backoff_s")
-        if self.multiplier < 1:
-            raise ValueError("multiplier must be at least 1")
+        if not (0 < self.initial_backoff_s <= self.max_backoff_s < math.inf):
+            raise ValueError(
+                "backoffs must be positive and finite, and max_backoff_s >= initial_backoff_s"
+            )
+        if not 1 <= self.multiplier < math.inf:
+            raise ValueError("multiplier must be at least 1, and finite")
 
     def delay_s(
         self, *, attempt: int, code: Code, retry_after_ms: int | None, jitter: float
@@ -45,8 +48,19 @@ class RetryPolicy:
             if retry_after_ms < 0:
                 return None  # the server says: do not retry
             return retry_after_ms / 1000
-        ceiling = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
-        return ceiling * jitter
+        return (
+            backoff_ceiling_s(attempt, self.initial_backoff_s, self.multiplier, self.max_backoff_s)
+            * jitter
+        )
+
+
+def backoff_ceiling_s(attempt: int, initial_s: float, multiplier: float, max_s: float) -> float:
+    """``min(max_s, initial_s * multiplier ** (attempt - 1))`` for any number of attempts: the
+    power overflows a float (OverflowError) past about a thousand of them."""
+    try:
+        return min(max_s, initial_s * multiplier ** (attempt - 1))
+    except OverflowError:
+        return max_s
 
 
 def service_config(methods: list[str], *, max_attempts: int = 5) -> dict[str, object]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 from grpc_idempotency.core.codes import Code
@@ -100,7 +101,10 @@ def pushback_trailers(err: IdempotencyError) -> tuple[tuple[str, str], ...]:
 def _status_in(trailing_metadata: Metadata | None) -> status_pb2.Status | None:
     for name, value in trailing_metadata or ():
         if name == DETAILS_TRAILER and isinstance(value, bytes):
-            return status_pb2.Status.FromString(value)
+            try:
+                return status_pb2.Status.FromString(value)
+            except DecodeError:  # a proxy's or a foreign server's garbage: no hint in it
+                return None
     return None
 
 
