@@ -10,6 +10,7 @@ lease and another replica takes the operation over; the partitioned owner cannot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 
 import grpc
@@ -19,6 +20,7 @@ from grpc_idempotency import MethodOverride, Store
 from grpc_idempotency.client import Operation, RetryPolicy
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -89,6 +91,29 @@ async def test_a_look_up_that_times_out_is_not_tried_again(pg_dsn: str) -> None:
             raise AssertionError("a partitioned look-up returned")
         # One statement timeout (1 s), not three, nor a connect through the partition.
         assert asyncio.get_running_loop().time() - began < 2.5
+    finally:
+        await store.close(timeout=1)
+        await proxy.close()
+
+
+async def test_a_transaction_cancelled_while_it_begins_gives_its_connection_back(
+    pg_dsn: str,
+) -> None:
+    """An unkeyed call's client going while its BEGIN is on the wire (``Store.begin``): the
+    connection stayed checked out for good, and ``max_size`` such calls left none."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    store = await Store.connect(proxy.dsn, min_size=1, max_size=1, migrate=True)
+    try:
+        proxy.blackhole()  # the BEGIN goes out and no answer comes back
+        beginning = asyncio.ensure_future(store.begin())
+        await until("the connection taken", lambda: store.pool.get_idle_size() == 0)
+        beginning.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beginning
+        assert beginning.cancelled()
+        checked_out = store.pool.get_size() - store.pool.get_idle_size()
+        assert checked_out == 0
     finally:
         await store.close(timeout=1)
         await proxy.close()

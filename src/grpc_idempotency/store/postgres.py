@@ -466,10 +466,15 @@ class Store:
         conn = await self._acquire("beginning a transaction", timeout)
         try:
             await conn.execute(f"BEGIN{_isolation_clause(isolation)}", timeout=timeout)
-        except STORE_ERRORS as exc:
-            conn.terminate()
+        except BaseException as exc:
+            # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
+            # connection must go back to the pool all the same, or it is lost to it for good.
+            with contextlib.suppress(*STORE_ERRORS):
+                conn.terminate()
             await self._release(conn)
-            raise store_error(exc, "beginning a transaction") from exc
+            if isinstance(exc, STORE_ERRORS):
+                raise store_error(exc, "beginning a transaction") from exc
+            raise
         return PlainTransaction(self, conn)
 
     async def claim_phased(
