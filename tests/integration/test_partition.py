@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
+import asyncpg
 import grpc
 from testsvc.v1 import testsvc_pb2
 
@@ -117,3 +119,68 @@ async def test_a_transaction_cancelled_while_it_begins_gives_its_connection_back
     finally:
         await store.close(timeout=1)
         await proxy.close()
+
+
+async def test_a_phased_claim_answered_after_its_caller_went_is_released_at_once(
+    pg_dsn: str, store: Store
+) -> None:
+    """The claim statement commits, then its caller is cancelled (the client went) before the
+    answer arrives. The claim's lease ran on, and every retry was answered IN_PROGRESS for the
+    whole lease (30 s by default), for an attempt that had given up."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, min_size=1, max_size=2)
+    key = fresh()
+    claim = {
+        "scope": "partition",
+        "key": key,
+        "method": "/testsvc.v1.LedgerService/PostPhased",
+        "fingerprint": b"f" * 32,
+        "retention_s": 600.0,
+        "lease_s": 30.0,
+    }
+
+    async def record() -> asyncpg.Record | None:
+        return await store.pool.fetchrow(
+            "SELECT state, locked_until <= clock_timestamp() AS lease_over"
+            " FROM grpc_idempotency.records WHERE scope = 'partition' AND key = $1",
+            key,
+        )
+
+    async def claim_waits_on_a_lock() -> bool:
+        waiting = await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%claim(%' AND query LIKE '%' || $1 || '%'",
+            key,
+        )
+        return bool(waiting)
+
+    blocker = await store.pool.acquire()
+    try:
+        # An uncommitted insert of the same key: the claim's insert waits for it, in the
+        # database, after asyncpg has sent the statement whole.
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim(**claim, lock_id=1)  # type: ignore[arg-type]
+        )
+        claiming = asyncio.ensure_future(via.claim_phased(**claim))  # type: ignore[arg-type]
+        await until("the claim waiting in the database", claim_waits_on_a_lock)
+        proxy.hold_answers()
+        await blocker.execute("ROLLBACK")
+        claimed = await until("the claim committed", record)
+        assert claimed["state"] == "in_progress" and not claimed["lease_over"]
+        claiming.cancel()
+        proxy.deliver_answers()
+        with contextlib.suppress(asyncio.CancelledError):
+            await claiming
+        assert claiming.cancelled()
+        await until("the lease ended", lambda: _lease_over(record))
+    finally:
+        await store.pool.release(blocker)
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+async def _lease_over(record: Callable[[], Awaitable[asyncpg.Record | None]]) -> bool:
+    row = await record()
+    return row is not None and bool(row["lease_over"])

@@ -1,7 +1,8 @@
 """A TCP proxy in front of PostgreSQL that can partition the network: ``blackhole()`` keeps every
 connection open but delivers nothing more in either direction, as a dead link or a frozen peer
 behind a load balancer would. Nothing is closed or reset, so neither side notices on its own.
-It also counts the bytes the client sends, to measure what a call puts on the wire."""
+It also counts the bytes the client sends, to measure what a call puts on the wire, and can
+hold PostgreSQL's answers back (``hold_answers``) while its requests go through."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class BlackholeProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
         self.partitioned = False
+        self._holding = False
+        self._held: list[tuple[asyncio.StreamWriter, bytes]] = []
         self.port = 0
         self.bytes_upstream = 0
         """Bytes delivered to PostgreSQL so far (what the client sent)."""
@@ -41,6 +44,18 @@ class BlackholeProxy:
     def blackhole(self) -> None:
         """From now on nothing passes, and new connections hang."""
         self.partitioned = True
+
+    def hold_answers(self) -> None:
+        """From now on PostgreSQL's answers are held back (its requests still arrive): a
+        statement runs, and even commits, while its client is left waiting."""
+        self._holding = True
+
+    def deliver_answers(self) -> None:
+        """Delivers the held answers, in order, and lets the later ones through."""
+        self._holding = False
+        held, self._held = self._held, []
+        for writer, data in held:
+            writer.write(data)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self._writers.append(client_w)
@@ -70,6 +85,9 @@ class BlackholeProxy:
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
                 if upstream:
                     self.bytes_upstream += len(data)
+                elif self._holding:
+                    self._held.append((writer, data))
+                    continue
                 writer.write(data)
                 await writer.drain()
         writer.close()

@@ -231,6 +231,7 @@ class Store:
         self.schema = schema
         self.statements = Statements(schema)
         self.acquire_timeout = acquire_timeout
+        self._settling: set[asyncio.Future[None]] = set()
 
     @classmethod
     async def connect(
@@ -493,24 +494,52 @@ class Store:
         attempt holds or has recorded the key (look again). ``isolation`` is that of the final
         transaction (the claim itself runs at the database's default)."""
         sql = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
-        token: int | None = None
-        try:
+
+        async def claim() -> int | None:
             async with self.connection("claiming a key", timeout) as conn:
                 try:
-                    token = await conn.fetchval(sql, timeout=timeout)
+                    token: int = await conn.fetchval(sql, timeout=timeout)
                 except asyncpg.PostgresError as exc:
                     if _lost_race(exc):
                         return None
                     raise
+                return token
+
+        # The claim commits on its own: cancelled while it is on the wire (the client went),
+        # it may commit all the same, and its lease would then run on with nobody behind it,
+        # every retry answered IN_PROGRESS for the whole lease. So it runs to its end in a task
+        # of its own, and a claim that turns out to have committed is released.
+        claiming = asyncio.ensure_future(claim())
+        try:
+            token = await asyncio.shield(claiming)
         except asyncio.CancelledError:
-            # Cancelled after the claim committed (while the connection went back to the pool):
-            # end its lease now, or every retry would wait the whole lease out for nothing.
-            if token is not None:
-                claim = PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s)
-                await asyncio.shield(claim.release())
+            self._settle(claiming, scope, key, retention_s, lease_s)
             raise
-        assert token is not None
+        if token is None:
+            return None
         return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s, isolation)
+
+    def _settle(
+        self,
+        claiming: asyncio.Future[int | None],
+        scope: str,
+        key: str,
+        retention_s: float,
+        lease_s: float,
+    ) -> None:
+        """Ends the lease of a claim whose caller went before it was answered, once it is."""
+
+        async def release_if_claimed() -> None:
+            try:
+                token = await claiming
+            except BaseException:  # not claimed, or unknown: the lease bounds it
+                return
+            if token is not None:
+                await PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s).release()
+
+        task = asyncio.ensure_future(release_if_claimed())
+        self._settling.add(task)  # a reference, until it is done
+        task.add_done_callback(self._settling.discard)
 
     async def purge(
         self, *, batch_size: int = 1000, max_batches: int | None = None, pause: float = 0.0
