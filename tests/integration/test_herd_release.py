@@ -16,6 +16,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import HerdRelease, Store
+from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import POST, fresh, ledger_rows, owner_and_herd, running_ledger
 from tests.support.waiting import until
 
@@ -110,6 +111,41 @@ async def test_an_owner_that_ends_without_an_outcome_hands_its_paced_herd_one_re
     executed = [a for a, _ in answered if not a.replayed]
     assert len(executed) == 1
     assert all(a.body == executed[0].body for a, _ in answered)
+
+
+async def test_duplicates_of_a_recorded_error_get_it_from_the_owner_not_from_the_database(
+    pg_dsn: str, store: Store
+) -> None:
+    """Only an OK outcome used to be handed over: the duplicates of a recorded error looked the
+    key up again one after another (a round trip each while the rest waited; those whose wait
+    ran out meanwhile were answered IN_PROGRESS for a completed key), and recorded errors never
+    reached the replay cache. Here the database is gone once the owner has answered: the later
+    batches, and a retry after them, can only be answered from what the owner handed over."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, max_size=4, command_timeout=3)
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=9, behaviour="wait:NOT_FOUND")
+    key = fresh()
+    try:
+        release = HerdRelease(per_batch=1, interval_s=0.5)
+        async with running_ledger(via, herd_release=release) as ledger:
+            owner = asyncio.ensure_future(ledger.call(POST, request, key))
+            await ledger.service.started.wait()
+            herd = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(3)]
+            await until("3 calls waiting", lambda: ledger.interceptor.waiting_calls == 3)
+            ledger.service.release.set()
+            first = await owner
+            proxy.blackhole()  # batches 2 and 3 leave 0.5 s and 1 s after the owner's outcome
+            answers = await asyncio.gather(*herd)
+            again = await ledger.call(POST, request, key, timeout=5)
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+    assert first.code is grpc.StatusCode.NOT_FOUND and not first.replayed
+    for answer in [*answers, again]:
+        assert answer.code is grpc.StatusCode.NOT_FOUND, (answer.code, answer.details)
+        assert answer.replayed and answer.details == first.details
+    assert ledger.service.executions == 1
 
 
 async def test_without_pacing_every_duplicate_is_answered_with_the_outcome(store: Store) -> None:

@@ -4,6 +4,7 @@
 name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and returns; "raise" raises;
 "sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event);
 "wait-flaky" does the same, then the key's first attempt aborts UNAVAILABLE after its write;
+"wait:CODE" waits too, then aborts with CODE after its write;
 "commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves;
 "swallow" (a key's first attempt) runs a failing statement and catches the error (its
 transaction is then aborted); "deferred-violation" (a key's first attempt) writes a row that
@@ -108,7 +109,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         self.executions += 1
         if behaviour.startswith("sleep:"):
             await asyncio.sleep(int(behaviour.split(":")[1]) / 1000)
-        if behaviour in ("wait", "wait-flaky"):
+        if behaviour in ("wait", "wait-flaky") or behaviour.startswith("wait:"):
             self.started.set()
             await self.release.wait()
         call = current_call()
@@ -138,6 +139,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         if behaviour == "raise":
             raise RuntimeError("handler failed after writing")
         first_attempt = self.attempts.get(key or "", 0) <= 1
+        if behaviour.startswith("wait:"):
+            code = getattr(grpc.StatusCode, behaviour[5:])
+            await context.abort(code, f"handler says {behaviour[5:]} after waiting")
         if behaviour == "wait-flaky" and first_attempt:
             # A transient failure after the write: rolled back, the key released, no outcome.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "flaky after waiting")

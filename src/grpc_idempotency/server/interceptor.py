@@ -21,7 +21,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +118,10 @@ class _Call:
     waited: bool = False
     key: str | None = None
     scope: str | None = None
+    settled: _Settled | None = None
+    """The outcome now stored under the key, once committed (or read): set before the answer
+    leaves, which for a recorded error is an abort, so that the duplicates waiting on this call
+    and the replay cache get it whatever the answer is."""
 
     @property
     def policy(self) -> MethodPolicy:
@@ -134,12 +138,11 @@ class _Shared:
 
 
 @dataclass(frozen=True, slots=True)
-class _Result:
-    answer: Any
-    shared: _Shared | None = field(default=None)
-    sent: float = 0.0
+class _Settled:
+    shared: _Shared
+    sent: float
     """Monotonic time the statement that committed or read ``shared`` was sent."""
-    life_s: float = 0.0
+    life_s: float
     """How long after ``sent`` the stored outcome stays replayable at least (0: unknown)."""
 
 
@@ -338,20 +341,8 @@ class IdempotencyInterceptor(_Interceptor):
 
             # This call becomes the key's local owner: local duplicates wait on it.
             owned = self._owners[slot] = _Owner(self._herd_release)
-            shared = None
             try:
-                result = await self._attempt(call, scope, key, fingerprint)
-                shared = result.shared
-                if cache is not None and shared is not None and result.life_s > 0:
-                    cache.put(
-                        slot,
-                        shared.fingerprint,
-                        shared.outcome,
-                        sent=result.sent,
-                        life_s=result.life_s,
-                        now=time.monotonic(),
-                    )
-                return result.answer
+                return await self._attempt(call, scope, key, fingerprint)
             except _Busy as busy:
                 step, _ = transition(
                     Phase.WAITING, budget_event(now=time.monotonic(), wait_until=wait_until)
@@ -361,7 +352,18 @@ class IdempotencyInterceptor(_Interceptor):
                     await answers.abort(context, _in_progress(policy, busy.retry_after_ms))
             finally:
                 del self._owners[slot]
-                owned.hand_over(shared)
+                settled = call.settled
+                if cache is not None and settled is not None and settled.life_s > 0:
+                    shared = settled.shared
+                    cache.put(
+                        slot,
+                        shared.fingerprint,
+                        shared.outcome,
+                        sent=settled.sent,
+                        life_s=settled.life_s,
+                        now=time.monotonic(),
+                    )
+                owned.hand_over(settled.shared if settled is not None else None)
             call.waited = True
             delay = min(poll_delay_ms(polls) / 1000, max(0.0, wait_until - time.monotonic()))
             polls += 1
@@ -403,7 +405,7 @@ class IdempotencyInterceptor(_Interceptor):
         call.outcome = CallOutcome.REPLAYED
         return await answers.replay(call.context, hit.outcome)
 
-    async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> _Result:
+    async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> Any:
         """Drives the call through ``core.lifecycle``'s transition table until it has an answer;
         raises ``_Busy`` when the table says to wait (the caller checks the wait's budget)."""
         policy, context, store = call.policy, call.context, call.store
@@ -459,16 +461,16 @@ class IdempotencyInterceptor(_Interceptor):
                     )
                     self._telemetry.bypassed.add(1, self._telemetry.attributes(policy.method))
                     call.outcome = CallOutcome.BYPASSED
-                    return _Result(await self._run_without_store(call))
+                    return await self._run_without_store(call)
                 call.outcome = CallOutcome.UNAVAILABLE
                 await answers.abort(context, err)
             if step is Step.REPLAY:
                 assert record is not None and record.outcome is not None
                 call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
-                answer = await answers.replay(context, record.outcome)
                 life_s = (record.replayable_ms or 0) / 1000
                 shared = _Shared(record.fingerprint, record.outcome)
-                return _Result(answer, shared, sent=looked_at, life_s=life_s)
+                call.settled = _Settled(shared, sent=looked_at, life_s=life_s)
+                return await answers.replay(context, record.outcome)
             if step is Step.REFUSE:
                 call.outcome = CallOutcome.MISMATCH
                 await answers.abort(context, _reused())
@@ -485,7 +487,7 @@ class IdempotencyInterceptor(_Interceptor):
         fingerprint: bytes,
         executed: CallOutcome,
         started_at: datetime | None = None,
-    ) -> _Result:
+    ) -> Any:
         """Runs the handler, then commits its outcome or releases the key; only then does the
         answer leave. One path for both modes, which differ only in where the transaction is:
 
@@ -574,7 +576,7 @@ class IdempotencyInterceptor(_Interceptor):
         executed: CallOutcome,
         attempt: Attempt | None,
         claim: PhasedClaim | None = None,
-    ) -> _Result:
+    ) -> Any:
         """Commits the handler's outcome (or releases the key), then answers. ``attempt`` is the
         open transaction holding the claim; in phased mode it may be ``None`` (the handler wrote
         nothing) and is opened here from ``claim``."""
@@ -586,7 +588,7 @@ class IdempotencyInterceptor(_Interceptor):
             await self._release(attempt, claim)
             if aborted is not None:
                 await aborted.send(context)
-            return _Result(response)
+            return response
 
         data: bytes | None = None
         too_large: ResponseTooLarge | None = None
@@ -631,17 +633,16 @@ class IdempotencyInterceptor(_Interceptor):
             await self._release(attempt, claim)
             raise
         call.outcome = executed
-        shared = _Shared(fingerprint, outcome)
+        call.settled = _Settled(_Shared(fingerprint, outcome), sent=sent, life_s=policy.retention_s)
         if failpoints.ENABLED:
             await failpoints.hit("after_commit_before_response")
         if too_large is not None:
             await answers.abort(context, too_large)
         if aborted is not None:
             await aborted.send(context)
-        life_s = policy.retention_s
         if data is None:  # set_code(): answer as the handler did
-            return _Result(response, shared, sent=sent, life_s=life_s)
-        return _Result(answers.Serialized(data), shared, sent=sent, life_s=life_s)
+            return response
+        return answers.Serialized(data)
 
     async def _release(self, attempt: Attempt | None, claim: PhasedClaim | None) -> None:
         if attempt is not None:
