@@ -89,6 +89,24 @@ class IdempotentCall:
         self._connection = connection
         self._open_final = open_final
         self._opening: asyncio.Future[PooledConnection] | None = None
+        self._ended = False
+
+    def end(self) -> asyncio.Future[PooledConnection] | None:
+        """The call is over (answered, failed or cancelled): from now on the handler, or a thread
+        it left running, gets no transaction and runs no statement through ``run``. Returns the
+        final transaction's opening if one was started: cancelled now if it was still under way
+        (the driver waits for it, then commits or releases what it opened)."""
+        self._ended = True
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+        return self._opening
+
+    def _check_open(self) -> None:
+        if self._ended:
+            raise NotInIdempotentCall(
+                f"{self.method}: the call is over (answered, failed or its client went); its"
+                " transaction is gone"
+            )
 
     @property
     def phased(self) -> bool:
@@ -112,6 +130,7 @@ class IdempotentCall:
         The transaction is already open: do not COMMIT or ROLLBACK it, and use SAVEPOINTs
         (``async with call.savepoint():``) rather than ``connection.transaction()`` for nesting.
         """
+        self._check_open()
         if self._connection is None:
             if self.phased:
                 raise NotInIdempotentCall(
@@ -126,6 +145,7 @@ class IdempotentCall:
 
     async def transaction(self) -> PooledConnection:
         """The connection of the call's transaction, opening it first in phased mode."""
+        self._check_open()
         if self._connection is not None or self._open_final is None:
             return self.connection
         if self._opening is None:
@@ -159,8 +179,19 @@ class IdempotentCall:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """From a sync (``def``) handler, which runs on a worker thread: run ``coro`` (a query on
-        ``connection``) on the server's event loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        ``connection``) on the server's event loop and wait for its result.
+
+        Refused once the call is over: a cancelled sync handler's thread runs on (Python cannot
+        stop it), and a statement it sent after the call's ROLLBACK would run outside any
+        transaction and commit. The check runs on the loop, where the call ends, so it cannot
+        race the rollback."""
+        return asyncio.run_coroutine_threadsafe(self._guarded(coro), self.loop).result()
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._ended:
+            coro.close()
+            self._check_open()
+        return await coro
 
     def savepoint(self) -> _Savepoint:
         return _Savepoint(self.connection)

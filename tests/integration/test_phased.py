@@ -4,11 +4,13 @@ transaction that only the claim's current owner can commit."""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store
+from grpc_idempotency import MethodOverride, Mode, Store
 from grpc_idempotency.client import Operation, RetryPolicy
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
 from tests.support.waiting import until
@@ -269,3 +271,81 @@ async def test_a_takeover_continues_the_operation_begun_earlier(
     fresh_answer = await ledger.call(PHASED, post(account, "no-writes"), fresh())
     assert fresh_answer.code is grpc.StatusCode.OK
     assert ledger.service.operation_starts[-1] is None  # a new operation: no earlier start
+
+
+@pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])
+async def test_a_sync_handler_left_running_by_its_cancelled_call_can_write_nothing(
+    store: Store, mode: Mode
+) -> None:
+    """A sync handler runs on a thread, which cancelling the call cannot stop. In phased mode
+    it went on to open the final transaction after the call had released its claim: a
+    transaction nobody would end, holding the claim row, every retry answered IN_PROGRESS until
+    PostgreSQL ended it a lease later. Atomic, a statement it sent between the call's ROLLBACK
+    and the connection's return to the pool would have run outside any transaction."""
+    sync = "/testsvc.v1.LedgerService/PostSync"
+    overrides = {sync: MethodOverride(mode=mode, lease=timedelta(seconds=30))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="block-then-write")
+    async with running_ledger(store, overrides=overrides) as ledger:
+        service = ledger.service
+        stub = ledger.channel.unary_unary(sync, request_serializer=_serialize)
+        call = stub(request, metadata=metadata(key), timeout=30)
+        assert await asyncio.to_thread(service.sync_started.wait, 10)
+        call.cancel()
+        await until("the call released its claim", lambda: _released(store, key, mode))
+        service.sync_release.set()  # the thread goes on, as if back from a downstream call
+        await until("the thread done", lambda: service.sync_outcomes)
+        assert service.sync_outcomes == ["NotInIdempotentCall"]
+        retry = await ledger.call(sync, request, key, timeout=10)
+        assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry.details
+    assert service.sync_outcomes == ["NotInIdempotentCall", "wrote"]
+    assert await ledger_rows(store, account) == 1
+
+
+def _serialize(message: testsvc_pb2.PostRequest) -> bytes:
+    return message.SerializeToString()
+
+
+async def _released(store: Store, key: str, mode: Mode) -> bool:
+    if mode is Mode.ATOMIC:  # the claim's transaction rolled back, its connection returned
+        return store.pool.get_size() == store.pool.get_idle_size()
+    lease_over: bool | None = await store.pool.fetchval(
+        "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records"
+        " WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    return bool(lease_over)
+
+
+async def test_a_final_transaction_still_opening_when_its_call_is_cancelled_is_not_opened(
+    pg_dsn: str, store: Store
+) -> None:
+    """The final transaction was opened in a task of its own that the call's cancellation did
+    not reach: once it got a connection (here: once the pool had one again) it opened, holding
+    the claim row, with nobody to end it; every retry was IN_PROGRESS until PostgreSQL ended
+    it a lease later, and its connection was the pool's until then."""
+    mine = await Store.connect(pg_dsn, min_size=1, max_size=1)
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    overrides = {PHASED: MethodOverride(lease=timedelta(seconds=30))}  # the default lease
+    try:
+        async with running_ledger(mine, overrides=overrides) as ledger:
+            stub = ledger.channel.unary_unary(PHASED, request_serializer=_serialize)
+            call = stub(request, metadata=metadata(key), timeout=30)
+            await ledger.service.started.wait()  # claimed; no connection held meanwhile
+            taken = await mine.pool.acquire()  # the pool's only connection
+            try:
+                ledger.service.release.set()
+                await ledger.service.opening.wait()  # the final transaction waits for it
+                call.cancel()
+                await ledger.service.cancelled_opening.wait()
+            finally:
+                await mine.pool.release(taken)  # first to the opening, if it still waits
+            await until("the claim released", lambda: _released(store, key, Mode.PHASED))
+            retry = await ledger.call(PHASED, request, key, timeout=10)
+            assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry.details
+            assert mine.pool.get_size() == mine.pool.get_idle_size()  # nothing left open
+    finally:
+        await mine.close(timeout=2)
+    assert await ledger_rows(store, account) == 1

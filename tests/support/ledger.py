@@ -80,6 +80,10 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     executions: int = 0
     started: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    opening: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the handler asks for the call's transaction (``current_call().transaction()``)."""
+    cancelled_opening: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the handler is cancelled while waiting for that transaction."""
     keys_seen: list[str] = field(default_factory=list)
     operation_starts: list[Any] = field(default_factory=list)
     deadlines_seen: list[float | None] = field(default_factory=list)
@@ -87,6 +91,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     attempts: dict[str, int] = field(default_factory=dict)
     sync_started: threading.Event = field(default_factory=threading.Event)
     sync_release: threading.Event = field(default_factory=threading.Event)
+    sync_outcomes: list[str] = field(default_factory=list)
 
     def _observe(self, context: Any) -> str | None:
         md = dict(context.invocation_metadata() or ())
@@ -113,7 +118,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             self.started.set()
             await self.release.wait()
         call = current_call()
-        conn = await call.transaction()
+        self.opening.set()
+        try:
+            conn = await call.transaction()
+        except asyncio.CancelledError:
+            self.cancelled_opening.set()
+            raise
         entry_id = await conn.fetchval(
             "INSERT INTO test_ledger.ledger (account, amount, tenant) VALUES ($1, $2, $3)"
             " RETURNING id",
@@ -246,6 +256,25 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     def PostSync(self, request: Any, context: Any) -> Any:  # a sync handler, offloaded
         self.executions += 1
         call = current_call()
+        if request.behaviour == "block-then-write":
+            # Blocks first (where a phased handler would call downstream), then writes in the
+            # call's transaction (opening it in phased mode); what happened is kept.
+            self.sync_started.set()
+            assert self.sync_release.wait(10), "test never released the sync handler"
+            try:
+                conn = call.run(call.transaction())
+                call.run(
+                    conn.execute(
+                        "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2)",
+                        request.account,
+                        request.amount,
+                    )
+                )
+            except Exception as exc:
+                self.sync_outcomes.append(type(exc).__name__)
+                raise
+            self.sync_outcomes.append("wrote")
+            return testsvc_pb2.PostResponse(account=request.account)
         entry_id = call.run(
             call.connection.fetchval(
                 "INSERT INTO test_ledger.ledger (account, amount, tenant) VALUES ($1, $2, $3)"

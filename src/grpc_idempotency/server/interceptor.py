@@ -515,21 +515,20 @@ class IdempotencyInterceptor(_Interceptor):
             tx = await claim.begin_final(timeout=answers.time_remaining(context))
             return tx.connection
 
-        bound = call_context.bind(
-            call_context.IdempotentCall(
-                policy.method,
-                scope,
-                key,
-                loop,
-                tx.connection if tx is not None else None,
-                steps=policy.steps,
-                deadline=_deadline(context),
-                open_final=open_final if claim is not None else None,
-                metadata=tuple(context.invocation_metadata() or ()),
-                started_at=started_at,
-                outbox=call.store.enqueue if call.store is not None else None,
-            )
+        serving = call_context.IdempotentCall(
+            policy.method,
+            scope,
+            key,
+            loop,
+            tx.connection if tx is not None else None,
+            steps=policy.steps,
+            deadline=_deadline(context),
+            open_final=open_final if claim is not None else None,
+            metadata=tuple(context.invocation_metadata() or ()),
+            started_at=started_at,
+            outbox=call.store.enqueue if call.store is not None else None,
         )
+        bound = call_context.bind(serving)
         aborted: DeferredAbort | None = None
         response: Any = None
         if lease is not None:
@@ -543,20 +542,24 @@ class IdempotencyInterceptor(_Interceptor):
         except asyncio.CancelledError:
             if lease is None or not lease.lost:
                 call.outcome = CallOutcome.RELEASED
+                await _end(serving)
                 await self._release(tx, claim)
                 raise
             # Cancelled by the lease keeper: another attempt owns the key now.
             handler_task.uncancel()
         except IdempotencyError as err:  # a lost lease, an undeclared step, a database error
             call.outcome = CallOutcome.RELEASED
+            await _end(serving)
             await self._release(tx, claim)
             await answers.abort(context, err)
         except BaseException:
             call.outcome = CallOutcome.RELEASED
+            await _end(serving)
             await self._release(tx, claim)
             raise
         finally:
             call_context.unbind(bound)
+            await _end(serving)
             if lease is not None:
                 await lease.stop()
         if lease is not None and lease.lost:
@@ -719,6 +722,18 @@ class IdempotencyInterceptor(_Interceptor):
         else:
             await asyncio.shield(tx.rollback())
         return response
+
+
+async def _end(serving: call_context.IdempotentCall) -> None:
+    """Ends the handler's use of the call before its transaction is committed or released: a
+    final transaction still being opened (its handler cancelled meanwhile, say) is cancelled
+    and waited for, so that ``tx`` holds whatever it opened and nothing is left open behind
+    the call's back; a sync handler's thread that runs on can send nothing more."""
+    opening = serving.end()
+    if opening is not None and not opening.done():
+        await asyncio.wait([opening])  # however it ends
+    if opening is not None and not opening.cancelled():
+        opening.exception()  # seen by the handler, or of no use now: not logged as unretrieved
 
 
 class _Owner:
