@@ -634,3 +634,49 @@ async def _due(store: Store, key: str) -> bool:
             key,
         )
     )
+
+
+# -- the retry policy ---------------------------------------------------------------------------
+
+
+async def test_a_row_failed_more_often_than_a_float_can_double_waits_the_longest_backoff(
+    outbox: Store,
+) -> None:
+    """initial * 2 ** 1100 does not fit in a float; the relay must not die of it (a crash
+    after delivering the batch and before marking it would deliver it again and again)."""
+    await insert(outbox, outbox.schema, ["down", "up"])
+    await outbox.pool.execute(
+        f"""UPDATE "{outbox.schema}".outbox SET attempts = 1100 WHERE key = 'down'"""
+    )
+    policy = DeliveryPolicy(max_attempts=100_000, initial_backoff_s=0.5, max_backoff_s=60)
+    relay = Relay(outbox, Receiver(failing={"down"}), policy=policy)
+    assert await relay.run_once() == 1
+    assert (await row(outbox, "up"))["state"] == "sent"
+    down = await row(outbox, "down")
+    assert down["state"] == "pending" and down["attempts"] == 1101
+    wait = await outbox.pool.fetchval(
+        f"""SELECT EXTRACT(EPOCH FROM next_attempt_at - clock_timestamp())
+            FROM "{outbox.schema}".outbox WHERE key = 'down'"""
+    )
+    assert 25 < wait <= 60  # the cap, with jitter
+
+
+def test_the_relay_command_refuses_nonsense_before_connecting() -> None:
+    nowhere = "postgresql://nobody@127.0.0.1:1/none"  # never reached: refused first
+    base = ("relay", "--dsn", nowhere, "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")
+    for bad, complaint in (
+        (("--max-attempts", "0"), "--max-attempts: must be at least 1"),
+        (("--max-attempts", "-1"), "--max-attempts: must be at least 1"),
+        (("--batch-size", "0"), "--batch-size: must be at least 1"),
+        (("--initial-backoff", "nan"), "--initial-backoff: must be a finite number"),
+        (("--max-backoff", "inf"), "--max-backoff: must be a finite number"),
+        (("--lease", "nan"), "--lease: must be a finite number"),
+        (("--sent-retention", "nan"), "--sent-retention: must be a finite number"),
+        (
+            ("--initial-backoff", "10", "--max-backoff", "1"),
+            "--max-backoff (1) must not be smaller than --initial-backoff (10)",
+        ),
+    ):
+        refused = run_cli(*base, *bad)
+        assert refused.returncode == 2, (bad, refused.stderr)
+        assert complaint in refused.stderr, (bad, refused.stderr)
