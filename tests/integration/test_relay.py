@@ -27,6 +27,7 @@ from grpc_idempotency.outbox import (
     CallableSink,
     GrpcSink,
     OutboxMessage,
+    OutboxStore,
     PermanentDeliveryError,
     Relay,
     Sink,
@@ -634,6 +635,70 @@ async def _due(store: Store, key: str) -> bool:
             key,
         )
     )
+
+
+# -- READ COMMITTED whatever the database's default ---------------------------------------------
+
+
+async def test_relays_claim_mark_and_purge_side_by_side_under_a_repeatable_read_default(
+    pg_dsn: str, outbox: Store
+) -> None:
+    """The relay's statements rely on READ COMMITTED (SKIP LOCKED and FOR UPDATE's re-check of a
+    row changed meanwhile); on a role or database whose default is REPEATABLE READ, they must
+    still not fail with serialization errors nor claim a row twice."""
+    keys = [f"rr-{i}" for i in range(1500)]
+    await insert(outbox, outbox.schema, keys)
+    stores = [
+        await Store.connect(
+            pg_dsn,
+            schema=outbox.schema,
+            min_size=2,
+            max_size=2,
+            server_settings={"default_transaction_isolation": "repeatable read"},
+        )
+        for _ in range(3)
+    ]
+    try:
+        isolation = await stores[0].pool.fetchval("SHOW default_transaction_isolation")
+        assert isolation == "repeatable read"
+        claimed: collections.Counter[int] = collections.Counter()
+        errors: list[str] = []
+
+        async def relay(store: Store, name: str) -> None:
+            outbox_store = OutboxStore(store)
+            while True:
+                try:
+                    batch = await outbox_store.claim(relay=name, limit=5, lease_s=30)
+                    if not batch:
+                        return
+                    claimed.update(m.id for m in batch)
+                    await outbox_store.mark_sent(
+                        relay=name, claims=[(m.id, m.attempts) for m in batch]
+                    )
+                except StoreUnavailable as err:
+                    errors.append(str(err))
+                    return
+
+        await asyncio.gather(
+            *(relay(store, f"relay-{i}-{j}") for i, store in enumerate(stores) for j in range(2))
+        )
+        assert errors == []
+        assert len(claimed) == len(keys) and set(claimed.values()) == {1}
+        assert await states(outbox) == {"sent": len(keys)}
+
+        async def purge(store: Store) -> int:
+            try:
+                return await OutboxStore(store).purge_sent(older_than_s=0, batch_size=10)
+            except StoreUnavailable as err:
+                errors.append(str(err))
+                return 0
+
+        purged = await asyncio.gather(*(purge(store) for store in stores for _ in range(2)))
+        assert errors == []
+        assert sum(purged) == len(keys) and await states(outbox) == {}
+    finally:
+        for store in stores:
+            await store.close()
 
 
 # -- the retry policy ---------------------------------------------------------------------------
