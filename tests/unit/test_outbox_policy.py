@@ -93,3 +93,13 @@ def test_the_last_allowed_failure_parks_the_row() -> None:
     assert policy.after_failure(2, 0.5) is not None
     assert policy.after_failure(3, 0.5) is None
     assert policy.after_failure(4, 0.5) is None
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "lost_claims", "parked"),
+    [(1, 0, False), (1, 1, True), (3, 0, False), (3, 2, False), (3, 3, True), (3, 9, True)],
+)
+def test_a_row_is_parked_undelivered_after_max_attempts_lost_claims_in_a_row(
+    max_attempts: int, lost_claims: int, parked: bool
+) -> None:
+    assert DeliveryPolicy(max_attempts=max_attempts).parks_unrecorded(lost_claims) is parked

@@ -5,6 +5,14 @@ re-run of the handler (a retry, a takeover) enqueues nothing new, and every deli
 the same key for the receiver to dedupe. Delivery is at least once: a failed delivery waits an
 exponentially growing, jittered delay; after ``max_attempts`` the row is parked as a dead letter
 so that one poison message does not hold up the rest.
+
+A claim can also end with no outcome at all: the relay died (kill -9, OOM) or stalled past its
+lease while delivering. Such a *lost claim* is not a failed delivery and is counted apart from
+them, because it says nothing about which row of the batch was at fault. A row whose previous
+claim was lost is claimed alone (the store sees to that), so every lost claim after the first is
+its own doing: ``max_attempts`` lost claims in a row park it without delivering it again (its
+delivery is presumed to kill relays), and the rows that shared its first batch are charged
+nothing.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ def message_key(scope: str, parent_key: str, step: Step) -> str:
 class DeliveryPolicy:
     """How a relay retries a failed delivery: exponential backoff with full jitter from
     ``initial_backoff_s`` (growing by ``multiplier`` per failure) up to ``max_backoff_s``, then a
-    dead letter after ``max_attempts`` failed deliveries. Checked when made: ``ValueError``
-    names the first setting out of range."""
+    dead letter after ``max_attempts`` failed deliveries; also after ``max_attempts`` claims in a
+    row that ended with no recorded outcome (see the module's docstring). Checked when made:
+    ``ValueError`` names the first setting out of range."""
 
     max_attempts: int = 10
     initial_backoff_s: float = 0.5
@@ -86,3 +95,9 @@ class DeliveryPolicy:
         except OverflowError:
             return self.max_backoff_s
         return min(self.max_backoff_s, self.initial_backoff_s * growth)
+
+    def parks_unrecorded(self, lost_claims: int) -> bool:
+        """Whether a row whose last ``lost_claims`` claims in a row ended with no recorded
+        outcome is parked without being delivered again: its delivery is presumed to kill (or
+        stall) the relays that try it. All but the first of those claims delivered it alone."""
+        return lost_claims >= self.max_attempts

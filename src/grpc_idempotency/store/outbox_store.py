@@ -12,6 +12,12 @@ Every claim increments ``attempts`` and records the relay as ``claimed_by``; mar
 (``sent``, rescheduled, ``dead``) requires both to be unchanged, so a relay that stalled past its
 lease and was overtaken by another cannot overwrite the newer claim's outcome.
 
+A claim that ended with no outcome leaves ``locked_until`` set (every mark clears it), so a due
+pending row with ``locked_until`` set lost its last claim: the relay died or stalled delivering
+its batch. Such a row is claimed **alone**, and its ``lost_claims`` goes up; a row whose delivery
+kills relays then takes no other row down with it again, and only it runs up lost claims (see
+``core.outbox``). Rows are claimed in due order, lost or not, so neither kind starves the other.
+
 Every statement that locks or changes outbox rows runs in a transaction pinned to READ
 COMMITTED (``BEGIN ISOLATION LEVEL READ COMMITTED``: no session state, safe behind PgBouncer).
 ``SKIP LOCKED`` and the re-check of a row another relay changed meanwhile rely on it: at
@@ -37,7 +43,8 @@ from grpc_idempotency.store.postgres import PooledConnection, Store
 from grpc_idempotency.store.sql import schema_identifier
 
 _SELECT_MESSAGE = (
-    "o.id, o.scope, o.key, o.step, o.method, o.payload_type, o.payload, o.attempts, o.created_at"
+    "o.id, o.scope, o.key, o.step, o.method, o.payload_type, o.payload, o.attempts, o.failures,"
+    " o.lost_claims, o.created_at"
 )
 
 
@@ -61,6 +68,11 @@ class OutboxMessage:
     attempts: int
     """Deliveries of this row begun so far, this one included: 1 on the first delivery."""
     created_at: datetime
+    failures: int = 0
+    """Failed deliveries of this row recorded so far (claims lost with their relay excluded)."""
+    lost_claims: int = 0
+    """Claims of this row in a row, just before this one, that ended with no recorded outcome
+    (their relay died or stalled past its lease). When positive, this row was claimed alone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,19 +115,34 @@ class OutboxStatements:
         # is due again exactly when the lease ends. In READ COMMITTED, FOR UPDATE re-checks the
         # WHERE clause against the newest version of a row that another relay claimed (and
         # committed) meanwhile, so a row is never claimed twice within one lease.
+        #
+        # The first due row decides: lost (its locked_until still set), it is taken alone;
+        # otherwise up to $1 due rows that are not lost are. A lost row behind the head waits
+        # for a claim of its own, which it gets once the rows before it in due order are
+        # claimed: no kind of row starves the other. Only the rows taken (and the head) are
+        # locked, so a relay claiming at the same time takes the next rows, lost or not.
         self.claim = f"""
             WITH lease AS (SELECT clock_timestamp() + make_interval(secs => $2) AS until),
-            due AS (
-                SELECT id FROM {s}.outbox
+            head AS (
+                SELECT id, locked_until IS NOT NULL AS lost FROM {s}.outbox
                 WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()
                 ORDER BY next_attempt_at, id
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED),
+            batch AS (
+                SELECT id FROM {s}.outbox
+                WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()
+                  AND locked_until IS NULL AND NOT EXISTS (SELECT FROM head WHERE lost)
+                ORDER BY next_attempt_at, id
                 LIMIT $1
-                FOR UPDATE SKIP LOCKED)
+                FOR UPDATE SKIP LOCKED),
+            taken AS (SELECT id FROM head WHERE lost UNION ALL SELECT id FROM batch)
             UPDATE {s}.outbox o
             SET attempts = o.attempts + 1, claimed_by = $3,
+                lost_claims = CASE WHEN o.locked_until IS NULL THEN 0 ELSE o.lost_claims + 1 END,
                 locked_until = lease.until, next_attempt_at = lease.until
-            FROM due, lease
-            WHERE o.id = due.id
+            FROM taken, lease
+            WHERE o.id = taken.id
             RETURNING {_SELECT_MESSAGE}"""
         # $1 ids, $2 attempts (the claim's), $3 relay name.
         self.mark_sent = f"""
@@ -129,6 +156,7 @@ class OutboxStatements:
         self.mark_failed = f"""
             UPDATE {s}.outbox o
             SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
+                failures = o.failures + 1,
                 next_attempt_at = clock_timestamp()
                     + make_interval(secs => COALESCE(f.delay_s, 0)),
                 locked_until = NULL,
@@ -164,11 +192,12 @@ class OutboxStatements:
             SELECT id, scope, key, step, method, payload_type, attempts, last_error, created_at,
                    next_attempt_at AS dead_since, claimed_by
             FROM {s}.outbox WHERE state = 'dead' ORDER BY id LIMIT $1"""
-        # $1 ids, or NULL for every dead row. Back to pending, due now, attempts from zero;
-        # last_error stays as a record of why it died.
+        # $1 ids, or NULL for every dead row. Back to pending, due now, attempts (and the
+        # failures and lost claims) from zero; last_error stays as a record of why it died.
         self.retry_dead = f"""
             UPDATE {s}.outbox
-            SET state = 'pending', attempts = 0, next_attempt_at = clock_timestamp(),
+            SET state = 'pending', attempts = 0, failures = 0, lost_claims = 0,
+                next_attempt_at = clock_timestamp(),
                 locked_until = NULL, claimed_by = NULL
             WHERE state = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))"""
         self.notify = "SELECT pg_notify($1, '')"
@@ -255,6 +284,8 @@ class OutboxStore:
                 payload=bytes(r["payload"]),
                 attempts=r["attempts"],
                 created_at=r["created_at"],
+                failures=r["failures"],
+                lost_claims=r["lost_claims"],
             )
             for r in rows
         ]
