@@ -386,20 +386,20 @@ class Relay:
                         outcome.error,
                     )
         # An outcome that cannot be recorded (the database fails here) leaves the rows claimed:
-        # they are delivered again when the lease expires.
+        # they are delivered again when the lease expires. The rows marked sent before such a
+        # failure are delivered all the same, and counted so.
+        delivered = retried = dead = 0
         try:
             delivered = await self.outbox.mark_sent(relay=self.name, claims=sent)
             retried, dead = await self.outbox.mark_failed(relay=self.name, failures=failures)
-        except StoreUnavailable:
-            self.stats.unrecorded += len(sent) + len(failures)
-            raise
-        self.stats.unrecorded += len(messages) - delivered - retried - dead
-        self.stats.delivered += delivered
-        self.stats.retried += retried
-        self.stats.dead += dead
-        for outcome_name, count in (("sent", delivered), ("retry", retried), ("dead", dead)):
-            if count:
-                self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome_name})
+        finally:
+            self.stats.unrecorded += len(messages) - delivered - retried - dead
+            self.stats.delivered += delivered
+            self.stats.retried += retried
+            self.stats.dead += dead
+            for outcome_name, count in (("sent", delivered), ("retry", retried), ("dead", dead)):
+                if count:
+                    self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome_name})
         return _Batch(
             claimed=len(messages), delivered=delivered, retried=retried, dead=dead, alone=alone
         )

@@ -851,6 +851,30 @@ async def test_relays_claim_mark_and_purge_side_by_side_under_a_repeatable_read_
             await store.close()
 
 
+# -- outcomes recorded in part ------------------------------------------------------------------
+
+
+async def test_rows_marked_sent_count_as_delivered_when_recording_the_failures_fails(
+    outbox: Store,
+) -> None:
+    # A trigger of this test's schema fails the statement that records failed deliveries (a
+    # claimed row going back to pending), as an outage between the two marks would.
+    await outbox.pool.execute(
+        f"""CREATE FUNCTION "{outbox.schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN RAISE EXCEPTION 'down (test)' USING ERRCODE = '57P03'; END $$;
+            CREATE TRIGGER refuse BEFORE UPDATE ON "{outbox.schema}".outbox FOR EACH ROW
+            WHEN (OLD.locked_until IS NOT NULL AND NEW.state = 'pending')
+            EXECUTE FUNCTION "{outbox.schema}".refuse()"""
+    )
+    await insert(outbox, outbox.schema, ["good", "bad"])
+    relay = Relay(outbox, Receiver(failing={"bad"}))
+    with pytest.raises(StoreUnavailable):
+        await relay.run_once()
+    assert (await row(outbox, "good"))["state"] == "sent"
+    assert relay.stats.delivered == 1 and relay.stats.unrecorded == 1
+    assert relay.stats.claimed == 2 and relay.stats.retried == 0
+
+
 # -- the retry policy ---------------------------------------------------------------------------
 
 
