@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -292,7 +293,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--batch-size",
-        type=int,
+        type=_at_least_one,
         default=100,
         metavar="N",
         help="rows claimed at a time (default: %(default)s)",
@@ -315,7 +316,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--max-attempts",
-        type=int,
+        type=_at_least_one,
         default=10,
         metavar="N",
         help="failed deliveries before a row is parked as a dead letter (default: %(default)s)",
@@ -337,7 +338,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--sent-retention",
-        type=float,
+        type=_finite,
         default=86400.0,
         metavar="SECONDS",
         help="purge sent rows older than this (default: %(default)s; negative: keep them)",
@@ -377,7 +378,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     with_store(dead)
     dead.add_argument(
         "--limit",
-        type=int,
+        type=_at_least_one,
         default=1000,
         metavar="N",
         help="list at most this many, by id (default: %(default)s)",
@@ -406,7 +407,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     purge_dead.add_argument(
         "--batch-size",
-        type=int,
+        type=_at_least_one,
         default=1000,
         metavar="N",
         help="rows deleted per transaction (default: %(default)s)",
@@ -422,7 +423,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     purge_sent.add_argument(
         "--batch-size",
-        type=int,
+        type=_at_least_one,
         default=1000,
         metavar="N",
         help="rows deleted per transaction (default: %(default)s)",
@@ -439,14 +440,46 @@ def _header(text: str) -> tuple[str, str]:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    value = _finite(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text}")
     return value
 
 
+def _finite(text: str) -> float:
+    # float() reads "nan" and "inf" too; neither is a number of seconds.
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number: {text}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses what no single relay argument shows to be wrong, before connecting to anything
+    and with exit code 2, as argparse does for a bad argument. (Each argument's own range is
+    its type's; DeliveryPolicy and Relay check the same again for Python callers.)"""
+    if args.max_backoff < args.initial_backoff:
+        parser.error(
+            f"relay: --max-backoff ({args.max_backoff:g}) must not be smaller than"
+            f" --initial-backoff ({args.initial_backoff:g})"
+        )
+
+
 def _not_negative(text: str) -> float:
-    value = float(text)
+    value = _finite(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative: {text}")
     return value
@@ -727,7 +760,10 @@ def _log_warnings() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "relay":
+        _check_relay(parser, args)
     if args.command == "include-path":
         from grpc_idempotency import proto_include
 

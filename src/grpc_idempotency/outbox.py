@@ -15,7 +15,10 @@ delivery, so receivers dedupe on it. The relay:
   ``policy.max_attempts`` or at once on ``PermanentDeliveryError``, parked as ``dead`` with its
   last error (``grpc-idempotency outbox dead|retry|purge-dead``);
 - a relay that dies between delivering and marking leaves the row claimed: it is due again when
-  the lease expires, and delivered again;
+  the lease expires, and delivered again. Such a lost claim is not a failed delivery: the rows
+  of the batch are each claimed and delivered **alone** next time, so a row whose delivery kills
+  the relay takes no other row with it again, and only it counts lost claims; after
+  ``policy.max_attempts`` of them in a row it is parked without another delivery;
 - **wakes** on ``LISTEN <schema>_outbox`` (the outbox's insert trigger notifies it) on a
   connection of its own, reconnecting when it drops, and also polls every ``poll_interval``
   seconds (or sooner, when a retry falls due). LISTEN needs a session of its own: behind
@@ -208,6 +211,12 @@ class _Batch:
     delivered: int = 0
     retried: int = 0
     dead: int = 0
+    alone: bool = False
+    """A row claimed alone because its previous claim was lost: more may be due behind it."""
+
+    def more_due(self, batch_size: int) -> bool:
+        """Whether more rows are probably due now (claim again at once)."""
+        return self.claimed >= batch_size or self.alone
 
 
 _SENT = "sent"
@@ -325,7 +334,7 @@ class Relay:
         while True:
             batch = await self._batch()
             total += batch.delivered
-            if batch.claimed < self.batch_size:
+            if not batch.more_due(self.batch_size):
                 return total
 
     async def _batch(self) -> _Batch:
@@ -336,6 +345,7 @@ class Relay:
         if not messages:
             return _Batch()
         self.stats.claimed += len(messages)
+        alone = messages[0].lost_claims > 0  # the claim takes a lost row alone
         outcomes = await asyncio.gather(*(self._deliver(m) for m in messages))
         sent: list[tuple[int, int]] = []
         failures: list[Failure] = []
@@ -343,10 +353,12 @@ class Relay:
             if outcome == _SENT:
                 sent.append((message.id, message.attempts))
             elif isinstance(outcome, _Failed):
+                # Counted: failed deliveries on record, this one included; not the claims lost
+                # with a relay that died delivering this row's batch.
                 delay = (
                     None
                     if outcome.permanent
-                    else self.policy.after_failure(message.attempts, self._random.random())
+                    else self.policy.after_failure(message.failures + 1, self._random.random())
                 )
                 failures.append(
                     Failure(
@@ -358,7 +370,7 @@ class Relay:
                 )
                 if delay is None:
                     log.warning(
-                        "outbox row %d (%s, key %s) is a dead letter after %d attempt(s): %s",
+                        "outbox row %d (%s, key %s) is a dead letter after %d claim(s): %s",
                         message.id,
                         message.step,
                         message.key,
@@ -374,30 +386,32 @@ class Relay:
                         outcome.error,
                     )
         # An outcome that cannot be recorded (the database fails here) leaves the rows claimed:
-        # they are delivered again when the lease expires.
+        # they are delivered again when the lease expires. The rows marked sent before such a
+        # failure are delivered all the same, and counted so.
+        delivered = retried = dead = 0
         try:
             delivered = await self.outbox.mark_sent(relay=self.name, claims=sent)
             retried, dead = await self.outbox.mark_failed(relay=self.name, failures=failures)
-        except StoreUnavailable:
-            self.stats.unrecorded += len(sent) + len(failures)
-            raise
-        self.stats.unrecorded += len(messages) - delivered - retried - dead
-        self.stats.delivered += delivered
-        self.stats.retried += retried
-        self.stats.dead += dead
-        for outcome_name, count in (("sent", delivered), ("retry", retried), ("dead", dead)):
-            if count:
-                self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome_name})
-        return _Batch(claimed=len(messages), delivered=delivered, retried=retried, dead=dead)
+        finally:
+            self.stats.unrecorded += len(messages) - delivered - retried - dead
+            self.stats.delivered += delivered
+            self.stats.retried += retried
+            self.stats.dead += dead
+            for outcome_name, count in (("sent", delivered), ("retry", retried), ("dead", dead)):
+                if count:
+                    self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome_name})
+        return _Batch(
+            claimed=len(messages), delivered=delivered, retried=retried, dead=dead, alone=alone
+        )
 
     async def _deliver(self, message: OutboxMessage) -> str | _Failed:
-        if message.attempts > self.policy.max_attempts:
-            # Every claim counts an attempt, and recorded failures dead-letter at max_attempts:
-            # a row claimed more often than that ended its claims without any outcome, as when
-            # delivering it kills the relay. Park it rather than let it kill relays forever.
+        if self.policy.parks_unrecorded(message.lost_claims):
+            # Its last claims all ended without an outcome, every one but the first with the
+            # row alone in its batch: delivering it kills (or stalls) the relay. Park it rather
+            # than let it kill relays forever.
             return _Failed(
-                f"claimed {message.attempts} times with no recorded outcome (does delivering it"
-                " crash the relay?)",
+                f"claimed {message.lost_claims} times in a row with no recorded outcome (does"
+                " delivering it crash the relay?)",
                 permanent=True,
             )
         try:
@@ -463,7 +477,7 @@ class Relay:
                 self._wake.clear()
                 try:
                     batch = await self._batch()
-                    wait = 0.0 if batch.claimed >= self.batch_size else await self._idle_wait(batch)
+                    wait = 0.0 if batch.more_due(self.batch_size) else await self._idle_wait(batch)
                     outage = 0
                 except StoreUnavailable as err:
                     outage += 1

@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 
 import asyncpg
 import grpc
@@ -27,11 +28,13 @@ from grpc_idempotency.outbox import (
     CallableSink,
     GrpcSink,
     OutboxMessage,
+    OutboxStore,
     PermanentDeliveryError,
     Relay,
     Sink,
     forward_scope,
 )
+from tests.e2e.procs import SIGKILLED, ServiceProcess
 from tests.support.ledger import RunningLedger, ledger_rows
 from tests.support.schemas import fresh_store
 from tests.support.tools import run_cli
@@ -634,3 +637,286 @@ async def _due(store: Store, key: str) -> bool:
             key,
         )
     )
+
+
+# -- lost claims: a row whose delivery kills the relay ------------------------------------------
+
+RECEIVER_METHOD = "/test.Receiver/Deliver"
+
+
+class KillingReceiver:
+    """A gRPC receiver that kills the relay process delivering ``crasher`` (SIGKILL, as the OOM
+    killer would) before answering it, and answers every other message OK."""
+
+    def __init__(self, crasher: str) -> None:
+        self.crasher = crasher
+        self.relay: ServiceProcess | None = None
+        self.kills = 0
+        self.answered: collections.Counter[str] = collections.Counter()
+
+    async def deliver(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        key = str(dict(context.invocation_metadata())["idempotency-key"])
+        if key == self.crasher and self.relay is not None:
+            self.kills += 1
+            self.relay.kill()
+            await self.relay.wait()  # never answered (gRPC cancels this call as the relay dies)
+            return b""
+        self.answered[key] += 1
+        return b""
+
+
+@contextlib.asynccontextmanager
+async def serving(receiver: KillingReceiver) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(receiver.deliver)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("test.Receiver", {"Deliver": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def test_a_row_whose_delivery_kills_the_relay_is_parked_alone_and_its_batch_is_delivered(
+    pg_dsn: str, outbox: Store, tmp_path: Path
+) -> None:
+    """Relay processes are killed (-9) whenever they deliver one row. Its batch-mates lose that
+    claim with it, and are then each claimed alone and delivered; only the crasher counts lost
+    claims, and it alone is parked after max_attempts of them (here 2)."""
+    crasher, innocents = "crasher", [f"innocent-{i}" for i in range(3)]
+    await insert(outbox, outbox.schema, [crasher, *innocents])  # the crasher first, by id
+    receiver = KillingReceiver(crasher)
+    relays: list[ServiceProcess] = []
+    async with serving(receiver) as target:
+        try:
+            for n in range(1, 6):
+                relay = ServiceProcess(
+                    [
+                        "-m", "grpc_idempotency.cli", "relay",
+                        "--dsn", pg_dsn, "--schema", outbox.schema,
+                        "--grpc-target", target, "--method", RECEIVER_METHOD,
+                        "--lease", "1", "--timeout", "0.4", "--poll-interval", "30",
+                        "--max-attempts", "2", "--batch-size", "10", "--name", f"relay-{n}",
+                    ],
+                    ready="ready:",
+                    log_dir=tmp_path,
+                    name=f"relay-{n}",
+                )  # fmt: skip
+                relays.append(relay)
+                receiver.relay = relay
+                await relay.start()
+
+                async def killed_or_settled(relay: ServiceProcess = relay) -> bool:
+                    return relay.returncode is not None or "pending" not in await states(outbox)
+
+                await until("the relay to die or settle every row", killed_or_settled, WAIT_S)
+                if relay.returncode is None:
+                    break
+                assert relay.returncode == SIGKILLED, relay.logs()
+            survivor = relays[-1]
+            await survivor.stop()
+            assert survivor.returncode == 0, survivor.logs()
+        finally:
+            for relay in relays:
+                await relay.stop()
+
+    # The crasher was delivered twice (first with its batch, then alone) and parked untried.
+    assert receiver.kills == 2 and len(relays) == 3
+    parked = await row(outbox, crasher)
+    assert parked["state"] == "dead", parked
+    assert parked["attempts"] == 3 and parked["lost_claims"] == 2 and parked["failures"] == 1
+    assert "claimed 2 times in a row with no recorded outcome" in str(parked["last_error"])
+    # Its batch-mates lost one claim with it, were claimed alone, delivered and marked sent.
+    for key in innocents:
+        sent_row = await row(outbox, key)
+        assert sent_row["state"] == "sent", sent_row
+        assert sent_row["failures"] == 0 and sent_row["lost_claims"] == 1
+        assert receiver.answered[key] >= 1
+    assert "stopped: delivered 3, retried 0, dead 1" in survivor.logs()
+
+
+async def test_the_rows_of_a_lost_claim_are_claimed_one_by_one_in_due_order(outbox: Store) -> None:
+    store = OutboxStore(outbox)
+    lost_ids = await insert(outbox, outbox.schema, [f"lost-{i}" for i in range(4)])
+    lost = await store.claim(relay="dead-relay", limit=10, lease_s=0.2)  # and it dies
+    assert [m.id for m in lost] == lost_ids and {m.lost_claims for m in lost} == {0}
+    await until("the lost claim's lease to end", lambda: due_now(store), timeout=WAIT_S)
+    fresh_ids = await insert(outbox, outbox.schema, ["fresh-0", "fresh-1"])  # due after them
+
+    # Two relays claiming at once take one lost row each (no row twice, no batch of them).
+    first, second = await asyncio.gather(
+        store.claim(relay="relay-a", limit=10, lease_s=30),
+        store.claim(relay="relay-b", limit=10, lease_s=30),
+    )
+    assert len(first) == len(second) == 1
+    assert {first[0].id, second[0].id} == set(lost_ids[:2])
+    assert first[0].lost_claims == 1 and first[0].attempts == 2
+    for lost_id in lost_ids[2:]:  # then the others, alone, before the fresh rows behind them
+        (alone,) = await store.claim(relay="relay-a", limit=10, lease_s=30)
+        assert alone.id == lost_id and alone.lost_claims == 1
+    batch = await store.claim(relay="relay-a", limit=10, lease_s=30)
+    assert [m.id for m in batch] == fresh_ids and {m.lost_claims for m in batch} == {0}
+    assert await store.claim(relay="relay-a", limit=10, lease_s=30) == []
+    # The dead relay's claims are fenced off: it cannot record anything for them now.
+    assert await store.mark_sent(relay="dead-relay", claims=[(i, 1) for i in lost_ids]) == 0
+
+
+async def test_a_lost_row_goes_first_and_alone_and_the_relay_goes_on_at_once(
+    outbox: Store,
+) -> None:
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["lost"])
+    await store.claim(relay="dead-relay", limit=10, lease_s=0.2)
+    await until("the lost claim's lease to end", lambda: due_now(store), timeout=WAIT_S)
+    # Rows enqueued since are due after the lost row: it is not passed over for them. Its
+    # claim of one is not a short batch: drain() goes on with the rest.
+    later = [f"later-{i}" for i in range(5)]
+    await insert(outbox, outbox.schema, later)
+    batches: list[tuple[int, str]] = []
+    relay: Relay
+
+    async def deliver(message: OutboxMessage) -> None:
+        batches.append((relay.stats.batches, message.key))  # counted when claimed
+
+    relay = Relay(outbox, CallableSink(deliver), batch_size=2)
+    assert await relay.drain() == 6
+    grouped = [sorted(k for n, k in batches if n == batch) for batch in (1, 2, 3, 4)]
+    assert grouped == [["lost"], later[0:2], later[2:4], later[4:]]
+
+
+# -- READ COMMITTED whatever the database's default ---------------------------------------------
+
+
+async def test_relays_claim_mark_and_purge_side_by_side_under_a_repeatable_read_default(
+    pg_dsn: str, outbox: Store
+) -> None:
+    """The relay's statements rely on READ COMMITTED (SKIP LOCKED and FOR UPDATE's re-check of a
+    row changed meanwhile); on a role or database whose default is REPEATABLE READ, they must
+    still not fail with serialization errors nor claim a row twice."""
+    keys = [f"rr-{i}" for i in range(1500)]
+    await insert(outbox, outbox.schema, keys)
+    stores = [
+        await Store.connect(
+            pg_dsn,
+            schema=outbox.schema,
+            min_size=2,
+            max_size=2,
+            server_settings={"default_transaction_isolation": "repeatable read"},
+        )
+        for _ in range(3)
+    ]
+    try:
+        isolation = await stores[0].pool.fetchval("SHOW default_transaction_isolation")
+        assert isolation == "repeatable read"
+        claimed: collections.Counter[int] = collections.Counter()
+        errors: list[str] = []
+
+        async def relay(store: Store, name: str) -> None:
+            outbox_store = OutboxStore(store)
+            while True:
+                try:
+                    batch = await outbox_store.claim(relay=name, limit=5, lease_s=30)
+                    if not batch:
+                        return
+                    claimed.update(m.id for m in batch)
+                    await outbox_store.mark_sent(
+                        relay=name, claims=[(m.id, m.attempts) for m in batch]
+                    )
+                except StoreUnavailable as err:
+                    errors.append(str(err))
+                    return
+
+        await asyncio.gather(
+            *(relay(store, f"relay-{i}-{j}") for i, store in enumerate(stores) for j in range(2))
+        )
+        assert errors == []
+        assert len(claimed) == len(keys) and set(claimed.values()) == {1}
+        assert await states(outbox) == {"sent": len(keys)}
+
+        async def purge(store: Store) -> int:
+            try:
+                return await OutboxStore(store).purge_sent(older_than_s=0, batch_size=10)
+            except StoreUnavailable as err:
+                errors.append(str(err))
+                return 0
+
+        purged = await asyncio.gather(*(purge(store) for store in stores for _ in range(2)))
+        assert errors == []
+        assert sum(purged) == len(keys) and await states(outbox) == {}
+    finally:
+        for store in stores:
+            await store.close()
+
+
+# -- outcomes recorded in part ------------------------------------------------------------------
+
+
+async def test_rows_marked_sent_count_as_delivered_when_recording_the_failures_fails(
+    outbox: Store,
+) -> None:
+    # A trigger of this test's schema fails the statement that records failed deliveries (a
+    # claimed row going back to pending), as an outage between the two marks would.
+    await outbox.pool.execute(
+        f"""CREATE FUNCTION "{outbox.schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN RAISE EXCEPTION 'down (test)' USING ERRCODE = '57P03'; END $$;
+            CREATE TRIGGER refuse BEFORE UPDATE ON "{outbox.schema}".outbox FOR EACH ROW
+            WHEN (OLD.locked_until IS NOT NULL AND NEW.state = 'pending')
+            EXECUTE FUNCTION "{outbox.schema}".refuse()"""
+    )
+    await insert(outbox, outbox.schema, ["good", "bad"])
+    relay = Relay(outbox, Receiver(failing={"bad"}))
+    with pytest.raises(StoreUnavailable):
+        await relay.run_once()
+    assert (await row(outbox, "good"))["state"] == "sent"
+    assert relay.stats.delivered == 1 and relay.stats.unrecorded == 1
+    assert relay.stats.claimed == 2 and relay.stats.retried == 0
+
+
+# -- the retry policy ---------------------------------------------------------------------------
+
+
+async def test_a_row_failed_more_often_than_a_float_can_double_waits_the_longest_backoff(
+    outbox: Store,
+) -> None:
+    """initial * 2 ** 1100 does not fit in a float; the relay must not die of it (a crash
+    after delivering the batch and before marking it would deliver it again and again)."""
+    await insert(outbox, outbox.schema, ["down", "up"])
+    await outbox.pool.execute(
+        f"""UPDATE "{outbox.schema}".outbox SET attempts = 1100, failures = 1100
+            WHERE key = 'down'"""
+    )
+    policy = DeliveryPolicy(max_attempts=100_000, initial_backoff_s=0.5, max_backoff_s=60)
+    relay = Relay(outbox, Receiver(failing={"down"}), policy=policy)
+    assert await relay.run_once() == 1
+    assert (await row(outbox, "up"))["state"] == "sent"
+    down = await row(outbox, "down")
+    assert down["state"] == "pending" and down["failures"] == 1101
+    wait = await outbox.pool.fetchval(
+        f"""SELECT EXTRACT(EPOCH FROM next_attempt_at - clock_timestamp())
+            FROM "{outbox.schema}".outbox WHERE key = 'down'"""
+    )
+    assert 25 < wait <= 60  # the cap, with jitter
+
+
+def test_the_relay_command_refuses_nonsense_before_connecting() -> None:
+    nowhere = "postgresql://nobody@127.0.0.1:1/none"  # never reached: refused first
+    base = ("relay", "--dsn", nowhere, "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")
+    for bad, complaint in (
+        (("--max-attempts", "0"), "--max-attempts: must be at least 1"),
+        (("--max-attempts", "-1"), "--max-attempts: must be at least 1"),
+        (("--batch-size", "0"), "--batch-size: must be at least 1"),
+        (("--initial-backoff", "nan"), "--initial-backoff: must be a finite number"),
+        (("--max-backoff", "inf"), "--max-backoff: must be a finite number"),
+        (("--lease", "nan"), "--lease: must be a finite number"),
+        (("--sent-retention", "nan"), "--sent-retention: must be a finite number"),
+        (
+            ("--initial-backoff", "10", "--max-backoff", "1"),
+            "--max-backoff (1) must not be smaller than --initial-backoff (10)",
+        ),
+    ):
+        refused = run_cli(*base, *bad)
+        assert refused.returncode == 2, (bad, refused.stderr)
+        assert complaint in refused.stderr, (bad, refused.stderr)

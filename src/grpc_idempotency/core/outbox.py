@@ -5,10 +5,19 @@ re-run of the handler (a retry, a takeover) enqueues nothing new, and every deli
 the same key for the receiver to dedupe. Delivery is at least once: a failed delivery waits an
 exponentially growing, jittered delay; after ``max_attempts`` the row is parked as a dead letter
 so that one poison message does not hold up the rest.
+
+A claim can also end with no outcome at all: the relay died (kill -9, OOM) or stalled past its
+lease while delivering. Such a *lost claim* is not a failed delivery and is counted apart from
+them, because it says nothing about which row of the batch was at fault. A row whose previous
+claim was lost is claimed alone (the store sees to that), so every lost claim after the first is
+its own doing: ``max_attempts`` lost claims in a row park it without delivering it again (its
+delivery is presumed to kill relays), and the rows that shared its first batch are charged
+nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -41,7 +50,10 @@ def message_key(scope: str, parent_key: str, step: Step) -> str:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeliveryPolicy:
     """How a relay retries a failed delivery: exponential backoff with full jitter from
-    ``initial_backoff_s`` up to ``max_backoff_s``, then a dead letter after ``max_attempts``."""
+    ``initial_backoff_s`` (growing by ``multiplier`` per failure) up to ``max_backoff_s``, then a
+    dead letter after ``max_attempts`` failed deliveries; also after ``max_attempts`` claims in a
+    row that ended with no recorded outcome (see the module's docstring). Checked when made:
+    ``ValueError`` names the first setting out of range."""
 
     max_attempts: int = 10
     initial_backoff_s: float = 0.5
@@ -49,17 +61,43 @@ class DeliveryPolicy:
     multiplier: float = 2.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ValueError(f"max_attempts must be an integer, not {self.max_attempts!r}")
         if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
-            raise ValueError("backoffs must be positive, and max_backoff_s >= initial_backoff_s")
+            raise ValueError(f"max_attempts must be at least 1, not {self.max_attempts}")
+        # `not x > 0` rather than `x <= 0`: NaN compares false both ways and must be refused.
+        if not (math.isfinite(self.initial_backoff_s) and self.initial_backoff_s > 0):
+            raise ValueError(
+                f"initial_backoff_s must be a positive number of seconds,"
+                f" not {self.initial_backoff_s!r}"
+            )
+        if not (math.isfinite(self.max_backoff_s) and self.max_backoff_s >= self.initial_backoff_s):
+            raise ValueError(
+                f"max_backoff_s must be a number of seconds no smaller than initial_backoff_s"
+                f" ({self.initial_backoff_s:g}), not {self.max_backoff_s!r}"
+            )
+        if not (math.isfinite(self.multiplier) and self.multiplier >= 1):
+            raise ValueError(f"multiplier must be a number >= 1, not {self.multiplier!r}")
 
     def after_failure(self, attempts: int, jitter: float) -> float | None:
         """Seconds until the next delivery after ``attempts`` failed ones, or ``None``: park the
         row as a dead letter. ``jitter`` in [0, 1) spreads retries (half fixed, half random)."""
         if attempts >= self.max_attempts:
             return None
-        ceiling = min(
-            self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempts - 1)
-        )
-        return ceiling * (0.5 + jitter / 2)
+        return self._ceiling(attempts - 1) * (0.5 + jitter / 2)
+
+    def _ceiling(self, steps: int) -> float:
+        # multiplier ** steps overflows a float (OverflowError) past ~1000 steps at 2.0, and a
+        # policy may allow that many attempts: past that point the ceiling is the cap. (A
+        # product that overflows to inf without raising is capped by min() just the same.)
+        try:
+            growth = self.multiplier ** max(steps, 0)
+        except OverflowError:
+            return self.max_backoff_s
+        return min(self.max_backoff_s, self.initial_backoff_s * growth)
+
+    def parks_unrecorded(self, lost_claims: int) -> bool:
+        """Whether a row whose last ``lost_claims`` claims in a row ended with no recorded
+        outcome is parked without being delivered again: its delivery is presumed to kill (or
+        stall) the relays that try it. All but the first of those claims delivered it alone."""
+        return lost_claims >= self.max_attempts

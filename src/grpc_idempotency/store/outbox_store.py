@@ -12,6 +12,19 @@ Every claim increments ``attempts`` and records the relay as ``claimed_by``; mar
 (``sent``, rescheduled, ``dead``) requires both to be unchanged, so a relay that stalled past its
 lease and was overtaken by another cannot overwrite the newer claim's outcome.
 
+A claim that ended with no outcome leaves ``locked_until`` set (every mark clears it), so a due
+pending row with ``locked_until`` set lost its last claim: the relay died or stalled delivering
+its batch. Such a row is claimed **alone**, and its ``lost_claims`` goes up; a row whose delivery
+kills relays then takes no other row down with it again, and only it runs up lost claims (see
+``core.outbox``). Rows are claimed in due order, lost or not, so neither kind starves the other.
+
+Every statement that locks or changes outbox rows runs in a transaction pinned to READ
+COMMITTED (``BEGIN ISOLATION LEVEL READ COMMITTED``: no session state, safe behind PgBouncer).
+``SKIP LOCKED`` and the re-check of a row another relay changed meanwhile rely on it: at
+REPEATABLE READ (a database or role whose ``default_transaction_isolation`` says so) a row
+claimed, marked or deleted by another relay since the statement began is a serialization
+failure (40001), which a relay would take for an outage.
+
 The database's clock (``clock_timestamp()``) decides every time: due, lease, retention.
 """
 
@@ -19,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -30,7 +43,8 @@ from grpc_idempotency.store.postgres import PooledConnection, Store
 from grpc_idempotency.store.sql import schema_identifier
 
 _SELECT_MESSAGE = (
-    "o.id, o.scope, o.key, o.step, o.method, o.payload_type, o.payload, o.attempts, o.created_at"
+    "o.id, o.scope, o.key, o.step, o.method, o.payload_type, o.payload, o.attempts, o.failures,"
+    " o.lost_claims, o.created_at"
 )
 
 
@@ -54,6 +68,11 @@ class OutboxMessage:
     attempts: int
     """Deliveries of this row begun so far, this one included: 1 on the first delivery."""
     created_at: datetime
+    failures: int = 0
+    """Failed deliveries of this row recorded so far (claims lost with their relay excluded)."""
+    lost_claims: int = 0
+    """Claims of this row in a row, just before this one, that ended with no recorded outcome
+    (their relay died or stalled past its lease). When positive, this row was claimed alone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,19 +115,34 @@ class OutboxStatements:
         # is due again exactly when the lease ends. In READ COMMITTED, FOR UPDATE re-checks the
         # WHERE clause against the newest version of a row that another relay claimed (and
         # committed) meanwhile, so a row is never claimed twice within one lease.
+        #
+        # The first due row decides: lost (its locked_until still set), it is taken alone;
+        # otherwise up to $1 due rows that are not lost are. A lost row behind the head waits
+        # for a claim of its own, which it gets once the rows before it in due order are
+        # claimed: no kind of row starves the other. Only the rows taken (and the head) are
+        # locked, so a relay claiming at the same time takes the next rows, lost or not.
         self.claim = f"""
             WITH lease AS (SELECT clock_timestamp() + make_interval(secs => $2) AS until),
-            due AS (
-                SELECT id FROM {s}.outbox
+            head AS (
+                SELECT id, locked_until IS NOT NULL AS lost FROM {s}.outbox
                 WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()
                 ORDER BY next_attempt_at, id
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED),
+            batch AS (
+                SELECT id FROM {s}.outbox
+                WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()
+                  AND locked_until IS NULL AND NOT EXISTS (SELECT FROM head WHERE lost)
+                ORDER BY next_attempt_at, id
                 LIMIT $1
-                FOR UPDATE SKIP LOCKED)
+                FOR UPDATE SKIP LOCKED),
+            taken AS (SELECT id FROM head WHERE lost UNION ALL SELECT id FROM batch)
             UPDATE {s}.outbox o
             SET attempts = o.attempts + 1, claimed_by = $3,
+                lost_claims = CASE WHEN o.locked_until IS NULL THEN 0 ELSE o.lost_claims + 1 END,
                 locked_until = lease.until, next_attempt_at = lease.until
-            FROM due, lease
-            WHERE o.id = due.id
+            FROM taken, lease
+            WHERE o.id = taken.id
             RETURNING {_SELECT_MESSAGE}"""
         # $1 ids, $2 attempts (the claim's), $3 relay name.
         self.mark_sent = f"""
@@ -122,6 +156,7 @@ class OutboxStatements:
         self.mark_failed = f"""
             UPDATE {s}.outbox o
             SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
+                failures = o.failures + 1,
                 next_attempt_at = clock_timestamp()
                     + make_interval(secs => COALESCE(f.delay_s, 0)),
                 locked_until = NULL,
@@ -157,11 +192,12 @@ class OutboxStatements:
             SELECT id, scope, key, step, method, payload_type, attempts, last_error, created_at,
                    next_attempt_at AS dead_since, claimed_by
             FROM {s}.outbox WHERE state = 'dead' ORDER BY id LIMIT $1"""
-        # $1 ids, or NULL for every dead row. Back to pending, due now, attempts from zero;
-        # last_error stays as a record of why it died.
+        # $1 ids, or NULL for every dead row. Back to pending, due now, attempts (and the
+        # failures and lost claims) from zero; last_error stays as a record of why it died.
         self.retry_dead = f"""
             UPDATE {s}.outbox
-            SET state = 'pending', attempts = 0, next_attempt_at = clock_timestamp(),
+            SET state = 'pending', attempts = 0, failures = 0, lost_claims = 0,
+                next_attempt_at = clock_timestamp(),
                 locked_until = NULL, claimed_by = NULL
             WHERE state = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))"""
         self.notify = "SELECT pg_notify($1, '')"
@@ -235,7 +271,7 @@ class OutboxStore:
 
     async def claim(self, *, relay: str, limit: int, lease_s: float) -> list[OutboxMessage]:
         """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once)."""
-        async with self.store.connection("claiming outbox rows") as conn:
+        async with self.store.connection("claiming outbox rows") as conn, _read_committed(conn):
             rows = await conn.fetch(self.statements.claim, limit, lease_s, relay)
         messages = [
             OutboxMessage(
@@ -248,6 +284,8 @@ class OutboxStore:
                 payload=bytes(r["payload"]),
                 attempts=r["attempts"],
                 created_at=r["created_at"],
+                failures=r["failures"],
+                lost_claims=r["lost_claims"],
             )
             for r in rows
         ]
@@ -259,7 +297,7 @@ class OutboxStore:
         still this relay's claim (the others were taken over after their lease expired)."""
         if not claims:
             return 0
-        async with self.store.connection("marking outbox rows sent") as conn:
+        async with self.store.connection("marking outbox rows sent") as conn, _read_committed(conn):
             status = await conn.execute(
                 self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
             )
@@ -270,7 +308,10 @@ class OutboxStore:
         among the rows still claimed by this relay."""
         if not failures:
             return 0, 0
-        async with self.store.connection("recording failed deliveries") as conn:
+        async with (
+            self.store.connection("recording failed deliveries") as conn,
+            _read_committed(conn),
+        ):
             rows = await conn.fetch(
                 self.statements.mark_failed,
                 [f.id for f in failures],
@@ -303,15 +344,23 @@ class OutboxStore:
     async def _purge(
         self, sql: str, older_than_s: float, batch_size: int, max_batches: int | None
     ) -> int:
+        # Store.purge_in_batches, but each batch in a READ COMMITTED transaction: relays purge
+        # side by side, and at REPEATABLE READ a row another one deleted since the batch began
+        # is a serialization failure, not a row to skip.
         if older_than_s < 0:
             raise ValueError("older_than_s must not be negative")
-        return await self.store.purge_in_batches(
-            "purging outbox rows",
-            sql,
-            float(older_than_s),
-            batch_size=batch_size,
-            max_batches=max_batches,
-        )
+        if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
+            raise ValueError("batch_size and max_batches must be positive")
+        total = batches = 0
+        while max_batches is None or batches < max_batches:
+            async with self.store.connection("purging outbox rows") as conn, _read_committed(conn):
+                status = await conn.execute(sql, batch_size, float(older_than_s))
+            deleted = int(status.split()[-1])
+            total += deleted
+            batches += 1
+            if deleted < batch_size:
+                break
+        return total
 
     async def dead_letters(self, *, limit: int = 1000) -> list[DeadLetter]:
         async with self.store.connection("listing dead letters") as conn:
@@ -321,7 +370,7 @@ class OutboxStore:
     async def retry_dead(self, ids: Sequence[int] | None) -> int:
         """Puts dead letters (``ids``, or all of them with ``None``) back to pending, due now,
         with attempts from zero, and wakes the relays; returns how many."""
-        async with self.store.connection("retrying dead letters") as conn, conn.transaction():
+        async with self.store.connection("retrying dead letters") as conn, _read_committed(conn):
             status = await conn.execute(
                 self.statements.retry_dead, None if ids is None else list(ids)
             )
@@ -340,6 +389,33 @@ class OutboxStore:
             )
             for r in rows
         }
+
+
+@contextlib.asynccontextmanager
+async def _read_committed(conn: PooledConnection) -> AsyncIterator[None]:
+    """The block's statements in one transaction at READ COMMITTED, whatever the database's or
+    role's default (see the module's docstring). No session state: ``BEGIN ISOLATION LEVEL``
+    ... ``COMMIT``, so a transaction pooler may hand the next one to any server connection.
+
+    Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
+    connection whose statement may still be running. Here a cancellation leaves the connection
+    to ``Store.connection``, which drops it (PostgreSQL rolls back)."""
+    await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+    try:
+        yield
+    except Exception:
+        try:
+            if not conn.is_closed() and conn.is_in_transaction():
+                await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
+        except Exception:
+            # The transaction's fate is the connection's: make sure the pool does not reuse it.
+            with contextlib.suppress(Exception):
+                conn.terminate()
+        raise
+    await conn.execute("COMMIT")
+
+
+_ROLLBACK_TIMEOUT_S = 2.0
 
 
 def _text(value: str, limit: int = 2000) -> str:

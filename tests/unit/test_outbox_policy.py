@@ -1,0 +1,105 @@
+"""DeliveryPolicy: the relay's retry decisions, checked when made, safe for any attempt count."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from grpc_idempotency.core.outbox import DeliveryPolicy
+
+
+@pytest.mark.parametrize(
+    ("settings", "complaint"),
+    [
+        ({"max_attempts": 0}, "max_attempts must be at least 1"),
+        ({"max_attempts": -3}, "max_attempts must be at least 1"),
+        ({"max_attempts": 2.5}, "max_attempts must be an integer"),
+        ({"max_attempts": True}, "max_attempts must be an integer"),
+        ({"initial_backoff_s": 0}, "initial_backoff_s must be a positive"),
+        ({"initial_backoff_s": -1}, "initial_backoff_s must be a positive"),
+        ({"initial_backoff_s": math.nan}, "initial_backoff_s must be a positive"),
+        ({"initial_backoff_s": math.inf}, "initial_backoff_s must be a positive"),
+        ({"max_backoff_s": 0.1}, "max_backoff_s must be a number of seconds no smaller"),
+        ({"max_backoff_s": math.nan}, "max_backoff_s must be a number of seconds no smaller"),
+        ({"max_backoff_s": math.inf}, "max_backoff_s must be a number of seconds no smaller"),
+        ({"multiplier": 0.5}, "multiplier must be a number >= 1"),
+        ({"multiplier": 0}, "multiplier must be a number >= 1"),
+        ({"multiplier": -2}, "multiplier must be a number >= 1"),
+        ({"multiplier": math.nan}, "multiplier must be a number >= 1"),
+        ({"multiplier": math.inf}, "multiplier must be a number >= 1"),
+    ],
+)
+def test_a_policy_out_of_range_is_refused_when_made(
+    settings: dict[str, float], complaint: str
+) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        DeliveryPolicy(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"max_attempts": 1},
+        {"multiplier": 1},  # a constant backoff
+        {"initial_backoff_s": 5, "max_backoff_s": 5},
+    ],
+)
+def test_sensible_policies_are_accepted(settings: dict[str, float]) -> None:
+    DeliveryPolicy(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("failures", "ceiling"),
+    [(1, 0.5), (2, 1.0), (3, 2.0), (10, 256.0), (11, 300.0), (1100, 300.0), (10**30, 300.0)],
+)
+def test_the_backoff_doubles_up_to_its_cap_however_many_failures(
+    failures: int, ceiling: float
+) -> None:
+    policy = DeliveryPolicy(max_attempts=10**31)
+    # jitter 0 is half the ceiling, jitter -> 1 the whole of it
+    assert policy.after_failure(failures, 0.0) == ceiling / 2
+    assert policy.after_failure(failures, 0.999999) == pytest.approx(ceiling, rel=1e-5)
+
+
+@given(
+    failures=st.integers(min_value=1, max_value=10**40),
+    jitter=st.floats(min_value=0, max_value=1, exclude_max=True),
+    multiplier=st.floats(min_value=1, max_value=1e6),
+    initial=st.floats(min_value=1e-3, max_value=1e3),
+    spread=st.floats(min_value=1, max_value=1e6),
+)
+def test_a_retry_is_always_a_finite_wait_within_the_policy(
+    failures: int, jitter: float, multiplier: float, initial: float, spread: float
+) -> None:
+    policy = DeliveryPolicy(
+        max_attempts=10**41,
+        initial_backoff_s=initial,
+        max_backoff_s=initial * spread,
+        multiplier=multiplier,
+    )
+    delay = policy.after_failure(failures, jitter)
+    assert delay is not None and math.isfinite(delay)
+    assert initial / 2 <= delay <= policy.max_backoff_s
+    later = policy.after_failure(failures + 1, jitter)
+    assert later is not None and later >= delay  # never shrinks as failures add up
+
+
+def test_the_last_allowed_failure_parks_the_row() -> None:
+    policy = DeliveryPolicy(max_attempts=3)
+    assert policy.after_failure(2, 0.5) is not None
+    assert policy.after_failure(3, 0.5) is None
+    assert policy.after_failure(4, 0.5) is None
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "lost_claims", "parked"),
+    [(1, 0, False), (1, 1, True), (3, 0, False), (3, 2, False), (3, 3, True), (3, 9, True)],
+)
+def test_a_row_is_parked_undelivered_after_max_attempts_lost_claims_in_a_row(
+    max_attempts: int, lost_claims: int, parked: bool
+) -> None:
+    assert DeliveryPolicy(max_attempts=max_attempts).parks_unrecorded(lost_claims) is parked
