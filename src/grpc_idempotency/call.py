@@ -83,7 +83,8 @@ class IdempotentCall:
         self.loop = loop
         self.metadata = tuple(metadata)
         self.started_at = started_at
-        """When the operation began, if an earlier attempt began it (a takeover)."""
+        """When the operation began: this attempt, or the earlier one it took over (phased mode,
+        on the database's clock). Child keys use the steps declared then."""
         self._outbox = outbox
         """The incoming call's metadata."""
         self._connection = connection

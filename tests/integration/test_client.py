@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime, timedelta
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import Store, Telemetry, child_key
+from grpc_idempotency import MethodOverride, Mode, Step, Store, Telemetry, child_key
 from grpc_idempotency.client import (
     IdempotencyClientInterceptor,
     Operation,
@@ -21,8 +22,8 @@ from grpc_idempotency.client import (
     service_config,
 )
 from grpc_idempotency.core.retry import RetryPolicy
-from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
-from tests.support.relay import running_relay
+from tests.support.ledger import POST, RunningLedger, fresh, ledger_rows, running_ledger
+from tests.support.relay import FORWARD, running_relay
 from tests.support.waiting import until
 
 TENANT_MD = (("x-tenant-id", "tenant-a"),)
@@ -211,6 +212,45 @@ async def test_a_parent_rerun_reaches_the_same_child_record(
         assert second.body == first.body  # the downstream child replayed the same entry
         assert await ledger_rows(store, account) == 1
         assert ledger.service.executions == 1
+
+
+async def test_every_attempt_of_an_operation_begun_before_a_retirement_keeps_the_old_step(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """post-ledger.v1 retired an hour from now for v2: an operation begun now keeps v1, on its
+    first attempt and on a takeover after a crash alike. The first attempt used to take the
+    newest step (v2) and the takeover v1 (it began before the retirement): two child keys, and
+    the downstream Post ran twice."""
+    retired_at = datetime.now(UTC) + timedelta(hours=1)
+    steps = [
+        Step(name="post-ledger.v1", call=POST, retired_at=retired_at),
+        Step(name="post-ledger.v2", call=POST),
+    ]
+    overrides = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=steps)}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+    async with running_relay(store, ledger.address, overrides=overrides) as relay:
+        first = await relay.forward(request, key)
+        assert first.code is grpc.StatusCode.OK
+    # As if the relay had crashed after calling downstream, before its final commit: the claim
+    # stays, its lease over, and the retry reaches a restarted relay, which takes it over.
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET state = 'in_progress', response = NULL,"
+        " status_code = NULL, completed_at = NULL,"
+        " locked_until = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+    async with running_relay(store, ledger.address, overrides=overrides) as restarted:
+        second = await restarted.forward(request, key)
+        assert second.code is grpc.StatusCode.OK and not second.replayed
+    # The first attempt ran the downstream Post with v1's key; the takeover's call, with the
+    # same key, was answered with its replay.
+    assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
+    assert second.body == first.body
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
 
 
 async def test_two_tenants_with_one_parent_key_get_two_children(

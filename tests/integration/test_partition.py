@@ -150,7 +150,7 @@ async def test_a_phased_claim_answered_after_its_caller_went_is_released_at_once
     async def claim_waits_on_a_lock() -> bool:
         waiting = await store.pool.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE '%claim(%' AND query LIKE '%' || $1 || '%'",
+            " AND query LIKE '%claim%' AND query LIKE '%' || $1 || '%'",
             key,
         )
         return bool(waiting)

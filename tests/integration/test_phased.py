@@ -268,9 +268,16 @@ async def test_a_takeover_continues_the_operation_begun_earlier(
     )
     (started,) = ledger.service.operation_starts
     assert started == row["created_at"]  # the handler's call knows when its operation began
-    fresh_answer = await ledger.call(PHASED, post(account, "no-writes"), fresh())
+    fresh_key = fresh()
+    fresh_answer = await ledger.call(PHASED, post(account, "no-writes"), fresh_key)
     assert fresh_answer.code is grpc.StatusCode.OK
-    assert ledger.service.operation_starts[-1] is None  # a new operation: no earlier start
+    # A new operation begins now, on the database's clock: its record's start.
+    new_start = await store.pool.fetchval(
+        "SELECT created_at FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        SCOPE,
+        fresh_key,
+    )
+    assert ledger.service.operation_starts[-1] == new_start
 
 
 @pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])

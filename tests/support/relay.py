@@ -4,14 +4,20 @@ through a channel with the client interceptor, the way a real service calls anot
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    Store,
+    current_call,
+)
 from grpc_idempotency.client import IdempotencyClientInterceptor, step
 from tests.support.ledger import TENANT, metadata
 from tests.support.wire import Answer, call_raw
@@ -67,7 +73,12 @@ class RunningRelay:
 
 
 @contextlib.asynccontextmanager
-async def running_relay(store: Store, ledger_address: str) -> AsyncIterator[RunningRelay]:
+async def running_relay(
+    store: Store,
+    ledger_address: str,
+    *,
+    overrides: Mapping[str, MethodOverride] | None = None,
+) -> AsyncIterator[RunningRelay]:
     downstream = grpc.aio.insecure_channel(
         ledger_address,
         interceptors=[
@@ -76,7 +87,9 @@ async def running_relay(store: Store, ledger_address: str) -> AsyncIterator[Runn
     )
     server = grpc.aio.server(
         interceptors=[
-            IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+            IdempotencyInterceptor(
+                store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+            )
         ]
     )
     testsvc_pb2_grpc.add_RelayServiceServicer_to_server(

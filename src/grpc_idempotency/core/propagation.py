@@ -42,7 +42,7 @@ class Parent:
     key: str
     steps: tuple[Step, ...]
     started_at: datetime | None = None
-    """When the operation began, if it began before this attempt (a takeover)."""
+    """When the operation began (this attempt, or the one it took over); ``None``: unknown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,9 @@ def _base(name: str) -> str:
 def as_of(step: Step, calling: list[Step], started_at: datetime | None) -> Step:
     """The version of ``step`` that an operation begun at ``started_at`` used: an operation
     begun before ``charge-card.v1`` was retired for ``charge-card.v2`` may already have run v1,
-    and v2's child key would run the effect a second time, so it keeps v1. A new operation
-    (``started_at`` is ``None``) uses the step as declared."""
+    and v2's child key would run the effect a second time, so it keeps v1, on every attempt
+    (the server gives each attempt its operation's start). ``started_at`` ``None`` (no start
+    known) uses the step as declared."""
     if started_at is None or not step.active:
         return step
     earlier = [

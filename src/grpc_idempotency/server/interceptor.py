@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -444,10 +444,13 @@ class IdempotencyInterceptor(_Interceptor):
                     if step is Step.EXECUTE:
                         assert claim is not None
                         executed = executed_outcome(claiming)
-                        # A phased takeover continues an operation begun earlier: its steps are
-                        # those declared when it began (propagation.choose_step).
-                        continues = claiming is Phase.TAKING_OVER and isinstance(claim, PhasedClaim)
-                        started_at = record.started_at if continues and record else None
+                        # Child keys follow the steps declared when the operation began
+                        # (propagation.choose_step), on every attempt: a phased claim knows when,
+                        # on the database's clock (a takeover keeps the start); an atomic attempt
+                        # leaves nothing behind it, so its operation begins now.
+                        started_at = claim.started_at if isinstance(claim, PhasedClaim) else None
+                        if started_at is None:
+                            started_at = datetime.now(UTC)
                         return await self._execute(
                             call, claim, scope, key, fingerprint, executed, started_at
                         )

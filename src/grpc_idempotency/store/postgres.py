@@ -17,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import asyncpg
@@ -495,15 +496,16 @@ class Store:
         transaction (the claim itself runs at the database's default)."""
         sql = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
 
-        async def claim() -> int | None:
+        async def claim() -> tuple[int, datetime] | None:
             async with self.connection("claiming a key", timeout) as conn:
                 try:
-                    token: int = await conn.fetchval(sql, timeout=timeout)
+                    row = await conn.fetchrow(sql, timeout=timeout)
                 except asyncpg.PostgresError as exc:
                     if _lost_race(exc):
                         return None
                     raise
-                return token
+                assert row is not None
+                return row["token"], row["started_at"]
 
         # The claim commits on its own: cancelled while it is on the wire (the client went),
         # it may commit all the same, and its lease would then run on with nobody behind it,
@@ -511,17 +513,20 @@ class Store:
         # of its own, and a claim that turns out to have committed is released.
         claiming = asyncio.ensure_future(claim())
         try:
-            token = await asyncio.shield(claiming)
+            claimed = await asyncio.shield(claiming)
         except asyncio.CancelledError:
             self._settle(claiming, scope, key, retention_s, lease_s)
             raise
-        if token is None:
+        if claimed is None:
             return None
-        return PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s, isolation)
+        token, started_at = claimed
+        return PhasedClaim(
+            self, _Claim(scope, key, retention_s, token), lease_s, isolation, started_at
+        )
 
     def _settle(
         self,
-        claiming: asyncio.Future[int | None],
+        claiming: asyncio.Future[tuple[int, datetime] | None],
         scope: str,
         key: str,
         retention_s: float,
@@ -531,10 +536,11 @@ class Store:
 
         async def release_if_claimed() -> None:
             try:
-                token = await claiming
+                claimed = await claiming
             except BaseException:  # not claimed, or unknown: the lease bounds it
                 return
-            if token is not None:
+            if claimed is not None:
+                token = claimed[0]
                 await PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s).release()
 
         task = asyncio.ensure_future(release_if_claimed())
@@ -712,11 +718,15 @@ class PhasedClaim:
         claim: _Claim,
         lease_s: float,
         isolation: Isolation | None = None,
+        started_at: datetime | None = None,
     ) -> None:
         self._store = store
         self._claim = claim
         self.lease_s = lease_s
         self._isolation = isolation
+        self.started_at = started_at
+        """When the operation began (the database's clock): this claim, or the attempt it took
+        over."""
 
     @property
     def token(self) -> int:

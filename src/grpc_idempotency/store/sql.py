@@ -163,10 +163,12 @@ class Statements:
         atomic: bool = False,
     ) -> str:
         """The claim; ``atomic``: the atomic-mode claim, which writes nothing when the key is
-        new (the record is written once, by ``complete_atomic``: migration 0008)."""
-        function = "claim_atomic" if atomic else "claim"
+        new (the record is written once, by ``complete_atomic``: migration 0008). The phased
+        claim returns its fencing token and when its operation began (migration 0011)."""
+        function = "claim_atomic" if atomic else "claim_with_start"
+        select = "SELECT" if atomic else "SELECT * FROM"
         return (
-            f"SELECT {self.schema}.{function}({text_literal(scope)}, {text_literal(key)}, "
+            f"{select} {self.schema}.{function}({text_literal(scope)}, {text_literal(key)}, "
             f"{int_literal(lock_id)}, {text_literal(method)}, {bytes_literal(fingerprint)}, "
             f"{float_literal(retention_s)}, {float_literal(lease_s)})"
         )
