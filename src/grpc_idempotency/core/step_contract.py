@@ -13,11 +13,11 @@ downstream service recognise the effect as already done:
 - a keyed method that disappears while it still declares steps drops the declaration that its
   in-flight operations (up to its retention's worth) depend on.
 
-A deliberate change is made by keeping the old step declared with ``retired_at`` set: retired
-steps key no new calls, and may be removed once ``retired_at + retention`` has passed, when no
-operation that could have used the step is replayable any more. Retiring records that the change
-of child key is deliberate; it does not keep the old key for operations in flight when the change
-ships (a retired step keys no calls, so their re-runs use the replacement's key).
+A deliberate change is made by keeping the old step declared with ``retired_at`` set: operations
+begun before ``retired_at`` keep the old step's child key on every attempt, operations begun
+after it use the replacement (``propagation.as_of``), and the retired step may be removed once
+``retired_at + retention`` has passed, when no operation that could have used it is replayable
+any more.
 
 Pure: plain data in (method path -> retention and steps, and the current time), findings out.
 """
