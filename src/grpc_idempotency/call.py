@@ -157,8 +157,8 @@ class IdempotentCall:
     async def enqueue(self, step: str, message: Message) -> str:
         """Puts ``message`` in the transactional outbox as the declared outbox step ``step``, in
         the call's transaction (phased mode: the final one, opened if need be). Returns the
-        message's key: the step's child key, which a re-run of the handler reproduces, so the
-        message is enqueued once however often the handler runs."""
+        message's key: the step's child key. The same message enqueued again adds nothing; a
+        different one under that key raises ``OutboxKeyReused`` (``Store.enqueue``)."""
         if self.key is None or self.scope is None or self._outbox is None:
             raise NotInIdempotentCall(
                 f"{self.method}: only a keyed call can enqueue outbox messages"

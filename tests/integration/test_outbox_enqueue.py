@@ -38,19 +38,61 @@ async def test_the_event_commits_with_the_write_keyed_by_the_step(
     assert await ledger_rows(store, account) == 1
 
 
-async def test_a_rerun_does_not_enqueue_twice(ledger: RunningLedger, store: Store) -> None:
+async def test_the_same_message_enqueued_again_adds_nothing(
+    ledger: RunningLedger, store: Store
+) -> None:
     key, account = fresh(), fresh("acct")
-    request = testsvc_pb2.PostRequest(account=account, amount=7)
-    await ledger.call(WITH_EVENT, request, key)
-    # Forget the outcome (as after a crash between the outbox insert and ... a lost record), and
-    # run the handler again: the event's key is the same child key, so nothing new is queued.
-    await store.pool.execute(
-        "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", "tenant:tenant-a", key
+    request = testsvc_pb2.PostRequest(account=account, amount=7, behaviour="event-twice")
+    answer = await ledger.call(WITH_EVENT, request, key)
+    assert answer.code is grpc.StatusCode.OK
+    (row,) = await outbox_rows(store, key)
+    assert row["payload"] == answer.body
+
+
+async def test_a_different_message_under_the_steps_key_fails_the_call_instead_of_vanishing(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The step enqueued twice in one call with different messages: the second was dropped
+    without a word (ON CONFLICT DO NOTHING). Now the call fails, and nothing of it commits."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=7, behaviour="event-twice-different")
+    answer = await ledger.call(WITH_EVENT, request, key)
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, (answer.code, answer.details)
+    assert answer.reason() == "IDEMPOTENCY_OUTBOX_KEY_REUSED"
+    assert await outbox_rows(store, key) == []
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_a_key_reused_after_its_retention_cannot_lose_the_new_operations_event(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Past retention a key starts a new operation, but the earlier operation's message is
+    still in the outbox (sent rows are kept a day by default; pending and dead ones until dealt
+    with) under the same child key. The new operation's event was dropped, its write committed:
+    an entry posted with no event, ever. Now the call fails and says why; nothing commits."""
+    key, first_account, second_account = fresh(), fresh("acct"), fresh("acct")
+    first = await ledger.call(
+        WITH_EVENT, testsvc_pb2.PostRequest(account=first_account, amount=7), key
     )
-    async with running_ledger(store) as restarted:  # a crash empties the replay cache too
-        again = await restarted.call(WITH_EVENT, request, key)
-    assert again.code is grpc.StatusCode.OK and not again.replayed  # the handler ran again
-    assert len(await outbox_rows(store, key)) == 1
+    assert first.code is grpc.StatusCode.OK
+    # The record's retention passes (the outbox row stays: its own retention is apart).
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET expires_at = clock_timestamp() - interval '2 hours',"
+        " completed_at = clock_timestamp() - interval '2 hours', retention = interval '1 hour'"
+        " WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+    async with running_ledger(store) as restarted:  # and no replica remembers it
+        second = await restarted.call(
+            WITH_EVENT, testsvc_pb2.PostRequest(account=second_account, amount=9), key
+        )
+    assert second.code is grpc.StatusCode.FAILED_PRECONDITION, (second.code, second.details)
+    assert second.reason() == "IDEMPOTENCY_OUTBOX_KEY_REUSED"
+    assert "new key" in (second.details or "")
+    (row,) = await outbox_rows(store, key)
+    assert row["payload"] == first.body
+    assert await ledger_rows(store, second_account) == 0
 
 
 @pytest.mark.parametrize("behaviour", ["NOT_FOUND", "UNAVAILABLE"])

@@ -244,6 +244,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         )
         step = "undeclared.v1" if request.behaviour == "undeclared-event" else "entry-posted.v1"
         await current_call().enqueue(step, response)
+        if request.behaviour == "event-twice":  # the same message again: nothing new
+            await current_call().enqueue(step, response)
+            return response
+        if request.behaviour == "event-twice-different":
+            await current_call().enqueue(step, testsvc_pb2.PostResponse(account="other"))
+            return response
         if request.behaviour and request.behaviour != "undeclared-event":
             # Fails after enqueuing: the event must go with the rest of the transaction.
             code = getattr(grpc.StatusCode, request.behaviour)

@@ -76,6 +76,17 @@ class KeyReused(IdempotencyError):
     reason = "IDEMPOTENCY_KEY_REUSED"
 
 
+class OutboxKeyReused(IdempotencyError):
+    """The outbox already holds a different message under this operation's step: the step was
+    enqueued twice in one call with different messages, or the key was reused after its
+    retention while the earlier operation's message is still kept (sent rows are kept for a
+    while, pending and dead ones until dealt with). Enqueueing nothing would lose the message;
+    the call fails instead, its writes rolled back, and nothing is recorded."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_OUTBOX_KEY_REUSED"
+
+
 class KeyInProgress(IdempotencyError):
     status_code = Code.ABORTED
     reason = "IDEMPOTENCY_KEY_IN_PROGRESS"

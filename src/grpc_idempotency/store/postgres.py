@@ -27,6 +27,7 @@ from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import (
     IdempotencyError,
     LeaseLost,
+    OutboxKeyReused,
     StoreMisconfigured,
     StoreUnavailable,
     TransactionConflict,
@@ -617,9 +618,27 @@ class Store:
         payload: bytes,
     ) -> None:
         """Writes an outbox row on ``conn``, in the call's transaction. ``key`` (the outbox
-        step's child key) is unique with ``scope``: a handler that runs again adds nothing."""
-        await conn.execute(
+        step's child key) is unique with ``scope``: the same message again adds nothing; a
+        different one under the same key raises ``OutboxKeyReused`` rather than be dropped."""
+        status = await conn.execute(
             self.statements.enqueue, scope, key, step, parent_key, method, payload_type, payload
+        )
+        if status == "INSERT 0 1":
+            return
+        # The key is taken (the one extra round trip is on this rare path only). No attempt of
+        # the same operation can have left a row: an attempt that enqueued either committed
+        # with its outcome, so the operation is done, or rolled back. So the row is this call's
+        # own (the step enqueued twice) or an earlier operation's under a reused key.
+        kept = await conn.fetchrow(self.statements.enqueued, scope, key)
+        if kept is not None and (kept["payload_type"], bytes(kept["payload"])) == (
+            payload_type,
+            payload,
+        ):
+            return
+        raise OutboxKeyReused(
+            f"outbox step {step!r} of this operation already holds a different message (the"
+            " step enqueued twice in one call, or the idempotency key reused after its retention"
+            " while the earlier operation's message is kept); use a new key for a new operation"
         )
 
     async def ping(self, timeout: float | None = None) -> None:

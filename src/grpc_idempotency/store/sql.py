@@ -100,11 +100,14 @@ class Statements:
         self.release = f"""
             UPDATE {s}.records SET locked_until = clock_timestamp()
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
-        # A re-run of the handler enqueues nothing new: the key is the outbox step's child key.
+        # The key is the outbox step's child key; on a conflict Store.enqueue compares messages.
         self.enqueue = f"""
             INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload)
             VALUES ($1, $2, $3, $4, $5, $6, $7)
             ON CONFLICT (scope, key) DO NOTHING"""
+        self.enqueued = (
+            f"SELECT payload_type, payload FROM {s}.outbox WHERE scope = $1 AND key = $2"
+        )
         bound = "statement_timestamp()"
         # One batch of the purge: $1 the batch size, $2 where the previous batch stopped (NULL:
         # the start); returns how many went and the last expires_at deleted, where the next batch
