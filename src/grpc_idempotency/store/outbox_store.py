@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from grpc_idempotency.store.postgres import PooledConnection, Store
+from grpc_idempotency.store.postgres import PooledConnection, Store, read_committed
 from grpc_idempotency.store.sql import schema_identifier
 
 _SELECT_MESSAGE = (
@@ -271,7 +271,7 @@ class OutboxStore:
 
     async def claim(self, *, relay: str, limit: int, lease_s: float) -> list[OutboxMessage]:
         """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once)."""
-        async with self.store.connection("claiming outbox rows") as conn, _read_committed(conn):
+        async with self.store.connection("claiming outbox rows") as conn, read_committed(conn):
             rows = await conn.fetch(self.statements.claim, limit, lease_s, relay)
         messages = [
             OutboxMessage(
@@ -297,7 +297,7 @@ class OutboxStore:
         still this relay's claim (the others were taken over after their lease expired)."""
         if not claims:
             return 0
-        async with self.store.connection("marking outbox rows sent") as conn, _read_committed(conn):
+        async with self.store.connection("marking outbox rows sent") as conn, read_committed(conn):
             status = await conn.execute(
                 self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
             )
@@ -310,7 +310,7 @@ class OutboxStore:
             return 0, 0
         async with (
             self.store.connection("recording failed deliveries") as conn,
-            _read_committed(conn),
+            read_committed(conn),
         ):
             rows = await conn.fetch(
                 self.statements.mark_failed,
@@ -344,23 +344,17 @@ class OutboxStore:
     async def _purge(
         self, sql: str, older_than_s: float, batch_size: int, max_batches: int | None
     ) -> int:
-        # Store.purge_in_batches, but each batch in a READ COMMITTED transaction: relays purge
-        # side by side, and at REPEATABLE READ a row another one deleted since the batch began
-        # is a serialization failure, not a row to skip.
         if older_than_s < 0:
             raise ValueError("older_than_s must not be negative")
-        if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
-            raise ValueError("batch_size and max_batches must be positive")
-        total = batches = 0
-        while max_batches is None or batches < max_batches:
-            async with self.store.connection("purging outbox rows") as conn, _read_committed(conn):
-                status = await conn.execute(sql, batch_size, float(older_than_s))
-            deleted = int(status.split()[-1])
-            total += deleted
-            batches += 1
-            if deleted < batch_size:
-                break
-        return total
+        # Each batch at READ COMMITTED (Store.purge_in_batches): relays purge side by side, and
+        # at REPEATABLE READ a row another one deleted since the batch began would fail it.
+        return await self.store.purge_in_batches(
+            "purging outbox rows",
+            sql,
+            float(older_than_s),
+            batch_size=batch_size,
+            max_batches=max_batches,
+        )
 
     async def dead_letters(self, *, limit: int = 1000) -> list[DeadLetter]:
         async with self.store.connection("listing dead letters") as conn:
@@ -370,7 +364,7 @@ class OutboxStore:
     async def retry_dead(self, ids: Sequence[int] | None) -> int:
         """Puts dead letters (``ids``, or all of them with ``None``) back to pending, due now,
         with attempts from zero, and wakes the relays; returns how many."""
-        async with self.store.connection("retrying dead letters") as conn, _read_committed(conn):
+        async with self.store.connection("retrying dead letters") as conn, read_committed(conn):
             status = await conn.execute(
                 self.statements.retry_dead, None if ids is None else list(ids)
             )
@@ -389,33 +383,6 @@ class OutboxStore:
             )
             for r in rows
         }
-
-
-@contextlib.asynccontextmanager
-async def _read_committed(conn: PooledConnection) -> AsyncIterator[None]:
-    """The block's statements in one transaction at READ COMMITTED, whatever the database's or
-    role's default (see the module's docstring). No session state: ``BEGIN ISOLATION LEVEL``
-    ... ``COMMIT``, so a transaction pooler may hand the next one to any server connection.
-
-    Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
-    connection whose statement may still be running. Here a cancellation leaves the connection
-    to ``Store.connection``, which drops it (PostgreSQL rolls back)."""
-    await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-    try:
-        yield
-    except Exception:
-        try:
-            if not conn.is_closed() and conn.is_in_transaction():
-                await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
-        except Exception:
-            # The transaction's fate is the connection's: make sure the pool does not reuse it.
-            with contextlib.suppress(Exception):
-                conn.terminate()
-        raise
-    await conn.execute("COMMIT")
-
-
-_ROLLBACK_TIMEOUT_S = 2.0
 
 
 def _text(value: str, limit: int = 2000) -> str:

@@ -590,7 +590,9 @@ class Store:
         while max_batches is None or batches < max_batches:
             if batches and pause:
                 await asyncio.sleep(pause)
-            async with self.connection(doing) as conn:
+            # At READ COMMITTED whatever the default: a row a call changed meanwhile is re-checked,
+            # where REPEATABLE READ would fail the batch (40001).
+            async with self.connection(doing) as conn, read_committed(conn):
                 if walk:
                     row = await conn.fetchrow(sql, batch_size, position, *args)
                     assert row is not None
@@ -644,6 +646,31 @@ class Store:
     async def ping(self, timeout: float | None = None) -> None:
         async with self.connection("checking the store", timeout) as conn:
             await conn.fetchval("SELECT 1")
+
+
+@contextlib.asynccontextmanager
+async def read_committed(conn: PooledConnection) -> AsyncIterator[None]:
+    """The block's statements in one transaction at READ COMMITTED, whatever the database's or
+    role's default: ``SKIP LOCKED`` and the re-check of a row changed meanwhile rely on it (at
+    REPEATABLE READ such a row is a serialization failure). No session state: ``BEGIN ISOLATION
+    LEVEL`` ... ``COMMIT``, so a transaction pooler may hand the next one to any connection.
+
+    Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
+    connection whose statement may still be running. Here a cancellation leaves the connection
+    to ``Store.connection``, which drops it (PostgreSQL rolls back)."""
+    await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+    try:
+        yield
+    except Exception:
+        try:
+            if not conn.is_closed() and conn.is_in_transaction():
+                await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
+        except Exception:
+            # The transaction's fate is the connection's: make sure the pool does not reuse it.
+            with contextlib.suppress(Exception):
+                conn.terminate()
+        raise
+    await conn.execute("COMMIT")
 
 
 def _level(isolation: Isolation | None) -> str | None:
