@@ -403,7 +403,7 @@ class Store:
             return None if row is None else _record(row)
         raise AssertionError("unreachable")
 
-    def _claim_sql(
+    def _atomic_claim_sql(
         self,
         scope: str,
         key: str,
@@ -411,8 +411,6 @@ class Store:
         fingerprint: bytes,
         retention_s: float,
         lease_s: float,
-        *,
-        atomic: bool = False,
     ) -> str:
         return self.statements.claim(
             scope=scope,
@@ -422,7 +420,7 @@ class Store:
             fingerprint=fingerprint,
             retention_s=retention_s,
             lease_s=lease_s,
-            atomic=atomic,
+            atomic=True,
         )
 
     async def claim_atomic(
@@ -443,7 +441,7 @@ class Store:
         The transaction may sit idle for at most ``lease_s`` (the atomic lease): a frozen or
         partitioned owner loses the claim then, and a retry can take the key."""
         conn = await self._acquire("claiming a key", timeout)
-        claim = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s, atomic=True)
+        claim = self._atomic_claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
         sql = self.statements.begin_atomic_claim(
             claim, isolation=_level(isolation), idle_timeout_s=lease_s
         )
@@ -495,12 +493,18 @@ class Store:
         """Claims the key in a statement of its own, committed with a lease; ``None`` if another
         attempt holds or has recorded the key (look again). ``isolation`` is that of the final
         transaction (the claim itself runs at the database's default)."""
-        sql = self._claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
+        args = (scope, key, claim_lock_id(self.schema, scope, key), method, fingerprint)
 
         async def claim() -> tuple[int, datetime] | None:
             async with self.connection("claiming a key", timeout) as conn:
                 try:
-                    row = await conn.fetchrow(sql, timeout=timeout)
+                    row = await conn.fetchrow(
+                        self.statements.claim_phased,
+                        *args,
+                        float(retention_s),
+                        float(lease_s),
+                        timeout=timeout,
+                    )
                 except asyncpg.PostgresError as exc:
                     if _lost_race(exc):
                         return None
