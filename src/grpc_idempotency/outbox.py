@@ -328,13 +328,15 @@ class Relay:
         return (await self._batch()).delivered
 
     async def drain(self) -> int:
-        """Runs batches until one is not full (nothing more is due); returns how many rows were
-        delivered. Rows that failed wait for their retry and are not counted."""
+        """Runs batches until a claim finds nothing due; returns how many rows were delivered.
+        Rows that failed wait for their retry and are not counted. (Not "until a batch is not
+        full": a claim passes over rows whose last claim was lost, each taken alone later, so a
+        short batch can leave some due.)"""
         total = 0
         while True:
             batch = await self._batch()
             total += batch.delivered
-            if not batch.more_due(self.batch_size):
+            if batch.claimed == 0:
                 return total
 
     async def _batch(self) -> _Batch:

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -607,8 +608,9 @@ async def sent(store: Store, key: str) -> bool:
 async def test_a_row_whose_delivery_never_records_an_outcome_is_dead_lettered(
     outbox: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Claims that end with no outcome (the relay died delivering) count as attempts: past
-    max_attempts the row is parked instead of being delivered again and again."""
+    """Claims that end with no outcome (the relay died delivering) count: after max_attempts of
+    them made alone (after the first, which may be a whole batch's) the row is parked instead
+    of being delivered again and again."""
     from grpc_idempotency import DeliveryPolicy, failpoints
     from grpc_idempotency.core.failpoints import FailAction, Failpoint
 
@@ -616,18 +618,18 @@ async def test_a_row_whose_delivery_never_records_an_outcome_is_dead_lettered(
     monkeypatch.setattr(
         failpoints, "_points", {"relay_after_delivery": Failpoint(FailAction.ERROR)}
     )
-    receiver = Receiver(expect=2)
+    receiver = Receiver(expect=3)
     relay = Relay(
         outbox, receiver, policy=DeliveryPolicy(max_attempts=2), lease=0.2, poll_interval=60
     )
     await insert(outbox, outbox.schema, ["crasher"])
-    for delivered in (1, 2):
+    for delivered in (1, 2, 3):
         assert await relay.run_once() == 0
         assert receiver.delivered == {"crasher": delivered}
         await until("the claim's lease to end", lambda: _due(outbox, "crasher"), timeout=WAIT_S)
-    assert await relay.run_once() == 0  # the third claim parks it without delivering
+    assert await relay.run_once() == 0  # the fourth claim parks it without delivering
     parked = await row(outbox, "crasher")
-    assert parked["state"] == "dead" and receiver.delivered == {"crasher": 2}
+    assert parked["state"] == "dead" and receiver.delivered == {"crasher": 3}
 
 
 async def _due(store: Store, key: str) -> bool:
@@ -723,19 +725,21 @@ async def test_a_row_whose_delivery_kills_the_relay_is_parked_alone_and_its_batc
             for relay in relays:
                 await relay.stop()
 
-    # The crasher was delivered twice (first with its batch, then alone) and parked untried.
-    assert receiver.kills == 2 and len(relays) == 3
+    # The crasher was delivered three times (first with its batch, then twice alone: the
+    # --max-attempts) and parked untried.
+    assert receiver.kills == 3 and len(relays) == 4
     parked = await row(outbox, crasher)
     assert parked["state"] == "dead", parked
-    assert parked["attempts"] == 3 and parked["lost_claims"] == 2 and parked["failures"] == 1
-    assert "claimed 2 times in a row with no recorded outcome" in str(parked["last_error"])
+    assert parked["attempts"] == 4 and parked["lost_claims"] == 3 and parked["failures"] == 1
+    assert "claimed 3 times in a row with no recorded outcome" in str(parked["last_error"])
     # Its batch-mates lost one claim with it, were claimed alone, delivered and marked sent.
     for key in innocents:
         sent_row = await row(outbox, key)
         assert sent_row["state"] == "sent", sent_row
         assert sent_row["failures"] == 0 and sent_row["lost_claims"] == 1
         assert receiver.answered[key] >= 1
-    assert "stopped: delivered 3, retried 0, dead 1" in survivor.logs()
+    # The last relay parked it (its batch-mates were delivered by it or by the one before).
+    assert re.search(r"stopped: delivered \d, retried 0, dead 1", survivor.logs())
 
 
 async def test_the_rows_of_a_lost_claim_are_claimed_one_by_one_in_due_order(outbox: Store) -> None:
@@ -920,3 +924,54 @@ def test_the_relay_command_refuses_nonsense_before_connecting() -> None:
         refused = run_cli(*base, *bad)
         assert refused.returncode == 2, (bad, refused.stderr)
         assert complaint in refused.stderr, (bad, refused.stderr)
+
+
+async def test_drain_does_not_stop_while_a_row_whose_claim_was_lost_is_due(
+    outbox: Store,
+) -> None:
+    """A claim headed by a row whose last claim went well takes only such rows and passes over
+    a lost one (it is claimed alone, later): that batch comes back short, and ``drain`` took a
+    short batch for "nothing more is due" and returned with the lost row due."""
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["lost"])
+    await store.claim(relay="dead-relay", limit=10, lease_s=0.3)  # and the relay dies
+    await insert(outbox, outbox.schema, ["fresh"])  # due now, before the lost row's lease ends
+
+    async def both_due() -> bool:
+        due: int = await outbox.pool.fetchval(
+            f'SELECT count(*) FROM "{outbox.schema}".outbox'
+            " WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()"
+        )
+        return due == 2
+
+    await until("both rows due", both_due, WAIT_S)
+    delivered: list[str] = []
+
+    async def deliver(message: OutboxMessage) -> None:
+        delivered.append(message.key)
+
+    assert await Relay(outbox, CallableSink(deliver), batch_size=10).drain() == 2
+    assert delivered == ["fresh", "lost"]  # due order: the fresh row is due first
+    assert await states(outbox) == {"sent": 2}
+
+
+async def test_with_one_attempt_the_batch_mates_of_a_lost_claim_are_still_delivered(
+    outbox: Store,
+) -> None:
+    """``max_attempts=1``: a batch's claim lost with its relay used to park every row of it
+    (one lost claim each) without delivering any. Only claims made alone count now."""
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["a", "b", "c"])
+    await store.claim(relay="dead-relay", limit=10, lease_s=0.2)  # and the relay dies
+    await until("the lost rows due", lambda: due_now(store), WAIT_S)
+    delivered: list[str] = []
+
+    async def deliver(message: OutboxMessage) -> None:
+        delivered.append(message.key)
+
+    relay = Relay(
+        outbox, CallableSink(deliver), batch_size=10, policy=DeliveryPolicy(max_attempts=1)
+    )
+    assert await relay.drain() == 3
+    assert sorted(delivered) == ["a", "b", "c"]
+    assert await states(outbox) == {"sent": 3}

@@ -25,6 +25,7 @@ from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.keys import child_key
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import as_of
+from grpc_idempotency.core.retry import backoff_ceiling_s
 
 
 def outbox_step(
@@ -84,20 +85,15 @@ class DeliveryPolicy:
         row as a dead letter. ``jitter`` in [0, 1) spreads retries (half fixed, half random)."""
         if attempts >= self.max_attempts:
             return None
-        return self._ceiling(attempts - 1) * (0.5 + jitter / 2)
-
-    def _ceiling(self, steps: int) -> float:
-        # multiplier ** steps overflows a float (OverflowError) past ~1000 steps at 2.0, and a
-        # policy may allow that many attempts: past that point the ceiling is the cap. (A
-        # product that overflows to inf without raising is capped by min() just the same.)
-        try:
-            growth = self.multiplier ** max(steps, 0)
-        except OverflowError:
-            return self.max_backoff_s
-        return min(self.max_backoff_s, self.initial_backoff_s * growth)
+        ceiling = backoff_ceiling_s(
+            attempts, self.initial_backoff_s, self.multiplier, self.max_backoff_s
+        )
+        return ceiling * (0.5 + jitter / 2)
 
     def parks_unrecorded(self, lost_claims: int) -> bool:
         """Whether a row whose last ``lost_claims`` claims in a row ended with no recorded
         outcome is parked without being delivered again: its delivery is presumed to kill (or
-        stall) the relays that try it. All but the first of those claims delivered it alone."""
-        return lost_claims >= self.max_attempts
+        stall) the relays that try it. The first of those claims may have been a batch's, lost
+        by any of its rows; the others delivered it alone. So ``max_attempts`` of those alone:
+        a batch-mate of a crasher is never parked for the batch's lost claim."""
+        return lost_claims > self.max_attempts

@@ -56,9 +56,11 @@ class RetryPolicy:
 
 def backoff_ceiling_s(attempt: int, initial_s: float, multiplier: float, max_s: float) -> float:
     """``min(max_s, initial_s * multiplier ** (attempt - 1))`` for any number of attempts: the
-    power overflows a float (OverflowError) past about a thousand of them."""
+    power overflows a float (OverflowError) past about a thousand of them. In floats: an int
+    multiplier would make an exact power, a huge number to build (and OverflowError only when
+    multiplied by ``initial_s``)."""
     try:
-        return min(max_s, initial_s * multiplier ** (attempt - 1))
+        return min(max_s, initial_s * float(multiplier) ** max(attempt - 1, 0))
     except OverflowError:
         return max_s
 
