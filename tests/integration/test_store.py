@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpc_idempotency import Store, StoreUnavailable
+from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.migrations import applied_versions, available_migrations
 from grpc_idempotency.store.sql import bytes_literal, schema_identifier, text_literal
 from tests.support.tools import run_cli
@@ -35,6 +35,94 @@ async def test_concurrent_migrations_apply_each_version_once(pg_dsn: str) -> Non
     finally:
         for c in conns:
             await c.close()
+
+
+async def test_concurrent_migrations_at_a_repeatable_read_default_apply_each_version_once(
+    pg_dsn: str,
+) -> None:
+    """At a repeatable-read default the waiting runner's snapshot predated the lock it waited
+    for: it did not see the versions the first one committed, applied migration 1 again and
+    failed ("already exists"). Replicas starting together crash-looped."""
+    schema = fresh_schema()
+    settings = {"default_transaction_isolation": "repeatable read"}
+    conns = [await asyncpg.connect(pg_dsn, server_settings=settings) for _ in range(4)]
+    try:
+        from grpc_idempotency.store.migrations import migrate
+
+        results = await asyncio.gather(*(migrate(c, schema) for c in conns))
+        versions = [m.version for m in available_migrations()]
+        assert sorted(v for r in results for v in r) == versions
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def test_a_role_that_may_not_create_starts_against_a_migrated_schema(
+    pg_dsn: str,
+) -> None:
+    """Store.connect(migrate=True), or `migrate`, with nothing left to do: it issued CREATE
+    SCHEMA / CREATE TABLE IF NOT EXISTS anyway, which ask for the CREATE privilege before
+    looking, and a least-privilege application role failed with 42501."""
+    schema, role = fresh_schema(), "app_" + uuid.uuid4().hex[:8]
+    admin = await Store.connect(pg_dsn, schema=schema, migrate=True)
+    try:
+        await admin.pool.execute(f"CREATE ROLE {role} LOGIN")
+        await admin.pool.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        await admin.pool.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+        as_app = await Store.connect(
+            pg_dsn.replace("postgres@", f"{role}@", 1), schema=schema, migrate=True, min_size=1
+        )
+        await as_app.close()
+        with pytest.raises(StoreMisconfigured):  # it really may not create anything there
+            other = await Store.connect(
+                pg_dsn.replace("postgres@", f"{role}@", 1),
+                schema=fresh_schema(),
+                migrate=True,
+                min_size=1,
+            )
+            await other.close()
+    finally:
+        await admin.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await admin.pool.execute(f"DROP OWNED BY {role}")
+        await admin.pool.execute(f"DROP ROLE {role}")
+        await admin.close()
+
+
+async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_calls(
+    pg_dsn: str,
+) -> None:
+    """An ALTER TABLE queued for its lock behind a long transaction holds up every statement on
+    the table queued behind it. Now it waits at most lock_timeout, gives way, and tries again;
+    out of tries, it fails and leaves the schema as it was."""
+    from grpc_idempotency.store.migrations import migrate
+
+    schema = fresh_schema()
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True, min_size=1)
+    s = f'"{schema}"'
+    last = available_migrations()[-1].version
+    # Back to just before migration 10 (it ALTERs the outbox), as if upgrading from 9.
+    await store.pool.execute(
+        f"ALTER TABLE {s}.outbox DROP COLUMN failures, DROP COLUMN lost_claims;"
+        f" DELETE FROM {s}.schema_migrations WHERE version >= 10"
+    )
+    call = await asyncpg.connect(pg_dsn)  # a call's transaction that read the outbox
+    runner = await asyncpg.connect(pg_dsn)
+    try:
+        await call.execute(f"BEGIN; SELECT count(*) FROM {s}.outbox")
+        with pytest.raises(asyncpg.LockNotAvailableError):
+            await migrate(runner, schema, lock_timeout_s=0.2, lock_attempts=2)
+        assert max(await applied_versions(runner, schema)) == 9
+        # Meanwhile other statements on the table went through (here: after the give-way).
+        assert await store.pool.fetchval(f"SELECT count(*) FROM {s}.outbox") == 0
+        await call.execute("ROLLBACK")
+        assert await migrate(runner, schema, lock_timeout_s=0.2, lock_attempts=2) == list(
+            range(10, last + 1)
+        )
+    finally:
+        await call.close()
+        await runner.close()
+        await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
+        await store.close()
 
 
 async def test_purge_deletes_only_expired_records_in_batches(pg_dsn: str) -> None:
@@ -84,9 +172,11 @@ async def test_literals_round_trip_through_postgresql(pg_dsn: str, text: str, da
 def test_bad_literals_and_names_are_refused() -> None:
     with pytest.raises(ValueError):
         text_literal("a\x00b")
-    for bad in ("Upper", "has-dash", "a;drop", "", "x" * 64):
+    # 57 characters: "<schema>_outbox" would be too long a NOTIFY channel; pg_: PostgreSQL's.
+    for bad in ("Upper", "has-dash", "a;drop", "", "x" * 64, "x" * 57, "pg_temp_x"):
         with pytest.raises(ValueError):
             schema_identifier(bad)
+    assert schema_identifier("x" * 56) == '"' + "x" * 56 + '"'
 
 
 async def test_unreachable_store_raises_store_unavailable() -> None:

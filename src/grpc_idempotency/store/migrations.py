@@ -2,16 +2,28 @@
 
 Each file ``migrations/NNNN_name.sql`` runs once, in its own transaction, with ``{schema}``
 replaced by the quoted schema name (``{schema_name}``: the bare name, for use inside strings).
-A transaction-scoped advisory lock per schema serialises
-concurrent runners: the second waits, then sees the first's versions and does nothing.
+
+- Nothing to do, nothing done: the versions are read first, so a replica whose role may not
+  create schemas or tables (least privilege) starts against a schema an operator migrated.
+- A transaction-scoped advisory lock per schema serialises concurrent runners: the second
+  waits, then sees the first's versions and does nothing. The transactions are READ COMMITTED
+  whatever the database's default, so that the statement after the lock sees what the first
+  runner committed while the second waited (at REPEATABLE READ its snapshot predates the lock,
+  and it applied migration 1 again: "already exists").
+- DDL waits for its table lock at most ``LOCK_TIMEOUT_S``: an ALTER TABLE queued behind a long
+  transaction would otherwise hold up every call on that table behind it. It gives way, waits,
+  and tries again, ``LOCK_ATTEMPTS`` times in all, then raises ``LockNotAvailableError``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
+
+import asyncpg
 
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -46,32 +58,62 @@ async def applied_versions(conn: Any, schema: str) -> list[int]:
     return [r["version"] for r in rows]
 
 
-async def migrate(conn: Any, schema: str) -> list[int]:
+LOCK_TIMEOUT_S = 5.0
+LOCK_ATTEMPTS = 6
+
+
+async def migrate(
+    conn: Any,
+    schema: str,
+    *,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+    lock_attempts: int = LOCK_ATTEMPTS,
+) -> list[int]:
     """Applies the missing migrations; returns the versions it applied (maybe none)."""
-    s = schema_identifier(schema)
+    applied = set(await applied_versions(conn, schema))
+    missing = [m for m in available_migrations() if m.version not in applied]
     applied_now: list[int] = []
-    for migration in available_migrations():
-        async with conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
-            await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
+    for migration in missing:
+        for attempt in range(1, lock_attempts + 1):
+            try:
+                if await _apply(conn, schema, migration, lock_timeout_s):
+                    applied_now.append(migration.version)
+                break
+            except asyncpg.LockNotAvailableError:
+                if attempt == lock_attempts:
+                    raise
+                await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
+    return applied_now
+
+
+async def _apply(conn: Any, schema: str, migration: Migration, lock_timeout_s: float) -> bool:
+    """Applies ``migration`` unless another runner did; returns whether this one did."""
+    s = schema_identifier(schema)
+    async with conn.transaction(isolation="read_committed"):
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        # Created only when missing: IF NOT EXISTS still asks for the CREATE privilege.
+        if await conn.fetchval("SELECT to_regnamespace($1) IS NULL", schema):
+            await conn.execute(f"CREATE SCHEMA {s}")
+        if await conn.fetchval("SELECT to_regclass($1) IS NULL", f"{s}.schema_migrations"):
             await conn.execute(
-                f"""CREATE TABLE IF NOT EXISTS {s}.schema_migrations (
+                f"""CREATE TABLE {s}.schema_migrations (
                         version integer PRIMARY KEY,
                         name text NOT NULL,
                         applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
             )
-            done = await conn.fetchval(
-                f"SELECT EXISTS (SELECT 1 FROM {s}.schema_migrations WHERE version = $1)",
-                migration.version,
-            )
-            if done:
-                continue
-            sql = migration.sql.replace("{schema}", s).replace("{schema_name}", schema)
-            await conn.execute(sql)
-            await conn.execute(
-                f"INSERT INTO {s}.schema_migrations (version, name) VALUES ($1, $2)",
-                migration.version,
-                migration.name,
-            )
-            applied_now.append(migration.version)
-    return applied_now
+        done = await conn.fetchval(
+            f"SELECT EXISTS (SELECT 1 FROM {s}.schema_migrations WHERE version = $1)",
+            migration.version,
+        )
+        if done:
+            return False
+        # After the advisory lock, which may be waited for as long as another runner takes.
+        ms = max(1, round(lock_timeout_s * 1000))
+        await conn.execute(f"SET LOCAL lock_timeout = {ms}")
+        await conn.execute(migration.sql.replace("{schema}", s).replace("{schema_name}", schema))
+        await conn.execute(
+            f"INSERT INTO {s}.schema_migrations (version, name) VALUES ($1, $2)",
+            migration.version,
+            migration.name,
+        )
+        return True

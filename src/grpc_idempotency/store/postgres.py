@@ -326,7 +326,14 @@ class Store:
 
     async def migrate(self) -> list[int]:
         async with self.connection("migrating") as conn:
-            return await migrations.migrate(conn, self.schema)
+            try:
+                return await migrations.migrate(conn, self.schema)
+            except asyncpg.LockNotAvailableError as exc:
+                raise StoreUnavailable(
+                    "a migration could not take its table lock (a long transaction holds it; "
+                    f"{migrations.LOCK_ATTEMPTS} tries of {migrations.LOCK_TIMEOUT_S:g} s): run"
+                    " the migration again when that transaction has ended"
+                ) from exc
 
     @contextlib.asynccontextmanager
     async def connection(

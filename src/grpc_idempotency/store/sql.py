@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import re
 
-_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+# At most 56 characters: the outbox's NOTIFY channel is "<schema>_outbox", and PostgreSQL
+# refuses channel names of 64 bytes or more (every enqueue would fail, migrations passing).
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,55}")
 
 
 def schema_identifier(schema: str) -> str:
     if not _SCHEMA_NAME.fullmatch(schema):
         raise ValueError(f"schema name {schema!r} must match {_SCHEMA_NAME.pattern}")
+    if schema.startswith("pg_"):
+        raise ValueError(f"schema name {schema!r}: names starting with pg_ are PostgreSQL's")
     return f'"{schema}"'
 
 
@@ -176,7 +180,7 @@ class Statements:
         """The claim as a literal statement; ``atomic``: the atomic-mode claim, sent in the
         batch that opens the call's transaction, which writes nothing when the key is new (the
         record is written once, by ``complete_atomic``: migration 0008). The phased claim
-        returns its fencing token and when its operation began (migration 0011); the store
+        returns its fencing token and when its operation began (migration 0012); the store
         sends it as ``claim_phased``, with bind parameters."""
         function = "claim_atomic" if atomic else "claim_with_start"
         select = "SELECT" if atomic else "SELECT * FROM"

@@ -13,12 +13,9 @@
 --              was lost is claimed alone, so all but the first of a run of lost claims are its
 --              own; max_attempts of them in a row park it without another delivery.
 --
--- Constant defaults: no table rewrite. Pending rows keep what they have been charged so far
--- (every earlier claim counts as a failure, as before, except the one under lease now).
+-- Constant defaults: no table rewrite, and the ACCESS EXCLUSIVE lock the ALTER takes is held
+-- for no more than that (every enqueue and relay statement waits on it): the pending rows'
+-- counts are filled in by migration 0011, in a transaction of its own, under row locks only.
 ALTER TABLE {schema}.outbox
     ADD COLUMN failures    integer NOT NULL DEFAULT 0,
     ADD COLUMN lost_claims integer NOT NULL DEFAULT 0;
-
-UPDATE {schema}.outbox
-SET failures = attempts - (locked_until IS NOT NULL)::int
-WHERE state = 'pending' AND attempts > 0;
