@@ -356,3 +356,32 @@ async def test_a_final_transaction_still_opening_when_its_call_is_cancelled_is_n
     finally:
         await mine.close(timeout=2)
     assert await ledger_rows(store, account) == 1
+
+
+async def test_stopping_the_lease_keeper_passes_on_a_cancellation_of_the_stopper(
+    store: Store,
+) -> None:
+    """``_LeaseKeeper.stop()`` cancels the keeper and swallows the keeper's CancelledError. It
+    swallowed its own task's cancellation with it: the final transaction's opening, cancelled
+    with its call while stopping the keeper, went on to open the transaction."""
+    from grpc_idempotency.server.interceptor import _LeaseKeeper
+
+    claim = await store.claim_phased(
+        scope=SCOPE,
+        key=fresh(),
+        method=PHASED,
+        fingerprint=b"f" * 32,
+        retention_s=600.0,
+        lease_s=30.0,
+    )
+    assert claim is not None
+    handler = asyncio.ensure_future(asyncio.Event().wait())  # stands for the handler
+    keeper = _LeaseKeeper(claim, handler)
+    keeper.start()
+    stopping = asyncio.ensure_future(keeper.stop())
+    await asyncio.sleep(0)  # the stopper now waits for the keeper to end
+    stopping.cancel()
+    await asyncio.wait([stopping])
+    assert stopping.cancelled()
+    handler.cancel()
+    await claim.release()

@@ -20,7 +20,7 @@ import inspect
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -532,6 +532,11 @@ class IdempotencyInterceptor(_Interceptor):
             outbox=call.store.enqueue if call.store is not None else None,
         )
         bound = call_context.bind(serving)
+
+        async def end_and_release() -> None:
+            await _end(serving)  # first: ``tx`` then holds what a late opening opened
+            await self._release(tx, claim)
+
         aborted: DeferredAbort | None = None
         response: Any = None
         if lease is not None:
@@ -545,20 +550,17 @@ class IdempotencyInterceptor(_Interceptor):
         except asyncio.CancelledError:
             if lease is None or not lease.lost:
                 call.outcome = CallOutcome.RELEASED
-                await _end(serving)
-                await self._release(tx, claim)
+                await _to_the_end(end_and_release())
                 raise
             # Cancelled by the lease keeper: another attempt owns the key now.
             handler_task.uncancel()
         except IdempotencyError as err:  # a lost lease, an undeclared step, a database error
             call.outcome = CallOutcome.RELEASED
-            await _end(serving)
-            await self._release(tx, claim)
+            await _to_the_end(end_and_release())
             await answers.abort(context, err)
         except BaseException:
             call.outcome = CallOutcome.RELEASED
-            await _end(serving)
-            await self._release(tx, claim)
+            await _to_the_end(end_and_release())
             raise
         finally:
             call_context.unbind(bound)
@@ -727,6 +729,19 @@ class IdempotencyInterceptor(_Interceptor):
         return response
 
 
+_finishing: set[asyncio.Future[None]] = set()
+
+
+async def _to_the_end(work: Coroutine[Any, Any, None]) -> None:
+    """Runs ``work`` (ending a call's transaction) to its end even if the calling task is
+    cancelled again meanwhile (a client's cancel, then the server stopping): it goes on in the
+    background then, or a claim would stay IN_PROGRESS for its whole lease."""
+    task = asyncio.ensure_future(work)
+    _finishing.add(task)  # a reference until it is done
+    task.add_done_callback(_finishing.discard)
+    await asyncio.shield(task)
+
+
 async def _end(serving: call_context.IdempotentCall) -> None:
     """Ends the handler's use of the call before its transaction is committed or released: a
     final transaction still being opened (its handler cancelled meanwhile, say) is cancelled
@@ -817,8 +832,14 @@ class _LeaseKeeper:
         task, self._task = self._task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                # The keeper's end, expected; but if the stopping task was cancelled meanwhile
+                # (the final transaction's opening, ended with its call), that goes on up.
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
 
     async def _run(self) -> None:
         interval = max(0.05, self._claim.lease_s / 3)

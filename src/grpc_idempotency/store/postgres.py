@@ -295,7 +295,10 @@ class Store:
 
     async def close(self, timeout: float = 10.0) -> None:
         """Closes the pool; connections that do not close in ``timeout`` (a partitioned
-        database never answers) are dropped."""
+        database never answers) are dropped. Claims whose callers went while they were on the
+        wire are released first (``_settle``), for as long as ``timeout`` allows."""
+        if self._settling:
+            await asyncio.wait(set(self._settling), timeout=timeout)
         try:
             await asyncio.wait_for(self.pool.close(), timeout)
         except TimeoutError:
