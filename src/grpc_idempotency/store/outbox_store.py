@@ -18,8 +18,8 @@ its batch. Such a row is claimed **alone**, and its ``lost_claims`` goes up; a r
 kills relays then takes no other row down with it again, and only it runs up lost claims (see
 ``core.outbox``). Rows are claimed in due order, lost or not, so neither kind starves the other.
 
-Every statement that locks or changes outbox rows runs in a transaction pinned to READ
-COMMITTED (``BEGIN ISOLATION LEVEL READ COMMITTED``: no session state, safe behind PgBouncer).
+Every statement that locks or changes outbox rows runs at READ COMMITTED, whatever the
+database's default (``Store.read_committed``: no session state, safe behind PgBouncer).
 ``SKIP LOCKED`` and the re-check of a row another relay changed meanwhile rely on it: at
 REPEATABLE READ (a database or role whose ``default_transaction_isolation`` says so) a row
 claimed, marked or deleted by another relay since the statement began is a serialization
@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from grpc_idempotency.store.postgres import PooledConnection, Store, read_committed
+from grpc_idempotency.store.postgres import PooledConnection, Store
 from grpc_idempotency.store.sql import schema_identifier
 
 _SELECT_MESSAGE = (
@@ -269,9 +269,15 @@ class OutboxStore:
             )
         return found
 
+    @contextlib.asynccontextmanager
+    async def _at_read_committed(self, doing: str) -> AsyncIterator[PooledConnection]:
+        """A store connection whose statements run at READ COMMITTED (``Store.read_committed``)."""
+        async with self.store.connection(doing) as conn, self.store.read_committed(conn):
+            yield conn
+
     async def claim(self, *, relay: str, limit: int, lease_s: float) -> list[OutboxMessage]:
         """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once)."""
-        async with self.store.connection("claiming outbox rows") as conn, read_committed(conn):
+        async with self._at_read_committed("claiming outbox rows") as conn:
             rows = await conn.fetch(self.statements.claim, limit, lease_s, relay)
         messages = [
             OutboxMessage(
@@ -297,7 +303,7 @@ class OutboxStore:
         still this relay's claim (the others were taken over after their lease expired)."""
         if not claims:
             return 0
-        async with self.store.connection("marking outbox rows sent") as conn, read_committed(conn):
+        async with self._at_read_committed("marking outbox rows sent") as conn:
             status = await conn.execute(
                 self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
             )
@@ -308,10 +314,7 @@ class OutboxStore:
         among the rows still claimed by this relay."""
         if not failures:
             return 0, 0
-        async with (
-            self.store.connection("recording failed deliveries") as conn,
-            read_committed(conn),
-        ):
+        async with self._at_read_committed("recording failed deliveries") as conn:
             rows = await conn.fetch(
                 self.statements.mark_failed,
                 [f.id for f in failures],
@@ -364,7 +367,7 @@ class OutboxStore:
     async def retry_dead(self, ids: Sequence[int] | None) -> int:
         """Puts dead letters (``ids``, or all of them with ``None``) back to pending, due now,
         with attempts from zero, and wakes the relays; returns how many."""
-        async with self.store.connection("retrying dead letters") as conn, read_committed(conn):
+        async with self._at_read_committed("retrying dead letters") as conn:
             status = await conn.execute(
                 self.statements.retry_dead, None if ids is None else list(ids)
             )

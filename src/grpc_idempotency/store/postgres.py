@@ -234,6 +234,7 @@ class Store:
         self.statements = Statements(schema)
         self.acquire_timeout = acquire_timeout
         self._settling: set[asyncio.Future[None]] = set()
+        self._default_isolation: str | None = None
 
     @classmethod
     async def connect(
@@ -358,6 +359,38 @@ class Store:
             raise
         finally:
             await self._release(conn)
+
+    @contextlib.asynccontextmanager
+    async def read_committed(self, conn: PooledConnection) -> AsyncIterator[None]:
+        """The block's statements at READ COMMITTED, whatever the database's or role's default:
+        ``SKIP LOCKED`` and the re-check of a row changed meanwhile rely on it (at REPEATABLE
+        READ such a row is a serialization failure). At a READ COMMITTED default (the usual
+        one, looked up once per store) each statement is already a transaction of its own at
+        that level, and nothing is added; otherwise the block is one transaction, ``BEGIN
+        ISOLATION LEVEL READ COMMITTED`` ... ``COMMIT`` (two more round trips). No session
+        state either way, so a transaction pooler may hand any server connection over.
+
+        Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
+        connection whose statement may still be running. Here a cancellation leaves the
+        connection to ``Store.connection``, which drops it (PostgreSQL rolls back)."""
+        if self._default_isolation is None:
+            self._default_isolation = await conn.fetchval("SHOW default_transaction_isolation")
+        if self._default_isolation == "read committed":
+            yield
+            return
+        await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        try:
+            yield
+        except Exception:
+            try:
+                if not conn.is_closed() and conn.is_in_transaction():
+                    await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
+            except Exception:
+                # The transaction's fate is the connection's: the pool must not reuse it.
+                with contextlib.suppress(Exception):
+                    conn.terminate()
+            raise
+        await conn.execute("COMMIT")
 
     async def _acquire(self, doing: str, timeout: float | None) -> PooledConnection:
         budget = self.acquire_timeout
@@ -606,7 +639,7 @@ class Store:
                 await asyncio.sleep(pause)
             # At READ COMMITTED whatever the default: a row a call changed meanwhile is re-checked,
             # where REPEATABLE READ would fail the batch (40001).
-            async with self.connection(doing) as conn, read_committed(conn):
+            async with self.connection(doing) as conn, self.read_committed(conn):
                 if walk:
                     row = await conn.fetchrow(sql, batch_size, position, *args)
                     assert row is not None
@@ -660,31 +693,6 @@ class Store:
     async def ping(self, timeout: float | None = None) -> None:
         async with self.connection("checking the store", timeout) as conn:
             await conn.fetchval("SELECT 1")
-
-
-@contextlib.asynccontextmanager
-async def read_committed(conn: PooledConnection) -> AsyncIterator[None]:
-    """The block's statements in one transaction at READ COMMITTED, whatever the database's or
-    role's default: ``SKIP LOCKED`` and the re-check of a row changed meanwhile rely on it (at
-    REPEATABLE READ such a row is a serialization failure). No session state: ``BEGIN ISOLATION
-    LEVEL`` ... ``COMMIT``, so a transaction pooler may hand the next one to any connection.
-
-    Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
-    connection whose statement may still be running. Here a cancellation leaves the connection
-    to ``Store.connection``, which drops it (PostgreSQL rolls back)."""
-    await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-    try:
-        yield
-    except Exception:
-        try:
-            if not conn.is_closed() and conn.is_in_transaction():
-                await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
-        except Exception:
-            # The transaction's fate is the connection's: make sure the pool does not reuse it.
-            with contextlib.suppress(Exception):
-                conn.terminate()
-        raise
-    await conn.execute("COMMIT")
 
 
 def _level(isolation: Isolation | None) -> str | None:
