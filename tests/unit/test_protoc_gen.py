@@ -490,6 +490,34 @@ def test_generated_names_never_collide(tmp_path: Path) -> None:
         assert expected in source, expected
 
 
+def test_steps_whose_identifiers_collide_are_refused(tmp_path: Path) -> None:
+    # a.v1 and a.v2 share a base, so they become a_v1 and a_v2; a-v1.v1's base is a_v1 too.
+    # Generated anyway, the class had two A_V1 constants and two a_v1 wrappers, the last one
+    # winning: a_v1() made a-v1.v1's call and a.v1 had no wrapper. import.v1 and import-.v1
+    # differ as constants (IMPORT, IMPORT_) but not as wrappers (import_ is the keyword's).
+    text = svc(
+        'steps: { name: "a.v1" call: "errs.v1.Svc/Target" }'
+        ' steps: { name: "a.v2" call: "errs.v1.Svc/Target" }'
+        ' steps: { name: "a-v1.v1" call: "errs.v1.Svc/Target" }',
+        extra_rpc=(
+            "  rpc Other(Req) returns (Res) {\n"
+            "    option (grpc_idempotency.v1.method) = {"
+            ' steps: { name: "import.v1" call: "errs.v1.Svc/Target" }'
+            ' steps: { name: "import-.v1" call: "errs.v1.Svc/Target" } };\n'
+            "  }\n"
+        ),
+    )
+    done = run_on(tmp_path, {"errs/v1/clash.proto": text})
+    assert_fails(
+        done,
+        "errs/v1/clash.proto: /errs.v1.Svc/Do: steps 'a.v1' and 'a-v1.v1' would both be"
+        " A_V1 and a_v1() in SvcDoSteps",
+        "errs/v1/clash.proto: /errs.v1.Svc/Other: steps 'import.v1' and 'import-.v1' would both"
+        " be import_() in SvcOtherSteps",
+    )
+    assert not (tmp_path / "out" / "errs").exists()
+
+
 # -- the request's descriptor pool -----------------------------------------------------------
 
 
