@@ -518,6 +518,44 @@ def test_steps_whose_identifiers_collide_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "errs").exists()
 
 
+def test_a_dotted_file_name_gives_a_module_next_to_its_pb2_that_imports(tmp_path: Path) -> None:
+    # protoc's Python generator writes dotted/v1/orders.events.proto's messages to
+    # dotted/v1/orders/events_pb2.py; the plugin's module must land beside it to be importable.
+    text = svc('steps: { name: "notify.v1" call: "dotted.v1.Svc/Target" }').replace(
+        "errs.v1", "dotted.v1"
+    )
+    (tmp_path / "protos" / "dotted" / "v1").mkdir(parents=True)
+    (tmp_path / "protos" / "dotted" / "v1" / "orders.events.proto").write_text(text)
+    out = tmp_path / "out"
+    done = protoc(
+        tmp_path / "protos", out, "dotted/v1/orders.events.proto", extra=(f"--python_out={out}",)
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.py")) == [
+        "dotted/v1/orders/events_idempotency.py",
+        "dotted/v1/orders/events_pb2.py",
+    ]
+    check = textwrap.dedent(
+        """
+        from dotted.v1.orders import events_idempotency as gen, events_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        assert gen.SERVICES == (events_pb2.DESCRIPTOR.services_by_name["Svc"],)
+        method = events_pb2.DESCRIPTOR.services_by_name["Svc"].methods_by_name["Do"]
+        assert compile_policy(method, gen.POLICIES["/dotted.v1.Svc/Do"]) == compile_policy(method)
+        assert gen.SvcDoSteps.NOTIFY == "notify.v1"
+        print("imported")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "imported"
+
+
 # -- the request's descriptor pool -----------------------------------------------------------
 
 
@@ -622,6 +660,9 @@ def test_declared_options_in_the_request_pool() -> None:
         ("checkout/v1/orders.proto", "checkout.v1.orders_pb2", "checkout/v1/orders_idempotency.py"),
         ("my-dir/a-b.proto", "my_dir.a_b_pb2", "my_dir/a_b_idempotency.py"),
         ("top.proto", "top_pb2", "top_idempotency.py"),
+        # A dot in the base name is a package separator: protoc writes c/v1/x/y_pb2.py.
+        ("c/v1/x.y.proto", "c.v1.x.y_pb2", "c/v1/x/y_idempotency.py"),
+        ("a.b-c.protodevel", "a.b_c_pb2", "a/b_c_idempotency.py"),
     ],
 )
 def test_module_names_follow_protocs_python_generator(proto: str, module: str, output: str) -> None:
