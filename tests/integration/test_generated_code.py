@@ -228,3 +228,114 @@ async def test_a_re_run_handler_reaches_the_same_downstream_records(
         assert svc.handler_runs == [2]
         assert len(svc.seen.calls) == 3
         assert [done.reservation_id, done.debit_entry, done.refund_entry] == svc.seen.ids
+
+
+DOTTED = """\
+syntax = "proto3";
+package dotted_shop.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string id = 1; }
+message Res { string id = 1; }
+service Orders {
+  rpc Place(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = {
+      steps: { name: "notify.v1" call: "dotted_shop.v1.Notifier/Send" }
+    };
+  }
+}
+service Notifier {
+  rpc Send(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; }
+}
+"""
+
+
+@pytest.fixture
+def dotted(tmp_path: Path) -> Iterator[tuple[ModuleType, ModuleType, ModuleType]]:
+    """DOTTED as dotted_shop/v1/orders.events.proto, generated and imported: the plugin's
+    module, the messages, the gRPC stubs."""
+    # protoc's Python generator makes package dotted_shop.v1.orders with module events_pb2;
+    # the plugin's module must be its sibling, importing it, to be usable at all.
+    (tmp_path / "protos" / "dotted_shop" / "v1").mkdir(parents=True)
+    (tmp_path / "protos" / "dotted_shop" / "v1" / "orders.events.proto").write_text(DOTTED)
+    out = tmp_path / "out"
+    out.mkdir()
+    plugin = Path(sys.executable).parent / "protoc-gen-grpc-idempotency"
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{tmp_path / 'protos'}",
+         f"-I{proto_include()}", f"--plugin=protoc-gen-grpc-idempotency={plugin}",
+         f"--python_out={out}", f"--grpc_python_out={out}", f"--grpc-idempotency_out={out}",
+         "dotted_shop/v1/orders.events.proto"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    sys.path.insert(0, str(out))
+    try:
+        from dotted_shop.v1.orders import events_idempotency, events_pb2, events_pb2_grpc
+
+        yield events_idempotency, events_pb2, events_pb2_grpc
+    finally:
+        sys.path.remove(str(out))
+
+
+async def test_a_dotted_proto_file_name_generates_a_working_module(
+    store: Store, dotted: tuple[ModuleType, ModuleType, ModuleType]
+) -> None:
+    gen, pb2, pb2_grpc = dotted
+    keys: list[str | None] = []
+
+    class Notifier(pb2_grpc.NotifierServicer):
+        async def Send(self, request: Any, context: Any) -> Any:
+            keys.append(dict(context.invocation_metadata() or ()).get("idempotency-key"))
+            return pb2.Res(id=uuid.uuid4().hex)
+
+    downstream = grpc.aio.server(
+        interceptors=[
+            IdempotencyInterceptor(
+                store,
+                services=gen.SERVICES,
+                overrides=gen.POLICIES,
+                scope=StaticScope(DOWNSTREAM_SCOPE),
+            )
+        ]
+    )
+    pb2_grpc.add_NotifierServicer_to_server(Notifier(), downstream)
+    to_downstream = grpc.aio.insecure_channel(
+        f"127.0.0.1:{downstream.add_insecure_port('127.0.0.1:0')}",
+        options=gen.CHANNEL_OPTIONS,
+        interceptors=[IdempotencyClientInterceptor(services=gen.SERVICES, overrides=gen.POLICIES)],
+    )
+    steps = gen.OrdersPlaceSteps(notifier=to_downstream)
+
+    class Orders(pb2_grpc.OrdersServicer):
+        async def Place(self, request: Any, context: Any) -> Any:
+            sent = await steps.notify(pb2.Req(id=request.id))
+            await current_call().transaction()
+            return pb2.Res(id=sent.id)
+
+    upstream = grpc.aio.server(
+        interceptors=[
+            IdempotencyInterceptor(
+                store, services=gen.SERVICES, overrides=gen.POLICIES, scope=StaticScope("orders")
+            )
+        ]
+    )
+    pb2_grpc.add_OrdersServicer_to_server(Orders(), upstream)
+    port = upstream.add_insecure_port("127.0.0.1:0")
+    await downstream.start()
+    await upstream.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=gen.CHANNEL_OPTIONS)
+    try:
+        place = channel.unary_unary(
+            "/dotted_shop.v1.Orders/Place",
+            request_serializer=pb2.Req.SerializeToString,
+            response_deserializer=pb2.Res.FromString,
+        )
+        op = Operation.new()
+        first = await op.call(place, pb2.Req(id="o-1"))
+        assert keys == [child_key("orders", op.key, "notify.v1")]
+        assert await op.call(place, pb2.Req(id="o-1")) == first  # replayed
+        assert len(keys) == 1
+    finally:
+        await channel.close()
+        await upstream.stop(None)
+        await to_downstream.close()
+        await downstream.stop(None)

@@ -11,6 +11,11 @@ write into ``test_ledger.ledger`` (created by the session's ``store`` fixture).
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import tomllib
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +34,7 @@ from grpc_idempotency.testing import (
     ConformanceTarget,
     assert_not_replayed,
     assert_replayed,
+    serve,
 )
 
 pytest_plugins = ["pytester"]
@@ -109,6 +115,17 @@ async def outside_transaction_server(dsn: str) -> AsyncIterator[Any]:
     """Behind the interceptor, but the handler writes through a pool connection of its own."""
     async for server in _ledger_server(dsn, intercepted=True, outside=True):
         yield server
+
+
+async def bare_server(dsn: str) -> Any:
+    """A server with no service and no database: enough for the kit to start it."""
+    return grpc.aio.server()
+
+
+async def hung_cleanup_server(dsn: str) -> AsyncIterator[Any]:
+    """Its clean-up blocks the event loop for good: the worst server to shut down."""
+    yield grpc.aio.server()
+    time.sleep(3600)  # noqa: ASYNC251 - the point: nothing of the loop's can run
 
 
 def _request() -> testsvc_pb2.PostRequest:
@@ -206,6 +223,74 @@ async def test_phased_crash_after_claim_retries_until_the_lease_runs_out(
     # key is in progress until the dead owner's lease runs out, then executes once.
     for plan in _plan(pg_dsn, tmp_path_factory, "correct_server", POST_PHASED):
         await plan.check_crash("after_claim")
+
+
+# Starts one server process with the kit, prints its pid, and waits to be killed.
+PARENT = """
+import asyncio, sys, time
+from pathlib import Path
+from grpc_idempotency.testing._process import ServerProcess
+
+server = ServerProcess(sys.argv[1], "postgresql://unused@/x", log_dir=Path(sys.argv[2]), name="child")
+asyncio.run(server.start(60))
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process. An orphan is reaped by init, or by nobody (PID 1 of
+    a container may not reap): a zombie has exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states in /proc")
+@pytest.mark.parametrize(
+    ("server", "says"),
+    [
+        ("bare_server", "stdin closed (the parent is gone); stopping"),
+        ("hung_cleanup_server", f"not stopped {serve.STDIN_EOF_GRACE_S:g}s after stdin closed"),
+    ],
+)
+def test_a_server_process_exits_when_its_parent_is_killed(
+    tmp_path: Path, server: str, says: str
+) -> None:
+    # The servers run in sessions of their own, and a SIGKILL (or a SIGTERM) to pytest runs no
+    # teardown: only the child itself can notice that its parent is gone.
+    with (tmp_path / "parent.stderr").open("wb") as stderr:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", PARENT, f"{MODULE}:{server}", str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    child: int | None = None
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline()  # the pid once the server is ready, or EOF if it failed
+        assert line.strip().isdigit(), (tmp_path / "parent.stderr").read_text()
+        child = int(line)
+        assert _running(child)
+        parent.send_signal(signal.SIGKILL)
+        assert parent.wait(10) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        logs = (tmp_path / "child.stderr").read_text()
+        assert not _running(child), f"the server outlived its killed parent\n{logs}"
+        assert says in logs, logs
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+        if child is not None and _running(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_target_refuses_a_malformed_method_name() -> None:

@@ -490,6 +490,72 @@ def test_generated_names_never_collide(tmp_path: Path) -> None:
         assert expected in source, expected
 
 
+def test_steps_whose_identifiers_collide_are_refused(tmp_path: Path) -> None:
+    # a.v1 and a.v2 share a base, so they become a_v1 and a_v2; a-v1.v1's base is a_v1 too.
+    # Generated anyway, the class had two A_V1 constants and two a_v1 wrappers, the last one
+    # winning: a_v1() made a-v1.v1's call and a.v1 had no wrapper. import.v1 and import-.v1
+    # differ as constants (IMPORT, IMPORT_) but not as wrappers (import_ is the keyword's).
+    text = svc(
+        'steps: { name: "a.v1" call: "errs.v1.Svc/Target" }'
+        ' steps: { name: "a.v2" call: "errs.v1.Svc/Target" }'
+        ' steps: { name: "a-v1.v1" call: "errs.v1.Svc/Target" }',
+        extra_rpc=(
+            "  rpc Other(Req) returns (Res) {\n"
+            "    option (grpc_idempotency.v1.method) = {"
+            ' steps: { name: "import.v1" call: "errs.v1.Svc/Target" }'
+            ' steps: { name: "import-.v1" call: "errs.v1.Svc/Target" } };\n'
+            "  }\n"
+        ),
+    )
+    done = run_on(tmp_path, {"errs/v1/clash.proto": text})
+    assert_fails(
+        done,
+        "errs/v1/clash.proto: /errs.v1.Svc/Do: steps 'a.v1' and 'a-v1.v1' would both be"
+        " A_V1 and a_v1() in SvcDoSteps",
+        "errs/v1/clash.proto: /errs.v1.Svc/Other: steps 'import.v1' and 'import-.v1' would both"
+        " be import_() in SvcOtherSteps",
+    )
+    assert not (tmp_path / "out" / "errs").exists()
+
+
+def test_a_dotted_file_name_gives_a_module_next_to_its_pb2_that_imports(tmp_path: Path) -> None:
+    # protoc's Python generator writes dotted/v1/orders.events.proto's messages to
+    # dotted/v1/orders/events_pb2.py; the plugin's module must land beside it to be importable.
+    text = svc('steps: { name: "notify.v1" call: "dotted.v1.Svc/Target" }').replace(
+        "errs.v1", "dotted.v1"
+    )
+    (tmp_path / "protos" / "dotted" / "v1").mkdir(parents=True)
+    (tmp_path / "protos" / "dotted" / "v1" / "orders.events.proto").write_text(text)
+    out = tmp_path / "out"
+    done = protoc(
+        tmp_path / "protos", out, "dotted/v1/orders.events.proto", extra=(f"--python_out={out}",)
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.py")) == [
+        "dotted/v1/orders/events_idempotency.py",
+        "dotted/v1/orders/events_pb2.py",
+    ]
+    check = textwrap.dedent(
+        """
+        from dotted.v1.orders import events_idempotency as gen, events_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        assert gen.SERVICES == (events_pb2.DESCRIPTOR.services_by_name["Svc"],)
+        method = events_pb2.DESCRIPTOR.services_by_name["Svc"].methods_by_name["Do"]
+        assert compile_policy(method, gen.POLICIES["/dotted.v1.Svc/Do"]) == compile_policy(method)
+        assert gen.SvcDoSteps.NOTIFY == "notify.v1"
+        print("imported")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "imported"
+
+
 # -- the request's descriptor pool -----------------------------------------------------------
 
 
@@ -594,6 +660,9 @@ def test_declared_options_in_the_request_pool() -> None:
         ("checkout/v1/orders.proto", "checkout.v1.orders_pb2", "checkout/v1/orders_idempotency.py"),
         ("my-dir/a-b.proto", "my_dir.a_b_pb2", "my_dir/a_b_idempotency.py"),
         ("top.proto", "top_pb2", "top_idempotency.py"),
+        # A dot in the base name is a package separator: protoc writes c/v1/x/y_pb2.py.
+        ("c/v1/x.y.proto", "c.v1.x.y_pb2", "c/v1/x/y_idempotency.py"),
+        ("a.b-c.protodevel", "a.b_c_pb2", "a/b_c_idempotency.py"),
     ],
 )
 def test_module_names_follow_protocs_python_generator(proto: str, module: str, output: str) -> None:

@@ -9,21 +9,29 @@ import re
 _CAMEL_BOUNDARY = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
 
-def _stem(proto_file: str) -> str:
-    """``my-dir/a-b.proto`` -> ``my_dir/a_b``: what protoc's Python generator does to a name."""
-    stem = proto_file[: -len(".proto")] if proto_file.endswith(".proto") else proto_file
-    return stem.replace("-", "_")
+def _module_path(proto_file: str) -> str:
+    """``my-dir/a-b.proto`` -> ``my_dir.a_b``, ``c/v1/x.y.proto`` -> ``c.v1.x.y``: protoc's
+    Python generator's ``ModuleName`` without the ``_pb2``. A dot in the file's base name is
+    a package separator like the slashes: ``x.y.proto``'s messages are module ``y_pb2`` in
+    package ``c.v1.x``."""
+    for suffix in (".protodevel", ".proto"):
+        if proto_file.endswith(suffix):
+            proto_file = proto_file[: -len(suffix)]
+            break
+    return proto_file.replace("-", "_").replace("/", ".")
 
 
 def pb2_module(proto_file: str) -> str:
     """The module protoc's ``--python_out`` generates for a file: ``checkout.v1.orders_pb2``."""
-    return _stem(proto_file).replace("/", ".") + "_pb2"
+    return _module_path(proto_file) + "_pb2"
 
 
 def output_file(proto_file: str) -> str:
     """Where the plugin writes a file's module, next to its ``_pb2.py``:
-    ``checkout/v1/orders_idempotency.py``."""
-    return _stem(proto_file) + "_idempotency.py"
+    ``checkout/v1/orders_idempotency.py``, ``c/v1/x/y_idempotency.py`` for ``c/v1/x.y.proto``.
+    Derived from the module path, as protoc's ``GetFileName`` derives the ``_pb2.py``: from the
+    file name, a dotted base name would make ``x.y_idempotency.py``, which no import reaches."""
+    return _module_path(proto_file).replace(".", "/") + "_idempotency.py"
 
 
 def module_alias(module: str) -> str:

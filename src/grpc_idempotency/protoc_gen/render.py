@@ -53,9 +53,17 @@ class _Renderer:
         self.modules = _local_names(modules)
         self.classes = {m.path: f"{m.service.name}{m.descriptor.name}Steps" for m in file.methods}
         self.step_classes = [m for m in file.methods if _active_steps(m)]
+        problems: list[str] = []
         clashes = _duplicates(self.classes[m.path] for m in self.step_classes)
         if clashes:
-            raise NameClash(f"{self.source}: generated class names collide: {clashes}")
+            problems.append(f"{self.source}: generated class names collide: {clashes}")
+        for method in self.step_classes:
+            problems += [
+                f"{self.source}: {method.path}: {clash}"
+                for clash in _step_clashes(_active_steps(method), self.classes[method.path])
+            ]
+        if problems:
+            raise NameClash("\n".join(problems))
         self.needs: set[str] = set()
 
     # -- the file ---------------------------------------------------------------------------
@@ -354,6 +362,36 @@ def _step_identifiers(steps: Sequence[options_pb2.Step]) -> dict[str, str]:
         s.name: names.step_versioned(s.name) if base in shared else base
         for s, base in zip(steps, bases, strict=True)
     }
+
+
+def _step_clashes(steps: Sequence[options_pb2.Step], class_name: str) -> list[str]:
+    """Steps that would get the same constant or wrapper in the class. ``_step_identifiers``
+    only versions bases that two steps share, so a step named like another's versioned
+    identifier (``a-v1.v1`` beside ``a.v1`` and ``a.v2``) lands on it; a keyword's trailing
+    underscore (``import.v1``, ``import-.v1``) can too. Python keeps the last definition of a
+    name: a wrapper would silently make another step's call, with that step's child key."""
+    identifiers = _step_identifiers(steps)
+    owners: dict[str, list[str]] = {}
+    for step in steps:
+        ident = identifiers[step.name]
+        generated = [ident.upper()]
+        if step.call:
+            generated.append(f"{names.safe_identifier(ident)}()")
+        for name in generated:
+            owners.setdefault(name, []).append(step.name)
+    shared: dict[tuple[str, ...], list[str]] = {}
+    for name, stepped in owners.items():
+        if len(stepped) > 1:
+            shared.setdefault(tuple(stepped), []).append(name)
+    return [
+        f"steps {_and([repr(s) for s in stepped])} would {'both' if len(stepped) == 2 else 'all'}"
+        f" be {_and(generated)} in {class_name}; rename one so that each step has names of its own"
+        for stepped, generated in shared.items()
+    ]
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def _service_parameters(services: Iterable[ServiceDescriptor]) -> dict[str, str]:

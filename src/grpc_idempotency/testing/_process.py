@@ -3,6 +3,10 @@ with its failpoints in the environment, waited for until it prints its port, kil
 
 Output goes to files, not pipes: a chatty child never blocks on a full pipe, and the files are
 quoted in a failing check's message.
+
+A child never outlives this process: its stdin is a pipe only this process holds the write end
+of, and ``serve`` shuts down at its end of file, which the kernel delivers however this process
+ends (a SIGTERM or SIGKILL to pytest runs no fixture teardown, so ``stop`` may never run).
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ class ServerProcess:
         return f"{host}:{self.port}"
 
     @property
+    def pid(self) -> int:
+        """The child's process id."""
+        assert self._proc is not None, "not started"
+        return self._proc.pid
+
+    @property
     def returncode(self) -> int | None:
         """The exit status once it has exited (negative: killed by that signal), else None."""
         return None if self._proc is None else self._proc.poll()
@@ -85,10 +95,13 @@ class ServerProcess:
             # serve tests that each run in a loop of their own), and it is only polled.
             self._proc = subprocess.Popen(  # noqa: ASYNC220
                 [sys.executable, "-m", "grpc_idempotency.testing.serve", self.target],
-                stdin=subprocess.DEVNULL,
+                # Never written to: the pipe is the child's lifeline (see the module's
+                # docstring). Its write end is close-on-exec, so later children do not
+                # inherit it and keep it open after this process is gone.
+                stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=err,
-                env=self._env,
+                env={**self._env, serve.EXIT_ON_STDIN_EOF_ENV: "1"},
                 start_new_session=True,  # a Ctrl-C of pytest must not reach it first
             )
         deadline = time.monotonic() + timeout
@@ -119,15 +132,23 @@ class ServerProcess:
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM (a clean shutdown), then SIGKILL if it is still alive after ``timeout``."""
         proc = self._proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            if proc.poll() is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        finally:
+            # Only once it has exited: closing the lifeline earlier would stop it too, but
+            # without the SIGKILL fallback above.
+            if proc.stdin is not None:
+                proc.stdin.close()
 
     def describe(self) -> str:
         """What it runs, with which failpoints."""

@@ -12,7 +12,17 @@ The environment carries the rest, so that the server is configured before anythi
 
 - ``GRPC_IDEMPOTENCY_SERVE_DSN``: the PostgreSQL DSN passed to ``build_server`` (required);
 - ``GRPC_IDEMPOTENCY_SERVE_ADDRESS``: where to listen (default ``127.0.0.1:0``, any free port);
-- ``GRPC_IDEMPOTENCY_FAILPOINTS``: the failpoints, read once when the library is imported.
+- ``GRPC_IDEMPOTENCY_FAILPOINTS``: the failpoints, read once when the library is imported;
+- ``GRPC_IDEMPOTENCY_SERVE_EXIT_ON_STDIN_EOF=1``: also shut down when stdin reaches end of file,
+  and exit regardless ``STDIN_EOF_GRACE_S`` seconds later.
+
+The last one is how the conformance kit keeps its servers from outliving it. They run in
+sessions of their own (a Ctrl-C of pytest must not reach them first), so nothing signals them
+when pytest dies without running its teardown (SIGTERM from a CI timeout, SIGKILL, the OOM
+killer). Their stdin is a pipe whose write end only the parent holds and never writes to: the
+kernel closes it however the parent dies, and the server sees end of file. Opt-in, because a
+server started by hand, or under a supervisor, often has stdin on /dev/null, which is at end
+of file from the start.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ import inspect
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +44,11 @@ if TYPE_CHECKING:
 
 DSN_ENV = "GRPC_IDEMPOTENCY_SERVE_DSN"
 ADDRESS_ENV = "GRPC_IDEMPOTENCY_SERVE_ADDRESS"
+EXIT_ON_STDIN_EOF_ENV = "GRPC_IDEMPOTENCY_SERVE_EXIT_ON_STDIN_EOF"
 DEFAULT_ADDRESS = "127.0.0.1:0"
+STDIN_EOF_GRACE_S = 10.0
+"""After stdin's end of file, how long a clean shutdown may take before the process exits
+anyway (a hung handler or clean-up must not keep an orphan alive)."""
 READY = "grpc-idempotency serve: listening on "
 _USAGE = "usage: python -m grpc_idempotency.testing.serve package.module:build_server"
 
@@ -73,16 +89,43 @@ async def built(build: Any, dsn: str) -> AsyncIterator[grpc.aio.Server]:
     yield server
 
 
+def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Blocks until stdin reaches end of file (the parent holding the pipe is gone), sets
+    ``stop``, and ends the process if it is still running ``STDIN_EOF_GRACE_S`` later.
+
+    A thread, not the event loop's reader: a blocked loop (a handler stuck in sync code) must
+    not keep the process alive. ``os.read``, not ``sys.stdin``: a daemon thread blocked inside
+    the buffered reader holds its lock, and closing it at interpreter exit would abort."""
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):
+            pass  # the parent writes nothing; anything read is ignored
+    print("grpc-idempotency serve: stdin closed (the parent is gone); stopping", file=sys.stderr)
+    with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting anyway
+        loop.call_soon_threadsafe(stop.set)
+    time.sleep(STDIN_EOF_GRACE_S)
+    print(
+        f"grpc-idempotency serve: not stopped {STDIN_EOF_GRACE_S:g}s after stdin closed; exiting",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
+
+
 async def serve(target: str, dsn: str, address: str) -> None:
     """Builds ``target``'s server, starts it on ``address``, prints the ready line, and serves
-    until SIGTERM or SIGINT."""
+    until SIGTERM or SIGINT (or, with ``EXIT_ON_STDIN_EOF_ENV`` set, stdin's end of file)."""
     import grpc
 
-    build = load(target)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if os.environ.get(EXIT_ON_STDIN_EOF_ENV) == "1":
+        # Before anything of the user's runs: an import or a build that hangs is covered too.
+        threading.Thread(
+            target=_stop_at_stdin_eof, args=(loop, stop), name="stdin-eof", daemon=True
+        ).start()
+    build = load(target)
     async with built(build, dsn) as server:
         if not isinstance(server, grpc.aio.Server):
             raise ServeError(f"{target} returned {type(server).__name__}, not a grpc.aio.Server")
