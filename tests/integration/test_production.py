@@ -270,52 +270,45 @@ async def test_a_failed_statement_of_the_handler_is_internal_without_the_drivers
 
 
 @pytest.mark.parametrize("method", [POST, PHASED, OPTIONAL])
-async def test_a_handler_write_that_fails_at_commit_is_the_handlers_error_not_the_stores(
-    store: Store, method: str, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("behaviour", "said", "logged"),
+    [
+        # A constraint checked only at COMMIT (DEFERRABLE INITIALLY DEFERRED) fails in the
+        # library's commit: it was answered UNAVAILABLE "store unavailable (23505)", retryable,
+        # blaming the store, and every retry ran the handler into the same wall.
+        ("deferred-violation", "23505", "checked_at_commit_once"),
+        # A failed statement whose error the handler caught aborted the call's transaction:
+        # PostgreSQL answers its COMMIT with ROLLBACK, not an error. An unkeyed call
+        # (OPTIONAL without a key) answered OK with nothing written; a keyed one UNAVAILABLE
+        # "store unavailable (25P02)", blaming the store for the handler's bug.
+        ("swallow", "aborted", "caught"),
+    ],
+)
+async def test_a_handler_write_that_cannot_commit_is_the_handlers_error_never_ok(
+    store: Store,
+    method: str,
+    behaviour: str,
+    said: str,
+    logged: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A constraint checked only at COMMIT (DEFERRABLE INITIALLY DEFERRED) fails in the
-    library's commit. It was answered UNAVAILABLE "store unavailable (23505)": retryable,
-    blaming the store, and every retry ran the handler into the same wall."""
+    """INTERNAL, reason IDEMPOTENCY_HANDLER_DATABASE_ERROR (the driver's text in the log only);
+    the key released, nothing recorded or written; a fixed handler then runs."""
     key = None if method == OPTIONAL else fresh()
     account = fresh("acct")
     async with running_ledger(store) as ledger:
         with caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"):
-            failed = await ledger.call(method, post(account, "deferred-violation"), key)
+            failed = await ledger.call(method, post(account, behaviour), key)
         assert failed.code is grpc.StatusCode.INTERNAL, (failed.code, failed.details)
         assert failed.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
-        assert "23505" in (failed.details or "")
+        assert said in (failed.details or "")
         assert "checked_at_commit" not in (failed.details or "")  # the driver's text stays home
-        assert "checked_at_commit_once" in caplog.text
+        assert logged in caplog.text
         if key is not None:
+            # Nothing completed (a phased claim stays, its lease ended); the key's second
+            # attempt (the behaviour misbehaves on the first only) runs and commits.
             assert not await completed(store, key)
-            retry = await ledger.call(method, post(account, "deferred-violation"), key)
-            assert retry.code is grpc.StatusCode.OK and not retry.replayed
-    assert await ledger_rows(store, account) == (0 if key is None else 1)
-
-
-@pytest.mark.parametrize("method", [POST, PHASED, OPTIONAL])
-async def test_a_handler_that_catches_a_failed_statement_and_returns_ok_is_not_answered_ok(
-    store: Store, method: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The failed statement aborted the call's transaction: nothing the handler wrote can
-    commit. PostgreSQL answers the COMMIT of an aborted transaction with ROLLBACK, not an
-    error, and an unkeyed call (``OPTIONAL`` without a key) used to answer OK with nothing
-    written; a keyed one answered UNAVAILABLE "store unavailable (25P02)", blaming the store
-    for the handler's bug. Now: INTERNAL, the key released, nothing recorded or written."""
-    key = None if method == OPTIONAL else fresh()
-    account = fresh("acct")
-    async with running_ledger(store) as ledger:
-        with caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"):
-            failed = await ledger.call(method, post(account, "swallow"), key)
-        assert failed.code is grpc.StatusCode.INTERNAL, (failed.code, failed.details)
-        assert failed.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
-        assert "aborted" in (failed.details or "")
-        assert "caught" in caplog.text  # the server's log says what the handler did wrong
-        if key is not None:
-            # Released: nothing completed (a phased claim stays, its lease ended), and a fixed
-            # handler runs again.
-            assert not await completed(store, key)
-            retry = await ledger.call(method, post(account, "swallow"), key)
+            retry = await ledger.call(method, post(account, behaviour), key)
             assert retry.code is grpc.StatusCode.OK and not retry.replayed
     assert await ledger_rows(store, account) == (0 if key is None else 1)
 
