@@ -17,7 +17,14 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import HerdRelease, Store
 from tests.support.blackhole import BlackholeProxy
-from tests.support.ledger import POST, fresh, ledger_rows, owner_and_herd, running_ledger
+from tests.support.ledger import (
+    POST,
+    fresh,
+    ledger_rows,
+    owner_and_herd,
+    running_ledger,
+    waiting_herd,
+)
 from tests.support.waiting import until
 
 
@@ -66,10 +73,7 @@ async def test_a_duplicate_whose_client_goes_while_queued_leaves_the_others_thei
     async with running_ledger(
         store, herd_release=HerdRelease(per_batch=2, interval_s=1.0)
     ) as ledger:
-        owner = asyncio.ensure_future(ledger.call(POST, request, key))
-        await ledger.service.started.wait()
-        herd = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(6)]
-        await until("6 calls waiting", lambda: ledger.interceptor.waiting_calls == 6)
+        owner, herd = await waiting_herd(ledger, request, key, 6)
         ledger.service.release.set()
         first = await owner
         # The first batch is answered; the other four are queued for theirs. One client goes.
@@ -129,10 +133,7 @@ async def test_duplicates_of_a_recorded_error_get_it_from_the_owner_not_from_the
     try:
         release = HerdRelease(per_batch=1, interval_s=0.5)
         async with running_ledger(via, herd_release=release) as ledger:
-            owner = asyncio.ensure_future(ledger.call(POST, request, key))
-            await ledger.service.started.wait()
-            herd = [asyncio.ensure_future(ledger.call(POST, request, key)) for _ in range(3)]
-            await until("3 calls waiting", lambda: ledger.interceptor.waiting_calls == 3)
+            owner, herd = await waiting_herd(ledger, request, key, 3)
             ledger.service.release.set()
             first = await owner
             proxy.blackhole()  # batches 2 and 3 leave 0.5 s and 1 s after the owner's outcome

@@ -355,28 +355,37 @@ async def running_ledger(
         await server.stop(None)
 
 
-async def owner_and_herd(
+async def waiting_herd(
     ledger: RunningLedger, request: Any, key: str, size: int, *, timeout: float | None = 10.0
-) -> tuple[Answer, list[tuple[Answer, float]], float]:
-    """An owner call whose handler waits (``request.behaviour`` "wait" or "wait-flaky") and ``size``
-    duplicates waiting on it; then lets the owner finish. Returns the owner's answer, each
-    duplicate's answer with the monotonic time it arrived, and the time the owner was let go
-    (its outcome is committed after that)."""
-
-    async def answered(call: Any) -> tuple[Answer, float]:
-        answer = await call
-        return answer, time.monotonic()
-
+) -> tuple[asyncio.Future[Answer], list[asyncio.Future[Answer]]]:
+    """An owner call whose handler waits (``request.behaviour`` "wait", "wait-flaky" or
+    "wait:CODE") and ``size`` duplicates waiting on it; the owner is not let go yet
+    (``ledger.service.release``)."""
     owner = asyncio.ensure_future(ledger.call(POST, request, key))
     await ledger.service.started.wait()
     herd = [
-        asyncio.ensure_future(answered(ledger.call(POST, request, key, timeout=timeout)))
-        for _ in range(size)
+        asyncio.ensure_future(ledger.call(POST, request, key, timeout=timeout)) for _ in range(size)
     ]
     await until(f"{size} calls waiting", lambda: ledger.interceptor.waiting_calls == size)
+    return owner, herd
+
+
+async def owner_and_herd(
+    ledger: RunningLedger, request: Any, key: str, size: int, *, timeout: float | None = 10.0
+) -> tuple[Answer, list[tuple[Answer, float]], float]:
+    """``waiting_herd``, then lets the owner finish. Returns the owner's answer, each
+    duplicate's answer with the monotonic time it arrived, and the time the owner was let go
+    (its outcome is committed after that)."""
+
+    async def answered(call: asyncio.Future[Answer]) -> tuple[Answer, float]:
+        answer = await call
+        return answer, time.monotonic()
+
+    owner, herd = await waiting_herd(ledger, request, key, size, timeout=timeout)
+    timed = [asyncio.ensure_future(answered(call)) for call in herd]
     let_go = time.monotonic()
     ledger.service.release.set()
-    return await owner, list(await asyncio.gather(*herd)), let_go
+    return await owner, list(await asyncio.gather(*timed)), let_go
 
 
 def metadata(
