@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from grpc_idempotency import inspect_cli
-from grpc_idempotency.cli_errors import one_line, report_store_error, safe_dsn
+from grpc_idempotency.cli_errors import (
+    UnusableDsn,
+    check_parses,
+    connect,
+    one_line,
+    report_store_error,
+    safe_dsn,
+)
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
@@ -500,7 +507,7 @@ async def _with_store(args: argparse.Namespace) -> int:
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
     pool_options = _pool_options(args)
-    store = await Store.connect(
+    store = await connect(
         args.dsn,
         schema=args.schema,
         min_size=1,
@@ -550,6 +557,8 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.listen_dsn and not args.no_listen:
+        await check_parses(args.listen_dsn, "--listen-dsn")
     policy = DeliveryPolicy(
         max_attempts=args.max_attempts,
         initial_backoff_s=args.initial_backoff,
@@ -782,6 +791,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log_warnings()
     try:
         return asyncio.run(_with_store(args))
+    except UnusableDsn as err:
+        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        return 2
     except StoreMisconfigured as err:
         # No such database or role, bad password, not migrated, no privilege: retrying will not
         # help (exit 2).

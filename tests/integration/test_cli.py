@@ -185,10 +185,68 @@ def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
         ("postgres://u:p%40ss@/app?host=/run/pg", "postgres://u:***@/app?host=/run/pg"),
         ("host=db user=u password='hun ter' dbname=app", "host=db user=u password=*** dbname=app"),
         ("postgresql://u@db/app", "postgresql://u@db/app"),
+        # Unencoded / ? # @ in the password: URL parsing cuts it into host, path, query or
+        # fragment, so everything up to the last "@" is masked.
+        ("postgresql://app:s3cr/et@db:5432/prod", "postgresql://***@db:5432/prod"),
+        ("postgresql://app:s3cr?et@db:5432/prod", "postgresql://***@db:5432/prod"),
+        ("postgresql://app:p?ss=w0rd@db/prod", "postgresql://***@db/prod"),
+        ("postgresql://app:s3cr#et@db/prod", "postgresql://***@db/prod"),
+        ("postgresql://app:p@ss/w@db/prod?sslmode=require",
+         "postgresql://***@db/prod?sslmode=require"),
+        ("postgresql://u@db/app?password=hun#ter", "postgresql://***@db/app?password=***#***"),
+        ("postgresql://app:s3cret/prod", "postgresql://***"),  # "s3cret" would be the port
+        ("postgresql://app:pa[ss@db/prod", "postgresql://***@db/prod"),  # urlsplit refuses it
     ],
 )  # fmt: skip
 def test_safe_dsn_masks_every_password(dsn: str, safe: str) -> None:
     assert safe_dsn(dsn) == safe
+
+
+def test_dsn_target_names_nothing_from_a_dsn_in_doubt() -> None:
+    # The driver reads "app" as the host and "5432/et" as port and database.
+    assert "et" not in dsn_target("postgresql://app:5432/et@db/prod").replace("unambiguously", "")
+
+
+# Each quotes a piece of its password in asyncpg's parse error, or is misread by it.
+UNPARSABLE = {
+    "slash": ("postgresql://app:s3cr/et@db.example:5432/prod", ["s3cr", "et@"]),
+    "question mark": ("postgresql://app:s3cr?et@db.example:5432/prod", ["s3cr", "et@"]),
+    "query-like": ("postgresql://app:p?ss=w0rd@db.example:5432/prod", ["w0rd", "'p'", "ss="]),
+    "empty host": ("postgresql://app:hunter22@,db.example/prod", ["hunter22"]),
+    "bad sslmode": ("postgresql://app:hunter22@db.example/prod?sslmode=nope", ["hunter22"]),
+}
+COMMANDS = {
+    "migrate": ["migrate"],
+    "purge": ["purge"],
+    "list": ["list", "--scope", "s"],
+    "inspect": ["inspect", "--scope", "s", "k"],
+    "outbox stats": ["outbox", "stats"],
+    "outbox dead": ["outbox", "dead"],
+    "relay": ["relay", "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C"],
+}
+
+
+@pytest.mark.parametrize("dsn, pieces", UNPARSABLE.values(), ids=UNPARSABLE.keys())
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_dsn_the_driver_cannot_parse_is_refused_without_its_text(
+    command: list[str], dsn: str, pieces: list[str]
+) -> None:
+    done = cli(*command, "--dsn", dsn)
+    assert done.returncode == 2, done.stderr  # not retryable
+    assert "cannot parse --dsn" in done.stderr and "percent-encode" in done.stderr
+    assert "Traceback" not in done.stderr
+    for piece in pieces:
+        assert piece not in done.stderr + done.stdout
+
+
+def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
+    pg_dsn: str, store: object
+) -> None:
+    done = cli("relay", "--dsn", pg_dsn, "--listen-dsn", UNPARSABLE["slash"][0],
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "cannot parse --listen-dsn" in done.stderr
+    assert "s3cr" not in done.stderr and "ready" not in done.stdout
 
 
 @pytest.mark.parametrize(

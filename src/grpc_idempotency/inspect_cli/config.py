@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from grpc_idempotency.cli_errors import safe_dsn
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 
 _SERVICE_SETTINGS = {"dsn", "dsn_env", "schema", "scope", "proto_modules", "descriptor_sets"}
@@ -104,9 +105,10 @@ def _option_stores(dsns: list[str] | None, schemas: list[str] | None) -> list[St
 
 
 def _where(dsn: str) -> str:
-    """host:port/database of a URL DSN, for naming a store (never the user or password)."""
+    """host:port/database of a URL DSN, for naming a store (never the user or password: taken
+    from the masked DSN, which keeps nothing before the last "@" of a DSN in doubt)."""
     try:
-        parts = urlsplit(dsn)
+        parts = urlsplit(safe_dsn(dsn))
         return f"{parts.netloc.rpartition('@')[2]}{parts.path}" or "?"
     except ValueError:
         return "?"
