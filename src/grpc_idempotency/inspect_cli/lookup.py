@@ -62,8 +62,9 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
                     await store.check_schema()
             except StoreUnavailable as err:
                 raise StoreFailed(err, s) from err
-            except UnusableDsn as err:
-                raise ConfigError(f"store {s.name}: {err}") from None
+            except UnusableDsn:
+                # From --dsn or from the config file: "its DSN" covers both.
+                raise ConfigError(f"store {s.name}: {UnusableDsn('its DSN')}") from None
             except ValueError as err:  # a schema name that is not an identifier
                 raise ConfigError(f"store {s.name}: {err}") from err
             opened.append(_Open(s, InspectionStore(store)))
