@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -28,6 +31,7 @@ from grpc_idempotency.cli_errors import (
     safe_dsn,
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
 if TYPE_CHECKING:
@@ -262,10 +266,12 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         default=[],
         type=_header,
         metavar="NAME=VALUE",
-        help="metadata sent with every delivery (repeatable; default: none)",
+        help="metadata sent with every delivery (repeatable; NAME: letters a-z, digits, - _ .;"
+        " VALUE: printable ASCII, or base64 when NAME ends in -bin) (default: none)",
     )
     relay.add_argument(
         "--scope-header",
+        type=_header_name,
         metavar="NAME",
         help="send each row's scope in this header (minus --scope-prefix), as MetadataScope reads"
         " it on the receiving side (default: the scope is not sent)",
@@ -286,12 +292,13 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     relay.add_argument(
         "--tls-ca",
         metavar="FILE",
-        help="use TLS, trusting these PEM root certificates (default: plaintext)",
+        help="use TLS, trusting these PEM root certificates (default: plaintext, or the system's"
+        " roots with --tls-cert)",
     )
     relay.add_argument(
         "--tls-cert",
         metavar="FILE",
-        help="PEM client certificate chain, for mutual TLS (default: none)",
+        help="PEM client certificate chain, for mutual TLS, with --tls-key (default: none)",
     )
     relay.add_argument(
         "--tls-key",
@@ -439,11 +446,42 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     with_store(stats)
 
 
-def _header(text: str) -> tuple[str, str]:
+# What gRPC accepts, checked when a call is sent: a header it refuses fails the delivery, and the
+# relay would retry it and dead-letter every row after --max-attempts.
+_HEADER_NAME = re.compile(r"[0-9a-z_.-]+")
+# Set by the relay itself (idempotency-key), reserved by gRPC (grpc-*) or by HTTP/2 transport.
+_RESERVED_HEADERS = {KEY_HEADER, "content-type", "te"}
+
+
+def _header_name(text: str) -> str:
+    name = text.strip().lower()
+    if not _HEADER_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"header name {text!r}: gRPC allows only letters a-z, digits and - _ ."
+        )
+    if name.startswith("grpc-") or name in _RESERVED_HEADERS:
+        raise argparse.ArgumentTypeError(f"header name {name!r} is reserved")
+    return name
+
+
+def _header(text: str) -> tuple[str, str | bytes]:
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
-    return name.strip().lower(), value
+    name = _header_name(name)
+    if name.endswith("-bin"):  # binary metadata: gRPC sends bytes, base64 on the wire
+        try:
+            return name, base64.b64decode(value + "=" * (-len(value) % 4), validate=True)
+        except binascii.Error:
+            raise argparse.ArgumentTypeError(
+                f"header {name}: the value of a -bin header is base64, not {value!r}"
+            ) from None
+    if not (value.isascii() and value.isprintable()):
+        raise argparse.ArgumentTypeError(
+            f"header {name}: gRPC allows only printable ASCII in a value, not {value!r}"
+            " (or name it ...-bin and give the bytes as base64)"
+        )
+    return name, value
 
 
 def _positive(text: str) -> float:
@@ -483,6 +521,31 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"relay: --max-backoff ({args.max_backoff:g}) must not be smaller than"
             f" --initial-backoff ({args.initial_backoff:g})"
         )
+    if args.scope_header in {name for name, _ in args.header}:
+        parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
+    # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would
+    # read the files only after the database is connected: check them all here.
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error(
+            "relay: --tls-cert and --tls-key go together (the client certificate and its key)"
+        )
+    args.tls_pem = {}
+    for option, path, kind, begin in (
+        ("--tls-ca", args.tls_ca, "certificate", rb"-----BEGIN CERTIFICATE-----"),
+        ("--tls-cert", args.tls_cert, "certificate", rb"-----BEGIN CERTIFICATE-----"),
+        ("--tls-key", args.tls_key, "private key", rb"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    ):
+        if path is None:
+            continue
+        try:
+            pem = Path(path).read_bytes()
+        except OSError as err:
+            parser.error(f"relay: {option} {path}: cannot read: {err.strerror or err}")
+        # A file of the wrong kind (the key given as the certificate) would fail only each
+        # handshake, so each delivery: every row would end up dead-lettered.
+        if not re.search(begin, pem):
+            parser.error(f"relay: {option} {path}: holds no PEM {kind}")
+        args.tls_pem[option] = pem
 
 
 def _not_negative(text: str) -> float:
@@ -564,13 +627,13 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         initial_backoff_s=args.initial_backoff,
         max_backoff_s=args.max_backoff,
     )
-    if args.tls_ca or args.tls_cert:
+    if args.tls_pem:  # any of --tls-ca, --tls-cert and --tls-key (read by _check_relay)
         channel = grpc.aio.secure_channel(
             args.grpc_target,
             grpc.ssl_channel_credentials(
-                root_certificates=_read(args.tls_ca),
-                private_key=_read(args.tls_key),
-                certificate_chain=_read(args.tls_cert),
+                root_certificates=args.tls_pem.get("--tls-ca"),
+                private_key=args.tls_pem.get("--tls-key"),
+                certificate_chain=args.tls_pem.get("--tls-cert"),
             ),
         )
     else:
@@ -634,13 +697,6 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         flush=True,
     )
     return 0
-
-
-def _read(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
 
 
 async def _outbox(args: argparse.Namespace, store: Store) -> int:

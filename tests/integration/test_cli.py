@@ -373,3 +373,81 @@ def test_buf_cannot_use_the_include_path_itself(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert "relative" in done.stderr, done.stderr
+
+
+# -- relay arguments refused before connecting ---------------------------------------------------
+
+FAKE_CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+FAKE_KEY = b"-----BEGIN EC PRIVATE KEY-----\nMHcC\n-----END EC PRIVATE KEY-----\n"
+
+
+def relay_args(dsn: str, *extra: str) -> list[str]:
+    return ["relay", "--dsn", dsn, "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C", *extra]
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        # gRPC's C core aborted the process (SIGABRT, exit 134) on these.
+        (["--tls-cert", "{cert}"], "--tls-cert and --tls-key go together"),
+        (["--tls-ca", "{cert}", "--tls-cert", "{cert}"], "--tls-cert and --tls-key go together"),
+        # Was silently ignored: the relay delivered in plaintext.
+        (["--tls-key", "{key}"], "--tls-cert and --tls-key go together"),
+        # Was a FileNotFoundError traceback, after connecting to the database.
+        (["--tls-ca", "{missing}"], "--tls-ca {missing}: cannot read: No such file"),
+        (["--tls-cert", "{cert}", "--tls-key", "{missing}"], "--tls-key {missing}: cannot read"),
+        (["--tls-ca", "{dir}"], "--tls-ca {dir}: cannot read"),
+        # Would have failed every handshake, so every delivery: dead letters.
+        (["--tls-cert", "{key}", "--tls-key", "{cert}"], "--tls-cert {key}: holds no PEM"),
+        (["--tls-ca", "{key}"], "--tls-ca {key}: holds no PEM certificate"),
+    ],
+)
+def test_relay_tls_files_are_checked_before_connecting(
+    pg_dsn: str, store: object, tmp_path: Path, options: list[str], expected: str
+) -> None:
+    (tmp_path / "cert.pem").write_bytes(FAKE_CERT)
+    (tmp_path / "key.pem").write_bytes(FAKE_KEY)
+    paths = {
+        "cert": str(tmp_path / "cert.pem"),
+        "key": str(tmp_path / "key.pem"),
+        "missing": str(tmp_path / "nonexistent.pem"),
+        "dir": str(tmp_path),
+    }
+    done = cli(*relay_args(pg_dsn, *(o.format(**paths) for o in options)))
+    assert done.returncode == 2, done.stderr
+    assert expected.format(**paths) in done.stderr
+    assert "Traceback" not in done.stderr and "ready" not in done.stdout
+
+
+async def test_headers_the_relay_accepts_are_sent_by_grpc() -> None:
+    """The other side of tests/unit/test_cli_arguments.py: what --header accepts, a real gRPC
+    call sends (a header it refused failed every delivery, so dead-lettered every row)."""
+    import grpc
+
+    headers = ["X-Tenant=acme", "x.a_b-1= v ~!", "x-empty=", "x-blob-bin=AP8"]
+    args = _parser().parse_args(
+        ["relay", "--grpc-target", "t:1", "--method", "/a.B/C"]
+        + [arg for h in headers for arg in ("--header", h)]
+    )
+    received: list[tuple[str, str | bytes]] = []
+
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        received.extend((m.key, m.value) for m in context.invocation_metadata())
+        return request
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "a.B", {"C": grpc.unary_unary_rpc_method_handler(echo)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await channel.unary_unary("/a.B/C")(b"", metadata=tuple(args.header), timeout=10)
+    finally:
+        await server.stop(None)
+    assert set(args.header) <= set(received)
