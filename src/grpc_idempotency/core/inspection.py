@@ -28,9 +28,9 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from google.protobuf import json_format
+from google.protobuf import descriptor_pool, json_format
 from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
@@ -139,6 +139,13 @@ class Payload:
 # print (a Timestamp out of range, a Duration's mismatched signs, a NaN Value: ValueError).
 _UNSHOWABLE = (TypeError, ValueError, KeyError, json_format.Error)
 
+
+def _pool_of(message: Message) -> descriptor_pool.DescriptorPool:
+    # The upb backend's pool is its own class, which json_format accepts but its stubs do not
+    # declare.
+    return cast(descriptor_pool.DescriptorPool, message.DESCRIPTOR.file.pool)
+
+
 MessageClass = Callable[[], Message]
 """A generated message class (called with no arguments for an empty message)."""
 
@@ -157,7 +164,7 @@ def decode(data: bytes | None, type_name: str | None, cls: MessageClass | None) 
                 always_print_fields_with_no_presence=True,
                 # A google.protobuf.Any inside is unpacked by looking its type up: in the pool
                 # the message came from (a descriptor set's), not the default one.
-                descriptor_pool=message.DESCRIPTOR.file.pool,
+                descriptor_pool=_pool_of(message),
             )
         except DecodeError as err:
             problem = f"does not parse as {type_name}: {err}"
@@ -209,9 +216,7 @@ def recorded_error(record: Record) -> RecordedError | None:
         else:
             for item in status.details:
                 try:
-                    details.append(
-                        json_format.MessageToDict(item, descriptor_pool=item.DESCRIPTOR.file.pool)
-                    )
+                    details.append(json_format.MessageToDict(item, descriptor_pool=_pool_of(item)))
                 except (DecodeError, *_UNSHOWABLE):  # an Any whose type this process does not know
                     details.append({"@type": item.type_url, "size": len(item.value)})
     return RecordedError(code=name, message=record.status_message or "", details=details)
