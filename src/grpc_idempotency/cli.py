@@ -32,6 +32,12 @@ from grpc_idempotency.cli_errors import (
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.core.wire import KEY_HEADER
+from grpc_idempotency.inspect_cli.parsers import (
+    at_least_one,
+    bigint,
+    not_negative_int,
+    schema_name,
+)
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
 if TYPE_CHECKING:
@@ -85,12 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--schema",
             default=DEFAULT_SCHEMA,
+            type=schema_name,
             metavar="NAME",
             help="the PostgreSQL schema holding the store's tables (default: %(default)s)",
         )
         p.add_argument(
             "--statement-cache-size",
-            type=int,
+            type=not_negative_int,
             default=None,
             metavar="N",
             help="asyncpg's prepared-statement cache per connection (default: asyncpg's, 100)."
@@ -108,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
         " are skipped).",
     )
     with_store(migrate)
+    migrate.add_argument(
+        "--command-timeout",
+        type=_positive,
+        default=None,
+        metavar="SECONDS",
+        help="the longest any one statement may run, for a migration that rewrites a large"
+        " table (default: the store's, 30)",
+    )
     purge = _command(
         commands,
         "purge",
@@ -119,21 +134,21 @@ def _parser() -> argparse.ArgumentParser:
     with_store(purge)
     purge.add_argument(
         "--batch-size",
-        type=int,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="records deleted per transaction (default: %(default)s)",
     )
     purge.add_argument(
         "--max-batches",
-        type=int,
+        type=at_least_one,
         default=None,
         metavar="N",
         help="stop after this many batches (default: until nothing expired is left)",
     )
     purge.add_argument(
         "--pause",
-        type=float,
+        type=_not_negative,  # inf slept forever after the first batch; nan meant no pause
         default=0.0,
         metavar="S",
         help="seconds between batches, to spare live calls while a backlog goes"
@@ -307,7 +322,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--batch-size",
-        type=_at_least_one,
+        type=at_least_one,
         default=100,
         metavar="N",
         help="rows claimed at a time (default: %(default)s)",
@@ -330,7 +345,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--max-attempts",
-        type=_at_least_one,
+        type=at_least_one,
         default=10,
         metavar="N",
         help="failed deliveries before a row is parked as a dead letter (default: %(default)s)",
@@ -392,7 +407,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     with_store(dead)
     dead.add_argument(
         "--limit",
-        type=_at_least_one,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="list at most this many, by id (default: %(default)s)",
@@ -405,7 +420,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     retry.add_argument(
         "ids",
         nargs="*",
-        type=int,
+        type=bigint,
         metavar="ID",
         help="the dead letters to retry, as listed by outbox dead (or --all)",
     )
@@ -421,7 +436,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     purge_dead.add_argument(
         "--batch-size",
-        type=_at_least_one,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="rows deleted per transaction (default: %(default)s)",
@@ -437,7 +452,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     purge_sent.add_argument(
         "--batch-size",
-        type=_at_least_one,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="rows deleted per transaction (default: %(default)s)",
@@ -502,16 +517,6 @@ def _finite(text: str) -> float:
     return value
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
-    return value
-
-
 def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses what no single relay argument shows to be wrong, before connecting to anything
     and with exit code 2, as argparse does for a bad argument. (Each argument's own range is
@@ -570,6 +575,8 @@ async def _with_store(args: argparse.Namespace) -> int:
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
     pool_options = _pool_options(args)
+    if getattr(args, "command_timeout", None) is not None:  # migrate's
+        pool_options["command_timeout"] = args.command_timeout
     store = await connect(
         args.dsn,
         schema=args.schema,

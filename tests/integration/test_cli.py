@@ -9,14 +9,17 @@ when buf is installed, by ``buf build`` and ``buf lint`` with the README's buf.y
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -451,3 +454,69 @@ async def test_headers_the_relay_accepts_are_sent_by_grpc() -> None:
     finally:
         await server.stop(None)
     assert set(args.header) <= set(received)
+
+
+# -- input PostgreSQL would refuse: exit 2 (fix the command), not 1 (retry later) ---------------
+
+BIGINT_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["purge", "--batch-size", str(BIGINT_MAX + 1)],  # asyncpg's DataError: was exit 1
+        ["outbox", "retry", str(BIGINT_MAX + 1)],
+        ["outbox", "dead", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "s", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "tenant:\udcff"],  # the byte 0xff: not UTF-8
+        ["inspect", "--scope", "tenant:\udcff", "k"],
+        ["migrate", "--schema", "pg_x"],  # SQLSTATE 42939, reserved: was exit 1
+    ],
+)
+def test_input_postgresql_would_refuse_exits_2(pg_dsn: str, store: object, argv: list[str]) -> None:
+    done = cli(*argv, "--dsn", pg_dsn)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "unavailable" not in done.stderr
+
+
+def test_the_largest_counts_and_ids_reach_postgresql(pg_dsn: str, store: object) -> None:
+    """The bounds are PostgreSQL's own: bigint's largest passes every statement."""
+    for argv, out in [
+        (["purge", "--batch-size", str(BIGINT_MAX)], "purged"),
+        (["outbox", "retry", str(BIGINT_MAX)], "0 dead letter(s) back to pending"),
+        (["outbox", "dead", "--limit", str(BIGINT_MAX)], ""),
+        (["list", "--scope", f"tenant:caf\u00e9-{secrets.token_hex(4)}", "--limit",
+          str(BIGINT_MAX)], "no records under"),
+    ]:  # fmt: skip
+        done = cli(*argv, "--dsn", pg_dsn)
+        assert done.returncode in (0, 3), done.stderr
+        assert out in done.stdout
+
+
+async def test_migrate_command_timeout_bounds_each_statement(pg_dsn: str, db: Any) -> None:
+    """A statement waiting past --command-timeout (here on the migration lock, which the test
+    holds) fails after it, not after the store's 30 s."""
+    from grpc_idempotency.store.migrations import _lock_id
+
+    schema = f"cmd_timeout_{secrets.token_hex(4)}"
+    tx = db.transaction()
+    await tx.start()
+    await db.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+    try:
+        started = time.monotonic()
+        blocked = await asyncio.to_thread(
+            cli, "migrate", "--dsn", pg_dsn, "--schema", schema, "--command-timeout", "1"
+        )
+        assert blocked.returncode == 1, blocked.stderr  # timed out: retry later
+        assert "TimeoutError" in blocked.stderr and "Traceback" not in blocked.stderr
+        assert time.monotonic() - started < 20
+    finally:
+        await tx.rollback()
+    try:
+        done = await asyncio.to_thread(
+            cli, "migrate", "--dsn", pg_dsn, "--schema", schema, "--command-timeout", "120"
+        )
+        assert done.returncode == 0, done.stderr
+        assert "applied migrations" in done.stdout
+    finally:
+        await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -104,3 +104,55 @@ def test_tls_files_are_read_before_connecting(
     args = parser.parse_args(argv)
     _check_relay(parser, args)
     assert args.tls_pem == {option: files[option] for option in used}
+
+
+BIGINT_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # purge --pause: inf slept forever after the first batch, nan meant no pause.
+        ["purge", "--pause", "inf"],
+        ["purge", "--pause", "nan"],
+        ["purge", "--pause", "-1"],
+        # Beyond bigint: asyncpg's DataError, reported as a database failure (exit 1).
+        ["purge", "--batch-size", str(BIGINT_MAX + 1)],
+        ["purge", "--batch-size", "0"],
+        ["purge", "--max-batches", "0"],
+        ["outbox", "retry", str(BIGINT_MAX + 1)],
+        ["outbox", "retry", str(-BIGINT_MAX - 2)],
+        ["outbox", "dead", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "s", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "s", "--limit", "0"],
+        ["relay", *RELAY[1:], "--batch-size", str(BIGINT_MAX + 1)],
+        # Not UTF-8 (a byte 0xff in argv): no encoding to the database accepts it.
+        ["list", "--scope", "tenant:\udcff"],
+        ["list", "--scope", "s", "--method", "/a.B/\udcff"],
+        ["inspect", "--scope", "tenant:\udcff", "k"],
+        ["inspect", "--scope", "s", "k\udcff"],
+        # pg_ names are reserved: CREATE SCHEMA fails with SQLSTATE 42939.
+        ["migrate", "--schema", "pg_x"],
+        ["purge", "--schema", "pg_temp"],
+        ["inspect", "--schema", "pg_x", "--scope", "s", "k"],
+        ["migrate", "--schema", "Has-Dash"],
+        ["outbox", "stats", "--statement-cache-size", "-1"],
+        # migrate --command-timeout: a finite positive number of seconds.
+        ["migrate", "--command-timeout", "0"],
+        ["migrate", "--command-timeout", "inf"],
+        ["migrate", "--command-timeout", "nan"],
+    ],
+)
+def test_input_the_database_would_refuse_is_refused_up_front(argv: list[str]) -> None:
+    refused(*argv)
+
+
+def test_the_bounds_themselves_are_accepted() -> None:
+    assert parse("purge", "--pause", "0.5", "--batch-size", str(BIGINT_MAX)).pause == 0.5
+    assert parse("outbox", "retry", str(BIGINT_MAX), "1").ids == [BIGINT_MAX, 1]
+    assert parse("list", "--scope", "tenant:caf\u00e9", "--limit", str(BIGINT_MAX)).limit == (
+        BIGINT_MAX
+    )
+    assert parse("migrate", "--schema", "app_pg_x").schema == "app_pg_x"
+    assert parse("migrate", "--command-timeout", "3600").command_timeout == 3600.0
+    assert parse("migrate").command_timeout is None  # the store's default
