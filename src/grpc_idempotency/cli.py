@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -19,8 +22,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from grpc_idempotency import inspect_cli
-from grpc_idempotency.cli_errors import one_line, report_store_error, safe_dsn
+from grpc_idempotency.cli_errors import (
+    UnusableDsn,
+    check_parses,
+    connect,
+    one_line,
+    report_store_error,
+    safe_dsn,
+)
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.core.wire import KEY_HEADER
+from grpc_idempotency.inspect_cli.parsers import (
+    at_least_one,
+    bigint,
+    not_negative_int,
+    schema_name,
+)
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
 if TYPE_CHECKING:
@@ -74,12 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--schema",
             default=DEFAULT_SCHEMA,
+            type=schema_name,
             metavar="NAME",
             help="the PostgreSQL schema holding the store's tables (default: %(default)s)",
         )
         p.add_argument(
             "--statement-cache-size",
-            type=int,
+            type=not_negative_int,
             default=None,
             metavar="N",
             help="asyncpg's prepared-statement cache per connection (default: asyncpg's, 100)."
@@ -97,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
         " are skipped).",
     )
     with_store(migrate)
+    migrate.add_argument(
+        "--command-timeout",
+        type=_positive,
+        default=None,
+        metavar="SECONDS",
+        help="the longest any one statement may run, for a migration that rewrites a large"
+        " table (default: the store's, 30)",
+    )
     purge = _command(
         commands,
         "purge",
@@ -108,21 +134,21 @@ def _parser() -> argparse.ArgumentParser:
     with_store(purge)
     purge.add_argument(
         "--batch-size",
-        type=int,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="records deleted per transaction (default: %(default)s)",
     )
     purge.add_argument(
         "--max-batches",
-        type=int,
+        type=at_least_one,
         default=None,
         metavar="N",
         help="stop after this many batches (default: until nothing expired is left)",
     )
     purge.add_argument(
         "--pause",
-        type=float,
+        type=_not_negative,  # inf slept forever after the first batch; nan meant no pause
         default=0.0,
         metavar="S",
         help="seconds between batches, to spare live calls while a backlog goes"
@@ -255,10 +281,12 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         default=[],
         type=_header,
         metavar="NAME=VALUE",
-        help="metadata sent with every delivery (repeatable; default: none)",
+        help="metadata sent with every delivery (repeatable; NAME: letters a-z, digits, - _ .;"
+        " VALUE: printable ASCII, or base64 when NAME ends in -bin) (default: none)",
     )
     relay.add_argument(
         "--scope-header",
+        type=_header_name,
         metavar="NAME",
         help="send each row's scope in this header (minus --scope-prefix), as MetadataScope reads"
         " it on the receiving side (default: the scope is not sent)",
@@ -279,12 +307,13 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     relay.add_argument(
         "--tls-ca",
         metavar="FILE",
-        help="use TLS, trusting these PEM root certificates (default: plaintext)",
+        help="use TLS, trusting these PEM root certificates (default: plaintext, or the system's"
+        " roots with --tls-cert)",
     )
     relay.add_argument(
         "--tls-cert",
         metavar="FILE",
-        help="PEM client certificate chain, for mutual TLS (default: none)",
+        help="PEM client certificate chain, for mutual TLS, with --tls-key (default: none)",
     )
     relay.add_argument(
         "--tls-key",
@@ -293,7 +322,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--batch-size",
-        type=_at_least_one,
+        type=at_least_one,
         default=100,
         metavar="N",
         help="rows claimed at a time (default: %(default)s)",
@@ -316,7 +345,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--max-attempts",
-        type=_at_least_one,
+        type=at_least_one,
         default=10,
         metavar="N",
         help="failed deliveries before a row is parked as a dead letter (default: %(default)s)",
@@ -378,7 +407,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     with_store(dead)
     dead.add_argument(
         "--limit",
-        type=_at_least_one,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="list at most this many, by id (default: %(default)s)",
@@ -391,7 +420,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     retry.add_argument(
         "ids",
         nargs="*",
-        type=int,
+        type=bigint,
         metavar="ID",
         help="the dead letters to retry, as listed by outbox dead (or --all)",
     )
@@ -407,7 +436,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     purge_dead.add_argument(
         "--batch-size",
-        type=_at_least_one,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="rows deleted per transaction (default: %(default)s)",
@@ -423,7 +452,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     purge_sent.add_argument(
         "--batch-size",
-        type=_at_least_one,
+        type=at_least_one,
         default=1000,
         metavar="N",
         help="rows deleted per transaction (default: %(default)s)",
@@ -432,11 +461,42 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     with_store(stats)
 
 
-def _header(text: str) -> tuple[str, str]:
+# What gRPC accepts, checked when a call is sent: a header it refuses fails the delivery, and the
+# relay would retry it and dead-letter every row after --max-attempts.
+_HEADER_NAME = re.compile(r"[0-9a-z_.-]+")
+# Set by the relay itself (idempotency-key), reserved by gRPC (grpc-*) or by HTTP/2 transport.
+_RESERVED_HEADERS = {KEY_HEADER, "content-type", "te"}
+
+
+def _header_name(text: str) -> str:
+    name = text.strip().lower()
+    if not _HEADER_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"header name {text!r}: gRPC allows only letters a-z, digits and - _ ."
+        )
+    if name.startswith("grpc-") or name in _RESERVED_HEADERS:
+        raise argparse.ArgumentTypeError(f"header name {name!r} is reserved")
+    return name
+
+
+def _header(text: str) -> tuple[str, str | bytes]:
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
-    return name.strip().lower(), value
+    name = _header_name(name)
+    if name.endswith("-bin"):  # binary metadata: gRPC sends bytes, base64 on the wire
+        try:
+            return name, base64.b64decode(value + "=" * (-len(value) % 4), validate=True)
+        except binascii.Error:
+            raise argparse.ArgumentTypeError(
+                f"header {name}: the value of a -bin header is base64, not {value!r}"
+            ) from None
+    if not (value.isascii() and value.isprintable()):
+        raise argparse.ArgumentTypeError(
+            f"header {name}: gRPC allows only printable ASCII in a value, not {value!r}"
+            " (or name it ...-bin and give the bytes as base64)"
+        )
+    return name, value
 
 
 def _positive(text: str) -> float:
@@ -457,16 +517,6 @@ def _finite(text: str) -> float:
     return value
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
-    return value
-
-
 def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses what no single relay argument shows to be wrong, before connecting to anything
     and with exit code 2, as argparse does for a bad argument. (Each argument's own range is
@@ -476,6 +526,31 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"relay: --max-backoff ({args.max_backoff:g}) must not be smaller than"
             f" --initial-backoff ({args.initial_backoff:g})"
         )
+    if args.scope_header in {name for name, _ in args.header}:
+        parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
+    # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would
+    # read the files only after the database is connected: check them all here.
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error(
+            "relay: --tls-cert and --tls-key go together (the client certificate and its key)"
+        )
+    args.tls_pem = {}
+    for option, path, kind, begin in (
+        ("--tls-ca", args.tls_ca, "certificate", rb"-----BEGIN CERTIFICATE-----"),
+        ("--tls-cert", args.tls_cert, "certificate", rb"-----BEGIN CERTIFICATE-----"),
+        ("--tls-key", args.tls_key, "private key", rb"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    ):
+        if path is None:
+            continue
+        try:
+            pem = Path(path).read_bytes()
+        except OSError as err:
+            parser.error(f"relay: {option} {path}: cannot read: {err.strerror or err}")
+        # A file of the wrong kind (the key given as the certificate) would fail only each
+        # handshake, so each delivery: every row would end up dead-lettered.
+        if not re.search(begin, pem):
+            parser.error(f"relay: {option} {path}: holds no PEM {kind}")
+        args.tls_pem[option] = pem
 
 
 def _not_negative(text: str) -> float:
@@ -500,7 +575,9 @@ async def _with_store(args: argparse.Namespace) -> int:
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
     pool_options = _pool_options(args)
-    store = await Store.connect(
+    if getattr(args, "command_timeout", None) is not None:  # migrate's
+        pool_options["command_timeout"] = args.command_timeout
+    store = await connect(
         args.dsn,
         schema=args.schema,
         min_size=1,
@@ -550,18 +627,20 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.listen_dsn and not args.no_listen:
+        await check_parses(args.listen_dsn, "--listen-dsn")
     policy = DeliveryPolicy(
         max_attempts=args.max_attempts,
         initial_backoff_s=args.initial_backoff,
         max_backoff_s=args.max_backoff,
     )
-    if args.tls_ca or args.tls_cert:
+    if args.tls_pem:  # any of --tls-ca, --tls-cert and --tls-key (read by _check_relay)
         channel = grpc.aio.secure_channel(
             args.grpc_target,
             grpc.ssl_channel_credentials(
-                root_certificates=_read(args.tls_ca),
-                private_key=_read(args.tls_key),
-                certificate_chain=_read(args.tls_cert),
+                root_certificates=args.tls_pem.get("--tls-ca"),
+                private_key=args.tls_pem.get("--tls-key"),
+                certificate_chain=args.tls_pem.get("--tls-cert"),
             ),
         )
     else:
@@ -625,13 +704,6 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         flush=True,
     )
     return 0
-
-
-def _read(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
 
 
 async def _outbox(args: argparse.Namespace, store: Store) -> int:
@@ -782,6 +854,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log_warnings()
     try:
         return asyncio.run(_with_store(args))
+    except UnusableDsn as err:
+        print(f"grpc-idempotency: {err}", file=sys.stderr)
+        return 2
     except StoreMisconfigured as err:
         # No such database or role, bad password, not migrated, no privilege: retrying will not
         # help (exit 2).

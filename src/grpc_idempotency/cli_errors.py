@@ -1,5 +1,11 @@
 """How the command-line tools report a database error: the message, its causes and where the
-connection was going, never the password."""
+connection was going, never the password.
+
+A DSN whose password holds an unencoded ``/``, ``?``, ``#`` or ``@`` is cut by URL parsing
+elsewhere than its author meant: pieces of the password land in the host, port, path, query or
+fragment, and the driver's parse errors quote them. So a DSN the driver refuses is reported with a
+fixed message (``UnusableDsn``), never the driver's text, and a DSN that does not split
+unambiguously is masked from ``://`` to its last ``@``."""
 
 from __future__ import annotations
 
@@ -8,9 +14,14 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from typing import Any
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import asyncpg
 
 from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
+from grpc_idempotency.store.sql import schema_identifier
 
 
 def one_line(text: str, limit: int = 160) -> str:
@@ -22,24 +33,105 @@ _MASK = "***"
 _PASSWORD_PARAM = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
+_UNUSABLE_DSN = (
+    "cannot parse {option} (or one of its parameters is invalid): percent-encode special"
+    " characters in the password (/ as %2F, ? as %3F, # as %23, @ as %40, : as %3A, % as %25)"
+    " and check the query parameters (sslmode=...); the driver's message is not shown, as it may"
+    " quote part of the password"
+)
+# What asyncpg's DSN parsing raises besides its own ClientConfigurationError (a ValueError too):
+# int() of a "port" that is a piece of the password and parse_qs of a "query" that is one
+# (ValueError), an empty host in a list (IndexError), a port beyond a C long (OverflowError).
+_PARSE_ERRORS = (ValueError, LookupError, ArithmeticError, TypeError)
+
+
+class UnusableDsn(Exception):
+    """The driver refused a DSN before connecting anywhere: not retryable (exit status 2)."""
+
+    def __init__(self, option: str = "--dsn") -> None:
+        super().__init__(_UNUSABLE_DSN.format(option=option))
+
+
+async def connect(dsn: str, **options: Any) -> Store:
+    """``Store.connect(dsn, **options)``, raising ``UnusableDsn`` (without the driver's error as
+    its cause or context, which quote the DSN's pieces) when the driver cannot parse or use the
+    DSN."""
+    # A bad schema name raises its own ValueError here, before any of the DSN's could.
+    schema_identifier(options.get("schema", DEFAULT_SCHEMA))
+    try:
+        return await Store.connect(dsn, **options)
+    except StoreUnavailable as err:
+        # asyncpg's ClientConfigurationError (a bad scheme, sslmode, IPv6 host, ...) is an
+        # InterfaceError, which the store maps like a connection failure: retryable (exit 1).
+        if not any(isinstance(c, asyncpg.ClientConfigurationError) for c in _causes(err)):
+            raise
+    except _PARSE_ERRORS:
+        pass
+    raise UnusableDsn from None
+
+
+async def check_parses(dsn: str, option: str) -> None:
+    """Raises ``UnusableDsn`` naming ``option`` if the driver cannot parse or use ``dsn``, by
+    connecting once: for a DSN that is used later, over and over (the relay's --listen-dsn),
+    where each failure would be logged with the driver's text. A DSN that parses but does not
+    reach its server passes: the relay keeps trying it."""
+    try:
+        conn = await asyncpg.connect(dsn, timeout=5.0)
+    except _PARSE_ERRORS:
+        raise UnusableDsn(option) from None
+    except Exception:  # unreachable, refused, not yet: the caller retries it anyway
+        return
+    await conn.close()
+
+
 def safe_dsn(dsn: str) -> str:
     """``dsn`` with every password replaced by ``***``: the one in the URL's user info, any
-    ``password``-like query parameter, and a ``password=`` of a keyword/value string."""
+    ``password``-like query parameter, and a ``password=`` of a keyword/value string. A URL
+    that does not split unambiguously (``_in_doubt``) is masked from ``://`` to its last ``@``,
+    its fragment too."""
     if "://" not in dsn:
         return _PASSWORD_PARAM.sub(rf"\g<1>{_MASK}", dsn)
     try:
-        parts = urlsplit(dsn)
+        parts: SplitResult | None = urlsplit(dsn)
     except ValueError:
-        return "(a DSN that is not a valid URL)"
+        parts = None
+    if parts is None or _in_doubt(dsn, parts):
+        scheme, _, rest = dsn.partition("://")
+        _, at, after = rest.rpartition("@")
+        if not at:
+            return f"{scheme}://{_MASK}"
+        after, hash_, _fragment = after.partition("#")
+        where, question, query = after.partition("?")
+        masked_query = _mask_query(query) if question else ""
+        return f"{scheme}://{_MASK}@{where}{question}{masked_query}{hash_ and '#' + _MASK}"
     userinfo, at, hosts = parts.netloc.rpartition("@")
     user, colon, _password = userinfo.partition(":")
     netloc = f"{user}{colon and ':' + _MASK}{at}{hosts}"
-    params = parse_qsl(parts.query, keep_blank_values=True)
-    query = parts.query
-    if any("password" in name.lower() for name, _ in params):
-        masked = [(n, _MASK if "password" in n.lower() else v) for n, v in params]
-        query = urlencode(masked, safe="/,:*")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    return urlunsplit(parts._replace(netloc=netloc, query=_mask_query(parts.query)))
+
+
+def _mask_query(query: str) -> str:
+    params = parse_qsl(query, keep_blank_values=True)
+    if not any("password" in name.lower() for name, _ in params):
+        return query
+    masked = [(n, _MASK if "password" in n.lower() else v) for n, v in params]
+    return urlencode(masked, safe="/,:*")
+
+
+def _in_doubt(dsn: str, parts: SplitResult) -> bool:
+    """Whether ``dsn`` may have been split inside its password: an ``@`` after the authority,
+    a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that is not a
+    number (a password whose ``/`` or ``?`` ended the authority early: ``user:pass`` read as
+    host:port)."""
+    if "#" in dsn or "@" in parts.path or "@" in parts.query:
+        return True
+    hosts = parts.netloc.rpartition("@")[2]
+    for spec in hosts.split(","):
+        port = spec.rpartition("]")[2] if spec.startswith("[") else spec
+        _, colon, port = port.rpartition(":")
+        if colon and port and not port.isdigit():
+            return True
+    return False
 
 
 def dsn_target(dsn: str) -> str:
@@ -50,6 +142,9 @@ def dsn_target(dsn: str) -> str:
         parts = urlsplit(dsn)
         if parts.scheme not in ("postgres", "postgresql"):
             raise ValueError(dsn)
+        if _in_doubt(dsn, parts):
+            # Its host, port or database may be pieces of the password.
+            return "(the DSN does not split unambiguously: percent-encode its password)"
         query = dict(parse_qsl(parts.query))
         userinfo, _, hostlist = parts.netloc.rpartition("@")
         user = (

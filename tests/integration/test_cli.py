@@ -9,14 +9,17 @@ when buf is installed, by ``buf build`` and ``buf lint`` with the README's buf.y
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -185,10 +188,68 @@ def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
         ("postgres://u:p%40ss@/app?host=/run/pg", "postgres://u:***@/app?host=/run/pg"),
         ("host=db user=u password='hun ter' dbname=app", "host=db user=u password=*** dbname=app"),
         ("postgresql://u@db/app", "postgresql://u@db/app"),
+        # Unencoded / ? # @ in the password: URL parsing cuts it into host, path, query or
+        # fragment, so everything up to the last "@" is masked.
+        ("postgresql://app:s3cr/et@db:5432/prod", "postgresql://***@db:5432/prod"),
+        ("postgresql://app:s3cr?et@db:5432/prod", "postgresql://***@db:5432/prod"),
+        ("postgresql://app:p?ss=w0rd@db/prod", "postgresql://***@db/prod"),
+        ("postgresql://app:s3cr#et@db/prod", "postgresql://***@db/prod"),
+        ("postgresql://app:p@ss/w@db/prod?sslmode=require",
+         "postgresql://***@db/prod?sslmode=require"),
+        ("postgresql://u@db/app?password=hun#ter", "postgresql://***@db/app?password=***#***"),
+        ("postgresql://app:s3cret/prod", "postgresql://***"),  # "s3cret" would be the port
+        ("postgresql://app:pa[ss@db/prod", "postgresql://***@db/prod"),  # urlsplit refuses it
     ],
 )  # fmt: skip
 def test_safe_dsn_masks_every_password(dsn: str, safe: str) -> None:
     assert safe_dsn(dsn) == safe
+
+
+def test_dsn_target_names_nothing_from_a_dsn_in_doubt() -> None:
+    # The driver reads "app" as the host and "5432/et" as port and database.
+    assert "et" not in dsn_target("postgresql://app:5432/et@db/prod").replace("unambiguously", "")
+
+
+# Each quotes a piece of its password in asyncpg's parse error, or is misread by it.
+UNPARSABLE = {
+    "slash": ("postgresql://app:s3cr/et@db.example:5432/prod", ["s3cr", "et@"]),
+    "question mark": ("postgresql://app:s3cr?et@db.example:5432/prod", ["s3cr", "et@"]),
+    "query-like": ("postgresql://app:p?ss=w0rd@db.example:5432/prod", ["w0rd", "'p'", "ss="]),
+    "empty host": ("postgresql://app:hunter22@,db.example/prod", ["hunter22"]),
+    "bad sslmode": ("postgresql://app:hunter22@db.example/prod?sslmode=nope", ["hunter22"]),
+}
+COMMANDS = {
+    "migrate": ["migrate"],
+    "purge": ["purge"],
+    "list": ["list", "--scope", "s"],
+    "inspect": ["inspect", "--scope", "s", "k"],
+    "outbox stats": ["outbox", "stats"],
+    "outbox dead": ["outbox", "dead"],
+    "relay": ["relay", "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C"],
+}
+
+
+@pytest.mark.parametrize("dsn, pieces", UNPARSABLE.values(), ids=UNPARSABLE.keys())
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_dsn_the_driver_cannot_parse_is_refused_without_its_text(
+    command: list[str], dsn: str, pieces: list[str]
+) -> None:
+    done = cli(*command, "--dsn", dsn)
+    assert done.returncode == 2, done.stderr  # not retryable
+    assert "cannot parse" in done.stderr and "percent-encode" in done.stderr
+    assert "Traceback" not in done.stderr
+    for piece in pieces:
+        assert piece not in done.stderr + done.stdout
+
+
+def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
+    pg_dsn: str, store: object
+) -> None:
+    done = cli("relay", "--dsn", pg_dsn, "--listen-dsn", UNPARSABLE["slash"][0],
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "cannot parse --listen-dsn" in done.stderr
+    assert "s3cr" not in done.stderr and "ready" not in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -315,3 +376,147 @@ def test_buf_cannot_use_the_include_path_itself(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert "relative" in done.stderr, done.stderr
+
+
+# -- relay arguments refused before connecting ---------------------------------------------------
+
+FAKE_CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+FAKE_KEY = b"-----BEGIN EC PRIVATE KEY-----\nMHcC\n-----END EC PRIVATE KEY-----\n"
+
+
+def relay_args(dsn: str, *extra: str) -> list[str]:
+    return ["relay", "--dsn", dsn, "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C", *extra]
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        # gRPC's C core aborted the process (SIGABRT, exit 134) on these.
+        (["--tls-cert", "{cert}"], "--tls-cert and --tls-key go together"),
+        (["--tls-ca", "{cert}", "--tls-cert", "{cert}"], "--tls-cert and --tls-key go together"),
+        # Was silently ignored: the relay delivered in plaintext.
+        (["--tls-key", "{key}"], "--tls-cert and --tls-key go together"),
+        # Was a FileNotFoundError traceback, after connecting to the database.
+        (["--tls-ca", "{missing}"], "--tls-ca {missing}: cannot read: No such file"),
+        (["--tls-cert", "{cert}", "--tls-key", "{missing}"], "--tls-key {missing}: cannot read"),
+        (["--tls-ca", "{dir}"], "--tls-ca {dir}: cannot read"),
+        # Would have failed every handshake, so every delivery: dead letters.
+        (["--tls-cert", "{key}", "--tls-key", "{cert}"], "--tls-cert {key}: holds no PEM"),
+        (["--tls-ca", "{key}"], "--tls-ca {key}: holds no PEM certificate"),
+    ],
+)
+def test_relay_tls_files_are_checked_before_connecting(
+    pg_dsn: str, store: object, tmp_path: Path, options: list[str], expected: str
+) -> None:
+    (tmp_path / "cert.pem").write_bytes(FAKE_CERT)
+    (tmp_path / "key.pem").write_bytes(FAKE_KEY)
+    paths = {
+        "cert": str(tmp_path / "cert.pem"),
+        "key": str(tmp_path / "key.pem"),
+        "missing": str(tmp_path / "nonexistent.pem"),
+        "dir": str(tmp_path),
+    }
+    done = cli(*relay_args(pg_dsn, *(o.format(**paths) for o in options)))
+    assert done.returncode == 2, done.stderr
+    assert expected.format(**paths) in done.stderr
+    assert "Traceback" not in done.stderr and "ready" not in done.stdout
+
+
+async def test_headers_the_relay_accepts_are_sent_by_grpc() -> None:
+    """The other side of tests/unit/test_cli_arguments.py: what --header accepts, a real gRPC
+    call sends (a header it refused failed every delivery, so dead-lettered every row)."""
+    import grpc
+
+    headers = ["X-Tenant=acme", "x.a_b-1= v ~!", "x-empty=", "x-blob-bin=AP8"]
+    args = _parser().parse_args(
+        ["relay", "--grpc-target", "t:1", "--method", "/a.B/C"]
+        + [arg for h in headers for arg in ("--header", h)]
+    )
+    received: list[tuple[str, str | bytes]] = []
+
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        received.extend((m.key, m.value) for m in context.invocation_metadata())
+        return request
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "a.B", {"C": grpc.unary_unary_rpc_method_handler(echo)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await channel.unary_unary("/a.B/C")(b"", metadata=tuple(args.header), timeout=10)
+    finally:
+        await server.stop(None)
+    assert set(args.header) <= set(received)
+
+
+# -- input PostgreSQL would refuse: exit 2 (fix the command), not 1 (retry later) ---------------
+
+BIGINT_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["purge", "--batch-size", str(BIGINT_MAX + 1)],  # asyncpg's DataError: was exit 1
+        ["outbox", "retry", str(BIGINT_MAX + 1)],
+        ["outbox", "dead", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "s", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "tenant:\udcff"],  # the byte 0xff: not UTF-8
+        ["inspect", "--scope", "tenant:\udcff", "k"],
+        ["migrate", "--schema", "pg_x"],  # SQLSTATE 42939, reserved: was exit 1
+    ],
+)
+def test_input_postgresql_would_refuse_exits_2(pg_dsn: str, store: object, argv: list[str]) -> None:
+    done = cli(*argv, "--dsn", pg_dsn)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "unavailable" not in done.stderr
+
+
+def test_the_largest_counts_and_ids_reach_postgresql(pg_dsn: str, store: object) -> None:
+    """The bounds are PostgreSQL's own: bigint's largest passes every statement."""
+    for argv, out in [
+        (["purge", "--batch-size", str(BIGINT_MAX)], "purged"),
+        (["outbox", "retry", str(BIGINT_MAX)], "0 dead letter(s) back to pending"),
+        (["outbox", "dead", "--limit", str(BIGINT_MAX)], ""),
+        (["list", "--scope", f"tenant:caf\u00e9-{secrets.token_hex(4)}", "--limit",
+          str(BIGINT_MAX)], "no records under"),
+    ]:  # fmt: skip
+        done = cli(*argv, "--dsn", pg_dsn)
+        assert done.returncode in (0, 3), done.stderr
+        assert out in done.stdout
+
+
+async def test_migrate_command_timeout_bounds_each_statement(pg_dsn: str, db: Any) -> None:
+    """A statement waiting past --command-timeout (here on the migration lock, which the test
+    holds) fails after it, not after the store's 30 s."""
+    from grpc_idempotency.store.migrations import _lock_id
+
+    schema = f"cmd_timeout_{secrets.token_hex(4)}"
+    tx = db.transaction()
+    await tx.start()
+    await db.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+    try:
+        started = time.monotonic()
+        blocked = await asyncio.to_thread(
+            cli, "migrate", "--dsn", pg_dsn, "--schema", schema, "--command-timeout", "1"
+        )
+        assert blocked.returncode == 1, blocked.stderr  # timed out: retry later
+        assert "TimeoutError" in blocked.stderr and "Traceback" not in blocked.stderr
+        assert time.monotonic() - started < 20
+    finally:
+        await tx.rollback()
+    try:
+        done = await asyncio.to_thread(
+            cli, "migrate", "--dsn", pg_dsn, "--schema", schema, "--command-timeout", "120"
+        )
+        assert done.returncode == 0, done.stderr
+        assert "applied migrations" in done.stdout
+    finally:
+        await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -401,3 +401,72 @@ async def test_exit_status_not_found_unreachable_unusable(services: Services, pg
     module = await cli("inspect", "--dsn", pg_dsn, "--proto-module", "no.such_pb2",
                        "--scope", "s", "k")  # fmt: skip
     assert module.returncode == 2 and "no.such_pb2" in module.stderr
+
+
+ANY_RESPONSE_PROTO = """
+name: "r/v1/r.proto" package: "r.v1" dependency: "google/protobuf/any.proto" syntax: "proto3"
+message_type { name: "Req" }
+message_type { name: "Detail" field { name: "note" number: 1 label: LABEL_OPTIONAL
+  type: TYPE_STRING json_name: "note" } }
+message_type { name: "Res" field { name: "extra" number: 1 label: LABEL_OPTIONAL
+  type: TYPE_MESSAGE type_name: ".google.protobuf.Any" json_name: "extra" } }
+service { name: "S" method { name: "Do" input_type: ".r.v1.Req" output_type: ".r.v1.Res" } }
+"""
+
+
+async def test_a_response_holding_an_any_is_decoded_with_the_descriptor_set(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """A google.protobuf.Any of a type declared in --descriptor-set (not in this process's
+    default pool) used to crash inspect with a TypeError traceback."""
+    from google.protobuf import (
+        any_pb2,
+        descriptor_pb2,
+        descriptor_pool,
+        message_factory,
+        text_format,
+    )
+
+    files = descriptor_pb2.FileDescriptorSet()
+    any_pb2.DESCRIPTOR.CopyToProto(files.file.add())
+    text_format.Parse(ANY_RESPONSE_PROTO, files.file.add())
+    image = tmp_path / "r.binpb"
+    image.write_bytes(files.SerializeToString())
+    pool = descriptor_pool.DescriptorPool()
+    for file in files.file:
+        pool.Add(file)
+    response = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Res"))()
+    detail = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Detail"))
+    response.extra.Pack(detail(note="packed"))
+    unknown = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Res"))()
+    unknown.extra.type_url = "type.googleapis.com/no.such.Type"
+
+    async with fresh_store(pg_dsn, "insp_any") as store:
+        for key, message in (("k1", response), ("k2", unknown)):
+            await store.pool.execute(
+                f'INSERT INTO "{store.schema}".records (scope, key, method, fingerprint, state,'
+                " fencing_token, status_code, response, completed_at, expires_at)"
+                " VALUES ('rv', $1, '/r.v1.S/Do', '\\x00', 'completed', 1, 0, $2,"
+                " clock_timestamp(), clock_timestamp() + interval '1 hour')",
+                key,
+                message.SerializeToString(),
+            )
+        where = ["--dsn", pg_dsn, "--schema", store.schema, "--descriptor-set", str(image)]
+
+        done = await cli("inspect", *where, "--scope", "rv", "k1", "--json")
+        assert done.returncode == 0, done.stderr
+        (op,) = done.json()["operations"]
+        assert op["response"]["decoded"] == {
+            "extra": {"@type": "type.googleapis.com/r.v1.Detail", "note": "packed"}
+        }
+        tree = await cli("inspect", *where, "--scope", "rv", "k1")
+        assert tree.returncode == 0, tree.stderr
+        assert "packed" in tree.stdout
+
+        # A type in no descriptor given: shown as bytes, with why.
+        done = await cli("inspect", *where, "--scope", "rv", "k2", "--json")
+        assert done.returncode == 0, done.stderr
+        (op,) = done.json()["operations"]
+        assert "decoded" not in op["response"]
+        assert "no.such.Type" in op["response"]["undecoded"]
+        assert "Traceback" not in done.stderr

@@ -13,8 +13,9 @@ Retired steps are derived too (an operation begun before the retirement may have
 
 Invariants held here:
 - a child key is always ``keys.child_key``: never re-derived differently for display;
-- a payload that cannot be decoded (no descriptor for its type, bytes that do not parse) is
-  described by its length and a prefix, never dropped and never an error;
+- a payload that cannot be decoded (no descriptor for its type, bytes that do not parse, an
+  ``Any`` of a type no descriptor given declares) is described by its length and a prefix,
+  never dropped and never an error;
 - a stored outcome's state is read from the record as the store defines it: ``in_progress``
   (claimed, no outcome yet), ``completed`` (status OK, a response stored) or ``error`` (a
   recorded error: status, message and details stored, replayed to retries).
@@ -27,9 +28,9 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from google.protobuf import json_format
+from google.protobuf import descriptor_pool, json_format
 from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
@@ -133,6 +134,18 @@ class Payload:
         return self.fields is not None
 
 
+# What json_format raises on a message that parsed: an Any whose type_url names a type in no pool
+# it was given, or that it cannot read (TypeError); a well-known type holding a value it will not
+# print (a Timestamp out of range, a Duration's mismatched signs, a NaN Value: ValueError).
+_UNSHOWABLE = (TypeError, ValueError, KeyError, json_format.Error)
+
+
+def _pool_of(message: Message) -> descriptor_pool.DescriptorPool:
+    # The upb backend's pool is its own class, which json_format accepts but its stubs do not
+    # declare.
+    return cast(descriptor_pool.DescriptorPool, message.DESCRIPTOR.file.pool)
+
+
 MessageClass = Callable[[], Message]
 """A generated message class (called with no arguments for an empty message)."""
 
@@ -145,12 +158,19 @@ def decode(data: bytes | None, type_name: str | None, cls: MessageClass | None) 
         message = cls()
         try:
             message.ParseFromString(raw)
+            fields = json_format.MessageToDict(
+                message,
+                preserving_proto_field_name=True,
+                always_print_fields_with_no_presence=True,
+                # A google.protobuf.Any inside is unpacked by looking its type up: in the pool
+                # the message came from (a descriptor set's), not the default one.
+                descriptor_pool=_pool_of(message),
+            )
         except DecodeError as err:
             problem = f"does not parse as {type_name}: {err}"
+        except _UNSHOWABLE as err:
+            problem = f"cannot be shown as JSON: {type(err).__name__}: {err}"
         else:
-            fields = json_format.MessageToDict(
-                message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-            )
             return Payload(type_name=type_name, size=len(raw), fields=fields)
     elif type_name is None:
         problem = "the method's descriptors were not given (--proto-module, --descriptor-set)"
@@ -196,8 +216,8 @@ def recorded_error(record: Record) -> RecordedError | None:
         else:
             for item in status.details:
                 try:
-                    details.append(json_format.MessageToDict(item))
-                except (TypeError, KeyError):  # an Any whose type this process does not know
+                    details.append(json_format.MessageToDict(item, descriptor_pool=_pool_of(item)))
+                except (DecodeError, *_UNSHOWABLE):  # an Any whose type this process does not know
                     details.append({"@type": item.type_url, "size": len(item.value)})
     return RecordedError(code=name, message=record.status_message or "", details=details)
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from grpc_idempotency.cli_errors import safe_dsn
+from grpc_idempotency.inspect_cli.parsers import schema_name
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 
 _SERVICE_SETTINGS = {"dsn", "dsn_env", "schema", "scope", "proto_modules", "descriptor_sets"}
@@ -104,9 +106,10 @@ def _option_stores(dsns: list[str] | None, schemas: list[str] | None) -> list[St
 
 
 def _where(dsn: str) -> str:
-    """host:port/database of a URL DSN, for naming a store (never the user or password)."""
+    """host:port/database of a URL DSN, for naming a store (never the user or password: taken
+    from the masked DSN, which keeps nothing before the last "@" of a DSN in doubt)."""
     try:
-        parts = urlsplit(dsn)
+        parts = urlsplit(safe_dsn(dsn))
         return f"{parts.netloc.rpartition('@')[2]}{parts.path}" or "?"
     except ValueError:
         return "?"
@@ -163,12 +166,16 @@ def _read_config(path: Path) -> Config:
         scope = table.get("scope")
         if not isinstance(schema, str) or not (scope is None or isinstance(scope, str)):
             raise ConfigError(f"{path}: [services.{name}] schema and scope must be strings")
+        try:  # what --schema's type checks, so that it is not reported as a database failure
+            schema_name(schema)
+        except argparse.ArgumentTypeError as err:
+            raise ConfigError(f"{path}: [services.{name}] {err}") from None
         modules += strings(table, "proto_modules", where)
         sets += [str(base / s) for s in strings(table, "descriptor_sets", where)]
         stores.append(StoreConfig(name=name, dsn=dsn, schema=schema, scope=scope))
     cache = data.get("statement_cache_size")
-    if cache is not None and not isinstance(cache, int):
-        raise ConfigError(f"{path}: statement_cache_size must be an integer")
+    if cache is not None and (not isinstance(cache, int) or isinstance(cache, bool) or cache < 0):
+        raise ConfigError(f"{path}: statement_cache_size must be an integer, at least 0")
     return Config(
         stores=tuple(stores),
         proto_modules=tuple(modules),

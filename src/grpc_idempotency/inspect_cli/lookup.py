@@ -9,6 +9,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from grpc_idempotency.cli_errors import UnusableDsn, connect
 from grpc_idempotency.core import inspection
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.core.inspection import (
@@ -53,9 +54,7 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
             try:
                 owner = pools.get(s.dsn)
                 if owner is None:
-                    owner = await Store.connect(
-                        s.dsn, schema=s.schema, min_size=1, max_size=2, **options
-                    )
+                    owner = await connect(s.dsn, schema=s.schema, min_size=1, max_size=2, **options)
                     pools[s.dsn] = owner
                     store = owner
                 else:
@@ -63,6 +62,9 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
                     await store.check_schema()
             except StoreUnavailable as err:
                 raise StoreFailed(err, s) from err
+            except UnusableDsn:
+                # From --dsn or from the config file: "its DSN" covers both.
+                raise ConfigError(f"store {s.name}: {UnusableDsn('its DSN')}") from None
             except ValueError as err:  # a schema name that is not an identifier
                 raise ConfigError(f"store {s.name}: {err}") from err
             opened.append(_Open(s, InspectionStore(store)))

@@ -1,4 +1,7 @@
-"""The ``inspect`` and ``list`` subcommands' options (``cli.py`` adds them to its parser)."""
+"""The ``inspect`` and ``list`` subcommands' options (``cli.py`` adds them to its parser), and the
+argument types every command shares: what PostgreSQL would refuse only once the command runs
+(a number beyond bigint, text that is not UTF-8, a reserved schema name) is refused here, with
+exit status 2, rather than reported as a database failure to retry (exit 1)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,65 @@ from typing import TypeAlias
 
 from grpc_idempotency.core.inspection import RecordState
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
+from grpc_idempotency.store.sql import schema_identifier
 
 _Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 _Command: TypeAlias = Callable[..., argparse.ArgumentParser]
 
 _DEFAULT_DEPTH = 4
 _STATES = [s.value for s in RecordState]
+BIGINT_MAX = 2**63 - 1
+"""The largest count or id PostgreSQL takes as a parameter (bigint); asyncpg refuses more with a
+DataError, which the store reports as a failure to retry."""
+
+
+def at_least_one(text: str) -> int:
+    """A count: a whole number from 1 to ``BIGINT_MAX``."""
+    value = bigint(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def bigint(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not -BIGINT_MAX - 1 <= value <= BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {BIGINT_MAX} in size: {text}")
+    return value
+
+
+def not_negative_int(text: str) -> int:
+    value = bigint(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text}")
+    return value
+
+
+def utf8_text(text: str) -> str:
+    """Text PostgreSQL can store: an argument that is not valid UTF-8 reaches Python with
+    surrogate escapes, which no encoding to the database accepts; NUL cannot be stored."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8: {text!r}") from None
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"holds a NUL character: {text!r}")
+    return text
+
+
+def schema_name(text: str) -> str:
+    """A schema the store can create: a lowercase identifier not starting with pg_ (PostgreSQL
+    reserves those names: CREATE SCHEMA fails with SQLSTATE 42939)."""
+    try:
+        schema_identifier(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if text.startswith("pg_"):
+        raise argparse.ArgumentTypeError(f"schema names starting with pg_ are reserved: {text!r}")
+    return text
 
 
 def add_parsers(
@@ -38,11 +94,15 @@ def add_parsers(
         " configuration.",
     )
     inspect.add_argument(
-        "key", metavar="KEY", help="the operation's idempotency key (the parent's, as sent)"
+        "key",
+        type=utf8_text,
+        metavar="KEY",
+        help="the operation's idempotency key (the parent's, as sent)",
     )
     inspect.add_argument(
         "--scope",
         required=True,
+        type=utf8_text,
         metavar="SCOPE",
         help="the scope the key lives under, as the scope resolver returned it (e.g. tenant:acme)",
     )
@@ -57,6 +117,7 @@ def add_parsers(
     inspect.add_argument(
         "--schema",
         action="append",
+        type=schema_name,
         metavar="NAME",
         help="a schema holding a service's records (repeatable: one per service; one --schema"
         f" serves every --dsn) (default: {DEFAULT_SCHEMA})",
@@ -79,7 +140,7 @@ def add_parsers(
     )
     inspect.add_argument(
         "--statement-cache-size",
-        type=int,
+        type=not_negative_int,
         default=None,
         metavar="N",
         help="asyncpg's prepared-statement cache per connection (default: asyncpg's, 100);"
@@ -97,7 +158,9 @@ def add_parsers(
         " usage.",
     )
     with_store(listing)
-    listing.add_argument("--scope", required=True, metavar="SCOPE", help="the scope to list")
+    listing.add_argument(
+        "--scope", required=True, type=utf8_text, metavar="SCOPE", help="the scope to list"
+    )
     listing.add_argument(
         "--state",
         choices=_STATES,
@@ -106,12 +169,13 @@ def add_parsers(
     )
     listing.add_argument(
         "--method",
+        type=utf8_text,
         metavar="/PACKAGE.SERVICE/METHOD",
         help="only records of this method (default: all)",
     )
     listing.add_argument(
         "--limit",
-        type=int,
+        type=at_least_one,
         default=100,
         metavar="N",
         help="list at most this many (default: %(default)s)",

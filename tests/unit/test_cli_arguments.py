@@ -1,0 +1,158 @@
+"""The command's arguments that are refused before anything connects (exit status 2): relay
+headers gRPC would refuse at send time, TLS files, numbers and text the database would refuse.
+
+Run through the parser, as ``main`` does; no database, no server (tests/integration/test_cli.py
+runs the command against real ones)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from grpc_idempotency.cli import _check_relay, _parser
+
+RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def refused(*argv: str) -> str:
+    """The error argparse prints for ``argv``, which must exit with status 2."""
+    parser = _parser()
+    with pytest.raises(SystemExit) as exited:
+        args = parser.parse_args(argv)
+        if args.command == "relay":
+            _check_relay(parser, args)
+    assert exited.value.code == 2
+    return str(exited.value.__context__ or "")
+
+
+@pytest.mark.parametrize(
+    "header, sent",
+    [
+        ("x-tenant=acme", ("x-tenant", "acme")),
+        ("X-Tenant=acme", ("x-tenant", "acme")),  # HTTP/2 names are lowercase: normalised
+        ("x.a_b-1= v ~!", ("x.a_b-1", " v ~!")),
+        ("x-empty=", ("x-empty", "")),
+        ("x-token=a=b", ("x-token", "a=b")),
+        ("x-blob-bin=AP8", ("x-blob-bin", b"\x00\xff")),  # base64, unpadded as on the wire
+        ("x-blob-bin=AP8=", ("x-blob-bin", b"\x00\xff")),
+    ],
+)
+def test_headers_gRPC_sends_are_accepted(header: str, sent: tuple[str, str | bytes]) -> None:
+    assert parse(*RELAY, "--header", header).header == [sent]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "x tenant=acme",  # gRPC: "Illegal header key"
+        "x@tenant=acme",
+        ":path=/x",
+        "=acme",
+        "x-tenant",
+        "x-tenant=acme\n",  # gRPC: "Illegal header value"
+        "x-tenant=a\tb",
+        "x-tenant=caf\u00e9",
+        "x-tenant=a\x7fb",
+        "x-blob-bin=not base64!",  # gRPC: a -bin value must be bytes (TypeError when sent)
+        "x-blob-bin=caf\u00e9",
+        "idempotency-key=k",  # the relay's own: one per row
+        "Idempotency-Key=k",
+        "grpc-timeout=1S",  # reserved by gRPC
+        "te=trailers",  # HTTP/2 transport
+    ],
+)
+def test_headers_gRPC_would_refuse_are_refused(header: str) -> None:
+    refused(*RELAY, "--header", header)
+
+
+def test_the_scope_header_is_checked_too() -> None:
+    assert parse(*RELAY, "--scope-header", "X-Tenant-Id").scope_header == "x-tenant-id"
+    refused(*RELAY, "--scope-header", "x tenant")
+    refused(*RELAY, "--scope-header", "idempotency-key")
+    refused(*RELAY, "--scope-header", "x-tenant", "--header", "x-tenant=acme")
+
+
+CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
+
+
+@pytest.mark.parametrize(
+    "files, used",
+    [
+        ({}, set()),
+        ({"--tls-ca": CERT}, {"--tls-ca"}),
+        ({"--tls-cert": CERT, "--tls-key": KEY}, {"--tls-cert", "--tls-key"}),
+        ({"--tls-ca": CERT, "--tls-cert": CERT, "--tls-key": KEY.replace(b" PRIV", b" RSA PRIV")},
+         {"--tls-ca", "--tls-cert", "--tls-key"}),
+    ],
+)  # fmt: skip
+def test_tls_files_are_read_before_connecting(
+    tmp_path: Path, files: dict[str, bytes], used: set[str]
+) -> None:
+    argv = list(RELAY)
+    for option, pem in files.items():
+        path = tmp_path / option.strip("-")
+        path.write_bytes(pem)
+        argv += [option, str(path)]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_relay(parser, args)
+    assert args.tls_pem == {option: files[option] for option in used}
+
+
+BIGINT_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # purge --pause: inf slept forever after the first batch, nan meant no pause.
+        ["purge", "--pause", "inf"],
+        ["purge", "--pause", "nan"],
+        ["purge", "--pause", "-1"],
+        # Beyond bigint: asyncpg's DataError, reported as a database failure (exit 1).
+        ["purge", "--batch-size", str(BIGINT_MAX + 1)],
+        ["purge", "--batch-size", "0"],
+        ["purge", "--max-batches", "0"],
+        ["outbox", "retry", str(BIGINT_MAX + 1)],
+        ["outbox", "retry", str(-BIGINT_MAX - 2)],
+        ["outbox", "dead", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "s", "--limit", str(BIGINT_MAX + 1)],
+        ["list", "--scope", "s", "--limit", "0"],
+        ["relay", *RELAY[1:], "--batch-size", str(BIGINT_MAX + 1)],
+        # Not UTF-8 (a byte 0xff in argv): no encoding to the database accepts it.
+        ["list", "--scope", "tenant:\udcff"],
+        ["list", "--scope", "s", "--method", "/a.B/\udcff"],
+        ["inspect", "--scope", "tenant:\udcff", "k"],
+        ["inspect", "--scope", "s", "k\udcff"],
+        # pg_ names are reserved: CREATE SCHEMA fails with SQLSTATE 42939.
+        ["migrate", "--schema", "pg_x"],
+        ["purge", "--schema", "pg_temp"],
+        ["inspect", "--schema", "pg_x", "--scope", "s", "k"],
+        ["migrate", "--schema", "Has-Dash"],
+        ["outbox", "stats", "--statement-cache-size", "-1"],
+        # migrate --command-timeout: a finite positive number of seconds.
+        ["migrate", "--command-timeout", "0"],
+        ["migrate", "--command-timeout", "inf"],
+        ["migrate", "--command-timeout", "nan"],
+    ],
+)
+def test_input_the_database_would_refuse_is_refused_up_front(argv: list[str]) -> None:
+    refused(*argv)
+
+
+def test_the_bounds_themselves_are_accepted() -> None:
+    assert parse("purge", "--pause", "0.5", "--batch-size", str(BIGINT_MAX)).pause == 0.5
+    assert parse("outbox", "retry", str(BIGINT_MAX), "1").ids == [BIGINT_MAX, 1]
+    assert parse("list", "--scope", "tenant:caf\u00e9", "--limit", str(BIGINT_MAX)).limit == (
+        BIGINT_MAX
+    )
+    assert parse("migrate", "--schema", "app_pg_x").schema == "app_pg_x"
+    assert parse("migrate", "--command-timeout", "3600").command_timeout == 3600.0
+    assert parse("migrate").command_timeout is None  # the store's default

@@ -1,0 +1,109 @@
+"""``core.inspection.decode`` on messages holding ``google.protobuf.Any``: unpacked with the
+message's own descriptor pool (a descriptor set's, not the default one), and described, never
+raised, when the packed type is known nowhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import Message
+
+from grpc_idempotency.core import inspection
+from grpc_idempotency.core.inspection import Record, decode, recorded_error
+
+R_PROTO = """
+name: "r/v1/r.proto" package: "r.v1" dependency: "google/protobuf/any.proto" syntax: "proto3"
+message_type { name: "Detail" field { name: "note" number: 1 label: LABEL_OPTIONAL
+  type: TYPE_STRING json_name: "note" } }
+message_type { name: "Res"
+  field { name: "extra" number: 1 label: LABEL_OPTIONAL type: TYPE_MESSAGE
+    type_name: ".google.protobuf.Any" json_name: "extra" }
+  field { name: "at" number: 2 label: LABEL_OPTIONAL type: TYPE_MESSAGE
+    type_name: ".google.protobuf.Timestamp" json_name: "at" } }
+"""
+
+
+def pool_like_a_descriptor_set() -> descriptor_pool.DescriptorPool:
+    """What ``inspect --descriptor-set`` builds: a pool of its own, holding the WKTs too."""
+    from google.protobuf import text_format, timestamp_pb2
+
+    pool = descriptor_pool.DescriptorPool()
+    for wkt in (any_pb2, timestamp_pb2):
+        proto = descriptor_pb2.FileDescriptorProto()
+        wkt.DESCRIPTOR.CopyToProto(proto)
+        pool.Add(proto)
+    file = text_format.Parse(R_PROTO, descriptor_pb2.FileDescriptorProto())
+    file.dependency.append("google/protobuf/timestamp.proto")
+    pool.Add(file)
+    return pool
+
+
+def message(pool: descriptor_pool.DescriptorPool, name: str) -> Any:
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+
+
+def test_an_any_of_a_type_in_the_descriptor_set_is_unpacked() -> None:
+    pool = pool_like_a_descriptor_set()
+    res_class = message(pool, "r.v1.Res")
+    response: Message = res_class()
+    response.extra.Pack(message(pool, "r.v1.Detail")(note="hello"))  # type: ignore[attr-defined]
+
+    shown = decode(response.SerializeToString(), "r.v1.Res", res_class)
+
+    assert shown.decoded, shown.problem
+    assert shown.fields == {"extra": {"@type": "type.googleapis.com/r.v1.Detail", "note": "hello"}}
+
+
+@pytest.mark.parametrize(
+    "fill, problem",
+    [
+        # The packed type is in no pool: json_format raised TypeError, a traceback in inspect.
+        (lambda r: setattr(r.extra, "type_url", "type.googleapis.com/no.Such"), "no.Such"),
+        (lambda r: setattr(r.extra, "type_url", "nonsense"), "nonsense"),
+        # Parses, but json_format will not print it (ValueError).
+        (lambda r: setattr(r.at, "seconds", 10**15), "Timestamp"),
+    ],
+)  # fmt: skip
+def test_what_json_cannot_show_is_described_not_raised(fill: Any, problem: str) -> None:
+    res_class = message(pool_like_a_descriptor_set(), "r.v1.Res")
+    response = res_class()
+    fill(response)
+    data = response.SerializeToString()
+
+    shown = decode(data, "r.v1.Res", res_class)
+
+    assert not shown.decoded
+    assert shown.problem is not None and problem in shown.problem
+    assert shown.size == len(data) and shown.hex_prefix == data[:32].hex()
+
+
+def test_a_recorded_error_detail_of_an_unknown_type_is_described() -> None:
+    from datetime import UTC, datetime
+
+    from google.protobuf import timestamp_pb2
+    from google.rpc import status_pb2
+
+    status = status_pb2.Status(code=5, message="gone")
+    status.details.add(type_url="type.googleapis.com/no.Such", value=b"\x0a\x01x")
+    status.details.add(type_url="nonsense", value=b"")
+    # Known, but json_format will not print it (ValueError escaped recorded_error).
+    status.details.add().Pack(timestamp_pb2.Timestamp(seconds=10**15))
+    now = datetime.now(UTC)
+    record = Record(
+        scope="s", key="k", method="/a.B/C", state="completed", fingerprint=b"",
+        fencing_token=1, created_at=now, completed_at=now, expires_at=now, locked_until=None,
+        lease_remaining_s=None, expired=False, status_code=5, status_message="gone",
+        status_details=status.SerializeToString(), response=None, read_at=now,
+    )  # fmt: skip
+
+    error = recorded_error(record)
+
+    assert error is not None and error.code == "NOT_FOUND"
+    assert error.details == [
+        {"@type": "type.googleapis.com/no.Such", "size": 3},
+        {"@type": "nonsense", "size": 0},
+        {"@type": "type.googleapis.com/google.protobuf.Timestamp", "size": 9},
+    ]
+    assert inspection.PREFIX_BYTES == 32
