@@ -174,16 +174,32 @@ class GrpcSink:
 def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> MetadataFor:
     """``metadata_for`` passing the enqueuing call's scope on as ``header``, without ``prefix``:
     the counterpart of ``MetadataScope(header, prefix=prefix)`` on the receiving side. A message
-    whose scope lacks the prefix cannot be delivered with it (``PermanentDeliveryError``)."""
+    whose scope lacks the prefix, or is not printable ASCII (all a gRPC metadata value may be),
+    cannot be delivered with it (``PermanentDeliveryError``: a dead letter at once, instead of
+    failing on every try until then)."""
 
     def metadata_for(message: OutboxMessage) -> list[tuple[str, str | bytes]]:
         if not message.scope.startswith(prefix) or len(message.scope) == len(prefix):
             raise PermanentDeliveryError(
                 f"scope {message.scope!r} does not start with {prefix!r}: no {header} to send"
             )
-        return [(header, message.scope[len(prefix) :])]
+        value = message.scope[len(prefix) :]
+        if not (value.isascii() and value.isprintable()):
+            raise PermanentDeliveryError(
+                f"scope {message.scope!r}: {value!r} is not printable ASCII, which a gRPC"
+                f" metadata value ({header}) must be"
+            )
+        return [(header, value)]
 
     return metadata_for
+
+
+def _listen_failure(err: Exception) -> str:
+    """What a LISTEN connection's failure says, for the log: never the driver's text about a
+    DSN it cannot parse, which quotes pieces of it (of a password holding an unencoded / ? #)."""
+    if isinstance(err, (ValueError, IndexError, OverflowError)):
+        return "the listen DSN cannot be parsed: percent-encode special characters in its password"
+    return f"{type(err).__name__}: {err}"
 
 
 @dataclass(slots=True)
@@ -566,7 +582,11 @@ class Relay:
                         return
                 log.warning("relay %s: LISTEN connection lost; reconnecting", self.name)
             except Exception as err:  # database errors, and anything else: listen again
-                log.warning("relay %s: LISTEN connection failed (%r); reconnecting", self.name, err)
+                log.warning(
+                    "relay %s: LISTEN connection failed (%s); reconnecting",
+                    self.name,
+                    _listen_failure(err),
+                )
                 pause = min(max(pause * 2, 0.1), self.poll_interval)
             finally:
                 self.listening.clear()

@@ -548,6 +548,9 @@ async def test_the_grpc_sink_sends_the_payload_with_the_key_to_a_keyed_receiver(
 
 async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> None:
     await insert(outbox, outbox.schema, ["peer-row"], scope="peer:spiffe://x")
+    # Not printable ASCII: gRPC refused it at send time, a failed delivery on every try until
+    # the row was parked, max_attempts later.
+    await insert(outbox, outbox.schema, ["accented-row"], scope="tenant:z\u00fcrich")
     channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never reached
     try:
         relay = Relay(outbox, GrpcSink(channel, "/a.B/C", metadata_for=forward_scope()))
@@ -556,6 +559,8 @@ async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> 
         await channel.close()
     dead = await row(outbox, "peer-row")
     assert dead["state"] == "dead" and "does not start with 'tenant:'" in str(dead["last_error"])
+    accented = await row(outbox, "accented-row")
+    assert accented["state"] == "dead" and "printable ASCII" in str(accented["last_error"])
 
 
 def test_relay_arguments_are_checked() -> None:
@@ -975,3 +980,13 @@ async def test_with_one_attempt_the_batch_mates_of_a_lost_claim_are_still_delive
     assert await relay.drain() == 3
     assert sorted(delivered) == ["a", "b", "c"]
     assert await states(outbox) == {"sent": 3}
+
+
+def test_a_listen_dsn_the_driver_cannot_parse_is_logged_without_its_text() -> None:
+    """asyncpg's parse errors quote pieces of the DSN: of a password holding an unencoded / ? #.
+    The relay logged them (%r) on every reconnection."""
+    from grpc_idempotency.outbox import _listen_failure
+
+    said = _listen_failure(ValueError("invalid literal for int() with base 10: 's3cr'"))
+    assert "s3cr" not in said and "percent-encode" in said
+    assert _listen_failure(ConnectionRefusedError("refused")) == "ConnectionRefusedError: refused"
