@@ -46,9 +46,11 @@ DSN_ENV = "GRPC_IDEMPOTENCY_SERVE_DSN"
 ADDRESS_ENV = "GRPC_IDEMPOTENCY_SERVE_ADDRESS"
 EXIT_ON_STDIN_EOF_ENV = "GRPC_IDEMPOTENCY_SERVE_EXIT_ON_STDIN_EOF"
 DEFAULT_ADDRESS = "127.0.0.1:0"
+EOF_GRACE_ENV = "GRPC_IDEMPOTENCY_SERVE_EOF_GRACE_S"
 STDIN_EOF_GRACE_S = 10.0
 """After stdin's end of file, how long a clean shutdown may take before the process exits
-anyway (a hung handler or clean-up must not keep an orphan alive)."""
+anyway (a hung handler or clean-up must not keep an orphan alive); ``EOF_GRACE_ENV`` sets
+another number of seconds."""
 READY = "grpc-idempotency serve: listening on "
 _USAGE = "usage: python -m grpc_idempotency.testing.serve package.module:build_server"
 
@@ -102,9 +104,10 @@ def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
     print("grpc-idempotency serve: stdin closed (the parent is gone); stopping", file=sys.stderr)
     with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting anyway
         loop.call_soon_threadsafe(stop.set)
-    time.sleep(STDIN_EOF_GRACE_S)
+    grace = float(os.environ.get(EOF_GRACE_ENV) or STDIN_EOF_GRACE_S)
+    time.sleep(grace)
     print(
-        f"grpc-idempotency serve: not stopped {STDIN_EOF_GRACE_S:g}s after stdin closed; exiting",
+        f"grpc-idempotency serve: not stopped {grace:g}s after stdin closed; exiting",
         file=sys.stderr,
         flush=True,
     )
