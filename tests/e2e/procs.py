@@ -46,8 +46,22 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# Started in front of every service: asks the kernel to SIGKILL the child when this process
+# dies (PR_SET_PDEATHSIG, which survives exec), so that a pytest killed mid-test leaves no
+# servers behind holding ports and database connections. If this process died before the
+# prctl, the child's parent is no longer the pid it was given: it exits instead of running.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(70)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+
+
 class ServiceProcess:
-    """One child process running ``python -m <module> <args>`` until it prints ``ready``."""
+    """One child process running ``python -m <module> <args>`` until it prints ``ready``; it
+    dies with this process (SIGKILL included) on Linux."""
 
     def __init__(
         self,
@@ -59,6 +73,8 @@ class ServiceProcess:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.args = [sys.executable, *args]
+        launcher = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid())]
+        self._command = [*launcher, *args] if sys.platform == "linux" else self.args
         self.ready = ready
         self.env = child_env(env)
         self.stdout_path = log_dir / f"{name}.stdout"
@@ -85,7 +101,7 @@ class ServiceProcess:
     async def start(self, timeout: float = START_TIMEOUT_S) -> None:
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.args,
+                *self._command,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
