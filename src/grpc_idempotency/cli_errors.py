@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 import asyncpg
 
@@ -111,11 +111,18 @@ def safe_dsn(dsn: str) -> str:
 
 
 def _mask_query(query: str) -> str:
-    params = parse_qsl(query, keep_blank_values=True)
-    if not any("password" in name.lower() for name, _ in params):
-        return query
-    masked = [(n, _MASK if "password" in n.lower() else v) for n, v in params]
-    return urlencode(masked, safe="/,:*")
+    """``query`` with the value of every ``password``-like parameter masked. A piece with no
+    ``=`` right after such a parameter is taken for the rest of its value (an unencoded ``&``
+    in the password: ``password=se&cret``) and masked with it; other pieces stay as written."""
+    pieces: list[str] = []
+    in_password = False
+    for piece in query.split("&"):
+        name, equals, _value = piece.partition("=")
+        if in_password and not equals:
+            continue  # the password's tail: already masked
+        in_password = "password" in unquote(name).lower()
+        pieces.append(f"{name}={_MASK}" if in_password else piece)
+    return "&".join(pieces)
 
 
 def _in_doubt(dsn: str, parts: SplitResult) -> bool:

@@ -199,6 +199,11 @@ def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
         ("postgresql://u@db/app?password=hun#ter", "postgresql://***@db/app?password=***#***"),
         ("postgresql://app:s3cret/prod", "postgresql://***"),  # "s3cret" would be the port
         ("postgresql://app:pa[ss@db/prod", "postgresql://***@db/prod"),  # urlsplit refuses it
+        # An unencoded "&" in a query password: its tail is no parameter of its own.
+        ("postgresql://u@db/app?password=se&cr&et&sslmode=require",
+         "postgresql://u@db/app?password=***&sslmode=require"),
+        ("postgresql://u@db/app?sslmode=require&PassWord=a%26b&x=1",
+         "postgresql://u@db/app?sslmode=require&PassWord=***&x=1"),
     ],
 )  # fmt: skip
 def test_safe_dsn_masks_every_password(dsn: str, safe: str) -> None:
