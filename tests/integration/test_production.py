@@ -16,10 +16,17 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Isolation, MethodOverride, Store, StoreMisconfigured
+from grpc_idempotency import (
+    Isolation,
+    KeyRequirement,
+    MethodOverride,
+    Store,
+    StoreMisconfigured,
+)
 from grpc_idempotency.client import Operation, RetryPolicy
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
+from tests.support.relay import FORWARD, running_relay
 from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
 
@@ -420,3 +427,24 @@ async def test_a_permanent_store_error_is_logged_and_not_answered_as_retryable(
         assert answer.reason() == "IDEMPOTENCY_STORE_MISCONFIGURED"
         assert ledger.service.executions == 0
     assert "misconfigured" in caplog.text and "grpc-idempotency migrate" in caplog.text
+
+
+async def test_an_optional_key_call_without_a_key_forwards_metadata_and_deadline(
+    store: Store,
+) -> None:
+    """Forward made optional and called without a key runs unclaimed; its call to the ledger
+    still carries the tenant header (forward_metadata) and the caller's deadline, as a keyed
+    call's does. (It carried neither: the ledger refused it, UNAUTHENTICATED.)"""
+    overrides = {FORWARD: MethodOverride(key=KeyRequirement.OPTIONAL)}
+    account = fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+    async with (
+        running_ledger(store) as downstream,
+        running_relay(store, downstream.address, overrides=overrides) as relay,
+    ):
+        answer = await relay.forward(request, None, timeout=3)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert downstream.service.tenants_seen == ["tenant-a"]
+    (remaining,) = downstream.service.deadlines_seen
+    assert remaining is not None and 0 < remaining <= 3
+    assert await ledger_rows(store, account) == 1

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store
+from grpc_idempotency import MethodOverride, Store, StoreDown, child_key
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.ledger import (
     RunningLedger,
@@ -18,6 +18,7 @@ from tests.support.ledger import (
     prepare,
     running_ledger,
 )
+from tests.support.relay import FORWARD, running_relay
 from tests.support.wire import call_raw
 
 SVC = "/testsvc.v1.LedgerService/"
@@ -76,6 +77,35 @@ async def test_store_down_fails_closed_then_recovers_without_restart(
     again = await ledger.call(SVC + "Post", post(account), key)
     assert again.replayed and again.body == back.body
     assert await ledger_rows(private_store, account) == 2
+
+
+async def test_a_fail_open_call_still_keys_its_downstream_calls(
+    store: Store, private_store: Store, private_pg: EmbeddedPostgres
+) -> None:
+    """The relay's own store is down and Forward fails open; the ledger it calls (on another
+    database) is up. Each attempt of the operation runs the handler again, but its call to the
+    ledger carries the same child key, the tenant header (forward_metadata) and the deadline:
+    the ledger executes once. (It got a fresh random key per attempt, and no tenant header.)"""
+    overrides = {FORWARD: MethodOverride(store_down=StoreDown.FAIL_OPEN)}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+    async with (
+        running_ledger(store) as downstream,
+        running_relay(private_store, downstream.address, overrides=overrides) as relay,
+    ):
+        private_pg.stop(mode="immediate")
+        try:
+            first = await relay.forward(request, key, timeout=5)
+            retry = await relay.forward(request, key, timeout=5)
+        finally:
+            private_pg.start()
+    assert first.code is retry.code is grpc.StatusCode.OK, (first.details, retry.details)
+    assert retry.body == first.body and not retry.replayed  # the ledger replayed, not the relay
+    seen = downstream.service  # what the ledger's handler saw: it ran once
+    assert seen.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
+    assert seen.tenants_seen == ["tenant-a"]
+    assert len(seen.deadlines_seen) == 1 and 0 < (seen.deadlines_seen[0] or 0) <= 5
+    assert await ledger_rows(store, account) == 1
 
 
 @pytest.mark.parametrize(

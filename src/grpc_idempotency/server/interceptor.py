@@ -80,7 +80,7 @@ from grpc_idempotency.server import answers
 from grpc_idempotency.server.answers import Context
 from grpc_idempotency.server.handler_context import DeferredAbort, KeyedContext, SyncContext
 from grpc_idempotency.store.errors import handler_error
-from grpc_idempotency.store.postgres import Attempt, PhasedClaim, Store
+from grpc_idempotency.store.postgres import Attempt, PhasedClaim, PooledConnection, Store
 from grpc_idempotency.store.shards import ShardedStores
 from grpc_idempotency.telemetry import Telemetry
 
@@ -677,9 +677,10 @@ class IdempotencyInterceptor(_Interceptor):
             raise mapped from exc
 
     async def _run_without_store(self, call: _Call) -> Any:
-        """Fail-open: the handler runs with no transaction and no deduplication."""
-        loop = asyncio.get_running_loop()
-        bound = call_context.bind(call_context.IdempotentCall(call.policy.method, None, None, loop))
+        """Fail-open: the handler runs with no transaction and no deduplication here; its calls
+        to other services still carry child keys (the call's key is known), so their effects
+        stay deduplicated downstream, whose stores may well be up."""
+        bound = call_context.bind(_unclaimed(call))
         try:
             return await self._invoke(call)
         except DeferredAbort as aborted:
@@ -702,10 +703,7 @@ class IdempotencyInterceptor(_Interceptor):
             if policy.store_down is StoreDown.FAIL_OPEN:
                 return await self._run_without_store(call)
             await answers.abort(context, err)
-        loop = asyncio.get_running_loop()
-        bound = call_context.bind(
-            call_context.IdempotentCall(policy.method, None, None, loop, tx.connection)
-        )
+        bound = call_context.bind(_unclaimed(call, tx.connection))
         try:
             response = await self._invoke(call)
         except DeferredAbort as aborted:
@@ -853,6 +851,27 @@ class _LeaseKeeper:
             self.lost = True
             self._handler.cancel()
             return
+
+
+def _unclaimed(
+    call: _Call, connection: PooledConnection | None = None
+) -> call_context.IdempotentCall:
+    """What a handler run without a claim sees: an optional-key call without a key, or a
+    fail-open call. Like a claimed call, it passes on the incoming metadata (``forward_metadata``)
+    and deadline to its own calls, and a fail-open call its key, from which child keys follow:
+    a fresh key downstream would run the effect again on every retry."""
+    context = call.context
+    keyed = call.key is not None
+    return call_context.IdempotentCall(
+        call.policy.method,
+        call.scope if keyed else None,
+        call.key,
+        asyncio.get_running_loop(),
+        connection,
+        steps=call.policy.steps if keyed else (),
+        deadline=_deadline(context),
+        metadata=tuple(context.invocation_metadata() or ()),
+    )
 
 
 def _deadline(context: Context) -> float | None:
