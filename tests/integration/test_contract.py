@@ -138,6 +138,9 @@ async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) 
         "OUT_OF_RANGE",
         "set:NOT_FOUND",
         "rich",
+        "rich-before",
+        "int:5",
+        "set-int:5",
     ],
 )
 async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
@@ -160,7 +163,7 @@ async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
         and row["state"] == "completed"
         and row["status_code"] == first.code.value[0]
     )
-    if behaviour == "rich":
+    if behaviour.startswith("rich"):
         assert first.reason() == "ACCOUNT_MISSING"
 
 
@@ -174,6 +177,8 @@ async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
         "UNKNOWN",
         "raise",
         "set:UNAVAILABLE",
+        "int:14",
+        "set-int:14",
     ],
 )
 async def test_transient_error_releases_the_claim(

@@ -9,6 +9,8 @@ name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and return
 "swallow" (a key's first attempt) runs a failing statement and catches the error (its
 transaction is then aborted); "deferred-violation" (a key's first attempt) writes a row that
 violates a constraint checked only at COMMIT;
+"int:N" aborts with the status's number, "set-int:N" sets it; "rich" aborts with rich
+details (grpc-status-details-bin), "rich-before" sets them as trailers, then aborts without any;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
@@ -180,18 +182,24 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             context.set_code(getattr(grpc.StatusCode, behaviour[4:]))
             context.set_details(f"set {behaviour[4:]}")
             return testsvc_pb2.PostResponse()
-        if behaviour == "rich":
+        if behaviour.startswith("int:"):  # grpc.aio takes a status's number too
+            await context.abort(int(behaviour[4:]), f"handler says {behaviour}")
+        if behaviour.startswith("set-int:"):
+            context.set_code(int(behaviour[8:]))
+            context.set_details(f"set {behaviour[8:]}")
+            return testsvc_pb2.PostResponse()
+        if behaviour in ("rich", "rich-before"):
             status = status_pb2.Status(
                 code=grpc.StatusCode.NOT_FOUND.value[0], message="no such account"
             )
             status.details.add().Pack(
                 error_details_pb2.ErrorInfo(reason="ACCOUNT_MISSING", domain="test")
             )
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                "no such account",
-                (("grpc-status-details-bin", status.SerializeToString()),),
-            )
+            details = (("grpc-status-details-bin", status.SerializeToString()),)
+            if behaviour == "rich-before":  # abort() without trailers sends these
+                context.set_trailing_metadata(details)
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", details)
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
         blob = b""

@@ -50,10 +50,22 @@ def grpc_code(code: Code) -> grpc.StatusCode:
     return _GRPC_CODES[int(code)]
 
 
+def status_code(code: grpc.StatusCode | int) -> Code:
+    """A status a handler gave, as grpc.aio takes it: a ``grpc.StatusCode``, or its number
+    (``context.abort(5, ...)``, ``context.set_code(5)``). A number that is no status is UNKNOWN,
+    as gRPC reads it on the wire."""
+    if isinstance(code, grpc.StatusCode):
+        return Code(code.value[0])
+    try:
+        return Code(code)
+    except (ValueError, TypeError):
+        return Code.UNKNOWN
+
+
 def code_of(context: Context, *, unset: Code = Code.OK) -> Code:
     """The status the call has set (``unset`` when none: a handler that returned is OK)."""
     code = context.code()
-    return unset if code is None else Code(code.value[0])
+    return unset if code is None else status_code(code)
 
 
 def details_in(metadata: Any) -> bytes | None:

@@ -13,16 +13,17 @@ from typing import Any, NoReturn
 
 import grpc
 
-from grpc_idempotency.server.answers import Context
+from grpc_idempotency.server.answers import Context, grpc_code, status_code
 
 
 class DeferredAbort(grpc.aio.AbortError):
     """A handler's ``context.abort(...)``, held until its outcome is committed. A subclass of
     ``AbortError`` so that handler code catching aborts behaves as usual."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Any) -> None:
+    def __init__(self, code: grpc.StatusCode | int, details: str, trailing_metadata: Any) -> None:
         super().__init__("aborted by the handler")
-        self.code = code
+        # grpc.aio takes a status's number as well: held as a StatusCode, whatever was given.
+        self.code = grpc_code(status_code(code))
         self.details = details
         self.trailing_metadata = tuple(trailing_metadata or ())
 

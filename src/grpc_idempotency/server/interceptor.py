@@ -589,7 +589,7 @@ class IdempotencyInterceptor(_Interceptor):
         open transaction holding the claim; in phased mode it may be ``None`` (the handler wrote
         nothing) and is opened here from ``claim``."""
         policy, context = call.policy, call.context
-        code = answers.code_of(context) if aborted is None else Code(aborted.code.value[0])
+        code = answers.code_of(context) if aborted is None else answers.status_code(aborted.code)
         what = finish(code, policy.recorded_errors)
         if what is Finish.RELEASE:
             call.outcome = CallOutcome.RELEASED
@@ -611,8 +611,10 @@ class IdempotencyInterceptor(_Interceptor):
                     what, data, aborted = Finish.RECORD_ERROR, None, None
                     outcome = answers.recorded_error(too_large)
             elif aborted is not None:
-                details = answers.details_in(aborted.trailing_metadata)
-                outcome = Outcome(code, aborted.details or "", details)
+                # An abort without trailers sends those set before it (set_trailing_metadata):
+                # grpc.aio does, and so the replay must, details included.
+                trailers = aborted.trailing_metadata or context.trailing_metadata()
+                outcome = Outcome(code, aborted.details or "", answers.details_in(trailers))
             else:  # the handler used set_code() and returned
                 details = answers.details_in(context.trailing_metadata())
                 outcome = Outcome(code, context.details() or "", details)
