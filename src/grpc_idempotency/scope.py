@@ -1,7 +1,10 @@
 """Scope resolvers: whose key is this? A record lives under (scope, key), never under a key alone.
 
-A resolver takes the call's ``grpc.aio.ServicerContext`` and returns the scope string, or raises
-``ScopeUnavailable`` (the call is refused with UNAUTHENTICATED before the store is touched).
+A resolver is a plain (not async) function: it takes the call's ``grpc.aio.ServicerContext`` and
+returns the scope, a str of 1..1024 bytes of UTF-8 without NUL, or raises ``ScopeUnavailable``
+(the call is refused with UNAUTHENTICATED before the store is touched). Anything else it raises
+or returns is a bug of the server's: logged, and the call refused with INTERNAL
+(``ScopeResolverFailed``) without the exception's text.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from typing import Any
 
 import grpc
 
-from grpc_idempotency.core.errors import ScopeUnavailable
+from grpc_idempotency.core.errors import IdempotencyError, ScopeUnavailable
+from grpc_idempotency.core.keys import validate_scope
 
 ScopeResolver = Callable[[grpc.aio.ServicerContext[Any, Any]], str]
 
@@ -52,9 +56,10 @@ class StaticScope:
     """One fixed scope: a service with a single trusted caller, or tests."""
 
     def __init__(self, scope: str) -> None:
-        if not scope:
-            raise ValueError("scope must not be empty")
-        self.scope = scope
+        try:
+            self.scope = validate_scope(scope)
+        except IdempotencyError as err:  # found now rather than on every call
+            raise ValueError(f"StaticScope: {err.message}") from None
 
     def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
         return self.scope

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store
+from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
 SVC = "/testsvc.v1.LedgerService/"
+PHASED = SVC + "PostPhased"
+FAIL_OPEN = SVC + "PostFailOpen"
 
 
 async def record_row(store: Store, scope: str, key: str) -> dict[str, object] | None:
@@ -119,6 +122,56 @@ async def test_two_scopes_with_one_key_are_independent(ledger: RunningLedger, st
     assert await ledger_rows(store, account) == 3
     again = await ledger.call(POST, post(account), key, "tenant-b")
     assert again.replayed and again.body == b.body
+
+
+def _raises(context: object) -> str:
+    raise LookupError("no tenant claim in token eyJhbGciOi")
+
+
+WIDE = "\U0001f600" * 1024  # 1024 characters, 4096 bytes: more than a record's index holds
+
+
+@pytest.mark.parametrize(
+    ("resolver", "code", "reason"),
+    [
+        (_raises, grpc.StatusCode.INTERNAL, "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"),
+        (lambda context: 42, grpc.StatusCode.INTERNAL, "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"),
+        (lambda context: b"tenant", grpc.StatusCode.INTERNAL, "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"),
+        (lambda context: WIDE, grpc.StatusCode.UNAUTHENTICATED, "IDEMPOTENCY_SCOPE_UNAVAILABLE"),
+        (
+            lambda context: "t\udcff",
+            grpc.StatusCode.UNAUTHENTICATED,
+            "IDEMPOTENCY_SCOPE_UNAVAILABLE",
+        ),
+        (lambda context: "t\x00", grpc.StatusCode.UNAUTHENTICATED, "IDEMPOTENCY_SCOPE_UNAVAILABLE"),
+    ],
+    ids=["raises", "int", "bytes", "4096-bytes", "surrogate", "nul"],
+)
+@pytest.mark.parametrize("method", [POST, PHASED, FAIL_OPEN])
+async def test_a_scope_resolver_that_fails_is_refused_before_the_handler(
+    store: Store, resolver: Any, code: grpc.StatusCode, reason: str, method: str
+) -> None:
+    """A resolver's exception (its text may quote a token) or a result the store cannot hold is
+    a library error before anything runs. They were UNKNOWN with the exception's text; the
+    4096-byte scope ran an atomic handler, then failed at the record's index, and made a
+    fail-open phased method run once per attempt."""
+    async with running_ledger(store, scope=resolver) as ledger:
+        key = fresh()
+        for _ in range(2):
+            answer = await ledger.call(method, post(fresh("acct")), key)
+            assert (answer.code, answer.reason()) == (code, reason), answer.details
+            assert "eyJ" not in (answer.details or "")
+        assert ledger.service.executions == 0
+
+
+def test_an_async_scope_resolver_is_refused_at_construction(store: Store) -> None:
+    async def resolver(context: object) -> str:
+        return "tenant"
+
+    with pytest.raises(TypeError, match="plain"):
+        IdempotencyInterceptor(store, scope=resolver)
+    with pytest.raises(ValueError, match="1-1024 bytes"):
+        StaticScope("\U0001f600" * 300)
 
 
 async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) -> None:

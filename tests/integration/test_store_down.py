@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
+import asyncpg
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
@@ -77,6 +78,35 @@ async def test_store_down_fails_closed_then_recovers_without_restart(
     again = await ledger.call(SVC + "Post", post(account), key)
     assert again.replayed and again.body == back.body
     assert await ledger_rows(private_store, account) == 2
+
+
+async def test_a_fail_open_method_does_not_run_unclaimed_when_its_deadline_ends_a_wait(
+    ledger: RunningLedger, private_pg: EmbeddedPostgres
+) -> None:
+    """The store is up, but the records table is locked (a migration's DDL, say): the claim
+    waits until the call's deadline ends it. That is no outage, so a fail-open method must not
+    run its handler unclaimed. (It did: the claim's timeout fires just before gRPC's deadline,
+    was taken for the store being down, and each attempt ran the handler once.)"""
+    key, account = fresh(), fresh("acct")
+    locker = await asyncpg.connect(private_pg.dsn)
+    try:
+        async with locker.transaction():
+            await locker.execute("LOCK TABLE grpc_idempotency.records IN ACCESS EXCLUSIVE MODE")
+            answers = [
+                await ledger.call(SVC + "PostFailOpen", post(account), key, timeout=0.5)
+                for _ in range(3)
+            ]
+    finally:
+        await locker.close()
+    # Refused, never run: the client's deadline, or the server failing closed just before it.
+    codes = {a.code for a in answers}
+    assert codes <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}, codes
+    assert ledger.service.executions == 0
+    after = await ledger.call(SVC + "PostFailOpen", post(account), key)
+    assert after.code is grpc.StatusCode.OK and not after.replayed, after.details
+    again = await ledger.call(SVC + "PostFailOpen", post(account), key)
+    assert again.replayed and again.body == after.body
+    assert ledger.service.executions == 1
 
 
 async def test_a_fail_open_call_still_keys_its_downstream_calls(

@@ -343,9 +343,11 @@ async def running_ledger(
     overrides: Mapping[str, MethodOverride] | None = None,
     **kwargs: Any,
 ) -> AsyncIterator[RunningLedger]:
-    """A real grpc.aio server on loopback port 0 with the interceptor, and a client stub."""
+    """A real grpc.aio server on loopback port 0 with the interceptor, and a client stub; the
+    scope is the tenant header unless ``scope=`` says otherwise."""
+    kwargs.setdefault("scope", MetadataScope(TENANT))
     interceptor = IdempotencyInterceptor(
-        store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT), **kwargs
+        store, services=[testsvc_pb2], overrides=overrides, **kwargs
     )
     server = grpc.aio.server(interceptors=[interceptor])
     # Peek and "kill-connection" use a store of their own; sharded, the first shard's.

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpc_idempotency.core.errors import KeyInvalid, ScopeUnavailable
+from grpc_idempotency.core.errors import KeyInvalid, ScopeResolverFailed, ScopeUnavailable
 from grpc_idempotency.core.keys import (
     child_key,
     claim_lock_id,
@@ -98,9 +98,13 @@ def test_step_names(name: str, ok: bool) -> None:
 
 def test_scope_validation() -> None:
     assert validate_scope("tenant:a") == "tenant:a"
-    for bad in ("", "x" * 1025, "a\x00b"):
+    assert validate_scope("\u00e9" * 512) == "\u00e9" * 512  # 1024 bytes: the most
+    for bad in ("", "x" * 1025, "a\x00b", "\u00e9" * 513, "\U0001f600" * 257, "t\udcff"):
         with pytest.raises(ScopeUnavailable):
             validate_scope(bad)
+    for wrong in (42, b"tenant", None):
+        with pytest.raises(ScopeResolverFailed):
+            validate_scope(wrong)
 
 
 def test_claim_lock_ids_are_signed_64_bit_and_namespaced() -> None:

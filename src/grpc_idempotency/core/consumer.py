@@ -36,7 +36,7 @@ from grpc_idempotency.core.errors import (
 from grpc_idempotency.core.keys import key_from_metadata
 from grpc_idempotency.core.wire import KEY_HEADER
 
-MAX_MESSAGE_ID_LENGTH = 1024
+MAX_MESSAGE_ID_BYTES = 1024
 MAX_CONSUMER_NAME_LENGTH = 255
 _CONSUMER_NAME = re.compile(r"[\x21-\x7e]+")
 # A lock_timeout of 0 means "wait forever" to PostgreSQL: never send less than a millisecond.
@@ -84,11 +84,17 @@ def validate_consumer_name(name: str) -> str:
 
 
 def validate_message_id(message_id: str) -> str:
-    """A message id is any text PostgreSQL can hold, 1..1024 characters; ``KeyInvalid`` else."""
+    """A message id is any text PostgreSQL can hold, 1..1024 bytes of UTF-8 (the unique index
+    bounds an entry: 1024 four-byte characters overflowed it, a failure reported as the store
+    being down, so the message came back forever); ``KeyInvalid`` else."""
     if not isinstance(message_id, str) or not message_id:
         raise KeyInvalid("message id is empty")
-    if len(message_id) > MAX_MESSAGE_ID_LENGTH:
-        raise KeyInvalid(f"message id is longer than {MAX_MESSAGE_ID_LENGTH} characters")
+    try:
+        size = len(message_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise KeyInvalid("message id is not valid Unicode (a lone surrogate)") from None
+    if size > MAX_MESSAGE_ID_BYTES:
+        raise KeyInvalid(f"message id is longer than {MAX_MESSAGE_ID_BYTES} bytes of UTF-8")
     if "\x00" in message_id:
         raise KeyInvalid("message id contains NUL")
     return message_id

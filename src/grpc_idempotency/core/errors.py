@@ -71,6 +71,14 @@ class ScopeUnavailable(IdempotencyError):
     reason = "IDEMPOTENCY_SCOPE_UNAVAILABLE"
 
 
+class ScopeResolverFailed(IdempotencyError):
+    """The scope resolver raised something other than ``ScopeUnavailable``, or returned
+    something other than a str: a bug on the server's side (logged there), not the caller's."""
+
+    status_code = Code.INTERNAL
+    reason = "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"
+
+
 class KeyReused(IdempotencyError):
     status_code = Code.FAILED_PRECONDITION
     reason = "IDEMPOTENCY_KEY_REUSED"

@@ -15,11 +15,12 @@ import hashlib
 import re
 from collections.abc import Iterable
 
-from grpc_idempotency.core.errors import KeyInvalid, ScopeUnavailable
+from grpc_idempotency.core.errors import KeyInvalid, ScopeResolverFailed, ScopeUnavailable
 from grpc_idempotency.core.wire import KEY_HEADER, KEY_HEADER_BIN
 
 MAX_KEY_LENGTH = 255
-MAX_SCOPE_LENGTH = 1024
+MAX_SCOPE_BYTES = 1024
+"""A scope's most UTF-8 bytes: with a key, it must fit one entry of the records' unique index."""
 STEP_NAME = re.compile(r"[a-z][a-z0-9-]*\.v[1-9][0-9]*")
 
 _CHILD_DOMAIN = b"grpc-idempotency/child/v1"
@@ -51,11 +52,25 @@ def validate_key(key: str) -> str:
     return key
 
 
-def validate_scope(scope: str) -> str:
+def validate_scope(scope: object) -> str:
+    """``scope`` as a scope resolver returned it, checked before it reaches the store: a str of
+    1..``MAX_SCOPE_BYTES`` UTF-8 bytes with no NUL (PostgreSQL's text cannot hold one). What is
+    not a str is the resolver's bug (``ScopeResolverFailed``); the rest is ``ScopeUnavailable``.
+    (Counted in characters, 1024 four-byte ones passed, and the record's index refused them:
+    the handler ran and its call failed, or a fail-open method ran without deduplication.)"""
+    if not isinstance(scope, str):
+        raise ScopeResolverFailed(f"the scope resolver returned {type(scope).__name__}, not str")
     if not scope:
         raise ScopeUnavailable("the scope resolver returned an empty scope")
-    if len(scope) > MAX_SCOPE_LENGTH or "\x00" in scope:
-        raise ScopeUnavailable("the scope resolver returned an unusable scope")
+    try:
+        size = len(scope.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate
+        size = -1
+    if not 0 < size <= MAX_SCOPE_BYTES or "\x00" in scope:
+        raise ScopeUnavailable(
+            f"the scope resolver returned an unusable scope (1-{MAX_SCOPE_BYTES} bytes of UTF-8,"
+            " no NUL)"
+        )
     return scope
 
 

@@ -40,6 +40,7 @@ from grpc_idempotency.core.errors import (
     LeaseLost,
     PolicyError,
     ResponseTooLarge,
+    ScopeResolverFailed,
     StoreUnavailable,
     TransactionConflict,
 )
@@ -192,6 +193,11 @@ class IdempotencyInterceptor(_Interceptor):
             self._replay_cache = replay_cache
         elif replay_cache:
             self._replay_cache = ReplayCache()
+        if not callable(scope) or _is_async(scope):
+            raise TypeError(
+                "scope must be a plain (not async) function of the call's context returning a"
+                f" str, such as MetadataScope() or StaticScope(...); got {scope!r}"
+            )
         self._scope = scope
         self._telemetry = telemetry or Telemetry()
         self._registry = PolicyRegistry(services, overrides)
@@ -214,6 +220,20 @@ class IdempotencyInterceptor(_Interceptor):
     def waiting_calls(self) -> int:
         """Calls now waiting for another attempt with the same key to finish."""
         return self._waiting
+
+    def _resolve_scope(self, context: Context) -> str:
+        """The call's scope. The resolver is the application's code: ``ScopeUnavailable`` from it
+        is the caller's problem (UNAUTHENTICATED); any other exception, or a result that is not
+        a str, is the server's (INTERNAL, logged here), and its text stays here: it can hold a
+        token being parsed."""
+        try:
+            scope = self._scope(context)
+        except IdempotencyError:
+            raise
+        except Exception:
+            log.exception("the scope resolver %r failed", self._scope)
+            raise ScopeResolverFailed("the scope resolver failed; see the server's log") from None
+        return validate_scope(scope)
 
     async def intercept_service(
         self,
@@ -308,10 +328,10 @@ class IdempotencyInterceptor(_Interceptor):
             store = self.store
             if isinstance(store, ShardedStores):
                 # Sharded, an unkeyed call needs its scope too: its transaction runs on its shard.
-                scope = validate_scope(self._scope(context))
+                scope = self._resolve_scope(context)
                 store = store.for_scope(scope)
             else:
-                scope = None if key is None else validate_scope(self._scope(context))
+                scope = None if key is None else self._resolve_scope(context)
         except IdempotencyError as err:
             await answers.abort(context, err)
         call.key, call.scope, call.store = key, scope, store
@@ -456,7 +476,7 @@ class IdempotencyInterceptor(_Interceptor):
                         )
                     continue
             except StoreUnavailable as err:
-                fail_open = policy.store_down is StoreDown.FAIL_OPEN
+                fail_open = _may_fail_open(policy, context)
                 step, phase = transition(phase, store_down_event(fail_open=fail_open))
                 if step is Step.RUN_WITHOUT_STORE:
                     log.warning(
@@ -702,7 +722,7 @@ class IdempotencyInterceptor(_Interceptor):
                 isolation=policy.isolation, timeout=answers.time_remaining(context)
             )
         except StoreUnavailable as err:
-            if policy.store_down is StoreDown.FAIL_OPEN:
+            if _may_fail_open(policy, context):
                 return await self._run_without_store(call)
             await answers.abort(context, err)
         bound = call_context.bind(_unclaimed(call, tx.connection))
@@ -874,6 +894,28 @@ def _unclaimed(
         deadline=_deadline(context),
         metadata=tuple(context.invocation_metadata() or ()),
     )
+
+
+def _may_fail_open(policy: MethodPolicy, context: Context) -> bool:
+    """Whether a store failure lets this call run without deduplication: only for a fail-open
+    method, and only while the call has time left. The store's statements are bounded by the
+    call's deadline, so a claim that merely waited (a lock held by a migration, a slow
+    database) times out as the deadline ends, and that is no outage: running the handler then,
+    unclaimed, ran one key's effect once per retry with the store up all along."""
+    if policy.store_down is not StoreDown.FAIL_OPEN:
+        return False
+    remaining = answers.time_remaining(context)
+    return remaining is None or remaining > _DEADLINE_SPENT_S
+
+
+def _is_async(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004  (an object whose __call__ is async)
+    )
+
+
+_DEADLINE_SPENT_S = 0.05
+"""Time left below which a store failure is taken for the call's deadline running out."""
 
 
 def _deadline(context: Context) -> float | None:
