@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from grpc_idempotency.core.codes import Code
     from grpc_idempotency.core.errors import (
         DeliveryError,
+        DsnUnusable,
         HandlerDatabaseError,
         IdempotencyError,
         KeyInProgress,
@@ -96,6 +97,7 @@ _LOCATIONS: dict[str, str] = {
     "ConsumeResult": "grpc_idempotency.consumer",
     "Consumed": "grpc_idempotency.consumer",
     "DeliveryError": "grpc_idempotency.core.errors",
+    "DsnUnusable": "grpc_idempotency.core.errors",
     "DeliveryPolicy": "grpc_idempotency.core.outbox",
     "GrpcSink": "grpc_idempotency.outbox",
     "HandlerDatabaseError": "grpc_idempotency.core.errors",
@@ -188,6 +190,7 @@ __all__ = [
     "ConsumeResult",
     "Consumed",
     "DeliveryError",
+    "DsnUnusable",
     "DeliveryPolicy",
     "GrpcSink",
     "HandlerDatabaseError",

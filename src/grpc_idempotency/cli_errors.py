@@ -19,7 +19,8 @@ from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 import asyncpg
 
-from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
+from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -39,10 +40,6 @@ _UNUSABLE_DSN = (
     " and check the query parameters (sslmode=...); the driver's message is not shown, as it may"
     " quote part of the password"
 )
-# What asyncpg's DSN parsing raises besides its own ClientConfigurationError (a ValueError too):
-# int() of a "port" that is a piece of the password and parse_qs of a "query" that is one
-# (ValueError), an empty host in a list (IndexError), a port beyond a C long (OverflowError).
-_PARSE_ERRORS = (ValueError, LookupError, ArithmeticError, TypeError)
 
 
 class UnusableDsn(Exception):
@@ -60,14 +57,8 @@ async def connect(dsn: str, **options: Any) -> Store:
     schema_identifier(options.get("schema", DEFAULT_SCHEMA))
     try:
         return await Store.connect(dsn, **options)
-    except StoreUnavailable as err:
-        # asyncpg's ClientConfigurationError (a bad scheme, sslmode, IPv6 host, ...) is an
-        # InterfaceError, which the store maps like a connection failure: retryable (exit 1).
-        if not any(isinstance(c, asyncpg.ClientConfigurationError) for c in _causes(err)):
-            raise
-    except _PARSE_ERRORS:
-        pass
-    raise UnusableDsn from None
+    except DsnUnusable:
+        raise UnusableDsn from None
 
 
 async def check_parses(dsn: str, option: str) -> None:
@@ -77,10 +68,10 @@ async def check_parses(dsn: str, option: str) -> None:
     reach its server passes: the relay keeps trying it."""
     try:
         conn = await asyncpg.connect(dsn, timeout=5.0)
-    except _PARSE_ERRORS:
-        raise UnusableDsn(option) from None
-    except Exception:  # unreachable, refused, not yet: the caller retries it anyway
-        return
+    except Exception as exc:
+        if dsn_unusable(exc):
+            raise UnusableDsn(option) from None
+        return  # unreachable, refused, not yet: the caller retries it anyway
     await conn.close()
 
 

@@ -17,6 +17,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import (
+    DsnUnusable,
     Isolation,
     KeyRequirement,
     MethodOverride,
@@ -24,6 +25,7 @@ from grpc_idempotency import (
     StoreMisconfigured,
 )
 from grpc_idempotency.client import Operation, RetryPolicy
+from grpc_idempotency.core.codes import Code
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
 from tests.support.relay import FORWARD, running_relay
@@ -391,6 +393,33 @@ async def test_a_large_response_travels_to_postgres_in_binary_not_as_hex_text(
 
 
 # -- 7. schema not migrated --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "not a dsn",
+        "mysql://app:s3cret@localhost/app",
+        "postgresql://app:s3cret@localhost/app?sslmode=bogus",
+        "postgresql://app:s3cr/et@localhost/app",  # the unencoded "/" makes "s3cr" the port
+    ],
+    ids=["garbage", "scheme", "sslmode", "slash-in-password"],
+)
+async def test_connect_refuses_a_dsn_the_driver_cannot_use_as_not_retryable(dsn: str) -> None:
+    """It was StoreUnavailable (the retryable error: a start-up loop retried a typo forever) or
+    the driver's raw ValueError quoting a piece of the password."""
+    with pytest.raises(DsnUnusable) as refused:
+        await Store.connect(dsn, check_schema=False)
+    err = refused.value
+    assert isinstance(err, StoreMisconfigured) and err.status_code is Code.INTERNAL
+    assert err.__cause__ is None and err.__suppress_context__
+    assert "s3cr" not in str(err) and "percent-encode" in str(err)
+
+
+async def test_connect_leaves_its_own_argument_errors_alone(pg_dsn: str) -> None:
+    with pytest.raises(ValueError, match="min_size") as refused:
+        await Store.connect(pg_dsn, min_size=5, max_size=2)
+    assert not isinstance(refused.value, DsnUnusable)
 
 
 async def test_connect_refuses_a_schema_that_was_never_migrated(pg_dsn: str) -> None:

@@ -120,6 +120,21 @@ class StoreMisconfigured(StoreUnavailable):
     reason = "IDEMPOTENCY_STORE_MISCONFIGURED"
 
 
+class DsnUnusable(StoreMisconfigured):
+    """``Store.connect``: the driver cannot parse or use the DSN (a bad scheme, port, sslmode, or
+    an unencoded special character in the password that cut it elsewhere). Not retryable. The
+    driver's message is not kept, not even as the cause: it can quote pieces of the password."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(
+            message
+            or "the DSN cannot be parsed (or one of its parameters is invalid): percent-encode"
+            " special characters in the password (/ as %2F, ? as %3F, # as %23, @ as %40, : as"
+            " %3A, % as %25) and check the query parameters (sslmode=...); the driver's message"
+            " is not shown, as it may quote part of the password"
+        )
+
+
 class TransactionConflict(IdempotencyError):
     """The call's transaction lost a serialization race (SQLSTATE 40001, a deadlock, a lock
     timeout) and was rolled back with everything it wrote; the key is released, so a retry runs

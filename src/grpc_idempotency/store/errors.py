@@ -81,13 +81,26 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
 
 
-def _raised_in_asyncpg(exc: BaseException) -> bool:
+def _raised_in_asyncpg(exc: BaseException, module: str = "asyncpg.") -> bool:
     tb = exc.__traceback__
     while tb is not None:
-        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("asyncpg."):
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(module):
             return True
         tb = tb.tb_next
     return False
+
+
+def dsn_unusable(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by ``asyncpg.connect``/``create_pool``, says the DSN cannot be
+    parsed or used: asyncpg's ClientConfigurationError, or what its DSN parsing lets escape
+    (int() of a "port" that is a piece of the password, parse_qs of a "query" that is one, an
+    empty host in a list, a port beyond a C long). Only from its connection-parameter module:
+    a ValueError of the pool's own (min_size > max_size) is the caller's, and says so itself."""
+    if isinstance(exc, asyncpg.ClientConfigurationError):
+        return True
+    return isinstance(
+        exc, (ValueError, LookupError, ArithmeticError, TypeError)
+    ) and _raised_in_asyncpg(exc, "asyncpg.connect_utils")
 
 
 def handler_error(exc: BaseException) -> IdempotencyError | None:

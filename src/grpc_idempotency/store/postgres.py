@@ -25,6 +25,7 @@ import asyncpg
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import (
+    DsnUnusable,
     IdempotencyError,
     LeaseLost,
     OutboxKeyReused,
@@ -40,6 +41,7 @@ from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     STORE_ERRORS,
     aborted_by,
+    dsn_unusable,
     handler_error,
     sqlstate,
     store_error,
@@ -281,8 +283,12 @@ class Store:
                 command_timeout=command_timeout,
                 **pool_options,
             )
-        except STORE_ERRORS as exc:
-            raise store_error(exc, "connecting") from exc
+        except Exception as exc:
+            if dsn_unusable(exc):
+                raise DsnUnusable() from None  # its text can quote pieces of the password
+            if isinstance(exc, STORE_ERRORS):
+                raise store_error(exc, "connecting") from exc
+            raise
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         try:
             if migrate:
