@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.store.postgres import Store
@@ -38,10 +39,12 @@ class Purger:
         batch_size: int = 1000,
         pause: float = 0.0,
     ) -> None:
-        if interval <= 0 or batch_size <= 0:
-            raise ValueError("interval and batch_size must be positive")
-        if pause < 0:
-            raise ValueError("pause must not be negative")
+        # NaN passes every comparison, and asyncio.sleep(nan) (or inf) never returns: the purger
+        # would stop after its first run, silently, and the table grow without bound.
+        if not (0 < interval < math.inf) or batch_size <= 0:
+            raise ValueError("interval must be positive and finite, batch_size positive")
+        if not (0 <= pause < math.inf):
+            raise ValueError("pause must be finite and not negative")
         self.store = store
         self.interval = interval
         self.batch_size = batch_size

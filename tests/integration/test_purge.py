@@ -194,10 +194,16 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
     purge_store: Store,
 ) -> None:
     await expired_records(purge_store, 35)
-    with pytest.raises(ValueError):
-        await purge_store.purge(pause=-1)
-    with pytest.raises(ValueError):
-        Purger(purge_store, pause=-1)
+    nan, inf = float("nan"), float("inf")
+    # NaN and inf too: asyncio.sleep() of either never returns, and a purger stopped silently.
+    for pause in (-1, nan, inf):
+        with pytest.raises(ValueError):
+            await purge_store.purge(pause=pause)
+        with pytest.raises(ValueError):
+            Purger(purge_store, pause=pause)
+    for interval in (0, -1, nan, inf):
+        with pytest.raises(ValueError):
+            Purger(purge_store, interval=interval)
     assert await purge_store.purge(batch_size=10, pause=0.001) == 35
     assert await keys(purge_store) == []
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -636,8 +637,10 @@ class Store:
         ``walk``: the statement takes where the previous batch stopped as ``$2`` (``None`` at
         first) and returns one row, ``deleted`` and ``last`` (where the next batch starts);
         otherwise it is a ``DELETE`` and its status says how many rows went."""
-        if batch_size <= 0 or (max_batches is not None and max_batches <= 0) or pause < 0:
-            raise ValueError("batch_size and max_batches must be positive, pause not negative")
+        if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
+            raise ValueError("batch_size and max_batches must be positive")
+        if not (0 <= pause < math.inf):  # NaN too: asyncio.sleep(nan) never returns
+            raise ValueError("pause must be finite and not negative")
         total = batches = 0
         position: object = None
         while max_batches is None or batches < max_batches:
