@@ -91,10 +91,11 @@ class Statements:
                    (locked_until IS NULL OR locked_until <= clock_timestamp()) AS lease_expired,
                    GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
                        AS lease_remaining_ms,
-                   -- how much longer a completed outcome stays replayable (the replay cache)
-                   CASE WHEN state = 'completed' THEN GREATEST(0, EXTRACT(EPOCH FROM
+                   -- how much longer a completed outcome stays replayable (the replay cache),
+                   -- rounded down: a cached copy must never outlive the record
+                   CASE WHEN state = 'completed' THEN GREATEST(0, floor(EXTRACT(EPOCH FROM
                        GREATEST(expires_at, completed_at + retention) - clock_timestamp())
-                       * 1000)::bigint END AS replayable_ms
+                       * 1000))::bigint END AS replayable_ms
             FROM {s}.records WHERE scope = $1 AND key = $2"""
         self.renew = f"""
             UPDATE {s}.records SET locked_until = clock_timestamp() + make_interval(secs => $4)
