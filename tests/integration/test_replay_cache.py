@@ -7,12 +7,14 @@ on any replica). The partition proxy shows that a cache hit makes no database ro
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency import IdempotencyInterceptor, MethodOverride, ReplayCache, Store
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
@@ -116,3 +118,30 @@ async def test_a_replica_caches_a_read_outcome_only_for_the_records_remaining_li
         new_operation = await b.call(SHORT, changed, key)
         assert new_operation.code is grpc.StatusCode.OK and not new_operation.replayed
     assert await ledger_rows(store, account) == 2
+
+
+async def test_a_cache_is_shared_only_by_interceptors_of_one_store(
+    pg_dsn: str, store: Store
+) -> None:
+    """Slots are (scope, key): a cache shared with an interceptor on another schema answered
+    that server's calls with this store's outcomes, and its operations never ran."""
+    schema = f"gi_cache_{uuid.uuid4().hex[:8]}"
+    other = await Store.connect(pg_dsn, schema=schema, max_size=2, migrate=True)
+    try:
+        cache = ReplayCache()
+        key, account = fresh(), fresh("acct")
+        request = testsvc_pb2.PostRequest(account=account, amount=5)
+        async with (
+            running_ledger(store, replay_cache=cache) as a,
+            running_ledger(store, replay_cache=cache) as a_again,  # same store: shared
+        ):
+            first = await a.call(POST, request, key)
+            replayed = await a_again.call(POST, request, key)
+            assert first.code is grpc.StatusCode.OK and replayed.replayed
+            assert replayed.body == first.body and len(cache) == 1
+            with pytest.raises(ValueError, match="another store"):
+                IdempotencyInterceptor(other, services=[testsvc_pb2], replay_cache=cache)
+        assert await ledger_rows(store, account) == 1
+    finally:
+        await other.close()
+        await store.pool.execute(f"DROP SCHEMA {schema} CASCADE")

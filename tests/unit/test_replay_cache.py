@@ -13,7 +13,7 @@ from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.core.replay_cache import (
     CLOCK_RATE_MARGIN,
     ReplayCache,
-    outcome_size,
+    entry_size,
     replayable_until,
 )
 
@@ -62,19 +62,32 @@ def test_bytes_are_bounded_and_an_outcome_over_an_eighth_of_them_is_not_kept() -
     for i in range(20):
         cache.put(("s", str(i)), b"fp", small, sent=0.0, life_s=60.0, now=0.0)
     assert cache.size_bytes <= 8192
-    assert len(cache) == 8192 // outcome_size(small)
+    assert len(cache) == 8192 // entry_size(("s", "10"), b"fp", small)
 
 
 def test_replacing_an_entry_does_not_count_it_twice() -> None:
     cache = ReplayCache()
     for _ in range(3):
         cache.put(("s", "k"), b"fp", OK, sent=0.0, life_s=60.0, now=0.0)
-    assert len(cache) == 1 and cache.size_bytes == outcome_size(OK)
+    assert len(cache) == 1 and cache.size_bytes == entry_size(("s", "k"), b"fp", OK)
+
+
+def test_an_entry_weighs_its_scope_and_key_too() -> None:
+    scope = "\U0001f600" * 256  # 1 KiB of UTF-8
+    assert entry_size((scope, "k"), b"f" * 32, OK) == entry_size(("", "k"), b"", OK) + 1024 + 32
+
+
+def test_a_cache_serves_one_store() -> None:
+    cache, one, other = ReplayCache(), object(), object()
+    cache.bind(one)
+    cache.bind(one)  # interceptors of the same store may share it
+    with pytest.raises(ValueError, match="another store"):
+        cache.bind(other)
 
 
 @pytest.mark.parametrize(
     "options",
-    [{"max_entries": 0}, {"max_bytes": 10}, {"max_age": timedelta(0)}],
+    [{"max_entries": 0}, {"max_bytes": 10}, {"max_bytes": float("nan")}, {"max_age": timedelta(0)}],
 )
 def test_bounds_are_validated(options: dict[str, object]) -> None:
     with pytest.raises(ValueError):

@@ -50,10 +50,15 @@ class CachedOutcome:
     size: int
 
 
-def outcome_size(outcome: Outcome) -> int:
-    """What an entry weighs against ``max_bytes``: the stored bytes and a fixed overhead."""
+def entry_size(slot: Slot, fingerprint: bytes, outcome: Outcome) -> int:
+    """What an entry weighs against ``max_bytes``: its bytes (the scope alone can be 1 KiB) and
+    a fixed overhead."""
+    scope, key = slot
     return (
         256
+        + len(scope.encode("utf-8", "surrogatepass"))
+        + len(key)
+        + len(fingerprint)
         + len(outcome.response or b"")
         + len(outcome.details or b"")
         + len(outcome.message.encode("utf-8", "surrogatepass"))
@@ -78,7 +83,7 @@ class ReplayCache:
     ) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
-        if max_bytes < 1024:
+        if not max_bytes >= 1024:  # NaN as well: it would disable the bound
             raise ValueError("max_bytes must be at least 1024")
         if max_age <= timedelta(0):
             raise ValueError("max_age must be positive")
@@ -87,6 +92,21 @@ class ReplayCache:
         self.max_age_s = max_age.total_seconds()
         self._entries: OrderedDict[Slot, CachedOutcome] = OrderedDict()
         self._bytes = 0
+        self._store: object = None
+
+    def bind(self, store: object) -> None:
+        """Ties the cache to the store whose outcomes it holds (the interceptor does, when given
+        this cache): its slots are (scope, key), so a cache shared with an interceptor on
+        another store (another database or schema) would answer that store's calls with this
+        one's outcomes, and its operations would never run. Interceptors on the same store may
+        share one."""
+        if self._store is None:
+            self._store = store
+        elif self._store is not store:
+            raise ValueError(
+                "this ReplayCache already holds the outcomes of another store: give each store's"
+                " interceptors a ReplayCache of their own"
+            )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -118,7 +138,7 @@ class ReplayCache:
         """Keeps ``outcome`` for ``slot``: it was committed, or read, by a statement sent at
         monotonic time ``sent``, and the record lives at least ``life_s`` after that."""
         until = replayable_until(sent=sent, life_s=life_s, now=now, max_age_s=self.max_age_s)
-        size = outcome_size(outcome)
+        size = entry_size(slot, fingerprint, outcome)
         if until <= now or size > self.max_bytes // 8:
             return
         if slot in self._entries:

@@ -190,6 +190,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._herd_release = herd_release
         self._replay_cache: ReplayCache | None = None
         if isinstance(replay_cache, ReplayCache):
+            replay_cache.bind(store)
             self._replay_cache = replay_cache
         elif replay_cache:
             self._replay_cache = ReplayCache()
