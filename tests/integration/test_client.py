@@ -22,6 +22,7 @@ from grpc_idempotency.client import (
     service_config,
 )
 from grpc_idempotency.core.retry import RetryPolicy
+from grpc_idempotency.core.step_contract import MethodSteps, check_contract
 from tests.support.ledger import POST, RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.relay import FORWARD, running_relay
 from tests.support.waiting import until
@@ -251,6 +252,55 @@ async def test_every_attempt_of_an_operation_begun_before_a_retirement_keeps_the
     assert second.body == first.body
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_takeover_across_a_rename_keeps_the_old_name(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """post-ledger.v1 renamed record-entry.v1 the way check-steps says is safe (the old name
+    kept, retired when the change ships): an operation begun before, taken over after a crash
+    by the new code, keeps post-ledger.v1's child key. It used to take record-entry.v1's, and
+    the downstream Post ran a second time."""
+    old_steps = [Step(name="post-ledger.v1", call=POST)]
+    retired_at = datetime.now(UTC) + timedelta(hours=1)  # the deploy, after the operation began
+    new_steps = [
+        Step(name="post-ledger.v1", call=POST, retired_at=retired_at),
+        Step(name="record-entry.v1", call=POST),
+    ]
+    contract = {
+        FORWARD: MethodSteps(retention=timedelta(hours=1), steps=tuple(old_steps)),
+    }
+    renamed = {FORWARD: MethodSteps(retention=timedelta(hours=1), steps=tuple(new_steps))}
+    assert check_contract(contract, renamed, now=retired_at).ok
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+    old = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=old_steps)}
+    async with running_relay(store, ledger.address, overrides=old) as relay:
+        first = await relay.forward(request, key)
+        assert first.code is grpc.StatusCode.OK
+    await _crash_before_the_final_commit(store, key)
+    new = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=new_steps)}
+    async with running_relay(store, ledger.address, overrides=new) as restarted:
+        second = await restarted.forward(request, key)
+        assert second.code is grpc.StatusCode.OK and not second.replayed
+    # The takeover's call carried the same key and was answered with the first one's replay.
+    assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
+    assert second.body == first.body
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+async def _crash_before_the_final_commit(store: Store, key: str) -> None:
+    """As if the relay had crashed after calling downstream, before its final commit: the claim
+    stays, its lease over, and the retry reaches a restarted relay, which takes it over."""
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET state = 'in_progress', response = NULL,"
+        " status_code = NULL, completed_at = NULL,"
+        " locked_until = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
 
 
 async def test_two_tenants_with_one_parent_key_get_two_children(
