@@ -181,6 +181,20 @@ def test_an_atomic_override_is_checked_against_the_steps_like_the_proto() -> Non
     assert policy is not None and policy.mode is Mode.ATOMIC
 
 
+def test_a_naive_retired_at_is_refused_when_the_policy_is_compiled() -> None:
+    """A naive retired_at used to pass, then every downstream call of the handler failed with a
+    raw TypeError (offset-naive vs offset-aware) answered UNKNOWN."""
+    steps = [
+        Step(name="charge.v1", call="a.B/C", retired_at=datetime(2030, 1, 1)),
+        Step(name="charge.v2", call="a.B/C"),
+    ]
+    with pytest.raises(PolicyError, match=r"charge\.v1.*retired_at without a timezone") as caught:
+        compile_policy(method_with(None), MethodOverride(mode=Mode.PHASED, steps=steps))
+    assert caught.value.message.startswith("/policytest")
+    aware = [replace(steps[0], retired_at=datetime(2030, 1, 1, tzinfo=UTC)), steps[1]]
+    assert compile_policy(method_with(None), MethodOverride(steps=aware)) is not None
+
+
 def test_an_override_makes_an_unannotated_method_keyed() -> None:
     policy = compile_policy(method_with(None), MethodOverride())
     assert policy is not None and policy.key is KeyRequirement.REQUIRED

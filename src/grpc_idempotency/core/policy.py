@@ -289,6 +289,13 @@ def _check_steps(path: str, steps: tuple[Step, ...]) -> None:
         seen.add(step.name)
         if bool(step.call) == bool(step.outbox):
             raise PolicyError(f"{path}: step {step.name!r} must set exactly one of call and outbox")
+        if step.retired_at is not None and step.retired_at.utcoffset() is None:
+            # Compared with the operation's start (aware, the database's clock) on every
+            # downstream call: a naive one fails each of them with a TypeError instead.
+            raise PolicyError(
+                f"{path}: step {step.name!r} has a retired_at without a timezone"
+                f" ({step.retired_at.isoformat()}); give it one, e.g. tzinfo=datetime.UTC"
+            )
         if step.call and not _is_method_name(step.call):
             raise PolicyError(
                 f"{path}: step {step.name!r} calls {step.call!r}; expected 'package.Service/Method'"
