@@ -26,9 +26,7 @@ import grpc
 
 from grpc_idempotency.call import current_call_or_none
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import (
-    TransactionOpen,
-)
+from grpc_idempotency.core.errors import KeyInvalid, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
@@ -208,23 +206,32 @@ class IdempotencyClientInterceptor(_Interceptor):
         method = client_call_details.method
         path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
         metadata = list(client_call_details.metadata or ())
-        explicit = None
-        named = _step.get(None)
-        kept = []
-        for name, value in metadata:
-            if name == KEY_HEADER:
-                explicit = str(value)
-            elif name == STEP_HEADER:
-                named = str(value)
-                continue
-            kept.append((name, value))
-
         serving = current_call_or_none()
         parent = None
         if serving is not None and serving.key is not None and serving.scope is not None:
             parent = Parent(
                 serving.method, serving.scope, serving.key, serving.steps, serving.started_at
             )
+        explicit = None
+        named = _step.get(None)
+        kept = []
+        for name, value in metadata:
+            if name == KEY_HEADER:
+                key = _key_text(value)
+                if parent is not None and key == parent.key:
+                    # The serving call's own key, passed on with its metadata
+                    # (`metadata=context.invocation_metadata()`): the parent's key, not a choice
+                    # for this call. Sent as is, two tenants who picked the same parent key
+                    # would share one downstream record; this call gets its child key instead.
+                    continue
+                explicit = key
+                kept.append((name, key))
+                continue
+            elif name == STEP_HEADER:
+                named = str(value)
+                continue
+            kept.append((name, value))
+
         choice = choose_key(
             target=path,
             target_keyed=self._registry.get(path) is not None,
@@ -264,6 +271,21 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.wait_for_ready,
         )
         return await continuation(details, request)
+
+
+def _key_text(value: str | bytes) -> str:
+    """An ``idempotency-key`` value as the text gRPC sends: bytes are decoded as ASCII (a key is
+    visible ASCII), so that ``capture_keys`` and the comparison with the parent's key see the
+    key itself rather than ``"b'...'"``."""
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode("ascii")
+    except UnicodeDecodeError:
+        raise KeyInvalid(
+            f"the {KEY_HEADER!r} metadata given as bytes is not ASCII ({value!r}): an"
+            " idempotency key is visible ASCII (0x21-0x7E)"
+        ) from None
 
 
 def service_config(

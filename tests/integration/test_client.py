@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 import pytest
@@ -12,7 +13,15 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import MethodOverride, Mode, Step, Store, Telemetry, child_key
+from grpc_idempotency import (
+    MethodOverride,
+    Mode,
+    StaticScope,
+    Step,
+    Store,
+    Telemetry,
+    child_key,
+)
 from grpc_idempotency.client import (
     IdempotencyClientInterceptor,
     Operation,
@@ -24,7 +33,7 @@ from grpc_idempotency.client import (
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.step_contract import MethodSteps, check_contract
 from tests.support.ledger import POST, RunningLedger, fresh, ledger_rows, running_ledger
-from tests.support.relay import FORWARD, running_relay
+from tests.support.relay import FORWARD, RelayService, running_relay
 from tests.support.waiting import until
 
 TENANT_MD = (("x-tenant-id", "tenant-a"),)
@@ -314,6 +323,46 @@ async def test_two_tenants_with_one_parent_key_get_two_children(
         assert a.code is b.code is grpc.StatusCode.OK and a.body != b.body
         assert len(set(ledger.service.keys_seen)) == 2
         assert await ledger_rows(store, account) == 2
+
+
+async def test_a_forwarded_parent_key_is_replaced_by_the_child_key(store: Store) -> None:
+    """A handler that passes its incoming metadata on (context.invocation_metadata()) used to
+    send the parent's key downstream as if chosen for the call: two tenants who picked the same
+    parent key then shared one record at a service that scopes by the caller's identity, and
+    tenant-b got tenant-a's outcome without its own effect running."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="forward-metadata")
+    async with (
+        running_ledger(store, scope=StaticScope("svc:relay")) as ledger,
+        running_relay(store, ledger.address) as relay,
+    ):
+        a = await relay.forward(request, key, "tenant-a")
+        b = await relay.forward(request, key, "tenant-b")
+    assert a.code is b.code is grpc.StatusCode.OK, (a.details, b.details)
+    assert ledger.service.keys_seen == [
+        child_key("tenant:tenant-a", key, "post-ledger.v1"),
+        child_key("tenant:tenant-b", key, "post-ledger.v1"),
+    ]
+    assert await ledger_rows(store, account) == 2
+
+
+async def test_an_explicit_key_inside_a_handler_is_kept(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Any other key set on a call inside a handler (an Operation) is the caller's choice: kept,
+    as outside a handler."""
+    own = Operation.new()
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            post = testsvc_pb2.PostRequest(account=request.account)
+            await own.call(self.ledger.Post, post, metadata=context.invocation_metadata())
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [own.key]
 
 
 @pytest.mark.parametrize(
