@@ -30,6 +30,7 @@ from grpc_idempotency.client import (
     retry_after_ms,
     service_config,
 )
+from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.step_contract import MethodSteps, check_contract
 from tests.support.ledger import POST, RunningLedger, fresh, ledger_rows, running_ledger
@@ -78,6 +79,27 @@ async def test_each_call_without_a_key_gets_its_own(ledger: RunningLedger) -> No
             await stub.Peek(testsvc_pb2.PeekRequest(account="x"), metadata=TENANT_MD)
     assert len(used) == 2 and used[0] != used[1]
     assert ledger.service.keys_seen[-1] is None  # a read carries no key
+
+
+async def test_a_key_given_as_bytes_is_sent_and_captured_as_text(ledger: RunningLedger) -> None:
+    """capture_keys() reported str(bytes), "b'k-...'" (a valid key of its own), for a key
+    given as bytes; a key that is not ASCII is refused before anything is sent."""
+    key = fresh()
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with capture_keys() as used:
+            await stub.Post(
+                testsvc_pb2.PostRequest(account=fresh()),
+                metadata=(*TENANT_MD, ("idempotency-key", key.encode())),
+            )
+        assert ledger.service.keys_seen == [key]
+        assert used == [key]
+        with pytest.raises(KeyInvalid, match="not ASCII"):
+            await stub.Post(
+                testsvc_pb2.PostRequest(account=fresh()),
+                metadata=(*TENANT_MD, ("idempotency-key", "clé".encode())),
+            )
+    assert ledger.service.keys_seen == [key]  # nothing sent
 
 
 async def test_operation_key_is_reused_and_cannot_change(
