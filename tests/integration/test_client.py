@@ -14,6 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import (
+    KeyRequirement,
     MethodOverride,
     Mode,
     StaticScope,
@@ -385,6 +386,28 @@ async def test_an_explicit_key_inside_a_handler_is_kept(
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert ledger.service.keys_seen == [own.key]
+
+
+async def test_a_declared_step_keys_a_target_keyed_only_on_its_server(store: Store) -> None:
+    """Peek has no idempotency option in the descriptor the relay has; the ledger keys it by a
+    MethodOverride (key optional). The relay declares a step calling it: the call carries that
+    step's child key. It went unkeyed, and ran again on every re-run of the relay."""
+    peek = "/testsvc.v1.LedgerService/Peek"
+    steps = [Step(name="post-ledger.v1", call=POST), Step(name="peek.v1", call=peek)]
+    relay_overrides = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=steps)}
+    ledger_overrides = {peek: MethodOverride(key=KeyRequirement.OPTIONAL)}
+    key = fresh()
+    request = testsvc_pb2.ForwardRequest(account=fresh(), mode="read")
+    async with (
+        running_ledger(store, overrides=ledger_overrides) as ledger,
+        running_relay(store, ledger.address, overrides=relay_overrides) as relay,
+    ):
+        answer = await relay.forward(request, key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [
+        child_key("tenant:tenant-a", key, "peek.v1"),
+        child_key("tenant:tenant-a", key, "post-ledger.v1"),
+    ]
 
 
 @pytest.mark.parametrize(

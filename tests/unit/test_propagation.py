@@ -58,6 +58,18 @@ def test_order_of_precedence() -> None:
     assert choose(target_keyed=False, parent=PARENT).source is KeySource.NONE  # type: ignore[attr-defined]
 
 
+def test_a_declared_step_keys_its_target_whatever_the_target_descriptor_says() -> None:
+    """A target whose descriptor on the caller's side has no idempotency option (keyed only by
+    its server's MethodOverride, or an older descriptor) went unkeyed even when the parent
+    declares a step for it: an optional-key target then ran again on every re-run."""
+    child = choose(parent=PARENT, target_keyed=False)
+    assert child.source is KeySource.CHILD  # type: ignore[attr-defined]
+    assert child.key == child_key("tenant:a", "order-1", "charge-card.v1")  # type: ignore[attr-defined]
+    # Undeclared and unkeyed: a read, untouched; no parent: the descriptor decides.
+    assert choose(parent=PARENT, target_keyed=False, target="/x.v1.S/Read").source is KeySource.NONE  # type: ignore[attr-defined]
+    assert choose(target_keyed=False).source is KeySource.NONE  # type: ignore[attr-defined]
+
+
 def test_a_keyed_target_without_a_declared_step_is_refused() -> None:
     with pytest.raises(StepUndeclared, match="without a declared step") as caught:
         choose(parent=PARENT, target="/checkout.v1.LedgerService/Post")

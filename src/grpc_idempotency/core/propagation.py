@@ -6,7 +6,9 @@ In order:
    ``call`` is the target method (or of the step the handler named), derived from the parent's
    scope, key and the step name (``keys.child_key``). A keyed target with no declared step is
    an error *before anything is sent*: a fresh random key there would re-execute the downstream
-   effect on every retry of the parent, which is the bug this library exists to prevent;
+   effect on every retry of the parent, which is the bug this library exists to prevent. A
+   target the parent declares a step for is keyed by it even if its descriptor (on the
+   caller's side) has no idempotency option: the declaration says the call is an effect;
 3. an operation is active in the caller's context: its key;
 4. the target requires a key and none of the above applies: a fresh key for this call, which
    gRPC's transparent retries then resend unchanged;
@@ -129,6 +131,15 @@ def as_of(
     return min(candidates, key=lambda c: (c[0] or started_at, c[1]))[2]
 
 
+def _declares(parent: Parent, target: str) -> bool:
+    """Whether ``parent`` declares an active step calling ``target``. Such a target is keyed by
+    that step whatever its descriptor says on the caller's side: the caller may have an older
+    descriptor, or the target may be keyed only by its own server's ``MethodOverride``; sent
+    unkeyed, an optional-key target would run again on every re-run of the parent."""
+    target = normalize_method(target)
+    return any(s.active and s.call and normalize_method(s.call) == target for s in parent.steps)
+
+
 def choose_key(
     *,
     target: str,
@@ -142,7 +153,7 @@ def choose_key(
     """``mint`` is a one-element sequence with a fresh key, used only when one is needed."""
     if explicit_key is not None:
         return KeyChoice(KeySource.EXPLICIT, explicit_key)
-    if not target_keyed:
+    if not target_keyed and not (parent is not None and _declares(parent, target)):
         return KeyChoice(KeySource.NONE)
     if parent is not None:
         step = choose_step(parent, target, named_step)
