@@ -214,7 +214,7 @@ class IdempotencyClientInterceptor(_Interceptor):
             )
         explicit = None
         named = _step.get(None)
-        kept = []
+        kept: list[tuple[str, str | bytes]] = []
         for name, value in metadata:
             if name == KEY_HEADER:
                 key = _key_text(value)
@@ -270,7 +270,19 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.credentials,
             client_call_details.wait_for_ready,
         )
-        return await continuation(details, request)
+        if serving is None:
+            return await continuation(details, request)
+        # Counted until the call is over, so that the handler's final transaction refuses to
+        # open across it (IdempotentCall.transaction); counted before the first await, as a
+        # transaction() gathered with this call may run as soon as this task yields.
+        serving.downstream_started()
+        try:
+            call = await continuation(details, request)
+        except BaseException:
+            serving.downstream_ended()
+            raise
+        call.add_done_callback(lambda _: serving.downstream_ended())
+        return call
 
 
 def _key_text(value: str | bytes) -> str:

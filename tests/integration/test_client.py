@@ -416,6 +416,7 @@ async def test_a_declared_step_keys_a_target_keyed_only_on_its_server(store: Sto
         ("undeclared", "IDEMPOTENCY_STEP_UNDECLARED"),
         ("ambiguous", "IDEMPOTENCY_STEP_AMBIGUOUS"),
         ("after-transaction", "IDEMPOTENCY_TRANSACTION_OPEN"),
+        ("with-transaction-wrapped", "IDEMPOTENCY_TRANSACTION_OPEN"),
     ],
 )
 async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
@@ -433,6 +434,29 @@ async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
             key,
         )
         assert held == 0  # the parent's claim was released (its lease ended), nothing recorded
+
+
+async def test_the_final_transaction_does_not_open_across_a_downstream_call(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """gather(current_call().transaction(), stub.Post(...)) passed the check: gRPC starts the
+    call (and the interceptor) as soon as stub.Post(...) is evaluated, before the transaction
+    was even being opened, and the final transaction then stayed open across the call. Now the
+    transaction refuses to open while the call is in flight (the wrapped variant, where the
+    opening comes first, is refused by the call: test_misdeclared_downstream_calls_...)."""
+    async with running_relay(store, ledger.address) as relay:
+        key = fresh()
+        request = testsvc_pb2.ForwardRequest(account=fresh(), mode="with-transaction")
+        answer = await relay.forward(request, key)
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+    assert answer.reason() == "IDEMPOTENCY_TRANSACTION_OPEN"
+    assert "in flight" in answer.details
+    held = await store.pool.fetchval(
+        "SELECT count(*) FROM grpc_idempotency.records WHERE key = $1"
+        " AND (state = 'completed' OR locked_until > clock_timestamp())",
+        key,
+    )
+    assert held == 0  # nothing recorded, the claim released: a retry runs again
 
 
 async def test_named_step_and_unkeyed_reads(ledger: RunningLedger, store: Store) -> None:

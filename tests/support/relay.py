@@ -3,6 +3,7 @@ through a channel with the client interceptor, the way a real service calls anot
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,20 @@ class RelayService(testsvc_pb2_grpc.RelayServiceServicer):
             # forward auth and tracing headers wholesale do.
             incoming = [(k, v) for k, v in context.invocation_metadata() if k != "user-agent"]
             answer = await self.ledger.Post(post, metadata=incoming)
+        elif mode in ("with-transaction", "with-transaction-wrapped"):
+            # The downstream call made while the final transaction is being opened: the call
+            # object made first (gRPC starts the call at once), or in a coroutine that starts
+            # after the opening.
+            if mode == "with-transaction-wrapped":
+
+                async def wrapped() -> Any:
+                    return await self.ledger.Post(post)
+
+                _, answer = await asyncio.gather(current_call().transaction(), wrapped())
+            else:
+                _, answer = await asyncio.gather(
+                    current_call().transaction(), self.ledger.Post(post)
+                )
         elif mode == "after-transaction":
             await current_call().transaction()
             answer = await self.ledger.Post(post)
