@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import json
 import random
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -85,13 +86,21 @@ class Operation:
         retry: RetryPolicy | None = None,
     ) -> Any:
         """Calls ``method`` with this operation's key; with ``retry``, attempts again on
-        retryable errors, waiting as the server asks. ``timeout`` is per attempt."""
+        retryable errors, waiting as the server asks. ``timeout`` is per attempt.
+
+        Inside a handler, the handler's deadline bounds them all: each attempt's timeout is at
+        most the time left, and once the next attempt could only begin at or past the deadline
+        (the wait included), the last error is raised instead of retrying (an attempt with no
+        time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound the
+        loop ran out ``max_attempts`` for a caller that had already given up)."""
         md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
+        serving = current_call_or_none()
+        deadline = serving.deadline if serving is not None else None
         attempt = 0
         while True:
             attempt += 1
             try:
-                return await method(request, metadata=md, timeout=timeout)
+                return await method(request, metadata=md, timeout=_bounded(timeout, deadline))
             except grpc.aio.AioRpcError as err:
                 if retry is None:
                     raise
@@ -103,6 +112,8 @@ class Operation:
                     jitter=random.random(),
                 )
                 if delay is None:
+                    raise
+                if deadline is not None and time.monotonic() + delay >= deadline:
                     raise
                 await asyncio.sleep(delay)
 
@@ -117,6 +128,14 @@ class Operation:
         """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
         retry=RetryPolicy()).Charge(request)``."""
         return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+
+
+def _bounded(timeout: float | None, deadline: float | None) -> float | None:
+    """``timeout``, at most the time left before ``deadline`` (``time.monotonic()``)."""
+    if deadline is None:
+        return timeout
+    left = max(0.0, deadline - time.monotonic())
+    return left if timeout is None else min(timeout, left)
 
 
 class OperationStub:

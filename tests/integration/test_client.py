@@ -22,6 +22,7 @@ from grpc_idempotency import (
     Store,
     Telemetry,
     child_key,
+    current_call,
 )
 from grpc_idempotency.client import (
     IdempotencyClientInterceptor,
@@ -457,6 +458,44 @@ async def test_the_final_transaction_does_not_open_across_a_downstream_call(
         key,
     )
     assert held == 0  # nothing recorded, the claim released: a retry runs again
+
+
+async def test_a_retry_inside_a_handler_stops_at_the_handler_deadline(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Operation.call(retry=...) inside a handler kept retrying after the parent's deadline:
+    each attempt got a timeout of 0, failed DEADLINE_EXCEEDED (retryable), and the loop slept
+    and went again, up to max_attempts. Now it raises the last error instead. A sync handler
+    shows it best: gRPC cannot cancel its thread, nor the coroutine it runs through call.run,
+    when the deadline passes (an async handler's is cancelled, mostly hiding the loop)."""
+    attempts: list[float | None] = []
+    outcome: list[grpc.StatusCode | str] = []
+
+    class Relay(RelayService):
+        def Forward(self, request: Any, context: Any) -> Any:  # type: ignore[override]
+            async def post(req: Any, *, metadata: Any, timeout: float | None) -> Any:
+                attempts.append(timeout)
+                return await self.ledger.Post(req, metadata=metadata, timeout=timeout)
+
+            slow = testsvc_pb2.PostRequest(account=request.account, behaviour="wait")
+            retry = RetryPolicy(max_attempts=5, initial_backoff_s=0.001, max_backoff_s=0.001)
+            try:
+                current_call().run(Operation.new().call(post, slow, retry=retry))  # type: ignore[arg-type]
+            except grpc.aio.AioRpcError as err:
+                outcome.append(err.code())
+                raise
+            finally:
+                outcome.append("done")
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        request = testsvc_pb2.ForwardRequest(account=fresh())
+        answer = await relay.forward(request, fresh(), timeout=0.5)
+        await until("the handler to finish", lambda: "done" in outcome)
+        ledger.service.release.set()
+    assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert outcome == [grpc.StatusCode.DEADLINE_EXCEEDED, "done"]
+    assert len(attempts) == 1, attempts
 
 
 async def test_named_step_and_unkeyed_reads(ledger: RunningLedger, store: Store) -> None:
