@@ -55,7 +55,8 @@ def test_order_of_precedence() -> None:
     assert child.key == child_key("tenant:a", "order-1", "charge-card.v1")  # type: ignore[attr-defined]
     assert choose(operation_key="op").key == "op"  # type: ignore[attr-defined]
     assert choose().source is KeySource.MINTED  # type: ignore[attr-defined]
-    assert choose(target_keyed=False, parent=PARENT).source is KeySource.NONE  # type: ignore[attr-defined]
+    read = "/checkout.v1.CatalogService/Get"  # unkeyed, and no step calls it
+    assert choose(target_keyed=False, parent=PARENT, target=read).source is KeySource.NONE  # type: ignore[attr-defined]
 
 
 def test_a_declared_step_keys_its_target_whatever_the_target_descriptor_says() -> None:
