@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from google.protobuf.message import Message
 
-from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable
+from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable, TransactionOpen
 from grpc_idempotency.core.outbox import message_key, outbox_step
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.store.postgres import PooledConnection
@@ -91,6 +91,8 @@ class IdempotentCall:
         self._open_final = open_final
         self._opening: asyncio.Future[PooledConnection] | None = None
         self._ended = False
+        self._downstream = 0
+        """Downstream calls started through the client interceptor and not finished yet."""
 
     def end(self) -> asyncio.Future[PooledConnection] | None:
         """The call is over (answered, failed or cancelled): from now on the handler, or a thread
@@ -115,7 +117,18 @@ class IdempotentCall:
 
     @property
     def transaction_open(self) -> bool:
-        return self._connection is not None
+        """Whether the final transaction is open, or being opened: a downstream call started
+        while ``transaction()`` is still under way (``gather(call.transaction(), stub.X())``)
+        would run with it open once it is."""
+        return self._connection is not None or self._opening is not None
+
+    def downstream_started(self) -> None:
+        """A downstream call is starting (the client interceptor); ``downstream_ended`` when it
+        is over. The final transaction does not open while one is in flight."""
+        self._downstream += 1
+
+    def downstream_ended(self) -> None:
+        self._downstream -= 1
 
     def forwarded_metadata(self, names: Sequence[str]) -> list[tuple[str, str | bytes]]:
         """The incoming call's entries named in ``names`` (to pass on to downstream calls)."""
@@ -150,6 +163,15 @@ class IdempotentCall:
         if self._connection is not None or self._open_final is None:
             return self.connection
         if self._opening is None:
+            if self._downstream:
+                # gather(call.transaction(), stub.X(...)): the call was started first (gRPC
+                # runs the interceptor as soon as stub.X(...) is evaluated), so it is the
+                # transaction that would stay open across it.
+                raise TransactionOpen(
+                    f"{self.method} opened its final transaction while a downstream call was in"
+                    " flight; await the downstream calls first, then"
+                    " `await current_call().transaction()`"
+                )
             self._opening = asyncio.ensure_future(self._open_final())
         self._connection = await asyncio.shield(self._opening)
         return self._connection

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import json
 import random
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,9 +27,7 @@ import grpc
 
 from grpc_idempotency.call import current_call_or_none
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import (
-    TransactionOpen,
-)
+from grpc_idempotency.core.errors import KeyInvalid, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
@@ -87,13 +86,21 @@ class Operation:
         retry: RetryPolicy | None = None,
     ) -> Any:
         """Calls ``method`` with this operation's key; with ``retry``, attempts again on
-        retryable errors, waiting as the server asks. ``timeout`` is per attempt."""
+        retryable errors, waiting as the server asks. ``timeout`` is per attempt.
+
+        Inside a handler, the handler's deadline bounds them all: each attempt's timeout is at
+        most the time left, and once the next attempt could only begin at or past the deadline
+        (the wait included), the last error is raised instead of retrying (an attempt with no
+        time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound the
+        loop ran out ``max_attempts`` for a caller that had already given up)."""
         md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
+        serving = current_call_or_none()
+        deadline = serving.deadline if serving is not None else None
         attempt = 0
         while True:
             attempt += 1
             try:
-                return await method(request, metadata=md, timeout=timeout)
+                return await method(request, metadata=md, timeout=_bounded(timeout, deadline))
             except grpc.aio.AioRpcError as err:
                 if retry is None:
                     raise
@@ -105,6 +112,8 @@ class Operation:
                     jitter=random.random(),
                 )
                 if delay is None:
+                    raise
+                if deadline is not None and time.monotonic() + delay >= deadline:
                     raise
                 await asyncio.sleep(delay)
 
@@ -119,6 +128,14 @@ class Operation:
         """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
         retry=RetryPolicy()).Charge(request)``."""
         return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+
+
+def _bounded(timeout: float | None, deadline: float | None) -> float | None:
+    """``timeout``, at most the time left before ``deadline`` (``time.monotonic()``)."""
+    if deadline is None:
+        return timeout
+    left = max(0.0, deadline - time.monotonic())
+    return left if timeout is None else min(timeout, left)
 
 
 class OperationStub:
@@ -208,23 +225,32 @@ class IdempotencyClientInterceptor(_Interceptor):
         method = client_call_details.method
         path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
         metadata = list(client_call_details.metadata or ())
-        explicit = None
-        named = _step.get(None)
-        kept = []
-        for name, value in metadata:
-            if name == KEY_HEADER:
-                explicit = str(value)
-            elif name == STEP_HEADER:
-                named = str(value)
-                continue
-            kept.append((name, value))
-
         serving = current_call_or_none()
         parent = None
         if serving is not None and serving.key is not None and serving.scope is not None:
             parent = Parent(
                 serving.method, serving.scope, serving.key, serving.steps, serving.started_at
             )
+        explicit = None
+        named = _step.get(None)
+        kept: list[tuple[str, str | bytes]] = []
+        for name, value in metadata:
+            if name == KEY_HEADER:
+                key = _key_text(value)
+                if parent is not None and key == parent.key:
+                    # The serving call's own key, passed on with its metadata
+                    # (`metadata=context.invocation_metadata()`): the parent's key, not a choice
+                    # for this call. Sent as is, two tenants who picked the same parent key
+                    # would share one downstream record; this call gets its child key instead.
+                    continue
+                explicit = key
+                kept.append((name, key))
+                continue
+            elif name == STEP_HEADER:
+                named = str(value)
+                continue
+            kept.append((name, value))
+
         choice = choose_key(
             target=path,
             target_keyed=self._registry.get(path) is not None,
@@ -263,7 +289,34 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.credentials,
             client_call_details.wait_for_ready,
         )
-        return await continuation(details, request)
+        if serving is None:
+            return await continuation(details, request)
+        # Counted until the call is over, so that the handler's final transaction refuses to
+        # open across it (IdempotentCall.transaction); counted before the first await, as a
+        # transaction() gathered with this call may run as soon as this task yields.
+        serving.downstream_started()
+        try:
+            call = await continuation(details, request)
+        except BaseException:
+            serving.downstream_ended()
+            raise
+        call.add_done_callback(lambda _: serving.downstream_ended())
+        return call
+
+
+def _key_text(value: str | bytes) -> str:
+    """An ``idempotency-key`` value as the text gRPC sends: bytes are decoded as ASCII (a key is
+    visible ASCII), so that ``capture_keys`` and the comparison with the parent's key see the
+    key itself rather than ``"b'...'"``."""
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode("ascii")
+    except UnicodeDecodeError:
+        raise KeyInvalid(
+            f"the {KEY_HEADER!r} metadata given as bytes is not ASCII ({value!r}): an"
+            " idempotency key is visible ASCII (0x21-0x7E)"
+        ) from None
 
 
 def service_config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 import pytest
@@ -12,7 +13,17 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import MethodOverride, Mode, Step, Store, Telemetry, child_key
+from grpc_idempotency import (
+    KeyRequirement,
+    MethodOverride,
+    Mode,
+    StaticScope,
+    Step,
+    Store,
+    Telemetry,
+    child_key,
+    current_call,
+)
 from grpc_idempotency.client import (
     IdempotencyClientInterceptor,
     Operation,
@@ -21,9 +32,11 @@ from grpc_idempotency.client import (
     retry_after_ms,
     service_config,
 )
+from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.retry import RetryPolicy
+from grpc_idempotency.core.step_contract import MethodSteps, check_contract
 from tests.support.ledger import POST, RunningLedger, fresh, ledger_rows, running_ledger
-from tests.support.relay import FORWARD, running_relay
+from tests.support.relay import FORWARD, RelayService, running_relay
 from tests.support.waiting import until
 
 TENANT_MD = (("x-tenant-id", "tenant-a"),)
@@ -68,6 +81,27 @@ async def test_each_call_without_a_key_gets_its_own(ledger: RunningLedger) -> No
             await stub.Peek(testsvc_pb2.PeekRequest(account="x"), metadata=TENANT_MD)
     assert len(used) == 2 and used[0] != used[1]
     assert ledger.service.keys_seen[-1] is None  # a read carries no key
+
+
+async def test_a_key_given_as_bytes_is_sent_and_captured_as_text(ledger: RunningLedger) -> None:
+    """capture_keys() reported str(bytes), "b'k-...'" (a valid key of its own), for a key
+    given as bytes; a key that is not ASCII is refused before anything is sent."""
+    key = fresh()
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with capture_keys() as used:
+            await stub.Post(
+                testsvc_pb2.PostRequest(account=fresh()),
+                metadata=(*TENANT_MD, ("idempotency-key", key.encode())),
+            )
+        assert ledger.service.keys_seen == [key]
+        assert used == [key]
+        with pytest.raises(KeyInvalid, match="not ASCII"):
+            await stub.Post(
+                testsvc_pb2.PostRequest(account=fresh()),
+                metadata=(*TENANT_MD, ("idempotency-key", "clé".encode())),
+            )
+    assert ledger.service.keys_seen == [key]  # nothing sent
 
 
 async def test_operation_key_is_reused_and_cannot_change(
@@ -253,6 +287,55 @@ async def test_every_attempt_of_an_operation_begun_before_a_retirement_keeps_the
     assert await ledger_rows(store, account) == 1
 
 
+async def test_a_takeover_across_a_rename_keeps_the_old_name(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """post-ledger.v1 renamed record-entry.v1 the way check-steps says is safe (the old name
+    kept, retired when the change ships): an operation begun before, taken over after a crash
+    by the new code, keeps post-ledger.v1's child key. It used to take record-entry.v1's, and
+    the downstream Post ran a second time."""
+    old_steps = [Step(name="post-ledger.v1", call=POST)]
+    retired_at = datetime.now(UTC) + timedelta(hours=1)  # the deploy, after the operation began
+    new_steps = [
+        Step(name="post-ledger.v1", call=POST, retired_at=retired_at),
+        Step(name="record-entry.v1", call=POST),
+    ]
+    contract = {
+        FORWARD: MethodSteps(retention=timedelta(hours=1), steps=tuple(old_steps)),
+    }
+    renamed = {FORWARD: MethodSteps(retention=timedelta(hours=1), steps=tuple(new_steps))}
+    assert check_contract(contract, renamed, now=retired_at).ok
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+    old = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=old_steps)}
+    async with running_relay(store, ledger.address, overrides=old) as relay:
+        first = await relay.forward(request, key)
+        assert first.code is grpc.StatusCode.OK
+    await _crash_before_the_final_commit(store, key)
+    new = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=new_steps)}
+    async with running_relay(store, ledger.address, overrides=new) as restarted:
+        second = await restarted.forward(request, key)
+        assert second.code is grpc.StatusCode.OK and not second.replayed
+    # The takeover's call carried the same key and was answered with the first one's replay.
+    assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
+    assert second.body == first.body
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+async def _crash_before_the_final_commit(store: Store, key: str) -> None:
+    """As if the relay had crashed after calling downstream, before its final commit: the claim
+    stays, its lease over, and the retry reaches a restarted relay, which takes it over."""
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET state = 'in_progress', response = NULL,"
+        " status_code = NULL, completed_at = NULL,"
+        " locked_until = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+
+
 async def test_two_tenants_with_one_parent_key_get_two_children(
     ledger: RunningLedger, store: Store
 ) -> None:
@@ -266,12 +349,75 @@ async def test_two_tenants_with_one_parent_key_get_two_children(
         assert await ledger_rows(store, account) == 2
 
 
+async def test_a_forwarded_parent_key_is_replaced_by_the_child_key(store: Store) -> None:
+    """A handler that passes its incoming metadata on (context.invocation_metadata()) used to
+    send the parent's key downstream as if chosen for the call: two tenants who picked the same
+    parent key then shared one record at a service that scopes by the caller's identity, and
+    tenant-b got tenant-a's outcome without its own effect running."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="forward-metadata")
+    async with (
+        running_ledger(store, scope=StaticScope("svc:relay")) as ledger,
+        running_relay(store, ledger.address) as relay,
+    ):
+        a = await relay.forward(request, key, "tenant-a")
+        b = await relay.forward(request, key, "tenant-b")
+    assert a.code is b.code is grpc.StatusCode.OK, (a.details, b.details)
+    assert ledger.service.keys_seen == [
+        child_key("tenant:tenant-a", key, "post-ledger.v1"),
+        child_key("tenant:tenant-b", key, "post-ledger.v1"),
+    ]
+    assert await ledger_rows(store, account) == 2
+
+
+async def test_an_explicit_key_inside_a_handler_is_kept(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Any other key set on a call inside a handler (an Operation) is the caller's choice: kept,
+    as outside a handler."""
+    own = Operation.new()
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            post = testsvc_pb2.PostRequest(account=request.account)
+            await own.call(self.ledger.Post, post, metadata=context.invocation_metadata())
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [own.key]
+
+
+async def test_a_declared_step_keys_a_target_keyed_only_on_its_server(store: Store) -> None:
+    """Peek has no idempotency option in the descriptor the relay has; the ledger keys it by a
+    MethodOverride (key optional). The relay declares a step calling it: the call carries that
+    step's child key. It went unkeyed, and ran again on every re-run of the relay."""
+    peek = "/testsvc.v1.LedgerService/Peek"
+    steps = [Step(name="post-ledger.v1", call=POST), Step(name="peek.v1", call=peek)]
+    relay_overrides = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=steps)}
+    ledger_overrides = {peek: MethodOverride(key=KeyRequirement.OPTIONAL)}
+    key = fresh()
+    request = testsvc_pb2.ForwardRequest(account=fresh(), mode="read")
+    async with (
+        running_ledger(store, overrides=ledger_overrides) as ledger,
+        running_relay(store, ledger.address, overrides=relay_overrides) as relay,
+    ):
+        answer = await relay.forward(request, key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [
+        child_key("tenant:tenant-a", key, "peek.v1"),
+        child_key("tenant:tenant-a", key, "post-ledger.v1"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
         ("undeclared", "IDEMPOTENCY_STEP_UNDECLARED"),
         ("ambiguous", "IDEMPOTENCY_STEP_AMBIGUOUS"),
         ("after-transaction", "IDEMPOTENCY_TRANSACTION_OPEN"),
+        ("with-transaction-wrapped", "IDEMPOTENCY_TRANSACTION_OPEN"),
     ],
 )
 async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
@@ -289,6 +435,67 @@ async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
             key,
         )
         assert held == 0  # the parent's claim was released (its lease ended), nothing recorded
+
+
+async def test_the_final_transaction_does_not_open_across_a_downstream_call(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """gather(current_call().transaction(), stub.Post(...)) passed the check: gRPC starts the
+    call (and the interceptor) as soon as stub.Post(...) is evaluated, before the transaction
+    was even being opened, and the final transaction then stayed open across the call. Now the
+    transaction refuses to open while the call is in flight (the wrapped variant, where the
+    opening comes first, is refused by the call: test_misdeclared_downstream_calls_...)."""
+    async with running_relay(store, ledger.address) as relay:
+        key = fresh()
+        request = testsvc_pb2.ForwardRequest(account=fresh(), mode="with-transaction")
+        answer = await relay.forward(request, key)
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+    assert answer.reason() == "IDEMPOTENCY_TRANSACTION_OPEN"
+    assert "in flight" in answer.details
+    held = await store.pool.fetchval(
+        "SELECT count(*) FROM grpc_idempotency.records WHERE key = $1"
+        " AND (state = 'completed' OR locked_until > clock_timestamp())",
+        key,
+    )
+    assert held == 0  # nothing recorded, the claim released: a retry runs again
+
+
+async def test_a_retry_inside_a_handler_stops_at_the_handler_deadline(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Operation.call(retry=...) inside a handler kept retrying after the parent's deadline:
+    each attempt got a timeout of 0, failed DEADLINE_EXCEEDED (retryable), and the loop slept
+    and went again, up to max_attempts. Now it raises the last error instead. A sync handler
+    shows it best: gRPC cannot cancel its thread, nor the coroutine it runs through call.run,
+    when the deadline passes (an async handler's is cancelled, mostly hiding the loop)."""
+    attempts: list[float | None] = []
+    outcome: list[grpc.StatusCode | str] = []
+
+    class Relay(RelayService):
+        def Forward(self, request: Any, context: Any) -> Any:  # type: ignore[override]
+            async def post(req: Any, *, metadata: Any, timeout: float | None) -> Any:
+                attempts.append(timeout)
+                return await self.ledger.Post(req, metadata=metadata, timeout=timeout)
+
+            slow = testsvc_pb2.PostRequest(account=request.account, behaviour="wait")
+            retry = RetryPolicy(max_attempts=5, initial_backoff_s=0.001, max_backoff_s=0.001)
+            try:
+                current_call().run(Operation.new().call(post, slow, retry=retry))  # type: ignore[arg-type]
+            except grpc.aio.AioRpcError as err:
+                outcome.append(err.code())
+                raise
+            finally:
+                outcome.append("done")
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        request = testsvc_pb2.ForwardRequest(account=fresh())
+        answer = await relay.forward(request, fresh(), timeout=0.5)
+        await until("the handler to finish", lambda: "done" in outcome)
+        ledger.service.release.set()
+    assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert outcome == [grpc.StatusCode.DEADLINE_EXCEEDED, "done"]
+    assert len(attempts) == 1, attempts
 
 
 async def test_named_step_and_unkeyed_reads(ledger: RunningLedger, store: Store) -> None:

@@ -36,6 +36,7 @@ from grpc_idempotency import (
     IdempotencyInterceptor,
     MetadataScope,
     MethodOverride,
+    ScopeResolver,
     ShardedStores,
     Store,
     current_call,
@@ -341,13 +342,17 @@ async def running_ledger(
     store: Store | ShardedStores,
     *,
     overrides: Mapping[str, MethodOverride] | None = None,
+    scope: ScopeResolver | None = None,
     **kwargs: Any,
 ) -> AsyncIterator[RunningLedger]:
-    """A real grpc.aio server on loopback port 0 with the interceptor, and a client stub; the
-    scope is the tenant header unless ``scope=`` says otherwise."""
-    kwargs.setdefault("scope", MetadataScope(TENANT))
+    """A real grpc.aio server on loopback port 0 with the interceptor, and a client stub;
+    scoped by the tenant header unless ``scope`` says otherwise."""
     interceptor = IdempotencyInterceptor(
-        store, services=[testsvc_pb2], overrides=overrides, **kwargs
+        store,
+        services=[testsvc_pb2],
+        overrides=overrides,
+        scope=scope if scope is not None else MetadataScope(TENANT),
+        **kwargs,
     )
     server = grpc.aio.server(interceptors=[interceptor])
     # Peek and "kill-connection" use a store of their own; sharded, the first shard's.

@@ -3,6 +3,7 @@ through a channel with the client interceptor, the way a real service calls anot
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,25 @@ class RelayService(testsvc_pb2_grpc.RelayServiceServicer):
         elif mode == "read":
             await self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
             answer = await self.ledger.Post(post)
+        elif mode == "forward-metadata":
+            # Passes its incoming metadata on, idempotency-key included, as handlers that
+            # forward auth and tracing headers wholesale do.
+            incoming = [(k, v) for k, v in context.invocation_metadata() if k != "user-agent"]
+            answer = await self.ledger.Post(post, metadata=incoming)
+        elif mode in ("with-transaction", "with-transaction-wrapped"):
+            # The downstream call made while the final transaction is being opened: the call
+            # object made first (gRPC starts the call at once), or in a coroutine that starts
+            # after the opening.
+            if mode == "with-transaction-wrapped":
+
+                async def wrapped() -> Any:
+                    return await self.ledger.Post(post)
+
+                _, answer = await asyncio.gather(current_call().transaction(), wrapped())
+            else:
+                _, answer = await asyncio.gather(
+                    current_call().transaction(), self.ledger.Post(post)
+                )
         elif mode == "after-transaction":
             await current_call().transaction()
             answer = await self.ledger.Post(post)
@@ -78,7 +98,10 @@ async def running_relay(
     ledger_address: str,
     *,
     overrides: Mapping[str, MethodOverride] | None = None,
+    servicer: type[RelayService] = RelayService,
 ) -> AsyncIterator[RunningRelay]:
+    """RelayService (or a subclass of it, ``servicer``) calling the ledger at
+    ``ledger_address`` through a channel with the client interceptor."""
     downstream = grpc.aio.insecure_channel(
         ledger_address,
         interceptors=[
@@ -93,7 +116,7 @@ async def running_relay(
         ]
     )
     testsvc_pb2_grpc.add_RelayServiceServicer_to_server(
-        RelayService(testsvc_pb2_grpc.LedgerServiceStub(downstream)), server
+        servicer(testsvc_pb2_grpc.LedgerServiceStub(downstream)), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

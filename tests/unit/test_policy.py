@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from datetime import timedelta
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -151,6 +152,47 @@ def test_mode_follows_the_steps_unless_set() -> None:
     assert compile_policy(method_with(outbox_only)).mode is Mode.ATOMIC  # type: ignore[union-attr]
     with pytest.raises(PolicyError, match="MODE_ATOMIC cannot declare steps that call"):
         compile_policy(method_with(atomic_with_calls))
+
+
+def test_an_atomic_override_is_checked_against_the_steps_like_the_proto() -> None:
+    """MethodOverride(mode=Mode.ATOMIC) on a method whose steps call other services used to be
+    accepted (only the proto's MODE_ATOMIC was checked): the handler then called downstream
+    with its transaction and claim open."""
+
+    def calls(o: options_pb2.MethodPolicy) -> None:
+        o.steps.add(name="charge.v1", call="a.B/C")
+
+    def atomic(o: options_pb2.MethodPolicy) -> None:
+        o.mode = options_pb2.MODE_ATOMIC
+
+    charge = [Step(name="charge.v1", call="a.B/C")]
+    refused = [
+        (method_with(calls), MethodOverride(mode=Mode.ATOMIC)),  # steps from the proto
+        (method_with(None), MethodOverride(mode=Mode.ATOMIC, steps=charge)),
+        (method_with(atomic), MethodOverride(steps=charge)),  # mode from the proto
+    ]
+    for method, override in refused:
+        with pytest.raises(PolicyError, match="cannot declare steps that call other services"):
+            compile_policy(method, override)
+    # Phased by override, or atomic with only outbox or retired call steps: fine.
+    assert compile_policy(method_with(calls), MethodOverride(mode=Mode.PHASED)) is not None
+    retired = [Step(name="charge.v1", call="a.B/C", retired_at=datetime(2026, 1, 1, tzinfo=UTC))]
+    policy = compile_policy(method_with(None), MethodOverride(mode=Mode.ATOMIC, steps=retired))
+    assert policy is not None and policy.mode is Mode.ATOMIC
+
+
+def test_a_naive_retired_at_is_refused_when_the_policy_is_compiled() -> None:
+    """A naive retired_at used to pass, then every downstream call of the handler failed with a
+    raw TypeError (offset-naive vs offset-aware) answered UNKNOWN."""
+    steps = [
+        Step(name="charge.v1", call="a.B/C", retired_at=datetime(2030, 1, 1)),
+        Step(name="charge.v2", call="a.B/C"),
+    ]
+    with pytest.raises(PolicyError, match=r"charge\.v1.*retired_at without a timezone") as caught:
+        compile_policy(method_with(None), MethodOverride(mode=Mode.PHASED, steps=steps))
+    assert caught.value.message.startswith("/policytest")
+    aware = [replace(steps[0], retired_at=datetime(2030, 1, 1, tzinfo=UTC)), steps[1]]
+    assert compile_policy(method_with(None), MethodOverride(steps=aware)) is not None
 
 
 def test_an_override_makes_an_unannotated_method_keyed() -> None:

@@ -55,7 +55,20 @@ def test_order_of_precedence() -> None:
     assert child.key == child_key("tenant:a", "order-1", "charge-card.v1")  # type: ignore[attr-defined]
     assert choose(operation_key="op").key == "op"  # type: ignore[attr-defined]
     assert choose().source is KeySource.MINTED  # type: ignore[attr-defined]
-    assert choose(target_keyed=False, parent=PARENT).source is KeySource.NONE  # type: ignore[attr-defined]
+    read = "/checkout.v1.CatalogService/Get"  # unkeyed, and no step calls it
+    assert choose(target_keyed=False, parent=PARENT, target=read).source is KeySource.NONE  # type: ignore[attr-defined]
+
+
+def test_a_declared_step_keys_its_target_whatever_the_target_descriptor_says() -> None:
+    """A target whose descriptor on the caller's side has no idempotency option (keyed only by
+    its server's MethodOverride, or an older descriptor) went unkeyed even when the parent
+    declares a step for it: an optional-key target then ran again on every re-run."""
+    child = choose(parent=PARENT, target_keyed=False)
+    assert child.source is KeySource.CHILD  # type: ignore[attr-defined]
+    assert child.key == child_key("tenant:a", "order-1", "charge-card.v1")  # type: ignore[attr-defined]
+    # Undeclared and unkeyed: a read, untouched; no parent: the descriptor decides.
+    assert choose(parent=PARENT, target_keyed=False, target="/x.v1.S/Read").source is KeySource.NONE  # type: ignore[attr-defined]
+    assert choose(target_keyed=False).source is KeySource.NONE  # type: ignore[attr-defined]
 
 
 def test_a_keyed_target_without_a_declared_step_is_refused() -> None:
@@ -210,3 +223,91 @@ def test_versions_map_per_step_and_named_active_steps_still_work() -> None:
     assert step_for("refund.v1", before_t1) == "refund.v1"
     with pytest.raises(StepAmbiguous):
         choose(parent=Parent(PARENT.method, PARENT.scope, PARENT.key, steps, before_t1))
+
+
+def test_an_operation_begun_before_a_rename_keeps_the_old_name() -> None:
+    """post-ledger.v1 retired and record-entry.v1 added on the same target, which is what
+    check-steps prints for a rename: an operation begun before the retirement may already have
+    run post-ledger.v1, so every attempt of it keeps that child key. Only the versions of the
+    same name used to be mapped back, and a takeover ran the effect a second time."""
+    from datetime import UTC, datetime
+
+    t = datetime(2026, 6, 1, tzinfo=UTC)
+    steps = (
+        Step(name="post-ledger.v1", call=CHARGE, retired_at=t),
+        Step(name="record-entry.v1", call=CHARGE),
+        Step(name="send-confirmation.v1", call=EMAIL),
+    )
+
+    def step_for(started_at: datetime | None) -> str:
+        parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, started_at)
+        return choose(parent=parent).step  # type: ignore[attr-defined,no-any-return]
+
+    assert step_for(datetime(2026, 5, 31, tzinfo=UTC)) == "post-ledger.v1"
+    assert step_for(datetime(2026, 6, 2, tzinfo=UTC)) == "record-entry.v1"
+    assert step_for(None) == "record-entry.v1"
+    # Another target is not a rename of it.
+    parent = Parent(
+        PARENT.method, PARENT.scope, PARENT.key, steps, datetime(2026, 5, 1, tzinfo=UTC)
+    )
+    assert choose(parent=parent, target=EMAIL).step == "send-confirmation.v1"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("steps", "named", "started"),
+    [
+        pytest.param(
+            # A rename, then a new version of the new name: the first name, then the second.
+            (("post.v1", 1), ("record.v1", 3), ("record.v2", None)),
+            None,
+            [(0, "post.v1"), (2, "record.v1"), (4, "record.v2")],
+            id="rename-then-version",
+        ),
+        pytest.param(
+            # A retired name whose base is still active elsewhere (moved to another target
+            # with a new version) is not a rename onto this target.
+            (("post.v1", 1), ("record.v1", None), ("post.v2@email", None)),
+            None,
+            [(0, "record.v1")],
+            id="base-still-active",
+        ),
+        pytest.param(
+            # Several active steps on the target: a rename is never guessed.
+            (("post.v1", 1), ("record.v1", None), ("audit.v1", None)),
+            "record.v1",
+            [(0, "record.v1")],
+            id="several-active",
+        ),
+        pytest.param(
+            # One step retired with the only other step on the target bumped at the same
+            # instant: the tie goes to the same name.
+            (("refund.v1", 2), ("debit.v1", 2), ("debit.v2", None)),
+            None,
+            [(0, "debit.v1"), (3, "debit.v2")],
+            id="tie-to-the-same-name",
+        ),
+    ],
+)
+def test_which_step_an_old_operation_keeps(
+    steps: tuple[tuple[str, int | None], ...],
+    named: str | None,
+    started: list[tuple[int, str]],
+) -> None:
+    """``steps``: (name, day retired or None), "@email" for the other target; ``started``: (day
+    the operation began, the step it keeps)."""
+    from datetime import UTC, datetime
+
+    def at(day: int) -> datetime:
+        return datetime(2026, 6, day + 1, tzinfo=UTC)
+
+    declared = tuple(
+        Step(
+            name=name.partition("@")[0],
+            call=EMAIL if name.endswith("@email") else CHARGE,
+            retired_at=None if day is None else at(day),
+        )
+        for name, day in steps
+    )
+    for day, step_name in started:
+        parent = Parent(PARENT.method, PARENT.scope, PARENT.key, declared, at(day))
+        assert choose(parent=parent, named_step=named).step == step_name, day  # type: ignore[attr-defined]

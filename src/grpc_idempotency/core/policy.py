@@ -219,7 +219,7 @@ def compile_policy(
         max_wait=ov.max_wait
         if ov.max_wait is not None
         else _duration(options, "max_wait", DEFAULT_MAX_WAIT),
-        mode=ov.mode or _mode(options, steps, path),
+        mode=_mode(ov.mode, options, steps, path),
         recorded_errors=recorded,
         store_down=ov.store_down or _STORE_DOWN[options.store_down],
         steps=steps,
@@ -259,17 +259,21 @@ def _steps_of(options: options_pb2.MethodPolicy) -> tuple[Step, ...]:
     )
 
 
-def _mode(options: options_pb2.MethodPolicy, steps: tuple[Step, ...], path: str) -> Mode:
-    """Unset mode: phased when a step calls another service, else atomic. An explicitly atomic
-    method that calls other services is refused: its transaction would stay open across the
-    calls, holding a connection and locks for as long as the slowest downstream service."""
+def _mode(
+    override: Mode | None, options: options_pb2.MethodPolicy, steps: tuple[Step, ...], path: str
+) -> Mode:
+    """Unset mode: phased when a step calls another service, else atomic. An atomic method that
+    calls other services is refused, whether the proto or a ``MethodOverride`` says atomic and
+    whichever declared the steps: its transaction would stay open across the calls, holding a
+    connection and locks for as long as the slowest downstream service."""
     calls = [s.name for s in steps if s.call and s.active]
-    if options.mode == options_pb2.MODE_UNSPECIFIED:
+    if override is None and options.mode == options_pb2.MODE_UNSPECIFIED:
         return Mode.PHASED if calls else Mode.ATOMIC
-    mode = _MODE[options.mode]
+    mode = override if override is not None else _MODE[options.mode]
     if mode is Mode.ATOMIC and calls:
+        said = "MODE_ATOMIC" if override is None else "MethodOverride(mode=Mode.ATOMIC)"
         raise PolicyError(
-            f"{path}: MODE_ATOMIC cannot declare steps that call other services ({calls});"
+            f"{path}: {said} cannot declare steps that call other services ({calls});"
             " leave mode unset or use MODE_PHASED"
         )
     return mode
@@ -285,6 +289,13 @@ def _check_steps(path: str, steps: tuple[Step, ...]) -> None:
         seen.add(step.name)
         if bool(step.call) == bool(step.outbox):
             raise PolicyError(f"{path}: step {step.name!r} must set exactly one of call and outbox")
+        if step.retired_at is not None and step.retired_at.utcoffset() is None:
+            # Compared with the operation's start (aware, the database's clock) on every
+            # downstream call: a naive one fails each of them with a TypeError instead.
+            raise PolicyError(
+                f"{path}: step {step.name!r} has a retired_at without a timezone"
+                f" ({step.retired_at.isoformat()}); give it one, e.g. tzinfo=datetime.UTC"
+            )
         if step.call and not _is_method_name(step.call):
             raise PolicyError(
                 f"{path}: step {step.name!r} calls {step.call!r}; expected 'package.Service/Method'"

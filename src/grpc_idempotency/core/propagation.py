@@ -6,7 +6,9 @@ In order:
    ``call`` is the target method (or of the step the handler named), derived from the parent's
    scope, key and the step name (``keys.child_key``). A keyed target with no declared step is
    an error *before anything is sent*: a fresh random key there would re-execute the downstream
-   effect on every retry of the parent, which is the bug this library exists to prevent;
+   effect on every retry of the parent, which is the bug this library exists to prevent. A
+   target the parent declares a step for is keyed by it even if its descriptor (on the
+   caller's side) has no idempotency option: the declaration says the call is an effect;
 3. an operation is active in the caller's context: its key;
 4. the target requires a key and none of the above applies: a fresh key for this call, which
    gRPC's transparent retries then resend unchanged;
@@ -54,8 +56,8 @@ class KeyChoice:
 
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
     """The step keying a call to ``target``: the one named, else the only active step calling
-    it; then, for an operation begun before an earlier version of that step was retired, that
-    earlier version (``as_of``)."""
+    it; then, for an operation begun before an earlier version (or an earlier name) of that step
+    was retired, that earlier one (``as_of``)."""
     target = normalize_method(target)
     calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
     active = [s for s in calling if s.active]
@@ -79,29 +81,63 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
         )
     else:
         chosen = active[0]
-    return as_of(chosen, calling, parent.started_at)
+    return as_of(chosen, calling, parent.started_at, declared=parent.steps)
 
 
 def _base(name: str) -> str:
     return name.rpartition(".v")[0]
 
 
-def as_of(step: Step, calling: list[Step], started_at: datetime | None) -> Step:
-    """The version of ``step`` that an operation begun at ``started_at`` used: an operation
-    begun before ``charge-card.v1`` was retired for ``charge-card.v2`` may already have run v1,
-    and v2's child key would run the effect a second time, so it keeps v1, on every attempt
-    (the server gives each attempt its operation's start). ``started_at`` ``None`` (no start
-    known) uses the step as declared."""
+def as_of(
+    step: Step,
+    calling: Sequence[Step],
+    started_at: datetime | None,
+    *,
+    declared: Sequence[Step] | None = None,
+) -> Step:
+    """The step that an operation begun at ``started_at`` keyed ``step``'s effect with.
+
+    ``calling``: the steps with the same target as ``step`` (the same ``call``, or the outbox);
+    ``declared``: all the method's steps (default ``calling``). An operation begun before
+    ``charge-card.v1`` was retired for ``charge-card.v2`` may already have run v1, and v2's child
+    key would run the effect a second time, so it keeps v1, on every attempt (the server gives
+    each attempt its operation's start). The same holds for a rename (``post-ledger.v1`` retired,
+    ``record-entry.v1`` added on the same target): a retired step whose name has no active
+    version any more is read as an earlier name of ``step`` when ``step`` is the only active step
+    on that target. With several active steps there the rename could belong to any of them;
+    ``check-steps`` refuses such a rename (``step_contract``), so it is never guessed here.
+
+    Of the candidates retired after ``started_at``, the one retired first was in use when the
+    operation began; on a tie, a version of ``step``'s own name wins (retiring a step together
+    with a new version of its only neighbour on the target is how ``check-steps`` says to retire
+    it). ``started_at`` ``None`` (no start known) uses the step as declared."""
     if started_at is None or not step.active:
         return step
-    earlier = [
-        s
-        for s in calling
-        if s.retired_at is not None
-        and _base(s.name) == _base(step.name)
-        and started_at < s.retired_at
-    ]
-    return min(earlier, key=lambda s: s.retired_at or started_at) if earlier else step
+    declared = calling if declared is None else declared
+    base = _base(step.name)
+
+    def before(s: Step) -> bool:
+        return s.retired_at is not None and started_at < s.retired_at
+
+    # (retired_at, 0 for the same name and 1 for a rename, step): min() is the one in use.
+    candidates = [(s.retired_at, 0, s) for s in calling if before(s) and _base(s.name) == base]
+    if [s for s in calling if s.active] == [step]:
+        live = {_base(s.name) for s in declared if s.active}
+        candidates += [
+            (s.retired_at, 1, s) for s in calling if before(s) and _base(s.name) not in live
+        ]
+    if not candidates:
+        return step
+    return min(candidates, key=lambda c: (c[0] or started_at, c[1]))[2]
+
+
+def _declares(parent: Parent, target: str) -> bool:
+    """Whether ``parent`` declares an active step calling ``target``. Such a target is keyed by
+    that step whatever its descriptor says on the caller's side: the caller may have an older
+    descriptor, or the target may be keyed only by its own server's ``MethodOverride``; sent
+    unkeyed, an optional-key target would run again on every re-run of the parent."""
+    target = normalize_method(target)
+    return any(s.active and s.call and normalize_method(s.call) == target for s in parent.steps)
 
 
 def choose_key(
@@ -117,7 +153,7 @@ def choose_key(
     """``mint`` is a one-element sequence with a fresh key, used only when one is needed."""
     if explicit_key is not None:
         return KeyChoice(KeySource.EXPLICIT, explicit_key)
-    if not target_keyed:
+    if not target_keyed and not (parent is not None and _declares(parent, target)):
         return KeyChoice(KeySource.NONE)
     if parent is not None:
         step = choose_step(parent, target, named_step)

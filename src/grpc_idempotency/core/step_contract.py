@@ -19,6 +19,13 @@ after it use the replacement (``propagation.as_of``), and the retired step may b
 ``retired_at + retention`` has passed, when no operation that could have used it is replayable
 any more.
 
+The replacement is found from the declaration alone: a newer version of the same name, or, for a
+retired step whose name has no active version left (a rename), the only active step on the same
+target. That second rule must never guess, so this check refuses the declarations on which it
+would: a rename onto a target that several active steps call (which one took the effect over?),
+a step retired next to a step that was already there (it would be read as renamed to it), and a
+step added next to a rename still within its retention (the rename would stop being followed).
+
 Pure: plain data in (method path -> retention and steps, and the current time), findings out.
 """
 
@@ -52,6 +59,9 @@ class Change(enum.Enum):
     STEP_TARGET_CHANGED = "step target changed"
     RETIRED_STEP_REMOVED_EARLY = "retired step removed too early"
     METHOD_REMOVED = "keyed method removed"
+    RENAME_ONTO_SHARED_TARGET = "step renamed onto a target other steps call"
+    RETIREMENT_READ_AS_RENAME = "retired step would be read as renamed"
+    RENAME_NO_LONGER_FOLLOWED = "renamed step no longer followed"
     # Fine.
     STEP_ADDED = "step added"
     STEP_RETIRED = "step retired"
@@ -75,6 +85,9 @@ _BREAKING = frozenset(
         Change.STEP_TARGET_CHANGED,
         Change.RETIRED_STEP_REMOVED_EARLY,
         Change.METHOD_REMOVED,
+        Change.RENAME_ONTO_SHARED_TARGET,
+        Change.RETIREMENT_READ_AS_RENAME,
+        Change.RENAME_NO_LONGER_FOLLOWED,
     }
 )
 
@@ -236,7 +249,7 @@ def _compare_method(
         elif not was.active:
             findings.append(_retired_step_removed(path, was, retention, now))
         else:
-            finding = _active_step_gone(path, was, unpaired, retention, now)
+            finding = _active_step_gone(path, was, unpaired, before, after, retention, now)
             if finding.step_after is not None:
                 paired.add(finding.step_after)
             findings.append(finding.finding)
@@ -252,6 +265,7 @@ def _compare_method(
                     what=f"step {name} ({_effect(step)}) added{retired}",
                 )
             )
+    findings.extend(_renames_followed(path, before, after, retention, now))
     return findings
 
 
@@ -262,7 +276,13 @@ class _Gone:
 
 
 def _active_step_gone(
-    path: str, was: Step, unpaired: list[Step], retention: timedelta, now: datetime
+    path: str,
+    was: Step,
+    unpaired: list[Step],
+    before: MethodSteps,
+    after: MethodSteps,
+    retention: timedelta,
+    now: datetime,
 ) -> _Gone:
     """An active step is no longer declared: a new version, a rename, or a removal."""
     name = was.name
@@ -292,12 +312,195 @@ def _active_step_gone(
             f" {_span(retention)}) that already ran {name} and is retried, or taken over after a"
             f" crash, would run {runs} so the downstream service executes it a second time"
         ),
-        fix=(
-            f"declare the old step again, retired: {_declaration(was, retire_at=now)}; it can"
-            f" be deleted from {_ts(now + retention)} (retired_at + {_span(retention)})"
-        ),
+        fix=_retire_fix(was, before, after, retention, now),
     )
     return _Gone(finding, successor.name if successor is not None else None)
+
+
+def _retire_fix(
+    was: Step, before: MethodSteps, after: MethodSteps, retention: timedelta, now: datetime
+) -> str:
+    """How to stop using the active step ``was`` (absent from ``after``) safely: declare it
+    again, retired now, unless the runtime would then misread it (see the module's docstring)."""
+    retire = (
+        f"declare the old step again, retired: {_declaration(was, retire_at=now)}; it can be"
+        f" deleted from {_ts(now + retention)} (retired_at + {_span(retention)})"
+    )
+    if _base(was.name) in _live_bases(was, after.steps):
+        return retire  # a new version of the same name follows it
+    peers = [s for s in _peers(was, after.steps) if s.active]
+    established = _active_bases(before.steps)
+    fresh = [s.name for s in peers if _base(s.name) not in established]
+    if len(peers) > 1 and fresh:
+        return _bump_fix(was, fresh, now)
+    if len(peers) == 1 and not fresh:
+        return f"{retire}; and {_tie_fix(peers[0], now)}"
+    return retire
+
+
+def _bump_fix(was: Step, fresh: list[str], now: datetime) -> str:
+    bumped = Step(
+        name=f"{_base(was.name)}.v{_next_version(was.name)}", call=was.call, outbox=was.outbox
+    )
+    return (
+        "a rename onto a target called by several steps cannot be followed: keep the old name"
+        f" and bump its version instead, {_declaration(was, retire_at=now)}"
+        f" {_declaration(bumped)}, in place of {fresh}"
+        " (if those are effects of their own, add them in a change of their own)"
+    )
+
+
+def _tie_fix(sole: Step, when: datetime) -> str:
+    bumped = Step(
+        name=f"{_base(sole.name)}.v{_next_version(sole.name)}", call=sole.call, outbox=sole.outbox
+    )
+    return (
+        f"since {sole.name} is then the only active step {_effect(sole)}, which would be read as"
+        f" its new name, retire {sole.name} at the same instant for a new version of it:"
+        f" {_declaration(sole, retire_at=when)} {_declaration(bumped)} (on a tie the same name"
+        f" wins, so operations begun earlier keep {sole.name} and later ones use {bumped.name})"
+    )
+
+
+def _peers(step: Step, steps: tuple[Step, ...]) -> list[Step]:
+    """The steps of ``steps`` with the same target as ``step`` (``step`` included, if there)."""
+    return [s for s in steps if _target(s) == _target(step) and bool(s.call) == bool(step.call)]
+
+
+def _live_bases(step: Step, steps: tuple[Step, ...]) -> set[str]:
+    """The names (without version) that ``propagation.as_of`` counts as still active for
+    ``step``: the method's active steps for a call step, its active outbox steps for an outbox
+    step (as the client and the outbox look them up)."""
+    return _active_bases(steps if step.call else tuple(s for s in steps if s.outbox))
+
+
+def _active_bases(steps: tuple[Step, ...]) -> set[str]:
+    return {_base(s.name) for s in steps if s.active}
+
+
+def _followed(steps: tuple[Step, ...]) -> dict[str, str]:
+    """The renames ``propagation.as_of`` follows: retired step name -> the only active step on
+    its target, for retired steps whose name has no active version any more."""
+    followed: dict[str, str] = {}
+    for s in _by_name(steps).values():
+        if s.active or _base(s.name) in _live_bases(s, steps):
+            continue
+        active = [p for p in _peers(s, steps) if p.active]
+        if len(active) == 1:
+            followed[s.name] = active[0].name
+    return followed
+
+
+def _renames_followed(
+    path: str, before: MethodSteps, after: MethodSteps, retention: timedelta, now: datetime
+) -> list[Finding]:
+    """Retired steps of ``after`` that the runtime would take for renamed to the wrong step, or
+    could not follow (see the module's docstring)."""
+    was_followed, follows = _followed(before.steps), _followed(after.steps)
+    established = _active_bases(before.steps)
+    old = _by_name(before.steps)
+    findings: list[Finding] = []
+    for gone in _by_name(after.steps).values():
+        if gone.active or not _live(gone, retention, now):
+            continue  # past its retention, no operation that used it can be re-run
+        if _base(gone.name) in _live_bases(gone, after.steps):
+            continue  # a version bump: followed by name
+        assert gone.retired_at is not None
+        peers = [s for s in _peers(gone, after.steps) if s.active]
+        earlier = was_followed.get(gone.name)
+        until = _ts(removable_from(gone, retention))
+        why_rerun = (
+            f"an operation begun before {_ts(gone.retired_at)} (retention {_span(retention)})"
+            f" that already ran {gone.name} and is retried, or taken over after a crash,"
+        )
+        sole = follows.get(gone.name)
+        if sole is not None:
+            if earlier is not None and _base(earlier) == _base(sole):
+                continue  # the same rename as before (perhaps onto a newer version)
+            if _base(sole) not in established:
+                continue  # a rename onto a new name: what as_of follows
+            tied = any(
+                _base(s.name) == _base(sole)
+                and s.retired_at is not None
+                and _aware(s.retired_at) == _aware(gone.retired_at)
+                for s in _peers(gone, after.steps)
+            )
+            if tied:
+                continue  # retired together with a version of its neighbour: the name wins
+            step = next(s for s in peers if s.name == sole)
+            if gone.name not in old:
+                fix = f"do not declare {gone.name}: no operation can have used it"
+            elif old[gone.name].active:
+                fix = _tie_fix(step, gone.retired_at)
+            else:
+                fix = (
+                    f"remove {gone.name} first, once its retention has passed ({until}), then"
+                    " make this change"
+                )
+            findings.append(
+                Finding(
+                    change=Change.RETIREMENT_READ_AS_RENAME,
+                    method=path,
+                    step=gone.name,
+                    what=(
+                        f"retired step {gone.name} ({_effect(gone)}) would be read as an earlier"
+                        f" name of {sole}, which was already declared and is now the only active"
+                        f" step that {_effect(step)}"
+                    ),
+                    why=(
+                        "a retired step whose name has no active version is taken for renamed to"
+                        f" the only active step on its target: {why_rerun} would key {sole}'s"
+                        f" effect with {gone.name}'s child key, so the downstream service answers"
+                        f" it with {gone.name}'s outcome (or refuses the key as reused) and"
+                        f" {sole}'s effect is not done"
+                    ),
+                    fix=fix,
+                )
+            )
+        elif len(peers) > 1:
+            names = [s.name for s in peers]
+            if earlier is not None:
+                findings.append(
+                    Finding(
+                        change=Change.RENAME_NO_LONGER_FOLLOWED,
+                        method=path,
+                        step=gone.name,
+                        what=(
+                            f"retired step {gone.name}, renamed to {earlier}, can no longer be"
+                            f" followed: {_target(gone)} now has several active steps {names}"
+                        ),
+                        why=(
+                            f"{why_rerun} would use {earlier}'s child key instead of"
+                            f" {gone.name}'s and run the effect a second time"
+                        ),
+                        fix=(
+                            f"add the other steps on {_target(gone)} once {gone.name} can be"
+                            f" removed ({until})"
+                        ),
+                    )
+                )
+                continue
+            fresh = [s.name for s in peers if _base(s.name) not in established]
+            # Only a step in use until now can have been renamed (one added retired never was).
+            if gone.name in old and old[gone.name].active and fresh:
+                findings.append(
+                    Finding(
+                        change=Change.RENAME_ONTO_SHARED_TARGET,
+                        method=path,
+                        step=gone.name,
+                        what=(
+                            f"step {gone.name} ({_effect(gone)}) retired while {fresh} started"
+                            f" to call the same target, which several active steps {names} call"
+                        ),
+                        why=(
+                            "a rename is followed only onto the only active step on its target;"
+                            f" here it could be any of {names}, so {why_rerun} would run the"
+                            " effect again under a new child key"
+                        ),
+                        fix=_bump_fix(gone, fresh, gone.retired_at),
+                    )
+                )
+    return findings
 
 
 def _retired_step_removed(path: str, was: Step, retention: timedelta, now: datetime) -> Finding:
