@@ -1,0 +1,290 @@
+"""Phased mode's races around the lease: a renewal on the wire when the call ends, a claim that
+commits as its caller gives up on it. Each interleaving is forced with row locks, the claim's
+advisory lock, a proxy that holds PostgreSQL's answers back, and polling of pg_stat_activity and
+pg_locks; none is left to timing.
+
+The server runs in the test's event loop, so a test can see its lease keepers
+(``keepers``): only to tell which of two interleavings it is in, never as the assertion."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency.core.errors import LeaseLost
+from grpc_idempotency.core.keys import claim_lock_id
+from grpc_idempotency.core.policy import Isolation
+from grpc_idempotency.server import interceptor
+from tests.support.ledger import LedgerService, fresh, ledger_rows, running_ledger
+from tests.support.waiting import until
+
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+SCOPE = "tenant:tenant-a"
+RENEW = "%SET locked_until = clock_timestamp() + make_interval%"
+RELEASE = "%SET locked_until = %"  # the release, as long as make_interval is excluded
+ABOVE_READ_COMMITTED = [Isolation.REPEATABLE_READ, Isolation.SERIALIZABLE]
+
+
+def post(account: str, behaviour: str = "") -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=4, behaviour=behaviour)
+
+
+@pytest.fixture
+def keepers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The lease keepers started while the test runs."""
+    started: list[Any] = []
+    start = interceptor._LeaseKeeper.start
+
+    def recording(self: Any) -> None:
+        started.append(self)
+        start(self)
+
+    monkeypatch.setattr(interceptor._LeaseKeeper, "start", recording)
+    return started
+
+
+def stopping_on_a_renewal(keepers: list[Any]) -> bool:
+    """A keeper asked to stop while its renewal is on the wire (and waiting for it)."""
+    return any(getattr(k, "stopping", False) for k in keepers)
+
+
+def keepers_done(keepers: list[Any]) -> bool:
+    return bool(keepers) and all(k._task is None or k._task.done() for k in keepers)
+
+
+async def lease(store: Store, key: str, scope: str = SCOPE) -> asyncpg.Record:
+    row = await store.pool.fetchrow(
+        "SELECT state, fencing_token, locked_until, locked_until <= clock_timestamp() AS over"
+        " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        scope,
+        key,
+    )
+    assert row is not None
+    return row
+
+
+async def waiting_on_a_lock(store: Store, like: str) -> asyncpg.Record | None:
+    """The backend running a statement like ``like`` (not a renewal, unless it is one) that
+    waits on a lock: its pid and when its statement started."""
+    return await store.pool.fetchrow(
+        "SELECT pid, query_start FROM pg_stat_activity WHERE query LIKE $1"
+        " AND (query NOT LIKE $2 OR $1 = $2) AND wait_event_type = 'Lock'"
+        " ORDER BY query_start DESC LIMIT 1",
+        like,
+        RENEW,
+    )
+
+
+async def running(store: Store, pid: int, like: str) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'"
+            " AND query LIKE $2",
+            pid,
+            like,
+        )
+    )
+
+
+async def waiting_for_the_claim_lock(store: Store) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        )
+    )
+
+
+@pytest.fixture
+async def row_lock(store: Store) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[Any]]:
+    """A connection to hold a record's row lock with, as a competing claim's ON CONFLICT
+    does, in a transaction the test commits."""
+    async with store.pool.acquire() as conn:
+        yield conn
+        if conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
+
+
+async def lock_row(conn: Any, scope: str, key: str) -> None:
+    await conn.execute("BEGIN")
+    await conn.execute(
+        "SELECT 1 FROM grpc_idempotency.records WHERE scope = $1 AND key = $2 FOR UPDATE",
+        scope,
+        key,
+    )
+
+
+# -- 1. A renewal that commits after the final transaction's snapshot ----------------------------
+
+
+@pytest.mark.parametrize("isolation", ABOVE_READ_COMMITTED)
+async def test_the_final_transaction_looks_again_after_a_late_renewal_of_its_own_claim(
+    store: Store, isolation: Isolation
+) -> None:
+    """The claim's own renewal commits after the final transaction's snapshot (the transaction
+    waits for the claim lock, its snapshot taken): FOR UPDATE fails 40001, which is no takeover.
+    A second look in a fresh snapshot finds the claim still this attempt's."""
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE,
+        key=key,
+        method=PHASED,
+        fingerprint=b"f" * 32,
+        retention_s=600.0,
+        lease_s=30.0,
+        isolation=isolation,
+    )
+    assert claim is not None
+    async with store.pool.acquire() as holder:
+        await holder.execute("SELECT pg_advisory_lock($1)", claim_lock_id(store.schema, SCOPE, key))
+        opening = asyncio.ensure_future(claim.begin_final())
+        try:
+            await until("the final transaction to wait", lambda: waiting_for_the_claim_lock(store))
+            assert await claim.renew()  # committed after the final transaction's snapshot
+        finally:
+            await holder.execute(
+                "SELECT pg_advisory_unlock($1)", claim_lock_id(store.schema, SCOPE, key)
+            )
+        attempt = await opening  # before: LeaseLost
+    await attempt.release()
+    assert (await lease(store, key))["state"] == "in_progress"
+
+
+@pytest.mark.parametrize("isolation", ABOVE_READ_COMMITTED)
+async def test_a_takeover_after_the_final_transactions_snapshot_is_still_a_lost_lease(
+    store: Store, isolation: Isolation
+) -> None:
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE,
+        key=key,
+        method=PHASED,
+        fingerprint=b"f" * 32,
+        retention_s=600.0,
+        lease_s=30.0,
+        isolation=isolation,
+    )
+    assert claim is not None
+    lock_id = claim_lock_id(store.schema, SCOPE, key)
+    async with store.pool.acquire() as holder:
+        await holder.execute("SELECT pg_advisory_lock($1)", lock_id)
+        opening = asyncio.ensure_future(claim.begin_final())
+        try:
+            await until("the final transaction to wait", lambda: waiting_for_the_claim_lock(store))
+            await store.pool.execute(  # another attempt took the claim over
+                "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
+                " WHERE scope = $1 AND key = $2",
+                SCOPE,
+                key,
+            )
+        finally:
+            await holder.execute("SELECT pg_advisory_unlock($1)", lock_id)
+        with pytest.raises(LeaseLost):
+            await opening
+
+
+async def test_stopping_the_keeper_lets_a_renewal_on_the_wire_finish(
+    store: Store, row_lock: Any
+) -> None:
+    """stop() returns only once the renewal it found on the wire has answered: cancelled, its
+    UPDATE would still run in PostgreSQL after stop() returned."""
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=3.0
+    )
+    assert claim is not None
+    handler = asyncio.ensure_future(asyncio.Event().wait())
+    keeper = interceptor._LeaseKeeper(claim, handler)
+    await lock_row(row_lock, SCOPE, key)
+    keeper.start()
+    try:
+        renewal = await until("a renewal on the wire", lambda: waiting_on_a_lock(store, RENEW))
+        stopping = asyncio.ensure_future(keeper.stop())
+        await until("stop() to return or wait", lambda: stopping.done() or keeper_stopping(keeper))
+        in_flight_at_stop = False
+        if stopping.done():  # before: at once, the renewal still waiting on the row lock
+            in_flight_at_stop = await running(store, renewal["pid"], RENEW)
+        await row_lock.execute("COMMIT")
+        await stopping
+        if not in_flight_at_stop:
+            in_flight_at_stop = await running(store, renewal["pid"], RENEW)
+    finally:
+        handler.cancel()
+        await keeper.stop()
+    assert not in_flight_at_stop, "stop() returned with the renewal still running"
+    assert not keeper.lost
+
+
+def keeper_stopping(keeper: Any) -> bool:
+    return bool(getattr(keeper, "stopping", False))
+
+
+@pytest.mark.parametrize("isolation", ABOVE_READ_COMMITTED)
+@pytest.mark.parametrize("behaviour", ["wait", "wait-no-writes"])
+async def test_a_renewal_on_the_wire_when_the_final_transaction_opens_is_no_lost_lease(
+    store: Store,
+    row_lock: Any,
+    keepers: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    isolation: Isolation,
+    behaviour: str,
+) -> None:
+    """End to end: the keeper's renewal waits on a row lock (as behind a competing claim's ON
+    CONFLICT) when the handler is done. "wait": the handler opens the final transaction;
+    "wait-no-writes": the driver's _finish does. Before, the renewal was cancelled on the wire,
+    committed after the final transaction's snapshot, and the call was answered LEASE_LOST; with
+    no writes, the claim (its lease just renewed) was not even released, and the retry was
+    IN_PROGRESS for a whole lease."""
+    original = LedgerService.PostPhased
+
+    async def post_phased(self: LedgerService, request: Any, context: Any) -> Any:
+        if request.behaviour == "wait-no-writes":
+            self.started.set()
+            await self.release.wait()
+            return testsvc_pb2.PostResponse(account=request.account)
+        return await original(self, request, context)
+
+    monkeypatch.setattr(LedgerService, "PostPhased", post_phased)
+    overrides = {
+        PHASED: MethodOverride(
+            lease=timedelta(seconds=3), isolation=isolation, max_wait=timedelta(milliseconds=300)
+        )
+    }
+    key, account = fresh(), fresh("acct")
+    lock_id = claim_lock_id(store.schema, SCOPE, key)
+    async with running_ledger(store, overrides=overrides) as ledger:
+        owner = asyncio.ensure_future(ledger.call(PHASED, post(account, behaviour), key))
+        await ledger.service.started.wait()
+        async with store.pool.acquire() as claim_lock:
+            await lock_row(row_lock, SCOPE, key)
+            renewal = await until(
+                "the renewal to wait", lambda: waiting_on_a_lock(store, RENEW), timeout=5
+            )
+            await claim_lock.execute("SELECT pg_advisory_lock($1)", lock_id)
+            ledger.service.release.set()  # the final transaction opens
+            # Before: it opens at once and waits for the claim lock, its snapshot taken. Now the
+            # keeper waits for its renewal first.
+            await until(
+                "the final transaction to wait, or the keeper for its renewal",
+                lambda: stopping_on_a_renewal(keepers) or waiting_for_the_claim_lock(store),
+            )
+            await row_lock.execute("COMMIT")  # the renewal runs now, and commits
+            await until("the renewal to end", lambda: _not(running(store, renewal["pid"], RENEW)))
+            await claim_lock.execute("SELECT pg_advisory_unlock($1)", lock_id)
+        answer = await owner
+        ledger.service.release.set()
+        retry = await ledger.call(PHASED, post(account, behaviour), key, timeout=5)
+    assert answer.code is grpc.StatusCode.OK, (answer.code, answer.reason(), answer.details)
+    assert retry.code is grpc.StatusCode.OK and retry.replayed, (retry.code, retry.reason())
+    assert await ledger_rows(store, account) == (1 if behaviour == "wait" else 0)
+
+
+async def _not(probe: Any) -> bool:
+    return not await probe
