@@ -23,7 +23,7 @@ from grpc_idempotency.core.errors import LeaseLost
 from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.server import interceptor
-from tests.support.ledger import LedgerService, fresh, ledger_rows, running_ledger
+from tests.support.ledger import LedgerService, fresh, ledger_rows, metadata, running_ledger
 from tests.support.waiting import until
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
@@ -288,3 +288,74 @@ async def test_a_renewal_on_the_wire_when_the_final_transaction_opens_is_no_lost
 
 async def _not(probe: Any) -> bool:
     return not await probe
+
+
+# -- 2. A cancelled call releases its claim only once its keeper has stopped ---------------------
+
+
+async def test_a_released_claim_is_not_renewed(store: Store) -> None:
+    """A renewal that reaches the row after the release (on the wire meanwhile, or run on after
+    its client gave up) does not set the lease again."""
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
+    )
+    assert claim is not None
+    await claim.release()
+    assert not await claim.renew()
+    row = await lease(store, key)
+    assert row["state"] == "in_progress" and row["over"]
+    taken = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
+    )
+    assert taken is not None and taken.token == claim.token + 1
+    assert await taken.renew()  # a takeover's lease is renewed as usual
+
+
+async def test_a_cancelled_call_releases_its_claim_after_its_keeper_stopped(
+    store: Store, row_lock: Any, keepers: list[Any]
+) -> None:
+    """The client cancels while the handler runs. Before, the release was sent with the keeper
+    still running; a renewal sent meanwhile reached the row after it and set the lease again:
+    the retry was IN_PROGRESS for a whole lease instead of taking over at once."""
+    overrides = {PHASED: MethodOverride(lease=timedelta(seconds=3))}
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store, overrides=overrides) as ledger:
+        stub = ledger.channel.unary_unary(
+            PHASED, request_serializer=testsvc_pb2.PostRequest.SerializeToString
+        )
+        call = stub(post(account, "wait"), metadata=metadata(key), timeout=30)
+        await ledger.service.started.wait()
+        first = (await lease(store, key))["locked_until"]
+        # Just renewed: the next renewal is a third of the lease away.
+        await until(
+            "a renewal",
+            lambda: _renewed_past(store, key, first),
+            timeout=5,
+        )
+        await lock_row(row_lock, SCOPE, key)
+        call.cancel()
+        release = await until("the release to wait", lambda: waiting_on_a_lock(store, RELEASE))
+
+        async def renewal_behind_the_release() -> bool:
+            renewal = await waiting_on_a_lock(store, RENEW)
+            return renewal is not None and renewal["query_start"] > release["query_start"]
+
+        # Before: the keeper, still running, sends a renewal that queues behind the release.
+        # Now it stopped before the release was sent.
+        await until(
+            "the keeper to end, or a renewal behind the release",
+            lambda: keepers_done(keepers) or renewal_behind_the_release(),
+        )
+        await row_lock.execute("COMMIT")
+        await until("the release to end", lambda: _not(running(store, release["pid"], RELEASE)))
+        await until("the keeper to end", lambda: keepers_done(keepers))
+        row = await lease(store, key)
+        ledger.service.release.set()
+        retry = await ledger.call(PHASED, post(account, "wait"), key, timeout=5)
+    assert row["over"], ("the lease was set again after the release", row)
+    assert retry.code is grpc.StatusCode.OK, (retry.code, retry.reason())
+
+
+async def _renewed_past(store: Store, key: str, first: Any) -> bool:
+    return bool((await lease(store, key))["locked_until"] > first)

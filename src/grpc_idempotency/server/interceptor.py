@@ -535,6 +535,8 @@ class IdempotencyInterceptor(_Interceptor):
 
         async def end_and_release() -> None:
             await _end(serving)  # first: ``tx`` then holds what a late opening opened
+            if lease is not None:
+                await lease.stop()  # first too: a renewal after the release would undo it
             await self._release(tx, claim)
 
         aborted: DeferredAbort | None = None
@@ -566,7 +568,14 @@ class IdempotencyInterceptor(_Interceptor):
             call_context.unbind(bound)
             await _end(serving)
             if lease is not None:
-                await lease.stop()
+                try:
+                    await lease.stop()  # waits for a renewal in flight
+                except asyncio.CancelledError:
+                    # Cancelled while waiting (the handler had returned): nothing else would
+                    # release the claim or a final transaction the handler opened.
+                    call.outcome = CallOutcome.RELEASED
+                    await _to_the_end(end_and_release())
+                    raise
         if lease is not None and lease.lost:
             call.outcome = CallOutcome.RELEASED
             await self._release(tx, None)
