@@ -19,12 +19,14 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
-from grpc_idempotency.core.errors import LeaseLost
+from grpc_idempotency.core.errors import LeaseLost, StoreUnavailable
 from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.server import interceptor
+from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import LedgerService, fresh, ledger_rows, metadata, running_ledger
 from tests.support.waiting import until
+from tests.support.wire import call_raw
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
 SCOPE = "tenant:tenant-a"
@@ -359,3 +361,124 @@ async def test_a_cancelled_call_releases_its_claim_after_its_keeper_stopped(
 
 async def _renewed_past(store: Store, key: str, first: Any) -> bool:
     return bool((await lease(store, key))["locked_until"] > first)
+
+
+# -- 3. A claim that commits as its caller's deadline ends ----------------------------------------
+
+
+async def claim_waits_on_a_lock(store: Store) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%claim_with_start%'"
+        )
+    )
+
+
+@pytest.fixture
+async def proxied(pg_dsn: str) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, min_size=1, max_size=4)
+    try:
+        yield proxy, via
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """The claim waits in the database (behind another claim's transaction), then commits just
+    as its caller's timeout ends. Before, the timeout was asyncpg's, on the statement: it fired
+    after the commit, and nobody released the claim: every retry IN_PROGRESS for the lease."""
+    proxy, via = proxied
+    key = fresh()
+    async with store.pool.acquire() as blocker:
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0
+        )
+        claiming = asyncio.ensure_future(
+            via.claim_phased(
+                scope="partition",
+                key=key,
+                method=PHASED,
+                fingerprint=b"f" * 32,
+                retention_s=600.0,
+                lease_s=30.0,
+                timeout=2.0,
+            )
+        )
+        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+        proxy.hold_answers()
+        connections = len(proxy._writers)
+        await blocker.execute("ROLLBACK")  # the claim commits; its answer is held
+    await until("the claim to commit", lambda: _record(store, key))
+    # Before: asyncpg's timeout sends PostgreSQL a cancel request on a new connection (too late:
+    # the claim has committed). Now the caller stops waiting, and hands the claim over.
+    await until(
+        "the caller to give up",
+        lambda: claiming.done() or len(proxy._writers) > connections,
+    )
+    proxy.deliver_answers()
+    with pytest.raises(StoreUnavailable):
+        await claiming
+    await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
+
+
+async def _record(store: Store, key: str, scope: str = "partition") -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+        )
+    )
+
+
+async def _lease_over(store: Store, key: str, scope: str = "partition") -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records"
+            " WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+        )
+    )
+
+
+async def test_a_call_whose_deadline_ends_as_its_claim_commits_leaves_the_key_free(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """End to end, the deadline being the call's: the retry after it runs at once."""
+    proxy, via = proxied
+    key, account = fresh(), fresh("acct")
+    overrides = {PHASED: MethodOverride(lease=timedelta(seconds=30))}
+    async with running_ledger(via, overrides=overrides) as ledger:
+        async with store.pool.acquire() as blocker:
+            await blocker.execute("BEGIN")
+            await blocker.fetchval(
+                store.statements.claim_phased, SCOPE, key, 1, PHASED, b"x" * 32, 600.0, 30.0
+            )
+            first = asyncio.ensure_future(
+                call_raw(ledger.channel, PHASED, post(account, "no-writes"), metadata(key), 2.0)
+            )
+            await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+            proxy.hold_answers()
+            connections = len(proxy._writers)
+            await blocker.execute("ROLLBACK")
+        await until("the claim to commit", lambda: _record(store, key, SCOPE))
+        await until(
+            "the server to give up on the claim",
+            lambda: via._settling or len(proxy._writers) > connections,
+        )
+        proxy.deliver_answers()
+        answer = await first
+        assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        await until("the lease to end", lambda: _lease_over(store, key, SCOPE), timeout=5)
+        retry = await call_raw(
+            ledger.channel, PHASED, post(account, "no-writes"), metadata(key), 5.0
+        )
+    assert retry.code is grpc.StatusCode.OK, (retry.code, retry.reason())

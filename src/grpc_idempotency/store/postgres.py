@@ -542,12 +542,12 @@ class Store:
         async def claim() -> tuple[int, datetime] | None:
             async with self.connection("claiming a key", timeout) as conn:
                 try:
+                    # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
+                    # after a claim that committed as well as before, and the claim would then
+                    # be left with its lease and nobody behind it. The caller's wait is bounded
+                    # below instead, and a claim it gave up on is settled.
                     row = await conn.fetchrow(
-                        self.statements.claim_phased,
-                        *args,
-                        float(retention_s),
-                        float(lease_s),
-                        timeout=timeout,
+                        self.statements.claim_phased, *args, float(retention_s), float(lease_s)
                     )
                 except asyncpg.PostgresError as exc:
                     if _lost_race(exc):
@@ -556,13 +556,17 @@ class Store:
                 assert row is not None
                 return row["token"], row["started_at"]
 
-        # The claim commits on its own: cancelled while it is on the wire (the client went),
-        # it may commit all the same, and its lease would then run on with nobody behind it,
-        # every retry answered IN_PROGRESS for the whole lease. So it runs to its end in a task
-        # of its own, and a claim that turns out to have committed is released.
+        # The claim commits on its own: cancelled while it is on the wire (the client went) or
+        # given up on at the call's deadline, it may commit all the same, and its lease would
+        # then run on with nobody behind it, every retry answered IN_PROGRESS for the whole
+        # lease. So it runs to its end in a task of its own, and a claim that turns out to have
+        # committed is released (with its own token) once it answers.
         claiming = asyncio.ensure_future(claim())
         try:
-            claimed = await asyncio.shield(claiming)
+            claimed = await asyncio.wait_for(asyncio.shield(claiming), timeout)
+        except TimeoutError as exc:
+            self._settle(claiming, scope, key, retention_s, lease_s)
+            raise store_error(exc, "claiming a key") from exc
         except asyncio.CancelledError:
             self._settle(claiming, scope, key, retention_s, lease_s)
             raise
