@@ -476,7 +476,9 @@ async def test_a_call_whose_deadline_ends_as_its_claim_commits_leaves_the_key_fr
         )
         proxy.deliver_answers()
         answer = await first
-        assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        # The server gives up at the deadline as it sees it, a hair before the client does:
+        # either answer may arrive first.
+        assert answer.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
         await until("the lease to end", lambda: _lease_over(store, key, SCOPE), timeout=5)
         retry = await call_raw(
             ledger.channel, PHASED, post(account, "no-writes"), metadata(key), 5.0
