@@ -556,6 +556,8 @@ class IdempotencyInterceptor(_Interceptor):
 
         async def end_and_release() -> None:
             await _end(serving)  # first: ``tx`` then holds what a late opening opened
+            if lease is not None:
+                await lease.stop()  # first too: a renewal after the release would undo it
             await self._release(tx, claim)
 
         aborted: DeferredAbort | None = None
@@ -587,7 +589,14 @@ class IdempotencyInterceptor(_Interceptor):
             call_context.unbind(bound)
             await _end(serving)
             if lease is not None:
-                await lease.stop()
+                try:
+                    await lease.stop()  # waits for a renewal in flight
+                except asyncio.CancelledError:
+                    # Cancelled while waiting (the handler had returned): nothing else would
+                    # release the claim or a final transaction the handler opened.
+                    call.outcome = CallOutcome.RELEASED
+                    await _to_the_end(end_and_release())
+                    raise
         if lease is not None and lease.lost:
             call.outcome = CallOutcome.RELEASED
             await self._release(tx, None)
@@ -656,7 +665,11 @@ class IdempotencyInterceptor(_Interceptor):
             lost = isinstance(err, LeaseLost)
             released = lost or isinstance(err, HandlerDatabaseError)  # the handler's fault
             call.outcome = CallOutcome.RELEASED if released else CallOutcome.UNAVAILABLE
-            if not lost and claim is not None:
+            if claim is not None:
+                # Lost too: the release matches this claim's token only, so it cannot end the
+                # lease of an attempt that took over; and a LeaseLost does not always mean one
+                # did (the handler ended the final transaction itself, or it met two
+                # serialization failures), when the claim is still this call's to release.
                 await asyncio.shield(claim.release())
             await answers.abort(context, err)
         except BaseException:
@@ -838,41 +851,56 @@ class _RecentKeys:
 
 class _LeaseKeeper:
     """Renews a phased claim's lease while its handler runs; if the claim is lost (taken over
-    after this process stalled), cancels the handler: its work is no longer wanted."""
+    after this process stalled), cancels the handler: its work is no longer wanted.
+
+    ``stop`` interrupts only the wait between renewals. A renewal already sent runs to its end
+    (bounded by the lease: ``PhasedClaim.renew``): cancelled on the wire, its UPDATE would still
+    run in PostgreSQL, after whatever the call does next. Landing after the release it would set
+    the lease again (retries answered IN_PROGRESS for a whole lease instead of taking over), and
+    after the final transaction's snapshot it fails that transaction's row lock (40001 at
+    REPEATABLE READ and above)."""
 
     def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any]) -> None:
         self._claim = claim
         self._handler = handler
         self._task: asyncio.Task[None] | None = None
+        self._renewing = False
+        self.stopping = False
         self.lost = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                # The keeper's end, expected; but if the stopping task was cancelled meanwhile
-                # (the final transaction's opening, ended with its call), that goes on up.
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
+        """Returns once no renewal of this keeper is in flight, and none will be sent. May be
+        called again (by the release after a cancelled stop, say): it waits for the same end."""
+        task = self._task
+        if task is None or task is asyncio.current_task():
+            return
+        self.stopping = True
+        if not self._renewing:
+            task.cancel()  # its sleep: nothing is on the wire
+        # asyncio.wait: a cancelled stopping task leaves the keeper to finish its renewal.
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved; _run lets nothing but its own end out
 
     async def _run(self) -> None:
         interval = max(0.05, self._claim.lease_s / 3)
-        while True:
+        while not self.stopping:
             await asyncio.sleep(interval)
+            self._renewing = True
             try:
-                if await self._claim.renew():
-                    continue
+                renewed = await self._claim.renew()
             except StoreUnavailable:
                 continue  # the lease may still hold; the final commit checks the token anyway
+            finally:
+                self._renewing = False
+            if renewed:
+                continue
             self.lost = True
-            self._handler.cancel()
+            if not self.stopping:  # a stopping call is past its handler: it looks at ``lost``
+                self._handler.cancel()
             return
 
 

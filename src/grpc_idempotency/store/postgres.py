@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -548,12 +549,12 @@ class Store:
         async def claim() -> tuple[int, datetime] | None:
             async with self.connection("claiming a key", timeout) as conn:
                 try:
+                    # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
+                    # after a claim that committed as well as before, and the claim would then
+                    # be left with its lease and nobody behind it. The caller's wait is bounded
+                    # below instead, and a claim it gave up on is settled.
                     row = await conn.fetchrow(
-                        self.statements.claim_phased,
-                        *args,
-                        float(retention_s),
-                        float(lease_s),
-                        timeout=timeout,
+                        self.statements.claim_phased, *args, float(retention_s), float(lease_s)
                     )
                 except asyncpg.PostgresError as exc:
                     if _lost_race(exc):
@@ -562,13 +563,17 @@ class Store:
                 assert row is not None
                 return row["token"], row["started_at"]
 
-        # The claim commits on its own: cancelled while it is on the wire (the client went),
-        # it may commit all the same, and its lease would then run on with nobody behind it,
-        # every retry answered IN_PROGRESS for the whole lease. So it runs to its end in a task
-        # of its own, and a claim that turns out to have committed is released.
+        # The claim commits on its own: cancelled while it is on the wire (the client went) or
+        # given up on at the call's deadline, it may commit all the same, and its lease would
+        # then run on with nobody behind it, every retry answered IN_PROGRESS for the whole
+        # lease. So it runs to its end in a task of its own, and a claim that turns out to have
+        # committed is released (with its own token) once it answers.
         claiming = asyncio.ensure_future(claim())
         try:
-            claimed = await asyncio.shield(claiming)
+            claimed = await asyncio.wait_for(asyncio.shield(claiming), timeout)
+        except TimeoutError as exc:
+            self._settle(claiming, scope, key, retention_s, lease_s)
+            raise store_error(exc, "claiming a key") from exc
         except asyncio.CancelledError:
             self._settle(claiming, scope, key, retention_s, lease_s)
             raise
@@ -811,46 +816,60 @@ class PhasedClaim:
         return self._claim.token
 
     async def renew(self) -> bool:
-        """Extends the lease; ``False`` when the claim is no longer this attempt's."""
+        """Extends the lease; ``False`` when the claim is no longer this attempt's, or was
+        released. Bounded by the lease itself: a renewal that slow would be of no use."""
         c = self._claim
-        async with self._store.connection("renewing a lease") as conn:
+        async with self._store.connection("renewing a lease", self.lease_s) as conn:
             status = await conn.execute(
-                self._store.statements.renew, c.scope, c.key, self.token, self.lease_s
+                self._store.statements.renew,
+                c.scope,
+                c.key,
+                self.token,
+                self.lease_s,
+                timeout=self.lease_s,
             )
         return status.endswith(" 1")
 
     async def begin_final(self, *, timeout: float | None = None) -> Attempt:
         """Opens the final transaction, holding the claim row; raises ``LeaseLost``."""
         store, c = self._store, self._claim
-        conn = await store._acquire("opening the final transaction", timeout)
-        attempt = Attempt(store, conn, c, _commit_timeout(self.lease_s))
-        try:
-            await conn.execute(
-                store.statements.begin_final(
-                    scope=c.scope,
-                    key=c.key,
-                    token=self.token,
-                    lock_id=claim_lock_id(store.schema, c.scope, c.key),
-                    isolation=_level(self._isolation),
-                    idle_timeout_s=self.lease_s,
-                ),
-                timeout=timeout,
-            )
-        except asyncpg.PostgresError as exc:
-            await attempt.release()
-            if exc.sqlstate == _CLAIM_LOST:
-                raise LeaseLost("the claim was taken over by another attempt") from exc
-            if classify(exc.sqlstate) is Failure.CONFLICT:
-                # At REPEATABLE READ or above: the claim row changed after the snapshot, which
-                # only a takeover does once the lease keeper has stopped.
-                raise LeaseLost("the claim changed under the final transaction") from exc
-            raise store_error(exc, "opening the final transaction") from exc
-        except BaseException as exc:
-            await attempt.release()
-            if isinstance(exc, STORE_ERRORS):
+        sql = store.statements.begin_final(
+            scope=c.scope,
+            key=c.key,
+            token=self.token,
+            lock_id=claim_lock_id(store.schema, c.scope, c.key),
+            isolation=_level(self._isolation),
+            idle_timeout_s=self.lease_s,
+        )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tries = 2
+        for tried in range(1, tries + 1):
+            left = None if deadline is None else deadline - time.monotonic()
+            conn = await store._acquire("opening the final transaction", left)
+            attempt = Attempt(store, conn, c, _commit_timeout(self.lease_s))
+            try:
+                await conn.execute(sql, timeout=left)
+            except asyncpg.PostgresError as exc:
+                await attempt.release()
+                if exc.sqlstate == _CLAIM_LOST:
+                    raise LeaseLost("the claim was taken over by another attempt") from exc
+                if classify(exc.sqlstate) is Failure.CONFLICT:
+                    # At REPEATABLE READ or above: the claim row changed after the snapshot. A
+                    # takeover does that, but so does this claim's own renewal committing late
+                    # (sent before the lease keeper stopped, it ran on after its client gave
+                    # up). Nothing is written yet, so look once more in a fresh snapshot: a
+                    # takeover is then told apart by verify_claim (GI003, above).
+                    if tried < tries:
+                        continue
+                    raise LeaseLost("the claim changed under the final transaction") from exc
                 raise store_error(exc, "opening the final transaction") from exc
-            raise
-        return attempt
+            except BaseException as exc:
+                await attempt.release()
+                if isinstance(exc, STORE_ERRORS):
+                    raise store_error(exc, "opening the final transaction") from exc
+                raise
+            return attempt
+        raise AssertionError("unreachable")
 
     async def release(self) -> None:
         """Ends the claim's lease now, so that a retry takes the operation over at once instead

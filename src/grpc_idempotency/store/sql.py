@@ -97,13 +97,19 @@ class Statements:
                        GREATEST(expires_at, completed_at + retention) - clock_timestamp())
                        * 1000))::bigint END AS replayable_ms
             FROM {s}.records WHERE scope = $1 AND key = $2"""
+        # A released claim is not renewed: a renewal that reaches the row after the release (it
+        # was on the wire, or ran on after its client gave up on it) would set the lease again,
+        # and retries would wait it out instead of taking over.
         self.renew = f"""
             UPDATE {s}.records SET locked_until = clock_timestamp() + make_interval(secs => $4)
-            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
+            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'
+              AND locked_until > created_at"""
         # Ends the lease now rather than deleting the claim: a retry takes it over at once, and
-        # the takeover keeps the operation's start (created_at), which child keys rely on.
+        # the takeover keeps the operation's start (created_at), which child keys rely on. The
+        # lease ends at the operation's start, not at now: a lease that was granted always ends
+        # later than that, so `renew` tells a released claim apart without a column of its own.
         self.release = f"""
-            UPDATE {s}.records SET locked_until = clock_timestamp()
+            UPDATE {s}.records SET locked_until = LEAST(created_at, clock_timestamp())
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
         # The key is the outbox step's child key; on a conflict Store.enqueue compares messages.
         self.enqueue = f"""

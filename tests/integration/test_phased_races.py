@@ -1,0 +1,486 @@
+"""Phased mode's races around the lease: a renewal on the wire when the call ends, a claim that
+commits as its caller gives up on it. Each interleaving is forced with row locks, the claim's
+advisory lock, a proxy that holds PostgreSQL's answers back, and polling of pg_stat_activity and
+pg_locks; none is left to timing.
+
+The server runs in the test's event loop, so a test can see its lease keepers
+(``keepers``): only to tell which of two interleavings it is in, never as the assertion."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency.core.errors import LeaseLost, StoreUnavailable
+from grpc_idempotency.core.keys import claim_lock_id
+from grpc_idempotency.core.policy import Isolation
+from grpc_idempotency.server import interceptor
+from tests.support.blackhole import BlackholeProxy
+from tests.support.ledger import LedgerService, fresh, ledger_rows, metadata, running_ledger
+from tests.support.waiting import until
+from tests.support.wire import call_raw
+
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+SCOPE = "tenant:tenant-a"
+RENEW = "%SET locked_until = clock_timestamp() + make_interval%"
+RELEASE = "%SET locked_until = %"  # the release, as long as make_interval is excluded
+ABOVE_READ_COMMITTED = [Isolation.REPEATABLE_READ, Isolation.SERIALIZABLE]
+
+
+def post(account: str, behaviour: str = "") -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=4, behaviour=behaviour)
+
+
+@pytest.fixture
+def keepers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The lease keepers started while the test runs."""
+    started: list[Any] = []
+    start = interceptor._LeaseKeeper.start
+
+    def recording(self: Any) -> None:
+        started.append(self)
+        start(self)
+
+    monkeypatch.setattr(interceptor._LeaseKeeper, "start", recording)
+    return started
+
+
+def stopping_on_a_renewal(keepers: list[Any]) -> bool:
+    """A keeper asked to stop while its renewal is on the wire (and waiting for it)."""
+    return any(getattr(k, "stopping", False) for k in keepers)
+
+
+def keepers_done(keepers: list[Any]) -> bool:
+    return bool(keepers) and all(k._task is None or k._task.done() for k in keepers)
+
+
+async def lease(store: Store, key: str, scope: str = SCOPE) -> asyncpg.Record:
+    row = await store.pool.fetchrow(
+        "SELECT state, fencing_token, locked_until, locked_until <= clock_timestamp() AS over"
+        " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        scope,
+        key,
+    )
+    assert row is not None
+    return row
+
+
+async def waiting_on_a_lock(store: Store, like: str) -> asyncpg.Record | None:
+    """The backend running a statement like ``like`` (not a renewal, unless it is one) that
+    waits on a lock: its pid and when its statement started."""
+    return await store.pool.fetchrow(
+        "SELECT pid, query_start FROM pg_stat_activity WHERE query LIKE $1"
+        " AND (query NOT LIKE $2 OR $1 = $2) AND wait_event_type = 'Lock'"
+        " ORDER BY query_start DESC LIMIT 1",
+        like,
+        RENEW,
+    )
+
+
+async def running(store: Store, pid: int, like: str) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'"
+            " AND query LIKE $2",
+            pid,
+            like,
+        )
+    )
+
+
+async def waiting_for_the_claim_lock(store: Store) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        )
+    )
+
+
+@pytest.fixture
+async def row_lock(store: Store) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[Any]]:
+    """A connection to hold a record's row lock with, as a competing claim's ON CONFLICT
+    does, in a transaction the test commits."""
+    async with store.pool.acquire() as conn:
+        yield conn
+        if conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
+
+
+async def lock_row(conn: Any, scope: str, key: str) -> None:
+    await conn.execute("BEGIN")
+    await conn.execute(
+        "SELECT 1 FROM grpc_idempotency.records WHERE scope = $1 AND key = $2 FOR UPDATE",
+        scope,
+        key,
+    )
+
+
+# -- 1. A renewal that commits after the final transaction's snapshot ----------------------------
+
+
+@pytest.mark.parametrize("isolation", ABOVE_READ_COMMITTED)
+async def test_the_final_transaction_looks_again_after_a_late_renewal_of_its_own_claim(
+    store: Store, isolation: Isolation
+) -> None:
+    """The claim's own renewal commits after the final transaction's snapshot (the transaction
+    waits for the claim lock, its snapshot taken): FOR UPDATE fails 40001, which is no takeover.
+    A second look in a fresh snapshot finds the claim still this attempt's."""
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE,
+        key=key,
+        method=PHASED,
+        fingerprint=b"f" * 32,
+        retention_s=600.0,
+        lease_s=30.0,
+        isolation=isolation,
+    )
+    assert claim is not None
+    async with store.pool.acquire() as holder:
+        await holder.execute("SELECT pg_advisory_lock($1)", claim_lock_id(store.schema, SCOPE, key))
+        opening = asyncio.ensure_future(claim.begin_final())
+        try:
+            await until("the final transaction to wait", lambda: waiting_for_the_claim_lock(store))
+            assert await claim.renew()  # committed after the final transaction's snapshot
+        finally:
+            await holder.execute(
+                "SELECT pg_advisory_unlock($1)", claim_lock_id(store.schema, SCOPE, key)
+            )
+        attempt = await opening  # before: LeaseLost
+    await attempt.release()
+    assert (await lease(store, key))["state"] == "in_progress"
+
+
+@pytest.mark.parametrize("isolation", ABOVE_READ_COMMITTED)
+async def test_a_takeover_after_the_final_transactions_snapshot_is_still_a_lost_lease(
+    store: Store, isolation: Isolation
+) -> None:
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE,
+        key=key,
+        method=PHASED,
+        fingerprint=b"f" * 32,
+        retention_s=600.0,
+        lease_s=30.0,
+        isolation=isolation,
+    )
+    assert claim is not None
+    lock_id = claim_lock_id(store.schema, SCOPE, key)
+    async with store.pool.acquire() as holder:
+        await holder.execute("SELECT pg_advisory_lock($1)", lock_id)
+        opening = asyncio.ensure_future(claim.begin_final())
+        try:
+            await until("the final transaction to wait", lambda: waiting_for_the_claim_lock(store))
+            await store.pool.execute(  # another attempt took the claim over
+                "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
+                " WHERE scope = $1 AND key = $2",
+                SCOPE,
+                key,
+            )
+        finally:
+            await holder.execute("SELECT pg_advisory_unlock($1)", lock_id)
+        with pytest.raises(LeaseLost):
+            await opening
+
+
+async def test_stopping_the_keeper_lets_a_renewal_on_the_wire_finish(
+    store: Store, row_lock: Any
+) -> None:
+    """stop() returns only once the renewal it found on the wire has answered: cancelled, its
+    UPDATE would still run in PostgreSQL after stop() returned."""
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=3.0
+    )
+    assert claim is not None
+    handler = asyncio.ensure_future(asyncio.Event().wait())
+    keeper = interceptor._LeaseKeeper(claim, handler)
+    await lock_row(row_lock, SCOPE, key)
+    keeper.start()
+    try:
+        renewal = await until("a renewal on the wire", lambda: waiting_on_a_lock(store, RENEW))
+        stopping = asyncio.ensure_future(keeper.stop())
+        await until("stop() to return or wait", lambda: stopping.done() or keeper_stopping(keeper))
+        in_flight_at_stop = False
+        if stopping.done():  # before: at once, the renewal still waiting on the row lock
+            in_flight_at_stop = await running(store, renewal["pid"], RENEW)
+        await row_lock.execute("COMMIT")
+        await stopping
+        if not in_flight_at_stop:
+            in_flight_at_stop = await running(store, renewal["pid"], RENEW)
+    finally:
+        handler.cancel()
+        await keeper.stop()
+    assert not in_flight_at_stop, "stop() returned with the renewal still running"
+    assert not keeper.lost
+
+
+def keeper_stopping(keeper: Any) -> bool:
+    return bool(getattr(keeper, "stopping", False))
+
+
+@pytest.mark.parametrize("isolation", ABOVE_READ_COMMITTED)
+@pytest.mark.parametrize("behaviour", ["wait", "wait-no-writes"])
+async def test_a_renewal_on_the_wire_when_the_final_transaction_opens_is_no_lost_lease(
+    store: Store,
+    row_lock: Any,
+    keepers: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    isolation: Isolation,
+    behaviour: str,
+) -> None:
+    """End to end: the keeper's renewal waits on a row lock (as behind a competing claim's ON
+    CONFLICT) when the handler is done. "wait": the handler opens the final transaction;
+    "wait-no-writes": the driver's _finish does. Before, the renewal was cancelled on the wire,
+    committed after the final transaction's snapshot, and the call was answered LEASE_LOST; with
+    no writes, the claim (its lease just renewed) was not even released, and the retry was
+    IN_PROGRESS for a whole lease."""
+    original = LedgerService.PostPhased
+
+    async def post_phased(self: LedgerService, request: Any, context: Any) -> Any:
+        if request.behaviour == "wait-no-writes":
+            self.started.set()
+            await self.release.wait()
+            return testsvc_pb2.PostResponse(account=request.account)
+        return await original(self, request, context)
+
+    monkeypatch.setattr(LedgerService, "PostPhased", post_phased)
+    overrides = {
+        PHASED: MethodOverride(
+            lease=timedelta(seconds=3), isolation=isolation, max_wait=timedelta(milliseconds=300)
+        )
+    }
+    key, account = fresh(), fresh("acct")
+    lock_id = claim_lock_id(store.schema, SCOPE, key)
+    async with running_ledger(store, overrides=overrides) as ledger:
+        owner = asyncio.ensure_future(ledger.call(PHASED, post(account, behaviour), key))
+        await ledger.service.started.wait()
+        async with store.pool.acquire() as claim_lock:
+            await lock_row(row_lock, SCOPE, key)
+            renewal = await until(
+                "the renewal to wait", lambda: waiting_on_a_lock(store, RENEW), timeout=5
+            )
+            await claim_lock.execute("SELECT pg_advisory_lock($1)", lock_id)
+            ledger.service.release.set()  # the final transaction opens
+            # Before: it opens at once and waits for the claim lock, its snapshot taken. Now the
+            # keeper waits for its renewal first.
+            await until(
+                "the final transaction to wait, or the keeper for its renewal",
+                lambda: stopping_on_a_renewal(keepers) or waiting_for_the_claim_lock(store),
+            )
+            await row_lock.execute("COMMIT")  # the renewal runs now, and commits
+            await until("the renewal to end", lambda: _not(running(store, renewal["pid"], RENEW)))
+            await claim_lock.execute("SELECT pg_advisory_unlock($1)", lock_id)
+        answer = await owner
+        ledger.service.release.set()
+        retry = await ledger.call(PHASED, post(account, behaviour), key, timeout=5)
+    assert answer.code is grpc.StatusCode.OK, (answer.code, answer.reason(), answer.details)
+    assert retry.code is grpc.StatusCode.OK and retry.replayed, (retry.code, retry.reason())
+    assert await ledger_rows(store, account) == (1 if behaviour == "wait" else 0)
+
+
+async def _not(probe: Any) -> bool:
+    return not await probe
+
+
+# -- 2. A cancelled call releases its claim only once its keeper has stopped ---------------------
+
+
+async def test_a_released_claim_is_not_renewed(store: Store) -> None:
+    """A renewal that reaches the row after the release (on the wire meanwhile, or run on after
+    its client gave up) does not set the lease again."""
+    key = fresh()
+    claim = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
+    )
+    assert claim is not None
+    await claim.release()
+    assert not await claim.renew()
+    row = await lease(store, key)
+    assert row["state"] == "in_progress" and row["over"]
+    taken = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
+    )
+    assert taken is not None and taken.token == claim.token + 1
+    assert await taken.renew()  # a takeover's lease is renewed as usual
+
+
+async def test_a_cancelled_call_releases_its_claim_after_its_keeper_stopped(
+    store: Store, row_lock: Any, keepers: list[Any]
+) -> None:
+    """The client cancels while the handler runs. Before, the release was sent with the keeper
+    still running; a renewal sent meanwhile reached the row after it and set the lease again:
+    the retry was IN_PROGRESS for a whole lease instead of taking over at once."""
+    overrides = {PHASED: MethodOverride(lease=timedelta(seconds=3))}
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store, overrides=overrides) as ledger:
+        stub = ledger.channel.unary_unary(
+            PHASED, request_serializer=testsvc_pb2.PostRequest.SerializeToString
+        )
+        call = stub(post(account, "wait"), metadata=metadata(key), timeout=30)
+        await ledger.service.started.wait()
+        first = (await lease(store, key))["locked_until"]
+        # Just renewed: the next renewal is a third of the lease away.
+        await until(
+            "a renewal",
+            lambda: _renewed_past(store, key, first),
+            timeout=5,
+        )
+        await lock_row(row_lock, SCOPE, key)
+        call.cancel()
+        release = await until("the release to wait", lambda: waiting_on_a_lock(store, RELEASE))
+
+        async def renewal_behind_the_release() -> bool:
+            renewal = await waiting_on_a_lock(store, RENEW)
+            return renewal is not None and renewal["query_start"] > release["query_start"]
+
+        # Before: the keeper, still running, sends a renewal that queues behind the release.
+        # Now it stopped before the release was sent.
+        await until(
+            "the keeper to end, or a renewal behind the release",
+            lambda: keepers_done(keepers) or renewal_behind_the_release(),
+        )
+        await row_lock.execute("COMMIT")
+        await until("the release to end", lambda: _not(running(store, release["pid"], RELEASE)))
+        await until("the keeper to end", lambda: keepers_done(keepers))
+        row = await lease(store, key)
+        ledger.service.release.set()
+        retry = await ledger.call(PHASED, post(account, "wait"), key, timeout=5)
+    assert row["over"], ("the lease was set again after the release", row)
+    assert retry.code is grpc.StatusCode.OK, (retry.code, retry.reason())
+
+
+async def _renewed_past(store: Store, key: str, first: Any) -> bool:
+    return bool((await lease(store, key))["locked_until"] > first)
+
+
+# -- 3. A claim that commits as its caller's deadline ends ----------------------------------------
+
+
+async def claim_waits_on_a_lock(store: Store) -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%claim_with_start%'"
+        )
+    )
+
+
+@pytest.fixture
+async def proxied(pg_dsn: str) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, min_size=1, max_size=4)
+    try:
+        yield proxy, via
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """The claim waits in the database (behind another claim's transaction), then commits just
+    as its caller's timeout ends. Before, the timeout was asyncpg's, on the statement: it fired
+    after the commit, and nobody released the claim: every retry IN_PROGRESS for the lease."""
+    proxy, via = proxied
+    key = fresh()
+    async with store.pool.acquire() as blocker:
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0
+        )
+        claiming = asyncio.ensure_future(
+            via.claim_phased(
+                scope="partition",
+                key=key,
+                method=PHASED,
+                fingerprint=b"f" * 32,
+                retention_s=600.0,
+                lease_s=30.0,
+                timeout=2.0,
+            )
+        )
+        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+        proxy.hold_answers()
+        connections = len(proxy._writers)
+        await blocker.execute("ROLLBACK")  # the claim commits; its answer is held
+    await until("the claim to commit", lambda: _record(store, key))
+    # Before: asyncpg's timeout sends PostgreSQL a cancel request on a new connection (too late:
+    # the claim has committed). Now the caller stops waiting, and hands the claim over.
+    await until(
+        "the caller to give up",
+        lambda: claiming.done() or len(proxy._writers) > connections,
+    )
+    proxy.deliver_answers()
+    with pytest.raises(StoreUnavailable):
+        await claiming
+    await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
+
+
+async def _record(store: Store, key: str, scope: str = "partition") -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+        )
+    )
+
+
+async def _lease_over(store: Store, key: str, scope: str = "partition") -> bool:
+    return bool(
+        await store.pool.fetchval(
+            "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records"
+            " WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+        )
+    )
+
+
+async def test_a_call_whose_deadline_ends_as_its_claim_commits_leaves_the_key_free(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """End to end, the deadline being the call's: the retry after it runs at once."""
+    proxy, via = proxied
+    key, account = fresh(), fresh("acct")
+    overrides = {PHASED: MethodOverride(lease=timedelta(seconds=30))}
+    async with running_ledger(via, overrides=overrides) as ledger:
+        async with store.pool.acquire() as blocker:
+            await blocker.execute("BEGIN")
+            await blocker.fetchval(
+                store.statements.claim_phased, SCOPE, key, 1, PHASED, b"x" * 32, 600.0, 30.0
+            )
+            first = asyncio.ensure_future(
+                call_raw(ledger.channel, PHASED, post(account, "no-writes"), metadata(key), 2.0)
+            )
+            await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+            proxy.hold_answers()
+            connections = len(proxy._writers)
+            await blocker.execute("ROLLBACK")
+        await until("the claim to commit", lambda: _record(store, key, SCOPE))
+        await until(
+            "the server to give up on the claim",
+            lambda: via._settling or len(proxy._writers) > connections,
+        )
+        proxy.deliver_answers()
+        answer = await first
+        # The server gives up at the deadline as it sees it, a hair before the client does:
+        # either answer may arrive first.
+        assert answer.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        await until("the lease to end", lambda: _lease_over(store, key, SCOPE), timeout=5)
+        retry = await call_raw(
+            ledger.channel, PHASED, post(account, "no-writes"), metadata(key), 5.0
+        )
+    assert retry.code is grpc.StatusCode.OK, (retry.code, retry.reason())
