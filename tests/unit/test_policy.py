@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import MethodDescriptor
@@ -135,6 +136,45 @@ def test_every_option_can_be_overridden_in_python() -> None:
     assert policy.recorded_errors == {Code.NOT_FOUND}
     assert policy.steps == (Step(name="send-email.v2", call="a.B/C"),)
     assert (policy.isolation, policy.max_response_bytes) == (Isolation.SERIALIZABLE, 10)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        # A string where an enum belongs compared unequal to every member: key="required" ran
+        # keyless calls without deduplication, isolation="serializable" failed every call.
+        ({"key": "required"}, TypeError),
+        ({"mode": "phased"}, TypeError),
+        ({"store_down": "fail_open"}, TypeError),
+        ({"isolation": "serializable"}, TypeError),
+        ({"retention": 3600}, TypeError),
+        # Zero was replaced by the proto's or the default value, silently; negative was refused.
+        ({"retention": timedelta(0)}, ValueError),
+        ({"lease": timedelta(0)}, ValueError),
+        ({"max_wait": timedelta(seconds=-1)}, ValueError),
+        ({"max_response_bytes": 0}, ValueError),
+        ({"max_response_bytes": 1.5}, ValueError),
+        ({"steps": ["send-email.v1"]}, TypeError),
+    ],
+)
+def test_a_bad_override_value_is_refused_where_it_is_written(
+    options: dict[str, object], error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="MethodOverride"):
+        MethodOverride(**options)  # type: ignore[arg-type]
+
+
+def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
+    override = MethodOverride(
+        recorded_errors=(c for c in [grpc.StatusCode.NOT_FOUND, Code.ALREADY_EXISTS, 9]),
+        steps=(s for s in [Step(name="send-email.v1", call="a.B/C")]),  # generators: read once
+    )
+    policy = compile_policy(method_with(lambda o: o.SetInParent()), override)
+    assert policy is not None
+    assert policy.recorded_errors == {Code.NOT_FOUND, Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION}
+    assert policy.steps == (Step(name="send-email.v1", call="a.B/C"),)
+    with pytest.raises(PolicyError, match="not a gRPC status code"):
+        compile_policy(method_with(lambda o: o.SetInParent()), MethodOverride(recorded_errors=[99]))
 
 
 def test_mode_follows_the_steps_unless_set() -> None:

@@ -94,6 +94,52 @@ class MethodOverride:
     isolation: Isolation | None = None
     max_response_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        # Checked here, where the mistake is made: a string where an enum belongs compared
+        # unequal to every member, so key="required" ran keyless calls undeduplicated, and
+        # isolation="serializable" failed every call deep in the store.
+        for name, kind in (
+            ("key", KeyRequirement),
+            ("mode", Mode),
+            ("store_down", StoreDown),
+            ("isolation", Isolation),
+        ):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                members = ", ".join(f"{kind.__name__}.{m.name}" for m in kind)
+                raise TypeError(f"MethodOverride.{name} must be one of {members}, not {value!r}")
+        for name, least in (("retention", "positive"), ("lease", "positive"), ("max_wait", "")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, timedelta):
+                raise TypeError(f"MethodOverride.{name} must be a timedelta, not {value!r}")
+            if value < timedelta(0) or (least and value == timedelta(0)):
+                raise ValueError(
+                    f"MethodOverride.{name} must be {least or 'zero or more'}, not {value}"
+                )
+        size = self.max_response_bytes
+        if size is not None and (type(size) is not int or size < 1):
+            raise ValueError(f"MethodOverride.max_response_bytes must be an int > 0, not {size!r}")
+        if self.steps is not None:
+            steps = tuple(self.steps)  # a generator is read once: here
+            if not all(isinstance(s, Step) for s in steps):
+                raise TypeError("MethodOverride.steps must be Step(...) values")
+            object.__setattr__(self, "steps", steps)
+        if self.recorded_errors is not None:
+            object.__setattr__(self, "recorded_errors", tuple(self.recorded_errors))
+
+
+def recorded_code(code: object) -> Code:
+    """A status to record: a ``Code``, its number, or a ``grpc.StatusCode`` (whose value is
+    ``(number, name)``), which is what grpc users naturally pass."""
+    value: Any = getattr(code, "value", code)
+    number = value[0] if isinstance(value, tuple) else value
+    try:
+        return Code(number)
+    except (ValueError, TypeError):
+        raise ValueError(f"{code!r} is not a gRPC status code") from None
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MethodPolicy:
@@ -193,7 +239,10 @@ def compile_policy(
         )
 
     if ov.recorded_errors is not None:
-        recorded = frozenset(Code(c) for c in ov.recorded_errors)
+        try:
+            recorded = frozenset(recorded_code(c) for c in ov.recorded_errors)
+        except ValueError as err:
+            raise fail(f"recorded_errors: {err}") from None
     elif options.recorded_error_codes:
         names = list(options.recorded_error_codes)
         unknown = [n for n in names if n not in Code.__members__]
@@ -213,21 +262,23 @@ def compile_policy(
 
     policy = MethodPolicy(
         method=path,
-        key=ov.key or _KEY[options.key],
-        retention=ov.retention or _duration(options, "retention", DEFAULT_RETENTION),
-        lease=ov.lease or _duration(options, "lease", DEFAULT_LEASE),
+        key=ov.key if ov.key is not None else _KEY[options.key],
+        retention=ov.retention
+        if ov.retention is not None
+        else _duration(options, "retention", DEFAULT_RETENTION),
+        lease=ov.lease if ov.lease is not None else _duration(options, "lease", DEFAULT_LEASE),
         max_wait=ov.max_wait
         if ov.max_wait is not None
         else _duration(options, "max_wait", DEFAULT_MAX_WAIT),
         mode=_mode(ov.mode, options, steps, path),
         recorded_errors=recorded,
-        store_down=ov.store_down or _STORE_DOWN[options.store_down],
+        store_down=ov.store_down if ov.store_down is not None else _STORE_DOWN[options.store_down],
         steps=steps,
         fingerprint=Fingerprinter.for_method(path, method.input_type),
-        isolation=ov.isolation or _isolation(options, path),
+        isolation=ov.isolation if ov.isolation is not None else _isolation(options, path),
         max_response_bytes=ov.max_response_bytes
-        or options.max_response_bytes
-        or DEFAULT_MAX_RESPONSE_BYTES,
+        if ov.max_response_bytes is not None
+        else options.max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES,
     )
     if policy.retention <= timedelta(0):
         raise fail("retention must be positive")
