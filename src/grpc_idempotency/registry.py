@@ -41,6 +41,7 @@ class PolicyRegistry:
         # without compiling (and logging a traceback for) the options each time.
         self._errors: dict[str, PolicyError] = {}
         methods = list(methods_of(services))
+        _check_overrides(self._overrides, methods)
         self._policies.update(compile_policies(methods, self._overrides))
         for method in methods:
             self._policies.setdefault(method_path(method), None)
@@ -78,6 +79,29 @@ class PolicyRegistry:
                 raise
         self._policies[path] = policy
         return policy
+
+
+def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescriptor]) -> None:
+    """Refuses an override naming a method its service does not have: a typo there silently
+    left the method as its proto says (unkeyed, say). A service known neither from ``services``
+    nor (yet) from the default pool may be imported later: that is checked on first use."""
+    known: dict[str, set[str]] = {}
+    for method in methods:
+        known.setdefault(method.containing_service.full_name, set()).add(method.name)
+    for path in overrides:
+        service_name, _, method_name = path.lstrip("/").partition("/")
+        names = known.get(service_name)
+        if names is None:
+            try:
+                service = descriptor_pool.Default().FindServiceByName(service_name)
+            except KeyError:
+                continue
+            names = set(service.methods_by_name)
+        if method_name not in names:
+            raise PolicyError(
+                f"override for {path}: service {service_name} has no method {method_name!r}"
+                f" (its methods: {', '.join(sorted(names))})"
+            )
 
 
 def methods_of(services: Services) -> Iterable[MethodDescriptor]:

@@ -318,6 +318,20 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
         )
 
 
+def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
+    """A typo in an override's method name left the method as its proto says, silently."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    with pytest.raises(PolicyError, match=r"has no method 'Psot'.*Post"):
+        PolicyRegistry([testsvc_pb2], {"testsvc.v1.LedgerService/Psot": MethodOverride()})
+    # Found in the default pool though not among the services: the same.
+    with pytest.raises(PolicyError, match="has no method 'Psot'"):
+        PolicyRegistry((), {"/testsvc.v1.LedgerService/Psot": MethodOverride()})
+    # A service not known yet (its _pb2 not imported): checked when a call names it.
+    registry = PolicyRegistry((), {"later.v1.Service/Do": MethodOverride()})
+    assert registry.get("/later.v1.Service/Do") is None
+
+
 def test_retired_steps_are_read_and_do_not_make_a_method_phased() -> None:
     def retired(o: options_pb2.MethodPolicy) -> None:
         step = o.steps.add(name="charge.v1", call="a.B/C")
