@@ -420,6 +420,10 @@ async def test_connect_leaves_its_own_argument_errors_alone(pg_dsn: str) -> None
     with pytest.raises(ValueError, match="min_size") as refused:
         await Store.connect(pg_dsn, min_size=5, max_size=2)
     assert not isinstance(refused.value, DsnUnusable)
+    # A negative acquire_timeout was clamped to 1 ms without a word.
+    for bad in (-1.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="acquire_timeout"):
+            await Store.connect(pg_dsn, acquire_timeout=bad)
 
 
 async def test_connect_refuses_a_schema_that_was_never_migrated(pg_dsn: str) -> None:

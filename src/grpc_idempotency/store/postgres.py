@@ -223,6 +223,13 @@ class Attempt:
         await self._store._release(self.connection)
 
 
+def _checked_acquire_timeout(value: float | None) -> float | None:
+    # A negative one was clamped to 1 ms without a word, and NaN compared false everywhere.
+    if value is not None and not 0 < value < math.inf:
+        raise ValueError(f"acquire_timeout must be None or positive and finite, not {value!r}")
+    return value
+
+
 class Store:
     """Idempotency records in PostgreSQL, under their own schema."""
 
@@ -236,7 +243,7 @@ class Store:
         self.pool = pool
         self.schema = schema
         self.statements = Statements(schema)
-        self.acquire_timeout = acquire_timeout
+        self.acquire_timeout = _checked_acquire_timeout(acquire_timeout)
         self._settling: set[asyncio.Future[None]] = set()
         self._default_isolation: str | None = None
 
@@ -275,6 +282,7 @@ class Store:
         that the schema is migrated and raises ``StoreMisconfigured`` naming the fix if not, so a
         server does not start only to fail every keyed call.
         """
+        _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
         pool_options.setdefault("reset", _no_session_reset)
         pool_options.setdefault("server_settings", {"application_name": "grpc-idempotency"})
         try:
