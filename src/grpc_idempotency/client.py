@@ -300,7 +300,12 @@ class IdempotencyClientInterceptor(_Interceptor):
         except BaseException:
             serving.downstream_ended()
             raise
-        call.add_done_callback(lambda _: serving.downstream_ended())
+        try:
+            call.add_done_callback(lambda _: serving.downstream_ended())
+        except NotImplementedError:
+            # A later interceptor returned the response rather than the call (grpc.aio allows
+            # it): gRPC hands back a finished UnaryUnaryCallResponse that takes no callbacks.
+            serving.downstream_ended()
         return call
 
 

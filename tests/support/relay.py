@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,9 @@ class RelayService(testsvc_pb2_grpc.RelayServiceServicer):
         elif mode == "after-transaction":
             await current_call().transaction()
             answer = await self.ledger.Post(post)
+        elif mode == "post-then-transaction":  # the usual order: call, then write locally
+            answer = await self.ledger.Post(post)
+            await current_call().transaction()
         else:
             raise ValueError(mode)
         return testsvc_pb2.ForwardResponse(
@@ -99,13 +102,16 @@ async def running_relay(
     *,
     overrides: Mapping[str, MethodOverride] | None = None,
     servicer: type[RelayService] = RelayService,
+    downstream_interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> AsyncIterator[RunningRelay]:
     """RelayService (or a subclass of it, ``servicer``) calling the ledger at
-    ``ledger_address`` through a channel with the client interceptor."""
+    ``ledger_address`` through a channel with the client interceptor (then
+    ``downstream_interceptors``)."""
     downstream = grpc.aio.insecure_channel(
         ledger_address,
         interceptors=[
-            IdempotencyClientInterceptor(services=[testsvc_pb2], forward_metadata=[TENANT])
+            IdempotencyClientInterceptor(services=[testsvc_pb2], forward_metadata=[TENANT]),
+            *downstream_interceptors,
         ],
     )
     server = grpc.aio.server(
