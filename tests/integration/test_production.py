@@ -479,5 +479,6 @@ async def test_an_optional_key_call_without_a_key_forwards_metadata_and_deadline
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert downstream.service.tenants_seen == ["tenant-a"]
     (remaining,) = downstream.service.deadlines_seen
-    assert remaining is not None and 0 < remaining <= 3
+    # gRPC sends a deadline as a timeout rounded up to its units: a hair over 3 s can arrive.
+    assert remaining is not None and 0 < remaining <= 3.05
     assert await ledger_rows(store, account) == 1

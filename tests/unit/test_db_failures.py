@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ssl
+
+import asyncpg
 import pytest
 
 from grpc_idempotency.core.db_failures import Failure, classify
+from grpc_idempotency.store.errors import dsn_unusable
 
 
 @pytest.mark.parametrize(
@@ -36,3 +40,29 @@ from grpc_idempotency.core.db_failures import Failure, classify
 )
 def test_classify(sqlstate: str | None, failure: Failure) -> None:
     assert classify(sqlstate) is failure
+
+
+def _raised_in(module: str, exc: BaseException) -> BaseException:
+    """``exc`` as raised by code of ``module`` (its frame on the traceback, as asyncpg's)."""
+    namespace: dict[str, object] = {"__name__": module}
+    exec("def boom(exc):\n    raise exc\n", namespace)
+    try:
+        namespace["boom"](exc)  # type: ignore[operator]
+    except BaseException as raised:
+        return raised
+    raise AssertionError("not raised")
+
+
+def test_what_makes_a_dsn_unusable() -> None:
+    parsing = "asyncpg.connect_utils"
+    # int() of a "port" that is a piece of the password: the DSN.
+    assert dsn_unusable(_raised_in(parsing, ValueError("invalid literal for int()")))
+    assert dsn_unusable(asyncpg.ClientConfigurationError("sslmode is not valid"))
+    # A certificate that fails verify-full is a ValueError raised there too, and no DSN error:
+    # it was reported as DsnUnusable (not retryable, "percent-encode the password").
+    assert not dsn_unusable(
+        _raised_in(parsing, ssl.SSLCertVerificationError("certificate verify failed"))
+    )
+    assert not dsn_unusable(_raised_in(parsing, ConnectionRefusedError()))
+    # A ValueError of the caller's own, raised elsewhere (min_size > max_size).
+    assert not dsn_unusable(_raised_in("asyncpg.pool", ValueError("min_size")))

@@ -98,6 +98,10 @@ def dsn_unusable(exc: BaseException) -> bool:
     a ValueError of the pool's own (min_size > max_size) is the caller's, and says so itself."""
     if isinstance(exc, asyncpg.ClientConfigurationError):
         return True
+    if isinstance(exc, OSError):
+        # A connection failure, never the DSN's: ssl.SSLCertVerificationError (a certificate that
+        # fails verify-full) is a ValueError too, raised through the same module.
+        return False
     return isinstance(
         exc, (ValueError, LookupError, ArithmeticError, TypeError)
     ) and _raised_in_asyncpg(exc, "asyncpg.connect_utils")
