@@ -8,13 +8,16 @@ values are encoded here, and only here:
   the same whatever ``standard_conforming_strings`` says; NUL (which PostgreSQL text cannot hold)
   is refused;
 - bytes become E'\\\\x<hex>'::bytea: hex digits only, nothing to escape;
-- numbers are formatted from int/float, never from strings.
+- numbers are formatted from int/float, never from strings;
+- an aware datetime becomes its ISO 8601 form in UTC, '...+00:00'::timestamptz (digits and
+  separators only), exact to the microsecond PostgreSQL keeps.
 Everything else uses ordinary bind parameters.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 # At most 56 characters: the outbox's NOTIFY channel is "<schema>_outbox", and PostgreSQL
 # refuses channel names of 64 bytes or more (every enqueue would fail, migrations passing).
@@ -50,6 +53,12 @@ def int_literal(value: int | None) -> str:
 
 def float_literal(value: float) -> str:
     return repr(float(value))
+
+
+def timestamp_literal(value: datetime) -> str:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError("a timestamptz literal needs an aware datetime")
+    return f"'{value.astimezone(UTC).isoformat()}'::timestamptz"
 
 
 SAVEPOINT = "grpc_idempotency_handler"
