@@ -9,6 +9,7 @@ The server runs in the test's event loop, so a test can see its lease keepers
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -19,10 +20,14 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import LeaseLost, StoreUnavailable
 from grpc_idempotency.core.keys import claim_lock_id
+from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.server import interceptor
+from grpc_idempotency.store import PhasedClaim
+from grpc_idempotency.store.sql import SAVEPOINT, text_literal
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import LedgerService, fresh, ledger_rows, metadata, running_ledger
 from tests.support.waiting import until
@@ -484,3 +489,150 @@ async def test_a_call_whose_deadline_ends_as_its_claim_commits_leaves_the_key_fr
             ledger.channel, PHASED, post(account, "no-writes"), metadata(key), 5.0
         )
     assert retry.code is grpc.StatusCode.OK, (retry.code, retry.reason())
+
+
+# -- 4. A record purged and claimed again -----------------------------------------------------------
+
+
+@pytest.fixture
+async def own_store(pg_dsn: str) -> AsyncIterator[Store]:
+    """A store with a schema of its own: a purge deletes every expired record it can see."""
+    store = await Store.connect(pg_dsn, schema="gi_" + uuid.uuid4().hex[:12], migrate=True)
+    try:
+        yield store
+    finally:
+        await store.pool.execute(f'DROP SCHEMA "{store.schema}" CASCADE')
+        await store.close()
+
+
+async def claim_of(store: Store, key: str, isolation: Isolation | None = None) -> PhasedClaim:
+    claim = await store.claim_phased(
+        scope=SCOPE,
+        key=key,
+        method=PHASED,
+        fingerprint=b"f" * 32,
+        retention_s=600.0,
+        lease_s=30.0,
+        isolation=isolation,
+    )
+    assert claim is not None
+    return claim
+
+
+async def record_of(store: Store, key: str) -> asyncpg.Record:
+    row = await store.pool.fetchrow(
+        "SELECT state, fencing_token, created_at, locked_until, response,"
+        " locked_until > clock_timestamp() AS leased"
+        f' FROM "{store.schema}".records WHERE scope = $1 AND key = $2',
+        SCOPE,
+        key,
+    )
+    assert row is not None
+    return row
+
+
+async def purged_and_claimed_again(
+    store: Store, key: str, isolation: Isolation | None = None
+) -> tuple[PhasedClaim, PhasedClaim]:
+    """The first claim stalls past its retention and its lease, its record is purged, and the
+    key is claimed again: token 1 both times, the operation's start new."""
+    first = await claim_of(store, key, isolation)
+    past = "clock_timestamp() - interval '1 min'"
+    await store.pool.execute(
+        f'UPDATE "{store.schema}".records SET expires_at = {past}, locked_until = {past}'
+        " WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    assert await store.purge() == 1
+    second = await claim_of(store, key)
+    assert first.token == second.token == 1
+    assert first.started_at != second.started_at
+    return first, second
+
+
+@pytest.mark.parametrize("isolation", [None, *ABOVE_READ_COMMITTED])
+async def test_a_stalled_owner_whose_record_was_purged_cannot_commit_over_the_new_claim(
+    own_store: Store, isolation: Isolation | None
+) -> None:
+    """The fencing token restarts at 1 when a record is purged: it fenced on the token alone, so
+    the stalled first owner committed over the second claim, which then got LEASE_LOST. It
+    fences on the token and the operation's start now (migration 0013)."""
+    key = fresh()
+    stale, owner = await purged_and_claimed_again(own_store, key, isolation)
+    with pytest.raises(LeaseLost):
+        await stale.begin_final(timeout=5)
+    attempt = await owner.begin_final(timeout=5)
+    await attempt.record(Outcome(code=Code.OK, response=b"second"))
+    row = await record_of(own_store, key)
+    assert (row["state"], row["fencing_token"], row["response"]) == ("completed", 1, b"second")
+    assert row["created_at"] == owner.started_at
+
+
+async def test_a_stalled_owner_whose_record_was_purged_does_not_renew_the_new_claim(
+    own_store: Store,
+) -> None:
+    """It extended the new owner's lease: were the new owner to crash, retries would be held
+    off for a lease more."""
+    key = fresh()
+    stale, owner = await purged_and_claimed_again(own_store, key)
+    before = await record_of(own_store, key)
+    assert not await stale.renew()
+    assert (await record_of(own_store, key))["locked_until"] == before["locked_until"]
+    assert await owner.renew()
+
+
+async def test_a_stalled_owner_whose_record_was_purged_does_not_release_the_new_claim(
+    own_store: Store,
+) -> None:
+    """It ended the new owner's lease at once, and a retry took the operation over while its
+    owner was still running it."""
+    key = fresh()
+    stale, owner = await purged_and_claimed_again(own_store, key)
+    await stale.release()
+    assert (await record_of(own_store, key))["leased"]
+    await owner.release()
+    released = await record_of(own_store, key)
+    assert not released["leased"] and released["fencing_token"] == 1
+
+
+async def test_the_token_only_verify_claim_still_serves_servers_not_yet_upgraded(
+    store: Store,
+) -> None:
+    """Rolling deploys: a server of the previous release opens its final transaction with the
+    4-argument verify_claim; migration 0013 adds an overload and keeps that one."""
+    key = fresh()
+    claim = await claim_of(store, key)
+    s = store.statements.schema
+    lock_id = claim_lock_id(store.schema, SCOPE, key)
+    async with store.pool.acquire() as conn:
+        await conn.execute("BEGIN")
+        with pytest.raises(asyncpg.PostgresError) as lost:
+            await conn.execute(
+                f"SELECT {s}.verify_claim($1, $2, $3, $4)", SCOPE, key, claim.token + 1, lock_id
+            )
+        assert lost.value.sqlstate == "GI003"
+        await conn.execute("ROLLBACK")
+        # As the previous release sends it: literals, one batch, then the completion.
+        await conn.execute(
+            f"BEGIN; SELECT {s}.verify_claim({text_literal(SCOPE)}, {text_literal(key)},"
+            f" {claim.token}, {lock_id}); SAVEPOINT {SAVEPOINT}"
+        )
+        await conn.execute(
+            store.statements.complete_and_commit(
+                scope=SCOPE,
+                key=key,
+                token=claim.token,
+                method=PHASED,
+                fingerprint=b"f" * 32,
+                code=0,
+                message="",
+                details=None,
+                response=b"old server",
+                retention_s=600.0,
+                discard_writes=False,
+            )
+        )
+    record = await store.lookup(SCOPE, key)
+    assert record is not None and record.outcome is not None
+    assert record.outcome.response == b"old server"

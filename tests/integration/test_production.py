@@ -447,6 +447,27 @@ async def test_connect_names_the_migrations_missing_from_an_older_schema(pg_dsn:
         await migrated.close()
 
 
+async def test_a_schema_at_0012_needs_0013_to_fence_on_the_operations_start(pg_dsn: str) -> None:
+    """The phased final transaction calls verify_claim with the operation's start, an overload
+    added by migration 0013: a server of this version refuses to start against a schema at 0012,
+    where every phased call would fail, and migrating applies 0013 alone."""
+    schema = f"gi_at_12_{uuid.uuid4().hex[:8]}"
+    migrated = await Store.connect(pg_dsn, schema=schema, migrate=True)
+    fenced = f"{schema}.verify_claim(text, text, bigint, bigint, timestamptz)"
+    try:
+        await migrated.pool.execute(
+            f"DROP FUNCTION {fenced}; DELETE FROM {schema}.schema_migrations WHERE version = 13"
+        )
+        with pytest.raises(StoreMisconfigured, match=r"at version 12; .* needs migrations \[13\]"):
+            await Store.connect(pg_dsn, schema=schema)
+        assert await migrated.migrate() == [13]
+        assert await migrated.pool.fetchval("SELECT to_regprocedure($1) IS NOT NULL", fenced)
+        await (await Store.connect(pg_dsn, schema=schema)).close()
+    finally:
+        await migrated.pool.execute(f"DROP SCHEMA {schema} CASCADE")
+        await migrated.close()
+
+
 async def test_a_permanent_store_error_is_logged_and_not_answered_as_retryable(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from datetime import UTC, datetime, timedelta, timezone
 
 import asyncpg
 import pytest
@@ -13,7 +14,12 @@ from hypothesis import strategies as st
 
 from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.migrations import applied_versions, available_migrations
-from grpc_idempotency.store.sql import bytes_literal, schema_identifier, text_literal
+from grpc_idempotency.store.sql import (
+    bytes_literal,
+    schema_identifier,
+    text_literal,
+    timestamp_literal,
+)
 from tests.support.tools import run_cli
 
 
@@ -169,9 +175,36 @@ async def test_literals_round_trip_through_postgresql(pg_dsn: str, text: str, da
         await conn.close()
 
 
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    moment=st.datetimes(
+        min_value=datetime(1900, 1, 1),
+        max_value=datetime(2200, 1, 1),
+        timezones=st.integers(min_value=-24 * 60 + 1, max_value=24 * 60 - 1).map(
+            lambda minutes: timezone(timedelta(minutes=minutes))
+        )
+        | st.just(UTC),
+    ),
+)
+async def test_timestamp_literals_round_trip_through_postgresql(
+    pg_dsn: str, moment: datetime
+) -> None:
+    """The phased final transaction names its claim's start as a literal (migration 0013):
+    exact to the microsecond, whatever the offset, the session's TimeZone or DateStyle."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        for zone, style in (("UTC", "ISO, MDY"), ("Pacific/Chatham", "SQL, DMY")):
+            await conn.execute(f"SET TimeZone = '{zone}'; SET DateStyle = '{style}'")
+            assert await conn.fetchval(f"SELECT {timestamp_literal(moment)}") == moment
+    finally:
+        await conn.close()
+
+
 def test_bad_literals_and_names_are_refused() -> None:
     with pytest.raises(ValueError):
         text_literal("a\x00b")
+    with pytest.raises(ValueError):
+        timestamp_literal(datetime(2026, 1, 1))  # naive: which instant is unknown
     # 57 characters: "<schema>_outbox" would be too long a NOTIFY channel; pg_: PostgreSQL's.
     for bad in ("Upper", "has-dash", "a;drop", "", "x" * 64, "x" * 57, "pg_temp_x"):
         with pytest.raises(ValueError):

@@ -589,7 +589,7 @@ class Store:
             return None
         token, started_at = claimed
         return PhasedClaim(
-            self, _Claim(scope, key, retention_s, token), lease_s, isolation, started_at
+            self, _Claim(scope, key, retention_s, token), lease_s, isolation, started_at=started_at
         )
 
     def _settle(
@@ -608,8 +608,9 @@ class Store:
             except BaseException:  # not claimed, or unknown: the lease bounds it
                 return
             if claimed is not None:
-                token = claimed[0]
-                await PhasedClaim(self, _Claim(scope, key, retention_s, token), lease_s).release()
+                token, started_at = claimed
+                held = _Claim(scope, key, retention_s, token)
+                await PhasedClaim(self, held, lease_s, started_at=started_at).release()
 
         task = asyncio.ensure_future(release_if_claimed())
         self._settling.add(task)  # a reference, until it is done
@@ -800,6 +801,11 @@ class PhasedClaim:
     No transaction is open while the handler runs. The outcome commits in a final transaction
     (``begin_final`` or ``complete``) that first checks the fencing token, so an owner whose lease
     expired and was taken over cannot commit.
+
+    The claim is the pair (fencing token, ``started_at``): a takeover adds one to the token and
+    keeps the start, while a record purged and claimed again starts over at token 1 with a new
+    start. The final transaction, ``renew`` and ``release`` all match both, so a stalled owner
+    whose record was purged meanwhile cannot commit over, extend or end the new claim.
     """
 
     def __init__(
@@ -808,15 +814,16 @@ class PhasedClaim:
         claim: _Claim,
         lease_s: float,
         isolation: Isolation | None = None,
-        started_at: datetime | None = None,
+        *,
+        started_at: datetime,
     ) -> None:
         self._store = store
         self._claim = claim
         self.lease_s = lease_s
         self._isolation = isolation
         self.started_at = started_at
-        """When the operation began (the database's clock): this claim, or the attempt it took
-        over."""
+        """When the operation began (the record's created_at, the database's clock): this
+        claim, or the attempt it took over."""
 
     @property
     def token(self) -> int:
@@ -834,6 +841,7 @@ class PhasedClaim:
                 c.key,
                 self.token,
                 self.lease_s,
+                self.started_at,
                 timeout=self.lease_s,
             )
         return status.endswith(" 1")
@@ -845,6 +853,7 @@ class PhasedClaim:
             scope=c.scope,
             key=c.key,
             token=self.token,
+            started_at=self.started_at,
             lock_id=claim_lock_id(store.schema, c.scope, c.key),
             isolation=_level(self._isolation),
             idle_timeout_s=self.lease_s,
@@ -885,6 +894,8 @@ class PhasedClaim:
         c = self._claim
         try:
             async with self._store.connection("releasing a claim") as conn:
-                await conn.execute(self._store.statements.release, c.scope, c.key, self.token)
+                await conn.execute(
+                    self._store.statements.release, c.scope, c.key, self.token, self.started_at
+                )
         except StoreUnavailable:
             log.warning("could not release claim %s/%s; it expires with its lease", c.scope, c.key)

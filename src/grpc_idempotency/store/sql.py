@@ -8,13 +8,16 @@ values are encoded here, and only here:
   the same whatever ``standard_conforming_strings`` says; NUL (which PostgreSQL text cannot hold)
   is refused;
 - bytes become E'\\\\x<hex>'::bytea: hex digits only, nothing to escape;
-- numbers are formatted from int/float, never from strings.
+- numbers are formatted from int/float, never from strings;
+- an aware datetime becomes its ISO 8601 form in UTC, '...+00:00'::timestamptz (digits and
+  separators only), exact to the microsecond PostgreSQL keeps.
 Everything else uses ordinary bind parameters.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 # At most 56 characters: the outbox's NOTIFY channel is "<schema>_outbox", and PostgreSQL
 # refuses channel names of 64 bytes or more (every enqueue would fail, migrations passing).
@@ -50,6 +53,12 @@ def int_literal(value: int | None) -> str:
 
 def float_literal(value: float) -> str:
     return repr(float(value))
+
+
+def timestamp_literal(value: datetime) -> str:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError("a timestamptz literal needs an aware datetime")
+    return f"'{value.astimezone(UTC).isoformat()}'::timestamptz"
 
 
 SAVEPOINT = "grpc_idempotency_handler"
@@ -97,20 +106,25 @@ class Statements:
                        GREATEST(expires_at, completed_at + retention) - clock_timestamp())
                        * 1000))::bigint END AS replayable_ms
             FROM {s}.records WHERE scope = $1 AND key = $2"""
+        # A claim is (fencing_token, created_at), here as in verify_claim (migration 0013): the
+        # token restarts at 1 when a record is purged and the key claimed again, and the start
+        # tells the new claim from the purged one's stalled owner.
+        #
         # A released claim is not renewed: a renewal that reaches the row after the release (it
         # was on the wire, or ran on after its client gave up on it) would set the lease again,
         # and retries would wait it out instead of taking over.
         self.renew = f"""
             UPDATE {s}.records SET locked_until = clock_timestamp() + make_interval(secs => $4)
-            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'
-              AND locked_until > created_at"""
+            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND created_at = $5
+              AND state = 'in_progress' AND locked_until > created_at"""
         # Ends the lease now rather than deleting the claim: a retry takes it over at once, and
         # the takeover keeps the operation's start (created_at), which child keys rely on. The
         # lease ends at the operation's start, not at now: a lease that was granted always ends
         # later than that, so `renew` tells a released claim apart without a column of its own.
         self.release = f"""
             UPDATE {s}.records SET locked_until = LEAST(created_at, clock_timestamp())
-            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND state = 'in_progress'"""
+            WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND created_at = $4
+              AND state = 'in_progress'"""
         # The key is the outbox step's child key; on a conflict Store.enqueue compares messages.
         self.enqueue = f"""
             INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload)
@@ -208,14 +222,18 @@ class Statements:
         scope: str,
         key: str,
         token: int,
+        started_at: datetime,
         lock_id: int,
         isolation: str | None,
         idle_timeout_s: float,
     ) -> str:
+        """Opens the final transaction of the claim (``token``, ``started_at``): verify_claim
+        takes the claim lock and the row's, or raises GI003 (migration 0013)."""
         return (
             f"{begin(isolation, idle_timeout_s)}; "
             f"SELECT {self.schema}.verify_claim({text_literal(scope)}, {text_literal(key)}, "
-            f"{int_literal(token)}, {int_literal(lock_id)}); SAVEPOINT {SAVEPOINT}"
+            f"{int_literal(token)}, {int_literal(lock_id)}, {timestamp_literal(started_at)});"
+            f" SAVEPOINT {SAVEPOINT}"
         )
 
     def complete_and_commit(
