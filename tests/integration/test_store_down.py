@@ -134,7 +134,9 @@ async def test_a_fail_open_call_still_keys_its_downstream_calls(
     seen = downstream.service  # what the ledger's handler saw: it ran once
     assert seen.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
     assert seen.tenants_seen == ["tenant-a"]
-    assert len(seen.deadlines_seen) == 1 and 0 < (seen.deadlines_seen[0] or 0) <= 5.05  # rounded up by gRPC
+    assert (
+        len(seen.deadlines_seen) == 1 and 0 < (seen.deadlines_seen[0] or 0) <= 5.05
+    )  # rounded up by gRPC
     assert await ledger_rows(store, account) == 1
 
 
