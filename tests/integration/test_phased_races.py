@@ -636,3 +636,43 @@ async def test_the_token_only_verify_claim_still_serves_servers_not_yet_upgraded
     record = await store.lookup(SCOPE, key)
     assert record is not None and record.outcome is not None
     assert record.outcome.response == b"old server"
+
+
+# --- 5. a renewal behind a partition ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("command_timeout", [8.0, None])
+async def test_stopping_the_keeper_behind_a_partition_takes_at_most_about_a_lease(
+    pg_dsn: str, store: Store, command_timeout: float | None
+) -> None:
+    """stop() waits for a renewal on the wire, which times out after one lease. Its connection
+    was then handed back to the pool, and asyncpg waited for the database to confirm the
+    cancellation of the timed-out statement: lease + command_timeout (8 s here; forever with
+    none) before the call could be answered."""
+    lease_s = 1.0
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=command_timeout)
+    handler = asyncio.ensure_future(asyncio.Event().wait())
+    try:
+        claim = await partitioned.claim_phased(
+            scope=SCOPE,
+            key=fresh(),
+            method=PHASED,
+            fingerprint=b"f" * 32,
+            retention_s=600.0,
+            lease_s=lease_s,
+        )
+        assert claim is not None
+        keeper = interceptor._LeaseKeeper(claim, handler)
+        proxy.blackhole()
+        keeper.start()
+        await until("the renewal on the wire", lambda: keeper._renewing, timeout=5)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.wait_for(keeper.stop(), 4 * lease_s)  # TimeoutError: not bounded
+        assert loop.time() - began < 2 * lease_s
+    finally:
+        handler.cancel()
+        partitioned.pool.terminate()
+        await proxy.close()

@@ -361,14 +361,18 @@ class Store:
     ) -> AsyncIterator[PooledConnection]:
         """A pooled connection; database errors inside the block become ``StoreUnavailable``.
 
-        Cancelled inside the block (a purger or relay stopping, a call's deadline), the
-        connection is dropped, not handed back: its statement may still be running, and asyncpg
-        would wait for the database to confirm the cancellation, which behind a network
-        partition takes the whole statement timeout. PostgreSQL rolls back what was open."""
+        Cancelled inside the block (a purger or relay stopping, a call's deadline), or timed out
+        there (a statement's ``timeout=``), the connection is dropped, not handed back: its
+        statement may still be running, and asyncpg would wait for the database to confirm the
+        cancellation, which behind a network partition takes the whole ``command_timeout``
+        (forever without one): a lease renewal bounded by the lease took lease +
+        ``command_timeout``. PostgreSQL rolls back what was open."""
         conn = await self._acquire(doing, timeout)
         try:
             yield conn
         except STORE_ERRORS as exc:
+            if isinstance(exc, TimeoutError):
+                conn.terminate()
             raise store_error(exc, doing) from exc
         except asyncio.CancelledError:
             conn.terminate()
