@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.procs import ROOT
+from tests.support.processes import running
 
 # A stand-in for pytest: starts a "service" with ServiceProcess, prints its pid, then waits to be
 # killed (as a CI timeout or an impatient engineer kills pytest: no teardown runs).
@@ -30,15 +31,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie has exited: PID 1 may not reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
-
-
 @pytest.mark.e2e
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_service_dies_with_the_killed_test_process(tmp_path: Path) -> None:
@@ -55,19 +47,19 @@ def test_a_service_dies_with_the_killed_test_process(tmp_path: Path) -> None:
         line = parent.stdout.readline()
         assert line.strip().isdigit(), f"no pid from the parent: {line!r}"
         child = int(line)
-        assert _running(child)
+        assert running(child)
         # The pid the test kills is the service's own: the launcher exec'd into it.
         assert "time.sleep(600)" in Path(f"/proc/{child}/cmdline").read_text()
         parent.send_signal(signal.SIGKILL)
         assert parent.wait(10) == -signal.SIGKILL
         deadline = time.monotonic() + 10
-        while _running(child) and time.monotonic() < deadline:
+        while running(child) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not _running(child), "the service outlived the killed test process"
+        assert not running(child), "the service outlived the killed test process"
     finally:
         parent.kill()
         parent.wait()
         if parent.stdout is not None:
             parent.stdout.close()
-        if child is not None and _running(child):
+        if child is not None and running(child):
             os.kill(child, signal.SIGKILL)

@@ -36,6 +36,7 @@ from grpc_idempotency.testing import (
     assert_replayed,
     serve,
 )
+from tests.support.processes import running
 
 pytest_plugins = ["pytester"]
 
@@ -238,16 +239,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process. An orphan is reaped by init, or by nobody (PID 1 of
-    a container may not reap): a zombie has exited."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
-
-
 @pytest.mark.e2e
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states in /proc")
 @pytest.mark.parametrize(
@@ -276,21 +267,21 @@ def test_a_server_process_exits_when_its_parent_is_killed(
         line = parent.stdout.readline()  # the pid once the server is ready, or EOF if it failed
         assert line.strip().isdigit(), (tmp_path / "parent.stderr").read_text()
         child = int(line)
-        assert _running(child)
+        assert running(child)
         parent.send_signal(signal.SIGKILL)
         assert parent.wait(10) == -signal.SIGKILL
         deadline = time.monotonic() + 30
-        while _running(child) and time.monotonic() < deadline:
+        while running(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         logs = (tmp_path / "child.stderr").read_text()
-        assert not _running(child), f"the server outlived its killed parent\n{logs}"
+        assert not running(child), f"the server outlived its killed parent\n{logs}"
         assert says in logs, logs
     finally:
         parent.kill()
         parent.wait()
         if parent.stdout is not None:
             parent.stdout.close()
-        if child is not None and _running(child):
+        if child is not None and running(child):
             os.kill(child, signal.SIGKILL)
 
 
