@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -137,10 +138,41 @@ def test_rename_fails(build: Build) -> None:
         "FAIL step renamed: step charge-card.v1 (calls pay.v1.Payments/Charge) was renamed to take-payment.v1"
         in out
     )
-    assert "new child key" in out
-    assert f'steps: {{ name: "charge-card.v1" {CHARGE} retired_at: {{ seconds: {NOW_S} }} }}' in out
+    assert "a step's name is its identity" in out and "take-payment.v1's child key" in out
+    assert (
+        "fix: keep the old name and bump its version instead:"
+        f' steps: {{ name: "charge-card.v1" {CHARGE} retired_at: {{ seconds: {NOW_S} }} }}'
+        f' steps: {{ name: "charge-card.v2" {CHARGE} }}, in place of take-payment.v1'
+    ) in out
     assert "FAILED: 1 change(s) in 1 method(s)" in out
     assert done.stderr == ""
+
+
+def test_rename_with_the_old_name_retired_fails_and_its_fix_passes(build: Build) -> None:
+    """Keeping the old name retired does not make a rename safe (no rename is followed); the
+    printed fix, a new version of the old name, does."""
+    old = orders_proto(f'name: "charge-card.v1" {CHARGE}')
+    done = compare(
+        build,
+        old,
+        orders_proto(
+            f'name: "charge-card.v1" {CHARGE} {retired(0)}', f'name: "take-payment.v1" {CHARGE}'
+        ),
+    )
+    assert done.returncode == 1, done
+    assert (
+        "FAIL step renamed: step charge-card.v1 (calls pay.v1.Payments/Charge) was renamed to"
+        " take-payment.v1 (calls pay.v1.Payments/Charge), the old name kept, retired at"
+        " 2026-06-01T12:00:00Z"
+    ) in done.stdout
+    (fix,) = [line for line in done.stdout.splitlines() if line.strip().startswith("fix: ")]
+    declarations = re.findall(r"steps: \{ (.*?) \}(?= steps:|,)", fix)
+    assert declarations == [
+        f'name: "charge-card.v1" {CHARGE} {retired(0)}',
+        f'name: "charge-card.v2" {CHARGE}',
+    ]
+    fixed = check(build("old-again", old), build("fixed", orders_proto(*declarations)))
+    assert fixed.returncode == 0, fixed
 
 
 def test_removal_fails(build: Build) -> None:

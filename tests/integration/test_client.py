@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -34,7 +35,7 @@ from grpc_idempotency.client import (
 )
 from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.retry import RetryPolicy
-from grpc_idempotency.core.step_contract import MethodSteps, check_contract
+from grpc_idempotency.core.step_contract import Change, MethodSteps, check_contract
 from tests.support.ledger import POST, RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.relay import FORWARD, RelayService, running_relay
 from tests.support.waiting import until
@@ -287,24 +288,32 @@ async def test_every_attempt_of_an_operation_begun_before_a_retirement_keeps_the
     assert await ledger_rows(store, account) == 1
 
 
-async def test_a_takeover_across_a_rename_keeps_the_old_name(
+async def test_a_takeover_across_a_version_bump_keeps_the_old_version(
     ledger: RunningLedger, store: Store
 ) -> None:
-    """post-ledger.v1 renamed record-entry.v1 the way check-steps says is safe (the old name
-    kept, retired when the change ships): an operation begun before, taken over after a crash
-    by the new code, keeps post-ledger.v1's child key. It used to take record-entry.v1's, and
-    the downstream Post ran a second time."""
+    """A rename of post-ledger.v1 to record-entry.v1 fails check-steps even with the old name
+    kept retired (a step's name is its identity: no rename is followed), and its fix is to keep
+    the name and bump its version. With that fix deployed, an operation begun before the
+    retirement by the old code and taken over after a crash by the new code keeps
+    post-ledger.v1's child key: the downstream Post runs once."""
     old_steps = [Step(name="post-ledger.v1", call=POST)]
     retired_at = datetime.now(UTC) + timedelta(hours=1)  # the deploy, after the operation began
-    new_steps = [
+    renamed = [
         Step(name="post-ledger.v1", call=POST, retired_at=retired_at),
         Step(name="record-entry.v1", call=POST),
     ]
-    contract = {
-        FORWARD: MethodSteps(retention=timedelta(hours=1), steps=tuple(old_steps)),
-    }
-    renamed = {FORWARD: MethodSteps(retention=timedelta(hours=1), steps=tuple(new_steps))}
-    assert check_contract(contract, renamed, now=retired_at).ok
+    new_steps = [
+        Step(name="post-ledger.v1", call=POST, retired_at=retired_at),
+        Step(name="post-ledger.v2", call=POST),
+    ]
+
+    def contract(steps: list[Step]) -> dict[str, MethodSteps]:
+        return {FORWARD: MethodSteps(retention=timedelta(hours=1), steps=tuple(steps))}
+
+    (rename,) = check_contract(contract(old_steps), contract(renamed), now=retired_at).breaking
+    assert rename.change is Change.STEP_RENAMED and rename.step == "post-ledger.v1"
+    assert f'steps: {{ name: "post-ledger.v2" call: "{POST}" }}' in rename.fix
+    assert check_contract(contract(old_steps), contract(new_steps), now=retired_at).ok
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.ForwardRequest(account=account, mode="post")
     old = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=old_steps)}
@@ -321,6 +330,15 @@ async def test_a_takeover_across_a_rename_keeps_the_old_name(
     assert second.body == first.body
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
+    # An operation begun after the retirement uses v2 (checked without waiting an hour: the
+    # same declaration with the retirement already past).
+    past = [replace(new_steps[0], retired_at=datetime.now(UTC)), new_steps[1]]
+    later = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=past)}
+    key2 = fresh()
+    async with running_relay(store, ledger.address, overrides=later) as relay:
+        third = await relay.forward(testsvc_pb2.ForwardRequest(account=account, mode="post"), key2)
+        assert third.code is grpc.StatusCode.OK
+    assert ledger.service.keys_seen[-1] == child_key("tenant:tenant-a", key2, "post-ledger.v2")
 
 
 async def _crash_before_the_final_commit(store: Store, key: str) -> None:

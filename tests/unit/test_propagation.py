@@ -225,66 +225,59 @@ def test_versions_map_per_step_and_named_active_steps_still_work() -> None:
         choose(parent=Parent(PARENT.method, PARENT.scope, PARENT.key, steps, before_t1))
 
 
-def test_an_operation_begun_before_a_rename_keeps_the_old_name() -> None:
-    """post-ledger.v1 retired and record-entry.v1 added on the same target, which is what
-    check-steps prints for a rename: an operation begun before the retirement may already have
-    run post-ledger.v1, so every attempt of it keeps that child key. Only the versions of the
-    same name used to be mapped back, and a takeover ran the effect a second time."""
-    from datetime import UTC, datetime
+def test_a_step_retired_next_to_another_is_not_read_as_renamed_to_it() -> None:
+    """charge-deposit.v1 retired (dropped, not renamed) next to charge-balance.v1, which was
+    there all along, both calling Payments/Charge: an operation begun before the retirement
+    already charged both, and a takeover must key the balance with charge-balance.v1's own
+    child key. When a retired step with no active version was read as an earlier name of the
+    only active step on its target, it got charge-deposit.v1's key: the downstream service
+    replayed the deposit's outcome and the balance was never charged."""
+    from datetime import UTC, datetime, timedelta
 
-    t = datetime(2026, 6, 1, tzinfo=UTC)
+    t = datetime(2030, 1, 1, tzinfo=UTC)
     steps = (
-        Step(name="post-ledger.v1", call=CHARGE, retired_at=t),
-        Step(name="record-entry.v1", call=CHARGE),
-        Step(name="send-confirmation.v1", call=EMAIL),
+        Step(name="charge-deposit.v1", call=CHARGE, retired_at=t),
+        Step(name="charge-balance.v1", call=CHARGE),
     )
-
-    def step_for(started_at: datetime | None) -> str:
+    for started_at in (t - timedelta(minutes=5), t + timedelta(minutes=5), None):
         parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, started_at)
-        return choose(parent=parent).step  # type: ignore[attr-defined,no-any-return]
-
-    assert step_for(datetime(2026, 5, 31, tzinfo=UTC)) == "post-ledger.v1"
-    assert step_for(datetime(2026, 6, 2, tzinfo=UTC)) == "record-entry.v1"
-    assert step_for(None) == "record-entry.v1"
-    # Another target is not a rename of it.
-    parent = Parent(
-        PARENT.method, PARENT.scope, PARENT.key, steps, datetime(2026, 5, 1, tzinfo=UTC)
-    )
-    assert choose(parent=parent, target=EMAIL).step == "send-confirmation.v1"  # type: ignore[attr-defined]
+        choice = choose(parent=parent)
+        assert choice.step == "charge-balance.v1", started_at  # type: ignore[attr-defined]
+        assert choice.key == child_key(PARENT.scope, PARENT.key, "charge-balance.v1")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
     ("steps", "named", "started"),
     [
         pytest.param(
-            # A rename, then a new version of the new name: the first name, then the second.
-            (("post.v1", 1), ("record.v1", 3), ("record.v2", None)),
+            # A name is its identity: a retired step is never read as an earlier name of
+            # another (check-steps fails a rename; the way to change a step is a new version).
+            (("post.v1", 1), ("record.v1", None)),
             None,
-            [(0, "post.v1"), (2, "record.v1"), (4, "record.v2")],
-            id="rename-then-version",
+            [(0, "record.v1"), (2, "record.v1")],
+            id="another-name-is-not-followed",
         ),
         pytest.param(
-            # A retired name whose base is still active elsewhere (moved to another target
-            # with a new version) is not a rename onto this target.
+            # The same with a version of the retired name active on another target.
             (("post.v1", 1), ("record.v1", None), ("post.v2@email", None)),
             None,
             [(0, "record.v1")],
-            id="base-still-active",
+            id="a-version-on-another-target-is-not-followed-here",
         ),
         pytest.param(
-            # Several active steps on the target: a rename is never guessed.
-            (("post.v1", 1), ("record.v1", None), ("audit.v1", None)),
-            "record.v1",
-            [(0, "record.v1")],
-            id="several-active",
+            # A version bump, then another: each operation keeps the version it began with.
+            (("post.v1", 1), ("post.v2", 3), ("post.v3", None)),
+            None,
+            [(0, "post.v1"), (2, "post.v2"), (4, "post.v3")],
+            id="versions-in-turn",
         ),
         pytest.param(
-            # One step retired with the only other step on the target bumped at the same
-            # instant: the tie goes to the same name.
+            # One step retired while its neighbour on the target gets a new version: each
+            # follows its own name only.
             (("refund.v1", 2), ("debit.v1", 2), ("debit.v2", None)),
             None,
             [(0, "debit.v1"), (3, "debit.v2")],
-            id="tie-to-the-same-name",
+            id="each-name-its-own-versions",
         ),
     ],
 )

@@ -56,8 +56,8 @@ class KeyChoice:
 
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
     """The step keying a call to ``target``: the one named, else the only active step calling
-    it; then, for an operation begun before an earlier version (or an earlier name) of that step
-    was retired, that earlier one (``as_of``)."""
+    it; then, for an operation begun before an earlier version of that step was retired, that
+    earlier version (``as_of``)."""
     target = normalize_method(target)
     calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
     active = [s for s in calling if s.active]
@@ -81,54 +81,35 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
         )
     else:
         chosen = active[0]
-    return as_of(chosen, calling, parent.started_at, declared=parent.steps)
+    return as_of(chosen, calling, parent.started_at)
 
 
 def _base(name: str) -> str:
     return name.rpartition(".v")[0]
 
 
-def as_of(
-    step: Step,
-    calling: Sequence[Step],
-    started_at: datetime | None,
-    *,
-    declared: Sequence[Step] | None = None,
-) -> Step:
-    """The step that an operation begun at ``started_at`` keyed ``step``'s effect with.
+def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> Step:
+    """The version of ``step`` that an operation begun at ``started_at`` used: an operation
+    begun before ``charge-card.v1`` was retired for ``charge-card.v2`` may already have run v1,
+    and v2's child key would run the effect a second time, so it keeps v1, on every attempt
+    (the server gives each attempt its operation's start). ``started_at`` ``None`` (no start
+    known) uses the step as declared.
 
-    ``calling``: the steps with the same target as ``step`` (the same ``call``, or the outbox);
-    ``declared``: all the method's steps (default ``calling``). An operation begun before
-    ``charge-card.v1`` was retired for ``charge-card.v2`` may already have run v1, and v2's child
-    key would run the effect a second time, so it keeps v1, on every attempt (the server gives
-    each attempt its operation's start). The same holds for a rename (``post-ledger.v1`` retired,
-    ``record-entry.v1`` added on the same target): a retired step whose name has no active
-    version any more is read as an earlier name of ``step`` when ``step`` is the only active step
-    on that target. With several active steps there the rename could belong to any of them;
-    ``check-steps`` refuses such a rename (``step_contract``), so it is never guessed here.
-
-    Of the candidates retired after ``started_at``, the one retired first was in use when the
-    operation began; on a tie, a version of ``step``'s own name wins (retiring a step together
-    with a new version of its only neighbour on the target is how ``check-steps`` says to retire
-    it). ``started_at`` ``None`` (no start known) uses the step as declared."""
+    Only versions of the same name are followed: a step's name is its identity. A retired step
+    with another name on the same target may be a step renamed or a step simply dropped next to
+    one that was there all along, and the declaration cannot tell which: reading it as a rename
+    would key the other step's effect with the retired step's child key (its outcome replayed,
+    the effect never done). ``check-steps`` fails a rename instead (``step_contract``)."""
     if started_at is None or not step.active:
         return step
-    declared = calling if declared is None else declared
-    base = _base(step.name)
-
-    def before(s: Step) -> bool:
-        return s.retired_at is not None and started_at < s.retired_at
-
-    # (retired_at, 0 for the same name and 1 for a rename, step): min() is the one in use.
-    candidates = [(s.retired_at, 0, s) for s in calling if before(s) and _base(s.name) == base]
-    if [s for s in calling if s.active] == [step]:
-        live = {_base(s.name) for s in declared if s.active}
-        candidates += [
-            (s.retired_at, 1, s) for s in calling if before(s) and _base(s.name) not in live
-        ]
-    if not candidates:
-        return step
-    return min(candidates, key=lambda c: (c[0] or started_at, c[1]))[2]
+    earlier = [
+        s
+        for s in calling
+        if s.retired_at is not None
+        and _base(s.name) == _base(step.name)
+        and started_at < s.retired_at
+    ]
+    return min(earlier, key=lambda s: s.retired_at or started_at) if earlier else step
 
 
 def _declares(parent: Parent, target: str) -> bool:

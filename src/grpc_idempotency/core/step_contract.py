@@ -19,12 +19,15 @@ after it use the replacement (``propagation.as_of``), and the retired step may b
 ``retired_at + retention`` has passed, when no operation that could have used it is replayable
 any more.
 
-The replacement is found from the declaration alone: a newer version of the same name, or, for a
-retired step whose name has no active version left (a rename), the only active step on the same
-target. That second rule must never guess, so this check refuses the declarations on which it
-would: a rename onto a target that several active steps call (which one took the effect over?),
-a step retired next to a step that was already there (it would be read as renamed to it), and a
-step added next to a rename still within its retention (the rename would stop being followed).
+The replacement is a newer version of the same name, on the same target: a step's name is its
+identity, and ``as_of`` follows nothing else. A retired step next to a step with another name
+may be a step renamed or a step simply dropped next to one that was there all along; the
+declaration cannot tell which, and reading the second as the first would key the remaining
+step's effect with the dropped step's child key. So a *rename* -- an active step gone (removed
+or retired) and, in the same change, an active step with a new name on its target (the same
+``call``, or both outbox) -- fails whether or not the old name is kept retired; the fix is to
+keep the old name and bump its version, and to add a step that really is a different effect in
+a change of its own.
 
 Pure: plain data in (method path -> retention and steps, and the current time), findings out.
 """
@@ -59,9 +62,6 @@ class Change(enum.Enum):
     STEP_TARGET_CHANGED = "step target changed"
     RETIRED_STEP_REMOVED_EARLY = "retired step removed too early"
     METHOD_REMOVED = "keyed method removed"
-    RENAME_ONTO_SHARED_TARGET = "step renamed onto a target other steps call"
-    RETIREMENT_READ_AS_RENAME = "retired step would be read as renamed"
-    RENAME_NO_LONGER_FOLLOWED = "renamed step no longer followed"
     # Fine.
     STEP_ADDED = "step added"
     STEP_RETIRED = "step retired"
@@ -85,9 +85,6 @@ _BREAKING = frozenset(
         Change.STEP_TARGET_CHANGED,
         Change.RETIRED_STEP_REMOVED_EARLY,
         Change.METHOD_REMOVED,
-        Change.RENAME_ONTO_SHARED_TARGET,
-        Change.RETIREMENT_READ_AS_RENAME,
-        Change.RENAME_NO_LONGER_FOLLOWED,
     }
 )
 
@@ -239,17 +236,24 @@ def _compare_method(
     retention = max(before.retention, after.retention)
     old, new = _by_name(before.steps), _by_name(after.steps)
     findings: list[Finding] = []
-    # Active steps that appeared, to pair with active steps that vanished (renames, new versions).
-    unpaired = [s for name, s in new.items() if name not in old and s.active]
-    paired: set[str] = set()
+    renamed = _renames(before, after)
+    # Active steps that appeared, to pair with active steps that vanished (new versions).
+    taken = {s.name for s in renamed.values()}
+    unpaired = [s for name, s in new.items() if name not in old and s.active and name not in taken]
+    paired = set(taken)
 
     for name, was in old.items():
-        if name in new:
+        if name in renamed:
+            findings.append(_renamed(path, was, new.get(name), renamed[name], before, after, now))
+            if name in new:  # retired: keep what else there is to say about it
+                notes = _compare_step(path, was, new[name], retention, now)
+                findings.extend(f for f in notes if f.change is not Change.STEP_RETIRED)
+        elif name in new:
             findings.extend(_compare_step(path, was, new[name], retention, now))
         elif not was.active:
             findings.append(_retired_step_removed(path, was, retention, now))
         else:
-            finding = _active_step_gone(path, was, unpaired, before, after, retention, now)
+            finding = _active_step_gone(path, was, unpaired, retention, now)
             if finding.step_after is not None:
                 paired.add(finding.step_after)
             findings.append(finding.finding)
@@ -265,8 +269,84 @@ def _compare_method(
                     what=f"step {name} ({_effect(step)}) added{retired}",
                 )
             )
-    findings.extend(_renames_followed(path, before, after, retention, now))
     return findings
+
+
+def _renames(before: MethodSteps, after: MethodSteps) -> dict[str, Step]:
+    """The renames in the change from ``before`` to ``after``: old name -> the step with a new
+    name that appeared on its target.
+
+    A step is renamed when it was active and is gone (removed, or retired) with no active
+    version of its name left on its target, while a step added active on that target has a
+    name (without version) that no active step there had before. Each new name is the rename of
+    one old step, the first in declaration order: the others gone with it are plain removals or
+    retirements, and stay so once that rename is fixed (so every fix printed holds together)."""
+    old, new = _by_name(before.steps), _by_name(after.steps)
+    renamed: dict[str, Step] = {}
+    for name, was in old.items():
+        kept = new.get(name)
+        if not was.active or (kept is not None and kept.active):
+            continue
+        on_target = [s for s in new.values() if s.active and _same_target(s, was)]
+        if any(_base(s.name) == _base(name) for s in on_target):
+            continue  # a new version of the same name follows it
+        had = {_base(s.name) for s in before.steps if s.active and _same_target(s, was)}
+        taken = {s.name for s in renamed.values()}
+        fresh = [s for s in on_target if s.name not in old and s.name not in taken]
+        successor = next((s for s in fresh if _base(s.name) not in had), None)
+        if successor is not None:
+            renamed[name] = successor
+    return renamed
+
+
+def _renamed(
+    path: str,
+    was: Step,
+    kept: Step | None,
+    successor: Step,
+    before: MethodSteps,
+    after: MethodSteps,
+    now: datetime,
+) -> Finding:
+    """``was`` renamed to ``successor``; ``kept``: the old name as declared after the change
+    (retired), if it still is."""
+    name = was.name
+    retention = max(before.retention, after.retention)
+    retired_at = kept.retired_at if kept is not None else None
+    retire_at = retired_at if retired_at is not None else now
+    bumped = Step(
+        name=f"{_base(name)}.v{_next_version(name, before.steps + after.steps)}",
+        call=was.call,
+        outbox=was.outbox,
+    )
+    return Finding(
+        change=Change.STEP_RENAMED,
+        method=path,
+        step=name,
+        what=(
+            f"step {name} ({_effect(was)}) was renamed to {successor.name}"
+            f" ({_effect(successor)})"
+            + (f", the old name kept, retired at {_ts(retired_at)}" if retired_at else "")
+        ),
+        why=(
+            "a step's name is its identity: child keys are derived from it, and only a new"
+            f" version of the same name is followed (an operation begun before {name} was retired"
+            f" keeps {name}'s child key in place of a {_base(name)}.vN's); a retired step next to"
+            " a step with another name may as well have been dropped, so it is never read as"
+            f" renamed. An operation still in flight (retention {_span(retention)}) that already"
+            f" ran {name} and is retried, or taken over after a crash, would run the effect again"
+            f" under {successor.name}'s child key, so the downstream service executes it a second"
+            " time"
+        ),
+        fix=(
+            "keep the old name and bump its version instead:"
+            f" {_declaration(was, retire_at=retire_at)} {_declaration(bumped)}, in place of"
+            f" {successor.name}; operations begun before the retirement keep {name}, which can"
+            f" be deleted from {_ts(_aware(retire_at) + retention)} (retired_at +"
+            f" {_span(retention)}). If {successor.name} really is a different effect, add it in"
+            " a change of its own"
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,31 +356,22 @@ class _Gone:
 
 
 def _active_step_gone(
-    path: str,
-    was: Step,
-    unpaired: list[Step],
-    before: MethodSteps,
-    after: MethodSteps,
-    retention: timedelta,
-    now: datetime,
+    path: str, was: Step, unpaired: list[Step], retention: timedelta, now: datetime
 ) -> _Gone:
-    """An active step is no longer declared: a new version, a rename, or a removal."""
+    """An active step is no longer declared, and not renamed (``_renames``): a new version, or a
+    removal."""
     name = was.name
-    change = Change.STEP_VERSION_CHANGED
     successor = _pick(unpaired, lambda s: _base(s.name) == _base(name))
-    if successor is None:
-        change = Change.STEP_RENAMED
-        successor = _pick(unpaired, lambda s: _target(s) == _target(was))
     if successor is None:
         what = f"step {name} ({_effect(was)}) was removed"
         change = Change.STEP_REMOVED
         runs = "the effect again, under any new step's child key,"
     else:
-        verb = "changed version to" if change is Change.STEP_VERSION_CHANGED else "was renamed to"
         what = (
-            f"step {name} ({_effect(was)}) {verb} {successor.name} ({_effect(successor)})"
-            " without retiring the old name"
+            f"step {name} ({_effect(was)}) changed version to {successor.name}"
+            f" ({_effect(successor)}) without retiring the old name"
         )
+        change = Change.STEP_VERSION_CHANGED
         runs = f"{successor.name} under a new child key,"
     finding = Finding(
         change=change,
@@ -312,195 +383,17 @@ def _active_step_gone(
             f" {_span(retention)}) that already ran {name} and is retried, or taken over after a"
             f" crash, would run {runs} so the downstream service executes it a second time"
         ),
-        fix=_retire_fix(was, before, after, retention, now),
+        fix=(
+            f"declare the old step again, retired: {_declaration(was, retire_at=now)}; it can"
+            f" be deleted from {_ts(now + retention)} (retired_at + {_span(retention)})"
+        ),
     )
     return _Gone(finding, successor.name if successor is not None else None)
 
 
-def _retire_fix(
-    was: Step, before: MethodSteps, after: MethodSteps, retention: timedelta, now: datetime
-) -> str:
-    """How to stop using the active step ``was`` (absent from ``after``) safely: declare it
-    again, retired now, unless the runtime would then misread it (see the module's docstring)."""
-    retire = (
-        f"declare the old step again, retired: {_declaration(was, retire_at=now)}; it can be"
-        f" deleted from {_ts(now + retention)} (retired_at + {_span(retention)})"
-    )
-    if _base(was.name) in _live_bases(was, after.steps):
-        return retire  # a new version of the same name follows it
-    peers = [s for s in _peers(was, after.steps) if s.active]
-    established = _active_bases(before.steps)
-    fresh = [s.name for s in peers if _base(s.name) not in established]
-    if len(peers) > 1 and fresh:
-        return _bump_fix(was, fresh, now)
-    if len(peers) == 1 and not fresh:
-        return f"{retire}; and {_tie_fix(peers[0], now)}"
-    return retire
-
-
-def _bump_fix(was: Step, fresh: list[str], now: datetime) -> str:
-    bumped = Step(
-        name=f"{_base(was.name)}.v{_next_version(was.name)}", call=was.call, outbox=was.outbox
-    )
-    return (
-        "a rename onto a target called by several steps cannot be followed: keep the old name"
-        f" and bump its version instead, {_declaration(was, retire_at=now)}"
-        f" {_declaration(bumped)}, in place of {fresh}"
-        " (if those are effects of their own, add them in a change of their own)"
-    )
-
-
-def _tie_fix(sole: Step, when: datetime) -> str:
-    bumped = Step(
-        name=f"{_base(sole.name)}.v{_next_version(sole.name)}", call=sole.call, outbox=sole.outbox
-    )
-    return (
-        f"since {sole.name} is then the only active step {_effect(sole)}, which would be read as"
-        f" its new name, retire {sole.name} at the same instant for a new version of it:"
-        f" {_declaration(sole, retire_at=when)} {_declaration(bumped)} (on a tie the same name"
-        f" wins, so operations begun earlier keep {sole.name} and later ones use {bumped.name})"
-    )
-
-
-def _peers(step: Step, steps: tuple[Step, ...]) -> list[Step]:
-    """The steps of ``steps`` with the same target as ``step`` (``step`` included, if there)."""
-    return [s for s in steps if _target(s) == _target(step) and bool(s.call) == bool(step.call)]
-
-
-def _live_bases(step: Step, steps: tuple[Step, ...]) -> set[str]:
-    """The names (without version) that ``propagation.as_of`` counts as still active for
-    ``step``: the method's active steps for a call step, its active outbox steps for an outbox
-    step (as the client and the outbox look them up)."""
-    return _active_bases(steps if step.call else tuple(s for s in steps if s.outbox))
-
-
-def _active_bases(steps: tuple[Step, ...]) -> set[str]:
-    return {_base(s.name) for s in steps if s.active}
-
-
-def _followed(steps: tuple[Step, ...]) -> dict[str, str]:
-    """The renames ``propagation.as_of`` follows: retired step name -> the only active step on
-    its target, for retired steps whose name has no active version any more."""
-    followed: dict[str, str] = {}
-    for s in _by_name(steps).values():
-        if s.active or _base(s.name) in _live_bases(s, steps):
-            continue
-        active = [p for p in _peers(s, steps) if p.active]
-        if len(active) == 1:
-            followed[s.name] = active[0].name
-    return followed
-
-
-def _renames_followed(
-    path: str, before: MethodSteps, after: MethodSteps, retention: timedelta, now: datetime
-) -> list[Finding]:
-    """Retired steps of ``after`` that the runtime would take for renamed to the wrong step, or
-    could not follow (see the module's docstring)."""
-    was_followed, follows = _followed(before.steps), _followed(after.steps)
-    established = _active_bases(before.steps)
-    old = _by_name(before.steps)
-    findings: list[Finding] = []
-    for gone in _by_name(after.steps).values():
-        if gone.active or not _live(gone, retention, now):
-            continue  # past its retention, no operation that used it can be re-run
-        if _base(gone.name) in _live_bases(gone, after.steps):
-            continue  # a version bump: followed by name
-        assert gone.retired_at is not None
-        peers = [s for s in _peers(gone, after.steps) if s.active]
-        earlier = was_followed.get(gone.name)
-        until = _ts(removable_from(gone, retention))
-        why_rerun = (
-            f"an operation begun before {_ts(gone.retired_at)} (retention {_span(retention)})"
-            f" that already ran {gone.name} and is retried, or taken over after a crash,"
-        )
-        sole = follows.get(gone.name)
-        if sole is not None:
-            if earlier is not None and _base(earlier) == _base(sole):
-                continue  # the same rename as before (perhaps onto a newer version)
-            if _base(sole) not in established:
-                continue  # a rename onto a new name: what as_of follows
-            tied = any(
-                _base(s.name) == _base(sole)
-                and s.retired_at is not None
-                and _aware(s.retired_at) == _aware(gone.retired_at)
-                for s in _peers(gone, after.steps)
-            )
-            if tied:
-                continue  # retired together with a version of its neighbour: the name wins
-            step = next(s for s in peers if s.name == sole)
-            if gone.name not in old:
-                fix = f"do not declare {gone.name}: no operation can have used it"
-            elif old[gone.name].active:
-                fix = _tie_fix(step, gone.retired_at)
-            else:
-                fix = (
-                    f"remove {gone.name} first, once its retention has passed ({until}), then"
-                    " make this change"
-                )
-            findings.append(
-                Finding(
-                    change=Change.RETIREMENT_READ_AS_RENAME,
-                    method=path,
-                    step=gone.name,
-                    what=(
-                        f"retired step {gone.name} ({_effect(gone)}) would be read as an earlier"
-                        f" name of {sole}, which was already declared and is now the only active"
-                        f" step that {_effect(step)}"
-                    ),
-                    why=(
-                        "a retired step whose name has no active version is taken for renamed to"
-                        f" the only active step on its target: {why_rerun} would key {sole}'s"
-                        f" effect with {gone.name}'s child key, so the downstream service answers"
-                        f" it with {gone.name}'s outcome (or refuses the key as reused) and"
-                        f" {sole}'s effect is not done"
-                    ),
-                    fix=fix,
-                )
-            )
-        elif len(peers) > 1:
-            names = [s.name for s in peers]
-            if earlier is not None:
-                findings.append(
-                    Finding(
-                        change=Change.RENAME_NO_LONGER_FOLLOWED,
-                        method=path,
-                        step=gone.name,
-                        what=(
-                            f"retired step {gone.name}, renamed to {earlier}, can no longer be"
-                            f" followed: {_target(gone)} now has several active steps {names}"
-                        ),
-                        why=(
-                            f"{why_rerun} would use {earlier}'s child key instead of"
-                            f" {gone.name}'s and run the effect a second time"
-                        ),
-                        fix=(
-                            f"add the other steps on {_target(gone)} once {gone.name} can be"
-                            f" removed ({until})"
-                        ),
-                    )
-                )
-                continue
-            fresh = [s.name for s in peers if _base(s.name) not in established]
-            # Only a step in use until now can have been renamed (one added retired never was).
-            if gone.name in old and old[gone.name].active and fresh:
-                findings.append(
-                    Finding(
-                        change=Change.RENAME_ONTO_SHARED_TARGET,
-                        method=path,
-                        step=gone.name,
-                        what=(
-                            f"step {gone.name} ({_effect(gone)}) retired while {fresh} started"
-                            f" to call the same target, which several active steps {names} call"
-                        ),
-                        why=(
-                            "a rename is followed only onto the only active step on its target;"
-                            f" here it could be any of {names}, so {why_rerun} would run the"
-                            " effect again under a new child key"
-                        ),
-                        fix=_bump_fix(gone, fresh, gone.retired_at),
-                    )
-                )
-    return findings
+def _same_target(a: Step, b: Step) -> bool:
+    """The same ``call`` (normalized), or both outbox steps."""
+    return _target(a) == _target(b) and bool(a.call) == bool(b.call)
 
 
 def _retired_step_removed(path: str, was: Step, retention: timedelta, now: datetime) -> Finding:
@@ -602,9 +495,15 @@ def _pick(candidates: list[Step], match: Callable[[Step], bool]) -> Step | None:
     return None
 
 
-def _next_version(name: str) -> int:
+def _next_version(name: str, among: tuple[Step, ...] = ()) -> int:
+    """The version after ``name``'s, and after any other version of its name in ``among``."""
+    versions = [_version(name)] + [_version(s.name) for s in among if _base(s.name) == _base(name)]
+    return max(versions) + 1
+
+
+def _version(name: str) -> int:
     _, sep, version = name.rpartition(".v")
-    return int(version) + 1 if sep and version.isdigit() else 2
+    return int(version) if sep and version.isdigit() else 1
 
 
 def _declaration(step: Step, *, retire_at: datetime | None = None) -> str:
