@@ -164,6 +164,19 @@ async def test_a_scope_resolver_that_fails_is_refused_before_the_handler(
         assert ledger.service.executions == 0
 
 
+async def test_a_failing_scope_resolver_is_logged_at_most_once_a_minute(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Callers may be able to make a resolver fail (a malformed token): a traceback per call
+    would let them flood the server's log."""
+    async with running_ledger(store, scope=_raises) as ledger:
+        for _ in range(3):
+            answer = await ledger.call(POST, post(fresh("acct")), fresh())
+            assert answer.reason() == "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"
+    logged = [r for r in caplog.records if "scope resolver" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+
+
 def test_an_async_scope_resolver_is_refused_at_construction(store: Store) -> None:
     async def resolver(context: object) -> str:
         return "tenant"

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -200,6 +201,7 @@ class IdempotencyInterceptor(_Interceptor):
                 f" str, such as MetadataScope() or StaticScope(...); got {scope!r}"
             )
         self._scope = scope
+        self._resolver_failure_logged = -math.inf
         self._telemetry = telemetry or Telemetry()
         self._registry = PolicyRegistry(services, overrides)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
@@ -232,7 +234,14 @@ class IdempotencyInterceptor(_Interceptor):
         except IdempotencyError:
             raise
         except Exception:
-            log.exception("the scope resolver %r failed", self._scope)
+            # Logged with its traceback at most once a minute: a resolver that fails for every
+            # caller (or that callers can make fail) must not flood the log.
+            now = time.monotonic()
+            if now - self._resolver_failure_logged >= 60.0:
+                self._resolver_failure_logged = now
+                log.exception(
+                    "the scope resolver %r failed (logged at most once a minute)", self._scope
+                )
             raise ScopeResolverFailed("the scope resolver failed; see the server's log") from None
         return validate_scope(scope)
 
