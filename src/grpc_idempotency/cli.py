@@ -189,10 +189,10 @@ def _parser() -> argparse.ArgumentParser:
         "check-steps",
         "fail when a change of declared steps would re-execute in-flight work",
         "Compare the steps declared in (grpc_idempotency.v1.method) options between two"
-        " descriptor sets. Fails (exit 1) when a step is removed, renamed, changes version"
-        " or changes target without the old step staying declared with retired_at for the"
-        " method's retention, or when a keyed method with live steps disappears. Exit 2:"
-        " unreadable input.",
+        " descriptor sets. Fails (exit 1) when a step is renamed (always: keep the name and"
+        " bump its version), or is removed, changes version or changes target without the old"
+        " step staying declared with retired_at for the method's retention, or when a keyed"
+        " method with live steps disappears. Exit 2: unreadable input.",
     )
     check.add_argument(
         "--against",
