@@ -8,9 +8,18 @@ from collections.abc import AsyncIterator, Iterator
 import asyncpg
 import grpc
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import MethodOverride, Store, StoreDown, child_key
+from grpc_idempotency import (
+    KeyRequirement,
+    MethodOverride,
+    Store,
+    StoreDown,
+    Telemetry,
+    child_key,
+)
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.ledger import (
     RunningLedger,
@@ -138,6 +147,33 @@ async def test_a_fail_open_call_still_keys_its_downstream_calls(
         len(seen.deadlines_seen) == 1 and 0 < (seen.deadlines_seen[0] or 0) <= 5.05
     )  # rounded up by gRPC
     assert await ledger_rows(store, account) == 1
+
+
+async def test_every_call_run_without_its_store_is_counted_as_bypassed(
+    private_store: Store, private_pg: EmbeddedPostgres
+) -> None:
+    """Keyed or not: an optional-key fail-open call without a key ran unclaimed uncounted."""
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    fail_open = SVC + "PostFailOpen"
+    overrides = {fail_open: MethodOverride(key=KeyRequirement.OPTIONAL)}
+    async with running_ledger(private_store, overrides=overrides, telemetry=telemetry) as ledger:
+        private_pg.stop(mode="immediate")
+        try:
+            keyed = await ledger.call(fail_open, post(fresh("acct")), fresh())
+            unkeyed = await ledger.call(fail_open, post(fresh("acct")), None)
+        finally:
+            private_pg.start()
+    assert keyed.code is unkeyed.code is grpc.StatusCode.OK
+    assert ledger.service.executions == 2
+    metrics = {
+        m.name: m
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
+    (point,) = metrics["grpc_idempotency.bypassed"].data.data_points
+    assert point.value == 2
 
 
 @pytest.mark.parametrize(

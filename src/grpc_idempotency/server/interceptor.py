@@ -489,10 +489,6 @@ class IdempotencyInterceptor(_Interceptor):
                 fail_open = _may_fail_open(policy, context)
                 step, phase = transition(phase, store_down_event(fail_open=fail_open))
                 if step is Step.RUN_WITHOUT_STORE:
-                    log.warning(
-                        "%s: store unavailable, running without deduplication", policy.method
-                    )
-                    self._telemetry.bypassed.add(1, self._telemetry.attributes(policy.method))
                     call.outcome = CallOutcome.BYPASSED
                     return await self._run_without_store(call)
                 call.outcome = CallOutcome.UNAVAILABLE
@@ -724,7 +720,11 @@ class IdempotencyInterceptor(_Interceptor):
     async def _run_without_store(self, call: _Call) -> Any:
         """Fail-open: the handler runs with no transaction and no deduplication here; its calls
         to other services still carry child keys (the call's key is known), so their effects
-        stay deduplicated downstream, whose stores may well be up."""
+        stay deduplicated downstream, whose stores may well be up. Logged and counted
+        (``grpc_idempotency.bypassed``), keyed or not."""
+        method = call.policy.method
+        log.warning("%s: store unavailable, running without deduplication", method)
+        self._telemetry.bypassed.add(1, self._telemetry.attributes(method))
         bound = call_context.bind(_unclaimed(call))
         try:
             return await self._invoke(call)
