@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import secrets
@@ -294,14 +295,21 @@ class Relay:
             raise ValueError("listen_dsn is for listening: not with listen=False")
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        if lease <= 0 or poll_interval <= 0 or purge_interval <= 0:
-            raise ValueError("lease, poll_interval and purge_interval must be positive")
-        if sent_retention is not None and sent_retention < 0:
-            raise ValueError("sent_retention must not be negative")
+        # NaN passes every comparison: a NaN poll_interval made the relay claim in a tight loop.
+        if not all(0 < v < math.inf for v in (lease, poll_interval, purge_interval)):
+            raise ValueError("lease, poll_interval and purge_interval must be positive and finite")
+        if sent_retention is not None and not 0 <= sent_retention < math.inf:
+            raise ValueError("sent_retention must be finite and not negative")
         if delivery_timeout is None:
             delivery_timeout = lease / 2
         if not 0 < delivery_timeout < lease:
             raise ValueError("delivery_timeout must be positive and shorter than the lease")
+        if listen and listen_dsn is None and store.pool.get_max_size() < 2:
+            # LISTEN would hold the pool's only connection, and every claim wait for it forever.
+            raise ValueError(
+                "a relay that listens on the store's pool needs max_size >= 2 (one connection"
+                " holds the LISTEN); pass listen_dsn=, or listen=False to poll"
+            )
         self.store = store
         self.sink = sink
         self.policy = policy
@@ -442,6 +450,14 @@ class Relay:
         except Exception as err:
             text = str(err) if isinstance(err, DeliveryError) else f"{type(err).__name__}: {err}"
             return _Failed(text, permanent=False)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the relay is being cancelled: its rows come back after the lease
+            # Nobody cancelled this task: the sink's call was (grpc.aio raises CancelledError
+            # for a call whose channel closed). A failed delivery, recorded with its batch;
+            # raised, it took run() down and left the batch's delivered rows to be sent again.
+            return _Failed("the delivery was cancelled (its channel closed?)", permanent=False)
         if failpoints.ENABLED:
             try:
                 await failpoints.hit("relay_after_delivery")

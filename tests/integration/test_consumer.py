@@ -292,6 +292,49 @@ async def test_consumers_are_separated_by_name(store: Store, effects_table: None
 
 
 @pytest.mark.parametrize(
+    "raised",
+    [TimeoutError("the payment API took too long"), ConnectionRefusedError(111, "refused")],
+    ids=["timeout", "refused"],
+)
+async def test_an_effects_own_network_error_is_raised_unchanged(
+    store: Store, consumer: IdempotentConsumer, raised: Exception
+) -> None:
+    """The effect's call to another service failed, not the database: it was reported as the
+    store being down (StoreUnavailable; UNAVAILABLE through process_call), and the caller's own
+    ``except TimeoutError`` never ran."""
+    message_id = fresh()
+
+    async def effect(conn: Any) -> None:
+        await conn.execute("SELECT 1")
+        raise raised
+
+    with pytest.raises(type(raised)) as caught:
+        await consumer.process(message_id, effect)
+    assert caught.value is raised
+    assert not (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
+async def test_misusing_the_connection_is_the_effects_error_not_an_outage(
+    consumer: IdempotentConsumer,
+) -> None:
+    """asyncpg refuses conn.transaction() inside the mark's transaction (InterfaceError): a
+    programming error, which was reported as the store being down and retried until dead."""
+
+    async def effect(conn: Any) -> None:
+        async with conn.transaction():
+            await conn.execute("SELECT 1")
+
+    with pytest.raises(asyncpg.InterfaceError):
+        await consumer.process(fresh(), effect)
+
+
+def test_a_retention_the_database_cannot_add_is_refused_when_made(store: Store) -> None:
+    """It overflowed the mark's timestamp (22008): every delivery failed as a store outage."""
+    with pytest.raises(ValueError, match="at most 36500 days"):
+        IdempotentConsumer(store, fresh("consumer"), retention=timedelta(days=999_999_999))
+
+
+@pytest.mark.parametrize(
     "message_id",
     # 1024 four-byte characters overflowed the marks' index (a "store unavailable" error, so the
     # message came back forever); a lone surrogate raised a raw UnicodeEncodeError.

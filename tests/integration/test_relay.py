@@ -571,9 +571,95 @@ def test_relay_arguments_are_checked() -> None:
         {"lease": 0},
         {"lease": 1, "delivery_timeout": 1},
         {"sent_retention": -1},
+        # NaN passed every comparison: a NaN poll_interval claimed in a tight loop.
+        {"poll_interval": float("nan")},
+        {"purge_interval": float("inf")},
+        {"lease": float("nan")},
+        {"sent_retention": float("nan")},
     ):
         with pytest.raises(ValueError):
             Relay(store, sink, **bad)  # type: ignore[arg-type]
+
+
+async def test_a_listening_relay_needs_a_second_connection(pg_dsn: str, outbox: Store) -> None:
+    """On a one-connection pool the LISTEN held the only connection and every claim waited for
+    it forever (and stop() could not end the wait)."""
+    sink = CallableSink(lambda m: asyncio.sleep(0))
+    small = await Store.connect(pg_dsn, schema=outbox.schema, min_size=1, max_size=1)
+    try:
+        with pytest.raises(ValueError, match="max_size >= 2"):
+            Relay(small, sink)
+        Relay(small, sink, listen=False)  # polling needs one
+    finally:
+        await small.close()
+
+
+async def test_a_sink_error_text_that_is_not_valid_unicode_is_recorded(outbox: Store) -> None:
+    """A lone surrogate (text decoded with surrogateescape) in one failure's error: PostgreSQL
+    refused it, the batch's failures all went unrecorded, and the relay reported the store down."""
+    await insert(outbox, outbox.schema, ["plain", "undecodable"])
+
+    async def deliver(message: OutboxMessage) -> None:
+        if message.key == "undecodable":
+            raise RuntimeError(b"receiver said \xff".decode("utf-8", "surrogateescape"))
+        raise RuntimeError("plain failure")
+
+    relay = Relay(outbox, CallableSink(deliver), lease=5, listen=False)
+    assert await relay.run_once() == 0
+    for key in ("plain", "undecodable"):
+        failed = await row(outbox, key)
+        assert (failed["failures"], failed["locked_until"]) == (1, None), failed
+    assert "receiver said \\udcff" in str((await row(outbox, "undecodable"))["last_error"])
+
+
+async def test_a_delivery_whose_channel_closes_is_a_failed_delivery_of_a_recorded_batch(
+    outbox: Store,
+) -> None:
+    """grpc.aio raises CancelledError for a call whose channel closed (an application closing it
+    on shutdown before its relay ended): it escaped the delivery, took run() down though nobody
+    cancelled it, and left the batch unrecorded: the row already delivered was sent again."""
+    release, entered = asyncio.Event(), asyncio.Event()
+
+    async def handler(request: bytes, context: object) -> bytes:
+        if request == b"slow":
+            entered.set()
+            await release.wait()
+        return b""
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "x.Y", {"Z": grpc.unary_unary_rpc_method_handler(handler)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    sink = GrpcSink(channel, "/x.Y/Z")
+    fast_sent = asyncio.Event()
+
+    async def deliver(message: OutboxMessage) -> None:
+        await sink.deliver(message)
+        if message.key == "fast":
+            fast_sent.set()
+
+    try:
+        await insert(outbox, outbox.schema, ["fast", "slow"])
+        relay = Relay(outbox, CallableSink(deliver), lease=20, listen=False, poll_interval=0.2)
+        stop = asyncio.Event()
+        running = asyncio.create_task(relay.run(stop))
+        await asyncio.wait_for(asyncio.gather(entered.wait(), fast_sent.wait()), WAIT_S)
+        stop.set()
+        await channel.close()  # "slow" is still in flight
+        await asyncio.wait_for(running, WAIT_S)  # returns: no CancelledError
+        assert (await row(outbox, "fast"))["state"] == "sent"
+        slow = await row(outbox, "slow")
+        assert (slow["state"], slow["failures"], slow["locked_until"]) == ("pending", 1, None)
+    finally:
+        release.set()
+        await server.stop(None)
 
 
 async def test_an_outcome_lost_after_delivery_means_redelivery_after_the_lease(

@@ -164,6 +164,15 @@ def test_a_bad_override_value_is_refused_where_it_is_written(
         MethodOverride(**options)  # type: ignore[arg-type]
 
 
+def test_a_duration_the_database_cannot_add_to_its_clock_is_refused() -> None:
+    """A retention of a million days overflowed the record's timestamp (22008) on every call,
+    answered as the store being down."""
+    for field in ("retention", "lease", "max_wait"):
+        override = MethodOverride(**{field: timedelta(days=1_000_000)})  # type: ignore[arg-type]
+        with pytest.raises(PolicyError, match="at most 36500 days"):
+            compile_policy(method_with(lambda o: o.SetInParent()), override)
+
+
 def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
     override = MethodOverride(
         recorded_errors=(c for c in [grpc.StatusCode.NOT_FOUND, Code.ALREADY_EXISTS, 9]),

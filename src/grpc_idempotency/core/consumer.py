@@ -34,6 +34,7 @@ from grpc_idempotency.core.errors import (
     MessageInProgress,
 )
 from grpc_idempotency.core.keys import key_from_metadata
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.wire import KEY_HEADER
 
 MAX_MESSAGE_ID_BYTES = 1024
@@ -60,10 +61,11 @@ class ConsumerPolicy:
     """How long a duplicate waits for a concurrent delivery of the same id to finish."""
 
     def __post_init__(self) -> None:
-        if self.retention <= timedelta(0):
-            raise ValueError("retention must be positive")
-        if self.max_wait < timedelta(0):
-            raise ValueError("max_wait must not be negative")
+        if not timedelta(0) < self.retention <= MAX_DURATION:
+            # Longer overflowed the mark's timestamp: every delivery failed as a store outage.
+            raise ValueError(f"retention must be positive and at most {MAX_DURATION.days} days")
+        if not timedelta(0) <= self.max_wait <= MAX_DURATION:
+            raise ValueError(f"max_wait must be 0 to {MAX_DURATION.days} days")
 
     @property
     def retention_s(self) -> float:

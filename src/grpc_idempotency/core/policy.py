@@ -25,6 +25,9 @@ from grpc_idempotency.v1 import options_pb2
 
 DEFAULT_RETENTION = timedelta(hours=24)
 DEFAULT_LEASE = timedelta(seconds=30)
+MAX_DURATION = timedelta(days=36500)
+"""The longest retention, lease or wait: added to the database's clock, a longer one can
+overflow a timestamp (SQLSTATE 22008), which failed every call as if the store were down."""
 DEFAULT_MAX_WAIT = timedelta(seconds=5)
 # Below gRPC's default 4 MiB receive limit, so that whatever is stored can also be received.
 DEFAULT_MAX_RESPONSE_BYTES = 1 << 20
@@ -286,6 +289,8 @@ def compile_policy(
         raise fail("lease must be positive")
     if policy.max_wait < timedelta(0):
         raise fail("max_wait may not be negative")
+    if max(policy.retention, policy.lease, policy.max_wait) > MAX_DURATION:
+        raise fail(f"retention, lease and max_wait may be at most {MAX_DURATION.days} days")
     if policy.max_response_bytes < 0:
         raise fail("max_response_bytes may not be negative")
     return policy

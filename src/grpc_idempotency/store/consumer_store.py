@@ -17,7 +17,12 @@ import asyncpg
 from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import StoreUnavailable
-from grpc_idempotency.store.errors import STORE_ERRORS, aborted_by, store_error
+from grpc_idempotency.store.errors import (
+    STORE_ERRORS,
+    aborted_by,
+    raised_in_asyncpg,
+    store_error,
+)
 from grpc_idempotency.store.postgres import PooledConnection, Store
 from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
 
@@ -33,9 +38,7 @@ _LOCK_NOT_AVAILABLE = "55P03"
 # SQLSTATE classes 08 (connection exception) and 57P (the server shutting down or restarting).
 _CONNECTION_LOST: tuple[type[BaseException], ...] = (
     asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
     asyncpg.InternalClientError,  # the protocol noticed the server hang up mid-operation
-    OSError,
 )
 _CONNECTION_LOST_STATES = ("08", "57P")
 
@@ -203,12 +206,18 @@ def _terminate(conn: PooledConnection) -> None:
 
 
 def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by the effect, is the store's failure. An OSError (TimeoutError
+    included) is the effect's own unless asyncpg raised it: the effect's calls to other services
+    raise them too. An InterfaceError is asyncpg refusing a misuse (``conn.transaction()`` inside
+    the mark's transaction) unless the connection is gone. Both were reported as the store being
+    down, so the message came back until it was a dead letter."""
     if not isinstance(exc, Exception):
         return False
     state = getattr(exc, "sqlstate", None) or ""
     return (
         isinstance(exc, _CONNECTION_LOST)
         or state.startswith(_CONNECTION_LOST_STATES)
+        or (isinstance(exc, OSError) and raised_in_asyncpg(exc))
         or _closed(conn)
     )
 

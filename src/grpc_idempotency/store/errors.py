@@ -81,7 +81,9 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
 
 
-def _raised_in_asyncpg(exc: BaseException, module: str = "asyncpg.") -> bool:
+def raised_in_asyncpg(exc: BaseException, module: str = "asyncpg.") -> bool:
+    """Whether ``exc`` was raised by code of ``module`` (asyncpg's by default): an OSError or a
+    TimeoutError is the database's only then, not that of the caller's own network calls."""
     tb = exc.__traceback__
     while tb is not None:
         if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(module):
@@ -104,7 +106,7 @@ def dsn_unusable(exc: BaseException) -> bool:
         return False
     return isinstance(
         exc, (ValueError, LookupError, ArithmeticError, TypeError)
-    ) and _raised_in_asyncpg(exc, "asyncpg.connect_utils")
+    ) and raised_in_asyncpg(exc, "asyncpg.connect_utils")
 
 
 def handler_error(exc: BaseException) -> IdempotencyError | None:
@@ -113,7 +115,7 @@ def handler_error(exc: BaseException) -> IdempotencyError | None:
     released in every case; only the status differs."""
     if isinstance(exc, (OSError, TimeoutError)):
         # Also what the handler's own network calls raise: only asyncpg's are the store's.
-        if not _raised_in_asyncpg(exc):
+        if not raised_in_asyncpg(exc):
             return None
     elif not isinstance(exc, STORE_ERRORS):
         return None

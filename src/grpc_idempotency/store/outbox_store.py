@@ -389,8 +389,10 @@ class OutboxStore:
 
 
 def _text(value: str, limit: int = 2000) -> str:
-    """An error message fit for a text column: no NUL, bounded length."""
-    value = value.replace("\x00", "\ufffd")
+    """An error message fit for a text column: no NUL, no lone surrogate (text decoded with
+    surrogateescape: PostgreSQL refused it, and the whole batch's failures went unrecorded),
+    bounded length."""
+    value = value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\ufffd")
     return value if len(value) <= limit else value[: limit - 1] + "\u2026"
 
 
