@@ -676,3 +676,71 @@ async def test_stopping_the_keeper_behind_a_partition_takes_at_most_about_a_leas
         handler.cancel()
         partitioned.pool.terminate()
         await proxy.close()
+
+
+@pytest.mark.parametrize("which", ["begin_final", "claim_atomic"])
+async def test_a_transaction_opening_that_times_out_behind_a_partition_returns_in_time(
+    pg_dsn: str, store: Store, which: str
+) -> None:
+    """The opening batch timed out after 1 s, but its connection was handed back to the pool,
+    which waited for the database to confirm the cancellation: command_timeout more (6 s here;
+    for ever without one)."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=6.0)
+    try:
+        claim = await partitioned.claim_phased(
+            scope=SCOPE,
+            key=fresh(),
+            method=PHASED,
+            fingerprint=b"f" * 32,
+            retention_s=600.0,
+            lease_s=30.0,
+        )
+        assert claim is not None
+        proxy.blackhole()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(StoreUnavailable):
+            if which == "begin_final":
+                await claim.begin_final(timeout=1.0)
+            else:
+                await partitioned.claim_atomic(
+                    scope=SCOPE,
+                    key=fresh(),
+                    method=PHASED,
+                    fingerprint=b"f" * 32,
+                    retention_s=600.0,
+                    lease_s=30.0,
+                    timeout=1.0,
+                )
+        assert loop.time() - began < 3.0
+    finally:
+        partitioned.pool.terminate()
+        await proxy.close()
+
+
+async def test_a_takeover_on_a_clock_that_stepped_back_keeps_renewing(store: Store) -> None:
+    """After the database's clock stepped back past the operation's start (a failover to a
+    primary whose clock is behind), a takeover's lease ends before created_at; the renewal read
+    that as a released claim, refused the rightful owner and cancelled its handler."""
+    key = fresh()
+    first = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
+    )
+    assert first is not None
+    # Simulated: the operation's start an hour ahead of the clock, its first owner's lease over.
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET created_at = clock_timestamp() + interval '1 hour',"
+        " locked_until = clock_timestamp() - interval '1 second' WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    second = await store.claim_phased(
+        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
+    )
+    assert second is not None and second.token == 2
+    assert await second.renew()
+    await second.release()
+    assert not await second.renew()  # released: still not renewed
+    assert not await first.renew()  # nor the stale owner's

@@ -196,8 +196,15 @@ class Attempt:
         finally:
             await self._finish()
 
-    async def release(self) -> None:
-        """Rolls back everything: the claim disappears and a retry runs the handler again."""
+    async def release(self, *, interrupted: bool = False) -> None:
+        """Rolls back everything: the claim disappears and a retry runs the handler again.
+        ``interrupted``: a statement of this transaction timed out or was cancelled on the wire
+        and may still run; the connection is dropped rather than handed back, which would wait
+        for the database to confirm the cancellation (behind a partition, the whole
+        ``command_timeout``, or for ever without one). PostgreSQL rolls back what was open."""
+        if interrupted:
+            with contextlib.suppress(*STORE_ERRORS):
+                self.connection.terminate()
         try:
             await self._rollback_quietly()
         finally:
@@ -221,6 +228,11 @@ class Attempt:
             return
         self._done = True
         await self._store._release(self.connection)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` cut a statement short on the wire (it may still run in PostgreSQL)."""
+    return isinstance(exc, (TimeoutError, asyncio.CancelledError))
 
 
 def _checked_acquire_timeout(value: float | None) -> float | None:
@@ -518,7 +530,7 @@ class Store:
                 return None
             raise store_error(exc, "claiming a key") from exc
         except BaseException as exc:
-            await attempt.release()
+            await attempt.release(interrupted=_interrupted(exc))
             if isinstance(exc, STORE_ERRORS):
                 raise store_error(exc, "claiming a key") from exc
             raise
@@ -885,7 +897,7 @@ class PhasedClaim:
                     raise LeaseLost("the claim changed under the final transaction") from exc
                 raise store_error(exc, "opening the final transaction") from exc
             except BaseException as exc:
-                await attempt.release()
+                await attempt.release(interrupted=_interrupted(exc))
                 if isinstance(exc, STORE_ERRORS):
                     raise store_error(exc, "opening the final transaction") from exc
                 raise

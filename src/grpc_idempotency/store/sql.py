@@ -112,11 +112,15 @@ class Statements:
         #
         # A released claim is not renewed: a renewal that reaches the row after the release (it
         # was on the wire, or ran on after its client gave up on it) would set the lease again,
-        # and retries would wait it out instead of taking over.
+        # and retries would wait it out instead of taking over. A lease still running is
+        # renewed even if it ends before the operation's start: after a takeover on a database
+        # clock that stepped back (a failover to a primary whose clock is behind), the rightful
+        # owner was refused, and its handler cancelled, until the clock caught up.
         self.renew = f"""
             UPDATE {s}.records SET locked_until = clock_timestamp() + make_interval(secs => $4)
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND created_at = $5
-              AND state = 'in_progress' AND locked_until > created_at"""
+              AND state = 'in_progress'
+              AND (locked_until > created_at OR locked_until > clock_timestamp())"""
         # Ends the lease now rather than deleting the claim: a retry takes it over at once, and
         # the takeover keeps the operation's start (created_at), which child keys rely on. The
         # lease ends at the operation's start, not at now: a lease that was granted always ends
