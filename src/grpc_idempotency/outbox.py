@@ -494,14 +494,16 @@ class Relay:
             # crash failpoint after the first delivery cannot swallow the ready line), and no
             # notification sent after it is missed.
             listening = asyncio.ensure_future(self.listening.wait())
+            stopping = asyncio.ensure_future(stop.wait())  # a stop during a start-up outage
             try:
                 await asyncio.wait(
-                    [listening, listener],
+                    [listening, listener, stopping],
                     timeout=max(self.poll_interval, 5.0),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
                 listening.cancel()
+                stopping.cancel()
         next_purge = loop.time()
         outage = 0
         try:

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import json
 import re
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -486,6 +487,29 @@ async def test_a_relay_waits_out_a_database_outage(pg_dsn: str, outbox: Store) -
     async with running(relay):
         await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
     assert failures == 3 and receiver.delivered == {"survivor": 1}
+
+
+async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Store) -> None:
+    """Before its first claim the relay waits for its LISTEN, bounded by max(poll, 5 s); a stop
+    during that wait (a deploy during a database outage) waited it out."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    relay = Relay(
+        outbox,
+        Receiver(),
+        poll_interval=30.0,
+        listen_dsn=f"postgresql://nobody@127.0.0.1:{port}/nothing",
+    )
+    stop = asyncio.Event()
+    running_relay = asyncio.create_task(relay.run(stop))
+    await asyncio.sleep(0)  # it is waiting for its LISTEN now
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    stop.set()
+    await asyncio.wait_for(running_relay, WAIT_S)
+    assert loop.time() - began < 5.0
+    assert not relay.listening.is_set()
 
 
 async def test_the_relay_purges_sent_rows_after_retention(outbox: Store) -> None:
