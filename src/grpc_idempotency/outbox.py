@@ -480,8 +480,22 @@ class Relay:
             raise RuntimeError("this relay is already running")
         self._running = True
         stop = stop or asyncio.Event()
-        loop = asyncio.get_running_loop()
         helpers = [asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}")]
+        try:
+            await self._start(stop, helpers)
+            await self._deliver_until(stop)
+        finally:
+            # Cancelled during the start too (a supervisor's timeout while LISTEN cannot
+            # connect): the helpers went on, the listener reconnecting for ever, and the relay
+            # stayed "running".
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            self._running = False
+
+    async def _start(self, stop: asyncio.Event, helpers: list[asyncio.Task[None]]) -> None:
+        """Starts the LISTEN loop (one of ``helpers`` then) and waits for it, or announces
+        polling."""
         if self.polling_only:
             log.info("relay %s: polling every %gs (no LISTEN)", self.name, self.poll_interval)
             if self._on_listening is not None:
@@ -504,32 +518,30 @@ class Relay:
             finally:
                 listening.cancel()
                 stopping.cancel()
+
+    async def _deliver_until(self, stop: asyncio.Event) -> None:
+        """Claims, delivers and records batches until ``stop`` is set."""
+        loop = asyncio.get_running_loop()
         next_purge = loop.time()
         outage = 0
-        try:
-            while not stop.is_set():
-                # Cleared before claiming: a notification that arrives during the batch wakes
-                # the next wait at once.
-                self._wake.clear()
-                try:
-                    batch = await self._batch()
-                    wait = 0.0 if batch.more_due(self.batch_size) else await self._idle_wait(batch)
-                    outage = 0
-                except StoreUnavailable as err:
-                    outage += 1
-                    wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
-                    log.warning("relay %s: %s; trying again in %.1fs", self.name, err, wait)
-                if self.sent_retention is not None and loop.time() >= next_purge:
-                    next_purge = loop.time() + self.purge_interval
-                    await self._purge(self.sent_retention)
-                if wait > 0 and not stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), wait)
-        finally:
-            for task in helpers:
-                task.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
-            self._running = False
+        while not stop.is_set():
+            # Cleared before claiming: a notification that arrives during the batch wakes
+            # the next wait at once.
+            self._wake.clear()
+            try:
+                batch = await self._batch()
+                wait = 0.0 if batch.more_due(self.batch_size) else await self._idle_wait(batch)
+                outage = 0
+            except StoreUnavailable as err:
+                outage += 1
+                wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
+                log.warning("relay %s: %s; trying again in %.1fs", self.name, err, wait)
+            if self.sent_retention is not None and loop.time() >= next_purge:
+                next_purge = loop.time() + self.purge_interval
+                await self._purge(self.sent_retention)
+            if wait > 0 and not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
 
     async def _idle_wait(self, batch: _Batch) -> float:
         """How long to sleep after a batch that was not full: until the next row falls due (a

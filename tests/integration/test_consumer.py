@@ -314,6 +314,30 @@ async def test_an_effects_own_network_error_is_raised_unchanged(
     assert not (await consumer.process(message_id, write(consumer, message_id))).duplicate
 
 
+async def test_an_effects_own_error_raised_through_asyncpg_is_raised_unchanged(
+    consumer: IdempotentConsumer,
+) -> None:
+    """A COPY whose source is the effect's (a missing file; another service's stream that
+    resets) raises OSErrors from asyncpg's frames, on a healthy connection: they were reported
+    as the store being down."""
+
+    async def reset_stream() -> AsyncIterator[bytes]:
+        yield b"1\n"
+        raise ConnectionResetError(104, "the export service reset the connection")
+
+    for source, raised in (
+        ("/nonexistent/export.csv", FileNotFoundError),
+        (reset_stream(), ConnectionResetError),
+    ):
+
+        async def effect(conn: Any, source: Any = source) -> None:
+            await conn.execute("CREATE TEMP TABLE copied (x int) ON COMMIT DROP")
+            await conn.copy_to_table("copied", source=source)
+
+        with pytest.raises(raised):
+            await consumer.process(fresh(), effect)
+
+
 async def test_misusing_the_connection_is_the_effects_error_not_an_outage(
     consumer: IdempotentConsumer,
 ) -> None:

@@ -512,6 +512,32 @@ async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Sto
     assert not relay.listening.is_set()
 
 
+async def test_a_relay_cancelled_while_its_listen_cannot_connect_leaves_nothing_running(
+    outbox: Store,
+) -> None:
+    """A supervisor's timeout around run() during a start-up outage: its LISTEN loop went on
+    reconnecting for ever, and the relay refused to run again ("already running")."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    relay = Relay(
+        outbox, Receiver(), poll_interval=30.0, listen_dsn=f"postgresql://x@127.0.0.1:{port}/x"
+    )
+    before = asyncio.all_tasks()
+    running_relay = asyncio.create_task(relay.run())
+    await asyncio.sleep(0)
+    running_relay.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running_relay
+    left = {t for t in asyncio.all_tasks() - before if not t.done()} - {asyncio.current_task()}
+    assert not [t.get_name() for t in left if t.get_name().startswith("relay-")]
+    again = asyncio.create_task(relay.run())  # not "already running"
+    await asyncio.sleep(0)
+    again.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await again
+
+
 async def test_the_relay_purges_sent_rows_after_retention(outbox: Store) -> None:
     receiver = Receiver(expect=5)
     relay = Relay(outbox, receiver, sent_retention=0, purge_interval=0.05, poll_interval=0.1)

@@ -20,7 +20,9 @@ from grpc_idempotency.store.sql import (
     text_literal,
     timestamp_literal,
 )
+from tests.support.blackhole import BlackholeProxy
 from tests.support.tools import run_cli
+from tests.support.waiting import until
 
 
 def fresh_schema() -> str:
@@ -253,3 +255,25 @@ async def test_background_purger(pg_dsn: str) -> None:
         assert await store.pool.fetchval(f'SELECT count(*) FROM "{schema}".records') == 0
     finally:
         await store.close()
+
+
+async def test_a_look_up_whose_connection_resets_mid_statement_tries_again(
+    pg_dsn: str, store: Store
+) -> None:
+    """asyncpg drops a connection it lost before the store does: terminating it again raised a
+    raw InterfaceError ("released back to the pool"), which no retry or mapping caught (a keyed
+    call answered UNKNOWN; a relay died of the same in another path)."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    through = await Store.connect(proxy.dsn, min_size=1, max_size=1, command_timeout=5)
+    try:
+        proxy.hold_answers()
+        looking = asyncio.ensure_future(through.lookup("tenant:reset", uuid.uuid4().hex))
+        await until("the look-up's answer held", lambda: proxy._held)
+        for writer in list(proxy._writers):  # the link resets (a restart, a load balancer)
+            writer.transport.abort()
+        proxy.deliver_answers()  # new connections go through again
+        assert await asyncio.wait_for(looking, 10) is None  # tried again on a new connection
+    finally:
+        await through.close(timeout=1)
+        await proxy.close()

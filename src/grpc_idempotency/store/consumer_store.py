@@ -206,18 +206,20 @@ def _terminate(conn: PooledConnection) -> None:
 
 
 def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
-    """Whether ``exc``, raised by the effect, is the store's failure. An OSError (TimeoutError
-    included) is the effect's own unless asyncpg raised it: the effect's calls to other services
-    raise them too. An InterfaceError is asyncpg refusing a misuse (``conn.transaction()`` inside
-    the mark's transaction) unless the connection is gone. Both were reported as the store being
-    down, so the message came back until it was a dead letter."""
+    """Whether ``exc``, raised by the effect, is the store's failure: the connection is gone,
+    or asyncpg says it broke, or one of the effect's statements timed out (``command_timeout``).
+    Any other OSError is the effect's own, even raised through asyncpg (``copy_to_table`` of a
+    missing file, a source streaming another service's data that reset), and so is an
+    InterfaceError on a live connection (asyncpg refusing ``conn.transaction()`` inside the
+    mark's): both were reported as the store being down, and the message came back until it
+    was a dead letter."""
     if not isinstance(exc, Exception):
         return False
     state = getattr(exc, "sqlstate", None) or ""
     return (
         isinstance(exc, _CONNECTION_LOST)
         or state.startswith(_CONNECTION_LOST_STATES)
-        or (isinstance(exc, OSError) and raised_in_asyncpg(exc))
+        or (isinstance(exc, TimeoutError) and raised_in_asyncpg(exc))
         or _closed(conn)
     )
 

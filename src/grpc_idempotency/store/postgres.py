@@ -203,8 +203,7 @@ class Attempt:
         for the database to confirm the cancellation (behind a partition, the whole
         ``command_timeout``, or for ever without one). PostgreSQL rolls back what was open."""
         if interrupted:
-            with contextlib.suppress(*STORE_ERRORS):
-                self.connection.terminate()
+            _drop(self.connection)
         try:
             await self._rollback_quietly()
         finally:
@@ -218,16 +217,22 @@ class Attempt:
             await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
         except STORE_ERRORS:
             # The transaction dies with the connection; make sure the pool does not reuse it.
-            # (asyncpg may have detached the proxy of a lost connection already: then even
-            # terminate() raises, and there is nothing left to do.)
-            with contextlib.suppress(*STORE_ERRORS):
-                conn.terminate()
+            _drop(conn)
 
     async def _finish(self) -> None:
         if self._done:
             return
         self._done = True
         await self._store._release(self.connection)
+
+
+def _drop(conn: PooledConnection) -> None:
+    """Closes ``conn`` at once, so that the pool does not reuse it. asyncpg may have dropped it
+    already (a lost connection, a cancellation it could not confirm): then even ``terminate()``
+    raises (InterfaceError, "released back to the pool"), and there is nothing left to do. That
+    error escaped: a relay died of it, and a look-up answered UNKNOWN."""
+    with contextlib.suppress(*STORE_ERRORS):
+        conn.terminate()
 
 
 def _interrupted(exc: BaseException) -> bool:
@@ -384,10 +389,10 @@ class Store:
             yield conn
         except STORE_ERRORS as exc:
             if isinstance(exc, TimeoutError):
-                conn.terminate()
+                _drop(conn)
             raise store_error(exc, doing) from exc
         except asyncio.CancelledError:
-            conn.terminate()
+            _drop(conn)
             raise
         finally:
             await self._release(conn)
@@ -461,7 +466,7 @@ class Store:
             try:
                 row = await conn.fetchrow(self.statements.lookup, scope, key, timeout=timeout)
             except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
-                conn.terminate()
+                _drop(conn)
                 # A statement that timed out met a database that stopped answering (TimeoutError
                 # is an OSError): trying again would wait out the timeout again, then a connect.
                 if attempt == attempts or isinstance(exc, TimeoutError):
@@ -545,8 +550,7 @@ class Store:
         except BaseException as exc:
             # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
             # connection must go back to the pool all the same, or it is lost to it for good.
-            with contextlib.suppress(*STORE_ERRORS):
-                conn.terminate()
+            _drop(conn)
             await self._release(conn)
             if isinstance(exc, STORE_ERRORS):
                 raise store_error(exc, "beginning a transaction") from exc
@@ -789,7 +793,7 @@ class PlainTransaction:
             if await self.connection.execute("COMMIT") != "COMMIT":
                 raise aborted_by("the handler")  # the transaction is over: the connection is fine
         except STORE_ERRORS as exc:
-            self.connection.terminate()
+            _drop(self.connection)
             failure = classify(sqlstate(exc))
             if failure is Failure.CONFLICT:
                 raise TransactionConflict(
@@ -806,7 +810,7 @@ class PlainTransaction:
             if not self.connection.is_closed() and self.connection.is_in_transaction():
                 await self.connection.execute("ROLLBACK")
         except STORE_ERRORS:
-            self.connection.terminate()
+            _drop(self.connection)
         finally:
             await self._store._release(self.connection)
 
