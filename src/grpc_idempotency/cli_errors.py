@@ -31,6 +31,9 @@ def one_line(text: str, limit: int = 160) -> str:
 
 
 _MASK = "***"
+# In a URL that does not split unambiguously: a password-like query parameter's value, up to
+# the next "&name=" or the end (an "&" or "#" without a "name=" after it may be the password's).
+_QUERY_PASSWORD = re.compile(r"([?&][^?&=#@/]*password[^?&=#@/]*=).*?(?=&[^&=#]+=|$)", re.I)
 _PASSWORD_PARAM = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
@@ -88,6 +91,9 @@ def safe_dsn(dsn: str) -> str:
         parts = None
     if parts is None or _in_doubt(dsn, parts):
         scheme, _, rest = dsn.partition("://")
+        # A query password goes first: an "@" in it (password=pw@tail) would be taken for the
+        # end of the user info below, and the rest of the password shown.
+        rest = _QUERY_PASSWORD.sub(rf"\g<1>{_MASK}", rest)
         _, at, after = rest.rpartition("@")
         if not at:
             return f"{scheme}://{_MASK}"

@@ -196,7 +196,13 @@ def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
         ("postgresql://app:s3cr#et@db/prod", "postgresql://***@db/prod"),
         ("postgresql://app:p@ss/w@db/prod?sslmode=require",
          "postgresql://***@db/prod?sslmode=require"),
-        ("postgresql://u@db/app?password=hun#ter", "postgresql://***@db/app?password=***#***"),
+        ("postgresql://u@db/app?password=hun#ter", "postgresql://***@db/app?password=***"),
+        # An "@" in a query password: the user info seemed to end there, and the tail showed.
+        ("postgresql://u@db/app?password=pw@SECRETTAIL", "postgresql://***@db/app?password=***"),
+        ("postgresql://app@db:1/shop?password=a/b?c#d@echo&foxtrot:golf",
+         "postgresql://***@db:1/shop?password=***"),
+        ("postgresql://app@db/shop?password=a/b@c&sslmode=require",
+         "postgresql://***@db/shop?password=***&sslmode=require"),
         ("postgresql://app:s3cret/prod", "postgresql://***"),  # "s3cret" would be the port
         ("postgresql://app:pa[ss@db/prod", "postgresql://***@db/prod"),  # urlsplit refuses it
         # An unencoded "&" in a query password: its tail is no parameter of its own.
