@@ -516,3 +516,13 @@ def test_stdin_from_a_terminal_is_refused(build: Build) -> None:
     err = io.StringIO()
     assert run(good, "-", stdin=_Terminal(), err=err) == 2
     assert "NEW (stdin): standard input is a terminal" in err.getvalue()
+
+
+def test_a_retired_at_past_what_a_timestamp_allows_is_bad_input(build: Build) -> None:
+    """Year 10000: protoc takes it (seconds are an int64), and check-steps died with a
+    traceback ("Timestamp is not valid")."""
+    step = 'name: "charge-card.v1" call: "pay.v1.Payments/Charge"'
+    too_late = "retired_at: { seconds: 253402300800 }"
+    done = compare(build, orders_proto(step), orders_proto(f"{step} {too_late}"))
+    assert done.returncode == 2, done.stderr
+    assert "not a valid timestamp" in done.stderr and "Traceback" not in done.stderr

@@ -691,3 +691,24 @@ def test_every_breaking_finding_explains_itself(
     assert check_contract(old, new, now=NOW + shift) == report
     methods = [f.method for f in report.findings]
     assert methods == sorted(methods)
+
+
+def test_a_changed_targets_fix_names_a_version_not_declared_yet() -> None:
+    """``charge.v2`` retired within its retention: the fix suggested ``charge.v2`` again, and
+    applying it failed the check once more."""
+    old = place(call("charge.v1"), call("charge.v2", retired=NOW - HOUR))
+    new = place(call("charge.v1", "pay.v2.Payments/Charge"), call("charge.v2", retired=NOW - HOUR))
+    (finding,) = [f for f in check_contract(old, new, now=NOW).findings if f.step == "charge.v1"]
+    assert finding.change is Change.STEP_TARGET_CHANGED
+    assert "charge.v3" in finding.fix and "charge.v2)" not in finding.fix
+
+
+def test_dates_past_what_datetime_holds_saturate_instead_of_raising() -> None:
+    """A retention near a Duration's largest, or a check run with --now near year 9999, raised
+    OverflowError (a traceback from check-steps)."""
+    huge = timedelta(days=3_000_000)
+    old = place(call("charge.v1"), retention=huge)
+    result = check_contract(old, place(retention=huge), now=NOW)
+    assert [f.change for f in result.findings] == [Change.STEP_REMOVED]
+    late = datetime(9999, 12, 31, tzinfo=UTC)
+    assert check_contract(place(call("charge.v1")), place(), now=late).findings

@@ -154,7 +154,7 @@ def check_contract(old: Contract, new: Contract, *, now: datetime) -> Report:
 
 def removable_from(step: Step, retention: timedelta) -> datetime | None:
     """When a retired step may be deleted from the declaration; ``None`` if it is active."""
-    return None if step.retired_at is None else _aware(step.retired_at) + retention
+    return None if step.retired_at is None else _plus(_aware(step.retired_at), retention)
 
 
 def _aware(t: datetime) -> datetime:
@@ -237,6 +237,7 @@ def _compare_method(
     old, new = _by_name(before.steps), _by_name(after.steps)
     findings: list[Finding] = []
     renamed = _renames(before, after)
+    among = before.steps + after.steps  # versions already taken, for the fixes' new names
     # Active steps that appeared, to pair with active steps that vanished (new versions).
     taken = {s.name for s in renamed.values()}
     unpaired = [s for name, s in new.items() if name not in old and s.active and name not in taken]
@@ -246,10 +247,10 @@ def _compare_method(
         if name in renamed:
             findings.append(_renamed(path, was, new.get(name), renamed[name], before, after, now))
             if name in new:  # retired: keep what else there is to say about it
-                notes = _compare_step(path, was, new[name], retention, now)
+                notes = _compare_step(path, was, new[name], retention, now, among)
                 findings.extend(f for f in notes if f.change is not Change.STEP_RETIRED)
         elif name in new:
-            findings.extend(_compare_step(path, was, new[name], retention, now))
+            findings.extend(_compare_step(path, was, new[name], retention, now, among))
         elif not was.active:
             findings.append(_retired_step_removed(path, was, retention, now))
         else:
@@ -342,7 +343,7 @@ def _renamed(
             "keep the old name and bump its version instead:"
             f" {_declaration(was, retire_at=retire_at)} {_declaration(bumped)}, in place of"
             f" {successor.name}; operations begun before the retirement keep {name}, which can"
-            f" be deleted from {_ts(_aware(retire_at) + retention)} (retired_at +"
+            f" be deleted from {_ts(_plus(_aware(retire_at), retention))} (retired_at +"
             f" {_span(retention)}). If {successor.name} really is a different effect, add it in"
             " a change of its own"
         ),
@@ -385,7 +386,7 @@ def _active_step_gone(
         ),
         fix=(
             f"declare the old step again, retired: {_declaration(was, retire_at=now)}; it can"
-            f" be deleted from {_ts(now + retention)} (retired_at + {_span(retention)})"
+            f" be deleted from {_ts(_plus(now, retention))} (retired_at + {_span(retention)})"
         ),
     )
     return _Gone(finding, successor.name if successor is not None else None)
@@ -427,7 +428,12 @@ def _retired_step_removed(path: str, was: Step, retention: timedelta, now: datet
 
 
 def _compare_step(
-    path: str, was: Step, step: Step, retention: timedelta, now: datetime
+    path: str,
+    was: Step,
+    step: Step,
+    retention: timedelta,
+    now: datetime,
+    among: tuple[Step, ...],
 ) -> list[Finding]:
     """The same name in both: a changed target, a retirement, a reinstatement."""
     name = step.name
@@ -447,7 +453,7 @@ def _compare_step(
                 " reverse can replay an outcome that belongs to another effect"
             ),
             fix=(
-                f"declare a new step (e.g. {_base(name)}.v{_next_version(name)}) for the new"
+                f"declare a new step (e.g. {_base(name)}.v{_next_version(name, among)}) for the new"
                 f" target and keep the old one declared as retired,"
                 f" {_declaration(was, retire_at=now)}"
             ),
@@ -493,6 +499,15 @@ def _pick(candidates: list[Step], match: Callable[[Step], bool]) -> Step | None:
         if match(s):
             return candidates.pop(i)
     return None
+
+
+def _plus(moment: datetime, span: timedelta) -> datetime:
+    """``moment + span``, the latest datetime where that is past it: a retention near a
+    Duration's largest (10,000 years) or a ``--now`` near year 9999 raised OverflowError."""
+    try:
+        return moment + span
+    except OverflowError:
+        return datetime.max.replace(tzinfo=moment.tzinfo)
 
 
 def _next_version(name: str, among: tuple[Step, ...] = ()) -> int:

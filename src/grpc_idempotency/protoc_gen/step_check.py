@@ -216,13 +216,20 @@ def _method_steps(policy: options_pb2.MethodPolicy) -> MethodSteps:
                 name=s.name,
                 call=s.call or None,
                 outbox=s.outbox,
-                retired_at=s.retired_at.ToDatetime(tzinfo=UTC)
-                if s.HasField("retired_at")
-                else None,
+                retired_at=_retired_at(s) if s.HasField("retired_at") else None,
             )
             for s in policy.steps
         ),
     )
+
+
+def _retired_at(step: options_pb2.Step) -> datetime:
+    try:
+        return step.retired_at.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError):  # outside what a Timestamp allows: a traceback before
+        raise InputError(
+            f"step {step.name}: retired_at {step.retired_at.seconds}s is not a valid timestamp"
+        ) from None
 
 
 def load_contract(source: str, *, label: str, stdin: IO[bytes] | None = None) -> Contract:
