@@ -67,6 +67,21 @@ def keepers_done(keepers: list[Any]) -> bool:
     return bool(keepers) and all(k._task is None or k._task.done() for k in keepers)
 
 
+async def claim_key(
+    store: Store, key: str, *, scope: str = SCOPE, lease_s: float = 30.0, **options: Any
+) -> PhasedClaim | None:
+    """``store.claim_phased`` of ``key`` for PostPhased, with this module's usual arguments."""
+    return await store.claim_phased(
+        scope=scope,
+        key=key,
+        method=PHASED,
+        fingerprint=b"f" * 32,
+        retention_s=600.0,
+        lease_s=lease_s,
+        **options,
+    )
+
+
 async def lease(store: Store, key: str, scope: str = SCOPE) -> asyncpg.Record:
     row = await store.pool.fetchrow(
         "SELECT state, fencing_token, locked_until, locked_until <= clock_timestamp() AS over"
@@ -139,15 +154,7 @@ async def test_the_final_transaction_looks_again_after_a_late_renewal_of_its_own
     waits for the claim lock, its snapshot taken): FOR UPDATE fails 40001, which is no takeover.
     A second look in a fresh snapshot finds the claim still this attempt's."""
     key = fresh()
-    claim = await store.claim_phased(
-        scope=SCOPE,
-        key=key,
-        method=PHASED,
-        fingerprint=b"f" * 32,
-        retention_s=600.0,
-        lease_s=30.0,
-        isolation=isolation,
-    )
+    claim = await claim_key(store, key, isolation=isolation)
     assert claim is not None
     async with store.pool.acquire() as holder:
         await holder.execute("SELECT pg_advisory_lock($1)", claim_lock_id(store.schema, SCOPE, key))
@@ -169,15 +176,7 @@ async def test_a_takeover_after_the_final_transactions_snapshot_is_still_a_lost_
     store: Store, isolation: Isolation
 ) -> None:
     key = fresh()
-    claim = await store.claim_phased(
-        scope=SCOPE,
-        key=key,
-        method=PHASED,
-        fingerprint=b"f" * 32,
-        retention_s=600.0,
-        lease_s=30.0,
-        isolation=isolation,
-    )
+    claim = await claim_key(store, key, isolation=isolation)
     assert claim is not None
     lock_id = claim_lock_id(store.schema, SCOPE, key)
     async with store.pool.acquire() as holder:
@@ -203,9 +202,7 @@ async def test_stopping_the_keeper_lets_a_renewal_on_the_wire_finish(
     """stop() returns only once the renewal it found on the wire has answered: cancelled, its
     UPDATE would still run in PostgreSQL after stop() returned."""
     key = fresh()
-    claim = await store.claim_phased(
-        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=3.0
-    )
+    claim = await claim_key(store, key, lease_s=3.0)
     assert claim is not None
     handler = asyncio.ensure_future(asyncio.Event().wait())
     keeper = interceptor._LeaseKeeper(claim, handler)
@@ -304,17 +301,13 @@ async def test_a_released_claim_is_not_renewed(store: Store) -> None:
     """A renewal that reaches the row after the release (on the wire meanwhile, or run on after
     its client gave up) does not set the lease again."""
     key = fresh()
-    claim = await store.claim_phased(
-        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
-    )
+    claim = await claim_key(store, key)
     assert claim is not None
     await claim.release()
     assert not await claim.renew()
     row = await lease(store, key)
     assert row["state"] == "in_progress" and row["over"]
-    taken = await store.claim_phased(
-        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
-    )
+    taken = await claim_key(store, key)
     assert taken is not None and taken.token == claim.token + 1
     assert await taken.renew()  # a takeover's lease is renewed as usual
 
@@ -405,17 +398,7 @@ async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
         await blocker.fetchval(
             store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0
         )
-        claiming = asyncio.ensure_future(
-            via.claim_phased(
-                scope="partition",
-                key=key,
-                method=PHASED,
-                fingerprint=b"f" * 32,
-                retention_s=600.0,
-                lease_s=30.0,
-                timeout=2.0,
-            )
-        )
+        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=2.0))
         await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
         proxy.hold_answers()
         connections = len(proxy._writers)
@@ -506,15 +489,7 @@ async def own_store(pg_dsn: str) -> AsyncIterator[Store]:
 
 
 async def claim_of(store: Store, key: str, isolation: Isolation | None = None) -> PhasedClaim:
-    claim = await store.claim_phased(
-        scope=SCOPE,
-        key=key,
-        method=PHASED,
-        fingerprint=b"f" * 32,
-        retention_s=600.0,
-        lease_s=30.0,
-        isolation=isolation,
-    )
+    claim = await claim_key(store, key, isolation=isolation)
     assert claim is not None
     return claim
 
@@ -655,14 +630,7 @@ async def test_stopping_the_keeper_behind_a_partition_takes_at_most_about_a_leas
     partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=command_timeout)
     handler = asyncio.ensure_future(asyncio.Event().wait())
     try:
-        claim = await partitioned.claim_phased(
-            scope=SCOPE,
-            key=fresh(),
-            method=PHASED,
-            fingerprint=b"f" * 32,
-            retention_s=600.0,
-            lease_s=lease_s,
-        )
+        claim = await claim_key(partitioned, fresh(), lease_s=lease_s)
         assert claim is not None
         keeper = interceptor._LeaseKeeper(claim, handler)
         proxy.blackhole()
@@ -689,14 +657,7 @@ async def test_a_transaction_opening_that_times_out_behind_a_partition_returns_i
     await proxy.start()
     partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=6.0)
     try:
-        claim = await partitioned.claim_phased(
-            scope=SCOPE,
-            key=fresh(),
-            method=PHASED,
-            fingerprint=b"f" * 32,
-            retention_s=600.0,
-            lease_s=30.0,
-        )
+        claim = await claim_key(partitioned, fresh())
         assert claim is not None
         proxy.blackhole()
         loop = asyncio.get_running_loop()
@@ -725,9 +686,7 @@ async def test_a_takeover_on_a_clock_that_stepped_back_keeps_renewing(store: Sto
     primary whose clock is behind), a takeover's lease ends before created_at; the renewal read
     that as a released claim, refused the rightful owner and cancelled its handler."""
     key = fresh()
-    first = await store.claim_phased(
-        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
-    )
+    first = await claim_key(store, key)
     assert first is not None
     # Simulated: the operation's start an hour ahead of the clock, its first owner's lease over.
     await store.pool.execute(
@@ -736,9 +695,7 @@ async def test_a_takeover_on_a_clock_that_stepped_back_keeps_renewing(store: Sto
         SCOPE,
         key,
     )
-    second = await store.claim_phased(
-        scope=SCOPE, key=key, method=PHASED, fingerprint=b"f" * 32, retention_s=600.0, lease_s=30.0
-    )
+    second = await claim_key(store, key)
     assert second is not None and second.token == 2
     assert await second.renew()
     await second.release()
