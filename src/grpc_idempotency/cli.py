@@ -53,7 +53,7 @@ _DESCRIPTION = (
     " inspect an operation and the records of a scope. Commands that use the database exit 1"
     " when it cannot be reached (retry later) and 2 when it answers but cannot be used (no such"
     " database or role, bad password, schema not migrated) or on bad usage; inspect and list"
-    " exit 3 when nothing matched."
+    " exit 3 when nothing matched, outbox retry when an id given was not a dead letter."
 )
 
 
@@ -329,11 +329,11 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--lease",
-        type=_positive,
+        type=_lease,
         default=30.0,
         metavar="SECONDS",
-        help="how long a claim lasts before another relay may take the rows over"
-        " (default: %(default)s)",
+        help="how long a claim lasts before another relay may take the rows over; at least"
+        f" {_MIN_LEASE_S:g}, as each delivery gets at most half of it (default: %(default)s)",
     )
     relay.add_argument(
         "--poll-interval",
@@ -503,6 +503,21 @@ def _positive(text: str) -> float:
     value = _finite(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text}")
+    return value
+
+
+_MIN_LEASE_S = 1.0
+
+
+def _lease(text: str) -> float:
+    # Each delivery is cut at half the lease: a lease of milliseconds would fail every delivery,
+    # and after --max-attempts dead-letter every row, with the receiving server healthy.
+    value = _positive(text)
+    if value < _MIN_LEASE_S:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {_MIN_LEASE_S:g} second(s), as each delivery gets at most half"
+            f" of it: {text}"
+        )
     return value
 
 
@@ -754,6 +769,15 @@ async def _outbox(args: argparse.Namespace, store: Store) -> int:
             return 2
         retried = await outbox.retry_dead(None if args.all else args.ids)
         print(f"{retried} dead letter(s) back to pending")
+        if not args.all and retried < len(set(args.ids)):
+            # A mistyped id, or one another operator retried first: say so, and exit as inspect
+            # and list do when nothing matched, so a script does not take it for done.
+            print(
+                f"grpc-idempotency: {len(set(args.ids)) - retried} of the ids given"
+                " were not dead letters (no such row, or already pending or sent)",
+                file=sys.stderr,
+            )
+            return inspect_cli.NOT_FOUND
     elif command == "purge-dead":
         purged = await outbox.purge_dead(older_than_s=args.older_than, batch_size=args.batch_size)
         print(f"purged {purged} dead letter(s)")

@@ -257,6 +257,12 @@ async def test_a_poison_row_is_dead_lettered_while_the_others_keep_flowing(
     assert receiver.delivered["poison"] == 1
     assert (await row(outbox, "poison"))["state"] == "sent"
     assert run_cli("outbox", "dead", *store_args).stdout.strip() == "no dead letters"
+    # An id that is no dead letter (this one, sent now; one that never was) is reported, with
+    # inspect's "nothing matched" status: it exited 0, as if the retry were done.
+    stale = run_cli("outbox", "retry", *store_args, str(dead["id"]), str(dead["id"] + 10**9))
+    assert stale.returncode == 3, stale.stderr
+    assert "0 dead letter(s) back to pending" in stale.stdout
+    assert "2 of the ids given were not dead letters" in stale.stderr
 
 
 async def test_dead_letter_cli_retry_all_purge_and_stats(pg_dsn: str, outbox: Store) -> None:

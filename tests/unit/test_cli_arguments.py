@@ -136,6 +136,11 @@ BIGINT_MAX = 2**63 - 1
         ["purge", "--schema", "pg_temp"],
         ["inspect", "--schema", "pg_x", "--scope", "s", "k"],
         ["migrate", "--schema", "Has-Dash"],
+        # PostgreSQL's own schema, which exists everywhere and which pg_dump leaves out.
+        ["migrate", "--schema", "information_schema"],
+        # Each delivery gets half the lease: a lease of milliseconds dead-letters every row.
+        [*RELAY, "--lease", "0.001"],
+        [*RELAY, "--lease", "0.99"],
         ["outbox", "stats", "--statement-cache-size", "-1"],
         # migrate --command-timeout: a finite positive number of seconds.
         ["migrate", "--command-timeout", "0"],
@@ -154,5 +159,7 @@ def test_the_bounds_themselves_are_accepted() -> None:
         BIGINT_MAX
     )
     assert parse("migrate", "--schema", "app_pg_x").schema == "app_pg_x"
+    assert parse("migrate", "--schema", "information_schema_x").schema == "information_schema_x"
+    assert parse(*RELAY, "--lease", "1").lease == 1.0
     assert parse("migrate", "--command-timeout", "3600").command_timeout == 3600.0
     assert parse("migrate").command_timeout is None  # the store's default

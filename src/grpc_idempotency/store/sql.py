@@ -29,6 +29,10 @@ def schema_identifier(schema: str) -> str:
         raise ValueError(f"schema name {schema!r} must match {_SCHEMA_NAME.pattern}")
     if schema.startswith("pg_"):
         raise ValueError(f"schema name {schema!r}: names starting with pg_ are PostgreSQL's")
+    if schema == "information_schema":
+        # It exists in every database, so CREATE SCHEMA IF NOT EXISTS passes; but it belongs to
+        # PostgreSQL, and pg_dump leaves it out: the store's tables would be missing from backups.
+        raise ValueError(f"schema name {schema!r} is PostgreSQL's own (pg_dump skips it)")
     return f'"{schema}"'
 
 
