@@ -30,6 +30,7 @@ from grpc_idempotency.consumer import (
     MessageInProgress,
     purge_processed,
 )
+from tests.support.blackhole import BlackholeProxy
 from tests.support.waiting import until
 from tests.support.wire import call_raw
 
@@ -602,6 +603,38 @@ async def test_a_connection_lost_under_the_effect_is_store_unavailable(
     assert (await consumer.process(message_id, write(consumer, message_id))).outcome is (
         Consumed.PROCESSED
     )
+
+
+@pytest.mark.parametrize("failing", ["timeout", "own-error"])
+async def test_an_effect_failing_behind_a_partition_returns_in_time(
+    pg_dsn: str, effects_table: None, failing: str
+) -> None:
+    """An effect's statement timed out on the wire (the link went dead): abandoning the mark sent
+    ROLLBACK on that connection, which waits for the timed-out statement's cancellation to be
+    confirmed: never, behind the partition. The connection is dropped instead (PostgreSQL rolls
+    back when it notices), and the delivery fails at once as the store's failure."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    partitioned = await Store.connect(proxy.dsn, max_size=2)
+    try:
+        consumer = IdempotentConsumer(partitioned, fresh("partitioned"))
+
+        async def cut_off(conn: Any) -> None:
+            proxy.blackhole()
+            if failing == "timeout":
+                await conn.execute("SELECT 1", timeout=0.5)
+            raise ValueError("the effect's own failure, as the link dies")
+
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(StoreUnavailable if failing == "timeout" else ValueError):
+            await asyncio.wait_for(consumer.process(fresh(), cut_off), 20.0)
+        # The ROLLBACK after the effect's own error is bounded (2 s): it took the pool's
+        # command_timeout (30 s by default).
+        assert loop.time() - began < 4.0
+    finally:
+        partitioned.pool.terminate()
+        await proxy.close()
 
 
 async def test_idle_connections_killed_in_the_pool_are_replaced(

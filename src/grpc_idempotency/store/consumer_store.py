@@ -23,7 +23,7 @@ from grpc_idempotency.store.errors import (
     raised_in_asyncpg,
     store_error,
 )
-from grpc_idempotency.store.postgres import PooledConnection, Store
+from grpc_idempotency.store.postgres import ROLLBACK_TIMEOUT_S, PooledConnection, Store
 from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
 
 log = logging.getLogger("grpc_idempotency.consumer")
@@ -225,17 +225,23 @@ def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
 
 
 async def _abandon(conn: PooledConnection, exc: BaseException | None) -> None:
-    """Ends the transaction without committing. A cancellation may have interrupted a statement
-    mid-flight, and a failed ROLLBACK leaves the transaction's fate with the connection: in both
-    cases the connection is dropped (PostgreSQL rolls back) rather than reused."""
+    """Ends the transaction without committing. A cancellation or a timeout may have interrupted
+    a statement mid-flight, and a failed ROLLBACK leaves the transaction's fate with the
+    connection: in these cases the connection is dropped (PostgreSQL rolls back) rather than
+    reused. After an interrupted statement a ROLLBACK would first wait for its cancellation to
+    be confirmed: for ever behind a dead link."""
     if _closed(conn):
         return
-    if exc is not None and not isinstance(exc, Exception):
+    if exc is not None and (
+        not isinstance(exc, Exception) or (isinstance(exc, TimeoutError) and raised_in_asyncpg(exc))
+    ):
         _terminate(conn)
         return
     try:
         if conn.is_in_transaction():
-            await conn.execute("ROLLBACK")
+            # Bounded: a ROLLBACK that hangs (the link died just now) is given up on, and the
+            # connection dropped, rather than holding the delivery for ever.
+            await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
     except Exception:
         log.debug("rollback failed; dropping the connection", exc_info=True)
         _terminate(conn)

@@ -70,7 +70,7 @@ _CLAIM_LOST = "GI003"
 INLINE_OUTCOME_BYTES = 16 * 1024
 # A rollback after a failure gets this long before the connection is dropped instead: after a
 # partition the connection may never answer again.
-_ROLLBACK_TIMEOUT_S = 2.0
+ROLLBACK_TIMEOUT_S = 2.0
 _DEFAULT_COMMAND_TIMEOUT_S = 30.0
 
 
@@ -214,7 +214,7 @@ class Attempt:
         try:
             if conn.is_closed() or not conn.is_in_transaction():
                 return
-            await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
+            await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
         except STORE_ERRORS:
             # The transaction dies with the connection; make sure the pool does not reuse it.
             _drop(conn)
@@ -421,7 +421,7 @@ class Store:
         except Exception:
             try:
                 if not conn.is_closed() and conn.is_in_transaction():
-                    await conn.execute("ROLLBACK", timeout=_ROLLBACK_TIMEOUT_S)
+                    await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
             except Exception:
                 # The transaction's fate is the connection's: the pool must not reuse it.
                 with contextlib.suppress(Exception):
