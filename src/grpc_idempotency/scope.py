@@ -9,6 +9,7 @@ or returns is a bug of the server's: logged, and the call refused with INTERNAL
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,3 +82,12 @@ class MetadataScope:
         if len(values) != 1 or not isinstance(values[0], str) or not values[0]:
             raise ScopeUnavailable(f"expected exactly one {self.header!r} metadata entry")
         return self.prefix + values[0]
+
+
+def is_async(fn: object) -> bool:
+    """Whether ``fn`` returns an awaitable: an ``async def`` function, or an object whose
+    ``__call__`` is one. Scope resolvers and shard placements are called synchronously on every
+    call, so such a function would "return" a coroutine that is never awaited."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004  (an object whose __call__ is async)
+    )

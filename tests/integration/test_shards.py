@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Purger, ScopeUnavailable, ShardedStores, Store
+from grpc_idempotency import Purger, ScopeUnavailable, ShardedStores, Store, StoreUnavailable
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, prepare, running_ledger
 from tests.support.waiting import until
@@ -241,7 +242,9 @@ async def test_a_shard_that_is_down_takes_only_its_own_tenants_down(
                 POST, testsvc_pb2.PostRequest(account=account_b, amount=1), fresh(), tenant="b",
                 timeout=5,
             )  # fmt: skip
-            assert down.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            # Within the shard's command_timeout, as the README says: it waited out the
+            # deadline (DEADLINE_EXCEEDED), the statements bounded by the deadline alone.
+            assert down.code is grpc.StatusCode.UNAVAILABLE, down.details
             up = await server.call(
                 POST, testsvc_pb2.PostRequest(account=account_a, amount=1), fresh(), tenant="a"
             )
@@ -252,6 +255,31 @@ async def test_a_shard_that_is_down_takes_only_its_own_tenants_down(
         await proxy.close()
     assert await shards["one"].rows(account_a) == [("tenant:a", 1)]
     assert await shards["two"].rows(account_b) == []
+
+
+async def test_a_replica_starts_and_serves_while_one_shard_is_down(
+    shards: dict[str, Shard],
+) -> None:
+    """Store.connect raises when its database cannot be reached, so a replica (re)started during
+    one shard's outage served no tenant at all. The README's recipe for that: the shard's pool
+    opened empty and unchecked (min_size=0, check_schema=False) connects on first use."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    refused = f"postgresql://postgres@127.0.0.1:{port}/postgres"  # nobody listens there
+    with pytest.raises(StoreUnavailable):
+        await Store.connect(refused)
+    down = await Store.connect(refused, min_size=0, check_schema=False)
+    sharded = ShardedStores({"one": shards["one"].store, "two": down}, PLACEMENT.__getitem__)
+    try:
+        async with running_ledger(sharded) as server:
+            request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+            up = await server.call(POST, request, fresh(), tenant="a")
+            gone = await server.call(POST, request, fresh(), tenant="b")
+    finally:
+        await down.close()
+    assert up.code is grpc.StatusCode.OK, up.details
+    assert gone.code is grpc.StatusCode.UNAVAILABLE, gone.details
 
 
 async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_none(
@@ -300,3 +328,28 @@ async def _none(shard: Shard, count: str, scope: str) -> bool:
 def test_sharded_stores_need_a_shard() -> None:
     with pytest.raises(ValueError, match="at least one shard"):
         ShardedStores({}, PLACEMENT.__getitem__)
+
+
+async def test_shards_that_no_call_could_use_are_refused_when_made(
+    shards: dict[str, Shard],
+) -> None:
+    """Each was accepted, and then failed every call of its tenants: an int shard name (for_scope
+    placed only str names), a Store.connect(...) not awaited (a raw AttributeError, UNKNOWN),
+    an async shard_of (a coroutine for a name: INTERNAL on every call)."""
+    one = shards["one"].store
+
+    async def placed_later(scope: str) -> str:
+        return "one"
+
+    pending = Store.connect(shards["two"].dsn)
+    try:
+        with pytest.raises(TypeError, match="shard names must be str"):
+            ShardedStores({0: one}, lambda scope: 0)  # type: ignore[dict-item,arg-type,return-value]
+        with pytest.raises(TypeError, match=r"was Store\.connect awaited"):
+            ShardedStores({"one": one, "two": pending}, PLACEMENT.__getitem__)  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match="plain function"):
+            ShardedStores({"one": one}, placed_later)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="plain function"):
+            ShardedStores({"one": one}, "one")  # type: ignore[arg-type]
+    finally:
+        pending.close()

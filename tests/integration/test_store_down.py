@@ -3,6 +3,7 @@ refused while the database is down (so provably without a round trip)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
@@ -21,6 +22,7 @@ from grpc_idempotency import (
     child_key,
 )
 from grpc_idempotency.testing import EmbeddedPostgres
+from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import (
     RunningLedger,
     fresh,
@@ -116,6 +118,39 @@ async def test_a_fail_open_method_does_not_run_unclaimed_when_its_deadline_ends_
     again = await ledger.call(SVC + "PostFailOpen", post(account), key)
     assert again.replayed and again.body == after.body
     assert ledger.service.executions == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [
+        ("Post", grpc.StatusCode.UNAVAILABLE),
+        ("PostPhased", grpc.StatusCode.UNAVAILABLE),  # its look-up comes first
+        ("PostFailOpen", grpc.StatusCode.OK),  # run without the store, while time is left
+    ],
+)
+async def test_a_store_behind_a_partition_answers_within_its_command_timeout(
+    private_store: Store, private_pg: EmbeddedPostgres, method: str, expected: grpc.StatusCode
+) -> None:
+    """The store stops answering (a dead link: nothing is refused or reset). Its statements
+    carried the call's time left as their timeout, which replaces asyncpg's command_timeout:
+    every call waited out its whole deadline (8 s) and got DEADLINE_EXCEEDED, never
+    UNAVAILABLE, and a fail-open method, its deadline spent by then, never failed open. Now
+    command_timeout (1 s) bounds each statement, as the README promises."""
+    proxy = BlackholeProxy(private_pg.dsn)
+    await proxy.start()
+    partitioned = await Store.connect(proxy.dsn, min_size=1, max_size=2, command_timeout=1)
+    try:
+        async with running_ledger(partitioned) as ledger:
+            proxy.blackhole()
+            began = asyncio.get_running_loop().time()
+            answer = await ledger.call(SVC + method, post(fresh("acct")), fresh(), timeout=8)
+            took = asyncio.get_running_loop().time() - began
+            assert ledger.service.executions == (1 if expected is grpc.StatusCode.OK else 0)
+    finally:
+        partitioned.pool.terminate()
+        await proxy.close()
+    assert answer.code is expected, answer.details
+    assert took < 4.0
 
 
 async def test_a_fail_open_call_still_keys_its_downstream_calls(

@@ -77,7 +77,7 @@ from grpc_idempotency.core.policy import (
 from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services
-from grpc_idempotency.scope import ScopeResolver, peer_identity_scope
+from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
 from grpc_idempotency.server.answers import Context
 from grpc_idempotency.server.handler_context import DeferredAbort, KeyedContext, SyncContext
@@ -195,7 +195,7 @@ class IdempotencyInterceptor(_Interceptor):
             self._replay_cache = replay_cache
         elif replay_cache:
             self._replay_cache = ReplayCache()
-        if not callable(scope) or _is_async(scope):
+        if not callable(scope) or is_async(scope):
             raise TypeError(
                 "scope must be a plain (not async) function of the call's context returning a"
                 f" str, such as MetadataScope() or StaticScope(...); got {scope!r}"
@@ -937,19 +937,15 @@ def _unclaimed(
 def _may_fail_open(policy: MethodPolicy, context: Context) -> bool:
     """Whether a store failure lets this call run without deduplication: only for a fail-open
     method, and only while the call has time left. The store's statements are bounded by the
-    call's deadline, so a claim that merely waited (a lock held by a migration, a slow
-    database) times out as the deadline ends, and that is no outage: running the handler then,
-    unclaimed, ran one key's effect once per retry with the store up all along."""
+    call's deadline and by the pool's command_timeout (``Store.statement_timeout``). A claim
+    that times out as the deadline ends merely waited (a lock held by a migration, a slow
+    database), and that is no outage: running the handler then, unclaimed, ran one key's
+    effect once per retry with the store up all along. One that runs into command_timeout with
+    time left met a database that stopped answering for that long (a partition): an outage."""
     if policy.store_down is not StoreDown.FAIL_OPEN:
         return False
     remaining = answers.time_remaining(context)
     return remaining is None or remaining > _DEADLINE_SPENT_S
-
-
-def _is_async(fn: object) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004  (an object whose __call__ is async)
-    )
 
 
 _DEADLINE_SPENT_S = 0.05

@@ -261,6 +261,14 @@ class Store:
         self.schema = schema
         self.statements = Statements(schema)
         self.acquire_timeout = _checked_acquire_timeout(acquire_timeout)
+        # The pool's command_timeout (asyncpg keeps it with the pool's connect options; a pool
+        # made without one, or an asyncpg that keeps it elsewhere, gives None: calls' deadlines
+        # alone bound the statements then).
+        options = getattr(pool, "_connect_kwargs", None)
+        timeout = options.get("command_timeout") if isinstance(options, dict) else None
+        self.command_timeout: float | None = (
+            float(timeout) if isinstance(timeout, int | float) and 0 < timeout < math.inf else None
+        )
         self._settling: set[asyncio.Future[None]] = set()
         self._default_isolation: str | None = None
 
@@ -429,6 +437,17 @@ class Store:
             raise
         await conn.execute("COMMIT")
 
+    def statement_timeout(self, remaining: float | None) -> float | None:
+        """The timeout of a store statement made for a call with ``remaining`` seconds left:
+        that, but never more than the pool's ``command_timeout``. A ``timeout=`` on a statement
+        replaces asyncpg's command_timeout instead of adding to it, so with the call's deadline
+        alone a database behind a partition held every call for its whole deadline: the client
+        got DEADLINE_EXCEEDED, never UNAVAILABLE, and a fail-open method never failed open."""
+        cap = self.command_timeout
+        if remaining is None or cap is None:
+            return cap if remaining is None else remaining
+        return min(remaining, cap)
+
     async def _acquire(self, doing: str, timeout: float | None) -> PooledConnection:
         budget = self.acquire_timeout
         if timeout is not None:
@@ -464,7 +483,9 @@ class Store:
         for attempt in range(1, attempts + 1):
             conn = await self._acquire("looking up a key", timeout)
             try:
-                row = await conn.fetchrow(self.statements.lookup, scope, key, timeout=timeout)
+                row = await conn.fetchrow(
+                    self.statements.lookup, scope, key, timeout=self.statement_timeout(timeout)
+                )
             except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
                 _drop(conn)
                 # A statement that timed out met a database that stopped answering (TimeoutError
@@ -528,7 +549,7 @@ class Store:
         held = _Claim(scope, key, retention_s, method=method, fingerprint=fingerprint)
         attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
         try:
-            await conn.execute(sql, timeout=timeout)
+            await conn.execute(sql, timeout=self.statement_timeout(timeout))
         except asyncpg.PostgresError as exc:
             await attempt.release()
             if _lost_race(exc):
@@ -546,7 +567,9 @@ class Store:
     ) -> PlainTransaction:
         conn = await self._acquire("beginning a transaction", timeout)
         try:
-            await conn.execute(f"BEGIN{_isolation_clause(isolation)}", timeout=timeout)
+            await conn.execute(
+                f"BEGIN{_isolation_clause(isolation)}", timeout=self.statement_timeout(timeout)
+            )
         except BaseException as exc:
             # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
             # connection must go back to the pool all the same, or it is lost to it for good.
@@ -598,7 +621,9 @@ class Store:
         # committed is released (with its own token) once it answers.
         claiming = asyncio.ensure_future(claim())
         try:
-            claimed = await asyncio.wait_for(asyncio.shield(claiming), timeout)
+            claimed = await asyncio.wait_for(
+                asyncio.shield(claiming), self.statement_timeout(timeout)
+            )
         except TimeoutError as exc:
             self._settle(claiming, scope, key, retention_s, lease_s)
             raise store_error(exc, "claiming a key") from exc
@@ -885,7 +910,7 @@ class PhasedClaim:
             conn = await store._acquire("opening the final transaction", left)
             attempt = Attempt(store, conn, c, _commit_timeout(self.lease_s))
             try:
-                await conn.execute(sql, timeout=left)
+                await conn.execute(sql, timeout=store.statement_timeout(left))
             except asyncpg.PostgresError as exc:
                 await attempt.release()
                 if exc.sqlstate == _CLAIM_LOST:

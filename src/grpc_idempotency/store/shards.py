@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 
 from grpc_idempotency.core.errors import IdempotencyError, StoreMisconfigured
+from grpc_idempotency.scope import is_async
 from grpc_idempotency.store.postgres import Store
 
 log = logging.getLogger("grpc_idempotency.store")
@@ -45,6 +46,19 @@ class ShardedStores:
     def __init__(self, shards: Mapping[str, Store], shard_of: ShardOf) -> None:
         if not shards:
             raise ValueError("ShardedStores needs at least one shard")
+        # Refused here, not on every call: each of these was accepted, and then no call could
+        # be placed (an int name never matched), or a call failed with a raw AttributeError (a
+        # Store.connect(...) not awaited), or every call was refused (an async shard_of).
+        for name, store in shards.items():
+            if not isinstance(name, str):
+                raise TypeError(f"shard names must be str, not {type(name).__name__}: {name!r}")
+            if not isinstance(store, Store):
+                raise TypeError(
+                    f"shard {name!r} must be a Store (was Store.connect awaited?), not"
+                    f" {type(store).__name__}"
+                )
+        if not callable(shard_of) or is_async(shard_of):
+            raise TypeError("shard_of must be a plain function from a scope to a shard's name")
         self.shards: dict[str, Store] = dict(shards)
         self._shard_of = shard_of
         self._logged_at = -_LOG_EVERY_S
