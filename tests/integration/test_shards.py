@@ -321,6 +321,32 @@ async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_n
         await proxy.close()
 
 
+async def test_closing_waits_for_partitioned_shards_side_by_side(
+    shards: dict[str, Shard],
+) -> None:
+    """A shard behind a partition takes its whole close timeout to close (its connections never
+    answer). The shards closed one after another: two partitioned shards took twice that."""
+    proxies = [BlackholeProxy(shards["two"].dsn) for _ in range(2)]
+    stores: list[Store] = []
+    try:
+        for proxy in proxies:
+            await proxy.start()
+            stores.append(await Store.connect(proxy.dsn, min_size=1, max_size=1))
+        for proxy in proxies:
+            proxy.blackhole()
+        sharded = ShardedStores({"a": stores[0], "b": stores[1]}, lambda scope: "a")
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await sharded.close(timeout=1.5)
+        took = loop.time() - began
+        assert 1.4 < took < 2.5, took  # one timeout, not two (3 s)
+    finally:
+        for store in stores:
+            store.pool.terminate()
+        for proxy in proxies:
+            await proxy.close()
+
+
 async def _none(shard: Shard, count: str, scope: str) -> bool:
     return await shard.fetchval(count, scope) == 0
 

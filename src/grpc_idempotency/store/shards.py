@@ -14,6 +14,7 @@ records (``WHERE scope = ...``) with its rows, in the same maintenance step.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -97,9 +98,14 @@ class ShardedStores:
             log.error(message + " (logged at most once a minute)", *args, exc_info=exc_info)
 
     async def close(self, timeout: float = 10.0) -> None:
-        """Closes every shard's pool."""
-        for store in self.shards.values():
-            await store.close(timeout)
+        """Closes every shard's pool, all at once: a shard behind a partition (whose close waits
+        out ``timeout``) holds up no other, and one that fails to close leaves none open."""
+        closed = await asyncio.gather(
+            *(store.close(timeout) for store in self.shards.values()), return_exceptions=True
+        )
+        for result in closed:
+            if isinstance(result, BaseException):
+                raise result
 
 
 _LOG_EVERY_S = 60.0
