@@ -9,7 +9,9 @@ downstream service recognise the effect as already done:
 - a step that is renamed, removed, or whose version changes gives its effect a new child key: the
   downstream service sees a new operation and executes the effect again;
 - a step whose ``call`` target changes under the same name reuses a child key for a *different*
-  effect: the new target may replay nothing, or recognise a key it never issued;
+  effect: the new target may replay nothing, or recognise a key it never issued. A retired step
+  too, while it is live: the runtime finds it by its target, so retargeted it no longer keys the
+  operations begun before its retirement;
 - a keyed method that disappears while it still declares steps drops the declaration that its
   in-flight operations (up to its retention's worth) depend on.
 
@@ -441,23 +443,47 @@ def _compare_step(
     def found(change: Change, what: str, why: str = "", fix: str = "") -> list[Finding]:
         return [Finding(change=change, method=path, step=name, what=what, why=why, fix=fix)]
 
-    if step.active and _target(was) != _target(step) and _live(was, retention, now):
-        return found(
-            Change.STEP_TARGET_CHANGED,
-            f"step {name} changed target under the same name: it {_effect(was)}, now it"
-            f" {_effect(step)}",
-            why=(
+    # A retired step is followed by its target too (``propagation.choose_step`` reads the steps
+    # calling the target): while it is live, retargeting it moves the operations begun before
+    # its retirement to its successor's child key, and the effect runs again.
+    retargeted: list[Finding] = []
+    if _target(was) != _target(step) and _live(was, retention, now):
+        if step.active:
+            why = (
                 "the child key stays the same while the effect changes: an operation in flight"
                 f" that already ran {name} against {_target(was)} sends the same child key to"
                 f" {_target(step)}, which has no record of it and executes its effect; the"
                 " reverse can replay an outcome that belongs to another effect"
-            ),
-            fix=(
-                f"declare a new step (e.g. {_base(name)}.v{_next_version(name, among)}) for the new"
-                f" target and keep the old one declared as retired,"
+            )
+            fix = (
+                f"declare a new step (e.g. {_base(name)}.v{_next_version(name, among)}) for the"
+                f" new target and keep the old one declared as retired,"
                 f" {_declaration(was, retire_at=now)}"
-            ),
+            )
+        else:
+            why = (
+                f"an operation begun before {name} was retired keys its calls to {_target(was)}"
+                f" with {name}'s child key on every attempt, and the step is found by its"
+                f" target: declared on {_target(step)}, it no longer keys them, so one still in"
+                f" flight (retention {_span(retention)}) that already ran {name} is retried"
+                " under another step's child key, and the downstream service executes the"
+                " effect again"
+            )
+            kept = Step(name=name, call=was.call, outbox=was.outbox, retired_at=step.retired_at)
+            fix = (
+                "keep the retired step's target until it can be deleted"
+                f" ({_ts(removable_from(kept, retention))}): {_declaration(kept)}"
+            )
+        what = "step" if step.active else "retired step"
+        retargeted = found(
+            Change.STEP_TARGET_CHANGED,
+            f"{what} {name} changed target under the same name: it {_effect(was)}, now it"
+            f" {_effect(step)}",
+            why=why,
+            fix=fix,
         )
+        if step.active:
+            return retargeted
     if was.active and step.active:
         return []
     if step.active:
@@ -465,7 +491,7 @@ def _compare_step(
     until = removable_from(step, retention)
     assert until is not None and step.retired_at is not None
     if was.active:
-        retired = found(
+        retired = retargeted + found(
             Change.STEP_RETIRED,
             f"step {name} retired at {_ts(step.retired_at)}; it can be removed from {_ts(until)}",
         )
@@ -478,7 +504,7 @@ def _compare_step(
             f" set retired_at to when this change ships, e.g. {_declaration(was, retire_at=now)}",
         )
     assert was.retired_at is not None
-    notes: list[Finding] = []
+    notes: list[Finding] = list(retargeted)
     if _aware(step.retired_at) < _aware(was.retired_at):
         notes += found(
             Change.RETIREMENT_BACKDATED,
