@@ -24,6 +24,7 @@ from grpc_idempotency.core.step_contract import (
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 DAY = timedelta(days=1)
 HOUR = timedelta(hours=1)
+SECOND = timedelta(seconds=1)
 PLACE = "/shop.v1.Orders/Place"
 CANCEL = "/shop.v1.Orders/Cancel"
 CHARGE = "pay.v1.Payments/Charge"
@@ -87,6 +88,7 @@ FIXABLE = {
     Change.STEP_RENAMED,
     Change.STEP_VERSION_CHANGED,
     Change.RETIRED_STEP_REMOVED_EARLY,
+    Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
 }
 
 
@@ -249,6 +251,41 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         place(call("charge.v1")),
         place(call("charge.v1", retired=NOW - 3 * DAY)),
         [(Change.STEP_RETIRED, "charge.v1"), (Change.RETIREMENT_BACKDATED, "charge.v1")],
+        True,
+    ),
+    (
+        "retired_at moved later after it had passed",
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2")),
+        place(call("charge.v1", retired=NOW + HOUR), call("charge.v2")),
+        [(Change.RETIREMENT_POSTPONED_AFTER_THE_FACT, "charge.v1")],
+        False,
+    ),
+    (
+        "retired_at moved later but still past, after it had passed",
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2")),
+        place(call("charge.v1", retired=NOW - HOUR), call("charge.v2")),
+        [(Change.RETIREMENT_POSTPONED_AFTER_THE_FACT, "charge.v1")],
+        False,
+    ),
+    (
+        "retired_at moved later before it takes effect",
+        place(call("charge.v1", retired=NOW + HOUR), call("charge.v2")),
+        place(call("charge.v1", retired=NOW + 2 * HOUR), call("charge.v2")),
+        [],
+        True,
+    ),
+    (
+        "retired_at moved later with no version following the step",
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("refund.v1")),
+        place(call("charge.v1", retired=NOW + HOUR), call("refund.v1")),
+        [],
+        True,
+    ),
+    (
+        "retired_at moved later within what retention has already let go",
+        place(call("charge.v1", retired=NOW - 3 * DAY), call("charge.v2")),
+        place(call("charge.v1", retired=NOW - 2 * DAY), call("charge.v2")),
+        [(Change.RETIRED_STEP_REMOVABLE, "charge.v1")],
         True,
     ),
     (
@@ -760,3 +797,23 @@ def test_a_live_retired_steps_new_target_is_a_failure_with_the_old_target_as_its
     assert "2026-06-02T10:00:00Z" in f.fix  # retired_at + 1d
     restored = place(call("charge.v1", retired=retired), call("charge.v2"))
     assert check_contract(place(*old), restored, now=NOW).ok
+
+
+def test_a_retirement_moved_later_after_it_took_effect_fails() -> None:
+    """check-steps passed a past retired_at moved later: an operation begun in between ran
+    charge.v2, and its retry was keyed with charge.v1's child key (charged twice)."""
+    was = NOW - 2 * HOUR
+    old = (call("charge.v1", retired=was), call("charge.v2"))
+    new = (call("charge.v1", retired=NOW + HOUR), call("charge.v2"))
+    begun = was + timedelta(minutes=30)
+    assert (_step_for(old, begun), _step_for(new, begun)) == ("charge.v2", "charge.v1")
+    (f,) = check_contract(place(*old), place(*new), now=NOW).breaking
+    assert (f.change, f.step) == (Change.RETIREMENT_POSTPONED_AFTER_THE_FACT, "charge.v1")
+    assert "from 2026-06-01T10:00:00Z to 2026-06-01T13:00:00Z" in f.what
+    assert "runs again" in f.why and "retention 1d" in f.why
+    seconds = int(was.timestamp())
+    assert f"retired_at: {{ seconds: {seconds} }}" in f.fix
+    # Once the new retired_at has left the retention, no operation begun in between is
+    # replayable any more.
+    assert not check_contract(place(*old), place(*new), now=NOW + HOUR + DAY - SECOND).ok
+    assert check_contract(place(*old), place(*new), now=NOW + HOUR + DAY).ok
