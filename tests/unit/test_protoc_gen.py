@@ -375,6 +375,34 @@ ERRORS = {
         "",
         "step 'event.v1' must set exactly one of call and outbox",
     ),
+    # Values protoc accepts that are no value of the enum or outside the Duration's or the
+    # Timestamp's range: the plugin crashed with a traceback on each (KeyError, OverflowError,
+    # ValueError), and a Duration of mixed signs was generated as another value.
+    "key out of its enum": ("key: 7", "", "unknown key 7"),
+    "mode out of its enum": ("mode: 7", "", "unknown mode 7"),
+    "store_down out of its enum": ("store_down: 9", "", "unknown store_down 9"),
+    "isolation out of its enum": ("isolation: 9", "", "unknown isolation 9"),
+    "retention past a Duration's range": (
+        "retention: { seconds: 9000000000000000 }",
+        "",
+        "retention { seconds: 9000000000000000 nanos: 0 } is not a valid Duration",
+    ),
+    "lease of mixed signs": (
+        "lease: { seconds: 10 nanos: -500000000 } mode: MODE_PHASED",
+        "",
+        "lease { seconds: 10 nanos: -500000000 } is not a valid Duration: seconds and nanos"
+        " must have the same sign",
+    ),
+    "retired_at past year 9999": (
+        'steps: { name: "a.v1" outbox: true retired_at: { seconds: 253402300800 } }',
+        "",
+        "step 'a.v1': retired_at { seconds: 253402300800 nanos: 0 } is not a valid Timestamp",
+    ),
+    "retired_at nanos out of range": (
+        'steps: { name: "a.v1" outbox: true retired_at: { seconds: 1 nanos: 2000000000 } }',
+        "",
+        "step 'a.v1': retired_at { seconds: 1 nanos: 2000000000 } is not a valid Timestamp",
+    ),
 }
 
 
@@ -384,6 +412,7 @@ def test_validation_error(tmp_path: Path, case: str) -> None:
     extra = "  rpc Watch(Req) returns (stream Res);\n"
     done = run_on(tmp_path, {"errs/v1/bad.proto": svc(options, body=body, extra_rpc=extra)})
     assert_fails(done, f"--grpc-idempotency_out: errs/v1/bad.proto: /errs.v1.Svc/Do: {message}")
+    assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out" / "errs").exists()
 
 
@@ -554,6 +583,44 @@ def test_a_dotted_file_name_gives_a_module_next_to_its_pb2_that_imports(tmp_path
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "imported"
+
+
+def test_policies_render_durations_as_the_server_compiles_them(tmp_path: Path) -> None:
+    """Sub-second and microsecond durations in POLICIES compile to what the descriptor's options
+    compile to (the renderer and compile_policy share ``policy.duration_of``)."""
+    text = svc(
+        "retention: { seconds: 5 nanos: 999 } lease: { seconds: 1 nanos: 500000000 }"
+        " max_wait: { nanos: 1500 }"
+    ).replace("errs.v1", "durs.v1")
+    (tmp_path / "protos" / "durs" / "v1").mkdir(parents=True)
+    (tmp_path / "protos" / "durs" / "v1" / "d.proto").write_text(text)
+    out = tmp_path / "out"
+    done = protoc(tmp_path / "protos", out, "durs/v1/d.proto", extra=(f"--python_out={out}",))
+    assert done.returncode == 0, done.stderr
+    source = (out / "durs" / "v1" / "d_idempotency.py").read_text()
+    for expected in (
+        "retention=timedelta(seconds=5),",
+        "lease=timedelta(seconds=1, microseconds=500000),",
+        "max_wait=timedelta(microseconds=1),",
+    ):
+        assert expected in source, source
+    check = textwrap.dedent(
+        """
+        from durs.v1 import d_idempotency as gen, d_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        method = d_pb2.DESCRIPTOR.services_by_name["Svc"].methods_by_name["Do"]
+        assert compile_policy(method, gen.POLICIES["/durs.v1.Svc/Do"]) == compile_policy(method)
+        print("same")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "same"
 
 
 # -- the request's descriptor pool -----------------------------------------------------------

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import UTC
 
 from google.protobuf.descriptor import Descriptor, ServiceDescriptor
+from google.protobuf.duration_pb2 import Duration
 
+from grpc_idempotency.core.policy import duration_of, timestamp_of
 from grpc_idempotency.core.retry import service_config
 from grpc_idempotency.protoc_gen import names
 from grpc_idempotency.protoc_gen.validate import KeyedFile, KeyedMethod
@@ -199,12 +200,7 @@ class _Renderer:
         for name in ("retention", "lease", "max_wait"):
             if declared.HasField(name):
                 self.needs.add("timedelta")
-                value = getattr(declared, name)
-                parts = [f"seconds={value.seconds}"] if value.seconds or value.nanos < 1000 else []
-                if value.nanos >= 1000:
-                    parts.append(f"microseconds={value.nanos // 1000}")
-                args = ", ".join(parts)
-                fields.append(f"{name}=timedelta({args}),")
+                fields.append(f"{name}={_timedelta(getattr(declared, name))},")
         if declared.mode in _MODE:
             self.needs.add("Mode")
             fields.append(f"mode=Mode.{_MODE[declared.mode]},")
@@ -232,7 +228,7 @@ class _Renderer:
                     step_args.append("outbox=True,")
                 if step.HasField("retired_at"):
                     self.needs.add("datetime")
-                    when = step.retired_at.ToDatetime(tzinfo=UTC).isoformat()
+                    when = timestamp_of(step.retired_at).isoformat()
                     step_args.append(f"retired_at=datetime.fromisoformat({_str(when)}),")
                 fields += [INDENT * 2 + a for a in step_args]
                 fields.append(f"{INDENT}),")
@@ -433,6 +429,18 @@ def _import_lines(module: str, imported: list[str]) -> list[str]:
     if len(single) <= 88:
         return [single]
     return [f"from {module} import (", *(f"{INDENT}{n}," for n in imported), ")"]
+
+
+def _timedelta(value: Duration) -> str:
+    """The ``timedelta`` the server compiles ``value`` to (``policy.duration_of``), as source:
+    ``timedelta(seconds=1, microseconds=500000)``. Only valid Durations get here (the method's
+    policy compiled), so the value is never negative."""
+    span = duration_of(value)
+    seconds = span.days * 86400 + span.seconds
+    parts = [f"seconds={seconds}"] if seconds or not span.microseconds else []
+    if span.microseconds:
+        parts.append(f"microseconds={span.microseconds}")
+    return f"timedelta({', '.join(parts)})"
 
 
 def _str(value: str) -> str:
