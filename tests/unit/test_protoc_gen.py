@@ -585,6 +585,50 @@ def test_a_dotted_file_name_gives_a_module_next_to_its_pb2_that_imports(tmp_path
     assert ran.stdout.strip() == "imported"
 
 
+REQUIRED_EXCLUDED = {
+    "proto2": (
+        'syntax = "proto2";\n',
+        "required int64 sent_at = 2",
+    ),
+    "editions": (
+        'edition = "2023";\n',
+        "int64 sent_at = 2 [features.field_presence = LEGACY_REQUIRED,",
+    ),
+}
+
+
+@pytest.mark.parametrize("syntax", list(REQUIRED_EXCLUDED))
+def test_excluding_a_required_field_from_the_fingerprint_is_refused(
+    tmp_path: Path, syntax: str
+) -> None:
+    """FINGERPRINT_EXCLUDE on a proto2 ``required`` (or editions LEGACY_REQUIRED) field was
+    generated, and the server started; clearing the field made every request fail to serialize,
+    so each call failed UNKNOWN (EncodeError: missing required fields)."""
+    head, field = REQUIRED_EXCLUDED[syntax]
+    exclude = "(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE"
+    field += f" {exclude}];" if field.endswith(",") else f" [{exclude}];"
+    text = head + textwrap.dedent(
+        f"""
+        package req.v1;
+        import "grpc_idempotency/v1/options.proto";
+        message Req {{
+          {field}
+        }}
+        message Res {{}}
+        service Svc {{
+          rpc Do(Req) returns (Res) {{ option (grpc_idempotency.v1.method) = {{}}; }}
+        }}
+        """
+    )
+    done = run_on(tmp_path, {"req/v1/r.proto": text})
+    assert_fails(
+        done,
+        "--grpc-idempotency_out: req/v1/r.proto: /req.v1.Svc/Do: FINGERPRINT_EXCLUDE on required"
+        " field(s) req.v1.Req.sent_at: a required field cannot be cleared",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_policies_render_durations_as_the_server_compiles_them(tmp_path: Path) -> None:
     """Sub-second and microsecond durations in POLICIES compile to what the descriptor's options
     compile to (the renderer and compile_policy share ``policy.duration_of``)."""
