@@ -519,6 +519,45 @@ def test_generated_names_never_collide(tmp_path: Path) -> None:
         assert expected in source, expected
 
 
+def test_called_services_whose_names_snake_case_alike_get_parameters_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """HTTPGateway and HttpGateway are both http_gateway: the clash was decided on the proto
+    names, which differ, and the plugin generated ``def __init__(self, *, http_gateway,
+    http_gateway)``, a SyntaxError, and exited 0. Now the full names are used, and when those
+    snake-case alike too (one package) the plugin refuses."""
+    gateways = lambda pkg, name: (  # noqa: E731
+        f'syntax = "proto3";\npackage {pkg};\n'
+        f"service {name} {{\n  rpc Send(Req) returns (Res);\n}}\n" + MESSAGES
+    )
+    main = svc(
+        'steps: { name: "one.v1" call: "a.v1.HTTPGateway/Send" }'
+        ' steps: { name: "two.v1" call: "b.v1.HttpGateway/Send" }'
+    )
+    files = {"a/v1/gw.proto": gateways("a.v1", "HTTPGateway"),
+             "b/v1/gw.proto": gateways("b.v1", "HttpGateway"), "errs/v1/main.proto": main}  # fmt: skip
+    done = run_on(tmp_path, files)
+    assert done.returncode == 0, done.stderr
+    source = (tmp_path / "out" / "errs" / "v1" / "main_idempotency.py").read_text()
+    compile(source, "main_idempotency.py", "exec")
+    assert "a_v1_http_gateway: grpc.aio.Channel," in source
+    assert "b_v1_http_gateway: grpc.aio.Channel," in source
+    one_package = svc(
+        'steps: { name: "one.v1" call: "errs.v1.HTTPGateway/Send" }'
+        ' steps: { name: "two.v1" call: "errs.v1.HttpGateway/Send" }',
+        extra_rpc="}\nservice HTTPGateway {\n  rpc Send(Req) returns (Res);\n"
+        "}\nservice HttpGateway {\n  rpc Send(Req) returns (Res);\n",
+    )
+    clash = run_on(tmp_path / "clash", {"errs/v1/one.proto": one_package})
+    assert_fails(
+        clash,
+        "errs/v1/one.proto: /errs.v1.Svc/Do: called services errs.v1.HTTPGateway and"
+        " errs.v1.HttpGateway would both be parameter 'errs_v1_http_gateway': generated names"
+        " collide",
+    )
+    assert not (tmp_path / "clash" / "out" / "errs").exists()
+
+
 def test_steps_whose_identifiers_collide_are_refused(tmp_path: Path) -> None:
     # a.v1 and a.v2 share a base, so they become a_v1 and a_v2; a-v1.v1's base is a_v1 too.
     # Generated anyway, the class had two A_V1 constants and two a_v1 wrappers, the last one

@@ -63,6 +63,10 @@ class _Renderer:
                 f"{self.source}: {method.path}: {clash}"
                 for clash in _step_clashes(_active_steps(method), self.classes[method.path])
             ]
+            try:
+                _service_parameters(c.target.containing_service for c in method.calls)
+            except NameClash as clash:
+                problems.append(f"{self.source}: {method.path}: {clash}")
         if problems:
             raise NameClash("\n".join(problems))
         self.needs: set[str] = set()
@@ -392,15 +396,28 @@ def _and(items: Sequence[str]) -> str:
 
 def _service_parameters(services: Iterable[ServiceDescriptor]) -> dict[str, str]:
     """A keyword parameter per called service, by full name: ``payment_service``, or the
-    snake-cased full name when two called services share a name."""
+    snake-cased full name when two called services' names snake-case alike (``a.v1.Payments``
+    and ``b.v1.Payments``, but also ``HTTPGateway`` and ``HttpGateway``, which gave a duplicate
+    argument, a SyntaxError). ``NameClash`` when the full names snake-case alike too."""
     unique: dict[str, ServiceDescriptor] = {}
     for service in services:
         unique.setdefault(service.full_name, service)
-    shared = set(_duplicates(s.name for s in unique.values()))
-    return {
-        full: names.safe_identifier(names.snake_case(full if s.name in shared else s.name))
-        for full, s in unique.items()
+    short = {full: names.safe_identifier(names.snake_case(s.name)) for full, s in unique.items()}
+    shared = set(_duplicates(short.values()))
+    params = {
+        full: names.safe_identifier(names.snake_case(full)) if short[full] in shared else name
+        for full, name in short.items()
     }
+    clashes = []
+    for param in _duplicates(params.values()):
+        called = sorted(f for f in params if params[f] == param)
+        clashes.append(
+            f"called services {_and(called)} would {'both' if len(called) == 2 else 'all'} be"
+            f" parameter {param!r}: generated names collide; rename one of the services"
+        )
+    if clashes:
+        raise NameClash("; ".join(clashes))
+    return params
 
 
 def _local_names(modules: set[str]) -> dict[str, str]:
