@@ -706,6 +706,105 @@ def test_policies_render_durations_as_the_server_compiles_them(tmp_path: Path) -
     assert ran.stdout.strip() == "same"
 
 
+KEYWORD_PAY = """\
+syntax = "proto3";
+package inbound.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string a = 1; }
+message Res { string b = 1; }
+service Pay {
+  rpc Charge(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; }
+}
+"""
+KEYWORD_SHOP = """\
+syntax = "proto3";
+package shop.v1;
+import "grpc_idempotency/v1/options.proto";
+message BuyRequest {}
+message BuyResponse {}
+service Shop {
+  rpc Buy(BuyRequest) returns (BuyResponse) { option (grpc_idempotency.v1.method) = {
+    steps: { name: "charge.v1" call: "inbound.v1.Pay/Charge" }
+    steps: { name: "again.v1" call: "shop.v1.Shop/Buy" }
+  }; }
+}
+"""
+KEYWORD_USAGE = """
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import Message
+
+from shop.v1 import shop_pb2
+from shop.v1.shop_idempotency import ShopBuySteps
+
+
+async def handler(channel: grpc.aio.Channel) -> bytes:
+    steps = ShopBuySteps(pay=channel, shop=channel)
+    charged: Message = await steps.charge(shop_pb2.BuyRequest())
+    again: shop_pb2.BuyResponse = await steps.again(shop_pb2.BuyRequest())
+    return charged.SerializeToString() + again.SerializeToString()
+"""
+
+
+def test_a_module_in_a_keyword_directory_is_imported_with_importlib(tmp_path: Path) -> None:
+    """A step target under in/v1/ generated ``from in.v1 import pay_pb2``, a SyntaxError (and
+    so did a keyed file there, for its own module). protoc's python_out imports such a module
+    with importlib.import_module; so does the plugin now, and the code stays mypy-strict clean
+    (that module's messages typed ``Message``), formatted and lint clean."""
+    files = {"in/v1/pay.proto": KEYWORD_PAY, "shop/v1/shop.proto": KEYWORD_SHOP}
+    for name, text in files.items():
+        (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "protos" / name).write_text(text)
+    out = tmp_path / "out"
+    extra = (f"--python_out={out}", f"--pyi_out={out}")
+    done = protoc(tmp_path / "protos", out, *files, extra=extra)
+    assert done.returncode == 0, done.stderr
+    generated = ["in/v1/pay_idempotency.py", "shop/v1/shop_idempotency.py"]
+    for name in generated:
+        compile((out / name).read_text(), name, "exec")
+    shop = (out / "shop/v1/shop_idempotency.py").read_text()
+    assert 'pay_pb2 = importlib.import_module("in.v1.pay_pb2")' in shop
+    assert "from shop.v1 import shop_pb2\n" in shop
+    pay = (out / "in/v1/pay_idempotency.py").read_text()
+    assert 'pay_pb2 = importlib.import_module("in.v1.pay_pb2")' in pay
+    ruff = [sys.executable, "-m", "ruff"]
+    paths = [str(out / name) for name in generated]
+    fmt = subprocess.run([*ruff, "format", "--isolated", "--check", "--diff", *paths],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    lint = subprocess.run(
+        [*ruff, "check", "--isolated", "--target-version", "py311",
+         "--select", "E,F,W,I,B,UP,SIM,RUF,ASYNC", "--ignore", "ASYNC109", *paths],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    (out / "usage.py").write_text(KEYWORD_USAGE)
+    typed = mypy(out, *generated, "usage.py")
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    check = textwrap.dedent(
+        """
+        import importlib
+        from shop.v1 import shop_idempotency as gen, shop_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        pay = importlib.import_module("in.v1.pay_idempotency")
+        assert pay.SERVICES[0].full_name == "inbound.v1.Pay"
+        assert gen.pay_pb2 is importlib.import_module("in.v1.pay_pb2")
+        method = shop_pb2.DESCRIPTOR.services_by_name["Shop"].methods_by_name["Buy"]
+        assert compile_policy(method, gen.POLICIES["/shop.v1.Shop/Buy"]) == compile_policy(method)
+        print("imported")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "imported"
+
+
 # -- the request's descriptor pool -----------------------------------------------------------
 
 
@@ -821,6 +920,8 @@ def test_module_names_follow_protocs_python_generator(proto: str, module: str, o
 
 
 def test_identifiers() -> None:
+    assert names.has_keyword("in.v1.pay_pb2") and names.has_keyword("a.class.x_pb2")
+    assert not names.has_keyword("inbound.v1.pay_pb2") and not names.has_keyword("match.v1.x_pb2")
     assert names.snake_case("PaymentService") == "payment_service"
     assert names.snake_case("HTTPGateway") == "http_gateway"
     assert names.snake_case("a.v1.Payments") == "a_v1_payments"

@@ -120,6 +120,9 @@ class _Renderer:
 
     def _imports(self) -> list[str]:
         stdlib = []
+        keyworded = sorted(m for m in self.modules if names.has_keyword(m))
+        if keyworded:
+            stdlib.append("import importlib")
         if "json" in self.needs:
             stdlib.append("import json")
         collections = sorted(self.needs & {"Mapping", "Sequence"})
@@ -144,11 +147,20 @@ class _Renderer:
         lines = [*stdlib, "", *third, "", *_import_lines("grpc_idempotency", library)]
         generated = []
         for module, local in sorted(self.modules.items()):
+            if module in keyworded:
+                continue
             package, _, base = module.rpartition(".")
             alias = f" as {local}" if local != base else ""
             generated.append(
                 f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
             )
+        # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
+        # module with importlib too. Its messages are typed ``Message`` here (``_annotation``):
+        # a type checker cannot follow the import.
+        assigned = [f'{self.modules[m]} = importlib.import_module("{m}")' for m in keyworded]
+        if generated and assigned:
+            generated.append("")
+        generated += assigned
         return [*lines, "", *generated]
 
     def _all(self) -> list[str]:
@@ -325,23 +337,37 @@ class _Renderer:
             ]
         for call in method.calls:
             ident = constants[call.name]
+            returned = self._annotation(call.target.output_type)
+            # A message of a module imported with importlib is Any to a type checker: returned
+            # as is, it fails mypy --strict (warn_return_any).
+            untyped = returned != self._type(call.target.output_type)
+            awaits = "response: Message = await" if untyped else "return await"
             lines += [
                 "",
                 f"{INDENT}async def {names.safe_identifier(ident)}(",
                 f"{INDENT * 2}self,",
-                f"{INDENT * 2}request: {self._type(call.target.input_type)},",
+                f"{INDENT * 2}request: {self._annotation(call.target.input_type)},",
                 f"{INDENT * 2}*,",
                 f"{INDENT * 2}timeout: float | None = None,",
                 f"{INDENT * 2}metadata: Sequence[tuple[str, str | bytes]] = (),",
-                f"{INDENT}) -> {self._type(call.target.output_type)}:",
+                f"{INDENT}) -> {returned}:",
                 f'{INDENT * 2}"""Calls ``{call.target.name}`` as step ``{call.name}``."""',
-                f"{INDENT * 2}return await self._{ident}(",
+                f"{INDENT * 2}{awaits} self._{ident}(",
                 f"{INDENT * 3}request,",
                 f"{INDENT * 3}timeout=timeout,",
                 f"{INDENT * 3}metadata=(*metadata, step_metadata(self.{ident.upper()})),",
                 f"{INDENT * 2})",
+                *([f"{INDENT * 2}return response"] if untyped else []),
             ]
         return lines
+
+    def _annotation(self, message: Descriptor) -> str:
+        """``message``'s class as a type: ``Message`` when its module is imported with importlib
+        (``_imports``)."""
+        if names.has_keyword(names.pb2_module(message.file.name)):
+            self.needs.add("Message")
+            return "Message"
+        return self._type(message)
 
     def _type(self, message: Descriptor) -> str:
         package = message.file.package
