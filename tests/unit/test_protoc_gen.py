@@ -25,7 +25,7 @@ from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency import proto_include
 from grpc_idempotency.client import service_config
-from grpc_idempotency.core.policy import compile_policy, method_path
+from grpc_idempotency.core.policy import MethodOverride, compile_policy, method_path
 from grpc_idempotency.protoc_gen import generate, names
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options, load
 from tests.support.tools import buf_binary
@@ -269,6 +269,32 @@ def test_policies_compile_to_what_the_proto_options_compile_to(shop: Path) -> No
             longer = dataclasses.replace(override, lease=timedelta(seconds=42))
             changed = compile_policy(method, longer)
             assert changed == dataclasses.replace(from_options, lease=timedelta(seconds=42))
+
+
+def test_the_module_docstring_says_what_the_server_still_reads_from_descriptors(
+    shop: Path,
+) -> None:
+    """The docstring (and README) said that with ``overrides=POLICIES`` the server reads no
+    custom options from descriptors. It does: each override is merged onto the method's option,
+    so a method left out of POLICIES, or a field left None, keeps what the proto says."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    shop_idempotency, _ = shop_modules()
+    doc = " ".join((shop_idempotency.__doc__ or "").split())
+    assert "reads no custom options" not in doc
+    assert "The server still reads the descriptors" in doc
+    assert "a method left out, keeps what the proto says" in doc
+    assert "fingerprint exclusions come from the request's field options" in doc
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "without reading custom options from descriptors" not in readme
+    assert "The descriptors are still read" in readme
+    path = "/codegen_shop.v1.CheckoutService/Checkout"
+    with_policies = PolicyRegistry(shop_idempotency.SERVICES, shop_idempotency.POLICIES)
+    without = PolicyRegistry(shop_idempotency.SERVICES, {})
+    assert without.get(path) == with_policies.get(path) is not None
+    lease_only = {path: MethodOverride(lease=timedelta(seconds=42))}
+    merged = PolicyRegistry(shop_idempotency.SERVICES, lease_only).get(path)
+    assert merged == dataclasses.replace(with_policies.get(path), lease=timedelta(seconds=42))
 
 
 def _without_method_options(file: object) -> descriptor_pool.DescriptorPool:

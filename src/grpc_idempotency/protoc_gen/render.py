@@ -1,8 +1,11 @@
 """Renders a file's ``<name>_idempotency.py`` from its checked keyed methods.
 
-The output is deterministic, typed for ``mypy --strict``, and already in the shape ``ruff format``
-(and black) give it: every bracket that may grow is exploded with a trailing comma, so a
-formatter run over a generated tree changes nothing and the committed code stays current.
+The output is deterministic, typed for ``mypy --strict``, and in the shape ``ruff format`` (and
+black) give it as long as its lines fit in 88 columns: every bracket that may grow is exploded
+with a trailing comma, so a formatter run over a tree generated from names of usual length
+changes nothing. A line that very long names (a package, service, method or step) push past 88
+columns is left as it is, where a formatter would split it: run the formatter as part of
+generating, or exclude generated code from it, so that the committed code stays current.
 """
 
 from __future__ import annotations
@@ -108,7 +111,10 @@ class _Renderer:
             "- ``SERVICES``, ``POLICIES``: for ``IdempotencyInterceptor(store,",
             "  services=SERVICES, overrides=POLICIES)``. ``POLICIES`` holds each keyed",
             "  method's options as declared (``None`` where the proto sets nothing: the",
-            "  library's defaults apply): the server reads no custom options from descriptors.",
+            "  library's defaults apply). The server still reads the descriptors: each",
+            "  entry is merged field by field onto the method's own option (a ``None``",
+            "  field, or a method left out, keeps what the proto says), and fingerprint",
+            "  exclusions come from the request's field options.",
             "- ``SERVICE_CONFIG``, ``CHANNEL_OPTIONS``: the recommended configuration of a",
             "  channel calling the keyed methods: gRPC retries UNAVAILABLE and ABORTED (safe:",
             "  every attempt carries the same key).",
