@@ -526,3 +526,18 @@ def test_a_retired_at_past_what_a_timestamp_allows_is_bad_input(build: Build) ->
     done = compare(build, orders_proto(step), orders_proto(f"{step} {too_late}"))
     assert done.returncode == 2, done.stderr
     assert "not a valid timestamp" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_retention_past_what_a_duration_allows_is_bad_input(build: Build) -> None:
+    """protoc takes any int64 in a Duration's seconds; past timedelta's range, check-steps died
+    with a traceback (OverflowError, exit 1, which reads as "the contract is broken")."""
+    step = 'name: "charge-card.v1" call: "pay.v1.Payments/Charge"'
+    good = orders_proto(step)
+    huge = orders_proto(step, retention=9_000_000_000_000_000)
+    done = compare(build, good, huge)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert (
+        "NEW: /shop.v1.Orders/Place: retention 9000000000000000s is not a valid duration:"
+        " seconds must be within"
+    ) in done.stderr

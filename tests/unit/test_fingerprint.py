@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor
 from hypothesis import given
 from hypothesis import strategies as st
 from testsvc.v1 import testsvc_pb2
 
+from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.fingerprint import Fingerprinter
+from grpc_idempotency.v1 import options_pb2
 
 METHOD = "/testsvc.v1.LedgerService/Post"
 fingerprint = Fingerprinter.for_method(METHOD, testsvc_pb2.PostRequest.DESCRIPTOR)
@@ -92,3 +97,50 @@ def test_fingerprint_is_stable_and_ignores_exclusions(trace: str, seconds: int) 
     r.sent_at.seconds = seconds
     assert fingerprint(r) == fingerprint(request())
     assert len(fingerprint(r)) == 32
+
+
+_Field = descriptor_pb2.FieldDescriptorProto
+
+
+def _proto2_request(*, required: bool, nested: bool = False) -> Descriptor:
+    """A proto2 ``Req`` whose ``sent_at`` (``nested``: ``Req.meta.sent_at``) is excluded and
+    required or optional, in the default pool."""
+    kind = "req" if required else "opt"
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name=f"fp_required_{kind}_{nested}.proto", package=f"fp{kind}{int(nested)}", syntax="proto2"
+    )
+    fdp.dependency.append("grpc_idempotency/v1/options.proto")
+    req = fdp.message_type.add(name="Req")
+    req.field.add(name="a", number=1, type=_Field.TYPE_STRING, label=_Field.LABEL_REQUIRED)
+    holder = req
+    if nested:
+        holder = fdp.message_type.add(name="Meta")
+        req.field.add(
+            name="meta", number=3, type=_Field.TYPE_MESSAGE, type_name=f".{fdp.package}.Meta",
+            label=_Field.LABEL_REPEATED,
+        )  # fmt: skip
+    label = _Field.LABEL_REQUIRED if required else _Field.LABEL_OPTIONAL
+    sent_at = holder.field.add(name="sent_at", number=2, type=_Field.TYPE_INT64, label=label)
+    sent_at.options.Extensions[options_pb2.field].fingerprint = options_pb2.FINGERPRINT_EXCLUDE
+    pool = descriptor_pool.Default()
+    pool.Add(fdp)
+    return pool.FindMessageTypeByName(f"{fdp.package}.Req")
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "nested-repeated"])
+def test_excluding_a_required_field_is_refused(nested: bool) -> None:
+    """FINGERPRINT_EXCLUDE on a proto2 ``required`` field was accepted; clearing it made the
+    request fail to serialize (EncodeError: missing required fields), so every call of the
+    method failed UNKNOWN."""
+    with pytest.raises(PolicyError, match="required field cannot be cleared") as caught:
+        Fingerprinter.for_method("/p.Svc/Do", _proto2_request(required=True, nested=nested))
+    assert caught.value.message.startswith("/p.Svc/Do: FINGERPRINT_EXCLUDE on required field")
+    assert ".sent_at" in caught.value.message
+    # Optional, the same field is excluded and the request serializes.
+    descriptor = _proto2_request(required=False, nested=nested)
+    fingerprint = Fingerprinter.for_method("/p.Svc/Do", descriptor)
+    cls = message_factory.GetMessageClass(descriptor)
+    a, b = cls(a="x"), cls(a="x")
+    (a.meta.add() if nested else a).sent_at = 1
+    (b.meta.add() if nested else b).sent_at = 2
+    assert fingerprint(a) == fingerprint(b)

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 import pytest
@@ -367,3 +368,105 @@ def test_a_method_found_on_first_use_with_bad_options_fails_the_same_way_every_c
         registry.get(path)
     assert again.value is first.value  # cached, not compiled again
     assert path not in registry.policies
+
+
+def _set(field: str, value: int) -> Callable[[options_pb2.MethodPolicy], None]:
+    def configure(o: options_pb2.MethodPolicy) -> None:
+        target: Any = o
+        *parents, name = field.split(".")
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, name, value)
+
+    return configure
+
+
+def _retired(seconds: int, nanos: int = 0) -> Callable[[options_pb2.MethodPolicy], None]:
+    def configure(o: options_pb2.MethodPolicy) -> None:
+        step = o.steps.add(name="charge.v1", call="a.B/C")
+        step.retired_at.seconds, step.retired_at.nanos = seconds, nanos
+
+    return configure
+
+
+def _lease(seconds: int, nanos: int) -> Callable[[options_pb2.MethodPolicy], None]:
+    def configure(o: options_pb2.MethodPolicy) -> None:
+        o.lease.seconds, o.lease.nanos = seconds, nanos
+
+    return configure
+
+
+@pytest.mark.parametrize(
+    ("configure", "message"),
+    [
+        (_set("key", 7), "unknown key 7"),
+        (_set("mode", 7), "unknown mode 7"),
+        (_set("store_down", 9), "unknown store_down 9"),
+        (_set("isolation", 9), "unknown isolation 9"),
+        (
+            _set("retention.seconds", 9_000_000_000_000_000),
+            r"retention \{ seconds: 9000000000000000 nanos: 0 \} is not a valid Duration:"
+            " seconds must be within",
+        ),
+        (
+            _lease(10, -500_000_000),
+            "lease .* is not a valid Duration: seconds and nanos must have the same sign",
+        ),
+        (_lease(1, 1_500_000_000), "lease .* is not a valid Duration: nanos must be within"),
+        (
+            _retired(253_402_300_800),
+            r"step 'charge.v1': retired_at \{ seconds: 253402300800 nanos: 0 \} is not a valid"
+            " Timestamp: seconds must be within",
+        ),
+        (_retired(1, 2_000_000_000), "retired_at .* is not a valid Timestamp: nanos must be"),
+        (_retired(1, -1), "retired_at .* is not a valid Timestamp: nanos must be"),
+    ],
+    ids=[
+        "key",
+        "mode",
+        "store_down",
+        "isolation",
+        "retention-huge",
+        "lease-mixed-signs",
+        "lease-nanos",
+        "retired_at-year-10000",
+        "retired_at-nanos-big",
+        "retired_at-nanos-negative",
+    ],
+)
+def test_option_values_protoc_accepts_but_no_policy_can_hold_are_refused(
+    configure: Callable[[options_pb2.MethodPolicy], None], message: str
+) -> None:
+    """A number that is no value of its enum (``key: 7``) and a Duration or Timestamp outside
+    its documented range raised KeyError, OverflowError or ValueError from compile_policy: a
+    traceback from the plugin, and UNKNOWN "Unexpected KeyError" on a server's first call. A
+    Duration with seconds and nanos of opposite signs was read as their sum, which the generated
+    POLICIES rendered as another value (lease 10 s - 0.5 s: 9.5 s here, 10 s there)."""
+    method = method_with(configure)
+    with pytest.raises(PolicyError, match=message) as caught:
+        compile_policy(method)
+    assert caught.value.message.startswith(f"/{method.containing_service.full_name}/Do:")
+    # A method found on first use: the same PolicyError, cached.
+    from grpc_idempotency.registry import PolicyRegistry
+
+    registry = PolicyRegistry()
+    path = f"/{method.containing_service.full_name}/Do"
+    with pytest.raises(PolicyError, match=message) as first:
+        registry.get(path)
+    with pytest.raises(PolicyError) as again:
+        registry.get(path)
+    assert again.value is first.value
+
+
+def test_valid_durations_and_timestamps_at_their_limits_compile() -> None:
+    def configure(o: options_pb2.MethodPolicy) -> None:
+        o.lease.seconds, o.lease.nanos = 0, 999_999_999  # just under a second
+        o.retention.seconds = 36500 * 86400
+        step = o.steps.add(name="charge.v1", call="a.B/C")
+        step.retired_at.seconds, step.retired_at.nanos = 253_402_300_799, 999_999_999
+
+    policy = compile_policy(method_with(configure))
+    assert policy is not None
+    assert policy.lease == timedelta(microseconds=999_999)
+    assert policy.retention == timedelta(days=36500)
+    assert policy.steps[0].retired_at == datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)

@@ -25,7 +25,7 @@ from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency import proto_include
 from grpc_idempotency.client import service_config
-from grpc_idempotency.core.policy import compile_policy, method_path
+from grpc_idempotency.core.policy import MethodOverride, compile_policy, method_path
 from grpc_idempotency.protoc_gen import generate, names
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options, load
 from tests.support.tools import buf_binary
@@ -271,6 +271,32 @@ def test_policies_compile_to_what_the_proto_options_compile_to(shop: Path) -> No
             assert changed == dataclasses.replace(from_options, lease=timedelta(seconds=42))
 
 
+def test_the_module_docstring_says_what_the_server_still_reads_from_descriptors(
+    shop: Path,
+) -> None:
+    """The docstring (and README) said that with ``overrides=POLICIES`` the server reads no
+    custom options from descriptors. It does: each override is merged onto the method's option,
+    so a method left out of POLICIES, or a field left None, keeps what the proto says."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    shop_idempotency, _ = shop_modules()
+    doc = " ".join((shop_idempotency.__doc__ or "").split())
+    assert "reads no custom options" not in doc
+    assert "The server still reads the descriptors" in doc
+    assert "a method left out, keeps what the proto says" in doc
+    assert "fingerprint exclusions come from the request's field options" in doc
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "without reading custom options from descriptors" not in readme
+    assert "The descriptors are still read" in readme
+    path = "/codegen_shop.v1.CheckoutService/Checkout"
+    with_policies = PolicyRegistry(shop_idempotency.SERVICES, shop_idempotency.POLICIES)
+    without = PolicyRegistry(shop_idempotency.SERVICES, {})
+    assert without.get(path) == with_policies.get(path) is not None
+    lease_only = {path: MethodOverride(lease=timedelta(seconds=42))}
+    merged = PolicyRegistry(shop_idempotency.SERVICES, lease_only).get(path)
+    assert merged == dataclasses.replace(with_policies.get(path), lease=timedelta(seconds=42))
+
+
 def _without_method_options(file: object) -> descriptor_pool.DescriptorPool:
     proto = descriptor_pb2.FileDescriptorProto()
     file.CopyToProto(proto)  # type: ignore[attr-defined]
@@ -375,6 +401,34 @@ ERRORS = {
         "",
         "step 'event.v1' must set exactly one of call and outbox",
     ),
+    # Values protoc accepts that are no value of the enum or outside the Duration's or the
+    # Timestamp's range: the plugin crashed with a traceback on each (KeyError, OverflowError,
+    # ValueError), and a Duration of mixed signs was generated as another value.
+    "key out of its enum": ("key: 7", "", "unknown key 7"),
+    "mode out of its enum": ("mode: 7", "", "unknown mode 7"),
+    "store_down out of its enum": ("store_down: 9", "", "unknown store_down 9"),
+    "isolation out of its enum": ("isolation: 9", "", "unknown isolation 9"),
+    "retention past a Duration's range": (
+        "retention: { seconds: 9000000000000000 }",
+        "",
+        "retention { seconds: 9000000000000000 nanos: 0 } is not a valid Duration",
+    ),
+    "lease of mixed signs": (
+        "lease: { seconds: 10 nanos: -500000000 } mode: MODE_PHASED",
+        "",
+        "lease { seconds: 10 nanos: -500000000 } is not a valid Duration: seconds and nanos"
+        " must have the same sign",
+    ),
+    "retired_at past year 9999": (
+        'steps: { name: "a.v1" outbox: true retired_at: { seconds: 253402300800 } }',
+        "",
+        "step 'a.v1': retired_at { seconds: 253402300800 nanos: 0 } is not a valid Timestamp",
+    ),
+    "retired_at nanos out of range": (
+        'steps: { name: "a.v1" outbox: true retired_at: { seconds: 1 nanos: 2000000000 } }',
+        "",
+        "step 'a.v1': retired_at { seconds: 1 nanos: 2000000000 } is not a valid Timestamp",
+    ),
 }
 
 
@@ -384,6 +438,7 @@ def test_validation_error(tmp_path: Path, case: str) -> None:
     extra = "  rpc Watch(Req) returns (stream Res);\n"
     done = run_on(tmp_path, {"errs/v1/bad.proto": svc(options, body=body, extra_rpc=extra)})
     assert_fails(done, f"--grpc-idempotency_out: errs/v1/bad.proto: /errs.v1.Svc/Do: {message}")
+    assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out" / "errs").exists()
 
 
@@ -490,6 +545,45 @@ def test_generated_names_never_collide(tmp_path: Path) -> None:
         assert expected in source, expected
 
 
+def test_called_services_whose_names_snake_case_alike_get_parameters_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """HTTPGateway and HttpGateway are both http_gateway: the clash was decided on the proto
+    names, which differ, and the plugin generated ``def __init__(self, *, http_gateway,
+    http_gateway)``, a SyntaxError, and exited 0. Now the full names are used, and when those
+    snake-case alike too (one package) the plugin refuses."""
+    gateways = lambda pkg, name: (  # noqa: E731
+        f'syntax = "proto3";\npackage {pkg};\n'
+        f"service {name} {{\n  rpc Send(Req) returns (Res);\n}}\n" + MESSAGES
+    )
+    main = svc(
+        'steps: { name: "one.v1" call: "a.v1.HTTPGateway/Send" }'
+        ' steps: { name: "two.v1" call: "b.v1.HttpGateway/Send" }'
+    )
+    files = {"a/v1/gw.proto": gateways("a.v1", "HTTPGateway"),
+             "b/v1/gw.proto": gateways("b.v1", "HttpGateway"), "errs/v1/main.proto": main}  # fmt: skip
+    done = run_on(tmp_path, files)
+    assert done.returncode == 0, done.stderr
+    source = (tmp_path / "out" / "errs" / "v1" / "main_idempotency.py").read_text()
+    compile(source, "main_idempotency.py", "exec")
+    assert "a_v1_http_gateway: grpc.aio.Channel," in source
+    assert "b_v1_http_gateway: grpc.aio.Channel," in source
+    one_package = svc(
+        'steps: { name: "one.v1" call: "errs.v1.HTTPGateway/Send" }'
+        ' steps: { name: "two.v1" call: "errs.v1.HttpGateway/Send" }',
+        extra_rpc="}\nservice HTTPGateway {\n  rpc Send(Req) returns (Res);\n"
+        "}\nservice HttpGateway {\n  rpc Send(Req) returns (Res);\n",
+    )
+    clash = run_on(tmp_path / "clash", {"errs/v1/one.proto": one_package})
+    assert_fails(
+        clash,
+        "errs/v1/one.proto: /errs.v1.Svc/Do: called services errs.v1.HTTPGateway and"
+        " errs.v1.HttpGateway would both be parameter 'errs_v1_http_gateway': generated names"
+        " collide",
+    )
+    assert not (tmp_path / "clash" / "out" / "errs").exists()
+
+
 def test_steps_whose_identifiers_collide_are_refused(tmp_path: Path) -> None:
     # a.v1 and a.v2 share a base, so they become a_v1 and a_v2; a-v1.v1's base is a_v1 too.
     # Generated anyway, the class had two A_V1 constants and two a_v1 wrappers, the last one
@@ -544,6 +638,187 @@ def test_a_dotted_file_name_gives_a_module_next_to_its_pb2_that_imports(tmp_path
         method = events_pb2.DESCRIPTOR.services_by_name["Svc"].methods_by_name["Do"]
         assert compile_policy(method, gen.POLICIES["/dotted.v1.Svc/Do"]) == compile_policy(method)
         assert gen.SvcDoSteps.NOTIFY == "notify.v1"
+        print("imported")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "imported"
+
+
+REQUIRED_EXCLUDED = {
+    "proto2": (
+        'syntax = "proto2";\n',
+        "required int64 sent_at = 2",
+    ),
+    "editions": (
+        'edition = "2023";\n',
+        "int64 sent_at = 2 [features.field_presence = LEGACY_REQUIRED,",
+    ),
+}
+
+
+@pytest.mark.parametrize("syntax", list(REQUIRED_EXCLUDED))
+def test_excluding_a_required_field_from_the_fingerprint_is_refused(
+    tmp_path: Path, syntax: str
+) -> None:
+    """FINGERPRINT_EXCLUDE on a proto2 ``required`` (or editions LEGACY_REQUIRED) field was
+    generated, and the server started; clearing the field made every request fail to serialize,
+    so each call failed UNKNOWN (EncodeError: missing required fields)."""
+    head, field = REQUIRED_EXCLUDED[syntax]
+    exclude = "(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE"
+    field += f" {exclude}];" if field.endswith(",") else f" [{exclude}];"
+    text = head + textwrap.dedent(
+        f"""
+        package req.v1;
+        import "grpc_idempotency/v1/options.proto";
+        message Req {{
+          {field}
+        }}
+        message Res {{}}
+        service Svc {{
+          rpc Do(Req) returns (Res) {{ option (grpc_idempotency.v1.method) = {{}}; }}
+        }}
+        """
+    )
+    done = run_on(tmp_path, {"req/v1/r.proto": text})
+    assert_fails(
+        done,
+        "--grpc-idempotency_out: req/v1/r.proto: /req.v1.Svc/Do: FINGERPRINT_EXCLUDE on required"
+        " field(s) req.v1.Req.sent_at: a required field cannot be cleared",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_policies_render_durations_as_the_server_compiles_them(tmp_path: Path) -> None:
+    """Sub-second and microsecond durations in POLICIES compile to what the descriptor's options
+    compile to (the renderer and compile_policy share ``policy.duration_of``)."""
+    text = svc(
+        "retention: { seconds: 5 nanos: 999 } lease: { seconds: 1 nanos: 500000000 }"
+        " max_wait: { nanos: 1500 }"
+    ).replace("errs.v1", "durs.v1")
+    (tmp_path / "protos" / "durs" / "v1").mkdir(parents=True)
+    (tmp_path / "protos" / "durs" / "v1" / "d.proto").write_text(text)
+    out = tmp_path / "out"
+    done = protoc(tmp_path / "protos", out, "durs/v1/d.proto", extra=(f"--python_out={out}",))
+    assert done.returncode == 0, done.stderr
+    source = (out / "durs" / "v1" / "d_idempotency.py").read_text()
+    for expected in (
+        "retention=timedelta(seconds=5),",
+        "lease=timedelta(seconds=1, microseconds=500000),",
+        "max_wait=timedelta(microseconds=1),",
+    ):
+        assert expected in source, source
+    check = textwrap.dedent(
+        """
+        from durs.v1 import d_idempotency as gen, d_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        method = d_pb2.DESCRIPTOR.services_by_name["Svc"].methods_by_name["Do"]
+        assert compile_policy(method, gen.POLICIES["/durs.v1.Svc/Do"]) == compile_policy(method)
+        print("same")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "same"
+
+
+KEYWORD_PAY = """\
+syntax = "proto3";
+package inbound.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string a = 1; }
+message Res { string b = 1; }
+service Pay {
+  rpc Charge(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; }
+}
+"""
+KEYWORD_SHOP = """\
+syntax = "proto3";
+package shop.v1;
+import "grpc_idempotency/v1/options.proto";
+message BuyRequest {}
+message BuyResponse {}
+service Shop {
+  rpc Buy(BuyRequest) returns (BuyResponse) { option (grpc_idempotency.v1.method) = {
+    steps: { name: "charge.v1" call: "inbound.v1.Pay/Charge" }
+    steps: { name: "again.v1" call: "shop.v1.Shop/Buy" }
+  }; }
+}
+"""
+KEYWORD_USAGE = """
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import Message
+
+from shop.v1 import shop_pb2
+from shop.v1.shop_idempotency import ShopBuySteps
+
+
+async def handler(channel: grpc.aio.Channel) -> bytes:
+    steps = ShopBuySteps(pay=channel, shop=channel)
+    charged: Message = await steps.charge(shop_pb2.BuyRequest())
+    again: shop_pb2.BuyResponse = await steps.again(shop_pb2.BuyRequest())
+    return charged.SerializeToString() + again.SerializeToString()
+"""
+
+
+def test_a_module_in_a_keyword_directory_is_imported_with_importlib(tmp_path: Path) -> None:
+    """A step target under in/v1/ generated ``from in.v1 import pay_pb2``, a SyntaxError (and
+    so did a keyed file there, for its own module). protoc's python_out imports such a module
+    with importlib.import_module; so does the plugin now, and the code stays mypy-strict clean
+    (that module's messages typed ``Message``), formatted and lint clean."""
+    files = {"in/v1/pay.proto": KEYWORD_PAY, "shop/v1/shop.proto": KEYWORD_SHOP}
+    for name, text in files.items():
+        (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "protos" / name).write_text(text)
+    out = tmp_path / "out"
+    extra = (f"--python_out={out}", f"--pyi_out={out}")
+    done = protoc(tmp_path / "protos", out, *files, extra=extra)
+    assert done.returncode == 0, done.stderr
+    generated = ["in/v1/pay_idempotency.py", "shop/v1/shop_idempotency.py"]
+    for name in generated:
+        compile((out / name).read_text(), name, "exec")
+    shop = (out / "shop/v1/shop_idempotency.py").read_text()
+    assert 'pay_pb2 = importlib.import_module("in.v1.pay_pb2")' in shop
+    assert "from shop.v1 import shop_pb2\n" in shop
+    pay = (out / "in/v1/pay_idempotency.py").read_text()
+    assert 'pay_pb2 = importlib.import_module("in.v1.pay_pb2")' in pay
+    ruff = [sys.executable, "-m", "ruff"]
+    paths = [str(out / name) for name in generated]
+    fmt = subprocess.run([*ruff, "format", "--isolated", "--check", "--diff", *paths],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    lint = subprocess.run(
+        [*ruff, "check", "--isolated", "--target-version", "py311",
+         "--select", "E,F,W,I,B,UP,SIM,RUF,ASYNC", "--ignore", "ASYNC109", *paths],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    (out / "usage.py").write_text(KEYWORD_USAGE)
+    typed = mypy(out, *generated, "usage.py")
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    check = textwrap.dedent(
+        """
+        import importlib
+        from shop.v1 import shop_idempotency as gen, shop_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        pay = importlib.import_module("in.v1.pay_idempotency")
+        assert pay.SERVICES[0].full_name == "inbound.v1.Pay"
+        assert gen.pay_pb2 is importlib.import_module("in.v1.pay_pb2")
+        method = shop_pb2.DESCRIPTOR.services_by_name["Shop"].methods_by_name["Buy"]
+        assert compile_policy(method, gen.POLICIES["/shop.v1.Shop/Buy"]) == compile_policy(method)
         print("imported")
         """
     )
@@ -671,6 +946,8 @@ def test_module_names_follow_protocs_python_generator(proto: str, module: str, o
 
 
 def test_identifiers() -> None:
+    assert names.has_keyword("in.v1.pay_pb2") and names.has_keyword("a.class.x_pb2")
+    assert not names.has_keyword("inbound.v1.pay_pb2") and not names.has_keyword("match.v1.x_pb2")
     assert names.snake_case("PaymentService") == "payment_service"
     assert names.snake_case("HTTPGateway") == "http_gateway"
     assert names.snake_case("a.v1.Payments") == "a_v1_payments"

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpc_idempotency.core.policy import Step
+from grpc_idempotency.core.propagation import Parent, choose_step
 from grpc_idempotency.core.step_contract import (
     Change,
     Contract,
@@ -23,6 +24,7 @@ from grpc_idempotency.core.step_contract import (
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 DAY = timedelta(days=1)
 HOUR = timedelta(hours=1)
+SECOND = timedelta(seconds=1)
 PLACE = "/shop.v1.Orders/Place"
 CANCEL = "/shop.v1.Orders/Cancel"
 CHARGE = "pay.v1.Payments/Charge"
@@ -86,6 +88,7 @@ FIXABLE = {
     Change.STEP_RENAMED,
     Change.STEP_VERSION_CHANGED,
     Change.RETIRED_STEP_REMOVED_EARLY,
+    Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
 }
 
 
@@ -198,11 +201,29 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         True,
     ),
     (
-        "a retired step's target does not matter",
-        place(call("charge.v1", retired=NOW - HOUR)),
-        place(call("charge.v1", "x.v1.Other/Do", retired=NOW - HOUR)),
-        [],
+        "a retired step's target does not matter past its window",
+        place(call("charge.v1", retired=NOW - 2 * DAY)),
+        place(call("charge.v1", "x.v1.Other/Do", retired=NOW - 2 * DAY)),
+        [(Change.RETIRED_STEP_REMOVABLE, "charge.v1")],
         True,
+    ),
+    (
+        "a retired step's target changed within its window",
+        place(call("charge.v1", retired=NOW - HOUR), call("charge.v2")),
+        place(call("charge.v1", "x.v1.Other/Do", retired=NOW - HOUR), call("charge.v2")),
+        [(Change.STEP_TARGET_CHANGED, "charge.v1")],
+        False,
+    ),
+    (
+        "a step retired and retargeted in one change",
+        place(call("charge.v1")),
+        place(call("charge.v1", "x.v1.Other/Do", retired=NOW), call("charge.v2")),
+        [
+            (Change.STEP_TARGET_CHANGED, "charge.v1"),
+            (Change.STEP_RETIRED, "charge.v1"),
+            (Change.STEP_ADDED, "charge.v2"),
+        ],
+        False,
     ),
     (
         "retired step still declared past its window",
@@ -230,6 +251,41 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         place(call("charge.v1")),
         place(call("charge.v1", retired=NOW - 3 * DAY)),
         [(Change.STEP_RETIRED, "charge.v1"), (Change.RETIREMENT_BACKDATED, "charge.v1")],
+        True,
+    ),
+    (
+        "retired_at moved later after it had passed",
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2")),
+        place(call("charge.v1", retired=NOW + HOUR), call("charge.v2")),
+        [(Change.RETIREMENT_POSTPONED_AFTER_THE_FACT, "charge.v1")],
+        False,
+    ),
+    (
+        "retired_at moved later but still past, after it had passed",
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2")),
+        place(call("charge.v1", retired=NOW - HOUR), call("charge.v2")),
+        [(Change.RETIREMENT_POSTPONED_AFTER_THE_FACT, "charge.v1")],
+        False,
+    ),
+    (
+        "retired_at moved later before it takes effect",
+        place(call("charge.v1", retired=NOW + HOUR), call("charge.v2")),
+        place(call("charge.v1", retired=NOW + 2 * HOUR), call("charge.v2")),
+        [],
+        True,
+    ),
+    (
+        "retired_at moved later with no version following the step",
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("refund.v1")),
+        place(call("charge.v1", retired=NOW + HOUR), call("refund.v1")),
+        [],
+        True,
+    ),
+    (
+        "retired_at moved later within what retention has already let go",
+        place(call("charge.v1", retired=NOW - 3 * DAY), call("charge.v2")),
+        place(call("charge.v1", retired=NOW - 2 * DAY), call("charge.v2")),
+        [(Change.RETIRED_STEP_REMOVABLE, "charge.v1")],
         True,
     ),
     (
@@ -712,3 +768,52 @@ def test_dates_past_what_datetime_holds_saturate_instead_of_raising() -> None:
     assert [f.change for f in result.findings] == [Change.STEP_REMOVED]
     late = datetime(9999, 12, 31, tzinfo=UTC)
     assert check_contract(place(call("charge.v1")), place(), now=late).findings
+
+
+def _step_for(steps: tuple[Step, ...], started_at: datetime) -> str:
+    """The step an operation begun at ``started_at`` keys its call to CHARGE with, at runtime."""
+    return choose_step(Parent(PLACE, "tenant", "k", steps, started_at), CHARGE, None).name
+
+
+def test_a_live_retired_steps_new_target_is_a_failure_with_the_old_target_as_its_fix() -> None:
+    """check-steps passed a change of a retired step's ``call`` while it was still live: the
+    runtime finds retired steps by target, so an operation begun before the retirement, which
+    ran charge.v1 against CHARGE, was retried as charge.v2 (a new child key: charged twice)."""
+    retired = NOW - 2 * HOUR
+    old = (call("charge.v1", retired=retired), call("charge.v2"))
+    new = (call("charge.v1", "pay.v2.Payments/Charge", retired=retired), call("charge.v2"))
+    begun = retired - HOUR
+    assert (_step_for(old, begun), _step_for(new, begun)) == ("charge.v1", "charge.v2")
+    report = check_contract(place(*old), place(*new), now=NOW)
+    (f,) = report.breaking
+    assert (f.change, f.step) == (Change.STEP_TARGET_CHANGED, "charge.v1")
+    assert "retired step charge.v1 changed target" in f.what
+    assert "executes the effect again" in f.why
+    seconds = int(retired.timestamp())
+    assert (
+        f'steps: {{ name: "charge.v1" call: "{CHARGE}" retired_at: {{ seconds: {seconds} }} }}'
+        in f.fix
+    )
+    assert "2026-06-02T10:00:00Z" in f.fix  # retired_at + 1d
+    restored = place(call("charge.v1", retired=retired), call("charge.v2"))
+    assert check_contract(place(*old), restored, now=NOW).ok
+
+
+def test_a_retirement_moved_later_after_it_took_effect_fails() -> None:
+    """check-steps passed a past retired_at moved later: an operation begun in between ran
+    charge.v2, and its retry was keyed with charge.v1's child key (charged twice)."""
+    was = NOW - 2 * HOUR
+    old = (call("charge.v1", retired=was), call("charge.v2"))
+    new = (call("charge.v1", retired=NOW + HOUR), call("charge.v2"))
+    begun = was + timedelta(minutes=30)
+    assert (_step_for(old, begun), _step_for(new, begun)) == ("charge.v2", "charge.v1")
+    (f,) = check_contract(place(*old), place(*new), now=NOW).breaking
+    assert (f.change, f.step) == (Change.RETIREMENT_POSTPONED_AFTER_THE_FACT, "charge.v1")
+    assert "from 2026-06-01T10:00:00Z to 2026-06-01T13:00:00Z" in f.what
+    assert "runs again" in f.why and "retention 1d" in f.why
+    seconds = int(was.timestamp())
+    assert f"retired_at: {{ seconds: {seconds} }}" in f.fix
+    # Once the new retired_at has left the retention, no operation begun in between is
+    # replayable any more.
+    assert not check_contract(place(*old), place(*new), now=NOW + HOUR + DAY - SECOND).ok
+    assert check_contract(place(*old), place(*new), now=NOW + HOUR + DAY).ok

@@ -11,10 +11,12 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions as _MethodOptions
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import PolicyError
@@ -178,11 +180,67 @@ def method_path(method: MethodDescriptor) -> str:
     return f"/{method.containing_service.full_name}/{method.name}"
 
 
-def _duration(options: options_pb2.MethodPolicy, name: str, default: timedelta) -> timedelta:
+# google.protobuf.Duration's and Timestamp's documented ranges. protoc accepts any value in
+# their fields; outside these, a conversion raised (a traceback from the plugin, UNKNOWN on a
+# server's first call) or, with seconds and nanos of opposite signs, gave a value the generated
+# POLICIES rendered differently.
+_DURATION_SECONDS = 315_576_000_000
+_TIMESTAMP_SECONDS = (-62_135_596_800, 253_402_300_799)  # 0001-01-01 to 9999-12-31, UTC
+_NANOS = 1_000_000_000
+
+
+def duration_of(value: Duration) -> timedelta:
+    """``value`` as a timedelta (nanoseconds truncated to microseconds); ``ValueError`` when it
+    is not a valid Duration. The generated ``POLICIES`` renders durations with this too."""
+    seconds, nanos = value.seconds, value.nanos
+    if abs(seconds) > _DURATION_SECONDS:
+        raise ValueError(f"seconds must be within +-{_DURATION_SECONDS:,}")
+    if abs(nanos) >= _NANOS:
+        raise ValueError("nanos must be within +-999,999,999")
+    if (seconds < 0 < nanos) or (nanos < 0 < seconds):
+        raise ValueError("seconds and nanos must have the same sign")
+    return timedelta(seconds=seconds, microseconds=nanos // 1000)
+
+
+def timestamp_of(value: Timestamp) -> datetime:
+    """``value`` as an aware UTC datetime; ``ValueError`` when it is not a valid Timestamp."""
+    low, high = _TIMESTAMP_SECONDS
+    if not low <= value.seconds <= high:
+        raise ValueError("seconds must be within 0001-01-01T00:00:00Z..9999-12-31T23:59:59Z")
+    if not 0 <= value.nanos < _NANOS:
+        raise ValueError("nanos must be within 0..999,999,999")
+    return value.ToDatetime(tzinfo=UTC)
+
+
+def _text(value: Duration | Timestamp) -> str:
+    return f"{{ seconds: {value.seconds} nanos: {value.nanos} }}"
+
+
+def _duration(
+    options: options_pb2.MethodPolicy, name: str, default: timedelta, path: str
+) -> timedelta:
     if not options.HasField(name):
         return default
     value = getattr(options, name)
-    return timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
+    try:
+        return duration_of(value)
+    except ValueError as err:
+        raise PolicyError(f"{path}: {name} {_text(value)} is not a valid Duration: {err}") from None
+
+
+_Value = TypeVar("_Value")
+
+
+def _member(
+    table: Mapping[Any, _Value], options: options_pb2.MethodPolicy, name: str, path: str
+) -> _Value:
+    """The library's value for enum option ``name``. protoc accepts a number that is no value
+    of the enum (``key: 7``); it is refused, not read as a KeyError later."""
+    number = getattr(options, name)
+    try:
+        return table[number]
+    except KeyError:
+        raise PolicyError(f"{path}: unknown {name} {number}") from None
 
 
 _KEY = {
@@ -260,25 +318,31 @@ def compile_policy(
             f"recorded_error_codes may not contain {bad}: they mean the attempt did not finish"
         )
 
-    steps = tuple(ov.steps) if ov.steps is not None else _steps_of(options)
+    steps = tuple(ov.steps) if ov.steps is not None else _steps_of(options, path)
     _check_steps(path, steps)
 
     policy = MethodPolicy(
         method=path,
-        key=ov.key if ov.key is not None else _KEY[options.key],
+        key=ov.key if ov.key is not None else _member(_KEY, options, "key", path),
         retention=ov.retention
         if ov.retention is not None
-        else _duration(options, "retention", DEFAULT_RETENTION),
-        lease=ov.lease if ov.lease is not None else _duration(options, "lease", DEFAULT_LEASE),
+        else _duration(options, "retention", DEFAULT_RETENTION, path),
+        lease=ov.lease
+        if ov.lease is not None
+        else _duration(options, "lease", DEFAULT_LEASE, path),
         max_wait=ov.max_wait
         if ov.max_wait is not None
-        else _duration(options, "max_wait", DEFAULT_MAX_WAIT),
+        else _duration(options, "max_wait", DEFAULT_MAX_WAIT, path),
         mode=_mode(ov.mode, options, steps, path),
         recorded_errors=recorded,
-        store_down=ov.store_down if ov.store_down is not None else _STORE_DOWN[options.store_down],
+        store_down=ov.store_down
+        if ov.store_down is not None
+        else _member(_STORE_DOWN, options, "store_down", path),
         steps=steps,
         fingerprint=Fingerprinter.for_method(path, method.input_type),
-        isolation=ov.isolation if ov.isolation is not None else _isolation(options, path),
+        isolation=ov.isolation
+        if ov.isolation is not None
+        else _member(_ISOLATION, options, "isolation", path),
         max_response_bytes=ov.max_response_bytes
         if ov.max_response_bytes is not None
         else options.max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES,
@@ -296,23 +360,26 @@ def compile_policy(
     return policy
 
 
-def _isolation(options: options_pb2.MethodPolicy, path: str) -> Isolation | None:
-    try:
-        return _ISOLATION[options.isolation]
-    except KeyError:
-        raise PolicyError(f"{path}: unknown isolation {options.isolation}") from None
-
-
-def _steps_of(options: options_pb2.MethodPolicy) -> tuple[Step, ...]:
+def _steps_of(options: options_pb2.MethodPolicy, path: str) -> tuple[Step, ...]:
     return tuple(
         Step(
             name=s.name,
             call=s.call or None,
             outbox=s.outbox,
-            retired_at=s.retired_at.ToDatetime(tzinfo=UTC) if s.HasField("retired_at") else None,
+            retired_at=_retired_at(s, path) if s.HasField("retired_at") else None,
         )
         for s in options.steps
     )
+
+
+def _retired_at(step: options_pb2.Step, path: str) -> datetime:
+    try:
+        return timestamp_of(step.retired_at)
+    except ValueError as err:
+        raise PolicyError(
+            f"{path}: step {step.name!r}: retired_at {_text(step.retired_at)} is not a valid"
+            f" Timestamp: {err}"
+        ) from None
 
 
 def _mode(
@@ -325,7 +392,7 @@ def _mode(
     calls = [s.name for s in steps if s.call and s.active]
     if override is None and options.mode == options_pb2.MODE_UNSPECIFIED:
         return Mode.PHASED if calls else Mode.ATOMIC
-    mode = override if override is not None else _MODE[options.mode]
+    mode = override if override is not None else _member(_MODE, options, "mode", path)
     if mode is Mode.ATOMIC and calls:
         said = "MODE_ATOMIC" if override is None else "MethodOverride(mode=Mode.ATOMIC)"
         raise PolicyError(

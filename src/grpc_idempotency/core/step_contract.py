@@ -9,7 +9,11 @@ downstream service recognise the effect as already done:
 - a step that is renamed, removed, or whose version changes gives its effect a new child key: the
   downstream service sees a new operation and executes the effect again;
 - a step whose ``call`` target changes under the same name reuses a child key for a *different*
-  effect: the new target may replay nothing, or recognise a key it never issued;
+  effect: the new target may replay nothing, or recognise a key it never issued. A retired step
+  too, while it is live: the runtime finds it by its target, so retargeted it no longer keys the
+  operations begun before its retirement;
+- a ``retired_at`` that had passed and is moved later hands the operations begun in between,
+  which ran the step's successor, the retired step's child key;
 - a keyed method that disappears while it still declares steps drops the declaration that its
   in-flight operations (up to its retention's worth) depend on.
 
@@ -61,6 +65,7 @@ class Change(enum.Enum):
     STEP_VERSION_CHANGED = "step version changed"
     STEP_TARGET_CHANGED = "step target changed"
     RETIRED_STEP_REMOVED_EARLY = "retired step removed too early"
+    RETIREMENT_POSTPONED_AFTER_THE_FACT = "retirement postponed after it took effect"
     METHOD_REMOVED = "keyed method removed"
     # Fine.
     STEP_ADDED = "step added"
@@ -84,6 +89,7 @@ _BREAKING = frozenset(
         Change.STEP_VERSION_CHANGED,
         Change.STEP_TARGET_CHANGED,
         Change.RETIRED_STEP_REMOVED_EARLY,
+        Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
         Change.METHOD_REMOVED,
     }
 )
@@ -247,10 +253,10 @@ def _compare_method(
         if name in renamed:
             findings.append(_renamed(path, was, new.get(name), renamed[name], before, after, now))
             if name in new:  # retired: keep what else there is to say about it
-                notes = _compare_step(path, was, new[name], retention, now, among)
+                notes = _compare_step(path, was, new[name], retention, now, among, after.steps)
                 findings.extend(f for f in notes if f.change is not Change.STEP_RETIRED)
         elif name in new:
-            findings.extend(_compare_step(path, was, new[name], retention, now, among))
+            findings.extend(_compare_step(path, was, new[name], retention, now, among, after.steps))
         elif not was.active:
             findings.append(_retired_step_removed(path, was, retention, now))
         else:
@@ -434,30 +440,56 @@ def _compare_step(
     retention: timedelta,
     now: datetime,
     among: tuple[Step, ...],
+    declared: tuple[Step, ...],
 ) -> list[Finding]:
-    """The same name in both: a changed target, a retirement, a reinstatement."""
+    """The same name in both: a changed target, a retirement, a reinstatement, a retirement
+    moved. ``declared``: the steps after the change."""
     name = step.name
 
     def found(change: Change, what: str, why: str = "", fix: str = "") -> list[Finding]:
         return [Finding(change=change, method=path, step=name, what=what, why=why, fix=fix)]
 
-    if step.active and _target(was) != _target(step) and _live(was, retention, now):
-        return found(
-            Change.STEP_TARGET_CHANGED,
-            f"step {name} changed target under the same name: it {_effect(was)}, now it"
-            f" {_effect(step)}",
-            why=(
+    # A retired step is followed by its target too (``propagation.choose_step`` reads the steps
+    # calling the target): while it is live, retargeting it moves the operations begun before
+    # its retirement to its successor's child key, and the effect runs again.
+    retargeted: list[Finding] = []
+    if _target(was) != _target(step) and _live(was, retention, now):
+        if step.active:
+            why = (
                 "the child key stays the same while the effect changes: an operation in flight"
                 f" that already ran {name} against {_target(was)} sends the same child key to"
                 f" {_target(step)}, which has no record of it and executes its effect; the"
                 " reverse can replay an outcome that belongs to another effect"
-            ),
-            fix=(
-                f"declare a new step (e.g. {_base(name)}.v{_next_version(name, among)}) for the new"
-                f" target and keep the old one declared as retired,"
+            )
+            fix = (
+                f"declare a new step (e.g. {_base(name)}.v{_next_version(name, among)}) for the"
+                f" new target and keep the old one declared as retired,"
                 f" {_declaration(was, retire_at=now)}"
-            ),
+            )
+        else:
+            why = (
+                f"an operation begun before {name} was retired keys its calls to {_target(was)}"
+                f" with {name}'s child key on every attempt, and the step is found by its"
+                f" target: declared on {_target(step)}, it no longer keys them, so one still in"
+                f" flight (retention {_span(retention)}) that already ran {name} is retried"
+                " under another step's child key, and the downstream service executes the"
+                " effect again"
+            )
+            kept = Step(name=name, call=was.call, outbox=was.outbox, retired_at=step.retired_at)
+            fix = (
+                "keep the retired step's target until it can be deleted"
+                f" ({_ts(removable_from(kept, retention))}): {_declaration(kept)}"
+            )
+        what = "step" if step.active else "retired step"
+        retargeted = found(
+            Change.STEP_TARGET_CHANGED,
+            f"{what} {name} changed target under the same name: it {_effect(was)}, now it"
+            f" {_effect(step)}",
+            why=why,
+            fix=fix,
         )
+        if step.active:
+            return retargeted
     if was.active and step.active:
         return []
     if step.active:
@@ -465,7 +497,7 @@ def _compare_step(
     until = removable_from(step, retention)
     assert until is not None and step.retired_at is not None
     if was.active:
-        retired = found(
+        retired = retargeted + found(
             Change.STEP_RETIRED,
             f"step {name} retired at {_ts(step.retired_at)}; it can be removed from {_ts(until)}",
         )
@@ -478,8 +510,26 @@ def _compare_step(
             f" set retired_at to when this change ships, e.g. {_declaration(was, retire_at=now)}",
         )
     assert was.retired_at is not None
-    notes: list[Finding] = []
-    if _aware(step.retired_at) < _aware(was.retired_at):
+    notes: list[Finding] = list(retargeted)
+    if _postponed_after_the_fact(was, step, declared, retention, now):
+        notes += found(
+            Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
+            f"the retired_at of step {name} moved later, from {_ts(was.retired_at)} to"
+            f" {_ts(step.retired_at)}, after the retirement took effect",
+            why=(
+                f"operations begun since {_ts(was.retired_at)} ran the step that follows {name}"
+                f" (a newer version of its name) with that step's child key; an operation begun"
+                f" before the new retired_at is keyed with {name}'s instead, so one still in"
+                f" flight (retention {_span(retention)}) that is retried, or taken over after a"
+                " crash, sends the downstream service a child key it has never seen, and the"
+                " effect runs again"
+            ),
+            fix=(
+                f"keep retired_at as it was, {_declaration(was)}; a retirement that has taken"
+                " effect cannot be moved later (moving a future retired_at later is fine)"
+            ),
+        )
+    elif _aware(step.retired_at) < _aware(was.retired_at):
         notes += found(
             Change.RETIREMENT_BACKDATED,
             f"the retired_at of step {name} moved earlier, from {_ts(was.retired_at)} to"
@@ -492,6 +542,24 @@ def _compare_step(
             f" {_ts(until)})",
         )
     return notes
+
+
+def _postponed_after_the_fact(
+    was: Step, step: Step, declared: tuple[Step, ...], retention: timedelta, now: datetime
+) -> bool:
+    """``step``'s retired_at is later than ``was``'s, which had passed by ``now``, some operation
+    begun between the two may still be retried (begun within ``retention``), and an active
+    version of the name follows the step on its target: ``propagation.as_of`` then keys such an
+    operation, which ran the follower, with the retired step's child key instead."""
+    assert was.retired_at is not None and step.retired_at is not None
+    before, after = _aware(was.retired_at), _aware(step.retired_at)
+    if not before <= now or not after > before:
+        return False
+    if after <= max(before, _minus(now, retention)):
+        return False  # every operation begun in between is past its retention
+    return any(
+        s.active and _base(s.name) == _base(step.name) and _same_target(s, step) for s in declared
+    )
 
 
 def _pick(candidates: list[Step], match: Callable[[Step], bool]) -> Step | None:
@@ -508,6 +576,14 @@ def _plus(moment: datetime, span: timedelta) -> datetime:
         return moment + span
     except OverflowError:
         return datetime.max.replace(tzinfo=moment.tzinfo)
+
+
+def _minus(moment: datetime, span: timedelta) -> datetime:
+    """``moment - span``, saturating at the earliest datetime like ``_plus``."""
+    try:
+        return moment - span
+    except OverflowError:
+        return datetime.min.replace(tzinfo=moment.tzinfo)
 
 
 def _next_version(name: str, among: tuple[Step, ...] = ()) -> int:

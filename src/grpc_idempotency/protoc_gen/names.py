@@ -49,6 +49,12 @@ def safe_identifier(name: str) -> str:
     return f"{name}_" if keyword.iskeyword(name) or name == "self" else name
 
 
+def has_keyword(module: str) -> bool:
+    """Whether a part of the dotted ``module`` is a Python keyword (``in.v1.pay_pb2``): then
+    no import statement can name it, and protoc's python_out uses ``importlib``."""
+    return any(keyword.iskeyword(part) for part in module.split("."))
+
+
 def step_base(step: str) -> str:
     """``charge-card.v1`` -> ``charge_card``."""
     return step.rpartition(".")[0].replace("-", "_")

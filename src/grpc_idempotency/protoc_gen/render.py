@@ -1,18 +1,22 @@
 """Renders a file's ``<name>_idempotency.py`` from its checked keyed methods.
 
-The output is deterministic, typed for ``mypy --strict``, and already in the shape ``ruff format``
-(and black) give it: every bracket that may grow is exploded with a trailing comma, so a
-formatter run over a generated tree changes nothing and the committed code stays current.
+The output is deterministic, typed for ``mypy --strict``, and in the shape ``ruff format`` (and
+black) give it as long as its lines fit in 88 columns: every bracket that may grow is exploded
+with a trailing comma, so a formatter run over a tree generated from names of usual length
+changes nothing. A line that very long names (a package, service, method or step) push past 88
+columns is left as it is, where a formatter would split it: run the formatter as part of
+generating, or exclude generated code from it, so that the committed code stays current.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import UTC
 
 from google.protobuf.descriptor import Descriptor, ServiceDescriptor
+from google.protobuf.duration_pb2 import Duration
 
+from grpc_idempotency.core.policy import duration_of, timestamp_of
 from grpc_idempotency.core.retry import service_config
 from grpc_idempotency.protoc_gen import names
 from grpc_idempotency.protoc_gen.validate import KeyedFile, KeyedMethod
@@ -62,6 +66,10 @@ class _Renderer:
                 f"{self.source}: {method.path}: {clash}"
                 for clash in _step_clashes(_active_steps(method), self.classes[method.path])
             ]
+            try:
+                _service_parameters(c.target.containing_service for c in method.calls)
+            except NameClash as clash:
+                problems.append(f"{self.source}: {method.path}: {clash}")
         if problems:
             raise NameClash("\n".join(problems))
         self.needs: set[str] = set()
@@ -103,7 +111,10 @@ class _Renderer:
             "- ``SERVICES``, ``POLICIES``: for ``IdempotencyInterceptor(store,",
             "  services=SERVICES, overrides=POLICIES)``. ``POLICIES`` holds each keyed",
             "  method's options as declared (``None`` where the proto sets nothing: the",
-            "  library's defaults apply): the server reads no custom options from descriptors.",
+            "  library's defaults apply). The server still reads the descriptors: each",
+            "  entry is merged field by field onto the method's own option (a ``None``",
+            "  field, or a method left out, keeps what the proto says), and fingerprint",
+            "  exclusions come from the request's field options.",
             "- ``SERVICE_CONFIG``, ``CHANNEL_OPTIONS``: the recommended configuration of a",
             "  channel calling the keyed methods: gRPC retries UNAVAILABLE and ABORTED (safe:",
             "  every attempt carries the same key).",
@@ -115,6 +126,9 @@ class _Renderer:
 
     def _imports(self) -> list[str]:
         stdlib = []
+        keyworded = sorted(m for m in self.modules if names.has_keyword(m))
+        if keyworded:
+            stdlib.append("import importlib")
         if "json" in self.needs:
             stdlib.append("import json")
         collections = sorted(self.needs & {"Mapping", "Sequence"})
@@ -139,11 +153,20 @@ class _Renderer:
         lines = [*stdlib, "", *third, "", *_import_lines("grpc_idempotency", library)]
         generated = []
         for module, local in sorted(self.modules.items()):
+            if module in keyworded:
+                continue
             package, _, base = module.rpartition(".")
             alias = f" as {local}" if local != base else ""
             generated.append(
                 f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
             )
+        # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
+        # module with importlib too. Its messages are typed ``Message`` here (``_annotation``):
+        # a type checker cannot follow the import.
+        assigned = [f'{self.modules[m]} = importlib.import_module("{m}")' for m in keyworded]
+        if generated and assigned:
+            generated.append("")
+        generated += assigned
         return [*lines, "", *generated]
 
     def _all(self) -> list[str]:
@@ -199,12 +222,7 @@ class _Renderer:
         for name in ("retention", "lease", "max_wait"):
             if declared.HasField(name):
                 self.needs.add("timedelta")
-                value = getattr(declared, name)
-                parts = [f"seconds={value.seconds}"] if value.seconds or value.nanos < 1000 else []
-                if value.nanos >= 1000:
-                    parts.append(f"microseconds={value.nanos // 1000}")
-                args = ", ".join(parts)
-                fields.append(f"{name}=timedelta({args}),")
+                fields.append(f"{name}={_timedelta(getattr(declared, name))},")
         if declared.mode in _MODE:
             self.needs.add("Mode")
             fields.append(f"mode=Mode.{_MODE[declared.mode]},")
@@ -232,7 +250,7 @@ class _Renderer:
                     step_args.append("outbox=True,")
                 if step.HasField("retired_at"):
                     self.needs.add("datetime")
-                    when = step.retired_at.ToDatetime(tzinfo=UTC).isoformat()
+                    when = timestamp_of(step.retired_at).isoformat()
                     step_args.append(f"retired_at=datetime.fromisoformat({_str(when)}),")
                 fields += [INDENT * 2 + a for a in step_args]
                 fields.append(f"{INDENT}),")
@@ -325,23 +343,37 @@ class _Renderer:
             ]
         for call in method.calls:
             ident = constants[call.name]
+            returned = self._annotation(call.target.output_type)
+            # A message of a module imported with importlib is Any to a type checker: returned
+            # as is, it fails mypy --strict (warn_return_any).
+            untyped = returned != self._type(call.target.output_type)
+            awaits = "response: Message = await" if untyped else "return await"
             lines += [
                 "",
                 f"{INDENT}async def {names.safe_identifier(ident)}(",
                 f"{INDENT * 2}self,",
-                f"{INDENT * 2}request: {self._type(call.target.input_type)},",
+                f"{INDENT * 2}request: {self._annotation(call.target.input_type)},",
                 f"{INDENT * 2}*,",
                 f"{INDENT * 2}timeout: float | None = None,",
                 f"{INDENT * 2}metadata: Sequence[tuple[str, str | bytes]] = (),",
-                f"{INDENT}) -> {self._type(call.target.output_type)}:",
+                f"{INDENT}) -> {returned}:",
                 f'{INDENT * 2}"""Calls ``{call.target.name}`` as step ``{call.name}``."""',
-                f"{INDENT * 2}return await self._{ident}(",
+                f"{INDENT * 2}{awaits} self._{ident}(",
                 f"{INDENT * 3}request,",
                 f"{INDENT * 3}timeout=timeout,",
                 f"{INDENT * 3}metadata=(*metadata, step_metadata(self.{ident.upper()})),",
                 f"{INDENT * 2})",
+                *([f"{INDENT * 2}return response"] if untyped else []),
             ]
         return lines
+
+    def _annotation(self, message: Descriptor) -> str:
+        """``message``'s class as a type: ``Message`` when its module is imported with importlib
+        (``_imports``)."""
+        if names.has_keyword(names.pb2_module(message.file.name)):
+            self.needs.add("Message")
+            return "Message"
+        return self._type(message)
 
     def _type(self, message: Descriptor) -> str:
         package = message.file.package
@@ -396,15 +428,28 @@ def _and(items: Sequence[str]) -> str:
 
 def _service_parameters(services: Iterable[ServiceDescriptor]) -> dict[str, str]:
     """A keyword parameter per called service, by full name: ``payment_service``, or the
-    snake-cased full name when two called services share a name."""
+    snake-cased full name when two called services' names snake-case alike (``a.v1.Payments``
+    and ``b.v1.Payments``, but also ``HTTPGateway`` and ``HttpGateway``, which gave a duplicate
+    argument, a SyntaxError). ``NameClash`` when the full names snake-case alike too."""
     unique: dict[str, ServiceDescriptor] = {}
     for service in services:
         unique.setdefault(service.full_name, service)
-    shared = set(_duplicates(s.name for s in unique.values()))
-    return {
-        full: names.safe_identifier(names.snake_case(full if s.name in shared else s.name))
-        for full, s in unique.items()
+    short = {full: names.safe_identifier(names.snake_case(s.name)) for full, s in unique.items()}
+    shared = set(_duplicates(short.values()))
+    params = {
+        full: names.safe_identifier(names.snake_case(full)) if short[full] in shared else name
+        for full, name in short.items()
     }
+    clashes = []
+    for param in _duplicates(params.values()):
+        called = sorted(f for f in params if params[f] == param)
+        clashes.append(
+            f"called services {_and(called)} would {'both' if len(called) == 2 else 'all'} be"
+            f" parameter {param!r}: generated names collide; rename one of the services"
+        )
+    if clashes:
+        raise NameClash("; ".join(clashes))
+    return params
 
 
 def _local_names(modules: set[str]) -> dict[str, str]:
@@ -433,6 +478,18 @@ def _import_lines(module: str, imported: list[str]) -> list[str]:
     if len(single) <= 88:
         return [single]
     return [f"from {module} import (", *(f"{INDENT}{n}," for n in imported), ")"]
+
+
+def _timedelta(value: Duration) -> str:
+    """The ``timedelta`` the server compiles ``value`` to (``policy.duration_of``), as source:
+    ``timedelta(seconds=1, microseconds=500000)``. Only valid Durations get here (the method's
+    policy compiled), so the value is never negative."""
+    span = duration_of(value)
+    seconds = span.days * 86400 + span.seconds
+    parts = [f"seconds={seconds}"] if seconds or not span.microseconds else []
+    if span.microseconds:
+        parts.append(f"microseconds={span.microseconds}")
+    return f"timedelta({', '.join(parts)})"
 
 
 def _str(value: str) -> str:

@@ -17,14 +17,20 @@ import functools
 import gzip
 import sys
 from collections.abc import Iterable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import IO, Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, unknown_fields
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import DecodeError
 
-from grpc_idempotency.core.policy import DEFAULT_RETENTION, Step, method_path
+from grpc_idempotency.core.policy import (
+    DEFAULT_RETENTION,
+    Step,
+    duration_of,
+    method_path,
+    timestamp_of,
+)
 from grpc_idempotency.core.step_contract import (
     Contract,
     Finding,
@@ -156,7 +162,8 @@ def contract_of(fds: Any, *, label: str) -> dict[str, MethodSteps]:
             for method in service.methods:
                 policy = _method_policy(method, raw_options.get(method.full_name, b""), label)
                 if policy is not None:
-                    contract[method_path(method)] = _method_steps(policy)
+                    where = f"{label}: {method_path(method)}"
+                    contract[method_path(method)] = _method_steps(policy, where)
     return contract
 
 
@@ -203,12 +210,18 @@ def _method_policy(
     return None
 
 
-def _method_steps(policy: options_pb2.MethodPolicy) -> MethodSteps:
+def _method_steps(policy: options_pb2.MethodPolicy, where: str) -> MethodSteps:
+    """The method's retention and steps, read as the server reads them (``duration_of``,
+    ``timestamp_of``); a value outside a Duration's or a Timestamp's range, which protoc takes,
+    is bad input (it was a traceback: OverflowError, ValueError)."""
     retention = DEFAULT_RETENTION
     if policy.HasField("retention"):
-        retention = timedelta(
-            seconds=policy.retention.seconds, microseconds=policy.retention.nanos // 1000
-        )
+        try:
+            retention = duration_of(policy.retention)
+        except ValueError as err:
+            raise InputError(
+                f"{where}: retention {policy.retention.seconds}s is not a valid duration: {err}"
+            ) from None
     return MethodSteps(
         retention=retention,
         steps=tuple(
@@ -216,19 +229,20 @@ def _method_steps(policy: options_pb2.MethodPolicy) -> MethodSteps:
                 name=s.name,
                 call=s.call or None,
                 outbox=s.outbox,
-                retired_at=_retired_at(s) if s.HasField("retired_at") else None,
+                retired_at=_retired_at(s, where) if s.HasField("retired_at") else None,
             )
             for s in policy.steps
         ),
     )
 
 
-def _retired_at(step: options_pb2.Step) -> datetime:
+def _retired_at(step: options_pb2.Step, where: str) -> datetime:
     try:
-        return step.retired_at.ToDatetime(tzinfo=UTC)
-    except (ValueError, OverflowError):  # outside what a Timestamp allows: a traceback before
+        return timestamp_of(step.retired_at)
+    except ValueError as err:
         raise InputError(
-            f"step {step.name}: retired_at {step.retired_at.seconds}s is not a valid timestamp"
+            f"{where}: step {step.name}: retired_at {step.retired_at.seconds}s is not a valid"
+            f" timestamp: {err}"
         ) from None
 
 

@@ -6,7 +6,10 @@
 - ``SERVICES``, ``POLICIES``: for ``IdempotencyInterceptor(store,
   services=SERVICES, overrides=POLICIES)``. ``POLICIES`` holds each keyed
   method's options as declared (``None`` where the proto sets nothing: the
-  library's defaults apply): the server reads no custom options from descriptors.
+  library's defaults apply). The server still reads the descriptors: each
+  entry is merged field by field onto the method's own option (a ``None``
+  field, or a method left out, keeps what the proto says), and fingerprint
+  exclusions come from the request's field options.
 - ``SERVICE_CONFIG``, ``CHANNEL_OPTIONS``: the recommended configuration of a
   channel calling the keyed methods: gRPC retries UNAVAILABLE and ABORTED (safe:
   every attempt carries the same key).
