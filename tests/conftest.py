@@ -15,8 +15,15 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# No per-example deadline (Hypothesis's default is 200 ms): CI runs three suites side by side on
+# 2 shared cores, where a slow example says nothing about the property under test, and a
+# deadline miss failed a run that was otherwise green.
+settings.register_profile("grpc-idempotency", deadline=None)
+settings.load_profile("grpc-idempotency")
 GEN_DIR = Path(tempfile.mkdtemp(prefix="gi-test-protos-"))
 
 
