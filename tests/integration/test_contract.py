@@ -7,12 +7,16 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import message_factory
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 from tests.support.wire import call_raw
+from tests.unit.test_policy import method_with
 
 POST = "/testsvc.v1.LedgerService/Post"
 SVC = "/testsvc.v1.LedgerService/"
@@ -440,3 +444,75 @@ async def test_a_handler_that_ends_the_transaction_itself_gets_no_success(
     answer = await ledger.call(POST, post(account, behaviour=behaviour), key)
     assert answer.code is grpc.StatusCode.ABORTED
     assert answer.reason() == "IDEMPOTENCY_LEASE_LOST"
+
+
+@pytest.mark.parametrize(
+    ("configure", "streaming"),
+    [
+        (lambda o: setattr(o, "key", 7), False),  # no value of its enum: found on first use
+        (lambda o: o.SetInParent(), True),  # keyed options on a server-streaming method
+    ],
+    ids=["bad-option", "streaming"],
+)
+async def test_a_method_whose_options_cannot_be_compiled_is_refused_internal(
+    store: Store, configure: Any, streaming: bool
+) -> None:
+    """Options found bad when a method is first called (its service not given to the
+    interceptor) raised PolicyError out of the interception, which grpc answers UNKNOWN
+    "Unexpected <class 'PolicyError'>". They are answered with the error's own status and
+    reason, and the handler does not run."""
+    method = method_with(configure, streaming=streaming)
+    request_class = message_factory.GetMessageClass(method.input_type)
+    ran: list[object] = []
+
+    async def unary(request: Any, context: Any) -> Any:
+        ran.append(request)
+        return request
+
+    async def stream(request: Any, context: Any) -> Any:
+        ran.append(request)
+        yield request
+
+    options = {
+        "request_deserializer": request_class.FromString,
+        "response_serializer": request_class.SerializeToString,
+    }
+    handler = (
+        grpc.unary_stream_rpc_method_handler(stream, **options)
+        if streaming
+        else grpc.unary_unary_rpc_method_handler(unary, **options)
+    )
+    service = method.containing_service.full_name
+    server = grpc.aio.server(interceptors=[IdempotencyInterceptor(store, scope=StaticScope("s"))])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(service, {"Do": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            path = f"/{service}/Do"
+            metadata = (("idempotency-key", fresh()),)
+            if streaming:
+                call = channel.unary_stream(
+                    path, request_serializer=request_class.SerializeToString
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in call(request_class(a="x"), metadata=metadata, timeout=10):
+                        pass
+                code, details = refused.value.code(), refused.value.details()
+                reason = rpc_status.from_call(refused.value)
+            else:
+                answer = await call_raw(channel, path, request_class(a="x"), metadata)
+                code, details, reason = answer.code, answer.details, answer.reason()
+    finally:
+        await server.stop(None)
+    if streaming:
+        assert reason is not None
+        info = error_details_pb2.ErrorInfo()
+        assert reason.details[0].Unpack(info)
+        reason = info.reason
+    assert code is grpc.StatusCode.INTERNAL, details
+    assert reason == "IDEMPOTENCY_POLICY_INVALID"
+    assert "Unexpected" not in (details or "")
+    assert ran == []

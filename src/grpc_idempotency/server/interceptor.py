@@ -258,11 +258,11 @@ class IdempotencyInterceptor(_Interceptor):
             return handler
         try:
             policy = self._registry.get(path)
-        except PolicyError:
+        except PolicyError as err:
             if path not in self._reported:  # the registry keeps the error: log it once
                 self._reported.add(path)
                 log.exception("bad idempotency options on %s", path)
-            raise
+            return _refusing(handler, err)
         if policy is None:
             return handler
         cached = self._wrapped.get(path)
@@ -275,7 +275,13 @@ class IdempotencyInterceptor(_Interceptor):
             # replays (authentication) go *before* this one (README, "Running in production").
             log.debug("%s: handler without a request deserializer passed through", path)
             return handler
-        wrapped = self._wrap(policy, handler)
+        try:
+            wrapped = self._wrap(policy, handler)
+        except PolicyError as err:
+            if path not in self._reported:
+                self._reported.add(path)
+                log.error("bad idempotency options on %s: %s", path, err)
+            return _refusing(handler, err)
         self._wrapped[path] = (handler, wrapped)
         return wrapped
 
@@ -950,6 +956,33 @@ def _may_fail_open(policy: MethodPolicy, context: Context) -> bool:
 
 _DEADLINE_SPENT_S = 0.05
 """Time left below which a store failure is taken for the call's deadline running out."""
+
+
+def _refusing(
+    handler: grpc.RpcMethodHandler[Any, Any], err: PolicyError
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of ``handler``'s kind that answers every call with ``err`` (INTERNAL, with its
+    reason): the method's options cannot be compiled, so it must not run at all. Raised from the
+    interception instead, the error reached clients as UNKNOWN "Unexpected <class ...>"."""
+
+    async def refuse(request: Any, context: Context) -> Any:
+        await answers.abort(context, err)
+
+    async def refuse_stream(request: Any, context: Context) -> Any:
+        await answers.abort(context, err)
+        yield  # pragma: no cover  (an async generator, as grpc expects of a streaming method)
+
+    options = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(refuse, **options)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **options)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(refuse, **options)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **options)
 
 
 def _deadline(context: Context) -> float | None:
