@@ -295,6 +295,43 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         [(Change.RETIREMENT_BACKDATED, "charge.v1")],
         True,
     ),
+    # Operations begun between the new retired_at and the old one (or now) ran charge.v1 with
+    # its child key; this change keys their retries with charge.v2's, and the effect runs again.
+    (
+        "retired_at moved earlier with a version following the step",
+        place(call("charge.v1", retired=NOW - HOUR), call("charge.v2")),
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2")),
+        [
+            (Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS, "charge.v1"),
+            (Change.RETIREMENT_BACKDATED, "charge.v1"),
+        ],
+        False,
+    ),
+    (
+        "version bumped with the old version retired in the past",
+        place(call("charge.v1")),
+        place(call("charge.v1", retired=NOW - HOUR), call("charge.v2")),
+        [
+            (Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS, "charge.v1"),
+            (Change.STEP_RETIRED, "charge.v1"),
+            (Change.STEP_ADDED, "charge.v2"),
+        ],
+        False,
+    ),
+    (
+        "version bumped with the old version retired from now",
+        place(call("charge.v1")),
+        place(call("charge.v1", retired=NOW), call("charge.v2")),
+        [(Change.STEP_RETIRED, "charge.v1"), (Change.STEP_ADDED, "charge.v2")],
+        True,
+    ),
+    (
+        "retired_at moved earlier where retention has let every operation go",
+        place(call("charge.v1", retired=NOW - 3 * DAY), call("charge.v2")),
+        place(call("charge.v1", retired=NOW - 4 * DAY), call("charge.v2")),
+        [(Change.RETIREMENT_BACKDATED, "charge.v1"), (Change.RETIRED_STEP_REMOVABLE, "charge.v1")],
+        True,
+    ),
     (
         "step added already retired does not pair with a removed one",
         place(call("charge.v1")),
@@ -510,19 +547,24 @@ def test_a_rename_with_the_old_name_retired_fails_with_the_version_bump_as_its_f
     assert "a step's name is its identity" in f.why
     assert "run the effect again under take-payment.v1's child key" in f.why
     assert f.fix.startswith("keep the old name and bump its version instead: ")
-    seconds = int((NOW - HOUR).timestamp())  # the retirement as declared
+    seconds = int(NOW.timestamp())  # not the declared retirement, already past: now
     assert (
         f'steps: {{ name: "charge.v1" call: "{CHARGE}" retired_at: {{ seconds: {seconds} }} }}'
         f' steps: {{ name: "charge.v2" call: "{CHARGE}" }}, in place of take-payment.v1'
     ) in f.fix
     assert "add it in a change of its own" in f.fix
-    bumped = place(
+    bumped = place(call("charge.v1", retired=NOW), call("charge.v2"), call("email.v1", EMAIL))
+    assert check_contract(old, bumped, now=NOW).ok
+    # Retired an hour ago instead: operations begun in that hour ran charge.v1 (the contract
+    # deployed then), and their retries would be keyed with charge.v2's child key.
+    backdated = place(
         call("charge.v1", retired=NOW - HOUR), call("charge.v2"), call("email.v1", EMAIL)
     )
-    assert check_contract(old, bumped, now=NOW).ok
+    (f,) = check_contract(old, backdated, now=NOW).breaking
+    assert f.change is Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS
     # A different effect, added in a change of its own, passes too.
     added = place(
-        call("charge.v1", retired=NOW - HOUR),
+        call("charge.v1", retired=NOW),
         call("charge.v2"),
         call("email.v1", EMAIL),
         call("take-payment.v1"),

@@ -66,6 +66,7 @@ class Change(enum.Enum):
     STEP_TARGET_CHANGED = "step target changed"
     RETIRED_STEP_REMOVED_EARLY = "retired step removed too early"
     RETIREMENT_POSTPONED_AFTER_THE_FACT = "retirement postponed after it took effect"
+    RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS = "retirement backdated over operations begun"
     METHOD_REMOVED = "keyed method removed"
     # Fine.
     STEP_ADDED = "step added"
@@ -90,6 +91,7 @@ _BREAKING = frozenset(
         Change.STEP_TARGET_CHANGED,
         Change.RETIRED_STEP_REMOVED_EARLY,
         Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
+        Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS,
         Change.METHOD_REMOVED,
     }
 )
@@ -320,7 +322,10 @@ def _renamed(
     name = was.name
     retention = max(before.retention, after.retention)
     retired_at = kept.retired_at if kept is not None else None
-    retire_at = retired_at if retired_at is not None else now
+    # Never a retirement already past: operations begun since ran the old name with its child
+    # key, and the bump would key their retries with the new version's
+    # (RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS).
+    retire_at = now if retired_at is None else max(_aware(retired_at), now)
     bumped = Step(
         name=f"{_base(name)}.v{_next_version(name, before.steps + after.steps)}",
         call=was.call,
@@ -496,10 +501,33 @@ def _compare_step(
         return found(Change.STEP_REINSTATED, f"retired step {name} is active again")
     until = removable_from(step, retention)
     assert until is not None and step.retired_at is not None
+    backdated: list[Finding] = []
+    if _backdated_over_begun(was, step, declared, retention, now):
+        since = "it was active" if was.active else f"it was retired at {_ts(was.retired_at)}"
+        backdated = found(
+            Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS,
+            f"step {name} is retired at {_ts(step.retired_at)}, already past, where {since}",
+            why=(
+                f"operations begun since {_ts(step.retired_at)} ran {name} with its child key"
+                " (the contract deployed then still keyed them with it); this change keys"
+                f" them with the step that follows {name} (a newer version of its name), so"
+                f" one still in flight (retention {_span(retention)}) that is retried, or taken"
+                " over after a crash, sends the downstream service a child key it has never"
+                " seen, and the effect runs again"
+            ),
+            fix=(
+                "retire it no earlier than this change ships:"
+                f" {_declaration(was, retire_at=now) if was.active else _declaration(was)}"
+            ),
+        )
     if was.active:
-        retired = retargeted + found(
-            Change.STEP_RETIRED,
-            f"step {name} retired at {_ts(step.retired_at)}; it can be removed from {_ts(until)}",
+        retired = (
+            retargeted
+            + backdated
+            + found(
+                Change.STEP_RETIRED,
+                f"step {name} retired at {_ts(step.retired_at)}; it can be removed from {_ts(until)}",
+            )
         )
         if until > now:
             return retired
@@ -510,7 +538,7 @@ def _compare_step(
             f" set retired_at to when this change ships, e.g. {_declaration(was, retire_at=now)}",
         )
     assert was.retired_at is not None
-    notes: list[Finding] = list(retargeted)
+    notes: list[Finding] = retargeted + backdated
     if _postponed_after_the_fact(was, step, declared, retention, now):
         notes += found(
             Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
@@ -556,6 +584,28 @@ def _postponed_after_the_fact(
     if not before <= now or not after > before:
         return False
     if after <= max(before, _minus(now, retention)):
+        return False  # every operation begun in between is past its retention
+    return any(
+        s.active and _base(s.name) == _base(step.name) and _same_target(s, step) for s in declared
+    )
+
+
+def _backdated_over_begun(
+    was: Step, step: Step, declared: tuple[Step, ...], retention: timedelta, now: datetime
+) -> bool:
+    """``step`` is retired at a moment already past and earlier than when ``was`` stopped keying
+    operations with it (its own retired_at, or never for an active step), some operation begun
+    in between may still be retried (begun within ``retention``), and an active version of the
+    name follows the step on its target: ``propagation.as_of`` then keys such an operation,
+    which ran the step, with the follower's child key instead. The mirror of
+    ``_postponed_after_the_fact``."""
+    if step.retired_at is None:
+        return False
+    after = _aware(step.retired_at)
+    before = now if was.retired_at is None else min(_aware(was.retired_at), now)
+    if not after < before:
+        return False
+    if before <= _minus(now, retention):
         return False  # every operation begun in between is past its retention
     return any(
         s.active and _base(s.name) == _base(step.name) and _same_target(s, step) for s in declared
