@@ -526,7 +526,8 @@ def _compare_step(
             + backdated
             + found(
                 Change.STEP_RETIRED,
-                f"step {name} retired at {_ts(step.retired_at)}; it can be removed from {_ts(until)}",
+                f"step {name} retired at {_ts(step.retired_at)};"
+                f" it can be removed from {_ts(until)}",
             )
         )
         if until > now:
