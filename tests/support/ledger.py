@@ -95,6 +95,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     sync_started: threading.Event = field(default_factory=threading.Event)
     sync_release: threading.Event = field(default_factory=threading.Event)
     sync_outcomes: list[str] = field(default_factory=list)
+    sync_threads: list[str] = field(default_factory=list)
+    """The names of the threads sync handlers ran on."""
 
     def _observe(self, context: Any) -> str | None:
         md = dict(context.invocation_metadata() or ())
@@ -270,6 +272,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
 
     def PostSync(self, request: Any, context: Any) -> Any:  # a sync handler, offloaded
         self.executions += 1
+        self.sync_threads.append(threading.current_thread().name)
         call = current_call()
         if request.behaviour == "block-then-write":
             # Blocks first (where a phased handler would call downstream), then writes in the

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -174,6 +177,12 @@ class IdempotencyInterceptor(_Interceptor):
     its outcome is in: a batch at a time (the default, 8 every 2 ms), so that a herd does not
     stall every other call on the server; ``None`` answers them all at once. See
     ``grpc_idempotency.core.herd``.
+    ``sync_executor``: where sync (``def``) handlers of keyed methods run (default: a thread pool
+    of the interceptor's own, made on first use, as many threads as asyncio's default pool:
+    ``min(32, cpu count + 4)``). Not the event loop's default executor: a sync handler blocked in
+    ``current_call().run(...)`` waits for the loop, and the loop resolves host names
+    (``getaddrinfo``) in its default executor when the store's pool reconnects; with every
+    default thread held by such handlers, both waited until the calls' deadlines.
     """
 
     def __init__(
@@ -186,8 +195,10 @@ class IdempotencyInterceptor(_Interceptor):
         telemetry: Telemetry | None = None,
         replay_cache: ReplayCache | bool = True,
         herd_release: HerdRelease | None = HerdRelease(),  # noqa: B008  (frozen: shared safely)
+        sync_executor: Executor | None = None,
     ) -> None:
         self.store = store
+        self._sync_executor = sync_executor
         self._herd_release = herd_release
         self._replay_cache: ReplayCache | None = None
         if isinstance(replay_cache, ReplayCache):
@@ -714,14 +725,27 @@ class IdempotencyInterceptor(_Interceptor):
             if method.is_async:
                 return await method.handler(call.request, KeyedContext(call.context))
             # A sync handler would block the event loop (and every other call) while it runs.
+            # It runs in a pool of its own (see ``sync_executor``), with the call's context
+            # variables (``current_call()``), as ``asyncio.to_thread`` would.
             loop = asyncio.get_running_loop()
             context = SyncContext(call.context, loop)
-            return await asyncio.to_thread(method.handler, call.request, context)
+            run = contextvars.copy_context().run
+            return await loop.run_in_executor(
+                self._sync_pool(), run, method.handler, call.request, context
+            )
         except Exception as exc:
             mapped = handler_error(exc)
             if mapped is None:
                 raise
             raise mapped from exc
+
+    def _sync_pool(self) -> Executor:
+        if self._sync_executor is None:
+            self._sync_executor = ThreadPoolExecutor(
+                max_workers=min(32, (os.cpu_count() or 1) + 4),
+                thread_name_prefix="grpc-idempotency-sync-handler",
+            )
+        return self._sync_executor
 
     async def _run_without_store(self, call: _Call) -> Any:
         """Fail-open: the handler runs with no transaction and no deduplication here; its calls

@@ -1,0 +1,90 @@
+"""Sync (``def``) handlers run in a thread pool of the interceptor's own, not in the event loop's
+default executor, which the loop needs for itself: it resolves host names there when the store's
+pool (re)connects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Mode, Store
+from grpc_idempotency.testing import EmbeddedPostgres
+from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
+from tests.support.pgbouncer import free_port
+from tests.support.waiting import until
+
+SYNC = "/testsvc.v1.LedgerService/PostSync"
+
+
+@pytest.fixture
+async def store_by_host_name() -> AsyncIterator[Store]:
+    """A store reached over TCP by a host name ("localhost"): its connections start with a
+    getaddrinfo, which asyncio runs in the loop's default executor."""
+    port = free_port()
+    with EmbeddedPostgres(tcp_port=port, durable=False) as pg:
+        dsn = f"postgresql://postgres@localhost:{port}/postgres"
+        store = await Store.connect(dsn, min_size=0, max_size=4, migrate=True)
+        try:
+            await prepare(store)
+            yield store
+        finally:
+            await store.close()
+    del pg
+
+
+async def test_sync_handlers_holding_every_default_thread_do_not_starve_the_store(
+    store_by_host_name: Store,
+) -> None:
+    """The loop's default executor has one thread here (a server's own choice, or every one of
+    its threads held by sync handlers). A phased sync handler blocked in ``call.run`` waits for
+    a connection; the pool reconnects, which resolves "localhost" in the default executor. With
+    the handler on a default thread, the resolution queued behind it and the call hung to its
+    deadline."""
+    store = store_by_host_name
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    overrides = {SYNC: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
+    account = fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="block-then-write")
+    try:
+        async with running_ledger(store, overrides=overrides) as ledger:
+            service = ledger.service
+            pending = asyncio.ensure_future(ledger.call(SYNC, request, fresh(), timeout=8))
+            # The claim is committed and the handler blocks on its thread. Every connection
+            # the pool has is now replaced on its next acquire: the handler's transaction
+            # needs a new one, so a host name to resolve.
+            await until("the handler blocked on its thread", service.sync_started.is_set)
+            await store.pool.expire_connections()
+            service.sync_release.set()
+            answer = await pending
+    finally:
+        loop.set_default_executor(ThreadPoolExecutor())  # as the session's loop had it
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert service.sync_outcomes == ["wrote"]
+    assert await ledger_rows(store, account) == 1
+
+
+@pytest.mark.parametrize("given", [False, True])
+async def test_sync_handlers_run_in_the_given_executor_or_the_interceptors_own(
+    store: Store, given: bool
+) -> None:
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="app-sync")
+    kwargs = {"sync_executor": executor} if given else {}
+    account = fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    try:
+        async with running_ledger(store, **kwargs) as ledger:
+            answers = [await ledger.call(SYNC, request, fresh()) for _ in range(2)]
+    finally:
+        executor.shutdown()
+    assert [a.code for a in answers] == [grpc.StatusCode.OK] * 2
+    prefix = "app-sync_" if given else "grpc-idempotency-sync-handler_"
+    threads = ledger.service.sync_threads
+    assert len(threads) == 2 and all(name.startswith(prefix) for name in threads), threads
+    assert await ledger_rows(store, account) == 2
