@@ -291,10 +291,13 @@ async def test_key_past_retention_is_treated_as_new(ledger: RunningLedger, store
     replay = await ledger.call(method, post(account), key)
     assert replay.replayed and replay.body == first.body
 
-    # Wait for the database's clock, not ours, to pass expires_at.
+    # Wait for the database's clock, not ours, to pass the record's expiry: the later of
+    # expires_at (retention from the claim) and retention from the completion, which comes
+    # later when the machine is slow.
     async def expired() -> bool:
         past: bool = await store.pool.fetchval(
-            "SELECT expires_at <= clock_timestamp() FROM grpc_idempotency.records"
+            "SELECT GREATEST(expires_at, completed_at + retention) <= clock_timestamp()"
+            " FROM grpc_idempotency.records"
             " WHERE scope = $1 AND key = $2",
             "tenant:tenant-a",
             key,
