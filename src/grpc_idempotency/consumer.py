@@ -38,7 +38,7 @@ connection, which becomes ``StoreUnavailable``. An effect that catches a failed 
 and returns has an aborted transaction, which cannot commit: ``HandlerDatabaseError``, nothing
 marked (do not acknowledge).
 
-Processed ids expire ``retention`` after processing (database clock); a delivery after that runs
+Processed ids expire ``retention`` after their commit (database clock); a delivery after that runs
 the effect again, whether or not the expired mark has been purged (``purge_processed`` deletes
 them in bounded batches). See ``grpc_idempotency.core.consumer`` for the decisions.
 

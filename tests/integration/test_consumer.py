@@ -179,6 +179,47 @@ async def test_the_mark_expires_after_the_retention(
     assert abs(lifetime - retention) < timedelta(seconds=1)
 
 
+async def test_an_effect_slower_than_the_retention_commits_a_live_mark(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """Retention counts from the commit. It counted from the mark, made before the effect ran:
+    an effect slower than the retention committed a mark that had already expired, and the
+    very next redelivery ran the effect again."""
+    retention = timedelta(seconds=2)
+    consumer = IdempotentConsumer(store, consumer.name, retention=retention)
+    message_id = fresh()
+    seen_expired: list[Any] = []
+
+    async def slow(conn: Any) -> int:
+        # Runs until the database's clock is past the mark as first written (visible to the
+        # effect's own transaction only).
+        async def expired() -> Any:
+            return await conn.fetchval(
+                f"SELECT clock_timestamp() FROM {TABLE}"
+                " WHERE consumer = $1 AND message_id = $2 AND expires_at <= clock_timestamp()",
+                consumer.name,
+                message_id,
+            )
+
+        seen_expired.append(await until("the first mark to expire", expired))
+        written: int = await write(consumer, message_id)(conn)
+        return written
+
+    first = await consumer.process(message_id, slow)
+    assert first.outcome is Consumed.PROCESSED
+    row = await store.pool.fetchrow(
+        f"SELECT processed_at, expires_at FROM {TABLE} WHERE consumer = $1 AND message_id = $2",
+        consumer.name,
+        message_id,
+    )
+    assert row["processed_at"] > seen_expired[0]
+    assert row["expires_at"] - row["processed_at"] == retention
+    assert await consumer.is_processed(message_id)
+    again = await consumer.process(message_id, write(consumer, message_id))
+    assert again.outcome is Consumed.DUPLICATE
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
 async def test_a_failing_effect_rolls_back_its_writes_and_the_mark(
     store: Store, consumer: IdempotentConsumer
 ) -> None:

@@ -13,7 +13,8 @@ Theory of operation (the driver is ``grpc_idempotency.consumer``):
   rolls back it owns the id and runs the effect itself. That wait is bounded (``max_wait`` and the
   caller's own timeout); past it the duplicate gives up with ``MessageInProgress``, without effect
   and without acknowledging, and the message comes back later.
-- A mark expires ``retention`` after it was made (database clock). An expired mark is treated as
+- A mark expires ``retention`` after it was committed (database clock), however long the
+  effect took. An expired mark is treated as
   absent, exactly like an idempotency key past retention: a redelivery after that runs the effect
   again, and takes the expired row over in the same statement. Whether expired marks have been
   purged yet changes nothing. Choose a retention longer than any redelivery can arrive (the

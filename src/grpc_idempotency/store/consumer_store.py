@@ -2,9 +2,9 @@
 
 A delivery opens a transaction that marks its message id (``ProcessedMessages.mark``), the
 consumer runs its effect on that transaction's connection, and the mark commits with the effect
-(``Mark.commit``) or goes with it (``Mark.abandon``). A duplicate finds the mark; a concurrent
-delivery of the same id waits on the row's lock, bounded by ``lock_timeout``, and then is told
-``MarkBusy``.
+(``Mark.commit``, which also starts its retention) or goes with it (``Mark.abandon``). A
+duplicate finds the mark; a concurrent delivery of the same id waits on the row's lock, bounded
+by ``lock_timeout``, and then is told ``MarkBusy``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ class ConsumerStatements:
             "WHERE p.expires_at <= clock_timestamp() "
             "RETURNING set_config('lock_timeout', (SELECT setting FROM bounded), true)"
         )
+        # The mark's retention counts from its commit, not from the mark: an effect slower
+        # than the retention committed a mark already expired, and a redelivery (or the
+        # duplicate waiting on the row) ran the effect again. Sent with the COMMIT in one
+        # round trip; in an aborted transaction it fails (25P02) and the COMMIT is not run.
+        self.commit_template = (
+            f"UPDATE {self.table} SET processed_at = clock_timestamp(), "
+            "expires_at = clock_timestamp() + make_interval(secs => {retention}) "
+            "WHERE consumer = {consumer} AND message_id = {message_id}; COMMIT"
+        )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
             " AND expires_at > clock_timestamp())"
@@ -81,6 +90,13 @@ class ConsumerStatements:
     def mark(self, consumer: str, message_id: str, retention_s: float, wait_s: float) -> str:
         return self.mark_template.format(
             wait=text_literal(lock_timeout(wait_s)),
+            consumer=text_literal(consumer),
+            message_id=text_literal(message_id),
+            retention=float_literal(retention_s),
+        )
+
+    def commit(self, consumer: str, message_id: str, retention_s: float) -> str:
+        return self.commit_template.format(
             consumer=text_literal(consumer),
             message_id=text_literal(message_id),
             retention=float_literal(retention_s),
@@ -119,7 +135,8 @@ class ProcessedMessages:
             if isinstance(exc, STORE_ERRORS):
                 raise store_error(exc, "marking a message") from exc
             raise
-        return Mark(store, conn, consumed(int(status.split()[-1])))
+        commit = self._sql.commit(consumer, message_id, retention_s)
+        return Mark(store, conn, consumed(int(status.split()[-1])), commit)
 
     async def is_processed(self, consumer: str, message_id: str) -> bool:
         async with self.store.connection("looking up a message") as conn:
@@ -140,10 +157,13 @@ class Mark:
     """An open transaction holding a message's mark; ``commit`` or ``abandon`` ends it and
     gives the connection back."""
 
-    def __init__(self, store: Store, conn: PooledConnection, outcome: Consumed) -> None:
+    def __init__(
+        self, store: Store, conn: PooledConnection, outcome: Consumed, commit_sql: str
+    ) -> None:
         self._store = store
         self.connection = conn
         self.outcome = outcome
+        self._commit_sql = commit_sql
         self._done = False
 
     def lost_by(self, exc: BaseException) -> bool:
@@ -163,7 +183,12 @@ class Mark:
                     " itself; never COMMIT or ROLLBACK it"
                 )
             try:
-                status = await conn.execute("COMMIT")
+                status = await conn.execute(self._commit_sql)
+            except asyncpg.InFailedSQLTransactionError:
+                # The effect caught a failed statement's error: the transaction was aborted,
+                # the COMMIT after the mark's update never ran, nothing committed.
+                await _abandon(conn, None)
+                raise aborted_by("the effect") from None
             except BaseException as exc:
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
