@@ -31,6 +31,7 @@ from grpc_idempotency.cli_errors import (
     safe_dsn,
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.inspect_cli.parsers import (
     at_least_one,
@@ -507,6 +508,7 @@ def _positive(text: str) -> float:
 
 
 _MIN_LEASE_S = 1.0
+_MAX_S = MAX_DURATION.total_seconds()
 
 
 def _lease(text: str) -> float:
@@ -522,13 +524,18 @@ def _lease(text: str) -> float:
 
 
 def _finite(text: str) -> float:
-    # float() reads "nan" and "inf" too; neither is a number of seconds.
+    # float() reads "nan" and "inf" too; neither is a number of seconds. Past MAX_DURATION the
+    # database cannot add it to its clock (22008), which looked like the store being down.
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number: {text}")
+    if abs(value) > _MAX_S:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_DURATION.days} days ({_MAX_S:g} s): {text}"
+        )
     return value
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import random
 import secrets
@@ -57,7 +56,7 @@ from grpc_idempotency.core.errors import (
     PermanentDeliveryError,
     StoreUnavailable,
 )
-from grpc_idempotency.core.outbox import DeliveryPolicy
+from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.store.outbox_store import (
     DeadLetter,
@@ -296,10 +295,13 @@ class Relay:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         # NaN passes every comparison: a NaN poll_interval made the relay claim in a tight loop.
-        if not all(0 < v < math.inf for v in (lease, poll_interval, purge_interval)):
-            raise ValueError("lease, poll_interval and purge_interval must be positive and finite")
-        if sent_retention is not None and not 0 <= sent_retention < math.inf:
-            raise ValueError("sent_retention must be finite and not negative")
+        if not all(0 < v <= MAX_DURATION_S for v in (lease, poll_interval, purge_interval)):
+            raise ValueError(
+                "lease, poll_interval and purge_interval must be positive and at most"
+                f" {MAX_DURATION_S:g} s"
+            )
+        if sent_retention is not None and not 0 <= sent_retention <= MAX_DURATION_S:
+            raise ValueError(f"sent_retention must be 0 to {MAX_DURATION_S:g} s")
         if delivery_timeout is None:
             delivery_timeout = lease / 2
         if not 0 < delivery_timeout < lease:

@@ -632,9 +632,26 @@ def test_relay_arguments_are_checked() -> None:
         {"purge_interval": float("inf")},
         {"lease": float("nan")},
         {"sent_retention": float("nan")},
+        # Past 36500 days the database cannot add them to its clock (22008): every claim, or
+        # every purge, read as the store being down.
+        {"lease": 1e13},
+        {"poll_interval": 1e13},
+        {"sent_retention": 1e13},
     ):
         with pytest.raises(ValueError):
             Relay(store, sink, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("which", ["purge_dead", "purge_sent"])
+async def test_an_age_the_database_cannot_subtract_is_refused(outbox: Store, which: str) -> None:
+    """Past 36500 days the database cannot take the age from its clock (22008): the purge
+    failed as StoreUnavailable, an outage to retry. Bad input, refused before the database;
+    the longest accepted age works."""
+    purge = getattr(OutboxStore(outbox), which)
+    for bad in (1e12, float("nan"), -1.0):
+        with pytest.raises(ValueError, match="older_than_s must be 0 to"):
+            await purge(older_than_s=bad)
+    assert await purge(older_than_s=36500 * 86400.0) == 0
 
 
 async def test_a_listening_relay_needs_a_second_connection(pg_dsn: str, outbox: Store) -> None:

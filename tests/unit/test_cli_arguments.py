@@ -146,6 +146,13 @@ BIGINT_MAX = 2**63 - 1
         ["migrate", "--command-timeout", "0"],
         ["migrate", "--command-timeout", "inf"],
         ["migrate", "--command-timeout", "nan"],
+        # Durations past 36500 days overflow the database's timestamps (SQLSTATE 22008),
+        # which read as the store being down (exit 1).
+        ["outbox", "purge-dead", "--older-than", "1e12"],
+        ["outbox", "purge-sent", "--older-than", "1e12"],
+        [*RELAY, "--lease", "1e13"],
+        [*RELAY, "--max-backoff", "1e13"],
+        [*RELAY, "--sent-retention", "1e13"],
     ],
 )
 def test_input_the_database_would_refuse_is_refused_up_front(argv: list[str]) -> None:
@@ -163,3 +170,6 @@ def test_the_bounds_themselves_are_accepted() -> None:
     assert parse(*RELAY, "--lease", "1").lease == 1.0
     assert parse("migrate", "--command-timeout", "3600").command_timeout == 3600.0
     assert parse("migrate").command_timeout is None  # the store's default
+    longest = str(36500 * 86400)
+    assert parse("outbox", "purge-dead", "--older-than", longest).older_than == 36500 * 86400
+    assert parse(*RELAY, "--lease", longest).lease == 36500 * 86400

@@ -30,6 +30,8 @@ from grpc_idempotency.core.outbox import DeliveryPolicy
         ({"multiplier": -2}, "multiplier must be a number >= 1"),
         ({"multiplier": math.nan}, "multiplier must be a number >= 1"),
         ({"multiplier": math.inf}, "multiplier must be a number >= 1"),
+        # Added to the database's clock, it overflowed (22008): the failure went unrecorded.
+        ({"initial_backoff_s": 5e13, "max_backoff_s": 5e13}, "max_backoff_s must be at most"),
     ],
 )
 def test_a_policy_out_of_range_is_refused_when_made(

@@ -23,9 +23,13 @@ from datetime import datetime
 
 from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.keys import child_key
-from grpc_idempotency.core.policy import Step
+from grpc_idempotency.core.policy import MAX_DURATION, Step
 from grpc_idempotency.core.propagation import as_of
 from grpc_idempotency.core.retry import backoff_ceiling_s
+
+MAX_DURATION_S = MAX_DURATION.total_seconds()
+"""The longest lease, backoff or age the outbox's SQL adds to (or takes from) the database's
+clock: longer overflows a timestamp (SQLSTATE 22008), which read as the store being down."""
 
 
 def outbox_step(
@@ -76,6 +80,13 @@ class DeliveryPolicy:
             raise ValueError(
                 f"max_backoff_s must be a number of seconds no smaller than initial_backoff_s"
                 f" ({self.initial_backoff_s:g}), not {self.max_backoff_s!r}"
+            )
+        if self.max_backoff_s > MAX_DURATION_S:
+            # The database adds the backoff to its clock: past this it overflows (22008), and
+            # the failure was never recorded (the row stayed claimed with failures=0).
+            raise ValueError(
+                f"max_backoff_s must be at most {MAX_DURATION_S:g} s"
+                f" ({MAX_DURATION.days} days), not {self.max_backoff_s!r}"
             )
         if not (math.isfinite(self.multiplier) and self.multiplier >= 1):
             raise ValueError(f"multiplier must be a number >= 1, not {self.multiplier!r}")

@@ -39,6 +39,7 @@ from typing import Any
 
 import asyncpg
 
+from grpc_idempotency.core.outbox import MAX_DURATION_S
 from grpc_idempotency.store.postgres import PooledConnection, Store
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -347,8 +348,10 @@ class OutboxStore:
     async def _purge(
         self, sql: str, older_than_s: float, batch_size: int, max_batches: int | None
     ) -> int:
-        if older_than_s < 0:
-            raise ValueError("older_than_s must not be negative")
+        # Not `older_than_s < 0`: NaN passes it. Past MAX_DURATION_S the database cannot
+        # take it from its clock (22008), which read as the store being down.
+        if not 0 <= older_than_s <= MAX_DURATION_S:
+            raise ValueError(f"older_than_s must be 0 to {MAX_DURATION_S:g} s")
         # Each batch at READ COMMITTED (Store.purge_in_batches): relays purge side by side, and
         # at REPEATABLE READ a row another one deleted since the batch began would fail it.
         return await self.store.purge_in_batches(
