@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+import asyncpg
 from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable, TransactionOpen
@@ -121,6 +122,18 @@ class IdempotentCall:
         while ``transaction()`` is still under way (``gather(call.transaction(), stub.X())``)
         would run with it open once it is."""
         return self._connection is not None or self._opening is not None
+
+    @property
+    def connection_live(self) -> bool:
+        """Whether the call has a transaction's connection and it is still connected: an
+        asyncpg InterfaceError on it is then the handler's misuse, not the store's failure."""
+        conn = self._connection
+        if conn is None:
+            return False
+        try:
+            return not conn.is_closed()
+        except asyncpg.InterfaceError:  # asyncpg detaches the proxy of a connection it lost
+            return False
 
     def downstream_started(self) -> None:
         """A downstream call is starting (the client interceptor); ``downstream_ended`` when it

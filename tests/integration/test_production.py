@@ -322,6 +322,32 @@ async def test_a_handler_write_that_cannot_commit_is_the_handlers_error_never_ok
     assert await ledger_rows(store, account) == (0 if key is None else 1)
 
 
+@pytest.mark.parametrize("method", [POST, PHASED, OPTIONAL])
+@pytest.mark.parametrize("kind", ["nested-transaction", "concurrent"])
+async def test_a_handler_misusing_its_live_connection_is_internal_not_a_store_outage(
+    store: Store, method: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """asyncpg refuses the misuse with an InterfaceError on a connection that is fine: it was
+    answered UNAVAILABLE "store unavailable", retryable, on-call sent to the database, each
+    retry into the same bug. INTERNAL, IDEMPOTENCY_HANDLER_DATABASE_ERROR, the key released."""
+    key = None if method == OPTIONAL else fresh()
+    account = fresh("acct")
+    async with running_ledger(store) as ledger:
+        with caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"):
+            failed = await ledger.call(method, post(account, f"misuse:{kind}"), key)
+        assert failed.code is grpc.StatusCode.INTERNAL, (failed.code, failed.details)
+        assert failed.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
+        assert "misused" in (failed.details or "") and "another operation" not in (
+            failed.details or ""
+        )
+        assert "misused" in caplog.text
+        if key is not None:
+            assert not await completed(store, key)
+            retry = await ledger.call(method, post(account, f"misuse:{kind}"), key)
+            assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry.details
+    assert await ledger_rows(store, account) == (0 if key is None else 1)
+
+
 # -- 6. big responses --------------------------------------------------------------------------
 
 

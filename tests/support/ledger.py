@@ -166,6 +166,14 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access'"
                 " USING ERRCODE = '40001'; END $$"
             )
+        if behaviour.startswith("misuse:") and first_attempt:
+            # The handler's own bug on a live connection, which asyncpg refuses (InterfaceError).
+            kind = behaviour[len("misuse:") :]
+            if kind == "nested-transaction":  # asyncpg's transaction() in the library's
+                async with conn.transaction():
+                    await conn.execute("SELECT 1")
+            elif kind == "concurrent":  # two statements at once on one connection
+                await asyncio.gather(conn.execute("SELECT 1"), conn.execute("SELECT 1"))
         if behaviour == "kill-connection" and first_attempt:
             # The database ends the session under the handler (failover, restart, a proxy).
             await self.store.pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())

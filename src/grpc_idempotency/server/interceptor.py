@@ -734,7 +734,9 @@ class IdempotencyInterceptor(_Interceptor):
                 self._sync_pool(), run, method.handler, call.request, context
             )
         except Exception as exc:
-            mapped = handler_error(exc)
+            serving = call_context.current_call_or_none()
+            live = serving is not None and serving.connection_live
+            mapped = handler_error(exc, connection_live=live)
             if mapped is None:
                 raise
             raise mapped from exc

@@ -109,10 +109,20 @@ def dsn_unusable(exc: BaseException) -> bool:
     ) and raised_in_asyncpg(exc, "asyncpg.connect_utils")
 
 
-def handler_error(exc: BaseException) -> IdempotencyError | None:
+def handler_error(exc: BaseException, *, connection_live: bool = False) -> IdempotencyError | None:
     """What a database error that escaped the handler (raised by a statement it ran on the
     call's connection) answers; ``None`` when ``exc`` is not a database error. The key is
-    released in every case; only the status differs."""
+    released in every case; only the status differs. ``connection_live``: the call's connection
+    is still connected, so an asyncpg InterfaceError is the handler's misuse of it."""
+    if connection_live and isinstance(exc, asyncpg.InterfaceError):
+        # Nesting ``connection.transaction()`` in the call's transaction, two statements at once
+        # on it: the handler's bug. Answered as the
+        # store being down, it was UNAVAILABLE, retried for ever, on-call sent to the database.
+        log.error("the handler misused the call's database connection", exc_info=exc)
+        return HandlerDatabaseError(
+            f"the handler misused the call's database connection ({type(exc).__name__});"
+            " nothing was recorded"
+        )
     if isinstance(exc, (OSError, TimeoutError)):
         # Also what the handler's own network calls raise: only asyncpg's are the store's.
         if not raised_in_asyncpg(exc):
