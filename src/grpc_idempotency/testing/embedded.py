@@ -6,11 +6,16 @@ directly instead, so tests can stop PostgreSQL mid-run (even crash it) and start
 behind an unchanged DSN.
 
 Invariant: a server started here does not outlive its owner process, however that process ends
-short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own: ``close()``
-does, or the instance's finalizer (garbage collection, interpreter exit), or, when the owner is
-sent SIGTERM, a handler installed with the first instance that stops every open instance and
-then hands the signal on to whatever handler was there before (the default one: the process
-still dies of SIGTERM).
+short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own:
+``close()`` does, or the instance's finalizer (garbage collection, interpreter exit), or, when
+the owner is sent SIGTERM, a handler installed with the first instance that stops every open
+instance and then hands the signal on to whatever handler was there before (the default one:
+the process still dies of SIGTERM).
+
+Invariant: an instance stops only the server it started itself, the one whose postmaster.pid
+names this instance's socket directory (a fresh directory no other server uses). Another
+instance on the same data directory (one that found the server running and could not start),
+or a server someone else runs there, is never stopped by it.
 """
 
 from __future__ import annotations
@@ -168,10 +173,18 @@ def _alive(pid: int) -> bool:
     return state != ["Z"]
 
 
-def _postmaster(data_dir: Path) -> list[str] | None:
-    """Lines of postmaster.pid if its server process is alive, else None."""
+def _postmaster(data_dir: Path, socket_dir: Path, port: int) -> list[str] | None:
+    """Lines of postmaster.pid if its server process is alive and is the one listening in
+    ``socket_dir`` on ``port`` (an instance's own), else None."""
     lines = _read_pid_file(data_dir)
-    return lines if lines is not None and _alive(int(lines[0])) else None
+    if lines is None or not _owned_by(lines, socket_dir, port):
+        return None
+    return lines if _alive(int(lines[0])) else None
+
+
+def _owned_by(lines: list[str], socket_dir: Path, port: int) -> bool:
+    # postmaster.pid: line 4 is the port, line 5 the (first) socket directory.
+    return lines[3:5] == [str(port), str(socket_dir)]
 
 
 def _stop_server(rt: _Runtime, data_dir: Path, mode: str) -> tuple[int, str]:
@@ -180,12 +193,19 @@ def _stop_server(rt: _Runtime, data_dir: Path, mode: str) -> tuple[int, str]:
     return _run(rt, [pg_ctl, *args, "stop"])
 
 
-def _finalize(rt: _Runtime, data_dir: Path, owned: tuple[Path, ...], owner_pid: int) -> None:
+def _finalize(
+    rt: _Runtime,
+    data_dir: Path,
+    socket_dir: Path,
+    port: int,
+    owned: tuple[Path, ...],
+    owner_pid: int,
+) -> None:
     # Safety net for instances that were never closed (a crashed demo, an aborted test
     # run): pg_ctl daemonizes, so the server would otherwise outlive the interpreter.
     if os.getpid() != owner_pid:
         return  # a forked child must not stop its parent's server
-    if _postmaster(data_dir) is not None:
+    if _postmaster(data_dir, socket_dir, port) is not None:
         _stop_server(rt, data_dir, "fast")
     for path in owned:
         shutil.rmtree(path, ignore_errors=True)
@@ -275,7 +295,14 @@ class EmbeddedPostgres:
         owned.append(self._socket_dir)
         self._log_file = self._data_dir / "embedded-postgres.log"
         self._finalizer = weakref.finalize(
-            self, _finalize, self._rt, self._data_dir, tuple(owned), os.getpid()
+            self,
+            _finalize,
+            self._rt,
+            self._data_dir,
+            self._socket_dir,
+            self._port,
+            tuple(owned),
+            os.getpid(),
         )
         _open.add(self)
         _install_sigterm_handler()
@@ -288,8 +315,9 @@ class EmbeddedPostgres:
 
     @property
     def running(self) -> bool:
-        """Whether a server process for this data directory is alive."""
-        return _postmaster(self._data_dir) is not None
+        """Whether the server this instance started is alive (not another one on its data
+        directory: this instance's DSN does not reach that one)."""
+        return _postmaster(self._data_dir, self._socket_dir, self._port) is not None
 
     def start(self) -> str:
         """Start the server (running initdb first if needed) and return the DSN."""
@@ -298,8 +326,7 @@ class EmbeddedPostgres:
                 raise RuntimeError("EmbeddedPostgres is closed")
             lines = _read_pid_file(self._data_dir)
             if lines is not None and _alive(int(lines[0])):
-                # postmaster.pid: line 4 is the port, line 5 the socket directory.
-                if lines[3:5] == [str(self._port), str(self._socket_dir)]:
+                if _owned_by(lines, self._socket_dir, self._port):
                     return self.dsn
                 raise RuntimeError(
                     f"another PostgreSQL server (pid {lines[0]}) is already running on "
