@@ -1,10 +1,13 @@
 """EmbeddedPostgres stops only the server it started itself: another instance on the same data
 directory (one that could not start, or was never started) closing, or being collected, leaves
-the running server alone."""
+the running server alone. As root, it never widens the permissions of the caller's directories
+for the unprivileged server account: a data dir that account cannot reach is refused."""
 
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +27,6 @@ def data_dir() -> Iterator[Path]:
     try:
         yield parent / "pgdata"
     finally:
-        import shutil
-
         shutil.rmtree(parent, ignore_errors=True)
 
 
@@ -82,3 +83,26 @@ async def test_the_owner_still_stops_its_own_server(data_dir: Path) -> None:
     assert await _answers(pg)
     pg.close()
     assert not pg.running
+
+
+def _modes(path: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mode for p in (path, *path.parents)}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: the server then runs unprivileged")
+def test_as_root_a_data_dir_the_server_account_cannot_reach_is_refused_untouched() -> None:
+    # mkdtemp makes a 0700 directory: the unprivileged server account cannot enter it.
+    private = Path(tempfile.mkdtemp(prefix="gi-embedded-private-"))
+    try:
+        before = _modes(private)
+        pg = EmbeddedPostgres(private / "pgdata", durable=False)
+        try:
+            with pytest.raises(PermissionError) as raised:
+                pg.start()
+        finally:
+            pg.close()
+        assert str(private) in str(raised.value), "the error names the unreachable directory"
+        assert _modes(private) == before, "the caller's directories' permissions changed"
+        assert not (private / "pgdata").exists(), "nothing is created in a refused place"
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

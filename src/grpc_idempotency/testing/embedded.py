@@ -63,7 +63,6 @@ class _Runtime:
     # as this account instead.
     uid: int | None = None
     gid: int | None = None
-    utils: ModuleType | None = None
 
 
 _runtime: _Runtime | None = None
@@ -110,7 +109,7 @@ def _prepare_runtime() -> _Runtime:
     utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
     # initdb reads the catalog templates from share/; the wheel relies on its default modes.
     utils.ensure_folder_permissions(bin_dir.parent / "share", read)
-    return _Runtime(bin_dir, uid=account.pw_uid, gid=account.pw_gid, utils=utils)
+    return _Runtime(bin_dir, uid=account.pw_uid, gid=account.pw_gid)
 
 
 def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
@@ -246,6 +245,27 @@ def _install_sigterm_handler() -> None:
             _previous_sigterm = previous
         signal.signal(signal.SIGTERM, _on_sigterm)
         _sigterm_installed_in = os.getpid()
+
+
+def _unreachable_ancestor(path: Path, uid: int, gid: int) -> Path | None:
+    """The first directory above ``path``, from the root down, that the account ``uid``/``gid``
+    (no supplementary groups: ``_run`` drops them) may not search, by its mode bits; None when
+    every existing one is searchable (a missing one is created by us, below them)."""
+    for ancestor in reversed(path.parents):
+        try:
+            st = ancestor.stat()
+        except FileNotFoundError:
+            return None
+        # The kernel's order: the owner's bits for the owner, else the group's, else others'.
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return ancestor
+    return None
 
 
 def _short_tmp() -> str:
@@ -406,11 +426,14 @@ class EmbeddedPostgres:
     def _prepare_dirs(self) -> None:
         rt = self._rt
         fresh = not (self._data_dir / "PG_VERSION").exists()
+        if rt.uid is not None:
+            self._check_reachable()  # before creating anything in a place that is refused
         if fresh:
             self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if rt.utils is not None and rt.uid is not None and rt.gid is not None:
-            # Root: the server account must reach the data dir and own it and the socket dir.
-            rt.utils.ensure_prefix_permissions(self._data_dir)
+        if rt.uid is not None and rt.gid is not None:
+            # Root: the server account must reach the data dir (parents just made with root's
+            # umask too) and own it and the socket dir.
+            self._check_reachable()
             if fresh:
                 os.chown(self._data_dir, rt.uid, rt.gid)
             os.chown(self._socket_dir, rt.uid, rt.gid)
@@ -428,6 +451,23 @@ class EmbeddedPostgres:
             raise RuntimeError(
                 f"initdb failed (exit {code}) for {self._data_dir}:\n{output.strip()}"
             )
+
+    def _check_reachable(self) -> None:
+        """As root, the server runs as an unprivileged account, which must be able to search
+        every directory above the data and socket dirs. Those are the caller's: widening their
+        permissions (as the wheel's own helper does) would expose them to every local user, so
+        a directory in the way is an error naming it."""
+        uid, gid = self._rt.uid, self._rt.gid
+        assert uid is not None and gid is not None
+        for path in (self._data_dir, self._socket_dir):
+            blocked = _unreachable_ancestor(path, uid, gid)
+            if blocked is not None:
+                raise PermissionError(
+                    f"EmbeddedPostgres runs PostgreSQL as the unprivileged account"
+                    f" {_SERVER_ACCOUNT!r} (PostgreSQL refuses to run as root), which cannot"
+                    f" enter {blocked} on the way to {path}: give it search permission there"
+                    f" (e.g. chmod o+x {blocked}) or choose a data_dir it can reach"
+                )
 
     def _log_tail(self) -> str:
         try:
