@@ -59,6 +59,21 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     _VERSION = "0"
 
 
+DEADLINE_SLACK_S = 0.05
+"""A handler cancelled with less time left than this was cancelled by its deadline: the
+client's own deadline, which cancels the call from its side, runs out up to the headers' one-way
+trip earlier than the server's copy of it."""
+
+
+def cancellation_code(time_remaining: float | None) -> Code:
+    """The status the client sees of a call whose handler grpc.aio cancelled, given the
+    seconds the call had left (None: no deadline). grpc.aio cancels the handler alike when the
+    client cancels (CANCELLED) and when the deadline passes (DEADLINE_EXCEEDED)."""
+    if time_remaining is not None and time_remaining < DEADLINE_SLACK_S:
+        return Code.DEADLINE_EXCEEDED
+    return Code.CANCELLED
+
+
 def rpc_attributes(method: str) -> dict[str, str]:
     """``rpc.system``, ``rpc.service`` and ``rpc.method`` of a gRPC method path
     (``/pkg.Service/Method`` or ``pkg.Service/Method``)."""
