@@ -14,7 +14,8 @@ identify a customer: they become span attributes (``grpc_idempotency.key``,
 never metric labels.
 
 Metrics: a counter ``grpc_idempotency.calls`` and a histogram ``grpc_idempotency.call.duration``
-(seconds), both labelled by ``rpc.system``, ``rpc.service``, ``rpc.method``,
+(seconds; bucket boundaries ``DURATION_BUCKETS_S``, 1 ms to 10 s, advised to the SDK with
+opentelemetry-api 1.30 or later), both labelled by ``rpc.system``, ``rpc.service``, ``rpc.method``,
 ``rpc.grpc.status_code`` and the outcome; a counter ``grpc_idempotency.bypassed`` for fail-open
 calls.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Status, StatusCode
@@ -50,6 +52,28 @@ SERVER_ERRORS = frozenset(
         Code.DATA_LOSS,
     }
 )
+
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+"""Bucket boundaries of ``grpc_idempotency.call.duration``, in seconds: the RPC and HTTP
+conventions' duration buckets, with 1 and 2.5 ms below them for replays. An advisory: a view
+configured in the SDK takes precedence."""
 
 _NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 
@@ -81,6 +105,21 @@ def rpc_attributes(method: str) -> dict[str, str]:
     return {SYSTEM: "grpc", SERVICE: service, METHOD: name}
 
 
+def _duration_histogram(meter: metrics.Meter) -> metrics.Histogram:
+    name, unit = "grpc_idempotency.call.duration", "s"
+    description = "Time spent in keyed calls, handler included"
+    # Without buckets of its own the SDK uses (0, 5, 10, ..., 10000), made for milliseconds:
+    # every call of under 5 s would land in one bucket. A dict, not the keyword itself, so
+    # that this type-checks against the oldest API we support too.
+    advisory: dict[str, Any] = {"explicit_bucket_boundaries_advisory": DURATION_BUCKETS_S}
+    try:
+        return meter.create_histogram(name, unit=unit, description=description, **advisory)
+    except TypeError:
+        # opentelemetry-api before 1.30 has no advisory (our floor is older): the SDK's
+        # buckets then, unless a view sets others.
+        return meter.create_histogram(name, unit=unit, description=description)
+
+
 class Telemetry:
     """The span, counters and histogram of keyed calls (opentelemetry-api only; the SDK, if
     configured, exports them). Pass your own providers to ``IdempotencyInterceptor(telemetry=)``.
@@ -106,11 +145,7 @@ class Telemetry:
         self.calls = meter.create_counter(
             "grpc_idempotency.calls", unit="{call}", description="Keyed calls by outcome"
         )
-        self.duration = meter.create_histogram(
-            "grpc_idempotency.call.duration",
-            unit="s",
-            description="Time spent in keyed calls, handler included",
-        )
+        self.duration = _duration_histogram(meter)
         self.bypassed = meter.create_counter(
             "grpc_idempotency.bypassed",
             unit="{call}",
