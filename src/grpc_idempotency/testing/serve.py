@@ -7,7 +7,8 @@
 shutdown: close your store there). This runner binds the address, starts the server, prints
 ``grpc-idempotency serve: listening on HOST:PORT`` (the port actually bound) and serves until
 SIGTERM, SIGINT, SIGHUP or SIGQUIT (``STOP_SIGNALS``), then stops the server and runs the
-clean-up.
+clean-up. A target it cannot load, a build that returns no server, or an address it cannot bind
+(a port in use) is one line on stderr and exit status 2.
 
 The environment carries the rest, so that the server is configured before anything is imported:
 
@@ -139,9 +140,16 @@ async def serve(target: str, dsn: str, address: str) -> None:
     async with built(build, dsn) as server:
         if not isinstance(server, grpc.aio.Server):
             raise ServeError(f"{target} returned {type(server).__name__}, not a grpc.aio.Server")
-        port = server.add_insecure_port(address)
+        # grpcio raises RuntimeError when it cannot bind (older releases returned 0).
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise ServeError(f"cannot listen on {address}")
+            raise ServeError(
+                f"cannot listen on {address}: is the port in use, or the host not an address"
+                f" of this machine? Set {ADDRESS_ENV} to another (port 0: any free one)"
+            )
         await server.start()
         host = address.rpartition(":")[0]
         print(f"{READY}{host}:{port}", flush=True)
