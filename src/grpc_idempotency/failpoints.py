@@ -6,26 +6,56 @@ for example ``after_commit_before_response=crash`` (the process dies at once, li
 ``before_commit``, ``after_commit_before_response`` (the server), ``relay_after_delivery`` (the
 outbox relay: delivered, not yet marked sent). When the variable is unset, ``ENABLED`` is
 False and the server never calls ``hit``: no cost on the request path.
+
+A process with failpoints armed says so, once: a WARNING from ``announce()`` (for a server or a
+relay to call as it starts), or else at the first ``hit``. The variable left set in production
+would crash or fail real requests; the warning is how an operator finds out why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
+import threading
 
 from grpc_idempotency.core.failpoints import ENV_VAR, FailAction, parse_failpoints
 
-_points = parse_failpoints(os.environ.get(ENV_VAR, ""))
+_SPEC = os.environ.get(ENV_VAR, "")
+_points = parse_failpoints(_SPEC)
 ENABLED = bool(_points)
+
+_log = logging.getLogger(__name__)
+_announced = False
+_announce_lock = threading.Lock()
 
 
 class FailpointError(RuntimeError):
     """Raised by an ``error`` failpoint."""
 
 
+def announce() -> None:
+    """Logs a WARNING naming the armed failpoints, once per process; nothing when none is."""
+    global _announced
+    if _announced or not ENABLED:
+        return
+    with _announce_lock:  # a server and a relay starting in threads of one process: one line
+        if _announced:
+            return
+        _announced = True
+    _log.warning(
+        "%s=%s: failpoints are armed in this process; they crash, delay or fail requests on"
+        " purpose. A testing facility: unset the variable in production.",
+        ENV_VAR,
+        _SPEC.strip(),
+    )
+
+
 async def hit(name: str) -> None:
+    if not _announced:
+        announce()  # no server or relay announced them: warn before the first one acts
     point = _points.get(name)
     if point is None:
         return

@@ -14,7 +14,8 @@ identify a customer: they become span attributes (``grpc_idempotency.key``,
 never metric labels.
 
 Metrics: a counter ``grpc_idempotency.calls`` and a histogram ``grpc_idempotency.call.duration``
-(seconds), both labelled by ``rpc.system``, ``rpc.service``, ``rpc.method``,
+(seconds; bucket boundaries ``DURATION_BUCKETS_S``, 1 ms to 10 s, advised to the SDK with
+opentelemetry-api 1.30 or later), both labelled by ``rpc.system``, ``rpc.service``, ``rpc.method``,
 ``rpc.grpc.status_code`` and the outcome; a counter ``grpc_idempotency.bypassed`` for fail-open
 calls.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Status, StatusCode
@@ -51,6 +53,28 @@ SERVER_ERRORS = frozenset(
     }
 )
 
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+"""Bucket boundaries of ``grpc_idempotency.call.duration``, in seconds: the RPC and HTTP
+conventions' duration buckets, with 1 and 2.5 ms below them for replays. An advisory: a view
+configured in the SDK takes precedence."""
+
 _NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 
 try:
@@ -59,11 +83,41 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     _VERSION = "0"
 
 
+DEADLINE_SLACK_S = 0.05
+"""A handler cancelled with less time left than this was cancelled by its deadline: the
+client's own deadline, which cancels the call from its side, runs out up to the headers' one-way
+trip earlier than the server's copy of it."""
+
+
+def cancellation_code(time_remaining: float | None) -> Code:
+    """The status the client sees of a call whose handler grpc.aio cancelled, given the
+    seconds the call had left (None: no deadline). grpc.aio cancels the handler alike when the
+    client cancels (CANCELLED) and when the deadline passes (DEADLINE_EXCEEDED)."""
+    if time_remaining is not None and time_remaining < DEADLINE_SLACK_S:
+        return Code.DEADLINE_EXCEEDED
+    return Code.CANCELLED
+
+
 def rpc_attributes(method: str) -> dict[str, str]:
     """``rpc.system``, ``rpc.service`` and ``rpc.method`` of a gRPC method path
     (``/pkg.Service/Method`` or ``pkg.Service/Method``)."""
     service, _, name = method.lstrip("/").rpartition("/")
     return {SYSTEM: "grpc", SERVICE: service, METHOD: name}
+
+
+def _duration_histogram(meter: metrics.Meter) -> metrics.Histogram:
+    name, unit = "grpc_idempotency.call.duration", "s"
+    description = "Time spent in keyed calls, handler included"
+    # Without buckets of its own the SDK uses (0, 5, 10, ..., 10000), made for milliseconds:
+    # every call of under 5 s would land in one bucket. A dict, not the keyword itself, so
+    # that this type-checks against the oldest API we support too.
+    advisory: dict[str, Any] = {"explicit_bucket_boundaries_advisory": DURATION_BUCKETS_S}
+    try:
+        return meter.create_histogram(name, unit=unit, description=description, **advisory)
+    except TypeError:
+        # opentelemetry-api before 1.30 has no advisory (our floor is older): the SDK's
+        # buckets then, unless a view sets others.
+        return meter.create_histogram(name, unit=unit, description=description)
 
 
 class Telemetry:
@@ -91,11 +145,7 @@ class Telemetry:
         self.calls = meter.create_counter(
             "grpc_idempotency.calls", unit="{call}", description="Keyed calls by outcome"
         )
-        self.duration = meter.create_histogram(
-            "grpc_idempotency.call.duration",
-            unit="s",
-            description="Time spent in keyed calls, handler included",
-        )
+        self.duration = _duration_histogram(meter)
         self.bypassed = meter.create_counter(
             "grpc_idempotency.bypassed",
             unit="{call}",

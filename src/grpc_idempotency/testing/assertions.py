@@ -3,13 +3,14 @@
 A replay, whether of a response or of a recorded error, carries the initial metadata
 ``idempotency-replayed: true`` (``core.wire.REPLAYED_METADATA``); an executed call never does.
 Both helpers take what a grpc.aio test has in hand: the call object (awaited already), the
-``grpc.aio.AioRpcError`` an error raised, or the initial metadata itself.
+``grpc.aio.AioRpcError`` an error raised, or the initial metadata itself: pairs,
+``grpc.aio.Metadata``, or any mapping of names to values (a dict made of it).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from grpc_idempotency.core.wire import REPLAYED_HEADER, REPLAYED_METADATA
@@ -32,6 +33,9 @@ async def _initial_metadata(answer: Any) -> tuple[tuple[str, str | bytes], ...]:
         metadata = metadata_of()  # async on a call, sync on an AioRpcError
         if inspect.isawaitable(metadata):
             metadata = await metadata
+    if isinstance(metadata, Mapping):
+        # A dict made of the metadata, a MappingProxyType...: iterating one gives names only.
+        metadata = metadata.items()
     return tuple((str(name), value) for name, value in metadata or ())
 
 
@@ -40,8 +44,8 @@ def _describe(metadata: tuple[tuple[str, str | bytes], ...]) -> str:
 
 
 async def is_replayed(answer: Any) -> bool:
-    """Whether ``answer`` (an awaited grpc.aio call, an ``AioRpcError``, or initial metadata)
-    is a replay of a stored outcome."""
+    """Whether ``answer`` (an awaited grpc.aio call, an ``AioRpcError``, or initial metadata:
+    pairs or a mapping) is a replay of a stored outcome."""
     return (REPLAYED_HEADER, _REPLAYED_VALUE) in await _initial_metadata(answer)
 
 

@@ -107,7 +107,10 @@ class ConformanceTarget:
     slow_commit_ms: int = 300
     """How long one of the concurrency check's servers pauses before each COMMIT."""
     call_timeout_s: float = 10.0
+    """The deadline of every call the checks make (but the lost-response check's first), and how
+    long the crash check waits for the server to die."""
     start_timeout_s: float = 60.0
+    """How long a server process may take to print its ready line."""
     lost_response_deadline_s: float = 2.0
     """The client's deadline in the lost-response check: long enough for the handler to commit."""
     in_progress_timeout_s: float = 30.0
@@ -601,6 +604,12 @@ class IdempotencyConformance:
     """Added to the server processes' environment."""
     concurrency: ClassVar[int] = 8
     """Duplicates sent at once by the concurrency check."""
+    slow_commit_ms: ClassVar[int] = 300
+    """How long one of the concurrency check's servers pauses before each COMMIT."""
+    call_timeout_s: ClassVar[float] = 10.0
+    """The deadline of the checks' calls (raise it for a slow handler or a slow CI machine)."""
+    start_timeout_s: ClassVar[float] = 60.0
+    """How long a server process may take to start and print its ready line."""
     lost_response_deadline_s: ClassVar[float] = 2.0
     """The client deadline of the lost-response check."""
     in_progress_timeout_s: ClassVar[float] = 30.0
@@ -637,6 +646,9 @@ class IdempotencyConformance:
             metadata=self.metadata,
             server_env=self.server_env,
             concurrency=self.concurrency,
+            slow_commit_ms=self.slow_commit_ms,
+            call_timeout_s=self.call_timeout_s,
+            start_timeout_s=self.start_timeout_s,
             lost_response_deadline_s=self.lost_response_deadline_s,
             in_progress_timeout_s=self.in_progress_timeout_s,
         )

@@ -6,11 +6,16 @@ directly instead, so tests can stop PostgreSQL mid-run (even crash it) and start
 behind an unchanged DSN.
 
 Invariant: a server started here does not outlive its owner process, however that process ends
-short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own: ``close()``
-does, or the instance's finalizer (garbage collection, interpreter exit), or, when the owner is
-sent SIGTERM, a handler installed with the first instance that stops every open instance and
-then hands the signal on to whatever handler was there before (the default one: the process
-still dies of SIGTERM).
+short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own:
+``close()`` does, or the instance's finalizer (garbage collection, interpreter exit), or, when
+the owner is sent SIGTERM, a handler installed with the first instance that stops every open
+instance and then hands the signal on to whatever handler was there before (the default one:
+the process still dies of SIGTERM).
+
+Invariant: an instance stops only the server it started itself, the one whose postmaster.pid
+names this instance's socket directory (a fresh directory no other server uses). Another
+instance on the same data directory (one that found the server running and could not start),
+or a server someone else runs there, is never stopped by it.
 """
 
 from __future__ import annotations
@@ -58,7 +63,6 @@ class _Runtime:
     # as this account instead.
     uid: int | None = None
     gid: int | None = None
-    utils: ModuleType | None = None
 
 
 _runtime: _Runtime | None = None
@@ -105,7 +109,7 @@ def _prepare_runtime() -> _Runtime:
     utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
     # initdb reads the catalog templates from share/; the wheel relies on its default modes.
     utils.ensure_folder_permissions(bin_dir.parent / "share", read)
-    return _Runtime(bin_dir, uid=account.pw_uid, gid=account.pw_gid, utils=utils)
+    return _Runtime(bin_dir, uid=account.pw_uid, gid=account.pw_gid)
 
 
 def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
@@ -168,10 +172,18 @@ def _alive(pid: int) -> bool:
     return state != ["Z"]
 
 
-def _postmaster(data_dir: Path) -> list[str] | None:
-    """Lines of postmaster.pid if its server process is alive, else None."""
+def _postmaster(data_dir: Path, socket_dir: Path, port: int) -> list[str] | None:
+    """Lines of postmaster.pid if its server process is alive and is the one listening in
+    ``socket_dir`` on ``port`` (an instance's own), else None."""
     lines = _read_pid_file(data_dir)
-    return lines if lines is not None and _alive(int(lines[0])) else None
+    if lines is None or not _owned_by(lines, socket_dir, port):
+        return None
+    return lines if _alive(int(lines[0])) else None
+
+
+def _owned_by(lines: list[str], socket_dir: Path, port: int) -> bool:
+    # postmaster.pid: line 4 is the port, line 5 the (first) socket directory.
+    return lines[3:5] == [str(port), str(socket_dir)]
 
 
 def _stop_server(rt: _Runtime, data_dir: Path, mode: str) -> tuple[int, str]:
@@ -180,12 +192,19 @@ def _stop_server(rt: _Runtime, data_dir: Path, mode: str) -> tuple[int, str]:
     return _run(rt, [pg_ctl, *args, "stop"])
 
 
-def _finalize(rt: _Runtime, data_dir: Path, owned: tuple[Path, ...], owner_pid: int) -> None:
+def _finalize(
+    rt: _Runtime,
+    data_dir: Path,
+    socket_dir: Path,
+    port: int,
+    owned: tuple[Path, ...],
+    owner_pid: int,
+) -> None:
     # Safety net for instances that were never closed (a crashed demo, an aborted test
     # run): pg_ctl daemonizes, so the server would otherwise outlive the interpreter.
     if os.getpid() != owner_pid:
         return  # a forked child must not stop its parent's server
-    if _postmaster(data_dir) is not None:
+    if _postmaster(data_dir, socket_dir, port) is not None:
         _stop_server(rt, data_dir, "fast")
     for path in owned:
         shutil.rmtree(path, ignore_errors=True)
@@ -226,6 +245,27 @@ def _install_sigterm_handler() -> None:
             _previous_sigterm = previous
         signal.signal(signal.SIGTERM, _on_sigterm)
         _sigterm_installed_in = os.getpid()
+
+
+def _unreachable_ancestor(path: Path, uid: int, gid: int) -> Path | None:
+    """The first directory above ``path``, from the root down, that the account ``uid``/``gid``
+    (no supplementary groups: ``_run`` drops them) may not search, by its mode bits; None when
+    every existing one is searchable (a missing one is created by us, below them)."""
+    for ancestor in reversed(path.parents):
+        try:
+            st = ancestor.stat()
+        except FileNotFoundError:
+            return None
+        # The kernel's order: the owner's bits for the owner, else the group's, else others'.
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return ancestor
+    return None
 
 
 def _short_tmp() -> str:
@@ -275,7 +315,14 @@ class EmbeddedPostgres:
         owned.append(self._socket_dir)
         self._log_file = self._data_dir / "embedded-postgres.log"
         self._finalizer = weakref.finalize(
-            self, _finalize, self._rt, self._data_dir, tuple(owned), os.getpid()
+            self,
+            _finalize,
+            self._rt,
+            self._data_dir,
+            self._socket_dir,
+            self._port,
+            tuple(owned),
+            os.getpid(),
         )
         _open.add(self)
         _install_sigterm_handler()
@@ -288,8 +335,9 @@ class EmbeddedPostgres:
 
     @property
     def running(self) -> bool:
-        """Whether a server process for this data directory is alive."""
-        return _postmaster(self._data_dir) is not None
+        """Whether the server this instance started is alive (not another one on its data
+        directory: this instance's DSN does not reach that one)."""
+        return _postmaster(self._data_dir, self._socket_dir, self._port) is not None
 
     def start(self) -> str:
         """Start the server (running initdb first if needed) and return the DSN."""
@@ -298,8 +346,7 @@ class EmbeddedPostgres:
                 raise RuntimeError("EmbeddedPostgres is closed")
             lines = _read_pid_file(self._data_dir)
             if lines is not None and _alive(int(lines[0])):
-                # postmaster.pid: line 4 is the port, line 5 the socket directory.
-                if lines[3:5] == [str(self._port), str(self._socket_dir)]:
+                if _owned_by(lines, self._socket_dir, self._port):
                     return self.dsn
                 raise RuntimeError(
                     f"another PostgreSQL server (pid {lines[0]}) is already running on "
@@ -379,11 +426,14 @@ class EmbeddedPostgres:
     def _prepare_dirs(self) -> None:
         rt = self._rt
         fresh = not (self._data_dir / "PG_VERSION").exists()
+        if rt.uid is not None:
+            self._check_reachable()  # before creating anything in a place that is refused
         if fresh:
             self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if rt.utils is not None and rt.uid is not None and rt.gid is not None:
-            # Root: the server account must reach the data dir and own it and the socket dir.
-            rt.utils.ensure_prefix_permissions(self._data_dir)
+        if rt.uid is not None and rt.gid is not None:
+            # Root: the server account must reach the data dir (parents just made with root's
+            # umask too) and own it and the socket dir.
+            self._check_reachable()
             if fresh:
                 os.chown(self._data_dir, rt.uid, rt.gid)
             os.chown(self._socket_dir, rt.uid, rt.gid)
@@ -401,6 +451,23 @@ class EmbeddedPostgres:
             raise RuntimeError(
                 f"initdb failed (exit {code}) for {self._data_dir}:\n{output.strip()}"
             )
+
+    def _check_reachable(self) -> None:
+        """As root, the server runs as an unprivileged account, which must be able to search
+        every directory above the data and socket dirs. Those are the caller's: widening their
+        permissions (as the wheel's own helper does) would expose them to every local user, so
+        a directory in the way is an error naming it."""
+        uid, gid = self._rt.uid, self._rt.gid
+        assert uid is not None and gid is not None
+        for path in (self._data_dir, self._socket_dir):
+            blocked = _unreachable_ancestor(path, uid, gid)
+            if blocked is not None:
+                raise PermissionError(
+                    f"EmbeddedPostgres runs PostgreSQL as the unprivileged account"
+                    f" {_SERVER_ACCOUNT!r} (PostgreSQL refuses to run as root), which cannot"
+                    f" enter {blocked} on the way to {path}: give it search permission there"
+                    f" (e.g. chmod o+x {blocked}) or choose a data_dir it can reach"
+                )
 
     def _log_tail(self) -> str:
         try:

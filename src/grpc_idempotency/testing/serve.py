@@ -6,7 +6,9 @@
 ``grpc.aio.Server``, or an async generator yielding one (what follows the ``yield`` runs at
 shutdown: close your store there). This runner binds the address, starts the server, prints
 ``grpc-idempotency serve: listening on HOST:PORT`` (the port actually bound) and serves until
-SIGTERM or SIGINT.
+SIGTERM, SIGINT, SIGHUP or SIGQUIT (``STOP_SIGNALS``), then stops the server and runs the
+clean-up. A target it cannot load, a build that returns no server, or an address it cannot bind
+(a port in use) is one line on stderr and exit status 2.
 
 The environment carries the rest, so that the server is configured before anything is imported:
 
@@ -52,6 +54,11 @@ STDIN_EOF_GRACE_S = 10.0
 anyway (a hung handler or clean-up must not keep an orphan alive); ``EOF_GRACE_ENV`` sets
 another number of seconds."""
 READY = "grpc-idempotency serve: listening on "
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""The signals that shut the server down cleanly, running the build's clean-up. Each one's
+default action would kill the process without it: a supervisor's stop, Ctrl-C, a closed
+terminal (SIGHUP), Ctrl-\\ (SIGQUIT); an EmbeddedPostgres closed in the clean-up would be left
+running, and a store's connections dropped unclosed."""
 _USAGE = "usage: python -m grpc_idempotency.testing.serve package.module:build_server"
 
 
@@ -116,12 +123,13 @@ def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
 
 async def serve(target: str, dsn: str, address: str) -> None:
     """Builds ``target``'s server, starts it on ``address``, prints the ready line, and serves
-    until SIGTERM or SIGINT (or, with ``EXIT_ON_STDIN_EOF_ENV`` set, stdin's end of file)."""
+    until one of ``STOP_SIGNALS`` (or, with ``EXIT_ON_STDIN_EOF_ENV`` set, stdin's end of
+    file)."""
     import grpc
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     if os.environ.get(EXIT_ON_STDIN_EOF_ENV) == "1":
         # Before anything of the user's runs: an import or a build that hangs is covered too.
@@ -132,9 +140,16 @@ async def serve(target: str, dsn: str, address: str) -> None:
     async with built(build, dsn) as server:
         if not isinstance(server, grpc.aio.Server):
             raise ServeError(f"{target} returned {type(server).__name__}, not a grpc.aio.Server")
-        port = server.add_insecure_port(address)
+        # grpcio raises RuntimeError when it cannot bind (older releases returned 0).
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise ServeError(f"cannot listen on {address}")
+            raise ServeError(
+                f"cannot listen on {address}: is the port in use, or the host not an address"
+                f" of this machine? Set {ADDRESS_ENV} to another (port 0: any free one)"
+            )
         await server.start()
         host = address.rpartition(":")[0]
         print(f"{READY}{host}:{port}", flush=True)

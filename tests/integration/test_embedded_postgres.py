@@ -1,0 +1,108 @@
+"""EmbeddedPostgres stops only the server it started itself: another instance on the same data
+directory (one that could not start, or was never started) closing, or being collected, leaves
+the running server alone. As root, it never widens the permissions of the caller's directories
+for the unprivileged server account: a data dir that account cannot reach is refused."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from grpc_idempotency.testing import EmbeddedPostgres
+
+
+@pytest.fixture
+def data_dir() -> Iterator[Path]:
+    # Under the system temp dir, not pytest's tmp_path: as root, the server account must be
+    # able to reach it, and pytest's base dir is private to its user.
+    parent = Path(tempfile.mkdtemp(prefix="gi-embedded-test-"))
+    parent.chmod(0o755)
+    try:
+        yield parent / "pgdata"
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture
+def owner(data_dir: Path) -> Iterator[EmbeddedPostgres]:
+    with EmbeddedPostgres(data_dir, durable=False) as pg:
+        yield pg
+
+
+async def _answers(pg: EmbeddedPostgres) -> bool:
+    conn = await asyncpg.connect(pg.dsn, timeout=10)
+    try:
+        return bool(await conn.fetchval("SELECT true"))
+    finally:
+        await conn.close()
+
+
+async def test_an_instance_that_failed_to_start_leaves_the_owners_server_running(
+    owner: EmbeddedPostgres, data_dir: Path
+) -> None:
+    with (
+        pytest.raises(RuntimeError, match="another PostgreSQL server"),
+        EmbeddedPostgres(data_dir, durable=False),
+    ):
+        pass  # __enter__ fails, then closes the instance: that must not stop the owner's server
+    assert owner.running
+    assert await _answers(owner)
+
+
+async def test_stop_close_and_collection_of_another_instance_leave_the_server_alone(
+    owner: EmbeddedPostgres, data_dir: Path
+) -> None:
+    other = EmbeddedPostgres(data_dir, durable=False)
+    assert not other.running, "the server on its data dir is not this instance's"
+    other.stop()
+    other.close()
+    assert owner.running
+    collected = EmbeddedPostgres(data_dir, durable=False)
+    del collected
+    gc.collect()  # runs its finalizer, as at interpreter exit
+    assert owner.running
+    assert await _answers(owner)
+
+
+async def test_the_owner_still_stops_its_own_server(data_dir: Path) -> None:
+    pg = EmbeddedPostgres(data_dir, durable=False)
+    pg.start()
+    pid = int((data_dir / "postmaster.pid").read_text().splitlines()[0])
+    assert pg.running
+    pg.stop(mode="immediate")
+    assert not pg.running
+    pg.start()  # the same instance starts it again, behind the same DSN
+    assert int((data_dir / "postmaster.pid").read_text().splitlines()[0]) != pid
+    assert await _answers(pg)
+    pg.close()
+    assert not pg.running
+
+
+def _modes(path: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mode for p in (path, *path.parents)}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: the server then runs unprivileged")
+def test_as_root_a_data_dir_the_server_account_cannot_reach_is_refused_untouched() -> None:
+    # mkdtemp makes a 0700 directory: the unprivileged server account cannot enter it.
+    private = Path(tempfile.mkdtemp(prefix="gi-embedded-private-"))
+    try:
+        before = _modes(private)
+        pg = EmbeddedPostgres(private / "pgdata", durable=False)
+        try:
+            with pytest.raises(PermissionError) as raised:
+                pg.start()
+        finally:
+            pg.close()
+        assert str(private) in str(raised.value), "the error names the unreachable directory"
+        assert _modes(private) == before, "the caller's directories' permissions changed"
+        assert not (private / "pgdata").exists(), "nothing is created in a refused place"
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""The server runner (``python -m grpc_idempotency.testing.serve``) as a real process: whatever
+signal a supervisor or a terminal sends to end it (SIGTERM, SIGINT, SIGHUP, SIGQUIT), it shuts
+down cleanly and runs the build's clean-up (where an EmbeddedPostgres or a store is closed); an
+address it cannot bind is a one-line error and exit status 2, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from grpc_idempotency.testing import serve
+from grpc_idempotency.testing._process import ServerProcess
+
+MODULE = "tests.integration.test_serve"
+MARKER_ENV = "GI_TEST_SERVE_CLEANED_UP"
+NO_DSN = "postgresql://unused@/x"  # the servers below touch no database
+
+
+async def marking_server(dsn: str) -> AsyncIterator[Any]:
+    """Its clean-up (after the ``yield``) leaves a file behind: proof that it ran."""
+    yield grpc.aio.server()
+    Path(os.environ[MARKER_ENV]).write_text("cleaned up")  # noqa: ASYNC240 - tiny, at exit
+
+
+async def bare_server(dsn: str) -> Any:
+    return grpc.aio.server()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "signum",
+    [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT],
+    ids=lambda s: signal.Signals(s).name,
+)
+async def test_a_signal_to_end_it_runs_the_clean_up(tmp_path: Path, signum: int) -> None:
+    marker = tmp_path / "cleaned"
+    server = ServerProcess(
+        f"{MODULE}:marking_server",
+        NO_DSN,
+        log_dir=tmp_path,
+        name="server",
+        env={MARKER_ENV: str(marker)},
+    )
+    await server.start(60)
+    try:
+        os.kill(server.pid, signum)
+        code = await server.wait_exit(30)
+    finally:
+        server.stop()
+    assert code == 0, f"exit {code}: killed without its clean-up\n{server.logs()}"
+    assert marker.read_text() == "cleaned up"
+
+
+@pytest.mark.e2e
+def test_an_address_in_use_is_a_clear_error_with_status_2() -> None:
+    with socket.socket() as taken:  # no SO_REUSEPORT: grpc cannot share the port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "grpc_idempotency.testing.serve", f"{MODULE}:bare_server"],
+            env={**os.environ, serve.DSN_ENV: NO_DSN, serve.ADDRESS_ENV: f"127.0.0.1:{port}"},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert serve.READY not in done.stdout

@@ -1,0 +1,54 @@
+"""IdempotencyConformance: every setting of ConformanceTarget is a class attribute a subclass can
+override, with the same default, and the plan it builds carries the override."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from grpc_idempotency.testing import ConformanceTarget, IdempotencyConformance
+
+# What the class supplies as methods rather than class attributes.
+_FROM_METHODS = {"request", "count_effects", "mutate", "error_request"}
+_REQUIRED = {"server", "method"}
+
+
+class _Tuned(IdempotencyConformance):
+    server = "pkg.mod:build_server"
+    method = "/pkg.Service/Method"
+    slow_commit_ms = 40
+    call_timeout_s = 3.5
+    start_timeout_s = 7.0
+
+    def make_request(self) -> Any:
+        return object()
+
+
+def _settings() -> list[dataclasses.Field[Any]]:
+    names = _FROM_METHODS | _REQUIRED
+    return [f for f in dataclasses.fields(ConformanceTarget) if f.name not in names]
+
+
+@pytest.mark.parametrize("setting", _settings(), ids=lambda f: f.name)
+def test_each_target_setting_is_a_class_attribute_with_the_same_default(
+    setting: dataclasses.Field[Any],
+) -> None:
+    default = (
+        setting.default if setting.default is not dataclasses.MISSING else setting.default_factory()  # type: ignore[misc]
+    )
+    assert hasattr(IdempotencyConformance, setting.name), f"no class attribute {setting.name}"
+    assert getattr(IdempotencyConformance, setting.name) == default
+
+
+def test_a_subclass_overrides_the_timings() -> None:
+    target = _Tuned().conformance_target()
+    assert (target.slow_commit_ms, target.call_timeout_s, target.start_timeout_s) == (40, 3.5, 7.0)
+
+
+@pytest.mark.parametrize("setting", _settings(), ids=lambda f: f.name)
+def test_every_class_attribute_reaches_the_target(setting: dataclasses.Field[Any]) -> None:
+    sentinel: Any = {"metadata": (("x", "y"),), "server_env": {"A": "1"}}.get(setting.name, 97)
+    tuned = type("Tuned", (_Tuned,), {setting.name: sentinel})
+    assert getattr(tuned().conformance_target(), setting.name) == sentinel

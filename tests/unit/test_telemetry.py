@@ -1,0 +1,100 @@
+"""Telemetry without a server: the status recorded for a cancelled handler; the duration
+histogram's buckets, in seconds (an advisory to the SDK), and an opentelemetry-api older than
+the advisory (1.30) still working."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.lifecycle import CallOutcome
+from grpc_idempotency.telemetry import DURATION_BUCKETS_S, Telemetry, cancellation_code
+
+METHOD = "/testsvc.v1.LedgerService/Post"
+
+
+@pytest.mark.parametrize(
+    ("time_remaining", "expected"),
+    [
+        (None, Code.CANCELLED),  # no deadline: only the client (or the server stopping) cancels
+        (5.0, Code.CANCELLED),  # time left: the client cancelled
+        (0.0, Code.DEADLINE_EXCEEDED),  # what grpc.aio reports once the deadline has passed
+        (-0.2, Code.DEADLINE_EXCEEDED),
+        (0.01, Code.DEADLINE_EXCEEDED),  # the client's deadline ran out a moment earlier
+    ],
+)
+def test_a_cancelled_handler_is_recorded_with_what_the_client_sees(
+    time_remaining: float | None, expected: Code
+) -> None:
+    assert cancellation_code(time_remaining) is expected
+
+
+def _histogram_point(reader: InMemoryMetricReader) -> HistogramDataPoint:
+    data = reader.get_metrics_data()
+    assert data is not None
+    (point,) = [
+        p
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "grpc_idempotency.call.duration"
+        for p in m.data.data_points
+    ]
+    assert isinstance(point, HistogramDataPoint)
+    return point
+
+
+@pytest.mark.skipif(
+    "explicit_bucket_boundaries_advisory"
+    not in inspect.signature(metrics.Meter.create_histogram).parameters,
+    reason="opentelemetry-api before 1.30 has no bucket advisory",
+)
+def test_the_duration_histogram_has_buckets_in_seconds() -> None:
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    # A replay takes milliseconds: the SDK's default buckets (0, 5, 10, ... 10000, made for
+    # milliseconds) would put every call of under 5 s in one bucket.
+    telemetry.record(trace.INVALID_SPAN, METHOD, CallOutcome.REPLAYED, 0.003)
+    point = _histogram_point(reader)
+    assert tuple(point.explicit_bounds) == DURATION_BUCKETS_S
+    assert DURATION_BUCKETS_S[0] <= 0.001 and DURATION_BUCKETS_S[-1] >= 10
+    assert list(DURATION_BUCKETS_S) == sorted(set(DURATION_BUCKETS_S))
+    assert point.bucket_counts[DURATION_BUCKETS_S.index(0.005)] == 1  # (0.0025, 0.005]
+
+
+class _MeterBefore130:
+    """A meter of an opentelemetry-api before 1.30: create_histogram takes no advisory."""
+
+    def __init__(self, meter: Any) -> None:
+        self._meter = meter
+        self.histograms: list[str] = []
+
+    def create_counter(self, *args: Any, **kwargs: Any) -> Any:
+        return self._meter.create_counter(*args, **kwargs)
+
+    def create_histogram(self, name: str, unit: str = "", description: str = "") -> Any:
+        self.histograms.append(name)
+        return self._meter.create_histogram(name, unit=unit, description=description)
+
+
+class _ProviderBefore130:
+    def __init__(self, meter: _MeterBefore130) -> None:
+        self.meter = meter
+
+    def get_meter(self, *args: Any, **kwargs: Any) -> _MeterBefore130:
+        return self.meter
+
+
+def test_an_api_without_the_bucket_advisory_gets_the_histogram_without_it() -> None:
+    reader = InMemoryMetricReader()
+    old = _MeterBefore130(MeterProvider(metric_readers=[reader]).get_meter("x"))
+    telemetry = Telemetry(meter_provider=_ProviderBefore130(old))  # type: ignore[arg-type]
+    assert old.histograms == ["grpc_idempotency.call.duration"]
+    telemetry.record(trace.INVALID_SPAN, METHOD, CallOutcome.EXECUTED, 0.2)
+    assert _histogram_point(reader).count == 1
