@@ -481,6 +481,7 @@ class Relay:
         if self._running:
             raise RuntimeError("this relay is already running")
         self._running = True
+        failpoints.announce()  # a relay with failpoints armed says so when it starts
         stop = stop or asyncio.Event()
         helpers = [asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}")]
         try:

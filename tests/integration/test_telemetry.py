@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import grpc
-import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -82,12 +81,6 @@ async def test_one_span_per_keyed_call_with_its_outcome(store: Store) -> None:
     assert metrics["grpc_idempotency.call.duration"].unit == "s"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the interceptor to record telemetry.cancellation_code(time remaining) for a"
-    " cancelled handler instead of CANCELLED (server/interceptor.py, _serve); drop this marker"
-    " with that change",
-)
 async def test_a_handler_that_overruns_the_deadline_is_recorded_as_deadline_exceeded(
     store: Store,
 ) -> None:

@@ -87,7 +87,7 @@ from grpc_idempotency.server.handler_context import DeferredAbort, KeyedContext,
 from grpc_idempotency.store.errors import handler_error
 from grpc_idempotency.store.postgres import Attempt, PhasedClaim, PooledConnection, Store
 from grpc_idempotency.store.shards import ShardedStores
-from grpc_idempotency.telemetry import Telemetry
+from grpc_idempotency.telemetry import Telemetry, cancellation_code
 
 log = logging.getLogger("grpc_idempotency.server")
 
@@ -220,6 +220,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._recent = _RecentKeys()
         self._reported: set[str] = set()
         self._waiting = 0
+        failpoints.announce()  # a server with failpoints armed says so when it is built
 
     @property
     def policies(self) -> Mapping[str, MethodPolicy | None]:
@@ -330,7 +331,9 @@ class IdempotencyInterceptor(_Interceptor):
                 code = answers.code_of(call.context)
                 return answer
             except asyncio.CancelledError:
-                code = Code.CANCELLED
+                # grpc.aio cancels the handler at the deadline too: the client then sees
+                # DEADLINE_EXCEEDED, not CANCELLED.
+                code = cancellation_code(answers.time_remaining(call.context))
                 raise
             except BaseException:
                 code = answers.code_of(call.context, unset=Code.UNKNOWN)  # aborted, or raised
