@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
+import asyncpg
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
@@ -26,6 +27,7 @@ from grpc_idempotency import (
 )
 from grpc_idempotency.client import Operation, RetryPolicy
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.store.errors import store_error
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
 from tests.support.relay import FORWARD, running_relay
@@ -346,6 +348,51 @@ async def test_a_handler_misusing_its_live_connection_is_internal_not_a_store_ou
             retry = await ledger.call(method, post(account, f"misuse:{kind}"), key)
             assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry.details
     assert await ledger_rows(store, account) == (0 if key is None else 1)
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_a_lease_longer_than_postgresqls_timeouts_can_hold_still_claims(
+    store: Store, method: str
+) -> None:
+    """Policies allow leases up to 36500 days; the claim's idle-in-transaction timeout is an int
+    of milliseconds (about 24.8 days at most). A 30-day lease failed every claim (22023),
+    answered as the store being down."""
+    path = method.lstrip("/")
+    overrides = {path: MethodOverride(lease=timedelta(days=30))}
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store, overrides=overrides) as ledger:
+        first = await ledger.call(method, post(account), key)
+        assert first.code is grpc.StatusCode.OK, first.details
+        again = await ledger.call(method, post(account), key)
+        assert again.replayed and again.body == first.body
+    assert await ledger_rows(store, account) == 1
+
+
+def test_a_store_statement_the_database_refuses_on_a_live_connection_is_no_outage() -> None:
+    """SQLSTATE classes that say the store is up (a value it cannot hold, a constraint) do not
+    let a fail-open method run unclaimed; unreachable and misconfigured stores do."""
+    assert not store_error(asyncpg.InvalidParameterValueError("x"), "claiming").outage
+    assert not store_error(asyncpg.DatetimeFieldOverflowError("x"), "claiming").outage
+    assert store_error(asyncpg.CannotConnectNowError("x"), "claiming").outage
+    assert store_error(ConnectionRefusedError(), "claiming").outage
+    assert store_error(asyncpg.UndefinedTableError("x"), "claiming").outage
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_an_abort_with_status_ok_is_unknown_and_records_nothing(
+    store: Store, method: str
+) -> None:
+    """grpc's own servers answer an abort with OK as UNKNOWN. Taken as an OK outcome with no
+    response, serializing None leaked a TypeError's text ("Unexpected <class 'TypeError'>")."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger:
+        for _ in range(2):  # nothing was recorded: the retry runs (and aborts) again
+            answer = await ledger.call(method, post(account, "abort-ok"), key)
+            assert answer.code is grpc.StatusCode.UNKNOWN, answer.details
+            assert answer.details == "the handler aborted with status OK"
+            assert not answer.replayed
+        assert ledger.service.attempts[key] == 2
+    assert await ledger_rows(store, account) == 0
 
 
 # -- 6. big responses --------------------------------------------------------------------------

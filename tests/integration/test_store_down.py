@@ -120,6 +120,29 @@ async def test_a_fail_open_method_does_not_run_unclaimed_when_its_deadline_ends_
     assert ledger.service.executions == 1
 
 
+async def test_a_busy_pool_is_no_outage_so_a_completed_key_is_not_run_again_unclaimed(
+    pg_dsn: str, store: Store
+) -> None:
+    """Every connection of a healthy pool in use for the whole acquire timeout: the database is
+    up and holds the key's outcome. Taken for an outage, the fail-open retry ran the handler a
+    second time; it fails closed (UNAVAILABLE, retryable) and the next retry replays."""
+    small = await Store.connect(pg_dsn, min_size=1, max_size=1, acquire_timeout=0.2)
+    try:
+        async with running_ledger(small, replay_cache=False) as ledger:
+            key, account = fresh(), fresh("acct")
+            first = await ledger.call(SVC + "PostFailOpen", post(account), key)
+            assert first.code is grpc.StatusCode.OK
+            async with small.pool.acquire():  # another call holds the only connection
+                busy = await ledger.call(SVC + "PostFailOpen", post(account), key, timeout=5)
+            assert busy.code is grpc.StatusCode.UNAVAILABLE, busy.details
+            assert "busy" in (busy.details or "")
+            again = await ledger.call(SVC + "PostFailOpen", post(account), key)
+            assert again.replayed and again.body == first.body
+            assert ledger.service.executions == 1
+    finally:
+        await small.close()
+
+
 @pytest.mark.parametrize(
     ("method", "expected"),
     [

@@ -166,6 +166,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access'"
                 " USING ERRCODE = '40001'; END $$"
             )
+        if behaviour == "abort-ok":
+            await context.abort(grpc.StatusCode.OK, "all good, no response")
         if behaviour.startswith("misuse:") and first_attempt:
             # The handler's own bug on a live connection, which asyncpg refuses (InterfaceError).
             kind = behaviour[len("misuse:") :]

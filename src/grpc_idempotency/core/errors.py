@@ -105,8 +105,19 @@ class KeyInProgress(IdempotencyError):
 
 
 class StoreUnavailable(IdempotencyError):
+    """The store could not serve this statement. ``outage``: whether that says the store is
+    down or unusable (unreachable, gave up on the session, misconfigured), which lets a
+    fail-open method run without it; ``False`` when the store is up and merely could not serve
+    this call (every pooled connection busy for the whole acquire timeout, a statement of the
+    library's failing on bad data): running the handler unclaimed then would re-run completed
+    keys with their outcomes in the database."""
+
     status_code = Code.UNAVAILABLE
     reason = "IDEMPOTENCY_STORE_UNAVAILABLE"
+
+    def __init__(self, message: str, *, outage: bool = True) -> None:
+        super().__init__(message)
+        self.outage = outage
 
 
 class StoreMisconfigured(StoreUnavailable):

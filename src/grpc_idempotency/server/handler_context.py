@@ -9,11 +9,14 @@ the interceptor sends the status after the commit.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, NoReturn
 
 import grpc
 
 from grpc_idempotency.server.answers import Context, grpc_code, status_code
+
+log = logging.getLogger("grpc_idempotency.server")
 
 
 class DeferredAbort(grpc.aio.AbortError):
@@ -25,6 +28,13 @@ class DeferredAbort(grpc.aio.AbortError):
         # grpc.aio takes a status's number as well: held as a StatusCode, whatever was given.
         self.code = grpc_code(status_code(code))
         self.details = details
+        if self.code is grpc.StatusCode.OK:
+            # Not a failure and no response either: grpc's own servers answer UNKNOWN. Taken
+            # as OK it was "recorded" with no response, and serializing None leaked a
+            # TypeError's text to the client.
+            log.error("context.abort() called with StatusCode.OK; answering UNKNOWN")
+            self.code = grpc.StatusCode.UNKNOWN
+            self.details = "the handler aborted with status OK"
         self.trailing_metadata = tuple(trailing_metadata or ())
 
     async def send(self, context: Context) -> NoReturn:

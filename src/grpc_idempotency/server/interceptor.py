@@ -506,7 +506,7 @@ class IdempotencyInterceptor(_Interceptor):
                         )
                     continue
             except StoreUnavailable as err:
-                fail_open = _may_fail_open(policy, context)
+                fail_open = _may_fail_open(policy, context, err)
                 step, phase = transition(phase, store_down_event(fail_open=fail_open))
                 if step is Step.RUN_WITHOUT_STORE:
                     call.outcome = CallOutcome.BYPASSED
@@ -780,7 +780,7 @@ class IdempotencyInterceptor(_Interceptor):
                 isolation=policy.isolation, timeout=answers.time_remaining(context)
             )
         except StoreUnavailable as err:
-            if _may_fail_open(policy, context):
+            if _may_fail_open(policy, context, err):
                 return await self._run_without_store(call)
             await answers.abort(context, err)
         bound = call_context.bind(_unclaimed(call, tx.connection))
@@ -969,15 +969,17 @@ def _unclaimed(
     )
 
 
-def _may_fail_open(policy: MethodPolicy, context: Context) -> bool:
+def _may_fail_open(policy: MethodPolicy, context: Context, err: StoreUnavailable) -> bool:
     """Whether a store failure lets this call run without deduplication: only for a fail-open
-    method, and only while the call has time left. The store's statements are bounded by the
-    call's deadline and by the pool's command_timeout (``Store.statement_timeout``). A claim
-    that times out as the deadline ends merely waited (a lock held by a migration, a slow
-    database), and that is no outage: running the handler then, unclaimed, ran one key's
-    effect once per retry with the store up all along. One that runs into command_timeout with
-    time left met a database that stopped answering for that long (a partition): an outage."""
-    if policy.store_down is not StoreDown.FAIL_OPEN:
+    method, only for an outage (``err.outage``: not a busy pool, not a statement the database
+    refused with a live connection), and only while the call has time left. The store's
+    statements are bounded by the call's deadline and by the pool's command_timeout
+    (``Store.statement_timeout``). A claim that times out as the deadline ends merely waited
+    (a lock held by a migration, a slow database), and that is no outage: running the handler
+    then, unclaimed, ran one key's effect once per retry with the store up all along. One that
+    runs into command_timeout with time left met a database that stopped answering for that
+    long (a partition): an outage."""
+    if policy.store_down is not StoreDown.FAIL_OPEN or not err.outage:
         return False
     remaining = answers.time_remaining(context)
     return remaining is None or remaining > _DEADLINE_SPENT_S

@@ -78,7 +78,12 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
             f"idempotency store misconfigured while {doing} (SQLSTATE {state}): {_hint(state)}"
         )
     detail = state or type(exc).__name__
-    return StoreUnavailable(f"idempotency store unavailable while {doing} ({detail})")
+    # A statement of the library's that the database refused for a reason other than being
+    # unreachable, in conflict or misconfigured (a value it cannot hold): the store is up.
+    outage = classify(state) is not Failure.OTHER
+    return StoreUnavailable(
+        f"idempotency store unavailable while {doing} ({detail})", outage=outage
+    )
 
 
 def raised_in_asyncpg(exc: BaseException, module: str = "asyncpg.") -> bool:

@@ -462,6 +462,17 @@ class Store:
             conn: PooledConnection = await self.pool.acquire(
                 timeout=None if budget is None else max(budget, 0.001)
             )
+        except TimeoutError as exc:
+            pool = self.pool
+            if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
+                # Every connection connected and in use for the whole wait: the database is
+                # up and busy (no holder was stuck connecting to an unreachable one).
+                raise StoreUnavailable(
+                    f"idempotency store busy while {doing}: every pooled connection was in use"
+                    f" for {budget:g} s",
+                    outage=False,
+                ) from exc
+            raise store_error(exc, doing) from exc
         except STORE_ERRORS as exc:
             raise store_error(exc, doing) from exc
         return conn

@@ -70,6 +70,10 @@ SAVEPOINT = "grpc_idempotency_handler"
 ISOLATION_LEVELS = frozenset({"read committed", "repeatable read", "serializable"})
 
 
+_MAX_TIMEOUT_MS = 2**31 - 1
+"""The largest value of PostgreSQL's millisecond timeouts (a C int)."""
+
+
 def begin(isolation: str | None, idle_timeout_s: float | None = None) -> str:
     """BEGIN at ``isolation`` (``None``: the database's default_transaction_isolation).
 
@@ -85,7 +89,9 @@ def begin(isolation: str | None, idle_timeout_s: float | None = None) -> str:
             raise ValueError(f"unknown isolation level {isolation!r}")
         sql += f" ISOLATION LEVEL {isolation.upper()}"
     if idle_timeout_s is not None:
-        ms = max(1, round(idle_timeout_s * 1000))
+        # The setting is an int of milliseconds (about 24.8 days at most); a longer lease
+        # (policies allow 36500 days) failed every claim with 22023, as if the store were down.
+        ms = min(max(1, round(idle_timeout_s * 1000)), _MAX_TIMEOUT_MS)
         sql += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
     return sql
 
