@@ -379,6 +379,24 @@ def test_a_store_statement_the_database_refuses_on_a_live_connection_is_no_outag
 
 
 @pytest.mark.parametrize("method", [POST, PHASED])
+async def test_abort_details_that_are_not_utf8_are_recorded_and_replayed_readably(
+    store: Store, method: str
+) -> None:
+    """Details holding a lone surrogate (bytes decoded with errors="surrogateescape") cannot be
+    encoded: the outcome's commit failed with a raw UnicodeEncodeError (UNKNOWN, the error's
+    text to the client). The character is replaced; the recorded error replays."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger:
+        first = await ledger.call(method, post(account, "abort-surrogate"), key)
+        assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first.details
+        assert first.details == "bad byte ? here"
+        again = await ledger.call(method, post(account, "abort-surrogate"), key)
+        assert again.code is grpc.StatusCode.FAILED_PRECONDITION and again.replayed
+        assert again.details == first.details
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
 async def test_an_abort_with_status_ok_is_unknown_and_records_nothing(
     store: Store, method: str
 ) -> None:

@@ -166,6 +166,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access'"
                 " USING ERRCODE = '40001'; END $$"
             )
+        if behaviour == "abort-surrogate":  # details decoded with errors="surrogateescape"
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "bad byte \udcff here")
         if behaviour == "abort-ok":
             await context.abort(grpc.StatusCode.OK, "all good, no response")
         if behaviour.startswith("misuse:") and first_attempt:

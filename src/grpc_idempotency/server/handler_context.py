@@ -27,7 +27,9 @@ class DeferredAbort(grpc.aio.AbortError):
         super().__init__("aborted by the handler")
         # grpc.aio takes a status's number as well: held as a StatusCode, whatever was given.
         self.code = grpc_code(status_code(code))
-        self.details = details
+        # A lone surrogate (text decoded with errors="surrogateescape") cannot be stored or
+        # sent as UTF-8: it failed the outcome's commit with a raw UnicodeEncodeError.
+        self.details = details.encode("utf-8", "replace").decode("utf-8")
         if self.code is grpc.StatusCode.OK:
             # Not a failure and no response either: grpc's own servers answer UNKNOWN. Taken
             # as OK it was "recorded" with no response, and serializing None leaked a
