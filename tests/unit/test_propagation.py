@@ -133,6 +133,23 @@ def test_retry_policy_refuses_backoffs_that_are_not_numbers(bad: dict[str, float
         RetryPolicy(**bad)  # type: ignore[arg-type]
 
 
+def test_retryable_codes_may_be_given_as_grpc_status_codes_or_numbers() -> None:
+    """grpc.StatusCode members compared unequal to every Code: a policy given them (the natural
+    thing to pass in a gRPC client) silently never retried."""
+    import grpc
+
+    for codes in ({grpc.StatusCode.RESOURCE_EXHAUSTED}, {8}, {Code.RESOURCE_EXHAUSTED}):
+        policy = RetryPolicy(retryable=frozenset(codes))  # type: ignore[arg-type]
+        assert policy.retryable == {Code.RESOURCE_EXHAUSTED}
+        delay = policy.delay_s(
+            attempt=1, code=Code.RESOURCE_EXHAUSTED, retry_after_ms=None, jitter=0.5
+        )
+        assert delay is not None
+    for bad in ("UNAVAILABLE", 99, True, None):
+        with pytest.raises(ValueError, match="not a gRPC status code"):
+            RetryPolicy(retryable=frozenset({bad}))  # type: ignore[arg-type]
+
+
 def test_retry_decisions() -> None:
     policy = RetryPolicy(max_attempts=3)
     assert policy.delay_s(attempt=1, code=Code.ABORTED, retry_after_ms=700, jitter=0.5) == 0.7

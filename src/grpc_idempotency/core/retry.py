@@ -26,8 +26,11 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
     multiplier: float = 2.0
     retryable: frozenset[Code] = field(default=RETRYABLE)
+    """The codes to retry: ``Code`` members, their numbers, or ``grpc.StatusCode`` members."""
 
     def __post_init__(self) -> None:
+        # grpc.StatusCode members compared unequal to every Code: such a policy never retried.
+        object.__setattr__(self, "retryable", frozenset(map(_code, self.retryable)))
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if not (0 < self.initial_backoff_s <= self.max_backoff_s < math.inf):
@@ -52,6 +55,20 @@ class RetryPolicy:
             backoff_ceiling_s(attempt, self.initial_backoff_s, self.multiplier, self.max_backoff_s)
             * jitter
         )
+
+
+def _code(code: object) -> Code:
+    if isinstance(code, Code):
+        return code
+    number = getattr(code, "value", code)  # grpc.StatusCode's value is (number, name)
+    if isinstance(number, tuple) and number:
+        number = number[0]
+    if isinstance(number, int) and not isinstance(number, bool):
+        try:
+            return Code(number)
+        except ValueError:
+            pass
+    raise ValueError(f"retryable: {code!r} is not a gRPC status code")
 
 
 def backoff_ceiling_s(attempt: int, initial_s: float, multiplier: float, max_s: float) -> float:
