@@ -247,6 +247,12 @@ class IdempotencyClientInterceptor(_Interceptor):
                 kept.append((name, key))
                 continue
             elif name == STEP_HEADER:
+                if serving is not None and (name, value) in serving.metadata:
+                    # The step name the serving call's own caller sent, passed on with its
+                    # metadata: it named a step of that caller's, not of this call. Taken as
+                    # this call's, it pinned every call to one step (one child key for two
+                    # declared steps on a target: the second effect replayed the first's).
+                    continue
                 named = str(value)
                 continue
             kept.append((name, value))

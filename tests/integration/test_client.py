@@ -26,19 +26,29 @@ from grpc_idempotency import (
     current_call,
 )
 from grpc_idempotency.client import (
+    STEP_HEADER,
     IdempotencyClientInterceptor,
     Operation,
     capture_keys,
     channel_options,
     retry_after_ms,
     service_config,
+    step,
 )
 from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.step_contract import Change, MethodSteps, check_contract
-from tests.support.ledger import POST, RunningLedger, fresh, ledger_rows, running_ledger
+from tests.support.ledger import (
+    POST,
+    RunningLedger,
+    fresh,
+    ledger_rows,
+    metadata,
+    running_ledger,
+)
 from tests.support.relay import FORWARD, RelayService, running_relay
 from tests.support.waiting import until
+from tests.support.wire import call_raw
 
 TENANT_MD = (("x-tenant-id", "tenant-a"),)
 
@@ -384,6 +394,42 @@ async def test_a_forwarded_parent_key_is_replaced_by_the_child_key(store: Store)
     assert ledger.service.keys_seen == [
         child_key("tenant:tenant-a", key, "post-ledger.v1"),
         child_key("tenant:tenant-b", key, "post-ledger.v1"),
+    ]
+    assert await ledger_rows(store, account) == 2
+
+
+async def test_a_forwarded_step_name_does_not_choose_the_steps_of_the_calls(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A step name the caller sent (x-grpc-idempotency-step), passed on with the incoming
+    metadata, named the step of every downstream call in place of the handler's own choice:
+    two declared steps on one target got one child key, and the second effect was answered
+    with the first's outcome instead of running."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            incoming = [(k, v) for k, v in context.invocation_metadata() if k != "user-agent"]
+            for name in ("post-phased-a.v1", "post-phased-b.v1"):
+                with step(name):
+                    await self.ledger.PostPhased(
+                        testsvc_pb2.PostRequest(account=request.account, amount=1),
+                        metadata=incoming,
+                    )
+            return testsvc_pb2.ForwardResponse()
+
+    key, account = fresh(), fresh("acct")
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await call_raw(
+            relay.channel,
+            FORWARD,
+            testsvc_pb2.ForwardRequest(account=account),
+            metadata(key, "tenant-a", (STEP_HEADER, "post-phased-a.v1")),
+            10.0,
+        )
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [
+        child_key("tenant:tenant-a", key, "post-phased-a.v1"),
+        child_key("tenant:tenant-a", key, "post-phased-b.v1"),
     ]
     assert await ledger_rows(store, account) == 2
 
