@@ -102,18 +102,27 @@ def test_fingerprint_is_stable_and_ignores_exclusions(trace: str, seconds: int) 
 _Field = descriptor_pb2.FieldDescriptorProto
 
 
-def _proto2_request(*, required: bool, nested: bool = False) -> Descriptor:
-    """A proto2 ``Req`` whose ``sent_at`` (``nested``: ``Req.meta.sent_at``) is excluded and
-    required or optional, in the default pool."""
+def _proto2_request(*, required: bool, nested: bool = False, group: bool = False) -> Descriptor:
+    """A proto2 ``Req`` whose ``sent_at`` (``nested``: ``Req.meta.sent_at``, ``meta`` repeated;
+    ``group``: the same, ``Meta`` a group) is excluded and required or optional, in the default
+    pool."""
     kind = "req" if required else "opt"
     fdp = descriptor_pb2.FileDescriptorProto(
-        name=f"fp_required_{kind}_{nested}.proto", package=f"fp{kind}{int(nested)}", syntax="proto2"
+        name=f"fp_required_{kind}_{nested}_{group}.proto",
+        package=f"fp{kind}{int(nested)}{int(group)}",
+        syntax="proto2",
     )
     fdp.dependency.append("grpc_idempotency/v1/options.proto")
     req = fdp.message_type.add(name="Req")
     req.field.add(name="a", number=1, type=_Field.TYPE_STRING, label=_Field.LABEL_REQUIRED)
     holder = req
-    if nested:
+    if group:  # `repeated group Meta = 3 { ... }`: a nested type and a TYPE_GROUP field
+        holder = req.nested_type.add(name="Meta")
+        req.field.add(
+            name="meta", number=3, type=_Field.TYPE_GROUP, type_name=f".{fdp.package}.Req.Meta",
+            label=_Field.LABEL_REPEATED,
+        )  # fmt: skip
+    elif nested:
         holder = fdp.message_type.add(name="Meta")
         req.field.add(
             name="meta", number=3, type=_Field.TYPE_MESSAGE, type_name=f".{fdp.package}.Meta",
@@ -127,17 +136,24 @@ def _proto2_request(*, required: bool, nested: bool = False) -> Descriptor:
     return pool.FindMessageTypeByName(f"{fdp.package}.Req")
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "nested-repeated"])
-def test_excluding_a_required_field_is_refused(nested: bool) -> None:
+@pytest.mark.parametrize(
+    ("nested", "group"),
+    [(False, False), (True, False), (True, True)],
+    ids=["top-level", "nested-repeated", "in-a-group"],
+)
+def test_excluding_a_required_field_is_refused(nested: bool, group: bool) -> None:
     """FINGERPRINT_EXCLUDE on a proto2 ``required`` field was accepted; clearing it made the
     request fail to serialize (EncodeError: missing required fields), so every call of the
-    method failed UNKNOWN."""
+    method failed UNKNOWN. Inside a group (TYPE_GROUP, not TYPE_MESSAGE), neither the check nor
+    the clearing reached the field: a retry differing in it only was refused as KEY_REUSED."""
     with pytest.raises(PolicyError, match="required field cannot be cleared") as caught:
-        Fingerprinter.for_method("/p.Svc/Do", _proto2_request(required=True, nested=nested))
+        Fingerprinter.for_method(
+            "/p.Svc/Do", _proto2_request(required=True, nested=nested, group=group)
+        )
     assert caught.value.message.startswith("/p.Svc/Do: FINGERPRINT_EXCLUDE on required field")
     assert ".sent_at" in caught.value.message
     # Optional, the same field is excluded and the request serializes.
-    descriptor = _proto2_request(required=False, nested=nested)
+    descriptor = _proto2_request(required=False, nested=nested, group=group)
     fingerprint = Fingerprinter.for_method("/p.Svc/Do", descriptor)
     cls = message_factory.GetMessageClass(descriptor)
     a, b = cls(a="x"), cls(a="x")

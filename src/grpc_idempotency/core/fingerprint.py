@@ -34,8 +34,14 @@ def _is_excluded(field: FieldDescriptor) -> bool:
     )
 
 
+def _holds_messages(field: Any) -> bool:
+    # A group (proto2) or an editions DELIMITED field is TYPE_GROUP, not TYPE_MESSAGE: the
+    # exclusions inside one were neither cleared nor checked.
+    return bool(field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE)
+
+
 def _message_fields(descriptor: Descriptor) -> list[Any]:
-    return [f for f in descriptor.fields if f.type == FieldDescriptor.TYPE_MESSAGE]
+    return [f for f in descriptor.fields if _holds_messages(f)]
 
 
 def _map_value(field: Any) -> Any:
@@ -122,10 +128,7 @@ class Fingerprinter:
                 continue
             # A map field's type is its entry message, which is in excluded_types exactly when
             # the map's values need clearing.
-            if (
-                field.type == FieldDescriptor.TYPE_MESSAGE
-                and field.message_type.full_name in self.excluded_types
-            ):
+            if _holds_messages(field) and field.message_type.full_name in self.excluded_types:
                 self._clear_field(message, field)
 
     def _clear_field(self, message: Message, field: Any) -> None:
@@ -133,7 +136,7 @@ class Fingerprinter:
         value_field = _map_value(field)
         visit: Callable[[Message], None] = self._clear
         if value_field is not None:
-            if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+            if _holds_messages(value_field):
                 for item in value.values():
                     visit(item)
         elif field.is_repeated:
