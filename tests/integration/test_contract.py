@@ -12,7 +12,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store
+from grpc_idempotency import IdempotencyInterceptor, MethodOverride, StaticScope, Store
+from grpc_idempotency.core.codes import Code
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 from tests.support.wire import call_raw
@@ -235,6 +236,28 @@ async def test_deterministic_error_is_recorded_and_its_writes_rolled_back(
     )
     if behaviour.startswith("rich"):
         assert first.reason() == "ACCOUNT_MISSING"
+
+
+async def test_a_methods_own_recorded_errors_replace_the_default_set(store: Store) -> None:
+    """recorded_errors set for the method: NOT_FOUND only. INVALID_ARGUMENT (recorded by
+    default) is then released and runs again; NOT_FOUND is recorded and replayed."""
+    overrides = {POST.lstrip("/"): MethodOverride(recorded_errors={Code.NOT_FOUND})}
+    account = fresh("acct")
+    async with running_ledger(store, overrides=overrides) as ledger:
+        released_key, recorded_key = fresh(), fresh()
+        for _ in range(2):
+            invalid = await ledger.call(
+                POST, post(account, behaviour="INVALID_ARGUMENT"), released_key
+            )
+            assert invalid.code is grpc.StatusCode.INVALID_ARGUMENT and not invalid.replayed
+        assert ledger.service.attempts[released_key] == 2
+        first = await ledger.call(POST, post(account, behaviour="NOT_FOUND"), recorded_key)
+        again = await ledger.call(POST, post(account, behaviour="NOT_FOUND"), recorded_key)
+        assert first.code is grpc.StatusCode.NOT_FOUND and not first.replayed
+        assert again.code is grpc.StatusCode.NOT_FOUND and again.replayed
+        assert ledger.service.attempts[recorded_key] == 1
+    assert await record_row(store, "tenant:tenant-a", released_key) is None
+    assert await ledger_rows(store, account) == 0
 
 
 @pytest.mark.parametrize(

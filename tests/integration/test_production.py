@@ -413,6 +413,41 @@ async def test_an_abort_with_status_ok_is_unknown_and_records_nothing(
     assert await ledger_rows(store, account) == 0
 
 
+@pytest.mark.parametrize("reset", ["default", "asyncpg's"])
+async def test_the_pool_sends_no_reset_query_unless_asked(
+    pg_dsn: str, store: Store, reset: str
+) -> None:
+    """A connection back in the store's pool is not reset (asyncpg's default reset, a round trip
+    per call, undoes session state the library never sets); `reset=None` asks for it again."""
+    name = f"reset-{fresh()}"[:60]
+    options: dict[str, object] = {} if reset == "default" else {"reset": None}
+    pooled = await Store.connect(
+        pg_dsn, min_size=1, max_size=1, server_settings={"application_name": name}, **options
+    )
+    try:
+        async with running_ledger(pooled) as ledger:
+            answer = await ledger.call(POST, post(fresh("acct")), fresh())
+            assert answer.code is grpc.StatusCode.OK, answer.details
+        last = await _last_query(pg_dsn, name)  # the pooled connection's last statement
+    finally:
+        await pooled.close()
+    if reset == "default":
+        assert "COMMIT" in last and "pg_advisory_unlock_all" not in last, last
+    else:
+        assert "pg_advisory_unlock_all" in last, last
+
+
+async def _last_query(dsn: str, application_name: str) -> str:
+    watcher = await asyncpg.connect(dsn)
+    try:
+        last: str = await watcher.fetchval(
+            "SELECT query FROM pg_stat_activity WHERE application_name = $1", application_name
+        )
+    finally:
+        await watcher.close()
+    return last
+
+
 # -- 6. big responses --------------------------------------------------------------------------
 
 
