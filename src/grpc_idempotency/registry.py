@@ -2,7 +2,8 @@
 
 Services named at construction are compiled at once, so bad options fail the start; any other
 method is looked up in the default descriptor pool on first use (its ``_pb2`` module is imported
-by then: a servicer or stub needs it) and the answer, keyed or not, is cached.
+by then: a servicer or stub needs it) and the answer, keyed or not, is cached once its service is
+in the pool.
 """
 
 from __future__ import annotations
@@ -65,9 +66,12 @@ class PolicyRegistry:
         service_name, _, method_name = path.lstrip("/").partition("/")
         try:
             service = descriptor_pool.Default().FindServiceByName(service_name)
-            method = service.methods_by_name.get(method_name)
         except KeyError:
-            method = None
+            # Not in the pool yet (its _pb2 not imported: a generic call made first, say): not
+            # keyed for now, but not cached, or the method stayed unkeyed for the life of the
+            # process once its _pb2 was imported. A miss costs well under a microsecond.
+            return None
+        method = service.methods_by_name.get(method_name)
         override = self._overrides.get(path)
         if method is not None:
             try:

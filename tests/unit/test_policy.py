@@ -342,6 +342,26 @@ def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
     assert registry.get("/later.v1.Service/Do") is None
 
 
+def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> None:
+    """A call naming a method before its _pb2 was imported (a generic call, say) found nothing,
+    and "not keyed" was cached: the method stayed unkeyed (no key sent, or none required) for
+    the life of the process."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    package = f"latepool{next(_counter)}"
+    path = f"/{package}.Svc/Do"
+    registry = PolicyRegistry((), {path: MethodOverride()})
+    assert registry.get(path) is None  # not in the pool yet
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
+    fdp.message_type.add(name="Req")
+    fdp.service.add(name="Svc").method.add(
+        name="Do", input_type=f".{package}.Req", output_type=f".{package}.Req"
+    )
+    descriptor_pool.Default().Add(fdp)  # what importing its _pb2 does
+    policy = registry.get(path)
+    assert policy is not None and policy.method == path
+
+
 def test_retired_steps_are_read_and_do_not_make_a_method_phased() -> None:
     def retired(o: options_pb2.MethodPolicy) -> None:
         step = o.steps.add(name="charge.v1", call="a.B/C")
