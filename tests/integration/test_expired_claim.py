@@ -12,6 +12,7 @@ Every wait here is for the database's clock to pass the record's lease and reten
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -21,13 +22,14 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency import MethodOverride, Store, StoreMisconfigured
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import LeaseLost
 from grpc_idempotency.core.lifecycle import Action, Outcome, State, decide
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.server import interceptor
 from grpc_idempotency.store import PhasedClaim
+from grpc_idempotency.store.migrations import available_migrations
 from tests.support.ledger import fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 
@@ -78,11 +80,6 @@ async def wait_past_lease_and_retention(store: Store, key: str) -> None:
 
 # -- through gRPC ------------------------------------------------------------------------------
 
-UNFIXED = pytest.mark.xfail(
-    strict=True,
-    reason="claim() takes an abandoned claim past its retention over for the same request only",
-)
-
 
 @pytest.mark.parametrize(
     ("method", "replica"),
@@ -93,7 +90,6 @@ UNFIXED = pytest.mark.xfail(
     ],
     ids=["phased", "atomic-claim-first", "atomic-look-first"],
 )
-@UNFIXED
 async def test_a_released_claim_past_its_retention_is_a_new_key_for_another_request(
     store: Store, method: str, replica: str
 ) -> None:
@@ -141,7 +137,6 @@ def frozen_lease_keepers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("frozen_lease_keepers")
-@UNFIXED
 async def test_a_stalled_owner_past_lease_and_retention_loses_the_key_to_another_request(
     store: Store,
 ) -> None:
@@ -208,7 +203,6 @@ async def abandoned(store: Store, key: str, fingerprint: bytes = b"a" * 32) -> P
 
 
 @pytest.mark.parametrize("isolation", [None, Isolation.REPEATABLE_READ, Isolation.SERIALIZABLE])
-@UNFIXED
 async def test_another_request_over_an_abandoned_claim_is_a_new_operation_fencing_the_old_owner(
     store: Store, isolation: Isolation | None
 ) -> None:
@@ -297,3 +291,69 @@ async def test_an_old_owner_that_opened_its_final_transaction_first_keeps_the_ke
         await attempt.record(Outcome(code=Code.OK, response=b"old"))
     row = await row_of(store, key)
     assert (row["state"], row["fencing_token"], row["response"]) == ("completed", 1, b"old")
+
+
+async def test_a_claim_meeting_a_purge_of_the_abandoned_claim_waits_and_inserts_anew(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    """The purge deletes the abandoned claim as another request claims the key: the claim waits
+    for the purge's transaction, then inserts (token 1, a new start); the old owner is fenced
+    off all the same. (The other order, a purge reaching a row just taken over, is
+    test_purge.py's test_purge_never_deletes_a_key_taken_over_concurrently.)"""
+    key = fresh()
+    stale = await abandoned(store, key)
+    purger = await db.fetchval("SELECT pg_backend_pid()")
+    await db.execute("BEGIN")
+    deleted = await db.execute(
+        f'DELETE FROM "{store.schema}".records WHERE scope = $1 AND key = $2', SCOPE, key
+    )
+    assert deleted == "DELETE 1"
+    claiming = asyncio.ensure_future(claim(store, key, b"b" * 32, lease_s=30, retention_s=600))
+    try:
+
+        async def claim_waits() -> bool:
+            return bool(
+                await store.pool.fetchval(
+                    "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid)))",
+                    purger,
+                )
+            )
+
+        await until("the claim to wait for the purge", claim_waits)
+    finally:
+        await db.execute("COMMIT")
+    new = await claiming
+    assert new is not None and new.token == 1 and new.started_at > stale.started_at
+    with pytest.raises(LeaseLost):
+        await stale.begin_final(timeout=5)
+
+
+# -- the migration -----------------------------------------------------------------------------
+
+
+async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_migrated(
+    pg_dsn: str,
+) -> None:
+    """A server of this version refuses a schema at 0013, whose claim() refuses another request
+    over an abandoned claim past its retention; migrating applies 0014 alone (claim() replaced,
+    its signature kept), and the same claim is then a new operation."""
+    schema = f"gi_at_13_{uuid.uuid4().hex[:8]}"
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True)
+    try:
+        # Back to 0013: its claim() is 0007's (0008 to 0013 did not replace it).
+        (retention_floor,) = [m for m in available_migrations() if m.version == 7]
+        await store.pool.execute(retention_floor.sql.replace("{schema}", f'"{schema}"'))
+        await store.pool.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 14')
+        with pytest.raises(StoreMisconfigured, match=r"at version 13; .* needs migrations \[14\]"):
+            await Store.connect(pg_dsn, schema=schema)
+        key = fresh()
+        await abandoned(store, key)
+        assert await claim(store, key, b"b" * 32, lease_s=30, retention_s=600) is None
+        assert await store.migrate() == [14]
+        new = await claim(store, key, b"b" * 32, lease_s=30, retention_s=600)
+        assert new is not None and new.token == 2
+        await (await Store.connect(pg_dsn, schema=schema)).close()
+    finally:
+        await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await store.close()
