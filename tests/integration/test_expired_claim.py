@@ -124,6 +124,29 @@ async def test_a_released_claim_past_its_retention_is_a_new_key_for_another_requ
         assert first_again.reason() == "IDEMPOTENCY_KEY_REUSED"
 
 
+async def test_two_requests_racing_for_an_abandoned_claim_past_its_retention_one_runs(
+    store: Store,
+) -> None:
+    """Two different requests under the key, on two replicas at once: one claims the key (the
+    claim lock lets one in), and the other, looking again, finds that operation: KEY_REUSED."""
+    key, account, one, two = fresh(), fresh("acct"), fresh("acct"), fresh("acct")
+    async with (
+        running_ledger(store, overrides=SHORT_RETENTION) as a,
+        running_ledger(store) as b,
+    ):
+        failed = await a.call(PHASED, post(account, "UNAVAILABLE"), key)
+        assert failed.code is grpc.StatusCode.UNAVAILABLE
+        await wait_past_lease_and_retention(store, key)
+        answers = await asyncio.gather(
+            a.call(PHASED, post(one), key), b.call(PHASED, post(two), key)
+        )
+    codes = sorted(answer.code.value[0] for answer in answers)
+    assert codes == [grpc.StatusCode.OK.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0]]
+    (refused,) = [answer for answer in answers if answer.code is not grpc.StatusCode.OK]
+    assert refused.reason() == "IDEMPOTENCY_KEY_REUSED"
+    assert await ledger_rows(store, one) + await ledger_rows(store, two) == 1
+
+
 @pytest.fixture
 def frozen_lease_keepers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Lease keepers that never renew: the owner's process stalls (a GC pause, a frozen VM)
