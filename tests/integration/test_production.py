@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -28,6 +29,7 @@ from grpc_idempotency import (
 from grpc_idempotency.client import Operation, RetryPolicy
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.store.errors import store_error
+from grpc_idempotency.store.migrations import available_migrations
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
 from tests.support.relay import FORWARD, running_relay
@@ -576,17 +578,20 @@ async def test_connect_names_the_migrations_missing_from_an_older_schema(pg_dsn:
 async def test_a_schema_at_0012_needs_0013_to_fence_on_the_operations_start(pg_dsn: str) -> None:
     """The phased final transaction calls verify_claim with the operation's start, an overload
     added by migration 0013: a server of this version refuses to start against a schema at 0012,
-    where every phased call would fail, and migrating applies 0013 alone."""
+    where every phased call would fail, and migrating applies 0013 (and those after it)."""
     schema = f"gi_at_12_{uuid.uuid4().hex[:8]}"
     migrated = await Store.connect(pg_dsn, schema=schema, migrate=True)
     fenced = f"{schema}.verify_claim(text, text, bigint, bigint, timestamptz)"
     try:
         await migrated.pool.execute(
-            f"DROP FUNCTION {fenced}; DELETE FROM {schema}.schema_migrations WHERE version = 13"
+            f"DROP FUNCTION {fenced}; DELETE FROM {schema}.schema_migrations WHERE version >= 13"
         )
-        with pytest.raises(StoreMisconfigured, match=r"at version 12; .* needs migrations \[13\]"):
+        later = [m.version for m in available_migrations() if m.version >= 13]
+        with pytest.raises(
+            StoreMisconfigured, match=rf"at version 12; .* needs migrations {re.escape(str(later))}"
+        ):
             await Store.connect(pg_dsn, schema=schema)
-        assert await migrated.migrate() == [13]
+        assert await migrated.migrate() == later
         assert await migrated.pool.fetchval("SELECT to_regprocedure($1) IS NOT NULL", fenced)
         await (await Store.connect(pg_dsn, schema=schema)).close()
     finally:

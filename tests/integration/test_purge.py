@@ -255,12 +255,16 @@ async def expired_record(store: Store, key: str, *, state: str = "completed") ->
     )
 
 
-@pytest.mark.parametrize("takeover", ["atomic", "phased", "phased-abandoned"])
+@pytest.mark.parametrize(
+    "takeover",
+    # "phased-abandoned-new": another request takes the abandoned claim over (migration 0014)
+    ["atomic", "phased", "phased-abandoned", "phased-abandoned-new"],
+)
 async def test_purge_never_deletes_a_key_taken_over_concurrently(
     purge_store: Store, pg_dsn: str, db: asyncpg.Connection, takeover: str
 ) -> None:
     s = f'"{purge_store.schema}"'
-    state = "in_progress" if takeover == "phased-abandoned" else "completed"
+    state = "in_progress" if takeover.startswith("phased-abandoned") else "completed"
     await expired_record(purge_store, "taken", state=state)
     for i in range(5):
         await expired_record(purge_store, f"other-{i}")
@@ -279,8 +283,9 @@ async def test_purge_never_deletes_a_key_taken_over_concurrently(
                 " 'new outcome', 3600)"
             )
         else:
+            fingerprint = "\\x02" if takeover == "phased-abandoned-new" else "\\x01"
             token = await owner.fetchval(
-                f"SELECT {s}.claim('s', 'taken', 42, '/m', '\\x01', 3600, 30)"
+                f"SELECT {s}.claim('s', 'taken', 42, '/m', '{fingerprint}', 3600, 30)"
             )
             assert token == 8
         purge = asyncio.ensure_future(purge_store.purge(batch_size=100))

@@ -64,6 +64,14 @@ def record(
         (record(State.IN_PROGRESS, fp=OTHER, remaining=900), Action.MISMATCH, False),
         (record(State.IN_PROGRESS, lease_expired=True), Action.CLAIM, True),
         (record(State.IN_PROGRESS, fp=OTHER, lease_expired=True), Action.MISMATCH, False),
+        # Past its retention and its lease: the same request continues the operation, another
+        # one begins a new operation under the key (migration 0014).
+        (record(State.IN_PROGRESS, expired=True, lease_expired=True), Action.CLAIM, True),
+        (
+            record(State.IN_PROGRESS, fp=OTHER, expired=True, lease_expired=True),
+            Action.CLAIM,
+            False,
+        ),
     ],
 )
 def test_decide(rec: StoredRecord | None, action: Action, takeover: bool) -> None:
@@ -212,6 +220,9 @@ def test_events_from_what_the_driver_saw() -> None:
     assert look_event(record(expired=True), OTHER) is Event.NOTHING_LIVE  # past retention: new
     assert look_event(record(State.IN_PROGRESS), FP) is Event.RUNNING
     assert look_event(record(State.IN_PROGRESS, lease_expired=True), FP) is Event.ABANDONED
+    abandoned = record(State.IN_PROGRESS, expired=True, lease_expired=True)
+    assert look_event(abandoned, FP) is Event.ABANDONED  # the operation continues
+    assert look_event(abandoned, OTHER) is Event.NOTHING_LIVE  # past retention: new
     assert store_down_event(fail_open=True) is Event.STORE_DOWN_OPEN
     assert store_down_event(fail_open=False) is Event.STORE_DOWN_CLOSED
     assert budget_event(now=5.0, wait_until=5.0) is Event.BUDGET_SPENT

@@ -11,6 +11,11 @@ A record lives under (scope, key) and is either IN_PROGRESS (an attempt owns it)
     IN_PROGRESS, lease alive                     -> WAIT         then look again
     IN_PROGRESS, lease expired                   -> CLAIM        taken over (a crashed owner)
 
+Past retention: a completed record past its retention, or an in-progress one past its
+retention and its lease (an owner still renewing its lease keeps the key). The same request
+takes such an in-progress record over, continuing its operation; another request begins a new
+one under the key.
+
 A CLAIM is one atomic statement in the store: it may still lose a race to another attempt, in
 which case the driver WAITs and looks again. Because the claim is authoritative, the look may
 also come *after* a failed claim: ``look_first`` picks the order (a key this process has not
@@ -66,6 +71,8 @@ class StoredRecord:
     state: State
     outcome: Outcome | None
     expired: bool
+    """Past retention: completed and past ``GREATEST(expires_at, completed_at + retention)``,
+    or in progress and past both ``expires_at`` and the lease."""
     lease_expired: bool
     lease_remaining_ms: int
     started_at: datetime | None = None
@@ -92,8 +99,13 @@ class Decision:
 
 
 def decide(record: StoredRecord | None, fingerprint: bytes) -> Decision:
-    if record is None or record.expired:
+    if record is None:
         return Decision(Action.CLAIM)
+    if record.expired:
+        # Past retention the key is new. An in-progress record there (its lease over too) is
+        # still taken over, not replaced, by the same request: it continues that operation.
+        same = record.state is State.IN_PROGRESS and record.fingerprint == fingerprint
+        return Decision(Action.CLAIM, takeover=same)
     if record.fingerprint != fingerprint:
         return Decision(Action.MISMATCH)
     if record.state is State.COMPLETED:

@@ -105,8 +105,14 @@ class Statements:
         self.lookup = f"""
             SELECT fingerprint, state, status_code, status_message, status_details, response,
                    created_at,
-                   (state = 'completed' AND GREATEST(expires_at, completed_at + retention)
-                       <= clock_timestamp()) AS expired,
+                   -- past retention, as claim() decides it (migration 0014): a completed
+                   -- record, and an in-progress one whose lease has run out too
+                   CASE state
+                       WHEN 'completed' THEN GREATEST(expires_at, completed_at + retention)
+                           <= clock_timestamp()
+                       WHEN 'in_progress' THEN expires_at <= clock_timestamp()
+                           AND locked_until <= clock_timestamp()
+                   END IS TRUE AS expired,
                    (locked_until IS NULL OR locked_until <= clock_timestamp()) AS lease_expired,
                    GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
                        AS lease_remaining_ms,
