@@ -141,11 +141,32 @@ def test_rename_fails(build: Build) -> None:
     assert "a step's name is its identity" in out and "take-payment.v1's child key" in out
     assert (
         "fix: keep the old name and bump its version instead:"
-        f' steps: {{ name: "charge-card.v1" {CHARGE} retired_at: {{ seconds: {NOW_S} }} }}'
+        f' steps: {{ name: "charge-card.v1" {CHARGE} retired_at: {{ seconds: {NOW_S + 86400} }} }}'
         f' steps: {{ name: "charge-card.v2" {CHARGE} }}, in place of take-payment.v1'
     ) in out
     assert "FAILED: 1 change(s) in 1 method(s)" in out
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize("change", ["rename", "version bump"])
+def test_the_printed_fix_still_passes_when_the_check_runs_again_later(
+    build: Build, change: str
+) -> None:
+    """The fix put retired_at at "now": pasted in and checked again a moment later (the next CI
+    run of the pull request), the retirement was already past and failed as backdated over
+    operations begun, with a new fix at the new "now", for ever. It lies a day ahead now."""
+    old = orders_proto(f'name: "charge-card.v1" {CHARGE}')
+    successor = "take-payment.v1" if change == "rename" else "charge-card.v2"
+    done = compare(build, old, orders_proto(f'name: "{successor}" {CHARGE}'))
+    assert done.returncode == 1, done
+    (fix,) = [line for line in done.stdout.splitlines() if line.strip().startswith("fix: ")]
+    declarations = re.findall(r"steps: \{ (.*?) \}(?= steps:|;|,|$)", fix)
+    assert declarations and all(d.startswith('name: "charge-card.') for d in declarations), fix
+    if change == "version bump":  # the fix is the old step, retired; the new one stays
+        declarations.append(f'name: "charge-card.v2" {CHARGE}')
+    later = datetime.fromtimestamp(NOW_S + 6 * HOUR, UTC).isoformat()
+    fixed = check(build("old-again", old), build("fixed", orders_proto(*declarations)), now=later)
+    assert fixed.returncode == 0, fixed
 
 
 def test_rename_with_the_old_name_retired_fails_and_its_fix_passes(build: Build) -> None:

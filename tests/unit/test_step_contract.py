@@ -523,14 +523,15 @@ def test_a_rename_explains_itself() -> None:
     assert f.method == PLACE
     assert "charge.v1" in f.what and "take-payment.v1" in f.what and CHARGE in f.what
     assert "take-payment.v1's child key" in f.why and "1d" in f.why
-    # The fix is the lines to paste: the old step, retired now, and a new version of it.
-    seconds = int(NOW.timestamp())
+    # The fix is the lines to paste: the old step, retired a day from now (still ahead when the
+    # check runs again before the change ships), and a new version of it.
+    seconds = int(NOW.timestamp()) + 86400
     assert (
         f'steps: {{ name: "charge.v1" call: "{CHARGE}" retired_at: {{ seconds: {seconds} }} }}'
         in f.fix
     )
     assert f'steps: {{ name: "charge.v2" call: "{CHARGE}" }}' in f.fix
-    assert "2026-06-02T12:00:00Z" in f.fix
+    assert "2026-06-03T12:00:00Z" in f.fix
 
 
 def test_a_rename_with_the_old_name_retired_fails_with_the_version_bump_as_its_fix() -> None:
@@ -547,7 +548,8 @@ def test_a_rename_with_the_old_name_retired_fails_with_the_version_bump_as_its_f
     assert "a step's name is its identity" in f.why
     assert "run the effect again under take-payment.v1's child key" in f.why
     assert f.fix.startswith("keep the old name and bump its version instead: ")
-    seconds = int(NOW.timestamp())  # not the declared retirement, already past: now
+    # Not the declared retirement, already past: a day from now.
+    seconds = int(NOW.timestamp()) + 86400
     assert (
         f'steps: {{ name: "charge.v1" call: "{CHARGE}" retired_at: {{ seconds: {seconds} }} }}'
         f' steps: {{ name: "charge.v2" call: "{CHARGE}" }}, in place of take-payment.v1'

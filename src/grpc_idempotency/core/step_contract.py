@@ -325,7 +325,9 @@ def _renamed(
     # Never a retirement already past: operations begun since ran the old name with its child
     # key, and the bump would key their retries with the new version's
     # (RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS).
-    retire_at = now if retired_at is None else max(_aware(retired_at), now)
+    retire_at = _ships(now)
+    if retired_at is not None and _aware(retired_at) >= now:
+        retire_at = _aware(retired_at)
     bumped = Step(
         name=f"{_base(name)}.v{_next_version(name, before.steps + after.steps)}",
         call=was.call,
@@ -396,8 +398,9 @@ def _active_step_gone(
             f" crash, would run {runs} so the downstream service executes it a second time"
         ),
         fix=(
-            f"declare the old step again, retired: {_declaration(was, retire_at=now)}; it can"
-            f" be deleted from {_ts(_plus(now, retention))} (retired_at + {_span(retention)})"
+            f"declare the old step again, retired: {_declaration(was, retire_at=_ships(now))};"
+            f" it can be deleted from {_ts(_plus(_ships(now), retention))} (retired_at +"
+            f" {_span(retention)})"
         ),
     )
     return _Gone(finding, successor.name if successor is not None else None)
@@ -469,7 +472,7 @@ def _compare_step(
             fix = (
                 f"declare a new step (e.g. {_base(name)}.v{_next_version(name, among)}) for the"
                 f" new target and keep the old one declared as retired,"
-                f" {_declaration(was, retire_at=now)}"
+                f" {_declaration(was, retire_at=_ships(now))}"
             )
         else:
             why = (
@@ -516,8 +519,9 @@ def _compare_step(
                 " seen, and the effect runs again"
             ),
             fix=(
-                "retire it no earlier than this change ships:"
-                f" {_declaration(was, retire_at=now) if was.active else _declaration(was)}"
+                "retire it no earlier than this change ships (a time still ahead when this"
+                " check runs, here a day from now):"
+                f" {_declaration(was, retire_at=_ships(now)) if was.active else _declaration(was)}"
             ),
         )
     if was.active:
@@ -536,7 +540,8 @@ def _compare_step(
             Change.RETIREMENT_BACKDATED,
             f"step {name} is retired in this change, but retired_at + retention"
             f" ({_span(retention)}) is already past, so the next change could delete it at once;"
-            f" set retired_at to when this change ships, e.g. {_declaration(was, retire_at=now)}",
+            " set retired_at to when this change ships, e.g."
+            f" {_declaration(was, retire_at=_ships(now))}",
         )
     assert was.retired_at is not None
     notes: list[Finding] = retargeted + backdated
@@ -611,6 +616,20 @@ def _backdated_over_begun(
     return any(
         s.active and _base(s.name) == _base(step.name) and _same_target(s, step) for s in declared
     )
+
+
+SHIP_MARGIN = timedelta(days=1)
+"""How far ahead of the check the retired_at in a suggested fix lies: a retirement must not be
+past when the change ships (RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS), and the check runs
+again on every push before then; "now" was past by the next run, so the fix it printed never
+passed."""
+
+
+def _ships(now: datetime) -> datetime:
+    """A retired_at for a suggested fix: ``SHIP_MARGIN`` from ``now``, up to the whole hour."""
+    ahead = _plus(now, SHIP_MARGIN)
+    whole = ahead.replace(minute=0, second=0, microsecond=0)
+    return whole if whole == ahead else _plus(whole, timedelta(hours=1))
 
 
 def _pick(candidates: list[Step], match: Callable[[Step], bool]) -> Step | None:
