@@ -14,6 +14,7 @@ of asyncpg's statement cache after each kind.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
@@ -86,5 +87,7 @@ async def main(dsn: str) -> None:
 
 
 if __name__ == "__main__":
+    # No options: argparse for --help (and to refuse unknown arguments before a minute's run).
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     with EmbeddedPostgres() as pg:
         asyncio.run(main(pg.dsn))
