@@ -1,5 +1,5 @@
-"""How the command-line tools report a database error: the message, its causes and where the
-connection was going, never the password.
+"""How the command-line tools report a database error (the message, its causes and where the
+connection was going, never the password) and an interruption (``run_command``: SIGINT or SIGTERM).
 
 A DSN whose password holds an unencoded ``/``, ``?``, ``#`` or ``@`` is cut by URL parsing
 elsewhere than its author meant: pieces of the password land in the host, port, path, query or
@@ -9,12 +9,14 @@ unambiguously is masked from ``://`` to its last ``@``."""
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import os
 import re
+import signal
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 import asyncpg
@@ -23,6 +25,59 @@ from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
 from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
+
+T = TypeVar("T")
+
+# What stops a one-shot command. The relay installs its own handlers for both (a clean stop).
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM stopped a command: its task was cancelled, so the statement on
+    the wire was abandoned (PostgreSQL rolls back the open transaction; what committed before
+    stays) and its connections closed. Exit status 128 + the signal, as a shell reports a
+    process the signal killed: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__("interrupted" if signum == signal.SIGINT else "terminated")
+        self.exit_status = 128 + signum
+
+
+def run_command(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)``, stopped by SIGINT or SIGTERM alike: ``main``'s task is cancelled,
+    its ``finally`` blocks close what it opened, and ``Interrupted`` is raised. asyncio.run
+    alone handles SIGINT only, by raising KeyboardInterrupt after the task's CancelledError
+    (a traceback of both), and SIGTERM killed the process without a word. A second signal
+    cancels the clean-up too."""
+    received: list[signal.Signals] = []
+
+    async def stoppable() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop(signum: signal.Signals) -> None:
+            received.append(signum)
+            task.cancel()
+
+        for signum in _STOPPING:
+            loop.add_signal_handler(signum, stop, signum)
+        try:
+            return await main
+        finally:
+            for signum in _STOPPING:
+                loop.remove_signal_handler(signum)
+
+    try:
+        return asyncio.run(stoppable())
+    except KeyboardInterrupt:  # SIGINT after the handlers went (the relay's clean-up, say)
+        raise Interrupted(signal.SIGINT) from None
+    except (Exception, asyncio.CancelledError):
+        # Whatever a cancelled task raised on its way out (a connection closed under a
+        # statement), the user stopped it: that is what to report.
+        if received:
+            raise Interrupted(received[0]) from None
+        raise
 
 
 def one_line(text: str, limit: int = 160) -> str:
