@@ -58,7 +58,7 @@ _DESCRIPTION = (
     " database or role, bad password, schema not migrated) or on bad usage; inspect and list"
     " exit 3 when nothing matched, outbox retry when an id given was not a dead letter."
     " Stopped by SIGINT (Ctrl-C) or SIGTERM, a command exits 130 or 143 (the relay stops"
-    " cleanly, exit 0)."
+    " cleanly, exit 0); its output cut short (list | head), 141 without a word."
 )
 
 
@@ -875,6 +875,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside an event loop: check-steps reading stdin, say
         print("grpc-idempotency: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # The reader went before the output ended (`grpc-idempotency list | head`): the
+        # database's own broken pipes are StoreUnavailable by now, so this is stdout's. Not an
+        # error to report, and not exit 1 ("unreachable, retry later"): 141, what a shell
+        # reports for a writer SIGPIPE killed (Python ignores SIGPIPE, so writes raise
+        # instead). What is still buffered goes to /dev/null, or flushing it at exit would
+        # raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _main(argv: Sequence[str] | None) -> int:

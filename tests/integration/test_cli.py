@@ -625,3 +625,38 @@ async def test_a_command_interrupted_while_connecting_says_so(command: list[str]
         server.close()
     assert (proc.returncode, err.decode()) == (130, "grpc-idempotency: interrupted\n")
     assert out == b""
+
+
+# -- output cut short: `grpc-idempotency list ... | head` ---------------------------------------
+
+
+@pytest.mark.parametrize("output", [[], ["--json"]], ids=["text", "json"])
+async def test_a_reader_that_goes_early_ends_the_command_quietly_with_141(
+    pg_dsn: str, output: list[str]
+) -> None:
+    """A BrokenPipeError traceback and exit 1, which says "unreachable, retry later". Now as
+    a C tool under ``head``: nothing on stderr, and 141 (128 + SIGPIPE, what a shell reports
+    for a writer the closed pipe killed)."""
+    async with fresh_store(pg_dsn, "pipe") as s:
+        await s.pool.execute(
+            f'INSERT INTO "{s.schema}".records (scope, key, method, fingerprint, state,'
+            " fencing_token, locked_until, status_code, completed_at, expires_at, retention)"
+            " SELECT 's', 'k' || i, '/a.B/C', '\\x00', 'completed', 1, NULL, 0, now(),"
+            " now() + interval '1 h', interval '1 h' FROM generate_series(1, 5000) i"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+        read_end, write_end = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli", "list", "--scope", "s",
+                "--limit", "5000", "--dsn", pg_dsn, "--schema", s.schema, *output,
+                stdout=write_end, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)  # the command has its own copy
+        with os.fdopen(read_end, "rb") as reader:
+            first = await asyncio.to_thread(reader.readline)  # as `head -1` reads
+        # Closed, with ~0.5 MB still to come: far more than a pipe holds.
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert first.strip()
+    assert (proc.returncode, err.decode()) == (141, "")
