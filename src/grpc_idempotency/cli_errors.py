@@ -14,6 +14,7 @@ import getpass
 import os
 import re
 import signal
+import ssl
 import sys
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -101,10 +102,68 @@ _UNUSABLE_DSN = (
 
 
 class UnusableDsn(Exception):
-    """The driver refused a DSN before connecting anywhere: not retryable (exit status 2)."""
+    """The driver refused a DSN before connecting anywhere: not retryable (exit status 2).
+    ``file_problem``: which file the DSN names failed, and why (``unusable_file``), if known."""
 
-    def __init__(self, option: str = "--dsn") -> None:
-        super().__init__(_UNUSABLE_DSN.format(option=option))
+    def __init__(self, option: str = "--dsn", file_problem: str | None = None) -> None:
+        self.file_problem = file_problem
+        super().__init__(
+            f"cannot use {option}: {file_problem}"
+            if file_problem
+            else _UNUSABLE_DSN.format(option=option)
+        )
+
+
+# The files asyncpg reads while parsing a DSN, in its order: the parameter, else the variable.
+_DSN_FILES = (
+    ("sslrootcert", "PGSSLROOTCERT"),
+    ("sslcrl", "PGSSLCRL"),
+    ("sslcert", "PGSSLCERT"),
+    ("sslkey", "PGSSLKEY"),
+)
+
+
+def unusable_file(dsn: str) -> str | None:
+    """The first certificate, key or CRL file ``dsn`` names (or a PGSSL* variable does) that
+    cannot be opened or loaded, as ``sslrootcert PATH: why``; ``None`` if all can, or if the
+    DSN does not split unambiguously (its "query" may be a piece of the password). The driver's
+    own error names no file, only "No such file or directory", and has to stay unshown anyway.
+    Found by trying each file again: it is what the driver does with them."""
+    if "://" not in dsn:
+        return None
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return None
+    if _in_doubt(dsn, parts):
+        return None
+    query = dict(parse_qsl(parts.query))  # the last of a repeated parameter wins, as in asyncpg
+    named: dict[str, tuple[str, str]] = {}  # parameter: (its label in the message, the path)
+    for param, variable in _DSN_FILES:
+        if query.get(param):
+            named[param] = (param, query[param])
+        elif os.environ.get(variable):
+            named[param] = (variable, os.environ[variable])
+    for label, path in named.values():
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as err:
+            return f"{label} {path}: {err.strerror or err}"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for param in ("sslrootcert", "sslcrl", "sslcert"):
+        if param not in named:
+            continue
+        label, path = named[param]
+        try:
+            if param == "sslcert":
+                key = named["sslkey"][1] if "sslkey" in named else None
+                context.load_cert_chain(path, key, query.get("sslpassword", ""))
+            else:
+                context.load_verify_locations(cafile=path)
+        except OSError as err:  # ssl.SSLError: not PEM, or a key that does not match
+            return f"{label} {path}: {err.strerror or err}"
+    return None
 
 
 async def connect(dsn: str, **options: Any) -> Store:
@@ -116,7 +175,7 @@ async def connect(dsn: str, **options: Any) -> Store:
     try:
         return await Store.connect(dsn, **options)
     except DsnUnusable:
-        raise UnusableDsn from None
+        raise UnusableDsn(file_problem=unusable_file(dsn)) from None
 
 
 async def check_parses(dsn: str, option: str) -> None:
@@ -128,7 +187,7 @@ async def check_parses(dsn: str, option: str) -> None:
         conn = await asyncpg.connect(dsn, timeout=5.0)
     except Exception as exc:
         if dsn_unusable(exc):
-            raise UnusableDsn(option) from None
+            raise UnusableDsn(option, unusable_file(dsn)) from None
         return  # unreachable, refused, not yet: the caller retries it anyway
     await conn.close()
 
