@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from grpc_idempotency import inspect_cli
 from grpc_idempotency.cli_errors import (
+    Interrupted,
     UnusableDsn,
     check_parses,
     connect,
     one_line,
     report_store_error,
+    run_command,
     safe_dsn,
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
@@ -55,6 +57,8 @@ _DESCRIPTION = (
     " when it cannot be reached (retry later) and 2 when it answers but cannot be used (no such"
     " database or role, bad password, schema not migrated) or on bad usage; inspect and list"
     " exit 3 when nothing matched, outbox retry when an id given was not a dead letter."
+    " Stopped by SIGINT (Ctrl-C) or SIGTERM, a command exits 130 or 143 (the relay stops"
+    " cleanly, exit 0); its output cut short (list | head), 141 without a word."
 )
 
 
@@ -863,6 +867,26 @@ def _log_warnings() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except Interrupted as stopped:
+        print(f"grpc-idempotency: {stopped}", file=sys.stderr)
+        return stopped.exit_status
+    except KeyboardInterrupt:  # Ctrl-C outside an event loop: check-steps reading stdin, say
+        print("grpc-idempotency: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # The reader went before the output ended (`grpc-idempotency list | head`): the
+        # database's own broken pipes are StoreUnavailable by now, so this is stdout's. Not an
+        # error to report, and not exit 1 ("unreachable, retry later"): 141, what a shell
+        # reports for a writer SIGPIPE killed (Python ignores SIGPIPE, so writes raise
+        # instead). What is still buffered goes to /dev/null, or flushing it at exit would
+        # raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "relay":
@@ -884,7 +908,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "relay":  # the relay configures logging for a long-running process
         _log_warnings()
     try:
-        return asyncio.run(_with_store(args))
+        return run_command(_with_store(args))
     except UnusableDsn as err:
         print(f"grpc-idempotency: {err}", file=sys.stderr)
         return 2

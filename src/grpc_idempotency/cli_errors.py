@@ -1,5 +1,5 @@
-"""How the command-line tools report a database error: the message, its causes and where the
-connection was going, never the password.
+"""How the command-line tools report a database error (the message, its causes and where the
+connection was going, never the password) and an interruption (``run_command``: SIGINT or SIGTERM).
 
 A DSN whose password holds an unencoded ``/``, ``?``, ``#`` or ``@`` is cut by URL parsing
 elsewhere than its author meant: pieces of the password land in the host, port, path, query or
@@ -9,12 +9,15 @@ unambiguously is masked from ``://`` to its last ``@``."""
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import os
 import re
+import signal
+import ssl
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 import asyncpg
@@ -23,6 +26,59 @@ from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
 from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
+
+T = TypeVar("T")
+
+# What stops a one-shot command. The relay installs its own handlers for both (a clean stop).
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM stopped a command: its task was cancelled, so the statement on
+    the wire was abandoned (PostgreSQL rolls back the open transaction; what committed before
+    stays) and its connections closed. Exit status 128 + the signal, as a shell reports a
+    process the signal killed: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__("interrupted" if signum == signal.SIGINT else "terminated")
+        self.exit_status = 128 + signum
+
+
+def run_command(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)``, stopped by SIGINT or SIGTERM alike: ``main``'s task is cancelled,
+    its ``finally`` blocks close what it opened, and ``Interrupted`` is raised. asyncio.run
+    alone handles SIGINT only, by raising KeyboardInterrupt after the task's CancelledError
+    (a traceback of both), and SIGTERM killed the process without a word. A second signal
+    cancels the clean-up too."""
+    received: list[signal.Signals] = []
+
+    async def stoppable() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop(signum: signal.Signals) -> None:
+            received.append(signum)
+            task.cancel()
+
+        for signum in _STOPPING:
+            loop.add_signal_handler(signum, stop, signum)
+        try:
+            return await main
+        finally:
+            for signum in _STOPPING:
+                loop.remove_signal_handler(signum)
+
+    try:
+        return asyncio.run(stoppable())
+    except KeyboardInterrupt:  # SIGINT after the handlers went (the relay's clean-up, say)
+        raise Interrupted(signal.SIGINT) from None
+    except (Exception, asyncio.CancelledError):
+        # Whatever a cancelled task raised on its way out (a connection closed under a
+        # statement), the user stopped it: that is what to report.
+        if received:
+            raise Interrupted(received[0]) from None
+        raise
 
 
 def one_line(text: str, limit: int = 160) -> str:
@@ -46,10 +102,68 @@ _UNUSABLE_DSN = (
 
 
 class UnusableDsn(Exception):
-    """The driver refused a DSN before connecting anywhere: not retryable (exit status 2)."""
+    """The driver refused a DSN before connecting anywhere: not retryable (exit status 2).
+    ``file_problem``: which file the DSN names failed, and why (``unusable_file``), if known."""
 
-    def __init__(self, option: str = "--dsn") -> None:
-        super().__init__(_UNUSABLE_DSN.format(option=option))
+    def __init__(self, option: str = "--dsn", file_problem: str | None = None) -> None:
+        self.file_problem = file_problem
+        super().__init__(
+            f"cannot use {option}: {file_problem}"
+            if file_problem
+            else _UNUSABLE_DSN.format(option=option)
+        )
+
+
+# The files asyncpg reads while parsing a DSN, in its order: the parameter, else the variable.
+_DSN_FILES = (
+    ("sslrootcert", "PGSSLROOTCERT"),
+    ("sslcrl", "PGSSLCRL"),
+    ("sslcert", "PGSSLCERT"),
+    ("sslkey", "PGSSLKEY"),
+)
+
+
+def unusable_file(dsn: str) -> str | None:
+    """The first certificate, key or CRL file ``dsn`` names (or a PGSSL* variable does) that
+    cannot be opened or loaded, as ``sslrootcert PATH: why``; ``None`` if all can, or if the
+    DSN does not split unambiguously (its "query" may be a piece of the password). The driver's
+    own error names no file, only "No such file or directory", and has to stay unshown anyway.
+    Found by trying each file again: it is what the driver does with them."""
+    if "://" not in dsn:
+        return None
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return None
+    if _in_doubt(dsn, parts):
+        return None
+    query = dict(parse_qsl(parts.query))  # the last of a repeated parameter wins, as in asyncpg
+    named: dict[str, tuple[str, str]] = {}  # parameter: (its label in the message, the path)
+    for param, variable in _DSN_FILES:
+        if query.get(param):
+            named[param] = (param, query[param])
+        elif os.environ.get(variable):
+            named[param] = (variable, os.environ[variable])
+    for label, path in named.values():
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as err:
+            return f"{label} {path}: {err.strerror or err}"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for param in ("sslrootcert", "sslcrl", "sslcert"):
+        if param not in named:
+            continue
+        label, path = named[param]
+        try:
+            if param == "sslcert":
+                key = named["sslkey"][1] if "sslkey" in named else None
+                context.load_cert_chain(path, key, query.get("sslpassword", ""))
+            else:
+                context.load_verify_locations(cafile=path)
+        except OSError as err:  # ssl.SSLError: not PEM, or a key that does not match
+            return f"{label} {path}: {err.strerror or err}"
+    return None
 
 
 async def connect(dsn: str, **options: Any) -> Store:
@@ -61,7 +175,7 @@ async def connect(dsn: str, **options: Any) -> Store:
     try:
         return await Store.connect(dsn, **options)
     except DsnUnusable:
-        raise UnusableDsn from None
+        raise UnusableDsn(file_problem=unusable_file(dsn)) from None
 
 
 async def check_parses(dsn: str, option: str) -> None:
@@ -73,7 +187,7 @@ async def check_parses(dsn: str, option: str) -> None:
         conn = await asyncpg.connect(dsn, timeout=5.0)
     except Exception as exc:
         if dsn_unusable(exc):
-            raise UnusableDsn(option) from None
+            raise UnusableDsn(option, unusable_file(dsn)) from None
         return  # unreachable, refused, not yet: the caller retries it anyway
     await conn.close()
 

@@ -1,4 +1,5 @@
-"""The ``grpc-idempotency`` command itself: help and version, database errors, export-protos.
+"""The ``grpc-idempotency`` command itself: help and version, database errors, export-protos,
+interruptions.
 
 Help is checked on the parser (every option of every command, walked); database errors and
 exports run the command as a subprocess (``python -m grpc_idempotency.cli``), as a user would,
@@ -13,6 +14,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +30,9 @@ from grpc_idempotency import proto_include
 from grpc_idempotency.cli import _parser
 from grpc_idempotency.cli_errors import dsn_target, safe_dsn
 from tests.e2e.procs import free_port
+from tests.support.schemas import fresh_store
 from tests.support.tools import buf_binary, run_cli
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL_PROTO = ROOT / "examples" / "tutorial" / "payments.proto"
@@ -531,3 +535,128 @@ async def test_migrate_command_timeout_bounds_each_statement(pg_dsn: str, db: An
         assert "applied migrations" in done.stdout
     finally:
         await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+# -- interrupted: SIGINT (Ctrl-C) or SIGTERM while a statement waits ----------------------------
+
+EXPIRED = (
+    "INSERT INTO {records} (scope, key, method, fingerprint, state, fencing_token, locked_until,"
+    " status_code, completed_at, expires_at, retention)"
+    " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+    "  clock_timestamp() - interval '2 h',"
+    "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
+    " FROM generate_series(1, 5) i"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_an_interrupted_purge_says_so_and_exits_128_plus_the_signal(
+    pg_dsn: str, db: Any, sig: signal.Signals
+) -> None:
+    """Ctrl-C printed a traceback (CancelledError, then KeyboardInterrupt) and SIGTERM killed
+    the command without a word. The purge waits on a row lock the test holds, so the signal
+    arrives while its DELETE is on the wire, deterministically."""
+    async with fresh_store(pg_dsn, "interrupted") as s:
+        records = f'"{s.schema}".records'
+        await s.pool.execute(EXPIRED.format(records=records))
+        tx = db.transaction()
+        await tx.start()
+        await db.execute(f"SELECT 1 FROM {records} WHERE key = 'old-3' FOR UPDATE")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "grpc_idempotency.cli", "purge", "--dsn", pg_dsn,
+            "--schema", s.schema, "--batch-size", "2",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        try:
+
+            async def waiting_on_the_lock() -> bool:
+                assert proc.returncode is None, "the purge ended before it waited"
+                # Not on the test's connection: a transaction sees one snapshot of the activity.
+                return bool(
+                    await s.pool.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND query LIKE '%DELETE FROM ' || $1 || '%'",
+                        records,
+                    )
+                )
+
+            await until("the purge's DELETE waiting on the row lock", waiting_on_the_lock, 30)
+            proc.send_signal(sig)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await tx.rollback()
+        name = "interrupted" if sig == signal.SIGINT else "terminated"
+        assert (proc.returncode, err.decode()) == (128 + sig, f"grpc-idempotency: {name}\n")
+        assert out == b""  # no "purged N expired records": it did not finish
+
+
+@pytest.mark.parametrize("command", [["inspect", "--scope", "s", "k"], ["list", "--scope", "s"]])
+async def test_a_command_interrupted_while_connecting_says_so(command: list[str]) -> None:
+    """inspect runs its look-ups in an event loop of its own, list in the store commands' one:
+    Ctrl-C printed a traceback in both. The "server" reads the startup message and never
+    answers, so the signal arrives while the command waits to connect."""
+    reached = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read(1)
+        reached.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "grpc_idempotency.cli", *command,
+            "--dsn", f"postgresql://app@127.0.0.1:{port}/db?sslmode=disable",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        await asyncio.wait_for(reached.wait(), 30)
+        proc.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+    assert (proc.returncode, err.decode()) == (130, "grpc-idempotency: interrupted\n")
+    assert out == b""
+
+
+# -- output cut short: `grpc-idempotency list ... | head` ---------------------------------------
+
+
+@pytest.mark.parametrize("output", [[], ["--json"]], ids=["text", "json"])
+async def test_a_reader_that_goes_early_ends_the_command_quietly_with_141(
+    pg_dsn: str, output: list[str]
+) -> None:
+    """A BrokenPipeError traceback and exit 1, which says "unreachable, retry later". Now as
+    a C tool under ``head``: nothing on stderr, and 141 (128 + SIGPIPE, what a shell reports
+    for a writer the closed pipe killed)."""
+    async with fresh_store(pg_dsn, "pipe") as s:
+        await s.pool.execute(
+            f'INSERT INTO "{s.schema}".records (scope, key, method, fingerprint, state,'
+            " fencing_token, locked_until, status_code, completed_at, expires_at, retention)"
+            " SELECT 's', 'k' || i, '/a.B/C', '\\x00', 'completed', 1, NULL, 0, now(),"
+            " now() + interval '1 h', interval '1 h' FROM generate_series(1, 5000) i"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+        read_end, write_end = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli", "list", "--scope", "s",
+                "--limit", "5000", "--dsn", pg_dsn, "--schema", s.schema, *output,
+                stdout=write_end, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)  # the command has its own copy
+        with os.fdopen(read_end, "rb") as reader:
+            first = await asyncio.to_thread(reader.readline)  # as `head -1` reads
+        # Closed, with ~0.5 MB still to come: far more than a pipe holds.
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert first.strip()
+    assert (proc.returncode, err.decode()) == (141, "")

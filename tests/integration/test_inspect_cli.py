@@ -17,6 +17,7 @@ import base64
 import json
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,6 +339,62 @@ async def test_list_filters_by_state_and_method(services: Services) -> None:
     empty = await cli("list", "--dsn", services.dsn, "--schema", services.ledger_store.schema,
                       "--scope", "tenant:nobody-" + fresh())  # fmt: skip
     assert empty.returncode == 3 and "no records under" in empty.stdout
+
+
+async def test_list_reads_no_stored_response_status_message_or_details(
+    services: Services,
+) -> None:
+    """``list`` prints none of them, yet read them all: every listed record's stored response
+    (up to max_response_bytes each, 1 MiB unless raised) came over the wire and was held at
+    once (40 records of 4 MiB: 206 MB of memory instead of 62). A role that may read every
+    column but those lists exactly what the store's owner lists; it was refused (exit 2)."""
+    tenant = fresh("tenant")
+    scope = f"tenant:{tenant}"
+    stub = services.ledger.stub
+    await stub.Post(
+        testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(fresh(), tenant)
+    )
+    with pytest.raises(grpc.aio.AioRpcError):  # a recorded error: a status message and code
+        await stub.Post(
+            testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="NOT_FOUND"),
+            metadata=metadata(fresh(), tenant),
+        )
+    schema = services.ledger_store.schema
+    role = "lister_" + uuid.uuid4().hex[:8]
+    pool = services.ledger_store.pool
+    columns = await pool.fetch(
+        "SELECT column_name FROM information_schema.columns"
+        " WHERE table_schema = $1 AND table_name = 'records'",
+        schema,
+    )
+    readable = [c["column_name"] for c in columns]
+    unread = {"response", "status_message", "status_details"}
+    assert unread < set(readable)
+    try:
+        await pool.execute(f"CREATE ROLE {role} LOGIN")
+        await pool.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        await pool.execute(f'GRANT SELECT ON "{schema}".schema_migrations TO {role}')
+        kept = ", ".join(f'"{c}"' for c in readable if c not in unread)
+        await pool.execute(f'GRANT SELECT ({kept}) ON "{schema}".records TO {role}')
+        as_role = services.dsn.replace("postgres@", f"{role}@", 1)
+        assert as_role != services.dsn
+        for output in ([], ["--json"]):
+            argv = ["list", "--schema", schema, "--scope", scope, *output]
+            owner, lister = (
+                await cli(*argv, "--dsn", services.dsn),
+                await cli(*argv, "--dsn", as_role),
+            )
+            assert (lister.returncode, lister.stderr) == (0, ""), lister.stderr
+            assert owner.returncode == 0, owner.stderr
+            if output:  # the same records, read at another time
+                assert [
+                    {**json.loads(line), "read_at": None} for line in lister.stdout.splitlines()
+                ] == [{**json.loads(line), "read_at": None} for line in owner.stdout.splitlines()]
+            else:
+                assert lister.stdout == owner.stdout and "error NOT_FOUND" in owner.stdout
+    finally:
+        await pool.execute(f"DROP OWNED BY {role}")
+        await pool.execute(f"DROP ROLE {role}")
 
 
 async def test_a_config_file_names_the_services(services: Services, tmp_path: Path) -> None:

@@ -4,11 +4,10 @@ and returns its exit status (described in the package's docstring)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 
-from grpc_idempotency.cli_errors import report_store_error
+from grpc_idempotency.cli_errors import report_store_error, run_command
 from grpc_idempotency.core import inspection
 from grpc_idempotency.core.errors import StoreMisconfigured
 from grpc_idempotency.core.inspection import RecordState
@@ -40,7 +39,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         print("grpc-idempotency: --depth must not be negative", file=sys.stderr)
         return UNUSABLE
     try:
-        roots = asyncio.run(inspect_key(config, descriptors, args.scope, args.key, args.depth))
+        roots = run_command(inspect_key(config, descriptors, args.scope, args.key, args.depth))
     except ConfigError as err:
         print(f"grpc-idempotency: {err}", file=sys.stderr)
         return UNUSABLE

@@ -62,9 +62,10 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
                     await store.check_schema()
             except StoreUnavailable as err:
                 raise StoreFailed(err, s) from err
-            except UnusableDsn:
+            except UnusableDsn as err:
                 # From --dsn or from the config file: "its DSN" covers both.
-                raise ConfigError(f"store {s.name}: {UnusableDsn('its DSN')}") from None
+                unusable = UnusableDsn("its DSN", err.file_problem)
+                raise ConfigError(f"store {s.name}: {unusable}") from None
             except ValueError as err:  # a schema name that is not an identifier
                 raise ConfigError(f"store {s.name}: {err}") from err
             opened.append(_Open(s, InspectionStore(store)))

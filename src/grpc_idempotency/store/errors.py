@@ -101,17 +101,34 @@ def dsn_unusable(exc: BaseException) -> bool:
     """Whether ``exc``, raised by ``asyncpg.connect``/``create_pool``, says the DSN cannot be
     parsed or used: asyncpg's ClientConfigurationError, or what its DSN parsing lets escape
     (int() of a "port" that is a piece of the password, parse_qs of a "query" that is one, an
-    empty host in a list, a port beyond a C long). Only from its connection-parameter module:
-    a ValueError of the pool's own (min_size > max_size) is the caller's, and says so itself."""
+    empty host in a list, a port beyond a C long; the OSError of a certificate, key or CRL file
+    it names that is missing, a directory, unreadable or not PEM). Only from its
+    connection-parameter module: a ValueError of the pool's own (min_size > max_size) is the
+    caller's, and says so itself."""
     if isinstance(exc, asyncpg.ClientConfigurationError):
         return True
     if isinstance(exc, OSError):
-        # A connection failure, never the DSN's: ssl.SSLCertVerificationError (a certificate that
-        # fails verify-full) is a ValueError too, raised through the same module.
-        return False
+        # A connection failure, unless raised while the DSN was read: asyncpg loads the files
+        # of sslrootcert, sslcrl, sslcert and sslkey (or PGSSLROOTCERT ...) into an SSLContext
+        # there, before connecting, and a file that fails escapes as the OS's or the ssl
+        # module's error, naming no file. Retrying will not create it. The handshake's
+        # ssl.SSLCertVerificationError (a server certificate failing verify-full; a ValueError
+        # too) comes later, from connecting, and stays a connection failure.
+        return _raised_in_function(exc, "asyncpg.connect_utils", "_parse_connect_dsn_and_args")
     return isinstance(
         exc, (ValueError, LookupError, ArithmeticError, TypeError)
     ) and raised_in_asyncpg(exc, "asyncpg.connect_utils")
+
+
+def _raised_in_function(exc: BaseException, module: str, function: str) -> bool:
+    """Whether ``exc`` was raised inside ``module``'s ``function`` (or something it called)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def handler_error(exc: BaseException, *, connection_live: bool = False) -> IdempotencyError | None:

@@ -18,7 +18,8 @@ from grpc_idempotency.core.inspection import OutboxEntry, Record, RecordState
 from grpc_idempotency.store.postgres import Store
 from grpc_idempotency.store.sql import schema_identifier
 
-_RECORD_COLUMNS = """
+# What a listing prints, and more: everything but the stored outcome.
+_SUMMARY_COLUMNS = """
     scope, key, method, state, fingerprint, fencing_token, created_at, completed_at,
     CASE WHEN state = 'completed' THEN GREATEST(expires_at, completed_at + retention)
          ELSE expires_at END AS expires_at,
@@ -28,8 +29,14 @@ _RECORD_COLUMNS = """
         AS lease_remaining_s,
     (state = 'completed' AND GREATEST(expires_at, completed_at + retention)
         <= clock_timestamp()) AS expired,
-    status_code, status_message, status_details, response,
-    clock_timestamp() AS read_at"""
+    status_code, clock_timestamp() AS read_at"""
+_RECORD_COLUMNS = f"{_SUMMARY_COLUMNS}, status_message, status_details, response"
+# A listing prints no outcome: reading the stored ones fetched every listed record's response
+# (up to max_response_bytes each) and held them all at once, for nothing.
+_LISTED_COLUMNS = (
+    f"{_SUMMARY_COLUMNS}, NULL::text AS status_message, NULL::bytea AS status_details,"
+    " NULL::bytea AS response"
+)
 
 _STATE_FILTER = {
     None: "TRUE",
@@ -46,6 +53,7 @@ class InspectionStore:
         self.store = store
         s = schema_identifier(store.schema)
         self._records = f"SELECT {_RECORD_COLUMNS} FROM {s}.records"
+        self._listed = f"SELECT {_LISTED_COLUMNS} FROM {s}.records"
         self._outbox_table = f"{s}.outbox"
         self._outbox = f"""
             SELECT id, scope, key, step, parent_key, method, payload_type, payload, state,
@@ -78,9 +86,11 @@ class InspectionStore:
         method: str | None = None,
         limit: int = 100,
     ) -> list[Record]:
-        """``scope``'s records, newest operation first, at most ``limit``."""
+        """``scope``'s records, newest operation first, at most ``limit``: without their
+        outcomes (``response``, ``status_message`` and ``status_details`` are ``None``, not
+        read; ``status_code`` is); ``records`` reads a record whole."""
         sql = (
-            f"{self._records} WHERE scope = $1 AND ({_STATE_FILTER[state]})"
+            f"{self._listed} WHERE scope = $1 AND ({_STATE_FILTER[state]})"
             " AND ($2::text IS NULL OR method = $2) ORDER BY created_at DESC, key LIMIT $3"
         )
         async with self.store.connection("listing records") as conn:
