@@ -284,6 +284,37 @@ async def test_an_operation_in_progress_shows_its_lease(services: Services) -> N
         await call
 
 
+async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(
+    services: Services,
+) -> None:
+    """Such a claim is a new key for any request (migration 0014): inspect and list said it
+    was in progress, to be taken over by a retry of the same request only."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    store = services.ledger_store
+    await services.ledger.stub.PostPhased(
+        testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(key, tenant)
+    )
+    # As a claim left behind looks: its owner gone before completing, lease and retention over.
+    await store.pool.execute(
+        f"UPDATE {store.schema}.records SET state = 'in_progress', completed_at = NULL,"
+        " response = NULL, status_code = NULL,"
+        " locked_until = clock_timestamp() - interval '1 second',"
+        " expires_at = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        scope,
+        key,
+    )
+    shown = await cli("inspect", *services.stores(), "--scope", scope, key)
+    assert shown.returncode == 0, shown.stderr
+    assert "past its retention: any request under the key starts anew" in shown.stdout
+    listed = await cli("list", "--dsn", services.dsn, "--schema", store.schema,
+                       "--scope", scope, "--json")  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    (record,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert record["key"] == key and record["expired"] is True
+
+
 async def test_list_filters_by_state_and_method(services: Services) -> None:
     tenant = fresh("tenant")
     scope = f"tenant:{tenant}"

@@ -64,7 +64,13 @@ def _record_lines(service: str, n: Node) -> list[str]:
         left = r.lease_remaining_s or 0.0
         lines.append(
             f"lease: until {timestamp(r.locked_until)}, "
-            + (f"{_seconds(left)} left" if left > 0 else "run out: a retry takes it over")
+            + (
+                f"{_seconds(left)} left"
+                if left > 0
+                else "run out, and past its retention: any request under the key starts anew"
+                if r.expired
+                else "run out: a retry takes it over"
+            )
         )
     if n.response is not None:
         lines += _payload_lines("response", n.response)
