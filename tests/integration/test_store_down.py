@@ -4,6 +4,7 @@ refused while the database is down (so provably without a round trip)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
@@ -18,6 +19,7 @@ from grpc_idempotency import (
     MethodOverride,
     Store,
     StoreDown,
+    StoreUnavailable,
     Telemetry,
     child_key,
 )
@@ -31,6 +33,7 @@ from tests.support.ledger import (
     running_ledger,
 )
 from tests.support.relay import FORWARD, running_relay
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 SVC = "/testsvc.v1.LedgerService/"
@@ -123,17 +126,29 @@ async def test_a_fail_open_method_does_not_run_unclaimed_when_its_deadline_ends_
 async def test_a_busy_pool_is_no_outage_so_a_completed_key_is_not_run_again_unclaimed(
     pg_dsn: str, store: Store
 ) -> None:
-    """Every connection of a healthy pool in use for the whole acquire timeout: the database is
-    up and holds the key's outcome. Taken for an outage, the fail-open retry ran the handler a
-    second time; it fails closed (UNAVAILABLE, retryable) and the next retry replays."""
-    small = await Store.connect(pg_dsn, min_size=1, max_size=1, acquire_timeout=0.2)
+    """A healthy pool too busy to serve a call within its acquire timeout (other calls got
+    connections meanwhile): the database is up and holds the key's outcome. Taken for an
+    outage, the fail-open retry ran the handler a second time; it fails closed (UNAVAILABLE,
+    retryable) and the next retry replays."""
+    small = await Store.connect(pg_dsn, min_size=1, max_size=1, acquire_timeout=1.0)
+
+    async def work() -> None:  # another call's 0.6 s on the pool's only connection
+        with contextlib.suppress(StoreUnavailable):  # the third times out too
+            async with small.connection("working"):
+                await asyncio.sleep(0.6)
+
     try:
         async with running_ledger(small, replay_cache=False) as ledger:
             key, account = fresh(), fresh("acct")
             first = await ledger.call(SVC + "PostFailOpen", post(account), key)
             assert first.code is grpc.StatusCode.OK
-            async with small.pool.acquire():  # another call holds the only connection
-                busy = await ledger.call(SVC + "PostFailOpen", post(account), key, timeout=5)
+            # Three calls queued ahead: the first served at once, the second 0.6 s later (while
+            # this call waits), the third never; this call's wait ends at 1 s, before the
+            # connection comes free again (1.2 s).
+            queue = [asyncio.ensure_future(work()) for _ in range(3)]
+            await until("the pool busy", lambda: small.pool.get_idle_size() == 0)
+            busy = await ledger.call(SVC + "PostFailOpen", post(account), key, timeout=5)
+            await asyncio.gather(*queue)
             assert busy.code is grpc.StatusCode.UNAVAILABLE, busy.details
             assert "busy" in (busy.details or "")
             again = await ledger.call(SVC + "PostFailOpen", post(account), key)
@@ -141,6 +156,39 @@ async def test_a_busy_pool_is_no_outage_so_a_completed_key_is_not_run_again_uncl
             assert ledger.service.executions == 1
     finally:
         await small.close()
+
+
+async def test_a_full_pool_behind_a_partition_is_an_outage(pg_dsn: str, store: Store) -> None:
+    """Every pooled connection hung on a dead link and nothing coming back to the pool: an
+    outage, not a busy database, so a fail-open call queued behind them runs without the store
+    (as README's "Pool settings" promises), where the busy-pool check first answered it
+    UNAVAILABLE "store busy"."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    partitioned = await Store.connect(
+        proxy.dsn, min_size=2, max_size=2, acquire_timeout=0.5, command_timeout=4
+    )
+    try:
+        async with running_ledger(partitioned, replay_cache=False) as ledger:
+            proxy.blackhole()
+            hung = [
+                asyncio.ensure_future(
+                    ledger.call(SVC + "PostFailOpen", post(fresh("acct")), fresh(), timeout=10)
+                )
+                for _ in range(2)
+            ]
+            await until(
+                "the pool full of hung calls", lambda: partitioned.pool.get_idle_size() == 0
+            )
+            queued = await ledger.call(
+                SVC + "PostFailOpen", post(fresh("acct")), fresh(), timeout=10
+            )
+            first = await asyncio.gather(*hung)
+    finally:
+        partitioned.pool.terminate()
+        await proxy.close()
+    assert [a.code for a in first] == [grpc.StatusCode.OK] * 2  # failed open after command_timeout
+    assert queued.code is grpc.StatusCode.OK, (queued.code, queued.details)
 
 
 @pytest.mark.parametrize(

@@ -271,6 +271,8 @@ class Store:
         )
         self._settling: set[asyncio.Future[None]] = set()
         self._default_isolation: str | None = None
+        self._acquired = 0
+        """Connections handed out by ``_acquire``: progress, seen by a wait that times out."""
 
     @classmethod
     async def connect(
@@ -458,23 +460,26 @@ class Store:
                 # holder must reconnect first, asyncpg's connect timeout bounds that, and a
                 # gRPC call's deadline cancels it anyway.)
                 budget = self.acquire_timeout
+        acquired = self._acquired
         try:
             conn: PooledConnection = await self.pool.acquire(
                 timeout=None if budget is None else max(budget, 0.001)
             )
         except TimeoutError as exc:
-            pool = self.pool
-            if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
-                # Every connection connected and in use for the whole wait: the database is
-                # up and busy (no holder was stuck connecting to an unreachable one).
+            if self._acquired != acquired:
+                # Other calls got connections while this one waited: the database is up and
+                # busy, not an outage (a fail-open method must not run unclaimed: the store
+                # may hold the key's outcome). Behind a partition, or with a frozen database,
+                # nothing comes back to the pool, and the wait is an outage.
                 raise StoreUnavailable(
-                    f"idempotency store busy while {doing}: every pooled connection was in use"
-                    f" for {budget:g} s",
+                    f"idempotency store busy while {doing}: no pooled connection came free"
+                    f" for this call within {budget:g} s",
                     outage=False,
                 ) from exc
             raise store_error(exc, doing) from exc
         except STORE_ERRORS as exc:
             raise store_error(exc, doing) from exc
+        self._acquired += 1
         return conn
 
     async def _release(self, conn: PooledConnection) -> None:
