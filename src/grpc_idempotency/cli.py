@@ -41,6 +41,7 @@ from grpc_idempotency.inspect_cli.parsers import (
     not_negative_int,
     schema_name,
 )
+from grpc_idempotency.stop_signals import catchable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
 if TYPE_CHECKING:
@@ -714,13 +715,14 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    handled = catchable((signal.SIGTERM, signal.SIGINT))
+    for sig in handled:
         loop.add_signal_handler(sig, stop.set)
     running = asyncio.create_task(relay.run(stop))
     try:
         await running
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in handled:
             loop.remove_signal_handler(sig)
         await channel.close(None)
     s = relay.stats
@@ -841,6 +843,8 @@ def _export_protos(dest: Path, *, force: bool) -> int:
             shutil.copyfile(root / rel, partial)
             partial.replace(target)  # atomic: a reader never sees half a file
             print(f"{'replaced' if rel in different else 'wrote'} {target}")
+    except BrokenPipeError:
+        raise  # its output cut short by its reader (main: exit 141), not a failed export
     except OSError as err:
         print(f"grpc-idempotency: cannot export to {dest}: {err}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 import asyncpg
 
 from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
+from grpc_idempotency.stop_signals import catchable
 from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
@@ -61,12 +62,13 @@ def run_command(main: Coroutine[Any, Any, T]) -> T:
             received.append(signum)
             task.cancel()
 
-        for signum in _STOPPING:
+        handled = catchable(_STOPPING)
+        for signum in handled:
             loop.add_signal_handler(signum, stop, signum)
         try:
             return await main
         finally:
-            for signum in _STOPPING:
+            for signum in handled:
                 loop.remove_signal_handler(signum)
 
     try:

@@ -33,10 +33,9 @@ from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
-from grpc_idempotency.core.wire import KEY_HEADER, retry_after_ms
+from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER, retry_after_ms
 from grpc_idempotency.registry import PolicyRegistry, Services
 
-STEP_HEADER = "x-grpc-idempotency-step"
 """A pseudo metadata entry naming the step of one call; removed before the call is sent."""
 
 _operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
@@ -247,12 +246,6 @@ class IdempotencyClientInterceptor(_Interceptor):
                 kept.append((name, key))
                 continue
             elif name == STEP_HEADER:
-                if serving is not None and (name, value) in serving.metadata:
-                    # The step name the serving call's own caller sent, passed on with its
-                    # metadata: it named a step of that caller's, not of this call. Taken as
-                    # this call's, it pinned every call to one step (one child key for two
-                    # declared steps on a target: the second effect replayed the first's).
-                    continue
                 named = str(value)
                 continue
             kept.append((name, value))

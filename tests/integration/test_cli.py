@@ -289,6 +289,24 @@ def test_dsn_target_names_server_database_and_user(
 # -- export-protos --------------------------------------------------------------------------------
 
 
+def test_export_protos_into_a_closed_pipe_exits_141_quietly(tmp_path: Path) -> None:
+    """Its own OSError handler took the BrokenPipeError for a failed export: "cannot export
+    ... Broken pipe" and exit 2, where every other command exits 141 without a word."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went before anything was written: every write fails
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "grpc_idempotency.cli", "export-protos", str(tmp_path / "x")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+    assert (tmp_path / "x" / OPTIONS).is_file()  # the export itself was done
+
+
 def test_export_protos_copies_refuses_to_clobber_and_forces(tmp_path: Path) -> None:
     shipped = (Path(proto_include()) / OPTIONS).read_bytes()
     out = tmp_path / "third_party"

@@ -34,6 +34,7 @@ from grpc_idempotency.client import (
     retry_after_ms,
     service_config,
     step,
+    step_metadata,
 )
 from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.retry import RetryPolicy
@@ -432,6 +433,36 @@ async def test_a_forwarded_step_name_does_not_choose_the_steps_of_the_calls(
         child_key("tenant:tenant-a", key, "post-phased-b.v1"),
     ]
     assert await ledger_rows(store, account) == 2
+
+
+async def test_a_handlers_own_step_name_is_kept_when_the_caller_sent_the_same(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The first fix dropped any step entry equal to one the caller sent, so the handler's
+    own ``step_metadata`` naming the same step was dropped too (FAILED_PRECONDITION: several
+    steps call the target). The caller's entry is hidden from the handler instead."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            assert all(k != STEP_HEADER for k, _ in context.invocation_metadata())
+            await self.ledger.PostPhased(
+                testsvc_pb2.PostRequest(account=request.account, amount=1),
+                metadata=[step_metadata("post-phased-b.v1")],
+            )
+            return testsvc_pb2.ForwardResponse()
+
+    key, account = fresh(), fresh("acct")
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await call_raw(
+            relay.channel,
+            FORWARD,
+            testsvc_pb2.ForwardRequest(account=account),
+            metadata(key, "tenant-a", (STEP_HEADER, "post-phased-b.v1")),
+            10.0,
+        )
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-phased-b.v1")]
+    assert await ledger_rows(store, account) == 1
 
 
 async def test_an_explicit_key_inside_a_handler_is_kept(

@@ -60,6 +60,47 @@ async def test_a_signal_to_end_it_runs_the_clean_up(tmp_path: Path, signum: int)
     assert marker.read_text() == "cleaned up"
 
 
+def _dispositions(pid: int, signum: int) -> tuple[bool, bool]:
+    """Whether process ``pid`` ignores ``signum``, and whether it has a handler for it (Linux:
+    the SigIgn and SigCgt masks of /proc/PID/status)."""
+    masks = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("SigIgn", "SigCgt"):
+            masks[name] = int(value.strip(), 16)
+    bit = 1 << (signum - 1)
+    return bool(masks["SigIgn"] & bit), bool(masks["SigCgt"] & bit)
+
+
+@pytest.mark.e2e
+def test_a_signal_inherited_as_ignored_stays_ignored(tmp_path: Path) -> None:
+    """Started under nohup (SIGHUP ignored), the runner took SIGHUP over and stopped when the
+    terminal closed. SIGTERM still stops it, with its clean-up."""
+    marker = tmp_path / "cleaned"
+    env = {**os.environ, serve.DSN_ENV: NO_DSN, MARKER_ENV: str(marker)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpc_idempotency.testing.serve", f"{MODULE}:marking_server"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
+    )
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()  # printed once the handlers are in place
+        assert ready.startswith("grpc-idempotency serve: listening on "), ready
+        assert _dispositions(proc.pid, signal.SIGHUP) == (True, False)
+        assert _dispositions(proc.pid, signal.SIGTERM) == (False, True)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == 0
+    assert marker.read_text() == "cleaned up"
+
+
 @pytest.mark.e2e
 def test_an_address_in_use_is_a_clear_error_with_status_2() -> None:
     with socket.socket() as taken:  # no SO_REUSEPORT: grpc cannot share the port

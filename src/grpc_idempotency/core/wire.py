@@ -29,6 +29,11 @@ from grpc_idempotency.core.errors import ERROR_DOMAIN, IdempotencyError, KeyInPr
 KEY_HEADER = "idempotency-key"
 KEY_HEADER_BIN = KEY_HEADER + "-bin"
 REPLAYED_HEADER = "idempotency-replayed"
+STEP_HEADER = "x-grpc-idempotency-step"
+"""Names the step of one outgoing call, for the client interceptor of the process making it
+(``client.step_metadata``); stripped there, never sent on. One that arrives all the same (from
+a raw client, a gateway) is hidden from the handler's ``invocation_metadata()``: passed on with
+the rest, it named the step of every call the handler made."""
 REPLAYED_METADATA: tuple[tuple[str, str], ...] = ((REPLAYED_HEADER, "true"),)
 DETAILS_TRAILER = "grpc-status-details-bin"
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from grpc_idempotency.core.wire import STEP_HEADER
 from grpc_idempotency.server.answers import Context, grpc_code, status_code
 
 log = logging.getLogger("grpc_idempotency.server")
@@ -44,13 +45,24 @@ class DeferredAbort(grpc.aio.AbortError):
         raise AssertionError("context.abort returned")  # pragma: no cover
 
 
+def _without_step(metadata: Any) -> Any:
+    """``metadata`` without a ``STEP_HEADER`` entry (``None`` stays ``None``)."""
+    if metadata is None or not any(key == STEP_HEADER for key, _ in metadata):
+        return metadata
+    return tuple((key, value) for key, value in metadata if key != STEP_HEADER)
+
+
 class KeyedContext:
-    """For async handlers: the call's context with ``abort`` deferred."""
+    """For async handlers: the call's context with ``abort`` deferred, and the incoming
+    metadata without a step name meant for no one here (``STEP_HEADER``)."""
 
     __slots__ = ("_context",)
 
     def __init__(self, context: Context) -> None:
         self._context = context
+
+    def invocation_metadata(self) -> Any:
+        return _without_step(self._context.invocation_metadata())
 
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
@@ -83,6 +95,9 @@ class SyncContext:
     def send_initial_metadata(self, metadata: Any) -> None:
         coro = self._context.send_initial_metadata(metadata)
         asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def invocation_metadata(self) -> Any:
+        return _without_step(self._context.invocation_metadata())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)

@@ -41,6 +41,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from grpc_idempotency.stop_signals import catchable
+
 if TYPE_CHECKING:
     import grpc
 
@@ -129,7 +131,7 @@ async def serve(target: str, dsn: str, address: str) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
+    for sig in catchable(STOP_SIGNALS):  # not one inherited as ignored (nohup's SIGHUP)
         loop.add_signal_handler(sig, stop.set)
     if os.environ.get(EXIT_ON_STDIN_EOF_ENV) == "1":
         # Before anything of the user's runs: an import or a build that hangs is covered too.
