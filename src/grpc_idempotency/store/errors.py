@@ -138,12 +138,13 @@ def handler_error(exc: BaseException, *, connection_live: bool = False) -> Idemp
     is still connected, so an asyncpg InterfaceError is the handler's misuse of it."""
     if connection_live and isinstance(exc, asyncpg.InterfaceError):
         # Nesting ``connection.transaction()`` in the call's transaction, two statements at once
-        # on it: the handler's bug. Answered as the
-        # store being down, it was UNAVAILABLE, retried for ever, on-call sent to the database.
-        log.error("the handler misused the call's database connection", exc_info=exc)
+        # on it: the handler's bug. Answered as the store being down, it was UNAVAILABLE,
+        # retried for ever, on-call sent to the database. (The driver does not say which
+        # connection: one of the handler's own pools is possible too, hence "a".)
+        log.error("the handler misused a database connection", exc_info=exc)
         return HandlerDatabaseError(
-            f"the handler misused the call's database connection ({type(exc).__name__});"
-            " nothing was recorded"
+            f"the handler misused a database connection ({type(exc).__name__}), the call's"
+            " being live; nothing was recorded"
         )
     if isinstance(exc, (OSError, TimeoutError)):
         # Also what the handler's own network calls raise: only asyncpg's are the store's.
