@@ -14,7 +14,6 @@ import getpass
 import os
 import re
 import signal
-import ssl
 import sys
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ import asyncpg
 
 from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
 from grpc_idempotency.stop_signals import catchable
+from grpc_idempotency.store.dsn_files import in_doubt, unusable_file
 from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
@@ -116,58 +116,6 @@ class UnusableDsn(Exception):
         )
 
 
-# The files asyncpg reads while parsing a DSN, in its order: the parameter, else the variable.
-_DSN_FILES = (
-    ("sslrootcert", "PGSSLROOTCERT"),
-    ("sslcrl", "PGSSLCRL"),
-    ("sslcert", "PGSSLCERT"),
-    ("sslkey", "PGSSLKEY"),
-)
-
-
-def unusable_file(dsn: str) -> str | None:
-    """The first certificate, key or CRL file ``dsn`` names (or a PGSSL* variable does) that
-    cannot be opened or loaded, as ``sslrootcert PATH: why``; ``None`` if all can, or if the
-    DSN does not split unambiguously (its "query" may be a piece of the password). The driver's
-    own error names no file, only "No such file or directory", and has to stay unshown anyway.
-    Found by trying each file again: it is what the driver does with them."""
-    if "://" not in dsn:
-        return None
-    try:
-        parts = urlsplit(dsn)
-    except ValueError:
-        return None
-    if _in_doubt(dsn, parts):
-        return None
-    query = dict(parse_qsl(parts.query))  # the last of a repeated parameter wins, as in asyncpg
-    named: dict[str, tuple[str, str]] = {}  # parameter: (its label in the message, the path)
-    for param, variable in _DSN_FILES:
-        if query.get(param):
-            named[param] = (param, query[param])
-        elif os.environ.get(variable):
-            named[param] = (variable, os.environ[variable])
-    for label, path in named.values():
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as err:
-            return f"{label} {path}: {err.strerror or err}"
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    for param in ("sslrootcert", "sslcrl", "sslcert"):
-        if param not in named:
-            continue
-        label, path = named[param]
-        try:
-            if param == "sslcert":
-                key = named["sslkey"][1] if "sslkey" in named else None
-                context.load_cert_chain(path, key, query.get("sslpassword", ""))
-            else:
-                context.load_verify_locations(cafile=path)
-        except OSError as err:  # ssl.SSLError: not PEM, or a key that does not match
-            return f"{label} {path}: {err.strerror or err}"
-    return None
-
-
 async def connect(dsn: str, **options: Any) -> Store:
     """``Store.connect(dsn, **options)``, raising ``UnusableDsn`` (without the driver's error as
     its cause or context, which quote the DSN's pieces) when the driver cannot parse or use the
@@ -197,7 +145,7 @@ async def check_parses(dsn: str, option: str) -> None:
 def safe_dsn(dsn: str) -> str:
     """``dsn`` with every password replaced by ``***``: the one in the URL's user info, any
     ``password``-like query parameter, and a ``password=`` of a keyword/value string. A URL
-    that does not split unambiguously (``_in_doubt``) is masked from ``://`` to its last ``@``,
+    that does not split unambiguously (``in_doubt``) is masked from ``://`` to its last ``@``,
     its fragment too."""
     if "://" not in dsn:
         return _PASSWORD_PARAM.sub(rf"\g<1>{_MASK}", dsn)
@@ -205,7 +153,7 @@ def safe_dsn(dsn: str) -> str:
         parts: SplitResult | None = urlsplit(dsn)
     except ValueError:
         parts = None
-    if parts is None or _in_doubt(dsn, parts):
+    if parts is None or in_doubt(dsn, parts):
         scheme, _, rest = dsn.partition("://")
         # A query password goes first: an "@" in it (password=pw@tail) would be taken for the
         # end of the user info below, and the rest of the password shown.
@@ -238,22 +186,6 @@ def _mask_query(query: str) -> str:
     return "&".join(pieces)
 
 
-def _in_doubt(dsn: str, parts: SplitResult) -> bool:
-    """Whether ``dsn`` may have been split inside its password: an ``@`` after the authority,
-    a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that is not a
-    number (a password whose ``/`` or ``?`` ended the authority early: ``user:pass`` read as
-    host:port)."""
-    if "#" in dsn or "@" in parts.path or "@" in parts.query:
-        return True
-    hosts = parts.netloc.rpartition("@")[2]
-    for spec in hosts.split(","):
-        port = spec.rpartition("]")[2] if spec.startswith("[") else spec
-        _, colon, port = port.rpartition(":")
-        if colon and port and not port.isdigit():
-            return True
-    return False
-
-
 def dsn_target(dsn: str) -> str:
     """Where ``dsn`` connects, for an error message: the server (host:port, or the unix socket),
     the database and the user, with libpq's defaults (PGHOST, PGPORT, PGUSER, PGDATABASE, the OS
@@ -262,7 +194,7 @@ def dsn_target(dsn: str) -> str:
         parts = urlsplit(dsn)
         if parts.scheme not in ("postgres", "postgresql"):
             raise ValueError(dsn)
-        if _in_doubt(dsn, parts):
+        if in_doubt(dsn, parts):
             # Its host, port or database may be pieces of the password.
             return "(the DSN does not split unambiguously: percent-encode its password)"
         query = dict(parse_qsl(parts.query))

@@ -109,11 +109,13 @@ async def test_a_connection_failure_is_still_not_the_dsns(files: dict[str, str])
 
 @pytest.mark.parametrize("case", CASES)
 async def test_store_connect_refuses_it_as_not_retryable(case: str, files: dict[str, str]) -> None:
-    dsn, _ = dsn_of(case, files)
+    dsn, named = dsn_of(case, files)
     with pytest.raises(StoreUnavailable) as refused:
         await Store.connect(dsn, check_schema=False)
     # It was StoreUnavailable itself ("while connecting (FileNotFoundError)"): retryable.
     assert isinstance(refused.value, DsnUnusable) and isinstance(refused.value, StoreMisconfigured)
+    # Naming the file, as the CLI does (it was the generic "cannot be parsed" message).
+    assert str(refused.value).startswith("cannot use the DSN: ") and named in str(refused.value)
 
 
 @pytest.mark.parametrize("case", CASES)

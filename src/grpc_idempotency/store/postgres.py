@@ -39,6 +39,7 @@ from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
+from grpc_idempotency.store.dsn_files import unusable_file
 from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     STORE_ERRORS,
@@ -322,7 +323,10 @@ class Store:
             )
         except Exception as exc:
             if dsn_unusable(exc):
-                raise DsnUnusable() from None  # its text can quote pieces of the password
+                # The driver's text can quote pieces of the password: name the file it could
+                # not use, if that is what it was, else say nothing of it.
+                problem = unusable_file(dsn)
+                raise DsnUnusable(f"cannot use the DSN: {problem}" if problem else "") from None
             if isinstance(exc, STORE_ERRORS):
                 raise store_error(exc, "connecting") from exc
             raise

@@ -1,0 +1,77 @@
+"""Which file a DSN names that the driver cannot use (its certificate, key or CRL), and whether
+a DSN splits unambiguously: shared by ``Store.connect`` and the command-line tools, so both name
+the file, never a piece of the password."""
+
+from __future__ import annotations
+
+import os
+import ssl
+from urllib.parse import SplitResult, parse_qsl, urlsplit
+
+
+def in_doubt(dsn: str, parts: SplitResult) -> bool:
+    """Whether ``dsn`` may have been split inside its password: an ``@`` after the authority,
+    a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that is not a
+    number (a password whose ``/`` or ``?`` ended the authority early: ``user:pass`` read as
+    host:port)."""
+    if "#" in dsn or "@" in parts.path or "@" in parts.query:
+        return True
+    hosts = parts.netloc.rpartition("@")[2]
+    for spec in hosts.split(","):
+        port = spec.rpartition("]")[2] if spec.startswith("[") else spec
+        _, colon, port = port.rpartition(":")
+        if colon and port and not port.isdigit():
+            return True
+    return False
+
+
+# The files asyncpg reads while parsing a DSN, in its order: the parameter, else the variable.
+DSN_FILES = (
+    ("sslrootcert", "PGSSLROOTCERT"),
+    ("sslcrl", "PGSSLCRL"),
+    ("sslcert", "PGSSLCERT"),
+    ("sslkey", "PGSSLKEY"),
+)
+
+
+def unusable_file(dsn: str) -> str | None:
+    """The first certificate, key or CRL file ``dsn`` names (or a PGSSL* variable does) that
+    cannot be opened or loaded, as ``sslrootcert PATH: why``; ``None`` if all can, or if the
+    DSN does not split unambiguously (its "query" may be a piece of the password). The driver's
+    own error names no file, only "No such file or directory", and has to stay unshown anyway.
+    Found by trying each file again: it is what the driver does with them."""
+    if "://" not in dsn:
+        return None
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return None
+    if in_doubt(dsn, parts):
+        return None
+    query = dict(parse_qsl(parts.query))  # the last of a repeated parameter wins, as in asyncpg
+    named: dict[str, tuple[str, str]] = {}  # parameter: (its label in the message, the path)
+    for param, variable in DSN_FILES:
+        if query.get(param):
+            named[param] = (param, query[param])
+        elif os.environ.get(variable):
+            named[param] = (variable, os.environ[variable])
+    for label, path in named.values():
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as err:
+            return f"{label} {path}: {err.strerror or err}"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for param in ("sslrootcert", "sslcrl", "sslcert"):
+        if param not in named:
+            continue
+        label, path = named[param]
+        try:
+            if param == "sslcert":
+                key = named["sslkey"][1] if "sslkey" in named else None
+                context.load_cert_chain(path, key, query.get("sslpassword", ""))
+            else:
+                context.load_verify_locations(cafile=path)
+        except OSError as err:  # ssl.SSLError: not PEM, or a key that does not match
+            return f"{label} {path}: {err.strerror or err}"
+    return None
