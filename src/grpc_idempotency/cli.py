@@ -618,10 +618,18 @@ async def _with_store(args: argparse.Namespace) -> int:
             applied = await store.migrate()
             print(f"applied migrations: {applied}" if applied else "schema is up to date")
         elif args.command == "purge":
-            purged = await store.purge(
-                batch_size=args.batch_size, max_batches=args.max_batches, pause=args.pause
-            )
-            print(f"purged {purged} expired records")
+            done = [0]  # committed batches' rows, to report if the purge is stopped midway
+            try:
+                await store.purge(
+                    batch_size=args.batch_size,
+                    max_batches=args.max_batches,
+                    pause=args.pause,
+                    on_batch=lambda n: done.__setitem__(0, done[0] + n),
+                )
+            except asyncio.CancelledError:  # SIGINT or SIGTERM (run_command)
+                print(f"purged {done[0]} expired records before it was stopped", flush=True)
+                raise
+            print(f"purged {done[0]} expired records")
         elif args.command == "relay":
             return await _relay(args, store)
         elif args.command == "list":

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -682,12 +682,19 @@ class Store:
         task.add_done_callback(self._settling.discard)
 
     async def purge(
-        self, *, batch_size: int = 1000, max_batches: int | None = None, pause: float = 0.0
+        self,
+        *,
+        batch_size: int = 1000,
+        max_batches: int | None = None,
+        pause: float = 0.0,
+        on_batch: Callable[[int], None] | None = None,
     ) -> int:
         """Deletes records past retention in batches of ``batch_size``; returns how many. The
         batches walk ``records_expires_at`` in order, each starting where the last stopped.
         ``pause``: seconds to wait between batches, so that a backlog leaves the calls some of
-        the database's CPU and WAL bandwidth (benchmarks/README.md, "Retention")."""
+        the database's CPU and WAL bandwidth (benchmarks/README.md, "Retention").
+        ``on_batch``: called with each committed batch's count (progress, and what a purge
+        stopped midway did)."""
         return await self.purge_in_batches(
             "purging records",
             self.statements.purge,
@@ -695,6 +702,7 @@ class Store:
             max_batches=max_batches,
             walk=True,
             pause=pause,
+            on_batch=on_batch,
         )
 
     async def purge_in_batches(
@@ -706,6 +714,7 @@ class Store:
         max_batches: int | None,
         walk: bool = False,
         pause: float = 0.0,
+        on_batch: Callable[[int], None] | None = None,
     ) -> int:
         """Runs a purge statement (``$1`` the batch size, ``args`` after it) once per transaction
         until a batch comes back short or ``max_batches`` ran, ``pause`` seconds apart (holding
@@ -738,6 +747,8 @@ class Store:
                     deleted = int(status.split()[-1])
             total += deleted
             batches += 1
+            if on_batch is not None:
+                on_batch(deleted)
             if deleted < batch_size:
                 break
         return total
