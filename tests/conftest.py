@@ -8,6 +8,7 @@ accounts (uuid), so they share one database and one migrated schema.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # 2 shared cores, where a slow example says nothing about the property under test, and a
 # deadline miss failed a run that was otherwise green.
 settings.register_profile("grpc-idempotency", deadline=None)
+
+# Signals with their usual meaning, however pytest was started: a background job of a
+# non-interactive shell (a CI script's `cmd &`) inherits SIGINT and SIGQUIT ignored, and so would
+# every process the tests start, which rightly leave an ignored signal alone (stop_signals), so
+# the tests that stop them with one would wait in vain. Children get default dispositions.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 settings.load_profile("grpc-idempotency")
 GEN_DIR = Path(tempfile.mkdtemp(prefix="gi-test-protos-"))
 

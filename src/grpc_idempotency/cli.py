@@ -880,7 +880,11 @@ def _log_warnings() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        # Here, not at exit: a reader that went early fails the flush of what is still
+        # buffered (stdout into a pipe), which at exit was "Exception ignored" and status 120.
+        sys.stdout.flush()
+        return code
     except Interrupted as stopped:
         print(f"grpc-idempotency: {stopped}", file=sys.stderr)
         return stopped.exit_status
