@@ -40,6 +40,7 @@ from grpc_idempotency.inspect_cli.parsers import (
     bigint,
     not_negative_int,
     schema_name,
+    utf8_text,
 )
 from grpc_idempotency.stop_signals import catchable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
@@ -380,6 +381,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--name",
+        type=utf8_text,  # stored in claimed_by: PostgreSQL refuses NUL and non-UTF-8 bytes
         metavar="NAME",
         help="this relay's name in claimed_by and its log lines (default: host:pid:random)",
     )
@@ -592,7 +594,14 @@ def _timestamp(text: str) -> datetime:
         value = datetime.fromisoformat(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from err
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    try:
+        # In UTC: check-steps saturates dates at the calendar's ends, where an offset left on
+        # them overflowed (OverflowError, a traceback) when printed in UTC.
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"outside the calendar in UTC: {text!r}") from None
 
 
 async def _with_store(args: argparse.Namespace) -> int:

@@ -88,6 +88,14 @@ __all__ = [
 log = logging.getLogger("grpc_idempotency.outbox")
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (bytes decoded with surrogateescape)
+        return False
+    return True
+
+
 @runtime_checkable
 class Sink(Protocol):
     """Where messages go. ``deliver`` returns once the receiver has accepted the message; it is
@@ -290,6 +298,9 @@ class Relay:
         listen: bool = True,
         listen_dsn: str | None = None,
     ) -> None:
+        if name is not None and ("\x00" in name or not _is_utf8(name)):
+            # Stored in claimed_by: refused by PostgreSQL, every claim read as an outage.
+            raise ValueError(f"relay name {name!r} holds NUL or is not UTF-8")
         if listen_dsn is not None and not listen:
             raise ValueError("listen_dsn is for listening: not with listen=False")
         if batch_size < 1:

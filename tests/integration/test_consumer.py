@@ -220,6 +220,15 @@ async def test_an_effect_slower_than_the_retention_commits_a_live_mark(
     assert await effect_rows(store, consumer, message_id) == 1
 
 
+@pytest.mark.parametrize("bad", [{"consumer": "c\x00"}, {"batch_size": 2**63}])
+async def test_purging_with_arguments_postgresql_refuses_is_bad_input(
+    store: Store, bad: dict[str, object]
+) -> None:
+    """They reached the database and came back as StoreUnavailable, an outage to retry."""
+    with pytest.raises((KeyInvalid, ValueError)):
+        await purge_processed(store, **bad)  # type: ignore[arg-type]
+
+
 async def test_a_failing_effect_rolls_back_its_writes_and_the_mark(
     store: Store, consumer: IdempotentConsumer
 ) -> None:

@@ -636,6 +636,9 @@ def test_relay_arguments_are_checked() -> None:
         # every purge, read as the store being down.
         {"lease": 1e13},
         {"poll_interval": 1e13},
+        # Stored in claimed_by: PostgreSQL refused them, and every claim read as an outage.
+        {"name": "relay\x00x"},
+        {"name": "relay\udcff"},
         {"sent_retention": 1e13},
     ):
         with pytest.raises(ValueError):

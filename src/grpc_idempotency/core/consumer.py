@@ -105,7 +105,9 @@ def validate_message_id(message_id: str) -> str:
 
 def lock_timeout(wait_s: float) -> str:
     """The ``lock_timeout`` setting that bounds the wait on a concurrent delivery's row."""
-    return f"{max(_MIN_WAIT_MS, round(wait_s * 1000))}ms"
+    # An int of milliseconds in PostgreSQL (about 24.8 days at most): a longer max_wait failed
+    # every delivery with 22023, reported as the store being unavailable.
+    return f"{min(max(_MIN_WAIT_MS, round(wait_s * 1000)), 2**31 - 1)}ms"
 
 
 def consumed(rows_marked: int) -> Consumed:

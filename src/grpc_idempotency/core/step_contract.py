@@ -678,7 +678,11 @@ def _declaration(step: Step, *, retire_at: datetime | None = None) -> str:
 def _ts(t: datetime | None) -> str:
     if t is None:
         return "-"
-    return _aware(t).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        t = _aware(t).astimezone(UTC)
+    except OverflowError:  # a saturated date with an offset, at the calendar's end
+        t = _aware(t).replace(tzinfo=UTC)
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _span(d: timedelta) -> str:

@@ -118,16 +118,22 @@ def retry_after_ms(trailing_metadata: Metadata | None) -> int | None:
     ``None`` when there is none, -1 for a malformed pushback (gRPC's rule: do not retry)."""
     for name, value in trailing_metadata or ():
         if name == PUSHBACK_TRAILER:
-            text = value.decode() if isinstance(value, bytes) else str(value)
             try:
+                text = value.decode("ascii") if isinstance(value, bytes) else str(value)
+                # ASCII digits only, as gRPC reads it (int() also takes "١٢٣", "5_0", " 7").
+                if not (text.isascii() and text.lstrip("-").isdigit()):
+                    return -1
                 return int(text)
-            except ValueError:
+            except (UnicodeDecodeError, ValueError):
                 return -1
     status = _status_in(trailing_metadata)
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
+            try:
+                detail.Unpack(info)
+            except DecodeError:  # a foreign server's or a proxy's garbage: no hint
+                continue
             return int(info.retry_delay.ToMilliseconds())
     return None
 
@@ -138,7 +144,10 @@ def reason_of(trailing_metadata: Metadata | None) -> str | None:
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
+            try:
+                detail.Unpack(info)
+            except DecodeError:
+                continue
             if info.domain == ERROR_DOMAIN:
                 return str(info.reason)
     return None

@@ -727,6 +727,8 @@ class Store:
         otherwise it is a ``DELETE`` and its status says how many rows went."""
         if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
             raise ValueError("batch_size and max_batches must be positive")
+        if batch_size > 2**63 - 1:  # a bigint: beyond, 22000 read as the store being down
+            raise ValueError("batch_size must be at most 2**63 - 1")
         if not (0 <= pause < math.inf):  # NaN too: asyncio.sleep(nan) never returns
             raise ValueError("pause must be finite and not negative")
         total = batches = 0
