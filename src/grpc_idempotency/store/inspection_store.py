@@ -16,10 +16,10 @@ from typing import Any
 
 from grpc_idempotency.core.inspection import OutboxEntry, Record, RecordState
 from grpc_idempotency.store.postgres import Store
-from grpc_idempotency.store.sql import schema_identifier
+from grpc_idempotency.store.sql import PAST_RETENTION, schema_identifier
 
 # What a listing prints, and more: everything but the stored outcome.
-_SUMMARY_COLUMNS = """
+_SUMMARY_COLUMNS = f"""
     scope, key, method, state, fingerprint, fencing_token, created_at, completed_at,
     CASE WHEN state = 'completed' THEN GREATEST(expires_at, completed_at + retention)
          ELSE expires_at END AS expires_at,
@@ -27,13 +27,7 @@ _SUMMARY_COLUMNS = """
     CASE WHEN state = 'in_progress' AND locked_until IS NOT NULL
          THEN GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()))::float8 END
         AS lease_remaining_s,
-    -- past retention as claim() decides it (migration 0014): an in-progress claim too, once
-    -- its lease has run out (any request under the key then starts a new operation)
-    CASE state
-        WHEN 'completed' THEN GREATEST(expires_at, completed_at + retention) <= clock_timestamp()
-        WHEN 'in_progress' THEN expires_at <= clock_timestamp()
-            AND locked_until <= clock_timestamp()
-    END IS TRUE AS expired,
+    {PAST_RETENTION} AS expired,
     status_code, clock_timestamp() AS read_at"""
 _RECORD_COLUMNS = f"{_SUMMARY_COLUMNS}, status_message, status_details, response"
 # A listing prints no outcome: reading the stored ones fetched every listed record's response

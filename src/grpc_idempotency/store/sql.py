@@ -96,6 +96,15 @@ def begin(isolation: str | None, idle_timeout_s: float | None = None) -> str:
     return sql
 
 
+PAST_RETENTION = """(CASE state
+    WHEN 'completed' THEN GREATEST(expires_at, completed_at + retention) <= clock_timestamp()
+    WHEN 'in_progress' THEN expires_at <= clock_timestamp() AND locked_until <= clock_timestamp()
+END IS TRUE)"""
+"""Whether a record is past retention, as claim() decides it (migration 0014): a completed one,
+and an in-progress one whose lease has run out too (any request under the key then starts a new
+operation). The look-up and the inspection read it alike."""
+
+
 class Statements:
     """The store's statements for one schema, formatted once."""
 
@@ -105,14 +114,7 @@ class Statements:
         self.lookup = f"""
             SELECT fingerprint, state, status_code, status_message, status_details, response,
                    created_at,
-                   -- past retention, as claim() decides it (migration 0014): a completed
-                   -- record, and an in-progress one whose lease has run out too
-                   CASE state
-                       WHEN 'completed' THEN GREATEST(expires_at, completed_at + retention)
-                           <= clock_timestamp()
-                       WHEN 'in_progress' THEN expires_at <= clock_timestamp()
-                           AND locked_until <= clock_timestamp()
-                   END IS TRUE AS expired,
+                   {PAST_RETENTION} AS expired,
                    (locked_until IS NULL OR locked_until <= clock_timestamp()) AS lease_expired,
                    GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
                        AS lease_remaining_ms,
