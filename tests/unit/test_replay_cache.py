@@ -12,6 +12,7 @@ from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.core.replay_cache import (
     CLOCK_RATE_MARGIN,
+    CLOCK_STEP_MARGIN_S,
     ReplayCache,
     entry_size,
     replayable_until,
@@ -23,7 +24,7 @@ OK = Outcome(Code.OK, "", None, b"response")
 def test_an_entry_is_used_until_the_records_life_shortened_for_clock_rates_then_dropped() -> None:
     cache = ReplayCache(max_age=timedelta(hours=1))
     cache.put(("s", "k"), b"fp", OK, sent=100.0, life_s=10.0, now=100.5)
-    until = 100.0 + 10.0 * (1 - CLOCK_RATE_MARGIN)
+    until = 100.0 + 10.0 * (1 - CLOCK_RATE_MARGIN) - CLOCK_STEP_MARGIN_S
     hit = cache.get(("s", "k"), until - 0.001)
     assert hit is not None and hit.outcome == OK and hit.fingerprint == b"fp"
     assert cache.get(("s", "k"), until) is None
@@ -41,6 +42,14 @@ def test_an_outcome_already_past_its_life_is_not_kept() -> None:
     cache = ReplayCache()
     cache.put(("s", "k"), b"fp", OK, sent=0.0, life_s=0.5, now=2.0)
     assert len(cache) == 0
+
+
+def test_an_outcome_with_less_life_left_than_a_clock_step_is_not_kept() -> None:
+    cache = ReplayCache()
+    cache.put(("s", "k"), b"fp", OK, sent=0.0, life_s=CLOCK_STEP_MARGIN_S, now=0.0)
+    assert len(cache) == 0
+    cache.put(("s", "k"), b"fp", OK, sent=0.0, life_s=CLOCK_STEP_MARGIN_S + 0.5, now=0.0)
+    assert len(cache) == 1
 
 
 def test_least_recently_used_entries_go_first_when_full() -> None:
@@ -105,7 +114,7 @@ def test_the_bound_never_passes_the_records_life_nor_max_age(
 ) -> None:
     now = sent + delay
     until = replayable_until(sent=sent, life_s=life, now=now, max_age_s=max_age)
-    assert until <= sent + life
+    assert until <= sent + life - CLOCK_STEP_MARGIN_S
     assert until <= now + max_age
 
 

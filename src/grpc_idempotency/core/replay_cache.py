@@ -19,10 +19,13 @@ later, taken on this process's monotonic clock:
   ``sent + life``.
 
 Both are shortened by ``CLOCK_RATE_MARGIN`` (the two clocks may run at rates that differ by up to
-NTP's 500 ppm slew), and by the cache's ``max_age``, which bounds what the library cannot see:
-an operator deleting a record by hand, or a failover that lost committed transactions. The
-fingerprint is still compared on every hit, so a mutated retry is refused as it would be by the
-database. Nothing else is cached: in-progress records change under their owner.
+NTP's 500 ppm slew) and by ``CLOCK_STEP_MARGIN_S`` (the wall clock PostgreSQL reads may be
+stepped forward under the monotonic one: time daemons step offsets they will not slew, and
+virtual machines are stepped by their hosts), and bounded by the cache's ``max_age``, which
+bounds what the library cannot see: an operator deleting a record by hand, or a failover that
+lost committed transactions. The fingerprint is still compared on every hit, so a mutated retry
+is refused as it would be by the database. Nothing else is cached: in-progress records change
+under their owner.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ from grpc_idempotency.core.lifecycle import Outcome
 # Rates of this process's monotonic clock and PostgreSQL's clock may differ (NTP slews a clock
 # by up to 500 ppm): a bound derived on one and spent on the other is shortened by twice that.
 CLOCK_RATE_MARGIN = 1e-3
+
+# The wall clock may also be stepped forward (chrony's default makestep threshold is 1 s; a
+# virtual machine's host steps its guest's clock). A step during an entry's life makes the record
+# expire earlier on the monotonic clock than the bound says; a cached copy outlived its record by a
+# few milliseconds once on CI. A second off the end of a record's life costs the cache nothing it
+# needs (entries live at most max_age, 60 s by default, and a default record lives a day).
+CLOCK_STEP_MARGIN_S = 1.0
 
 Slot = tuple[str, str]
 """(scope, key)"""
@@ -156,6 +166,6 @@ class ReplayCache:
 
 def replayable_until(*, sent: float, life_s: float, now: float, max_age_s: float) -> float:
     """The monotonic time until which an outcome may be answered from memory (see the module's
-    first lines): never past ``sent + life_s`` shortened for clock rates, nor past ``max_age_s``
-    from ``now``."""
-    return min(sent + life_s * (1 - CLOCK_RATE_MARGIN), now + max_age_s)
+    first lines): never past ``sent + life_s`` shortened for clock rates and steps, nor past
+    ``max_age_s`` from ``now``."""
+    return min(sent + life_s * (1 - CLOCK_RATE_MARGIN) - CLOCK_STEP_MARGIN_S, now + max_age_s)
