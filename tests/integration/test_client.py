@@ -213,6 +213,24 @@ def test_retry_hint_parsing() -> None:
     assert retry_after_ms(()) is None
 
 
+async def test_a_channel_asked_for_one_attempt_makes_one(ledger: RunningLedger) -> None:
+    """``channel_options(max_attempts=1)`` was read as two attempts (gRPC's lowest policy)."""
+    async with grpc.aio.insecure_channel(
+        ledger.address,
+        options=channel_options([testsvc_pb2], max_attempts=1),
+        interceptors=[IdempotencyClientInterceptor(services=[testsvc_pb2])],
+    ) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as failed, capture_keys() as used:
+            await stub.Post(
+                testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="flaky:1"),
+                metadata=TENANT_MD,
+                timeout=10,
+            )
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert ledger.service.keys_seen == used  # one attempt, not a retry
+
+
 def test_service_config_retries_keyed_methods_only() -> None:
     config = json.loads(service_config([testsvc_pb2]))
     (method_config,) = config["methodConfig"]

@@ -177,6 +177,20 @@ def test_service_config_shape() -> None:
     assert method["retryPolicy"]["maxAttempts"] == 5  # type: ignore[index]  # gRPC's cap
 
 
+@pytest.mark.parametrize("attempts", [2, 3, 5])
+def test_service_config_asks_for_the_attempts_given(attempts: int) -> None:
+    (method,) = service_config([CHARGE], max_attempts=attempts)["methodConfig"]  # type: ignore[misc]
+    assert method["retryPolicy"]["maxAttempts"] == attempts  # type: ignore[index]
+
+
+def test_one_attempt_is_no_retry_policy_and_fewer_is_refused() -> None:
+    """gRPC's retry policy needs maxAttempts >= 2: one attempt was read as two."""
+    assert service_config([CHARGE], max_attempts=1) == {}
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="max_attempts"):
+            service_config([CHARGE], max_attempts=bad)  # type: ignore[arg-type]
+
+
 def test_a_retired_step_no_longer_keys_calls() -> None:
     from datetime import UTC, datetime
 

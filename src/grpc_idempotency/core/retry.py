@@ -85,19 +85,23 @@ def backoff_ceiling_s(attempt: int, initial_s: float, multiplier: float, max_s: 
 def service_config(methods: list[str], *, max_attempts: int = 5) -> dict[str, object]:
     """gRPC's channel service config retrying UNAVAILABLE and ABORTED on the keyed ``methods``
     ("/pkg.Service/Method"): safe because each attempt carries the same key. gRPC caps attempts
-    at 5 and honours the server's ``grpc-retry-pushback-ms``."""
+    at 5 (more is read as 5) and honours the server's ``grpc-retry-pushback-ms``;
+    ``max_attempts=1`` is no retry policy at all (gRPC's own config has no way to say one
+    attempt: a policy needs at least 2)."""
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ValueError(f"max_attempts must be a whole number of at least 1, not {max_attempts!r}")
     names = []
     for method in sorted(set(methods)):
         service, _, name = method.lstrip("/").partition("/")
         names.append({"service": service, "method": name})
-    if not names:
+    if not names or max_attempts == 1:
         return {}
     return {
         "methodConfig": [
             {
                 "name": names,
                 "retryPolicy": {
-                    "maxAttempts": max(2, min(5, max_attempts)),
+                    "maxAttempts": min(5, max_attempts),
                     "initialBackoff": "0.1s",
                     "maxBackoff": "2s",
                     "backoffMultiplier": 2,
