@@ -42,7 +42,9 @@ class PolicyRegistry:
         # without compiling (and logging a traceback for) the options each time.
         self._errors: dict[str, PolicyError] = {}
         methods = list(methods_of(services))
-        _check_overrides(self._overrides, methods)
+        # Services some override names that are in neither ``services`` nor (yet) the default
+        # pool: their overrides are checked when the service first shows up in get().
+        self._unchecked = _check_overrides(self._overrides, methods)
         self._policies.update(compile_policies(methods, self._overrides))
         for method in methods:
             self._policies.setdefault(method_path(method), None)
@@ -71,6 +73,15 @@ class PolicyRegistry:
             # keyed for now, but not cached, or the method stayed unkeyed for the life of the
             # process once its _pb2 was imported. A miss costs well under a microsecond.
             return None
+        if service_name in self._unchecked:
+            typo = _unknown_override(self._overrides, service_name, set(service.methods_by_name))
+            if typo is not None:
+                # A misspelt override left the method it meant as its proto says (unkeyed,
+                # say), silently: every method of the service is refused instead, as the
+                # constructor refuses it for a service it knows.
+                self._errors[path] = typo
+                raise typo
+            self._unchecked.discard(service_name)
         method = service.methods_by_name.get(method_name)
         override = self._overrides.get(path)
         if method is not None:
@@ -85,27 +96,43 @@ class PolicyRegistry:
         return policy
 
 
-def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescriptor]) -> None:
+def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescriptor]) -> set[str]:
     """Refuses an override naming a method its service does not have: a typo there silently
     left the method as its proto says (unkeyed, say). A service known neither from ``services``
-    nor (yet) from the default pool may be imported later: that is checked on first use."""
+    nor (yet) from the default pool may be imported later: its name is returned, and its
+    overrides are checked when it is first looked up."""
     known: dict[str, set[str]] = {}
     for method in methods:
         known.setdefault(method.containing_service.full_name, set()).add(method.name)
+    unchecked: set[str] = set()
     for path in overrides:
-        service_name, _, method_name = path.lstrip("/").partition("/")
+        service_name = path.lstrip("/").partition("/")[0]
         names = known.get(service_name)
         if names is None:
             try:
                 service = descriptor_pool.Default().FindServiceByName(service_name)
             except KeyError:
+                unchecked.add(service_name)
                 continue
             names = set(service.methods_by_name)
-        if method_name not in names:
-            raise PolicyError(
+        typo = _unknown_override(overrides, service_name, names)
+        if typo is not None:
+            raise typo
+    return unchecked
+
+
+def _unknown_override(
+    overrides: Mapping[str, object], service_name: str, names: set[str]
+) -> PolicyError | None:
+    """The error for the first override naming a method ``service_name`` does not have."""
+    for path in overrides:
+        service, _, method_name = path.lstrip("/").partition("/")
+        if service == service_name and method_name not in names:
+            return PolicyError(
                 f"override for {path}: service {service_name} has no method {method_name!r}"
                 f" (its methods: {', '.join(sorted(names))})"
             )
+    return None
 
 
 def methods_of(services: Services) -> Iterable[MethodDescriptor]:

@@ -362,6 +362,29 @@ def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> Non
     assert policy is not None and policy.method == path
 
 
+def test_a_misspelt_override_of_a_service_imported_later_refuses_its_methods() -> None:
+    """An override naming a method of a service not yet in the pool was to be "checked on first
+    use", and never was: the method it meant stayed unkeyed, silently."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    package = f"latetypo{next(_counter)}"
+    registry = PolicyRegistry((), {f"{package}.Svc/Chrage": MethodOverride()})
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
+    fdp.message_type.add(name="Req")
+    fdp.service.add(name="Svc").method.add(
+        name="Charge", input_type=f".{package}.Req", output_type=f".{package}.Req"
+    )
+    descriptor_pool.Default().Add(fdp)
+    for _ in range(2):  # the same answer on every call
+        with pytest.raises(PolicyError, match=r"has no method 'Chrage'.*Charge"):
+            registry.get(f"/{package}.Svc/Charge")
+    # Another registry whose override is spelt right keys the method.
+    policy = PolicyRegistry((), {f"{package}.Svc/Charge": MethodOverride()}).get(
+        f"/{package}.Svc/Charge"
+    )
+    assert policy is not None
+
+
 def test_retired_steps_are_read_and_do_not_make_a_method_phased() -> None:
     def retired(o: options_pb2.MethodPolicy) -> None:
         step = o.steps.add(name="charge.v1", call="a.B/C")
