@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 
 import asyncpg
 import grpc
@@ -17,6 +18,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import (
     KeyRequirement,
     MethodOverride,
+    Mode,
     Store,
     StoreDown,
     StoreUnavailable,
@@ -29,6 +31,7 @@ from tests.support.ledger import (
     RunningLedger,
     fresh,
     ledger_rows,
+    metadata,
     prepare,
     running_ledger,
 )
@@ -156,6 +159,93 @@ async def test_a_busy_pool_is_no_outage_so_a_completed_key_is_not_run_again_uncl
             assert ledger.service.executions == 1
     finally:
         await small.close()
+
+
+def _queued(store: Store) -> int:
+    """Callers waiting in the pool's queue (asyncpg's pool keeps an asyncio.Queue of idle
+    connections; its waiting getters are the only way to see the order they are served in)."""
+    return len(store.pool._queue._getters)  # type: ignore[attr-defined]
+
+
+async def test_a_phased_claim_waiting_on_a_busy_pool_is_no_outage(
+    pg_dsn: str, store: Store
+) -> None:
+    """A phased fail-open call whose claim waits for a connection while other callers get one:
+    the wait ran inside the claim's own bound (command_timeout), whose end was taken for a dead
+    database, and the handler ran unclaimed on a live store. It fails closed, as atomic calls do.
+    """
+    small = await Store.connect(
+        pg_dsn, min_size=1, max_size=1, command_timeout=1.0, acquire_timeout=1.5
+    )
+    phased_fail_open = {
+        SVC.lstrip("/") + "PostFailOpen": MethodOverride(
+            mode=Mode.PHASED, store_down=StoreDown.FAIL_OPEN, lease=timedelta(seconds=5)
+        )
+    }
+    gates = [asyncio.Event() for _ in range(3)]
+    held: list[int] = []
+
+    async def hold(i: int) -> None:
+        async with small.connection(f"work {i}"):
+            held.append(i)
+            await gates[i].wait()
+
+    try:
+        async with running_ledger(small, overrides=phased_fail_open, replay_cache=False) as ledger:
+            key, account = fresh(), fresh("acct")
+            await until("the connection idle", lambda: small.pool.get_idle_size() == 1)
+            holders = [asyncio.ensure_future(hold(0))]
+            await until("the first holder", lambda: held == [0])
+            call = asyncio.ensure_future(
+                ledger.call(SVC + "PostFailOpen", post(account), key, timeout=10)
+            )
+            await until("the look-up queued", lambda: _queued(small) == 1)
+            holders += [asyncio.ensure_future(hold(i)) for i in (1, 2)]
+            await until("two more queued", lambda: _queued(small) == 3)
+            gates[0].set()  # the look-up runs, then holder 1 gets the connection
+            await until("the claim queued", lambda: held == [0, 1] and _queued(small) == 2)
+            gates[1].set()  # holder 2 gets it while the claim waits: busy, not down
+            await until("the third holder", lambda: held == [0, 1, 2])
+            answer = await call
+            gates[2].set()
+            await asyncio.gather(*holders)
+            assert ledger.service.executions == 0, "ran unclaimed on a live store"
+            assert answer.code is grpc.StatusCode.UNAVAILABLE, answer.details
+            assert "busy" in (answer.details or "")
+            after = await ledger.call(SVC + "PostFailOpen", post(account), key)
+            assert after.code is grpc.StatusCode.OK and ledger.service.executions == 1
+    finally:
+        await small.close()
+
+
+async def test_a_look_up_cancelled_behind_a_partition_frees_its_key_at_once(
+    pg_dsn: str, store: Store
+) -> None:
+    """The client goes while its call's look-up is on a dead link: the connection was handed
+    back, asyncpg waited for PostgreSQL to confirm the cancellation (the whole command_timeout
+    behind a partition), and until then the call stayed the key's owner: a retry on this server
+    waited on it and was answered IN_PROGRESS although nothing had been claimed."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    partitioned = await Store.connect(proxy.dsn, min_size=1, max_size=2, command_timeout=30)
+    try:
+        async with running_ledger(partitioned, replay_cache=False) as ledger:
+            request, key = post(fresh("acct")), fresh()
+            proxy.blackhole()
+            first = asyncio.ensure_future(
+                call_raw(ledger.channel, SVC + "PostPhased", request, metadata(key), 30)
+            )
+            await until(
+                "the look-up on the wire",
+                lambda: partitioned.pool.get_idle_size() == 0 and bool(ledger.interceptor._owners),
+            )
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            await until("the key's owner gone", lambda: not ledger.interceptor._owners, timeout=5)
+    finally:
+        partitioned.pool.terminate()
+        await proxy.close()
 
 
 async def test_a_full_pool_behind_a_partition_is_an_outage(pg_dsn: str, store: Store) -> None:

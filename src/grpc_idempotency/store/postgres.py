@@ -399,8 +399,15 @@ class Store:
         (forever without one): a lease renewal bounded by the lease took lease +
         ``command_timeout``. PostgreSQL rolls back what was open."""
         conn = await self._acquire(doing, timeout)
-        try:
+        async with self._holding(conn, doing):
             yield conn
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, conn: PooledConnection, doing: str) -> AsyncIterator[None]:
+        """``connection``'s block on a connection already acquired: hands it back at the end,
+        dropped if a statement was cut short."""
+        try:
+            yield
         except STORE_ERRORS as exc:
             if isinstance(exc, TimeoutError):
                 _drop(conn)
@@ -519,6 +526,12 @@ class Store:
                 raise store_error(exc, "looking up a key") from exc
             except STORE_ERRORS as exc:
                 raise store_error(exc, "looking up a key") from exc
+            except asyncio.CancelledError:
+                # The client went with the look-up on the wire: handed back, asyncpg would wait
+                # for PostgreSQL to confirm the cancellation, behind a partition the whole
+                # command_timeout, and the call (the owner its local duplicates wait on) with it.
+                _drop(conn)
+                raise
             finally:
                 await self._release(conn)
             return None if row is None else _record(row)
@@ -616,9 +629,16 @@ class Store:
         attempt holds or has recorded the key (look again). ``isolation`` is that of the final
         transaction (the claim itself runs at the database's default)."""
         args = (scope, key, claim_lock_id(self.schema, scope, key), method, fingerprint)
+        # The connection is acquired here, not in the claim's task: the wait for one is
+        # _acquire's to judge (a busy pool is no outage), where a timeout of the wait below
+        # while the task still waited in the pool's queue was taken for a dead database, and a
+        # fail-open method ran unclaimed on a live, busy store.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = await self._acquire("claiming a key", timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
 
         async def claim() -> tuple[int, datetime] | None:
-            async with self.connection("claiming a key", timeout) as conn:
+            async with self._holding(conn, "claiming a key"):
                 try:
                     # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
                     # after a claim that committed as well as before, and the claim would then
@@ -641,9 +661,7 @@ class Store:
         # committed is released (with its own token) once it answers.
         claiming = asyncio.ensure_future(claim())
         try:
-            claimed = await asyncio.wait_for(
-                asyncio.shield(claiming), self.statement_timeout(timeout)
-            )
+            claimed = await asyncio.wait_for(asyncio.shield(claiming), self.statement_timeout(left))
         except TimeoutError as exc:
             self._settle(claiming, scope, key, retention_s, lease_s)
             raise store_error(exc, "claiming a key") from exc
