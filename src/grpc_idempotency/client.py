@@ -5,9 +5,10 @@
   change an operation's key: a retry loop cannot regenerate it by accident.
 - ``Operation.call(...)``: an attempt, or attempts under a ``RetryPolicy`` that honours the
   server's ``RetryInfo`` / ``grpc-retry-pushback-ms``.
-- ``IdempotencyClientInterceptor``: on a channel, gives keyed calls their key (see
-  ``core.propagation`` for the order) and, inside a handler serving a keyed call, the child key of
-  the declared step for the target method, plus the remaining deadline.
+- ``IdempotencyClientInterceptor``: on a channel (``interceptors=[*idem.all_kinds(), ...]``,
+  first), gives keyed calls their key (see ``core.propagation`` for the order) and, inside a
+  handler serving a keyed call, the child key of the declared step for the target method, plus
+  the remaining deadline; streaming calls get the deadline but never a key.
 - ``service_config(...)``: the channel's retry configuration for keyed methods.
 """
 
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from grpc_idempotency.call import current_call_or_none
+from grpc_idempotency.call import IdempotentCall, current_call_or_none
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import KeyInvalid, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
@@ -192,13 +193,42 @@ def capture_keys() -> Iterator[list[str]]:
 
 if TYPE_CHECKING:
     _Interceptor = grpc.aio.UnaryUnaryClientInterceptor[Any, Any]
+    _UnaryStreamInterceptor = grpc.aio.UnaryStreamClientInterceptor[Any, Any]
+    _StreamUnaryInterceptor = grpc.aio.StreamUnaryClientInterceptor[Any, Any]
+    _StreamStreamInterceptor = grpc.aio.StreamStreamClientInterceptor[Any, Any]
 else:
     _Interceptor = grpc.aio.UnaryUnaryClientInterceptor
+    _UnaryStreamInterceptor = grpc.aio.UnaryStreamClientInterceptor
+    _StreamUnaryInterceptor = grpc.aio.StreamUnaryClientInterceptor
+    _StreamStreamInterceptor = grpc.aio.StreamStreamClientInterceptor
 
 
 class IdempotencyClientInterceptor(_Interceptor):
-    """Gives each keyed call its idempotency key. Add it to a channel:
-    ``grpc.aio.insecure_channel(addr, interceptors=[IdempotencyClientInterceptor(...)])``.
+    """Gives each keyed call its idempotency key, and holds the calls a handler makes to its own
+    call's terms. Add it to a channel, first, as one interceptor per kind of call::
+
+        idem = IdempotencyClientInterceptor(services=[payments_pb2])
+        channel = grpc.aio.insecure_channel(addr, interceptors=[*idem.all_kinds(), *others])
+
+    ``all_kinds()`` is this object (unary-unary calls) and one interceptor for each streaming
+    kind. grpc.aio files an interceptor under the first kind it is an instance of and no other
+    (``grpc.aio.Channel``, grpc/grpc#31442), so no one object can intercept every kind:
+    ``interceptors=[idem]`` intercepts unary-unary calls alone, and a handler's streaming calls
+    then escape the deadline, the forwarded headers and the transaction checks below.
+
+    First means outermost: before any interceptor that retries, hedges or otherwise calls its
+    continuation again. A call sent with no key gets a new one on each pass through this
+    interceptor, so behind a retrying interceptor every attempt would be a new operation, run
+    again by the server rather than replayed; in front of it, every attempt carries the one key
+    chosen for the call.
+
+    While serving a call (inside a handler), every call made through the channel, unary or
+    streaming, is sent with at most the serving call's remaining deadline and with its
+    ``forward_metadata`` entries; is counted as in flight until it is over, so the handler's
+    final transaction refuses to open across it; and is refused (``TransactionOpen``) once that
+    transaction is open. Streaming calls are never keyed (idempotency options apply to unary
+    methods only): no key is minted or derived for one, and a key the caller put in its metadata
+    is sent as given.
 
     ``services``: the services called through the channel (descriptors or ``_pb2`` modules);
     others are found in the default descriptor pool. ``forward_metadata``: entries copied from
@@ -214,6 +244,17 @@ class IdempotencyClientInterceptor(_Interceptor):
     ) -> None:
         self._registry = PolicyRegistry(services, overrides)
         self._forward = tuple(h.lower() for h in forward_metadata)
+        self._kinds: tuple[Any, ...] = (
+            self,
+            _UnaryStream(self),
+            _StreamUnary(self),
+            _StreamStream(self),
+        )
+
+    def all_kinds(self) -> tuple[Any, ...]:
+        """The interceptors to put first in ``interceptors=[...]``, one for each kind of call:
+        this object for unary-unary calls, then unary-stream, stream-unary and stream-stream."""
+        return self._kinds
 
     def policy(self, method: str) -> MethodPolicy | None:
         return self._registry.get(method)
@@ -221,6 +262,67 @@ class IdempotencyClientInterceptor(_Interceptor):
     async def intercept_unary_unary(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
+        return await self._send(continuation, client_call_details, request, keyed=True)
+
+    async def intercept_unary_stream(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await self._send(continuation, client_call_details, request, keyed=False)
+
+    async def intercept_stream_unary(
+        self,
+        continuation: Any,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await self._send(continuation, client_call_details, request_iterator, keyed=False)
+
+    async def intercept_stream_stream(
+        self,
+        continuation: Any,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await self._send(continuation, client_call_details, request_iterator, keyed=False)
+
+    async def _send(
+        self,
+        continuation: Any,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+        *,
+        keyed: bool,
+    ) -> Any:
+        """Sends the call as ``_outgoing`` rewrites it, counted as in flight while serving a
+        call. ``request``: the request, or the request iterator of a client-streaming call."""
+        details, serving = self._outgoing(client_call_details, keyed=keyed)
+        if serving is None:
+            return await continuation(details, request)
+        # Counted until the call is over, so that the handler's final transaction refuses to
+        # open across it (IdempotentCall.transaction); counted before the first await, as a
+        # transaction() gathered with this call may run as soon as this task yields.
+        serving.downstream_started()
+        try:
+            call = await continuation(details, request)
+        except BaseException:
+            serving.downstream_ended()
+            raise
+        try:
+            call.add_done_callback(lambda _: serving.downstream_ended())
+        except NotImplementedError:
+            # A later interceptor returned the response rather than the call (grpc.aio allows
+            # it): gRPC hands back a finished UnaryUnaryCallResponse that takes no callbacks.
+            serving.downstream_ended()
+        return call
+
+    def _outgoing(
+        self, client_call_details: grpc.aio.ClientCallDetails, *, keyed: bool
+    ) -> tuple[grpc.aio.ClientCallDetails, IdempotentCall | None]:
+        """The call to send instead of ``client_call_details``, and the call being served, if
+        any. ``keyed``: a unary call, whose key is chosen here (``core.propagation``); a
+        streaming call gets none (no streaming method is keyed) and keeps an explicit one.
+        Raises ``TransactionOpen`` for any call made after the served call's final transaction
+        was opened."""
         method = client_call_details.method
         path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
         metadata = list(client_call_details.metadata or ())
@@ -250,23 +352,25 @@ class IdempotencyClientInterceptor(_Interceptor):
                 continue
             kept.append((name, value))
 
-        choice = choose_key(
-            target=path,
-            target_keyed=self._registry.get(path) is not None,
-            explicit_key=explicit,
-            parent=parent,
-            named_step=named,
-            operation_key=op.key if (op := _operation.get(None)) is not None else None,
-            mint=[str(uuid.uuid4())],
-        )
+        choice = None
+        if keyed:
+            choice = choose_key(
+                target=path,
+                target_keyed=self._registry.get(path) is not None,
+                explicit_key=explicit,
+                parent=parent,
+                named_step=named,
+                operation_key=op.key if (op := _operation.get(None)) is not None else None,
+                mint=[str(uuid.uuid4())],
+            )
         if serving is not None and serving.phased and serving.transaction_open:
             raise TransactionOpen(
                 f"{serving.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
             )
-        if choice.key is not None and choice.source is not KeySource.EXPLICIT:
-            kept.append((KEY_HEADER, choice.key))
-        if choice.key is not None:
+        if choice is not None and choice.key is not None:
+            if choice.source is not KeySource.EXPLICIT:
+                kept.append((KEY_HEADER, choice.key))
             captured = _captured.get(None)
             if captured is not None:
                 captured.append(choice.key)
@@ -288,24 +392,53 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.credentials,
             client_call_details.wait_for_ready,
         )
-        if serving is None:
-            return await continuation(details, request)
-        # Counted until the call is over, so that the handler's final transaction refuses to
-        # open across it (IdempotentCall.transaction); counted before the first await, as a
-        # transaction() gathered with this call may run as soon as this task yields.
-        serving.downstream_started()
-        try:
-            call = await continuation(details, request)
-        except BaseException:
-            serving.downstream_ended()
-            raise
-        try:
-            call.add_done_callback(lambda _: serving.downstream_ended())
-        except NotImplementedError:
-            # A later interceptor returned the response rather than the call (grpc.aio allows
-            # it): gRPC hands back a finished UnaryUnaryCallResponse that takes no callbacks.
-            serving.downstream_ended()
-        return call
+        return details, serving
+
+
+# One interceptor per streaming kind, each an instance of that kind alone (grpc.aio files an
+# interceptor under the first kind it is an instance of); IdempotencyClientInterceptor.all_kinds.
+
+
+class _UnaryStream(_UnaryStreamInterceptor):
+    def __init__(self, interceptor: IdempotencyClientInterceptor) -> None:
+        self._interceptor = interceptor
+
+    async def intercept_unary_stream(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await self._interceptor.intercept_unary_stream(
+            continuation, client_call_details, request
+        )
+
+
+class _StreamUnary(_StreamUnaryInterceptor):
+    def __init__(self, interceptor: IdempotencyClientInterceptor) -> None:
+        self._interceptor = interceptor
+
+    async def intercept_stream_unary(
+        self,
+        continuation: Any,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await self._interceptor.intercept_stream_unary(
+            continuation, client_call_details, request_iterator
+        )
+
+
+class _StreamStream(_StreamStreamInterceptor):
+    def __init__(self, interceptor: IdempotencyClientInterceptor) -> None:
+        self._interceptor = interceptor
+
+    async def intercept_stream_stream(
+        self,
+        continuation: Any,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await self._interceptor.intercept_stream_stream(
+            continuation, client_call_details, request_iterator
+        )
 
 
 def _key_text(value: str | bytes) -> str:
