@@ -74,9 +74,10 @@ def downstream_channel(
         interceptors=[
             # The caller's own token goes downstream with each call: payments and notifications
             # authenticate the same tenant, so the child keys' scope is the one proven here.
-            IdempotencyClientInterceptor(
+            # all_kinds(): streaming calls get the token, the deadline and the checks too.
+            *IdempotencyClientInterceptor(
                 services=services, overrides=policies, forward_metadata=[AUTHORIZATION]
-            )
+            ).all_kinds()
         ],
     )
 

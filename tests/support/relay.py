@@ -110,7 +110,9 @@ async def running_relay(
     downstream = grpc.aio.insecure_channel(
         ledger_address,
         interceptors=[
-            IdempotencyClientInterceptor(services=[testsvc_pb2], forward_metadata=[TENANT]),
+            *IdempotencyClientInterceptor(
+                services=[testsvc_pb2], forward_metadata=[TENANT]
+            ).all_kinds(),
             *downstream_interceptors,
         ],
     )
