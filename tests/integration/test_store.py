@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -129,6 +131,65 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
     finally:
         await call.close()
         await runner.close()
+        await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
+        await store.close()
+
+
+_FROZEN_MIGRATOR = """
+import asyncio, sys
+import asyncpg
+from grpc_idempotency.store.migrations import migrate
+
+async def main() -> None:
+    conn = await asyncpg.connect(sys.argv[1], server_settings={"application_name": sys.argv[3]})
+    await migrate(conn, sys.argv[2], idle_timeout_s=0.5)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_migration_runner_that_stops_answering_does_not_hold_its_table_lock(
+    pg_dsn: str,
+) -> None:
+    """A runner frozen (SIGSTOP: a paused VM, a partition) right after its ALTER TABLE ran held
+    the table's ACCESS EXCLUSIVE lock, and every call on the table waited, until TCP gave up on
+    it hours later. PostgreSQL now ends the migration's transaction once it sits idle."""
+    schema = fresh_schema()
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True, min_size=1)
+    s = f'"{schema}"'
+    # Back to just before migration 10 (it ALTERs the outbox), as if upgrading from 9.
+    await store.pool.execute(
+        f"ALTER TABLE {s}.outbox DROP COLUMN failures, DROP COLUMN lost_claims;"
+        f" DELETE FROM {s}.schema_migrations WHERE version >= 10"
+    )
+    name = f"frozen-migrator-{uuid.uuid4().hex[:8]}"
+    call = await asyncpg.connect(pg_dsn)  # a call's transaction: the ALTER queues behind it
+    await call.execute(f"BEGIN; SELECT count(*) FROM {s}.outbox")
+    runner = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FROZEN_MIGRATOR, pg_dsn, schema, name
+    )
+    try:
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE application_name = $1 AND wait_event_type = 'Lock'"
+        )
+        await until("the ALTER queued", lambda: store.pool.fetchval(waiting, name))
+        os.kill(runner.pid, signal.SIGSTOP)
+        await call.execute("ROLLBACK")  # the ALTER takes its lock and runs; nobody commits it
+
+        async def readable() -> bool:
+            try:
+                await store.pool.fetchval(f"SELECT count(*) FROM {s}.outbox", timeout=0.3)
+            except TimeoutError:
+                return False
+            return True
+
+        await until("the outbox readable again", readable, timeout=15)
+        assert max(await applied_versions(store.pool, schema)) == 9  # rolled back
+    finally:
+        runner.kill()
+        await runner.wait()
+        await call.close()
         await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
         await store.close()
 

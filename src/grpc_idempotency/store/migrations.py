@@ -13,6 +13,10 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
 - DDL waits for its table lock at most ``LOCK_TIMEOUT_S``: an ALTER TABLE queued behind a long
   transaction would otherwise hold up every call on that table behind it. It gives way, waits,
   and tries again, ``LOCK_ATTEMPTS`` times in all, then raises ``LockNotAvailableError``.
+- A runner that stops answering in the middle of a migration (a paused VM, a partition, a
+  debugger) would hold the table lock its DDL took until TCP gave up on it, hours later, and
+  every call on the table with it: each migration's transaction is ended by PostgreSQL once it
+  sits idle for ``IDLE_TIMEOUT_S`` (the migration is rolled back; run it again).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ async def applied_versions(conn: Any, schema: str) -> list[int]:
 
 LOCK_TIMEOUT_S = 5.0
 LOCK_ATTEMPTS = 6
+# A healthy runner is idle inside a migration's transaction for a round trip at a time.
+IDLE_TIMEOUT_S = 10.0
 
 
 async def migrate(
@@ -68,6 +74,7 @@ async def migrate(
     *,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
     lock_attempts: int = LOCK_ATTEMPTS,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
 ) -> list[int]:
     """Applies the missing migrations; returns the versions it applied (maybe none)."""
     applied = set(await applied_versions(conn, schema))
@@ -76,7 +83,7 @@ async def migrate(
     for migration in missing:
         for attempt in range(1, lock_attempts + 1):
             try:
-                if await _apply(conn, schema, migration, lock_timeout_s):
+                if await _apply(conn, schema, migration, lock_timeout_s, idle_timeout_s):
                     applied_now.append(migration.version)
                 break
             except asyncpg.LockNotAvailableError:
@@ -86,10 +93,19 @@ async def migrate(
     return applied_now
 
 
-async def _apply(conn: Any, schema: str, migration: Migration, lock_timeout_s: float) -> bool:
+async def _apply(
+    conn: Any,
+    schema: str,
+    migration: Migration,
+    lock_timeout_s: float,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+) -> bool:
     """Applies ``migration`` unless another runner did; returns whether this one did."""
     s = schema_identifier(schema)
     async with conn.transaction(isolation="read_committed"):
+        # First, before any lock is taken (capped at PostgreSQL's int milliseconds).
+        idle_ms = min(max(1, round(idle_timeout_s * 1000)), 2**31 - 1)
+        await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}")
         await conn.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
         # Created only when missing: IF NOT EXISTS still asks for the CREATE privilege.
         if await conn.fetchval("SELECT to_regnamespace($1) IS NULL", schema):
