@@ -41,8 +41,14 @@ class Purger:
     ) -> None:
         # NaN passes every comparison, and asyncio.sleep(nan) (or inf) never returns: the purger
         # would stop after its first run, silently, and the table grow without bound.
-        if not (0 < interval < math.inf) or batch_size <= 0:
-            raise ValueError("interval must be positive and finite, batch_size positive")
+        if not (0 < interval < math.inf):
+            raise ValueError("interval must be positive and finite")
+        # Checked here as Store.purge checks it: refused only at the first run, the error ended
+        # the purger's task, unseen until stop(), and nothing was purged meanwhile.
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise ValueError(f"batch_size must be a whole number, not {batch_size!r}")
+        if not 0 < batch_size <= 2**63 - 1:
+            raise ValueError("batch_size must be positive and at most 2**63 - 1 (a bigint)")
         if not (0 <= pause < math.inf):
             raise ValueError("pause must be finite and not negative")
         self.store = store

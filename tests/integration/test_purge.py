@@ -204,6 +204,10 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
     for interval in (0, -1, nan, inf):
         with pytest.raises(ValueError):
             Purger(purge_store, interval=interval)
+    # Refused when made, as Store.purge refuses them, not at the first run (unseen until stop).
+    for batch_size in (0, -1, 2**63, 2.5, True):
+        with pytest.raises(ValueError, match="batch_size"):
+            Purger(purge_store, batch_size=batch_size)  # type: ignore[arg-type]
     assert await purge_store.purge(batch_size=10, pause=0.001) == 35
     assert await keys(purge_store) == []
 
