@@ -212,7 +212,7 @@ async def test_after_a_crash_and_a_takeover_inspect_shows_one_charge_one_order_o
     assert code == 0, err
     assert tree.splitlines()[0] == f"{scope} {key}"
     assert f"{PLACE_ORDER}  completed OK  [orders]" in tree
-    assert "claims: 2 (fencing token 2: the first and 1 takeover(s))" in tree
+    assert "claims: 2 (fencing token 2: the first and 1 later)" in tree
     assert f"{CHARGE}  completed OK  [payments]" in tree
     assert f"{SEND_EMAIL}  completed OK  [notifications]" in tree
     assert f'charge_id: "{placed.charge_id}"' in tree

@@ -49,9 +49,11 @@ def _record_lines(service: str, n: Node) -> list[str]:
     r = n.record
     head = f"{r.method}  {outcome_label(r)}  [{service}]"
     lines = [head]
-    takeovers = r.fencing_token - 1
+    # The token counts every claim of the key, not takeovers alone: a retry after a released
+    # attempt and a new operation under the key after the retention claim it too.
+    later = r.fencing_token - 1
     claims = f"claims: {r.fencing_token} (fencing token {r.fencing_token}"
-    claims += f": the first and {takeovers} takeover(s))" if takeovers else ": the first)"
+    claims += f": the first and {later} later)" if later else ": the first)"
     lines.append(claims)
     times = f"started {timestamp(r.created_at)}"
     if r.completed_at is not None:
