@@ -264,27 +264,6 @@ class IdempotencyClientInterceptor(_Interceptor):
     ) -> Any:
         return await self._send(continuation, client_call_details, request, keyed=True)
 
-    async def intercept_unary_stream(
-        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
-    ) -> Any:
-        return await self._send(continuation, client_call_details, request, keyed=False)
-
-    async def intercept_stream_unary(
-        self,
-        continuation: Any,
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: Any,
-    ) -> Any:
-        return await self._send(continuation, client_call_details, request_iterator, keyed=False)
-
-    async def intercept_stream_stream(
-        self,
-        continuation: Any,
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: Any,
-    ) -> Any:
-        return await self._send(continuation, client_call_details, request_iterator, keyed=False)
-
     async def _send(
         self,
         continuation: Any,
@@ -399,46 +378,35 @@ class IdempotencyClientInterceptor(_Interceptor):
 # interceptor under the first kind it is an instance of); IdempotencyClientInterceptor.all_kinds.
 
 
-class _UnaryStream(_UnaryStreamInterceptor):
+class _Streaming:
+    """Sends a streaming call through the interceptor it was made for (never keyed)."""
+
     def __init__(self, interceptor: IdempotencyClientInterceptor) -> None:
         self._interceptor = interceptor
 
+    async def _streaming(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self._interceptor._send(continuation, details, request, keyed=False)
+
+
+class _UnaryStream(_Streaming, _UnaryStreamInterceptor):
     async def intercept_unary_stream(
-        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+        self, continuation: Any, client_call_details: Any, request: Any
     ) -> Any:
-        return await self._interceptor.intercept_unary_stream(
-            continuation, client_call_details, request
-        )
+        return await self._streaming(continuation, client_call_details, request)
 
 
-class _StreamUnary(_StreamUnaryInterceptor):
-    def __init__(self, interceptor: IdempotencyClientInterceptor) -> None:
-        self._interceptor = interceptor
-
+class _StreamUnary(_Streaming, _StreamUnaryInterceptor):
     async def intercept_stream_unary(
-        self,
-        continuation: Any,
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: Any,
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
     ) -> Any:
-        return await self._interceptor.intercept_stream_unary(
-            continuation, client_call_details, request_iterator
-        )
+        return await self._streaming(continuation, client_call_details, request_iterator)
 
 
-class _StreamStream(_StreamStreamInterceptor):
-    def __init__(self, interceptor: IdempotencyClientInterceptor) -> None:
-        self._interceptor = interceptor
-
+class _StreamStream(_Streaming, _StreamStreamInterceptor):
     async def intercept_stream_stream(
-        self,
-        continuation: Any,
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: Any,
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
     ) -> Any:
-        return await self._interceptor.intercept_stream_stream(
-            continuation, client_call_details, request_iterator
-        )
+        return await self._streaming(continuation, client_call_details, request_iterator)
 
 
 def _key_text(value: str | bytes) -> str:
