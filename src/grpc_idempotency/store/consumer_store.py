@@ -24,7 +24,7 @@ from grpc_idempotency.store.errors import (
     store_error,
 )
 from grpc_idempotency.store.postgres import ROLLBACK_TIMEOUT_S, PooledConnection, Store
-from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
+from grpc_idempotency.store.sql import begin, float_literal, schema_identifier, text_literal
 
 log = logging.getLogger("grpc_idempotency.consumer")
 
@@ -50,8 +50,12 @@ class ConsumerStatements:
         # Set to this call's bound for the mark only: the wait on a concurrent delivery's row is
         # a lock wait, which lock_timeout bounds. The RETURNING clause puts the session's own
         # setting back, so the effect's lock waits are not cut short by ours.
+        #
+        # The BEGIN carries idle_in_transaction_session_timeout (sql.begin), in the same batch:
+        # a replica frozen or cut off mid-effect kept the row locked, and every redelivery was
+        # MessageInProgress, until TCP keepalive ended its session hours later.
         self.mark_template = (
-            "BEGIN ISOLATION LEVEL READ COMMITTED; "
+            "{begin}; "
             "WITH prior AS MATERIALIZED (SELECT current_setting('lock_timeout') AS setting), "
             "bounded AS MATERIALIZED ("
             "SELECT setting, set_config('lock_timeout', {wait}, true) FROM prior) "
@@ -87,8 +91,16 @@ class ConsumerStatements:
             DELETE FROM {self.table} p USING doomed d
             WHERE p.consumer = d.consumer AND p.message_id = d.message_id"""
 
-    def mark(self, consumer: str, message_id: str, retention_s: float, wait_s: float) -> str:
+    def mark(
+        self,
+        consumer: str,
+        message_id: str,
+        retention_s: float,
+        wait_s: float,
+        idle_timeout_s: float,
+    ) -> str:
         return self.mark_template.format(
+            begin=begin("read committed", idle_timeout_s),
             wait=text_literal(lock_timeout(wait_s)),
             consumer=text_literal(consumer),
             message_id=text_literal(message_id),
@@ -117,6 +129,7 @@ class ProcessedMessages:
         *,
         retention_s: float,
         wait_s: float,
+        idle_timeout_s: float,
         acquire_timeout: float | None,
     ) -> Mark:
         """Opens a transaction holding ``message_id``'s mark for ``consumer``; its ``outcome``
@@ -124,7 +137,7 @@ class ProcessedMessages:
         ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
         store = self.store
         conn = await store._acquire("marking a message", acquire_timeout)
-        sql = self._sql.mark(consumer, message_id, retention_s, wait_s)
+        sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s)
         try:
             status = await conn.execute(sql)
         except BaseException as exc:
@@ -174,7 +187,15 @@ class Mark:
     async def commit(self, message_id: str) -> None:
         conn = self.connection
         try:
-            if _closed(conn) or not conn.is_in_transaction():
+            if _closed(conn):
+                # PostgreSQL ended the session (the effect sat idle past idle_timeout, or the
+                # link broke): the transaction rolled back, unless the effect committed it.
+                raise StoreUnavailable(
+                    f"the connection was lost while the effect of message {message_id!r} ran"
+                    " (idle in its transaction past the consumer's idle_timeout, or the link"
+                    " broke)"
+                )
+            if not conn.is_in_transaction():
                 # The effect committed or rolled back itself: whether the mark went with it is
                 # unknown, so do not claim success (the message is not acknowledged; a
                 # redelivery sees the mark or runs again).
