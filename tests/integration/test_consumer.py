@@ -338,6 +338,69 @@ async def test_an_effect_that_commits_by_itself_is_not_acknowledged(
         await consumer.process(message_id, commits)
 
 
+@pytest.mark.parametrize("marked", ["new", "expired"])
+async def test_an_effect_that_rolls_back_and_begins_again_is_not_acknowledged(
+    store: Store, consumer: IdempotentConsumer, marked: str
+) -> None:
+    """ROLLBACK; BEGIN (a helper "recovering" from an error) took the mark with the rollback,
+    and the COMMIT then committed the new transaction: reported PROCESSED, and the next
+    delivery ran the effect again. Over an expired mark the commit renewed it, so the message
+    stayed marked without its effect."""
+    message_id = fresh()
+    if marked == "expired":
+        await consumer.process(message_id, write(consumer, message_id))
+        await store.pool.execute(
+            f"UPDATE {TABLE} SET expires_at = clock_timestamp() - interval '1 second'"
+            " WHERE consumer = $1 AND message_id = $2",
+            consumer.name,
+            message_id,
+        )
+    before = await effect_rows(store, consumer, message_id)
+
+    async def recovers(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute("ROLLBACK; BEGIN")
+        await write(consumer, message_id)(conn)  # written in the effect's own transaction
+
+    with pytest.raises(StoreUnavailable, match="ended the consumer's transaction"):
+        await consumer.process(message_id, recovers)
+    assert not await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == before  # its writes rolled back
+    again = await consumer.process(message_id, write(consumer, message_id))
+    assert again.outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == before + 1
+
+
+async def test_an_effect_that_commits_and_begins_again_is_not_acknowledged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+
+    async def commits(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute("COMMIT; BEGIN")
+        await write(consumer, message_id)(conn)
+
+    with pytest.raises(StoreUnavailable, match="ended the consumer's transaction"):
+        await consumer.process(message_id, commits)
+    # The mark committed with the first write (the effect's doing); the second rolled back.
+    assert await effect_rows(store, consumer, message_id) == 1
+    assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
+@pytest.mark.parametrize("message_id", ["$mark$", "a$mark$b$mark_$c", "$$"])
+async def test_a_message_id_with_dollar_quotes_commits(
+    store: Store, consumer: IdempotentConsumer, message_id: str
+) -> None:
+    """The commit's check is a dollar-quoted DO block holding the message id."""
+    message_id += fresh()
+    assert (await consumer.process(message_id, write(consumer, message_id))).outcome is (
+        Consumed.PROCESSED
+    )
+    assert await consumer.is_processed(message_id)
+    assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
 async def test_consumers_are_separated_by_name(store: Store, effects_table: None) -> None:
     message_id = fresh()
     ledger = IdempotentConsumer(store, fresh("ledger"))

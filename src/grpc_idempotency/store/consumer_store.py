@@ -34,6 +34,7 @@ class MarkBusy(Exception):
 
 
 _LOCK_NOT_AVAILABLE = "55P03"
+_MARK_GONE = "GI004"  # raised by the commit: the mark's transaction is not the one committing
 # A connection that broke under the effect: the store's failure, not the effect's. Also the
 # SQLSTATE classes 08 (connection exception) and 57P (the server shutting down or restarting).
 _CONNECTION_LOST: tuple[type[BaseException], ...] = (
@@ -72,10 +73,22 @@ class ConsumerStatements:
         # than the retention committed a mark already expired, and a redelivery (or the
         # duplicate waiting on the row) ran the effect again. Sent with the COMMIT in one
         # round trip; in an aborted transaction it fails (25P02) and the COMMIT is not run.
+        #
+        # The update must find the mark written by this very transaction (its xmin): an effect
+        # that ended the mark's transaction and opened another (ROLLBACK; BEGIN) had its mark
+        # rolled back, and the COMMIT then committed nothing of the kind; it was reported
+        # PROCESSED and the next delivery ran the effect again (or, over an expired mark, its
+        # retention was renewed without the effect). A DO block raises _MARK_GONE instead, in
+        # the same round trip; the COMMIT after it is not run.
         self.commit_template = (
+            "DO {tag}BEGIN "
             f"UPDATE {self.table} SET processed_at = clock_timestamp(), "
             "expires_at = clock_timestamp() + make_interval(secs => {retention}) "
-            "WHERE consumer = {consumer} AND message_id = {message_id}; COMMIT"
+            "WHERE consumer = {consumer} AND message_id = {message_id} "
+            "AND xmin = pg_current_xact_id()::xid; "
+            f"IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
+            "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
+            " (the effect ended it)'; END IF; END{tag}; COMMIT"
         )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
@@ -108,9 +121,16 @@ class ConsumerStatements:
         )
 
     def commit(self, consumer: str, message_id: str, retention_s: float) -> str:
+        consumer_sql, message_id_sql = text_literal(consumer), text_literal(message_id)
+        # The DO block's body is dollar-quoted: its tag must not occur in the literals in it
+        # (a message id is any text).
+        tag = "$mark$"
+        while tag in consumer_sql or tag in message_id_sql:
+            tag = tag[:-1] + "_$"
         return self.commit_template.format(
-            consumer=text_literal(consumer),
-            message_id=text_literal(message_id),
+            tag=tag,
+            consumer=consumer_sql,
+            message_id=message_id_sql,
             retention=float_literal(retention_s),
         )
 
@@ -199,10 +219,7 @@ class Mark:
                 # The effect committed or rolled back itself: whether the mark went with it is
                 # unknown, so do not claim success (the message is not acknowledged; a
                 # redelivery sees the mark or runs again).
-                raise StoreUnavailable(
-                    f"the effect of message {message_id!r} ended the consumer's transaction"
-                    " itself; never COMMIT or ROLLBACK it"
-                )
+                raise _ended_by_the_effect(message_id)
             try:
                 status = await conn.execute(self._commit_sql)
             except asyncpg.InFailedSQLTransactionError:
@@ -211,6 +228,13 @@ class Mark:
                 await _abandon(conn, None)
                 raise aborted_by("the effect") from None
             except BaseException as exc:
+                if getattr(exc, "sqlstate", None) == _MARK_GONE:
+                    # The effect ended the mark's transaction and opened another (ROLLBACK;
+                    # BEGIN, or COMMIT; BEGIN): the mark is not in the transaction at hand.
+                    # Roll that one back (what the effect wrote after its BEGIN) and report it
+                    # as the effect ending the transaction itself.
+                    await _abandon(conn, None)
+                    raise _ended_by_the_effect(message_id) from None
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
                 if isinstance(exc, asyncpg.PostgresError) and classify(exc.sqlstate) is (
@@ -237,6 +261,13 @@ class Mark:
         if not self._done:
             self._done = True
             await self._store._release(self.connection)
+
+
+def _ended_by_the_effect(message_id: str) -> StoreUnavailable:
+    return StoreUnavailable(
+        f"the effect of message {message_id!r} ended the consumer's transaction itself; never"
+        " COMMIT or ROLLBACK it"
+    )
 
 
 def _closed(conn: PooledConnection) -> bool:
