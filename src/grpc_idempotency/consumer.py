@@ -36,7 +36,9 @@ effect raises are its own and propagate unchanged (a constraint it violates is t
 problem, not the store's, also when it is checked only at ``COMMIT``), except a lost
 connection, which becomes ``StoreUnavailable``. An effect that catches a failed statement's error
 and returns has an aborted transaction, which cannot commit: ``HandlerDatabaseError``, nothing
-marked (do not acknowledge).
+marked (do not acknowledge). The transaction may sit idle (the effect awaiting anything but the
+database) for at most ``idle_timeout`` (30 s by default): PostgreSQL then ends its session, and
+``StoreUnavailable`` says the connection was lost, nothing marked.
 
 Processed ids expire ``retention`` after their commit (database clock); a delivery after that runs
 the effect again, whether or not the expired mark has been purged (``purge_processed`` deletes
@@ -110,7 +112,10 @@ class IdempotentConsumer:
 
     ``name`` separates consumers sharing the store's ``processed_messages`` table: two consumers
     of one message each process it once. ``retention``: how long an id is remembered;
-    ``max_wait``: how long a duplicate waits for a concurrent delivery of the same id.
+    ``max_wait``: how long a duplicate waits for a concurrent delivery of the same id;
+    ``idle_timeout``: how long the delivery's transaction may sit idle (the effect awaiting
+    anything but the database) before PostgreSQL ends its session, so that a replica frozen or
+    cut off mid-effect frees the message for a redelivery instead of holding it for hours.
     """
 
     def __init__(
@@ -120,10 +125,13 @@ class IdempotentConsumer:
         *,
         retention: timedelta = timedelta(days=7),
         max_wait: timedelta = timedelta(seconds=5),
+        idle_timeout: timedelta = timedelta(seconds=30),
     ) -> None:
         self.store = store
         self.name = validate_consumer_name(name)
-        self.policy = ConsumerPolicy(retention=retention, max_wait=max_wait)
+        self.policy = ConsumerPolicy(
+            retention=retention, max_wait=max_wait, idle_timeout=idle_timeout
+        )
         self._messages = ProcessedMessages(store)
         # Deliveries of one id in this process queue here, holding no connection; the database
         # row decides between processes.
@@ -178,6 +186,7 @@ class IdempotentConsumer:
                 message_id,
                 retention_s=self.policy.retention_s,
                 wait_s=wait_s,
+                idle_timeout_s=self.policy.idle_timeout_s,
                 acquire_timeout=acquire_timeout,
             )
         except MarkBusy:

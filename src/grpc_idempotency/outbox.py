@@ -59,6 +59,7 @@ from grpc_idempotency.core.errors import (
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.store.outbox_store import (
+    BIGINT_MAX,
     DeadLetter,
     Failure,
     Listener,
@@ -303,8 +304,9 @@ class Relay:
             raise ValueError(f"relay name {name!r} holds NUL or is not UTF-8")
         if listen_dsn is not None and not listen:
             raise ValueError("listen_dsn is for listening: not with listen=False")
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
+        if not isinstance(batch_size, int) or not 1 <= batch_size <= BIGINT_MAX:
+            # Past bigint every claim failed (asyncpg's DataError), read as a store outage.
+            raise ValueError(f"batch_size must be a whole number from 1 to {BIGINT_MAX}")
         # NaN passes every comparison: a NaN poll_interval made the relay claim in a tight loop.
         if not all(0 < v <= MAX_DURATION_S for v in (lease, poll_interval, purge_interval)):
             raise ValueError(

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -47,6 +51,7 @@ CREATE TABLE IF NOT EXISTS consumer_test.checked_at_commit (
 );
 """
 TABLE = "grpc_idempotency.processed_messages"
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +338,69 @@ async def test_an_effect_that_commits_by_itself_is_not_acknowledged(
         await consumer.process(message_id, commits)
 
 
+@pytest.mark.parametrize("marked", ["new", "expired"])
+async def test_an_effect_that_rolls_back_and_begins_again_is_not_acknowledged(
+    store: Store, consumer: IdempotentConsumer, marked: str
+) -> None:
+    """ROLLBACK; BEGIN (a helper "recovering" from an error) took the mark with the rollback,
+    and the COMMIT then committed the new transaction: reported PROCESSED, and the next
+    delivery ran the effect again. Over an expired mark the commit renewed it, so the message
+    stayed marked without its effect."""
+    message_id = fresh()
+    if marked == "expired":
+        await consumer.process(message_id, write(consumer, message_id))
+        await store.pool.execute(
+            f"UPDATE {TABLE} SET expires_at = clock_timestamp() - interval '1 second'"
+            " WHERE consumer = $1 AND message_id = $2",
+            consumer.name,
+            message_id,
+        )
+    before = await effect_rows(store, consumer, message_id)
+
+    async def recovers(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute("ROLLBACK; BEGIN")
+        await write(consumer, message_id)(conn)  # written in the effect's own transaction
+
+    with pytest.raises(StoreUnavailable, match="ended the consumer's transaction"):
+        await consumer.process(message_id, recovers)
+    assert not await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == before  # its writes rolled back
+    again = await consumer.process(message_id, write(consumer, message_id))
+    assert again.outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == before + 1
+
+
+async def test_an_effect_that_commits_and_begins_again_is_not_acknowledged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    message_id = fresh()
+
+    async def commits(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute("COMMIT; BEGIN")
+        await write(consumer, message_id)(conn)
+
+    with pytest.raises(StoreUnavailable, match="ended the consumer's transaction"):
+        await consumer.process(message_id, commits)
+    # The mark committed with the first write (the effect's doing); the second rolled back.
+    assert await effect_rows(store, consumer, message_id) == 1
+    assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
+@pytest.mark.parametrize("message_id", ["$mark$", "a$mark$b$mark_$c", "$$"])
+async def test_a_message_id_with_dollar_quotes_commits(
+    store: Store, consumer: IdempotentConsumer, message_id: str
+) -> None:
+    """The commit's check is a dollar-quoted DO block holding the message id."""
+    message_id += fresh()
+    assert (await consumer.process(message_id, write(consumer, message_id))).outcome is (
+        Consumed.PROCESSED
+    )
+    assert await consumer.is_processed(message_id)
+    assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
 async def test_consumers_are_separated_by_name(store: Store, effects_table: None) -> None:
     message_id = fresh()
     ledger = IdempotentConsumer(store, fresh("ledger"))
@@ -408,6 +476,102 @@ def test_a_retention_the_database_cannot_add_is_refused_when_made(store: Store) 
     """It overflowed the mark's timestamp (22008): every delivery failed as a store outage."""
     with pytest.raises(ValueError, match="at most 36500 days"):
         IdempotentConsumer(store, fresh("consumer"), retention=timedelta(days=999_999_999))
+
+
+async def test_the_mark_transaction_carries_an_idle_timeout(
+    store: Store, effects_table: None
+) -> None:
+    """README: every transaction the library opens carries one; the mark's had none."""
+    consumer = IdempotentConsumer(store, fresh("consumer"), idle_timeout=timedelta(seconds=7))
+
+    async def effect(conn: Any) -> str:
+        setting: str = await conn.fetchval("SHOW idle_in_transaction_session_timeout")
+        return setting
+
+    assert (await consumer.process(fresh(), effect)).value == "7s"
+    # The default is the server's lease; a longer one than PostgreSQL's int of milliseconds is
+    # sent as its largest (a larger one failed the BEGIN with 22023, as if the store were down).
+    assert (await IdempotentConsumer(store, fresh("c")).process(fresh(), effect)).value == "30s"
+    longest = IdempotentConsumer(store, fresh("c"), idle_timeout=timedelta(days=36500))
+    assert (await longest.process(fresh(), effect)).value == str(2**31 - 1) + "ms"
+
+
+@pytest.mark.parametrize("idle_timeout", [timedelta(0), timedelta(days=36501)], ids=["0", "long"])
+def test_an_idle_timeout_out_of_range_is_refused_when_made(
+    store: Store, idle_timeout: timedelta
+) -> None:
+    with pytest.raises(ValueError, match="idle_timeout must be positive"):
+        IdempotentConsumer(store, fresh("consumer"), idle_timeout=idle_timeout)
+
+
+async def test_an_effect_idle_past_the_idle_timeout_is_told_its_connection_was_lost(
+    store: Store, effects_table: None
+) -> None:
+    """It was told it had ended the consumer's transaction itself (COMMIT or ROLLBACK)."""
+    consumer = IdempotentConsumer(store, fresh("idle"), idle_timeout=timedelta(milliseconds=100))
+    message_id = fresh()
+
+    async def idles(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        pid = conn.get_server_pid()
+        await until(
+            "PostgreSQL to end the idle session",
+            lambda: store.pool.fetchval(
+                "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)", pid
+            ),
+        )
+
+        def closed() -> bool:
+            try:
+                return bool(conn.is_closed())
+            except asyncpg.InterfaceError:  # the pool detached the proxy of a lost connection
+                return True
+
+        await until("asyncpg to see the session gone", closed)
+
+    with pytest.raises(StoreUnavailable, match="connection was lost while the effect"):
+        await consumer.process(message_id, idles)
+    assert await effect_rows(store, consumer, message_id) == 0
+    assert not await consumer.is_processed(message_id)
+
+
+async def test_a_frozen_replica_frees_its_message_after_the_idle_timeout(
+    pg_dsn: str, store: Store, effects_table: None
+) -> None:
+    """A replica frozen (SIGSTOP: a GC pause, a VM migration) or cut off mid-effect kept the
+    mark's row locked: every redelivery was MessageInProgress until TCP keepalive ended the
+    session, hours later. Now PostgreSQL ends it after the idle timeout: its effect and mark roll
+    back, a redelivery on another replica runs the effect, and the frozen one, thawed, cannot
+    commit (nothing acknowledged there)."""
+    name, message_id = fresh("frozen"), fresh()
+    replica = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "tests.support.consumer_replica", pg_dsn, name, message_id, "500"],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert replica.stdin is not None and replica.stdout is not None
+    try:
+        entered = await asyncio.wait_for(replica.stdout.readline(), timeout=30)
+        assert entered == b"entered\n"  # its effect's row written, its transaction open
+        replica.send_signal(signal.SIGSTOP)
+        # Waits on the frozen replica's row lock (max_wait) until PostgreSQL ends its session.
+        other = IdempotentConsumer(store, name, max_wait=timedelta(seconds=20))
+        result = await other.process(message_id, write(other, message_id))
+        assert result.outcome is Consumed.PROCESSED
+        assert await effect_rows(store, other, message_id) == 1  # the frozen one's rolled back
+
+        replica.send_signal(signal.SIGCONT)
+        replica.stdin.write(b"\n")  # its effect returns
+        thawed = await asyncio.wait_for(replica.stdout.readline(), timeout=30)
+        assert thawed == b"raised StoreUnavailable\n"
+        assert await effect_rows(store, other, message_id) == 1
+        assert (await other.process(message_id, write(other, message_id))).duplicate
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            replica.send_signal(signal.SIGCONT)
+            replica.kill()
+        await replica.wait()
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
+import asyncpg
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, child_key
+from grpc_idempotency.outbox import OutboxStore
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
+from tests.support.schemas import fresh_store
+from tests.support.waiting import until
 
 WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
 
@@ -93,6 +100,63 @@ async def test_a_key_reused_after_its_retention_cannot_lose_the_new_operations_e
     (row,) = await outbox_rows(store, key)
     assert row["payload"] == first.body
     assert await ledger_rows(store, second_account) == 0
+
+
+@pytest.mark.parametrize("payload", [b"same", b"new"], ids=["same", "different"])
+async def test_a_row_purged_between_the_insert_and_its_look_up_is_inserted_again(
+    pg_dsn: str, payload: bytes
+) -> None:
+    """The earlier operation's row under the key (a key reused past retention) was purged
+    between the enqueue's INSERT ... ON CONFLICT DO NOTHING and its look-up of the kept row: the
+    look-up found nothing, and the message, identical or not, was refused as a different one
+    (OutboxKeyReused), though nothing was kept under the key. Now it is inserted again."""
+    lock = 0x6F7574626F78  # the test's own advisory lock key
+    async with fresh_store(pg_dsn, "oq", max_size=6) as store:
+        s = f'"{store.schema}"'
+        args = {
+            "scope": "tenant:a",
+            "key": f"k-{uuid.uuid4().hex}",
+            "step": "e.v1",
+            "parent_key": "p",
+            "method": "/a.B/C",
+            "payload_type": "a.Ev",
+        }
+        async with store.connection("test") as conn:
+            await store.enqueue(conn, **args, payload=b"same")
+        # The earlier operation's row: sent two days ago, past the relay's sent retention.
+        await store.pool.execute(
+            f"UPDATE {s}.outbox SET state = 'sent', sent_at = clock_timestamp() - interval '2 days'"
+        )
+        # Test-only: the enqueue pauses after each INSERT statement (DO NOTHING included) on a
+        # lock the test holds.
+        await store.pool.execute(f"""
+            CREATE FUNCTION {s}.pause() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_advisory_xact_lock_shared({lock}); RETURN NULL; END $$;
+            CREATE TRIGGER pause AFTER INSERT ON {s}.outbox
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.pause();""")
+        holder = await asyncpg.connect(pg_dsn)
+        try:
+            await holder.execute(f"SELECT pg_advisory_lock({lock})")
+
+            async def again() -> None:
+                async with store.connection("test") as conn, conn.transaction():
+                    await store.enqueue(conn, **args, payload=payload)
+
+            enqueue = asyncio.ensure_future(again())
+            await until(
+                "the enqueue to pause after its INSERT",
+                lambda: store.pool.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                    " AND query LIKE '%INSERT INTO%outbox%'"
+                ),
+            )
+            assert await OutboxStore(store).purge_sent(older_than_s=86400) == 1
+            await holder.execute(f"SELECT pg_advisory_unlock({lock})")
+            await asyncio.wait_for(enqueue, timeout=10)
+        finally:
+            await holder.close()
+        rows = await store.pool.fetch(f"SELECT payload, state FROM {s}.outbox")
+        assert [(bytes(r["payload"]), r["state"]) for r in rows] == [(payload, "pending")]
 
 
 @pytest.mark.parametrize("behaviour", ["NOT_FOUND", "UNAVAILABLE"])

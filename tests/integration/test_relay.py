@@ -624,6 +624,9 @@ def test_relay_arguments_are_checked() -> None:
     store: Store = object()  # type: ignore[assignment]
     for bad in (
         {"batch_size": 0},
+        # Past bigint every claim failed (asyncpg's DataError), read as a store outage.
+        {"batch_size": 2**63},
+        {"batch_size": 2.5},
         {"lease": 0},
         {"lease": 1, "delivery_timeout": 1},
         {"sent_retention": -1},
@@ -655,6 +658,20 @@ async def test_an_age_the_database_cannot_subtract_is_refused(outbox: Store, whi
         with pytest.raises(ValueError, match="older_than_s must be 0 to"):
             await purge(older_than_s=bad)
     assert await purge(older_than_s=36500 * 86400.0) == 0
+
+
+async def test_dead_letter_numbers_past_bigint_are_refused(outbox: Store) -> None:
+    """asyncpg refused them (DataError), and the store reported that as being unavailable: a
+    failure to retry, for input that can never work. The largest accepted ones work."""
+    store = OutboxStore(outbox)
+    for ids in ([2**63], [-(2**63) - 1], [1, "2"]):
+        with pytest.raises(ValueError, match="bigint"):
+            await store.retry_dead(ids)  # type: ignore[list-item]
+    for limit in (2**63, 0, -1):
+        with pytest.raises(ValueError, match="limit must be"):
+            await store.dead_letters(limit=limit)
+    assert await store.retry_dead([2**63 - 1, -(2**63)]) == 0
+    assert isinstance(await store.dead_letters(limit=2**63 - 1), list)
 
 
 async def test_a_listening_relay_needs_a_second_connection(pg_dsn: str, outbox: Store) -> None:

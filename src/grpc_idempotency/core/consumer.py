@@ -60,6 +60,10 @@ class ConsumerPolicy:
     """How long a processed message id is remembered (from when it was processed)."""
     max_wait: timedelta = timedelta(seconds=5)
     """How long a duplicate waits for a concurrent delivery of the same id to finish."""
+    idle_timeout: timedelta = timedelta(seconds=30)
+    """How long the mark's transaction may sit idle (the effect awaiting something that is not
+    the database, or this process frozen or cut off) before PostgreSQL ends its session: the
+    mark rolls back and a redelivery elsewhere runs the effect. The server's default lease."""
 
     def __post_init__(self) -> None:
         if not timedelta(0) < self.retention <= MAX_DURATION:
@@ -67,10 +71,16 @@ class ConsumerPolicy:
             raise ValueError(f"retention must be positive and at most {MAX_DURATION.days} days")
         if not timedelta(0) <= self.max_wait <= MAX_DURATION:
             raise ValueError(f"max_wait must be 0 to {MAX_DURATION.days} days")
+        if not timedelta(0) < self.idle_timeout <= MAX_DURATION:
+            raise ValueError(f"idle_timeout must be positive and at most {MAX_DURATION.days} days")
 
     @property
     def retention_s(self) -> float:
         return self.retention.total_seconds()
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return self.idle_timeout.total_seconds()
 
     def wait_s(self, timeout: float | None) -> float:
         """How long a duplicate may wait: ``max_wait``, never past the caller's ``timeout``."""

@@ -24,7 +24,7 @@ from grpc_idempotency.store.errors import (
     store_error,
 )
 from grpc_idempotency.store.postgres import ROLLBACK_TIMEOUT_S, PooledConnection, Store
-from grpc_idempotency.store.sql import float_literal, schema_identifier, text_literal
+from grpc_idempotency.store.sql import begin, float_literal, schema_identifier, text_literal
 
 log = logging.getLogger("grpc_idempotency.consumer")
 
@@ -34,6 +34,7 @@ class MarkBusy(Exception):
 
 
 _LOCK_NOT_AVAILABLE = "55P03"
+_MARK_GONE = "GI004"  # raised by the commit: the mark's transaction is not the one committing
 # A connection that broke under the effect: the store's failure, not the effect's. Also the
 # SQLSTATE classes 08 (connection exception) and 57P (the server shutting down or restarting).
 _CONNECTION_LOST: tuple[type[BaseException], ...] = (
@@ -50,8 +51,12 @@ class ConsumerStatements:
         # Set to this call's bound for the mark only: the wait on a concurrent delivery's row is
         # a lock wait, which lock_timeout bounds. The RETURNING clause puts the session's own
         # setting back, so the effect's lock waits are not cut short by ours.
+        #
+        # The BEGIN carries idle_in_transaction_session_timeout (sql.begin), in the same batch:
+        # a replica frozen or cut off mid-effect kept the row locked, and every redelivery was
+        # MessageInProgress, until TCP keepalive ended its session hours later.
         self.mark_template = (
-            "BEGIN ISOLATION LEVEL READ COMMITTED; "
+            "{begin}; "
             "WITH prior AS MATERIALIZED (SELECT current_setting('lock_timeout') AS setting), "
             "bounded AS MATERIALIZED ("
             "SELECT setting, set_config('lock_timeout', {wait}, true) FROM prior) "
@@ -68,10 +73,22 @@ class ConsumerStatements:
         # than the retention committed a mark already expired, and a redelivery (or the
         # duplicate waiting on the row) ran the effect again. Sent with the COMMIT in one
         # round trip; in an aborted transaction it fails (25P02) and the COMMIT is not run.
+        #
+        # The update must find the mark written by this very transaction (its xmin): an effect
+        # that ended the mark's transaction and opened another (ROLLBACK; BEGIN) had its mark
+        # rolled back, and the COMMIT then committed nothing of the kind; it was reported
+        # PROCESSED and the next delivery ran the effect again (or, over an expired mark, its
+        # retention was renewed without the effect). A DO block raises _MARK_GONE instead, in
+        # the same round trip; the COMMIT after it is not run.
         self.commit_template = (
+            "DO {tag}BEGIN "
             f"UPDATE {self.table} SET processed_at = clock_timestamp(), "
             "expires_at = clock_timestamp() + make_interval(secs => {retention}) "
-            "WHERE consumer = {consumer} AND message_id = {message_id}; COMMIT"
+            "WHERE consumer = {consumer} AND message_id = {message_id} "
+            "AND xmin = pg_current_xact_id()::xid; "
+            f"IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
+            "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
+            " (the effect ended it)'; END IF; END{tag}; COMMIT"
         )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
@@ -87,8 +104,16 @@ class ConsumerStatements:
             DELETE FROM {self.table} p USING doomed d
             WHERE p.consumer = d.consumer AND p.message_id = d.message_id"""
 
-    def mark(self, consumer: str, message_id: str, retention_s: float, wait_s: float) -> str:
+    def mark(
+        self,
+        consumer: str,
+        message_id: str,
+        retention_s: float,
+        wait_s: float,
+        idle_timeout_s: float,
+    ) -> str:
         return self.mark_template.format(
+            begin=begin("read committed", idle_timeout_s),
             wait=text_literal(lock_timeout(wait_s)),
             consumer=text_literal(consumer),
             message_id=text_literal(message_id),
@@ -96,9 +121,16 @@ class ConsumerStatements:
         )
 
     def commit(self, consumer: str, message_id: str, retention_s: float) -> str:
+        consumer_sql, message_id_sql = text_literal(consumer), text_literal(message_id)
+        # The DO block's body is dollar-quoted: its tag must not occur in the literals in it
+        # (a message id is any text).
+        tag = "$mark$"
+        while tag in consumer_sql or tag in message_id_sql:
+            tag = tag[:-1] + "_$"
         return self.commit_template.format(
-            consumer=text_literal(consumer),
-            message_id=text_literal(message_id),
+            tag=tag,
+            consumer=consumer_sql,
+            message_id=message_id_sql,
             retention=float_literal(retention_s),
         )
 
@@ -117,6 +149,7 @@ class ProcessedMessages:
         *,
         retention_s: float,
         wait_s: float,
+        idle_timeout_s: float,
         acquire_timeout: float | None,
     ) -> Mark:
         """Opens a transaction holding ``message_id``'s mark for ``consumer``; its ``outcome``
@@ -124,7 +157,7 @@ class ProcessedMessages:
         ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
         store = self.store
         conn = await store._acquire("marking a message", acquire_timeout)
-        sql = self._sql.mark(consumer, message_id, retention_s, wait_s)
+        sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s)
         try:
             status = await conn.execute(sql)
         except BaseException as exc:
@@ -174,14 +207,19 @@ class Mark:
     async def commit(self, message_id: str) -> None:
         conn = self.connection
         try:
-            if _closed(conn) or not conn.is_in_transaction():
+            if _closed(conn):
+                # PostgreSQL ended the session (the effect sat idle past idle_timeout, or the
+                # link broke): the transaction rolled back, unless the effect committed it.
+                raise StoreUnavailable(
+                    f"the connection was lost while the effect of message {message_id!r} ran"
+                    " (idle in its transaction past the consumer's idle_timeout, or the link"
+                    " broke)"
+                )
+            if not conn.is_in_transaction():
                 # The effect committed or rolled back itself: whether the mark went with it is
                 # unknown, so do not claim success (the message is not acknowledged; a
                 # redelivery sees the mark or runs again).
-                raise StoreUnavailable(
-                    f"the effect of message {message_id!r} ended the consumer's transaction"
-                    " itself; never COMMIT or ROLLBACK it"
-                )
+                raise _ended_by_the_effect(message_id)
             try:
                 status = await conn.execute(self._commit_sql)
             except asyncpg.InFailedSQLTransactionError:
@@ -190,6 +228,13 @@ class Mark:
                 await _abandon(conn, None)
                 raise aborted_by("the effect") from None
             except BaseException as exc:
+                if getattr(exc, "sqlstate", None) == _MARK_GONE:
+                    # The effect ended the mark's transaction and opened another (ROLLBACK;
+                    # BEGIN, or COMMIT; BEGIN): the mark is not in the transaction at hand.
+                    # Roll that one back (what the effect wrote after its BEGIN) and report it
+                    # as the effect ending the transaction itself.
+                    await _abandon(conn, None)
+                    raise _ended_by_the_effect(message_id) from None
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
                 if isinstance(exc, asyncpg.PostgresError) and classify(exc.sqlstate) is (
@@ -216,6 +261,13 @@ class Mark:
         if not self._done:
             self._done = True
             await self._store._release(self.connection)
+
+
+def _ended_by_the_effect(message_id: str) -> StoreUnavailable:
+    return StoreUnavailable(
+        f"the effect of message {message_id!r} ended the consumer's transaction itself; never"
+        " COMMIT or ROLLBACK it"
+    )
 
 
 def _closed(conn: PooledConnection) -> bool:

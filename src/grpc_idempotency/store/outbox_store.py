@@ -363,6 +363,10 @@ class OutboxStore:
         )
 
     async def dead_letters(self, *, limit: int = 1000) -> list[DeadLetter]:
+        if not isinstance(limit, int) or not 1 <= limit <= BIGINT_MAX:
+            # Past bigint (or not a whole number) PostgreSQL never saw it: asyncpg's DataError
+            # was reported as the store being unavailable.
+            raise ValueError(f"limit must be a whole number from 1 to {BIGINT_MAX}: {limit!r}")
         async with self.store.connection("listing dead letters") as conn:
             rows = await conn.fetch(self.statements.dead_letters, limit)
         return [DeadLetter(**dict(r)) for r in rows]
@@ -370,10 +374,14 @@ class OutboxStore:
     async def retry_dead(self, ids: Sequence[int] | None) -> int:
         """Puts dead letters (``ids``, or all of them with ``None``) back to pending, due now,
         with attempts from zero, and wakes the relays; returns how many."""
+        if ids is not None:
+            ids = list(ids)
+            for id_ in ids:
+                if not isinstance(id_, int) or not -BIGINT_MAX - 1 <= id_ <= BIGINT_MAX:
+                    # As for dead_letters' limit: a DataError read as the store being down.
+                    raise ValueError(f"a dead letter's id is a bigint: {id_!r}")
         async with self._at_read_committed("retrying dead letters") as conn:
-            status = await conn.execute(
-                self.statements.retry_dead, None if ids is None else list(ids)
-            )
+            status = await conn.execute(self.statements.retry_dead, ids)
             count = int(status.split()[-1])
             if count:
                 await conn.execute(self.statements.notify, self.channel)
@@ -389,6 +397,10 @@ class OutboxStore:
             )
             for r in rows
         }
+
+
+BIGINT_MAX = 2**63 - 1
+"""The largest id or count the outbox's statements take (bigint parameters)."""
 
 
 def _text(value: str, limit: int = 2000) -> str:

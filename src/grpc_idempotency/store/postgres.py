@@ -788,25 +788,37 @@ class Store:
         """Writes an outbox row on ``conn``, in the call's transaction. ``key`` (the outbox
         step's child key) is unique with ``scope``: the same message again adds nothing; a
         different one under the same key raises ``OutboxKeyReused`` rather than be dropped."""
-        status = await conn.execute(
-            self.statements.enqueue, scope, key, step, parent_key, method, payload_type, payload
-        )
-        if status == "INSERT 0 1":
-            return
-        # The key is taken (the one extra round trip is on this rare path only). No attempt of
-        # the same operation can have left a row: an attempt that enqueued either committed
-        # with its outcome, so the operation is done, or rolled back. So the row is this call's
-        # own (the step enqueued twice) or an earlier operation's under a reused key.
-        kept = await conn.fetchrow(self.statements.enqueued, scope, key)
-        if kept is not None and (kept["payload_type"], bytes(kept["payload"])) == (
-            payload_type,
-            payload,
-        ):
-            return
-        raise OutboxKeyReused(
-            f"outbox step {step!r} of this operation already holds a different message (the"
-            " step enqueued twice in one call, or the idempotency key reused after its retention"
-            " while the earlier operation's message is kept); use a new key for a new operation"
+        attempts = 3  # bounded: each repeat needs a row written and purged again meanwhile
+        for _ in range(attempts):
+            status = await conn.execute(
+                self.statements.enqueue, scope, key, step, parent_key, method, payload_type, payload
+            )
+            if status == "INSERT 0 1":
+                return
+            # The key is taken (the one extra round trip is on this rare path only). No attempt
+            # of the same operation can have left a row: an attempt that enqueued either
+            # committed with its outcome, so the operation is done, or rolled back. So the row
+            # is this call's own (the step enqueued twice) or an earlier operation's under a
+            # reused key.
+            kept = await conn.fetchrow(self.statements.enqueued, scope, key)
+            if kept is None:
+                # The earlier operation's row was purged (sent, or a dead letter) between the
+                # INSERT and the look-up: nothing is kept under the key, so nothing differs.
+                # It was refused as a different message. Insert again.
+                continue
+            if (kept["payload_type"], bytes(kept["payload"])) == (payload_type, payload):
+                return
+            raise OutboxKeyReused(
+                f"outbox step {step!r} of this operation already holds a different message (the"
+                " step enqueued twice in one call, or the idempotency key reused after its"
+                " retention while the earlier operation's message is kept); use a new key for a"
+                " new operation"
+            )
+        # Rows under the key came and went on every attempt: a race this call lost, not a
+        # different message; a retry runs it again.
+        raise TransactionConflict(
+            f"outbox step {step!r}: the row under its key was purged and written again by"
+            f" others {attempts} times during this call; retry"
         )
 
     async def ping(self, timeout: float | None = None) -> None:
