@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -142,12 +143,18 @@ class IdempotentConsumer:
     ) -> ConsumeResult[T]:
         """Marks ``message_id`` and runs ``effect(connection)`` in one transaction and commits;
         ``DUPLICATE`` without running it when the id is already marked. ``timeout`` (seconds)
-        bounds the wait for a connection and for a concurrent delivery, not the effect.
+        bounds the wait for a connection and for a concurrent delivery, not the effect
+        (``math.inf``: no bound, as ``None``; NaN or a negative one is a ``ValueError``).
 
         Raises ``MessageInProgress``, ``StoreUnavailable``, ``KeyInvalid`` (a malformed id), or
         what the effect raised; in every case nothing is marked and the message must not be
         acknowledged."""
         validate_message_id(message_id)
+        if timeout is not None and not timeout >= 0:
+            # NaN too: it compared false everywhere, and a busy pool's wait never ended.
+            raise ValueError(f"timeout must be None or not negative, not {timeout!r}")
+        if timeout == math.inf:
+            timeout = None
         started = time.monotonic()
         wait_until = started + self.policy.wait_s(timeout)
         while (running := self._running.get(message_id)) is not None:

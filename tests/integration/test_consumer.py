@@ -496,6 +496,25 @@ async def test_the_mark_transaction_carries_an_idle_timeout(
     assert (await longest.process(fresh(), effect)).value == str(2**31 - 1) + "ms"
 
 
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0])
+async def test_a_nan_or_negative_timeout_is_refused_before_anything_runs(
+    store: Store, timeout: float
+) -> None:
+    """NaN compared false everywhere: on a busy pool, the wait for a connection never ended."""
+    ran: list[str] = []
+
+    async def effect(conn: Any) -> None:
+        ran.append("ran")
+
+    consumer = IdempotentConsumer(store, fresh("consumer"))
+    with pytest.raises(ValueError, match="timeout must be None or not negative"):
+        await consumer.process(fresh(), effect, timeout=timeout)
+    assert ran == []
+    # math.inf is no bound, as None.
+    assert not (await consumer.process(fresh(), effect, timeout=float("inf"))).duplicate
+    assert ran == ["ran"]
+
+
 @pytest.mark.parametrize("idle_timeout", [timedelta(0), timedelta(days=36501)], ids=["0", "long"])
 def test_an_idle_timeout_out_of_range_is_refused_when_made(
     store: Store, idle_timeout: timedelta
