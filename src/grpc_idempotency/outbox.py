@@ -440,10 +440,18 @@ class Relay:
             self.stats.dead += dead
             for outcome_name, count in (("sent", delivered), ("retry", retried), ("dead", dead)):
                 if count:
-                    self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome_name})
+                    self._count(outcome_name, count)
         return _Batch(
             claimed=len(messages), delivered=delivered, retried=retried, dead=dead, alone=alone
         )
+
+    def _count(self, outcome: str, count: int) -> None:
+        # A metric reader or exporter that raises must not fail a batch whose outcomes are
+        # recorded (the relay would take the batch for lost and log it so).
+        try:
+            self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome})
+        except Exception:
+            log.warning("telemetry failed counting deliveries", exc_info=True)
 
     async def _deliver(self, message: OutboxMessage) -> str | _Failed:
         if self.policy.parks_unrecorded(message.lost_claims):

@@ -22,6 +22,8 @@ calls.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -84,6 +86,10 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 
 DEADLINE_SLACK_S = 0.05
+
+log = logging.getLogger("grpc_idempotency.telemetry")
+# A broken exporter fails on every call: its failures are logged once a minute, not per call.
+_FAILURE_LOG_INTERVAL_S = 60.0
 """A handler cancelled with less time left than this was cancelled by its deadline: the
 client's own deadline, which cancels the call from its side, runs out up to the headers' one-way
 trip earlier than the server's copy of it."""
@@ -140,6 +146,7 @@ class Telemetry:
         self.record_key = record_key
         self.record_scope = record_scope
         self._attributes: dict[str, dict[str, str]] = {}
+        self._failures: dict[str, float] = {}
         self._labels: dict[tuple[str, Code, CallOutcome], dict[str, str | int]] = {}
         meter = metrics.get_meter("grpc_idempotency", _VERSION, meter_provider)
         self.calls = meter.create_counter(
@@ -169,18 +176,58 @@ class Telemetry:
 
     @contextmanager
     def span(self, method: str) -> Iterator[trace.Span]:
+        """The call's span. The SDK calls span processors (exporters) unguarded: one that raised
+        as the span started failed every keyed call before its handler ran, and one that raised
+        as it ended answered UNKNOWN for a write that had committed, replays included. Failures
+        of the span's start and end are logged here and never change the call; what the block
+        raises goes through untouched."""
         if not self.tracing():
             yield trace.INVALID_SPAN
             return
         attributes = self.attributes(method)
-        with self.tracer.start_as_current_span(
-            f"grpc_idempotency {attributes[SERVICE]}/{attributes[METHOD]}",
-            kind=trace.SpanKind.INTERNAL,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
+        try:
+            current = self.tracer.start_as_current_span(
+                f"grpc_idempotency {attributes[SERVICE]}/{attributes[METHOD]}",
+                kind=trace.SpanKind.INTERNAL,
+                attributes=attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+            span = current.__enter__()
+        except Exception:
+            self.failed("starting a span")
+            yield trace.INVALID_SPAN
+            return
+        try:
             yield span
+        except BaseException as exc:
+            try:
+                current.__exit__(type(exc), exc, exc.__traceback__)
+            except BaseException as raised:
+                if raised is not exc:
+                    self.failed("ending a span")
+            raise
+        try:
+            current.__exit__(None, None, None)
+        except Exception:
+            self.failed("ending a span")
+
+    def count_bypassed(self, method: str) -> None:
+        """Counts a call run without its store (fail-open)."""
+        try:
+            self.bypassed.add(1, self.attributes(method))
+        except Exception:
+            self.failed("counting a call run without its store")
+
+    def failed(self, doing: str) -> None:
+        """Logs a failure of OpenTelemetry (a span processor, exporter or metric reader that
+        raised) at most once a minute per kind; telemetry never changes a call's answer."""
+        now = time.monotonic()
+        last = self._failures.get(doing)
+        if last is not None and now - last < _FAILURE_LOG_INTERVAL_S:
+            return
+        self._failures[doing] = now
+        log.warning("telemetry failed %s; the call goes on without it", doing, exc_info=True)
 
     def record(
         self,
@@ -192,6 +239,22 @@ class Telemetry:
         code: Code = Code.OK,
         key: str | None = None,
         scope: str | None = None,
+    ) -> None:
+        try:
+            self._record(span, method, outcome, seconds, code=code, key=key, scope=scope)
+        except Exception:
+            self.failed("recording a call")
+
+    def _record(
+        self,
+        span: trace.Span,
+        method: str,
+        outcome: CallOutcome,
+        seconds: float,
+        *,
+        code: Code,
+        key: str | None,
+        scope: str | None,
     ) -> None:
         if span.is_recording():
             span.set_attribute(OUTCOME, outcome.value)

@@ -37,6 +37,7 @@ from grpc_idempotency.outbox import (
     forward_scope,
 )
 from tests.e2e.procs import SIGKILLED, ServiceProcess
+from tests.support.broken_telemetry import RaisingMeterProvider
 from tests.support.ledger import RunningLedger, ledger_rows
 from tests.support.schemas import fresh_store
 from tests.support.tools import run_cli
@@ -193,6 +194,16 @@ async def test_a_message_carries_the_row(outbox: Store) -> None:
     assert sent["state"] == "sent" and sent["sent_at"] is not None
     assert sent["locked_until"] is None and sent["claimed_by"] == relay.name
     assert await relay.run_once() == 0  # nothing more is due
+
+
+async def test_a_meter_that_raises_does_not_fail_a_delivered_batch(outbox: Store) -> None:
+    """Counting deliveries ran in the batch's `finally`: a meter that raised there failed a
+    batch whose rows were delivered and marked sent."""
+    receiver = Receiver()
+    await insert(outbox, outbox.schema, ["k-1", "k-2"])
+    relay = Relay(outbox, receiver, meter_provider=RaisingMeterProvider())
+    assert await relay.run_once() == 2
+    assert await states(outbox) == {"sent": 2} and len(receiver.messages) == 2
 
 
 # -- failures, dead letters and the CLI ---------------------------------------------------------

@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import grpc
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -19,6 +21,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, Telemetry
 from grpc_idempotency.testing import EmbeddedPostgres
+from tests.support.broken_telemetry import RaisingMeterProvider
 from tests.support.ledger import fresh, metadata, running_ledger
 from tests.support.waiting import until
 
@@ -236,3 +239,44 @@ def _run_script(script: str, pg_dsn: str, marker: str) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert marker in done.stdout
+
+
+class _RaisingProcessor(SpanProcessor):
+    """A broken exporter: the SDK calls span processors without guarding them."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.where == "start":
+            raise RuntimeError("exporter bug on start")
+
+    def on_end(self, span: Any) -> None:
+        if self.where == "end":
+            raise RuntimeError("exporter bug on end")
+
+
+@pytest.mark.parametrize("where", ["start", "end", "metrics"])
+async def test_broken_telemetry_never_changes_an_answer(store: Store, where: str) -> None:
+    """A span processor that raised as the span started failed every keyed call before its
+    handler ran; one that raised as it ended answered UNKNOWN for a write that had committed,
+    and for its replays. Telemetry failures are logged and the calls answered as without it."""
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(_RaisingProcessor(where))
+    telemetry = Telemetry(
+        tracer_provider=tracer_provider,
+        meter_provider=RaisingMeterProvider() if where == "metrics" else None,
+    )
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        key, account = fresh(), fresh("acct")
+        request = testsvc_pb2.PostRequest(account=account)
+        first = await ledger.call(POST, request, key)
+        again = await ledger.call(POST, request, key)
+        failed = await ledger.call(
+            POST, testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="raise"), fresh()
+        )
+    assert first.code is grpc.StatusCode.OK and not first.replayed, first.details
+    assert again.code is grpc.StatusCode.OK and again.replayed and again.body == first.body
+    # The handler's own exception still reaches gRPC (UNKNOWN), not the exporter's.
+    assert failed.code is grpc.StatusCode.UNKNOWN and "exporter" not in (failed.details or "")
+    assert ledger.service.executions == 2

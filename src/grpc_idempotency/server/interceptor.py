@@ -759,7 +759,7 @@ class IdempotencyInterceptor(_Interceptor):
         (``grpc_idempotency.bypassed``), keyed or not."""
         method = call.policy.method
         log.warning("%s: store unavailable, running without deduplication", method)
-        self._telemetry.bypassed.add(1, self._telemetry.attributes(method))
+        self._telemetry.count_bypassed(method)
         bound = call_context.bind(_unclaimed(call))
         try:
             return await self._invoke(call)
