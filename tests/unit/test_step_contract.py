@@ -17,6 +17,7 @@ from grpc_idempotency.core.step_contract import (
     Contract,
     MethodSteps,
     Report,
+    _base,
     check_contract,
     removable_from,
 )
@@ -451,6 +452,36 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         True,
     ),
     (
+        # A rollback: in-flight operations begun before v1's retirement ran v1 and would be
+        # keyed with v2, the retired version whose retired_at is still ahead of them.
+        "a retired version active again and its successor retired",
+        place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2")),
+        place(call("charge.v1"), call("charge.v2", retired=NOW + DAY)),
+        [
+            (Change.STEP_REINSTATED, "charge.v1"),
+            (Change.STEP_RETIRED, "charge.v2"),
+            (Change.OPERATIONS_REKEYED, "charge.v1"),
+        ],
+        False,
+    ),
+    (
+        "a retired version added next to the active one",
+        place(call("charge.v2")),
+        place(call("charge.v3", retired=NOW + DAY), call("charge.v2")),
+        [(Change.STEP_ADDED, "charge.v3"), (Change.OPERATIONS_REKEYED, "charge.v2")],
+        False,
+    ),
+    (
+        "a rollback once the retired version's operations are past the retention",
+        place(call("charge.v1", retired=NOW - 3 * DAY), call("charge.v2")),
+        place(call("charge.v1"), call("charge.v2", retired=NOW + DAY)),
+        [
+            (Change.STEP_REINSTATED, "charge.v1"),
+            (Change.STEP_RETIRED, "charge.v2"),
+        ],
+        True,
+    ),
+    (
         "keyed method added",
         {},
         place(call("charge.v1")),
@@ -670,8 +701,16 @@ def test_an_unchanged_contract_always_holds(contract: Contract, shift: timedelta
 
 @given(method_steps(), st.lists(steps(), max_size=4, unique_by=lambda s: s.name))
 def test_adding_steps_never_breaks(before: MethodSteps, added: list[Step]) -> None:
+    """Adding steps, except a retired version of a name active on the same target: that one
+    would key operations begun before its retired_at (``propagation.as_of``), which ran the
+    active version (the table's "a retired version added next to the active one")."""
     taken = {s.name for s in before.steps}
-    fresh = tuple(s for s in added if s.name not in taken)
+    versioned = {(_base(s.name), s.call) for s in before.steps if s.active}
+    fresh = tuple(
+        s
+        for s in added
+        if s.name not in taken and (s.active or (_base(s.name), s.call) not in versioned)
+    )
     after = replace(before, steps=before.steps + fresh)
     report = check_contract({PLACE: before}, {PLACE: after}, now=NOW)
     assert report.ok

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from grpc_idempotency.core.policy import Step, normalize_method
+from grpc_idempotency.core.propagation import as_of
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +68,7 @@ class Change(enum.Enum):
     RETIRED_STEP_REMOVED_EARLY = "retired step removed too early"
     RETIREMENT_POSTPONED_AFTER_THE_FACT = "retirement postponed after it took effect"
     RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS = "retirement backdated over operations begun"
+    OPERATIONS_REKEYED = "operations in flight keyed with another version"
     METHOD_REMOVED = "keyed method removed"
     # Fine.
     STEP_ADDED = "step added"
@@ -92,6 +94,7 @@ _BREAKING = frozenset(
         Change.RETIRED_STEP_REMOVED_EARLY,
         Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
         Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS,
+        Change.OPERATIONS_REKEYED,
         Change.METHOD_REMOVED,
     }
 )
@@ -278,6 +281,78 @@ def _compare_method(
                     what=f"step {name} ({_effect(step)}) added{retired}",
                 )
             )
+    if not any(f.breaking for f in findings):
+        findings.extend(_rekeyed(path, before, after, retention, now, among))
+    return findings
+
+
+def _rekeyed(
+    path: str,
+    before: MethodSteps,
+    after: MethodSteps,
+    retention: timedelta,
+    now: datetime,
+    among: tuple[Step, ...],
+) -> list[Finding]:
+    """The backstop of the rules above, which name each kind of change: an operation begun
+    at any time still within the retention keys its call with the version ``propagation.as_of``
+    chose for it under the contract it began with, and must get the same one after the change.
+    A retired version put back (a rollback: v1 active again, v2 retired) or a retired version
+    declared next to the active one (v3 retired, v2 active) passed every rule, and in-flight
+    operations were retried under a child key the downstream service had never seen.
+
+    The version ``as_of`` chooses changes only at a retired_at, so it is compared just before
+    and at each retired_at in the window (and at the window's start)."""
+    start = now - retention
+    findings: list[Finding] = []
+    for step in after.steps:
+        if not step.active:
+            continue
+        was = next(
+            (
+                s
+                for s in before.steps
+                if s.active and _same_target(s, step) and _base(s.name) == _base(step.name)
+            ),
+            None,
+        )
+        if was is None:
+            continue  # a step new to its target: nothing in flight called it
+        calling_before = [s for s in before.steps if _same_target(s, step)]
+        calling_after = [s for s in after.steps if _same_target(s, step)]
+        times = {start}
+        for s in calling_before + calling_after:
+            if s.retired_at is not None:
+                retired_at = _aware(s.retired_at)
+                times.update({retired_at - timedelta(microseconds=1), retired_at})
+        for t in sorted(t for t in times if start <= t < now):
+            used = as_of(was, calling_before, t).name
+            keyed = as_of(step, calling_after, t).name
+            if used == keyed:
+                continue
+            findings.append(
+                Finding(
+                    change=Change.OPERATIONS_REKEYED,
+                    method=path,
+                    step=step.name,
+                    what=(
+                        f"an operation begun at {_ts(t)} keyed its call to {_target(step)} with"
+                        f" step {used}; after this change it is keyed with {keyed}"
+                    ),
+                    why=(
+                        f"such an operation is still in flight (retention {_span(retention)}):"
+                        f" retried, or taken over after a crash, it sends {_target(step)} a"
+                        " child key that service has never seen, and the effect runs again"
+                    ),
+                    fix=(
+                        f"leave the declared versions as they were, and declare what {step.name}"
+                        f" does as a new version, {_base(step.name)}.v"
+                        f"{_next_version(step.name, among)}, retiring the active one at ship"
+                        f" time: {_declaration(was, retire_at=_ships(now))}"
+                    ),
+                )
+            )
+            break
     return findings
 
 
