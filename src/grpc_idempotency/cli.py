@@ -559,6 +559,10 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"relay: --max-backoff ({args.max_backoff:g}) must not be smaller than"
             f" --initial-backoff ({args.initial_backoff:g})"
         )
+    if not args.grpc_target.strip():
+        # `--grpc-target "$UNSET"`: the relay started, said it was ready, and every delivery
+        # failed, so every row was dead-lettered.
+        parser.error("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
     if args.scope_header in {name for name, _ in args.header}:
         parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
     # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would

@@ -4,8 +4,8 @@ not a failure to retry later (exit 1).
 A DSN that is not valid UTF-8 (a byte such as 0xff from argv or the environment, which reaches
 Python surrogate-escaped) passed asyncpg's parsing and failed only once connected, encoding the
 startup message: tracebacks and exit 1, and ``Store.connect`` raised the retryable
-``StoreUnavailable``. An empty ``relay --grpc-target`` (``--grpc-target "$UNSET"``) reported ready
-and dead-lettered every row.
+``StoreUnavailable``. An empty ``relay --grpc-target`` (``--grpc-target "$UNSET"``) reported
+ready and dead-lettered every row.
 """
 
 from __future__ import annotations
@@ -81,3 +81,17 @@ async def test_store_connect_refuses_it_as_not_retryable(pg_dsn: str) -> None:
         await Store.connect(not_utf8(pg_dsn), check_schema=False)
     assert "not valid UTF-8" in str(refused.value)
     assert PASSWORD not in str(refused.value)
+
+
+@pytest.mark.parametrize("target", ["", " \t"], ids=["empty", "blank"])
+def test_an_empty_relay_target_exits_2_before_connecting(target: str) -> None:
+    # Port 1 refuses connections: a relay that got as far as the database would exit 1.
+    dsn = "postgresql://app@127.0.0.1:1/shop"
+    done = cli("relay", "--dsn", dsn, "--grpc-target", target, "--method", "/a.B/C")
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
+    )
+    assert "Traceback" not in done.stderr and "ready" not in done.stdout
