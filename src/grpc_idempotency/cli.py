@@ -38,6 +38,7 @@ from grpc_idempotency.core.wire import KEY_HEADER
 from grpc_idempotency.inspect_cli.parsers import (
     at_least_one,
     bigint,
+    dsn_text,
     not_negative_int,
     schema_name,
     utf8_text,
@@ -90,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     def with_store(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--dsn",
+            # argparse applies the type to a string default too: the variable is checked alike.
             default=os.environ.get("GRPC_IDEMPOTENCY_DSN"),
+            type=dsn_text,
             metavar="DSN",
             help="the PostgreSQL URL, postgresql://USER@HOST:PORT/DATABASE"
             " (default: $GRPC_IDEMPOTENCY_DSN)",
@@ -258,6 +261,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     wake.add_argument(
         "--listen-dsn",
         default=os.environ.get("GRPC_IDEMPOTENCY_LISTEN_DSN"),
+        type=dsn_text,
         metavar="DSN",
         help="LISTEN for new rows on a connection of its own to this DSN instead of one from"
         " --dsn's pool: PostgreSQL itself, or a session-mode pool, when --dsn goes through"
@@ -555,6 +559,10 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"relay: --max-backoff ({args.max_backoff:g}) must not be smaller than"
             f" --initial-backoff ({args.initial_backoff:g})"
         )
+    if not args.grpc_target.strip():
+        # `--grpc-target "$UNSET"`: the relay started, said it was ready, and every delivery
+        # failed, so every row was dead-lettered.
+        parser.error("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
     if args.scope_header in {name for name, _ in args.header}:
         parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
     # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would

@@ -35,6 +35,28 @@ async def bare_server(dsn: str) -> Any:
     return grpc.aio.server()
 
 
+async def never_yields(dsn: str) -> AsyncIterator[Any]:
+    """An async generator that returns before its ``yield``: no server."""
+    if not dsn:
+        yield grpc.aio.server()
+
+
+NOT_CALLABLE = "build_server"
+
+
+def takes_nothing() -> Any:
+    return grpc.aio.server()
+
+
+async def takes_two(dsn: str, address: str) -> Any:
+    return grpc.aio.server()
+
+
+async def raises_type_error(dsn: str) -> Any:
+    """A TypeError of the build's own: its bug, shown with its traceback."""
+    return len(42)  # type: ignore[arg-type]
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "signum",
@@ -120,3 +142,45 @@ def test_an_address_in_use_is_a_clear_error_with_status_2() -> None:
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert serve.READY not in done.stdout
+
+
+def run_serve(target: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "grpc_idempotency.testing.serve", f"{MODULE}:{target}"],
+        env={**os.environ, serve.DSN_ENV: NO_DSN},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        # Was "RuntimeError: async generator raised StopAsyncIteration", a traceback, exit 1.
+        ("never_yields", f"{MODULE}:never_yields yielded no server"),
+        # Were TypeError tracebacks, exit 1.
+        ("NOT_CALLABLE", f"{MODULE}:NOT_CALLABLE is a str, not a function"),
+        ("takes_nothing", f"{MODULE}:takes_nothing cannot be called as build_server(dsn)"),
+        ("takes_two", f"{MODULE}:takes_two cannot be called as build_server(dsn)"),
+    ],
+)
+def test_a_build_that_gives_no_server_is_one_line_and_status_2(target: str, expected: str) -> None:
+    done = run_serve(target)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.splitlines()[0]]  # one line
+    assert done.stderr.startswith(f"grpc-idempotency serve: {expected}"), done.stderr
+    assert serve.READY not in done.stdout
+
+
+@pytest.mark.e2e
+def test_a_type_error_inside_the_build_is_its_own() -> None:
+    """Only a call that does not fit the build's signature is the runner's to report: a
+    TypeError the build raises itself keeps its traceback, to be fixed where it is."""
+    done = run_serve("raises_type_error")
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" in done.stderr and "len(42)" in done.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from grpc_idempotency.core.inspection import RecordState
+from grpc_idempotency.store.dsn_files import not_utf8
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -58,6 +59,17 @@ def utf8_text(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not valid UTF-8: {text!r}") from None
     if "\x00" in text:
         raise argparse.ArgumentTypeError(f"holds a NUL character: {text!r}")
+    return text
+
+
+def dsn_text(text: str) -> str:
+    """A DSN the driver can send: one that is not valid UTF-8 (a byte such as 0xff in argv or
+    the environment reaches Python surrogate-escaped) passes asyncpg's parsing and fails only
+    once connected, as a connection failure to retry. Never quoted: it may hold a password."""
+    if not_utf8(text):
+        raise argparse.ArgumentTypeError(
+            "not valid UTF-8 (the DSN is not shown: it may hold a password)"
+        )
     return text
 
 
@@ -109,6 +121,7 @@ def add_parsers(
     inspect.add_argument(
         "--dsn",
         action="append",
+        type=dsn_text,
         metavar="DSN",
         help="a PostgreSQL URL, postgresql://USER@HOST:PORT/DATABASE (repeatable: one per"
         " service, paired with --schema in order; one --dsn serves every --schema)"

@@ -1,12 +1,31 @@
-"""Which file a DSN names that the driver cannot use (its certificate, key or CRL), and whether
-a DSN splits unambiguously: shared by ``Store.connect`` and the command-line tools, so both name
-the file, never a piece of the password."""
+"""Which file a DSN names that the driver cannot use (its certificate, key or CRL), whether a DSN
+is text the driver can send, and whether a DSN splits unambiguously: shared by ``Store.connect``
+and the command-line tools, so both name the file, never a piece of the password."""
 
 from __future__ import annotations
 
 import os
 import ssl
 from urllib.parse import SplitResult, parse_qsl, urlsplit
+
+NOT_UTF8 = (
+    "not valid UTF-8 (a byte such as 0xff, from the command line or the environment):"
+    " PostgreSQL takes UTF-8 text only"
+)
+
+
+def not_utf8(dsn: object) -> bool:
+    """Whether ``dsn`` is text that cannot be encoded as UTF-8: a byte that is not UTF-8 in argv
+    or the environment reaches Python surrogate-escaped. asyncpg parses such a DSN, then fails
+    encoding its startup message once connected, as a closed connection: a failure to retry
+    that can never succeed."""
+    if not isinstance(dsn, str):
+        return False
+    try:
+        dsn.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def in_doubt(dsn: str, parts: SplitResult) -> bool:

@@ -311,6 +311,10 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
+        from grpc_idempotency.store.dsn_files import NOT_UTF8, not_utf8
+
+        if not_utf8(dsn):  # never quoted: it may hold a password
+            raise DsnUnusable(f"cannot use the DSN: {NOT_UTF8}")
         pool_options.setdefault("reset", _no_session_reset)
         pool_options.setdefault("server_settings", {"application_name": "grpc-idempotency"})
         try:

@@ -7,8 +7,9 @@
 shutdown: close your store there). This runner binds the address, starts the server, prints
 ``grpc-idempotency serve: listening on HOST:PORT`` (the port actually bound) and serves until
 SIGTERM, SIGINT, SIGHUP or SIGQUIT (``STOP_SIGNALS``), then stops the server and runs the
-clean-up. A target it cannot load, a build that returns no server, or an address it cannot bind
-(a port in use) is one line on stderr and exit status 2.
+clean-up. A target it cannot load, that is not a function taking the DSN, a build that returns
+(or yields) no server, or an address it cannot bind (a port in use) is one line on stderr and
+exit status 2.
 
 The environment carries the rest, so that the server is configured before anything is imported:
 
@@ -78,17 +79,35 @@ def load(target: str) -> Any:
     except ImportError as exc:
         raise ServeError(f"cannot import {module_name!r} (is it on PYTHONPATH?): {exc}") from exc
     try:
-        return getattr(module, attribute)
+        build = getattr(module, attribute)
     except AttributeError:
         raise ServeError(f"{module_name!r} has no attribute {attribute!r}") from None
+    # Checked before the call, so that a TypeError raised inside the build stays the build's
+    # (with its traceback), and one of the call itself is a line saying what to fix.
+    if not callable(build):
+        raise ServeError(f"{target} is a {type(build).__name__}, not a function build_server(dsn)")
+    try:
+        inspect.signature(build).bind("dsn")
+    except TypeError as exc:
+        raise ServeError(f"{target} cannot be called as build_server(dsn): {exc}") from None
+    except ValueError:
+        pass  # no signature to check (some built-ins): the call will tell
+    return build
 
 
 @contextlib.asynccontextmanager
-async def built(build: Any, dsn: str) -> AsyncIterator[grpc.aio.Server]:
+async def built(
+    build: Any, dsn: str, target: str = "build_server"
+) -> AsyncIterator[grpc.aio.Server]:
     """The server ``build(dsn)`` makes, with its clean-up (an async generator's tail) on exit."""
     if inspect.isasyncgenfunction(build):
         generator = build(dsn)
-        server = await generator.__anext__()
+        try:
+            server = await generator.__anext__()
+        except StopAsyncIteration:
+            # Left to escape, it became "RuntimeError: async generator raised
+            # StopAsyncIteration" (this function is one too): a traceback and exit status 1.
+            raise ServeError(f"{target} yielded no server: yield the grpc.aio.Server") from None
         try:
             yield server
         finally:
@@ -139,7 +158,7 @@ async def serve(target: str, dsn: str, address: str) -> None:
             target=_stop_at_stdin_eof, args=(loop, stop), name="stdin-eof", daemon=True
         ).start()
     build = load(target)
-    async with built(build, dsn) as server:
+    async with built(build, dsn, target) as server:
         if not isinstance(server, grpc.aio.Server):
             raise ServeError(f"{target} returned {type(server).__name__}, not a grpc.aio.Server")
         # grpcio raises RuntimeError when it cannot bind (older releases returned 0).

@@ -1,0 +1,97 @@
+"""Command-line input that can never work is bad usage (exit 2, one line, before connecting),
+not a failure to retry later (exit 1).
+
+A DSN that is not valid UTF-8 (a byte such as 0xff from argv or the environment, which reaches
+Python surrogate-escaped) passed asyncpg's parsing and failed only once connected, encoding the
+startup message: tracebacks and exit 1, and ``Store.connect`` raised the retryable
+``StoreUnavailable``. An empty ``relay --grpc-target`` (``--grpc-target "$UNSET"``) reported
+ready and dead-lettered every row.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from grpc_idempotency import DsnUnusable, Store
+from tests.support.tools import run_cli
+
+PASSWORD = "hunter22"
+NOT_UTF8_ARG = "not valid UTF-8 (the DSN is not shown: it may hold a password)"
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    return run_cli(*args, env={**base, **env})
+
+
+def not_utf8(dsn: str) -> str:
+    """``dsn`` (the test database's, so that it reaches the server) with a password and the
+    byte 0xff in its database name, as Python sees it in argv or the environment."""
+    parts = urlsplit(dsn)
+    hosts = parts.netloc.rpartition("@")[2]
+    user = parts.username or "postgres"
+    return urlunsplit(
+        parts._replace(netloc=f"{user}:{PASSWORD}@{hosts}", path=parts.path + "\udcff")
+    )
+
+
+COMMANDS = {
+    "migrate": ["migrate"],
+    "purge": ["purge"],
+    "list": ["list", "--scope", "s"],
+    "inspect": ["inspect", "--scope", "s", "k"],
+    "outbox stats": ["outbox", "stats"],
+    "relay": ["relay", "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C"],
+}
+
+
+def assert_refused(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 2, done.stderr  # fix the DSN, not "retry later"
+    assert "not valid UTF-8" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "unavailable" not in done.stderr
+    assert PASSWORD not in done.stderr + done.stdout
+    assert "ready" not in done.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_dsn_option_that_is_not_utf8_exits_2(pg_dsn: str, command: list[str]) -> None:
+    done = cli(*command, "--dsn", not_utf8(pg_dsn))
+    assert_refused(done)
+    # argparse's usage, then one line saying what is wrong.
+    assert done.stderr.strip().splitlines()[-1].endswith("argument --dsn: " + NOT_UTF8_ARG)
+
+
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_dsn_variable_that_is_not_utf8_exits_2(pg_dsn: str, command: list[str]) -> None:
+    assert_refused(cli(*command, GRPC_IDEMPOTENCY_DSN=not_utf8(pg_dsn)))
+
+
+def test_a_listen_dsn_that_is_not_utf8_exits_2(pg_dsn: str, store: object) -> None:
+    done = cli(*COMMANDS["relay"], "--dsn", pg_dsn, "--listen-dsn", not_utf8(pg_dsn))
+    assert_refused(done)
+    assert "argument --listen-dsn: " + NOT_UTF8_ARG in done.stderr
+
+
+async def test_store_connect_refuses_it_as_not_retryable(pg_dsn: str) -> None:
+    with pytest.raises(DsnUnusable) as refused:
+        await Store.connect(not_utf8(pg_dsn), check_schema=False)
+    assert "not valid UTF-8" in str(refused.value)
+    assert PASSWORD not in str(refused.value)
+
+
+@pytest.mark.parametrize("target", ["", " \t"], ids=["empty", "blank"])
+def test_an_empty_relay_target_exits_2_before_connecting(target: str) -> None:
+    # Port 1 refuses connections: a relay that got as far as the database would exit 1.
+    dsn = "postgresql://app@127.0.0.1:1/shop"
+    done = cli("relay", "--dsn", dsn, "--grpc-target", target, "--method", "/a.B/C")
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
+    )
+    assert "Traceback" not in done.stderr and "ready" not in done.stdout
