@@ -39,7 +39,7 @@ from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
-from grpc_idempotency.store.dsn_files import unusable_file
+from grpc_idempotency.store.dsn_files import NOT_UTF8, not_utf8, unusable_file
 from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     STORE_ERRORS,
@@ -311,8 +311,6 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
-        from grpc_idempotency.store.dsn_files import NOT_UTF8, not_utf8
-
         if not_utf8(dsn):  # never quoted: it may hold a password
             raise DsnUnusable(f"cannot use the DSN: {NOT_UTF8}")
         pool_options.setdefault("reset", _no_session_reset)
