@@ -831,6 +831,80 @@ def test_a_module_in_a_keyword_directory_is_imported_with_importlib(tmp_path: Pa
     assert ran.stdout.strip() == "imported"
 
 
+def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> dict[str, str]:
+    """Generates ``files`` with messages, .pyi and the plugin; asserts that every generated
+    module imports, is formatted and lint clean, and passes mypy --strict together with
+    ``usage`` (a module using it). Returns the generated sources by path."""
+    for name, text in files.items():
+        (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "protos" / name).write_text(text)
+    out = tmp_path / "out"
+    done = protoc(
+        tmp_path / "protos", out, *files, extra=(f"--python_out={out}", f"--pyi_out={out}")
+    )
+    assert done.returncode == 0, done.stderr
+    generated = sorted(str(p.relative_to(out)) for p in out.rglob("*_idempotency.py"))
+    assert generated, "no module generated"
+    modules = [g.removesuffix(".py").replace("/", ".") for g in generated]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", f"import importlib\nfor m in {modules!r}: importlib.import_module(m)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    ruff = [sys.executable, "-m", "ruff"]
+    paths = [str(out / name) for name in generated]
+    fmt = subprocess.run([*ruff, "format", "--isolated", "--check", "--diff", *paths],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    lint = subprocess.run(
+        [*ruff, "check", "--isolated", "--target-version", "py311",
+         "--select", "E,F,W,I,B,UP,SIM,RUF,ASYNC", "--ignore", "ASYNC109", *paths],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    if usage:
+        (out / "usage.py").write_text(usage)
+    typed = mypy(out, *generated, *(["usage.py"] if usage else []))
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    return {name: (out / name).read_text() for name in generated}
+
+
+NO_PACKAGE = """\
+syntax = "proto3";
+import "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service Pay { rpc Charge(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; } }
+service Shop {
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = { steps: { name: "pay.v1" call: "Pay/Charge" } };
+  }
+}
+"""
+NO_PACKAGE_USAGE = """
+from __future__ import annotations
+
+import grpc
+
+import nopkg_pb2
+from nopkg_idempotency import POLICIES, ShopBuySteps
+
+
+async def handler(channel: grpc.aio.Channel) -> str:
+    charged: nopkg_pb2.Res = await ShopBuySteps(pay=channel).pay(nopkg_pb2.Req())
+    return charged.y + str(POLICIES["/Shop/Buy"].steps)
+"""
+
+
+def test_a_step_may_call_a_service_declared_without_a_package(tmp_path: Path) -> None:
+    """The plugin refused ``call: "Pay/Charge"`` ("expected 'package.Service/Method'"), the
+    very step the runtime asks for when a keyed method calls keyed ``/Pay/Charge``."""
+    source = generate_checked(tmp_path, {"nopkg.proto": NO_PACKAGE}, NO_PACKAGE_USAGE)
+    shop = source["nopkg_idempotency.py"]
+    assert '"/Pay/Charge",' in shop and "async def pay(" in shop
+
+
 # -- the request's descriptor pool -----------------------------------------------------------
 
 
