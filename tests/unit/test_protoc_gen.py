@@ -905,6 +905,64 @@ def test_a_step_may_call_a_service_declared_without_a_package(tmp_path: Path) ->
     assert '"/Pay/Charge",' in shop and "async def pay(" in shop
 
 
+KEYWORD_MESSAGES = """\
+syntax = "proto3";
+package kw.v1;
+import "grpc_idempotency/v1/options.proto";
+import "kw/v1/ledger.proto";
+message Outer { message class { string x = 1; } }
+message from { string y = 1; }
+service Pay { rpc Charge(Outer.class) returns (from); }
+service Shop {
+  rpc Buy(from) returns (from) {
+    option (grpc_idempotency.v1.method) = {
+      steps: { name: "pay.v1" call: "kw.v1.Pay/Charge" }
+      steps: { name: "post.v1" call: "kw.v1.Ledger/Post" }
+    };
+  }
+}
+"""
+KEYWORD_LEDGER = """\
+syntax = "proto3";
+package kw.v1;
+message Entry { string id = 1; }
+service Ledger { rpc Post(Entry) returns (Entry); }
+"""
+KEYWORD_MESSAGES_USAGE = """
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import Message
+
+from kw.v1 import ledger_pb2
+from kw.v1.shop_idempotency import ShopBuySteps
+
+
+async def handler(channel: grpc.aio.Channel, request: Message) -> bytes:
+    steps = ShopBuySteps(pay=channel, ledger=channel)
+    paid: Message = await steps.pay(request)
+    posted: ledger_pb2.Entry = await steps.post(ledger_pb2.Entry())
+    return paid.SerializeToString() + posted.id.encode()
+"""
+
+
+def test_messages_named_like_keywords_are_read_with_getattr(tmp_path: Path) -> None:
+    """``message from`` and ``Outer.class`` are legal proto; the module had
+    ``kw_pb2.Outer.class``, a SyntaxError on import. protoc's .pyi of such a file is a
+    SyntaxError too (``class from(...)``), which a type checker stops at: the module is
+    imported with importlib, as one in a keyword directory, and its messages typed
+    ``Message``; other modules' messages stay typed."""
+    files = {"kw/v1/shop.proto": KEYWORD_MESSAGES, "kw/v1/ledger.proto": KEYWORD_LEDGER}
+    source = generate_checked(tmp_path, files, KEYWORD_MESSAGES_USAGE)["kw/v1/shop_idempotency.py"]
+    for expected in (
+        'shop_pb2 = importlib.import_module("kw.v1.shop_pb2")',
+        'getattr(shop_pb2.Outer, "class"),\n            getattr(shop_pb2, "from"),',
+        "from kw.v1 import ledger_pb2\n",
+        "ledger_pb2.Entry,\n            ledger_pb2.Entry,",
+    ):
+        assert expected in source, source
+
+
 # -- the request's descriptor pool -----------------------------------------------------------
 
 

@@ -11,9 +11,15 @@ generating, or exclude generated code from it, so that the committed code stays 
 from __future__ import annotations
 
 import json
+import keyword
 from collections.abc import Iterable, Sequence
 
-from google.protobuf.descriptor import Descriptor, ServiceDescriptor
+from google.protobuf.descriptor import (
+    Descriptor,
+    EnumDescriptor,
+    FileDescriptor,
+    ServiceDescriptor,
+)
 from google.protobuf.duration_pb2 import Duration
 
 from grpc_idempotency.core.policy import duration_of, timestamp_of
@@ -49,12 +55,18 @@ class _Renderer:
     def __init__(self, file: KeyedFile) -> None:
         self.file = file
         self.source = file.descriptor.name
-        modules = {names.pb2_module(self.source)}
+        files = {names.pb2_module(self.source): file.descriptor}
         for method in file.methods:
             for call in method.calls:
-                modules.add(names.pb2_module(call.target.input_type.file.name))
-                modules.add(names.pb2_module(call.target.output_type.file.name))
-        self.modules = _local_names(modules)
+                for message in (call.target.input_type, call.target.output_type):
+                    files[names.pb2_module(message.file.name)] = message.file
+        self.modules = _local_names(set(files))
+        # Modules imported with importlib and typed ``Message`` (``_imports``, ``_annotation``).
+        self.dynamic = sorted(
+            module
+            for module, proto in files.items()
+            if names.has_keyword(module) or _stub_has_keyword(proto)
+        )
         self.classes = {m.path: f"{m.service.name}{m.descriptor.name}Steps" for m in file.methods}
         self.step_classes = [m for m in file.methods if _active_steps(m)]
         problems: list[str] = []
@@ -126,8 +138,7 @@ class _Renderer:
 
     def _imports(self) -> list[str]:
         stdlib = []
-        keyworded = sorted(m for m in self.modules if names.has_keyword(m))
-        if keyworded:
+        if self.dynamic:
             stdlib.append("import importlib")
         if "json" in self.needs:
             stdlib.append("import json")
@@ -153,7 +164,7 @@ class _Renderer:
         lines = [*stdlib, "", *third, "", *_import_lines("grpc_idempotency", library)]
         generated = []
         for module, local in sorted(self.modules.items()):
-            if module in keyworded:
+            if module in self.dynamic:
                 continue
             package, _, base = module.rpartition(".")
             alias = f" as {local}" if local != base else ""
@@ -161,9 +172,11 @@ class _Renderer:
                 f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
             )
         # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
-        # module with importlib too. Its messages are typed ``Message`` here (``_annotation``):
-        # a type checker cannot follow the import.
-        assigned = [f'{self.modules[m]} = importlib.import_module("{m}")' for m in keyworded]
+        # module with importlib too. So is a module whose .pyi protoc's pyi_out writes with a
+        # keyword as a name (``class from(...)``, ``_stub_has_keyword``): imported statically,
+        # a type checker reads that stub and stops at its syntax error. Their messages are
+        # typed ``Message`` here (``_annotation``): a type checker cannot follow the import.
+        assigned = [f'{self.modules[m]} = importlib.import_module("{m}")' for m in self.dynamic]
         if generated and assigned:
             generated.append("")
         generated += assigned
@@ -370,15 +383,55 @@ class _Renderer:
     def _annotation(self, message: Descriptor) -> str:
         """``message``'s class as a type: ``Message`` when its module is imported with importlib
         (``_imports``)."""
-        if names.has_keyword(names.pb2_module(message.file.name)):
+        if names.pb2_module(message.file.name) in self.dynamic:
             self.needs.add("Message")
             return "Message"
         return self._type(message)
 
     def _type(self, message: Descriptor) -> str:
-        package = message.file.package
-        relative = message.full_name[len(package) + 1 :] if package else message.full_name
-        return f"{self.modules[names.pb2_module(message.file.name)]}.{relative}"
+        """``message``'s class: ``shop_pb2.Order.Line``. A keyword part (proto allows ``message
+        from``, ``Outer.class``) is read with ``getattr``: ``kw_pb2.Outer.class`` is a
+        SyntaxError. Such a message's module is imported with importlib (``_stub_has_keyword``):
+        its annotation is ``Message``."""
+        expression = self.modules[names.pb2_module(message.file.name)]
+        for part in _relative_name(message).split("."):
+            expression = (
+                f'getattr({expression}, "{part}")'
+                if keyword.iskeyword(part)
+                else f"{expression}.{part}"
+            )
+        return expression
+
+
+def _stub_has_keyword(proto: FileDescriptor) -> bool:
+    """Whether a message, enum, enum value or extension of ``proto`` is named with a Python
+    keyword (``message from``, ``Outer.class``): protoc's pyi_out writes it as is, so the file's
+    .pyi is a SyntaxError (its .py reads it with ``getattr``)."""
+
+    def enum_named(enum: EnumDescriptor) -> bool:
+        return keyword.iskeyword(enum.name) or any(
+            keyword.iskeyword(v) for v in enum.values_by_name
+        )
+
+    def message_named(message: Descriptor) -> bool:
+        return (
+            keyword.iskeyword(message.name)
+            or any(enum_named(e) for e in message.enum_types)
+            or any(keyword.iskeyword(x.name) for x in message.extensions)
+            or any(message_named(m) for m in message.nested_types)
+        )
+
+    return (
+        any(message_named(m) for m in proto.message_types_by_name.values())
+        or any(enum_named(e) for e in proto.enum_types_by_name.values())
+        or any(keyword.iskeyword(name) for name in proto.extensions_by_name)
+    )
+
+
+def _relative_name(message: Descriptor) -> str:
+    """``message``'s name within its file's package: ``Order.Line``."""
+    package = message.file.package
+    return message.full_name[len(package) + 1 :] if package else message.full_name
 
 
 def _active_steps(method: KeyedMethod) -> list[options_pb2.Step]:
