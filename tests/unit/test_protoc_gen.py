@@ -7,6 +7,7 @@ tmp_path. ``GRPC_IDEMPOTENCY_UPDATE_GOLDEN=1`` rewrites the golden files.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
 import shutil
@@ -28,6 +29,7 @@ from grpc_idempotency.client import service_config
 from grpc_idempotency.core.policy import MethodOverride, compile_policy, method_path
 from grpc_idempotency.protoc_gen import generate, names
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options, load
+from grpc_idempotency.protoc_gen.render import _BUILTINS
 from tests.support.tools import buf_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -905,6 +907,68 @@ def test_a_step_may_call_a_service_declared_without_a_package(tmp_path: Path) ->
     assert '"/Pay/Charge",' in shop and "async def pay(" in shop
 
 
+SHADOWING_STEPS = """\
+syntax = "proto3";
+package a.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service Pay { rpc Charge(Req) returns (Res); }
+service Shop {
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = {
+      steps: { name: "str.v1" call: "a.v1.Pay/Charge" }
+      steps: { name: "float.v1" call: "a.v1.Pay/Charge" }
+      steps: { name: "svc-pb2.v1" call: "a.v1.Pay/Charge" }
+      steps: { name: "grpc.v1" call: "a.v1.Pay/Charge" }
+      steps: { name: "tuple.v1" call: "a.v1.Pay/Charge" }
+      steps: { name: "bytes.v1" outbox: true }
+      steps: { name: "zz.v1" call: "a.v1.Pay/Charge" }
+    };
+  }
+}
+"""
+SHADOWING_USAGE = """
+from __future__ import annotations
+
+import grpc
+
+from a.v1 import svc_pb2
+from a.v1.svc_idempotency import ShopBuySteps
+
+
+async def handler(channel: grpc.aio.Channel) -> str:
+    steps = ShopBuySteps(pay=channel)
+    text: svc_pb2.Res = await steps.str_(svc_pb2.Req(), timeout=1.0)
+    module: svc_pb2.Res = await steps.svc_pb2_(svc_pb2.Req())
+    last: svc_pb2.Res = await steps.zz(svc_pb2.Req())
+    return text.y + module.y + last.y + ShopBuySteps.STR + ShopBuySteps.BYTES
+"""
+
+
+def test_a_wrapper_never_shadows_a_name_the_annotations_use(tmp_path: Path) -> None:
+    """A method's annotations resolve in its class's scope: wrappers named ``str`` and
+    ``float`` made ``timeout: float | None`` and ``metadata: ...[str, str | bytes]`` name them
+    (mypy: 'Function ... is not valid as a type'), and a wrapper ``svc_pb2`` hid the module
+    from the later wrappers' ``request: svc_pb2.Req`` ('Name ... is not defined'). A wrapper
+    named like a builtin or like a name the module binds gets a trailing underscore."""
+    source = generate_checked(tmp_path, {"a/v1/svc.proto": SHADOWING_STEPS}, SHADOWING_USAGE)
+    shop = source["a/v1/svc_idempotency.py"]
+    for wrapper in ("str_", "float_", "svc_pb2_", "grpc_", "tuple_", "zz"):
+        assert f"    async def {wrapper}(\n" in shop, shop
+    assert 'STR: Final = "str.v1"' in shop and 'BYTES: Final = "bytes.v1"' in shop
+    # The underscore can meet another step's identifier, like a keyword's.
+    clash = svc(
+        'steps: { name: "str.v1" call: "errs.v1.Svc/Target" }'
+        ' steps: { name: "str-.v1" call: "errs.v1.Svc/Target" }'
+    )
+    assert_fails(
+        run_on(tmp_path / "clash", {"errs/v1/clash.proto": clash}),
+        "errs/v1/clash.proto: /errs.v1.Svc/Do: steps 'str.v1' and 'str-.v1' would both be"
+        " str_() in SvcDoSteps",
+    )
+
+
 KEYWORD_MESSAGES = """\
 syntax = "proto3";
 package kw.v1;
@@ -1085,6 +1149,11 @@ def test_identifiers() -> None:
     assert names.snake_case("a.v1.Payments") == "a_v1_payments"
     assert names.safe_identifier("import") == "import_"
     assert names.safe_identifier("self") == "self_"
+    assert names.safe_identifier("str", {"str"}) == "str_"
+    assert names.safe_identifier("str") == "str"
+    # A snapshot, so that the output does not depend on the Python the plugin runs on; a
+    # Python with a new builtin fails here: add it (it renames a wrapper named like it).
+    assert {n for n in dir(builtins) if n[:1].islower()} <= _BUILTINS
     assert names.step_base("send-confirmation.v12") == "send_confirmation"
     assert names.step_versioned("charge-card.v2") == "charge_card_v2"
     assert names.module_alias("a.v1.types_pb2") == "a_dot_v1_dot_types__pb2"

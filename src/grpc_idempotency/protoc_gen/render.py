@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import keyword
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from google.protobuf.descriptor import (
     Descriptor,
@@ -42,6 +42,34 @@ _ISOLATION = {
     options_pb2.ISOLATION_SERIALIZABLE: "SERIALIZABLE",
 }
 
+# Every name the generated module binds at its top level (``_imports``, ``render``), and every
+# lowercase builtin (as of Python 3.11; a snapshot, so that the output does not depend on the
+# Python the plugin runs on). A step's wrapper is a method of its class, and a method's
+# annotations are resolved in the class's scope: a wrapper ``float`` or ``svc_pb2`` made
+# ``timeout: float`` or ``request: svc_pb2.Req`` name the wrapper (mypy: "not valid as a type",
+# "not defined"). Such a wrapper gets a trailing underscore, as a keyword does.
+_MODULE_NAMES = frozenset(
+    {
+        "importlib", "json", "Mapping", "Sequence", "datetime", "timedelta", "Final", "TypeVar",
+        "grpc", "ServiceDescriptor", "Message", "Code", "Isolation", "KeyRequirement",
+        "MethodOverride", "Mode", "Step", "StoreDown", "step_metadata", "SERVICES", "POLICIES",
+        "SERVICE_CONFIG", "CHANNEL_OPTIONS", "_Request", "_Response", "_unary",
+    }
+)  # fmt: skip
+_BUILTINS = frozenset(
+    {
+        "abs", "aiter", "all", "anext", "any", "ascii", "bin", "bool", "breakpoint", "bytearray",
+        "bytes", "callable", "chr", "classmethod", "compile", "complex", "copyright", "credits",
+        "delattr", "dict", "dir", "divmod", "enumerate", "eval", "exec", "exit", "filter",
+        "float", "format", "frozenset", "getattr", "globals", "hasattr", "hash", "help", "hex",
+        "id", "input", "int", "isinstance", "issubclass", "iter", "len", "license", "list",
+        "locals", "map", "max", "memoryview", "min", "next", "object", "oct", "open", "ord",
+        "pow", "print", "property", "quit", "range", "repr", "reversed", "round", "set",
+        "setattr", "slice", "sorted", "staticmethod", "str", "sum", "super", "tuple", "type",
+        "vars", "zip",
+    }
+)  # fmt: skip
+
 
 class NameClash(Exception):
     """Two generated names would be the same."""
@@ -61,6 +89,7 @@ class _Renderer:
                 for message in (call.target.input_type, call.target.output_type):
                     files[names.pb2_module(message.file.name)] = message.file
         self.modules = _local_names(set(files))
+        self.reserved = _MODULE_NAMES | _BUILTINS | set(self.modules.values())
         # Modules imported with importlib and typed ``Message`` (``_imports``, ``_annotation``).
         self.dynamic = sorted(
             module
@@ -76,7 +105,9 @@ class _Renderer:
         for method in self.step_classes:
             problems += [
                 f"{self.source}: {method.path}: {clash}"
-                for clash in _step_clashes(_active_steps(method), self.classes[method.path])
+                for clash in _step_clashes(
+                    _active_steps(method), self.classes[method.path], self.reserved
+                )
             ]
             try:
                 _service_parameters(c.target.containing_service for c in method.calls)
@@ -363,7 +394,7 @@ class _Renderer:
             awaits = "response: Message = await" if untyped else "return await"
             lines += [
                 "",
-                f"{INDENT}async def {names.safe_identifier(ident)}(",
+                f"{INDENT}async def {names.safe_identifier(ident, self.reserved)}(",
                 f"{INDENT * 2}self,",
                 f"{INDENT * 2}request: {self._annotation(call.target.input_type)},",
                 f"{INDENT * 2}*,",
@@ -449,19 +480,22 @@ def _step_identifiers(steps: Sequence[options_pb2.Step]) -> dict[str, str]:
     }
 
 
-def _step_clashes(steps: Sequence[options_pb2.Step], class_name: str) -> list[str]:
+def _step_clashes(
+    steps: Sequence[options_pb2.Step], class_name: str, reserved: Collection[str]
+) -> list[str]:
     """Steps that would get the same constant or wrapper in the class. ``_step_identifiers``
     only versions bases that two steps share, so a step named like another's versioned
-    identifier (``a-v1.v1`` beside ``a.v1`` and ``a.v2``) lands on it; a keyword's trailing
-    underscore (``import.v1``, ``import-.v1``) can too. Python keeps the last definition of a
-    name: a wrapper would silently make another step's call, with that step's child key."""
+    identifier (``a-v1.v1`` beside ``a.v1`` and ``a.v2``) lands on it; the trailing underscore
+    of a keyword or ``reserved`` name (``import.v1``, ``import-.v1``; ``str.v1``, ``str-.v1``)
+    can too. Python keeps the last definition of a name: a wrapper would silently make another
+    step's call, with that step's child key."""
     identifiers = _step_identifiers(steps)
     owners: dict[str, list[str]] = {}
     for step in steps:
         ident = identifiers[step.name]
         generated = [ident.upper()]
         if step.call:
-            generated.append(f"{names.safe_identifier(ident)}()")
+            generated.append(f"{names.safe_identifier(ident, reserved)}()")
         for name in generated:
             owners.setdefault(name, []).append(step.name)
     shared: dict[tuple[str, ...], list[str]] = {}
