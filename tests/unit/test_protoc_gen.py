@@ -968,6 +968,75 @@ def test_a_wrapper_never_shadows_a_name_the_annotations_use(tmp_path: Path) -> N
     )
 
 
+SHADOWING_SERVICES = """\
+syntax = "proto3";
+package a.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service SvcPb2 { rpc Charge(Req) returns (Res); }
+service List { rpc Charge(Req) returns (Res); }
+service Shop {
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = {
+      steps: { name: "pay.v1" call: "a.v1.SvcPb2/Charge" }
+      steps: { name: "list.v1" call: "a.v1.List/Charge" }
+    };
+  }
+}
+"""
+SHADOWING_SERVICES_USAGE = """
+from __future__ import annotations
+
+import grpc
+
+from a.v1 import svc_pb2
+from a.v1.svc_idempotency import ShopBuySteps
+
+
+async def handler(channel: grpc.aio.Channel) -> str:
+    steps = ShopBuySteps(svc_pb2_=channel, list=channel)
+    paid: svc_pb2.Res = await steps.pay(svc_pb2.Req())
+    return paid.y
+"""
+
+
+def test_a_service_parameter_never_shadows_a_name_init_reads(tmp_path: Path) -> None:
+    """``__init__``'s body reads the message modules: a called service ``SvcPb2`` was parameter
+    ``svc_pb2``, so ``svc_pb2.Req`` there was the channel's attribute (AttributeError on
+    construction, mypy: 'Channel has no attribute Req'). It is ``svc_pb2_`` now; a builtin's
+    name (``list``) stays, as the body does not use it."""
+    files = {"a/v1/svc.proto": SHADOWING_SERVICES}
+    shop = generate_checked(tmp_path, files, SHADOWING_SERVICES_USAGE)["a/v1/svc_idempotency.py"]
+    assert "        svc_pb2_: grpc.aio.Channel,\n        list: grpc.aio.Channel,\n" in shop, shop
+    build = textwrap.dedent(
+        """
+        import asyncio
+
+        import grpc
+
+        from a.v1.svc_idempotency import ShopBuySteps
+
+
+        async def main() -> None:
+            async with grpc.aio.insecure_channel("localhost:1") as channel:
+                ShopBuySteps(svc_pb2_=channel, list=channel)
+            print("built")
+
+
+        asyncio.run(main())
+        """
+    )
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", build], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "built"
+
+
 KEYWORD_MESSAGES = """\
 syntax = "proto3";
 package kw.v1;

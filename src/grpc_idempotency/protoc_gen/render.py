@@ -90,6 +90,10 @@ class _Renderer:
                     files[names.pb2_module(message.file.name)] = message.file
         self.modules = _local_names(set(files))
         self.reserved = _MODULE_NAMES | _BUILTINS | set(self.modules.values())
+        # A service's parameter of ``__init__`` is in scope in its body, which reads the
+        # modules, ``_unary`` and ``getattr`` (``_type``): parameter ``svc_pb2`` (service
+        # ``SvcPb2``) made ``svc_pb2.Req`` the channel's attribute. Other builtins are free.
+        self.parameters_reserved = _MODULE_NAMES | {"getattr"} | set(self.modules.values())
         # Modules imported with importlib and typed ``Message`` (``_imports``, ``_annotation``).
         self.dynamic = sorted(
             module
@@ -110,7 +114,10 @@ class _Renderer:
                 )
             ]
             try:
-                _service_parameters(c.target.containing_service for c in method.calls)
+                _service_parameters(
+                    (c.target.containing_service for c in method.calls),
+                    self.parameters_reserved,
+                )
             except NameClash as clash:
                 problems.append(f"{self.source}: {method.path}: {clash}")
         if problems:
@@ -366,7 +373,9 @@ class _Renderer:
         if not method.calls:
             return lines
         self.needs |= {"grpc", "Sequence", "step_metadata"}
-        params = _service_parameters(c.target.containing_service for c in method.calls)
+        params = _service_parameters(
+            (c.target.containing_service for c in method.calls), self.parameters_reserved
+        )
         lines += [
             "",
             f"{INDENT}def __init__(",
@@ -513,7 +522,9 @@ def _and(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def _service_parameters(services: Iterable[ServiceDescriptor]) -> dict[str, str]:
+def _service_parameters(
+    services: Iterable[ServiceDescriptor], reserved: Collection[str]
+) -> dict[str, str]:
     """A keyword parameter per called service, by full name: ``payment_service``, or the
     snake-cased full name when two called services' names snake-case alike (``a.v1.Payments``
     and ``b.v1.Payments``, but also ``HTTPGateway`` and ``HttpGateway``, which gave a duplicate
@@ -521,10 +532,15 @@ def _service_parameters(services: Iterable[ServiceDescriptor]) -> dict[str, str]
     unique: dict[str, ServiceDescriptor] = {}
     for service in services:
         unique.setdefault(service.full_name, service)
-    short = {full: names.safe_identifier(names.snake_case(s.name)) for full, s in unique.items()}
+    short = {
+        full: names.safe_identifier(names.snake_case(s.name), reserved)
+        for full, s in unique.items()
+    }
     shared = set(_duplicates(short.values()))
     params = {
-        full: names.safe_identifier(names.snake_case(full)) if short[full] in shared else name
+        full: names.safe_identifier(names.snake_case(full), reserved)
+        if short[full] in shared
+        else name
         for full, name in short.items()
     }
     clashes = []
