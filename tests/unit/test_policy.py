@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -15,7 +16,7 @@ from google.protobuf.descriptor import MethodDescriptor
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.errors import PolicyError, StepUndeclared
 from grpc_idempotency.core.policy import (
     DEFAULT_MAX_RESPONSE_BYTES,
     Isolation,
@@ -28,6 +29,7 @@ from grpc_idempotency.core.policy import (
     compile_policy,
     normalize_method,
 )
+from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
 from grpc_idempotency.v1 import options_pb2
 
@@ -296,6 +298,35 @@ def test_bad_options_fail_with_the_method_named(
     with pytest.raises(PolicyError, match=message) as caught:
         compile_policy(method)
     assert caught.value.message.startswith(f"/{method.containing_service.full_name}/Do:")
+
+
+def test_a_step_may_call_a_service_declared_without_a_package() -> None:
+    """A service of a file without a package is "/Pay/Charge" on the wire, and a keyed call to
+    it without a step tells the user to declare ``call: "Pay/Charge"``; that step was refused
+    ("expected 'package.Service/Method'"), so such a method could never be a step target."""
+    parent = Parent(method="/shop.v1.Shop/Buy", scope="s", key="k", steps=())
+    with pytest.raises(StepUndeclared, match='call: "Pay/Charge"'):
+        choose_key(target="/Pay/Charge", target_keyed=True, explicit_key=None, parent=parent,
+                   named_step=None, operation_key=None)  # fmt: skip
+    for call in ("Pay/Charge", "/Pay/Charge"):
+        policy = compile_policy(method_with(_step("pay.v1", call)))
+        assert policy is not None and policy.mode is Mode.PHASED
+        declared = replace(parent, steps=policy.steps)
+        chosen = choose_key(target="/Pay/Charge", target_keyed=True, explicit_key=None,
+                            parent=declared, named_step=None, operation_key=None)  # fmt: skip
+        assert chosen.source is KeySource.CHILD and chosen.step == "pay.v1"
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["Pay", "Pay/", "/Charge", "a.v1./Charge", ".Pay/Charge", "a..Pay/Charge", "a.v1.Pay/Charge/",
+     "a.v1.Pay/Charge/Again", "Pay//Charge", "a.v1.Pay /Charge", "Pay/ Charge", "Pay/Charge\n",
+     " Pay/Charge", "a v1.Pay/Charge", "Pay/Charge-2", "Päy/Charge"],
+)  # fmt: skip
+def test_a_malformed_call_is_refused(call: str) -> None:
+    message = "expected 'package.Service/Method' ('Service/Method' for a service declared without"
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        compile_policy(method_with(_step("pay.v1", call)))
 
 
 def test_compile_policies_uses_overrides_by_any_spelling() -> None:

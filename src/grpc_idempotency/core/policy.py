@@ -422,12 +422,18 @@ def _check_steps(path: str, steps: tuple[Step, ...]) -> None:
         if step.call and not _is_method_name(step.call):
             raise PolicyError(
                 f"{path}: step {step.name!r} calls {step.call!r}; expected 'package.Service/Method'"
+                " ('Service/Method' for a service declared without a package)"
             )
 
 
 def _is_method_name(name: str) -> bool:
+    # The package is optional: a service of a file without one is "/Service/Method" on the
+    # wire, and choose_key asks for exactly that step. Each part must be a proto identifier
+    # (ASCII), so an empty part, a further slash or whitespace is refused.
     service, sep, method = name.lstrip("/").partition("/")
-    return bool(sep and "." in service and method and "/" not in method)
+    return bool(sep) and all(
+        part.isascii() and part.isidentifier() for part in (*service.split("."), method)
+    )
 
 
 def compile_policies(

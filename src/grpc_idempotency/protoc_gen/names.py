@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import keyword
 import re
+from collections.abc import Collection
 
 _CAMEL_BOUNDARY = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
@@ -44,9 +45,11 @@ def snake_case(name: str) -> str:
     return _CAMEL_BOUNDARY.sub("_", name).replace(".", "_").lower()
 
 
-def safe_identifier(name: str) -> str:
-    """``name``, or ``name_`` when it is a keyword or ``self`` (a parameter of every method)."""
-    return f"{name}_" if keyword.iskeyword(name) or name == "self" else name
+def safe_identifier(name: str, reserved: Collection[str] = ()) -> str:
+    """``name``, or ``name_`` when it is a keyword, ``self`` (a parameter of every method) or
+    one of ``reserved`` (names it would shadow where they are used)."""
+    taken = keyword.iskeyword(name) or name == "self" or name in reserved
+    return f"{name}_" if taken else name
 
 
 def has_keyword(module: str) -> bool:

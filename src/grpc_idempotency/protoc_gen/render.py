@@ -11,9 +11,15 @@ generating, or exclude generated code from it, so that the committed code stays 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import keyword
+from collections.abc import Collection, Iterable, Sequence
 
-from google.protobuf.descriptor import Descriptor, ServiceDescriptor
+from google.protobuf.descriptor import (
+    Descriptor,
+    EnumDescriptor,
+    FileDescriptor,
+    ServiceDescriptor,
+)
 from google.protobuf.duration_pb2 import Duration
 
 from grpc_idempotency.core.policy import duration_of, timestamp_of
@@ -36,6 +42,34 @@ _ISOLATION = {
     options_pb2.ISOLATION_SERIALIZABLE: "SERIALIZABLE",
 }
 
+# Every name the generated module binds at its top level (``_imports``, ``render``), and every
+# lowercase builtin (as of Python 3.11; a snapshot, so that the output does not depend on the
+# Python the plugin runs on). A step's wrapper is a method of its class, and a method's
+# annotations are resolved in the class's scope: a wrapper ``float`` or ``svc_pb2`` made
+# ``timeout: float`` or ``request: svc_pb2.Req`` name the wrapper (mypy: "not valid as a type",
+# "not defined"). Such a wrapper gets a trailing underscore, as a keyword does.
+_MODULE_NAMES = frozenset(
+    {
+        "importlib", "json", "Mapping", "Sequence", "datetime", "timedelta", "Final", "TypeVar",
+        "grpc", "ServiceDescriptor", "Message", "Code", "Isolation", "KeyRequirement",
+        "MethodOverride", "Mode", "Step", "StoreDown", "step_metadata", "SERVICES", "POLICIES",
+        "SERVICE_CONFIG", "CHANNEL_OPTIONS", "_Request", "_Response", "_unary",
+    }
+)  # fmt: skip
+_BUILTINS = frozenset(
+    {
+        "abs", "aiter", "all", "anext", "any", "ascii", "bin", "bool", "breakpoint", "bytearray",
+        "bytes", "callable", "chr", "classmethod", "compile", "complex", "copyright", "credits",
+        "delattr", "dict", "dir", "divmod", "enumerate", "eval", "exec", "exit", "filter",
+        "float", "format", "frozenset", "getattr", "globals", "hasattr", "hash", "help", "hex",
+        "id", "input", "int", "isinstance", "issubclass", "iter", "len", "license", "list",
+        "locals", "map", "max", "memoryview", "min", "next", "object", "oct", "open", "ord",
+        "pow", "print", "property", "quit", "range", "repr", "reversed", "round", "set",
+        "setattr", "slice", "sorted", "staticmethod", "str", "sum", "super", "tuple", "type",
+        "vars", "zip",
+    }
+)  # fmt: skip
+
 
 class NameClash(Exception):
     """Two generated names would be the same."""
@@ -49,12 +83,23 @@ class _Renderer:
     def __init__(self, file: KeyedFile) -> None:
         self.file = file
         self.source = file.descriptor.name
-        modules = {names.pb2_module(self.source)}
+        files = {names.pb2_module(self.source): file.descriptor}
         for method in file.methods:
             for call in method.calls:
-                modules.add(names.pb2_module(call.target.input_type.file.name))
-                modules.add(names.pb2_module(call.target.output_type.file.name))
-        self.modules = _local_names(modules)
+                for message in (call.target.input_type, call.target.output_type):
+                    files[names.pb2_module(message.file.name)] = message.file
+        self.modules = _local_names(set(files))
+        self.reserved = _MODULE_NAMES | _BUILTINS | set(self.modules.values())
+        # A service's parameter of ``__init__`` is in scope in its body, which reads the
+        # modules, ``_unary`` and ``getattr`` (``_type``): parameter ``svc_pb2`` (service
+        # ``SvcPb2``) made ``svc_pb2.Req`` the channel's attribute. Other builtins are free.
+        self.parameters_reserved = _MODULE_NAMES | {"getattr"} | set(self.modules.values())
+        # Modules imported with importlib and typed ``Message`` (``_imports``, ``_annotation``).
+        self.dynamic = sorted(
+            module
+            for module, proto in files.items()
+            if names.has_keyword(module) or _stub_has_keyword(proto)
+        )
         self.classes = {m.path: f"{m.service.name}{m.descriptor.name}Steps" for m in file.methods}
         self.step_classes = [m for m in file.methods if _active_steps(m)]
         problems: list[str] = []
@@ -64,10 +109,15 @@ class _Renderer:
         for method in self.step_classes:
             problems += [
                 f"{self.source}: {method.path}: {clash}"
-                for clash in _step_clashes(_active_steps(method), self.classes[method.path])
+                for clash in _step_clashes(
+                    _active_steps(method), self.classes[method.path], self.reserved
+                )
             ]
             try:
-                _service_parameters(c.target.containing_service for c in method.calls)
+                _service_parameters(
+                    (c.target.containing_service for c in method.calls),
+                    self.parameters_reserved,
+                )
             except NameClash as clash:
                 problems.append(f"{self.source}: {method.path}: {clash}")
         if problems:
@@ -126,8 +176,7 @@ class _Renderer:
 
     def _imports(self) -> list[str]:
         stdlib = []
-        keyworded = sorted(m for m in self.modules if names.has_keyword(m))
-        if keyworded:
+        if self.dynamic:
             stdlib.append("import importlib")
         if "json" in self.needs:
             stdlib.append("import json")
@@ -153,7 +202,7 @@ class _Renderer:
         lines = [*stdlib, "", *third, "", *_import_lines("grpc_idempotency", library)]
         generated = []
         for module, local in sorted(self.modules.items()):
-            if module in keyworded:
+            if module in self.dynamic:
                 continue
             package, _, base = module.rpartition(".")
             alias = f" as {local}" if local != base else ""
@@ -161,9 +210,11 @@ class _Renderer:
                 f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
             )
         # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
-        # module with importlib too. Its messages are typed ``Message`` here (``_annotation``):
-        # a type checker cannot follow the import.
-        assigned = [f'{self.modules[m]} = importlib.import_module("{m}")' for m in keyworded]
+        # module with importlib too. So is a module whose .pyi protoc's pyi_out writes with a
+        # keyword as a name (``class from(...)``, ``_stub_has_keyword``): imported statically,
+        # a type checker reads that stub and stops at its syntax error. Their messages are
+        # typed ``Message`` here (``_annotation``): a type checker cannot follow the import.
+        assigned = [f'{self.modules[m]} = importlib.import_module("{m}")' for m in self.dynamic]
         if generated and assigned:
             generated.append("")
         generated += assigned
@@ -322,7 +373,9 @@ class _Renderer:
         if not method.calls:
             return lines
         self.needs |= {"grpc", "Sequence", "step_metadata"}
-        params = _service_parameters(c.target.containing_service for c in method.calls)
+        params = _service_parameters(
+            (c.target.containing_service for c in method.calls), self.parameters_reserved
+        )
         lines += [
             "",
             f"{INDENT}def __init__(",
@@ -350,7 +403,7 @@ class _Renderer:
             awaits = "response: Message = await" if untyped else "return await"
             lines += [
                 "",
-                f"{INDENT}async def {names.safe_identifier(ident)}(",
+                f"{INDENT}async def {names.safe_identifier(ident, self.reserved)}(",
                 f"{INDENT * 2}self,",
                 f"{INDENT * 2}request: {self._annotation(call.target.input_type)},",
                 f"{INDENT * 2}*,",
@@ -370,15 +423,55 @@ class _Renderer:
     def _annotation(self, message: Descriptor) -> str:
         """``message``'s class as a type: ``Message`` when its module is imported with importlib
         (``_imports``)."""
-        if names.has_keyword(names.pb2_module(message.file.name)):
+        if names.pb2_module(message.file.name) in self.dynamic:
             self.needs.add("Message")
             return "Message"
         return self._type(message)
 
     def _type(self, message: Descriptor) -> str:
-        package = message.file.package
-        relative = message.full_name[len(package) + 1 :] if package else message.full_name
-        return f"{self.modules[names.pb2_module(message.file.name)]}.{relative}"
+        """``message``'s class: ``shop_pb2.Order.Line``. A keyword part (proto allows ``message
+        from``, ``Outer.class``) is read with ``getattr``: ``kw_pb2.Outer.class`` is a
+        SyntaxError. Such a message's module is imported with importlib (``_stub_has_keyword``):
+        its annotation is ``Message``."""
+        expression = self.modules[names.pb2_module(message.file.name)]
+        for part in _relative_name(message).split("."):
+            expression = (
+                f'getattr({expression}, "{part}")'
+                if keyword.iskeyword(part)
+                else f"{expression}.{part}"
+            )
+        return expression
+
+
+def _stub_has_keyword(proto: FileDescriptor) -> bool:
+    """Whether a message, enum, enum value or extension of ``proto`` is named with a Python
+    keyword (``message from``, ``Outer.class``): protoc's pyi_out writes it as is, so the file's
+    .pyi is a SyntaxError (its .py reads it with ``getattr``)."""
+
+    def enum_named(enum: EnumDescriptor) -> bool:
+        return keyword.iskeyword(enum.name) or any(
+            keyword.iskeyword(v) for v in enum.values_by_name
+        )
+
+    def message_named(message: Descriptor) -> bool:
+        return (
+            keyword.iskeyword(message.name)
+            or any(enum_named(e) for e in message.enum_types)
+            or any(keyword.iskeyword(x.name) for x in message.extensions)
+            or any(message_named(m) for m in message.nested_types)
+        )
+
+    return (
+        any(message_named(m) for m in proto.message_types_by_name.values())
+        or any(enum_named(e) for e in proto.enum_types_by_name.values())
+        or any(keyword.iskeyword(name) for name in proto.extensions_by_name)
+    )
+
+
+def _relative_name(message: Descriptor) -> str:
+    """``message``'s name within its file's package: ``Order.Line``."""
+    package = message.file.package
+    return message.full_name[len(package) + 1 :] if package else message.full_name
 
 
 def _active_steps(method: KeyedMethod) -> list[options_pb2.Step]:
@@ -396,19 +489,22 @@ def _step_identifiers(steps: Sequence[options_pb2.Step]) -> dict[str, str]:
     }
 
 
-def _step_clashes(steps: Sequence[options_pb2.Step], class_name: str) -> list[str]:
+def _step_clashes(
+    steps: Sequence[options_pb2.Step], class_name: str, reserved: Collection[str]
+) -> list[str]:
     """Steps that would get the same constant or wrapper in the class. ``_step_identifiers``
     only versions bases that two steps share, so a step named like another's versioned
-    identifier (``a-v1.v1`` beside ``a.v1`` and ``a.v2``) lands on it; a keyword's trailing
-    underscore (``import.v1``, ``import-.v1``) can too. Python keeps the last definition of a
-    name: a wrapper would silently make another step's call, with that step's child key."""
+    identifier (``a-v1.v1`` beside ``a.v1`` and ``a.v2``) lands on it; the trailing underscore
+    of a keyword or ``reserved`` name (``import.v1``, ``import-.v1``; ``str.v1``, ``str-.v1``)
+    can too. Python keeps the last definition of a name: a wrapper would silently make another
+    step's call, with that step's child key."""
     identifiers = _step_identifiers(steps)
     owners: dict[str, list[str]] = {}
     for step in steps:
         ident = identifiers[step.name]
         generated = [ident.upper()]
         if step.call:
-            generated.append(f"{names.safe_identifier(ident)}()")
+            generated.append(f"{names.safe_identifier(ident, reserved)}()")
         for name in generated:
             owners.setdefault(name, []).append(step.name)
     shared: dict[tuple[str, ...], list[str]] = {}
@@ -426,7 +522,9 @@ def _and(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def _service_parameters(services: Iterable[ServiceDescriptor]) -> dict[str, str]:
+def _service_parameters(
+    services: Iterable[ServiceDescriptor], reserved: Collection[str]
+) -> dict[str, str]:
     """A keyword parameter per called service, by full name: ``payment_service``, or the
     snake-cased full name when two called services' names snake-case alike (``a.v1.Payments``
     and ``b.v1.Payments``, but also ``HTTPGateway`` and ``HttpGateway``, which gave a duplicate
@@ -434,10 +532,15 @@ def _service_parameters(services: Iterable[ServiceDescriptor]) -> dict[str, str]
     unique: dict[str, ServiceDescriptor] = {}
     for service in services:
         unique.setdefault(service.full_name, service)
-    short = {full: names.safe_identifier(names.snake_case(s.name)) for full, s in unique.items()}
+    short = {
+        full: names.safe_identifier(names.snake_case(s.name), reserved)
+        for full, s in unique.items()
+    }
     shared = set(_duplicates(short.values()))
     params = {
-        full: names.safe_identifier(names.snake_case(full)) if short[full] in shared else name
+        full: names.safe_identifier(names.snake_case(full), reserved)
+        if short[full] in shared
+        else name
         for full, name in short.items()
     }
     clashes = []
