@@ -34,6 +34,7 @@ from grpc_idempotency.consumer import (
     MessageInProgress,
     purge_processed,
 )
+from grpc_idempotency.store.sql import text_literal
 from tests.support.blackhole import BlackholeProxy
 from tests.support.waiting import until
 from tests.support.wire import call_raw
@@ -369,6 +370,28 @@ async def test_an_effect_that_rolls_back_and_begins_again_is_not_acknowledged(
     again = await consumer.process(message_id, write(consumer, message_id))
     assert again.outcome is Consumed.PROCESSED
     assert await effect_rows(store, consumer, message_id) == before + 1
+
+
+async def test_an_effect_that_writes_its_mark_inside_a_savepoint_is_acknowledged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """A first version of the check above compared the mark row's xmin with the transaction's
+    id: a row written inside a savepoint carries the savepoint's id, and a legitimate effect
+    was told it had ended the transaction, its work rolled back."""
+    message_id = fresh()
+
+    async def touches_the_mark(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute(
+            f"SAVEPOINT s; UPDATE {TABLE} SET processed_at = clock_timestamp()"
+            f" WHERE consumer = {text_literal(consumer.name)}"
+            f" AND message_id = {text_literal(message_id)}; RELEASE SAVEPOINT s"
+        )
+
+    result = await consumer.process(message_id, touches_the_mark)
+    assert result.outcome is Consumed.PROCESSED
+    assert await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == 1
 
 
 async def test_an_effect_that_commits_and_begins_again_is_not_acknowledged(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 
 import asyncpg
 
@@ -35,6 +36,7 @@ class MarkBusy(Exception):
 
 _LOCK_NOT_AVAILABLE = "55P03"
 _MARK_GONE = "GI004"  # raised by the commit: the mark's transaction is not the one committing
+_MARK_SETTING = "grpc_idempotency.consumer_mark"
 # A connection that broke under the effect: the store's failure, not the effect's. Also the
 # SQLSTATE classes 08 (connection exception) and 57P (the server shutting down or restarting).
 _CONNECTION_LOST: tuple[type[BaseException], ...] = (
@@ -67,28 +69,33 @@ class ConsumerStatements:
             "SET processed_at = clock_timestamp(), expires_at = EXCLUDED.expires_at "
             # A live mark is a duplicate; an expired one is taken over, as if purged already.
             "WHERE p.expires_at <= clock_timestamp() "
-            "RETURNING set_config('lock_timeout', (SELECT setting FROM bounded), true)"
+            "RETURNING set_config('lock_timeout', (SELECT setting FROM bounded), true), "
+            # This transaction's token, checked by the commit (below); a setting local to the
+            # transaction: ROLLBACK and COMMIT clear it, a savepoint's rollback does not.
+            f"set_config('{_MARK_SETTING}', {{token}}, true)"
         )
         # The mark's retention counts from its commit, not from the mark: an effect slower
         # than the retention committed a mark already expired, and a redelivery (or the
         # duplicate waiting on the row) ran the effect again. Sent with the COMMIT in one
         # round trip; in an aborted transaction it fails (25P02) and the COMMIT is not run.
         #
-        # The update must find the mark written by this very transaction (its xmin): an effect
-        # that ended the mark's transaction and opened another (ROLLBACK; BEGIN) had its mark
-        # rolled back, and the COMMIT then committed nothing of the kind; it was reported
-        # PROCESSED and the next delivery ran the effect again (or, over an expired mark, its
-        # retention was renewed without the effect). A DO block raises _MARK_GONE instead, in
+        # The transaction committing must be the mark's: an effect that ended the mark's
+        # transaction and opened another (ROLLBACK; BEGIN) had its mark rolled back, and the
+        # COMMIT then committed nothing of the kind; it was reported PROCESSED and the next
+        # delivery ran the effect again (or, over an expired mark, its retention was renewed
+        # without the effect). The mark's token, a setting local to its transaction, tells
+        # (a first version compared the row's xmin with the transaction id, which an effect
+        # writing the mark's row inside a savepoint changes). A DO block raises _MARK_GONE, in
         # the same round trip; the COMMIT after it is not run.
         self.commit_template = (
             "DO {tag}BEGIN "
+            f"IF current_setting('{_MARK_SETTING}', true) IS DISTINCT FROM {{token}} THEN "
+            f"RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
+            "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
+            " (the effect ended it)'; END IF; "
             f"UPDATE {self.table} SET processed_at = clock_timestamp(), "
             "expires_at = clock_timestamp() + make_interval(secs => {retention}) "
-            "WHERE consumer = {consumer} AND message_id = {message_id} "
-            "AND xmin = pg_current_xact_id()::xid; "
-            f"IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
-            "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
-            " (the effect ended it)'; END IF; END{tag}; COMMIT"
+            "WHERE consumer = {consumer} AND message_id = {message_id}; END{tag}; COMMIT"
         )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
@@ -111,8 +118,10 @@ class ConsumerStatements:
         retention_s: float,
         wait_s: float,
         idle_timeout_s: float,
+        token: str,
     ) -> str:
         return self.mark_template.format(
+            token=text_literal(token),
             begin=begin("read committed", idle_timeout_s),
             wait=text_literal(lock_timeout(wait_s)),
             consumer=text_literal(consumer),
@@ -120,7 +129,7 @@ class ConsumerStatements:
             retention=float_literal(retention_s),
         )
 
-    def commit(self, consumer: str, message_id: str, retention_s: float) -> str:
+    def commit(self, consumer: str, message_id: str, retention_s: float, token: str) -> str:
         consumer_sql, message_id_sql = text_literal(consumer), text_literal(message_id)
         # The DO block's body is dollar-quoted: its tag must not occur in the literals in it
         # (a message id is any text).
@@ -128,6 +137,7 @@ class ConsumerStatements:
         while tag in consumer_sql or tag in message_id_sql:
             tag = tag[:-1] + "_$"
         return self.commit_template.format(
+            token=text_literal(token),
             tag=tag,
             consumer=consumer_sql,
             message_id=message_id_sql,
@@ -157,7 +167,8 @@ class ProcessedMessages:
         ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
         store = self.store
         conn = await store._acquire("marking a message", acquire_timeout)
-        sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s)
+        token = uuid.uuid4().hex  # the mark's transaction, as the commit checks it
+        sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s, token)
         try:
             status = await conn.execute(sql)
         except BaseException as exc:
@@ -168,7 +179,7 @@ class ProcessedMessages:
             if isinstance(exc, STORE_ERRORS):
                 raise store_error(exc, "marking a message") from exc
             raise
-        commit = self._sql.commit(consumer, message_id, retention_s)
+        commit = self._sql.commit(consumer, message_id, retention_s, token)
         return Mark(store, conn, consumed(int(status.split()[-1])), commit)
 
     async def is_processed(self, consumer: str, message_id: str) -> bool:
