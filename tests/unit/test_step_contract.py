@@ -81,6 +81,8 @@ def apply_fixes(after: MethodSteps, report: Report) -> MethodSteps:
         instead = re.search(r"in place of ([^\s;,]+)", f.fix)
         if instead:
             declared.pop(instead.group(1))
+        for gone in re.findall(r"delete ([^\s;,]+)", f.fix):
+            declared.pop(gone, None)
     return replace(after, steps=tuple(declared.values()))
 
 
@@ -90,6 +92,7 @@ FIXABLE = {
     Change.STEP_VERSION_CHANGED,
     Change.RETIRED_STEP_REMOVED_EARLY,
     Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
+    Change.OPERATIONS_REKEYED,
 }
 
 
@@ -482,6 +485,38 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         True,
     ),
     (
+        "two active versions of a name on one target, unchanged (calls name theirs)",
+        place(call("charge.v1"), call("charge.v2")),
+        place(call("charge.v1"), call("charge.v2")),
+        [],
+        True,
+    ),
+    (
+        "a retention of 10,000 years, unchanged",
+        place(call("charge.v1"), retention=timedelta(days=3_652_425)),
+        place(call("charge.v1"), retention=timedelta(days=3_652_425)),
+        [],
+        True,
+    ),
+    (
+        "retired at the earliest time there is, unchanged",
+        place(call("charge.v1", retired=datetime.min.replace(tzinfo=UTC)), call("charge.v2")),
+        place(call("charge.v1", retired=datetime.min.replace(tzinfo=UTC)), call("charge.v2")),
+        [(Change.RETIRED_STEP_REMOVABLE, "charge.v1")],
+        True,
+    ),
+    (
+        "a naive retired_at (read as UTC), unchanged but for a step added elsewhere",
+        place(call("charge.v1", retired=datetime(2026, 6, 1, 11, 0)), call("charge.v2")),
+        place(
+            call("charge.v1", retired=datetime(2026, 6, 1, 11, 0)),
+            call("charge.v2"),
+            call("mail.v1", "mail.v1.Mailer/Send"),
+        ),
+        [(Change.STEP_ADDED, "mail.v1")],
+        True,
+    ),
+    (
         "keyed method added",
         {},
         place(call("charge.v1")),
@@ -677,15 +712,23 @@ def steps(draw: st.DrawFn, *, retired: bool | None = None) -> Step:
 
 
 def method_steps(
-    *, retired: bool | None = None, min_size: int = 0
+    *, retired: bool | None = None, min_size: int = 0, one_active_version: bool = False
 ) -> st.SearchStrategy[MethodSteps]:
-    return st.builds(
-        MethodSteps,
-        retention=retentions,
-        steps=st.lists(
-            steps(retired=retired), min_size=min_size, max_size=6, unique_by=lambda s: s.name
-        ).map(tuple),
-    )
+    """``one_active_version``: no two active versions of a name on one target. With two (calls
+    name theirs), retiring one makes ``propagation.as_of`` key an operation begun earlier that
+    named the other with the retired one's key, and check-steps rightly fails it; the
+    properties about routine changes hold for the usual contracts, one version at a time."""
+    listed = st.lists(
+        steps(retired=retired), min_size=min_size, max_size=6, unique_by=lambda s: s.name
+    ).map(tuple)
+    if one_active_version:
+        listed = listed.filter(_one_active_version)
+    return st.builds(MethodSteps, retention=retentions, steps=listed)
+
+
+def _one_active_version(steps: tuple[Step, ...]) -> bool:
+    active = [(_base(s.name), s.call, s.outbox) for s in steps if s.active]
+    return len(active) == len(set(active))
 
 
 paths = st.sampled_from([PLACE, CANCEL, "/shop.v1.Orders/Refund"])
@@ -731,7 +774,7 @@ def test_dropping_an_active_step_always_breaks(before: MethodSteps, data: st.Dat
     assert f.change in (Change.STEP_REMOVED, Change.STEP_RENAMED, Change.STEP_VERSION_CHANGED)
 
 
-@given(method_steps(retired=False), st.data())
+@given(method_steps(retired=False, one_active_version=True), st.data())
 def test_retiring_steps_at_any_later_time_never_breaks(
     before: MethodSteps, data: st.DataObject
 ) -> None:
@@ -777,7 +820,7 @@ def test_a_rename_breaks_whether_or_not_the_old_name_is_kept_retired(
         assert found == [(Change.STEP_REMOVED, gone.name)]
 
 
-@given(method_steps(), st.data())
+@given(method_steps(one_active_version=True), st.data())
 def test_the_fixes_printed_together_pass_the_check(
     before: MethodSteps, data: st.DataObject
 ) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from grpc_idempotency.core.policy import Step, normalize_method
@@ -172,6 +172,12 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
+def _aware_step(step: Step) -> Step:
+    if step.retired_at is None or step.retired_at.tzinfo is not None:
+        return step
+    return replace(step, retired_at=_aware(step.retired_at))
+
+
 def _live(step: Step, retention: timedelta, now: datetime) -> bool:
     """Still part of the contract: active, or retired less than ``retention`` ago."""
     until = removable_from(step, retention)
@@ -286,6 +292,39 @@ def _compare_method(
     return findings
 
 
+def _rekeyed_fix(
+    was: Step,
+    step: Step,
+    before: MethodSteps,
+    after: MethodSteps,
+    now: datetime,
+    among: tuple[Step, ...],
+) -> str:
+    """Keep the versions of the name on the target as they were; a different active version
+    (a rollback) is declared as a new version, the old active one retired at ship time."""
+
+    def versions(steps: tuple[Step, ...]) -> list[Step]:
+        return [s for s in steps if _same_target(s, step) and _base(s.name) == _base(step.name)]
+
+    kept = [
+        _declaration(s, retire_at=_ships(now) if s is was and step.name != was.name else None)
+        for s in versions(before.steps)
+    ]
+    if step.name != was.name:
+        new = Step(
+            name=f"{_base(step.name)}.v{_next_version(step.name, among)}",
+            call=step.call,
+            outbox=step.outbox,
+        )
+        kept.append(_declaration(new))
+    previous = {s.name for s in versions(before.steps)}
+    gone = [f"delete {s.name}" for s in versions(after.steps) if s.name not in previous]
+    return (
+        "keep the versions of the name as they were, and declare a changed effect as a new"
+        " version: " + "; ".join(kept + gone)
+    )
+
+
 def _rekeyed(
     path: str,
     before: MethodSteps,
@@ -303,28 +342,37 @@ def _rekeyed(
 
     The version ``as_of`` chooses changes only at a retired_at, so it is compared just before
     and at each retired_at in the window (and at the window's start)."""
-    start = now - retention
+    start = _minus(now, retention)
     findings: list[Finding] = []
     for step in after.steps:
         if not step.active:
             continue
-        was = next(
+        # The same step if it was active (two active versions of a name on one target are
+        # each named by the calls); else the active version of its name it takes over from,
+        # one that is no longer active (one still active goes on keying its own calls).
+        still_active = {s.name for s in after.steps if s.active}
+        same = next((s for s in before.steps if s.name == step.name and s.active), None)
+        was = same or next(
             (
                 s
                 for s in before.steps
-                if s.active and _same_target(s, step) and _base(s.name) == _base(step.name)
+                if s.active
+                and s.name not in still_active
+                and _same_target(s, step)
+                and _base(s.name) == _base(step.name)
             ),
             None,
         )
         if was is None:
             continue  # a step new to its target: nothing in flight called it
-        calling_before = [s for s in before.steps if _same_target(s, step)]
-        calling_after = [s for s in after.steps if _same_target(s, step)]
+        # Times read as UTC when naive, as everywhere in the contract (as_of compares them).
+        calling_before = [_aware_step(s) for s in before.steps if _same_target(s, step)]
+        calling_after = [_aware_step(s) for s in after.steps if _same_target(s, step)]
+        was, step = _aware_step(was), _aware_step(step)
         times = {start}
         for s in calling_before + calling_after:
             if s.retired_at is not None:
-                retired_at = _aware(s.retired_at)
-                times.update({retired_at - timedelta(microseconds=1), retired_at})
+                times.update({_minus(s.retired_at, timedelta(microseconds=1)), s.retired_at})
         for t in sorted(t for t in times if start <= t < now):
             used = as_of(was, calling_before, t).name
             keyed = as_of(step, calling_after, t).name
@@ -344,12 +392,7 @@ def _rekeyed(
                         f" retried, or taken over after a crash, it sends {_target(step)} a"
                         " child key that service has never seen, and the effect runs again"
                     ),
-                    fix=(
-                        f"leave the declared versions as they were, and declare what {step.name}"
-                        f" does as a new version, {_base(step.name)}.v"
-                        f"{_next_version(step.name, among)}, retiring the active one at ship"
-                        f" time: {_declaration(was, retire_at=_ships(now))}"
-                    ),
+                    fix=_rekeyed_fix(was, step, before, after, now, among),
                 )
             )
             break
