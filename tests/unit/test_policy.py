@@ -317,6 +317,29 @@ def test_a_step_may_call_a_service_declared_without_a_package() -> None:
         assert chosen.source is KeySource.CHILD and chosen.step == "pay.v1"
 
 
+def test_two_active_versions_of_a_step_on_one_target_are_refused() -> None:
+    """Versions replace one another: an operation begun before a version's retirement is keyed
+    with it (propagation.as_of). With two active at once, retiring one keyed the other's
+    in-flight calls with it, and its outcome was replayed for an effect never done."""
+    both = MethodOverride(
+        steps=[Step(name="charge.v1", call="a.B/C"), Step(name="charge.v2", call="/a.B/C")]
+    )
+    with pytest.raises(PolicyError, match=re.escape("'charge.v1' and 'charge.v2' are both active")):
+        compile_policy(method_with(None), both)
+    outbox = MethodOverride(
+        steps=[Step(name="event.v1", outbox=True), Step(name="event.v2", outbox=True)]
+    )
+    with pytest.raises(PolicyError, match="both active on the outbox"):
+        compile_policy(method_with(None), outbox)
+    # One retired, or versions of the name on other targets: fine.
+    retired = datetime(2026, 1, 1, tzinfo=UTC)
+    for fine in (
+        [Step(name="charge.v1", call="a.B/C", retired_at=retired), Step(name="charge.v2", call="a.B/C")],
+        [Step(name="charge.v1", call="a.B/C"), Step(name="charge.v2", call="a.B/D")],
+    ):  # fmt: skip
+        assert compile_policy(method_with(None), MethodOverride(steps=fine)) is not None
+
+
 @pytest.mark.parametrize(
     "call",
     ["Pay", "Pay/", "/Charge", "a.v1./Charge", ".Pay/Charge", "a..Pay/Charge", "a.v1.Pay/Charge/",

@@ -586,31 +586,36 @@ def test_called_services_whose_names_snake_case_alike_get_parameters_of_their_ow
 
 
 def test_steps_whose_identifiers_collide_are_refused(tmp_path: Path) -> None:
-    # a.v1 and a.v2 share a base, so they become a_v1 and a_v2; a-v1.v1's base is a_v1 too.
-    # Generated anyway, the class had two A_V1 constants and two a_v1 wrappers, the last one
-    # winning: a_v1() made a-v1.v1's call and a.v1 had no wrapper. import.v1 and import-.v1
-    # differ as constants (IMPORT, IMPORT_) but not as wrappers (import_ is the keyword's).
+    # import.v1 and import-.v1 differ as constants (IMPORT, IMPORT_) but not as wrappers
+    # (import_ is the keyword's). (a.v1 and a.v2 active next to a-v1.v1 collided as a_v1 too:
+    # two active versions of one step are refused before that now, below.)
     text = svc(
-        'steps: { name: "a.v1" call: "errs.v1.Svc/Target" }'
-        ' steps: { name: "a.v2" call: "errs.v1.Svc/Target" }'
-        ' steps: { name: "a-v1.v1" call: "errs.v1.Svc/Target" }',
-        extra_rpc=(
-            "  rpc Other(Req) returns (Res) {\n"
-            "    option (grpc_idempotency.v1.method) = {"
-            ' steps: { name: "import.v1" call: "errs.v1.Svc/Target" }'
-            ' steps: { name: "import-.v1" call: "errs.v1.Svc/Target" } };\n'
-            "  }\n"
-        ),
+        'steps: { name: "import.v1" call: "errs.v1.Svc/Target" }'
+        ' steps: { name: "import-.v1" call: "errs.v1.Svc/Target" }'
     )
     done = run_on(tmp_path, {"errs/v1/clash.proto": text})
     assert_fails(
         done,
-        "errs/v1/clash.proto: /errs.v1.Svc/Do: steps 'a.v1' and 'a-v1.v1' would both be"
-        " A_V1 and a_v1() in SvcDoSteps",
-        "errs/v1/clash.proto: /errs.v1.Svc/Other: steps 'import.v1' and 'import-.v1' would both"
-        " be import_() in SvcOtherSteps",
+        "errs/v1/clash.proto: /errs.v1.Svc/Do: steps 'import.v1' and 'import-.v1' would both"
+        " be import_() in SvcDoSteps",
     )
     assert not (tmp_path / "out" / "errs").exists()
+
+
+def test_two_active_versions_of_a_step_are_refused(tmp_path: Path) -> None:
+    """Versions replace one another (propagation.as_of keys an operation begun before a
+    version's retirement with it): two active at once, retiring one would key the other's
+    in-flight calls with it."""
+    text = svc(
+        'steps: { name: "a.v1" call: "errs.v1.Svc/Target" }'
+        ' steps: { name: "a.v2" call: "errs.v1.Svc/Target" }'
+    )
+    done = run_on(tmp_path, {"errs/v1/twice.proto": text})
+    assert_fails(
+        done,
+        "errs/v1/twice.proto: /errs.v1.Svc/Do: steps 'a.v1' and 'a.v2' are both active on"
+        " errs.v1.Svc/Target",
+    )
 
 
 def test_a_dotted_file_name_gives_a_module_next_to_its_pb2_that_imports(tmp_path: Path) -> None:

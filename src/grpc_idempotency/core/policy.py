@@ -424,6 +424,22 @@ def _check_steps(path: str, steps: tuple[Step, ...]) -> None:
                 f"{path}: step {step.name!r} calls {step.call!r}; expected 'package.Service/Method'"
                 " ('Service/Method' for a service declared without a package)"
             )
+    # Versions of a step replace one another: an operation begun before a version's retirement
+    # is keyed with it (propagation.as_of) instead of the active version it names. Two active
+    # at once, retiring one would key the other's in-flight calls with it, and replay its
+    # outcome for an effect never done.
+    active: dict[tuple[str, str], str] = {}
+    for step in steps:
+        if not step.active:
+            continue
+        where = (step.name.rpartition(".v")[0], normalize_method(step.call) if step.call else "")
+        if where in active:
+            raise PolicyError(
+                f"{path}: steps {active[where]!r} and {step.name!r} are both active on"
+                f" {step.call or 'the outbox'}: versions of a step replace each other (retire the"
+                " older one); two effects on one target need two names"
+            )
+        active[where] = step.name
 
 
 def _is_method_name(name: str) -> bool:
