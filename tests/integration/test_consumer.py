@@ -394,6 +394,41 @@ async def test_an_effect_that_writes_its_mark_inside_a_savepoint_is_acknowledged
     assert await effect_rows(store, consumer, message_id) == 1
 
 
+async def test_an_effect_that_resets_its_settings_is_acknowledged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """RESET ALL clears the mark's token (a transaction-local setting); the mark row written by
+    this transaction still tells it is the mark's."""
+    message_id = fresh()
+
+    async def resets(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute("RESET ALL")
+
+    result = await consumer.process(message_id, resets)
+    assert result.outcome is Consumed.PROCESSED and await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_an_effect_that_deletes_its_mark_is_not_acknowledged(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """Acknowledged with no mark, the redelivery ran the effect again."""
+    message_id = fresh()
+
+    async def deletes(conn: Any) -> None:
+        await write(consumer, message_id)(conn)
+        await conn.execute(
+            f"DELETE FROM {TABLE} WHERE consumer = {text_literal(consumer.name)}"
+            f" AND message_id = {text_literal(message_id)}"
+        )
+
+    with pytest.raises(StoreUnavailable, match="deleted its mark"):
+        await consumer.process(message_id, deletes)
+    assert not await consumer.is_processed(message_id)
+    assert await effect_rows(store, consumer, message_id) == 0
+
+
 async def test_an_effect_that_commits_and_begins_again_is_not_acknowledged(
     store: Store, consumer: IdempotentConsumer
 ) -> None:

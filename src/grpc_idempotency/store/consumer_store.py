@@ -83,19 +83,22 @@ class ConsumerStatements:
         # transaction and opened another (ROLLBACK; BEGIN) had its mark rolled back, and the
         # COMMIT then committed nothing of the kind; it was reported PROCESSED and the next
         # delivery ran the effect again (or, over an expired mark, its retention was renewed
-        # without the effect). The mark's token, a setting local to its transaction, tells
-        # (a first version compared the row's xmin with the transaction id, which an effect
-        # writing the mark's row inside a savepoint changes). A DO block raises _MARK_GONE, in
-        # the same round trip; the COMMIT after it is not run.
+        # without the effect). Either of two signs tells the mark's transaction: the mark's
+        # token, a setting local to it (which RESET ALL clears), or the mark row's xmin being
+        # this transaction's id (which an effect writing the row inside a savepoint changes);
+        # an effect that does both is refused, the safe side (not acknowledged, redelivered).
+        # A mark the effect deleted is refused too: acknowledged, its redelivery ran again.
+        # A DO block raises _MARK_GONE, in the same round trip; the COMMIT after it is not run.
         self.commit_template = (
             "DO {tag}BEGIN "
-            f"IF current_setting('{_MARK_SETTING}', true) IS DISTINCT FROM {{token}} THEN "
-            f"RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
-            "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
-            " (the effect ended it)'; END IF; "
             f"UPDATE {self.table} SET processed_at = clock_timestamp(), "
             "expires_at = clock_timestamp() + make_interval(secs => {retention}) "
-            "WHERE consumer = {consumer} AND message_id = {message_id}; END{tag}; COMMIT"
+            "WHERE consumer = {consumer} AND message_id = {message_id} "
+            f"AND (current_setting('{_MARK_SETTING}', true) IS NOT DISTINCT FROM {{token}} "
+            "OR xmin = pg_current_xact_id()::xid); "
+            f"IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
+            "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
+            " (the effect ended it, or deleted the mark)'; END IF; END{tag}; COMMIT"
         )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
@@ -276,8 +279,8 @@ class Mark:
 
 def _ended_by_the_effect(message_id: str) -> StoreUnavailable:
     return StoreUnavailable(
-        f"the effect of message {message_id!r} ended the consumer's transaction itself; never"
-        " COMMIT or ROLLBACK it"
+        f"the effect of message {message_id!r} ended the consumer's transaction itself, or"
+        " deleted its mark; never COMMIT or ROLLBACK it"
     )
 
 
