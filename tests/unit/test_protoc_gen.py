@@ -148,11 +148,12 @@ def shop_modules() -> tuple[ModuleType, ModuleType]:
     return shop_idempotency, ledger_idempotency
 
 
-def test_generated_code_is_formatted_and_lint_clean(shop: Path) -> None:
-    files = sorted(str(p) for p in shop.rglob("*_idempotency.py"))
-    # --isolated: ruff's defaults (line length 88), not this repository's settings. ASYNC109:
-    # the step calls take gRPC's ``timeout`` (a deadline sent to the server), as stubs do.
+def assert_ruff_clean(paths: list[Path]) -> None:
+    """Generated modules are formatted and lint clean. --isolated: ruff's defaults (line
+    length 88), not this repository's settings. ASYNC109: the step calls take gRPC's
+    ``timeout`` (a deadline sent to the server), as stubs do."""
     ruff = [sys.executable, "-m", "ruff"]
+    files = [str(p) for p in paths]
     fmt = subprocess.run([*ruff, "format", "--isolated", "--check", "--diff", *files],
                          capture_output=True, text=True, check=False)  # fmt: skip
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
@@ -162,6 +163,10 @@ def test_generated_code_is_formatted_and_lint_clean(shop: Path) -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_generated_code_is_formatted_and_lint_clean(shop: Path) -> None:
+    assert_ruff_clean(sorted(shop.rglob("*_idempotency.py")))
 
 
 USAGE = """
@@ -800,17 +805,7 @@ def test_a_module_in_a_keyword_directory_is_imported_with_importlib(tmp_path: Pa
     assert "from shop.v1 import shop_pb2\n" in shop
     pay = (out / "in/v1/pay_idempotency.py").read_text()
     assert 'pay_pb2 = importlib.import_module("in.v1.pay_pb2")' in pay
-    ruff = [sys.executable, "-m", "ruff"]
-    paths = [str(out / name) for name in generated]
-    fmt = subprocess.run([*ruff, "format", "--isolated", "--check", "--diff", *paths],
-                         capture_output=True, text=True, check=False)  # fmt: skip
-    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
-    lint = subprocess.run(
-        [*ruff, "check", "--isolated", "--target-version", "py311",
-         "--select", "E,F,W,I,B,UP,SIM,RUF,ASYNC", "--ignore", "ASYNC109", *paths],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert_ruff_clean([out / name for name in generated])
     (out / "usage.py").write_text(KEYWORD_USAGE)
     typed = mypy(out, *generated, "usage.py")
     assert typed.returncode == 0, typed.stdout + typed.stderr
@@ -858,17 +853,7 @@ def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> 
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
-    ruff = [sys.executable, "-m", "ruff"]
-    paths = [str(out / name) for name in generated]
-    fmt = subprocess.run([*ruff, "format", "--isolated", "--check", "--diff", *paths],
-                         capture_output=True, text=True, check=False)  # fmt: skip
-    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
-    lint = subprocess.run(
-        [*ruff, "check", "--isolated", "--target-version", "py311",
-         "--select", "E,F,W,I,B,UP,SIM,RUF,ASYNC", "--ignore", "ASYNC109", *paths],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert_ruff_clean([out / name for name in generated])
     if usage:
         (out / "usage.py").write_text(usage)
     typed = mypy(out, *generated, *(["usage.py"] if usage else []))
