@@ -31,6 +31,7 @@ from grpc_idempotency.cli import _parser
 from grpc_idempotency.cli_errors import dsn_target, safe_dsn
 from tests.e2e.procs import free_port
 from tests.support.schemas import fresh_store
+from tests.support.tools import DB_COMMANDS as COMMANDS
 from tests.support.tools import buf_binary, run_cli
 from tests.support.waiting import until
 
@@ -232,15 +233,6 @@ UNPARSABLE = {
     "query-like": ("postgresql://app:p?ss=w0rd@db.example:5432/prod", ["w0rd", "'p'", "ss="]),
     "empty host": ("postgresql://app:hunter22@,db.example/prod", ["hunter22"]),
     "bad sslmode": ("postgresql://app:hunter22@db.example/prod?sslmode=nope", ["hunter22"]),
-}
-COMMANDS = {
-    "migrate": ["migrate"],
-    "purge": ["purge"],
-    "list": ["list", "--scope", "s"],
-    "inspect": ["inspect", "--scope", "s", "k"],
-    "outbox stats": ["outbox", "stats"],
-    "outbox dead": ["outbox", "dead"],
-    "relay": ["relay", "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C"],
 }
 
 

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from grpc_idempotency import DsnUnusable, Store
+from tests.support.tools import DB_COMMANDS as COMMANDS
 from tests.support.tools import run_cli
 
 PASSWORD = "hunter22"
@@ -37,16 +38,6 @@ def not_utf8(dsn: str) -> str:
     return urlunsplit(
         parts._replace(netloc=f"{user}:{PASSWORD}@{hosts}", path=parts.path + "\udcff")
     )
-
-
-COMMANDS = {
-    "migrate": ["migrate"],
-    "purge": ["purge"],
-    "list": ["list", "--scope", "s"],
-    "inspect": ["inspect", "--scope", "s", "k"],
-    "outbox stats": ["outbox", "stats"],
-    "relay": ["relay", "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C"],
-}
 
 
 def assert_refused(done: subprocess.CompletedProcess[str]) -> None:

@@ -10,6 +10,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Every CLI command that opens the store, with its other required arguments: where the
+# tests of bad DSNs run each.
+DB_COMMANDS = {
+    "migrate": ["migrate"],
+    "purge": ["purge"],
+    "list": ["list", "--scope", "s"],
+    "inspect": ["inspect", "--scope", "s", "k"],
+    "outbox stats": ["outbox", "stats"],
+    "outbox dead": ["outbox", "dead"],
+    "relay": ["relay", "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C"],
+}
+
 
 def buf_binary() -> str | None:
     """buf from CI's install (.ci/run puts it in .ci/.buf), a local npm install, or PATH."""

@@ -148,6 +148,18 @@ def shop_modules() -> tuple[ModuleType, ModuleType]:
     return shop_idempotency, ledger_idempotency
 
 
+def run_with_generated(tmp_path: Path, out: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``code`` in a fresh interpreter with the generated modules (``out``) importable;
+    asserts that it succeeded."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
+    ran = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    return ran
+
+
 def assert_ruff_clean(paths: list[Path]) -> None:
     """Generated modules are formatted and lint clean. --isolated: ruff's defaults (line
     length 88), not this repository's settings. ASYNC109: the step calls take gRPC's
@@ -652,12 +664,7 @@ def test_a_dotted_file_name_gives_a_module_next_to_its_pb2_that_imports(tmp_path
         print("imported")
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
-    ran = subprocess.run(
-        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stderr
+    ran = run_with_generated(tmp_path, out, check)
     assert ran.stdout.strip() == "imported"
 
 
@@ -734,12 +741,7 @@ def test_policies_render_durations_as_the_server_compiles_them(tmp_path: Path) -
         print("same")
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
-    ran = subprocess.run(
-        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stderr
+    ran = run_with_generated(tmp_path, out, check)
     assert ran.stdout.strip() == "same"
 
 
@@ -823,12 +825,7 @@ def test_a_module_in_a_keyword_directory_is_imported_with_importlib(tmp_path: Pa
         print("imported")
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
-    ran = subprocess.run(
-        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stderr
+    ran = run_with_generated(tmp_path, out, check)
     assert ran.stdout.strip() == "imported"
 
 
@@ -847,12 +844,8 @@ def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> 
     generated = sorted(str(p.relative_to(out)) for p in out.rglob("*_idempotency.py"))
     assert generated, "no module generated"
     modules = [g.removesuffix(".py").replace("/", ".") for g in generated]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
-    ran = subprocess.run(
-        [sys.executable, "-c", f"import importlib\nfor m in {modules!r}: importlib.import_module(m)"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stderr
+    imports = f"import importlib\nfor m in {modules!r}: importlib.import_module(m)"
+    run_with_generated(tmp_path, out, imports)
     assert_ruff_clean([out / name for name in generated])
     if usage:
         (out / "usage.py").write_text(usage)
@@ -1018,12 +1011,7 @@ def test_a_service_parameter_never_shadows_a_name_init_reads(tmp_path: Path) -> 
         """
     )
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out), os.environ.get("PYTHONPATH", "")]))
-    ran = subprocess.run(
-        [sys.executable, "-c", build], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stderr
+    ran = run_with_generated(tmp_path, out, build)
     assert ran.stdout.strip() == "built"
 
 
