@@ -6,6 +6,8 @@ IN_PROGRESS retry hint given twice (trailer and RetryInfo) agreeing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -15,13 +17,22 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from testsvc.v1 import testsvc_pb2
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import MethodOverride, Store, Telemetry
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    Store,
+    Telemetry,
+    current_call,
+)
 from grpc_idempotency.client import channel_options
 from tests.integration.test_client import conflicts
 from tests.support.ledger import (
     POST,
+    TENANT,
+    LedgerService,
     RunningLedger,
     fresh,
     ledger_rows,
@@ -258,6 +269,78 @@ async def test_a_replica_without_a_cache_answers_what_the_database_holds(
         again = await replica.call(POST, request, key)
     assert again.replayed and again.code is grpc.StatusCode.FAILED_PRECONDITION
     assert again.details == "rewritten"
+
+
+class _PreconditionService(LedgerService):
+    """Post, except for "precondition-trailers": aborts FAILED_PRECONDITION with rich details
+    (ErrorInfo and PreconditionFailure) and a custom trailer of its own, after its write."""
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        if request.behaviour != "precondition-trailers":
+            return await super().Post(request, context)
+        self.executions += 1
+        conn = await current_call().transaction()
+        await conn.execute(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2)",
+            request.account,
+            request.amount,
+        )
+        status = status_pb2.Status(
+            code=grpc.StatusCode.FAILED_PRECONDITION.value[0], message="balance too low"
+        )
+        status.details.add().Pack(error_details_pb2.ErrorInfo(reason="BALANCE_LOW", domain="test"))
+        violation = error_details_pb2.PreconditionFailure.Violation(
+            type="BALANCE", subject=request.account, description="needs 10 more"
+        )
+        status.details.add().Pack(error_details_pb2.PreconditionFailure(violations=[violation]))
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "balance too low",
+            (("grpc-status-details-bin", status.SerializeToString()), ("x-custom", "first")),
+        )
+
+
+@contextlib.asynccontextmanager
+async def precondition_server(store: Store, **kwargs: Any) -> AsyncIterator[grpc.aio.Channel]:
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), **kwargs
+    )
+    server = grpc.aio.server(interceptors=[interceptor])
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(_PreconditionService(store), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(None)
+
+
+async def test_a_failed_precondition_with_details_replays_from_the_database(store: Store) -> None:
+    """FAILED_PRECONDITION with rich details (two of them) and a custom trailer: a replica
+    without a replay cache answers the same code, message and google.rpc.Status byte for byte.
+    The custom trailer is the handler's own and, as the README says, not stored."""
+    key, account = fresh(), fresh("acct")
+    request = post(account, "precondition-trailers")
+    async with (
+        precondition_server(store) as origin,
+        precondition_server(store, replay_cache=False) as replica,
+    ):
+        first_err, first_status = await refused(origin, POST, request, metadata(key))
+        again_err, again_status = await refused(replica, POST, request, metadata(key))
+    first_trailers = dict(first_err.trailing_metadata() or ())
+    again_trailers = dict(again_err.trailing_metadata() or ())
+    assert first_trailers["x-custom"] == "first"
+    assert first_err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert (again_err.code(), again_err.details()) == (first_err.code(), first_err.details())
+    assert again_status == first_status and len(again_status.details) == 2
+    assert again_trailers["grpc-status-details-bin"] == first_trailers["grpc-status-details-bin"]
+    assert "x-custom" not in again_trailers
+    assert dict(again_err.initial_metadata() or ()).get("idempotency-replayed") == "true"
+    assert await ledger_rows(store, account) == 0
+    row = await record_row(store, key)
+    assert row is not None and row["state"] == "completed"
+    assert row["status_details"] == first_trailers["grpc-status-details-bin"]
 
 
 # -- 4. gRPC's own retry policy against IN_PROGRESS ----------------------------------------------
