@@ -16,6 +16,14 @@ Invariant: an instance stops only the server it started itself, the one whose po
 names this instance's socket directory (a fresh directory no other server uses). Another
 instance on the same data directory (one that found the server running and could not start),
 or a server someone else runs there, is never stopped by it.
+
+Invariant: nothing here fork()s the calling process. Callers are test processes full of gRPC
+threads: a fork() child of such a process runs gRPC's fork handlers and copies of locks other
+threads held, and pg_ctl forked that way, as root with ``subprocess.run(user=...)``, died of
+SIGSEGV (or SIGBUS) in most runs of 20 start/stop cycles next to a busy grpc.aio server. So
+the binaries are spawned with vfork/posix_spawn (no ``user=``/``group=``/``preexec_fn``: as
+root the account switch is ``setpriv``'s or ``runuser``'s, in the exec'd program), and a server
+is stopped by signalling its postmaster, as ``pg_ctl stop`` does, rather than by running pg_ctl.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -54,6 +63,10 @@ _SUPERUSER = "postgres"
 _DEFAULT_PORT = 5432
 _PG_CTL_WAIT_S = 60
 _LOG_TAIL_LINES = 40
+# pg_ctl stop's signals: fast shutdown (roll back, checkpoint, exit) and immediate (a crash).
+_STOP_SIGNALS = {"fast": signal.SIGINT, "immediate": signal.SIGQUIT}
+# Where util-linux puts setpriv and runuser, for a root whose PATH lacks the sbin directories.
+_TOOL_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin")
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class _Runtime:
     # as this account instead.
     uid: int | None = None
     gid: int | None = None
+    # The command prefix that runs a binary as that account (empty when not root).
+    as_server: tuple[str, ...] = ()
 
 
 _runtime: _Runtime | None = None
@@ -109,7 +124,41 @@ def _prepare_runtime() -> _Runtime:
     utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
     # initdb reads the catalog templates from share/; the wheel relies on its default modes.
     utils.ensure_folder_permissions(bin_dir.parent / "share", read)
-    return _Runtime(bin_dir, uid=account.pw_uid, gid=account.pw_gid)
+    return _Runtime(
+        bin_dir,
+        uid=account.pw_uid,
+        gid=account.pw_gid,
+        as_server=_switch_user_prefix(account.pw_name, account.pw_uid, account.pw_gid),
+    )
+
+
+def _find_tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found is not None:
+        return os.path.abspath(found)  # subprocess spawns without fork() only for a path
+    for directory in _TOOL_DIRS:
+        candidate = os.path.join(directory, name)
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _switch_user_prefix(name: str, uid: int, gid: int) -> tuple[str, ...]:
+    """The command prefix that runs a program as the server account, without supplementary
+    groups where the tool allows (``_unreachable_ancestor`` assumes none). The switch happens
+    in the exec'd tool: ``subprocess``'s ``user=``/``group=`` would make it fork()."""
+    setpriv = _find_tool("setpriv")
+    if setpriv is not None:
+        return (setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--")
+    # runuser goes through PAM and gives the account its own groups: the fallback.
+    runuser = _find_tool("runuser")
+    if runuser is not None:
+        return (runuser, "-u", name, "--")
+    raise RuntimeError(
+        f"EmbeddedPostgres runs PostgreSQL as the unprivileged account {_SERVER_ACCOUNT!r}"
+        " when run as root (PostgreSQL refuses to run as root), through setpriv or runuser"
+        f" (util-linux); neither is on PATH or in {', '.join(_TOOL_DIRS)}: install util-linux"
+    )
 
 
 def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
@@ -121,18 +170,17 @@ def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
     # pipe and keep it open, and reading it would then block until the server exits.
     with tempfile.TemporaryFile() as out:
         try:
+            # No user=, group=, extra_groups= or preexec_fn: any of them makes subprocess
+            # fork() this (gRPC-threaded) process instead of vfork()ing it. As root the
+            # account switch is the prefix's (setpriv/runuser) job.
             proc = subprocess.run(
-                args,
+                [*rt.as_server, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 # The caller's cwd may be unreadable for the server account.
                 cwd="/",
                 env=env,
-                user=rt.uid,
-                # ``user=`` alone keeps root's gid and supplementary groups.
-                group=rt.gid,
-                extra_groups=[] if rt.uid is not None else None,
                 timeout=_PG_CTL_WAIT_S + 30,
                 check=False,
             )
@@ -147,10 +195,12 @@ def _read_pid_file(data_dir: Path) -> list[str] | None:
     """Lines of postmaster.pid (pid, data dir, start time, port, socket dir, ...)."""
     try:
         lines = (data_dir / "postmaster.pid").read_text().splitlines()
-        int(lines[0])
+        pid = int(lines[0])
     except (OSError, ValueError, IndexError):
         return None
-    return lines
+    # A single-user backend writes its pid negated; kill() of a pid <= 0 signals a whole
+    # process group, or every process: such a file is never treated as a live server of ours.
+    return lines if pid > 0 else None
 
 
 def _alive(pid: int) -> bool:
@@ -186,14 +236,49 @@ def _owned_by(lines: list[str], socket_dir: Path, port: int) -> bool:
     return lines[3:5] == [str(port), str(socket_dir)]
 
 
-def _stop_server(rt: _Runtime, data_dir: Path, mode: str) -> tuple[int, str]:
-    pg_ctl = str(rt.bin_dir / "pg_ctl")
-    args = [f"--pgdata={data_dir}", f"--timeout={_PG_CTL_WAIT_S}", "--wait", f"--mode={mode}"]
-    return _run(rt, [pg_ctl, *args, "stop"])
+def _stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int | None:
+    """Stop the server this instance started, if it runs, as ``pg_ctl stop --wait`` would:
+    signal its postmaster and wait (up to ``_PG_CTL_WAIT_S``) for it to exit. None once it is
+    gone, else the pid of the postmaster still running."""
+    lines = _postmaster(data_dir, socket_dir, port)
+    if lines is None:
+        return None
+    pid = int(lines[0])
+    sig = _STOP_SIGNALS[mode]
+    deadline = time.monotonic() + _PG_CTL_WAIT_S
+    try:
+        # A pidfd pins the process: the signal and the wait cannot reach a later process
+        # that reuses the pid, and the wait wakes when it exits, with no polling.
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None  # no pidfd (macOS, an old kernel or a sandbox): the pid and polling
+    if pidfd is None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return None
+        while _alive(pid):
+            if time.monotonic() >= deadline:
+                return pid
+            time.sleep(0.01)
+        return None
+    try:
+        try:
+            signal.pidfd_send_signal(pidfd, sig)
+        except ProcessLookupError:
+            return None  # exited since postmaster.pid was read
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        # Readable once the process has exited, reaped or a zombie (``_alive``'s "dead").
+        while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            if time.monotonic() >= deadline:
+                return pid
+        return None
+    finally:
+        os.close(pidfd)
 
 
 def _finalize(
-    rt: _Runtime,
     data_dir: Path,
     socket_dir: Path,
     port: int,
@@ -204,8 +289,7 @@ def _finalize(
     # run): pg_ctl daemonizes, so the server would otherwise outlive the interpreter.
     if os.getpid() != owner_pid:
         return  # a forked child must not stop its parent's server
-    if _postmaster(data_dir, socket_dir, port) is not None:
-        _stop_server(rt, data_dir, "fast")
+    _stop_server(data_dir, socket_dir, port, "fast")
     for path in owned:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -317,7 +401,6 @@ class EmbeddedPostgres:
         self._finalizer = weakref.finalize(
             self,
             _finalize,
-            self._rt,
             self._data_dir,
             self._socket_dir,
             self._port,
@@ -375,8 +458,7 @@ class EmbeddedPostgres:
             code, output = _run(self._rt, [str(self._rt.bin_dir / "pg_ctl"), *args])
             if code != 0:
                 # pg_ctl may give up while the postmaster lives on: don't leak it.
-                if self.running:
-                    _stop_server(self._rt, self._data_dir, "immediate")
+                _stop_server(self._data_dir, self._socket_dir, self._port, "immediate")
                 raise RuntimeError(
                     f"PostgreSQL failed to start (pg_ctl exit {code}):\n{output.strip()}\n"
                     f"--- tail of {self._log_file} ---\n{self._log_tail()}"
@@ -390,17 +472,11 @@ class EmbeddedPostgres:
             # "smart" would wait for clients to disconnect, possibly forever.
             raise ValueError(f"mode must be 'fast' or 'immediate', not {mode!r}")
         with self._lock:
-            if not self.running:
-                return
-            code, output = _stop_server(self._rt, self._data_dir, mode)
-            if code < 0 and self.running:
-                # pg_ctl died of a signal (SIGSEGV once on CI, as root, where it is forked with
-                # a uid to switch to from a process full of gRPC threads) and the server lives
-                # on: stopping is idempotent, so ask once more before calling it a failure.
-                code, output = _stop_server(self._rt, self._data_dir, mode)
-            if code != 0 and self.running:
+            survivor = _stop_server(self._data_dir, self._socket_dir, self._port, mode)
+            if survivor is not None:
                 raise RuntimeError(
-                    f"PostgreSQL failed to stop (pg_ctl exit {code}):\n{output.strip()}\n"
+                    f"PostgreSQL (postmaster pid {survivor}) did not stop within"
+                    f" {_PG_CTL_WAIT_S} s of {_STOP_SIGNALS[mode].name} ({mode} shutdown)\n"
                     f"--- tail of {self._log_file} ---\n{self._log_tail()}"
                 )
             _log.debug("PostgreSQL stopped (%s): %s", mode, self._data_dir)
