@@ -724,25 +724,46 @@ class IdempotencyInterceptor(_Interceptor):
         escapes it (a lost connection, a serialization failure, a failed statement) becomes an
         ``IdempotencyError`` with the right status instead of UNKNOWN with the driver's text."""
         method = call.method
+        context: KeyedContext | SyncContext
         try:
             if method.is_async:
-                return await method.handler(call.request, KeyedContext(call.context))
-            # A sync handler would block the event loop (and every other call) while it runs.
-            # It runs in a pool of its own (see ``sync_executor``), with the call's context
-            # variables (``current_call()``), as ``asyncio.to_thread`` would.
-            loop = asyncio.get_running_loop()
-            context = SyncContext(call.context, loop)
-            run = contextvars.copy_context().run
-            return await loop.run_in_executor(
-                self._sync_pool(), run, method.handler, call.request, context
-            )
+                context = KeyedContext(call.context)
+                response = await method.handler(call.request, context)
+            else:
+                # A sync handler would block the event loop (and every other call) while it
+                # runs. It runs in a pool of its own (see ``sync_executor``), with the call's
+                # context variables (``current_call()``), as ``asyncio.to_thread`` would.
+                loop = asyncio.get_running_loop()
+                context = SyncContext(call.context, loop)
+                run = contextvars.copy_context().run
+                response = await loop.run_in_executor(
+                    self._sync_pool(), run, method.handler, call.request, context
+                )
+                for callback in context.callbacks:  # as grpc.aio runs a sync handler's
+                    callback()
         except Exception as exc:
+            aborted = context.aborted
+            if aborted is not None and aborted is not exc:
+                # Aborted, then something else escaped (a second abort's UsageError from an
+                # ``except Exception`` wrapper, say): grpc.aio answers the first abort.
+                log.warning(
+                    "%s: the handler raised %s after context.abort(); answering the abort",
+                    call.policy.method,
+                    type(exc).__name__,
+                )
+                raise aborted from None
+            if isinstance(exc, DeferredAbort):
+                raise
             serving = call_context.current_call_or_none()
             live = serving is not None and serving.connection_live
             mapped = handler_error(exc, connection_live=live)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            if mapped is not None:
+                raise mapped from exc
+            raise
+        if context.aborted is not None:
+            # The handler caught its abort and returned: grpc.aio has sent the abort already.
+            raise context.aborted
+        return response
 
     def _sync_pool(self) -> Executor:
         if self._sync_executor is None:
