@@ -759,6 +759,10 @@ class IdempotencyInterceptor(_Interceptor):
             mapped = handler_error(exc, connection_live=live)
             if mapped is not None:
                 raise mapped from exc
+            if isinstance(exc, grpc.aio.AioRpcError) or (
+                isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call)  # a sync channel's
+            ):
+                raise _downstream_failed(call.policy.method, exc) from exc
             raise
         if context.aborted is not None:
             # The handler caught its abort and returned: grpc.aio has sent the abort already.
@@ -826,6 +830,46 @@ class IdempotencyInterceptor(_Interceptor):
         else:
             await asyncio.shield(tx.rollback())
         return response
+
+
+# A downstream call's status that says "try again" passes through (gRPC's retry policies and
+# the library's clients retry these); the key is released, as for a handler aborting with it.
+_DOWNSTREAM_PASSED = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+def _downstream_failed(method: str, err: grpc.aio.AioRpcError | grpc.Call) -> DeferredAbort:
+    """The answer to a downstream call's error that escaped the handler (``AioRpcError``, or a
+    sync channel's ``RpcError``). Left to grpc.aio it answered UNKNOWN with the downstream's
+    details and debug string (its address) and was retried by no one. A transient code passes
+    through, any other is INTERNAL: the downstream's answer is not this method's. Either way
+    with a fixed message (the details go to the log) and the key released."""
+    code = err.code()
+    if code in _DOWNSTREAM_PASSED:
+        log.warning(
+            "%s: a downstream call failed with %s (%s); passed on, the key released",
+            method,
+            code.name,
+            err.details(),
+        )
+        return DeferredAbort(code, f"a downstream call failed ({code.name}); retry", ())
+    log.error(
+        "%s: a downstream call failed with %s (%s) and the handler let it escape;"
+        " answering INTERNAL, the key released",
+        method,
+        getattr(code, "name", code),
+        err.details(),
+        exc_info=err if isinstance(err, BaseException) else False,
+    )
+    return DeferredAbort(
+        grpc.StatusCode.INTERNAL, "a downstream call failed; see the server's log", ()
+    )
 
 
 _finishing: set[asyncio.Future[None]] = set()
