@@ -78,7 +78,7 @@ from grpc_idempotency.core.policy import (
     StoreDown,
 )
 from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
-from grpc_idempotency.core.wire import KEY_HEADER
+from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
@@ -349,11 +349,13 @@ class IdempotencyInterceptor(_Interceptor):
         # Everything up to the fingerprint is decided without touching the database.
         try:
             key = key_from_metadata(context.invocation_metadata())
-            if key is None and policy.key is KeyRequirement.REQUIRED:
-                raise KeyMissing(
-                    f"{policy.method} requires an idempotency key: send one per operation as"
-                    f" {KEY_HEADER!r} metadata, the same on every retry"
-                )
+            if key is None:
+                _refuse_step_without_key(policy.method, context)
+                if policy.key is KeyRequirement.REQUIRED:
+                    raise KeyMissing(
+                        f"{policy.method} requires an idempotency key: send one per operation as"
+                        f" {KEY_HEADER!r} metadata, the same on every retry"
+                    )
             scope: str | None
             store = self.store
             if isinstance(store, ShardedStores):
@@ -1032,6 +1034,19 @@ def _unclaimed(
         deadline=_deadline(context),
         metadata=tuple(context.invocation_metadata() or ()),
     )
+
+
+def _refuse_step_without_key(method: str, context: Context) -> None:
+    """A call naming a step (``STEP_HEADER``) but carrying no key comes from a step wrapper (or
+    ``step_metadata``) on a channel without ``IdempotencyClientInterceptor``, which derives the
+    step's key and strips the name. Run, a ``KEY_OPTIONAL`` method ran once per retry of the
+    caller's operation, and a ``KEY_REQUIRED`` one refused it without saying why."""
+    if any(name == STEP_HEADER for name, _ in context.invocation_metadata() or ()):
+        raise KeyMissing(
+            f"{method}: the call names a step ({STEP_HEADER!r}) but carries no idempotency key:"
+            " the caller's channel lacks grpc_idempotency's client interceptor"
+            " (IdempotencyClientInterceptor), which derives the step's key from the caller's key"
+        )
 
 
 def _may_fail_open(policy: MethodPolicy, context: Context, err: StoreUnavailable) -> bool:
