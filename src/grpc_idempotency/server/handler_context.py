@@ -29,32 +29,43 @@ _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
 
 
-def _trailers_problem(trailing_metadata: Any) -> str | None:
-    """What makes ``trailing_metadata`` unsendable, or ``None``. Checked when the handler aborts:
-    grpc.aio refuses such trailers only when it sends them, which for a keyed call is after
-    the outcome they go with was committed (the first answer UNKNOWN or INTERNAL, retries
-    replaying the recorded one); a str under a "-bin" name even left the call hanging."""
+def _sendable(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+    """``trailing_metadata`` as grpc.aio sends it (a tuple of pairs), or ``AbortInvalid`` (logged)
+    saying what gRPC could not send. Checked when the handler aborts: grpc.aio refuses such
+    trailers only when it sends them, which for a keyed call is after the outcome they go with
+    was committed (the first answer UNKNOWN or INTERNAL, retries replaying the recorded one); a
+    str under a "-bin" name even left the call hanging."""
     try:
         entries = tuple(trailing_metadata or ())
     except TypeError:
-        return "is not a sequence of (name, value) pairs"
+        return _invalid("is not a sequence of (name, value) pairs")
+    pairs: list[tuple[str, str | bytes]] = []
     for entry in entries:
         if not (isinstance(entry, tuple | list) and len(entry) == 2):
-            return "holds an entry that is not a (name, value) pair"
+            return _invalid("holds an entry that is not a (name, value) pair")
         key, value = entry
         if not isinstance(key, str) or _METADATA_KEY.fullmatch(key) is None:
-            return f"has the name {key!r}: names are lowercase a-z, 0-9, '-', '_' and '.'"
+            return _invalid(f"has the name {key!r}: names are lowercase a-z, 0-9, '-', '_' and '.'")
         if key.endswith("-bin"):
             if not isinstance(value, bytes):
-                return f"has a {type(value).__name__} value under {key!r}: '-bin' names take bytes"
+                kind = type(value).__name__
+                return _invalid(f"has a {kind} value under {key!r}: '-bin' names take bytes")
         elif isinstance(value, bytes):
             if _METADATA_TEXT.fullmatch(value.decode("latin-1")) is None:
-                return f"has a value under {key!r} that is not printable ASCII"
+                return _invalid(f"has a value under {key!r} that is not printable ASCII")
         elif not isinstance(value, str):
-            return f"has a {type(value).__name__} value under {key!r}: text names take str"
+            kind = type(value).__name__
+            return _invalid(f"has a {kind} value under {key!r}: text names take str")
         elif _METADATA_TEXT.fullmatch(value) is None:
-            return f"has a value under {key!r} that is not printable ASCII"
-    return None
+            return _invalid(f"has a value under {key!r} that is not printable ASCII")
+        pairs.append((key, value))  # a list pair too: grpc.aio takes tuples only
+    return tuple(pairs)
+
+
+def _invalid(problem: str) -> NoReturn:
+    message = f"context.abort(): the trailing metadata {problem}"
+    log.error("%s; answering INTERNAL, nothing recorded", message)
+    raise AbortInvalid(message)
 
 
 class DeferredAbort(grpc.aio.AbortError):
@@ -65,11 +76,7 @@ class DeferredAbort(grpc.aio.AbortError):
     handler's ``abort`` itself, before anything is recorded."""
 
     def __init__(self, code: grpc.StatusCode | int, details: str, trailing_metadata: Any) -> None:
-        problem = _trailers_problem(trailing_metadata)
-        if problem is not None:
-            message = f"context.abort(): the trailing metadata {problem}"
-            log.error("%s; answering INTERNAL, nothing recorded", message)
-            raise AbortInvalid(message)
+        trailers = _sendable(trailing_metadata)
         super().__init__("aborted by the handler")
         # grpc.aio takes a status's number as well: held as a StatusCode, whatever was given.
         self.code = grpc_code(status_code(code))
@@ -83,7 +90,7 @@ class DeferredAbort(grpc.aio.AbortError):
             log.error("context.abort() called with StatusCode.OK; answering UNKNOWN")
             self.code = grpc.StatusCode.UNKNOWN
             self.details = "the handler aborted with status OK"
-        self.trailing_metadata = tuple(trailing_metadata or ())
+        self.trailing_metadata = trailers
 
     async def send(self, context: Context) -> NoReturn:
         await context.abort(self.code, self.details, self.trailing_metadata)
