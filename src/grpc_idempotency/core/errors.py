@@ -12,6 +12,7 @@
     │   └── StoreMisconfigured           INTERNAL          IDEMPOTENCY_STORE_MISCONFIGURED
     ├── TransactionConflict              ABORTED           IDEMPOTENCY_TRANSACTION_CONFLICT
     ├── HandlerDatabaseError             INTERNAL          IDEMPOTENCY_HANDLER_DATABASE_ERROR
+    ├── AbortInvalid                     INTERNAL          IDEMPOTENCY_ABORT_INVALID
     ├── ResponseTooLarge                 FAILED_PRECONDITION IDEMPOTENCY_RESPONSE_TOO_LARGE
     ├── LeaseLost                        ABORTED           IDEMPOTENCY_LEASE_LOST
     ├── StepUndeclared                   FAILED_PRECONDITION IDEMPOTENCY_STEP_UNDECLARED
@@ -162,6 +163,15 @@ class HandlerDatabaseError(IdempotencyError):
 
     status_code = Code.INTERNAL
     reason = "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
+
+
+class AbortInvalid(IdempotencyError, ValueError):
+    """A handler's ``context.abort()`` gave trailing metadata gRPC cannot send (a bad name, a
+    str under a "-bin" name, a value that is not printable ASCII). Raised by the abort itself,
+    before anything is recorded; the key is released. A ``ValueError`` too: bad arguments."""
+
+    status_code = Code.INTERNAL
+    reason = "IDEMPOTENCY_ABORT_INVALID"
 
 
 class ResponseTooLarge(IdempotencyError):

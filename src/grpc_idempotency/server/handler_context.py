@@ -10,21 +10,73 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
 
+from grpc_idempotency.core.errors import AbortInvalid
 from grpc_idempotency.core.wire import STEP_HEADER
 from grpc_idempotency.server.answers import Context, grpc_code, status_code
 
 log = logging.getLogger("grpc_idempotency.server")
 
 
+# gRPC's rules for metadata: lowercase names of these characters; text values of printable ASCII;
+# names ending in "-bin" carry bytes.
+_METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
+_METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
+
+
+def _sendable(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+    """``trailing_metadata`` as grpc.aio sends it (a tuple of pairs), or ``AbortInvalid`` (logged)
+    saying what gRPC could not send. Checked when the handler aborts: grpc.aio refuses such
+    trailers only when it sends them, which for a keyed call is after the outcome they go with
+    was committed (the first answer UNKNOWN or INTERNAL, retries replaying the recorded one); a
+    str under a "-bin" name even left the call hanging."""
+    try:
+        entries = tuple(trailing_metadata or ())
+    except TypeError:
+        return _invalid("is not a sequence of (name, value) pairs")
+    pairs: list[tuple[str, str | bytes]] = []
+    for entry in entries:
+        if not (isinstance(entry, tuple | list) and len(entry) == 2):
+            return _invalid("holds an entry that is not a (name, value) pair")
+        key, value = entry
+        if not isinstance(key, str) or _METADATA_KEY.fullmatch(key) is None:
+            return _invalid(f"has the name {key!r}: names are lowercase a-z, 0-9, '-', '_' and '.'")
+        if key.endswith("-bin"):
+            if not isinstance(value, bytes):
+                kind = type(value).__name__
+                return _invalid(f"has a {kind} value under {key!r}: '-bin' names take bytes")
+        elif isinstance(value, bytes):
+            if _METADATA_TEXT.fullmatch(value.decode("latin-1")) is None:
+                return _invalid(f"has a value under {key!r} that is not printable ASCII")
+        elif not isinstance(value, str):
+            kind = type(value).__name__
+            return _invalid(f"has a {kind} value under {key!r}: text names take str")
+        elif _METADATA_TEXT.fullmatch(value) is None:
+            return _invalid(f"has a value under {key!r} that is not printable ASCII")
+        pairs.append((key, value))  # a list pair too: grpc.aio takes tuples only
+    return tuple(pairs)
+
+
+def _invalid(problem: str) -> NoReturn:
+    message = f"context.abort(): the trailing metadata {problem}"
+    log.error("%s; answering INTERNAL, nothing recorded", message)
+    raise AbortInvalid(message)
+
+
 class DeferredAbort(grpc.aio.AbortError):
     """A handler's ``context.abort(...)``, held until its outcome is committed. A subclass of
-    ``AbortError`` so that handler code catching aborts behaves as usual."""
+    ``AbortError`` so that handler code catching aborts behaves as usual.
+
+    Trailers that gRPC could not send raise ``AbortInvalid`` (INTERNAL, logged) from the
+    handler's ``abort`` itself, before anything is recorded."""
 
     def __init__(self, code: grpc.StatusCode | int, details: str, trailing_metadata: Any) -> None:
+        trailers = _sendable(trailing_metadata)
         super().__init__("aborted by the handler")
         # grpc.aio takes a status's number as well: held as a StatusCode, whatever was given.
         self.code = grpc_code(status_code(code))
@@ -38,7 +90,7 @@ class DeferredAbort(grpc.aio.AbortError):
             log.error("context.abort() called with StatusCode.OK; answering UNKNOWN")
             self.code = grpc.StatusCode.UNKNOWN
             self.details = "the handler aborted with status OK"
-        self.trailing_metadata = tuple(trailing_metadata or ())
+        self.trailing_metadata = trailers
 
     async def send(self, context: Context) -> NoReturn:
         await context.abort(self.code, self.details, self.trailing_metadata)
@@ -52,14 +104,34 @@ def _without_step(metadata: Any) -> Any:
     return tuple((key, value) for key, value in metadata if key != STEP_HEADER)
 
 
+def _first_abort(
+    holder: KeyedContext | SyncContext,
+    code: grpc.StatusCode | int,
+    details: str,
+    trailing_metadata: Any,
+) -> DeferredAbort:
+    """The call's abort, remembered on ``holder``: it answers the call whatever the handler does
+    after catching it (returns, aborts again from an ``except Exception``), as with grpc.aio,
+    where the first abort's status is sent at once. A second abort raises grpc.aio's own
+    ``UsageError``."""
+    if holder.aborted is not None:
+        raise grpc.aio.UsageError("Abort already called!")
+    # grpc.aio sends the details set on the call (set_details) when abort() gives none.
+    aborted = DeferredAbort(code, details or holder._context.details() or "", trailing_metadata)
+    holder.aborted = aborted
+    return aborted
+
+
 class KeyedContext:
     """For async handlers: the call's context with ``abort`` deferred, and the incoming
     metadata without a step name meant for no one here (``STEP_HEADER``)."""
 
-    __slots__ = ("_context",)
+    __slots__ = ("_context", "aborted")
 
     def __init__(self, context: Context) -> None:
         self._context = context
+        self.aborted: DeferredAbort | None = None
+        """The handler's first abort (``_first_abort``)."""
 
     def invocation_metadata(self) -> Any:
         return _without_step(self._context.invocation_metadata())
@@ -67,10 +139,10 @@ class KeyedContext:
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
     ) -> NoReturn:
-        raise DeferredAbort(code, details, trailing_metadata)
+        raise _first_abort(self, code, details, trailing_metadata)
 
     async def abort_with_status(self, status: grpc.Status) -> NoReturn:
-        raise DeferredAbort(status.code, status.details, status.trailing_metadata)
+        raise _first_abort(self, status.code, status.details, status.trailing_metadata)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
@@ -83,14 +155,23 @@ class SyncContext:
     def __init__(self, context: Context, loop: asyncio.AbstractEventLoop) -> None:
         self._context = context
         self._loop = loop
+        self.aborted: DeferredAbort | None = None
+        """The handler's first abort (``_first_abort``)."""
+        self.callbacks: list[Callable[[], Any]] = []
+        """``add_callback``'s, run on the loop once the handler has returned."""
 
     def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
     ) -> NoReturn:
-        raise DeferredAbort(code, details, trailing_metadata)
+        raise _first_abort(self, code, details, trailing_metadata)
 
     def abort_with_status(self, status: grpc.Status) -> NoReturn:
-        raise DeferredAbort(status.code, status.details, status.trailing_metadata)
+        raise _first_abort(self, status.code, status.details, status.trailing_metadata)
+
+    def add_callback(self, callback: Callable[[], Any]) -> None:
+        """As grpc.aio's context for sync handlers: ``callback()`` runs on the event loop once
+        the handler has returned (not when it raised or aborted), before the answer leaves."""
+        self.callbacks.append(callback)
 
     def send_initial_metadata(self, metadata: Any) -> None:
         coro = self._context.send_initial_metadata(metadata)

@@ -78,7 +78,7 @@ from grpc_idempotency.core.policy import (
     StoreDown,
 )
 from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
-from grpc_idempotency.core.wire import KEY_HEADER
+from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
@@ -349,11 +349,13 @@ class IdempotencyInterceptor(_Interceptor):
         # Everything up to the fingerprint is decided without touching the database.
         try:
             key = key_from_metadata(context.invocation_metadata())
-            if key is None and policy.key is KeyRequirement.REQUIRED:
-                raise KeyMissing(
-                    f"{policy.method} requires an idempotency key: send one per operation as"
-                    f" {KEY_HEADER!r} metadata, the same on every retry"
-                )
+            if key is None:
+                _refuse_step_without_key(policy.method, context)
+                if policy.key is KeyRequirement.REQUIRED:
+                    raise KeyMissing(
+                        f"{policy.method} requires an idempotency key: send one per operation as"
+                        f" {KEY_HEADER!r} metadata, the same on every retry"
+                    )
             scope: str | None
             store = self.store
             if isinstance(store, ShardedStores):
@@ -724,25 +726,50 @@ class IdempotencyInterceptor(_Interceptor):
         escapes it (a lost connection, a serialization failure, a failed statement) becomes an
         ``IdempotencyError`` with the right status instead of UNKNOWN with the driver's text."""
         method = call.method
+        context: KeyedContext | SyncContext
         try:
             if method.is_async:
-                return await method.handler(call.request, KeyedContext(call.context))
-            # A sync handler would block the event loop (and every other call) while it runs.
-            # It runs in a pool of its own (see ``sync_executor``), with the call's context
-            # variables (``current_call()``), as ``asyncio.to_thread`` would.
-            loop = asyncio.get_running_loop()
-            context = SyncContext(call.context, loop)
-            run = contextvars.copy_context().run
-            return await loop.run_in_executor(
-                self._sync_pool(), run, method.handler, call.request, context
-            )
+                context = KeyedContext(call.context)
+                response = await method.handler(call.request, context)
+            else:
+                # A sync handler would block the event loop (and every other call) while it
+                # runs. It runs in a pool of its own (see ``sync_executor``), with the call's
+                # context variables (``current_call()``), as ``asyncio.to_thread`` would.
+                loop = asyncio.get_running_loop()
+                context = SyncContext(call.context, loop)
+                run = contextvars.copy_context().run
+                response = await loop.run_in_executor(
+                    self._sync_pool(), run, method.handler, call.request, context
+                )
+                for callback in context.callbacks:  # as grpc.aio runs a sync handler's
+                    callback()
         except Exception as exc:
+            aborted = context.aborted
+            if aborted is not None and aborted is not exc:
+                # Aborted, then something else escaped (a second abort's UsageError from an
+                # ``except Exception`` wrapper, say): grpc.aio answers the first abort.
+                log.warning(
+                    "%s: the handler raised %s after context.abort(); answering the abort",
+                    call.policy.method,
+                    type(exc).__name__,
+                )
+                raise aborted from None
+            if isinstance(exc, DeferredAbort):
+                raise
             serving = call_context.current_call_or_none()
             live = serving is not None and serving.connection_live
             mapped = handler_error(exc, connection_live=live)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            if mapped is not None:
+                raise mapped from exc
+            if isinstance(exc, grpc.aio.AioRpcError) or (
+                isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call)  # a sync channel's
+            ):
+                raise _downstream_failed(call.policy.method, exc) from exc
+            raise
+        if context.aborted is not None:
+            # The handler caught its abort and returned: grpc.aio has sent the abort already.
+            raise context.aborted
+        return response
 
     def _sync_pool(self) -> Executor:
         if self._sync_executor is None:
@@ -805,6 +832,46 @@ class IdempotencyInterceptor(_Interceptor):
         else:
             await asyncio.shield(tx.rollback())
         return response
+
+
+# A downstream call's status that says "try again" passes through (gRPC's retry policies and
+# the library's clients retry these); the key is released, as for a handler aborting with it.
+_DOWNSTREAM_PASSED = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+def _downstream_failed(method: str, err: grpc.aio.AioRpcError | grpc.Call) -> DeferredAbort:
+    """The answer to a downstream call's error that escaped the handler (``AioRpcError``, or a
+    sync channel's ``RpcError``). Left to grpc.aio it answered UNKNOWN with the downstream's
+    details and debug string (its address) and was retried by no one. A transient code passes
+    through, any other is INTERNAL: the downstream's answer is not this method's. Either way
+    with a fixed message (the details go to the log) and the key released."""
+    code = err.code()
+    if code in _DOWNSTREAM_PASSED:
+        log.warning(
+            "%s: a downstream call failed with %s (%s); passed on, the key released",
+            method,
+            code.name,
+            err.details(),
+        )
+        return DeferredAbort(code, f"a downstream call failed ({code.name}); retry", ())
+    log.error(
+        "%s: a downstream call failed with %s (%s) and the handler let it escape;"
+        " answering INTERNAL, the key released",
+        method,
+        getattr(code, "name", code),
+        err.details(),
+        exc_info=err if isinstance(err, BaseException) else False,
+    )
+    return DeferredAbort(
+        grpc.StatusCode.INTERNAL, "a downstream call failed; see the server's log", ()
+    )
 
 
 _finishing: set[asyncio.Future[None]] = set()
@@ -967,6 +1034,19 @@ def _unclaimed(
         deadline=_deadline(context),
         metadata=tuple(context.invocation_metadata() or ()),
     )
+
+
+def _refuse_step_without_key(method: str, context: Context) -> None:
+    """A call naming a step (``STEP_HEADER``) but carrying no key comes from a step wrapper (or
+    ``step_metadata``) on a channel without ``IdempotencyClientInterceptor``, which derives the
+    step's key and strips the name. Run, a ``KEY_OPTIONAL`` method ran once per retry of the
+    caller's operation, and a ``KEY_REQUIRED`` one refused it without saying why."""
+    if any(name == STEP_HEADER for name, _ in context.invocation_metadata() or ()):
+        raise KeyMissing(
+            f"{method}: the call names a step ({STEP_HEADER!r}) but carries no idempotency key:"
+            " the caller's channel lacks grpc_idempotency's client interceptor"
+            " (IdempotencyClientInterceptor), which derives the step's key from the caller's key"
+        )
 
 
 def _may_fail_open(policy: MethodPolicy, context: Context, err: StoreUnavailable) -> bool:

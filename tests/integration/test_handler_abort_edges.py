@@ -1,0 +1,272 @@
+"""Handlers that use ``context.abort()`` the ways grpc.aio allows, answered as grpc.aio answers
+them: the first abort wins whatever the handler does after catching it (returns, aborts again
+from an ``except Exception`` wrapper), a second abort raises grpc.aio's ``UsageError``, details
+set on the call before an abort without any are the abort's (first answer and replay), trailers
+gRPC could not send are refused by the abort itself (INTERNAL, nothing recorded), and a sync
+handler's ``context.add_callback`` runs as grpc.aio runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from tests.support.ledger import TENANT, fresh, ledger_rows, metadata
+from tests.support.wire import Answer, call_raw
+
+SVC = "/testsvc.v1.LedgerService/"
+POST, PHASED, SYNC = SVC + "Post", SVC + "PostPhased", SVC + "PostSync"
+SCOPE = "tenant:tenant-a"
+
+BAD_TRAILERS: dict[str, tuple[tuple[Any, Any], ...]] = {
+    "name": (("Bad Key", "v"),),
+    "str-bin": (("x-trace-bin", "text, not bytes"),),
+    "non-ascii": (("x-note", "café"),),
+}
+
+
+@dataclass
+class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Each execution writes a ledger row in the call's transaction, then does what
+    ``request.behaviour`` says with its context."""
+
+    executions: int = 0
+    seen: list[BaseException] = field(default_factory=list)
+    """What the handler's aborts raised, in order."""
+    callback_threads: list[str] = field(default_factory=list)
+
+    async def _edge(self, request: Any, context: Any) -> Any:
+        self.executions += 1
+        conn = await current_call().transaction()
+        await conn.execute(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
+        )
+        behaviour = request.behaviour
+        if behaviour == "catch-return":
+            try:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
+            except grpc.aio.AbortError as exc:
+                self.seen.append(exc)
+        elif behaviour == "wrap-internal":
+            try:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "insufficient funds")
+            except Exception as exc:  # the wrapper many services have around their logic
+                self.seen.append(exc)
+                await context.abort(grpc.StatusCode.INTERNAL, f"failed: {exc}")
+        elif behaviour == "abort-twice":
+            try:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "first")
+            except grpc.aio.AbortError as exc:
+                self.seen.append(exc)
+            try:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "second")
+            except BaseException as exc:
+                self.seen.append(exc)
+                raise
+        elif behaviour == "details-then-abort":
+            context.set_details("account does not exist")
+            await context.abort(grpc.StatusCode.NOT_FOUND)
+        elif behaviour.startswith("bad-trailers:"):
+            try:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, "nf", BAD_TRAILERS[behaviour.split(":")[1]]
+                )
+            except BaseException as exc:
+                self.seen.append(exc)
+                raise
+        return testsvc_pb2.PostResponse(account=request.account)
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        return await self._edge(request, context)
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        return await self._edge(request, context)
+
+    def PostSync(self, request: Any, context: Any) -> Any:
+        self.executions += 1
+        if request.behaviour == "callback":
+            context.add_callback(
+                lambda: self.callback_threads.append(threading.current_thread().name)
+            )
+        elif request.behaviour == "catch-return":
+            try:
+                context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
+            except grpc.aio.AbortError as exc:
+                self.seen.append(exc)
+        elif request.behaviour == "abort-twice":
+            try:
+                context.abort(grpc.StatusCode.NOT_FOUND, "first")
+            except grpc.aio.AbortError as exc:
+                self.seen.append(exc)
+            try:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "second")
+            except BaseException as exc:
+                self.seen.append(exc)
+                raise
+        return testsvc_pb2.PostResponse(account=request.account)
+
+
+@dataclass
+class Served:
+    service: Edges
+    channel: grpc.aio.Channel
+
+    async def call(self, method: str, behaviour: str, key: str, account: str) -> Answer:
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+        return await call_raw(self.channel, method, request, metadata(key), timeout=5.0)
+
+
+@contextlib.asynccontextmanager
+async def serving(store: Store) -> AsyncIterator[Served]:
+    # No replay cache: every retry below is answered from the database.
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    server = grpc.aio.server(interceptors=[interceptor])
+    service = Edges()
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Served(service, channel)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+@pytest.fixture
+async def edges(store: Store) -> AsyncIterator[Served]:
+    async with serving(store) as served:
+        yield served
+
+
+async def record(store: Store, key: str) -> Any:
+    return await store.pool.fetchrow(
+        "SELECT state, status_code, status_message FROM grpc_idempotency.records"
+        " WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+
+
+@pytest.mark.parametrize("method", [POST, SYNC])
+async def test_a_caught_abort_still_answers_the_abort_and_is_recorded(
+    edges: Served, store: Store, method: str
+) -> None:
+    """grpc.aio sends an abort at once: the handler returning after catching it changes
+    nothing. Recorded as the abort (NOT_FOUND is a recorded error), never as OK."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(method, "catch-return", key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "no such account")
+    retry = await edges.call(method, "catch-return", key, account)
+    assert (retry.code, retry.details, retry.replayed) == (
+        grpc.StatusCode.NOT_FOUND,
+        "no such account",
+        True,
+    )
+    assert edges.service.executions == 1
+    row = await record(store, key)
+    assert (row["state"], row["status_code"]) == ("completed", grpc.StatusCode.NOT_FOUND.value[0])
+    assert await ledger_rows(store, account) == 0  # a recorded error: its writes rolled back
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_an_except_exception_wrapper_does_not_turn_the_abort_into_internal(
+    edges: Served, store: Store, method: str
+) -> None:
+    """``except Exception: await context.abort(INTERNAL, ...)`` around an abort: grpc.aio answers
+    the first abort (FAILED_PRECONDITION, recorded), the second raising UsageError. It was
+    INTERNAL "failed: aborted by the handler", never recorded, the operation run on every
+    retry."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(method, "wrap-internal", key, account)
+    assert (first.code, first.details) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "insufficient funds",
+    )
+    retry = await edges.call(method, "wrap-internal", key, account)
+    assert (retry.code, retry.details, retry.replayed) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "insufficient funds",
+        True,
+    )
+    assert edges.service.executions == 1
+    assert isinstance(edges.service.seen[0], grpc.aio.AbortError)
+    assert (await record(store, key))["status_message"] == "insufficient funds"
+
+
+@pytest.mark.parametrize("method", [POST, SYNC])
+async def test_the_first_of_two_aborts_wins_and_the_second_raises_usage_error(
+    edges: Served, store: Store, method: str
+) -> None:
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(method, "abort-twice", key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "first")
+    second_raised = edges.service.seen[1]
+    assert isinstance(second_raised, grpc.aio.UsageError)  # what grpc.aio raises
+    assert "Abort already called" in str(second_raised)
+    retry = await edges.call(method, "abort-twice", key, account)
+    assert (retry.code, retry.details, retry.replayed) == (grpc.StatusCode.NOT_FOUND, "first", True)
+    assert edges.service.executions == 1
+
+
+async def test_details_set_before_an_abort_without_any_are_the_answers_and_the_replays(
+    edges: Served, store: Store
+) -> None:
+    """``set_details(...)`` then ``abort(code)``: grpc.aio sends the details set on the call;
+    the record held '' and every retry replayed an empty message."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(POST, "details-then-abort", key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "account does not exist")
+    retry = await edges.call(POST, "details-then-abort", key, account)
+    assert (retry.code, retry.details, retry.replayed) == (
+        grpc.StatusCode.NOT_FOUND,
+        "account does not exist",
+        True,
+    )
+    assert (await record(store, key))["status_message"] == "account does not exist"
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRAILERS))
+async def test_trailers_grpc_cannot_send_are_refused_by_the_abort_before_anything_is_recorded(
+    edges: Served, store: Store, case: str
+) -> None:
+    """The abort raises a clear error (a ValueError) in the handler; the answer is INTERNAL,
+    reason IDEMPOTENCY_ABORT_INVALID; the key is released (a retry runs again) and the writes
+    are rolled back. The outcome was committed first, then the answer failed: UNKNOWN or
+    INTERNAL "Invalid metadata" (a str under a -bin name hung the call until its deadline),
+    and every retry replayed the recorded NOT_FOUND."""
+    key, account = fresh(), fresh("acct")
+    for attempt in (1, 2):
+        answer = await edges.call(POST, f"bad-trailers:{case}", key, account)
+        assert answer.code is grpc.StatusCode.INTERNAL, (attempt, answer)
+        assert answer.reason() == "IDEMPOTENCY_ABORT_INVALID"
+        assert not answer.replayed
+        assert await record(store, key) is None
+        assert edges.service.executions == attempt
+    raised = edges.service.seen[0]
+    assert isinstance(raised, ValueError)
+    assert "trailing metadata" in str(raised)
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_a_sync_handlers_add_callback_runs_after_it_returned(
+    edges: Served, store: Store
+) -> None:
+    """grpc.aio's context for sync handlers has ``add_callback``: the callback runs on the event
+    loop once the handler returned. Here it raised AttributeError (UNKNOWN)."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(SYNC, "callback", key, account)
+    assert first.code is grpc.StatusCode.OK, first
+    assert edges.service.callback_threads == [threading.current_thread().name]
+    retry = await edges.call(SYNC, "callback", key, account)
+    assert (retry.code, retry.replayed) == (grpc.StatusCode.OK, True)
+    assert edges.service.callback_threads == [threading.current_thread().name]  # not re-run
