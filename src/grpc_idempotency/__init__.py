@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     )
     from grpc_idempotency.core.codes import Code
     from grpc_idempotency.core.errors import (
+        AbortInvalid,
         DeliveryError,
         DsnUnusable,
         HandlerDatabaseError,
@@ -92,6 +93,7 @@ if TYPE_CHECKING:
 # Where each public name lives.
 _LOCATIONS: dict[str, str] = {
     "CallOutcome": "grpc_idempotency.core.lifecycle",
+    "AbortInvalid": "grpc_idempotency.core.errors",
     "CallableSink": "grpc_idempotency.outbox",
     "Code": "grpc_idempotency.core.codes",
     "ConsumeResult": "grpc_idempotency.consumer",
@@ -184,6 +186,7 @@ def proto_include() -> str:
 __all__ = [
     "KEY_HEADER",
     "REPLAYED_HEADER",
+    "AbortInvalid",
     "CallOutcome",
     "CallableSink",
     "Code",

@@ -16,6 +16,20 @@ def test_public_names_resolve_and_are_sorted() -> None:
             assert value.reason.startswith("IDEMPOTENCY_"), name
 
 
+def test_every_library_error_is_public() -> None:
+    """An error a handler or caller can meet is catchable by its public name."""
+    import inspect
+
+    from grpc_idempotency.core import errors
+
+    defined = {
+        name
+        for name, value in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(value, Exception) and value.__module__ == errors.__name__
+    }
+    assert defined - set(grpc_idempotency.__all__) == set()
+
+
 def test_importing_core_loads_neither_asyncpg_nor_grpc() -> None:
     """core/ decides and does no I/O: importing it (and so the package's __init__) must not pull
     in the database driver or gRPC. Checked in a fresh interpreter, where nothing is loaded yet."""
