@@ -15,7 +15,7 @@ import time
 
 import asyncpg
 
-from grpc_idempotency.core.db_failures import Failure, classify
+from grpc_idempotency.core.db_failures import Failure, classify, outage
 from grpc_idempotency.core.errors import (
     HandlerDatabaseError,
     IdempotencyError,
@@ -78,11 +78,11 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
             f"idempotency store misconfigured while {doing} (SQLSTATE {state}): {_hint(state)}"
         )
     detail = state or type(exc).__name__
-    # A statement of the library's that the database refused for a reason other than being
-    # unreachable, in conflict or misconfigured (a value it cannot hold): the store is up.
-    outage = classify(state) is not Failure.OTHER
+    # Only an unreachable database is an outage (core.db_failures.outage): one that refused a
+    # statement (a value it cannot hold), timed it out or cancelled it, or gave up waiting for
+    # a lock is up and holds the records, and a fail-open method must not run unclaimed.
     return StoreUnavailable(
-        f"idempotency store unavailable while {doing} ({detail})", outage=outage
+        f"idempotency store unavailable while {doing} ({detail})", outage=outage(state)
     )
 
 
