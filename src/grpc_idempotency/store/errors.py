@@ -189,6 +189,27 @@ def aborted_by(who: str) -> HandlerDatabaseError:
     )
 
 
+# invalid_savepoint_specification: the library's savepoint is gone, so the transaction is not
+# the one it opened (the handler committed or rolled it back and began another).
+NO_SUCH_SAVEPOINT = "3B001"
+
+
+def ended_by_handler(how: str) -> HandlerDatabaseError:
+    """The handler ended the call's transaction itself (``COMMIT`` or ``ROLLBACK`` on
+    ``current_call().connection``, perhaps followed by ``BEGIN``): what it wrote before may have
+    committed, or be gone, without the outcome. Neither success nor a released key that a retry
+    runs again (writing once more) may be reported: INTERNAL, which clients do not retry."""
+    log.error(
+        "the handler ended the call's transaction itself (%s): what it wrote before may have"
+        " committed without the outcome, or be gone; nothing was recorded (never run COMMIT,"
+        " ROLLBACK or BEGIN on current_call().connection: use current_call().savepoint())",
+        how,
+    )
+    return HandlerDatabaseError(
+        "the handler ended the call's transaction itself; nothing was recorded"
+    )
+
+
 # What a broken or unreachable database looks like from asyncpg.
 STORE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
