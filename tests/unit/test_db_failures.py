@@ -7,7 +7,7 @@ import ssl
 import asyncpg
 import pytest
 
-from grpc_idempotency.core.db_failures import Failure, classify
+from grpc_idempotency.core.db_failures import Failure, classify, outage
 from grpc_idempotency.store.errors import dsn_unusable
 
 
@@ -40,6 +40,33 @@ from grpc_idempotency.store.errors import dsn_unusable
 )
 def test_classify(sqlstate: str | None, failure: Failure) -> None:
     assert classify(sqlstate) is failure
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "down"),
+    [
+        (None, True),  # a socket error, a closed connection, a statement never answered
+        ("", True),
+        ("08006", True),  # connection_failure
+        ("08001", True),  # sqlclient_unable_to_establish_sqlconnection
+        ("57P01", True),  # admin_shutdown: failover, restart
+        ("57P02", True),  # crash_shutdown
+        ("57P03", True),  # cannot_connect_now: starting up
+        ("53300", True),  # too_many_connections
+        ("25006", True),  # read_only_sql_transaction: a replica after failover
+        # The database is up and holds the records: a fail-open method must not run unclaimed.
+        ("57014", False),  # query_canceled: statement_timeout, a cancel request
+        ("55P03", False),  # lock_not_available: lock_timeout
+        ("40001", False),  # serialization_failure
+        ("40P01", False),  # deadlock_detected
+        ("25P03", False),  # idle_in_transaction_session_timeout: the session, not the server
+        ("53100", False),  # disk_full: it answers
+        ("23505", False),
+        ("42P01", False),  # misconfigured: decided apart (StoreMisconfigured)
+    ],
+)
+def test_outage(sqlstate: str | None, down: bool) -> None:
+    assert outage(sqlstate) is down
 
 
 def _raised_in(module: str, exc: BaseException) -> BaseException:

@@ -12,6 +12,13 @@ one of four answers, never a driver's text:
     OTHER          anything else (a constraint, bad SQL): a bug to be logged
 
 A failure without a SQLSTATE (a socket error, a closed connection) is UNAVAILABLE.
+
+``outage`` decides a narrower question: whether the database is unreachable or gave up on the
+session, which alone lets a fail-open method run without deduplication. A timeout, a cancel
+or a lock timeout is UNAVAILABLE or CONFLICT for the client (retry), but the database that
+raised it is up and may hold the key's outcome: running the handler unclaimed then re-ran
+completed keys (a role's statement_timeout or lock_timeout meeting a table locked by a
+migration or VACUUM FULL).
 """
 
 from __future__ import annotations
@@ -67,3 +74,25 @@ def classify(sqlstate: str | None) -> Failure:
     if sqlstate[:2] in _UNAVAILABLE_CLASSES or sqlstate in _UNAVAILABLE_CODES:
         return Failure.UNAVAILABLE
     return Failure.OTHER
+
+
+_OUTAGE_CODES = frozenset(
+    {
+        "57P01",  # admin_shutdown: failover, restart
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now: starting up, or shutting down
+        "53300",  # too_many_connections
+        "25006",  # read_only_sql_transaction: connected to a replica after a failover
+    }
+)
+
+
+def outage(sqlstate: str | None) -> bool:
+    """Whether a failure with ``sqlstate`` says the database is unreachable or unusable for
+    writes (a fail-open method may run without it): no SQLSTATE (a socket error, a closed
+    connection, a statement the database stopped answering), class 08 (connection exception),
+    a shutdown or start-up, too many connections, a read-only server. Not a timeout, a cancel
+    or a lock timeout (57014, 55P03): the database answered, and holds the records."""
+    if not sqlstate:
+        return True
+    return sqlstate[:2] == "08" or sqlstate in _OUTAGE_CODES

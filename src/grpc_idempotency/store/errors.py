@@ -15,7 +15,7 @@ import time
 
 import asyncpg
 
-from grpc_idempotency.core.db_failures import Failure, classify
+from grpc_idempotency.core.db_failures import Failure, classify, outage
 from grpc_idempotency.core.errors import (
     HandlerDatabaseError,
     IdempotencyError,
@@ -78,11 +78,11 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
             f"idempotency store misconfigured while {doing} (SQLSTATE {state}): {_hint(state)}"
         )
     detail = state or type(exc).__name__
-    # A statement of the library's that the database refused for a reason other than being
-    # unreachable, in conflict or misconfigured (a value it cannot hold): the store is up.
-    outage = classify(state) is not Failure.OTHER
+    # Only an unreachable database is an outage (core.db_failures.outage): one that refused a
+    # statement (a value it cannot hold), timed it out or cancelled it, or gave up waiting for
+    # a lock is up and holds the records, and a fail-open method must not run unclaimed.
     return StoreUnavailable(
-        f"idempotency store unavailable while {doing} ({detail})", outage=outage
+        f"idempotency store unavailable while {doing} ({detail})", outage=outage(state)
     )
 
 
@@ -186,6 +186,27 @@ def aborted_by(who: str) -> HandlerDatabaseError:
     return HandlerDatabaseError(
         f"{who}'s transaction was aborted by a failed statement whose error it caught;"
         " nothing was recorded"
+    )
+
+
+# invalid_savepoint_specification: the library's savepoint is gone, so the transaction is not
+# the one it opened (the handler committed or rolled it back and began another).
+NO_SUCH_SAVEPOINT = "3B001"
+
+
+def ended_by_handler(how: str) -> HandlerDatabaseError:
+    """The handler ended the call's transaction itself (``COMMIT`` or ``ROLLBACK`` on
+    ``current_call().connection``, perhaps followed by ``BEGIN``): what it wrote before may have
+    committed, or be gone, without the outcome. Neither success nor a released key that a retry
+    runs again (writing once more) may be reported: INTERNAL, which clients do not retry."""
+    log.error(
+        "the handler ended the call's transaction itself (%s): what it wrote before may have"
+        " committed without the outcome, or be gone; nothing was recorded (never run COMMIT,"
+        " ROLLBACK or BEGIN on current_call().connection: use current_call().savepoint())",
+        how,
+    )
+    return HandlerDatabaseError(
+        "the handler ended the call's transaction itself; nothing was recorded"
     )
 
 

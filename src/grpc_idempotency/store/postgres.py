@@ -28,6 +28,7 @@ from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import (
     DsnUnusable,
+    HandlerDatabaseError,
     IdempotencyError,
     LeaseLost,
     OutboxKeyReused,
@@ -42,9 +43,11 @@ from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import NOT_UTF8, not_utf8, unusable_file
 from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
+    NO_SUCH_SAVEPOINT,
     STORE_ERRORS,
     aborted_by,
     dsn_unusable,
+    ended_by_handler,
     handler_error,
     sqlstate,
     store_error,
@@ -132,9 +135,15 @@ class Attempt:
         c = self._claim
         message = outcome.message.replace("\x00", "\ufffd")
         size = len(outcome.response or b"") + len(outcome.details or b"")
+        # Keeping the handler's writes, the batch releases the library's savepoint first: in a
+        # transaction the handler replaced (COMMIT or ROLLBACK, then BEGIN) it is gone, and the
+        # batch fails (3B001) instead of committing the outcome with half the writes (discarding
+        # them, ROLLBACK TO SAVEPOINT does the same). No round trip more.
+        keep = "" if discard_writes else f"RELEASE SAVEPOINT {SAVEPOINT}; "
         try:
             if not conn.is_in_transaction():
-                raise LeaseLost("the handler ended the call's transaction itself; nothing recorded")
+                # Committed (it may not be retried: the writes would be made again) or gone.
+                raise ended_by_handler("no transaction was open at the commit")
             if size <= INLINE_OUTCOME_BYTES:
                 sql = self._store.statements.complete_and_commit(
                     scope=c.scope,
@@ -149,7 +158,7 @@ class Attempt:
                     retention_s=c.retention_s,
                     discard_writes=discard_writes,
                 )
-                await conn.execute(sql, timeout=self._timeout)
+                await conn.execute(keep + sql, timeout=self._timeout)
             else:
                 # Two more round trips, a small price next to shipping the bytes as text.
                 if discard_writes:
@@ -171,11 +180,13 @@ class Attempt:
                     c.retention_s,
                     timeout=self._timeout,
                 )
-                await conn.execute("COMMIT", timeout=self._timeout)
+                await conn.execute(keep + "COMMIT", timeout=self._timeout)
         except asyncpg.PostgresError as exc:
             await self._rollback_quietly()
             if exc.sqlstate == _CLAIM_LOST:
                 raise LeaseLost("the claim was lost before commit; nothing recorded") from exc
+            if exc.sqlstate == NO_SUCH_SAVEPOINT:
+                raise ended_by_handler("its transaction was replaced by another") from exc
             if exc.sqlstate == IN_FAILED_TRANSACTION:
                 raise aborted_by("the handler") from exc
             failure = classify(exc.sqlstate)
@@ -188,27 +199,72 @@ class Attempt:
                 # The handler's write failing only now: a constraint checked at COMMIT.
                 raise _handler_failed(exc) from exc
             raise store_error(exc, "committing the outcome") from exc
-        except LeaseLost:
+        except (LeaseLost, HandlerDatabaseError):
             await self._rollback_quietly()
             raise
         except STORE_ERRORS as exc:
+            live = not conn.is_closed()
             await self._rollback_quietly()
+            # A statement of the handler's still running on the connection (spawned, not
+            # awaited): asyncpg refuses the commit (InterfaceError, "another operation is in
+            # progress"). The handler's bug, not a store outage to retry for ever.
+            if live and isinstance(exc, asyncpg.InterfaceError):
+                raise _handler_failed(exc, connection_live=True) from exc
             raise store_error(exc, "committing the outcome") from exc
         finally:
             await self._finish()
 
-    async def release(self, *, interrupted: bool = False) -> None:
-        """Rolls back everything: the claim disappears and a retry runs the handler again.
-        ``interrupted``: a statement of this transaction timed out or was cancelled on the wire
-        and may still run; the connection is dropped rather than handed back, which would wait
-        for the database to confirm the cancellation (behind a partition, the whole
-        ``command_timeout``, or for ever without one). PostgreSQL rolls back what was open."""
+    async def release(self, *, interrupted: bool = False) -> HandlerDatabaseError | None:
+        """Rolls back everything, once the handler has run: the claim disappears and a retry
+        runs the handler again. ``interrupted``: a statement of this transaction timed out or
+        was cancelled on the wire and may still run; the connection is dropped rather than
+        handed back, which would wait for the database to confirm the cancellation (behind a
+        partition, the whole ``command_timeout``, or for ever without one). PostgreSQL rolls
+        back what was open.
+
+        Returns the handler's misuse found on the way (logged at error), ``None`` if none: it
+        ended the call's transaction itself (COMMIT, or ROLLBACK then BEGIN), so what it wrote
+        may have committed, and a retry would write it again. The call must then answer that
+        error (INTERNAL), not the handler's own (transient) status. Found in the same round
+        trip: ``ROLLBACK TO SAVEPOINT`` fails (3B001) once the library's savepoint is gone."""
+        if self._done:
+            return None
+        if interrupted:
+            _drop(self.connection)
+        try:
+            return await self._rollback_checked()
+        finally:
+            await self._finish()
+
+    async def _abandon(self, *, interrupted: bool = False) -> None:
+        """``release`` before the handler ran (the opening batch failed: no savepoint yet)."""
         if interrupted:
             _drop(self.connection)
         try:
             await self._rollback_quietly()
         finally:
             await self._finish()
+
+    async def _rollback_checked(self) -> HandlerDatabaseError | None:
+        conn = self.connection
+        try:
+            # (Even asking raises once asyncpg has let go of a connection a statement timed out
+            # on: an InterfaceError, below.)
+            if conn.is_closed():
+                return None
+            if not conn.is_in_transaction():
+                return ended_by_handler("no transaction was open at the release")
+            await conn.execute(
+                f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK", timeout=ROLLBACK_TIMEOUT_S
+            )
+        except asyncpg.PostgresError as exc:
+            await self._rollback_quietly()  # the batch stopped at its failing statement
+            if exc.sqlstate == NO_SUCH_SAVEPOINT:
+                return ended_by_handler("its transaction was replaced by another")
+        except STORE_ERRORS:
+            # The transaction dies with the connection; make sure the pool does not reuse it.
+            _drop(conn)
+        return None
 
     async def _rollback_quietly(self) -> None:
         conn = self.connection
@@ -586,12 +642,12 @@ class Store:
         try:
             await conn.execute(sql, timeout=self.statement_timeout(timeout))
         except asyncpg.PostgresError as exc:
-            await attempt.release()
+            await attempt._abandon()
             if _lost_race(exc):
                 return None
             raise store_error(exc, "claiming a key") from exc
         except BaseException as exc:
-            await attempt.release(interrupted=_interrupted(exc))
+            await attempt._abandon(interrupted=_interrupted(exc))
             if isinstance(exc, STORE_ERRORS):
                 raise store_error(exc, "claiming a key") from exc
             raise
@@ -865,9 +921,11 @@ def _record(row: asyncpg.Record) -> StoredRecord:
     )
 
 
-def _handler_failed(exc: asyncpg.PostgresError) -> IdempotencyError:
-    mapped = handler_error(exc)
-    assert mapped is not None  # a PostgresError always maps
+def _handler_failed(
+    exc: asyncpg.PostgresError | asyncpg.InterfaceError, *, connection_live: bool = False
+) -> IdempotencyError:
+    mapped = handler_error(exc, connection_live=connection_live)
+    assert mapped is not None  # a PostgresError always maps, a live connection's misuse too
     return mapped
 
 
@@ -883,7 +941,11 @@ class PlainTransaction:
             if await self.connection.execute("COMMIT") != "COMMIT":
                 raise aborted_by("the handler")  # the transaction is over: the connection is fine
         except STORE_ERRORS as exc:
+            live = not self.connection.is_closed()
             _drop(self.connection)
+            # A statement of the handler's still running (InterfaceError): its bug, no outage.
+            if live and isinstance(exc, asyncpg.InterfaceError):
+                raise _handler_failed(exc, connection_live=True) from exc
             failure = classify(sqlstate(exc))
             if failure is Failure.CONFLICT:
                 raise TransactionConflict(
@@ -977,7 +1039,7 @@ class PhasedClaim:
             try:
                 await conn.execute(sql, timeout=store.statement_timeout(left))
             except asyncpg.PostgresError as exc:
-                await attempt.release()
+                await attempt._abandon()
                 if exc.sqlstate == _CLAIM_LOST:
                     raise LeaseLost("the claim was taken over by another attempt") from exc
                 if classify(exc.sqlstate) is Failure.CONFLICT:
@@ -991,7 +1053,7 @@ class PhasedClaim:
                     raise LeaseLost("the claim changed under the final transaction") from exc
                 raise store_error(exc, "opening the final transaction") from exc
             except BaseException as exc:
-                await attempt.release(interrupted=_interrupted(exc))
+                await attempt._abandon(interrupted=_interrupted(exc))
                 if isinstance(exc, STORE_ERRORS):
                     raise store_error(exc, "opening the final transaction") from exc
                 raise
