@@ -465,11 +465,13 @@ async def test_a_handler_that_ends_the_transaction_itself_gets_no_success(
     ledger: RunningLedger, store: Store, behaviour: str
 ) -> None:
     """The outcome cannot be stored with the writes any more: the call must not report success
-    (or a recorded error) as if it had been; it answers ABORTED, reason IDEMPOTENCY_LEASE_LOST."""
+    (or a recorded error) as if it had been, nor anything a client retries (the writes committed
+    with the handler's COMMIT would be made again): INTERNAL, reason
+    IDEMPOTENCY_HANDLER_DATABASE_ERROR (tests/integration/test_handler_ends_transaction.py)."""
     key, account = fresh(), fresh("acct")
     answer = await ledger.call(POST, post(account, behaviour=behaviour), key)
-    assert answer.code is grpc.StatusCode.ABORTED
-    assert answer.reason() == "IDEMPOTENCY_LEASE_LOST"
+    assert answer.code is grpc.StatusCode.INTERNAL
+    assert answer.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
 
 
 @pytest.mark.parametrize(

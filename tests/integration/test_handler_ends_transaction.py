@@ -127,14 +127,6 @@ async def test_a_handler_ending_the_transaction_then_answering_ok_records_nothin
     assert not await recorded_ok(store, key)
 
 
-# Attempt.release reports the misuse (the tests below it); the interceptor must answer it instead
-# of the handler's status, a change in server/interceptor.py (IdempotencyInterceptor._finish).
-NEEDS_INTERCEPTOR = pytest.mark.xfail(
-    strict=True, reason="the interceptor does not yet answer the misuse Attempt.release reports"
-)
-
-
-@NEEDS_INTERCEPTOR
 @pytest.mark.parametrize("method", [ATOMIC, PHASED])
 @pytest.mark.parametrize("ending", list(ENDINGS))
 async def test_a_handler_ending_the_transaction_then_failing_transiently_is_not_retried(

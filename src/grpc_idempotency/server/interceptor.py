@@ -650,7 +650,11 @@ class IdempotencyInterceptor(_Interceptor):
         what = finish(code, policy.recorded_errors)
         if what is Finish.RELEASE:
             call.outcome = CallOutcome.RELEASED
-            await self._release(attempt, claim)
+            misuse = await self._release(attempt, claim)
+            if misuse is not None:
+                # The handler ended the call's transaction itself: its writes may have
+                # committed, and its (transient) status would have the client write them again.
+                await answers.abort(context, misuse)
             if aborted is not None:
                 await aborted.send(context)
             return response
@@ -715,11 +719,17 @@ class IdempotencyInterceptor(_Interceptor):
             return response
         return answers.Serialized(data)
 
-    async def _release(self, attempt: Attempt | None, claim: PhasedClaim | None) -> None:
+    async def _release(
+        self, attempt: Attempt | None, claim: PhasedClaim | None
+    ) -> HandlerDatabaseError | None:
+        """Releases the key; returns the handler's misuse of the call's transaction that the
+        release found (``Attempt.release``), if any."""
+        misuse = None
         if attempt is not None:
-            await asyncio.shield(attempt.release())
+            misuse = await asyncio.shield(attempt.release())
         if claim is not None:
             await asyncio.shield(claim.release())
+        return misuse
 
     async def _invoke(self, call: _Call) -> Any:
         """Runs the handler with its aborts deferred (``DeferredAbort``). A database error that
