@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -581,11 +581,11 @@ class IdempotencyInterceptor(_Interceptor):
         )
         bound = call_context.bind(serving)
 
-        async def end_and_release() -> None:
+        async def end_and_release() -> HandlerDatabaseError | None:
             await _end(serving)  # first: ``tx`` then holds what a late opening opened
             if lease is not None:
                 await lease.stop()  # first too: a renewal after the release would undo it
-            await self._release(tx, claim)
+            return await self._release(tx, claim)
 
         aborted: DeferredAbort | None = None
         response: Any = None
@@ -606,8 +606,10 @@ class IdempotencyInterceptor(_Interceptor):
             handler_task.uncancel()
         except IdempotencyError as err:  # a lost lease, an undeclared step, a database error
             call.outcome = CallOutcome.RELEASED
-            await _to_the_end(end_and_release())
-            await answers.abort(context, err)
+            misuse = await _to_the_end(end_and_release())
+            # A handler that ended the call's transaction itself may have committed writes:
+            # that, not a retryable conflict or outage, is the answer.
+            await answers.abort(context, misuse or err)
         except BaseException:
             call.outcome = CallOutcome.RELEASED
             await _to_the_end(end_and_release())
@@ -626,9 +628,9 @@ class IdempotencyInterceptor(_Interceptor):
                     raise
         if lease is not None and lease.lost:
             call.outcome = CallOutcome.RELEASED
-            await self._release(tx, None)
+            misuse = await self._release(tx, None)
             await answers.abort(
-                context, LeaseLost("the lease ran out and another attempt took over")
+                context, misuse or LeaseLost("the lease ran out and another attempt took over")
             )
         return await self._finish(call, response, aborted, fingerprint, executed, tx, claim)
 
@@ -884,17 +886,18 @@ def _downstream_failed(method: str, err: grpc.aio.AioRpcError | grpc.Call) -> De
     )
 
 
-_finishing: set[asyncio.Future[None]] = set()
+_T = TypeVar("_T")
+_finishing: set[asyncio.Future[Any]] = set()
 
 
-async def _to_the_end(work: Coroutine[Any, Any, None]) -> None:
+async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
     """Runs ``work`` (ending a call's transaction) to its end even if the calling task is
     cancelled again meanwhile (a client's cancel, then the server stopping): it goes on in the
     background then, or a claim would stay IN_PROGRESS for its whole lease."""
     task = asyncio.ensure_future(work)
     _finishing.add(task)  # a reference until it is done
     task.add_done_callback(_finishing.discard)
-    await asyncio.shield(task)
+    return await asyncio.shield(task)
 
 
 async def _end(serving: call_context.IdempotentCall) -> None:
