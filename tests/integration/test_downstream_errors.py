@@ -19,7 +19,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
-from tests.support.ledger import TENANT, fresh, ledger_rows, metadata
+from tests.support.ledger import TENANT, fresh, ledger_rows, ledger_server, metadata
 from tests.support.wire import Answer, call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -88,19 +88,12 @@ async def chain(store: Store) -> AsyncIterator[Chain]:
     interceptor = IdempotencyInterceptor(
         store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
     )
-    up = grpc.aio.server(interceptors=[interceptor])
     upstream = Upstream(to_down)
-    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(upstream, up)
-    up_port = up.add_insecure_port("127.0.0.1:0")
-    await up.start()
-    address = f"127.0.0.1:{up_port}"
-    channel = grpc.aio.insecure_channel(address)
     try:
-        yield Chain(downstream, upstream, address, channel)
+        async with ledger_server(interceptor, upstream) as (channel, address):
+            yield Chain(downstream, upstream, address, channel)
     finally:
-        await channel.close()
         await to_down.close()
-        await up.stop(None)
         await down.stop(None)
 
 

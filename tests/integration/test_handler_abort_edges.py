@@ -18,7 +18,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
-from tests.support.ledger import TENANT, fresh, ledger_rows, metadata
+from tests.support.ledger import TENANT, fresh, ledger_rows, ledger_server, metadata
 from tests.support.wire import Answer, call_raw
 
 SVC = "/testsvc.v1.LedgerService/"
@@ -129,17 +129,9 @@ async def serving(store: Store) -> AsyncIterator[Served]:
     interceptor = IdempotencyInterceptor(
         store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
     )
-    server = grpc.aio.server(interceptors=[interceptor])
     service = Edges()
-    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    async with ledger_server(interceptor, service) as (channel, _address):
         yield Served(service, channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from grpc_idempotency import (
     current_call,
 )
 from grpc_idempotency.store.postgres import Attempt
-from tests.support.ledger import TENANT, ledger_rows, metadata
+from tests.support.ledger import TENANT, ledger_rows, ledger_server, metadata
 from tests.support.wire import Answer, call_raw
 
 SVC = "/testsvc.v1.LedgerService/"
@@ -88,20 +88,14 @@ async def serving(store: Store) -> AsyncIterator[tuple[grpc.aio.Channel, Misbeha
     interceptor = IdempotencyInterceptor(
         store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
     )
-    server = grpc.aio.server(interceptors=[interceptor])
     service = Misbehaving()
-    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield channel, service
-    finally:
-        for task in service.background:
-            with contextlib.suppress(BaseException):
-                await task
-        await channel.close()
-        await server.stop(None)
+    async with ledger_server(interceptor, service) as (channel, _address):
+        try:
+            yield channel, service
+        finally:
+            for task in service.background:
+                with contextlib.suppress(BaseException):
+                    await task
 
 
 async def call(

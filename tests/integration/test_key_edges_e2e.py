@@ -15,12 +15,12 @@ from typing import Any
 
 import grpc
 import pytest
-from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import IdempotencyInterceptor, Store
 from grpc_idempotency.core.keys import MAX_KEY_LENGTH, MAX_SCOPE_BYTES
 from grpc_idempotency.core.wire import KEY_HEADER, KEY_HEADER_BIN
-from tests.support.ledger import LedgerService, fresh, ledger_rows
+from tests.support.ledger import LedgerService, fresh, ledger_rows, ledger_server
 from tests.support.wire import Answer, call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -62,17 +62,9 @@ async def serving(
     store: Store, scope: str
 ) -> AsyncIterator[tuple[RecordingLedger, grpc.aio.Channel]]:
     interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=lambda context: scope)
-    server = grpc.aio.server(interceptors=[interceptor])
     service = RecordingLedger(store)
-    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    async with ledger_server(interceptor, service) as (channel, _address):
         yield service, channel
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def stored(store: Store, scope: str, key: str) -> list[Any]:

@@ -430,3 +430,22 @@ def metadata(
 
 def fresh(prefix: str = "k") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@contextlib.asynccontextmanager
+async def ledger_server(
+    interceptor: IdempotencyInterceptor, servicer: testsvc_pb2_grpc.LedgerServiceServicer
+) -> AsyncIterator[tuple[grpc.aio.Channel, str]]:
+    """A grpc.aio server on loopback serving ``servicer`` behind ``interceptor``: its channel
+    and address, both closed on exit."""
+    server = grpc.aio.server(interceptors=[interceptor])
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield channel, address
+    finally:
+        await channel.close()
+        await server.stop(None)
