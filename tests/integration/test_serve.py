@@ -6,6 +6,7 @@ address it cannot bind is a one-line error and exit status 2, not a traceback.""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,13 +101,22 @@ def test_a_signal_inherited_as_ignored_stays_ignored(tmp_path: Path) -> None:
     terminal closed. SIGTERM still stops it, with its clean-up."""
     marker = tmp_path / "cleaned"
     env = {**os.environ, serve.DSN_ENV: NO_DSN, MARKER_ENV: str(marker)}
+    nohup = shutil.which("nohup")
+    assert nohup is not None, "coreutils' nohup"
+    # nohup itself, not a preexec_fn doing what it does: a preexec_fn makes subprocess fork()
+    # this gRPC-threaded pytest process, and the forked child died now and then before exec.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "grpc_idempotency.testing.serve", f"{MODULE}:marking_server"],
+        [
+            nohup,
+            sys.executable,
+            "-m",
+            "grpc_idempotency.testing.serve",
+            f"{MODULE}:marking_server",
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
         env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
     )
     try:
         assert proc.stdout is not None
