@@ -81,6 +81,11 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
             except BaseException as exc:
                 self.seen.append(exc)
                 raise
+        elif behaviour.startswith("set-bad-trailers:"):  # set_trailing_metadata(), then...
+            _, case, then = behaviour.split(":")
+            context.set_trailing_metadata(BAD_TRAILERS[case])
+            if then == "abort":
+                await context.abort(grpc.StatusCode.NOT_FOUND, "nf")
         return testsvc_pb2.PostResponse(account=request.account)
 
     async def Post(self, request: Any, context: Any) -> Any:
@@ -247,6 +252,28 @@ async def test_trailers_grpc_cannot_send_are_refused_by_the_abort_before_anythin
     raised = edges.service.seen[0]
     assert isinstance(raised, ValueError)
     assert "trailing metadata" in str(raised)
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+@pytest.mark.parametrize("then", ["abort", "return"])
+@pytest.mark.parametrize("case", sorted(BAD_TRAILERS))
+async def test_bad_trailers_set_before_the_answer_are_refused_before_anything_is_recorded(
+    edges: Served, store: Store, method: str, then: str, case: str
+) -> None:
+    """Trailers from set_trailing_metadata() go with an abort that has none, or with OK: the
+    same check as an abort's own, before the commit. They were committed with the outcome,
+    then the first answer failed (INTERNAL "Invalid metadata", or a hang until the deadline
+    for a str under a -bin name) and retries replayed what no client had seen."""
+    key, account = fresh(), fresh("acct")
+    for attempt in (1, 2):
+        answer = await edges.call(method, f"set-bad-trailers:{case}:{then}", key, account)
+        assert answer.code is grpc.StatusCode.INTERNAL, (attempt, answer)
+        assert answer.reason() == "IDEMPOTENCY_ABORT_INVALID"
+        assert not answer.replayed
+        row = await record(store, key)  # phased: the claim, released
+        assert row is None or row["state"] == "in_progress", row
+        assert edges.service.executions == attempt
     assert await ledger_rows(store, account) == 0
 
 

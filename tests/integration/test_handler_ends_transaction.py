@@ -47,8 +47,8 @@ ENDINGS = {
 class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
     """``behaviour`` is "ENDING:THEN": writes a ledger row, ends the transaction as ENDINGS
     says, then answers OK ("ok"), aborts UNAVAILABLE ("unavailable", a transient status that
-    releases the key) or lets a serialization failure escape ("conflict", answered ABORTED
-    and released too); "in-flight" writes, then leaves a statement running as it returns."""
+    releases the key), lets a serialization failure escape ("conflict", answered ABORTED
+    and released too) or raises ("raise"); "in-flight" writes, then leaves a statement running as it returns."""
 
     def __init__(self) -> None:
         self.executions = 0
@@ -70,6 +70,8 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
             await conn.execute(statement)
         if then == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "downstream flaky")
+        if then == "raise":
+            raise RuntimeError("a bug after the handler's own COMMIT")
         if then == "conflict":  # escapes as the library's TransactionConflict (ABORTED)
             await conn.execute(
                 "DO $$ BEGIN RAISE EXCEPTION 'lost a race' USING ERRCODE = '40001'; END $$"
@@ -128,13 +130,13 @@ async def test_a_handler_ending_the_transaction_then_answering_ok_records_nothin
 
 @pytest.mark.parametrize("method", [ATOMIC, PHASED])
 @pytest.mark.parametrize("ending", list(ENDINGS))
-@pytest.mark.parametrize("then", ["unavailable", "conflict"])
+@pytest.mark.parametrize("then", ["unavailable", "conflict", "raise"])
 async def test_a_handler_ending_the_transaction_then_failing_transiently_is_not_retried(
     store: Store, method: str, ending: str, then: str
 ) -> None:
     """The handler's UNAVAILABLE, or the ABORTED of a serialization failure, would have the
     client retry, and write again (its first write committed by its own COMMIT): the call
-    answers INTERNAL instead."""
+    answers INTERNAL instead; an exception raised after it too (not grpc.aio's UNKNOWN)."""
     key, account = uuid.uuid4().hex, uuid.uuid4().hex
     async with serving(store) as (channel, service):
         answer = await call(channel, method, f"{ending}:{then}", key, account)

@@ -29,7 +29,7 @@ _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
 
 
-def _sendable(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+def sendable_trailers(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
     """``trailing_metadata`` as grpc.aio sends it (a tuple of pairs), or ``AbortInvalid`` (logged)
     saying what gRPC could not send. Checked when the handler aborts: grpc.aio refuses such
     trailers only when it sends them, which for a keyed call is after the outcome they go with
@@ -76,7 +76,7 @@ class DeferredAbort(grpc.aio.AbortError):
     handler's ``abort`` itself, before anything is recorded."""
 
     def __init__(self, code: grpc.StatusCode | int, details: str, trailing_metadata: Any) -> None:
-        trailers = _sendable(trailing_metadata)
+        trailers = sendable_trailers(trailing_metadata)
         super().__init__("aborted by the handler")
         # grpc.aio takes a status's number as well: held as a StatusCode, whatever was given.
         self.code = grpc_code(status_code(code))

@@ -36,6 +36,7 @@ from grpc_idempotency import call as call_context
 from grpc_idempotency import failpoints
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
+    AbortInvalid,
     HandlerDatabaseError,
     IdempotencyError,
     KeyInProgress,
@@ -83,7 +84,12 @@ from grpc_idempotency.registry import PolicyRegistry, Services
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
 from grpc_idempotency.server.answers import Context
-from grpc_idempotency.server.handler_context import DeferredAbort, KeyedContext, SyncContext
+from grpc_idempotency.server.handler_context import (
+    DeferredAbort,
+    KeyedContext,
+    SyncContext,
+    sendable_trailers,
+)
 from grpc_idempotency.store.errors import handler_error
 from grpc_idempotency.store.postgres import Attempt, PhasedClaim, PooledConnection, Store
 from grpc_idempotency.store.shards import ShardedStores
@@ -610,9 +616,12 @@ class IdempotencyInterceptor(_Interceptor):
             # A handler that ended the call's transaction itself may have committed writes:
             # that, not a retryable conflict or outage, is the answer.
             await answers.abort(context, misuse or err)
-        except BaseException:
+        except BaseException as exc:
             call.outcome = CallOutcome.RELEASED
-            await _to_the_end(end_and_release())
+            misuse = await _to_the_end(end_and_release())
+            if misuse is not None and isinstance(exc, Exception):
+                # It ended the call's transaction, then raised: say so, not UNKNOWN.
+                await answers.abort(context, misuse)
             raise
         finally:
             call_context.unbind(bound)
@@ -660,6 +669,16 @@ class IdempotencyInterceptor(_Interceptor):
             if aborted is not None:
                 await aborted.send(context)
             return response
+        if aborted is None or not aborted.trailing_metadata:
+            # The answer will carry the trailers set with set_trailing_metadata(): grpc.aio
+            # refuses bad ones only as it sends them, after the commit (the first answer an
+            # error, or a hang, for an outcome every retry replays). Checked before it instead.
+            try:
+                sendable_trailers(context.trailing_metadata())
+            except AbortInvalid as err:
+                call.outcome = CallOutcome.RELEASED
+                misuse = await self._release(attempt, claim)
+                await answers.abort(context, misuse or err)
 
         data: bytes | None = None
         too_large: ResponseTooLarge | None = None
@@ -705,9 +724,11 @@ class IdempotencyInterceptor(_Interceptor):
                 # serialization failures), when the claim is still this call's to release.
                 await asyncio.shield(claim.release())
             await answers.abort(context, err)
-        except BaseException:
+        except BaseException as exc:
             call.outcome = CallOutcome.RELEASED
-            await self._release(attempt, claim)
+            misuse = await self._release(attempt, claim)
+            if misuse is not None and isinstance(exc, Exception):
+                await answers.abort(context, misuse)
             raise
         call.outcome = executed
         call.settled = _Settled(_Shared(fingerprint, outcome), sent=sent, life_s=policy.retention_s)
