@@ -92,7 +92,11 @@ def outage(sqlstate: str | None) -> bool:
     writes (a fail-open method may run without it): no SQLSTATE (a socket error, a closed
     connection, a statement the database stopped answering), class 08 (connection exception),
     a shutdown or start-up, too many connections, a read-only server. Not a timeout, a cancel
-    or a lock timeout (57014, 55P03): the database answered, and holds the records."""
+    or a lock timeout (57014, 55P03): the database answered, and holds the records.
+
+    A statement the database stopped answering is only presumed an outage: a table lock blocks
+    statements in a live database just the same. The store marks such a failure ambiguous
+    (``StoreUnavailable.ambiguous``), and the server confirms it (``Store.answers``)."""
     if not sqlstate:
         return True
     return sqlstate[:2] == "08" or sqlstate in _OUTAGE_CODES

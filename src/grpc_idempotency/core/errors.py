@@ -111,14 +111,21 @@ class StoreUnavailable(IdempotencyError):
     fail-open method run without it; ``False`` when the store is up and merely could not serve
     this call (every pooled connection busy for the whole acquire timeout, a statement of the
     library's failing on bad data): running the handler unclaimed then would re-run completed
-    keys with their outcomes in the database."""
+    keys with their outcomes in the database.
+
+    ``ambiguous``: the outage is only presumed, from a timeout the client side measured (a
+    statement that got no answer in time, no pooled connection in time): a partition, or a
+    live database whose records table is locked (a migration's ``LOCK TABLE``, an ``ALTER``
+    queued behind a long transaction) with every pooled connection blocked on it. A fail-open
+    method confirms such an outage (``Store.answers``) before running unclaimed."""
 
     status_code = Code.UNAVAILABLE
     reason = "IDEMPOTENCY_STORE_UNAVAILABLE"
 
-    def __init__(self, message: str, *, outage: bool = True) -> None:
+    def __init__(self, message: str, *, outage: bool = True, ambiguous: bool = False) -> None:
         super().__init__(message)
         self.outage = outage
+        self.ambiguous = outage and ambiguous
 
 
 class StoreMisconfigured(StoreUnavailable):

@@ -81,8 +81,13 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     # Only an unreachable database is an outage (core.db_failures.outage): one that refused a
     # statement (a value it cannot hold), timed it out or cancelled it, or gave up waiting for
     # a lock is up and holds the records, and a fail-open method must not run unclaimed.
+    # A timeout of the client's own (asyncpg's statement timeout, a wait for a pooled
+    # connection) says only that no answer came in time: a partition, or a statement blocked
+    # on a table lock in a live database. That outage is ambiguous, to be confirmed first.
     return StoreUnavailable(
-        f"idempotency store unavailable while {doing} ({detail})", outage=outage(state)
+        f"idempotency store unavailable while {doing} ({detail})",
+        outage=outage(state),
+        ambiguous=state is None and isinstance(exc, TimeoutError),
     )
 
 

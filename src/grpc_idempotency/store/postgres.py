@@ -327,6 +327,9 @@ class Store:
             float(timeout) if isinstance(timeout, int | float) and 0 < timeout < math.inf else None
         )
         self._settling: set[asyncio.Future[None]] = set()
+        self._probe: _Probe | None = None
+        """How ``answers`` opens a connection of its own; set by ``connect`` only."""
+        self._probing: asyncio.Future[bool] | None = None
         self._default_isolation: str | None = None
         self._acquired = 0
         """Connections handed out by ``_acquire``: progress, seen by a wait that times out."""
@@ -389,6 +392,12 @@ class Store:
                 raise store_error(exc, "connecting") from exc
             raise
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
+        connect = pool_options.get("connect") or asyncpg.connect
+        store._probe = _Probe(
+            connect,
+            dsn,
+            {k: v for k, v in pool_options.items() if k not in _POOL_ONLY_OPTIONS},
+        )
         try:
             if migrate:
                 await store.migrate()
@@ -403,6 +412,8 @@ class Store:
         """Closes the pool; connections that do not close in ``timeout`` (a partitioned
         database never answers) are dropped. Claims whose callers went while they were on the
         wire are released first (``_settle``), for as long as ``timeout`` allows."""
+        if self._probing is not None:
+            self._probing.cancel()
         if self._settling:
             await asyncio.wait(set(self._settling), timeout=timeout)
         try:
@@ -882,6 +893,72 @@ class Store:
     async def ping(self, timeout: float | None = None) -> None:
         async with self.connection("checking the store", timeout) as conn:
             await conn.fetchval("SELECT 1")
+
+    async def answers(self, timeout: float) -> bool:
+        """Whether the database answers ``SELECT 1`` within ``timeout`` seconds on a connection
+        of its own, opened outside the pool with the parameters ``connect`` was given: it
+        confirms an ambiguous outage (``StoreUnavailable.ambiguous``). A table locked by a
+        migration blocks every pooled connection's statement, the pool's included, so only a
+        fresh connection tells a live database from an unreachable one. Never raises: any
+        failure, or no answer in time, is ``False``.
+
+        Concurrent callers share one probe (a lock that blocks every call would otherwise open
+        a connection per call), each waiting at most its own ``timeout``. A store made directly
+        on a pool (``Store(pool)``) does not know how to connect outside it and answers
+        ``False``: an ambiguous outage counts as an outage there, as before."""
+        if self._probe is None or not timeout > 0:
+            return False
+        probing = self._probing
+        if probing is None or probing.done():
+            probing = self._probing = asyncio.ensure_future(self._probe.answers(timeout))
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(probing)
+        except TimeoutError:
+            return False
+
+
+_POOL_ONLY_OPTIONS = frozenset(
+    {
+        "init_size",
+        "min_size",
+        "max_size",
+        "max_queries",
+        "max_inactive_connection_lifetime",
+        "connect",
+        "setup",
+        "init",
+        "reset",
+        "loop",
+    }
+)
+"""``asyncpg.create_pool``'s own options: the rest of ``Store.connect``'s are the connection's."""
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """A connection outside the pool, opened as the pool opens its own (``Store.answers``)."""
+
+    connect: Callable[..., Any]
+    dsn: str
+    options: dict[str, Any]
+
+    async def answers(self, timeout: float) -> bool:
+        conn: Any = None
+        try:
+            async with asyncio.timeout(timeout):
+                conn = await self.connect(self.dsn, **self.options)
+                await conn.fetchval("SELECT 1")
+                await conn.close()
+            return True
+        except STORE_ERRORS as exc:
+            # TimeoutError included (one of STORE_ERRORS): no answer in time.
+            log.debug("the database did not answer a probe: %r", exc)
+            return False
+        finally:
+            if conn is not None and not conn.is_closed():
+                # Cut short (a timeout, a cancellation): close() would wait for the server.
+                conn.terminate()
 
 
 def _level(isolation: Isolation | None) -> str | None:
