@@ -514,7 +514,7 @@ class IdempotencyInterceptor(_Interceptor):
                         )
                     continue
             except StoreUnavailable as err:
-                fail_open = _may_fail_open(policy, context, err)
+                fail_open = await _may_fail_open(policy, context, err, store)
                 step, phase = transition(phase, store_down_event(fail_open=fail_open))
                 if step is Step.RUN_WITHOUT_STORE:
                     call.outcome = CallOutcome.BYPASSED
@@ -840,7 +840,7 @@ class IdempotencyInterceptor(_Interceptor):
                 isolation=policy.isolation, timeout=answers.time_remaining(context)
             )
         except StoreUnavailable as err:
-            if _may_fail_open(policy, context, err):
+            if await _may_fail_open(policy, context, err, store):
                 return await self._run_without_store(call)
             await answers.abort(context, err)
         bound = call_context.bind(_unclaimed(call, tx.connection))
@@ -1083,7 +1083,9 @@ def _refuse_step_without_key(method: str, context: Context) -> None:
         )
 
 
-def _may_fail_open(policy: MethodPolicy, context: Context, err: StoreUnavailable) -> bool:
+async def _may_fail_open(
+    policy: MethodPolicy, context: Context, err: StoreUnavailable, store: Store
+) -> bool:
     """Whether a store failure lets this call run without deduplication: only for a fail-open
     method, only for an outage (``err.outage``: not a busy pool, not a statement the database
     refused with a live connection), and only while the call has time left. The store's
@@ -1092,15 +1094,27 @@ def _may_fail_open(policy: MethodPolicy, context: Context, err: StoreUnavailable
     (a lock held by a migration, a slow database), and that is no outage: running the handler
     then, unclaimed, ran one key's effect once per retry with the store up all along. One that
     runs into command_timeout with time left met a database that stopped answering for that
-    long (a partition): an outage."""
+    long (a partition), or one that answers but whose records table is locked (a migration's
+    ``LOCK TABLE``): such an outage is ambiguous (``err.ambiguous``), and a connection of its
+    own that gets an answer (``Store.answers``) says the database is up: no failing open."""
     if policy.store_down is not StoreDown.FAIL_OPEN or not err.outage:
         return False
     remaining = answers.time_remaining(context)
+    if remaining is not None and remaining <= _DEADLINE_SPENT_S:
+        return False
+    if err.ambiguous:
+        if await store.answers(_PROBE_S if remaining is None else min(remaining, _PROBE_S)):
+            return False
+        remaining = answers.time_remaining(context)
     return remaining is None or remaining > _DEADLINE_SPENT_S
 
 
 _DEADLINE_SPENT_S = 0.05
 """Time left below which a store failure is taken for the call's deadline running out."""
+
+_PROBE_S = 2.0
+"""How long a live database may take to answer a fresh connection's ``SELECT 1`` (connect,
+TLS, authentication included) before an ambiguous outage is taken for a real one."""
 
 
 def _refusing(
