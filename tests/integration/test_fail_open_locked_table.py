@@ -17,7 +17,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store, StoreDown
-from tests.support.ledger import prepare, running_ledger
+from tests.support.ledger import prepare, records_locked, running_ledger
 
 FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
@@ -54,14 +54,10 @@ async def test_a_table_locked_past_command_timeout_does_not_fail_open(
         assert done.code is grpc.StatusCode.OK
         assert server.service.executions == 1
 
-        await db.execute("BEGIN")
-        try:
-            await db.execute(f'LOCK TABLE "{store.schema}".records IN ACCESS EXCLUSIVE MODE')
+        async with records_locked(db, store.schema):
             # No deadline: only command_timeout ends the store's wait, as a partition's would.
             again = await server.call(method, request, key, timeout=None)
             elsewhere = await replica.call(method, request, key, timeout=None)
-        finally:
-            await db.execute("ROLLBACK")
 
         for answer in (again, elsewhere):
             assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
@@ -81,10 +77,6 @@ async def test_answers_on_a_connection_of_its_own(
 ) -> None:
     """The probe answers while every pooled connection could be blocked on the lock; a store
     made on a pool it did not open cannot probe, and says so (False: as before, an outage)."""
-    await db.execute("BEGIN")
-    try:
-        await db.execute(f'LOCK TABLE "{short_store.schema}".records IN ACCESS EXCLUSIVE MODE')
+    async with records_locked(db, short_store.schema):
         assert await short_store.answers(2.0)
-    finally:
-        await db.execute("ROLLBACK")
     assert not await Store(short_store.pool, schema=short_store.schema).answers(2.0)

@@ -17,7 +17,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
-from tests.support.ledger import running_ledger
+from tests.support.ledger import records_locked, running_ledger
 
 FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
 
@@ -56,15 +56,10 @@ async def test_a_locked_records_table_does_not_fail_open(
         assert done.code is grpc.StatusCode.OK
         assert server.service.executions == 1
 
-        # Another session holds the records table as a migration or VACUUM FULL would.
-        await db.execute("BEGIN")
-        try:
-            await db.execute(f'LOCK TABLE "{store.schema}".records IN ACCESS EXCLUSIVE MODE')
+        async with records_locked(db, store.schema):
             # The server that saw the key looks it up first; the replica claims first.
             again = await server.call(FAIL_OPEN, request, key)
             elsewhere = await replica.call(FAIL_OPEN, request, key)
-        finally:
-            await db.execute("ROLLBACK")
 
         # Retryable, and not from a second execution, on both servers.
         codes = [again.code, elsewhere.code]

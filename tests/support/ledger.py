@@ -449,3 +449,14 @@ async def ledger_server(
     finally:
         await channel.close()
         await server.stop(None)
+
+
+@contextlib.asynccontextmanager
+async def records_locked(db: asyncpg.Connection, schema: str) -> AsyncIterator[None]:
+    """Another session holding the records table, as a migration or VACUUM FULL would."""
+    await db.execute("BEGIN")
+    try:
+        await db.execute(f'LOCK TABLE "{schema}".records IN ACCESS EXCLUSIVE MODE')
+        yield
+    finally:
+        await db.execute("ROLLBACK")
