@@ -91,7 +91,13 @@ from grpc_idempotency.server.handler_context import (
     sendable_trailers,
 )
 from grpc_idempotency.store.errors import handler_error
-from grpc_idempotency.store.postgres import Attempt, PhasedClaim, PooledConnection, Store
+from grpc_idempotency.store.postgres import (
+    PROBE_S,
+    Attempt,
+    PhasedClaim,
+    PooledConnection,
+    Store,
+)
 from grpc_idempotency.store.shards import ShardedStores
 from grpc_idempotency.telemetry import Telemetry, cancellation_code
 
@@ -1103,7 +1109,8 @@ async def _may_fail_open(
     if remaining is not None and remaining <= _DEADLINE_SPENT_S:
         return False
     if err.ambiguous:
-        if await store.answers(_PROBE_S if remaining is None else min(remaining, _PROBE_S)):
+        # Half the time left at most: a call that must fail open still has time to run.
+        if await store.answers(PROBE_S if remaining is None else min(remaining / 2, PROBE_S)):
             return False
         remaining = answers.time_remaining(context)
     return remaining is None or remaining > _DEADLINE_SPENT_S
@@ -1111,10 +1118,6 @@ async def _may_fail_open(
 
 _DEADLINE_SPENT_S = 0.05
 """Time left below which a store failure is taken for the call's deadline running out."""
-
-_PROBE_S = 2.0
-"""How long a live database may take to answer a fresh connection's ``SELECT 1`` (connect,
-TLS, authentication included) before an ambiguous outage is taken for a real one."""
 
 
 def _refusing(

@@ -346,6 +346,7 @@ class Store:
         command_timeout: float | None = _DEFAULT_COMMAND_TIMEOUT_S,
         migrate: bool = False,
         check_schema: bool = True,
+        probe_dsn: str | None = None,
         **pool_options: Any,
     ) -> Store:
         """Opens a pool for the store (and for handlers' writes, which share its transaction).
@@ -363,6 +364,11 @@ class Store:
         option): its server connections do not keep a client's named prepared statements. The
         library keeps no session state, so nothing else changes (README, "Running in
         production").
+
+        ``probe_dsn`` is where ``answers`` (the check before a fail-open method runs unclaimed on a
+        timeout) connects, ``dsn`` by default. Behind PgBouncer give the database's own address:
+        through the pooler, whose server connections a locked table can hold, the check can go
+        unanswered with the database up.
 
         ``migrate=True`` applies missing migrations first; production deployments usually run
         ``grpc-idempotency migrate`` instead. Otherwise ``check_schema`` (the default) verifies
@@ -393,11 +399,11 @@ class Store:
             raise
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         connect = pool_options.get("connect") or asyncpg.connect
-        store._probe = _Probe(
-            connect,
-            dsn,
-            {k: v for k, v in pool_options.items() if k not in _POOL_ONLY_OPTIONS},
-        )
+        options = {k: v for k, v in pool_options.items() if k not in _POOL_ONLY_OPTIONS}
+        # As the pool calls ``connect`` (a custom one may require these).
+        options.setdefault("connection_class", asyncpg.Connection)
+        options.setdefault("record_class", asyncpg.Record)
+        store._probe = _Probe(connect, dsn if probe_dsn is None else probe_dsn, options)
         try:
             if migrate:
                 await store.migrate()
@@ -413,7 +419,7 @@ class Store:
         database never answers) are dropped. Claims whose callers went while they were on the
         wire are released first (``_settle``), for as long as ``timeout`` allows."""
         if self._probing is not None:
-            self._probing.cancel()
+            self._probing.cancel()  # its waiters take that for "no answer" (``answers``)
         if self._settling:
             await asyncio.wait(set(self._settling), timeout=timeout)
         try:
@@ -910,13 +916,23 @@ class Store:
             return False
         probing = self._probing
         if probing is None or probing.done():
-            probing = self._probing = asyncio.ensure_future(self._probe.answers(timeout))
+            # Its own budget, not this caller's: later callers with more time left share it.
+            probing = self._probing = asyncio.ensure_future(self._probe.answers(PROBE_S))
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(probing)
         except TimeoutError:
             return False
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if probing.cancelled() and (task is None or task.cancelling() == 0):
+                return False  # the probe was cancelled by close(), not this caller
+            raise
 
+
+PROBE_S = 2.0
+"""How long a live database may take to answer a fresh connection's ``SELECT 1`` (connect,
+TLS, authentication included) before an ambiguous outage is taken for a real one."""
 
 _POOL_ONLY_OPTIONS = frozenset(
     {
@@ -947,13 +963,16 @@ class _Probe:
         conn: Any = None
         try:
             async with asyncio.timeout(timeout):
-                conn = await self.connect(self.dsn, **self.options)
+                conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **self.options)
                 await conn.fetchval("SELECT 1")
                 await conn.close()
             return True
         except STORE_ERRORS as exc:
             # TimeoutError included (one of STORE_ERRORS): no answer in time.
             log.debug("the database did not answer a probe: %r", exc)
+            return False
+        except Exception as exc:  # a custom connect's own failure: no answer either
+            log.warning("the store's outage probe failed: %r", exc)
             return False
         finally:
             if conn is not None and not conn.is_closed():

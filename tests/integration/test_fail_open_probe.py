@@ -1,0 +1,215 @@
+"""The check a fail-open method makes before running unclaimed on a client-side timeout
+(``Store.answers``, a fresh connection's ``SELECT 1``), under the ways it was found to fail:
+
+- callers share one probe, and it ran on the first caller's budget: a call with a few
+  milliseconds left made every call joining it take a live database for a dead one;
+- it took all of a short deadline's time left, so a real partition no longer failed open;
+- a custom ``connect=`` raising, or taking the pool's keyword arguments, leaked UNKNOWN with
+  Python's text (or could never answer);
+- ``Store.close()`` during a probe left the call without a status;
+- behind PgBouncer the probe queued behind other clients blocked on the lock: ``probe_dsn``
+  sends it to the database itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import asyncpg
+import grpc
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store
+from tests.support.blackhole import BlackholeProxy
+from tests.support.ledger import fresh, prepare, records_locked, running_ledger
+from tests.support.pgbouncer import running_pgbouncer
+
+FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
+
+
+def post(account: str) -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=1)
+
+
+async def lock_waiters(db: asyncpg.Connection, count: int) -> None:
+    """Returns once ``count`` sessions wait on a lock (PostgreSQL's own view of it; there is
+    no event to wait on in another process)."""
+    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    async with asyncio.timeout(10):
+        while await db.fetchval(waiting) < count:  # noqa: ASYNC110 (polls the server's state)
+            await asyncio.sleep(0.01)
+
+
+def schema() -> str:
+    return f"probe_{uuid.uuid4().hex[:8]}"
+
+
+async def test_callers_sharing_a_probe_each_get_its_answer(
+    pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    store = await Store.connect(pg_dsn, schema=schema(), migrate=True, command_timeout=1)
+    try:
+        async with records_locked(db, store.schema):
+            short, long_ = await asyncio.gather(store.answers(0.001), store.answers(2.0))
+    finally:
+        await store.close()
+    assert not short  # its own wait ran out
+    assert long_  # the shared probe ran on its own budget, not the first caller's
+
+
+async def test_a_partition_fails_open_with_a_deadline_just_past_command_timeout(
+    pg_dsn: str,
+) -> None:
+    """1 s of command_timeout, then a probe of half the 1.5 s left: the handler runs."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    store = await Store.connect(
+        proxy.dsn, min_size=1, max_size=2, command_timeout=1, schema=schema(), migrate=True
+    )
+    await prepare(store)
+    try:
+        async with running_ledger(store) as ledger:
+            proxy.blackhole()
+            answer = await ledger.call(FAIL_OPEN, post(fresh("a")), fresh(), timeout=2.5)
+            assert answer.code is grpc.StatusCode.OK, answer
+            assert ledger.service.executions == 1
+    finally:
+        store.pool.terminate()
+        await proxy.close()
+
+
+async def test_a_custom_connect_failing_in_the_probe_is_no_answer(
+    pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    broken = False
+
+    async def connect(*args: Any, **kwargs: Any) -> Any:  # e.g. fetches a token first
+        if broken:
+            raise RuntimeError("token service unreachable")
+        return await asyncpg.connect(*args, **kwargs)
+
+    store = await Store.connect(
+        pg_dsn, schema=schema(), migrate=True, max_size=2, command_timeout=1, connect=connect
+    )
+    await prepare(store)
+    try:
+        async with running_ledger(store, replay_cache=False) as ledger:
+            broken = True
+            async with records_locked(db, store.schema):
+                answer = await ledger.call(FAIL_OPEN, post(fresh("a")), fresh(), timeout=None)
+    finally:
+        await store.close()
+    assert answer.code is not grpc.StatusCode.UNKNOWN, answer
+    assert "token" not in (answer.details or "")
+
+
+async def test_a_custom_connect_is_called_as_the_pool_calls_it(
+    pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    async def connect(
+        dsn: str, *, loop: Any, connection_class: Any, record_class: Any, **kwargs: Any
+    ) -> Any:
+        return await asyncpg.connect(
+            dsn, connection_class=connection_class, record_class=record_class, **kwargs
+        )
+
+    store = await Store.connect(
+        pg_dsn, schema=schema(), migrate=True, max_size=2, command_timeout=1, connect=connect
+    )
+    await prepare(store)
+    try:
+        async with running_ledger(store, replay_cache=False) as ledger:
+            key = fresh()
+            done = await ledger.call(FAIL_OPEN, post("acct"), key)
+            assert done.code is grpc.StatusCode.OK
+            async with records_locked(db, store.schema):
+                again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
+    finally:
+        await store.close()
+    assert again.code is grpc.StatusCode.UNAVAILABLE, again
+    assert ledger.service.executions == 1
+
+
+async def test_closing_the_store_during_a_probe_still_answers_the_call(pg_dsn: str) -> None:
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    store = await Store.connect(
+        proxy.dsn, min_size=1, max_size=2, command_timeout=1, schema=schema(), migrate=True
+    )
+    await prepare(store)
+    probing = asyncio.Event()
+    answers = store.answers
+
+    async def watched(timeout: float) -> bool:
+        probing.set()
+        return await answers(timeout)
+
+    store.answers = watched  # type: ignore[method-assign]
+    try:
+        async with running_ledger(store) as ledger:
+            proxy.blackhole()
+            call = asyncio.ensure_future(
+                ledger.call(FAIL_OPEN, post(fresh("a")), fresh(), timeout=None)
+            )
+            await asyncio.wait_for(probing.wait(), 10)
+            await asyncio.sleep(0)  # into the shared probe
+            await store.close(timeout=0.5)
+            answer = await asyncio.wait_for(call, 10)  # it hung without a status
+    finally:
+        store.pool.terminate()
+        await proxy.close()
+    assert answer.code is not None
+    assert answer.code is not grpc.StatusCode.UNKNOWN, answer
+
+
+async def test_probe_dsn_is_where_the_probe_connects(pg_dsn: str, db: asyncpg.Connection) -> None:
+    closed_port = "postgresql://postgres@127.0.0.1:1/postgres"
+    store = await Store.connect(pg_dsn, schema=schema(), migrate=True, probe_dsn=closed_port)
+    try:
+        assert not await store.answers(2.0)
+    finally:
+        await store.close()
+
+
+async def test_behind_pgbouncer_a_direct_probe_keeps_a_locked_table_closed(
+    pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    """Another client of the same PgBouncer blocks on the migration's lock and holds its one
+    server connection: a probe through the pooler queues behind it. Sent to the database itself
+    (``probe_dsn``), it is answered, and the completed key is not run again."""
+    with running_pgbouncer(pg_dsn, pool_size=1) as bouncer:
+        store = await Store.connect(
+            bouncer.dsn,
+            schema=schema(),
+            migrate=True,
+            min_size=1,
+            max_size=2,
+            command_timeout=1,
+            statement_cache_size=0,
+            probe_dsn=pg_dsn,
+        )
+        await prepare(store)
+        others = [await asyncpg.connect(bouncer.dsn, statement_cache_size=0)]
+        try:
+            async with running_ledger(store, replay_cache=False) as ledger:
+                key = fresh()
+                done = await ledger.call(FAIL_OPEN, post("acct"), key)
+                assert done.code is grpc.StatusCode.OK
+                async with records_locked(db, store.schema):
+                    blocked = [
+                        asyncio.ensure_future(
+                            other.fetchval(f'SELECT count(*) FROM "{store.schema}".records')
+                        )
+                        for other in others
+                    ]
+                    await lock_waiters(db, len(others))  # the pooler's server connection held
+                    again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
+                await asyncio.gather(*blocked, return_exceptions=True)
+        finally:
+            for other in others:
+                await other.close()
+            await store.close()
+    assert again.code is grpc.StatusCode.UNAVAILABLE, again
+    assert ledger.service.executions == 1
