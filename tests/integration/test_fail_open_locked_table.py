@@ -17,7 +17,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store, StoreDown
-from tests.support.ledger import prepare, records_locked, running_ledger
+from tests.support.ledger import each_replays, prepare, records_locked, running_ledger
 
 FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
@@ -66,10 +66,7 @@ async def test_a_table_locked_past_command_timeout_does_not_fail_open(
         assert replica.service.executions == 0
 
         # The lock gone, both replay the recorded outcome.
-        for running in (server, replica):
-            replayed = await running.call(method, request, key)
-            assert replayed.code is grpc.StatusCode.OK and replayed.replayed
-            assert replayed.body == done.body
+        await each_replays((server, replica), method, request, key, done.body)
 
 
 async def test_answers_on_a_connection_of_its_own(

@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -23,7 +25,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
 from tests.support.blackhole import BlackholeProxy
-from tests.support.ledger import fresh, prepare, records_locked, running_ledger
+from tests.support.ledger import RunningLedger, fresh, prepare, records_locked, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
 
 FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
@@ -44,6 +46,19 @@ async def lock_waiters(db: asyncpg.Connection, count: int) -> None:
 
 def schema() -> str:
     return f"probe_{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.asynccontextmanager
+async def completed_then_locked(
+    ledger: RunningLedger, db: asyncpg.Connection, schema: str
+) -> AsyncIterator[str]:
+    """A FAIL_OPEN call completed under a fresh key, then the records table locked by another
+    session: yields the key."""
+    key = fresh()
+    done = await ledger.call(FAIL_OPEN, post("acct"), key)
+    assert done.code is grpc.StatusCode.OK
+    async with records_locked(db, schema):
+        yield key
 
 
 async def test_callers_sharing_a_probe_each_get_its_answer(
@@ -120,12 +135,11 @@ async def test_a_custom_connect_is_called_as_the_pool_calls_it(
     )
     await prepare(store)
     try:
-        async with running_ledger(store, replay_cache=False) as ledger:
-            key = fresh()
-            done = await ledger.call(FAIL_OPEN, post("acct"), key)
-            assert done.code is grpc.StatusCode.OK
-            async with records_locked(db, store.schema):
-                again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
+        async with (
+            running_ledger(store, replay_cache=False) as ledger,
+            completed_then_locked(ledger, db, store.schema) as key,
+        ):
+            again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
     finally:
         await store.close()
     assert again.code is grpc.StatusCode.UNAVAILABLE, again
@@ -194,10 +208,7 @@ async def test_behind_pgbouncer_a_direct_probe_keeps_a_locked_table_closed(
         others = [await asyncpg.connect(bouncer.dsn, statement_cache_size=0)]
         try:
             async with running_ledger(store, replay_cache=False) as ledger:
-                key = fresh()
-                done = await ledger.call(FAIL_OPEN, post("acct"), key)
-                assert done.code is grpc.StatusCode.OK
-                async with records_locked(db, store.schema):
+                async with completed_then_locked(ledger, db, store.schema) as key:
                     blocked = [
                         asyncio.ensure_future(
                             other.fetchval(f'SELECT count(*) FROM "{store.schema}".records')

@@ -154,20 +154,27 @@ async def record(store: Store, key: str) -> Any:
     )
 
 
+async def answered_then_replayed(
+    edges: Served, method: str, action: str, code: grpc.StatusCode, details: str
+) -> tuple[str, str]:
+    """Calls ``action`` under a fresh key, then again under the same key: the first answer is
+    (``code``, ``details``) and the retry replays it. Returns the key and the account."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(method, action, key, account)
+    assert (first.code, first.details) == (code, details)
+    retry = await edges.call(method, action, key, account)
+    assert (retry.code, retry.details, retry.replayed) == (code, details, True)
+    return key, account
+
+
 @pytest.mark.parametrize("method", [POST, SYNC])
 async def test_a_caught_abort_still_answers_the_abort_and_is_recorded(
     edges: Served, store: Store, method: str
 ) -> None:
     """grpc.aio sends an abort at once: the handler returning after catching it changes
     nothing. Recorded as the abort (NOT_FOUND is a recorded error), never as OK."""
-    key, account = fresh(), fresh("acct")
-    first = await edges.call(method, "catch-return", key, account)
-    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "no such account")
-    retry = await edges.call(method, "catch-return", key, account)
-    assert (retry.code, retry.details, retry.replayed) == (
-        grpc.StatusCode.NOT_FOUND,
-        "no such account",
-        True,
+    key, account = await answered_then_replayed(
+        edges, method, "catch-return", grpc.StatusCode.NOT_FOUND, "no such account"
     )
     assert edges.service.executions == 1
     row = await record(store, key)
@@ -183,17 +190,8 @@ async def test_an_except_exception_wrapper_does_not_turn_the_abort_into_internal
     the first abort (FAILED_PRECONDITION, recorded), the second raising UsageError. It was
     INTERNAL "failed: aborted by the handler", never recorded, the operation run on every
     retry."""
-    key, account = fresh(), fresh("acct")
-    first = await edges.call(method, "wrap-internal", key, account)
-    assert (first.code, first.details) == (
-        grpc.StatusCode.FAILED_PRECONDITION,
-        "insufficient funds",
-    )
-    retry = await edges.call(method, "wrap-internal", key, account)
-    assert (retry.code, retry.details, retry.replayed) == (
-        grpc.StatusCode.FAILED_PRECONDITION,
-        "insufficient funds",
-        True,
+    key, _ = await answered_then_replayed(
+        edges, method, "wrap-internal", grpc.StatusCode.FAILED_PRECONDITION, "insufficient funds"
     )
     assert edges.service.executions == 1
     assert isinstance(edges.service.seen[0], grpc.aio.AbortError)
@@ -204,14 +202,10 @@ async def test_an_except_exception_wrapper_does_not_turn_the_abort_into_internal
 async def test_the_first_of_two_aborts_wins_and_the_second_raises_usage_error(
     edges: Served, store: Store, method: str
 ) -> None:
-    key, account = fresh(), fresh("acct")
-    first = await edges.call(method, "abort-twice", key, account)
-    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "first")
+    await answered_then_replayed(edges, method, "abort-twice", grpc.StatusCode.NOT_FOUND, "first")
     second_raised = edges.service.seen[1]
     assert isinstance(second_raised, grpc.aio.UsageError)  # what grpc.aio raises
     assert "Abort already called" in str(second_raised)
-    retry = await edges.call(method, "abort-twice", key, account)
-    assert (retry.code, retry.details, retry.replayed) == (grpc.StatusCode.NOT_FOUND, "first", True)
     assert edges.service.executions == 1
 
 
@@ -220,14 +214,8 @@ async def test_details_set_before_an_abort_without_any_are_the_answers_and_the_r
 ) -> None:
     """``set_details(...)`` then ``abort(code)``: grpc.aio sends the details set on the call;
     the record held '' and every retry replayed an empty message."""
-    key, account = fresh(), fresh("acct")
-    first = await edges.call(POST, "details-then-abort", key, account)
-    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "account does not exist")
-    retry = await edges.call(POST, "details-then-abort", key, account)
-    assert (retry.code, retry.details, retry.replayed) == (
-        grpc.StatusCode.NOT_FOUND,
-        "account does not exist",
-        True,
+    key, _ = await answered_then_replayed(
+        edges, POST, "details-then-abort", grpc.StatusCode.NOT_FOUND, "account does not exist"
     )
     assert (await record(store, key))["status_message"] == "account does not exist"
 

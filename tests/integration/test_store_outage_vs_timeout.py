@@ -17,7 +17,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
-from tests.support.ledger import records_locked, running_ledger
+from tests.support.ledger import each_replays, records_locked, running_ledger
 
 FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
 
@@ -69,8 +69,5 @@ async def test_a_locked_records_table_does_not_fail_open(
         assert replica.service.executions == 0
 
         # The lock gone, both replay the recorded outcome.
-        for running in (server, replica):
-            replayed = await running.call(FAIL_OPEN, request, key)
-            assert replayed.code is grpc.StatusCode.OK and replayed.replayed
-            assert replayed.body == done.body
+        await each_replays((server, replica), FAIL_OPEN, request, key, done.body)
         assert server.service.executions + replica.service.executions == 1

@@ -23,7 +23,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -369,20 +369,21 @@ async def running_ledger(
         scope=scope if scope is not None else MetadataScope(TENANT),
         **kwargs,
     )
-    server = grpc.aio.server(interceptors=[interceptor])
     # Peek and "kill-connection" use a store of their own; sharded, the first shard's.
     service = LedgerService(store if isinstance(store, Store) else next(iter(store)))
-    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    address = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(address)
-    try:
+    async with _serving(interceptor, service) as (server, channel, address):
         stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
         yield RunningLedger(server, interceptor, service, address, channel, stub)
-    finally:
-        await channel.close()
-        await server.stop(None)
+
+
+async def each_replays(
+    servers: Sequence[RunningLedger], method: str, request: Any, key: str, body: bytes
+) -> None:
+    """Every one of ``servers`` answers ``key`` with the recorded ``body``, as a replay."""
+    for running in servers:
+        replayed = await running.call(method, request, key)
+        assert replayed.code is grpc.StatusCode.OK and replayed.replayed, replayed
+        assert replayed.body == body
 
 
 async def waiting_herd(
@@ -438,6 +439,14 @@ async def ledger_server(
 ) -> AsyncIterator[tuple[grpc.aio.Channel, str]]:
     """A grpc.aio server on loopback serving ``servicer`` behind ``interceptor``: its channel
     and address, both closed on exit."""
+    async with _serving(interceptor, servicer) as (_, channel, address):
+        yield channel, address
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    interceptor: IdempotencyInterceptor, servicer: testsvc_pb2_grpc.LedgerServiceServicer
+) -> AsyncIterator[tuple[grpc.aio.Server, grpc.aio.Channel, str]]:
     server = grpc.aio.server(interceptors=[interceptor])
     testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -445,7 +454,7 @@ async def ledger_server(
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
     try:
-        yield channel, address
+        yield server, channel, address
     finally:
         await channel.close()
         await server.stop(None)
