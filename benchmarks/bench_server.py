@@ -1098,6 +1098,8 @@ def main() -> int:
         "--py-spy-opt", action="append", default=[], help="extra py-spy record option (--native)"
     )
     args = parser.parse_args()
+    if args.profile_keep:
+        Path(args.profile_keep).mkdir(parents=True, exist_ok=True)
     cfg = QUICK if args.quick or args.profile else FULL
     return asyncio.run(Bench(cfg, args).run())
 
