@@ -35,6 +35,7 @@ from tests.support.wire import Answer, call_raw
 
 SVC = "/testsvc.v1.LedgerService/"
 ATOMIC, PHASED = SVC + "Post", SVC + "PostPhased"
+OPTIONAL = SVC + "PostOptional"  # called without a key: a plain transaction, no record
 MISUSE = "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
 
 ENDINGS = {
@@ -45,10 +46,12 @@ ENDINGS = {
 
 
 class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
-    """``behaviour`` is "ENDING:THEN": writes a ledger row, ends the transaction as ENDINGS
-    says, then answers OK ("ok"), aborts UNAVAILABLE ("unavailable", a transient status that
-    releases the key), lets a serialization failure escape ("conflict", answered ABORTED
-    and released too) or raises ("raise"); "in-flight" writes, then leaves a statement running as it returns."""
+    """``behaviour`` is "plain" (writes a ledger row, answers OK); "swallow" (writes, then
+    catches the error of a failing statement and answers OK); "in-flight" (writes, then leaves
+    a statement running as it returns); or "ENDING:THEN": writes a ledger row, ends the
+    transaction as ENDINGS says, then answers OK ("ok"), aborts UNAVAILABLE ("unavailable", a
+    transient status that releases the key), lets a serialization failure escape ("conflict",
+    answered ABORTED and released too) or raises ("raise")."""
 
     def __init__(self) -> None:
         self.executions = 0
@@ -60,6 +63,12 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
         await conn.execute(
             "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
         )
+        if request.behaviour == "plain":
+            return testsvc_pb2.PostResponse(account=request.account)
+        if request.behaviour == "swallow":
+            with contextlib.suppress(asyncpg.DivisionByZeroError):
+                await conn.execute("SELECT 1 / 0")  # the transaction is aborted now
+            return testsvc_pb2.PostResponse(account=request.account)
         if request.behaviour == "in-flight":
             task = asyncio.ensure_future(conn.execute("SELECT pg_sleep(0.5)"))
             self.background.add(task)
@@ -84,6 +93,9 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
     async def PostPhased(self, request: Any, context: Any) -> Any:
         return await self._post(request, context)
 
+    async def PostOptional(self, request: Any, context: Any) -> Any:
+        return await self._post(request, context)
+
 
 @contextlib.asynccontextmanager
 async def serving(store: Store) -> AsyncIterator[tuple[grpc.aio.Channel, Misbehaving]]:
@@ -103,8 +115,9 @@ async def serving(store: Store) -> AsyncIterator[tuple[grpc.aio.Channel, Misbeha
 async def call(
     channel: grpc.aio.Channel, method: str, behaviour: str, key: str, account: str
 ) -> Answer:
+    """``OPTIONAL`` is called without a key (``key`` then only names nothing)."""
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
-    return await call_raw(channel, method, request, metadata(key))
+    return await call_raw(channel, method, request, metadata(None if method == OPTIONAL else key))
 
 
 async def recorded_ok(store: Store, key: str) -> bool:
@@ -116,7 +129,7 @@ async def recorded_ok(store: Store, key: str) -> bool:
     return bool(state == "completed:0")
 
 
-@pytest.mark.parametrize("method", [ATOMIC, PHASED])
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
 @pytest.mark.parametrize("ending", list(ENDINGS))
 async def test_a_handler_ending_the_transaction_then_answering_ok_records_nothing(
     store: Store, method: str, ending: str
@@ -128,7 +141,7 @@ async def test_a_handler_ending_the_transaction_then_answering_ok_records_nothin
     assert not await recorded_ok(store, key)
 
 
-@pytest.mark.parametrize("method", [ATOMIC, PHASED])
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
 @pytest.mark.parametrize("ending", list(ENDINGS))
 @pytest.mark.parametrize("then", ["unavailable", "conflict", "raise"])
 async def test_a_handler_ending_the_transaction_then_failing_transiently_is_not_retried(
@@ -145,7 +158,7 @@ async def test_a_handler_ending_the_transaction_then_failing_transiently_is_not_
     assert not await recorded_ok(store, key)
 
 
-@pytest.mark.parametrize("method", [ATOMIC, PHASED])
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
 async def test_a_statement_still_running_at_the_commit_is_the_handlers_bug_not_an_outage(
     store: Store, method: str
 ) -> None:
@@ -155,6 +168,33 @@ async def test_a_statement_still_running_at_the_commit_is_the_handlers_bug_not_a
     assert (answer.code, answer.reason()) == (grpc.StatusCode.INTERNAL, MISUSE), answer
     assert not await recorded_ok(store, key)
     assert await ledger_rows(store, account) == 0  # rolled back with the dropped connection
+
+
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
+async def test_a_handler_carrying_on_after_a_failed_statement_is_answered_internal(
+    store: Store, method: str
+) -> None:
+    """Its transaction is aborted: nothing it wrote can commit, and OK would say it did."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with serving(store) as (channel, _service):
+        answer = await call(channel, method, "swallow", key, account)
+    assert (answer.code, answer.reason()) == (grpc.StatusCode.INTERNAL, MISUSE), answer
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_without_a_key_a_well_behaved_handler_commits_and_the_pool_stays_clean(
+    store: Store,
+) -> None:
+    """The unkeyed transaction's savepoint is released at the commit and gone after it: the
+    handler's write is committed, and the connection goes back to the pool idle."""
+    async with serving(store) as (channel, _service):
+        for _ in range(3):  # more calls than one connection: each finds a clean one
+            account = uuid.uuid4().hex
+            answer = await call(channel, OPTIONAL, "plain", "", account)
+            assert answer.code is grpc.StatusCode.OK, answer
+            assert await ledger_rows(store, account) == 1
+    async with store.pool.acquire() as conn:
+        assert not conn.is_in_transaction()
 
 
 async def attempt_of(store: Store, phased: bool) -> Attempt:

@@ -850,16 +850,23 @@ class IdempotencyInterceptor(_Interceptor):
                 return await self._run_without_store(call)
             await answers.abort(context, err)
         bound = call_context.bind(_unclaimed(call, tx.connection))
+        # A handler that ended the transaction itself (COMMIT or ROLLBACK on the call's
+        # connection) answers INTERNAL whatever it answered, as with a key: what it wrote may
+        # have committed, and the same handler under a key would be refused.
         try:
             response = await self._invoke(call)
         except DeferredAbort as aborted:
-            await asyncio.shield(tx.rollback())
+            misuse = await asyncio.shield(tx.rollback())
+            if misuse is not None:
+                await answers.abort(context, misuse)
             await aborted.send(context)
         except IdempotencyError as err:
-            await asyncio.shield(tx.rollback())
-            await answers.abort(context, err)
-        except BaseException:
-            await asyncio.shield(tx.rollback())
+            misuse = await asyncio.shield(tx.rollback())
+            await answers.abort(context, misuse or err)
+        except BaseException as exc:
+            misuse = await asyncio.shield(tx.rollback())
+            if misuse is not None and isinstance(exc, Exception):
+                await answers.abort(context, misuse)
             raise
         finally:
             call_context.unbind(bound)
@@ -869,7 +876,9 @@ class IdempotencyInterceptor(_Interceptor):
             except IdempotencyError as err:
                 await answers.abort(context, err)
         else:
-            await asyncio.shield(tx.rollback())
+            misuse = await asyncio.shield(tx.rollback())
+            if misuse is not None:
+                await answers.abort(context, misuse)
         return response
 
 

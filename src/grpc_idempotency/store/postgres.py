@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 import asyncpg
 
@@ -675,8 +675,11 @@ class Store:
     ) -> PlainTransaction:
         conn = await self._acquire("beginning a transaction", timeout)
         try:
+            # The library's savepoint, as in a keyed call's transaction: the commit releases it,
+            # which fails if the handler replaced the transaction (COMMIT or ROLLBACK, then BEGIN).
             await conn.execute(
-                f"BEGIN{_isolation_clause(isolation)}", timeout=self.statement_timeout(timeout)
+                f"BEGIN{_isolation_clause(isolation)}; SAVEPOINT {SAVEPOINT}",
+                timeout=self.statement_timeout(timeout),
             )
         except BaseException as exc:
             # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
@@ -1033,10 +1036,35 @@ class PlainTransaction:
         self.connection = conn
 
     async def commit(self) -> None:
+        """Commits the handler's writes. A handler that ended the transaction itself, or caught
+        the error of a failed statement and carried on, gets ``HandlerDatabaseError``: the same
+        misuse is found with a key and without one, so it shows in development either way."""
+        conn = self.connection
         try:
-            if await self.connection.execute("COMMIT") != "COMMIT":
-                raise aborted_by("the handler")  # the transaction is over: the connection is fine
+            if not conn.is_in_transaction():
+                raise ended_by_handler("no transaction was open at the commit")
+            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}; COMMIT")
+        except HandlerDatabaseError:
+            await self._store._release(conn)
+            raise
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate in (NO_SUCH_SAVEPOINT, IN_FAILED_TRANSACTION):
+                try:
+                    await conn.execute("ROLLBACK")  # the batch stopped at its failing statement
+                except STORE_ERRORS:
+                    _drop(conn)
+                await self._store._release(conn)
+                if exc.sqlstate == NO_SUCH_SAVEPOINT:
+                    raise ended_by_handler("its transaction was replaced by another") from exc
+                raise aborted_by("the handler") from exc
+            await self._failed_commit(exc)
         except STORE_ERRORS as exc:
+            await self._failed_commit(exc)
+        else:
+            await self._store._release(conn)
+
+    async def _failed_commit(self, exc: BaseException) -> NoReturn:
+        try:
             live = not self.connection.is_closed()
             _drop(self.connection)
             # A statement of the handler's still running (InterfaceError): its bug, no outage.
@@ -1053,14 +1081,28 @@ class PlainTransaction:
         finally:
             await self._store._release(self.connection)
 
-    async def rollback(self) -> None:
+    async def rollback(self) -> HandlerDatabaseError | None:
+        """Rolls back; returns the handler's misuse found on the way (as ``Attempt.release``):
+        it ended the transaction itself, so what it wrote may have committed."""
+        conn = self.connection
         try:
-            if not self.connection.is_closed() and self.connection.is_in_transaction():
-                await self.connection.execute("ROLLBACK")
+            if conn.is_closed():
+                return None
+            if not conn.is_in_transaction():
+                return ended_by_handler("no transaction was open at the rollback")
+            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK")
+        except asyncpg.PostgresError as exc:
+            try:
+                await conn.execute("ROLLBACK")  # the batch stopped at its failing statement
+            except STORE_ERRORS:
+                _drop(conn)
+            if exc.sqlstate == NO_SUCH_SAVEPOINT:
+                return ended_by_handler("its transaction was replaced by another")
         except STORE_ERRORS:
-            _drop(self.connection)
+            _drop(conn)
         finally:
-            await self._store._release(self.connection)
+            await self._store._release(conn)
+        return None
 
 
 class PhasedClaim:
