@@ -65,6 +65,9 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
         )
         if request.behaviour == "plain":
             return testsvc_pb2.PostResponse(account=request.account)
+        if request.behaviour == "terminate":
+            conn.terminate()  # asyncpg lets go of it: it cannot even say whether a transaction is open
+            return testsvc_pb2.PostResponse(account=request.account)
         if request.behaviour == "swallow":
             with contextlib.suppress(asyncpg.DivisionByZeroError):
                 await conn.execute("SELECT 1 / 0")  # the transaction is aborted now
@@ -179,6 +182,24 @@ async def test_a_handler_carrying_on_after_a_failed_statement_is_answered_intern
     async with serving(store) as (channel, _service):
         answer = await call(channel, method, "swallow", key, account)
     assert (answer.code, answer.reason()) == (grpc.StatusCode.INTERNAL, MISUSE), answer
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
+async def test_a_connection_terminated_by_the_handler_is_a_lost_connection_not_unknown(
+    store: Store, method: str
+) -> None:
+    """Asking a terminated connection whether a transaction is open raised AttributeError,
+    which left the call UNKNOWN with a raw exception. It is a connection lost before the
+    commit, as when the server closes it: UNAVAILABLE, nothing recorded, the write gone."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with serving(store) as (channel, _service):
+        answer = await call(channel, method, "terminate", key, account)
+    assert (answer.code, answer.reason()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "IDEMPOTENCY_STORE_UNAVAILABLE",
+    ), answer
+    assert not await recorded_ok(store, key)
     assert await ledger_rows(store, account) == 0
 
 

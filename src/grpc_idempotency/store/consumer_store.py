@@ -24,7 +24,12 @@ from grpc_idempotency.store.errors import (
     raised_in_asyncpg,
     store_error,
 )
-from grpc_idempotency.store.postgres import ROLLBACK_TIMEOUT_S, PooledConnection, Store
+from grpc_idempotency.store.postgres import (
+    ROLLBACK_TIMEOUT_S,
+    PooledConnection,
+    Store,
+    connection_closed,
+)
 from grpc_idempotency.store.sql import begin, float_literal, schema_identifier, text_literal
 
 log = logging.getLogger("grpc_idempotency.consumer")
@@ -221,7 +226,7 @@ class Mark:
     async def commit(self, message_id: str) -> None:
         conn = self.connection
         try:
-            if _closed(conn):
+            if connection_closed(conn):
                 # PostgreSQL ended the session (the effect sat idle past idle_timeout, or the
                 # link broke): the transaction rolled back, unless the effect committed it.
                 raise StoreUnavailable(
@@ -284,13 +289,6 @@ def _ended_by_the_effect(message_id: str) -> StoreUnavailable:
     )
 
 
-def _closed(conn: PooledConnection) -> bool:
-    try:
-        return conn.is_closed()
-    except asyncpg.InterfaceError:  # asyncpg detaches the proxy of a connection it lost
-        return True
-
-
 def _terminate(conn: PooledConnection) -> None:
     with contextlib.suppress(asyncpg.InterfaceError):
         conn.terminate()
@@ -311,7 +309,7 @@ def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
         isinstance(exc, _CONNECTION_LOST)
         or state.startswith(_CONNECTION_LOST_STATES)
         or (isinstance(exc, TimeoutError) and raised_in_asyncpg(exc))
-        or _closed(conn)
+        or connection_closed(conn)
     )
 
 
@@ -321,7 +319,7 @@ async def _abandon(conn: PooledConnection, exc: BaseException | None) -> None:
     connection: in these cases the connection is dropped (PostgreSQL rolls back) rather than
     reused. After an interrupted statement a ROLLBACK would first wait for its cancellation to
     be confirmed: for ever behind a dead link."""
-    if _closed(conn):
+    if connection_closed(conn):
         return
     if exc is not None and (
         not isinstance(exc, Exception) or (isinstance(exc, TimeoutError) and raised_in_asyncpg(exc))

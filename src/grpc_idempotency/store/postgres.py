@@ -141,7 +141,9 @@ class Attempt:
         # them, ROLLBACK TO SAVEPOINT does the same). No round trip more.
         keep = "" if discard_writes else f"RELEASE SAVEPOINT {SAVEPOINT}; "
         try:
-            if not conn.is_in_transaction():
+            # (A connection asyncpg terminated cannot even be asked: the statement below then
+            # fails as the store's error, as it does on one the server closed.)
+            if not connection_closed(conn) and not conn.is_in_transaction():
                 # Committed (it may not be retried: the writes would be made again) or gone.
                 raise ended_by_handler("no transaction was open at the commit")
             if size <= INLINE_OUTCOME_BYTES:
@@ -203,7 +205,7 @@ class Attempt:
             await self._rollback_quietly()
             raise
         except STORE_ERRORS as exc:
-            live = not conn.is_closed()
+            live = not connection_closed(conn)
             await self._rollback_quietly()
             # A statement of the handler's still running on the connection (spawned, not
             # awaited): asyncpg refuses the commit (InterfaceError, "another operation is in
@@ -250,7 +252,7 @@ class Attempt:
         try:
             # (Even asking raises once asyncpg has let go of a connection a statement timed out
             # on: an InterfaceError, below.)
-            if conn.is_closed():
+            if connection_closed(conn):
                 return None
             if not conn.is_in_transaction():
                 return ended_by_handler("no transaction was open at the release")
@@ -269,7 +271,7 @@ class Attempt:
     async def _rollback_quietly(self) -> None:
         conn = self.connection
         try:
-            if conn.is_closed() or not conn.is_in_transaction():
+            if connection_closed(conn) or not conn.is_in_transaction():
                 return
             await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
         except STORE_ERRORS:
@@ -281,6 +283,16 @@ class Attempt:
             return
         self._done = True
         await self._store._release(self.connection)
+
+
+def connection_closed(conn: PooledConnection) -> bool:
+    """Whether ``conn`` is closed. asyncpg detaches the pool's proxy of a connection it let go
+    of (terminated, lost, or after a statement timeout it could not cancel): then even asking
+    raises InterfaceError, which escaped the library as a raw exception (UNKNOWN)."""
+    try:
+        return conn.is_closed()
+    except asyncpg.InterfaceError:
+        return True
 
 
 def _drop(conn: PooledConnection) -> None:
@@ -516,7 +528,7 @@ class Store:
             yield
         except Exception:
             try:
-                if not conn.is_closed() and conn.is_in_transaction():
+                if not connection_closed(conn) and conn.is_in_transaction():
                     await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
             except Exception:
                 # The transaction's fate is the connection's: the pool must not reuse it.
@@ -978,7 +990,7 @@ class _Probe:
             log.warning("the store's outage probe failed: %r", exc)
             return False
         finally:
-            if conn is not None and not conn.is_closed():
+            if conn is not None and not connection_closed(conn):
                 # Cut short (a timeout, a cancellation): close() would wait for the server.
                 conn.terminate()
 
@@ -1041,7 +1053,7 @@ class PlainTransaction:
         misuse is found with a key and without one, so it shows in development either way."""
         conn = self.connection
         try:
-            if not conn.is_in_transaction():
+            if not connection_closed(conn) and not conn.is_in_transaction():
                 raise ended_by_handler("no transaction was open at the commit")
             await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}; COMMIT")
         except HandlerDatabaseError:
@@ -1060,12 +1072,18 @@ class PlainTransaction:
             await self._failed_commit(exc)
         except STORE_ERRORS as exc:
             await self._failed_commit(exc)
+        except BaseException:
+            # Cancelled (the server stopping): whether the COMMIT ran is unknown; the connection
+            # goes, and back to the pool all the same, or the pool loses it for good.
+            _drop(conn)
+            await self._store._release(conn)
+            raise
         else:
             await self._store._release(conn)
 
     async def _failed_commit(self, exc: BaseException) -> NoReturn:
         try:
-            live = not self.connection.is_closed()
+            live = not connection_closed(self.connection)
             _drop(self.connection)
             # A statement of the handler's still running (InterfaceError): its bug, no outage.
             if live and isinstance(exc, asyncpg.InterfaceError):
@@ -1086,7 +1104,7 @@ class PlainTransaction:
         it ended the transaction itself, so what it wrote may have committed."""
         conn = self.connection
         try:
-            if conn.is_closed():
+            if connection_closed(conn):
                 return None
             if not conn.is_in_transaction():
                 return ended_by_handler("no transaction was open at the rollback")
