@@ -24,13 +24,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-import asyncpg
 from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable, TransactionOpen
 from grpc_idempotency.core.outbox import message_key, outbox_step
 from grpc_idempotency.core.policy import Step
-from grpc_idempotency.store.postgres import PooledConnection
+from grpc_idempotency.store.postgres import PooledConnection, connection_closed
 
 T = TypeVar("T")
 
@@ -128,12 +127,7 @@ class IdempotentCall:
         """Whether the call has a transaction's connection and it is still connected: an
         asyncpg InterfaceError on it is then the handler's misuse, not the store's failure."""
         conn = self._connection
-        if conn is None:
-            return False
-        try:
-            return not conn.is_closed()
-        except asyncpg.InterfaceError:  # asyncpg detaches the proxy of a connection it lost
-            return False
+        return conn is not None and not connection_closed(conn)
 
     def downstream_started(self) -> None:
         """A downstream call is starting (the client interceptor); ``downstream_ended`` when it
