@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +28,7 @@ from grpc_idempotency import Store
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import RunningLedger, fresh, prepare, records_locked, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
+from tests.support.waiting import until
 
 FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
 
@@ -224,3 +226,47 @@ async def test_behind_pgbouncer_a_direct_probe_keeps_a_locked_table_closed(
             await store.close()
     assert again.code is grpc.StatusCode.UNAVAILABLE, again
     assert ledger.service.executions == 1
+
+
+async def test_a_partition_met_by_a_new_connection_fails_open_within_command_timeout(
+    pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    """The pool has no connection open when the partition starts: the call's connect hung in
+    the handshake until the call's deadline (asyncpg's connect timeout is 60 s), so the call
+    answered DEADLINE_EXCEEDED and a fail-open method never ran. ``command_timeout`` bounds a
+    connect too, as it bounds a statement: the call fails open after it (and the probe)."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    name = f"new-conn-{uuid.uuid4().hex[:8]}"
+    store = await Store.connect(
+        proxy.dsn,
+        min_size=0,
+        max_size=2,
+        command_timeout=1,
+        schema=schema(),
+        migrate=True,
+        server_settings={"application_name": name},
+    )
+    await prepare(store)
+    # The pool's connections end (a database restart would do the same): the call must open one.
+    await db.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", name
+    )
+    await until("the pool sees them closed", lambda: _all_closed(store))
+    try:
+        async with running_ledger(store) as ledger:
+            proxy.blackhole()
+            began = time.monotonic()
+            answer = await ledger.call(FAIL_OPEN, post(fresh("a")), fresh(), timeout=20)
+            took = time.monotonic() - began
+    finally:
+        store.pool.terminate()
+        await proxy.close()
+    assert answer.code is grpc.StatusCode.OK, answer
+    assert ledger.service.executions == 1
+    assert took < 10, took  # 1 s connect + at most 2 s of probe, far from the 20 s deadline
+
+
+def _all_closed(store: Store) -> bool:
+    holders = store.pool._holders  # asyncpg has no public view of a pool's connections
+    return all(h._con is None or h._con.is_closed() for h in holders)

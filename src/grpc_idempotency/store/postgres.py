@@ -370,7 +370,8 @@ class Store:
         ``command_timeout`` (asyncpg's: the default timeout of every statement on the pool's
         connections, the handlers' included; pass ``timeout=`` on a statement to override it)
         bounds how long a call can hang on a database that stopped answering, e.g. behind a
-        network partition. ``None`` waits forever.
+        network partition. It also bounds opening a pooled connection (asyncpg's connect
+        ``timeout``, 60 s by default, unless you pass ``timeout=``). ``None`` waits forever.
 
         Behind PgBouncer in transaction mode pass ``statement_cache_size=0`` (an asyncpg pool
         option): its server connections do not keep a client's named prepared statements. The
@@ -391,6 +392,11 @@ class Store:
         if not_utf8(dsn):  # never quoted: it may hold a password
             raise DsnUnusable(f"cannot use the DSN: {NOT_UTF8}")
         pool_options.setdefault("reset", _no_session_reset)
+        if command_timeout is not None:
+            # A connection the pool opens for a call (after a restart, or to grow) is bounded
+            # like a statement: behind a partition the handshake hung for asyncpg's connect
+            # timeout (60 s), past most calls' deadlines, and a fail-open method never ran.
+            pool_options.setdefault("timeout", command_timeout)
         pool_options.setdefault("server_settings", {"application_name": "grpc-idempotency"})
         try:
             pool = await asyncpg.create_pool(
