@@ -34,7 +34,12 @@ from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
-from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER, retry_after_ms
+from grpc_idempotency.core.wire import (
+    KEY_HEADER,
+    KEY_HEADER_BIN,
+    STEP_HEADER,
+    retry_after_ms,
+)
 from grpc_idempotency.registry import PolicyRegistry, Services
 
 """A pseudo metadata entry naming the step of one call; removed before the call is sent."""
@@ -202,6 +207,9 @@ else:
     _StreamUnaryInterceptor = grpc.aio.StreamUnaryClientInterceptor
     _StreamStreamInterceptor = grpc.aio.StreamStreamClientInterceptor
 
+# Headers the library sets on each outgoing call itself; ``forward_metadata`` may not copy them.
+_NOT_FORWARDED = frozenset({KEY_HEADER, KEY_HEADER_BIN, STEP_HEADER})
+
 
 class IdempotencyClientInterceptor(_Interceptor):
     """Gives each keyed call its idempotency key, and holds the calls a handler makes to its own
@@ -232,7 +240,8 @@ class IdempotencyClientInterceptor(_Interceptor):
 
     ``services``: the services called through the channel (descriptors or ``_pb2`` modules);
     others are found in the default descriptor pool. ``forward_metadata``: entries copied from
-    the incoming call to calls made while serving it (e.g. a tenant header a gateway set).
+    the incoming call to calls made while serving it (e.g. a tenant header a gateway set); the
+    library's own headers (the key, the step name) are refused with ``ValueError``.
     """
 
     def __init__(
@@ -244,6 +253,15 @@ class IdempotencyClientInterceptor(_Interceptor):
     ) -> None:
         self._registry = PolicyRegistry(services, overrides)
         self._forward = tuple(h.lower() for h in forward_metadata)
+        refused = sorted(set(self._forward) & _NOT_FORWARDED)
+        if refused:
+            # Forwarded, the serving call's own key reached every call that chose none (an
+            # unkeyed target, a stream): two tenants who picked the same key shared one record
+            # downstream, and one was answered the other's stored response.
+            raise ValueError(
+                f"forward_metadata cannot name the library's own headers {refused}: a downstream"
+                " call gets its key from its declared step (a child key), never the caller's"
+            )
         self._kinds: tuple[Any, ...] = (
             self,
             _UnaryStream(self),

@@ -1,0 +1,26 @@
+"""``forward_metadata`` cannot copy the library's own headers downstream.
+
+Forwarded, the serving call's key reached every call that chose no key of its own (an unkeyed
+target, a stream): two tenants who picked the same key shared one record downstream, and the
+second was answered the first one's stored response (a review's reproducer, with a relay
+forwarding ``[tenant, "idempotency-key"]`` to a method keyed only downstream)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpc_idempotency.client import IdempotencyClientInterceptor
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["idempotency-key", "Idempotency-Key", "idempotency-key-bin", "x-grpc-idempotency-step"],
+)
+def test_the_librarys_headers_are_refused(header: str) -> None:
+    with pytest.raises(ValueError, match="forward_metadata cannot name the library's own headers"):
+        IdempotencyClientInterceptor(forward_metadata=["x-tenant", header])
+
+
+def test_other_headers_are_forwarded() -> None:
+    interceptor = IdempotencyClientInterceptor(forward_metadata=["Authorization", "x-tenant"])
+    assert interceptor._forward == ("authorization", "x-tenant")
