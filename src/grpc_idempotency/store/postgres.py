@@ -248,41 +248,49 @@ class Attempt:
             await self._finish()
 
     async def _rollback_checked(self) -> HandlerDatabaseError | None:
-        conn = self.connection
-        try:
-            # (Even asking raises once asyncpg has let go of a connection a statement timed out
-            # on: an InterfaceError, below.)
-            if connection_closed(conn):
-                return None
-            if not conn.is_in_transaction():
-                return ended_by_handler("no transaction was open at the release")
-            await conn.execute(
-                f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK", timeout=ROLLBACK_TIMEOUT_S
-            )
-        except asyncpg.PostgresError as exc:
-            await self._rollback_quietly()  # the batch stopped at its failing statement
-            if exc.sqlstate == NO_SUCH_SAVEPOINT:
-                return ended_by_handler("its transaction was replaced by another")
-        except STORE_ERRORS:
-            # The transaction dies with the connection; make sure the pool does not reuse it.
-            _drop(conn)
-        return None
+        return await _rollback_checked(self.connection)
 
     async def _rollback_quietly(self) -> None:
-        conn = self.connection
-        try:
-            if connection_closed(conn) or not conn.is_in_transaction():
-                return
-            await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
-        except STORE_ERRORS:
-            # The transaction dies with the connection; make sure the pool does not reuse it.
-            _drop(conn)
+        await _rollback_quietly(self.connection)
 
     async def _finish(self) -> None:
         if self._done:
             return
         self._done = True
         await self._store._release(self.connection)
+
+
+async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | None:
+    """Rolls back a transaction that holds the library's savepoint; returns the handler's misuse
+    found on the way (``Attempt.release``), ``None`` if none."""
+    try:
+        # (Even asking raises once asyncpg has let go of a connection a statement timed out on:
+        # connection_closed says closed.)
+        if connection_closed(conn):
+            return None
+        if not conn.is_in_transaction():
+            return ended_by_handler("no transaction was open at the release")
+        await conn.execute(
+            f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK", timeout=ROLLBACK_TIMEOUT_S
+        )
+    except asyncpg.PostgresError as exc:
+        await _rollback_quietly(conn)  # the batch stopped at its failing statement
+        if exc.sqlstate == NO_SUCH_SAVEPOINT:
+            return ended_by_handler("its transaction was replaced by another")
+    except STORE_ERRORS:
+        # The transaction dies with the connection; make sure the pool does not reuse it.
+        _drop(conn)
+    return None
+
+
+async def _rollback_quietly(conn: PooledConnection) -> None:
+    try:
+        if connection_closed(conn) or not conn.is_in_transaction():
+            return
+        await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
+    except STORE_ERRORS:
+        # The transaction dies with the connection; make sure the pool does not reuse it.
+        _drop(conn)
 
 
 def connection_closed(conn: PooledConnection) -> bool:
@@ -1067,10 +1075,7 @@ class PlainTransaction:
             raise
         except asyncpg.PostgresError as exc:
             if exc.sqlstate in (NO_SUCH_SAVEPOINT, IN_FAILED_TRANSACTION):
-                try:
-                    await conn.execute("ROLLBACK")  # the batch stopped at its failing statement
-                except STORE_ERRORS:
-                    _drop(conn)
+                await _rollback_quietly(conn)  # the batch stopped at its failing statement
                 await self._store._release(conn)
                 if exc.sqlstate == NO_SUCH_SAVEPOINT:
                     raise ended_by_handler("its transaction was replaced by another") from exc
@@ -1108,25 +1113,10 @@ class PlainTransaction:
     async def rollback(self) -> HandlerDatabaseError | None:
         """Rolls back; returns the handler's misuse found on the way (as ``Attempt.release``):
         it ended the transaction itself, so what it wrote may have committed."""
-        conn = self.connection
         try:
-            if connection_closed(conn):
-                return None
-            if not conn.is_in_transaction():
-                return ended_by_handler("no transaction was open at the rollback")
-            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK")
-        except asyncpg.PostgresError as exc:
-            try:
-                await conn.execute("ROLLBACK")  # the batch stopped at its failing statement
-            except STORE_ERRORS:
-                _drop(conn)
-            if exc.sqlstate == NO_SUCH_SAVEPOINT:
-                return ended_by_handler("its transaction was replaced by another")
-        except STORE_ERRORS:
-            _drop(conn)
+            return await _rollback_checked(self.connection)
         finally:
-            await self._store._release(conn)
-        return None
+            await self._store._release(self.connection)
 
 
 class PhasedClaim:
