@@ -8,9 +8,11 @@ skips the planning. The question is how much of the backend's CPU per call that 
 whether it is worth session state the library does not have today (SQL-level prepared statements
 do not survive PgBouncer's transaction pooling, nor a ``DISCARD ALL``).
 
-One connection, three kinds of call interleaved in rounds (the order rotating): bare (BEGIN,
-INSERT, COMMIT), the library's literal SQL (text from ``Statements``, so it follows src/), and the
-same with ``EXECUTE``. Per call: the backend's CPU (``/proc/PID/schedstat``) and the wall time.
+One connection, four kinds of call interleaved in rounds (the order rotating): bare (BEGIN,
+INSERT, COMMIT), the library's literal SQL (text from ``Statements``, so it follows src/), the
+same with ``EXECUTE``, and the literal SQL against a second schema whose functions have no
+``SET search_path`` clause (as before migration 0015): what the clause costs. Per call: the
+backend's CPU (``/proc/PID/schedstat``) and the wall time.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_execute_prepared.py
 """
@@ -42,6 +44,7 @@ from grpc_idempotency.store.sql import (
 from grpc_idempotency.testing.embedded import EmbeddedPostgres
 
 SCHEMA = "grpc_idempotency"
+NO_CLAUSE = "grpc_idempotency_no_clause"
 METHOD = "grpc_idempotency.bench.v1.BenchService/Charge"
 RETENTION_S, LEASE_S = 86400.0, 30.0
 INSERT = "INSERT INTO bench_ledger (account, amount) VALUES ('acct', 1)"
@@ -55,6 +58,7 @@ class Calls:
     def __init__(self, conn: asyncpg.Connection) -> None:
         self.conn = conn
         self.statements = Statements(SCHEMA)
+        self.no_clause = Statements(NO_CLAUSE)
         self.fingerprint = os.urandom(32)
         self.response = os.urandom(40)
 
@@ -75,22 +79,28 @@ class Calls:
         await self.conn.execute("COMMIT")
 
     async def literal(self) -> None:
+        await self._literal(self.statements, SCHEMA)
+
+    async def literal_no_clause(self) -> None:
+        await self._literal(self.no_clause, NO_CLAUSE)
+
+    async def _literal(self, statements: Statements, schema: str) -> None:
         key = uuid.uuid4().hex
-        claim = self.statements.claim(
+        claim = statements.claim(
             scope="bench",
             key=key,
-            lock_id=claim_lock_id(SCHEMA, "bench", key),
+            lock_id=claim_lock_id(schema, "bench", key),
             method=METHOD,
             fingerprint=self.fingerprint,
             retention_s=RETENTION_S,
             lease_s=LEASE_S,
             atomic=True,
         )
-        sql = self.statements.begin_atomic_claim(claim, isolation=None, idle_timeout_s=LEASE_S)
+        sql = statements.begin_atomic_claim(claim, isolation=None, idle_timeout_s=LEASE_S)
         await self.conn.execute(sql)
         await self.conn.execute(INSERT)
         await self.conn.execute(
-            self.statements.complete_and_commit(
+            statements.complete_and_commit(
                 scope="bench",
                 key=key,
                 token=None,
@@ -127,9 +137,15 @@ class Calls:
 
 async def run(rounds: int, per_round: int) -> None:
     with EmbeddedPostgres() as pg:
-        store = await Store.connect(pg.dsn, schema=SCHEMA, migrate=True)
-        await store.close()
+        for schema in (SCHEMA, NO_CLAUSE):
+            store = await Store.connect(pg.dsn, schema=schema, migrate=True)
+            await store.close()
         conn = await asyncpg.connect(pg.dsn)
+        for (function,) in await conn.fetch(
+            "SELECT oid::regprocedure::text FROM pg_proc WHERE pronamespace = $1::regnamespace",
+            NO_CLAUSE,
+        ):
+            await conn.execute(f"ALTER FUNCTION {function} RESET search_path")
         await conn.execute(
             "CREATE TABLE bench_ledger (id bigserial PRIMARY KEY, account text, amount integer)"
         )
@@ -140,6 +156,7 @@ async def run(rounds: int, per_round: int) -> None:
             "bare": calls.bare,
             "literal SELECT (now)": calls.literal,
             "EXECUTE prepared": calls.execute_prepared,
+            "literal, no SET clause": calls.literal_no_clause,
         }
         for call in kinds.values():  # warm: plans cached, the table's first pages written
             for _ in range(per_round):
@@ -169,6 +186,12 @@ async def run(rounds: int, per_round: int) -> None:
     print(f"EXECUTE / literal, backend CPU: {prepared / literal:.3f}")
     saved = (literal - prepared) / (literal - base)
     print(f"share of the keyed path's extra backend CPU saved: {saved:.1%}")
+    no_clause = statistics.median(cpu["literal, no SET clause"])
+    print(f"SET search_path clause / none, backend CPU: {literal / no_clause:.3f}")
+    wall_ratio = statistics.median(wall["literal SELECT (now)"]) / statistics.median(
+        wall["literal, no SET clause"]
+    )
+    print(f"SET search_path clause / none, wall: {wall_ratio:.3f}")
 
 
 def main() -> None:

@@ -359,8 +359,8 @@ async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_
     pg_dsn: str,
 ) -> None:
     """A server of this version refuses a schema at 0013, whose claim() refuses another request
-    over an abandoned claim past its retention; migrating applies 0014 alone (claim() replaced,
-    its signature kept), and the same claim is then a new operation."""
+    over an abandoned claim past its retention; migrating applies 0014 (claim() replaced, its
+    signature kept) and what came after it, and the same claim is then a new operation."""
     schema = f"gi_at_13_{uuid.uuid4().hex[:8]}"
     store = await Store.connect(pg_dsn, schema=schema, migrate=True)
     try:
@@ -368,12 +368,14 @@ async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_
         (retention_floor,) = [m for m in available_migrations() if m.version == 7]
         await store.pool.execute(retention_floor.sql.replace("{schema}", f'"{schema}"'))
         await store.pool.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 14')
-        with pytest.raises(StoreMisconfigured, match=r"at version 13; .* needs migrations \[14\]"):
+        with pytest.raises(
+            StoreMisconfigured, match=r"at version 13; .* needs migrations \[14, 15\]"
+        ):
             await Store.connect(pg_dsn, schema=schema)
         key = fresh()
         await abandoned(store, key)
         assert await claim(store, key, b"b" * 32, lease_s=30, retention_s=600) is None
-        assert await store.migrate() == [14]
+        assert await store.migrate() == [14, 15]
         new = await claim(store, key, b"b" * 32, lease_s=30, retention_s=600)
         assert new is not None and new.token == 2
         await (await Store.connect(pg_dsn, schema=schema)).close()

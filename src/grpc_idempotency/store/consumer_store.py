@@ -94,8 +94,16 @@ class ConsumerStatements:
         # an effect that does both is refused, the safe side (not acknowledged, redelivered).
         # A mark the effect deleted is refused too: acknowledged, its redelivery ran again.
         # A DO block raises _MARK_GONE, in the same round trip; the COMMIT after it is not run.
+        #
+        # The block runs after the effect, in its transaction, whose search_path the effect may
+        # have set (SET LOCAL): a schema of its ahead of pg_catalog with a now() or
+        # clock_timestamp() of its own (a frozen clock) gave the mark an expiry in the past,
+        # and the next redelivery ran the effect again. The block reads the built-ins' own
+        # search_path and puts the effect's back before the COMMIT, whose deferred triggers
+        # (the application's) see the application's setting.
         self.commit_template = (
-            "DO {tag}BEGIN "
+            "DO {tag}DECLARE prior pg_catalog.text := pg_catalog.current_setting('search_path');"
+            " BEGIN PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true); "
             f"UPDATE {self.table} SET processed_at = clock_timestamp(), "
             "expires_at = clock_timestamp() + make_interval(secs => {retention}) "
             "WHERE consumer = {consumer} AND message_id = {message_id} "
@@ -103,7 +111,8 @@ class ConsumerStatements:
             "OR xmin = pg_current_xact_id()::xid); "
             f"IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
             "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
-            " (the effect ended it, or deleted the mark)'; END IF; END{tag}; COMMIT"
+            " (the effect ended it, or deleted the mark)'; END IF;"
+            " PERFORM pg_catalog.set_config('search_path', prior, true); END{tag}; COMMIT"
         )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"

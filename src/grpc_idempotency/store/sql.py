@@ -47,8 +47,10 @@ def bytes_literal(value: bytes | None) -> str:
         return "NULL"
     # bytea's hex input format in an escape string (E'\\x...' is \x... whatever
     # standard_conforming_strings says): a constant to PostgreSQL, where decode() was a function
-    # call it had to resolve and fold on every statement.
-    return f"E'\\\\x{value.hex()}'::bytea"
+    # call it had to resolve and fold on every statement. The type is named with its schema: the
+    # completion is sent after the handler's statements, in its transaction, whose search_path
+    # the handler may have changed (SET LOCAL).
+    return f"E'\\\\x{value.hex()}'::pg_catalog.bytea"
 
 
 def int_literal(value: int | None) -> str:
@@ -62,7 +64,7 @@ def float_literal(value: float) -> str:
 def timestamp_literal(value: datetime) -> str:
     if value.tzinfo is None or value.utcoffset() is None:
         raise ValueError("a timestamptz literal needs an aware datetime")
-    return f"'{value.astimezone(UTC).isoformat()}'::timestamptz"
+    return f"'{value.astimezone(UTC).isoformat()}'::pg_catalog.timestamptz"
 
 
 SAVEPOINT = "grpc_idempotency_handler"
@@ -103,6 +105,11 @@ END IS TRUE)"""
 """Whether a record is past retention, as claim() decides it (migration 0014): a completed one,
 and an in-progress one whose lease has run out too (any request under the key then starts a new
 operation). The look-up and the inspection read it alike."""
+
+
+# Type names that are not SQL keywords resolve through search_path (bigint and integer are
+# keywords and cannot be shadowed).
+_T, _B, _F = "pg_catalog.text", "pg_catalog.bytea", "pg_catalog.float8"
 
 
 class Statements:
@@ -190,10 +197,11 @@ class Statements:
             SELECT count(*)::integer AS deleted, max(expires_at) AS last FROM gone"""
 
         # The completion with bind parameters, for outcomes too large to inline as literals:
-        # bytea travels in binary, instead of as hex text twice its size.
+        # bytea travels in binary, instead of as hex text twice its size. Its types are named
+        # with their schema, as in bytes_literal: it runs after the handler's statements.
         self.complete = (
-            f"SELECT {s}.complete($1::text, $2::text, $3::bigint, $4::integer, $5::text,"
-            " $6::bytea, $7::bytea, $8::float8)"
+            f"SELECT {s}.complete($1::{_T}, $2::{_T}, $3::bigint, $4::integer, $5::{_T},"
+            f" $6::{_B}, $7::{_B}, $8::{_F})"
         )
         # The phased claim, a statement of its own: with bind parameters, so that asyncpg
         # prepares it once per connection. As a literal it was a new statement every time: two
@@ -204,8 +212,8 @@ class Statements:
             " $4::text, $5::bytea, $6::float8, $7::float8)"
         )
         self.complete_atomic = (
-            f"SELECT {s}.complete_atomic($1::text, $2::text, $3::text, $4::bytea, $5::integer,"
-            " $6::text, $7::bytea, $8::bytea, $9::float8)"
+            f"SELECT {s}.complete_atomic($1::{_T}, $2::{_T}, $3::{_T}, $4::{_B}, $5::integer,"
+            f" $6::{_T}, $7::{_B}, $8::{_B}, $9::{_F})"
         )
 
     def claim(
