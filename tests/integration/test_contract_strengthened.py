@@ -214,7 +214,15 @@ async def test_in_progress_carries_its_error_info_and_one_retry_hint(
 
 @pytest.mark.parametrize(
     "behaviour",
-    ["rich", "rich-before", "FAILED_PRECONDITION", "abort-surrogate", "set:NOT_FOUND", "int:9"],
+    [
+        "rich",
+        "rich-before",
+        "FAILED_PRECONDITION",
+        "abort-surrogate",
+        "set-surrogate",
+        "set:NOT_FOUND",
+        "int:9",
+    ],
 )
 async def test_a_recorded_error_is_replayed_from_the_database_identically(
     store: Store, behaviour: str
@@ -245,6 +253,30 @@ async def test_a_recorded_error_is_replayed_from_the_database_identically(
     if behaviour.startswith("rich"):
         assert first.reason() == "ACCOUNT_MISSING"
         assert first.trailing.get("grpc-status-details-bin")
+
+
+async def test_details_utf8_cannot_carry_are_answered_and_replayed_alike(store: Store) -> None:
+    """Details set with set_details() holding a lone surrogate failed the outcome's commit with
+    a raw UnicodeEncodeError: the client got its text as UNKNOWN (or the handler's code), and
+    every retry ran the handler again. The surrogate becomes "?", in the first answer too."""
+    key, account = fresh(), fresh("acct")
+    request = post(account, "details-surrogate")
+    async with (
+        running_ledger(store) as origin,
+        running_ledger(store, replay_cache=False) as replica,
+    ):
+        first = await origin.call(POST, request, key)
+        again = await replica.call(POST, request, key)
+    assert first.code is grpc.StatusCode.OK and not first.replayed, first
+    row = await record_row(store, key)
+    assert row is not None and row["status_message"] == "fine ? here"
+    assert again.replayed and (again.code, again.details, again.body) == (
+        first.code,
+        first.details,
+        first.body,
+    )
+    assert origin.service.executions == 1 and replica.service.executions == 0
+    assert await ledger_rows(store, account) == 1
 
 
 async def test_a_replica_without_a_cache_answers_what_the_database_holds(

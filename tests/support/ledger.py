@@ -9,7 +9,9 @@ name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and return
 "swallow" (a key's first attempt) runs a failing statement and catches the error (its
 transaction is then aborted); "deferred-violation" (a key's first attempt) writes a row that
 violates a constraint checked only at COMMIT;
-"int:N" aborts with the status's number, "set-int:N" sets it; "rich" aborts with rich
+"int:N" aborts with the status's number, "set-int:N" sets it; "abort-surrogate",
+"set-surrogate" and "details-surrogate" give details with a lone surrogate (abort(); set_code
+NOT_FOUND and set_details(); set_details() and OK); "rich" aborts with rich
 details (grpc-status-details-bin), "rich-before" sets them as trailers, then aborts without any;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
@@ -168,6 +170,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             )
         if behaviour == "abort-surrogate":  # details decoded with errors="surrogateescape"
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "bad byte \udcff here")
+        if behaviour == "set-surrogate":  # the same through set_details(), then returns
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details("no such \udcff account")
+            return testsvc_pb2.PostResponse()
+        if behaviour == "details-surrogate":  # and with an OK answer
+            context.set_details("fine \udcff here")
         if behaviour == "abort-ok":
             await context.abort(grpc.StatusCode.OK, "all good, no response")
         if behaviour.startswith("misuse:") and first_attempt:

@@ -46,6 +46,27 @@ def serialize(serializer: Callable[[Any], bytes] | None, response: Any) -> bytes
     return serializer(response)
 
 
+def utf8_text(text: str) -> str:
+    """``text`` as it can be stored and sent as UTF-8: a lone surrogate (text decoded with
+    errors="surrogateescape") becomes "?". Kept, it failed the outcome's commit with a raw
+    UnicodeEncodeError (its text the client's answer, every retry running the handler again)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
+def handler_details(context: Context) -> str:
+    """The details the handler set with ``set_details()``, made ``utf8_text``; set back on the
+    call if that changed them, so that its first answer says what the replays will."""
+    details = context.details() or ""
+    clean = utf8_text(details)
+    if clean is not details:
+        context.set_details(clean)
+    return clean
+
+
 def grpc_code(code: Code) -> grpc.StatusCode:
     return _GRPC_CODES[int(code)]
 

@@ -18,7 +18,7 @@ import grpc
 
 from grpc_idempotency.core.errors import AbortInvalid
 from grpc_idempotency.core.wire import STEP_HEADER
-from grpc_idempotency.server.answers import Context, grpc_code, status_code
+from grpc_idempotency.server.answers import Context, grpc_code, status_code, utf8_text
 
 log = logging.getLogger("grpc_idempotency.server")
 
@@ -80,9 +80,7 @@ class DeferredAbort(grpc.aio.AbortError):
         super().__init__("aborted by the handler")
         # grpc.aio takes a status's number as well: held as a StatusCode, whatever was given.
         self.code = grpc_code(status_code(code))
-        # A lone surrogate (text decoded with errors="surrogateescape") cannot be stored or
-        # sent as UTF-8: it failed the outcome's commit with a raw UnicodeEncodeError.
-        self.details = details.encode("utf-8", "replace").decode("utf-8")
+        self.details = utf8_text(details)
         if self.code is grpc.StatusCode.OK:
             # Not a failure and no response either: grpc's own servers answer UNKNOWN. Taken
             # as OK it was "recorded" with no response, and serializing None leaked a

@@ -691,7 +691,7 @@ class IdempotencyInterceptor(_Interceptor):
         try:
             if what is Finish.RECORD:
                 data = answers.serialize(call.method.serializer, response)
-                outcome = Outcome(Code.OK, context.details() or "", None, data)
+                outcome = Outcome(Code.OK, answers.handler_details(context), None, data)
                 if len(data) > policy.max_response_bytes:
                     # Stored or not, such a response would fail every retry the same way (or
                     # reach no client): record that, and not the writes behind it.
@@ -705,7 +705,7 @@ class IdempotencyInterceptor(_Interceptor):
                 outcome = Outcome(code, aborted.details or "", answers.details_in(trailers))
             else:  # the handler used set_code() and returned
                 details = answers.details_in(context.trailing_metadata())
-                outcome = Outcome(code, context.details() or "", details)
+                outcome = Outcome(code, answers.handler_details(context), details)
             if failpoints.ENABLED:
                 await failpoints.hit("before_commit")
             if attempt is None:
