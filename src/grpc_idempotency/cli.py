@@ -34,7 +34,7 @@ from grpc_idempotency.cli_errors import (
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.core.policy import MAX_DURATION
-from grpc_idempotency.core.wire import KEY_HEADER
+from grpc_idempotency.core.wire import LIBRARY_HEADERS
 from grpc_idempotency.inspect_cli.parsers import (
     at_least_one,
     bigint,
@@ -476,8 +476,10 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
 # What gRPC accepts, checked when a call is sent: a header it refuses fails the delivery, and the
 # relay would retry it and dead-letter every row after --max-attempts.
 _HEADER_NAME = re.compile(r"[0-9a-z_.-]+")
-# Set by the relay itself (idempotency-key), reserved by gRPC (grpc-*) or by HTTP/2 transport.
-_RESERVED_HEADERS = {KEY_HEADER, "content-type", "te"}
+# Set by the relay itself (the key, in either form; the step name: LIBRARY_HEADERS), reserved by
+# gRPC (grpc-*) or by HTTP/2 transport. The key's -bin form was let through: the server refused
+# every call carrying it (INVALID_ARGUMENT), and every row went to the dead letters.
+_RESERVED_HEADERS = LIBRARY_HEADERS | {"content-type", "te"}
 
 
 def _header_name(text: str) -> str:

@@ -36,7 +36,7 @@ from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
     KEY_HEADER,
-    KEY_HEADER_BIN,
+    LIBRARY_HEADERS,
     STEP_HEADER,
     retry_after_ms,
 )
@@ -207,9 +207,6 @@ else:
     _StreamUnaryInterceptor = grpc.aio.StreamUnaryClientInterceptor
     _StreamStreamInterceptor = grpc.aio.StreamStreamClientInterceptor
 
-# Headers the library sets on each outgoing call itself; ``forward_metadata`` may not copy them.
-_NOT_FORWARDED = frozenset({KEY_HEADER, KEY_HEADER_BIN, STEP_HEADER})
-
 
 class IdempotencyClientInterceptor(_Interceptor):
     """Gives each keyed call its idempotency key, and holds the calls a handler makes to its own
@@ -253,7 +250,7 @@ class IdempotencyClientInterceptor(_Interceptor):
     ) -> None:
         self._registry = PolicyRegistry(services, overrides)
         self._forward = tuple(h.lower() for h in forward_metadata)
-        refused = sorted(set(self._forward) & _NOT_FORWARDED)
+        refused = sorted(set(self._forward) & LIBRARY_HEADERS)
         if refused:
             # Forwarded, the serving call's own key reached every call that chose none (an
             # unkeyed target, a stream): two tenants who picked the same key shared one record

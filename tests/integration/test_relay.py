@@ -630,6 +630,26 @@ async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> 
     assert accented["state"] == "dead" and "printable ASCII" in str(accented["last_error"])
 
 
+@pytest.mark.parametrize("header", ["idempotency-key", "idempotency-key-bin"])
+async def test_a_sink_adding_the_library_headers_is_a_clear_dead_letter(
+    outbox: Store, header: str
+) -> None:
+    """A second key (or its -bin form) from ``metadata_for``: the server refuses the call
+    (INVALID_ARGUMENT) on every try, and the row went to the dead letters with the server's
+    words about a key it never meant to send. It is the sink's mistake, and says so."""
+    await insert(outbox, outbox.schema, ["own-header-row"])
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never reached
+    value: str | bytes = b"abc" if header.endswith("-bin") else "abc"
+    try:
+        sink = GrpcSink(channel, "/a.B/C", metadata_for=lambda m: [(header, value)])
+        assert await Relay(outbox, sink).run_once() == 0
+    finally:
+        await channel.close()
+    dead = await row(outbox, "own-header-row")
+    assert dead["state"] == "dead", dead
+    assert f"library's own headers ['{header}']" in str(dead["last_error"])
+
+
 def test_relay_arguments_are_checked() -> None:
     sink = CallableSink(lambda m: asyncio.sleep(0))
     store: Store = object()  # type: ignore[assignment]

@@ -63,6 +63,8 @@ def test_headers_gRPC_sends_are_accepted(header: str, sent: tuple[str, str | byt
         "x-blob-bin=caf\u00e9",
         "idempotency-key=k",  # the relay's own: one per row
         "Idempotency-Key=k",
+        "idempotency-key-bin=YWJj",  # its binary form: the server refuses a call with it
+        "x-grpc-idempotency-step=charge.v1",  # the library's own too
         "grpc-timeout=1S",  # reserved by gRPC
         "te=trailers",  # HTTP/2 transport
     ],

@@ -34,6 +34,10 @@ STEP_HEADER = "x-grpc-idempotency-step"
 (``client.step_metadata``); stripped there, never sent on. One that arrives all the same (from
 a raw client, a gateway) is hidden from the handler's ``invocation_metadata()``: passed on with
 the rest, it named the step of every call the handler made."""
+LIBRARY_HEADERS = frozenset({KEY_HEADER, KEY_HEADER_BIN, STEP_HEADER})
+"""The headers the library sets on a call itself (the key, one per operation or outbox row; the
+step name): never copied from elsewhere (``forward_metadata``, a relay's ``--header``, a sink's
+``metadata_for``). A server refuses a call that carries the -bin form."""
 REPLAYED_METADATA: tuple[tuple[str, str], ...] = ((REPLAYED_HEADER, "true"),)
 DETAILS_TRAILER = "grpc-status-details-bin"
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
@@ -44,6 +48,7 @@ __all__ = [
     "ERROR_DOMAIN",
     "KEY_HEADER",
     "KEY_HEADER_BIN",
+    "LIBRARY_HEADERS",
     "NEVER_RECORDED",
     "PUSHBACK_TRAILER",
     "REPLAYED_HEADER",
