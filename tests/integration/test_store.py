@@ -135,6 +135,32 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
         await store.close()
 
 
+async def test_a_replica_waiting_for_another_runners_migration_says_so(pg_dsn: str) -> None:
+    """A replica started with migrate=True while another runner applies a long migration waits
+    for the migration lock as long as its statement timeout allows; past it, the error says
+    that another runner is at work and is no outage (it read "store unavailable while
+    migrating (TimeoutError)", and an operator looked for a database that was down)."""
+    from grpc_idempotency.store.migrations import _lock_id
+
+    schema = fresh_schema()
+    runner = await asyncpg.connect(pg_dsn)  # the other runner, mid-migration
+    try:
+        await runner.execute("BEGIN")
+        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        with pytest.raises(StoreUnavailable, match="another runner is applying migrations") as err:
+            await Store.connect(pg_dsn, schema=schema, migrate=True, command_timeout=0.5)
+        assert not err.value.outage
+        await runner.execute("ROLLBACK")
+        store = await Store.connect(pg_dsn, schema=schema, migrate=True, command_timeout=0.5)
+        try:
+            await store.check_schema()
+        finally:
+            await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            await store.close()
+    finally:
+        await runner.close()
+
+
 _FROZEN_MIGRATOR = """
 import asyncio, sys
 import asyncpg

@@ -6,7 +6,10 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
 - Nothing to do, nothing done: the versions are read first, so a replica whose role may not
   create schemas or tables (least privilege) starts against a schema an operator migrated.
 - A transaction-scoped advisory lock per schema serialises concurrent runners: the second
-  waits, then sees the first's versions and does nothing. The transactions are READ COMMITTED
+  waits, then sees the first's versions and does nothing. Its wait is a statement like any
+  other, bounded by the connection's timeout: past it, ``MigrationLockTimeout`` says that
+  another runner is at work (it said only "store unavailable ... (TimeoutError)", and an
+  operator looked for an outage). The transactions are READ COMMITTED
   whatever the database's default, so that the statement after the lock sees what the first
   runner committed while the second waited (at REPEATABLE READ its snapshot predates the lock,
   and it applied migration 1 again: "already exists").
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -30,6 +35,12 @@ from typing import Any
 import asyncpg
 
 from grpc_idempotency.store.sql import schema_identifier
+
+log = logging.getLogger("grpc_idempotency.store")
+
+
+class MigrationLockTimeout(TimeoutError):
+    """Another runner held the schema's migration lock for longer than the wait's timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +104,22 @@ async def migrate(
     return applied_now
 
 
+async def _take_lock(conn: Any, schema: str) -> None:
+    lock = _lock_id(schema)
+    if await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", lock):
+        return
+    log.info("schema %r: another runner is applying migrations; waiting for it", schema)
+    started = time.monotonic()
+    try:
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", lock)
+    except TimeoutError as exc:
+        raise MigrationLockTimeout(
+            f"another runner is applying migrations to schema {schema!r}: waited"
+            f" {time.monotonic() - started:.1f} s for it to finish (the statement timeout); run"
+            " again once it is done, or allow more time (command_timeout, --command-timeout)"
+        ) from exc
+
+
 async def _apply(
     conn: Any,
     schema: str,
@@ -106,7 +133,7 @@ async def _apply(
         # First, before any lock is taken (capped at PostgreSQL's int milliseconds).
         idle_ms = min(max(1, round(idle_timeout_s * 1000)), 2**31 - 1)
         await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}")
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        await _take_lock(conn, schema)
         # Created only when missing: IF NOT EXISTS still asks for the CREATE privilege.
         if await conn.fetchval("SELECT to_regnamespace($1) IS NULL", schema):
             await conn.execute(f"CREATE SCHEMA {s}")

@@ -480,6 +480,9 @@ class Store:
         async with self.connection("migrating") as conn:
             try:
                 return await migrations.migrate(conn, self.schema)
+            except migrations.MigrationLockTimeout as exc:
+                _drop(conn)  # the wait was cut short on the wire, as ``connection`` drops
+                raise StoreUnavailable(str(exc), outage=False) from exc
             except asyncpg.LockNotAvailableError as exc:
                 raise StoreUnavailable(
                     "a migration could not take its table lock (a long transaction holds it; "
