@@ -532,7 +532,7 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
         response = await call
         placed = Placed(response, _replayed(await call.initial_metadata()))
     finally:
-        await channel.close()
+        await channel.close(None)
         await proxy.close()
 
     assert len(keys) == 1, keys  # gRPC's retries resent the call; nothing minted a second key

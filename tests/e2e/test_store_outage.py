@@ -134,8 +134,8 @@ async def test_store_outage_answers_unavailable_and_the_same_key_succeeds_once_i
         assert await again == charged
         assert replayed(await again.initial_metadata())
     finally:
-        await pay_channel.close()
-        await order_channel.close()
+        await pay_channel.close(None)
+        await order_channel.close(None)
 
     db = await asyncpg.connect(dsn)
     try:

@@ -106,7 +106,7 @@ async def serving(store: Store, *, auth_first: bool, bare: bool = False) -> Asyn
     try:
         yield Server(auth, service, channel)
     finally:
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
 
 

@@ -1034,7 +1034,7 @@ async def receiver(
     try:
         yield channel, consumer, gates
     finally:
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
 
 

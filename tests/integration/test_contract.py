@@ -523,7 +523,9 @@ async def test_a_method_whose_options_cannot_be_compiled_is_refused_internal(
             metadata = (("idempotency-key", fresh()),)
             if streaming:
                 call = channel.unary_stream(
-                    path, request_serializer=request_class.SerializeToString
+                    path,
+                    request_serializer=request_class.SerializeToString,
+                    response_deserializer=None,
                 )
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     async for _ in call(request_class(a="x"), metadata=metadata, timeout=10):

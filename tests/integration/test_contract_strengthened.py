@@ -72,7 +72,9 @@ async def refused(
     """Calls ``method`` expecting an error; returns it with its ``google.rpc.Status`` as
     grpcio-status reads it (``from_call`` itself checks that the Status's code and message are
     the call's: ValueError otherwise)."""
-    stub = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString())
+    stub = channel.unary_unary(
+        method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub(request, metadata=md, timeout=timeout)
     status = rpc_status.from_call(caught.value)

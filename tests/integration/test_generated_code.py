@@ -185,9 +185,9 @@ async def running(store: Store, gen: Generated) -> AsyncIterator[Running]:
             handler_runs,
         )
     finally:
-        await channel.close()
+        await channel.close(None)
         await upstream.stop(None)
-        await to_downstream.close()
+        await to_downstream.close(None)
         await downstream.stop(None)
 
 
@@ -335,7 +335,7 @@ async def test_a_dotted_proto_file_name_generates_a_working_module(
         assert await op.call(place, pb2.Req(id="o-1")) == first  # replayed
         assert len(keys) == 1
     finally:
-        await channel.close()
+        await channel.close(None)
         await upstream.stop(None)
-        await to_downstream.close()
+        await to_downstream.close(None)
         await downstream.stop(None)

@@ -295,7 +295,9 @@ async def test_a_sync_handler_left_running_by_its_cancelled_call_can_write_nothi
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="block-then-write")
     async with running_ledger(store, overrides=overrides) as ledger:
         service = ledger.service
-        stub = ledger.channel.unary_unary(sync, request_serializer=_serialize)
+        stub = ledger.channel.unary_unary(
+            sync, request_serializer=_serialize, response_deserializer=None
+        )
         call = stub(request, metadata=metadata(key), timeout=30)
         assert await asyncio.to_thread(service.sync_started.wait, 10)
         call.cancel()
@@ -338,7 +340,9 @@ async def test_a_final_transaction_still_opening_when_its_call_is_cancelled_is_n
     overrides = {PHASED: MethodOverride(lease=timedelta(seconds=30))}  # the default lease
     try:
         async with running_ledger(mine, overrides=overrides) as ledger:
-            stub = ledger.channel.unary_unary(PHASED, request_serializer=_serialize)
+            stub = ledger.channel.unary_unary(
+                PHASED, request_serializer=_serialize, response_deserializer=None
+            )
             call = stub(request, metadata=metadata(key), timeout=30)
             await ledger.service.started.wait()  # claimed; no connection held meanwhile
             taken = await mine.pool.acquire()  # the pool's only connection

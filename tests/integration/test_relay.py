@@ -623,7 +623,7 @@ async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> 
         relay = Relay(outbox, GrpcSink(channel, "/a.B/C", metadata_for=forward_scope()))
         assert await relay.run_once() == 0
     finally:
-        await channel.close()
+        await channel.close(None)
     dead = await row(outbox, "peer-row")
     assert dead["state"] == "dead" and "does not start with 'tenant:'" in str(dead["last_error"])
     accented = await row(outbox, "accented-row")
@@ -776,7 +776,7 @@ async def test_a_delivery_whose_channel_closes_is_a_failed_delivery_of_a_recorde
         running = asyncio.create_task(relay.run(stop))
         await asyncio.wait_for(asyncio.gather(entered.wait(), fast_sent.wait()), WAIT_S)
         stop.set()
-        await channel.close()  # "slow" is still in flight
+        await channel.close(None)  # "slow" is still in flight
         await asyncio.wait_for(running, WAIT_S)  # returns: no CancelledError
         assert (await row(outbox, "fast"))["state"] == "sent"
         slow = await row(outbox, "slow")

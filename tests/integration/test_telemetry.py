@@ -116,7 +116,9 @@ async def test_a_call_the_client_cancels_is_recorded_as_cancelled(store: Store) 
     telemetry, spans, _ = _telemetry()
     async with running_ledger(store, telemetry=telemetry) as ledger:
         request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="wait")
-        stub = ledger.channel.unary_unary(POST, request_serializer=lambda m: m.SerializeToString())
+        stub = ledger.channel.unary_unary(
+            POST, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+        )
         call = stub(request, metadata=metadata(fresh(), "tenant-a"), timeout=30)
         try:
             await ledger.service.started.wait()

@@ -464,7 +464,7 @@ async def _serving(
     try:
         yield server, channel, address
     finally:
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
 
 

@@ -52,7 +52,9 @@ async def call_raw(
     timeout: float | None = 10.0,
 ) -> Answer:
     """Calls ``method`` and returns the raw response bytes (no deserialization) and metadata."""
-    stub = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString())
+    stub = channel.unary_unary(
+        method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+    )
     call = stub(request, metadata=metadata, timeout=timeout)
     try:
         body = await call
