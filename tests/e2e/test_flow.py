@@ -509,7 +509,7 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
     channel = grpc.aio.insecure_channel(
         address,
         options=channel_options([orders_pb2]),
-        interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
+        interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
     )
     try:
         stub = orders_pb2_grpc.OrderServiceStub(channel)

@@ -136,7 +136,7 @@ async def running(store: Store, gen: Generated) -> AsyncIterator[Running]:
     to_downstream = grpc.aio.insecure_channel(
         f"127.0.0.1:{downstream_port}",
         options=[("grpc.service_config", service_config(services)), ("grpc.enable_retries", 1)],
-        interceptors=[IdempotencyClientInterceptor(services=services, overrides=policies)],
+        interceptors=[IdempotencyClientInterceptor(services=services, overrides=policies)],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
     )
     steps = gen.shop.CheckoutServiceCheckoutSteps(
         stock_service=to_downstream, ledger_service=to_downstream
@@ -301,7 +301,7 @@ async def test_a_dotted_proto_file_name_generates_a_working_module(
     to_downstream = grpc.aio.insecure_channel(
         f"127.0.0.1:{downstream.add_insecure_port('127.0.0.1:0')}",
         options=gen.CHANNEL_OPTIONS,
-        interceptors=[IdempotencyClientInterceptor(services=gen.SERVICES, overrides=gen.POLICIES)],
+        interceptors=[IdempotencyClientInterceptor(services=gen.SERVICES, overrides=gen.POLICIES)],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
     )
     steps = gen.OrdersPlaceSteps(notifier=to_downstream)
 
