@@ -24,7 +24,8 @@ from grpc_status import rpc_status
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
 from grpc_idempotency import REPLAYED_HEADER
-from grpc_idempotency.client import Operation, RetryPolicy
+from grpc_idempotency.client import Operation
+from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import cast
 
+import asyncpg
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Mode, Store
-from grpc_idempotency.client import Operation, RetryPolicy
+from grpc_idempotency.client import Operation
+from grpc_idempotency.core.retry import RetryPolicy
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
 from tests.support.waiting import until
 from tests.support.wire import call_raw
@@ -256,11 +259,14 @@ async def test_a_takeover_continues_the_operation_begun_earlier(
     )
     answer = await ledger.call(PHASED, request, key)
     assert answer.code is grpc.StatusCode.OK
-    row = await store.pool.fetchrow(
-        "SELECT fencing_token, created_at FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
-        SCOPE,
-        key,
-    )
+    row = cast(
+        "asyncpg.Record",
+        await store.pool.fetchrow(
+            "SELECT fencing_token, created_at FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            SCOPE,
+            key,
+        ),
+    )  # not None: the call wrote it
     assert (
         row["fencing_token"] == 4
         and row["created_at"].year == 2026

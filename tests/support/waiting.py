@@ -14,11 +14,16 @@ import pytest
 T = TypeVar("T")
 
 
+# What until() returns is truthy: never None.
 @overload
-async def until(what: str, probe: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T: ...
+async def until(
+    what: str, probe: Callable[[], Awaitable[T | None]], timeout: float = 10.0
+) -> T: ...
 @overload
-async def until(what: str, probe: Callable[[], T], timeout: float = 10.0) -> T: ...
-async def until(what: str, probe: Callable[[], T | Awaitable[T]], timeout: float = 10.0) -> T:
+async def until(what: str, probe: Callable[[], T | None], timeout: float = 10.0) -> T: ...
+async def until(
+    what: str, probe: Callable[[], T | Awaitable[T | None] | None], timeout: float = 10.0
+) -> T:
     """Polls ``probe()`` (sync or async) until it returns something truthy, and returns that;
     fails the test, naming ``what``, after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
