@@ -78,8 +78,8 @@ def assert_store_unavailable(err: grpc.aio.AioRpcError, service: ServiceProcess)
     assert reasons == [(STORE_UNAVAILABLE, "grpc-idempotency")], (status, service.logs())
 
 
-def replayed(metadata: object) -> bool:
-    return (REPLAYED_HEADER, "true") in tuple(metadata or ())  # type: ignore[call-overload]
+def replayed(metadata: grpc.aio.Metadata | None) -> bool:
+    return (REPLAYED_HEADER, "true") in tuple(metadata or ())
 
 
 async def test_store_outage_answers_unavailable_and_the_same_key_succeeds_once_it_is_back(

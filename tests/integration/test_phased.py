@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import asyncpg
 import grpc
 import pytest
+from google.protobuf.message import Message
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Mode, Store
@@ -23,7 +24,7 @@ PHASED = "/testsvc.v1.LedgerService/PostPhased"
 SCOPE = "tenant:tenant-a"
 
 
-async def record(store: Store, key: str) -> dict[str, object] | None:
+async def record(store: Store, key: str) -> dict[str, Any] | None:
     row = await store.pool.fetchrow(
         "SELECT state, fencing_token, locked_until, clock_timestamp() AS now, status_code"
         " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
@@ -73,7 +74,7 @@ async def test_claim_commits_first_and_no_transaction_is_open_while_the_handler_
 
 async def _renewed(store: Store, key: str, first: object) -> bool:
     row = await record(store, key)
-    return row is not None and row["locked_until"] > first  # type: ignore[operator]
+    return row is not None and row["locked_until"] > first
 
 
 async def test_a_live_claim_is_not_taken_over_by_another_replica(store: Store) -> None:
@@ -317,7 +318,7 @@ async def test_a_sync_handler_left_running_by_its_cancelled_call_can_write_nothi
     assert await ledger_rows(store, account) == 1
 
 
-def _serialize(message: testsvc_pb2.PostRequest) -> bytes:
+def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
 
 
