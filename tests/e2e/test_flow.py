@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +150,9 @@ async def place(target: str, order: Order, *, timeout: float = CALL_TIMEOUT_S) -
 
 def reason_of(err: grpc.aio.AioRpcError) -> str | None:
     """The ``google.rpc.ErrorInfo`` reason an error carries, if any."""
-    for name, value in err.trailing_metadata() or ():
+    # grpc-stubs types AioRpcError's trailers as the sync RpcError's _Metadatum objects
+    trailers: Iterable[tuple[str, str | bytes]] = err.trailing_metadata() or ()  # type: ignore[assignment]
+    for name, value in trailers:
         if name == DETAILS_TRAILER and isinstance(value, bytes):
             for detail in status_pb2.Status.FromString(value).details:
                 if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):

@@ -460,7 +460,8 @@ async def test_headers_the_relay_accepts_are_sent_by_grpc() -> None:
     received: list[tuple[str, str | bytes]] = []
 
     def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
-        received.extend((m.key, m.value) for m in context.invocation_metadata())
+        # grpc-stubs types them as plain pairs: they are _Metadatum named tuples (key, value)
+        received.extend((m.key, m.value) for m in context.invocation_metadata())  # type: ignore[attr-defined]
         return request
 
     server = grpc.aio.server()
