@@ -136,7 +136,7 @@ class Gate:
 
 async def held(
     consumer: IdempotentConsumer, message_id: str, *, fail: bool = False
-) -> tuple[Gate, asyncio.Task[ConsumeResult]]:
+) -> tuple[Gate, asyncio.Task[ConsumeResult[int]]]:
     """A delivery of ``message_id`` whose effect has written and now holds its transaction open
     until ``gate.release`` is set (then raises if ``fail``)."""
     gate = Gate(consumer, message_id)

@@ -12,7 +12,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from typing import cast
+from typing import TypedDict, cast
 
 import asyncpg
 import grpc
@@ -420,6 +420,10 @@ async def test_an_abort_with_status_ok_is_unknown_and_records_nothing(
     assert await ledger_rows(store, account) == 0
 
 
+class _PoolOptions(TypedDict, total=False):
+    reset: None
+
+
 @pytest.mark.parametrize("reset", ["default", "asyncpg's"])
 async def test_the_pool_sends_no_reset_query_unless_asked(
     pg_dsn: str, store: Store, reset: str
@@ -427,7 +431,7 @@ async def test_the_pool_sends_no_reset_query_unless_asked(
     """A connection back in the store's pool is not reset (asyncpg's default reset, a round trip
     per call, undoes session state the library never sets); `reset=None` asks for it again."""
     name = f"reset-{fresh()}"[:60]
-    options: dict[str, object] = {} if reset == "default" else {"reset": None}
+    options: _PoolOptions = {} if reset == "default" else {"reset": None}
     pooled = await Store.connect(
         pg_dsn, min_size=1, max_size=1, server_settings={"application_name": name}, **options
     )

@@ -385,7 +385,7 @@ async def running_ledger(
 
 
 async def each_replays(
-    servers: Sequence[RunningLedger], method: str, request: Any, key: str, body: bytes
+    servers: Sequence[RunningLedger], method: str, request: Any, key: str, body: bytes | None
 ) -> None:
     """Every one of ``servers`` answers ``key`` with the recorded ``body``, as a replay."""
     for running in servers:
