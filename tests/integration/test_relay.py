@@ -647,7 +647,7 @@ async def test_a_sink_adding_the_library_headers_is_a_clear_dead_letter(
         sink = GrpcSink(channel, "/a.B/C", metadata_for=lambda m: [(header, value)])
         assert await Relay(outbox, sink).run_once() == 0
     finally:
-        await channel.close()
+        await channel.close(None)
     dead = await row(outbox, "own-header-row")
     assert dead["state"] == "dead", dead
     assert f"library's own headers ['{header}']" in str(dead["last_error"])
