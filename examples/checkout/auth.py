@@ -199,7 +199,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         details: grpc.HandlerCallDetails,
     ) -> Any:
         try:
-            self.authenticator.identify(details.invocation_metadata)  # type: ignore[attr-defined]
+            self.authenticator.identify(details.invocation_metadata)
         except Unauthenticated as exc:
             return _refusal(str(exc))
         return await continuation(details)

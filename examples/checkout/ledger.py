@@ -163,5 +163,5 @@ async def relay(
             flush=True,
         )
     finally:
-        await channel.close()
+        await channel.close(None)
         await store.close()

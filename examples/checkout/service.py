@@ -85,7 +85,7 @@ class AttemptLog(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
-        metadata = tuple(details.invocation_metadata or ())  # type: ignore[attr-defined]
+        metadata = tuple(details.invocation_metadata or ())
         try:
             # The authenticated tenant, never one the client named (AuthInterceptor ran first).
             tenant: str | None = self._auth.identify(metadata).tenant
@@ -94,11 +94,11 @@ class AttemptLog(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         key = dict(metadata).get("idempotency-key")
         try:
             async with asyncio.timeout(self._timeout_s):
-                await self._store.pool.execute(self._sql, details.method, key, tenant)  # type: ignore[attr-defined]
+                await self._store.pool.execute(self._sql, details.method, key, tenant)
         except DATABASE_ERRORS as exc:
             log.warning(
                 "attempt log: %s not logged (%s: %s)",
-                details.method,  # type: ignore[attr-defined]
+                details.method,
                 type(exc).__name__,
                 exc,
             )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +150,9 @@ async def place(target: str, order: Order, *, timeout: float = CALL_TIMEOUT_S) -
 
 def reason_of(err: grpc.aio.AioRpcError) -> str | None:
     """The ``google.rpc.ErrorInfo`` reason an error carries, if any."""
-    for name, value in err.trailing_metadata() or ():
+    # grpc-stubs types AioRpcError's trailers as the sync RpcError's _Metadatum objects
+    trailers: Iterable[tuple[str, str | bytes]] = err.trailing_metadata() or ()  # type: ignore[assignment]
+    for name, value in trailers:
         if name == DETAILS_TRAILER and isinstance(value, bytes):
             for detail in status_pb2.Status.FromString(value).details:
                 if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
@@ -509,7 +511,7 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
     channel = grpc.aio.insecure_channel(
         address,
         options=channel_options([orders_pb2]),
-        interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
+        interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
     )
     try:
         stub = orders_pb2_grpc.OrderServiceStub(channel)
@@ -532,7 +534,7 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
         response = await call
         placed = Placed(response, _replayed(await call.initial_metadata()))
     finally:
-        await channel.close()
+        await channel.close(None)
         await proxy.close()
 
     assert len(keys) == 1, keys  # gRPC's retries resent the call; nothing minted a second key

@@ -20,7 +20,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import asyncpg
 import grpc
@@ -86,8 +86,14 @@ async def inspect(*args: str, **env_extra: str) -> tuple[int, str, str]:
 
 
 def the_step(operation: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any]
     (found,) = [s for s in operation["steps"] if s["step"] == name]
     return found
+
+
+class _Ports(TypedDict):
+    payments: int
+    notifications: int
 
 
 async def test_after_a_crash_and_a_takeover_inspect_shows_one_charge_one_order_one_email(
@@ -120,7 +126,7 @@ async def test_after_a_crash_and_a_takeover_inspect_shows_one_charge_one_order_o
             return response
 
     # The drill: charged and emailed, then killed before the final commit.
-    ports = {"payments": payments_port, "notifications": notifications_port}
+    ports: _Ports = {"payments": payments_port, "notifications": notifications_port}
     first = await procs.orders(pg_dsn, 0, **ports, lease=1, failpoints="before_commit=crash")
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await place(first.address)

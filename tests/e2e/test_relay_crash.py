@@ -27,6 +27,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import Store, Telemetry
 from tests.e2e.procs import ServiceProcess
 from tests.support.ledger import ledger_rows, running_ledger
+from tests.support.otel import attributes
 from tests.support.schemas import fresh_store
 
 pytestmark = pytest.mark.e2e
@@ -132,7 +133,7 @@ async def test_a_relay_killed_after_delivery_delivers_again_and_the_effect_happe
         # stored outcome; the effect happened once.
         assert ledger.service.attempts == {key: 1}
         assert await ledger_rows(store, account) == 1
-        outcomes = [s.attributes["grpc_idempotency.outcome"] for s in spans.get_finished_spans()]
+        outcomes = [attributes(s)["grpc_idempotency.outcome"] for s in spans.get_finished_spans()]
         assert outcomes == ["executed", "replayed"]
 
 

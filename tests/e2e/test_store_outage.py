@@ -24,7 +24,8 @@ from grpc_status import rpc_status
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
 from grpc_idempotency import REPLAYED_HEADER
-from grpc_idempotency.client import Operation, RetryPolicy
+from grpc_idempotency.client import Operation
+from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.e2e import tenants
 from tests.e2e.procs import Processes, ServiceProcess
@@ -77,8 +78,8 @@ def assert_store_unavailable(err: grpc.aio.AioRpcError, service: ServiceProcess)
     assert reasons == [(STORE_UNAVAILABLE, "grpc-idempotency")], (status, service.logs())
 
 
-def replayed(metadata: object) -> bool:
-    return (REPLAYED_HEADER, "true") in tuple(metadata or ())  # type: ignore[call-overload]
+def replayed(metadata: grpc.aio.Metadata | None) -> bool:
+    return (REPLAYED_HEADER, "true") in tuple(metadata or ())
 
 
 async def test_store_outage_answers_unavailable_and_the_same_key_succeeds_once_it_is_back(
@@ -134,8 +135,8 @@ async def test_store_outage_answers_unavailable_and_the_same_key_succeeds_once_i
         assert await again == charged
         assert replayed(await again.initial_metadata())
     finally:
-        await pay_channel.close()
-        await order_channel.close()
+        await pay_channel.close(None)
+        await order_channel.close(None)
 
     db = await asyncpg.connect(dsn)
     try:

@@ -64,7 +64,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         details: grpc.HandlerCallDetails,
     ) -> Any:
         handler = await continuation(details)
-        if handler is None or self.admits(details.invocation_metadata):  # type: ignore[attr-defined]
+        if handler is None or self.admits(details.invocation_metadata):
             return handler
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
@@ -106,7 +106,7 @@ async def serving(store: Store, *, auth_first: bool, bare: bool = False) -> Asyn
     try:
         yield Server(auth, service, channel)
     finally:
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
 
 

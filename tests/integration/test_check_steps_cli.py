@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 
@@ -118,7 +119,14 @@ def check(
     )
 
 
-def compare(build: Build, old: str, new: str, **kw: str | None) -> subprocess.CompletedProcess[str]:
+class _CheckOptions(TypedDict, total=False):
+    now: str | None
+    stdin: bytes | None
+
+
+def compare(
+    build: Build, old: str, new: str, **kw: Unpack[_CheckOptions]
+) -> subprocess.CompletedProcess[str]:
     return check(build("old", old), build("new", new), **kw)
 
 

@@ -460,7 +460,8 @@ async def test_headers_the_relay_accepts_are_sent_by_grpc() -> None:
     received: list[tuple[str, str | bytes]] = []
 
     def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
-        received.extend((m.key, m.value) for m in context.invocation_metadata())
+        # grpc-stubs types them as plain pairs: they are _Metadatum named tuples (key, value)
+        received.extend((m.key, m.value) for m in context.invocation_metadata())  # type: ignore[attr-defined]
         return request
 
     server = grpc.aio.server()
@@ -475,7 +476,9 @@ async def test_headers_the_relay_accepts_are_sent_by_grpc() -> None:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            await channel.unary_unary("/a.B/C")(b"", metadata=tuple(args.header), timeout=10)
+            await channel.unary_unary(
+                "/a.B/C", request_serializer=None, response_deserializer=None
+            )(b"", metadata=tuple(args.header), timeout=10)
     finally:
         await server.stop(None)
     assert set(args.header) <= set(received)

@@ -6,12 +6,12 @@ import asyncio
 import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Sum
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import (
@@ -26,12 +26,10 @@ from grpc_idempotency import (
     current_call,
 )
 from grpc_idempotency.client import (
-    STEP_HEADER,
     IdempotencyClientInterceptor,
     Operation,
     capture_keys,
     channel_options,
-    retry_after_ms,
     service_config,
     step,
     step_metadata,
@@ -39,6 +37,7 @@ from grpc_idempotency.client import (
 from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.step_contract import Change, MethodSteps, check_contract
+from grpc_idempotency.core.wire import STEP_HEADER, retry_after_ms
 from tests.support.ledger import (
     POST,
     RunningLedger,
@@ -47,6 +46,7 @@ from tests.support.ledger import (
     metadata,
     running_ledger,
 )
+from tests.support.otel import attributes
 from tests.support.relay import FORWARD, RelayService, running_relay
 from tests.support.waiting import until
 from tests.support.wire import call_raw
@@ -59,7 +59,7 @@ def keyed_channel(address: str, *, retries: bool = False) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(
         address,
         options=options,
-        interceptors=[IdempotencyClientInterceptor(services=[testsvc_pb2])],
+        interceptors=[IdempotencyClientInterceptor(services=[testsvc_pb2])],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
     )
 
 
@@ -143,17 +143,17 @@ async def test_operation_key_is_reused_and_cannot_change(
         Operation("not a key")
 
 
-def conflicts(reader: InMemoryMetricReader) -> int:
+def conflicts(reader: InMemoryMetricReader) -> float:
     data = reader.get_metrics_data()
-    total = 0
+    total: float = 0
     for rm in data.resource_metrics if data else ():
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 if m.name == "grpc_idempotency.calls":
                     total += sum(
                         p.value
-                        for p in m.data.data_points
-                        if p.attributes["grpc_idempotency.outcome"] == "conflict"
+                        for p in cast(Sum, m.data).data_points
+                        if attributes(p)["grpc_idempotency.outcome"] == "conflict"
                     )
     return total
 
@@ -218,7 +218,7 @@ async def test_a_channel_asked_for_one_attempt_makes_one(ledger: RunningLedger) 
     async with grpc.aio.insecure_channel(
         ledger.address,
         options=channel_options([testsvc_pb2], max_attempts=1),
-        interceptors=[IdempotencyClientInterceptor(services=[testsvc_pb2])],
+        interceptors=[IdempotencyClientInterceptor(services=[testsvc_pb2])],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
     ) as channel:
         stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as failed, capture_keys() as used:
@@ -564,7 +564,7 @@ async def test_the_final_transaction_does_not_open_across_a_downstream_call(
         answer = await relay.forward(request, key)
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
     assert answer.reason() == "IDEMPOTENCY_TRANSACTION_OPEN"
-    assert "in flight" in answer.details
+    assert "in flight" in (answer.details or "")
     held = await store.pool.fetchval(
         "SELECT count(*) FROM grpc_idempotency.records WHERE key = $1"
         " AND (state = 'completed' OR locked_until > clock_timestamp())",
@@ -585,7 +585,7 @@ async def test_a_retry_inside_a_handler_stops_at_the_handler_deadline(
     outcome: list[grpc.StatusCode | str] = []
 
     class Relay(RelayService):
-        def Forward(self, request: Any, context: Any) -> Any:  # type: ignore[override]
+        def Forward(self, request: Any, context: Any) -> Any:
             async def post(req: Any, *, metadata: Any, timeout: float | None) -> Any:
                 attempts.append(timeout)
                 return await self.ledger.Post(req, metadata=metadata, timeout=timeout)

@@ -13,7 +13,7 @@ from tests.support.ledger import RunningLedger, fresh, ledger_rows
 from tests.support.relay import running_relay
 
 
-class AwaitsResponse(grpc.aio.UnaryUnaryClientInterceptor):
+class AwaitsResponse(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]  # not generic at run time
     """A metrics or logging interceptor of the kind that awaits the call and returns the
     response itself, which grpc.aio allows; gRPC then hands the interceptors before it a
     finished call object that takes no done-callbacks."""
@@ -33,7 +33,9 @@ async def test_a_later_interceptor_that_returns_the_response(
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.ForwardRequest(account=account, mode=mode)
     async with running_relay(
-        store, ledger.address, downstream_interceptors=[AwaitsResponse()]
+        store,
+        ledger.address,
+        downstream_interceptors=[AwaitsResponse()],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
     ) as relay:
         answer = await relay.forward(request, key)
         again = await relay.forward(request, key)

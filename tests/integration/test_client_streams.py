@@ -154,7 +154,7 @@ async def relaying(
         stack.push_async_callback(down.stop, None)
         idem = IdempotencyClientInterceptor(services=[testsvc_pb2], forward_metadata=[TENANT])
         to_down = grpc.aio.insecure_channel(f"127.0.0.1:{down_port}", interceptors=idem.all_kinds())
-        stack.push_async_callback(to_down.close)
+        stack.push_async_callback(to_down.close, None)
         relay = Relay(to_down, kind, downstream)
         server = grpc.aio.server(
             interceptors=[
@@ -166,7 +166,7 @@ async def relaying(
         await server.start()
         stack.push_async_callback(server.stop, None)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        stack.push_async_callback(channel.close)
+        stack.push_async_callback(channel.close, None)
         yield relay, downstream, channel
 
 
@@ -284,7 +284,7 @@ async def test_the_interceptor_goes_before_one_that_retries(
         call = testsvc_pb2_grpc.LedgerServiceStub(channel).Post(request, metadata=[(TENANT, "t")])
         code = await call.code()
     finally:
-        await channel.close()
+        await channel.close(None)
     keys = ledger.service.keys_seen
     if order == "idempotency-first":
         assert code is grpc.StatusCode.OK

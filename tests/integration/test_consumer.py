@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import grpc
@@ -136,7 +136,7 @@ class Gate:
 
 async def held(
     consumer: IdempotentConsumer, message_id: str, *, fail: bool = False
-) -> tuple[Gate, asyncio.Task[ConsumeResult]]:
+) -> tuple[Gate, asyncio.Task[ConsumeResult[int]]]:
     """A delivery of ``message_id`` whose effect has written and now holds its transaction open
     until ``gate.release`` is set (then raises if ``fail``)."""
     gate = Gate(consumer, message_id)
@@ -213,11 +213,14 @@ async def test_an_effect_slower_than_the_retention_commits_a_live_mark(
 
     first = await consumer.process(message_id, slow)
     assert first.outcome is Consumed.PROCESSED
-    row = await store.pool.fetchrow(
-        f"SELECT processed_at, expires_at FROM {TABLE} WHERE consumer = $1 AND message_id = $2",
-        consumer.name,
-        message_id,
-    )
+    row = cast(
+        "asyncpg.Record",
+        await store.pool.fetchrow(
+            f"SELECT processed_at, expires_at FROM {TABLE} WHERE consumer = $1 AND message_id = $2",
+            consumer.name,
+            message_id,
+        ),
+    )  # not None: the call wrote it
     assert row["processed_at"] > seen_expired[0]
     # Two clock_timestamp() reads in one UPDATE: microseconds apart.
     assert abs(row["expires_at"] - row["processed_at"] - retention) < timedelta(milliseconds=10)
@@ -1034,7 +1037,7 @@ async def receiver(
     try:
         yield channel, consumer, gates
     finally:
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -187,7 +188,7 @@ def test_an_async_scope_resolver_is_refused_at_construction(store: Store) -> Non
         return "tenant"
 
     with pytest.raises(TypeError, match="plain"):
-        IdempotencyInterceptor(store, scope=resolver)
+        IdempotencyInterceptor(store, scope=resolver)  # type: ignore[arg-type]  # on purpose
     with pytest.raises(ValueError, match="1-1024 bytes"):
         StaticScope("\U0001f600" * 300)
 
@@ -490,7 +491,9 @@ async def test_a_method_whose_options_cannot_be_compiled_is_refused_internal(
     "Unexpected <class 'PolicyError'>". They are answered with the error's own status and
     reason, and the handler does not run."""
     method = method_with(configure, streaming=streaming)
-    request_class = message_factory.GetMessageClass(method.input_type)
+    request_class: Any = message_factory.GetMessageClass(
+        method.input_type
+    )  # fields made at run time
     ran: list[object] = []
 
     async def unary(request: Any, context: Any) -> Any:
@@ -501,7 +504,7 @@ async def test_a_method_whose_options_cannot_be_compiled_is_refused_internal(
         ran.append(request)
         yield request
 
-    options = {
+    options: dict[str, Callable[..., Any]] = {
         "request_deserializer": request_class.FromString,
         "response_serializer": request_class.SerializeToString,
     }
@@ -523,13 +526,15 @@ async def test_a_method_whose_options_cannot_be_compiled_is_refused_internal(
             metadata = (("idempotency-key", fresh()),)
             if streaming:
                 call = channel.unary_stream(
-                    path, request_serializer=request_class.SerializeToString
+                    path,
+                    request_serializer=request_class.SerializeToString,
+                    response_deserializer=None,
                 )
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     async for _ in call(request_class(a="x"), metadata=metadata, timeout=10):
                         pass
                 code, details = refused.value.code(), refused.value.details()
-                reason = rpc_status.from_call(refused.value)
+                reason = rpc_status.from_call(refused.value)  # type: ignore[arg-type]  # grpc-stubs: from_call takes an AioRpcError too
             else:
                 answer = await call_raw(channel, path, request_class(a="x"), metadata)
                 code, details, reason = answer.code, answer.details, answer.reason()

@@ -72,10 +72,12 @@ async def refused(
     """Calls ``method`` expecting an error; returns it with its ``google.rpc.Status`` as
     grpcio-status reads it (``from_call`` itself checks that the Status's code and message are
     the call's: ValueError otherwise)."""
-    stub = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString())
+    stub = channel.unary_unary(
+        method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub(request, metadata=md, timeout=timeout)
-    status = rpc_status.from_call(caught.value)
+    status = rpc_status.from_call(caught.value)  # type: ignore[arg-type]  # grpc-stubs: from_call takes an AioRpcError too
     assert status is not None, "no grpc-status-details-bin on the error"
     return caught.value, status
 
@@ -198,7 +200,7 @@ async def test_in_progress_carries_its_error_info_and_one_retry_hint(
             assert_idempotency_error(
                 err, status, grpc.StatusCode.ABORTED, "IDEMPOTENCY_KEY_IN_PROGRESS"
             )
-            trailers = dict(err.trailing_metadata() or ())
+            trailers: dict[str, str | bytes] = dict(err.trailing_metadata() or ())  # type: ignore[arg-type]  # grpc-stubs: AioRpcError's trailers are (name, value) pairs
             delay = retry_info_ms(status)
             assert delay is not None and 50 <= delay <= 2000
             assert trailers["grpc-retry-pushback-ms"] == str(delay)
@@ -360,8 +362,8 @@ async def test_a_failed_precondition_with_details_replays_from_the_database(stor
     ):
         first_err, first_status = await refused(origin, POST, request, metadata(key))
         again_err, again_status = await refused(replica, POST, request, metadata(key))
-    first_trailers = dict(first_err.trailing_metadata() or ())
-    again_trailers = dict(again_err.trailing_metadata() or ())
+    first_trailers: dict[str, str | bytes] = dict(first_err.trailing_metadata() or ())  # type: ignore[arg-type]  # grpc-stubs: AioRpcError's trailers are (name, value) pairs
+    again_trailers: dict[str, str | bytes] = dict(again_err.trailing_metadata() or ())  # type: ignore[arg-type]  # grpc-stubs: AioRpcError's trailers are (name, value) pairs
     assert first_trailers["x-custom"] == "first"
     assert first_err.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert (again_err.code(), again_err.details()) == (first_err.code(), first_err.details())

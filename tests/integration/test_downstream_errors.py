@@ -55,7 +55,9 @@ class Upstream(testsvc_pb2_grpc.LedgerServiceServicer):
         await conn.execute(
             "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
         )
-        await self.channel.unary_unary("/down.Svc/Call")(request.behaviour.encode(), timeout=5)
+        await self.channel.unary_unary(
+            "/down.Svc/Call", request_serializer=None, response_deserializer=None
+        )(request.behaviour.encode(), timeout=5)
         return testsvc_pb2.PostResponse(account=request.account)
 
 
@@ -93,7 +95,7 @@ async def chain(store: Store) -> AsyncIterator[Chain]:
         async with ledger_server(interceptor, upstream) as (channel, address):
             yield Chain(downstream, upstream, address, channel)
     finally:
-        await to_down.close()
+        await to_down.close(None)
         await down.stop(None)
 
 

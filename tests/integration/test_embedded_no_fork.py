@@ -49,7 +49,9 @@ async def test_start_and_stop_next_to_a_busy_grpc_aio_server_always_succeed() ->
 
     async def caller() -> None:
         nonlocal calls
-        echo = channel.unary_unary("/test.Echo/Echo")
+        echo = channel.unary_unary(
+            "/test.Echo/Echo", request_serializer=None, response_deserializer=None
+        )
         while not done.is_set():
             assert await echo(b"x", timeout=10) == b"x"
             calls += 1
@@ -74,7 +76,7 @@ async def test_start_and_stop_next_to_a_busy_grpc_aio_server_always_succeed() ->
     finally:
         done.set()
         await asyncio.gather(*callers)  # re-raises a caller's failure
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
         await asyncio.to_thread(pg.close)
     assert not pg.running

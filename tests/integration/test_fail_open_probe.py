@@ -268,5 +268,6 @@ async def test_a_partition_met_by_a_new_connection_fails_open_within_command_tim
 
 
 def _all_closed(store: Store) -> bool:
-    holders = store.pool._holders  # asyncpg has no public view of a pool's connections
+    # asyncpg has no public view of a pool's connections (nor its stubs of the private one)
+    holders = store.pool._holders  # type: ignore[attr-defined]
     return all(h._con is None or h._con.is_closed() for h in holders)

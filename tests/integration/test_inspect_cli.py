@@ -103,6 +103,7 @@ async def forward(s: Services, key: str, tenant: str) -> testsvc_pb2.ForwardResp
 
 
 def step_of(operation: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any]
     (found,) = [s for s in operation["steps"] if s["step"] == name]
     return found
 
@@ -523,10 +524,11 @@ async def test_a_response_holding_an_any_is_decoded_with_the_descriptor_set(
     pool = descriptor_pool.DescriptorPool()
     for file in files.file:
         pool.Add(file)
-    response = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Res"))()
-    detail = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Detail"))
+    # classes made at run time: their fields are unknown to mypy
+    response: Any = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Res"))()
+    detail: Any = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Detail"))
     response.extra.Pack(detail(note="packed"))
-    unknown = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Res"))()
+    unknown: Any = message_factory.GetMessageClass(pool.FindMessageTypeByName("r.v1.Res"))()
     unknown.extra.type_url = "type.googleapis.com/no.such.Type"
 
     async with fresh_store(pg_dsn, "insp_any") as store:

@@ -19,7 +19,8 @@ import grpc
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
-from grpc_idempotency.client import Operation, RetryPolicy
+from grpc_idempotency.client import Operation
+from grpc_idempotency.core.retry import RetryPolicy
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
 from tests.support.waiting import until

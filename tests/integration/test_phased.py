@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any, cast
 
+import asyncpg
 import grpc
 import pytest
+from google.protobuf.message import Message
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Mode, Store
-from grpc_idempotency.client import Operation, RetryPolicy
+from grpc_idempotency.client import Operation
+from grpc_idempotency.core.retry import RetryPolicy
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, metadata, running_ledger
 from tests.support.waiting import until
 from tests.support.wire import call_raw
@@ -20,7 +24,7 @@ PHASED = "/testsvc.v1.LedgerService/PostPhased"
 SCOPE = "tenant:tenant-a"
 
 
-async def record(store: Store, key: str) -> dict[str, object] | None:
+async def record(store: Store, key: str) -> dict[str, Any] | None:
     row = await store.pool.fetchrow(
         "SELECT state, fencing_token, locked_until, clock_timestamp() AS now, status_code"
         " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
@@ -70,7 +74,7 @@ async def test_claim_commits_first_and_no_transaction_is_open_while_the_handler_
 
 async def _renewed(store: Store, key: str, first: object) -> bool:
     row = await record(store, key)
-    return row is not None and row["locked_until"] > first  # type: ignore[operator]
+    return row is not None and row["locked_until"] > first
 
 
 async def test_a_live_claim_is_not_taken_over_by_another_replica(store: Store) -> None:
@@ -256,11 +260,14 @@ async def test_a_takeover_continues_the_operation_begun_earlier(
     )
     answer = await ledger.call(PHASED, request, key)
     assert answer.code is grpc.StatusCode.OK
-    row = await store.pool.fetchrow(
-        "SELECT fencing_token, created_at FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
-        SCOPE,
-        key,
-    )
+    row = cast(
+        "asyncpg.Record",
+        await store.pool.fetchrow(
+            "SELECT fencing_token, created_at FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            SCOPE,
+            key,
+        ),
+    )  # not None: the call wrote it
     assert (
         row["fencing_token"] == 4
         and row["created_at"].year == 2026
@@ -295,7 +302,9 @@ async def test_a_sync_handler_left_running_by_its_cancelled_call_can_write_nothi
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="block-then-write")
     async with running_ledger(store, overrides=overrides) as ledger:
         service = ledger.service
-        stub = ledger.channel.unary_unary(sync, request_serializer=_serialize)
+        stub = ledger.channel.unary_unary(
+            sync, request_serializer=_serialize, response_deserializer=None
+        )
         call = stub(request, metadata=metadata(key), timeout=30)
         assert await asyncio.to_thread(service.sync_started.wait, 10)
         call.cancel()
@@ -309,7 +318,7 @@ async def test_a_sync_handler_left_running_by_its_cancelled_call_can_write_nothi
     assert await ledger_rows(store, account) == 1
 
 
-def _serialize(message: testsvc_pb2.PostRequest) -> bytes:
+def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
 
 
@@ -338,7 +347,9 @@ async def test_a_final_transaction_still_opening_when_its_call_is_cancelled_is_n
     overrides = {PHASED: MethodOverride(lease=timedelta(seconds=30))}  # the default lease
     try:
         async with running_ledger(mine, overrides=overrides) as ledger:
-            stub = ledger.channel.unary_unary(PHASED, request_serializer=_serialize)
+            stub = ledger.channel.unary_unary(
+                PHASED, request_serializer=_serialize, response_deserializer=None
+            )
             call = stub(request, metadata=metadata(key), timeout=30)
             await ledger.service.started.wait()  # claimed; no connection held meanwhile
             taken = await mine.pool.acquire()  # the pool's only connection

@@ -322,7 +322,9 @@ async def test_a_cancelled_call_releases_its_claim_after_its_keeper_stopped(
     key, account = fresh(), fresh("acct")
     async with running_ledger(store, overrides=overrides) as ledger:
         stub = ledger.channel.unary_unary(
-            PHASED, request_serializer=testsvc_pb2.PostRequest.SerializeToString
+            PHASED,
+            request_serializer=testsvc_pb2.PostRequest.SerializeToString,
+            response_deserializer=None,
         )
         call = stub(post(account, "wait"), metadata=metadata(key), timeout=30)
         await ledger.service.started.wait()

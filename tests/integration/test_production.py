@@ -12,6 +12,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import TypedDict, cast
 
 import asyncpg
 import grpc
@@ -26,8 +27,9 @@ from grpc_idempotency import (
     Store,
     StoreMisconfigured,
 )
-from grpc_idempotency.client import Operation, RetryPolicy
+from grpc_idempotency.client import Operation
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.store.errors import store_error
 from grpc_idempotency.store.migrations import available_migrations
 from tests.support.blackhole import BlackholeProxy
@@ -216,12 +218,15 @@ async def test_an_atomic_record_is_written_once_at_completion_where_looking_is_s
         assert response(first).claim_row == seen_in_handler
         again = await ledger.call(POST, post(account, "claim-row"), key)
         assert again.replayed and again.body == first.body
-    row = await store.pool.fetchrow(
-        "SELECT state, fencing_token, created_at, completed_at, expires_at, retention"
-        " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
-        "tenant:tenant-a",
-        key,
-    )
+    row = cast(
+        "asyncpg.Record",
+        await store.pool.fetchrow(
+            "SELECT state, fencing_token, created_at, completed_at, expires_at, retention"
+            " FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            "tenant:tenant-a",
+            key,
+        ),
+    )  # not None: the call wrote it
     assert row["state"] == "completed" and row["fencing_token"] == 1
     assert row["created_at"] <= row["completed_at"]  # the claim's time, not the completion's
     # retention counts from the claim (clock_timestamp() read twice there: microseconds apart)
@@ -415,6 +420,10 @@ async def test_an_abort_with_status_ok_is_unknown_and_records_nothing(
     assert await ledger_rows(store, account) == 0
 
 
+class _PoolOptions(TypedDict, total=False):
+    reset: None
+
+
 @pytest.mark.parametrize("reset", ["default", "asyncpg's"])
 async def test_the_pool_sends_no_reset_query_unless_asked(
     pg_dsn: str, store: Store, reset: str
@@ -422,7 +431,7 @@ async def test_the_pool_sends_no_reset_query_unless_asked(
     """A connection back in the store's pool is not reset (asyncpg's default reset, a round trip
     per call, undoes session state the library never sets); `reset=None` asks for it again."""
     name = f"reset-{fresh()}"[:60]
-    options: dict[str, object] = {} if reset == "default" else {"reset": None}
+    options: _PoolOptions = {} if reset == "default" else {"reset": None}
     pooled = await Store.connect(
         pg_dsn, min_size=1, max_size=1, server_settings={"application_name": name}, **options
     )

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import Any, cast
 
 import asyncpg
 import grpc
@@ -270,7 +271,9 @@ async def test_a_poison_row_is_dead_lettered_while_the_others_keep_flowing(
     assert run_cli("outbox", "dead", *store_args).stdout.strip() == "no dead letters"
     # An id that is no dead letter (this one, sent now; one that never was) is reported, with
     # inspect's "nothing matched" status: it exited 0, as if the retry were done.
-    stale = run_cli("outbox", "retry", *store_args, str(dead["id"]), str(dead["id"] + 10**9))
+    stale = run_cli(
+        "outbox", "retry", *store_args, str(dead["id"]), str(cast(int, dead["id"]) + 10**9)
+    )
     assert stale.returncode == 3, stale.stderr
     assert "0 dead letter(s) back to pending" in stale.stdout
     assert "2 of the ids given were not dead letters" in stale.stderr
@@ -623,7 +626,7 @@ async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> 
         relay = Relay(outbox, GrpcSink(channel, "/a.B/C", metadata_for=forward_scope()))
         assert await relay.run_once() == 0
     finally:
-        await channel.close()
+        await channel.close(None)
     dead = await row(outbox, "peer-row")
     assert dead["state"] == "dead" and "does not start with 'tenant:'" in str(dead["last_error"])
     accented = await row(outbox, "accented-row")
@@ -644,7 +647,7 @@ async def test_a_sink_adding_the_library_headers_is_a_clear_dead_letter(
         sink = GrpcSink(channel, "/a.B/C", metadata_for=lambda m: [(header, value)])
         assert await Relay(outbox, sink).run_once() == 0
     finally:
-        await channel.close()
+        await channel.close(None)
     dead = await row(outbox, "own-header-row")
     assert dead["state"] == "dead", dead
     assert f"library's own headers ['{header}']" in str(dead["last_error"])
@@ -676,7 +679,7 @@ def test_relay_arguments_are_checked() -> None:
         {"sent_retention": 1e13},
     ):
         with pytest.raises(ValueError):
-            Relay(store, sink, **bad)  # type: ignore[arg-type]
+            Relay(store, sink, **bad)
 
 
 @pytest.mark.parametrize("which", ["purge_dead", "purge_sent"])
@@ -697,7 +700,7 @@ async def test_dead_letter_numbers_past_bigint_are_refused(outbox: Store) -> Non
     store = OutboxStore(outbox)
     for ids in ([2**63], [-(2**63) - 1], [1, "2"]):
         with pytest.raises(ValueError, match="bigint"):
-            await store.retry_dead(ids)  # type: ignore[list-item]
+            await store.retry_dead(ids)  # type: ignore[arg-type]  # a str among them, on purpose
     for limit in (2**63, 0, -1):
         with pytest.raises(ValueError, match="limit must be"):
             await store.dead_letters(limit=limit)
@@ -776,7 +779,7 @@ async def test_a_delivery_whose_channel_closes_is_a_failed_delivery_of_a_recorde
         running = asyncio.create_task(relay.run(stop))
         await asyncio.wait_for(asyncio.gather(entered.wait(), fast_sent.wait()), WAIT_S)
         stop.set()
-        await channel.close()  # "slow" is still in flight
+        await channel.close(None)  # "slow" is still in flight
         await asyncio.wait_for(running, WAIT_S)  # returns: no CancelledError
         assert (await row(outbox, "fast"))["state"] == "sent"
         slow = await row(outbox, "slow")
@@ -871,8 +874,8 @@ class KillingReceiver:
         self.kills = 0
         self.answered: collections.Counter[str] = collections.Counter()
 
-    async def deliver(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        key = str(dict(context.invocation_metadata())["idempotency-key"])
+    async def deliver(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        key = str(dict(context.invocation_metadata() or ())["idempotency-key"])
         if key == self.crasher and self.relay is not None:
             self.kills += 1
             self.relay.kill()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import grpc
@@ -138,12 +138,15 @@ async def test_a_consumer_effect_routing_search_path_does_not_reach_the_mark(
 
     first = await consumer.process(message_id, effect)
     assert first.outcome is Consumed.PROCESSED
-    expires, now = await db.fetchrow(
-        f'SELECT expires_at, clock_timestamp() FROM "{store.schema}".processed_messages'
-        " WHERE consumer = $1 AND message_id = $2",
-        consumer.name,
-        message_id,
-    )
+    expires, now = cast(
+        "asyncpg.Record",
+        await db.fetchrow(
+            f'SELECT expires_at, clock_timestamp() FROM "{store.schema}".processed_messages'
+            " WHERE consumer = $1 AND message_id = $2",
+            consumer.name,
+            message_id,
+        ),
+    )  # not None: the delivery wrote it
     assert expires > now + timedelta(minutes=30)
     again = await consumer.process(message_id, effect)
     assert again.outcome is Consumed.DUPLICATE and ran == [message_id]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -304,7 +305,7 @@ async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_n
         both = ShardedStores({n: s.store for n, s in shards.items()}, PLACEMENT.__getitem__)
         async with Purger(both, interval=0.02):
             for shard in shards.values():
-                await until(f"{shard.name} purged", lambda s=shard: _none(s, count, scope))
+                await until(f"{shard.name} purged", functools.partial(_none, shard, count, scope))
         # Shard "two" partitioned: "one" is still purged, every interval.
         await shards["one"].fetch(expired, scope, "again")
         proxy.blackhole()

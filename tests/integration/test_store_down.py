@@ -7,12 +7,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
+from typing import cast
 
 import asyncpg
 import grpc
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData, Sum
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import (
@@ -364,11 +365,11 @@ async def test_every_call_run_without_its_store_is_counted_as_bypassed(
     assert ledger.service.executions == 2
     metrics = {
         m.name: m
-        for rm in reader.get_metrics_data().resource_metrics
+        for rm in cast(MetricsData, reader.get_metrics_data()).resource_metrics
         for sm in rm.scope_metrics
         for m in sm.metrics
     }
-    (point,) = metrics["grpc_idempotency.bypassed"].data.data_points
+    (point,) = cast(Sum, metrics["grpc_idempotency.bypassed"].data).data_points
     assert point.value == 2
 
 

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import TypedDict
 
 import grpc
 import pytest
@@ -70,12 +71,16 @@ async def test_sync_handlers_holding_every_default_thread_do_not_starve_the_stor
     assert await ledger_rows(store, account) == 1
 
 
+class _Executor(TypedDict, total=False):
+    sync_executor: ThreadPoolExecutor
+
+
 @pytest.mark.parametrize("given", [False, True])
 async def test_sync_handlers_run_in_the_given_executor_or_the_interceptors_own(
     store: Store, given: bool
 ) -> None:
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="app-sync")
-    kwargs = {"sync_executor": executor} if given else {}
+    kwargs: _Executor = {"sync_executor": executor} if given else {}
     account = fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1)
     try:

@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import Histogram, InMemoryMetricReader, MetricsData, Sum
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -23,6 +23,7 @@ from grpc_idempotency import Store, Telemetry
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.broken_telemetry import RaisingMeterProvider
 from tests.support.ledger import fresh, metadata, running_ledger
+from tests.support.otel import attributes
 from tests.support.waiting import until
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -57,29 +58,29 @@ async def test_one_span_per_keyed_call_with_its_outcome(store: Store) -> None:
         await ledger.call("/testsvc.v1.LedgerService/Peek", testsvc_pb2.PeekRequest(), None)
 
     finished = spans.get_finished_spans()
-    outcomes = [s.attributes["grpc_idempotency.outcome"] for s in finished]
+    outcomes = [attributes(s)["grpc_idempotency.outcome"] for s in finished]
     assert outcomes == ["executed", "replayed", "mismatch", "rejected", "released"]  # Peek: no span
     # The RPC semantic conventions: rpc.method is the method's own name, without any slash.
     assert all(s.name == "grpc_idempotency testsvc.v1.LedgerService/Post" for s in finished)
-    assert all({k: s.attributes[k] for k in RPC} == RPC for s in finished)
-    codes = [s.attributes["rpc.grpc.status_code"] for s in finished]
+    assert all({k: attributes(s)[k] for k in RPC} == RPC for s in finished)
+    codes = [attributes(s)["rpc.grpc.status_code"] for s in finished]
     assert codes == [0, 0, 9, 3, 2]  # OK, OK, FAILED_PRECONDITION, INVALID_ARGUMENT, UNKNOWN
     # Only the server's own failure (the handler raised: UNKNOWN) is an error span.
     assert [s.status.status_code for s in finished] == [StatusCode.UNSET] * 4 + [StatusCode.ERROR]
     # Key and scope can identify a customer: not recorded unless asked for.
-    assert not any("grpc_idempotency.key" in s.attributes for s in finished)
-    assert not any("grpc_idempotency.scope" in s.attributes for s in finished)
+    assert not any("grpc_idempotency.key" in attributes(s) for s in finished)
+    assert not any("grpc_idempotency.scope" in attributes(s) for s in finished)
 
-    data = reader.get_metrics_data()
+    data = cast(MetricsData, reader.get_metrics_data())  # None only if nothing was recorded
     metrics = {
         m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
     }
-    points = metrics["grpc_idempotency.calls"].data.data_points
-    counted = {dict(p.attributes)["grpc_idempotency.outcome"]: p.value for p in points}
-    assert all({k: dict(p.attributes)[k] for k in RPC} == RPC for p in points)
-    assert not any("grpc_idempotency.key" in dict(p.attributes) for p in points)
+    points = cast(Sum, metrics["grpc_idempotency.calls"].data).data_points
+    counted = {dict(attributes(p))["grpc_idempotency.outcome"]: p.value for p in points}
+    assert all({k: dict(attributes(p))[k] for k in RPC} == RPC for p in points)
+    assert not any("grpc_idempotency.key" in dict(attributes(p)) for p in points)
     assert counted == {"executed": 1, "replayed": 1, "mismatch": 1, "rejected": 1, "released": 1}
-    histogram = metrics["grpc_idempotency.call.duration"].data.data_points
+    histogram = cast(Histogram, metrics["grpc_idempotency.call.duration"].data).data_points
     assert sum(p.count for p in histogram) == 5
     assert metrics["grpc_idempotency.call.duration"].unit == "s"
 
@@ -98,9 +99,9 @@ async def test_a_handler_that_overruns_the_deadline_is_recorded_as_deadline_exce
             (span,) = await until("the call's span", spans.get_finished_spans)
         finally:
             ledger.service.release.set()
-    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert attributes(span)["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert span.status.status_code is StatusCode.ERROR
-    data = reader.get_metrics_data()
+    data = cast(MetricsData, reader.get_metrics_data())  # None only if nothing was recorded
     (point,) = [
         p
         for rm in data.resource_metrics
@@ -109,14 +110,16 @@ async def test_a_handler_that_overruns_the_deadline_is_recorded_as_deadline_exce
         if m.name == "grpc_idempotency.calls"
         for p in m.data.data_points
     ]
-    assert point.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert attributes(point)["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 
 async def test_a_call_the_client_cancels_is_recorded_as_cancelled(store: Store) -> None:
     telemetry, spans, _ = _telemetry()
     async with running_ledger(store, telemetry=telemetry) as ledger:
         request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="wait")
-        stub = ledger.channel.unary_unary(POST, request_serializer=lambda m: m.SerializeToString())
+        stub = ledger.channel.unary_unary(
+            POST, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+        )
         call = stub(request, metadata=metadata(fresh(), "tenant-a"), timeout=30)
         try:
             await ledger.service.started.wait()
@@ -124,7 +127,7 @@ async def test_a_call_the_client_cancels_is_recorded_as_cancelled(store: Store) 
             (span,) = await until("the call's span", spans.get_finished_spans)
         finally:
             ledger.service.release.set()
-    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert attributes(span)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert span.status.status_code is StatusCode.UNSET
 
 
@@ -170,8 +173,8 @@ async def test_key_and_scope_are_span_attributes_when_asked_for(store: Store) ->
     async with running_ledger(store, telemetry=telemetry) as ledger:
         await ledger.call(POST, testsvc_pb2.PostRequest(account=fresh("acct")), key)
     (span,) = spans.get_finished_spans()
-    assert span.attributes["grpc_idempotency.key"] == key
-    assert span.attributes["grpc_idempotency.scope"] == "tenant:tenant-a"
+    assert attributes(span)["grpc_idempotency.key"] == key
+    assert attributes(span)["grpc_idempotency.scope"] == "tenant:tenant-a"
 
 
 async def test_a_store_that_is_down_makes_an_error_span() -> None:
@@ -187,8 +190,8 @@ async def test_a_store_that_is_down_makes_an_error_span() -> None:
         finally:
             await down.close(timeout=1)
     (span,) = spans.get_finished_spans()
-    assert span.attributes["grpc_idempotency.outcome"] == "unavailable"
-    assert span.attributes["rpc.grpc.status_code"] == 14
+    assert attributes(span)["grpc_idempotency.outcome"] == "unavailable"
+    assert attributes(span)["rpc.grpc.status_code"] == 14
     assert span.status.status_code is StatusCode.ERROR
 
 

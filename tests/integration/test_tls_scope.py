@@ -66,8 +66,8 @@ async def test_each_client_certificate_is_a_scope_of_its_own(store: Store) -> No
             other = testsvc_pb2.PostRequest(account=account, amount=7)
             bobs = await call_raw(bob, POST, other, md)
         finally:
-            await alice.close()
-            await bob.close()
+            await alice.close(None)
+            await bob.close(None)
     assert first.code is grpc.StatusCode.OK and not first.replayed, first.details
     assert again.replayed and again.body == first.body
     assert bobs.code is grpc.StatusCode.OK and not bobs.replayed, bobs.details
@@ -94,7 +94,7 @@ async def test_a_caller_without_a_verified_certificate_is_refused(
             md = (("idempotency-key", fresh()),)
             answer = await call_raw(channel, POST, testsvc_pb2.PostRequest(account=account), md)
         finally:
-            await channel.close()
+            await channel.close(None)
     assert answer.code is grpc.StatusCode.UNAUTHENTICATED, answer.details
     assert answer.reason() == "IDEMPOTENCY_SCOPE_UNAVAILABLE"
     assert service.executions == 0

@@ -89,10 +89,10 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     """Set when the handler asks for the call's transaction (``current_call().transaction()``)."""
     cancelled_opening: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the handler is cancelled while waiting for that transaction."""
-    keys_seen: list[str] = field(default_factory=list)
+    keys_seen: list[str | None] = field(default_factory=list)
     operation_starts: list[Any] = field(default_factory=list)
     deadlines_seen: list[float | None] = field(default_factory=list)
-    tenants_seen: list[str] = field(default_factory=list)
+    tenants_seen: list[str | None] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
     sync_started: threading.Event = field(default_factory=threading.Event)
     sync_release: threading.Event = field(default_factory=threading.Event)
@@ -385,7 +385,7 @@ async def running_ledger(
 
 
 async def each_replays(
-    servers: Sequence[RunningLedger], method: str, request: Any, key: str, body: bytes
+    servers: Sequence[RunningLedger], method: str, request: Any, key: str, body: bytes | None
 ) -> None:
     """Every one of ``servers`` answers ``key`` with the recorded ``body``, as a replay."""
     for running in servers:
@@ -396,7 +396,7 @@ async def each_replays(
 
 async def waiting_herd(
     ledger: RunningLedger, request: Any, key: str, size: int, *, timeout: float | None = 10.0
-) -> tuple[asyncio.Future[Answer], list[asyncio.Future[Answer]]]:
+) -> tuple[asyncio.Task[Answer], list[asyncio.Task[Answer]]]:
     """An owner call whose handler waits (``request.behaviour`` "wait", "wait-flaky" or
     "wait:CODE") and ``size`` duplicates waiting on it; the owner is not let go yet
     (``ledger.service.release``)."""
@@ -464,7 +464,7 @@ async def _serving(
     try:
         yield server, channel, address
     finally:
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
 
 

@@ -46,7 +46,7 @@ def unary_call(
                 return answer
             for event in conn.receive_data(data):
                 if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    answer.update(dict(event.headers))  # type: ignore[arg-type]
+                    answer.update(dict(event.headers))
                 if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
                     return answer
             sock.sendall(conn.data_to_send())

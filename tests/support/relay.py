@@ -132,6 +132,6 @@ async def running_relay(
     try:
         yield RunningRelay(server, channel, testsvc_pb2_grpc.RelayServiceStub(channel))
     finally:
-        await channel.close()
+        await channel.close(None)
         await server.stop(None)
-        await downstream.close()
+        await downstream.close(None)

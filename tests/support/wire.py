@@ -31,7 +31,8 @@ class Answer:
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
                 info = error_details_pb2.ErrorInfo()
                 detail.Unpack(info)
-                return info.reason
+                reason: str = info.reason
+                return reason
         return None
 
     def retry_delay_ms(self) -> int | None:
@@ -52,7 +53,9 @@ async def call_raw(
     timeout: float | None = 10.0,
 ) -> Answer:
     """Calls ``method`` and returns the raw response bytes (no deserialization) and metadata."""
-    stub = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString())
+    stub = channel.unary_unary(
+        method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+    )
     call = stub(request, metadata=metadata, timeout=timeout)
     try:
         body = await call
@@ -61,7 +64,9 @@ async def call_raw(
             err.code(),
             None,
             dict(err.initial_metadata() or ()),
-            dict(err.trailing_metadata() or ()),
+            # grpc-stubs: AioRpcError's trailers are name/value pairs (an aio Metadata), not
+            # the sync RpcError's _Metadatum objects
+            dict(err.trailing_metadata() or ()),  # type: ignore[arg-type]
             err.details(),
         )
     return Answer(

@@ -36,7 +36,7 @@ def test_each_target_setting_is_a_class_attribute_with_the_same_default(
     setting: dataclasses.Field[Any],
 ) -> None:
     default = (
-        setting.default if setting.default is not dataclasses.MISSING else setting.default_factory()  # type: ignore[misc]
+        setting.default if setting.default is not dataclasses.MISSING else setting.default_factory()  # type: ignore[operator]  # typeshed cannot tie the two MISSINGs
     )
     assert hasattr(IdempotencyConformance, setting.name), f"no class attribute {setting.name}"
     assert getattr(IdempotencyConformance, setting.name) == default

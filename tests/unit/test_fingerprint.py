@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor
@@ -16,7 +19,7 @@ fingerprint = Fingerprinter.for_method(METHOD, testsvc_pb2.PostRequest.DESCRIPTO
 
 
 def request(**kw: object) -> testsvc_pb2.PostRequest:
-    r = testsvc_pb2.PostRequest(account="acc", amount=5, **kw)  # type: ignore[arg-type]
+    r = testsvc_pb2.PostRequest(account="acc", amount=5, **kw)
     r.meta.origin = "cli"
     r.lines.add(amount=1).meta.origin = "web"
     r.tags["a"].origin = "x"
@@ -39,7 +42,7 @@ def test_excluded_fields_are_ignored_at_every_depth() -> None:
 
 def test_included_fields_count_at_every_depth() -> None:
     base = fingerprint(request())
-    changes = [
+    changes: list[Callable[[testsvc_pb2.PostRequest], object]] = [
         lambda r: setattr(r, "amount", 6),
         lambda r: setattr(r.meta, "origin", "api"),
         lambda r: setattr(r.lines[0], "amount", 2),
@@ -130,7 +133,10 @@ def _proto2_request(*, required: bool, nested: bool = False, group: bool = False
         )  # fmt: skip
     label = _Field.LABEL_REQUIRED if required else _Field.LABEL_OPTIONAL
     sent_at = holder.field.add(name="sent_at", number=2, type=_Field.TYPE_INT64, label=label)
-    sent_at.options.Extensions[options_pb2.field].fingerprint = options_pb2.FINGERPRINT_EXCLUDE
+    # protoc's options_pb2.pyi types the extension as a FieldDescriptor; types-protobuf's
+    # Extensions wants an _ExtensionFieldDescriptor
+    extensions: Any = sent_at.options.Extensions
+    extensions[options_pb2.field].fingerprint = options_pb2.FINGERPRINT_EXCLUDE
     pool = descriptor_pool.Default()
     pool.Add(fdp)
     return pool.FindMessageTypeByName(f"{fdp.package}.Req")
@@ -155,7 +161,7 @@ def test_excluding_a_required_field_is_refused(nested: bool, group: bool) -> Non
     # Optional, the same field is excluded and the request serializes.
     descriptor = _proto2_request(required=False, nested=nested, group=group)
     fingerprint = Fingerprinter.for_method("/p.Svc/Do", descriptor)
-    cls = message_factory.GetMessageClass(descriptor)
+    cls: Any = message_factory.GetMessageClass(descriptor)  # its fields exist at run time only
     a, b = cls(a="x"), cls(a="x")
     (a.meta.add() if nested else a).sent_at = 1
     (b.meta.add() if nested else b).sent_at = 2

@@ -37,7 +37,7 @@ _counter = itertools.count()
 
 
 def method_with(
-    configure: Callable[[options_pb2.MethodPolicy], None] | None,
+    configure: Callable[[options_pb2.MethodPolicy], object] | None,
     *,
     streaming: bool = False,
     level: int = 0,
@@ -58,7 +58,10 @@ def method_with(
     if level:
         m.options.idempotency_level = level  # type: ignore[assignment]
     if configure is not None:
-        configure(m.options.Extensions[options_pb2.method])
+        # protoc's options_pb2.pyi types the extension as a FieldDescriptor; types-protobuf's
+        # Extensions wants an _ExtensionFieldDescriptor
+        extensions: Any = m.options.Extensions
+        configure(extensions[options_pb2.method])
     pool = descriptor_pool.Default()
     pool.Add(fdp)
     return pool.FindServiceByName(f"policytest{n}.Svc").methods_by_name["Do"]
@@ -178,7 +181,8 @@ def test_a_duration_the_database_cannot_add_to_its_clock_is_refused() -> None:
 
 def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
     override = MethodOverride(
-        recorded_errors=(c for c in [grpc.StatusCode.NOT_FOUND, Code.ALREADY_EXISTS, 9]),
+        # the README allows StatusCodes and numbers; MethodOverride annotates Iterable[Code] only
+        recorded_errors=(c for c in [grpc.StatusCode.NOT_FOUND, Code.ALREADY_EXISTS, 9]),  # type: ignore[misc]
         steps=(s for s in [Step(name="send-email.v1", call="a.B/C")]),  # generators: read once
     )
     policy = compile_policy(method_with(lambda o: o.SetInParent()), override)
@@ -186,7 +190,10 @@ def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
     assert policy.recorded_errors == {Code.NOT_FOUND, Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION}
     assert policy.steps == (Step(name="send-email.v1", call="a.B/C"),)
     with pytest.raises(PolicyError, match="not a gRPC status code"):
-        compile_policy(method_with(lambda o: o.SetInParent()), MethodOverride(recorded_errors=[99]))
+        compile_policy(
+            method_with(lambda o: o.SetInParent()),
+            MethodOverride(recorded_errors=[99]),  # type: ignore[list-item]  # not a status code, on purpose
+        )
 
 
 def test_mode_follows_the_steps_unless_set() -> None:
@@ -254,7 +261,7 @@ def test_an_override_makes_an_unannotated_method_keyed() -> None:
 
 def _step(
     name: str, call: str = "", outbox: bool = False
-) -> Callable[[options_pb2.MethodPolicy], None]:
+) -> Callable[[options_pb2.MethodPolicy], object]:
     return lambda o: o.steps.add(name=name, call=call, outbox=outbox) and None
 
 

@@ -1,17 +1,18 @@
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import StepAmbiguous, StepUndeclared
 from grpc_idempotency.core.keys import child_key
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import (
     KeySource,
     Parent,
-    StepAmbiguous,
-    StepUndeclared,
     choose_key,
 )
 from grpc_idempotency.core.retry import RetryPolicy, service_config
@@ -169,18 +170,19 @@ def test_retry_decisions() -> None:
 def test_service_config_shape() -> None:
     assert service_config([]) == {}
     config = service_config([CHARGE, CHARGE, EMAIL], max_attempts=9)
-    (method,) = config["methodConfig"]  # type: ignore[misc]
-    assert method["name"] == [  # type: ignore[index]
+    (method,) = cast("list[dict[str, Any]]", config["methodConfig"])
+    assert method["name"] == [
         {"service": "checkout.v1.NotificationService", "method": "SendEmail"},
         {"service": "checkout.v1.PaymentService", "method": "Charge"},
     ]
-    assert method["retryPolicy"]["maxAttempts"] == 5  # type: ignore[index]  # gRPC's cap
+    assert method["retryPolicy"]["maxAttempts"] == 5  # gRPC's cap
 
 
 @pytest.mark.parametrize("attempts", [2, 3, 5])
 def test_service_config_asks_for_the_attempts_given(attempts: int) -> None:
-    (method,) = service_config([CHARGE], max_attempts=attempts)["methodConfig"]  # type: ignore[misc]
-    assert method["retryPolicy"]["maxAttempts"] == attempts  # type: ignore[index]
+    config = service_config([CHARGE], max_attempts=attempts)
+    (method,) = cast("list[dict[str, Any]]", config["methodConfig"])
+    assert method["retryPolicy"]["maxAttempts"] == attempts
 
 
 def test_one_attempt_is_no_retry_policy_and_fewer_is_refused() -> None:

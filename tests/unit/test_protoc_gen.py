@@ -15,10 +15,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -26,7 +27,7 @@ from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency import proto_include
 from grpc_idempotency.client import service_config
-from grpc_idempotency.core.policy import MethodOverride, compile_policy, method_path
+from grpc_idempotency.core.policy import MethodOverride, MethodPolicy, compile_policy, method_path
 from grpc_idempotency.protoc_gen import generate, names
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options, load
 from tests.support.tools import buf_binary
@@ -276,7 +277,7 @@ def test_policies_compile_to_what_the_proto_options_compile_to(shop: Path) -> No
         }
         assert sorted(module.POLICIES) == sorted(keyed)
         for path, method in keyed.items():
-            from_options = compile_policy(method)
+            from_options = cast(MethodPolicy, compile_policy(method))  # keyed: not None
             override = module.POLICIES[path]
             assert compile_policy(method, override) == from_options, path
             # Without any option in the descriptors, POLICIES alone gives the same policy.
@@ -312,7 +313,8 @@ def test_the_module_docstring_says_what_the_server_still_reads_from_descriptors(
     assert without.get(path) == with_policies.get(path) is not None
     lease_only = {path: MethodOverride(lease=timedelta(seconds=42))}
     merged = PolicyRegistry(shop_idempotency.SERVICES, lease_only).get(path)
-    assert merged == dataclasses.replace(with_policies.get(path), lease=timedelta(seconds=42))
+    policy = cast(MethodPolicy, with_policies.get(path))  # asserted not None above
+    assert merged == dataclasses.replace(policy, lease=timedelta(seconds=42))
 
 
 def _without_method_options(file: object) -> descriptor_pool.DescriptorPool:
@@ -532,7 +534,7 @@ def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
 def test_generated_names_never_collide(tmp_path: Path) -> None:
     # Two active versions of one step, a keyword step name, two called services of one name,
     # and two message modules of one basename.
-    other = lambda pkg: (  # noqa: E731
+    other: Callable[[str], str] = lambda pkg: (  # noqa: E731
         f'syntax = "proto3";\npackage {pkg};\nimport "grpc_idempotency/v1/options.proto";\n'
         "service Payments {\n  rpc Charge(Req) returns (Res) {\n"
         "    option (grpc_idempotency.v1.method) = {};\n  }\n}\n" + MESSAGES
@@ -570,7 +572,7 @@ def test_called_services_whose_names_snake_case_alike_get_parameters_of_their_ow
     names, which differ, and the plugin generated ``def __init__(self, *, http_gateway,
     http_gateway)``, a SyntaxError, and exited 0. Now the full names are used, and when those
     snake-case alike too (one package) the plugin refuses."""
-    gateways = lambda pkg, name: (  # noqa: E731
+    gateways: Callable[[str, str], str] = lambda pkg, name: (  # noqa: E731
         f'syntax = "proto3";\npackage {pkg};\n'
         f"service {name} {{\n  rpc Send(Req) returns (Res);\n}}\n" + MESSAGES
     )
