@@ -635,7 +635,17 @@ async def _with_store(args: argparse.Namespace) -> int:
     try:
         if args.command == "migrate":
             applied = await store.migrate()
-            print(f"applied migrations: {applied}" if applied else "schema is up to date")
+            newer = await store.newer_migrations()
+            if applied:
+                print(f"applied migrations: {applied}")
+            elif newer:
+                # A rollback's migrate: nothing to do, but not "up to date" either.
+                print(
+                    f"schema has migrations {newer} that this release does not know (a newer"
+                    " release migrated it); nothing to apply"
+                )
+            else:
+                print("schema is up to date")
         elif args.command == "purge":
             done = [0]  # committed batches' rows, to report if the purge is stopped midway
             try:

@@ -161,6 +161,38 @@ async def test_a_replica_waiting_for_another_runners_migration_says_so(pg_dsn: s
         await runner.close()
 
 
+async def test_a_schema_a_newer_release_migrated_is_reported_however_the_store_starts(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Older code on a schema a newer release migrated (a rollback) runs, and says so: started
+    with migrate=True it said nothing (migrating skipped the check), and the CLI's migrate
+    printed "schema is up to date"."""
+    schema = fresh_schema()
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True)
+    future = available_migrations()[-1].version + 1
+    try:
+        await store.pool.execute(
+            f'INSERT INTO "{schema}".schema_migrations (version, name) VALUES ($1, $2)',
+            future,
+            "from_the_future",
+        )
+        assert await store.newer_migrations() == [future]
+        for migrate in (False, True):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="grpc_idempotency.store"):
+                again = await Store.connect(pg_dsn, schema=schema, migrate=migrate)
+                await again.close()
+            warned = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+            assert warned and f"[{future}]" in warned[0], (migrate, caplog.records)
+        done = await asyncio.to_thread(run_cli, "migrate", "--dsn", pg_dsn, "--schema", schema)
+        assert done.returncode == 0, done.stderr
+        assert f"schema has migrations [{future}] that this release does not know" in done.stdout
+        assert "up to date" not in done.stdout
+    finally:
+        await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await store.close()
+
+
 _FROZEN_MIGRATOR = """
 import asyncio, sys
 import asyncpg

@@ -303,6 +303,20 @@ def connection_closed(conn: PooledConnection) -> bool:
         return True
 
 
+def _unknown(applied: set[int]) -> list[int]:
+    known = max(m.version for m in migrations.available_migrations())
+    return sorted(v for v in applied if v > known)
+
+
+def _warn_newer(schema: str, newer: list[int]) -> None:
+    log.warning(
+        "schema %r has migrations %s that this version of grpc-idempotency does not know"
+        " (a newer release migrated it); running anyway",
+        schema,
+        newer,
+    )
+
+
 def _drop(conn: PooledConnection) -> None:
     """Closes ``conn`` at once, so that the pool does not reuse it. asyncpg may have dropped it
     already (a lost connection, a cancellation it could not confirm): then even ``terminate()``
@@ -433,6 +447,9 @@ class Store:
         try:
             if migrate:
                 await store.migrate()
+                newer = await store.newer_migrations()
+                if newer:  # migrating skips the check below, not what it tells
+                    _warn_newer(store.schema, newer)
             elif check_schema:
                 await store.check_schema()
         except BaseException:
@@ -467,14 +484,15 @@ class Store:
                 f" grpc-idempotency needs migrations {missing}: run `grpc-idempotency migrate"
                 f" --dsn DSN --schema {self.schema}` (or Store.connect(..., migrate=True))"
             )
-        newer = sorted(v for v in applied if v > max(wanted))
+        newer = _unknown(applied)
         if newer:
-            log.warning(
-                "schema %r has migrations %s that this version of grpc-idempotency does not"
-                " know (a newer release migrated it); running anyway",
-                self.schema,
-                newer,
-            )
+            _warn_newer(self.schema, newer)
+
+    async def newer_migrations(self) -> list[int]:
+        """The migrations applied to the store's schema that this version of the library does
+        not know: a newer release migrated it (a rollback, or a rolling deploy)."""
+        async with self.connection("checking the schema") as conn:
+            return _unknown(set(await migrations.applied_versions(conn, self.schema)))
 
     async def migrate(self) -> list[int]:
         async with self.connection("migrating") as conn:
