@@ -9,7 +9,9 @@ IN_PROGRESS ones. So the outcome under (scope, key), once committed, is the answ
 on every replica until that instant, and a replica may answer from memory until then.
 
 The cache never learns that instant exactly, so each entry keeps a bound that is provably no
-later, taken on this process's monotonic clock:
+later, taken on a clock of this process that keeps counting while the machine is suspended
+(the interceptor's ``_cache_clock``: CLOCK_BOOTTIME on Linux; CLOCK_MONOTONIC stops then, the
+database's clock does not):
 
 - an outcome this process committed: the commit statement was *sent* at ``sent`` (read before
   the round trip), so PostgreSQL's ``completed_at`` is later, and the record lives at least until

@@ -103,6 +103,17 @@ from grpc_idempotency.telemetry import Telemetry, cancellation_code
 
 log = logging.getLogger("grpc_idempotency.server")
 
+
+def _boot_clock() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+# The replay cache's clock (its bounds: core/replay_cache.py): one that keeps counting while the
+# machine is suspended, as the database's clock does. CLOCK_MONOTONIC stops then, and an entry
+# would outlive its record by the time the machine slept. Linux has CLOCK_BOOTTIME; elsewhere
+# the monotonic clock.
+_cache_clock = _boot_clock if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic
+
 # While no tracer provider is set, a call makes no span at all (``Telemetry.tracing``).
 _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 
@@ -391,7 +402,7 @@ class IdempotencyInterceptor(_Interceptor):
         polls = 0
         while True:
             if cache is not None:
-                hit = cache.get(slot, time.monotonic())
+                hit = cache.get(slot, _cache_clock())
                 if hit is not None:
                     return await self._answer_cached(call, hit, fingerprint)
             owner = self._owners.get(slot)
@@ -425,7 +436,7 @@ class IdempotencyInterceptor(_Interceptor):
                         shared.outcome,
                         sent=settled.sent,
                         life_s=settled.life_s,
-                        now=time.monotonic(),
+                        now=_cache_clock(),
                     )
                 owned.hand_over(settled.shared if settled is not None else None)
             call.waited = True
@@ -485,7 +496,7 @@ class IdempotencyInterceptor(_Interceptor):
         while True:
             try:
                 if step is Step.LOOK_UP:
-                    looked_at = time.monotonic()
+                    looked_at = _cache_clock()
                     record = await store.lookup(scope, key, timeout=answers.time_remaining(context))
                     busy_ms = retry_after_ms(record.lease_remaining_ms if record else None)
                     step, phase = transition(phase, look_event(record, fingerprint))
@@ -713,7 +724,7 @@ class IdempotencyInterceptor(_Interceptor):
                 attempt = await claim.begin_final(timeout=answers.time_remaining(context))
             # Not shielded: if the call is cancelled mid-commit, the commit's fate is PostgreSQL's
             # (all or nothing), the client has gone, and a retry replays or runs again.
-            sent = time.monotonic()  # before the commit: the record's completed_at is later
+            sent = _cache_clock()  # before the commit: the record's completed_at is later
             if what is Finish.RECORD:
                 await attempt.record(outcome)
             else:
