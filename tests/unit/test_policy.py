@@ -180,9 +180,13 @@ def test_a_duration_the_database_cannot_add_to_its_clock_is_refused() -> None:
 
 
 def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
+    codes: list[Code | grpc.StatusCode | int] = [
+        grpc.StatusCode.NOT_FOUND,
+        Code.ALREADY_EXISTS,
+        9,
+    ]
     override = MethodOverride(
-        # the README allows StatusCodes and numbers; MethodOverride annotates Iterable[Code] only
-        recorded_errors=(c for c in [grpc.StatusCode.NOT_FOUND, Code.ALREADY_EXISTS, 9]),  # type: ignore[misc]
+        recorded_errors=(c for c in codes),
         steps=(s for s in [Step(name="send-email.v1", call="a.B/C")]),  # generators: read once
     )
     policy = compile_policy(method_with(lambda o: o.SetInParent()), override)
@@ -192,7 +196,7 @@ def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
     with pytest.raises(PolicyError, match="not a gRPC status code"):
         compile_policy(
             method_with(lambda o: o.SetInParent()),
-            MethodOverride(recorded_errors=[99]),  # type: ignore[list-item]  # not a status code, on purpose
+            MethodOverride(recorded_errors=[99]),  # an int, but no status code
         )
 
 

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions as _MethodOptions
@@ -24,6 +24,9 @@ from grpc_idempotency.core.fingerprint import Fingerprinter
 from grpc_idempotency.core.keys import STEP_NAME, is_step_name
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS, NEVER_RECORDED
 from grpc_idempotency.v1 import options_pb2
+
+if TYPE_CHECKING:  # a type only: the core imports no transport
+    import grpc
 
 DEFAULT_RETENTION = timedelta(hours=24)
 DEFAULT_LEASE = timedelta(seconds=30)
@@ -93,7 +96,8 @@ class MethodOverride:
     lease: timedelta | None = None
     max_wait: timedelta | None = None
     mode: Mode | None = None
-    recorded_errors: Iterable[Code] | None = None
+    recorded_errors: Iterable[Code | grpc.StatusCode | int] | None = None
+    """Statuses to record as outcomes: ``Code``s, ``grpc.StatusCode``s or their numbers."""
     store_down: StoreDown | None = None
     steps: Iterable[Step] | None = None
     isolation: Isolation | None = None
