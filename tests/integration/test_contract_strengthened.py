@@ -25,7 +25,6 @@ from grpc_idempotency import (
     MethodOverride,
     Store,
     Telemetry,
-    current_call,
 )
 from grpc_idempotency.client import channel_options
 from tests.integration.test_client import conflicts
@@ -37,7 +36,9 @@ from tests.support.ledger import (
     fresh,
     ledger_rows,
     metadata,
+    origin_and_replica,
     running_ledger,
+    write_row,
 )
 from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
@@ -234,10 +235,7 @@ async def test_a_recorded_error_is_replayed_from_the_database_identically(
     byte for byte), marked replayed, without running the handler."""
     key, account = fresh(), fresh("acct")
     request = post(account, behaviour)
-    async with (
-        running_ledger(store) as origin,
-        running_ledger(store, replay_cache=False) as replica,
-    ):
+    async with origin_and_replica(store) as (origin, replica):
         first = await origin.call(POST, request, key)
         assert first.code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN)
         row = await record_row(store, key)
@@ -263,10 +261,7 @@ async def test_details_utf8_cannot_carry_are_answered_and_replayed_alike(store: 
     every retry ran the handler again. The surrogate becomes "?", in the first answer too."""
     key, account = fresh(), fresh("acct")
     request = post(account, "details-surrogate")
-    async with (
-        running_ledger(store) as origin,
-        running_ledger(store, replay_cache=False) as replica,
-    ):
+    async with origin_and_replica(store) as (origin, replica):
         first = await origin.call(POST, request, key)
         again = await replica.call(POST, request, key)
     assert first.code is grpc.StatusCode.OK and not first.replayed, first
@@ -288,10 +283,7 @@ async def test_a_replica_without_a_cache_answers_what_the_database_holds(
     in its answer (so the replays above were not served from any process's memory)."""
     key, account = fresh(), fresh("acct")
     request = post(account, "FAILED_PRECONDITION")
-    async with (
-        running_ledger(store) as origin,
-        running_ledger(store, replay_cache=False) as replica,
-    ):
+    async with origin_and_replica(store) as (origin, replica):
         first = await origin.call(POST, request, key)
         assert first.code is grpc.StatusCode.FAILED_PRECONDITION
         await store.pool.execute(
@@ -313,12 +305,7 @@ class _PreconditionService(LedgerService):
         if request.behaviour != "precondition-trailers":
             return await super().Post(request, context)
         self.executions += 1
-        conn = await current_call().transaction()
-        await conn.execute(
-            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2)",
-            request.account,
-            request.amount,
-        )
+        await write_row(request)
         status = status_pb2.Status(
             code=grpc.StatusCode.FAILED_PRECONDITION.value[0], message="balance too low"
         )

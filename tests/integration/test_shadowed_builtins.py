@@ -26,9 +26,8 @@ from grpc_idempotency import (
     IdempotentConsumer,
     MetadataScope,
     Store,
-    current_call,
 )
-from tests.support.ledger import TENANT, ledger_rows, ledger_server, metadata
+from tests.support.ledger import TENANT, ledger_rows, ledger_server, metadata, write_row
 from tests.support.wire import Answer, call_raw
 
 SVC = "/testsvc.v1.LedgerService/"
@@ -60,12 +59,7 @@ class Routing(testsvc_pb2_grpc.LedgerServiceServicer):
 
     async def _post(self, request: Any, context: Any) -> testsvc_pb2.PostResponse:
         self.executions += 1
-        conn = await current_call().transaction()
-        await conn.execute(
-            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2)",
-            request.account,
-            request.amount,
-        )
+        conn = await write_row(request)
         await conn.execute(ROUTE)
         # The handler's own statements do see its clock: the route took effect.
         assert await conn.fetchval("SELECT now()") == datetime.fromisoformat("2000-01-01T00:00Z")

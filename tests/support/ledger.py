@@ -43,6 +43,7 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from grpc_idempotency.store.postgres import PooledConnection
 from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
 
@@ -69,6 +70,18 @@ TENANT = "x-tenant-id"
 async def prepare(store: Store) -> None:
     async with store.pool.acquire() as conn:
         await conn.execute(LEDGER_SQL)
+
+
+async def write_row(request: testsvc_pb2.PostRequest) -> PooledConnection:
+    """In a handler: the call's transaction (opened now in phased mode), with the request's
+    ledger row written in it."""
+    conn = await current_call().transaction()
+    await conn.execute(
+        "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2)",
+        request.account,
+        request.amount,
+    )
+    return conn
 
 
 async def ledger_rows(store: Store, account: str) -> int:
@@ -382,6 +395,17 @@ async def running_ledger(
     async with _serving(interceptor, service) as (server, channel, address):
         stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
         yield RunningLedger(server, interceptor, service, address, channel, stub)
+
+
+@contextlib.asynccontextmanager
+async def origin_and_replica(store: Store) -> AsyncIterator[tuple[RunningLedger, RunningLedger]]:
+    """Two servers on ``store``: the origin, with its replay cache, and a replica without one,
+    which answers from the database alone."""
+    async with (
+        running_ledger(store) as origin,
+        running_ledger(store, replay_cache=False) as replica,
+    ):
+        yield origin, replica
 
 
 async def each_replays(
