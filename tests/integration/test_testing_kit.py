@@ -11,6 +11,7 @@ write into ``test_ledger.ledger`` (created by the session's ``store`` fixture).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from grpc_idempotency.testing import (
     assert_replayed,
     serve,
 )
+from tests.support.ledger import RunningLedger, metadata
 from tests.support.processes import running
 
 pytest_plugins = ["pytester"]
@@ -46,13 +48,23 @@ POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
 MODULE = "tests.integration.test_testing_kit"
 
 
+MAILBOX_ENV = "KIT_MAILBOX"
+"""A file the emailing server appends a line to per "email" (the account), in the server's
+environment."""
+
+
 class KitLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     """Post and PostPhased insert one ledger row; ``outside`` writes through the pool, outside
-    the call's transaction (the bug the kit must catch), instead of the call's connection."""
+    the call's transaction (the bug the kit must catch), instead of the call's connection;
+    ``mailbox`` also "sends an email" from Post directly (appends the account to the file),
+    instead of through the outbox: the other bug the kit must catch, when told where to look."""
 
-    def __init__(self, pool: asyncpg.Pool[Any], *, outside: bool = False) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool[Any], *, outside: bool = False, mailbox: Path | None = None
+    ) -> None:
         self.pool = pool
         self.outside = outside
+        self.mailbox = mailbox
 
     async def _insert(self, conn: Any, request: testsvc_pb2.PostRequest) -> int:
         entry_id: int = await conn.fetchval(
@@ -69,6 +81,9 @@ class KitLedger(testsvc_pb2_grpc.LedgerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "amount must be positive")
         conn = self.pool if self.outside else current_call().connection
         entry_id = await self._insert(conn, request)
+        if self.mailbox is not None:
+            with self.mailbox.open("a") as mailbox:
+                mailbox.write(request.account + "\n")
         return testsvc_pb2.PostResponse(
             entry_id=entry_id,
             account=request.account,
@@ -83,7 +98,9 @@ class KitLedger(testsvc_pb2_grpc.LedgerServiceServicer):
         return testsvc_pb2.PostResponse(entry_id=entry_id, execution_nonce=uuid.uuid4().hex)
 
 
-async def _ledger_server(dsn: str, *, intercepted: bool, outside: bool) -> AsyncIterator[Any]:
+async def _ledger_server(
+    dsn: str, *, intercepted: bool, outside: bool, mailbox: Path | None = None
+) -> AsyncIterator[Any]:
     store = await Store.connect(dsn, min_size=1, max_size=10)
     interceptors: list[Any] = []
     if intercepted:
@@ -92,7 +109,7 @@ async def _ledger_server(dsn: str, *, intercepted: bool, outside: bool) -> Async
         )
     server = grpc.aio.server(interceptors=interceptors)
     testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(
-        KitLedger(store.pool, outside=outside), server
+        KitLedger(store.pool, outside=outside, mailbox=mailbox), server
     )
     try:
         yield server
@@ -115,6 +132,13 @@ async def no_interceptor_server(dsn: str) -> AsyncIterator[Any]:
 async def outside_transaction_server(dsn: str) -> AsyncIterator[Any]:
     """Behind the interceptor, but the handler writes through a pool connection of its own."""
     async for server in _ledger_server(dsn, intercepted=True, outside=True):
+        yield server
+
+
+async def emailing_server(dsn: str) -> AsyncIterator[Any]:
+    """Written correctly for the database, but it sends its email directly."""
+    mailbox = Path(os.environ[MAILBOX_ENV])
+    async for server in _ledger_server(dsn, intercepted=True, outside=False, mailbox=mailbox):
         yield server
 
 
@@ -141,8 +165,19 @@ async def _rows(db: asyncpg.Connection[Any], request: Any) -> int:
 
 
 def _plan(
-    pg_dsn: str, tmp_path_factory: pytest.TempPathFactory, server: str, method: str = POST
+    pg_dsn: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    server: str,
+    method: str = POST,
+    mailbox: Path | None = None,
 ) -> Iterator[ConformancePlan]:
+    def sent(account: str) -> int:
+        assert mailbox is not None
+        return mailbox.read_text().splitlines().count(account) if mailbox.exists() else 0
+
+    async def emails(request: testsvc_pb2.PostRequest) -> int:
+        return await asyncio.to_thread(sent, request.account)
+
     target = ConformanceTarget(
         server=f"{MODULE}:{server}",
         method=method,
@@ -150,6 +185,8 @@ def _plan(
         count_effects=_rows,
         error_request=lambda: testsvc_pb2.PostRequest(account="kit-" + uuid.uuid4().hex),
         concurrency=4,
+        server_env={MAILBOX_ENV: str(mailbox)} if mailbox is not None else {},
+        count_external_effects=emails if mailbox is not None else None,
     )
     plan = ConformancePlan(target, pg_dsn, tmp_path_factory.mktemp(server))
     try:
@@ -207,6 +244,24 @@ async def test_writes_outside_the_transaction_fail_the_crash_and_transient_check
         ConformanceFailure, match=r"\[transient error\] the failed attempt .* left 1"
     ):
         await outside_transaction.check_transient_error()
+
+
+@pytest.mark.e2e
+async def test_an_email_sent_directly_fails_the_crash_and_transient_checks(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The database side is right, so only counting where the emails land shows the bug: an
+    attempt that dies before COMMIT (or fails) sent its email, and the retry sent another. A
+    single execution, or a crash before the handler ran, sends one (no false alarm)."""
+    mailbox = tmp_path_factory.mktemp("mailbox") / "sent"
+    for plan in _plan(pg_dsn, tmp_path_factory, "emailing_server", mailbox=mailbox):
+        await plan.check_sequential_replay()
+        await plan.check_crash("after_claim")
+        outside = r"the effect outside the database happened 2 times for one operation"
+        with pytest.raises(ConformanceFailure, match=rf"\[crash at before_commit\] {outside}"):
+            await plan.check_crash("before_commit")
+        with pytest.raises(ConformanceFailure, match=rf"\[transient error\] {outside}"):
+            await plan.check_transient_error()
 
 
 @pytest.mark.e2e
@@ -305,6 +360,27 @@ async def test_assertions_tell_a_replay_from_an_execution() -> None:
         await assert_not_replayed(replayed)
     with pytest.raises(TypeError):
         await assert_replayed("idempotency-replayed")
+
+
+async def test_assertions_tell_the_librarys_refusal_from_the_handlers_answer(
+    ledger: RunningLedger,
+) -> None:
+    """A call the library answered itself (here KEY_REUSED: the same key, another request) is
+    neither: assert_not_replayed passed it as an execution, and assert_replayed said "the
+    handler ran" (a review's finding)."""
+    key = f"k-{uuid.uuid4().hex}"
+    first = ledger.stub.Post(_request(), metadata=metadata(key))
+    await first
+    await assert_not_replayed(first)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await ledger.stub.Post(_request(), metadata=metadata(key))
+    said = r"the library answered the call itself: IDEMPOTENCY_KEY_REUSED \('"
+    with pytest.raises(AssertionError, match=rf"expected an execution, but {said}"):
+        await assert_not_replayed(refused.value)
+    with pytest.raises(AssertionError, match=rf"expected a replay, but {said}"):
+        await assert_replayed(refused.value)
+    with pytest.raises(AssertionError, match=r"expected a replay \(.*\), but the handler ran"):
+        await assert_replayed(first)
 
 
 def test_dev_extra_holds_the_testing_extra_and_the_plugin_is_registered() -> None:

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from grpc_idempotency.core.wire import REPLAYED_HEADER, REPLAYED_METADATA
+from grpc_idempotency.core.wire import REPLAYED_HEADER, REPLAYED_METADATA, reason_of
 
 __all__ = ["assert_not_replayed", "assert_replayed", "is_replayed"]
 
@@ -39,6 +39,26 @@ async def _initial_metadata(answer: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((str(name), value) for name, value in metadata or ())
 
 
+async def _refusal(answer: Any) -> str | None:
+    """The library's reason in ``answer``'s status (a refused key, a store outage, a handler's
+    misuse): the library answered, and the handler's answer, if it ran, was not sent. ``None``
+    for an answer the handler gave, and for bare metadata (no trailers to read)."""
+    trailers_of = getattr(answer, "trailing_metadata", None)
+    if trailers_of is None:
+        return None
+    trailers = trailers_of()  # async on a call, sync on an AioRpcError
+    if inspect.isawaitable(trailers):
+        trailers = await trailers
+    reason = reason_of(tuple(trailers or ()))
+    if reason is None:
+        return None
+    details = getattr(answer, "details", None)
+    text = details() if details is not None else None
+    if inspect.isawaitable(text):
+        text = await text
+    return f"{reason} ({text!r})" if text else reason
+
+
 def _describe(metadata: tuple[tuple[str, str | bytes], ...]) -> str:
     return ", ".join(f"{name}: {value!r}" for name, value in metadata) or "none"
 
@@ -54,6 +74,11 @@ async def assert_replayed(answer: Any) -> None:
     or ``await assert_replayed(err)`` with the ``AioRpcError`` of a replayed recorded error."""
     metadata = await _initial_metadata(answer)
     if (REPLAYED_HEADER, _REPLAYED_VALUE) not in metadata:
+        refused = await _refusal(answer)
+        if refused is not None:
+            raise AssertionError(
+                f"expected a replay, but the library answered the call itself: {refused}"
+            )
         raise AssertionError(
             f"expected a replay (initial metadata '{REPLAYED_HEADER}: {_REPLAYED_VALUE}'), but"
             f" the handler ran: initial metadata {_describe(metadata)}. Same key, same request,"
@@ -62,8 +87,14 @@ async def assert_replayed(answer: Any) -> None:
 
 
 async def assert_not_replayed(answer: Any) -> None:
-    """Fails if ``answer`` is a replay: the call must have executed the handler."""
+    """Fails if ``answer`` is a replay, or an answer of the library's own (a refused key, a
+    store outage: its reason in the status): the call must have been answered by the handler."""
     metadata = await _initial_metadata(answer)
+    refused = await _refusal(answer)
+    if refused is not None and (REPLAYED_HEADER, _REPLAYED_VALUE) not in metadata:
+        raise AssertionError(
+            f"expected an execution, but the library answered the call itself: {refused}"
+        )
     if (REPLAYED_HEADER, _REPLAYED_VALUE) in metadata:
         raise AssertionError(
             f"expected an execution, but the answer is a replay ('{REPLAYED_HEADER}:"

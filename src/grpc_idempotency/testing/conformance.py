@@ -22,6 +22,10 @@ another process of the same server, as it would to another replica. The checks:
                             back and released: the retry runs the handler
 ==========================  =================================================================
 
+The kit sees the effects ``count_effects`` counts in the database. An effect outside it (an email
+sent, a downstream service called) runs again with every attempt that does not commit; give
+``count_external_effects`` to have every check require it at most once per operation.
+
 Use it by subclassing ``IdempotencyConformance`` in a test module (each check is a test), or
 drive a ``ConformancePlan`` directly. A failed check raises ``ConformanceFailure`` (an
 ``AssertionError``) saying what the service did and what usually causes it.
@@ -65,14 +69,28 @@ EffectCounter = Callable[["asyncpg.Connection[Any]", Any], Awaitable[int]]
 """``async def count(db, request) -> int``: how many times ``request``'s business effect
 happened (rows written for it), read on a connection to the test database."""
 
+ExternalCounter = Callable[[Any], Awaitable[int]]
+"""``async def count(request) -> int``: how many times ``request``'s effects outside the database
+happened (emails in a test mailbox, rows a fake downstream service received): where they land,
+not how often the handler tried."""
+
 _NOT_INTERCEPTED = (
     "Is the method served through IdempotencyInterceptor (last in the server's interceptors),"
-    " and does it have an idempotency option (or a MethodOverride)?"
+    " does it have an idempotency option (or a MethodOverride), and does every server process"
+    " give a caller the same scope (one taken from the hostname or the pid gives each replica"
+    " keys of its own)?"
 )
 _OUTSIDE_TRANSACTION = (
     "The handler writes outside the call's transaction: write through"
     " current_call().connection (or current_call().transaction() in phased mode), never through"
     " a connection of your own."
+)
+_OUTSIDE_DATABASE = (
+    "An attempt that does not commit (a crash, a transient error) runs the handler again, and"
+    " with it every effect outside the database it caused directly. Send such an effect through"
+    " the transactional outbox (current_call().enqueue(step, message): delivered after COMMIT,"
+    " once) or call the service that causes it with a child key (a declared step), which"
+    " replays it."
 )
 
 
@@ -92,6 +110,8 @@ class ConformanceTarget:
     ``request()``). ``error_request()``: a request the method answers with a deterministic error
     (needed by the deterministic-error check only). ``metadata``: sent with every call
     (credentials). ``server_env``: added to the server processes' environment.
+    ``count_external_effects(request)``: how many times that request's effects outside the
+    database happened (optional; every check then requires at most one).
     """
 
     server: str
@@ -102,6 +122,7 @@ class ConformanceTarget:
     error_request: Callable[[], Any] | None = None
     metadata: Sequence[tuple[str, str]] = ()
     server_env: Mapping[str, str] = field(default_factory=dict)
+    count_external_effects: ExternalCounter | None = None
     concurrency: int = 8
     """Duplicates sent at once by the concurrency check."""
     slow_commit_ms: int = 300
@@ -276,6 +297,19 @@ class ConformancePlan:
     async def _count(self, db: asyncpg.Connection[Any], request: Any) -> int:
         return int(await self.target.count_effects(db, request))
 
+    async def _at_most_once_outside(self, check: str, request: Any) -> None:
+        """Raises unless ``request``'s effects outside the database (if the target counts them)
+        happened at most once: the kit cannot see them otherwise."""
+        counter = self.target.count_external_effects
+        if counter is None:
+            return
+        if (count := int(await counter(request))) > 1:
+            raise self._fail(
+                check,
+                f"the effect outside the database happened {count} times for one operation."
+                f" {_OUTSIDE_DATABASE}",
+            )
+
     def _fail(
         self, check: str, message: str, *processes: ServerProcess | None
     ) -> ConformanceFailure:
@@ -285,11 +319,19 @@ class ConformancePlan:
     async def _first(self, check: str, server: ServerProcess, request: Any, key: str) -> _Answer:
         answer = await self._call(server.address, request, key)
         if not answer.ok:
+            # The library's own reason (a handler's misuse, a store it cannot use), or a server
+            # error: the service failed, not the test's request.
+            failed = answer.reason is not None or answer.code.value[0] in (
+                int(Code.INTERNAL),
+                int(Code.UNKNOWN),
+            )
+            hint = (
+                "the server failed it; its log (below) says why"
+                if failed
+                else "the request factory must make a request the method answers OK"
+            )
             raise self._fail(
-                check,
-                f"the first call with a new key failed: {answer}; the request factory must make"
-                " a request the method answers OK",
-                server,
+                check, f"the first call with a new key failed: {answer}; {hint}", server
             )
         if answer.replayed:
             raise self._fail(check, f"the first call with a new key was a replay: {answer}")
@@ -327,6 +369,7 @@ class ConformancePlan:
                 "the replayed response differs from the first one:"
                 f" {_bytes_diff(first.data, retry.data)}",
             )
+        await self._at_most_once_outside(check, request)
 
     async def check_mutated_payload(self) -> None:
         """The same key with another request is refused (FAILED_PRECONDITION, reason
@@ -361,6 +404,7 @@ class ConformancePlan:
             )
         if original != 1:
             raise self._fail(check, f"the first request's effect count is {original}, expected 1")
+        await self._at_most_once_outside(check, request)
 
     async def check_concurrent_duplicates(self) -> None:
         """``concurrency`` duplicates at once, spread over two server processes (one pausing
@@ -396,6 +440,7 @@ class ConformancePlan:
             )
         if any(a.data != executed[0].data for a in oks):
             raise self._fail(check, f"the duplicates were answered different bytes: {summary}")
+        await self._at_most_once_outside(check, request)
 
     async def check_crash(self, point: str) -> None:
         """The server dies (SIGKILL) at failpoint ``point``; a retry with the same key on
@@ -447,6 +492,7 @@ class ConformancePlan:
             raise self._fail(check, f"the retry should be {expected_answer} answer: {retry}")
         if not (again.ok and again.replayed and again.data == retry.data):
             raise self._fail(check, f"a second retry should replay the first retry: {again}")
+        await self._at_most_once_outside(check, request)
 
     async def check_lost_response(self) -> None:
         """The client's deadline passes after COMMIT, before the answer: the retry replays the
@@ -483,6 +529,7 @@ class ConformancePlan:
                 " expected a replay and 1",
                 clean,
             )
+        await self._at_most_once_outside(check, request)
 
     async def check_deterministic_error(self) -> None:
         """A recorded error (INVALID_ARGUMENT, NOT_FOUND, ...) is answered again from the record
@@ -524,6 +571,7 @@ class ConformancePlan:
             raise self._fail(
                 check, f"a failed call left {count} effects, expected 0. {_OUTSIDE_TRANSACTION}"
             )
+        await self._at_most_once_outside(check, request)
 
     async def check_transient_error(self) -> None:
         """An attempt that fails unexpectedly after its handler ran (failpoint
@@ -555,6 +603,7 @@ class ConformancePlan:
             )
         if count != 1:
             raise self._fail(check, f"after the retry the effect count is {count}, expected 1")
+        await self._at_most_once_outside(check, request)
 
     async def run_all(self) -> None:
         """Every check, in order; stops at the first failure."""
@@ -587,6 +636,9 @@ class IdempotencyConformance:
 
             def make_error_request(self):  # optional: the deterministic-error check
                 return ChargeRequest(order_id=uuid.uuid4().hex, amount_cents=0)
+
+            async def count_external_effects(self, request):  # optional: emails, calls out
+                return test_mailbox.count(to=request.order_id)
 
     The class attributes and methods are ``ConformanceTarget``'s fields. The plugin's
     ``idempotency_conformance`` fixture holds the class's ``ConformancePlan`` (its server
@@ -633,9 +685,18 @@ class IdempotencyConformance:
         deterministic-error check."""
         return None
 
+    async def count_external_effects(self, request: Any) -> int:
+        """How many times ``request``'s effects outside the database happened, where they land
+        (a test mailbox, a fake downstream service); every check then requires at most one.
+        Not defined (the default): the kit sees only ``count_effects``."""
+        raise NotImplementedError  # pragma: no cover - never called unless overridden
+
     def conformance_target(self) -> ConformanceTarget:
         """The ``ConformanceTarget`` this class describes."""
         error = self.make_error_request
+        external = type(self).count_external_effects is not (
+            IdempotencyConformance.count_external_effects
+        )
         return ConformanceTarget(
             server=self.server,
             method=self.method,
@@ -645,6 +706,7 @@ class IdempotencyConformance:
             error_request=error if self.make_error_request() is not None else None,
             metadata=self.metadata,
             server_env=self.server_env,
+            count_external_effects=self.count_external_effects if external else None,
             concurrency=self.concurrency,
             slow_commit_ms=self.slow_commit_ms,
             call_timeout_s=self.call_timeout_s,
