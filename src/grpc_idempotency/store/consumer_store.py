@@ -64,20 +64,22 @@ class ConsumerStatements:
         # MessageInProgress, until TCP keepalive ended its session hours later.
         self.mark_template = (
             "{begin}; "
-            "WITH prior AS MATERIALIZED (SELECT current_setting('lock_timeout') AS setting), "
+            "WITH prior AS MATERIALIZED ("
+            "SELECT pg_catalog.current_setting('lock_timeout') AS setting), "
             "bounded AS MATERIALIZED ("
-            "SELECT setting, set_config('lock_timeout', {wait}, true) FROM prior) "
+            "SELECT setting, pg_catalog.set_config('lock_timeout', {wait}, true) FROM prior) "
             f"INSERT INTO {self.table} AS p (consumer, message_id, expires_at) "
             "SELECT {consumer}, {message_id}, "
-            "clock_timestamp() + make_interval(secs => {retention}) FROM bounded "
+            "pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => {retention}) "
+            "FROM bounded "
             "ON CONFLICT (consumer, message_id) DO UPDATE "
-            "SET processed_at = clock_timestamp(), expires_at = EXCLUDED.expires_at "
+            "SET processed_at = pg_catalog.clock_timestamp(), expires_at = EXCLUDED.expires_at "
             # A live mark is a duplicate; an expired one is taken over, as if purged already.
-            "WHERE p.expires_at <= clock_timestamp() "
-            "RETURNING set_config('lock_timeout', (SELECT setting FROM bounded), true), "
+            "WHERE p.expires_at <= pg_catalog.clock_timestamp() "
+            "RETURNING pg_catalog.set_config('lock_timeout', (SELECT setting FROM bounded), true), "
             # This transaction's token, checked by the commit (below); a setting local to the
             # transaction: ROLLBACK and COMMIT clear it, a savepoint's rollback does not.
-            f"set_config('{_MARK_SETTING}', {{token}}, true)"
+            f"pg_catalog.set_config('{_MARK_SETTING}', {{token}}, true)"
         )
         # The mark's retention counts from its commit, not from the mark: an effect slower
         # than the retention committed a mark already expired, and a redelivery (or the
@@ -104,11 +106,13 @@ class ConsumerStatements:
         self.commit_template = (
             "DO {tag}DECLARE prior pg_catalog.text := pg_catalog.current_setting('search_path');"
             " BEGIN PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true); "
-            f"UPDATE {self.table} SET processed_at = clock_timestamp(), "
-            "expires_at = clock_timestamp() + make_interval(secs => {retention}) "
+            f"UPDATE {self.table} SET processed_at = pg_catalog.clock_timestamp(), "
+            "expires_at = pg_catalog.clock_timestamp()"
+            " + pg_catalog.make_interval(secs => {retention}) "
             "WHERE consumer = {consumer} AND message_id = {message_id} "
-            f"AND (current_setting('{_MARK_SETTING}', true) IS NOT DISTINCT FROM {{token}} "
-            "OR xmin = pg_current_xact_id()::xid); "
+            f"AND (pg_catalog.current_setting('{_MARK_SETTING}', true)"
+            " IS NOT DISTINCT FROM {token} "
+            "OR xmin = pg_catalog.pg_current_xact_id()::xid); "
             f"IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
             "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
             " (the effect ended it, or deleted the mark)'; END IF;"
@@ -116,14 +120,15 @@ class ConsumerStatements:
         )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
-            " AND expires_at > clock_timestamp())"
+            " AND expires_at > pg_catalog.clock_timestamp())"
         )
         # statement_timestamp(), not clock_timestamp(): a volatile bound cannot use the index on
         # expires_at; each batch is a statement in its own transaction, so the two agree.
         self.purge = f"""
             WITH doomed AS (
                 SELECT consumer, message_id FROM {self.table}
-                WHERE expires_at <= statement_timestamp() AND ($2::text IS NULL OR consumer = $2)
+                WHERE expires_at <= pg_catalog.statement_timestamp()
+                  AND ($2::text IS NULL OR consumer = $2)
                 LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {self.table} p USING doomed d
             WHERE p.consumer = d.consumer AND p.message_id = d.message_id"""

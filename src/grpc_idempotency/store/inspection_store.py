@@ -25,10 +25,11 @@ _SUMMARY_COLUMNS = f"""
          ELSE expires_at END AS expires_at,
     locked_until,
     CASE WHEN state = 'in_progress' AND locked_until IS NOT NULL
-         THEN GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()))::float8 END
+         THEN GREATEST(0, EXTRACT(EPOCH FROM
+             locked_until - pg_catalog.clock_timestamp()))::float8 END
         AS lease_remaining_s,
     {PAST_RETENTION} AS expired,
-    status_code, clock_timestamp() AS read_at"""
+    status_code, pg_catalog.clock_timestamp() AS read_at"""
 _RECORD_COLUMNS = f"{_SUMMARY_COLUMNS}, status_message, status_details, response"
 # A listing prints no outcome: reading the stored ones fetched every listed record's response
 # (up to max_response_bytes each) and held them all at once, for nothing.
@@ -101,7 +102,9 @@ class InspectionStore:
         child keys) or enqueued by the operation ``parent_key``; none when the schema has no
         outbox (migrations before 0006)."""
         async with self.store.connection("inspecting the outbox") as conn:
-            if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", self._outbox_table):
+            if not await conn.fetchval(
+                "SELECT pg_catalog.to_regclass($1) IS NOT NULL", self._outbox_table
+            ):
                 return []
             rows = await conn.fetch(self._outbox, scope, list(keys), parent_key)
         return [_outbox_entry(r) for r in rows]

@@ -66,7 +66,9 @@ def _lock_id(schema: str) -> int:
 
 async def applied_versions(conn: Any, schema: str) -> list[int]:
     s = schema_identifier(schema)
-    exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{s}.schema_migrations")
+    exists = await conn.fetchval(
+        "SELECT pg_catalog.to_regclass($1) IS NOT NULL", f"{s}.schema_migrations"
+    )
     if not exists:
         return []
     rows = await conn.fetch(f"SELECT version FROM {s}.schema_migrations ORDER BY version")
@@ -106,12 +108,12 @@ async def migrate(
 
 async def _take_lock(conn: Any, schema: str) -> None:
     lock = _lock_id(schema)
-    if await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", lock):
+    if await conn.fetchval("SELECT pg_catalog.pg_try_advisory_xact_lock($1)", lock):
         return
     log.info("schema %r: another runner is applying migrations; waiting for it", schema)
     started = time.monotonic()
     try:
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", lock)
+        await conn.execute("SELECT pg_catalog.pg_advisory_xact_lock($1)", lock)
     except TimeoutError as exc:
         raise MigrationLockTimeout(
             f"another runner is applying migrations to schema {schema!r}: waited"
@@ -133,16 +135,23 @@ async def _apply(
         # First, before any lock is taken (capped at PostgreSQL's int milliseconds).
         idle_ms = min(max(1, round(idle_timeout_s * 1000)), 2**31 - 1)
         await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}")
+        # The migrations name the built-ins they use in column defaults and statements without
+        # a schema, and those are bound when the DDL runs: a role's search_path with a clock of
+        # its own ahead of pg_catalog would stay in the tables for good. (Everything of the
+        # store's is named with its schema, so nothing is created in pg_catalog by mistake.)
+        await conn.execute("SET LOCAL search_path = pg_catalog, pg_temp")
         await _take_lock(conn, schema)
         # Created only when missing: IF NOT EXISTS still asks for the CREATE privilege.
-        if await conn.fetchval("SELECT to_regnamespace($1) IS NULL", schema):
+        if await conn.fetchval("SELECT pg_catalog.to_regnamespace($1) IS NULL", schema):
             await conn.execute(f"CREATE SCHEMA {s}")
-        if await conn.fetchval("SELECT to_regclass($1) IS NULL", f"{s}.schema_migrations"):
+        if await conn.fetchval(
+            "SELECT pg_catalog.to_regclass($1) IS NULL", f"{s}.schema_migrations"
+        ):
             await conn.execute(
                 f"""CREATE TABLE {s}.schema_migrations (
                         version integer PRIMARY KEY,
                         name text NOT NULL,
-                        applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
+                        applied_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp())"""
             )
         done = await conn.fetchval(
             f"SELECT EXISTS (SELECT 1 FROM {s}.schema_migrations WHERE version = $1)",

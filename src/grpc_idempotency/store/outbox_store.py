@@ -108,7 +108,7 @@ class OutboxStatements:
         s = schema_identifier(schema)
         self.channel = f"{schema}_outbox"
         """The LISTEN channel; the outbox's insert trigger notifies it (migration 0006)."""
-        self.table_exists = "SELECT to_regclass($1) IS NOT NULL"
+        self.table_exists = "SELECT pg_catalog.to_regclass($1) IS NOT NULL"
         self.table_name = f"{s}.outbox"
         # $1 batch size, $2 lease in seconds, $3 relay name. The row's next_attempt_at moves to
         # the end of the lease: the claimed row leaves the "due" range of the outbox_due index,
@@ -123,16 +123,18 @@ class OutboxStatements:
         # claimed: no kind of row starves the other. Only the rows taken (and the head) are
         # locked, so a relay claiming at the same time takes the next rows, lost or not.
         self.claim = f"""
-            WITH lease AS (SELECT clock_timestamp() + make_interval(secs => $2) AS until),
+            WITH lease AS (
+                SELECT pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $2)
+                    AS until),
             head AS (
                 SELECT id, locked_until IS NOT NULL AS lost FROM {s}.outbox
-                WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()
+                WHERE state = 'pending' AND next_attempt_at <= pg_catalog.clock_timestamp()
                 ORDER BY next_attempt_at, id
                 LIMIT 1
                 FOR UPDATE SKIP LOCKED),
             batch AS (
                 SELECT id FROM {s}.outbox
-                WHERE state = 'pending' AND next_attempt_at <= clock_timestamp()
+                WHERE state = 'pending' AND next_attempt_at <= pg_catalog.clock_timestamp()
                   AND locked_until IS NULL AND NOT EXISTS (SELECT FROM head WHERE lost)
                 ORDER BY next_attempt_at, id
                 LIMIT $1
@@ -148,8 +150,9 @@ class OutboxStatements:
         # $1 ids, $2 attempts (the claim's), $3 relay name.
         self.mark_sent = f"""
             UPDATE {s}.outbox o
-            SET state = 'sent', sent_at = clock_timestamp(), locked_until = NULL
-            FROM unnest($1::bigint[], $2::integer[]) AS d(id, attempts)
+            SET state = 'sent', sent_at = pg_catalog.clock_timestamp(), locked_until = NULL
+            FROM ROWS FROM (pg_catalog.unnest($1::bigint[]), pg_catalog.unnest($2::integer[]))
+                AS d(id, attempts)
             WHERE o.id = d.id AND o.attempts = d.attempts AND o.claimed_by = $3
               AND o.state = 'pending'"""
         # $1 ids, $2 attempts, $3 delays (NULL: dead), $4 errors, $5 relay name. A dead row's
@@ -158,18 +161,20 @@ class OutboxStatements:
             UPDATE {s}.outbox o
             SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
                 failures = o.failures + 1,
-                next_attempt_at = clock_timestamp()
-                    + make_interval(secs => COALESCE(f.delay_s, 0)),
+                next_attempt_at = pg_catalog.clock_timestamp()
+                    + pg_catalog.make_interval(secs => COALESCE(f.delay_s, 0)),
                 locked_until = NULL,
                 last_error = f.error
-            FROM unnest($1::bigint[], $2::integer[], $3::float8[], $4::text[])
+            FROM ROWS FROM (pg_catalog.unnest($1::bigint[]), pg_catalog.unnest($2::integer[]),
+                           pg_catalog.unnest($3::float8[]), pg_catalog.unnest($4::text[]))
                 AS f(id, attempts, delay_s, error)
             WHERE o.id = f.id AND o.attempts = f.attempts AND o.claimed_by = $5
               AND o.state = 'pending'
             RETURNING o.state"""
         # Seconds until the earliest pending row is due (negative: overdue); NULL: none pending.
         self.next_due_in = f"""
-            SELECT EXTRACT(EPOCH FROM min(next_attempt_at) - clock_timestamp())::float8
+            SELECT EXTRACT(EPOCH FROM
+                pg_catalog.min(next_attempt_at) - pg_catalog.clock_timestamp())::float8
             FROM {s}.outbox WHERE state = 'pending'"""
         # $1 batch size, $2 age in seconds; bounded batches that skip locked rows. The bound is
         # statement_timestamp(), not clock_timestamp(): a volatile bound cannot be an index
@@ -179,14 +184,16 @@ class OutboxStatements:
             WITH doomed AS (
                 SELECT id FROM {s}.outbox
                 WHERE state = 'sent'
-                  AND sent_at <= statement_timestamp() - make_interval(secs => $2)
+                  AND sent_at
+                      <= pg_catalog.statement_timestamp() - pg_catalog.make_interval(secs => $2)
                 LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
         self.purge_dead = f"""
             WITH doomed AS (
                 SELECT id FROM {s}.outbox
                 WHERE state = 'dead'
-                  AND next_attempt_at <= statement_timestamp() - make_interval(secs => $2)
+                  AND next_attempt_at
+                      <= pg_catalog.statement_timestamp() - pg_catalog.make_interval(secs => $2)
                 LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM {s}.outbox o USING doomed d WHERE o.id = d.id"""
         self.dead_letters = f"""
@@ -198,17 +205,19 @@ class OutboxStatements:
         self.retry_dead = f"""
             UPDATE {s}.outbox
             SET state = 'pending', attempts = 0, failures = 0, lost_claims = 0,
-                next_attempt_at = clock_timestamp(),
+                next_attempt_at = pg_catalog.clock_timestamp(),
                 locked_until = NULL, claimed_by = NULL
             WHERE state = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))"""
-        self.notify = "SELECT pg_notify($1, '')"
+        self.notify = "SELECT pg_catalog.pg_notify($1, '')"
         self.counts = f"""
-            SELECT state, count(*) AS n,
-                   count(*) FILTER (WHERE state = 'pending'
-                                    AND next_attempt_at <= clock_timestamp()) AS due,
-                   count(*) FILTER (WHERE state = 'pending'
-                                    AND locked_until > clock_timestamp()) AS claimed,
-                   EXTRACT(EPOCH FROM clock_timestamp() - min(created_at))::float8 AS oldest_s
+            SELECT state, pg_catalog.count(*) AS n,
+                   pg_catalog.count(*) FILTER (WHERE state = 'pending'
+                                    AND next_attempt_at <= pg_catalog.clock_timestamp()) AS due,
+                   pg_catalog.count(*) FILTER (WHERE state = 'pending'
+                                    AND locked_until > pg_catalog.clock_timestamp()) AS claimed,
+                   EXTRACT(EPOCH FROM
+                       pg_catalog.clock_timestamp() - pg_catalog.min(created_at))::float8
+                       AS oldest_s
             FROM {s}.outbox GROUP BY state"""
 
 
@@ -449,4 +458,4 @@ class Listener:
 
 
 # Whether this session listens on the channel ($1).
-_LISTENS_SQL = "SELECT $1::text IN (SELECT pg_listening_channels())"
+_LISTENS_SQL = "SELECT $1::text IN (SELECT pg_catalog.pg_listening_channels())"

@@ -99,8 +99,11 @@ def begin(isolation: str | None, idle_timeout_s: float | None = None) -> str:
 
 
 PAST_RETENTION = """(CASE state
-    WHEN 'completed' THEN GREATEST(expires_at, completed_at + retention) <= clock_timestamp()
-    WHEN 'in_progress' THEN expires_at <= clock_timestamp() AND locked_until <= clock_timestamp()
+    WHEN 'completed'
+        THEN GREATEST(expires_at, completed_at + retention) <= pg_catalog.clock_timestamp()
+    WHEN 'in_progress'
+        THEN expires_at <= pg_catalog.clock_timestamp()
+             AND locked_until <= pg_catalog.clock_timestamp()
 END IS TRUE)"""
 """Whether a record is past retention, as claim() decides it (migration 0014): a completed one,
 and an in-progress one whose lease has run out too (any request under the key then starts a new
@@ -122,14 +125,16 @@ class Statements:
             SELECT fingerprint, state, status_code, status_message, status_details, response,
                    created_at,
                    {PAST_RETENTION} AS expired,
-                   (locked_until IS NULL OR locked_until <= clock_timestamp()) AS lease_expired,
-                   GREATEST(0, EXTRACT(EPOCH FROM locked_until - clock_timestamp()) * 1000)::bigint
+                   (locked_until IS NULL OR locked_until <= pg_catalog.clock_timestamp())
+                       AS lease_expired,
+                   GREATEST(0, EXTRACT(EPOCH FROM
+                       locked_until - pg_catalog.clock_timestamp()) * 1000)::bigint
                        AS lease_remaining_ms,
                    -- how much longer a completed outcome stays replayable (the replay cache),
                    -- rounded down: a cached copy must never outlive the record
-                   CASE WHEN state = 'completed' THEN GREATEST(0, floor(EXTRACT(EPOCH FROM
-                       GREATEST(expires_at, completed_at + retention) - clock_timestamp())
-                       * 1000))::bigint END AS replayable_ms
+                   CASE WHEN state = 'completed' THEN GREATEST(0, pg_catalog.floor(
+                       EXTRACT(EPOCH FROM GREATEST(expires_at, completed_at + retention)
+                           - pg_catalog.clock_timestamp()) * 1000))::bigint END AS replayable_ms
             FROM {s}.records WHERE scope = $1 AND key = $2"""
         # A claim is (fencing_token, created_at), here as in verify_claim (migration 0013): the
         # token restarts at 1 when a record is purged and the key claimed again, and the start
@@ -142,16 +147,17 @@ class Statements:
         # clock that stepped back (a failover to a primary whose clock is behind), the rightful
         # owner was refused, and its handler cancelled, until the clock caught up.
         self.renew = f"""
-            UPDATE {s}.records SET locked_until = clock_timestamp() + make_interval(secs => $4)
+            UPDATE {s}.records
+            SET locked_until = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4)
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND created_at = $5
               AND state = 'in_progress'
-              AND (locked_until > created_at OR locked_until > clock_timestamp())"""
+              AND (locked_until > created_at OR locked_until > pg_catalog.clock_timestamp())"""
         # Ends the lease now rather than deleting the claim: a retry takes it over at once, and
         # the takeover keeps the operation's start (created_at), which child keys rely on. The
         # lease ends at the operation's start, not at now: a lease that was granted always ends
         # later than that, so `renew` tells a released claim apart without a column of its own.
         self.release = f"""
-            UPDATE {s}.records SET locked_until = LEAST(created_at, clock_timestamp())
+            UPDATE {s}.records SET locked_until = LEAST(created_at, pg_catalog.clock_timestamp())
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND created_at = $4
               AND state = 'in_progress'"""
         # The key is the outbox step's child key; on a conflict Store.enqueue compares messages.
@@ -162,7 +168,7 @@ class Statements:
         self.enqueued = (
             f"SELECT payload_type, payload FROM {s}.outbox WHERE scope = $1 AND key = $2"
         )
-        bound = "statement_timestamp()"
+        bound = "pg_catalog.statement_timestamp()"
         # One batch of the purge: $1 the batch size, $2 where the previous batch stopped (NULL:
         # the start); returns how many went and the last expires_at deleted, where the next batch
         # starts. The bound is the statement's start, not clock_timestamp(): a volatile bound
@@ -194,7 +200,8 @@ class Statements:
                         ORDER BY expires_at LIMIT $1))
                   AND {purgeable}
                 RETURNING expires_at)
-            SELECT count(*)::integer AS deleted, max(expires_at) AS last FROM gone"""
+            SELECT pg_catalog.count(*)::integer AS deleted, pg_catalog.max(expires_at) AS last
+            FROM gone"""
 
         # The completion with bind parameters, for outcomes too large to inline as literals:
         # bytea travels in binary, instead of as hex text twice its size. Its types are named

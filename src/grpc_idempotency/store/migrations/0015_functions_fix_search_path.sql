@@ -18,7 +18,7 @@
 --
 -- Every function of the schema, whatever migration created it (overloads kept for servers not yet
 -- upgraded included). A later migration that replaces a function must say SET search_path again:
--- CREATE OR REPLACE drops the clause (tests/integration/test_handler_search_path.py checks).
+-- CREATE OR REPLACE drops the clause (tests/integration/test_shadowed_builtins.py checks).
 DO $$
 DECLARE
     f regprocedure;
