@@ -34,7 +34,7 @@ from grpc_idempotency.cli_errors import (
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.core.policy import MAX_DURATION
-from grpc_idempotency.core.wire import LIBRARY_HEADERS
+from grpc_idempotency.core.wire import HEADER_NAME, LIBRARY_HEADERS
 from grpc_idempotency.inspect_cli.parsers import (
     at_least_one,
     bigint,
@@ -473,9 +473,9 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     with_store(stats)
 
 
-# What gRPC accepts, checked when a call is sent: a header it refuses fails the delivery, and the
-# relay would retry it and dead-letter every row after --max-attempts.
-_HEADER_NAME = re.compile(r"[0-9a-z_.-]+")
+# What gRPC accepts (wire.HEADER_NAME), checked when a call is sent: a header it refuses fails
+# the delivery, and the relay would retry it and dead-letter every row after --max-attempts.
+_HEADER_NAME = HEADER_NAME
 # Set by the relay itself (the key, in either form; the step name: LIBRARY_HEADERS), reserved by
 # gRPC (grpc-*) or by HTTP/2 transport. The key's -bin form was let through: the server refused
 # every call carrying it (INVALID_ARGUMENT), and every row went to the dead letters.

@@ -57,7 +57,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
 )
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
-from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS
+from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
 from grpc_idempotency.store.outbox_store import (
     BIGINT_MAX,
     DeadLetter,
@@ -170,13 +170,19 @@ class GrpcSink:
         metadata: list[tuple[str, str | bytes]] = [(KEY_HEADER, message.key)]
         if self.metadata_for is not None:
             extra = list(self.metadata_for(message))
-            own = sorted({name for name, _ in extra} & LIBRARY_HEADERS)
+            own = sorted({name.lower() for name, _ in extra} & LIBRARY_HEADERS)
             if own:
                 # The server would refuse the call (two keys, or the -bin form) on every try.
                 raise PermanentDeliveryError(
                     f"{self.method}: metadata_for gave the library's own headers {own}:"
                     " the relay sends the row's key itself"
                 )
+            for name, value in extra:
+                # gRPC refuses such metadata as the call starts, with an error of its own that
+                # read as a failed delivery: retried until max_attempts, every time the same.
+                problem = unsendable(name, value)
+                if problem is not None:
+                    raise PermanentDeliveryError(f"{self.method}: metadata_for gave {problem}")
             metadata.extend(extra)
         try:
             await self._call(message.payload, metadata=tuple(metadata), timeout=self.timeout)

@@ -633,24 +633,34 @@ async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> 
     assert accented["state"] == "dead" and "printable ASCII" in str(accented["last_error"])
 
 
-@pytest.mark.parametrize("header", ["idempotency-key", "idempotency-key-bin"])
-async def test_a_sink_adding_the_library_headers_is_a_clear_dead_letter(
-    outbox: Store, header: str
+@pytest.mark.parametrize(
+    ("header", "value", "said"),
+    [
+        ("idempotency-key", "abc", "library's own headers ['idempotency-key']"),
+        ("idempotency-key-bin", b"abc", "library's own headers ['idempotency-key-bin']"),
+        ("Idempotency-Key", "abc", "library's own headers ['idempotency-key']"),
+        ("X-Tenant", "acme", "header name 'X-Tenant': gRPC allows only lowercase"),
+        ("x-tenant", "z\u00fcrich", "header x-tenant: gRPC allows only printable ASCII"),
+        ("x-blob-bin", "text", "header x-blob-bin: a -bin value is bytes"),
+    ],
+)
+async def test_a_sink_adding_metadata_grpc_would_refuse_is_a_clear_dead_letter(
+    outbox: Store, header: str, value: str | bytes, said: str
 ) -> None:
-    """A second key (or its -bin form) from ``metadata_for``: the server refuses the call
-    (INVALID_ARGUMENT) on every try, and the row went to the dead letters with the server's
-    words about a key it never meant to send. It is the sink's mistake, and says so."""
-    await insert(outbox, outbox.schema, ["own-header-row"])
+    """A second key (or its -bin form), or metadata gRPC refuses to send: the server refused
+    the call (INVALID_ARGUMENT), or gRPC raised an error of its own, on every try, and the row
+    went to the dead letters after max_attempts with words about something else. It is the
+    sink's mistake, a dead letter at once that says so (a review's finding)."""
+    await insert(outbox, outbox.schema, ["sink-header-row"])
     channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never reached
-    value: str | bytes = b"abc" if header.endswith("-bin") else "abc"
     try:
         sink = GrpcSink(channel, "/a.B/C", metadata_for=lambda m: [(header, value)])
         assert await Relay(outbox, sink).run_once() == 0
     finally:
         await channel.close(None)
-    dead = await row(outbox, "own-header-row")
+    dead = await row(outbox, "sink-header-row")
     assert dead["state"] == "dead", dead
-    assert f"library's own headers ['{header}']" in str(dead["last_error"])
+    assert said in str(dead["last_error"])
 
 
 def test_relay_arguments_are_checked() -> None:

@@ -17,6 +17,7 @@ Pure: protobuf messages and tuples of metadata, no grpc import. ``server.answers
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +40,22 @@ LIBRARY_HEADERS = frozenset({KEY_HEADER, KEY_HEADER_BIN, STEP_HEADER})
 step name): never copied from elsewhere (``forward_metadata``, a relay's ``--header``, a sink's
 ``metadata_for``). A server refuses a call that carries the -bin form."""
 REPLAYED_METADATA: tuple[tuple[str, str], ...] = ((REPLAYED_HEADER, "true"),)
+HEADER_NAME = re.compile(r"[0-9a-z_.-]+")
+"""A metadata name gRPC sends (it refuses others when the call starts)."""
+
+
+def unsendable(name: str, value: str | bytes) -> str | None:
+    """Why gRPC would refuse to send metadata ``name: value``, or ``None``: a name of lowercase
+    letters, digits and ``- _ .``; a ``-bin`` name's value bytes; any other's printable ASCII."""
+    if not HEADER_NAME.fullmatch(name):
+        return f"header name {name!r}: gRPC allows only lowercase letters a-z, digits and - _ ."
+    if name.endswith("-bin"):
+        return None if isinstance(value, bytes) else f"header {name}: a -bin value is bytes"
+    if not (isinstance(value, str) and value.isascii() and value.isprintable()):
+        return f"header {name}: gRPC allows only printable ASCII text in a value, not {value!r}"
+    return None
+
+
 DETAILS_TRAILER = "grpc-status-details-bin"
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
 
@@ -47,6 +64,7 @@ __all__ = [
     "DETAILS_TRAILER",
     "ERROR_DOMAIN",
     "KEY_HEADER",
+    "HEADER_NAME",
     "KEY_HEADER_BIN",
     "LIBRARY_HEADERS",
     "NEVER_RECORDED",
@@ -57,6 +75,7 @@ __all__ = [
     "pushback_trailers",
     "reason_of",
     "retry_after_ms",
+    "unsendable",
 ]
 
 Metadata = Iterable[Any]

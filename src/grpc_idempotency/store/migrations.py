@@ -114,12 +114,23 @@ async def _take_lock(conn: Any, schema: str) -> None:
     started = time.monotonic()
     try:
         await conn.execute("SELECT pg_catalog.pg_advisory_xact_lock($1)", lock)
-    except TimeoutError as exc:
+    except (TimeoutError, asyncpg.QueryCanceledError, asyncpg.LockNotAvailableError) as exc:
+        # asyncpg's timeout (command_timeout), or the server's: a statement_timeout or a
+        # lock_timeout set on the role or the database.
         raise MigrationLockTimeout(
             f"another runner is applying migrations to schema {schema!r}: waited"
-            f" {time.monotonic() - started:.1f} s for it to finish (the statement timeout); run"
-            " again once it is done, or allow more time (command_timeout, --command-timeout)"
+            f" {time.monotonic() - started:.1f} s for it to finish ({_cause(exc)}); run again"
+            " once it is done, or allow more time (command_timeout, --command-timeout, or the"
+            " role's statement_timeout / lock_timeout)"
         ) from exc
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, asyncpg.QueryCanceledError):
+        return "the server's statement_timeout"
+    if isinstance(exc, asyncpg.LockNotAvailableError):
+        return "the server's lock_timeout"
+    return "the statement timeout"
 
 
 async def _apply(
