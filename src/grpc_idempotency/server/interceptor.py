@@ -526,9 +526,11 @@ class IdempotencyInterceptor(_Interceptor):
                         started_at = claim.started_at if isinstance(claim, PhasedClaim) else None
                         if started_at is None:
                             started_at = datetime.now(UTC)
-                        return await self._execute(
-                            call, claim, scope, key, fingerprint, executed, started_at
-                        )
+                        # Until the claim is committed or released: the store's close() waits.
+                        with store.holding_claim():
+                            return await self._execute(
+                                call, claim, scope, key, fingerprint, executed, started_at
+                            )
                     continue
             except StoreUnavailable as err:
                 fail_open = await _may_fail_open(policy, context, err, store)

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
@@ -361,6 +361,9 @@ class Store:
             float(timeout) if isinstance(timeout, int | float) and 0 < timeout < math.inf else None
         )
         self._settling: set[asyncio.Future[None]] = set()
+        self._claiming: set[asyncio.Task[Any]] = set()
+        """Tasks holding a claim of this store's (``holding_claim``): ``close`` lets them end."""
+        self._closing = False
         self._probe: _Probe | None = None
         """How ``answers`` opens a connection of its own; set by ``connect`` only."""
         self._probing: asyncio.Future[bool] | None = None
@@ -458,17 +461,47 @@ class Store:
         return store
 
     async def close(self, timeout: float = 10.0) -> None:
-        """Closes the pool; connections that do not close in ``timeout`` (a partitioned
-        database never answers) are dropped. Claims whose callers went while they were on the
-        wire are released first (``_settle``), for as long as ``timeout`` allows."""
+        """Closes the pool, within ``timeout`` in all; connections that do not close in time
+        (a partitioned database never answers) are dropped.
+
+        First, for as long as ``timeout`` allows, the calls that hold a claim of this store end
+        (``holding_claim``): commit, or release their keys. A server's ``stop(grace)`` returns
+        before the handlers it cancelled have run their release, and a phased call's release
+        needs a pooled connection: closed first, the pool refused it, and the key stayed
+        claimed for its whole lease (a retry elsewhere was told "in progress" that long). So
+        are claims whose callers went while they were on the wire (``_settle``)."""
+        deadline = asyncio.get_running_loop().time() + timeout
         if self._probing is not None:
             self._probing.cancel()  # its waiters take that for "no answer" (``answers``)
-        if self._settling:
-            await asyncio.wait(set(self._settling), timeout=timeout)
+        current = asyncio.current_task()
+        ending = {t for t in self._claiming if t is not current} | set(self._settling)
+        if ending:
+            await asyncio.wait(ending, timeout=timeout)
+        if self._settling:  # releases those ends started
+            await asyncio.wait(set(self._settling), timeout=self._left(deadline))
+        self._closing = True
         try:
-            await asyncio.wait_for(self.pool.close(), timeout)
+            await asyncio.wait_for(self.pool.close(), self._left(deadline))
         except TimeoutError:
             self.pool.terminate()
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.0, deadline - asyncio.get_running_loop().time())
+
+    @contextlib.contextmanager
+    def holding_claim(self) -> Iterator[None]:
+        """Marks the current task as holding a claim of this store's until the block ends:
+        ``close`` waits for it (the interceptor holds one around each execution)."""
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - the interceptor runs in a task
+            yield
+            return
+        self._claiming.add(task)
+        try:
+            yield
+        finally:
+            self._claiming.discard(task)
 
     async def check_schema(self) -> None:
         """Raises ``StoreMisconfigured`` unless every migration this version of the library
@@ -611,6 +644,13 @@ class Store:
                 ) from exc
             raise store_error(exc, doing) from exc
         except STORE_ERRORS as exc:
+            if self._closing:
+                # The pool is closing or closed (asyncpg's InterfaceError, no SQLSTATE): no
+                # outage, the database is up and may hold the key's outcome. Taken for one, a
+                # fail-open method ran unclaimed while another replica ran the same key.
+                raise StoreUnavailable(
+                    f"idempotency store closed while {doing}", outage=False
+                ) from exc
             raise store_error(exc, doing) from exc
         self._acquired += 1
         return conn

@@ -1,0 +1,69 @@
+"""A rolling deploy's shutdown with keyed calls in flight: ``server.stop(grace)``, then
+``store.close()`` (the README's order, and ``testing.serve``'s).
+
+``stop()`` returns before the handlers it cancelled at the end of the grace have run their
+release; a phased call releases its key on a pooled connection, which the closing pool refused,
+and the key stayed claimed for its whole lease: a retry on another replica was told "in
+progress" that long. And a closed pool read as an outage, so a fail-open method ran unclaimed
+while the database, up all along, might hold the key's outcome (a review's findings)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import grpc
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Mode, Store
+from tests.support.ledger import POST, fresh, ledger_rows, running_ledger
+
+SVC = "/testsvc.v1.LedgerService/"
+SCOPE = "tenant:tenant-a"
+LONG_LEASE = {
+    (SVC + "PostPhased").lstrip("/"): MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))
+}
+
+
+async def test_stop_then_close_releases_a_claim_the_grace_cancelled(
+    pg_dsn: str, store: Store
+) -> None:
+    own = await Store.connect(pg_dsn, max_size=4)
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    try:
+        async with running_ledger(own, overrides=LONG_LEASE) as ledger:
+            call = asyncio.ensure_future(ledger.call(SVC + "PostPhased", request, key))
+            await ledger.service.started.wait()  # claimed (a 30 s lease), the handler waiting
+            await ledger.server.stop(0.2)  # the grace runs out: the handler is cancelled
+            await own.close()
+            first = await call
+        assert first.code is grpc.StatusCode.UNAVAILABLE, first
+        released = await store.pool.fetchval(
+            "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records"
+            " WHERE scope = $1 AND key = $2",
+            SCOPE,
+            key,
+        )
+        assert released is True  # not a lease of 30 s for another replica to wait out
+        async with running_ledger(store, overrides=LONG_LEASE) as other:
+            other.service.release.set()  # this time the handler goes on
+            retry = await other.call(SVC + "PostPhased", request, key)
+        assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry
+        assert await ledger_rows(store, account) == 1
+    finally:
+        await own.close()
+
+
+async def test_a_closed_store_is_no_outage_to_fail_open_on(pg_dsn: str, store: Store) -> None:
+    own = await Store.connect(pg_dsn, max_size=2)
+    async with running_ledger(own) as ledger:
+        await own.close()
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+        answer = await ledger.call(SVC + "PostFailOpen", request, fresh())
+        assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
+        assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        assert "idempotency store closed" in (answer.details or "")
+        assert ledger.service.executions == 0  # not run unclaimed
+        plain = await ledger.call(POST, request, fresh())
+        assert plain.code is grpc.StatusCode.UNAVAILABLE, plain
