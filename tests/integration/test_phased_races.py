@@ -35,7 +35,7 @@ from tests.support.wire import call_raw
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
 SCOPE = "tenant:tenant-a"
-RENEW = "%SET locked_until = clock_timestamp() + make_interval%"
+RENEW = "%SET locked_until = pg_catalog.clock_timestamp() + pg_catalog.make_interval%"
 RELEASE = "%SET locked_until = %"  # the release, as long as make_interval is excluded
 ABOVE_READ_COMMITTED = [Isolation.REPEATABLE_READ, Isolation.SERIALIZABLE]
 

@@ -11,7 +11,7 @@ import pytest
 from grpc_idempotency.testing import ConformanceTarget, IdempotencyConformance
 
 # What the class supplies as methods rather than class attributes.
-_FROM_METHODS = {"request", "count_effects", "mutate", "error_request"}
+_FROM_METHODS = {"request", "count_effects", "mutate", "error_request", "count_external_effects"}
 _REQUIRED = {"server", "method"}
 
 
@@ -52,3 +52,15 @@ def test_every_class_attribute_reaches_the_target(setting: dataclasses.Field[Any
     sentinel: Any = {"metadata": (("x", "y"),), "server_env": {"A": "1"}}.get(setting.name, 97)
     tuned = type("Tuned", (_Tuned,), {setting.name: sentinel})
     assert getattr(tuned().conformance_target(), setting.name) == sentinel
+
+
+def test_external_effects_are_counted_only_when_the_class_defines_how() -> None:
+    assert _Tuned().conformance_target().count_external_effects is None
+
+    class Counting(_Tuned):
+        async def count_external_effects(self, request: Any) -> int:
+            return 1
+
+    counting = Counting()
+    counter = counting.conformance_target().count_external_effects
+    assert counter is not None and counter == counting.count_external_effects
