@@ -13,9 +13,10 @@ import asyncio
 from datetime import timedelta
 
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import MethodOverride, Mode, Store
+from grpc_idempotency import MethodOverride, Mode, Store, StoreUnavailable
 from tests.support.ledger import POST, fresh, ledger_rows, running_ledger
 
 SVC = "/testsvc.v1.LedgerService/"
@@ -63,7 +64,46 @@ async def test_a_closed_store_is_no_outage_to_fail_open_on(pg_dsn: str, store: S
         answer = await ledger.call(SVC + "PostFailOpen", request, fresh())
         assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
         assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
-        assert "idempotency store closed" in (answer.details or "")
+        assert "idempotency store clos" in (answer.details or "")  # closing, or closed
         assert ledger.service.executions == 0  # not run unclaimed
         plain = await ledger.call(POST, request, fresh())
         assert plain.code is grpc.StatusCode.UNAVAILABLE, plain
+    # Past the claim: a look-up (a replica's replay) on the closed pool is no outage either.
+    with pytest.raises(StoreUnavailable, match="idempotency store closed") as closed:
+        await own.lookup(SCOPE, fresh())
+    assert not closed.value.outage
+
+
+async def test_no_claim_begins_once_close_has_begun(pg_dsn: str, store: Store) -> None:
+    """close() waits for the calls that held a claim when it began; a call that claimed while
+    it waited was not waited for, and the pool closed under it (its key claimed for the lease).
+    Now a claim after close() began is refused: UNAVAILABLE, no outage, nothing claimed."""
+    own = await Store.connect(pg_dsn, max_size=4)
+    held, late = fresh(), fresh()
+    waiting = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="wait")
+    try:
+        async with running_ledger(own, overrides=LONG_LEASE) as ledger:
+            first = asyncio.ensure_future(ledger.call(SVC + "PostPhased", waiting, held))
+            await ledger.service.started.wait()
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            await asyncio.sleep(0)  # close() runs up to its wait: the store drains
+            plain = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+            refused = await ledger.call(SVC + "PostPhased", plain, late)
+            assert not closing.done()  # still waiting for the held claim
+            ledger.service.release.set()
+            answered = await first
+            await closing
+        assert refused.code is grpc.StatusCode.UNAVAILABLE, refused
+        assert refused.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        assert "no new claims" in (refused.details or "")
+        assert answered.code is grpc.StatusCode.OK, answered  # the held claim committed
+        rows = await store.pool.fetch(
+            "SELECT key, state FROM grpc_idempotency.records WHERE scope = $1"
+            " AND key = ANY($2::text[])",
+            SCOPE,
+            [held, late],
+        )
+        states = {row["key"]: row["state"] for row in rows}
+        assert states == {held: "completed"}
+    finally:
+        await own.close()

@@ -28,7 +28,14 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store, current_call
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MethodOverride,
+    StaticScope,
+    Store,
+    current_call,
+)
+from grpc_idempotency.core import wire
 from grpc_idempotency.testing import (
     ConformanceFailure,
     ConformancePlan,
@@ -37,7 +44,7 @@ from grpc_idempotency.testing import (
     assert_replayed,
     serve,
 )
-from tests.support.ledger import RunningLedger, metadata
+from tests.support.ledger import RunningLedger, metadata, running_ledger
 from tests.support.processes import running
 
 pytest_plugins = ["pytester"]
@@ -381,6 +388,28 @@ async def test_assertions_tell_the_librarys_refusal_from_the_handlers_answer(
         await assert_replayed(refused.value)
     with pytest.raises(AssertionError, match=r"expected a replay \(.*\), but the handler ran"):
         await assert_replayed(first)
+
+
+async def test_an_outcome_the_library_recorded_is_an_execution_then_a_replay(
+    store: Store,
+) -> None:
+    """A response over max_response_bytes is recorded as RESPONSE_TOO_LARGE, a reason of the
+    library's: the handler ran, and the first answer is the operation's outcome, not a refusal
+    (assert_not_replayed failed on it: the README's pair could not both be written)."""
+    key = f"k-{uuid.uuid4().hex}"
+    overrides = {POST.lstrip("/"): MethodOverride(max_response_bytes=100)}
+    request = testsvc_pb2.PostRequest(
+        account="kit-" + uuid.uuid4().hex, amount=1, behaviour="big:1024"
+    )
+    async with running_ledger(store, overrides=overrides) as ledger:
+        answers = []
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await ledger.stub.Post(request, metadata=metadata(key))
+            answers.append(failed.value)
+    assert wire.reason_of(answers[0].trailing_metadata()) == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
+    await assert_not_replayed(answers[0])
+    await assert_replayed(answers[1])
 
 
 def test_dev_extra_holds_the_testing_extra_and_the_plugin_is_registered() -> None:

@@ -63,3 +63,22 @@ def test_reasons_of_other_domains_are_not_ours() -> None:
 def test_recorded_and_never_recorded_codes_do_not_overlap() -> None:
     assert not wire.DEFAULT_RECORDED_ERRORS & wire.NEVER_RECORDED
     assert Code.OK not in wire.DEFAULT_RECORDED_ERRORS | wire.NEVER_RECORDED
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "sendable"),
+    [
+        ("x-tenant-id", "acme", True),
+        ("x-tenant-id", b"acme", True),  # gRPC sends a text value given as bytes too
+        ("x-tenant-id", b"caf\xe9", False),
+        ("x-tenant-id", "caf\u00e9", False),
+        ("x-tenant-id", "a\tb", False),
+        ("X-Tenant-Id", "acme", False),
+        ("x-blob-bin", b"\x00\xff", True),
+        ("x-blob-bin", "text", False),
+    ],
+)
+def test_unsendable_says_what_grpc_would_refuse(
+    name: str, value: str | bytes, sendable: bool
+) -> None:
+    assert (wire.unsendable(name, value) is None) is sendable

@@ -51,8 +51,10 @@ def unsendable(name: str, value: str | bytes) -> str | None:
         return f"header name {name!r}: gRPC allows only lowercase letters a-z, digits and - _ ."
     if name.endswith("-bin"):
         return None if isinstance(value, bytes) else f"header {name}: a -bin value is bytes"
-    if not (isinstance(value, str) and value.isascii() and value.isprintable()):
-        return f"header {name}: gRPC allows only printable ASCII text in a value, not {value!r}"
+    # gRPC sends a text value given as str or as bytes, if it is printable ASCII either way.
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    if not (isinstance(text, str) and text.isascii() and text.isprintable()):
+        return f"header {name}: gRPC allows only printable ASCII text in a value, not {text!r}"
     return None
 
 

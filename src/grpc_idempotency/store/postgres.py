@@ -363,6 +363,8 @@ class Store:
         self._settling: set[asyncio.Future[None]] = set()
         self._claiming: set[asyncio.Task[Any]] = set()
         """Tasks holding a claim of this store's (``holding_claim``): ``close`` lets them end."""
+        self._draining = False
+        """``close`` has begun: no new claims."""
         self._closing = False
         self._probe: _Probe | None = None
         """How ``answers`` opens a connection of its own; set by ``connect`` only."""
@@ -473,17 +475,28 @@ class Store:
         deadline = asyncio.get_running_loop().time() + timeout
         if self._probing is not None:
             self._probing.cancel()  # its waiters take that for "no answer" (``answers``)
+        # No claim from now on (``_refuse_if_draining``): one that began while the others
+        # ended was not waited for, and the pool closed under it.
+        self._draining = True
         current = asyncio.current_task()
-        ending = {t for t in self._claiming if t is not current} | set(self._settling)
-        if ending:
-            await asyncio.wait(ending, timeout=timeout)
-        if self._settling:  # releases those ends started
-            await asyncio.wait(set(self._settling), timeout=self._left(deadline))
+        while self._left(deadline) > 0:
+            # Again and again: a claim on the wire when the drain began holds it once it lands,
+            # and an end may start a release (``_settling``).
+            ending = {t for t in self._claiming if t is not current} | set(self._settling)
+            if not ending:
+                break
+            await asyncio.wait(ending, timeout=self._left(deadline))
         self._closing = True
         try:
             await asyncio.wait_for(self.pool.close(), self._left(deadline))
         except TimeoutError:
             self.pool.terminate()
+
+    def _refuse_if_draining(self) -> None:
+        if self._draining:
+            # The store is closing: no outage (a fail-open method must not run unclaimed), and
+            # UNAVAILABLE to the client, which retries on another replica.
+            raise StoreUnavailable("idempotency store closing: no new claims", outage=False)
 
     @staticmethod
     def _left(deadline: float) -> float:
@@ -736,6 +749,7 @@ class Store:
 
         The transaction may sit idle for at most ``lease_s`` (the atomic lease): a frozen or
         partitioned owner loses the claim then, and a retry can take the key."""
+        self._refuse_if_draining()
         conn = await self._acquire("claiming a key", timeout)
         claim = self._atomic_claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
         sql = self.statements.begin_atomic_claim(
@@ -799,6 +813,7 @@ class Store:
         # while the task still waited in the pool's queue was taken for a dead database, and a
         # fail-open method ran unclaimed on a live, busy store.
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._refuse_if_draining()
         conn = await self._acquire("claiming a key", timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
 

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from grpc_idempotency.core.errors import ResponseTooLarge
 from grpc_idempotency.core.wire import REPLAYED_HEADER, REPLAYED_METADATA, reason_of
 
 __all__ = ["assert_not_replayed", "assert_replayed", "is_replayed"]
@@ -39,10 +40,16 @@ async def _initial_metadata(answer: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((str(name), value) for name, value in metadata or ())
 
 
+# The library's reasons that are an operation's recorded outcome, answered on its execution and
+# replayed after it: not a refusal.
+_RECORDED_REASONS = frozenset({ResponseTooLarge.reason})
+
+
 async def _refusal(answer: Any) -> str | None:
     """The library's reason in ``answer``'s status (a refused key, a store outage, a handler's
     misuse): the library answered, and the handler's answer, if it ran, was not sent. ``None``
-    for an answer the handler gave, and for bare metadata (no trailers to read)."""
+    for an answer the handler gave, for an outcome the library recorded for the operation
+    (``RESPONSE_TOO_LARGE``), and for bare metadata (no trailers to read)."""
     trailers_of = getattr(answer, "trailing_metadata", None)
     if trailers_of is None:
         return None
@@ -50,7 +57,7 @@ async def _refusal(answer: Any) -> str | None:
     if inspect.isawaitable(trailers):
         trailers = await trailers
     reason = reason_of(tuple(trailers or ()))
-    if reason is None:
+    if reason is None or reason in _RECORDED_REASONS:
         return None
     details = getattr(answer, "details", None)
     text = details() if details is not None else None
