@@ -473,9 +473,6 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     with_store(stats)
 
 
-# What gRPC accepts (wire.HEADER_NAME), checked when a call is sent: a header it refuses fails
-# the delivery, and the relay would retry it and dead-letter every row after --max-attempts.
-_HEADER_NAME = HEADER_NAME
 # Set by the relay itself (the key, in either form; the step name: LIBRARY_HEADERS), reserved by
 # gRPC (grpc-*) or by HTTP/2 transport. The key's -bin form was let through: the server refused
 # every call carrying it (INVALID_ARGUMENT), and every row went to the dead letters.
@@ -484,7 +481,9 @@ _RESERVED_HEADERS = LIBRARY_HEADERS | {"content-type", "te"}
 
 def _header_name(text: str) -> str:
     name = text.strip().lower()
-    if not _HEADER_NAME.fullmatch(name):
+    # What gRPC accepts, checked when a call is sent: a header it refuses fails the delivery,
+    # and the relay would retry it and dead-letter every row after --max-attempts.
+    if not HEADER_NAME.fullmatch(name):
         raise argparse.ArgumentTypeError(
             f"header name {text!r}: gRPC allows only letters a-z, digits and - _ ."
         )
