@@ -67,7 +67,7 @@ from grpc_idempotency.store.outbox_store import (
     OutboxStore,
     StateCount,
 )
-from grpc_idempotency.store.postgres import Store
+from grpc_idempotency.store.postgres import Store, one_store
 
 __all__ = [
     "DEFAULT_PERMANENT_CODES",
@@ -87,6 +87,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("grpc_idempotency.outbox")
+
+# A relay's purge of sent rows deletes in batches of this many rows, at most this many batches
+# at a turn, so that it never holds up deliveries for long.
+_PURGE_BATCH = 1000
+_PURGE_BATCHES = 10
 
 
 def _is_utf8(text: str) -> bool:
@@ -313,6 +318,7 @@ class Relay:
         listen: bool = True,
         listen_dsn: str | None = None,
     ) -> None:
+        store = one_store(store, user="Relay", per_shard="run one Relay per shard's Store")
         if name is not None and ("\x00" in name or not _is_utf8(name)):
             # Stored in claimed_by: refused by PostgreSQL, every claim read as an outage.
             raise ValueError(f"relay name {name!r} holds NUL or is not UTF-8")
@@ -575,8 +581,11 @@ class Relay:
                 wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
                 log.warning("relay %s: %s; trying again in %.1fs", self.name, err, wait)
             if self.sent_retention is not None and loop.time() >= next_purge:
-                next_purge = loop.time() + self.purge_interval
-                await self._purge(self.sent_retention)
+                # A purge that hit its cap left rows past retention: go on at the next turn
+                # (between batches), else a relay sending more than the cap per interval (10,000
+                # a minute by default) let sent rows pile up without bound.
+                more = await self._purge(self.sent_retention)
+                next_purge = loop.time() + (0.0 if more else self.purge_interval)
             if wait > 0 and not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
@@ -597,17 +606,20 @@ class Relay:
         await stop.wait()
         self._wake.set()
 
-    async def _purge(self, retention: float) -> None:
+    async def _purge(self, retention: float) -> bool:
+        """Deletes up to ``_PURGE_BATCHES`` batches of sent rows past ``retention``; whether it
+        stopped at that cap (so more may be left)."""
         try:
             purged = await self.outbox.purge_sent(
-                older_than_s=retention, batch_size=1000, max_batches=10
+                older_than_s=retention, batch_size=_PURGE_BATCH, max_batches=_PURGE_BATCHES
             )
         except StoreUnavailable as err:
             log.warning("relay %s: purging sent rows failed: %s", self.name, err)
-            return
+            return False
         self.stats.purged += purged
         if purged:
             log.info("relay %s: purged %d sent rows", self.name, purged)
+        return purged >= _PURGE_BATCH * _PURGE_BATCHES
 
     # -- wake-ups ----------------------------------------------------------------------------
 

@@ -572,6 +572,80 @@ async def test_the_relay_purges_sent_rows_after_retention(outbox: Store) -> None
     assert relay.stats.purged == 5
 
 
+async def test_a_purge_backlog_past_the_relays_cap_is_worked_off_without_waiting_intervals(
+    outbox: Store,
+) -> None:
+    """A relay deletes at most 10 batches of 1,000 sent rows at a turn; a backlog bigger than
+    that is worked off at the next turns, not one cap per ``purge_interval`` (an hour here): at
+    more than the cap per interval, sent rows piled up without bound."""
+    await outbox.pool.execute(
+        f"""INSERT INTO "{outbox.schema}".outbox
+                (scope, key, step, parent_key, method, payload_type, payload, state, sent_at)
+            SELECT 'tenant:tenant-a', 'old-' || i, 'entry-posted.v1', 'parent', '/m', 't', '',
+                   'sent', pg_catalog.clock_timestamp() - interval '2 days'
+            FROM pg_catalog.generate_series(1, 12500) AS i"""
+    )
+    relay = Relay(outbox, Receiver(), sent_retention=3600, purge_interval=3600, poll_interval=0.05)
+    async with running(relay):
+
+        async def purged() -> bool:
+            return await states(outbox) == {}
+
+        await until("the whole backlog to be purged", purged, timeout=WAIT_S)
+    assert relay.stats.purged == 12500
+
+
+async def test_a_relays_read_committed_transaction_cannot_sit_idle_holding_rows(
+    pg_dsn: str, outbox: Store
+) -> None:
+    """At a REPEATABLE READ default the relay's claim, marks and purge batches run in a
+    READ COMMITTED transaction of their own (``Store.read_committed``). A relay frozen inside
+    one (GC pause, SIGSTOP, partition) kept the rows it had locked, skipped by every other
+    relay, until TCP keepalive noticed: the transaction now sits idle at most its bound, as
+    every transaction of the library's does."""
+    [row_id] = await insert(outbox, outbox.schema, ["held"])
+    async with second_store(pg_dsn, outbox) as plain:
+        at_rr = await Store.connect(
+            pg_dsn,
+            schema=outbox.schema,
+            min_size=1,
+            max_size=1,
+            server_settings={"default_transaction_isolation": "repeatable read"},
+        )
+        try:
+            async with at_rr.connection("test") as conn, at_rr.read_committed(conn):
+                bound = await conn.fetchval("SHOW idle_in_transaction_session_timeout")
+                assert bound == "5s"
+            # A connection of its own (the same default), so that its death spares the pool.
+            frozen = await asyncpg.connect(
+                pg_dsn, server_settings={"default_transaction_isolation": "repeatable read"}
+            )
+            try:
+                async with at_rr.read_committed(cast(Any, frozen), idle_timeout_s=0.2):
+                    locked = await frozen.fetchval(
+                        f'SELECT id FROM "{outbox.schema}".outbox WHERE id = $1 FOR UPDATE',
+                        row_id,
+                    )
+                    assert locked == row_id
+
+                    # This "relay" now freezes holding the row; another one must get it back.
+                    async def free() -> bool:
+                        got = await plain.pool.fetchval(
+                            f'SELECT id FROM "{outbox.schema}".outbox WHERE id = $1'
+                            " FOR UPDATE SKIP LOCKED",
+                            row_id,
+                        )
+                        return bool(got == row_id)
+
+                    await until("the frozen transaction's row to be free", free, timeout=WAIT_S)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError):
+                pass  # the block's COMMIT on the session PostgreSQL ended: expected
+            finally:
+                frozen.terminate()
+        finally:
+            await at_rr.close()
+
+
 # -- the gRPC sink --------------------------------------------------------------------------------
 
 

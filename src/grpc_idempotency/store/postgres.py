@@ -53,6 +53,7 @@ from grpc_idempotency.store.errors import (
     store_error,
 )
 from grpc_idempotency.store.sql import SAVEPOINT, Statements
+from grpc_idempotency.store.sql import begin as begin_sql
 
 log = logging.getLogger("grpc_idempotency.store")
 
@@ -75,6 +76,10 @@ INLINE_OUTCOME_BYTES = 16 * 1024
 # A rollback after a failure gets this long before the connection is dropped instead: after a
 # partition the connection may never answer again.
 ROLLBACK_TIMEOUT_S = 2.0
+# How long a store-internal READ COMMITTED transaction (``Store.read_committed``: a relay's claim
+# or marks, a purge batch) may sit idle: its statements are sent back to back, so an idle gap
+# this long means the process froze or the network split while it held rows locked.
+READ_COMMITTED_IDLE_S = 5.0
 _DEFAULT_COMMAND_TIMEOUT_S = 30.0
 
 
@@ -587,7 +592,9 @@ class Store:
             await self._release(conn)
 
     @contextlib.asynccontextmanager
-    async def read_committed(self, conn: PooledConnection) -> AsyncIterator[None]:
+    async def read_committed(
+        self, conn: PooledConnection, *, idle_timeout_s: float = READ_COMMITTED_IDLE_S
+    ) -> AsyncIterator[None]:
         """The block's statements at READ COMMITTED, whatever the database's or role's default:
         ``SKIP LOCKED`` and the re-check of a row changed meanwhile rely on it (at REPEATABLE
         READ such a row is a serialization failure). At a READ COMMITTED default (the usual
@@ -595,6 +602,11 @@ class Store:
         that level, and nothing is added; otherwise the block is one transaction, ``BEGIN
         ISOLATION LEVEL READ COMMITTED`` ... ``COMMIT`` (two more round trips). No session
         state either way, so a transaction pooler may hand any server connection over.
+
+        That transaction sits idle at most ``idle_timeout_s`` (``SET LOCAL``, as every
+        transaction of the library's): it holds the rows its statements locked (a relay's
+        claimed batch, a purge batch), and a process frozen or cut off between its statements
+        otherwise kept them locked, skipped by every other relay, until TCP keepalive noticed.
 
         Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
         connection whose statement may still be running. Here a cancellation leaves the
@@ -604,7 +616,7 @@ class Store:
         if self._default_isolation == "read committed":
             yield
             return
-        await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        await conn.execute(begin_sql("read committed", idle_timeout_s))
         try:
             yield
         except Exception:
@@ -1299,3 +1311,13 @@ class PhasedClaim:
                 )
         except StoreUnavailable:
             log.warning("could not release claim %s/%s; it expires with its lease", c.scope, c.key)
+
+
+def one_store(store: object, *, user: str, per_shard: str) -> Store:
+    """``store`` if it is a ``Store``; else a ``TypeError`` that says what to pass instead.
+    ``ShardedStores`` is accepted by the interceptor and ``Purger`` only: a relay or a consumer
+    works on one database (``per_shard`` says how to run one per shard)."""
+    if isinstance(store, Store):
+        return store
+    hint = f"; for ShardedStores, {per_shard}" if type(store).__name__ == "ShardedStores" else ""
+    raise TypeError(f"{user} takes a Store, not {type(store).__name__}{hint}")
