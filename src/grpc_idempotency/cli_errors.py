@@ -83,8 +83,20 @@ def run_command(main: Coroutine[Any, Any, T]) -> T:
         raise
 
 
+# C0 controls, DEL and C1 controls: a terminal acts on them (ESC [ 1 A moves the cursor up).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters shown as escapes (``\\n``, ``\\x1b``), newlines
+    included: stored text that a client or a downstream service chose (a recorded error's
+    message, a delivery's last error) could otherwise add lines to an operator's output or,
+    on a terminal, move the cursor and overwrite lines already printed."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def one_line(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
+    text = printable(" ".join(text.split()))
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 

@@ -258,6 +258,58 @@ async def test_outbox_rows_and_recorded_errors(services: Services) -> None:
     assert "recorded error: NOT_FOUND: no such account" in tree.stdout
 
 
+FORGED = "x\n\x1b[1A\x1b[2K/testsvc.v1.LedgerService/Post  completed OK\x9b\x7f"
+
+
+async def test_stored_error_text_cannot_add_or_overwrite_lines_of_the_output(
+    services: Services,
+) -> None:
+    """A recorded error's message and a delivery's last error are text a client or a downstream
+    chose (a handler echoing a request field). Printed raw, a newline added a line to the tree
+    and ESC [ 1 A moved a terminal's cursor up to overwrite one: a recorded error could be made
+    to read "completed OK". Both are printed with their control characters escaped."""
+    tenant = fresh("tenant")
+    scope = f"tenant:{tenant}"
+    error_key, event_key = fresh(), fresh()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await services.ledger.stub.Post(
+            testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="rich"),
+            metadata=metadata(error_key, tenant),
+        )
+    await services.ledger.stub.PostWithEvent(
+        testsvc_pb2.PostRequest(account=fresh("acct"), amount=7),
+        metadata=metadata(event_key, tenant),
+    )
+    ledger = services.ledger_store
+    await ledger.pool.execute(
+        f'UPDATE "{ledger.schema}".records SET status_message = $1 WHERE key = $2',
+        FORGED,
+        error_key,
+    )
+    await ledger.pool.execute(
+        f"UPDATE \"{ledger.schema}\".outbox SET state = 'dead', last_error = $1", FORGED
+    )
+
+    tree = await cli("inspect", *services.stores(), "--scope", scope, error_key)
+    assert tree.returncode == 0, tree.stderr
+    (line,) = [ln for ln in tree.stdout.splitlines() if "recorded error" in ln]
+    assert line.endswith(
+        "recorded error: NOT_FOUND: x\\n\\x1b[1A\\x1b[2K/testsvc.v1.LedgerService/Post"
+        "  completed OK\\x9b\\x7f"
+    ), line
+    events = await cli("inspect", *services.stores(), "--scope", scope, event_key)
+    assert events.returncode == 0, events.stderr
+    for out in (tree.stdout, events.stdout):
+        assert not any(c in out for c in "\x1b\x9b\x7f"), out
+    (line,) = [ln for ln in events.stdout.splitlines() if "last error" in ln]
+    assert line.endswith("last error: x\\n\\x1b[1A\\x1b[2K/testsvc.v1.LedgerService/Post"
+                         "  completed OK\\x9b\\x7f"), line  # fmt: skip
+
+    dead = await cli("outbox", "dead", "--dsn", services.dsn, "--schema", ledger.schema)
+    assert dead.returncode == 0, dead.stderr
+    assert "\x1b" not in dead.stdout and "x \\x1b[1A\\x1b[2K" in dead.stdout, dead.stdout
+
+
 async def test_an_operation_in_progress_shows_its_lease(services: Services) -> None:
     key, tenant = fresh(), fresh("tenant")
     scope = f"tenant:{tenant}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 
+from grpc_idempotency.cli_errors import printable
 from grpc_idempotency.core import inspection
 from grpc_idempotency.core.inspection import (
     Child,
@@ -77,7 +78,7 @@ def _record_lines(service: str, n: Node) -> list[str]:
     if n.response is not None:
         lines += _payload_lines("response", n.response)
     if n.error is not None:
-        lines.append(f"recorded error: {n.error.code}: {n.error.message}")
+        lines.append(f"recorded error: {n.error.code}: {printable(n.error.message)}")
         lines += [f"  detail {json.dumps(d, sort_keys=True)}" for d in n.error.details]
     return lines
 
@@ -103,7 +104,7 @@ def _outbox_lines(row: OutboxEntry, payload: Payload) -> list[str]:
         line += f", next {timestamp(row.next_attempt_at)}"
     lines = [line]
     if row.last_error:
-        lines.append(f"last error: {row.last_error}")
+        lines.append(f"last error: {printable(row.last_error)}")
     return lines + _payload_lines("payload", payload)
 
 
