@@ -77,7 +77,7 @@ from grpc_idempotency.core.errors import IdempotencyError, MessageInProgress
 from grpc_idempotency.server import answers as _answers
 from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
 from grpc_idempotency.store.errors import store_error
-from grpc_idempotency.store.postgres import PooledConnection, Store
+from grpc_idempotency.store.postgres import PooledConnection, Store, one_store
 
 __all__ = [
     "ConsumeResult",
@@ -128,7 +128,11 @@ class IdempotentConsumer:
         max_wait: timedelta = timedelta(seconds=5),
         idle_timeout: timedelta = timedelta(seconds=30),
     ) -> None:
-        self.store = store
+        self.store = one_store(
+            store,
+            user="IdempotentConsumer",
+            per_shard="pass the Store of the shard whose database the effect writes to",
+        )
         self.name = validate_consumer_name(name)
         self.policy = ConsumerPolicy(
             retention=retention, max_wait=max_wait, idle_timeout=idle_timeout

@@ -15,6 +15,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -22,7 +23,15 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Purger, ScopeUnavailable, ShardedStores, Store, StoreUnavailable
+from grpc_idempotency import (
+    IdempotentConsumer,
+    Purger,
+    ScopeUnavailable,
+    ShardedStores,
+    Store,
+    StoreUnavailable,
+)
+from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, prepare, running_ledger
 from tests.support.waiting import until
@@ -380,3 +389,24 @@ async def test_shards_that_no_call_could_use_are_refused_when_made(
             ShardedStores({"one": one}, "one")  # type: ignore[arg-type]
     finally:
         pending.close()
+
+
+async def test_a_relay_or_consumer_given_sharded_stores_says_to_run_one_per_shard(
+    shards: dict[str, Shard],
+) -> None:
+    """The interceptor and ``Purger`` take ``ShardedStores``; a relay and a consumer work on one
+    database. Given one, they failed with a raw AttributeError ('no attribute pool')."""
+    sharded = ShardedStores({n: s.store for n, s in shards.items()}, PLACEMENT.__getitem__)
+
+    async def deliver(message: OutboxMessage) -> None:
+        raise AssertionError("never delivered")
+
+    with pytest.raises(TypeError, match=r"Relay takes a Store, not ShardedStores; .* per shard"):
+        Relay(cast(Any, sharded), CallableSink(deliver))
+    with pytest.raises(TypeError, match="IdempotentConsumer takes a Store, not ShardedStores"):
+        IdempotentConsumer(cast(Any, sharded), "emails")
+    with pytest.raises(TypeError, match=r"takes a Store, not str$"):
+        IdempotentConsumer(cast(Any, "postgresql://"), "emails")
+    # One per shard works.
+    assert Relay(shards["one"].store, CallableSink(deliver), listen=False).store is not None
+    assert IdempotentConsumer(shards["one"].store, "emails").store is shards["one"].store

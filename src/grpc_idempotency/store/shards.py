@@ -33,7 +33,10 @@ class ShardedStores:
     """One ``Store`` per shard, and ``shard_of(scope)`` naming the shard that holds a scope's
     records (and the tenant's business rows). Pass it as ``IdempotencyInterceptor(store=...)``.
 
-    ``shard_of`` runs on every call: keep it a lookup (a dict, a hash of the tenant id), not I/O.
+    ``shard_of`` runs on every call: keep it a lookup (a dict, a stable hash of the tenant id
+    such as ``zlib.crc32``), not I/O. Never Python's ``hash()``: it differs from process to
+    process, so a retry on another replica would look for its record on another shard and run
+    the handler again.
     It may raise an ``IdempotencyError`` to refuse a call with that error's status; any other
     exception, or a name that is not a shard, refuses the call with INTERNAL
     (``StoreMisconfigured``) before the handler runs. The caller is told only that its call could
