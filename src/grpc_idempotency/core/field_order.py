@@ -1,0 +1,123 @@
+"""Unknown fields put back where a peer that knows them would serialize them.
+
+A server serializes the fields it knows in field-number order and appends the fields it does not
+know (a newer client's, a closed enum's new value) at the end of their message. So the same
+request serializes differently on both sides of a deploy that adds a field whose number is below
+the highest one set, and a retry that crosses the deploy would be refused as another request
+under the key (KEY_REUSED) while its first attempt had executed. ``field_ordered`` sorts each
+message's wire records by field number (stably: the records of one repeated field keep their
+order), recursing into the fields the descriptor knows as messages. It is applied only to a
+request holding unknown fields (``has_unknown_fields``), so every other fingerprint is the
+deterministic serialization as it always was.
+
+What stays as sent: the inside of an unknown field (a map the server does not know keeps the
+client's entry order) and the bytes of an ``Any``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+_VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
+
+
+_SINGULAR, _REPEATED, _MAP = 0, 1, 2
+
+
+@functools.cache
+def _message_fields(descriptor: Any) -> tuple[tuple[str, int], ...]:
+    """(name, kind) of the fields of ``descriptor`` that hold messages: singular, repeated, or
+    a map whose values are messages (a map of scalars holds no message to look into)."""
+    found: list[tuple[str, int]] = []
+    for field in descriptor.fields:
+        if field.cpp_type != FieldDescriptor.CPPTYPE_MESSAGE:
+            continue
+        entry = field.message_type
+        if entry.GetOptions().map_entry:
+            value = entry.fields_by_name["value"]
+            if value.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+                found.append((field.name, _MAP))
+        else:
+            found.append((field.name, _REPEATED if field.is_repeated else _SINGULAR))
+    return tuple(found)
+
+
+def has_unknown_fields(message: Message) -> bool:
+    """Whether ``message`` or a message inside it holds fields its type does not declare."""
+    if len(UnknownFieldSet(message)):
+        return True
+    for name, kind in _message_fields(message.DESCRIPTOR):
+        value: Any = getattr(message, name)
+        if kind == _SINGULAR:
+            if message.HasField(name) and has_unknown_fields(value):
+                return True
+        elif any(has_unknown_fields(item) for item in (value.values() if kind == _MAP else value)):
+            return True
+    return False
+
+
+def field_ordered(data: bytes, descriptor: Any) -> bytes:
+    """``data`` (a serialized ``descriptor`` message) with each message's records in
+    field-number order. (``descriptor`` is typed loosely: upb's and the pure-Python
+    descriptor types differ in protobuf's stubs.)"""
+    records: list[tuple[int, bytes]] = []
+    at = 0
+    while at < len(data):
+        start = at
+        tag, at = _varint(data, at)
+        number, wire_type = tag >> 3, tag & 7
+        field = descriptor.fields_by_number.get(number)
+        if wire_type == _LEN and field is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
+            size, body = _varint(data, at)
+            inner = field_ordered(data[body : body + size], field.message_type)
+            records.append((number, data[start:at] + _encode(len(inner)) + inner))
+            at = body + size
+        else:
+            at = _skip(data, at, wire_type, number)
+            records.append((number, data[start:at]))
+    records.sort(key=lambda record: record[0])  # stable
+    return b"".join(record for _, record in records)
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, at
+
+
+def _encode(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _skip(data: bytes, at: int, wire_type: int, number: int) -> int:
+    if wire_type == _VARINT:
+        return _varint(data, at)[1]
+    if wire_type == _I64:
+        return at + 8
+    if wire_type == _I32:
+        return at + 4
+    if wire_type == _LEN:
+        size, at = _varint(data, at)
+        return at + size
+    if wire_type == _SGROUP:
+        while True:
+            tag, at = _varint(data, at)
+            if tag & 7 == _EGROUP and tag >> 3 == number:
+                return at
+            at = _skip(data, at, tag & 7, tag >> 3)
+    raise ValueError(f"wire type {wire_type} of field {number}")

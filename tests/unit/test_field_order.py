@@ -1,0 +1,152 @@
+"""Fingerprints of a request on both sides of a deploy that adds fields.
+
+A server that does not declare a field keeps it as an unknown field and serializes it at the end
+of its message; one that declares it serializes it in field-number order. Without putting unknown
+fields in order, the same bytes retried across such a deploy hashed differently and the retry of
+an executed operation was refused as KEY_REUSED. The two protos here are two versions of one
+message type, each in a pool of its own, as two server versions would hold them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields
+from grpc_idempotency.core.fingerprint import Fingerprinter
+
+F = descriptor_pb2.FieldDescriptorProto
+METHOD = "/shop.v1.Payments/Charge"
+
+
+def _field(
+    name: str, number: int, kind: F.Type.ValueType, *, type_name: str = "", repeated: bool = False
+) -> F:
+    label = F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL
+    field = F(name=name, number=number, type=kind, label=label)
+    if type_name:
+        field.type_name = type_name
+    return field
+
+
+def _charge_class(version: int, syntax: str = "proto3") -> Any:
+    """shop.v1.Charge: v1 declares account (1), amount (2), inner (5), tags (6), memo (12);
+    v2 adds note (11) and Inner.b (2) and a closed enum value (proto2 only)."""
+    inner = descriptor_pb2.DescriptorProto(
+        name="Inner",
+        field=[_field("a", 1, F.TYPE_STRING), _field("c", 3, F.TYPE_STRING)]
+        + ([_field("b", 2, F.TYPE_STRING)] if version == 2 else []),
+    )
+    charge = descriptor_pb2.DescriptorProto(
+        name="Charge",
+        field=[
+            _field("account", 1, F.TYPE_STRING),
+            _field("amount", 2, F.TYPE_INT64),
+            _field("inner", 5, F.TYPE_MESSAGE, type_name=".shop.v1.Inner"),
+            _field("items", 7, F.TYPE_MESSAGE, type_name=".shop.v1.Inner", repeated=True),
+            _field("tags", 6, F.TYPE_STRING, repeated=True),
+            _field("memo", 12, F.TYPE_STRING),
+        ]
+        + ([_field("note", 11, F.TYPE_STRING)] if version == 2 else []),
+    )
+    file = descriptor_pb2.FileDescriptorProto(
+        name=f"shop_v{version}_{syntax}.proto",
+        package="shop.v1",
+        syntax=syntax,
+        message_type=[inner, charge],
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.v1.Charge"))
+
+
+V1, V2 = _charge_class(1), _charge_class(2)
+
+
+def fingerprint(cls: Any, wire: bytes) -> bytes:
+    request = cls.FromString(wire)
+    return Fingerprinter.for_method(METHOD, cls.DESCRIPTOR)(request)
+
+
+def _new_client_request(**overrides: Any) -> bytes:
+    fields: dict[str, Any] = {"account": "acct-1", "amount": 100, "note": "gift", "memo": "m"}
+    fields.update(overrides)
+    request = V2(**fields)
+    request.inner.a, request.inner.b, request.inner.c = "a", "b", "c"
+    for value in ("x", "y"):
+        item = request.items.add()
+        item.a, item.b = value, value.upper()
+    request.tags.extend(["t1", "t2"])
+    return bytes(request.SerializeToString())
+
+
+def test_a_request_with_fields_the_old_server_lacks_hashes_alike_on_both_sides_of_the_deploy() -> (
+    None
+):
+    wire = _new_client_request()
+    old, new = V1.FromString(wire), V2.FromString(wire)
+    assert has_unknown_fields(old) and not has_unknown_fields(new)
+    # Serialized, the old side moves note (11) and Inner.b (2) to the end: different bytes.
+    assert old.SerializeToString(deterministic=True) != new.SerializeToString(deterministic=True)
+    assert fingerprint(V1, wire) == fingerprint(V2, wire)  # a rolling deploy
+    # Rolling back: what the new side stored, the old side must take for the same request.
+    assert fingerprint(V2, wire) == fingerprint(V1, V2.FromString(wire).SerializeToString())
+
+
+def test_requests_that_differ_only_in_unknown_fields_stay_different() -> None:
+    assert fingerprint(V1, _new_client_request(note="gift")) != fingerprint(
+        V1, _new_client_request(note="other")
+    )
+    assert fingerprint(V1, _new_client_request(note="")) != fingerprint(
+        V1, _new_client_request(note="gift")
+    )
+
+
+def test_a_request_without_unknown_fields_hashes_its_deterministic_serialization() -> None:
+    request = V1(account="acct-1", amount=7, memo="m")
+    request.inner.a = "a"
+    assert not has_unknown_fields(request)
+    body = request.SerializeToString(deterministic=True)
+    assert field_ordered(body, V1.DESCRIPTOR) == body  # already in order: nothing to move
+
+
+def test_repeated_records_of_one_field_keep_their_order() -> None:
+    a, b = _new_client_request(tags=["t1", "t2"]), _new_client_request(tags=["t2", "t1"])
+    assert fingerprint(V1, a) != fingerprint(V1, b)
+    assert fingerprint(V1, a) == fingerprint(V2, a) and fingerprint(V1, b) == fingerprint(V2, b)
+
+
+@pytest.mark.parametrize("value", [2, 3])
+def test_a_closed_enum_value_the_old_server_lacks_hashes_alike(value: int) -> None:
+    """proto2 enums are closed: a value the parser does not know goes to unknown fields."""
+
+    def charge(version: int) -> Any:
+        enum = descriptor_pb2.EnumDescriptorProto(
+            name="Currency",
+            value=[
+                descriptor_pb2.EnumValueDescriptorProto(name=n, number=i)
+                for i, n in enumerate(["EUR", "USD", "GBP", "JPY"][: 2 + 2 * (version == 2)])
+            ],
+        )
+        message = descriptor_pb2.DescriptorProto(
+            name="Charge",
+            field=[
+                _field("account", 1, F.TYPE_STRING),
+                _field("currency", 2, F.TYPE_ENUM, type_name=".shop.v2.Currency"),
+                _field("memo", 3, F.TYPE_STRING),
+            ],
+        )
+        file = descriptor_pb2.FileDescriptorProto(
+            name=f"enum_v{version}.proto", package="shop.v2", syntax="proto2",
+            message_type=[message], enum_type=[enum],
+        )  # fmt: skip
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(file)
+        return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.v2.Charge"))
+
+    old, new = charge(1), charge(2)
+    wire = bytes(new(account="a", currency=value, memo="m").SerializeToString())
+    assert has_unknown_fields(old.FromString(wire))
+    assert fingerprint(old, wire) == fingerprint(new, wire)
