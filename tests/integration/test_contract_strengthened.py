@@ -139,6 +139,39 @@ async def test_a_missing_or_malformed_key_carries_its_error_info(
     assert await ledger_rows(store, account) == 0
 
 
+class RawBytes:
+    """A "request" whose serialization is the given bytes, as any client could send."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:  # the protobuf name ``refused`` calls
+        return self.data
+
+
+@pytest.mark.parametrize("method", [POST, PHASED], ids=["atomic", "phased"])
+@pytest.mark.parametrize(
+    "data", [b"\x0a\xff", b"\x0a\x02\xc3\x28", b"\x07"], ids=["truncated", "bad-utf8", "bad-tag"]
+)
+async def test_a_request_that_does_not_parse_is_invalid_argument_and_claims_nothing(
+    ledger: RunningLedger, store: Store, method: str, data: bytes
+) -> None:
+    """grpc.aio's own answer to bytes its deserializer refuses is UNKNOWN, "Unexpected <class
+    'google.protobuf.message.DecodeError'>": bad input gets INVALID_ARGUMENT with the library's
+    reason instead, before the key is looked at, and the key stays free."""
+    key, account = fresh(), fresh("acct")
+    err, status = await refused(ledger.channel, method, RawBytes(data), metadata(key))
+    assert_idempotency_error(
+        err, status, grpc.StatusCode.INVALID_ARGUMENT, "IDEMPOTENCY_REQUEST_INVALID"
+    )
+    assert "testsvc.v1.LedgerService" in status.message and "class" not in status.message
+    assert ledger.service.executions == 0
+    assert await record_row(store, key) is None
+    answer = await ledger.call(method, post(account), key)  # the key was never claimed
+    assert answer.code is grpc.StatusCode.OK
+    assert await ledger_rows(store, account) == 1
+
+
 async def test_a_key_255_characters_long_is_valid(ledger: RunningLedger) -> None:
     """The bound of the invalid-key case above is the README's (> 255), not one less."""
     key = fresh()[:32].ljust(255, "~")

@@ -4,6 +4,7 @@
     ├── PolicyError                      bad options, raised when a server starts; never on a call
     ├── KeyMissing                       INVALID_ARGUMENT  IDEMPOTENCY_KEY_MISSING
     ├── KeyInvalid                       INVALID_ARGUMENT  IDEMPOTENCY_KEY_INVALID
+    ├── RequestInvalid                   INVALID_ARGUMENT  IDEMPOTENCY_REQUEST_INVALID
     ├── ScopeUnavailable                 UNAUTHENTICATED   IDEMPOTENCY_SCOPE_UNAVAILABLE
     ├── KeyReused                        FAILED_PRECONDITION IDEMPOTENCY_KEY_REUSED
     ├── KeyInProgress                    ABORTED           IDEMPOTENCY_KEY_IN_PROGRESS (retry_after)
@@ -63,6 +64,13 @@ class KeyMissing(IdempotencyError):
 class KeyInvalid(IdempotencyError):
     status_code = Code.INVALID_ARGUMENT
     reason = "IDEMPOTENCY_KEY_INVALID"
+
+
+class RequestInvalid(IdempotencyError):
+    """The request's bytes are not a message of the method's request type."""
+
+    status_code = Code.INVALID_ARGUMENT
+    reason = "IDEMPOTENCY_REQUEST_INVALID"
 
 
 class ScopeUnavailable(IdempotencyError):

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from grpc_idempotency import call as call_context
@@ -44,6 +45,7 @@ from grpc_idempotency.core.errors import (
     KeyReused,
     LeaseLost,
     PolicyError,
+    RequestInvalid,
     ResponseTooLarge,
     ScopeResolverFailed,
     StoreUnavailable,
@@ -334,11 +336,15 @@ class IdempotencyInterceptor(_Interceptor):
         # call, which is cheapest for a function (a functools.partial costs more there than
         # the frame it saves).
         async def behavior(request: Any, context: Context) -> Any:
+            if type(request) is _Undecodable:
+                # Before the key is read: nothing is claimed or recorded for bytes that are not
+                # a request (grpc.aio's own answer was UNKNOWN naming a Python exception class).
+                await answers.abort(context, RequestInvalid(request.problem))
             return await self._serve(method, request, context)
 
         return grpc.unary_unary_rpc_method_handler(
             behavior,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_decoding(policy.method, handler.request_deserializer),
             response_serializer=answers.passthrough(handler.response_serializer),
         )
 
@@ -1140,6 +1146,26 @@ async def _may_fail_open(
 
 _DEADLINE_SPENT_S = 0.05
 """Time left below which a store failure is taken for the call's deadline running out."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """What the request deserializer hands the handler for bytes it could not parse."""
+
+    problem: str
+
+
+def _decoding(method: str, deserialize: Callable[..., Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:  # raw bytes reach the handler (``intercept_service`` passes those)
+        return None
+
+    def request_deserializer(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as err:
+            return _Undecodable(f"{method}: the request does not parse: {err}")
+
+    return request_deserializer
 
 
 def _refusing(
