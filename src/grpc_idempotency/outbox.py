@@ -318,7 +318,6 @@ class Relay:
         listen: bool = True,
         listen_dsn: str | None = None,
     ) -> None:
-        store = one_store(store, user="Relay", per_shard="run one Relay per shard's Store")
         if name is not None and ("\x00" in name or not _is_utf8(name)):
             # Stored in claimed_by: refused by PostgreSQL, every claim read as an outage.
             raise ValueError(f"relay name {name!r} holds NUL or is not UTF-8")
@@ -339,6 +338,7 @@ class Relay:
             delivery_timeout = lease / 2
         if not 0 < delivery_timeout < lease:
             raise ValueError("delivery_timeout must be positive and shorter than the lease")
+        store = one_store(store, user="Relay", per_shard="run one Relay per shard's Store")
         if listen and listen_dsn is None and store.pool.get_max_size() < 2:
             # LISTEN would hold the pool's only connection, and every claim wait for it forever.
             raise ValueError(
