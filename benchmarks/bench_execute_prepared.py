@@ -10,9 +10,11 @@ do not survive PgBouncer's transaction pooling, nor a ``DISCARD ALL``).
 
 One connection, four kinds of call interleaved in rounds (the order rotating): bare (BEGIN,
 INSERT, COMMIT), the library's literal SQL (text from ``Statements``, so it follows src/), the
-same with ``EXECUTE``, and the literal SQL against a second schema whose functions have no
-``SET search_path`` clause (as before migration 0015): what the clause costs. Per call: the
-backend's CPU (``/proc/PID/schedstat``) and the wall time.
+same with ``EXECUTE``, the literal SQL against a second schema whose functions have no
+``SET search_path`` clause (as before migration 0015): what the clause costs, and the literal SQL
+against a third schema without the ``records_expires_at`` index (retention's): what one index
+fewer would save each insert. Per call: the backend's CPU (``/proc/PID/schedstat``) and the wall
+time.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_execute_prepared.py
 """
@@ -45,6 +47,7 @@ from grpc_idempotency.testing.embedded import EmbeddedPostgres
 
 SCHEMA = "grpc_idempotency"
 NO_CLAUSE = "grpc_idempotency_no_clause"
+NO_INDEX = "grpc_idempotency_no_expires_index"
 METHOD = "grpc_idempotency.bench.v1.BenchService/Charge"
 RETENTION_S, LEASE_S = 86400.0, 30.0
 INSERT = "INSERT INTO bench_ledger (account, amount) VALUES ('acct', 1)"
@@ -59,6 +62,7 @@ class Calls:
         self.conn = conn
         self.statements = Statements(SCHEMA)
         self.no_clause = Statements(NO_CLAUSE)
+        self.no_index = Statements(NO_INDEX)
         self.fingerprint = os.urandom(32)
         self.response = os.urandom(40)
 
@@ -83,6 +87,9 @@ class Calls:
 
     async def literal_no_clause(self) -> None:
         await self._literal(self.no_clause, NO_CLAUSE)
+
+    async def literal_no_index(self) -> None:
+        await self._literal(self.no_index, NO_INDEX)
 
     async def _literal(self, statements: Statements, schema: str) -> None:
         key = uuid.uuid4().hex
@@ -137,7 +144,7 @@ class Calls:
 
 async def run(rounds: int, per_round: int) -> None:
     with EmbeddedPostgres() as pg:
-        for schema in (SCHEMA, NO_CLAUSE):
+        for schema in (SCHEMA, NO_CLAUSE, NO_INDEX):
             store = await Store.connect(pg.dsn, schema=schema, migrate=True)
             await store.close()
         conn = await asyncpg.connect(pg.dsn)
@@ -146,6 +153,7 @@ async def run(rounds: int, per_round: int) -> None:
             NO_CLAUSE,
         ):
             await conn.execute(f"ALTER FUNCTION {function} RESET search_path")
+        await conn.execute(f"DROP INDEX {NO_INDEX}.records_expires_at")
         await conn.execute(
             "CREATE TABLE bench_ledger (id bigserial PRIMARY KEY, account text, amount integer)"
         )
@@ -157,6 +165,7 @@ async def run(rounds: int, per_round: int) -> None:
             "literal SELECT (now)": calls.literal,
             "EXECUTE prepared": calls.execute_prepared,
             "literal, no SET clause": calls.literal_no_clause,
+            "literal, no expires idx": calls.literal_no_index,
         }
         for call in kinds.values():  # warm: plans cached, the table's first pages written
             for _ in range(per_round):
@@ -177,10 +186,10 @@ async def run(rounds: int, per_round: int) -> None:
         await conn.close()
     base = statistics.median(cpu["bare"])
     print(f"{rounds} rounds x {per_round} calls per kind, interleaved; medians of the rounds")
-    print(f"{'':22s} {'backend CPU us':>15s} {'extra over bare':>16s} {'wall us':>9s}")
+    print(f"{'':23s} {'backend CPU us':>15s} {'extra over bare':>16s} {'wall us':>9s}")
     for name in kinds:
         c = statistics.median(cpu[name])
-        print(f"{name:22s} {c:15.1f} {c - base:16.1f} {statistics.median(wall[name]):9.1f}")
+        print(f"{name:23s} {c:15.1f} {c - base:16.1f} {statistics.median(wall[name]):9.1f}")
     literal = statistics.median(cpu["literal SELECT (now)"])
     prepared = statistics.median(cpu["EXECUTE prepared"])
     print(f"EXECUTE / literal, backend CPU: {prepared / literal:.3f}")
@@ -192,6 +201,12 @@ async def run(rounds: int, per_round: int) -> None:
         wall["literal, no SET clause"]
     )
     print(f"SET search_path clause / none, wall: {wall_ratio:.3f}")
+    no_index = statistics.median(cpu["literal, no expires idx"])
+    print(f"records_expires_at index / none, backend CPU: {literal / no_index:.3f}")
+    wall_ratio = statistics.median(wall["literal SELECT (now)"]) / statistics.median(
+        wall["literal, no expires idx"]
+    )
+    print(f"records_expires_at index / none, wall: {wall_ratio:.3f}")
 
 
 def main() -> None:
