@@ -531,6 +531,59 @@ def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
     assert_fails(done, "unknown parameter 'x'")
 
 
+# Other in-house options numbered like ours (50000-99999 is the in-house range).
+FOREIGN_OPTIONS = {
+    "other/opts.proto": """\
+syntax = "proto3";
+package other;
+import "google/protobuf/descriptor.proto";
+message Audit { string tag = 1; bool on = 2; }
+extend google.protobuf.MethodOptions { Audit audit = 51842; }
+extend google.protobuf.FieldOptions { string note = 51842; }
+""",
+    "other/nested.proto": """\
+syntax = "proto3";
+package other;
+import "google/protobuf/descriptor.proto";
+message Nested {
+  extend google.protobuf.MethodOptions { string audited = 51842; }
+}
+""",
+}
+FOREIGN_USES = {
+    # A string the default pool's FieldOptions would parse as FieldPolicy: the request itself
+    # did not parse (DecodeError, a traceback from the plugin).
+    "string field option": (
+        'import "other/opts.proto";\nmessage M { string a = 1 [(other.note) = "free text"]; }\n'
+        "service S { rpc Get(M) returns (M); }\n",
+        "FieldOptions extension 51842 is other.note, not grpc_idempotency.v1.field",
+    ),
+    # A message that parsed as a MethodPolicy: the method was generated as keyed.
+    "message method option": (
+        'import "other/opts.proto";\nmessage M { string a = 1; }\n'
+        'service S { rpc Get(M) returns (M) { option (other.audit) = { tag: "billing" on: true }; } }\n',
+        "MethodOptions extension 51842 is other.audit, not grpc_idempotency.v1.method",
+    ),
+    # Beside our options, declared inside a message: a pool refused the file (a traceback).
+    "nested, beside ours": (
+        'import "other/nested.proto";\nimport "grpc_idempotency/v1/options.proto";\n'
+        "message M { string a = 1; }\n"
+        "service S { rpc Get(M) returns (M) { option (grpc_idempotency.v1.method) = {}; } }\n",
+        "MethodOptions extension 51842 is other.Nested.audited, not grpc_idempotency.v1.method",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FOREIGN_USES))
+def test_another_extension_numbered_like_ours_is_refused(tmp_path: Path, case: str) -> None:
+    body, message = FOREIGN_USES[case]
+    files = {**FOREIGN_OPTIONS, "app/a.proto": 'syntax = "proto3";\npackage app;\n' + body}
+    done = run_on(tmp_path, files, "app/a.proto")
+    assert_fails(done, message, "another option claims grpc-idempotency's field number")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
 def test_generated_names_never_collide(tmp_path: Path) -> None:
     # Two active versions of one step, a keyword step name, two called services of one name,
     # and two message modules of one basename.

@@ -16,7 +16,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency.protoc_gen import names
-from grpc_idempotency.protoc_gen.pool import load
+from grpc_idempotency.protoc_gen.pool import foreign_extensions, load
 from grpc_idempotency.protoc_gen.render import NameClash, render
 from grpc_idempotency.protoc_gen.validate import KeyedFile, check_file
 
@@ -25,7 +25,8 @@ _Response = plugin_pb2.CodeGeneratorResponse
 
 def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGeneratorResponse:
     """The plugin's answer to ``request``: the generated files, or an error naming every
-    problem found (protoc then prints it and fails)."""
+    problem found (protoc then prints it and fails). ``request`` may also be of the class
+    ``pool.parse_request`` uses (the executable's), which reads options as unknown fields."""
     response = _Response(
         supported_features=_Response.FEATURE_PROTO3_OPTIONAL | _Response.FEATURE_SUPPORTS_EDITIONS,
         minimum_edition=descriptor_pb2.EDITION_PROTO2,
@@ -33,6 +34,12 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
     )
     if request.parameter:
         response.error = f"unknown parameter {request.parameter!r}: the plugin takes none"
+        return response
+    # Before anything is parsed against our extensions: with another one of their number in
+    # the request, every option of that number would be read as ours.
+    foreign = foreign_extensions(request.proto_file)
+    if foreign:
+        response.error = "\n".join(foreign)
         return response
     loaded = load(request)
     keyed: list[KeyedFile] = []
