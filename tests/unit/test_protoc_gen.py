@@ -909,6 +909,42 @@ def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> 
     return {name: (out / name).read_text() for name in generated}
 
 
+EDITION_2024 = """\
+edition = "2024";
+package e24.v1;
+IMPORT "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service Shop {
+  rpc Pay(Req) returns (Res);
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = { steps: { name: "pay.v1" call: "e24.v1.Shop/Pay" } };
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("form", ["import", "import option"])
+def test_an_edition_2024_file_is_generated(tmp_path: Path, form: str) -> None:
+    """protoc's python_out takes edition 2024; the plugin said it supported editions up to
+    2023 only, so protoc refused the file. 2024's ``import option`` (an import for options
+    alone, which the file's _pb2 does not import) still brings the options to the plugin."""
+    text = EDITION_2024.replace("IMPORT", form)
+    generated = generate_checked(tmp_path, {"e24/v1/shop.proto": text})
+    assert sorted(generated) == ["e24/v1/shop_idempotency.py"]
+    check = textwrap.dedent(
+        """
+        from e24.v1 import shop_idempotency as gen, shop_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        method = shop_pb2.DESCRIPTOR.services_by_name["Shop"].methods_by_name["Buy"]
+        assert compile_policy(method, gen.POLICIES["/e24.v1.Shop/Buy"]) == compile_policy(method)
+        print(gen.ShopBuySteps.PAY)
+        """
+    )
+    assert run_with_generated(tmp_path, tmp_path / "out", check).stdout.strip() == "pay.v1"
+
+
 NO_PACKAGE = """\
 syntax = "proto3";
 import "grpc_idempotency/v1/options.proto";

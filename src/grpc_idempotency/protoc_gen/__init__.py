@@ -30,7 +30,7 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
     response = _Response(
         supported_features=_Response.FEATURE_PROTO3_OPTIONAL | _Response.FEATURE_SUPPORTS_EDITIONS,
         minimum_edition=descriptor_pb2.EDITION_PROTO2,
-        maximum_edition=descriptor_pb2.EDITION_2023,
+        maximum_edition=descriptor_pb2.EDITION_2024,
     )
     if request.parameter:
         response.error = f"unknown parameter {request.parameter!r}: the plugin takes none"
