@@ -584,6 +584,26 @@ def test_another_extension_numbered_like_ours_is_refused(tmp_path: Path, case: s
     assert generated_files(tmp_path / "out") == {}
 
 
+def test_options_imported_under_another_path_are_refused(tmp_path: Path) -> None:
+    """A copy of options.proto imported as third_party/grpc_idempotency/v1/options.proto (an
+    -I at the repository's root after ``export-protos third_party``) generated code whose _pb2
+    registers the options' symbols a second time: "duplicate symbol" when imported beside the
+    library. The plugin refuses it, naming the path to import them as."""
+    options = (Path(proto_include()) / "grpc_idempotency/v1/options.proto").read_text()
+    copy = "third_party/grpc_idempotency/v1/options.proto"
+    text = svc('steps: { name: "a.v1" call: "errs.v1.Svc/Target" }').replace(
+        '"grpc_idempotency/v1/options.proto"', f'"{copy}"'
+    )
+    done = run_on(tmp_path, {copy: options, "errs/v1/a.proto": text}, "errs/v1/a.proto")
+    assert_fails(
+        done,
+        f"--grpc-idempotency_out: {copy}: grpc-idempotency's options imported under another"
+        ' path; import them as "grpc_idempotency/v1/options.proto"',
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
 def test_generated_names_never_collide(tmp_path: Path) -> None:
     # Two active versions of one step, a keyword step name, two called services of one name,
     # and two message modules of one basename.

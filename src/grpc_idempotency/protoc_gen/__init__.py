@@ -16,7 +16,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency.protoc_gen import names
-from grpc_idempotency.protoc_gen.pool import foreign_extensions, load
+from grpc_idempotency.protoc_gen.pool import extension_problems, load
 from grpc_idempotency.protoc_gen.render import NameClash, render
 from grpc_idempotency.protoc_gen.validate import KeyedFile, check_file
 
@@ -37,9 +37,9 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
         return response
     # Before anything is parsed against our extensions: with another one of their number in
     # the request, every option of that number would be read as ours.
-    foreign = foreign_extensions(request.proto_file)
-    if foreign:
-        response.error = "\n".join(foreign)
+    refused = extension_problems(request.proto_file)
+    if refused:
+        response.error = "\n".join(refused)
         return response
     loaded = load(request)
     keyed: list[KeyedFile] = []
