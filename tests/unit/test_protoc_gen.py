@@ -104,6 +104,8 @@ def test_output_does_not_depend_on_file_order_or_on_the_plugin_being_named(
 def test_the_example_is_generated_with_the_plugin() -> None:
     gen = ROOT / "examples" / "checkout" / "gen"
     assert sorted(generated_files(gen)) == [
+        "checkout/v1/events_idempotency.py",
+        "checkout/v1/ledger_idempotency.py",
         "checkout/v1/notifications_idempotency.py",
         "checkout/v1/orders_idempotency.py",
         "checkout/v1/payments_idempotency.py",
@@ -517,11 +519,68 @@ def test_a_retired_step_may_call_a_method_that_is_gone(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_files_without_keyed_methods_get_no_module(tmp_path: Path) -> None:
-    plain = HEADER + "service Svc {\n  rpc Do(Req) returns (Res);\n}\n" + MESSAGES
-    done = run_on(tmp_path, {"errs/v1/plain.proto": plain})
+def test_a_file_without_keyed_methods_gets_a_module_that_keys_nothing(tmp_path: Path) -> None:
+    """protoc writes the files a plugin returns and deletes none. A file got no module once its
+    last option was removed, so the module from before stayed, and its ``POLICIES`` kept the
+    method keyed, with its steps, where the proto (and check-steps) said it was not. Every file
+    given gets a module now; one without keyed methods gets the same names, empty."""
+    keyed = svc('steps: { name: "a.v1" call: "errs.v1.Svc/Target" }')
+    unkeyed = keyed.replace(
+        '    option (grpc_idempotency.v1.method) = { steps: { name: "a.v1" call: "errs.v1.Svc/Target" } };\n',
+        "",
+    )
+    assert "(grpc_idempotency.v1.method)" not in unkeyed
+    files = {
+        "errs/v1/a.proto": keyed,
+        "errs/v1/messages.proto": 'syntax = "proto3";\npackage errs.v1;\nmessage Only {}\n',
+    }
+    out = tmp_path / "out"
+    extra = (f"--python_out={out}", f"--pyi_out={out}")
+    for text in (keyed, unkeyed):
+        files["errs/v1/a.proto"] = text
+        for name, content in files.items():
+            (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "protos" / name).write_text(content)
+        done = protoc(tmp_path / "protos", out, *files, extra=extra)
+        assert done.returncode == 0, done.stderr
+        keys_do = (
+            '"/errs.v1.Svc/Do": MethodOverride(' in (out / "errs/v1/a_idempotency.py").read_text()
+        )
+        assert keys_do == (text is keyed)
+    generated = ["errs/v1/a_idempotency.py", "errs/v1/messages_idempotency.py"]
+    assert sorted(generated_files(out)) == generated
+    for name in generated:
+        assert "declares no keyed methods" in (out / name).read_text()
+    assert_ruff_clean([out / name for name in generated])
+    typed = mypy(out, *generated)
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    check = textwrap.dedent(
+        """
+        from errs.v1 import a_idempotency as gen, a_pb2, messages_idempotency
+        from grpc_idempotency.core.policy import compile_policies
+
+        service = a_pb2.DESCRIPTOR.services_by_name["Svc"]
+        assert compile_policies(service.methods, gen.POLICIES) == {}
+        for module in (gen, messages_idempotency):
+            assert module.SERVICES == () and dict(module.POLICIES) == {}
+            assert module.SERVICE_CONFIG == "{}", module.SERVICE_CONFIG
+            assert dict(module.CHANNEL_OPTIONS)["grpc.service_config"] == "{}"
+        print("keys nothing")
+        """
+    )
+    assert run_with_generated(tmp_path, out, check).stdout.strip() == "keys nothing"
+
+
+def test_the_options_own_file_gets_no_module(tmp_path: Path) -> None:
+    # A buf workspace holding the exported options hands them to every plugin; their Python
+    # code ships with the library.
+    ok = svc('steps: { name: "a.v1" outbox: true }')
+    (tmp_path / "protos" / "errs" / "v1").mkdir(parents=True)
+    (tmp_path / "protos" / "errs" / "v1" / "ok.proto").write_text(ok)
+    options = "grpc_idempotency/v1/options.proto"
+    done = protoc(tmp_path / "protos", tmp_path / "out", "errs/v1/ok.proto", options)
     assert done.returncode == 0, done.stderr
-    assert generated_files(tmp_path / "out") == {}
+    assert sorted(generated_files(tmp_path / "out")) == ["errs/v1/ok_idempotency.py"]
 
 
 def test_unknown_parameters_are_refused(tmp_path: Path) -> None:

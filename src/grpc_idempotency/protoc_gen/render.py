@@ -1,4 +1,5 @@
-"""Renders a file's ``<name>_idempotency.py`` from its checked keyed methods.
+"""Renders a file's ``<name>_idempotency.py`` from its checked keyed methods (none: a module with
+the same names, empty, that imports nothing of the file's).
 
 The output is deterministic, typed for ``mypy --strict``, and in the shape ``ruff format`` (and
 black) give it as long as its lines fit in 88 columns: every bracket that may grow is exploded
@@ -83,7 +84,8 @@ class _Renderer:
     def __init__(self, file: KeyedFile) -> None:
         self.file = file
         self.source = file.descriptor.name
-        files = {names.pb2_module(self.source): file.descriptor}
+        # The file's own module only when something reads it (``SERVICES``).
+        files = {names.pb2_module(self.source): file.descriptor} if file.methods else {}
         for method in file.methods:
             for call in method.calls:
                 for message in (call.target.input_type, call.target.output_type):
@@ -155,6 +157,15 @@ class _Renderer:
         return "\n".join(lines) + "\n"
 
     def _docstring(self) -> list[str]:
+        if not self.file.methods:
+            return [
+                f'"""Generated from ``{self.source}``, which declares no keyed methods.',
+                "",
+                "``SERVICES`` and ``POLICIES`` are empty, ``SERVICE_CONFIG`` retries nothing.",
+                "The module is generated all the same: regenerating after a file's last option",
+                "is removed leaves no stale module, whose ``POLICIES`` kept the method keyed.",
+                '"""',
+            ]
         return [
             f'"""Generated from the idempotency options of ``{self.source}``.',
             "",
@@ -218,7 +229,7 @@ class _Renderer:
         if generated and assigned:
             generated.append("")
         generated += assigned
-        return [*lines, "", *generated]
+        return [*lines, "", *generated] if generated else lines
 
     def _all(self) -> list[str]:
         public = [
@@ -235,6 +246,11 @@ class _Renderer:
 
     def _services(self) -> list[str]:
         self.needs.add("Final")
+        if not self.file.methods:
+            return [
+                "SERVICES: Final[tuple[ServiceDescriptor, ...]] = ()",
+                '"""The services of this file that have keyed methods: none."""',
+            ]
         own = self.modules[names.pb2_module(self.source)]
         services: list[ServiceDescriptor] = []
         for method in self.file.methods:
@@ -249,6 +265,11 @@ class _Renderer:
 
     def _policies(self) -> list[str]:
         self.needs |= {"Final", "Mapping", "MethodOverride"}
+        if not self.file.methods:
+            return [
+                "POLICIES: Final[Mapping[str, MethodOverride]] = {}",
+                '"""Each keyed method\'s options as declared, by gRPC path: none."""',
+            ]
         lines = ["POLICIES: Final[Mapping[str, MethodOverride]] = {"]
         for method in self.file.methods:
             fields = self._override_fields(method.declared)
@@ -314,12 +335,23 @@ class _Renderer:
         self.needs |= {"json", "Final"}
         config = service_config([m.path for m in self.file.methods])
         literal = _literal(config)
+        # ``json.dumps({})`` on one line: the form a formatter gives it.
+        call = (
+            [f"SERVICE_CONFIG: Final = json.dumps({literal[0]})"]
+            if len(literal) == 1
+            else ["SERVICE_CONFIG: Final = json.dumps(", *(INDENT + line for line in literal), ")"]
+        )
+        about = (
+            [
+                '"""The ``grpc.service_config`` for a channel calling these methods: gRPC retries',
+                'UNAVAILABLE and ABORTED, honouring the server\'s pushback."""',
+            ]
+            if self.file.methods
+            else ['"""The ``grpc.service_config`` for a channel: no keyed methods, no retries."""']
+        )
         return [
-            "SERVICE_CONFIG: Final = json.dumps(",
-            *(INDENT + line for line in literal),
-            ")",
-            '"""The ``grpc.service_config`` for a channel calling these methods: gRPC retries',
-            'UNAVAILABLE and ABORTED, honouring the server\'s pushback."""',
+            *call,
+            *about,
             "",
             "CHANNEL_OPTIONS: Final[tuple[tuple[str, str | int], ...]] = (",
             f'{INDENT}("grpc.service_config", SERVICE_CONFIG),',
