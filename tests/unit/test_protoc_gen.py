@@ -663,6 +663,78 @@ def test_options_imported_under_another_path_are_refused(tmp_path: Path) -> None
     assert generated_files(tmp_path / "out") == {}
 
 
+TWO_FACTOR = """\
+syntax = "proto3";
+package auth;
+import "grpc_idempotency/v1/options.proto";
+message Code { string c = 1; }
+service TwoFactor {
+  rpc Send(Code) returns (Code);
+  rpc Enroll(Code) returns (Code) OPTION
+}
+"""
+KEYED = '{ option (grpc_idempotency.v1.method) = { steps: { name: "send.v1" call: "auth.TwoFactor/Send" } }; }'
+CALLER = """\
+syntax = "proto3";
+package app.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req {}
+service App {
+  rpc Do(Req) returns (Req) {
+    option (grpc_idempotency.v1.method) = { steps: { name: "send.v1" call: "auth.TwoFactor/Send" } };
+  }
+}
+"""
+UNNAMABLE = {
+    "keyed file": (
+        {"auth/2fa.proto": TWO_FACTOR.replace("OPTION", KEYED)},
+        "auth/2fa.proto: module auth.2fa_pb2 (of auth/2fa.proto) has a part, '2fa_pb2',",
+    ),
+    "called file": (
+        {"auth/2fa.proto": TWO_FACTOR.replace("OPTION", ";"), "app/v1/b.proto": CALLER},
+        "app/v1/b.proto: module auth.2fa_pb2 (of auth/2fa.proto) has a part, '2fa_pb2',",
+    ),
+    "directory": (
+        {"2fa/v1/codes.proto": TWO_FACTOR.replace("OPTION", KEYED).replace("auth", "x2fa.v1")},
+        "2fa/v1/codes.proto: module 2fa.v1.codes_pb2 (of 2fa/v1/codes.proto) has a part, '2fa',",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNNAMABLE))
+def test_a_module_whose_path_is_no_identifier_is_refused(tmp_path: Path, case: str) -> None:
+    """``auth/2fa.proto`` generated ``from auth import 2fa_pb2``, a SyntaxError. grpcio-tools'
+    own code for such a file is no better (its _pb2_grpc.py, and the _pb2 of each file
+    importing it, say the same), so the plugin refuses it and says why, where it could have
+    used importlib: the file's services cannot be served or called with protoc's code."""
+    files, message = UNNAMABLE[case]
+    done = run_on(tmp_path, files)
+    assert_fails(done, message, "rename")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+    # The premise: grpc_python_out's module for the file is a SyntaxError.
+    name = next(iter(files))
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{tmp_path / 'protos'}",
+         f"-I{proto_include()}", f"--grpc_python_out={stubs}", name],
+        capture_output=True, check=True,
+    )  # fmt: skip
+    stub = stubs / name.replace(".proto", "_pb2_grpc.py")
+    with pytest.raises(SyntaxError):
+        compile(stub.read_text(), str(stub), "exec")
+
+
+def test_a_file_whose_path_is_no_identifier_may_have_no_keyed_methods(tmp_path: Path) -> None:
+    # Its module keys nothing and imports nothing of the file's: nothing to refuse.
+    done = run_on(tmp_path, {"auth/2fa.proto": TWO_FACTOR.replace("OPTION", ";")})
+    assert done.returncode == 0, done.stderr
+    text = generated_files(tmp_path / "out")["auth/2fa_idempotency.py"]
+    assert "declares no keyed methods" in text
+    compile(text, "auth/2fa_idempotency.py", "exec")
+
+
 def test_generated_names_never_collide(tmp_path: Path) -> None:
     # Two active versions of one step, a keyword step name, two called services of one name,
     # and two message modules of one basename.

@@ -24,7 +24,7 @@ from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency.protoc_gen import names
 from grpc_idempotency.protoc_gen.pool import OPTIONS_FILE, extension_problems, load
-from grpc_idempotency.protoc_gen.render import NameClash, render
+from grpc_idempotency.protoc_gen.render import RenderError, render
 from grpc_idempotency.protoc_gen.validate import KeyedFile, check_file
 
 _Response = plugin_pb2.CodeGeneratorResponse
@@ -61,8 +61,8 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
         for checked in checked_files:
             try:
                 content = render(checked)
-            except NameClash as clash:
-                errors.append(str(clash))
+            except RenderError as err:
+                errors.append(str(err))
                 continue
             response.file.add(name=names.output_file(checked.descriptor.name), content=content)
     if errors:

@@ -72,7 +72,11 @@ _BUILTINS = frozenset(
 )  # fmt: skip
 
 
-class NameClash(Exception):
+class RenderError(Exception):
+    """The file's module cannot be generated (the message names the file, and why)."""
+
+
+class NameClash(RenderError):
     """Two generated names would be the same."""
 
 
@@ -90,6 +94,21 @@ class _Renderer:
             for call in method.calls:
                 for message in (call.target.input_type, call.target.output_type):
                     files[names.pb2_module(message.file.name)] = message.file
+        # ``auth/2fa.proto``: grpcio-tools' own code for it (its _pb2_grpc.py, and the _pb2 of
+        # every file importing it) is ``from auth import 2fa_pb2``, a SyntaxError, so its
+        # services can be neither served nor called with protoc's code. The module could be
+        # imported with importlib, as for a keyword part, but only to serve a file that protoc's
+        # own output cannot: refused, with the reason, rather than generated.
+        unnamable = [
+            f"{self.source}: module {module} (of {proto.name}) has a part, {part!r}, that is not"
+            " a Python identifier: protoc's python_out (in every file importing it) and"
+            f" grpc_python_out import it as `{_import_statement(module)}`, a SyntaxError;"
+            f" rename {proto.name} (or its directory) so that every part of its path is one"
+            for module, proto in sorted(files.items())
+            if (part := names.non_identifier(module)) is not None
+        ]
+        if unnamable:
+            raise RenderError("\n".join(unnamable))
         self.modules = _local_names(set(files))
         self.reserved = _MODULE_NAMES | _BUILTINS | set(self.modules.values())
         # A service's parameter of ``__init__`` is in scope in its body, which reads the
@@ -211,15 +230,11 @@ class _Renderer:
         if "step_metadata" in self.needs:
             library.append("step_metadata")
         lines = [*stdlib, "", *third, "", *_import_lines("grpc_idempotency", library)]
-        generated = []
-        for module, local in sorted(self.modules.items()):
-            if module in self.dynamic:
-                continue
-            package, _, base = module.rpartition(".")
-            alias = f" as {local}" if local != base else ""
-            generated.append(
-                f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
-            )
+        generated = [
+            _import_statement(module, local)
+            for module, local in sorted(self.modules.items())
+            if module not in self.dynamic
+        ]
         # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
         # module with importlib too. So is a module whose .pyi protoc's pyi_out writes with a
         # keyword as a name (``class from(...)``, ``_stub_has_keyword``): imported statically,
@@ -606,6 +621,14 @@ def _duplicates(values: Iterable[str]) -> list[str]:
             repeated.append(value)
         seen.add(value)
     return repeated
+
+
+def _import_statement(module: str, local: str | None = None) -> str:
+    """``from checkout.v1 import orders_pb2``, ``import nopkg_pb2``, with ``as local`` when the
+    module is bound to another name."""
+    package, _, base = module.rpartition(".")
+    alias = f" as {local}" if local is not None and local != base else ""
+    return f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
 
 
 def _import_lines(module: str, imported: list[str]) -> list[str]:
