@@ -104,6 +104,8 @@ def test_output_does_not_depend_on_file_order_or_on_the_plugin_being_named(
 def test_the_example_is_generated_with_the_plugin() -> None:
     gen = ROOT / "examples" / "checkout" / "gen"
     assert sorted(generated_files(gen)) == [
+        "checkout/v1/events_idempotency.py",
+        "checkout/v1/ledger_idempotency.py",
         "checkout/v1/notifications_idempotency.py",
         "checkout/v1/orders_idempotency.py",
         "checkout/v1/payments_idempotency.py",
@@ -517,11 +519,68 @@ def test_a_retired_step_may_call_a_method_that_is_gone(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_files_without_keyed_methods_get_no_module(tmp_path: Path) -> None:
-    plain = HEADER + "service Svc {\n  rpc Do(Req) returns (Res);\n}\n" + MESSAGES
-    done = run_on(tmp_path, {"errs/v1/plain.proto": plain})
+def test_a_file_without_keyed_methods_gets_a_module_that_keys_nothing(tmp_path: Path) -> None:
+    """protoc writes the files a plugin returns and deletes none. A file got no module once its
+    last option was removed, so the module from before stayed, and its ``POLICIES`` kept the
+    method keyed, with its steps, where the proto (and check-steps) said it was not. Every file
+    given gets a module now; one without keyed methods gets the same names, empty."""
+    keyed = svc('steps: { name: "a.v1" call: "errs.v1.Svc/Target" }')
+    unkeyed = keyed.replace(
+        '    option (grpc_idempotency.v1.method) = { steps: { name: "a.v1" call: "errs.v1.Svc/Target" } };\n',
+        "",
+    )
+    assert "(grpc_idempotency.v1.method)" not in unkeyed
+    files = {
+        "errs/v1/a.proto": keyed,
+        "errs/v1/messages.proto": 'syntax = "proto3";\npackage errs.v1;\nmessage Only {}\n',
+    }
+    out = tmp_path / "out"
+    extra = (f"--python_out={out}", f"--pyi_out={out}")
+    for text in (keyed, unkeyed):
+        files["errs/v1/a.proto"] = text
+        for name, content in files.items():
+            (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "protos" / name).write_text(content)
+        done = protoc(tmp_path / "protos", out, *files, extra=extra)
+        assert done.returncode == 0, done.stderr
+        keys_do = (
+            '"/errs.v1.Svc/Do": MethodOverride(' in (out / "errs/v1/a_idempotency.py").read_text()
+        )
+        assert keys_do == (text is keyed)
+    generated = ["errs/v1/a_idempotency.py", "errs/v1/messages_idempotency.py"]
+    assert sorted(generated_files(out)) == generated
+    for name in generated:
+        assert "declares no keyed methods" in (out / name).read_text()
+    assert_ruff_clean([out / name for name in generated])
+    typed = mypy(out, *generated)
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    check = textwrap.dedent(
+        """
+        from errs.v1 import a_idempotency as gen, a_pb2, messages_idempotency
+        from grpc_idempotency.core.policy import compile_policies
+
+        service = a_pb2.DESCRIPTOR.services_by_name["Svc"]
+        assert compile_policies(service.methods, gen.POLICIES) == {}
+        for module in (gen, messages_idempotency):
+            assert module.SERVICES == () and dict(module.POLICIES) == {}
+            assert module.SERVICE_CONFIG == "{}", module.SERVICE_CONFIG
+            assert dict(module.CHANNEL_OPTIONS)["grpc.service_config"] == "{}"
+        print("keys nothing")
+        """
+    )
+    assert run_with_generated(tmp_path, out, check).stdout.strip() == "keys nothing"
+
+
+def test_the_options_own_file_gets_no_module(tmp_path: Path) -> None:
+    # A buf workspace holding the exported options hands them to every plugin; their Python
+    # code ships with the library.
+    ok = svc('steps: { name: "a.v1" outbox: true }')
+    (tmp_path / "protos" / "errs" / "v1").mkdir(parents=True)
+    (tmp_path / "protos" / "errs" / "v1" / "ok.proto").write_text(ok)
+    options = "grpc_idempotency/v1/options.proto"
+    done = protoc(tmp_path / "protos", tmp_path / "out", "errs/v1/ok.proto", options)
     assert done.returncode == 0, done.stderr
-    assert generated_files(tmp_path / "out") == {}
+    assert sorted(generated_files(tmp_path / "out")) == ["errs/v1/ok_idempotency.py"]
 
 
 def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
@@ -529,6 +588,151 @@ def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
     (tmp_path / "p" / "a.proto").write_text(svc(""))
     done = protoc(tmp_path / "p", tmp_path / "out", "a.proto", extra=("--grpc-idempotency_opt=x",))
     assert_fails(done, "unknown parameter 'x'")
+
+
+# Other in-house options numbered like ours (50000-99999 is the in-house range).
+FOREIGN_OPTIONS = {
+    "other/opts.proto": """\
+syntax = "proto3";
+package other;
+import "google/protobuf/descriptor.proto";
+message Audit { string tag = 1; bool on = 2; }
+extend google.protobuf.MethodOptions { Audit audit = 51842; }
+extend google.protobuf.FieldOptions { string note = 51842; }
+""",
+    "other/nested.proto": """\
+syntax = "proto3";
+package other;
+import "google/protobuf/descriptor.proto";
+message Nested {
+  extend google.protobuf.MethodOptions { string audited = 51842; }
+}
+""",
+}
+FOREIGN_USES = {
+    # A string the default pool's FieldOptions would parse as FieldPolicy: the request itself
+    # did not parse (DecodeError, a traceback from the plugin).
+    "string field option": (
+        'import "other/opts.proto";\nmessage M { string a = 1 [(other.note) = "free text"]; }\n'
+        "service S { rpc Get(M) returns (M); }\n",
+        "FieldOptions extension 51842 is other.note, not grpc_idempotency.v1.field",
+    ),
+    # A message that parsed as a MethodPolicy: the method was generated as keyed.
+    "message method option": (
+        'import "other/opts.proto";\nmessage M { string a = 1; }\n'
+        'service S { rpc Get(M) returns (M) { option (other.audit) = { tag: "billing" on: true }; } }\n',
+        "MethodOptions extension 51842 is other.audit, not grpc_idempotency.v1.method",
+    ),
+    # Beside our options, declared inside a message: a pool refused the file (a traceback).
+    "nested, beside ours": (
+        'import "other/nested.proto";\nimport "grpc_idempotency/v1/options.proto";\n'
+        "message M { string a = 1; }\n"
+        "service S { rpc Get(M) returns (M) { option (grpc_idempotency.v1.method) = {}; } }\n",
+        "MethodOptions extension 51842 is other.Nested.audited, not grpc_idempotency.v1.method",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FOREIGN_USES))
+def test_another_extension_numbered_like_ours_is_refused(tmp_path: Path, case: str) -> None:
+    body, message = FOREIGN_USES[case]
+    files = {**FOREIGN_OPTIONS, "app/a.proto": 'syntax = "proto3";\npackage app;\n' + body}
+    done = run_on(tmp_path, files, "app/a.proto")
+    assert_fails(done, message, "another option claims grpc-idempotency's field number")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+def test_options_imported_under_another_path_are_refused(tmp_path: Path) -> None:
+    """A copy of options.proto imported as third_party/grpc_idempotency/v1/options.proto (an
+    -I at the repository's root after ``export-protos third_party``) generated code whose _pb2
+    registers the options' symbols a second time: "duplicate symbol" when imported beside the
+    library. The plugin refuses it, naming the path to import them as."""
+    options = (Path(proto_include()) / "grpc_idempotency/v1/options.proto").read_text()
+    copy = "third_party/grpc_idempotency/v1/options.proto"
+    text = svc('steps: { name: "a.v1" call: "errs.v1.Svc/Target" }').replace(
+        '"grpc_idempotency/v1/options.proto"', f'"{copy}"'
+    )
+    done = run_on(tmp_path, {copy: options, "errs/v1/a.proto": text}, "errs/v1/a.proto")
+    assert_fails(
+        done,
+        f"--grpc-idempotency_out: {copy}: grpc-idempotency's options imported under another"
+        ' path; import them as "grpc_idempotency/v1/options.proto"',
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+TWO_FACTOR = """\
+syntax = "proto3";
+package auth;
+import "grpc_idempotency/v1/options.proto";
+message Code { string c = 1; }
+service TwoFactor {
+  rpc Send(Code) returns (Code);
+  rpc Enroll(Code) returns (Code) OPTION
+}
+"""
+KEYED = '{ option (grpc_idempotency.v1.method) = { steps: { name: "send.v1" call: "auth.TwoFactor/Send" } }; }'
+CALLER = """\
+syntax = "proto3";
+package app.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req {}
+service App {
+  rpc Do(Req) returns (Req) {
+    option (grpc_idempotency.v1.method) = { steps: { name: "send.v1" call: "auth.TwoFactor/Send" } };
+  }
+}
+"""
+UNNAMABLE = {
+    "keyed file": (
+        {"auth/2fa.proto": TWO_FACTOR.replace("OPTION", KEYED)},
+        "auth/2fa.proto: module auth.2fa_pb2 (of auth/2fa.proto) has a part, '2fa_pb2',",
+    ),
+    "called file": (
+        {"auth/2fa.proto": TWO_FACTOR.replace("OPTION", ";"), "app/v1/b.proto": CALLER},
+        "app/v1/b.proto: module auth.2fa_pb2 (of auth/2fa.proto) has a part, '2fa_pb2',",
+    ),
+    "directory": (
+        {"2fa/v1/codes.proto": TWO_FACTOR.replace("OPTION", KEYED).replace("auth", "x2fa.v1")},
+        "2fa/v1/codes.proto: module 2fa.v1.codes_pb2 (of 2fa/v1/codes.proto) has a part, '2fa',",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNNAMABLE))
+def test_a_module_whose_path_is_no_identifier_is_refused(tmp_path: Path, case: str) -> None:
+    """``auth/2fa.proto`` generated ``from auth import 2fa_pb2``, a SyntaxError. grpcio-tools'
+    own code for such a file is no better (its _pb2_grpc.py, and the _pb2 of each file
+    importing it, say the same), so the plugin refuses it and says why, where it could have
+    used importlib: the file's services cannot be served or called with protoc's code."""
+    files, message = UNNAMABLE[case]
+    done = run_on(tmp_path, files)
+    assert_fails(done, message, "rename")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+    # The premise: grpc_python_out's module for the file is a SyntaxError.
+    name = next(iter(files))
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{tmp_path / 'protos'}",
+         f"-I{proto_include()}", f"--grpc_python_out={stubs}", name],
+        capture_output=True, check=True,
+    )  # fmt: skip
+    stub = stubs / name.replace(".proto", "_pb2_grpc.py")
+    with pytest.raises(SyntaxError):
+        compile(stub.read_text(), str(stub), "exec")
+
+
+def test_a_file_whose_path_is_no_identifier_may_have_no_keyed_methods(tmp_path: Path) -> None:
+    # Its module keys nothing and imports nothing of the file's: nothing to refuse.
+    done = run_on(tmp_path, {"auth/2fa.proto": TWO_FACTOR.replace("OPTION", ";")})
+    assert done.returncode == 0, done.stderr
+    text = generated_files(tmp_path / "out")["auth/2fa_idempotency.py"]
+    assert "declares no keyed methods" in text
+    compile(text, "auth/2fa_idempotency.py", "exec")
 
 
 def test_generated_names_never_collide(tmp_path: Path) -> None:
@@ -854,6 +1058,42 @@ def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> 
     typed = mypy(out, *generated, *(["usage.py"] if usage else []))
     assert typed.returncode == 0, typed.stdout + typed.stderr
     return {name: (out / name).read_text() for name in generated}
+
+
+EDITION_2024 = """\
+edition = "2024";
+package e24.v1;
+IMPORT "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service Shop {
+  rpc Pay(Req) returns (Res);
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = { steps: { name: "pay.v1" call: "e24.v1.Shop/Pay" } };
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("form", ["import", "import option"])
+def test_an_edition_2024_file_is_generated(tmp_path: Path, form: str) -> None:
+    """protoc's python_out takes edition 2024; the plugin said it supported editions up to
+    2023 only, so protoc refused the file. 2024's ``import option`` (an import for options
+    alone, which the file's _pb2 does not import) still brings the options to the plugin."""
+    text = EDITION_2024.replace("IMPORT", form)
+    generated = generate_checked(tmp_path, {"e24/v1/shop.proto": text})
+    assert sorted(generated) == ["e24/v1/shop_idempotency.py"]
+    check = textwrap.dedent(
+        """
+        from e24.v1 import shop_idempotency as gen, shop_pb2
+        from grpc_idempotency.core.policy import compile_policy
+
+        method = shop_pb2.DESCRIPTOR.services_by_name["Shop"].methods_by_name["Buy"]
+        assert compile_policy(method, gen.POLICIES["/e24.v1.Shop/Buy"]) == compile_policy(method)
+        print(gen.ShopBuySteps.PAY)
+        """
+    )
+    assert run_with_generated(tmp_path, tmp_path / "out", check).stdout.strip() == "pay.v1"
 
 
 NO_PACKAGE = """\

@@ -1,5 +1,12 @@
 """``protoc-gen-grpc-idempotency``: a protoc plugin generating ``<name>_idempotency.py`` for every
-proto file with methods annotated ``(grpc_idempotency.v1.method)``.
+proto file it is given, from its methods annotated ``(grpc_idempotency.v1.method)``.
+
+A file without keyed methods gets a module too, one that keys nothing: protoc writes only the
+files a plugin returns and deletes none, so a module left out when a file's last option was
+removed kept the old ``POLICIES`` (the method stayed keyed, with its steps) where the proto and
+``check-steps`` said it was not. The one file skipped is the options' own
+(``grpc_idempotency/v1/options.proto``, which a buf workspace holding the exported options
+hands to every plugin): its Python code ships with the library.
 
     python -m grpc_tools.protoc -I protos -I "$(grpc-idempotency include-path)" \\
         --python_out=gen --pyi_out=gen --grpc-idempotency_out=gen protos/checkout/v1/*.proto
@@ -16,8 +23,8 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency.protoc_gen import names
-from grpc_idempotency.protoc_gen.pool import load
-from grpc_idempotency.protoc_gen.render import NameClash, render
+from grpc_idempotency.protoc_gen.pool import OPTIONS_FILE, extension_problems, load
+from grpc_idempotency.protoc_gen.render import RenderError, render
 from grpc_idempotency.protoc_gen.validate import KeyedFile, check_file
 
 _Response = plugin_pb2.CodeGeneratorResponse
@@ -25,29 +32,37 @@ _Response = plugin_pb2.CodeGeneratorResponse
 
 def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGeneratorResponse:
     """The plugin's answer to ``request``: the generated files, or an error naming every
-    problem found (protoc then prints it and fails)."""
+    problem found (protoc then prints it and fails). ``request`` may also be of the class
+    ``pool.parse_request`` uses (the executable's), which reads options as unknown fields."""
     response = _Response(
         supported_features=_Response.FEATURE_PROTO3_OPTIONAL | _Response.FEATURE_SUPPORTS_EDITIONS,
         minimum_edition=descriptor_pb2.EDITION_PROTO2,
-        maximum_edition=descriptor_pb2.EDITION_2023,
+        maximum_edition=descriptor_pb2.EDITION_2024,
     )
     if request.parameter:
         response.error = f"unknown parameter {request.parameter!r}: the plugin takes none"
         return response
+    # Before anything is parsed against our extensions: with another one of their number in
+    # the request, every option of that number would be read as ours.
+    refused = extension_problems(request.proto_file)
+    if refused:
+        response.error = "\n".join(refused)
+        return response
     loaded = load(request)
-    keyed: list[KeyedFile] = []
+    checked_files: list[KeyedFile] = []
     errors: list[str] = []
     for file in loaded.files:
+        if file.name == OPTIONS_FILE:
+            continue
         checked, problems = check_file(file, loaded.pool)
         errors += problems
-        if checked.methods:
-            keyed.append(checked)
+        checked_files.append(checked)
     if not errors:
-        for checked in keyed:
+        for checked in checked_files:
             try:
                 content = render(checked)
-            except NameClash as clash:
-                errors.append(str(clash))
+            except RenderError as err:
+                errors.append(str(err))
                 continue
             response.file.add(name=names.output_file(checked.descriptor.name), content=content)
     if errors:

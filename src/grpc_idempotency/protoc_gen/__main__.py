@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from google.protobuf.compiler import plugin_pb2
-
 from grpc_idempotency.protoc_gen import generate
+from grpc_idempotency.protoc_gen.pool import parse_request
 
 USAGE = """\
 protoc-gen-grpc-idempotency is a protoc plugin; protoc runs it. For example:
@@ -23,7 +22,7 @@ def main() -> int:
     if sys.argv[1:] or sys.stdin.isatty():
         print(USAGE, file=sys.stderr, end="")
         return 0 if {"-h", "--help"} & set(sys.argv[1:]) else 2
-    request = plugin_pb2.CodeGeneratorRequest.FromString(sys.stdin.buffer.read())
+    request = parse_request(sys.stdin.buffer.read())
     sys.stdout.buffer.write(generate(request).SerializeToString())
     sys.stdout.buffer.flush()
     return 0

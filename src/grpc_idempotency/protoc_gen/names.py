@@ -58,6 +58,14 @@ def has_keyword(module: str) -> bool:
     return any(keyword.iskeyword(part) for part in module.split("."))
 
 
+def non_identifier(module: str) -> str | None:
+    """The first part of the dotted ``module`` that is no Python identifier (``2fa_pb2`` in
+    ``auth.2fa_pb2``, from ``auth/2fa.proto``), or ``None``. Unlike a keyword part, protoc's
+    generators do not work around one: python_out's importers and grpc_python_out write ``from
+    auth import 2fa_pb2``, a SyntaxError."""
+    return next((part for part in module.split(".") if not part.isidentifier()), None)
+
+
 def step_base(step: str) -> str:
     """``charge-card.v1`` -> ``charge_card``."""
     return step.rpartition(".")[0].replace("-", "_")

@@ -1,4 +1,5 @@
-"""Renders a file's ``<name>_idempotency.py`` from its checked keyed methods.
+"""Renders a file's ``<name>_idempotency.py`` from its checked keyed methods (none: a module with
+the same names, empty, that imports nothing of the file's).
 
 The output is deterministic, typed for ``mypy --strict``, and in the shape ``ruff format`` (and
 black) give it as long as its lines fit in 88 columns: every bracket that may grow is exploded
@@ -71,7 +72,11 @@ _BUILTINS = frozenset(
 )  # fmt: skip
 
 
-class NameClash(Exception):
+class RenderError(Exception):
+    """The file's module cannot be generated (the message names the file, and why)."""
+
+
+class NameClash(RenderError):
     """Two generated names would be the same."""
 
 
@@ -83,11 +88,27 @@ class _Renderer:
     def __init__(self, file: KeyedFile) -> None:
         self.file = file
         self.source = file.descriptor.name
-        files = {names.pb2_module(self.source): file.descriptor}
+        # The file's own module only when something reads it (``SERVICES``).
+        files = {names.pb2_module(self.source): file.descriptor} if file.methods else {}
         for method in file.methods:
             for call in method.calls:
                 for message in (call.target.input_type, call.target.output_type):
                     files[names.pb2_module(message.file.name)] = message.file
+        # ``auth/2fa.proto``: grpcio-tools' own code for it (its _pb2_grpc.py, and the _pb2 of
+        # every file importing it) is ``from auth import 2fa_pb2``, a SyntaxError, so its
+        # services can be neither served nor called with protoc's code. The module could be
+        # imported with importlib, as for a keyword part, but only to serve a file that protoc's
+        # own output cannot: refused, with the reason, rather than generated.
+        unnamable = [
+            f"{self.source}: module {module} (of {proto.name}) has a part, {part!r}, that is not"
+            " a Python identifier: protoc's python_out (in every file importing it) and"
+            f" grpc_python_out import it as `{_import_statement(module)}`, a SyntaxError;"
+            f" rename {proto.name} (or its directory) so that every part of its path is one"
+            for module, proto in sorted(files.items())
+            if (part := names.non_identifier(module)) is not None
+        ]
+        if unnamable:
+            raise RenderError("\n".join(unnamable))
         self.modules = _local_names(set(files))
         self.reserved = _MODULE_NAMES | _BUILTINS | set(self.modules.values())
         # A service's parameter of ``__init__`` is in scope in its body, which reads the
@@ -155,6 +176,15 @@ class _Renderer:
         return "\n".join(lines) + "\n"
 
     def _docstring(self) -> list[str]:
+        if not self.file.methods:
+            return [
+                f'"""Generated from ``{self.source}``, which declares no keyed methods.',
+                "",
+                "``SERVICES`` and ``POLICIES`` are empty, ``SERVICE_CONFIG`` retries nothing.",
+                "The module is generated all the same: regenerating after a file's last option",
+                "is removed leaves no stale module, whose ``POLICIES`` kept the method keyed.",
+                '"""',
+            ]
         return [
             f'"""Generated from the idempotency options of ``{self.source}``.',
             "",
@@ -200,15 +230,11 @@ class _Renderer:
         if "step_metadata" in self.needs:
             library.append("step_metadata")
         lines = [*stdlib, "", *third, "", *_import_lines("grpc_idempotency", library)]
-        generated = []
-        for module, local in sorted(self.modules.items()):
-            if module in self.dynamic:
-                continue
-            package, _, base = module.rpartition(".")
-            alias = f" as {local}" if local != base else ""
-            generated.append(
-                f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
-            )
+        generated = [
+            _import_statement(module, local)
+            for module, local in sorted(self.modules.items())
+            if module not in self.dynamic
+        ]
         # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
         # module with importlib too. So is a module whose .pyi protoc's pyi_out writes with a
         # keyword as a name (``class from(...)``, ``_stub_has_keyword``): imported statically,
@@ -218,7 +244,7 @@ class _Renderer:
         if generated and assigned:
             generated.append("")
         generated += assigned
-        return [*lines, "", *generated]
+        return [*lines, "", *generated] if generated else lines
 
     def _all(self) -> list[str]:
         public = [
@@ -235,6 +261,11 @@ class _Renderer:
 
     def _services(self) -> list[str]:
         self.needs.add("Final")
+        if not self.file.methods:
+            return [
+                "SERVICES: Final[tuple[ServiceDescriptor, ...]] = ()",
+                '"""The services of this file that have keyed methods: none."""',
+            ]
         own = self.modules[names.pb2_module(self.source)]
         services: list[ServiceDescriptor] = []
         for method in self.file.methods:
@@ -249,6 +280,11 @@ class _Renderer:
 
     def _policies(self) -> list[str]:
         self.needs |= {"Final", "Mapping", "MethodOverride"}
+        if not self.file.methods:
+            return [
+                "POLICIES: Final[Mapping[str, MethodOverride]] = {}",
+                '"""Each keyed method\'s options as declared, by gRPC path: none."""',
+            ]
         lines = ["POLICIES: Final[Mapping[str, MethodOverride]] = {"]
         for method in self.file.methods:
             fields = self._override_fields(method.declared)
@@ -314,12 +350,23 @@ class _Renderer:
         self.needs |= {"json", "Final"}
         config = service_config([m.path for m in self.file.methods])
         literal = _literal(config)
+        # ``json.dumps({})`` on one line: the form a formatter gives it.
+        call = (
+            [f"SERVICE_CONFIG: Final = json.dumps({literal[0]})"]
+            if len(literal) == 1
+            else ["SERVICE_CONFIG: Final = json.dumps(", *(INDENT + line for line in literal), ")"]
+        )
+        about = (
+            [
+                '"""The ``grpc.service_config`` for a channel calling these methods: gRPC retries',
+                'UNAVAILABLE and ABORTED, honouring the server\'s pushback."""',
+            ]
+            if self.file.methods
+            else ['"""The ``grpc.service_config`` for a channel: no keyed methods, no retries."""']
+        )
         return [
-            "SERVICE_CONFIG: Final = json.dumps(",
-            *(INDENT + line for line in literal),
-            ")",
-            '"""The ``grpc.service_config`` for a channel calling these methods: gRPC retries',
-            'UNAVAILABLE and ABORTED, honouring the server\'s pushback."""',
+            *call,
+            *about,
             "",
             "CHANNEL_OPTIONS: Final[tuple[tuple[str, str | int], ...]] = (",
             f'{INDENT}("grpc.service_config", SERVICE_CONFIG),',
@@ -574,6 +621,14 @@ def _duplicates(values: Iterable[str]) -> list[str]:
             repeated.append(value)
         seen.add(value)
     return repeated
+
+
+def _import_statement(module: str, local: str | None = None) -> str:
+    """``from checkout.v1 import orders_pb2``, ``import nopkg_pb2``, with ``as local`` when the
+    module is bound to another name."""
+    package, _, base = module.rpartition(".")
+    alias = f" as {local}" if local is not None and local != base else ""
+    return f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
 
 
 def _import_lines(module: str, imported: list[str]) -> list[str]:
