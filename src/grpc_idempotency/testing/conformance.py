@@ -20,6 +20,9 @@ another process of the same server, as it would to another replica. The checks:
 ``deterministic_error``     a recorded error (INVALID_ARGUMENT, ...) is replayed, nothing kept
 ``transient_error``         an attempt that fails unexpectedly after the handler ran is rolled
                             back and released: the retry runs the handler
+``lost_connection``         the call's database connection dies after the claim, before the
+                            handler's first statement: nothing is left, the retry executes
+                            once (atomic mode; a phased method skips it)
 ==========================  =================================================================
 
 The kit sees the effects ``count_effects`` counts in the database. An effect outside it (an email
@@ -93,6 +96,22 @@ _OUTSIDE_DATABASE = (
     " replays it."
 )
 
+# The backend holding an atomic-mode claim on $1 (the key, as the SQL literal the claim statement
+# carries): the claim is sent as literal SQL in the batch that opens the call's transaction, so
+# the key in pg_stat_activity names the call's connection and no other.
+_ATOMIC_CLAIM_BACKEND = """
+    SELECT pid FROM pg_catalog.pg_stat_activity
+    WHERE datname = pg_catalog.current_database() AND pid <> pg_catalog.pg_backend_pid()
+      AND state = 'idle in transaction'
+      AND pg_catalog.strpos(query, '.claim_atomic(') > 0 AND pg_catalog.strpos(query, $1) > 0
+"""
+# The schemas holding the library's records (whichever the server's store uses).
+_RECORD_SCHEMAS = """
+    SELECT n.nspname FROM pg_catalog.pg_proc p
+    JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+    WHERE p.proname = 'claim_with_start'
+"""
+
 
 class ConformanceFailure(AssertionError):
     """A check of the conformance plan failed; the message says what the service did."""
@@ -137,6 +156,9 @@ class ConformanceTarget:
     in_progress_timeout_s: float = 30.0
     """How long a retry keeps coming back while the key is in progress (after a crash in phased
     mode, the dead owner's lease must run out first)."""
+    lost_connection_pause_ms: int = 2000
+    """How long the lost-connection check's server pauses after the claim: the time the kit has
+    to find the call's connection and cut it."""
 
     def __post_init__(self) -> None:
         parts = self.method.split("/")
@@ -146,6 +168,8 @@ class ConformanceTarget:
             raise ValueError(f"server must be 'package.module:build_server', not {self.server!r}")
         if self.concurrency < 2:
             raise ValueError("concurrency must be at least 2")
+        if self.lost_connection_pause_ms < 1:
+            raise ValueError("lost_connection_pause_ms must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -605,6 +629,90 @@ class ConformancePlan:
             raise self._fail(check, f"after the retry the effect count is {count}, expected 1")
         await self._at_most_once_outside(check, request)
 
+    async def _cut_connection(
+        self, db: asyncpg.Connection[Any], key: str, call: asyncio.Future[_Answer]
+    ) -> str:
+        """Terminates the backend of the call holding ``key``'s atomic claim, while the call
+        pauses after the claim: ``"cut"``; ``"phased"`` when the claim was committed on its
+        own instead (there is no call transaction to cut); ``"ended"`` when the call ended
+        first."""
+        literal = "'" + key.replace("'", "''") + "'"
+        while not call.done():
+            pid = await db.fetchval(_ATOMIC_CLAIM_BACKEND, literal)
+            if pid is not None:
+                await db.fetchval("SELECT pg_catalog.pg_terminate_backend($1)", pid)
+                return "cut"
+            for schema in await db.fetch(_RECORD_SCHEMAS):
+                name = '"' + str(schema["nspname"]).replace('"', '""') + '"'
+                state = await db.fetchval(f"SELECT state FROM {name}.records WHERE key = $1", key)
+                if state == "in_progress":
+                    return "phased"
+            # Wakes as soon as the call ends: then the pause is over and nothing is left to cut.
+            await asyncio.wait({call}, timeout=0.02)
+        return "ended"
+
+    async def check_lost_connection(self) -> None:
+        """The call's database connection dies after the claim, before the handler's first
+        statement (failpoint ``after_claim=sleep``, then ``pg_terminate_backend`` of the call's
+        backend): the attempt fails and leaves nothing, and a retry executes once. A handler
+        that carries on over a connection of its own (a fresh one from the pool when the
+        call's is lost) writes outside the call's transaction and fails it.
+
+        Atomic mode only: a phased method's handler opens its transaction itself, so there is
+        no call connection to cut after the claim; the check skips (``pytest.skip``)."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
+        check = "lost connection"
+        request, key = self.target.request(), self._key("lostconn")
+        clean = await self._clean_server()
+        pause_ms = self.target.lost_connection_pause_ms
+        async with (
+            self._server_with(f"after_claim=sleep:{pause_ms}", "lost-connection") as paused,
+            self._db() as db,
+        ):
+            call = asyncio.ensure_future(self._call(paused.address, request, key))
+            try:
+                cut = await self._cut_connection(db, key, call)
+            finally:
+                failed = await call
+            if cut == "phased":
+                pytest.skip(
+                    f"[{check}] the method runs in phased mode: its claim commits on its own and"
+                    " the handler opens its transaction itself, so there is no call connection"
+                    " to cut"
+                )
+            if cut == "ended":
+                raise self._fail(
+                    check,
+                    f"the call ended ({failed}) before its connection could be cut: no"
+                    f" transaction held its claim during the {pause_ms} ms pause after the claim."
+                    f" {_NOT_INTERCEPTED} (On a slow machine, raise lost_connection_pause_ms.)",
+                    paused,
+                )
+            left = await self._count(db, request)
+            if left != 0:
+                raise self._fail(
+                    check,
+                    f"the attempt whose connection was lost ({failed}) left {left} effects,"
+                    " expected 0: the handler carried on outside the call's transaction (a"
+                    " connection of its own, taken when the call's failed?). Let the error"
+                    " propagate: the retry runs the handler again.",
+                    paused,
+                )
+            if failed.ok:
+                raise self._fail(
+                    check, f"the call answered {failed} although its transaction was gone", paused
+                )
+            retry = await self._settled(clean.address, request, key)
+            count = await self._count(db, request)
+        if not retry.ok or retry.replayed or count != 1:
+            raise self._fail(
+                check,
+                f"the retry after a lost connection answered {retry} with {count} effects;"
+                " expected a new execution and 1",
+                clean,
+            )
+        await self._at_most_once_outside(check, request)
+
     async def run_all(self) -> None:
         """Every check, in order; stops at the first failure."""
         await self.check_sequential_replay()
@@ -616,6 +724,8 @@ class ConformancePlan:
         if self.target.error_request is not None:
             await self.check_deterministic_error()
         await self.check_transient_error()
+        with contextlib.suppress(pytest.skip.Exception):  # not applicable in phased mode
+            await self.check_lost_connection()
 
 
 class IdempotencyConformance:
@@ -666,6 +776,8 @@ class IdempotencyConformance:
     """The client deadline of the lost-response check."""
     in_progress_timeout_s: ClassVar[float] = 30.0
     """How long a retry may keep finding the key in progress (a phased method's lease)."""
+    lost_connection_pause_ms: ClassVar[int] = 2000
+    """How long the lost-connection check's server pauses after the claim."""
 
     def make_request(self) -> Any:
         """A fresh request: a new operation each time it is called."""
@@ -713,6 +825,7 @@ class IdempotencyConformance:
             start_timeout_s=self.start_timeout_s,
             lost_response_deadline_s=self.lost_response_deadline_s,
             in_progress_timeout_s=self.in_progress_timeout_s,
+            lost_connection_pause_ms=self.lost_connection_pause_ms,
         )
 
     @pytest.mark.asyncio
@@ -766,3 +879,11 @@ class IdempotencyConformance:
     ) -> None:
         """Check: an attempt that fails unexpectedly is released; the retry runs again."""
         await idempotency_conformance.check_transient_error()
+
+    @pytest.mark.asyncio
+    async def test_lost_connection_leaves_nothing(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: the call's connection dies after the claim; nothing is left, the retry
+        executes once (skipped in phased mode)."""
+        await idempotency_conformance.check_lost_connection()

@@ -1,0 +1,149 @@
+"""The conformance checks a review found missing or blind catch what they are for, and pass the
+same handler written correctly:
+
+- lost connection: a handler that, when the call's connection is lost, carries on over a fresh
+  connection from the pool (a common "resilience" pattern) passed every other check and wrote
+  twice for one key;
+
+The services are ``build_server`` functions, run by the kit in child processes; the variant
+comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
+``test_ledger.ledger`` (created by the session's ``store`` fixture).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store, current_call
+from grpc_idempotency.testing import ConformanceFailure, ConformancePlan, ConformanceTarget
+
+pytestmark = pytest.mark.e2e
+
+MODULE = "tests.integration.test_testing_kit_checks"
+POST = "/testsvc.v1.LedgerService/Post"
+POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
+VARIANT_ENV = "KIT_CHECKS_VARIANT"
+
+CONNECTION_LOST = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
+
+
+class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Post (atomic) and PostPhased insert one ledger row. ``variant``: ``correct``, or
+    ``fallback`` (a lost call connection is replaced by one from the pool)."""
+
+    def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
+        self.pool = pool
+        self.variant = variant
+
+    async def Post(
+        self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> testsvc_pb2.PostResponse:
+        conn: Any = current_call().connection
+        if self.variant == "fallback":
+            try:
+                await conn.execute("SELECT 1")
+            except CONNECTION_LOST:
+                conn = await self.pool.acquire()
+        entry_id: int = await conn.fetchval(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2) RETURNING id",
+            request.account,
+            request.amount,
+        )
+        return testsvc_pb2.PostResponse(
+            entry_id=entry_id, account=request.account, execution_nonce=uuid.uuid4().hex
+        )
+
+    async def PostPhased(
+        self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> testsvc_pb2.PostResponse:
+        conn = await current_call().transaction()
+        entry_id: int = await conn.fetchval(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2) RETURNING id",
+            request.account,
+            request.amount,
+        )
+        return testsvc_pb2.PostResponse(entry_id=entry_id, execution_nonce=uuid.uuid4().hex)
+
+
+async def build_server(dsn: str) -> AsyncIterator[Any]:
+    store = await Store.connect(dsn, min_size=1, max_size=10)
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=StaticScope("kit"))
+    server = grpc.aio.server(interceptors=[interceptor])
+    servicer = CheckedLedger(store.pool, os.environ.get(VARIANT_ENV, "correct"))
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
+    try:
+        yield server
+    finally:
+        await store.close()
+
+
+def _request() -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account="kit-checks-" + uuid.uuid4().hex, amount=5)
+
+
+async def _rows(db: asyncpg.Connection[Any], request: Any) -> int:
+    count: int = await db.fetchval(
+        "SELECT count(*) FROM test_ledger.ledger WHERE account = $1", request.account
+    )
+    return count
+
+
+@pytest.fixture
+def plan_for(pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``plan_for(variant, method=POST, **target)``: a plan on a server of that variant."""
+    plans: list[ConformancePlan] = []
+
+    def make(variant: str, method: str = POST, **target: Any) -> ConformancePlan:
+        plan = ConformancePlan(
+            ConformanceTarget(
+                server=f"{MODULE}:build_server",
+                method=method,
+                request=_request,
+                count_effects=_rows,
+                server_env={VARIANT_ENV: variant},
+                **target,
+            ),
+            pg_dsn,
+            tmp_path_factory.mktemp(variant),
+        )
+        plans.append(plan)
+        return plan
+
+    try:
+        yield make
+    finally:
+        for plan in plans:
+            plan.close()
+
+
+async def test_a_handler_falling_back_to_a_pool_connection_fails_the_lost_connection_check(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("fallback")
+    # The other checks cannot see it: nothing fails the handler's own statements.
+    await plan.check_sequential_replay()
+    await plan.check_crash("before_commit")
+    await plan.check_transient_error()
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[lost connection\] the attempt whose connection was lost \(.*\) left 1 effects,"
+        r" expected 0: the handler carried on outside the call's transaction",
+    ):
+        await plan.check_lost_connection()
+
+
+async def test_a_correct_handler_passes_the_lost_connection_check(plan_for: Any) -> None:
+    await plan_for("correct").check_lost_connection()
+
+
+async def test_the_lost_connection_check_skips_a_phased_method(plan_for: Any) -> None:
+    with pytest.raises(pytest.skip.Exception, match=r"phased mode"):
+        await plan_for("correct", POST_PHASED).check_lost_connection()
