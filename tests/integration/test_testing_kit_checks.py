@@ -4,6 +4,8 @@ same handler written correctly:
 - lost connection: a handler that, when the call's connection is lost, carries on over a fresh
   connection from the pool (a common "resilience" pattern) passed every other check and wrote
   twice for one key;
+- keyless: the kit always sent a key, so a method left KEY_OPTIONAL by mistake, or a
+  key-optional handler that fails without one, passed;
 
 The services are ``build_server`` functions, run by the kit in child processes; the variant
 comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
@@ -30,14 +32,16 @@ pytestmark = pytest.mark.e2e
 MODULE = "tests.integration.test_testing_kit_checks"
 POST = "/testsvc.v1.LedgerService/Post"
 POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
+POST_OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
 VARIANT_ENV = "KIT_CHECKS_VARIANT"
 
 CONNECTION_LOST = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
 
 
 class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
-    """Post (atomic) and PostPhased insert one ledger row. ``variant``: ``correct``, or
-    ``fallback`` (a lost call connection is replaced by one from the pool)."""
+    """Post (atomic), PostOptional (the same, key optional) and PostPhased insert one ledger
+    row. ``variant``: ``correct``, ``fallback`` (a lost call connection is replaced by one from
+    the pool) or ``needs_key`` (fails a call without a key)."""
 
     def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
         self.pool = pool
@@ -46,6 +50,8 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     async def Post(
         self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> testsvc_pb2.PostResponse:
+        if self.variant == "needs_key" and current_call().key is None:
+            raise RuntimeError("the handler uses the idempotency key as the entry's id")
         conn: Any = current_call().connection
         if self.variant == "fallback":
             try:
@@ -60,6 +66,8 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
         return testsvc_pb2.PostResponse(
             entry_id=entry_id, account=request.account, execution_nonce=uuid.uuid4().hex
         )
+
+    PostOptional = Post
 
     async def PostPhased(
         self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -147,3 +155,46 @@ async def test_a_correct_handler_passes_the_lost_connection_check(plan_for: Any)
 async def test_the_lost_connection_check_skips_a_phased_method(plan_for: Any) -> None:
     with pytest.raises(pytest.skip.Exception, match=r"phased mode"):
         await plan_for("correct", POST_PHASED).check_lost_connection()
+
+
+async def test_a_required_key_passes_the_keyless_check(plan_for: Any) -> None:
+    await plan_for("correct").check_keyless()
+
+
+async def test_a_key_optional_method_passes_the_keyless_check_when_the_target_says_so(
+    plan_for: Any,
+) -> None:
+    await plan_for("correct", POST_OPTIONAL, key_optional=True).check_keyless()
+
+
+async def test_a_method_left_key_optional_fails_the_keyless_check(plan_for: Any) -> None:
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[keyless call\] a call without a key answered OK \(.*\) with 1 effects;"
+        r" expected INVALID_ARGUMENT, reason IDEMPOTENCY_KEY_MISSING, and none\. Is the method"
+        r" KEY_OPTIONAL \(then say key_optional = True\)",
+    ):
+        await plan_for("correct", POST_OPTIONAL).check_keyless()
+
+
+async def test_a_key_optional_handler_that_needs_the_key_fails_the_keyless_check(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("needs_key", POST_OPTIONAL, key_optional=True)
+    await plan.check_sequential_replay()  # with a key, all is well
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[keyless call\] the method is key-optional, but a call without a key answered"
+        r" UNKNOWN .* with 0 effects; expected OK and 1\. Does the handler need",
+    ):
+        await plan.check_keyless()
+
+
+async def test_a_required_key_fails_the_keyless_check_of_a_key_optional_target(
+    plan_for: Any,
+) -> None:
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"answered INVALID_ARGUMENT .*IDEMPOTENCY_KEY_MISSING with 0 effects; expected OK",
+    ):
+        await plan_for("correct", key_optional=True).check_keyless()

@@ -23,6 +23,9 @@ another process of the same server, as it would to another replica. The checks:
 ``lost_connection``         the call's database connection dies after the claim, before the
                             handler's first statement: nothing is left, the retry executes
                             once (atomic mode; a phased method skips it)
+``keyless``                 a call without a key is refused (INVALID_ARGUMENT, reason
+                            ``IDEMPOTENCY_KEY_MISSING``) and runs nothing; or, for a target
+                            that is ``key_optional``, answers OK with one effect
 ==========================  =================================================================
 
 The kit sees the effects ``count_effects`` counts in the database. An effect outside it (an email
@@ -50,7 +53,7 @@ import pytest
 
 from grpc_idempotency.core import wire
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import KeyInProgress, KeyReused
+from grpc_idempotency.core.errors import KeyInProgress, KeyMissing, KeyReused
 from grpc_idempotency.testing._process import ServerProcess
 
 if TYPE_CHECKING:
@@ -130,7 +133,9 @@ class ConformanceTarget:
     (needed by the deterministic-error check only). ``metadata``: sent with every call
     (credentials). ``server_env``: added to the server processes' environment.
     ``count_external_effects(request)``: how many times that request's effects outside the
-    database happened (optional; every check then requires at most one).
+    database happened (optional; every check then requires at most one). ``key_optional``: the
+    method is meant to be ``KEY_OPTIONAL`` (the keyless check then expects a call without a key
+    to run, once, instead of being refused).
     """
 
     server: str
@@ -142,6 +147,8 @@ class ConformanceTarget:
     metadata: Sequence[tuple[str, str]] = ()
     server_env: Mapping[str, str] = field(default_factory=dict)
     count_external_effects: ExternalCounter | None = None
+    key_optional: bool = False
+    """Whether the method is meant to run calls without a key (``key: KEY_OPTIONAL``)."""
     concurrency: int = 8
     """Duplicates sent at once by the concurrency check."""
     slow_commit_ms: int = 300
@@ -277,11 +284,13 @@ class ConformancePlan:
         return f"conformance-{check}-{uuid.uuid4().hex}"
 
     async def _call(
-        self, address: str, request: Any, key: str, *, timeout: float | None = None
+        self, address: str, request: Any, key: str | None, *, timeout: float | None = None
     ) -> _Answer:
+        """Calls the method with ``key`` (``None``: without one)."""
         import grpc
 
-        metadata = (*self.target.metadata, (wire.KEY_HEADER, key))
+        keyed = () if key is None else ((wire.KEY_HEADER, key),)
+        metadata = (*self.target.metadata, *keyed)
         async with grpc.aio.insecure_channel(address) as channel:
             method = channel.unary_unary(
                 self.target.method,
@@ -713,6 +722,40 @@ class ConformancePlan:
             )
         await self._at_most_once_outside(check, request)
 
+    async def check_keyless(self) -> None:
+        """A call without a key: refused with ``INVALID_ARGUMENT``, reason
+        ``IDEMPOTENCY_KEY_MISSING``, and nothing runs; or, when the target is ``key_optional``,
+        answered OK (not a replay) with one effect."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
+        check = "keyless call"
+        request = self.target.request()
+        clean = await self._clean_server()
+        answer = await self._call(clean.address, request, None)
+        async with self._db() as db:
+            count = await self._count(db, request)
+        if not self.target.key_optional:
+            refused = answer.code.value[0] == int(Code.INVALID_ARGUMENT)
+            if not refused or answer.reason != KeyMissing.reason or count != 0:
+                raise self._fail(
+                    check,
+                    f"a call without a key answered {answer} with {count} effects; expected"
+                    f" INVALID_ARGUMENT, reason {KeyMissing.reason}, and none. Is the method"
+                    " KEY_OPTIONAL (then say key_optional = True), or not served through"
+                    " IdempotencyInterceptor?",
+                    clean,
+                )
+            return
+        if not answer.ok or answer.replayed or count != 1:
+            raise self._fail(
+                check,
+                f"the method is key-optional, but a call without a key answered {answer} with"
+                f" {count} effects; expected OK and 1. Does the handler need current_call().key"
+                " (None without a key)? Or is the method KEY_REQUIRED (then leave key_optional"
+                " False)?",
+                clean,
+            )
+        await self._at_most_once_outside(check, request)
+
     async def run_all(self) -> None:
         """Every check, in order; stops at the first failure."""
         await self.check_sequential_replay()
@@ -726,6 +769,7 @@ class ConformancePlan:
         await self.check_transient_error()
         with contextlib.suppress(pytest.skip.Exception):  # not applicable in phased mode
             await self.check_lost_connection()
+        await self.check_keyless()
 
 
 class IdempotencyConformance:
@@ -764,6 +808,9 @@ class IdempotencyConformance:
     """Sent with every call, e.g. credentials."""
     server_env: ClassVar[Mapping[str, str]] = {}
     """Added to the server processes' environment."""
+    key_optional: ClassVar[bool] = False
+    """The method is meant to run calls without a key (``KEY_OPTIONAL``): the keyless check
+    then expects such a call to run once instead of being refused."""
     concurrency: ClassVar[int] = 8
     """Duplicates sent at once by the concurrency check."""
     slow_commit_ms: ClassVar[int] = 300
@@ -819,6 +866,7 @@ class IdempotencyConformance:
             metadata=self.metadata,
             server_env=self.server_env,
             count_external_effects=self.count_external_effects if external else None,
+            key_optional=self.key_optional,
             concurrency=self.concurrency,
             slow_commit_ms=self.slow_commit_ms,
             call_timeout_s=self.call_timeout_s,
@@ -887,3 +935,9 @@ class IdempotencyConformance:
         """Check: the call's connection dies after the claim; nothing is left, the retry
         executes once (skipped in phased mode)."""
         await idempotency_conformance.check_lost_connection()
+
+    @pytest.mark.asyncio
+    async def test_call_without_a_key(self, idempotency_conformance: ConformancePlan) -> None:
+        """Check: a call without a key is refused (KEY_MISSING), or runs once if
+        ``key_optional``."""
+        await idempotency_conformance.check_keyless()
