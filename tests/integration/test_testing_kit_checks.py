@@ -6,6 +6,8 @@ same handler written correctly:
   twice for one key;
 - keyless: the kit always sent a key, so a method left KEY_OPTIONAL by mistake, or a
   key-optional handler that fails without one, passed;
+- sequential replay: a handler that sent what the client needs (the entry's id) as metadata of
+  its own, which the library does not replay, passed the byte-for-byte check;
 
 The services are ``build_server`` functions, run by the kit in child processes; the variant
 comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
@@ -41,7 +43,8 @@ CONNECTION_LOST = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSEr
 class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     """Post (atomic), PostOptional (the same, key optional) and PostPhased insert one ledger
     row. ``variant``: ``correct``, ``fallback`` (a lost call connection is replaced by one from
-    the pool) or ``needs_key`` (fails a call without a key)."""
+    the pool), ``needs_key`` (fails a call without a key), ``trailer`` or ``header`` (the entry's
+    id in custom trailing or initial metadata, which a replay does not carry)."""
 
     def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
         self.pool = pool
@@ -63,6 +66,10 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
             request.account,
             request.amount,
         )
+        if self.variant == "trailer":
+            context.set_trailing_metadata((("x-entry-id", str(entry_id)),))
+        if self.variant == "header":
+            await context.send_initial_metadata((("x-entry-id", str(entry_id)),))
         return testsvc_pb2.PostResponse(
             entry_id=entry_id, account=request.account, execution_nonce=uuid.uuid4().hex
         )
@@ -198,3 +205,20 @@ async def test_a_required_key_fails_the_keyless_check_of_a_key_optional_target(
         match=r"answered INVALID_ARGUMENT .*IDEMPOTENCY_KEY_MISSING with 0 effects; expected OK",
     ):
         await plan_for("correct", key_optional=True).check_keyless()
+
+
+@pytest.mark.parametrize("variant", ["trailer", "header"])
+async def test_handler_metadata_a_replay_lacks_fails_the_sequential_replay_check(
+    plan_for: Any, variant: str
+) -> None:
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[sequential replay\] the first answer carried metadata \['x-entry-id'\] that"
+        r" the replay does not: .* Put what a retry must see in the response message\.",
+    ):
+        await plan_for(variant).check_sequential_replay()
+
+
+async def test_what_the_library_replays_passes_the_sequential_replay_check(plan_for: Any) -> None:
+    # The replay marker is the retry's alone; the first answer carries nothing the retry lacks.
+    await plan_for("correct", metadata=(("x-caller", "kit"),)).check_sequential_replay()

@@ -8,7 +8,7 @@ another process of the same server, as it would to another replica. The checks:
 
 ==========================  =================================================================
 ``sequential_replay``       a retry with the same key replays the first answer byte for byte,
-                            and the effect happened once
+                            metadata included, and the effect happened once
 ``mutated_payload``         the same key with another request is refused: FAILED_PRECONDITION,
                             reason ``IDEMPOTENCY_KEY_REUSED``; nothing runs
 ``concurrent_duplicates``   N duplicates at once, over two processes, one of them slow to
@@ -218,6 +218,10 @@ def _pairs(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((str(name), value) for name, value in metadata or ())
 
 
+def _names(answer: _Answer) -> set[str]:
+    return {name for name, _ in (*answer.initial_metadata, *answer.trailing_metadata)}
+
+
 def _bytes_diff(first: bytes, second: bytes) -> str:
     at = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), None)
     where = f"first difference at byte {at}" if at is not None else "one is a prefix of the other"
@@ -374,7 +378,8 @@ class ConformancePlan:
 
     async def check_sequential_replay(self) -> None:
         """A retry with the same key and request replays the first answer, byte for byte, and
-        the business effect happened once."""
+        the business effect happened once. The first answer carries no metadata the replay
+        lacks (a handler's own, which the library does not store)."""
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "sequential replay"
         server = await self._clean_server()
@@ -401,6 +406,17 @@ class ConformancePlan:
                 check,
                 "the replayed response differs from the first one:"
                 f" {_bytes_diff(first.data, retry.data)}",
+            )
+        # The library replays the response, status and details, never metadata a handler sets:
+        # what the first answer carried and the replay lacks, the client gets only once.
+        lost = sorted(_names(first) - _names(retry))
+        if lost:
+            raise self._fail(
+                check,
+                f"the first answer carried metadata {lost} that the replay does not: metadata"
+                " the handler sets (set_trailing_metadata, send_initial_metadata) is not stored,"
+                " and a client whose first answer was lost never sees it. Put what a retry must"
+                " see in the response message.",
             )
         await self._at_most_once_outside(check, request)
 
