@@ -8,6 +8,9 @@ same handler written correctly:
   key-optional handler that fails without one, passed;
 - sequential replay: a handler that sent what the client needs (the entry's id) as metadata of
   its own, which the library does not replay, passed the byte-for-byte check;
+- messages: duplicates that all failed were blamed on a missing interceptor; a server that
+  answered before its crash failpoint was waited for (``call_timeout_s``) and said to be "still
+  running"; a failure in ``_first`` showed the kit's frames.
 
 The services are ``build_server`` functions, run by the kit in child processes; the variant
 comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
@@ -17,6 +20,7 @@ comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -30,6 +34,7 @@ from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store, current
 from grpc_idempotency.testing import ConformanceFailure, ConformancePlan, ConformanceTarget
 
 pytestmark = pytest.mark.e2e
+pytest_plugins = ["pytester"]
 
 MODULE = "tests.integration.test_testing_kit_checks"
 POST = "/testsvc.v1.LedgerService/Post"
@@ -44,7 +49,9 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     """Post (atomic), PostOptional (the same, key optional) and PostPhased insert one ledger
     row. ``variant``: ``correct``, ``fallback`` (a lost call connection is replaced by one from
     the pool), ``needs_key`` (fails a call without a key), ``trailer`` or ``header`` (the entry's
-    id in custom trailing or initial metadata, which a replay does not carry)."""
+    id in custom trailing or initial metadata, which a replay does not carry), ``commits`` (ends
+    the call's transaction itself: the library answers INTERNAL) or ``unavailable`` (fails every
+    call, transiently)."""
 
     def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
         self.pool = pool
@@ -66,6 +73,10 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
             request.account,
             request.amount,
         )
+        if self.variant == "commits":
+            await conn.execute("COMMIT")
+        if self.variant == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the downstream is down")
         if self.variant == "trailer":
             context.set_trailing_metadata((("x-entry-id", str(entry_id)),))
         if self.variant == "header":
@@ -222,3 +233,66 @@ async def test_handler_metadata_a_replay_lacks_fails_the_sequential_replay_check
 async def test_what_the_library_replays_passes_the_sequential_replay_check(plan_for: Any) -> None:
     # The replay marker is the retry's alone; the first answer carries nothing the retry lacks.
     await plan_for("correct", metadata=(("x-caller", "kit"),)).check_sequential_replay()
+
+
+async def test_duplicates_that_all_failed_are_not_blamed_on_the_interceptor(
+    plan_for: Any,
+) -> None:
+    with pytest.raises(ConformanceFailure) as failed:
+        await plan_for("unavailable", concurrency=2).check_concurrent_duplicates()
+    message = str(failed.value)
+    assert message.startswith(
+        "[concurrent duplicates] no duplicate succeeded and the effect never happened:"
+        " UNAVAILABLE 'the downstream is down'"
+    ), message
+    assert "IdempotencyInterceptor" not in message.splitlines()[0]
+
+
+async def test_a_server_answering_before_the_crash_failpoint_is_not_waited_for(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("commits")
+    started = time.monotonic()
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[crash at after_commit_before_response\] the server answered INTERNAL .*"
+        r"IDEMPOTENCY_HANDLER_DATABASE_ERROR.* before it reached the failpoint"
+        r" after_commit_before_response, where it should have died",
+    ):
+        await plan.check_crash("after_commit_before_response")
+    # It waited call_timeout_s for the server to die, then said "the server is still running".
+    assert time.monotonic() - started < plan.target.call_timeout_s
+
+
+INNER_UNSERVED = """
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency.testing import IdempotencyConformance
+
+
+class TestUnserved(IdempotencyConformance):
+    server = "tests.integration.test_testing_kit:bare_server"
+    method = "/testsvc.v1.LedgerService/Post"
+
+    def make_request(self):
+        return testsvc_pb2.PostRequest(account="unserved", amount=1)
+
+    async def count_effects(self, db, request):
+        return 0
+"""
+
+
+def test_a_failed_first_call_shows_the_failure_not_the_kits_frames(
+    pytester: pytest.Pytester, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRPC_IDEMPOTENCY_TEST_DSN", pg_dsn)
+    pytester.makepyfile(test_unserved=INNER_UNSERVED)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--tb=long", "-k", "sequential"
+    )
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "[sequential replay] the first call with a new key failed: UNIMPLEMENTED" in out, out
+    # One frame of the kit's module: the test method the user's class inherits, not _first.
+    assert "def _first(" not in out, out
+    assert out.count("grpc_idempotency/testing/conformance.py:") == 1, out

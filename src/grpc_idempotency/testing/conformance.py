@@ -337,6 +337,7 @@ class ConformancePlan:
     async def _at_most_once_outside(self, check: str, request: Any) -> None:
         """Raises unless ``request``'s effects outside the database (if the target counts them)
         happened at most once: the kit cannot see them otherwise."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
         counter = self.target.count_external_effects
         if counter is None:
             return
@@ -354,6 +355,7 @@ class ConformancePlan:
         return ConformanceFailure(f"[{check}] {message}{logs}")
 
     async def _first(self, check: str, server: ServerProcess, request: Any, key: str) -> _Answer:
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
         answer = await self._call(server.address, request, key)
         if not answer.ok:
             # The library's own reason (a handler's misuse, a store it cannot use), or a server
@@ -472,6 +474,16 @@ class ConformancePlan:
             )
             count = await self._count(db, request)
         summary = ", ".join(str(a) for a in answers)
+        if count == 0 and not any(a.ok for a in answers):
+            # Nothing ran to completion: the service failed every duplicate (its logs say why);
+            # no sign of a missing interceptor.
+            raise self._fail(
+                check,
+                f"no duplicate succeeded and the effect never happened: {summary}; the server"
+                " failed them, its log (below) says why",
+                clean,
+                slow,
+            )
         if count != 1:
             raise self._fail(
                 check,
@@ -507,6 +519,15 @@ class ConformancePlan:
                 raise self._fail(
                     check,
                     f"the failpoint never fired: the call answered {answer}. {_NOT_INTERCEPTED}",
+                    doomed,
+                )
+            if answer.reason is not None or answer.code.value[0] != int(Code.UNAVAILABLE):
+                # The server answered the call itself (a library reason, a handler's error):
+                # it never reached the failpoint, and waiting for it to die would be in vain.
+                raise self._fail(
+                    check,
+                    f"the server answered {answer} before it reached the failpoint {point}, where"
+                    " it should have died; its log (below) says why",
                     doomed,
                 )
             code = await doomed.wait_exit(self.target.call_timeout_s)
