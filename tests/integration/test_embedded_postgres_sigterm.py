@@ -1,7 +1,8 @@
-"""EmbeddedPostgres does not outlive its owner: a real child process starts one, gets SIGTERM, and
-its postgres process and temporary directories are gone afterwards, whether the child had a
-SIGTERM handler of its own (which still runs) or the default one (the child still dies of
-SIGTERM). A normal exit keeps cleaning up as before."""
+"""EmbeddedPostgres does not outlive its owner: a real child process starts one, gets SIGTERM or
+SIGHUP (a closed terminal, a dropped ssh session), and its postgres process and temporary
+directories are gone afterwards, whether the child had a handler of its own for the signal
+(which still runs) or the default one (the child still dies of the signal). A normal exit keeps
+cleaning up as before."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ from grpc_idempotency.testing import EmbeddedPostgres
 
 mode = sys.argv[1]
 marker = Path(sys.argv[2])
+signum = int(sys.argv[3])
+signal.signal(signum, signal.SIG_DFL)  # not inherited ignored (pytest run under nohup)
 if mode == "own-handler":
-    def on_term(signum, frame):
+    def on_signal(signum, frame):
         marker.write_text("handled")
         sys.exit(3)
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signum, on_signal)
 
 pg = EmbeddedPostgres(durable=False)
 pg.start()
@@ -43,9 +46,11 @@ if mode != "exit":
 """
 
 
-def _start_child(mode: str, marker: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
+def _start_child(
+    mode: str, marker: Path, signum: int = signal.SIGTERM
+) -> tuple[subprocess.Popen[str], dict[str, object]]:
     child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(CHILD), mode, str(marker)],
+        [sys.executable, "-c", textwrap.dedent(CHILD), mode, str(marker), str(int(signum))],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -71,14 +76,17 @@ def _existing(paths: list[str]) -> list[str]:
     return [path for path in paths if Path(path).exists()]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 @pytest.mark.parametrize("mode", ["default-handler", "own-handler"])
-async def test_sigterm_stops_the_server_and_removes_its_dirs(mode: str, tmp_path: Path) -> None:
+async def test_a_stop_signal_stops_the_server_and_removes_its_dirs(
+    mode: str, signum: signal.Signals, tmp_path: Path
+) -> None:
     marker = tmp_path / "marker"
-    child, owned = _start_child(mode, marker)
+    child, owned = _start_child(mode, marker, signum)
     try:
         pid = owned["pid"]
         assert isinstance(pid, int) and _alive(pid)
-        child.send_signal(signal.SIGTERM)
+        child.send_signal(signum)
         code = child.wait(60)
     finally:
         if child.poll() is None:
@@ -89,7 +97,7 @@ async def test_sigterm_stops_the_server_and_removes_its_dirs(mode: str, tmp_path
         assert marker.read_text() == "handled"
         assert code == 3
     else:
-        assert code == -signal.SIGTERM, "the default action (die of SIGTERM) must still happen"
+        assert code == -signum, "the default action (die of the signal) must still happen"
     await _assert_cleaned_up(owned)
 
 
@@ -99,18 +107,24 @@ async def test_normal_exit_still_stops_the_server(tmp_path: Path) -> None:
     await _assert_cleaned_up(owned)
 
 
-def test_ignored_sigterm_is_left_alone() -> None:
-    # A process that ignores SIGTERM keeps its server: installing a handler would change that.
+def test_an_ignored_signal_is_left_alone() -> None:
+    # A process that ignores SIGTERM (or SIGHUP: nohup) keeps its server: installing a handler
+    # would change that. The other signal is handled all the same.
     script = textwrap.dedent(
         """
         import signal
         from grpc_idempotency.testing import embedded
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        embedded._install_sigterm_handler()
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        embedded._install_signal_handlers()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) is embedded._on_stop_signal
+        embedded._signals_installed_in = None
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        embedded._install_sigterm_handler()
-        assert signal.getsignal(signal.SIGTERM) is embedded._on_sigterm
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        embedded._install_signal_handlers()
+        assert signal.getsignal(signal.SIGTERM) is embedded._on_stop_signal
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
         print("ok")
         """
     )

@@ -476,3 +476,50 @@ def test_plugin_fixtures_serve_a_users_service(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*define a fixture named idempotency_service*"])
+
+
+INNER_HAND_WRITTEN_KEY = """
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import current_call
+from grpc_idempotency.testing import ServiceUnderTest, assert_not_replayed
+
+
+class Ledger(testsvc_pb2_grpc.LedgerServiceServicer):
+    async def Post(self, request, context):
+        nonce = await current_call().connection.fetchval("SELECT gen_random_uuid()::text")
+        return testsvc_pb2.PostResponse(account=request.account, execution_nonce=nonce)
+
+
+@pytest.fixture
+def idempotency_service():
+    def register(server, store):
+        testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(Ledger(), server)
+
+    return ServiceUnderTest(register=register, services=[testsvc_pb2])
+
+
+@pytest.mark.asyncio
+async def test_first_call_executes(idempotency_server):
+    stub = testsvc_pb2_grpc.LedgerServiceStub(idempotency_server.channel)
+    call = stub.Post(
+        testsvc_pb2.PostRequest(account="o-1", amount=5),
+        metadata=(("idempotency-key", "charge-o-1"),),
+    )
+    await call
+    await assert_not_replayed(call)
+"""
+
+
+def test_two_sessions_on_one_database_do_not_share_hand_written_keys(
+    pytester: pytest.Pytester, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test with a key written by hand, run by two sessions on one DSN (two CI jobs, xdist
+    workers, a rerun on a database that persists): the second found the first's record under
+    the fixed scope "test" and was answered a replay (a review's finding)."""
+    monkeypatch.setenv("GRPC_IDEMPOTENCY_TEST_DSN", pg_dsn)
+    pytester.makepyfile(test_hand_written=INNER_HAND_WRITTEN_KEY)
+    for _ in range(2):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=1)

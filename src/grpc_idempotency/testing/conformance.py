@@ -8,7 +8,7 @@ another process of the same server, as it would to another replica. The checks:
 
 ==========================  =================================================================
 ``sequential_replay``       a retry with the same key replays the first answer byte for byte,
-                            and the effect happened once
+                            metadata included, and the effect happened once
 ``mutated_payload``         the same key with another request is refused: FAILED_PRECONDITION,
                             reason ``IDEMPOTENCY_KEY_REUSED``; nothing runs
 ``concurrent_duplicates``   N duplicates at once, over two processes, one of them slow to
@@ -20,6 +20,12 @@ another process of the same server, as it would to another replica. The checks:
 ``deterministic_error``     a recorded error (INVALID_ARGUMENT, ...) is replayed, nothing kept
 ``transient_error``         an attempt that fails unexpectedly after the handler ran is rolled
                             back and released: the retry runs the handler
+``lost_connection``         the call's database connection dies after the claim, before the
+                            handler's first statement: nothing is left, the retry executes
+                            once (atomic mode; a phased method skips it)
+``keyless``                 a call without a key is refused (INVALID_ARGUMENT, reason
+                            ``IDEMPOTENCY_KEY_MISSING``) and runs nothing; or, for a target
+                            that is ``key_optional``, answers OK with one effect
 ==========================  =================================================================
 
 The kit sees the effects ``count_effects`` counts in the database. An effect outside it (an email
@@ -47,7 +53,7 @@ import pytest
 
 from grpc_idempotency.core import wire
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import KeyInProgress, KeyReused
+from grpc_idempotency.core.errors import KeyInProgress, KeyMissing, KeyReused
 from grpc_idempotency.testing._process import ServerProcess
 
 if TYPE_CHECKING:
@@ -93,6 +99,22 @@ _OUTSIDE_DATABASE = (
     " replays it."
 )
 
+# The backend holding an atomic-mode claim on $1 (the key, as the SQL literal the claim statement
+# carries): the claim is sent as literal SQL in the batch that opens the call's transaction, so
+# the key in pg_stat_activity names the call's connection and no other.
+_ATOMIC_CLAIM_BACKEND = """
+    SELECT pid FROM pg_catalog.pg_stat_activity
+    WHERE datname = pg_catalog.current_database() AND pid <> pg_catalog.pg_backend_pid()
+      AND state = 'idle in transaction'
+      AND pg_catalog.strpos(query, '.claim_atomic(') > 0 AND pg_catalog.strpos(query, $1) > 0
+"""
+# The schemas holding the library's records (whichever the server's store uses).
+_RECORD_SCHEMAS = """
+    SELECT n.nspname FROM pg_catalog.pg_proc p
+    JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+    WHERE p.proname = 'claim_with_start'
+"""
+
 
 class ConformanceFailure(AssertionError):
     """A check of the conformance plan failed; the message says what the service did."""
@@ -111,7 +133,9 @@ class ConformanceTarget:
     (needed by the deterministic-error check only). ``metadata``: sent with every call
     (credentials). ``server_env``: added to the server processes' environment.
     ``count_external_effects(request)``: how many times that request's effects outside the
-    database happened (optional; every check then requires at most one).
+    database happened (optional; every check then requires at most one). ``key_optional``: the
+    method is meant to be ``KEY_OPTIONAL`` (the keyless check then expects a call without a key
+    to run, once, instead of being refused).
     """
 
     server: str
@@ -123,6 +147,8 @@ class ConformanceTarget:
     metadata: Sequence[tuple[str, str]] = ()
     server_env: Mapping[str, str] = field(default_factory=dict)
     count_external_effects: ExternalCounter | None = None
+    key_optional: bool = False
+    """Whether the method is meant to run calls without a key (``key: KEY_OPTIONAL``)."""
     concurrency: int = 8
     """Duplicates sent at once by the concurrency check."""
     slow_commit_ms: int = 300
@@ -137,6 +163,9 @@ class ConformanceTarget:
     in_progress_timeout_s: float = 30.0
     """How long a retry keeps coming back while the key is in progress (after a crash in phased
     mode, the dead owner's lease must run out first)."""
+    lost_connection_pause_ms: int = 2000
+    """How long the lost-connection check's server pauses after the claim: the time the kit has
+    to find the call's connection and cut it."""
 
     def __post_init__(self) -> None:
         parts = self.method.split("/")
@@ -146,6 +175,8 @@ class ConformanceTarget:
             raise ValueError(f"server must be 'package.module:build_server', not {self.server!r}")
         if self.concurrency < 2:
             raise ValueError("concurrency must be at least 2")
+        if self.lost_connection_pause_ms < 1:
+            raise ValueError("lost_connection_pause_ms must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -185,6 +216,10 @@ class _Answer:
 
 def _pairs(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((str(name), value) for name, value in metadata or ())
+
+
+def _names(answer: _Answer) -> set[str]:
+    return {name for name, _ in (*answer.initial_metadata, *answer.trailing_metadata)}
 
 
 def _bytes_diff(first: bytes, second: bytes) -> str:
@@ -253,11 +288,13 @@ class ConformancePlan:
         return f"conformance-{check}-{uuid.uuid4().hex}"
 
     async def _call(
-        self, address: str, request: Any, key: str, *, timeout: float | None = None
+        self, address: str, request: Any, key: str | None, *, timeout: float | None = None
     ) -> _Answer:
+        """Calls the method with ``key`` (``None``: without one)."""
         import grpc
 
-        metadata = (*self.target.metadata, (wire.KEY_HEADER, key))
+        keyed = () if key is None else ((wire.KEY_HEADER, key),)
+        metadata = (*self.target.metadata, *keyed)
         async with grpc.aio.insecure_channel(address) as channel:
             method = channel.unary_unary(
                 self.target.method,
@@ -300,6 +337,7 @@ class ConformancePlan:
     async def _at_most_once_outside(self, check: str, request: Any) -> None:
         """Raises unless ``request``'s effects outside the database (if the target counts them)
         happened at most once: the kit cannot see them otherwise."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
         counter = self.target.count_external_effects
         if counter is None:
             return
@@ -317,6 +355,7 @@ class ConformancePlan:
         return ConformanceFailure(f"[{check}] {message}{logs}")
 
     async def _first(self, check: str, server: ServerProcess, request: Any, key: str) -> _Answer:
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
         answer = await self._call(server.address, request, key)
         if not answer.ok:
             # The library's own reason (a handler's misuse, a store it cannot use), or a server
@@ -341,7 +380,8 @@ class ConformancePlan:
 
     async def check_sequential_replay(self) -> None:
         """A retry with the same key and request replays the first answer, byte for byte, and
-        the business effect happened once."""
+        the business effect happened once. The first answer carries no metadata the replay
+        lacks (a handler's own, which the library does not store)."""
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "sequential replay"
         server = await self._clean_server()
@@ -368,6 +408,17 @@ class ConformancePlan:
                 check,
                 "the replayed response differs from the first one:"
                 f" {_bytes_diff(first.data, retry.data)}",
+            )
+        # The library replays the response, status and details, never metadata a handler sets:
+        # what the first answer carried and the replay lacks, the client gets only once.
+        lost = sorted(_names(first) - _names(retry))
+        if lost:
+            raise self._fail(
+                check,
+                f"the first answer carried metadata {lost} that the replay does not: metadata"
+                " the handler sets (set_trailing_metadata, send_initial_metadata) is not stored,"
+                " and a client whose first answer was lost never sees it. Put what a retry must"
+                " see in the response message.",
             )
         await self._at_most_once_outside(check, request)
 
@@ -423,6 +474,16 @@ class ConformancePlan:
             )
             count = await self._count(db, request)
         summary = ", ".join(str(a) for a in answers)
+        if count == 0 and not any(a.ok for a in answers):
+            # Nothing ran to completion: the service failed every duplicate (its logs say why);
+            # no sign of a missing interceptor.
+            raise self._fail(
+                check,
+                f"no duplicate succeeded and the effect never happened: {summary}; the server"
+                " failed them, its log (below) says why",
+                clean,
+                slow,
+            )
         if count != 1:
             raise self._fail(
                 check,
@@ -458,6 +519,15 @@ class ConformancePlan:
                 raise self._fail(
                     check,
                     f"the failpoint never fired: the call answered {answer}. {_NOT_INTERCEPTED}",
+                    doomed,
+                )
+            if answer.reason is not None or answer.code.value[0] != int(Code.UNAVAILABLE):
+                # The server answered the call itself (a library reason, a handler's error):
+                # it never reached the failpoint, and waiting for it to die would be in vain.
+                raise self._fail(
+                    check,
+                    f"the server answered {answer} before it reached the failpoint {point}, where"
+                    " it should have died; its log (below) says why",
                     doomed,
                 )
             code = await doomed.wait_exit(self.target.call_timeout_s)
@@ -605,6 +675,124 @@ class ConformancePlan:
             raise self._fail(check, f"after the retry the effect count is {count}, expected 1")
         await self._at_most_once_outside(check, request)
 
+    async def _cut_connection(
+        self, db: asyncpg.Connection[Any], key: str, call: asyncio.Future[_Answer]
+    ) -> str:
+        """Terminates the backend of the call holding ``key``'s atomic claim, while the call
+        pauses after the claim: ``"cut"``; ``"phased"`` when the claim was committed on its
+        own instead (there is no call transaction to cut); ``"ended"`` when the call ended
+        first."""
+        literal = "'" + key.replace("'", "''") + "'"
+        while not call.done():
+            pid = await db.fetchval(_ATOMIC_CLAIM_BACKEND, literal)
+            if pid is not None:
+                await db.fetchval("SELECT pg_catalog.pg_terminate_backend($1)", pid)
+                return "cut"
+            for schema in await db.fetch(_RECORD_SCHEMAS):
+                name = '"' + str(schema["nspname"]).replace('"', '""') + '"'
+                state = await db.fetchval(f"SELECT state FROM {name}.records WHERE key = $1", key)
+                if state == "in_progress":
+                    return "phased"
+            # Wakes as soon as the call ends: then the pause is over and nothing is left to cut.
+            await asyncio.wait({call}, timeout=0.02)
+        return "ended"
+
+    async def check_lost_connection(self) -> None:
+        """The call's database connection dies after the claim, before the handler's first
+        statement (failpoint ``after_claim=sleep``, then ``pg_terminate_backend`` of the call's
+        backend): the attempt fails and leaves nothing, and a retry executes once. A handler
+        that carries on over a connection of its own (a fresh one from the pool when the
+        call's is lost) writes outside the call's transaction and fails it.
+
+        Atomic mode only: a phased method's handler opens its transaction itself, so there is
+        no call connection to cut after the claim; the check skips (``pytest.skip``)."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
+        check = "lost connection"
+        request, key = self.target.request(), self._key("lostconn")
+        clean = await self._clean_server()
+        pause_ms = self.target.lost_connection_pause_ms
+        async with (
+            self._server_with(f"after_claim=sleep:{pause_ms}", "lost-connection") as paused,
+            self._db() as db,
+        ):
+            call = asyncio.ensure_future(self._call(paused.address, request, key))
+            try:
+                cut = await self._cut_connection(db, key, call)
+            finally:
+                failed = await call
+            if cut == "phased":
+                pytest.skip(
+                    f"[{check}] the method runs in phased mode: its claim commits on its own and"
+                    " the handler opens its transaction itself, so there is no call connection"
+                    " to cut"
+                )
+            if cut == "ended":
+                raise self._fail(
+                    check,
+                    f"the call ended ({failed}) before its connection could be cut: no"
+                    f" transaction held its claim during the {pause_ms} ms pause after the claim."
+                    f" {_NOT_INTERCEPTED} (On a slow machine, raise lost_connection_pause_ms.)",
+                    paused,
+                )
+            left = await self._count(db, request)
+            if left != 0:
+                raise self._fail(
+                    check,
+                    f"the attempt whose connection was lost ({failed}) left {left} effects,"
+                    " expected 0: the handler carried on outside the call's transaction (a"
+                    " connection of its own, taken when the call's failed?). Let the error"
+                    " propagate: the retry runs the handler again.",
+                    paused,
+                )
+            if failed.ok:
+                raise self._fail(
+                    check, f"the call answered {failed} although its transaction was gone", paused
+                )
+            retry = await self._settled(clean.address, request, key)
+            count = await self._count(db, request)
+        if not retry.ok or retry.replayed or count != 1:
+            raise self._fail(
+                check,
+                f"the retry after a lost connection answered {retry} with {count} effects;"
+                " expected a new execution and 1",
+                clean,
+            )
+        await self._at_most_once_outside(check, request)
+
+    async def check_keyless(self) -> None:
+        """A call without a key: refused with ``INVALID_ARGUMENT``, reason
+        ``IDEMPOTENCY_KEY_MISSING``, and nothing runs; or, when the target is ``key_optional``,
+        answered OK (not a replay) with one effect."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
+        check = "keyless call"
+        request = self.target.request()
+        clean = await self._clean_server()
+        answer = await self._call(clean.address, request, None)
+        async with self._db() as db:
+            count = await self._count(db, request)
+        if not self.target.key_optional:
+            refused = answer.code.value[0] == int(Code.INVALID_ARGUMENT)
+            if not refused or answer.reason != KeyMissing.reason or count != 0:
+                raise self._fail(
+                    check,
+                    f"a call without a key answered {answer} with {count} effects; expected"
+                    f" INVALID_ARGUMENT, reason {KeyMissing.reason}, and none. Is the method"
+                    " KEY_OPTIONAL (then say key_optional = True), or not served through"
+                    " IdempotencyInterceptor?",
+                    clean,
+                )
+            return
+        if not answer.ok or answer.replayed or count != 1:
+            raise self._fail(
+                check,
+                f"the method is key-optional, but a call without a key answered {answer} with"
+                f" {count} effects; expected OK and 1. Does the handler need current_call().key"
+                " (None without a key)? Or is the method KEY_REQUIRED (then leave key_optional"
+                " False)?",
+                clean,
+            )
+        await self._at_most_once_outside(check, request)
+
     async def run_all(self) -> None:
         """Every check, in order; stops at the first failure."""
         await self.check_sequential_replay()
@@ -616,6 +804,9 @@ class ConformancePlan:
         if self.target.error_request is not None:
             await self.check_deterministic_error()
         await self.check_transient_error()
+        with contextlib.suppress(pytest.skip.Exception):  # not applicable in phased mode
+            await self.check_lost_connection()
+        await self.check_keyless()
 
 
 class IdempotencyConformance:
@@ -654,6 +845,9 @@ class IdempotencyConformance:
     """Sent with every call, e.g. credentials."""
     server_env: ClassVar[Mapping[str, str]] = {}
     """Added to the server processes' environment."""
+    key_optional: ClassVar[bool] = False
+    """The method is meant to run calls without a key (``KEY_OPTIONAL``): the keyless check
+    then expects such a call to run once instead of being refused."""
     concurrency: ClassVar[int] = 8
     """Duplicates sent at once by the concurrency check."""
     slow_commit_ms: ClassVar[int] = 300
@@ -666,6 +860,8 @@ class IdempotencyConformance:
     """The client deadline of the lost-response check."""
     in_progress_timeout_s: ClassVar[float] = 30.0
     """How long a retry may keep finding the key in progress (a phased method's lease)."""
+    lost_connection_pause_ms: ClassVar[int] = 2000
+    """How long the lost-connection check's server pauses after the claim."""
 
     def make_request(self) -> Any:
         """A fresh request: a new operation each time it is called."""
@@ -707,12 +903,14 @@ class IdempotencyConformance:
             metadata=self.metadata,
             server_env=self.server_env,
             count_external_effects=self.count_external_effects if external else None,
+            key_optional=self.key_optional,
             concurrency=self.concurrency,
             slow_commit_ms=self.slow_commit_ms,
             call_timeout_s=self.call_timeout_s,
             start_timeout_s=self.start_timeout_s,
             lost_response_deadline_s=self.lost_response_deadline_s,
             in_progress_timeout_s=self.in_progress_timeout_s,
+            lost_connection_pause_ms=self.lost_connection_pause_ms,
         )
 
     @pytest.mark.asyncio
@@ -766,3 +964,17 @@ class IdempotencyConformance:
     ) -> None:
         """Check: an attempt that fails unexpectedly is released; the retry runs again."""
         await idempotency_conformance.check_transient_error()
+
+    @pytest.mark.asyncio
+    async def test_lost_connection_leaves_nothing(
+        self, idempotency_conformance: ConformancePlan
+    ) -> None:
+        """Check: the call's connection dies after the claim; nothing is left, the retry
+        executes once (skipped in phased mode)."""
+        await idempotency_conformance.check_lost_connection()
+
+    @pytest.mark.asyncio
+    async def test_call_without_a_key(self, idempotency_conformance: ConformancePlan) -> None:
+        """Check: a call without a key is refused (KEY_MISSING), or runs once if
+        ``key_optional``."""
+        await idempotency_conformance.check_keyless()

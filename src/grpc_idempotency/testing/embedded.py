@@ -8,9 +8,9 @@ behind an unchanged DSN.
 Invariant: a server started here does not outlive its owner process, however that process ends
 short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own:
 ``close()`` does, or the instance's finalizer (garbage collection, interpreter exit), or, when
-the owner is sent SIGTERM, a handler installed with the first instance that stops every open
-instance and then hands the signal on to whatever handler was there before (the default one:
-the process still dies of SIGTERM).
+the owner is sent SIGTERM or SIGHUP, a handler installed with the first instance that stops
+every open instance and then hands the signal on to whatever handler was there before (the
+default one: the process still dies of the signal).
 
 Invariant: an instance stops only the server it started itself, the one whose postmaster.pid
 names this instance's socket directory (a fresh directory no other server uses). Another
@@ -294,19 +294,24 @@ def _finalize(
         shutil.rmtree(path, ignore_errors=True)
 
 
-# Open instances of this process, for the SIGTERM handler.
+# Open instances of this process, for the signal handler.
 _open: weakref.WeakSet[EmbeddedPostgres] = weakref.WeakSet()
-_sigterm_lock = threading.Lock()
-_sigterm_installed_in: int | None = None  # the pid that installed the handler
-_previous_sigterm: Any = None
+_signals_lock = threading.Lock()
+_signals_installed_in: int | None = None  # the pid that installed the handler
+# SIGHUP as well as SIGTERM: a closed terminal or a dropped ssh session ends pytest with it, and
+# its default action, like SIGTERM's, runs no exit hook (the postmaster outlived the session).
+_OWNER_STOP_SIGNALS: tuple[int, ...] = tuple(
+    int(getattr(signal, name)) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+_previous: dict[int, Any] = {}  # the handler each signal had before ours
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
     # Runs on the main thread between bytecodes: the finalizers take no lock an interrupted
     # start() or stop() could hold, and each one runs at most once.
     for instance in list(_open):
         instance._finalizer()
-    previous = _previous_sigterm
+    previous = _previous.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)
     elif previous != signal.SIG_IGN:
@@ -315,20 +320,21 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signum)
 
 
-def _install_sigterm_handler() -> None:
-    global _sigterm_installed_in, _previous_sigterm
-    with _sigterm_lock:
-        if _sigterm_installed_in == os.getpid():
+def _install_signal_handlers() -> None:
+    global _signals_installed_in
+    with _signals_lock:
+        if _signals_installed_in == os.getpid():
             return
         if threading.current_thread() is not threading.main_thread():
             return  # signal.signal() works on the main thread only: exit hooks must do
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous == signal.SIG_IGN:
-            return  # the process chose to survive SIGTERM: so does its server
-        if previous is not _on_sigterm:  # a fork's child inherits ours: do not chain to it
-            _previous_sigterm = previous
-        signal.signal(signal.SIGTERM, _on_sigterm)
-        _sigterm_installed_in = os.getpid()
+        for signum in _OWNER_STOP_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous == signal.SIG_IGN:
+                continue  # the process chose to survive it (nohup): so does its server
+            if previous is not _on_stop_signal:  # a fork's child inherits ours: no chaining
+                _previous[signum] = previous
+            signal.signal(signum, _on_stop_signal)
+        _signals_installed_in = os.getpid()
 
 
 def _unreachable_ancestor(path: Path, uid: int, gid: int) -> Path | None:
@@ -362,9 +368,10 @@ class EmbeddedPostgres:
 
     Keep a reference while the server is needed: an instance that is garbage-collected,
     or still open at interpreter exit, stops its server and deletes its temporary dirs. So does
-    every open instance when the process gets SIGTERM (created on the main thread, the first
-    instance installs a handler that cleans up, then calls the handler that was there before,
-    or dies of the signal as the default action would; not when SIGTERM is ignored).
+    every open instance when the process gets SIGTERM or SIGHUP (created on the main thread, the
+    first instance installs a handler that cleans up, then calls the handler that was there
+    before, or dies of the signal as the default action would; not for a signal the process
+    ignores).
     """
 
     def __init__(
@@ -408,7 +415,7 @@ class EmbeddedPostgres:
             os.getpid(),
         )
         _open.add(self)
-        _install_sigterm_handler()
+        _install_signal_handlers()
 
     @property
     def dsn(self) -> str:

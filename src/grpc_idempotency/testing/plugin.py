@@ -11,7 +11,9 @@ Fixtures, all named ``idempotency_*`` so they stay clear of a project's own:
 - ``idempotency_store``: a migrated ``Store`` on that DSN and schema, closed after the test.
 - ``idempotency_service``: yours to define: a ``ServiceUnderTest`` saying what to serve.
 - ``idempotency_server``: a ``RunningServer``: your service on a started grpc.aio server with the
-  ``IdempotencyInterceptor``, on 127.0.0.1 port 0, with a channel to it.
+  ``IdempotencyInterceptor``, on 127.0.0.1 port 0, with a channel to it. Its calls' scope,
+  unless the service names a resolver, is the session's own (``test-<random>``): sessions
+  sharing a database never meet each other's keys.
 - ``idempotency_conformance`` (class): the ``ConformancePlan`` of an ``IdempotencyConformance``
   subclass; its server processes stop after the class's last test.
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,11 @@ if TYPE_CHECKING:
 
 __all__ = ["RunningServer", "ServiceUnderTest", "running_server"]
 
-DEFAULT_SCOPE = "test"
-"""The scope of every call when ``ServiceUnderTest.scope`` is left unset."""
+DEFAULT_SCOPE = f"test-{uuid.uuid4().hex[:12]}"
+"""The scope of every call when ``ServiceUnderTest.scope`` is left unset: ``test-`` and random
+hex, one per test session (process). Two sessions on one database (pytest-xdist workers, two CI
+jobs on a shared ``GRPC_IDEMPOTENCY_TEST_DSN``, yesterday's run on a database that persists)
+never see each other's records, so a test can write its keys by hand."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +38,8 @@ class ServiceUnderTest:
     ``register(server, store)`` adds the servicers, as the generated
     ``add_<Service>Servicer_to_server`` does (the store is there for handlers that need it).
     ``services``: the ``_pb2`` modules (or descriptors) whose idempotency options the interceptor
-    compiles at start. ``scope``: the scope resolver (default: the fixed scope ``"test"``).
+    compiles at start. ``scope``: the scope resolver (default: the session's own fixed scope,
+    ``DEFAULT_SCOPE``, ``test-<random>``).
     ``overrides``: per-method ``MethodOverride``. ``interceptors``: placed before the idempotency
     interceptor (authentication goes there).
     """

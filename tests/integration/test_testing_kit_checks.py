@@ -1,0 +1,298 @@
+"""The conformance checks a review found missing or blind catch what they are for, and pass the
+same handler written correctly:
+
+- lost connection: a handler that, when the call's connection is lost, carries on over a fresh
+  connection from the pool (a common "resilience" pattern) passed every other check and wrote
+  twice for one key;
+- keyless: the kit always sent a key, so a method left KEY_OPTIONAL by mistake, or a
+  key-optional handler that fails without one, passed;
+- sequential replay: a handler that sent what the client needs (the entry's id) as metadata of
+  its own, which the library does not replay, passed the byte-for-byte check;
+- messages: duplicates that all failed were blamed on a missing interceptor; a server that
+  answered before its crash failpoint was waited for (``call_timeout_s``) and said to be "still
+  running"; a failure in ``_first`` showed the kit's frames.
+
+The services are ``build_server`` functions, run by the kit in child processes; the variant
+comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
+``test_ledger.ledger`` (created by the session's ``store`` fixture).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store, current_call
+from grpc_idempotency.testing import ConformanceFailure, ConformancePlan, ConformanceTarget
+
+pytestmark = pytest.mark.e2e
+pytest_plugins = ["pytester"]
+
+MODULE = "tests.integration.test_testing_kit_checks"
+POST = "/testsvc.v1.LedgerService/Post"
+POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
+POST_OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
+VARIANT_ENV = "KIT_CHECKS_VARIANT"
+
+CONNECTION_LOST = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
+
+
+class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Post (atomic), PostOptional (the same, key optional) and PostPhased insert one ledger
+    row. ``variant``: ``correct``, ``fallback`` (a lost call connection is replaced by one from
+    the pool), ``needs_key`` (fails a call without a key), ``trailer`` or ``header`` (the entry's
+    id in custom trailing or initial metadata, which a replay does not carry), ``commits`` (ends
+    the call's transaction itself: the library answers INTERNAL) or ``unavailable`` (fails every
+    call, transiently)."""
+
+    def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
+        self.pool = pool
+        self.variant = variant
+
+    async def Post(
+        self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> testsvc_pb2.PostResponse:
+        if self.variant == "needs_key" and current_call().key is None:
+            raise RuntimeError("the handler uses the idempotency key as the entry's id")
+        conn: Any = current_call().connection
+        if self.variant == "fallback":
+            try:
+                await conn.execute("SELECT 1")
+            except CONNECTION_LOST:
+                conn = await self.pool.acquire()
+        entry_id: int = await conn.fetchval(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2) RETURNING id",
+            request.account,
+            request.amount,
+        )
+        if self.variant == "commits":
+            await conn.execute("COMMIT")
+        if self.variant == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the downstream is down")
+        if self.variant == "trailer":
+            context.set_trailing_metadata((("x-entry-id", str(entry_id)),))
+        if self.variant == "header":
+            await context.send_initial_metadata((("x-entry-id", str(entry_id)),))
+        return testsvc_pb2.PostResponse(
+            entry_id=entry_id, account=request.account, execution_nonce=uuid.uuid4().hex
+        )
+
+    PostOptional = Post
+
+    async def PostPhased(
+        self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> testsvc_pb2.PostResponse:
+        conn = await current_call().transaction()
+        entry_id: int = await conn.fetchval(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2) RETURNING id",
+            request.account,
+            request.amount,
+        )
+        return testsvc_pb2.PostResponse(entry_id=entry_id, execution_nonce=uuid.uuid4().hex)
+
+
+async def build_server(dsn: str) -> AsyncIterator[Any]:
+    store = await Store.connect(dsn, min_size=1, max_size=10)
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=StaticScope("kit"))
+    server = grpc.aio.server(interceptors=[interceptor])
+    servicer = CheckedLedger(store.pool, os.environ.get(VARIANT_ENV, "correct"))
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
+    try:
+        yield server
+    finally:
+        await store.close()
+
+
+def _request() -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account="kit-checks-" + uuid.uuid4().hex, amount=5)
+
+
+async def _rows(db: asyncpg.Connection[Any], request: Any) -> int:
+    count: int = await db.fetchval(
+        "SELECT count(*) FROM test_ledger.ledger WHERE account = $1", request.account
+    )
+    return count
+
+
+@pytest.fixture
+def plan_for(pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``plan_for(variant, method=POST, **target)``: a plan on a server of that variant."""
+    plans: list[ConformancePlan] = []
+
+    def make(variant: str, method: str = POST, **target: Any) -> ConformancePlan:
+        plan = ConformancePlan(
+            ConformanceTarget(
+                server=f"{MODULE}:build_server",
+                method=method,
+                request=_request,
+                count_effects=_rows,
+                server_env={VARIANT_ENV: variant},
+                **target,
+            ),
+            pg_dsn,
+            tmp_path_factory.mktemp(variant),
+        )
+        plans.append(plan)
+        return plan
+
+    try:
+        yield make
+    finally:
+        for plan in plans:
+            plan.close()
+
+
+async def test_a_handler_falling_back_to_a_pool_connection_fails_the_lost_connection_check(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("fallback")
+    # The other checks cannot see it: nothing fails the handler's own statements.
+    await plan.check_sequential_replay()
+    await plan.check_crash("before_commit")
+    await plan.check_transient_error()
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[lost connection\] the attempt whose connection was lost \(.*\) left 1 effects,"
+        r" expected 0: the handler carried on outside the call's transaction",
+    ):
+        await plan.check_lost_connection()
+
+
+async def test_a_correct_handler_passes_the_lost_connection_check(plan_for: Any) -> None:
+    await plan_for("correct").check_lost_connection()
+
+
+async def test_the_lost_connection_check_skips_a_phased_method(plan_for: Any) -> None:
+    with pytest.raises(pytest.skip.Exception, match=r"phased mode"):
+        await plan_for("correct", POST_PHASED).check_lost_connection()
+
+
+async def test_a_required_key_passes_the_keyless_check(plan_for: Any) -> None:
+    await plan_for("correct").check_keyless()
+
+
+async def test_a_key_optional_method_passes_the_keyless_check_when_the_target_says_so(
+    plan_for: Any,
+) -> None:
+    await plan_for("correct", POST_OPTIONAL, key_optional=True).check_keyless()
+
+
+async def test_a_method_left_key_optional_fails_the_keyless_check(plan_for: Any) -> None:
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[keyless call\] a call without a key answered OK \(.*\) with 1 effects;"
+        r" expected INVALID_ARGUMENT, reason IDEMPOTENCY_KEY_MISSING, and none\. Is the method"
+        r" KEY_OPTIONAL \(then say key_optional = True\)",
+    ):
+        await plan_for("correct", POST_OPTIONAL).check_keyless()
+
+
+async def test_a_key_optional_handler_that_needs_the_key_fails_the_keyless_check(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("needs_key", POST_OPTIONAL, key_optional=True)
+    await plan.check_sequential_replay()  # with a key, all is well
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[keyless call\] the method is key-optional, but a call without a key answered"
+        r" UNKNOWN .* with 0 effects; expected OK and 1\. Does the handler need",
+    ):
+        await plan.check_keyless()
+
+
+async def test_a_required_key_fails_the_keyless_check_of_a_key_optional_target(
+    plan_for: Any,
+) -> None:
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"answered INVALID_ARGUMENT .*IDEMPOTENCY_KEY_MISSING with 0 effects; expected OK",
+    ):
+        await plan_for("correct", key_optional=True).check_keyless()
+
+
+@pytest.mark.parametrize("variant", ["trailer", "header"])
+async def test_handler_metadata_a_replay_lacks_fails_the_sequential_replay_check(
+    plan_for: Any, variant: str
+) -> None:
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[sequential replay\] the first answer carried metadata \['x-entry-id'\] that"
+        r" the replay does not: .* Put what a retry must see in the response message\.",
+    ):
+        await plan_for(variant).check_sequential_replay()
+
+
+async def test_what_the_library_replays_passes_the_sequential_replay_check(plan_for: Any) -> None:
+    # The replay marker is the retry's alone; the first answer carries nothing the retry lacks.
+    await plan_for("correct", metadata=(("x-caller", "kit"),)).check_sequential_replay()
+
+
+async def test_duplicates_that_all_failed_are_not_blamed_on_the_interceptor(
+    plan_for: Any,
+) -> None:
+    with pytest.raises(ConformanceFailure) as failed:
+        await plan_for("unavailable", concurrency=2).check_concurrent_duplicates()
+    message = str(failed.value)
+    assert message.startswith(
+        "[concurrent duplicates] no duplicate succeeded and the effect never happened:"
+        " UNAVAILABLE 'the downstream is down'"
+    ), message
+    assert "IdempotencyInterceptor" not in message.splitlines()[0]
+
+
+async def test_a_server_answering_before_the_crash_failpoint_is_not_waited_for(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("commits")
+    started = time.monotonic()
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[crash at after_commit_before_response\] the server answered INTERNAL .*"
+        r"IDEMPOTENCY_HANDLER_DATABASE_ERROR.* before it reached the failpoint"
+        r" after_commit_before_response, where it should have died",
+    ):
+        await plan.check_crash("after_commit_before_response")
+    # It waited call_timeout_s for the server to die, then said "the server is still running".
+    assert time.monotonic() - started < plan.target.call_timeout_s
+
+
+INNER_UNSERVED = """
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency.testing import IdempotencyConformance
+
+
+class TestUnserved(IdempotencyConformance):
+    server = "tests.integration.test_testing_kit:bare_server"
+    method = "/testsvc.v1.LedgerService/Post"
+
+    def make_request(self):
+        return testsvc_pb2.PostRequest(account="unserved", amount=1)
+
+    async def count_effects(self, db, request):
+        return 0
+"""
+
+
+def test_a_failed_first_call_shows_the_failure_not_the_kits_frames(
+    pytester: pytest.Pytester, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRPC_IDEMPOTENCY_TEST_DSN", pg_dsn)
+    pytester.makepyfile(test_unserved=INNER_UNSERVED)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--tb=long", "-k", "sequential"
+    )
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "[sequential replay] the first call with a new key failed: UNIMPLEMENTED" in out, out
+    # One frame of the kit's module: the test method the user's class inherits, not _first.
+    assert "def _first(" not in out, out
+    assert out.count("grpc_idempotency/testing/conformance.py:") == 1, out
