@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import select
 import shlex
 import shutil
 import signal
@@ -49,6 +48,13 @@ from types import FrameType, ModuleType
 from typing import Any, Literal, Self
 from urllib.parse import quote
 
+from grpc_idempotency.testing._postmaster import _PG_CTL_WAIT_S, _STOP_SIGNALS
+from grpc_idempotency.testing._postmaster import alive as _alive
+from grpc_idempotency.testing._postmaster import owned_by as _owned_by
+from grpc_idempotency.testing._postmaster import postmaster as _postmaster_lines
+from grpc_idempotency.testing._postmaster import read_pid_file as _read_pid_file
+from grpc_idempotency.testing._postmaster import stop_server as _stop_server
+
 __all__ = ["EmbeddedPostgres"]
 
 _log = logging.getLogger(__name__)
@@ -61,10 +67,7 @@ _INSTALL_HINT = (
 _SERVER_ACCOUNT = "embedded_postgres"
 _SUPERUSER = "postgres"
 _DEFAULT_PORT = 5432
-_PG_CTL_WAIT_S = 60
 _LOG_TAIL_LINES = 40
-# pg_ctl stop's signals: fast shutdown (roll back, checkpoint, exit) and immediate (a crash).
-_STOP_SIGNALS = {"fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 # Where util-linux puts setpriv and runuser, for a root whose PATH lacks the sbin directories.
 _TOOL_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin")
 
@@ -189,93 +192,6 @@ def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
             code = -1
         out.seek(0)
         return code, out.read().decode(errors="replace")
-
-
-def _read_pid_file(data_dir: Path) -> list[str] | None:
-    """Lines of postmaster.pid (pid, data dir, start time, port, socket dir, ...)."""
-    try:
-        lines = (data_dir / "postmaster.pid").read_text().splitlines()
-        pid = int(lines[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    # A single-user backend writes its pid negated; kill() of a pid <= 0 signals a whole
-    # process group, or every process: such a file is never treated as a live server of ours.
-    return lines if pid > 0 else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # the liveness test of ``pg_ctl status`` and of postgres itself
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, owned by another account
-    # A postmaster killed with SIGKILL has been reparented to init, which may reap it
-    # late (~1 s in some sandboxes) or never (containers without an init): kill() still
-    # finds the zombie.
-    if not os.path.exists("/proc/self/stat"):
-        return True  # no procfs (macOS): trust kill()
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:1]
-    except OSError:
-        return False
-    return state != ["Z"]
-
-
-def _postmaster(data_dir: Path, socket_dir: Path, port: int) -> list[str] | None:
-    """Lines of postmaster.pid if its server process is alive and is the one listening in
-    ``socket_dir`` on ``port`` (an instance's own), else None."""
-    lines = _read_pid_file(data_dir)
-    if lines is None or not _owned_by(lines, socket_dir, port):
-        return None
-    return lines if _alive(int(lines[0])) else None
-
-
-def _owned_by(lines: list[str], socket_dir: Path, port: int) -> bool:
-    # postmaster.pid: line 4 is the port, line 5 the (first) socket directory.
-    return lines[3:5] == [str(port), str(socket_dir)]
-
-
-def _stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int | None:
-    """Stop the server this instance started, if it runs, as ``pg_ctl stop --wait`` would:
-    signal its postmaster and wait (up to ``_PG_CTL_WAIT_S``) for it to exit. None once it is
-    gone, else the pid of the postmaster still running."""
-    lines = _postmaster(data_dir, socket_dir, port)
-    if lines is None:
-        return None
-    pid = int(lines[0])
-    sig = _STOP_SIGNALS[mode]
-    deadline = time.monotonic() + _PG_CTL_WAIT_S
-    try:
-        # A pidfd pins the process: the signal and the wait cannot reach a later process
-        # that reuses the pid, and the wait wakes when it exits, with no polling.
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = None  # no pidfd (macOS, an old kernel or a sandbox): the pid and polling
-    if pidfd is None:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return None
-        while _alive(pid):
-            if time.monotonic() >= deadline:
-                return pid
-            time.sleep(0.01)
-        return None
-    try:
-        try:
-            signal.pidfd_send_signal(pidfd, sig)
-        except ProcessLookupError:
-            return None  # exited since postmaster.pid was read
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        # Readable once the process has exited, reaped or a zombie (``_alive``'s "dead").
-        while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            if time.monotonic() >= deadline:
-                return pid
-        return None
-    finally:
-        os.close(pidfd)
 
 
 def _finalize(
@@ -427,7 +343,7 @@ class EmbeddedPostgres:
     def running(self) -> bool:
         """Whether the server this instance started is alive (not another one on its data
         directory: this instance's DSN does not reach that one)."""
-        return _postmaster(self._data_dir, self._socket_dir, self._port) is not None
+        return _postmaster_lines(self._data_dir, self._socket_dir, self._port) is not None
 
     def start(self) -> str:
         """Start the server (running initdb first if needed) and return the DSN."""
