@@ -1,17 +1,27 @@
-"""An EmbeddedPostgres instance's postmaster: found by its postmaster.pid and stopped by a
-signal.
+"""An EmbeddedPostgres instance's postmaster: found by its postmaster.pid, stopped by a signal,
+and, run as a script, the watchdog that stops it when the instance's owner process dies.
 
 Invariant: only the server an instance started is ever stopped, the one whose postmaster.pid
 names the instance's socket directory (a fresh directory no other server uses) and port.
 
-Only the standard library is imported here.
+Invariant: the watchdog acts only on end of file on its pipe, whose write end only the owner
+process holds (close-on-exec, and closed in a fork()'s child), so the kernel delivers it when
+the owner ends, however it ends (SIGKILL included). ``close()`` and the finalizer stop the
+server themselves and then kill the watchdog before they close their end: it never acts for a
+live owner. Its cleanup is what the finalizer does, and is harmless once that has run.
+
+Run as a script (``python -I -S _postmaster.py FD DATA_DIR SOCKET_DIR PORT [OWNED...]``), by
+path and without ``site``, so it imports neither this package (grpc) nor site-packages: it
+starts in the time of a bare interpreter, and only the standard library is imported here.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -105,3 +115,35 @@ def stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int |
         return None
     finally:
         os.close(pidfd)
+
+
+def clean_up(
+    data_dir: Path, socket_dir: Path, port: int, owned: tuple[Path, ...], mode: str
+) -> None:
+    """Stop an instance's server and delete the directories it created."""
+    stop_server(data_dir, socket_dir, port, mode)
+    for path in owned:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def watch(argv: list[str]) -> None:
+    """The watchdog: wait for end of file on the pipe, then clean up after the dead owner."""
+    # Terminals' signals are for the owner (its own session, start_new_session=True, already
+    # keeps a Ctrl-C to its process group or a hangup from reaching this process).
+    for name in ("SIGINT", "SIGHUP", "SIGTSTP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    fd = int(argv[0])
+    data_dir, socket_dir = Path(argv[1]), Path(argv[2])
+    port = int(argv[3])
+    owned = tuple(Path(path) for path in argv[4:])
+    while os.read(fd, 64):
+        pass  # the owner never writes: only its end (EOF) counts
+    # A data directory the instance created is deleted next: an immediate shutdown (a crash)
+    # loses nothing. The caller's own one gets a fast shutdown, as close() would give it.
+    mode = "immediate" if data_dir in owned else "fast"
+    clean_up(data_dir, socket_dir, port, owned, mode)
+
+
+if __name__ == "__main__":
+    watch(sys.argv[1:])

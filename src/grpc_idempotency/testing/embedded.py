@@ -5,12 +5,18 @@ stopped from atexit hooks). This module drives the wheel's ``initdb``/``pg_ctl``
 directly instead, so tests can stop PostgreSQL mid-run (even crash it) and start it again
 behind an unchanged DSN.
 
-Invariant: a server started here does not outlive its owner process, however that process ends
-short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own:
-``close()`` does, or the instance's finalizer (garbage collection, interpreter exit), or, when
-the owner is sent SIGTERM or SIGHUP, a handler installed with the first instance that stops
-every open instance and then hands the signal on to whatever handler was there before (the
-default one: the process still dies of the signal).
+Invariant: a server started here does not outlive its owner process, however that process ends.
+``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own: ``close()`` does, or the
+instance's finalizer (garbage collection, interpreter exit), or, when the owner is sent SIGTERM
+or SIGHUP, a handler installed with the first instance that stops every open instance and then
+hands the signal on to whatever handler was there before (the default one: the process still
+dies of the signal). When the owner dies without running any of them (SIGKILL: a CI timeout, the
+OOM killer), the instance's watchdog does: a small process (``_postmaster.py``) started with the
+server, in a session of its own, that stops it and deletes the instance's directories at the end
+of file of a pipe only the owner writes to. ``close()`` and the finalizer kill and reap it once
+they have cleaned up. A fork()ed child of the owner does not keep that pipe open (a Python
+at-fork hook closes it); what survives the owner's death is a machine or container shutdown
+that also kills the watchdog, or a SIGKILL to the watchdog itself.
 
 Invariant: an instance stops only the server it started itself, the one whose postmaster.pid
 names this instance's socket directory (a fresh directory no other server uses). Another
@@ -28,6 +34,7 @@ is stopped by signalling its postmaster, as ``pg_ctl stop`` does, rather than by
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -48,6 +55,7 @@ from types import FrameType, ModuleType
 from typing import Any, Literal, Self
 from urllib.parse import quote
 
+from grpc_idempotency.testing import _postmaster
 from grpc_idempotency.testing._postmaster import _PG_CTL_WAIT_S, _STOP_SIGNALS
 from grpc_idempotency.testing._postmaster import alive as _alive
 from grpc_idempotency.testing._postmaster import owned_by as _owned_by
@@ -194,20 +202,108 @@ def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
         return code, out.read().decode(errors="replace")
 
 
+class _Watchdog:
+    """The process that cleans up after an owner killed with SIGKILL (``_postmaster.watch``).
+
+    It reads a pipe whose write end only the owner holds, and stops the server and deletes the
+    directories at its end of file. The write end is close-on-exec (pg_ctl, the postmaster and
+    every other program the owner runs never get it) and closed in the child of a fork() (a
+    child that never exec()s would otherwise hold the end of file back, and the server with it,
+    as long as it lives; ``os.fork()`` and multiprocessing run the hook, a fork() from C that
+    skips Python's at-fork hooks does not). It runs in a session of its own, so that a Ctrl-C
+    or a SIGKILL to the owner's process group (a CI timeout) does not end it too.
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._fd: int | None = None  # the pipe's write end, in the owner only
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def arm(self, data_dir: Path, socket_dir: Path, port: int, owned: tuple[Path, ...]) -> None:
+        """Start the watchdog, unless it runs already (it outlives stop() and start())."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self.disarm()  # one that died (killed by someone): reaped and replaced
+        if not sys.executable:
+            _log.warning("no sys.executable: no watchdog for %s", data_dir)
+            return
+        read_end, write_end = os.pipe()  # both close-on-exec (PEP 446)
+        self._fd = write_end
+        _watchdog_fds.add(write_end)
+        args = [str(read_end), str(data_dir), str(socket_dir), str(port), *map(str, owned)]
+        try:
+            # -I -S and the module by path: no site-packages, no grpc_idempotency (nor grpc)
+            # to import, so it costs the owner a vfork/exec. No user=/preexec_fn (they fork()
+            # a gRPC-threaded process): it runs as the owner, who may signal the postmaster
+            # and delete the directories (as root, the server's account's files too).
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", _postmaster.__file__, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # stderr inherited: its traceback, should it fail
+                pass_fds=(read_end,),
+                cwd="/",
+                start_new_session=True,
+            )
+        except BaseException:
+            self._close_write_end()
+            raise
+        finally:
+            os.close(read_end)
+
+    def disarm(self) -> None:
+        """End the watchdog without its cleanup (the owner's own has run) and reap it."""
+        proc = self._proc
+        if proc is not None:
+            # Killed before its pipe's end: it never sees end of file from a live owner.
+            # Our unreaped child, so the pid cannot have been reused.
+            proc.kill()
+            proc.wait()
+            self._proc = None
+        self._close_write_end()
+
+    def _close_write_end(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            _watchdog_fds.discard(fd)
+            os.close(fd)
+
+
+# The watchdogs' write ends held by this process, closed in a fork()'s child.
+_watchdog_fds: set[int] = set()
+
+
+def _close_watchdog_fds_in_child() -> None:
+    # Only the forking thread survives: no lock here. The instances' _Watchdog objects keep
+    # these numbers, but the child never uses them: finalizers and close() return at once in
+    # a process other than the owner.
+    for fd in list(_watchdog_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _watchdog_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_watchdog_fds_in_child)
+
+
 def _finalize(
     data_dir: Path,
     socket_dir: Path,
     port: int,
     owned: tuple[Path, ...],
     owner_pid: int,
+    watchdog: _Watchdog,
 ) -> None:
     # Safety net for instances that were never closed (a crashed demo, an aborted test
     # run): pg_ctl daemonizes, so the server would otherwise outlive the interpreter.
     if os.getpid() != owner_pid:
         return  # a forked child must not stop its parent's server
-    _stop_server(data_dir, socket_dir, port, "fast")
-    for path in owned:
-        shutil.rmtree(path, ignore_errors=True)
+    _postmaster.clean_up(data_dir, socket_dir, port, owned, "fast")
+    # Only now: a SIGKILL before this point leaves the cleanup to the watchdog.
+    watchdog.disarm()
 
 
 # Open instances of this process, for the signal handler.
@@ -287,7 +383,8 @@ class EmbeddedPostgres:
     every open instance when the process gets SIGTERM or SIGHUP (created on the main thread, the
     first instance installs a handler that cleans up, then calls the handler that was there
     before, or dies of the signal as the default action would; not for a signal the process
-    ignores).
+    ignores). If the process is killed with SIGKILL, a watchdog process started with the server
+    stops it and deletes the temporary dirs.
     """
 
     def __init__(
@@ -321,14 +418,17 @@ class EmbeddedPostgres:
         self._socket_dir = Path(tempfile.mkdtemp(prefix="pg-", dir=_short_tmp()))
         owned.append(self._socket_dir)
         self._log_file = self._data_dir / "embedded-postgres.log"
+        self._owned = tuple(owned)
+        self._watchdog = _Watchdog()
         self._finalizer = weakref.finalize(
             self,
             _finalize,
             self._data_dir,
             self._socket_dir,
             self._port,
-            tuple(owned),
+            self._owned,
             os.getpid(),
+            self._watchdog,
         )
         _open.add(self)
         _install_signal_handlers()
@@ -365,6 +465,8 @@ class EmbeddedPostgres:
             for leftover in (f".s.PGSQL.{self._port}.lock", f".s.PGSQL.{self._port}"):
                 (self._socket_dir / leftover).unlink(missing_ok=True)
             began = time.perf_counter()
+            # Before initdb and pg_ctl: an owner killed while they run is covered as well.
+            self._watchdog.arm(self._data_dir, self._socket_dir, self._port, self._owned)
             self._prepare_dirs()
             settings = {
                 "port": str(self._port),
