@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grpc_idempotency.testing.embedded import _alive
+from grpc_idempotency.testing._postmaster import alive as _alive
 from tests.support.waiting import until
 
 # The child starts a server, prints what it owns, and waits for a signal (or exits at once).

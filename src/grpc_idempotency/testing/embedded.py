@@ -5,12 +5,18 @@ stopped from atexit hooks). This module drives the wheel's ``initdb``/``pg_ctl``
 directly instead, so tests can stop PostgreSQL mid-run (even crash it) and start it again
 behind an unchanged DSN.
 
-Invariant: a server started here does not outlive its owner process, however that process ends
-short of SIGKILL. ``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own:
-``close()`` does, or the instance's finalizer (garbage collection, interpreter exit), or, when
-the owner is sent SIGTERM or SIGHUP, a handler installed with the first instance that stops
-every open instance and then hands the signal on to whatever handler was there before (the
-default one: the process still dies of the signal).
+Invariant: a server started here does not outlive its owner process, however that process ends.
+``pg_ctl`` daemonizes the postmaster, so nothing stops it on its own: ``close()`` does, or the
+instance's finalizer (garbage collection, interpreter exit), or, when the owner is sent SIGTERM
+or SIGHUP, a handler installed with the first instance that stops every open instance and then
+hands the signal on to whatever handler was there before (the default one: the process still
+dies of the signal). When the owner dies without running any of them (SIGKILL: a CI timeout, the
+OOM killer), the instance's watchdog does: a small process (``_postmaster.py``) started with the
+server, in a session of its own, that stops it and deletes the instance's directories at the end
+of file of a pipe only the owner writes to. ``close()`` and the finalizer kill and reap it once
+they have cleaned up. A fork()ed child of the owner does not keep that pipe open (a Python
+at-fork hook closes it); what survives the owner's death is a machine or container shutdown
+that also kills the watchdog, or a SIGKILL to the watchdog itself.
 
 Invariant: an instance stops only the server it started itself, the one whose postmaster.pid
 names this instance's socket directory (a fresh directory no other server uses). Another
@@ -28,10 +34,10 @@ is stopped by signalling its postmaster, as ``pg_ctl stop`` does, rather than by
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
-import select
 import shlex
 import shutil
 import signal
@@ -49,6 +55,14 @@ from types import FrameType, ModuleType
 from typing import Any, Literal, Self
 from urllib.parse import quote
 
+from grpc_idempotency.testing import _postmaster
+from grpc_idempotency.testing._postmaster import _PG_CTL_WAIT_S, _STOP_SIGNALS
+from grpc_idempotency.testing._postmaster import alive as _alive
+from grpc_idempotency.testing._postmaster import owned_by as _owned_by
+from grpc_idempotency.testing._postmaster import postmaster as _postmaster_lines
+from grpc_idempotency.testing._postmaster import read_pid_file as _read_pid_file
+from grpc_idempotency.testing._postmaster import stop_server as _stop_server
+
 __all__ = ["EmbeddedPostgres"]
 
 _log = logging.getLogger(__name__)
@@ -61,10 +75,7 @@ _INSTALL_HINT = (
 _SERVER_ACCOUNT = "embedded_postgres"
 _SUPERUSER = "postgres"
 _DEFAULT_PORT = 5432
-_PG_CTL_WAIT_S = 60
 _LOG_TAIL_LINES = 40
-# pg_ctl stop's signals: fast shutdown (roll back, checkpoint, exit) and immediate (a crash).
-_STOP_SIGNALS = {"fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 # Where util-linux puts setpriv and runuser, for a root whose PATH lacks the sbin directories.
 _TOOL_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin")
 
@@ -191,91 +202,91 @@ def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
         return code, out.read().decode(errors="replace")
 
 
-def _read_pid_file(data_dir: Path) -> list[str] | None:
-    """Lines of postmaster.pid (pid, data dir, start time, port, socket dir, ...)."""
-    try:
-        lines = (data_dir / "postmaster.pid").read_text().splitlines()
-        pid = int(lines[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    # A single-user backend writes its pid negated; kill() of a pid <= 0 signals a whole
-    # process group, or every process: such a file is never treated as a live server of ours.
-    return lines if pid > 0 else None
+class _Watchdog:
+    """The process that cleans up after an owner killed with SIGKILL (``_postmaster.watch``).
 
+    It reads a pipe whose write end only the owner holds, and stops the server and deletes the
+    directories at its end of file. The write end is close-on-exec (pg_ctl, the postmaster and
+    every other program the owner runs never get it) and closed in the child of a fork() (a
+    child that never exec()s would otherwise hold the end of file back, and the server with it,
+    as long as it lives; ``os.fork()`` and multiprocessing run the hook, a fork() from C that
+    skips Python's at-fork hooks does not). It runs in a session of its own, so that a Ctrl-C
+    or a SIGKILL to the owner's process group (a CI timeout) does not end it too.
+    """
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # the liveness test of ``pg_ctl status`` and of postgres itself
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, owned by another account
-    # A postmaster killed with SIGKILL has been reparented to init, which may reap it
-    # late (~1 s in some sandboxes) or never (containers without an init): kill() still
-    # finds the zombie.
-    if not os.path.exists("/proc/self/stat"):
-        return True  # no procfs (macOS): trust kill()
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:1]
-    except OSError:
-        return False
-    return state != ["Z"]
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._fd: int | None = None  # the pipe's write end, in the owner only
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
-def _postmaster(data_dir: Path, socket_dir: Path, port: int) -> list[str] | None:
-    """Lines of postmaster.pid if its server process is alive and is the one listening in
-    ``socket_dir`` on ``port`` (an instance's own), else None."""
-    lines = _read_pid_file(data_dir)
-    if lines is None or not _owned_by(lines, socket_dir, port):
-        return None
-    return lines if _alive(int(lines[0])) else None
-
-
-def _owned_by(lines: list[str], socket_dir: Path, port: int) -> bool:
-    # postmaster.pid: line 4 is the port, line 5 the (first) socket directory.
-    return lines[3:5] == [str(port), str(socket_dir)]
-
-
-def _stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int | None:
-    """Stop the server this instance started, if it runs, as ``pg_ctl stop --wait`` would:
-    signal its postmaster and wait (up to ``_PG_CTL_WAIT_S``) for it to exit. None once it is
-    gone, else the pid of the postmaster still running."""
-    lines = _postmaster(data_dir, socket_dir, port)
-    if lines is None:
-        return None
-    pid = int(lines[0])
-    sig = _STOP_SIGNALS[mode]
-    deadline = time.monotonic() + _PG_CTL_WAIT_S
-    try:
-        # A pidfd pins the process: the signal and the wait cannot reach a later process
-        # that reuses the pid, and the wait wakes when it exits, with no polling.
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = None  # no pidfd (macOS, an old kernel or a sandbox): the pid and polling
-    if pidfd is None:
+    def arm(self, data_dir: Path, socket_dir: Path, port: int, owned: tuple[Path, ...]) -> None:
+        """Start the watchdog, unless it runs already (it outlives stop() and start())."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self.disarm()  # one that died (killed by someone): reaped and replaced
+        if not sys.executable:
+            _log.warning("no sys.executable: no watchdog for %s", data_dir)
+            return
+        read_end, write_end = os.pipe()  # both close-on-exec (PEP 446)
+        self._fd = write_end
+        _watchdog_fds.add(write_end)
+        args = [str(read_end), str(data_dir), str(socket_dir), str(port), *map(str, owned)]
         try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return None
-        while _alive(pid):
-            if time.monotonic() >= deadline:
-                return pid
-            time.sleep(0.01)
-        return None
-    try:
-        try:
-            signal.pidfd_send_signal(pidfd, sig)
-        except ProcessLookupError:
-            return None  # exited since postmaster.pid was read
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        # Readable once the process has exited, reaped or a zombie (``_alive``'s "dead").
-        while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            if time.monotonic() >= deadline:
-                return pid
-        return None
-    finally:
-        os.close(pidfd)
+            # -I -S and the module by path: no site-packages, no grpc_idempotency (nor grpc)
+            # to import, so it costs the owner a vfork/exec. No user=/preexec_fn (they fork()
+            # a gRPC-threaded process): it runs as the owner, who may signal the postmaster
+            # and delete the directories (as root, the server's account's files too).
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", _postmaster.__file__, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # stderr inherited: its traceback, should it fail
+                pass_fds=(read_end,),
+                cwd="/",
+                start_new_session=True,
+            )
+        except BaseException:
+            self._close_write_end()
+            raise
+        finally:
+            os.close(read_end)
+
+    def disarm(self) -> None:
+        """End the watchdog without its cleanup (the owner's own has run) and reap it."""
+        proc = self._proc
+        if proc is not None:
+            # Killed before its pipe's end: it never sees end of file from a live owner.
+            # Our unreaped child, so the pid cannot have been reused.
+            proc.kill()
+            proc.wait()
+            self._proc = None
+        self._close_write_end()
+
+    def _close_write_end(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            _watchdog_fds.discard(fd)
+            os.close(fd)
+
+
+# The watchdogs' write ends held by this process, closed in a fork()'s child.
+_watchdog_fds: set[int] = set()
+
+
+def _close_watchdog_fds_in_child() -> None:
+    # Only the forking thread survives: no lock here. The instances' _Watchdog objects keep
+    # these numbers, but the child never uses them: finalizers and close() return at once in
+    # a process other than the owner.
+    for fd in list(_watchdog_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _watchdog_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_watchdog_fds_in_child)
 
 
 def _finalize(
@@ -284,14 +295,15 @@ def _finalize(
     port: int,
     owned: tuple[Path, ...],
     owner_pid: int,
+    watchdog: _Watchdog,
 ) -> None:
     # Safety net for instances that were never closed (a crashed demo, an aborted test
     # run): pg_ctl daemonizes, so the server would otherwise outlive the interpreter.
     if os.getpid() != owner_pid:
         return  # a forked child must not stop its parent's server
-    _stop_server(data_dir, socket_dir, port, "fast")
-    for path in owned:
-        shutil.rmtree(path, ignore_errors=True)
+    _postmaster.clean_up(data_dir, socket_dir, port, owned, "fast")
+    # Only now: a SIGKILL before this point leaves the cleanup to the watchdog.
+    watchdog.disarm()
 
 
 # Open instances of this process, for the signal handler.
@@ -371,7 +383,8 @@ class EmbeddedPostgres:
     every open instance when the process gets SIGTERM or SIGHUP (created on the main thread, the
     first instance installs a handler that cleans up, then calls the handler that was there
     before, or dies of the signal as the default action would; not for a signal the process
-    ignores).
+    ignores). If the process is killed with SIGKILL, a watchdog process started with the server
+    stops it and deletes the temporary dirs.
     """
 
     def __init__(
@@ -405,14 +418,17 @@ class EmbeddedPostgres:
         self._socket_dir = Path(tempfile.mkdtemp(prefix="pg-", dir=_short_tmp()))
         owned.append(self._socket_dir)
         self._log_file = self._data_dir / "embedded-postgres.log"
+        self._owned = tuple(owned)
+        self._watchdog = _Watchdog()
         self._finalizer = weakref.finalize(
             self,
             _finalize,
             self._data_dir,
             self._socket_dir,
             self._port,
-            tuple(owned),
+            self._owned,
             os.getpid(),
+            self._watchdog,
         )
         _open.add(self)
         _install_signal_handlers()
@@ -427,7 +443,7 @@ class EmbeddedPostgres:
     def running(self) -> bool:
         """Whether the server this instance started is alive (not another one on its data
         directory: this instance's DSN does not reach that one)."""
-        return _postmaster(self._data_dir, self._socket_dir, self._port) is not None
+        return _postmaster_lines(self._data_dir, self._socket_dir, self._port) is not None
 
     def start(self) -> str:
         """Start the server (running initdb first if needed) and return the DSN."""
@@ -449,6 +465,8 @@ class EmbeddedPostgres:
             for leftover in (f".s.PGSQL.{self._port}.lock", f".s.PGSQL.{self._port}"):
                 (self._socket_dir / leftover).unlink(missing_ok=True)
             began = time.perf_counter()
+            # Before initdb and pg_ctl: an owner killed while they run is covered as well.
+            self._watchdog.arm(self._data_dir, self._socket_dir, self._port, self._owned)
             self._prepare_dirs()
             settings = {
                 "port": str(self._port),

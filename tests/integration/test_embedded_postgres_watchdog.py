@@ -1,0 +1,194 @@
+"""EmbeddedPostgres does not outlive an owner killed with SIGKILL (a CI timeout, the OOM killer,
+an IDE's stop button): a real child process starts one and is killed, and its watchdog stops
+the postmaster and deletes the temporary directories, also when the whole process group is
+killed, and also while a fork()ed child of the owner lives on. A normal close() or exit ends
+and reaps the watchdog, which does no cleanup of its own then."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpc_idempotency.testing import EmbeddedPostgres
+from grpc_idempotency.testing._postmaster import alive, clean_up
+from tests.support.waiting import until
+
+# The child starts a server, prints what it owns, and waits to be killed (or exits at once).
+CHILD = """
+import json, os, signal, sys
+
+from grpc_idempotency.testing import EmbeddedPostgres
+
+mode, data_dir = sys.argv[1], sys.argv[2] or None
+pg = EmbeddedPostgres(data_dir, durable=False)
+pg.start()
+watchdog = getattr(pg, "_watchdog", None)
+owned = {
+    "pid": int((pg._data_dir / "postmaster.pid").read_text().splitlines()[0]),
+    "watchdog": None if watchdog is None else watchdog.pid,
+    "data_dir": str(pg._data_dir),
+    "socket_dir": str(pg._socket_dir),
+    "forked": None,
+}
+if mode == "fork":
+    forked = os.fork()
+    if forked == 0:  # a child that never exec()s and outlives its parent
+        while True:
+            signal.pause()
+    owned["forked"] = forked
+print(json.dumps(owned), flush=True)
+if mode != "exit":
+    while True:
+        signal.pause()
+"""
+
+PORT = 5432  # EmbeddedPostgres's socket name without a tcp_port
+DEADLINE_S = 30.0
+
+
+Owned = dict[str, Any]
+
+
+def _start_child(
+    mode: str, leftovers: list[Owned], data_dir: Path | None = None
+) -> tuple[subprocess.Popen[str], Owned]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(CHILD), mode, str(data_dir or "")],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, to kill as a CI timeout does
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline()  # bounded: the child either prints or exits (EOF)
+    assert line, f"the child exited before its server started (exit {child.wait(30)})"
+    owned: Owned = json.loads(line)
+    owned["child"] = child
+    owned["temporary"] = data_dir is None
+    leftovers.append(owned)
+    return child, owned
+
+
+@pytest.fixture
+def leftovers() -> Iterator[list[Owned]]:
+    """What the children owned: whatever a failing test leaves is stopped and deleted here."""
+    owned: list[Owned] = []
+    yield owned
+    for o in owned:
+        child = o["child"]
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        for pid in (o["forked"], o["watchdog"]):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        dirs = (Path(o["data_dir"]), Path(o["socket_dir"]))
+        clean_up(dirs[0], dirs[1], PORT, dirs if o["temporary"] else dirs[1:], "immediate")
+
+
+@pytest.fixture
+def reachable_dir() -> Iterator[Path]:
+    # Under the system temp dir, not pytest's tmp_path: as root, the server account must be
+    # able to reach it, and pytest's base dir is private to its user.
+    parent = Path(tempfile.mkdtemp(prefix="gi-watchdog-test-"))
+    parent.chmod(0o755)
+    try:
+        yield parent
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _gone(path: str) -> bool:
+    return not Path(path).exists()
+
+
+@pytest.mark.parametrize("kill", ["process", "process-group"])
+@pytest.mark.parametrize("data_dir", ["temporary", "callers"])
+async def test_sigkill_of_the_owner_stops_the_server_and_removes_its_dirs(
+    kill: str, data_dir: str, reachable_dir: Path, leftovers: list[Owned]
+) -> None:
+    callers = reachable_dir / "pgdata" if data_dir == "callers" else None
+    child, owned = _start_child("wait", leftovers, callers)
+    assert alive(owned["pid"])
+    if kill == "process":
+        child.kill()
+    else:
+        os.killpg(child.pid, signal.SIGKILL)  # the watchdog has a session of its own
+    assert child.wait(30) == -signal.SIGKILL
+    await until("the postmaster to be gone", lambda: not alive(owned["pid"]), DEADLINE_S)
+    await until("the socket dir to be removed", lambda: _gone(owned["socket_dir"]), DEADLINE_S)
+    if callers is None:
+        await until("the data dir to be removed", lambda: _gone(owned["data_dir"]), DEADLINE_S)
+    await until("the watchdog to exit", lambda: not alive(owned["watchdog"]), DEADLINE_S)
+    if callers is not None:
+        # The caller's data directory is kept, shut down cleanly: it starts again as is.
+        assert (callers / "PG_VERSION").exists()
+        assert not (callers / "postmaster.pid").exists()
+        with EmbeddedPostgres(callers, durable=False) as pg:
+            assert pg.running
+
+
+async def test_a_forked_child_that_lives_on_does_not_keep_the_server(
+    leftovers: list[Owned],
+) -> None:
+    child, owned = _start_child("fork", leftovers)
+    child.kill()
+    assert child.wait(30) == -signal.SIGKILL
+    await until("the postmaster to be gone", lambda: not alive(owned["pid"]), DEADLINE_S)
+    await until("the data dir to be removed", lambda: _gone(owned["data_dir"]), DEADLINE_S)
+    assert alive(owned["forked"]), "the fork()ed child was to outlive the cleanup"
+
+
+def test_a_normal_exit_reaps_the_watchdog(leftovers: list[Owned]) -> None:
+    child, owned = _start_child("exit", leftovers)
+    assert child.wait(60) == 0
+    # The finalizer killed and reaped it before the child ended: no zombie, no orphan that
+    # cleans up after the exit.
+    assert not Path(f"/proc/{owned['watchdog']}").exists()
+    assert not alive(owned["pid"])
+    assert _gone(owned["data_dir"]) and _gone(owned["socket_dir"])
+
+
+def _watchdogs_of(pg: EmbeddedPostgres) -> list[int]:
+    # The postmaster's command line names the socket dir too, not the watchdog's script.
+    return _processes_naming("_postmaster.py", str(pg._socket_dir))
+
+
+def _processes_naming(*texts: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue  # exited meanwhile
+            if all(text.encode() in cmdline for text in texts):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs procfs")
+def test_close_ends_and_reaps_the_one_watchdog_of_an_instance() -> None:
+    pg = EmbeddedPostgres(durable=False)
+    try:
+        pg.start()
+        watchdog = pg._watchdog.pid
+        assert watchdog is not None
+        assert _watchdogs_of(pg) == [watchdog]
+        pg.stop()
+        pg.start()  # a restart keeps the instance's one watchdog
+        assert _watchdogs_of(pg) == [watchdog]
+    finally:
+        pg.close()
+    assert not Path(f"/proc/{watchdog}").exists(), "the watchdog outlived close() (or a zombie)"
+    assert _watchdogs_of(pg) == []
