@@ -159,6 +159,48 @@ async def test_inspect_shows_the_operation_its_child_key_and_the_child_in_the_ot
     assert "effects: post-ledger.v1 x1, post-phased-a.v1 x0, post-phased-b.v1 x0" in text
 
 
+async def test_steps_below_depth_are_not_looked_up_rather_than_counted_as_no_effect(
+    services: Services,
+) -> None:
+    """``--depth 0`` never looks up the operation's child keys: the report must say so, not
+    answer "was it charged?" with "x0" / "nothing under" for keys it did not check."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    await forward(services, key, tenant)  # post-ledger.v1 did reach a record
+    steps = ["post-ledger.v1", "post-phased-a.v1", "post-phased-b.v1"]
+    args = ("inspect", *services.stores(), "--proto-module", MODULE, "--scope", scope, key)
+
+    done = await cli(*args, "--depth", "0", "--json")
+
+    assert done.returncode == 0, done.stderr
+    report = done.json()
+    (op,) = report["operations"]
+    assert op["totals"]["effects_by_step"] == {}  # not {"post-ledger.v1": 0, ...}
+    assert op["totals"]["missing"] == []
+    assert op["totals"]["not_looked_up"] == steps
+    assert report["depth"] == 0
+    for name in steps:
+        step = step_of(op, name)
+        assert step["looked_up"] is False
+        assert step["looked_in"] == [] and step["records"] == []
+
+    tree = await cli(*args, "--depth", "0")
+    assert tree.returncode == 0, tree.stderr
+    assert " x0" not in tree.stdout and "nothing under" not in tree.stdout, tree.stdout
+    assert "effects: none" in tree.stdout
+    assert f"not looked up (below --depth 0): {', '.join(steps)}" in tree.stdout
+    assert tree.stdout.count("not looked up (below --depth 0)") == len(steps) + 1
+
+    # One level down, the same steps are looked up and counted (the child has no steps).
+    deeper = (await cli(*args, "--depth", "1", "--json")).json()
+    (op,) = deeper["operations"]
+    assert step_of(op, "post-ledger.v1")["looked_up"] is True
+    assert op["totals"]["effects_by_step"] == {
+        "post-ledger.v1": 1, "post-phased-a.v1": 0, "post-phased-b.v1": 0
+    }  # fmt: skip
+    assert op["totals"]["not_looked_up"] == []
+
+
 async def test_a_descriptor_set_decodes_and_declares_steps_without_the_module(
     services: Services, tmp_path: Path
 ) -> None:

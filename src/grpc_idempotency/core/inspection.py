@@ -296,6 +296,9 @@ class StepNode:
     """The decoded payload of each row in ``outbox``."""
     looked_in: list[str] = field(default_factory=list)
     """The stores searched (call steps)."""
+    looked_up: bool = True
+    """Call steps: ``False`` for a step below ``--depth``, whose child key was never looked up
+    (``records`` and ``looked_in`` are then empty): unknown, neither an effect nor missing."""
 
     @property
     def mismatched(self) -> list[Found]:
@@ -368,6 +371,9 @@ class Totals:
     """Steps whose child key reached more than one record or row (never expected)."""
     missing: list[str]
     """Steps in effect for a finished operation whose child key reached nothing."""
+    not_looked_up: list[str]
+    """Call steps below ``--depth``: never looked up, so in neither ``effects_by_step`` nor
+    ``missing`` (a count of 0 would answer "was it charged?" with "no" unchecked)."""
 
 
 def totals(root: Node) -> Totals:
@@ -376,6 +382,7 @@ def totals(root: Node) -> Totals:
     effects: dict[str, int] = {}
     duplicates: list[str] = []
     missing: list[str] = []
+    not_looked_up: list[str] = []
 
     def walk(n: Node, path: str) -> None:
         nonlocal records
@@ -383,6 +390,10 @@ def totals(root: Node) -> Totals:
         finished = n.record.record_state is RecordState.COMPLETED
         for s in n.steps:
             name = f"{path}{s.child.step}"
+            if s.child.kind is ChildKind.CALL and not s.looked_up:
+                if name not in not_looked_up:
+                    not_looked_up.append(name)
+                continue
             count = len(s.records) if s.child.kind is ChildKind.CALL else len(s.outbox)
             effects[name] = effects.get(name, 0) + count
             if count > 1:
@@ -393,4 +404,10 @@ def totals(root: Node) -> Totals:
                 walk(f.node, f"{name}/")
 
     walk(root, "")
-    return Totals(records=records, effects_by_step=effects, duplicates=duplicates, missing=missing)
+    return Totals(
+        records=records,
+        effects_by_step=effects,
+        duplicates=duplicates,
+        missing=missing,
+        not_looked_up=not_looked_up,
+    )

@@ -49,9 +49,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         return UNUSABLE if isinstance(failed.error, StoreMisconfigured) else UNREACHABLE
     totals = [inspection.totals(f.node) for f in roots]
     if args.json:
-        print(json.dumps(inspect_json(args.scope, args.key, config, roots), indent=2))
+        report = inspect_json(args.scope, args.key, config, roots, depth=args.depth)
+        print(json.dumps(report, indent=2))
     else:
-        print("\n".join(render_tree(args.scope, args.key, config, roots, descriptors)))
+        tree = render_tree(args.scope, args.key, config, roots, descriptors, depth=args.depth)
+        print("\n".join(tree))
     if not roots:
         return NOT_FOUND
     if any(t.duplicates for t in totals):

@@ -105,6 +105,7 @@ def _step_json(s: StepNode) -> dict[str, Any]:
         "in_effect": c.in_effect,
     }
     if c.kind is ChildKind.CALL:
+        out["looked_up"] = s.looked_up
         out["looked_in"] = s.looked_in
         out["records"] = [_node_json(f.service, f.node) for f in s.records]
     else:
@@ -112,11 +113,14 @@ def _step_json(s: StepNode) -> dict[str, Any]:
     return out
 
 
-def inspect_json(scope: str, key: str, config: Config, roots: list[Found]) -> dict[str, Any]:
-    """The whole inspection as one JSON document."""
+def inspect_json(
+    scope: str, key: str, config: Config, roots: list[Found], *, depth: int
+) -> dict[str, Any]:
+    """The whole inspection as one JSON document (``depth``: ``--depth``)."""
     return {
         "scope": scope,
         "key": key,
+        "depth": depth,
         "found": bool(roots),
         "stores": [{"name": s.name, "schema": s.schema} for s in config.stores],
         "operations": [
@@ -135,4 +139,5 @@ def _totals_json(t: inspection.Totals) -> dict[str, Any]:
         "effects_by_step": t.effects_by_step,
         "duplicates": t.duplicates,
         "missing": t.missing,
+        "not_looked_up": t.not_looked_up,
     }

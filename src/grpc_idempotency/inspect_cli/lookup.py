@@ -125,10 +125,15 @@ class _Inspector:
                             node=await self.expand(s, child, depth + 1),
                         )
                     )
-        looked_in = [s.config.name for s in self.stores] if depth < self.depth else []
+        looked_up = depth < self.depth
+        looked_in = [s.config.name for s in self.stores] if looked_up else []
         for c in kids:
             if c.kind is ChildKind.CALL:
-                node.steps.append(StepNode(child=c, records=found[c.key], looked_in=looked_in))
+                node.steps.append(
+                    StepNode(
+                        child=c, records=found[c.key], looked_in=looked_in, looked_up=looked_up
+                    )
+                )
             else:
                 entries = by_step.get(c.step, [])
                 node.steps.append(

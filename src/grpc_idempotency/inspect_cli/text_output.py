@@ -133,7 +133,7 @@ def _tree(lines: list[str], head: list[str], items: list[list[str]], prefix: str
                 lines.append(f"{prefix}{'   ' if last else '│  '}{line}")
 
 
-def _node_lines(service: str, n: Node) -> list[str]:
+def _node_lines(service: str, n: Node, depth: int) -> list[str]:
     own = _record_lines(service, n)
     items: list[list[str]] = []
     for s in n.steps:
@@ -142,14 +142,15 @@ def _node_lines(service: str, n: Node) -> list[str]:
         parts: list[list[str]] = []
         if s.child.kind is ChildKind.CALL:
             for f in s.records:
-                sub_lines = _node_lines(f.service, f.node)
+                sub_lines = _node_lines(f.service, f.node, depth)
                 if f in s.mismatched:
                     note = f"not the step's method ({s.child.call}): the key was reused?"
                     sub_lines.insert(1, note)
                 parts.append(sub_lines)
-            if not s.records:
-                where = ", ".join(s.looked_in) if s.looked_in else "(below --depth)"
-                parts.append([f"no record in {where}"])
+            if not s.looked_up:
+                parts.append([f"not looked up (below --depth {depth})"])
+            elif not s.records:
+                parts.append([f"no record in {', '.join(s.looked_in)}"])
         else:
             parts += [_outbox_lines(r, p) for r, p in zip(s.outbox, s.payloads, strict=True)]
             if not s.outbox:
@@ -171,18 +172,30 @@ def _node_lines(service: str, n: Node) -> list[str]:
 
 
 def render_tree(
-    scope: str, key: str, config: Config, roots: list[Found], descriptors: Descriptors
+    scope: str,
+    key: str,
+    config: Config,
+    roots: list[Found],
+    descriptors: Descriptors,
+    *,
+    depth: int,
 ) -> list[str]:
-    """The inspection as text: one tree per store holding the operation, then a summary."""
+    """The inspection as text: one tree per store holding the operation, then a summary
+    (``depth``: ``--depth``)."""
     names = ", ".join(s.name for s in config.stores)
     if not roots:
         return [f"{scope} {key}: no record in {names}"]
     lines = [f"{scope} {key}"]
     for found in roots:
-        lines += _node_lines(found.service, found.node)
+        lines += _node_lines(found.service, found.node, depth)
         t = inspection.totals(found.node)
         effects = ", ".join(f"{step} x{n}" for step, n in t.effects_by_step.items()) or "none"
         lines.append(f"effects: {effects}")
+        if t.not_looked_up:
+            lines.append(
+                f"not looked up (below --depth {depth}): {', '.join(t.not_looked_up)}"
+                " (neither counted nor missing: raise --depth to see them)"
+            )
         if t.duplicates:
             lines.append(f"DUPLICATED: {', '.join(t.duplicates)} reached more than one record")
         if t.missing:
