@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TextIO, TypeAlias, cast
 
 from grpc_idempotency import inspect_cli
 from grpc_idempotency.cli_errors import (
@@ -906,13 +906,64 @@ def _log_warnings() -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
 
 
+# sysexits.h EX_IOERR: the output could not be written. Not 1 ("unreachable, retry later"):
+# what the command did (a purge's deletes, a migration) is done; only its report is lost.
+OUTPUT_FAILED = 74
+
+
+class OutputFailed(Exception):
+    """A write to stdout failed (a full disk, a terminal gone: EIO). Not an ``OSError``, so
+    that no command's own ``except OSError`` (export-protos') takes it for its files'."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+
+
+class _Stdout:
+    """``sys.stdout`` for ``main``: its failed writes raise ``OutputFailed``, told apart from
+    every other ``OSError`` a command may meet. A ``BrokenPipeError`` stays one (exit 141)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputFailed(err) from err
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputFailed(err) from err
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    stdout = sys.stdout
+    sys.stdout = cast("TextIO", _Stdout(stdout))
     try:
-        code = _main(argv)
+        try:
+            code = _main(argv)
+        except SystemExit:  # argparse, after --help, --version or a usage error
+            sys.stdout.flush()
+            raise
         # Here, not at exit: a reader that went early fails the flush of what is still
         # buffered (stdout into a pipe), which at exit was "Exception ignored" and status 120.
         sys.stdout.flush()
         return code
+    except OutputFailed as failed:
+        # What is still buffered goes to /dev/null, or flushing it at exit would fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        print(f"grpc-idempotency: cannot write the output: {failed}", file=sys.stderr)
+        return OUTPUT_FAILED
     except Interrupted as stopped:
         print(f"grpc-idempotency: {stopped}", file=sys.stderr)
         return stopped.exit_status
@@ -926,8 +977,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # reports for a writer SIGPIPE killed (Python ignores SIGPIPE, so writes raise
         # instead). What is still buffered goes to /dev/null, or flushing it at exit would
         # raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         return 128 + signal.SIGPIPE
+    finally:
+        sys.stdout = stdout
 
 
 def _main(argv: Sequence[str] | None) -> int:

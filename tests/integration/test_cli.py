@@ -684,3 +684,72 @@ async def test_a_reader_that_goes_early_ends_the_command_quietly_with_141(
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert first.strip()
     assert (proc.returncode, err.decode()) == (141, "")
+
+
+# -- output that cannot be written: `grpc-idempotency purge > /dev/full` --------------------------
+
+FULL = Path("/dev/full")  # every write fails with ENOSPC
+NO_SPACE = "grpc-idempotency: cannot write the output: No space left on device\n"
+
+
+def into_dev_full(*args: str) -> tuple[int, str]:
+    """``grpc-idempotency <args> > /dev/full``: its exit status and stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    with FULL.open("w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "grpc_idempotency.cli", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
+    return done.returncode, done.stderr
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full")
+async def test_a_purge_whose_report_cannot_be_written_exits_74_and_its_work_stays_done(
+    pg_dsn: str,
+) -> None:
+    """An OSError traceback and exit 1, "unreachable, retry later", for a purge that had
+    purged. Now one line and 74 (EX_IOERR): the records are gone, only the report is lost."""
+    async with fresh_store(pg_dsn, "full") as s:
+        await s.pool.execute(
+            f'INSERT INTO "{s.schema}".records (scope, key, method, fingerprint, state,'
+            " fencing_token, locked_until, status_code, completed_at, expires_at, retention)"
+            " SELECT 's', 'k' || i, '/a.B/C', '\\x00', 'completed', 1, NULL, 0,"
+            " now() - interval '2 h', now() - interval '1 h', interval '1 s'"
+            " FROM generate_series(1, 3) i"
+        )
+        status, err = await asyncio.to_thread(
+            into_dev_full, "purge", "--dsn", pg_dsn, "--schema", s.schema
+        )
+        left = await s.pool.fetchval(f'SELECT count(*) FROM "{s.schema}".records')
+    assert (status, err) == (74, NO_SPACE)
+    assert left == 0
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full")
+@pytest.mark.parametrize(
+    "command",
+    [["list", "--scope", "s", "--limit", "5000"], ["list", "--scope", "s", "--limit", "5000",
+     "--json"], ["outbox", "stats"], ["include-path"], ["--version"]],
+    ids=["list", "list --json", "outbox stats", "include-path", "--version"],
+)  # fmt: skip
+async def test_output_that_cannot_be_written_is_one_line_and_exit_74(
+    pg_dsn: str, command: list[str]
+) -> None:
+    """``list``'s 5000 rows fail mid-command (the buffer fills), the others at the last flush."""
+    async with fresh_store(pg_dsn, "full") as s:
+        await s.pool.execute(
+            f'INSERT INTO "{s.schema}".records (scope, key, method, fingerprint, state,'
+            " fencing_token, locked_until, status_code, completed_at, expires_at, retention)"
+            " SELECT 's', 'k' || i, '/a.B/C', '\\x00', 'completed', 1, NULL, 0, now(),"
+            " now() + interval '1 h', interval '1 h' FROM generate_series(1, 5000) i"
+        )
+        database = (
+            ["--dsn", pg_dsn, "--schema", s.schema] if command[0] in ("list", "outbox") else []
+        )
+        status, err = await asyncio.to_thread(into_dev_full, *command, *database)
+    assert (status, err) == (74, NO_SPACE)
