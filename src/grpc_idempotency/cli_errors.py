@@ -202,7 +202,8 @@ def _mask_query(query: str) -> str:
 def dsn_target(dsn: str) -> str:
     """Where ``dsn`` connects, for an error message: the server (host:port, or the unix socket),
     the database and the user, with libpq's defaults (PGHOST, PGPORT, PGUSER, PGDATABASE, the OS
-    user) where the DSN names none. Never the password."""
+    user) where the DSN names none. Never the password, and no control character: the names
+    are percent-decoded, and a ``%0a`` or ``%1b`` would add or rewrite lines of the message."""
     try:
         parts = urlsplit(dsn)
         if parts.scheme not in ("postgres", "postgresql"):
@@ -234,7 +235,7 @@ def dsn_target(dsn: str) -> str:
             ] or ["the default host (a local unix socket, else localhost)"]
     except ValueError:
         return "(the DSN is not a postgresql:// URL)"
-    return f'{", ".join(servers)}, database "{database}", user "{user}"'
+    return printable(f'{", ".join(servers)}, database "{database}", user "{user}"')
 
 
 def _server(spec: str, default_port: str) -> str:
@@ -276,7 +277,7 @@ def report_store_error(err: StoreUnavailable, dsn: str | None) -> None:
     lines = [f"grpc-idempotency: {err}"]
     lines += [f"  caused by {_describe(cause)}" for cause in _causes(err)]
     if dsn:
-        lines.append(f"  database: {dsn_target(dsn)} ({safe_dsn(dsn)})")
+        lines.append(f"  database: {dsn_target(dsn)} ({printable(safe_dsn(dsn))})")
     text = "\n".join(lines)
     if dsn:
         # Drivers do not echo passwords, but a message quoting the DSN itself would.

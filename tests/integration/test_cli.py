@@ -151,6 +151,28 @@ def test_a_missing_database_is_named_with_the_user_and_exit_2(pg_dsn: str) -> No
         assert password not in done.stderr
 
 
+@pytest.mark.parametrize(
+    "database, shown",
+    [
+        ("x%1b%5b31mRED%0aFAKE-LINE", 'database "x\\x1b[31mRED\\nFAKE-LINE"'),
+        # urlsplit drops a raw newline (WHATWG); the ESC stays, in the masked DSN too.
+        ("x\x1b[31mRED\x07", 'database "x\\x1b[31mRED\\x07"'),
+    ],
+    ids=["encoded", "raw"],
+)
+def test_control_characters_of_the_dsn_cannot_add_lines_to_the_error(
+    pg_dsn: str, database: str, shown: str
+) -> None:
+    """The target's database name was percent-decoded and printed raw: an ESC colouring the
+    terminal, a newline making a line of the message up (given raw, in the masked DSN too)."""
+    done = cli("migrate", "--dsn", with_database(pg_dsn, database))
+    assert done.returncode == 2, done.stderr
+    assert "\x1b" not in done.stderr and "\x07" not in done.stderr
+    assert not [line for line in done.stderr.splitlines() if line.startswith("FAKE-LINE")]
+    (target,) = [line for line in done.stderr.splitlines() if line.startswith("  database: ")]
+    assert shown in target  # escaped, as printable() shows them
+
+
 def test_a_missing_role_is_named_without_its_password_and_exit_2(pg_dsn: str) -> None:
     user = f"nobody_{secrets.token_hex(4)}"
     password = f"pw-{secrets.token_hex(8)}"
@@ -269,6 +291,7 @@ def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
         ("postgresql://postgres@/postgres?host=/tmp/pg-x&port=5999",
          'socket /tmp/pg-x/.s.PGSQL.5999, database "postgres", user "postgres"'),
         ("postgresql://u@db", 'db:5432, database "u", user "u"'),  # libpq: dbname = user
+        ("postgresql://u%07%0a@db/x%1b%5b2J%0d", 'db:5432, database "x\\x1b[2J\\r", user "u\\x07\\n"'),
     ],
 )  # fmt: skip
 def test_dsn_target_names_server_database_and_user(
