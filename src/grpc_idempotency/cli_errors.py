@@ -23,7 +23,7 @@ import asyncpg
 
 from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
 from grpc_idempotency.stop_signals import catchable
-from grpc_idempotency.store.dsn_files import NOT_UTF8, in_doubt, not_utf8, unusable_file
+from grpc_idempotency.store.dsn_files import in_doubt, unsendable, unusable_file
 from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
@@ -137,7 +137,7 @@ async def connect(dsn: str, **options: Any) -> Store:
     try:
         return await Store.connect(dsn, **options)
     except DsnUnusable:
-        problem = NOT_UTF8 if not_utf8(dsn) else unusable_file(dsn)
+        problem = unsendable(dsn) or unusable_file(dsn)
         raise UnusableDsn(file_problem=problem) from None
 
 

@@ -28,6 +28,28 @@ def not_utf8(dsn: object) -> bool:
     return False
 
 
+HOLDS_NUL = (
+    "it holds a NUL character (raw or percent-encoded as %00): PostgreSQL text cannot hold one"
+)
+
+
+def holds_nul(dsn: object) -> bool:
+    """Whether ``dsn`` holds a NUL character, raw or as ``%00`` (a URL's user, password,
+    database or option decodes it). PostgreSQL's startup message is NUL-terminated strings: it
+    refused one there with a protocol violation (08P01), read as an outage to retry."""
+    return isinstance(dsn, str) and ("\x00" in dsn or "%00" in dsn)
+
+
+def unsendable(dsn: object) -> str | None:
+    """Why the driver cannot send ``dsn`` to PostgreSQL (``NOT_UTF8``, ``HOLDS_NUL``), if it
+    cannot: a failure that retrying never ends."""
+    if not_utf8(dsn):
+        return NOT_UTF8
+    if holds_nul(dsn):
+        return HOLDS_NUL
+    return None
+
+
 def in_doubt(dsn: str, parts: SplitResult) -> bool:
     """Whether ``dsn`` may have been split inside its password: an ``@`` after the authority,
     a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that is not a

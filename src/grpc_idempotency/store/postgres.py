@@ -40,7 +40,7 @@ from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
-from grpc_idempotency.store.dsn_files import NOT_UTF8, not_utf8, unusable_file
+from grpc_idempotency.store.dsn_files import unsendable, unusable_file
 from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     NO_SUCH_SAVEPOINT,
@@ -440,8 +440,9 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
-        if not_utf8(dsn):  # never quoted: it may hold a password
-            raise DsnUnusable(f"cannot use the DSN: {NOT_UTF8}")
+        unsent = unsendable(dsn)
+        if unsent is not None:  # never quoted: it may hold a password
+            raise DsnUnusable(f"cannot use the DSN: {unsent}")
         pool_options.setdefault("reset", _no_session_reset)
         if command_timeout is not None:
             # A connection the pool opens for a call (after a restart, or to grow) is bounded
