@@ -23,7 +23,7 @@ import asyncpg
 
 from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
 from grpc_idempotency.stop_signals import catchable
-from grpc_idempotency.store.dsn_files import in_doubt, unsendable, unusable_file
+from grpc_idempotency.store.dsn_files import at_in_user_info, in_doubt, unsendable, unusable_file
 from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
@@ -146,6 +146,8 @@ async def check_parses(dsn: str, option: str) -> None:
     connecting once: for a DSN that is used later, over and over (the relay's --listen-dsn),
     where each failure would be logged with the driver's text. A DSN that parses but does not
     reach its server passes: the relay keeps trying it."""
+    if at_in_user_info(dsn):  # parses, but not as meant: it would be tried forever
+        raise UnusableDsn(option, None)
     try:
         conn = await asyncpg.connect(dsn, timeout=5.0)
     except Exception as exc:

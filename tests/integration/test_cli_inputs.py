@@ -139,3 +139,12 @@ def test_an_empty_relay_target_exits_2_before_connecting(target: str) -> None:
         .endswith("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
     )
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
+
+
+async def test_store_connect_refuses_an_unencoded_at_in_the_password() -> None:
+    # asyncpg ends the user info at the first "@": it looked up the host "ss@127.0.0.1", and
+    # the failure was an outage (StoreUnavailable, retryable) naming that host.
+    with pytest.raises(DsnUnusable) as refused:
+        await Store.connect("postgresql://app:p@ss@127.0.0.1:1/shop", check_schema=False)
+    assert "@ as %40" in str(refused.value)
+    assert "p@ss" not in str(refused.value) and "ss@" not in str(refused.value)

@@ -50,12 +50,27 @@ def unsendable(dsn: object) -> str | None:
     return None
 
 
+def at_in_user_info(dsn: object) -> bool:
+    """Whether a URL ``dsn``'s authority holds more than one ``@``: an unencoded one in the
+    password (or the user). asyncpg ends the user info at the first ``@``, so it connected to
+    the rest of the password "@" the host, a name that does not resolve: an outage to retry,
+    naming a host the DSN does not mean."""
+    if not isinstance(dsn, str):
+        return False
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return False  # the driver's own parsing refuses it
+    return parts.netloc.count("@") > 1
+
+
 def in_doubt(dsn: str, parts: SplitResult) -> bool:
-    """Whether ``dsn`` may have been split inside its password: an ``@`` after the authority,
-    a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that is not a
-    number (a password whose ``/`` or ``?`` ended the authority early: ``user:pass`` read as
-    host:port)."""
-    if "#" in dsn or "@" in parts.path or "@" in parts.query:
+    """Whether ``dsn`` may have been split inside its password: more than one ``@`` in the
+    authority (``urlsplit`` splits at the last, asyncpg at the first), an ``@`` after the
+    authority, a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that
+    is not a number (a password whose ``/`` or ``?`` ended the authority early: ``user:pass``
+    read as host:port)."""
+    if "#" in dsn or "@" in parts.path or "@" in parts.query or parts.netloc.count("@") > 1:
         return True
     hosts = parts.netloc.rpartition("@")[2]
     for spec in hosts.split(","):

@@ -40,7 +40,7 @@ from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
-from grpc_idempotency.store.dsn_files import unsendable, unusable_file
+from grpc_idempotency.store.dsn_files import at_in_user_info, unsendable, unusable_file
 from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     NO_SUCH_SAVEPOINT,
@@ -443,6 +443,8 @@ class Store:
         unsent = unsendable(dsn)
         if unsent is not None:  # never quoted: it may hold a password
             raise DsnUnusable(f"cannot use the DSN: {unsent}")
+        if at_in_user_info(dsn):
+            raise DsnUnusable()  # the fixed message: percent-encode @ as %40
         pool_options.setdefault("reset", _no_session_reset)
         if command_timeout is not None:
             # A connection the pool opens for a call (after a restart, or to grow) is bounded
