@@ -23,7 +23,7 @@ import asyncpg
 
 from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
 from grpc_idempotency.stop_signals import catchable
-from grpc_idempotency.store.dsn_files import NOT_UTF8, in_doubt, not_utf8, unusable_file
+from grpc_idempotency.store.dsn_files import at_in_user_info, in_doubt, unsendable, unusable_file
 from grpc_idempotency.store.errors import dsn_unusable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
@@ -137,7 +137,7 @@ async def connect(dsn: str, **options: Any) -> Store:
     try:
         return await Store.connect(dsn, **options)
     except DsnUnusable:
-        problem = NOT_UTF8 if not_utf8(dsn) else unusable_file(dsn)
+        problem = unsendable(dsn) or unusable_file(dsn)
         raise UnusableDsn(file_problem=problem) from None
 
 
@@ -146,6 +146,8 @@ async def check_parses(dsn: str, option: str) -> None:
     connecting once: for a DSN that is used later, over and over (the relay's --listen-dsn),
     where each failure would be logged with the driver's text. A DSN that parses but does not
     reach its server passes: the relay keeps trying it."""
+    if at_in_user_info(dsn):  # parses, but not as meant: it would be tried forever
+        raise UnusableDsn(option, None)
     try:
         conn = await asyncpg.connect(dsn, timeout=5.0)
     except Exception as exc:

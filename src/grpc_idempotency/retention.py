@@ -29,6 +29,9 @@ class Purger:
     ``async with Purger(store):`` or ``start()`` / ``await stop()``. Given ``ShardedStores``, it
     purges every shard, each on a schedule of its own: a shard that cannot be reached (each of
     its statements waits out its timeout) or has a long backlog holds up no other.
+
+    ``purged`` counts the records of every committed batch; ``stop()`` rolls back the batch
+    under way, if any.
     """
 
     def __init__(
@@ -84,10 +87,17 @@ class Purger:
             for name, store in self.store.shards.items():
                 shards.create_task(self._purge_every_interval(store, f" on shard {name!r}"))
 
+    def _count(self, deleted: int) -> None:
+        self.purged += deleted
+
     async def _purge_every_interval(self, store: Store, where: str) -> None:
         while True:
             try:
-                self.purged += await store.purge(batch_size=self.batch_size, pause=self.pause)
+                # Counted per committed batch: a purge stopped midway left its committed batches
+                # out of ``purged``.
+                await store.purge(
+                    batch_size=self.batch_size, pause=self.pause, on_batch=self._count
+                )
             except StoreUnavailable as err:
                 log.warning("purge skipped%s: %s", where, err)
             await asyncio.sleep(self.interval)

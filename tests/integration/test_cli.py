@@ -31,7 +31,7 @@ from grpc_idempotency import proto_include
 from grpc_idempotency.cli import _parser
 from grpc_idempotency.cli_errors import dsn_target, safe_dsn
 from tests.e2e.procs import free_port
-from tests.support.schemas import fresh_store
+from tests.support.schemas import backend_gone, delete_waiting_on_a_lock, fresh_store
 from tests.support.tools import DB_COMMANDS as COMMANDS
 from tests.support.tools import buf_binary, run_cli
 from tests.support.waiting import until
@@ -247,6 +247,8 @@ def test_safe_dsn_masks_every_password(dsn: str, safe: str) -> None:
 def test_dsn_target_names_nothing_from_a_dsn_in_doubt() -> None:
     # The driver reads "app" as the host and "5432/et" as port and database.
     assert "et" not in dsn_target("postgresql://app:5432/et@db/prod").replace("unambiguously", "")
+    # The driver reads "ss@db" as the host, urlsplit "db".
+    assert "db" not in dsn_target("postgresql://app:p@ss@db/prod")
 
 
 # Each quotes a piece of its password in asyncpg's parse error, or is misread by it.
@@ -256,6 +258,9 @@ UNPARSABLE = {
     "query-like": ("postgresql://app:p?ss=w0rd@db.example:5432/prod", ["w0rd", "'p'", "ss="]),
     "empty host": ("postgresql://app:hunter22@,db.example/prod", ["hunter22"]),
     "bad sslmode": ("postgresql://app:hunter22@db.example/prod?sslmode=nope", ["hunter22"]),
+    # asyncpg ends the user info at the first "@": it looked up the host "ss@db.example", an
+    # outage to retry (exit 1) naming that host.
+    "at sign": ("postgresql://app:p@ss@db.example:5432/prod", ["ss@db", "p@ss"]),
 }
 
 
@@ -272,14 +277,17 @@ def test_a_dsn_the_driver_cannot_parse_is_refused_without_its_text(
         assert piece not in done.stderr + done.stdout
 
 
+@pytest.mark.parametrize("case", ["slash", "at sign"])
 def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
-    pg_dsn: str, store: object
+    pg_dsn: str, store: object, case: str
 ) -> None:
-    done = cli("relay", "--dsn", pg_dsn, "--listen-dsn", UNPARSABLE["slash"][0],
+    dsn, pieces = UNPARSABLE[case]
+    done = cli("relay", "--dsn", pg_dsn, "--listen-dsn", dsn,
                "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
     assert done.returncode == 2, done.stderr
-    assert "cannot parse --listen-dsn" in done.stderr
-    assert "s3cr" not in done.stderr and "ready" not in done.stdout
+    assert "cannot parse --listen-dsn" in done.stderr and "ready" not in done.stdout
+    for piece in pieces:
+        assert piece not in done.stderr + done.stdout
 
 
 @pytest.mark.parametrize(
@@ -588,41 +596,58 @@ EXPIRED = (
 )
 
 
+EXPIRED_SENT = (
+    "INSERT INTO {outbox} (scope, key, step, parent_key, method, payload_type, payload, state,"
+    " sent_at) SELECT 's', 'sent-' || i, 'st', 'p', '/a.B/C', 't', '\\x00', 'sent',"
+    " clock_timestamp() - interval '2 days' FROM generate_series(1, 5) i"
+)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-async def test_an_interrupted_purge_says_so_and_exits_128_plus_the_signal(
-    pg_dsn: str, db: Any, sig: signal.Signals
+@pytest.mark.parametrize("command", ["purge", "outbox purge-sent"])
+async def test_an_interrupted_purge_rolls_its_batch_back_says_so_and_exits_128_plus_the_signal(
+    pg_dsn: str, db: Any, sig: signal.Signals, command: str
 ) -> None:
     """Ctrl-C printed a traceback (CancelledError, then KeyboardInterrupt) and SIGTERM killed
-    the command without a word. The purge waits on a row lock the test holds, so the signal
-    arrives while its DELETE is on the wire, deterministically."""
+    the command without a word. The purge waits on a lock the test holds, so the signal arrives
+    while its DELETE is on the wire, deterministically.
+
+    Then that DELETE ran on in PostgreSQL, waiting on the lock as long as it was held, and
+    committed (each batch was a statement of its own): the rows went although the command had
+    said they stayed. Now the batch is cancelled and rolled back before the command exits."""
     async with fresh_store(pg_dsn, "interrupted") as s:
-        records = f'"{s.schema}".records'
-        await s.pool.execute(EXPIRED.format(records=records))
+        if command == "purge":
+            table = f'"{s.schema}".records'
+            await s.pool.execute(EXPIRED.format(records=table))
+            # The row lock: the batch after the first (old-1, old-2) waits on old-3.
+            lock = f"SELECT 1 FROM {table} WHERE key = 'old-3' FOR UPDATE"
+            argv = ["purge", "--batch-size", "2"]
+        else:
+            table = f'"{s.schema}".outbox'
+            await s.pool.execute(EXPIRED_SENT.format(outbox=table))
+            # Its batches skip locked rows: the table lock makes the first one wait.
+            lock = f"LOCK TABLE {table} IN SHARE MODE"
+            argv = ["outbox", "purge-sent", "--older-than", "3600", "--batch-size", "2"]
         tx = db.transaction()
         await tx.start()
-        await db.execute(f"SELECT 1 FROM {records} WHERE key = 'old-3' FOR UPDATE")
+        await db.execute(lock)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "grpc_idempotency.cli", "purge", "--dsn", pg_dsn,
-            "--schema", s.schema, "--batch-size", "2",
+            sys.executable, "-m", "grpc_idempotency.cli", *argv, "--dsn", pg_dsn,
+            "--schema", s.schema,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         try:
 
-            async def waiting_on_the_lock() -> bool:
+            async def waiting_on_the_lock() -> int | None:
                 assert proc.returncode is None, "the purge ended before it waited"
-                # Not on the test's connection: a transaction sees one snapshot of the activity.
-                return bool(
-                    await s.pool.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                        " AND query LIKE '%DELETE FROM ' || $1 || '%'",
-                        records,
-                    )
-                )
+                return await delete_waiting_on_a_lock(s.pool, table)
 
-            await until("the purge's DELETE waiting on the row lock", waiting_on_the_lock, 30)
+            pid = await until("the purge's DELETE waiting on the lock", waiting_on_the_lock, 30)
             proc.send_signal(sig)
             out, err = await asyncio.wait_for(proc.communicate(), 60)
+            # With the lock still held: the statement was stopped, not left waiting for it.
+            await until("the purge's backend to exit", lambda: backend_gone(s.pool, pid), 10)
         finally:
             if proc.returncode is None:
                 proc.kill()
@@ -630,8 +655,14 @@ async def test_an_interrupted_purge_says_so_and_exits_128_plus_the_signal(
             await tx.rollback()
         name = "interrupted" if sig == signal.SIGINT else "terminated"
         assert (proc.returncode, err.decode()) == (128 + sig, f"grpc-idempotency: {name}\n")
-        # The first batch (old-1, old-2) committed before the second met the lock.
-        assert out == b"purged 2 expired records before it was stopped\n"
+        left = await s.pool.fetchval(f"SELECT count(*) FROM {table}")
+        if command == "purge":
+            # The first batch (old-1, old-2) committed before the second met the lock.
+            assert out == b"purged 2 expired records before it was stopped\n"
+            assert left == 3
+        else:
+            assert out == b""
+            assert left == 5
 
 
 @pytest.mark.parametrize("command", [["inspect", "--scope", "s", "k"], ["list", "--scope", "s"]])

@@ -4,7 +4,9 @@ not a failure to retry later (exit 1).
 A DSN that is not valid UTF-8 (a byte such as 0xff from argv or the environment, which reaches
 Python surrogate-escaped) passed asyncpg's parsing and failed only once connected, encoding the
 startup message: tracebacks and exit 1, and ``Store.connect`` raised the retryable
-``StoreUnavailable``. An empty ``relay --grpc-target`` (``--grpc-target "$UNSET"``) reported
+``StoreUnavailable``. So did a DSN holding a NUL character (``%00`` in its database or user, or
+a raw one in an ``inspect --config`` file), which PostgreSQL refuses in the startup message
+(08P01, a protocol violation), and the error printed the NUL. An empty ``relay --grpc-target`` (``--grpc-target "$UNSET"``) reported
 ready and dead-lettered every row.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -74,6 +77,56 @@ async def test_store_connect_refuses_it_as_not_retryable(pg_dsn: str) -> None:
     assert PASSWORD not in str(refused.value)
 
 
+def holding_nul(dsn: str, where: str) -> str:
+    """``dsn`` (the test database's, so that it reaches the server) with a password and a NUL
+    (``where``: ``database`` or ``user`` percent-encoded, ``raw`` in the database name)."""
+    parts = urlsplit(dsn)
+    hosts = parts.netloc.rpartition("@")[2]
+    user = parts.username or "postgres"
+    if where == "user":
+        return urlunsplit(parts._replace(netloc=f"{user}%00x:{PASSWORD}@{hosts}"))
+    nul = "%00" if where == "database" else "\x00"
+    return urlunsplit(
+        parts._replace(netloc=f"{user}:{PASSWORD}@{hosts}", path=parts.path + nul + "x")
+    )
+
+
+def assert_nul_refused(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 2, done.stderr  # fix the DSN, not "retry later"
+    assert "holds a NUL character" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "unavailable" not in done.stderr
+    assert "\x00" not in done.stderr + done.stdout
+    assert PASSWORD not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("where", ["database", "user"])
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_dsn_option_holding_a_nul_exits_2(pg_dsn: str, command: list[str], where: str) -> None:
+    done = cli(*command, "--dsn", holding_nul(pg_dsn, where))
+    assert_nul_refused(done)
+    assert "argument --dsn: it holds a NUL character" in done.stderr
+
+
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_dsn_variable_holding_a_nul_exits_2(pg_dsn: str, command: list[str]) -> None:
+    assert_nul_refused(cli(*command, GRPC_IDEMPOTENCY_DSN=holding_nul(pg_dsn, "database")))
+
+
+def test_an_inspect_config_dsn_holding_a_nul_exits_2(pg_dsn: str, tmp_path: Path) -> None:
+    config = tmp_path / "inspect.toml"
+    dsn = holding_nul(pg_dsn, "raw").replace("\x00", "\\u0000")  # TOML's escape
+    config.write_text(f'[services.a]\ndsn = "{dsn}"\n')
+    assert_nul_refused(cli("inspect", "--config", str(config), "--scope", "s", "k"))
+
+
+@pytest.mark.parametrize("where", ["database", "user", "raw"])
+async def test_store_connect_refuses_a_nul_as_not_retryable(pg_dsn: str, where: str) -> None:
+    with pytest.raises(DsnUnusable) as refused:
+        await Store.connect(holding_nul(pg_dsn, where), check_schema=False)
+    assert "holds a NUL character" in str(refused.value)
+    assert PASSWORD not in str(refused.value) and "\x00" not in str(refused.value)
+
+
 @pytest.mark.parametrize("target", ["", " \t"], ids=["empty", "blank"])
 def test_an_empty_relay_target_exits_2_before_connecting(target: str) -> None:
     # Port 1 refuses connections: a relay that got as far as the database would exit 1.
@@ -86,3 +139,12 @@ def test_an_empty_relay_target_exits_2_before_connecting(target: str) -> None:
         .endswith("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
     )
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
+
+
+async def test_store_connect_refuses_an_unencoded_at_in_the_password() -> None:
+    # asyncpg ends the user info at the first "@": it looked up the host "ss@127.0.0.1", and
+    # the failure was an outage (StoreUnavailable, retryable) naming that host.
+    with pytest.raises(DsnUnusable) as refused:
+        await Store.connect("postgresql://app:p@ss@127.0.0.1:1/shop", check_schema=False)
+    assert "@ as %40" in str(refused.value)
+    assert "p@ss" not in str(refused.value) and "ss@" not in str(refused.value)

@@ -18,6 +18,7 @@ from grpc_idempotency import Purger, Store
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.store.outbox_store import OutboxStatements
+from tests.support.schemas import backend_gone, delete_waiting_on_a_lock
 from tests.support.tools import run_cli
 from tests.support.waiting import until
 
@@ -227,6 +228,37 @@ async def test_cli_purge_with_a_pause(purge_store: Store, pg_dsn: str) -> None:
     assert bad.returncode == 2 and "pause" in bad.stderr, bad.stderr
     done = await asyncio.to_thread(run_cli, *common, "--pause", "0.001")
     assert done.returncode == 0 and "purged 25 expired records" in done.stdout, done.stderr
+
+
+async def test_a_purger_stopped_midway_rolls_its_batch_back_and_counts_what_committed(
+    purge_store: Store, db: asyncpg.Connection
+) -> None:
+    """``Purger.stop()`` while a batch's DELETE waits on a row lock the test holds. That DELETE
+    ran on in PostgreSQL after the purger stopped (asyncpg's cancel request went down with the
+    dropped connection), waiting as long as the lock was held, and committed, a statement of
+    its own; and ``purged`` left out the batches that had committed."""
+    await expired_records(purge_store, 5)
+    table = records(purge_store)
+    tx = db.transaction()
+    await tx.start()
+    purger = Purger(purge_store, batch_size=2)
+    try:
+        await db.execute(f"SELECT 1 FROM {table} WHERE key = 'old-3' FOR UPDATE")
+        purger.start()
+        pid = await until(
+            "the purge's DELETE waiting on the row lock",
+            lambda: delete_waiting_on_a_lock(purge_store.pool, table),
+            30,
+        )
+        await purger.stop()
+        # With the lock still held: the statement was stopped, not left waiting for it.
+        await until("the purge's backend to exit", lambda: backend_gone(purge_store.pool, pid), 10)
+    finally:
+        await purger.stop()
+        await tx.rollback()
+    # The first batch (old-1, old-2) committed before the second met the lock.
+    assert await keys(purge_store) == ["old-3", "old-4", "old-5"]
+    assert purger.purged == 2
 
 
 async def test_purgers_on_two_replicas_at_once_delete_each_record_once(

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from grpc_idempotency.core.inspection import RecordState
-from grpc_idempotency.store.dsn_files import not_utf8
+from grpc_idempotency.store.dsn_files import HOLDS_NUL, holds_nul, not_utf8
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -65,10 +65,15 @@ def utf8_text(text: str) -> str:
 def dsn_text(text: str) -> str:
     """A DSN the driver can send: one that is not valid UTF-8 (a byte such as 0xff in argv or
     the environment reaches Python surrogate-escaped) passes asyncpg's parsing and fails only
-    once connected, as a connection failure to retry. Never quoted: it may hold a password."""
+    once connected, as a connection failure to retry; so does one holding a NUL, raw or %00.
+    Never quoted: it may hold a password."""
     if not_utf8(text):
         raise argparse.ArgumentTypeError(
             "not valid UTF-8 (the DSN is not shown: it may hold a password)"
+        )
+    if holds_nul(text):
+        raise argparse.ArgumentTypeError(
+            f"{HOLDS_NUL} (the DSN is not shown: it may hold a password)"
         )
     return text
 

@@ -28,12 +28,49 @@ def not_utf8(dsn: object) -> bool:
     return False
 
 
+HOLDS_NUL = (
+    "it holds a NUL character (raw or percent-encoded as %00): PostgreSQL text cannot hold one"
+)
+
+
+def holds_nul(dsn: object) -> bool:
+    """Whether ``dsn`` holds a NUL character, raw or as ``%00`` (a URL's user, password,
+    database or option decodes it). PostgreSQL's startup message is NUL-terminated strings: it
+    refused one there with a protocol violation (08P01), read as an outage to retry."""
+    return isinstance(dsn, str) and ("\x00" in dsn or "%00" in dsn)
+
+
+def unsendable(dsn: object) -> str | None:
+    """Why the driver cannot send ``dsn`` to PostgreSQL (``NOT_UTF8``, ``HOLDS_NUL``), if it
+    cannot: a failure that retrying never ends."""
+    if not_utf8(dsn):
+        return NOT_UTF8
+    if holds_nul(dsn):
+        return HOLDS_NUL
+    return None
+
+
+def at_in_user_info(dsn: object) -> bool:
+    """Whether a URL ``dsn``'s authority holds more than one ``@``: an unencoded one in the
+    password (or the user). asyncpg ends the user info at the first ``@``, so it connected to
+    the rest of the password "@" the host, a name that does not resolve: an outage to retry,
+    naming a host the DSN does not mean."""
+    if not isinstance(dsn, str):
+        return False
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return False  # the driver's own parsing refuses it
+    return parts.netloc.count("@") > 1
+
+
 def in_doubt(dsn: str, parts: SplitResult) -> bool:
-    """Whether ``dsn`` may have been split inside its password: an ``@`` after the authority,
-    a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that is not a
-    number (a password whose ``/`` or ``?`` ended the authority early: ``user:pass`` read as
-    host:port)."""
-    if "#" in dsn or "@" in parts.path or "@" in parts.query:
+    """Whether ``dsn`` may have been split inside its password: more than one ``@`` in the
+    authority (``urlsplit`` splits at the last, asyncpg at the first), an ``@`` after the
+    authority, a fragment (meaningless to PostgreSQL: a ``#`` in a password), or a port that
+    is not a number (a password whose ``/`` or ``?`` ended the authority early: ``user:pass``
+    read as host:port)."""
+    if "#" in dsn or "@" in parts.path or "@" in parts.query or parts.netloc.count("@") > 1:
         return True
     hosts = parts.netloc.rpartition("@")[2]
     for spec in hosts.split(","):

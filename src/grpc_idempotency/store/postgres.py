@@ -40,7 +40,7 @@ from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
-from grpc_idempotency.store.dsn_files import NOT_UTF8, not_utf8, unusable_file
+from grpc_idempotency.store.dsn_files import at_in_user_info, unsendable, unusable_file
 from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     NO_SUCH_SAVEPOINT,
@@ -331,6 +331,25 @@ def _drop(conn: PooledConnection) -> None:
         conn.terminate()
 
 
+async def _stopped(conn: PooledConnection) -> None:
+    """Waits, at most ``ROLLBACK_TIMEOUT_S``, for PostgreSQL to confirm that it stopped the
+    statement a cancellation cut short; the caller drops the connection after.
+
+    asyncpg sends a cancel request (over a connection of its own, to the address ``conn`` was
+    opened to: a pooler forwards it to the server connection this client holds) as soon as a
+    statement's task is cancelled. Dropped at once, the connection took that request down with
+    it (``terminate()`` cancels asyncpg's pending cancellation tasks) and PostgreSQL, which does
+    not read a socket while a statement runs or waits on a lock, never noticed: a purge batch
+    deleted on for seconds after the command exited, or waited on a row lock for as long as it
+    was held, then went on. Bounded: behind a network partition the answer never comes, and the
+    connection is dropped anyway (the open transaction still cannot commit)."""
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        # Private, but the only way to await asyncpg's own cancel request: PoolConnectionProxy
+        # forwards to the connection's protocol. Not running or already confirmed: no wait.
+        protocol: Any = getattr(conn, "_protocol")  # noqa: B009
+        await protocol._wait_for_cancellation(ROLLBACK_TIMEOUT_S)
+
+
 def _interrupted(exc: BaseException) -> bool:
     """Whether ``exc`` cut a statement short on the wire (it may still run in PostgreSQL)."""
     return isinstance(exc, (TimeoutError, asyncio.CancelledError))
@@ -421,8 +440,11 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
-        if not_utf8(dsn):  # never quoted: it may hold a password
-            raise DsnUnusable(f"cannot use the DSN: {NOT_UTF8}")
+        unsent = unsendable(dsn)
+        if unsent is not None:  # never quoted: it may hold a password
+            raise DsnUnusable(f"cannot use the DSN: {unsent}")
+        if at_in_user_info(dsn):
+            raise DsnUnusable()  # the fixed message: percent-encode @ as %40
         pool_options.setdefault("reset", _no_session_reset)
         if command_timeout is not None:
             # A connection the pool opens for a call (after a restart, or to grow) is bounded
@@ -593,7 +615,11 @@ class Store:
 
     @contextlib.asynccontextmanager
     async def read_committed(
-        self, conn: PooledConnection, *, idle_timeout_s: float = READ_COMMITTED_IDLE_S
+        self,
+        conn: PooledConnection,
+        *,
+        idle_timeout_s: float = READ_COMMITTED_IDLE_S,
+        own_transaction: bool = False,
     ) -> AsyncIterator[None]:
         """The block's statements at READ COMMITTED, whatever the database's or role's default:
         ``SKIP LOCKED`` and the re-check of a row changed meanwhile rely on it (at REPEATABLE
@@ -608,17 +634,31 @@ class Store:
         claimed batch, a purge batch), and a process frozen or cut off between its statements
         otherwise kept them locked, skipped by every other relay, until TCP keepalive noticed.
 
+        ``own_transaction``: the block is that one transaction at a READ COMMITTED default too,
+        so that a statement cut short can never commit. A purge batch alone needs it: as a lone
+        statement it ran on after its client was stopped and committed, while the purge
+        reported those rows as not deleted.
+
         Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
-        connection whose statement may still be running. Here a cancellation leaves the
-        connection to ``Store.connection``, which drops it (PostgreSQL rolls back)."""
+        connection whose statement may still be running. Here a cancellation first waits, a
+        bounded while, for PostgreSQL to confirm that it stopped the statement (``_stopped``),
+        then leaves the connection to ``Store.connection``, which drops it (PostgreSQL rolls
+        back)."""
         if self._default_isolation is None:
             self._default_isolation = await conn.fetchval("SHOW default_transaction_isolation")
-        if self._default_isolation == "read committed":
-            yield
+        if self._default_isolation == "read committed" and not own_transaction:
+            try:
+                yield
+            except asyncio.CancelledError:
+                await _stopped(conn)
+                raise
             return
         await conn.execute(begin_sql("read committed", idle_timeout_s))
         try:
             yield
+        except asyncio.CancelledError:
+            await _stopped(conn)
+            raise
         except Exception:
             try:
                 if not connection_closed(conn) and conn.is_in_transaction():
@@ -948,7 +988,12 @@ class Store:
                 await asyncio.sleep(pause)
             # At READ COMMITTED whatever the default: a row a call changed meanwhile is re-checked,
             # where REPEATABLE READ would fail the batch (40001).
-            async with self.connection(doing) as conn, self.read_committed(conn):
+            # In a transaction of its own even at a READ COMMITTED default: a batch cut short (a
+            # purge stopped) is rolled back, never committed behind a count that leaves it out.
+            async with (
+                self.connection(doing) as conn,
+                self.read_committed(conn, own_transaction=True),
+            ):
                 if walk:
                     row = await conn.fetchrow(sql, batch_size, position, *args)
                     assert row is not None
