@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable, TransactionOpen
 from grpc_idempotency.core.outbox import message_key, outbox_step
 from grpc_idempotency.core.policy import Step
+from grpc_idempotency.core.propagation import StepCalls
 from grpc_idempotency.store.postgres import PooledConnection, connection_closed
 
 T = TypeVar("T")
@@ -93,6 +94,8 @@ class IdempotentCall:
         self._ended = False
         self._downstream = 0
         """Downstream calls started through the client interceptor and not finished yet."""
+        self.step_calls = StepCalls()
+        """The steps this attempt has called (a step is one call)."""
 
     def end(self) -> asyncio.Future[PooledConnection] | None:
         """The call is over (answered, failed or cancelled): from now on the handler, or a thread

@@ -28,10 +28,10 @@ import grpc
 
 from grpc_idempotency.call import IdempotentCall, current_call_or_none
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import KeyInvalid, TransactionOpen
+from grpc_idempotency.core.errors import KeyInvalid, PolicyError, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
-from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
+from grpc_idempotency.core.propagation import KeySource, Parent, choose_key, declares_step
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
@@ -289,9 +289,11 @@ class IdempotencyClientInterceptor(_Interceptor):
     ) -> Any:
         """Sends the call as ``_outgoing`` rewrites it, counted as in flight while serving a
         call. ``request``: the request, or the request iterator of a client-streaming call."""
-        details, serving = self._outgoing(client_call_details, keyed=keyed)
+        details, serving, step = self._outgoing(client_call_details, keyed=keyed)
         if serving is None:
             return await continuation(details, request)
+        if step is not None:
+            return await self._send_step(continuation, details, request, serving, step)
         # Counted until the call is over, so that the handler's final transaction refuses to
         # open across it (IdempotentCall.transaction); counted before the first await, as a
         # transaction() gathered with this call may run as soon as this task yields.
@@ -309,14 +311,42 @@ class IdempotencyClientInterceptor(_Interceptor):
             serving.downstream_ended()
         return call
 
+    async def _send_step(
+        self,
+        continuation: Any,
+        details: grpc.aio.ClientCallDetails,
+        request: Any,
+        serving: IdempotentCall,
+        step: str,
+    ) -> Any:
+        """Sends a call keyed by ``step``'s child key and waits for its status before handing
+        it back (the retry-interceptor pattern: ``await call.code()`` raises nothing), so that
+        the step counts as answered before the handler can call again (``StepCalls``)."""
+        ok = False
+        serving.downstream_started()
+        try:
+            call = await continuation(details, request)
+            try:
+                ok = await call.code() == grpc.StatusCode.OK
+            except asyncio.CancelledError:
+                # The handler gave up on the call: grpc.aio cancels this interceptor's task, not
+                # the call it has not been handed yet, which would otherwise run on unobserved.
+                call.cancel()
+                raise
+        finally:
+            serving.step_calls.ended(step, ok=ok)
+            serving.downstream_ended()
+        return call
+
     def _outgoing(
         self, client_call_details: grpc.aio.ClientCallDetails, *, keyed: bool
-    ) -> tuple[grpc.aio.ClientCallDetails, IdempotentCall | None]:
-        """The call to send instead of ``client_call_details``, and the call being served, if
-        any. ``keyed``: a unary call, whose key is chosen here (``core.propagation``); a
-        streaming call gets none (no streaming method is keyed) and keeps an explicit one.
-        Raises ``TransactionOpen`` for any call made after the served call's final transaction
-        was opened."""
+    ) -> tuple[grpc.aio.ClientCallDetails, IdempotentCall | None, str | None]:
+        """The call to send instead of ``client_call_details``, the call being served, if any,
+        and the step whose child key the call carries, if any (counted in flight in the served
+        call's ``step_calls``). ``keyed``: a unary call, whose key is chosen here
+        (``core.propagation``); a streaming call gets none (no streaming method is keyed) and
+        keeps an explicit one. Raises ``TransactionOpen`` for any call made after the served
+        call's final transaction was opened, ``StepReused`` for a step called twice."""
         method = client_call_details.method
         path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
         metadata = list(client_call_details.metadata or ())
@@ -357,12 +387,24 @@ class IdempotencyClientInterceptor(_Interceptor):
                 operation_key=op.key if (op := _operation.get(None)) is not None else None,
                 mint=[str(uuid.uuid4())],
             )
+        elif parent is not None and declares_step(parent, path):
+            # A declared effect the library cannot key: sent as is, it would run again on every
+            # re-run of the handler, which the declaration says must not happen.
+            raise PolicyError(
+                f"{parent.method} declares a step calling {path}, a streaming method: no"
+                " streaming method is keyed, so its effect would run again on every retry;"
+                " declare steps for unary methods only"
+            )
         if serving is not None and serving.phased and serving.transaction_open:
             raise TransactionOpen(
                 f"{serving.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
             )
+        step = None
         if choice is not None and choice.key is not None:
+            if choice.source is KeySource.CHILD and serving is not None and choice.step:
+                serving.step_calls.starting(serving.method, choice.step, path)
+                step = choice.step
             if choice.source is not KeySource.EXPLICIT:
                 kept.append((KEY_HEADER, choice.key))
             captured = _captured.get(None)
@@ -386,7 +428,7 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.credentials,
             client_call_details.wait_for_ready,
         )
-        return details, serving
+        return details, serving, step
 
 
 # One interceptor per streaming kind, each an instance of that kind alone (grpc.aio files an

@@ -550,6 +550,76 @@ async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
         assert held == 0  # the parent's claim was released (its lease ended), nothing recorded
 
 
+@pytest.mark.parametrize("mode", ["post-twice", "post-gathered"])
+async def test_a_step_called_twice_in_one_attempt_is_refused(
+    ledger: RunningLedger, store: Store, mode: str
+) -> None:
+    """A handler charging each line item through one step: both calls carried the step's child
+    key, so the second was answered the first call's stored outcome (the same entry: one
+    charge, the handler believing it made two) or, with another request, KEY_REUSED. Now the
+    second call is refused before it is sent (in sequence: after the first was answered OK;
+    gathered: while the first is in flight)."""
+    async with running_relay(store, ledger.address) as relay:
+        key, account = fresh(), fresh("acct")
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=account, mode=mode), key)
+        assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+        assert answer.reason() == "IDEMPOTENCY_STEP_REUSED"
+        assert "a step is one call" in (answer.details or "")
+        expected = child_key("tenant:tenant-a", key, "post-ledger.v1")
+        # The first call went out (gathered, it may still be arriving); the second never did.
+        await until("the first call downstream", lambda: ledger.service.executions == 1)
+        assert ledger.service.keys_seen == [expected]
+        assert await ledger_rows(store, account) == 1
+
+
+async def test_one_effect_per_item_with_keys_derived_from_the_parents(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The README's way to one call per item: each item's own key, derived from the parent's,
+    kept as given; a re-run of the handler reaches the same two records."""
+    async with running_relay(store, ledger.address) as relay:
+        key, account = fresh(), fresh("acct")
+        request = testsvc_pb2.ForwardRequest(account=account, mode="post-per-item")
+        answer = await relay.forward(request, key)
+        assert answer.code is grpc.StatusCode.OK, answer.details
+        assert len(set(ledger.service.keys_seen)) == 2
+        assert await ledger_rows(store, account) == 2
+        await store.pool.execute(
+            "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            "tenant:tenant-a",
+            key,
+        )
+        again = await relay.forward(request, key)
+        assert again.code is grpc.StatusCode.OK, again.details
+        assert await ledger_rows(store, account) == 2  # re-run: both items replayed
+
+
+async def test_a_step_whose_call_failed_may_be_called_again(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A call of a step that failed (UNAVAILABLE) retried inside the handler is the same call
+    again, with the same child key: allowed, and executed once downstream."""
+    async with running_relay(store, ledger.address) as relay:
+        key, account = fresh(), fresh("acct")
+        request = testsvc_pb2.ForwardRequest(account=account, mode="retry-step")
+        answer = await relay.forward(request, key)
+        assert answer.code is grpc.StatusCode.OK, answer.details
+        expected = child_key("tenant:tenant-a", key, "post-ledger.v1")
+        assert ledger.service.keys_seen == [expected, expected]
+        assert ledger.service.executions == 1
+        assert await ledger_rows(store, account) == 1
+        # A re-run of the parent's handler (a new attempt) may call the step again: replayed.
+        await store.pool.execute(
+            "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            "tenant:tenant-a",
+            key,
+        )
+        again = await relay.forward(request, key)
+        assert again.code is grpc.StatusCode.OK, again.details
+        assert again.body == answer.body  # the step's call replayed downstream
+        assert ledger.service.executions == 1
+
+
 async def test_the_final_transaction_does_not_open_across_a_downstream_call(
     ledger: RunningLedger, store: Store
 ) -> None:

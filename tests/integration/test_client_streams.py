@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,15 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    Mode,
+    Step,
+    Store,
+    current_call,
+)
 from grpc_idempotency.client import IdempotencyClientInterceptor, step_metadata
 from grpc_idempotency.core.errors import TransactionOpen
 from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
@@ -127,7 +135,11 @@ class Relay(testsvc_pb2_grpc.RelayServiceServicer):
 
 @contextlib.asynccontextmanager
 async def relaying(
-    store: Store, kind: str, *, hold: bool = False
+    store: Store,
+    kind: str,
+    *,
+    hold: bool = False,
+    overrides: Mapping[str, MethodOverride] | None = None,
 ) -> AsyncIterator[tuple[Relay, Downstream, grpc.aio.Channel]]:
     """The downstream service, and a keyed RelayService calling it through a channel with the
     client interceptor (all kinds); yields the relay's servicer, the downstream's record and a
@@ -158,7 +170,12 @@ async def relaying(
         relay = Relay(to_down, kind, downstream)
         server = grpc.aio.server(
             interceptors=[
-                IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+                IdempotencyInterceptor(
+                    store,
+                    services=[testsvc_pb2],
+                    overrides=overrides,
+                    scope=MetadataScope(TENANT),
+                )
             ]
         )
         testsvc_pb2_grpc.add_RelayServiceServicer_to_server(relay, server)
@@ -229,6 +246,25 @@ async def test_a_streaming_call_keeps_an_explicit_key_and_drops_the_step_header(
     (seen,) = downstream.seen
     assert [v for k, v in seen["metadata"] if k == KEY_HEADER] == ["caller-chosen-key"]
     assert [k for k, _ in seen["metadata"] if k == STEP_HEADER] == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_step_declared_for_a_streaming_method_is_refused_before_the_call(
+    store: Store, kind: str
+) -> None:
+    """A step naming a streaming method passed the policy's checks (from a MethodOverride, or a
+    proto compiled without the plugin's check) and the call went out with no key: a declared
+    effect that would run again on every retry. Now the call is refused before it is sent."""
+    steps = [
+        Step(name="post-ledger.v1", call="testsvc.v1.LedgerService/Post"),
+        Step(name="stream-it.v1", call=f"streams.v1.Down/{kind}"),
+    ]
+    overrides = {FORWARD: MethodOverride(mode=Mode.PHASED, steps=steps)}
+    async with relaying(store, kind, overrides=overrides) as (_, downstream, channel):
+        answer = await forward(channel, "plain")
+    assert answer.code is grpc.StatusCode.INTERNAL, answer.details
+    assert answer.reason() == "IDEMPOTENCY_POLICY_INVALID"
+    assert downstream.seen == []  # nothing reached the downstream service
 
 
 def test_all_kinds_gives_each_kind_of_call_one_interceptor() -> None:

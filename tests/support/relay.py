@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +18,11 @@ from grpc_idempotency import (
     MetadataScope,
     MethodOverride,
     Store,
+    child_key,
     current_call,
 )
 from grpc_idempotency.client import IdempotencyClientInterceptor, step
+from grpc_idempotency.core.wire import KEY_HEADER
 from tests.support.ledger import TENANT, metadata
 from tests.support.wire import Answer, call_raw
 
@@ -64,6 +67,26 @@ class RelayService(testsvc_pb2_grpc.RelayServiceServicer):
                 _, answer = await asyncio.gather(
                     current_call().transaction(), self.ledger.Post(post)
                 )
+        elif mode == "post-twice":  # one step called for two line items: a step is one call
+            await self.ledger.Post(post)
+            answer = await self.ledger.Post(post)
+        elif mode == "post-gathered":  # the same, both at once
+            _, answer = await asyncio.gather(self.ledger.Post(post), self.ledger.Post(post))
+        elif mode == "post-per-item":  # the documented way: a key of its own for each item
+            call = current_call()
+            assert call.scope is not None and call.key is not None
+            step_key = child_key(call.scope, call.key, "post-ledger.v1")
+            for item in ("a", "b"):
+                own = hashlib.sha256(f"{step_key}/{item}".encode()).hexdigest()
+                answer = await self.ledger.Post(post, metadata=((KEY_HEADER, own),))
+        elif mode == "retry-step":  # a failed call of a step retried: the same call again
+            flaky = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="flaky:1")
+            try:
+                answer = await self.ledger.Post(flaky)
+            except grpc.aio.AioRpcError as err:
+                if err.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+                answer = await self.ledger.Post(flaky)
         elif mode == "after-transaction":
             await current_call().transaction()
             answer = await self.ledger.Post(post)

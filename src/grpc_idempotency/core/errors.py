@@ -227,6 +227,16 @@ class StepAmbiguous(IdempotencyError):
     reason = "IDEMPOTENCY_STEP_AMBIGUOUS"
 
 
+class StepReused(IdempotencyError):
+    """A handler called a step a second time in one attempt: while its first call was in flight,
+    or after it was answered OK. A step is one call: the second carries the same child key, so
+    downstream replays the first call's answer (the effect done once, the handler believing it
+    done twice) or refuses a different request as a reused key."""
+
+    status_code = Code.FAILED_PRECONDITION
+    reason = "IDEMPOTENCY_STEP_REUSED"
+
+
 class TransactionOpen(IdempotencyError):
     """A phased handler called another service after opening its final transaction."""
 

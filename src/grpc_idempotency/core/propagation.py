@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from grpc_idempotency.core.errors import StepAmbiguous, StepUndeclared
+from grpc_idempotency.core.errors import StepAmbiguous, StepReused, StepUndeclared
 from grpc_idempotency.core.keys import child_key
 from grpc_idempotency.core.policy import Step, normalize_method
 
@@ -112,7 +112,7 @@ def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> S
     return min(earlier, key=lambda s: s.retired_at or started_at) if earlier else step
 
 
-def _declares(parent: Parent, target: str) -> bool:
+def declares_step(parent: Parent, target: str) -> bool:
     """Whether ``parent`` declares an active step calling ``target``. Such a target is keyed by
     that step whatever its descriptor says on the caller's side: the caller may have an older
     descriptor, or the target may be keyed only by its own server's ``MethodOverride``; sent
@@ -134,7 +134,7 @@ def choose_key(
     """``mint`` is a one-element sequence with a fresh key, used only when one is needed."""
     if explicit_key is not None:
         return KeyChoice(KeySource.EXPLICIT, explicit_key)
-    if not target_keyed and not (parent is not None and _declares(parent, target)):
+    if not target_keyed and not (parent is not None and declares_step(parent, target)):
         return KeyChoice(KeySource.NONE)
     if parent is not None:
         step = choose_step(parent, target, named_step)
@@ -144,3 +144,39 @@ def choose_key(
     if mint:
         return KeyChoice(KeySource.MINTED, mint[0])
     raise ValueError("a keyed call needs a key and none was minted")
+
+
+class StepCalls:
+    """The steps one attempt of a handler has called, so that a step is one call.
+
+    A second call of a step carries the same child key as the first: answered OK, the first
+    made downstream record an outcome that the second is then replayed (a loop charging each
+    line item charges once, silently) or, with another request, refused as a reused key. So a
+    step is refused (``StepReused``) while its call is in flight and once it was answered OK.
+    A call that failed leaves the step free: calling it again is a retry of the same call, with
+    the same key, which is what downstream deduplicates. One instance per handler attempt: a
+    re-run of the handler calls each step again, and is replayed."""
+
+    __slots__ = ("_answered", "_in_flight")
+
+    def __init__(self) -> None:
+        self._in_flight: set[str] = set()
+        self._answered: set[str] = set()
+
+    def starting(self, method: str, step: str, target: str) -> None:
+        """Raises ``StepReused`` if ``step`` may not be called now; else counts it in flight."""
+        if step in self._answered or step in self._in_flight:
+            when = "was answered OK" if step in self._answered else "is still in flight"
+            raise StepReused(
+                f"{method} called {target} as step {step!r} a second time, and its first call"
+                f" {when}; a step is one call: its child key would have downstream replay the"
+                " first answer (or refuse another request as a reused key). Declare a step for"
+                " each call, or make one call that carries them all (a batch request)"
+            )
+        self._in_flight.add(step)
+
+    def ended(self, step: str, *, ok: bool) -> None:
+        """The call of ``step`` is over; ``ok``: it was answered with status OK."""
+        self._in_flight.discard(step)
+        if ok:
+            self._answered.add(step)
