@@ -550,6 +550,16 @@ async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
         assert held == 0  # the parent's claim was released (its lease ended), nothing recorded
 
 
+async def forget_outcome(store: Store, key: str) -> None:
+    """Deletes tenant-a's record of ``key``, as if its server crashed before its final commit:
+    the next call with the key runs the handler again."""
+    await store.pool.execute(
+        "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+
+
 @pytest.mark.parametrize("mode", ["post-twice", "post-gathered"])
 async def test_a_step_called_twice_in_one_attempt_is_refused(
     ledger: RunningLedger, store: Store, mode: str
@@ -566,10 +576,14 @@ async def test_a_step_called_twice_in_one_attempt_is_refused(
         assert answer.reason() == "IDEMPOTENCY_STEP_REUSED"
         assert "a step is one call" in (answer.details or "")
         expected = child_key("tenant:tenant-a", key, "post-ledger.v1")
-        # The first call went out (gathered, it may still be arriving); the second never did.
-        await until("the first call downstream", lambda: ledger.service.executions == 1)
+        # The first call went out (gathered, it may still be under way); the second never did.
+
+        async def first_committed() -> bool:
+            return await ledger_rows(store, account) == 1
+
+        await until("the first call's entry", first_committed)
         assert ledger.service.keys_seen == [expected]
-        assert await ledger_rows(store, account) == 1
+        assert ledger.service.executions == 1
 
 
 async def test_one_effect_per_item_with_keys_derived_from_the_parents(
@@ -584,11 +598,7 @@ async def test_one_effect_per_item_with_keys_derived_from_the_parents(
         assert answer.code is grpc.StatusCode.OK, answer.details
         assert len(set(ledger.service.keys_seen)) == 2
         assert await ledger_rows(store, account) == 2
-        await store.pool.execute(
-            "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
-            "tenant:tenant-a",
-            key,
-        )
+        await forget_outcome(store, key)
         again = await relay.forward(request, key)
         assert again.code is grpc.StatusCode.OK, again.details
         assert await ledger_rows(store, account) == 2  # re-run: both items replayed
@@ -609,11 +619,7 @@ async def test_a_step_whose_call_failed_may_be_called_again(
         assert ledger.service.executions == 1
         assert await ledger_rows(store, account) == 1
         # A re-run of the parent's handler (a new attempt) may call the step again: replayed.
-        await store.pool.execute(
-            "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
-            "tenant:tenant-a",
-            key,
-        )
+        await forget_outcome(store, key)
         again = await relay.forward(request, key)
         assert again.code is grpc.StatusCode.OK, again.details
         assert again.body == answer.body  # the step's call replayed downstream

@@ -421,16 +421,8 @@ def test_dev_extra_holds_the_testing_extra_and_the_plugin_is_registered() -> Non
     }
 
 
-INNER_TEST = """
-import uuid
-
-import pytest
-from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
-
-from grpc_idempotency import current_call
-from grpc_idempotency.testing import ServiceUnderTest, assert_not_replayed, assert_replayed
-
-
+# A user's service for the inner pytest runs: a Post whose nonce tells an execution from a replay.
+INNER_LEDGER = """
 class Ledger(testsvc_pb2_grpc.LedgerServiceServicer):
     async def Post(self, request, context):
         nonce = await current_call().connection.fetchval("SELECT gen_random_uuid()::text")
@@ -443,7 +435,21 @@ def idempotency_service():
         testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(Ledger(), server)
 
     return ServiceUnderTest(register=register, services=[testsvc_pb2])
+"""
 
+INNER_TEST = (
+    """
+import uuid
+
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import current_call
+from grpc_idempotency.testing import ServiceUnderTest, assert_not_replayed, assert_replayed
+
+"""
+    + INNER_LEDGER
+    + """
 
 @pytest.mark.asyncio
 async def test_a_retry_is_replayed(idempotency_server):
@@ -458,6 +464,7 @@ async def test_a_retry_is_replayed(idempotency_server):
     await assert_replayed(retry)
     assert idempotency_server.store.schema == "grpc_idempotency_test"
 """
+)
 
 INNER_WITHOUT_SERVICE = """
 import pytest
@@ -478,27 +485,17 @@ def test_plugin_fixtures_serve_a_users_service(
     result.stdout.fnmatch_lines(["*define a fixture named idempotency_service*"])
 
 
-INNER_HAND_WRITTEN_KEY = """
+INNER_HAND_WRITTEN_KEY = (
+    """
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import current_call
 from grpc_idempotency.testing import ServiceUnderTest, assert_not_replayed
 
-
-class Ledger(testsvc_pb2_grpc.LedgerServiceServicer):
-    async def Post(self, request, context):
-        nonce = await current_call().connection.fetchval("SELECT gen_random_uuid()::text")
-        return testsvc_pb2.PostResponse(account=request.account, execution_nonce=nonce)
-
-
-@pytest.fixture
-def idempotency_service():
-    def register(server, store):
-        testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(Ledger(), server)
-
-    return ServiceUnderTest(register=register, services=[testsvc_pb2])
-
+"""
+    + INNER_LEDGER
+    + """
 
 @pytest.mark.asyncio
 async def test_first_call_executes(idempotency_server):
@@ -510,6 +507,7 @@ async def test_first_call_executes(idempotency_server):
     await call
     await assert_not_replayed(call)
 """
+)
 
 
 def test_two_sessions_on_one_database_do_not_share_hand_written_keys(
