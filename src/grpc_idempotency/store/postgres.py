@@ -332,8 +332,8 @@ def _drop(conn: PooledConnection) -> None:
 
 
 async def _stopped(conn: PooledConnection) -> None:
-    """Waits, at most ``ROLLBACK_TIMEOUT_S``, for PostgreSQL to confirm that it stopped the
-    statement a cancellation cut short; the caller drops the connection after.
+    """Waits, at most ``ROLLBACK_TIMEOUT_S``, for asyncpg's cancel request of the statement a
+    cancellation cut short to reach PostgreSQL; the caller drops the connection after.
 
     asyncpg sends a cancel request (over a connection of its own, to the address ``conn`` was
     opened to: a pooler forwards it to the server connection this client holds) as soon as a
@@ -341,13 +341,16 @@ async def _stopped(conn: PooledConnection) -> None:
     it (``terminate()`` cancels asyncpg's pending cancellation tasks) and PostgreSQL, which does
     not read a socket while a statement runs or waits on a lock, never noticed: a purge batch
     deleted on for seconds after the command exited, or waited on a row lock for as long as it
-    was held, then went on. Bounded: behind a network partition the answer never comes, and the
-    connection is dropped anyway (the open transaction still cannot commit)."""
+    was held, then went on. Bounded: behind a network partition the request never arrives, and
+    the connection is dropped anyway (the open transaction still cannot commit)."""
     with contextlib.suppress(Exception, asyncio.CancelledError):
-        # Private, but the only way to await asyncpg's own cancel request: PoolConnectionProxy
-        # forwards to the connection's protocol. Not running or already confirmed: no wait.
-        protocol: Any = getattr(conn, "_protocol")  # noqa: B009
-        await protocol._wait_for_cancellation(ROLLBACK_TIMEOUT_S)
+        # Private, but the only handle on asyncpg's own cancel request: the task sending it, in
+        # the connection's ``_cancellations`` (PoolConnectionProxy forwards the attribute), the
+        # same in asyncpg 0.30 and 0.32 (``Protocol._wait_for_cancellation`` changed its
+        # signature between them). Once sent, the request stops the statement; no task: none.
+        pending: set[asyncio.Task[None]] = set(getattr(conn, "_cancellations", ()))
+        if pending:
+            await asyncio.wait(pending, timeout=ROLLBACK_TIMEOUT_S)
 
 
 def _interrupted(exc: BaseException) -> bool:
