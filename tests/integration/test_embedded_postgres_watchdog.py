@@ -192,3 +192,47 @@ def test_close_ends_and_reaps_the_one_watchdog_of_an_instance() -> None:
         pg.close()
     assert not Path(f"/proc/{watchdog}").exists(), "the watchdog outlived close() (or a zombie)"
     assert _watchdogs_of(pg) == []
+
+
+FORKED_START = textwrap.dedent(
+    """
+    import os, sys
+    from grpc_idempotency.testing import EmbeddedPostgres
+
+    pg = EmbeddedPostgres(durable=False)
+    pg.start()
+    pg.stop()  # the server down, its watchdog still running
+    watchdog, fd = pg._watchdog.pid, pg._watchdog._fd
+    child = os.fork()
+    if child == 0:
+        # The at-fork hook closed the write end: its number may be another file's by now.
+        os.dup2(os.open(os.devnull, os.O_RDONLY), fd)
+        try:
+            # What start() runs first (the rest, initdb and pg_ctl, is the owner's business).
+            pg._watchdog.arm(pg._data_dir, pg._socket_dir, pg._port, pg._owned)
+            pg._watchdog.disarm()
+            os.fstat(fd)  # OSError (EBADF): the child closed someone else's file
+        except BaseException as exc:
+            print(f"child: {exc!r}", file=sys.stderr)
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    alive = os.path.exists(f"/proc/{watchdog}")
+    pg.start()  # the owner's instance is still whole
+    same = pg._watchdog.pid == watchdog
+    pg.close()
+    print(os.waitstatus_to_exitcode(status), alive, same)
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs procfs")
+def test_a_forked_child_arming_the_watchdog_leaves_the_owners_watchdog_and_files() -> None:
+    """Arming (start()'s first step) in a fork()'s child took the owner's watchdog for its own:
+    poll() of a process that is not its child read as exited, and the child closed the write
+    end's number, which by then may be another of its files."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_START], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "True", "True"], done.stderr

@@ -217,6 +217,7 @@ class _Watchdog:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._fd: int | None = None  # the pipe's write end, in the owner only
+        self._owner = os.getpid()  # the process that started the watchdog and holds _fd
 
     @property
     def pid(self) -> int | None:
@@ -224,6 +225,7 @@ class _Watchdog:
 
     def arm(self, data_dir: Path, socket_dir: Path, port: int, owned: tuple[Path, ...]) -> None:
         """Start the watchdog, unless it runs already (it outlives stop() and start())."""
+        self._forget_if_forked()
         if self._proc is not None and self._proc.poll() is None:
             return
         self.disarm()  # one that died (killed by someone): reaped and replaced
@@ -231,7 +233,7 @@ class _Watchdog:
             _log.warning("no sys.executable: no watchdog for %s", data_dir)
             return
         read_end, write_end = os.pipe()  # both close-on-exec (PEP 446)
-        self._fd = write_end
+        self._fd, self._owner = write_end, os.getpid()
         _watchdog_fds.add(write_end)
         args = [str(read_end), str(data_dir), str(socket_dir), str(port), *map(str, owned)]
         try:
@@ -255,14 +257,25 @@ class _Watchdog:
 
     def disarm(self) -> None:
         """End the watchdog without its cleanup (the owner's own has run) and reap it."""
+        self._forget_if_forked()
         proc = self._proc
         if proc is not None:
             # Killed before its pipe's end: it never sees end of file from a live owner.
             # Our unreaped child, so the pid cannot have been reused.
             proc.kill()
-            proc.wait()
+            # Bounded: from the SIGTERM handler, the main thread may be inside this Popen's
+            # poll(), holding the lock a wait() without a timeout would block on for ever.
+            # Not reaped then, it is a zombie until the next poll() or the owner's exit.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_WATCHDOG_REAP_S)
             self._proc = None
         self._close_write_end()
+
+    def _forget_if_forked(self) -> None:
+        """In a fork()'s child, the watchdog is not its child and the write end is closed (the
+        at-fork hook; its number may be another file's by now): neither is touched."""
+        if self._owner != os.getpid():
+            self._proc, self._fd, self._owner = None, None, os.getpid()
 
     def _close_write_end(self) -> None:
         fd, self._fd = self._fd, None
@@ -271,6 +284,7 @@ class _Watchdog:
             os.close(fd)
 
 
+_WATCHDOG_REAP_S = 5.0
 # The watchdogs' write ends held by this process, closed in a fork()'s child.
 _watchdog_fds: set[int] = set()
 
