@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -494,3 +495,18 @@ async def test_a_purge_at_a_repeatable_read_default_skips_a_row_changed_under_it
     # purge; the two others went.
     assert deleted == 2
     assert await keys(purge_store) == ["old-1"]
+
+
+async def test_a_connection_without_asyncpgs_cancellations_is_dropped_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The wait for asyncpg's cancel request reads a private attribute: an asyncpg without it
+    (renamed in a release newer than this library) is said once in the log, not silently."""
+    from grpc_idempotency.store import postgres
+
+    postgres._warn_no_cancellations.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.store"):
+        await postgres._stopped(cast(Any, object()))
+        await postgres._stopped(cast(Any, object()))
+    warned = [r for r in caplog.records if "_cancellations" in r.getMessage()]
+    assert len(warned) == 1

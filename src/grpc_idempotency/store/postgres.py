@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -348,9 +349,23 @@ async def _stopped(conn: PooledConnection) -> None:
         # the connection's ``_cancellations`` (PoolConnectionProxy forwards the attribute), the
         # same in asyncpg 0.30 and 0.32 (``Protocol._wait_for_cancellation`` changed its
         # signature between them). Once sent, the request stops the statement; no task: none.
-        pending: set[asyncio.Task[None]] = set(getattr(conn, "_cancellations", ()))
+        cancellations = getattr(conn, "_cancellations", None)
+        if cancellations is None:
+            _warn_no_cancellations()
+            return
+        pending: set[asyncio.Task[None]] = set(cancellations)
         if pending:
             await asyncio.wait(pending, timeout=ROLLBACK_TIMEOUT_S)
+
+
+@functools.cache
+def _warn_no_cancellations() -> None:
+    # Once: an asyncpg whose connections have no ``_cancellations`` (renamed in a release
+    # newer than this library knows) would let a stopped purge's statement run on unseen.
+    log.warning(
+        "this asyncpg's connections have no _cancellations: a statement cut short is dropped"
+        " without waiting for its cancel request, and may run on in PostgreSQL"
+    )
 
 
 def _interrupted(exc: BaseException) -> bool:
