@@ -659,9 +659,9 @@ class Store:
 
         Not asyncpg's ``transaction()``: on a cancellation its exit would await a ROLLBACK on a
         connection whose statement may still be running. Here a cancellation first waits, a
-        bounded while, for PostgreSQL to confirm that it stopped the statement (``_stopped``),
-        then leaves the connection to ``Store.connection``, which drops it (PostgreSQL rolls
-        back)."""
+        bounded while, for asyncpg's cancel request of the statement to reach PostgreSQL
+        (``_stopped``), then leaves the connection to ``Store.connection``, which drops it
+        (PostgreSQL rolls back)."""
         if self._default_isolation is None:
             self._default_isolation = await conn.fetchval("SHOW default_transaction_isolation")
         if self._default_isolation == "read committed" and not own_transaction:
