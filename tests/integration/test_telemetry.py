@@ -29,6 +29,7 @@ from grpc_idempotency import (
     current_call,
 )
 from grpc_idempotency.testing import EmbeddedPostgres
+from tests.integration.test_contract_strengthened import RawBytes
 from tests.support.broken_telemetry import RaisingMeterProvider
 from tests.support.ledger import fresh, ledger_server, metadata, running_ledger
 from tests.support.otel import attributes
@@ -424,3 +425,18 @@ async def test_a_duplicate_its_client_cancels_while_it_waits_is_not_counted_reje
         ("conflict", grpc.StatusCode.CANCELLED.value[0]): 1,
         ("executed", grpc.StatusCode.OK.value[0]): 1,
     }
+
+
+async def test_a_request_that_does_not_parse_is_counted_rejected(store: Store) -> None:
+    """Bytes that are no request, refused INVALID_ARGUMENT before the key is read, are a keyed
+    call refused before the store, as a malformed key is: one span and one count, "rejected".
+    They were answered before the span began, so a client sending garbage was invisible."""
+    telemetry, spans, reader = _telemetry()
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        answer = await call_raw(ledger.channel, POST, RawBytes(b"\x0a\xff"), metadata(fresh()))
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
+    assert answer.reason() == "IDEMPOTENCY_REQUEST_INVALID"
+    assert ledger.service.executions == 0
+    (span,) = spans.get_finished_spans()
+    assert attributes(span)["grpc_idempotency.outcome"] == "rejected"
+    assert _outcomes(reader) == {("rejected", grpc.StatusCode.INVALID_ARGUMENT.value[0]): 1}

@@ -336,10 +336,6 @@ class IdempotencyInterceptor(_Interceptor):
         # call, which is cheapest for a function (a functools.partial costs more there than
         # the frame it saves).
         async def behavior(request: Any, context: Context) -> Any:
-            if type(request) is _Undecodable:
-                # Before the key is read: nothing is claimed or recorded for bytes that are not
-                # a request (grpc.aio's own answer was UNKNOWN naming a Python exception class).
-                await answers.abort(context, RequestInvalid(request.problem))
             return await self._serve(method, request, context)
 
         return grpc.unary_unary_rpc_method_handler(
@@ -380,6 +376,12 @@ class IdempotencyInterceptor(_Interceptor):
 
     async def _serve_keyed(self, call: _Call) -> Any:
         policy, context = call.policy, call.context
+        if type(call.request) is _Undecodable:
+            # Before the key is read: nothing is claimed or recorded for bytes that are not a
+            # request (grpc.aio's own answer was UNKNOWN naming a Python exception class). Here,
+            # inside the call's span, not before it: it is counted "rejected" as a malformed
+            # key is (refused before its span began, a client sending garbage went unseen).
+            await answers.abort(context, RequestInvalid(call.request.problem))
         # Everything up to the fingerprint is decided without touching the database.
         try:
             key = key_from_metadata(context.invocation_metadata())
