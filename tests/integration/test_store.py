@@ -207,6 +207,47 @@ async def test_a_schema_a_newer_release_migrated_is_reported_however_the_store_s
         await store.close()
 
 
+async def test_migrations_leave_functions_they_did_not_create_alone(pg_dsn: str) -> None:
+    """The store's schema may be one the application uses too (``schema="public"``, or its
+    own): migration 0015 set ``search_path = pg_catalog, pg_temp`` on every function of the
+    schema, the application's and extensions' included. An application function that finds its
+    tables through the caller's search_path then failed ("relation ... does not exist") from
+    the upgrade on, and a function owned by another role (an extension's, installed by a
+    superuser) failed the migration itself, so the new release could not start."""
+    schema = fresh_schema()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(
+            f"""CREATE SCHEMA "{schema}";
+            CREATE TABLE "{schema}".accounts (id int);
+            INSERT INTO "{schema}".accounts VALUES (1), (2);
+            CREATE FUNCTION "{schema}".account_count() RETURNS bigint LANGUAGE plpgsql
+                AS $$ BEGIN RETURN (SELECT count(*) FROM accounts); END $$;"""
+        )
+        store = await Store.connect(pg_dsn, schema=schema, migrate=True)
+        await store.close()
+        config = await conn.fetchval(
+            "SELECT proconfig FROM pg_proc WHERE oid = $1::regprocedure",
+            f'"{schema}".account_count()',
+        )
+        assert config is None
+        async with conn.transaction():
+            await conn.execute(f'SET LOCAL search_path = "{schema}", public')
+            assert await conn.fetchval(f'SELECT "{schema}".account_count()') == 2
+        # The library's own functions still got theirs (test_shadowed_builtins checks why).
+        library = await conn.fetch(
+            "SELECT p.proname, p.proconfig FROM pg_proc p"
+            " WHERE p.pronamespace = $1::regnamespace AND p.proname <> 'account_count'",
+            schema,
+        )
+        assert library and all(
+            r["proconfig"] == ["search_path=pg_catalog, pg_temp"] for r in library
+        ), library
+    finally:
+        await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await conn.close()
+
+
 _FROZEN_MIGRATOR = """
 import asyncio, sys
 import asyncpg

@@ -17,16 +17,27 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from testsvc.v1 import testsvc_pb2
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import Store, Telemetry
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    Isolation,
+    MetadataScope,
+    MethodOverride,
+    Store,
+    Telemetry,
+    current_call,
+)
 from grpc_idempotency.testing import EmbeddedPostgres
+from tests.integration.test_contract_strengthened import RawBytes
 from tests.support.broken_telemetry import RaisingMeterProvider
-from tests.support.ledger import fresh, metadata, running_ledger
+from tests.support.ledger import fresh, ledger_server, metadata, running_ledger
 from tests.support.otel import attributes
 from tests.support.waiting import until
+from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
+OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
 RPC = {"rpc.system": "grpc", "rpc.service": "testsvc.v1.LedgerService", "rpc.method": "Post"}
 
 
@@ -283,3 +294,149 @@ async def test_broken_telemetry_never_changes_an_answer(store: Store, where: str
     # The handler's own exception still reaches gRPC (UNKNOWN), not the exporter's.
     assert failed.code is grpc.StatusCode.UNKNOWN and "exporter" not in (failed.details or "")
     assert ledger.service.executions == 2
+
+
+def _outcomes(reader: InMemoryMetricReader) -> dict[tuple[str, int], int]:
+    """``grpc_idempotency.calls`` by (outcome, status code)."""
+    data = cast(MetricsData, reader.get_metrics_data())  # None only if nothing was recorded
+    return {
+        (
+            str(attributes(p)["grpc_idempotency.outcome"]),
+            cast(int, attributes(p)["rpc.grpc.status_code"]),
+        ): int(p.value)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "grpc_idempotency.calls"
+        for p in cast(Sum, m.data).data_points
+    }
+
+
+class _WriteSkew(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Post at SERIALIZABLE: reads table ``a``, writes table ``b``, then waits for the test, which
+    meanwhile commits the mirror image (reads ``b``, writes ``a``): the call's commit then fails
+    with a serialization failure (40001), the first committer having won."""
+
+    def __init__(self, a: str, b: str) -> None:
+        self.a, self.b = a, b
+        self.written = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        conn = current_call().connection
+        await conn.fetchval(f"SELECT count(*) FROM {self.a}")
+        await conn.execute(f"INSERT INTO {self.b} VALUES (1)")
+        self.written.set()
+        await self.go.wait()
+        return testsvc_pb2.PostResponse(account=request.account)
+
+
+async def test_a_commit_lost_to_a_serialization_failure_is_counted_released(
+    store: Store, db: Any
+) -> None:
+    """The commit's serialization failure rolls back, releases the key and answers ABORTED
+    (IDEMPOTENCY_TRANSACTION_CONFLICT): the outcome is "released", as for the same failure in
+    the handler. It was counted "unavailable" (the store down), which pages the wrong people
+    whenever SERIALIZABLE methods meet contention."""
+    telemetry, spans, reader = _telemetry()
+    a, b = (f"test_ledger.skew_{name}_{fresh('t').replace('-', '_')}" for name in "ab")
+    await db.execute(f"CREATE TABLE {a} (v int); CREATE TABLE {b} (v int)")
+    servicer = _WriteSkew(a, b)
+    interceptor = IdempotencyInterceptor(
+        store,
+        services=[testsvc_pb2],
+        overrides={POST.lstrip("/"): MethodOverride(isolation=Isolation.SERIALIZABLE)},
+        scope=MetadataScope("x-tenant-id"),
+        telemetry=telemetry,
+        replay_cache=False,
+    )
+    try:
+        async with ledger_server(interceptor, servicer) as (channel, _):
+            key = fresh()
+            call = asyncio.ensure_future(
+                call_raw(channel, POST, testsvc_pb2.PostRequest(account="x"), metadata(key))
+            )
+            try:
+                await asyncio.wait_for(servicer.written.wait(), 10)
+                async with db.transaction(isolation="serializable"):
+                    await db.fetchval(f"SELECT count(*) FROM {b}")
+                    await db.execute(f"INSERT INTO {a} VALUES (1)")
+            finally:
+                servicer.go.set()
+            answer = await call
+    finally:
+        await db.execute(f"DROP TABLE {a}; DROP TABLE {b}")
+    assert answer.code is grpc.StatusCode.ABORTED, answer
+    assert answer.reason() == "IDEMPOTENCY_TRANSACTION_CONFLICT"
+    (span,) = spans.get_finished_spans()
+    assert attributes(span)["grpc_idempotency.outcome"] == "released"
+    assert _outcomes(reader) == {("released", grpc.StatusCode.ABORTED.value[0]): 1}
+    assert await store.lookup("tenant:tenant-a", key) is None  # released: nothing kept
+
+
+async def test_an_unkeyed_call_refused_for_a_store_that_is_down_is_counted_unavailable(
+    pg_dsn: str, store: Store
+) -> None:
+    """An optional-key method called without a key while its store cannot be used is refused
+    (UNAVAILABLE, fail closed) without running: the outcome is "unavailable", as with a key. It
+    was counted "bypassed", which says the call ran without deduplication."""
+    telemetry, spans, reader = _telemetry()
+    closed = await Store.connect(pg_dsn, min_size=1, max_size=1)  # ``store`` migrated it
+    await closed.close()  # a closing or closed store answers UNAVAILABLE, as one that is down
+    async with running_ledger(closed, telemetry=telemetry) as ledger:
+        request = testsvc_pb2.PostRequest(account=fresh("acct"))
+        unkeyed = await ledger.call(OPTIONAL, request, None)
+        keyed = await ledger.call(OPTIONAL, request, fresh())
+    for answer in (unkeyed, keyed):
+        assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
+        assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    assert ledger.service.executions == 0
+    outcomes = [attributes(s)["grpc_idempotency.outcome"] for s in spans.get_finished_spans()]
+    assert outcomes == ["unavailable", "unavailable"]
+    assert _outcomes(reader) == {("unavailable", grpc.StatusCode.UNAVAILABLE.value[0]): 2}
+
+
+async def test_a_duplicate_its_client_cancels_while_it_waits_is_not_counted_rejected(
+    store: Store,
+) -> None:
+    """A duplicate waiting on the key's attempt in progress, cancelled by its client, ends
+    without an outcome because the key was busy: "conflict" with status CANCELLED, as one whose
+    wait ran out is "conflict" with ABORTED. It was counted "rejected" (a malformed key or no
+    scope, the client's mistake) and an operator looked for a client sending bad keys."""
+    telemetry, spans, reader = _telemetry()
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        key, request = fresh(), testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="wait")
+        owner = asyncio.ensure_future(ledger.call(POST, request, key))
+        try:
+            await ledger.service.started.wait()
+            stub = ledger.channel.unary_unary(
+                POST, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+            )
+            duplicate = stub(request, metadata=metadata(key, "tenant-a"), timeout=30)
+            await until("the duplicate waiting", lambda: ledger.interceptor.waiting_calls == 1)
+            duplicate.cancel()
+            (span,) = await until("the duplicate's span", spans.get_finished_spans)
+        finally:
+            ledger.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+    assert attributes(span)["grpc_idempotency.outcome"] == "conflict"
+    assert attributes(span)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert _outcomes(reader) == {
+        ("conflict", grpc.StatusCode.CANCELLED.value[0]): 1,
+        ("executed", grpc.StatusCode.OK.value[0]): 1,
+    }
+
+
+async def test_a_request_that_does_not_parse_is_counted_rejected(store: Store) -> None:
+    """Bytes that are no request, refused INVALID_ARGUMENT before the key is read, are a keyed
+    call refused before the store, as a malformed key is: one span and one count, "rejected".
+    They were answered before the span began, so a client sending garbage was invisible."""
+    telemetry, spans, reader = _telemetry()
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        answer = await call_raw(ledger.channel, POST, RawBytes(b"\x0a\xff"), metadata(fresh()))
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
+    assert answer.reason() == "IDEMPOTENCY_REQUEST_INVALID"
+    assert ledger.service.executions == 0
+    (span,) = spans.get_finished_spans()
+    assert attributes(span)["grpc_idempotency.outcome"] == "rejected"
+    assert _outcomes(reader) == {("rejected", grpc.StatusCode.INVALID_ARGUMENT.value[0]): 1}

@@ -299,7 +299,7 @@ class CallOutcome(enum.Enum):
     EXECUTED = "executed"
     REPLAYED = "replayed"
     WAITED = "waited"  # waited for another attempt, then replayed its outcome
-    CONFLICT = "conflict"  # still in progress when the wait ran out: ABORTED
+    CONFLICT = "conflict"  # still in progress when the wait ran out (ABORTED) or the caller left
     MISMATCH = "mismatch"
     TAKEN_OVER = "taken_over"
     RELEASED = "released"

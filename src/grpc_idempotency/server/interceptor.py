@@ -336,10 +336,6 @@ class IdempotencyInterceptor(_Interceptor):
         # call, which is cheapest for a function (a functools.partial costs more there than
         # the frame it saves).
         async def behavior(request: Any, context: Context) -> Any:
-            if type(request) is _Undecodable:
-                # Before the key is read: nothing is claimed or recorded for bytes that are not
-                # a request (grpc.aio's own answer was UNKNOWN naming a Python exception class).
-                await answers.abort(context, RequestInvalid(request.problem))
             return await self._serve(method, request, context)
 
         return grpc.unary_unary_rpc_method_handler(
@@ -363,6 +359,11 @@ class IdempotencyInterceptor(_Interceptor):
                 # grpc.aio cancels the handler at the deadline too: the client then sees
                 # DEADLINE_EXCEEDED, not CANCELLED.
                 code = cancellation_code(answers.time_remaining(call.context))
+                if call.waited and call.outcome is CallOutcome.REJECTED:
+                    # Given up while the key was busy with another attempt: no outcome for it,
+                    # as when the wait runs out. Left at the default it was counted "rejected"
+                    # (a malformed key or no scope: the client's mistake).
+                    call.outcome = CallOutcome.CONFLICT
                 raise
             except BaseException:
                 code = answers.code_of(call.context, unset=Code.UNKNOWN)  # aborted, or raised
@@ -375,6 +376,12 @@ class IdempotencyInterceptor(_Interceptor):
 
     async def _serve_keyed(self, call: _Call) -> Any:
         policy, context = call.policy, call.context
+        if type(call.request) is _Undecodable:
+            # Before the key is read: nothing is claimed or recorded for bytes that are not a
+            # request (grpc.aio's own answer was UNKNOWN naming a Python exception class). Here,
+            # inside the call's span, not before it: it is counted "rejected" as a malformed
+            # key is (refused before its span began, a client sending garbage went unseen).
+            await answers.abort(context, RequestInvalid(call.request.problem))
         # Everything up to the fingerprint is decided without touching the database.
         try:
             key = key_from_metadata(context.invocation_metadata())
@@ -740,7 +747,10 @@ class IdempotencyInterceptor(_Interceptor):
         except (StoreUnavailable, LeaseLost, TransactionConflict, HandlerDatabaseError) as err:
             # Nothing was recorded: the answer says so instead of what the handler wanted.
             lost = isinstance(err, LeaseLost)
-            released = lost or isinstance(err, HandlerDatabaseError)  # the handler's fault
+            # A serialization failure of the commit rolled everything back and freed the key,
+            # as the same failure in the handler does: "released", not "unavailable" (which
+            # says the store is down, and was counted for every lost commit at SERIALIZABLE).
+            released = lost or isinstance(err, (HandlerDatabaseError, TransactionConflict))
             call.outcome = CallOutcome.RELEASED if released else CallOutcome.UNAVAILABLE
             if claim is not None:
                 # Lost too: the release matches this claim's token only, so it cannot end the
@@ -867,6 +877,9 @@ class IdempotencyInterceptor(_Interceptor):
         except StoreUnavailable as err:
             if await _may_fail_open(policy, context, err, store):
                 return await self._run_without_store(call)
+            # Refused, not run: counted "bypassed" (set for the unkeyed call), it said that the
+            # call ran without deduplication.
+            call.outcome = CallOutcome.UNAVAILABLE
             await answers.abort(context, err)
         bound = call_context.bind(_unclaimed(call, tx.connection))
         # A handler that ended the transaction itself (COMMIT or ROLLBACK on the call's

@@ -16,19 +16,29 @@
 -- at COMMIT still see the application's search_path). The temporary schema goes last, so that
 -- nothing there can stand in for a built-in either.
 --
--- Every function of the schema, whatever migration created it (overloads kept for servers not yet
--- upgraded included). A later migration that replaces a function must say SET search_path again:
--- CREATE OR REPLACE drops the clause (tests/integration/test_shadowed_builtins.py checks).
-DO $$
-DECLARE
-    f regprocedure;
-BEGIN
-    FOR f IN
-        SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
-        WHERE p.pronamespace = '{schema}'::regnamespace AND p.prokind = 'f'
-    LOOP
-        EXECUTE pg_catalog.format(
-            'ALTER FUNCTION %s SET search_path = pg_catalog, pg_temp', f);
-    END LOOP;
-END
-$$;
+-- Every function of the library's, whatever migration created it (overloads kept for servers not
+-- yet upgraded included), named one by one: the schema may hold the application's functions too
+-- (schema="public", or a schema of its own), and those are not the library's to change. A loop
+-- over every function of the schema set this search_path on them as well, and an application
+-- function that finds its tables through the caller's search_path failed from the upgrade on;
+-- one owned by another role (an extension's) failed the migration. A later migration that
+-- replaces a function must say SET search_path again: CREATE OR REPLACE drops the clause
+-- (tests/integration/test_shadowed_builtins.py checks that every function of the store's schema
+-- has it).
+ALTER FUNCTION {schema}.claim(text, text, bigint, text, bytea, float8, float8)
+    SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.claim_atomic(text, text, bigint, text, bytea, float8, float8)
+    SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.claim_with_start(text, text, bigint, text, bytea, float8, float8)
+    SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.complete(text, text, bigint, integer, text, bytea, bytea, float8)
+    SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.complete_atomic(
+    text, text, text, bytea, integer, text, bytea, bytea, float8)
+    SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.verify_claim(text, text, bigint, bigint)
+    SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.verify_claim(text, text, bigint, bigint, timestamptz)
+    SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.outbox_wake()
+    SET search_path = pg_catalog, pg_temp;
