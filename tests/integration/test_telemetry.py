@@ -440,3 +440,40 @@ async def test_a_request_that_does_not_parse_is_counted_rejected(store: Store) -
     (span,) = spans.get_finished_spans()
     assert attributes(span)["grpc_idempotency.outcome"] == "rejected"
     assert _outcomes(reader) == {("rejected", grpc.StatusCode.INVALID_ARGUMENT.value[0]): 1}
+
+
+async def test_a_call_its_client_cancels_during_the_claim_is_counted_released(
+    store: Store, db: Any
+) -> None:
+    """A keyed call whose client leaves while its claim waits in the database (a slow or locked
+    records table behind a client's deadline) keeps nothing and leaves the key free: "released",
+    status CANCELLED. It was counted "rejected", the label of a malformed key or a missing scope,
+    and an operator looked for a client sending bad keys instead of at the database."""
+    telemetry, spans, reader = _telemetry()
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        key, request = fresh(), testsvc_pb2.PostRequest(account=fresh("acct"))
+        stub = ledger.channel.unary_unary(
+            POST, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+        )
+        async with db.transaction():
+            await db.execute("LOCK TABLE grpc_idempotency.records IN ACCESS EXCLUSIVE MODE")
+            holder = await db.fetchval("SELECT pg_backend_pid()")
+            call = stub(request, metadata=metadata(key, "tenant-a"), timeout=30)
+
+            async def claim_waiting() -> bool:
+                return bool(
+                    await db.fetchval(
+                        "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid)))",
+                        holder,
+                    )
+                )
+
+            await until("the claim waiting on the records table", claim_waiting)
+            call.cancel()
+            (span,) = await until("the call's span", spans.get_finished_spans)
+        assert ledger.service.executions == 0
+    assert attributes(span)["grpc_idempotency.outcome"] == "released"
+    assert attributes(span)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert _outcomes(reader) == {("released", grpc.StatusCode.CANCELLED.value[0]): 1}
+    assert await store.lookup("tenant:tenant-a", key) is None

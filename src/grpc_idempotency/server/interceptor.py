@@ -359,11 +359,14 @@ class IdempotencyInterceptor(_Interceptor):
                 # grpc.aio cancels the handler at the deadline too: the client then sees
                 # DEADLINE_EXCEEDED, not CANCELLED.
                 code = cancellation_code(answers.time_remaining(call.context))
-                if call.waited and call.outcome is CallOutcome.REJECTED:
-                    # Given up while the key was busy with another attempt: no outcome for it,
-                    # as when the wait runs out. Left at the default it was counted "rejected"
-                    # (a malformed key or no scope: the client's mistake).
-                    call.outcome = CallOutcome.CONFLICT
+                if call.outcome is CallOutcome.REJECTED and call.key is not None:
+                    # Left before any outcome, its key and scope valid: left at the default it
+                    # was counted "rejected" (a malformed key or no scope: the client's mistake,
+                    # where a slow database behind a client's deadline is not). Given up while
+                    # the key was busy with another attempt: "conflict", as when the wait runs
+                    # out; during its own look-up or claim (rolled back with its connection):
+                    # "released", nothing kept and the key free.
+                    call.outcome = CallOutcome.CONFLICT if call.waited else CallOutcome.RELEASED
                 raise
             except BaseException:
                 code = answers.code_of(call.context, unset=Code.UNKNOWN)  # aborted, or raised
@@ -490,7 +493,9 @@ class IdempotencyInterceptor(_Interceptor):
         if hit.fingerprint != fingerprint:
             call.outcome = CallOutcome.MISMATCH
             await answers.abort(call.context, _reused())
-        call.outcome = CallOutcome.REPLAYED
+        # Waited (polled while another replica held the key), then found its outcome here: a
+        # call answered from the database after the same wait counts "waited" too.
+        call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
         return await answers.replay(call.context, hit.outcome)
 
     async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> Any:
