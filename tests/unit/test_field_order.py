@@ -150,3 +150,65 @@ def test_a_closed_enum_value_the_old_server_lacks_hashes_alike(value: int) -> No
     wire = bytes(new(account="a", currency=value, memo="m").SerializeToString())
     assert has_unknown_fields(old.FromString(wire))
     assert fingerprint(old, wire) == fingerprint(new, wire)
+
+
+def _delimited_class(version: int, *, group: bool) -> Any:
+    """shop.v3.Charge whose message fields 2 (singular) and 3 (repeated) are sent delimited
+    (between start and end tags, no length): ``group``, as proto2 groups ``Inner`` and
+    ``Items``; else as editions DELIMITED messages ``one`` and ``many``. v2 adds ``b`` (2)
+    between ``a`` (1) and ``c`` (3) in the delimited messages."""
+    package = f"shop.v3.g{int(group)}"
+    inner_fields = [_field("a", 1, F.TYPE_STRING), _field("c", 3, F.TYPE_STRING)]
+    if version == 2:
+        inner_fields.append(_field("b", 2, F.TYPE_STRING))
+    kind = F.TYPE_GROUP if group else F.TYPE_MESSAGE
+    one = _field("inner" if group else "one", 2, kind)
+    many = _field("items" if group else "many", 3, kind, repeated=True)
+    charge = descriptor_pb2.DescriptorProto(name="Charge")
+    file = descriptor_pb2.FileDescriptorProto(
+        name=f"delimited_v{version}_{group}.proto", package=package
+    )
+    if group:  # a group's field is its nested type's name, lowercased
+        file.syntax = "proto2"
+        charge.nested_type.add(name="Inner", field=inner_fields)
+        charge.nested_type.add(name="Items", field=inner_fields)
+        one.type_name, many.type_name = f".{package}.Charge.Inner", f".{package}.Charge.Items"
+    else:
+        file.syntax, file.edition = "editions", descriptor_pb2.EDITION_2023
+        file.message_type.add(name="Inner", field=inner_fields)
+        one.type_name = many.type_name = f".{package}.Inner"
+        for field in (one, many):
+            field.options.features.message_encoding = descriptor_pb2.FeatureSet.DELIMITED
+    charge.field.extend(
+        [_field("account", 1, F.TYPE_STRING), one, many, _field("memo", 4, F.TYPE_STRING)]
+    )
+    file.message_type.append(charge)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Charge"))
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["proto2-group", "editions-delimited"])
+def test_a_new_field_inside_a_delimited_message_hashes_alike_on_both_sides_of_the_deploy(
+    group: bool,
+) -> None:
+    """A group or an editions DELIMITED message field is sent between start and end tags (wire
+    type 3), not length-prefixed: field_ordered left such a record as it was, so a newer
+    client's field inside one stayed at the end of it on the old server and in order on the
+    new, and a retry crossing the deploy was refused as KEY_REUSED."""
+    old, new = _delimited_class(1, group=group), _delimited_class(2, group=group)
+    one, many = ("inner", "items") if group else ("one", "many")
+    request = new(account="acct-1", memo="m")
+    single = getattr(request, one)
+    single.a, single.b, single.c = "a", "b", "c"
+    for value in ("x", "y"):
+        item = getattr(request, many).add()
+        item.a, item.b, item.c = value, value.upper(), value * 2
+    wire = bytes(request.SerializeToString())
+    assert b"\x13" in wire  # field 2's start-group tag: it is sent delimited
+    assert has_unknown_fields(old.FromString(wire))
+    assert fingerprint(old, wire) == fingerprint(new, wire)
+    assert fingerprint(new, wire) == fingerprint(old, new.FromString(wire).SerializeToString())
+    # Still a different request when the new field differs.
+    getattr(request, one).b = "other"
+    assert fingerprint(old, bytes(request.SerializeToString())) != fingerprint(old, wire)

@@ -6,9 +6,10 @@ request serializes differently on both sides of a deploy that adds a field whose
 the highest one set, and a retry that crosses the deploy would be refused as another request
 under the key (KEY_REUSED) while its first attempt had executed. ``field_ordered`` sorts each
 message's wire records by field number (stably: the records of one repeated field keep their
-order), recursing into the fields the descriptor knows as messages. It is applied only to a
-request holding unknown fields (``has_unknown_fields``), so every other fingerprint is the
-deterministic serialization as it always was.
+order), recursing into the fields the descriptor knows as messages (groups and editions
+DELIMITED messages included). It is applied only to a request holding unknown fields
+(``has_unknown_fields``), so every other fingerprint is the deterministic serialization as it
+always was.
 
 What stays as sent: the inside of an unknown field (a map the server does not know keeps the
 client's entry order) and the bytes of an ``Any``.
@@ -27,6 +28,7 @@ _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
 
 
 _SINGULAR, _REPEATED, _MAP = 0, 1, 2
+_GROUP = FieldDescriptor.TYPE_GROUP
 
 
 @functools.cache
@@ -77,6 +79,15 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
             inner = field_ordered(data[body : body + size], field.message_type)
             records.append((number, data[start:at] + _encode(len(inner)) + inner))
             at = body + size
+        elif wire_type == _SGROUP and field is not None and field.type == _GROUP:
+            # A proto2 group or an editions DELIMITED message: a message too, delimited by an
+            # end tag instead of a length. Left as it was, a newer client's field inside one
+            # stayed at its end on the old server and in order on the new: a retry crossing
+            # the deploy was refused as KEY_REUSED.
+            body_end, end = _group_end(data, at, number)
+            inner = field_ordered(data[at:body_end], field.message_type)
+            records.append((number, data[start:at] + inner + data[body_end:end]))
+            at = end
         else:
             at = _skip(data, at, wire_type, number)
             records.append((number, data[start:at]))
@@ -104,6 +115,17 @@ def _encode(value: int) -> bytes:
     return bytes(out)
 
 
+def _group_end(data: bytes, at: int, number: int) -> tuple[int, int]:
+    """(where the end tag of group ``number`` begins, where it ends), for the group whose body
+    begins at ``at``."""
+    while True:
+        tag_at = at
+        tag, at = _varint(data, at)
+        if tag & 7 == _EGROUP and tag >> 3 == number:
+            return tag_at, at
+        at = _skip(data, at, tag & 7, tag >> 3)
+
+
 def _skip(data: bytes, at: int, wire_type: int, number: int) -> int:
     if wire_type == _VARINT:
         return _varint(data, at)[1]
@@ -115,9 +137,5 @@ def _skip(data: bytes, at: int, wire_type: int, number: int) -> int:
         size, at = _varint(data, at)
         return at + size
     if wire_type == _SGROUP:
-        while True:
-            tag, at = _varint(data, at)
-            if tag & 7 == _EGROUP and tag >> 3 == number:
-                return at
-            at = _skip(data, at, tag & 7, tag >> 3)
+        return _group_end(data, at, number)[1]
     raise ValueError(f"wire type {wire_type} of field {number}")
