@@ -212,3 +212,58 @@ def test_a_new_field_inside_a_delimited_message_hashes_alike_on_both_sides_of_th
     # Still a different request when the new field differs.
     getattr(request, one).b = "other"
     assert fingerprint(old, bytes(request.SerializeToString())) != fingerprint(old, wire)
+
+
+def _extendable_classes() -> tuple[Any, Any, Any]:
+    """proto2 ``shop.v4.Charge`` (account 1, memo 200, extensions 100 to 199) in a pool without
+    and a pool with ``ext.proto`` (``risk_score`` = 120 and ``risk`` = 130, an ``Inner``), as a
+    server that does not and one that does import the extensions' module hold it; and the
+    latter pool."""
+    base = descriptor_pb2.FileDescriptorProto(
+        name="shop_v4.proto", package="shop.v4", syntax="proto2"
+    )
+    base.message_type.add(name="Inner", field=[_field("a", 1, F.TYPE_STRING)])
+    base.message_type.add(
+        name="Charge",
+        field=[_field("account", 1, F.TYPE_STRING), _field("memo", 200, F.TYPE_STRING)],
+    ).extension_range.add(start=100, end=200)
+    ext = descriptor_pb2.FileDescriptorProto(
+        name="shop_v4_ext.proto", package="shop.v4", syntax="proto2", dependency=[base.name]
+    )
+    for name, number, kind, type_name in (
+        ("risk_score", 120, F.TYPE_INT32, ""),
+        ("risk", 130, F.TYPE_MESSAGE, ".shop.v4.Inner"),
+    ):
+        field = ext.extension.add()
+        field.CopyFrom(_field(name, number, kind, type_name=type_name))
+        field.extendee = ".shop.v4.Charge"
+    without, with_ = descriptor_pool.DescriptorPool(), descriptor_pool.DescriptorPool()
+    without.Add(base)
+    with_.Add(base)
+    with_.Add(ext)
+    classes = [
+        message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.v4.Charge"))
+        for pool in (without, with_)
+    ]
+    return classes[0], classes[1], with_
+
+
+def test_an_extension_hashes_alike_whether_the_server_imports_it_or_not() -> None:
+    """An extension the server's pool does not hold is an unknown field, put in field-number
+    order; upb serializes a known one after the declared fields, whatever its number. So the
+    same request hashed differently on a server that imports the extension's module and on one
+    that does not, and a retry crossing a deploy that starts (or stops) importing it was
+    refused as KEY_REUSED."""
+    unaware, aware, pool = _extendable_classes()
+    request = aware(account="acct-1", memo="m")
+    request.Extensions[pool.FindExtensionByName("shop.v4.risk_score")] = 7
+    request.Extensions[pool.FindExtensionByName("shop.v4.risk")].a = "low"
+    wire = bytes(request.SerializeToString())
+    assert has_unknown_fields(unaware.FromString(wire))
+    assert not has_unknown_fields(aware.FromString(wire))
+    assert fingerprint(unaware, wire) == fingerprint(aware, wire)
+    # Still a different request when an extension differs.
+    request.Extensions[pool.FindExtensionByName("shop.v4.risk_score")] = 8
+    other = bytes(request.SerializeToString())
+    assert fingerprint(aware, other) != fingerprint(aware, wire)
+    assert fingerprint(unaware, other) != fingerprint(unaware, wire)

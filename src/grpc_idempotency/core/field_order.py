@@ -7,9 +7,10 @@ the highest one set, and a retry that crosses the deploy would be refused as ano
 under the key (KEY_REUSED) while its first attempt had executed. ``field_ordered`` sorts each
 message's wire records by field number (stably: the records of one repeated field keep their
 order), recursing into the fields the descriptor knows as messages (groups and editions
-DELIMITED messages included). It is applied only to a request holding unknown fields
-(``has_unknown_fields``), so every other fingerprint is the deterministic serialization as it
-always was.
+DELIMITED messages included). It is applied only to a request holding unknown fields or
+extensions (``needs_field_order``: upb serializes extensions after the declared fields, and an
+extension the server does not import is an unknown field), so every other fingerprint is the
+deterministic serialization as it always was.
 
 What stays as sent: the inside of an unknown field (a map the server does not know keeps the
 client's entry order) and the bytes of an ``Any``.
@@ -51,14 +52,39 @@ def _message_fields(descriptor: Any) -> tuple[tuple[str, int], ...]:
 
 def has_unknown_fields(message: Message) -> bool:
     """Whether ``message`` or a message inside it holds fields its type does not declare."""
+    return _holds(message, extensions=False)
+
+
+def needs_field_order(message: Message) -> bool:
+    """Whether the deterministic serialization of ``message`` may hold records out of
+    field-number order: fields its type does not declare (serialized at the end of their
+    message), or extensions, which upb serializes after the declared fields whatever their
+    numbers (the pure-Python runtime in number order). An extension the server does not import
+    is an unknown field, put in number order: so a known one must be too, or the same request
+    hashed differently on a server that imports the extension's module and on one that does
+    not (a deploy that starts importing it refused retries as KEY_REUSED)."""
+    return _holds(message, extensions=True)
+
+
+def _holds(message: Message, *, extensions: bool) -> bool:
     if len(UnknownFieldSet(message)):
         return True
-    for name, kind in _message_fields(message.DESCRIPTOR):
+    descriptor: Any = message.DESCRIPTOR
+    if (
+        extensions
+        and descriptor.is_extendable
+        and any(field.is_extension for field, _ in message.ListFields())
+    ):
+        return True
+    for name, kind in _message_fields(descriptor):
         value: Any = getattr(message, name)
         if kind == _SINGULAR:
-            if message.HasField(name) and has_unknown_fields(value):
+            if message.HasField(name) and _holds(value, extensions=extensions):
                 return True
-        elif any(has_unknown_fields(item) for item in (value.values() if kind == _MAP else value)):
+        elif any(
+            _holds(item, extensions=extensions)
+            for item in (value.values() if kind == _MAP else value)
+        ):
             return True
     return False
 
