@@ -119,7 +119,11 @@ class Fingerprinter:
             clone.CopyFrom(request)
             self._clear(clone)
             request = clone
-        body = request.SerializeToString(deterministic=True)
+        # Partial: parsing does not check proto2 (editions LEGACY_REQUIRED) required fields,
+        # so a request lacking one reaches the handler, as it does without the library;
+        # SerializeToString checks them, raised EncodeError, and every such call failed
+        # UNKNOWN. The bytes of a complete request are the same either way.
+        body = request.SerializePartialToString(deterministic=True)
         if needs_field_order(request):
             # Unknown fields are serialized at the end of their message, and upb puts
             # extensions there too: put in field-number order, where a server that knows them
