@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields
+from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields, needs_field_order
 from grpc_idempotency.core.fingerprint import Fingerprinter
 
 F = descriptor_pb2.FieldDescriptorProto
@@ -222,7 +222,9 @@ def _extendable_classes() -> tuple[Any, Any, Any]:
     base = descriptor_pb2.FileDescriptorProto(
         name="shop_v4.proto", package="shop.v4", syntax="proto2"
     )
-    base.message_type.add(name="Inner", field=[_field("a", 1, F.TYPE_STRING)])
+    base.message_type.add(
+        name="Inner", field=[_field("a", 1, F.TYPE_STRING), _field("c", 3, F.TYPE_STRING)]
+    )
     base.message_type.add(
         name="Charge",
         field=[_field("account", 1, F.TYPE_STRING), _field("memo", 200, F.TYPE_STRING)],
@@ -267,3 +269,25 @@ def test_an_extension_hashes_alike_whether_the_server_imports_it_or_not() -> Non
     other = bytes(request.SerializeToString())
     assert fingerprint(aware, other) != fingerprint(aware, wire)
     assert fingerprint(unaware, other) != fingerprint(unaware, wire)
+
+
+def test_a_new_field_inside_a_message_extension_hashes_alike_on_both_sides_of_the_deploy() -> None:
+    """field_ordered followed the declared fields only: in a message held by an extension, a
+    newer client's field stayed at the end on the old server and in order on the new."""
+    unaware, aware, _ = _extendable_classes()
+    newer = descriptor_pb2.FileDescriptorProto(name="shop_v4_inner_v2.proto", package="shop.v4b")
+    newer.message_type.add(
+        name="Inner",
+        field=[_field("a", 1, F.TYPE_STRING), _field("b", 2, F.TYPE_STRING), _field("c", 3, F.TYPE_STRING)],
+    )  # fmt: skip
+    newer_pool = descriptor_pool.DescriptorPool()
+    newer_pool.Add(newer)
+    inner_v2: Any = message_factory.GetMessageClass(
+        newer_pool.FindMessageTypeByName("shop.v4b.Inner")
+    )
+    # shop.v4.Inner knows a (1) and c (3): b (2) is a newer client's, which sends a, b, c.
+    inner = bytes(inner_v2(a="x", b="y", c="z").SerializeToString())
+    risk = b"\x92\x08" + bytes([len(inner)]) + inner  # extension 130, length-delimited
+    wire = bytes(aware(account="acct-1").SerializeToString()) + risk
+    assert needs_field_order(aware.FromString(wire))
+    assert fingerprint(unaware, wire) == fingerprint(aware, wire)

@@ -99,7 +99,7 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
         start = at
         tag, at = _varint(data, at)
         number, wire_type = tag >> 3, tag & 7
-        field = descriptor.fields_by_number.get(number)
+        field = descriptor.fields_by_number.get(number) or _extension(descriptor, number)
         if wire_type == _LEN and field is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
             size, body = _varint(data, at)
             inner = field_ordered(data[body : body + size], field.message_type)
@@ -119,6 +119,18 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
             records.append((number, data[start:at]))
     records.sort(key=lambda record: record[0])  # stable
     return b"".join(record for _, record in records)
+
+
+def _extension(descriptor: Any, number: int) -> Any:
+    """The extension ``number`` of ``descriptor`` its pool holds, or ``None``: a message one
+    holds is put in order inside too, as the same message in a declared field is. (Not cached:
+    the numbers come from the client.)"""
+    if not descriptor.is_extendable:
+        return None
+    try:
+        return descriptor.file.pool.FindExtensionByNumber(descriptor, number)
+    except KeyError:
+        return None
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
