@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from hypothesis import given
+from hypothesis import strategies as st
 
 from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields, needs_field_order
 from grpc_idempotency.core.fingerprint import Fingerprinter
@@ -291,3 +293,112 @@ def test_a_new_field_inside_a_message_extension_hashes_alike_on_both_sides_of_th
     wire = bytes(aware(account="acct-1").SerializeToString()) + risk
     assert needs_field_order(aware.FromString(wire))
     assert fingerprint(unaware, wire) == fingerprint(aware, wire)
+
+
+def _evolving_class(version: int) -> Any:
+    """shop.v5.Top, editions 2023, every shape a message can hold a message in: singular,
+    repeated, a map's values, DELIMITED singular and repeated; v2 adds fields (``n*``) at the
+    top and inside ``Leaf``, numbered below fields both versions have."""
+
+    def field(
+        name: str, number: int, kind: F.Type.ValueType, *, new: bool = False, **kw: Any
+    ) -> list[F]:
+        delimited = kw.pop("delimited", False)
+        made = _field(name, number, kind, **kw)
+        if delimited:
+            made.options.features.message_encoding = descriptor_pb2.FeatureSet.DELIMITED
+        return [] if new and version == 1 else [made]
+
+    leaf = descriptor_pb2.DescriptorProto(
+        name="Leaf",
+        field=[
+            *field("a", 1, F.TYPE_STRING),
+            *field("n1", 2, F.TYPE_INT64, new=True),
+            *field("c", 3, F.TYPE_SINT32),
+            *field("r", 4, F.TYPE_INT32, repeated=True),
+            *field("n2", 5, F.TYPE_STRING, repeated=True, new=True),
+            *field("z", 9, F.TYPE_DOUBLE),
+        ],
+    )
+    entry = descriptor_pb2.DescriptorProto(
+        name="ByEntry",
+        field=[_field("key", 1, F.TYPE_INT32), _field("value", 2, F.TYPE_MESSAGE, type_name=".shop.v5.Leaf")],
+    )  # fmt: skip
+    entry.options.map_entry = True
+    leaf_type = ".shop.v5.Leaf"
+    top = descriptor_pb2.DescriptorProto(
+        name="Top",
+        nested_type=[entry],
+        field=[
+            *field("id", 1, F.TYPE_STRING),
+            *field("n3", 2, F.TYPE_BYTES, new=True),
+            *field("leaf", 3, F.TYPE_MESSAGE, type_name=leaf_type),
+            *field("leaves", 4, F.TYPE_MESSAGE, type_name=leaf_type, repeated=True),
+            *field("by", 5, F.TYPE_MESSAGE, type_name=".shop.v5.Top.ByEntry", repeated=True),
+            *field("d", 6, F.TYPE_MESSAGE, type_name=leaf_type, delimited=True),
+            *field("ds", 7, F.TYPE_MESSAGE, type_name=leaf_type, repeated=True, delimited=True),
+            *field("n4", 8, F.TYPE_MESSAGE, type_name=leaf_type, new=True),
+            *field("last", 20, F.TYPE_FIXED32),
+        ],
+    )
+    file = descriptor_pb2.FileDescriptorProto(
+        name=f"shop_v5_{version}.proto", package="shop.v5", syntax="editions",
+        edition=descriptor_pb2.EDITION_2023, message_type=[leaf, top],
+    )  # fmt: skip
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.v5.Top"))
+
+
+EV1, EV2 = _evolving_class(1), _evolving_class(2)
+_text = st.text(max_size=3)
+_leaf = st.fixed_dictionaries(
+    {},
+    optional={
+        "a": _text,
+        "n1": st.integers(-(2**63), 2**63 - 1),
+        "c": st.integers(-(2**31), 2**31 - 1),
+        "r": st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3),
+        "n2": st.lists(_text, max_size=3),
+        "z": st.floats(allow_nan=False),
+    },
+)
+_top = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": _text,
+        "n3": st.binary(max_size=3),
+        "leaf": _leaf,
+        "leaves": st.lists(_leaf, max_size=3),
+        "by": st.dictionaries(st.integers(-5, 5), _leaf, max_size=3),
+        "d": _leaf,
+        "ds": st.lists(_leaf, max_size=3),
+        "n4": _leaf,
+        "last": st.integers(0, 2**32 - 1),
+    },
+)
+
+
+@given(_top)
+def test_any_request_hashes_alike_on_both_sides_of_a_deploy_that_adds_fields(
+    fields: dict[str, Any],
+) -> None:
+    """Whatever a newer client sets, the old server (which does not declare the ``n*`` fields)
+    and the new one hash its bytes alike, and the new server's serialization hashes the same on
+    the old one (a rollback)."""
+    request = EV2()
+    for name, value in fields.items():
+        if name in ("leaf", "d", "n4"):
+            getattr(request, name).MergeFrom(type(getattr(request, name))(**value))
+        elif name in ("leaves", "ds"):
+            for item in value:
+                getattr(request, name).add(**item)
+        elif name == "by":
+            for key, item in value.items():
+                request.by[key].MergeFrom(type(request.by[key])(**item))
+        else:
+            setattr(request, name, value)
+    wire = bytes(request.SerializeToString())
+    assert fingerprint(EV1, wire) == fingerprint(EV2, wire)
+    reserialized = bytes(EV2.FromString(wire).SerializeToString(deterministic=True))
+    assert fingerprint(EV1, reserialized) == fingerprint(EV2, wire)
