@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from hypothesis import given
+from hypothesis import strategies as st
 
-from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields
+from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields, needs_field_order
 from grpc_idempotency.core.fingerprint import Fingerprinter
 
 F = descriptor_pb2.FieldDescriptorProto
@@ -150,3 +152,253 @@ def test_a_closed_enum_value_the_old_server_lacks_hashes_alike(value: int) -> No
     wire = bytes(new(account="a", currency=value, memo="m").SerializeToString())
     assert has_unknown_fields(old.FromString(wire))
     assert fingerprint(old, wire) == fingerprint(new, wire)
+
+
+def _delimited_class(version: int, *, group: bool) -> Any:
+    """shop.v3.Charge whose message fields 2 (singular) and 3 (repeated) are sent delimited
+    (between start and end tags, no length): ``group``, as proto2 groups ``Inner`` and
+    ``Items``; else as editions DELIMITED messages ``one`` and ``many``. v2 adds ``b`` (2)
+    between ``a`` (1) and ``c`` (3) in the delimited messages."""
+    package = f"shop.v3.g{int(group)}"
+    inner_fields = [_field("a", 1, F.TYPE_STRING), _field("c", 3, F.TYPE_STRING)]
+    if version == 2:
+        inner_fields.append(_field("b", 2, F.TYPE_STRING))
+    kind = F.TYPE_GROUP if group else F.TYPE_MESSAGE
+    one = _field("inner" if group else "one", 2, kind)
+    many = _field("items" if group else "many", 3, kind, repeated=True)
+    charge = descriptor_pb2.DescriptorProto(name="Charge")
+    file = descriptor_pb2.FileDescriptorProto(
+        name=f"delimited_v{version}_{group}.proto", package=package
+    )
+    if group:  # a group's field is its nested type's name, lowercased
+        file.syntax = "proto2"
+        charge.nested_type.add(name="Inner", field=inner_fields)
+        charge.nested_type.add(name="Items", field=inner_fields)
+        one.type_name, many.type_name = f".{package}.Charge.Inner", f".{package}.Charge.Items"
+    else:
+        file.syntax, file.edition = "editions", descriptor_pb2.EDITION_2023
+        file.message_type.add(name="Inner", field=inner_fields)
+        one.type_name = many.type_name = f".{package}.Inner"
+        for field in (one, many):
+            field.options.features.message_encoding = descriptor_pb2.FeatureSet.DELIMITED
+    charge.field.extend(
+        [_field("account", 1, F.TYPE_STRING), one, many, _field("memo", 4, F.TYPE_STRING)]
+    )
+    file.message_type.append(charge)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Charge"))
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["proto2-group", "editions-delimited"])
+def test_a_new_field_inside_a_delimited_message_hashes_alike_on_both_sides_of_the_deploy(
+    group: bool,
+) -> None:
+    """A group or an editions DELIMITED message field is sent between start and end tags (wire
+    type 3), not length-prefixed: field_ordered left such a record as it was, so a newer
+    client's field inside one stayed at the end of it on the old server and in order on the
+    new, and a retry crossing the deploy was refused as KEY_REUSED."""
+    old, new = _delimited_class(1, group=group), _delimited_class(2, group=group)
+    one, many = ("inner", "items") if group else ("one", "many")
+    request = new(account="acct-1", memo="m")
+    single = getattr(request, one)
+    single.a, single.b, single.c = "a", "b", "c"
+    for value in ("x", "y"):
+        item = getattr(request, many).add()
+        item.a, item.b, item.c = value, value.upper(), value * 2
+    wire = bytes(request.SerializeToString())
+    assert b"\x13" in wire  # field 2's start-group tag: it is sent delimited
+    assert has_unknown_fields(old.FromString(wire))
+    assert fingerprint(old, wire) == fingerprint(new, wire)
+    assert fingerprint(new, wire) == fingerprint(old, new.FromString(wire).SerializeToString())
+    # Still a different request when the new field differs.
+    getattr(request, one).b = "other"
+    assert fingerprint(old, bytes(request.SerializeToString())) != fingerprint(old, wire)
+
+
+def _extendable_classes() -> tuple[Any, Any, Any]:
+    """proto2 ``shop.v4.Charge`` (account 1, memo 200, extensions 100 to 199) in a pool without
+    and a pool with ``ext.proto`` (``risk_score`` = 120 and ``risk`` = 130, an ``Inner``), as a
+    server that does not and one that does import the extensions' module hold it; and the
+    latter pool."""
+    base = descriptor_pb2.FileDescriptorProto(
+        name="shop_v4.proto", package="shop.v4", syntax="proto2"
+    )
+    base.message_type.add(
+        name="Inner", field=[_field("a", 1, F.TYPE_STRING), _field("c", 3, F.TYPE_STRING)]
+    )
+    base.message_type.add(
+        name="Charge",
+        field=[_field("account", 1, F.TYPE_STRING), _field("memo", 200, F.TYPE_STRING)],
+    ).extension_range.add(start=100, end=200)
+    ext = descriptor_pb2.FileDescriptorProto(
+        name="shop_v4_ext.proto", package="shop.v4", syntax="proto2", dependency=[base.name]
+    )
+    for name, number, kind, type_name in (
+        ("risk_score", 120, F.TYPE_INT32, ""),
+        ("risk", 130, F.TYPE_MESSAGE, ".shop.v4.Inner"),
+    ):
+        field = ext.extension.add()
+        field.CopyFrom(_field(name, number, kind, type_name=type_name))
+        field.extendee = ".shop.v4.Charge"
+    without, with_ = descriptor_pool.DescriptorPool(), descriptor_pool.DescriptorPool()
+    without.Add(base)
+    with_.Add(base)
+    with_.Add(ext)
+    classes = [
+        message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.v4.Charge"))
+        for pool in (without, with_)
+    ]
+    return classes[0], classes[1], with_
+
+
+def test_an_extension_hashes_alike_whether_the_server_imports_it_or_not() -> None:
+    """An extension the server's pool does not hold is an unknown field, put in field-number
+    order; upb serializes a known one after the declared fields, whatever its number. So the
+    same request hashed differently on a server that imports the extension's module and on one
+    that does not, and a retry crossing a deploy that starts (or stops) importing it was
+    refused as KEY_REUSED."""
+    unaware, aware, pool = _extendable_classes()
+    request = aware(account="acct-1", memo="m")
+    request.Extensions[pool.FindExtensionByName("shop.v4.risk_score")] = 7
+    request.Extensions[pool.FindExtensionByName("shop.v4.risk")].a = "low"
+    wire = bytes(request.SerializeToString())
+    assert has_unknown_fields(unaware.FromString(wire))
+    assert not has_unknown_fields(aware.FromString(wire))
+    assert fingerprint(unaware, wire) == fingerprint(aware, wire)
+    # Still a different request when an extension differs.
+    request.Extensions[pool.FindExtensionByName("shop.v4.risk_score")] = 8
+    other = bytes(request.SerializeToString())
+    assert fingerprint(aware, other) != fingerprint(aware, wire)
+    assert fingerprint(unaware, other) != fingerprint(unaware, wire)
+
+
+def test_a_new_field_inside_a_message_extension_hashes_alike_on_both_sides_of_the_deploy() -> None:
+    """field_ordered followed the declared fields only: in a message held by an extension, a
+    newer client's field stayed at the end on the old server and in order on the new."""
+    unaware, aware, _ = _extendable_classes()
+    newer = descriptor_pb2.FileDescriptorProto(name="shop_v4_inner_v2.proto", package="shop.v4b")
+    newer.message_type.add(
+        name="Inner",
+        field=[_field("a", 1, F.TYPE_STRING), _field("b", 2, F.TYPE_STRING), _field("c", 3, F.TYPE_STRING)],
+    )  # fmt: skip
+    newer_pool = descriptor_pool.DescriptorPool()
+    newer_pool.Add(newer)
+    inner_v2: Any = message_factory.GetMessageClass(
+        newer_pool.FindMessageTypeByName("shop.v4b.Inner")
+    )
+    # shop.v4.Inner knows a (1) and c (3): b (2) is a newer client's, which sends a, b, c.
+    inner = bytes(inner_v2(a="x", b="y", c="z").SerializeToString())
+    risk = b"\x92\x08" + bytes([len(inner)]) + inner  # extension 130, length-delimited
+    wire = bytes(aware(account="acct-1").SerializeToString()) + risk
+    assert needs_field_order(aware.FromString(wire))
+    assert fingerprint(unaware, wire) == fingerprint(aware, wire)
+
+
+def _evolving_class(version: int) -> Any:
+    """shop.v5.Top, editions 2023, every shape a message can hold a message in: singular,
+    repeated, a map's values, DELIMITED singular and repeated; v2 adds fields (``n*``) at the
+    top and inside ``Leaf``, numbered below fields both versions have."""
+
+    def field(
+        name: str, number: int, kind: F.Type.ValueType, *, new: bool = False, **kw: Any
+    ) -> list[F]:
+        delimited = kw.pop("delimited", False)
+        made = _field(name, number, kind, **kw)
+        if delimited:
+            made.options.features.message_encoding = descriptor_pb2.FeatureSet.DELIMITED
+        return [] if new and version == 1 else [made]
+
+    leaf = descriptor_pb2.DescriptorProto(
+        name="Leaf",
+        field=[
+            *field("a", 1, F.TYPE_STRING),
+            *field("n1", 2, F.TYPE_INT64, new=True),
+            *field("c", 3, F.TYPE_SINT32),
+            *field("r", 4, F.TYPE_INT32, repeated=True),
+            *field("n2", 5, F.TYPE_STRING, repeated=True, new=True),
+            *field("z", 9, F.TYPE_DOUBLE),
+        ],
+    )
+    entry = descriptor_pb2.DescriptorProto(
+        name="ByEntry",
+        field=[_field("key", 1, F.TYPE_INT32), _field("value", 2, F.TYPE_MESSAGE, type_name=".shop.v5.Leaf")],
+    )  # fmt: skip
+    entry.options.map_entry = True
+    leaf_type = ".shop.v5.Leaf"
+    top = descriptor_pb2.DescriptorProto(
+        name="Top",
+        nested_type=[entry],
+        field=[
+            *field("id", 1, F.TYPE_STRING),
+            *field("n3", 2, F.TYPE_BYTES, new=True),
+            *field("leaf", 3, F.TYPE_MESSAGE, type_name=leaf_type),
+            *field("leaves", 4, F.TYPE_MESSAGE, type_name=leaf_type, repeated=True),
+            *field("by", 5, F.TYPE_MESSAGE, type_name=".shop.v5.Top.ByEntry", repeated=True),
+            *field("d", 6, F.TYPE_MESSAGE, type_name=leaf_type, delimited=True),
+            *field("ds", 7, F.TYPE_MESSAGE, type_name=leaf_type, repeated=True, delimited=True),
+            *field("n4", 8, F.TYPE_MESSAGE, type_name=leaf_type, new=True),
+            *field("last", 20, F.TYPE_FIXED32),
+        ],
+    )
+    file = descriptor_pb2.FileDescriptorProto(
+        name=f"shop_v5_{version}.proto", package="shop.v5", syntax="editions",
+        edition=descriptor_pb2.EDITION_2023, message_type=[leaf, top],
+    )  # fmt: skip
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.v5.Top"))
+
+
+EV1, EV2 = _evolving_class(1), _evolving_class(2)
+_text = st.text(max_size=3)
+_leaf = st.fixed_dictionaries(
+    {},
+    optional={
+        "a": _text,
+        "n1": st.integers(-(2**63), 2**63 - 1),
+        "c": st.integers(-(2**31), 2**31 - 1),
+        "r": st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3),
+        "n2": st.lists(_text, max_size=3),
+        "z": st.floats(allow_nan=False),
+    },
+)
+_top = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": _text,
+        "n3": st.binary(max_size=3),
+        "leaf": _leaf,
+        "leaves": st.lists(_leaf, max_size=3),
+        "by": st.dictionaries(st.integers(-5, 5), _leaf, max_size=3),
+        "d": _leaf,
+        "ds": st.lists(_leaf, max_size=3),
+        "n4": _leaf,
+        "last": st.integers(0, 2**32 - 1),
+    },
+)
+
+
+@given(_top)
+def test_any_request_hashes_alike_on_both_sides_of_a_deploy_that_adds_fields(
+    fields: dict[str, Any],
+) -> None:
+    """Whatever a newer client sets, the old server (which does not declare the ``n*`` fields)
+    and the new one hash its bytes alike, and the new server's serialization hashes the same on
+    the old one (a rollback)."""
+    request = EV2()
+    for name, value in fields.items():
+        if name in ("leaf", "d", "n4"):
+            getattr(request, name).MergeFrom(type(getattr(request, name))(**value))
+        elif name in ("leaves", "ds"):
+            for item in value:
+                getattr(request, name).add(**item)
+        elif name == "by":
+            for key, item in value.items():
+                request.by[key].MergeFrom(type(request.by[key])(**item))
+        else:
+            setattr(request, name, value)
+    wire = bytes(request.SerializeToString())
+    assert fingerprint(EV1, wire) == fingerprint(EV2, wire)
+    reserialized = bytes(EV2.FromString(wire).SerializeToString(deterministic=True))
+    assert fingerprint(EV1, reserialized) == fingerprint(EV2, wire)

@@ -166,3 +166,65 @@ def test_excluding_a_required_field_is_refused(nested: bool, group: bool) -> Non
     (a.meta.add() if nested else a).sent_at = 1
     (b.meta.add() if nested else b).sent_at = 2
     assert fingerprint(a) == fingerprint(b)
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # a negative int64 is its two's complement, ten bytes
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len(number: int, body: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(body)) + body
+
+
+def _int(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
+_records = st.fixed_dictionaries(
+    {
+        "account": st.text(max_size=4),
+        "amount": st.integers(-(2**63), 2**63 - 1),
+        "origin": st.text(max_size=4),
+        "labels": st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=4),
+        "lines": st.lists(st.integers(-5, 5), max_size=3),
+    }
+)
+
+
+@given(_records, st.randoms(use_true_random=False))
+def test_any_wire_form_of_one_request_has_one_fingerprint(
+    fields: dict[str, Any], random: Any
+) -> None:
+    """Another language's client may send the same request in another wire form: records in
+    any order, a message split into several records (merged), a singular field sent twice (the
+    last wins), a map entry's value before its key, a duplicate map key (the last wins). The
+    server hashes what it parsed, so every form is the same request."""
+    canonical = testsvc_pb2.PostRequest(account=fields["account"], amount=fields["amount"])
+    canonical.meta.origin = fields["origin"]
+    canonical.labels.update(fields["labels"])
+    for amount in fields["lines"]:
+        canonical.lines.add(amount=amount)
+    # Hand-built, shuffled: meta in two records (origin, and an excluded trace id), map entries
+    # value first, after stale values of the account, the amount and each map key.
+    stale = [_len(1, b"stale"), _int(2, 12345)]
+    records = [_len(5, _len(2, fields["origin"].encode())), _len(5, _len(1, b"trace"))]
+    for key, value in fields["labels"].items():
+        stale.append(_len(8, _len(2, b"old") + _len(1, key.encode())))
+        records.append(_len(8, _len(2, value.encode()) + _len(1, key.encode())))
+    lines = [_len(6, _int(1, amount)) for amount in fields["lines"]]
+    random.shuffle(stale)
+    random.shuffle(records)
+    records = stale + records
+    # The lines interleaved with the rest, in their order (a repeated field's order counts).
+    at = sorted(random.randint(0, len(records)) for _ in lines)
+    for position, line in reversed(list(zip(at, lines, strict=True))):
+        records.insert(position, line)
+    # The final account and amount after their stale values: the last one wins.
+    wire = b"".join(records) + _len(1, fields["account"].encode()) + _int(2, fields["amount"])
+    assert fingerprint(testsvc_pb2.PostRequest.FromString(wire)) == fingerprint(canonical)

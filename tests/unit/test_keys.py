@@ -113,3 +113,39 @@ def test_claim_lock_ids_are_signed_64_bit_and_namespaced() -> None:
     assert a == claim_lock_id("grpc_idempotency", "s", "k")
     assert a != claim_lock_id("other_schema", "s", "k")
     assert a != claim_lock_id("grpc_idempotency", "sk", "")
+
+
+# Child keys and claim-lock ids are read across releases: a child key is the key a downstream
+# service holds the step's outcome under (and an outbox row's), and the lock id is what two
+# replicas of different versions serialize a key's claim on during a rolling deploy. A change
+# of either re-runs every in-flight operation's effects downstream. Do not update these values
+# to make the test pass.
+@pytest.mark.parametrize(
+    ("scope", "parent", "step", "expected"),
+    [
+        (
+            "tenant:a",
+            "order-1",
+            "charge-card.v1",
+            "deb6c6493e2bfa924d7e6e6a976525beb8ba3e5133c621f30f6c576d8ef4c293",
+        ),
+        (
+            "spiffe://bank.example/ns/pay/sa/api",
+            "8b0d2f1e-0f3a-4c55-9a55-2f3c1d9e7a10",
+            "send-confirmation.v12",
+            "5a2a4ae835a4384b6864fc17200f641180d6caa582d7eb399a32164a14c2180d",
+        ),
+        (  # a scope's UTF-8 bytes are counted, not its characters
+            "t\u00e9nant-\U0001f600",
+            "!~",
+            "a.v1",
+            "4a380bbacc35906d39a3fa14a8d3edf3a10b821125c2523ca2fc494838ff6946",
+        ),
+    ],
+)
+def test_child_keys_are_pinned(scope: str, parent: str, step: str, expected: str) -> None:
+    assert child_key(scope, parent, step) == expected
+
+
+def test_claim_lock_ids_are_pinned() -> None:
+    assert claim_lock_id("grpc_idempotency", "tenant:a", "order-1") == 4897178196358540786

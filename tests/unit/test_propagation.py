@@ -167,6 +167,13 @@ def test_retry_decisions() -> None:
         RetryPolicy(max_attempts=0)
 
 
+def test_a_nan_max_attempts_is_refused() -> None:
+    """NaN compares false with everything: ``attempt >= max_attempts`` never held, and a
+    policy made with it retried for ever (bounded only by a deadline, if the caller had one)."""
+    with pytest.raises(ValueError, match="max_attempts must be at least 1"):
+        RetryPolicy(max_attempts=float("nan"))  # type: ignore[arg-type]
+
+
 def test_service_config_shape() -> None:
     assert service_config([]) == {}
     config = service_config([CHARGE, CHARGE, EMAIL], max_attempts=9)

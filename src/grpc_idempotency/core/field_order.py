@@ -6,8 +6,10 @@ request serializes differently on both sides of a deploy that adds a field whose
 the highest one set, and a retry that crosses the deploy would be refused as another request
 under the key (KEY_REUSED) while its first attempt had executed. ``field_ordered`` sorts each
 message's wire records by field number (stably: the records of one repeated field keep their
-order), recursing into the fields the descriptor knows as messages. It is applied only to a
-request holding unknown fields (``has_unknown_fields``), so every other fingerprint is the
+order), recursing into the fields the descriptor knows as messages (groups and editions
+DELIMITED messages included). It is applied only to a request holding unknown fields or
+extensions (``needs_field_order``: upb serializes extensions after the declared fields, and an
+extension the server does not import is an unknown field), so every other fingerprint is the
 deterministic serialization as it always was.
 
 What stays as sent: the inside of an unknown field (a map the server does not know keeps the
@@ -27,6 +29,7 @@ _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
 
 
 _SINGULAR, _REPEATED, _MAP = 0, 1, 2
+_GROUP = FieldDescriptor.TYPE_GROUP
 
 
 @functools.cache
@@ -49,14 +52,39 @@ def _message_fields(descriptor: Any) -> tuple[tuple[str, int], ...]:
 
 def has_unknown_fields(message: Message) -> bool:
     """Whether ``message`` or a message inside it holds fields its type does not declare."""
+    return _holds(message, extensions=False)
+
+
+def needs_field_order(message: Message) -> bool:
+    """Whether the deterministic serialization of ``message`` may hold records out of
+    field-number order: fields its type does not declare (serialized at the end of their
+    message), or extensions, which upb serializes after the declared fields whatever their
+    numbers (the pure-Python runtime in number order). An extension the server does not import
+    is an unknown field, put in number order: so a known one must be too, or the same request
+    hashed differently on a server that imports the extension's module and on one that does
+    not (a deploy that starts importing it refused retries as KEY_REUSED)."""
+    return _holds(message, extensions=True)
+
+
+def _holds(message: Message, *, extensions: bool) -> bool:
     if len(UnknownFieldSet(message)):
         return True
-    for name, kind in _message_fields(message.DESCRIPTOR):
+    descriptor: Any = message.DESCRIPTOR
+    if (
+        extensions
+        and descriptor.is_extendable
+        and any(field.is_extension for field, _ in message.ListFields())
+    ):
+        return True
+    for name, kind in _message_fields(descriptor):
         value: Any = getattr(message, name)
         if kind == _SINGULAR:
-            if message.HasField(name) and has_unknown_fields(value):
+            if message.HasField(name) and _holds(value, extensions=extensions):
                 return True
-        elif any(has_unknown_fields(item) for item in (value.values() if kind == _MAP else value)):
+        elif any(
+            _holds(item, extensions=extensions)
+            for item in (value.values() if kind == _MAP else value)
+        ):
             return True
     return False
 
@@ -71,17 +99,38 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
         start = at
         tag, at = _varint(data, at)
         number, wire_type = tag >> 3, tag & 7
-        field = descriptor.fields_by_number.get(number)
+        field = descriptor.fields_by_number.get(number) or _extension(descriptor, number)
         if wire_type == _LEN and field is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
             size, body = _varint(data, at)
             inner = field_ordered(data[body : body + size], field.message_type)
             records.append((number, data[start:at] + _encode(len(inner)) + inner))
             at = body + size
+        elif wire_type == _SGROUP and field is not None and field.type == _GROUP:
+            # A proto2 group or an editions DELIMITED message: a message too, delimited by an
+            # end tag instead of a length. Left as it was, a newer client's field inside one
+            # stayed at its end on the old server and in order on the new: a retry crossing
+            # the deploy was refused as KEY_REUSED.
+            body_end, end = _group_end(data, at, number)
+            inner = field_ordered(data[at:body_end], field.message_type)
+            records.append((number, data[start:at] + inner + data[body_end:end]))
+            at = end
         else:
             at = _skip(data, at, wire_type, number)
             records.append((number, data[start:at]))
     records.sort(key=lambda record: record[0])  # stable
     return b"".join(record for _, record in records)
+
+
+def _extension(descriptor: Any, number: int) -> Any:
+    """The extension ``number`` of ``descriptor`` its pool holds, or ``None``: a message one
+    holds is put in order inside too, as the same message in a declared field is. (Not cached:
+    the numbers come from the client.)"""
+    if not descriptor.is_extendable:
+        return None
+    try:
+        return descriptor.file.pool.FindExtensionByNumber(descriptor, number)
+    except KeyError:
+        return None
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
@@ -104,6 +153,17 @@ def _encode(value: int) -> bytes:
     return bytes(out)
 
 
+def _group_end(data: bytes, at: int, number: int) -> tuple[int, int]:
+    """(where the end tag of group ``number`` begins, where it ends), for the group whose body
+    begins at ``at``."""
+    while True:
+        tag_at = at
+        tag, at = _varint(data, at)
+        if tag & 7 == _EGROUP and tag >> 3 == number:
+            return tag_at, at
+        at = _skip(data, at, tag & 7, tag >> 3)
+
+
 def _skip(data: bytes, at: int, wire_type: int, number: int) -> int:
     if wire_type == _VARINT:
         return _varint(data, at)[1]
@@ -115,9 +175,5 @@ def _skip(data: bytes, at: int, wire_type: int, number: int) -> int:
         size, at = _varint(data, at)
         return at + size
     if wire_type == _SGROUP:
-        while True:
-            tag, at = _varint(data, at)
-            if tag & 7 == _EGROUP and tag >> 3 == number:
-                return at
-            at = _skip(data, at, tag & 7, tag >> 3)
+        return _group_end(data, at, number)[1]
     raise ValueError(f"wire type {wire_type} of field {number}")

@@ -7,10 +7,10 @@ Clearing is recursive through nested messages, repeated fields and map values. T
 to clear is computed once per message type; a type with nothing to clear is hashed without a copy.
 Deterministic serialization makes the result independent of map order and of the client's
 serializer, so it is stable across processes and restarts. Fields the server's proto does not
-declare are put in field-number order (``core/field_order.py``), where a server that declares
-them serializes them: the same request hashes the same on both sides of a deploy that adds a
-field. What the server cannot parse (the inside of an unknown field, an ``Any``'s bytes) is
-compared as sent.
+declare, and extensions (upb serializes them last), are put in field-number order
+(``core/field_order.py``), where a server that declares them serializes them: the same request
+hashes the same on both sides of a deploy that adds a field. What the server cannot parse (the
+inside of an unknown field, an ``Any``'s bytes) is compared as sent.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
-from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields
+from grpc_idempotency.core.field_order import field_ordered, needs_field_order
 from grpc_idempotency.v1 import options_pb2
 
 
@@ -119,10 +119,16 @@ class Fingerprinter:
             clone.CopyFrom(request)
             self._clear(clone)
             request = clone
-        body = request.SerializeToString(deterministic=True)
-        if has_unknown_fields(request):
-            # Serialized at the end of their message: where a server that knows them puts
-            # them instead, so that a retry crossing a deploy is the same request.
+        # Partial: parsing does not check proto2 (editions LEGACY_REQUIRED) required fields,
+        # so a request lacking one reaches the handler, as it does without the library;
+        # SerializeToString checks them, raised EncodeError, and every such call failed
+        # UNKNOWN. The bytes of a complete request are the same either way.
+        body = request.SerializePartialToString(deterministic=True)
+        if needs_field_order(request):
+            # Unknown fields are serialized at the end of their message, and upb puts
+            # extensions there too: put in field-number order, where a server that knows them
+            # (or the pure-Python runtime) puts them, so a retry crossing a deploy is the same
+            # request.
             body = field_ordered(body, request.DESCRIPTOR)
         name = self.method.encode("utf-8")
         return hashlib.sha256(len(name).to_bytes(4, "big") + name + body).digest()

@@ -93,7 +93,7 @@ class ReplayCache:
         max_bytes: int = 32 * 1024 * 1024,
         max_age: timedelta = timedelta(seconds=60),
     ) -> None:
-        if max_entries < 1:
+        if not max_entries >= 1:  # NaN as well: it would disable the bound
             raise ValueError("max_entries must be at least 1")
         if not max_bytes >= 1024:  # NaN as well: it would disable the bound
             raise ValueError("max_bytes must be at least 1024")

@@ -31,7 +31,9 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         # grpc.StatusCode members compared unequal to every Code: such a policy never retried.
         object.__setattr__(self, "retryable", frozenset(map(_code, self.retryable)))
-        if self.max_attempts < 1:
+        # `not x >= 1` rather than `x < 1`: NaN compares false both ways, and a NaN
+        # max_attempts was never reached (delay_s retried for ever).
+        if not self.max_attempts >= 1:
             raise ValueError("max_attempts must be at least 1")
         if not (0 < self.initial_backoff_s <= self.max_backoff_s < math.inf):
             raise ValueError(
