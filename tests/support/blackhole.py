@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from urllib.parse import parse_qs, quote, urlsplit
 
 
@@ -26,6 +28,7 @@ class BlackholeProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
         self.partitioned = False
+        self._failovers = 0
         self._holding = False
         self._held: list[tuple[asyncio.StreamWriter, bytes]] = []
         self.port = 0
@@ -44,6 +47,14 @@ class BlackholeProxy:
     def blackhole(self) -> None:
         """From now on nothing passes, and new connections hang."""
         self.partitioned = True
+
+    def fail_over(self) -> None:
+        """From now on the address leads to another host, as after a failover that moved a
+        virtual IP: a connection opened before is reset (RST) as soon as its client sends
+        anything, as that host answers a packet of a connection it never saw, and PostgreSQL's
+        side of it is closed. Until then its client sees nothing amiss. New connections reach
+        PostgreSQL as before."""
+        self._failovers += 1
 
     def hold_answers(self) -> None:
         """From now on PostgreSQL's answers are held back (its requests still arrive): a
@@ -68,7 +79,9 @@ class BlackholeProxy:
             server_r, server_w = await asyncio.open_connection(*self._tcp)
         self._writers.append(server_w)
         pipes = [
-            asyncio.ensure_future(self._pipe(client_r, server_w, upstream=True)),
+            asyncio.ensure_future(
+                self._pipe(client_r, server_w, upstream=True, client=(client_w, self._failovers))
+            ),
             asyncio.ensure_future(self._pipe(server_r, client_w)),
         ]
         self._tasks.update(pipes)
@@ -77,10 +90,17 @@ class BlackholeProxy:
             task.cancel()
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool = False
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        upstream: bool = False,
+        client: tuple[asyncio.StreamWriter, int] | None = None,
     ) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while data := await reader.read(65536):
+                if client is not None and client[1] < self._failovers:
+                    _reset(client[0])
+                    break
                 if self.partitioned:
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
                 if upstream:
@@ -107,3 +127,11 @@ class BlackholeProxy:
             task.cancel()
         if self._server is not None:
             await self._server.wait_closed()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Closes ``writer``'s connection with a reset (RST), not an orderly FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
