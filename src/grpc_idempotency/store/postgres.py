@@ -373,6 +373,33 @@ def _interrupted(exc: BaseException) -> bool:
     return isinstance(exc, (TimeoutError, asyncio.CancelledError))
 
 
+# The server ended the session: admin_shutdown (a restart, a failover, pg_terminate_backend),
+# crash_shutdown.
+_SESSION_ENDED = frozenset({"57P01", "57P02"})
+
+
+def _connection_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says that the statement's pooled connection is gone: reset or closed
+    under it, or its session ended by the server. That says nothing of the database itself:
+    after a restart or a failover every connection the pool opened before is gone, and each
+    fails once, when next used (a failover that moved a virtual IP resets it only then; the
+    event loop may not have seen a restart's end of a connection yet). Not a timeout: behind a
+    partition another connection would wait as long."""
+    if isinstance(exc, TimeoutError):
+        return False
+    if sqlstate(exc) in _SESSION_ENDED:
+        return True
+    return isinstance(
+        exc,
+        (
+            asyncpg.PostgresConnectionError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,  # "cannot switch to state": the server's end pending
+            OSError,
+        ),
+    )
+
+
 def _checked_acquire_timeout(value: float | None) -> float | None:
     # A negative one was clamped to 1 ms without a word, and NaN compared false everywhere.
     if value is not None and not 0 < value < math.inf:
@@ -624,6 +651,7 @@ class Store:
         except STORE_ERRORS as exc:
             if isinstance(exc, TimeoutError):
                 _drop(conn)
+            await self._forget_connections_if_gone(exc)
             raise store_error(exc, doing) from exc
         except asyncio.CancelledError:
             _drop(conn)
@@ -744,6 +772,18 @@ class Store:
         except STORE_ERRORS:
             log.debug("dropping a broken connection", exc_info=True)
 
+    async def _forget_connections_if_gone(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says its connection is gone (``_connection_gone``); if so, the pool's
+        other connections, opened as long ago, are replaced on their next use: after a restart
+        or a failover each of them failed a call in turn (a keyed call answered UNAVAILABLE, a
+        fail-open method run unclaimed on a database that held its key's outcome), where a
+        connection opened now tells whether the database is there."""
+        if not _connection_gone(exc):
+            return False
+        with contextlib.suppress(Exception):
+            await self.pool.expire_connections()
+        return True
+
     async def lookup(
         self, scope: str, key: str, *, timeout: float | None = None
     ) -> StoredRecord | None:
@@ -764,6 +804,9 @@ class Store:
                 # is an OSError): trying again would wait out the timeout again, then a connect.
                 if attempt == attempts or isinstance(exc, TimeoutError):
                     raise store_error(exc, "looking up a key") from exc
+                # The next try on a connection opened now, not on another one of the pool's
+                # that a restart or a failover left as dead as this one.
+                await self._forget_connections_if_gone(exc)
                 continue
             except asyncpg.PostgresError as exc:
                 if classify(exc.sqlstate) is Failure.CONFLICT and attempt < attempts:
@@ -820,26 +863,40 @@ class Store:
         The transaction may sit idle for at most ``lease_s`` (the atomic lease): a frozen or
         partitioned owner loses the claim then, and a retry can take the key."""
         self._refuse_if_draining()
-        conn = await self._acquire("claiming a key", timeout)
         claim = self._atomic_claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
         sql = self.statements.begin_atomic_claim(
             claim, isolation=_level(isolation), idle_timeout_s=lease_s
         )
         held = _Claim(scope, key, retention_s, method=method, fingerprint=fingerprint)
-        attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
-        try:
-            await conn.execute(sql, timeout=self.statement_timeout(timeout))
-        except asyncpg.PostgresError as exc:
-            await attempt._abandon()
-            if _lost_race(exc):
-                return None
-            raise store_error(exc, "claiming a key") from exc
-        except BaseException as exc:
-            await attempt._abandon(interrupted=_interrupted(exc))
-            if isinstance(exc, STORE_ERRORS):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tries = 2
+        for tried in range(1, tries + 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            conn = await self._acquire("claiming a key", left)
+            attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
+            try:
+                await conn.execute(sql, timeout=self.statement_timeout(left))
+            except asyncpg.PostgresError as exc:
+                await attempt._abandon()
+                if _lost_race(exc):
+                    return None
+                # A pooled connection that a restart or a failover left dead (the pool's
+                # others are replaced now): once more on a connection opened now. Safe: the
+                # batch commits nothing, and a dead session's transaction is rolled back.
+                # Answered as an outage instead, a fail-open method ran unclaimed, a completed
+                # key again, on a database that was up and held its outcome.
+                if tried < tries and await self._forget_connections_if_gone(exc):
+                    continue
                 raise store_error(exc, "claiming a key") from exc
-            raise
-        return attempt
+            except BaseException as exc:
+                await attempt._abandon(interrupted=_interrupted(exc))
+                if isinstance(exc, STORE_ERRORS):
+                    if tried < tries and await self._forget_connections_if_gone(exc):
+                        continue
+                    raise store_error(exc, "claiming a key") from exc
+                raise
+            return attempt
+        raise AssertionError("unreachable")
 
     async def begin(
         self, *, isolation: Isolation | None = None, timeout: float | None = None

@@ -1,0 +1,77 @@
+"""A failover, or a restart, that leaves every connection of a replica's pool dead: the database
+is up again (or its standby took over), but each connection opened before fails once, when
+next used. A failover that moves a virtual IP resets them only then: the new primary answers a
+packet of a connection it never saw with RST (``BlackholeProxy.fail_over``).
+
+Such a failure says nothing of the database. Taken for an outage, each stale connection failed
+a keyed call with UNAVAILABLE, and a ``STORE_DOWN_FAIL_OPEN`` method ran its handler unclaimed:
+a completed key ran again on a database that held its outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Mode, Store
+from tests.support.blackhole import BlackholeProxy
+from tests.support.ledger import fresh, ledger_rows, running_ledger
+
+SVC = "/testsvc.v1.LedgerService/"
+POOL = 4
+
+
+@pytest.fixture
+async def proxied(pg_dsn: str, store: Store) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
+    """A store (on the session's schema, migrated by ``store``) whose pool holds ``POOL``
+    connections, all opened through a proxy that can fail over."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, min_size=POOL, max_size=POOL)
+    try:
+        yield proxy, via
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+def post(account: str) -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account=account, amount=1)
+
+
+@pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])
+async def test_a_fail_open_method_replays_a_completed_key_after_a_failover(
+    proxied: tuple[BlackholeProxy, Store], mode: Mode
+) -> None:
+    """A replica that never saw the key claims it first (atomic) or looks it up first (phased),
+    on its pool's dead connections."""
+    proxy, store = proxied
+    key, account = fresh(), fresh("acct")
+    overrides = {SVC[1:] + "PostFailOpen": MethodOverride(mode=mode)}
+    async with (
+        running_ledger(store, overrides=overrides) as origin,
+        running_ledger(store, overrides=overrides) as replica,
+    ):
+        done = await origin.call(SVC + "PostFailOpen", post(account), key)
+        assert done.code is grpc.StatusCode.OK
+        proxy.fail_over()
+        again = await replica.call(SVC + "PostFailOpen", post(account), key)
+        assert again.code is grpc.StatusCode.OK, again.details
+        assert again.replayed and again.body == done.body
+        assert origin.service.executions + replica.service.executions == 1
+
+
+async def test_keyed_calls_after_a_failover_are_not_refused_for_the_pools_dead_connections(
+    proxied: tuple[BlackholeProxy, Store], store: Store
+) -> None:
+    proxy, via = proxied
+    account = fresh("acct")
+    async with running_ledger(via) as ledger:
+        assert (await ledger.call(SVC + "Post", post(account), fresh())).code is grpc.StatusCode.OK
+        proxy.fail_over()
+        answers = [await ledger.call(SVC + "Post", post(account), fresh()) for _ in range(POOL)]
+        assert [(a.code, a.details) for a in answers] == [(grpc.StatusCode.OK, "")] * POOL
+    assert await ledger_rows(store, account) == 1 + POOL
