@@ -10,7 +10,9 @@ a completed key ran again on a database that held its outcome.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import grpc
 import pytest
@@ -64,14 +66,41 @@ async def test_a_fail_open_method_replays_a_completed_key_after_a_failover(
         assert origin.service.executions + replica.service.executions == 1
 
 
-async def test_keyed_calls_after_a_failover_are_not_refused_for_the_pools_dead_connections(
-    proxied: tuple[BlackholeProxy, Store], store: Store
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "optional-key-without-one"])
+async def test_calls_after_a_failover_are_not_refused_for_the_pools_dead_connections(
+    proxied: tuple[BlackholeProxy, Store], store: Store, keyed: bool
 ) -> None:
     proxy, via = proxied
     account = fresh("acct")
+    method = SVC + ("Post" if keyed else "PostOptional")
+
+    def key() -> str | None:
+        return fresh() if keyed else None
+
     async with running_ledger(via) as ledger:
-        assert (await ledger.call(SVC + "Post", post(account), fresh())).code is grpc.StatusCode.OK
+        assert (await ledger.call(method, post(account), key())).code is grpc.StatusCode.OK
         proxy.fail_over()
-        answers = [await ledger.call(SVC + "Post", post(account), fresh()) for _ in range(POOL)]
+        answers = [await ledger.call(method, post(account), key()) for _ in range(POOL)]
         assert [(a.code, a.details) for a in answers] == [(grpc.StatusCode.OK, "")] * POOL
     assert await ledger_rows(store, account) == 1 + POOL
+
+
+async def test_a_phased_call_whose_final_transaction_meets_a_failover_commits(
+    proxied: tuple[BlackholeProxy, Store], store: Store
+) -> None:
+    """The failover comes while the handler runs, its claim committed: the final transaction
+    opens on the pool's dead connections."""
+    proxy, via = proxied
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    overrides = {SVC[1:] + "PostPhased": MethodOverride(lease=timedelta(seconds=30))}
+    async with running_ledger(via, overrides=overrides) as ledger:
+        calling = asyncio.ensure_future(ledger.call(SVC + "PostPhased", request, key))
+        await ledger.service.started.wait()
+        proxy.fail_over()
+        ledger.service.release.set()
+        answer = await calling
+        assert answer.code is grpc.StatusCode.OK, answer.details
+        again = await ledger.call(SVC + "PostPhased", request, key)
+        assert again.replayed and again.body == answer.body
+    assert await ledger_rows(store, account) == 1

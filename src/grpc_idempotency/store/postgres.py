@@ -901,23 +901,33 @@ class Store:
     async def begin(
         self, *, isolation: Isolation | None = None, timeout: float | None = None
     ) -> PlainTransaction:
-        conn = await self._acquire("beginning a transaction", timeout)
-        try:
-            # The library's savepoint, as in a keyed call's transaction: the commit releases it,
-            # which fails if the handler replaced the transaction (COMMIT or ROLLBACK, then BEGIN).
-            await conn.execute(
-                f"BEGIN{_isolation_clause(isolation)}; SAVEPOINT {SAVEPOINT}",
-                timeout=self.statement_timeout(timeout),
-            )
-        except BaseException as exc:
-            # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
-            # connection must go back to the pool all the same, or it is lost to it for good.
-            _drop(conn)
-            await self._release(conn)
-            if isinstance(exc, STORE_ERRORS):
-                raise store_error(exc, "beginning a transaction") from exc
-            raise
-        return PlainTransaction(self, conn)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tries = 2
+        for tried in range(1, tries + 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            conn = await self._acquire("beginning a transaction", left)
+            try:
+                # The library's savepoint, as in a keyed call's transaction: the commit releases
+                # it, which fails if the handler replaced the transaction (COMMIT or ROLLBACK,
+                # then BEGIN).
+                await conn.execute(
+                    f"BEGIN{_isolation_clause(isolation)}; SAVEPOINT {SAVEPOINT}",
+                    timeout=self.statement_timeout(left),
+                )
+            except BaseException as exc:
+                # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
+                # connection must go back to the pool all the same, or it is lost to it for good.
+                _drop(conn)
+                await self._release(conn)
+                if isinstance(exc, STORE_ERRORS):
+                    # A pooled connection a restart or a failover left dead: once more on one
+                    # opened now (as claim_atomic), not UNAVAILABLE with the database up.
+                    if tried < tries and await self._forget_connections_if_gone(exc):
+                        continue
+                    raise store_error(exc, "beginning a transaction") from exc
+                raise
+            return PlainTransaction(self, conn)
+        raise AssertionError("unreachable")
 
     async def claim_phased(
         self,
@@ -1392,7 +1402,13 @@ class PhasedClaim:
         )
         deadline = None if timeout is None else time.monotonic() + timeout
         tries = 2
-        for tried in range(1, tries + 1):
+        conflicts = 0
+        # Once more on a connection opened now when a pooled one is found dead (a restart or a
+        # failover while the handler ran): safe, the batch commits nothing. Answered UNAVAILABLE
+        # instead, the call's release met the pool's next dead connection, and every retry was
+        # told IN_PROGRESS for the whole lease.
+        reconnected = False
+        while True:
             left = None if deadline is None else deadline - time.monotonic()
             conn = await store._acquire("opening the final transaction", left)
             attempt = Attempt(store, conn, c, _commit_timeout(self.lease_s))
@@ -1408,17 +1424,23 @@ class PhasedClaim:
                     # (sent before the lease keeper stopped, it ran on after its client gave
                     # up). Nothing is written yet, so look once more in a fresh snapshot: a
                     # takeover is then told apart by verify_claim (GI003, above).
-                    if tried < tries:
+                    conflicts += 1
+                    if conflicts < tries:
                         continue
                     raise LeaseLost("the claim changed under the final transaction") from exc
+                if not reconnected and await store._forget_connections_if_gone(exc):
+                    reconnected = True
+                    continue
                 raise store_error(exc, "opening the final transaction") from exc
             except BaseException as exc:
                 await attempt._abandon(interrupted=_interrupted(exc))
                 if isinstance(exc, STORE_ERRORS):
+                    if not reconnected and await store._forget_connections_if_gone(exc):
+                        reconnected = True
+                        continue
                     raise store_error(exc, "opening the final transaction") from exc
                 raise
             return attempt
-        raise AssertionError("unreachable")
 
     async def release(self) -> None:
         """Ends the claim's lease now, so that a retry takes the operation over at once instead
