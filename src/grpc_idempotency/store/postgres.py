@@ -400,6 +400,18 @@ def _connection_gone(exc: BaseException) -> bool:
     )
 
 
+def _read_only(conn: PooledConnection) -> bool:
+    """Whether ``conn``'s session takes no writes, as the server last reported it (its
+    ParameterStatus messages, no round trip): a hot standby (``in_hot_standby``, PostgreSQL 14
+    and later), or a session whose transactions are read-only by default
+    (``default_transaction_read_only``: set on the database, the role or the server)."""
+    settings = conn.get_settings()
+    return any(
+        getattr(settings, name, None) == "on"
+        for name in ("in_hot_standby", "default_transaction_read_only")
+    )
+
+
 def _checked_acquire_timeout(value: float | None) -> float | None:
     # A negative one was clamped to 1 ms without a word, and NaN compared false everywhere.
     if value is not None and not 0 < value < math.inf:
@@ -895,6 +907,17 @@ class Store:
                         continue
                     raise store_error(exc, "claiming a key") from exc
                 raise
+            if _read_only(conn):
+                # The claim writes nothing for a new key (the record is written with the
+                # outcome), so it passed on a database that takes no writes (a standby after a
+                # failover, one set read-only): the handler ran, the completion failed (25006),
+                # and the call answered UNAVAILABLE, on every retry once more; a fail-open
+                # method never failed open. It is the outage 25006 is (core.db_failures).
+                await attempt._abandon()
+                raise StoreUnavailable(
+                    "idempotency store unavailable while claiming a key (read-only: a standby,"
+                    " or default_transaction_read_only)"
+                )
             return attempt
         raise AssertionError("unreachable")
 
