@@ -44,12 +44,14 @@ def post(account: str) -> testsvc_pb2.PostRequest:
     return testsvc_pb2.PostRequest(account=account, amount=1)
 
 
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
 @pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])
 async def test_a_fail_open_method_replays_a_completed_key_after_a_failover(
-    proxied: tuple[BlackholeProxy, Store], mode: Mode
+    proxied: tuple[BlackholeProxy, Store], mode: Mode, ended: bool
 ) -> None:
     """A replica that never saw the key claims it first (atomic) or looks it up first (phased),
-    on its pool's dead connections."""
+    on its pool's dead connections: reset when used, or told first that their sessions ended
+    (asyncpg then refuses them with InternalClientError, "cannot switch to state")."""
     proxy, store = proxied
     key, account = fresh(), fresh("acct")
     overrides = {SVC[1:] + "PostFailOpen": MethodOverride(mode=mode)}
@@ -59,7 +61,7 @@ async def test_a_fail_open_method_replays_a_completed_key_after_a_failover(
     ):
         done = await origin.call(SVC + "PostFailOpen", post(account), key)
         assert done.code is grpc.StatusCode.OK
-        proxy.fail_over()
+        proxy.fail_over(ended=ended)
         again = await replica.call(SVC + "PostFailOpen", post(account), key)
         assert again.code is grpc.StatusCode.OK, again.details
         assert again.replayed and again.body == done.body

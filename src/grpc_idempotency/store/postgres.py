@@ -810,7 +810,15 @@ class Store:
                 row = await conn.fetchrow(
                     self.statements.lookup, scope, key, timeout=self.statement_timeout(timeout)
                 )
-            except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
+            except (
+                asyncpg.PostgresConnectionError,
+                asyncpg.InterfaceError,
+                # "cannot switch to state": the connection read its session's end (a restart's
+                # FATAL), not yet that of the socket. Not tried again, it failed the call as an
+                # outage, and a fail-open method ran a completed key again.
+                asyncpg.InternalClientError,
+                OSError,
+            ) as exc:
                 _drop(conn)
                 # A statement that timed out met a database that stopped answering (TimeoutError
                 # is an OSError): trying again would wait out the timeout again, then a connect.
