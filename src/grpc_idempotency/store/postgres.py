@@ -930,8 +930,17 @@ class Store:
         raise AssertionError("unreachable")
 
     async def begin(
-        self, *, isolation: Isolation | None = None, timeout: float | None = None
+        self,
+        *,
+        isolation: Isolation | None = None,
+        timeout: float | None = None,
+        idle_timeout_s: float | None = None,
     ) -> PlainTransaction:
+        """A transaction with no idempotency record (an optional-key call made without a key).
+        ``idle_timeout_s``: how long it may sit idle (``SET LOCAL
+        idle_in_transaction_session_timeout``, as in every transaction of a keyed call): the
+        method's lease. Without it a replica partitioned or frozen while it held the
+        transaction kept its handler's row locks until TCP keepalive noticed, hours later."""
         deadline = None if timeout is None else time.monotonic() + timeout
         tries = 2
         for tried in range(1, tries + 1):
@@ -942,7 +951,7 @@ class Store:
                 # it, which fails if the handler replaced the transaction (COMMIT or ROLLBACK,
                 # then BEGIN).
                 await conn.execute(
-                    f"BEGIN{_isolation_clause(isolation)}; SAVEPOINT {SAVEPOINT}",
+                    f"{begin_sql(_level(isolation), idle_timeout_s)}; SAVEPOINT {SAVEPOINT}",
                     timeout=self.statement_timeout(left),
                 )
             except BaseException as exc:
@@ -1260,10 +1269,6 @@ class _Probe:
 
 def _level(isolation: Isolation | None) -> str | None:
     return None if isolation is None else isolation.value
-
-
-def _isolation_clause(isolation: Isolation | None) -> str:
-    return "" if isolation is None else f" ISOLATION LEVEL {isolation.value.upper()}"
 
 
 def _commit_timeout(lease_s: float) -> float:
