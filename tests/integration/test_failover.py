@@ -21,6 +21,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import MethodOverride, Mode, Store
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, running_ledger
+from tests.support.waiting import until
 
 SVC = "/testsvc.v1.LedgerService/"
 POOL = 4
@@ -105,4 +106,43 @@ async def test_a_phased_call_whose_final_transaction_meets_a_failover_commits(
         assert answer.code is grpc.StatusCode.OK, answer.details
         again = await ledger.call(SVC + "PostPhased", request, key)
         assert again.replayed and again.body == answer.body
+    assert await ledger_rows(store, account) == 1
+
+
+@pytest.mark.parametrize("method", ["Post", "PostPhased"])
+async def test_a_commit_whose_answer_is_lost_is_unavailable_and_its_retry_replays(
+    proxied: tuple[BlackholeProxy, Store], store: Store, method: str
+) -> None:
+    """The outcome commits, then the connection resets before its answer arrives (a failover
+    at that instant): the call cannot know, answers UNAVAILABLE (never OK, never an error the
+    client would not retry), and the retry replays what committed."""
+    proxy, via = proxied
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="hold")
+    async with running_ledger(via) as ledger:
+        calling = asyncio.ensure_future(ledger.call(SVC + method, request, key))
+        await ledger.service.started.wait()  # written, the transaction open
+        proxy.hold_answers()
+        ledger.service.release.set()
+
+        async def committed() -> bool:
+            return bool(
+                await store.pool.fetchval(
+                    "SELECT count(*) FROM grpc_idempotency.records"
+                    " WHERE key = $1 AND state = 'completed'",
+                    key,
+                )
+            )
+
+        await until("the outcome to commit", committed)
+        proxy.fail_over()
+        for writer in list(proxy._clients):  # the answer never comes: reset
+            writer.transport.abort()
+        proxy.deliver_answers()
+        lost = await calling
+        assert lost.code is grpc.StatusCode.UNAVAILABLE, lost.details
+        assert lost.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        retry = await ledger.call(SVC + method, request, key)
+        assert retry.code is grpc.StatusCode.OK and retry.replayed, retry.details
+    assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
