@@ -146,3 +146,27 @@ async def test_a_commit_whose_answer_is_lost_is_unavailable_and_its_retry_replay
         assert retry.code is grpc.StatusCode.OK and retry.replayed, retry.details
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_phased_call_failing_after_a_failover_releases_its_key_at_once(
+    proxied: tuple[BlackholeProxy, Store], store: Store
+) -> None:
+    """The handler fails transiently (UNAVAILABLE) without touching the database, after a
+    failover: the release of its claim is the first statement on the pool's dead connections.
+    It failed ("expires with its lease"), and every retry was told IN_PROGRESS for the lease."""
+    proxy, via = proxied
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="wait-abort:UNAVAILABLE")
+    overrides = {SVC[1:] + "PostPhased": MethodOverride(lease=timedelta(seconds=30))}
+    async with running_ledger(via, overrides=overrides) as ledger:
+        calling = asyncio.ensure_future(ledger.call(SVC + "PostPhased", request, key))
+        await ledger.service.started.wait()  # claimed, the handler waiting
+        proxy.fail_over()
+        ledger.service.release.set()
+        answer = await calling
+        assert answer.code is grpc.StatusCode.UNAVAILABLE
+        lease_over = await store.pool.fetchval(
+            "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records WHERE key = $1",
+            key,
+        )
+        assert lease_over, "the claim was left to its 30 s lease"

@@ -1482,13 +1482,25 @@ class PhasedClaim:
         """Ends the claim's lease now, so that a retry takes the operation over at once instead
         of waiting the lease out. Best effort: if this fails the lease still expires."""
         c = self._claim
-        try:
-            async with self._store.connection("releasing a claim") as conn:
-                await conn.execute(
-                    self._store.statements.release, c.scope, c.key, self.token, self.started_at
+        tries = 2
+        for tried in range(1, tries + 1):
+            try:
+                async with self._store.connection("releasing a claim") as conn:
+                    await conn.execute(
+                        self._store.statements.release, c.scope, c.key, self.token, self.started_at
+                    )
+            except StoreUnavailable as err:
+                # On a pooled connection a restart or a failover left dead (the first statement
+                # of the call since: a handler failing without touching the database), once
+                # more on one opened now (``connection`` replaced the pool's others): the
+                # release matches this claim only, so it may run twice. Given up, every retry
+                # was told IN_PROGRESS for the whole lease.
+                if tried < tries and _connection_gone(err.__cause__ or err):
+                    continue
+                log.warning(
+                    "could not release claim %s/%s; it expires with its lease", c.scope, c.key
                 )
-        except StoreUnavailable:
-            log.warning("could not release claim %s/%s; it expires with its lease", c.scope, c.key)
+            return
 
 
 def one_store(store: object, *, user: str, per_shard: str) -> Store:
