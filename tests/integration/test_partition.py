@@ -185,3 +185,48 @@ async def test_a_phased_claim_answered_after_its_caller_went_is_released_at_once
 async def _lease_over(record: Callable[[], Awaitable[asyncpg.Record | None]]) -> bool:
     row = await record()
     return row is not None and bool(row["lease_over"])
+
+
+async def test_a_partitioned_replicas_unkeyed_transaction_ends_after_the_lease(
+    pg_dsn: str, store: Store, db: asyncpg.Connection
+) -> None:
+    """An optional-key method called without a key runs in a transaction of the library's too
+    (``Store.begin``), which carried no idle bound: partitioned while it held it, the replica
+    kept the handler's row locks (its inserted rows, an UPDATEd account) until TCP keepalive
+    noticed, hours later, with every other writer of those rows waiting. It ends after the
+    method's lease, as every transaction the library opens does (README, "Timeouts and
+    partitions")."""
+    optional = "/testsvc.v1.LedgerService/PostOptional"
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="hold")
+    overrides = {optional[1:]: MethodOverride(lease=timedelta(seconds=1))}
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    partitioned = await Store.connect(proxy.dsn, max_size=2, command_timeout=3)
+
+    async def holding() -> list[int]:
+        rows = await db.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE state = 'idle in transaction'"
+            " AND query LIKE 'INSERT INTO test_ledger.ledger%'"
+        )
+        return [r["pid"] for r in rows]
+
+    try:
+        async with running_ledger(partitioned, overrides=overrides) as ledger:
+            calling = asyncio.ensure_future(call_raw(ledger.channel, optional, request, ()))
+            await ledger.service.started.wait()  # written, the transaction open and idle
+            (pid,) = await until("the transaction to sit idle", holding)
+            proxy.blackhole()
+
+            async def ended() -> bool:
+                return not await db.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid
+                )
+
+            await until("PostgreSQL to end the partitioned transaction", ended, timeout=10)
+            ledger.service.release.set()
+            stalled = await calling
+            assert stalled.code is not grpc.StatusCode.OK
+    finally:
+        await partitioned.close(timeout=1)
+        await proxy.close()
+    assert await ledger_rows(store, request.account) == 0

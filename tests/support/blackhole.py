@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from urllib.parse import parse_qs, quote, urlsplit
 
 
@@ -25,7 +27,9 @@ class BlackholeProxy:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
+        self._clients: list[asyncio.StreamWriter] = []
         self.partitioned = False
+        self._failovers = 0
         self._holding = False
         self._held: list[tuple[asyncio.StreamWriter, bytes]] = []
         self.port = 0
@@ -45,6 +49,22 @@ class BlackholeProxy:
         """From now on nothing passes, and new connections hang."""
         self.partitioned = True
 
+    def fail_over(self, *, ended: bool = False) -> None:
+        """From now on the address leads to another host, as after a failover that moved a
+        virtual IP: a connection opened before is reset (RST) as soon as its client sends
+        anything, as that host answers a packet of a connection it never saw, and PostgreSQL's
+        side of it is closed. Until then its client sees nothing amiss. New connections reach
+        PostgreSQL as before.
+
+        ``ended``: each of those connections first receives the FATAL message (57P01) that
+        PostgreSQL sends an idle session it ends (a restart, ``pg_terminate_backend``), the
+        end of the connection still unseen: the state a client is in between reading the two."""
+        self._failovers += 1
+        if ended:
+            for writer in self._clients:
+                if not writer.is_closing():
+                    writer.write(_ADMIN_SHUTDOWN)
+
     def hold_answers(self) -> None:
         """From now on PostgreSQL's answers are held back (its requests still arrive): a
         statement runs, and even commits, while its client is left waiting."""
@@ -59,6 +79,7 @@ class BlackholeProxy:
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self._writers.append(client_w)
+        self._clients.append(client_w)
         if self.partitioned:
             await self._swallow(client_r)
             return
@@ -68,7 +89,9 @@ class BlackholeProxy:
             server_r, server_w = await asyncio.open_connection(*self._tcp)
         self._writers.append(server_w)
         pipes = [
-            asyncio.ensure_future(self._pipe(client_r, server_w, upstream=True)),
+            asyncio.ensure_future(
+                self._pipe(client_r, server_w, upstream=True, client=(client_w, self._failovers))
+            ),
             asyncio.ensure_future(self._pipe(server_r, client_w)),
         ]
         self._tasks.update(pipes)
@@ -77,10 +100,17 @@ class BlackholeProxy:
             task.cancel()
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool = False
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        upstream: bool = False,
+        client: tuple[asyncio.StreamWriter, int] | None = None,
     ) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while data := await reader.read(65536):
+                if client is not None and client[1] < self._failovers:
+                    _reset(client[0])
+                    break
                 if self.partitioned:
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
                 if upstream:
@@ -107,3 +137,26 @@ class BlackholeProxy:
             task.cancel()
         if self._server is not None:
             await self._server.wait_closed()
+
+
+def _error_response(fields: dict[str, str]) -> bytes:
+    body = b"".join(k.encode() + v.encode() + b"\0" for k, v in fields.items()) + b"\0"
+    return b"E" + struct.pack("!i", 4 + len(body)) + body
+
+
+_ADMIN_SHUTDOWN = _error_response(
+    {
+        "S": "FATAL",
+        "V": "FATAL",
+        "C": "57P01",
+        "M": "terminating connection due to administrator command",
+    }
+)
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Closes ``writer``'s connection with a reset (RST), not an orderly FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()

@@ -4,7 +4,7 @@
 name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and returns; "raise" raises;
 "sleep:MS" sleeps first; "wait" blocks until the test sets ``LedgerService.release`` (an event);
 "wait-flaky" does the same, then the key's first attempt aborts UNAVAILABLE after its write;
-"wait:CODE" waits too, then aborts with CODE after its write;
+"wait:CODE" waits too, then aborts with CODE after its write; "wait-abort:CODE" without writing;
 "commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves;
 "swallow" (a key's first attempt) runs a failing statement and catches the error (its
 transaction is then aborted); "deferred-violation" (a key's first attempt) writes a row that
@@ -134,9 +134,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         self.executions += 1
         if behaviour.startswith("sleep:"):
             await asyncio.sleep(int(behaviour.split(":")[1]) / 1000)
-        if behaviour in ("wait", "wait-flaky") or behaviour.startswith("wait:"):
+        if behaviour in ("wait", "wait-flaky") or behaviour.startswith(("wait:", "wait-abort:")):
             self.started.set()
             await self.release.wait()
+        if behaviour.startswith("wait-abort:"):  # without touching the database
+            code = getattr(grpc.StatusCode, behaviour[len("wait-abort:") :])
+            await context.abort(code, f"handler says {code.name} after waiting, writing nothing")
         call = current_call()
         self.opening.set()
         try:

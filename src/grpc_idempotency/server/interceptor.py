@@ -877,7 +877,12 @@ class IdempotencyInterceptor(_Interceptor):
         assert store is not None
         try:
             tx = await store.begin(
-                isolation=policy.isolation, timeout=answers.time_remaining(context)
+                isolation=policy.isolation,
+                timeout=answers.time_remaining(context),
+                # Bounded like a keyed call's: a partitioned or frozen replica must not keep
+                # its handler's row locks until TCP keepalive notices (README, "Timeouts and
+                # partitions").
+                idle_timeout_s=policy.lease_s,
             )
         except StoreUnavailable as err:
             if await _may_fail_open(policy, context, err, store):

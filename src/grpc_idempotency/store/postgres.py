@@ -373,6 +373,45 @@ def _interrupted(exc: BaseException) -> bool:
     return isinstance(exc, (TimeoutError, asyncio.CancelledError))
 
 
+# The server ended the session: admin_shutdown (a restart, a failover, pg_terminate_backend),
+# crash_shutdown.
+_SESSION_ENDED = frozenset({"57P01", "57P02"})
+
+
+def _connection_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says that the statement's pooled connection is gone: reset or closed
+    under it, or its session ended by the server. That says nothing of the database itself:
+    after a restart or a failover every connection the pool opened before is gone, and each
+    fails once, when next used (a failover that moved a virtual IP resets it only then; the
+    event loop may not have seen a restart's end of a connection yet). Not a timeout: behind a
+    partition another connection would wait as long."""
+    if isinstance(exc, TimeoutError):
+        return False
+    if sqlstate(exc) in _SESSION_ENDED:
+        return True
+    return isinstance(
+        exc,
+        (
+            asyncpg.PostgresConnectionError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,  # "cannot switch to state": the server's end pending
+            OSError,
+        ),
+    )
+
+
+def _read_only(conn: PooledConnection) -> bool:
+    """Whether ``conn``'s session takes no writes, as the server last reported it (its
+    ParameterStatus messages, no round trip): a hot standby (``in_hot_standby``, PostgreSQL 14
+    and later), or a session whose transactions are read-only by default
+    (``default_transaction_read_only``: set on the database, the role or the server)."""
+    settings = conn.get_settings()
+    return any(
+        getattr(settings, name, None) == "on"
+        for name in ("in_hot_standby", "default_transaction_read_only")
+    )
+
+
 def _checked_acquire_timeout(value: float | None) -> float | None:
     # A negative one was clamped to 1 ms without a word, and NaN compared false everywhere.
     if value is not None and not 0 < value < math.inf:
@@ -624,6 +663,7 @@ class Store:
         except STORE_ERRORS as exc:
             if isinstance(exc, TimeoutError):
                 _drop(conn)
+            await self._forget_connections_if_gone(exc)
             raise store_error(exc, doing) from exc
         except asyncio.CancelledError:
             _drop(conn)
@@ -744,6 +784,18 @@ class Store:
         except STORE_ERRORS:
             log.debug("dropping a broken connection", exc_info=True)
 
+    async def _forget_connections_if_gone(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says its connection is gone (``_connection_gone``); if so, the pool's
+        other connections, opened as long ago, are replaced on their next use: after a restart
+        or a failover each of them failed a call in turn (a keyed call answered UNAVAILABLE, a
+        fail-open method run unclaimed on a database that held its key's outcome), where a
+        connection opened now tells whether the database is there."""
+        if not _connection_gone(exc):
+            return False
+        with contextlib.suppress(Exception):
+            await self.pool.expire_connections()
+        return True
+
     async def lookup(
         self, scope: str, key: str, *, timeout: float | None = None
     ) -> StoredRecord | None:
@@ -758,12 +810,23 @@ class Store:
                 row = await conn.fetchrow(
                     self.statements.lookup, scope, key, timeout=self.statement_timeout(timeout)
                 )
-            except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
+            except (
+                asyncpg.PostgresConnectionError,
+                asyncpg.InterfaceError,
+                # "cannot switch to state": the connection read its session's end (a restart's
+                # FATAL), not yet that of the socket. Not tried again, it failed the call as an
+                # outage, and a fail-open method ran a completed key again.
+                asyncpg.InternalClientError,
+                OSError,
+            ) as exc:
                 _drop(conn)
                 # A statement that timed out met a database that stopped answering (TimeoutError
                 # is an OSError): trying again would wait out the timeout again, then a connect.
                 if attempt == attempts or isinstance(exc, TimeoutError):
                     raise store_error(exc, "looking up a key") from exc
+                # The next try on a connection opened now, not on another one of the pool's
+                # that a restart or a failover left as dead as this one.
+                await self._forget_connections_if_gone(exc)
                 continue
             except asyncpg.PostgresError as exc:
                 if classify(exc.sqlstate) is Failure.CONFLICT and attempt < attempts:
@@ -820,47 +883,91 @@ class Store:
         The transaction may sit idle for at most ``lease_s`` (the atomic lease): a frozen or
         partitioned owner loses the claim then, and a retry can take the key."""
         self._refuse_if_draining()
-        conn = await self._acquire("claiming a key", timeout)
         claim = self._atomic_claim_sql(scope, key, method, fingerprint, retention_s, lease_s)
         sql = self.statements.begin_atomic_claim(
             claim, isolation=_level(isolation), idle_timeout_s=lease_s
         )
         held = _Claim(scope, key, retention_s, method=method, fingerprint=fingerprint)
-        attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
-        try:
-            await conn.execute(sql, timeout=self.statement_timeout(timeout))
-        except asyncpg.PostgresError as exc:
-            await attempt._abandon()
-            if _lost_race(exc):
-                return None
-            raise store_error(exc, "claiming a key") from exc
-        except BaseException as exc:
-            await attempt._abandon(interrupted=_interrupted(exc))
-            if isinstance(exc, STORE_ERRORS):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tries = 2
+        for tried in range(1, tries + 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            conn = await self._acquire("claiming a key", left)
+            attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
+            try:
+                await conn.execute(sql, timeout=self.statement_timeout(left))
+            except asyncpg.PostgresError as exc:
+                await attempt._abandon()
+                if _lost_race(exc):
+                    return None
+                # A pooled connection that a restart or a failover left dead (the pool's
+                # others are replaced now): once more on a connection opened now. Safe: the
+                # batch commits nothing, and a dead session's transaction is rolled back.
+                # Answered as an outage instead, a fail-open method ran unclaimed, a completed
+                # key again, on a database that was up and held its outcome.
+                if tried < tries and await self._forget_connections_if_gone(exc):
+                    continue
                 raise store_error(exc, "claiming a key") from exc
-            raise
-        return attempt
+            except BaseException as exc:
+                await attempt._abandon(interrupted=_interrupted(exc))
+                if isinstance(exc, STORE_ERRORS):
+                    if tried < tries and await self._forget_connections_if_gone(exc):
+                        continue
+                    raise store_error(exc, "claiming a key") from exc
+                raise
+            if _read_only(conn):
+                # The claim writes nothing for a new key (the record is written with the
+                # outcome), so it passed on a database that takes no writes (a standby after a
+                # failover, one set read-only): the handler ran, the completion failed (25006),
+                # and the call answered UNAVAILABLE, on every retry once more; a fail-open
+                # method never failed open. It is the outage 25006 is (core.db_failures).
+                await attempt._abandon()
+                raise StoreUnavailable(
+                    "idempotency store unavailable while claiming a key (read-only: a standby,"
+                    " or default_transaction_read_only)"
+                )
+            return attempt
+        raise AssertionError("unreachable")
 
     async def begin(
-        self, *, isolation: Isolation | None = None, timeout: float | None = None
+        self,
+        *,
+        isolation: Isolation | None = None,
+        timeout: float | None = None,
+        idle_timeout_s: float | None = None,
     ) -> PlainTransaction:
-        conn = await self._acquire("beginning a transaction", timeout)
-        try:
-            # The library's savepoint, as in a keyed call's transaction: the commit releases it,
-            # which fails if the handler replaced the transaction (COMMIT or ROLLBACK, then BEGIN).
-            await conn.execute(
-                f"BEGIN{_isolation_clause(isolation)}; SAVEPOINT {SAVEPOINT}",
-                timeout=self.statement_timeout(timeout),
-            )
-        except BaseException as exc:
-            # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
-            # connection must go back to the pool all the same, or it is lost to it for good.
-            _drop(conn)
-            await self._release(conn)
-            if isinstance(exc, STORE_ERRORS):
-                raise store_error(exc, "beginning a transaction") from exc
-            raise
-        return PlainTransaction(self, conn)
+        """A transaction with no idempotency record (an optional-key call made without a key).
+        ``idle_timeout_s``: how long it may sit idle (``SET LOCAL
+        idle_in_transaction_session_timeout``, as in every transaction of a keyed call): the
+        method's lease. Without it a replica partitioned or frozen while it held the
+        transaction kept its handler's row locks until TCP keepalive noticed, hours later."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tries = 2
+        for tried in range(1, tries + 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            conn = await self._acquire("beginning a transaction", left)
+            try:
+                # The library's savepoint, as in a keyed call's transaction: the commit releases
+                # it, which fails if the handler replaced the transaction (COMMIT or ROLLBACK,
+                # then BEGIN).
+                await conn.execute(
+                    f"{begin_sql(_level(isolation), idle_timeout_s)}; SAVEPOINT {SAVEPOINT}",
+                    timeout=self.statement_timeout(left),
+                )
+            except BaseException as exc:
+                # Cancelled too (the client went): whether the BEGIN ran is unknown, and the
+                # connection must go back to the pool all the same, or it is lost to it for good.
+                _drop(conn)
+                await self._release(conn)
+                if isinstance(exc, STORE_ERRORS):
+                    # A pooled connection a restart or a failover left dead: once more on one
+                    # opened now (as claim_atomic), not UNAVAILABLE with the database up.
+                    if tried < tries and await self._forget_connections_if_gone(exc):
+                        continue
+                    raise store_error(exc, "beginning a transaction") from exc
+                raise
+            return PlainTransaction(self, conn)
+        raise AssertionError("unreachable")
 
     async def claim_phased(
         self,
@@ -1164,10 +1271,6 @@ def _level(isolation: Isolation | None) -> str | None:
     return None if isolation is None else isolation.value
 
 
-def _isolation_clause(isolation: Isolation | None) -> str:
-    return "" if isolation is None else f" ISOLATION LEVEL {isolation.value.upper()}"
-
-
 def _commit_timeout(lease_s: float) -> float:
     """How long the final commit may take before its fate is declared unknown (and the call
     answered UNAVAILABLE): PostgreSQL ends a transaction left idle for the lease anyway, so a
@@ -1335,7 +1438,13 @@ class PhasedClaim:
         )
         deadline = None if timeout is None else time.monotonic() + timeout
         tries = 2
-        for tried in range(1, tries + 1):
+        conflicts = 0
+        # Once more on a connection opened now when a pooled one is found dead (a restart or a
+        # failover while the handler ran): safe, the batch commits nothing. Answered UNAVAILABLE
+        # instead, the call's release met the pool's next dead connection, and every retry was
+        # told IN_PROGRESS for the whole lease.
+        reconnected = False
+        while True:
             left = None if deadline is None else deadline - time.monotonic()
             conn = await store._acquire("opening the final transaction", left)
             attempt = Attempt(store, conn, c, _commit_timeout(self.lease_s))
@@ -1351,29 +1460,47 @@ class PhasedClaim:
                     # (sent before the lease keeper stopped, it ran on after its client gave
                     # up). Nothing is written yet, so look once more in a fresh snapshot: a
                     # takeover is then told apart by verify_claim (GI003, above).
-                    if tried < tries:
+                    conflicts += 1
+                    if conflicts < tries:
                         continue
                     raise LeaseLost("the claim changed under the final transaction") from exc
+                if not reconnected and await store._forget_connections_if_gone(exc):
+                    reconnected = True
+                    continue
                 raise store_error(exc, "opening the final transaction") from exc
             except BaseException as exc:
                 await attempt._abandon(interrupted=_interrupted(exc))
                 if isinstance(exc, STORE_ERRORS):
+                    if not reconnected and await store._forget_connections_if_gone(exc):
+                        reconnected = True
+                        continue
                     raise store_error(exc, "opening the final transaction") from exc
                 raise
             return attempt
-        raise AssertionError("unreachable")
 
     async def release(self) -> None:
         """Ends the claim's lease now, so that a retry takes the operation over at once instead
         of waiting the lease out. Best effort: if this fails the lease still expires."""
         c = self._claim
-        try:
-            async with self._store.connection("releasing a claim") as conn:
-                await conn.execute(
-                    self._store.statements.release, c.scope, c.key, self.token, self.started_at
+        tries = 2
+        for tried in range(1, tries + 1):
+            try:
+                async with self._store.connection("releasing a claim") as conn:
+                    await conn.execute(
+                        self._store.statements.release, c.scope, c.key, self.token, self.started_at
+                    )
+            except StoreUnavailable as err:
+                # On a pooled connection a restart or a failover left dead (the first statement
+                # of the call since: a handler failing without touching the database), once
+                # more on one opened now (``connection`` replaced the pool's others): the
+                # release matches this claim only, so it may run twice. Given up, every retry
+                # was told IN_PROGRESS for the whole lease.
+                if tried < tries and _connection_gone(err.__cause__ or err):
+                    continue
+                log.warning(
+                    "could not release claim %s/%s; it expires with its lease", c.scope, c.key
                 )
-        except StoreUnavailable:
-            log.warning("could not release claim %s/%s; it expires with its lease", c.scope, c.key)
+            return
 
 
 def one_store(store: object, *, user: str, per_shard: str) -> Store:
