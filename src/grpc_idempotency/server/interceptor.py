@@ -208,6 +208,13 @@ class IdempotencyInterceptor(_Interceptor):
     ``current_call().run(...)`` waits for the loop, and the loop resolves host names
     (``getaddrinfo``) in its default executor when the store's pool reconnects; with every
     default thread held by such handlers, both waited until the calls' deadlines.
+    ``fingerprint_off_loop_bytes``: a request whose serialized size is larger is fingerprinted in
+    a thread of the interceptor's own (one, made on first use), not on the event loop (``None``:
+    always on the loop). Clearing excluded fields and putting undeclared ones in order is Python,
+    0.3-0.6 µs per byte of such a request: on the loop, one 2 MB batch held every other call of
+    the server for half a second, and a client sending 4 MB of unknown fields for over two
+    (``benchmarks/bench_big_requests.py``). In the thread, the loop takes its turn at least every
+    switch interval (``sys.getswitchinterval()``, 5 ms).
     """
 
     def __init__(
@@ -221,9 +228,19 @@ class IdempotencyInterceptor(_Interceptor):
         replay_cache: ReplayCache | bool = True,
         herd_release: HerdRelease | None = HerdRelease(),  # noqa: B008  (frozen: shared safely)
         sync_executor: Executor | None = None,
+        fingerprint_off_loop_bytes: int | None = 16 * 1024,
     ) -> None:
         self.store = store
         self._sync_executor = sync_executor
+        if fingerprint_off_loop_bytes is not None and (
+            type(fingerprint_off_loop_bytes) is not int or fingerprint_off_loop_bytes < 0
+        ):
+            raise ValueError(
+                "fingerprint_off_loop_bytes must be a non-negative int (bytes) or None; got"
+                f" {fingerprint_off_loop_bytes!r}"
+            )
+        self._off_loop_bytes = fingerprint_off_loop_bytes
+        self._fingerprint_executor: ThreadPoolExecutor | None = None
         self._herd_release = herd_release
         self._replay_cache: ReplayCache | None = None
         if isinstance(replay_cache, ReplayCache):
@@ -410,7 +427,11 @@ class IdempotencyInterceptor(_Interceptor):
             call.outcome = CallOutcome.BYPASSED
             return await self._run_unkeyed(call)
 
-        fingerprint = policy.fingerprint(call.request)
+        request = call.request
+        if self._off_loop_bytes is not None and request.ByteSize() > self._off_loop_bytes:
+            fingerprint = await self._fingerprint_off_loop(policy, request)
+        else:
+            fingerprint = policy.fingerprint(request)
         budget = wait_budget_s(policy.max_wait_s, answers.time_remaining(context))
         wait_until = time.monotonic() + budget
         slot = (scope, key)
@@ -843,6 +864,16 @@ class IdempotencyInterceptor(_Interceptor):
             # The handler caught its abort and returned: grpc.aio has sent the abort already.
             raise context.aborted
         return response
+
+    async def _fingerprint_off_loop(self, policy: MethodPolicy, request: Any) -> bytes:
+        # One thread: fingerprints are Python under the GIL, so more threads would not make
+        # them faster, only take more turns from the loop; big requests queue here instead.
+        if self._fingerprint_executor is None:
+            self._fingerprint_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="grpc-idempotency-fingerprint"
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._fingerprint_executor, policy.fingerprint, request)
 
     def _sync_pool(self) -> Executor:
         if self._sync_executor is None:
