@@ -402,3 +402,26 @@ def test_any_request_hashes_alike_on_both_sides_of_a_deploy_that_adds_fields(
     assert fingerprint(EV1, wire) == fingerprint(EV2, wire)
     reserialized = bytes(EV2.FromString(wire).SerializeToString(deterministic=True))
     assert fingerprint(EV1, reserialized) == fingerprint(EV2, wire)
+
+
+@pytest.mark.parametrize("where", [None, "first", "last", "top"])
+def test_a_big_request_is_found_to_hold_undeclared_fields_as_a_small_one_is(
+    where: str | None,
+) -> None:
+    """Over a few KiB, needs_field_order compares sizes after protobuf discards the unknown
+    fields instead of walking every message in Python: it must find a newer client's field
+    wherever it sits, and nothing in a request without one (and hash alike across the deploy)."""
+    request = V2(account="acct-1", amount=100)
+    for i in range(500):
+        item = request.items.add()
+        item.a, item.c = f"a{i}", "c"
+    if where == "top":
+        request.note = "gift"
+    elif where is not None:
+        request.items[0 if where == "first" else -1].b = "new"
+    wire = request.SerializeToString()
+    old = V1.FromString(wire)
+    assert old.ByteSize() > 4096  # the size comparison, not the walk
+    assert needs_field_order(old) is (where is not None)
+    assert needs_field_order(old) is has_unknown_fields(old)  # the walk agrees
+    assert fingerprint(V1, wire) == fingerprint(V2, wire)

@@ -19,6 +19,7 @@ client's entry order) and the bytes of an ``Any``.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -63,7 +64,37 @@ def needs_field_order(message: Message) -> bool:
     is an unknown field, put in number order: so a known one must be too, or the same request
     hashed differently on a server that imports the extension's module and on one that does
     not (a deploy that starts importing it refused retries as KEY_REUSED)."""
+    if not _reaches_extendable(message.DESCRIPTOR) and message.ByteSize() > _WALK_BYTES:
+        # A big request (a batch of thousands of messages): the walk below is Python, once per
+        # message in it; protobuf's own code discards the unknown fields of them all, and the
+        # size says whether there were any (every unknown record takes at least a byte).
+        probe = type(message)()
+        probe.CopyFrom(message)
+        probe.DiscardUnknownFields()
+        return probe.ByteSize() != message.ByteSize()
     return _holds(message, extensions=True)
+
+
+_WALK_BYTES = 4096
+"""Above this size, ``needs_field_order`` compares sizes instead of walking the messages (for a
+small request the copy costs more than the walk)."""
+
+
+@functools.cache
+def _reaches_extendable(descriptor: Any) -> bool:
+    """Whether ``descriptor`` or a message type reachable from it has extension ranges (its
+    messages may then hold extensions, which the size comparison does not see)."""
+    seen: set[str] = set()
+    stack = [descriptor]
+    while stack:
+        d = stack.pop()
+        if d.full_name in seen:
+            continue
+        seen.add(d.full_name)
+        if d.is_extendable:
+            return True
+        stack.extend(f.message_type for f in d.fields if f.message_type is not None)
+    return False
 
 
 def _holds(message: Message, *, extensions: bool) -> bool:
@@ -94,39 +125,60 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
     field-number order. (``descriptor`` is typed loosely: upb's and the pure-Python
     descriptor types differ in protobuf's stubs.)"""
     records: list[tuple[int, bytes]] = []
+    # Looked up once: upb makes a new mapping object on every access. The loop runs once per
+    # wire record, and a big request (a batch, a client sending junk) has hundreds of thousands:
+    # it is the fingerprint's cost for such a request.
+    by_number = descriptor.fields_by_number
+    extendable = descriptor.is_extendable
+    append = records.append
+    end = len(data)
     at = 0
-    while at < len(data):
+    while at < end:
         start = at
-        tag, at = _varint(data, at)
+        tag = data[at]
+        if tag < 0x80:  # a one-byte tag: fields 1-15
+            at += 1
+        else:
+            tag, at = _varint(data, at)
         number, wire_type = tag >> 3, tag & 7
-        field = descriptor.fields_by_number.get(number) or _extension(descriptor, number)
+        field = by_number.get(number)
+        if field is None:
+            if extendable:
+                field = _extension(descriptor, number)
+            if field is None and wire_type == _VARINT:  # the commonest unknown record
+                while data[at] & 0x80:
+                    at += 1
+                at += 1
+                append((number, data[start:at]))
+                continue
         if wire_type == _LEN and field is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
             size, body = _varint(data, at)
             inner = field_ordered(data[body : body + size], field.message_type)
-            records.append((number, data[start:at] + _encode(len(inner)) + inner))
+            append((number, data[start:at] + _encode(len(inner)) + inner))
             at = body + size
         elif wire_type == _SGROUP and field is not None and field.type == _GROUP:
             # A proto2 group or an editions DELIMITED message: a message too, delimited by an
             # end tag instead of a length. Left as it was, a newer client's field inside one
             # stayed at its end on the old server and in order on the new: a retry crossing
             # the deploy was refused as KEY_REUSED.
-            body_end, end = _group_end(data, at, number)
+            body_end, group_end = _group_end(data, at, number)
             inner = field_ordered(data[at:body_end], field.message_type)
-            records.append((number, data[start:at] + inner + data[body_end:end]))
-            at = end
+            append((number, data[start:at] + inner + data[body_end:group_end]))
+            at = group_end
         else:
             at = _skip(data, at, wire_type, number)
-            records.append((number, data[start:at]))
-    records.sort(key=lambda record: record[0])  # stable
-    return b"".join(record for _, record in records)
+            append((number, data[start:at]))
+    records.sort(key=_number)  # stable
+    return b"".join([record for _, record in records])
+
+
+_number = operator.itemgetter(0)
 
 
 def _extension(descriptor: Any, number: int) -> Any:
     """The extension ``number`` of ``descriptor`` its pool holds, or ``None``: a message one
     holds is put in order inside too, as the same message in a declared field is. (Not cached:
     the numbers come from the client.)"""
-    if not descriptor.is_extendable:
-        return None
     try:
         return descriptor.file.pool.FindExtensionByNumber(descriptor, number)
     except KeyError:
