@@ -81,6 +81,10 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
             except BaseException as exc:
                 self.seen.append(exc)
                 raise
+        elif behaviour.startswith("set-then-raise:"):
+            # grpc.aio's way to answer a status by raising: set_code(), then any exception
+            # ("Unexpected <class ...>: ..." with that code). The key's first attempt only.
+            _set_then_raise(context, behaviour, first=self.executions == 1)
         elif behaviour.startswith("set-bad-trailers:"):  # set_trailing_metadata(), then...
             _, case, then = behaviour.split(":")
             context.set_trailing_metadata(BAD_TRAILERS[case])
@@ -105,6 +109,8 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
                 context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
             except grpc.aio.AbortError as exc:
                 self.seen.append(exc)
+        elif request.behaviour.startswith("set-then-raise:"):
+            _set_then_raise(context, request.behaviour, first=self.executions == 1)
         elif request.behaviour == "abort-twice":
             try:
                 context.abort(grpc.StatusCode.NOT_FOUND, "first")
@@ -116,6 +122,17 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
                 self.seen.append(exc)
                 raise
         return testsvc_pb2.PostResponse(account=request.account)
+
+
+def _set_then_raise(context: Any, behaviour: str, *, first: bool) -> None:
+    if first:
+        context.set_code(getattr(grpc.StatusCode, behaviour.split(":")[1]))
+        context.set_details("ignored by grpc.aio for a raise")
+        raise LookupError("no such account")
+
+
+RAISED_DETAILS = "Unexpected <class 'LookupError'>: no such account"
+"""What grpc.aio answers a handler that set a code, then raised ``LookupError``."""
 
 
 @dataclass
@@ -277,3 +294,38 @@ async def test_a_sync_handlers_add_callback_runs_after_it_returned(
     retry = await edges.call(SYNC, "callback", key, account)
     assert (retry.code, retry.replayed) == (grpc.StatusCode.OK, True)
     assert edges.service.callback_threads == [threading.current_thread().name]  # not re-run
+
+
+@pytest.mark.parametrize("method", [POST, PHASED, SYNC])
+async def test_a_recorded_code_set_before_a_raise_is_answered_and_replayed(
+    edges: Served, store: Store, method: str
+) -> None:
+    """grpc.aio answers a handler that set a code and then raised with that code ("Allows users
+    to raise other types of exception with specified status code"). Set to a recorded error
+    (NOT_FOUND), that answer is the key's outcome: recorded, replayed, the writes rolled back.
+    The client was told NOT_FOUND while the key was released: the retry ran the operation again
+    (here it succeeded and wrote), so one key had two final answers."""
+    key, account = await answered_then_replayed(
+        edges, method, "set-then-raise:NOT_FOUND", grpc.StatusCode.NOT_FOUND, RAISED_DETAILS
+    )
+    assert edges.service.executions == 1
+    row = await record(store, key)
+    assert (row["state"], row["status_code"]) == ("completed", grpc.StatusCode.NOT_FOUND.value[0])
+    assert row["status_message"] == RAISED_DETAILS
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("method", [POST, SYNC])
+async def test_a_transient_code_set_before_a_raise_is_answered_and_releases_the_key(
+    edges: Served, store: Store, method: str
+) -> None:
+    """The same with a code that is not recorded (UNAVAILABLE): answered as grpc.aio answers it,
+    the key released and the writes rolled back; the retry runs again."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(method, "set-then-raise:UNAVAILABLE", key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.UNAVAILABLE, RAISED_DETAILS)
+    assert await record(store, key) is None
+    assert await ledger_rows(store, account) == 0
+    retry = await edges.call(method, "set-then-raise:UNAVAILABLE", key, account)
+    assert (retry.code, retry.replayed) == (grpc.StatusCode.OK, False)
+    assert edges.service.executions == 2

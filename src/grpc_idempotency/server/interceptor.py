@@ -823,6 +823,20 @@ class IdempotencyInterceptor(_Interceptor):
                 isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call)  # a sync channel's
             ):
                 raise _downstream_failed(call.policy.method, exc) from exc
+            code = call.context.code()
+            if code is not None and answers.status_code(code) is not Code.OK:
+                # set_code(), then a raise: grpc.aio answers the code set ("Unexpected <class>:
+                # text"). Left to it, a recorded code (NOT_FOUND) reached the client while the
+                # key was released, and a retry ran the operation again. As an abort, the
+                # answer is the one finish() classifies (recorded and replayed, or released).
+                log.error(
+                    "%s: the handler set %s, then raised %s",
+                    call.policy.method,
+                    answers.status_code(code).name,
+                    type(exc).__name__,
+                    exc_info=exc,
+                )
+                raise DeferredAbort(code, f"Unexpected {type(exc)}: {exc}", ()) from exc
             raise
         if context.aborted is not None:
             # The handler caught its abort and returned: grpc.aio has sent the abort already.
