@@ -415,7 +415,7 @@ class IdempotencyInterceptor(_Interceptor):
             if owner is not None:
                 # Another call in this process is working on the key: wait for its result
                 # without holding a database connection.
-                shared = await self._wait_for_owner(call, owner, wait_until)
+                shared = await self._wait_for_owner(call, owner, wait_until, fingerprint)
                 if shared is not None:
                     return await self._answer_from(call, shared, fingerprint)
                 continue
@@ -423,7 +423,7 @@ class IdempotencyInterceptor(_Interceptor):
             # This call becomes the key's local owner: local duplicates wait on it.
             owned = self._owners[slot] = _Owner(self._herd_release)
             try:
-                return await self._attempt(call, scope, key, fingerprint)
+                return await self._attempt(call, scope, key, fingerprint, owned)
             except _Busy as busy:
                 step, _ = transition(
                     Phase.WAITING, budget_event(now=time.monotonic(), wait_until=wait_until)
@@ -455,8 +455,14 @@ class IdempotencyInterceptor(_Interceptor):
                 self._waiting -= 1
 
     async def _wait_for_owner(
-        self, call: _Call, owner: _Owner, wait_until: float
+        self, call: _Call, owner: _Owner, wait_until: float, fingerprint: bytes
     ) -> _Shared | None:
+        if owner.claimed is not None and owner.claimed != fingerprint:
+            # A phased claim is visible to every attempt: another replica refuses this request
+            # at once (KEY_REUSED), and so does this one, rather than have it wait out its
+            # budget for ABORTED, a retry hint for a request that can never run.
+            call.outcome = CallOutcome.MISMATCH
+            await answers.abort(call.context, _reused())
         call.waited = True
         self._waiting += 1
         try:
@@ -467,6 +473,9 @@ class IdempotencyInterceptor(_Interceptor):
                 # The outcome is in and this call was only queued for its batch: no reason to
                 # give up now (core/herd.py); it answers as if released with the first batch.
                 return owner.shared
+            if owner.claimed is not None and owner.claimed != fingerprint:
+                call.outcome = CallOutcome.MISMATCH  # claimed since this call began waiting
+                await answers.abort(call.context, _reused())
             call.outcome = CallOutcome.CONFLICT
             await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
         finally:
@@ -486,9 +495,12 @@ class IdempotencyInterceptor(_Interceptor):
         call.outcome = CallOutcome.REPLAYED
         return await answers.replay(call.context, hit.outcome)
 
-    async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> Any:
+    async def _attempt(
+        self, call: _Call, scope: str, key: str, fingerprint: bytes, owned: _Owner
+    ) -> Any:
         """Drives the call through ``core.lifecycle``'s transition table until it has an answer;
-        raises ``_Busy`` when the table says to wait (the caller checks the wait's budget)."""
+        raises ``_Busy`` when the table says to wait (the caller checks the wait's budget).
+        ``owned``: this call's entry as the key's local owner."""
         policy, context, store = call.policy, call.context, call.store
         assert store is not None
         slot = (scope, key)
@@ -524,6 +536,8 @@ class IdempotencyInterceptor(_Interceptor):
                     step, phase = transition(phase, won)
                     if step is Step.EXECUTE:
                         assert claim is not None
+                        if phased:
+                            owned.claimed = fingerprint  # committed: other attempts see it
                         executed = executed_outcome(claiming)
                         # Child keys follow the steps declared when the operation began
                         # (propagation.choose_step), on every attempt: a phased claim knows when,
@@ -989,11 +1003,14 @@ class _Owner:
     hundreds of duplicates wait on one key. They are resolved a batch at a time when
     ``release`` says so (``core/herd.py``)."""
 
-    __slots__ = ("_release", "_waiters", "handed", "shared")
+    __slots__ = ("_release", "_waiters", "claimed", "handed", "shared")
 
     def __init__(self, release: HerdRelease | None = None) -> None:
         self._release = release
         self._waiters: list[asyncio.Future[_Shared | None]] = []
+        self.claimed: bytes | None = None
+        """The fingerprint of the owner's claim once other attempts can see it (a phased claim,
+        committed): a duplicate with another fingerprint is then refused, not kept waiting."""
         self.handed = False
         self.shared: _Shared | None = None
         """What the owner handed over (once ``handed``): the outcome, or ``None``, look again."""
