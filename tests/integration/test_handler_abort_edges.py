@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
@@ -81,6 +83,15 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
             except BaseException as exc:
                 self.seen.append(exc)
                 raise
+        elif behaviour == "nul-abort":  # details with a NUL (a client's text echoed, say)
+            await context.abort(grpc.StatusCode.NOT_FOUND, NUL_DETAILS)
+        elif behaviour == "nul-set":
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(NUL_DETAILS)
+        elif behaviour == "nul-rich":  # the same text in a google.rpc.Status, as grpcio-status
+            status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message=NUL_DETAILS)
+            status.details.add().Pack(error_details_pb2.ErrorInfo(reason="MISSING", domain="t"))
+            await context.abort_with_status(rpc_status.to_status(status))
         elif behaviour.startswith("set-then-raise:"):
             # grpc.aio's way to answer a status by raising: set_code(), then any exception
             # ("Unexpected <class ...>: ..." with that code). The key's first attempt only.
@@ -130,6 +141,8 @@ def _set_then_raise(context: Any, behaviour: str, *, first: bool) -> None:
         context.set_details("ignored by grpc.aio for a raise")
         raise LookupError("no such account")
 
+
+NUL_DETAILS = "no such account: a\x00b"
 
 RAISED_DETAILS = "Unexpected <class 'LookupError'>: no such account"
 """What grpc.aio answers a handler that set a code, then raised ``LookupError``."""
@@ -329,3 +342,36 @@ async def test_a_transient_code_set_before_a_raise_is_answered_and_releases_the_
     retry = await edges.call(method, "set-then-raise:UNAVAILABLE", key, account)
     assert (retry.code, retry.replayed) == (grpc.StatusCode.OK, False)
     assert edges.service.executions == 2
+
+
+@pytest.mark.parametrize("action", ["nul-abort", "nul-set"])
+async def test_details_with_a_nul_are_answered_as_every_retry_replays_them(
+    edges: Served, store: Store, action: str
+) -> None:
+    """PostgreSQL's text holds no NUL: the record keeps U+FFFD in its place. The first answer
+    sent the NUL, and every replay another message than the one the client saw first."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(POST, action, key, account)
+    retry = await edges.call(POST, action, key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "no such account: a\ufffdb")
+    assert (retry.code, retry.details, retry.replayed) == (first.code, first.details, True)
+    assert edges.service.executions == 1
+
+
+async def test_a_rich_status_with_a_nul_in_its_message_is_replayed_as_first_answered(
+    edges: Served, store: Store
+) -> None:
+    """A google.rpc.Status whose message holds a NUL (``abort_with_status``): the replay sent
+    U+FFFD as its details, which no longer matched the Status, and grpcio-status's
+    ``rpc_status.from_call`` raised ValueError on every retry. The Status holds the original
+    text: the replay sends that, as the first answer did."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(POST, "nul-rich", key, account)
+    retry = await edges.call(POST, "nul-rich", key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, NUL_DETAILS)
+    assert (retry.code, retry.details, retry.replayed) == (first.code, first.details, True)
+    for answer in (first, retry):
+        status = answer.status()
+        assert status is not None and status.message == answer.details  # what from_call checks
+    assert retry.trailing["grpc-status-details-bin"] == first.trailing["grpc-status-details-bin"]
+    assert edges.service.executions == 1

@@ -735,10 +735,17 @@ class IdempotencyInterceptor(_Interceptor):
                 # An abort without trailers sends those set before it (set_trailing_metadata):
                 # grpc.aio does, and so the replay must, details included.
                 trailers = aborted.trailing_metadata or context.trailing_metadata()
-                outcome = Outcome(code, aborted.details or "", answers.details_in(trailers))
+                details = answers.details_in(trailers)
+                # As the replays will send it (a NUL cannot be stored), the first answer too.
+                aborted.details = answers.replayable_text(aborted.details or "", details)
+                outcome = Outcome(code, aborted.details, details)
             else:  # the handler used set_code() and returned
                 details = answers.details_in(context.trailing_metadata())
-                outcome = Outcome(code, answers.handler_details(context), details)
+                message = answers.handler_details(context)
+                text = answers.replayable_text(message, details)
+                if text != message:
+                    context.set_details(text)  # the first answer says what the replays will
+                outcome = Outcome(code, text, details)
             if failpoints.ENABLED:
                 await failpoints.hit("before_commit")
             if attempt is None:
