@@ -457,7 +457,7 @@ class IdempotencyInterceptor(_Interceptor):
     async def _wait_for_owner(
         self, call: _Call, owner: _Owner, wait_until: float, fingerprint: bytes
     ) -> _Shared | None:
-        if owner.claimed is not None and owner.claimed != fingerprint:
+        if await self._refused_by_claim(call, owner, fingerprint):
             # A phased claim is visible to every attempt: another replica refuses this request
             # at once (KEY_REUSED), and so does this one, rather than have it wait out its
             # budget for ABORTED, a retry hint for a request that can never run.
@@ -473,13 +473,29 @@ class IdempotencyInterceptor(_Interceptor):
                 # The outcome is in and this call was only queued for its batch: no reason to
                 # give up now (core/herd.py); it answers as if released with the first batch.
                 return owner.shared
-            if owner.claimed is not None and owner.claimed != fingerprint:
+            if await self._refused_by_claim(call, owner, fingerprint):
                 call.outcome = CallOutcome.MISMATCH  # claimed since this call began waiting
                 await answers.abort(call.context, _reused())
             call.outcome = CallOutcome.CONFLICT
             await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
         finally:
             self._waiting -= 1
+
+    async def _refused_by_claim(self, call: _Call, owner: _Owner, fingerprint: bytes) -> bool:
+        """Whether the local owner holds a visible claim for another request, and the record
+        says so (``owner.claimed`` is only a hint: a takeover past retention, after this
+        process stalled, may have replaced the claim with this very request's operation). The
+        database decides, as on any other replica; if it cannot be asked, the call waits."""
+        if owner.claimed is None or owner.claimed == fingerprint:
+            return False
+        assert call.store is not None and call.scope is not None and call.key is not None
+        try:
+            record = await call.store.lookup(
+                call.scope, call.key, timeout=answers.time_remaining(call.context)
+            )
+        except StoreUnavailable:
+            return False
+        return look_event(record, fingerprint) is Event.OTHER_REQUEST
 
     async def _answer_from(self, call: _Call, shared: _Shared, fingerprint: bytes) -> Any:
         if shared.fingerprint != fingerprint:
