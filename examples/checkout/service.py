@@ -119,8 +119,9 @@ def make_server(
        First, because ``IdempotencyInterceptor`` answers a replay itself, without calling
        anything placed after it: an authentication placed there would be skipped by every replay.
     2. ``AttemptLog``: every call let in, best effort.
-    3. ``IdempotencyInterceptor``, last, so the others see the application's messages; its scope
-       is the token's tenant (``Authenticator.scope``).
+    3. ``IdempotencyInterceptor``, last, so the others apply to replays too; its scope is the
+       token's tenant (``Authenticator.scope``). (Neither of the others wraps the handler: one
+       that did would get a keyed method's OK answers as serialized bytes, not messages.)
     """
     idempotency = IdempotencyInterceptor(
         store, services=services, overrides=overrides, scope=auth.scope

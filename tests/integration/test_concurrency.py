@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import asyncpg
 import grpc
 from testsvc.v1 import testsvc_pb2
 
@@ -15,12 +16,14 @@ from tests.support.ledger import (
     ledger_rows,
     metadata,
     owner_and_herd,
+    records_locked,
     running_ledger,
 )
 from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
 
 
 async def test_100_concurrent_duplicates_execute_once(ledger: RunningLedger, store: Store) -> None:
@@ -117,6 +120,65 @@ async def test_a_mutated_duplicate_waiting_on_an_owner_is_refused(
         and answer.reason() == "IDEMPOTENCY_KEY_REUSED"
     )
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_mutated_duplicate_of_a_running_phased_key_is_refused_at_once_on_every_replica(
+    store: Store,
+) -> None:
+    """A phased claim is committed, visible to every attempt: the README's "running key,
+    different fingerprint" row answers KEY_REUSED at once. Another replica did; the owner's own
+    replica kept the request waiting on its local owner for max_wait, then answered ABORTED
+    KEY_IN_PROGRESS, a retry hint for a request that can never run."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger, running_ledger(store) as other:
+        running = testsvc_pb2.PostRequest(account=account, behaviour="wait")
+        owner = asyncio.ensure_future(ledger.call(PHASED, running, key))
+        await ledger.service.started.wait()  # claimed, and its handler running
+        mutated = testsvc_pb2.PostRequest(account=account, amount=9)
+        for replica in (other, ledger):
+            answer = await replica.call(PHASED, mutated, key)
+            assert (answer.code, answer.reason()) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "IDEMPOTENCY_KEY_REUSED",
+            ), (replica is ledger, answer)
+            assert not owner.done()
+        ledger.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_a_mutated_duplicate_waiting_before_a_phased_claim_is_refused_when_its_wait_ends(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    """The same for a duplicate that began waiting on its local owner before the owner's claim
+    was made: when its wait runs out with the claim visible, KEY_REUSED, not IN_PROGRESS."""
+    key, account = fresh(), fresh("acct")
+    async with running_ledger(store) as ledger:
+        async with records_locked(db, store.schema):  # the owner's look-up waits on the lock
+            owner = asyncio.ensure_future(
+                ledger.call(PHASED, testsvc_pb2.PostRequest(account=account, behaviour="wait"), key)
+            )
+            await until(
+                "the owner's look-up waiting on the table lock",
+                lambda: db.fetchval(  # (while it prepares its statement: no query text yet)
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                ),
+            )
+            mutated = asyncio.ensure_future(
+                ledger.call(PHASED, testsvc_pb2.PostRequest(account=account, amount=9), key)
+            )
+            await until("1 call waiting", lambda: ledger.interceptor.waiting_calls == 1)
+        await ledger.service.started.wait()  # claimed, and its handler running
+        answer = await mutated  # its max_wait (1 s) runs out while the owner's handler waits
+        assert (answer.code, answer.reason()) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "IDEMPOTENCY_KEY_REUSED",
+        ), answer
+        assert not owner.done()
+        ledger.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+    assert ledger.service.executions == 1
 
 
 async def test_duplicates_across_two_servers_execute_once(store: Store) -> None:

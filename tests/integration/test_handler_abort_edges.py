@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
@@ -81,6 +83,19 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
             except BaseException as exc:
                 self.seen.append(exc)
                 raise
+        elif behaviour == "nul-abort":  # details with a NUL (a client's text echoed, say)
+            await context.abort(grpc.StatusCode.NOT_FOUND, NUL_DETAILS)
+        elif behaviour == "nul-set":
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(NUL_DETAILS)
+        elif behaviour == "nul-rich":  # the same text in a google.rpc.Status, as grpcio-status
+            status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message=NUL_DETAILS)
+            status.details.add().Pack(error_details_pb2.ErrorInfo(reason="MISSING", domain="t"))
+            await context.abort_with_status(rpc_status.to_status(status))
+        elif behaviour.startswith("set-then-raise:"):
+            # grpc.aio's way to answer a status by raising: set_code(), then any exception
+            # ("Unexpected <class ...>: ..." with that code). The key's first attempt only.
+            _set_then_raise(context, behaviour, first=self.executions == 1)
         elif behaviour.startswith("set-bad-trailers:"):  # set_trailing_metadata(), then...
             _, case, then = behaviour.split(":")
             context.set_trailing_metadata(BAD_TRAILERS[case])
@@ -105,6 +120,8 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
                 context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
             except grpc.aio.AbortError as exc:
                 self.seen.append(exc)
+        elif request.behaviour.startswith("set-then-raise:"):
+            _set_then_raise(context, request.behaviour, first=self.executions == 1)
         elif request.behaviour == "abort-twice":
             try:
                 context.abort(grpc.StatusCode.NOT_FOUND, "first")
@@ -116,6 +133,19 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
                 self.seen.append(exc)
                 raise
         return testsvc_pb2.PostResponse(account=request.account)
+
+
+def _set_then_raise(context: Any, behaviour: str, *, first: bool) -> None:
+    if first:
+        context.set_code(getattr(grpc.StatusCode, behaviour.split(":")[1]))
+        context.set_details("ignored by grpc.aio for a raise")
+        raise LookupError("no such account")
+
+
+NUL_DETAILS = "no such account: a\x00b"
+
+RAISED_DETAILS = "Unexpected <class 'LookupError'>: no such account"
+"""What grpc.aio answers a handler that set a code, then raised ``LookupError``."""
 
 
 @dataclass
@@ -277,3 +307,71 @@ async def test_a_sync_handlers_add_callback_runs_after_it_returned(
     retry = await edges.call(SYNC, "callback", key, account)
     assert (retry.code, retry.replayed) == (grpc.StatusCode.OK, True)
     assert edges.service.callback_threads == [threading.current_thread().name]  # not re-run
+
+
+@pytest.mark.parametrize("method", [POST, PHASED, SYNC])
+async def test_a_recorded_code_set_before_a_raise_is_answered_and_replayed(
+    edges: Served, store: Store, method: str
+) -> None:
+    """grpc.aio answers a handler that set a code and then raised with that code ("Allows users
+    to raise other types of exception with specified status code"). Set to a recorded error
+    (NOT_FOUND), that answer is the key's outcome: recorded, replayed, the writes rolled back.
+    The client was told NOT_FOUND while the key was released: the retry ran the operation again
+    (here it succeeded and wrote), so one key had two final answers."""
+    key, account = await answered_then_replayed(
+        edges, method, "set-then-raise:NOT_FOUND", grpc.StatusCode.NOT_FOUND, RAISED_DETAILS
+    )
+    assert edges.service.executions == 1
+    row = await record(store, key)
+    assert (row["state"], row["status_code"]) == ("completed", grpc.StatusCode.NOT_FOUND.value[0])
+    assert row["status_message"] == RAISED_DETAILS
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("method", [POST, SYNC])
+async def test_a_transient_code_set_before_a_raise_is_answered_and_releases_the_key(
+    edges: Served, store: Store, method: str
+) -> None:
+    """The same with a code that is not recorded (UNAVAILABLE): answered as grpc.aio answers it,
+    the key released and the writes rolled back; the retry runs again."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(method, "set-then-raise:UNAVAILABLE", key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.UNAVAILABLE, RAISED_DETAILS)
+    assert await record(store, key) is None
+    assert await ledger_rows(store, account) == 0
+    retry = await edges.call(method, "set-then-raise:UNAVAILABLE", key, account)
+    assert (retry.code, retry.replayed) == (grpc.StatusCode.OK, False)
+    assert edges.service.executions == 2
+
+
+@pytest.mark.parametrize("action", ["nul-abort", "nul-set"])
+async def test_details_with_a_nul_are_answered_as_every_retry_replays_them(
+    edges: Served, store: Store, action: str
+) -> None:
+    """PostgreSQL's text holds no NUL: the record keeps U+FFFD in its place. The first answer
+    sent the NUL, and every replay another message than the one the client saw first."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(POST, action, key, account)
+    retry = await edges.call(POST, action, key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "no such account: a\ufffdb")
+    assert (retry.code, retry.details, retry.replayed) == (first.code, first.details, True)
+    assert edges.service.executions == 1
+
+
+async def test_a_rich_status_with_a_nul_in_its_message_is_replayed_as_first_answered(
+    edges: Served, store: Store
+) -> None:
+    """A google.rpc.Status whose message holds a NUL (``abort_with_status``): the replay sent
+    U+FFFD as its details, which no longer matched the Status, and grpcio-status's
+    ``rpc_status.from_call`` raised ValueError on every retry. The Status holds the original
+    text: the replay sends that, as the first answer did."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(POST, "nul-rich", key, account)
+    retry = await edges.call(POST, "nul-rich", key, account)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, NUL_DETAILS)
+    assert (retry.code, retry.details, retry.replayed) == (first.code, first.details, True)
+    for answer in (first, retry):
+        status = answer.status()
+        assert status is not None and status.message == answer.details  # what from_call checks
+    assert retry.trailing["grpc-status-details-bin"] == first.trailing["grpc-status-details-bin"]
+    assert edges.service.executions == 1

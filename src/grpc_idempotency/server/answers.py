@@ -7,6 +7,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from grpc_idempotency.core import wire
@@ -67,6 +69,26 @@ def handler_details(context: Context) -> str:
     return clean
 
 
+def replayable_text(message: str, details: bytes | None) -> str:
+    """A recorded error's ``message`` as every answer of it sends it, the first included.
+    PostgreSQL's text holds no NUL: the record keeps U+FFFD in its place (``Attempt``), so a NUL
+    becomes U+FFFD here too; unless ``details`` hold a google.rpc.Status with that very message,
+    from which ``replay`` restores it (the Status and the details must match: grpcio-status's
+    ``rpc_status.from_call`` raises ValueError otherwise)."""
+    if "\x00" not in message or _status_message(details) == message:
+        return message
+    return message.replace("\x00", "\ufffd")
+
+
+def _status_message(details: bytes | None) -> str | None:
+    if not details:
+        return None
+    try:
+        return str(status_pb2.Status.FromString(details).message)
+    except DecodeError:
+        return None
+
+
 def grpc_code(code: Code) -> grpc.StatusCode:
     return _GRPC_CODES[int(code)]
 
@@ -114,7 +136,14 @@ async def replay(context: Context, outcome: Outcome) -> Any:
     if outcome.code is Code.OK:
         return Serialized(outcome.response or b"")
     trailers = ((wire.DETAILS_TRAILER, outcome.details),) if outcome.details else ()
-    await context.abort(grpc_code(outcome.code), outcome.message, trailers)
+    message = outcome.message
+    if "\ufffd" in message:
+        # Read back from the record, which keeps U+FFFD for a NUL (``replayable_text``): the
+        # Status holds the original text, and the first answer sent that.
+        original = _status_message(outcome.details)
+        if original is not None and original.replace("\x00", "\ufffd") == message:
+            message = original
+    await context.abort(grpc_code(outcome.code), message, trailers)
 
 
 def time_remaining(context: Context) -> float | None:

@@ -185,7 +185,12 @@ class _Busy(Exception):
 
 class IdempotencyInterceptor(_Interceptor):
     """Makes keyed unary methods exactly-once. Add it to ``grpc.aio.server(interceptors=...)``,
-    last in the list, so that other interceptors see the application's messages.
+    last in the list: the interceptors before it (authentication) apply to replays too, which it
+    answers itself without calling anything after it. Those wrapping its handler get requests
+    as the application's messages, but a keyed method's OK answers as serialized bytes (an
+    internal ``Serialized``, not the response message: responses are stored and replayed as
+    bytes, never parsed again); one that must read response messages goes after it, and is
+    then skipped by replays.
 
     ``services``: the services (descriptors, file descriptors or ``_pb2`` modules) whose methods
     are compiled when the interceptor is built, so bad options fail the start. Methods of other
@@ -446,7 +451,7 @@ class IdempotencyInterceptor(_Interceptor):
             if owner is not None:
                 # Another call in this process is working on the key: wait for its result
                 # without holding a database connection.
-                shared = await self._wait_for_owner(call, owner, wait_until)
+                shared = await self._wait_for_owner(call, owner, wait_until, fingerprint)
                 if shared is not None:
                     return await self._answer_from(call, shared, fingerprint)
                 continue
@@ -454,7 +459,7 @@ class IdempotencyInterceptor(_Interceptor):
             # This call becomes the key's local owner: local duplicates wait on it.
             owned = self._owners[slot] = _Owner(self._herd_release)
             try:
-                return await self._attempt(call, scope, key, fingerprint)
+                return await self._attempt(call, scope, key, fingerprint, owned)
             except _Busy as busy:
                 step, _ = transition(
                     Phase.WAITING, budget_event(now=time.monotonic(), wait_until=wait_until)
@@ -486,8 +491,14 @@ class IdempotencyInterceptor(_Interceptor):
                 self._waiting -= 1
 
     async def _wait_for_owner(
-        self, call: _Call, owner: _Owner, wait_until: float
+        self, call: _Call, owner: _Owner, wait_until: float, fingerprint: bytes
     ) -> _Shared | None:
+        if await self._refused_by_claim(call, owner, fingerprint):
+            # A phased claim is visible to every attempt: another replica refuses this request
+            # at once (KEY_REUSED), and so does this one, rather than have it wait out its
+            # budget for ABORTED, a retry hint for a request that can never run.
+            call.outcome = CallOutcome.MISMATCH
+            await answers.abort(call.context, _reused())
         call.waited = True
         self._waiting += 1
         try:
@@ -498,10 +509,29 @@ class IdempotencyInterceptor(_Interceptor):
                 # The outcome is in and this call was only queued for its batch: no reason to
                 # give up now (core/herd.py); it answers as if released with the first batch.
                 return owner.shared
+            if await self._refused_by_claim(call, owner, fingerprint):
+                call.outcome = CallOutcome.MISMATCH  # claimed since this call began waiting
+                await answers.abort(call.context, _reused())
             call.outcome = CallOutcome.CONFLICT
             await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
         finally:
             self._waiting -= 1
+
+    async def _refused_by_claim(self, call: _Call, owner: _Owner, fingerprint: bytes) -> bool:
+        """Whether the local owner holds a visible claim for another request, and the record
+        says so (``owner.claimed`` is only a hint: a takeover past retention, after this
+        process stalled, may have replaced the claim with this very request's operation). The
+        database decides, as on any other replica; if it cannot be asked, the call waits."""
+        if owner.claimed is None or owner.claimed == fingerprint:
+            return False
+        assert call.store is not None and call.scope is not None and call.key is not None
+        try:
+            record = await call.store.lookup(
+                call.scope, call.key, timeout=answers.time_remaining(call.context)
+            )
+        except StoreUnavailable:
+            return False
+        return look_event(record, fingerprint) is Event.OTHER_REQUEST
 
     async def _answer_from(self, call: _Call, shared: _Shared, fingerprint: bytes) -> Any:
         if shared.fingerprint != fingerprint:
@@ -519,9 +549,12 @@ class IdempotencyInterceptor(_Interceptor):
         call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
         return await answers.replay(call.context, hit.outcome)
 
-    async def _attempt(self, call: _Call, scope: str, key: str, fingerprint: bytes) -> Any:
+    async def _attempt(
+        self, call: _Call, scope: str, key: str, fingerprint: bytes, owned: _Owner
+    ) -> Any:
         """Drives the call through ``core.lifecycle``'s transition table until it has an answer;
-        raises ``_Busy`` when the table says to wait (the caller checks the wait's budget)."""
+        raises ``_Busy`` when the table says to wait (the caller checks the wait's budget).
+        ``owned``: this call's entry as the key's local owner."""
         policy, context, store = call.policy, call.context, call.store
         assert store is not None
         slot = (scope, key)
@@ -557,6 +590,8 @@ class IdempotencyInterceptor(_Interceptor):
                     step, phase = transition(phase, won)
                     if step is Step.EXECUTE:
                         assert claim is not None
+                        if phased:
+                            owned.claimed = fingerprint  # committed: other attempts see it
                         executed = executed_outcome(claiming)
                         # Child keys follow the steps declared when the operation began
                         # (propagation.choose_step), on every attempt: a phased claim knows when,
@@ -754,10 +789,17 @@ class IdempotencyInterceptor(_Interceptor):
                 # An abort without trailers sends those set before it (set_trailing_metadata):
                 # grpc.aio does, and so the replay must, details included.
                 trailers = aborted.trailing_metadata or context.trailing_metadata()
-                outcome = Outcome(code, aborted.details or "", answers.details_in(trailers))
+                details = answers.details_in(trailers)
+                # As the replays will send it (a NUL cannot be stored), the first answer too.
+                aborted.details = answers.replayable_text(aborted.details or "", details)
+                outcome = Outcome(code, aborted.details, details)
             else:  # the handler used set_code() and returned
                 details = answers.details_in(context.trailing_metadata())
-                outcome = Outcome(code, answers.handler_details(context), details)
+                message = answers.handler_details(context)
+                text = answers.replayable_text(message, details)
+                if text != message:
+                    context.set_details(text)  # the first answer says what the replays will
+                outcome = Outcome(code, text, details)
             if failpoints.ENABLED:
                 await failpoints.hit("before_commit")
             if attempt is None:
@@ -859,6 +901,20 @@ class IdempotencyInterceptor(_Interceptor):
                 isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call)  # a sync channel's
             ):
                 raise _downstream_failed(call.policy.method, exc) from exc
+            code = call.context.code()
+            if code is not None and answers.status_code(code) is not Code.OK:
+                # set_code(), then a raise: grpc.aio answers the code set ("Unexpected <class>:
+                # text"). Left to it, a recorded code (NOT_FOUND) reached the client while the
+                # key was released, and a retry ran the operation again. As an abort, the
+                # answer is the one finish() classifies (recorded and replayed, or released).
+                log.error(
+                    "%s: the handler set %s, then raised %s",
+                    call.policy.method,
+                    answers.status_code(code).name,
+                    type(exc).__name__,
+                    exc_info=exc,
+                )
+                raise DeferredAbort(code, f"Unexpected {type(exc)}: {exc}", ()) from exc
             raise
         if context.aborted is not None:
             # The handler caught its abort and returned: grpc.aio has sent the abort already.
@@ -1029,11 +1085,14 @@ class _Owner:
     hundreds of duplicates wait on one key. They are resolved a batch at a time when
     ``release`` says so (``core/herd.py``)."""
 
-    __slots__ = ("_release", "_waiters", "handed", "shared")
+    __slots__ = ("_release", "_waiters", "claimed", "handed", "shared")
 
     def __init__(self, release: HerdRelease | None = None) -> None:
         self._release = release
         self._waiters: list[asyncio.Future[_Shared | None]] = []
+        self.claimed: bytes | None = None
+        """The fingerprint of the owner's claim once other attempts can see it (a phased claim,
+        committed): a duplicate with another fingerprint is then refused, not kept waiting."""
         self.handed = False
         self.shared: _Shared | None = None
         """What the owner handed over (once ``handed``): the outcome, or ``None``, look again."""
