@@ -51,6 +51,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
     TransactionConflict,
 )
+from grpc_idempotency.core.field_order import serialized_size
 from grpc_idempotency.core.herd import HerdRelease
 from grpc_idempotency.core.keys import key_from_metadata, validate_scope
 from grpc_idempotency.core.lifecycle import (
@@ -433,7 +434,7 @@ class IdempotencyInterceptor(_Interceptor):
             return await self._run_unkeyed(call)
 
         request = call.request
-        if self._off_loop_bytes is not None and request.ByteSize() > self._off_loop_bytes:
+        if self._off_loop_bytes is not None and serialized_size(request) > self._off_loop_bytes:
             fingerprint = await self._fingerprint_off_loop(policy, request)
         else:
             fingerprint = policy.fingerprint(request)
