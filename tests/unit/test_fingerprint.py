@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.fingerprint import Fingerprinter
 from grpc_idempotency.v1 import options_pb2
 
@@ -147,25 +146,22 @@ def _proto2_request(*, required: bool, nested: bool = False, group: bool = False
     [(False, False), (True, False), (True, True)],
     ids=["top-level", "nested-repeated", "in-a-group"],
 )
-def test_excluding_a_required_field_is_refused(nested: bool, group: bool) -> None:
-    """FINGERPRINT_EXCLUDE on a proto2 ``required`` field was accepted; clearing it made the
-    request fail to serialize (EncodeError: missing required fields), so every call of the
-    method failed UNKNOWN. Inside a group (TYPE_GROUP, not TYPE_MESSAGE), neither the check nor
-    the clearing reached the field: a retry differing in it only was refused as KEY_REUSED."""
-    with pytest.raises(PolicyError, match="required field cannot be cleared") as caught:
-        Fingerprinter.for_method(
-            "/p.Svc/Do", _proto2_request(required=True, nested=nested, group=group)
-        )
-    assert caught.value.message.startswith("/p.Svc/Do: FINGERPRINT_EXCLUDE on required field")
-    assert ".sent_at" in caught.value.message
-    # Optional, the same field is excluded and the request serializes.
-    descriptor = _proto2_request(required=False, nested=nested, group=group)
-    fingerprint = Fingerprinter.for_method("/p.Svc/Do", descriptor)
-    cls: Any = message_factory.GetMessageClass(descriptor)  # its fields exist at run time only
-    a, b = cls(a="x"), cls(a="x")
-    (a.meta.add() if nested else a).sent_at = 1
-    (b.meta.add() if nested else b).sent_at = 2
-    assert fingerprint(a) == fingerprint(b)
+def test_a_required_field_may_be_excluded(nested: bool, group: bool) -> None:
+    """FINGERPRINT_EXCLUDE on a proto2 ``required`` field: the cleared copy is serialized
+    partially, so the method works and a retry differing only in the field is the same request.
+    (It was refused, while the fingerprint serialized with the required-field check, which
+    failed every call with EncodeError. Inside a group, TYPE_GROUP rather than TYPE_MESSAGE,
+    the clearing reaches the field too.)"""
+    for required in (True, False):
+        descriptor = _proto2_request(required=required, nested=nested, group=group)
+        fingerprint = Fingerprinter.for_method("/p.Svc/Do", descriptor)
+        cls: Any = message_factory.GetMessageClass(descriptor)  # its fields exist at run time only
+        a, b, c = cls(a="x"), cls(a="x"), cls(a="y")
+        (a.meta.add() if nested else a).sent_at = 1
+        (b.meta.add() if nested else b).sent_at = 2
+        (c.meta.add() if nested else c).sent_at = 1
+        assert fingerprint(a) == fingerprint(b)
+        assert fingerprint(a) != fingerprint(c)  # the field that is not excluded still counts
 
 
 def _varint(value: int) -> bytes:

@@ -23,7 +23,6 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.field_order import field_ordered, needs_field_order
 from grpc_idempotency.v1 import options_pb2
 
@@ -56,11 +55,10 @@ def _map_value(field: Any) -> Any:
     return None
 
 
-def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str], list[str]]:
-    """(types, fields, required): full names of the message types reachable from ``root`` that
-    contain an excluded field, directly or through a nested message, of the excluded fields
-    themselves, and of those that are required. A fixpoint, so recursive message types
-    terminate."""
+def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str]]:
+    """(types, fields): full names of the message types reachable from ``root`` that contain an
+    excluded field, directly or through a nested message, and of the excluded fields
+    themselves. A fixpoint, so recursive message types terminate."""
     reachable: dict[str, Descriptor] = {}
     stack = [root]
     while stack:
@@ -71,7 +69,6 @@ def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str], l
         stack.extend(f.message_type for f in _message_fields(d))
     fields = [f for d in reachable.values() for f in d.fields if _is_excluded(f)]
     excluded = {f.full_name for f in fields}
-    required = sorted(f.full_name for f in fields if f.is_required)
     needs = {
         name for name, d in reachable.items() if any(f.full_name in excluded for f in d.fields)
     }
@@ -84,7 +81,7 @@ def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str], l
             ):
                 needs.add(name)
                 changed = True
-    return frozenset(needs), frozenset(excluded), required
+    return frozenset(needs), frozenset(excluded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +94,10 @@ class Fingerprinter:
 
     @classmethod
     def for_method(cls, method: str, request_type: Descriptor) -> Fingerprinter:
-        """``PolicyError`` when an excluded field is required (proto2 ``required``, editions
-        ``LEGACY_REQUIRED``): cleared, it makes the request fail to serialize (EncodeError), so
-        every call of the method failed."""
-        types, fields, required = _exclusion_plan(request_type)
-        if required:
-            raise PolicyError(
-                f"{method}: FINGERPRINT_EXCLUDE on required field(s) {', '.join(required)}: a"
-                " required field cannot be cleared (the request would no longer serialize and"
-                " every call would fail); make the field optional, or drop the exclusion"
-            )
+        # An excluded field may be required (proto2 ``required``, editions LEGACY_REQUIRED):
+        # the cleared copy is serialized partially, as any request is (``__call__``). It was
+        # refused while the fingerprint serialized with protobuf's required-field check.
+        types, fields = _exclusion_plan(request_type)
         return cls(method=method, excluded_types=types, excluded_fields=fields)
 
     @property
