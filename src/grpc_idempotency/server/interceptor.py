@@ -902,7 +902,15 @@ class IdempotencyInterceptor(_Interceptor):
             ):
                 raise _downstream_failed(call.policy.method, exc) from exc
             code = call.context.code()
-            if code is not None and answers.status_code(code) is not Code.OK:
+            if (
+                code is not None
+                and answers.status_code(code) is not Code.OK
+                # Not the library's own errors (a lost lease, an abort with bad trailers, an
+                # undeclared step): they release the key and answer themselves, whatever code
+                # the handler set before. Made an abort of that code, a recorded one (NOT_FOUND)
+                # froze "Unexpected <class '...AbortInvalid'>" into the key's outcome.
+                and not isinstance(exc, IdempotencyError)
+            ):
                 # set_code(), then a raise: grpc.aio answers the code set ("Unexpected <class>:
                 # text"). Left to it, a recorded code (NOT_FOUND) reached the client while the
                 # key was released, and a retry ran the operation again. As an abort, the
