@@ -976,8 +976,12 @@ class IdempotencyInterceptor(_Interceptor):
                 timeout=answers.time_remaining(context),
                 # Bounded like a keyed call's: a partitioned or frozen replica must not keep
                 # its handler's row locks until TCP keepalive notices (README, "Timeouts and
-                # partitions").
-                idle_timeout_s=policy.lease_s,
+                # partitions"). Atomic only: a phased handler calls other services for as long
+                # as they take (keyed, its lease is renewed meanwhile and no transaction is
+                # open), and this transaction, opened before it runs, sits idle all that time:
+                # bounded by the lease, PostgreSQL ended it under a handler that outlasted the
+                # lease, and the call failed UNAVAILABLE after its downstream effects.
+                idle_timeout_s=policy.lease_s if policy.mode is Mode.ATOMIC else None,
             )
         except StoreUnavailable as err:
             if await _may_fail_open(policy, context, err, store):
