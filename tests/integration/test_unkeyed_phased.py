@@ -28,9 +28,7 @@ LEASE_S = 0.6
 async def test_an_unkeyed_phased_call_outlasting_its_lease_while_idle_answers_ok(
     store: Store, db: asyncpg.Connection
 ) -> None:
-    overrides = {
-        OPTIONAL[1:]: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=LEASE_S))
-    }
+    overrides = {OPTIONAL[1:]: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=LEASE_S))}
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="wait")
     async with running_ledger(store, overrides=overrides) as ledger:
         calling = asyncio.ensure_future(call_raw(ledger.channel, OPTIONAL, request, ()))
