@@ -112,3 +112,22 @@ async def test_a_request_missing_a_required_field_runs_once_and_replays(store: S
         else:
             raise AssertionError("another request under the key was answered")
         assert len(executed) == 1
+
+
+async def test_a_big_request_missing_a_required_field_runs_once_and_replays(store: Store) -> None:
+    """The same over the size that has the request fingerprinted off the loop (16 KiB) and
+    checked for undeclared fields by comparing sizes: upb's ``ByteSize()`` checks required
+    fields as serializing does, and raised EncodeError there (UNKNOWN on every call again)."""
+    async with serving(store) as (channel, executed):
+        call = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
+        blob = b"x" * 20_000  # field 9, which reqd.v1 does not declare (a newer client's)
+        wire = b"\x10\x2a" + b"\x4a" + bytes([0xA0, 0x9C, 0x01]) + blob  # amount, no account
+        key = uuid.uuid4().hex
+        first = call(wire, metadata=((KEY_HEADER, key),))
+        answer = await first
+        assert await first.code() == grpc.StatusCode.OK
+        assert len(executed) == 1 and not executed[0].IsInitialized()
+        again = call(wire, metadata=((KEY_HEADER, key),))
+        assert await again == answer
+        assert (REPLAYED_HEADER, "true") in tuple(await again.initial_metadata())
+        assert len(executed) == 1

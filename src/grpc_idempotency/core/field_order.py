@@ -23,7 +23,7 @@ import operator
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import EncodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
@@ -64,15 +64,26 @@ def needs_field_order(message: Message) -> bool:
     is an unknown field, put in number order: so a known one must be too, or the same request
     hashed differently on a server that imports the extension's module and on one that does
     not (a deploy that starts importing it refused retries as KEY_REUSED)."""
-    if not _reaches_extendable(message.DESCRIPTOR) and message.ByteSize() > _WALK_BYTES:
+    if not _reaches_extendable(message.DESCRIPTOR) and partial_byte_size(message) > _WALK_BYTES:
         # A big request (a batch of thousands of messages): the walk below is Python, once per
         # message in it; protobuf's own code discards the unknown fields of them all, and the
         # size says whether there were any (every unknown record takes at least a byte).
         probe = type(message)()
         probe.CopyFrom(message)
         probe.DiscardUnknownFields()
-        return probe.ByteSize() != message.ByteSize()
+        return partial_byte_size(probe) != partial_byte_size(message)
     return _holds(message, extensions=True)
+
+
+def partial_byte_size(message: Message) -> int:
+    """``message.ByteSize()``, also for a message missing a proto2 (editions LEGACY_REQUIRED)
+    required field: upb's ``ByteSize()`` checks them as ``SerializeToString`` does and raises
+    EncodeError, and such a request parses and reaches its handler (the fingerprint serializes
+    it partially). Measured by serializing it partially then, as rare as such requests are."""
+    try:
+        return message.ByteSize()
+    except EncodeError:
+        return len(message.SerializePartialToString())
 
 
 _WALK_BYTES = 4096

@@ -51,6 +51,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
     TransactionConflict,
 )
+from grpc_idempotency.core.field_order import partial_byte_size
 from grpc_idempotency.core.herd import HerdRelease
 from grpc_idempotency.core.keys import key_from_metadata, validate_scope
 from grpc_idempotency.core.lifecycle import (
@@ -433,7 +434,9 @@ class IdempotencyInterceptor(_Interceptor):
             return await self._run_unkeyed(call)
 
         request = call.request
-        if self._off_loop_bytes is not None and request.ByteSize() > self._off_loop_bytes:
+        # Not request.ByteSize(): upb's checks required fields, and raised EncodeError (UNKNOWN)
+        # for a request missing one, which the fingerprint serializes partially.
+        if self._off_loop_bytes is not None and partial_byte_size(request) > self._off_loop_bytes:
             fingerprint = await self._fingerprint_off_loop(policy, request)
         else:
             fingerprint = policy.fingerprint(request)
