@@ -96,6 +96,9 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
             # grpc.aio's way to answer a status by raising: set_code(), then any exception
             # ("Unexpected <class ...>: ..." with that code). The key's first attempt only.
             _set_then_raise(context, behaviour, first=self.executions == 1)
+        elif behaviour == "set-then-bad-abort":  # set_code(), then an abort the library refuses
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            await context.abort(grpc.StatusCode.NOT_FOUND, "nf", BAD_TRAILERS["name"])
         elif behaviour.startswith("set-bad-trailers:"):  # set_trailing_metadata(), then...
             _, case, then = behaviour.split(":")
             context.set_trailing_metadata(BAD_TRAILERS[case])
@@ -122,6 +125,9 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
                 self.seen.append(exc)
         elif request.behaviour.startswith("set-then-raise:"):
             _set_then_raise(context, request.behaviour, first=self.executions == 1)
+        elif request.behaviour == "set-then-bad-abort":
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.abort(grpc.StatusCode.NOT_FOUND, "nf", BAD_TRAILERS["name"])
         elif request.behaviour == "abort-twice":
             try:
                 context.abort(grpc.StatusCode.NOT_FOUND, "first")
@@ -375,3 +381,23 @@ async def test_a_rich_status_with_a_nul_in_its_message_is_replayed_as_first_answ
         assert status is not None and status.message == answer.details  # what from_call checks
     assert retry.trailing["grpc-status-details-bin"] == first.trailing["grpc-status-details-bin"]
     assert edges.service.executions == 1
+
+
+@pytest.mark.parametrize("method", [POST, SYNC])
+async def test_a_library_error_raised_after_set_code_releases_the_key(
+    edges: Served, store: Store, method: str
+) -> None:
+    """The library's own errors raised in the handler (here AbortInvalid, from an abort with
+    trailers gRPC cannot send) release the key and answer themselves, whatever code the
+    handler set before: set_code(NOT_FOUND) turned them into a recorded NOT_FOUND "Unexpected
+    <class 'grpc_idempotency...AbortInvalid'>", replayed to every retry, the handler's bug
+    frozen into the key's outcome."""
+    key, account = fresh(), fresh("acct")
+    for attempt in (1, 2):
+        answer = await edges.call(method, "set-then-bad-abort", key, account)
+        assert answer.code is grpc.StatusCode.INTERNAL, (attempt, answer)
+        assert answer.reason() == "IDEMPOTENCY_ABORT_INVALID"
+        assert not answer.replayed
+        assert await record(store, key) is None
+        assert edges.service.executions == attempt
+    assert await ledger_rows(store, account) == 0

@@ -903,7 +903,15 @@ class IdempotencyInterceptor(_Interceptor):
             ):
                 raise _downstream_failed(call.policy.method, exc) from exc
             code = call.context.code()
-            if code is not None and answers.status_code(code) is not Code.OK:
+            if (
+                code is not None
+                and answers.status_code(code) is not Code.OK
+                # Not the library's own errors (a lost lease, an abort with bad trailers, an
+                # undeclared step): they release the key and answer themselves, whatever code
+                # the handler set before. Made an abort of that code, a recorded one (NOT_FOUND)
+                # froze "Unexpected <class '...AbortInvalid'>" into the key's outcome.
+                and not isinstance(exc, IdempotencyError)
+            ):
                 # set_code(), then a raise: grpc.aio answers the code set ("Unexpected <class>:
                 # text"). Left to it, a recorded code (NOT_FOUND) reached the client while the
                 # key was released, and a retry ran the operation again. As an abort, the
@@ -969,8 +977,12 @@ class IdempotencyInterceptor(_Interceptor):
                 timeout=answers.time_remaining(context),
                 # Bounded like a keyed call's: a partitioned or frozen replica must not keep
                 # its handler's row locks until TCP keepalive notices (README, "Timeouts and
-                # partitions").
-                idle_timeout_s=policy.lease_s,
+                # partitions"). Atomic only: a phased handler calls other services for as long
+                # as they take (keyed, its lease is renewed meanwhile and no transaction is
+                # open), and this transaction, opened before it runs, sits idle all that time:
+                # bounded by the lease, PostgreSQL ended it under a handler that outlasted the
+                # lease, and the call failed UNAVAILABLE after its downstream effects.
+                idle_timeout_s=policy.lease_s if policy.mode is Mode.ATOMIC else None,
             )
         except StoreUnavailable as err:
             if await _may_fail_open(policy, context, err, store):

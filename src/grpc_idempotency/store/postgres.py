@@ -915,7 +915,7 @@ class Store:
                         continue
                     raise store_error(exc, "claiming a key") from exc
                 raise
-            if _read_only(conn):
+            if _read_only(conn) and await self._transaction_read_only(attempt, left):
                 # The claim writes nothing for a new key (the record is written with the
                 # outcome), so it passed on a database that takes no writes (a standby after a
                 # failover, one set read-only): the handler ran, the completion failed (25006),
@@ -928,6 +928,27 @@ class Store:
                 )
             return attempt
         raise AssertionError("unreachable")
+
+    async def _transaction_read_only(self, attempt: Attempt, timeout: float | None) -> bool:
+        """Whether the claim's transaction is read-only, asked of the transaction itself: once
+        ``_read_only`` says the session is, which is a hint only. Behind PgBouncer it is the
+        ParameterStatus PgBouncer cached at its first login to the database and sends every
+        client since: a database read-only then (a maintenance window, a standby since
+        promoted) had every atomic claim refused UNAVAILABLE for good, its transactions
+        writable, and a fail-open method ran unclaimed on every call. One round trip, only
+        when the hint says read-only."""
+        conn = attempt.connection
+        try:
+            value = await conn.fetchval(
+                "SELECT pg_catalog.current_setting('transaction_read_only')",
+                timeout=self.statement_timeout(timeout),
+            )
+        except BaseException as exc:
+            await attempt._abandon(interrupted=_interrupted(exc))
+            if isinstance(exc, STORE_ERRORS):
+                raise store_error(exc, "claiming a key") from exc
+            raise
+        return bool(value == "on")
 
     async def begin(
         self,
