@@ -792,7 +792,11 @@ def test_retiring_steps_at_any_later_time_never_breaks(
     assert {f.step for f in report.findings if f.change is Change.STEP_RETIRED} == retire
 
 
-@given(method_steps(retired=False, min_size=1), st.data())
+# One active version per name: with two (b.v1 and b.v2 calling one target), retiring b.v1 also
+# re-keys operations begun earlier that named b.v2 (OPERATIONS_REKEYED, rightly: see
+# method_steps), which is not what this property is about. Hypothesis found that contract
+# rarely, and the test failed at random.
+@given(method_steps(retired=False, min_size=1, one_active_version=True), st.data())
 def test_a_rename_breaks_whether_or_not_the_old_name_is_kept_retired(
     before: MethodSteps, data: st.DataObject
 ) -> None:
