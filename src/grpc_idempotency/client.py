@@ -372,7 +372,9 @@ class IdempotencyClientInterceptor(_Interceptor):
                 kept.append((name, key))
                 continue
             elif name == STEP_HEADER:
-                named = str(value)
+                # Decoded like the key: gRPC sends a text entry given as bytes, and str(bytes),
+                # "b'charge.v1'", named a step that is not declared (StepUndeclared).
+                named = value.decode("latin-1") if isinstance(value, bytes) else str(value)
                 continue
             kept.append((name, value))
 

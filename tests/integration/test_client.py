@@ -483,6 +483,29 @@ async def test_a_handlers_own_step_name_is_kept_when_the_caller_sent_the_same(
     assert await ledger_rows(store, account) == 1
 
 
+async def test_a_step_name_given_as_bytes_names_the_step(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """gRPC sends a text entry given as bytes; the interceptor read the step name as
+    str(bytes), "b'post-phased-b.v1'", and refused the call (StepUndeclared) as naming a step
+    that is not declared, like a key given as bytes before it."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            await self.ledger.PostPhased(
+                testsvc_pb2.PostRequest(account=request.account, amount=1),
+                metadata=[(STEP_HEADER, b"post-phased-b.v1")],
+            )
+            return testsvc_pb2.ForwardResponse()
+
+    key, account = fresh(), fresh("acct")
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=account), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-phased-b.v1")]
+    assert await ledger_rows(store, account) == 1
+
+
 async def test_an_explicit_key_inside_a_handler_is_kept(
     ledger: RunningLedger, store: Store
 ) -> None:

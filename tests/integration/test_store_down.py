@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from datetime import timedelta
-from typing import cast
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import asyncpg
 import grpc
@@ -20,6 +20,7 @@ from grpc_idempotency import (
     KeyRequirement,
     MethodOverride,
     Mode,
+    Step,
     Store,
     StoreDown,
     StoreUnavailable,
@@ -29,6 +30,7 @@ from grpc_idempotency import (
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import (
+    POST,
     RunningLedger,
     fresh,
     ledger_rows,
@@ -36,7 +38,7 @@ from tests.support.ledger import (
     prepare,
     running_ledger,
 )
-from tests.support.relay import FORWARD, running_relay
+from tests.support.relay import FORWARD, RelayService, running_relay
 from tests.support.waiting import until
 from tests.support.wire import call_raw
 
@@ -343,6 +345,51 @@ async def test_a_fail_open_call_still_keys_its_downstream_calls(
     assert (
         len(seen.deadlines_seen) == 1 and 0 < (seen.deadlines_seen[0] or 0) <= 5.05
     )  # rounded up by gRPC
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_a_fail_open_retry_keys_its_downstream_call_with_the_step_its_operation_used(
+    store: Store, private_store: Store, private_pg: EmbeddedPostgres
+) -> None:
+    """post-ledger.v1 retired an hour from now for v2: until then, operations use v1. The first
+    attempt, claimed, called the ledger with v1's child key; the retry, its store down, failed
+    open and ran the handler unclaimed, with no operation start (None), so propagation took the
+    step as declared, v2: another child key, and the ledger posted a second time."""
+    steps = [
+        Step(name="post-ledger.v1", call=POST, retired_at=datetime.now(UTC) + timedelta(hours=1)),
+        Step(name="post-ledger.v2", call=POST),
+    ]
+    overrides = {FORWARD: MethodOverride(store_down=StoreDown.FAIL_OPEN, steps=steps)}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post")
+    runs: list[str] = []
+
+    class FailsOnce(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            response = await super().Forward(request, context)
+            runs.append("ran")
+            if len(runs) == 1:  # after the downstream call: the claim released, no outcome
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "transient, after the call")
+            return response
+
+    async with (
+        running_ledger(store) as downstream,
+        running_relay(
+            private_store, downstream.address, overrides=overrides, servicer=FailsOnce
+        ) as relay,
+    ):
+        first = await relay.forward(request, key, timeout=5)
+        assert first.code is grpc.StatusCode.UNAVAILABLE, first.details
+        private_pg.stop(mode="immediate")  # the retry finds the relay's store down: fails open
+        try:
+            retry = await relay.forward(request, key, timeout=5)
+        finally:
+            private_pg.start()
+    assert retry.code is grpc.StatusCode.OK, retry.details
+    assert runs == ["ran", "ran"]
+    v1 = child_key("tenant:tenant-a", key, "post-ledger.v1")
+    assert downstream.service.keys_seen == [v1]  # the retry's call was replayed downstream
+    assert downstream.service.executions == 1
     assert await ledger_rows(store, account) == 1
 
 

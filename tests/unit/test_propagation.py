@@ -265,6 +265,31 @@ def test_versions_map_per_step_and_named_active_steps_still_work() -> None:
         choose(parent=Parent(PARENT.method, PARENT.scope, PARENT.key, steps, before_t1))
 
 
+def test_a_retired_version_named_is_refused_not_used_as_is() -> None:
+    """debit.v1 retired at t1 for v2, v2 at t2 for v3, with refund.v1 on the same target (so
+    calls name their step). An operation begun before t1 keys its debit with v1 when the
+    handler names the active v3; named "debit.v2", the retired version was used as is (as_of
+    maps only an active step back): debit.v2's child key for an operation whose attempts
+    naming v3 use debit.v1's, and the debit ran twice. A retired version named is refused, as
+    for an outbox step."""
+    from datetime import UTC, datetime
+
+    t1, t2 = datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 6, 1, tzinfo=UTC)
+    steps = (
+        Step(name="debit.v1", call=CHARGE, retired_at=t1),
+        Step(name="debit.v2", call=CHARGE, retired_at=t2),
+        Step(name="debit.v3", call=CHARGE),
+        Step(name="refund.v1", call=CHARGE),
+    )
+    for started_at in (datetime(2026, 2, 1, tzinfo=UTC), datetime(2026, 7, 1, tzinfo=UTC), None):
+        parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, started_at)
+        for retired in ("debit.v1", "debit.v2"):
+            with pytest.raises(StepUndeclared, match="retired: name its active version"):
+                choose(parent=parent, named_step=retired)
+    early = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, datetime(2026, 2, 1, tzinfo=UTC))
+    assert choose(parent=early, named_step="debit.v3").step == "debit.v1"  # type: ignore[attr-defined]
+
+
 def test_a_step_retired_next_to_another_is_not_read_as_renamed_to_it() -> None:
     """charge-deposit.v1 retired (dropped, not renamed) next to charge-balance.v1, which was
     there all along, both calling Payments/Charge: an operation begun before the retirement

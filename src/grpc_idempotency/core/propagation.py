@@ -55,18 +55,26 @@ class KeyChoice:
 
 
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
-    """The step keying a call to ``target``: the one named, else the only active step calling
-    it; then, for an operation begun before an earlier version of that step was retired, that
-    earlier version (``as_of``)."""
+    """The step keying a call to ``target``: the active one named, else the only active step
+    calling it; then, for an operation begun before an earlier version of that step was
+    retired, that earlier version (``as_of``)."""
     target = normalize_method(target)
     calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
     active = [s for s in calling if s.active]
     if named is not None:
-        chosen = next((s for s in calling if s.name == named), None)
+        # Active steps only, as for an outbox step (outbox_step): a retired version named was
+        # used as is, never mapped back by as_of, so an operation begun before an earlier
+        # version's retirement, keyed with that version by every attempt naming the active
+        # step, got the named version's child key instead (the effect ran twice); and the
+        # retired version went on keying operations begun after its retirement.
+        chosen = next((s for s in active if s.name == named), None)
         if chosen is None:
+            retired = (
+                " (retired: name its active version)" if named in {s.name for s in calling} else ""
+            )
             raise StepUndeclared(
-                f"{parent.method} names step {named!r} for a call to {target}, but its declared"
-                f" steps calling {target} are {[s.name for s in calling]}"
+                f"{parent.method} names step {named!r}{retired} for a call to {target}, but its"
+                f" declared steps calling {target} are {[s.name for s in active]}"
             )
     elif not active:
         raise StepUndeclared(

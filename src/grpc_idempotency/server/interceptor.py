@@ -1227,6 +1227,11 @@ def _unclaimed(
         steps=call.policy.steps if keyed else (),
         deadline=_deadline(context),
         metadata=tuple(context.invocation_metadata() or ()),
+        # A fail-open attempt begins its operation now, as an atomic one does: with no start
+        # (None), propagation took each step as declared, the newest version, while a claimed
+        # attempt begun at the same moment, before the old version's retired_at, keyed its call
+        # with the old one: one operation, two child keys, the downstream effect run twice.
+        started_at=datetime.now(UTC) if keyed else None,
     )
 
 
