@@ -265,13 +265,14 @@ def test_versions_map_per_step_and_named_active_steps_still_work() -> None:
         choose(parent=Parent(PARENT.method, PARENT.scope, PARENT.key, steps, before_t1))
 
 
-def test_a_retired_version_named_is_refused_not_used_as_is() -> None:
+def test_a_retired_version_named_keys_the_call_as_its_active_version_does() -> None:
     """debit.v1 retired at t1 for v2, v2 at t2 for v3, with refund.v1 on the same target (so
     calls name their step). An operation begun before t1 keys its debit with v1 when the
     handler names the active v3; named "debit.v2", the retired version was used as is (as_of
     maps only an active step back): debit.v2's child key for an operation whose attempts
-    naming v3 use debit.v1's, and the debit ran twice. A retired version named is refused, as
-    for an outbox step."""
+    naming v3 use debit.v1's, and the debit ran twice. Whichever version is named, the
+    operation's start decides, as for the active one; a step retired with no active version
+    is used as is."""
     from datetime import UTC, datetime
 
     t1, t2 = datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 6, 1, tzinfo=UTC)
@@ -280,14 +281,22 @@ def test_a_retired_version_named_is_refused_not_used_as_is() -> None:
         Step(name="debit.v2", call=CHARGE, retired_at=t2),
         Step(name="debit.v3", call=CHARGE),
         Step(name="refund.v1", call=CHARGE),
+        Step(name="fee.v1", call=CHARGE, retired_at=t1),
     )
-    for started_at in (datetime(2026, 2, 1, tzinfo=UTC), datetime(2026, 7, 1, tzinfo=UTC), None):
+    expected = {
+        datetime(2026, 2, 1, tzinfo=UTC): "debit.v1",
+        datetime(2026, 4, 1, tzinfo=UTC): "debit.v2",
+        datetime(2026, 7, 1, tzinfo=UTC): "debit.v3",
+        None: "debit.v3",
+    }
+    for started_at, used in expected.items():
         parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, started_at)
-        for retired in ("debit.v1", "debit.v2"):
-            with pytest.raises(StepUndeclared, match="retired: name its active version"):
-                choose(parent=parent, named_step=retired)
-    early = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, datetime(2026, 2, 1, tzinfo=UTC))
-    assert choose(parent=early, named_step="debit.v3").step == "debit.v1"  # type: ignore[attr-defined]
+        for named in ("debit.v1", "debit.v2", "debit.v3"):
+            choice = choose(parent=parent, named_step=named)
+            assert choice.step == used, (started_at, named)  # type: ignore[attr-defined]
+            assert choice.key == child_key(PARENT.scope, PARENT.key, used)  # type: ignore[attr-defined]
+        # Retired with no active version of its name: used as named, as before.
+        assert choose(parent=parent, named_step="fee.v1").step == "fee.v1"  # type: ignore[attr-defined]
 
 
 def test_a_step_retired_next_to_another_is_not_read_as_renamed_to_it() -> None:

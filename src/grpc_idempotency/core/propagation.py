@@ -55,27 +55,29 @@ class KeyChoice:
 
 
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
-    """The step keying a call to ``target``: the active one named, else the only active step
-    calling it; then, for an operation begun before an earlier version of that step was
-    retired, that earlier version (``as_of``)."""
+    """The step keying a call to ``target``: the one named (a retired version named standing
+    for its name's active version), else the only active step calling it; then, for an
+    operation begun before an earlier version of that step was retired, that earlier version
+    (``as_of``)."""
     target = normalize_method(target)
     calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
     active = [s for s in calling if s.active]
     if named is not None:
-        # Active steps only, as for an outbox step (outbox_step): a retired version named was
-        # used as is, never mapped back by as_of, so an operation begun before an earlier
-        # version's retirement, keyed with that version by every attempt naming the active
-        # step, got the named version's child key instead (the effect ran twice); and the
-        # retired version went on keying operations begun after its retirement.
-        chosen = next((s for s in active if s.name == named), None)
+        chosen = next((s for s in calling if s.name == named), None)
         if chosen is None:
-            retired = (
-                " (retired: name its active version)" if named in {s.name for s in calling} else ""
-            )
             raise StepUndeclared(
-                f"{parent.method} names step {named!r}{retired} for a call to {target}, but its"
-                f" declared steps calling {target} are {[s.name for s in active]}"
+                f"{parent.method} names step {named!r} for a call to {target}, but its declared"
+                f" steps calling {target} are {[s.name for s in calling]}"
             )
+        if not chosen.active:
+            # A retired version named (code not yet moved to the new one) stands for its name's
+            # active version, which as_of then takes back to the version the operation used:
+            # used as is, it keyed an operation begun before an earlier version's retirement
+            # with its own child key where the attempts naming the active version used the
+            # earlier one (one operation, two child keys, the effect run twice), and went on
+            # keying operations begun after its retirement. Without an active version (a step
+            # retired for good) it is used as is.
+            chosen = next((s for s in active if _base(s.name) == _base(chosen.name)), chosen)
     elif not active:
         raise StepUndeclared(
             f"{parent.method} calls keyed method {target} without a declared step: add"
