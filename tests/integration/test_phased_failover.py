@@ -218,3 +218,47 @@ async def test_connections_expired_mid_transaction_commit_their_calls(
         again = await ledger.call(SVC + method, request, key)
         assert again.replayed and again.body == answer.body
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_lease_renewal_reconnecting_after_a_failover_is_bounded_by_the_lease(
+    pg_dsn: str, store: Store
+) -> None:
+    """A renewal meets the failover and expires the pool's connections; the next renewal must
+    open a connection anew, while the new primary cannot be reached yet (connecting hangs). The
+    handler returns meanwhile: the call waits for that renewal (the keeper lets a renewal on
+    the wire finish), which must be over within the lease. It took asyncpg's connect timeout
+    (60 s): a pooled connection counted as free, the renewal's wait for it had no timeout."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    # No floor (min_size=0): asyncpg reconnects nothing in the background, so the only
+    # connection opened after the failover is the renewal's.
+    via = await Store.connect(proxy.dsn, min_size=0, max_size=POOL)
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    lease = 1.5
+    overrides = {SVC[1:] + "PostPhased": MethodOverride(lease=timedelta(seconds=lease))}
+    try:
+        opened = [await via.pool.acquire() for _ in range(POOL)]
+        for conn in opened:
+            await via.pool.release(conn)
+        async with running_ledger(via, overrides=overrides) as ledger:
+            calling = asyncio.ensure_future(ledger.call(SVC + "PostPhased", request, key))
+            await ledger.service.started.wait()
+            expired = expirations(via)
+            proxy.fail_over()
+            await until("a renewal to meet the failover", lambda: expirations(via) > expired)
+            proxy.blackhole()
+            connecting = len(proxy._clients)
+            await until("a renewal to connect anew", lambda: len(proxy._clients) > connecting)
+            proxy.partitioned = False  # the new primary is reachable: that connect still hangs
+            loop = asyncio.get_running_loop()
+            released = loop.time()
+            ledger.service.release.set()
+            answer = await calling
+            took = loop.time() - released
+            assert answer.code is grpc.StatusCode.OK, answer.details
+            assert took < lease + 1.5, f"the call waited {took:.1f} s for a renewal"
+        assert await ledger_rows(store, account) == 1
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
