@@ -410,3 +410,44 @@ async def test_a_relay_or_consumer_given_sharded_stores_says_to_run_one_per_shar
     # One per shard works.
     assert Relay(shards["one"].store, CallableSink(deliver), listen=False).store is not None
     assert IdempotentConsumer(shards["one"].store, "emails").store is shards["one"].store
+
+
+async def test_a_shard_failing_over_reconnects_its_own_pool_and_the_purger_goes_on(
+    shards: dict[str, Shard],
+) -> None:
+    """Shard "two" fails over (every connection of its pool reset on next use): its purges
+    and calls go on over connections opened anew; shard "one"'s pool is left as it was."""
+    proxy = BlackholeProxy(shards["two"].dsn)
+    await proxy.start()
+    moved = await Store.connect(proxy.dsn, min_size=3, max_size=3)
+    scope = f"failover-{uuid.uuid4().hex[:8]}"
+    expired = (
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
+        " clock_timestamp() - interval '1 s')"
+    )
+    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
+    one = shards["one"].store
+    generation = one.pool._generation  # type: ignore[attr-defined]  # asyncpg's expirations
+    try:
+        sharded = ShardedStores({"one": one, "two": moved}, PLACEMENT.__getitem__)
+        async with Purger(sharded, interval=0.02) as purger:
+            for shard in shards.values():
+                await shard.fetch(expired, scope, "before")
+                await until(f"{shard.name} purged", functools.partial(_none, shard, count, scope))
+            proxy.fail_over()
+            for shard in shards.values():
+                await shard.fetch(expired, scope, "after")
+                await until(f"{shard.name} purged", functools.partial(_none, shard, count, scope))
+            assert purger._task is not None and not purger._task.done()
+            async with running_ledger(sharded, replay_cache=False) as ledger:
+                for tenant in ("a", "b"):
+                    key = fresh()
+                    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+                    answer = await ledger.call(PHASED, request, key, tenant=tenant)
+                    assert answer.code is grpc.StatusCode.OK, answer.details
+        assert one.pool._generation == generation  # type: ignore[attr-defined]
+    finally:
+        with contextlib.suppress(Exception):
+            await moved.close(timeout=1)
+        await proxy.close()

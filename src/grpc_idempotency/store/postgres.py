@@ -739,11 +739,16 @@ class Store:
             return cap if remaining is None else remaining
         return min(remaining, cap)
 
-    async def _acquire(self, doing: str, timeout: float | None) -> PooledConnection:
+    async def _acquire(
+        self, doing: str, timeout: float | None, *, always_bounded: bool = False
+    ) -> PooledConnection:
+        """A pooled connection within ``timeout`` (and ``acquire_timeout``). ``always_bounded``:
+        the timeout is armed even when a connection is free (see below), for a caller that no
+        call's deadline cancels (a lease renewal)."""
         budget = self.acquire_timeout
         if timeout is not None:
             budget = timeout if budget is None else min(timeout, budget)
-            if self.pool.get_idle_size() > 0:
+            if self.pool.get_idle_size() > 0 and not always_bounded:
                 # A connection is free, so acquiring does not wait for one: skip the timeout,
                 # which asyncpg implements with a task and a timer per acquire. (If the free
                 # holder must reconnect first, asyncpg's connect timeout bounds that, and a
@@ -1432,16 +1437,24 @@ class PhasedClaim:
     async def renew(self) -> bool:
         """Extends the lease; ``False`` when the claim is no longer this attempt's, or was
         released. Bounded by the lease itself: a renewal that slow would be of no use."""
-        c = self._claim
-        async with self._store.connection("renewing a lease", self.lease_s) as conn:
+        c, store = self._claim, self._store
+        doing = "renewing a lease"
+        deadline = time.monotonic() + self.lease_s
+        # The wait for a connection bounded too, even when the pool counts one as free: after a
+        # failover or a restart (``_forget_connections_if_gone``) every free connection is
+        # opened anew when acquired, and that waited for asyncpg's connect timeout (60 s) while
+        # the new primary could not be reached yet. The keeper lets a renewal on the wire run to
+        # its end, so the call that had its answer waited as long (past its deadline).
+        conn = await store._acquire(doing, self.lease_s, always_bounded=True)
+        async with store._holding(conn, doing):
             status = await conn.execute(
-                self._store.statements.renew,
+                store.statements.renew,
                 c.scope,
                 c.key,
                 self.token,
                 self.lease_s,
                 self.started_at,
-                timeout=self.lease_s,
+                timeout=max(0.001, deadline - time.monotonic()),
             )
         return status.endswith(" 1")
 
