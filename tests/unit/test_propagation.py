@@ -14,6 +14,7 @@ from grpc_idempotency.core.propagation import (
     KeySource,
     Parent,
     choose_key,
+    choose_step,
 )
 from grpc_idempotency.core.retry import RetryPolicy, service_config
 
@@ -295,8 +296,13 @@ def test_a_retired_version_named_keys_the_call_as_its_active_version_does() -> N
             choice = choose(parent=parent, named_step=named)
             assert choice.step == used, (started_at, named)  # type: ignore[attr-defined]
             assert choice.key == child_key(PARENT.scope, PARENT.key, used)  # type: ignore[attr-defined]
-        # Retired with no active version of its name: used as named, as before.
-        assert choose(parent=parent, named_step="fee.v1").step == "fee.v1"  # type: ignore[attr-defined]
+        # Retired with no active version of its name: used as named, for an operation begun
+        # before its retirement (or with no start known); refused for one begun after it.
+        if started_at is None or started_at < t1:
+            assert choose(parent=parent, named_step="fee.v1").step == "fee.v1"  # type: ignore[attr-defined]
+        else:
+            with pytest.raises(StepUndeclared, match="retired at"):
+                choose(parent=parent, named_step="fee.v1")
 
 
 def test_a_step_retired_next_to_another_is_not_read_as_renamed_to_it() -> None:
@@ -378,3 +384,39 @@ def test_which_step_an_old_operation_keeps(
     for day, step_name in started:
         parent = Parent(PARENT.method, PARENT.scope, PARENT.key, declared, at(day))
         assert choose(parent=parent, named_step=named).step == step_name, day  # type: ignore[attr-defined]
+
+
+def test_a_step_retired_for_good_named_after_its_retirement_is_refused() -> None:
+    """fee.v1 retired at t1 with no active version of its name, and a later change adds fee.v2
+    on the same target: check-steps passes that (nothing calls a step retired for good, so a new
+    version has nothing in flight to rekey). Named by handler code, fee.v1 kept keying the
+    operations begun after its retirement with its child key, and once fee.v2 was added, a retry
+    of one of them naming fee.v1 was keyed with fee.v2's (the fee charged twice). A retired step
+    keys only the operations begun before its retirement, as as_of says; a later one is refused,
+    as an unnamed call to a target with no active step is."""
+    from datetime import UTC, datetime, timedelta
+
+    from grpc_idempotency.core.step_contract import MethodSteps, check_contract
+
+    t1 = datetime(2026, 3, 1, tzinfo=UTC)
+    now, begun = datetime(2026, 4, 1, tzinfo=UTC), datetime(2026, 3, 15, tzinfo=UTC)
+    before = (Step(name="fee.v1", call=CHARGE, retired_at=t1), Step(name="debit.v1", call=CHARGE))
+    after = (*before, Step(name="fee.v2", call=CHARGE))
+    retention = timedelta(days=90)
+    report = check_contract(
+        {PARENT.method: MethodSteps(retention=retention, steps=before)},
+        {PARENT.method: MethodSteps(retention=retention, steps=after)},
+        now=now,
+    )
+    assert report.ok, report.breaking  # check-steps allows adding fee.v2
+    used: list[str] = []
+    for steps in (before, after):
+        parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, begun)
+        try:
+            used.append(choose_step(parent, CHARGE, "fee.v1").name)
+        except StepUndeclared:
+            used.append("refused")
+    # The retry after the change must not use a child key the first attempt did not.
+    assert used[0] in ("refused", used[1]), used
+    early = Parent(PARENT.method, PARENT.scope, PARENT.key, before, t1 - timedelta(days=1))
+    assert choose_step(early, CHARGE, "fee.v1").name == "fee.v1"

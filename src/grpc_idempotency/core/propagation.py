@@ -78,6 +78,22 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
             # keying operations begun after its retirement. Without an active version (a step
             # retired for good) it is used as is.
             chosen = next((s for s in active if _base(s.name) == _base(chosen.name)), chosen)
+        if (
+            chosen.retired_at is not None
+            and parent.started_at is not None
+            and parent.started_at >= chosen.retired_at
+        ):
+            # Retired for good (no active version) and the operation began after: it keyed
+            # such an operation with its child key, and a version of its name added later
+            # (check-steps sees nothing in flight to rekey for a new version) keyed the same
+            # operation's retry with that version's (the effect run twice). A retired step
+            # keys only the operations begun before its retirement (as_of); for a later one
+            # it is not declared, as for a call naming no step.
+            raise StepUndeclared(
+                f"{parent.method} names step {named!r} for a call to {target}, but it was"
+                f" retired at {chosen.retired_at.isoformat()}, before this operation began,"
+                " and no active version of its name calls the target"
+            )
     elif not active:
         raise StepUndeclared(
             f"{parent.method} calls keyed method {target} without a declared step: add"
