@@ -56,9 +56,9 @@ class KeyChoice:
 
 def choose_step(parent: Parent, target: str, named: str | None) -> Step:
     """The step keying a call to ``target``: the one named (a retired version named standing
-    for its name's active version), else the only active step calling it; then, for an
-    operation begun before an earlier version of that step was retired, that earlier version
-    (``as_of``)."""
+    for its name's active version; one with no active version only for an operation begun
+    before its retirement), else the only active step calling it; then, for an operation begun
+    before an earlier version of that step was retired, that earlier version (``as_of``)."""
     target = normalize_method(target)
     calling = [s for s in parent.steps if s.call and normalize_method(s.call) == target]
     active = [s for s in calling if s.active]
