@@ -76,7 +76,8 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
             # with its own child key where the attempts naming the active version used the
             # earlier one (one operation, two child keys, the effect run twice), and went on
             # keying operations begun after its retirement. Without an active version (a step
-            # retired for good) it is used as is.
+            # retired for good) it is used as is, for the operations begun before its
+            # retirement only (below).
             chosen = next((s for s in active if _base(s.name) == _base(chosen.name)), chosen)
         if (
             chosen.retired_at is not None
