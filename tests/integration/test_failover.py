@@ -135,10 +135,7 @@ async def test_a_commit_whose_answer_is_lost_is_unavailable_and_its_retry_replay
             )
 
         await until("the outcome to commit", committed)
-        proxy.fail_over()
-        for writer in list(proxy._clients):  # the answer never comes: reset
-            writer.transport.abort()
-        proxy.deliver_answers()
+        proxy.fail_over_losing_answers()  # the answer never comes: reset
         lost = await calling
         assert lost.code is grpc.StatusCode.UNAVAILABLE, lost.details
         assert lost.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"

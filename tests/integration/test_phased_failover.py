@@ -114,11 +114,7 @@ async def test_a_final_transaction_that_opened_before_its_connection_reset_opens
             )
 
         await until("the final transaction to open", opened)
-        proxy.fail_over(ended=ended)
-        if not ended:
-            for writer in list(proxy._clients):
-                writer.transport.abort()
-        proxy.deliver_answers()
+        proxy.fail_over_losing_answers(ended=ended)
         answer = await calling
         assert answer.code is grpc.StatusCode.OK, answer.details
         again = await ledger.call(SVC + "PostPhased", request, key)
@@ -157,11 +153,7 @@ async def test_a_release_whose_answer_is_lost_leaves_the_key_free(
             )
 
         await until("the release to commit", released)
-        proxy.fail_over(ended=ended)
-        if not ended:
-            for writer in list(proxy._clients):
-                writer.transport.abort()
-        proxy.deliver_answers()
+        proxy.fail_over_losing_answers(ended=ended)
         answer = await calling
         assert answer.code is grpc.StatusCode.UNAVAILABLE, answer.details
         assert await released()

@@ -65,6 +65,17 @@ class BlackholeProxy:
                 if not writer.is_closing():
                     writer.write(_ADMIN_SHUTDOWN)
 
+    def fail_over_losing_answers(self, *, ended: bool = False) -> None:
+        """``fail_over`` while answers are held (``hold_answers``): what ran, even committed,
+        never reaches its client. Without ``ended``, the old connections are reset at once (not
+        on the client's next write: one waiting for an answer would never write again); then
+        the held answers are let go, which reach no one of those connections."""
+        self.fail_over(ended=ended)
+        if not ended:
+            for writer in list(self._clients):
+                writer.transport.abort()
+        self.deliver_answers()
+
     def hold_answers(self) -> None:
         """From now on PostgreSQL's answers are held back (its requests still arrive): a
         statement runs, and even commits, while its client is left waiting."""
