@@ -8,6 +8,7 @@ though its transactions took writes again, and a fail-open method ran unclaimed 
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
@@ -20,6 +21,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import Store
 from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
+from tests.support.waiting import until
 
 SVC = "/testsvc.v1.LedgerService/"
 
@@ -53,6 +55,24 @@ async def once_read_only(pg_dsn: str) -> AsyncIterator[Store]:
                 " WHERE datname = $1 AND pid <> pg_backend_pid()",
                 database,
             )
+
+            async def writable_through_bouncer() -> bool:
+                # Until PgBouncer has seen its old server connections end: one it hands out
+                # before then fails the client (PgBouncer 1.22 closes it with "invalid server
+                # parameter"), which says nothing of the library.
+                try:
+                    conn = await asyncpg.connect(bouncer.dsn, statement_cache_size=0)
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                    return False
+                try:
+                    return bool(await conn.fetchval("SHOW transaction_read_only") == "off")
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                    return False
+                finally:
+                    with contextlib.suppress(Exception):
+                        await conn.close()
+
+            await until("PgBouncer's server connections to be writable", writable_through_bouncer)
             through = await Store.connect(
                 bouncer.dsn, min_size=1, max_size=2, statement_cache_size=0
             )
