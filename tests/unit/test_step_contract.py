@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import Parent, choose_step
 from grpc_idempotency.core.step_contract import (
@@ -92,6 +93,7 @@ FIXABLE = {
     Change.STEP_VERSION_CHANGED,
     Change.RETIRED_STEP_REMOVED_EARLY,
     Change.RETIREMENT_POSTPONED_AFTER_THE_FACT,
+    Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS,
     Change.OPERATIONS_REKEYED,
 }
 
@@ -151,9 +153,22 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
     (
         "step retired, no successor",
         place(call("charge.v1"), call("email.v1", EMAIL)),
-        place(call("charge.v1"), call("email.v1", EMAIL, retired=NOW - HOUR)),
+        place(call("charge.v1"), call("email.v1", EMAIL, retired=NOW)),
         [(Change.STEP_RETIRED, "email.v1")],
         True,
+    ),
+    # Operations begun in the last hour ran email.v1; their retries are refused it, and an
+    # email.v2 added in a later change would key them with its child key (the email sent
+    # twice) where that change's check cannot tell them from operations that never ran v1.
+    (
+        "step retired for good in the past",
+        place(call("charge.v1"), call("email.v1", EMAIL)),
+        place(call("charge.v1"), call("email.v1", EMAIL, retired=NOW - HOUR)),
+        [
+            (Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS, "email.v1"),
+            (Change.STEP_RETIRED, "email.v1"),
+        ],
+        False,
     ),
     (
         "retired step removed too early",
@@ -251,11 +266,15 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         False,
     ),
     (
-        "retirement backdated past the window (noted, not failed)",
+        "retirement backdated past the window",
         place(call("charge.v1")),
         place(call("charge.v1", retired=NOW - 3 * DAY)),
-        [(Change.STEP_RETIRED, "charge.v1"), (Change.RETIREMENT_BACKDATED, "charge.v1")],
-        True,
+        [
+            (Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS, "charge.v1"),
+            (Change.STEP_RETIRED, "charge.v1"),
+            (Change.RETIREMENT_BACKDATED, "charge.v1"),
+        ],
+        False,
     ),
     (
         "retired_at moved later after it had passed",
@@ -296,6 +315,16 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         "retired_at moved earlier",
         place(call("charge.v1", retired=NOW - HOUR)),
         place(call("charge.v1", retired=NOW - 2 * HOUR)),
+        [
+            (Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS, "charge.v1"),
+            (Change.RETIREMENT_BACKDATED, "charge.v1"),
+        ],
+        False,
+    ),
+    (
+        "a future retired_at moved earlier, still ahead",
+        place(call("charge.v1", retired=NOW + 2 * HOUR)),
+        place(call("charge.v1", retired=NOW + HOUR)),
         [(Change.RETIREMENT_BACKDATED, "charge.v1")],
         True,
     ),
@@ -608,7 +637,10 @@ def test_a_rename_with_the_old_name_retired_fails_with_the_version_bump_as_its_f
     renamed = place(
         call("charge.v1", retired=NOW - HOUR), call("take-payment.v1"), call("email.v1", EMAIL)
     )
-    (f,) = check_contract(old, renamed, now=NOW).breaking
+    # The retirement an hour ago is a failure of its own (operations begun since ran charge.v1),
+    # which the rename's fix, retiring a day from now, repairs too.
+    f, backdated_too = check_contract(old, renamed, now=NOW).breaking
+    assert backdated_too.change is Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS
     assert f.change is Change.STEP_RENAMED and f.step == "charge.v1"
     assert "take-payment.v1" in f.what and "retired at 2026-06-01T11:00:00Z" in f.what
     assert "a step's name is its identity" in f.why
@@ -903,6 +935,42 @@ def test_dates_past_what_datetime_holds_saturate_instead_of_raising() -> None:
 def _step_for(steps: tuple[Step, ...], started_at: datetime) -> str:
     """The step an operation begun at ``started_at`` keys its call to CHARGE with, at runtime."""
     return choose_step(Parent(PLACE, "tenant", "k", steps, started_at), CHARGE, None).name
+
+
+def test_a_step_retired_for_good_in_the_past_fails_where_its_next_version_could_not() -> None:
+    """Two changes, each checked against the one before: charge.v1 retired for good an hour
+    ago, then, a day later, a charge.v2 added. An operation begun half an hour ago ran charge.v1
+    (the deployed contract had it active); after the second change its retry is keyed with
+    charge.v2's child key, and the charge runs twice. The second change cannot see that: a
+    retirement set ahead of its deploy refused charge.v1 to the operations begun after it, which
+    never ran it, and v2 is their first charge. So the first change is the one that fails, and
+    its fix makes the pair safe for every start."""
+    began = NOW - HOUR / 2
+    deployed = place(call("charge.v1"), call("refund.v1", EMAIL))
+    retired = place(call("charge.v1", retired=NOW - HOUR), call("refund.v1", EMAIL))
+    versioned = place(*retired[PLACE].steps, call("charge.v2"))
+    assert _step_for(deployed[PLACE].steps, began) == "charge.v1"
+    assert _step_for(versioned[PLACE].steps, began) == "charge.v2"
+    with pytest.raises(StepUndeclared):  # in between, its retry is refused charge.v1
+        choose_step(Parent(PLACE, "tenant", "k", retired[PLACE].steps, began), CHARGE, "charge.v1")
+    assert check_contract(retired, versioned, now=NOW + DAY).ok  # nothing to see by then
+
+    report = check_contract(deployed, retired, now=NOW)
+    (f,) = report.breaking
+    assert f.change is Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS and f.step == "charge.v1"
+    assert "refused (StepUndeclared)" in f.why and "a version of the name added" in f.why
+    fixed = {PLACE: apply_fixes(retired[PLACE], report)}
+    assert check_contract(deployed, fixed, now=NOW).ok
+    later = NOW + 2 * DAY
+    then = place(*fixed[PLACE].steps, call("charge.v2"))
+    assert check_contract(fixed, then, now=later).ok
+    # Every operation begun before the fixed retirement (a day from now) ran charge.v1, and
+    # keeps it; the ones begun after it never ran charge.v1, and charge.v2 is their first.
+    for start in (began, NOW, NOW + DAY - SECOND):
+        parent = Parent(PLACE, "tenant", "k", fixed[PLACE].steps, start)
+        assert choose_step(parent, CHARGE, "charge.v1").name == "charge.v1"
+        assert _step_for(then[PLACE].steps, start) == "charge.v1"
+    assert _step_for(then[PLACE].steps, later - HOUR) == "charge.v2"
 
 
 def test_a_live_retired_steps_new_target_is_a_failure_with_the_old_target_as_its_fix() -> None:

@@ -14,6 +14,10 @@ downstream service recognise the effect as already done:
   operations begun before its retirement;
 - a ``retired_at`` that had passed and is moved later hands the operations begun in between,
   which ran the step's successor, the retired step's child key;
+- a ``retired_at`` already past when it is set (or moved earlier) hands the operations begun
+  since, which ran the step, its successor's child key; retired for good, the step is refused
+  to them, and a version of its name added in a later change keys them with its own, where that
+  change has no way to see it;
 - a keyed method that disappears while it still declares steps drops the declaration that its
   in-flight operations (up to its retention's worth) depend on.
 
@@ -623,19 +627,37 @@ def _compare_step(
     until = removable_from(step, retention)
     assert until is not None and step.retired_at is not None
     backdated: list[Finding] = []
-    if _backdated_over_begun(was, step, declared, retention, now):
+    if _backdated_over_begun(was, step, retention, now):
         since = "it was active" if was.active else f"it was retired at {_ts(was.retired_at)}"
+        ran = (
+            f"operations begun since {_ts(step.retired_at)} ran {name} with its child key"
+            " (the contract deployed then still keyed them with it); "
+        )
+        if _followed(step, declared):
+            why = ran + (
+                f"this change keys them with the step that follows {name} (a newer version of"
+                f" its name), so one still in flight (retention {_span(retention)}) that is"
+                " retried, or taken over after a crash, sends the downstream service a child key"
+                " it has never seen, and the effect runs again"
+            )
+        else:
+            # Retired for good: nothing is re-keyed yet, but a version of the name added in a
+            # later change keys these operations with its child key, and that change cannot
+            # tell them from the ones begun after a retirement that was not backdated (which
+            # never ran the step: their calls were refused). This is the last change that sees
+            # them.
+            why = ran + (
+                f"this change keys {name} only for operations begun before"
+                f" {_ts(step.retired_at)}, so one still in flight (retention"
+                f" {_span(retention)}) that is retried, or taken over after a crash, has its call"
+                " refused (StepUndeclared); and a version of the name added in a later change"
+                " keys it with that version's child key, which the downstream service has never"
+                " seen, so the effect runs again, where that change's check has nothing to see"
+            )
         backdated = found(
             Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS,
             f"step {name} is retired at {_ts(step.retired_at)}, already past, where {since}",
-            why=(
-                f"operations begun since {_ts(step.retired_at)} ran {name} with its child key"
-                " (the contract deployed then still keyed them with it); this change keys"
-                f" them with the step that follows {name} (a newer version of its name), so"
-                f" one still in flight (retention {_span(retention)}) that is retried, or taken"
-                " over after a crash, sends the downstream service a child key it has never"
-                " seen, and the effect runs again"
-            ),
+            why=why,
             fix=(
                 "retire it no earlier than this change ships (a time still ahead when this"
                 " check runs, here a day from now):"
@@ -709,19 +731,16 @@ def _postponed_after_the_fact(
         return False
     if after <= max(before, _minus(now, retention)):
         return False  # every operation begun in between is past its retention
-    return any(
-        s.active and _base(s.name) == _base(step.name) and _same_target(s, step) for s in declared
-    )
+    return _followed(step, declared)
 
 
-def _backdated_over_begun(
-    was: Step, step: Step, declared: tuple[Step, ...], retention: timedelta, now: datetime
-) -> bool:
+def _backdated_over_begun(was: Step, step: Step, retention: timedelta, now: datetime) -> bool:
     """``step`` is retired at a moment already past and earlier than when ``was`` stopped keying
-    operations with it (its own retired_at, or never for an active step), some operation begun
-    in between may still be retried (begun within ``retention``), and an active version of the
-    name follows the step on its target: ``propagation.as_of`` then keys such an operation,
-    which ran the step, with the follower's child key instead. The mirror of
+    operations with it (its own retired_at, or never for an active step), and some operation
+    begun in between may still be retried (begun within ``retention``). Such an operation ran
+    the step; ``propagation.as_of`` keys its retry with the step's follower (a newer version of
+    its name) if there is one, and ``choose_step`` refuses the step for it if there is none, and
+    a follower added later keys it with its own child key. The mirror of
     ``_postponed_after_the_fact``."""
     if step.retired_at is None:
         return False
@@ -729,8 +748,11 @@ def _backdated_over_begun(
     before = now if was.retired_at is None else min(_aware(was.retired_at), now)
     if not after < before:
         return False
-    if before <= _minus(now, retention):
-        return False  # every operation begun in between is past its retention
+    return before > _minus(now, retention)  # else every operation begun in between is past it
+
+
+def _followed(step: Step, declared: tuple[Step, ...]) -> bool:
+    """An active version of ``step``'s name calls its target."""
     return any(
         s.active and _base(s.name) == _base(step.name) and _same_target(s, step) for s in declared
     )
