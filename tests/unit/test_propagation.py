@@ -420,3 +420,18 @@ def test_a_step_retired_for_good_named_after_its_retirement_is_refused() -> None
     assert used[0] in ("refused", used[1]), used
     early = Parent(PARENT.method, PARENT.scope, PARENT.key, before, t1 - timedelta(days=1))
     assert choose_step(early, CHARGE, "fee.v1").name == "fee.v1"
+
+
+def test_an_unnamed_call_to_a_target_whose_steps_are_all_retired_says_so() -> None:
+    """fee.v1 retired for good on Payments/Charge: an unnamed call to it was told to add a step
+    declaration, which it has. It is refused still (unnamed, a step with another name added on
+    the target later would take the call over), with the way out: name the retired step, which
+    keys the operations begun before its retirement."""
+    from datetime import UTC, datetime, timedelta
+
+    t1 = datetime(2026, 3, 1, tzinfo=UTC)
+    steps = (Step(name="fee.v1", call=CHARGE, retired_at=t1),)
+    parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, t1 - timedelta(days=1))
+    with pytest.raises(StepUndeclared, match=r"every step it declares calling it is retired"):
+        choose(parent=parent)
+    assert choose(parent=parent, named_step="fee.v1").step == "fee.v1"  # type: ignore[attr-defined]

@@ -95,6 +95,16 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
                 f" retired at {chosen.retired_at.isoformat()}, before this operation began,"
                 " and no active version of its name calls the target"
             )
+    elif not active and calling:
+        # Not the retired step, though it may still key this operation: unnamed, the call
+        # would move to any step with another name added on the target later (a name is not
+        # followed), keying an operation that ran the retired step with another child key.
+        raise StepUndeclared(
+            f"{parent.method} calls keyed method {target} without naming a step, and every"
+            f" step it declares calling it is retired ({[s.name for s in calling]}): name the"
+            " retired step with step(...) or step= for an operation begun before its"
+            " retirement, or stop making the call"
+        )
     elif not active:
         raise StepUndeclared(
             f"{parent.method} calls keyed method {target} without a declared step: add"
