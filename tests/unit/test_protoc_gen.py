@@ -1056,6 +1056,28 @@ def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> 
     return {name: (out / name).read_text() for name in generated}
 
 
+OUTBOX_ONLY = """\
+syntax = "proto3";
+package ob.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service Shop {
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = { steps: { name: "receipt.v1" outbox: true } };
+  }
+}
+"""
+
+
+def test_a_method_whose_steps_are_all_outbox_steps_is_formatted(tmp_path: Path) -> None:
+    """A steps class without calls closed its docstring on a line of its own (the paragraph
+    about channels left out), which ``ruff format`` (and black) fold onto the first line: the
+    module was not in the formatter's shape the renderer promises."""
+    source = generate_checked(tmp_path, {"ob/v1/shop.proto": OUTBOX_ONLY})
+    assert '    """The steps of ``ob.v1.Shop/Buy``."""\n' in source["ob/v1/shop_idempotency.py"]
+
+
 EDITION_2024 = """\
 edition = "2024";
 package e24.v1;

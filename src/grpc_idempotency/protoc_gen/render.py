@@ -401,16 +401,21 @@ class _Renderer:
         target = method.path.lstrip("/")
         steps = _active_steps(method)
         constants = _step_identifiers(steps)
-        lines = [f"class {name}:", f'{INDENT}"""The steps of ``{target}``.']
+        lines = [f"class {name}:"]
         if method.calls:
             lines += [
+                f'{INDENT}"""The steps of ``{target}``.',
                 "",
                 f"{INDENT}Build it with channels to the called services, each carrying an",
                 f"{INDENT}``IdempotencyClientInterceptor``, and call its methods from the",
                 f"{INDENT}method's handler: each makes one step's call with the step named, and",
                 f"{INDENT}the interceptor gives the call that step's child key.",
+                f'{INDENT}"""',
             ]
-        lines += [f'{INDENT}"""', ""]
+        else:
+            # One line, closed on it: a formatter folds a lone closing quote onto the first line.
+            lines.append(f'{INDENT}"""The steps of ``{target}``."""')
+        lines.append("")
         for step in steps:
             what = f"Calls ``{step.call.lstrip('/')}``." if step.call else "An outbox message."
             lines += [
