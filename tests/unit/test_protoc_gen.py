@@ -464,6 +464,37 @@ def test_validation_error(tmp_path: Path, case: str) -> None:
     assert not (tmp_path / "out" / "errs").exists()
 
 
+JSON_NAME_CONFLICT = """\
+syntax = "proto2";
+package jn.v1;
+message Req { optional string foo_bar = 1; optional string fooBar = 2; }
+"""
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given", "imported"])
+def test_a_file_protobufs_python_runtime_refuses_is_an_error_not_a_traceback(
+    tmp_path: Path, given: bool
+) -> None:
+    """protoc only warns about two proto2 fields whose JSON names clash; protobuf's Python
+    runtime refuses such a file ("duplicate json_name"), and the plugin, adding it to its pool,
+    died with a traceback. It now names the file and why (its _pb2 fails to import alike)."""
+    files = {
+        "jn/v1/messages.proto": JSON_NAME_CONFLICT,
+        "errs/v1/svc.proto": svc('steps: { name: "a.v1" outbox: true }').replace(
+            'import "grpc_idempotency/v1/options.proto";',
+            'import "grpc_idempotency/v1/options.proto";\nimport "jn/v1/messages.proto";',
+        ),
+    }
+    done = run_on(tmp_path, files, *(files if given else ["errs/v1/svc.proto"]))
+    assert_fails(
+        done,
+        "--grpc-idempotency_out: jn/v1/messages.proto: protobuf's Python runtime cannot load"
+        " this file (Couldn't build proto file into descriptor pool: duplicate json_name (fooBar))",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out" / "errs").exists()
+
+
 def test_valid_options_generate_a_module(tmp_path: Path) -> None:
     ok = run_on(tmp_path, {"errs/v1/ok.proto": svc('steps: { name: "a.v1" outbox: true }')})
     assert ok.returncode == 0, ok.stderr
