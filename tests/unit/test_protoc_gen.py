@@ -24,6 +24,7 @@ from typing import cast
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.compiler import plugin_pb2
+from google.protobuf.descriptor import FileDescriptor
 
 from grpc_idempotency import proto_include
 from grpc_idempotency.client import service_config
@@ -493,6 +494,56 @@ def test_a_file_protobufs_python_runtime_refuses_is_an_error_not_a_traceback(
     )
     assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out" / "errs").exists()
+
+
+def _proto_comment(source: str, declaration: str) -> str:
+    """The ``//`` comment lines right above ``declaration`` in ``source``, joined."""
+    lines = source.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(declaration))
+    comment: list[str] = []
+    for line in reversed(lines[:at]):
+        if not line.strip().startswith("//"):
+            break
+        comment.insert(0, line.strip().removeprefix("//").strip())
+    return " ".join(comment)
+
+
+def test_the_options_proto_says_what_an_unset_mode_is() -> None:
+    """options.proto, the user-facing contract, said MODE_UNSPECIFIED is "Treated as
+    MODE_ATOMIC"; a method whose step calls another service is phased when its mode is unset
+    (an atomic one calling services is refused)."""
+    pool = _pool_of(
+        svc('steps: { name: "a.v1" call: "errs.v1.Svc/Target" }'),
+        svc('steps: { name: "a.v1" outbox: true }'),
+    )
+    calls, outbox = (pool[i].services_by_name["Svc"].methods_by_name["Do"] for i in (0, 1))
+    assert (compile_policy(calls) or pytest.fail()).mode.name == "PHASED"
+    assert (compile_policy(outbox) or pytest.fail()).mode.name == "ATOMIC"
+    source = (ROOT / "protos" / "grpc_idempotency" / "v1" / "options.proto").read_text()
+    said = _proto_comment(source, "MODE_UNSPECIFIED")
+    assert "MODE_PHASED when a step calls another service" in said, said
+
+
+def _pool_of(*sources: str) -> list[FileDescriptor]:
+    """Each of ``sources`` (an ``errs/v1`` file), as the plugin loads it."""
+    files: list[FileDescriptor] = []
+    for source in sources:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            (root / "errs" / "v1").mkdir(parents=True)
+            (root / "errs" / "v1" / "a.proto").write_text(source)
+            out = root / "set.binpb"
+            subprocess.run(
+                [sys.executable, "-m", "grpc_tools.protoc", f"-I{root}", f"-I{proto_include()}",
+                 "--include_imports", f"--descriptor_set_out={out}", "errs/v1/a.proto"],
+                capture_output=True, check=True,
+            )  # fmt: skip
+            fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+        request = plugin_pb2.CodeGeneratorRequest(
+            file_to_generate=["errs/v1/a.proto"], proto_file=fds.file
+        )
+        files += load(request).files
+    return files
 
 
 def test_valid_options_generate_a_module(tmp_path: Path) -> None:
