@@ -1138,6 +1138,61 @@ def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> 
     return {name: (out / name).read_text() for name in generated}
 
 
+SERVICE_PROTO = """\
+syntax = "proto3";
+package mycompany.{name}.v1;
+import "grpc_idempotency/v1/options.proto";
+{imports}
+service {service} {{
+  rpc {method}({method}Request) returns ({method}Response) {{
+    option (grpc_idempotency.v1.method) = {{ {options} }};
+  }}
+}}
+message {method}Request {{}}
+message {method}Response {{}}
+"""
+
+
+def test_packages_that_each_name_their_file_service_proto_generate_formatted_code(
+    tmp_path: Path,
+) -> None:
+    """A file named service.proto in every package is a common layout: a step calling another
+    package's service imports two modules named service_pb2, aliased as protoc does, and with
+    ordinary names the import and the SERVICES entry passed 88 columns (ruff format split them).
+    """
+    payments = SERVICE_PROTO.format(
+        name="payments", imports="", service="PaymentService", method="Charge", options=""
+    )
+    orders = SERVICE_PROTO.format(
+        name="orders",
+        imports='import "mycompany/payments/v1/service.proto";',
+        service="OrderService",
+        method="PlaceOrder",
+        options='steps: { name: "charge-card.v1" call: "mycompany.payments.v1.PaymentService/Charge" }',
+    )
+    usage = (
+        "from __future__ import annotations\n\n"
+        "import grpc\n\n"
+        "from mycompany.orders.v1.service_idempotency import OrderServicePlaceOrderSteps\n"
+        "from mycompany.payments.v1 import service_pb2\n\n\n"
+        "async def handler(channel: grpc.aio.Channel) -> service_pb2.ChargeResponse:\n"
+        "    steps = OrderServicePlaceOrderSteps(payment_service=channel)\n"
+        "    return await steps.charge_card(service_pb2.ChargeRequest())\n"
+    )
+    source = generate_checked(
+        tmp_path,
+        {
+            "mycompany/payments/v1/service.proto": payments,
+            "mycompany/orders/v1/service.proto": orders,
+        },
+        usage,
+    )
+    assert (
+        "service_pb2 as mycompany_dot_payments_dot_v1_dot_service__pb2,"
+        in (source["mycompany/orders/v1/service_idempotency.py"])
+    )
+
+
 OUTBOX_ONLY = """\
 syntax = "proto3";
 package ob.v1;
