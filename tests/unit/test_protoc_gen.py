@@ -24,6 +24,7 @@ from typing import cast
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.compiler import plugin_pb2
+from google.protobuf.descriptor import FileDescriptor
 
 from grpc_idempotency import proto_include
 from grpc_idempotency.client import service_config
@@ -462,6 +463,87 @@ def test_validation_error(tmp_path: Path, case: str) -> None:
     assert_fails(done, f"--grpc-idempotency_out: errs/v1/bad.proto: /errs.v1.Svc/Do: {message}")
     assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out" / "errs").exists()
+
+
+JSON_NAME_CONFLICT = """\
+syntax = "proto2";
+package jn.v1;
+message Req { optional string foo_bar = 1; optional string fooBar = 2; }
+"""
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given", "imported"])
+def test_a_file_protobufs_python_runtime_refuses_is_an_error_not_a_traceback(
+    tmp_path: Path, given: bool
+) -> None:
+    """protoc only warns about two proto2 fields whose JSON names clash; protobuf's Python
+    runtime refuses such a file ("duplicate json_name"), and the plugin, adding it to its pool,
+    died with a traceback. It now names the file and why (its _pb2 fails to import alike)."""
+    files = {
+        "jn/v1/messages.proto": JSON_NAME_CONFLICT,
+        "errs/v1/svc.proto": svc('steps: { name: "a.v1" outbox: true }').replace(
+            'import "grpc_idempotency/v1/options.proto";',
+            'import "grpc_idempotency/v1/options.proto";\nimport "jn/v1/messages.proto";',
+        ),
+    }
+    done = run_on(tmp_path, files, *(files if given else ["errs/v1/svc.proto"]))
+    assert_fails(
+        done,
+        "--grpc-idempotency_out: jn/v1/messages.proto: protobuf's Python runtime cannot load"
+        " this file (Couldn't build proto file into descriptor pool: duplicate json_name (fooBar))",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out" / "errs").exists()
+
+
+def _proto_comment(source: str, declaration: str) -> str:
+    """The ``//`` comment lines right above ``declaration`` in ``source``, joined."""
+    lines = source.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(declaration))
+    comment: list[str] = []
+    for line in reversed(lines[:at]):
+        if not line.strip().startswith("//"):
+            break
+        comment.insert(0, line.strip().removeprefix("//").strip())
+    return " ".join(comment)
+
+
+def test_the_options_proto_says_what_an_unset_mode_is() -> None:
+    """options.proto, the user-facing contract, said MODE_UNSPECIFIED is "Treated as
+    MODE_ATOMIC"; a method whose step calls another service is phased when its mode is unset
+    (an atomic one calling services is refused)."""
+    pool = _pool_of(
+        svc('steps: { name: "a.v1" call: "errs.v1.Svc/Target" }'),
+        svc('steps: { name: "a.v1" outbox: true }'),
+    )
+    calls, outbox = (pool[i].services_by_name["Svc"].methods_by_name["Do"] for i in (0, 1))
+    assert (compile_policy(calls) or pytest.fail()).mode.name == "PHASED"
+    assert (compile_policy(outbox) or pytest.fail()).mode.name == "ATOMIC"
+    source = (ROOT / "protos" / "grpc_idempotency" / "v1" / "options.proto").read_text()
+    said = _proto_comment(source, "MODE_UNSPECIFIED")
+    assert "MODE_PHASED when a step calls another service" in said, said
+
+
+def _pool_of(*sources: str) -> list[FileDescriptor]:
+    """Each of ``sources`` (an ``errs/v1`` file), as the plugin loads it."""
+    files: list[FileDescriptor] = []
+    for source in sources:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            (root / "errs" / "v1").mkdir(parents=True)
+            (root / "errs" / "v1" / "a.proto").write_text(source)
+            out = root / "set.binpb"
+            subprocess.run(
+                [sys.executable, "-m", "grpc_tools.protoc", f"-I{root}", f"-I{proto_include()}",
+                 "--include_imports", f"--descriptor_set_out={out}", "errs/v1/a.proto"],
+                capture_output=True, check=True,
+            )  # fmt: skip
+            fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+        request = plugin_pb2.CodeGeneratorRequest(
+            file_to_generate=["errs/v1/a.proto"], proto_file=fds.file
+        )
+        files += load(request).files
+    return files
 
 
 def test_valid_options_generate_a_module(tmp_path: Path) -> None:
@@ -1054,6 +1136,83 @@ def generate_checked(tmp_path: Path, files: dict[str, str], usage: str = "") -> 
     typed = mypy(out, *generated, *(["usage.py"] if usage else []))
     assert typed.returncode == 0, typed.stdout + typed.stderr
     return {name: (out / name).read_text() for name in generated}
+
+
+SERVICE_PROTO = """\
+syntax = "proto3";
+package mycompany.{name}.v1;
+import "grpc_idempotency/v1/options.proto";
+{imports}
+service {service} {{
+  rpc {method}({method}Request) returns ({method}Response) {{
+    option (grpc_idempotency.v1.method) = {{ {options} }};
+  }}
+}}
+message {method}Request {{}}
+message {method}Response {{}}
+"""
+
+
+def test_packages_that_each_name_their_file_service_proto_generate_formatted_code(
+    tmp_path: Path,
+) -> None:
+    """A file named service.proto in every package is a common layout: a step calling another
+    package's service imports two modules named service_pb2, aliased as protoc does, and with
+    ordinary names the import and the SERVICES entry passed 88 columns (ruff format split them).
+    """
+    payments = SERVICE_PROTO.format(
+        name="payments", imports="", service="PaymentService", method="Charge", options=""
+    )
+    orders = SERVICE_PROTO.format(
+        name="orders",
+        imports='import "mycompany/payments/v1/service.proto";',
+        service="OrderService",
+        method="PlaceOrder",
+        options='steps: { name: "charge-card.v1" call: "mycompany.payments.v1.PaymentService/Charge" }',
+    )
+    usage = (
+        "from __future__ import annotations\n\n"
+        "import grpc\n\n"
+        "from mycompany.orders.v1.service_idempotency import OrderServicePlaceOrderSteps\n"
+        "from mycompany.payments.v1 import service_pb2\n\n\n"
+        "async def handler(channel: grpc.aio.Channel) -> service_pb2.ChargeResponse:\n"
+        "    steps = OrderServicePlaceOrderSteps(payment_service=channel)\n"
+        "    return await steps.charge_card(service_pb2.ChargeRequest())\n"
+    )
+    source = generate_checked(
+        tmp_path,
+        {
+            "mycompany/payments/v1/service.proto": payments,
+            "mycompany/orders/v1/service.proto": orders,
+        },
+        usage,
+    )
+    assert (
+        "service_pb2 as mycompany_dot_payments_dot_v1_dot_service__pb2,"
+        in (source["mycompany/orders/v1/service_idempotency.py"])
+    )
+
+
+OUTBOX_ONLY = """\
+syntax = "proto3";
+package ob.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service Shop {
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = { steps: { name: "receipt.v1" outbox: true } };
+  }
+}
+"""
+
+
+def test_a_method_whose_steps_are_all_outbox_steps_is_formatted(tmp_path: Path) -> None:
+    """A steps class without calls closed its docstring on a line of its own (the paragraph
+    about channels left out), which ``ruff format`` (and black) fold onto the first line: the
+    module was not in the formatter's shape the renderer promises."""
+    source = generate_checked(tmp_path, {"ob/v1/shop.proto": OUTBOX_ONLY})
+    assert '    """The steps of ``ob.v1.Shop/Buy``."""\n' in source["ob/v1/shop_idempotency.py"]
 
 
 EDITION_2024 = """\

@@ -23,7 +23,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
 
 from grpc_idempotency.protoc_gen import names
-from grpc_idempotency.protoc_gen.pool import OPTIONS_FILE, extension_problems, load
+from grpc_idempotency.protoc_gen.pool import OPTIONS_FILE, Unloadable, extension_problems, load
 from grpc_idempotency.protoc_gen.render import RenderError, render
 from grpc_idempotency.protoc_gen.validate import KeyedFile, check_file
 
@@ -48,7 +48,11 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
     if refused:
         response.error = "\n".join(refused)
         return response
-    loaded = load(request)
+    try:
+        loaded = load(request)
+    except Unloadable as err:
+        response.error = str(err)
+        return response
     checked_files: list[KeyedFile] = []
     errors: list[str] = []
     for file in loaded.files:

@@ -30,6 +30,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.compiler import plugin_pb2
+from google.protobuf.descriptor import Error as DescriptorError
 from google.protobuf.descriptor import FileDescriptor, MethodDescriptor
 
 from grpc_idempotency.core.policy import read_method_options
@@ -126,12 +127,26 @@ def extension_problems(files: Iterable[descriptor_pb2.FileDescriptorProto]) -> l
     return problems
 
 
+class Unloadable(Exception):
+    """protobuf's Python runtime refuses a file of the request (the message names it)."""
+
+
 def load(request: Any) -> Request:
     """The request's files in a pool of their own. ``request`` is a ``CodeGeneratorRequest``,
-    of ``plugin_pb2`` or of ``parse_request``."""
+    of ``plugin_pb2`` or of ``parse_request``.
+
+    Raises ``Unloadable`` for a file that protoc accepts but protobuf's Python runtime does not
+    (two proto2 fields whose JSON names clash, which protoc only warns about): its ``_pb2``
+    fails to import the same way, so nothing generated from it could be used."""
     pool = descriptor_pool.DescriptorPool()
     for proto in request.proto_file:
-        pool.AddSerializedFile(proto.SerializeToString())
+        try:
+            pool.AddSerializedFile(proto.SerializeToString())
+        except (TypeError, DescriptorError) as err:
+            raise Unloadable(
+                f"{proto.name}: protobuf's Python runtime cannot load this file ({err}); its"
+                " _pb2 module fails to import alike: fix what the message names"
+            ) from None
     files = tuple(pool.FindFileByName(name) for name in request.file_to_generate)
     return Request(pool=pool, files=files, parameter=request.parameter)
 

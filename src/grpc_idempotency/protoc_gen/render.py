@@ -231,9 +231,10 @@ class _Renderer:
             library.append("step_metadata")
         lines = [*stdlib, "", *third, "", *_import_lines("grpc_idempotency", library)]
         generated = [
-            _import_statement(module, local)
+            line
             for module, local in sorted(self.modules.items())
             if module not in self.dynamic
+            for line in _import_lines_of(module, local)
         ]
         # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
         # module with importlib too. So is a module whose .pyi protoc's pyi_out writes with a
@@ -271,9 +272,23 @@ class _Renderer:
         for method in self.file.methods:
             if method.service not in services:
                 services.append(method.service)
+        entries: list[str] = []
+        for service in services:
+            entry = f'{INDENT}{own}.DESCRIPTOR.services_by_name["{service.name}"],'
+            # An aliased module (``a_dot_v1_dot_service__pb2``) makes ordinary names long: split
+            # at the bracket, as a formatter does.
+            entries += (
+                [entry]
+                if len(entry) <= 88
+                else [
+                    f"{INDENT}{own}.DESCRIPTOR.services_by_name[",
+                    f'{INDENT * 2}"{service.name}"',
+                    f"{INDENT}],",
+                ]
+            )
         return [
             "SERVICES: Final[tuple[ServiceDescriptor, ...]] = (",
-            *(f'{INDENT}{own}.DESCRIPTOR.services_by_name["{s.name}"],' for s in services),
+            *entries,
             ")",
             '"""The services of this file that have keyed methods."""',
         ]
@@ -401,16 +416,21 @@ class _Renderer:
         target = method.path.lstrip("/")
         steps = _active_steps(method)
         constants = _step_identifiers(steps)
-        lines = [f"class {name}:", f'{INDENT}"""The steps of ``{target}``.']
+        lines = [f"class {name}:"]
         if method.calls:
             lines += [
+                f'{INDENT}"""The steps of ``{target}``.',
                 "",
                 f"{INDENT}Build it with channels to the called services, each carrying an",
                 f"{INDENT}``IdempotencyClientInterceptor``, and call its methods from the",
                 f"{INDENT}method's handler: each makes one step's call with the step named, and",
                 f"{INDENT}the interceptor gives the call that step's child key.",
+                f'{INDENT}"""',
             ]
-        lines += [f'{INDENT}"""', ""]
+        else:
+            # One line, closed on it: a formatter folds a lone closing quote onto the first line.
+            lines.append(f'{INDENT}"""The steps of ``{target}``."""')
+        lines.append("")
         for step in steps:
             what = f"Calls ``{step.call.lstrip('/')}``." if step.call else "An outbox message."
             lines += [
@@ -629,6 +649,17 @@ def _import_statement(module: str, local: str | None = None) -> str:
     package, _, base = module.rpartition(".")
     alias = f" as {local}" if local is not None and local != base else ""
     return f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
+
+
+def _import_lines_of(module: str, local: str) -> list[str]:
+    """``_import_statement``, exploded as a formatter explodes it when it passes 88 columns (an
+    alias, ``service_pb2 as a_dot_v1_dot_service__pb2``, doubles the length of a name)."""
+    single = _import_statement(module, local)
+    package, _, base = module.rpartition(".")
+    if len(single) <= 88 or not package:
+        return [single]
+    alias = f" as {local}" if local != base else ""
+    return [f"from {package} import (", f"{INDENT}{base}{alias},", ")"]
 
 
 def _import_lines(module: str, imported: list[str]) -> list[str]:
