@@ -465,6 +465,25 @@ def test_validation_error(tmp_path: Path, case: str) -> None:
     assert not (tmp_path / "out" / "errs").exists()
 
 
+def test_a_fingerprint_option_out_of_its_enum_is_an_error(tmp_path: Path) -> None:
+    """``(grpc_idempotency.v1.field).fingerprint = 7``: protoc accepts a number that is no value
+    of the enum, and it was read as INCLUDE, so a field meant to be excluded (a typo, a value
+    of a newer options.proto) made every retry that changed it KEY_REUSED, with no error at
+    generation or at server start."""
+    text = svc('steps: { name: "a.v1" outbox: true }').replace(
+        "message Req {}",
+        "message Inner { string at = 1 [(grpc_idempotency.v1.field) = { fingerprint: 7 }]; }\n"
+        "message Req { Inner inner = 1; }",
+    )
+    done = run_on(tmp_path, {"errs/v1/bad.proto": text})
+    assert_fails(
+        done,
+        "--grpc-idempotency_out: errs/v1/bad.proto: /errs.v1.Svc/Do: field errs.v1.Inner.at:"
+        " unknown fingerprint 7",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 JSON_NAME_CONFLICT = """\
 syntax = "proto2";
 package jn.v1;

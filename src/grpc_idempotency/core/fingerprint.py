@@ -23,6 +23,7 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
+from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.field_order import field_ordered, needs_field_order
 from grpc_idempotency.v1 import options_pb2
 
@@ -33,9 +34,16 @@ def _is_excluded(field: FieldDescriptor) -> bool:
     options: Any = field.GetOptions()  # typed loosely: protoc's stubs mistype extensions
     if not options.HasExtension(options_pb2.field):
         return False
-    return bool(
-        options.Extensions[options_pb2.field].fingerprint == options_pb2.FINGERPRINT_EXCLUDE
-    )
+    value = options.Extensions[options_pb2.field].fingerprint
+    if value not in _FINGERPRINT_VALUES:
+        # protoc accepts a number that is no value of the enum (``fingerprint: 7``); read as
+        # INCLUDE, a field meant to be excluded (a newer option's value, a typo) silently made
+        # every retry that changed it KEY_REUSED.
+        raise PolicyError(f"field {field.full_name}: unknown fingerprint {value}")
+    return bool(value == options_pb2.FINGERPRINT_EXCLUDE)
+
+
+_FINGERPRINT_VALUES = frozenset(options_pb2.Fingerprint.values())
 
 
 def _holds_messages(field: Any) -> bool:

@@ -270,6 +270,13 @@ _STORE_DOWN = {
 }
 
 
+def _fingerprinter(path: str, method: MethodDescriptor) -> Fingerprinter:
+    try:
+        return Fingerprinter.for_method(path, method.input_type)
+    except PolicyError as err:
+        raise PolicyError(f"{path}: {err.message}") from None
+
+
 def read_method_options(method: MethodDescriptor) -> options_pb2.MethodPolicy | None:
     if not method.has_options:
         return None
@@ -343,7 +350,7 @@ def compile_policy(
         if ov.store_down is not None
         else _member(_STORE_DOWN, options, "store_down", path),
         steps=steps,
-        fingerprint=Fingerprinter.for_method(path, method.input_type),
+        fingerprint=_fingerprinter(path, method),
         isolation=ov.isolation
         if ov.isolation is not None
         else _member(_ISOLATION, options, "isolation", path),
