@@ -1095,3 +1095,54 @@ async def test_process_call_answers_aborted_while_another_delivery_runs(
     done = await first
     assert done.code is grpc.StatusCode.OK and done.body == b"processed"
     assert await effect_rows(store, consumer, key) == 1
+
+
+# --- a failover or a restart: the pool's connections are all dead -----------------------------
+
+FAILOVER_POOL = 4
+
+
+@pytest.fixture
+async def failing_over(
+    pg_dsn: str, store: Store, effects_table: None
+) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
+    """A store whose pool holds ``FAILOVER_POOL`` connections, all opened through a proxy that
+    can fail over (``BlackholeProxy.fail_over``)."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, min_size=FAILOVER_POOL, max_size=FAILOVER_POOL)
+    try:
+        yield proxy, via
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_deliveries_after_a_failover_are_not_refused_for_the_pools_dead_connections(
+    store: Store, failing_over: tuple[BlackholeProxy, Store], ended: bool
+) -> None:
+    """After a failover (or a restart) every connection the pool opened before is dead, and
+    fails once when next used. The mark met them one delivery after another: each failed as
+    StoreUnavailable (not acknowledged, redelivered) with the database up, as many deliveries
+    as the pool had connections. Like the claim, the mark replaces the pool's connections and
+    tries once more on a connection opened now (safe: a dead session's transaction rolled
+    back)."""
+    proxy, via = failing_over
+    consumer = IdempotentConsumer(via, fresh("failover"))
+    first = fresh()
+    assert (await consumer.process(first, write(consumer, first))).outcome is Consumed.PROCESSED
+    proxy.fail_over(ended=ended)
+    message_ids = [fresh() for _ in range(FAILOVER_POOL)]
+    outcomes: list[object] = []
+    for message_id in message_ids:
+        try:
+            outcomes.append(
+                (await consumer.process(message_id, write(consumer, message_id))).outcome
+            )
+        except StoreUnavailable as err:
+            outcomes.append(err)
+    assert outcomes == [Consumed.PROCESSED] * FAILOVER_POOL
+    assert [await effect_rows(store, consumer, m) for m in message_ids] == [1] * FAILOVER_POOL
+    # A duplicate after the failover is still one.
+    assert (await consumer.process(first, write(consumer, first))).duplicate

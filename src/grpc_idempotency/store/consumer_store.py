@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 
 import asyncpg
@@ -188,21 +189,33 @@ class ProcessedMessages:
         says whether the id was new (``PROCESSED``) or marked already (``DUPLICATE``). Raises
         ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
         store = self.store
-        conn = await store._acquire("marking a message", acquire_timeout)
         token = uuid.uuid4().hex  # the mark's transaction, as the commit checks it
         sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s, token)
-        try:
-            status = await conn.execute(sql)
-        except BaseException as exc:
-            await _abandon(conn, exc)
-            await store._release(conn)
-            if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
-                raise MarkBusy(message_id) from None
-            if isinstance(exc, STORE_ERRORS):
-                raise store_error(exc, "marking a message") from exc
-            raise
-        commit = self._sql.commit(consumer, message_id, retention_s, token)
-        return Mark(store, conn, consumed(int(status.split()[-1])), commit)
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        tries = 2
+        for tried in range(1, tries + 1):
+            left = None if deadline is None else deadline - time.monotonic()
+            conn = await store._acquire("marking a message", left)
+            try:
+                status = await conn.execute(sql)
+            except BaseException as exc:
+                await _abandon(conn, exc)
+                await store._release(conn)
+                if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                    raise MarkBusy(message_id) from None
+                if isinstance(exc, STORE_ERRORS):
+                    # A pooled connection that a restart or a failover left dead: the pool's
+                    # others are replaced now, and the mark tried once more on a connection
+                    # opened now, as the claim is. Safe: the batch commits nothing, and a dead
+                    # session's transaction is rolled back. Without it, each of the pool's
+                    # dead connections failed a delivery in turn with the database up.
+                    if tried < tries and await store._forget_connections_if_gone(exc):
+                        continue
+                    raise store_error(exc, "marking a message") from exc
+                raise
+            commit = self._sql.commit(consumer, message_id, retention_s, token)
+            return Mark(store, conn, consumed(int(status.split()[-1])), commit)
+        raise AssertionError("unreachable")
 
     async def is_processed(self, consumer: str, message_id: str) -> bool:
         async with self.store.connection("looking up a message") as conn:
