@@ -1146,3 +1146,19 @@ async def test_deliveries_after_a_failover_are_not_refused_for_the_pools_dead_co
     assert [await effect_rows(store, consumer, m) for m in message_ids] == [1] * FAILOVER_POOL
     # A duplicate after the failover is still one.
     assert (await consumer.process(first, write(consumer, first))).duplicate
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_is_processed_after_a_failover_is_answered(
+    store: Store, failing_over: tuple[BlackholeProxy, Store], ended: bool
+) -> None:
+    """A look-up is a read: on a pooled connection a failover left dead it is tried again on
+    one opened now, as the store's look-up of a key is; it raised StoreUnavailable, the
+    database up."""
+    proxy, via = failing_over
+    consumer = IdempotentConsumer(via, fresh("failover"))
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id))
+    proxy.fail_over(ended=ended)
+    assert await consumer.is_processed(message_id)
+    assert not await consumer.is_processed(fresh())

@@ -29,6 +29,7 @@ from grpc_idempotency.store.postgres import (
     ROLLBACK_TIMEOUT_S,
     PooledConnection,
     Store,
+    _connection_gone,
     connection_closed,
 )
 from grpc_idempotency.store.sql import begin, float_literal, schema_identifier, text_literal
@@ -218,9 +219,25 @@ class ProcessedMessages:
         raise AssertionError("unreachable")
 
     async def is_processed(self, consumer: str, message_id: str) -> bool:
-        async with self.store.connection("looking up a message") as conn:
-            found: bool = await conn.fetchval(self._sql.is_processed, consumer, message_id)
-        return found
+        # A read: on a pooled connection a restart or a failover left dead (``_holding`` then
+        # replaces the pool's others) it is tried once more, on a connection opened now, as the
+        # store's look-up of a key is. Answered StoreUnavailable, the database up. A failure to
+        # get a connection is not tried again: the pool has just tried to open one.
+        store = self.store
+        doing = "looking up a message"
+        tries = 2
+        for tried in range(1, tries + 1):
+            conn = await store._acquire(doing, None)
+            try:
+                async with store._holding(conn, doing):
+                    found: bool = await conn.fetchval(self._sql.is_processed, consumer, message_id)
+            except StoreUnavailable as err:
+                cause = err.__cause__
+                if tried < tries and cause is not None and _connection_gone(cause):
+                    continue
+                raise
+            return found
+        raise AssertionError("unreachable")
 
     async def purge(self, *, consumer: str | None, batch_size: int, max_batches: int | None) -> int:
         return await self.store.purge_in_batches(
