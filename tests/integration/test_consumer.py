@@ -230,7 +230,20 @@ async def test_an_effect_slower_than_the_retention_commits_a_live_mark(
     assert await effect_rows(store, consumer, message_id) == 1
 
 
-@pytest.mark.parametrize("bad", [{"consumer": "c\x00"}, {"batch_size": 2**63}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"consumer": "c\x00"},
+        {"batch_size": 2**63},
+        # A TypeError of len() or of the pattern; a str batch size's of a comparison, and a
+        # float one was sent as the LIMIT.
+        {"consumer": b"ledger"},
+        {"consumer": 5},
+        {"batch_size": "5"},
+        {"batch_size": 1.5},
+        {"max_batches": "2"},
+    ],
+)
 async def test_purging_with_arguments_postgresql_refuses_is_bad_input(
     store: Store, bad: dict[str, object]
 ) -> None:
@@ -666,6 +679,24 @@ async def test_malformed_message_ids_are_refused_before_the_database(
 ) -> None:
     with pytest.raises(KeyInvalid):
         await consumer.process(message_id, write(consumer, message_id))
+
+
+@pytest.mark.parametrize("message_id", [b"msg-1", 5, None], ids=["bytes", "int", "none"])
+async def test_a_message_id_that_is_not_a_str_is_refused_as_such(
+    consumer: IdempotentConsumer, message_id: object
+) -> None:
+    """Told "message id is empty", which it was not."""
+    with pytest.raises(KeyInvalid, match="must be a str"):
+        await consumer.process(message_id, write(consumer, "x"))  # type: ignore[arg-type]
+    with pytest.raises(KeyInvalid, match="must be a str"):
+        await consumer.is_processed(message_id)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", [b"ledger", 5, None], ids=["bytes", "int", "none"])
+def test_a_consumer_name_that_is_not_a_str_is_refused(store: Store, name: object) -> None:
+    """bytes or an int raised a TypeError of len() or of the pattern."""
+    with pytest.raises(ValueError, match="consumer name"):
+        IdempotentConsumer(store, name)  # type: ignore[arg-type]
 
 
 async def test_message_ids_are_data_not_sql(store: Store, consumer: IdempotentConsumer) -> None:
