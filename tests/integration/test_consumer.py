@@ -1193,3 +1193,73 @@ async def test_is_processed_after_a_failover_is_answered(
     proxy.fail_over(ended=ended)
     assert await consumer.is_processed(message_id)
     assert not await consumer.is_processed(fresh())
+
+
+async def test_a_read_only_database_is_store_unavailable_and_nothing_runs(
+    pg_dsn: str, store: Store, effects_table: None
+) -> None:
+    """A standby reached after a failover, or a database set read-only: the mark writes, so it
+    is refused (25006), an outage; the effect does not run, nothing is acknowledged, and a
+    redelivery once the database takes writes runs it. A duplicate is not acknowledged either
+    (its mark cannot be taken), which is safe: it is redelivered."""
+    read_only = await Store.connect(
+        pg_dsn, max_size=2, server_settings={"default_transaction_read_only": "on"}
+    )
+    try:
+        name = fresh("read-only")
+        done = fresh()
+        writable = IdempotentConsumer(store, name)
+        await writable.process(done, write(writable, done))
+        consumer = IdempotentConsumer(read_only, name)
+        ran: list[str] = []
+
+        async def effect(conn: Any) -> None:
+            ran.append("ran")
+
+        for message_id in (fresh(), done):
+            with pytest.raises(StoreUnavailable, match="25006") as raised:
+                await consumer.process(message_id, effect)
+            assert raised.value.outage
+        assert ran == []
+        assert await consumer.is_processed(done)  # a read: a standby answers it
+    finally:
+        await read_only.close()
+
+
+async def test_a_replica_killed_mid_effect_leaves_its_message_to_a_redelivery(
+    pg_dsn: str, store: Store, effects_table: None
+) -> None:
+    """kill -9 of a replica whose effect has written: its session ends with it, its effect and
+    mark roll back, and a redelivery already waiting on the mark runs the effect, once."""
+    name, message_id = fresh("killed"), fresh()
+    replica = await asyncio.create_subprocess_exec(
+        *[
+            sys.executable,
+            "-m",
+            "tests.support.consumer_replica",
+            pg_dsn,
+            name,
+            message_id,
+            "30000",
+        ],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert replica.stdout is not None
+    try:
+        entered = await asyncio.wait_for(replica.stdout.readline(), timeout=30)
+        assert entered == b"entered\n"  # its effect's row written, its transaction open
+        other = IdempotentConsumer(store, name, max_wait=timedelta(seconds=20))
+        redelivery = asyncio.create_task(other.process(message_id, write(other, message_id)))
+        await waiting_on_a_lock(store)
+        replica.kill()  # SIGKILL
+        await replica.wait()
+        result = await asyncio.wait_for(redelivery, 20)
+        assert result.outcome is Consumed.PROCESSED
+        assert await effect_rows(store, other, message_id) == 1  # the killed one's rolled back
+        assert (await other.process(message_id, write(other, message_id))).duplicate
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            replica.kill()
+        await replica.wait()
