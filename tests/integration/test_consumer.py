@@ -1263,3 +1263,16 @@ async def test_a_replica_killed_mid_effect_leaves_its_message_to_a_redelivery(
         with contextlib.suppress(ProcessLookupError):
             replica.kill()
         await replica.wait()
+
+
+async def test_purge_processed_after_a_failover_is_not_refused_for_the_pools_dead_connections(
+    store: Store, failing_over: tuple[BlackholeProxy, Store]
+) -> None:
+    proxy, via = failing_over
+    consumer = IdempotentConsumer(via, fresh("failover"))
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id))
+    await expire(store, consumer, message_id)
+    proxy.fail_over()
+    assert await consumer.purge_processed() == 1
+    assert await marks(store, consumer.name) == []
