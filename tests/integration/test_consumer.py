@@ -1276,3 +1276,28 @@ async def test_purge_processed_after_a_failover_is_not_refused_for_the_pools_dea
     proxy.fail_over()
     assert await consumer.purge_processed() == 1
     assert await marks(store, consumer.name) == []
+
+
+async def test_a_max_wait_longer_than_the_pools_command_timeout_is_waited_out(
+    pg_dsn: str, store: Store, consumer: IdempotentConsumer
+) -> None:
+    """The mark's wait on a concurrent delivery is bounded by ``max_wait`` (lock_timeout); the
+    statement's own timeout was the pool's ``command_timeout``, so past it a duplicate gave up
+    as StoreUnavailable (a timeout: an ambiguous outage, its connection dropped) instead of
+    waiting ``max_wait`` and answering MessageInProgress (or DUPLICATE, had the first committed
+    meanwhile). The mark's statement now allows ``max_wait`` beyond ``command_timeout``."""
+    short = await Store.connect(pg_dsn, max_size=2, command_timeout=0.5)
+    try:
+        message_id = fresh()
+        gate, first = await held(consumer, message_id)
+        other = IdempotentConsumer(short, consumer.name, max_wait=timedelta(seconds=1.5))
+        try:
+            with pytest.raises(MessageInProgress):
+                await other.process(message_id, write(other, message_id))
+        finally:
+            gate.release.set()
+        assert (await first).outcome is Consumed.PROCESSED
+        assert (await other.process(message_id, write(other, message_id))).duplicate
+        assert await effect_rows(store, consumer, message_id) == 1
+    finally:
+        await short.close()

@@ -193,12 +193,19 @@ class ProcessedMessages:
         token = uuid.uuid4().hex  # the mark's transaction, as the commit checks it
         sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s, token)
         deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        # The statement may wait wait_s on a concurrent delivery's row (lock_timeout), beyond
+        # the pool's command_timeout, which bounds the rest: with only command_timeout, a
+        # max_wait longer than it was cut short, and the duplicate failed as StoreUnavailable
+        # (an ambiguous outage, its connection dropped) instead of MessageInProgress.
+        statement_timeout = (
+            None if store.command_timeout is None else store.command_timeout + wait_s
+        )
         tries = 2
         for tried in range(1, tries + 1):
             left = None if deadline is None else deadline - time.monotonic()
             conn = await store._acquire("marking a message", left)
             try:
-                status = await conn.execute(sql)
+                status = await conn.execute(sql, timeout=statement_timeout)
             except BaseException as exc:
                 await _abandon(conn, exc)
                 await store._release(conn)
