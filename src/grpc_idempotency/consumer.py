@@ -255,6 +255,8 @@ async def purge_processed(
     """Deletes expired marks of ``consumer`` (``None``: of every consumer) in batches of
     ``batch_size``, each its own short transaction that skips rows locked by a delivery taking
     them over; stops after a short batch or ``max_batches``. Returns how many were deleted."""
+    # ShardedStores (or anything else) raised a raw AttributeError ('no attribute schema').
+    store = one_store(store, user="purge_processed", per_shard="purge each shard's Store")
     if consumer is not None:
         validate_consumer_name(consumer)  # NUL or non-UTF-8 read as the store being down
     return await ProcessedMessages(store).purge(

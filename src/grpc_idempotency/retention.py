@@ -3,7 +3,11 @@
 Deleting is an optimisation, not a correctness need: a record past retention is already treated
 as new by the claim (the database clock decides). Batches keep each DELETE short and walk the
 ``expires_at`` index in order (``Store.purge``); the DELETE re-checks retention and leases on any
-row a concurrent takeover changed, so it never removes a record that an attempt holds. Several
+row a concurrent takeover changed, so it never removes a record that an attempt wrote (a phased
+claim, a completion). An atomic attempt at READ COMMITTED that takes over a record past
+retention writes nothing until its completion: that record may be purged under it, and the
+completion then inserts the record anew (migration 0009); the key stays the attempt's, under its
+claim lock, meanwhile. Several
 purgers (one per replica) may run: one that meets another's batch waits for it, finds its rows
 gone, and ends its run.
 """

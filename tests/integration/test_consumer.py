@@ -230,7 +230,20 @@ async def test_an_effect_slower_than_the_retention_commits_a_live_mark(
     assert await effect_rows(store, consumer, message_id) == 1
 
 
-@pytest.mark.parametrize("bad", [{"consumer": "c\x00"}, {"batch_size": 2**63}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"consumer": "c\x00"},
+        {"batch_size": 2**63},
+        # A TypeError of len() or of the pattern; a str batch size's of a comparison, and a
+        # float one was sent as the LIMIT.
+        {"consumer": b"ledger"},
+        {"consumer": 5},
+        {"batch_size": "5"},
+        {"batch_size": 1.5},
+        {"max_batches": "2"},
+    ],
+)
 async def test_purging_with_arguments_postgresql_refuses_is_bad_input(
     store: Store, bad: dict[str, object]
 ) -> None:
@@ -668,6 +681,24 @@ async def test_malformed_message_ids_are_refused_before_the_database(
         await consumer.process(message_id, write(consumer, message_id))
 
 
+@pytest.mark.parametrize("message_id", [b"msg-1", 5, None], ids=["bytes", "int", "none"])
+async def test_a_message_id_that_is_not_a_str_is_refused_as_such(
+    consumer: IdempotentConsumer, message_id: object
+) -> None:
+    """Told "message id is empty", which it was not."""
+    with pytest.raises(KeyInvalid, match="must be a str"):
+        await consumer.process(message_id, write(consumer, "x"))  # type: ignore[arg-type]
+    with pytest.raises(KeyInvalid, match="must be a str"):
+        await consumer.is_processed(message_id)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", [b"ledger", 5, None], ids=["bytes", "int", "none"])
+def test_a_consumer_name_that_is_not_a_str_is_refused(store: Store, name: object) -> None:
+    """bytes or an int raised a TypeError of len() or of the pattern."""
+    with pytest.raises(ValueError, match="consumer name"):
+        IdempotentConsumer(store, name)  # type: ignore[arg-type]
+
+
 async def test_message_ids_are_data_not_sql(store: Store, consumer: IdempotentConsumer) -> None:
     """The mark is sent as literals (one round trip): quotes and backslashes stay data."""
     message_id = "it's \\' ); DROP TABLE x; --  ünïcode"
@@ -1095,3 +1126,178 @@ async def test_process_call_answers_aborted_while_another_delivery_runs(
     done = await first
     assert done.code is grpc.StatusCode.OK and done.body == b"processed"
     assert await effect_rows(store, consumer, key) == 1
+
+
+# --- a failover or a restart: the pool's connections are all dead -----------------------------
+
+FAILOVER_POOL = 4
+
+
+@pytest.fixture
+async def failing_over(
+    pg_dsn: str, store: Store, effects_table: None
+) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
+    """A store whose pool holds ``FAILOVER_POOL`` connections, all opened through a proxy that
+    can fail over (``BlackholeProxy.fail_over``)."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, min_size=FAILOVER_POOL, max_size=FAILOVER_POOL)
+    try:
+        yield proxy, via
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_deliveries_after_a_failover_are_not_refused_for_the_pools_dead_connections(
+    store: Store, failing_over: tuple[BlackholeProxy, Store], ended: bool
+) -> None:
+    """After a failover (or a restart) every connection the pool opened before is dead, and
+    fails once when next used. The mark met them one delivery after another: each failed as
+    StoreUnavailable (not acknowledged, redelivered) with the database up, as many deliveries
+    as the pool had connections. Like the claim, the mark replaces the pool's connections and
+    tries once more on a connection opened now (safe: a dead session's transaction rolled
+    back)."""
+    proxy, via = failing_over
+    consumer = IdempotentConsumer(via, fresh("failover"))
+    first = fresh()
+    assert (await consumer.process(first, write(consumer, first))).outcome is Consumed.PROCESSED
+    proxy.fail_over(ended=ended)
+    message_ids = [fresh() for _ in range(FAILOVER_POOL)]
+    outcomes: list[object] = []
+    for message_id in message_ids:
+        try:
+            outcomes.append(
+                (await consumer.process(message_id, write(consumer, message_id))).outcome
+            )
+        except StoreUnavailable as err:
+            outcomes.append(err)
+    assert outcomes == [Consumed.PROCESSED] * FAILOVER_POOL
+    assert [await effect_rows(store, consumer, m) for m in message_ids] == [1] * FAILOVER_POOL
+    # A duplicate after the failover is still one.
+    assert (await consumer.process(first, write(consumer, first))).duplicate
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_is_processed_after_a_failover_is_answered(
+    store: Store, failing_over: tuple[BlackholeProxy, Store], ended: bool
+) -> None:
+    """A look-up is a read: on a pooled connection a failover left dead it is tried again on
+    one opened now, as the store's look-up of a key is; it raised StoreUnavailable, the
+    database up."""
+    proxy, via = failing_over
+    consumer = IdempotentConsumer(via, fresh("failover"))
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id))
+    proxy.fail_over(ended=ended)
+    assert await consumer.is_processed(message_id)
+    assert not await consumer.is_processed(fresh())
+
+
+async def test_a_read_only_database_is_store_unavailable_and_nothing_runs(
+    pg_dsn: str, store: Store, effects_table: None
+) -> None:
+    """A standby reached after a failover, or a database set read-only: the mark writes, so it
+    is refused (25006), an outage; the effect does not run, nothing is acknowledged, and a
+    redelivery once the database takes writes runs it. A duplicate is not acknowledged either
+    (its mark cannot be taken), which is safe: it is redelivered."""
+    read_only = await Store.connect(
+        pg_dsn, max_size=2, server_settings={"default_transaction_read_only": "on"}
+    )
+    try:
+        name = fresh("read-only")
+        done = fresh()
+        writable = IdempotentConsumer(store, name)
+        await writable.process(done, write(writable, done))
+        consumer = IdempotentConsumer(read_only, name)
+        ran: list[str] = []
+
+        async def effect(conn: Any) -> None:
+            ran.append("ran")
+
+        for message_id in (fresh(), done):
+            with pytest.raises(StoreUnavailable, match="25006") as raised:
+                await consumer.process(message_id, effect)
+            assert raised.value.outage
+        assert ran == []
+        assert await consumer.is_processed(done)  # a read: a standby answers it
+    finally:
+        await read_only.close()
+
+
+async def test_a_replica_killed_mid_effect_leaves_its_message_to_a_redelivery(
+    pg_dsn: str, store: Store, effects_table: None
+) -> None:
+    """kill -9 of a replica whose effect has written: its session ends with it, its effect and
+    mark roll back, and a redelivery already waiting on the mark runs the effect, once."""
+    name, message_id = fresh("killed"), fresh()
+    replica = await asyncio.create_subprocess_exec(
+        *[
+            sys.executable,
+            "-m",
+            "tests.support.consumer_replica",
+            pg_dsn,
+            name,
+            message_id,
+            "30000",
+        ],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert replica.stdout is not None
+    try:
+        entered = await asyncio.wait_for(replica.stdout.readline(), timeout=30)
+        assert entered == b"entered\n"  # its effect's row written, its transaction open
+        other = IdempotentConsumer(store, name, max_wait=timedelta(seconds=20))
+        redelivery = asyncio.create_task(other.process(message_id, write(other, message_id)))
+        await waiting_on_a_lock(store)
+        replica.kill()  # SIGKILL
+        await replica.wait()
+        result = await asyncio.wait_for(redelivery, 20)
+        assert result.outcome is Consumed.PROCESSED
+        assert await effect_rows(store, other, message_id) == 1  # the killed one's rolled back
+        assert (await other.process(message_id, write(other, message_id))).duplicate
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            replica.kill()
+        await replica.wait()
+
+
+async def test_purge_processed_after_a_failover_is_not_refused_for_the_pools_dead_connections(
+    store: Store, failing_over: tuple[BlackholeProxy, Store]
+) -> None:
+    proxy, via = failing_over
+    consumer = IdempotentConsumer(via, fresh("failover"))
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id))
+    await expire(store, consumer, message_id)
+    proxy.fail_over()
+    assert await consumer.purge_processed() == 1
+    assert await marks(store, consumer.name) == []
+
+
+async def test_a_max_wait_longer_than_the_pools_command_timeout_is_waited_out(
+    pg_dsn: str, store: Store, consumer: IdempotentConsumer
+) -> None:
+    """The mark's wait on a concurrent delivery is bounded by ``max_wait`` (lock_timeout); the
+    statement's own timeout was the pool's ``command_timeout``, so past it a duplicate gave up
+    as StoreUnavailable (a timeout: an ambiguous outage, its connection dropped) instead of
+    waiting ``max_wait`` and answering MessageInProgress (or DUPLICATE, had the first committed
+    meanwhile). The mark's statement now allows ``max_wait`` beyond ``command_timeout``."""
+    short = await Store.connect(pg_dsn, max_size=2, command_timeout=0.5)
+    try:
+        message_id = fresh()
+        gate, first = await held(consumer, message_id)
+        other = IdempotentConsumer(short, consumer.name, max_wait=timedelta(seconds=1.5))
+        try:
+            with pytest.raises(MessageInProgress):
+                await other.process(message_id, write(other, message_id))
+        finally:
+            gate.release.set()
+        assert (await first).outcome is Consumed.PROCESSED
+        assert (await other.process(message_id, write(other, message_id))).duplicate
+        assert await effect_rows(store, consumer, message_id) == 1
+    finally:
+        await short.close()

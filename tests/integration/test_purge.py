@@ -19,6 +19,7 @@ from grpc_idempotency import Purger, Store
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.store.outbox_store import OutboxStatements
+from tests.support.blackhole import BlackholeProxy
 from tests.support.schemas import backend_gone, delete_waiting_on_a_lock
 from tests.support.tools import run_cli
 from tests.support.waiting import until
@@ -510,3 +511,26 @@ async def test_a_connection_without_asyncpgs_cancellations_is_dropped_with_a_war
         await postgres._stopped(cast(Any, object()))
     warned = [r for r in caplog.records if "_cancellations" in r.getMessage()]
     assert len(warned) == 1
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_a_purge_after_a_failover_is_not_refused_for_the_pools_dead_connections(
+    purge_store: Store, pg_dsn: str, ended: bool
+) -> None:
+    """After a failover (or a restart) every connection the pool opened before is dead. A batch
+    met one and the purge failed (StoreUnavailable; a Purger skipped its run) with the database
+    up. Like a claim, the batch is tried once more on a connection opened now: safe, a batch
+    whose session died is rolled back, and one whose COMMIT's answer was lost deleted only rows
+    past retention, which the retry finds gone."""
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, schema=purge_store.schema, min_size=4, max_size=4)
+    try:
+        await expired_records(purge_store, 5)
+        await via.ping()
+        proxy.fail_over(ended=ended)
+        assert await via.purge(batch_size=2) == 5
+        assert await keys(purge_store) == []
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()

@@ -30,6 +30,7 @@ from grpc_idempotency import (
     ShardedStores,
     Store,
     StoreUnavailable,
+    purge_processed,
 )
 from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
 from tests.support.blackhole import BlackholeProxy
@@ -407,6 +408,9 @@ async def test_a_relay_or_consumer_given_sharded_stores_says_to_run_one_per_shar
         IdempotentConsumer(cast(Any, sharded), "emails")
     with pytest.raises(TypeError, match=r"takes a Store, not str$"):
         IdempotentConsumer(cast(Any, "postgresql://"), "emails")
+    # Raised a raw AttributeError ('no attribute schema').
+    with pytest.raises(TypeError, match=r"purge_processed takes a Store, not ShardedStores; .*"):
+        await purge_processed(cast(Any, sharded))
     # One per shard works.
     assert Relay(shards["one"].store, CallableSink(deliver), listen=False).store is not None
     assert IdempotentConsumer(shards["one"].store, "emails").store is shards["one"].store

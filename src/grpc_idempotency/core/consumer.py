@@ -89,7 +89,14 @@ class ConsumerPolicy:
 
 
 def validate_consumer_name(name: str) -> str:
-    if not name or len(name) > MAX_CONSUMER_NAME_LENGTH or not _CONSUMER_NAME.fullmatch(name):
+    # Not a str (bytes, an int): refused as a bad name too, where len() or the pattern raised a
+    # TypeError of its own.
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > MAX_CONSUMER_NAME_LENGTH
+        or not _CONSUMER_NAME.fullmatch(name)
+    ):
         raise ValueError(
             f"consumer name {name!r} must be 1-{MAX_CONSUMER_NAME_LENGTH} visible ASCII characters"
         )
@@ -100,7 +107,10 @@ def validate_message_id(message_id: str) -> str:
     """A message id is any text PostgreSQL can hold, 1..1024 bytes of UTF-8 (the unique index
     bounds an entry: 1024 four-byte characters overflowed it, a failure reported as the store
     being down, so the message came back forever); ``KeyInvalid`` else."""
-    if not isinstance(message_id, str) or not message_id:
+    if not isinstance(message_id, str):
+        # Said "empty" of bytes or an int that were not.
+        raise KeyInvalid(f"message id must be a str, not {type(message_id).__name__}")
+    if not message_id:
         raise KeyInvalid("message id is empty")
     try:
         size = len(message_id.encode("utf-8"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 
 import asyncpg
@@ -28,6 +29,7 @@ from grpc_idempotency.store.postgres import (
     ROLLBACK_TIMEOUT_S,
     PooledConnection,
     Store,
+    _connection_gone,
     connection_closed,
 )
 from grpc_idempotency.store.sql import begin, float_literal, schema_identifier, text_literal
@@ -188,26 +190,61 @@ class ProcessedMessages:
         says whether the id was new (``PROCESSED``) or marked already (``DUPLICATE``). Raises
         ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
         store = self.store
-        conn = await store._acquire("marking a message", acquire_timeout)
         token = uuid.uuid4().hex  # the mark's transaction, as the commit checks it
         sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s, token)
-        try:
-            status = await conn.execute(sql)
-        except BaseException as exc:
-            await _abandon(conn, exc)
-            await store._release(conn)
-            if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
-                raise MarkBusy(message_id) from None
-            if isinstance(exc, STORE_ERRORS):
-                raise store_error(exc, "marking a message") from exc
-            raise
-        commit = self._sql.commit(consumer, message_id, retention_s, token)
-        return Mark(store, conn, consumed(int(status.split()[-1])), commit)
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        # The statement may wait wait_s on a concurrent delivery's row (lock_timeout), beyond
+        # the pool's command_timeout, which bounds the rest: with only command_timeout, a
+        # max_wait longer than it was cut short, and the duplicate failed as StoreUnavailable
+        # (an ambiguous outage, its connection dropped) instead of MessageInProgress.
+        statement_timeout = (
+            None if store.command_timeout is None else store.command_timeout + wait_s
+        )
+        tries = 2
+        for tried in range(1, tries + 1):
+            left = None if deadline is None else deadline - time.monotonic()
+            conn = await store._acquire("marking a message", left)
+            try:
+                status = await conn.execute(sql, timeout=statement_timeout)
+            except BaseException as exc:
+                await _abandon(conn, exc)
+                await store._release(conn)
+                if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                    raise MarkBusy(message_id) from None
+                if isinstance(exc, STORE_ERRORS):
+                    # A pooled connection that a restart or a failover left dead: the pool's
+                    # others are replaced now, and the mark tried once more on a connection
+                    # opened now, as the claim is. Safe: the batch commits nothing, and a dead
+                    # session's transaction is rolled back. Without it, each of the pool's
+                    # dead connections failed a delivery in turn with the database up.
+                    if tried < tries and await store._forget_connections_if_gone(exc):
+                        continue
+                    raise store_error(exc, "marking a message") from exc
+                raise
+            commit = self._sql.commit(consumer, message_id, retention_s, token)
+            return Mark(store, conn, consumed(int(status.split()[-1])), commit)
+        raise AssertionError("unreachable")
 
     async def is_processed(self, consumer: str, message_id: str) -> bool:
-        async with self.store.connection("looking up a message") as conn:
-            found: bool = await conn.fetchval(self._sql.is_processed, consumer, message_id)
-        return found
+        # A read: on a pooled connection a restart or a failover left dead (``_holding`` then
+        # replaces the pool's others) it is tried once more, on a connection opened now, as the
+        # store's look-up of a key is. Answered StoreUnavailable, the database up. A failure to
+        # get a connection is not tried again: the pool has just tried to open one.
+        store = self.store
+        doing = "looking up a message"
+        tries = 2
+        for tried in range(1, tries + 1):
+            conn = await store._acquire(doing, None)
+            try:
+                async with store._holding(conn, doing):
+                    found: bool = await conn.fetchval(self._sql.is_processed, consumer, message_id)
+            except StoreUnavailable as err:
+                cause = err.__cause__
+                if tried < tries and cause is not None and _connection_gone(cause):
+                    continue
+                raise
+            return found
+        raise AssertionError("unreachable")
 
     async def purge(self, *, consumer: str | None, batch_size: int, max_batches: int | None) -> int:
         return await self.store.purge_in_batches(

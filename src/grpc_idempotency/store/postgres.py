@@ -1126,6 +1126,11 @@ class Store:
         ``walk``: the statement takes where the previous batch stopped as ``$2`` (``None`` at
         first) and returns one row, ``deleted`` and ``last`` (where the next batch starts);
         otherwise it is a ``DELETE`` and its status says how many rows went."""
+        # Whole numbers, as Purger checks them: a str raised a raw TypeError, a float was sent
+        # as the LIMIT.
+        for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a whole number, not {value!r}")
         if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
             raise ValueError("batch_size and max_batches must be positive")
         if batch_size > 2**63 - 1:  # a bigint: beyond, 22000 read as the store being down
@@ -1137,22 +1142,42 @@ class Store:
         while max_batches is None or batches < max_batches:
             if batches and pause:
                 await asyncio.sleep(pause)
-            # At READ COMMITTED whatever the default: a row a call changed meanwhile is re-checked,
-            # where REPEATABLE READ would fail the batch (40001).
-            # In a transaction of its own even at a READ COMMITTED default: a batch cut short (a
-            # purge stopped) is rolled back, never committed behind a count that leaves it out.
-            async with (
-                self.connection(doing) as conn,
-                self.read_committed(conn, own_transaction=True),
-            ):
-                if walk:
-                    row = await conn.fetchrow(sql, batch_size, position, *args)
-                    assert row is not None
-                    deleted = int(row["deleted"])
-                    position = row["last"] if row["last"] is not None else position
-                else:
-                    status = await conn.execute(sql, batch_size, *args)
-                    deleted = int(status.split()[-1])
+            # A pooled connection that a restart or a failover left dead (``_holding`` then
+            # replaces the pool's others): the batch once more, on a connection opened now, as a
+            # claim is; the purge failed with the database up (a Purger skipped its run). Safe:
+            # a batch whose session died rolled back, and one whose COMMIT's answer was lost
+            # deleted only rows past retention, which the next finds gone. A failure to get a
+            # connection is not tried again: the pool has just tried to open one.
+            tries = 2
+            for tried in range(1, tries + 1):
+                conn = await self._acquire(doing, None)
+                try:
+                    # At READ COMMITTED whatever the default: a row a call changed meanwhile is
+                    # re-checked, where REPEATABLE READ would fail the batch (40001).
+                    # In a transaction of its own even at a READ COMMITTED default: a batch cut
+                    # short (a purge stopped) is rolled back, never committed behind a count
+                    # that leaves it out.
+                    async with (
+                        self._holding(conn, doing),
+                        self.read_committed(conn, own_transaction=True),
+                    ):
+                        if walk:
+                            row = await conn.fetchrow(sql, batch_size, position, *args)
+                            assert row is not None
+                            deleted = int(row["deleted"])
+                            last = row["last"]
+                        else:
+                            status = await conn.execute(sql, batch_size, *args)
+                            deleted = int(status.split()[-1])
+                            last = None
+                except StoreUnavailable as err:
+                    cause = err.__cause__
+                    if tried < tries and cause is not None and _connection_gone(cause):
+                        continue
+                    raise
+                break
+            if last is not None:
+                position = last
             total += deleted
             batches += 1
             if on_batch is not None:
