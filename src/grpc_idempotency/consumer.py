@@ -220,7 +220,10 @@ class IdempotentConsumer:
         self, context: grpc.aio.ServicerContext[Any, Any], effect: Effect[T]
     ) -> ConsumeResult[T]:
         """``process`` for a gRPC handler: the message id is the call's ``idempotency-key`` (the
-        outbox relay's gRPC sink sends the row's key there), the wait is bounded by the call's
+        outbox relay's gRPC sink sends the row's key there), taken as sent, with no scope: meant
+        for the relay's child keys, which hash in their operation's scope; a method clients call
+        with keys of their own belongs behind the server interceptor, which scopes them by
+        caller (two callers choosing one key here share one mark). The wait is bounded by the call's
         deadline, and library errors end the call with their status and ``ErrorInfo``: a missing
         or malformed key ``INVALID_ARGUMENT``, a concurrent delivery ``ABORTED`` (with a retry
         delay), the store ``UNAVAILABLE``. Exceptions of the effect propagate."""
