@@ -2,8 +2,9 @@
 
 A resolver is a plain (not async) function: it takes the call's ``grpc.aio.ServicerContext`` and
 returns the scope, a str of 1..1024 bytes of UTF-8 without NUL, or raises ``ScopeUnavailable``
-(the call is refused with UNAUTHENTICATED before the store is touched). Anything else it raises
-or returns is a bug of the server's: logged, and the call refused with INTERNAL
+(the call is refused with UNAUTHENTICATED before the store is touched; another of the library's
+errors is answered with its own status). Anything else it raises or returns is a bug of the
+server's: logged (at most once a minute), and the call refused with INTERNAL
 (``ScopeResolverFailed``) without the exception's text.
 """
 
