@@ -10,6 +10,7 @@ server's: logged (at most once a minute), and the call refused with INTERNAL
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import grpc
 
 from grpc_idempotency.core.errors import IdempotencyError, ScopeUnavailable
-from grpc_idempotency.core.keys import validate_scope
+from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_scope
 
 ScopeResolver = Callable[[grpc.aio.ServicerContext[Any, Any]], str]
 
@@ -42,8 +43,18 @@ def peer_scope(identities: Iterable[bytes]) -> str:
     scope only if they have the same names. Names are sorted and joined with "," after escaping
     "\\" and "," (a name may hold a comma: a URI SAN); a name that is not UTF-8 is written as
     "\\x" and its hex digits (decoding it with replacement characters made different names
-    equal). Names of plain text, which is what certificates hold, read as they are."""
-    return "peer:" + ",".join(sorted(_name(identity) for identity in identities))
+    equal). Names of plain text, which is what certificates hold, read as they are.
+
+    Names too many or too long for a scope (over ``MAX_SCOPE_BYTES`` so written: a certificate
+    listing every DNS name of a service) give "peer-sha256:" and the SHA-256 of that text in
+    hex, one per set of names still, and never a scope of plain names; such a peer was refused
+    on every keyed call. Names holding NUL are left as they are, and refused (no text column
+    can hold one)."""
+    scope = "peer:" + ",".join(sorted(_name(identity) for identity in identities))
+    written = scope.encode("utf-8")
+    if len(written) <= MAX_SCOPE_BYTES or "\x00" in scope:
+        return scope
+    return "peer-sha256:" + hashlib.sha256(written).hexdigest()
 
 
 def _name(identity: bytes) -> str:
