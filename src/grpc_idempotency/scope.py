@@ -19,6 +19,7 @@ import grpc
 
 from grpc_idempotency.core.errors import IdempotencyError, ScopeUnavailable
 from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_scope
+from grpc_idempotency.core.wire import HEADER_NAME, KEY_HEADER_BIN, LIBRARY_HEADERS
 
 ScopeResolver = Callable[[grpc.aio.ServicerContext[Any, Any]], str]
 
@@ -86,7 +87,24 @@ class MetadataScope:
     """
 
     def __init__(self, header: str = "x-tenant-id", *, prefix: str = "tenant:") -> None:
-        self.header = header.lower()
+        name = header.lower()
+        # Refused now rather than on every call: no call could ever have a scope, or worse.
+        if not HEADER_NAME.fullmatch(name):
+            raise ValueError(
+                f"MetadataScope: header {header!r}: gRPC metadata names are letters a-z,"
+                " digits and - _ ."
+            )
+        if name in LIBRARY_HEADERS - {KEY_HEADER_BIN}:
+            # The key as the scope: two tenants who pick one key share its record.
+            raise ValueError(f"MetadataScope: {name!r} is the library's own header")
+        if name.endswith("-bin"):
+            raise ValueError(
+                f"MetadataScope: {name!r} is binary metadata (-bin), whose values are bytes;"
+                " send the tenant as text"
+            )
+        if "\x00" in prefix:
+            raise ValueError("MetadataScope: the prefix holds NUL, which no scope can hold")
+        self.header = name
         self.prefix = prefix
 
     def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
