@@ -29,6 +29,14 @@ def peer_identity_scope(context: grpc.aio.ServicerContext[Any, Any]) -> str:
 
     A call over a connection without client authentication is refused: guessing a scope would
     let two callers share each other's keys.
+
+    The names are gRPC's peer identities: the certificate's subject alternative names of every
+    type (DNS, URI, email, IP) as bare text, or its common name when it has none. So certificates
+    whose names read the same share a scope whatever the names' types (CN=a.example with no SAN,
+    DNS:a.example, email:a.example, URI:a.example). Where the CA can issue such names to
+    different callers, resolve the scope from ``context.auth_context()`` (``peer_dns``,
+    ``peer_uri``, ``peer_email``, ``peer_ip``, ``x509_common_name``) instead. Behind a proxy
+    that opens its own mutual TLS connection, every caller is the proxy.
     """
     identities = context.peer_identities()
     if not identities:
