@@ -2,13 +2,15 @@
 
 A resolver is a plain (not async) function: it takes the call's ``grpc.aio.ServicerContext`` and
 returns the scope, a str of 1..1024 bytes of UTF-8 without NUL, or raises ``ScopeUnavailable``
-(the call is refused with UNAUTHENTICATED before the store is touched). Anything else it raises
-or returns is a bug of the server's: logged, and the call refused with INTERNAL
+(the call is refused with UNAUTHENTICATED before the store is touched; another of the library's
+errors is answered with its own status). Anything else it raises or returns is a bug of the
+server's: logged (at most once a minute), and the call refused with INTERNAL
 (``ScopeResolverFailed``) without the exception's text.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,7 +18,8 @@ from typing import Any
 import grpc
 
 from grpc_idempotency.core.errors import IdempotencyError, ScopeUnavailable
-from grpc_idempotency.core.keys import validate_scope
+from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_scope
+from grpc_idempotency.core.wire import HEADER_NAME, KEY_HEADER_BIN, LIBRARY_HEADERS
 
 ScopeResolver = Callable[[grpc.aio.ServicerContext[Any, Any]], str]
 
@@ -26,6 +29,14 @@ def peer_identity_scope(context: grpc.aio.ServicerContext[Any, Any]) -> str:
 
     A call over a connection without client authentication is refused: guessing a scope would
     let two callers share each other's keys.
+
+    The names are gRPC's peer identities: the certificate's subject alternative names of every
+    type (DNS, URI, email, IP) as bare text, or its common name when it has none. So certificates
+    whose names read the same share a scope whatever the names' types (CN=a.example with no SAN,
+    DNS:a.example, email:a.example, URI:a.example). Where the CA can issue such names to
+    different callers, resolve the scope from ``context.auth_context()`` (``peer_dns``,
+    ``peer_uri``, ``peer_email``, ``peer_ip``, ``x509_common_name``) instead. Behind a proxy
+    that opens its own mutual TLS connection, every caller is the proxy.
     """
     identities = context.peer_identities()
     if not identities:
@@ -41,8 +52,18 @@ def peer_scope(identities: Iterable[bytes]) -> str:
     scope only if they have the same names. Names are sorted and joined with "," after escaping
     "\\" and "," (a name may hold a comma: a URI SAN); a name that is not UTF-8 is written as
     "\\x" and its hex digits (decoding it with replacement characters made different names
-    equal). Names of plain text, which is what certificates hold, read as they are."""
-    return "peer:" + ",".join(sorted(_name(identity) for identity in identities))
+    equal). Names of plain text, which is what certificates hold, read as they are.
+
+    Names too many or too long for a scope (over ``MAX_SCOPE_BYTES`` so written: a certificate
+    listing every DNS name of a service) give "peer-sha256:" and the SHA-256 of that text in
+    hex, one per set of names still, and never a scope of plain names; such a peer was refused
+    on every keyed call. Names holding NUL are left as they are, and refused (no text column
+    can hold one)."""
+    scope = "peer:" + ",".join(sorted(_name(identity) for identity in identities))
+    written = scope.encode("utf-8")
+    if len(written) <= MAX_SCOPE_BYTES or "\x00" in scope:
+        return scope
+    return "peer-sha256:" + hashlib.sha256(written).hexdigest()
 
 
 def _name(identity: bytes) -> str:
@@ -74,7 +95,24 @@ class MetadataScope:
     """
 
     def __init__(self, header: str = "x-tenant-id", *, prefix: str = "tenant:") -> None:
-        self.header = header.lower()
+        name = header.lower()
+        # Refused now rather than on every call: no call could ever have a scope, or worse.
+        if not HEADER_NAME.fullmatch(name):
+            raise ValueError(
+                f"MetadataScope: header {header!r}: gRPC metadata names are letters a-z,"
+                " digits and - _ ."
+            )
+        if name in LIBRARY_HEADERS - {KEY_HEADER_BIN}:
+            # The key as the scope: two tenants who pick one key share its record.
+            raise ValueError(f"MetadataScope: {name!r} is the library's own header")
+        if name.endswith("-bin"):
+            raise ValueError(
+                f"MetadataScope: {name!r} is binary metadata (-bin), whose values are bytes;"
+                " send the tenant as text"
+            )
+        if "\x00" in prefix:
+            raise ValueError("MetadataScope: the prefix holds NUL, which no scope can hold")
+        self.header = name
         self.prefix = prefix
 
     def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:

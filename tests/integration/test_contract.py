@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -181,6 +182,48 @@ async def test_a_failing_scope_resolver_is_logged_at_most_once_a_minute(
             assert answer.reason() == "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"
     logged = [r for r in caplog.records if "scope resolver" in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None
+
+
+async def _tenant_of(context: object) -> str:
+    return "tenant:a"
+
+
+_CLAIMS: dict[str, str] = {}
+
+
+@pytest.mark.parametrize(
+    ("resolve", "said"),
+    [
+        # A token's claim looked up with dict.get: None for a token without one.
+        (lambda context: _CLAIMS.get("tenant"), "NoneType"),
+        # An async lookup behind a plain function (a lambda, a partial of an async callable).
+        (_tenant_of, "coroutine"),
+    ],
+    ids=["none", "coroutine"],
+)
+async def test_a_scope_resolver_returning_no_str_is_logged_at_most_once_a_minute(
+    store: Store, caplog: pytest.LogCaptureFixture, resolve: Any, said: str
+) -> None:
+    """The server's bug, answered INTERNAL with no detail for the caller, as a resolver's
+    exception is: the server's log must say what the resolver returned. It said nothing, and a
+    coroutine returned was left unawaited (a RuntimeWarning at garbage collection, per call)."""
+    returned: list[Any] = []
+
+    def resolver(context: object) -> Any:
+        returned.append(resolve(context))
+        return returned[-1]
+
+    async with running_ledger(store, scope=resolver) as ledger:
+        for _ in range(3):
+            answer = await ledger.call(POST, post(fresh("acct")), fresh())
+            assert answer.code is grpc.StatusCode.INTERNAL
+            assert answer.reason() == "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"
+        assert ledger.service.executions == 0
+    logged = [r for r in caplog.records if "scope resolver" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+    assert said in logged[0].getMessage()
+    for value in returned:  # a coroutine closed: nothing left to await or to warn about
+        assert not asyncio.iscoroutine(value) or inspect.getcoroutinestate(value) == "CORO_CLOSED"
 
 
 def test_an_async_scope_resolver_is_refused_at_construction(store: Store) -> None:

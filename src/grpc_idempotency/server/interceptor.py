@@ -294,16 +294,32 @@ class IdempotencyInterceptor(_Interceptor):
         except IdempotencyError:
             raise
         except Exception:
-            # Logged with its traceback at most once a minute: a resolver that fails for every
-            # caller (or that callers can make fail) must not flood the log.
-            now = time.monotonic()
-            if now - self._resolver_failure_logged >= 60.0:
-                self._resolver_failure_logged = now
-                log.exception(
-                    "the scope resolver %r failed (logged at most once a minute)", self._scope
-                )
+            self._resolver_failed("the scope resolver %r failed", self._scope, exc_info=True)
             raise ScopeResolverFailed("the scope resolver failed; see the server's log") from None
+        if not isinstance(scope, str):
+            # As much the server's bug as an exception, and as silent for the caller (INTERNAL):
+            # said here too. A coroutine (an async lookup behind a plain function) is closed,
+            # or each call's was reported "never awaited" when collected.
+            hint = ""
+            if inspect.isawaitable(scope):
+                hint = " (a resolver is called synchronously: it cannot await)"
+                if inspect.iscoroutine(scope):
+                    scope.close()
+            self._resolver_failed(
+                "the scope resolver %r returned %s, not str%s",
+                self._scope,
+                type(scope).__name__,
+                hint,
+            )
         return validate_scope(scope)
+
+    def _resolver_failed(self, message: str, *args: object, exc_info: bool = False) -> None:
+        """Logs a scope resolver's failure at most once a minute: a resolver that fails for every
+        caller (or that callers can make fail) must not flood the log."""
+        now = time.monotonic()
+        if now - self._resolver_failure_logged >= 60.0:
+            self._resolver_failure_logged = now
+            log.error(message + " (logged at most once a minute)", *args, exc_info=exc_info)
 
     async def intercept_service(
         self,

@@ -1,0 +1,40 @@
+"""MetadataScope refuses, when it is made, a header it could never read a tenant from."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpc_idempotency.scope import MetadataScope
+
+
+@pytest.mark.parametrize(
+    ("header", "problem"),
+    [
+        # Binary metadata: gRPC hands its values over as bytes, so every call was refused
+        # UNAUTHENTICATED, "expected exactly one 'x-tenant-bin' metadata entry", with one sent.
+        ("x-tenant-bin", "-bin"),
+        # The library's own: the scope was the key itself (two tenants with one key shared a
+        # record) or a step name.
+        ("idempotency-key", "library"),
+        ("Idempotency-Key", "library"),
+        ("idempotency-key-bin", "-bin"),
+        ("x-grpc-idempotency-step", "library"),
+        # Names gRPC never delivers as metadata: no call could ever have a scope.
+        ("x tenant", "letters"),
+        (":authority", "letters"),
+        ("", "letters"),
+    ],
+)
+def test_a_header_no_tenant_can_come_from_is_refused(header: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        MetadataScope(header)
+
+
+def test_a_prefix_that_cannot_be_stored_is_refused() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        MetadataScope(prefix="tenant\x00")
+
+
+def test_plain_tenant_headers_are_accepted() -> None:
+    assert MetadataScope("X-Tenant-Id").header == "x-tenant-id"
+    assert MetadataScope("x_org.id", prefix="").prefix == ""
