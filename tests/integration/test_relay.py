@@ -1291,3 +1291,66 @@ def test_a_listen_dsn_the_driver_cannot_parse_is_logged_without_its_text() -> No
     said = _listen_failure(ValueError("invalid literal for int() with base 10: 's3cr'"))
     assert "s3cr" not in said and "percent-encode" in said
     assert _listen_failure(ConnectionRefusedError("refused")) == "ConnectionRefusedError: refused"
+
+
+# -- a failover while a batch is out ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_a_batch_delivered_across_a_failover_is_recorded_on_a_fresh_connection(
+    pg_dsn: str, outbox: Store, ended: bool
+) -> None:
+    """The database fails over (or restarts) while the relay delivers: the pool's connections
+    are all dead, the new primary up. Marking the batch is the first statement on them; it
+    must be recorded on a connection opened now, not left claimed to be delivered again after
+    the lease (every row then counted a lost claim, and claimed alone)."""
+    from tests.support.blackhole import BlackholeProxy
+
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, schema=outbox.schema, min_size=4, max_size=4)
+    try:
+        await insert(outbox, outbox.schema, ["ok-1", "ok-2", "refused"])
+        delivering = asyncio.Event()
+        release = asyncio.Event()
+        calls: collections.Counter[str] = collections.Counter()
+
+        async def deliver(message: OutboxMessage) -> None:
+            calls[message.key] += 1
+            if len(calls) == 3:
+                delivering.set()
+            await release.wait()
+            if message.key == "refused":
+                raise PermanentDeliveryError("no such account")
+
+        relay = Relay(via, CallableSink(deliver), listen=False, lease=30)
+        batch = asyncio.ensure_future(relay.run_once())
+        await asyncio.wait_for(delivering.wait(), WAIT_S)
+        proxy.fail_over(ended=ended)
+        release.set()
+        assert await asyncio.wait_for(batch, WAIT_S) == 2
+        assert relay.stats.unrecorded == 0 and relay.stats.dead == 1
+        assert [(await row(outbox, k))["state"] for k in ("ok-1", "ok-2", "refused")] == [
+            "sent",
+            "sent",
+            "dead",
+        ]
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+async def test_recording_a_failed_delivery_again_changes_nothing(outbox: Store) -> None:
+    """What the retry of a mark whose answer was lost (it committed) does: the rescheduled row
+    is pending with the same claim, and must not be charged a second failure."""
+    from grpc_idempotency.store.outbox_store import Failure
+
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["twice"])
+    (claimed,) = await store.claim(relay="r", limit=10, lease_s=30)
+    failure = Failure(id=claimed.id, attempts=claimed.attempts, delay_s=60.0, error="refused")
+    assert await store.mark_failed(relay="r", failures=[failure]) == (1, 0)
+    before = await row(outbox, "twice")
+    assert await store.mark_failed(relay="r", failures=[failure]) == (0, 0)
+    after = await row(outbox, "twice")
+    assert after["failures"] == 1 and after["next_attempt_at"] == before["next_attempt_at"]
