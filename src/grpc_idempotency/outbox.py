@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import random
@@ -114,13 +115,20 @@ class Sink(Protocol):
 
 
 class CallableSink:
-    """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder."""
+    """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder.
+    A plain function (a broker client's blocking ``send``) is called, and its return taken as
+    the message accepted; it runs on the event loop, so it must be quick."""
 
-    def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object]]) -> None:
+    def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object] | object]) -> None:
         self._fn = fn
 
     async def deliver(self, message: OutboxMessage) -> None:
-        await self._fn(message)
+        # A plain function has delivered by the time it returns: awaiting its result raised
+        # TypeError, a failed delivery, and the message went out again on every retry until it
+        # was parked as a dead letter.
+        result = self._fn(message)
+        if inspect.isawaitable(result):
+            await result
 
 
 MetadataFor = Callable[[OutboxMessage], Iterable[tuple[str, str | bytes]]]
@@ -485,7 +493,9 @@ class Relay:
             )
         try:
             async with asyncio.timeout(self.delivery_timeout):
-                await self.sink.deliver(message)
+                delivering = self.sink.deliver(message)
+                if inspect.isawaitable(delivering):  # a sink whose deliver is a plain method
+                    await delivering
         except PermanentDeliveryError as err:
             return _Failed(str(err), permanent=True)
         except TimeoutError:

@@ -1354,3 +1354,28 @@ async def test_recording_a_failed_delivery_again_changes_nothing(outbox: Store) 
     assert await store.mark_failed(relay="r", failures=[failure]) == (0, 0)
     after = await row(outbox, "twice")
     assert after["failures"] == 1 and after["next_attempt_at"] == before["next_attempt_at"]
+
+
+@pytest.mark.parametrize("how", ["callable-sink", "sink-class"])
+async def test_a_sink_given_a_plain_function_delivers_each_message_once(
+    outbox: Store, how: str
+) -> None:
+    """``CallableSink(producer.send)`` with a broker client whose send is a plain function (or
+    a Sink whose deliver is one): it ran (the message went out), then awaiting its None raised
+    TypeError, read as a failed delivery: sent again on every retry, and parked as a dead
+    letter after max_attempts."""
+    sent: list[str] = []
+
+    def send(message: OutboxMessage) -> None:
+        sent.append(message.key)
+
+    class PlainSink:
+        def deliver(self, message: OutboxMessage) -> None:
+            send(message)
+
+    sink = CallableSink(send) if how == "callable-sink" else cast(Sink, PlainSink())
+    await insert(outbox, outbox.schema, ["plain"])
+    relay = Relay(outbox, sink, policy=DeliveryPolicy(max_attempts=2))
+    assert await relay.run_once() == 1
+    assert sent == ["plain"]
+    assert (await row(outbox, "plain"))["state"] == "sent"
