@@ -238,6 +238,16 @@ def _listen_failure(err: Exception) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def _error_text(err: Exception) -> str:
+    """A failed delivery's error, for its row's ``last_error``. Never raises: an exception
+    whose ``__str__`` fails raised out of the delivery, and took its batch (the rows delivered
+    too, sent again after the lease) and the relay down."""
+    try:
+        return str(err) if isinstance(err, DeliveryError) else f"{type(err).__name__}: {err}"
+    except Exception:
+        return f"{type(err).__name__} (its message could not be read)"
+
+
 @dataclass(slots=True)
 class RelayStats:
     """Counts since the relay was made."""
@@ -497,12 +507,11 @@ class Relay:
                 if inspect.isawaitable(delivering):  # a sink whose deliver is a plain method
                     await delivering
         except PermanentDeliveryError as err:
-            return _Failed(str(err), permanent=True)
+            return _Failed(_error_text(err), permanent=True)
         except TimeoutError:
             return _Failed(f"delivery timed out after {self.delivery_timeout:g}s", permanent=False)
         except Exception as err:
-            text = str(err) if isinstance(err, DeliveryError) else f"{type(err).__name__}: {err}"
-            return _Failed(text, permanent=False)
+            return _Failed(_error_text(err), permanent=False)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

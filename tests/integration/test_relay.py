@@ -1379,3 +1379,24 @@ async def test_a_sink_given_a_plain_function_delivers_each_message_once(
     assert await relay.run_once() == 1
     assert sent == ["plain"]
     assert (await row(outbox, "plain"))["state"] == "sent"
+
+
+async def test_a_sink_error_whose_text_cannot_be_read_is_a_failed_delivery(outbox: Store) -> None:
+    """An exception whose ``__str__`` itself raises: describing the failure raised out of the
+    delivery, and took the batch (delivered rows included) and the relay down with it."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise AttributeError("no message")
+
+    async def deliver(message: OutboxMessage) -> None:
+        if message.key == "odd":
+            raise Unprintable()
+
+    await insert(outbox, outbox.schema, ["odd", "fine"])
+    relay = Relay(outbox, CallableSink(deliver), listen=False)
+    assert await relay.run_once() == 1
+    odd = await row(outbox, "odd")
+    assert odd["state"] == "pending" and odd["failures"] == 1
+    assert "Unprintable" in str(odd["last_error"])
+    assert (await row(outbox, "fine"))["state"] == "sent"
