@@ -501,14 +501,19 @@ class Relay:
                 " delivering it crash the relay?)",
                 permanent=True,
             )
+        bound = asyncio.timeout(self.delivery_timeout)
         try:
-            async with asyncio.timeout(self.delivery_timeout):
+            async with bound:
                 delivering = self.sink.deliver(message)
                 if inspect.isawaitable(delivering):  # a sink whose deliver is a plain method
                     await delivering
         except PermanentDeliveryError as err:
             return _Failed(_error_text(err), permanent=True)
-        except TimeoutError:
+        except TimeoutError as err:
+            if not bound.expired():
+                # The sink's own (a broker client's): recorded as the relay's timeout, which
+                # never fired, it hid the sink's error.
+                return _Failed(_error_text(err), permanent=False)
             return _Failed(f"delivery timed out after {self.delivery_timeout:g}s", permanent=False)
         except Exception as err:
             return _Failed(_error_text(err), permanent=False)

@@ -1400,3 +1400,18 @@ async def test_a_sink_error_whose_text_cannot_be_read_is_a_failed_delivery(outbo
     assert odd["state"] == "pending" and odd["failures"] == 1
     assert "Unprintable" in str(odd["last_error"])
     assert (await row(outbox, "fine"))["state"] == "sent"
+
+
+async def test_a_sinks_own_timeout_is_recorded_as_its_own_error(outbox: Store) -> None:
+    """A broker client's own TimeoutError, raised at once: it was recorded as the relay's
+    delivery timeout ("timed out after 15s"), which never fired, hiding the sink's error."""
+
+    async def deliver(message: OutboxMessage) -> None:
+        raise TimeoutError("the broker did not acknowledge within 2 s")
+
+    await insert(outbox, outbox.schema, ["impatient"])
+    relay = Relay(outbox, CallableSink(deliver), listen=False)  # delivery_timeout: 15 s
+    assert await relay.run_once() == 0
+    failed = await row(outbox, "impatient")
+    assert failed["state"] == "pending" and failed["failures"] == 1
+    assert failed["last_error"] == "TimeoutError: the broker did not acknowledge within 2 s"
