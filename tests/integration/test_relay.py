@@ -1415,3 +1415,28 @@ async def test_a_sinks_own_timeout_is_recorded_as_its_own_error(outbox: Store) -
     failed = await row(outbox, "impatient")
     assert failed["state"] == "pending" and failed["failures"] == 1
     assert failed["last_error"] == "TimeoutError: the broker did not acknowledge within 2 s"
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_a_claim_after_a_failover_is_not_refused_for_the_pools_dead_connections(
+    pg_dsn: str, outbox: Store, ended: bool
+) -> None:
+    """The first claim after a failover or a restart meets the pool's dead connections: it
+    raised StoreUnavailable from ``run_once``/``drain`` (``run`` logged an outage and waited),
+    the database up and the rows due."""
+    from tests.support.blackhole import BlackholeProxy
+
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, schema=outbox.schema, min_size=4, max_size=4)
+    try:
+        receiver = Receiver()
+        relay = Relay(via, receiver, listen=False)
+        assert await relay.run_once() == 0  # the pool's connections are open
+        proxy.fail_over(ended=ended)
+        await insert(outbox, outbox.schema, ["after-failover"])
+        assert await relay.drain() == 1
+        assert receiver.delivered == {"after-failover": 1}
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()

@@ -161,8 +161,8 @@ class OutboxStatements:
         # $1 ids, $2 attempts, $3 delays (NULL: dead), $4 errors, $5 relay name. A dead row's
         # next_attempt_at records when it was parked (purge-dead --older-than counts from it).
         # locked_until: still under the claim (every mark clears it), so that the statement run
-        # again after its answer was lost (``OutboxStore._recording``) counts no failure twice
-        # on a row it rescheduled, still pending with the same claim.
+        # again after its answer was lost (``OutboxStore._once_more_if_gone``) counts no failure
+        # twice on a row it rescheduled, still pending with the same claim.
         self.mark_failed = f"""
             UPDATE {s}.outbox o
             SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
@@ -291,10 +291,36 @@ class OutboxStore:
         async with self.store.connection(doing) as conn, self.store.read_committed(conn):
             yield conn
 
+    async def _once_more_if_gone(
+        self, doing: str, run: Callable[[PooledConnection], Awaitable[T]]
+    ) -> T:
+        """``run(conn)`` at READ COMMITTED; once more, on a connection opened now, if the pooled
+        one was found gone (a restart or a failover: the pool's others are expired then), as
+        the store's claims and look-ups do. Safe for the relay's statements: a mark changes
+        only rows still under the claim, so one that ran before its answer was lost finds
+        nothing the second time; a claim that did leaves its rows to come back after the lease
+        (a lost claim), as it would have without the second try.
+
+        Not tried again, a mark left the whole batch claimed (delivered again after the lease,
+        each row counted a lost claim and claimed alone), and a claim raised StoreUnavailable
+        from ``run_once``/``drain``, the database up."""
+        tries = 2
+        for tried in range(1, tries + 1):
+            try:
+                async with self._at_read_committed(doing) as conn:
+                    return await run(conn)
+            except StoreUnavailable as exc:
+                if tried == tries or not _connection_gone(exc.__cause__ or exc):
+                    raise
+        raise AssertionError("unreachable")
+
     async def claim(self, *, relay: str, limit: int, lease_s: float) -> list[OutboxMessage]:
         """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once)."""
-        async with self._at_read_committed("claiming outbox rows") as conn:
-            rows = await conn.fetch(self.statements.claim, limit, lease_s, relay)
+
+        async def claim(conn: PooledConnection) -> list[Any]:
+            return await conn.fetch(self.statements.claim, limit, lease_s, relay)
+
+        rows = await self._once_more_if_gone("claiming outbox rows", claim)
         messages = [
             OutboxMessage(
                 id=r["id"],
@@ -314,23 +340,6 @@ class OutboxStore:
         messages.sort(key=lambda m: m.id)
         return messages
 
-    async def _recording(self, doing: str, record: Callable[[PooledConnection], Awaitable[T]]) -> T:
-        """``record(conn)`` at READ COMMITTED; once more, on a connection opened now, if the
-        pooled one was found gone (a restart or a failover while the batch was delivered: the
-        pool's others are expired then). Safe: the marks change only rows still under the
-        claim, so a mark that ran before its answer was lost finds nothing the second time.
-        Not tried again, the whole batch stayed claimed: delivered again after the lease, each
-        row counted a lost claim and claimed alone, on a database that was up."""
-        tries = 2
-        for tried in range(1, tries + 1):
-            try:
-                async with self._at_read_committed(doing) as conn:
-                    return await record(conn)
-            except StoreUnavailable as exc:
-                if tried == tries or not _connection_gone(exc.__cause__ or exc):
-                    raise
-        raise AssertionError("unreachable")
-
     async def mark_sent(self, *, relay: str, claims: Sequence[tuple[int, int]]) -> int:
         """Marks delivered rows (``(id, attempts)`` of their claims) sent; returns how many were
         still this relay's claim (the others were taken over after their lease expired)."""
@@ -343,7 +352,7 @@ class OutboxStore:
             )
             return status
 
-        status = await self._recording("marking outbox rows sent", mark)
+        status = await self._once_more_if_gone("marking outbox rows sent", mark)
         return int(status.split()[-1])
 
     async def mark_failed(self, *, relay: str, failures: Sequence[Failure]) -> tuple[int, int]:
@@ -362,7 +371,7 @@ class OutboxStore:
                 relay,
             )
 
-        rows = await self._recording("recording failed deliveries", mark)
+        rows = await self._once_more_if_gone("recording failed deliveries", mark)
         dead = sum(1 for r in rows if r["state"] == "dead")
         return len(rows) - dead, dead
 
