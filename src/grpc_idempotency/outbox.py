@@ -114,10 +114,25 @@ class Sink(Protocol):
     async def deliver(self, message: OutboxMessage) -> None: ...
 
 
+async def _accepted(result: object, what: str) -> None:
+    """Waits for a delivery's ``result``: awaited if awaitable; ``None``, from a plain function,
+    once it returned. Anything else (a broker client's future that is not awaitable, as
+    kafka-python's ``send`` returns) may still fail: not taken for an accepted message, nor
+    tried again (the function ran, and would send it again on every retry), but parked."""
+    if inspect.isawaitable(result):
+        await result
+    elif result is not None:
+        raise PermanentDeliveryError(
+            f"{what} returned {type(result).__name__}, not an awaitable: a plain function must"
+            " return None once the message is accepted (wait for a future it returns)"
+        )
+
+
 class CallableSink:
     """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder.
-    A plain function (a broker client's blocking ``send``) is called, and its return taken as
-    the message accepted; it runs on the event loop, so it must be quick."""
+    A plain function (a broker client's blocking ``send``) is called, and its return (``None``)
+    taken as the message accepted; it runs on the event loop, so it must be quick. One that
+    returns something else, not awaitable (a future), parks the message as a dead letter."""
 
     def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object] | object]) -> None:
         self._fn = fn
@@ -126,9 +141,7 @@ class CallableSink:
         # A plain function has delivered by the time it returns: awaiting its result raised
         # TypeError, a failed delivery, and the message went out again on every retry until it
         # was parked as a dead letter.
-        result = self._fn(message)
-        if inspect.isawaitable(result):
-            await result
+        await _accepted(self._fn(message), "CallableSink's function")
 
 
 MetadataFor = Callable[[OutboxMessage], Iterable[tuple[str, str | bytes]]]
@@ -504,9 +517,7 @@ class Relay:
         bound = asyncio.timeout(self.delivery_timeout)
         try:
             async with bound:
-                delivering = self.sink.deliver(message)
-                if inspect.isawaitable(delivering):  # a sink whose deliver is a plain method
-                    await delivering
+                await _accepted(self.sink.deliver(message), "the sink's deliver")
         except PermanentDeliveryError as err:
             return _Failed(_error_text(err), permanent=True)
         except TimeoutError as err:

@@ -1440,3 +1440,24 @@ async def test_a_claim_after_a_failover_is_not_refused_for_the_pools_dead_connec
     finally:
         await via.close(timeout=1)
         await proxy.close()
+
+
+async def test_a_plain_function_returning_a_future_is_not_taken_for_a_delivery(
+    outbox: Store,
+) -> None:
+    """A broker client's send that returns a future it does not let be awaited (kafka-python's):
+    its message may still fail, so it is not marked sent; sent once, not on every retry."""
+    import concurrent.futures
+
+    calls: list[str] = []
+
+    def send(message: OutboxMessage) -> concurrent.futures.Future[None]:
+        calls.append(message.key)
+        return concurrent.futures.Future()
+
+    await insert(outbox, outbox.schema, ["queued"])
+    relay = Relay(outbox, CallableSink(send), listen=False)
+    assert await relay.run_once() == 0
+    parked = await row(outbox, "queued")
+    assert parked["state"] == "dead" and calls == ["queued"]
+    assert "returned Future, not an awaitable" in str(parked["last_error"])
