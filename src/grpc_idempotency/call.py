@@ -191,13 +191,18 @@ class IdempotentCall:
         the call's transaction (phased mode: the final one, opened if need be). Returns the
         message's key: the step's child key. The same message enqueued again adds nothing; a
         different one under that key raises ``OutboxKeyReused`` (``Store.enqueue``)."""
-        if self.key is None or self.scope is None or self._outbox is None:
+        if self.key is None or self.scope is None:
             raise NotInIdempotentCall(
                 f"{self.method}: only a keyed call can enqueue outbox messages"
             )
         chosen = outbox_step(self.method, self.steps, step, self.started_at)
         key = message_key(self.scope, self.key, chosen)
+        # A keyed call failing open (the store down) has no transaction: StoreUnavailable, as
+        # from ``connection``. It was refused as not keyed (NotInIdempotentCall), and the call
+        # answered FAILED_PRECONDITION, which clients do not retry.
         conn = await self.transaction()
+        if self._outbox is None:
+            raise NotInIdempotentCall(f"{self.method}: this call cannot enqueue outbox messages")
         await self._outbox(
             conn,
             scope=self.scope,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import random
@@ -113,14 +114,34 @@ class Sink(Protocol):
     async def deliver(self, message: OutboxMessage) -> None: ...
 
 
-class CallableSink:
-    """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder."""
+async def _accepted(result: object, what: str) -> None:
+    """Waits for a delivery's ``result``: awaited if awaitable; ``None``, from a plain function,
+    once it returned. Anything else (a broker client's future that is not awaitable, as
+    kafka-python's ``send`` returns) may still fail: not taken for an accepted message, nor
+    tried again (the function ran, and would send it again on every retry), but parked."""
+    if inspect.isawaitable(result):
+        await result
+    elif result is not None:
+        raise PermanentDeliveryError(
+            f"{what} returned {type(result).__name__}, not an awaitable: a plain function must"
+            " return None once the message is accepted (wait for a future it returns)"
+        )
 
-    def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object]]) -> None:
+
+class CallableSink:
+    """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder.
+    A plain function (a broker client's blocking ``send``) is called, and its return (``None``)
+    taken as the message accepted; it runs on the event loop, so it must be quick. One that
+    returns something else, not awaitable (a future), parks the message as a dead letter."""
+
+    def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object] | object]) -> None:
         self._fn = fn
 
     async def deliver(self, message: OutboxMessage) -> None:
-        await self._fn(message)
+        # A plain function has delivered by the time it returns: awaiting its result raised
+        # TypeError, a failed delivery, and the message went out again on every retry until it
+        # was parked as a dead letter.
+        await _accepted(self._fn(message), "CallableSink's function")
 
 
 MetadataFor = Callable[[OutboxMessage], Iterable[tuple[str, str | bytes]]]
@@ -228,6 +249,16 @@ def _listen_failure(err: Exception) -> str:
     if isinstance(err, (ValueError, IndexError, OverflowError)):
         return "the listen DSN cannot be parsed: percent-encode special characters in its password"
     return f"{type(err).__name__}: {err}"
+
+
+def _error_text(err: Exception) -> str:
+    """A failed delivery's error, for its row's ``last_error``. Never raises: an exception
+    whose ``__str__`` fails raised out of the delivery, and took its batch (the rows delivered
+    too, sent again after the lease) and the relay down."""
+    try:
+        return str(err) if isinstance(err, DeliveryError) else f"{type(err).__name__}: {err}"
+    except Exception:
+        return f"{type(err).__name__} (its message could not be read)"
 
 
 @dataclass(slots=True)
@@ -483,16 +514,20 @@ class Relay:
                 " delivering it crash the relay?)",
                 permanent=True,
             )
+        bound = asyncio.timeout(self.delivery_timeout)
         try:
-            async with asyncio.timeout(self.delivery_timeout):
-                await self.sink.deliver(message)
+            async with bound:
+                await _accepted(self.sink.deliver(message), "the sink's deliver")
         except PermanentDeliveryError as err:
-            return _Failed(str(err), permanent=True)
-        except TimeoutError:
+            return _Failed(_error_text(err), permanent=True)
+        except TimeoutError as err:
+            if not bound.expired():
+                # The sink's own (a broker client's): recorded as the relay's timeout, which
+                # never fired, it hid the sink's error.
+                return _Failed(_error_text(err), permanent=False)
             return _Failed(f"delivery timed out after {self.delivery_timeout:g}s", permanent=False)
         except Exception as err:
-            text = str(err) if isinstance(err, DeliveryError) else f"{type(err).__name__}: {err}"
-            return _Failed(text, permanent=False)
+            return _Failed(_error_text(err), permanent=False)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

@@ -179,3 +179,27 @@ async def test_an_undeclared_outbox_step_is_refused(ledger: RunningLedger, store
     assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
     assert "entry-posted.v1" in (answer.details or "")
     assert await outbox_rows(store, key) == []
+
+
+async def test_a_fail_open_call_enqueueing_while_the_store_is_down_is_unavailable(
+    pg_dsn: str, store: Store
+) -> None:
+    """A STORE_DOWN_FAIL_OPEN method runs without a transaction when the store is down (here:
+    it takes no writes, an outage), and ``current_call().connection`` raises StoreUnavailable
+    (README). Its enqueue raised NotInIdempotentCall instead, "only a keyed call can enqueue",
+    of a keyed call, answered FAILED_PRECONDITION: a status clients do not retry."""
+    from grpc_idempotency import MethodOverride, StoreDown
+
+    read_only = await Store.connect(
+        pg_dsn, max_size=2, server_settings={"default_transaction_read_only": "on"}
+    )
+    overrides = {WITH_EVENT[1:]: MethodOverride(store_down=StoreDown.FAIL_OPEN)}
+    try:
+        async with running_ledger(read_only, overrides=overrides) as ledger:
+            request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="event-only")
+            answer = await ledger.call(WITH_EVENT, request, fresh())
+            assert ledger.service.executions == 1  # it ran, failing open
+            assert answer.code is grpc.StatusCode.UNAVAILABLE, answer.details
+            assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    finally:
+        await read_only.close()

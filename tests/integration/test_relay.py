@@ -1291,3 +1291,173 @@ def test_a_listen_dsn_the_driver_cannot_parse_is_logged_without_its_text() -> No
     said = _listen_failure(ValueError("invalid literal for int() with base 10: 's3cr'"))
     assert "s3cr" not in said and "percent-encode" in said
     assert _listen_failure(ConnectionRefusedError("refused")) == "ConnectionRefusedError: refused"
+
+
+# -- a failover while a batch is out ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_a_batch_delivered_across_a_failover_is_recorded_on_a_fresh_connection(
+    pg_dsn: str, outbox: Store, ended: bool
+) -> None:
+    """The database fails over (or restarts) while the relay delivers: the pool's connections
+    are all dead, the new primary up. Marking the batch is the first statement on them; it
+    must be recorded on a connection opened now, not left claimed to be delivered again after
+    the lease (every row then counted a lost claim, and claimed alone)."""
+    from tests.support.blackhole import BlackholeProxy
+
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, schema=outbox.schema, min_size=4, max_size=4)
+    try:
+        await insert(outbox, outbox.schema, ["ok-1", "ok-2", "refused"])
+        delivering = asyncio.Event()
+        release = asyncio.Event()
+        calls: collections.Counter[str] = collections.Counter()
+
+        async def deliver(message: OutboxMessage) -> None:
+            calls[message.key] += 1
+            if len(calls) == 3:
+                delivering.set()
+            await release.wait()
+            if message.key == "refused":
+                raise PermanentDeliveryError("no such account")
+
+        relay = Relay(via, CallableSink(deliver), listen=False, lease=30)
+        batch = asyncio.ensure_future(relay.run_once())
+        await asyncio.wait_for(delivering.wait(), WAIT_S)
+        proxy.fail_over(ended=ended)
+        release.set()
+        assert await asyncio.wait_for(batch, WAIT_S) == 2
+        assert relay.stats.unrecorded == 0 and relay.stats.dead == 1
+        assert [(await row(outbox, k))["state"] for k in ("ok-1", "ok-2", "refused")] == [
+            "sent",
+            "sent",
+            "dead",
+        ]
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+async def test_recording_a_failed_delivery_again_changes_nothing(outbox: Store) -> None:
+    """What the retry of a mark whose answer was lost (it committed) does: the rescheduled row
+    is pending with the same claim, and must not be charged a second failure."""
+    from grpc_idempotency.store.outbox_store import Failure
+
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["twice"])
+    (claimed,) = await store.claim(relay="r", limit=10, lease_s=30)
+    failure = Failure(id=claimed.id, attempts=claimed.attempts, delay_s=60.0, error="refused")
+    assert await store.mark_failed(relay="r", failures=[failure]) == (1, 0)
+    before = await row(outbox, "twice")
+    assert await store.mark_failed(relay="r", failures=[failure]) == (0, 0)
+    after = await row(outbox, "twice")
+    assert after["failures"] == 1 and after["next_attempt_at"] == before["next_attempt_at"]
+
+
+@pytest.mark.parametrize("how", ["callable-sink", "sink-class"])
+async def test_a_sink_given_a_plain_function_delivers_each_message_once(
+    outbox: Store, how: str
+) -> None:
+    """``CallableSink(producer.send)`` with a broker client whose send is a plain function (or
+    a Sink whose deliver is one): it ran (the message went out), then awaiting its None raised
+    TypeError, read as a failed delivery: sent again on every retry, and parked as a dead
+    letter after max_attempts."""
+    sent: list[str] = []
+
+    def send(message: OutboxMessage) -> None:
+        sent.append(message.key)
+
+    class PlainSink:
+        def deliver(self, message: OutboxMessage) -> None:
+            send(message)
+
+    sink = CallableSink(send) if how == "callable-sink" else cast(Sink, PlainSink())
+    await insert(outbox, outbox.schema, ["plain"])
+    relay = Relay(outbox, sink, policy=DeliveryPolicy(max_attempts=2))
+    assert await relay.run_once() == 1
+    assert sent == ["plain"]
+    assert (await row(outbox, "plain"))["state"] == "sent"
+
+
+async def test_a_sink_error_whose_text_cannot_be_read_is_a_failed_delivery(outbox: Store) -> None:
+    """An exception whose ``__str__`` itself raises: describing the failure raised out of the
+    delivery, and took the batch (delivered rows included) and the relay down with it."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise AttributeError("no message")
+
+    async def deliver(message: OutboxMessage) -> None:
+        if message.key == "odd":
+            raise Unprintable()
+
+    await insert(outbox, outbox.schema, ["odd", "fine"])
+    relay = Relay(outbox, CallableSink(deliver), listen=False)
+    assert await relay.run_once() == 1
+    odd = await row(outbox, "odd")
+    assert odd["state"] == "pending" and odd["failures"] == 1
+    assert "Unprintable" in str(odd["last_error"])
+    assert (await row(outbox, "fine"))["state"] == "sent"
+
+
+async def test_a_sinks_own_timeout_is_recorded_as_its_own_error(outbox: Store) -> None:
+    """A broker client's own TimeoutError, raised at once: it was recorded as the relay's
+    delivery timeout ("timed out after 15s"), which never fired, hiding the sink's error."""
+
+    async def deliver(message: OutboxMessage) -> None:
+        raise TimeoutError("the broker did not acknowledge within 2 s")
+
+    await insert(outbox, outbox.schema, ["impatient"])
+    relay = Relay(outbox, CallableSink(deliver), listen=False)  # delivery_timeout: 15 s
+    assert await relay.run_once() == 0
+    failed = await row(outbox, "impatient")
+    assert failed["state"] == "pending" and failed["failures"] == 1
+    assert failed["last_error"] == "TimeoutError: the broker did not acknowledge within 2 s"
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_a_claim_after_a_failover_is_not_refused_for_the_pools_dead_connections(
+    pg_dsn: str, outbox: Store, ended: bool
+) -> None:
+    """The first claim after a failover or a restart meets the pool's dead connections: it
+    raised StoreUnavailable from ``run_once``/``drain`` (``run`` logged an outage and waited),
+    the database up and the rows due."""
+    from tests.support.blackhole import BlackholeProxy
+
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, schema=outbox.schema, min_size=4, max_size=4)
+    try:
+        receiver = Receiver()
+        relay = Relay(via, receiver, listen=False)
+        assert await relay.run_once() == 0  # the pool's connections are open
+        proxy.fail_over(ended=ended)
+        await insert(outbox, outbox.schema, ["after-failover"])
+        assert await relay.drain() == 1
+        assert receiver.delivered == {"after-failover": 1}
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
+async def test_a_plain_function_returning_a_future_is_not_taken_for_a_delivery(
+    outbox: Store,
+) -> None:
+    """A broker client's send that returns a future it does not let be awaited (kafka-python's):
+    its message may still fail, so it is not marked sent; sent once, not on every retry."""
+    import concurrent.futures
+
+    calls: list[str] = []
+
+    def send(message: OutboxMessage) -> concurrent.futures.Future[None]:
+        calls.append(message.key)
+        return concurrent.futures.Future()
+
+    await insert(outbox, outbox.schema, ["queued"])
+    relay = Relay(outbox, CallableSink(send), listen=False)
+    assert await relay.run_once() == 0
+    parked = await row(outbox, "queued")
+    assert parked["state"] == "dead" and calls == ["queued"]
+    assert "returned Future, not an awaitable" in str(parked["last_error"])

@@ -286,6 +286,11 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         return await self._post(request, context)
 
     async def PostWithEvent(self, request: Any, context: Any) -> Any:
+        if request.behaviour == "event-only":  # enqueues, writes nothing else (fail-open)
+            self.executions += 1
+            event = testsvc_pb2.PostResponse(account=request.account)
+            await current_call().enqueue("entry-posted.v1", event)
+            return event
         response = await self._post(
             testsvc_pb2.PostRequest(account=request.account, amount=request.amount), context
         )

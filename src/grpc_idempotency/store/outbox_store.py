@@ -32,16 +32,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
+from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.core.outbox import MAX_DURATION_S
-from grpc_idempotency.store.postgres import PooledConnection, Store
+from grpc_idempotency.store.postgres import PooledConnection, Store, _connection_gone
 from grpc_idempotency.store.sql import schema_identifier
+
+T = TypeVar("T")
 
 _SELECT_MESSAGE = (
     "o.id, o.scope, o.key, o.step, o.method, o.payload_type, o.payload, o.attempts, o.failures,"
@@ -157,6 +160,9 @@ class OutboxStatements:
               AND o.state = 'pending'"""
         # $1 ids, $2 attempts, $3 delays (NULL: dead), $4 errors, $5 relay name. A dead row's
         # next_attempt_at records when it was parked (purge-dead --older-than counts from it).
+        # locked_until: still under the claim (every mark clears it), so that the statement run
+        # again after its answer was lost (``OutboxStore._once_more_if_gone``) counts no failure
+        # twice on a row it rescheduled, still pending with the same claim.
         self.mark_failed = f"""
             UPDATE {s}.outbox o
             SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
@@ -169,7 +175,7 @@ class OutboxStatements:
                            pg_catalog.unnest($3::float8[]), pg_catalog.unnest($4::text[]))
                 AS f(id, attempts, delay_s, error)
             WHERE o.id = f.id AND o.attempts = f.attempts AND o.claimed_by = $5
-              AND o.state = 'pending'
+              AND o.state = 'pending' AND o.locked_until IS NOT NULL
             RETURNING o.state"""
         # Seconds until the earliest pending row is due (negative: overdue); NULL: none pending.
         self.next_due_in = f"""
@@ -285,10 +291,36 @@ class OutboxStore:
         async with self.store.connection(doing) as conn, self.store.read_committed(conn):
             yield conn
 
+    async def _once_more_if_gone(
+        self, doing: str, run: Callable[[PooledConnection], Awaitable[T]]
+    ) -> T:
+        """``run(conn)`` at READ COMMITTED; once more, on a connection opened now, if the pooled
+        one was found gone (a restart or a failover: the pool's others are expired then), as
+        the store's claims and look-ups do. Safe for the relay's statements: a mark changes
+        only rows still under the claim, so one that ran before its answer was lost finds
+        nothing the second time; a claim that did leaves its rows to come back after the lease
+        (a lost claim), as it would have without the second try.
+
+        Not tried again, a mark left the whole batch claimed (delivered again after the lease,
+        each row counted a lost claim and claimed alone), and a claim raised StoreUnavailable
+        from ``run_once``/``drain``, the database up."""
+        tries = 2
+        for tried in range(1, tries + 1):
+            try:
+                async with self._at_read_committed(doing) as conn:
+                    return await run(conn)
+            except StoreUnavailable as exc:
+                if tried == tries or not _connection_gone(exc.__cause__ or exc):
+                    raise
+        raise AssertionError("unreachable")
+
     async def claim(self, *, relay: str, limit: int, lease_s: float) -> list[OutboxMessage]:
         """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once)."""
-        async with self._at_read_committed("claiming outbox rows") as conn:
-            rows = await conn.fetch(self.statements.claim, limit, lease_s, relay)
+
+        async def claim(conn: PooledConnection) -> list[Any]:
+            return await conn.fetch(self.statements.claim, limit, lease_s, relay)
+
+        rows = await self._once_more_if_gone("claiming outbox rows", claim)
         messages = [
             OutboxMessage(
                 id=r["id"],
@@ -313,10 +345,14 @@ class OutboxStore:
         still this relay's claim (the others were taken over after their lease expired)."""
         if not claims:
             return 0
-        async with self._at_read_committed("marking outbox rows sent") as conn:
-            status = await conn.execute(
+
+        async def mark(conn: PooledConnection) -> str:
+            status: str = await conn.execute(
                 self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
             )
+            return status
+
+        status = await self._once_more_if_gone("marking outbox rows sent", mark)
         return int(status.split()[-1])
 
     async def mark_failed(self, *, relay: str, failures: Sequence[Failure]) -> tuple[int, int]:
@@ -324,8 +360,9 @@ class OutboxStore:
         among the rows still claimed by this relay."""
         if not failures:
             return 0, 0
-        async with self._at_read_committed("recording failed deliveries") as conn:
-            rows = await conn.fetch(
+
+        async def mark(conn: PooledConnection) -> list[Any]:
+            return await conn.fetch(
                 self.statements.mark_failed,
                 [f.id for f in failures],
                 [f.attempts for f in failures],
@@ -333,6 +370,8 @@ class OutboxStore:
                 [_text(f.error) for f in failures],
                 relay,
             )
+
+        rows = await self._once_more_if_gone("recording failed deliveries", mark)
         dead = sum(1 for r in rows if r["state"] == "dead")
         return len(rows) - dead, dead
 
