@@ -1461,3 +1461,34 @@ async def test_a_plain_function_returning_a_future_is_not_taken_for_a_delivery(
     parked = await row(outbox, "queued")
     assert parked["state"] == "dead" and calls == ["queued"]
     assert "returned Future, not an awaitable" in str(parked["last_error"])
+
+
+async def test_the_listen_api_raises_the_librarys_errors_not_the_drivers(
+    outbox: Store, pg_dsn: str
+) -> None:
+    """``OutboxStore.listen`` and ``Listener.still_listening`` are public, and their docstring
+    says database errors become StoreUnavailable; both raised asyncpg's and the OS's own (a
+    refused connection, a session ended under the listener), and a DSN that does not parse
+    raised the driver's text, which quotes pieces of it."""
+    store = OutboxStore(outbox)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(StoreUnavailable):
+        await store.listen(lambda *_: None, dsn=f"postgresql://u@127.0.0.1:{port}/db")
+    with pytest.raises(ValueError, match="cannot be parsed") as caught:
+        await store.listen(lambda *_: None, dsn="postgresql://u:se/cr?et@127.0.0.1:x/db")
+    assert "se/cr" not in str(caught.value) and caught.value.__cause__ is None
+
+    listener = await store.listen(lambda *_: None, dsn=pg_dsn)
+    try:
+        assert await listener.still_listening(timeout=WAIT_S)
+        pid = listener._conn.get_server_pid()
+        async with outbox.pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
+        await asyncio.wait_for(listener.lost.wait(), WAIT_S)
+        with pytest.raises(StoreUnavailable) as ended:
+            await listener.still_listening(timeout=WAIT_S)
+        assert isinstance(ended.value.__cause__, STORE_ERRORS)
+    finally:
+        await listener.close()

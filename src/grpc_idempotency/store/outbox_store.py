@@ -41,6 +41,7 @@ import asyncpg
 
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.core.outbox import MAX_DURATION_S
+from grpc_idempotency.store.errors import STORE_ERRORS, store_error
 from grpc_idempotency.store.postgres import PooledConnection, Store, _connection_gone
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -260,20 +261,34 @@ class OutboxStore:
         """A session that LISTENs on ``channel`` and calls ``on_notify`` per notification: a
         connection of the pool, or one of its own to ``dsn`` (PostgreSQL itself, when the pool
         goes through a transaction pooler, where LISTEN cannot hold)."""
+        doing = "opening the outbox's LISTEN session"
         conn: asyncpg.Connection[Any] | PooledConnection
-        if dsn is None:
-            conn = await self.store.pool.acquire()
-        else:
-            conn = await asyncpg.connect(
-                dsn,
-                timeout=connect_timeout,
-                server_settings={"application_name": "grpc-idempotency"},
-            )
+        try:
+            if dsn is None:
+                conn = await self.store.pool.acquire()
+            else:
+                conn = await asyncpg.connect(
+                    dsn,
+                    timeout=connect_timeout,
+                    server_settings={"application_name": "grpc-idempotency"},
+                )
+        except (ValueError, IndexError, OverflowError):
+            if dsn is None:
+                raise
+            # Never the driver's text, which quotes pieces of the DSN (of a password holding an
+            # unencoded / ? #).
+            raise ValueError(
+                "the listen DSN cannot be parsed: percent-encode special characters in its password"
+            ) from None
+        except STORE_ERRORS as exc:
+            raise store_error(exc, doing) from exc
         listener = Listener(self, conn, pooled=dsn is None)
         try:
             await conn.add_listener(self.channel, on_notify)
-        except BaseException:
+        except BaseException as exc:
             await listener.close()
+            if isinstance(exc, STORE_ERRORS):
+                raise store_error(exc, doing) from exc
             raise
         return listener
 
@@ -479,9 +494,12 @@ class Listener:
         """Whether this session still listens: a link that died silently (no FIN) shows up only
         when used (it raises), and a LISTEN that went to a pooled server connection (PgBouncer in
         transaction mode) as a session that is not listening (``False``)."""
-        listening: bool = await self._conn.fetchval(
-            _LISTENS_SQL, self._outbox.channel, timeout=timeout
-        )
+        try:
+            listening: bool = await self._conn.fetchval(
+                _LISTENS_SQL, self._outbox.channel, timeout=timeout
+            )
+        except STORE_ERRORS as exc:  # the driver's own, raw, through the public API
+            raise store_error(exc, "checking the outbox's LISTEN session") from exc
         return listening
 
     async def close(self) -> None:
