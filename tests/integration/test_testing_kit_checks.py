@@ -41,6 +41,7 @@ POST = "/testsvc.v1.LedgerService/Post"
 POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
 POST_OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
 VARIANT_ENV = "KIT_CHECKS_VARIANT"
+SCOPE_ENV = "KIT_CHECKS_SCOPE"
 
 CONNECTION_LOST = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
 
@@ -101,7 +102,8 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
 
 async def build_server(dsn: str) -> AsyncIterator[Any]:
     store = await Store.connect(dsn, min_size=1, max_size=10)
-    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=StaticScope("kit"))
+    scope = StaticScope(os.environ.get(SCOPE_ENV, "kit"))
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=scope)
     server = grpc.aio.server(interceptors=[interceptor])
     servicer = CheckedLedger(store.pool, os.environ.get(VARIANT_ENV, "correct"))
     testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
@@ -124,17 +126,21 @@ async def _rows(db: asyncpg.Connection[Any], request: Any) -> int:
 
 @pytest.fixture
 def plan_for(pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """``plan_for(variant, method=POST, **target)``: a plan on a server of that variant."""
+    """``plan_for(variant, method=POST, scope=None, **target)``: a plan on a server of that
+    variant (its calls' scope ``scope``, default ``kit``)."""
     plans: list[ConformancePlan] = []
 
-    def make(variant: str, method: str = POST, **target: Any) -> ConformancePlan:
+    def make(
+        variant: str, method: str = POST, scope: str | None = None, **target: Any
+    ) -> ConformancePlan:
+        env = {VARIANT_ENV: variant} if scope is None else {VARIANT_ENV: variant, SCOPE_ENV: scope}
         plan = ConformancePlan(
             ConformanceTarget(
                 server=f"{MODULE}:build_server",
                 method=method,
                 request=_request,
                 count_effects=_rows,
-                server_env={VARIANT_ENV: variant},
+                server_env=env,
                 **target,
             ),
             pg_dsn,
@@ -168,6 +174,28 @@ async def test_a_handler_falling_back_to_a_pool_connection_fails_the_lost_connec
 
 async def test_a_correct_handler_passes_the_lost_connection_check(plan_for: Any) -> None:
     await plan_for("correct").check_lost_connection()
+
+
+# A scope long enough (900 UTF-8 bytes, 1024 allowed) that pg_stat_activity, which keeps the first
+# track_activity_query_size (1024) bytes of a statement, cuts the claim before its key; quotes and
+# a backslash, which the claim's literal escapes.
+LONG_SCOPE = "tenant:o'brien\\eu:" + "\u00e9" * 441
+
+
+async def test_a_long_scope_passes_the_lost_connection_check_of_a_correct_handler(
+    plan_for: Any,
+) -> None:
+    # The kit found the call's connection by its key in the claim's text: cut off there, the
+    # check failed a correct service, saying that the method was perhaps not intercepted.
+    assert len(LONG_SCOPE.encode()) == 900
+    await plan_for("correct", scope=LONG_SCOPE).check_lost_connection()
+
+
+async def test_a_long_scope_still_fails_a_handler_falling_back_to_a_pool_connection(
+    plan_for: Any,
+) -> None:
+    with pytest.raises(ConformanceFailure, match=r"\[lost connection\] the attempt whose"):
+        await plan_for("fallback", scope=LONG_SCOPE).check_lost_connection()
 
 
 async def test_the_lost_connection_check_skips_a_phased_method(plan_for: Any) -> None:

@@ -99,14 +99,16 @@ _OUTSIDE_DATABASE = (
     " replays it."
 )
 
-# The backend holding an atomic-mode claim on $1 (the key, as the SQL literal the claim statement
-# carries): the claim is sent as literal SQL in the batch that opens the call's transaction, so
-# the key in pg_stat_activity names the call's connection and no other.
-_ATOMIC_CLAIM_BACKEND = """
-    SELECT pid FROM pg_catalog.pg_stat_activity
+# The backends holding an atomic-mode claim, with their statements: the claim is sent as literal
+# SQL in the batch that opens the call's transaction, so the key in it names the call's
+# connection (``_claim_backend`` picks it).
+_ATOMIC_CLAIM_BACKENDS = """
+    SELECT pid, query,
+           pg_catalog.clock_timestamp() - state_change >= pg_catalog.make_interval(secs => $1)
+             AS settled
+    FROM pg_catalog.pg_stat_activity
     WHERE datname = pg_catalog.current_database() AND pid <> pg_catalog.pg_backend_pid()
-      AND state = 'idle in transaction'
-      AND pg_catalog.strpos(query, '.claim_atomic(') > 0 AND pg_catalog.strpos(query, $1) > 0
+      AND state = 'idle in transaction' AND pg_catalog.strpos(query, '.claim_atomic(') > 0
 """
 # The schemas holding the library's records (whichever the server's store uses).
 _RECORD_SCHEMAS = """
@@ -114,6 +116,69 @@ _RECORD_SCHEMAS = """
     JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
     WHERE p.proname = 'claim_with_start'
 """
+
+
+def _literal(text: str, at: int) -> tuple[str, int] | None:
+    """The escape-string literal (``E'...'``, as ``store.sql.text_literal`` writes it) that
+    starts at ``text[at]``: its value and the index just past it; when ``text`` ends inside it,
+    the value so far and -1; ``None`` when no such literal starts there."""
+    if not text.startswith("E'", at):
+        return ("", -1) if "E'".startswith(text[at:]) else None
+    value: list[str] = []
+    i = at + 2
+    while i < len(text):
+        if text[i] == "\\" or text.startswith("''", i):
+            if i + 1 == len(text):
+                break
+            value.append(text[i + 1])
+            i += 2
+        elif text[i] == "'":
+            if i + 1 == len(text):
+                break  # perhaps the first of a doubled quote: not known to end the literal
+            return "".join(value), i + 1
+        else:
+            value.append(text[i])
+            i += 1
+    return "".join(value), -1
+
+
+def _claimed_key(query: str, key: str) -> bool | None:
+    """Whether ``query``, an atomic claim as pg_stat_activity shows it, claims ``key``; ``None``
+    when the text stops before it says (pg_stat_activity keeps a statement's first
+    track_activity_query_size bytes, 1024 by default, and the scope before the key may take up
+    to 1024 of its own)."""
+    start = query.find(".claim_atomic(")
+    if start < 0:
+        return False
+    scope = _literal(query, start + len(".claim_atomic("))
+    if scope is None:
+        return False
+    at = scope[1]
+    if at < 0:
+        return None  # cut inside the scope
+    if not query.startswith(", ", at):
+        return None if ", ".startswith(query[at:]) else False
+    claimed = _literal(query, at + 2)
+    if claimed is None:
+        return False
+    value, end = claimed
+    if end < 0:
+        return None if key.startswith(value) else False
+    return value == key
+
+
+def _claim_backend(rows: Sequence[Any], key: str) -> int | None:
+    """The backend holding the atomic claim on ``key``, among ``rows`` (``pid``, ``query``,
+    ``settled``): the one whose statement names the key; else the only one whose statement is
+    cut short before its key shows and that has sat idle for a while (``settled``), as the
+    paused call's does. In a database that other tests use at the same time, two such are left
+    alone (neither is known to be the call's), and a call of theirs idle only for a moment
+    (before the paused call's claim came) is not taken for it."""
+    named = [int(r["pid"]) for r in rows if _claimed_key(str(r["query"]), key)]
+    if named:
+        return named[0]
+    cut = [r for r in rows if _claimed_key(str(r["query"]), key) is None]
+    return int(cut[0]["pid"]) if len(cut) == 1 and cut[0]["settled"] else None
 
 
 class ConformanceFailure(AssertionError):
@@ -682,9 +747,10 @@ class ConformancePlan:
         pauses after the claim: ``"cut"``; ``"phased"`` when the claim was committed on its
         own instead (there is no call transaction to cut); ``"ended"`` when the call ended
         first."""
-        literal = "'" + key.replace("'", "''") + "'"
+        # A quarter of the pause at most: it leaves time to cut the connection before it ends.
+        settled_s = min(0.2, self.target.lost_connection_pause_ms / 4000)
         while not call.done():
-            pid = await db.fetchval(_ATOMIC_CLAIM_BACKEND, literal)
+            pid = _claim_backend(await db.fetch(_ATOMIC_CLAIM_BACKENDS, settled_s), key)
             if pid is not None:
                 await db.fetchval("SELECT pg_catalog.pg_terminate_backend($1)", pid)
                 return "cut"
