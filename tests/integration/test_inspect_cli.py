@@ -159,6 +159,32 @@ async def test_inspect_shows_the_operation_its_child_key_and_the_child_in_the_ot
     assert "effects: post-ledger.v1 x1, post-phased-a.v1 x0, post-phased-b.v1 x0" in text
 
 
+async def test_one_store_reached_through_two_dsns_is_not_a_duplicated_effect(
+    services: Services,
+) -> None:
+    """Services with roles of their own on one database (and schema) give it under two DSNs,
+    as a config with a section per service does: each record was read once per DSN, and the
+    child's two readings of one row were reported as its step reaching two records, the
+    double-execution alarm (DUPLICATED, exit 4)."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    await forward(services, key, tenant)
+    separator = "&" if "?" in services.dsn else "?"
+    other = f"{services.dsn}{separator}application_name=payments"  # another role, in real life
+    forward_schema, ledger_schema = services.forward.schema, services.ledger_store.schema
+    stores = ["--dsn", services.dsn, "--dsn", other, "--dsn", services.dsn,
+              "--schema", forward_schema, "--schema", ledger_schema, "--schema", ledger_schema]  # fmt: skip
+
+    done = await cli("inspect", *stores, "--proto-module", MODULE, "--scope", scope, key, "--json")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    (op,) = done.json()["operations"]
+    (child,) = step_of(op, "post-ledger.v1")["records"]
+    assert child["key"] == child_key(scope, key, "post-ledger.v1")
+    assert op["totals"]["duplicates"] == []
+    assert op["totals"]["effects_by_step"]["post-ledger.v1"] == 1
+
+
 async def test_steps_below_depth_are_not_looked_up_rather_than_counted_as_no_effect(
     services: Services,
 ) -> None:
