@@ -30,8 +30,17 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store, current_call
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    StaticScope,
+    Store,
+    current_call,
+)
+from grpc_idempotency.client import IdempotencyClientInterceptor
 from grpc_idempotency.testing import ConformanceFailure, ConformancePlan, ConformanceTarget
+from tests.support.ledger import TENANT, running_ledger
+from tests.support.relay import RelayService
 
 pytestmark = pytest.mark.e2e
 pytest_plugins = ["pytester"]
@@ -51,8 +60,9 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     row. ``variant``: ``correct``, ``fallback`` (a lost call connection is replaced by one from
     the pool), ``needs_key`` (fails a call without a key), ``trailer`` or ``header`` (the entry's
     id in custom trailing or initial metadata, which a replay does not carry), ``commits`` (ends
-    the call's transaction itself: the library answers INTERNAL) or ``unavailable`` (fails every
-    call, transiently)."""
+    the call's transaction itself: the library answers INTERNAL), ``unavailable`` (fails every
+    call, transiently) or ``outside`` (PostPhased writes through the pool, outside its final
+    transaction)."""
 
     def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
         self.pool = pool
@@ -91,7 +101,7 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     async def PostPhased(
         self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> testsvc_pb2.PostResponse:
-        conn = await current_call().transaction()
+        conn: Any = self.pool if self.variant == "outside" else await current_call().transaction()
         entry_id: int = await conn.fetchval(
             "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2) RETURNING id",
             request.account,
@@ -110,6 +120,34 @@ async def build_server(dsn: str) -> AsyncIterator[Any]:
     try:
         yield server
     finally:
+        await store.close()
+
+
+LEDGER_ENV = "KIT_CHECKS_LEDGER"
+
+
+async def orchestrator_server(dsn: str) -> AsyncIterator[Any]:
+    """RelayService.Forward (phased): its one effect is a call to the ledger at ``LEDGER_ENV``
+    (a server of the test process, without the failpoints) with the step's child key, as the
+    README says to call another service."""
+    store = await Store.connect(
+        dsn, schema="kit_checks_relay", min_size=1, max_size=10, migrate=True
+    )
+    downstream = grpc.aio.insecure_channel(
+        os.environ[LEDGER_ENV],
+        interceptors=IdempotencyClientInterceptor(
+            services=[testsvc_pb2], forward_metadata=[TENANT]
+        ).all_kinds(),
+    )
+    scope = MetadataScope(TENANT)
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=scope)
+    server = grpc.aio.server(interceptors=[interceptor])
+    relay = RelayService(testsvc_pb2_grpc.LedgerServiceStub(downstream))
+    testsvc_pb2_grpc.add_RelayServiceServicer_to_server(relay, server)
+    try:
+        yield server
+    finally:
+        await downstream.close(None)
         await store.close()
 
 
@@ -201,6 +239,53 @@ async def test_a_long_scope_still_fails_a_handler_falling_back_to_a_pool_connect
 async def test_the_lost_connection_check_skips_a_phased_method(plan_for: Any) -> None:
     with pytest.raises(pytest.skip.Exception, match=r"phased mode"):
         await plan_for("correct", POST_PHASED).check_lost_connection()
+
+
+@pytest.fixture
+async def orchestrator(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[ConformancePlan]:
+    """A plan on ``orchestrator_server``, its effect counted where it lands: the ledger's rows."""
+    async with running_ledger(store) as ledger:
+        plan = ConformancePlan(
+            ConformanceTarget(
+                server=f"{MODULE}:orchestrator_server",
+                method="/testsvc.v1.RelayService/Forward",
+                request=lambda: testsvc_pb2.ForwardRequest(account=_request().account, mode="post"),
+                count_effects=_rows,
+                metadata=((TENANT, "kit-checks-orchestrator"),),
+                server_env={LEDGER_ENV: ledger.address},
+            ),
+            pg_dsn,
+            tmp_path_factory.mktemp("orchestrator"),
+        )
+        try:
+            yield plan
+        finally:
+            plan.close()
+
+
+async def test_a_phased_method_whose_effect_is_a_child_keyed_call_passes_the_failure_checks(
+    orchestrator: ConformancePlan,
+) -> None:
+    # The downstream call committed (under the step's child key) before the attempt failed: the
+    # effect exists once, and the retry replays the call instead of making it again. The checks
+    # required no effect at all after the failure, and said the handler wrote outside its
+    # transaction, of a method written as the README says.
+    await orchestrator.check_sequential_replay()
+    await orchestrator.check_crash("before_commit")
+    await orchestrator.check_transient_error()
+
+
+async def test_a_phased_handler_writing_outside_its_final_transaction_still_fails(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("outside", POST_PHASED)
+    await plan.check_sequential_replay()
+    with pytest.raises(ConformanceFailure, match=r"effect count is 2, expected 1.*outside"):
+        await plan.check_crash("before_commit")
+    with pytest.raises(ConformanceFailure, match=r"effect count is 2, expected 1.*outside"):
+        await plan.check_transient_error()
 
 
 async def test_a_required_key_passes_the_keyless_check(plan_for: Any) -> None:
