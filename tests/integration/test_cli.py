@@ -186,6 +186,29 @@ def test_a_missing_role_is_named_without_its_password_and_exit_2(pg_dsn: str) ->
     assert ":***@" in done.stderr  # the DSN is shown, masked
 
 
+@pytest.mark.parametrize(
+    "parameter, refusal",
+    [
+        ("no_such_setting=1", 'unrecognized configuration parameter "no_such_setting"'),
+        ("statement_timeout=soon", 'invalid value for parameter "statement_timeout"'),
+    ],
+    ids=["unknown", "bad-value"],
+)
+def test_a_setting_the_server_refuses_at_connection_is_not_retryable_exit_2(
+    pg_dsn: str, parameter: str, refusal: str
+) -> None:
+    """A query parameter of the DSN that the server refuses as the session starts (a setting it
+    does not know, a value it does not accept) fails every connection the same way: the DSN
+    must change. It exited 1, "unavailable" (retry later), and a deploy step retried it."""
+    separator = "&" if "?" in pg_dsn else "?"
+    done = cli("migrate", "--dsn", f"{pg_dsn}{separator}{parameter}")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert "misconfigured while connecting" in lines[0], done.stderr
+    assert refusal in done.stderr  # PostgreSQL's own words, in the causes
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
 def test_an_unreachable_server_names_host_and_port_and_exits_1() -> None:
     port = free_port()
     password = f"pw-{secrets.token_hex(8)}"

@@ -27,7 +27,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, child_key
+from grpc_idempotency import StaticScope, Store, child_key
 from tests.e2e.procs import free_port
 from tests.support.ledger import RunningLedger, fresh, metadata, running_ledger
 from tests.support.relay import RunningRelay, running_relay
@@ -157,6 +157,32 @@ async def test_inspect_shows_the_operation_its_child_key_and_the_child_in_the_ot
     assert f"key {post['key']}" in text
     assert f'entry_id: "{response.entry_id}"' in text
     assert "effects: post-ledger.v1 x1, post-phased-a.v1 x0, post-phased-b.v1 x0" in text
+
+
+async def test_one_store_reached_through_two_dsns_is_not_a_duplicated_effect(
+    services: Services,
+) -> None:
+    """Services with roles of their own on one database (and schema) give it under two DSNs,
+    as a config with a section per service does: each record was read once per DSN, and the
+    child's two readings of one row were reported as its step reaching two records, the
+    double-execution alarm (DUPLICATED, exit 4)."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    await forward(services, key, tenant)
+    separator = "&" if "?" in services.dsn else "?"
+    other = f"{services.dsn}{separator}application_name=payments"  # another role, in real life
+    forward_schema, ledger_schema = services.forward.schema, services.ledger_store.schema
+    stores = ["--dsn", services.dsn, "--dsn", other, "--dsn", services.dsn,
+              "--schema", forward_schema, "--schema", ledger_schema, "--schema", ledger_schema]  # fmt: skip
+
+    done = await cli("inspect", *stores, "--proto-module", MODULE, "--scope", scope, key, "--json")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    (op,) = done.json()["operations"]
+    (child,) = step_of(op, "post-ledger.v1")["records"]
+    assert child["key"] == child_key(scope, key, "post-ledger.v1")
+    assert op["totals"]["duplicates"] == []
+    assert op["totals"]["effects_by_step"]["post-ledger.v1"] == 1
 
 
 async def test_steps_below_depth_are_not_looked_up_rather_than_counted_as_no_effect(
@@ -556,6 +582,47 @@ schema = "{services.ledger_store.schema}"
     broken.write_text("[services.relay\n")
     bad = await cli("inspect", "--config", str(broken), "--scope", scope, key)
     assert bad.returncode == 2 and "not valid TOML" in bad.stderr
+
+
+async def test_services_sharing_a_schema_each_keep_their_scope(
+    pg_dsn: str, store: Store, tmp_path: Path
+) -> None:
+    """Two services on one database and schema (one DSN), the downstream one recording its
+    caller's calls under a scope of its own (its mTLS identity, say), as the config's ``scope``
+    says: the config kept one section per DSN and schema, the first, and dropped the other's
+    scope with it, so the child was looked up under the caller's scope only and shown as never
+    made (``x0``)."""
+    async with (
+        fresh_store(pg_dsn, "insp_shared") as shared,
+        running_ledger(shared, scope=StaticScope("relay-identity")) as ledger,
+        running_relay(shared, ledger.address) as relay,
+    ):
+        key, tenant = fresh(), fresh("tenant")
+        scope = f"tenant:{tenant}"
+        request = testsvc_pb2.ForwardRequest(account=fresh("acct"), mode="post")
+        await relay.stub.Forward(request, metadata=metadata(key, tenant))
+        config = tmp_path / "inspect.toml"
+        config.write_text(
+            f"""
+proto_modules = ["{MODULE}"]
+
+[services.relay]
+dsn_env = "INSPECT_TEST_DSN"
+schema = "{shared.schema}"
+
+[services.ledger]
+dsn_env = "INSPECT_TEST_DSN"
+schema = "{shared.schema}"
+scope = "relay-identity"
+"""
+        )
+        done = await cli("inspect", "--config", str(config), "--scope", scope, key, "--json",
+                         env={"INSPECT_TEST_DSN": pg_dsn})  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (op,) = done.json()["operations"]
+    (child,) = step_of(op, "post-ledger.v1")["records"]
+    assert (child["service"], child["scope"]) == ("ledger", "relay-identity")
+    assert op["totals"]["effects_by_step"]["post-ledger.v1"] == 1
 
 
 async def test_exit_status_not_found_unreachable_unusable(services: Services, pg_dsn: str) -> None:

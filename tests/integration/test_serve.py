@@ -154,6 +154,37 @@ def test_an_address_in_use_is_a_clear_error_with_status_2() -> None:
     assert serve.READY not in done.stdout
 
 
+@pytest.mark.e2e
+def test_a_port_another_grpc_server_listens_on_is_a_clear_error_with_status_2() -> None:
+    # gRPC servers bind with SO_REUSEPORT: a second one on a port the first listens on was not
+    # refused but shared it, the kernel spreading the connections over both (the kit's crash
+    # checks then reached the clean server, or the clean server's retries the doomed one).
+    with socket.socket() as taken:  # as a gRPC server of this user binds
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "grpc_idempotency.testing.serve", f"{MODULE}:bare_server"],
+            env={
+                **os.environ,
+                serve.DSN_ENV: NO_DSN,
+                serve.ADDRESS_ENV: f"127.0.0.1:{port}",
+                # Without the check it serves, and stops at once at stdin's end of file.
+                serve.EXIT_ON_STDIN_EOF_ENV: "1",
+            },
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert serve.READY not in done.stdout
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
 def run_serve(target: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "grpc_idempotency.testing.serve", f"{MODULE}:{target}"],

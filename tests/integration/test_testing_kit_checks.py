@@ -30,8 +30,17 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store, current_call
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    StaticScope,
+    Store,
+    current_call,
+)
+from grpc_idempotency.client import IdempotencyClientInterceptor
 from grpc_idempotency.testing import ConformanceFailure, ConformancePlan, ConformanceTarget
+from tests.support.ledger import TENANT, running_ledger
+from tests.support.relay import RelayService
 
 pytestmark = pytest.mark.e2e
 pytest_plugins = ["pytester"]
@@ -41,6 +50,7 @@ POST = "/testsvc.v1.LedgerService/Post"
 POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
 POST_OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
 VARIANT_ENV = "KIT_CHECKS_VARIANT"
+SCOPE_ENV = "KIT_CHECKS_SCOPE"
 
 CONNECTION_LOST = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
 
@@ -50,8 +60,9 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     row. ``variant``: ``correct``, ``fallback`` (a lost call connection is replaced by one from
     the pool), ``needs_key`` (fails a call without a key), ``trailer`` or ``header`` (the entry's
     id in custom trailing or initial metadata, which a replay does not carry), ``commits`` (ends
-    the call's transaction itself: the library answers INTERNAL) or ``unavailable`` (fails every
-    call, transiently)."""
+    the call's transaction itself: the library answers INTERNAL), ``unavailable`` (fails every
+    call, transiently) or ``outside`` (PostPhased writes through the pool, outside its final
+    transaction)."""
 
     def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
         self.pool = pool
@@ -90,7 +101,7 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     async def PostPhased(
         self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> testsvc_pb2.PostResponse:
-        conn = await current_call().transaction()
+        conn: Any = self.pool if self.variant == "outside" else await current_call().transaction()
         entry_id: int = await conn.fetchval(
             "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2) RETURNING id",
             request.account,
@@ -101,13 +112,42 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
 
 async def build_server(dsn: str) -> AsyncIterator[Any]:
     store = await Store.connect(dsn, min_size=1, max_size=10)
-    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=StaticScope("kit"))
+    scope = StaticScope(os.environ.get(SCOPE_ENV, "kit"))
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=scope)
     server = grpc.aio.server(interceptors=[interceptor])
     servicer = CheckedLedger(store.pool, os.environ.get(VARIANT_ENV, "correct"))
     testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
     try:
         yield server
     finally:
+        await store.close()
+
+
+LEDGER_ENV = "KIT_CHECKS_LEDGER"
+
+
+async def orchestrator_server(dsn: str) -> AsyncIterator[Any]:
+    """RelayService.Forward (phased): its one effect is a call to the ledger at ``LEDGER_ENV``
+    (a server of the test process, without the failpoints) with the step's child key, as the
+    README says to call another service."""
+    store = await Store.connect(
+        dsn, schema="kit_checks_relay", min_size=1, max_size=10, migrate=True
+    )
+    downstream = grpc.aio.insecure_channel(
+        os.environ[LEDGER_ENV],
+        interceptors=IdempotencyClientInterceptor(
+            services=[testsvc_pb2], forward_metadata=[TENANT]
+        ).all_kinds(),
+    )
+    scope = MetadataScope(TENANT)
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=scope)
+    server = grpc.aio.server(interceptors=[interceptor])
+    relay = RelayService(testsvc_pb2_grpc.LedgerServiceStub(downstream))
+    testsvc_pb2_grpc.add_RelayServiceServicer_to_server(relay, server)
+    try:
+        yield server
+    finally:
+        await downstream.close(None)
         await store.close()
 
 
@@ -124,17 +164,21 @@ async def _rows(db: asyncpg.Connection[Any], request: Any) -> int:
 
 @pytest.fixture
 def plan_for(pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """``plan_for(variant, method=POST, **target)``: a plan on a server of that variant."""
+    """``plan_for(variant, method=POST, scope=None, **target)``: a plan on a server of that
+    variant (its calls' scope ``scope``, default ``kit``)."""
     plans: list[ConformancePlan] = []
 
-    def make(variant: str, method: str = POST, **target: Any) -> ConformancePlan:
+    def make(
+        variant: str, method: str = POST, scope: str | None = None, **target: Any
+    ) -> ConformancePlan:
+        env = {VARIANT_ENV: variant} if scope is None else {VARIANT_ENV: variant, SCOPE_ENV: scope}
         plan = ConformancePlan(
             ConformanceTarget(
                 server=f"{MODULE}:build_server",
                 method=method,
                 request=_request,
                 count_effects=_rows,
-                server_env={VARIANT_ENV: variant},
+                server_env=env,
                 **target,
             ),
             pg_dsn,
@@ -170,9 +214,78 @@ async def test_a_correct_handler_passes_the_lost_connection_check(plan_for: Any)
     await plan_for("correct").check_lost_connection()
 
 
+# A scope long enough (900 UTF-8 bytes, 1024 allowed) that pg_stat_activity, which keeps the first
+# track_activity_query_size (1024) bytes of a statement, cuts the claim before its key; quotes and
+# a backslash, which the claim's literal escapes.
+LONG_SCOPE = "tenant:o'brien\\eu:" + "\u00e9" * 441
+
+
+async def test_a_long_scope_passes_the_lost_connection_check_of_a_correct_handler(
+    plan_for: Any,
+) -> None:
+    # The kit found the call's connection by its key in the claim's text: cut off there, the
+    # check failed a correct service, saying that the method was perhaps not intercepted.
+    assert len(LONG_SCOPE.encode()) == 900
+    await plan_for("correct", scope=LONG_SCOPE).check_lost_connection()
+
+
+async def test_a_long_scope_still_fails_a_handler_falling_back_to_a_pool_connection(
+    plan_for: Any,
+) -> None:
+    with pytest.raises(ConformanceFailure, match=r"\[lost connection\] the attempt whose"):
+        await plan_for("fallback", scope=LONG_SCOPE).check_lost_connection()
+
+
 async def test_the_lost_connection_check_skips_a_phased_method(plan_for: Any) -> None:
     with pytest.raises(pytest.skip.Exception, match=r"phased mode"):
         await plan_for("correct", POST_PHASED).check_lost_connection()
+
+
+@pytest.fixture
+async def orchestrator(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[ConformancePlan]:
+    """A plan on ``orchestrator_server``, its effect counted where it lands: the ledger's rows."""
+    async with running_ledger(store) as ledger:
+        plan = ConformancePlan(
+            ConformanceTarget(
+                server=f"{MODULE}:orchestrator_server",
+                method="/testsvc.v1.RelayService/Forward",
+                request=lambda: testsvc_pb2.ForwardRequest(account=_request().account, mode="post"),
+                count_effects=_rows,
+                metadata=((TENANT, "kit-checks-orchestrator"),),
+                server_env={LEDGER_ENV: ledger.address},
+            ),
+            pg_dsn,
+            tmp_path_factory.mktemp("orchestrator"),
+        )
+        try:
+            yield plan
+        finally:
+            plan.close()
+
+
+async def test_a_phased_method_whose_effect_is_a_child_keyed_call_passes_the_failure_checks(
+    orchestrator: ConformancePlan,
+) -> None:
+    # The downstream call committed (under the step's child key) before the attempt failed: the
+    # effect exists once, and the retry replays the call instead of making it again. The checks
+    # required no effect at all after the failure, and said the handler wrote outside its
+    # transaction, of a method written as the README says.
+    await orchestrator.check_sequential_replay()
+    await orchestrator.check_crash("before_commit")
+    await orchestrator.check_transient_error()
+
+
+async def test_a_phased_handler_writing_outside_its_final_transaction_still_fails(
+    plan_for: Any,
+) -> None:
+    plan = plan_for("outside", POST_PHASED)
+    await plan.check_sequential_replay()
+    with pytest.raises(ConformanceFailure, match=r"effect count is 2, expected 1.*outside"):
+        await plan.check_crash("before_commit")
+    with pytest.raises(ConformanceFailure, match=r"effect count is 2, expected 1.*outside"):
+        await plan.check_transient_error()
 
 
 async def test_a_required_key_passes_the_keyless_check(plan_for: Any) -> None:

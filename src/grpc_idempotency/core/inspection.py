@@ -37,7 +37,7 @@ from google.rpc import status_pb2
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.keys import child_key
 from grpc_idempotency.core.policy import Step, normalize_method
-from grpc_idempotency.core.propagation import as_of
+from grpc_idempotency.core.propagation import _base, as_of
 
 PREFIX_BYTES = 32
 """How much of an undecodable payload is shown (as hex and base64)."""
@@ -243,7 +243,9 @@ class Child:
     retired_at: datetime | None
     in_effect: bool
     """Whether this operation keys its effect with this step: an active step, unless the
-    operation began before an earlier version was retired (then that version is in effect)."""
+    operation began before an earlier version was retired (then that version is in effect); a
+    call step retired for good (no active version of its name) for an operation begun before
+    its retirement (a handler naming it keys the call with it)."""
 
 
 def children(record: Record, steps: Sequence[Step]) -> list[Child]:
@@ -261,6 +263,17 @@ def children(record: Record, steps: Sequence[Step]) -> list[Child]:
                 else outbox
             )
             used.add(as_of(s, siblings, started).name)
+        elif s.call and s.retired_at is not None and started < s.retired_at:
+            # Retired for good (no active version of its name calls its target): a handler that
+            # names it keys an operation begun before its retirement with it (choose_step).
+            target = normalize_method(s.call)
+            if not any(
+                c.active
+                and normalize_method(c.call or "") == target
+                and _base(c.name) == _base(s.name)
+                for c in calls
+            ):
+                used.add(s.name)
     return [
         Child(
             step=s.name,

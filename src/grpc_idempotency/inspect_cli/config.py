@@ -61,12 +61,15 @@ def config_of(args: argparse.Namespace) -> Config:
         stores += _option_stores(args.dsn, args.schema)
     if not stores:
         raise ConfigError(f"{args.config}: names no services ([services.NAME] with dsn, schema)")
-    seen: dict[tuple[str, str], str] = {}
+    seen: set[tuple[str, str, str | None]] = set()
     unique: list[StoreConfig] = []
     for s in stores:
-        if (s.dsn, s.schema) in seen:
-            continue  # the same store twice would count every child twice
-        seen[(s.dsn, s.schema)] = s.name
+        # The same store twice adds nothing (a row read twice is one record: lookup). One with
+        # another scope is another service's view of a shared schema: kept, or its records
+        # (under that scope) were never looked up.
+        if (s.dsn, s.schema, s.scope) in seen:
+            continue
+        seen.add((s.dsn, s.schema, s.scope))
         unique.append(s)
     modules += args.proto_module
     sets += args.descriptor_set

@@ -75,6 +75,19 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
     return opened, list(pools.values())
 
 
+def _first_reading(record: Record, seen: set[tuple[object, ...]]) -> bool:
+    """Whether ``record`` is not a row already read through another configured store: services
+    whose roles share one database (and schema) name it under as many DSNs, and one row read
+    twice was a step reaching two records (DUPLICATED). Two records of one operation (its
+    scope, key, method and fingerprint) begun at the same microsecond, in two tables, are that
+    one row; a real duplicate was claimed by another transaction, at another time."""
+    identity = (record.scope, record.key, record.method, record.fingerprint, record.created_at)
+    if identity in seen:
+        return False
+    seen.add(identity)
+    return True
+
+
 class _Inspector:
     def __init__(self, stores: list[_Open], descriptors: Descriptors, depth: int) -> None:
         self.stores = stores
@@ -90,9 +103,10 @@ class _Inspector:
 
     async def roots(self, scope: str, key: str) -> list[Found]:
         found = []
+        seen: set[tuple[object, ...]] = set()
         for s in self.stores:
             record = await self._in(s, s.reads.record(scope, key))
-            if record is not None:
+            if record is not None and _first_reading(record, seen):
                 found.append(Found(service=s.config.name, node=await self.expand(s, record, 0)))
         return found
 
@@ -115,10 +129,13 @@ class _Inspector:
         calls = [c for c in kids if c.kind is ChildKind.CALL]
         found: dict[str, list[Found]] = {c.key: [] for c in calls}
         if calls and depth < self.depth:
+            seen: set[tuple[object, ...]] = set()
             for s in self.stores:
                 scope = s.config.scope or record.scope
                 records = await self._in(s, s.reads.records(scope, [c.key for c in calls]))
                 for child in records:
+                    if not _first_reading(child, seen):
+                        continue
                     found[child.key].append(
                         Found(
                             service=s.config.name,

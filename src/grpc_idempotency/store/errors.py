@@ -63,7 +63,10 @@ def _hint(state: str | None) -> str:
         return "no such database: check the DSN"
     if state == "42501":
         return "the role lacks a privilege on the store's schema or tables"
-    return "authentication failed: check the role and its password"
+    if state is not None and state.startswith("28"):
+        return "authentication failed: check the role and its password"
+    # connect_error: the server refused the session's start-up for a setting it was asked for.
+    return "the server refused a setting of the session: check the DSN's parameters"
 
 
 _log_misconfigured = _MisconfiguredLog()
@@ -89,6 +92,22 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
         outage=outage(state),
         ambiguous=state is None and isinstance(exc, TimeoutError),
     )
+
+
+def connect_error(exc: BaseException) -> StoreUnavailable:
+    """Opening a connection failed. Past the network and authentication, the server refuses a
+    session's start-up for a setting it was asked for (a query parameter of the DSN, a
+    ``server_settings`` entry: one it does not know, 42704; a value it does not accept, 22023):
+    every connection fails alike until the DSN changes, as with a missing database. So here a
+    SQLSTATE that is neither an outage nor a conflict (``Failure.OTHER``) is misconfigured: it
+    was "unavailable", retryable, and a deploy step's migrate retried it for good."""
+    state = sqlstate(exc)
+    if state is not None and classify(state) is Failure.OTHER:
+        _log_misconfigured(exc, "connecting")
+        return StoreMisconfigured(
+            f"idempotency store misconfigured while connecting (SQLSTATE {state}): {_hint(state)}"
+        )
+    return store_error(exc, "connecting")
 
 
 def raised_in_asyncpg(exc: BaseException, module: str = "asyncpg.") -> bool:

@@ -47,6 +47,7 @@ from grpc_idempotency.store.errors import (
     NO_SUCH_SAVEPOINT,
     STORE_ERRORS,
     aborted_by,
+    connect_error,
     dsn_unusable,
     ended_by_handler,
     handler_error,
@@ -524,7 +525,7 @@ class Store:
                 problem = unusable_file(dsn)
                 raise DsnUnusable(f"cannot use the DSN: {problem}" if problem else "") from None
             if isinstance(exc, STORE_ERRORS):
-                raise store_error(exc, "connecting") from exc
+                raise connect_error(exc) from exc
             raise
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         connect = pool_options.get("connect") or asyncpg.connect

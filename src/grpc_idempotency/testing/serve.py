@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib
 import inspect
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -93,6 +95,46 @@ def load(target: str) -> Any:
     except ValueError:
         pass  # no signature to check (some built-ins): the call will tell
     return build
+
+
+def _refuse_a_port_in_use(address: str) -> None:
+    """Raises ``ServeError`` when the fixed port of ``address`` is already bound (a listener on
+    it). grpc binds with SO_REUSEPORT: a port another gRPC server of this user listens on (a
+    server run by hand, another of the kit's processes given the same address) was shared, not
+    refused, and the kernel spread the connections over both processes. A probe without
+    SO_REUSEPORT is refused instead. Anything else (port 0, a unix socket, a host that does not
+    resolve or is not this machine's) is left to grpc."""
+    host, _, port_text = address.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        return
+    if not 0 < port < 65536:
+        return
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, UnicodeError):
+        return
+    for family, kind, proto, _, where in found:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # no such family here (IPv6 off): grpc will not bind it either
+        with probe:
+            # A connection of an earlier server left in TIME_WAIT is not a listener.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ServeError(
+                        f"cannot listen on {address}: the port is in use (another server of"
+                        f" yours? gRPC servers would share it). Set {ADDRESS_ENV} to another"
+                        " (port 0: any free one)"
+                    ) from None
 
 
 @contextlib.asynccontextmanager
@@ -161,6 +203,7 @@ async def serve(target: str, dsn: str, address: str) -> None:
     async with built(build, dsn, target) as server:
         if not isinstance(server, grpc.aio.Server):
             raise ServeError(f"{target} returned {type(server).__name__}, not a grpc.aio.Server")
+        _refuse_a_port_in_use(address)
         # grpcio raises RuntimeError when it cannot bind (older releases returned 0).
         try:
             port = server.add_insecure_port(address)
