@@ -8,6 +8,8 @@ in the pool.
 
 from __future__ import annotations
 
+import difflib
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 
@@ -25,6 +27,8 @@ from grpc_idempotency.core.policy import (
 )
 
 Services = Iterable[ServiceDescriptor | FileDescriptor | ModuleType]
+
+log = logging.getLogger(__name__)
 
 
 class PolicyRegistry:
@@ -45,6 +49,8 @@ class PolicyRegistry:
         # Services some override names that are in neither ``services`` nor (yet) the default
         # pool: their overrides are checked when the service first shows up in get().
         self._unchecked = _check_overrides(self._overrides, methods)
+        if self._unchecked:
+            _warn_unchecked(self._unchecked, {m.containing_service.full_name for m in methods})
         self._policies.update(compile_policies(methods, self._overrides))
         for method in methods:
             self._policies.setdefault(method_path(method), None)
@@ -119,6 +125,21 @@ def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescri
         if typo is not None:
             raise typo
     return unchecked
+
+
+def _warn_unchecked(unchecked: set[str], known: set[str]) -> None:
+    """Says which services overrides name that are not known yet. Such a service may be
+    imported later, so it cannot be refused; but a misspelt service name is never imported,
+    and the method it meant stays as its proto says (unkeyed, say) with nothing said at all."""
+    for name in sorted(unchecked):
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        log.warning(
+            "overrides name service %s, which is neither among the services given nor imported"
+            " yet; they are checked when a call first names it, and never if it is misspelt%s",
+            name,
+            hint,
+        )
 
 
 def _unknown_override(

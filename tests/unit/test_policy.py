@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -405,6 +406,25 @@ def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
     # A service not known yet (its _pb2 not imported): checked when a call names it.
     registry = PolicyRegistry((), {"later.v1.Service/Do": MethodOverride()})
     assert registry.get("/later.v1.Service/Do") is None
+
+
+def test_an_override_of_a_service_not_known_yet_is_said_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A misspelt service name in an override is never imported, so it is never checked: the
+    method it meant stayed as its proto says (unkeyed, say) with nothing said at all. It cannot
+    be refused (the service may be imported later), so it is said, with the near miss."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.registry"):
+        PolicyRegistry([testsvc_pb2], {"testsvc.v1.LedgerServce/Post": MethodOverride()})
+    (record,) = caplog.records
+    assert "testsvc.v1.LedgerServce" in record.getMessage()
+    assert "did you mean testsvc.v1.LedgerService?" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.registry"):
+        PolicyRegistry([testsvc_pb2], {"testsvc.v1.LedgerService/Post": MethodOverride()})
+    assert not caplog.records  # a service it knows: nothing to say
 
 
 def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> None:
