@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -388,6 +389,22 @@ async def test_assertions_tell_the_librarys_refusal_from_the_handlers_answer(
         await assert_replayed(refused.value)
     with pytest.raises(AssertionError, match=r"expected a replay \(.*\), but the handler ran"):
         await assert_replayed(first)
+
+
+async def test_a_call_that_reached_no_server_is_not_an_execution() -> None:
+    """gRPC's own UNAVAILABLE for a call that reached no server carries no replay marker and no
+    reason of the library's: assert_not_replayed passed it as the handler's answer, so a test
+    asserting an execution passed with the server down."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stub.Post(_request(), metadata=metadata(f"k-{uuid.uuid4().hex}"), timeout=10)
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(AssertionError, match="the call reached no server"):
+        await assert_not_replayed(failed.value)
 
 
 async def test_an_outcome_the_library_recorded_is_an_execution_then_a_replay(

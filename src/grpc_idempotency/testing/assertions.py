@@ -93,9 +93,34 @@ async def assert_replayed(answer: Any) -> None:
         )
 
 
+# gRPC's own answer to a call that reached no server (its text since grpc 1.4x): no handler ran.
+_NEVER_SENT = ("failed to connect to all addresses",)
+
+
+async def _never_sent(answer: Any) -> str | None:
+    code_of, details_of = getattr(answer, "code", None), getattr(answer, "details", None)
+    if code_of is None or details_of is None:
+        return None
+    code, details = code_of(), details_of()
+    if inspect.isawaitable(code):
+        code = await code
+    if inspect.isawaitable(details):
+        details = await details
+    unavailable = getattr(code, "name", None) == "UNAVAILABLE"
+    if unavailable and isinstance(details, str) and details.startswith(_NEVER_SENT):
+        return details
+    return None
+
+
 async def assert_not_replayed(answer: Any) -> None:
-    """Fails if ``answer`` is a replay, or an answer of the library's own (a refused key, a
-    store outage: its reason in the status): the call must have been answered by the handler."""
+    """Fails if ``answer`` is a replay, an answer of the library's own (a refused key, a store
+    outage: its reason in the status), or gRPC's own for a call that reached no server ("failed
+    to connect to all addresses"): the call must have been answered by the handler. Other
+    transport failures (a connection reset mid-call, a deadline) cannot be told apart from the
+    handler's own error of the same code: assert the code you expect as well."""
+    never = await _never_sent(answer)
+    if never is not None:
+        raise AssertionError(f"expected an execution, but the call reached no server: {never!r}")
     metadata = await _initial_metadata(answer)
     refused = await _refusal(answer)
     if refused is not None and (REPLAYED_HEADER, _REPLAYED_VALUE) not in metadata:
