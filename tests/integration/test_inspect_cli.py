@@ -653,6 +653,40 @@ async def test_exit_status_not_found_unreachable_unusable(services: Services, pg
     assert module.returncode == 2 and "no.such_pb2" in module.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("inspect", "--scope", "tenant:x", ""), "idempotency key is empty"),
+        (("inspect", "--scope", "tenant:x", "has space"), "must be visible ASCII"),
+        (("inspect", "--scope", "tenant:x", "k" * 256), "longer than 255"),
+        (("inspect", "--scope", "", "k"), "a scope is never empty"),
+        (("inspect", "--scope", "s" * 1025, "k"), "at most 1024 bytes"),
+        (("list", "--scope", ""), "a scope is never empty"),
+        (("list", "--scope", "s", "--method", "/a.B/C/D"), "not a method"),
+        (("list", "--scope", "s", "--method", "nomethod"), "not a method"),
+    ],
+    ids=[
+        "empty-key",
+        "key-space",
+        "key-long",
+        "empty-scope",
+        "long-scope",
+        "list-empty-scope",
+        "method-three-parts",
+        "method-no-service",
+    ],
+)
+async def test_a_key_scope_or_method_no_record_can_have_is_bad_usage(
+    pg_dsn: str, args: tuple[str, ...], says: str
+) -> None:
+    """A key the server refuses, a scope the store cannot hold and a method that is no method
+    match no record: they were looked up, and answered "no record" (exit 3), as if the
+    operation had not been found; a mistyped argument reads as a missing operation."""
+    done = await cli(*args, "--dsn", pg_dsn)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 ANY_RESPONSE_PROTO = """
 name: "r/v1/r.proto" package: "r.v1" dependency: "google/protobuf/any.proto" syntax: "proto3"
 message_type { name: "Req" }

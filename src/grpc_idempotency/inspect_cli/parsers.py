@@ -10,7 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeAlias
 
+from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.inspection import RecordState
+from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_key
+from grpc_idempotency.core.policy import normalize_method
 from grpc_idempotency.store.dsn_files import HOLDS_NUL, holds_nul, not_utf8
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 from grpc_idempotency.store.sql import schema_identifier
@@ -59,6 +62,35 @@ def utf8_text(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not valid UTF-8: {text!r}") from None
     if "\x00" in text:
         raise argparse.ArgumentTypeError(f"holds a NUL character: {text!r}")
+    return text
+
+
+def key_text(text: str) -> str:
+    """An idempotency key as the server takes one: one that it refuses (empty, too long, not
+    visible ASCII) has no record, and was answered "no record" (exit 3), as if looked for."""
+    try:
+        return validate_key(text)
+    except KeyInvalid as err:
+        raise argparse.ArgumentTypeError(f"{err.message}: {text!r}") from None
+
+
+def scope_text(text: str) -> str:
+    """A scope as the store holds one: 1..``MAX_SCOPE_BYTES`` bytes of UTF-8 without NUL."""
+    text = utf8_text(text)
+    if not text:
+        raise argparse.ArgumentTypeError("a scope is never empty")
+    if len(text.encode("utf-8")) > MAX_SCOPE_BYTES:
+        raise argparse.ArgumentTypeError(f"a scope is at most {MAX_SCOPE_BYTES} bytes of UTF-8")
+    return text
+
+
+def method_name(text: str) -> str:
+    """A gRPC method, "/package.Service/Method" (or "package.Service/Method", or
+    "package.Service.Method"): anything else matched no record, silently."""
+    text = utf8_text(text)
+    service, _, method = normalize_method(text).lstrip("/").partition("/")
+    if not service or not method or "/" in method or not service.strip("."):
+        raise argparse.ArgumentTypeError(f"not a method, /package.Service/Method: {text!r}")
     return text
 
 
@@ -112,14 +144,14 @@ def add_parsers(
     )
     inspect.add_argument(
         "key",
-        type=utf8_text,
+        type=key_text,
         metavar="KEY",
         help="the operation's idempotency key (the parent's, as sent)",
     )
     inspect.add_argument(
         "--scope",
         required=True,
-        type=utf8_text,
+        type=scope_text,
         metavar="SCOPE",
         help="the scope the key lives under, as the scope resolver returned it (e.g. tenant:acme)",
     )
@@ -177,7 +209,7 @@ def add_parsers(
     )
     with_store(listing)
     listing.add_argument(
-        "--scope", required=True, type=utf8_text, metavar="SCOPE", help="the scope to list"
+        "--scope", required=True, type=scope_text, metavar="SCOPE", help="the scope to list"
     )
     listing.add_argument(
         "--state",
@@ -187,7 +219,7 @@ def add_parsers(
     )
     listing.add_argument(
         "--method",
-        type=utf8_text,
+        type=method_name,
         metavar="/PACKAGE.SERVICE/METHOD",
         help="only records of this method (default: all)",
     )
