@@ -236,6 +236,33 @@ async def test_a_long_scope_still_fails_a_handler_falling_back_to_a_pool_connect
         await plan_for("fallback", scope=LONG_SCOPE).check_lost_connection()
 
 
+async def test_the_lost_connection_check_leaves_another_calls_claim_alone(
+    plan_for: Any, store: Store
+) -> None:
+    # Another call on the same database, claimed before the check began and idle in its
+    # transaction, its claim's text cut before the key (a long scope): the only such claim, the
+    # kit took it for the check's own before that one showed, cut it, and failed a correct
+    # service ("answered OK although its transaction was gone").
+    other = await store.claim_atomic(
+        scope="\u00e9" * 512,  # 1024 bytes: its text is cut inside the scope
+        key=f"other-{uuid.uuid4().hex}",
+        method=POST,
+        fingerprint=bytes(32),
+        retention_s=60,
+        lease_s=60,
+    )
+    assert other is not None
+    try:
+        async with store.pool.acquire() as db:
+            # Idle (since before claim_atomic returned) for longer than the kit waits (0.2 s)
+            # before it takes a cut claim for the call's: a duration, not a race.
+            await db.execute("SELECT pg_catalog.pg_sleep(0.25)")
+        await plan_for("correct").check_lost_connection()
+        assert await other.connection.fetchval("SELECT 1") == 1  # its connection was left alone
+    finally:
+        await other.release()
+
+
 async def test_the_lost_connection_check_skips_a_phased_method(plan_for: Any) -> None:
     with pytest.raises(pytest.skip.Exception, match=r"phased mode"):
         await plan_for("correct", POST_PHASED).check_lost_connection()

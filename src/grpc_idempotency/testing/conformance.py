@@ -47,6 +47,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -102,11 +103,13 @@ _OUTSIDE_DATABASE = (
 
 # The backends holding an atomic-mode claim, with their statements: the claim is sent as literal
 # SQL in the batch that opens the call's transaction, so the key in it names the call's
-# connection (``_claim_backend`` picks it).
+# connection (``_claim_backend`` picks it). ``since_call``: its transaction began after $2, when
+# the call was made (a claim older than that is not the call's).
 _ATOMIC_CLAIM_BACKENDS = """
     SELECT pid, query,
            pg_catalog.clock_timestamp() - state_change >= pg_catalog.make_interval(secs => $1)
-             AS settled
+             AS settled,
+           xact_start >= $2 AS since_call
     FROM pg_catalog.pg_stat_activity
     WHERE datname = pg_catalog.current_database() AND pid <> pg_catalog.pg_backend_pid()
       AND state = 'idle in transaction' AND pg_catalog.strpos(query, '.claim_atomic(') > 0
@@ -170,15 +173,18 @@ def _claimed_key(query: str, key: str) -> bool | None:
 
 def _claim_backend(rows: Sequence[Any], key: str) -> int | None:
     """The backend holding the atomic claim on ``key``, among ``rows`` (``pid``, ``query``,
-    ``settled``): the one whose statement names the key; else the only one whose statement is
-    cut short before its key shows and that has sat idle for a while (``settled``), as the
-    paused call's does. In a database that other tests use at the same time, two such are left
-    alone (neither is known to be the call's), and a call of theirs idle only for a moment
+    ``settled``, ``since_call``): the one whose statement names the key; else the only one whose
+    statement is cut short before its key shows, whose transaction began after the call was
+    made (``since_call``) and that has sat idle for a while (``settled``), as the paused call's
+    does. In a database that other tests or services use at the same time, a claim of theirs
+    held since before the call (polled before the call's own showed, it was the only one, and
+    was cut: their connection, and the check failed a correct service) is not the call's; two
+    such are left alone (neither is known to be the call's), and one idle only for a moment
     (before the paused call's claim came) is not taken for it."""
     named = [int(r["pid"]) for r in rows if _claimed_key(str(r["query"]), key)]
     if named:
         return named[0]
-    cut = [r for r in rows if _claimed_key(str(r["query"]), key) is None]
+    cut = [r for r in rows if r["since_call"] and _claimed_key(str(r["query"]), key) is None]
     return int(cut[0]["pid"]) if len(cut) == 1 and cut[0]["settled"] else None
 
 
@@ -770,16 +776,21 @@ class ConformancePlan:
         await self._at_most_once_outside(check, request)
 
     async def _cut_connection(
-        self, db: asyncpg.Connection[Any], key: str, call: asyncio.Future[_Answer]
+        self,
+        db: asyncpg.Connection[Any],
+        key: str,
+        call: asyncio.Future[_Answer],
+        since: datetime,
     ) -> str:
         """Terminates the backend of the call holding ``key``'s atomic claim, while the call
-        pauses after the claim: ``"cut"``; ``"phased"`` when the claim was committed on its
-        own instead (there is no call transaction to cut); ``"ended"`` when the call ended
-        first."""
+        (made at ``since``, the database's clock) pauses after the claim: ``"cut"``;
+        ``"phased"`` when the claim was committed on its own instead (there is no call
+        transaction to cut); ``"ended"`` when the call ended first."""
         # A quarter of the pause at most: it leaves time to cut the connection before it ends.
         settled_s = min(0.2, self.target.lost_connection_pause_ms / 4000)
         while not call.done():
-            pid = _claim_backend(await db.fetch(_ATOMIC_CLAIM_BACKENDS, settled_s), key)
+            rows = await db.fetch(_ATOMIC_CLAIM_BACKENDS, settled_s, since)
+            pid = _claim_backend(rows, key)
             if pid is not None:
                 await db.fetchval("SELECT pg_catalog.pg_terminate_backend($1)", pid)
                 return "cut"
@@ -807,9 +818,10 @@ class ConformancePlan:
             self._server_with(f"after_claim=sleep:{pause_ms}", "lost-connection") as paused,
             self._db() as db,
         ):
+            since = await db.fetchval("SELECT pg_catalog.clock_timestamp()")
             call = asyncio.ensure_future(self._call(paused.address, request, key))
             try:
-                cut = await self._cut_connection(db, key, call)
+                cut = await self._cut_connection(db, key, call, since)
             finally:
                 failed = await call
             if cut == "phased":
