@@ -150,12 +150,15 @@ def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> S
 
 
 def declares_step(parent: Parent, target: str) -> bool:
-    """Whether ``parent`` declares an active step calling ``target``. Such a target is keyed by
-    that step whatever its descriptor says on the caller's side: the caller may have an older
-    descriptor, or the target may be keyed only by its own server's ``MethodOverride``; sent
-    unkeyed, an optional-key target would run again on every re-run of the parent."""
+    """Whether ``parent`` declares a step calling ``target``, active or retired. Such a target is
+    keyed by that step whatever its descriptor says on the caller's side: the caller may have an
+    older descriptor, or the target may be keyed only by its own server's ``MethodOverride``;
+    sent unkeyed, an optional-key target would run again on every re-run of the parent. A step
+    retired for good too: it keys the operations begun before its retirement when named, and an
+    unnamed call is refused (``choose_step``), as for a target keyed by its descriptor; both went
+    out unkeyed."""
     target = normalize_method(target)
-    return any(s.active and s.call and normalize_method(s.call) == target for s in parent.steps)
+    return any(s.call and normalize_method(s.call) == target for s in parent.steps)
 
 
 def choose_key(
