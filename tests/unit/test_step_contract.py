@@ -1015,3 +1015,23 @@ def test_a_retirement_moved_later_after_it_took_effect_fails() -> None:
     # replayable any more.
     assert not check_contract(place(*old), place(*new), now=NOW + HOUR + DAY - SECOND).ok
     assert check_contract(place(*old), place(*new), now=NOW + HOUR + DAY).ok
+
+
+@pytest.mark.parametrize("was", [NOW - HOUR, NOW + HOUR], ids=["passed", "ahead"])
+def test_a_retirement_moved_into_the_past_is_fixed_by_keeping_it_as_it_was(was: datetime) -> None:
+    """charge.v1's retired_at moved earlier, into the past: the fix printed the old retired_at
+    (an hour ago, or an hour ahead) under "retire it no earlier than this change ships (a time
+    still ahead when this check runs, here a day from now)". Followed as written, a day from
+    now moved a retirement that had taken effect later (RETIREMENT_POSTPONED_AFTER_THE_FACT,
+    with charge.v2 following it); the declaration was right, the text about it was not."""
+    old = place(call("charge.v1", retired=was), call("charge.v2"))
+    new = place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2"))
+    report = check_contract(old, new, now=NOW)
+    (f,) = report.breaking
+    assert f.change is Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS
+    assert "a day from now" not in f.fix and "keep retired_at as it was" in f.fix
+    assert f"seconds: {int(was.timestamp())} " in f.fix
+    assert check_contract(old, {PLACE: apply_fixes(new[PLACE], report)}, now=NOW).ok
+    # What the text said, done: a retirement that had taken effect moved later.
+    later = place(call("charge.v1", retired=NOW + DAY), call("charge.v2"))
+    assert check_contract(old, later, now=NOW).ok is (was > NOW)

@@ -658,10 +658,13 @@ def _compare_step(
             Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS,
             f"step {name} is retired at {_ts(step.retired_at)}, already past, where {since}",
             why=why,
+            # Retired already: the deployed retirement keyed these operations, and is kept (a
+            # time later than it, once past, moves a retirement that has taken effect).
             fix=(
                 "retire it no earlier than this change ships (a time still ahead when this"
-                " check runs, here a day from now):"
-                f" {_declaration(was, retire_at=_ships(now)) if was.active else _declaration(was)}"
+                f" check runs, here a day from now): {_declaration(was, retire_at=_ships(now))}"
+                if was.active
+                else f"keep retired_at as it was: {_declaration(was)}"
             ),
         )
     if was.active:
