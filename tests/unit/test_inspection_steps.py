@@ -69,3 +69,22 @@ def test_a_retired_version_with_an_active_one_is_in_effect_as_as_of_says() -> No
     late = {c.step: c.in_effect for c in children(record(RETIRED + timedelta(hours=1)), steps)}
     assert early == {"send-mail.v1": True, "send-mail.v2": False}
     assert late == {"send-mail.v1": False, "send-mail.v2": True}
+
+
+def test_a_version_retired_for_good_is_in_effect_only_where_no_earlier_version_keys() -> None:
+    """send-mail.v2 retired for good after send-mail.v1 was retired for it: an operation begun
+    before v1's retirement keys its call with v1 whichever of the two the handler names
+    (``choose_step``); inspect said v2 was in effect for it too."""
+    later = RETIRED + timedelta(days=1)
+    steps = (
+        Step(name="send-mail.v1", call=TARGET, retired_at=RETIRED),
+        Step(name="send-mail.v2", call=TARGET, retired_at=later),
+    )
+    for started, used in (
+        (RETIRED - timedelta(hours=1), "send-mail.v1"),
+        (RETIRED + timedelta(hours=1), "send-mail.v2"),
+    ):
+        parent = Parent(METHOD, "tenant:a", "order-1", steps, started)
+        assert choose_step(parent, TARGET, "send-mail.v2").name == used
+        in_effect = {c.step for c in children(record(started), steps) if c.in_effect}
+        assert in_effect == {used}

@@ -435,3 +435,59 @@ def test_an_unnamed_call_to_a_target_whose_steps_are_all_retired_says_so() -> No
     with pytest.raises(StepUndeclared, match=r"every step it declares calling it is retired"):
         choose(parent=parent)
     assert choose(parent=parent, named_step="fee.v1").step == "fee.v1"  # type: ignore[attr-defined]
+
+
+def test_a_named_step_retired_for_good_keys_its_target_whatever_its_descriptor_says() -> None:
+    """fee.v1 retired for good; a retry of an operation begun before the retirement names it, as
+    the refusal of an unnamed call says to. The target's descriptor on the caller's side has no
+    idempotency option (keyed by its server's MethodOverride only): the call went out unkeyed,
+    as a read, and an optional-key target ran the fee a second time (an unnamed call too, where
+    a keyed target refuses it). A declared step keys its target whatever the descriptor says,
+    retired or not."""
+    from datetime import UTC, datetime, timedelta
+
+    t1 = datetime(2026, 3, 1, tzinfo=UTC)
+    steps = (Step(name="fee.v1", call=CHARGE, retired_at=t1),)
+    early = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, t1 - timedelta(days=1))
+    child = choose(parent=early, target_keyed=False, named_step="fee.v1")
+    assert child.source is KeySource.CHILD  # type: ignore[attr-defined]
+    assert child.key == child_key(PARENT.scope, PARENT.key, "fee.v1")  # type: ignore[attr-defined]
+    late = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, t1 + timedelta(days=1))
+    with pytest.raises(StepUndeclared, match="retired at"):  # begun after: refused, not unkeyed
+        choose(parent=late, target_keyed=False, named_step="fee.v1")
+    with pytest.raises(StepUndeclared, match="every step it declares calling it is retired"):
+        choose(parent=early, target_keyed=False)
+    # A target no step calls: the descriptor decides, as before.
+    assert choose(parent=early, target_keyed=False, target="/x.v1.S/Read").source is KeySource.NONE  # type: ignore[attr-defined]
+
+
+def test_a_version_retired_for_good_keys_an_earlier_operation_with_the_version_it_ran() -> None:
+    """fee.v1 retired at t1 for fee.v2; then fee.v2 retired for good (at the change's ship
+    time, which check-steps passes). An operation begun before t1 ran fee.v1 (as_of); its retry
+    naming fee.v2, the one the code called last, was keyed with fee.v2's child key, which the
+    downstream service has never seen, and the fee was charged twice. It keeps fee.v1."""
+    from datetime import UTC, datetime, timedelta
+
+    from grpc_idempotency.core.step_contract import MethodSteps, check_contract
+
+    t1 = datetime(2026, 3, 1, tzinfo=UTC)
+    now = t1 + timedelta(hours=1)
+    v1 = Step(name="fee.v1", call=CHARGE, retired_at=t1)
+    versioned = (v1, Step(name="fee.v2", call=CHARGE))
+    retired = (v1, Step(name="fee.v2", call=CHARGE, retired_at=now))
+    retention = timedelta(days=1)
+    assert check_contract(
+        {PARENT.method: MethodSteps(retention=retention, steps=versioned)},
+        {PARENT.method: MethodSteps(retention=retention, steps=retired)},
+        now=now,
+    ).ok
+    begun = t1 - timedelta(minutes=5)
+    for steps in (versioned, retired):
+        parent = Parent(PARENT.method, PARENT.scope, PARENT.key, steps, begun)
+        assert choose_step(parent, CHARGE, "fee.v2").name == "fee.v1", steps
+        assert choose_step(parent, CHARGE, "fee.v1").name == "fee.v1", steps
+    # Begun in between, it ran fee.v2, and keeps it; named fee.v1, it is refused, as before.
+    between = Parent(PARENT.method, PARENT.scope, PARENT.key, retired, t1 + timedelta(minutes=5))
+    assert choose_step(between, CHARGE, "fee.v2").name == "fee.v2"
+    with pytest.raises(StepUndeclared, match="retired at"):
+        choose_step(between, CHARGE, "fee.v1")

@@ -778,14 +778,19 @@ def test_an_unchanged_contract_always_holds(contract: Contract, shift: timedelta
 def test_adding_steps_never_breaks(before: MethodSteps, added: list[Step]) -> None:
     """Adding steps, except a retired version of a name active on the same target: that one
     would key operations begun before its retired_at (``propagation.as_of``), which ran the
-    active version (the table's "a retired version added next to the active one")."""
+    active version (the table's "a retired version added next to the active one"); or retired
+    for good there, later than the one added, which ``as_of`` follows back to it too."""
     taken = {s.name for s in before.steps}
-    versioned = {(_base(s.name), s.call) for s in before.steps if s.active}
-    fresh = tuple(
-        s
-        for s in added
-        if s.name not in taken and (s.active or (_base(s.name), s.call) not in versioned)
-    )
+
+    def versioned(added: Step) -> bool:
+        return any(
+            _base(s.name) == _base(added.name)
+            and s.call == added.call
+            and (s.retired_at is None or (added.retired_at or s.retired_at) < s.retired_at)
+            for s in before.steps
+        )
+
+    fresh = tuple(s for s in added if s.name not in taken and (s.active or not versioned(s)))
     after = replace(before, steps=before.steps + fresh)
     report = check_contract({PLACE: before}, {PLACE: after}, now=NOW)
     assert report.ok
@@ -1015,3 +1020,45 @@ def test_a_retirement_moved_later_after_it_took_effect_fails() -> None:
     # replayable any more.
     assert not check_contract(place(*old), place(*new), now=NOW + HOUR + DAY - SECOND).ok
     assert check_contract(place(*old), place(*new), now=NOW + HOUR + DAY).ok
+
+
+@pytest.mark.parametrize("was", [NOW - HOUR, NOW + HOUR], ids=["passed", "ahead"])
+def test_a_retirement_moved_into_the_past_is_fixed_by_keeping_it_as_it_was(was: datetime) -> None:
+    """charge.v1's retired_at moved earlier, into the past: the fix printed the old retired_at
+    (an hour ago, or an hour ahead) under "retire it no earlier than this change ships (a time
+    still ahead when this check runs, here a day from now)". Followed as written, a day from
+    now moved a retirement that had taken effect later (RETIREMENT_POSTPONED_AFTER_THE_FACT,
+    with charge.v2 following it); the declaration was right, the text about it was not."""
+    old = place(call("charge.v1", retired=was), call("charge.v2"))
+    new = place(call("charge.v1", retired=NOW - 2 * HOUR), call("charge.v2"))
+    report = check_contract(old, new, now=NOW)
+    (f,) = report.breaking
+    assert f.change is Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS
+    assert "a day from now" not in f.fix and "keep retired_at as it was" in f.fix
+    assert f"seconds: {int(was.timestamp())} " in f.fix
+    assert check_contract(old, {PLACE: apply_fixes(new[PLACE], report)}, now=NOW).ok
+    # What the text said, done: a retirement that had taken effect moved later.
+    later = place(call("charge.v1", retired=NOW + DAY), call("charge.v2"))
+    assert check_contract(old, later, now=NOW).ok is (was > NOW)
+
+
+def test_a_retired_version_added_before_one_retired_for_good_is_a_rekeying() -> None:
+    """charge.v1 retired for good an hour ahead, and charge.v2 declared next to it, retired now
+    (earlier): an operation begun before now, which ran charge.v1, is keyed with charge.v2 when
+    its retry names charge.v1 (the runtime follows a version retired for good back to those
+    retired before it, as_of). Next to an active charge.v1 the same addition fails as
+    OPERATIONS_REKEYED; retired for good, check-steps passed it. Its fix passes."""
+    old = place(call("charge.v1"))
+    new = place(call("charge.v1", retired=NOW + HOUR), call("charge.v2", retired=NOW))
+    began = NOW - HOUR / 2
+    before = choose_step(Parent(PLACE, "tenant", "k", old[PLACE].steps, began), CHARGE, "charge.v1")
+    after = choose_step(Parent(PLACE, "tenant", "k", new[PLACE].steps, began), CHARGE, "charge.v1")
+    assert (before.name, after.name) == ("charge.v1", "charge.v2")
+    report = check_contract(old, new, now=NOW)
+    (f,) = report.breaking
+    assert f.change is Change.OPERATIONS_REKEYED and f.step == "charge.v1"
+    assert "keyed its call" in f.what and "charge.v2" in f.what
+    fixed = {PLACE: apply_fixes(new[PLACE], report)}
+    assert check_contract(old, fixed, now=NOW).ok
+    assert [s.name for s in fixed[PLACE].steps] == ["charge.v1"]
+    assert fixed[PLACE].steps[0].retired_at == NOW + HOUR

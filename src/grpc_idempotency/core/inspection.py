@@ -245,7 +245,8 @@ class Child:
     """Whether this operation keys its effect with this step: an active step, unless the
     operation began before an earlier version was retired (then that version is in effect); a
     call step retired for good (no active version of its name) for an operation begun before
-    its retirement (a handler naming it keys the call with it)."""
+    its retirement (a handler naming it keys the call with it), unless it began before an
+    earlier version's retirement too (then that version is in effect)."""
 
 
 def children(record: Record, steps: Sequence[Step]) -> list[Child]:
@@ -266,14 +267,11 @@ def children(record: Record, steps: Sequence[Step]) -> list[Child]:
         elif s.call and s.retired_at is not None and started < s.retired_at:
             # Retired for good (no active version of its name calls its target): a handler that
             # names it keys an operation begun before its retirement with it (choose_step).
+            # Or an earlier version of its name the operation began before (as_of).
             target = normalize_method(s.call)
-            if not any(
-                c.active
-                and normalize_method(c.call or "") == target
-                and _base(c.name) == _base(s.name)
-                for c in calls
-            ):
-                used.add(s.name)
+            siblings = [c for c in calls if normalize_method(c.call or "") == target]
+            if not any(c.active and _base(c.name) == _base(s.name) for c in siblings):
+                used.add(as_of(s, siblings, started).name)
     return [
         Child(
             step=s.name,

@@ -136,8 +136,16 @@ def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> S
     with another name on the same target may be a step renamed or a step simply dropped next to
     one that was there all along, and the declaration cannot tell which: reading it as a rename
     would key the other step's effect with the retired step's child key (its outcome replayed,
-    the effect never done). ``check-steps`` fails a rename instead (``step_contract``)."""
-    if started_at is None or not step.active:
+    the effect never done). ``check-steps`` fails a rename instead (``step_contract``).
+
+    A step retired for good (no active version: ``choose_step`` uses it for an operation begun
+    before its retirement) is followed back the same way, to the versions retired before it:
+    an operation begun before an earlier version's retirement ran that one, and the last
+    version's child key, named on its retry, ran the effect again. For an operation begun after
+    its own retirement it is itself."""
+    if started_at is None:
+        return step
+    if step.retired_at is not None and not started_at < step.retired_at:
         return step
     earlier = [
         s
@@ -145,17 +153,21 @@ def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> S
         if s.retired_at is not None
         and _base(s.name) == _base(step.name)
         and started_at < s.retired_at
+        and (step.retired_at is None or s.name == step.name or s.retired_at < step.retired_at)
     ]
     return min(earlier, key=lambda s: s.retired_at or started_at) if earlier else step
 
 
 def declares_step(parent: Parent, target: str) -> bool:
-    """Whether ``parent`` declares an active step calling ``target``. Such a target is keyed by
-    that step whatever its descriptor says on the caller's side: the caller may have an older
-    descriptor, or the target may be keyed only by its own server's ``MethodOverride``; sent
-    unkeyed, an optional-key target would run again on every re-run of the parent."""
+    """Whether ``parent`` declares a step calling ``target``, active or retired. Such a target is
+    keyed by that step whatever its descriptor says on the caller's side: the caller may have an
+    older descriptor, or the target may be keyed only by its own server's ``MethodOverride``;
+    sent unkeyed, an optional-key target would run again on every re-run of the parent. A step
+    retired for good too: it keys the operations begun before its retirement when named, and an
+    unnamed call is refused (``choose_step``), as for a target keyed by its descriptor; both went
+    out unkeyed."""
     target = normalize_method(target)
-    return any(s.active and s.call and normalize_method(s.call) == target for s in parent.steps)
+    return any(s.call and normalize_method(s.call) == target for s in parent.steps)
 
 
 def choose_key(

@@ -47,8 +47,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
+from grpc_idempotency.core.errors import StepAmbiguous, StepUndeclared
 from grpc_idempotency.core.policy import Step, normalize_method
-from grpc_idempotency.core.propagation import as_of
+from grpc_idempotency.core.propagation import Parent, as_of, choose_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -400,7 +401,90 @@ def _rekeyed(
                 )
             )
             break
+    # One finding per name and target: its fix keeps all the versions as they were.
+    done = {
+        (_base(s.name), _target(s)) for s in after.steps if s.name in {f.step for f in findings}
+    }
+    findings.extend(_rekeyed_named(path, before, after, retention, now, done))
     return findings
+
+
+def _rekeyed_named(
+    path: str,
+    before: MethodSteps,
+    after: MethodSteps,
+    retention: timedelta,
+    now: datetime,
+    done: set[tuple[str, str]],
+) -> list[Finding]:
+    """``_rekeyed`` for a call naming its step, as the runtime keys it
+    (``propagation.choose_step``): a step retired for good keys an operation begun before its
+    retirement with itself or a version retired before it (``as_of``), and a retired version
+    named stands for its name's active one, so a retired version declared in this change
+    (retired earlier), or an active one added, took over such an operation's calls, which the
+    rules above, reading active steps only, passed."""
+    start = _minus(now, retention)
+    findings: list[Finding] = []
+    for step in after.steps:
+        if not step.call or (_base(step.name), _target(step)) in done:
+            continue
+        calling_before = [_aware_step(s) for s in before.steps if _same_target(s, step)]
+        calling_after = [_aware_step(s) for s in after.steps if _same_target(s, step)]
+        times = {start}
+        for s in calling_before + calling_after:
+            if s.retired_at is not None:
+                times.update({_minus(s.retired_at, timedelta(microseconds=1)), s.retired_at})
+        for t in sorted(t for t in times if start <= t < now):
+            used = _named(calling_before, step, t)
+            keyed = _named(calling_after, step, t)
+            if used is None or keyed is None or used == keyed:
+                continue
+            previous = {s.name: s for s in calling_before if _base(s.name) == _base(step.name)}
+            # Each as it was, but for the step's own retirement, made in this change (a version
+            # added or a retired_at moved is what re-keyed the operation).
+            kept = [
+                _declaration(step if s.name == step.name and s.active else s)
+                for s in previous.values()
+            ]
+            gone = [
+                f"delete {s.name}"
+                for s in calling_after
+                if _base(s.name) == _base(step.name) and s.name not in previous
+            ]
+            findings.append(
+                Finding(
+                    change=Change.OPERATIONS_REKEYED,
+                    method=path,
+                    step=step.name,
+                    what=(
+                        f"an operation begun at {_ts(t)} keyed its call to {_target(step)} with"
+                        f" step {used} when it named {step.name}; after this change it is keyed"
+                        f" with {keyed}"
+                    ),
+                    why=(
+                        f"such an operation is still in flight (retention {_span(retention)}):"
+                        f" retried, or taken over after a crash, it sends {_target(step)} a"
+                        " child key that service has never seen, and the effect runs again"
+                    ),
+                    fix=(
+                        "keep the versions of the name as they were, and declare a changed"
+                        " effect as a new version: " + "; ".join(kept + gone)
+                    ),
+                )
+            )
+            done.add((_base(step.name), _target(step)))
+            break
+    return findings
+
+
+def _named(calling: list[Step], step: Step, started_at: datetime) -> str | None:
+    """The step a call naming ``step`` is keyed with, for an operation begun at ``started_at``
+    (``None``: refused)."""
+    parent = Parent(method="", scope="", key="", steps=tuple(calling), started_at=started_at)
+    try:
+        return choose_step(parent, step.call or "", step.name).name
+    except (StepUndeclared, StepAmbiguous):
+        return None
 
 
 def _renames(before: MethodSteps, after: MethodSteps) -> dict[str, Step]:
@@ -658,10 +742,13 @@ def _compare_step(
             Change.RETIREMENT_BACKDATED_OVER_BEGUN_OPERATIONS,
             f"step {name} is retired at {_ts(step.retired_at)}, already past, where {since}",
             why=why,
+            # Retired already: the deployed retirement keyed these operations, and is kept (a
+            # time later than it, once past, moves a retirement that has taken effect).
             fix=(
                 "retire it no earlier than this change ships (a time still ahead when this"
-                " check runs, here a day from now):"
-                f" {_declaration(was, retire_at=_ships(now)) if was.active else _declaration(was)}"
+                f" check runs, here a day from now): {_declaration(was, retire_at=_ships(now))}"
+                if was.active
+                else f"keep retired_at as it was: {_declaration(was)}"
             ),
         )
     if was.active:
