@@ -477,9 +477,19 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         True,
     ),
     (
+        # An unnamed call to Charge went to charge.v1, the only active step; it goes to hold.v1
+        # now, so an operation begun earlier that ran charge.v1 is keyed with hold.v1's child
+        # key on its retry: a rename onto a reinstated step.
         "a retired step reinstated while another is retired",
         place(call("charge.v1"), call("hold.v1", retired=NOW - HOUR)),
         place(call("charge.v1", retired=NOW), call("hold.v1")),
+        [(Change.STEP_RENAMED, "charge.v1"), (Change.STEP_REINSTATED, "hold.v1")],
+        False,
+    ),
+    (
+        "a retired step reinstated on another target while another is retired",
+        place(call("charge.v1"), call("hold.v1", EMAIL, retired=NOW - HOUR)),
+        place(call("charge.v1", retired=NOW), call("hold.v1", EMAIL)),
         [(Change.STEP_RETIRED, "charge.v1"), (Change.STEP_REINSTATED, "hold.v1")],
         True,
     ),
@@ -1062,3 +1072,25 @@ def test_a_retired_version_added_before_one_retired_for_good_is_a_rekeying() -> 
     assert check_contract(old, fixed, now=NOW).ok
     assert [s.name for s in fixed[PLACE].steps] == ["charge.v1"]
     assert fixed[PLACE].steps[0].retired_at == NOW + HOUR
+
+
+def test_a_step_reinstated_where_the_only_active_one_is_retired_is_a_rename() -> None:
+    """charge.v1 the only active step on Charge, hold.v1 retired there; the change reinstates
+    hold.v1 and retires charge.v1. An unnamed call of an operation begun before, which ran
+    charge.v1, is keyed with hold.v1 on its retry, and the charge runs twice; check-steps passed
+    it (a reinstatement was never a rename's successor). Its fix, applied, passes, and keeps
+    every start on the step it used."""
+    old = place(call("charge.v1"), call("hold.v1", retired=NOW - HOUR))
+    new = place(call("charge.v1", retired=NOW), call("hold.v1"))
+    began = NOW - HOUR / 2
+    assert _step_for(old[PLACE].steps, began) == "charge.v1"
+    assert _step_for(new[PLACE].steps, began) == "hold.v1"  # what the check now refuses
+    report = check_contract(old, new, now=NOW)
+    (f,) = report.breaking
+    assert f.change is Change.STEP_RENAMED and "renamed to hold.v1" in f.what
+    assert "keep hold.v1 retired as it was" in f.fix and "in place of" not in f.fix
+    fixed = {PLACE: apply_fixes(new[PLACE], report)}
+    assert check_contract(old, fixed, now=NOW).ok, fixed
+    for start in (began, NOW - SECOND):  # begun before the retirement (now): charge.v1
+        assert _step_for(fixed[PLACE].steps, start) == "charge.v1"
+    assert _step_for(fixed[PLACE].steps, NOW + SECOND) == "charge.v2"

@@ -507,7 +507,13 @@ def _renames(before: MethodSteps, after: MethodSteps) -> dict[str, Step]:
             continue  # a new version of the same name follows it
         had = {_base(s.name) for s in before.steps if s.active and _same_target(s, was)}
         taken = {s.name for s in renamed.values()}
-        fresh = [s for s in on_target if s.name not in old and s.name not in taken]
+        # A retired step made active again is as new to its target's calls as an added one: an
+        # unnamed call that went to ``was`` goes to it now (the retired step was never chosen).
+        fresh = [
+            s
+            for s in on_target
+            if (s.name not in old or not old[s.name].active) and s.name not in taken
+        ]
         successor = next((s for s in fresh if _base(s.name) not in had), None)
         if successor is not None:
             renamed[name] = successor
@@ -539,6 +545,13 @@ def _renamed(
         call=was.call,
         outbox=was.outbox,
     )
+    # A successor that was declared retired before: keep it so (deleting it could be early).
+    prior = next((p for p in before.steps if p.name == successor.name), None)
+    instead = (
+        f" in place of {successor.name}"
+        if prior is None
+        else f", and keep {successor.name} retired as it was, {_declaration(prior)}"
+    )
     return Finding(
         change=Change.STEP_RENAMED,
         method=path,
@@ -560,8 +573,8 @@ def _renamed(
         ),
         fix=(
             "keep the old name and bump its version instead:"
-            f" {_declaration(was, retire_at=retire_at)} {_declaration(bumped)}, in place of"
-            f" {successor.name}; operations begun before the retirement keep {name}, which can"
+            f" {_declaration(was, retire_at=retire_at)} {_declaration(bumped)},{instead};"
+            f" operations begun before the retirement keep {name}, which can"
             f" be deleted from {_ts(_plus(_aware(retire_at), retention))} (retired_at +"
             f" {_span(retention)}). If {successor.name} really is a different effect, add it in"
             " a change of its own"
