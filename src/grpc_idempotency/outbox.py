@@ -246,7 +246,9 @@ def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> Me
 def _listen_failure(err: Exception) -> str:
     """What a LISTEN connection's failure says, for the log: never the driver's text about a
     DSN it cannot parse, which quotes pieces of it (of a password holding an unencoded / ? #)."""
-    if isinstance(err, (ValueError, IndexError, OverflowError)):
+    # Not ssl.SSLCertVerificationError, a ValueError and an OSError: a certificate that failed
+    # verify-full, told as the DSN not parsing.
+    if isinstance(err, (ValueError, IndexError, OverflowError)) and not isinstance(err, OSError):
         return "the listen DSN cannot be parsed: percent-encode special characters in its password"
     return f"{type(err).__name__}: {err}"
 
