@@ -1532,3 +1532,30 @@ async def test_a_listen_server_failing_certificate_verification_is_not_an_unpars
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_an_async_send_returning_the_brokers_future_waits_for_its_acknowledgement(
+    outbox: Store,
+) -> None:
+    """``CallableSink(producer.send)`` with a client whose async ``send`` queues the message and
+    returns a future of the broker's acknowledgement (aiokafka's): the future was dropped and
+    the row marked sent once queued, so a broker that then failed lost the message for good. A
+    plain function's future is refused (parked); an async function's is now waited for."""
+    acks: list[asyncio.Future[None]] = []
+    queued = asyncio.Event()
+
+    async def send(message: OutboxMessage) -> asyncio.Future[None]:
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acks.append(ack)
+        queued.set()
+        return ack
+
+    await insert(outbox, outbox.schema, ["acked-later"])
+    relay = Relay(outbox, CallableSink(send), listen=False)
+    batch = asyncio.ensure_future(relay.run_once())
+    await asyncio.wait_for(queued.wait(), WAIT_S)
+    acks[0].set_exception(ConnectionError("broker unreachable: not acknowledged"))
+    assert await asyncio.wait_for(batch, WAIT_S) == 0
+    failed = await row(outbox, "acked-later")
+    assert failed["state"] == "pending" and failed["failures"] == 1
+    assert "broker unreachable" in str(failed["last_error"])
