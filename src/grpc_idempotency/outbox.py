@@ -118,9 +118,16 @@ async def _accepted(result: object, what: str) -> None:
     """Waits for a delivery's ``result``: awaited if awaitable; ``None``, from a plain function,
     once it returned. Anything else (a broker client's future that is not awaitable, as
     kafka-python's ``send`` returns) may still fail: not taken for an accepted message, nor
-    tried again (the function ran, and would send it again on every retry), but parked."""
+    tried again (the function ran, and would send it again on every retry), but parked.
+
+    An awaitable that gives an awaitable (an async ``send`` returning the future of the
+    broker's acknowledgement, as aiokafka's does) is accepted once that one is done too: its
+    future was dropped, the row marked sent once the message was queued, and a broker that
+    then failed lost it for good."""
     if inspect.isawaitable(result):
-        await result
+        acknowledged = await result
+        if inspect.isawaitable(acknowledged):
+            await acknowledged
     elif result is not None:
         raise PermanentDeliveryError(
             f"{what} returned {type(result).__name__}, not an awaitable: a plain function must"
@@ -130,6 +137,8 @@ async def _accepted(result: object, what: str) -> None:
 
 class CallableSink:
     """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder.
+    A future it gives (an async ``send`` returning the broker's acknowledgement, as aiokafka's
+    does) is awaited too: the message is accepted once that is done.
     A plain function (a broker client's blocking ``send``) is called, and its return (``None``)
     taken as the message accepted; it runs on the event loop, so it must be quick. One that
     returns something else, not awaitable (a future), parks the message as a dead letter."""
@@ -246,7 +255,9 @@ def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> Me
 def _listen_failure(err: Exception) -> str:
     """What a LISTEN connection's failure says, for the log: never the driver's text about a
     DSN it cannot parse, which quotes pieces of it (of a password holding an unencoded / ? #)."""
-    if isinstance(err, (ValueError, IndexError, OverflowError)):
+    # Not ssl.SSLCertVerificationError, a ValueError and an OSError: a certificate that failed
+    # verify-full, told as the DSN not parsing.
+    if isinstance(err, (ValueError, IndexError, OverflowError)) and not isinstance(err, OSError):
         return "the listen DSN cannot be parsed: percent-encode special characters in its password"
     return f"{type(err).__name__}: {err}"
 

@@ -1301,3 +1301,33 @@ async def test_a_max_wait_longer_than_the_pools_command_timeout_is_waited_out(
         assert await effect_rows(store, consumer, message_id) == 1
     finally:
         await short.close()
+
+
+async def test_the_marks_second_try_waits_only_what_is_left_of_max_wait(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """A duplicate waiting on a concurrent delivery's row whose session ends under it (its
+    backend terminated, a reset link) tries the mark once more on a new connection: that try
+    waited the whole ``max_wait`` again, so the duplicate waited up to twice ``max_wait``, past
+    the call's ``timeout`` too, which ``process`` promises never to exceed."""
+    message_id = fresh()
+    gate, first = await held(consumer, message_id)
+    other = IdempotentConsumer(store, consumer.name, max_wait=timedelta(seconds=3))
+    try:
+        started = time.monotonic()
+        duplicate = asyncio.create_task(other.process(message_id, write(other, message_id)))
+        await waiting_on_a_lock(store)
+        await asyncio.sleep(2)  # two of its three seconds waited on the row
+        ended = await store.pool.fetchval(
+            "SELECT count(pg_catalog.pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO %processed_messages%'"
+        )
+        assert ended == 1
+        with pytest.raises(MessageInProgress):
+            await asyncio.wait_for(duplicate, 10)
+        waited = time.monotonic() - started
+        assert waited < 3 + 0.9, f"waited {waited:.1f}s, max_wait 3s"
+    finally:
+        gate.release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+    assert await effect_rows(store, consumer, message_id) == 1

@@ -45,6 +45,8 @@ from tests.support.schemas import fresh_store
 from tests.support.tools import run_cli
 from tests.support.waiting import until
 
+TLS_DIR = Path(__file__).resolve().parent.parent / "support" / "tls"
+ROOT_CERTS = Path(grpc.__file__).parent / "_cython" / "_credentials" / "roots.pem"  # real roots
 WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
 
 
@@ -1492,3 +1494,68 @@ async def test_the_listen_api_raises_the_librarys_errors_not_the_drivers(
         assert isinstance(ended.value.__cause__, STORE_ERRORS)
     finally:
         await listener.close()
+
+
+async def test_a_listen_server_failing_certificate_verification_is_not_an_unparsable_dsn(
+    outbox: Store,
+) -> None:
+    """A listen DSN with sslmode=verify-full reaching a server whose certificate does not
+    verify: ssl.SSLCertVerificationError, a ValueError as well as an OSError, was taken for
+    the driver failing to parse the DSN. ``listen`` raised "the listen DSN cannot be parsed:
+    percent-encode special characters in its password" (its cause dropped) and the relay
+    logged that, sending the operator to the password for a certificate problem."""
+    import ssl
+
+    from grpc_idempotency.outbox import _listen_failure
+
+    tls, roots = TLS_DIR, ROOT_CERTS
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls / "server.crt", tls / "server.key")  # not under those roots
+
+    async def answer_tls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readexactly(8)  # SSLRequest
+            writer.write(b"S")
+            await writer.drain()
+            await writer.start_tls(context)
+        writer.transport.abort()
+
+    server = await asyncio.start_server(answer_tls, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    dsn = f"postgresql://app@127.0.0.1:{port}/db?sslmode=verify-full&sslrootcert={roots}"
+    try:
+        with pytest.raises(StoreUnavailable) as raised:
+            await OutboxStore(outbox).listen(lambda *_: None, dsn=dsn, connect_timeout=WAIT_S)
+        assert isinstance(raised.value.__cause__, ssl.SSLCertVerificationError)
+        said = _listen_failure(raised.value.__cause__)
+        assert "cannot be parsed" not in said and "SSLCertVerificationError" in said
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_an_async_send_returning_the_brokers_future_waits_for_its_acknowledgement(
+    outbox: Store,
+) -> None:
+    """``CallableSink(producer.send)`` with a client whose async ``send`` queues the message and
+    returns a future of the broker's acknowledgement (aiokafka's): the future was dropped and
+    the row marked sent once queued, so a broker that then failed lost the message for good. A
+    plain function's future is refused (parked); an async function's is now waited for."""
+    acks: list[asyncio.Future[None]] = []
+    queued = asyncio.Event()
+
+    async def send(message: OutboxMessage) -> asyncio.Future[None]:
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acks.append(ack)
+        queued.set()
+        return ack
+
+    await insert(outbox, outbox.schema, ["acked-later"])
+    relay = Relay(outbox, CallableSink(send), listen=False)
+    batch = asyncio.ensure_future(relay.run_once())
+    await asyncio.wait_for(queued.wait(), WAIT_S)
+    acks[0].set_exception(ConnectionError("broker unreachable: not acknowledged"))
+    assert await asyncio.wait_for(batch, WAIT_S) == 0
+    failed = await row(outbox, "acked-later")
+    assert failed["state"] == "pending" and failed["failures"] == 1
+    assert "broker unreachable" in str(failed["last_error"])

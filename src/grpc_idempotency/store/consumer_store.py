@@ -191,19 +191,25 @@ class ProcessedMessages:
         ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
         store = self.store
         token = uuid.uuid4().hex  # the mark's transaction, as the commit checks it
-        sql = self._sql.mark(consumer, message_id, retention_s, wait_s, idle_timeout_s, token)
         deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
-        # The statement may wait wait_s on a concurrent delivery's row (lock_timeout), beyond
-        # the pool's command_timeout, which bounds the rest: with only command_timeout, a
-        # max_wait longer than it was cut short, and the duplicate failed as StoreUnavailable
-        # (an ambiguous outage, its connection dropped) instead of MessageInProgress.
-        statement_timeout = (
-            None if store.command_timeout is None else store.command_timeout + wait_s
-        )
+        marking: float | None = None  # when the first try's statement was sent
         tries = 2
         for tried in range(1, tries + 1):
             left = None if deadline is None else deadline - time.monotonic()
             conn = await store._acquire("marking a message", left)
+            # The second try waits on a concurrent delivery's row only what the first left of
+            # wait_s: it waited wait_s anew, up to twice max_wait and past the caller's timeout.
+            now = time.monotonic()
+            marking = now if marking is None else marking
+            wait = max(0.0, wait_s - (now - marking))
+            sql = self._sql.mark(consumer, message_id, retention_s, wait, idle_timeout_s, token)
+            # The statement may wait that long on the row (lock_timeout), beyond the pool's
+            # command_timeout, which bounds the rest: with only command_timeout, a max_wait
+            # longer than it was cut short, and the duplicate failed as StoreUnavailable (an
+            # ambiguous outage, its connection dropped) instead of MessageInProgress.
+            statement_timeout = (
+                None if store.command_timeout is None else store.command_timeout + wait
+            )
             try:
                 status = await conn.execute(sql, timeout=statement_timeout)
             except BaseException as exc:

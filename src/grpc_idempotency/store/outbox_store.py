@@ -272,9 +272,13 @@ class OutboxStore:
                     timeout=connect_timeout,
                     server_settings={"application_name": "grpc-idempotency"},
                 )
-        except (ValueError, IndexError, OverflowError):
+        except (ValueError, IndexError, OverflowError) as exc:
             if dsn is None:
                 raise
+            if isinstance(exc, OSError):
+                # ssl.SSLCertVerificationError, a ValueError too: the server's certificate
+                # failed verify-full, a connection failure, not a DSN that does not parse.
+                raise store_error(exc, doing) from exc
             # Never the driver's text, which quotes pieces of the DSN (of a password holding an
             # unencoded / ? #).
             raise ValueError(
