@@ -35,7 +35,7 @@ from grpc_idempotency.consumer import (
     purge_processed,
 )
 from grpc_idempotency.store.sql import text_literal
-from tests.support.blackhole import BlackholeProxy
+from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.waiting import until
 from tests.support.wire import call_raw
 
@@ -1139,14 +1139,8 @@ async def failing_over(
 ) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
     """A store whose pool holds ``FAILOVER_POOL`` connections, all opened through a proxy that
     can fail over (``BlackholeProxy.fail_over``)."""
-    proxy = BlackholeProxy(pg_dsn)
-    await proxy.start()
-    via = await Store.connect(proxy.dsn, min_size=FAILOVER_POOL, max_size=FAILOVER_POOL)
-    try:
-        yield proxy, via
-    finally:
-        await via.close(timeout=1)
-        await proxy.close()
+    async with store_behind_proxy(pg_dsn, pool=FAILOVER_POOL) as proxied:
+        yield proxied
 
 
 @pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])

@@ -14,7 +14,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store, failpoints
-from tests.support.blackhole import BlackholeProxy
+from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.ledger import fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 
@@ -30,14 +30,8 @@ def expirations(store: Store) -> int:
 
 @pytest.fixture
 async def proxied(pg_dsn: str, store: Store) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
-    proxy = BlackholeProxy(pg_dsn)
-    await proxy.start()
-    via = await Store.connect(proxy.dsn, min_size=POOL, max_size=POOL)
-    try:
-        yield proxy, via
-    finally:
-        await via.close(timeout=1)
-        await proxy.close()
+    async with store_behind_proxy(pg_dsn, pool=POOL) as through:
+        yield through
 
 
 @pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])

@@ -10,7 +10,11 @@ import asyncio
 import contextlib
 import socket
 import struct
+from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
+
+from grpc_idempotency import Store
 
 
 class BlackholeProxy:
@@ -171,3 +175,21 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
+
+
+@contextlib.asynccontextmanager
+async def store_behind_proxy(
+    dsn: str, *, pool: int, **connect: Any
+) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
+    """A started proxy to ``dsn`` and a store whose pool holds ``pool`` connections, all
+    opened through it (to fail over, partition...); both closed on the way out."""
+    proxy = BlackholeProxy(dsn)
+    await proxy.start()
+    try:
+        store = await Store.connect(proxy.dsn, min_size=pool, max_size=pool, **connect)
+        try:
+            yield proxy, store
+        finally:
+            await store.close(timeout=1)
+    finally:
+        await proxy.close()
