@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
 from grpc_idempotency import proto_include
@@ -207,6 +208,29 @@ def test_a_setting_the_server_refuses_at_connection_is_not_retryable_exit_2(
     assert "misconfigured while connecting" in lines[0], done.stderr
     assert refusal in done.stderr  # PostgreSQL's own words, in the causes
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+async def test_a_database_closed_to_connections_is_unavailable_with_its_own_hint(
+    pg_dsn: str,
+) -> None:
+    """``ALTER DATABASE ... ALLOW_CONNECTIONS false`` (a maintenance window) refuses every
+    session with SQLSTATE 55000 until an operator opens it again: retry later (exit 1), like
+    a database starting up. It was "misconfigured" (exit 2) with the hint for a refused DSN
+    setting, which sent the operator to the wrong place."""
+    database = f"closed_{secrets.token_hex(4)}"
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute(f"CREATE DATABASE {database} ALLOW_CONNECTIONS false")
+        done = await asyncio.to_thread(cli, "migrate", "--dsn", with_database(pg_dsn, database))
+        assert done.returncode == 1, done.stderr
+        lines = done.stderr.splitlines()
+        assert "unavailable while connecting" in lines[0], done.stderr
+        assert "not accepting connections" in lines[0], done.stderr
+        assert "setting of the session" not in done.stderr
+        assert "Traceback" not in done.stderr and done.stdout == ""
+    finally:
+        await admin.execute(f"DROP DATABASE IF EXISTS {database}")
+        await admin.close()
 
 
 def test_an_unreachable_server_names_host_and_port_and_exits_1() -> None:

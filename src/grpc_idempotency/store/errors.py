@@ -94,6 +94,11 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     )
 
 
+# object_not_in_prerequisite_state, which a session's start-up raises for a database whose
+# ALLOW_CONNECTIONS is false.
+_NOT_ACCEPTING_CONNECTIONS = "55000"
+
+
 def connect_error(exc: BaseException) -> StoreUnavailable:
     """Opening a connection failed. Past the network and authentication, the server refuses a
     session's start-up for a setting it was asked for (a query parameter of the DSN, a
@@ -102,6 +107,15 @@ def connect_error(exc: BaseException) -> StoreUnavailable:
     SQLSTATE that is neither an outage nor a conflict (``Failure.OTHER``) is misconfigured: it
     was "unavailable", retryable, and a deploy step's migrate retried it for good."""
     state = sqlstate(exc)
+    if state == _NOT_ACCEPTING_CONNECTIONS:
+        # ALTER DATABASE ... ALLOW_CONNECTIONS false: an operator closed the database (a
+        # maintenance window) and will open it again, as after a start-up: retry later. Not an
+        # outage for a fail-open method: the database is up and holds the records.
+        return StoreUnavailable(
+            f"idempotency store unavailable while connecting (SQLSTATE {state}): the database"
+            " is not accepting connections (ALLOW_CONNECTIONS is false): retry once it is open",
+            outage=False,
+        )
     if state is not None and classify(state) is Failure.OTHER:
         _log_misconfigured(exc, "connecting")
         return StoreMisconfigured(
