@@ -16,6 +16,9 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import HerdRelease, Store
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.lifecycle import Outcome
+from grpc_idempotency.server.interceptor import _Owner, _Shared
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import (
     POST,
@@ -178,3 +181,20 @@ def test_herd_release_batches_cover_every_waiter_once_in_arrival_order() -> None
 def test_herd_release_refuses_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="HerdRelease"):
         HerdRelease(**bad)  # type: ignore[arg-type]
+
+
+async def test_a_duplicate_that_waits_after_the_owner_handed_over_gets_the_outcome() -> None:
+    """A duplicate finds the key's local owner, then may look the key up (a phased owner's claim
+    for another request: ``_refused_by_claim``) before it waits; the owner can finish and hand
+    over meanwhile. Its wait then began after the only hand-over and was never answered: it
+    waited out its whole budget (and a mutated retry was refused that much later)."""
+    shared = _Shared(b"fingerprint", Outcome(Code.OK, response=b"answer"))
+    for release in (HerdRelease(), None):
+        owner = _Owner(release)
+        owner.hand_over(shared)
+        late = owner.wait()
+        assert late.done() and late.result() is shared
+        released = _Owner(release)
+        released.hand_over(None)  # no outcome: look again, at once
+        again = released.wait()
+        assert again.done() and again.result() is None

@@ -1128,6 +1128,13 @@ class _Owner:
 
     def wait(self) -> asyncio.Future[_Shared | None]:
         waiter: asyncio.Future[_Shared | None] = asyncio.get_running_loop().create_future()
+        if self.handed:
+            # Handed over already: a duplicate finds the owner, then may await a look-up
+            # (``_refused_by_claim``) before it waits, and the owner can finish meanwhile. Added
+            # to the list then, its future was never resolved (no hand-over comes twice): it
+            # waited out its whole budget for an outcome that was there.
+            waiter.set_result(self.shared)
+            return waiter
         self._waiters.append(waiter)
         return waiter
 
