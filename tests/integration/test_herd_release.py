@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from datetime import timedelta
 
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import HerdRelease, Store
+from grpc_idempotency import HerdRelease, MethodOverride, Store
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.lifecycle import Outcome
+from grpc_idempotency.server.interceptor import _Owner, _Shared
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import (
     POST,
@@ -149,6 +154,40 @@ async def test_duplicates_of_a_recorded_error_get_it_from_the_owner_not_from_the
     assert ledger.service.executions == 1
 
 
+async def test_duplicates_that_gave_up_take_no_batch_from_those_still_waiting(
+    store: Store,
+) -> None:
+    """Retries against one slow operation: each whose wait ran out (answered ABORTED) stayed in
+    the owner's list of waiters until the owner finished. The list grew with every retry for as
+    long as the handler ran, and the paced release spent its batches on those long gone: the
+    duplicate still waiting, behind three of them, was answered only when its own wait ran out
+    (here 20 s), not with the first batch."""
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=2, behaviour="wait")
+    overrides = {POST.lstrip("/"): MethodOverride(max_wait=timedelta(seconds=20))}
+    release = HerdRelease(per_batch=1, interval_s=60)
+    async with running_ledger(store, herd_release=release, overrides=overrides) as ledger:
+        owner = asyncio.ensure_future(ledger.call(POST, request, key, timeout=60))
+        await ledger.service.started.wait()
+        gave_up = await asyncio.gather(
+            *(ledger.call(POST, request, key, timeout=0.5) for _ in range(3))
+        )
+        for answer in gave_up:  # ABORTED in time, or the deadline on a slow machine
+            assert answer.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        await until("no call waiting", lambda: ledger.interceptor.waiting_calls == 0)
+        still = asyncio.ensure_future(ledger.call(POST, request, key, timeout=60))
+        await until("one call waiting", lambda: ledger.interceptor.waiting_calls == 1)
+        let_go = time.monotonic()
+        ledger.service.release.set()
+        first = await owner
+        answer = await still
+        took = time.monotonic() - let_go
+    assert first.code is grpc.StatusCode.OK
+    assert answer.code is grpc.StatusCode.OK and answer.replayed and answer.body == first.body
+    assert took < 10, took  # the first batch (at once), not its wait's end (20 s)
+    assert ledger.service.executions == 1
+
+
 async def test_without_pacing_every_duplicate_is_answered_with_the_outcome(store: Store) -> None:
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
     async with running_ledger(store, herd_release=None) as ledger:
@@ -178,3 +217,20 @@ def test_herd_release_batches_cover_every_waiter_once_in_arrival_order() -> None
 def test_herd_release_refuses_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="HerdRelease"):
         HerdRelease(**bad)  # type: ignore[arg-type]
+
+
+async def test_a_duplicate_that_waits_after_the_owner_handed_over_gets_the_outcome() -> None:
+    """A duplicate finds the key's local owner, then may look the key up (a phased owner's claim
+    for another request: ``_refused_by_claim``) before it waits; the owner can finish and hand
+    over meanwhile. Its wait then began after the only hand-over and was never answered: it
+    waited out its whole budget (and a mutated retry was refused that much later)."""
+    shared = _Shared(b"fingerprint", Outcome(Code.OK, response=b"answer"))
+    for release in (HerdRelease(), None):
+        owner = _Owner(release)
+        owner.hand_over(shared)
+        late = owner.wait()
+        assert late.done() and late.result() is shared
+        released = _Owner(release)
+        released.hand_over(None)  # no outcome: look again, at once
+        again = released.wait()
+        assert again.done() and again.result() is None

@@ -516,11 +516,12 @@ class IdempotencyInterceptor(_Interceptor):
             # budget for ABORTED, a retry hint for a request that can never run.
             call.outcome = CallOutcome.MISMATCH
             await answers.abort(call.context, _reused())
+        waiter = owner.wait()
         call.waited = True
         self._waiting += 1
         try:
             async with asyncio.timeout(max(0.0, wait_until - time.monotonic())):
-                return await owner.wait()
+                return await waiter
         except TimeoutError:
             if owner.handed:
                 # The outcome is in and this call was only queued for its batch: no reason to
@@ -532,6 +533,7 @@ class IdempotencyInterceptor(_Interceptor):
             call.outcome = CallOutcome.CONFLICT
             await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
         finally:
+            owner.forget(waiter)
             self._waiting -= 1
 
     async def _refused_by_claim(self, call: _Call, owner: _Owner, fingerprint: bytes) -> bool:
@@ -1118,7 +1120,9 @@ class _Owner:
 
     def __init__(self, release: HerdRelease | None = None) -> None:
         self._release = release
-        self._waiters: list[asyncio.Future[_Shared | None]] = []
+        # In arrival order (the order batches are released in), and a dict so that a waiter
+        # that leaves is forgotten at once (``forget``).
+        self._waiters: dict[asyncio.Future[_Shared | None], None] = {}
         self.claimed: bytes | None = None
         """The fingerprint of the owner's claim once other attempts can see it (a phased claim,
         committed): a duplicate with another fingerprint is then refused, not kept waiting."""
@@ -1128,12 +1132,28 @@ class _Owner:
 
     def wait(self) -> asyncio.Future[_Shared | None]:
         waiter: asyncio.Future[_Shared | None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        if self.handed:
+            # Handed over already: a duplicate finds the owner, then may await a look-up
+            # (``_refused_by_claim``) before it waits, and the owner can finish meanwhile. Added
+            # to the list then, its future was never resolved (no hand-over comes twice): it
+            # waited out its whole budget for an outcome that was there.
+            waiter.set_result(self.shared)
+            return waiter
+        self._waiters[waiter] = None
         return waiter
+
+    def forget(self, waiter: asyncio.Future[_Shared | None]) -> None:
+        """Drops a waiter that stopped waiting (its wait ran out, or its client went). Kept
+        until the owner was done, every retry against a slow operation stayed here: the list
+        grew for as long as the handler ran, and the paced release spent its batches on
+        waiters long gone, while those still waiting were answered only when their own waits
+        ran out."""
+        self._waiters.pop(waiter, None)
 
     def hand_over(self, shared: _Shared | None) -> None:
         self.handed, self.shared = True, shared
-        waiters, self._waiters = self._waiters, []
+        waiters = list(self._waiters)
+        self._waiters = {}
         release = self._release
         if release is None or len(waiters) <= release.per_batch:
             _answer(waiters, shared)
