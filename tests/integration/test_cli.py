@@ -607,6 +607,43 @@ async def test_migrate_command_timeout_bounds_each_statement(pg_dsn: str, db: An
         await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+def test_a_migration_the_schemas_own_objects_refuse_is_misconfigured_not_unavailable(
+    pg_dsn: str,
+) -> None:
+    """A schema shared with the application, which has a ``records`` table of its own (the
+    README advises against it): migration 0001 fails on it every time. That is for an operator
+    to fix (exit 2, naming the migration and what PostgreSQL refused), not "store unavailable
+    while migrating (42P07)", exit 1, which told a deploy step to retry later, for good."""
+    schema = f"shared_{secrets.token_hex(4)}"
+    create = f'CREATE SCHEMA "{schema}"; CREATE TABLE "{schema}".records (id integer)'
+    assert cli_sql(pg_dsn, create)
+    try:
+        done = cli("migrate", "--dsn", pg_dsn, "--schema", schema)
+        assert done.returncode == 2, done.stderr
+        assert "misconfigured" in done.stderr and "unavailable" not in done.stderr
+        assert "migration 0001_records" in done.stderr
+        assert 'relation "records" already exists' in done.stderr
+        assert "Traceback" not in done.stderr
+    finally:
+        assert cli_sql(pg_dsn, f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def cli_sql(dsn: str, sql: str) -> bool:
+    """Runs ``sql`` on a connection of its own (for the tests that run no event loop)."""
+
+    async def run() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+    return True
+
+
 # -- interrupted: SIGINT (Ctrl-C) or SIGTERM while a statement waits ----------------------------
 
 EXPIRED = (

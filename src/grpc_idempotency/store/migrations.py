@@ -20,6 +20,9 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
   debugger) would hold the table lock its DDL took until TCP gave up on it, hours later, and
   every call on the table with it: each migration's transaction is ended by PostgreSQL once it
   sits idle for ``IDLE_TIMEOUT_S`` (the migration is rolled back; run it again).
+- A migration that PostgreSQL refuses for what the schema holds (an object of the same name
+  that is not the store's, data a new constraint rejects, a privilege) fails the same way every
+  time it runs: ``MigrationFailed`` names it, and the store reports it as misconfigured.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import asyncpg
 
+from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.store.sql import schema_identifier
 
 log = logging.getLogger("grpc_idempotency.store")
@@ -41,6 +45,15 @@ log = logging.getLogger("grpc_idempotency.store")
 
 class MigrationLockTimeout(TimeoutError):
     """Another runner held the schema's migration lock for longer than the wait's timeout."""
+
+
+class MigrationFailed(Exception):
+    """PostgreSQL refused a migration for good: neither an outage nor a lost race (the error
+    is the ``__cause__``). Rolled back; running it again fails alike until an operator acts."""
+
+    def __init__(self, version: int, name: str, error: BaseException) -> None:
+        super().__init__(f"migration {version:04d}_{name} failed: {error}")
+        self.version = version
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +116,15 @@ async def migrate(
                 if attempt == lock_attempts:
                     raise
                 await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
+            except asyncpg.PostgresError as exc:
+                # Refused for what the schema holds (42P07: the application's own "records"
+                # table in a shared schema) or anything else that is neither an outage nor a
+                # conflict: it was "store unavailable while migrating (42P07)", exit 1 (retry
+                # later), and a deploy step retried it for good. The privilege and missing-object
+                # errors keep their own misconfigured hint.
+                if classify(exc.sqlstate) is not Failure.OTHER:
+                    raise
+                raise MigrationFailed(migration.version, migration.name, exc) from exc
     return applied_now
 
 

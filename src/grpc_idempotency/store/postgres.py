@@ -632,6 +632,13 @@ class Store:
             except migrations.MigrationLockTimeout as exc:
                 _drop(conn)  # the wait was cut short on the wire, as ``connection`` drops
                 raise StoreUnavailable(str(exc), outage=False) from exc
+            except migrations.MigrationFailed as exc:
+                # Not retryable: the same migration fails alike on every run (exit 2).
+                raise StoreMisconfigured(
+                    f"idempotency store misconfigured while migrating schema {self.schema!r}:"
+                    f" {exc}; the schema holds something this migration conflicts with (give the"
+                    " store a schema of its own, or fix what PostgreSQL names), then run it again"
+                ) from exc
             except asyncpg.LockNotAvailableError as exc:
                 raise StoreUnavailable(
                     "a migration could not take its table lock (a long transaction holds it; "
