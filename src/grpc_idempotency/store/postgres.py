@@ -636,8 +636,9 @@ class Store:
                 # Not retryable: the same migration fails alike on every run (exit 2).
                 raise StoreMisconfigured(
                     f"idempotency store misconfigured while migrating schema {self.schema!r}:"
-                    f" {exc}; the schema holds something this migration conflicts with (give the"
-                    " store a schema of its own, or fix what PostgreSQL names), then run it again"
+                    f" {exc}; it fails alike on every run until what PostgreSQL names is fixed"
+                    " (an object of the same name that is not the store's: give the store a"
+                    " schema of its own)"
                 ) from exc
             except asyncpg.LockNotAvailableError as exc:
                 raise StoreUnavailable(
