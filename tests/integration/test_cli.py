@@ -607,6 +607,58 @@ async def test_migrate_command_timeout_bounds_each_statement(pg_dsn: str, db: An
         await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+async def test_migrate_command_timeout_bounds_a_migration_past_the_roles_statement_timeout(
+    pg_dsn: str, db: Any
+) -> None:
+    """A role (or DSN) whose statement_timeout is short, as many production roles' is: the README
+    says to raise --command-timeout for a long migration, and the migration's statements were
+    still cancelled at the role's timeout, "store unavailable while migrating (57014)", exit 1,
+    as often as it was run. Here migration 0011's backfill waits on a row a transaction holds
+    for longer than the session's statement_timeout (200 ms), then goes on once it ends."""
+    from grpc_idempotency.store.migrations import available_migrations
+
+    async with fresh_store(pg_dsn, "role_timeout") as store:
+        schema = store.schema
+        outbox = f'"{schema}".outbox'
+        # Back to 0010: 0011 runs again (0012 to 0015 replace what they made, as before).
+        await db.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 11')
+        row = await db.fetchval(
+            f"INSERT INTO {outbox} (scope, key, step, parent_key, method, payload_type, payload,"
+            " attempts) VALUES ('s', 'k', 'st', 'p', '/m', 't', '', 2) RETURNING id"
+        )
+        short = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}statement_timeout=200"
+        tx = db.transaction()
+        await tx.start()
+        await db.execute(f"SELECT 1 FROM {outbox} WHERE id = $1 FOR UPDATE", row)
+        migrating = asyncio.ensure_future(
+            asyncio.to_thread(
+                cli, "migrate", "--dsn", short, "--schema", schema, "--command-timeout", "60"
+            )
+        )
+        try:
+
+            async def waited_past_the_roles_timeout() -> bool:
+                if migrating.done():  # cancelled at the role's timeout (the bug): see below
+                    return True
+                return bool(
+                    await store.pool.fetchval(
+                        "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid))"
+                        " AND pg_catalog.now() - query_start > interval '1 s')",
+                        await db.fetchval("SELECT pg_backend_pid()"),
+                    )
+                )
+
+            await until("the backfill to wait past 200 ms", waited_past_the_roles_timeout)
+        finally:
+            await tx.rollback()
+        done = await migrating
+        assert done.returncode == 0, done.stderr
+        applied = [m.version for m in available_migrations() if m.version >= 11]
+        assert f"applied migrations: {applied}" in done.stdout
+        assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 2
+
+
 def test_a_migration_the_schemas_own_objects_refuse_is_misconfigured_not_unavailable(
     pg_dsn: str,
 ) -> None:

@@ -628,7 +628,11 @@ class Store:
     async def migrate(self) -> list[int]:
         async with self.connection("migrating") as conn:
             try:
-                return await migrations.migrate(conn, self.schema)
+                # Each statement as long as the pool's command_timeout allows, whatever the
+                # role's statement_timeout says (``--command-timeout``).
+                return await migrations.migrate(
+                    conn, self.schema, statement_timeout_s=self.command_timeout
+                )
             except migrations.MigrationLockTimeout as exc:
                 _drop(conn)  # the wait was cut short on the wire, as ``connection`` drops
                 raise StoreUnavailable(str(exc), outage=False) from exc
