@@ -607,6 +607,18 @@ async def test_migrate_command_timeout_bounds_each_statement(pg_dsn: str, db: An
         await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+async def back_at_0010_with_a_row_to_backfill(store: Any, db: Any) -> int:
+    """Takes ``store``'s schema back to 0010 (0011, the outbox backfill, runs again; 0012 to
+    0015 replace what they made, as before) with a pending row 0011 updates; returns its id."""
+    await db.execute(f'DELETE FROM "{store.schema}".schema_migrations WHERE version >= 11')
+    row: int = await db.fetchval(
+        f'INSERT INTO "{store.schema}".outbox (scope, key, step, parent_key, method,'
+        " payload_type, payload, attempts) VALUES ('s', 'k', 'st', 'p', '/m', 't', '', 2)"
+        " RETURNING id"
+    )
+    return row
+
+
 async def test_migrate_command_timeout_bounds_a_migration_past_the_roles_statement_timeout(
     pg_dsn: str, db: Any
 ) -> None:
@@ -618,21 +630,15 @@ async def test_migrate_command_timeout_bounds_a_migration_past_the_roles_stateme
     from grpc_idempotency.store.migrations import available_migrations
 
     async with fresh_store(pg_dsn, "role_timeout") as store:
-        schema = store.schema
-        outbox = f'"{schema}".outbox'
-        # Back to 0010: 0011 runs again (0012 to 0015 replace what they made, as before).
-        await db.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 11')
-        row = await db.fetchval(
-            f"INSERT INTO {outbox} (scope, key, step, parent_key, method, payload_type, payload,"
-            " attempts) VALUES ('s', 'k', 'st', 'p', '/m', 't', '', 2) RETURNING id"
-        )
+        outbox = f'"{store.schema}".outbox'
+        row = await back_at_0010_with_a_row_to_backfill(store, db)
         short = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}statement_timeout=200"
         tx = db.transaction()
         await tx.start()
         await db.execute(f"SELECT 1 FROM {outbox} WHERE id = $1 FOR UPDATE", row)
         migrating = asyncio.ensure_future(
             asyncio.to_thread(
-                cli, "migrate", "--dsn", short, "--schema", schema, "--command-timeout", "60"
+                cli, "migrate", "--dsn", short, "--schema", store.schema, "--command-timeout", "60"
             )
         )
         try:
@@ -656,6 +662,35 @@ async def test_migrate_command_timeout_bounds_a_migration_past_the_roles_stateme
         assert done.returncode == 0, done.stderr
         applied = [m.version for m in available_migrations() if m.version >= 11]
         assert f"applied migrations: {applied}" in done.stdout
+        assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 2
+
+
+async def test_a_migration_past_its_command_timeout_says_which_and_what_to_raise(
+    pg_dsn: str, db: Any
+) -> None:
+    """A migration's own statement running past --command-timeout (here 0011's backfill, waiting
+    on a row a transaction holds) said "store unavailable while migrating (TimeoutError)", and
+    an operator looked for an outage: it names the migration and the option to raise."""
+    async with fresh_store(pg_dsn, "slow_migration") as store:
+        outbox = f'"{store.schema}".outbox'
+        row = await back_at_0010_with_a_row_to_backfill(store, db)
+        tx = db.transaction()
+        await tx.start()
+        await db.execute(f"SELECT 1 FROM {outbox} WHERE id = $1 FOR UPDATE", row)
+        try:
+            done = await asyncio.to_thread(
+                cli, "migrate", "--dsn", pg_dsn, "--schema", store.schema, "--command-timeout", "1"
+            )
+        finally:
+            await tx.rollback()
+        assert done.returncode == 1, done.stderr  # retry later, with more time
+        assert "migration 0011_outbox_failures_so_far ran past the statement timeout of 1 s" in (
+            done.stderr
+        )
+        assert "--command-timeout" in done.stderr and "Traceback" not in done.stderr
+        assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 0
+        again = await asyncio.to_thread(cli, "migrate", "--dsn", pg_dsn, "--schema", store.schema)
+        assert again.returncode == 0, again.stderr
         assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 2
 
 

@@ -51,6 +51,15 @@ class MigrationLockTimeout(TimeoutError):
     """Another runner held the schema's migration lock for longer than the wait's timeout."""
 
 
+class MigrationTimedOut(TimeoutError):
+    """A migration's own statement ran past its timeout (asyncpg's ``command_timeout``, or the
+    server's ``statement_timeout`` set to it) and was rolled back."""
+
+    def __init__(self, version: int, name: str) -> None:
+        super().__init__(f"migration {version:04d}_{name}")
+        self.version = version
+
+
 class MigrationFailed(Exception):
     """PostgreSQL refused a migration for good: neither an outage nor a lost race (the error
     is the ``__cause__``). Rolled back; running it again fails alike until an operator acts."""
@@ -125,6 +134,12 @@ async def migrate(
                 if attempt == lock_attempts:
                     raise
                 await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
+            except MigrationLockTimeout:
+                raise
+            except (TimeoutError, asyncpg.QueryCanceledError) as exc:
+                # Said so, naming the migration and the fix: it was "store unavailable while
+                # migrating (TimeoutError)", and an operator looked for an outage.
+                raise MigrationTimedOut(migration.version, migration.name) from exc
             except asyncpg.PostgresError as exc:
                 # Refused for what the schema holds (42P07: the application's own "records"
                 # table in a shared schema) or anything else that is neither an outage nor a

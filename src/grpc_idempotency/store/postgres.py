@@ -636,6 +636,16 @@ class Store:
             except migrations.MigrationLockTimeout as exc:
                 _drop(conn)  # the wait was cut short on the wire, as ``connection`` drops
                 raise StoreUnavailable(str(exc), outage=False) from exc
+            except migrations.MigrationTimedOut as exc:
+                _drop(conn)  # its statement was cut short on the wire, as ``connection`` drops
+                limit = "" if self.command_timeout is None else f" of {self.command_timeout:g} s"
+                raise StoreUnavailable(
+                    f"{exc} ran past the statement timeout{limit} (or was cancelled) and was"
+                    " rolled back: give a migration this long more time (--command-timeout, or"
+                    " Store.connect(command_timeout=...)) and run it again, from one job before"
+                    " the replicas start",
+                    outage=False,
+                ) from exc
             except migrations.MigrationFailed as exc:
                 # Not retryable: the same migration fails alike on every run (exit 2).
                 raise StoreMisconfigured(
