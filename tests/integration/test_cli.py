@@ -631,6 +631,130 @@ async def test_migrate_command_timeout_bounds_each_statement(pg_dsn: str, db: An
         await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+async def back_at_0010_with_a_row_to_backfill(store: Any, db: Any) -> int:
+    """Takes ``store``'s schema back to 0010 (0011, the outbox backfill, runs again; 0012 to
+    0015 replace what they made, as before) with a pending row 0011 updates; returns its id."""
+    await db.execute(f'DELETE FROM "{store.schema}".schema_migrations WHERE version >= 11')
+    row: int = await db.fetchval(
+        f'INSERT INTO "{store.schema}".outbox (scope, key, step, parent_key, method,'
+        " payload_type, payload, attempts) VALUES ('s', 'k', 'st', 'p', '/m', 't', '', 2)"
+        " RETURNING id"
+    )
+    return row
+
+
+async def test_migrate_command_timeout_bounds_a_migration_past_the_roles_statement_timeout(
+    pg_dsn: str, db: Any
+) -> None:
+    """A role (or DSN) whose statement_timeout is short, as many production roles' is: the README
+    says to raise --command-timeout for a long migration, and the migration's statements were
+    still cancelled at the role's timeout, "store unavailable while migrating (57014)", exit 1,
+    as often as it was run. Here migration 0011's backfill waits on a row a transaction holds
+    for longer than the session's statement_timeout (200 ms), then goes on once it ends."""
+    from grpc_idempotency.store.migrations import available_migrations
+
+    async with fresh_store(pg_dsn, "role_timeout") as store:
+        outbox = f'"{store.schema}".outbox'
+        row = await back_at_0010_with_a_row_to_backfill(store, db)
+        short = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}statement_timeout=200"
+        tx = db.transaction()
+        await tx.start()
+        await db.execute(f"SELECT 1 FROM {outbox} WHERE id = $1 FOR UPDATE", row)
+        migrating = asyncio.ensure_future(
+            asyncio.to_thread(
+                cli, "migrate", "--dsn", short, "--schema", store.schema, "--command-timeout", "60"
+            )
+        )
+        try:
+
+            async def waited_past_the_roles_timeout() -> bool:
+                if migrating.done():  # cancelled at the role's timeout (the bug): see below
+                    return True
+                return bool(
+                    await store.pool.fetchval(
+                        "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid))"
+                        " AND pg_catalog.now() - query_start > interval '1 s')",
+                        await db.fetchval("SELECT pg_backend_pid()"),
+                    )
+                )
+
+            await until("the backfill to wait past 200 ms", waited_past_the_roles_timeout)
+        finally:
+            await tx.rollback()
+        done = await migrating
+        assert done.returncode == 0, done.stderr
+        applied = [m.version for m in available_migrations() if m.version >= 11]
+        assert f"applied migrations: {applied}" in done.stdout
+        assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 2
+
+
+async def test_a_migration_past_its_command_timeout_says_which_and_what_to_raise(
+    pg_dsn: str, db: Any
+) -> None:
+    """A migration's own statement running past --command-timeout (here 0011's backfill, waiting
+    on a row a transaction holds) said "store unavailable while migrating (TimeoutError)", and
+    an operator looked for an outage: it names the migration and the option to raise."""
+    async with fresh_store(pg_dsn, "slow_migration") as store:
+        outbox = f'"{store.schema}".outbox'
+        row = await back_at_0010_with_a_row_to_backfill(store, db)
+        tx = db.transaction()
+        await tx.start()
+        await db.execute(f"SELECT 1 FROM {outbox} WHERE id = $1 FOR UPDATE", row)
+        try:
+            done = await asyncio.to_thread(
+                cli, "migrate", "--dsn", pg_dsn, "--schema", store.schema, "--command-timeout", "1"
+            )
+        finally:
+            await tx.rollback()
+        assert done.returncode == 1, done.stderr  # retry later, with more time
+        assert "migration 0011_outbox_failures_so_far ran past the statement timeout of 1 s" in (
+            done.stderr
+        )
+        assert "--command-timeout" in done.stderr and "Traceback" not in done.stderr
+        assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 0
+        again = await asyncio.to_thread(cli, "migrate", "--dsn", pg_dsn, "--schema", store.schema)
+        assert again.returncode == 0, again.stderr
+        assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 2
+
+
+def test_a_migration_the_schemas_own_objects_refuse_is_misconfigured_not_unavailable(
+    pg_dsn: str,
+) -> None:
+    """A schema shared with the application, which has a ``records`` table of its own (the
+    README advises against it): migration 0001 fails on it every time. That is for an operator
+    to fix (exit 2, naming the migration and what PostgreSQL refused), not "store unavailable
+    while migrating (42P07)", exit 1, which told a deploy step to retry later, for good."""
+    schema = f"shared_{secrets.token_hex(4)}"
+    create = f'CREATE SCHEMA "{schema}"; CREATE TABLE "{schema}".records (id integer)'
+    assert cli_sql(pg_dsn, create)
+    try:
+        done = cli("migrate", "--dsn", pg_dsn, "--schema", schema)
+        assert done.returncode == 2, done.stderr
+        assert "misconfigured" in done.stderr and "unavailable" not in done.stderr
+        assert "migration 0001_records" in done.stderr
+        assert 'relation "records" already exists' in done.stderr
+        assert "Traceback" not in done.stderr
+    finally:
+        assert cli_sql(pg_dsn, f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def cli_sql(dsn: str, sql: str) -> bool:
+    """Runs ``sql`` on a connection of its own (for the tests that run no event loop)."""
+
+    async def run() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+    return True
+
+
 # -- interrupted: SIGINT (Ctrl-C) or SIGTERM while a statement waits ----------------------------
 
 EXPIRED = (

@@ -207,6 +207,23 @@ async def test_a_schema_a_newer_release_migrated_is_reported_however_the_store_s
         await store.close()
 
 
+async def test_a_migration_refused_for_what_the_schema_holds_is_misconfigured(
+    pg_dsn: str, db: Any
+) -> None:
+    """Store.connect(migrate=True) in a schema holding the application's own ``records`` table:
+    every replica's start failed "store unavailable while migrating (42P07)", as if the
+    database were down. It is misconfigured (not retryable), naming the migration and the
+    object; the migrations before it stay applied, and nothing after it ran."""
+    schema = fresh_schema()
+    await db.execute(f'CREATE SCHEMA "{schema}"; CREATE TABLE "{schema}".outbox (id integer)')
+    try:
+        with pytest.raises(StoreMisconfigured, match=r"migration 0006_outbox failed: .*outbox"):
+            await Store.connect(pg_dsn, schema=schema, migrate=True)
+        assert await applied_versions(db, schema) == [1, 2, 3, 4, 5]
+    finally:
+        await db.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
 async def test_migrations_leave_functions_they_did_not_create_alone(pg_dsn: str) -> None:
     """The store's schema may be one the application uses too (``schema="public"``, or its
     own): migration 0015 set ``search_path = pg_catalog, pg_temp`` on every function of the

@@ -16,10 +16,17 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
 - DDL waits for its table lock at most ``LOCK_TIMEOUT_S``: an ALTER TABLE queued behind a long
   transaction would otherwise hold up every call on that table behind it. It gives way, waits,
   and tries again, ``LOCK_ATTEMPTS`` times in all, then raises ``LockNotAvailableError``.
+- A migration's statements are bounded by ``statement_timeout_s`` (the store's
+  ``command_timeout``, ``--command-timeout``), not by the session's ``statement_timeout``: a
+  role's short one (common for application roles) cancelled a long migration however far the
+  README said to raise ``--command-timeout``, "store unavailable (57014)" on every run.
 - A runner that stops answering in the middle of a migration (a paused VM, a partition, a
   debugger) would hold the table lock its DDL took until TCP gave up on it, hours later, and
   every call on the table with it: each migration's transaction is ended by PostgreSQL once it
   sits idle for ``IDLE_TIMEOUT_S`` (the migration is rolled back; run it again).
+- A migration that PostgreSQL refuses for what the schema holds (an object of the same name
+  that is not the store's, data a new constraint rejects, a privilege) fails the same way every
+  time it runs: ``MigrationFailed`` names it, and the store reports it as misconfigured.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 
 import asyncpg
 
+from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.store.sql import schema_identifier
 
 log = logging.getLogger("grpc_idempotency.store")
@@ -41,6 +49,24 @@ log = logging.getLogger("grpc_idempotency.store")
 
 class MigrationLockTimeout(TimeoutError):
     """Another runner held the schema's migration lock for longer than the wait's timeout."""
+
+
+class MigrationTimedOut(TimeoutError):
+    """A migration's own statement ran past its timeout (asyncpg's ``command_timeout``, or the
+    server's ``statement_timeout`` set to it) and was rolled back."""
+
+    def __init__(self, version: int, name: str) -> None:
+        super().__init__(f"migration {version:04d}_{name}")
+        self.version = version
+
+
+class MigrationFailed(Exception):
+    """PostgreSQL refused a migration for good: neither an outage nor a lost race (the error
+    is the ``__cause__``). Rolled back; running it again fails alike until an operator acts."""
+
+    def __init__(self, version: int, name: str, error: BaseException) -> None:
+        super().__init__(f"migration {version:04d}_{name} failed: {error}")
+        self.version = version
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,21 +114,41 @@ async def migrate(
     lock_timeout_s: float = LOCK_TIMEOUT_S,
     lock_attempts: int = LOCK_ATTEMPTS,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
+    statement_timeout_s: float | None = None,
 ) -> list[int]:
-    """Applies the missing migrations; returns the versions it applied (maybe none)."""
+    """Applies the missing migrations; returns the versions it applied (maybe none).
+    ``statement_timeout_s``: the server's bound on each migration's statements (None: none, the
+    client's own timeout bounds them), in place of the session's ``statement_timeout``."""
     applied = set(await applied_versions(conn, schema))
     missing = [m for m in available_migrations() if m.version not in applied]
     applied_now: list[int] = []
     for migration in missing:
         for attempt in range(1, lock_attempts + 1):
             try:
-                if await _apply(conn, schema, migration, lock_timeout_s, idle_timeout_s):
+                if await _apply(
+                    conn, schema, migration, lock_timeout_s, idle_timeout_s, statement_timeout_s
+                ):
                     applied_now.append(migration.version)
                 break
             except asyncpg.LockNotAvailableError:
                 if attempt == lock_attempts:
                     raise
                 await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
+            except MigrationLockTimeout:
+                raise
+            except (TimeoutError, asyncpg.QueryCanceledError) as exc:
+                # Said so, naming the migration and the fix: it was "store unavailable while
+                # migrating (TimeoutError)", and an operator looked for an outage.
+                raise MigrationTimedOut(migration.version, migration.name) from exc
+            except asyncpg.PostgresError as exc:
+                # Refused for what the schema holds (42P07: the application's own "records"
+                # table in a shared schema) or anything else that is neither an outage nor a
+                # conflict: it was "store unavailable while migrating (42P07)", exit 1 (retry
+                # later), and a deploy step retried it for good. The privilege and missing-object
+                # errors keep their own misconfigured hint.
+                if classify(exc.sqlstate) is not Failure.OTHER:
+                    raise
+                raise MigrationFailed(migration.version, migration.name, exc) from exc
     return applied_now
 
 
@@ -139,6 +185,7 @@ async def _apply(
     migration: Migration,
     lock_timeout_s: float,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
+    statement_timeout_s: float | None = None,
 ) -> bool:
     """Applies ``migration`` unless another runner did; returns whether this one did."""
     s = schema_identifier(schema)
@@ -173,6 +220,15 @@ async def _apply(
         # After the advisory lock, which may be waited for as long as another runner takes.
         ms = max(1, round(lock_timeout_s * 1000))
         await conn.execute(f"SET LOCAL lock_timeout = {ms}")
+        # The caller's bound, not the role's or the DSN's statement_timeout: a short one of
+        # those cancelled a long migration (57014, "unavailable") however far --command-timeout
+        # was raised, as the README says to for a migration that rewrites a large table.
+        statement_ms = (
+            0
+            if statement_timeout_s is None
+            else min(max(1, round(statement_timeout_s * 1000)), 2**31 - 1)
+        )
+        await conn.execute(f"SET LOCAL statement_timeout = {statement_ms}")
         await conn.execute(migration.sql.replace("{schema}", s).replace("{schema_name}", schema))
         await conn.execute(
             f"INSERT INTO {s}.schema_migrations (version, name) VALUES ($1, $2)",

@@ -628,10 +628,32 @@ class Store:
     async def migrate(self) -> list[int]:
         async with self.connection("migrating") as conn:
             try:
-                return await migrations.migrate(conn, self.schema)
+                # Each statement as long as the pool's command_timeout allows, whatever the
+                # role's statement_timeout says (``--command-timeout``).
+                return await migrations.migrate(
+                    conn, self.schema, statement_timeout_s=self.command_timeout
+                )
             except migrations.MigrationLockTimeout as exc:
                 _drop(conn)  # the wait was cut short on the wire, as ``connection`` drops
                 raise StoreUnavailable(str(exc), outage=False) from exc
+            except migrations.MigrationTimedOut as exc:
+                _drop(conn)  # its statement was cut short on the wire, as ``connection`` drops
+                limit = "" if self.command_timeout is None else f" of {self.command_timeout:g} s"
+                raise StoreUnavailable(
+                    f"{exc} ran past the statement timeout{limit} (or was cancelled) and was"
+                    " rolled back: give a migration this long more time (--command-timeout, or"
+                    " Store.connect(command_timeout=...)) and run it again, from one job before"
+                    " the replicas start",
+                    outage=False,
+                ) from exc
+            except migrations.MigrationFailed as exc:
+                # Not retryable: the same migration fails alike on every run (exit 2).
+                raise StoreMisconfigured(
+                    f"idempotency store misconfigured while migrating schema {self.schema!r}:"
+                    f" {exc}; it fails alike on every run until what PostgreSQL names is fixed"
+                    " (an object of the same name that is not the store's: give the store a"
+                    " schema of its own)"
+                ) from exc
             except asyncpg.LockNotAvailableError as exc:
                 raise StoreUnavailable(
                     "a migration could not take its table lock (a long transaction holds it; "
