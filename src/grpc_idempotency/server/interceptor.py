@@ -866,13 +866,22 @@ class IdempotencyInterceptor(_Interceptor):
         self, attempt: Attempt | None, claim: PhasedClaim | None
     ) -> HandlerDatabaseError | None:
         """Releases the key; returns the handler's misuse of the call's transaction that the
-        release found (``Attempt.release``), if any."""
-        misuse = None
-        if attempt is not None:
-            misuse = await asyncio.shield(attempt.release())
-        if claim is not None:
-            await asyncio.shield(claim.release())
-        return misuse
+        release found (``Attempt.release``), if any.
+
+        Both steps run to their end as one (``_to_the_end``): shielded one at a time, a call
+        cancelled during the rollback (its client gone, its deadline spent, while the ROLLBACK
+        was on the wire) never ended the claim's lease, and the key stayed IN_PROGRESS for the
+        whole lease."""
+
+        async def both() -> HandlerDatabaseError | None:
+            misuse = None
+            if attempt is not None:
+                misuse = await attempt.release()
+            if claim is not None:
+                await claim.release()
+            return misuse
+
+        return await _to_the_end(both())
 
     async def _invoke(self, call: _Call) -> Any:
         """Runs the handler with its aborts deferred (``DeferredAbort``). A database error that
