@@ -12,9 +12,18 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, MethodOverride, Mode, Store
 from tests.support.blackhole import store_behind_proxy
-from tests.support.ledger import TENANT, fresh, ledger_rows, ledger_server, metadata, write_row
+from tests.support.ledger import (
+    TENANT,
+    fresh,
+    ledger_rows,
+    ledger_server,
+    metadata,
+    running_ledger,
+    write_row,
+)
 from tests.support.waiting import until
 
+POST = "/testsvc.v1.LedgerService/Post"
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
 SCOPE = "tenant:tenant-a"
 
@@ -85,3 +94,72 @@ async def test_a_call_cancelled_while_its_final_transaction_rolls_back_still_end
             await until("no connection in use", lambda: pool.get_size() == pool.get_idle_size())
             assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
     assert await ledger_rows(store, account) == 0
+
+
+class _Holding(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Writes its row in the call's transaction, waits for the test, then answers OK."""
+
+    def __init__(self) -> None:
+        self.wrote = asyncio.Event()
+        self.go = asyncio.Event()
+        self.task: asyncio.Task[Any] | None = None
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        self.task = asyncio.current_task()
+        await write_row(request)
+        self.wrote.set()
+        await self.go.wait()
+        return testsvc_pb2.PostResponse(account=request.account)
+
+
+async def test_a_call_cancelled_while_its_commit_is_unanswered_lets_go_of_its_connection(
+    pg_dsn: str, store: Store
+) -> None:
+    """The outcome's COMMIT reached PostgreSQL and committed, its answer did not come back (a
+    partition at that instant), and the call was cancelled (its client gone, its deadline
+    spent). The connection went back to the pool, which waits for the database to confirm
+    the cancellation of a statement it cut short: the answer never came, and the call's task
+    and the connection were held until asyncpg gave up (the pool's command_timeout, 30 s by
+    default; for good without one): ``max_size`` such calls left the pool nothing.
+    Dropped instead, as a statement cut short is everywhere else; the retry replays. (Atomic:
+    a phased call then ends its claim's lease on another connection, bounded by the pool's
+    command_timeout behind a partition, as any release is.)"""
+    method = POST
+    overrides = {POST: MethodOverride(lease=timedelta(seconds=30))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with store_behind_proxy(pg_dsn, pool=2) as (proxy, own):
+        interceptor = IdempotencyInterceptor(
+            own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+        )
+        service = _Holding()
+        async with ledger_server(interceptor, service) as (channel, _):
+            stub = channel.unary_unary(
+                method,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=None,
+            )
+            call = stub(request, metadata=metadata(key), timeout=30)
+            await service.wrote.wait()  # the transaction open, the row written
+            task = service.task
+            assert task is not None
+            proxy.hold_answers()
+            service.go.set()
+            await until("the outcome committed", lambda: _state(store, key, "completed"))
+            call.cancel()
+            await until("the call over", task.done, timeout=5)
+            pool = own.pool
+            assert pool.get_size() == pool.get_idle_size()  # nothing left checked out
+            proxy.deliver_answers()
+        assert await ledger_rows(store, account) == 1
+        async with running_ledger(store, overrides=overrides) as other:
+            retry = await other.call(method, request, key)
+        assert retry.code is grpc.StatusCode.OK and retry.replayed, retry
+    assert await ledger_rows(store, account) == 1
+
+
+async def _state(store: Store, key: str, state: str) -> bool:
+    found: str | None = await store.pool.fetchval(
+        "SELECT state FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", SCOPE, key
+    )
+    return found == state

@@ -220,6 +220,16 @@ class Attempt:
             if live and isinstance(exc, asyncpg.InterfaceError):
                 raise _handler_failed(exc, connection_live=True) from exc
             raise store_error(exc, "committing the outcome") from exc
+        except asyncio.CancelledError:
+            # The call was cancelled (its client gone, its deadline spent, the server stopping)
+            # with the commit on the wire: its fate is PostgreSQL's. Handed back, the connection
+            # made the pool wait for the database to confirm the cancellation; with the answer
+            # lost (a partition), the call's task and the connection were held until asyncpg
+            # gave up on it: the pool's command_timeout (30 s by default), for good without one.
+            # Dropped, as ``Store.connection`` drops a statement cut short: PostgreSQL commits
+            # or rolls back what it has, and a retry replays or runs again.
+            _drop(conn)
+            raise
         finally:
             await self._finish()
 
