@@ -4,6 +4,7 @@ whatever the stage, the key is left completed or released, never claimed for its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -163,3 +164,51 @@ async def _state(store: Store, key: str, state: str) -> bool:
         "SELECT state FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", SCOPE, key
     )
     return found == state
+
+
+async def test_a_server_stopping_during_a_release_lets_close_wait_for_it(
+    pg_dsn: str, store: Store
+) -> None:
+    """The server stops (``stop(grace)``, then ``store.close()``, the README's order) while a
+    failed phased call is releasing its key, its ROLLBACK on the wire: the cancellation ended
+    the call's task at once and left the release to run on in the background, where
+    ``close()`` did not wait for it (it waits for the calls holding a claim). The pool closed
+    under it, the claim's release found no connection, and the key stayed IN_PROGRESS for the
+    whole lease: another replica's retry was told "in progress" that long."""
+    overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with store_behind_proxy(pg_dsn, pool=3) as (proxy, own):
+        interceptor = IdempotencyInterceptor(
+            own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+        )
+        service = _Gated()
+        server = grpc.aio.server(interceptors=[interceptor])
+        testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = channel.unary_unary(
+                PHASED,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=None,
+            )
+            call = stub(request, metadata=metadata(key), timeout=30)
+            await service.wrote.wait()  # the final transaction open, the row written
+            task = service.task
+            assert task is not None
+            sent = proxy.bytes_upstream
+            proxy.hold_answers()  # the ROLLBACK reaches PostgreSQL; its answer does not
+            service.go.set()
+            await until("the rollback on the wire", lambda: proxy.bytes_upstream > sent)
+            await server.stop(0.01)  # the grace runs out: the call's task is cancelled
+            await until("the call cancelled", lambda: task.cancelling() > 0 or task.done())
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            for _ in range(5):  # close() goes as far as it can without the database
+                await asyncio.sleep(0)
+            proxy.deliver_answers()
+            await closing
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call
+        assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
+    assert await ledger_rows(store, account) == 0

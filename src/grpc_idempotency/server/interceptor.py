@@ -1096,11 +1096,21 @@ _finishing: set[asyncio.Future[Any]] = set()
 async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
     """Runs ``work`` (ending a call's transaction) to its end even if the calling task is
     cancelled again meanwhile (a client's cancel, then the server stopping): it goes on in the
-    background then, or a claim would stay IN_PROGRESS for its whole lease."""
+    background then, or a claim would stay IN_PROGRESS for its whole lease.
+
+    Cancelled once, the calling task still waits for ``work`` before it passes the
+    cancellation on: it holds the claim (``Store.holding_claim``) until then, so that the
+    store's ``close()`` waits for the release. Left to the background at the first cancel (the
+    server stopping while a failed call released its key), the release ran after ``close()``
+    had closed the pool, and the key stayed IN_PROGRESS for its whole lease."""
     task = asyncio.ensure_future(work)
     _finishing.add(task)  # a reference until it is done
     task.add_done_callback(_finishing.discard)
-    return await asyncio.shield(task)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])  # cancelled again: the background finishes it
+        raise
 
 
 async def _end(serving: call_context.IdempotentCall) -> None:
