@@ -842,7 +842,10 @@ class IdempotencyInterceptor(_Interceptor):
                 # lease of an attempt that took over; and a LeaseLost does not always mean one
                 # did (the handler ended the final transaction itself, or it met two
                 # serialization failures), when the claim is still this call's to release.
-                await asyncio.shield(claim.release())
+                # Through ``_release`` (``_to_the_end``), not a bare shield: cancelled meanwhile
+                # (the server stopping), the call left the release to the background, where
+                # ``Store.close()`` did not wait for it, and the key stayed IN_PROGRESS.
+                await self._release(None, claim)
             await answers.abort(context, err)
         except BaseException as exc:
             call.outcome = CallOutcome.RELEASED
