@@ -18,6 +18,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Mode, Store, StoreUnavailable
 from tests.support.ledger import POST, fresh, ledger_rows, running_ledger
+from tests.support.waiting import until
 
 SVC = "/testsvc.v1.LedgerService/"
 SCOPE = "tenant:tenant-a"
@@ -106,4 +107,53 @@ async def test_no_claim_begins_once_close_has_begun(pg_dsn: str, store: Store) -
         states = {row["key"]: row["state"] for row in rows}
         assert states == {held: "completed"}
     finally:
+        await own.close()
+
+
+async def test_close_waits_for_a_claim_that_was_on_the_wire_when_it_began(
+    pg_dsn: str, store: Store
+) -> None:
+    """close() waits for the calls holding a claim, and, again and again, for a claim that was
+    on the wire when it began and holds it once it lands. With no other claim held, it did
+    not wait at all: the pool closed under a phased claim that then committed, its handler
+    found no connection for its final transaction (UNAVAILABLE) and its release none either,
+    and the key stayed IN_PROGRESS for the whole lease."""
+    own = await Store.connect(pg_dsn, max_size=4)
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+
+    async def claim_waits_on_a_lock() -> bool:
+        waiting = await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%claim_with_start%'"
+        )
+        return bool(waiting)
+
+    blocker = await store.pool.acquire()
+    try:
+        async with running_ledger(own, overrides=LONG_LEASE) as ledger:
+            # An uncommitted insert of the key (under another lock id): the call's claim waits
+            # for it in the database, on the wire.
+            await blocker.execute("BEGIN")
+            await blocker.fetchval(
+                store.statements.claim_phased, SCOPE, key, 1, SVC + "PostPhased", b"f", 600.0, 30.0
+            )
+            call = asyncio.ensure_future(ledger.call(SVC + "PostPhased", request, key))
+            await until("the claim on the wire", claim_waits_on_a_lock)
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            for _ in range(5):  # close() goes as far as it can without the database
+                await asyncio.sleep(0)
+            await blocker.execute("ROLLBACK")  # the claim lands
+            answered = await call
+            await closing
+        assert answered.code is grpc.StatusCode.OK, answered  # the held claim committed
+        state = await store.pool.fetchval(
+            "SELECT state FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+            SCOPE,
+            key,
+        )
+        assert state == "completed"
+        assert await ledger_rows(store, account) == 1
+    finally:
+        await store.pool.release(blocker)
         await own.close()

@@ -844,7 +844,10 @@ class IdempotencyInterceptor(_Interceptor):
                 # lease of an attempt that took over; and a LeaseLost does not always mean one
                 # did (the handler ended the final transaction itself, or it met two
                 # serialization failures), when the claim is still this call's to release.
-                await asyncio.shield(claim.release())
+                # Through ``_release`` (``_to_the_end``), not a bare shield: cancelled meanwhile
+                # (the server stopping), the call left the release to the background, where
+                # ``Store.close()`` did not wait for it, and the key stayed IN_PROGRESS.
+                await self._release(None, claim)
             await answers.abort(context, err)
         except BaseException as exc:
             call.outcome = CallOutcome.RELEASED
@@ -868,13 +871,22 @@ class IdempotencyInterceptor(_Interceptor):
         self, attempt: Attempt | None, claim: PhasedClaim | None
     ) -> HandlerDatabaseError | None:
         """Releases the key; returns the handler's misuse of the call's transaction that the
-        release found (``Attempt.release``), if any."""
-        misuse = None
-        if attempt is not None:
-            misuse = await asyncio.shield(attempt.release())
-        if claim is not None:
-            await asyncio.shield(claim.release())
-        return misuse
+        release found (``Attempt.release``), if any.
+
+        Both steps run to their end as one (``_to_the_end``): shielded one at a time, a call
+        cancelled during the rollback (its client gone, its deadline spent, while the ROLLBACK
+        was on the wire) never ended the claim's lease, and the key stayed IN_PROGRESS for the
+        whole lease."""
+
+        async def both() -> HandlerDatabaseError | None:
+            misuse = None
+            if attempt is not None:
+                misuse = await attempt.release()
+            if claim is not None:
+                await claim.release()
+            return misuse
+
+        return await _to_the_end(both())
 
     async def _invoke(self, call: _Call) -> Any:
         """Runs the handler with its aborts deferred (``DeferredAbort``). A database error that
@@ -1089,11 +1101,21 @@ _finishing: set[asyncio.Future[Any]] = set()
 async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
     """Runs ``work`` (ending a call's transaction) to its end even if the calling task is
     cancelled again meanwhile (a client's cancel, then the server stopping): it goes on in the
-    background then, or a claim would stay IN_PROGRESS for its whole lease."""
+    background then, or a claim would stay IN_PROGRESS for its whole lease.
+
+    Cancelled once, the calling task still waits for ``work`` before it passes the
+    cancellation on: it holds the claim (``Store.holding_claim``) until then, so that the
+    store's ``close()`` waits for the release. Left to the background at the first cancel (the
+    server stopping while a failed call released its key), the release ran after ``close()``
+    had closed the pool, and the key stayed IN_PROGRESS for its whole lease."""
     task = asyncio.ensure_future(work)
     _finishing.add(task)  # a reference until it is done
     task.add_done_callback(_finishing.discard)
-    return await asyncio.shield(task)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])  # cancelled again: the background finishes it
+        raise
 
 
 async def _end(serving: call_context.IdempotentCall) -> None:

@@ -220,6 +220,16 @@ class Attempt:
             if live and isinstance(exc, asyncpg.InterfaceError):
                 raise _handler_failed(exc, connection_live=True) from exc
             raise store_error(exc, "committing the outcome") from exc
+        except asyncio.CancelledError:
+            # The call was cancelled (its client gone, its deadline spent, the server stopping)
+            # with the commit on the wire: its fate is PostgreSQL's. Handed back, the connection
+            # made the pool wait for the database to confirm the cancellation; with the answer
+            # lost (a partition), the call's task and the connection were held until asyncpg
+            # gave up on it: the pool's command_timeout (30 s by default), for good without one.
+            # Dropped, as ``Store.connection`` drops a statement cut short: PostgreSQL commits
+            # or rolls back what it has, and a retry replays or runs again.
+            _drop(conn)
+            raise
         finally:
             await self._finish()
 
@@ -1040,46 +1050,57 @@ class Store:
         # fail-open method ran unclaimed on a live, busy store.
         deadline = None if timeout is None else time.monotonic() + timeout
         self._refuse_if_draining()
-        conn = await self._acquire("claiming a key", timeout)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # Held from here, not only once the claim is won (the interceptor's ``holding_claim``):
+        # ``close`` waits for this call then. Not waited for, a claim on the wire when the drain
+        # began landed after the pool had closed, its handler found no connection for the final
+        # transaction, nor its release one, and the key stayed IN_PROGRESS for the whole lease.
+        with self.holding_claim():
+            conn = await self._acquire("claiming a key", timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        async def claim() -> tuple[int, datetime] | None:
-            async with self._holding(conn, "claiming a key"):
-                try:
-                    # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
-                    # after a claim that committed as well as before, and the claim would then
-                    # be left with its lease and nobody behind it. The caller's wait is bounded
-                    # below instead, and a claim it gave up on is settled.
-                    row = await conn.fetchrow(
-                        self.statements.claim_phased, *args, float(retention_s), float(lease_s)
-                    )
-                except asyncpg.PostgresError as exc:
-                    if _lost_race(exc):
-                        return None
-                    raise
-                assert row is not None
-                return row["token"], row["started_at"]
+            async def claim() -> tuple[int, datetime] | None:
+                async with self._holding(conn, "claiming a key"):
+                    try:
+                        # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
+                        # after a claim that committed as well as before, and the claim would then
+                        # be left with its lease and nobody behind it. The caller's wait is bounded
+                        # below instead, and a claim it gave up on is settled.
+                        row = await conn.fetchrow(
+                            self.statements.claim_phased, *args, float(retention_s), float(lease_s)
+                        )
+                    except asyncpg.PostgresError as exc:
+                        if _lost_race(exc):
+                            return None
+                        raise
+                    assert row is not None
+                    return row["token"], row["started_at"]
 
-        # The claim commits on its own: cancelled while it is on the wire (the client went) or
-        # given up on at the call's deadline, it may commit all the same, and its lease would
-        # then run on with nobody behind it, every retry answered IN_PROGRESS for the whole
-        # lease. So it runs to its end in a task of its own, and a claim that turns out to have
-        # committed is released (with its own token) once it answers.
-        claiming = asyncio.ensure_future(claim())
-        try:
-            claimed = await asyncio.wait_for(asyncio.shield(claiming), self.statement_timeout(left))
-        except TimeoutError as exc:
-            self._settle(claiming, scope, key, retention_s, lease_s)
-            raise store_error(exc, "claiming a key") from exc
-        except asyncio.CancelledError:
-            self._settle(claiming, scope, key, retention_s, lease_s)
-            raise
-        if claimed is None:
-            return None
-        token, started_at = claimed
-        return PhasedClaim(
-            self, _Claim(scope, key, retention_s, token), lease_s, isolation, started_at=started_at
-        )
+            # The claim commits on its own: cancelled while it is on the wire (the client went) or
+            # given up on at the call's deadline, it may commit all the same, and its lease would
+            # then run on with nobody behind it, every retry answered IN_PROGRESS for the whole
+            # lease. So it runs to its end in a task of its own, and a claim that turns out to have
+            # committed is released (with its own token) once it answers.
+            claiming = asyncio.ensure_future(claim())
+            try:
+                claimed = await asyncio.wait_for(
+                    asyncio.shield(claiming), self.statement_timeout(left)
+                )
+            except TimeoutError as exc:
+                self._settle(claiming, scope, key, retention_s, lease_s)
+                raise store_error(exc, "claiming a key") from exc
+            except asyncio.CancelledError:
+                self._settle(claiming, scope, key, retention_s, lease_s)
+                raise
+            if claimed is None:
+                return None
+            token, started_at = claimed
+            return PhasedClaim(
+                self,
+                _Claim(scope, key, retention_s, token),
+                lease_s,
+                isolation,
+                started_at=started_at,
+            )
 
     def _settle(
         self,

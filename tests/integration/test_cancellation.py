@@ -1,0 +1,264 @@
+"""A keyed call cancelled (its client gone, its deadline spent) while the interceptor ends it:
+whatever the stage, the key is left completed or released, never claimed for its lease."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, MetadataScope, MethodOverride, Mode, Store
+from tests.support.blackhole import store_behind_proxy
+from tests.support.ledger import (
+    TENANT,
+    fresh,
+    ledger_rows,
+    ledger_server,
+    metadata,
+    running_ledger,
+    write_row,
+)
+from tests.support.waiting import until
+
+POST = "/testsvc.v1.LedgerService/Post"
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+SCOPE = "tenant:tenant-a"
+
+
+class _Gated(testsvc_pb2_grpc.LedgerServiceServicer):
+    """A phased handler that writes in its final transaction, waits for the test, then fails
+    with a transient status: the interceptor releases the key (rolls the final transaction
+    back, then ends the claim's lease)."""
+
+    def __init__(self) -> None:
+        self.wrote = asyncio.Event()
+        self.go = asyncio.Event()
+        self.task: asyncio.Task[Any] | None = None
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        self.task = asyncio.current_task()
+        await write_row(request)
+        self.wrote.set()
+        await self.go.wait()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "transient, after writing")
+
+
+async def _lease_over(store: Store, key: str) -> bool | None:
+    over: bool | None = await store.pool.fetchval(
+        "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records"
+        " WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    return over
+
+
+async def test_a_call_cancelled_while_its_final_transaction_rolls_back_still_ends_its_lease(
+    pg_dsn: str, store: Store
+) -> None:
+    """The release of a failed phased call is two steps: roll back the final transaction, then
+    end the claim's lease. Cancelled during the first (the client went, or its deadline ran
+    out, while the ROLLBACK was on the wire), the call skipped the second: the key stayed
+    IN_PROGRESS for the whole lease, every retry answered ABORTED meanwhile."""
+    overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with store_behind_proxy(pg_dsn, pool=3) as (proxy, own):
+        interceptor = IdempotencyInterceptor(
+            own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+        )
+        service = _Gated()
+        async with ledger_server(interceptor, service) as (channel, _):
+            stub = channel.unary_unary(
+                PHASED,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=None,
+            )
+            call = stub(request, metadata=metadata(key), timeout=30)
+            await service.wrote.wait()  # the final transaction open, the row written
+            task = service.task
+            assert task is not None
+            sent = proxy.bytes_upstream
+            proxy.hold_answers()  # the ROLLBACK reaches PostgreSQL; its answer does not
+            service.go.set()
+            await until("the rollback on the wire", lambda: proxy.bytes_upstream > sent)
+            call.cancel()
+            await until("the call cancelled", lambda: task.cancelling() > 0 or task.done())
+            await asyncio.sleep(0)  # the call's task takes its CancelledError
+            proxy.deliver_answers()
+            await until("the call over", task.done)
+            pool = own.pool
+            await until("no connection in use", lambda: pool.get_size() == pool.get_idle_size())
+            assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
+    assert await ledger_rows(store, account) == 0
+
+
+class _Holding(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Writes its row in the call's transaction, waits for the test, then answers OK."""
+
+    def __init__(self) -> None:
+        self.wrote = asyncio.Event()
+        self.go = asyncio.Event()
+        self.task: asyncio.Task[Any] | None = None
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        self.task = asyncio.current_task()
+        await write_row(request)
+        self.wrote.set()
+        await self.go.wait()
+        return testsvc_pb2.PostResponse(account=request.account)
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        return await self.Post(request, context)
+
+
+async def test_a_call_cancelled_while_its_commit_is_unanswered_lets_go_of_its_connection(
+    pg_dsn: str, store: Store
+) -> None:
+    """The outcome's COMMIT reached PostgreSQL and committed, its answer did not come back (a
+    partition at that instant), and the call was cancelled (its client gone, its deadline
+    spent). The connection went back to the pool, which waits for the database to confirm
+    the cancellation of a statement it cut short: the answer never came, and the call's task
+    and the connection were held until asyncpg gave up (the pool's command_timeout, 30 s by
+    default; for good without one): ``max_size`` such calls left the pool nothing.
+    Dropped instead, as a statement cut short is everywhere else; the retry replays. (Atomic:
+    a phased call then ends its claim's lease on another connection, bounded by the pool's
+    command_timeout behind a partition, as any release is.)"""
+    method = POST
+    overrides = {POST: MethodOverride(lease=timedelta(seconds=30))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with store_behind_proxy(pg_dsn, pool=2) as (proxy, own):
+        interceptor = IdempotencyInterceptor(
+            own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+        )
+        service = _Holding()
+        async with ledger_server(interceptor, service) as (channel, _):
+            stub = channel.unary_unary(
+                method,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=None,
+            )
+            call = stub(request, metadata=metadata(key), timeout=30)
+            await service.wrote.wait()  # the transaction open, the row written
+            task = service.task
+            assert task is not None
+            proxy.hold_answers()
+            service.go.set()
+            await until("the outcome committed", lambda: _state(store, key, "completed"))
+            call.cancel()
+            await until("the call over", task.done, timeout=5)
+            pool = own.pool
+            assert pool.get_size() == pool.get_idle_size()  # nothing left checked out
+            proxy.deliver_answers()
+        assert await ledger_rows(store, account) == 1
+        async with running_ledger(store, overrides=overrides) as other:
+            retry = await other.call(method, request, key)
+        assert retry.code is grpc.StatusCode.OK and retry.replayed, retry
+    assert await ledger_rows(store, account) == 1
+
+
+async def _state(store: Store, key: str, state: str) -> bool:
+    found: str | None = await store.pool.fetchval(
+        "SELECT state FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", SCOPE, key
+    )
+    return found == state
+
+
+async def test_a_server_stopping_during_a_release_lets_close_wait_for_it(
+    pg_dsn: str, store: Store
+) -> None:
+    """The server stops (``stop(grace)``, then ``store.close()``, the README's order) while a
+    failed phased call is releasing its key, its ROLLBACK on the wire: the cancellation ended
+    the call's task at once and left the release to run on in the background, where
+    ``close()`` did not wait for it (it waits for the calls holding a claim). The pool closed
+    under it, the claim's release found no connection, and the key stayed IN_PROGRESS for the
+    whole lease: another replica's retry was told "in progress" that long."""
+    overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with store_behind_proxy(pg_dsn, pool=3) as (proxy, own):
+        interceptor = IdempotencyInterceptor(
+            own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+        )
+        service = _Gated()
+        server = grpc.aio.server(interceptors=[interceptor])
+        testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = channel.unary_unary(
+                PHASED,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=None,
+            )
+            call = stub(request, metadata=metadata(key), timeout=30)
+            await service.wrote.wait()  # the final transaction open, the row written
+            task = service.task
+            assert task is not None
+            sent = proxy.bytes_upstream
+            proxy.hold_answers()  # the ROLLBACK reaches PostgreSQL; its answer does not
+            service.go.set()
+            await until("the rollback on the wire", lambda: proxy.bytes_upstream > sent)
+            await server.stop(0.01)  # the grace runs out: the call's task is cancelled
+            await until("the call cancelled", lambda: task.cancelling() > 0 or task.done())
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            for _ in range(5):  # close() goes as far as it can without the database
+                await asyncio.sleep(0)
+            proxy.deliver_answers()
+            await closing
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call
+        assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_a_server_stopping_while_a_failed_commit_releases_lets_close_wait_for_it(
+    pg_dsn: str, store: Store
+) -> None:
+    """As above, when the commit failed (its connection reset: a failover) and the call is
+    ending its claim's lease on a new connection as the server stops: that release was left
+    to the background too, ``close()`` closed the pool under it, and the key stayed
+    IN_PROGRESS for the whole lease."""
+    overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with store_behind_proxy(pg_dsn, pool=3) as (proxy, own):
+        interceptor = IdempotencyInterceptor(
+            own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+        )
+        service = _Holding()
+        server = grpc.aio.server(interceptors=[interceptor])
+        testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = channel.unary_unary(
+                PHASED,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=None,
+            )
+            call = stub(request, metadata=metadata(key), timeout=30)
+            await service.wrote.wait()  # the final transaction open, the row written
+            task = service.task
+            assert task is not None
+            proxy.fail_over()  # the commit's connection is reset as it is sent
+            sent = proxy.bytes_upstream
+            proxy.hold_answers()  # the release's new connection gets no answer yet
+            service.go.set()
+            await until("the release on the wire", lambda: proxy.bytes_upstream > sent)
+            await server.stop(0.01)  # the grace runs out: the call's task is cancelled
+            await until("the call cancelled", lambda: task.cancelling() > 0 or task.done())
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            for _ in range(5):  # close() goes as far as it can without the database
+                await asyncio.sleep(0)
+            proxy.deliver_answers()
+            await closing
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call
+        assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
+    assert await ledger_rows(store, account) == 0
