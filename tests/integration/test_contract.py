@@ -236,6 +236,16 @@ def test_an_async_scope_resolver_is_refused_at_construction(store: Store) -> Non
         StaticScope("\U0001f600" * 300)
 
 
+async def test_an_unawaited_store_is_refused_at_construction(pg_dsn: str) -> None:
+    """``IdempotencyInterceptor(Store.connect(dsn))``, the ``await`` forgotten: every call failed
+    with UNKNOWN ("'coroutine' object has no attribute ..."), and the coroutine was reported
+    never awaited. Refused when the interceptor is built, with the fix named."""
+    pending = Store.connect(pg_dsn)
+    with pytest.raises(TypeError, match=r"not a coroutine: await it \(store = await Store"):
+        IdempotencyInterceptor(pending)  # type: ignore[arg-type]  # on purpose
+    assert inspect.getcoroutinestate(pending) == "CORO_CLOSED"  # no "never awaited" warning
+
+
 async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) -> None:
     answer = await call_raw(ledger.channel, POST, post(fresh()), (("idempotency-key", fresh()),))
     assert answer.code is grpc.StatusCode.UNAUTHENTICATED

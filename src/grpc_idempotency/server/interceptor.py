@@ -236,6 +236,15 @@ class IdempotencyInterceptor(_Interceptor):
         sync_executor: Executor | None = None,
         fingerprint_off_loop_bytes: int | None = 16 * 1024,
     ) -> None:
+        if inspect.isawaitable(store):
+            # Checked here, not at the first call: an un-awaited ``Store.connect(...)`` (a
+            # coroutine) failed every call with UNKNOWN, "'coroutine' object has no attribute".
+            if inspect.iscoroutine(store):
+                store.close()  # else reported "never awaited" when collected
+            raise TypeError(
+                f"store must be a Store or ShardedStores, not a {type(store).__name__}: await"
+                " it (store = await Store.connect(dsn))"
+            )
         self.store = store
         self._sync_executor = sync_executor
         if fingerprint_off_loop_bytes is not None and (
