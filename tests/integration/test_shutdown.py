@@ -210,3 +210,35 @@ async def test_a_claim_still_waiting_for_a_connection_when_close_began_is_refuse
 def _queued(pool: Any) -> bool:
     """Whether a task waits for one of ``pool``'s connections (asyncpg's queue of them)."""
     return bool(pool._queue._getters)
+
+
+async def test_an_atomic_claim_still_waiting_for_a_connection_when_close_began_is_refused(
+    pg_dsn: str, store: Store
+) -> None:
+    """The same for an atomic call, whose claim is its transaction's first statement: queued for
+    a pooled connection when close() began, it ran its handler during the drain (not waited
+    for: the pool was closed under it past close()'s timeout)."""
+    own = await Store.connect(pg_dsn, min_size=1, max_size=1)
+    held, late = fresh(), fresh()
+    holding = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="hold")
+    try:
+        async with running_ledger(own) as ledger:
+            first = asyncio.ensure_future(ledger.call(POST, holding, held))
+            await ledger.service.started.wait()  # its transaction holds the only connection
+            plain = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+            queued = asyncio.ensure_future(ledger.call(POST, plain, late))
+            await until("the claim queued", lambda: _queued(own.pool))
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            for _ in range(5):  # close() runs up to its wait: the store drains
+                await asyncio.sleep(0)
+            ledger.service.release.set()  # the held call commits: the queued claim goes on
+            answered = await first
+            refused = await queued
+            await closing
+        assert answered.code is grpc.StatusCode.OK, answered  # the held claim committed
+        assert refused.code is grpc.StatusCode.UNAVAILABLE, refused
+        assert refused.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        assert "no new claims" in (refused.details or "")
+        assert await ledger_rows(store, plain.account) == 0  # its handler never ran
+    finally:
+        await own.close()
