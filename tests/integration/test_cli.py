@@ -689,6 +689,53 @@ async def test_migrate_command_timeout_bounds_a_migration_past_the_roles_stateme
         assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 2
 
 
+async def test_migrate_command_timeout_bounds_a_migration_past_the_roles_transaction_timeout(
+    pg_dsn: str, db: Any
+) -> None:
+    """As with a role's statement_timeout, so with its transaction_timeout (PostgreSQL 17 and
+    later), which ends the session of a transaction that outlasts it: each migration is a
+    transaction, and a long one was cut at the role's timeout ("store unavailable while
+    migrating (InterfaceError)", exit 1) as often as it was run, however far --command-timeout
+    was raised. Here migration 0011's backfill waits on a row a transaction holds for longer
+    than the session's transaction_timeout (200 ms), then goes on once it ends."""
+    from grpc_idempotency.store.migrations import available_migrations
+
+    async with fresh_store(pg_dsn, "role_tx_timeout") as store:
+        outbox = f'"{store.schema}".outbox'
+        row = await back_at_0010_with_a_row_to_backfill(store, db)
+        short = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}transaction_timeout=200"
+        tx = db.transaction()
+        await tx.start()
+        await db.execute(f"SELECT 1 FROM {outbox} WHERE id = $1 FOR UPDATE", row)
+        migrating = asyncio.ensure_future(
+            asyncio.to_thread(
+                cli, "migrate", "--dsn", short, "--schema", store.schema, "--command-timeout", "60"
+            )
+        )
+        try:
+
+            async def waited_past_the_roles_timeout() -> bool:
+                if migrating.done():  # ended at the role's timeout (the bug): see below
+                    return True
+                return bool(
+                    await store.pool.fetchval(
+                        "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid))"
+                        " AND pg_catalog.now() - xact_start > interval '1 s')",
+                        await db.fetchval("SELECT pg_backend_pid()"),
+                    )
+                )
+
+            await until("the backfill to wait past 200 ms", waited_past_the_roles_timeout)
+        finally:
+            await tx.rollback()
+        done = await migrating
+        assert done.returncode == 0, done.stderr
+        applied = [m.version for m in available_migrations() if m.version >= 11]
+        assert f"applied migrations: {applied}" in done.stdout
+        assert await db.fetchval(f"SELECT failures FROM {outbox} WHERE id = $1", row) == 2
+
+
 async def test_a_migration_past_its_command_timeout_says_which_and_what_to_raise(
     pg_dsn: str, db: Any
 ) -> None:

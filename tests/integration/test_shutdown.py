@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 import grpc
 import pytest
@@ -156,4 +157,88 @@ async def test_close_waits_for_a_claim_that_was_on_the_wire_when_it_began(
         assert await ledger_rows(store, account) == 1
     finally:
         await store.pool.release(blocker)
+        await own.close()
+
+
+async def test_a_claim_still_waiting_for_a_connection_when_close_began_is_refused(
+    pg_dsn: str, store: Store
+) -> None:
+    """A phased claim queued for a pooled connection when close() began had sent nothing: it
+    is a claim after the drain began, refused as one (UNAVAILABLE, no outage, nothing claimed).
+    It went on once a connection came free: claimed, and ran its handler during the drain (a
+    handler outlasting close()'s timeout then had the pool terminated under it, and its key
+    stayed IN_PROGRESS for the whole lease)."""
+    own = await Store.connect(pg_dsn, min_size=2, max_size=2)
+    held, late = fresh(), fresh()
+    holding = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="hold")
+    try:
+        async with running_ledger(own, overrides=LONG_LEASE) as ledger:
+            first = asyncio.ensure_future(ledger.call(SVC + "PostPhased", holding, held))
+            await ledger.service.started.wait()  # its final transaction holds a connection
+            blocker = await own.pool.acquire()  # and the test the other one
+            plain = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+            queued = asyncio.ensure_future(ledger.call(SVC + "PostPhased", plain, late))
+            await until("the look-up queued", lambda: _queued(own.pool))
+            # Queued behind the look-up, the test takes the connection the look-up hands back:
+            # the call's claim, right after, queues for one.
+            taker = asyncio.ensure_future(own.pool.acquire())
+            await own.pool.release(blocker)
+            await until("the claim queued", lambda: len(own._claiming) == 2 and taker.done())
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            for _ in range(5):  # close() runs up to its wait: the store drains
+                await asyncio.sleep(0)
+            await own.pool.release(taker.result())  # the queued claim gets a connection
+            refused = await queued
+            ledger.service.release.set()  # the held call commits
+            answered = await first
+            await closing
+        assert answered.code is grpc.StatusCode.OK, answered  # the held claim committed
+        assert refused.code is grpc.StatusCode.UNAVAILABLE, refused
+        assert refused.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        assert "no new claims" in (refused.details or "")
+        rows = await store.pool.fetch(
+            "SELECT key, state FROM grpc_idempotency.records WHERE scope = $1"
+            " AND key = ANY($2::text[])",
+            SCOPE,
+            [held, late],
+        )
+        assert {row["key"]: row["state"] for row in rows} == {held: "completed"}
+    finally:
+        await own.close()
+
+
+def _queued(pool: Any) -> bool:
+    """Whether a task waits for one of ``pool``'s connections (asyncpg's queue of them)."""
+    return bool(pool._queue._getters)
+
+
+async def test_an_atomic_claim_still_waiting_for_a_connection_when_close_began_is_refused(
+    pg_dsn: str, store: Store
+) -> None:
+    """The same for an atomic call, whose claim is its transaction's first statement: queued for
+    a pooled connection when close() began, it ran its handler during the drain (not waited
+    for: the pool was closed under it past close()'s timeout)."""
+    own = await Store.connect(pg_dsn, min_size=1, max_size=1)
+    held, late = fresh(), fresh()
+    holding = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="hold")
+    try:
+        async with running_ledger(own) as ledger:
+            first = asyncio.ensure_future(ledger.call(POST, holding, held))
+            await ledger.service.started.wait()  # its transaction holds the only connection
+            plain = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+            queued = asyncio.ensure_future(ledger.call(POST, plain, late))
+            await until("the claim queued", lambda: _queued(own.pool))
+            closing = asyncio.ensure_future(own.close(timeout=10))
+            for _ in range(5):  # close() runs up to its wait: the store drains
+                await asyncio.sleep(0)
+            ledger.service.release.set()  # the held call commits: the queued claim goes on
+            answered = await first
+            refused = await queued
+            await closing
+        assert answered.code is grpc.StatusCode.OK, answered  # the held claim committed
+        assert refused.code is grpc.StatusCode.UNAVAILABLE, refused
+        assert refused.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        assert "no new claims" in (refused.details or "")
+        assert await ledger_rows(store, plain.account) == 0  # its handler never ran
+    finally:
         await own.close()

@@ -192,7 +192,16 @@ async def _apply(
     async with conn.transaction(isolation="read_committed"):
         # First, before any lock is taken (capped at PostgreSQL's int milliseconds).
         idle_ms = min(max(1, round(idle_timeout_s * 1000)), 2**31 - 1)
-        await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}")
+        # And no role's or DSN's transaction_timeout (PostgreSQL 17 and later; the name is
+        # unknown before, hence set_config from pg_settings): it ended the session of a long
+        # migration however far --command-timeout was raised, as statement_timeout did (below).
+        # Each statement stays bounded (command_timeout, statement_timeout), and so does the
+        # time between them (idle_in_transaction_session_timeout). Same round trip.
+        await conn.execute(
+            f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms};"
+            " SELECT pg_catalog.set_config(name, '0', true) FROM pg_catalog.pg_settings"
+            " WHERE name = 'transaction_timeout'"
+        )
         # The migrations name the built-ins they use in column defaults and statements without
         # a schema, and those are bound when the DDL runs: a role's search_path with a clock of
         # its own ahead of pg_catalog would stay in the tables for good. (Everything of the

@@ -931,6 +931,11 @@ class Store:
         for tried in range(1, tries + 1):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             conn = await self._acquire("claiming a key", left)
+            if self._draining:
+                # Queued for a connection when ``close`` began: nothing sent, refused as any
+                # claim after the drain began (it ran its handler during the drain).
+                await self._release(conn)
+                self._refuse_if_draining()
             attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
             try:
                 await conn.execute(sql, timeout=self.statement_timeout(left))
@@ -1056,6 +1061,13 @@ class Store:
         # transaction, nor its release one, and the key stayed IN_PROGRESS for the whole lease.
         with self.holding_claim():
             conn = await self._acquire("claiming a key", timeout)
+            if self._draining:
+                # Queued for a connection when ``close`` began, this claim has sent nothing:
+                # refused as any claim after the drain began. Let through, it claimed once the
+                # drain freed a connection and ran its handler during the drain (past close()'s
+                # timeout the pool was terminated under it: IN_PROGRESS for the whole lease).
+                await self._release(conn)
+                self._refuse_if_draining()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
 
             async def claim() -> tuple[int, datetime] | None:
