@@ -242,3 +242,28 @@ async def test_an_atomic_claim_still_waiting_for_a_connection_when_close_began_i
         assert await ledger_rows(store, plain.account) == 0  # its handler never ran
     finally:
         await own.close()
+
+
+async def test_a_nested_hold_ends_with_the_outermost_block(store: Store) -> None:
+    """One task holding a claim in nested blocks (a claim made inside another's block): the
+    inner block's end let ``close`` stop waiting while the outer claim was still held."""
+    inner_done, finish = asyncio.Event(), asyncio.Event()
+
+    async def holder() -> None:
+        with store.holding_claim():
+            with store.holding_claim():
+                pass
+            inner_done.set()
+            await finish.wait()
+
+    holding = asyncio.create_task(holder())
+    await inner_done.wait()
+    closing = asyncio.create_task(store.close(timeout=30))
+    # close() waits for the outer hold: it is still draining, the pool still open.
+    done, _ = await asyncio.wait({closing}, timeout=0.5)
+    assert not done, "close() returned while a claim was still held"
+    assert not store.pool.is_closing()
+    finish.set()
+    await holding
+    await asyncio.wait_for(closing, 30)
+    assert store.pool.is_closing()

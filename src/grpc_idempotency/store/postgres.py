@@ -605,11 +605,15 @@ class Store:
         if task is None:  # pragma: no cover - the interceptor runs in a task
             yield
             return
+        # Nested blocks of one task (``claim_phased`` called inside another claim's block):
+        # the outermost one ends the hold, or the inner end let ``close`` stop waiting for it.
+        outermost = task not in self._claiming
         self._claiming.add(task)
         try:
             yield
         finally:
-            self._claiming.discard(task)
+            if outermost:
+                self._claiming.discard(task)
 
     async def check_schema(self) -> None:
         """Raises ``StoreMisconfigured`` unless every migration this version of the library
