@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store, StoreDown
@@ -13,13 +14,12 @@ from tests.support.ledger import fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 
 SVC = "/testsvc.v1.LedgerService/"
-
-
 PHASED = SVC + "PostPhased"
 
 
+@pytest.mark.parametrize("store_down", [StoreDown.FAIL_CLOSED, StoreDown.FAIL_OPEN])
 async def test_a_phased_claim_whose_session_is_terminated_claims_again_on_a_fresh_connection(
-    store: Store,
+    store: Store, store_down: StoreDown
 ) -> None:
     """A phased claim on the wire when its backend is terminated (pg_terminate_backend, a
     pooler's or a failover's end of the session): the claim did not commit (the session's
@@ -27,7 +27,7 @@ async def test_a_phased_claim_whose_session_is_terminated_claims_again_on_a_fres
     fail-closed method refused the call UNAVAILABLE, and a fail-open one ran its handler
     unclaimed, while the key could be claimed and run by another attempt. Claimed once more on
     a connection opened now, as the atomic claim is, the call runs claimed, once."""
-    overrides = {PHASED: MethodOverride(store_down=StoreDown.FAIL_OPEN)}
+    overrides = {PHASED: MethodOverride(store_down=store_down)}
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1)
     async with running_ledger(store, overrides=overrides) as ledger:
