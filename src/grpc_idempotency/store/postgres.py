@@ -1076,6 +1076,7 @@ class Store:
                     # Not a timeout: behind a partition another connection waits as long.
                     cause = err.__cause__ or err
                     if tried < tries and _connection_gone(cause):
+                        self._refuse_if_draining()  # no new claim once close() has begun
                         continue
                     raise
             raise AssertionError("unreachable")
