@@ -8,7 +8,9 @@
   Python's text (or could never answer);
 - ``Store.close()`` during a probe left the call without a status;
 - behind PgBouncer the probe queued behind other clients blocked on the lock: ``probe_dsn``
-  sends it to the database itself.
+  sends it to the database itself;
+- PgBouncer's own error for a client that waited past ``query_wait_timeout`` (08P01, a busy
+  pool) was taken for a certain outage, with no probe at all.
 """
 
 from __future__ import annotations
@@ -271,3 +273,43 @@ def _all_closed(store: Store) -> bool:
     # asyncpg has no public view of a pool's connections (nor its stubs of the private one)
     holders = store.pool._holders  # type: ignore[attr-defined]
     return all(h._con is None or h._con.is_closed() for h in holders)
+
+
+async def test_behind_pgbouncer_a_query_wait_timeout_is_confirmed_before_failing_open(
+    pg_dsn: str,
+) -> None:
+    """PgBouncer's pool is busy (its one server connection held by another client's
+    transaction) past its ``query_wait_timeout``: PgBouncer ends the waiting client's
+    connection with its own error, SQLSTATE 08P01, as it does for every failure of its own.
+    That was taken for a certain outage, and a fail-open method ran a completed key again,
+    unclaimed, with the database up and holding its outcome. A pooler's 08P01 says nothing
+    certain of the database: the outage is confirmed first (``probe_dsn``: the database
+    answers), and the call is UNAVAILABLE."""
+    settings = {"query_wait_timeout": "1"}
+    with running_pgbouncer(pg_dsn, pool_size=1, settings=settings) as bouncer:
+        store = await Store.connect(
+            bouncer.dsn,
+            schema=schema(),
+            migrate=True,
+            min_size=1,
+            max_size=2,
+            statement_cache_size=0,
+            probe_dsn=pg_dsn,
+        )
+        await prepare(store)
+        holder = await asyncpg.connect(bouncer.dsn, statement_cache_size=0)
+        try:
+            async with running_ledger(store, replay_cache=False) as ledger:
+                key = fresh()
+                done = await ledger.call(FAIL_OPEN, post("acct"), key)
+                assert done.code is grpc.StatusCode.OK, done.details
+                # The pool's only server connection, pinned by a transaction left open.
+                await holder.execute("BEGIN")
+                await holder.fetchval("SELECT 1")
+                again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
+        finally:
+            await holder.close()
+            await store.close()
+    assert again.code is grpc.StatusCode.UNAVAILABLE, again
+    assert again.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    assert ledger.service.executions == 1

@@ -33,7 +33,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import Store, cli
 from grpc_idempotency.outbox import OutboxMessage, Relay
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
-from tests.support.pgbouncer import PgBouncer, running_pgbouncer
+from tests.support.pgbouncer import PgBouncer, free_port, running_pgbouncer
 from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
 
@@ -42,6 +42,8 @@ POOL_OPTIONS: dict[str, Any] = {"statement_cache_size": 0}
 SERVER_CONNECTIONS = 4  # PgBouncer's pool; the stores below hold up to 16 client connections
 WAIT_S = 20.0  # an upper bound for things that take milliseconds; never a pause
 LISTENS = "SELECT $1::text IN (SELECT pg_listening_channels())"
+POST = "/testsvc.v1.LedgerService/Post"
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +187,56 @@ async def test_keyed_calls_through_pgbouncer_run_once_and_replay_byte_identical(
         answers = client.answers[key]
         assert len({a.body for a in answers}) == 1, key  # replays are the original's bytes
         assert [a.replayed for a in answers].count(False) == 1, key  # one execution, rest replays
+
+
+async def test_pgbouncer_killed_and_restarted_under_keyed_calls(pg_dsn: str, store: Store) -> None:
+    """PgBouncer killed (kill -9) and started again on the same port with an atomic call inside
+    its transaction and a phased call between its claim and its final transaction, the
+    application's store untouched: the atomic call is UNAVAILABLE (its transaction died with the
+    client connection) and its retry runs once; the phased call commits on a new connection and
+    its retry replays. Both keys end completed, each effect written once."""
+    port = free_port()
+    with contextlib.ExitStack() as bouncers:
+        first = bouncers.enter_context(running_pgbouncer(pg_dsn, pool_size=4, port=port))
+        through = await Store.connect(first.dsn, min_size=4, max_size=8, **POOL_OPTIONS)
+        try:
+            async with running_ledger(through) as atomic, running_ledger(through) as phased:
+                a_key, a_account = f"pgk-{uuid.uuid4().hex}", f"pgk-{uuid.uuid4().hex}"
+                p_key, p_account = f"pgk-{uuid.uuid4().hex}", f"pgk-{uuid.uuid4().hex}"
+                a_request = testsvc_pb2.PostRequest(account=a_account, amount=1, behaviour="hold")
+                p_request = testsvc_pb2.PostRequest(account=p_account, amount=1, behaviour="wait")
+                a_call = asyncio.ensure_future(
+                    call_raw(atomic.channel, POST, a_request, metadata(a_key), 30)
+                )
+                p_call = asyncio.ensure_future(
+                    call_raw(phased.channel, PHASED, p_request, metadata(p_key), 30)
+                )
+                await asyncio.wait_for(atomic.service.started.wait(), WAIT_S)
+                await asyncio.wait_for(phased.service.started.wait(), WAIT_S)
+
+                first.process.kill()
+                first.process.wait()
+                bouncers.close()
+                bouncers.enter_context(running_pgbouncer(pg_dsn, pool_size=4, port=port))
+                atomic.service.release.set()
+                phased.service.release.set()
+                a_first, p_first = await a_call, await p_call
+                assert a_first.code is grpc.StatusCode.UNAVAILABLE, a_first.details
+                assert a_first.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+                assert p_first.code is grpc.StatusCode.OK, p_first.details
+                a_retry = await call_raw(atomic.channel, POST, a_request, metadata(a_key))
+                p_retry = await call_raw(phased.channel, PHASED, p_request, metadata(p_key))
+                assert a_retry.code is grpc.StatusCode.OK and not a_retry.replayed
+                assert p_retry.code is grpc.StatusCode.OK and p_retry.replayed
+                assert p_retry.body == p_first.body
+        finally:
+            await through.close(timeout=2)
+    for account in (a_account, p_account):
+        assert await ledger_rows(store, account) == 1
+    states = await store.pool.fetch(
+        "SELECT state FROM grpc_idempotency.records WHERE key = ANY($1)", [a_key, p_key]
+    )
+    assert [r["state"] for r in states] == ["completed"] * 2
 
 
 # -- relays -------------------------------------------------------------------------------------

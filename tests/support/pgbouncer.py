@@ -147,11 +147,14 @@ def running_pgbouncer(
     pool_size: int = 3,
     max_client_conn: int = 200,
     settings: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Iterator[PgBouncer]:
     """Starts PgBouncer in front of ``upstream_dsn`` and stops it when the block ends.
 
     ``pool_size`` server connections at most (``default_pool_size`` and ``max_db_connections``),
     so that more clients than that share them; ``settings`` adds or overrides [pgbouncer] keys.
+    ``port``: listen there (a PgBouncer restarted where its clients' DSN points), else on a free
+    port.
     """
     binary = pgbouncer_binary()
     upstream = parse_dsn(upstream_dsn)
@@ -161,7 +164,7 @@ def running_pgbouncer(
     server += f" user={_quote(upstream.user)}"
     if upstream.password:
         server += f" password={_quote(upstream.password)}"
-    port = free_port()
+    port = free_port() if port is None else port
     config = {
         "listen_addr": "127.0.0.1",
         "listen_port": str(port),

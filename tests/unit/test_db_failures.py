@@ -7,8 +7,8 @@ import ssl
 import asyncpg
 import pytest
 
-from grpc_idempotency.core.db_failures import Failure, classify, outage
-from grpc_idempotency.store.errors import dsn_unusable
+from grpc_idempotency.core.db_failures import Failure, classify, outage, presumed_outage
+from grpc_idempotency.store.errors import dsn_unusable, store_error
 
 
 @pytest.mark.parametrize(
@@ -93,3 +93,19 @@ def test_what_makes_a_dsn_unusable() -> None:
     assert not dsn_unusable(_raised_in(parsing, ConnectionRefusedError()))
     # A ValueError of the caller's own, raised elsewhere (min_size > max_size).
     assert not dsn_unusable(_raised_in("asyncpg.pool", ValueError("min_size")))
+
+
+def test_a_poolers_error_is_a_presumed_outage_to_be_confirmed() -> None:
+    """PgBouncer's own errors (08P01: query_wait_timeout on a busy pool, a failing server
+    login) say nothing certain of the database; asyncpg raises them as the connection's end
+    (08003) caused by the error read. A fail-open method confirms such an outage first."""
+    assert presumed_outage("08P01") and outage("08P01")
+    assert not presumed_outage("08006") and not presumed_outage(None)
+    lost = asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation")
+    lost.__cause__ = asyncpg.ProtocolViolationError("query_wait_timeout")
+    pooler = store_error(lost, "claiming a key")
+    assert pooler.outage and pooler.ambiguous
+    reset = store_error(
+        asyncpg.ConnectionDoesNotExistError("connection was closed"), "claiming a key"
+    )
+    assert reset.outage and not reset.ambiguous

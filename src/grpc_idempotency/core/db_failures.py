@@ -87,6 +87,21 @@ _OUTAGE_CODES = frozenset(
 )
 
 
+# protocol_violation: what PgBouncer answers for every failure of its own, whatever the
+# database's state: a server login that failed (down), but also a client that waited past
+# query_wait_timeout for a server connection (a busy pool, the database up), or one past
+# max_client_conn. PostgreSQL itself sends it only to a client that broke the protocol.
+_POOLER_CODE = "08P01"
+
+
+def presumed_outage(sqlstate: str | None) -> bool:
+    """Whether an ``outage`` with ``sqlstate`` is only presumed, to be confirmed on a connection
+    of its own before a fail-open method runs unclaimed: a pooler's error (08P01), which does
+    not say whether the database is up. (A timeout measured on the client side, with no
+    SQLSTATE, is presumed too: the store marks that one itself.)"""
+    return sqlstate == _POOLER_CODE
+
+
 def outage(sqlstate: str | None) -> bool:
     """Whether a failure with ``sqlstate`` says the database is unreachable or unusable for
     writes (a fail-open method may run without it): no SQLSTATE (a socket error, a closed

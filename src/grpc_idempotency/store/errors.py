@@ -15,7 +15,7 @@ import time
 
 import asyncpg
 
-from grpc_idempotency.core.db_failures import Failure, classify, outage
+from grpc_idempotency.core.db_failures import Failure, classify, outage, presumed_outage
 from grpc_idempotency.core.errors import (
     HandlerDatabaseError,
     IdempotencyError,
@@ -87,11 +87,21 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     # A timeout of the client's own (asyncpg's statement timeout, a wait for a pooled
     # connection) says only that no answer came in time: a partition, or a statement blocked
     # on a table lock in a live database. That outage is ambiguous, to be confirmed first.
+    # So is a pooler's own error (PgBouncer's 08P01): taken for a certain outage, a client that
+    # waited past query_wait_timeout for a busy pool had a fail-open method run a completed
+    # key again, unclaimed, with the database up and holding its outcome.
     return StoreUnavailable(
         f"idempotency store unavailable while {doing} ({detail})",
         outage=outage(state),
-        ambiguous=state is None and isinstance(exc, TimeoutError),
+        ambiguous=(state is None and isinstance(exc, TimeoutError)) or _pooler_said(exc),
     )
+
+
+def _pooler_said(exc: BaseException) -> bool:
+    """Whether ``exc`` is a pooler's own error (``presumed_outage``). PgBouncer closes the
+    client's connection after it, and asyncpg raises ConnectionDoesNotExistError (08003) caused
+    by the error it read (08P01, "query_wait_timeout"): both are looked at."""
+    return any(presumed_outage(sqlstate(e)) for e in (exc, exc.__cause__) if e is not None)
 
 
 # object_not_in_prerequisite_state, which a session's start-up raises for a database whose

@@ -1064,59 +1064,96 @@ class Store:
         # began landed after the pool had closed, its handler found no connection for the final
         # transaction, nor its release one, and the key stayed IN_PROGRESS for the whole lease.
         with self.holding_claim():
-            conn = await self._acquire("claiming a key", timeout)
-            if self._draining:
-                # Queued for a connection when ``close`` began, this claim has sent nothing:
-                # refused as any claim after the drain began. Let through, it claimed once the
-                # drain freed a connection and ran its handler during the drain (past close()'s
-                # timeout the pool was terminated under it: IN_PROGRESS for the whole lease).
-                await self._release(conn)
-                self._refuse_if_draining()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            tries = 2
+            for tried in range(1, tries + 1):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                conn = await self._acquire("claiming a key", left)
+                if self._draining:
+                    # Queued for a connection when ``close`` began, this claim has sent
+                    # nothing: refused as any claim after the drain began. Let through, it
+                    # claimed once the drain freed a connection and ran its handler during the
+                    # drain (past close()'s timeout the pool was terminated under it:
+                    # IN_PROGRESS for the whole lease).
+                    await self._release(conn)
+                    self._refuse_if_draining()
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    return await self._claim_phased_once(
+                        conn, args, scope, key, retention_s, lease_s, isolation, left
+                    )
+                except StoreUnavailable as err:
+                    # The claim's session ended under it (pg_terminate_backend, a failover or a
+                    # restart that left the pool's connection dead): once more on a connection
+                    # opened now (``_holding`` had the pool's others replaced), as the atomic
+                    # claim does. Answered as an outage, with the database up, a fail-open
+                    # method ran its handler unclaimed while another attempt could claim and run
+                    # the same key. Safe: a claim whose session ended mid-statement is rolled
+                    # back; one that committed before its answer was lost makes this one lose
+                    # the race to it (look again, then wait its lease out, as without this).
+                    # Not a timeout: behind a partition another connection waits as long.
+                    cause = err.__cause__ or err
+                    if tried < tries and _connection_gone(cause):
+                        self._refuse_if_draining()  # no new claim once close() has begun
+                        continue
+                    raise
+            raise AssertionError("unreachable")
 
-            async def claim() -> tuple[int, datetime] | None:
-                async with self._holding(conn, "claiming a key"):
-                    try:
-                        # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
-                        # after a claim that committed as well as before, and the claim would then
-                        # be left with its lease and nobody behind it. The caller's wait is bounded
-                        # below instead, and a claim it gave up on is settled.
-                        row = await conn.fetchrow(
-                            self.statements.claim_phased, *args, float(retention_s), float(lease_s)
-                        )
-                    except asyncpg.PostgresError as exc:
-                        if _lost_race(exc):
-                            return None
-                        raise
-                    assert row is not None
-                    return row["token"], row["started_at"]
+    async def _claim_phased_once(
+        self,
+        conn: PooledConnection,
+        args: tuple[str, str, int, str, bytes],
+        scope: str,
+        key: str,
+        retention_s: float,
+        lease_s: float,
+        isolation: Isolation | None,
+        timeout: float | None,
+    ) -> PhasedClaim | None:
+        """One try of ``claim_phased`` on ``conn`` (handed back at its end), within ``timeout``."""
 
-            # The claim commits on its own: cancelled while it is on the wire (the client went) or
-            # given up on at the call's deadline, it may commit all the same, and its lease would
-            # then run on with nobody behind it, every retry answered IN_PROGRESS for the whole
-            # lease. So it runs to its end in a task of its own, and a claim that turns out to have
-            # committed is released (with its own token) once it answers.
-            claiming = asyncio.ensure_future(claim())
-            try:
-                claimed = await asyncio.wait_for(
-                    asyncio.shield(claiming), self.statement_timeout(left)
-                )
-            except TimeoutError as exc:
-                self._settle(claiming, scope, key, retention_s, lease_s)
-                raise store_error(exc, "claiming a key") from exc
-            except asyncio.CancelledError:
-                self._settle(claiming, scope, key, retention_s, lease_s)
-                raise
-            if claimed is None:
-                return None
-            token, started_at = claimed
-            return PhasedClaim(
-                self,
-                _Claim(scope, key, retention_s, token),
-                lease_s,
-                isolation,
-                started_at=started_at,
+        async def claim() -> tuple[int, datetime] | None:
+            async with self._holding(conn, "claiming a key"):
+                try:
+                    # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
+                    # after a claim that committed as well as before, and the claim would then
+                    # be left with its lease and nobody behind it. The caller's wait is bounded
+                    # below instead, and a claim it gave up on is settled.
+                    row = await conn.fetchrow(
+                        self.statements.claim_phased, *args, float(retention_s), float(lease_s)
+                    )
+                except asyncpg.PostgresError as exc:
+                    if _lost_race(exc):
+                        return None
+                    raise
+                assert row is not None
+                return row["token"], row["started_at"]
+
+        # The claim commits on its own: cancelled while it is on the wire (the client went) or
+        # given up on at the call's deadline, it may commit all the same, and its lease would
+        # then run on with nobody behind it, every retry answered IN_PROGRESS for the whole
+        # lease. So it runs to its end in a task of its own, and a claim that turns out to have
+        # committed is released (with its own token) once it answers.
+        claiming = asyncio.ensure_future(claim())
+        try:
+            claimed = await asyncio.wait_for(
+                asyncio.shield(claiming), self.statement_timeout(timeout)
             )
+        except TimeoutError as exc:
+            self._settle(claiming, scope, key, retention_s, lease_s)
+            raise store_error(exc, "claiming a key") from exc
+        except asyncio.CancelledError:
+            self._settle(claiming, scope, key, retention_s, lease_s)
+            raise
+        if claimed is None:
+            return None
+        token, started_at = claimed
+        return PhasedClaim(
+            self,
+            _Claim(scope, key, retention_s, token),
+            lease_s,
+            isolation,
+            started_at=started_at,
+        )
 
     def _settle(
         self,
