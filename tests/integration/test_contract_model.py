@@ -39,6 +39,7 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from grpc_idempotency.core.fingerprint import Fingerprinter
 from tests.support.ledger import TENANT, ledger_server, prepare
 from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
@@ -277,6 +278,7 @@ steps = st.one_of(
         st.booleans(),
     ),
     st.tuples(st.just("age"), keys),
+    st.tuples(st.just("crashed"), methods, keys, variants, st.booleans()),
     st.tuples(st.just("purge")),
     st.tuples(st.just("unkeyed"), st.sampled_from([ATOMIC, OPTIONAL]), behaviours),
 )
@@ -375,8 +377,11 @@ class Model:
             # Released, the phased claim stays, its lease over: the same request takes it
             # over (the operation continues), another is refused until it expires.
             self.records[k] = Record(method, variant, False)
+        elif rec := self.records.get(k):
+            # Atomic: the claim rolled back with the writes; a takeover, to the claim it took.
+            assert not rec.completed, rec
         else:
-            self.records.pop(k, None)  # atomic: the claim rolled back with the writes
+            self.records.pop(k, None)
 
     def runs_handler(self, method: str, k: int, variant: int) -> bool:
         rec = self.records.get(k)
@@ -424,9 +429,7 @@ class Model:
         whose deadline runs out while it waits."""
         if not self.runs_handler(method, k, v_first):
             return await self.call(r_first, method, k, v_first, b_first)
-        what = (
-            f"overlap key {k}: {method} {v_first} on {r_first}, then {m_dup} {v_dup} on {dups}"
-        )
+        what = f"overlap key {k}: {method} {v_first} on {r_first}, then {m_dup} {v_dup} on {dups}"
         service = self.served.service
         service.started.clear()
         service.release.clear()
@@ -444,17 +447,13 @@ class Model:
                 assert "grpc-retry-pushback-ms" in late.trailing, (what, late)
             assert not late.initial, (what, late)  # nothing sent first: gRPC may retry it
         calls = [asyncio.ensure_future(self.send(m_dup, k, v_dup, replica=r)) for r in dups]
-        refused_at_once = method == PHASED and (m_dup, v_dup) != (method, v_first)
-        if refused_at_once:
-            # The claim is visible: another request is refused at once.
-            for dup in await asyncio.gather(*calls):
-                self.refused_reused(dup, what + " (dup)")
-            calls = []
-        else:
-            await until(
-                "the duplicates to wait on the first attempt",
-                lambda: sum(i.waiting_calls for i, _ in self.served.servers) == len(dups),
-            )
+        # Each duplicate is answered (another request, refused at once where the first's claim
+        # is visible: phased, or a takeover of a claim left in progress), waits on the first in
+        # this process or polls (waiting_calls), or waits for the first's row lock in its claim.
+        await until(
+            "the duplicates to wait on the first attempt",
+            lambda: self.settled(calls),
+        )
         service.release.set()
         answer = await first
         self.executed(answer, b_first, k, what + " (first)")
@@ -472,11 +471,26 @@ class Model:
                 else:
                     self.refused_reused(dup, what + " (dup)")
                 continue
+            if rec is not None and (rec.method, rec.variant) != (m_dup, v_dup):
+                # Left in progress (a phased claim released, a takeover rolled back): the
+                # claim stays the first request's.
+                self.refused_reused(dup, what + " (dup)")
+                continue
             # Released: a duplicate runs (atomic, any request; phased, the same request).
             assert self.runs_handler(m_dup, k, v_dup), (what, dup, rec)
             self.executed(dup, b_dup, k, what + " (dup)")
             self.after_execution(m_dup, k, v_dup, b_dup, dup)
         return None
+
+    async def settled(self, calls: list[asyncio.Future[Answer]]) -> bool:
+        done = sum(call.done() for call in calls)
+        waiting = sum(i.waiting_calls for i, _ in self.served.servers)
+        locked: int = await self.served.store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE $1",
+            f'%"{self.served.store.schema}"%',
+        )
+        return done + waiting + locked == len(calls)
 
     @staticmethod
     def replayed_or_refused(answer: Answer, k: int, variant: int) -> int:
@@ -497,6 +511,37 @@ class Model:
             self.key(k),
         )
         self.records.pop(k, None)
+
+    async def crashed(self, method: str, k: int, variant: int, lease_left: bool) -> None:
+        """An attempt that claimed the key and died (kill -9 of a phased owner; of a process
+        that ran the method phased before a deploy made it atomic): an in-progress claim, its
+        lease over or running out in 300 ms. The same request takes it over (after waiting out
+        the lease), another is refused KEY_REUSED."""
+        if k in self.records:
+            return
+        schema = self.served.store.schema
+        fingerprint = Fingerprinter.for_method(method, testsvc_pb2.PostRequest.DESCRIPTOR)(
+            self.request(k, variant)
+        )
+        async with self.served.store.pool.acquire() as conn, conn.transaction():
+            # An aged record the model has forgotten goes first, as a purge would take it.
+            await conn.execute(
+                f'DELETE FROM "{schema}".records WHERE scope = $1 AND key = $2',
+                f"tenant:{self.tenant(k)}",
+                self.key(k),
+            )
+            await conn.execute(
+                f'INSERT INTO "{schema}".records (scope, key, method, fingerprint, state,'
+                " fencing_token, locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress',"
+                " 7, clock_timestamp() + make_interval(secs => $5),"
+                " clock_timestamp() + interval '1 hour')",
+                f"tenant:{self.tenant(k)}",
+                self.key(k),
+                method,
+                fingerprint,
+                0.3 if lease_left else -1.0,
+            )
+        self.records[k] = Record(method, variant, False)
 
     async def purge(self) -> None:
         await self.served.store.purge()
