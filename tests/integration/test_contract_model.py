@@ -277,11 +277,28 @@ steps = st.one_of(
         behaviours,
         st.booleans(),
     ),
+    st.tuples(st.just("stall"), keys, variants, behaviours, behaviours),
     st.tuples(st.just("age"), keys),
     st.tuples(st.just("crashed"), methods, keys, variants, st.booleans()),
     st.tuples(st.just("purge")),
     st.tuples(st.just("unkeyed"), st.sampled_from([ATOMIC, OPTIONAL]), behaviours),
 )
+
+
+def expected_details(behaviour: str) -> str | None:
+    """The status message the handler's answer carries, where the handler chose it."""
+    kind, _, arg = behaviour.partition(":")
+    if kind in ("abort", "abort-int"):
+        return f"handler says {arg}"
+    if kind in ("set", "set-int"):
+        return f"handler sets {arg}"
+    if kind == "set-then-abort":
+        return f"then aborts {arg.split('>')[1]}"
+    if kind.startswith("rich"):
+        return "rich"
+    if kind in ("ok", "ok-details", "ok-trailer"):
+        return ""  # grpc.aio sends no message with OK, whatever set_details() said
+    return None
 
 
 class Model:
@@ -342,6 +359,13 @@ class Model:
             assert answer.reason() == REASONS[behaviour], (what, behaviour, answer)
         if behaviour == "ok-trailer":
             assert answer.trailing.get("x-model") == "trailer", (what, answer)
+        expected = expected_details(behaviour)
+        if expected is not None:
+            assert answer.details == expected, (what, behaviour, answer)
+        if behaviour.startswith("rich"):
+            status = answer.status()
+            assert status is not None and status.message == "rich", (what, answer)
+            assert len(status.details) == 1, (what, answer)
         self.runs[self.account(k)] = self.runs.get(self.account(k), 0) + 1
         if code is grpc.StatusCode.OK:
             assert answer.body is not None
@@ -481,6 +505,61 @@ class Model:
             self.executed(dup, b_dup, k, what + " (dup)")
             self.after_execution(m_dup, k, v_dup, b_dup, dup)
         return None
+
+    async def stall(self, k: int, variant: int, b_first: str, b_dup: str) -> None:
+        """A phased owner stalls (held in its handler) and its lease runs out under it (set so
+        by hand); a retry on the other replica takes the key over, and the stalled owner may not
+        commit (LEASE_LOST). Its lease keeper may renew the lease before the retry looks: then
+        the retry waits on the owner, as a duplicate does."""
+        if not self.runs_handler(PHASED, k, variant):
+            return
+        what = f"stall key {k} request {variant}"
+        service = self.served.service
+        service.started.clear()
+        service.release.clear()
+        self.plan(k, "hold+" + b_first, b_dup)
+        account = self.account(k)
+        runs = service.runs.get(account, 0)
+        first = asyncio.ensure_future(self.send(PHASED, k, variant, replica=0))
+        await service.started.wait()
+        await self.served.store.pool.execute(
+            f'UPDATE "{self.served.store.schema}".records'
+            " SET locked_until = clock_timestamp() - interval '1 second'"
+            " WHERE scope = $1 AND key = $2 AND state = 'in_progress'",
+            f"tenant:{self.tenant(k)}",
+            self.key(k),
+        )
+        retry = asyncio.ensure_future(self.send(PHASED, k, variant, replica=1))
+        await until(
+            "the retry to take the key over or wait on its owner",
+            lambda: (
+                service.runs.get(account, 0) == runs + 2
+                or self.served.servers[1][0].waiting_calls == 1
+            ),
+        )
+        if service.runs.get(account, 0) == runs + 2:  # taken over
+            stale = await first  # its lease keeper found the claim lost: cancelled
+            service.release.set()
+            assert stale.code is grpc.StatusCode.ABORTED, (what, stale)
+            assert stale.reason() == "IDEMPOTENCY_LEASE_LOST", (what, stale)
+            assert not stale.replayed, (what, stale)
+            self.runs[account] = self.runs.get(account, 0) + 1  # ran, wrote nothing
+            answer = await retry
+            self.executed(answer, b_dup, k, what + " (retry)")
+            self.after_execution(PHASED, k, variant, b_dup, answer)
+            return
+        service.release.set()
+        answer = await first
+        self.executed(answer, b_first, k, what + " (first)")
+        self.after_execution(PHASED, k, variant, b_first, answer)
+        again = await retry
+        rec = self.records.get(k)
+        if rec is not None and rec.completed:
+            assert rec.answer is not None
+            self.replayed(again, rec.answer, what + " (retry)")
+        else:
+            self.executed(again, b_dup, k, what + " (retry)")
+            self.after_execution(PHASED, k, variant, b_dup, again)
 
     async def settled(self, calls: list[asyncio.Future[Answer]]) -> bool:
         done = sum(call.done() for call in calls)
