@@ -1,14 +1,23 @@
 """A model of the wire contract (README, "The wire contract"), checked against a real server.
 
-Hypothesis draws histories of calls over a few keys: two requests per key (their fingerprints
-differ), an atomic and a phased method, handlers that answer OK, end with a recorded error
-(``abort``, ``set_code``, rich details, ``set_code`` then ``abort``), with a released one, or
-raise; a duplicate arriving while the first attempt runs; keys aged past their retention (by
-hand, as the contract tests do: the server runs without its replay cache, which cannot know of
-it) and purged. A small model says, per key, what the record holds (the first request's
-fingerprint, its stored outcome), and every answer is checked against it: the status, reason
-and replay marker, a replay's bytes, message and status details equal to the original's, the
-business table's rows (one per stored OK, none after an error) and the handler's runs.
+Hypothesis draws histories over a few keys under two tenants: two requests per key (their
+fingerprints differ) to four keyed methods (atomic, phased, key-optional, a sync handler) on two
+replicas of one store, both with replay caches or both without. Handlers answer OK, end with a
+recorded error (``abort``, ``set_code``, rich details, ``set_code`` then ``abort`` or a raise, an
+abort the handler catches, a response too large) or a released one (transient codes, a raise, a
+swallowed or deferred database error, a serialization failure, a downstream error, an abort
+with unsendable trailers). Between them: duplicates (same request or another, same method or
+another, either replica) arriving while a first attempt is held in its handler, one of them
+impatient (its deadline runs out: IN_PROGRESS); a phased owner stalled past its lease and taken
+over (LEASE_LOST); a claim left in progress by a crashed owner; keys aged past retention (by
+hand, as the contract tests do, so only without replay caches, which cannot know of it) and
+purges; calls without a key.
+
+A small model says, per key, what the record holds (the first request's fingerprint, its stored
+outcome, or a claim left in progress), and every answer is checked against it: the status,
+reason, message and replay marker; a replay's bytes, message and status details equal to the
+original's, with none of the handler's own trailers; the business table's rows (one per stored
+OK, none after an error) and the handler's runs.
 
 The handler's behaviour comes from a script of the test (not from the request, which would make
 it part of the fingerprint), so a retry of the very same request can fail and then succeed.
@@ -21,7 +30,7 @@ import contextlib
 import os
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,7 +322,8 @@ class Record:
     method: str
     variant: int
     completed: bool
-    """False: a phased claim its attempt released (in progress, lease over, fingerprint kept)."""
+    """False: a claim left in progress, its lease over (a phased attempt released it, or its
+    owner crashed): the same request takes it over, another is refused KEY_REUSED."""
     answer: Answer | None = None
     """The stored outcome, as the first execution answered it."""
 
@@ -672,7 +682,7 @@ class Model:
             self.executed(again, b_dup, k, what + " (retry)")
             self.after_execution(PHASED, k, variant, b_dup, again)
 
-    async def settled(self, calls: list[asyncio.Future[Answer]]) -> bool:
+    async def settled(self, calls: Sequence[asyncio.Future[Answer]]) -> bool:
         done = sum(call.done() for call in calls)
         waiting = sum(i.waiting_calls for i, _ in self.served.servers)
         locked: int = await self.served.store.pool.fetchval(
