@@ -7,12 +7,14 @@ accounts (uuid), so they share one database and one migrated schema.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,32 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 settings.load_profile("grpc-idempotency")
 GEN_DIR = Path(tempfile.mkdtemp(prefix="gi-test-protos-"))
+
+# A test that hangs (an event never set, a store closed under the tests after it) would hold the
+# run until CI's own limit, naming nothing. Past this bound the run ends with the test's name
+# and every thread's stack. No test comes near it (the slowest take seconds).
+HANG_S = float(os.environ.get("GRPC_IDEMPOTENCY_TEST_HANG_S", "300"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    def hung() -> None:
+        # Out of pytest's capture first: what is written under it is lost with the process.
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(in_=True)
+        sys.stderr.write(f"\n{item.nodeid}: still running after {HANG_S:g} s, a hang; stacks:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(70)
+
+    watchdog = threading.Timer(HANG_S, hung)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
 
 
 def _generate_test_protos() -> None:
