@@ -244,9 +244,11 @@ async def test_an_atomic_claim_still_waiting_for_a_connection_when_close_began_i
         await own.close()
 
 
-async def test_a_nested_hold_ends_with_the_outermost_block(store: Store) -> None:
+async def test_a_nested_hold_ends_with_the_outermost_block(pg_dsn: str) -> None:
     """One task holding a claim in nested blocks (a claim made inside another's block): the
     inner block's end let ``close`` stop waiting while the outer claim was still held."""
+    # A store of its own: the session's, closed here, failed every later test that used it.
+    store = await Store.connect(pg_dsn)
     inner_done, finish = asyncio.Event(), asyncio.Event()
 
     async def holder() -> None:
