@@ -13,6 +13,8 @@ violates a constraint checked only at COMMIT;
 "set-surrogate" and "details-surrogate" give details with a lone surrogate (abort(); set_code
 NOT_FOUND and set_details(); set_details() and OK); "rich" aborts with rich
 details (grpc-status-details-bin), "rich-before" sets them as trailers, then aborts without any;
+"trailer:NAME=VALUE" aborts NOT_FOUND with that trailer, "set-trailer:NAME=VALUE" sets it and
+answers OK;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
@@ -239,6 +241,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 context.set_trailing_metadata(details)
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", details)
+        if behaviour.startswith(("trailer:", "set-trailer:")):
+            # One trailer of the handler's choice, NAME=VALUE: with an abort, or set and OK.
+            name, _, value = behaviour.partition(":")[2].partition("=")
+            if behaviour.startswith("trailer:"):
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", ((name, value),))
+            context.set_trailing_metadata(((name, value),))
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
         blob = b""

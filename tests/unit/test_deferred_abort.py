@@ -19,6 +19,7 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND
         ((("Bad Key", "v"),), "'Bad Key'"),
         ((("X-Upper", "v"),), "'X-Upper'"),
         (((":path", "v"),), "':path'"),
+        ((("grpc-timeout", "1S"),), "'grpc-timeout'"),  # aborted the server process
         (((b"x-bytes-name", "v"),), "b'x-bytes-name'"),
         ((("x-trace-bin", "text"),), "'-bin' names take bytes"),
         ((("x-trace-bin", 5),), "'-bin' names take bytes"),

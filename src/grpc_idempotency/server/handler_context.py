@@ -27,6 +27,10 @@ log = logging.getLogger("grpc_idempotency.server")
 # names ending in "-bin" carry bytes.
 _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
+# Names gRPC's C-core cannot send in trailers at all: a trailer "grpc-timeout" (a request
+# header) fails a CHECK as the answer is sent (grpcio 1.85, chttp2_transport.cc) and the whole
+# process aborts, after a keyed call's outcome was committed; other reserved names are dropped.
+_FATAL_TRAILERS = frozenset({"grpc-timeout"})
 
 
 def sendable_trailers(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
@@ -46,6 +50,10 @@ def sendable_trailers(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], 
         key, value = entry
         if not isinstance(key, str) or _METADATA_KEY.fullmatch(key) is None:
             return _invalid(f"has the name {key!r}: names are lowercase a-z, 0-9, '-', '_' and '.'")
+        if key in _FATAL_TRAILERS:
+            # Accepted, the outcome committed and then the server process died sending it
+            # (every call it held failed with it; each new key through the path killed one).
+            return _invalid(f"has the name {key!r}, a request header gRPC cannot send back")
         if key.endswith("-bin"):
             if not isinstance(value, bytes):
                 kind = type(value).__name__

@@ -1,0 +1,52 @@
+"""A keyed handler's trailer that gRPC cannot send and that takes the server down with it:
+``grpc-timeout`` (a request header) in the trailing metadata fails a C-core check as the answer
+is sent, and the process aborts (SIGABRT), after the outcome was committed. The server runs in
+a process of its own here, on real PostgreSQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store
+from tests.e2e.procs import ServiceProcess
+from tests.support.ledger import POST, fresh, ledger_rows, metadata
+from tests.support.wire import call_raw
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    ["trailer:grpc-timeout=1S", "set-trailer:grpc-timeout=1S"],
+    ids=["abort", "set_trailing_metadata"],
+)
+async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
+    store: Store, pg_dsn: str, tmp_path: Path, behaviour: str
+) -> None:
+    """Accepted as sendable, the trailer went with an outcome that committed, then the server
+    process died sending it: every call it held in flight failed with it, the client saw
+    UNAVAILABLE for an outcome recorded, and each new key through that path killed a server
+    again. Refused before the commit, as other unsendable trailers are: INTERNAL, nothing
+    recorded, the server up."""
+    server = ServiceProcess(
+        ["-m", "tests.support.ledger_process", pg_dsn],
+        ready="ledger ready",
+        log_dir=tmp_path,
+        name="ledger",
+    )
+    await server.start()
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, behaviour=behaviour)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            first = await call_raw(channel, POST, request, metadata(key), 10)
+            assert server.returncode is None, server.logs()
+            assert first.code is grpc.StatusCode.INTERNAL, first
+            assert first.reason() == "IDEMPOTENCY_ABORT_INVALID"
+            again = await call_raw(channel, POST, request, metadata(key), 10)
+            assert again.code is grpc.StatusCode.INTERNAL and not again.replayed, again
+    finally:
+        await server.stop()
+    assert await ledger_rows(store, account) == 0  # nothing committed: the handler's write either
