@@ -587,6 +587,18 @@ class Store:
         except TimeoutError:
             self.pool.terminate()
 
+    async def _acquire_to_claim(self, timeout: float | None) -> PooledConnection:
+        """A pooled connection for a claim, refused (``_refuse_if_draining``) if ``close`` began
+        while the claim was queued for it: it has sent nothing yet. Let through, it claimed once
+        the drain freed a connection and ran its handler during the drain (an atomic one not
+        waited for; a phased one past close()'s timeout had the pool terminated under it, the
+        key IN_PROGRESS for the whole lease)."""
+        conn = await self._acquire("claiming a key", timeout)
+        if self._draining:
+            await self._release(conn)
+            self._refuse_if_draining()
+        return conn
+
     def _refuse_if_draining(self) -> None:
         if self._draining:
             # The store is closing: no outage (a fail-open method must not run unclaimed), and
@@ -934,12 +946,7 @@ class Store:
         tries = 2
         for tried in range(1, tries + 1):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            conn = await self._acquire("claiming a key", left)
-            if self._draining:
-                # Queued for a connection when ``close`` began: nothing sent, refused as any
-                # claim after the drain began (it ran its handler during the drain).
-                await self._release(conn)
-                self._refuse_if_draining()
+            conn = await self._acquire_to_claim(left)
             attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
             try:
                 await conn.execute(sql, timeout=self.statement_timeout(left))
@@ -1067,15 +1074,7 @@ class Store:
             tries = 2
             for tried in range(1, tries + 1):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                conn = await self._acquire("claiming a key", left)
-                if self._draining:
-                    # Queued for a connection when ``close`` began, this claim has sent
-                    # nothing: refused as any claim after the drain began. Let through, it
-                    # claimed once the drain freed a connection and ran its handler during the
-                    # drain (past close()'s timeout the pool was terminated under it:
-                    # IN_PROGRESS for the whole lease).
-                    await self._release(conn)
-                    self._refuse_if_draining()
+                conn = await self._acquire_to_claim(left)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     return await self._claim_phased_once(
