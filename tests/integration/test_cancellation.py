@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, MethodOverride, Mode, Store
@@ -169,15 +170,18 @@ async def _state(store: Store, key: str, state: str) -> bool:
     return found == state
 
 
+@pytest.mark.parametrize("ending", ["rollback", "failed-commit"])
 async def test_a_server_stopping_during_a_release_lets_close_wait_for_it(
-    pg_dsn: str, store: Store
+    pg_dsn: str, store: Store, ending: str
 ) -> None:
     """The server stops (``stop(grace)``, then ``store.close()``, the README's order) while a
-    failed phased call is releasing its key, its ROLLBACK on the wire: the cancellation ended
-    the call's task at once and left the release to run on in the background, where
-    ``close()`` did not wait for it (it waits for the calls holding a claim). The pool closed
-    under it, the claim's release found no connection, and the key stayed IN_PROGRESS for the
-    whole lease: another replica's retry was told "in progress" that long."""
+    failed phased call is releasing its key: "rollback", its handler failed and its ROLLBACK is
+    on the wire; "failed-commit", its commit failed (the connection reset: a failover) and it
+    ends its claim's lease on a new connection. The cancellation ended the call's task at once
+    and left the release to run on in the background, where ``close()`` did not wait for it
+    (it waits for the calls holding a claim). The pool closed under it, the claim's release
+    found no connection, and the key stayed IN_PROGRESS for the whole lease: another
+    replica's retry was told "in progress" that long."""
     overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1)
@@ -185,7 +189,7 @@ async def test_a_server_stopping_during_a_release_lets_close_wait_for_it(
         interceptor = IdempotencyInterceptor(
             own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
         )
-        service = _Gated()
+        service = _Gated() if ending == "rollback" else _Holding()
         server = grpc.aio.server(interceptors=[interceptor])
         testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -200,55 +204,12 @@ async def test_a_server_stopping_during_a_release_lets_close_wait_for_it(
             await service.wrote.wait()  # the final transaction open, the row written
             task = service.task
             assert task is not None
+            if ending == "failed-commit":
+                proxy.fail_over()  # the commit's connection is reset as it is sent
             sent = proxy.bytes_upstream
-            proxy.hold_answers()  # the ROLLBACK reaches PostgreSQL; its answer does not
-            service.go.set()
-            await until("the rollback on the wire", lambda: proxy.bytes_upstream > sent)
-            await server.stop(0.01)  # the grace runs out: the call's task is cancelled
-            await until("the call cancelled", lambda: task.cancelling() > 0 or task.done())
-            closing = asyncio.ensure_future(own.close(timeout=10))
-            for _ in range(5):  # close() goes as far as it can without the database
-                await asyncio.sleep(0)
-            proxy.deliver_answers()
-            await closing
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await call
-        assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
-    assert await ledger_rows(store, account) == 0
-
-
-async def test_a_server_stopping_while_a_failed_commit_releases_lets_close_wait_for_it(
-    pg_dsn: str, store: Store
-) -> None:
-    """As above, when the commit failed (its connection reset: a failover) and the call is
-    ending its claim's lease on a new connection as the server stops: that release was left
-    to the background too, ``close()`` closed the pool under it, and the key stayed
-    IN_PROGRESS for the whole lease."""
-    overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
-    key, account = fresh(), fresh("acct")
-    request = testsvc_pb2.PostRequest(account=account, amount=1)
-    async with store_behind_proxy(pg_dsn, pool=3) as (proxy, own):
-        interceptor = IdempotencyInterceptor(
-            own, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
-        )
-        service = _Holding()
-        server = grpc.aio.server(interceptors=[interceptor])
-        testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(service, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = channel.unary_unary(
-                PHASED,
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=None,
-            )
-            call = stub(request, metadata=metadata(key), timeout=30)
-            await service.wrote.wait()  # the final transaction open, the row written
-            task = service.task
-            assert task is not None
-            proxy.fail_over()  # the commit's connection is reset as it is sent
-            sent = proxy.bytes_upstream
-            proxy.hold_answers()  # the release's new connection gets no answer yet
+            # The ROLLBACK (or the release on its new connection) reaches PostgreSQL; its
+            # answer does not, yet.
+            proxy.hold_answers()
             service.go.set()
             await until("the release on the wire", lambda: proxy.bytes_upstream > sent)
             await server.stop(0.01)  # the grace runs out: the call's task is cancelled
