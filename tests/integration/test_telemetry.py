@@ -183,7 +183,7 @@ async def test_key_and_scope_are_span_attributes_when_asked_for(store: Store) ->
     key = fresh()
     async with running_ledger(store, telemetry=telemetry) as ledger:
         await ledger.call(POST, testsvc_pb2.PostRequest(account=fresh("acct")), key)
-    (span,) = spans.get_finished_spans()
+        (span,) = await until("the call's span", spans.get_finished_spans)
     assert attributes(span)["grpc_idempotency.key"] == key
     assert attributes(span)["grpc_idempotency.scope"] == "tenant:tenant-a"
 
@@ -198,9 +198,11 @@ async def test_a_store_that_is_down_makes_an_error_span() -> None:
                 request = testsvc_pb2.PostRequest(account=fresh())
                 answer = await asyncio.wait_for(ledger.call(POST, request, fresh()), 20)
                 assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+                # The span ends as the handler's task does, which may be after the client has
+                # its answer (a busy machine): wait for it while the server still runs.
+                (span,) = await until("the call's span", spans.get_finished_spans)
         finally:
             await down.close(timeout=1)
-    (span,) = spans.get_finished_spans()
     assert attributes(span)["grpc_idempotency.outcome"] == "unavailable"
     assert attributes(span)["rpc.grpc.status_code"] == 14
     assert span.status.status_code is StatusCode.ERROR
@@ -434,10 +436,10 @@ async def test_a_request_that_does_not_parse_is_counted_rejected(store: Store) -
     telemetry, spans, reader = _telemetry()
     async with running_ledger(store, telemetry=telemetry) as ledger:
         answer = await call_raw(ledger.channel, POST, RawBytes(b"\x0a\xff"), metadata(fresh()))
+        (span,) = await until("the call's span", spans.get_finished_spans)
     assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
     assert answer.reason() == "IDEMPOTENCY_REQUEST_INVALID"
     assert ledger.service.executions == 0
-    (span,) = spans.get_finished_spans()
     assert attributes(span)["grpc_idempotency.outcome"] == "rejected"
     assert _outcomes(reader) == {("rejected", grpc.StatusCode.INVALID_ARGUMENT.value[0]): 1}
 

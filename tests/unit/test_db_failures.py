@@ -97,15 +97,24 @@ def test_what_makes_a_dsn_unusable() -> None:
 
 def test_a_poolers_error_is_a_presumed_outage_to_be_confirmed() -> None:
     """PgBouncer's own errors (08P01: query_wait_timeout on a busy pool, a failing server
-    login) say nothing certain of the database; asyncpg raises them as the connection's end
-    (08003) caused by the error read. A fail-open method confirms such an outage first."""
+    login) say nothing certain of the database; asyncpg 0.32 raises them as the connection's
+    end (08003) caused by the error read, asyncpg 0.30 as the connection's end alone. A
+    connection closed in the middle of an operation says as little. A fail-open method
+    confirms such an outage first; a database shutting down says so (57P01: certain)."""
     assert presumed_outage("08P01") and outage("08P01")
+    assert presumed_outage("08003") and outage("08003")
     assert not presumed_outage("08006") and not presumed_outage(None)
+    assert not presumed_outage("57P01") and outage("57P01")
     lost = asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation")
     lost.__cause__ = asyncpg.ProtocolViolationError("query_wait_timeout")
     pooler = store_error(lost, "claiming a key")
     assert pooler.outage and pooler.ambiguous
-    reset = store_error(
-        asyncpg.ConnectionDoesNotExistError("connection was closed"), "claiming a key"
+    closed = store_error(
+        asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+        "claiming a key",
     )
+    assert closed.outage and closed.ambiguous  # asyncpg 0.30's form of the pooler's error
+    shutdown = store_error(asyncpg.AdminShutdownError("terminating connection"), "claiming a key")
+    assert shutdown.outage and not shutdown.ambiguous
+    reset = store_error(ConnectionResetError(104, "Connection reset by peer"), "claiming a key")
     assert reset.outage and not reset.ambiguous

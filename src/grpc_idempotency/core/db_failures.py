@@ -91,15 +91,20 @@ _OUTAGE_CODES = frozenset(
 # database's state: a server login that failed (down), but also a client that waited past
 # query_wait_timeout for a server connection (a busy pool, the database up), or one past
 # max_client_conn. PostgreSQL itself sends it only to a client that broke the protocol.
-_POOLER_CODE = "08P01"
+# connection_does_not_exist: the connection was closed in the middle of an operation, by the
+# server or by a pooler in front of it. asyncpg 0.32 chains PgBouncer's 08P01 to it as its
+# cause; asyncpg 0.30 raises it bare, so a pooler's error looks like any connection closed.
+_PRESUMED_CODES = frozenset({"08P01", "08003"})
 
 
 def presumed_outage(sqlstate: str | None) -> bool:
     """Whether an ``outage`` with ``sqlstate`` is only presumed, to be confirmed on a connection
-    of its own before a fail-open method runs unclaimed: a pooler's error (08P01), which does
-    not say whether the database is up. (A timeout measured on the client side, with no
-    SQLSTATE, is presumed too: the store marks that one itself.)"""
-    return sqlstate == _POOLER_CODE
+    of its own before a fail-open method runs unclaimed: a pooler's error (08P01), or a
+    connection closed in the middle of an operation (08003), neither of which says whether the
+    database is up. (A timeout measured on the client side, with no SQLSTATE, is presumed too:
+    the store marks that one itself.) A database shutting down says so first (57P01, a
+    certain outage)."""
+    return sqlstate in _PRESUMED_CODES
 
 
 def outage(sqlstate: str | None) -> bool:

@@ -98,9 +98,10 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
 
 
 def _pooler_said(exc: BaseException) -> bool:
-    """Whether ``exc`` is a pooler's own error (``presumed_outage``). PgBouncer closes the
-    client's connection after it, and asyncpg raises ConnectionDoesNotExistError (08003) caused
-    by the error it read (08P01, "query_wait_timeout"): both are looked at."""
+    """Whether ``exc`` is only a presumed outage (``presumed_outage``): a pooler's own error or
+    a connection closed in the middle of an operation. PgBouncer closes the client's connection
+    after its error, and asyncpg 0.32 raises ConnectionDoesNotExistError (08003) caused by the
+    error it read (08P01, "query_wait_timeout"), 0.30 the 08003 alone: both are looked at."""
     return any(presumed_outage(sqlstate(e)) for e in (exc, exc.__cause__) if e is not None)
 
 
