@@ -74,11 +74,7 @@ async def test_a_call_cancelled_while_its_final_transaction_rolls_back_still_end
         )
         service = _Gated()
         async with ledger_server(interceptor, service) as (channel, _):
-            stub = channel.unary_unary(
-                PHASED,
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=None,
-            )
+            stub = _raw_stub(channel, PHASED)
             call = stub(request, metadata=metadata(key), timeout=30)
             await service.wrote.wait()  # the final transaction open, the row written
             task = service.task
@@ -139,11 +135,7 @@ async def test_a_call_cancelled_while_its_commit_is_unanswered_lets_go_of_its_co
         )
         service = _Holding()
         async with ledger_server(interceptor, service) as (channel, _):
-            stub = channel.unary_unary(
-                method,
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=None,
-            )
+            stub = _raw_stub(channel, method)
             call = stub(request, metadata=metadata(key), timeout=30)
             await service.wrote.wait()  # the transaction open, the row written
             task = service.task
@@ -161,6 +153,13 @@ async def test_a_call_cancelled_while_its_commit_is_unanswered_lets_go_of_its_co
             retry = await other.call(method, request, key)
         assert retry.code is grpc.StatusCode.OK and retry.replayed, retry
     assert await ledger_rows(store, account) == 1
+
+
+def _raw_stub(channel: grpc.aio.Channel, method: str) -> Any:
+    """A stub of ``method`` answering raw bytes: the tests cancel its call mid-flight."""
+    return channel.unary_unary(
+        method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+    )
 
 
 async def _state(store: Store, key: str, state: str) -> bool:
@@ -195,11 +194,7 @@ async def test_a_server_stopping_during_a_release_lets_close_wait_for_it(
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = channel.unary_unary(
-                PHASED,
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=None,
-            )
+            stub = _raw_stub(channel, PHASED)
             call = stub(request, metadata=metadata(key), timeout=30)
             await service.wrote.wait()  # the final transaction open, the row written
             task = service.task
