@@ -25,6 +25,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import MethodOverride, Store, StoreMisconfigured
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import LeaseLost
+from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import Action, Outcome, State, decide
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.server import interceptor
@@ -364,18 +365,36 @@ async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_
     schema = f"gi_at_13_{uuid.uuid4().hex[:8]}"
     store = await Store.connect(pg_dsn, schema=schema, migrate=True)
     try:
-        # Back to 0013: its claim() is 0007's (0008 to 0013 did not replace it).
-        (retention_floor,) = [m for m in available_migrations() if m.version == 7]
-        await store.pool.execute(retention_floor.sql.replace("{schema}", f'"{schema}"'))
-        await store.pool.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 14')
-        with pytest.raises(
-            StoreMisconfigured, match=r"at version 13; .* needs migrations \[14, 15\]"
-        ):
-            await Store.connect(pg_dsn, schema=schema)
         key = fresh()
         await abandoned(store, key)
-        assert await claim(store, key, b"b" * 32, lease_s=30, retention_s=600) is None
-        assert await store.migrate() == [14, 15]
+        # Back to 0013: its claim() is 0007's (0008 to 0013 did not replace it), and 0016's
+        # claim_with_start overload and column are not there yet.
+        (retention_floor,) = [m for m in available_migrations() if m.version == 7]
+        await store.pool.execute(retention_floor.sql.replace("{schema}", f'"{schema}"'))
+        await store.pool.execute(
+            f'DROP FUNCTION "{schema}".claim_with_start('
+            "text, text, bigint, text, bytea, float8, float8, bigint)"
+        )
+        await store.pool.execute(f'ALTER TABLE "{schema}".records DROP COLUMN claim_attempt')
+        await store.pool.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 14')
+        with pytest.raises(
+            StoreMisconfigured, match=r"at version 13; .* needs migrations \[14, 15, 16\]"
+        ):
+            await Store.connect(pg_dsn, schema=schema)
+        # What a server of the release before 0014 sends (0012's claim_with_start over claim()).
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await store.pool.fetchrow(
+                f'SELECT * FROM "{schema}".claim_with_start($1, $2, $3, $4, $5, $6, $7)',
+                SCOPE,
+                key,
+                claim_lock_id(schema, SCOPE, key),
+                PHASED,
+                b"b" * 32,
+                600.0,
+                30.0,
+            )
+        assert refused.value.sqlstate == "GI002"
+        assert await store.migrate() == [14, 15, 16]
         new = await claim(store, key, b"b" * 32, lease_s=30, retention_s=600)
         assert new is not None and new.token == 2
         await (await Store.connect(pg_dsn, schema=schema)).close()

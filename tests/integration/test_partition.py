@@ -162,7 +162,7 @@ async def test_a_phased_claim_answered_after_its_caller_went_is_released_at_once
         # database, after asyncpg has sent the statement whole.
         await blocker.execute("BEGIN")
         await blocker.fetchval(
-            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
         )
         claiming = asyncio.ensure_future(via.claim_phased(**claim))  # type: ignore[arg-type]
         await until("the claim waiting in the database", claim_waits_on_a_lock)

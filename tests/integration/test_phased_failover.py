@@ -117,6 +117,54 @@ async def test_a_final_transaction_that_opened_before_its_connection_reset_opens
 
 
 @pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
+async def test_a_claim_that_committed_with_its_answer_lost_is_the_calls_own(
+    ended: bool, proxied: tuple[BlackholeProxy, Store], store: Store
+) -> None:
+    """The phased claim commits, and its answer is lost with its connection (a failover, a
+    pooler's restart). The store claims once more on a fresh connection, which found the first
+    try's claim in progress and lost the race to it: the call was answered IN_PROGRESS, and so
+    was every retry until the 30 s lease ran out, with nobody behind the claim. The second try
+    knows the claim by the call's attempt id (migration 0016) and runs the handler under it."""
+    proxy, via = proxied
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    overrides = {SVC[1:] + "PostPhased": MethodOverride(lease=timedelta(seconds=30))}
+    # Every pooled connection has the claim prepared: it is then one round trip, whose answer
+    # alone is held.
+    held = [await via.pool.acquire() for _ in range(POOL)]
+    for conn in held:
+        await conn.fetchrow(via.statements.claim_phased, "-", fresh(), 0, "-", b"", 1.0, 0.0, 0)
+    for conn in held:
+        await via.pool.release(conn)
+    async with running_ledger(via, overrides=overrides) as ledger:
+        policy = ledger.interceptor.policies[SVC + "PostPhased"]
+        assert policy is not None
+        # Held from the claim on (its bind parameters carry the fingerprint), the look-up
+        # before it answered.
+        proxy.hold_answers_after(policy.fingerprint(request))
+        calling = asyncio.ensure_future(ledger.call(SVC + "PostPhased", request, key))
+
+        async def claimed() -> bool:
+            state = await store.pool.fetchval(
+                "SELECT state FROM grpc_idempotency.records WHERE key = $1", key
+            )
+            return bool(state == "in_progress")
+
+        await until("the claim to commit", claimed)
+        proxy.fail_over_losing_answers(ended=ended)
+        answer = await calling
+        assert answer.code is grpc.StatusCode.OK, answer.details
+        again = await ledger.call(SVC + "PostPhased", request, key)
+        assert again.replayed and again.body == answer.body, again.details
+        assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+    token = await store.pool.fetchval(
+        "SELECT fencing_token FROM grpc_idempotency.records WHERE key = $1", key
+    )
+    assert token == 1  # its own claim, not one taken over
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
 async def test_a_release_whose_answer_is_lost_leaves_the_key_free(
     ended: bool, proxied: tuple[BlackholeProxy, Store], store: Store
 ) -> None:

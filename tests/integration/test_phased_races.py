@@ -387,18 +387,21 @@ async def proxied(pg_dsn: str) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
         await proxy.close()
 
 
+@pytest.mark.parametrize("answer", ["delivered", "lost"])
 async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
-    store: Store, proxied: tuple[BlackholeProxy, Store]
+    store: Store, proxied: tuple[BlackholeProxy, Store], answer: str
 ) -> None:
     """The claim waits in the database (behind another claim's transaction), then commits just
     as its caller's timeout ends. Before, the timeout was asyncpg's, on the statement: it fired
-    after the commit, and nobody released the claim: every retry IN_PROGRESS for the lease."""
+    after the commit, and nobody released the claim: every retry IN_PROGRESS for the lease.
+    ``lost``: the claim's answer never comes (its connection reset, a failover): the claim is
+    released by the call's attempt id (migration 0016); it used to keep its lease."""
     proxy, via = proxied
     key = fresh()
     async with store.pool.acquire() as blocker:
         await blocker.execute("BEGIN")
         await blocker.fetchval(
-            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
         )
         claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=2.0))
         await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
@@ -412,7 +415,10 @@ async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
         "the caller to give up",
         lambda: claiming.done() or len(proxy._writers) > connections,
     )
-    proxy.deliver_answers()
+    if answer == "lost":
+        proxy.fail_over_losing_answers()
+    else:
+        proxy.deliver_answers()
     with pytest.raises(StoreUnavailable):
         await claiming
     await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
@@ -450,7 +456,7 @@ async def test_a_call_whose_deadline_ends_as_its_claim_commits_leaves_the_key_fr
         async with store.pool.acquire() as blocker:
             await blocker.execute("BEGIN")
             await blocker.fetchval(
-                store.statements.claim_phased, SCOPE, key, 1, PHASED, b"x" * 32, 600.0, 30.0
+                store.statements.claim_phased, SCOPE, key, 1, PHASED, b"x" * 32, 600.0, 30.0, 0
             )
             first = asyncio.ensure_future(
                 call_raw(ledger.channel, PHASED, post(account, "no-writes"), metadata(key), 2.0)

@@ -137,7 +137,15 @@ async def test_close_waits_for_a_claim_that_was_on_the_wire_when_it_began(
             # for it in the database, on the wire.
             await blocker.execute("BEGIN")
             await blocker.fetchval(
-                store.statements.claim_phased, SCOPE, key, 1, SVC + "PostPhased", b"f", 600.0, 30.0
+                store.statements.claim_phased,
+                SCOPE,
+                key,
+                1,
+                SVC + "PostPhased",
+                b"f",
+                600.0,
+                30.0,
+                0,
             )
             call = asyncio.ensure_future(ledger.call(SVC + "PostPhased", request, key))
             await until("the claim on the wire", claim_waits_on_a_lock)

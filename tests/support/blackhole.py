@@ -36,6 +36,7 @@ class BlackholeProxy:
         self._failovers = 0
         self._holding = False
         self._held: list[tuple[asyncio.StreamWriter, bytes]] = []
+        self._hold_after: bytes | None = None
         self.port = 0
         self.bytes_upstream = 0
         """Bytes delivered to PostgreSQL so far (what the client sent)."""
@@ -72,18 +73,29 @@ class BlackholeProxy:
     def fail_over_losing_answers(self, *, ended: bool = False) -> None:
         """``fail_over`` while answers are held (``hold_answers``): what ran, even committed,
         never reaches its client. Without ``ended``, the old connections are reset at once (not
-        on the client's next write: one waiting for an answer would never write again); then
-        the held answers are let go, which reach no one of those connections."""
+        on the client's next write: one waiting for an answer would never write again); with
+        it, they are closed after the FATAL, as PostgreSQL closes a session it ends. The held
+        answers are dropped: they were all for those connections, and PostgreSQL sends nothing
+        after that FATAL (delivered after it, they put asyncpg in a state no server produces: a
+        TypeError from its protocol code)."""
         self.fail_over(ended=ended)
-        if not ended:
-            for writer in list(self._clients):
+        for writer in list(self._clients):
+            if ended:
+                writer.close()
+            else:
                 writer.transport.abort()
-        self.deliver_answers()
+        self._holding = False
+        self._held = []
 
     def hold_answers(self) -> None:
         """From now on PostgreSQL's answers are held back (its requests still arrive): a
         statement runs, and even commits, while its client is left waiting."""
         self._holding = True
+
+    def hold_answers_after(self, marker: bytes) -> None:
+        """``hold_answers`` from the first request that carries ``marker`` (a bind parameter's
+        bytes, say) on: that request's answer is the first held, the earlier ones pass."""
+        self._hold_after = marker
 
     def deliver_answers(self) -> None:
         """Delivers the held answers, in order, and lets the later ones through."""
@@ -130,6 +142,9 @@ class BlackholeProxy:
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
                 if upstream:
                     self.bytes_upstream += len(data)
+                    if self._hold_after is not None and self._hold_after in data:
+                        self._hold_after = None
+                        self._holding = True
                 elif self._holding:
                     self._held.append((writer, data))
                     continue

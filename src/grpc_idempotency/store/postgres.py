@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -1060,6 +1061,10 @@ class Store:
         attempt holds or has recorded the key (look again). ``isolation`` is that of the final
         transaction (the claim itself runs at the database's default)."""
         args = (scope, key, claim_lock_id(self.schema, scope, key), method, fingerprint)
+        # This call's attempt id, the same on both tries below: the second finds the first's
+        # claim in progress when it committed with its answer lost, and takes it as its own
+        # (migration 0016). Random: attempts of one key on every replica must differ.
+        attempt_id = int.from_bytes(os.urandom(8), "big", signed=True)
         # The connection is acquired here, not in the claim's task: the wait for one is
         # _acquire's to judge (a busy pool is no outage), where a timeout of the wait below
         # while the task still waited in the pool's queue was taken for a dead database, and a
@@ -1078,7 +1083,7 @@ class Store:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     return await self._claim_phased_once(
-                        conn, args, scope, key, retention_s, lease_s, isolation, left
+                        conn, args, attempt_id, scope, key, retention_s, lease_s, isolation, left
                     )
                 except StoreUnavailable as err:
                     # The claim's session ended under it (pg_terminate_backend, a failover or a
@@ -1087,8 +1092,9 @@ class Store:
                     # claim does. Answered as an outage, with the database up, a fail-open
                     # method ran its handler unclaimed while another attempt could claim and run
                     # the same key. Safe: a claim whose session ended mid-statement is rolled
-                    # back; one that committed before its answer was lost makes this one lose
-                    # the race to it (look again, then wait its lease out, as without this).
+                    # back; one that committed before its answer was lost is this call's own,
+                    # and this try is answered with it (same attempt id). It used to lose the
+                    # race to it, and the call and every retry waited the lease out.
                     # Not a timeout: behind a partition another connection waits as long.
                     cause = err.__cause__ or err
                     if tried < tries and _connection_gone(cause):
@@ -1101,6 +1107,7 @@ class Store:
         self,
         conn: PooledConnection,
         args: tuple[str, str, int, str, bytes],
+        attempt_id: int,
         scope: str,
         key: str,
         retention_s: float,
@@ -1118,7 +1125,11 @@ class Store:
                     # be left with its lease and nobody behind it. The caller's wait is bounded
                     # below instead, and a claim it gave up on is settled.
                     row = await conn.fetchrow(
-                        self.statements.claim_phased, *args, float(retention_s), float(lease_s)
+                        self.statements.claim_phased,
+                        *args,
+                        float(retention_s),
+                        float(lease_s),
+                        attempt_id,
                     )
                 except asyncpg.PostgresError as exc:
                     if _lost_race(exc):
@@ -1131,17 +1142,18 @@ class Store:
         # given up on at the call's deadline, it may commit all the same, and its lease would
         # then run on with nobody behind it, every retry answered IN_PROGRESS for the whole
         # lease. So it runs to its end in a task of its own, and a claim that turns out to have
-        # committed is released (with its own token) once it answers.
+        # committed is released (with its own token) once it answers; one whose answer is lost,
+        # by this call's attempt id.
         claiming = asyncio.ensure_future(claim())
         try:
             claimed = await asyncio.wait_for(
                 asyncio.shield(claiming), self.statement_timeout(timeout)
             )
         except TimeoutError as exc:
-            self._settle(claiming, scope, key, retention_s, lease_s)
+            self._settle(claiming, scope, key, retention_s, lease_s, attempt_id)
             raise store_error(exc, "claiming a key") from exc
         except asyncio.CancelledError:
-            self._settle(claiming, scope, key, retention_s, lease_s)
+            self._settle(claiming, scope, key, retention_s, lease_s, attempt_id)
             raise
         if claimed is None:
             return None
@@ -1161,13 +1173,22 @@ class Store:
         key: str,
         retention_s: float,
         lease_s: float,
+        attempt_id: int,
     ) -> None:
         """Ends the lease of a claim whose caller went before it was answered, once it is."""
 
         async def release_if_claimed() -> None:
             try:
                 claimed = await claiming
-            except BaseException:  # not claimed, or unknown: the lease bounds it
+            except StoreUnavailable as err:
+                # Unknown when its answer went with its connection, or never came in time: it
+                # may have committed. Its attempt id names it, if so. Left alone, every retry
+                # was answered IN_PROGRESS for the whole lease, with nobody behind the claim.
+                cause = err.__cause__ or err
+                if isinstance(cause, TimeoutError) or _connection_gone(cause):
+                    await self._end_lease(scope, key, self.statements.release_attempt, attempt_id)
+                return
+            except BaseException:  # refused by the database, so not claimed
                 return
             if claimed is not None:
                 token, started_at = claimed
@@ -1177,6 +1198,25 @@ class Store:
         task = asyncio.ensure_future(release_if_claimed())
         self._settling.add(task)  # a reference, until it is done
         task.add_done_callback(self._settling.discard)
+
+    async def _end_lease(self, scope: str, key: str, statement: str, *claim: object) -> None:
+        """Runs a release (``statement`` on ``scope``, ``key`` and what names the ``claim``).
+        Best effort: if this fails the lease still expires."""
+        tries = 2
+        for tried in range(1, tries + 1):
+            try:
+                async with self.connection("releasing a claim") as conn:
+                    await conn.execute(statement, scope, key, *claim)
+            except StoreUnavailable as err:
+                # On a pooled connection a restart or a failover left dead (the first statement
+                # of the call since: a handler failing without touching the database), once
+                # more on one opened now (``connection`` replaced the pool's others): the
+                # release matches this claim only, so it may run twice. Given up, every retry
+                # was told IN_PROGRESS for the whole lease.
+                if tried < tries and _connection_gone(err.__cause__ or err):
+                    continue
+                log.warning("could not release claim %s/%s; it expires with its lease", scope, key)
+            return
 
     async def purge(
         self,
@@ -1637,25 +1677,8 @@ class PhasedClaim:
         """Ends the claim's lease now, so that a retry takes the operation over at once instead
         of waiting the lease out. Best effort: if this fails the lease still expires."""
         c = self._claim
-        tries = 2
-        for tried in range(1, tries + 1):
-            try:
-                async with self._store.connection("releasing a claim") as conn:
-                    await conn.execute(
-                        self._store.statements.release, c.scope, c.key, self.token, self.started_at
-                    )
-            except StoreUnavailable as err:
-                # On a pooled connection a restart or a failover left dead (the first statement
-                # of the call since: a handler failing without touching the database), once
-                # more on one opened now (``connection`` replaced the pool's others): the
-                # release matches this claim only, so it may run twice. Given up, every retry
-                # was told IN_PROGRESS for the whole lease.
-                if tried < tries and _connection_gone(err.__cause__ or err):
-                    continue
-                log.warning(
-                    "could not release claim %s/%s; it expires with its lease", c.scope, c.key
-                )
-            return
+        statement = self._store.statements.release
+        await self._store._end_lease(c.scope, c.key, statement, self.token, self.started_at)
 
 
 def one_store(store: object, *, user: str, per_shard: str) -> Store:

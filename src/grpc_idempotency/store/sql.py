@@ -160,6 +160,12 @@ class Statements:
             UPDATE {s}.records SET locked_until = LEAST(created_at, pg_catalog.clock_timestamp())
             WHERE scope = $1 AND key = $2 AND fencing_token = $3 AND created_at = $4
               AND state = 'in_progress'"""
+        # The same, for a claim whose answer never came (its token and start unknown): the one
+        # this attempt ($3) made, if it committed (migration 0016).
+        self.release_attempt = f"""
+            UPDATE {s}.records SET locked_until = LEAST(created_at, pg_catalog.clock_timestamp())
+            WHERE scope = $1 AND key = $2 AND state = 'in_progress'
+              AND claim_attempt = $3::bigint # fencing_token"""
         # The key is the outbox step's child key; on a conflict Store.enqueue compares messages.
         self.enqueue = f"""
             INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload)
@@ -216,7 +222,7 @@ class Statements:
         # filled, evicting the look-up's and the completion's (benchmarks/README.md).
         self.claim_phased = (
             f"SELECT token, started_at FROM {s}.claim_with_start($1::text, $2::text, $3::bigint,"
-            " $4::text, $5::bytea, $6::float8, $7::float8)"
+            " $4::text, $5::bytea, $6::float8, $7::float8, $8::bigint)"
         )
         self.complete_atomic = (
             f"SELECT {s}.complete_atomic($1::{_T}, $2::{_T}, $3::{_T}, $4::{_B}, $5::integer,"
