@@ -1,4 +1,8 @@
-"""The phased claim as asyncpg sends it: a literal statement (before) vs bind parameters (now).
+"""The phased claim as asyncpg sends it: a literal statement (before) vs bind parameters (now);
+and the claim's statement alone (no ``Store.claim_phased`` around it) before migration 0016
+(``before 0016``: the 7-argument ``claim_with_start``, a wrapper that calls ``claim()`` and then
+looks the row up again for its start) vs now (``0016``: the 8-argument one, which also writes
+the call's attempt id, and returns the start from its own ``INSERT``).
 
 A literal is a new statement text on every call: asyncpg parses it in a round trip of its own,
 then executes it, and keeps it in its statement cache (100 by default), which the claims fill,
@@ -53,6 +57,41 @@ async def bound_claim(store: Store, key: str) -> None:
     )
 
 
+# The bound claim of the release before migration 0016 (its function is still there).
+BEFORE_0016 = (
+    "SELECT token, started_at FROM {schema}.claim_with_start($1::text, $2::text, $3::bigint,"
+    " $4::text, $5::bytea, $6::float8, $7::float8)"
+)
+
+
+async def claim_statement(store: Store, key: str, *, before_0016: bool) -> None:
+    """The bound claim's statement alone (no ``claim_phased`` around it): this release's, or
+    the one before migration 0016."""
+    args: tuple[object, ...] = (
+        "bench",
+        key,
+        claim_lock_id(store.schema, "bench", key),
+        "/bench.v1.Bench/Phased",
+        b"f" * 32,
+        600.0,
+        30.0,
+    )
+    if before_0016:
+        sql = BEFORE_0016.format(schema=store.schema)
+    else:
+        sql, args = store.statements.claim_phased, (*args, 12345)
+    async with store.connection("claiming") as conn:
+        await conn.fetchrow(sql, *args)
+
+
+async def claim_0016(store: Store, key: str) -> None:
+    await claim_statement(store, key, before_0016=False)
+
+
+async def claim_before_0016(store: Store, key: str) -> None:
+    await claim_statement(store, key, before_0016=True)
+
+
 async def cache_size(store: Store) -> int:
     async with store.connection("inspecting") as conn:
         return len(conn._con._stmt_cache)  # type: ignore[attr-defined]
@@ -60,12 +99,19 @@ async def cache_size(store: Store) -> int:
 
 async def main(dsn: str) -> None:
     store = await Store.connect(dsn, min_size=1, max_size=1, migrate=True)
-    times: dict[str, list[float]] = {"literal": [], "bound": []}
+    kinds = {
+        "literal": literal_claim,
+        "bound": bound_claim,
+        "0016": claim_0016,
+        "before 0016": claim_before_0016,
+    }
+    times: dict[str, list[float]] = {name: [] for name in kinds}
     caches: dict[str, int] = {}
-    kinds = {"literal": literal_claim, "bound": bound_claim}
     try:
         for rnd in range(ROUNDS):
-            order = ["literal", "bound"] if rnd % 2 else ["bound", "literal"]
+            order = list(kinds)[rnd % len(kinds) :] + list(kinds)[: rnd % len(kinds)]
+            if rnd % 2:
+                order.reverse()
             for name in order:
                 for _ in range(PER_ROUND):
                     key = uuid.uuid4().hex
@@ -80,10 +126,11 @@ async def main(dsn: str) -> None:
     p50 = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     n = (ROUNDS - WARM_ROUNDS) * PER_ROUND
     print(f"phased claim, {n} per kind, interleaved rounds, one connection:")
-    for name in ("literal", "bound"):
+    for name in kinds:
         cache = caches[name]
-        print(f"  {name:<8} p50 {p50[name]:7.0f} us   statement cache after its round: {cache}")
+        print(f"  {name:<11} p50 {p50[name]:7.0f} us   statement cache after its round: {cache}")
     print(f"  bound / literal p50 = {p50['bound'] / p50['literal']:.2f}")
+    print(f"  statement alone, 0016 / before 0016 p50 = {p50['0016'] / p50['before 0016']:.2f}")
 
 
 if __name__ == "__main__":
