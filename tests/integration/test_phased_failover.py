@@ -6,8 +6,9 @@ store drains; and the pool's connections expired under a transaction still open 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 import pytest
@@ -15,8 +16,9 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store, failpoints
 from tests.support.blackhole import BlackholeProxy, store_behind_proxy
-from tests.support.ledger import fresh, ledger_rows, running_ledger
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
+from tests.support.wire import Answer
 
 SVC = "/testsvc.v1.LedgerService/"
 POOL = 4
@@ -81,6 +83,17 @@ def before_commit(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, async
     return reached, go
 
 
+async def ran_once(
+    ledger: RunningLedger, calling: Awaitable[Answer], request: Any, key: str
+) -> None:
+    """The phased call (``calling``) is answered OK, its retry replays it, its handler ran once."""
+    answer = await calling
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    again = await ledger.call(SVC + "PostPhased", request, key)
+    assert again.replayed and again.body == answer.body, again.details
+    assert ledger.service.executions == 1
+
+
 @pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
 async def test_a_final_transaction_that_opened_before_its_connection_reset_opens_again(
     ended: bool,
@@ -109,11 +122,7 @@ async def test_a_final_transaction_that_opened_before_its_connection_reset_opens
 
         await until("the final transaction to open", opened)
         proxy.fail_over_losing_answers(ended=ended)
-        answer = await calling
-        assert answer.code is grpc.StatusCode.OK, answer.details
-        again = await ledger.call(SVC + "PostPhased", request, key)
-        assert again.replayed and again.body == answer.body, again.details
-        assert ledger.service.executions == 1
+        await ran_once(ledger, calling, request, key)
 
 
 @pytest.mark.parametrize("ended", [False, True], ids=["reset", "session-ended"])
@@ -152,11 +161,7 @@ async def test_a_claim_that_committed_with_its_answer_lost_is_the_calls_own(
 
         await until("the claim to commit", claimed)
         proxy.fail_over_losing_answers(ended=ended)
-        answer = await calling
-        assert answer.code is grpc.StatusCode.OK, answer.details
-        again = await ledger.call(SVC + "PostPhased", request, key)
-        assert again.replayed and again.body == answer.body, again.details
-        assert ledger.service.executions == 1
+        await ran_once(ledger, calling, request, key)
     assert await ledger_rows(store, account) == 1
     token = await store.pool.fetchval(
         "SELECT fencing_token FROM grpc_idempotency.records WHERE key = $1", key
