@@ -424,6 +424,76 @@ async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
     await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
 
 
+async def claim_lock_waited_for(store: Store) -> bool:
+    """A session waits for a key's claim lock (an advisory lock), not for a row."""
+    return bool(
+        await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND wait_event = 'advisory'"
+        )
+    )
+
+
+async def test_a_claim_whose_connection_drops_while_it_waits_is_the_calls_own(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """The claim waits in the database (behind another transaction on the row) when its
+    connection is reset (a pooler's crash, a reset by the network): PostgreSQL does not notice
+    a client gone while a statement waits, so the claim runs on and commits. The second try, on
+    a fresh connection, found the key's claim lock held by that orphaned statement and lost the
+    race to it (GI001): the call looked again and found a claim in progress, and so did every
+    retry for the whole lease, with nobody behind it. It waits for the lock to be free, then
+    knows the claim by its attempt id (migration 0016)."""
+    proxy, via = proxied
+    key = fresh()
+    async with store.pool.acquire() as blocker:
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
+        )
+        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=10.0))
+        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+        proxy.fail_over_losing_answers()  # the client's connection reset; the statement waits on
+        await until(
+            "the second try to lose the race, or to wait for the claim lock",
+            lambda: claiming.done() or claim_lock_waited_for(store),
+        )
+        await blocker.execute("ROLLBACK")  # the orphaned claim commits
+    claim = await claiming
+    assert claim is not None, "the call's own claim was taken for another attempt's"
+    assert claim.token == 1
+    await claim.release()
+    assert await _lease_over(store, key)
+
+
+async def test_a_claim_whose_connection_drops_after_its_caller_gave_up_is_released(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """As above, the caller having given up first (its timeout): the release by attempt id ran
+    at once, before the orphaned statement committed, and released nothing; the claim then
+    committed and kept its lease with nobody behind it. The release waits for the key's claim
+    lock first."""
+    proxy, via = proxied
+    key = fresh()
+    async with store.pool.acquire() as blocker:
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
+        )
+        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=1.0))
+        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+        with pytest.raises(StoreUnavailable):
+            await claiming
+        proxy.fail_over_losing_answers()  # the claim's connection reset; its statement waits on
+        await until(
+            "the release to be done, or to wait for the claim lock",
+            lambda: not via._settling or claim_lock_waited_for(store),
+        )
+        await blocker.execute("ROLLBACK")  # the orphaned claim commits
+    await until("the claim to commit", lambda: _record(store, key))
+    await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
+
+
 async def _record(store: Store, key: str, scope: str = "partition") -> bool:
     return bool(
         await store.pool.fetchval(

@@ -1083,7 +1083,16 @@ class Store:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     return await self._claim_phased_once(
-                        conn, args, attempt_id, scope, key, retention_s, lease_s, isolation, left
+                        conn,
+                        args,
+                        attempt_id,
+                        scope,
+                        key,
+                        retention_s,
+                        lease_s,
+                        isolation,
+                        left,
+                        after_lost=tried > 1,
                     )
                 except StoreUnavailable as err:
                     # The claim's session ended under it (pg_terminate_backend, a failover or a
@@ -1114,12 +1123,24 @@ class Store:
         lease_s: float,
         isolation: Isolation | None,
         timeout: float | None,
+        *,
+        after_lost: bool = False,
     ) -> PhasedClaim | None:
-        """One try of ``claim_phased`` on ``conn`` (handed back at its end), within ``timeout``."""
+        """One try of ``claim_phased`` on ``conn`` (handed back at its end), within ``timeout``.
+        ``after_lost``: an earlier try's connection was lost under its claim."""
 
         async def claim() -> tuple[int, datetime] | None:
             async with self._holding(conn, "claiming a key"):
                 try:
+                    if after_lost:
+                        # The earlier try's statement may still be running in PostgreSQL (a
+                        # connection reset while it waited on a row lock goes unnoticed until
+                        # it answers) and commit after this one: it holds the key's claim lock
+                        # meanwhile, and this try lost the race to it (GI001), the call and
+                        # every retry answered IN_PROGRESS for the whole lease with nobody
+                        # behind the claim. Once it has ended, its claim is known by the
+                        # attempt id (or it was rolled back).
+                        await conn.execute(self.statements.wait_claim_lock, args[2])
                     # No timeout of its own beyond the pool's command_timeout: asyncpg's fires
                     # after a claim that committed as well as before, and the claim would then
                     # be left with its lease and nobody behind it. The caller's wait is bounded
@@ -1186,7 +1207,11 @@ class Store:
                 # was answered IN_PROGRESS for the whole lease, with nobody behind the claim.
                 cause = err.__cause__ or err
                 if isinstance(cause, TimeoutError) or _connection_gone(cause):
-                    await self._end_lease(scope, key, self.statements.release_attempt, attempt_id)
+                    # After the claim's statement has ended in PostgreSQL, which may be later
+                    # (wait_claim_lock): released before it committed, it kept its lease.
+                    lock = claim_lock_id(self.schema, scope, key)
+                    release = self.statements.release_attempt
+                    await self._end_lease(scope, key, release, attempt_id, after_lock=lock)
                 return
             except BaseException:  # refused by the database, so not claimed
                 return
@@ -1199,13 +1224,18 @@ class Store:
         self._settling.add(task)  # a reference, until it is done
         task.add_done_callback(self._settling.discard)
 
-    async def _end_lease(self, scope: str, key: str, statement: str, *claim: object) -> None:
-        """Runs a release (``statement`` on ``scope``, ``key`` and what names the ``claim``).
-        Best effort: if this fails the lease still expires."""
+    async def _end_lease(
+        self, scope: str, key: str, statement: str, *claim: object, after_lock: int | None = None
+    ) -> None:
+        """Runs a release (``statement`` on ``scope``, ``key`` and what names the ``claim``),
+        once the claim lock ``after_lock`` is free if given. Best effort: if this fails the
+        lease still expires."""
         tries = 2
         for tried in range(1, tries + 1):
             try:
                 async with self.connection("releasing a claim") as conn:
+                    if after_lock is not None:
+                        await conn.execute(self.statements.wait_claim_lock, after_lock)
                     await conn.execute(statement, scope, key, *claim)
             except StoreUnavailable as err:
                 # On a pooled connection a restart or a failover left dead (the first statement

@@ -166,6 +166,11 @@ class Statements:
             UPDATE {s}.records SET locked_until = LEAST(created_at, pg_catalog.clock_timestamp())
             WHERE scope = $1 AND key = $2 AND state = 'in_progress'
               AND claim_attempt = $3::bigint # fencing_token"""
+        # Waits until no transaction holds the key's claim lock ($1), and lets it go again (an
+        # implicit transaction's lock ends with the statement). Before a second try of a claim,
+        # or a release by attempt id: a claim whose connection was lost may still be running in
+        # PostgreSQL (it notices a client gone only when it answers), and commit after both.
+        self.wait_claim_lock = "SELECT pg_catalog.pg_advisory_xact_lock($1::bigint)"
         # The key is the outbox step's child key; on a conflict Store.enqueue compares messages.
         self.enqueue = f"""
             INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload)
