@@ -9,7 +9,9 @@ a server of this release or of an earlier one), still in progress.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -63,15 +65,49 @@ async def row(store: Store, key: str) -> asyncpg.Record:
     return found
 
 
-async def test_the_same_attempt_gets_its_claim_and_changes_nothing(
+async def test_the_same_attempt_gets_its_claim_with_a_lease_from_now(
     store: Store, claim: Claim
 ) -> None:
+    """Its token and start as they were (the operation's), its lease a whole one from the try
+    that found it: that try may have come most of the first lease later."""
     key = fresh()
     first = await claim(key, 7)
-    before = await row(store, key)
+    between = await store.pool.fetchval("SELECT clock_timestamp()")
     again = await claim(key, 7)
     assert (again["token"], again["started_at"]) == (first["token"], first["started_at"])
-    assert await row(store, key) == before  # not written again: lease and token as they were
+    found = await row(store, key)
+    assert found["fencing_token"] == 1 and found["state"] == "in_progress"
+    assert found["locked_until"] >= between + timedelta(seconds=30)
+
+
+async def test_a_takeover_that_waited_for_the_row_gets_its_lease_from_then(
+    store: Store, claim: Claim
+) -> None:
+    """A takeover queued behind another transaction on the row (a purge batch, a stale owner's
+    renewal): its lease counts from when it got the row, not from before its wait."""
+    key = fresh()
+    await claim(key, 7, lease_s=0.05)
+    await until("the lease to run out", lambda: lease_ended(store, key))
+    async with store.pool.acquire() as holder:
+        async with holder.transaction():
+            await holder.execute(
+                "SELECT FROM grpc_idempotency.records WHERE key = $1 FOR UPDATE", key
+            )
+            taking = asyncio.ensure_future(claim(key, 9))
+
+            async def waiting() -> bool:
+                return bool(
+                    await store.pool.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND query LIKE '%claim_with_start%'"
+                    )
+                )
+
+            await until("the takeover to wait for the row", waiting)
+            released = await holder.fetchval("SELECT clock_timestamp()")
+        taken = await taking
+    assert taken["token"] == 2
+    assert (await row(store, key))["locked_until"] > released + timedelta(seconds=30)
 
 
 @pytest.mark.parametrize("attempt", [8, -7, 7 ^ 1, 0])

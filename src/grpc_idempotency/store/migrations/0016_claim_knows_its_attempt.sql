@@ -9,9 +9,10 @@
 --
 -- Each call's claim now carries a random attempt id (the server's, never sent on the wire), kept
 -- in the row as claim_attempt. A try that finds the row in progress under its own attempt id
--- takes it as claimed, with the row's fencing token and start: it is the same call, and no other
--- attempt could have claimed the key in between without ending that row (a takeover or a
--- completion changes what is compared below). Any other attempt gets GI002, as before.
+-- takes it as claimed, with the row's fencing token and start and a lease renewed from now: it is
+-- the same call, and no other attempt could have claimed the key in between without ending that
+-- row (a takeover or a completion changes what is compared below). Any other attempt gets GI002,
+-- as before. A takeover's lease now counts from after its wait for the row, if it waited.
 --
 -- The column holds the attempt id XOR the fencing token it claimed with. A server not yet
 -- upgraded (rolling deploy) takes an expired claim over with claim(), which keeps claim_attempt
@@ -56,7 +57,9 @@ BEGIN
         fingerprint = EXCLUDED.fingerprint,
         state = 'in_progress',
         fencing_token = r.fencing_token + 1,
-        locked_until = EXCLUDED.locked_until,
+        -- The clock read now, not in VALUES: a takeover that waited on the row's lock (a purge
+        -- batch, a stale owner's renewal) was granted a lease shorter by that wait.
+        locked_until = clock_timestamp() + make_interval(secs => p_lease_s),
         status_code = NULL, status_message = NULL, status_details = NULL, response = NULL,
         -- As in claim(): the same request continues the operation and keeps its start.
         created_at = CASE WHEN r.state = 'in_progress' AND r.fingerprint = EXCLUDED.fingerprint
@@ -71,11 +74,16 @@ BEGIN
            AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= clock_timestamp()))
     RETURNING r.fencing_token, r.created_at INTO token, started_at;
     IF token IS NULL THEN
-        -- Taken, and not to be taken over: this call's own earlier try, or someone else's.
-        SELECT r.fencing_token, r.created_at INTO token, started_at
-          FROM {schema}.records r
+        -- Taken, and not to be taken over: this call's own earlier try, or someone else's. Its
+        -- own claim gets a whole lease from now, as a claim does: the try that found it may
+        -- have waited most of the first one out (a reconnect, the claim lock), and the lease
+        -- keeper's first renewal comes a third of a lease after this answer.
+        UPDATE {schema}.records r
+           SET locked_until = GREATEST(r.locked_until,
+                                       clock_timestamp() + make_interval(secs => p_lease_s))
          WHERE r.scope = p_scope AND r.key = p_key AND r.state = 'in_progress'
-           AND r.claim_attempt = p_attempt # r.fencing_token;
+           AND r.claim_attempt = p_attempt # r.fencing_token
+        RETURNING r.fencing_token, r.created_at INTO token, started_at;
         IF token IS NULL THEN
             RAISE EXCEPTION 'idempotency key is already recorded' USING ERRCODE = 'GI002';
         END IF;
