@@ -466,6 +466,38 @@ async def test_a_claim_whose_connection_drops_while_it_waits_is_the_calls_own(
     assert await _lease_over(store, key)
 
 
+async def test_a_claim_whose_connection_drops_then_finds_no_connection_is_released(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """The claim commits with its answer lost (its connection reset while it waited), and the
+    second try never gets to the database: no connection opens in time (the new primary not
+    reachable yet; a pool busy with every call retrying after the failover; the client gone).
+    The call is answered UNAVAILABLE, as before, but its claim kept its lease with nobody behind
+    it: every retry was answered IN_PROGRESS for the whole lease. It is released by the call's
+    attempt id once the database answers (migration 0016)."""
+    proxy, via = proxied
+    key = fresh()
+    async with store.pool.acquire() as blocker:
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
+        )
+        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=2.0))
+        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+        connections = len(proxy._clients)
+        proxy.fail_over_losing_answers()  # the client's connection reset; the statement waits on
+        proxy.blackhole()  # and the database cannot be reached for a while
+        await blocker.execute("ROLLBACK")  # the orphaned claim commits
+    await until("the claim to commit", lambda: _record(store, key))
+    await until(
+        "the second try to connect", lambda: claiming.done() or len(proxy._clients) > connections
+    )
+    with pytest.raises(StoreUnavailable):
+        await claiming
+    proxy.partitioned = False  # reachable again
+    await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
+
+
 async def test_a_claim_whose_connection_drops_after_its_caller_gave_up_is_released(
     store: Store, proxied: tuple[BlackholeProxy, Store]
 ) -> None:

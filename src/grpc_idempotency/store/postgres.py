@@ -1077,12 +1077,25 @@ class Store:
         # transaction, nor its release one, and the key stayed IN_PROGRESS for the whole lease.
         with self.holding_claim():
             tries = 2
+            # Whether a try's connection was lost under its claim, which may have committed with
+            # its answer lost. If no later try takes it as its own (no connection in time after
+            # a failover, the store closing, the caller gone, the second try's connection lost
+            # too or its claim refused), it is released by the attempt id once the database
+            # answers (a best effort, as every release). Left alone it kept its lease with
+            # nobody behind it, and every retry was answered IN_PROGRESS for the whole lease.
+            # (A second try the caller gave up on is also _settle's: released twice, harmlessly.)
+            lost = False
             for tried in range(1, tries + 1):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                conn = await self._acquire_to_claim(left)
+                try:
+                    conn = await self._acquire_to_claim(left)
+                except BaseException:
+                    if lost:
+                        self._release_attempt_later(scope, key, attempt_id)
+                    raise
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    return await self._claim_phased_once(
+                    claimed = await self._claim_phased_once(
                         conn,
                         args,
                         attempt_id,
@@ -1094,6 +1107,7 @@ class Store:
                         left,
                         after_lost=tried > 1,
                     )
+                    return claimed
                 except StoreUnavailable as err:
                     # The claim's session ended under it (pg_terminate_backend, a failover or a
                     # restart that left the pool's connection dead): once more on a connection
@@ -1107,8 +1121,17 @@ class Store:
                     # Not a timeout: behind a partition another connection waits as long.
                     cause = err.__cause__ or err
                     if tried < tries and _connection_gone(cause):
-                        self._refuse_if_draining()  # no new claim once close() has begun
+                        lost = True
+                        if self._draining:  # no new claim once close() has begun
+                            self._release_attempt_later(scope, key, attempt_id)
+                            self._refuse_if_draining()
                         continue
+                    if lost:
+                        self._release_attempt_later(scope, key, attempt_id)
+                    raise
+                except BaseException:
+                    if lost:
+                        self._release_attempt_later(scope, key, attempt_id)
                     raise
             raise AssertionError("unreachable")
 
@@ -1207,11 +1230,7 @@ class Store:
                 # was answered IN_PROGRESS for the whole lease, with nobody behind the claim.
                 cause = err.__cause__ or err
                 if isinstance(cause, TimeoutError) or _connection_gone(cause):
-                    # After the claim's statement has ended in PostgreSQL, which may be later
-                    # (wait_claim_lock): released before it committed, it kept its lease.
-                    lock = claim_lock_id(self.schema, scope, key)
-                    release = self.statements.release_attempt
-                    await self._end_lease(scope, key, release, attempt_id, after_lock=lock)
+                    await self._release_attempt(scope, key, attempt_id)
                 return
             except BaseException:  # refused by the database, so not claimed
                 return
@@ -1221,6 +1240,21 @@ class Store:
                 await PhasedClaim(self, held, lease_s, started_at=started_at).release()
 
         task = asyncio.ensure_future(release_if_claimed())
+        self._settling.add(task)  # a reference, until it is done
+        task.add_done_callback(self._settling.discard)
+
+    async def _release_attempt(self, scope: str, key: str, attempt_id: int) -> None:
+        """Ends the lease of the claim ``attempt_id`` made of the key, if it committed (its
+        answer lost) and is still in progress under it."""
+        # After the claim's statement has ended in PostgreSQL, which may be later
+        # (wait_claim_lock): released before it committed, it kept its lease.
+        lock = claim_lock_id(self.schema, scope, key)
+        release = self.statements.release_attempt
+        await self._end_lease(scope, key, release, attempt_id, after_lock=lock)
+
+    def _release_attempt_later(self, scope: str, key: str, attempt_id: int) -> None:
+        """``_release_attempt`` in a task of its own, which ``close`` waits for."""
+        task = asyncio.ensure_future(self._release_attempt(scope, key, attempt_id))
         self._settling.add(task)  # a reference, until it is done
         task.add_done_callback(self._settling.discard)
 
