@@ -466,6 +466,54 @@ async def test_a_claim_whose_connection_drops_while_it_waits_is_the_calls_own(
     assert await _lease_over(store, key)
 
 
+async def test_a_claim_whose_connection_drops_then_loses_the_claim_lock_is_released(
+    store: Store, proxied: tuple[BlackholeProxy, Store]
+) -> None:
+    """As above, but the claim lock is taken by another statement of the key (another
+    attempt's claim, a stale owner's final transaction) in the moment between the second try's
+    wait for it and its claim, which only tries the lock: the second try lost the race (GI001)
+    to it, and the call's own committed claim, nobody's now, kept its lease (every retry
+    answered IN_PROGRESS for the whole of it). It is released by the call's attempt id. Here
+    that statement is held in a transaction queued for the lock behind the second try's wait."""
+    proxy, via = proxied
+    key = fresh()
+    lock = claim_lock_id(store.schema, "partition", key)
+    async with store.pool.acquire() as blocker, store.pool.acquire() as other:
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
+        )
+        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=10.0))
+        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+        proxy.fail_over_losing_answers()  # the client's connection reset; the statement waits on
+        await until(
+            "the second try to wait for the claim lock", lambda: claim_lock_waited_for(store)
+        )
+        await other.execute("BEGIN")
+        taking = asyncio.ensure_future(
+            other.execute("SELECT pg_catalog.pg_advisory_xact_lock($1::bigint)", lock)
+        )
+
+        async def both_wait() -> bool:
+            return bool(
+                await store.pool.fetchval(
+                    "SELECT count(*) = 2 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND wait_event = 'advisory'"
+                )
+            )
+
+        await until("the other statement to queue behind the second try", both_wait)
+        await blocker.execute("ROLLBACK")  # the orphaned claim commits
+        await taking  # granted after the second try's wait, held until its transaction ends
+        try:
+            claim = await asyncio.wait_for(asyncio.shield(claiming), 5)
+        finally:
+            await other.execute("ROLLBACK")
+    if claim is not None:  # got it after all (a fix that keeps the lock): its own to release
+        await claim.release()
+    await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
+
+
 async def test_a_claim_whose_connection_drops_then_finds_no_connection_is_released(
     store: Store, proxied: tuple[BlackholeProxy, Store]
 ) -> None:

@@ -1107,6 +1107,12 @@ class Store:
                         left,
                         after_lost=tried > 1,
                     )
+                    if claimed is None and lost:
+                        # Lost the race (GI001) to a statement that held the claim lock just
+                        # after the second try's wait for it ended, say: the first try's claim,
+                        # if it committed, is nobody's. (Lost to another attempt's claim, GI002,
+                        # the release matches nothing.)
+                        self._release_attempt_later(scope, key, attempt_id)
                     return claimed
                 except StoreUnavailable as err:
                     # The claim's session ended under it (pg_terminate_backend, a failover or a
