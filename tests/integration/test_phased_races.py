@@ -540,10 +540,11 @@ async def test_a_claim_whose_connection_drops_then_finds_no_connection_is_releas
     await until(
         "the second try to connect", lambda: claiming.done() or len(proxy._clients) > connections
     )
-    # Reachable again from now on; the second try's connection, accepted before, hangs on.
-    proxy.partitioned = False
     with pytest.raises(StoreUnavailable):
         await claiming
+    # Reachable again, before the release's connection is accepted: its task was queued before
+    # this one woke up, and the proxy accepts a connection only on a later turn of the loop.
+    proxy.partitioned = False
     await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
 
 
