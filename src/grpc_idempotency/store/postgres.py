@@ -1076,70 +1076,60 @@ class Store:
         # began landed after the pool had closed, its handler found no connection for the final
         # transaction, nor its release one, and the key stayed IN_PROGRESS for the whole lease.
         with self.holding_claim():
-            tries = 2
             # Whether a try's connection was lost under its claim, which may have committed with
-            # its answer lost. If no later try takes it as its own (no connection in time after
-            # a failover, the store closing, the caller gone, the second try's connection lost
-            # too or its claim refused), it is released by the attempt id once the database
-            # answers (a best effort, as every release). Left alone it kept its lease with
-            # nobody behind it, and every retry was answered IN_PROGRESS for the whole lease.
-            # (A second try the caller gave up on is also _settle's: released twice, harmlessly.)
+            # its answer lost; and the claim this call returns, if any. A lost claim that no
+            # later try takes as its own (no connection in time after a failover, the store
+            # closing, the caller gone, the second try's connection lost too, or its claim
+            # refused: GI001 to a statement that took the claim lock just after the second
+            # try's wait for it) is released by the attempt id once the database answers (a
+            # best effort, as every release; one lost to another attempt's claim, GI002, matches
+            # nothing). Left alone it kept its lease with nobody behind it, and every retry was
+            # answered IN_PROGRESS for the whole lease. A second try the caller gave up on is
+            # also _settle's: released twice, harmlessly.
             lost = False
-            for tried in range(1, tries + 1):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
+            claimed: PhasedClaim | None = None
+            try:
+                tries = 2
+                for tried in range(1, tries + 1):
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     conn = await self._acquire_to_claim(left)
-                except BaseException:
-                    if lost:
-                        self._release_attempt_later(scope, key, attempt_id)
-                    raise
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    claimed = await self._claim_phased_once(
-                        conn,
-                        args,
-                        attempt_id,
-                        scope,
-                        key,
-                        retention_s,
-                        lease_s,
-                        isolation,
-                        left,
-                        after_lost=tried > 1,
-                    )
-                    if claimed is None and lost:
-                        # Lost the race (GI001) to a statement that held the claim lock just
-                        # after the second try's wait for it ended, say: the first try's claim,
-                        # if it committed, is nobody's. (Lost to another attempt's claim, GI002,
-                        # the release matches nothing.)
-                        self._release_attempt_later(scope, key, attempt_id)
-                    return claimed
-                except StoreUnavailable as err:
-                    # The claim's session ended under it (pg_terminate_backend, a failover or a
-                    # restart that left the pool's connection dead): once more on a connection
-                    # opened now (``_holding`` had the pool's others replaced), as the atomic
-                    # claim does. Answered as an outage, with the database up, a fail-open
-                    # method ran its handler unclaimed while another attempt could claim and run
-                    # the same key. Safe: a claim whose session ended mid-statement is rolled
-                    # back; one that committed before its answer was lost is this call's own,
-                    # and this try is answered with it (same attempt id). It used to lose the
-                    # race to it, and the call and every retry waited the lease out.
-                    # Not a timeout: behind a partition another connection waits as long.
-                    cause = err.__cause__ or err
-                    if tried < tries and _connection_gone(cause):
-                        lost = True
-                        if self._draining:  # no new claim once close() has begun
-                            self._release_attempt_later(scope, key, attempt_id)
-                            self._refuse_if_draining()
-                        continue
-                    if lost:
-                        self._release_attempt_later(scope, key, attempt_id)
-                    raise
-                except BaseException:
-                    if lost:
-                        self._release_attempt_later(scope, key, attempt_id)
-                    raise
-            raise AssertionError("unreachable")
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    try:
+                        claimed = await self._claim_phased_once(
+                            conn,
+                            args,
+                            attempt_id,
+                            scope,
+                            key,
+                            retention_s,
+                            lease_s,
+                            isolation,
+                            left,
+                            after_lost=lost,
+                        )
+                        return claimed
+                    except StoreUnavailable as err:
+                        # The claim's session ended under it (pg_terminate_backend, a failover
+                        # or a restart that left the pool's connection dead): once more on a
+                        # connection opened now (``_holding`` had the pool's others replaced),
+                        # as the atomic claim does. Answered as an outage, with the database
+                        # up, a fail-open method ran its handler unclaimed while another attempt
+                        # could claim and run the same key. Safe: a claim whose session ended
+                        # mid-statement is rolled back; one that committed before its answer
+                        # was lost is this call's own, and this try is answered with it (same
+                        # attempt id). It used to lose the race to it, and the call and every
+                        # retry waited the lease out. Not a timeout: behind a partition another
+                        # connection waits as long.
+                        cause = err.__cause__ or err
+                        if tried < tries and _connection_gone(cause):
+                            lost = True
+                            self._refuse_if_draining()  # no new claim once close() has begun
+                            continue
+                        raise
+                raise AssertionError("unreachable")
+            finally:
+                if lost and claimed is None:
+                    self._release_attempt_later(scope, key, attempt_id)
 
     async def _claim_phased_once(
         self,
