@@ -1,17 +1,23 @@
 """The test LedgerService (``running_ledger``) in a process of its own, for tests whose server
-may die: ``python -m tests.support.ledger_process DSN`` prints ``ledger ready on HOST:PORT``."""
+may die: ``python -m tests.support.ledger_process DSN [APPLICATION_NAME]`` prints ``ledger ready
+on HOST:PORT``. ``APPLICATION_NAME`` names its database sessions (``pg_stat_activity``), so that
+a test can find them; the store's default otherwise."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 from grpc_idempotency import Store
 from tests.support.ledger import running_ledger
 
 
-async def main(dsn: str) -> None:
-    store = await Store.connect(dsn)
+async def main(dsn: str, application_name: str | None = None) -> None:
+    options: dict[str, Any] = {}
+    if application_name is not None:
+        options["server_settings"] = {"application_name": application_name}
+    store = await Store.connect(dsn, **options)
     try:
         async with running_ledger(store) as ledger:
             print(f"ledger ready on {ledger.address}", flush=True)
@@ -21,4 +27,4 @@ async def main(dsn: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(*sys.argv[1:3]))

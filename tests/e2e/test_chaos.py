@@ -1,0 +1,469 @@
+"""Exactly once under chaos: real replicas, real crashes, real retries, one PostgreSQL.
+
+Three LedgerService replicas (``tests.support.ledger_process``), each a process of its own, share
+the session's PostgreSQL. A few hundred operations, atomic (``Post``) and phased
+(``PostPhased``), each with its own key and request, run many at once; each is retried with the
+same key and request over the replicas until it has a final answer, as a client would: honouring
+the server's retry hint (``ABORTED`` / ``IDEMPOTENCY_KEY_IN_PROGRESS`` with its pushback) and the
+library's ``RetryPolicy`` backoff otherwise. Some clients "lose" their answer and ask again.
+
+Meanwhile, driven by what the test observes rather than by time:
+
+- a replica is SIGKILLed as soon as it has enough calls in flight (started, not answered), or
+  once a batch of its answers arrived while it has calls in flight, and is restarted on a new
+  port; several times per run, one replica down at a time. The operations are launched in
+  rounds, each after the previous round's crash and restart (or the end of its operations), so
+  that the crashes spread over the whole run;
+- every so many answers, a random database session of the replicas (a busy one when there is
+  one: in a claim, a handler, a commit) is ended with ``pg_terminate_backend``.
+
+At the end, with everything answered: every operation got the answer its request asks for (OK,
+or the recorded NOT_FOUND); every later answer to it (the lost-answer retries, then one call per
+replica) is the same status, details and response bytes, as a replay; the ledger holds exactly one
+row per OK operation and none for the others, the one the answer names; every record of the run's
+scope is completed with the outcome answered, none in progress; and the handler executions that
+committed (a ledger row, or a recorded error outcome) are as many as the operations.
+
+``GRPC_IDEMPOTENCY_CHAOS_SEED`` replays a run's random choices (which replica, which request,
+which backend); the seed is printed and attached to any failure. The interleaving of processes is
+not reproducible, the choices are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import RetryPolicy, Store
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.wire import retry_after_ms
+from tests.e2e.procs import SIGKILLED, ServiceProcess
+from tests.support.ledger import POST, metadata
+from tests.support.waiting import until
+from tests.support.wire import Answer, call_raw
+
+pytestmark = pytest.mark.e2e
+
+POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
+APP_NAME = "chaos-ledger"
+"""The replicas' database sessions, as ``pg_stat_activity`` names them: the ones ended here."""
+
+REPLICAS = 3
+OPERATIONS = 280
+CRASHES = 6
+ROUND = OPERATIONS // (CRASHES + 2)
+"""Operations launched per round; a round begins once the previous round's crash is over."""
+CONCURRENCY = 36
+"""Operations in flight at once (each retrying until its final answer)."""
+CRASH_IN_FLIGHT = 6
+"""A replica with this many calls started and not answered is killed..."""
+CRASH_ANSWERED = 10
+"""...or one that answered this many calls since it started, with a call still in flight."""
+TERMINATE_EVERY = 12
+"""Answers between two ``pg_terminate_backend`` of a replica's session."""
+MIN_TERMINATED = 8
+LOST_ANSWERS = 0.25
+"""The share of operations whose client asks again after its final answer."""
+RECORDED_ERRORS = 0.1
+"""The share of operations whose request asks for a recorded error (NOT_FOUND)."""
+ATTEMPT_TIMEOUT_S = 5.0
+RUN_TIMEOUT_S = 40.0
+FINAL = {grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND}
+# Answers that say "not done yet, try again": an attempt that died with its replica or its
+# session (UNAVAILABLE), a key still in progress elsewhere or a lost lease or a serialization
+# race (ABORTED), an attempt that ran out of time (DEADLINE_EXCEEDED).
+RETRY = RetryPolicy(
+    max_attempts=1_000,
+    initial_backoff_s=0.02,
+    max_backoff_s=0.3,
+    retryable=frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED}),
+)
+
+
+@dataclass
+class Operation:
+    key: str
+    method: str
+    request: testsvc_pb2.PostRequest
+    expected: grpc.StatusCode
+    answers: list[Answer] = field(default_factory=list)
+    """Every final answer, in order: the first, then the lost-answer retries, then the sweep."""
+    transient: list[str] = field(default_factory=list)
+    """The transient answers along the way (code and reason), for failure reports."""
+    attempts: int = 0
+
+    def describe(self) -> str:
+        got = [(a.code.name, a.replayed) for a in self.answers]
+        return (
+            f"{self.key} {self.method.rsplit('/', 1)[1]} {self.request.account}"
+            f" expecting {self.expected.name}: {self.attempts} attempts, answers {got},"
+            f" transient {collections.Counter(self.transient).most_common()}"
+        )
+
+
+@dataclass
+class Incarnation:
+    """One process of a replica, from its start to its death."""
+
+    proc: ServiceProcess
+    channel: grpc.aio.Channel
+    in_flight: int = 0
+    answered: int = 0
+
+
+@dataclass
+class Replica:
+    name: str
+    current: Incarnation | None = None
+    starts: int = 0
+
+
+class Cluster:
+    """The replicas, the calls to them, and the crashes those calls trigger."""
+
+    def __init__(self, dsn: str, log_dir: Path, rng: random.Random, tenant: str) -> None:
+        self.dsn = dsn
+        self.tenant = tenant
+        self.log_dir = log_dir
+        self.rng = rng
+        self.replicas = [Replica(f"replica-{i}") for i in range(REPLICAS)]
+        self.crashes_allowed = 0
+        """Raised by one per round: a round's crash waits for its round."""
+        self.crashes: list[str] = []
+        """Why each crash happened (which replica, which trigger, how many in flight)."""
+        self.crash_over: list[asyncio.Event] = [asyncio.Event() for _ in range(CRASHES)]
+        self._crash_tasks: list[asyncio.Task[None]] = []
+        self.answers = 0
+        self.answered = asyncio.Event()
+        """Set on every answer (the terminator's cue)."""
+        self.dead: list[ServiceProcess] = []
+
+    async def start(self) -> None:
+        started = await asyncio.gather(*(self._start(r) for r in self.replicas))
+        for replica, incarnation in zip(self.replicas, started, strict=True):
+            replica.current = incarnation
+
+    async def _start(self, replica: Replica) -> Incarnation:
+        replica.starts += 1
+        proc = ServiceProcess(
+            ["-m", "tests.support.ledger_process", self.dsn, APP_NAME],
+            ready="ledger ready",
+            log_dir=self.log_dir,
+            name=f"{replica.name}-{replica.starts}",
+        )
+        try:
+            await proc.start()
+        except BaseException:
+            await proc.stop()
+            raise
+        return Incarnation(proc, grpc.aio.insecure_channel(proc.address))
+
+    async def close(self) -> None:
+        for task in self._crash_tasks:
+            task.cancel()
+        await asyncio.gather(*self._crash_tasks, return_exceptions=True)
+        for replica in self.replicas:
+            if replica.current is not None:
+                await replica.current.channel.close(None)
+                await replica.current.proc.stop()
+        for proc in self.dead:
+            await proc.stop()
+
+    def logs(self) -> str:
+        return "\n".join(
+            r.current.proc.logs() for r in self.replicas if r.current is not None
+        ) + "".join(p.logs() for p in self.dead[-2:])
+
+    async def attempt(self, op: Operation) -> Answer:
+        """One attempt of ``op`` on a replica that is up (picked at random)."""
+        up = [r for r in self.replicas if r.current is not None]
+        while not up:  # cannot happen with one replica down at a time; kept honest
+            await until("a replica up", lambda: [r for r in self.replicas if r.current])
+            up = [r for r in self.replicas if r.current is not None]
+        replica = self.rng.choice(up)
+        incarnation = replica.current
+        assert incarnation is not None
+        incarnation.in_flight += 1
+        op.attempts += 1
+        try:
+            return await call_raw(
+                incarnation.channel,
+                op.method,
+                op.request,
+                metadata(op.key, self.tenant),
+                ATTEMPT_TIMEOUT_S,
+            )
+        finally:
+            incarnation.in_flight -= 1
+            incarnation.answered += 1
+            self.answers += 1
+            self.answered.set()
+            self._maybe_crash(replica)
+
+    def _maybe_crash(self, replica: Replica) -> None:
+        """Kills ``replica`` (just answered a call) if the next crash's trigger holds: the even
+        crashes once it has ``CRASH_IN_FLIGHT`` calls in flight, the odd ones once it answered
+        ``CRASH_ANSWERED`` calls (since it started) with a call still in flight."""
+        incarnation = replica.current
+        number = len(self.crashes)
+        if incarnation is None or number >= self.crashes_allowed:
+            return
+        if any(r.current is None for r in self.replicas):
+            return  # one replica down at a time: the others serve
+        if number % 2 == 0 and incarnation.in_flight >= CRASH_IN_FLIGHT:
+            why = f"{incarnation.in_flight} calls in flight"
+        elif (
+            number % 2 == 1
+            and incarnation.answered >= CRASH_ANSWERED
+            and incarnation.in_flight >= 1
+        ):
+            why = f"{incarnation.answered} answers, {incarnation.in_flight} in flight"
+        else:
+            return
+        self.crashes.append(f"{replica.name} (pid {incarnation.proc.pid}): {why}")
+        replica.current = None  # no new call goes to it from now on
+        self._crash_tasks.append(asyncio.create_task(self._crash(replica, incarnation, number)))
+
+    async def _crash(self, replica: Replica, incarnation: Incarnation, number: int) -> None:
+        incarnation.proc.kill()
+        code = await incarnation.proc.wait()
+        assert code == SIGKILLED, f"{replica.name} exited {code}\n{incarnation.proc.logs()}"
+        self.dead.append(incarnation.proc)
+        # Its calls fail at once (the connection is reset): closed after them, no call is
+        # cancelled by the test's own hand.
+        await until(f"{replica.name}'s calls to fail", lambda: incarnation.in_flight == 0)
+        await incarnation.channel.close(None)
+        replica.current = await self._start(replica)
+        self.crash_over[number].set()
+
+
+async def terminator(
+    cluster: Cluster, pg_dsn: str, rng: random.Random, done: asyncio.Event
+) -> list[str]:
+    """Every ``TERMINATE_EVERY`` answers, ends one of the replicas' database sessions: a busy one
+    (in a statement or a transaction) when there is one. Returns what it ended."""
+    ended: list[str] = []
+    conn = await asyncpg.connect(pg_dsn, server_settings={"application_name": "chaos-terminator"})
+    try:
+        next_at = TERMINATE_EVERY
+        while not done.is_set():
+            cluster.answered.clear()
+            if cluster.answers < next_at:
+                waiting = asyncio.ensure_future(cluster.answered.wait())
+                finished = asyncio.ensure_future(done.wait())
+                await asyncio.wait({waiting, finished}, return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+                finished.cancel()
+                continue
+            next_at = cluster.answers + TERMINATE_EVERY
+            sessions = await conn.fetch(
+                "SELECT pid, state FROM pg_stat_activity WHERE application_name = $1 ORDER BY pid",
+                APP_NAME,
+            )
+            busy = [s for s in sessions if s["state"] in ("active", "idle in transaction")]
+            pool = busy or list(sessions)
+            if not pool:
+                continue
+            victim = rng.choice(pool)
+            if await conn.fetchval("SELECT pg_terminate_backend($1)", victim["pid"]):
+                ended.append(f"{victim['pid']} ({victim['state']})")
+    finally:
+        await conn.close()
+    return ended
+
+
+def new_operation(rng: random.Random, tenant: str, index: int) -> Operation:
+    method = POST if rng.random() < 0.5 else POST_PHASED
+    recorded_error = rng.random() < RECORDED_ERRORS
+    # A short sleep before the write for most: handlers in flight for the crashes to catch.
+    behaviour = "NOT_FOUND" if recorded_error else rng.choice(["", "sleep:5", "sleep:20"])
+    request = testsvc_pb2.PostRequest(
+        account=f"{tenant}/{index}",
+        amount=rng.randrange(1, 1_000_000),
+        behaviour=behaviour,
+    )
+    expected = grpc.StatusCode.NOT_FOUND if recorded_error else grpc.StatusCode.OK
+    return Operation(f"chaos-{uuid.UUID(int=rng.getrandbits(128))}", method, request, expected)
+
+
+async def until_final(cluster: Cluster, op: Operation, rng: random.Random) -> Answer:
+    """Attempts ``op`` until an answer that is not transient, waiting between attempts as the
+    server asks (its pushback) or with the retry policy's jittered backoff."""
+    attempt = 0
+    while True:
+        attempt += 1
+        answer = await cluster.attempt(op)
+        delay = RETRY.delay_s(
+            attempt=attempt,
+            code=Code(answer.code.value[0]),
+            retry_after_ms=retry_after_ms(list(answer.trailing.items())),
+            jitter=rng.random(),
+        )
+        if delay is None:
+            return answer
+        op.transient.append(f"{answer.code.name}/{answer.reason()}")
+        await asyncio.sleep(delay)
+
+
+def identity(answer: Answer) -> tuple[object, ...]:
+    """What a replay must repeat exactly."""
+    return (
+        answer.code,
+        answer.body,
+        answer.details,
+        answer.trailing.get("grpc-status-details-bin"),
+    )
+
+
+async def test_every_operation_commits_exactly_once_through_crashes_and_terminated_sessions(
+    store: Store, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    seed = int(os.environ.get("GRPC_IDEMPOTENCY_CHAOS_SEED", random.randrange(2**32)))
+    print(f"chaos seed: {seed} (GRPC_IDEMPOTENCY_CHAOS_SEED={seed} to replay its choices)")
+    try:
+        await _chaos(seed, pg_dsn, db, tmp_path)
+    except BaseException as exc:
+        exc.add_note(f"chaos seed: {seed} (rerun with GRPC_IDEMPOTENCY_CHAOS_SEED={seed})")
+        raise
+
+
+async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path) -> None:
+    rng = random.Random(seed)
+    tenant = f"chaos{seed}-{uuid.uuid4().hex[:8]}"
+    scope = f"tenant:{tenant}"
+    ops = [new_operation(rng, tenant, i) for i in range(OPERATIONS)]
+    cluster = Cluster(pg_dsn, tmp_path, rng, tenant)
+    done = asyncio.Event()
+    started = time.monotonic()
+    try:
+        await cluster.start()
+        ending = asyncio.ensure_future(terminator(cluster, pg_dsn, random.Random(seed + 1), done))
+        slots = asyncio.Semaphore(CONCURRENCY)
+
+        async def operate(op: Operation) -> None:
+            async with slots:
+                op.answers.append(await until_final(cluster, op, rng))
+                if rng.random() < LOST_ANSWERS:  # the answer never reached the application
+                    op.answers.append(await until_final(cluster, op, rng))
+
+        tasks: list[asyncio.Task[None]] = []
+        for round_start in range(0, OPERATIONS, ROUND):
+            launched = [asyncio.create_task(operate(op)) for op in ops[round_start:][:ROUND]]
+            tasks += launched
+            number = len(cluster.crashes)  # the crash this round may bring
+            if number >= CRASHES:
+                continue
+            cluster.crashes_allowed = number + 1
+            # The next round once this round's crash is over (the replica back: a crash begun
+            # is waited for), or once every operation of the round has its answer without one
+            # (the crash then comes in the next round).
+            crash_over = asyncio.ensure_future(cluster.crash_over[number].wait())
+            round_over = asyncio.ensure_future(asyncio.wait(launched))
+            await asyncio.wait(
+                {crash_over, round_over},
+                timeout=RUN_TIMEOUT_S,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if len(cluster.crashes) > number:
+                await asyncio.wait_for(crash_over, RUN_TIMEOUT_S)
+            crash_over.cancel()
+            round_over.cancel()
+        left = max(1.0, RUN_TIMEOUT_S - (time.monotonic() - started))
+        _, pending = await asyncio.wait(tasks, timeout=left)
+        unfinished = [op.describe() for op in ops if len(op.answers) == 0]
+        assert not pending, (
+            f"{len(pending)} operations without a final answer after {RUN_TIMEOUT_S}s"
+            f" (crashes: {cluster.crashes}):\n" + "\n".join(unfinished[:20])
+        )
+        for task in tasks:
+            task.result()  # an error of the test itself
+        cluster.crashes_allowed = 0
+        # Every crash over (a replica back up) before the sweep, which asks every replica.
+        await until("the last restart", lambda: all(r.current for r in cluster.replicas), 15)
+        done.set()
+        terminated = await ending
+        chaos_s = time.monotonic() - started
+
+        # A client that asks again, much later, on every replica: the same answer, replayed.
+        sweep = asyncio.Semaphore(64)
+
+        async def ask_everywhere(op: Operation) -> None:
+            for replica in cluster.replicas:
+                incarnation = replica.current
+                assert incarnation is not None
+                async with sweep:
+                    op.answers.append(
+                        await call_raw(
+                            incarnation.channel,
+                            op.method,
+                            op.request,
+                            metadata(op.key, tenant),
+                            ATTEMPT_TIMEOUT_S,
+                        )
+                    )
+
+        await asyncio.gather(*(ask_everywhere(op) for op in ops))
+    finally:
+        done.set()
+        await cluster.close()
+
+    print(
+        f"chaos: {OPERATIONS} operations, {sum(op.attempts for op in ops)} attempts in"
+        f" {chaos_s:.1f}s; crashes: {cluster.crashes}; {len(terminated)} sessions terminated"
+    )
+    # The chaos happened as planned (else the invariants below prove little).
+    assert len(cluster.crashes) == CRASHES, cluster.crashes
+    assert len(terminated) >= MIN_TERMINATED, terminated
+    assert sum(len(op.transient) for op in ops) > 0
+
+    wrong = [op.describe() for op in ops if op.answers[0].code is not op.expected]
+    assert not wrong, "operations answered otherwise than their request asks:\n" + "\n".join(
+        wrong[:20]
+    )
+    for op in ops:
+        first = op.answers[0]
+        for later in op.answers[1:]:
+            assert identity(later) == identity(first), f"{op.describe()}: {later} != {first}"
+            assert later.replayed, f"{op.describe()}: a later answer was not a replay: {later}"
+
+    # The database: one ledger row per OK operation, the one its answer names; none otherwise.
+    rows = await db.fetch(
+        "SELECT account, count(*) AS n, min(id) AS id FROM test_ledger.ledger"
+        " WHERE tenant = $1 GROUP BY account",
+        scope,
+    )
+    ledger = {r["account"]: (r["n"], r["id"]) for r in rows}
+    for op in ops:
+        account = op.request.account
+        if op.expected is grpc.StatusCode.OK:
+            response = testsvc_pb2.PostResponse.FromString(op.answers[0].body or b"")
+            assert (response.account, response.amount) == (account, op.request.amount)
+            assert ledger.get(account) == (1, response.entry_id), op.describe()
+        else:
+            assert account not in ledger, f"{op.describe()}: rolled back, yet {ledger[account]}"
+    assert set(ledger) <= {op.request.account for op in ops}
+
+    records = await db.fetch(
+        "SELECT key, state, status_code FROM grpc_idempotency.records WHERE scope = $1", scope
+    )
+    states = {r["key"]: (r["state"], r["status_code"]) for r in records}
+    in_progress = sorted(key for key, (state, _) in states.items() if state != "completed")
+    assert not in_progress, f"records left in progress after every answer: {in_progress}"
+    assert states == {op.key: ("completed", op.expected.value[0]) for op in ops}
+
+    # Handler executions that committed: a ledger row each (OK), or a recorded error outcome.
+    committed = sum(n for n, _ in ledger.values()) + sum(
+        1 for _, code in states.values() if code != grpc.StatusCode.OK.value[0]
+    )
+    assert committed == OPERATIONS, (committed, OPERATIONS)
