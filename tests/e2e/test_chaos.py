@@ -60,8 +60,8 @@ APP_NAME = "chaos-ledger"
 """The replicas' database sessions, as ``pg_stat_activity`` names them: the ones ended here."""
 
 REPLICAS = 3
-OPERATIONS = 280
-CRASHES = 6
+OPERATIONS = 1200
+CRASHES = 20
 ROUND = OPERATIONS // (CRASHES + 2)
 """Operations launched per round; a round begins once the previous round's crash is over."""
 CONCURRENCY = 36
@@ -69,6 +69,11 @@ CONCURRENCY = 36
 CRASH_IN_FLIGHT = 6
 """A replica with this many calls started and not answered is killed..."""
 CRASH_ANSWERED = 10
+PAUSE_PHASED_IN_FLIGHT = 3
+"""...or paused with this many phased calls in flight."""
+HEDGE_AFTER_S = 0.3
+"""A client whose attempt has no answer after this long sends the same call to another replica
+too (a hedge), and takes the first final answer."""
 """...or one that answered this many calls since it started, with a call still in flight."""
 TERMINATE_EVERY = 12
 """Answers between two ``pg_terminate_backend`` of a replica's session."""
@@ -78,7 +83,10 @@ LOST_ANSWERS = 0.25
 RECORDED_ERRORS = 0.1
 """The share of operations whose request asks for a recorded error (NOT_FOUND)."""
 ATTEMPT_TIMEOUT_S = 5.0
-RUN_TIMEOUT_S = 40.0
+SHORT_DEADLINES = 0.1
+"""The share of attempts sent with a deadline of a few milliseconds: cancelled at the server
+wherever the deadline finds them (a claim, the handler, a commit), as an impatient client's."""
+RUN_TIMEOUT_S = 120.0
 FINAL = {grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND}
 # Answers that say "not done yet, try again": an attempt that died with its replica or its
 # session (UNAVAILABLE), a key still in progress elsewhere or a lost lease or a serialization
@@ -99,9 +107,14 @@ class Operation:
     expected: grpc.StatusCode
     answers: list[Answer] = field(default_factory=list)
     """Every final answer, in order: the first, then the lost-answer retries, then the sweep."""
+    late: list[Answer] = field(default_factory=list)
+    """Final answers of attempts still running when the operation had its answer (a hedge's
+    loser): the same answer, replayed or not (the loser may be the attempt that ran)."""
+    stragglers: set[asyncio.Task[Answer]] = field(default_factory=set)
     transient: list[str] = field(default_factory=list)
     """The transient answers along the way (code and reason), for failure reports."""
     attempts: int = 0
+    hedges: int = 0
 
     def describe(self) -> str:
         got = [(a.code.name, a.replayed) for a in self.answers]
@@ -120,6 +133,11 @@ class Incarnation:
     channel: grpc.aio.Channel
     in_flight: int = 0
     answered: int = 0
+    phased_in_flight: set[str] = field(default_factory=set)
+    """The keys of the phased calls in flight on it."""
+    pauses: int = 0
+    stalled: int = 0
+    """Calls begun before its last pause ended and not answered yet."""
 
 
 @dataclass
@@ -145,6 +163,10 @@ class Cluster:
         self.crash_over: list[asyncio.Event] = [asyncio.Event() for _ in range(CRASHES)]
         self._crash_tasks: list[asyncio.Task[None]] = []
         self.answers = 0
+        self.answered_keys: set[str] = set()
+        """The operations that have their (first) final answer."""
+        self.disrupted = False
+        """A replica is down or paused."""
         self.answered = asyncio.Event()
         """Set on every answer (the terminator's cue)."""
         self.dead: list[ServiceProcess] = []
@@ -194,46 +216,62 @@ class Cluster:
         replica = self.rng.choice(up)
         incarnation = replica.current
         assert incarnation is not None
+        timeout = (
+            self.rng.uniform(0.002, 0.03)
+            if self.rng.random() < SHORT_DEADLINES
+            else ATTEMPT_TIMEOUT_S
+        )
         incarnation.in_flight += 1
+        pauses = incarnation.pauses
         op.attempts += 1
+        if op.method == POST_PHASED:
+            incarnation.phased_in_flight.add(op.key)
         try:
             return await call_raw(
                 incarnation.channel,
                 op.method,
                 op.request,
                 metadata(op.key, self.tenant),
-                ATTEMPT_TIMEOUT_S,
+                timeout,
             )
         finally:
             incarnation.in_flight -= 1
+            if pauses < incarnation.pauses:
+                incarnation.stalled -= 1
+            incarnation.phased_in_flight.discard(op.key)
             incarnation.answered += 1
             self.answers += 1
             self.answered.set()
             self._maybe_crash(replica)
 
     def _maybe_crash(self, replica: Replica) -> None:
-        """Kills ``replica`` (just answered a call) if the next crash's trigger holds: the even
-        crashes once it has ``CRASH_IN_FLIGHT`` calls in flight, the odd ones once it answered
-        ``CRASH_ANSWERED`` calls (since it started) with a call still in flight."""
+        """Disrupts ``replica`` (which just answered a call) if the next crash's trigger holds.
+        Crashes 0, 3, 6, ... kill it once it has ``CRASH_IN_FLIGHT`` calls in flight; 1, 4, ...
+        once it answered ``CRASH_ANSWERED`` calls (since it started) with a call still in
+        flight; 2, 5, ... pause it (SIGSTOP, a stalled owner) once it has
+        ``PAUSE_PHASED_IN_FLIGHT`` phased calls in flight, until another replica answered one
+        of them (its lease ran out, taken over), then let it go on (SIGCONT)."""
         incarnation = replica.current
         number = len(self.crashes)
-        if incarnation is None or number >= self.crashes_allowed:
-            return
-        if any(r.current is None for r in self.replicas):
-            return  # one replica down at a time: the others serve
-        if number % 2 == 0 and incarnation.in_flight >= CRASH_IN_FLIGHT:
-            why = f"{incarnation.in_flight} calls in flight"
-        elif (
-            number % 2 == 1
-            and incarnation.answered >= CRASH_ANSWERED
-            and incarnation.in_flight >= 1
-        ):
-            why = f"{incarnation.answered} answers, {incarnation.in_flight} in flight"
+        if incarnation is None or number >= self.crashes_allowed or self.disrupted:
+            return  # one disruption at a time: the other replicas serve
+        kind = number % 3
+        if kind == 0 and incarnation.in_flight >= CRASH_IN_FLIGHT:
+            why = f"killed, {incarnation.in_flight} calls in flight"
+        elif kind == 1 and incarnation.answered >= CRASH_ANSWERED and incarnation.in_flight:
+            why = f"killed, {incarnation.answered} answers, {incarnation.in_flight} in flight"
+        elif kind == 2 and len(incarnation.phased_in_flight) >= PAUSE_PHASED_IN_FLIGHT:
+            why = f"paused, {len(incarnation.phased_in_flight)} phased calls in flight"
         else:
             return
         self.crashes.append(f"{replica.name} (pid {incarnation.proc.pid}): {why}")
-        replica.current = None  # no new call goes to it from now on
-        self._crash_tasks.append(asyncio.create_task(self._crash(replica, incarnation, number)))
+        self.disrupted = True
+        if kind == 2:
+            crash = self._pause(replica, incarnation, number)
+        else:
+            replica.current = None  # no new call goes to it from now on
+            crash = self._crash(replica, incarnation, number)
+        self._crash_tasks.append(asyncio.create_task(crash))
 
     async def _crash(self, replica: Replica, incarnation: Incarnation, number: int) -> None:
         incarnation.proc.kill()
@@ -245,6 +283,29 @@ class Cluster:
         await until(f"{replica.name}'s calls to fail", lambda: incarnation.in_flight == 0)
         await incarnation.channel.close(None)
         replica.current = await self._start(replica)
+        self.disrupted = False
+        self.crash_over[number].set()
+
+    async def _pause(self, replica: Replica, incarnation: Incarnation, number: int) -> None:
+        """Stalls the replica (SIGSTOP: it holds its connections, claims and transactions)
+        until one of the phased calls it held was answered by another replica (the clients
+        hedge), then lets it go on: its stale attempts find their leases taken over."""
+        caught = set(incarnation.phased_in_flight)
+        incarnation.proc.pause()
+        try:
+            await until(
+                f"a phased call stalled on {replica.name} answered elsewhere",
+                lambda: caught & self.answered_keys,
+                timeout=15,
+            )
+        finally:
+            incarnation.pauses += 1
+            incarnation.stalled = incarnation.in_flight
+            incarnation.proc.resume()
+        # Over once the calls it stalled are answered: the stale owners among them have tried
+        # to commit (and found their leases taken over), not been killed by the next crash.
+        await until(f"{replica.name}'s stalled calls", lambda: incarnation.stalled == 0)
+        self.disrupted = False
         self.crash_over[number].set()
 
 
@@ -299,21 +360,44 @@ def new_operation(rng: random.Random, tenant: str, index: int) -> Operation:
 
 async def until_final(cluster: Cluster, op: Operation, rng: random.Random) -> Answer:
     """Attempts ``op`` until an answer that is not transient, waiting between attempts as the
-    server asks (its pushback) or with the retry policy's jittered backoff."""
+    server asks (its pushback) or with the retry policy's jittered backoff; an attempt with no
+    answer after ``HEDGE_AFTER_S`` gets a hedge (one at a time). Attempts still running at the
+    end are left to finish in ``op.stragglers``."""
     attempt = 0
+    running: set[asyncio.Task[Answer]] = set()
     while True:
-        attempt += 1
-        answer = await cluster.attempt(op)
-        delay = RETRY.delay_s(
-            attempt=attempt,
-            code=Code(answer.code.value[0]),
-            retry_after_ms=retry_after_ms(list(answer.trailing.items())),
-            jitter=rng.random(),
+        if not running:
+            attempt += 1
+            running.add(asyncio.create_task(cluster.attempt(op)))
+        done, running = await asyncio.wait(
+            running, timeout=HEDGE_AFTER_S, return_when=asyncio.FIRST_COMPLETED
         )
-        if delay is None:
-            return answer
-        op.transient.append(f"{answer.code.name}/{answer.reason()}")
-        await asyncio.sleep(delay)
+        if not done:
+            if len(running) < 2:
+                op.hedges += 1
+                running.add(asyncio.create_task(cluster.attempt(op)))
+            continue
+        delay = 0.0
+        final = []
+        for task in done:
+            answer = task.result()
+            wait = RETRY.delay_s(
+                attempt=attempt,
+                code=Code(answer.code.value[0]),
+                retry_after_ms=retry_after_ms(list(answer.trailing.items())),
+                jitter=rng.random(),
+            )
+            if wait is None:
+                final.append(answer)
+            else:
+                op.transient.append(f"{answer.code.name}/{answer.reason()}")
+                delay = max(delay, wait)
+        if final:
+            op.late += final[1:]
+            op.stragglers |= running
+            return final[0]
+        if not running:
+            await asyncio.sleep(delay)
 
 
 def identity(answer: Answer) -> tuple[object, ...]:
@@ -354,6 +438,7 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
         async def operate(op: Operation) -> None:
             async with slots:
                 op.answers.append(await until_final(cluster, op, rng))
+                cluster.answered_keys.add(op.key)
                 if rng.random() < LOST_ANSWERS:  # the answer never reached the application
                     op.answers.append(await until_final(cluster, op, rng))
 
@@ -389,8 +474,20 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
         for task in tasks:
             task.result()  # an error of the test itself
         cluster.crashes_allowed = 0
-        # Every crash over (a replica back up) before the sweep, which asks every replica.
-        await until("the last restart", lambda: all(r.current for r in cluster.replicas), 15)
+        # Every crash over (a replica back up, or let go on) before the sweep, which asks every
+        # replica; the hedges' losers over (a stalled owner's, say).
+        await until("the last crash to be over", lambda: not cluster.disrupted, 15)
+        stragglers = [s for op in ops for s in op.stragglers]
+        if stragglers:
+            _, running = await asyncio.wait(stragglers, timeout=2 * ATTEMPT_TIMEOUT_S)
+            assert not running, f"{len(running)} hedged attempts still running"
+        for op in ops:
+            for straggler in op.stragglers:
+                answer = straggler.result()
+                if answer.code in FINAL:
+                    op.late.append(answer)
+                else:
+                    op.transient.append(f"late {answer.code.name}/{answer.reason()}")
         done.set()
         terminated = await ending
         chaos_s = time.monotonic() - started
@@ -420,7 +517,10 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
 
     print(
         f"chaos: {OPERATIONS} operations, {sum(op.attempts for op in ops)} attempts in"
-        f" {chaos_s:.1f}s; crashes: {cluster.crashes}; {len(terminated)} sessions terminated"
+        f" {chaos_s:.1f}s; crashes: {cluster.crashes}; {len(terminated)} sessions terminated;"
+        f" {sum(op.hedges for op in ops)} hedges, their losers' final answers:"
+        f" {collections.Counter((a.code.name, a.replayed) for op in ops for a in op.late)};"
+        f" transient answers: {collections.Counter(t for op in ops for t in op.transient)}"
     )
     # The chaos happened as planned (else the invariants below prove little).
     assert len(cluster.crashes) == CRASHES, cluster.crashes
@@ -436,6 +536,8 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
         for later in op.answers[1:]:
             assert identity(later) == identity(first), f"{op.describe()}: {later} != {first}"
             assert later.replayed, f"{op.describe()}: a later answer was not a replay: {later}"
+        for late in op.late:  # a hedge's loser: the same answer (replayed, or the one that ran)
+            assert identity(late) == identity(first), f"{op.describe()}: {late} != {first}"
 
     # The database: one ledger row per OK operation, the one its answer names; none otherwise.
     rows = await db.fetch(
