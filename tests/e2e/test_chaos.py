@@ -182,10 +182,14 @@ class Cluster:
         for replica, incarnation in zip(self.replicas, started, strict=True):
             replica.current = incarnation
 
-    async def _start(self, replica: Replica) -> Incarnation:
+    async def _start(
+        self, replica: Replica, port: int = 0, channel: grpc.aio.Channel | None = None
+    ) -> Incarnation:
+        """Starts a process of ``replica`` on ``port`` (0: a free one), and a channel to it
+        unless ``channel`` (to that port) is given."""
         replica.starts += 1
         proc = ServiceProcess(
-            ["-m", "tests.support.ledger_process", self.dsn, APP_NAME],
+            ["-m", "tests.support.ledger_process", self.dsn, APP_NAME, str(port)],
             ready="ledger ready",
             log_dir=self.log_dir,
             name=f"{replica.name}-{replica.starts}",
@@ -195,7 +199,7 @@ class Cluster:
         except BaseException:
             await proc.stop()
             raise
-        return Incarnation(proc, grpc.aio.insecure_channel(proc.address))
+        return Incarnation(proc, channel or grpc.aio.insecure_channel(proc.address))
 
     async def close(self) -> None:
         for task in self._crash_tasks:
@@ -252,9 +256,9 @@ class Cluster:
 
     def _maybe_crash(self, replica: Replica) -> None:
         """Disrupts ``replica`` (which just answered a call) if the next crash's trigger holds.
-        Crashes 0, 3, 6, ... kill it once it has ``CRASH_IN_FLIGHT`` calls in flight; 1, 4, ...
-        once it answered ``CRASH_ANSWERED`` calls (since it started) with a call still in
-        flight; 2, 5, ... pause it (SIGSTOP, a stalled owner) once it has
+        Crashes 0, 3, 6, ... kill it once it has ``CRASH_IN_FLIGHT`` calls in flight (and start
+        it on a new port); 1, 4, ... once it answered ``CRASH_ANSWERED`` calls (since it
+        started) with a call still in flight (and start it on the same port); 2, 5, ... pause it (SIGSTOP, a stalled owner) once it has
         ``PAUSE_PHASED_IN_FLIGHT`` phased calls in flight, until another replica answered one
         of them (its lease ran out, taken over), then let it go on (SIGCONT)."""
         incarnation = replica.current
@@ -272,15 +276,23 @@ class Cluster:
             return
         self.crashes.append(f"{replica.name} (pid {incarnation.proc.pid}): {why}")
         self.disrupted = True
+        # Now, while the trigger holds: the task below runs once this one yields, when the
+        # calls seen in flight may be over.
         if kind == 2:
-            crash = self._pause(replica, incarnation, number)
+            incarnation.proc.pause()
+            caught = set(incarnation.phased_in_flight)
+            crash = self._pause(replica, incarnation, number, caught)
+        elif kind == 1:
+            incarnation.proc.kill()
+            crash = self._crash_and_return(replica, incarnation, number)
         else:
+            incarnation.proc.kill()
             replica.current = None  # no new call goes to it from now on
             crash = self._crash(replica, incarnation, number)
         self._crash_tasks.append(asyncio.create_task(crash))
 
     async def _crash(self, replica: Replica, incarnation: Incarnation, number: int) -> None:
-        incarnation.proc.kill()
+        """The replica killed, starts it again on a new port, with a new channel."""
         code = await incarnation.proc.wait()
         assert code == SIGKILLED, f"{replica.name} exited {code}\n{incarnation.proc.logs()}"
         self.dead.append(incarnation.proc)
@@ -292,12 +304,27 @@ class Cluster:
         self.disrupted = False
         self.crash_over[number].set()
 
-    async def _pause(self, replica: Replica, incarnation: Incarnation, number: int) -> None:
-        """Stalls the replica (SIGSTOP: it holds its connections, claims and transactions)
-        until one of the phased calls it held was answered by another replica (the clients
-        hedge), then lets it go on: its stale attempts find their leases taken over."""
-        caught = set(incarnation.phased_in_flight)
-        incarnation.proc.pause()
+    async def _crash_and_return(
+        self, replica: Replica, incarnation: Incarnation, number: int
+    ) -> None:
+        """The replica killed, starts it again on the same port; the clients keep their
+        channel to it and keep calling it meanwhile (refused: UNAVAILABLE), as clients of a
+        fixed address do."""
+        code = await incarnation.proc.wait()
+        assert code == SIGKILLED, f"{replica.name} exited {code}\n{incarnation.proc.logs()}"
+        self.dead.append(incarnation.proc)
+        assert incarnation.proc.port is not None
+        replica.current = await self._start(replica, incarnation.proc.port, incarnation.channel)
+        self.disrupted = False
+        self.crash_over[number].set()
+
+    async def _pause(
+        self, replica: Replica, incarnation: Incarnation, number: int, caught: set[str]
+    ) -> None:
+        """The replica stalled (SIGSTOP: it holds its connections, claims and transactions)
+        with the phased calls ``caught`` in flight, waits until one of them was answered by
+        another replica (the clients hedge), then lets it go on (SIGCONT): its stale attempts
+        find their leases taken over."""
         try:
             await until(
                 f"a phased call stalled on {replica.name} answered elsewhere",
@@ -503,6 +530,10 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
 
         # A client that asks again, much later, on every replica: the same answer, replayed.
         sweep = asyncio.Semaphore(64)
+
+        for replica in cluster.replicas:  # a channel to a replica that came back may be
+            assert replica.current is not None  # waiting to connect again (its backoff)
+            await asyncio.wait_for(replica.current.channel.channel_ready(), 10)
 
         async def ask_everywhere(op: Operation) -> None:
             for replica in cluster.replicas:
