@@ -121,6 +121,8 @@ class Operation:
     """The transient answers along the way (code and reason), for failure reports."""
     attempts: int = 0
     hedges: int = 0
+    misanswered: list[str] = field(default_factory=list)
+    """Transient answers that broke the wire contract's form for them."""
 
     def describe(self) -> str:
         got = [(a.code.name, a.replayed) for a in self.answers]
@@ -424,6 +426,7 @@ async def until_final(cluster: Cluster, op: Operation, rng: random.Random) -> An
                 final.append(answer)
             else:
                 op.transient.append(f"{answer.code.name}/{answer.reason()}")
+                op.misanswered += in_progress_misanswered(answer)
                 delay = max(delay, wait)
         if final:
             op.late += final[1:]
@@ -431,6 +434,24 @@ async def until_final(cluster: Cluster, op: Operation, rng: random.Random) -> An
             return final[0]
         if not running:
             await asyncio.sleep(delay)
+
+
+def in_progress_misanswered(answer: Answer) -> list[str]:
+    """What an ``IDEMPOTENCY_KEY_IN_PROGRESS`` answer lacks of the wire contract's: ABORTED with
+    a ``RetryInfo`` and the same delay in ``grpc-retry-pushback-ms``, no initial metadata sent
+    first (so that gRPC's own retries still apply)."""
+    if answer.reason() != "IDEMPOTENCY_KEY_IN_PROGRESS":
+        return []
+    pushback = answer.trailing.get("grpc-retry-pushback-ms")
+    delay = answer.retry_delay_ms()
+    if (
+        answer.code is grpc.StatusCode.ABORTED
+        and delay is not None
+        and pushback == str(delay)
+        and not answer.initial
+    ):
+        return []
+    return [f"{answer.code.name} delay {delay} pushback {pushback!r} initial {answer.initial}"]
 
 
 def identity(answer: Answer) -> tuple[object, ...]:
@@ -524,6 +545,7 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
                     op.late.append(answer)
                 else:
                     op.transient.append(f"late {answer.code.name}/{answer.reason()}")
+                    op.misanswered += in_progress_misanswered(answer)
         done.set()
         terminated = await ending
         chaos_s = time.monotonic() - started
@@ -567,6 +589,8 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
     assert len(terminated) >= MIN_TERMINATED, terminated
     assert sum(len(op.transient) for op in ops) > 0
 
+    misanswered = [f"{op.key}: {m}" for op in ops for m in op.misanswered]
+    assert not misanswered, misanswered
     wrong = [op.describe() for op in ops if op.answers[0].code is not op.expected]
     assert not wrong, "operations answered otherwise than their request asks:\n" + "\n".join(
         wrong[:20]
