@@ -75,12 +75,12 @@ CONCURRENCY = 36
 CRASH_IN_FLIGHT = 6
 """A replica with this many calls started and not answered is killed..."""
 CRASH_ANSWERED = 10
+"""...or one that answered this many calls since it started, with a call still in flight..."""
 PAUSE_PHASED_IN_FLIGHT = 3
 """...or paused with this many phased calls in flight."""
 HEDGE_AFTER_S = 0.3
 """A client whose attempt has no answer after this long sends the same call to another replica
 too (a hedge), and takes the first final answer."""
-"""...or one that answered this many calls since it started, with a call still in flight."""
 TERMINATE_EVERY = 12
 """Answers between two ``pg_terminate_backend`` of a replica's session."""
 MIN_TERMINATED = 8
@@ -93,7 +93,6 @@ SHORT_DEADLINES = 0.1
 """The share of attempts sent with a deadline of a few milliseconds: cancelled at the server
 wherever the deadline finds them (a claim, the handler, a commit), as an impatient client's."""
 RUN_TIMEOUT_S = 40.0
-FINAL = {grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND}
 # Answers that say "not done yet, try again": an attempt that died with its replica or its
 # session (UNAVAILABLE), a key still in progress elsewhere or a lost lease or a serialization
 # race (ABORTED), an attempt that ran out of time (DEADLINE_EXCEEDED).
@@ -214,11 +213,6 @@ class Cluster:
         for proc in self.dead:
             await proc.stop()
 
-    def logs(self) -> str:
-        return "\n".join(
-            r.current.proc.logs() for r in self.replicas if r.current is not None
-        ) + "".join(p.logs() for p in self.dead[-2:])
-
     async def attempt(self, op: Operation) -> Answer:
         """One attempt of ``op`` on a replica that is up (picked at random)."""
         up = [r for r in self.replicas if r.current is not None]
@@ -260,9 +254,10 @@ class Cluster:
         """Disrupts ``replica`` (which just answered a call) if the next crash's trigger holds.
         Crashes 0, 3, 6, ... kill it once it has ``CRASH_IN_FLIGHT`` calls in flight (and start
         it on a new port); 1, 4, ... once it answered ``CRASH_ANSWERED`` calls (since it
-        started) with a call still in flight (and start it on the same port); 2, 5, ... pause it (SIGSTOP, a stalled owner) once it has
-        ``PAUSE_PHASED_IN_FLIGHT`` phased calls in flight, until another replica answered one
-        of them (its lease ran out, taken over), then let it go on (SIGCONT)."""
+        started) with a call still in flight (and start it on the same port); 2, 5, ... pause
+        it (SIGSTOP, a stalled owner) once it has ``PAUSE_PHASED_IN_FLIGHT`` phased calls in
+        flight, until another replica answered one of them (its lease ran out, taken over),
+        then let it go on (SIGCONT)."""
         incarnation = replica.current
         number = len(self.crashes)
         if incarnation is None or number >= self.crashes_allowed or self.disrupted:
@@ -473,6 +468,7 @@ async def test_every_operation_commits_exactly_once_through_crashes_and_terminat
         await _chaos(seed, pg_dsn, db, tmp_path)
     except BaseException as exc:
         exc.add_note(f"chaos seed: {seed} (rerun with GRPC_IDEMPOTENCY_CHAOS_SEED={seed})")
+        exc.add_note(f"the replicas' output: {tmp_path}")
         raise
 
 
@@ -541,7 +537,7 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
         for op in ops:
             for straggler in op.stragglers:
                 answer = straggler.result()
-                if answer.code in FINAL:
+                if Code(answer.code.value[0]) not in RETRY.retryable:
                     op.late.append(answer)
                 else:
                     op.transient.append(f"late {answer.code.name}/{answer.reason()}")
