@@ -213,6 +213,14 @@ class Cluster:
         for proc in self.dead:
             await proc.stop()
 
+    def settled(self) -> bool:
+        """Whether every crash is over (its replica back, or let go on); raises the error of a
+        crash that failed (a replica that would not start, a pause never relieved)."""
+        for task in self._crash_tasks:
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                raise error
+        return not self.disrupted
+
     async def attempt(self, op: Operation) -> Answer:
         """One attempt of ``op`` on a replica that is up (picked at random)."""
         up = [r for r in self.replicas if r.current is not None]
@@ -519,6 +527,7 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
             crash_over.cancel()
             round_over.cancel()
         _, pending = await asyncio.wait(tasks, timeout=budget())
+        cluster.settled()  # a crash that failed says why first
         unfinished = [op.describe() for op in ops if len(op.answers) == 0]
         assert not pending, (
             f"{len(pending)} operations without a final answer after {RUN_TIMEOUT_S}s"
@@ -529,7 +538,7 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
         cluster.crashes_allowed = 0
         # Every crash over (a replica back up, or let go on) before the sweep, which asks every
         # replica; the hedges' losers over (a stalled owner's, say).
-        await until("the last crash to be over", lambda: not cluster.disrupted, 15)
+        await until("the last crash to be over", cluster.settled, 15)
         stragglers = [s for op in ops for s in op.stragglers]
         if stragglers:
             _, running = await asyncio.wait(stragglers, timeout=2 * ATTEMPT_TIMEOUT_S)
