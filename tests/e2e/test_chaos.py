@@ -93,6 +93,8 @@ SHORT_DEADLINES = 0.1
 """The share of attempts sent with a deadline of a few milliseconds: cancelled at the server
 wherever the deadline finds them (a claim, the handler, a commit), as an impatient client's."""
 RUN_TIMEOUT_S = 40.0
+START_TRIES = 5
+"""Starts of a replica's process before giving up (see ``Cluster._start``)."""
 # Answers that say "not done yet, try again": an attempt that died with its replica or its
 # session (UNAVAILABLE), a key still in progress elsewhere or a lost lease or a serialization
 # race (ABORTED), an attempt that ran out of time (DEADLINE_EXCEEDED).
@@ -177,6 +179,8 @@ class Cluster:
         self.answered = asyncio.Event()
         """Set on every answer (the terminator's cue)."""
         self.dead: list[ServiceProcess] = []
+        self.failed_starts: list[str] = []
+        """Processes that exited before they were ready (started again)."""
 
     async def start(self) -> None:
         started = await asyncio.gather(*(self._start(r) for r in self.replicas))
@@ -187,20 +191,30 @@ class Cluster:
         self, replica: Replica, port: int = 0, channel: grpc.aio.Channel | None = None
     ) -> Incarnation:
         """Starts a process of ``replica`` on ``port`` (0: a free one), and a channel to it
-        unless ``channel`` (to that port) is given."""
-        replica.starts += 1
-        proc = ServiceProcess(
-            ["-m", "tests.support.ledger_process", self.dsn, APP_NAME, str(port)],
-            ready="ledger ready",
-            log_dir=self.log_dir,
-            name=f"{replica.name}-{replica.starts}",
-        )
-        try:
-            await proc.start()
-        except BaseException:
-            await proc.stop()
-            raise
-        return Incarnation(proc, channel or grpc.aio.insecure_channel(proc.address))
+        unless ``channel`` (to that port) is given. A process that exits before it is ready is
+        started again, as a supervisor would: the terminator may end the sessions of a store
+        that is still connecting (``Store.connect`` then fails, and the process exits 1)."""
+        for _ in range(START_TRIES):
+            replica.starts += 1
+            proc = ServiceProcess(
+                ["-m", "tests.support.ledger_process", self.dsn, APP_NAME, str(port)],
+                ready="ledger ready",
+                log_dir=self.log_dir,
+                name=f"{replica.name}-{replica.starts}",
+            )
+            try:
+                await proc.start()
+            except RuntimeError:
+                if proc.returncode is None:  # not ready in time: no supervisor would wait
+                    await proc.stop()
+                    raise
+                self.failed_starts.append(f"{replica.name}-{replica.starts}: {proc.returncode}")
+                continue
+            except BaseException:
+                await proc.stop()
+                raise
+            return Incarnation(proc, channel or grpc.aio.insecure_channel(proc.address))
+        raise RuntimeError(f"{replica.name} failed to start {START_TRIES} times\n{proc.logs()}")
 
     async def close(self) -> None:
         for task in self._crash_tasks:
@@ -585,6 +599,7 @@ async def _chaos(seed: int, pg_dsn: str, db: asyncpg.Connection, tmp_path: Path)
     print(
         f"chaos: {OPERATIONS} operations, {sum(op.attempts for op in ops)} attempts in"
         f" {chaos_s:.1f}s; crashes: {cluster.crashes}; {len(terminated)} sessions terminated;"
+        f" failed starts: {cluster.failed_starts};"
         f" {sum(op.hedges for op in ops)} hedges, their losers' final answers:"
         f" {collections.Counter((a.code.name, a.replayed) for op in ops for a in op.late)};"
         f" transient answers: {collections.Counter(t for op in ops for t in op.transient)}"
