@@ -395,10 +395,11 @@ async def running_ledger(
     *,
     overrides: Mapping[str, MethodOverride] | None = None,
     scope: ScopeResolver | None = None,
+    port: int = 0,
     **kwargs: Any,
 ) -> AsyncIterator[RunningLedger]:
-    """A real grpc.aio server on loopback port 0 with the interceptor, and a client stub;
-    scoped by the tenant header unless ``scope`` says otherwise."""
+    """A real grpc.aio server on loopback ``port`` (0: any free one) with the interceptor, and a
+    client stub; scoped by the tenant header unless ``scope`` says otherwise."""
     interceptor = IdempotencyInterceptor(
         store,
         services=[testsvc_pb2],
@@ -408,7 +409,7 @@ async def running_ledger(
     )
     # Peek and "kill-connection" use a store of their own; sharded, the first shard's.
     service = LedgerService(store if isinstance(store, Store) else next(iter(store)))
-    async with _serving(interceptor, service) as (server, channel, address):
+    async with _serving(interceptor, service, port) as (server, channel, address):
         stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
         yield RunningLedger(server, interceptor, service, address, channel, stub)
 
@@ -493,11 +494,13 @@ async def ledger_server(
 
 @contextlib.asynccontextmanager
 async def _serving(
-    interceptor: IdempotencyInterceptor, servicer: testsvc_pb2_grpc.LedgerServiceServicer
+    interceptor: IdempotencyInterceptor,
+    servicer: testsvc_pb2_grpc.LedgerServiceServicer,
+    port: int = 0,
 ) -> AsyncIterator[tuple[grpc.aio.Server, grpc.aio.Channel, str]]:
     server = grpc.aio.server(interceptors=[interceptor])
     testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
