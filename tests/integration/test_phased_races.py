@@ -9,6 +9,7 @@ The server runs in the test's event loop, so a test can see its lease keepers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -387,6 +388,23 @@ async def proxied(pg_dsn: str) -> AsyncIterator[tuple[BlackholeProxy, Store]]:
         await proxy.close()
 
 
+@contextlib.asynccontextmanager
+async def claim_behind_a_row_lock(
+    store: Store, via: Store, key: str, *, timeout: float
+) -> AsyncIterator[tuple[Any, asyncio.Task[PhasedClaim | None]]]:
+    """A claim of ``key`` through ``via`` (``claim_key``, within ``timeout``) waiting in the
+    database behind the row of another transaction's uncommitted claim (``blocker``, under
+    another claim lock): yields both. ``ROLLBACK`` on ``blocker`` lets the claim go on."""
+    async with store.pool.acquire() as blocker:
+        await blocker.execute("BEGIN")
+        await blocker.fetchval(
+            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
+        )
+        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=timeout))
+        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+        yield blocker, claiming
+
+
 @pytest.mark.parametrize("answer", ["delivered", "lost"])
 async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
     store: Store, proxied: tuple[BlackholeProxy, Store], answer: str
@@ -398,13 +416,7 @@ async def test_a_claim_that_commits_as_its_caller_gives_up_is_released(
     released by the call's attempt id (migration 0016); it used to keep its lease."""
     proxy, via = proxied
     key = fresh()
-    async with store.pool.acquire() as blocker:
-        await blocker.execute("BEGIN")
-        await blocker.fetchval(
-            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
-        )
-        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=2.0))
-        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+    async with claim_behind_a_row_lock(store, via, key, timeout=2.0) as (blocker, claiming):
         proxy.hold_answers()
         connections = len(proxy._writers)
         await blocker.execute("ROLLBACK")  # the claim commits; its answer is held
@@ -446,13 +458,7 @@ async def test_a_claim_whose_connection_drops_while_it_waits_is_the_calls_own(
     knows the claim by its attempt id (migration 0016)."""
     proxy, via = proxied
     key = fresh()
-    async with store.pool.acquire() as blocker:
-        await blocker.execute("BEGIN")
-        await blocker.fetchval(
-            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
-        )
-        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=10.0))
-        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+    async with claim_behind_a_row_lock(store, via, key, timeout=10.0) as (blocker, claiming):
         proxy.fail_over_losing_answers()  # the client's connection reset; the statement waits on
         await until(
             "the second try to lose the race, or to wait for the claim lock",
@@ -478,13 +484,13 @@ async def test_a_claim_whose_connection_drops_then_loses_the_claim_lock_is_relea
     proxy, via = proxied
     key = fresh()
     lock = claim_lock_id(store.schema, "partition", key)
-    async with store.pool.acquire() as blocker, store.pool.acquire() as other:
-        await blocker.execute("BEGIN")
-        await blocker.fetchval(
-            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
-        )
-        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=10.0))
-        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+    async with (
+        claim_behind_a_row_lock(store, via, key, timeout=10.0) as (
+            blocker,
+            claiming,
+        ),
+        store.pool.acquire() as other,
+    ):
         proxy.fail_over_losing_answers()  # the client's connection reset; the statement waits on
         await until(
             "the second try to wait for the claim lock", lambda: claim_lock_waited_for(store)
@@ -525,13 +531,7 @@ async def test_a_claim_whose_connection_drops_then_finds_no_connection_is_releas
     attempt id once the database answers (migration 0016)."""
     proxy, via = proxied
     key = fresh()
-    async with store.pool.acquire() as blocker:
-        await blocker.execute("BEGIN")
-        await blocker.fetchval(
-            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
-        )
-        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=2.0))
-        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+    async with claim_behind_a_row_lock(store, via, key, timeout=2.0) as (blocker, claiming):
         connections = len(proxy._clients)
         proxy.fail_over_losing_answers()  # the client's connection reset; the statement waits on
         proxy.blackhole()  # and the database cannot be reached for a while
@@ -557,13 +557,7 @@ async def test_a_claim_whose_connection_drops_after_its_caller_gave_up_is_releas
     lock first."""
     proxy, via = proxied
     key = fresh()
-    async with store.pool.acquire() as blocker:
-        await blocker.execute("BEGIN")
-        await blocker.fetchval(
-            store.statements.claim_phased, "partition", key, 1, "/m", b"f", 600.0, 30.0, 0
-        )
-        claiming = asyncio.ensure_future(claim_key(via, key, scope="partition", timeout=1.0))
-        await until("the claim to wait in the database", lambda: claim_waits_on_a_lock(store))
+    async with claim_behind_a_row_lock(store, via, key, timeout=1.0) as (blocker, claiming):
         with pytest.raises(StoreUnavailable):
             await claiming
         proxy.fail_over_losing_answers()  # the claim's connection reset; its statement waits on
