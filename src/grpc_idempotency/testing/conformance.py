@@ -114,9 +114,10 @@ _ATOMIC_CLAIM_BACKENDS = """
     WHERE datname = pg_catalog.current_database() AND pid <> pg_catalog.pg_backend_pid()
       AND state = 'idle in transaction' AND pg_catalog.strpos(query, '.claim_atomic(') > 0
 """
-# The schemas holding the library's records (whichever the server's store uses).
+# The schemas holding the library's records (whichever the server's store uses), each once
+# (claim_with_start has two overloads since migration 0016).
 _RECORD_SCHEMAS = """
-    SELECT n.nspname FROM pg_catalog.pg_proc p
+    SELECT DISTINCT n.nspname FROM pg_catalog.pg_proc p
     JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
     WHERE p.proname = 'claim_with_start'
 """
