@@ -16,6 +16,8 @@ from tests.e2e.procs import ServiceProcess
 from tests.support.ledger import POST, fresh, ledger_rows, metadata
 from tests.support.wire import call_raw
 
+POST_OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
+
 
 @pytest.mark.parametrize(
     "behaviour",
@@ -50,3 +52,31 @@ async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
     finally:
         await server.stop()
     assert await ledger_rows(store, account) == 0  # nothing committed: the handler's write either
+
+
+async def test_without_a_key_a_grpc_timeout_trailer_is_refused_before_the_commit(
+    store: Store, pg_dsn: str, tmp_path: Path
+) -> None:
+    """An optional-key method called without a key runs in a transaction of its own: a trailer
+    set with set_trailing_metadata() that gRPC cannot send must be refused before that commit,
+    as with a key. Unchecked, the handler's write committed and the server process died sending
+    the answer (SIGABRT): the client saw UNAVAILABLE for a write that stood, retried without a
+    key (nothing to dedupe on) and wrote it again, killing a server each time."""
+    server = ServiceProcess(
+        ["-m", "tests.support.ledger_process", pg_dsn],
+        ready="ledger ready",
+        log_dir=tmp_path,
+        name="ledger",
+    )
+    await server.start()
+    account = fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, behaviour="set-trailer:grpc-timeout=1S")
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            first = await call_raw(channel, POST_OPTIONAL, request, metadata(None), 10)
+            assert server.returncode is None, server.logs()
+            assert first.code is grpc.StatusCode.INTERNAL, first
+            assert first.reason() == "IDEMPOTENCY_ABORT_INVALID"
+    finally:
+        await server.stop()
+    assert await ledger_rows(store, account) == 0  # rolled back, as with a key

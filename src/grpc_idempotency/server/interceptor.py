@@ -1052,6 +1052,15 @@ class IdempotencyInterceptor(_Interceptor):
         finally:
             call_context.unbind(bound)
         if answers.code_of(context) is Code.OK:
+            # Trailers gRPC cannot send (set_trailing_metadata()) are refused before the commit,
+            # as with a key (``_finish``): sent after it, a grpc-timeout trailer killed the
+            # server process (SIGABRT) with the handler's writes committed, and the client,
+            # answered UNAVAILABLE and with no key to dedupe on, wrote them again.
+            try:
+                sendable_trailers(context.trailing_metadata())
+            except AbortInvalid as err:
+                misuse = await asyncio.shield(tx.rollback())
+                await answers.abort(context, misuse or err)
             try:
                 await asyncio.shield(tx.commit())
             except IdempotencyError as err:
