@@ -484,6 +484,21 @@ async def test_optional_key(ledger: RunningLedger, store: Store) -> None:
     assert await ledger_rows(store, account) == 3
 
 
+async def test_an_unkeyed_response_that_cannot_be_serialized_commits_nothing(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """An optional-key method called without a key whose handler wrote, then returned what
+    gRPC cannot serialize (None): the call fails, and so must its transaction, as with a key.
+    Serialized only after the commit, the write stood while the client was answered UNKNOWN,
+    and each retry (no key: nothing to dedupe on) wrote it again."""
+    account = fresh("acct")
+    method = SVC + "PostOptional"
+    for key in (fresh(), None):
+        answer = await ledger.call(method, post(account, behaviour="return-none"), key)
+        assert answer.code is grpc.StatusCode.UNKNOWN, answer
+        assert await ledger_rows(store, account) == 0, f"key={key}"
+
+
 async def test_sync_handler_is_offloaded_and_deduplicated(
     ledger: RunningLedger, store: Store
 ) -> None:

@@ -14,7 +14,7 @@ violates a constraint checked only at COMMIT;
 NOT_FOUND and set_details(); set_details() and OK); "rich" aborts with rich
 details (grpc-status-details-bin), "rich-before" sets them as trailers, then aborts without any;
 "trailer:NAME=VALUE" aborts NOT_FOUND with that trailer, "set-trailer:NAME=VALUE" sets it and
-answers OK;
+answers OK; "return-none" returns None after its write (a bug gRPC cannot serialize);
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
@@ -249,6 +249,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             context.set_trailing_metadata(((name, value),))
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
+        if behaviour == "return-none":  # forgot the return statement's message
+            return None
         blob = b""
         if behaviour.startswith("big:"):
             blob = bytes(range(256)) * (int(behaviour[4:]) // 256)

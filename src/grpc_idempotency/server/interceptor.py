@@ -1061,6 +1061,19 @@ class IdempotencyInterceptor(_Interceptor):
             except AbortInvalid as err:
                 misuse = await asyncio.shield(tx.rollback())
                 await answers.abort(context, misuse or err)
+            # Serialized before the commit, as with a key: a response gRPC cannot serialize
+            # (None, a forgotten return) fails the call, and with it the transaction. Serialized
+            # by grpc.aio after the commit, the writes stood while the client was answered
+            # UNKNOWN, and each retry (no key to dedupe on) made them again. (The response is
+            # still answered as the handler gave it: interceptors wrapping this one see the
+            # message for a call without a key, as before.)
+            try:
+                answers.serialize(call.method.serializer, response)
+            except BaseException as exc:
+                misuse = await asyncio.shield(tx.rollback())
+                if misuse is not None and isinstance(exc, Exception):
+                    await answers.abort(context, misuse)
+                raise
             try:
                 await asyncio.shield(tx.commit())
             except IdempotencyError as err:
