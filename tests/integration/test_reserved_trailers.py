@@ -21,8 +21,13 @@ POST_OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
 
 @pytest.mark.parametrize(
     "behaviour",
-    ["trailer:grpc-timeout=1S", "set-trailer:grpc-timeout=1S"],
-    ids=["abort", "set_trailing_metadata"],
+    [
+        "trailer:grpc-timeout=1S",
+        "set-trailer:grpc-timeout=1S",
+        "set-trailer:grpc-timeout=1S;NOT_FOUND",
+        "set-trailer:grpc-timeout=1S;UNAVAILABLE",
+    ],
+    ids=["abort", "set_trailing_metadata", "set-then-recorded", "set-then-transient"],
 )
 async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
     store: Store, pg_dsn: str, tmp_path: Path, behaviour: str
@@ -31,7 +36,8 @@ async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
     process died sending it: every call it held in flight failed with it, the client saw
     UNAVAILABLE for an outcome recorded, and each new key through that path killed a server
     again. Refused before the commit, as other unsendable trailers are: INTERNAL, nothing
-    recorded, the server up."""
+    recorded, the server up. Set, then followed by a transient abort (the key released, nothing
+    committed), the trailer still went with the answer and killed the server, on every retry."""
     server = ServiceProcess(
         ["-m", "tests.support.ledger_process", pg_dsn],
         ready="ledger ready",
@@ -54,14 +60,21 @@ async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
     assert await ledger_rows(store, account) == 0  # nothing committed: the handler's write either
 
 
+@pytest.mark.parametrize(
+    "behaviour",
+    ["set-trailer:grpc-timeout=1S", "set-trailer:grpc-timeout=1S;NOT_FOUND"],
+    ids=["ok", "then-abort"],
+)
 async def test_without_a_key_a_grpc_timeout_trailer_is_refused_before_the_commit(
-    store: Store, pg_dsn: str, tmp_path: Path
+    store: Store, pg_dsn: str, tmp_path: Path, behaviour: str
 ) -> None:
     """An optional-key method called without a key runs in a transaction of its own: a trailer
     set with set_trailing_metadata() that gRPC cannot send must be refused before that commit,
     as with a key. Unchecked, the handler's write committed and the server process died sending
     the answer (SIGABRT): the client saw UNAVAILABLE for a write that stood, retried without a
-    key (nothing to dedupe on) and wrote it again, killing a server each time."""
+    key (nothing to dedupe on) and wrote it again, killing a server each time. Followed by an
+    abort without trailers of its own, the write was rolled back but the server died all the
+    same."""
     server = ServiceProcess(
         ["-m", "tests.support.ledger_process", pg_dsn],
         ready="ledger ready",
@@ -70,7 +83,7 @@ async def test_without_a_key_a_grpc_timeout_trailer_is_refused_before_the_commit
     )
     await server.start()
     account = fresh("acct")
-    request = testsvc_pb2.PostRequest(account=account, behaviour="set-trailer:grpc-timeout=1S")
+    request = testsvc_pb2.PostRequest(account=account, behaviour=behaviour)
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             first = await call_raw(channel, POST_OPTIONAL, request, metadata(None), 10)

@@ -14,7 +14,7 @@ violates a constraint checked only at COMMIT;
 NOT_FOUND and set_details(); set_details() and OK); "rich" aborts with rich
 details (grpc-status-details-bin), "rich-before" sets them as trailers, then aborts without any;
 "trailer:NAME=VALUE" aborts NOT_FOUND with that trailer, "set-trailer:NAME=VALUE" sets it and
-answers OK; "return-none" returns None after its write (a bug gRPC cannot serialize);
+answers OK ("set-trailer:NAME=VALUE;CODE": sets it, then aborts with CODE without trailers); "return-none" returns None after its write (a bug gRPC cannot serialize);
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
@@ -242,11 +242,15 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", details)
         if behaviour.startswith(("trailer:", "set-trailer:")):
-            # One trailer of the handler's choice, NAME=VALUE: with an abort, or set and OK.
+            # One trailer of the handler's choice, NAME=VALUE: with an abort, or set and OK
+            # (or, after ";CODE", set and then an abort with CODE that gives no trailers).
             name, _, value = behaviour.partition(":")[2].partition("=")
+            value, _, then = value.partition(";")
             if behaviour.startswith("trailer:"):
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", ((name, value),))
             context.set_trailing_metadata(((name, value),))
+            if then:
+                await context.abort(getattr(grpc.StatusCode, then), f"handler says {then}")
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
         if behaviour == "return-none":  # forgot the return statement's message

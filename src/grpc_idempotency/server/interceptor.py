@@ -787,6 +787,10 @@ class IdempotencyInterceptor(_Interceptor):
                 # The handler ended the call's transaction itself: its writes may have
                 # committed, and its (transient) status would have the client write them again.
                 await answers.abort(context, misuse)
+            # Released, the answer still carries the trailers set with set_trailing_metadata():
+            # checked as before a commit, or a grpc-timeout trailer killed the server process
+            # (SIGABRT, every call it held failing with it), and again on every retry.
+            await _refuse_unsendable_trailers(context, aborted)
             if aborted is not None:
                 await aborted.send(context)
             return response
@@ -1040,6 +1044,7 @@ class IdempotencyInterceptor(_Interceptor):
             misuse = await asyncio.shield(tx.rollback())
             if misuse is not None:
                 await answers.abort(context, misuse)
+            await _refuse_unsendable_trailers(context, aborted)  # as with a key
             await aborted.send(context)
         except IdempotencyError as err:
             misuse = await asyncio.shield(tx.rollback())
@@ -1082,6 +1087,7 @@ class IdempotencyInterceptor(_Interceptor):
             misuse = await asyncio.shield(tx.rollback())
             if misuse is not None:
                 await answers.abort(context, misuse)
+            await _refuse_unsendable_trailers(context, None)  # as with a key
         return response
 
 
@@ -1413,6 +1419,18 @@ def _refusing(
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(refuse, **options)
     return grpc.stream_stream_rpc_method_handler(refuse_stream, **options)
+
+
+async def _refuse_unsendable_trailers(context: Context, aborted: DeferredAbort | None) -> None:
+    """Answers ``AbortInvalid`` (INTERNAL) if the answer about to leave would carry trailers
+    set with set_trailing_metadata() that gRPC cannot send: an abort with trailers of its own
+    replaces them (and was checked when the handler aborted), any other answer sends them."""
+    if aborted is not None and aborted.trailing_metadata:
+        return
+    try:
+        sendable_trailers(context.trailing_metadata())
+    except AbortInvalid as err:
+        await answers.abort(context, err)
 
 
 def _deadline(context: Context) -> float | None:
