@@ -222,7 +222,22 @@ class IdempotentCall:
         Refused once the call is over: a cancelled sync handler's thread runs on (Python cannot
         stop it), and a statement it sent after the call's ROLLBACK would run outside any
         transaction and commit. The check runs on the loop, where the call ends, so it cannot
-        race the rollback."""
+        race the rollback.
+
+        Called on the loop's own thread (from an async handler, which awaits instead), it
+        raises ``RuntimeError``: waiting there for the loop it blocks, it froze the whole
+        server for good, every call and lease renewal with it."""
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # no loop running in this thread: a worker thread
+            on_loop = False
+        if on_loop:
+            coro.close()  # never run: not reported "never awaited"
+            raise RuntimeError(
+                f"{self.method}: current_call().run() is for sync (def) handlers on a worker"
+                " thread; an async handler awaits the statement instead (run() here would block"
+                " the event loop it waits for)"
+            )
         return asyncio.run_coroutine_threadsafe(self._guarded(coro), self.loop).result()
 
     async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:

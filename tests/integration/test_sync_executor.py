@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import TypedDict
 
 import grpc
@@ -16,9 +17,11 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Mode, Store
 from grpc_idempotency.testing import EmbeddedPostgres
-from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
+from tests.e2e.procs import ServiceProcess
+from tests.support.ledger import POST, fresh, ledger_rows, metadata, prepare, running_ledger
 from tests.support.pgbouncer import free_port
 from tests.support.waiting import until
+from tests.support.wire import call_raw
 
 SYNC = "/testsvc.v1.LedgerService/PostSync"
 
@@ -93,3 +96,34 @@ async def test_sync_handlers_run_in_the_given_executor_or_the_interceptors_own(
     threads = ledger.service.sync_threads
     assert len(threads) == 2 and all(name.startswith(prefix) for name in threads), threads
     assert await ledger_rows(store, account) == 2
+
+
+async def test_call_run_from_the_event_loop_fails_the_call_instead_of_freezing_the_server(
+    store: Store, pg_dsn: str, tmp_path: Path
+) -> None:
+    """``current_call().run(...)`` is how a sync handler, on its worker thread, waits for a
+    statement on the loop. Called on the loop itself (a helper written for sync handlers, used
+    by an async one), it waited for the loop it was blocking: every call the server held or got
+    hung for good, leases and all, the process alive but answering nothing. It raises instead:
+    that call fails (UNKNOWN, its writes rolled back, the key released), the server serves on.
+    The server runs in a process of its own: frozen, it takes no test with it."""
+    server = ServiceProcess(
+        ["-m", "tests.support.ledger_process", pg_dsn],
+        ready="ledger ready",
+        log_dir=tmp_path,
+        name="ledger",
+    )
+    await server.start()
+    account = fresh("acct")
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="run-on-loop")
+            misused = await call_raw(channel, POST, request, metadata(fresh()), 5)
+            assert misused.code is grpc.StatusCode.UNKNOWN, misused
+            assert "sync" in (misused.details or ""), misused
+            fine = testsvc_pb2.PostRequest(account=account, amount=1)
+            served = await call_raw(channel, POST, fine, metadata(fresh()), 5)
+            assert served.code is grpc.StatusCode.OK, served
+    finally:
+        await server.stop()
+    assert await ledger_rows(store, account) == 1  # the second call's row only

@@ -14,7 +14,8 @@ violates a constraint checked only at COMMIT;
 NOT_FOUND and set_details(); set_details() and OK); "rich" aborts with rich
 details (grpc-status-details-bin), "rich-before" sets them as trailers, then aborts without any;
 "trailer:NAME=VALUE" aborts NOT_FOUND with that trailer, "set-trailer:NAME=VALUE" sets it and
-answers OK ("set-trailer:NAME=VALUE;CODE": sets it, then aborts with CODE without trailers); "return-none" returns None after its write (a bug gRPC cannot serialize);
+answers OK ("set-trailer:NAME=VALUE;CODE": sets it, then aborts with CODE without trailers); "return-none" returns None after its write (a bug gRPC cannot serialize); "run-on-loop" calls
+``current_call().run(...)``, which is for sync handlers, from this async one;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
@@ -253,6 +254,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 await context.abort(getattr(grpc.StatusCode, then), f"handler says {then}")
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
+        if behaviour == "run-on-loop":  # a helper written for sync handlers, called here
+            call.run(conn.fetchval("SELECT 1"))
         if behaviour == "return-none":  # forgot the return statement's message
             return None
         blob = b""
