@@ -12,11 +12,13 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
+from grpc_idempotency.testing.embedded import EmbeddedPostgres
 from tests.e2e.procs import ServiceProcess
 from tests.support.ledger import POST, fresh, ledger_rows, metadata
 from tests.support.wire import call_raw
 
 POST_OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
+POST_FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
 
 
 @pytest.mark.parametrize(
@@ -93,3 +95,32 @@ async def test_without_a_key_a_grpc_timeout_trailer_is_refused_before_the_commit
     finally:
         await server.stop()
     assert await ledger_rows(store, account) == 0  # rolled back, as with a key
+
+
+async def test_a_fail_open_call_refuses_a_grpc_timeout_trailer_too(tmp_path: Path) -> None:
+    """Run without its store (fail-open, the database down), the handler's answer carries the
+    trailers it set: unchecked, a grpc-timeout trailer killed the server process there too
+    (SIGABRT), and with it every call it held, as each retry came."""
+    with EmbeddedPostgres(durable=False) as pg:
+        migrated = await Store.connect(pg.dsn, migrate=True)
+        await migrated.close()
+        server = ServiceProcess(
+            ["-m", "tests.support.ledger_process", pg.dsn],
+            ready="ledger ready",
+            log_dir=tmp_path,
+            name="ledger",
+        )
+        await server.start()
+        request = testsvc_pb2.PostRequest(
+            account=fresh("acct"), behaviour="set-trailer:grpc-timeout=1S"
+        )
+        try:
+            pg.stop(mode="immediate")
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                answer = await call_raw(channel, POST_FAIL_OPEN, request, metadata(fresh()), 20)
+                assert server.returncode is None, server.logs()
+                assert answer.code is grpc.StatusCode.INTERNAL, answer
+                assert answer.reason() == "IDEMPOTENCY_ABORT_INVALID"
+                assert "running without deduplication" in server.logs()  # it did fail open
+        finally:
+            await server.stop()

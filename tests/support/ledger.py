@@ -289,6 +289,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
 
     async def PostFailOpen(self, request: Any, context: Any) -> Any:
         self.executions += 1
+        if request.behaviour.startswith("set-trailer:"):  # NAME=VALUE, then OK
+            name, _, value = request.behaviour.partition(":")[2].partition("=")
+            context.set_trailing_metadata(((name, value),))
         return testsvc_pb2.PostResponse(account=request.account, execution_nonce=uuid.uuid4().hex)
 
     async def PostPhased(self, request: Any, context: Any) -> Any:

@@ -1001,13 +1001,18 @@ class IdempotencyInterceptor(_Interceptor):
         self._telemetry.count_bypassed(method)
         bound = call_context.bind(_unclaimed(call))
         try:
-            return await self._invoke(call)
+            response = await self._invoke(call)
         except DeferredAbort as aborted:
+            await _refuse_unsendable_trailers(call.context, aborted)
             await aborted.send(call.context)
         except IdempotencyError as err:
             await answers.abort(call.context, err)
         finally:
             call_context.unbind(bound)
+        # No store, so nothing to commit, but the answer carries the trailers the handler set:
+        # a grpc-timeout trailer killed the server process here too (SIGABRT).
+        await _refuse_unsendable_trailers(call.context, None)
+        return response
 
     async def _run_unkeyed(self, call: _Call) -> Any:
         """An optional-key method called without a key: once, in a transaction of its own, so
