@@ -101,6 +101,15 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
     async def PlaceOrder(
         self, request: orders_pb2.PlaceOrderRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> orders_pb2.PlaceOrderResponse:
+        # Validate everything a step would refuse before the first step: a refusal met
+        # downstream comes after the card was charged, escapes as INTERNAL (the downstream's
+        # answer is not this method's, so the key is released) and is replayed to every retry
+        # with the charge: charged, no order. Refused here, it is this method's recorded
+        # INVALID_ARGUMENT, with nothing charged.
+        if request.amount_cents <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "amount_cents must be positive")
+        if "@" not in request.email:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "email is not an address")
         # Downstream calls first: each carries the child key of its declared step.
         charge = await self.steps.charge_card(
             payments_pb2.ChargeRequest(

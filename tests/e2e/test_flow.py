@@ -100,8 +100,15 @@ class Order:
     """One logical PlaceOrder: a tenant (authenticated by its token), a key, an order; every
     attempt sends the same request."""
 
-    def __init__(self, *, tenant: Tenant | None = None, key: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tenant: Tenant | None = None,
+        key: str | None = None,
+        email: str = "buyer@example.com",
+    ) -> None:
         self.account = tenant or tenants.fresh()
+        self.email = email
         self.tenant = self.account.name
         self.scope = self.account.scope
         self.key = key or "order-" + uuid.uuid4().hex
@@ -113,7 +120,7 @@ class Order:
             amount_cents=4200,
             currency="EUR",
             card_token="tok_visa",
-            email="buyer@example.com",
+            email=self.email,
         )
         request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
         return request
@@ -409,6 +416,29 @@ async def test_kill_between_charge_and_order_then_retry_after_lease_charges_once
     assert record is not None and record["fencing_token"] == 2, record
     # Both runs sent the same child keys; payments and notifications replayed the second.
     await assert_child_keys(db, order, runs=2)
+
+
+async def test_an_order_notifications_would_refuse_is_refused_before_the_card_is_charged(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """An email address NotificationService refuses (INVALID_ARGUMENT, recorded under the step's
+    child key): PlaceOrder must refuse the order itself, before it charges the card. Checked only
+    downstream, the card was charged, SendEmail's refusal escaped as INTERNAL (released: not this
+    method's answer), and every retry replayed the charge and the refusal: charged, no order, and
+    an answer no client retries or understands."""
+    order = Order(email="buyer.example.com")
+    orders = await start_orders(procs, pg_dsn, downstream)
+
+    for attempt in range(2):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await place(orders.address, order)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (attempt, refused.value)
+
+    done = await effects(db, order)
+    assert (done.charges, done.emails, done.orders) == ([], [], []), done
+    assert await attempts(db, "payments", order.tenant) == []
+    record = await record_of(db, order)  # a deterministic error: recorded, and replayed
+    assert record is not None and record["state"] == "completed", record
 
 
 @pytest.mark.parametrize("stall", ["before_the_charge", "after_the_charge"])
