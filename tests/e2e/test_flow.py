@@ -441,6 +441,60 @@ async def test_an_order_notifications_would_refuse_is_refused_before_the_card_is
     assert record is not None and record["state"] == "completed", record
 
 
+async def test_an_order_placed_again_under_another_key_is_not_charged_again(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """The order is placed; then placed again under a new key (a client that lost its key, a
+    second device). The new key's child keys are new, so only the order itself can tell: it
+    must be refused (ALREADY_EXISTS, recorded) before the card is charged. Checked by the
+    final INSERT alone, the card was charged a second time, the INSERT's unique violation
+    released the key, and every retry replayed that charge and failed again."""
+    first = Order()
+    again = Order(tenant=first.account)
+    again.order_id = first.order_id
+    orders = await start_orders(procs, pg_dsn, downstream)
+    placed = await place(orders.address, first)
+
+    for attempt in range(2):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await place(orders.address, again)
+        assert refused.value.code() is grpc.StatusCode.ALREADY_EXISTS, (attempt, refused.value)
+
+    await assert_once_each(db, first, placed)  # one charge, one email, one order
+    record = await record_of(db, again)  # a deterministic error: recorded, and replayed
+    assert record is not None and record["state"] == "completed", record
+
+
+async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exists(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """Key A's order is written but not committed (its replica stalls before the commit) when key
+    B, for the same order, passes the existence check and charges. B's final INSERT waits for A
+    and then finds the order: a recorded ALREADY_EXISTS, nothing of B's committed but its charge.
+    Its unique violation let through, B was released (INTERNAL) and failed so on every retry."""
+    a = Order()
+    b = Order(tenant=a.account)
+    b.order_id = a.order_id
+    stalling, other = await asyncio.gather(
+        start_orders(procs, pg_dsn, downstream, failpoints="before_commit=sleep:3000"),
+        start_orders(procs, pg_dsn, downstream),
+    )
+    async with grpc.aio.insecure_channel(stalling.address) as channel:
+        call = _start_place(channel, a, CALL_TIMEOUT_S)
+        await until("A's order written in its open final transaction", lambda: final_open(db))
+        for attempt in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await place(other.address, b)
+            assert refused.value.code() is grpc.StatusCode.ALREADY_EXISTS, (attempt, refused.value)
+        placed_a = await call
+
+    done = await effects(db, a)
+    assert done.orders == [(placed_a.charge_id, placed_a.email_id)], done
+    assert len(done.charges) == 2, done  # B's charge: a refund's business, not this example's
+    record = await record_of(db, b)
+    assert record is not None and record["state"] == "completed", record
+
+
 @pytest.mark.parametrize("stall", ["before_the_charge", "after_the_charge"])
 async def test_stalled_owner_past_its_lease_cannot_commit(
     pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream, stall: str
