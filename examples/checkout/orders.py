@@ -56,6 +56,12 @@ CREATE TABLE IF NOT EXISTS orders.orders (
 
 
 PLACE_ORDER = "/checkout.v1.OrderService/PlaceOrder"
+# Each downstream call's own bound. The client interceptor bounds them by the caller's deadline,
+# but a caller may set none (gRPC's default): a stalled payments service then held PlaceOrder
+# forever, its lease renewed all along, and every retry of the order was answered IN_PROGRESS.
+# Timed out, the call fails DEADLINE_EXCEEDED, passed on with the key released; a retry replays
+# whatever the step did meanwhile (same child key).
+DOWNSTREAM_TIMEOUT_S = 10.0
 
 
 def downstream_channel(
@@ -128,7 +134,8 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
                 amount_cents=request.amount_cents,
                 currency=request.currency,
                 card_token=request.card_token,
-            )
+            ),
+            timeout=DOWNSTREAM_TIMEOUT_S,
         )
         email = await self.steps.send_confirmation(
             notifications_pb2.SendEmailRequest(
@@ -136,7 +143,8 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
                 subject=f"Order {request.order_id} confirmed",
                 body=f"We charged {request.amount_cents} cents ({charge.charge_id}).",
                 order_id=request.order_id,
-            )
+            ),
+            timeout=DOWNSTREAM_TIMEOUT_S,
         )
         # Then the local writes, in the final transaction with the stored response: the order
         # and its OrderCreated event (the outbox, keyed by the step's child key, so a re-run of

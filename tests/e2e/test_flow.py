@@ -27,6 +27,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
+from examples.checkout.orders import DOWNSTREAM_TIMEOUT_S
 from examples.checkout.proxy import ResettingProxy
 from examples.checkout.service import records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
@@ -143,12 +144,12 @@ def _replayed(metadata: Any) -> bool:
     return any(k == REPLAYED_HEADER and v == "true" for k, v in metadata or ())
 
 
-def _start_place(channel: grpc.aio.Channel, order: Order, timeout: float) -> Any:
+def _start_place(channel: grpc.aio.Channel, order: Order, timeout: float | None) -> Any:
     stub = orders_pb2_grpc.OrderServiceStub(channel)
     return stub.PlaceOrder(order.request(), metadata=order.metadata(), timeout=timeout)
 
 
-async def place(target: str, order: Order, *, timeout: float = CALL_TIMEOUT_S) -> Placed:
+async def place(target: str, order: Order, *, timeout: float | None = CALL_TIMEOUT_S) -> Placed:
     async with grpc.aio.insecure_channel(target) as channel:
         call = _start_place(channel, order, timeout)
         response = await call
@@ -493,6 +494,33 @@ async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exist
     assert len(done.charges) == 2, done  # B's charge: a refund's business, not this example's
     record = await record_of(db, b)
     assert record is not None and record["state"] == "completed", record
+
+
+async def test_a_stalled_payments_service_bounds_an_order_placed_without_a_deadline(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """A client that sets no deadline (gRPC's default) and a payments service that stalls
+    (SIGSTOP, its connection open): the charge call must still end, DEADLINE_EXCEEDED passed on
+    and the key released for a retry. Bounded by the client's deadline alone, it waited forever,
+    the claim's lease renewed all along: every retry of the order was answered IN_PROGRESS."""
+    payments = await procs.payments(pg_dsn, 0)
+    assert payments.port is not None
+    orders = await start_orders(procs, pg_dsn, Downstream(payments.port, downstream.notifications))
+    await place(orders.address, Order())  # the channel to payments connected
+    order = Order()
+    payments.pause()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(
+                place(orders.address, order, timeout=None), DOWNSTREAM_TIMEOUT_S + 10
+            )
+        assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, failed.value
+        record = await record_of(db, order)  # released: a retry goes ahead at once
+        assert record is not None and record["lease_expired"], record
+    finally:
+        payments.resume()
+    placed = await place(orders.address, order)
+    await assert_once_each(db, order, placed)
 
 
 @pytest.mark.parametrize("stall", ["before_the_charge", "after_the_charge"])
