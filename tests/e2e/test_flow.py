@@ -469,25 +469,43 @@ async def test_an_order_placed_again_under_another_key_is_not_charged_again(
 async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exists(
     pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
 ) -> None:
-    """Key A's order is written but not committed (its replica stalls before the commit) when key
-    B, for the same order, passes the existence check and charges. B's final INSERT waits for A
+    """Key A's order is written but not committed (its replica stopped before the commit) when
+    key B, for the same order, passes the existence check and charges. B's final INSERT waits for A
     and then finds the order: a recorded ALREADY_EXISTS, nothing of B's committed but its charge.
     Its unique violation let through, B was released (INTERNAL) and failed so on every retry."""
     a = Order()
     b = Order(tenant=a.account)
     b.order_id = a.order_id
     stalling, other = await asyncio.gather(
-        start_orders(procs, pg_dsn, downstream, failpoints="before_commit=sleep:3000"),
+        # The sleep only has to outlast the test's SIGSTOP; the lease (which bounds how long the
+        # final transaction may sit idle) has to outlast the sleep and the stop together.
+        start_orders(procs, pg_dsn, downstream, lease=30, failpoints="before_commit=sleep:1000"),
         start_orders(procs, pg_dsn, downstream),
     )
+
+    async def b_waits_for_a() -> bool:
+        waiting: int = await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'grpc-idempotency'"
+            " AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO orders.orders%'"
+        )
+        return waiting == 1
+
     async with grpc.aio.insecure_channel(stalling.address) as channel:
         call = _start_place(channel, a, CALL_TIMEOUT_S)
         await until("A's order written in its open final transaction", lambda: final_open(db))
-        for attempt in range(2):
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await place(other.address, b)
-            assert refused.value.code() is grpc.StatusCode.ALREADY_EXISTS, (attempt, refused.value)
+        stalling.pause()  # A cannot commit until B's INSERT waits for A's row
+        try:
+            b_first = asyncio.ensure_future(place(other.address, b))
+            await until("B's INSERT to wait for A's uncommitted order", b_waits_for_a)
+        finally:
+            stalling.resume()
         placed_a = await call
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await b_first
+    assert refused.value.code() is grpc.StatusCode.ALREADY_EXISTS, refused.value
+    with pytest.raises(grpc.aio.AioRpcError) as replayed:  # recorded: B's retry replays it
+        await place(other.address, b)
+    assert replayed.value.code() is grpc.StatusCode.ALREADY_EXISTS, replayed.value
 
     done = await effects(db, a)
     assert done.orders == [(placed_a.charge_id, placed_a.email_id)], done
