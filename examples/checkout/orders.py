@@ -56,6 +56,12 @@ CREATE TABLE IF NOT EXISTS orders.orders (
 
 
 PLACE_ORDER = "/checkout.v1.OrderService/PlaceOrder"
+# Each downstream call's own bound. The client interceptor bounds them by the caller's deadline,
+# but a caller may set none (gRPC's default): a stalled payments service then held PlaceOrder
+# forever, its lease renewed all along, and every retry of the order was answered IN_PROGRESS.
+# Timed out, the call fails DEADLINE_EXCEEDED, passed on with the key released; a retry replays
+# whatever the step did meanwhile (same child key).
+DOWNSTREAM_TIMEOUT_S = 10.0
 
 
 def downstream_channel(
@@ -101,6 +107,26 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
     async def PlaceOrder(
         self, request: orders_pb2.PlaceOrderRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> orders_pb2.PlaceOrderResponse:
+        # Validate everything a step would refuse before the first step: a refusal met
+        # downstream comes after the card was charged, escapes as INTERNAL (the downstream's
+        # answer is not this method's, so the key is released) and is replayed to every retry
+        # with the charge: charged, no order. Refused here, it is this method's recorded
+        # INVALID_ARGUMENT, with nothing charged.
+        if request.amount_cents <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "amount_cents must be positive")
+        if "@" not in request.email:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "email is not an address")
+        call = current_call()
+        # An order placed already, under another key (a client that lost its key, a second
+        # device): that key's child keys are new, so payments would charge again; only the
+        # order tells. Refused before the charge. (The final INSERT checks again, for two keys
+        # racing; the loser's charge is then left to a refund, which this example has none of.)
+        if await self.store.pool.fetchval(
+            "SELECT EXISTS (SELECT FROM orders.orders WHERE tenant = $1 AND order_id = $2)",
+            call.scope,
+            request.order_id,
+        ):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the order was placed already")
         # Downstream calls first: each carries the child key of its declared step.
         charge = await self.steps.charge_card(
             payments_pb2.ChargeRequest(
@@ -108,7 +134,8 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
                 amount_cents=request.amount_cents,
                 currency=request.currency,
                 card_token=request.card_token,
-            )
+            ),
+            timeout=DOWNSTREAM_TIMEOUT_S,
         )
         email = await self.steps.send_confirmation(
             notifications_pb2.SendEmailRequest(
@@ -116,12 +143,12 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
                 subject=f"Order {request.order_id} confirmed",
                 body=f"We charged {request.amount_cents} cents ({charge.charge_id}).",
                 order_id=request.order_id,
-            )
+            ),
+            timeout=DOWNSTREAM_TIMEOUT_S,
         )
         # Then the local writes, in the final transaction with the stored response: the order
         # and its OrderCreated event (the outbox, keyed by the step's child key, so a re-run of
         # this handler enqueues nothing new). They commit together, or neither does.
-        call = current_call()
         await call.enqueue(
             self.steps.ORDER_CREATED_EVENT,
             events_pb2.OrderCreated(
@@ -135,13 +162,18 @@ class OrderService(orders_pb2_grpc.OrderServiceServicer):
         conn = await call.transaction()
         placed_at = await conn.fetchval(
             "INSERT INTO orders.orders (order_id, tenant, amount_cents, charge_id, email_id)"
-            " VALUES ($1, $2, $3, $4, $5) RETURNING placed_at",
+            " VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING placed_at",
             request.order_id,
             call.scope,
             request.amount_cents,
             charge.charge_id,
             email.email_id,
         )
+        if placed_at is None:
+            # Another key's order got there first. A unique violation raised here would be
+            # released (INTERNAL) and fail the same way on every retry; a deterministic answer
+            # is recorded, and the event enqueued above rolls back with the transaction.
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the order was placed already")
         response = orders_pb2.PlaceOrderResponse(
             order_id=request.order_id, charge_id=charge.charge_id, email_id=email.email_id
         )

@@ -27,6 +27,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
+from examples.checkout.orders import DOWNSTREAM_TIMEOUT_S
 from examples.checkout.proxy import ResettingProxy
 from examples.checkout.service import records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
@@ -100,8 +101,15 @@ class Order:
     """One logical PlaceOrder: a tenant (authenticated by its token), a key, an order; every
     attempt sends the same request."""
 
-    def __init__(self, *, tenant: Tenant | None = None, key: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tenant: Tenant | None = None,
+        key: str | None = None,
+        email: str = "buyer@example.com",
+    ) -> None:
         self.account = tenant or tenants.fresh()
+        self.email = email
         self.tenant = self.account.name
         self.scope = self.account.scope
         self.key = key or "order-" + uuid.uuid4().hex
@@ -113,7 +121,7 @@ class Order:
             amount_cents=4200,
             currency="EUR",
             card_token="tok_visa",
-            email="buyer@example.com",
+            email=self.email,
         )
         request.sent_at.GetCurrentTime()  # differs per attempt; excluded from the fingerprint
         return request
@@ -136,12 +144,12 @@ def _replayed(metadata: Any) -> bool:
     return any(k == REPLAYED_HEADER and v == "true" for k, v in metadata or ())
 
 
-def _start_place(channel: grpc.aio.Channel, order: Order, timeout: float) -> Any:
+def _start_place(channel: grpc.aio.Channel, order: Order, timeout: float | None) -> Any:
     stub = orders_pb2_grpc.OrderServiceStub(channel)
     return stub.PlaceOrder(order.request(), metadata=order.metadata(), timeout=timeout)
 
 
-async def place(target: str, order: Order, *, timeout: float = CALL_TIMEOUT_S) -> Placed:
+async def place(target: str, order: Order, *, timeout: float | None = CALL_TIMEOUT_S) -> Placed:
     async with grpc.aio.insecure_channel(target) as channel:
         call = _start_place(channel, order, timeout)
         response = await call
@@ -409,6 +417,128 @@ async def test_kill_between_charge_and_order_then_retry_after_lease_charges_once
     assert record is not None and record["fencing_token"] == 2, record
     # Both runs sent the same child keys; payments and notifications replayed the second.
     await assert_child_keys(db, order, runs=2)
+
+
+async def test_an_order_notifications_would_refuse_is_refused_before_the_card_is_charged(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """An email address NotificationService refuses (INVALID_ARGUMENT, recorded under the step's
+    child key): PlaceOrder must refuse the order itself, before it charges the card. Checked only
+    downstream, the card was charged, SendEmail's refusal escaped as INTERNAL (released: not this
+    method's answer), and every retry replayed the charge and the refusal: charged, no order, and
+    an answer no client retries or understands."""
+    order = Order(email="buyer.example.com")
+    orders = await start_orders(procs, pg_dsn, downstream)
+
+    for attempt in range(2):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await place(orders.address, order)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (attempt, refused.value)
+
+    done = await effects(db, order)
+    assert (done.charges, done.emails, done.orders) == ([], [], []), done
+    assert await attempts(db, "payments", order.tenant) == []
+    record = await record_of(db, order)  # a deterministic error: recorded, and replayed
+    assert record is not None and record["state"] == "completed", record
+
+
+async def test_an_order_placed_again_under_another_key_is_not_charged_again(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """The order is placed; then placed again under a new key (a client that lost its key, a
+    second device). The new key's child keys are new, so only the order itself can tell: it
+    must be refused (ALREADY_EXISTS, recorded) before the card is charged. Checked by the
+    final INSERT alone, the card was charged a second time, the INSERT's unique violation
+    released the key, and every retry replayed that charge and failed again."""
+    first = Order()
+    again = Order(tenant=first.account)
+    again.order_id = first.order_id
+    orders = await start_orders(procs, pg_dsn, downstream)
+    placed = await place(orders.address, first)
+
+    for attempt in range(2):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await place(orders.address, again)
+        assert refused.value.code() is grpc.StatusCode.ALREADY_EXISTS, (attempt, refused.value)
+
+    await assert_once_each(db, first, placed)  # one charge, one email, one order
+    record = await record_of(db, again)  # a deterministic error: recorded, and replayed
+    assert record is not None and record["state"] == "completed", record
+
+
+async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exists(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """Key A's order is written but not committed (its replica stopped before the commit) when
+    key B, for the same order, passes the existence check and charges. B's final INSERT waits for A
+    and then finds the order: a recorded ALREADY_EXISTS, nothing of B's committed but its charge.
+    Its unique violation let through, B was released (INTERNAL) and failed so on every retry."""
+    a = Order()
+    b = Order(tenant=a.account)
+    b.order_id = a.order_id
+    stalling, other = await asyncio.gather(
+        # The sleep only has to outlast the test's SIGSTOP; the lease (which bounds how long the
+        # final transaction may sit idle) has to outlast the sleep and the stop together.
+        start_orders(procs, pg_dsn, downstream, lease=30, failpoints="before_commit=sleep:1000"),
+        start_orders(procs, pg_dsn, downstream),
+    )
+
+    async def b_waits_for_a() -> bool:
+        waiting: int = await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'grpc-idempotency'"
+            " AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO orders.orders%'"
+        )
+        return waiting == 1
+
+    async with grpc.aio.insecure_channel(stalling.address) as channel:
+        call = _start_place(channel, a, CALL_TIMEOUT_S)
+        await until("A's order written in its open final transaction", lambda: final_open(db))
+        stalling.pause()  # A cannot commit until B's INSERT waits for A's row
+        try:
+            b_first = asyncio.ensure_future(place(other.address, b))
+            await until("B's INSERT to wait for A's uncommitted order", b_waits_for_a)
+        finally:
+            stalling.resume()
+        placed_a = await call
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await b_first
+    assert refused.value.code() is grpc.StatusCode.ALREADY_EXISTS, refused.value
+    with pytest.raises(grpc.aio.AioRpcError) as replayed:  # recorded: B's retry replays it
+        await place(other.address, b)
+    assert replayed.value.code() is grpc.StatusCode.ALREADY_EXISTS, replayed.value
+
+    done = await effects(db, a)
+    assert done.orders == [(placed_a.charge_id, placed_a.email_id)], done
+    assert len(done.charges) == 2, done  # B's charge: a refund's business, not this example's
+    record = await record_of(db, b)
+    assert record is not None and record["state"] == "completed", record
+
+
+async def test_a_stalled_payments_service_bounds_an_order_placed_without_a_deadline(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """A client that sets no deadline (gRPC's default) and a payments service that stalls
+    (SIGSTOP, its connection open): the charge call must still end, DEADLINE_EXCEEDED passed on
+    and the key released for a retry. Bounded by the client's deadline alone, it waited forever,
+    the claim's lease renewed all along: every retry of the order was answered IN_PROGRESS."""
+    payments = await procs.payments(pg_dsn, 0)
+    assert payments.port is not None
+    orders = await start_orders(procs, pg_dsn, Downstream(payments.port, downstream.notifications))
+    await place(orders.address, Order())  # the channel to payments connected
+    order = Order()
+    payments.pause()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(
+                place(orders.address, order, timeout=None), DOWNSTREAM_TIMEOUT_S + 10
+            )
+        assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, failed.value
+        record = await record_of(db, order)  # released: a retry goes ahead at once
+        assert record is not None and record["lease_expired"], record
+    finally:
+        payments.resume()
+    placed = await place(orders.address, order)
+    await assert_once_each(db, order, placed)
 
 
 @pytest.mark.parametrize("stall", ["before_the_charge", "after_the_charge"])

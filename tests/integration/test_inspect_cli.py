@@ -20,6 +20,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,17 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import StaticScope, Store, child_key
+from grpc_idempotency import MethodOverride, StaticScope, Store, child_key
 from tests.e2e.procs import free_port
 from tests.support.ledger import RunningLedger, fresh, metadata, running_ledger
 from tests.support.relay import RunningRelay, running_relay
 from tests.support.schemas import fresh_store
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 FORWARD = "/testsvc.v1.RelayService/Forward"
 POST = "/testsvc.v1.LedgerService/Post"
+POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
 MODULE = "testsvc.v1.testsvc_pb2"
 
 
@@ -408,8 +411,9 @@ async def test_an_operation_in_progress_shows_its_lease(services: Services) -> N
 async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(
     services: Services,
 ) -> None:
-    """Such a claim is a new key for any request (migration 0014): inspect and list said it
-    was in progress, to be taken over by a retry of the same request only."""
+    """Such a claim is a new key for another request (migration 0014), and the same request
+    continues it: inspect and list said it was in progress, to be taken over by a retry of the
+    same request only."""
     key, tenant = fresh(), fresh("tenant")
     scope = f"tenant:{tenant}"
     store = services.ledger_store
@@ -428,12 +432,74 @@ async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(
     )
     shown = await cli("inspect", *services.stores(), "--scope", scope, key)
     assert shown.returncode == 0, shown.stderr
-    assert "past its retention: any request under the key starts anew" in shown.stdout
+    assert (
+        "past its retention: the same request takes it over, continuing its operation;"
+        " another request starts a new one"
+    ) in shown.stdout
     listed = await cli("list", "--dsn", services.dsn, "--schema", store.schema,
                        "--scope", scope, "--json")  # fmt: skip
     assert listed.returncode == 0, listed.stderr
     (record,) = [json.loads(line) for line in listed.stdout.splitlines()]
     assert record["key"] == key and record["expired"] is True
+
+
+async def test_a_released_claim_past_its_retention_is_continued_by_the_same_request(
+    pg_dsn: str, store: Store
+) -> None:
+    """A phased call fails transiently (its claim released, the lease ended) and its retention
+    runs out. inspect said "any request under the key starts anew"; the same request retried
+    continues the operation (its start kept, so the step versions it keyed with: migration
+    0016's claim), as the README's table says. Only another request starts a new one."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    short = {POST_PHASED: MethodOverride(retention=timedelta(seconds=1))}
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="flaky:1")
+    async with (
+        fresh_store(pg_dsn, "insp_ret") as ledger_store,
+        running_ledger(ledger_store, overrides=short) as ledger,
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as flaky:
+            await ledger.stub.PostPhased(request, metadata=metadata(key, tenant))
+        assert flaky.value.code() is grpc.StatusCode.UNAVAILABLE, flaky.value
+        records = f"{ledger_store.schema}.records"
+        started = await ledger_store.pool.fetchval(
+            f"SELECT created_at FROM {records} WHERE scope = $1 AND key = $2", scope, key
+        )
+
+        async def past_retention() -> bool:
+            return bool(
+                await ledger_store.pool.fetchval(
+                    f"SELECT state = 'in_progress' AND locked_until <= clock_timestamp()"
+                    f" AND expires_at <= clock_timestamp() FROM {records}"
+                    " WHERE scope = $1 AND key = $2",
+                    scope,
+                    key,
+                )
+            )
+
+        await until("the released claim's retention to run out", past_retention)
+        stores = ["--dsn", pg_dsn, "--schema", ledger_store.schema]
+        shown = await cli("inspect", *stores, "--scope", scope, key)
+        assert shown.returncode == 0, shown.stderr
+        assert "any request under the key starts anew" not in shown.stdout, shown.stdout
+        assert (
+            "past its retention: the same request takes it over, continuing its operation;"
+            " another request starts a new one"
+        ) in shown.stdout, shown.stdout
+
+        # What the same request does: it continues the operation (its start is kept).
+        await ledger.stub.PostPhased(request, metadata=metadata(key, tenant))
+        row = await ledger_store.pool.fetchrow(
+            f"SELECT state, fencing_token, created_at FROM {records} WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+        )
+        assert row is not None
+        assert (row["state"], row["fencing_token"], row["created_at"]) == (
+            "completed",
+            2,
+            started,
+        ), row
 
 
 async def test_list_filters_by_state_and_method(services: Services) -> None:
