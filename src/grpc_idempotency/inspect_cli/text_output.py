@@ -72,7 +72,7 @@ def _record_lines(service: str, n: Node) -> list[str]:
                 if left > 0
                 # The same request continues the operation, keeping its start (and so the step
                 # versions it keys with): the claim keeps created_at for a matching fingerprint
-                # (migration 0016). Only another request, refused within retention, is new now.
+                # (claim()). Only another request, refused within retention, is new now.
                 else "run out, and past its retention: the same request takes it over,"
                 " continuing its operation; another request starts a new one"
                 if r.expired
