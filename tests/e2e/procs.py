@@ -15,9 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+
+import grpc
 
 from tests.e2e import tenants
 
@@ -176,6 +178,27 @@ class ServiceProcess:
                 text = ""
             parts.append(f"--- {path.name} ---\n{text[-4000:]}")
         return "\n".join(parts)
+
+
+@contextlib.asynccontextmanager
+async def ledger_process(
+    dsn: str, log_dir: Path
+) -> AsyncIterator[tuple[ServiceProcess, grpc.aio.Channel]]:
+    """The test LedgerService (``tests.support.ledger_process``) in a process of its own on
+    ``dsn``, for a test whose server may die or freeze, and a channel to it; stopped on the way
+    out."""
+    server = ServiceProcess(
+        ["-m", "tests.support.ledger_process", dsn],
+        ready="ledger ready",
+        log_dir=log_dir,
+        name="ledger",
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            yield server, channel
+    finally:
+        await server.stop()
 
 
 class Processes:

@@ -13,7 +13,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
 from grpc_idempotency.testing.embedded import EmbeddedPostgres
-from tests.e2e.procs import ServiceProcess
+from tests.e2e.procs import ledger_process
 from tests.support.ledger import POST, fresh, ledger_rows, metadata
 from tests.support.wire import call_raw
 
@@ -40,25 +40,15 @@ async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
     again. Refused before the commit, as other unsendable trailers are: INTERNAL, nothing
     recorded, the server up. Set, then followed by a transient abort (the key released, nothing
     committed), the trailer still went with the answer and killed the server, on every retry."""
-    server = ServiceProcess(
-        ["-m", "tests.support.ledger_process", pg_dsn],
-        ready="ledger ready",
-        log_dir=tmp_path,
-        name="ledger",
-    )
-    await server.start()
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, behaviour=behaviour)
-    try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            first = await call_raw(channel, POST, request, metadata(key), 10)
-            assert server.returncode is None, server.logs()
-            assert first.code is grpc.StatusCode.INTERNAL, first
-            assert first.reason() == "IDEMPOTENCY_ABORT_INVALID"
-            again = await call_raw(channel, POST, request, metadata(key), 10)
-            assert again.code is grpc.StatusCode.INTERNAL and not again.replayed, again
-    finally:
-        await server.stop()
+    async with ledger_process(pg_dsn, tmp_path) as (server, channel):
+        first = await call_raw(channel, POST, request, metadata(key), 10)
+        assert server.returncode is None, server.logs()
+        assert first.code is grpc.StatusCode.INTERNAL, first
+        assert first.reason() == "IDEMPOTENCY_ABORT_INVALID"
+        again = await call_raw(channel, POST, request, metadata(key), 10)
+        assert again.code is grpc.StatusCode.INTERNAL and not again.replayed, again
     assert await ledger_rows(store, account) == 0  # nothing committed: the handler's write either
 
 
@@ -77,23 +67,13 @@ async def test_without_a_key_a_grpc_timeout_trailer_is_refused_before_the_commit
     key (nothing to dedupe on) and wrote it again, killing a server each time. Followed by an
     abort without trailers of its own, the write was rolled back but the server died all the
     same."""
-    server = ServiceProcess(
-        ["-m", "tests.support.ledger_process", pg_dsn],
-        ready="ledger ready",
-        log_dir=tmp_path,
-        name="ledger",
-    )
-    await server.start()
     account = fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, behaviour=behaviour)
-    try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            first = await call_raw(channel, POST_OPTIONAL, request, metadata(None), 10)
-            assert server.returncode is None, server.logs()
-            assert first.code is grpc.StatusCode.INTERNAL, first
-            assert first.reason() == "IDEMPOTENCY_ABORT_INVALID"
-    finally:
-        await server.stop()
+    async with ledger_process(pg_dsn, tmp_path) as (server, channel):
+        first = await call_raw(channel, POST_OPTIONAL, request, metadata(None), 10)
+        assert server.returncode is None, server.logs()
+        assert first.code is grpc.StatusCode.INTERNAL, first
+        assert first.reason() == "IDEMPOTENCY_ABORT_INVALID"
     assert await ledger_rows(store, account) == 0  # rolled back, as with a key
 
 
@@ -104,23 +84,13 @@ async def test_a_fail_open_call_refuses_a_grpc_timeout_trailer_too(tmp_path: Pat
     with EmbeddedPostgres(durable=False) as pg:
         migrated = await Store.connect(pg.dsn, migrate=True)
         await migrated.close()
-        server = ServiceProcess(
-            ["-m", "tests.support.ledger_process", pg.dsn],
-            ready="ledger ready",
-            log_dir=tmp_path,
-            name="ledger",
-        )
-        await server.start()
         request = testsvc_pb2.PostRequest(
             account=fresh("acct"), behaviour="set-trailer:grpc-timeout=1S"
         )
-        try:
+        async with ledger_process(pg.dsn, tmp_path) as (server, channel):
             pg.stop(mode="immediate")
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                answer = await call_raw(channel, POST_FAIL_OPEN, request, metadata(fresh()), 20)
-                assert server.returncode is None, server.logs()
-                assert answer.code is grpc.StatusCode.INTERNAL, answer
-                assert answer.reason() == "IDEMPOTENCY_ABORT_INVALID"
-                assert "running without deduplication" in server.logs()  # it did fail open
-        finally:
-            await server.stop()
+            answer = await call_raw(channel, POST_FAIL_OPEN, request, metadata(fresh()), 20)
+            assert server.returncode is None, server.logs()
+            assert answer.code is grpc.StatusCode.INTERNAL, answer
+            assert answer.reason() == "IDEMPOTENCY_ABORT_INVALID"
+            assert "running without deduplication" in server.logs()  # it did fail open

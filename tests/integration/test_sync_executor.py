@@ -17,7 +17,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Mode, Store
 from grpc_idempotency.testing import EmbeddedPostgres
-from tests.e2e.procs import ServiceProcess
+from tests.e2e.procs import ledger_process
 from tests.support.ledger import POST, fresh, ledger_rows, metadata, prepare, running_ledger
 from tests.support.pgbouncer import free_port
 from tests.support.waiting import until
@@ -107,23 +107,13 @@ async def test_call_run_from_the_event_loop_fails_the_call_instead_of_freezing_t
     hung for good, leases and all, the process alive but answering nothing. It raises instead:
     that call fails (UNKNOWN, its writes rolled back, the key released), the server serves on.
     The server runs in a process of its own: frozen, it takes no test with it."""
-    server = ServiceProcess(
-        ["-m", "tests.support.ledger_process", pg_dsn],
-        ready="ledger ready",
-        log_dir=tmp_path,
-        name="ledger",
-    )
-    await server.start()
     account = fresh("acct")
-    try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="run-on-loop")
-            misused = await call_raw(channel, POST, request, metadata(fresh()), 5)
-            assert misused.code is grpc.StatusCode.UNKNOWN, misused
-            assert "sync" in (misused.details or ""), misused
-            fine = testsvc_pb2.PostRequest(account=account, amount=1)
-            served = await call_raw(channel, POST, fine, metadata(fresh()), 5)
-            assert served.code is grpc.StatusCode.OK, served
-    finally:
-        await server.stop()
+    async with ledger_process(pg_dsn, tmp_path) as (_, channel):
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="run-on-loop")
+        misused = await call_raw(channel, POST, request, metadata(fresh()), 5)
+        assert misused.code is grpc.StatusCode.UNKNOWN, misused
+        assert "sync" in (misused.details or ""), misused
+        fine = testsvc_pb2.PostRequest(account=account, amount=1)
+        served = await call_raw(channel, POST, fine, metadata(fresh()), 5)
+        assert served.code is grpc.StatusCode.OK, served
     assert await ledger_rows(store, account) == 1  # the second call's row only
