@@ -240,13 +240,16 @@ async def test_a_partition_met_by_a_new_connection_fails_open_within_command_tim
     proxy = BlackholeProxy(pg_dsn)
     await proxy.start()
     name = f"new-conn-{uuid.uuid4().hex[:8]}"
+    # Migrated first with the default timeout: a fresh schema's migrations under CI load ran
+    # past this test's 1 s command_timeout, which is for the partition below.
+    in_schema = schema()
+    await (await Store.connect(pg_dsn, schema=in_schema, migrate=True)).close()
     store = await Store.connect(
         proxy.dsn,
         min_size=0,
         max_size=2,
         command_timeout=1,
-        schema=schema(),
-        migrate=True,
+        schema=in_schema,
         server_settings={"application_name": name},
     )
     await prepare(store)
@@ -286,11 +289,15 @@ async def test_behind_pgbouncer_a_query_wait_timeout_is_confirmed_before_failing
     certain of the database: the outage is confirmed first (``probe_dsn``: the database
     answers), and the call is UNAVAILABLE."""
     settings = {"query_wait_timeout": "1"}
+    # Migrated on the database itself: through PgBouncer's one server connection, the
+    # migrations and the pool's first connection queued for it past query_wait_timeout under CI
+    # load (08P01 at start-up, before the test began).
+    in_schema = schema()
+    await (await Store.connect(pg_dsn, schema=in_schema, migrate=True)).close()
     with running_pgbouncer(pg_dsn, pool_size=1, settings=settings) as bouncer:
         store = await Store.connect(
             bouncer.dsn,
-            schema=schema(),
-            migrate=True,
+            schema=in_schema,
             min_size=1,
             max_size=2,
             statement_cache_size=0,
