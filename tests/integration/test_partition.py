@@ -230,3 +230,34 @@ async def test_a_partitioned_replicas_unkeyed_transaction_ends_after_the_lease(
         await partitioned.close(timeout=1)
         await proxy.close()
     assert await ledger_rows(store, request.account) == 0
+
+
+async def test_an_unkeyed_commit_whose_answer_is_lost_gives_up_as_a_keyed_one(
+    pg_dsn: str, store: Store
+) -> None:
+    """An optional-key method called without a key: its COMMIT reached PostgreSQL and the
+    answer never came back (a partition at that instant). A keyed call's commit gives up after
+    max(5 s, twice the lease) and answers UNAVAILABLE; this one waited on the pool's
+    ``command_timeout`` alone, and with ``command_timeout=None`` (asyncpg allows it) the call
+    and its connection hung until TCP gave up, or, as here, until the client's deadline (10 s)
+    cut it short with DEADLINE_EXCEEDED."""
+    optional = "/testsvc.v1.LedgerService/PostOptional"
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="hold")
+    overrides = {optional[1:]: MethodOverride(lease=timedelta(seconds=1))}
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    unbounded = await Store.connect(proxy.dsn, max_size=2, command_timeout=None)
+    try:
+        async with running_ledger(unbounded, overrides=overrides) as ledger:
+            calling = asyncio.ensure_future(call_raw(ledger.channel, optional, request, ()))
+            await ledger.service.started.wait()  # written, the transaction open
+            proxy.hold_answers_after(b"RELEASE SAVEPOINT")
+            ledger.service.release.set()
+            answer = await calling
+            assert answer.code is grpc.StatusCode.UNAVAILABLE, answer.details
+            assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    finally:
+        await unbounded.close(timeout=1)
+        await proxy.close()
+    # The COMMIT ran: the write stands, and the call said it could not know.
+    assert await ledger_rows(store, request.account) == 1

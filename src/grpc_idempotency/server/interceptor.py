@@ -1031,6 +1031,7 @@ class IdempotencyInterceptor(_Interceptor):
                 # bounded by the lease, PostgreSQL ended it under a handler that outlasted the
                 # lease, and the call failed UNAVAILABLE after its downstream effects.
                 idle_timeout_s=policy.lease_s if policy.mode is Mode.ATOMIC else None,
+                lease_s=policy.lease_s,
             )
         except StoreUnavailable as err:
             if await _may_fail_open(policy, context, err, store):

@@ -1011,12 +1011,15 @@ class Store:
         isolation: Isolation | None = None,
         timeout: float | None = None,
         idle_timeout_s: float | None = None,
+        lease_s: float | None = None,
     ) -> PlainTransaction:
         """A transaction with no idempotency record (an optional-key call made without a key).
         ``idle_timeout_s``: how long it may sit idle (``SET LOCAL
         idle_in_transaction_session_timeout``, as in every transaction of a keyed call): the
         method's lease. Without it a replica partitioned or frozen while it held the
-        transaction kept its handler's row locks until TCP keepalive noticed, hours later."""
+        transaction kept its handler's row locks until TCP keepalive noticed, hours later.
+        ``lease_s``: the method's lease, which bounds the commit's wait for its answer as a
+        keyed call's (``_commit_timeout``); without it, the pool's ``command_timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         tries = 2
         for tried in range(1, tries + 1):
@@ -1042,7 +1045,8 @@ class Store:
                         continue
                     raise store_error(exc, "beginning a transaction") from exc
                 raise
-            return PlainTransaction(self, conn)
+            commit_timeout = None if lease_s is None else _commit_timeout(lease_s)
+            return PlainTransaction(self, conn, commit_timeout)
         raise AssertionError("unreachable")
 
     async def claim_phased(
@@ -1558,9 +1562,12 @@ def _handler_failed(
 class PlainTransaction:
     """A transaction with no idempotency record: optional-key calls made without a key."""
 
-    def __init__(self, store: Store, conn: PooledConnection) -> None:
+    def __init__(
+        self, store: Store, conn: PooledConnection, commit_timeout: float | None = None
+    ) -> None:
         self._store = store
         self.connection = conn
+        self._commit_timeout = commit_timeout
 
     async def commit(self) -> None:
         """Commits the handler's writes. A handler that ended the transaction itself, or caught
@@ -1570,7 +1577,12 @@ class PlainTransaction:
         try:
             if not connection_closed(conn) and not conn.is_in_transaction():
                 raise ended_by_handler("no transaction was open at the commit")
-            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}; COMMIT")
+            # Bounded as a keyed call's commit: with the pool's command_timeout only (None
+            # allowed), a commit whose answer a partition swallowed held the call, and its
+            # connection, until TCP gave up. Past the bound its fate is unknown: UNAVAILABLE.
+            await conn.execute(
+                f"RELEASE SAVEPOINT {SAVEPOINT}; COMMIT", timeout=self._commit_timeout
+            )
         except HandlerDatabaseError:
             await self._store._release(conn)
             raise
