@@ -107,6 +107,11 @@ class IdempotentCall:
             self._opening.cancel()
         return self._opening
 
+    @property
+    def ended(self) -> bool:
+        """Whether the call is over (``end``)."""
+        return self._ended
+
     def _check_open(self) -> None:
         if self._ended:
             raise NotInIdempotentCall(

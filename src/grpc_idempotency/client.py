@@ -99,7 +99,7 @@ class Operation:
         time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound the
         loop ran out ``max_attempts`` for a caller that had already given up)."""
         md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
-        serving = current_call_or_none()
+        serving = _serving()
         deadline = serving.deadline if serving is not None else None
         attempt = 0
         while True:
@@ -133,6 +133,17 @@ class Operation:
         """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
         retry=RetryPolicy()).Charge(request)``."""
         return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+
+
+def _serving() -> IdempotentCall | None:
+    """The call being served, unless it is over. A task its handler left running (created with
+    the handler's context, as ``asyncio.create_task`` does) may outlive it; its later calls
+    still take their keys from the call (``_outgoing``), but not its terms: with its deadline
+    (spent: DEADLINE_EXCEEDED at once), its forwarded headers (one tenant's, on every call a
+    lazily started worker ever made) and its final transaction (refused as made across it,
+    long after its commit), such a task could not call out at all, or called as another."""
+    serving = current_call_or_none()
+    return None if serving is None or serving.ended else serving
 
 
 def _bounded(timeout: float | None, deadline: float | None) -> float | None:
@@ -350,7 +361,12 @@ class IdempotencyClientInterceptor(_Interceptor):
         method = client_call_details.method
         path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
         metadata = list(client_call_details.metadata or ())
+        # Keys come from the call even once it is over: a task it left running (a gathered
+        # sibling of a step that failed, which gather does not cancel) that calls a declared
+        # step then carries the step's child key, so that the retry's call of the step is
+        # replayed; a key of its own would run the effect a second time.
         serving = current_call_or_none()
+        live = _serving()
         parent = None
         if serving is not None and serving.key is not None and serving.scope is not None:
             parent = Parent(
@@ -397,9 +413,9 @@ class IdempotencyClientInterceptor(_Interceptor):
                 " streaming method is keyed, so its effect would run again on every retry;"
                 " declare steps for unary methods only"
             )
-        if serving is not None and serving.phased and serving.transaction_open:
+        if live is not None and live.phased and live.transaction_open:
             raise TransactionOpen(
-                f"{serving.method} called {path} after opening its final transaction; make"
+                f"{live.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
             )
         step = None
@@ -414,12 +430,12 @@ class IdempotencyClientInterceptor(_Interceptor):
                 captured.append(choice.key)
 
         timeout = client_call_details.timeout
-        if serving is not None:
-            incoming = serving.time_remaining()
+        if live is not None:
+            incoming = live.time_remaining()
             if incoming is not None:
                 timeout = incoming if timeout is None else min(timeout, incoming)
             present = {name for name, _ in kept}
-            for name, value in serving.forwarded_metadata(self._forward):
+            for name, value in live.forwarded_metadata(self._forward):
                 if name not in present:
                     kept.append((name, value))
 

@@ -999,7 +999,8 @@ class IdempotencyInterceptor(_Interceptor):
         method = call.policy.method
         log.warning("%s: store unavailable, running without deduplication", method)
         self._telemetry.count_bypassed(method)
-        bound = call_context.bind(_unclaimed(call))
+        serving = _unclaimed(call)
+        bound = call_context.bind(serving)
         try:
             response = await self._invoke(call)
         except DeferredAbort as aborted:
@@ -1009,6 +1010,9 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(call.context, err)
         finally:
             call_context.unbind(bound)
+            # Over for the tasks the handler left running too: their later calls are no
+            # longer held to its deadline, forwarded headers and transaction (client.py).
+            serving.end()
         # No store, so nothing to commit, but the answer carries the trailers the handler set:
         # a grpc-timeout trailer killed the server process here too (SIGABRT).
         await _refuse_unsendable_trailers(call.context, None)
@@ -1039,7 +1043,8 @@ class IdempotencyInterceptor(_Interceptor):
             # call ran without deduplication.
             call.outcome = CallOutcome.UNAVAILABLE
             await answers.abort(context, err)
-        bound = call_context.bind(_unclaimed(call, tx.connection))
+        serving = _unclaimed(call, tx.connection)
+        bound = call_context.bind(serving)
         # A handler that ended the transaction itself (COMMIT or ROLLBACK on the call's
         # connection) answers INTERNAL whatever it answered, as with a key: what it wrote may
         # have committed, and the same handler under a key would be refused.
@@ -1061,6 +1066,7 @@ class IdempotencyInterceptor(_Interceptor):
             raise
         finally:
             call_context.unbind(bound)
+            serving.end()  # as for a fail-open call (``_run_without_store``)
         if answers.code_of(context) is Code.OK:
             # Trailers gRPC cannot send (set_trailing_metadata()) are refused before the commit,
             # as with a key (``_finish``): sent after it, a grpc-timeout trailer killed the
