@@ -31,7 +31,13 @@ from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import KeyInvalid, PolicyError, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
-from grpc_idempotency.core.propagation import KeySource, Parent, choose_key, declares_step
+from grpc_idempotency.core.propagation import (
+    KeySource,
+    Parent,
+    choose_key,
+    declares_step,
+    steps_call,
+)
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
@@ -398,7 +404,13 @@ class IdempotencyClientInterceptor(_Interceptor):
         if keyed:
             choice = choose_key(
                 target=path,
-                target_keyed=self._registry.get(path) is not None,
+                # A declared step keys its target whatever the caller's descriptor says, also
+                # for a call served without a key (an optional key not sent): with no parent
+                # key to derive from, it gets a key of its own, as a target the descriptor
+                # keys does. Sent unkeyed, a target keyed only on its server (or by a newer
+                # proto) refused it (KEY_MISSING), failing every keyless call of the method.
+                target_keyed=self._registry.get(path) is not None
+                or (serving is not None and steps_call(serving.steps, path)),
                 explicit_key=explicit,
                 parent=parent,
                 named_step=named,

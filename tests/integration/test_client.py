@@ -547,6 +547,30 @@ async def test_a_declared_step_keys_a_target_keyed_only_on_its_server(store: Sto
     ]
 
 
+async def test_a_declared_step_keys_its_target_for_an_optional_key_call_without_a_key(
+    store: Store,
+) -> None:
+    """The same relay with its key made optional and called without one: the declared step's
+    target, keyed only on its server, gets a key of its own, as a target the caller's
+    descriptor keys does. It went unkeyed, and the ledger refused it (KEY_MISSING), failing
+    every keyless call of the relay."""
+    peek = "/testsvc.v1.LedgerService/Peek"
+    steps = [Step(name="post-ledger.v1", call=POST), Step(name="peek.v1", call=peek)]
+    relay_overrides = {
+        FORWARD: MethodOverride(key=KeyRequirement.OPTIONAL, mode=Mode.PHASED, steps=steps)
+    }
+    ledger_overrides = {peek: MethodOverride(key=KeyRequirement.REQUIRED)}
+    request = testsvc_pb2.ForwardRequest(account=fresh(), mode="read")
+    async with (
+        running_ledger(store, overrides=ledger_overrides) as ledger,
+        running_relay(store, ledger.address, overrides=relay_overrides) as relay,
+    ):
+        answer = await relay.forward(request, None)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    peeked, posted = ledger.service.keys_seen
+    assert peeked is not None and posted is not None and peeked != posted
+
+
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [

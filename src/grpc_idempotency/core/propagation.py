@@ -166,8 +166,13 @@ def declares_step(parent: Parent, target: str) -> bool:
     retired for good too: it keys the operations begun before its retirement when named, and an
     unnamed call is refused (``choose_step``), as for a target keyed by its descriptor; both went
     out unkeyed."""
+    return steps_call(parent.steps, target)
+
+
+def steps_call(steps: Sequence[Step], target: str) -> bool:
+    """Whether one of ``steps`` (active or retired) calls ``target`` (``declares_step``)."""
     target = normalize_method(target)
-    return any(s.call and normalize_method(s.call) == target for s in parent.steps)
+    return any(s.call and normalize_method(s.call) == target for s in steps)
 
 
 def choose_key(

@@ -1330,7 +1330,8 @@ def _unclaimed(
         call.key,
         asyncio.get_running_loop(),
         connection,
-        steps=call.policy.steps if keyed else (),
+        # Unkeyed too: a declared step's target is then keyed with a key of its own.
+        steps=call.policy.steps,
         deadline=_deadline(context),
         metadata=tuple(context.invocation_metadata() or ()),
         # A fail-open attempt begins its operation now, as an atomic one does: with no start
