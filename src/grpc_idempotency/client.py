@@ -380,6 +380,7 @@ class IdempotencyClientInterceptor(_Interceptor):
             )
         explicit = None
         named = _step.get(None)
+        named_by_call = False
         kept: list[tuple[str, str | bytes]] = []
         for name, value in metadata:
             if name == KEY_HEADER:
@@ -397,6 +398,7 @@ class IdempotencyClientInterceptor(_Interceptor):
                 # Decoded like the key: gRPC sends a text entry given as bytes, and str(bytes),
                 # "b'charge.v1'", named a step that is not declared (StepUndeclared).
                 named = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+                named_by_call = True
                 continue
             kept.append((name, value))
 
@@ -416,6 +418,7 @@ class IdempotencyClientInterceptor(_Interceptor):
                 named_step=named,
                 operation_key=op.key if (op := _operation.get(None)) is not None else None,
                 mint=[str(uuid.uuid4())],
+                step_named_by_call=named_by_call,
             )
         elif parent is not None and declares_step(parent, path):
             # A declared effect the library cannot key: sent as is, it would run again on every

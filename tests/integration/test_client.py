@@ -571,6 +571,29 @@ async def test_a_declared_step_keys_its_target_for_an_optional_key_call_without_
     assert peeked is not None and posted is not None and peeked != posted
 
 
+async def test_a_call_naming_a_step_its_handler_does_not_declare_is_refused(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A call that names its step (``step_metadata``, as generated step wrappers do) to a
+    target the caller's descriptor does not key, from a handler that declares no such step
+    (a wrapper of another method's steps, say): the name was dropped and the call sent with
+    no key, so a target keyed on its own server ran again on every re-run of the handler
+    (or, key required, refused it). Refused before anything is sent, as for a keyed target."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            peek = testsvc_pb2.PeekRequest(account=request.account)
+            await self.ledger.Peek(peek, metadata=[step_metadata("peek.v1")])
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+    assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
+    assert "peek.v1" in (answer.details or "")
+    assert ledger.service.keys_seen == []  # nothing reached the ledger
+
+
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
