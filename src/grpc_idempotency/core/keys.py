@@ -43,6 +43,10 @@ def key_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str
 
 
 def validate_key(key: str) -> str:
+    if not isinstance(key, str):
+        # Bytes read back from a database, say: re and len() refused them with their own
+        # TypeErrors, which said nothing about the key.
+        raise KeyInvalid(f"an idempotency key is a str, not {type(key).__name__}")
     if not key:
         raise KeyInvalid("idempotency key is empty")
     if len(key) > MAX_KEY_LENGTH:
