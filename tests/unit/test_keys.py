@@ -118,6 +118,15 @@ def test_scope_validation() -> None:
             validate_scope(wrong)
 
 
+def test_child_key_of_no_scope_or_key_says_so() -> None:
+    """``child_key(call.scope, call.key, step)`` (the README's per-item keys) in a handler of an
+    optional-key method called without a key, where both are None, raised AttributeError
+    ("'NoneType' object has no attribute 'encode'")."""
+    for scope, key in ((None, "k"), ("s", None), (b"s", "k")):
+        with pytest.raises(TypeError, match="is a str, not"):
+            child_key(scope, key, "a.v1")  # type: ignore[arg-type]
+
+
 def test_claim_lock_ids_are_signed_64_bit_and_namespaced() -> None:
     a = claim_lock_id("grpc_idempotency", "s", "k")
     assert -(2**63) <= a < 2**63
