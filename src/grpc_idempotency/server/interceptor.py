@@ -91,6 +91,7 @@ from grpc_idempotency.server.handler_context import (
     DeferredAbort,
     KeyedContext,
     SyncContext,
+    handler_metadata,
     sendable_trailers,
 )
 from grpc_idempotency.store.errors import handler_error
@@ -702,7 +703,7 @@ class IdempotencyInterceptor(_Interceptor):
             steps=policy.steps,
             deadline=_deadline(context),
             open_final=open_final if claim is not None else None,
-            metadata=tuple(context.invocation_metadata() or ()),
+            metadata=handler_metadata(context),
             started_at=started_at,
             outbox=call.store.enqueue if call.store is not None else None,
         )
@@ -1333,7 +1334,7 @@ def _unclaimed(
         # Unkeyed too: a declared step's target is then keyed with a key of its own.
         steps=call.policy.steps,
         deadline=_deadline(context),
-        metadata=tuple(context.invocation_metadata() or ()),
+        metadata=handler_metadata(context),
         # A fail-open attempt begins its operation now, as an atomic one does: with no start
         # (None), propagation took each step as declared, the newest version, while a claimed
         # attempt begun at the same moment, before the old version's retired_at, keyed its call
