@@ -83,11 +83,11 @@ class IdempotentCall:
         """``time.monotonic()`` value of the incoming call's deadline, if it has one."""
         self.loop = loop
         self.metadata = tuple(metadata)
+        """The incoming call's metadata (without a step name the caller sent)."""
         self.started_at = started_at
         """When the operation began: this attempt, or the earlier one it took over (phased mode,
         on the database's clock). Child keys use the steps declared then."""
         self._outbox = outbox
-        """The incoming call's metadata."""
         self._connection = connection
         self._open_final = open_final
         self._opening: asyncio.Future[PooledConnection] | None = None
@@ -106,6 +106,11 @@ class IdempotentCall:
         if self._opening is not None and not self._opening.done():
             self._opening.cancel()
         return self._opening
+
+    @property
+    def ended(self) -> bool:
+        """Whether the call is over (``end``)."""
+        return self._ended
 
     def _check_open(self) -> None:
         if self._ended:

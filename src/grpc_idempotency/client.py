@@ -31,7 +31,13 @@ from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import KeyInvalid, PolicyError, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
-from grpc_idempotency.core.propagation import KeySource, Parent, choose_key, declares_step
+from grpc_idempotency.core.propagation import (
+    KeySource,
+    Parent,
+    choose_key,
+    declares_step,
+    steps_call,
+)
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
@@ -99,7 +105,7 @@ class Operation:
         time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound the
         loop ran out ``max_attempts`` for a caller that had already given up)."""
         md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
-        serving = current_call_or_none()
+        serving = _serving()
         deadline = serving.deadline if serving is not None else None
         attempt = 0
         while True:
@@ -133,6 +139,17 @@ class Operation:
         """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
         retry=RetryPolicy()).Charge(request)``."""
         return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+
+
+def _serving() -> IdempotentCall | None:
+    """The call being served, unless it is over. A task its handler left running (created with
+    the handler's context, as ``asyncio.create_task`` does) may outlive it; its later calls
+    still take their keys from the call (``_outgoing``), but not its terms: with its deadline
+    (spent: DEADLINE_EXCEEDED at once), its forwarded headers (one tenant's, on every call a
+    lazily started worker ever made) and its final transaction (refused as made across it,
+    long after its commit), such a task could not call out at all, or called as another."""
+    serving = current_call_or_none()
+    return None if serving is None or serving.ended else serving
 
 
 def _bounded(timeout: float | None, deadline: float | None) -> float | None:
@@ -350,7 +367,12 @@ class IdempotencyClientInterceptor(_Interceptor):
         method = client_call_details.method
         path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
         metadata = list(client_call_details.metadata or ())
+        # Keys come from the call even once it is over: a task it left running (a gathered
+        # sibling of a step that failed, which gather does not cancel) that calls a declared
+        # step then carries the step's child key, so that the retry's call of the step is
+        # replayed; a key of its own would run the effect a second time.
         serving = current_call_or_none()
+        live = _serving()
         parent = None
         if serving is not None and serving.key is not None and serving.scope is not None:
             parent = Parent(
@@ -358,6 +380,7 @@ class IdempotencyClientInterceptor(_Interceptor):
             )
         explicit = None
         named = _step.get(None)
+        named_by_call = False
         kept: list[tuple[str, str | bytes]] = []
         for name, value in metadata:
             if name == KEY_HEADER:
@@ -375,6 +398,7 @@ class IdempotencyClientInterceptor(_Interceptor):
                 # Decoded like the key: gRPC sends a text entry given as bytes, and str(bytes),
                 # "b'charge.v1'", named a step that is not declared (StepUndeclared).
                 named = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+                named_by_call = True
                 continue
             kept.append((name, value))
 
@@ -382,12 +406,19 @@ class IdempotencyClientInterceptor(_Interceptor):
         if keyed:
             choice = choose_key(
                 target=path,
-                target_keyed=self._registry.get(path) is not None,
+                # A declared step keys its target whatever the caller's descriptor says, also
+                # for a call served without a key (an optional key not sent): with no parent
+                # key to derive from, it gets a key of its own, as a target the descriptor
+                # keys does. Sent unkeyed, a target keyed only on its server (or by a newer
+                # proto) refused it (KEY_MISSING), failing every keyless call of the method.
+                target_keyed=self._registry.get(path) is not None
+                or (serving is not None and steps_call(serving.steps, path)),
                 explicit_key=explicit,
                 parent=parent,
                 named_step=named,
                 operation_key=op.key if (op := _operation.get(None)) is not None else None,
                 mint=[str(uuid.uuid4())],
+                step_named_by_call=named_by_call,
             )
         elif parent is not None and declares_step(parent, path):
             # A declared effect the library cannot key: sent as is, it would run again on every
@@ -397,9 +428,9 @@ class IdempotencyClientInterceptor(_Interceptor):
                 " streaming method is keyed, so its effect would run again on every retry;"
                 " declare steps for unary methods only"
             )
-        if serving is not None and serving.phased and serving.transaction_open:
+        if live is not None and live.phased and live.transaction_open:
             raise TransactionOpen(
-                f"{serving.method} called {path} after opening its final transaction; make"
+                f"{live.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
             )
         step = None
@@ -414,12 +445,12 @@ class IdempotencyClientInterceptor(_Interceptor):
                 captured.append(choice.key)
 
         timeout = client_call_details.timeout
-        if serving is not None:
-            incoming = serving.time_remaining()
+        if live is not None:
+            incoming = live.time_remaining()
             if incoming is not None:
                 timeout = incoming if timeout is None else min(timeout, incoming)
             present = {name for name, _ in kept}
-            for name, value in serving.forwarded_metadata(self._forward):
+            for name, value in live.forwarded_metadata(self._forward):
                 if name not in present:
                     kept.append((name, value))
 

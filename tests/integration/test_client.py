@@ -453,6 +453,42 @@ async def test_a_forwarded_step_name_does_not_choose_the_steps_of_the_calls(
     assert await ledger_rows(store, account) == 2
 
 
+async def test_the_calls_own_metadata_hides_the_callers_step_name_too(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """``current_call().metadata``, the incoming metadata as the library holds it, still had
+    the step name the caller sent (hidden from ``context.invocation_metadata()`` only): passed
+    on, it named the step of every downstream call, and two declared steps on one target got
+    one child key, the second effect answered with the first's outcome."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            incoming = [(k, v) for k, v in current_call().metadata if k != "user-agent"]
+            for name in ("post-phased-a.v1", "post-phased-b.v1"):
+                with step(name):
+                    await self.ledger.PostPhased(
+                        testsvc_pb2.PostRequest(account=request.account, amount=1),
+                        metadata=incoming,
+                    )
+            return testsvc_pb2.ForwardResponse()
+
+    key, account = fresh(), fresh("acct")
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await call_raw(
+            relay.channel,
+            FORWARD,
+            testsvc_pb2.ForwardRequest(account=account),
+            metadata(key, "tenant-a", (STEP_HEADER, "post-phased-a.v1")),
+            10.0,
+        )
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [
+        child_key("tenant:tenant-a", key, "post-phased-a.v1"),
+        child_key("tenant:tenant-a", key, "post-phased-b.v1"),
+    ]
+    assert await ledger_rows(store, account) == 2
+
+
 async def test_a_handlers_own_step_name_is_kept_when_the_caller_sent_the_same(
     ledger: RunningLedger, store: Store
 ) -> None:
@@ -545,6 +581,53 @@ async def test_a_declared_step_keys_a_target_keyed_only_on_its_server(store: Sto
         child_key("tenant:tenant-a", key, "peek.v1"),
         child_key("tenant:tenant-a", key, "post-ledger.v1"),
     ]
+
+
+async def test_a_declared_step_keys_its_target_for_an_optional_key_call_without_a_key(
+    store: Store,
+) -> None:
+    """The same relay with its key made optional and called without one: the declared step's
+    target, keyed only on its server, gets a key of its own, as a target the caller's
+    descriptor keys does. It went unkeyed, and the ledger refused it (KEY_MISSING), failing
+    every keyless call of the relay."""
+    peek = "/testsvc.v1.LedgerService/Peek"
+    steps = [Step(name="post-ledger.v1", call=POST), Step(name="peek.v1", call=peek)]
+    relay_overrides = {
+        FORWARD: MethodOverride(key=KeyRequirement.OPTIONAL, mode=Mode.PHASED, steps=steps)
+    }
+    ledger_overrides = {peek: MethodOverride(key=KeyRequirement.REQUIRED)}
+    request = testsvc_pb2.ForwardRequest(account=fresh(), mode="read")
+    async with (
+        running_ledger(store, overrides=ledger_overrides) as ledger,
+        running_relay(store, ledger.address, overrides=relay_overrides) as relay,
+    ):
+        answer = await relay.forward(request, None)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    peeked, posted = ledger.service.keys_seen
+    assert peeked is not None and posted is not None and peeked != posted
+
+
+async def test_a_call_naming_a_step_its_handler_does_not_declare_is_refused(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A call that names its step (``step_metadata``, as generated step wrappers do) to a
+    target the caller's descriptor does not key, from a handler that declares no such step
+    (a wrapper of another method's steps, say): the name was dropped and the call sent with
+    no key, so a target keyed on its own server ran again on every re-run of the handler
+    (or, key required, refused it). Refused before anything is sent, as for a keyed target."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            peek = testsvc_pb2.PeekRequest(account=request.account)
+            await self.ledger.Peek(peek, metadata=[step_metadata("peek.v1")])
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+    assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
+    assert "peek.v1" in (answer.details or "")
+    assert ledger.service.keys_seen == []  # nothing reached the ledger
 
 
 @pytest.mark.parametrize(

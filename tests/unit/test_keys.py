@@ -6,12 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from grpc_idempotency.client import Operation
 from grpc_idempotency.core.errors import KeyInvalid, ScopeResolverFailed, ScopeUnavailable
 from grpc_idempotency.core.keys import (
     child_key,
     claim_lock_id,
     is_step_name,
     key_from_metadata,
+    validate_key,
     validate_scope,
 )
 
@@ -32,6 +34,15 @@ from grpc_idempotency.core.keys import (
 def test_malformed_keys_are_refused(metadata: list[tuple[str, str | bytes]], problem: str) -> None:
     with pytest.raises(KeyInvalid, match=problem):
         key_from_metadata(metadata)
+
+
+@pytest.mark.parametrize("key", [b"order-1", 42, ["order-1"]])
+def test_a_key_that_is_not_a_str_is_refused_clearly(key: object) -> None:
+    """``Operation(b"order-1")`` (a key read back from the database as bytes) raised re's "cannot
+    use a string pattern on a bytes-like object", an int len()'s TypeError."""
+    for make in (validate_key, Operation):
+        with pytest.raises(KeyInvalid, match=f"a str, not {type(key).__name__}"):
+            make(key)  # type: ignore[arg-type]
 
 
 def test_key_found_among_other_metadata() -> None:
@@ -105,6 +116,15 @@ def test_scope_validation() -> None:
     for wrong in (42, b"tenant", None):
         with pytest.raises(ScopeResolverFailed):
             validate_scope(wrong)
+
+
+def test_child_key_of_no_scope_or_key_says_so() -> None:
+    """``child_key(call.scope, call.key, step)`` (the README's per-item keys) in a handler of an
+    optional-key method called without a key, where both are None, raised AttributeError
+    ("'NoneType' object has no attribute 'encode'")."""
+    for scope, key in ((None, "k"), ("s", None), (b"s", "k")):
+        with pytest.raises(TypeError, match="is a str, not"):
+            child_key(scope, key, "a.v1")  # type: ignore[arg-type]
 
 
 def test_claim_lock_ids_are_signed_64_bit_and_namespaced() -> None:

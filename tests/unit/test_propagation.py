@@ -73,6 +73,34 @@ def test_a_declared_step_keys_its_target_whatever_the_target_descriptor_says() -
     assert choose(target_keyed=False).source is KeySource.NONE  # type: ignore[attr-defined]
 
 
+def test_a_step_named_by_the_call_itself_makes_it_a_step_call_whatever_the_target() -> None:
+    """A call naming its step in its own metadata (a generated step wrapper) to a target the
+    caller's descriptor does not key: its name was dropped and it went unkeyed. It is the
+    named step's call, refused if the parent declares none such for the target. A name from a
+    ``step(...)`` block (which may hold reads too) and a call made while serving no keyed call
+    are unchanged."""
+    read = "/x.v1.S/Read"
+    with pytest.raises(StepUndeclared, match=r"names step 'peek\.v1'"):
+        choose(
+            parent=PARENT,
+            target_keyed=False,
+            target=read,
+            named_step="peek.v1",
+            step_named_by_call=True,
+        )
+    block = choose(parent=PARENT, target_keyed=False, target=read, named_step="peek.v1")
+    assert block.source is KeySource.NONE  # type: ignore[attr-defined]
+    alone = choose(target_keyed=False, named_step="peek.v1", step_named_by_call=True)
+    assert alone.source is KeySource.NONE  # type: ignore[attr-defined]
+    declared = choose(
+        parent=PARENT,
+        target_keyed=False,
+        named_step="charge-card.v1",
+        step_named_by_call=True,
+    )
+    assert declared.key == child_key("tenant:a", "order-1", "charge-card.v1")  # type: ignore[attr-defined]
+
+
 def test_a_keyed_target_without_a_declared_step_is_refused() -> None:
     with pytest.raises(StepUndeclared, match="without a declared step") as caught:
         choose(parent=PARENT, target="/checkout.v1.LedgerService/Post")

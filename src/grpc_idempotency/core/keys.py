@@ -43,6 +43,10 @@ def key_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str
 
 
 def validate_key(key: str) -> str:
+    if not isinstance(key, str):
+        # Bytes read back from a database, say: re and len() refused them with their own
+        # TypeErrors, which said nothing about the key.
+        raise KeyInvalid(f"an idempotency key is a str, not {type(key).__name__}")
     if not key:
         raise KeyInvalid("idempotency key is empty")
     if len(key) > MAX_KEY_LENGTH:
@@ -85,6 +89,14 @@ def _lp(value: str) -> bytes:
 
 def child_key(scope: str, parent_key: str, step: str) -> str:
     """The key of ``step`` inside the operation ``(scope, parent_key)``: 64 hex characters."""
+    for name, value in (("scope", scope), ("parent_key", parent_key)):
+        if not isinstance(value, str):
+            # current_call().scope and .key are None for a call without a key: no operation
+            # to derive from. Said here, not as str.encode's AttributeError on None.
+            raise TypeError(
+                f"child_key: {name} is a str, not {type(value).__name__} (a call served"
+                " without a key has no scope or key to derive child keys from)"
+            )
     if not is_step_name(step):
         raise ValueError(f"step name {step!r} does not match {STEP_NAME.pattern}")
     digest = hashlib.sha256(_CHILD_DOMAIN + _lp(scope) + _lp(parent_key) + _lp(step))

@@ -166,8 +166,13 @@ def declares_step(parent: Parent, target: str) -> bool:
     retired for good too: it keys the operations begun before its retirement when named, and an
     unnamed call is refused (``choose_step``), as for a target keyed by its descriptor; both went
     out unkeyed."""
+    return steps_call(parent.steps, target)
+
+
+def steps_call(steps: Sequence[Step], target: str) -> bool:
+    """Whether one of ``steps`` (active or retired) calls ``target`` (``declares_step``)."""
     target = normalize_method(target)
-    return any(s.call and normalize_method(s.call) == target for s in parent.steps)
+    return any(s.call and normalize_method(s.call) == target for s in steps)
 
 
 def choose_key(
@@ -179,11 +184,21 @@ def choose_key(
     named_step: str | None,
     operation_key: str | None,
     mint: Sequence[str] | None = None,
+    step_named_by_call: bool = False,
 ) -> KeyChoice:
-    """``mint`` is a one-element sequence with a fresh key, used only when one is needed."""
+    """``mint`` is a one-element sequence with a fresh key, used only when one is needed.
+    ``step_named_by_call``: ``named_step`` came with the call itself (``step_metadata``), not
+    from a ``step(...)`` block, which may hold reads too: made while serving a keyed call, the
+    call is then that step's, whatever the target's descriptor says, and refused
+    (``StepUndeclared``) if the parent declares no such step calling the target. Dropped, the
+    name left the call unkeyed, and a target keyed on its own server ran again on every re-run
+    of the parent."""
     if explicit_key is not None:
         return KeyChoice(KeySource.EXPLICIT, explicit_key)
-    if not target_keyed and not (parent is not None and declares_step(parent, target)):
+    if not target_keyed and not (
+        parent is not None
+        and (declares_step(parent, target) or (step_named_by_call and named_step is not None))
+    ):
         return KeyChoice(KeySource.NONE)
     if parent is not None:
         step = choose_step(parent, target, named_step)

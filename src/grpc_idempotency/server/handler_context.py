@@ -110,6 +110,13 @@ def _without_step(metadata: Any) -> Any:
     return tuple((key, value) for key, value in metadata if key != STEP_HEADER)
 
 
+def handler_metadata(context: Context) -> tuple[tuple[str, str | bytes], ...]:
+    """The incoming metadata as the handler's ``current_call().metadata``: without a caller's
+    step name, as the handler's ``invocation_metadata()``. With it, a handler passing that on
+    had the caller name the step (and child key) of each of its downstream calls."""
+    return tuple(_without_step(context.invocation_metadata()) or ())
+
+
 def _first_abort(
     holder: KeyedContext | SyncContext,
     code: grpc.StatusCode | int,

@@ -91,6 +91,7 @@ from grpc_idempotency.server.handler_context import (
     DeferredAbort,
     KeyedContext,
     SyncContext,
+    handler_metadata,
     sendable_trailers,
 )
 from grpc_idempotency.store.errors import handler_error
@@ -702,7 +703,7 @@ class IdempotencyInterceptor(_Interceptor):
             steps=policy.steps,
             deadline=_deadline(context),
             open_final=open_final if claim is not None else None,
-            metadata=tuple(context.invocation_metadata() or ()),
+            metadata=handler_metadata(context),
             started_at=started_at,
             outbox=call.store.enqueue if call.store is not None else None,
         )
@@ -999,7 +1000,8 @@ class IdempotencyInterceptor(_Interceptor):
         method = call.policy.method
         log.warning("%s: store unavailable, running without deduplication", method)
         self._telemetry.count_bypassed(method)
-        bound = call_context.bind(_unclaimed(call))
+        serving = _unclaimed(call)
+        bound = call_context.bind(serving)
         try:
             response = await self._invoke(call)
         except DeferredAbort as aborted:
@@ -1009,6 +1011,9 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(call.context, err)
         finally:
             call_context.unbind(bound)
+            # Over for the tasks the handler left running too: their later calls are no
+            # longer held to its deadline, forwarded headers and transaction (client.py).
+            serving.end()
         # No store, so nothing to commit, but the answer carries the trailers the handler set:
         # a grpc-timeout trailer killed the server process here too (SIGABRT).
         await _refuse_unsendable_trailers(call.context, None)
@@ -1040,7 +1045,8 @@ class IdempotencyInterceptor(_Interceptor):
             # call ran without deduplication.
             call.outcome = CallOutcome.UNAVAILABLE
             await answers.abort(context, err)
-        bound = call_context.bind(_unclaimed(call, tx.connection))
+        serving = _unclaimed(call, tx.connection)
+        bound = call_context.bind(serving)
         # A handler that ended the transaction itself (COMMIT or ROLLBACK on the call's
         # connection) answers INTERNAL whatever it answered, as with a key: what it wrote may
         # have committed, and the same handler under a key would be refused.
@@ -1062,6 +1068,7 @@ class IdempotencyInterceptor(_Interceptor):
             raise
         finally:
             call_context.unbind(bound)
+            serving.end()  # as for a fail-open call (``_run_without_store``)
         if answers.code_of(context) is Code.OK:
             # Trailers gRPC cannot send (set_trailing_metadata()) are refused before the commit,
             # as with a key (``_finish``): sent after it, a grpc-timeout trailer killed the
@@ -1325,9 +1332,10 @@ def _unclaimed(
         call.key,
         asyncio.get_running_loop(),
         connection,
-        steps=call.policy.steps if keyed else (),
+        # Unkeyed too: a declared step's target is then keyed with a key of its own.
+        steps=call.policy.steps,
         deadline=_deadline(context),
-        metadata=tuple(context.invocation_metadata() or ()),
+        metadata=handler_metadata(context),
         # A fail-open attempt begins its operation now, as an atomic one does: with no start
         # (None), propagation took each step as declared, the newest version, while a claimed
         # attempt begun at the same moment, before the old version's retired_at, keyed its call

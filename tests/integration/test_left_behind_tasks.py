@@ -1,0 +1,107 @@
+"""A task a handler leaves running (``asyncio.create_task`` inherits the handler's context)
+that calls out once the served call is over. Its calls are not held to that call's terms (its
+deadline, forwarded headers and final transaction), but a call of a declared step still carries
+the step's child key: the operation's retry calls the step again, and must be replayed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import KeyRequirement, MethodOverride, Store, child_key, current_call
+from grpc_idempotency.client import Operation
+from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows
+from tests.support.relay import FORWARD, RelayService, running_relay
+
+SERVICERS: list[LeavesATask] = []
+
+
+class LeavesATask(RelayService):
+    """Forward starts a task that calls the ledger once the test lets it (``go``)."""
+
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.go = asyncio.Event()
+        self.left: list[asyncio.Task[None]] = []
+        self.operation = Operation.new()
+        self.attempts = 0
+        SERVICERS.append(self)
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        self.attempts += 1
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+
+        async def worker() -> None:
+            await self.go.wait()
+            await self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
+            await self.operation.call(self.ledger.Post, post, metadata=((TENANT, "tenant-b"),))
+
+        async def step() -> None:
+            await self.go.wait()
+            # The step post-ledger.v1. The tenant header given: forward_metadata's copies end
+            # with the call (they would reach a lazily started worker's calls for good).
+            await self.ledger.Post(post, metadata=((TENANT, "tenant-a"),))
+
+        if request.mode == "fails-first":
+            # The step's call outlives an attempt that fails (a gathered sibling that failed
+            # first, say); the next attempt calls the step itself.
+            if self.attempts == 1:
+                self.left.append(asyncio.create_task(step()))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+            await self.ledger.Post(post)
+            return testsvc_pb2.ForwardResponse()
+        self.left.append(asyncio.create_task(worker()))
+        if request.mode == "writes":
+            await current_call().transaction()
+        return testsvc_pb2.ForwardResponse()
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+@pytest.mark.parametrize("mode", ["returns", "writes"])
+async def test_a_task_left_running_is_not_held_to_the_ended_calls_terms(
+    ledger: RunningLedger, store: Store, mode: str, keyed: bool
+) -> None:
+    """Its calls got the deadline of the call it outlived (spent: DEADLINE_EXCEEDED at once)
+    and that call's tenant header, and once that call had opened its final transaction, were
+    refused (TransactionOpen) for good: a lazily started worker could never call out again.
+    Forward called without a key (an optional key) too."""
+    account = fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode=mode)
+    overrides = {FORWARD: MethodOverride(key=KeyRequirement.OPTIONAL)}
+    async with running_relay(
+        store, ledger.address, servicer=LeavesATask, overrides=overrides
+    ) as relay:
+        answer = await relay.forward(request, fresh() if keyed else None, timeout=30)
+        assert answer.code is grpc.StatusCode.OK, answer
+        servicer = SERVICERS[-1]
+        servicer.go.set()
+        await servicer.left[0]
+    assert ledger.service.keys_seen == [None, servicer.operation.key]
+    assert ledger.service.tenants_seen == [None, "tenant-b"]
+    assert ledger.service.deadlines_seen == [None, None]
+    assert await ledger_rows(store, account) == 1
+
+
+async def test_a_step_called_by_a_task_left_running_keeps_its_child_key(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The step's call, made after its attempt failed, carries the step's child key, and the
+    retry's call of the step is replayed: the effect runs once."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="fails-first")
+    async with running_relay(store, ledger.address, servicer=LeavesATask) as relay:
+        first = await relay.forward(request, key)
+        assert first.code is grpc.StatusCode.UNAVAILABLE, first
+        servicer = SERVICERS[-1]
+        servicer.go.set()
+        await servicer.left[0]
+        second = await relay.forward(request, key)
+        assert second.code is grpc.StatusCode.OK, second
+    step_key = child_key("tenant:tenant-a", key, "post-ledger.v1")
+    assert ledger.service.keys_seen == [step_key]  # the retry's call replayed it
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
