@@ -180,6 +180,35 @@ def test_a_duration_the_database_cannot_add_to_its_clock_is_refused() -> None:
             compile_policy(method_with(lambda o: o.SetInParent()), override)
 
 
+@pytest.mark.parametrize(
+    ("configure", "override"),
+    [
+        (lambda o: setattr(o.lease, "nanos", 20_000_000), None),  # 20 ms in the proto
+        (lambda o: setattr(o.lease, "nanos", 500), None),  # under a microsecond: read as 0
+        (lambda o: o.SetInParent(), MethodOverride(lease=timedelta(milliseconds=99))),
+        (lambda o: o.SetInParent(), MethodOverride(lease=timedelta(microseconds=1))),
+    ],
+    ids=["proto-20ms", "proto-500ns", "override-99ms", "override-1us"],
+)
+def test_a_lease_too_short_to_be_renewed_is_refused(
+    configure: Callable[[options_pb2.MethodPolicy], None], override: MethodOverride | None
+) -> None:
+    """A lease of a few milliseconds was accepted. Phased, it ran out before its first renewal
+    (the keeper renews no more often than every 50 ms): a duplicate took the claim over from
+    its live owner, and both ran the handler (the owner answered LEASE_LOST). Atomic, it is the
+    transaction's idle timeout (whole milliseconds): every handler that awaited anything had
+    its session ended under it, answered UNAVAILABLE (IDEMPOTENCY_STORE_UNAVAILABLE) as if the
+    store were down, on every retry."""
+    method = method_with(configure)
+    with pytest.raises(PolicyError, match=r"lease .* must be at least 100 ms") as caught:
+        compile_policy(method, override)
+    assert caught.value.message.startswith(f"/{method.containing_service.full_name}/Do:")
+    # The floor itself is a valid lease.
+    floor = MethodOverride(lease=timedelta(milliseconds=100))
+    policy = compile_policy(method, floor)
+    assert policy is not None and policy.lease_s == 0.1
+
+
 def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
     codes: list[Code | grpc.StatusCode | int] = [
         grpc.StatusCode.NOT_FOUND,
@@ -299,7 +328,7 @@ def _two_steps(o: options_pb2.MethodPolicy) -> None:
         (lambda o: o.recorded_error_codes.append("UNAVAILABLE"), {}, "may not contain"),
         (lambda o: o.recorded_error_codes.append("OK"), {}, "may not contain"),
         (lambda o: setattr(o.retention, "seconds", -1), {}, "retention must be positive"),
-        (lambda o: setattr(o.lease, "seconds", -5), {}, "lease must be positive"),
+        (lambda o: setattr(o.lease, "seconds", -5), {}, "lease -5 s is too short"),
         (lambda o: setattr(o.max_wait, "seconds", -1), {}, "max_wait"),
     ],
 )

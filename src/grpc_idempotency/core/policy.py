@@ -30,6 +30,13 @@ if TYPE_CHECKING:  # a type only: the core imports no transport
 
 DEFAULT_RETENTION = timedelta(hours=24)
 DEFAULT_LEASE = timedelta(seconds=30)
+LEASE_RENEWAL_FLOOR_S = 0.05
+"""A phased claim's lease is renewed every third of it, but no more often than this."""
+MIN_LEASE = timedelta(milliseconds=100)
+"""The shortest lease. Phased, a shorter one ran out before its first renewal could land, and a
+duplicate took the claim over from its live owner (both ran the handler); atomic, it is the
+transaction's idle timeout, and ended the session under any handler that awaited anything
+(answered UNAVAILABLE as if the store were down, on every retry)."""
 MAX_DURATION = timedelta(days=36500)
 """The longest retention, lease or wait: added to the database's clock, a longer one can
 overflow a timestamp (SQLSTATE 22008), which failed every call as if the store were down."""
@@ -360,8 +367,13 @@ def compile_policy(
     )
     if policy.retention <= timedelta(0):
         raise fail("retention must be positive")
-    if policy.lease <= timedelta(0):
-        raise fail("lease must be positive")
+    if policy.lease < MIN_LEASE:
+        raise fail(
+            f"lease {policy.lease.total_seconds():g} s is too short: it must be at least"
+            f" {MIN_LEASE // timedelta(milliseconds=1)} ms (a phased claim is renewed at most"
+            f" every {LEASE_RENEWAL_FLOOR_S * 1000:g} ms; an atomic transaction may sit idle"
+            " no longer than the lease)"
+        )
     if policy.max_wait < timedelta(0):
         raise fail("max_wait may not be negative")
     if max(policy.retention, policy.lease, policy.max_wait) > MAX_DURATION:

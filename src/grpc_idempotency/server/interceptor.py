@@ -75,6 +75,7 @@ from grpc_idempotency.core.lifecycle import (
     wait_budget_s,
 )
 from grpc_idempotency.core.policy import (
+    LEASE_RENEWAL_FLOOR_S,
     KeyRequirement,
     MethodOverride,
     MethodPolicy,
@@ -1292,7 +1293,7 @@ class _LeaseKeeper:
             task.exception()  # retrieved; _run lets nothing but its own end out
 
     async def _run(self) -> None:
-        interval = max(0.05, self._claim.lease_s / 3)
+        interval = max(LEASE_RENEWAL_FLOOR_S, self._claim.lease_s / 3)
         while not self.stopping:
             await asyncio.sleep(interval)
             self._renewing = True
