@@ -39,7 +39,20 @@ class PolicyRegistry:
         *,
         check: Callable[[MethodPolicy], None] | None = None,
     ) -> None:
-        self._overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
+        overrides = overrides or {}
+        for name, override in overrides.items():
+            # Here, not in compile_policy: a method found on its first call compiles then, and
+            # an AttributeError from a dict in place of the override failed each of its calls
+            # with UNKNOWN.
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"overrides names a method by a str ('pkg.Service/Method'), not {name!r}"
+                )
+            if not isinstance(override, MethodOverride):
+                raise TypeError(
+                    f"overrides[{name!r}] must be a MethodOverride, not {type(override).__name__}"
+                )
+        self._overrides = {normalize_method(k): v for k, v in overrides.items()}
         self._check = check
         self._policies: dict[str, MethodPolicy | None] = {}
         # A method found on first use whose options are bad: the same error on every call,

@@ -437,6 +437,28 @@ def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
     assert registry.get("/later.v1.Service/Do") is None
 
 
+@pytest.mark.parametrize(
+    ("services", "path"),
+    [([testsvc_pb2], "testsvc.v1.LedgerService/Post"), ((), "/latertype.v1.Service/Do")],
+    ids=["service-given", "service-found-on-first-call"],
+)
+def test_an_override_that_is_no_method_override_is_refused_at_construction(
+    services: list[Any], path: str
+) -> None:
+    """A dict (or the options message) in place of a MethodOverride raised AttributeError
+    ("'dict' object has no attribute 'recorded_errors'") from the constructor; for a service
+    compiled on its first call, every call of the method failed UNKNOWN with that raw text."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    for wrong in ({"lease": timedelta(seconds=3)}, options_pb2.MethodPolicy()):
+        with pytest.raises(
+            TypeError, match=re.escape(f"overrides[{path!r}] must be a MethodOverride")
+        ):
+            PolicyRegistry(services, {path: wrong})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="names a method by a str"):
+        PolicyRegistry(services, {path.encode(): MethodOverride()})  # type: ignore[dict-item]
+
+
 def test_an_override_of_a_service_not_known_yet_is_said_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
