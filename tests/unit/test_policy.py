@@ -459,6 +459,24 @@ def test_an_override_that_is_no_method_override_is_refused_at_construction(
         PolicyRegistry(services, {path.encode(): MethodOverride()})  # type: ignore[dict-item]
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"name": None, "outbox": True},
+        {"name": "charge.v1", "call": b"a.B/C"},
+        {"name": "event.v1", "outbox": "yes"},
+        {"name": "charge.v1", "call": "a.B/C", "retired_at": "2030-01-01T00:00:00Z"},
+    ],
+    ids=["name", "call", "outbox", "retired_at"],
+)
+def test_a_step_of_the_wrong_type_is_refused_where_it_is_written(fields: dict[str, Any]) -> None:
+    """A step's field of the wrong type passed MethodOverride; compiled on the method's first
+    call (its service not given), every call failed UNKNOWN with a raw TypeError ("expected
+    string or bytes-like object, got 'NoneType'")."""
+    with pytest.raises(TypeError, match=r"^Step\."):
+        Step(**fields)
+
+
 def test_an_override_of_a_service_not_known_yet_is_said_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

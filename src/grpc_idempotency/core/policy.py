@@ -86,6 +86,21 @@ class Step:
     retired_at: datetime | None = None
     """When the step was retired: it is kept declared (for ``check-steps``) but no longer used."""
 
+    def __post_init__(self) -> None:
+        # Types only (check-steps reads any name a proto holds; policies check the rest). A
+        # wrong one passed MethodOverride, and on a method compiled on its first call every
+        # call failed UNKNOWN with a raw TypeError from the name check.
+        for name, kind, optional in (
+            ("name", str, False),
+            ("call", str, True),
+            ("outbox", bool, False),
+            ("retired_at", datetime, True),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (optional and value is None):
+                allowed = f"a {kind.__name__}" + (" or None" if optional else "")
+                raise TypeError(f"Step.{name} must be {allowed}, not {value!r}")
+
     @property
     def active(self) -> bool:
         return self.retired_at is None
