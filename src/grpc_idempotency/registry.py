@@ -68,8 +68,10 @@ class PolicyRegistry:
         for method in methods:
             self._policies.setdefault(method_path(method), None)
         for policy in self._policies.values():
-            if policy is not None and check is not None:
-                check(policy)
+            if policy is not None:
+                _check_targets(policy)
+                if check is not None:
+                    check(policy)
 
     @property
     def policies(self) -> Mapping[str, MethodPolicy | None]:
@@ -106,13 +108,40 @@ class PolicyRegistry:
         if method is not None:
             try:
                 policy = compile_policy(method, override)
-                if policy is not None and self._check is not None:
-                    self._check(policy)
+                if policy is not None:
+                    _check_targets(policy)
+                    if self._check is not None:
+                        self._check(policy)
             except PolicyError as err:
                 self._errors[path] = err
                 raise
         self._policies[path] = policy
         return policy
+
+
+def _check_targets(policy: MethodPolicy) -> None:
+    """Refuses an active step whose ``call`` names a method its service does not have, or a
+    streaming one, when that service is in the default pool (imported): a misspelt target was
+    found only by the method's calls, each failing at its downstream call, told to declare the
+    step it had declared. A service not imported cannot be checked here; the generator checks
+    every step against the files it is given (``protoc_gen.validate``)."""
+    pool = descriptor_pool.Default()
+    for step in policy.steps:
+        if step.call is None or not step.active:
+            continue  # a retired step's target may be gone
+        service_name, _, method_name = normalize_method(step.call).lstrip("/").partition("/")
+        try:
+            service = pool.FindServiceByName(service_name)
+        except KeyError:
+            continue
+        target = service.methods_by_name.get(method_name)
+        if target is None:
+            problem = f"but service {service_name} has no method {method_name}"
+        elif target.client_streaming or target.server_streaming:
+            problem = "a streaming method; steps call unary methods only"
+        else:
+            continue
+        raise PolicyError(f"{policy.method}: step {step.name!r} calls {step.call!r}, {problem}")
 
 
 def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescriptor]) -> set[str]:

@@ -477,6 +477,45 @@ def test_a_step_of_the_wrong_type_is_refused_where_it_is_written(fields: dict[st
         Step(**fields)
 
 
+def test_a_step_calling_a_method_its_imported_service_lacks_is_refused_at_start() -> None:
+    """A step's ``call`` naming a method its service (imported, so in the default pool) does
+    not have, or a streaming one, was accepted: the generator refuses it, but a policy from an
+    override, or from a proto compiled without the plugin, started. Every call of the method
+    then failed at its downstream call, told to declare the step it had declared (misspelt)."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    relay = "testsvc.v1.RelayService/Forward"
+
+    def stepping(call: str) -> dict[str, MethodOverride]:
+        return {relay: MethodOverride(steps=[Step(name="post-ledger.v1", call=call)])}
+
+    with pytest.raises(
+        PolicyError,
+        match=r"^/testsvc.v1.RelayService/Forward: step 'post-ledger.v1' calls"
+        r" 'testsvc.v1.LedgerService/Psot', but service testsvc.v1.LedgerService has no"
+        r" method Psot",
+    ):
+        PolicyRegistry([testsvc_pb2], stepping("testsvc.v1.LedgerService/Psot"))
+    # Compiled on the method's first call (its service not given): refused the same way.
+    registry = PolicyRegistry((), stepping("/testsvc.v1.LedgerService/Psot"))
+    with pytest.raises(PolicyError, match="has no method Psot"):
+        registry.get("/" + relay)
+    streaming = method_with(lambda o: None, streaming=True)
+    target = f"{streaming.containing_service.full_name}/Do"
+    with pytest.raises(PolicyError, match="a streaming method; steps call unary methods only"):
+        PolicyRegistry([testsvc_pb2], stepping(target))
+    # A service not imported cannot be checked here (the generator checks it); a retired step's
+    # target may be gone.
+    assert PolicyRegistry([testsvc_pb2], stepping("elsewhere.v1.Service/Do")).get("/" + relay)
+    retired = Step(
+        name="post-ledger.v1",
+        call="testsvc.v1.LedgerService/Psot",
+        retired_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    override = {relay: MethodOverride(steps=[retired])}
+    assert PolicyRegistry([testsvc_pb2], override).get("/" + relay) is not None
+
+
 def test_an_override_of_a_service_not_known_yet_is_said_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
