@@ -230,6 +230,22 @@ def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
         )
 
 
+def test_recorded_errors_written_as_names_or_as_one_code_are_refused_clearly() -> None:
+    """``recorded_errors=["NOT_FOUND"]`` (the proto's spelling) was refused saying "'NOT_FOUND'
+    is not a gRPC status code"; a lone str was read letter by letter ("'N' is not a gRPC status
+    code"), and a lone code raised a bare "'StatusCode' object is not iterable"."""
+    with pytest.raises(PolicyError, match=r"'NOT_FOUND' is a name: pass Code\.NOT_FOUND"):
+        compile_policy(
+            method_with(lambda o: o.SetInParent()),
+            MethodOverride(recorded_errors=["NOT_FOUND"]),  # type: ignore[list-item]
+        )
+    for lone in ("NOT_FOUND", grpc.StatusCode.NOT_FOUND, Code.NOT_FOUND, 5):
+        with pytest.raises(
+            TypeError, match=r"MethodOverride\.recorded_errors must be a collection"
+        ):
+            MethodOverride(recorded_errors=lone)  # type: ignore[arg-type]
+
+
 def test_mode_follows_the_steps_unless_set() -> None:
     def calls(o: options_pb2.MethodPolicy) -> None:
         o.steps.add(name="charge.v1", call="a.B/C")

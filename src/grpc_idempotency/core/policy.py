@@ -158,12 +158,24 @@ class MethodOverride:
                 raise TypeError("MethodOverride.steps must be Step(...) values")
             object.__setattr__(self, "steps", steps)
         if self.recorded_errors is not None:
-            object.__setattr__(self, "recorded_errors", tuple(self.recorded_errors))
+            codes = self.recorded_errors
+            if isinstance(codes, str | bytes) or not isinstance(codes, Iterable):
+                # A lone str was read letter by letter; a lone code raised "not iterable".
+                raise TypeError(
+                    "MethodOverride.recorded_errors must be a collection of codes, e.g."
+                    f" [Code.NOT_FOUND], not {codes!r}"
+                )
+            object.__setattr__(self, "recorded_errors", tuple(codes))
 
 
 def recorded_code(code: object) -> Code:
     """A status to record: a ``Code``, its number, or a ``grpc.StatusCode`` (whose value is
     ``(number, name)``), which is what grpc users naturally pass."""
+    if isinstance(code, str) and code in Code.__members__:
+        # The proto's spelling, refused as "not a gRPC status code", which it is.
+        raise ValueError(
+            f"{code!r} is a name: pass Code.{code}, grpc.StatusCode.{code} or {Code[code].value}"
+        )
     value: Any = getattr(code, "value", code)
     number = value[0] if isinstance(value, tuple) else value
     try:
