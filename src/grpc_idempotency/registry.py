@@ -201,7 +201,15 @@ def _unknown_override(
 def methods_of(services: Services) -> Iterable[MethodDescriptor]:
     for item in services:
         if isinstance(item, ModuleType):
-            item = item.DESCRIPTOR
+            descriptor = getattr(item, "DESCRIPTOR", None)
+            if not isinstance(descriptor, FileDescriptor):
+                # Typically the _pb2_grpc module, which servicers come from: it has no
+                # descriptor (a bare AttributeError said only that).
+                raise TypeError(
+                    f"module {item.__name__} has no file descriptor: pass the _pb2 module"
+                    " (or its service descriptors), not the _pb2_grpc one"
+                )
+            item = descriptor
         if isinstance(item, FileDescriptor):
             for service in item.services_by_name.values():
                 yield from service.methods

@@ -532,6 +532,17 @@ def test_a_step_calling_a_method_its_imported_service_lacks_is_refused_at_start(
     assert PolicyRegistry([testsvc_pb2], override).get("/" + relay) is not None
 
 
+def test_services_given_as_the_grpc_module_are_refused_clearly() -> None:
+    """``services=[x_pb2_grpc]`` (the module servicers come from) raised a bare
+    AttributeError, "module ... has no attribute 'DESCRIPTOR'"."""
+    from testsvc.v1 import testsvc_pb2_grpc
+
+    from grpc_idempotency.registry import PolicyRegistry
+
+    with pytest.raises(TypeError, match=r"testsvc_pb2_grpc.*pass the _pb2 module"):
+        PolicyRegistry([testsvc_pb2_grpc])
+
+
 def test_an_override_of_a_service_not_known_yet_is_said_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
