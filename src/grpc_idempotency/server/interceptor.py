@@ -24,7 +24,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -247,6 +247,17 @@ class IdempotencyInterceptor(_Interceptor):
                 " it (store = await Store.connect(dsn))"
             )
         self.store = store
+        if sync_executor is not None and (
+            not isinstance(sync_executor, Executor)
+            or isinstance(sync_executor, ProcessPoolExecutor)
+        ):
+            # Checked here: a sync handler runs with the call's context, its transaction and
+            # this process's event loop, so another process cannot run it; each such call
+            # failed UNKNOWN ("cannot pickle '_contextvars.Context' object").
+            raise TypeError(
+                "sync_executor must be a thread pool (concurrent.futures.ThreadPoolExecutor)"
+                f" or None, not {sync_executor!r}"
+            )
         self._sync_executor = sync_executor
         if fingerprint_off_loop_bytes is not None and (
             type(fingerprint_off_loop_bytes) is not int or fingerprint_off_loop_bytes < 0
