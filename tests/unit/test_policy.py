@@ -14,6 +14,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import MethodDescriptor
+from opentelemetry import trace
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency.core.codes import Code
@@ -437,6 +438,28 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
         IdempotencyInterceptor(
             store, services=[service], overrides={service.full_name + "/Do": MethodOverride()}
         )
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("telemetry", trace.NoOpTracerProvider()),  # the provider, not Telemetry(tracer_provider=)
+        ("replay_cache", 10_000),  # a size, read as True: the default cache, silently
+        ("herd_release", 8),
+    ],
+)
+def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(
+    argument: str, value: object
+) -> None:
+    """Accepted, these failed later: a tracer provider as ``telemetry`` failed every keyed call
+    UNKNOWN ("'NoOpTracerProvider' object has no attribute 'tracing'"), a non-HerdRelease
+    ``herd_release`` the hand-over of every herd, and a number as ``replay_cache`` gave the
+    default cache, whatever the number said."""
+    from grpc_idempotency import IdempotencyInterceptor, Store
+
+    store: Store = object()  # type: ignore[assignment]  # never touched while building
+    with pytest.raises(TypeError, match=f"^{argument} must be"):
+        IdempotencyInterceptor(store, **{argument: value})  # type: ignore[arg-type]
 
 
 def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:

@@ -268,6 +268,21 @@ class IdempotencyInterceptor(_Interceptor):
             )
         self._off_loop_bytes = fingerprint_off_loop_bytes
         self._fingerprint_executor: ThreadPoolExecutor | None = None
+        # Types checked here: a wrong one failed calls later, where it was first used (a tracer
+        # provider as telemetry every keyed call, a herd_release the hand-over of every
+        # outcome), or, a number as replay_cache, silently gave the default cache.
+        if herd_release is not None and not isinstance(herd_release, HerdRelease):
+            raise TypeError(f"herd_release must be a HerdRelease or None, not {herd_release!r}")
+        if not isinstance(replay_cache, ReplayCache | bool):
+            raise TypeError(
+                "replay_cache must be a ReplayCache (ReplayCache(max_entries=...) to size it),"
+                f" True or False, not {replay_cache!r}"
+            )
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise TypeError(
+                "telemetry must be a Telemetry (Telemetry(tracer_provider=...,"
+                f" meter_provider=...)) or None, not {telemetry!r}"
+            )
         self._herd_release = herd_release
         self._replay_cache: ReplayCache | None = None
         if isinstance(replay_cache, ReplayCache):
