@@ -68,10 +68,8 @@ class PolicyRegistry:
         for method in methods:
             self._policies.setdefault(method_path(method), None)
         for policy in self._policies.values():
-            if policy is not None:
-                _check_targets(policy)
-                if check is not None:
-                    check(policy)
+            if policy is not None and check is not None:
+                check(policy)
 
     @property
     def policies(self) -> Mapping[str, MethodPolicy | None]:
@@ -108,10 +106,8 @@ class PolicyRegistry:
         if method is not None:
             try:
                 policy = compile_policy(method, override)
-                if policy is not None:
-                    _check_targets(policy)
-                    if self._check is not None:
-                        self._check(policy)
+                if policy is not None and self._check is not None:
+                    self._check(policy)
             except PolicyError as err:
                 self._errors[path] = err
                 raise
@@ -119,12 +115,16 @@ class PolicyRegistry:
         return policy
 
 
-def _check_targets(policy: MethodPolicy) -> None:
+def check_step_targets(policy: MethodPolicy) -> None:
     """Refuses an active step whose ``call`` names a method its service does not have, or a
     streaming one, when that service is in the default pool (imported): a misspelt target was
     found only by the method's calls, each failing at its downstream call, told to declare the
     step it had declared. A service not imported cannot be checked here; the generator checks
-    every step against the files it is given (``protoc_gen.validate``)."""
+    every step against the files it is given (``protoc_gen.validate``).
+
+    For the server, whose handlers make those calls (``PolicyRegistry(check=...)``), not for
+    a client: the steps of the methods it calls are not its own calls, and the descriptors it
+    imported of their targets may be of another version."""
     pool = descriptor_pool.Default()
     for step in policy.steps:
         if step.call is None or not step.active:

@@ -521,8 +521,10 @@ def test_a_step_calling_a_method_its_imported_service_lacks_is_refused_at_start(
     not have, or a streaming one, was accepted: the generator refuses it, but a policy from an
     override, or from a proto compiled without the plugin, started. Every call of the method
     then failed at its downstream call, told to declare the step it had declared (misspelt)."""
-    from grpc_idempotency.registry import PolicyRegistry
+    from grpc_idempotency import IdempotencyClientInterceptor, IdempotencyInterceptor, Store
+    from grpc_idempotency.registry import PolicyRegistry, check_step_targets
 
+    store: Store = object()  # type: ignore[assignment]  # never touched while building
     relay = "testsvc.v1.RelayService/Forward"
 
     def stepping(call: str) -> dict[str, MethodOverride]:
@@ -534,25 +536,36 @@ def test_a_step_calling_a_method_its_imported_service_lacks_is_refused_at_start(
         r" 'testsvc.v1.LedgerService/Psot', but service testsvc.v1.LedgerService has no"
         r" method Psot",
     ):
-        PolicyRegistry([testsvc_pb2], stepping("testsvc.v1.LedgerService/Psot"))
+        IdempotencyInterceptor(
+            store, services=[testsvc_pb2], overrides=stepping("testsvc.v1.LedgerService/Psot")
+        )
     # Compiled on the method's first call (its service not given): refused the same way.
-    registry = PolicyRegistry((), stepping("/testsvc.v1.LedgerService/Psot"))
+    registry = PolicyRegistry(
+        (), stepping("/testsvc.v1.LedgerService/Psot"), check=check_step_targets
+    )
     with pytest.raises(PolicyError, match="has no method Psot"):
         registry.get("/" + relay)
     streaming = method_with(lambda o: None, streaming=True)
     target = f"{streaming.containing_service.full_name}/Do"
     with pytest.raises(PolicyError, match="a streaming method; steps call unary methods only"):
-        PolicyRegistry([testsvc_pb2], stepping(target))
+        IdempotencyInterceptor(store, services=[testsvc_pb2], overrides=stepping(target))
     # A service not imported cannot be checked here (the generator checks it); a retired step's
     # target may be gone.
-    assert PolicyRegistry([testsvc_pb2], stepping("elsewhere.v1.Service/Do")).get("/" + relay)
+    elsewhere = stepping("elsewhere.v1.Service/Do")
+    assert IdempotencyInterceptor(store, services=[testsvc_pb2], overrides=elsewhere).policies
     retired = Step(
         name="post-ledger.v1",
         call="testsvc.v1.LedgerService/Psot",
         retired_at=datetime(2026, 1, 1, tzinfo=UTC),
     )
     override = {relay: MethodOverride(steps=[retired])}
-    assert PolicyRegistry([testsvc_pb2], override).get("/" + relay) is not None
+    assert IdempotencyInterceptor(store, services=[testsvc_pb2], overrides=override).policies
+    # A client calling the method does not make its steps' calls, and the descriptors it has
+    # of their targets may be of another version: not its to refuse.
+    client = IdempotencyClientInterceptor(
+        services=[testsvc_pb2], overrides=stepping("testsvc.v1.LedgerService/Psot")
+    )
+    assert client.policy("/" + relay) is not None
 
 
 def test_services_given_as_the_grpc_module_are_refused_clearly() -> None:
