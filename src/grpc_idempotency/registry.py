@@ -39,7 +39,20 @@ class PolicyRegistry:
         *,
         check: Callable[[MethodPolicy], None] | None = None,
     ) -> None:
-        self._overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
+        overrides = overrides or {}
+        for name, override in overrides.items():
+            # Here, not in compile_policy: a method found on its first call compiles then, and
+            # an AttributeError from a dict in place of the override failed each of its calls
+            # with UNKNOWN.
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"overrides names a method by a str ('pkg.Service/Method'), not {name!r}"
+                )
+            if not isinstance(override, MethodOverride):
+                raise TypeError(
+                    f"overrides[{name!r}] must be a MethodOverride, not {type(override).__name__}"
+                )
+        self._overrides = {normalize_method(k): v for k, v in overrides.items()}
         self._check = check
         self._policies: dict[str, MethodPolicy | None] = {}
         # A method found on first use whose options are bad: the same error on every call,
@@ -102,6 +115,35 @@ class PolicyRegistry:
         return policy
 
 
+def check_step_targets(policy: MethodPolicy) -> None:
+    """Refuses an active step whose ``call`` names a method its service does not have, or a
+    streaming one, when that service is in the default pool (imported): a misspelt target was
+    found only by the method's calls, each failing at its downstream call, told to declare the
+    step it had declared. A service not imported cannot be checked here; the generator checks
+    every step against the files it is given (``protoc_gen.validate``).
+
+    For the server, whose handlers make those calls (``PolicyRegistry(check=...)``), not for
+    a client: the steps of the methods it calls are not its own calls, and the descriptors it
+    imported of their targets may be of another version."""
+    pool = descriptor_pool.Default()
+    for step in policy.steps:
+        if step.call is None or not step.active:
+            continue  # a retired step's target may be gone
+        service_name, _, method_name = normalize_method(step.call).lstrip("/").partition("/")
+        try:
+            service = pool.FindServiceByName(service_name)
+        except KeyError:
+            continue
+        target = service.methods_by_name.get(method_name)
+        if target is None:
+            problem = f"but service {service_name} has no method {method_name}"
+        elif target.client_streaming or target.server_streaming:
+            problem = "a streaming method; steps call unary methods only"
+        else:
+            continue
+        raise PolicyError(f"{policy.method}: step {step.name!r} calls {step.call!r}, {problem}")
+
+
 def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescriptor]) -> set[str]:
     """Refuses an override naming a method its service does not have: a typo there silently
     left the method as its proto says (unkeyed, say). A service known neither from ``services``
@@ -159,7 +201,15 @@ def _unknown_override(
 def methods_of(services: Services) -> Iterable[MethodDescriptor]:
     for item in services:
         if isinstance(item, ModuleType):
-            item = item.DESCRIPTOR
+            descriptor = getattr(item, "DESCRIPTOR", None)
+            if not isinstance(descriptor, FileDescriptor):
+                # Typically the _pb2_grpc module, which servicers come from: it has no
+                # descriptor (a bare AttributeError said only that).
+                raise TypeError(
+                    f"module {item.__name__} has no file descriptor: pass the _pb2 module"
+                    " (or its service descriptors), not the _pb2_grpc one"
+                )
+            item = descriptor
         if isinstance(item, FileDescriptor):
             for service in item.services_by_name.values():
                 yield from service.methods

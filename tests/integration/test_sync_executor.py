@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import TypedDict
@@ -15,7 +15,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import MethodOverride, Mode, Store
+from grpc_idempotency import IdempotencyInterceptor, MethodOverride, Mode, Store
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.e2e.procs import ledger_process
 from tests.support.ledger import POST, fresh, ledger_rows, metadata, prepare, running_ledger
@@ -117,3 +117,17 @@ async def test_call_run_from_the_event_loop_fails_the_call_instead_of_freezing_t
         served = await call_raw(channel, POST, fine, metadata(fresh()), 5)
         assert served.code is grpc.StatusCode.OK, served
     assert await ledger_rows(store, account) == 1  # the second call's row only
+
+
+@pytest.mark.parametrize("executor", ["process-pool", "not-an-executor"])
+async def test_an_executor_sync_handlers_cannot_run_in_is_refused_at_construction(
+    store: Store, executor: str
+) -> None:
+    """A ProcessPoolExecutor was accepted, and every call of a sync handler failed UNKNOWN
+    ("cannot pickle '_contextvars.Context' object"): the handler runs with the call's context,
+    its transaction and the event loop, which live in this process. Anything that is no
+    Executor failed each of those calls with an AttributeError instead."""
+    with ProcessPoolExecutor(max_workers=1) as pool:
+        given = pool if executor == "process-pool" else 4
+        with pytest.raises(TypeError, match="sync_executor must be a thread pool"):
+            IdempotencyInterceptor(store, sync_executor=given)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import MethodDescriptor
+from opentelemetry import trace
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency.core.codes import Code
@@ -180,6 +181,35 @@ def test_a_duration_the_database_cannot_add_to_its_clock_is_refused() -> None:
             compile_policy(method_with(lambda o: o.SetInParent()), override)
 
 
+@pytest.mark.parametrize(
+    ("configure", "override"),
+    [
+        (lambda o: setattr(o.lease, "nanos", 20_000_000), None),  # 20 ms in the proto
+        (lambda o: setattr(o.lease, "nanos", 500), None),  # under a microsecond: read as 0
+        (lambda o: o.SetInParent(), MethodOverride(lease=timedelta(milliseconds=99))),
+        (lambda o: o.SetInParent(), MethodOverride(lease=timedelta(microseconds=1))),
+    ],
+    ids=["proto-20ms", "proto-500ns", "override-99ms", "override-1us"],
+)
+def test_a_lease_too_short_to_be_renewed_is_refused(
+    configure: Callable[[options_pb2.MethodPolicy], None], override: MethodOverride | None
+) -> None:
+    """A lease of a few milliseconds was accepted. Phased, it ran out before its first renewal
+    (the keeper renews no more often than every 50 ms): a duplicate took the claim over from
+    its live owner, and both ran the handler (the owner answered LEASE_LOST). Atomic, it is the
+    transaction's idle timeout (whole milliseconds): every handler that awaited anything had
+    its session ended under it, answered UNAVAILABLE (IDEMPOTENCY_STORE_UNAVAILABLE) as if the
+    store were down, on every retry."""
+    method = method_with(configure)
+    with pytest.raises(PolicyError, match=r"lease .* must be at least 100 ms") as caught:
+        compile_policy(method, override)
+    assert caught.value.message.startswith(f"/{method.containing_service.full_name}/Do:")
+    # The floor itself is a valid lease.
+    floor = MethodOverride(lease=timedelta(milliseconds=100))
+    policy = compile_policy(method, floor)
+    assert policy is not None and policy.lease_s == 0.1
+
+
 def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
     codes: list[Code | grpc.StatusCode | int] = [
         grpc.StatusCode.NOT_FOUND,
@@ -199,6 +229,22 @@ def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
             method_with(lambda o: o.SetInParent()),
             MethodOverride(recorded_errors=[99]),  # an int, but no status code
         )
+
+
+def test_recorded_errors_written_as_names_or_as_one_code_are_refused_clearly() -> None:
+    """``recorded_errors=["NOT_FOUND"]`` (the proto's spelling) was refused saying "'NOT_FOUND'
+    is not a gRPC status code"; a lone str was read letter by letter ("'N' is not a gRPC status
+    code"), and a lone code raised a bare "'StatusCode' object is not iterable"."""
+    with pytest.raises(PolicyError, match=r"'NOT_FOUND' is a name: pass Code\.NOT_FOUND"):
+        compile_policy(
+            method_with(lambda o: o.SetInParent()),
+            MethodOverride(recorded_errors=["NOT_FOUND"]),  # type: ignore[list-item]
+        )
+    for lone in ("NOT_FOUND", grpc.StatusCode.NOT_FOUND, Code.NOT_FOUND, 5):
+        with pytest.raises(
+            TypeError, match=r"MethodOverride\.recorded_errors must be a collection"
+        ):
+            MethodOverride(recorded_errors=lone)  # type: ignore[arg-type]
 
 
 def test_mode_follows_the_steps_unless_set() -> None:
@@ -299,7 +345,7 @@ def _two_steps(o: options_pb2.MethodPolicy) -> None:
         (lambda o: o.recorded_error_codes.append("UNAVAILABLE"), {}, "may not contain"),
         (lambda o: o.recorded_error_codes.append("OK"), {}, "may not contain"),
         (lambda o: setattr(o.retention, "seconds", -1), {}, "retention must be positive"),
-        (lambda o: setattr(o.lease, "seconds", -5), {}, "lease must be positive"),
+        (lambda o: setattr(o.lease, "seconds", -5), {}, "lease -5 s is too short"),
         (lambda o: setattr(o.max_wait, "seconds", -1), {}, "max_wait"),
     ],
 )
@@ -394,6 +440,28 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("telemetry", trace.NoOpTracerProvider()),  # the provider, not Telemetry(tracer_provider=)
+        ("replay_cache", 10_000),  # a size, read as True: the default cache, silently
+        ("herd_release", 8),
+    ],
+)
+def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(
+    argument: str, value: object
+) -> None:
+    """Accepted, these failed later: a tracer provider as ``telemetry`` failed every keyed call
+    UNKNOWN ("'NoOpTracerProvider' object has no attribute 'tracing'"), a non-HerdRelease
+    ``herd_release`` the hand-over of every herd, and a number as ``replay_cache`` gave the
+    default cache, whatever the number said."""
+    from grpc_idempotency import IdempotencyInterceptor, Store
+
+    store: Store = object()  # type: ignore[assignment]  # never touched while building
+    with pytest.raises(TypeError, match=f"^{argument} must be"):
+        IdempotencyInterceptor(store, **{argument: value})  # type: ignore[arg-type]
+
+
 def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
     """A typo in an override's method name left the method as its proto says, silently."""
     from grpc_idempotency.registry import PolicyRegistry
@@ -406,6 +474,109 @@ def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
     # A service not known yet (its _pb2 not imported): checked when a call names it.
     registry = PolicyRegistry((), {"later.v1.Service/Do": MethodOverride()})
     assert registry.get("/later.v1.Service/Do") is None
+
+
+@pytest.mark.parametrize(
+    ("services", "path"),
+    [([testsvc_pb2], "testsvc.v1.LedgerService/Post"), ((), "/latertype.v1.Service/Do")],
+    ids=["service-given", "service-found-on-first-call"],
+)
+def test_an_override_that_is_no_method_override_is_refused_at_construction(
+    services: list[Any], path: str
+) -> None:
+    """A dict (or the options message) in place of a MethodOverride raised AttributeError
+    ("'dict' object has no attribute 'recorded_errors'") from the constructor; for a service
+    compiled on its first call, every call of the method failed UNKNOWN with that raw text."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    for wrong in ({"lease": timedelta(seconds=3)}, options_pb2.MethodPolicy()):
+        with pytest.raises(
+            TypeError, match=re.escape(f"overrides[{path!r}] must be a MethodOverride")
+        ):
+            PolicyRegistry(services, {path: wrong})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="names a method by a str"):
+        PolicyRegistry(services, {path.encode(): MethodOverride()})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"name": None, "outbox": True},
+        {"name": "charge.v1", "call": b"a.B/C"},
+        {"name": "event.v1", "outbox": "yes"},
+        {"name": "charge.v1", "call": "a.B/C", "retired_at": "2030-01-01T00:00:00Z"},
+    ],
+    ids=["name", "call", "outbox", "retired_at"],
+)
+def test_a_step_of_the_wrong_type_is_refused_where_it_is_written(fields: dict[str, Any]) -> None:
+    """A step's field of the wrong type passed MethodOverride; compiled on the method's first
+    call (its service not given), every call failed UNKNOWN with a raw TypeError ("expected
+    string or bytes-like object, got 'NoneType'")."""
+    with pytest.raises(TypeError, match=r"^Step\."):
+        Step(**fields)
+
+
+def test_a_step_calling_a_method_its_imported_service_lacks_is_refused_at_start() -> None:
+    """A step's ``call`` naming a method its service (imported, so in the default pool) does
+    not have, or a streaming one, was accepted: the generator refuses it, but a policy from an
+    override, or from a proto compiled without the plugin, started. Every call of the method
+    then failed at its downstream call, told to declare the step it had declared (misspelt)."""
+    from grpc_idempotency import IdempotencyClientInterceptor, IdempotencyInterceptor, Store
+    from grpc_idempotency.registry import PolicyRegistry, check_step_targets
+
+    store: Store = object()  # type: ignore[assignment]  # never touched while building
+    relay = "testsvc.v1.RelayService/Forward"
+
+    def stepping(call: str) -> dict[str, MethodOverride]:
+        return {relay: MethodOverride(steps=[Step(name="post-ledger.v1", call=call)])}
+
+    with pytest.raises(
+        PolicyError,
+        match=r"^/testsvc.v1.RelayService/Forward: step 'post-ledger.v1' calls"
+        r" 'testsvc.v1.LedgerService/Psot', but service testsvc.v1.LedgerService has no"
+        r" method Psot",
+    ):
+        IdempotencyInterceptor(
+            store, services=[testsvc_pb2], overrides=stepping("testsvc.v1.LedgerService/Psot")
+        )
+    # Compiled on the method's first call (its service not given): refused the same way.
+    registry = PolicyRegistry(
+        (), stepping("/testsvc.v1.LedgerService/Psot"), check=check_step_targets
+    )
+    with pytest.raises(PolicyError, match="has no method Psot"):
+        registry.get("/" + relay)
+    streaming = method_with(lambda o: None, streaming=True)
+    target = f"{streaming.containing_service.full_name}/Do"
+    with pytest.raises(PolicyError, match="a streaming method; steps call unary methods only"):
+        IdempotencyInterceptor(store, services=[testsvc_pb2], overrides=stepping(target))
+    # A service not imported cannot be checked here (the generator checks it); a retired step's
+    # target may be gone.
+    elsewhere = stepping("elsewhere.v1.Service/Do")
+    assert IdempotencyInterceptor(store, services=[testsvc_pb2], overrides=elsewhere).policies
+    retired = Step(
+        name="post-ledger.v1",
+        call="testsvc.v1.LedgerService/Psot",
+        retired_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    override = {relay: MethodOverride(steps=[retired])}
+    assert IdempotencyInterceptor(store, services=[testsvc_pb2], overrides=override).policies
+    # A client calling the method does not make its steps' calls, and the descriptors it has
+    # of their targets may be of another version: not its to refuse.
+    client = IdempotencyClientInterceptor(
+        services=[testsvc_pb2], overrides=stepping("testsvc.v1.LedgerService/Psot")
+    )
+    assert client.policy("/" + relay) is not None
+
+
+def test_services_given_as_the_grpc_module_are_refused_clearly() -> None:
+    """``services=[x_pb2_grpc]`` (the module servicers come from) raised a bare
+    AttributeError, "module ... has no attribute 'DESCRIPTOR'"."""
+    from testsvc.v1 import testsvc_pb2_grpc
+
+    from grpc_idempotency.registry import PolicyRegistry
+
+    with pytest.raises(TypeError, match=r"testsvc_pb2_grpc.*pass the _pb2 module"):
+        PolicyRegistry([testsvc_pb2_grpc])
 
 
 def test_an_override_of_a_service_not_known_yet_is_said_at_start(

@@ -30,6 +30,13 @@ if TYPE_CHECKING:  # a type only: the core imports no transport
 
 DEFAULT_RETENTION = timedelta(hours=24)
 DEFAULT_LEASE = timedelta(seconds=30)
+LEASE_RENEWAL_FLOOR_S = 0.05
+"""A phased claim's lease is renewed every third of it, but no more often than this."""
+MIN_LEASE = timedelta(milliseconds=100)
+"""The shortest lease. Phased, a shorter one ran out before its first renewal could land, and a
+duplicate took the claim over from its live owner (both ran the handler); atomic, it is the
+transaction's idle timeout, and ended the session under any handler that awaited anything
+(answered UNAVAILABLE as if the store were down, on every retry)."""
 MAX_DURATION = timedelta(days=36500)
 """The longest retention, lease or wait: added to the database's clock, a longer one can
 overflow a timestamp (SQLSTATE 22008), which failed every call as if the store were down."""
@@ -78,6 +85,21 @@ class Step:
     outbox: bool = False
     retired_at: datetime | None = None
     """When the step was retired: it is kept declared (for ``check-steps``) but no longer used."""
+
+    def __post_init__(self) -> None:
+        # Types only (check-steps reads any name a proto holds; policies check the rest). A
+        # wrong one passed MethodOverride, and on a method compiled on its first call every
+        # call failed UNKNOWN with a raw TypeError from the name check.
+        for name, kind, optional in (
+            ("name", str, False),
+            ("call", str, True),
+            ("outbox", bool, False),
+            ("retired_at", datetime, True),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (optional and value is None):
+                allowed = f"a {kind.__name__}" + (" or None" if optional else "")
+                raise TypeError(f"Step.{name} must be {allowed}, not {value!r}")
 
     @property
     def active(self) -> bool:
@@ -136,12 +158,24 @@ class MethodOverride:
                 raise TypeError("MethodOverride.steps must be Step(...) values")
             object.__setattr__(self, "steps", steps)
         if self.recorded_errors is not None:
-            object.__setattr__(self, "recorded_errors", tuple(self.recorded_errors))
+            codes = self.recorded_errors
+            if isinstance(codes, str | bytes) or not isinstance(codes, Iterable):
+                # A lone str was read letter by letter; a lone code raised "not iterable".
+                raise TypeError(
+                    "MethodOverride.recorded_errors must be a collection of codes, e.g."
+                    f" [Code.NOT_FOUND], not {codes!r}"
+                )
+            object.__setattr__(self, "recorded_errors", tuple(codes))
 
 
 def recorded_code(code: object) -> Code:
     """A status to record: a ``Code``, its number, or a ``grpc.StatusCode`` (whose value is
     ``(number, name)``), which is what grpc users naturally pass."""
+    if isinstance(code, str) and code in Code.__members__:
+        # The proto's spelling, refused as "not a gRPC status code", which it is.
+        raise ValueError(
+            f"{code!r} is a name: pass Code.{code}, grpc.StatusCode.{code} or {Code[code].value}"
+        )
     value: Any = getattr(code, "value", code)
     number = value[0] if isinstance(value, tuple) else value
     try:
@@ -360,8 +394,13 @@ def compile_policy(
     )
     if policy.retention <= timedelta(0):
         raise fail("retention must be positive")
-    if policy.lease <= timedelta(0):
-        raise fail("lease must be positive")
+    if policy.lease < MIN_LEASE:
+        raise fail(
+            f"lease {policy.lease.total_seconds():g} s is too short: it must be at least"
+            f" {MIN_LEASE // timedelta(milliseconds=1)} ms (a phased claim is renewed at most"
+            f" every {LEASE_RENEWAL_FLOOR_S * 1000:g} ms; an atomic transaction may sit idle"
+            " no longer than the lease)"
+        )
     if policy.max_wait < timedelta(0):
         raise fail("max_wait may not be negative")
     if max(policy.retention, policy.lease, policy.max_wait) > MAX_DURATION:

@@ -24,7 +24,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -75,6 +75,7 @@ from grpc_idempotency.core.lifecycle import (
     wait_budget_s,
 )
 from grpc_idempotency.core.policy import (
+    LEASE_RENEWAL_FLOOR_S,
     KeyRequirement,
     MethodOverride,
     MethodPolicy,
@@ -83,7 +84,7 @@ from grpc_idempotency.core.policy import (
 )
 from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
-from grpc_idempotency.registry import PolicyRegistry, Services
+from grpc_idempotency.registry import PolicyRegistry, Services, check_step_targets
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
 from grpc_idempotency.server.answers import Context
@@ -247,6 +248,17 @@ class IdempotencyInterceptor(_Interceptor):
                 " it (store = await Store.connect(dsn))"
             )
         self.store = store
+        if sync_executor is not None and (
+            not isinstance(sync_executor, Executor)
+            or isinstance(sync_executor, ProcessPoolExecutor)
+        ):
+            # Checked here: a sync handler runs with the call's context, its transaction and
+            # this process's event loop, so another process cannot run it; each such call
+            # failed UNKNOWN ("cannot pickle '_contextvars.Context' object").
+            raise TypeError(
+                "sync_executor must be a thread pool (concurrent.futures.ThreadPoolExecutor)"
+                f" or None, not {sync_executor!r}"
+            )
         self._sync_executor = sync_executor
         if fingerprint_off_loop_bytes is not None and (
             type(fingerprint_off_loop_bytes) is not int or fingerprint_off_loop_bytes < 0
@@ -257,6 +269,21 @@ class IdempotencyInterceptor(_Interceptor):
             )
         self._off_loop_bytes = fingerprint_off_loop_bytes
         self._fingerprint_executor: ThreadPoolExecutor | None = None
+        # Types checked here: a wrong one failed calls later, where it was first used (a tracer
+        # provider as telemetry every keyed call, a herd_release the hand-over of every
+        # outcome), or, a number as replay_cache, silently gave the default cache.
+        if herd_release is not None and not isinstance(herd_release, HerdRelease):
+            raise TypeError(f"herd_release must be a HerdRelease or None, not {herd_release!r}")
+        if not isinstance(replay_cache, ReplayCache | bool):
+            raise TypeError(
+                "replay_cache must be a ReplayCache (ReplayCache(max_entries=...) to size it),"
+                f" True or False, not {replay_cache!r}"
+            )
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise TypeError(
+                "telemetry must be a Telemetry (Telemetry(tracer_provider=...,"
+                f" meter_provider=...)) or None, not {telemetry!r}"
+            )
         self._herd_release = herd_release
         self._replay_cache: ReplayCache | None = None
         if isinstance(replay_cache, ReplayCache):
@@ -272,7 +299,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._scope = scope
         self._resolver_failure_logged = -math.inf
         self._telemetry = telemetry or Telemetry()
-        self._registry = PolicyRegistry(services, overrides)
+        self._registry = PolicyRegistry(services, overrides, check=check_step_targets)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], _Owner] = {}
         self._recent = _RecentKeys()
@@ -1299,7 +1326,7 @@ class _LeaseKeeper:
             task.exception()  # retrieved; _run lets nothing but its own end out
 
     async def _run(self) -> None:
-        interval = max(0.05, self._claim.lease_s / 3)
+        interval = max(LEASE_RENEWAL_FLOOR_S, self._claim.lease_s / 3)
         while not self.stopping:
             await asyncio.sleep(interval)
             self._renewing = True
