@@ -431,6 +431,20 @@ def _checked_acquire_timeout(value: float | None) -> float | None:
     return value
 
 
+def _checked_command_timeout(value: float | None) -> float | None:
+    # Checked here: asyncpg's own check raises from its connection-parameter module, where it
+    # was told as "the DSN cannot be parsed"; NaN and inf it passed on, taken for no timeout.
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"command_timeout must be None or a number of seconds, not {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(
+            f"command_timeout must be None (no timeout) or positive and finite, not {value!r}"
+        )
+    return value
+
+
 class Store:
     """Idempotency records in PostgreSQL, under their own schema."""
 
@@ -509,6 +523,7 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
+        _checked_command_timeout(command_timeout)
         unsent = unsendable(dsn)
         if unsent is not None:  # never quoted: it may hold a password
             raise DsnUnusable(f"cannot use the DSN: {unsent}")
