@@ -59,6 +59,7 @@ from grpc_idempotency.core.errors import (
 )
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
+from grpc_idempotency.scope import tenant_header
 from grpc_idempotency.store.outbox_store import (
     BIGINT_MAX,
     DeadLetter,
@@ -234,7 +235,11 @@ def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> Me
     the counterpart of ``MetadataScope(header, prefix=prefix)`` on the receiving side. A message
     whose scope lacks the prefix, or is not printable ASCII (all a gRPC metadata value may be),
     cannot be delivered with it (``PermanentDeliveryError``: a dead letter at once, instead of
-    failing on every try until then)."""
+    failing on every try until then). A header no delivery could send (not a metadata name, the
+    library's own, a -bin one) is a ``ValueError`` here, as ``MetadataScope`` refuses it; a
+    name in capitals is sent in lowercase, as ``MetadataScope`` reads it."""
+    # Else every message was a dead letter at its first delivery (gRPC refuses the name).
+    header = tenant_header(header, prefix, user="forward_scope")
 
     def metadata_for(message: OutboxMessage) -> list[tuple[str, str | bytes]]:
         if not message.scope.startswith(prefix) or len(message.scope) == len(prefix):
