@@ -39,6 +39,13 @@ class PolicyRegistry:
         *,
         check: Callable[[MethodPolicy], None] | None = None,
     ) -> None:
+        for path, override in (overrides or {}).items():
+            if not isinstance(override, MethodOverride):
+                # A dict of options failed the start with a raw AttributeError, or, for a
+                # service imported later, every call of the method once it was (UNKNOWN).
+                raise TypeError(
+                    f"overrides[{path!r}] must be a MethodOverride(...), not {override!r}"
+                )
         self._overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
         self._check = check
         self._policies: dict[str, MethodPolicy | None] = {}

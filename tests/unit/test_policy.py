@@ -408,6 +408,22 @@ def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
     assert registry.get("/later.v1.Service/Do") is None
 
 
+@pytest.mark.parametrize("value", [{}, {"key": KeyRequirement.REQUIRED}, MethodOverride, "x"])
+@pytest.mark.parametrize("path", ["/testsvc.v1.LedgerService/Post", "later.v1.Service/Do"])
+def test_an_override_that_is_not_a_method_override_is_refused_naming_its_method(
+    path: str, value: object
+) -> None:
+    """A dict of options failed the start with a raw AttributeError ('dict' object has no
+    attribute 'recorded_errors'), or, for a service not imported yet, every call of the method
+    once it was (UNKNOWN, a traceback per call)."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    with pytest.raises(
+        TypeError, match=rf"overrides\[{re.escape(repr(path))}\] must be a MethodOverride"
+    ):
+        PolicyRegistry([testsvc_pb2], {path: value})  # type: ignore[dict-item]
+
+
 def test_an_override_of_a_service_not_known_yet_is_said_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
