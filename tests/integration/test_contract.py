@@ -246,6 +246,16 @@ async def test_an_unawaited_store_is_refused_at_construction(pg_dsn: str) -> Non
     assert inspect.getcoroutinestate(pending) == "CORO_CLOSED"  # no "never awaited" warning
 
 
+async def test_a_store_that_is_not_a_store_is_refused_at_construction(
+    store: Store, pg_dsn: str
+) -> None:
+    """The store's asyncpg pool, or its DSN, was accepted: every keyed call then failed with
+    UNKNOWN ("'Pool' object has no attribute ...")."""
+    for wrong in (store.pool, pg_dsn, None):
+        with pytest.raises(TypeError, match="store must be a Store or ShardedStores, not a"):
+            IdempotencyInterceptor(wrong)  # type: ignore[arg-type]  # on purpose
+
+
 async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) -> None:
     answer = await call_raw(ledger.channel, POST, post(fresh()), (("idempotency-key", fresh()),))
     assert answer.code is grpc.StatusCode.UNAUTHENTICATED

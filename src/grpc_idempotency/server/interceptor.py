@@ -245,6 +245,12 @@ class IdempotencyInterceptor(_Interceptor):
                 f"store must be a Store or ShardedStores, not a {type(store).__name__}: await"
                 " it (store = await Store.connect(dsn))"
             )
+        if not isinstance(store, Store | ShardedStores):
+            # The store's pool or DSN failed every keyed call with UNKNOWN (an AttributeError).
+            raise TypeError(
+                f"store must be a Store or ShardedStores, not a {type(store).__name__}: pass"
+                " store = await Store.connect(dsn)"
+            )
         self.store = store
         self._sync_executor = sync_executor
         if fingerprint_off_loop_bytes is not None and (
