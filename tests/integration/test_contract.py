@@ -256,6 +256,26 @@ async def test_a_store_that_is_not_a_store_is_refused_at_construction(
             IdempotencyInterceptor(wrong)  # type: ignore[arg-type]  # on purpose
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("herd_release", 8),
+        ("telemetry", True),
+        ("sync_executor", 4),
+        ("replay_cache", 5000),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_refused_at_construction(
+    store: Store, option: str, value: object
+) -> None:
+    """Accepted, ``herd_release=8`` answered every keyed call UNKNOWN after its write had
+    committed ('int' object has no attribute 'per_batch'), ``telemetry=True`` every keyed call
+    UNKNOWN, ``sync_executor=4`` every sync handler's call; ``replay_cache=5000`` (a size, say)
+    was taken for True, the default cache."""
+    with pytest.raises(TypeError, match=f"^{option} must be "):
+        IdempotencyInterceptor(store, **{option: value})  # type: ignore[arg-type]
+
+
 async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) -> None:
     answer = await call_raw(ledger.channel, POST, post(fresh()), (("idempotency-key", fresh()),))
     assert answer.code is grpc.StatusCode.UNAUTHENTICATED

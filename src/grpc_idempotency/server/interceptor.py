@@ -252,6 +252,20 @@ class IdempotencyInterceptor(_Interceptor):
                 " store = await Store.connect(dsn)"
             )
         self.store = store
+        # Each of these, of another type, was accepted and failed calls instead: a herd_release
+        # every keyed call after its commit (UNKNOWN), a telemetry every keyed call, an
+        # executor every sync handler's; a number as replay_cache read as True.
+        for name, value, kind in (
+            ("herd_release", herd_release, HerdRelease),
+            ("telemetry", telemetry, Telemetry),
+            ("sync_executor", sync_executor, Executor),
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"{name} must be a {kind.__name__} or None, not {value!r}")
+        if replay_cache is not None and not isinstance(replay_cache, bool | ReplayCache):
+            raise TypeError(
+                f"replay_cache must be a ReplayCache, True or False, not {replay_cache!r}"
+            )
         self._sync_executor = sync_executor
         if fingerprint_off_loop_bytes is not None and (
             type(fingerprint_off_loop_bytes) is not int or fingerprint_off_loop_bytes < 0
