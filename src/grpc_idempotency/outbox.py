@@ -145,6 +145,8 @@ class CallableSink:
     returns something else, not awaitable (a future), parks the message as a dead letter."""
 
     def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object] | object]) -> None:
+        if not callable(fn):  # else every delivery failed until the message was a dead letter
+            raise TypeError(f"CallableSink takes a function of the message, not {fn!r}")
         self._fn = fn
 
     async def deliver(self, message: OutboxMessage) -> None:
@@ -193,6 +195,18 @@ class GrpcSink:
         parts = method.split("/")
         if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
             raise ValueError(f"method must look like /package.Service/Method, not {method!r}")
+        # Else each failed every delivery DEADLINE_EXCEEDED (gRPC's deadline overflows past
+        # about 1e10 s), or matched no status: every rejection retried to the last attempt.
+        if timeout is not None and not 0 < timeout <= MAX_DURATION_S:
+            raise ValueError(
+                f"timeout must be None or positive and at most {MAX_DURATION_S:g} s, not"
+                f" {timeout!r}"
+            )
+        if not all(isinstance(code, grpc.StatusCode) for code in permanent_codes):
+            raise TypeError(
+                "permanent_codes must be grpc.StatusCode members (grpc.StatusCode.NOT_FOUND),"
+                f" not {sorted(map(repr, permanent_codes))}"
+            )
         self.method = method
         self.metadata_for = metadata_for
         self.timeout = timeout
@@ -385,6 +399,16 @@ class Relay:
             delivery_timeout = lease / 2
         if not 0 < delivery_timeout < lease:
             raise ValueError("delivery_timeout must be positive and shorter than the lease")
+        # Each was accepted and failed only once rows were claimed: a function as the sink
+        # failed every delivery (until each message was a dead letter); another policy took
+        # run() down at its first batch.
+        if not isinstance(sink, Sink):
+            raise TypeError(
+                f"sink must be a Sink (an object with async deliver(message)), not {sink!r}:"
+                " wrap a function in CallableSink(fn)"
+            )
+        if not isinstance(policy, DeliveryPolicy):
+            raise TypeError(f"policy must be a DeliveryPolicy, not {policy!r}")
         store = one_store(store, user="Relay", per_shard="run one Relay per shard's Store")
         if listen and listen_dsn is None and store.pool.get_max_size() < 2:
             # LISTEN would hold the pool's only connection, and every claim wait for it forever.

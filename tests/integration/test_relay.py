@@ -772,6 +772,36 @@ def test_relay_arguments_are_checked() -> None:
             Relay(store, sink, **bad)
 
 
+async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
+    outbox: Store,
+) -> None:
+    """Each was accepted, and failed only once rows were claimed: a plain function as the sink
+    (no ``deliver``), or a ``CallableSink`` of a non-callable, failed every delivery until each
+    message was a dead letter; a policy that is not a ``DeliveryPolicy`` took ``run()`` down at
+    its first batch, the batch's rows left claimed for a lease; permanent codes given as names
+    matched no status (every rejection retried to the last attempt); a sink timeout of 0, -1,
+    NaN or inf (gRPC's deadline overflows) failed every delivery DEADLINE_EXCEEDED."""
+
+    async def send(message: OutboxMessage) -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"CallableSink\(fn\)"):
+        Relay(outbox, send)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="policy must be a DeliveryPolicy"):
+        Relay(outbox, CallableSink(send), policy=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="CallableSink takes a function"):
+        CallableSink(5)  # type: ignore[arg-type]
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")
+    try:
+        with pytest.raises(TypeError, match="permanent_codes"):
+            GrpcSink(channel, "/a.B/C", permanent_codes=["NOT_FOUND"])  # type: ignore[list-item]
+        for timeout in (0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="timeout"):
+                GrpcSink(channel, "/a.B/C", timeout=timeout)
+    finally:
+        await channel.close(None)
+
+
 @pytest.mark.parametrize("which", ["purge_dead", "purge_sent"])
 async def test_an_age_the_database_cannot_subtract_is_refused(outbox: Store, which: str) -> None:
     """Past 36500 days the database cannot take the age from its clock (22008): the purge
