@@ -529,6 +529,12 @@ class Store:
             raise DsnUnusable(f"cannot use the DSN: {unsent}")
         if at_in_user_info(dsn):
             raise DsnUnusable()  # the fixed message: percent-encode @ as %40
+        if probe_dsn is not None:
+            unsent = unsendable(probe_dsn)
+            if unsent is not None:
+                raise DsnUnusable(f"cannot use probe_dsn: {unsent}")
+            if at_in_user_info(probe_dsn):
+                raise DsnUnusable(f"probe_dsn: {DsnUnusable().message}")
         pool_options.setdefault("reset", _no_session_reset)
         if command_timeout is not None:
             # A connection the pool opens for a call (after a restart, or to grow) is bounded
@@ -561,6 +567,8 @@ class Store:
         options.setdefault("record_class", asyncpg.Record)
         store._probe = _Probe(connect, dsn if probe_dsn is None else probe_dsn, options)
         try:
+            if probe_dsn is not None:
+                await store._probe.vet()
             if migrate:
                 await store.migrate()
                 newer = await store.newer_migrations()
@@ -1507,6 +1515,34 @@ class _Probe:
     connect: Callable[..., Any]
     dsn: str
     options: dict[str, Any]
+
+    async def vet(self) -> None:
+        """``Store.connect`` given a ``probe_dsn``: one the driver cannot parse or use is refused
+        (``DsnUnusable``, without the driver's text, which can quote pieces of the password).
+        Accepted, every probe failed, so every ambiguous outage let fail-open methods run
+        unclaimed, and each probe logged that text. One that does not answer now (it may when
+        it is needed) is only said in the log."""
+        conn: Any = None
+        try:
+            async with asyncio.timeout(PROBE_S):
+                conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **self.options)
+                await conn.close()
+        except Exception as exc:
+            if dsn_unusable(exc):
+                problem = unusable_file(self.dsn)
+                raise DsnUnusable(
+                    f"cannot use probe_dsn: {problem}"
+                    if problem
+                    else f"probe_dsn: {DsnUnusable().message}"
+                ) from None
+            log.warning(
+                "probe_dsn does not answer now (%s): until it does, an ambiguous store outage"
+                " counts as a real one (fail-open methods run unclaimed)",
+                type(exc).__name__,
+            )
+        finally:
+            if conn is not None and not connection_closed(conn):
+                conn.terminate()
 
     async def answers(self, timeout: float) -> bool:
         conn: Any = None
