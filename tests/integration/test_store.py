@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable
+from grpc_idempotency import IdempotencyError, Store, StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.migrations import applied_versions, available_migrations
 from grpc_idempotency.store.sql import (
     bytes_literal,
@@ -429,6 +429,27 @@ async def test_a_bad_connection_option_is_the_drivers_value_error_not_the_dsns(
     with pytest.raises(ValueError, match="statement_cache_size") as raised:
         await Store.connect(pg_dsn, statement_cache_size=-1)
     assert not isinstance(raised.value, StoreMisconfigured)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("timeout", 0),
+        ("timeout", -1),
+        ("timeout", math.nan),
+        ("timeout", "5"),
+        ("server_settings", {"statement_timeout": 5000}),
+        ("server_settings", [("statement_timeout", "5s")]),
+    ],
+)
+async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outage(
+    pg_dsn: str, option: str, value: object
+) -> None:
+    # A timeout of 0 or -1 was "store unavailable while connecting" (an outage: retry), NaN no
+    # timeout at all; a server setting given as an int was "the DSN cannot be parsed".
+    with pytest.raises((ValueError, TypeError), match=option) as raised:
+        await Store.connect(pg_dsn, **{option: value})  # type: ignore[arg-type]
+    assert not isinstance(raised.value, IdempotencyError)
 
 
 def test_cli_migrate_and_purge(pg_dsn: str) -> None:

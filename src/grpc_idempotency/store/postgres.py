@@ -431,18 +431,28 @@ def _checked_acquire_timeout(value: float | None) -> float | None:
     return value
 
 
-def _checked_command_timeout(value: float | None) -> float | None:
-    # Checked here: asyncpg's own check raises from its connection-parameter module, where it
-    # was told as "the DSN cannot be parsed"; NaN and inf it passed on, taken for no timeout.
+def _checked_seconds(name: str, value: object) -> None:
+    # Checked here: asyncpg's own check of command_timeout raises from its connection-parameter
+    # module, where it was told as "the DSN cannot be parsed"; a connect timeout of 0 or less
+    # timed every connection out, told as an outage; NaN and inf meant no timeout at all.
     if value is None:
-        return None
+        return
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"command_timeout must be None or a number of seconds, not {value!r}")
+        raise TypeError(f"{name} must be None or a number of seconds, not {value!r}")
     if not 0 < value < math.inf:
-        raise ValueError(
-            f"command_timeout must be None (no timeout) or positive and finite, not {value!r}"
-        )
-    return value
+        raise ValueError(f"{name} must be None (no timeout) or positive and finite, not {value!r}")
+
+
+def _checked_server_settings(value: object) -> None:
+    # asyncpg refuses any other with a ClientConfigurationError, told as "the DSN cannot be
+    # parsed" (statement_timeout=5000, an int, is the likely slip).
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"server_settings must be a dict of str to str, not {value!r}")
+    wrong = {k: v for k, v in value.items() if not (isinstance(k, str) and isinstance(v, str))}
+    if wrong:
+        raise TypeError(f"server_settings must map str to str (give numbers as text): {wrong!r}")
 
 
 class Store:
@@ -523,7 +533,9 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
-        _checked_command_timeout(command_timeout)
+        _checked_seconds("command_timeout", command_timeout)
+        _checked_seconds("timeout", pool_options.get("timeout"))
+        _checked_server_settings(pool_options.get("server_settings"))
         unsent = unsendable(dsn)
         if unsent is not None:  # never quoted: it may hold a password
             raise DsnUnusable(f"cannot use the DSN: {unsent}")
