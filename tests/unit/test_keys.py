@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
 
 import pytest
 from hypothesis import given
@@ -12,6 +13,7 @@ from grpc_idempotency.core.keys import (
     claim_lock_id,
     is_step_name,
     key_from_metadata,
+    validate_key,
     validate_scope,
 )
 
@@ -149,3 +151,12 @@ def test_child_keys_are_pinned(scope: str, parent: str, step: str, expected: str
 
 def test_claim_lock_ids_are_pinned() -> None:
     assert claim_lock_id("grpc_idempotency", "tenant:a", "order-1") == 4897178196358540786
+
+
+@pytest.mark.parametrize("key", [None, b"order-1", uuid.UUID(int=1), 42])
+def test_a_key_that_is_not_a_str_is_refused_as_such(key: object) -> None:
+    """``Operation(uuid4())`` raised a raw TypeError ("object of type 'UUID' has no len()"),
+    ``Operation(b"...")`` another ("cannot use a string pattern..."), ``Operation(None)`` said the
+    key was empty."""
+    with pytest.raises(KeyInvalid, match=f"must be a str, not {type(key).__name__}"):
+        validate_key(key)  # type: ignore[arg-type]  # what Operation(key) checks

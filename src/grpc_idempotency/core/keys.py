@@ -43,6 +43,9 @@ def key_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str
 
 
 def validate_key(key: str) -> str:
+    if not isinstance(key, str):
+        # Operation(uuid4()) raised a raw TypeError from len(), Operation(None) "is empty".
+        raise KeyInvalid(f"idempotency key must be a str, not {type(key).__name__}")
     if not key:
         raise KeyInvalid("idempotency key is empty")
     if len(key) > MAX_KEY_LENGTH:
