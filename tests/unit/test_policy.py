@@ -245,6 +245,24 @@ def test_an_atomic_override_is_checked_against_the_steps_like_the_proto() -> Non
     assert policy is not None and policy.mode is Mode.ATOMIC
 
 
+@pytest.mark.parametrize(
+    ("field", "fields"),
+    [
+        ("retired_at", {"name": "x.v1", "outbox": True, "retired_at": "2026-01-01T00:00:00Z"}),
+        ("name", {"name": 5, "outbox": True}),
+        ("call", {"name": "x.v1", "call": 5}),
+        ("outbox", {"name": "x.v1", "outbox": "yes"}),
+    ],
+)
+def test_a_step_field_of_the_wrong_type_is_refused_where_it_is_written(
+    field: str, fields: dict[str, Any]
+) -> None:
+    """A retired_at given as an ISO string failed the server's start with a raw AttributeError
+    ('str' object has no attribute 'utcoffset'), a call as an int with another."""
+    with pytest.raises(TypeError, match=f"^Step.{field} must be "):
+        Step(**fields)
+
+
 def test_a_naive_retired_at_is_refused_when_the_policy_is_compiled() -> None:
     """A naive retired_at used to pass, then every downstream call of the handler failed with a
     raw TypeError (offset-naive vs offset-aware) answered UNKNOWN."""

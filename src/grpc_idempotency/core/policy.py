@@ -79,6 +79,19 @@ class Step:
     retired_at: datetime | None = None
     """When the step was retired: it is kept declared (for ``check-steps``) but no longer used."""
 
+    def __post_init__(self) -> None:
+        # Types only: the name's form is checked with the method's policy, which names it. A
+        # retired_at given as ISO text failed the start with a raw AttributeError.
+        for name, kinds, expected in (
+            ("name", (str,), "a str"),
+            ("call", (str, type(None)), "a str or None"),
+            ("outbox", (bool,), "a bool"),
+            ("retired_at", (datetime, type(None)), "a datetime or None"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kinds):
+                raise TypeError(f"Step.{name} must be {expected}, not {value!r}")
+
     @property
     def active(self) -> bool:
         return self.retired_at is None
