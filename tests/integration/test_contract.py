@@ -14,7 +14,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import IdempotencyInterceptor, MethodOverride, StaticScope, Store
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    StaticScope,
+    Store,
+)
 from grpc_idempotency.core.codes import Code
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
@@ -234,6 +240,16 @@ def test_an_async_scope_resolver_is_refused_at_construction(store: Store) -> Non
         IdempotencyInterceptor(store, scope=resolver)  # type: ignore[arg-type]  # on purpose
     with pytest.raises(ValueError, match="1-1024 bytes"):
         StaticScope("\U0001f600" * 300)
+
+
+def test_a_resolver_class_given_instead_of_a_resolver_is_refused_at_construction(
+    store: Store,
+) -> None:
+    """``scope=MetadataScope`` (the parentheses forgotten) is callable: each call built a
+    resolver from its context and failed, every keyed call INTERNAL."""
+    for resolver in (MetadataScope, StaticScope):
+        with pytest.raises(TypeError, match=rf"{resolver.__name__}\(\.\.\.\)"):
+            IdempotencyInterceptor(store, scope=resolver)  # type: ignore[arg-type]
 
 
 async def test_an_unawaited_store_is_refused_at_construction(pg_dsn: str) -> None:

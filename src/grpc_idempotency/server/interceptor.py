@@ -283,6 +283,13 @@ class IdempotencyInterceptor(_Interceptor):
             self._replay_cache = replay_cache
         elif replay_cache:
             self._replay_cache = ReplayCache()
+        if isinstance(scope, type):
+            # MetadataScope without its parentheses: each call built one from its context, and
+            # every keyed call failed INTERNAL.
+            raise TypeError(
+                f"scope must be a resolver, not the class {scope.__name__}: pass an instance,"
+                f" {scope.__name__}(...)"
+            )
         if not callable(scope) or is_async(scope):
             raise TypeError(
                 "scope must be a plain (not async) function of the call's context returning a"
