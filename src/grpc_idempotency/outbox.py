@@ -594,6 +594,13 @@ class Relay:
         """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
         ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
         and are delivered again after the lease. Database outages are logged and waited out."""
+        if stop is not None and not isinstance(stop, asyncio.Event):
+            # A threading.Event's wait() blocks: awaited on the loop, it froze the whole loop
+            # (a gRPC server on it too) until the event was set.
+            raise TypeError(
+                f"stop must be an asyncio.Event, not {type(stop).__name__} (from another thread:"
+                " loop.call_soon_threadsafe(stop.set))"
+            )
         if self._running:
             raise RuntimeError("this relay is already running")
         self._running = True

@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -800,6 +801,18 @@ async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
                 GrpcSink(channel, "/a.B/C", timeout=timeout)
     finally:
         await channel.close(None)
+
+
+async def test_a_stop_that_is_not_an_asyncio_event_is_refused(outbox: Store) -> None:
+    """A threading.Event was waited on by a task of the relay's, on the event loop's thread:
+    the whole loop (a gRPC server on it too) froze until the event was set. Set already here,
+    so that the test cannot freeze: it ran, and stopped at once."""
+    relay = Relay(outbox, CallableSink(lambda m: None), listen=False)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(TypeError, match=r"stop must be an asyncio\.Event"):
+        await relay.run(stop)  # type: ignore[arg-type]
+    assert relay.stats.batches == 0
 
 
 @pytest.mark.parametrize("which", ["purge_dead", "purge_sent"])
