@@ -69,7 +69,7 @@ from grpc_idempotency.store.outbox_store import (
     OutboxStore,
     StateCount,
 )
-from grpc_idempotency.store.postgres import Store, one_store
+from grpc_idempotency.store.postgres import Store, one_store, vet_dsn
 
 __all__ = [
     "DEFAULT_PERMANENT_CODES",
@@ -603,6 +603,11 @@ class Relay:
             )
         if self._running:
             raise RuntimeError("this relay is already running")
+        if self.listen_dsn is not None and self._listen:
+            # Tried once first, as the CLI's --listen-dsn is: one the driver cannot use was
+            # taken for one not reachable yet, and LISTEN failed over and over.
+            application = {"application_name": "grpc-idempotency"}
+            await vet_dsn("listen_dsn", self.listen_dsn, server_settings=application)
         self._running = True
         failpoints.announce()  # a relay with failpoints armed says so when it starts
         stop = stop or asyncio.Event()

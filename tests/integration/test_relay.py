@@ -26,7 +26,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, StoreUnavailable
+from grpc_idempotency import DsnUnusable, Store, StoreUnavailable
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.outbox import (
     CallableSink,
@@ -813,6 +813,22 @@ async def test_a_stop_that_is_not_an_asyncio_event_is_refused(outbox: Store) -> 
     with pytest.raises(TypeError, match=r"stop must be an asyncio\.Event"):
         await relay.run(stop)  # type: ignore[arg-type]
     assert relay.stats.batches == 0
+
+
+async def test_a_listen_dsn_the_driver_cannot_use_is_refused_before_relaying(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CLI tries --listen-dsn once before relaying; ``Relay(listen_dsn=...)`` did not: the
+    relay ran on polling, failing to LISTEN over and over, a warning each time."""
+    relay = Relay(
+        outbox,
+        CallableSink(lambda m: None),
+        listen_dsn="postgresql://user:qqq/www@127.0.0.1:5432/db",  # an unencoded / in it
+    )
+    with pytest.raises(DsnUnusable, match="listen_dsn"):
+        await asyncio.wait_for(relay.run(asyncio.Event()), WAIT_S)
+    assert relay.stats.batches == 0
+    assert "qqq" not in caplog.text
 
 
 @pytest.mark.parametrize("which", ["purge_dead", "purge_sent"])

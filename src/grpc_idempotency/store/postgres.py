@@ -1530,31 +1530,15 @@ class _Probe:
 
     async def vet(self) -> None:
         """``Store.connect`` given a ``probe_dsn``: one the driver cannot parse or use is refused
-        (``DsnUnusable``, without the driver's text, which can quote pieces of the password).
-        Accepted, every probe failed, so every ambiguous outage let fail-open methods run
-        unclaimed, and each probe logged that text. One that does not answer now (it may when
-        it is needed) is only said in the log."""
-        conn: Any = None
-        try:
-            async with asyncio.timeout(PROBE_S):
-                conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **self.options)
-                await conn.close()
-        except Exception as exc:
-            if dsn_unusable(exc):
-                problem = unusable_file(self.dsn)
-                raise DsnUnusable(
-                    f"cannot use probe_dsn: {problem}"
-                    if problem
-                    else f"probe_dsn: {DsnUnusable().message}"
-                ) from None
+        (``vet_dsn``). Accepted, every probe failed, so every ambiguous outage let fail-open
+        methods run unclaimed, and each probe logged the driver's text. One that does not
+        answer now (it may when it is needed) is only said in the log."""
+        options = {"loop": asyncio.get_running_loop(), **self.options}
+        if not await vet_dsn("probe_dsn", self.dsn, self.connect, **options):
             log.warning(
-                "probe_dsn does not answer now (%s): until it does, an ambiguous store outage"
-                " counts as a real one (fail-open methods run unclaimed)",
-                type(exc).__name__,
+                "probe_dsn does not answer now: until it does, an ambiguous store outage counts"
+                " as a real one (fail-open methods run unclaimed)"
             )
-        finally:
-            if conn is not None and not connection_closed(conn):
-                conn.terminate()
 
     async def answers(self, timeout: float) -> bool:
         conn: Any = None
@@ -1575,6 +1559,36 @@ class _Probe:
             if conn is not None and not connection_closed(conn):
                 # Cut short (a timeout, a cancellation): close() would wait for the server.
                 conn.terminate()
+
+
+async def vet_dsn(
+    name: str, dsn: str, connect: Callable[..., Any] = asyncpg.connect, **options: Any
+) -> bool:
+    """Raises ``DsnUnusable`` naming ``name`` if the driver cannot parse or use ``dsn``, which
+    is connected to later, over and over (``probe_dsn``, a relay's ``listen_dsn``): each failure
+    then told as no answer, with nothing to say why (or the driver's text, which can quote
+    pieces of the password). Found by connecting once; returns whether it answered."""
+    unsent = unsendable(dsn)
+    if unsent is not None:
+        raise DsnUnusable(f"cannot use {name}: {unsent}")
+    if at_in_user_info(dsn):  # parses, but as another host: no answer, for ever
+        raise DsnUnusable(f"{name}: {DsnUnusable().message}")
+    conn: Any = None
+    try:
+        async with asyncio.timeout(PROBE_S):
+            conn = await connect(dsn, **options)
+            await conn.close()
+    except Exception as exc:
+        if dsn_unusable(exc):
+            problem = unusable_file(dsn)
+            raise DsnUnusable(
+                f"cannot use {name}: {problem}" if problem else f"{name}: {DsnUnusable().message}"
+            ) from None
+        return False  # unreachable, refused, not yet: its user tries again anyway
+    finally:
+        if conn is not None and not connection_closed(conn):
+            conn.terminate()  # cut short: close() would wait for the server
+    return True
 
 
 def _level(isolation: Isolation | None) -> str | None:
