@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         LeaseLost,
         MessageInProgress,
         NotInIdempotentCall,
+        OutboxKeyReused,
         PermanentDeliveryError,
         PolicyError,
         RequestInvalid,

@@ -41,6 +41,7 @@ from grpc_idempotency.core.propagation import (
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
+    HEADER_NAME,
     KEY_HEADER,
     LIBRARY_HEADERS,
     STEP_HEADER,
@@ -266,7 +267,19 @@ class IdempotencyClientInterceptor(_Interceptor):
         forward_metadata: Sequence[str] = (),
     ) -> None:
         self._registry = PolicyRegistry(services, overrides)
+        if isinstance(forward_metadata, str | bytes):
+            # A str is a sequence of one-letter names, none of them the header meant.
+            raise TypeError(
+                f"forward_metadata is a list of names: forward_metadata=[{forward_metadata!r}]"
+            )
         self._forward = tuple(h.lower() for h in forward_metadata)
+        for name in self._forward:
+            if not HEADER_NAME.fullmatch(name):
+                # No entry arrives under such a name: it would forward nothing, silently.
+                raise ValueError(
+                    f"forward_metadata: {name!r} is no gRPC metadata name (letters a-z, digits"
+                    " and - _ .)"
+                )
         refused = sorted(set(self._forward) & LIBRARY_HEADERS)
         if refused:
             # Forwarded, the serving call's own key reached every call that chose none (an

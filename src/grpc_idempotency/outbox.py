@@ -59,6 +59,7 @@ from grpc_idempotency.core.errors import (
 )
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
+from grpc_idempotency.scope import tenant_header
 from grpc_idempotency.store.outbox_store import (
     BIGINT_MAX,
     DeadLetter,
@@ -68,7 +69,7 @@ from grpc_idempotency.store.outbox_store import (
     OutboxStore,
     StateCount,
 )
-from grpc_idempotency.store.postgres import Store, one_store
+from grpc_idempotency.store.postgres import Store, one_store, vet_dsn
 
 __all__ = [
     "DEFAULT_PERMANENT_CODES",
@@ -144,6 +145,8 @@ class CallableSink:
     returns something else, not awaitable (a future), parks the message as a dead letter."""
 
     def __init__(self, fn: Callable[[OutboxMessage], Awaitable[object] | object]) -> None:
+        if not callable(fn):  # else every delivery failed until the message was a dead letter
+            raise TypeError(f"CallableSink takes a function of the message, not {fn!r}")
         self._fn = fn
 
     async def deliver(self, message: OutboxMessage) -> None:
@@ -192,6 +195,18 @@ class GrpcSink:
         parts = method.split("/")
         if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
             raise ValueError(f"method must look like /package.Service/Method, not {method!r}")
+        # Else each failed every delivery DEADLINE_EXCEEDED (gRPC's deadline overflows past
+        # about 1e10 s), or matched no status: every rejection retried to the last attempt.
+        if timeout is not None and not 0 < timeout <= MAX_DURATION_S:
+            raise ValueError(
+                f"timeout must be None or positive and at most {MAX_DURATION_S:g} s, not"
+                f" {timeout!r}"
+            )
+        if not all(isinstance(code, grpc.StatusCode) for code in permanent_codes):
+            raise TypeError(
+                "permanent_codes must be grpc.StatusCode members (grpc.StatusCode.NOT_FOUND),"
+                f" not {sorted(map(repr, permanent_codes))}"
+            )
         self.method = method
         self.metadata_for = metadata_for
         self.timeout = timeout
@@ -234,7 +249,11 @@ def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> Me
     the counterpart of ``MetadataScope(header, prefix=prefix)`` on the receiving side. A message
     whose scope lacks the prefix, or is not printable ASCII (all a gRPC metadata value may be),
     cannot be delivered with it (``PermanentDeliveryError``: a dead letter at once, instead of
-    failing on every try until then)."""
+    failing on every try until then). A header no delivery could send (not a metadata name, the
+    library's own, a -bin one) is a ``ValueError`` here, as ``MetadataScope`` refuses it; a
+    name in capitals is sent in lowercase, as ``MetadataScope`` reads it."""
+    # Else every message was a dead letter at its first delivery (gRPC refuses the name).
+    header = tenant_header(header, prefix, user="forward_scope")
 
     def metadata_for(message: OutboxMessage) -> list[tuple[str, str | bytes]]:
         if not message.scope.startswith(prefix) or len(message.scope) == len(prefix):
@@ -380,6 +399,16 @@ class Relay:
             delivery_timeout = lease / 2
         if not 0 < delivery_timeout < lease:
             raise ValueError("delivery_timeout must be positive and shorter than the lease")
+        # Each was accepted and failed only once rows were claimed: a function as the sink
+        # failed every delivery (until each message was a dead letter); another policy took
+        # run() down at its first batch.
+        if not isinstance(sink, Sink):
+            raise TypeError(
+                f"sink must be a Sink (an object with async deliver(message)), not {sink!r}:"
+                " wrap a function in CallableSink(fn)"
+            )
+        if not isinstance(policy, DeliveryPolicy):
+            raise TypeError(f"policy must be a DeliveryPolicy, not {policy!r}")
         store = one_store(store, user="Relay", per_shard="run one Relay per shard's Store")
         if listen and listen_dsn is None and store.pool.get_max_size() < 2:
             # LISTEN would hold the pool's only connection, and every claim wait for it forever.
@@ -565,8 +594,20 @@ class Relay:
         """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
         ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
         and are delivered again after the lease. Database outages are logged and waited out."""
+        if stop is not None and not isinstance(stop, asyncio.Event):
+            # A threading.Event's wait() blocks: awaited on the loop, it froze the whole loop
+            # (a gRPC server on it too) until the event was set.
+            raise TypeError(
+                f"stop must be an asyncio.Event, not {type(stop).__name__} (from another thread:"
+                " loop.call_soon_threadsafe(stop.set))"
+            )
         if self._running:
             raise RuntimeError("this relay is already running")
+        if self.listen_dsn is not None and self._listen:
+            # Tried once first, as the CLI's --listen-dsn is: one the driver cannot use was
+            # taken for one not reachable yet, and LISTEN failed over and over.
+            application = {"application_name": "grpc-idempotency"}
+            await vet_dsn("listen_dsn", self.listen_dsn, server_settings=application)
         self._running = True
         failpoints.announce()  # a relay with failpoints armed says so when it starts
         stop = stop or asyncio.Event()

@@ -58,6 +58,9 @@ class Purger:
             raise ValueError("batch_size must be positive and at most 2**63 - 1 (a bigint)")
         if not (0 <= pause < math.inf):
             raise ValueError("pause must be finite and not negative")
+        if not isinstance(store, Store | ShardedStores):
+            # Else its task died at the first run (unseen until stop()), and nothing was purged.
+            raise TypeError(f"Purger takes a Store or ShardedStores, not {type(store).__name__}")
         self.store = store
         self.interval = interval
         self.batch_size = batch_size

@@ -95,24 +95,8 @@ class MetadataScope:
     """
 
     def __init__(self, header: str = "x-tenant-id", *, prefix: str = "tenant:") -> None:
-        name = header.lower()
         # Refused now rather than on every call: no call could ever have a scope, or worse.
-        if not HEADER_NAME.fullmatch(name):
-            raise ValueError(
-                f"MetadataScope: header {header!r}: gRPC metadata names are letters a-z,"
-                " digits and - _ ."
-            )
-        if name in LIBRARY_HEADERS - {KEY_HEADER_BIN}:
-            # The key as the scope: two tenants who pick one key share its record.
-            raise ValueError(f"MetadataScope: {name!r} is the library's own header")
-        if name.endswith("-bin"):
-            raise ValueError(
-                f"MetadataScope: {name!r} is binary metadata (-bin), whose values are bytes;"
-                " send the tenant as text"
-            )
-        if "\x00" in prefix:
-            raise ValueError("MetadataScope: the prefix holds NUL, which no scope can hold")
-        self.header = name
+        self.header = tenant_header(header, prefix, user="MetadataScope")
         self.prefix = prefix
 
     def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
@@ -120,6 +104,27 @@ class MetadataScope:
         if len(values) != 1 or not isinstance(values[0], str) or not values[0]:
             raise ScopeUnavailable(f"expected exactly one {self.header!r} metadata entry")
         return self.prefix + values[0]
+
+
+def tenant_header(header: str, prefix: str, *, user: str) -> str:
+    """``header`` as gRPC names it (lowercase), checked for carrying a tenant as a scope's text
+    after ``prefix``: ``MetadataScope`` reads it, ``forward_scope`` sends it."""
+    name = header.lower()
+    if not HEADER_NAME.fullmatch(name):
+        raise ValueError(
+            f"{user}: header {header!r}: gRPC metadata names are letters a-z, digits and - _ ."
+        )
+    if name in LIBRARY_HEADERS - {KEY_HEADER_BIN}:
+        # The key as the scope: two tenants who pick one key share its record.
+        raise ValueError(f"{user}: {name!r} is the library's own header")
+    if name.endswith("-bin"):
+        raise ValueError(
+            f"{user}: {name!r} is binary metadata (-bin), whose values are bytes;"
+            " send the tenant as text"
+        )
+    if "\x00" in prefix:
+        raise ValueError(f"{user}: the prefix holds NUL, which no scope can hold")
+    return name
 
 
 def is_async(fn: object) -> bool:

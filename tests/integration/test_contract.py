@@ -14,7 +14,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import IdempotencyInterceptor, MethodOverride, StaticScope, Store
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    StaticScope,
+    Store,
+)
 from grpc_idempotency.core.codes import Code
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
@@ -236,6 +242,16 @@ def test_an_async_scope_resolver_is_refused_at_construction(store: Store) -> Non
         StaticScope("\U0001f600" * 300)
 
 
+def test_a_resolver_class_given_instead_of_a_resolver_is_refused_at_construction(
+    store: Store,
+) -> None:
+    """``scope=MetadataScope`` (the parentheses forgotten) is callable: each call built a
+    resolver from its context and failed, every keyed call INTERNAL."""
+    for resolver in (MetadataScope, StaticScope):
+        with pytest.raises(TypeError, match=rf"{resolver.__name__}\(\.\.\.\)"):
+            IdempotencyInterceptor(store, scope=resolver)  # type: ignore[arg-type]
+
+
 async def test_an_unawaited_store_is_refused_at_construction(pg_dsn: str) -> None:
     """``IdempotencyInterceptor(Store.connect(dsn))``, the ``await`` forgotten: every call failed
     with UNKNOWN ("'coroutine' object has no attribute ..."), and the coroutine was reported
@@ -244,6 +260,36 @@ async def test_an_unawaited_store_is_refused_at_construction(pg_dsn: str) -> Non
     with pytest.raises(TypeError, match=r"not a coroutine: await it \(store = await Store"):
         IdempotencyInterceptor(pending)  # type: ignore[arg-type]  # on purpose
     assert inspect.getcoroutinestate(pending) == "CORO_CLOSED"  # no "never awaited" warning
+
+
+async def test_a_store_that_is_not_a_store_is_refused_at_construction(
+    store: Store, pg_dsn: str
+) -> None:
+    """The store's asyncpg pool, or its DSN, was accepted: every keyed call then failed with
+    UNKNOWN ("'Pool' object has no attribute ...")."""
+    for wrong in (store.pool, pg_dsn, None):
+        with pytest.raises(TypeError, match="store must be a Store or ShardedStores, not a"):
+            IdempotencyInterceptor(wrong)  # type: ignore[arg-type]  # on purpose
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("herd_release", 8),
+        ("telemetry", True),
+        ("sync_executor", 4),
+        ("replay_cache", 5000),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_refused_at_construction(
+    store: Store, option: str, value: object
+) -> None:
+    """Accepted, ``herd_release=8`` answered every keyed call UNKNOWN after its write had
+    committed ('int' object has no attribute 'per_batch'), ``telemetry=True`` every keyed call
+    UNKNOWN, ``sync_executor=4`` every sync handler's call; ``replay_cache=5000`` (a size, say)
+    was taken for True, the default cache."""
+    with pytest.raises(TypeError, match=f"^{option} must be "):
+        IdempotencyInterceptor(store, **{option: value})  # type: ignore[arg-type]
 
 
 async def test_missing_scope_is_refused_before_the_store(ledger: RunningLedger) -> None:

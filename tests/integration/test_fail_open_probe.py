@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,9 +25,10 @@ from typing import Any
 
 import asyncpg
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store
+from grpc_idempotency import DsnUnusable, Store
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import RunningLedger, fresh, prepare, records_locked, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
@@ -189,6 +191,30 @@ async def test_probe_dsn_is_where_the_probe_connects(pg_dsn: str, db: asyncpg.Co
         assert not await store.answers(2.0)
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "probe_dsn",
+    [
+        "postgresql://user:qqq/www@127.0.0.1:5432/db",  # an unencoded / in the password
+        "postgresql://user:qqqwww@127.0.0.1:5432/db?sslmode=qqq",
+        "postgresql://user:qqq@www@127.0.0.1:5432/db",  # an unencoded @
+    ],
+)
+async def test_a_probe_dsn_the_driver_cannot_use_is_refused_at_connect_unquoted(
+    pg_dsn: str, probe_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was accepted: every probe then failed, so every ambiguous outage (a table locked past
+    the call's statements) let fail-open methods run unclaimed, and each probe logged the
+    driver's text, a piece of the password in it (ValueError("invalid literal for int() with
+    base 10: 'qqq'"))."""
+    with (
+        caplog.at_level(logging.DEBUG, logger="grpc_idempotency"),
+        pytest.raises(DsnUnusable, match="probe_dsn") as raised,
+    ):
+        await Store.connect(pg_dsn, probe_dsn=probe_dsn)
+    assert "qqq" not in str(raised.value)
+    assert "qqq" not in caplog.text
 
 
 async def test_behind_pgbouncer_a_direct_probe_keeps_a_locked_table_closed(

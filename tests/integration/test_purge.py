@@ -215,6 +215,16 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
     assert await keys(purge_store) == []
 
 
+async def test_a_purger_of_something_that_is_not_a_store_is_refused_when_made(
+    purge_store: Store, pg_dsn: str
+) -> None:
+    """The store's pool (or its DSN) was accepted: the purger's task died at its first run
+    ('Pool' object has no attribute 'purge'), unseen until stop(), and nothing was purged."""
+    for wrong in (purge_store.pool, pg_dsn):
+        with pytest.raises(TypeError, match="Purger takes a Store or ShardedStores, not"):
+            Purger(wrong)  # type: ignore[arg-type]
+
+
 async def test_cli_purge_with_a_pause(purge_store: Store, pg_dsn: str) -> None:
     await insert(
         purge_store,

@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -25,7 +26,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, StoreUnavailable
+from grpc_idempotency import DsnUnusable, Store, StoreUnavailable
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.outbox import (
     CallableSink,
@@ -770,6 +771,64 @@ def test_relay_arguments_are_checked() -> None:
     ):
         with pytest.raises(ValueError):
             Relay(store, sink, **bad)
+
+
+async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
+    outbox: Store,
+) -> None:
+    """Each was accepted, and failed only once rows were claimed: a plain function as the sink
+    (no ``deliver``), or a ``CallableSink`` of a non-callable, failed every delivery until each
+    message was a dead letter; a policy that is not a ``DeliveryPolicy`` took ``run()`` down at
+    its first batch, the batch's rows left claimed for a lease; permanent codes given as names
+    matched no status (every rejection retried to the last attempt); a sink timeout of 0, -1,
+    NaN or inf (gRPC's deadline overflows) failed every delivery DEADLINE_EXCEEDED."""
+
+    async def send(message: OutboxMessage) -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"CallableSink\(fn\)"):
+        Relay(outbox, send)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="policy must be a DeliveryPolicy"):
+        Relay(outbox, CallableSink(send), policy=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="CallableSink takes a function"):
+        CallableSink(5)  # type: ignore[arg-type]
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")
+    try:
+        with pytest.raises(TypeError, match="permanent_codes"):
+            GrpcSink(channel, "/a.B/C", permanent_codes=["NOT_FOUND"])  # type: ignore[list-item]
+        for timeout in (0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="timeout"):
+                GrpcSink(channel, "/a.B/C", timeout=timeout)
+    finally:
+        await channel.close(None)
+
+
+async def test_a_stop_that_is_not_an_asyncio_event_is_refused(outbox: Store) -> None:
+    """A threading.Event was waited on by a task of the relay's, on the event loop's thread:
+    the whole loop (a gRPC server on it too) froze until the event was set. Set already here,
+    so that the test cannot freeze: it ran, and stopped at once."""
+    relay = Relay(outbox, CallableSink(lambda m: None), listen=False)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(TypeError, match=r"stop must be an asyncio\.Event"):
+        await relay.run(stop)  # type: ignore[arg-type]
+    assert relay.stats.batches == 0
+
+
+async def test_a_listen_dsn_the_driver_cannot_use_is_refused_before_relaying(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CLI tries --listen-dsn once before relaying; ``Relay(listen_dsn=...)`` did not: the
+    relay ran on polling, failing to LISTEN over and over, a warning each time."""
+    relay = Relay(
+        outbox,
+        CallableSink(lambda m: None),
+        listen_dsn="postgresql://user:qqq/www@127.0.0.1:5432/db",  # an unencoded / in it
+    )
+    with pytest.raises(DsnUnusable, match="listen_dsn"):
+        await asyncio.wait_for(relay.run(asyncio.Event()), WAIT_S)
+    assert relay.stats.batches == 0
+    assert "qqq" not in caplog.text
 
 
 @pytest.mark.parametrize("which", ["purge_dead", "purge_sent"])

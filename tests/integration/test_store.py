@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable
+from grpc_idempotency import IdempotencyError, Store, StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.migrations import applied_versions, available_migrations
 from grpc_idempotency.store.sql import (
     bytes_literal,
@@ -408,6 +409,47 @@ def test_bad_literals_and_names_are_refused() -> None:
 async def test_unreachable_store_raises_store_unavailable() -> None:
     with pytest.raises(StoreUnavailable):
         await Store.connect("postgresql://postgres@/postgres?host=/nonexistent&port=1", min_size=1)
+
+
+@pytest.mark.parametrize("value", [0, -1.5, math.nan, math.inf, "30", True])
+async def test_a_bad_command_timeout_is_refused_by_name_not_blamed_on_the_dsn(
+    pg_dsn: str, value: object
+) -> None:
+    # asyncpg's own check of it raised from its connection-parameter module, and was told as
+    # "the DSN cannot be parsed" (not retryable, "check the password's encoding"); NaN and inf
+    # were taken for "no timeout" without a word.
+    with pytest.raises((ValueError, TypeError), match="command_timeout") as raised:
+        await Store.connect(pg_dsn, command_timeout=value)  # type: ignore[arg-type]
+    assert not isinstance(raised.value, StoreMisconfigured)
+
+
+async def test_a_bad_connection_option_is_the_drivers_value_error_not_the_dsns(
+    pg_dsn: str,
+) -> None:
+    with pytest.raises(ValueError, match="statement_cache_size") as raised:
+        await Store.connect(pg_dsn, statement_cache_size=-1)
+    assert not isinstance(raised.value, StoreMisconfigured)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("timeout", 0),
+        ("timeout", -1),
+        ("timeout", math.nan),
+        ("timeout", "5"),
+        ("server_settings", {"statement_timeout": 5000}),
+        ("server_settings", [("statement_timeout", "5s")]),
+    ],
+)
+async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outage(
+    pg_dsn: str, option: str, value: object
+) -> None:
+    # A timeout of 0 or -1 was "store unavailable while connecting" (an outage: retry), NaN no
+    # timeout at all; a server setting given as an int was "the DSN cannot be parsed".
+    with pytest.raises((ValueError, TypeError), match=option) as raised:
+        await Store.connect(pg_dsn, **{option: value})  # type: ignore[arg-type]
+    assert not isinstance(raised.value, IdempotencyError)
 
 
 def test_cli_migrate_and_purge(pg_dsn: str) -> None:

@@ -24,3 +24,17 @@ def test_the_librarys_headers_are_refused(header: str) -> None:
 def test_other_headers_are_forwarded() -> None:
     interceptor = IdempotencyClientInterceptor(forward_metadata=["Authorization", "x-tenant"])
     assert interceptor._forward == ("authorization", "x-tenant")
+
+
+def test_a_single_name_given_as_a_str_is_refused() -> None:
+    """A str is a sequence of one-letter names: ``forward_metadata="x-tenant-id"`` forwarded
+    "x", "-", "t"... and never the tenant, without a word."""
+    with pytest.raises(TypeError, match=r"forward_metadata=\['x-tenant-id'\]"):
+        IdempotencyClientInterceptor(forward_metadata="x-tenant-id")
+
+
+@pytest.mark.parametrize("name", ["x tenant", "x-tenant:", "", "tenant\n", "ténant"])
+def test_a_name_no_metadata_entry_can_have_is_refused(name: str) -> None:
+    """gRPC sends no entry under such a name: it was accepted and forwarded nothing."""
+    with pytest.raises(ValueError, match="forward_metadata: "):
+        IdempotencyClientInterceptor(forward_metadata=["x-tenant", name])

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
 
 import pytest
 from hypothesis import given
@@ -36,10 +37,11 @@ def test_malformed_keys_are_refused(metadata: list[tuple[str, str | bytes]], pro
         key_from_metadata(metadata)
 
 
-@pytest.mark.parametrize("key", [b"order-1", 42, ["order-1"]])
+@pytest.mark.parametrize("key", [None, b"order-1", uuid.UUID(int=1), 42, ["order-1"]])
 def test_a_key_that_is_not_a_str_is_refused_clearly(key: object) -> None:
     """``Operation(b"order-1")`` (a key read back from the database as bytes) raised re's "cannot
-    use a string pattern on a bytes-like object", an int len()'s TypeError."""
+    use a string pattern on a bytes-like object", an int or a UUID len()'s TypeError, and
+    ``Operation(None)`` said the key was empty."""
     for make in (validate_key, Operation):
         with pytest.raises(KeyInvalid, match=f"a str, not {type(key).__name__}"):
             make(key)  # type: ignore[arg-type]

@@ -291,6 +291,24 @@ def test_an_atomic_override_is_checked_against_the_steps_like_the_proto() -> Non
     assert policy is not None and policy.mode is Mode.ATOMIC
 
 
+@pytest.mark.parametrize(
+    ("field", "fields"),
+    [
+        ("retired_at", {"name": "x.v1", "outbox": True, "retired_at": "2026-01-01T00:00:00Z"}),
+        ("name", {"name": 5, "outbox": True}),
+        ("call", {"name": "x.v1", "call": 5}),
+        ("outbox", {"name": "x.v1", "outbox": "yes"}),
+    ],
+)
+def test_a_step_field_of_the_wrong_type_is_refused_where_it_is_written(
+    field: str, fields: dict[str, Any]
+) -> None:
+    """A retired_at given as an ISO string failed the server's start with a raw AttributeError
+    ('str' object has no attribute 'utcoffset'), a call as an int with another."""
+    with pytest.raises(TypeError, match=f"^Step.{field} must be "):
+        Step(**fields)
+
+
 def test_a_naive_retired_at_is_refused_when_the_policy_is_compiled() -> None:
     """A naive retired_at used to pass, then every downstream call of the handler failed with a
     raw TypeError (offset-naive vs offset-aware) answered UNKNOWN."""
@@ -423,7 +441,7 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
 
     bad = method_with(lambda o: o.steps.add(name="Bad Name", call="a.B/C") and None)
     streaming = method_with(lambda o: o.SetInParent(), streaming=True)
-    store: Store = object()  # type: ignore[assignment]  # never touched while compiling
+    store = Store(object())  # type: ignore[arg-type]  # its pool is never touched compiling
     for method, message in ((bad, "does not match"), (streaming, "unary")):
         with pytest.raises(PolicyError, match=message) as caught:
             IdempotencyInterceptor(store, services=[method.containing_service])
@@ -457,7 +475,7 @@ def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(
     default cache, whatever the number said."""
     from grpc_idempotency import IdempotencyInterceptor, Store
 
-    store: Store = object()  # type: ignore[assignment]  # never touched while building
+    store = Store(object())  # type: ignore[arg-type]  # its pool is never touched building
     with pytest.raises(TypeError, match=f"^{argument} must be"):
         IdempotencyInterceptor(store, **{argument: value})  # type: ignore[arg-type]
 
@@ -524,7 +542,7 @@ def test_a_step_calling_a_method_its_imported_service_lacks_is_refused_at_start(
     from grpc_idempotency import IdempotencyClientInterceptor, IdempotencyInterceptor, Store
     from grpc_idempotency.registry import PolicyRegistry, check_step_targets
 
-    store: Store = object()  # type: ignore[assignment]  # never touched while building
+    store = Store(object())  # type: ignore[arg-type]  # its pool is never touched building
     relay = "testsvc.v1.RelayService/Forward"
 
     def stepping(call: str) -> dict[str, MethodOverride]:

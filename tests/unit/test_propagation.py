@@ -203,6 +203,15 @@ def test_a_nan_max_attempts_is_refused() -> None:
         RetryPolicy(max_attempts=float("nan"))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [float("inf"), 1e308, 2.5, True, "5", None])
+def test_a_max_attempts_that_is_not_a_whole_number_is_refused(bad: object) -> None:
+    """inf passed the NaN guard and retried for ever, as NaN had (1e308 alike, for any caller's
+    lifetime); "5" and None raised a raw comparison TypeError; True meant one attempt.
+    ``DeliveryPolicy`` refuses them all."""
+    with pytest.raises(ValueError, match="max_attempts must be at least 1"):
+        RetryPolicy(max_attempts=bad)  # type: ignore[arg-type]
+
+
 def test_service_config_shape() -> None:
     assert service_config([]) == {}
     config = service_config([CHARGE, CHARGE, EMAIL], max_attempts=9)

@@ -53,3 +53,23 @@ def test_public_names_are_importable_by_name() -> None:
     with pytest.raises(AttributeError):
         grpc_idempotency.NoSuchName  # noqa: B018
     assert set(grpc_idempotency.__all__) <= set(dir(grpc_idempotency))
+
+
+def test_every_public_name_is_imported_for_type_checkers() -> None:
+    """Names are resolved lazily (``__getattr__``); type checkers read the ``TYPE_CHECKING``
+    imports instead, and a name missing there is ``Any`` to them: ``OutboxKeyReused`` was, so
+    a strict user could not subclass it ("has type Any") and its attributes went unchecked."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(grpc_idempotency.__file__).read_text())
+    imported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for stmt in node.body
+        if isinstance(stmt, ast.ImportFrom)
+        for alias in stmt.names
+    }
+    lazy = set(grpc_idempotency.__all__) - {"proto_include"}  # defined in the module itself
+    assert lazy - imported == set()

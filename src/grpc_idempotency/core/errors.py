@@ -6,11 +6,14 @@
     ├── KeyInvalid                       INVALID_ARGUMENT  IDEMPOTENCY_KEY_INVALID
     ├── RequestInvalid                   INVALID_ARGUMENT  IDEMPOTENCY_REQUEST_INVALID
     ├── ScopeUnavailable                 UNAUTHENTICATED   IDEMPOTENCY_SCOPE_UNAVAILABLE
+    ├── ScopeResolverFailed              INTERNAL          IDEMPOTENCY_SCOPE_RESOLVER_FAILED
     ├── KeyReused                        FAILED_PRECONDITION IDEMPOTENCY_KEY_REUSED
+    ├── OutboxKeyReused                  FAILED_PRECONDITION IDEMPOTENCY_OUTBOX_KEY_REUSED
     ├── KeyInProgress                    ABORTED           IDEMPOTENCY_KEY_IN_PROGRESS (retry_after)
     │   └── MessageInProgress            (a consumer's concurrent delivery of the same message)
     ├── StoreUnavailable                 UNAVAILABLE       IDEMPOTENCY_STORE_UNAVAILABLE
     │   └── StoreMisconfigured           INTERNAL          IDEMPOTENCY_STORE_MISCONFIGURED
+    │       └── DsnUnusable              (Store.connect: a DSN the driver cannot parse or use)
     ├── TransactionConflict              ABORTED           IDEMPOTENCY_TRANSACTION_CONFLICT
     ├── HandlerDatabaseError             INTERNAL          IDEMPOTENCY_HANDLER_DATABASE_ERROR
     ├── AbortInvalid                     INTERNAL          IDEMPOTENCY_ABORT_INVALID
@@ -18,6 +21,7 @@
     ├── LeaseLost                        ABORTED           IDEMPOTENCY_LEASE_LOST
     ├── StepUndeclared                   FAILED_PRECONDITION IDEMPOTENCY_STEP_UNDECLARED
     ├── StepAmbiguous                    FAILED_PRECONDITION IDEMPOTENCY_STEP_AMBIGUOUS
+    ├── StepReused                       FAILED_PRECONDITION IDEMPOTENCY_STEP_REUSED
     ├── TransactionOpen                  FAILED_PRECONDITION IDEMPOTENCY_TRANSACTION_OPEN
     ├── DeliveryError                    UNAVAILABLE       IDEMPOTENCY_DELIVERY_FAILED (relay sinks)
     │   └── PermanentDeliveryError       FAILED_PRECONDITION IDEMPOTENCY_DELIVERY_REJECTED

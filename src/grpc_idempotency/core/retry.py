@@ -31,10 +31,11 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         # grpc.StatusCode members compared unequal to every Code: such a policy never retried.
         object.__setattr__(self, "retryable", frozenset(map(_code, self.retryable)))
-        # `not x >= 1` rather than `x < 1`: NaN compares false both ways, and a NaN
-        # max_attempts was never reached (delay_s retried for ever).
-        if not self.max_attempts >= 1:
-            raise ValueError("max_attempts must be at least 1")
+        # A whole number, as DeliveryPolicy's: NaN compares false both ways and inf is never
+        # reached (delay_s retried for ever), a str failed a raw comparison, True meant 1.
+        attempts = self.max_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, a whole number; not {attempts!r}")
         if not (0 < self.initial_backoff_s <= self.max_backoff_s < math.inf):
             raise ValueError(
                 "backoffs must be positive and finite, and max_backoff_s >= initial_backoff_s"

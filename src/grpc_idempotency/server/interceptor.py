@@ -247,6 +247,12 @@ class IdempotencyInterceptor(_Interceptor):
                 f"store must be a Store or ShardedStores, not a {type(store).__name__}: await"
                 " it (store = await Store.connect(dsn))"
             )
+        if not isinstance(store, Store | ShardedStores):
+            # The store's pool or DSN failed every keyed call with UNKNOWN (an AttributeError).
+            raise TypeError(
+                f"store must be a Store or ShardedStores, not a {type(store).__name__}: pass"
+                " store = await Store.connect(dsn)"
+            )
         self.store = store
         if sync_executor is not None and (
             not isinstance(sync_executor, Executor)
@@ -291,6 +297,13 @@ class IdempotencyInterceptor(_Interceptor):
             self._replay_cache = replay_cache
         elif replay_cache:
             self._replay_cache = ReplayCache()
+        if isinstance(scope, type):
+            # MetadataScope without its parentheses: each call built one from its context, and
+            # every keyed call failed INTERNAL.
+            raise TypeError(
+                f"scope must be a resolver, not the class {scope.__name__}: pass an instance,"
+                f" {scope.__name__}(...)"
+            )
         if not callable(scope) or is_async(scope):
             raise TypeError(
                 "scope must be a plain (not async) function of the call's context returning a"

@@ -164,9 +164,24 @@ def dsn_unusable(exc: BaseException) -> bool:
         # ssl.SSLCertVerificationError (a server certificate failing verify-full; a ValueError
         # too) comes later, from connecting, and stays a connection failure.
         return _raised_in_function(exc, "asyncpg.connect_utils", "_parse_connect_dsn_and_args")
+    if _raised_by(exc, "asyncpg.connect_utils", "_parse_connect_arguments"):
+        # Its own checks of keyword arguments (statement_cache_size=-1): the caller's, and the
+        # message names the argument and quotes no part of the DSN.
+        return False
     return isinstance(
         exc, (ValueError, LookupError, ArithmeticError, TypeError)
     ) and raised_in_asyncpg(exc, "asyncpg.connect_utils")
+
+
+def _raised_by(exc: BaseException, module: str, function: str) -> bool:
+    """Whether ``exc`` was raised by ``module``'s ``function`` itself (its innermost frame)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame
+    return frame.f_code.co_name == function and frame.f_globals.get("__name__") == module
 
 
 def _raised_in_function(exc: BaseException, module: str, function: str) -> bool:

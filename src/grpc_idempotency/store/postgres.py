@@ -431,6 +431,30 @@ def _checked_acquire_timeout(value: float | None) -> float | None:
     return value
 
 
+def _checked_seconds(name: str, value: object) -> None:
+    # Checked here: asyncpg's own check of command_timeout raises from its connection-parameter
+    # module, where it was told as "the DSN cannot be parsed"; a connect timeout of 0 or less
+    # timed every connection out, told as an outage; NaN and inf meant no timeout at all.
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be None or a number of seconds, not {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be None (no timeout) or positive and finite, not {value!r}")
+
+
+def _checked_server_settings(value: object) -> None:
+    # asyncpg refuses any other with a ClientConfigurationError, told as "the DSN cannot be
+    # parsed" (statement_timeout=5000, an int, is the likely slip).
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"server_settings must be a dict of str to str, not {value!r}")
+    wrong = {k: v for k, v in value.items() if not (isinstance(k, str) and isinstance(v, str))}
+    if wrong:
+        raise TypeError(f"server_settings must map str to str (give numbers as text): {wrong!r}")
+
+
 class Store:
     """Idempotency records in PostgreSQL, under their own schema."""
 
@@ -509,11 +533,20 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
+        _checked_seconds("command_timeout", command_timeout)
+        _checked_seconds("timeout", pool_options.get("timeout"))
+        _checked_server_settings(pool_options.get("server_settings"))
         unsent = unsendable(dsn)
         if unsent is not None:  # never quoted: it may hold a password
             raise DsnUnusable(f"cannot use the DSN: {unsent}")
         if at_in_user_info(dsn):
             raise DsnUnusable()  # the fixed message: percent-encode @ as %40
+        if probe_dsn is not None:
+            unsent = unsendable(probe_dsn)
+            if unsent is not None:
+                raise DsnUnusable(f"cannot use probe_dsn: {unsent}")
+            if at_in_user_info(probe_dsn):
+                raise DsnUnusable(f"probe_dsn: {DsnUnusable().message}")
         pool_options.setdefault("reset", _no_session_reset)
         if command_timeout is not None:
             # A connection the pool opens for a call (after a restart, or to grow) is bounded
@@ -546,6 +579,8 @@ class Store:
         options.setdefault("record_class", asyncpg.Record)
         store._probe = _Probe(connect, dsn if probe_dsn is None else probe_dsn, options)
         try:
+            if probe_dsn is not None:
+                await store._probe.vet()
             if migrate:
                 await store.migrate()
                 newer = await store.newer_migrations()
@@ -1497,6 +1532,18 @@ class _Probe:
     dsn: str
     options: dict[str, Any]
 
+    async def vet(self) -> None:
+        """``Store.connect`` given a ``probe_dsn``: one the driver cannot parse or use is refused
+        (``vet_dsn``). Accepted, every probe failed, so every ambiguous outage let fail-open
+        methods run unclaimed, and each probe logged the driver's text. One that does not
+        answer now (it may when it is needed) is only said in the log."""
+        options = {"loop": asyncio.get_running_loop(), **self.options}
+        if not await vet_dsn("probe_dsn", self.dsn, self.connect, **options):
+            log.warning(
+                "probe_dsn does not answer now: until it does, an ambiguous store outage counts"
+                " as a real one (fail-open methods run unclaimed)"
+            )
+
     async def answers(self, timeout: float) -> bool:
         conn: Any = None
         try:
@@ -1516,6 +1563,36 @@ class _Probe:
             if conn is not None and not connection_closed(conn):
                 # Cut short (a timeout, a cancellation): close() would wait for the server.
                 conn.terminate()
+
+
+async def vet_dsn(
+    name: str, dsn: str, connect: Callable[..., Any] = asyncpg.connect, **options: Any
+) -> bool:
+    """Raises ``DsnUnusable`` naming ``name`` if the driver cannot parse or use ``dsn``, which
+    is connected to later, over and over (``probe_dsn``, a relay's ``listen_dsn``): each failure
+    then told as no answer, with nothing to say why (or the driver's text, which can quote
+    pieces of the password). Found by connecting once; returns whether it answered."""
+    unsent = unsendable(dsn)
+    if unsent is not None:
+        raise DsnUnusable(f"cannot use {name}: {unsent}")
+    if at_in_user_info(dsn):  # parses, but as another host: no answer, for ever
+        raise DsnUnusable(f"{name}: {DsnUnusable().message}")
+    conn: Any = None
+    try:
+        async with asyncio.timeout(PROBE_S):
+            conn = await connect(dsn, **options)
+            await conn.close()
+    except Exception as exc:
+        if dsn_unusable(exc):
+            problem = unusable_file(dsn)
+            raise DsnUnusable(
+                f"cannot use {name}: {problem}" if problem else f"{name}: {DsnUnusable().message}"
+            ) from None
+        return False  # unreachable, refused, not yet: its user tries again anyway
+    finally:
+        if conn is not None and not connection_closed(conn):
+            conn.terminate()  # cut short: close() would wait for the server
+    return True
 
 
 def _level(isolation: Isolation | None) -> str | None:
