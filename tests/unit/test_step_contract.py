@@ -871,6 +871,27 @@ def test_a_rename_breaks_whether_or_not_the_old_name_is_kept_retired(
         assert found == [(Change.STEP_REMOVED, gone.name)]
 
 
+def test_a_name_keyed_anew_beside_another_names_breaking_change_is_found_too() -> None:
+    """An old version declared retired beside the active one (b.v1 next to b.v2) keys the
+    operations begun before its retirement with b.v1, which they never used; the backstop that
+    finds it ran only when no other change was breaking, so with a step removed in the same
+    change (d.v1) only the removal was reported, and its fix, applied, failed the check again.
+    Found by ``test_the_fixes_printed_together_pass_the_check``."""
+    names = ["a.v1", "b.v2", "c.v1", "d.v1"]
+    before = MethodSteps(
+        retention=timedelta(seconds=1), steps=tuple(Step(name=n, call=CHARGE) for n in names)
+    )
+    after = replace(
+        before,
+        steps=(*before.steps[:3], Step(name="b.v1", call=CHARGE, retired_at=NOW)),
+    )
+    report = check_contract({PLACE: before}, {PLACE: after}, now=NOW)
+    found = {(f.change, f.step) for f in report.breaking}
+    assert found == {(Change.STEP_REMOVED, "d.v1"), (Change.OPERATIONS_REKEYED, "b.v2")}
+    fixed = apply_fixes(after, report)
+    assert check_contract({PLACE: before}, {PLACE: fixed}, now=NOW).ok
+
+
 @given(method_steps(one_active_version=True), st.data())
 def test_the_fixes_printed_together_pass_the_check(
     before: MethodSteps, data: st.DataObject
