@@ -94,3 +94,26 @@ async def test_a_fail_open_call_refuses_a_grpc_timeout_trailer_too(tmp_path: Pat
             assert answer.code is grpc.StatusCode.INTERNAL, answer
             assert answer.reason() == "IDEMPOTENCY_ABORT_INVALID"
             assert "running without deduplication" in server.logs()  # it did fail open
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "optional-key-without-one"])
+async def test_a_grpc_timeout_in_the_handlers_initial_metadata_fails_the_call_only(
+    store: Store, pg_dsn: str, tmp_path: Path, keyed: bool
+) -> None:
+    """``context.send_initial_metadata((("grpc-timeout", ...),))`` fails the same C-core check
+    as the trailer, as it is sent: the server process died (SIGABRT) with every call it held.
+    gRPC's own, with or without the library; the library's context checks the entries as it
+    checks trailers: INTERNAL, the writes rolled back, the key released, the server up."""
+    key, account = (fresh() if keyed else None), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, behaviour="initial:grpc-timeout=1S")
+    method = POST if keyed else POST_OPTIONAL
+    async with ledger_process(pg_dsn, tmp_path) as (server, channel):
+        first = await call_raw(channel, method, request, metadata(key), 10)
+        assert server.returncode is None, server.logs()
+        assert first.code is grpc.StatusCode.INTERNAL, first
+        assert first.reason() == "IDEMPOTENCY_ABORT_INVALID"
+        assert "send_initial_metadata()" in (first.details or "")
+        again = await call_raw(channel, method, request, metadata(key), 10)
+        assert again.code is grpc.StatusCode.INTERNAL and not again.replayed, again
+        assert server.returncode is None, server.logs()
+    assert await ledger_rows(store, account) == 0

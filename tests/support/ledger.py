@@ -14,7 +14,8 @@ violates a constraint checked only at COMMIT;
 NOT_FOUND and set_details(); set_details() and OK); "rich" aborts with rich
 details (grpc-status-details-bin), "rich-before" sets them as trailers, then aborts without any;
 "trailer:NAME=VALUE" aborts NOT_FOUND with that trailer, "set-trailer:NAME=VALUE" sets it and
-answers OK ("set-trailer:NAME=VALUE;CODE": sets it, then aborts with CODE without trailers); "return-none" returns None after its write (a bug gRPC cannot serialize); "run-on-loop" calls
+answers OK ("set-trailer:NAME=VALUE;CODE": sets it, then aborts with CODE without trailers);
+"initial:NAME=VALUE" sends that entry as initial metadata and answers OK; "return-none" returns None after its write (a bug gRPC cannot serialize); "run-on-loop" calls
 ``current_call().run(...)``, which is for sync handlers, from this async one;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
 the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
@@ -252,6 +253,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             context.set_trailing_metadata(((name, value),))
             if then:
                 await context.abort(getattr(grpc.StatusCode, then), f"handler says {then}")
+        if behaviour.startswith("initial:"):  # NAME=VALUE as initial metadata, then OK
+            name, _, value = behaviour.partition(":")[2].partition("=")
+            await context.send_initial_metadata(((name, value),))
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
         if behaviour == "run-on-loop":  # a helper written for sync handlers, called here

@@ -187,7 +187,8 @@ class HandlerDatabaseError(IdempotencyError):
 class AbortInvalid(IdempotencyError, ValueError):
     """A handler's ``context.abort()`` gave trailing metadata gRPC cannot send (a bad name, a
     str under a "-bin" name, a value that is not printable ASCII). Raised by the abort itself,
-    before anything is recorded; the key is released. A ``ValueError`` too: bad arguments."""
+    before anything is recorded; the key is released. A ``ValueError`` too: bad arguments.
+    Also raised by the handler's ``send_initial_metadata()`` given such entries."""
 
     status_code = Code.INTERNAL
     reason = "IDEMPOTENCY_ABORT_INVALID"

@@ -39,8 +39,23 @@ def sendable_trailers(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], 
     trailers only when it sends them, which for a keyed call is after the outcome they go with
     was committed (the first answer UNKNOWN or INTERNAL, retries replaying the recorded one); a
     str under a "-bin" name even left the call hanging."""
+    return _sendable(trailing_metadata, "context.abort(): the trailing metadata")
+
+
+def sendable_initial_metadata(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+    """``metadata`` for the handler's ``send_initial_metadata``, checked as trailers are
+    (``AbortInvalid``, which fails the call INTERNAL and releases its key): a "grpc-timeout"
+    entry fails a CHECK in gRPC's C-core as it is sent and aborts the whole server process,
+    with every call it held."""
+    return _sendable(metadata, "send_initial_metadata(): the metadata")
+
+
+def _sendable(metadata: Any, what: str) -> tuple[tuple[str, str | bytes], ...]:
+    def _invalid(problem: str) -> NoReturn:
+        _refuse(f"{what} {problem}")
+
     try:
-        entries = tuple(trailing_metadata or ())
+        entries = tuple(metadata or ())
     except TypeError:
         return _invalid("is not a sequence of (name, value) pairs")
     pairs: list[tuple[str, str | bytes]] = []
@@ -70,8 +85,7 @@ def sendable_trailers(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], 
     return tuple(pairs)
 
 
-def _invalid(problem: str) -> NoReturn:
-    message = f"context.abort(): the trailing metadata {problem}"
+def _refuse(message: str) -> NoReturn:
     log.error("%s; answering INTERNAL, nothing recorded", message)
     raise AbortInvalid(message)
 
@@ -149,6 +163,9 @@ class KeyedContext:
     def invocation_metadata(self) -> Any:
         return _without_step(self._context.invocation_metadata())
 
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        await self._context.send_initial_metadata(sendable_initial_metadata(metadata))
+
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
     ) -> NoReturn:
@@ -187,7 +204,7 @@ class SyncContext:
         self.callbacks.append(callback)
 
     def send_initial_metadata(self, metadata: Any) -> None:
-        coro = self._context.send_initial_metadata(metadata)
+        coro = self._context.send_initial_metadata(sendable_initial_metadata(metadata))
         asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def invocation_metadata(self) -> Any:
