@@ -296,11 +296,11 @@ def _compare_method(
     # it would say about them). Run only when nothing was breaking, it missed a name keyed
     # anew next to another name's breaking change (an old version declared retired beside a
     # step removed): the fixes printed, applied, failed the check once more.
-    broken = {_base(f.step) for f in findings if f.breaking}
+    broken = {_base(f.step) for f in findings if f.breaking and f.step is not None}
     findings.extend(
         f
         for f in _rekeyed(path, before, after, retention, now, among)
-        if _base(f.step) not in broken
+        if f.step is None or _base(f.step) not in broken
     )
     return findings
 
