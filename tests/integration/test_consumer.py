@@ -589,11 +589,17 @@ async def test_a_nan_or_negative_timeout_is_refused_before_anything_runs(
     assert ran == ["ran"]
 
 
-@pytest.mark.parametrize("idle_timeout", [timedelta(0), timedelta(days=36501)], ids=["0", "long"])
+@pytest.mark.parametrize(
+    "idle_timeout",
+    [timedelta(0), timedelta(microseconds=1), timedelta(milliseconds=99), timedelta(days=36501)],
+    ids=["0", "1us", "99ms", "long"],
+)
 def test_an_idle_timeout_out_of_range_is_refused_when_made(
     store: Store, idle_timeout: timedelta
 ) -> None:
-    with pytest.raises(ValueError, match="idle_timeout must be positive"):
+    """Under 100 ms (the floor of a method's lease, the same bound), PostgreSQL ended the
+    delivery's session under any effect that awaited anything, on every redelivery."""
+    with pytest.raises(ValueError, match="idle_timeout must be at least 100 ms"):
         IdempotentConsumer(store, fresh("consumer"), idle_timeout=idle_timeout)
 
 

@@ -35,7 +35,7 @@ from grpc_idempotency.core.errors import (
     MessageInProgress,
 )
 from grpc_idempotency.core.keys import key_from_metadata
-from grpc_idempotency.core.policy import MAX_DURATION
+from grpc_idempotency.core.policy import MAX_DURATION, MIN_LEASE
 from grpc_idempotency.core.wire import KEY_HEADER
 
 MAX_MESSAGE_ID_BYTES = 1024
@@ -71,8 +71,14 @@ class ConsumerPolicy:
             raise ValueError(f"retention must be positive and at most {MAX_DURATION.days} days")
         if not timedelta(0) <= self.max_wait <= MAX_DURATION:
             raise ValueError(f"max_wait must be 0 to {MAX_DURATION.days} days")
-        if not timedelta(0) < self.idle_timeout <= MAX_DURATION:
-            raise ValueError(f"idle_timeout must be positive and at most {MAX_DURATION.days} days")
+        if not MIN_LEASE <= self.idle_timeout <= MAX_DURATION:
+            # The floor of a method's lease, which is the same bound on a call's transaction:
+            # shorter (a microsecond is 1 ms to PostgreSQL), PostgreSQL ended the session under
+            # any effect that awaited anything, and each redelivery failed the same way.
+            raise ValueError(
+                f"idle_timeout must be at least {MIN_LEASE // timedelta(milliseconds=1)} ms and"
+                f" at most {MAX_DURATION.days} days"
+            )
 
     @property
     def retention_s(self) -> float:
