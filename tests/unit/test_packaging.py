@@ -135,3 +135,17 @@ def test_protobuf_floor_is_the_gencode_version_of_the_committed_pb2() -> None:
     gencode = line.rsplit(" ", 1)[1]
     (protobuf,) = [Requirement(d) for d in PROJECT["dependencies"] if d.startswith("protobuf")]
     assert str(protobuf.specifier) == f"<{int(gencode.split('.')[0]) + 1},>={gencode}"
+
+
+def test_the_dev_extra_holds_what_builds_the_package() -> None:
+    # The tests above build the wheel and the sdist in this virtualenv (no build isolation), so
+    # the README's `pip install -e '.[dev]'` must bring the build backend itself: a Python 3.12
+    # virtualenv has no setuptools at all, and 3.11's is older than `license = "..."` allows.
+    dev = {
+        Requirement(line).name: Requirement(line)
+        for line in PROJECT["optional-dependencies"]["dev"]
+    }
+    for line in PYPROJECT["build-system"]["requires"]:
+        backend = Requirement(line)
+        assert backend.name in dev, f"add {line!r} to the dev extra"
+        assert dev[backend.name].specifier == backend.specifier, line
