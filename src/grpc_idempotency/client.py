@@ -38,7 +38,7 @@ from grpc_idempotency.core.propagation import (
     declares_step,
     steps_call,
 )
-from grpc_idempotency.core.retry import RetryPolicy
+from grpc_idempotency.core.retry import RetryPolicy as RetryPolicy  # re-exported for the README
 from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
     HEADER_NAME,

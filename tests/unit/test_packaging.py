@@ -54,6 +54,22 @@ def test_wheel_ships_the_proto_migrations_and_type_marker(wheel: zipfile.ZipFile
     assert not any(n.startswith(("tests/", "examples/")) for n in names)
 
 
+def test_the_wheel_holds_exactly_the_files_of_the_package(wheel: zipfile.ZipFile) -> None:
+    # Nothing missing (a data file no package-data pattern covers) and nothing more: setuptools
+    # builds in the tree's build/ and ships whatever an earlier build left in build/lib (a module
+    # since renamed or deleted) along with the current files.
+    src = ROOT / "src"
+    expected = {
+        path.relative_to(src).as_posix()
+        for path in (src / "grpc_idempotency").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    shipped = {name for name in wheel.namelist() if ".dist-info/" not in name}
+    missing, extra = sorted(expected - shipped), sorted(shipped - expected)
+    assert not missing, f"not in the wheel (add to [tool.setuptools.package-data]): {missing}"
+    assert not extra, f"in the wheel, not in src/ (left in build/? rm -rf build): {extra}"
+
+
 def test_license_is_apache_2_and_ships_in_the_wheel(wheel: zipfile.ZipFile) -> None:
     text = (ROOT / "LICENSE").read_text(encoding="utf-8")
     assert "Apache License" in text and "Version 2.0, January 2004" in text
@@ -135,3 +151,17 @@ def test_protobuf_floor_is_the_gencode_version_of_the_committed_pb2() -> None:
     gencode = line.rsplit(" ", 1)[1]
     (protobuf,) = [Requirement(d) for d in PROJECT["dependencies"] if d.startswith("protobuf")]
     assert str(protobuf.specifier) == f"<{int(gencode.split('.')[0]) + 1},>={gencode}"
+
+
+def test_the_dev_extra_holds_what_builds_the_package() -> None:
+    # The tests above build the wheel and the sdist in this virtualenv (no build isolation), so
+    # the README's `pip install -e '.[dev]'` must bring the build backend itself: a Python 3.12
+    # virtualenv has no setuptools at all, and 3.11's is older than `license = "..."` allows.
+    dev = {
+        Requirement(line).name: Requirement(line)
+        for line in PROJECT["optional-dependencies"]["dev"]
+    }
+    for line in PYPROJECT["build-system"]["requires"]:
+        backend = Requirement(line)
+        assert backend.name in dev, f"add {line!r} to the dev extra"
+        assert dev[backend.name].specifier == backend.specifier, line

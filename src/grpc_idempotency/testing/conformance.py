@@ -51,7 +51,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import pytest
+try:
+    import pytest
+except ImportError as exc:  # the runtime install has no pytest: say which extra brings it
+    raise ImportError(
+        "the conformance kit runs under pytest (and pytest-asyncio); install them with:"
+        " pip install 'grpc-idempotency[testing]'",
+        name="pytest",
+    ) from exc
 
 from grpc_idempotency.core import wire
 from grpc_idempotency.core.codes import Code
