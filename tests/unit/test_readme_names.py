@@ -362,3 +362,15 @@ OTHER_TOOLS_OPTIONS = frozenset(
 def test_every_option_it_names_is_an_option_of_the_cli() -> None:
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z_-]*[a-z]", README))
     assert not named - all_options(cli._parser()) - OTHER_TOOLS_OPTIONS
+
+
+def test_the_scopes_it_spells_are_the_resolvers() -> None:
+    """What a user passes to ``inspect --scope`` and ``list --scope``, and what ``shard_of`` sees."""
+    from grpc_idempotency.scope import peer_scope
+
+    assert "`peer:<name>,<name>...` in sorted order" in README
+    assert peer_scope([b"b.example", b"a.example"]) == "peer:a.example,b.example"
+    assert peer_scope([b"x" * 2000]).startswith("peer-sha256:") and "`peer-sha256:<hex>`" in README
+    # The sharding snippet strips MetadataScope's default prefix.
+    assert 'scope.removeprefix("tenant:")' in README
+    assert grpc_idempotency.MetadataScope().prefix == "tenant:"
