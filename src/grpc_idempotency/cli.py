@@ -551,6 +551,14 @@ def _finite(text: str) -> float:
     return value
 
 
+def _check_outbox(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses ``outbox retry`` without IDs or --all, or with both, before connecting: checked
+    after connecting, the same mistake exited 1 ("unreachable, retry later") while the database
+    was down, and a script retried a command that could never work."""
+    if args.outbox_command == "retry" and bool(args.ids) == bool(args.all):
+        parser.error("outbox retry takes IDs or --all")
+
+
 def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses what no single relay argument shows to be wrong, before connecting to anything
     and with exit code 2, as argparse does for a bad argument. (Each argument's own range is
@@ -988,6 +996,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.command == "relay":
         _check_relay(parser, args)
+    if args.command == "outbox":
+        _check_outbox(parser, args)
     if args.command == "include-path":
         from grpc_idempotency import proto_include
 

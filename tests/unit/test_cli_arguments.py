@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpc_idempotency.cli import _check_relay, _parser
+from grpc_idempotency.cli import _check_outbox, _check_relay, _parser
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
 
@@ -27,6 +27,8 @@ def refused(*argv: str) -> str:
         args = parser.parse_args(argv)
         if args.command == "relay":
             _check_relay(parser, args)
+        if args.command == "outbox":
+            _check_outbox(parser, args)
     assert exited.value.code == 2
     return str(exited.value.__context__ or "")
 
@@ -175,3 +177,12 @@ def test_the_bounds_themselves_are_accepted() -> None:
     longest = str(36500 * 86400)
     assert parse("outbox", "purge-dead", "--older-than", longest).older_than == 36500 * 86400
     assert parse(*RELAY, "--lease", longest).lease == 36500 * 86400
+
+
+@pytest.mark.parametrize("ids", [[], ["--all", "7"]])
+def test_outbox_retry_takes_ids_or_all_checked_before_connecting(
+    ids: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    refused("outbox", "retry", "--dsn", "postgresql://u@db/app", *ids)
+    assert "outbox retry takes IDs or --all" in capsys.readouterr().err
+    assert parse("outbox", "retry", "--all").all and parse("outbox", "retry", "7").ids == [7]
