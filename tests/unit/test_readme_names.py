@@ -225,6 +225,10 @@ def test_the_conformance_checks_and_settings_it_lists() -> None:
     listed = set(re.findall(r"^\| `(test_[a-z_]+)", README, re.M))
     checks = {n for n in dir(IdempotencyConformance) if n.startswith("test_")}
     assert listed == checks
+    from grpc_idempotency.testing.conformance import CRASH_POINTS
+
+    crash = re.search(r"`test_crash_then_retry_executes_once\[([^\]]*)\]`", README)
+    assert crash is not None and tuple(crash[1].split(" / ")) == CRASH_POINTS
     settings = re.findall(r"`([a-z_]+)`\s\((\d+)", README)
     quoted = {n: int(v) for n, v in settings if hasattr(IdempotencyConformance, n)}
     assert len(quoted) >= 7
