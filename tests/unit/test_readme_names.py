@@ -47,6 +47,7 @@ NOT_THE_LIBRARYS = frozenset(
         "AuthInterceptor",
         "ChargeRequest",
         "DateStyle",
+        "False",
         "FieldOptions",
         "Mapping",
         "Message",
@@ -60,6 +61,7 @@ NOT_THE_LIBRARYS = frozenset(
         "RuntimeError",
         "TimeZone",
         "Timestamp",
+        "True",
         "TypeError",
         "ValueError",
     }
@@ -394,3 +396,14 @@ def test_the_scopes_it_spells_are_the_resolvers() -> None:
     # The sharding snippet strips MetadataScope's default prefix.
     assert 'scope.removeprefix("tenant:")' in README
     assert grpc_idempotency.MetadataScope().prefix == "tenant:"
+
+
+def test_the_environment_variables_it_names_are_read() -> None:
+    named = set(re.findall(r"\b((?:GRPC_IDEMPOTENCY|CHECKOUT)_[A-Z_]+[A-Z])\b", README))
+    assert len(named) >= 8
+    readers = SOURCE + "\n".join(
+        p.read_text(encoding="utf-8")
+        for folder in ("tests", "examples")
+        for p in (ROOT / folder).rglob("*.py")
+    )
+    assert sorted(n for n in named if f'"{n}"' not in readers) == []
