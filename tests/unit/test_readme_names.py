@@ -196,8 +196,15 @@ def test_the_files_it_points_to_exist() -> None:
         assert list((ROOT / "tests").rglob(bare)), bare
 
 
-def test_the_tested_in_pointers_name_existing_tests() -> None:
-    """``tests/...py::test_name`` pointers, where the README gives one."""
+def test_the_tested_in_pointers_name_modules_of_tests() -> None:
+    """Every test module the README points to ("tested in ``tests/...py``") holds tests, and a
+    ``path::test_name`` pointer names one of them."""
+    modules = set(re.findall(r"(tests/[\w/]+/test_\w+\.py)", README))
+    assert len(modules) >= 8
+    for module in modules:
+        assert re.search(
+            r"^(?:(?:async )?def test_|class Test)", (ROOT / module).read_text(), re.M
+        ), module
     for path, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", README):
         assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), f"{path}::{name}"
 
