@@ -410,3 +410,11 @@ def test_the_environment_variables_it_names_are_read() -> None:
         for p in (ROOT / folder).rglob("*.py")
     )
     assert sorted(n for n in named if f'"{n}"' not in readers) == []
+
+
+def test_the_enum_members_it_names_exist() -> None:
+    members = set(re.findall(r"\b([A-Z][a-z]\w*)\.([A-Z][A-Z_]*[A-Z])\b", README))
+    ours = {(cls, member) for cls, member in members if cls in grpc_idempotency.__all__}
+    assert len(ours) >= 3
+    for cls, member in ours:
+        assert hasattr(getattr(grpc_idempotency, cls), member), f"{cls}.{member}"
