@@ -574,6 +574,16 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
     if args.scope_header in {name for name, _ in args.header}:
         parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
+    if args.scope_header is not None:
+        # As forward_scope checks them, which the relay makes only once connected: a -bin
+        # header, user-agent, or a prefix holding NUL exited 1 ("retry later") while the
+        # database was down.
+        from grpc_idempotency.scope import tenant_header
+
+        try:
+            tenant_header(args.scope_header, args.scope_prefix, user="relay: --scope-header")
+        except ValueError as err:
+            parser.error(str(err))
     # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would
     # read the files only after the database is connected: check them all here.
     if (args.tls_cert is None) != (args.tls_key is None):

@@ -80,6 +80,10 @@ def test_the_scope_header_is_checked_too() -> None:
     refused(*RELAY, "--scope-header", "x tenant")
     refused(*RELAY, "--scope-header", "idempotency-key")
     refused(*RELAY, "--scope-header", "x-tenant", "--header", "x-tenant=acme")
+    # What forward_scope refuses, refused before connecting (it was made once connected).
+    refused(*RELAY, "--scope-header", "x-tenant-bin")
+    refused(*RELAY, "--scope-header", "user-agent")
+    refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "tenant\x00")
 
 
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
