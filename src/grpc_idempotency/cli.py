@@ -574,6 +574,12 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
     if args.scope_header in {name for name, _ in args.header}:
         parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
+    from grpc_idempotency.outbox import check_method
+
+    try:
+        check_method(args.method)  # as GrpcSink checks it, which the relay makes once connected
+    except ValueError as err:
+        parser.error(f"relay: --method: {err}")
     if args.scope_header is not None:
         # As forward_scope checks them, which the relay makes only once connected: a -bin
         # header, user-agent, or a prefix holding NUL exited 1 ("retry later") while the

@@ -86,6 +86,13 @@ def test_the_scope_header_is_checked_too() -> None:
     refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "tenant\x00")
 
 
+@pytest.mark.parametrize("method", ["bad", "a.B/C", "/a.B/C/D", "/a.B/", "//C"])
+def test_a_relay_method_that_is_no_method_path_is_refused_before_connecting(method: str) -> None:
+    """GrpcSink refused it, made once the relay had connected: with the database down, the
+    mistake exited 1 ("retry later")."""
+    refused(*RELAY[:-1], method)
+
+
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
 
