@@ -641,6 +641,10 @@ async def _with_store(args: argparse.Namespace) -> int:
     if not args.dsn:
         print("grpc-idempotency: --dsn (or GRPC_IDEMPOTENCY_DSN) is required", file=sys.stderr)
         return 2
+    if args.command == "relay" and args.listen_dsn and not args.no_listen:
+        # Before --dsn is connected: checked once connected, an unusable --listen-dsn exited 1
+        # ("retry later") while --dsn's database was down.
+        await check_parses(args.listen_dsn, "--listen-dsn")
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
     pool_options = _pool_options(args)
@@ -714,8 +718,6 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.listen_dsn and not args.no_listen:
-        await check_parses(args.listen_dsn, "--listen-dsn")
     policy = DeliveryPolicy(
         max_attempts=args.max_attempts,
         initial_backoff_s=args.initial_backoff,

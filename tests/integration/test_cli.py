@@ -336,6 +336,17 @@ def test_a_dsn_the_driver_cannot_parse_is_refused_without_its_text(
         assert piece not in done.stderr + done.stdout
 
 
+def test_a_listen_dsn_the_driver_cannot_parse_is_refused_while_the_database_is_down() -> None:
+    """Exit 2, fix the command: it was checked once --dsn had connected, so with that database
+    down it exited 1, "retry later", which could never help."""
+    down = f"postgresql://ops@127.0.0.1:{free_port()}/shop"
+    dsn, _ = UNPARSABLE["slash"]
+    done = cli("relay", "--dsn", down, "--listen-dsn", dsn,
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "cannot parse --listen-dsn" in done.stderr and "unavailable" not in done.stderr
+
+
 @pytest.mark.parametrize("case", ["slash", "at sign"])
 def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
     pg_dsn: str, store: object, case: str
