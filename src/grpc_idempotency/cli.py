@@ -551,6 +551,14 @@ def _finite(text: str) -> float:
     return value
 
 
+def _check_outbox(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses ``outbox retry`` without IDs or --all, or with both, before connecting: checked
+    after connecting, the same mistake exited 1 ("unreachable, retry later") while the database
+    was down, and a script retried a command that could never work."""
+    if args.outbox_command == "retry" and bool(args.ids) == bool(args.all):
+        parser.error("outbox retry takes IDs or --all")
+
+
 def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses what no single relay argument shows to be wrong, before connecting to anything
     and with exit code 2, as argparse does for a bad argument. (Each argument's own range is
@@ -566,6 +574,22 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
     if args.scope_header in {name for name, _ in args.header}:
         parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
+    from grpc_idempotency.outbox import check_method
+
+    try:
+        check_method(args.method)  # as GrpcSink checks it, which the relay makes once connected
+    except ValueError as err:
+        parser.error(f"relay: --method: {err}")
+    if args.scope_header is not None:
+        # As forward_scope checks them, which the relay makes only once connected: a -bin
+        # header, user-agent, or a prefix holding NUL exited 1 ("retry later") while the
+        # database was down.
+        from grpc_idempotency.scope import tenant_header
+
+        try:
+            tenant_header(args.scope_header, args.scope_prefix, user="relay: --scope-header")
+        except ValueError as err:
+            parser.error(str(err))
     # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would
     # read the files only after the database is connected: check them all here.
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -617,6 +641,10 @@ async def _with_store(args: argparse.Namespace) -> int:
     if not args.dsn:
         print("grpc-idempotency: --dsn (or GRPC_IDEMPOTENCY_DSN) is required", file=sys.stderr)
         return 2
+    if args.command == "relay" and args.listen_dsn and not args.no_listen:
+        # Before --dsn is connected: checked once connected, an unusable --listen-dsn exited 1
+        # ("retry later") while --dsn's database was down.
+        await check_parses(args.listen_dsn, "--listen-dsn")
     # The relay holds one connection for LISTEN and uses another for claims and marks.
     pool_size = 3 if args.command == "relay" else 1
     pool_options = _pool_options(args)
@@ -690,8 +718,6 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.listen_dsn and not args.no_listen:
-        await check_parses(args.listen_dsn, "--listen-dsn")
     policy = DeliveryPolicy(
         max_attempts=args.max_attempts,
         initial_backoff_s=args.initial_backoff,
@@ -988,6 +1014,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.command == "relay":
         _check_relay(parser, args)
+    if args.command == "outbox":
+        _check_outbox(parser, args)
     if args.command == "include-path":
         from grpc_idempotency import proto_include
 

@@ -172,6 +172,14 @@ DEFAULT_PERMANENT_CODES: frozenset[grpc.StatusCode] = frozenset(
 )
 
 
+def check_method(method: str) -> str:
+    """``method`` if it is a gRPC method path, "/package.Service/Method"; else ``ValueError``."""
+    parts = method.split("/")
+    if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
+        raise ValueError(f"method must look like /package.Service/Method, not {method!r}")
+    return method
+
+
 class GrpcSink:
     """Calls the unary ``method`` (``/package.Service/Method``) on ``channel`` with the message's
     payload bytes as the request, unchanged (the method's request type should be the payload's
@@ -192,9 +200,7 @@ class GrpcSink:
         timeout: float | None = 10.0,
         permanent_codes: Collection[grpc.StatusCode] = DEFAULT_PERMANENT_CODES,
     ) -> None:
-        parts = method.split("/")
-        if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
-            raise ValueError(f"method must look like /package.Service/Method, not {method!r}")
+        check_method(method)
         # Else each failed every delivery DEADLINE_EXCEEDED (gRPC's deadline overflows past
         # about 1e10 s), or matched no status: every rejection retried to the last attempt.
         if timeout is not None and not 0 < timeout <= MAX_DURATION_S:
@@ -250,8 +256,8 @@ def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> Me
     whose scope lacks the prefix, or is not printable ASCII (all a gRPC metadata value may be),
     cannot be delivered with it (``PermanentDeliveryError``: a dead letter at once, instead of
     failing on every try until then). A header no delivery could send (not a metadata name, the
-    library's own, a -bin one) is a ``ValueError`` here, as ``MetadataScope`` refuses it; a
-    name in capitals is sent in lowercase, as ``MetadataScope`` reads it."""
+    library's own, gRPC's own, a -bin one) is a ``ValueError`` here, as ``MetadataScope``
+    refuses it; a name in capitals is sent in lowercase, as ``MetadataScope`` reads it."""
     # Else every message was a dead letter at its first delivery (gRPC refuses the name).
     header = tenant_header(header, prefix, user="forward_scope")
 

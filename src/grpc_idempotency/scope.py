@@ -106,6 +106,10 @@ class MetadataScope:
         return self.prefix + values[0]
 
 
+_TRANSPORT_HEADERS = frozenset({"content-type", "te", "user-agent"})
+"""Headers of gRPC's HTTP/2 transport, besides the reserved ``grpc-`` ones."""
+
+
 def tenant_header(header: str, prefix: str, *, user: str) -> str:
     """``header`` as gRPC names it (lowercase), checked for carrying a tenant as a scope's text
     after ``prefix``: ``MetadataScope`` reads it, ``forward_scope`` sends it."""
@@ -113,6 +117,15 @@ def tenant_header(header: str, prefix: str, *, user: str) -> str:
     if not HEADER_NAME.fullmatch(name):
         raise ValueError(
             f"{user}: header {header!r}: gRPC metadata names are letters a-z, digits and - _ ."
+        )
+    if name.startswith("grpc-") or name in _TRANSPORT_HEADERS:
+        # gRPC's own: a caller's grpc-timeout, content-type or te never reaches the handler, its
+        # user-agent is gRPC's, and the other grpc- names are reserved for gRPC's use. Accepted,
+        # every call was refused UNAUTHENTICATED, and forward_scope's tenant went nowhere (the
+        # relay's --scope-header refused them already).
+        raise ValueError(
+            f"{user}: {name!r} is reserved by gRPC (grpc-..., content-type, te, user-agent),"
+            " which does not deliver a caller's value of it"
         )
     if name in LIBRARY_HEADERS - {KEY_HEADER_BIN}:
         # The key as the scope: two tenants who pick one key share its record.

@@ -246,6 +246,18 @@ def test_an_unreachable_server_names_host_and_port_and_exits_1() -> None:
     assert password not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("ids", [[], ["--all", "1"]])
+def test_outbox_retry_without_ids_or_all_is_bad_usage_even_while_the_database_is_down(
+    ids: list[str],
+) -> None:
+    """Exit 2, fix the command: it was checked after connecting, so with the database down it
+    exited 1, "retry later", which could never help."""
+    dsn = f"postgresql://ops@127.0.0.1:{free_port()}/shop"
+    done = cli("outbox", "retry", "--dsn", dsn, *ids)
+    assert done.returncode == 2, done.stderr
+    assert "IDs or --all" in done.stderr and "unavailable" not in done.stderr
+
+
 def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
     schema = f"never_migrated_{secrets.token_hex(4)}"
     done = cli("purge", "--dsn", pg_dsn, "--schema", schema)
@@ -322,6 +334,17 @@ def test_a_dsn_the_driver_cannot_parse_is_refused_without_its_text(
     assert "Traceback" not in done.stderr
     for piece in pieces:
         assert piece not in done.stderr + done.stdout
+
+
+def test_a_listen_dsn_the_driver_cannot_parse_is_refused_while_the_database_is_down() -> None:
+    """Exit 2, fix the command: it was checked once --dsn had connected, so with that database
+    down it exited 1, "retry later", which could never help."""
+    down = f"postgresql://ops@127.0.0.1:{free_port()}/shop"
+    dsn, _ = UNPARSABLE["slash"]
+    done = cli("relay", "--dsn", down, "--listen-dsn", dsn,
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "cannot parse --listen-dsn" in done.stderr and "unavailable" not in done.stderr
 
 
 @pytest.mark.parametrize("case", ["slash", "at sign"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpc_idempotency.cli import _check_relay, _parser
+from grpc_idempotency.cli import _check_outbox, _check_relay, _parser
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
 
@@ -27,6 +27,8 @@ def refused(*argv: str) -> str:
         args = parser.parse_args(argv)
         if args.command == "relay":
             _check_relay(parser, args)
+        if args.command == "outbox":
+            _check_outbox(parser, args)
     assert exited.value.code == 2
     return str(exited.value.__context__ or "")
 
@@ -78,6 +80,17 @@ def test_the_scope_header_is_checked_too() -> None:
     refused(*RELAY, "--scope-header", "x tenant")
     refused(*RELAY, "--scope-header", "idempotency-key")
     refused(*RELAY, "--scope-header", "x-tenant", "--header", "x-tenant=acme")
+    # What forward_scope refuses, refused before connecting (it was made once connected).
+    refused(*RELAY, "--scope-header", "x-tenant-bin")
+    refused(*RELAY, "--scope-header", "user-agent")
+    refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "tenant\x00")
+
+
+@pytest.mark.parametrize("method", ["bad", "a.B/C", "/a.B/C/D", "/a.B/", "//C"])
+def test_a_relay_method_that_is_no_method_path_is_refused_before_connecting(method: str) -> None:
+    """GrpcSink refused it, made once the relay had connected: with the database down, the
+    mistake exited 1 ("retry later")."""
+    refused(*RELAY[:-1], method)
 
 
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
@@ -175,3 +188,12 @@ def test_the_bounds_themselves_are_accepted() -> None:
     longest = str(36500 * 86400)
     assert parse("outbox", "purge-dead", "--older-than", longest).older_than == 36500 * 86400
     assert parse(*RELAY, "--lease", longest).lease == 36500 * 86400
+
+
+@pytest.mark.parametrize("ids", [[], ["--all", "7"]])
+def test_outbox_retry_takes_ids_or_all_checked_before_connecting(
+    ids: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    refused("outbox", "retry", "--dsn", "postgresql://u@db/app", *ids)
+    assert "outbox retry takes IDs or --all" in capsys.readouterr().err
+    assert parse("outbox", "retry", "--all").all and parse("outbox", "retry", "7").ids == [7]

@@ -23,6 +23,13 @@ from grpc_idempotency.scope import MetadataScope
         ("x tenant", "letters"),
         (":authority", "letters"),
         ("", "letters"),
+        # gRPC's own (tests/integration/test_scope_headers.py): a caller's value of them never
+        # reaches the handler, so every call was refused UNAUTHENTICATED.
+        ("grpc-timeout", "reserved by gRPC"),
+        ("grpc-tenant", "reserved by gRPC"),
+        ("Content-Type", "reserved by gRPC"),
+        ("te", "reserved by gRPC"),
+        ("user-agent", "reserved by gRPC"),
     ],
 )
 def test_a_header_no_tenant_can_come_from_is_refused(header: str, problem: str) -> None:
