@@ -603,16 +603,19 @@ class Relay:
             )
         if self._running:
             raise RuntimeError("this relay is already running")
-        if self.listen_dsn is not None and self._listen:
-            # Tried once first, as the CLI's --listen-dsn is: one the driver cannot use was
-            # taken for one not reachable yet, and LISTEN failed over and over.
-            application = {"application_name": "grpc-idempotency"}
-            await vet_dsn("listen_dsn", self.listen_dsn, server_settings=application)
+        # Set before anything is awaited: a second run() while the first checks its listen_dsn
+        # passed the test above, and both ran.
         self._running = True
-        failpoints.announce()  # a relay with failpoints armed says so when it starts
         stop = stop or asyncio.Event()
-        helpers = [asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}")]
+        helpers: list[asyncio.Task[None]] = []
         try:
+            if self.listen_dsn is not None and self._listen:
+                # Tried once first, as the CLI's --listen-dsn is: one the driver cannot use was
+                # taken for one not reachable yet, and LISTEN failed over and over.
+                application = {"application_name": "grpc-idempotency"}
+                await vet_dsn("listen_dsn", self.listen_dsn, server_settings=application)
+            failpoints.announce()  # a relay with failpoints armed says so when it starts
+            helpers.append(asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}"))
             await self._start(stop, helpers)
             await self._deliver_until(stop)
         finally:

@@ -513,6 +513,28 @@ async def test_a_relay_waits_out_a_database_outage(pg_dsn: str, outbox: Store) -
     assert failures == 3 and receiver.delivered == {"survivor": 1}
 
 
+def listen_loop_running() -> bool:
+    """Whether a relay's LISTEN loop runs: its start is waiting for it."""
+    return any(t.get_name().startswith("relay-listen") for t in asyncio.all_tasks())
+
+
+async def test_one_relay_runs_once_at_a_time(pg_dsn: str, outbox: Store) -> None:
+    """``run()`` called again while it runs is refused: two runs of one relay share its
+    batches' state and LISTEN. With a listen_dsn, the check of it (a connection, awaited) came
+    between the test of "running" and setting it: both runs passed the test."""
+    relay = Relay(outbox, Receiver(), poll_interval=30.0, listen_dsn=pg_dsn)
+    stop = asyncio.Event()
+    first = asyncio.create_task(relay.run(stop))
+    second = asyncio.create_task(relay.run(stop))
+    try:
+        with pytest.raises(RuntimeError, match="already running"):
+            await asyncio.wait_for(second, WAIT_S)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), WAIT_S)
+    assert first.done() and first.exception() is None
+
+
 async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Store) -> None:
     """Before its first claim the relay waits for its LISTEN, bounded by max(poll, 5 s); a stop
     during that wait (a deploy during a database outage) waited it out."""
@@ -527,7 +549,7 @@ async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Sto
     )
     stop = asyncio.Event()
     running_relay = asyncio.create_task(relay.run(stop))
-    await asyncio.sleep(0)  # it is waiting for its LISTEN now
+    await until("the relay to wait for its LISTEN", listen_loop_running)
     loop = asyncio.get_running_loop()
     began = loop.time()
     stop.set()
@@ -549,7 +571,8 @@ async def test_a_relay_cancelled_while_its_listen_cannot_connect_leaves_nothing_
     )
     before = asyncio.all_tasks()
     running_relay = asyncio.create_task(relay.run())
-    await asyncio.sleep(0)
+    # In its start, past the listen_dsn's check (cancelled there, nothing of the start ran).
+    await until("the relay to wait for its LISTEN", listen_loop_running)
     running_relay.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running_relay
