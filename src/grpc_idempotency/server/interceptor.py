@@ -1087,22 +1087,30 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(context, err)
         serving = _unclaimed(call, tx.connection)
         bound = call_context.bind(serving)
+
+        async def end_and_roll_back() -> HandlerDatabaseError | None:
+            # Over first, as a keyed call's (``_end``): a task the handler left running, woken
+            # meanwhile, got the connection and ran its statement beside the ROLLBACK, or
+            # outside any transaction once it was done.
+            serving.end()
+            return await asyncio.shield(tx.rollback())
+
         # A handler that ended the transaction itself (COMMIT or ROLLBACK on the call's
         # connection) answers INTERNAL whatever it answered, as with a key: what it wrote may
         # have committed, and the same handler under a key would be refused.
         try:
             response = await self._invoke(call)
         except DeferredAbort as aborted:
-            misuse = await asyncio.shield(tx.rollback())
+            misuse = await end_and_roll_back()
             if misuse is not None:
                 await answers.abort(context, misuse)
             await _refuse_unsendable_trailers(context, aborted)  # as with a key
             await aborted.send(context)
         except IdempotencyError as err:
-            misuse = await asyncio.shield(tx.rollback())
+            misuse = await end_and_roll_back()
             await answers.abort(context, misuse or err)
         except BaseException as exc:
-            misuse = await asyncio.shield(tx.rollback())
+            misuse = await end_and_roll_back()
             if misuse is not None and isinstance(exc, Exception):
                 await answers.abort(context, misuse)
             raise
