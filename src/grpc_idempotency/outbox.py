@@ -44,7 +44,7 @@ import os
 import random
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -190,7 +190,7 @@ class GrpcSink:
         *,
         metadata_for: MetadataFor | None = None,
         timeout: float | None = 10.0,
-        permanent_codes: Collection[grpc.StatusCode] = DEFAULT_PERMANENT_CODES,
+        permanent_codes: Iterable[grpc.StatusCode] = DEFAULT_PERMANENT_CODES,
     ) -> None:
         parts = method.split("/")
         if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
@@ -202,15 +202,22 @@ class GrpcSink:
                 f"timeout must be None or positive and at most {MAX_DURATION_S:g} s, not"
                 f" {timeout!r}"
             )
-        if not all(isinstance(code, grpc.StatusCode) for code in permanent_codes):
+        if isinstance(permanent_codes, str | bytes) or not isinstance(permanent_codes, Iterable):
+            raise TypeError(
+                "permanent_codes must be a collection of grpc.StatusCode members"
+                f" ({{grpc.StatusCode.NOT_FOUND}}), not {permanent_codes!r}"
+            )
+        # Read once, then checked: a generator read through by the check left nothing to keep.
+        codes = frozenset(permanent_codes)
+        if not all(isinstance(code, grpc.StatusCode) for code in codes):
             raise TypeError(
                 "permanent_codes must be grpc.StatusCode members (grpc.StatusCode.NOT_FOUND),"
-                f" not {sorted(map(repr, permanent_codes))}"
+                f" not {sorted(map(repr, codes))}"
             )
         self.method = method
         self.metadata_for = metadata_for
         self.timeout = timeout
-        self.permanent_codes = frozenset(permanent_codes)
+        self.permanent_codes = codes
         # No serializers: the request is the payload's bytes, the response is left as bytes.
         self._call: Any = channel.unary_unary(
             method, request_serializer=None, response_deserializer=None

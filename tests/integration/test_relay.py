@@ -826,6 +826,20 @@ async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
         await channel.close(None)
 
 
+async def test_permanent_codes_given_as_a_generator_are_kept() -> None:
+    """The check of their type read a one-shot iterable through, and the sink kept what was
+    left of it, nothing: every rejection was retried to the last attempt."""
+    keep = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")
+    try:
+        sink = GrpcSink(channel, "/a.B/C", permanent_codes=(code for code in keep))
+        assert sink.permanent_codes == keep
+        with pytest.raises(TypeError, match="permanent_codes"):
+            GrpcSink(channel, "/a.B/C", permanent_codes=grpc.StatusCode.NOT_FOUND)  # type: ignore[arg-type]
+    finally:
+        await channel.close(None)
+
+
 async def test_a_stop_that_is_not_an_asyncio_event_is_refused(outbox: Store) -> None:
     """A threading.Event was waited on by a task of the relay's, on the event loop's thread:
     the whole loop (a gRPC server on it too) froze until the event was set. Set already here,
