@@ -255,12 +255,14 @@ class IdempotencyInterceptor(_Interceptor):
             )
         self.store = store
         if sync_executor is not None and (
-            not isinstance(sync_executor, Executor)
+            not callable(getattr(sync_executor, "submit", None))
             or isinstance(sync_executor, ProcessPoolExecutor)
         ):
             # Checked here: a sync handler runs with the call's context, its transaction and
             # this process's event loop, so another process cannot run it; each such call
-            # failed UNKNOWN ("cannot pickle '_contextvars.Context' object").
+            # failed UNKNOWN ("cannot pickle '_contextvars.Context' object"). An executor is
+            # one by its submit(), as to asyncio's run_in_executor (a wrapper need not subclass
+            # Executor).
             raise TypeError(
                 "sync_executor must be a thread pool (concurrent.futures.ThreadPoolExecutor)"
                 f" or None, not {sync_executor!r}"
