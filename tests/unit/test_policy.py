@@ -480,6 +480,17 @@ def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(
         IdempotencyInterceptor(store, **{argument: value})  # type: ignore[arg-type]
 
 
+def test_replay_cache_none_is_no_cache_as_before() -> None:
+    """``replay_cache=None`` (as ``herd_release=None`` and ``telemetry=None`` are written) meant
+    no cache; the check of the argument's type refused it, and a server that started before
+    did not start."""
+    from grpc_idempotency import IdempotencyInterceptor, Store
+
+    store = Store(object())  # type: ignore[arg-type]  # its pool is never touched building
+    assert IdempotencyInterceptor(store, replay_cache=None).replay_cache is None
+    assert IdempotencyInterceptor(store).replay_cache is not None
+
+
 def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:
     """A typo in an override's method name left the method as its proto says, silently."""
     from grpc_idempotency.registry import PolicyRegistry

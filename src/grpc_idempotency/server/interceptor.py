@@ -204,8 +204,8 @@ class IdempotencyInterceptor(_Interceptor):
     to find their shard).
     ``scope``: how a call's scope is resolved (default: the TLS peer identity).
     ``replay_cache``: completed outcomes kept in memory so that replays skip the database
-    (``True``: a ``ReplayCache()`` with its default bounds; ``False``: none). Correct across
-    replicas: see ``grpc_idempotency.core.replay_cache``.
+    (``True``: a ``ReplayCache()`` with its default bounds; ``False`` or ``None``: none).
+    Correct across replicas: see ``grpc_idempotency.core.replay_cache``.
     ``herd_release``: how the duplicates waiting on a key this process executes are answered when
     its outcome is in: a batch at a time (the default, 8 every 2 ms), so that a herd does not
     stall every other call on the server; ``None`` answers them all at once. See
@@ -233,7 +233,7 @@ class IdempotencyInterceptor(_Interceptor):
         overrides: Mapping[str, MethodOverride] | None = None,
         scope: ScopeResolver = peer_identity_scope,
         telemetry: Telemetry | None = None,
-        replay_cache: ReplayCache | bool = True,
+        replay_cache: ReplayCache | bool | None = True,
         herd_release: HerdRelease | None = HerdRelease(),  # noqa: B008  (frozen: shared safely)
         sync_executor: Executor | None = None,
         fingerprint_off_loop_bytes: int | None = 16 * 1024,
@@ -282,7 +282,8 @@ class IdempotencyInterceptor(_Interceptor):
         # outcome), or, a number as replay_cache, silently gave the default cache.
         if herd_release is not None and not isinstance(herd_release, HerdRelease):
             raise TypeError(f"herd_release must be a HerdRelease or None, not {herd_release!r}")
-        if not isinstance(replay_cache, ReplayCache | bool):
+        # None too: no cache, as it always meant (written as herd_release=None is).
+        if replay_cache is not None and not isinstance(replay_cache, ReplayCache | bool):
             raise TypeError(
                 "replay_cache must be a ReplayCache (ReplayCache(max_entries=...) to size it),"
                 f" True or False, not {replay_cache!r}"
