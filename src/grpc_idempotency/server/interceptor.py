@@ -84,7 +84,7 @@ from grpc_idempotency.core.policy import (
 )
 from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
-from grpc_idempotency.registry import PolicyRegistry, Services, check_step_targets
+from grpc_idempotency.registry import PolicyRegistry, Services, check_served
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
 from grpc_idempotency.server.answers import Context
@@ -315,7 +315,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._scope = scope
         self._resolver_failure_logged = -math.inf
         self._telemetry = telemetry or Telemetry()
-        self._registry = PolicyRegistry(services, overrides, check=check_step_targets)
+        self._registry = PolicyRegistry(services, overrides, check=check_served)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], _Owner] = {}
         self._recent = _RecentKeys()
