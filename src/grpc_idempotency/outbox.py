@@ -601,9 +601,16 @@ class Relay:
         """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
         ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
         and are delivered again after the lease. Database outages are logged and waited out."""
-        if stop is not None and not isinstance(stop, asyncio.Event):
+        if stop is not None and not (
+            isinstance(stop, asyncio.Event)
+            or (
+                callable(getattr(stop, "is_set", None))
+                and inspect.iscoroutinefunction(getattr(stop, "wait", None))
+            )
+        ):
             # A threading.Event's wait() blocks: awaited on the loop, it froze the whole loop
-            # (a gRPC server on it too) until the event was set.
+            # (a gRPC server on it too) until the event was set. Another async library's event
+            # (is_set and an async wait, all the relay uses) stops it as an asyncio.Event does.
             raise TypeError(
                 f"stop must be an asyncio.Event, not {type(stop).__name__} (from another thread:"
                 " loop.call_soon_threadsafe(stop.set))"

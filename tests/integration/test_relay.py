@@ -852,6 +852,36 @@ async def test_a_stop_that_is_not_an_asyncio_event_is_refused(outbox: Store) -> 
     assert relay.stats.batches == 0
 
 
+class Flag:
+    """An event of another async library's (anyio's, say): ``is_set`` and an async ``wait``,
+    what the relay uses of its stop; no asyncio.Event."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+async def test_a_stop_with_an_async_wait_stops_the_relay(outbox: Store) -> None:
+    """It stopped the relay before the check of the stop's type, which then refused it."""
+    receiver = Receiver(expect=1)
+    relay = Relay(outbox, receiver, listen=False, poll_interval=0.05)
+    stop = Flag()
+    running_relay = asyncio.create_task(relay.run(stop))  # type: ignore[arg-type]
+    await insert(outbox, outbox.schema, ["flagged"])
+    await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+    stop.set()
+    await asyncio.wait_for(running_relay, WAIT_S)
+    assert receiver.delivered == {"flagged": 1}
+
+
 async def test_a_listen_dsn_the_driver_cannot_use_is_refused_before_relaying(
     outbox: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
