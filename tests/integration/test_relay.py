@@ -513,9 +513,10 @@ async def test_a_relay_waits_out_a_database_outage(pg_dsn: str, outbox: Store) -
     assert failures == 3 and receiver.delivered == {"survivor": 1}
 
 
-def listen_loop_running() -> bool:
-    """Whether a relay's LISTEN loop runs: its start is waiting for it."""
-    return any(t.get_name().startswith("relay-listen") for t in asyncio.all_tasks())
+def listen_loop_running(relay: Relay) -> Callable[[], bool]:
+    """Whether ``relay``'s LISTEN loop runs: its start is waiting for it."""
+    name = f"relay-listen {relay.name}"
+    return lambda: any(t.get_name() == name and not t.done() for t in asyncio.all_tasks())
 
 
 async def test_one_relay_runs_once_at_a_time(pg_dsn: str, outbox: Store) -> None:
@@ -549,7 +550,7 @@ async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Sto
     )
     stop = asyncio.Event()
     running_relay = asyncio.create_task(relay.run(stop))
-    await until("the relay to wait for its LISTEN", listen_loop_running)
+    await until("the relay to wait for its LISTEN", listen_loop_running(relay))
     loop = asyncio.get_running_loop()
     began = loop.time()
     stop.set()
@@ -572,7 +573,7 @@ async def test_a_relay_cancelled_while_its_listen_cannot_connect_leaves_nothing_
     before = asyncio.all_tasks()
     running_relay = asyncio.create_task(relay.run())
     # In its start, past the listen_dsn's check (cancelled there, nothing of the start ran).
-    await until("the relay to wait for its LISTEN", listen_loop_running)
+    await until("the relay to wait for its LISTEN", listen_loop_running(relay))
     running_relay.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running_relay
