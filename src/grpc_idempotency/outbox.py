@@ -44,7 +44,7 @@ import os
 import random
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -198,7 +198,7 @@ class GrpcSink:
         *,
         metadata_for: MetadataFor | None = None,
         timeout: float | None = 10.0,
-        permanent_codes: Collection[grpc.StatusCode] = DEFAULT_PERMANENT_CODES,
+        permanent_codes: Iterable[grpc.StatusCode] = DEFAULT_PERMANENT_CODES,
     ) -> None:
         check_method(method)
         # Else each failed every delivery DEADLINE_EXCEEDED (gRPC's deadline overflows past
@@ -208,15 +208,22 @@ class GrpcSink:
                 f"timeout must be None or positive and at most {MAX_DURATION_S:g} s, not"
                 f" {timeout!r}"
             )
-        if not all(isinstance(code, grpc.StatusCode) for code in permanent_codes):
+        if isinstance(permanent_codes, str | bytes) or not isinstance(permanent_codes, Iterable):
+            raise TypeError(
+                "permanent_codes must be a collection of grpc.StatusCode members"
+                f" ({{grpc.StatusCode.NOT_FOUND}}), not {permanent_codes!r}"
+            )
+        # Read once, then checked: a generator read through by the check left nothing to keep.
+        codes = frozenset(permanent_codes)
+        if not all(isinstance(code, grpc.StatusCode) for code in codes):
             raise TypeError(
                 "permanent_codes must be grpc.StatusCode members (grpc.StatusCode.NOT_FOUND),"
-                f" not {sorted(map(repr, permanent_codes))}"
+                f" not {sorted(map(repr, codes))}"
             )
         self.method = method
         self.metadata_for = metadata_for
         self.timeout = timeout
-        self.permanent_codes = frozenset(permanent_codes)
+        self.permanent_codes = codes
         # No serializers: the request is the payload's bytes, the response is left as bytes.
         self._call: Any = channel.unary_unary(
             method, request_serializer=None, response_deserializer=None
@@ -600,25 +607,35 @@ class Relay:
         """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
         ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
         and are delivered again after the lease. Database outages are logged and waited out."""
-        if stop is not None and not isinstance(stop, asyncio.Event):
+        if stop is not None and not (
+            isinstance(stop, asyncio.Event)
+            or (
+                callable(getattr(stop, "is_set", None))
+                and inspect.iscoroutinefunction(getattr(stop, "wait", None))
+            )
+        ):
             # A threading.Event's wait() blocks: awaited on the loop, it froze the whole loop
-            # (a gRPC server on it too) until the event was set.
+            # (a gRPC server on it too) until the event was set. Another async library's event
+            # (is_set and an async wait, all the relay uses) stops it as an asyncio.Event does.
             raise TypeError(
                 f"stop must be an asyncio.Event, not {type(stop).__name__} (from another thread:"
                 " loop.call_soon_threadsafe(stop.set))"
             )
         if self._running:
             raise RuntimeError("this relay is already running")
-        if self.listen_dsn is not None and self._listen:
-            # Tried once first, as the CLI's --listen-dsn is: one the driver cannot use was
-            # taken for one not reachable yet, and LISTEN failed over and over.
-            application = {"application_name": "grpc-idempotency"}
-            await vet_dsn("listen_dsn", self.listen_dsn, server_settings=application)
+        # Set before anything is awaited: a second run() while the first checks its listen_dsn
+        # passed the test above, and both ran.
         self._running = True
-        failpoints.announce()  # a relay with failpoints armed says so when it starts
         stop = stop or asyncio.Event()
-        helpers = [asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}")]
+        helpers: list[asyncio.Task[None]] = []
         try:
+            if self.listen_dsn is not None and self._listen:
+                # Tried once first, as the CLI's --listen-dsn is: one the driver cannot use was
+                # taken for one not reachable yet, and LISTEN failed over and over.
+                application = {"application_name": "grpc-idempotency"}
+                await vet_dsn("listen_dsn", self.listen_dsn, server_settings=application)
+            failpoints.announce()  # a relay with failpoints armed says so when it starts
+            helpers.append(asyncio.create_task(self._wake_on(stop), name=f"relay-stop {self.name}"))
             await self._start(stop, helpers)
             await self._deliver_until(stop)
         finally:

@@ -20,6 +20,7 @@ from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.policy import (
     MethodOverride,
     MethodPolicy,
+    check_lease,
     compile_policies,
     compile_policy,
     method_path,
@@ -113,6 +114,13 @@ class PolicyRegistry:
                 raise
         self._policies[path] = policy
         return policy
+
+
+def check_served(policy: MethodPolicy) -> None:
+    """What a server checks of a method it serves, beyond what every registry (a client's too)
+    checks: its lease (``check_lease``) and its steps' targets (``check_step_targets``)."""
+    check_lease(policy)
+    check_step_targets(policy)
 
 
 def check_step_targets(policy: MethodPolicy) -> None:

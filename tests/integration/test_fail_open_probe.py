@@ -22,13 +22,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import DsnUnusable, Store
+from grpc_idempotency import DsnUnusable, Store, StoreMisconfigured
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import RunningLedger, fresh, prepare, records_locked, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
@@ -212,9 +213,20 @@ async def test_a_probe_dsn_the_driver_cannot_use_is_refused_at_connect_unquoted(
         caplog.at_level(logging.DEBUG, logger="grpc_idempotency"),
         pytest.raises(DsnUnusable, match="probe_dsn") as raised,
     ):
-        await Store.connect(pg_dsn, probe_dsn=probe_dsn)
+        await Store.connect(pg_dsn, probe_dsn=probe_dsn, check_schema=False)
     assert "qqq" not in str(raised.value)
     assert "qqq" not in caplog.text
+
+
+async def test_a_probe_dsn_its_server_refuses_is_refused_at_connect(pg_dsn: str) -> None:
+    """The server answers, and refuses the session (a database that does not exist): every
+    probe failed the same, so every ambiguous outage let fail-open methods run unclaimed, as
+    with a DSN the driver cannot parse; the vetting at connect only logged that the probe "does
+    not answer now". The store's own DSN refused so is StoreMisconfigured at connect; so is
+    this one."""
+    probe_dsn = urlsplit(pg_dsn)._replace(path="/no_such_database_here").geturl()
+    with pytest.raises(StoreMisconfigured, match="3D000"):
+        await Store.connect(pg_dsn, probe_dsn=probe_dsn, check_schema=False)
 
 
 async def test_behind_pgbouncer_a_direct_probe_keeps_a_locked_table_closed(

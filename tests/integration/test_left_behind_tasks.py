@@ -6,16 +6,35 @@ the step's child key: the operation's retry calls the step again, and must be re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import KeyRequirement, MethodOverride, Store, child_key, current_call
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    KeyRequirement,
+    MetadataScope,
+    MethodOverride,
+    NotInIdempotentCall,
+    Store,
+    child_key,
+    current_call,
+)
 from grpc_idempotency.client import Operation
-from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows
+from tests.support.ledger import (
+    TENANT,
+    LedgerService,
+    RunningLedger,
+    fresh,
+    ledger_rows,
+    ledger_server,
+    metadata,
+)
 from tests.support.relay import FORWARD, RelayService, running_relay
+from tests.support.wire import call_raw
 
 SERVICERS: list[LeavesATask] = []
 
@@ -105,3 +124,58 @@ async def test_a_step_called_by_a_task_left_running_keeps_its_child_key(
     assert ledger.service.keys_seen == [step_key]  # the retry's call replayed it
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
+
+
+class WritesLater(LedgerService):
+    """PostOptional leaves a task that takes the call's connection to write once the handler
+    has failed: woken as the handler aborts, before the call's transaction is rolled back."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.left: list[asyncio.Task[None]] = []
+        self.seen: list[str] = []
+
+    async def PostOptional(self, request: Any, context: Any) -> Any:
+        go = asyncio.Event()
+
+        async def write() -> None:
+            await go.wait()
+            try:
+                conn = current_call().connection
+            except NotInIdempotentCall:
+                self.seen.append("refused")
+                return
+            self.seen.append("connection")
+            with contextlib.suppress(Exception):
+                await conn.execute(
+                    "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)",
+                    request.account,
+                )
+
+        self.left.append(asyncio.create_task(write()))
+        go.set()
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no such account")
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+async def test_a_task_left_running_gets_no_transaction_once_its_handler_failed(
+    store: Store, keyed: bool
+) -> None:
+    """The call is over for its handler's tasks before its transaction is rolled back, keyed
+    (``_end``) or not: called without a key, it ended only after the rollback, and a task woken
+    meanwhile got the connection and ran its statement beside the ROLLBACK (or, once it was
+    done, outside any transaction)."""
+    account = fresh("acct")
+    servicer = WritesLater(store)
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+    async with ledger_server(interceptor, servicer) as (channel, _):
+        answer = await call_raw(
+            channel,
+            "/testsvc.v1.LedgerService/PostOptional",
+            testsvc_pb2.PostRequest(account=account, amount=1),
+            metadata(fresh() if keyed else None),
+        )
+        await servicer.left[0]
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert servicer.seen == ["refused"]
+    assert await ledger_rows(store, account) == 0

@@ -513,6 +513,29 @@ async def test_a_relay_waits_out_a_database_outage(pg_dsn: str, outbox: Store) -
     assert failures == 3 and receiver.delivered == {"survivor": 1}
 
 
+def listen_loop_running(relay: Relay) -> Callable[[], bool]:
+    """Whether ``relay``'s LISTEN loop runs: its start is waiting for it."""
+    name = f"relay-listen {relay.name}"
+    return lambda: any(t.get_name() == name and not t.done() for t in asyncio.all_tasks())
+
+
+async def test_one_relay_runs_once_at_a_time(pg_dsn: str, outbox: Store) -> None:
+    """``run()`` called again while it runs is refused: two runs of one relay share its
+    batches' state and LISTEN. With a listen_dsn, the check of it (a connection, awaited) came
+    between the test of "running" and setting it: both runs passed the test."""
+    relay = Relay(outbox, Receiver(), poll_interval=30.0, listen_dsn=pg_dsn)
+    stop = asyncio.Event()
+    first = asyncio.create_task(relay.run(stop))
+    second = asyncio.create_task(relay.run(stop))
+    try:
+        with pytest.raises(RuntimeError, match="already running"):
+            await asyncio.wait_for(second, WAIT_S)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), WAIT_S)
+    assert first.done() and first.exception() is None
+
+
 async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Store) -> None:
     """Before its first claim the relay waits for its LISTEN, bounded by max(poll, 5 s); a stop
     during that wait (a deploy during a database outage) waited it out."""
@@ -527,7 +550,7 @@ async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Sto
     )
     stop = asyncio.Event()
     running_relay = asyncio.create_task(relay.run(stop))
-    await asyncio.sleep(0)  # it is waiting for its LISTEN now
+    await until("the relay to wait for its LISTEN", listen_loop_running(relay))
     loop = asyncio.get_running_loop()
     began = loop.time()
     stop.set()
@@ -549,7 +572,8 @@ async def test_a_relay_cancelled_while_its_listen_cannot_connect_leaves_nothing_
     )
     before = asyncio.all_tasks()
     running_relay = asyncio.create_task(relay.run())
-    await asyncio.sleep(0)
+    # In its start, past the listen_dsn's check (cancelled there, nothing of the start ran).
+    await until("the relay to wait for its LISTEN", listen_loop_running(relay))
     running_relay.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running_relay
@@ -803,6 +827,20 @@ async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
         await channel.close(None)
 
 
+async def test_permanent_codes_given_as_a_generator_are_kept() -> None:
+    """The check of their type read a one-shot iterable through, and the sink kept what was
+    left of it, nothing: every rejection was retried to the last attempt."""
+    keep = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")
+    try:
+        sink = GrpcSink(channel, "/a.B/C", permanent_codes=(code for code in keep))
+        assert sink.permanent_codes == keep
+        with pytest.raises(TypeError, match="permanent_codes"):
+            GrpcSink(channel, "/a.B/C", permanent_codes=grpc.StatusCode.NOT_FOUND)  # type: ignore[arg-type]
+    finally:
+        await channel.close(None)
+
+
 async def test_a_stop_that_is_not_an_asyncio_event_is_refused(outbox: Store) -> None:
     """A threading.Event was waited on by a task of the relay's, on the event loop's thread:
     the whole loop (a gRPC server on it too) froze until the event was set. Set already here,
@@ -813,6 +851,36 @@ async def test_a_stop_that_is_not_an_asyncio_event_is_refused(outbox: Store) -> 
     with pytest.raises(TypeError, match=r"stop must be an asyncio\.Event"):
         await relay.run(stop)  # type: ignore[arg-type]
     assert relay.stats.batches == 0
+
+
+class Flag:
+    """An event of another async library's (anyio's, say): ``is_set`` and an async ``wait``,
+    what the relay uses of its stop; no asyncio.Event."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+async def test_a_stop_with_an_async_wait_stops_the_relay(outbox: Store) -> None:
+    """It stopped the relay before the check of the stop's type, which then refused it."""
+    receiver = Receiver(expect=1)
+    relay = Relay(outbox, receiver, listen=False, poll_interval=0.05)
+    stop = Flag()
+    running_relay = asyncio.create_task(relay.run(stop))  # type: ignore[arg-type]
+    await insert(outbox, outbox.schema, ["flagged"])
+    await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+    stop.set()
+    await asyncio.wait_for(running_relay, WAIT_S)
+    assert receiver.delivered == {"flagged": 1}
 
 
 async def test_a_listen_dsn_the_driver_cannot_use_is_refused_before_relaying(

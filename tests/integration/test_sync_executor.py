@@ -5,11 +5,11 @@ pool (re)connects."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import grpc
 import pytest
@@ -131,3 +131,30 @@ async def test_an_executor_sync_handlers_cannot_run_in_is_refused_at_constructio
         given = pool if executor == "process-pool" else 4
         with pytest.raises(TypeError, match="sync_executor must be a thread pool"):
             IdempotencyInterceptor(store, sync_executor=given)  # type: ignore[arg-type]
+
+
+class Delegating:
+    """An executor by its ``submit`` alone (a wrapper that adds to each task, say), as asyncio's
+    ``run_in_executor`` takes it: no subclass of ``Executor``."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.submitted = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
+        self.submitted += 1
+        return self.pool.submit(fn, *args)
+
+
+async def test_an_executor_that_is_one_by_its_submit_runs_sync_handlers(store: Store) -> None:
+    """It ran them before the constructor checked the executor's type, and was then refused."""
+    account = fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wrapped") as pool:
+        executor = Delegating(pool)
+        async with running_ledger(store, sync_executor=executor) as ledger:
+            answer = await ledger.call(SYNC, request, fresh())
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert executor.submitted == 1
+    assert [name.split("_")[0] for name in ledger.service.sync_threads] == ["wrapped"]
+    assert await ledger_rows(store, account) == 1

@@ -27,12 +27,15 @@ from grpc_idempotency.core.policy import (
     Mode,
     Step,
     StoreDown,
+    check_lease,
     compile_policies,
     compile_policy,
+    method_path,
     normalize_method,
 )
 from grpc_idempotency.core.propagation import KeySource, Parent, choose_key
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
+from grpc_idempotency.registry import PolicyRegistry, check_served
 from grpc_idempotency.v1 import options_pb2
 
 _counter = itertools.count()
@@ -201,13 +204,35 @@ def test_a_lease_too_short_to_be_renewed_is_refused(
     its session ended under it, answered UNAVAILABLE (IDEMPOTENCY_STORE_UNAVAILABLE) as if the
     store were down, on every retry."""
     method = method_with(configure)
+    overrides = None if override is None else {method_path(method)[1:]: override}
     with pytest.raises(PolicyError, match=r"lease .* must be at least 100 ms") as caught:
-        compile_policy(method, override)
+        PolicyRegistry([method.containing_service], overrides, check=check_served)
     assert caught.value.message.startswith(f"/{method.containing_service.full_name}/Do:")
     # The floor itself is a valid lease.
     floor = MethodOverride(lease=timedelta(milliseconds=100))
     policy = compile_policy(method, floor)
     assert policy is not None and policy.lease_s == 0.1
+    check_lease(policy)
+
+
+def test_a_lease_only_servers_refuse_is_taken_by_a_client() -> None:
+    """A client holds no lease, and its copy of a target's options may be that of a server on
+    an older release, which accepted a lease under 100 ms. Refused by every registry, the client
+    interceptor could not be built, or, the target found on its first call, call it at all; the
+    server, which holds the lease, still refuses it."""
+    from grpc_idempotency import IdempotencyClientInterceptor, IdempotencyInterceptor, Store
+
+    def short(o: options_pb2.MethodPolicy) -> None:
+        o.lease.nanos = 50_000_000
+
+    method = method_with(short)
+    IdempotencyClientInterceptor(services=[method.containing_service])
+    later = method_with(short)  # not in services: compiled on its first call
+    policy = PolicyRegistry().get(method_path(later))
+    assert policy is not None and policy.lease == timedelta(milliseconds=50)
+    store = Store(object())  # type: ignore[arg-type]  # its pool is never touched building
+    with pytest.raises(PolicyError, match="must be at least 100 ms"):
+        IdempotencyInterceptor(store, services=[method.containing_service])
 
 
 def test_an_override_takes_recorded_errors_as_grpc_status_codes_too() -> None:
@@ -363,7 +388,7 @@ def _two_steps(o: options_pb2.MethodPolicy) -> None:
         (lambda o: o.recorded_error_codes.append("UNAVAILABLE"), {}, "may not contain"),
         (lambda o: o.recorded_error_codes.append("OK"), {}, "may not contain"),
         (lambda o: setattr(o.retention, "seconds", -1), {}, "retention must be positive"),
-        (lambda o: setattr(o.lease, "seconds", -5), {}, "lease -5 s is too short"),
+        (lambda o: setattr(o.lease, "seconds", -5), {}, "lease may not be negative"),
         (lambda o: setattr(o.max_wait, "seconds", -1), {}, "max_wait"),
     ],
 )
@@ -478,6 +503,17 @@ def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(
     store = Store(object())  # type: ignore[arg-type]  # its pool is never touched building
     with pytest.raises(TypeError, match=f"^{argument} must be"):
         IdempotencyInterceptor(store, **{argument: value})  # type: ignore[arg-type]
+
+
+def test_replay_cache_none_is_no_cache_as_before() -> None:
+    """``replay_cache=None`` (as ``herd_release=None`` and ``telemetry=None`` are written) meant
+    no cache; the check of the argument's type refused it, and a server that started before
+    did not start."""
+    from grpc_idempotency import IdempotencyInterceptor, Store
+
+    store = Store(object())  # type: ignore[arg-type]  # its pool is never touched building
+    assert IdempotencyInterceptor(store, replay_cache=None).replay_cache is None
+    assert IdempotencyInterceptor(store).replay_cache is not None
 
 
 def test_an_override_of_a_method_its_service_lacks_is_refused() -> None:

@@ -442,6 +442,8 @@ ERRORS = {
         "lease { seconds: 10 nanos: -500000000 } is not a valid Duration: seconds and nanos"
         " must have the same sign",
     ),
+    # The server's floor (a client's registry takes it: check_lease), refused when generated.
+    "lease under 100 ms": ("lease: { nanos: 50000000 }", "", "lease 0.05 s is too short"),
     "retired_at past year 9999": (
         'steps: { name: "a.v1" outbox: true retired_at: { seconds: 253402300800 } }',
         "",

@@ -394,13 +394,9 @@ def compile_policy(
     )
     if policy.retention <= timedelta(0):
         raise fail("retention must be positive")
-    if policy.lease < MIN_LEASE:
-        raise fail(
-            f"lease {policy.lease.total_seconds():g} s is too short: it must be at least"
-            f" {MIN_LEASE // timedelta(milliseconds=1)} ms (a phased claim is renewed at most"
-            f" every {LEASE_RENEWAL_FLOOR_S * 1000:g} ms; an atomic transaction may sit idle"
-            " no longer than the lease)"
-        )
+    if policy.lease < timedelta(0):
+        # Its floor is the server's (``check_lease``): a client holds no lease.
+        raise fail("lease may not be negative")
     if policy.max_wait < timedelta(0):
         raise fail("max_wait may not be negative")
     if max(policy.retention, policy.lease, policy.max_wait) > MAX_DURATION:
@@ -408,6 +404,21 @@ def compile_policy(
     if policy.max_response_bytes < 0:
         raise fail("max_response_bytes may not be negative")
     return policy
+
+
+def check_lease(policy: MethodPolicy) -> None:
+    """Refuses a lease under ``MIN_LEASE`` where leases are held: the server's registry
+    (``registry.check_served``) and the protoc plugin. Not in ``compile_policy``, which clients
+    run too: a client holds no lease, and its copy of a target's options may be that of a
+    server on an older release, which accepted a shorter one; refused there, the client could
+    not be built (or, the target found on its first call, call it at all)."""
+    if policy.lease < MIN_LEASE:
+        raise PolicyError(
+            f"{policy.method}: lease {policy.lease.total_seconds():g} s is too short: it must be"
+            f" at least {MIN_LEASE // timedelta(milliseconds=1)} ms (a phased claim is renewed"
+            f" at most every {LEASE_RENEWAL_FLOOR_S * 1000:g} ms; an atomic transaction may sit"
+            " idle no longer than the lease)"
+        )
 
 
 def _steps_of(options: options_pb2.MethodPolicy, path: str) -> tuple[Step, ...]:

@@ -18,7 +18,7 @@ from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import FileDescriptor, MethodDescriptor, ServiceDescriptor
 
 from grpc_idempotency.core.errors import PolicyError
-from grpc_idempotency.core.policy import compile_policy, method_path
+from grpc_idempotency.core.policy import check_lease, compile_policy, method_path
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options
 from grpc_idempotency.v1 import options_pb2
 
@@ -72,6 +72,8 @@ def check_file(
             path = method_path(method)
             try:
                 policy = compile_policy(method)
+                if policy is not None:
+                    check_lease(policy)  # as the server checks it
             except PolicyError as err:
                 errors.append(f"{file.name}: {err.message}")
                 continue

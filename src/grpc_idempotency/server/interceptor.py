@@ -84,7 +84,7 @@ from grpc_idempotency.core.policy import (
 )
 from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
-from grpc_idempotency.registry import PolicyRegistry, Services, check_step_targets
+from grpc_idempotency.registry import PolicyRegistry, Services, check_served
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
 from grpc_idempotency.server.answers import Context
@@ -204,8 +204,8 @@ class IdempotencyInterceptor(_Interceptor):
     to find their shard).
     ``scope``: how a call's scope is resolved (default: the TLS peer identity).
     ``replay_cache``: completed outcomes kept in memory so that replays skip the database
-    (``True``: a ``ReplayCache()`` with its default bounds; ``False``: none). Correct across
-    replicas: see ``grpc_idempotency.core.replay_cache``.
+    (``True``: a ``ReplayCache()`` with its default bounds; ``False`` or ``None``: none).
+    Correct across replicas: see ``grpc_idempotency.core.replay_cache``.
     ``herd_release``: how the duplicates waiting on a key this process executes are answered when
     its outcome is in: a batch at a time (the default, 8 every 2 ms), so that a herd does not
     stall every other call on the server; ``None`` answers them all at once. See
@@ -233,7 +233,7 @@ class IdempotencyInterceptor(_Interceptor):
         overrides: Mapping[str, MethodOverride] | None = None,
         scope: ScopeResolver = peer_identity_scope,
         telemetry: Telemetry | None = None,
-        replay_cache: ReplayCache | bool = True,
+        replay_cache: ReplayCache | bool | None = True,
         herd_release: HerdRelease | None = HerdRelease(),  # noqa: B008  (frozen: shared safely)
         sync_executor: Executor | None = None,
         fingerprint_off_loop_bytes: int | None = 16 * 1024,
@@ -255,12 +255,14 @@ class IdempotencyInterceptor(_Interceptor):
             )
         self.store = store
         if sync_executor is not None and (
-            not isinstance(sync_executor, Executor)
+            not callable(getattr(sync_executor, "submit", None))
             or isinstance(sync_executor, ProcessPoolExecutor)
         ):
             # Checked here: a sync handler runs with the call's context, its transaction and
             # this process's event loop, so another process cannot run it; each such call
-            # failed UNKNOWN ("cannot pickle '_contextvars.Context' object").
+            # failed UNKNOWN ("cannot pickle '_contextvars.Context' object"). An executor is
+            # one by its submit(), as to asyncio's run_in_executor (a wrapper need not subclass
+            # Executor).
             raise TypeError(
                 "sync_executor must be a thread pool (concurrent.futures.ThreadPoolExecutor)"
                 f" or None, not {sync_executor!r}"
@@ -280,7 +282,8 @@ class IdempotencyInterceptor(_Interceptor):
         # outcome), or, a number as replay_cache, silently gave the default cache.
         if herd_release is not None and not isinstance(herd_release, HerdRelease):
             raise TypeError(f"herd_release must be a HerdRelease or None, not {herd_release!r}")
-        if not isinstance(replay_cache, ReplayCache | bool):
+        # None too: no cache, as it always meant (written as herd_release=None is).
+        if replay_cache is not None and not isinstance(replay_cache, ReplayCache | bool):
             raise TypeError(
                 "replay_cache must be a ReplayCache (ReplayCache(max_entries=...) to size it),"
                 f" True or False, not {replay_cache!r}"
@@ -312,7 +315,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._scope = scope
         self._resolver_failure_logged = -math.inf
         self._telemetry = telemetry or Telemetry()
-        self._registry = PolicyRegistry(services, overrides, check=check_step_targets)
+        self._registry = PolicyRegistry(services, overrides, check=check_served)
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], _Owner] = {}
         self._recent = _RecentKeys()
@@ -1087,22 +1090,30 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(context, err)
         serving = _unclaimed(call, tx.connection)
         bound = call_context.bind(serving)
+
+        async def end_and_roll_back() -> HandlerDatabaseError | None:
+            # Over first, as a keyed call's (``_end``): a task the handler left running, woken
+            # meanwhile, got the connection and ran its statement beside the ROLLBACK, or
+            # outside any transaction once it was done.
+            serving.end()
+            return await asyncio.shield(tx.rollback())
+
         # A handler that ended the transaction itself (COMMIT or ROLLBACK on the call's
         # connection) answers INTERNAL whatever it answered, as with a key: what it wrote may
         # have committed, and the same handler under a key would be refused.
         try:
             response = await self._invoke(call)
         except DeferredAbort as aborted:
-            misuse = await asyncio.shield(tx.rollback())
+            misuse = await end_and_roll_back()
             if misuse is not None:
                 await answers.abort(context, misuse)
             await _refuse_unsendable_trailers(context, aborted)  # as with a key
             await aborted.send(context)
         except IdempotencyError as err:
-            misuse = await asyncio.shield(tx.rollback())
+            misuse = await end_and_roll_back()
             await answers.abort(context, misuse or err)
         except BaseException as exc:
-            misuse = await asyncio.shield(tx.rollback())
+            misuse = await end_and_roll_back()
             if misuse is not None and isinstance(exc, Exception):
                 await answers.abort(context, misuse)
             raise

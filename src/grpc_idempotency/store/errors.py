@@ -135,6 +135,19 @@ def connect_error(exc: BaseException) -> StoreUnavailable:
     return store_error(exc, "connecting")
 
 
+def session_refused(exc: BaseException) -> str | None:
+    """What the server said, when ``exc`` (from opening a connection) is its refusal of the
+    session for good (``connect_error``'s misconfigured cases: a password or database that is
+    wrong, a setting it does not know); ``None`` otherwise. Logs nothing: for a DSN other than
+    the store's own (``vet_dsn``), where "every keyed call fails" would not be true."""
+    state = sqlstate(exc)
+    if state is None or state == _NOT_ACCEPTING_CONNECTIONS:
+        return None
+    if classify(state) not in (Failure.MISCONFIGURED, Failure.OTHER):
+        return None
+    return f"the server refused the session (SQLSTATE {state}): {_hint(state)}"
+
+
 def raised_in_asyncpg(exc: BaseException, module: str = "asyncpg.") -> bool:
     """Whether ``exc`` was raised by code of ``module`` (asyncpg's by default): an OSError or a
     TimeoutError is the database's only then, not that of the caller's own network calls."""

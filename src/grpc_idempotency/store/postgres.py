@@ -52,6 +52,7 @@ from grpc_idempotency.store.errors import (
     dsn_unusable,
     ended_by_handler,
     handler_error,
+    session_refused,
     sqlstate,
     store_error,
 )
@@ -1589,6 +1590,12 @@ async def vet_dsn(
             raise DsnUnusable(
                 f"cannot use {name}: {problem}" if problem else f"{name}: {DsnUnusable().message}"
             ) from None
+        refused = session_refused(exc)
+        if refused is not None:
+            # The server answered and refused the session for good (a database that does not
+            # exist, a setting it does not know), as connect refuses the store's own DSN:
+            # every later connection fails the same, each told as no answer.
+            raise StoreMisconfigured(f"{name}: {refused}") from None
         return False  # unreachable, refused, not yet: its user tries again anyway
     finally:
         if conn is not None and not connection_closed(conn):
