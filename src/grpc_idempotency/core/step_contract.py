@@ -451,7 +451,9 @@ def _rekeyed_named(
             # Each as it was, but for the step's own retirement, made in this change (a version
             # added or a retired_at moved is what re-keyed the operation).
             kept = [
-                _declaration(step if s.name == step.name and s.active else s)
+                _declaration(step, retire_at=_retired_after_the_others(step, previous, now))
+                if s.name == step.name and s.active
+                else _declaration(s)
                 for s in previous.values()
             ]
             gone = [
@@ -913,6 +915,26 @@ def _next_version(name: str, among: tuple[Step, ...] = ()) -> int:
 def _version(name: str) -> int:
     _, sep, version = name.rpartition(".v")
     return int(version) if sep and version.isdigit() else 1
+
+
+def _retired_after_the_others(
+    step: Step, versions: dict[str, Step], now: datetime
+) -> datetime | None:
+    """``step``'s retirement, unless it is not after every other version's in ``versions``:
+    then when the change ships (or just after the last of them). A version retired for good
+    is followed back only to versions retired strictly before it (``as_of``): retired at the
+    instant another was (v2 rolled back to v1 at T, v1 now retired at T too), it took the
+    operations begun before T from v2, and a fix keeping that instant was the change itself,
+    failing the check again."""
+    when = step.retired_at
+    others = [
+        _aware(s.retired_at)
+        for s in versions.values()
+        if s.name != step.name and s.retired_at is not None
+    ]
+    if when is None or not others or _aware(when) > max(others):
+        return when
+    return max(_ships(now), _plus(max(others), timedelta(seconds=1)))
 
 
 def _declaration(step: Step, *, retire_at: datetime | None = None) -> str:
