@@ -106,3 +106,19 @@ def test_as_root_a_data_dir_the_server_account_cannot_reach_is_refused_untouched
         assert not (private / "pgdata").exists(), "nothing is created in a refused place"
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("port", "error"),
+    [
+        (True, TypeError),  # a bool is an int to isinstance(): the watchdog crashed on 'True'
+        (5433.0, TypeError),  # started a server close() did not stop: port '5433.0' is not its
+        ("5433", TypeError),
+        (0, ValueError),  # PostgreSQL picks no free port: 0 is refused, not "any"
+        (-1, ValueError),
+        (65536, ValueError),
+    ],
+)
+def test_a_bad_tcp_port_is_refused_by_the_constructor(port: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="tcp_port must be"):
+        EmbeddedPostgres(tcp_port=port, durable=False)  # type: ignore[arg-type]

@@ -384,6 +384,19 @@ def _unreachable_ancestor(path: Path, uid: int, gid: int) -> Path | None:
     return None
 
 
+def _checked_port(port: object) -> int:
+    """``tcp_port`` as an int, or the error a bad one deserves before anything starts (the
+    port also names the socket file and is handed to postgres and to the watchdog as text:
+    ``True`` or ``5433.0`` started a server that ``running``, ``close()`` and the watchdog
+    did not recognise as theirs)."""
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"tcp_port must be an int or None, not {type(port).__name__}")
+    if not 1 <= port <= 65535:
+        # PostgreSQL cannot pick a free port itself (0 is refused, not "any").
+        raise ValueError(f"tcp_port must be a TCP port, 1 to 65535, not {port}")
+    return int(port)  # an int subclass (IntEnum) as a plain int: its str() is the number
+
+
 def _short_tmp() -> str:
     # Unix socket paths are limited to ~104 bytes; $TMPDIR can be long (macOS).
     return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
@@ -415,6 +428,8 @@ class EmbeddedPostgres:
         socket in a private directory and, only if ``tcp_port`` is given, also on
         127.0.0.1:tcp_port. ``durable=False`` turns ``fsync`` off for speed.
         """
+        if tcp_port is not None:
+            tcp_port = _checked_port(tcp_port)
         self._rt = _load_runtime()  # fail here, clearly, when the wheel is missing
         self._tcp_port = tcp_port
         # The socket file is named after the port; a fixed one keeps the DSN stable.
