@@ -8,7 +8,10 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,6 +86,31 @@ async def test_the_owner_still_stops_its_own_server(data_dir: Path) -> None:
     assert await _answers(pg)
     pg.close()
     assert not pg.running
+
+
+FORK_EXIT = textwrap.dedent(
+    """
+    import os, sys
+    from grpc_idempotency.testing import EmbeddedPostgres
+
+    with EmbeddedPostgres(durable=False) as pg:
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # unwinds through the with block: __exit__ and close() in the child
+        _, status = os.waitpid(child, 0)
+        print(os.waitstatus_to_exitcode(status), pg.running, pg._data_dir.exists())
+    print(pg.running, pg._data_dir.exists())
+    """
+)
+
+
+def test_a_forked_child_leaving_the_with_block_leaves_the_parents_server_alone() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_EXIT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    # The child's close() stopped the parent's server; the parent's still stops it.
+    assert done.stdout.split() == ["0", "True", "True", "False", "False"], done.stderr
 
 
 def _modes(path: Path) -> dict[Path, int]:

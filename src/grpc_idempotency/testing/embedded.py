@@ -437,6 +437,7 @@ class EmbeddedPostgres:
         self._durable = durable
         self._lock = threading.RLock()
         self._closed = False
+        self._owner_pid = os.getpid()
         owned: list[Path] = []
         if data_dir is None:
             self._data_dir = Path(tempfile.mkdtemp(prefix="grpc-idempotency-pgdata-"))
@@ -536,7 +537,14 @@ class EmbeddedPostgres:
             _log.debug("PostgreSQL stopped (%s): %s", mode, self._data_dir)
 
     def close(self) -> None:
-        """Stop the server, then delete the temporary directories this instance created."""
+        """Stop the server, then delete the temporary directories this instance created.
+
+        In a fork()'s child (one that leaves the ``with`` block, by ``sys.exit()`` say) it only
+        marks the instance closed: the server and the directories are the parent's."""
+        if os.getpid() != self._owner_pid:
+            # Before the lock: a thread of the parent may have held it at the fork.
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
