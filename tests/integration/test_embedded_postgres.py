@@ -150,3 +150,21 @@ def test_as_root_a_data_dir_the_server_account_cannot_reach_is_refused_untouched
 def test_a_bad_tcp_port_is_refused_by_the_constructor(port: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="tcp_port must be"):
         EmbeddedPostgres(tcp_port=port, durable=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        'double"quote',
+        "dollar$HOME",  # pg_ctl's /bin/sh expanded it: the log went to .../dollar/root/...
+        "back`echo`tick",  # ran the command
+        "back\\slash",
+        "new\nline",  # pg_ctl failed, and its server outlived close()
+    ],
+)
+def test_a_data_dir_pg_ctls_shell_would_not_take_literally_is_refused(
+    data_dir: Path, name: str
+) -> None:
+    with pytest.raises(ValueError, match="pg_ctl hands the data directory to /bin/sh"):
+        EmbeddedPostgres(data_dir.parent / name, durable=False)
+    assert list(data_dir.parent.iterdir()) == []

@@ -438,6 +438,23 @@ def _checked_port(port: object) -> int:
     return int(port)  # an int subclass (IntEnum) as a plain int: its str() is the number
 
 
+# pg_ctl starts the postmaster through /bin/sh with the data directory (and the log file in it)
+# in double quotes, where these are not literal ($ and ` even run commands); a newline splits
+# the line of postmaster.pid by which an instance knows its server (pg_ctl failed, and the
+# server it had started outlived close()).
+_SHELL_UNSAFE = frozenset('"$`\\\n')
+
+
+def _check_data_dir(path: Path, what: str) -> None:
+    unsafe = sorted(set(str(path)) & _SHELL_UNSAFE)
+    if unsafe:
+        raise ValueError(
+            f"{what} {str(path)!r} contains {' '.join(map(repr, unsafe))}: pg_ctl hands the"
+            " data directory to /bin/sh in double quotes, where those are not literal;"
+            " choose a path without them"
+        )
+
+
 def _short_tmp() -> str:
     # Unix socket paths are limited to ~104 bytes; $TMPDIR can be long (macOS).
     return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
@@ -465,9 +482,10 @@ class EmbeddedPostgres:
         """Prepare (not start) a server.
 
         ``data_dir`` None uses a fresh temporary directory that ``close()`` deletes; an
-        existing initialised directory is reused as is. The server listens on a unix
-        socket in a private directory and, only if ``tcp_port`` is given, also on
-        127.0.0.1:tcp_port. ``durable=False`` turns ``fsync`` off for speed.
+        existing initialised directory is reused as is (a path with ``"``, ``$``, a backquote,
+        a backslash or a newline is refused: pg_ctl's shell would not take it literally). The
+        server listens on a unix socket in a private directory and, only if ``tcp_port`` is
+        given, also on 127.0.0.1:tcp_port. ``durable=False`` turns ``fsync`` off for speed.
         """
         if tcp_port is not None:
             tcp_port = _checked_port(tcp_port)
@@ -481,11 +499,13 @@ class EmbeddedPostgres:
         self._owner_pid = os.getpid()
         owned: list[Path] = []
         if data_dir is None:
+            _check_data_dir(Path(tempfile.gettempdir()), "the temporary directory (TMPDIR)")
             self._data_dir = Path(tempfile.mkdtemp(prefix="grpc-idempotency-pgdata-"))
             owned.append(self._data_dir)
         else:
             # Absolute: the binaries run with cwd="/".
             self._data_dir = Path(data_dir).expanduser().resolve()
+            _check_data_dir(self._data_dir, "data_dir")
         self._socket_dir = Path(tempfile.mkdtemp(prefix="pg-", dir=_short_tmp()))
         owned.append(self._socket_dir)
         self._log_file = self._data_dir / "embedded-postgres.log"
