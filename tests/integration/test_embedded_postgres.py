@@ -168,3 +168,14 @@ def test_a_data_dir_pg_ctls_shell_would_not_take_literally_is_refused(
     with pytest.raises(ValueError, match="pg_ctl hands the data directory to /bin/sh"):
         EmbeddedPostgres(data_dir.parent / name, durable=False)
     assert list(data_dir.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", ["verify-ca", "verify-full"])
+async def test_the_dsn_works_whatever_sslmode_the_environment_asks_for_other_servers(
+    owner: EmbeddedPostgres, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A developer's shell set for a cloud database: asyncpg failed on the missing root
+    # certificate before connecting to the unix socket, which has no TLS anyway.
+    monkeypatch.setenv("PGSSLMODE", mode)
+    monkeypatch.setenv("PGSSLROOTCERT", "/nonexistent/root.crt")
+    assert await _answers(owner)

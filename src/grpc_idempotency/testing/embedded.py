@@ -528,7 +528,11 @@ class EmbeddedPostgres:
     def dsn(self) -> str:
         """libpq/asyncpg DSN of the superuser ``postgres``; stable across stop()/start()."""
         host = quote(str(self._socket_dir), safe="/")
-        return f"postgresql://{_SUPERUSER}@/postgres?host={host}&port={self._port}"
+        # sslmode=disable: a unix socket has no TLS, but a PGSSLMODE=verify-full (or verify-ca)
+        # in the caller's environment, meant for another server, made asyncpg look for a root
+        # certificate and fail before connecting.
+        dsn = f"postgresql://{_SUPERUSER}@/postgres?host={host}&port={self._port}"
+        return f"{dsn}&sslmode=disable"
 
     @property
     def running(self) -> bool:
