@@ -179,3 +179,15 @@ async def test_the_dsn_works_whatever_sslmode_the_environment_asks_for_other_ser
     monkeypatch.setenv("PGSSLMODE", mode)
     monkeypatch.setenv("PGSSLROOTCERT", "/nonexistent/root.crt")
     assert await _answers(owner)
+
+
+def test_a_data_dir_that_is_a_file_is_refused_as_not_a_directory(data_dir: Path) -> None:
+    data_dir.parent.joinpath("pgdata").write_text("not a cluster")
+    pg = EmbeddedPostgres(data_dir, durable=False)
+    try:
+        with pytest.raises(NotADirectoryError) as raised:
+            pg.start()  # was FileExistsError: "[Errno 17] File exists: '.../pgdata'"
+    finally:
+        pg.close()
+    assert f"data_dir {data_dir} exists and is not a directory" in str(raised.value)
+    assert data_dir.read_text() == "not a cluster"

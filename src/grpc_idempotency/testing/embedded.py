@@ -636,6 +636,9 @@ class EmbeddedPostgres:
         fresh = not (self._data_dir / "PG_VERSION").exists()
         if rt.uid is not None:
             self._check_reachable()  # before creating anything in a place that is refused
+        if fresh and self._data_dir.exists() and not self._data_dir.is_dir():
+            # mkdir's own error was "[Errno 17] File exists", which reads as no error at all.
+            raise NotADirectoryError(f"data_dir {self._data_dir} exists and is not a directory")
         if fresh:
             self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if rt.uid is not None and rt.gid is not None:
