@@ -191,3 +191,24 @@ def test_a_data_dir_that_is_a_file_is_refused_as_not_a_directory(data_dir: Path)
         pg.close()
     assert f"data_dir {data_dir} exists and is not a directory" in str(raised.value)
     assert data_dir.read_text() == "not a cluster"
+
+
+def test_a_data_dir_holding_other_files_is_refused_untouched(data_dir: Path) -> None:
+    data_dir.mkdir(mode=0o755)
+    (data_dir / "README").write_text("a project, not a cluster")
+    before = data_dir.stat()
+    pg = EmbeddedPostgres(data_dir, durable=False)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            pg.start()
+    finally:
+        pg.close()
+    after = data_dir.stat()
+    # As root it was chowned to the server account before initdb refused it.
+    assert (after.st_uid, after.st_gid, after.st_mode) == (
+        before.st_uid,
+        before.st_gid,
+        before.st_mode,
+    )
+    assert [p.name for p in data_dir.iterdir()] == ["README"]
+    assert "is not empty and holds no PostgreSQL cluster" in str(raised.value)

@@ -639,6 +639,13 @@ class EmbeddedPostgres:
         if fresh and self._data_dir.exists() and not self._data_dir.is_dir():
             # mkdir's own error was "[Errno 17] File exists", which reads as no error at all.
             raise NotADirectoryError(f"data_dir {self._data_dir} exists and is not a directory")
+        if fresh and self._data_dir.is_dir() and any(self._data_dir.iterdir()):
+            # initdb refuses it too, but only after (as root) the chown below had given the
+            # caller's directory (a project, the cwd for data_dir="") to the server account.
+            raise RuntimeError(
+                f"data_dir {self._data_dir} is not empty and holds no PostgreSQL cluster"
+                " (no PG_VERSION): give a new or empty directory, or an existing data directory"
+            )
         if fresh:
             self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if rt.uid is not None and rt.gid is not None:
