@@ -1,7 +1,11 @@
 """EmbeddedPostgres stops only the server it started itself: another instance on the same data
 directory (one that could not start, or was never started) closing, or being collected, leaves
-the running server alone. As root, it never widens the permissions of the caller's directories
-for the unprivileged server account: a data dir that account cannot reach is refused."""
+the running server alone, and so does a fork()'s child closing it. As root, it never widens the
+permissions of the caller's directories for the unprivileged server account: a data dir that
+account cannot reach is refused. Arguments it cannot use (a tcp_port that is no port, a data dir
+that is a file, holds other files, or that pg_ctl's shell would not take literally) are refused
+with an error that says why, before anything is changed; and its DSN ignores a PGSSLMODE meant
+for other servers."""
 
 from __future__ import annotations
 
