@@ -417,53 +417,25 @@ async def test_a_forwarded_parent_key_is_replaced_by_the_child_key(store: Store)
     assert await ledger_rows(store, account) == 2
 
 
+@pytest.mark.parametrize("source", ["invocation_metadata", "current_call"])
 async def test_a_forwarded_step_name_does_not_choose_the_steps_of_the_calls(
-    ledger: RunningLedger, store: Store
+    ledger: RunningLedger, store: Store, source: str
 ) -> None:
     """A step name the caller sent (x-grpc-idempotency-step), passed on with the incoming
     metadata, named the step of every downstream call in place of the handler's own choice:
     two declared steps on one target got one child key, and the second effect was answered
-    with the first's outcome instead of running."""
+    with the first's outcome instead of running. ``current_call().metadata``, the incoming
+    metadata as the library holds it, still had it after ``context.invocation_metadata()``
+    hid it."""
 
     class Relay(RelayService):
         async def Forward(self, request: Any, context: Any) -> Any:
-            incoming = [(k, v) for k, v in context.invocation_metadata() if k != "user-agent"]
-            for name in ("post-phased-a.v1", "post-phased-b.v1"):
-                with step(name):
-                    await self.ledger.PostPhased(
-                        testsvc_pb2.PostRequest(account=request.account, amount=1),
-                        metadata=incoming,
-                    )
-            return testsvc_pb2.ForwardResponse()
-
-    key, account = fresh(), fresh("acct")
-    async with running_relay(store, ledger.address, servicer=Relay) as relay:
-        answer = await call_raw(
-            relay.channel,
-            FORWARD,
-            testsvc_pb2.ForwardRequest(account=account),
-            metadata(key, "tenant-a", (STEP_HEADER, "post-phased-a.v1")),
-            10.0,
-        )
-    assert answer.code is grpc.StatusCode.OK, answer.details
-    assert ledger.service.keys_seen == [
-        child_key("tenant:tenant-a", key, "post-phased-a.v1"),
-        child_key("tenant:tenant-a", key, "post-phased-b.v1"),
-    ]
-    assert await ledger_rows(store, account) == 2
-
-
-async def test_the_calls_own_metadata_hides_the_callers_step_name_too(
-    ledger: RunningLedger, store: Store
-) -> None:
-    """``current_call().metadata``, the incoming metadata as the library holds it, still had
-    the step name the caller sent (hidden from ``context.invocation_metadata()`` only): passed
-    on, it named the step of every downstream call, and two declared steps on one target got
-    one child key, the second effect answered with the first's outcome."""
-
-    class Relay(RelayService):
-        async def Forward(self, request: Any, context: Any) -> Any:
-            incoming = [(k, v) for k, v in current_call().metadata if k != "user-agent"]
+            held = (
+                context.invocation_metadata()
+                if source == "invocation_metadata"
+                else current_call().metadata
+            )
+            incoming = [(k, v) for k, v in held if k != "user-agent"]
             for name in ("post-phased-a.v1", "post-phased-b.v1"):
                 with step(name):
                     await self.ledger.PostPhased(
