@@ -44,6 +44,7 @@ import os
 import random
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -89,6 +90,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("grpc_idempotency.outbox")
+_METER_LOG_S = 60.0
+"""How often a meter that raises on every batch is logged."""
 
 # A relay's purge of sent rows deletes in batches of this many rows, at most this many batches
 # at a turn, so that it never holds up deliveries for long.
@@ -461,6 +464,7 @@ class Relay:
             unit="{message}",
             description="Outbox deliveries by outcome: sent, retry, dead",
         )
+        self._count_failed_at: float | None = None
 
     # -- one batch -------------------------------------------------------------------------
 
@@ -555,7 +559,11 @@ class Relay:
         try:
             self._deliveries.add(count, {"grpc_idempotency.outbox.outcome": outcome})
         except Exception:
-            log.warning("telemetry failed counting deliveries", exc_info=True)
+            # It fails every batch: logged once a minute, as the interceptor's telemetry is.
+            now = time.monotonic()
+            if self._count_failed_at is None or now - self._count_failed_at >= _METER_LOG_S:
+                self._count_failed_at = now
+                log.warning("telemetry failed counting deliveries", exc_info=True)
 
     async def _deliver(self, message: OutboxMessage) -> str | _Failed:
         if self.policy.parks_unrecorded(message.lost_claims):

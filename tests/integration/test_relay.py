@@ -211,6 +211,20 @@ async def test_a_meter_that_raises_does_not_fail_a_delivered_batch(outbox: Store
     assert await states(outbox) == {"sent": 2} and len(receiver.messages) == 2
 
 
+async def test_a_meter_that_raises_is_logged_once_not_per_batch(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broken meter fails every batch: its failure was logged, traceback and all, per batch
+    (a relay polling busily floods its log); the interceptor's telemetry logs one a minute."""
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, meter_provider=RaisingMeterProvider())
+    for key in ("k-1", "k-2", "k-3"):
+        await insert(outbox, outbox.schema, [key])
+        assert await relay.run_once() == 1
+    logged = [r for r in caplog.records if "telemetry failed" in r.getMessage()]
+    assert len(logged) == 1, logged
+
+
 # -- failures, dead letters and the CLI ---------------------------------------------------------
 
 
