@@ -479,3 +479,36 @@ async def test_a_call_its_client_cancels_during_the_claim_is_counted_released(
     assert attributes(span)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert _outcomes(reader) == {("released", grpc.StatusCode.CANCELLED.value[0]): 1}
     assert await store.lookup("tenant:tenant-a", key) is None
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+async def test_the_handlers_spans_are_children_of_the_calls_span(store: Store, sync: bool) -> None:
+    """The call's span is current while its handler runs, a sync one in its thread pool too:
+    the handler's spans (and the gRPC instrumentation's spans of its outgoing calls) are its
+    children, not siblings under the server span."""
+    telemetry, spans, _ = _telemetry()
+    tracer = telemetry.tracer
+
+    def post(request: Any, context: Any) -> Any:
+        with tracer.start_as_current_span("handler work"):
+            return testsvc_pb2.PostResponse(account=request.account)
+
+    class Servicer(testsvc_pb2_grpc.LedgerServiceServicer):
+        async def Post(self, request: Any, context: Any) -> Any:
+            return post(request, context)
+
+    servicer = Servicer()
+    if sync:
+        servicer.Post = post  # type: ignore[method-assign]
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope("x-tenant-id"), telemetry=telemetry
+    )
+    async with ledger_server(interceptor, servicer) as (channel, _):
+        answer = await call_raw(
+            channel, POST, testsvc_pb2.PostRequest(account="x"), metadata(fresh())
+        )
+    assert answer.code is grpc.StatusCode.OK, answer
+    child, call = spans.get_finished_spans()
+    assert call.name == "grpc_idempotency testsvc.v1.LedgerService/Post"
+    assert child.parent is not None and call.context is not None
+    assert child.parent.span_id == call.context.span_id
