@@ -71,6 +71,7 @@ from grpc_idempotency.store.outbox_store import (
     StateCount,
 )
 from grpc_idempotency.store.postgres import Store, one_store, vet_dsn
+from grpc_idempotency.telemetry import _VERSION
 
 __all__ = [
     "DEFAULT_PERMANENT_CODES",
@@ -458,7 +459,8 @@ class Relay:
         self._random = rng or random.Random()
         self._wake = asyncio.Event()
         self._running = False
-        meter = metrics.get_meter("grpc_idempotency", meter_provider=meter_provider)
+        # The interceptor's meter (its version too): one instrumentation scope, not two.
+        meter = metrics.get_meter("grpc_idempotency", _VERSION, meter_provider)
         self._deliveries = meter.create_counter(
             "grpc_idempotency.outbox.deliveries",
             unit="{message}",

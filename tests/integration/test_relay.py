@@ -24,9 +24,11 @@ from typing import Any, cast
 import asyncpg
 import grpc
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import DsnUnusable, Store, StoreUnavailable
+from grpc_idempotency import DsnUnusable, Store, StoreUnavailable, Telemetry
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.outbox import (
     CallableSink,
@@ -209,6 +211,28 @@ async def test_a_meter_that_raises_does_not_fail_a_delivered_batch(outbox: Store
     relay = Relay(outbox, receiver, meter_provider=RaisingMeterProvider())
     assert await relay.run_once() == 2
     assert await states(outbox) == {"sent": 2} and len(receiver.messages) == 2
+
+
+async def test_the_relays_counter_is_in_the_interceptors_instrumentation_scope(
+    outbox: Store,
+) -> None:
+    """Both get the meter "grpc_idempotency": the relay's without the library's version, so an
+    SDK exported two scopes of that name, the relay's with no version."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    await insert(outbox, outbox.schema, ["k-1"])
+    assert await Relay(outbox, Receiver(), meter_provider=provider).run_once() == 1
+    Telemetry(meter_provider=provider).calls.add(1)
+    data = cast(MetricsData, reader.get_metrics_data())
+    scopes = {
+        (sm.scope.name, sm.scope.version): sorted(m.name for m in sm.metrics)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+    }
+    ((name, scope_version), names), *others = scopes.items()
+    assert not others, scopes
+    assert name == "grpc_idempotency" and scope_version, scopes
+    assert names == ["grpc_idempotency.calls", "grpc_idempotency.outbox.deliveries"]
 
 
 async def test_a_meter_that_raises_is_logged_once_not_per_batch(
