@@ -451,7 +451,7 @@ class Relay:
         self._on_listening = on_listening
         """Called each time LISTEN is (re)established, before the next batch is claimed (when
         polling only, once, before the first batch): a process can report itself ready there
-        without racing its first delivery."""
+        without racing its first delivery. What it raises is logged; the relay goes on."""
         self._listen = listen
         self.listen_failure: str | None = None
         """Why the relay gave up LISTEN for polling (it did not hold on its session), if it
@@ -662,8 +662,7 @@ class Relay:
         polling."""
         if self.polling_only:
             log.info("relay %s: polling every %gs (no LISTEN)", self.name, self.poll_interval)
-            if self._on_listening is not None:
-                self._on_listening()
+            self._announce_listening()
         else:
             listener = asyncio.create_task(self._listen_loop(), name=f"relay-listen {self.name}")
             helpers.append(listener)
@@ -765,8 +764,7 @@ class Relay:
                 )
                 lost = listener.lost
                 self.listening.set()
-                if self._on_listening is not None:
-                    self._on_listening()
+                self._announce_listening()
                 self._wake.set()
                 pause = 0.05
                 while not lost.is_set():
@@ -792,6 +790,18 @@ class Relay:
                 self.listening.clear()
                 if listener is not None:
                     await listener.close()
+
+    def _announce_listening(self) -> None:
+        """Calls ``on_listening``. What it raises is the caller's bug, logged with its traceback:
+        raised in the LISTEN loop it was taken for a failed connection, so the relay dropped a
+        good LISTEN and reconnected for ever, calling it again each time; raised while polling
+        it took the relay down before its first batch."""
+        if self._on_listening is None:
+            return
+        try:
+            self._on_listening()
+        except Exception:
+            log.exception("relay %s: on_listening raised; the relay goes on", self.name)
 
     def _give_up_listening(self) -> None:
         where = "listen_dsn" if self.listen_dsn is not None else "the store's DSN"

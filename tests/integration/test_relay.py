@@ -529,6 +529,43 @@ async def test_the_relay_listens_again_after_its_connection_dies(
     assert receiver.delivered == {"after-reconnect": 1}
 
 
+@pytest.mark.parametrize("listen", [True, False], ids=["listening", "polling"])
+async def test_an_on_listening_callback_that_raises_is_logged_and_the_relay_goes_on(
+    outbox: Store, listen: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Raised in the LISTEN loop, the callback's error was taken for a lost connection: the
+    relay dropped a good LISTEN and reconnected for ever, calling the callback each time.
+    Raised while polling, it took the relay down before its first batch."""
+    calls = 0
+
+    def ready() -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("the readiness file's directory is gone")
+
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, poll_interval=0.2, listen=listen, on_listening=ready)
+    await insert(outbox, outbox.schema, ["first"])
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+        if listen:
+            # A second message, woken by its notification on the LISTEN kept from the start.
+            receiver.arrived.clear()
+            await insert(outbox, outbox.schema, ["second"])
+            await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+            assert relay.listening.is_set()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, WAIT_S)  # raises what run() raised
+    assert calls == 1  # one LISTEN, never replaced
+    assert sum(receiver.delivered.values()) == (2 if listen else 1)
+    failures = [r for r in caplog.records if "on_listening raised" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert not [r for r in caplog.records if "LISTEN connection failed" in r.getMessage()]
+
+
 async def test_a_relay_waits_out_a_database_outage(pg_dsn: str, outbox: Store) -> None:
     """The claim fails while the pool cannot reach the database; the relay logs, waits, and
     delivers once the database is back (here: once the connections are allowed again)."""
