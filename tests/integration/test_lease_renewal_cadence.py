@@ -31,7 +31,7 @@ async def test_a_renewal_lost_in_a_short_partition_does_not_cost_the_lease(
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
     # max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
     overrides = {
-        PHASED[1:]: MethodOverride(lease=timedelta(seconds=3), max_wait=timedelta(0)),
+        PHASED[1:]: MethodOverride(lease=timedelta(seconds=6), max_wait=timedelta(0)),
     }
     async with (
         store_behind_proxy(pg_dsn, pool=4) as (proxy, via),
