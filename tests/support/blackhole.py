@@ -40,6 +40,8 @@ class BlackholeProxy:
         self.port = 0
         self.bytes_upstream = 0
         """Bytes delivered to PostgreSQL so far (what the client sent)."""
+        self.bytes_dropped = 0
+        """Bytes read and dropped while partitioned, either way."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -139,6 +141,7 @@ class BlackholeProxy:
                     _reset(client[0])
                     break
                 if self.partitioned:
+                    self.bytes_dropped += len(data)
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
                 if upstream:
                     self.bytes_upstream += len(data)

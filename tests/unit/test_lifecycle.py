@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 
 from grpc_idempotency.core.codes import Code
@@ -22,6 +25,9 @@ from grpc_idempotency.core.lifecycle import (
     executed_outcome,
     finish,
     look_event,
+    renewal_bound_s,
+    renewal_interval_s,
+    renewal_spacing_s,
     retry_after_ms,
     store_down_event,
     transition,
@@ -230,3 +236,62 @@ def test_events_from_what_the_driver_saw() -> None:
     assert executed_outcome(Phase.TAKING_OVER) is CallOutcome.TAKEN_OVER
     assert executed_outcome(Phase.CLAIMING) is CallOutcome.EXECUTED
     assert executed_outcome(Phase.CLAIMING_BLIND) is CallOutcome.EXECUTED
+
+
+def _renewal_starts(lease_s: float, answers: list[float | None]) -> list[tuple[float, bool]]:
+    """The lease keeper's schedule (``_LeaseKeeper._run``), on a simulated clock: when each
+    renewal starts, and whether it renewed, given how each is answered: in that many seconds
+    (renewed, if within its bound), ``None`` never (a dead connection: cut at its bound), or
+    ``DOWN`` at once with an error (the database down)."""
+    start, lease_until, spacing = 0.0, lease_s, renewal_interval_s(lease_s)
+    now, schedule = 0.0, []
+    for answer in answers:
+        start = max(now, start + spacing)
+        left = lease_until - start
+        bound = renewal_bound_s(lease_s, left)
+        renewed = answer is not None and 0 <= answer < bound
+        now = start + (bound if answer is None or answer >= bound else max(answer, 0.0))
+        schedule.append((start, renewed))
+        if renewed:
+            lease_until = start + lease_s
+        spacing = renewal_spacing_s(lease_s, left, renewed=renewed)
+    return schedule
+
+
+DOWN = -1.0
+
+
+@pytest.mark.parametrize("lease_s", [0.5, 3.0, 30.0, 3600.0])
+def test_a_renewal_stuck_on_a_dead_connection_leaves_time_for_another(lease_s: float) -> None:
+    # The first renewal never answers; the next, on a fresh connection, answers at once. It
+    # must land before the lease runs out: bounded by a whole lease, the stuck one held the
+    # keeper past the end, and the lease lapsed with the database reachable all along.
+    schedule = _renewal_starts(lease_s, [None, 0.0])
+    (first, stuck), (second, renewed) = schedule
+    assert first == pytest.approx(lease_s / 3) and not stuck
+    assert renewed and second < lease_s
+
+
+@pytest.mark.parametrize("lease_s", [0.1, 0.5, 3.0, 30.0, 3600.0])
+def test_renewals_during_an_outage_are_spaced_and_bounded(lease_s: float) -> None:
+    # Every renewal fails at once (the database is down): no busy loop before the lease's end,
+    # and a third of a lease apart after it, as before the outage.
+    schedule = _renewal_starts(lease_s, [DOWN] * 40)
+    starts = [start for start, _ in schedule]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert all(gap >= 0.05 - 1e-9 for gap in gaps)
+    # Halving what is left: a few more tries than the three of a lease that goes well.
+    assert sum(start < lease_s for start in starts) <= 3 + math.log2(lease_s / 0.05)
+    late = [gap for a, gap in zip(starts, gaps, strict=False) if a >= lease_s]
+    assert late and all(gap == pytest.approx(renewal_interval_s(lease_s)) for gap in late)
+
+
+def test_renewals_that_go_well_come_a_third_of_a_lease_apart() -> None:
+    assert renewal_interval_s(30.0) == 10.0
+    assert renewal_interval_s(0.1) == 0.05  # the floor
+    schedule = _renewal_starts(30.0, [0.01] * 4)
+    assert [start for start, _ in schedule] == pytest.approx([10.0, 20.0, 30.0, 40.0])
+    assert all(renewed for _, renewed in schedule)
+    assert renewal_bound_s(30.0, 20.0) == 10.0
+    assert renewal_bound_s(30.0, 0.05) == 30.0  # nothing left for another try: a whole lease
+    assert renewal_bound_s(30.0, -5.0) == 30.0  # ran out: still worth renewing, unless taken

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.policy import LEASE_RENEWAL_FLOOR_S
 
 
 class State(enum.Enum):
@@ -338,3 +339,39 @@ def wait_budget_s(max_wait_s: float, time_remaining_s: float | None) -> float:
     if time_remaining_s is None:
         return max_wait_s
     return max(0.0, min(max_wait_s, time_remaining_s - ANSWER_MARGIN_S))
+
+
+# A phased claim's lease, renewed while its handler runs. The keeper counts the lease from when
+# it sent the statement that set it last (the database set it later, so the lease ends no
+# earlier than the keeper thinks, bar the claim's own round trip).
+#
+# A renewal stuck on a dead connection (its packets lost in a short partition of this replica, a
+# half-open TCP connection) gets no answer until its bound. Bounded by a whole lease, sent a third
+# of a lease after the last renewal, it held the keeper past the end of the lease, and only the
+# next renewal, a third of a lease later still, went out on a fresh connection: the lease ran out
+# with the database reachable again all along, and a retry on another replica took the live
+# operation over (both handlers running). So a try may take only half of what is left of the
+# lease, and after a failed one the next starts at most half of what was left later: the last
+# try that can still land in time goes out on another connection.
+
+
+def renewal_interval_s(lease_s: float) -> float:
+    """Time between renewals that go well: a third of the lease, but never less than the floor."""
+    return max(LEASE_RENEWAL_FLOOR_S, lease_s / 3)
+
+
+def renewal_bound_s(lease_s: float, left_s: float) -> float:
+    """How long one renewal sent ``left_s`` seconds before the lease runs out may take: half of
+    that; with too little left for another try after it (or none: the lease ran out, which keeps
+    the claim this attempt's until another takes it over), a whole lease."""
+    return left_s / 2 if left_s > 2 * LEASE_RENEWAL_FLOOR_S else lease_s
+
+
+def renewal_spacing_s(lease_s: float, left_s: float, *, renewed: bool) -> float:
+    """Time from the start of a renewal, sent ``left_s`` seconds before the lease runs out, to
+    the start of the next: ``renewal_interval_s`` after one that renewed; after one that failed,
+    at most half of ``left_s`` (at least the floor), so that the next ends before the lease."""
+    interval = renewal_interval_s(lease_s)
+    if renewed or left_s <= 2 * LEASE_RENEWAL_FLOOR_S:
+        return interval
+    return max(LEASE_RENEWAL_FLOOR_S, min(interval, left_s / 2))

@@ -69,13 +69,15 @@ from grpc_idempotency.core.lifecycle import (
     finish,
     look_event,
     poll_delay_ms,
+    renewal_bound_s,
+    renewal_interval_s,
+    renewal_spacing_s,
     retry_after_ms,
     store_down_event,
     transition,
     wait_budget_s,
 )
 from grpc_idempotency.core.policy import (
-    LEASE_RENEWAL_FLOOR_S,
     KeyRequirement,
     MethodOverride,
     MethodPolicy,
@@ -1318,11 +1320,11 @@ class _LeaseKeeper:
     after this process stalled), cancels the handler: its work is no longer wanted.
 
     ``stop`` interrupts only the wait between renewals. A renewal already sent runs to its end
-    (bounded by the lease: ``PhasedClaim.renew``): cancelled on the wire, its UPDATE would still
-    run in PostgreSQL, after whatever the call does next. Landing after the release it would set
-    the lease again (retries answered IN_PROGRESS for a whole lease instead of taking over), and
-    after the final transaction's snapshot it fails that transaction's row lock (40001 at
-    REPEATABLE READ and above)."""
+    (bounded by what is left of the lease: ``core.lifecycle.renewal_bound_s``): cancelled on
+    the wire, its UPDATE would still run in PostgreSQL, after whatever the call does next.
+    Landing after the release it would set the lease again (retries answered IN_PROGRESS for a
+    whole lease instead of taking over), and after the final transaction's snapshot it fails
+    that transaction's row lock (40001 at REPEATABLE READ and above)."""
 
     def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any]) -> None:
         self._claim = claim
@@ -1333,7 +1335,7 @@ class _LeaseKeeper:
         self.lost = False
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = asyncio.get_running_loop().create_task(self._run(time.monotonic()))
 
     async def stop(self) -> None:
         """Returns once no renewal of this keeper is in flight, and none will be sent. May be
@@ -1349,18 +1351,29 @@ class _LeaseKeeper:
         if not task.cancelled():
             task.exception()  # retrieved; _run lets nothing but its own end out
 
-    async def _run(self) -> None:
-        interval = max(LEASE_RENEWAL_FLOOR_S, self._claim.lease_s / 3)
+    async def _run(self, start: float) -> None:
+        # On the monotonic clock, as every interval of this process: the lease counts from
+        # ``start``, when the claim had just been answered (core/lifecycle.py, "A phased
+        # claim's lease").
+        lease_s = self._claim.lease_s
+        lease_until = start + lease_s
+        spacing = renewal_interval_s(lease_s)
         while not self.stopping:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(0.0, start + spacing - time.monotonic()))
+            start = time.monotonic()
+            left = lease_until - start
             self._renewing = True
             try:
-                renewed = await self._claim.renew()
+                renewed = await self._claim.renew(timeout=renewal_bound_s(lease_s, left))
             except StoreUnavailable:
-                continue  # the lease may still hold; the final commit checks the token anyway
+                # The lease may still hold; the final commit checks the token anyway.
+                spacing = renewal_spacing_s(lease_s, left, renewed=False)
+                continue
             finally:
                 self._renewing = False
             if renewed:
+                lease_until = start + lease_s
+                spacing = renewal_spacing_s(lease_s, left, renewed=True)
                 continue
             self.lost = True
             if not self.stopping:  # a stopping call is past its handler: it looks at ``lost``

@@ -1752,18 +1752,20 @@ class PhasedClaim:
         assert self._claim.token is not None
         return self._claim.token
 
-    async def renew(self) -> bool:
+    async def renew(self, *, timeout: float | None = None) -> bool:
         """Extends the lease; ``False`` when the claim is no longer this attempt's, or was
-        released. Bounded by the lease itself: a renewal that slow would be of no use."""
+        released. Bounded by ``timeout``, by default the lease itself: a renewal that slow would
+        be of no use (the lease keeper gives one less: ``core.lifecycle.renewal_bound_s``)."""
         c, store = self._claim, self._store
         doing = "renewing a lease"
-        deadline = time.monotonic() + self.lease_s
+        bound = self.lease_s if timeout is None else timeout
+        deadline = time.monotonic() + bound
         # The wait for a connection bounded too, even when the pool counts one as free: after a
         # failover or a restart (``_forget_connections_if_gone``) every free connection is
         # opened anew when acquired, and that waited for asyncpg's connect timeout (60 s) while
         # the new primary could not be reached yet. The keeper lets a renewal on the wire run to
         # its end, so the call that had its answer waited as long (past its deadline).
-        conn = await store._acquire(doing, self.lease_s, always_bounded=True)
+        conn = await store._acquire(doing, bound, always_bounded=True)
         async with store._holding(conn, doing):
             status = await conn.execute(
                 store.statements.renew,

@@ -1,0 +1,75 @@
+"""A phased claim's lease renewal that never gets an answer (its packets lost in a short
+partition of this replica, its connection left half-open) must not cost the lease while the
+database is reachable again: the keeper gives up on it in time to renew on another connection.
+
+Each renewal used to be bounded by a whole lease, sent a third of a lease after the last one: a
+renewal stuck on a dead connection held the keeper past the lease's end, and only the next one,
+a third of a lease later still, renewed it. Meanwhile the lease had run out and a retry on
+another replica took the operation over, its handler running beside the live owner's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import grpc
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Store
+from tests.support.blackhole import store_behind_proxy
+from tests.support.ledger import fresh, ledger_rows, running_ledger
+from tests.support.waiting import until
+
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+
+
+async def test_a_renewal_lost_in_a_short_partition_does_not_cost_the_lease(
+    pg_dsn: str, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    # max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
+    overrides = {
+        PHASED[1:]: MethodOverride(lease=timedelta(seconds=6), max_wait=timedelta(0)),
+    }
+    async with (
+        store_behind_proxy(pg_dsn, pool=4) as (proxy, via),
+        running_ledger(via, overrides=overrides) as owner,
+        running_ledger(store, overrides=overrides) as other,
+    ):
+        calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+        await owner.service.started.wait()
+        first_lease_end = await store.pool.fetchval(
+            "SELECT locked_until FROM grpc_idempotency.records WHERE key = $1", key
+        )
+        # The first renewal (a third of a lease after the claim) is lost in the partition,
+        # which heals at once: only that renewal's connection is left waiting for an answer.
+        proxy.blackhole()
+        await until("a renewal lost in the partition", lambda: proxy.bytes_dropped > 0)
+        proxy.partitioned = False
+
+        async def first_lease_over() -> bool:
+            return bool(
+                await store.pool.fetchval(
+                    "SELECT clock_timestamp() > $1::timestamptz", first_lease_end
+                )
+            )
+
+        await until("the end of the claim's first lease", first_lease_over)
+        duplicate = asyncio.ensure_future(other.call(PHASED, request, key))
+        took_over = asyncio.ensure_future(other.service.started.wait())
+        await asyncio.wait([duplicate, took_over], return_when=asyncio.FIRST_COMPLETED)
+        took_over.cancel()
+        try:
+            assert other.service.executions == 0, "a duplicate took the live claim over"
+            answer = await duplicate
+            assert answer.code is grpc.StatusCode.ABORTED, answer.details
+            owner.service.release.set()
+            answer = await calling
+            assert answer.code is grpc.StatusCode.OK, answer.details
+        finally:
+            owner.service.release.set()
+            other.service.release.set()
+            await asyncio.gather(calling, duplicate, return_exceptions=True)
+    assert await ledger_rows(store, account) == 1
