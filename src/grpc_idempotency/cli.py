@@ -28,6 +28,7 @@ from grpc_idempotency.cli_errors import (
     check_parses,
     connect,
     one_line,
+    printable,
     report_store_error,
     run_command,
     safe_dsn,
@@ -836,7 +837,8 @@ async def _outbox(args: argparse.Namespace, store: Store) -> int:
         for d in letters:
             since = d.dead_since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             print(f"{d.id:>8}  {d.attempts:>8}  {since:<25}  {d.step:<24}  {d.key}")
-            print(f"{'':>8}  {d.method} ({d.scope}): {one_line(d.last_error or '')}")
+            # The scope is a client's text too (a tenant header as sent): escaped, as the error is.
+            print(f"{'':>8}  {d.method} ({printable(d.scope)}): {one_line(d.last_error or '')}")
         print(f"{len(letters)} dead letter(s); retry with: grpc-idempotency outbox retry ID ...")
     elif command == "retry":
         if bool(args.ids) == bool(args.all):
