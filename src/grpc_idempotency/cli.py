@@ -28,6 +28,7 @@ from grpc_idempotency.cli_errors import (
     check_parses,
     connect,
     one_line,
+    printable,
     report_store_error,
     run_command,
     safe_dsn,
@@ -493,21 +494,33 @@ def _header_name(text: str) -> str:
 
 
 def _header(text: str) -> tuple[str, str | bytes]:
+    # Never quoted: a delivery's header is how the relay authenticates to its receiver
+    # (authorization=Bearer ...), and an error quoting the argument printed the credential to
+    # stderr, and so to the deploy's log. Only the first character at fault is named.
+    hidden = "(the argument is not shown: a value may be a credential)"
     name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE {hidden}")
+    name = name.strip().lower()
+    if not HEADER_NAME.fullmatch(name):
+        at = next(i for i, c in enumerate(name) if not HEADER_NAME.fullmatch(c))
+        raise argparse.ArgumentTypeError(
+            "header name: gRPC allows only letters a-z, digits and - _ . before the first '='"
+            f" (not {name[at]!r}, character {at + 1}) {hidden}"
+        )
     name = _header_name(name)
     if name.endswith("-bin"):  # binary metadata: gRPC sends bytes, base64 on the wire
         try:
             return name, base64.b64decode(value + "=" * (-len(value) % 4), validate=True)
         except binascii.Error:
             raise argparse.ArgumentTypeError(
-                f"header {name}: the value of a -bin header is base64, not {value!r}"
+                f"header {name}: the value of a -bin header is base64 {hidden}"
             ) from None
     if not (value.isascii() and value.isprintable()):
+        at = next(i for i, c in enumerate(value) if not (c.isascii() and c.isprintable()))
         raise argparse.ArgumentTypeError(
-            f"header {name}: gRPC allows only printable ASCII in a value, not {value!r}"
-            " (or name it ...-bin and give the bytes as base64)"
+            f"header {name}: gRPC allows only printable ASCII in a value (not {value[at]!r},"
+            f" character {at + 1}; or name it ...-bin and give the bytes as base64) {hidden}"
         )
     return name, value
 
@@ -836,7 +849,8 @@ async def _outbox(args: argparse.Namespace, store: Store) -> int:
         for d in letters:
             since = d.dead_since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             print(f"{d.id:>8}  {d.attempts:>8}  {since:<25}  {d.step:<24}  {d.key}")
-            print(f"{'':>8}  {d.method} ({d.scope}): {one_line(d.last_error or '')}")
+            # The scope is a client's text too (a tenant header as sent): escaped, as the error is.
+            print(f"{'':>8}  {d.method} ({printable(d.scope)}): {one_line(d.last_error or '')}")
         print(f"{len(letters)} dead letter(s); retry with: grpc-idempotency outbox retry ID ...")
     elif command == "retry":
         if bool(args.ids) == bool(args.all):

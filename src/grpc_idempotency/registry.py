@@ -84,7 +84,6 @@ class PolicyRegistry:
             pass
         if path in self._errors:
             raise self._errors[path]
-        policy = None
         service_name, _, method_name = path.lstrip("/").partition("/")
         try:
             service = descriptor_pool.Default().FindServiceByName(service_name)
@@ -103,15 +102,18 @@ class PolicyRegistry:
                 raise typo
             self._unchecked.discard(service_name)
         method = service.methods_by_name.get(method_name)
-        override = self._overrides.get(path)
-        if method is not None:
-            try:
-                policy = compile_policy(method, override)
-                if policy is not None and self._check is not None:
-                    self._check(policy)
-            except PolicyError as err:
-                self._errors[path] = err
-                raise
+        if method is None:
+            # A name the service does not declare: not cached, as the path is the client's
+            # choice (a server whose catch-all handler serves every path hands it here), and
+            # each one made up was kept for the life of the process.
+            return None
+        try:
+            policy = compile_policy(method, self._overrides.get(path))
+            if policy is not None and self._check is not None:
+                self._check(policy)
+        except PolicyError as err:
+            self._errors[path] = err
+            raise
         self._policies[path] = policy
         return policy
 

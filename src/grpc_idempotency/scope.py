@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -103,8 +104,17 @@ class MetadataScope:
         values = [v for k, v in context.invocation_metadata() or () if k == self.header]
         if len(values) != 1 or not isinstance(values[0], str) or not values[0]:
             raise ScopeUnavailable(f"expected exactly one {self.header!r} metadata entry")
+        if _CONTROL.search(values[0]):
+            # No gRPC client sends one (it refuses what is not printable ASCII), but the
+            # server passes a raw HTTP/2 client's on, decoded as UTF-8 or else Latin-1: a
+            # newline or an ESC sequence in a scope reached the server's log lines, the
+            # command-line tools' output and the outbox (whose forward_scope cannot send it).
+            raise ScopeUnavailable(f"the {self.header!r} metadata entry holds control characters")
         return self.prefix + values[0]
 
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 controls, DEL and C1 controls (a terminal acts on them: ESC, CSI)."""
 
 _TRANSPORT_HEADERS = frozenset({"content-type", "te", "user-agent"})
 """Headers of gRPC's HTTP/2 transport, besides the reserved ``grpc-`` ones."""

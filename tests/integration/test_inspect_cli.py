@@ -381,6 +381,30 @@ async def test_stored_error_text_cannot_add_or_overwrite_lines_of_the_output(
     assert "\x1b" not in dead.stdout and "x \\x1b[1A\\x1b[2K" in dead.stdout, dead.stdout
 
 
+async def test_a_dead_letters_scope_cannot_add_or_overwrite_lines_of_the_output(
+    services: Services,
+) -> None:
+    """A scope is text a client may choose too: ``MetadataScope`` takes the tenant header as a
+    raw HTTP/2 client sent it, control characters included (gRPC clients refuse to send them;
+    the server passes them on). ``outbox dead`` printed a dead letter's scope raw."""
+    tenant = fresh("tenant")
+    await services.ledger.stub.PostWithEvent(
+        testsvc_pb2.PostRequest(account=fresh("acct"), amount=7),
+        metadata=metadata(fresh(), tenant),
+    )
+    ledger = services.ledger_store
+    forged = f"tenant:{tenant}{FORGED}"
+    await ledger.pool.execute(
+        f"UPDATE \"{ledger.schema}\".outbox SET state = 'dead', scope = $1 WHERE scope = $2",
+        forged,
+        f"tenant:{tenant}",
+    )
+    dead = await cli("outbox", "dead", "--dsn", services.dsn, "--schema", ledger.schema)
+    assert dead.returncode == 0, dead.stderr
+    assert not any(c in dead.stdout for c in "\x1b\x9b\x7f"), dead.stdout
+    assert f"(tenant:{tenant}x\\n\\x1b[1A\\x1b[2K/testsvc" in dead.stdout, dead.stdout
+
+
 async def test_an_operation_in_progress_shows_its_lease(services: Services) -> None:
     key, tenant = fresh(), fresh("tenant")
     scope = f"tenant:{tenant}"

@@ -843,6 +843,27 @@ async def test_a_sink_adding_metadata_grpc_would_refuse_is_a_clear_dead_letter(
     assert said in str(dead["last_error"])
 
 
+@pytest.mark.parametrize("value", ["Bearer s3cr3t-t0k\u00e9n", "Bearer s3cr3t-t0ken\n"])
+async def test_a_sink_header_grpc_would_refuse_is_not_quoted_in_the_dead_letter(
+    outbox: Store, value: str
+) -> None:
+    """metadata_for may add a credential (a receiver's token per tenant): its dead letter said
+    why gRPC would refuse it with the value quoted, which went to the row's last_error, the
+    relay's log and ``outbox dead``. It names the character at fault instead."""
+    await insert(outbox, outbox.schema, ["sink-secret-row"])
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never reached
+    try:
+        sink = GrpcSink(channel, "/a.B/C", metadata_for=lambda m: [("authorization", value)])
+        assert await Relay(outbox, sink).run_once() == 0
+    finally:
+        await channel.close(None)
+    dead = await row(outbox, "sink-secret-row")
+    assert dead["state"] == "dead", dead
+    error = str(dead["last_error"])
+    assert "header authorization: gRPC allows only printable ASCII" in error, error
+    assert "s3cr3t" not in error and "t0k" not in error, error
+
+
 def test_relay_arguments_are_checked() -> None:
     sink = CallableSink(lambda m: asyncio.sleep(0))
     store: Store = object()  # type: ignore[assignment]

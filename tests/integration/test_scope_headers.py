@@ -4,13 +4,17 @@ is lost and every call would be refused UNAUTHENTICATED. Shown on a real grpc.ai
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import pytest
+from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import MetadataScope, forward_scope
+from grpc_idempotency import MetadataScope, Store, forward_scope
+from tests.support.ledger import POST, fresh, running_ledger
+from tests.support.raw_h2 import unary_call
 
 SENT = "acme"
 
@@ -57,3 +61,45 @@ async def test_grpc_does_not_deliver_a_callers_value_of_its_own_headers(name: st
 async def test_a_plain_tenant_header_is_delivered_and_accepted() -> None:
     assert await delivered("x-tenant-id") == [SENT]
     assert MetadataScope("x-tenant-id").header == "x-tenant-id"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"acme\nx", b"acme\r\n", b"\x1b[2Jacme", b"acme\x7f", b"acme\xc2\x9b2J", b"acme\x9b2J"],
+    ids=["newline", "crlf", "esc", "del", "c1-utf8", "c1-latin1"],
+)
+async def test_a_tenant_with_control_characters_from_a_raw_http2_client_is_refused(
+    store: Store, value: bytes
+) -> None:
+    """gRPC clients refuse to send such values, but the server hands a raw HTTP/2 client's to
+    the application (decoded as UTF-8, else Latin-1). Taken as the scope, a newline or an ESC
+    sequence reached log lines and the command-line tools' output, and its outbox rows could
+    never be delivered with ``forward_scope``."""
+    async with running_ledger(store) as ledger:
+        port = int(ledger.address.rpartition(":")[2])
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+        answer = await asyncio.to_thread(
+            unary_call,
+            port,
+            POST,
+            request.SerializeToString(),
+            [(b"x-tenant-id", value), (b"idempotency-key", fresh().encode())],
+        )
+        assert answer.get(b"grpc-status") == b"%d" % grpc.StatusCode.UNAUTHENTICATED.value[0]
+        assert b"control characters" in answer.get(b"grpc-message", b"")
+        assert ledger.service.executions == 0
+
+
+async def test_a_printable_tenant_from_a_raw_http2_client_is_its_scope(store: Store) -> None:
+    async with running_ledger(store) as ledger:
+        port = int(ledger.address.rpartition(":")[2])
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+        answer = await asyncio.to_thread(
+            unary_call,
+            port,
+            POST,
+            request.SerializeToString(),
+            [(b"x-tenant-id", b"caf\xc3\xa9 acme"), (b"idempotency-key", fresh().encode())],
+        )
+        assert answer.get(b"grpc-status") == b"0"
+        assert ledger.service.executions == 1

@@ -197,3 +197,24 @@ def test_outbox_retry_takes_ids_or_all_checked_before_connecting(
     refused("outbox", "retry", "--dsn", "postgresql://u@db/app", *ids)
     assert "outbox retry takes IDs or --all" in capsys.readouterr().err
     assert parse("outbox", "retry", "--all").all and parse("outbox", "retry", "7").ids == [7]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "authorization: Bearer s3cr3t-t0ken",  # ":" for "="
+        "authorization: Bearer s3cr3t-t0ken==",  # ... and a base64 token's padding
+        "authorization=Bearer s3cr3t-t0ken\n",
+        "authorization=Bearer s3cr3t-t0k\u00e9n",
+        "authorization-bin=s3cr3t-t0ken!",
+    ],
+)
+def test_a_refused_header_is_not_echoed(header: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A delivery's header is how a relay authenticates to its receiver (authorization=Bearer
+    ...): the error for a malformed one printed the whole argument, credential included, to
+    stderr and so to the deploy's log. It says what is wrong without the value."""
+    message = refused(*RELAY, "--header", header)
+    printed = capsys.readouterr().err
+    assert "--header" in printed
+    for text in (message, printed):
+        assert "s3cr3t" not in text and "t0k" not in text, text

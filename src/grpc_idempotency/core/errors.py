@@ -195,10 +195,11 @@ class AbortInvalid(IdempotencyError, ValueError):
 
 
 class ResponseTooLarge(IdempotencyError):
-    """The handler's response is larger than the method's ``max_response_bytes``. Recorded (and
-    replayed) instead of the response, with the handler's writes rolled back: a response too
-    large to store, or for the client to receive, must not look like a failure that a retry
-    could fix while the writes behind it had committed."""
+    """The handler's outcome (its response, or a recorded error's message and details) is
+    larger than the method's ``max_response_bytes``. Recorded (and replayed) instead of it, with
+    the handler's writes rolled back: an outcome too large to store, or for the client to
+    receive, must not look like a failure that a retry could fix while the writes behind it had
+    committed."""
 
     status_code = Code.FAILED_PRECONDITION
     reason = "IDEMPOTENCY_RESPONSE_TOO_LARGE"

@@ -64,6 +64,16 @@ class Outcome:
     """The serialized response message, for ``Code.OK``."""
 
 
+def outcome_bytes(outcome: Outcome) -> int:
+    """What recording ``outcome`` stores, as ``max_response_bytes`` bounds it: the response,
+    and the status message and details (a recorded error is as large as its handler made it)."""
+    return (
+        len(outcome.response or b"")
+        + len(outcome.details or b"")
+        + len(outcome.message.encode("utf-8", "surrogatepass"))
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StoredRecord:
     """A record as a look-up saw it. Time comparisons were made by the database's clock."""

@@ -53,8 +53,16 @@ def unsendable(name: str, value: str | bytes) -> str | None:
         return None if isinstance(value, bytes) else f"header {name}: a -bin value is bytes"
     # gRPC sends a text value given as str or as bytes, if it is printable ASCII either way.
     text = value.decode("latin-1") if isinstance(value, bytes) else value
-    if not (isinstance(text, str) and text.isascii() and text.isprintable()):
-        return f"header {name}: gRPC allows only printable ASCII text in a value, not {text!r}"
+    if not isinstance(text, str):
+        return f"header {name}: a value is str or bytes, not {type(text).__name__}"
+    if not (text.isascii() and text.isprintable()):
+        # The value is not quoted: it may be a credential (authorization: Bearer ...), and
+        # this text is a dead letter's last_error, logged and shown by `outbox dead`.
+        at = next(i for i, c in enumerate(text) if not (c.isascii() and c.isprintable()))
+        return (
+            f"header {name}: gRPC allows only printable ASCII text in a value (not"
+            f" {text[at]!r}, character {at + 1}; the value is not shown)"
+        )
     return None
 
 

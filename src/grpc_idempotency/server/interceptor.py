@@ -68,6 +68,7 @@ from grpc_idempotency.core.lifecycle import (
     executed_outcome,
     finish,
     look_event,
+    outcome_bytes,
     poll_delay_ms,
     renewal_bound_s,
     renewal_interval_s,
@@ -857,12 +858,6 @@ class IdempotencyInterceptor(_Interceptor):
             if what is Finish.RECORD:
                 data = answers.serialize(call.method.serializer, response)
                 outcome = Outcome(Code.OK, answers.handler_details(context), None, data)
-                if len(data) > policy.max_response_bytes:
-                    # Stored or not, such a response would fail every retry the same way (or
-                    # reach no client): record that, and not the writes behind it.
-                    too_large = _too_large(policy, len(data))
-                    what, data, aborted = Finish.RECORD_ERROR, None, None
-                    outcome = answers.recorded_error(too_large)
             elif aborted is not None:
                 # An abort without trailers sends those set before it (set_trailing_metadata):
                 # grpc.aio does, and so the replay must, details included.
@@ -878,6 +873,17 @@ class IdempotencyInterceptor(_Interceptor):
                 if text != message:
                     context.set_details(text)  # the first answer says what the replays will
                 outcome = Outcome(code, text, details)
+            size = outcome_bytes(outcome)
+            if size > policy.max_response_bytes:
+                # Stored or not, such an outcome would fail every retry the same way (or reach
+                # no client): record that, and not the writes behind it. A recorded error's
+                # message and details count too: a handler's error that quotes the request
+                # ("no such account ...") stored whatever the client sent, up to gRPC's 4 MiB
+                # per key, and every answer of it, over the 16 KiB of trailers a client takes,
+                # was RESOURCE_EXHAUSTED, retried for the whole retention.
+                too_large = _too_large(policy, size)
+                what, data, aborted = Finish.RECORD_ERROR, None, None
+                outcome = answers.recorded_error(too_large)
             if failpoints.ENABLED:
                 await failpoints.hit("before_commit")
             if attempt is None:
@@ -1518,13 +1524,14 @@ def _deadline(context: Context) -> float | None:
 
 def _too_large(policy: MethodPolicy, size: int) -> ResponseTooLarge:
     log.warning(
-        "%s: response of %d bytes exceeds max_response_bytes (%d); recorded as an error",
+        "%s: outcome of %d bytes exceeds max_response_bytes (%d); recorded as an error",
         policy.method,
         size,
         policy.max_response_bytes,
     )
     return ResponseTooLarge(
-        f"{policy.method}: the response ({size} bytes) exceeds max_response_bytes"
+        f"{policy.method}: the outcome (its response, status message and details: {size} bytes)"
+        f" exceeds max_response_bytes"
         f" ({policy.max_response_bytes}); the operation's writes were rolled back and this"
         " answer is recorded for its key"
     )

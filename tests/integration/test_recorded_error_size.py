@@ -1,0 +1,91 @@
+"""A recorded error is bounded by ``max_response_bytes`` as a response is: its status message and
+details are what the record stores, and a handler's error may quote whatever the client sent
+("no such account <the account>"). Unbounded, one key stored up to gRPC's 4 MiB of a client's
+choosing, and every answer of it (over the 16 KiB of trailers a gRPC client takes) reached the
+client as RESOURCE_EXHAUSTED, a status clients retry, for the whole retention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from google.rpc import status_pb2
+from grpc_status import rpc_status
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, MetadataScope, MethodOverride, Store
+from tests.support.ledger import POST, TENANT, fresh, ledger_server, metadata
+from tests.support.wire import call_raw
+
+
+class QuotingHandler(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Refuses every request with an error that quotes the request's account, the way a handler
+    names the value it could not find; ``request.behaviour`` says how it gives the error."""
+
+    def __init__(self) -> None:
+        self.executions = 0
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        self.executions += 1
+        message = f"no such account {request.account}"
+        if request.behaviour == "set":
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(message)
+            return testsvc_pb2.PostResponse()
+        if request.behaviour == "details":
+            status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message=message)
+            await context.abort_with_status(rpc_status.to_status(status))
+        await context.abort(grpc.StatusCode.NOT_FOUND, message)
+
+
+async def stored_bytes(db: asyncpg.Connection, store: Store, key: str) -> int:
+    size: int = await db.fetchval(
+        f"SELECT COALESCE(octet_length(status_message), 0) + COALESCE(length(status_details), 0)"
+        f" FROM {store.schema}.records WHERE key = $1",
+        key,
+    )
+    return size
+
+
+@pytest.mark.parametrize("behaviour", ["abort", "set", "details"])
+async def test_a_recorded_error_over_max_response_bytes_is_recorded_as_too_large(
+    store: Store, db: asyncpg.Connection, behaviour: str
+) -> None:
+    handler = QuotingHandler()
+    interceptor = IdempotencyInterceptor(
+        store,
+        services=[testsvc_pb2],
+        scope=MetadataScope(TENANT),
+        overrides={POST: MethodOverride(max_response_bytes=64 * 1024)},
+    )
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account="a" * 1_000_000, amount=1, behaviour=behaviour)
+    async with ledger_server(interceptor, handler) as (channel, _):
+        first = await call_raw(channel, POST, request, metadata(key))
+        assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first.details
+        assert first.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
+        retry = await call_raw(channel, POST, request, metadata(key))
+        assert retry.replayed and retry.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert retry.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
+    assert handler.executions == 1
+    assert await stored_bytes(db, store, key) < 1024
+
+
+@pytest.mark.parametrize("behaviour", ["abort", "set", "details"])
+async def test_a_recorded_error_within_max_response_bytes_replays_as_it_was(
+    store: Store, behaviour: str
+) -> None:
+    handler = QuotingHandler()
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account="a" * 1000, amount=1, behaviour=behaviour)
+    async with ledger_server(interceptor, handler) as (channel, _):
+        first = await call_raw(channel, POST, request, metadata(key))
+        retry = await call_raw(channel, POST, request, metadata(key))
+    assert first.code is retry.code is grpc.StatusCode.NOT_FOUND
+    assert first.details == retry.details == f"no such account {request.account}"
+    assert retry.replayed and handler.executions == 1
