@@ -3,7 +3,7 @@
 
     cd /work/main
     PYTHONPATH=. .venv/bin/python benchmarks/bench_versions.py --base <commit> [--inflight 1,32]
-        [--rounds 8] [--calls 400] [--storms 10]
+        [--rounds 8] [--calls 400] [--storms 10] [--replays 0]
 
 What a change did, measured in one run: the working tree's ``src/`` and ``git archive <commit>
 src`` each serve keyed first executions (the benchmark's Charge: one INSERT through
@@ -13,6 +13,8 @@ no-reset pool) is the yardstick. Rounds interleave the servers, the order altern
 server: its process's CPU (utime+stime) per call and the median of the rounds' calls/s, at each
 concurrency. ``--storms N``: then N storms of 200 concurrent duplicates of one fresh key
 (SlowCharge, 300 ms in its transaction) per version, and the server CPU per storm call.
+``--replays N``: then the same figures for replays of N keys executed once before (answered
+from the keyed servers' replay caches; the bare server runs its handler again).
 
 Server CPU per call is the figure to read: it is what the library's Python costs, and it moves
 less with the machine's noise than latency does (which bench_server.py reports).
@@ -124,44 +126,73 @@ async def main(args: argparse.Namespace, base: str, work: Path) -> None:
             for name, port in ports.items()
         }
 
-        async def run(name: str, calls: int, inflight: int) -> tuple[float, float]:
+        async def run(
+            name: str, calls: int, inflight: int, keys: list[str] | None = None
+        ) -> tuple[float, float]:
+            """``keys``: replay these (each worker its share, in turn) instead of fresh keys."""
             stub = stubs[name]
 
-            async def worker(n: int) -> None:
-                for _ in range(n):
-                    key = uuid.uuid4().hex
+            async def worker(n: int, w: int) -> None:
+                for i in range(n):
+                    key = uuid.uuid4().hex if keys is None else keys[(w + i * inflight) % len(keys)]
                     request = pb2.ChargeRequest(order_id=key, amount_cents=1, currency="EUR")
                     await stub.Charge(request, metadata=(("idempotency-key", key),), timeout=30)
 
             before, began = _cpu(procs[name].pid), time.perf_counter()
-            await asyncio.gather(*(worker(calls // inflight) for _ in range(inflight)))
+            await asyncio.gather(*(worker(calls // inflight, w) for w in range(inflight)))
             return _cpu(procs[name].pid) - before, time.perf_counter() - began
 
-        print(
-            f"bench_versions: base {base} vs the working tree; {args.rounds} rounds x"
-            f" {args.calls} keyed first executions per server and concurrency"
-        )
         names = list(procs)
-        for inflight in (int(x) for x in args.inflight.split(",")):
-            for name in names:
-                await run(name, 200, inflight)  # warm up
-            cpu = {name: 0.0 for name in names}
+        head, base_name = names[-1], names[1]
+
+        async def rounds(label: str, inflight: int, keys: list[str] | None = None) -> None:
+            used: dict[str, list[float]] = {name: [] for name in names}
             rates: dict[str, list[float]] = {name: [] for name in names}
             for r in range(args.rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
-                    used, wall = await run(name, args.calls, inflight)
-                    cpu[name] += used
+                    cpu, wall = await run(name, args.calls, inflight, keys)
+                    used[name].append(cpu)
                     rates[name].append(args.calls / wall)
-            bare_cpu = cpu["bare"] / (args.rounds * args.calls)
+            bare_cpu = sum(used["bare"]) / (args.rounds * args.calls)
             bare_rate = statistics.median(rates["bare"])
-            print(f"\n{inflight} in flight      server CPU us/call   x bare   calls/s   x bare")
+            print(f"\n{label:<18} server CPU us/call   x bare   calls/s   x bare")
             for name in names:
-                per_call = cpu[name] / (args.rounds * args.calls)
+                per_call = sum(used[name]) / (args.rounds * args.calls)
                 rate = statistics.median(rates[name])
                 print(
                     f"  {name:<22} {per_call * 1e6:10.0f}   {per_call / bare_cpu:6.2f}"
                     f"   {rate:7.0f}   {rate / bare_rate:6.2f}"
                 )
+            # Paired, round by round (the two ran next to each other): less exposed to the
+            # machine's noise than the totals above.
+            cpu_ratio = [h / b for h, b in zip(used[head], used[base_name], strict=True) if b]
+            rate_ratio = [h / b for h, b in zip(rates[head], rates[base_name], strict=True)]
+            for what, ratios in (("server CPU", cpu_ratio), ("calls/s", rate_ratio)):
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                print(
+                    f"  working tree / base, {what} per round: median"
+                    f" {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})"
+                )
+
+        print(
+            f"bench_versions: base {base} vs the working tree; {args.rounds} rounds x"
+            f" {args.calls} keyed calls per server and concurrency"
+        )
+        concurrencies = [int(x) for x in args.inflight.split(",")]
+        if not args.no_first:
+            for inflight in concurrencies:
+                for name in names:
+                    await run(name, 200, inflight)  # warm up
+                await rounds(f"{inflight} in flight", inflight)
+
+        if args.replays:
+            # Replays: the same keys again, answered from each keyed server's replay cache (the
+            # bare server runs its handler again: still the yardstick).
+            keys = [uuid.uuid4().hex for _ in range(args.replays)]
+            for name in names:
+                await run(name, len(keys), 1, keys)  # executed once: later calls replay
+            for inflight in concurrencies:
+                await rounds(f"replays, {inflight} in fl.", inflight, keys)
 
         if args.storms:
             keyed = [n for n in names if n != "bare"]
@@ -200,5 +231,14 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--storms", type=int, default=10)
+    parser.add_argument(
+        "--no-first", action="store_true", help="skip the first executions (replays only)"
+    )
+    parser.add_argument(
+        "--replays",
+        type=int,
+        default=0,
+        help="then replays of this many keys (executed once first), at the same concurrencies",
+    )
     arguments = parser.parse_args()
     asyncio.run(main(arguments, *_export(arguments.base)))

@@ -23,6 +23,7 @@ calls.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,6 +79,9 @@ conventions' duration buckets, with 1 and 2.5 ms below them for replays. An advi
 configured in the SDK takes precedence."""
 
 _NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+# The variable through which opentelemetry-api loads a global tracer provider (its
+# ``opentelemetry.environment_variables.OTEL_PYTHON_TRACER_PROVIDER``).
+_TRACER_PROVIDER_ENV = "OTEL_PYTHON_TRACER_PROVIDER"
 
 try:
     _VERSION = version("grpc-idempotency")
@@ -143,6 +147,7 @@ class Telemetry:
     ) -> None:
         self.tracer = trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider)
         self._own_tracer = tracer_provider is not None
+        self._env_provider = _TRACER_PROVIDER_ENV in os.environ
         self.record_key = record_key
         self.record_scope = record_scope
         self._attributes: dict[str, dict[str, str]] = {}
@@ -172,6 +177,12 @@ class Telemetry:
         detached per call) was measured at 5-10% of the server's CPU per keyed call."""
         if self._own_tracer:
             return True
+        # Asked on every call. With no global provider set (the API's module global still
+        # None) and none named in the environment, the answer is no, without
+        # get_tracer_provider(), which probes os.environ each time (~1 us). The environment is
+        # read once, when this Telemetry is made. Once a provider is set it cannot be replaced.
+        if self._env_provider is False and getattr(trace, "_TRACER_PROVIDER", False) is None:
+            return False
         return not isinstance(trace.get_tracer_provider(), _NO_TRACING)
 
     @contextmanager

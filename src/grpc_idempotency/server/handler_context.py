@@ -51,6 +51,9 @@ def sendable_initial_metadata(metadata: Any) -> tuple[tuple[str, str | bytes], .
 
 
 def _sendable(metadata: Any, what: str) -> tuple[tuple[str, str | bytes], ...]:
+    if metadata is None or (type(metadata) is tuple and not metadata):  # none: most calls
+        return ()
+
     def _invalid(problem: str) -> NoReturn:
         _refuse(f"{what} {problem}")
 
@@ -119,16 +122,25 @@ class DeferredAbort(grpc.aio.AbortError):
 
 def _without_step(metadata: Any) -> Any:
     """``metadata`` without a ``STEP_HEADER`` entry (``None`` stays ``None``)."""
-    if metadata is None or not any(key == STEP_HEADER for key, _ in metadata):
+    if metadata is None:
         return metadata
-    return tuple((key, value) for key, value in metadata if key != STEP_HEADER)
+    for key, _ in metadata:  # a loop, not any() over a generator: this runs on every call
+        if key == STEP_HEADER:
+            return tuple((key, value) for key, value in metadata if key != STEP_HEADER)
+    return metadata
 
 
 def handler_metadata(context: Context) -> tuple[tuple[str, str | bytes], ...]:
     """The incoming metadata as the handler's ``current_call().metadata``: without a caller's
     step name, as the handler's ``invocation_metadata()``. With it, a handler passing that on
     had the caller name the step (and child key) of each of its downstream calls."""
-    return tuple(_without_step(context.invocation_metadata()) or ())
+    return metadata_for_handler(context.invocation_metadata())
+
+
+def metadata_for_handler(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+    """``handler_metadata`` of the call whose ``invocation_metadata()`` is ``metadata`` (read
+    once per call: grpc.aio builds that tuple anew on every read)."""
+    return tuple(_without_step(metadata) or ())
 
 
 def _first_abort(

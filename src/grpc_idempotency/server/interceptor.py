@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 import math
@@ -85,7 +86,7 @@ from grpc_idempotency.core.policy import (
     Mode,
     StoreDown,
 )
-from grpc_idempotency.core.replay_cache import CachedOutcome, ReplayCache
+from grpc_idempotency.core.replay_cache import ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
 from grpc_idempotency.registry import PolicyRegistry, Services, check_served
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
@@ -95,7 +96,7 @@ from grpc_idempotency.server.handler_context import (
     DeferredAbort,
     KeyedContext,
     SyncContext,
-    handler_metadata,
+    metadata_for_handler,
     sendable_trailers,
 )
 from grpc_idempotency.store.errors import handler_error
@@ -112,15 +113,16 @@ from grpc_idempotency.telemetry import Telemetry, cancellation_code
 log = logging.getLogger("grpc_idempotency.server")
 
 
-def _boot_clock() -> float:
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
 # The replay cache's clock (its bounds: core/replay_cache.py): one that keeps counting while the
 # machine is suspended, as the database's clock does. CLOCK_MONOTONIC stops then, and an entry
 # would outlive its record by the time the machine slept. Linux has CLOCK_BOOTTIME; elsewhere
 # the monotonic clock.
-_cache_clock = _boot_clock if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic
+# (A partial of the C function, not a Python function around it: read up to three times a call.)
+_cache_clock: Callable[[], float] = (
+    functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+    if hasattr(time, "CLOCK_BOOTTIME")
+    else time.monotonic
+)
 
 # While no tracer provider is set, a call makes no span at all (``Telemetry.tracing``).
 _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
@@ -158,13 +160,17 @@ class _Call:
     """The outcome now stored under the key, once committed (or read): set before the answer
     leaves, which for a recorded error is an abort, so that the duplicates waiting on this call
     and the replay cache get it whatever the answer is."""
+    metadata: Any = None
+    """The call's ``invocation_metadata()``, read once (grpc.aio builds it anew on each read)."""
 
     @property
     def policy(self) -> MethodPolicy:
         return self.method.policy
 
 
-@dataclass(frozen=True, slots=True)
+# _Shared and _Settled are not frozen (never changed, and a frozen dataclass's __init__ costs
+# three times a plain one's): both are built on every execution.
+@dataclass(slots=True)
 class _Shared:
     """What a local owner hands to the duplicates waiting on it: the outcome now stored under
     the key and the fingerprint it was stored with. ``None`` instead means "look again"."""
@@ -173,7 +179,7 @@ class _Shared:
     outcome: Outcome
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Settled:
     shared: _Shared
     sent: float
@@ -427,50 +433,60 @@ class IdempotencyInterceptor(_Interceptor):
             policy, inner, inspect.iscoroutinefunction(inner), handler.response_serializer
         )
 
-        # A plain coroutine function: grpc asks inspect.iscoroutinefunction() about it on every
-        # call, which is cheapest for a function (a functools.partial costs more there than
-        # the frame it saves).
-        async def behavior(request: Any, context: Context) -> Any:
-            return await self._serve(method, request, context)
-
         return grpc.unary_unary_rpc_method_handler(
-            behavior,
+            self._serving(method),
             request_deserializer=_decoding(policy.method, handler.request_deserializer),
             response_serializer=answers.passthrough(handler.response_serializer),
         )
 
-    async def _serve(self, served: _Method, request: Any, context: Context) -> Any:
-        started = time.perf_counter()
-        call = _Call(served, request, context)
+    def _serving(self, served: _Method) -> Callable[[Any, Context], Coroutine[Any, Any, Any]]:
+        """The handler grpc.aio calls for ``served``: the call's span and telemetry around
+        ``_serve_keyed``. Its body is here, not in a method it awaits: every resumption of the
+        call's coroutines passes through each frame of the chain (grpc asks
+        inspect.iscoroutinefunction() about it on every call, which is cheapest for a plain
+        function: a functools.partial costs more there than the frame it saves)."""
         method = served.policy.method
         telemetry = self._telemetry
-        with telemetry.span(method) if telemetry.tracing() else _NO_SPAN as span:
-            code = Code.UNKNOWN
-            try:
-                answer = await self._serve_keyed(call)
-                code = answers.code_of(call.context)
-                return answer
-            except asyncio.CancelledError:
-                # grpc.aio cancels the handler at the deadline too: the client then sees
-                # DEADLINE_EXCEEDED, not CANCELLED.
-                code = cancellation_code(answers.time_remaining(call.context))
-                if call.outcome is CallOutcome.REJECTED and call.key is not None:
-                    # Left before any outcome, its key and scope valid: left at the default it
-                    # was counted "rejected" (a malformed key or no scope: the client's mistake,
-                    # where a slow database behind a client's deadline is not). Given up while
-                    # the key was busy with another attempt: "conflict", as when the wait runs
-                    # out; during its own look-up or claim (rolled back with its connection):
-                    # "released", nothing kept and the key free.
-                    call.outcome = CallOutcome.CONFLICT if call.waited else CallOutcome.RELEASED
-                raise
-            except BaseException:
-                code = answers.code_of(call.context, unset=Code.UNKNOWN)  # aborted, or raised
-                raise
-            finally:
-                elapsed = time.perf_counter() - started
-                telemetry.record(
-                    span, method, call.outcome, elapsed, code=code, key=call.key, scope=call.scope
-                )
+        serve_keyed = self._serve_keyed
+
+        async def behavior(request: Any, context: Context) -> Any:
+            started = time.perf_counter()
+            call = _Call(served, request, context)
+            with telemetry.span(method) if telemetry.tracing() else _NO_SPAN as span:
+                code = Code.UNKNOWN
+                try:
+                    answer = await serve_keyed(call)
+                    code = answers.code_of(context)
+                    return answer
+                except asyncio.CancelledError:
+                    # grpc.aio cancels the handler at the deadline too: the client then sees
+                    # DEADLINE_EXCEEDED, not CANCELLED.
+                    code = cancellation_code(answers.time_remaining(context))
+                    if call.outcome is CallOutcome.REJECTED and call.key is not None:
+                        # Left before any outcome, its key and scope valid: left at the default
+                        # it was counted "rejected" (a malformed key or no scope: the client's
+                        # mistake, where a slow database behind a client's deadline is not).
+                        # Given up while the key was busy with another attempt: "conflict", as
+                        # when the wait runs out; during its own look-up or claim (rolled back
+                        # with its connection): "released", nothing kept and the key free.
+                        call.outcome = CallOutcome.CONFLICT if call.waited else CallOutcome.RELEASED
+                    raise
+                except BaseException:
+                    code = answers.code_of(context, unset=Code.UNKNOWN)  # aborted, or raised
+                    raise
+                finally:
+                    elapsed = time.perf_counter() - started
+                    telemetry.record(
+                        span,
+                        method,
+                        call.outcome,
+                        elapsed,
+                        code=code,
+                        key=call.key,
+                        scope=call.scope,
+                    )
+
+        return behavior
 
     async def _serve_keyed(self, call: _Call) -> Any:
         policy, context = call.policy, call.context
@@ -482,9 +498,10 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(context, RequestInvalid(call.request.problem))
         # Everything up to the fingerprint is decided without touching the database.
         try:
-            key = key_from_metadata(context.invocation_metadata())
+            metadata = call.metadata = context.invocation_metadata()
+            key = key_from_metadata(metadata)
             if key is None:
-                _refuse_step_without_key(policy.method, context)
+                _refuse_step_without_key(policy.method, metadata)
                 if policy.key is KeyRequirement.REQUIRED:
                     raise KeyMissing(
                         f"{policy.method} requires an idempotency key: send one per operation as"
@@ -519,14 +536,27 @@ class IdempotencyInterceptor(_Interceptor):
             if cache is not None:
                 hit = cache.get(slot, _cache_clock())
                 if hit is not None:
-                    return await self._answer_cached(call, hit, fingerprint)
+                    # Answered here, not in a coroutine of its own: a replay's every frame
+                    # counts (the replay marker is sent, so this coroutine resumes).
+                    if hit.fingerprint != fingerprint:
+                        call.outcome = CallOutcome.MISMATCH
+                        await answers.abort(context, _reused())
+                    # Waited (polled while another replica held the key), then found its
+                    # outcome here: a call answered from the database after the same wait
+                    # counts "waited" too.
+                    call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
+                    return await answers.replay(context, hit.outcome)
             owner = self._owners.get(slot)
             if owner is not None:
                 # Another call in this process is working on the key: wait for its result
                 # without holding a database connection.
                 shared = await self._wait_for_owner(call, owner, wait_until, fingerprint)
                 if shared is not None:
-                    return await self._answer_from(call, shared, fingerprint)
+                    if shared.fingerprint != fingerprint:
+                        call.outcome = CallOutcome.MISMATCH
+                        await answers.abort(context, _reused())
+                    call.outcome = CallOutcome.WAITED
+                    return await answers.replay(context, shared.outcome)
                 continue
 
             # This call becomes the key's local owner: local duplicates wait on it.
@@ -607,22 +637,6 @@ class IdempotencyInterceptor(_Interceptor):
         except StoreUnavailable:
             return False
         return look_event(record, fingerprint) is Event.OTHER_REQUEST
-
-    async def _answer_from(self, call: _Call, shared: _Shared, fingerprint: bytes) -> Any:
-        if shared.fingerprint != fingerprint:
-            call.outcome = CallOutcome.MISMATCH
-            await answers.abort(call.context, _reused())
-        call.outcome = CallOutcome.WAITED
-        return await answers.replay(call.context, shared.outcome)
-
-    async def _answer_cached(self, call: _Call, hit: CachedOutcome, fingerprint: bytes) -> Any:
-        if hit.fingerprint != fingerprint:
-            call.outcome = CallOutcome.MISMATCH
-            await answers.abort(call.context, _reused())
-        # Waited (polled while another replica held the key), then found its outcome here: a
-        # call answered from the database after the same wait counts "waited" too.
-        call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
-        return await answers.replay(call.context, hit.outcome)
 
     async def _attempt(
         self, call: _Call, scope: str, key: str, fingerprint: bytes, owned: _Owner
@@ -749,7 +763,7 @@ class IdempotencyInterceptor(_Interceptor):
             steps=policy.steps,
             deadline=_deadline(context),
             open_final=open_final if claim is not None else None,
-            metadata=handler_metadata(context),
+            metadata=metadata_for_handler(call.metadata),
             started_at=started_at,
             outbox=call.store.enqueue if call.store is not None else None,
         )
@@ -793,7 +807,9 @@ class IdempotencyInterceptor(_Interceptor):
             raise
         finally:
             call_context.unbind(bound)
-            await _end(serving)
+            opening = serving.end()  # ``_end``, without a coroutine when nothing was opened
+            if opening is not None:
+                await _opened(opening)
             if lease is not None:
                 try:
                     await lease.stop()  # waits for a renewal in flight
@@ -1233,9 +1249,15 @@ async def _end(serving: call_context.IdempotentCall) -> None:
     and waited for, so that ``tx`` holds whatever it opened and nothing is left open behind
     the call's back; a sync handler's thread that runs on can send nothing more."""
     opening = serving.end()
-    if opening is not None and not opening.done():
+    if opening is not None:
+        await _opened(opening)
+
+
+async def _opened(opening: asyncio.Future[Any]) -> None:
+    """Waits for the final transaction's ``opening`` (``_end``), however it ends."""
+    if not opening.done():
         await asyncio.wait([opening])  # however it ends
-    if opening is not None and not opening.cancelled():
+    if not opening.cancelled():
         opening.exception()  # seen by the handler, or of no use now: not logged as unretrieved
 
 
@@ -1405,7 +1427,7 @@ def _unclaimed(
         # Unkeyed too: a declared step's target is then keyed with a key of its own.
         steps=call.policy.steps,
         deadline=_deadline(context),
-        metadata=handler_metadata(context),
+        metadata=metadata_for_handler(call.metadata),
         # A fail-open attempt begins its operation now, as an atomic one does: with no start
         # (None), propagation took each step as declared, the newest version, while a claimed
         # attempt begun at the same moment, before the old version's retired_at, keyed its call
@@ -1414,12 +1436,13 @@ def _unclaimed(
     )
 
 
-def _refuse_step_without_key(method: str, context: Context) -> None:
+def _refuse_step_without_key(method: str, metadata: Any) -> None:
     """A call naming a step (``STEP_HEADER``) but carrying no key comes from a step wrapper (or
     ``step_metadata``) on a channel without ``IdempotencyClientInterceptor``, which derives the
     step's key and strips the name. Run, a ``KEY_OPTIONAL`` method ran once per retry of the
-    caller's operation, and a ``KEY_REQUIRED`` one refused it without saying why."""
-    if any(name == STEP_HEADER for name, _ in context.invocation_metadata() or ()):
+    caller's operation, and a ``KEY_REQUIRED`` one refused it without saying why.
+    ``metadata``: the call's ``invocation_metadata()``."""
+    if any(name == STEP_HEADER for name, _ in metadata or ()):
         raise KeyMissing(
             f"{method}: the call names a step ({STEP_HEADER!r}) but carries no idempotency key:"
             " the caller's channel lacks grpc_idempotency's client interceptor"

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
@@ -101,7 +101,7 @@ async def _no_session_reset(_conn: PooledConnection) -> None:
     on every call (see README, "Handlers and the connection")."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: never changed, and built on every claim (2 us frozen)
 class _Claim:
     scope: str
     key: str
@@ -130,14 +130,16 @@ class Attempt:
         self._timeout = timeout
         self._done = False
 
-    async def record(self, outcome: Outcome) -> None:
+    # Plain functions returning the coroutine (awaited as before): a coroutine of their own
+    # around ``_complete`` was one more frame for each of its resumptions, on every call.
+    def record(self, outcome: Outcome) -> Coroutine[Any, Any, None]:
         """Commits the handler's writes with the outcome. Raises ``StoreUnavailable`` when the
         commit's fate is unknown or failed (the caller must not claim success)."""
-        await self._complete(outcome, discard_writes=False)
+        return self._complete(outcome, discard_writes=False)
 
-    async def record_error(self, outcome: Outcome) -> None:
+    def record_error(self, outcome: Outcome) -> Coroutine[Any, Any, None]:
         """Rolls back the handler's writes and commits the (deterministic) error outcome."""
-        await self._complete(outcome, discard_writes=True)
+        return self._complete(outcome, discard_writes=True)
 
     async def _complete(self, outcome: Outcome, *, discard_writes: bool) -> None:
         conn = self.connection
@@ -277,7 +279,11 @@ class Attempt:
         if self._done:
             return
         self._done = True
-        await self._store._release(self.connection)
+        # ``Store._release``, inline (it runs on every call).
+        try:
+            await self._store.pool.release(self.connection)
+        except STORE_ERRORS:
+            log.debug("dropping a broken connection", exc_info=True)
 
 
 async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | None:
@@ -420,9 +426,10 @@ def _read_only(conn: PooledConnection) -> bool:
     and later), or a session whose transactions are read-only by default
     (``default_transaction_read_only``: set on the database, the role or the server)."""
     settings = conn.get_settings()
-    return any(
-        getattr(settings, name, None) == "on"
-        for name in ("in_hot_standby", "default_transaction_read_only")
+    # Two getattr()s, not any() over a generator: this runs after every atomic claim.
+    return (
+        getattr(settings, "in_hot_standby", None) == "on"
+        or getattr(settings, "default_transaction_read_only", None) == "on"
     )
 
 
@@ -455,6 +462,33 @@ def _checked_server_settings(value: object) -> None:
     wrong = {k: v for k, v in value.items() if not (isinstance(k, str) and isinstance(v, str))}
     if wrong:
         raise TypeError(f"server_settings must map str to str (give numbers as text): {wrong!r}")
+
+
+class _HoldingClaim:
+    """``Store.holding_claim``'s block (a class, not a generator-based context manager: it is
+    entered on every call)."""
+
+    __slots__ = ("_claiming", "_outermost", "_task")
+
+    def __init__(self, claiming: set[asyncio.Task[Any]]) -> None:
+        self._claiming = claiming
+        self._task: asyncio.Task[Any] | None = None
+        self._outermost = False
+
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - the interceptor runs in a task
+            return
+        # Nested blocks of one task (``claim_phased`` called inside another claim's block):
+        # the outermost one ends the hold, or the inner end let ``close`` stop waiting for it.
+        self._task = task
+        self._outermost = task not in self._claiming
+        self._claiming.add(task)
+
+    def __exit__(self, *exc: object) -> None:
+        task = self._task
+        if task is not None and self._outermost:
+            self._claiming.discard(task)
 
 
 class Store:
@@ -647,23 +681,10 @@ class Store:
     def _left(deadline: float) -> float:
         return max(0.0, deadline - asyncio.get_running_loop().time())
 
-    @contextlib.contextmanager
-    def holding_claim(self) -> Iterator[None]:
+    def holding_claim(self) -> _HoldingClaim:
         """Marks the current task as holding a claim of this store's until the block ends:
         ``close`` waits for it (the interceptor holds one around each execution)."""
-        task = asyncio.current_task()
-        if task is None:  # pragma: no cover - the interceptor runs in a task
-            yield
-            return
-        # Nested blocks of one task (``claim_phased`` called inside another claim's block):
-        # the outermost one ends the hold, or the inner end let ``close`` stop waiting for it.
-        outermost = task not in self._claiming
-        self._claiming.add(task)
-        try:
-            yield
-        finally:
-            if outermost:
-                self._claiming.discard(task)
+        return _HoldingClaim(self._claiming)
 
     async def check_schema(self) -> None:
         """Raises ``StoreMisconfigured`` unless every migration this version of the library
@@ -984,7 +1005,11 @@ class Store:
         tries = 2
         for tried in range(1, tries + 1):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            conn = await self._acquire_to_claim(left)
+            # ``_acquire_to_claim``, inline (one coroutine fewer on every call).
+            conn = await self._acquire("claiming a key", left)
+            if self._draining:
+                await self._release(conn)
+                self._refuse_if_draining()
             attempt = Attempt(self, conn, held, _commit_timeout(lease_s))
             try:
                 await conn.execute(sql, timeout=self.statement_timeout(left))
