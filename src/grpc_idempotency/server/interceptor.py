@@ -322,7 +322,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], _Owner] = {}
         self._recent = _RecentKeys()
-        self._reported: set[str] = set()
+        self._reported: set[str | PolicyError] = set()
         self._waiting = 0
         failpoints.announce()  # a server with failpoints armed says so when it is built
 
@@ -391,8 +391,10 @@ class IdempotencyInterceptor(_Interceptor):
         try:
             policy = self._registry.get(path)
         except PolicyError as err:
-            if path not in self._reported:  # the registry keeps the error: log it once
-                self._reported.add(path)
+            # The registry keeps the error: log it once (by error, not by path: a misspelt
+            # override refuses every path of its service, and the paths are the client's).
+            if err not in self._reported:
+                self._reported.add(err)
                 log.exception("bad idempotency options on %s", path)
             return _refusing(handler, err)
         if policy is None:
