@@ -1328,11 +1328,13 @@ class _LeaseKeeper:
     after this process stalled), cancels the handler: its work is no longer wanted.
 
     ``stop`` interrupts only the wait between renewals. A renewal already sent runs to its end
-    (bounded by what is left of the lease: ``core.lifecycle.renewal_bound_s``): cancelled on
-    the wire, its UPDATE would still run in PostgreSQL, after whatever the call does next.
-    Landing after the release it would set the lease again (retries answered IN_PROGRESS for a
-    whole lease instead of taking over), and after the final transaction's snapshot it fails
-    that transaction's row lock (40001 at REPEATABLE READ and above)."""
+    (bounded by half of what is left of the lease, or by a whole lease once too little is left:
+    ``core.lifecycle.renewal_bound_s``): cancelled on the wire, its UPDATE would still run in
+    PostgreSQL, after whatever the call does next. Landing after the final transaction's
+    snapshot it fails that transaction's row lock (40001 at REPEATABLE READ and above, which
+    ``begin_final`` looks past once). One cut short at its bound may still land later (its
+    connection is dropped at once, asyncpg's cancel request with it): ``renew`` matches no
+    released or completed claim (store/sql.py), so it cannot set the lease again after that."""
 
     def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any]) -> None:
         self._claim = claim
