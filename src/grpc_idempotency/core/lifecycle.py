@@ -377,6 +377,16 @@ def renewal_bound_s(lease_s: float, left_s: float) -> float:
     return left_s / 2 if left_s > 2 * LEASE_RENEWAL_FLOOR_S else lease_s
 
 
+def renewal_acquire_bound_s(lease_s: float, left_s: float) -> float:
+    """How long a renewal sent ``left_s`` seconds before the lease runs out may wait for its
+    connection: until then (with too little left, a whole lease, as ``renewal_bound_s``). Not
+    half of it, as its statement: a pooled connection that is free comes at once, and one
+    opened anew (after a failover, or past asyncpg's idle lifetime) is not opened any sooner by
+    giving the connect up and beginning it again. Cut at half, a connect that took between a
+    third and two thirds of the lease was begun again by every try, and the lease ran out."""
+    return left_s if left_s > 2 * LEASE_RENEWAL_FLOOR_S else lease_s
+
+
 def renewal_spacing_s(lease_s: float, left_s: float, *, renewed: bool) -> float:
     """Time from the start of a renewal, sent ``left_s`` seconds before the lease runs out, to
     the start of the next: ``renewal_interval_s`` after one that renewed; after one that failed,

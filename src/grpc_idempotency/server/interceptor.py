@@ -70,7 +70,6 @@ from grpc_idempotency.core.lifecycle import (
     look_event,
     outcome_bytes,
     poll_delay_ms,
-    renewal_bound_s,
     renewal_interval_s,
     renewal_spacing_s,
     retry_after_ms,
@@ -1328,13 +1327,14 @@ class _LeaseKeeper:
     after this process stalled), cancels the handler: its work is no longer wanted.
 
     ``stop`` interrupts only the wait between renewals. A renewal already sent runs to its end
-    (bounded by half of what is left of the lease, or by a whole lease once too little is left:
-    ``core.lifecycle.renewal_bound_s``): cancelled on the wire, its UPDATE would still run in
-    PostgreSQL, after whatever the call does next. Landing after the final transaction's
-    snapshot it fails that transaction's row lock (40001 at REPEATABLE READ and above, which
-    ``begin_final`` looks past once). One cut short at its bound may still land later (its
-    connection is dropped at once, asyncpg's cancel request with it): ``renew`` matches no
-    released or completed claim (store/sql.py), so it cannot set the lease again after that."""
+    (its statement bounded by half of what is left of the lease, or by a whole lease once too
+    little is left: ``core.lifecycle.renewal_bound_s``): cancelled on the wire, its UPDATE
+    would still run in PostgreSQL, after whatever the call does next. Landing after the final
+    transaction's snapshot it fails that transaction's row lock (40001 at REPEATABLE READ and
+    above, which ``begin_final`` looks past once). One cut short at its bound may still land
+    later (its connection is dropped at once, asyncpg's cancel request with it): ``renew``
+    matches no released or completed claim (store/sql.py), so it cannot set the lease again
+    after that."""
 
     def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any]) -> None:
         self._claim = claim
@@ -1374,7 +1374,7 @@ class _LeaseKeeper:
             left = lease_until - start
             self._renewing = True
             try:
-                renewed = await self._claim.renew(timeout=renewal_bound_s(lease_s, left))
+                renewed = await self._claim.renew(lease_until=lease_until)
             except StoreUnavailable:
                 # The lease may still hold; the final commit checks the token anyway.
                 spacing = renewal_spacing_s(lease_s, left, renewed=False)
