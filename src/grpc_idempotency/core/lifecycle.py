@@ -360,9 +360,10 @@ def wait_budget_s(max_wait_s: float, time_remaining_s: float | None) -> float:
 # of a lease after the last renewal, it held the keeper past the end of the lease, and only the
 # next renewal, a third of a lease later still, went out on a fresh connection: the lease ran out
 # with the database reachable again all along, and a retry on another replica took the live
-# operation over (both handlers running). So a try may take only half of what is left of the
-# lease, and after a failed one the next starts at most half of what was left later: the last
-# try that can still land in time goes out on another connection.
+# operation over (both handlers running). So a try's statement may take only half of what is
+# left of the lease when it is sent (its wait for a connection, until the end:
+# ``renewal_acquire_bound_s``), and after a failed try the next starts at most half of what was
+# left later: the last try that can still land in time goes out on another connection.
 
 
 def renewal_interval_s(lease_s: float) -> float:
