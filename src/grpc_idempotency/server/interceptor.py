@@ -881,7 +881,9 @@ class IdempotencyInterceptor(_Interceptor):
                 # message and details count too: a handler's error that quotes the request
                 # ("no such account ...") stored whatever the client sent, up to gRPC's 4 MiB
                 # per key, and every answer of it, over the 16 KiB of trailers a client takes,
-                # was RESOURCE_EXHAUSTED, retried for the whole retention.
+                # was RESOURCE_EXHAUSTED, retried for the whole retention. (Bounded by the cap
+                # alone: at the default 1 MiB, an error between a client's ~16 KiB and the cap
+                # is still recorded, and every answer of it still fails so on the client.)
                 too_large = _too_large(policy, size)
                 what, data, aborted = Finish.RECORD_ERROR, None, None
                 outcome = answers.recorded_error(too_large)
