@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import binascii
 import json
 import logging
 import math
@@ -512,7 +511,9 @@ def _header(text: str) -> tuple[str, str | bytes]:
     if name.endswith("-bin"):  # binary metadata: gRPC sends bytes, base64 on the wire
         try:
             return name, base64.b64decode(value + "=" * (-len(value) % 4), validate=True)
-        except binascii.Error:
+        except ValueError:
+            # binascii.Error, or for a value not ASCII a plain ValueError, which argparse
+            # printed as "invalid _header value: '...'": the argument, credential and all.
             raise argparse.ArgumentTypeError(
                 f"header {name}: the value of a -bin header is base64 {hidden}"
             ) from None

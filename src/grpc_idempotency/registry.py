@@ -59,6 +59,9 @@ class PolicyRegistry:
         # A method found on first use whose options are bad: the same error on every call,
         # without compiling (and logging a traceback for) the options each time.
         self._errors: dict[str, PolicyError] = {}
+        # A service imported after the start whose overrides name a method it lacks: every
+        # path of it refused with that error, kept by service (the paths are the client's).
+        self._typos: dict[str, PolicyError] = {}
         methods = list(methods_of(services))
         # Services some override names that are in neither ``services`` nor (yet) the default
         # pool: their overrides are checked when the service first shows up in get().
@@ -97,10 +100,12 @@ class PolicyRegistry:
             if typo is not None:
                 # A misspelt override left the method it meant as its proto says (unkeyed,
                 # say), silently: every method of the service is refused instead, as the
-                # constructor refuses it for a service it knows.
-                self._errors[path] = typo
-                raise typo
+                # constructor refuses it for a service it knows. Kept by service, not by
+                # path: each name a client made up under it was kept (and logged) otherwise.
+                self._typos[service_name] = typo
             self._unchecked.discard(service_name)
+        if service_name in self._typos:
+            raise self._typos[service_name]
         method = service.methods_by_name.get(method_name)
         if method is None:
             # A name the service does not declare: not cached, as the path is the client's

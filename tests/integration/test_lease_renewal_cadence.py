@@ -73,3 +73,56 @@ async def test_a_renewal_lost_in_a_short_partition_does_not_cost_the_lease(
             other.service.release.set()
             await asyncio.gather(calling, duplicate, return_exceptions=True)
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_renewal_that_must_open_a_slow_connection_does_not_cost_the_lease(
+    pg_dsn: str, store: Store
+) -> None:
+    """A renewal whose pooled connection must be opened anew (after a failover, or asyncpg's
+    idle lifetime) waits for the connect: a slow one (TLS, SCRAM, a distant primary) that ends
+    well within the lease must renew it. Each try's acquire cut at half of what was left gave
+    the connect up and began it again, until the last try, near the end, ended past it."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    overrides = {
+        PHASED[1:]: MethodOverride(lease=timedelta(seconds=6), max_wait=timedelta(0)),
+    }
+    async with (
+        store_behind_proxy(pg_dsn, pool=1) as (proxy, via),
+        running_ledger(via, overrides=overrides) as owner,
+        running_ledger(store, overrides=overrides) as other,
+    ):
+        calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+        await owner.service.started.wait()
+        first_lease_end = await store.pool.fetchval(
+            "SELECT locked_until FROM grpc_idempotency.records WHERE key = $1", key
+        )
+        # The first renewal, a third of a lease (2 s) after the claim, opens its connection
+        # anew, which takes 2.8 s: renewed 1.2 s before the lease's end.
+        await via.pool.expire_connections()
+        proxy.connect_delay = 2.8
+
+        async def first_lease_over() -> bool:
+            return bool(
+                await store.pool.fetchval(
+                    "SELECT clock_timestamp() > $1::timestamptz", first_lease_end
+                )
+            )
+
+        await until("the end of the claim's first lease", first_lease_over)
+        duplicate = asyncio.ensure_future(other.call(PHASED, request, key))
+        took_over = asyncio.ensure_future(other.service.started.wait())
+        await asyncio.wait([duplicate, took_over], return_when=asyncio.FIRST_COMPLETED)
+        took_over.cancel()
+        try:
+            assert other.service.executions == 0, "a duplicate took the live claim over"
+            answer = await duplicate
+            assert answer.code is grpc.StatusCode.ABORTED, answer.details
+            owner.service.release.set()
+            answer = await calling
+            assert answer.code is grpc.StatusCode.OK, answer.details
+        finally:
+            owner.service.release.set()
+            other.service.release.set()
+            await asyncio.gather(calling, duplicate, return_exceptions=True)
+    assert await ledger_rows(store, account) == 1

@@ -5,13 +5,16 @@ dict that grew by one entry per name a client made up, for the life of the proce
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
 import grpc
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import IdempotencyInterceptor, StaticScope, Store
+from grpc_idempotency import IdempotencyInterceptor, MethodOverride, StaticScope, Store
 
 
 class CatchAll(grpc.GenericRpcHandler):  # type: ignore[type-arg]  # generic in stubs only
@@ -43,3 +46,37 @@ async def test_made_up_method_names_of_a_known_service_are_not_remembered(store:
     finally:
         await server.stop(None)
     assert interceptor.policies == known
+
+
+async def test_made_up_names_under_a_misspelt_override_are_refused_and_logged_once(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An override misspelling a method of a service imported after the start refuses every
+    path of that service: each made-up one was kept with its error, and logged with a traceback,
+    once per name the client made up."""
+    package = f"madeup{uuid.uuid4().hex[:12]}"
+    interceptor = IdempotencyInterceptor(
+        store, overrides={f"{package}.Svc/Chrage": MethodOverride()}, scope=StaticScope("t:a")
+    )
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
+    fdp.message_type.add(name="Req")
+    fdp.service.add(name="Svc").method.add(
+        name="Charge", input_type=f".{package}.Req", output_type=f".{package}.Req"
+    )
+    descriptor_pool.Default().Add(fdp)  # what importing its _pb2 does
+    server = grpc.aio.server(interceptors=[interceptor])
+    server.add_generic_rpc_handlers((CatchAll(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="grpc_idempotency"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for _ in range(20):
+                    path = f"/{package}.Svc/Made{uuid.uuid4().hex}"
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await channel.unary_unary(path, None, None)(b"hello", timeout=10)
+                    assert "has no method 'Chrage'" in (refused.value.details() or "")
+    finally:
+        await server.stop(None)
+    logged = [r for r in caplog.records if "bad idempotency options" in r.getMessage()]
+    assert len(logged) == 1, f"logged {len(logged)} times"

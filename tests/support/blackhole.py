@@ -42,6 +42,8 @@ class BlackholeProxy:
         """Bytes delivered to PostgreSQL so far (what the client sent)."""
         self.bytes_dropped = 0
         """Bytes read and dropped while partitioned, either way."""
+        self.connect_delay = 0.0
+        """Seconds a new connection waits before it is passed on (a slow connect: TLS, auth)."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -112,6 +114,8 @@ class BlackholeProxy:
         if self.partitioned:
             await self._swallow(client_r)
             return
+        if self.connect_delay:
+            await asyncio.sleep(self.connect_delay)
         if self._unix is not None:
             server_r, server_w = await asyncio.open_unix_connection(self._unix)
         else:

@@ -207,6 +207,7 @@ def test_outbox_retry_takes_ids_or_all_checked_before_connecting(
         "authorization=Bearer s3cr3t-t0ken\n",
         "authorization=Bearer s3cr3t-t0k\u00e9n",
         "authorization-bin=s3cr3t-t0ken!",
+        "authorization-bin=s3cr3t-t0k\u00e9n",  # not ASCII: b64decode's plain ValueError
     ],
 )
 def test_a_refused_header_is_not_echoed(header: str, capsys: pytest.CaptureFixture[str]) -> None:

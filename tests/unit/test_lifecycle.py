@@ -25,6 +25,7 @@ from grpc_idempotency.core.lifecycle import (
     executed_outcome,
     finish,
     look_event,
+    renewal_acquire_bound_s,
     renewal_bound_s,
     renewal_interval_s,
     renewal_spacing_s,
@@ -295,3 +296,10 @@ def test_renewals_that_go_well_come_a_third_of_a_lease_apart() -> None:
     assert renewal_bound_s(30.0, 20.0) == 10.0
     assert renewal_bound_s(30.0, 0.05) == 30.0  # nothing left for another try: a whole lease
     assert renewal_bound_s(30.0, -5.0) == 30.0  # ran out: still worth renewing, unless taken
+
+
+def test_a_renewal_may_wait_for_its_connection_until_the_lease_runs_out() -> None:
+    # Not half of what is left, as its statement: a connect given up is begun again no sooner.
+    assert renewal_acquire_bound_s(30.0, 20.0) == 20.0
+    assert renewal_acquire_bound_s(30.0, 0.05) == 30.0  # too little left: a whole lease
+    assert renewal_acquire_bound_s(30.0, -5.0) == 30.0

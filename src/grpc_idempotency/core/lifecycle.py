@@ -360,9 +360,10 @@ def wait_budget_s(max_wait_s: float, time_remaining_s: float | None) -> float:
 # of a lease after the last renewal, it held the keeper past the end of the lease, and only the
 # next renewal, a third of a lease later still, went out on a fresh connection: the lease ran out
 # with the database reachable again all along, and a retry on another replica took the live
-# operation over (both handlers running). So a try may take only half of what is left of the
-# lease, and after a failed one the next starts at most half of what was left later: the last
-# try that can still land in time goes out on another connection.
+# operation over (both handlers running). So a try's statement may take only half of what is
+# left of the lease when it is sent (its wait for a connection, until the end:
+# ``renewal_acquire_bound_s``), and after a failed try the next starts at most half of what was
+# left later: the last try that can still land in time goes out on another connection.
 
 
 def renewal_interval_s(lease_s: float) -> float:
@@ -375,6 +376,16 @@ def renewal_bound_s(lease_s: float, left_s: float) -> float:
     that; with too little left for another try after it (or none: the lease ran out, which keeps
     the claim this attempt's until another takes it over), a whole lease."""
     return left_s / 2 if left_s > 2 * LEASE_RENEWAL_FLOOR_S else lease_s
+
+
+def renewal_acquire_bound_s(lease_s: float, left_s: float) -> float:
+    """How long a renewal sent ``left_s`` seconds before the lease runs out may wait for its
+    connection: until then (with too little left, a whole lease, as ``renewal_bound_s``). Not
+    half of it, as its statement: a pooled connection that is free comes at once, and one
+    opened anew (after a failover, or past asyncpg's idle lifetime) is not opened any sooner by
+    giving the connect up and beginning it again. Cut at half, a connect that took between a
+    third and two thirds of the lease was begun again by every try, and the lease ran out."""
+    return left_s if left_s > 2 * LEASE_RENEWAL_FLOOR_S else lease_s
 
 
 def renewal_spacing_s(lease_s: float, left_s: float, *, renewed: bool) -> float:

@@ -71,7 +71,6 @@ from grpc_idempotency.core.lifecycle import (
     look_event,
     outcome_bytes,
     poll_delay_ms,
-    renewal_bound_s,
     renewal_interval_s,
     renewal_spacing_s,
     retry_after_ms,
@@ -328,7 +327,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
         self._owners: dict[tuple[str, str], _Owner] = {}
         self._recent = _RecentKeys()
-        self._reported: set[str] = set()
+        self._reported: set[str | PolicyError] = set()
         self._waiting = 0
         failpoints.announce()  # a server with failpoints armed says so when it is built
 
@@ -397,8 +396,10 @@ class IdempotencyInterceptor(_Interceptor):
         try:
             policy = self._registry.get(path)
         except PolicyError as err:
-            if path not in self._reported:  # the registry keeps the error: log it once
-                self._reported.add(path)
+            # The registry keeps the error: log it once (by error, not by path: a misspelt
+            # override refuses every path of its service, and the paths are the client's).
+            if err not in self._reported:
+                self._reported.add(err)
                 log.exception("bad idempotency options on %s", path)
             return _refusing(handler, err)
         if policy is None:
@@ -896,7 +897,9 @@ class IdempotencyInterceptor(_Interceptor):
                 # message and details count too: a handler's error that quotes the request
                 # ("no such account ...") stored whatever the client sent, up to gRPC's 4 MiB
                 # per key, and every answer of it, over the 16 KiB of trailers a client takes,
-                # was RESOURCE_EXHAUSTED, retried for the whole retention.
+                # was RESOURCE_EXHAUSTED, retried for the whole retention. (Bounded by the cap
+                # alone: at the default 1 MiB, an error between a client's ~16 KiB and the cap
+                # is still recorded, and every answer of it still fails so on the client.)
                 too_large = _too_large(policy, size)
                 what, data, aborted = Finish.RECORD_ERROR, None, None
                 outcome = answers.recorded_error(too_large)
@@ -1348,11 +1351,14 @@ class _LeaseKeeper:
     after this process stalled), cancels the handler: its work is no longer wanted.
 
     ``stop`` interrupts only the wait between renewals. A renewal already sent runs to its end
-    (bounded by what is left of the lease: ``core.lifecycle.renewal_bound_s``): cancelled on
-    the wire, its UPDATE would still run in PostgreSQL, after whatever the call does next.
-    Landing after the release it would set the lease again (retries answered IN_PROGRESS for a
-    whole lease instead of taking over), and after the final transaction's snapshot it fails
-    that transaction's row lock (40001 at REPEATABLE READ and above)."""
+    (its statement bounded by half of what is left of the lease, or by a whole lease once too
+    little is left: ``core.lifecycle.renewal_bound_s``): cancelled on the wire, its UPDATE
+    would still run in PostgreSQL, after whatever the call does next. Landing after the final
+    transaction's snapshot it fails that transaction's row lock (40001 at REPEATABLE READ and
+    above, which ``begin_final`` looks past once). One cut short at its bound may still land
+    later (its connection is dropped at once, asyncpg's cancel request with it): ``renew``
+    matches no released or completed claim (store/sql.py), so it cannot set the lease again
+    after that."""
 
     def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any]) -> None:
         self._claim = claim
@@ -1392,7 +1398,7 @@ class _LeaseKeeper:
             left = lease_until - start
             self._renewing = True
             try:
-                renewed = await self._claim.renew(timeout=renewal_bound_s(lease_s, left))
+                renewed = await self._claim.renew(lease_until=lease_until)
             except StoreUnavailable:
                 # The lease may still hold; the final commit checks the token anyway.
                 spacing = renewal_spacing_s(lease_s, left, renewed=False)

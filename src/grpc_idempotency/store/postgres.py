@@ -39,7 +39,13 @@ from grpc_idempotency.core.errors import (
     TransactionConflict,
 )
 from grpc_idempotency.core.keys import claim_lock_id
-from grpc_idempotency.core.lifecycle import Outcome, State, StoredRecord
+from grpc_idempotency.core.lifecycle import (
+    Outcome,
+    State,
+    StoredRecord,
+    renewal_acquire_bound_s,
+    renewal_bound_s,
+)
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import at_in_user_info, unsendable, unusable_file
@@ -1777,13 +1783,20 @@ class PhasedClaim:
         assert self._claim.token is not None
         return self._claim.token
 
-    async def renew(self, *, timeout: float | None = None) -> bool:
+    async def renew(
+        self, *, timeout: float | None = None, lease_until: float | None = None
+    ) -> bool:
         """Extends the lease; ``False`` when the claim is no longer this attempt's, or was
         released. Bounded by ``timeout``, by default the lease itself: a renewal that slow would
-        be of no use (the lease keeper gives one less: ``core.lifecycle.renewal_bound_s``)."""
+        be of no use. The lease keeper passes ``lease_until`` instead, when the lease runs out
+        as it counts it (``time.monotonic()``): the connection may take until then
+        (``core.lifecycle.renewal_acquire_bound_s``), the statement half of what is left when it
+        is sent (``renewal_bound_s``)."""
         c, store = self._claim, self._store
         doing = "renewing a lease"
         bound = self.lease_s if timeout is None else timeout
+        if lease_until is not None:
+            bound = renewal_acquire_bound_s(self.lease_s, lease_until - time.monotonic())
         deadline = time.monotonic() + bound
         # The wait for a connection bounded too, even when the pool counts one as free: after a
         # failover or a restart (``_forget_connections_if_gone``) every free connection is
@@ -1791,6 +1804,9 @@ class PhasedClaim:
         # the new primary could not be reached yet. The keeper lets a renewal on the wire run to
         # its end, so the call that had its answer waited as long (past its deadline).
         conn = await store._acquire(doing, bound, always_bounded=True)
+        if lease_until is not None:
+            left = lease_until - time.monotonic()
+            deadline = time.monotonic() + renewal_bound_s(self.lease_s, left)
         async with store._holding(conn, doing):
             status = await conn.execute(
                 store.statements.renew,
