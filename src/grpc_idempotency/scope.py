@@ -1,25 +1,24 @@
 """Scope resolvers: whose key is this? A record lives under (scope, key), never under a key alone.
 
 A resolver is a plain (not async) function: it takes the call's ``grpc.aio.ServicerContext`` and
-returns the scope, a str of 1..1024 bytes of UTF-8 without NUL, or raises ``ScopeUnavailable``
-(the call is refused with UNAUTHENTICATED before the store is touched; another of the library's
-errors is answered with its own status). Anything else it raises or returns is a bug of the
-server's: logged (at most once a minute), and the call refused with INTERNAL
-(``ScopeResolverFailed``) without the exception's text.
+returns the scope, a str of 1..1024 bytes of UTF-8 without control characters, or raises
+``ScopeUnavailable`` (the call is refused with UNAUTHENTICATED before the store is touched;
+another of the library's errors is answered with its own status). Anything else it raises or
+returns is a bug of the server's: logged (at most once a minute), and the call refused with
+INTERNAL (``ScopeResolverFailed``) without the exception's text.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 
 from grpc_idempotency.core.errors import IdempotencyError, ScopeUnavailable
-from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_scope
+from grpc_idempotency.core.keys import CONTROL_CHARACTERS, MAX_SCOPE_BYTES, validate_scope
 from grpc_idempotency.core.wire import HEADER_NAME, KEY_HEADER_BIN, LIBRARY_HEADERS
 
 ScopeResolver = Callable[[grpc.aio.ServicerContext[Any, Any]], str]
@@ -58,11 +57,11 @@ def peer_scope(identities: Iterable[bytes]) -> str:
     Names too many or too long for a scope (over ``MAX_SCOPE_BYTES`` so written: a certificate
     listing every DNS name of a service) give "peer-sha256:" and the SHA-256 of that text in
     hex, one per set of names still, and never a scope of plain names; such a peer was refused
-    on every keyed call. Names holding NUL are left as they are, and refused (no text column
-    can hold one)."""
+    on every keyed call. Names holding control characters (NUL, which no text column can hold, a
+    newline, ESC) are left as they are, and refused, however many (``validate_scope``)."""
     scope = "peer:" + ",".join(sorted(_name(identity) for identity in identities))
     written = scope.encode("utf-8")
-    if len(written) <= MAX_SCOPE_BYTES or "\x00" in scope:
+    if len(written) <= MAX_SCOPE_BYTES or CONTROL_CHARACTERS.search(scope):
         return scope
     return "peer-sha256:" + hashlib.sha256(written).hexdigest()
 
@@ -104,7 +103,7 @@ class MetadataScope:
         values = [v for k, v in context.invocation_metadata() or () if k == self.header]
         if len(values) != 1 or not isinstance(values[0], str) or not values[0]:
             raise ScopeUnavailable(f"expected exactly one {self.header!r} metadata entry")
-        if _CONTROL.search(values[0]):
+        if CONTROL_CHARACTERS.search(values[0]):
             # No gRPC client sends one (it refuses what is not printable ASCII), but the
             # server passes a raw HTTP/2 client's on, decoded as UTF-8 or else Latin-1: a
             # newline or an ESC sequence in a scope reached the server's log lines, the
@@ -112,9 +111,6 @@ class MetadataScope:
             raise ScopeUnavailable(f"the {self.header!r} metadata entry holds control characters")
         return self.prefix + values[0]
 
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-"""C0 controls, DEL and C1 controls (a terminal acts on them: ESC, CSI)."""
 
 _TRANSPORT_HEADERS = frozenset({"content-type", "te", "user-agent"})
 """Headers of gRPC's HTTP/2 transport, besides the reserved ``grpc-`` ones."""

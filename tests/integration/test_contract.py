@@ -157,8 +157,20 @@ WIDE = "\U0001f600" * 1024  # 1024 characters, 4096 bytes: more than a record's 
             "IDEMPOTENCY_SCOPE_UNAVAILABLE",
         ),
         (lambda context: "t\x00", grpc.StatusCode.UNAUTHENTICATED, "IDEMPOTENCY_SCOPE_UNAVAILABLE"),
+        # Written to log lines and the tools' output, where a terminal acts on them, and sent
+        # by forward_scope as a header gRPC refuses: a token's tenant claim, a certificate name.
+        (
+            lambda context: "t\nforged log line",
+            grpc.StatusCode.UNAUTHENTICATED,
+            "IDEMPOTENCY_SCOPE_UNAVAILABLE",
+        ),
+        (
+            lambda context: "t\x9b2J",
+            grpc.StatusCode.UNAUTHENTICATED,
+            "IDEMPOTENCY_SCOPE_UNAVAILABLE",
+        ),
     ],
-    ids=["raises", "int", "bytes", "4096-bytes", "surrogate", "nul"],
+    ids=["raises", "int", "bytes", "4096-bytes", "surrogate", "nul", "newline", "c1-csi"],
 )
 @pytest.mark.parametrize("method", [POST, PHASED, FAIL_OPEN])
 async def test_a_scope_resolver_that_fails_is_refused_before_the_handler(

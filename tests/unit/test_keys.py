@@ -112,7 +112,10 @@ def test_step_names(name: str, ok: bool) -> None:
 def test_scope_validation() -> None:
     assert validate_scope("tenant:a") == "tenant:a"
     assert validate_scope("\u00e9" * 512) == "\u00e9" * 512  # 1024 bytes: the most
-    for bad in ("", "x" * 1025, "a\x00b", "\u00e9" * 513, "\U0001f600" * 257, "t\udcff"):
+    other = "t\u00e9nant \u2028 \u00a0"  # not C0, DEL or C1: taken
+    assert validate_scope(other) == other
+    controls = ("a\nb", "a\rb", "a\tb", "a\x1b[2Jb", "a\x7fb", "a\x85b", "a\x9bb")
+    for bad in ("", "x" * 1025, "a\x00b", "\u00e9" * 513, "\U0001f600" * 257, "t\udcff", *controls):
         with pytest.raises(ScopeUnavailable):
             validate_scope(bad)
     for wrong in (42, b"tenant", None):

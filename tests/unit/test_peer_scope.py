@@ -60,3 +60,10 @@ def test_a_certificate_with_many_names_has_a_scope_the_store_can_hold() -> None:
     # A name holding NUL is still refused as it was (it cannot be stored), long or not.
     with pytest.raises(ScopeUnavailable):
         validate_scope(peer_scope([*many, b"a\x00b"]))
+    # So is one holding another control character: hashed, it was let through in a long list
+    # and refused in a short one.
+    for control in (b"a\nb", b"a\x1bb"):
+        with pytest.raises(ScopeUnavailable):
+            validate_scope(peer_scope([*many, control]))
+        with pytest.raises(ScopeUnavailable):
+            validate_scope(peer_scope([control]))

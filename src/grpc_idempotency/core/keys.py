@@ -58,7 +58,7 @@ def validate_key(key: str) -> str:
 
 def validate_scope(scope: object) -> str:
     """``scope`` as a scope resolver returned it, checked before it reaches the store: a str of
-    1..``MAX_SCOPE_BYTES`` UTF-8 bytes with no NUL (PostgreSQL's text cannot hold one). What is
+    1..``MAX_SCOPE_BYTES`` UTF-8 bytes with no control character (``CONTROL_CHARACTERS``). What is
     not a str is the resolver's bug (``ScopeResolverFailed``); the rest is ``ScopeUnavailable``.
     (Counted in characters, 1024 four-byte ones passed, and the record's index refused them:
     the handler ran and its call failed, or a fail-open method ran without deduplication.)"""
@@ -70,12 +70,20 @@ def validate_scope(scope: object) -> str:
         size = len(scope.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate
         size = -1
-    if not 0 < size <= MAX_SCOPE_BYTES or "\x00" in scope:
+    if not 0 < size <= MAX_SCOPE_BYTES or CONTROL_CHARACTERS.search(scope):
         raise ScopeUnavailable(
             f"the scope resolver returned an unusable scope (1-{MAX_SCOPE_BYTES} bytes of UTF-8,"
-            " no NUL)"
+            " no control characters)"
         )
     return scope
+
+
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 controls (NUL: PostgreSQL's text cannot hold one), DEL and C1 controls. A scope is
+written to log lines and the command-line tools' output, where a terminal acts on a newline or
+an ESC sequence, and sent as a header by ``forward_scope``, which gRPC refuses for them (the
+outbox row was a dead letter): whatever resolved it (a header, a certificate's name, a token),
+such a scope is refused."""
 
 
 def is_step_name(name: str) -> bool:
