@@ -784,6 +784,17 @@ def test_an_unchanged_contract_always_holds(contract: Contract, shift: timedelta
     assert {f.change for f in report.findings} <= {Change.RETIRED_STEP_REMOVABLE}
 
 
+def _versioned(before: MethodSteps, added: Step) -> bool:
+    """Whether ``added``, retired, is a retired version of a name active on the same target in
+    ``before`` (or retired there later): adding it breaks (``test_adding_steps_never_breaks``)."""
+    return any(
+        _base(s.name) == _base(added.name)
+        and s.call == added.call
+        and (s.retired_at is None or (added.retired_at or s.retired_at) < s.retired_at)
+        for s in before.steps
+    )
+
+
 @given(method_steps(), st.lists(steps(), max_size=4, unique_by=lambda s: s.name))
 def test_adding_steps_never_breaks(before: MethodSteps, added: list[Step]) -> None:
     """Adding steps, except a retired version of a name active on the same target: that one
@@ -791,16 +802,9 @@ def test_adding_steps_never_breaks(before: MethodSteps, added: list[Step]) -> No
     active version (the table's "a retired version added next to the active one"); or retired
     for good there, later than the one added, which ``as_of`` follows back to it too."""
     taken = {s.name for s in before.steps}
-
-    def versioned(added: Step) -> bool:
-        return any(
-            _base(s.name) == _base(added.name)
-            and s.call == added.call
-            and (s.retired_at is None or (added.retired_at or s.retired_at) < s.retired_at)
-            for s in before.steps
-        )
-
-    fresh = tuple(s for s in added if s.name not in taken and (s.active or not versioned(s)))
+    fresh = tuple(
+        s for s in added if s.name not in taken and (s.active or not _versioned(before, s))
+    )
     after = replace(before, steps=before.steps + fresh)
     report = check_contract({PLACE: before}, {PLACE: after}, now=NOW)
     assert report.ok
@@ -814,11 +818,31 @@ def test_dropping_an_active_step_always_breaks(before: MethodSteps, data: st.Dat
     gone = data.draw(st.sampled_from(before.steps))
     replacement = data.draw(st.lists(steps(), max_size=2, unique_by=lambda s: s.name))
     kept = tuple(s for s in before.steps if s is not gone)
-    fresh = tuple(s for s in replacement if s.name not in {k.name for k in before.steps})
+    # Not a retired version of a name still active on its target: adding one breaks on its own
+    # (Hypothesis found b.v2 and a.v1 active, a.v1 dropped and a retired b.v1 added: two
+    # breaking findings, both right).
+    fresh = tuple(
+        s
+        for s in replacement
+        if s.name not in {k.name for k in before.steps} and (s.active or not _versioned(before, s))
+    )
     report = check_contract({PLACE: before}, {PLACE: replace(before, steps=kept + fresh)}, now=NOW)
     (f,) = report.breaking
     assert f.step == gone.name
     assert f.change in (Change.STEP_REMOVED, Change.STEP_RENAMED, Change.STEP_VERSION_CHANGED)
+
+
+def test_dropping_a_step_while_adding_a_retired_version_of_another_breaks_twice() -> None:
+    """The case Hypothesis found for the property above: both changes break, each on its own."""
+    before = place(call("b.v2"), call("a.v1"))
+    after = place(call("b.v2"), call("b.v1", retired=NOW + HOUR))
+    report = check_contract(before, after, now=NOW)
+    # The retired b.v1 would key operations begun before its retired_at, which ran b.v2.
+    assert {(f.change, f.step) for f in report.breaking} == {
+        (Change.STEP_REMOVED, "a.v1"),
+        (Change.OPERATIONS_REKEYED, "b.v2"),
+    }
+    assert _versioned(before[PLACE], call("b.v1", retired=NOW + HOUR))
 
 
 @given(method_steps(retired=False, one_active_version=True), st.data())
