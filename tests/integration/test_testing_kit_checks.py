@@ -23,6 +23,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -33,6 +34,7 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 from grpc_idempotency import (
     IdempotencyInterceptor,
     MetadataScope,
+    MethodOverride,
     StaticScope,
     Store,
     current_call,
@@ -137,6 +139,14 @@ async def build_server(dsn: str) -> AsyncIterator[Any]:
 LEDGER_ENV = "KIT_CHECKS_LEDGER"
 
 
+# Forward's lease, 5 s in its proto: the crash check's retry waits out the dead attempt's lease,
+# and waited those 5 s. 1.5 s (renewed every 0.5 s) is still long past an attempt's one call
+# to the ledger (test_testing_kit.py's crash check runs a phased method on a 0.6 s lease).
+FORWARD_LEASE = {
+    "testsvc.v1.RelayService/Forward": MethodOverride(lease=timedelta(seconds=1.5)),
+}
+
+
 async def orchestrator_server(dsn: str) -> AsyncIterator[Any]:
     """RelayService.Forward (phased): its one effect is a call to the ledger at ``LEDGER_ENV``
     (a server of the test process, without the failpoints) with the step's child key, as the
@@ -151,7 +161,9 @@ async def orchestrator_server(dsn: str) -> AsyncIterator[Any]:
         ).all_kinds(),
     )
     scope = MetadataScope(TENANT)
-    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=scope)
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=scope, overrides=FORWARD_LEASE
+    )
     server = grpc.aio.server(interceptors=[interceptor])
     relay = RelayService(testsvc_pb2_grpc.LedgerServiceStub(downstream))
     testsvc_pb2_grpc.add_RelayServiceServicer_to_server(relay, server)
