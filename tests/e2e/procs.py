@@ -241,9 +241,12 @@ class Processes:
         notifications: int,
         lease: float | None = None,
         failpoints: str | None = None,
+        downstream_timeout: float | None = None,
     ) -> ServiceProcess:
         """Starts ``python -m examples.checkout orders`` on 127.0.0.1:``port``, calling payments
-        and notifications on the given local ports; ``lease`` overrides PlaceOrder's lease."""
+        and notifications on the given local ports; ``lease`` overrides PlaceOrder's lease,
+        ``downstream_timeout`` its bound on each downstream call (``DOWNSTREAM_TIMEOUT_S``,
+        through ``tests.e2e.checkout_with_timeout``)."""
         args = [
             "--payments",
             f"127.0.0.1:{payments}",
@@ -252,7 +255,12 @@ class Processes:
         ]
         if lease is not None:
             args += ["--lease", str(lease)]
-        return await self.service("orders", dsn, port, args, failpoints=failpoints)
+        module = (
+            ["examples.checkout"]
+            if downstream_timeout is None
+            else ["tests.e2e.checkout_with_timeout", str(downstream_timeout)]
+        )
+        return await self.service("orders", dsn, port, args, failpoints=failpoints, module=module)
 
     async def ledger(self, dsn: str, port: int, *, failpoints: str | None = None) -> ServiceProcess:
         """Starts ``python -m examples.checkout ledger`` on 127.0.0.1:``port``."""
@@ -333,11 +341,12 @@ class Processes:
         args: Sequence[str] = (),
         *,
         failpoints: str | None = None,
+        module: Sequence[str] = ("examples.checkout",),
     ) -> ServiceProcess:
-        """Starts ``python -m examples.checkout <name>`` on 127.0.0.1:``port`` and waits until
-        it listens."""
+        """Starts ``python -m examples.checkout <name>`` (or ``module``, a module and its first
+        arguments) on 127.0.0.1:``port`` and waits until it listens."""
         return await self._start(
-            ["-m", "examples.checkout", name, "--listen", f"127.0.0.1:{port}", "--dsn", dsn, *args],
+            ["-m", *module, name, "--listen", f"127.0.0.1:{port}", "--dsn", dsn, *args],
             ready=f"{name} listening on",
             name=name,
             failpoints=failpoints,

@@ -27,7 +27,6 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 import examples.checkout.gen  # noqa: F401  (puts the generated package on sys.path)
-from examples.checkout.orders import DOWNSTREAM_TIMEOUT_S
 from examples.checkout.proxy import ResettingProxy
 from examples.checkout.service import records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
@@ -81,6 +80,7 @@ async def start_orders(
     lease: float | None = None,
     failpoints: str | None = None,
     notifications: int | None = None,
+    downstream_timeout: float | None = None,
 ) -> ServiceProcess:
     proc = await procs.orders(
         pg_dsn,
@@ -89,6 +89,7 @@ async def start_orders(
         notifications=notifications or downstream.notifications,
         lease=lease,
         failpoints=failpoints,
+        downstream_timeout=downstream_timeout,
     )
     assert proc.port is not None
     return proc
@@ -514,6 +515,12 @@ async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exist
     assert record is not None and record["state"] == "completed", record
 
 
+# The orders service's bound on each downstream call in the test below, which waits it out: the
+# example's own (DOWNSTREAM_TIMEOUT_S, 10 s) made it wait that long for a timer; 4 s is still
+# ample for the calls made before payments stalls.
+STALL_DOWNSTREAM_TIMEOUT_S = 4.0
+
+
 async def test_a_stalled_payments_service_bounds_an_order_placed_without_a_deadline(
     pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
 ) -> None:
@@ -523,14 +530,19 @@ async def test_a_stalled_payments_service_bounds_an_order_placed_without_a_deadl
     the claim's lease renewed all along: every retry of the order was answered IN_PROGRESS."""
     payments = await procs.payments(pg_dsn, 0)
     assert payments.port is not None
-    orders = await start_orders(procs, pg_dsn, Downstream(payments.port, downstream.notifications))
+    orders = await start_orders(
+        procs,
+        pg_dsn,
+        Downstream(payments.port, downstream.notifications),
+        downstream_timeout=STALL_DOWNSTREAM_TIMEOUT_S,
+    )
     await place(orders.address, Order())  # the channel to payments connected
     order = Order()
     payments.pause()
     try:
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await asyncio.wait_for(
-                place(orders.address, order, timeout=None), DOWNSTREAM_TIMEOUT_S + 10
+                place(orders.address, order, timeout=None), STALL_DOWNSTREAM_TIMEOUT_S + 10
             )
         assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, failed.value
         record = await record_of(db, order)  # released: a retry goes ahead at once

@@ -258,8 +258,11 @@ async def test_a_full_pool_behind_a_partition_is_an_outage(pg_dsn: str, store: S
     UNAVAILABLE "store busy"."""
     proxy = BlackholeProxy(pg_dsn)
     await proxy.start()
+    # The hung calls hold their connections for command_timeout, then fail open once the store's
+    # probe gets no answer (the queued call's, or one of their own): 2.5 s, five times the queued
+    # call's acquire_timeout, which must run out while they hold them (it was 4 s).
     partitioned = await Store.connect(
-        proxy.dsn, min_size=2, max_size=2, acquire_timeout=0.5, command_timeout=4
+        proxy.dsn, min_size=2, max_size=2, acquire_timeout=0.5, command_timeout=2.5
     )
     try:
         async with running_ledger(partitioned, replay_cache=False) as ledger:

@@ -7,6 +7,7 @@ tmp_path. ``GRPC_IDEMPOTENCY_UPDATE_GOLDEN=1`` rewrites the golden files.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import dataclasses
 import os
@@ -221,12 +222,20 @@ async def handler(channel: grpc.aio.Channel) -> None:
 """
 
 
+# One mypy cache for the module's runs: the standard library's stubs, grpc's, protobuf's and this
+# package's are the same in every run, and checked cold each time they took most of its time. The
+# generated files differ per test (each in its own tmp_path, so a cached module of the same name
+# has another path and another hash, and mypy checks it again).
+MYPY_CACHE = Path(tempfile.mkdtemp(prefix="gi-protoc-gen-mypy-"))
+atexit.register(shutil.rmtree, MYPY_CACHE, ignore_errors=True)
+
+
 def mypy(root: Path, *files: str) -> subprocess.CompletedProcess[str]:
     # --follow-imports=silent: the messages' .pyi that protoc writes are not mypy-strict clean
     # (bare Mapping); the files named here are checked in full.
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--explicit-package-bases",
-         "--python-version", "3.11", "--cache-dir", str(root / ".mypy_cache"), *files],
+         "--python-version", "3.11", "--cache-dir", str(MYPY_CACHE), *files],
         cwd=root, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
 
