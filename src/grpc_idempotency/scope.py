@@ -97,6 +97,13 @@ class MetadataScope:
     def __init__(self, header: str = "x-tenant-id", *, prefix: str = "tenant:") -> None:
         # Refused now rather than on every call: no call could ever have a scope, or worse.
         self.header = tenant_header(header, prefix, user="MetadataScope")
+        try:
+            # The shortest scope it makes: a prefix holding a control character (refused in
+            # every scope since validate_scope refuses them), or too long for a scope, had every
+            # call refused UNAUTHENTICATED.
+            validate_scope(prefix + "-")
+        except IdempotencyError as err:
+            raise ValueError(f"MetadataScope: prefix {prefix!r}: {err.message}") from None
         self.prefix = prefix
 
     def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:

@@ -252,6 +252,21 @@ async def test_an_atomic_claim_still_waiting_for_a_connection_when_close_began_i
         await own.close()
 
 
+async def test_one_hold_entered_again_in_its_own_block_is_refused(store: Store) -> None:
+    """``holding_claim()``'s object entered again inside its own block: the inner entry took
+    itself for a nested hold, and neither end released the task (``close`` waited for it)."""
+    hold = store.holding_claim()
+    task = asyncio.current_task()
+    with hold:
+        with pytest.raises(RuntimeError, match="entered again"), hold:
+            pass
+        assert task in store._claiming
+    assert task not in store._claiming
+    with hold:  # once its block has ended, it may be entered again
+        assert task in store._claiming
+    assert task not in store._claiming
+
+
 async def test_a_nested_hold_ends_with_the_outermost_block(pg_dsn: str, store: Store) -> None:
     """One task holding a claim in nested blocks (a claim made inside another's block): the
     inner block's end let ``close`` stop waiting while the outer claim was still held."""

@@ -42,6 +42,14 @@ def test_a_prefix_that_cannot_be_stored_is_refused() -> None:
         MetadataScope(prefix="tenant\x00")
 
 
+@pytest.mark.parametrize("prefix", ["tenant\n", "\x1b[31mtenant:", "tenant\x85", "t" * 1024])
+def test_a_prefix_no_call_could_have_a_scope_with_is_refused(prefix: str) -> None:
+    # validate_scope refuses every scope holding a control character: made, every call was
+    # refused UNAUTHENTICATED ("the scope resolver returned an unusable scope").
+    with pytest.raises(ValueError, match="unusable scope"):
+        MetadataScope(prefix=prefix)
+
+
 def test_plain_tenant_headers_are_accepted() -> None:
     assert MetadataScope("X-Tenant-Id").header == "x-tenant-id"
     assert MetadataScope("x_org.id", prefix="").prefix == ""

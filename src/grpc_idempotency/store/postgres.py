@@ -482,6 +482,11 @@ class _HoldingClaim:
         self._outermost = False
 
     def __enter__(self) -> None:
+        if self._task is not None:
+            # Entered again inside its own block: the inner entry took the hold for not the
+            # outermost, and neither end released it (``close`` waited for the task). The
+            # generator-based context manager this was refused a second entry too.
+            raise RuntimeError("a holding_claim() block cannot be entered again while it runs")
         task = asyncio.current_task()
         if task is None:  # pragma: no cover - the interceptor runs in a task
             return
@@ -492,7 +497,7 @@ class _HoldingClaim:
         self._claiming.add(task)
 
     def __exit__(self, *exc: object) -> None:
-        task = self._task
+        task, self._task = self._task, None
         if task is not None and self._outermost:
             self._claiming.discard(task)
 
