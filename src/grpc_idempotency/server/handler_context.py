@@ -130,16 +130,11 @@ def _without_step(metadata: Any) -> Any:
     return metadata
 
 
-def handler_metadata(context: Context) -> tuple[tuple[str, str | bytes], ...]:
-    """The incoming metadata as the handler's ``current_call().metadata``: without a caller's
-    step name, as the handler's ``invocation_metadata()``. With it, a handler passing that on
-    had the caller name the step (and child key) of each of its downstream calls."""
-    return metadata_for_handler(context.invocation_metadata())
-
-
 def metadata_for_handler(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
-    """``handler_metadata`` of the call whose ``invocation_metadata()`` is ``metadata`` (read
-    once per call: grpc.aio builds that tuple anew on every read)."""
+    """The incoming metadata (the call's ``invocation_metadata()``, read once per call: grpc.aio
+    builds that tuple anew on every read) as the handler's ``current_call().metadata``: without
+    a caller's step name, as the handler's ``invocation_metadata()``. With it, a handler passing
+    that on had the caller name the step (and child key) of each of its downstream calls."""
     return tuple(_without_step(metadata) or ())
 
 
