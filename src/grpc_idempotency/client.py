@@ -49,8 +49,6 @@ from grpc_idempotency.core.wire import (
 )
 from grpc_idempotency.registry import PolicyRegistry, Services
 
-"""A pseudo metadata entry naming the step of one call; removed before the call is sent."""
-
 _operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
 _step: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_idempotency_step")
 _captured: contextvars.ContextVar[list[str]] = contextvars.ContextVar("grpc_idempotency_keys")

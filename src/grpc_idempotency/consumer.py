@@ -150,7 +150,8 @@ class IdempotentConsumer:
         bounds the wait for a connection and for a concurrent delivery, not the effect
         (``math.inf``: no bound, as ``None``; NaN or a negative one is a ``ValueError``).
 
-        Raises ``MessageInProgress``, ``StoreUnavailable``, ``KeyInvalid`` (a malformed id), or
+        Raises ``MessageInProgress``, ``StoreUnavailable``, ``KeyInvalid`` (a malformed id),
+        ``HandlerDatabaseError`` (the effect caught a failed statement's error and returned), or
         what the effect raised; in every case nothing is marked and the message must not be
         acknowledged."""
         validate_message_id(message_id)

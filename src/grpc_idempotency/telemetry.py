@@ -90,13 +90,13 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 
 DEADLINE_SLACK_S = 0.05
+"""A handler cancelled with less time left than this was cancelled by its deadline: the
+client's own deadline, which cancels the call from its side, runs out up to the headers' one-way
+trip earlier than the server's copy of it."""
 
 log = logging.getLogger("grpc_idempotency.telemetry")
 # A broken exporter fails on every call: its failures are logged once a minute, not per call.
 _FAILURE_LOG_INTERVAL_S = 60.0
-"""A handler cancelled with less time left than this was cancelled by its deadline: the
-client's own deadline, which cancels the call from its side, runs out up to the headers' one-way
-trip earlier than the server's copy of it."""
 
 
 def cancellation_code(time_remaining: float | None) -> Code:

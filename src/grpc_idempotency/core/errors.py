@@ -1,7 +1,7 @@
 """The exception tree of grpc-idempotency. Every error carries the gRPC status it maps to.
 
     IdempotencyError                     (status_code, reason)
-    ├── PolicyError                      bad options, raised when a server starts; never on a call
+    ├── PolicyError                      INTERNAL          IDEMPOTENCY_POLICY_INVALID (bad options)
     ├── KeyMissing                       INVALID_ARGUMENT  IDEMPOTENCY_KEY_MISSING
     ├── KeyInvalid                       INVALID_ARGUMENT  IDEMPOTENCY_KEY_INVALID
     ├── RequestInvalid                   INVALID_ARGUMENT  IDEMPOTENCY_REQUEST_INVALID
@@ -54,7 +54,11 @@ class IdempotencyError(Exception):
 
 
 class PolicyError(IdempotencyError):
-    """Options on a method are invalid; raised when the policy is compiled (server start)."""
+    """Options on a method are invalid; raised when the policy is compiled: when the server
+    (or client interceptor) is built, for the services it is given, else when the method is
+    first called (its service found in the default descriptor pool then), after which the
+    server answers every call of the method with it (INTERNAL). The client interceptor raises
+    it too for a call of a streaming method that the serving method declares as a step."""
 
     status_code = Code.INTERNAL
     reason = "IDEMPOTENCY_POLICY_INVALID"

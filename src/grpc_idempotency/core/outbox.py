@@ -54,10 +54,11 @@ def message_key(scope: str, parent_key: str, step: Step) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeliveryPolicy:
-    """How a relay retries a failed delivery: exponential backoff with full jitter from
-    ``initial_backoff_s`` (growing by ``multiplier`` per failure) up to ``max_backoff_s``, then a
-    dead letter after ``max_attempts`` failed deliveries; also after ``max_attempts`` claims in a
-    row that ended with no recorded outcome (see the module's docstring). Checked when made:
+    """How a relay retries a failed delivery: exponential backoff from ``initial_backoff_s``
+    (growing by ``multiplier`` per failure) up to ``max_backoff_s``, each delay between half and
+    all of that (jittered), then a dead letter after ``max_attempts`` failed deliveries; also
+    after ``max_attempts`` claims of the row alone in a row that ended with no recorded outcome,
+    besides the first such claim, its batch's (see the module's docstring). Checked when made:
     ``ValueError`` names the first setting out of range."""
 
     max_attempts: int = 10
