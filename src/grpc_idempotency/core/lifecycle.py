@@ -315,7 +315,7 @@ class CallOutcome(enum.Enum):
     TAKEN_OVER = "taken_over"
     RELEASED = "released"
     BYPASSED = "bypassed"  # ran without deduplication: no key on an optional method, or fail-open
-    REJECTED = "rejected"  # malformed key or no scope: refused before the store
+    REJECTED = "rejected"  # a missing or malformed key, no scope, a bad request: before the store
     UNAVAILABLE = "unavailable"  # store down, fail closed
 
 

@@ -140,7 +140,10 @@ class Attempt:
     # around ``_complete`` was one more frame for each of its resumptions, on every call.
     def record(self, outcome: Outcome) -> Coroutine[Any, Any, None]:
         """Commits the handler's writes with the outcome. Raises ``StoreUnavailable`` when the
-        commit's fate is unknown or failed (the caller must not claim success)."""
+        commit's fate is unknown or failed, ``LeaseLost`` (phased: the claim was taken over),
+        ``TransactionConflict`` (a serialization failure) or ``HandlerDatabaseError`` (the
+        handler's transaction was aborted, replaced, or a write of its failed at COMMIT):
+        nothing was recorded then, and the caller must not claim success."""
         return self._complete(outcome, discard_writes=False)
 
     def record_error(self, outcome: Outcome) -> Coroutine[Any, Any, None]:
