@@ -1760,8 +1760,8 @@ class PhasedClaim:
     """A committed in-progress claim with a lease and a fencing token (phased mode).
 
     No transaction is open while the handler runs. The outcome commits in a final transaction
-    (``begin_final`` or ``complete``) that first checks the fencing token, so an owner whose lease
-    expired and was taken over cannot commit.
+    (``begin_final``) that first checks the fencing token, so an owner whose lease expired and
+    was taken over cannot commit.
 
     The claim is the pair (fencing token, ``started_at``): a takeover adds one to the token and
     keeps the start, while a record purged and claimed again starts over at token 1 with a new
