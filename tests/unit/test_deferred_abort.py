@@ -60,3 +60,33 @@ def test_sendable_trailers_are_kept(trailers: Any) -> None:
 def test_list_pairs_are_kept_as_the_tuples_grpc_aio_sends() -> None:
     aborted = DeferredAbort(NOT_FOUND, "nf", [["x_under.dot-dash", ""]])
     assert aborted.trailing_metadata == (("x_under.dot-dash", ""),)
+
+
+class _AnsweredContext:
+    """A call whose handler set ``trailers`` with set_trailing_metadata(); records the abort."""
+
+    def __init__(self, trailers: Any) -> None:
+        self._trailers = trailers
+        self.answered: tuple[Any, str] | None = None
+
+    def trailing_metadata(self) -> Any:
+        return self._trailers
+
+    async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
+        self.answered = (code, details)
+        raise grpc.aio.AbortError()
+
+
+async def test_trailers_set_with_set_trailing_metadata_are_refused_naming_it() -> None:
+    # Refused before the commit (interceptor._refuse_unsendable_trailers): the answer named
+    # context.abort(), which a handler that only called set_trailing_metadata() never called.
+    from grpc_idempotency.server.interceptor import _refuse_unsendable_trailers
+
+    context = _AnsweredContext((("Bad Key", "v"),))
+    with pytest.raises(grpc.aio.AbortError):
+        await _refuse_unsendable_trailers(context, None)  # type: ignore[arg-type]
+    assert context.answered is not None
+    code, details = context.answered
+    assert code == grpc.StatusCode.INTERNAL
+    assert "set_trailing_metadata(): the trailing metadata" in details
+    assert "context.abort()" not in details

@@ -33,8 +33,8 @@ When the owner's handler ends, ``finish`` classifies its status:
 The server interceptor walks a call through these decisions with ``transition`` (the table
 below ``Finish``'s neighbours: phase and event in, next step and phase out), so the look-up
 order, the wait's expiry, fail-open and takeovers are decided here, as data, and tested without
-a database. The drivers (server interceptor, consumers) carry out the steps; none re-implements
-the rules.
+a database. The driver (the server interceptor) carries out the steps and re-implements none of
+the rules. (Idempotent consumers follow rules of their own: ``core.consumer``.)
 """
 
 from __future__ import annotations

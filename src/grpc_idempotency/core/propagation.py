@@ -10,8 +10,9 @@ In order:
    target the parent declares a step for is keyed by it even if its descriptor (on the
    caller's side) has no idempotency option: the declaration says the call is an effect;
 3. an operation is active in the caller's context: its key;
-4. the target requires a key and none of the above applies: a fresh key for this call, which
-   gRPC's transparent retries then resend unchanged;
+4. the target is keyed (its method has the idempotency option, a key required or optional)
+   and none of the above applies: a fresh key for this call, which gRPC's transparent retries
+   then resend unchanged;
 5. the target is not keyed (a read): nothing.
 """
 

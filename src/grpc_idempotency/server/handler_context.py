@@ -33,13 +33,21 @@ _METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
 _FATAL_TRAILERS = frozenset({"grpc-timeout"})
 
 
-def sendable_trailers(trailing_metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+def sendable_trailers(
+    trailing_metadata: Any, *, given_to: str = "context.abort()"
+) -> tuple[tuple[str, str | bytes], ...]:
     """``trailing_metadata`` as grpc.aio sends it (a tuple of pairs), or ``AbortInvalid`` (logged)
-    saying what gRPC could not send. Checked when the handler aborts: grpc.aio refuses such
-    trailers only when it sends them, which for a keyed call is after the outcome they go with
-    was committed (the first answer UNKNOWN or INTERNAL, retries replaying the recorded one); a
-    str under a "-bin" name even left the call hanging."""
-    return _sendable(trailing_metadata, "context.abort(): the trailing metadata")
+    saying what gRPC could not send. Checked when the handler aborts, and for the trailers it
+    set with ``set_trailing_metadata()`` (``given_to``, which the error names) before the
+    outcome is committed: grpc.aio refuses such trailers only when it sends them, which for a
+    keyed call is after the outcome they go with was committed (the first answer UNKNOWN or
+    INTERNAL, retries replaying the recorded one); a str under a "-bin" name even left the call
+    hanging."""
+    return _sendable(trailing_metadata, f"{given_to}: the trailing metadata")
+
+
+SET_TRAILERS = "set_trailing_metadata()"
+"""``sendable_trailers``'s ``given_to`` for the trailers a handler set rather than aborted with."""
 
 
 def sendable_initial_metadata(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
