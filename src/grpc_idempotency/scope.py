@@ -3,9 +3,11 @@
 A resolver is a plain (not async) function: it takes the call's ``grpc.aio.ServicerContext`` and
 returns the scope, a str of 1..1024 bytes of UTF-8 without control characters, or raises
 ``ScopeUnavailable`` (the call is refused with UNAUTHENTICATED before the store is touched;
-another of the library's errors is answered with its own status). Anything else it raises or
-returns is a bug of the server's: logged (at most once a minute), and the call refused with
-INTERNAL (``ScopeResolverFailed``) without the exception's text.
+another of the library's errors is answered with its own status). A str that cannot be a scope
+(empty, too long, holding a control character) is refused as ``ScopeUnavailable`` too. Anything
+else it raises, or a return that is not a str, is a bug of the server's: logged (at most once a
+minute), and the call refused with INTERNAL (``ScopeResolverFailed``) without the exception's
+text.
 """
 
 from __future__ import annotations

@@ -89,8 +89,9 @@ class ScopeUnavailable(IdempotencyError):
 
 
 class ScopeResolverFailed(IdempotencyError):
-    """The scope resolver raised something other than ``ScopeUnavailable``, or returned
-    something other than a str: a bug on the server's side (logged there), not the caller's."""
+    """The scope resolver raised something other than the library's errors (``ScopeUnavailable``
+    and the others are answered with their own status), or returned something other than a str:
+    a bug on the server's side (logged there), not the caller's."""
 
     status_code = Code.INTERNAL
     reason = "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"
