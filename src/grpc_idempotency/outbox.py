@@ -18,7 +18,8 @@ delivery, so receivers dedupe on it. The relay:
   the lease expires, and delivered again. Such a lost claim is not a failed delivery: the rows
   of the batch are each claimed and delivered **alone** next time, so a row whose delivery kills
   the relay takes no other row with it again, and only it counts lost claims; after
-  ``policy.max_attempts`` of them in a row it is parked without another delivery;
+  ``policy.max_attempts`` of them alone in a row (besides its batch's) it is parked without
+  another delivery;
 - **wakes** on ``LISTEN <schema>_outbox`` (the outbox's insert trigger notifies it) on a
   connection of its own, reconnecting when it drops, and also polls every ``poll_interval``
   seconds (or sooner, when a retry falls due). LISTEN needs a session of its own: behind

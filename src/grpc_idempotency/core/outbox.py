@@ -10,9 +10,9 @@ A claim can also end with no outcome at all: the relay died (kill -9, OOM) or st
 lease while delivering. Such a *lost claim* is not a failed delivery and is counted apart from
 them, because it says nothing about which row of the batch was at fault. A row whose previous
 claim was lost is claimed alone (the store sees to that), so every lost claim after the first is
-its own doing: ``max_attempts`` lost claims in a row park it without delivering it again (its
-delivery is presumed to kill relays), and the rows that shared its first batch are charged
-nothing.
+its own doing: ``max_attempts`` of those in a row (after the first) park it without delivering
+it again (its delivery is presumed to kill relays), and the rows that shared its first batch are
+charged nothing.
 """
 
 from __future__ import annotations
