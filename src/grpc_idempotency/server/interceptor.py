@@ -199,10 +199,11 @@ class IdempotencyInterceptor(_Interceptor):
     """Makes keyed unary methods exactly-once. Add it to ``grpc.aio.server(interceptors=...)``,
     last in the list: the interceptors before it (authentication) apply to replays too, which it
     answers itself without calling anything after it. Those wrapping its handler get requests
-    as the application's messages, but a keyed method's OK answers as serialized bytes (an
-    internal ``Serialized``, not the response message: responses are stored and replayed as
-    bytes, never parsed again); one that must read response messages goes after it, and is
-    then skipped by replays.
+    as the application's messages, but a keyed method's recorded OK answers as serialized bytes
+    (an internal ``Serialized``, not the response message: responses are stored and replayed
+    as bytes, never parsed again; a call run without a record, of an optional-key method sent
+    no key or failing open, answers the message); one that must read response messages goes
+    after it, and is then skipped by replays.
 
     ``services``: the services (descriptors, file descriptors or ``_pb2`` modules) whose methods
     are compiled when the interceptor is built, so bad options fail the start. Methods of other
