@@ -44,6 +44,9 @@ class BlackholeProxy:
         """Bytes read and dropped while partitioned, either way."""
         self.connect_delay = 0.0
         """Seconds a new connection waits before it is passed on (a slow connect: TLS, auth)."""
+        self._corrupt: bytes | None = None
+        self.rewritten = 0
+        """PostgreSQL's answers ``corrupt_answers`` has changed so far."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -101,6 +104,12 @@ class BlackholeProxy:
         bytes, say) on: that request's answer is the first held, the earlier ones pass."""
         self._hold_after = marker
 
+    def corrupt_answers(self, find: bytes | None) -> None:
+        """From now on ``find`` in PostgreSQL's answers arrives with its first byte made 0xFF,
+        which is not UTF-8: a value as bytes flipped on a link or in a broken pooler leave it,
+        the messages' framing intact. ``None`` ends it."""
+        self._corrupt = find
+
     def deliver_answers(self) -> None:
         """Delivers the held answers, in order, and lets the later ones through."""
         self._holding = False
@@ -155,6 +164,9 @@ class BlackholeProxy:
                 elif self._holding:
                     self._held.append((writer, data))
                     continue
+                elif self._corrupt is not None and self._corrupt in data:
+                    data = data.replace(self._corrupt, b"\xff" + self._corrupt[1:])
+                    self.rewritten += 1
                 writer.write(data)
                 await writer.drain()
         writer.close()
