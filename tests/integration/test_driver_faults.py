@@ -151,3 +151,27 @@ async def test_a_retry_whose_record_cannot_be_decoded_answers_unavailable(
         again = await ledger.call(SVC + "Post", request, key)
         assert again.code is grpc.StatusCode.NOT_FOUND and again.replayed, again.details
         assert ledger.service.executions == 1
+
+
+async def test_a_phased_claim_whose_answer_cannot_be_read_is_not_left_behind(
+    pg_dsn: str, store: Store
+) -> None:
+    """The phased claim commits on its own, and asyncpg fails reading its answer (a field longer
+    than its row: an AssertionError of its buffer code). The claim may have committed: taken
+    again on a connection opened now, as after a connection lost under it, it is the call's own
+    (its attempt id), and the call goes on. Taken for a plain failure, the call answered
+    UNAVAILABLE and left the claim to its lease with nobody behind it: every retry was told
+    the key was in progress until the lease ran out."""
+    async with (
+        store_behind_proxy(pg_dsn, pool=2) as (proxy, via),
+        running_ledger(via, replay_cache=False) as ledger,
+    ):
+        key = fresh()
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+        proxy.corrupt_row_after(key.encode())
+        answer = await ledger.call(SVC + "PostPhased", request, key)
+        assert proxy.rewritten == 1
+        assert answer.code is grpc.StatusCode.OK, (answer.code, answer.details)
+        retry = await ledger.call(SVC + "PostPhased", request, key)
+        assert retry.code is grpc.StatusCode.OK and retry.replayed, retry.details
+        assert ledger.service.executions == 1

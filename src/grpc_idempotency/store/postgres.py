@@ -417,6 +417,12 @@ def _state_unknown(exc: BaseException) -> bool:
     return _interrupted(exc) or not isinstance(exc, STORE_ERRORS)
 
 
+def _answer_unread(exc: BaseException) -> bool:
+    """Whether asyncpg failed reading a statement's answer with an error of no database class
+    (``from_the_driver``): the statement ran, and may have committed, whatever it answered."""
+    return not isinstance(exc, STORE_ERRORS) and from_the_driver(exc)
+
+
 # The server ended the session: admin_shutdown (a restart, a failover, pg_terminate_backend),
 # crash_shutdown.
 _SESSION_ENDED = frozenset({"57P01", "57P02"})
@@ -1224,8 +1230,11 @@ class Store:
                         # attempt id). It used to lose the race to it, and the call and every
                         # retry waited the lease out. Not a timeout: behind a partition another
                         # connection waits as long.
+                        # So is one whose answer asyncpg failed to read (``_answer_unread``):
+                        # committed, it was left to its lease, and every retry was answered
+                        # IN_PROGRESS until it ran out.
                         cause = err.__cause__ or err
-                        if tried < tries and _connection_gone(cause):
+                        if tried < tries and (_connection_gone(cause) or _answer_unread(cause)):
                             lost = True
                             self._refuse_if_draining()  # no new claim once close() has begun
                             continue
