@@ -44,6 +44,11 @@ class BlackholeProxy:
         """Bytes read and dropped while partitioned, either way."""
         self.connect_delay = 0.0
         """Seconds a new connection waits before it is passed on (a slow connect: TLS, auth)."""
+        self._corrupt: bytes | None = None
+        self._corrupt_row_after: bytes | None = None
+        self._corrupt_row_of: asyncio.StreamWriter | None = None
+        self.rewritten = 0
+        """PostgreSQL's answers ``corrupt_answers`` has changed so far."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -101,6 +106,19 @@ class BlackholeProxy:
         bytes, say) on: that request's answer is the first held, the earlier ones pass."""
         self._hold_after = marker
 
+    def corrupt_answers(self, find: bytes | None) -> None:
+        """From now on ``find`` in PostgreSQL's answers arrives with its first byte made 0xFF,
+        which is not UTF-8: a value as bytes flipped on a link or in a broken pooler leave it,
+        the messages' framing intact. ``None`` ends it."""
+        self._corrupt = find
+
+    def corrupt_row_after(self, marker: bytes) -> None:
+        """The first row answered to the first request that carries ``marker`` (a bind
+        parameter's bytes, say) arrives with its first field's length made 2**31 - 1, more than
+        the row holds, the message's own length intact: asyncpg fails reading it, with no error
+        of a database class, once the statement has run (and committed, if it was alone)."""
+        self._corrupt_row_after = marker
+
     def deliver_answers(self) -> None:
         """Delivers the held answers, in order, and lets the later ones through."""
         self._holding = False
@@ -149,12 +167,23 @@ class BlackholeProxy:
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
                 if upstream:
                     self.bytes_upstream += len(data)
+                    marker = self._corrupt_row_after
+                    if client is not None and marker is not None and marker in data:
+                        self._corrupt_row_after = None
+                        self._corrupt_row_of = client[0]
                     if self._hold_after is not None and self._hold_after in data:
                         self._hold_after = None
                         self._holding = True
                 elif self._holding:
                     self._held.append((writer, data))
                     continue
+                elif writer is self._corrupt_row_of and (corrupted := _first_row_cut(data)):
+                    data = corrupted
+                    self._corrupt_row_of = None
+                    self.rewritten += 1
+                elif self._corrupt is not None and self._corrupt in data:
+                    data = data.replace(self._corrupt, b"\xff" + self._corrupt[1:])
+                    self.rewritten += 1
                 writer.write(data)
                 await writer.drain()
         writer.close()
@@ -174,6 +203,24 @@ class BlackholeProxy:
             task.cancel()
         if self._server is not None:
             await self._server.wait_closed()
+
+
+def _first_row_cut(data: bytes) -> bytes | None:
+    """``data`` (whole messages from PostgreSQL) with its first DataRow's first field claiming
+    2**31 - 1 bytes; ``None`` if it holds no DataRow with a field of some length."""
+    at = 0
+    while at + 5 <= len(data):
+        (length,) = struct.unpack_from("!i", data, at + 1)
+        if data[at : at + 1] == b"D" and at + 1 + length <= len(data):
+            (fields,) = struct.unpack_from("!h", data, at + 5)
+            (first,) = struct.unpack_from("!i", data, at + 7)
+            if fields > 0 and first >= 0:
+                cut = bytearray(data)
+                struct.pack_into("!i", cut, at + 7, 2**31 - 1)
+                return bytes(cut)
+            return None
+        at += 1 + length
+    return None
 
 
 def _error_response(fields: dict[str, str]) -> bytes:

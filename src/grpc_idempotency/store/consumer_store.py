@@ -20,8 +20,8 @@ from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.store.errors import (
-    STORE_ERRORS,
     aborted_by,
+    from_the_driver,
     raised_in_asyncpg,
     store_error,
 )
@@ -217,7 +217,7 @@ class ProcessedMessages:
                 await store._release(conn)
                 if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
                     raise MarkBusy(message_id) from None
-                if isinstance(exc, STORE_ERRORS):
+                if from_the_driver(exc):
                     # A pooled connection that a restart or a failover left dead: the pool's
                     # others are replaced now, and the mark tried once more on a connection
                     # opened now, as the claim is. Safe: the batch commits nothing, and a dead
@@ -319,7 +319,7 @@ class Mark:
                     # The effect's own write failing only now (a constraint checked at
                     # COMMIT): the message's problem, raised as it would be at once.
                     raise
-                if isinstance(exc, STORE_ERRORS):
+                if from_the_driver(exc):
                     raise store_error(exc, "committing a processed message") from exc
                 raise
             if status != "COMMIT":  # ROLLBACK: neither the effect nor the mark committed

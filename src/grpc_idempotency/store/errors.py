@@ -74,6 +74,16 @@ _log_misconfigured = _MisconfiguredLog()
 
 def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     """The store's own statement failed: unavailable (retryable) or misconfigured (not)."""
+    if not isinstance(exc, STORE_ERRORS):
+        # One of ``from_the_driver``'s others: the database answered, and asyncpg could not
+        # make sense of it. Not an outage (the database is up and may hold the key's outcome);
+        # logged with its traceback, which the StoreUnavailable's text leaves out.
+        _log_driver_failure(exc, doing)
+        return StoreUnavailable(
+            f"idempotency store unavailable while {doing} (the driver failed reading the"
+            f" database's answer: {type(exc).__name__})",
+            outage=False,
+        )
     state = sqlstate(exc)
     if classify(state) is Failure.MISCONFIGURED:
         _log_misconfigured(exc, doing)
@@ -95,6 +105,45 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
         outage=outage(state),
         ambiguous=(state is None and isinstance(exc, TimeoutError)) or _pooler_said(exc),
     )
+
+
+def from_the_driver(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a store statement, is the database's or its driver's failure:
+    one of ``STORE_ERRORS``, or any other Exception raised inside asyncpg. Its protocol code
+    hands the caller whatever reading an answer raised: a text value that is not UTF-8
+    (UnicodeDecodeError), a message out of turn (TypeError), a field cut short (its
+    BufferError), as bytes flipped on a link or a broken pooler produce. Raw, it took the
+    outbox relay down and answered a call UNKNOWN with the driver's text."""
+    if isinstance(exc, STORE_ERRORS):
+        return True
+    return (
+        isinstance(exc, Exception)
+        and not isinstance(exc, IdempotencyError)
+        and raised_in_asyncpg(exc)
+    )
+
+
+class _DriverFailureLog:
+    """Logs the driver's unexpected failures with their traceback, once a minute per type."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self._every_s = every_s
+        self._last: dict[type[BaseException], float] = {}
+
+    def __call__(self, exc: BaseException, doing: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(type(exc), -self._every_s) < self._every_s:
+            return
+        self._last[type(exc)] = now
+        log.error(
+            "the database driver failed while %s, reading an answer it could not make sense of"
+            " (a corrupt stream?)",
+            doing,
+            exc_info=exc,
+        )
+
+
+_log_driver_failure = _DriverFailureLog()
 
 
 def _pooler_said(exc: BaseException) -> bool:

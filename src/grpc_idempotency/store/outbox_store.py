@@ -41,7 +41,7 @@ import asyncpg
 
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.core.outbox import MAX_DURATION_S
-from grpc_idempotency.store.errors import STORE_ERRORS, store_error
+from grpc_idempotency.store.errors import STORE_ERRORS, from_the_driver, store_error
 from grpc_idempotency.store.postgres import PooledConnection, Store, _connection_gone
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -291,7 +291,7 @@ class OutboxStore:
             await conn.add_listener(self.channel, on_notify)
         except BaseException as exc:
             await listener.close()
-            if isinstance(exc, STORE_ERRORS):
+            if from_the_driver(exc):
                 raise store_error(exc, doing) from exc
             raise
         return listener

@@ -57,6 +57,7 @@ from grpc_idempotency.store.errors import (
     connect_error,
     dsn_unusable,
     ended_by_handler,
+    from_the_driver,
     handler_error,
     session_refused,
     sqlstate,
@@ -225,7 +226,14 @@ class Attempt:
         except (LeaseLost, HandlerDatabaseError):
             await self._rollback_quietly()
             raise
-        except STORE_ERRORS as exc:
+        except Exception as exc:
+            if not from_the_driver(exc):
+                raise
+            if not isinstance(exc, STORE_ERRORS):
+                # asyncpg could not read an answer (the COMMIT's, perhaps): the connection's
+                # state is unknown, and the commit's fate is PostgreSQL's, as on a lost one.
+                _drop(conn)
+                raise store_error(exc, "committing the outcome") from exc
             live = not connection_closed(conn)
             await self._rollback_quietly()
             # A statement of the handler's still running on the connection (spawned, not
@@ -312,8 +320,10 @@ async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | No
         await _rollback_quietly(conn)  # the batch stopped at its failing statement
         if exc.sqlstate == NO_SUCH_SAVEPOINT:
             return ended_by_handler("its transaction was replaced by another")
-    except STORE_ERRORS:
-        # The transaction dies with the connection; make sure the pool does not reuse it.
+    except Exception:
+        # The transaction dies with the connection; make sure the pool does not reuse it. (Not
+        # STORE_ERRORS alone: what asyncpg raises reading an answer it cannot make sense of
+        # escaped the release raw.)
         _drop(conn)
     return None
 
@@ -323,7 +333,7 @@ async def _rollback_quietly(conn: PooledConnection) -> None:
         if connection_closed(conn) or not conn.is_in_transaction():
             return
         await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
-    except STORE_ERRORS:
+    except Exception:
         # The transaction dies with the connection; make sure the pool does not reuse it.
         _drop(conn)
 
@@ -400,6 +410,20 @@ def _warn_no_cancellations() -> None:
 def _interrupted(exc: BaseException) -> bool:
     """Whether ``exc`` cut a statement short on the wire (it may still run in PostgreSQL)."""
     return isinstance(exc, (TimeoutError, asyncio.CancelledError))
+
+
+def _state_unknown(exc: BaseException) -> bool:
+    """Whether the connection a statement raised ``exc`` on is in a state nobody knows: the
+    statement was cut short (``_interrupted``), or asyncpg failed reading its answer with an
+    error of no database class (``from_the_driver``), after which a ROLLBACK on it may fail
+    the same way, raw."""
+    return _interrupted(exc) or not isinstance(exc, STORE_ERRORS)
+
+
+def _answer_unread(exc: BaseException) -> bool:
+    """Whether asyncpg failed reading a statement's answer with an error of no database class
+    (``from_the_driver``): the statement ran, and may have committed, whatever it answered."""
+    return not isinstance(exc, STORE_ERRORS) and from_the_driver(exc)
 
 
 # The server ended the session: admin_shutdown (a restart, a failover, pg_terminate_backend),
@@ -782,8 +806,12 @@ class Store:
         dropped if a statement was cut short."""
         try:
             yield
-        except STORE_ERRORS as exc:
-            if isinstance(exc, TimeoutError):
+        except Exception as exc:
+            if not from_the_driver(exc):
+                raise
+            if isinstance(exc, TimeoutError) or not isinstance(exc, STORE_ERRORS):
+                # Cut short, or what asyncpg read made no sense to it: the connection's state
+                # is unknown, and handed back it may fail the next statement on it.
                 _drop(conn)
             await self._forget_connections_if_gone(exc)
             raise store_error(exc, doing) from exc
@@ -961,6 +989,11 @@ class Store:
                 raise store_error(exc, "looking up a key") from exc
             except STORE_ERRORS as exc:
                 raise store_error(exc, "looking up a key") from exc
+            except Exception as exc:
+                if not from_the_driver(exc):
+                    raise
+                _drop(conn)  # what it read made no sense to asyncpg: its state is unknown
+                raise store_error(exc, "looking up a key") from exc
             except asyncio.CancelledError:
                 # The client went with the look-up on the wire: handed back, asyncpg would wait
                 # for PostgreSQL to confirm the cancellation, behind a partition the whole
@@ -1040,8 +1073,8 @@ class Store:
                     continue
                 raise store_error(exc, "claiming a key") from exc
             except BaseException as exc:
-                await attempt._abandon(interrupted=_interrupted(exc))
-                if isinstance(exc, STORE_ERRORS):
+                await attempt._abandon(interrupted=_state_unknown(exc))
+                if from_the_driver(exc):
                     if tried < tries and await self._forget_connections_if_gone(exc):
                         continue
                     raise store_error(exc, "claiming a key") from exc
@@ -1075,8 +1108,8 @@ class Store:
                 timeout=self.statement_timeout(timeout),
             )
         except BaseException as exc:
-            await attempt._abandon(interrupted=_interrupted(exc))
-            if isinstance(exc, STORE_ERRORS):
+            await attempt._abandon(interrupted=_state_unknown(exc))
+            if from_the_driver(exc):
                 raise store_error(exc, "claiming a key") from exc
             raise
         return bool(value == "on")
@@ -1114,7 +1147,7 @@ class Store:
                 # connection must go back to the pool all the same, or it is lost to it for good.
                 _drop(conn)
                 await self._release(conn)
-                if isinstance(exc, STORE_ERRORS):
+                if from_the_driver(exc):
                     # A pooled connection a restart or a failover left dead: once more on one
                     # opened now (as claim_atomic), not UNAVAILABLE with the database up.
                     if tried < tries and await self._forget_connections_if_gone(exc):
@@ -1200,8 +1233,11 @@ class Store:
                         # attempt id). It used to lose the race to it, and the call and every
                         # retry waited the lease out. Not a timeout: behind a partition another
                         # connection waits as long.
+                        # So is one whose answer asyncpg failed to read (``_answer_unread``):
+                        # committed, it was left to its lease, and every retry was answered
+                        # IN_PROGRESS until it ran out.
                         cause = err.__cause__ or err
-                        if tried < tries and _connection_gone(cause):
+                        if tried < tries and (_connection_gone(cause) or _answer_unread(cause)):
                             lost = True
                             self._refuse_if_draining()  # no new claim once close() has begun
                             continue
@@ -1720,7 +1756,9 @@ class PlainTransaction:
             await self._failed_commit(exc)
         except STORE_ERRORS as exc:
             await self._failed_commit(exc)
-        except BaseException:
+        except BaseException as exc:
+            if from_the_driver(exc):  # asyncpg could not read the COMMIT's answer
+                await self._failed_commit(exc)
             # Cancelled (the server stopping): whether the COMMIT ran is unknown; the connection
             # goes, and back to the pool all the same, or the pool loses it for good.
             _drop(conn)
@@ -1872,8 +1910,8 @@ class PhasedClaim:
                     continue
                 raise store_error(exc, "opening the final transaction") from exc
             except BaseException as exc:
-                await attempt._abandon(interrupted=_interrupted(exc))
-                if isinstance(exc, STORE_ERRORS):
+                await attempt._abandon(interrupted=_state_unknown(exc))
+                if from_the_driver(exc):
                     if not reconnected and await store._forget_connections_if_gone(exc):
                         reconnected = True
                         continue
