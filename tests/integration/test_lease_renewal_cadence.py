@@ -11,14 +11,15 @@ another replica took the operation over, its handler running beside the live own
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 import grpc
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
 from tests.support.blackhole import store_behind_proxy
-from tests.support.ledger import fresh, ledger_rows, running_ledger
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
@@ -49,29 +50,9 @@ async def test_a_renewal_lost_in_a_short_partition_does_not_cost_the_lease(
         await until("a renewal lost in the partition", lambda: proxy.bytes_dropped > 0)
         proxy.partitioned = False
 
-        async def first_lease_over() -> bool:
-            return bool(
-                await store.pool.fetchval(
-                    "SELECT clock_timestamp() > $1::timestamptz", first_lease_end
-                )
-            )
-
-        await until("the end of the claim's first lease", first_lease_over)
-        duplicate = asyncio.ensure_future(other.call(PHASED, request, key))
-        took_over = asyncio.ensure_future(other.service.started.wait())
-        await asyncio.wait([duplicate, took_over], return_when=asyncio.FIRST_COMPLETED)
-        took_over.cancel()
-        try:
-            assert other.service.executions == 0, "a duplicate took the live claim over"
-            answer = await duplicate
-            assert answer.code is grpc.StatusCode.ABORTED, answer.details
-            owner.service.release.set()
-            answer = await calling
-            assert answer.code is grpc.StatusCode.OK, answer.details
-        finally:
-            owner.service.release.set()
-            other.service.release.set()
-            await asyncio.gather(calling, duplicate, return_exceptions=True)
+        await _the_claim_outlives_its_first_lease(
+            store, owner, other, calling, request, key, first_lease_end
+        )
     assert await ledger_rows(store, account) == 1
 
 
@@ -102,27 +83,42 @@ async def test_a_renewal_that_must_open_a_slow_connection_does_not_cost_the_leas
         await via.pool.expire_connections()
         proxy.connect_delay = 2.8
 
-        async def first_lease_over() -> bool:
-            return bool(
-                await store.pool.fetchval(
-                    "SELECT clock_timestamp() > $1::timestamptz", first_lease_end
-                )
-            )
-
-        await until("the end of the claim's first lease", first_lease_over)
-        duplicate = asyncio.ensure_future(other.call(PHASED, request, key))
-        took_over = asyncio.ensure_future(other.service.started.wait())
-        await asyncio.wait([duplicate, took_over], return_when=asyncio.FIRST_COMPLETED)
-        took_over.cancel()
-        try:
-            assert other.service.executions == 0, "a duplicate took the live claim over"
-            answer = await duplicate
-            assert answer.code is grpc.StatusCode.ABORTED, answer.details
-            owner.service.release.set()
-            answer = await calling
-            assert answer.code is grpc.StatusCode.OK, answer.details
-        finally:
-            owner.service.release.set()
-            other.service.release.set()
-            await asyncio.gather(calling, duplicate, return_exceptions=True)
+        await _the_claim_outlives_its_first_lease(
+            store, owner, other, calling, request, key, first_lease_end
+        )
     assert await ledger_rows(store, account) == 1
+
+
+async def _the_claim_outlives_its_first_lease(
+    store: Store,
+    owner: RunningLedger,
+    other: RunningLedger,
+    calling: asyncio.Future[Any],
+    request: testsvc_pb2.PostRequest,
+    key: str,
+    first_lease_end: datetime,
+) -> None:
+    """Once the database's clock is past the claim's first lease, a duplicate on ``other`` must
+    find the claim renewed (IN_PROGRESS, not taken over), and the owner's call must succeed."""
+
+    async def first_lease_over() -> bool:
+        return bool(
+            await store.pool.fetchval("SELECT clock_timestamp() > $1::timestamptz", first_lease_end)
+        )
+
+    await until("the end of the claim's first lease", first_lease_over)
+    duplicate = asyncio.ensure_future(other.call(PHASED, request, key))
+    took_over = asyncio.ensure_future(other.service.started.wait())
+    await asyncio.wait([duplicate, took_over], return_when=asyncio.FIRST_COMPLETED)
+    took_over.cancel()
+    try:
+        assert other.service.executions == 0, "a duplicate took the live claim over"
+        answer = await duplicate
+        assert answer.code is grpc.StatusCode.ABORTED, answer.details
+        owner.service.release.set()
+        answer = await calling
+        assert answer.code is grpc.StatusCode.OK, answer.details
+    finally:
+        owner.service.release.set()
+        other.service.release.set()
+        await asyncio.gather(calling, duplicate, return_exceptions=True)
