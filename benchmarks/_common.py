@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -87,3 +88,24 @@ def cmdline(pid: int) -> str:
     except OSError:
         return "?"
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:70] or "?"
+
+
+def export(commit: str, prefix: str) -> tuple[str, Path]:
+    """``src/`` at ``commit`` (its short name returned) in a new directory named ``prefix``...,
+    with the benchmark's generated proto in its ``gen/``: the base version of a side-by-side
+    run."""
+    repo = HERE.parent
+    base = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", commit],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", base, "src"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
+    (work / "gen").mkdir()
+    generate(work / "gen")
+    return base, work

@@ -30,8 +30,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import _common
 
@@ -181,30 +179,13 @@ asyncio.run(main())
 """
 
 
-def _export(commit: str) -> tuple[str, Path]:
-    base = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", commit],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    work = Path(tempfile.mkdtemp(prefix="bench-python-path-"))
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", base, "src"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
-    (work / "gen").mkdir()
-    _common.generate(work / "gen")
-    return base, work
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the commit to compare the working tree with")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=5000)
     args = parser.parse_args()
-    base, work = _export(args.base)
+    base, work = _common.export(args.base, "bench-python-path-")
     try:
         procs = {}
         for name, src in ((f"base {base}", work / "src"), ("working tree", REPO / "src")):

@@ -30,7 +30,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -84,24 +83,6 @@ async def _database(admin_dsn: str, name: str) -> str:
     finally:
         await conn.close()
     return dsn
-
-
-def _export(commit: str) -> tuple[str, Path]:
-    """``src/`` at ``commit`` in a new directory (and the benchmark's generated proto there)."""
-    base = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", commit],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    work = Path(tempfile.mkdtemp(prefix="bench-versions-"))
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", base, "src"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
-    (work / "gen").mkdir()
-    _common.generate(work / "gen")
-    return base, work
 
 
 async def main(args: argparse.Namespace, base: str, work: Path) -> None:
@@ -241,4 +222,4 @@ if __name__ == "__main__":
         help="then replays of this many keys (executed once first), at the same concurrencies",
     )
     arguments = parser.parse_args()
-    asyncio.run(main(arguments, *_export(arguments.base)))
+    asyncio.run(main(arguments, *_common.export(arguments.base, "bench-versions-")))
