@@ -11,6 +11,9 @@ another replica took the operation over, its handler running beside the live own
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,7 +21,7 @@ import grpc
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
-from tests.support.blackhole import store_behind_proxy
+from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
 
@@ -28,32 +31,16 @@ PHASED = "/testsvc.v1.LedgerService/PostPhased"
 async def test_a_renewal_lost_in_a_short_partition_does_not_cost_the_lease(
     pg_dsn: str, store: Store
 ) -> None:
-    key, account = fresh(), fresh("acct")
-    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
-    # max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
-    overrides = {
-        PHASED[1:]: MethodOverride(lease=timedelta(seconds=6), max_wait=timedelta(0)),
-    }
-    async with (
-        store_behind_proxy(pg_dsn, pool=4) as (proxy, via),
-        running_ledger(via, overrides=overrides) as owner,
-        running_ledger(store, overrides=overrides) as other,
-    ):
-        calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
-        await owner.service.started.wait()
-        first_lease_end = await store.pool.fetchval(
-            "SELECT locked_until FROM grpc_idempotency.records WHERE key = $1", key
-        )
+    async with _owner_running(pg_dsn, store, pool=4) as run:
+        proxy = run.proxy
         # The first renewal (a third of a lease after the claim) is lost in the partition,
         # which heals at once: only that renewal's connection is left waiting for an answer.
         proxy.blackhole()
         await until("a renewal lost in the partition", lambda: proxy.bytes_dropped > 0)
         proxy.partitioned = False
 
-        await _the_claim_outlives_its_first_lease(
-            store, owner, other, calling, request, key, first_lease_end
-        )
-    assert await ledger_rows(store, account) == 1
+        await _the_claim_outlives_its_first_lease(store, run)
+    assert await ledger_rows(store, run.account) == 1
 
 
 async def test_a_renewal_that_must_open_a_slow_connection_does_not_cost_the_lease(
@@ -63,13 +50,42 @@ async def test_a_renewal_that_must_open_a_slow_connection_does_not_cost_the_leas
     idle lifetime) waits for the connect: a slow one (TLS, SCRAM, a distant primary) that ends
     well within the lease must renew it. Each try's acquire cut at half of what was left gave
     the connect up and began it again, until the last try, near the end, ended past it."""
+    async with _owner_running(pg_dsn, store, pool=1) as run:
+        proxy, via = run.proxy, run.via
+        # The first renewal, a third of a lease (2 s) after the claim, opens its connection
+        # anew, which takes 2.8 s: renewed 1.2 s before the lease's end.
+        await via.pool.expire_connections()
+        proxy.connect_delay = 2.8
+
+        await _the_claim_outlives_its_first_lease(store, run)
+    assert await ledger_rows(store, run.account) == 1
+
+
+@dataclass
+class _Running:
+    proxy: BlackholeProxy
+    via: Store
+    owner: RunningLedger
+    other: RunningLedger
+    calling: asyncio.Future[Any]
+    request: testsvc_pb2.PostRequest
+    key: str
+    account: str
+    first_lease_end: datetime
+
+
+@contextlib.asynccontextmanager
+async def _owner_running(pg_dsn: str, store: Store, *, pool: int) -> AsyncIterator[_Running]:
+    """A phased call running on ``owner`` (its store behind a proxy with ``pool`` connections)
+    with a 6 s lease, and ``other``, a replica on ``store``, for its duplicates."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    # max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
     overrides = {
         PHASED[1:]: MethodOverride(lease=timedelta(seconds=6), max_wait=timedelta(0)),
     }
     async with (
-        store_behind_proxy(pg_dsn, pool=1) as (proxy, via),
+        store_behind_proxy(pg_dsn, pool=pool) as (proxy, via),
         running_ledger(via, overrides=overrides) as owner,
         running_ledger(store, overrides=overrides) as other,
     ):
@@ -78,28 +94,14 @@ async def test_a_renewal_that_must_open_a_slow_connection_does_not_cost_the_leas
         first_lease_end = await store.pool.fetchval(
             "SELECT locked_until FROM grpc_idempotency.records WHERE key = $1", key
         )
-        # The first renewal, a third of a lease (2 s) after the claim, opens its connection
-        # anew, which takes 2.8 s: renewed 1.2 s before the lease's end.
-        await via.pool.expire_connections()
-        proxy.connect_delay = 2.8
-
-        await _the_claim_outlives_its_first_lease(
-            store, owner, other, calling, request, key, first_lease_end
-        )
-    assert await ledger_rows(store, account) == 1
+        yield _Running(proxy, via, owner, other, calling, request, key, account, first_lease_end)
 
 
-async def _the_claim_outlives_its_first_lease(
-    store: Store,
-    owner: RunningLedger,
-    other: RunningLedger,
-    calling: asyncio.Future[Any],
-    request: testsvc_pb2.PostRequest,
-    key: str,
-    first_lease_end: datetime,
-) -> None:
+async def _the_claim_outlives_its_first_lease(store: Store, run: _Running) -> None:
     """Once the database's clock is past the claim's first lease, a duplicate on ``other`` must
     find the claim renewed (IN_PROGRESS, not taken over), and the owner's call must succeed."""
+    owner, other, calling, request, key = run.owner, run.other, run.calling, run.request, run.key
+    first_lease_end = run.first_lease_end
 
     async def first_lease_over() -> bool:
         return bool(

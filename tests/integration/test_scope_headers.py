@@ -13,7 +13,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MetadataScope, Store, forward_scope
-from tests.support.ledger import POST, fresh, running_ledger
+from tests.support.ledger import POST, RunningLedger, fresh, running_ledger
 from tests.support.raw_h2 import unary_call
 
 SENT = "acme"
@@ -76,30 +76,27 @@ async def test_a_tenant_with_control_characters_from_a_raw_http2_client_is_refus
     sequence reached log lines and the command-line tools' output, and its outbox rows could
     never be delivered with ``forward_scope``."""
     async with running_ledger(store) as ledger:
-        port = int(ledger.address.rpartition(":")[2])
-        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
-        answer = await asyncio.to_thread(
-            unary_call,
-            port,
-            POST,
-            request.SerializeToString(),
-            [(b"x-tenant-id", value), (b"idempotency-key", fresh().encode())],
-        )
+        answer = await _raw_keyed_post(ledger, tenant=value)
         assert answer.get(b"grpc-status") == b"%d" % grpc.StatusCode.UNAUTHENTICATED.value[0]
         assert b"control characters" in answer.get(b"grpc-message", b"")
         assert ledger.service.executions == 0
 
 
+async def _raw_keyed_post(ledger: RunningLedger, *, tenant: bytes) -> dict[bytes, bytes]:
+    """A keyed Post from a raw HTTP/2 client, its tenant header ``tenant`` as given."""
+    port = int(ledger.address.rpartition(":")[2])
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    return await asyncio.to_thread(
+        unary_call,
+        port,
+        POST,
+        request.SerializeToString(),
+        [(b"x-tenant-id", tenant), (b"idempotency-key", fresh().encode())],
+    )
+
+
 async def test_a_printable_tenant_from_a_raw_http2_client_is_its_scope(store: Store) -> None:
     async with running_ledger(store) as ledger:
-        port = int(ledger.address.rpartition(":")[2])
-        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
-        answer = await asyncio.to_thread(
-            unary_call,
-            port,
-            POST,
-            request.SerializeToString(),
-            [(b"x-tenant-id", b"caf\xc3\xa9 acme"), (b"idempotency-key", fresh().encode())],
-        )
+        answer = await _raw_keyed_post(ledger, tenant=b"caf\xc3\xa9 acme")
         assert answer.get(b"grpc-status") == b"0"
         assert ledger.service.executions == 1
