@@ -66,6 +66,11 @@ async def test_tcp_asks_for_the_password_that_only_tcp_dsn_carries(data_dir: Pat
         assert _private(data_dir / PASSWORD_FILE)
         assert _private(pg._socket_dir)
         assert pg._socket_dir.is_dir()
+        # The cluster's own rules, for a server started by other means (pg_ctl: localhost).
+        own = (data_dir / "pg_hba.conf").read_text().splitlines()
+        hosts = [line.split() for line in own if line.startswith("host")]
+        assert hosts, own
+        assert all(fields[-1] == "scram-sha-256" for fields in hosts), hosts
         first = pg.tcp_dsn
         pg.stop()
         pg.start()
