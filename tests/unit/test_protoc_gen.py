@@ -495,6 +495,71 @@ def test_a_fingerprint_option_out_of_its_enum_is_an_error(tmp_path: Path) -> Non
     assert "Traceback" not in done.stderr, done.stderr
 
 
+EXCLUDED_EXTENSIONS = {
+    # Of the request: its value stayed in the fingerprint, so a retry that changed it was
+    # refused KEY_REUSED, with nothing said at generation or at server start.
+    "of the request": (
+        "extend Req { optional string trace = 100 [(grpc_idempotency.v1.field) = {"
+        " fingerprint: FINGERPRINT_EXCLUDE }]; }",
+        "ext.v1.trace",
+    ),
+    # Declared inside a message, of a message the request holds.
+    "nested, of a held message": (
+        "message Holder { extend Inner { optional int64 sent_at = 100"
+        " [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE]; } }",
+        "ext.v1.Holder.sent_at",
+    ),
+    # A value of no Fingerprint (a newer options.proto's), which a field is refused for.
+    "out of its enum": (
+        "extend Req { optional string trace = 100 [(grpc_idempotency.v1.field) = {"
+        " fingerprint: 7 }]; }",
+        "ext.v1.trace",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXCLUDED_EXTENSIONS))
+def test_a_fingerprint_option_on_an_extension_is_an_error(tmp_path: Path, case: str) -> None:
+    """The fingerprint clears the request's declared fields (``Fingerprinter``); an extension's
+    ``(grpc_idempotency.v1.field)`` was never read, so an extension marked FINGERPRINT_EXCLUDE
+    stayed in the fingerprint while the proto said it did not."""
+    extension, name = EXCLUDED_EXTENSIONS[case]
+    text = textwrap.dedent(
+        """\
+        syntax = "proto2";
+        package ext.v1;
+        import "grpc_idempotency/v1/options.proto";
+        message Inner { optional string a = 1; extensions 100 to 199; }
+        message Req { optional Inner inner = 1; extensions 100 to 199; }
+        message Res {}
+        service Svc {
+          rpc Do(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; }
+        }
+        """
+    )
+    done = run_on(tmp_path, {"ext/v1/e.proto": text + extension + "\n"})
+    assert_fails(
+        done,
+        f"--grpc-idempotency_out: ext/v1/e.proto: extension {name}: (grpc_idempotency.v1.field)"
+        " is not read on an extension",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+def test_a_fingerprint_include_on_an_extension_is_generated(tmp_path: Path) -> None:
+    """FINGERPRINT_INCLUDE says what happens to an extension anyway: not refused."""
+    text = svc('steps: { name: "a.v1" outbox: true }').replace(
+        "message Req {}",
+        'import "google/protobuf/descriptor.proto";\n'
+        "extend google.protobuf.FieldOptions { string note = 50001"
+        " [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_INCLUDE]; }\n"
+        "message Req {}",
+    )
+    done = run_on(tmp_path, {"errs/v1/ok.proto": text})
+    assert done.returncode == 0, done.stderr
+
+
 JSON_NAME_CONFLICT = """\
 syntax = "proto2";
 package jn.v1;

@@ -7,15 +7,23 @@ neither of ``call`` and ``outbox`` (an outbox step with a call), a keyed method 
 bad ``recorded_error_codes``, an atomic method whose steps call services, bad durations. So the
 generator refuses exactly what a server would refuse at start, with the same words. Added here,
 because only the generator sees every file at once: a step's ``call`` must name a unary method
-declared in one of the request's files.
+declared in one of the request's files. And ``(grpc_idempotency.v1.field)`` on an extension is
+refused: the fingerprint clears declared fields only, so the option would be silently ignored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from google.protobuf import descriptor_pool
-from google.protobuf.descriptor import FileDescriptor, MethodDescriptor, ServiceDescriptor
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.descriptor import (
+    Descriptor,
+    FieldDescriptor,
+    FileDescriptor,
+    MethodDescriptor,
+    ServiceDescriptor,
+)
 
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.policy import check_lease, compile_policy, method_path
@@ -59,7 +67,7 @@ def check_file(
 ) -> tuple[KeyedFile, list[str]]:
     """The file's keyed methods, and the errors found, each naming the file and the method."""
     methods: list[KeyedMethod] = []
-    errors: list[str] = []
+    errors = [f"{file.name}: {problem}" for problem in _extension_fingerprints(file)]
     for service in sorted(file.services_by_name.values(), key=lambda s: s.index):
         for method in service.methods:
             try:
@@ -90,6 +98,44 @@ def check_file(
                     calls.append(StepCall(step.name, target))
             methods.append(KeyedMethod(method, declared, tuple(calls)))
     return KeyedFile(file, tuple(methods)), errors
+
+
+def _extension_fingerprints(file: FileDescriptor) -> list[str]:
+    """An error for each extension of ``file`` whose ``(grpc_idempotency.v1.field)`` says
+    anything but FINGERPRINT_INCLUDE. The fingerprint clears the excluded *fields* of the
+    request's types (``Fingerprinter``); extensions are hashed as sent, so an excluded one was
+    silently kept, and a retry that changed it refused KEY_REUSED."""
+    extensions: list[FieldDescriptor] = list(file.extensions_by_name.values())
+    messages: list[Descriptor] = list(file.message_types_by_name.values())
+    while messages:
+        message = messages.pop(0)
+        extensions += message.extensions
+        messages += message.nested_types
+    problems: list[str] = []
+    for extension in extensions:
+        if not extension.has_options:
+            continue
+        # Read from the serialized options, as ``pool.declared_options`` reads a method's: the
+        # descriptor's view depends on when the request's pool parsed them.
+        raw = extension.GetOptions().SerializeToString()
+        options: Any = descriptor_pb2.FieldOptions.FromString(raw)  # stubs mistype extensions
+        if not options.HasExtension(options_pb2.field):
+            continue
+        value = options.Extensions[options_pb2.field].fingerprint
+        if value in (options_pb2.FINGERPRINT_UNSPECIFIED, options_pb2.FINGERPRINT_INCLUDE):
+            continue
+        said = (
+            "FINGERPRINT_EXCLUDE"
+            if value == options_pb2.FINGERPRINT_EXCLUDE
+            else f"fingerprint {value}"
+        )
+        problems.append(
+            f"extension {extension.full_name}: (grpc_idempotency.v1.field) is not read on an"
+            f" extension ({said}): the fingerprint clears only fields the message declares and"
+            " always hashes an extension as sent, so a retry that changes it would be refused"
+            " KEY_REUSED; make it a field of the message, or remove the option"
+        )
+    return problems
 
 
 def _find_method(
