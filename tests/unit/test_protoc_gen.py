@@ -767,6 +767,21 @@ def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
     assert_fails(done, "unknown parameter 'x'")
 
 
+@pytest.mark.parametrize(
+    "data", [b"\xff\xff\xff", b'{"fileToGenerate": ["a.proto"]}'], ids=["garbage", "json"]
+)
+def test_the_executable_refuses_input_that_is_no_request(data: bytes) -> None:
+    """Run by hand (or by a tool that is not protoc) on something that is no binary
+    CodeGeneratorRequest: it printed a DecodeError traceback."""
+    done = subprocess.run([str(plugin())], input=data, capture_output=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    stderr = done.stderr.decode()
+    assert "Traceback" not in stderr, stderr
+    assert "standard input is not a CodeGeneratorRequest" in stderr, stderr
+    assert "protoc runs it" in stderr, stderr
+    assert done.stdout == b""
+
+
 # Other in-house options numbered like ours (50000-99999 is the in-house range).
 FOREIGN_OPTIONS = {
     "other/opts.proto": """\
