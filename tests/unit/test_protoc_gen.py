@@ -767,6 +767,57 @@ def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
     assert_fails(done, "unknown parameter 'x'")
 
 
+def _newer_options() -> str:
+    """options.proto as a later release might extend it: a field more in MethodPolicy, Step and
+    FieldPolicy."""
+    source = (ROOT / "protos" / "grpc_idempotency" / "v1" / "options.proto").read_text()
+    for field, added in (
+        ("  uint64 max_response_bytes = 10;\n", "  bool future_flag = 11;\n"),
+        ("  google.protobuf.Timestamp retired_at = 4;\n", "  string note = 5;\n"),
+        ("  Fingerprint fingerprint = 1;\n", "  bool redact = 2;\n"),
+    ):
+        assert field in source, field
+        source = source.replace(field, field + added)
+    return source
+
+
+NEWER_OPTIONS = {
+    "a method option": (
+        "future_flag: true",
+        "",
+        "/errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets field 11",
+    ),
+    "a step's": (
+        'steps: { name: "a.v1" outbox: true } steps: { name: "b.v1" outbox: true note: "later" }',
+        "",
+        "/errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets steps[1] field 5",
+    ),
+    "a field option": (
+        "",
+        "string a = 1 [(grpc_idempotency.v1.field) = { redact: true }];",
+        "field errs.v1.Req.a: (grpc_idempotency.v1.field) sets field 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NEWER_OPTIONS))
+def test_options_this_release_does_not_know_are_an_error(tmp_path: Path, case: str) -> None:
+    """A proto compiled against a newer options.proto (exported by a later release) than the
+    installed library's: the fields this release does not know were dropped without a word,
+    and the generated module (and the server) ran without the setting the proto declares."""
+    options, field, message = NEWER_OPTIONS[case]
+    text = svc(options).replace("message Req {}", f"message Req {{ {field} }}")
+    files = {"grpc_idempotency/v1/options.proto": _newer_options(), "errs/v1/new.proto": text}
+    done = run_on(tmp_path, files, "errs/v1/new.proto")
+    assert_fails(
+        done,
+        f"--grpc-idempotency_out: errs/v1/new.proto: {message}",
+        "this release of grpc-idempotency does not know",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
 @pytest.mark.parametrize(
     "data", [b"\xff\xff\xff", b'{"fileToGenerate": ["a.proto"]}'], ids=["garbage", "json"]
 )
