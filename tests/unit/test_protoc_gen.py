@@ -495,6 +495,71 @@ def test_a_fingerprint_option_out_of_its_enum_is_an_error(tmp_path: Path) -> Non
     assert "Traceback" not in done.stderr, done.stderr
 
 
+EXCLUDED_EXTENSIONS = {
+    # Of the request: its value stayed in the fingerprint, so a retry that changed it was
+    # refused KEY_REUSED, with nothing said at generation or at server start.
+    "of the request": (
+        "extend Req { optional string trace = 100 [(grpc_idempotency.v1.field) = {"
+        " fingerprint: FINGERPRINT_EXCLUDE }]; }",
+        "ext.v1.trace",
+    ),
+    # Declared inside a message, of a message the request holds.
+    "nested, of a held message": (
+        "message Holder { extend Inner { optional int64 sent_at = 100"
+        " [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE]; } }",
+        "ext.v1.Holder.sent_at",
+    ),
+    # A value of no Fingerprint (a newer options.proto's), which a field is refused for.
+    "out of its enum": (
+        "extend Req { optional string trace = 100 [(grpc_idempotency.v1.field) = {"
+        " fingerprint: 7 }]; }",
+        "ext.v1.trace",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXCLUDED_EXTENSIONS))
+def test_a_fingerprint_option_on_an_extension_is_an_error(tmp_path: Path, case: str) -> None:
+    """The fingerprint clears the request's declared fields (``Fingerprinter``); an extension's
+    ``(grpc_idempotency.v1.field)`` was never read, so an extension marked FINGERPRINT_EXCLUDE
+    stayed in the fingerprint while the proto said it did not."""
+    extension, name = EXCLUDED_EXTENSIONS[case]
+    text = textwrap.dedent(
+        """\
+        syntax = "proto2";
+        package ext.v1;
+        import "grpc_idempotency/v1/options.proto";
+        message Inner { optional string a = 1; extensions 100 to 199; }
+        message Req { optional Inner inner = 1; extensions 100 to 199; }
+        message Res {}
+        service Svc {
+          rpc Do(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; }
+        }
+        """
+    )
+    done = run_on(tmp_path, {"ext/v1/e.proto": text + extension + "\n"})
+    assert_fails(
+        done,
+        f"--grpc-idempotency_out: ext/v1/e.proto: extension {name}: (grpc_idempotency.v1.field)"
+        " is not read on an extension",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+def test_a_fingerprint_include_on_an_extension_is_generated(tmp_path: Path) -> None:
+    """FINGERPRINT_INCLUDE says what happens to an extension anyway: not refused."""
+    text = svc('steps: { name: "a.v1" outbox: true }').replace(
+        "message Req {}",
+        'import "google/protobuf/descriptor.proto";\n'
+        "extend google.protobuf.FieldOptions { string note = 50001"
+        " [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_INCLUDE]; }\n"
+        "message Req {}",
+    )
+    done = run_on(tmp_path, {"errs/v1/ok.proto": text})
+    assert done.returncode == 0, done.stderr
+
+
 JSON_NAME_CONFLICT = """\
 syntax = "proto2";
 package jn.v1;
@@ -700,6 +765,72 @@ def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
     (tmp_path / "p" / "a.proto").write_text(svc(""))
     done = protoc(tmp_path / "p", tmp_path / "out", "a.proto", extra=("--grpc-idempotency_opt=x",))
     assert_fails(done, "unknown parameter 'x'")
+
+
+def _newer_options() -> str:
+    """options.proto as a later release might extend it: a field more in MethodPolicy, Step and
+    FieldPolicy."""
+    source = (ROOT / "protos" / "grpc_idempotency" / "v1" / "options.proto").read_text()
+    for field, added in (
+        ("  uint64 max_response_bytes = 10;\n", "  bool future_flag = 11;\n"),
+        ("  google.protobuf.Timestamp retired_at = 4;\n", "  string note = 5;\n"),
+        ("  Fingerprint fingerprint = 1;\n", "  bool redact = 2;\n"),
+    ):
+        assert field in source, field
+        source = source.replace(field, field + added)
+    return source
+
+
+NEWER_OPTIONS = {
+    "a method option": (
+        "future_flag: true",
+        "",
+        "/errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets field 11",
+    ),
+    "a step's": (
+        'steps: { name: "a.v1" outbox: true } steps: { name: "b.v1" outbox: true note: "later" }',
+        "",
+        "/errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets steps[1] field 5",
+    ),
+    "a field option": (
+        "",
+        "string a = 1 [(grpc_idempotency.v1.field) = { redact: true }];",
+        "field errs.v1.Req.a: (grpc_idempotency.v1.field) sets field 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NEWER_OPTIONS))
+def test_options_this_release_does_not_know_are_an_error(tmp_path: Path, case: str) -> None:
+    """A proto compiled against a newer options.proto (exported by a later release) than the
+    installed library's: the fields this release does not know were dropped without a word,
+    and the generated module (and the server) ran without the setting the proto declares."""
+    options, field, message = NEWER_OPTIONS[case]
+    text = svc(options).replace("message Req {}", f"message Req {{ {field} }}")
+    files = {"grpc_idempotency/v1/options.proto": _newer_options(), "errs/v1/new.proto": text}
+    done = run_on(tmp_path, files, "errs/v1/new.proto")
+    assert_fails(
+        done,
+        f"--grpc-idempotency_out: errs/v1/new.proto: {message}",
+        "this release of grpc-idempotency does not know",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+@pytest.mark.parametrize(
+    "data", [b"\xff\xff\xff", b'{"fileToGenerate": ["a.proto"]}'], ids=["garbage", "json"]
+)
+def test_the_executable_refuses_input_that_is_no_request(data: bytes) -> None:
+    """Run by hand (or by a tool that is not protoc) on something that is no binary
+    CodeGeneratorRequest: it printed a DecodeError traceback."""
+    done = subprocess.run([str(plugin())], input=data, capture_output=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    stderr = done.stderr.decode()
+    assert "Traceback" not in stderr, stderr
+    assert "standard input is not a CodeGeneratorRequest" in stderr, stderr
+    assert "protoc runs it" in stderr, stderr
+    assert done.stdout == b""
 
 
 # Other in-house options numbered like ours (50000-99999 is the in-house range).

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from google.protobuf.message import DecodeError
+
 from grpc_idempotency.protoc_gen import generate
 from grpc_idempotency.protoc_gen.pool import parse_request
 
@@ -22,7 +24,17 @@ def main() -> int:
     if sys.argv[1:] or sys.stdin.isatty():
         print(USAGE, file=sys.stderr, end="")
         return 0 if {"-h", "--help"} & set(sys.argv[1:]) else 2
-    request = parse_request(sys.stdin.buffer.read())
+    try:
+        request = parse_request(sys.stdin.buffer.read())
+    except DecodeError as err:
+        # No protoc to hand an error to (CodeGeneratorResponse.error): whoever ran it by hand
+        # gets the reason and the usage, not a traceback.
+        print(
+            f"protoc-gen-grpc-idempotency: standard input is not a CodeGeneratorRequest ({err})",
+            file=sys.stderr,
+        )
+        print(USAGE, file=sys.stderr, end="")
+        return 2
     sys.stdout.buffer.write(generate(request).SerializeToString())
     sys.stdout.buffer.flush()
     return 0

@@ -7,15 +7,26 @@ neither of ``call`` and ``outbox`` (an outbox step with a call), a keyed method 
 bad ``recorded_error_codes``, an atomic method whose steps call services, bad durations. So the
 generator refuses exactly what a server would refuse at start, with the same words. Added here,
 because only the generator sees every file at once: a step's ``call`` must name a unary method
-declared in one of the request's files.
+declared in one of the request's files. And ``(grpc_idempotency.v1.field)`` on an extension is
+refused: the fingerprint clears declared fields only, so the option would be silently ignored;
+so are options setting fields this release's ``options.proto`` does not declare (a proto
+compiled against a later release's), which neither the generator nor the server would read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from google.protobuf import descriptor_pool
-from google.protobuf.descriptor import FileDescriptor, MethodDescriptor, ServiceDescriptor
+from google.protobuf import descriptor_pb2, descriptor_pool, unknown_fields
+from google.protobuf.descriptor import (
+    Descriptor,
+    FieldDescriptor,
+    FileDescriptor,
+    MethodDescriptor,
+    ServiceDescriptor,
+)
+from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.policy import check_lease, compile_policy, method_path
@@ -59,7 +70,8 @@ def check_file(
 ) -> tuple[KeyedFile, list[str]]:
     """The file's keyed methods, and the errors found, each naming the file and the method."""
     methods: list[KeyedMethod] = []
-    errors: list[str] = []
+    errors = [f"{file.name}: {problem}" for problem in _extension_fingerprints(file)]
+    errors += [f"{file.name}: {problem}" for problem in _newer_field_options(file)]
     for service in sorted(file.services_by_name.values(), key=lambda s: s.index):
         for method in service.methods:
             try:
@@ -70,6 +82,13 @@ def check_file(
             if declared is None:
                 continue
             path = method_path(method)
+            unknown = _unknown_fields(declared)
+            if unknown:
+                errors.append(
+                    f"{file.name}: {path}: (grpc_idempotency.v1.method) sets {unknown}"
+                    f" {_UNKNOWN_WHY}"
+                )
+                continue
             try:
                 policy = compile_policy(method)
                 if policy is not None:
@@ -90,6 +109,97 @@ def check_file(
                     calls.append(StepCall(step.name, target))
             methods.append(KeyedMethod(method, declared, tuple(calls)))
     return KeyedFile(file, tuple(methods)), errors
+
+
+_UNKNOWN_WHY = (
+    "that this release of grpc-idempotency does not know (the proto imports the options.proto"
+    " of a later release): neither the generated module nor the server would read it; upgrade"
+    ' grpc-idempotency, or import its own options (protoc -I "$(grpc-idempotency'
+    ' include-path)")'
+)
+
+
+def _unknown_fields(message: Message, where: str = "") -> str:
+    """The fields set in ``message`` (and the messages it holds) that its class does not
+    declare, as ``field 11, steps[0] field 5``; empty when there are none."""
+    found = [
+        f"{where}field {field.field_number}"
+        for field in unknown_fields.UnknownFieldSet(message)  # type: ignore[attr-defined]
+    ]
+    for descriptor, value in message.ListFields():
+        if descriptor.cpp_type != descriptor.CPPTYPE_MESSAGE:
+            continue
+        if descriptor.is_repeated:
+            held = [(f"{where}{descriptor.name}[{i}] ", v) for i, v in enumerate(value)]
+        else:
+            held = [(f"{where}{descriptor.name} ", value)]
+        found += [text for prefix, item in held if (text := _unknown_fields(item, prefix))]
+    return ", ".join(found)
+
+
+def _newer_field_options(file: FileDescriptor) -> list[str]:
+    """``_unknown_fields`` of each ``(grpc_idempotency.v1.field)`` in ``file``."""
+    fields: list[FieldDescriptor] = []
+    messages: list[Descriptor] = list(file.message_types_by_name.values())
+    while messages:
+        message = messages.pop(0)
+        fields += message.fields
+        messages += message.nested_types
+    problems: list[str] = []
+    for field in fields:
+        policy = _field_policy(field)
+        unknown = _unknown_fields(policy) if policy is not None else ""
+        if unknown:
+            problems.append(
+                f"field {field.full_name}: (grpc_idempotency.v1.field) sets {unknown}"
+                f" {_UNKNOWN_WHY}"
+            )
+    return problems
+
+
+def _field_policy(field: FieldDescriptor) -> options_pb2.FieldPolicy | None:
+    """The field's ``(grpc_idempotency.v1.field)``, read from its serialized options, as
+    ``pool.declared_options`` reads a method's: the descriptor's view depends on when the
+    request's pool parsed them."""
+    if not field.has_options:
+        return None
+    raw = field.GetOptions().SerializeToString()
+    options: Any = descriptor_pb2.FieldOptions.FromString(raw)  # stubs mistype extensions
+    if not options.HasExtension(options_pb2.field):
+        return None
+    policy: options_pb2.FieldPolicy = options.Extensions[options_pb2.field]
+    return policy
+
+
+def _extension_fingerprints(file: FileDescriptor) -> list[str]:
+    """An error for each extension of ``file`` whose ``(grpc_idempotency.v1.field)`` says
+    anything but FINGERPRINT_INCLUDE. The fingerprint clears the excluded *fields* of the
+    request's types (``Fingerprinter``); extensions are hashed as sent, so an excluded one was
+    silently kept, and a retry that changed it refused KEY_REUSED."""
+    extensions: list[FieldDescriptor] = list(file.extensions_by_name.values())
+    messages: list[Descriptor] = list(file.message_types_by_name.values())
+    while messages:
+        message = messages.pop(0)
+        extensions += message.extensions
+        messages += message.nested_types
+    problems: list[str] = []
+    for extension in extensions:
+        policy = _field_policy(extension)
+        value = policy.fingerprint if policy is not None else options_pb2.FINGERPRINT_UNSPECIFIED
+        if value in (options_pb2.FINGERPRINT_UNSPECIFIED, options_pb2.FINGERPRINT_INCLUDE):
+            continue
+        said = (
+            "FINGERPRINT_EXCLUDE"
+            if value == options_pb2.FINGERPRINT_EXCLUDE
+            else f"fingerprint {value}"
+        )
+        problems.append(
+            f"extension {extension.full_name}: (grpc_idempotency.v1.field) is not read on an"
+            f" extension ({said}): the fingerprint clears only fields the message declares and"
+            " always hashes an extension as sent, so a retry that changes it would be refused"
+            " KEY_REUSED; make it a field of the message, or remove the option"
+        )
+    return problems
 
 
 def _find_method(
