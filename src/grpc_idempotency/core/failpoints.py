@@ -25,6 +25,8 @@ POINTS = frozenset(
         # a purge (``Purger``, a relay's purge of sent rows, ``grpc-idempotency purge``) is about
         # to run a batch: ``error`` stands for a failure no outage explains (a bug)
         "purge_batch",
+        # a phased claim's lease keeper is about to renew the lease while the handler runs
+        "lease_renewal",
     }
 )
 
