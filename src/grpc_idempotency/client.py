@@ -96,7 +96,8 @@ class Operation:
         retry: RetryPolicy | None = None,
     ) -> Any:
         """Calls ``method`` with this operation's key; with ``retry``, attempts again on
-        retryable errors, waiting as the server asks. ``timeout`` is per attempt.
+        retryable errors, waiting as the server asks: a server asking for a longer wait than
+        ``retry.max_pushback_s`` gets its error raised at once. ``timeout`` is per attempt.
 
         Inside a handler, the handler's deadline bounds them all: each attempt's timeout is at
         most the time left, and once the next attempt could only begin at or past the deadline

@@ -4,8 +4,10 @@ Switched on by the environment variable ``GRPC_IDEMPOTENCY_FAILPOINTS`` when the
 for example ``after_commit_before_response=crash`` (the process dies at once, like kill -9),
 ``before_commit=sleep:2000`` or ``after_claim=error``. Points: ``after_claim``,
 ``before_commit``, ``after_commit_before_response`` (the server), ``relay_after_delivery`` (the
-outbox relay: delivered, not yet marked sent). When the variable is unset, ``ENABLED`` is
-False and the server never calls ``hit``: no cost on the request path.
+outbox relay: delivered, not yet marked sent), ``purge_batch`` (every purge, before each batch),
+``lease_renewal`` (a phased claim's lease keeper, before each renewal).
+When the variable is unset, ``ENABLED`` is False and the server never calls ``hit``: no cost on
+the request path.
 
 A process with failpoints armed says so, once: a WARNING from ``announce()`` (for a server or a
 relay to call as it starts), or else at the first ``hit``. The variable left set in production

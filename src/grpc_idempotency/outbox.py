@@ -617,7 +617,9 @@ class Relay:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
         ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
-        and are delivered again after the lease. Database outages are logged and waited out."""
+        and are delivered again after the lease. Database outages are logged and waited out;
+        so is any other failure of a batch or of a purge (a bug), logged with its traceback: the
+        rows of a batch that failed are delivered again after their lease."""
         if stop is not None and not (
             isinstance(stop, asyncio.Event)
             or (
@@ -700,6 +702,16 @@ class Relay:
                 outage += 1
                 wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
                 log.warning("relay %s: %s; trying again in %.1fs", self.name, err, wait)
+            except Exception:
+                # No outage: a bug, or a driver's error the store does not map. Raised, it
+                # stopped every delivery until someone restarted the relay (one run as a task of
+                # a server's: until the server restarted). The batch's rows stay claimed and come
+                # back after their lease, a row whose every batch fails alone, then parked
+                # (lost claims), as when the relay dies; backed off as an outage, so that a
+                # failure on every batch does not spin.
+                outage += 1
+                wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
+                log.exception("relay %s: a batch failed; trying again in %.1fs", self.name, wait)
             if self.sent_retention is not None and loop.time() >= next_purge:
                 # A purge that hit its cap left rows past retention: go on at the next turn
                 # (between batches), else a relay sending more than the cap per interval (10,000
@@ -735,6 +747,11 @@ class Relay:
             )
         except StoreUnavailable as err:
             log.warning("relay %s: purging sent rows failed: %s", self.name, err)
+            return False
+        except Exception:
+            # Housekeeping: a failure no outage explains (a bug) took the relay down with it,
+            # and stopped the deliveries. Tried again at the next purge_interval.
+            log.exception("relay %s: purging sent rows failed", self.name)
             return False
         self.stats.purged += purged
         if purged:

@@ -36,6 +36,10 @@ class Purger:
 
     ``purged`` counts the records of every committed batch; ``stop()`` rolls back the batch
     under way, if any.
+
+    A run that fails is tried again at the next interval: an outage (``StoreUnavailable``) is
+    logged as a warning, anything else (a bug) as an error with its traceback; neither stops
+    the purger, nor, sharded, another shard's schedule.
     """
 
     def __init__(
@@ -107,4 +111,11 @@ class Purger:
                 )
             except StoreUnavailable as err:
                 log.warning("purge skipped%s: %s", where, err)
+            except Exception:
+                # No outage: a bug, or a driver's error the store does not map. Raised, it ended
+                # this loop for good, unseen until stop() (sharded, the TaskGroup cancelled every
+                # other shard's loop with it), and the table grew without bound. Deleting is
+                # housekeeping a later run may well complete: said with its traceback, every
+                # interval while it lasts. stop()'s cancellation is no Exception: it ends the loop.
+                log.exception("purge failed%s; trying again in %gs", where, self.interval)
             await asyncio.sleep(self.interval)

@@ -11,16 +11,20 @@ another replica took the operation over, its handler running beside the live own
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency.core.failpoints import FailAction, Failpoint
 from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
@@ -124,3 +128,61 @@ async def _the_claim_outlives_its_first_lease(store: Store, run: _Running) -> No
         owner.service.release.set()
         other.service.release.set()
         await asyncio.gather(calling, duplicate, return_exceptions=True)
+
+
+class _CountedPoints(dict[str, Failpoint]):
+    """Failpoints that count how often each was looked up, armed or not: how often it was hit."""
+
+    def __init__(self, points: dict[str, Failpoint]) -> None:
+        super().__init__(points)
+        self.hits: collections.Counter[str] = collections.Counter()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self.hits[name] += 1
+        return super().get(name, default)
+
+
+async def test_a_renewal_that_fails_unexpectedly_is_tried_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lease_renewal=error: a renewal failing with no outage to explain it (a bug). The keeper
+    caught StoreUnavailable alone: it ended at the first such error, unseen (stop() retrieved
+    it), and the lease ran out under the live handler. Now it is logged, once, with its
+    traceback, and the renewals go on."""
+    from grpc_idempotency import failpoints
+
+    points = _CountedPoints({"lease_renewal": Failpoint(FailAction.ERROR)})
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "_points", points)
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    overrides = {PHASED[1:]: MethodOverride(lease=timedelta(seconds=1.5), max_wait=timedelta(0))}
+    with caplog.at_level(logging.ERROR, logger="grpc_idempotency.server"):
+        async with running_ledger(store, overrides=overrides) as owner:
+            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+            try:
+                await owner.service.started.wait()
+                first_lease_end = await _locked_until(store, key)
+                await until("a second failed renewal", lambda: points.hits["lease_renewal"] >= 2)
+                points.clear()  # disarmed: the next renewal goes through
+
+                async def renewed() -> bool:
+                    return bool(await _locked_until(store, key) > first_lease_end)
+
+                await until("the lease renewed", renewed)
+                owner.service.release.set()
+                answer = await calling
+                assert answer.code is grpc.StatusCode.OK, answer.details
+            finally:
+                owner.service.release.set()
+                await asyncio.gather(calling, return_exceptions=True)
+    failed = [r for r in caplog.records if "renewing a phased claim's lease" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert await ledger_rows(store, account) == 1
+
+
+async def _locked_until(store: Store, key: str) -> datetime:
+    found: datetime = await store.pool.fetchval(
+        "SELECT locked_until FROM grpc_idempotency.records WHERE key = $1", key
+    )
+    return found

@@ -15,7 +15,7 @@ from typing import Any, cast
 import asyncpg
 import pytest
 
-from grpc_idempotency import Purger, Store
+from grpc_idempotency import Purger, ShardedStores, Store
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.store.outbox_store import OutboxStatements
@@ -544,3 +544,48 @@ async def test_a_purge_after_a_failover_is_not_refused_for_the_pools_dead_connec
     finally:
         await via.close(timeout=1)
         await proxy.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["store", "shards"])
+async def test_a_purger_goes_on_after_an_unexpected_error(
+    purge_store: Store,
+    pg_dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    sharded: bool,
+) -> None:
+    """purge_batch=error: a failure no outage explains (a bug, a driver's error the store does
+    not map). The purger caught StoreUnavailable alone: its task ended at the first such error,
+    unseen until stop(), the TaskGroup cancelling every other shard's loop with it, and nothing
+    was purged again. Now it is logged with its traceback, and the next interval purges."""
+    from grpc_idempotency import failpoints
+    from grpc_idempotency.core.failpoints import FailAction, Failpoint
+
+    await expired_records(purge_store, 3)
+    other = await Store.connect(pg_dsn, schema="gi_" + uuid.uuid4().hex[:12], migrate=True)
+    try:
+        await expired_records(other, 2)
+        target: Store | ShardedStores = (
+            ShardedStores({"a": purge_store, "b": other}, lambda scope: "a")
+            if sharded
+            else purge_store
+        )
+        monkeypatch.setattr(failpoints, "ENABLED", True)
+        monkeypatch.setattr(failpoints, "_points", {"purge_batch": Failpoint(FailAction.ERROR)})
+        runs = 2 if sharded else 1
+        with caplog.at_level(logging.ERROR, logger="grpc_idempotency.retention"):
+            async with Purger(target, interval=0.02) as purger:
+
+                def failures() -> list[logging.LogRecord]:
+                    return [r for r in caplog.records if "purge failed" in r.getMessage()]
+
+                # Each loop failed twice: it outlived its first failure.
+                await until("two failed runs per loop", lambda: len(failures()) >= 2 * runs)
+                assert all(r.exc_info is not None for r in failures())  # with its traceback
+                monkeypatch.setattr(failpoints, "ENABLED", False)
+                await until("the expired records purged", lambda: purger.purged == 3 + 2 * sharded)
+        assert await keys(purge_store) == []
+        assert await keys(other) == ([] if sharded else ["old-1", "old-2"])
+    finally:
+        await other.pool.execute(f'DROP SCHEMA "{other.schema}" CASCADE')
+        await other.close()

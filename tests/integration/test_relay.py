@@ -12,6 +12,8 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
+import random
 import re
 import socket
 import threading
@@ -1782,3 +1784,70 @@ async def test_an_async_send_returning_the_brokers_future_waits_for_its_acknowle
     failed = await row(outbox, "acked-later")
     assert failed["state"] == "pending" and failed["failures"] == 1
     assert "broker unreachable" in str(failed["last_error"])
+
+
+async def test_a_relay_goes_on_after_its_purge_fails_unexpectedly(
+    outbox: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """purge_batch=error: a purge of sent rows that fails with no outage to explain it (a bug).
+    ``_purge`` caught StoreUnavailable alone: the error ended run(), and with it every delivery."""
+    from grpc_idempotency import failpoints
+    from grpc_idempotency.core.failpoints import FailAction, Failpoint
+
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "_points", {"purge_batch": Failpoint(FailAction.ERROR)})
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, poll_interval=0.05, sent_retention=0, purge_interval=0.01)
+    await insert(outbox, outbox.schema, ["first"])
+    with caplog.at_level(logging.ERROR, logger="grpc_idempotency.outbox"):
+        async with running(relay):
+            await until("the first row sent", lambda: sent(outbox, "first"), timeout=WAIT_S)
+            # The purge after the first batch failed before the relay could claim again.
+            await insert(outbox, outbox.schema, ["second"])
+            await until("the second row sent", lambda: sent(outbox, "second"), timeout=WAIT_S)
+            failed = [r for r in caplog.records if "purging sent rows failed" in r.getMessage()]
+            assert failed[0].exc_info is not None  # with its traceback
+            monkeypatch.setattr(failpoints, "ENABLED", False)
+            await until("both sent rows purged", lambda: relay.stats.purged == 2, timeout=WAIT_S)
+    assert receiver.delivered == {"first": 1, "second": 1}
+    assert await states(outbox) == {}
+
+
+class _RandomFailingOnce(random.Random):
+    """Raises at its first use: a bug in a batch's bookkeeping, after its rows were claimed."""
+
+    def __init__(self) -> None:
+        super().__init__(7)
+        self.failed = False
+
+    def random(self) -> float:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug in the batch's bookkeeping")
+        return super().random()
+
+
+async def test_a_relay_goes_on_after_a_batch_fails_unexpectedly(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch that raises something other than StoreUnavailable (a bug) ended run(): no row was
+    delivered again until someone restarted the relay. Now the failure is logged with its
+    traceback, the relay goes on, and the batch's rows come back after their lease."""
+    receiver = Receiver(failing={"refused"})
+    rng = _RandomFailingOnce()
+    relay = Relay(outbox, receiver, lease=0.3, poll_interval=0.05, rng=rng)
+    await insert(outbox, outbox.schema, ["refused"])
+    with caplog.at_level(logging.ERROR, logger="grpc_idempotency.outbox"):
+        async with running(relay):
+            await until("the batch to fail", lambda: rng.failed, timeout=WAIT_S)
+            await insert(outbox, outbox.schema, ["later"])
+            await until("a later row sent", lambda: sent(outbox, "later"), timeout=WAIT_S)
+
+            async def recorded() -> bool:
+                return (await row(outbox, "refused"))["failures"] == 1
+
+            # Claimed again once the failed batch's lease ended; its failure recorded this time.
+            await until("the refused row's failure recorded", recorded, timeout=WAIT_S)
+    failed = [r for r in caplog.records if "a batch failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert receiver.attempts["refused"] == 2

@@ -1,5 +1,5 @@
-"""Failpoint specs: named crash, delay and error points on the request path and in the outbox
-relay, for tests.
+"""Failpoint specs: named crash, delay and error points on the request path, in the outbox
+relay and in purges, for tests.
 
 ``GRPC_IDEMPOTENCY_FAILPOINTS="after_commit_before_response=crash,after_claim=sleep:2000"``
 
@@ -22,6 +22,11 @@ POINTS = frozenset(
         # the outbox relay: a sink delivered a message; the row is not yet marked sent (a crash
         # here leaves it claimed, and it is delivered again once the claim's lease expires)
         "relay_after_delivery",
+        # a purge (``Purger``, a relay's purge of sent rows, ``grpc-idempotency purge``) is about
+        # to run a batch: ``error`` stands for a failure no outage explains (a bug)
+        "purge_batch",
+        # a phased claim's lease keeper is about to renew the lease while the handler runs
+        "lease_renewal",
     }
 )
 

@@ -27,6 +27,15 @@ class RetryPolicy:
     multiplier: float = 2.0
     retryable: frozenset[Code] = field(default=RETRYABLE)
     """The codes to retry: ``Code`` members, their numbers, or ``grpc.StatusCode`` members."""
+    max_pushback_s: float = 60.0
+    """The longest server pushback (``grpc-retry-pushback-ms`` / ``RetryInfo``) waited out. A
+    server (or a proxy) asking for a longer wait stops the retries: the last error is raised at
+    once, its trailers carrying the pushback, for the caller to retry the operation (same key)
+    when it sees fit. Not waited out: a client coroutine slept as long as any server said ("10
+    hours"), holding its caller and whatever it held, with no deadline (outside a handler) to
+    end it. Not cut to this bound either: retrying sooner than the server asked is what
+    pushback exists to prevent (gRFC A6 honours it exactly, bounded by the call's deadline).
+    This library's servers ask for at most 2 s."""
 
     def __post_init__(self) -> None:
         # grpc.StatusCode members compared unequal to every Code: such a policy never retried.
@@ -42,17 +51,27 @@ class RetryPolicy:
             )
         if not 1 <= self.multiplier < math.inf:
             raise ValueError("multiplier must be at least 1, and finite")
+        # NaN compares false both ways: every pushback was waited out, however long.
+        pushback = self.max_pushback_s
+        if isinstance(pushback, bool) or not isinstance(pushback, int | float):
+            raise ValueError(f"max_pushback_s must be a number of seconds, not {pushback!r}")
+        if not 0 <= pushback < math.inf:
+            raise ValueError(f"max_pushback_s must be finite and not negative, not {pushback!r}")
 
     def delay_s(
         self, *, attempt: int, code: Code, retry_after_ms: int | None, jitter: float
     ) -> float | None:
         """Seconds to wait before attempt ``attempt + 1`` (attempts count from 1), or ``None``
-        to stop. ``jitter`` is a random number in [0, 1): full jitter on the backoff."""
+        to stop: no attempts left, a code not retried, or a pushback that is negative (gRPC's
+        "do not retry") or beyond ``max_pushback_s``. ``jitter`` is a random number in [0, 1):
+        full jitter on the backoff."""
         if attempt >= self.max_attempts or code not in self.retryable:
             return None
         if retry_after_ms is not None:
             if retry_after_ms < 0:
                 return None  # the server says: do not retry
+            if retry_after_ms / 1000 > self.max_pushback_s:
+                return None  # longer than this caller waits: its error, now (max_pushback_s)
             return retry_after_ms / 1000
         return (
             backoff_ceiling_s(attempt, self.initial_backoff_s, self.multiplier, self.max_backoff_s)

@@ -1367,6 +1367,7 @@ class _LeaseKeeper:
         self._handler = handler
         self._task: asyncio.Task[None] | None = None
         self._renewing = False
+        self._failed = False
         self.stopping = False
         self.lost = False
 
@@ -1400,9 +1401,21 @@ class _LeaseKeeper:
             left = lease_until - start
             self._renewing = True
             try:
+                if failpoints.ENABLED:
+                    await failpoints.hit("lease_renewal")
                 renewed = await self._claim.renew(lease_until=lease_until)
             except StoreUnavailable:
                 # The lease may still hold; the final commit checks the token anyway.
+                spacing = renewal_spacing_s(lease_s, left, renewed=False)
+                continue
+            except Exception:
+                # No outage: a bug, or a driver's error the store does not map. It ended the
+                # keeper, unseen (stop() retrieved it), and the lease ran out under a live
+                # handler: a retry took the operation over and ran beside it. Tried again as
+                # after an outage; said with its traceback once per call, not every renewal.
+                if not self._failed:
+                    self._failed = True
+                    log.exception("renewing a phased claim's lease failed; trying again")
                 spacing = renewal_spacing_s(lease_s, left, renewed=False)
                 continue
             finally:

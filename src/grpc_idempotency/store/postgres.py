@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 import asyncpg
 
+from grpc_idempotency import failpoints
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import (
@@ -1454,6 +1455,8 @@ class Store:
         while max_batches is None or batches < max_batches:
             if batches and pause:
                 await asyncio.sleep(pause)
+            if failpoints.ENABLED:
+                await failpoints.hit("purge_batch")
             # A pooled connection that a restart or a failover left dead (``_holding`` then
             # replaces the pool's others): the batch once more, on a connection opened now, as a
             # claim is; the purge failed with the database up (a Purger skipped its run). Safe:

@@ -1,0 +1,45 @@
+"""RetryPolicy's bound on a server's pushback (``max_pushback_s``): a pushback beyond it stops
+the retries, rather than putting the caller to sleep for as long as any server (or proxy) says."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.retry import RetryPolicy
+
+
+@pytest.mark.parametrize(
+    ("max_pushback_s", "retry_after_ms", "expected"),
+    [
+        (60.0, 2_000, 2.0),  # this library's longest hint: waited out
+        (60.0, 60_000, 60.0),  # at the bound: waited out
+        (60.0, 60_001, None),  # past it: the last error, now
+        (60.0, 36_000_000, None),  # "retry in 10 hours" slept 10 hours
+        (0.0, 0, 0.0),  # "retry now" is within any bound
+        (0.0, 1, None),
+        (60.0, -1, None),  # gRPC's "do not retry", as before
+    ],
+)
+def test_a_pushback_beyond_max_pushback_s_stops_the_retries(
+    max_pushback_s: float, retry_after_ms: int, expected: float | None
+) -> None:
+    policy = RetryPolicy(max_pushback_s=max_pushback_s)
+    delay = policy.delay_s(attempt=1, code=Code.ABORTED, retry_after_ms=retry_after_ms, jitter=0.5)
+    assert delay == expected
+
+
+def test_the_default_bound_is_a_minute_and_backoff_is_not_affected() -> None:
+    policy = RetryPolicy(max_backoff_s=5.0)
+    assert policy.max_pushback_s == 60.0
+    assert policy.delay_s(attempt=1, code=Code.ABORTED, retry_after_ms=61_000, jitter=0) is None
+    # Without a pushback the backoff applies, whatever the bound.
+    tight = RetryPolicy(max_pushback_s=0.0, initial_backoff_s=1.0, max_backoff_s=1.0)
+    assert tight.delay_s(attempt=1, code=Code.UNAVAILABLE, retry_after_ms=None, jitter=0.5) == 0.5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, True, "60", None])
+def test_max_pushback_s_is_refused_unless_a_finite_number_of_seconds(bad: object) -> None:
+    """NaN compared false both ways, and every pushback was waited out, however long."""
+    with pytest.raises(ValueError, match="max_pushback_s"):
+        RetryPolicy(max_pushback_s=bad)  # type: ignore[arg-type]
