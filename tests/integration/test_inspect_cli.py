@@ -715,6 +715,32 @@ scope = "relay-identity"
     assert op["totals"]["effects_by_step"]["post-ledger.v1"] == 1
 
 
+async def test_a_child_recorded_under_another_scope_is_not_reported_as_a_step_never_taken(
+    pg_dsn: str, store: Store
+) -> None:
+    """A downstream that scopes its callers by their identity (the default, mTLS) records a
+    parent's step calls under the parent service's scope, not the end caller's. Looked up with
+    --dsn/--schema alone, the child is not under the inspected scope: the summary said only
+    "steps the handler did not take, or whose store is not configured", and an operator asking
+    "was it charged?" read the charge as never made. It names the scope, and the fix."""
+    async with (
+        fresh_store(pg_dsn, "insp_fwd") as forward_store,
+        fresh_store(pg_dsn, "insp_ledger") as ledger_store,
+        running_ledger(ledger_store, scope=StaticScope("relay-identity")) as ledger,
+        running_relay(forward_store, ledger.address) as relay,
+    ):
+        key, tenant = fresh(), fresh("tenant")
+        request = testsvc_pb2.ForwardRequest(account=fresh("acct"), mode="post")
+        await relay.stub.Forward(request, metadata=metadata(key, tenant))
+        done = await cli("inspect", "--dsn", pg_dsn, "--schema", forward_store.schema,
+                         "--schema", ledger_store.schema, "--proto-module", MODULE,
+                         "--scope", f"tenant:{tenant}", key)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("nothing under:")]
+    assert "post-ledger.v1" in line
+    assert "another scope" in line and "scope =" in line, line
+
+
 async def test_exit_status_not_found_unreachable_unusable(services: Services, pg_dsn: str) -> None:
     missing = await cli("inspect", *services.stores(), "--scope", "tenant:x", fresh(), "--json")
     assert missing.returncode == 3, missing.stderr

@@ -203,9 +203,14 @@ def render_tree(
         if t.duplicates:
             lines.append(f"DUPLICATED: {', '.join(t.duplicates)} reached more than one record")
         if t.missing:
+            # Child records are looked up under the inspected scope only. A downstream scoped by
+            # its callers' identity (the default resolver: mTLS) keeps a parent's step calls under
+            # the parent service's scope, so without this a charge made looked never made.
             lines.append(
                 f"nothing under: {', '.join(t.missing)} (steps the handler did not take, or"
-                " whose store is not configured)"
+                " whose store is not configured, or whose service records them under another"
+                " scope, such as the caller's mTLS identity: give it as `scope =` in that"
+                " service's --config section)"
             )
     if not descriptors.given:
         lines.append("(no --proto-module or --descriptor-set: responses shown as bytes)")
