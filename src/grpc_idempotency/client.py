@@ -22,7 +22,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -48,6 +48,11 @@ from grpc_idempotency.core.wire import (
     retry_after_ms,
 )
 from grpc_idempotency.registry import PolicyRegistry, Services
+
+# A typed stub's (grpc-stubs, mypy-protobuf's grpc stubs) request and response: what call() takes
+# and returns, so a typed caller keeps its types; protoc's untyped stubs give Any as before.
+RequestT = TypeVar("RequestT")
+ResponseT = TypeVar("ResponseT")
 
 _operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
 _step: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_idempotency_step")
@@ -88,13 +93,13 @@ class Operation:
 
     async def call(
         self,
-        method: grpc.aio.UnaryUnaryMultiCallable[Any, Any],
-        request: Any,
+        method: grpc.aio.UnaryUnaryMultiCallable[RequestT, ResponseT],
+        request: RequestT,
         *,
         metadata: Sequence[tuple[str, str | bytes]] = (),
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
-    ) -> Any:
+    ) -> ResponseT:
         """Calls ``method`` with this operation's key; with ``retry``, attempts again on
         retryable errors, waiting as the server asks: a server asking for a longer wait than
         ``retry.max_pushback_s`` gets its error raised at once. ``timeout`` is per attempt.
