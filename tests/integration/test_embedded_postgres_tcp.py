@@ -82,26 +82,52 @@ async def test_tcp_asks_for_the_password_that_only_tcp_dsn_carries(data_dir: Pat
         await _refused_without_password(port)
 
 
-async def test_a_cluster_initialised_with_trust_and_no_password_is_closed_on_reuse(
-    data_dir: Path,
-) -> None:
-    """A data dir from an earlier version: pg_hba.conf trusts TCP, the superuser has no
-    password and there is no password file."""
+async def _as_an_earlier_version_left_it(data_dir: Path, *statements: str) -> None:
+    """A cluster initialised with trust: no password, no password file, TCP trusted; and
+    ``statements`` run in it (its owner's own settings)."""
     with EmbeddedPostgres(data_dir, durable=False) as pg:
         conn = await asyncpg.connect(pg.dsn, timeout=10)
         try:
-            await conn.execute("ALTER ROLE postgres PASSWORD NULL")
+            for statement in ("ALTER ROLE postgres PASSWORD NULL", *statements):
+                await conn.execute(statement)
         finally:
             await conn.close()
     (data_dir / PASSWORD_FILE).unlink()
     (data_dir / "pg_hba.conf").write_text(
         "local all all trust\nhost all all 127.0.0.1/32 trust\nhost all all ::1/128 trust\n"
     )
+
+
+async def test_a_cluster_initialised_with_trust_and_no_password_is_closed_on_reuse(
+    data_dir: Path,
+) -> None:
+    """A data dir from an earlier version: pg_hba.conf trusts TCP, the superuser has no
+    password and there is no password file."""
+    await _as_an_earlier_version_left_it(data_dir)
     port = free_port()
     with EmbeddedPostgres(data_dir, tcp_port=port, durable=False) as reused:
         await _refused_without_password(port)
         assert await _answers(reused.tcp_dsn)
         assert _private(data_dir / PASSWORD_FILE)
+
+
+async def test_the_password_given_to_an_earlier_versions_cluster_is_not_in_its_log(
+    data_dir: Path,
+) -> None:
+    """Its owner may log every statement (the server log ends up in start()'s and stop()'s
+    errors, CI output) and may have kept md5 as password_encryption, which the scram-sha-256
+    rule refuses: the server is sent only a SCRAM verifier, never the password."""
+    await _as_an_earlier_version_left_it(
+        data_dir,
+        "ALTER SYSTEM SET log_statement = 'all'",
+        "ALTER SYSTEM SET password_encryption = 'md5'",
+    )
+    with EmbeddedPostgres(data_dir, tcp_port=free_port(), durable=False) as reused:
+        password = (data_dir / PASSWORD_FILE).read_text().strip()
+        log = (data_dir / "embedded-postgres.log").read_text()
+        assert "ALTER ROLE" in log, "the statement is logged, but not the password"
+        assert password not in log
+        assert await _answers(reused.tcp_dsn)
 
 
 def test_tcp_dsn_without_a_tcp_port_says_so() -> None:

@@ -44,8 +44,11 @@ with a TCP port.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import importlib
 import importlib.metadata
 import importlib.util
@@ -561,6 +564,24 @@ def _read_password(path: Path) -> str | None:
     return password or None
 
 
+def _scram_verifier(password: str) -> str:
+    """What PostgreSQL keeps for ``password`` under scram-sha-256 (as libpq's
+    PQencryptPasswordConn makes it). ALTER ROLE stores one as is: the password itself never
+    reaches the server, so not its log (an earlier version's cluster may log every statement)
+    either, and a cluster whose password_encryption is md5 does not store an md5 hash that the
+    scram-sha-256 rule would refuse. ``password`` is printable ASCII (token_urlsafe), which
+    SASLprep leaves as it is."""
+    salt = secrets.token_bytes(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, _SCRAM_ITERATIONS)
+    stored_key = hashlib.sha256(hmac.digest(salted, b"Client Key", "sha256")).digest()
+    server_key = hmac.digest(salted, b"Server Key", "sha256")
+    b64 = [base64.b64encode(part).decode("ascii") for part in (salt, stored_key, server_key)]
+    return f"SCRAM-SHA-256${_SCRAM_ITERATIONS}:{b64[0]}${b64[1]}:{b64[2]}"
+
+
+_SCRAM_ITERATIONS = 4096  # PostgreSQL's default (scram_iterations)
+
+
 def _short_tmp() -> str:
     # Unix socket paths are limited to ~104 bytes; $TMPDIR can be long (macOS).
     return "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
@@ -818,15 +839,17 @@ class EmbeddedPostgres:
 
     def _set_password(self) -> None:
         """Give the superuser of a cluster that has no password file (initialised by an earlier
-        version, with trust) a password, over the unix socket, then keep it. Meanwhile TCP
-        refuses it: the server already has the rules that ask for a password."""
+        version, with trust) a password, over the unix socket (as its SCRAM verifier), then keep
+        it. Meanwhile TCP refuses it: the server already has the rules that ask for a
+        password."""
         password = secrets.token_urlsafe(24)
         psql = [str(self._rt.bin_dir / "psql"), "--no-psqlrc", "--quiet", "--set=ON_ERROR_STOP=1"]
         psql += [f"--host={self._socket_dir}", f"--port={self._port}"]
         psql += [f"--username={_SUPERUSER}", "--dbname=postgres"]
         # On stdin, not the command line, which every local user can read (ps).
+        verifier = _scram_verifier(password)
         with tempfile.TemporaryFile() as script:
-            script.write(f"ALTER ROLE {_SUPERUSER} PASSWORD '{password}';\n".encode())
+            script.write(f"ALTER ROLE {_SUPERUSER} PASSWORD '{verifier}';\n".encode())
             script.seek(0)
             code, output = _run(self._rt, psql, stdin=script.fileno())
         if code != 0:
