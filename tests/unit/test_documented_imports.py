@@ -20,11 +20,26 @@ def _documented_imports() -> list[str]:
     return sorted(found)
 
 
+# In the same run (one mypy start): a typed stub's method keeps its types through Operation.call.
+# Were call() to return Any, strict mode's warn_return_any would refuse ``return``; were it to
+# take any request, the ignore below would be unused (warn_unused_ignores).
+TYPED_CALL = """
+import grpc
+from grpc_idempotency.client import Operation as _Operation
+
+async def _typed(method: grpc.aio.UnaryUnaryMultiCallable[int, str]) -> str:
+    await _Operation.new().call(method, "not an int")  # type: ignore[misc]
+    return await _Operation.new().call(method, 1)
+"""
+
+
 def test_the_documented_imports_type_check_under_mypy_strict(tmp_path: Path) -> None:
     imports = _documented_imports()
     assert "from grpc_idempotency.client import Operation, RetryPolicy" in imports
     user = tmp_path / "user.py"
-    user.write_text("\n".join(["from __future__ import annotations", *imports, ""]), "utf-8")
+    user.write_text(
+        "\n".join(["from __future__ import annotations", *imports, TYPED_CALL]), "utf-8"
+    )
     # Run from tmp_path, away from this repository's mypy configuration, as in a user's
     # project; the package from this tree (MYPYPATH), its own modules' errors not reported.
     done = subprocess.run(
