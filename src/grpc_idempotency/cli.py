@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeAlias, cast
 
 from grpc_idempotency import inspect_cli
 from grpc_idempotency.cli_errors import (
@@ -72,8 +72,31 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors mask the password of any argument they quote back:
+    "unrecognized arguments" and "invalid choice" print the arguments not taken, and a DSN given
+    without its option (or to a mistyped one, or to a command that takes none) printed its
+    password to stderr, and so to a deploy's or CI's log. Subcommands' parsers are of this class
+    too (argparse makes them of the parent's)."""
+
+    _given: Sequence[str] = ()
+
+    def parse_known_args(  # type: ignore[override]  # typeshed overloads it on namespace
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        for arg in self._given:
+            masked = safe_dsn(arg) if "://" in arg or "password" in arg.lower() else arg
+            if masked != arg:  # quoted as given, or as its repr ("invalid choice: '...'")
+                message = message.replace(repr(arg), repr(masked)).replace(arg, masked)
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpc-idempotency", description=_DESCRIPTION)
+    parser: argparse.ArgumentParser = _Parser(prog="grpc-idempotency", description=_DESCRIPTION)
     parser.add_argument(
         "--version",
         action="version",

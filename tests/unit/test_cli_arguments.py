@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpc_idempotency.cli import _check_outbox, _check_relay, _parser
+from grpc_idempotency.cli import _check_outbox, _check_relay, _parser, main
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
 
@@ -219,3 +219,31 @@ def test_a_refused_header_is_not_echoed(header: str, capsys: pytest.CaptureFixtu
     assert "--header" in printed
     for text in (message, printed):
         assert "s3cr3t" not in text and "t0k" not in text, text
+
+
+SECRET_DSN = "postgresql://app:hunter22@db.internal:5432/shop"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["list", "--scope", "s", "--dns", SECRET_DSN],  # a mistyped option
+        ["list", "--scope", "s", SECRET_DSN],  # --dsn forgotten
+        ["include-path", "--dsn", SECRET_DSN],  # a command that takes no --dsn
+        ["export-protos", "out", f"--dsn={SECRET_DSN}"],
+        [SECRET_DSN],  # no command: "invalid choice: '...'"
+        ["purge", "--dsn", SECRET_DSN, "host=db password=hunter22"],  # keyword form
+    ],
+)
+def test_a_dsn_that_argparse_quotes_back_has_its_password_masked(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's "unrecognized arguments" and "invalid choice" errors quote the arguments they
+    did not take: a DSN given to the wrong option, or without its option, printed its password
+    to stderr, and so to a deploy's or CI's log."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    printed = capsys.readouterr().err
+    assert "hunter22" not in printed, printed
+    assert "***" in printed, printed  # the argument is still named, masked
