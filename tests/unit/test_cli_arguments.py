@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpc_idempotency.cli import _check_outbox, _check_relay, _parser, main
+from grpc_idempotency.inspect_cli import ConfigError, config_of
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
 
@@ -247,3 +248,25 @@ def test_a_dsn_that_argparse_quotes_back_has_its_password_masked(
     printed = capsys.readouterr().err
     assert "hunter22" not in printed, printed
     assert "***" in printed, printed  # the argument is still named, masked
+
+
+@pytest.mark.parametrize(
+    "scope, says",
+    [
+        ('"a\\u0000b"', "NUL"),  # PostgreSQL's text cannot hold one: exit 1, "retry later"
+        ('""', "never empty"),  # was taken for no scope at all: the inspected one
+        (f'"{"s" * 1025}"', "at most 1024 bytes"),  # no record can have it
+    ],
+    ids=["nul", "empty", "long"],
+)
+def test_a_config_scope_no_record_can_have_is_refused(
+    tmp_path: Path, scope: str, says: str
+) -> None:
+    """``inspect --config``'s ``scope`` of a service, checked as ``--scope`` is: one holding a
+    NUL was sent to the database with the child look-ups, and its refusal reported as the store
+    being unavailable (exit 1, "retry later") for a configuration that can never work."""
+    config = tmp_path / "inspect.toml"
+    config.write_text(f'[services.a]\ndsn = "postgresql://u@db/app"\nscope = {scope}\n')
+    args = parse("inspect", "--config", str(config), "--scope", "s", "k")
+    with pytest.raises(ConfigError, match=says):
+        config_of(args)
