@@ -992,7 +992,17 @@ class _Stdout:
 
     def write(self, text: str) -> int:
         try:
-            return self._stream.write(text)
+            try:
+                return self._stream.write(text)
+            except UnicodeEncodeError:
+                # An encoding without the characters (an ASCII or Latin-1 locale, a file on
+                # Windows: cp1252): escaped, as Python escapes what stderr cannot hold. Raised,
+                # it was a traceback and exit 1, or for a store command's output a ValueError
+                # read as bad input (exit 2).
+                encoding = self._stream.encoding
+                return self._stream.write(
+                    text.encode(encoding, "backslashreplace").decode(encoding)
+                )
         except BrokenPipeError:
             raise
         except OSError as err:

@@ -401,6 +401,23 @@ def test_export_protos_into_a_closed_pipe_exits_141_quietly(tmp_path: Path) -> N
     assert (tmp_path / "x" / OPTIONS).is_file()  # the export itself was done
 
 
+def test_output_the_outputs_encoding_cannot_hold_is_escaped_not_a_traceback(
+    pg_dsn: str, store: object, tmp_path: Path
+) -> None:
+    """stdout in an encoding without the characters printed (an ASCII or Latin-1 locale, a
+    file redirected on Windows, cp1252): a scope or path outside it (or inspect's box-drawing
+    branches) raised a UnicodeEncodeError traceback and exit 1, "unreachable, retry later".
+    Escaped instead, as Python escapes what stderr cannot hold."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    env["PYTHONIOENCODING"] = "ascii"
+    listed = run_cli("list", "--scope", "tenant:\u6771\u4eac", "--dsn", pg_dsn, env=env)
+    assert (listed.returncode, listed.stderr) == (3, "")  # none matched
+    assert listed.stdout == "no records under tenant:\\u6771\\u4eac\n"
+    exported = run_cli("export-protos", str(tmp_path / "\u6771\u4eac"), env=env)
+    assert (exported.returncode, exported.stderr) == (0, "")
+    assert "\\u6771\\u4eac" in exported.stdout
+
+
 def test_export_protos_copies_refuses_to_clobber_and_forces(tmp_path: Path) -> None:
     shipped = (Path(proto_include()) / OPTIONS).read_bytes()
     out = tmp_path / "third_party"
