@@ -782,6 +782,18 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     sink = GrpcSink(channel, args.method, metadata_for=metadata_for, timeout=args.timeout)
     announced = False
 
+    def say(line: str) -> None:
+        # stdout's reader may go while the relay runs (a log shipper restarting): the relay goes
+        # on delivering, and stops with 0, its log being stderr's. Raised, a BrokenPipeError
+        # was logged with its traceback as on_listening's bug, and the clean stop exited 141.
+        try:
+            print(line, flush=True)
+        except (BrokenPipeError, OutputFailed):
+            # The rest of stdout, what is still buffered too, goes to /dev/null.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+
     def ready() -> None:
         # Printed before the first batch is claimed, so that it always precedes any delivery
         # (a crash failpoint right after a delivery can no longer swallow it).
@@ -793,10 +805,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
                 if relay.polling_only
                 else f"listening on {relay.outbox.channel}"
             )
-            print(
-                f"relay {relay.name} ready: {wake}, delivering to {args.grpc_target}{args.method}",
-                flush=True,
-            )
+            say(f"relay {relay.name} ready: {wake}, delivering to {args.grpc_target}{args.method}")
 
     relay = Relay(
         store,
@@ -825,10 +834,9 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
             loop.remove_signal_handler(sig)
         await channel.close(None)
     s = relay.stats
-    print(
+    say(
         f"relay {relay.name} stopped: delivered {s.delivered}, retried {s.retried},"
-        f" dead {s.dead}, purged {s.purged}",
-        flush=True,
+        f" dead {s.dead}, purged {s.purged}"
     )
     return 0
 

@@ -962,6 +962,38 @@ async def test_a_reader_that_goes_early_ends_the_command_quietly_with_141(
     assert (proc.returncode, err.decode()) == (141, "")
 
 
+async def test_a_relay_whose_stdout_reader_went_goes_on_and_stops_cleanly(pg_dsn: str) -> None:
+    """A relay's stdout piped to a log shipper that restarts: its "ready" line raised
+    BrokenPipeError, logged with its traceback as on_listening's bug, and the clean stop after
+    SIGTERM exited 141, where the relay's is 0. The relay goes on delivering (its log is
+    stderr's); what it still prints on stdout is dropped."""
+    async with fresh_store(pg_dsn, "relaypipe") as s:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the relay says it is ready
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli",
+                *relay_args(pg_dsn, "--schema", s.schema, "--no-listen", "--poll-interval", "60"),
+                stdout=write_end, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        assert proc.stderr is not None
+        logged: list[str] = []
+        # Logged right before the ready line is printed, in the same step of the event loop,
+        # which runs the SIGTERM handler only after both.
+        while not logged or "polling every" not in logged[-1]:
+            line = await asyncio.wait_for(proc.stderr.readline(), 30)
+            assert line, "".join(logged)
+            logged.append(line.decode())
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    stderr = "".join(logged) + err.decode()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
 # -- output that cannot be written: `grpc-idempotency purge > /dev/full` --------------------------
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC
