@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import copy
 import json
 import logging
 import math
@@ -746,9 +747,9 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     from grpc_idempotency.core.outbox import DeliveryPolicy
     from grpc_idempotency.outbox import GrpcSink, OutboxStore, Relay, forward_scope
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Escaped("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if not await OutboxStore(store).exists():
         print(
             f"grpc-idempotency: no outbox in schema {args.schema!r}; run grpc-idempotency migrate",
@@ -963,6 +964,18 @@ def _export_protos(dest: Path, *, force: bool) -> int:
     return 0
 
 
+class _Escaped(logging.Formatter):
+    """Log lines whose message has its control characters escaped (``printable``): the relay
+    logs a failed delivery's error, the receiving server's status message, which may quote what
+    its caller sent; a newline in it added a forged log line, an ESC sequence rewrote the
+    terminal's. A traceback after the message keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        escaped = copy.copy(record)  # other handlers format the record as it came
+        escaped.message = printable(record.message)
+        return super().formatMessage(escaped)
+
+
 class _ReportedByMain(logging.Filter):
     """Drops the store's ERROR records: in a one-shot command each of them comes with an
     exception that ``main`` reports, cause and target included."""
@@ -973,7 +986,7 @@ class _ReportedByMain(logging.Filter):
 
 def _log_warnings() -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("grpc-idempotency: %(levelname)s: %(message)s"))
+    handler.setFormatter(_Escaped("grpc-idempotency: %(levelname)s: %(message)s"))
     handler.addFilter(_ReportedByMain())
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
 

@@ -994,6 +994,56 @@ async def test_a_relay_whose_stdout_reader_went_goes_on_and_stops_cleanly(pg_dsn
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
 
 
+FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.outbox: relay r: delivered"
+
+
+async def test_a_downstream_error_cannot_add_or_overwrite_lines_of_the_relays_log(
+    pg_dsn: str,
+) -> None:
+    """A failed delivery's error is the receiving server's status message, which may quote what
+    its caller sent: the relay logged it as it came, so a newline added a forged log line and
+    an ESC sequence rewrote the terminal's. Escaped, as inspect and outbox dead show it."""
+    import grpc
+
+    def refuse(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"busy\n{FORGED}\x1b[1A\x1b[2K")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("a.B", {"C": grpc.unary_unary_rpc_method_handler(refuse)})]
+    )  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    try:
+        async with fresh_store(pg_dsn, "relaylog") as s:
+            await s.pool.execute(
+                f'INSERT INTO "{s.schema}".outbox (scope, key, step, parent_key, method,'
+                " payload_type, payload) VALUES ('s', 'k', 'e.v1', 'p', '/x.Y/Z', 'x.E', '')"
+            )
+            argv = ["relay", "--dsn", pg_dsn, "--schema", s.schema, "--no-listen",
+                    "--grpc-target", f"127.0.0.1:{port}", "--method", "/a.B/C"]  # fmt: skip
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli", *argv,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+            assert proc.stderr is not None
+            logged: list[str] = []
+            while not logged or "delivery 1 failed" not in logged[-1]:
+                line = await asyncio.wait_for(proc.stderr.readline(), 30)
+                assert line, "".join(logged)
+                logged.append(line.decode())
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await server.stop(None)
+    lines = "".join(logged).splitlines() + err.decode().splitlines()
+    assert proc.returncode == 0, lines
+    assert not [line for line in lines if line.startswith(FORGED[:10])], lines
+    assert not [line for line in lines if "\x1b" in line], lines
+    assert f"busy\\n{FORGED}\\x1b[1A" in logged[-1]  # shown, escaped
+
+
 # -- output that cannot be written: `grpc-idempotency purge > /dev/full` --------------------------
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC
