@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeAlias, cast
 
 from grpc_idempotency import inspect_cli
 from grpc_idempotency.cli_errors import (
+    DsnRefused,
     Interrupted,
     UnusableDsn,
     check_parses,
@@ -1105,6 +1106,9 @@ def _main(argv: Sequence[str] | None) -> int:
         return run_command(_with_store(args))
     except UnusableDsn as err:
         print(f"grpc-idempotency: {err}", file=sys.stderr)
+        return 2
+    except DsnRefused as refused:  # the relay's --listen-dsn
+        report_store_error(refused.error, refused.dsn)
         return 2
     except StoreMisconfigured as err:
         # No such database or role, bad password, not migrated, no privilege: retrying will not

@@ -360,6 +360,23 @@ def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
         assert piece not in done.stderr + done.stdout
 
 
+def test_a_listen_dsn_the_server_refuses_is_reported_with_its_own_target(
+    pg_dsn: str, store: object
+) -> None:
+    """A --listen-dsn naming a database (or role, or password) the server refuses: the error
+    was reported with --dsn's target, its database and user, which are right, so the line
+    pointed at the one DSN that needed no fixing. Now the listen DSN's, checked before --dsn
+    connects, as its parsing is."""
+    database = f"no_listen_db_{secrets.token_hex(4)}"
+    done = cli("relay", "--dsn", pg_dsn, "--listen-dsn", with_database(pg_dsn, database),
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--listen-dsn" in done.stderr.splitlines()[0], done.stderr
+    (target,) = [line for line in done.stderr.splitlines() if line.startswith("  database: ")]
+    assert f'database "{database}"' in target, done.stderr
+    assert "ready" not in done.stdout and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(
     "dsn, target",
     [
