@@ -750,7 +750,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
 
     handler = logging.StreamHandler()
     handler.setFormatter(_Escaped("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
     if not await OutboxStore(store).exists():
         print(
             f"grpc-idempotency: no outbox in schema {args.schema!r}; run grpc-idempotency migrate",
@@ -1100,8 +1100,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "inspect":  # several stores, each reporting its own errors
         _log_warnings()
         return inspect_cli.run_inspect(args)
-    if args.command != "relay":  # the relay configures logging for a long-running process
-        _log_warnings()
+    # The relay too, until it configures logging for a long-running process (_relay): without
+    # it, the store's record of a refused --dsn (written for a server's log) was printed bare,
+    # control characters and all, above main's report of the same error.
+    _log_warnings()
     try:
         return run_command(_with_store(args))
     except UnusableDsn as err:

@@ -360,6 +360,20 @@ def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
         assert piece not in done.stderr + done.stdout
 
 
+def test_a_relay_whose_database_is_refused_says_so_once(pg_dsn: str) -> None:
+    """The store logs its refusal for a server's log ("every keyed call fails until this is
+    fixed"): before the relay had set its logging up, Python printed that record bare, above
+    the command's own report of the same error, its database name's control characters raw."""
+    database = f"no_relay_db_{secrets.token_hex(4)}\x1b[2J"
+    done = cli("relay", "--dsn", with_database(pg_dsn, database),
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("grpc-idempotency: idempotency store misconfigured"), lines
+    assert all(line.startswith("  ") for line in lines[1:]), lines  # its causes, its target
+    assert "every keyed call" not in done.stderr and "\x1b" not in done.stderr
+
+
 def test_a_listen_dsn_the_server_refuses_is_reported_with_its_own_target(
     pg_dsn: str, store: object
 ) -> None:
