@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import copy
 import json
 import logging
 import math
@@ -18,10 +19,11 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeAlias, cast
 
 from grpc_idempotency import inspect_cli
 from grpc_idempotency.cli_errors import (
+    DsnRefused,
     Interrupted,
     UnusableDsn,
     check_parses,
@@ -72,8 +74,31 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors mask the password of any argument they quote back:
+    "unrecognized arguments" and "invalid choice" print the arguments not taken, and a DSN given
+    without its option (or to a mistyped one, or to a command that takes none) printed its
+    password to stderr, and so to a deploy's or CI's log. Subcommands' parsers are of this class
+    too (argparse makes them of the parent's)."""
+
+    _given: Sequence[str] = ()
+
+    def parse_known_args(  # type: ignore[override]  # typeshed overloads it on namespace
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        for arg in self._given:
+            masked = safe_dsn(arg) if "://" in arg or "password" in arg.lower() else arg
+            if masked != arg:  # quoted as given, or as its repr ("invalid choice: '...'")
+                message = message.replace(repr(arg), repr(masked)).replace(arg, masked)
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpc-idempotency", description=_DESCRIPTION)
+    parser: argparse.ArgumentParser = _Parser(prog="grpc-idempotency", description=_DESCRIPTION)
     parser.add_argument(
         "--version",
         action="version",
@@ -723,9 +748,9 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     from grpc_idempotency.core.outbox import DeliveryPolicy
     from grpc_idempotency.outbox import GrpcSink, OutboxStore, Relay, forward_scope
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Escaped("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
     if not await OutboxStore(store).exists():
         print(
             f"grpc-idempotency: no outbox in schema {args.schema!r}; run grpc-idempotency migrate",
@@ -759,6 +784,18 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     sink = GrpcSink(channel, args.method, metadata_for=metadata_for, timeout=args.timeout)
     announced = False
 
+    def say(line: str) -> None:
+        # stdout's reader may go while the relay runs (a log shipper restarting): the relay goes
+        # on delivering, and stops with 0, its log being stderr's. Raised, a BrokenPipeError
+        # was logged with its traceback as on_listening's bug, and the clean stop exited 141.
+        try:
+            print(line, flush=True)
+        except (BrokenPipeError, OutputFailed):
+            # The rest of stdout, what is still buffered too, goes to /dev/null.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+
     def ready() -> None:
         # Printed before the first batch is claimed, so that it always precedes any delivery
         # (a crash failpoint right after a delivery can no longer swallow it).
@@ -770,10 +807,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
                 if relay.polling_only
                 else f"listening on {relay.outbox.channel}"
             )
-            print(
-                f"relay {relay.name} ready: {wake}, delivering to {args.grpc_target}{args.method}",
-                flush=True,
-            )
+            say(f"relay {relay.name} ready: {wake}, delivering to {args.grpc_target}{args.method}")
 
     relay = Relay(
         store,
@@ -802,10 +836,9 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
             loop.remove_signal_handler(sig)
         await channel.close(None)
     s = relay.stats
-    print(
+    say(
         f"relay {relay.name} stopped: delivered {s.delivered}, retried {s.retried},"
-        f" dead {s.dead}, purged {s.purged}",
-        flush=True,
+        f" dead {s.dead}, purged {s.purged}"
     )
     return 0
 
@@ -932,6 +965,18 @@ def _export_protos(dest: Path, *, force: bool) -> int:
     return 0
 
 
+class _Escaped(logging.Formatter):
+    """Log lines whose message has its control characters escaped (``printable``): the relay
+    logs a failed delivery's error, the receiving server's status message, which may quote what
+    its caller sent; a newline in it added a forged log line, an ESC sequence rewrote the
+    terminal's. A traceback after the message keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        escaped = copy.copy(record)  # other handlers format the record as it came
+        escaped.message = printable(record.message)
+        return super().formatMessage(escaped)
+
+
 class _ReportedByMain(logging.Filter):
     """Drops the store's ERROR records: in a one-shot command each of them comes with an
     exception that ``main`` reports, cause and target included."""
@@ -942,7 +987,7 @@ class _ReportedByMain(logging.Filter):
 
 def _log_warnings() -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("grpc-idempotency: %(levelname)s: %(message)s"))
+    handler.setFormatter(_Escaped("grpc-idempotency: %(levelname)s: %(message)s"))
     handler.addFilter(_ReportedByMain())
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
 
@@ -969,7 +1014,17 @@ class _Stdout:
 
     def write(self, text: str) -> int:
         try:
-            return self._stream.write(text)
+            try:
+                return self._stream.write(text)
+            except UnicodeEncodeError:
+                # An encoding without the characters (an ASCII or Latin-1 locale, a file on
+                # Windows: cp1252): escaped, as Python escapes what stderr cannot hold. Raised,
+                # it was a traceback and exit 1, or for a store command's output a ValueError
+                # read as bad input (exit 2).
+                encoding = self._stream.encoding
+                return self._stream.write(
+                    text.encode(encoding, "backslashreplace").decode(encoding)
+                )
         except BrokenPipeError:
             raise
         except OSError as err:
@@ -1045,12 +1100,17 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "inspect":  # several stores, each reporting its own errors
         _log_warnings()
         return inspect_cli.run_inspect(args)
-    if args.command != "relay":  # the relay configures logging for a long-running process
-        _log_warnings()
+    # The relay too, until it configures logging for a long-running process (_relay): without
+    # it, the store's record of a refused --dsn (written for a server's log) was printed bare,
+    # control characters and all, above main's report of the same error.
+    _log_warnings()
     try:
         return run_command(_with_store(args))
     except UnusableDsn as err:
         print(f"grpc-idempotency: {err}", file=sys.stderr)
+        return 2
+    except DsnRefused as refused:  # the relay's --listen-dsn
+        report_store_error(refused.error, refused.dsn)
         return 2
     except StoreMisconfigured as err:
         # No such database or role, bad password, not migrated, no privilege: retrying will not

@@ -21,11 +21,11 @@ from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 import asyncpg
 
-from grpc_idempotency.core.errors import DsnUnusable, StoreUnavailable
+from grpc_idempotency.core.errors import DsnUnusable, StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.core.keys import CONTROL_CHARACTERS
 from grpc_idempotency.stop_signals import catchable
 from grpc_idempotency.store.dsn_files import at_in_user_info, in_doubt, unsendable, unusable_file
-from grpc_idempotency.store.errors import dsn_unusable
+from grpc_idempotency.store.errors import dsn_unusable, session_refused
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -139,11 +139,23 @@ async def connect(dsn: str, **options: Any) -> Store:
         raise UnusableDsn(file_problem=problem) from None
 
 
+class DsnRefused(Exception):
+    """The server refused for good the session of a DSN other than --dsn (the relay's
+    --listen-dsn): no such database or role, a bad password. ``error`` is reported with that
+    DSN's target, not --dsn's (exit status 2)."""
+
+    def __init__(self, error: StoreMisconfigured, dsn: str) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.dsn = dsn
+
+
 async def check_parses(dsn: str, option: str) -> None:
     """Raises ``UnusableDsn`` naming ``option`` if the driver cannot parse or use ``dsn``, by
     connecting once: for a DSN that is used later, over and over (the relay's --listen-dsn),
-    where each failure would be logged with the driver's text. A DSN that parses but does not
-    reach its server passes: the relay keeps trying it."""
+    where each failure would be logged with the driver's text; ``DsnRefused`` if the server
+    refuses its session for good. A DSN that parses but does not reach its server passes: the
+    relay keeps trying it."""
     if at_in_user_info(dsn):  # parses, but not as meant: it would be tried forever
         raise UnusableDsn(option, None)
     try:
@@ -151,6 +163,13 @@ async def check_parses(dsn: str, option: str) -> None:
     except Exception as exc:
         if dsn_unusable(exc):
             raise UnusableDsn(option, unusable_file(dsn)) from None
+        refused = session_refused(exc)
+        if refused is not None:
+            # Relay.run refused it too, but reported with --dsn's target: the line pointed at
+            # the DSN that needed no fixing.
+            error = StoreMisconfigured(f"{option}: {refused}")
+            error.__cause__ = exc  # PostgreSQL's own words: "database ... does not exist"
+            raise DsnRefused(error, dsn) from None
         return  # unreachable, refused, not yet: the caller retries it anyway
     await conn.close()
 

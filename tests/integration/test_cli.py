@@ -360,6 +360,37 @@ def test_a_listen_dsn_the_driver_cannot_parse_is_refused_before_relaying(
         assert piece not in done.stderr + done.stdout
 
 
+def test_a_relay_whose_database_is_refused_says_so_once(pg_dsn: str) -> None:
+    """The store logs its refusal for a server's log ("every keyed call fails until this is
+    fixed"): before the relay had set its logging up, Python printed that record bare, above
+    the command's own report of the same error, its database name's control characters raw."""
+    database = f"no_relay_db_{secrets.token_hex(4)}\x1b[2J"
+    done = cli("relay", "--dsn", with_database(pg_dsn, database),
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("grpc-idempotency: idempotency store misconfigured"), lines
+    assert all(line.startswith("  ") for line in lines[1:]), lines  # its causes, its target
+    assert "every keyed call" not in done.stderr and "\x1b" not in done.stderr
+
+
+def test_a_listen_dsn_the_server_refuses_is_reported_with_its_own_target(
+    pg_dsn: str, store: object
+) -> None:
+    """A --listen-dsn naming a database (or role, or password) the server refuses: the error
+    was reported with --dsn's target, its database and user, which are right, so the line
+    pointed at the one DSN that needed no fixing. Now the listen DSN's, checked before --dsn
+    connects, as its parsing is."""
+    database = f"no_listen_db_{secrets.token_hex(4)}"
+    done = cli("relay", "--dsn", pg_dsn, "--listen-dsn", with_database(pg_dsn, database),
+               "--grpc-target", "127.0.0.1:1", "--method", "/a.B/C")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--listen-dsn" in done.stderr.splitlines()[0], done.stderr
+    (target,) = [line for line in done.stderr.splitlines() if line.startswith("  database: ")]
+    assert f'database "{database}"' in target, done.stderr
+    assert "ready" not in done.stdout and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(
     "dsn, target",
     [
@@ -399,6 +430,23 @@ def test_export_protos_into_a_closed_pipe_exits_141_quietly(tmp_path: Path) -> N
         os.close(write_end)
     assert (done.returncode, done.stderr) == (141, "")
     assert (tmp_path / "x" / OPTIONS).is_file()  # the export itself was done
+
+
+def test_output_the_outputs_encoding_cannot_hold_is_escaped_not_a_traceback(
+    pg_dsn: str, store: object, tmp_path: Path
+) -> None:
+    """stdout in an encoding without the characters printed (an ASCII or Latin-1 locale, a
+    file redirected on Windows, cp1252): a scope or path outside it (or inspect's box-drawing
+    branches) raised a UnicodeEncodeError traceback and exit 1, "unreachable, retry later".
+    Escaped instead, as Python escapes what stderr cannot hold."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    env["PYTHONIOENCODING"] = "ascii"
+    listed = run_cli("list", "--scope", "tenant:\u6771\u4eac", "--dsn", pg_dsn, env=env)
+    assert (listed.returncode, listed.stderr) == (3, "")  # none matched
+    assert listed.stdout == "no records under tenant:\\u6771\\u4eac\n"
+    exported = run_cli("export-protos", str(tmp_path / "\u6771\u4eac"), env=env)
+    assert (exported.returncode, exported.stderr) == (0, "")
+    assert "\\u6771\\u4eac" in exported.stdout
 
 
 def test_export_protos_copies_refuses_to_clobber_and_forces(tmp_path: Path) -> None:
@@ -943,6 +991,88 @@ async def test_a_reader_that_goes_early_ends_the_command_quietly_with_141(
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert first.strip()
     assert (proc.returncode, err.decode()) == (141, "")
+
+
+async def test_a_relay_whose_stdout_reader_went_goes_on_and_stops_cleanly(pg_dsn: str) -> None:
+    """A relay's stdout piped to a log shipper that restarts: its "ready" line raised
+    BrokenPipeError, logged with its traceback as on_listening's bug, and the clean stop after
+    SIGTERM exited 141, where the relay's is 0. The relay goes on delivering (its log is
+    stderr's); what it still prints on stdout is dropped."""
+    async with fresh_store(pg_dsn, "relaypipe") as s:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the relay says it is ready
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli",
+                *relay_args(pg_dsn, "--schema", s.schema, "--no-listen", "--poll-interval", "60"),
+                stdout=write_end, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        assert proc.stderr is not None
+        logged: list[str] = []
+        # Logged right before the ready line is printed, in the same step of the event loop,
+        # which runs the SIGTERM handler only after both.
+        while not logged or "polling every" not in logged[-1]:
+            line = await asyncio.wait_for(proc.stderr.readline(), 30)
+            assert line, "".join(logged)
+            logged.append(line.decode())
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    stderr = "".join(logged) + err.decode()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.outbox: relay r: delivered"
+
+
+async def test_a_downstream_error_cannot_add_or_overwrite_lines_of_the_relays_log(
+    pg_dsn: str,
+) -> None:
+    """A failed delivery's error is the receiving server's status message, which may quote what
+    its caller sent: the relay logged it as it came, so a newline added a forged log line and
+    an ESC sequence rewrote the terminal's. Escaped, as inspect and outbox dead show it."""
+    import grpc
+
+    def refuse(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"busy\n{FORGED}\x1b[1A\x1b[2K")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("a.B", {"C": grpc.unary_unary_rpc_method_handler(refuse)})]
+    )  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    try:
+        async with fresh_store(pg_dsn, "relaylog") as s:
+            await s.pool.execute(
+                f'INSERT INTO "{s.schema}".outbox (scope, key, step, parent_key, method,'
+                " payload_type, payload) VALUES ('s', 'k', 'e.v1', 'p', '/x.Y/Z', 'x.E', '')"
+            )
+            argv = ["relay", "--dsn", pg_dsn, "--schema", s.schema, "--no-listen",
+                    "--grpc-target", f"127.0.0.1:{port}", "--method", "/a.B/C"]  # fmt: skip
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli", *argv,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+            assert proc.stderr is not None
+            logged: list[str] = []
+            while not logged or "delivery 1 failed" not in logged[-1]:
+                line = await asyncio.wait_for(proc.stderr.readline(), 30)
+                assert line, "".join(logged)
+                logged.append(line.decode())
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await server.stop(None)
+    lines = "".join(logged).splitlines() + err.decode().splitlines()
+    assert proc.returncode == 0, lines
+    assert not [line for line in lines if line.startswith(FORGED[:10])], lines
+    assert not [line for line in lines if "\x1b" in line], lines
+    assert f"busy\\n{FORGED}\\x1b[1A" in logged[-1]  # shown, escaped
 
 
 # -- output that cannot be written: `grpc-idempotency purge > /dev/full` --------------------------

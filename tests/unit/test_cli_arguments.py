@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from grpc_idempotency.cli import _check_outbox, _check_relay, _parser
+from grpc_idempotency.cli import _check_outbox, _check_relay, _parser, main
+from grpc_idempotency.inspect_cli import ConfigError, config_of
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
 
@@ -219,3 +220,53 @@ def test_a_refused_header_is_not_echoed(header: str, capsys: pytest.CaptureFixtu
     assert "--header" in printed
     for text in (message, printed):
         assert "s3cr3t" not in text and "t0k" not in text, text
+
+
+SECRET_DSN = "postgresql://app:hunter22@db.internal:5432/shop"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["list", "--scope", "s", "--dns", SECRET_DSN],  # a mistyped option
+        ["list", "--scope", "s", SECRET_DSN],  # --dsn forgotten
+        ["include-path", "--dsn", SECRET_DSN],  # a command that takes no --dsn
+        ["export-protos", "out", f"--dsn={SECRET_DSN}"],
+        [SECRET_DSN],  # no command: "invalid choice: '...'"
+        ["purge", "--dsn", SECRET_DSN, "host=db password=hunter22"],  # keyword form
+    ],
+)
+def test_a_dsn_that_argparse_quotes_back_has_its_password_masked(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's "unrecognized arguments" and "invalid choice" errors quote the arguments they
+    did not take: a DSN given to the wrong option, or without its option, printed its password
+    to stderr, and so to a deploy's or CI's log."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    printed = capsys.readouterr().err
+    assert "hunter22" not in printed, printed
+    assert "***" in printed, printed  # the argument is still named, masked
+
+
+@pytest.mark.parametrize(
+    "scope, says",
+    [
+        ('"a\\u0000b"', "NUL"),  # PostgreSQL's text cannot hold one: exit 1, "retry later"
+        ('""', "never empty"),  # was taken for no scope at all: the inspected one
+        (f'"{"s" * 1025}"', "at most 1024 bytes"),  # no record can have it
+    ],
+    ids=["nul", "empty", "long"],
+)
+def test_a_config_scope_no_record_can_have_is_refused(
+    tmp_path: Path, scope: str, says: str
+) -> None:
+    """``inspect --config``'s ``scope`` of a service, checked as ``--scope`` is: one holding a
+    NUL was sent to the database with the child look-ups, and its refusal reported as the store
+    being unavailable (exit 1, "retry later") for a configuration that can never work."""
+    config = tmp_path / "inspect.toml"
+    config.write_text(f'[services.a]\ndsn = "postgresql://u@db/app"\nscope = {scope}\n')
+    args = parse("inspect", "--config", str(config), "--scope", "s", "k")
+    with pytest.raises(ConfigError, match=says):
+        config_of(args)

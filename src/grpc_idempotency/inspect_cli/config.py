@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from grpc_idempotency.cli_errors import safe_dsn
-from grpc_idempotency.inspect_cli.parsers import schema_name
+from grpc_idempotency.inspect_cli.parsers import schema_name, scope_text
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 
 _SERVICE_SETTINGS = {"dsn", "dsn_env", "schema", "scope", "proto_modules", "descriptor_sets"}
@@ -173,6 +173,11 @@ def _read_config(path: Path) -> Config:
             schema_name(schema)
         except argparse.ArgumentTypeError as err:
             raise ConfigError(f"{path}: [services.{name}] {err}") from None
+        try:  # as --scope's type: a NUL was reported as the store unavailable (exit 1)
+            if scope is not None:
+                scope_text(scope)
+        except argparse.ArgumentTypeError as err:
+            raise ConfigError(f"{path}: [services.{name}] scope: {err}") from None
         modules += strings(table, "proto_modules", where)
         sets += [str(base / s) for s in strings(table, "descriptor_sets", where)]
         stores.append(StoreConfig(name=name, dsn=dsn, schema=schema, scope=scope))
