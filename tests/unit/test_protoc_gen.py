@@ -397,6 +397,11 @@ ERRORS = {
         "",
         "step name 'charge-card' does not match",
     ),
+    "over-long step name": (
+        f'steps: {{ name: "{"a" * 126}.v1" outbox: true }}',
+        "",
+        f"step name '{'a' * 40}'... is 129 characters long; a step name has at most 128",
+    ),
     "duplicate step names": (
         'steps: { name: "charge.v1" outbox: true } steps: { name: "charge.v1" call: "errs.v1.Svc/Target" }',
         "",
