@@ -570,3 +570,37 @@ def test_a_retention_past_what_a_duration_allows_is_bad_input(build: Build) -> N
         "NEW: /shop.v1.Orders/Place: retention 9000000000000000s is not a valid duration:"
         " seconds must be within"
     ) in done.stderr
+
+
+def test_a_step_field_this_release_does_not_know_is_refused(
+    build: Build, tmp_path: Path, include_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A set compiled against a later release's options.proto, whose Step has a field more: the
+    comparison was made without it (it may bear on the contract), where the server and the
+    generator refuse the same proto. An input error, as they say it."""
+    good = build("good", orders_proto(f'name: "charge.v1" {CHARGE}'))
+    options = (ROOT / "protos" / "grpc_idempotency" / "v1" / "options.proto").read_text()
+    retired_at = "  google.protobuf.Timestamp retired_at = 4;\n"
+    assert retired_at in options
+    newer = tmp_path / "newer"
+    (newer / "grpc_idempotency" / "v1").mkdir(parents=True)
+    (newer / "grpc_idempotency" / "v1" / "options.proto").write_text(
+        options.replace(retired_at, retired_at + "  string note = 5;\n")
+    )
+    (newer / "shop" / "v1").mkdir(parents=True)
+    (newer / "shop" / "v1" / "orders.proto").write_text(
+        orders_proto(f'name: "charge.v1" {CHARGE} note: "later"')
+    )
+    out = tmp_path / "newer.binpb"
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{newer}", f"-I{include_path}",
+         f"--descriptor_set_out={out}", "--include_imports", "shop/v1/orders.proto"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    for old, new, label in ((good, out, "NEW"), (out, good, "OLD")):
+        code, stdout, err = run_main(
+            ["check-steps", "--against", str(old), str(new), "--now", NOW], capsys
+        )
+        assert (code, stdout) == (2, ""), err
+        assert f"{PLACE}: (grpc_idempotency.v1.method) sets steps[0] field 5" in err
+        assert label in err and "does not know" in err

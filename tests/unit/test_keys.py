@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from grpc_idempotency.client import Operation
 from grpc_idempotency.core.errors import KeyInvalid, ScopeResolverFailed, ScopeUnavailable
 from grpc_idempotency.core.keys import (
+    MAX_STEP_NAME_LENGTH,
     child_key,
     claim_lock_id,
     is_step_name,
@@ -107,6 +108,20 @@ def test_step_names(name: str, ok: bool) -> None:
     if not ok:
         with pytest.raises(ValueError):
             child_key("s", "k", name)
+
+
+def test_a_step_name_has_a_length_limit() -> None:
+    """The name travels in the step header and in the texts of the errors that name steps
+    (grpc-message): past gRPC's metadata limit, such an error reached the caller as
+    RESOURCE_EXHAUSTED instead."""
+    longest = "a" * (MAX_STEP_NAME_LENGTH - 3) + ".v1"
+    too_long = "a" + longest
+    assert is_step_name(longest) and not is_step_name(too_long)
+    assert len(child_key("s", "k", longest)) == 64
+    with pytest.raises(ValueError, match=f"has at most {MAX_STEP_NAME_LENGTH}") as caught:
+        child_key("s", "k", too_long)
+    assert f"is {MAX_STEP_NAME_LENGTH + 1} characters long" in str(caught.value)
+    assert too_long not in str(caught.value)  # not quoted whole: as long as what it refuses
 
 
 def test_scope_validation() -> None:

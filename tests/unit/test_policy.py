@@ -369,6 +369,7 @@ def _two_steps(o: options_pb2.MethodPolicy) -> None:
     [
         (_step("Charge.v1", "a.B/C"), {}, "does not match"),
         (_step("charge", "a.B/C"), {}, "does not match"),
+        (_step("a" * 126 + ".v1", outbox=True), {}, "129 characters long; a step name has at most"),
         (_two_steps, {}, "declared twice"),
         (_step("charge.v1"), {}, "exactly one of call and outbox"),
         (_step("charge.v1", "a.B/C", outbox=True), {}, "exactly one of call and outbox"),

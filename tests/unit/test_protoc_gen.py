@@ -397,6 +397,11 @@ ERRORS = {
         "",
         "step name 'charge-card' does not match",
     ),
+    "over-long step name": (
+        f'steps: {{ name: "{"a" * 126}.v1" outbox: true }}',
+        "",
+        f"step name '{'a' * 40}'... is 129 characters long; a step name has at most 128",
+    ),
     "duplicate step names": (
         'steps: { name: "charge.v1" outbox: true } steps: { name: "charge.v1" call: "errs.v1.Svc/Target" }',
         "",
@@ -543,7 +548,45 @@ def test_a_fingerprint_option_on_an_extension_is_an_error(tmp_path: Path, case: 
         f"--grpc-idempotency_out: ext/v1/e.proto: extension {name}: (grpc_idempotency.v1.field)"
         " is not read on an extension",
     )
+    # Said once: the server's own refusal of it (compile_policy, through the request's
+    # fingerprint) is the same problem.
+    assert done.stderr.count(f"extension {name}:") == 1, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+def test_an_excluded_extension_in_another_file_names_the_method_it_breaks(tmp_path: Path) -> None:
+    """The server refuses a method whose request has such an extension (when its module is
+    imported at start); the generator says which method too, for an extension of another file."""
+    request = textwrap.dedent(
+        """\
+        syntax = "proto2";
+        package ext.v1;
+        import "grpc_idempotency/v1/options.proto";
+        message Req { extensions 100 to 199; }
+        message Res {}
+        service Svc {
+          rpc Do(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; }
+        }
+        """
+    )
+    extension = textwrap.dedent(
+        """\
+        syntax = "proto2";
+        package ext.v1;
+        import "grpc_idempotency/v1/options.proto";
+        import "ext/v1/req.proto";
+        extend Req { optional string trace = 100 [(grpc_idempotency.v1.field) = {
+          fingerprint: FINGERPRINT_EXCLUDE }]; }
+        """
+    )
+    done = run_on(tmp_path, {"ext/v1/req.proto": request, "ext/v1/trace.proto": extension})
+    assert_fails(
+        done,
+        "ext/v1/trace.proto: extension ext.v1.trace: (grpc_idempotency.v1.field) is not read",
+        "ext/v1/req.proto: /ext.v1.Svc/Do: extension ext.v1.trace: (grpc_idempotency.v1.field)"
+        " is not read",
+    )
     assert generated_files(tmp_path / "out") == {}
 
 

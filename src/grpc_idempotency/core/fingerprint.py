@@ -11,6 +11,11 @@ declare, and extensions (upb serializes them last), are put in field-number orde
 (``core/field_order.py``), where a server that declares them serializes them: the same request
 hashes the same on both sides of a deploy that adds a field. What the server cannot parse (the
 inside of an unknown field, an ``Any``'s bytes) is compared as sent.
+
+So an extension cannot be excluded: ``(grpc_idempotency.v1.field)`` on one (anything but
+FINGERPRINT_INCLUDE), or an option setting a field this release does not declare, is refused
+when the method's policy is compiled (``core.option_checks``), for the extensions the request
+types' descriptor pool knows by then.
 """
 
 from __future__ import annotations
@@ -25,16 +30,25 @@ from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.field_order import field_ordered, needs_field_order
+from grpc_idempotency.core.option_checks import field_option_problem
 from grpc_idempotency.v1 import options_pb2
 
 
-def _is_excluded(field: FieldDescriptor) -> bool:
+def _field_policy(field: FieldDescriptor) -> options_pb2.FieldPolicy | None:
     if not field.has_options:
-        return False
+        return None
     options: Any = field.GetOptions()  # typed loosely: protoc's stubs mistype extensions
     if not options.HasExtension(options_pb2.field):
+        return None
+    policy: options_pb2.FieldPolicy = options.Extensions[options_pb2.field]
+    return policy
+
+
+def _is_excluded(field: FieldDescriptor) -> bool:
+    policy = _field_policy(field)
+    if policy is None:
         return False
-    value = options.Extensions[options_pb2.field].fingerprint
+    value = policy.fingerprint
     if value not in _FINGERPRINT_VALUES:
         # protoc accepts a number that is no value of the enum (``fingerprint: 7``); read as
         # INCLUDE, a field meant to be excluded (a newer option's value, a typo) silently made
@@ -75,6 +89,8 @@ def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str]]:
             continue
         reachable[d.full_name] = d
         stack.extend(f.message_type for f in _message_fields(d))
+    for d in reachable.values():
+        _check_options(d)
     fields = [f for d in reachable.values() for f in d.fields if _is_excluded(f)]
     excluded = {f.full_name for f in fields}
     needs = {
@@ -90,6 +106,23 @@ def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str]]:
                 needs.add(name)
                 changed = True
     return frozenset(needs), frozenset(excluded)
+
+
+def _check_options(message: Descriptor) -> None:
+    """Refuses a ``(grpc_idempotency.v1.field)`` on ``message``'s fields or extensions that the
+    fingerprint would not honour (``option_checks.field_option_problem``): an option setting a
+    field this release does not declare, or one on an extension, which is hashed as sent (an
+    "excluded" extension made every retry that changed it KEY_REUSED).
+
+    The extensions are those its descriptor pool knows now, when the policy is compiled: an
+    extension whose ``_pb2`` module is imported later (or never, by the server) cannot be
+    checked here; the protoc plugin checks every file it generates."""
+    pool: Any = message.file.pool
+    extensions = sorted(pool.FindAllExtensions(message), key=lambda e: e.full_name)
+    for field in [*message.fields, *extensions]:
+        problem = field_option_problem(field, _field_policy(field))
+        if problem is not None:
+            raise PolicyError(problem)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,17 @@ MAX_KEY_LENGTH = 255
 MAX_SCOPE_BYTES = 1024
 """A scope's most UTF-8 bytes: with a key, it must fit one entry of the records' unique index."""
 STEP_NAME = re.compile(r"[a-z][a-z0-9-]*\.v[1-9][0-9]*")
+MAX_STEP_NAME_LENGTH = 128
+"""A step name's most characters (ASCII: bytes too). Not for the child key, a SHA-256 of 64 hex
+characters whatever the name's length, but for where the name itself travels: the value of the
+step header (``wire.STEP_HEADER``, metadata of its own only on a channel without the client
+interceptor, which strips it) and the texts of the errors that name steps (``StepUndeclared``,
+``StepAmbiguous``, ``StepReused``, some listing a method's steps on one target), sent as the
+``grpc-message`` trailer. A receiver refuses metadata past its limit (gRPC's default: 8 KiB):
+with a name of 20,000 characters, a handler naming a wrong step was answered RESOURCE_EXHAUSTED
+("received metadata size exceeds hard limit") instead of the library's error. 128 is twice the
+child key's length, ample for a name and a version ("charge-card.v1"), and keeps a message
+listing dozens of a method's steps under 8 KiB."""
 
 _CHILD_DOMAIN = b"grpc-idempotency/child/v1"
 _LOCK_DOMAIN = b"grpc-idempotency/claim-lock/v1"
@@ -87,7 +98,20 @@ such a scope is refused."""
 
 
 def is_step_name(name: str) -> bool:
-    return STEP_NAME.fullmatch(name) is not None
+    return step_name_problem(name) is None
+
+
+def step_name_problem(name: str) -> str | None:
+    """Why ``name`` is no step name, as ``step name '...' ...``; ``None`` when it is one."""
+    if len(name) > MAX_STEP_NAME_LENGTH:
+        # Not quoted whole: the error would be as long as the name it refuses.
+        return (
+            f"step name {name[:40]!r}... is {len(name)} characters long; a step name has at most"
+            f" {MAX_STEP_NAME_LENGTH}"
+        )
+    if STEP_NAME.fullmatch(name) is None:
+        return f"step name {name!r} does not match {STEP_NAME.pattern}"
+    return None
 
 
 def _lp(value: str) -> bytes:
@@ -105,8 +129,9 @@ def child_key(scope: str, parent_key: str, step: str) -> str:
                 f"child_key: {name} is a str, not {type(value).__name__} (a call served"
                 " without a key has no scope or key to derive child keys from)"
             )
-    if not is_step_name(step):
-        raise ValueError(f"step name {step!r} does not match {STEP_NAME.pattern}")
+    problem = step_name_problem(step)
+    if problem is not None:
+        raise ValueError(problem)
     digest = hashlib.sha256(_CHILD_DOMAIN + _lp(scope) + _lp(parent_key) + _lp(step))
     return digest.hexdigest()
 

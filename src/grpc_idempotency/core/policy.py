@@ -21,7 +21,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.fingerprint import Fingerprinter
-from grpc_idempotency.core.keys import STEP_NAME, is_step_name
+from grpc_idempotency.core.keys import step_name_problem
+from grpc_idempotency.core.option_checks import UNKNOWN_WHY, unknown_fields
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS, NEVER_RECORDED
 from grpc_idempotency.v1 import options_pb2
 
@@ -335,6 +336,11 @@ def compile_policy(
     def fail(problem: str) -> PolicyError:
         return PolicyError(f"{path}: {problem}")
 
+    newer = unknown_fields(options)
+    if newer:
+        # A proto compiled against a later release's options.proto: what this release does not
+        # declare was kept as unknown fields, read by nothing, and the method ran without it.
+        raise fail(f"(grpc_idempotency.v1.method) sets {newer} {UNKNOWN_WHY}")
     if method.client_streaming or method.server_streaming:
         raise fail("idempotency options apply to unary methods only; this method streams")
     level = method.GetOptions().idempotency_level
@@ -466,8 +472,9 @@ def _mode(
 def _check_steps(path: str, steps: tuple[Step, ...]) -> None:
     seen: set[str] = set()
     for step in steps:
-        if not is_step_name(step.name):
-            raise PolicyError(f"{path}: step name {step.name!r} does not match {STEP_NAME.pattern}")
+        problem = step_name_problem(step.name)
+        if problem is not None:
+            raise PolicyError(f"{path}: {problem}")
         if step.name in seen:
             raise PolicyError(f"{path}: step {step.name!r} is declared twice")
         seen.add(step.name)

@@ -24,6 +24,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, un
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import DecodeError
 
+from grpc_idempotency.core import option_checks
 from grpc_idempotency.core.policy import (
     DEFAULT_RETENTION,
     Step,
@@ -163,6 +164,15 @@ def contract_of(fds: Any, *, label: str) -> dict[str, MethodSteps]:
                 policy = _method_policy(method, raw_options.get(method.full_name, b""), label)
                 if policy is not None:
                     where = f"{label}: {method_path(method)}"
+                    unknown = option_checks.unknown_fields(policy)
+                    if unknown:
+                        # A later release's Step (or MethodPolicy) field, which may bear on the
+                        # contract: compared without it, the check could pass what that release
+                        # would call breaking. The server and the generator refuse it too.
+                        raise InputError(
+                            f"{where}: (grpc_idempotency.v1.method) sets {unknown}"
+                            f" {option_checks.UNKNOWN_WHY}"
+                        )
                     contract[method_path(method)] = _method_steps(policy, where)
     return contract
 

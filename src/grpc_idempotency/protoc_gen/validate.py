@@ -7,10 +7,10 @@ neither of ``call`` and ``outbox`` (an outbox step with a call), a keyed method 
 bad ``recorded_error_codes``, an atomic method whose steps call services, bad durations. So the
 generator refuses exactly what a server would refuse at start, with the same words. Added here,
 because only the generator sees every file at once: a step's ``call`` must name a unary method
-declared in one of the request's files. And ``(grpc_idempotency.v1.field)`` on an extension is
-refused: the fingerprint clears declared fields only, so the option would be silently ignored;
-so are options setting fields this release's ``options.proto`` does not declare (a proto
-compiled against a later release's), which neither the generator nor the server would read.
+declared in one of the request's files. ``(grpc_idempotency.v1.field)`` on an extension, and
+options setting fields this release's ``options.proto`` does not declare, are refused as the
+server refuses them (``core.option_checks``), but for every field and extension of each file
+generated, where the server sees only those of its requests' types that it has imported.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool, unknown_fields
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import (
     Descriptor,
     FieldDescriptor,
@@ -26,9 +26,9 @@ from google.protobuf.descriptor import (
     MethodDescriptor,
     ServiceDescriptor,
 )
-from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.option_checks import UNKNOWN_WHY, field_option_problem, unknown_fields
 from grpc_idempotency.core.policy import check_lease, compile_policy, method_path
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options
 from grpc_idempotency.v1 import options_pb2
@@ -70,8 +70,8 @@ def check_file(
 ) -> tuple[KeyedFile, list[str]]:
     """The file's keyed methods, and the errors found, each naming the file and the method."""
     methods: list[KeyedMethod] = []
-    errors = [f"{file.name}: {problem}" for problem in _extension_fingerprints(file)]
-    errors += [f"{file.name}: {problem}" for problem in _newer_field_options(file)]
+    field_problems = _field_option_problems(file)
+    errors = [f"{file.name}: {problem}" for problem in field_problems]
     for service in sorted(file.services_by_name.values(), key=lambda s: s.index):
         for method in service.methods:
             try:
@@ -82,11 +82,13 @@ def check_file(
             if declared is None:
                 continue
             path = method_path(method)
-            unknown = _unknown_fields(declared)
+            unknown = unknown_fields(declared)
             if unknown:
+                # The option as written: compile_policy refuses the same in the descriptor's
+                # view, which declared_options found to agree.
                 errors.append(
                     f"{file.name}: {path}: (grpc_idempotency.v1.method) sets {unknown}"
-                    f" {_UNKNOWN_WHY}"
+                    f" {UNKNOWN_WHY}"
                 )
                 continue
             try:
@@ -94,7 +96,10 @@ def check_file(
                 if policy is not None:
                     check_lease(policy)  # as the server checks it
             except PolicyError as err:
-                errors.append(f"{file.name}: {err.message}")
+                # The server's refusal of a field option of this file (through the request's
+                # fingerprint) is said once, above; one of another file's is said here.
+                if not any(err.message == f"{path}: {p}" for p in field_problems):
+                    errors.append(f"{file.name}: {err.message}")
                 continue
             assert policy is not None  # the method has the option
             calls: list[StepCall] = []
@@ -111,49 +116,21 @@ def check_file(
     return KeyedFile(file, tuple(methods)), errors
 
 
-_UNKNOWN_WHY = (
-    "that this release of grpc-idempotency does not know (the proto imports the options.proto"
-    " of a later release): neither the generated module nor the server would read it; upgrade"
-    ' grpc-idempotency, or import its own options (protoc -I "$(grpc-idempotency'
-    ' include-path)")'
-)
-
-
-def _unknown_fields(message: Message, where: str = "") -> str:
-    """The fields set in ``message`` (and the messages it holds) that its class does not
-    declare, as ``field 11, steps[0] field 5``; empty when there are none."""
-    found = [
-        f"{where}field {field.field_number}"
-        for field in unknown_fields.UnknownFieldSet(message)  # type: ignore[attr-defined]
-    ]
-    for descriptor, value in message.ListFields():
-        if descriptor.cpp_type != descriptor.CPPTYPE_MESSAGE:
-            continue
-        if descriptor.is_repeated:
-            held = [(f"{where}{descriptor.name}[{i}] ", v) for i, v in enumerate(value)]
-        else:
-            held = [(f"{where}{descriptor.name} ", value)]
-        found += [text for prefix, item in held if (text := _unknown_fields(item, prefix))]
-    return ", ".join(found)
-
-
-def _newer_field_options(file: FileDescriptor) -> list[str]:
-    """``_unknown_fields`` of each ``(grpc_idempotency.v1.field)`` in ``file``."""
-    fields: list[FieldDescriptor] = []
+def _field_option_problems(file: FileDescriptor) -> list[str]:
+    """``option_checks.field_option_problem`` of each field and extension declared in ``file``,
+    whether or not a keyed method's request holds it: the server checks those a request holds
+    when it compiles the method's policy, and only the extensions imported by then."""
+    fields: list[FieldDescriptor] = list(file.extensions_by_name.values())
     messages: list[Descriptor] = list(file.message_types_by_name.values())
     while messages:
         message = messages.pop(0)
-        fields += message.fields
+        fields += [*message.fields, *message.extensions]
         messages += message.nested_types
     problems: list[str] = []
     for field in fields:
-        policy = _field_policy(field)
-        unknown = _unknown_fields(policy) if policy is not None else ""
-        if unknown:
-            problems.append(
-                f"field {field.full_name}: (grpc_idempotency.v1.field) sets {unknown}"
-                f" {_UNKNOWN_WHY}"
-            )
+        problem = field_option_problem(field, _field_policy(field))
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 
@@ -169,37 +146,6 @@ def _field_policy(field: FieldDescriptor) -> options_pb2.FieldPolicy | None:
         return None
     policy: options_pb2.FieldPolicy = options.Extensions[options_pb2.field]
     return policy
-
-
-def _extension_fingerprints(file: FileDescriptor) -> list[str]:
-    """An error for each extension of ``file`` whose ``(grpc_idempotency.v1.field)`` says
-    anything but FINGERPRINT_INCLUDE. The fingerprint clears the excluded *fields* of the
-    request's types (``Fingerprinter``); extensions are hashed as sent, so an excluded one was
-    silently kept, and a retry that changed it refused KEY_REUSED."""
-    extensions: list[FieldDescriptor] = list(file.extensions_by_name.values())
-    messages: list[Descriptor] = list(file.message_types_by_name.values())
-    while messages:
-        message = messages.pop(0)
-        extensions += message.extensions
-        messages += message.nested_types
-    problems: list[str] = []
-    for extension in extensions:
-        policy = _field_policy(extension)
-        value = policy.fingerprint if policy is not None else options_pb2.FINGERPRINT_UNSPECIFIED
-        if value in (options_pb2.FINGERPRINT_UNSPECIFIED, options_pb2.FINGERPRINT_INCLUDE):
-            continue
-        said = (
-            "FINGERPRINT_EXCLUDE"
-            if value == options_pb2.FINGERPRINT_EXCLUDE
-            else f"fingerprint {value}"
-        )
-        problems.append(
-            f"extension {extension.full_name}: (grpc_idempotency.v1.field) is not read on an"
-            f" extension ({said}): the fingerprint clears only fields the message declares and"
-            " always hashes an extension as sent, so a retry that changes it would be refused"
-            " KEY_REUSED; make it a field of the message, or remove the option"
-        )
-    return problems
 
 
 def _find_method(
