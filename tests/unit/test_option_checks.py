@@ -34,12 +34,14 @@ def keyed_method(
     field_option: bytes | None = None,
     extension: Callable[[FDP], None] | None = None,
     nested: bool = False,
+    held_exclusion: bool = False,
 ) -> MethodDescriptor:
     """A keyed method in a fresh proto2 file in the default pool. Its request ``Req`` has a
     field ``a`` (with ``field_option``) and, when ``nested``, a field ``inner`` of a message
     ``Inner``. ``extension``: configure an extension ``ext`` of ``Inner`` (``nested``) or
     ``Req``, declared in a second file added to the pool after the first (as a ``_pb2`` module
-    imported alongside)."""
+    imported alongside). ``held_exclusion``: that file also declares ``Held``, holding an
+    ``Inside`` whose field ``y`` is FINGERPRINT_EXCLUDE (for an extension of type ``Held``)."""
     n = next(_counter)
     package = f"optcheck{n}"
     fdp = descriptor_pb2.FileDescriptorProto(
@@ -75,6 +77,17 @@ def keyed_method(
             name=f"option_checks_{n}_ext.proto", package=f"{package}.ext", syntax="proto2"
         )
         ext_file.dependency.extend([fdp.name, OPTIONS])
+        if held_exclusion:
+            inside = ext_file.message_type.add(name="Inside")
+            y = inside.field.add(name="y", number=1, type=FDP.TYPE_STRING, label=FDP.LABEL_OPTIONAL)
+            _excluded(y)
+            ext_file.message_type.add(name="Held").field.add(
+                name="inside",
+                number=1,
+                type=FDP.TYPE_MESSAGE,
+                type_name=f".{package}.ext.Inside",
+                label=FDP.LABEL_OPTIONAL,
+            )
         ext = ext_file.extension.add(
             name="ext",
             number=100,
@@ -170,3 +183,21 @@ def test_an_option_setting_a_field_this_release_does_not_know_is_refused(
     message = caught.value.message
     assert message.startswith(f"/{package}.Svc/Do: {said.format(package=package)}"), message
     assert "upgrade grpc-idempotency" in message
+
+
+def test_an_extension_holding_a_message_with_an_excluded_field_is_refused() -> None:
+    """An extension of a message type is hashed as sent, the inside of its message with it: an
+    excluded field in there was kept as silently as an excluded extension."""
+
+    def holding(ext: FDP) -> None:
+        ext.type = FDP.TYPE_MESSAGE
+        ext.type_name = f".{ext.extendee.rpartition('.')[0].lstrip('.')}.ext.Held"
+
+    method = keyed_method(extension=holding, held_exclusion=True)
+    package = method.containing_service.full_name.rpartition(".")[0]
+    with pytest.raises(PolicyError) as caught:
+        compile_policy(method)
+    message = caught.value.message
+    assert message.startswith(f"/{package}.Svc/Do: extension {package}.ext.ext: ")
+    assert f"{package}.ext.Inside.y" in message
+    assert "FINGERPRINT_EXCLUDE" in message

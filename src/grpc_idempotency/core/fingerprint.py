@@ -123,6 +123,34 @@ def _check_options(message: Descriptor) -> None:
         problem = field_option_problem(field, _field_policy(field))
         if problem is not None:
             raise PolicyError(problem)
+    for extension in extensions:
+        inside = _excluded_inside(extension.message_type) if _holds_messages(extension) else None
+        if inside is not None:
+            # Its message is hashed as sent too, the inside with it: an excluded field in there
+            # was kept as silently as an excluded extension.
+            raise PolicyError(
+                f"extension {extension.full_name}: holds {inside.full_name}, which is"
+                " FINGERPRINT_EXCLUDE, but an extension is fingerprinted as sent, its message"
+                " whole: exclude a field of the request's own types instead"
+            )
+
+
+def _excluded_inside(root: Descriptor) -> FieldDescriptor | None:
+    """The first excluded field declared in ``root`` or a message type it holds (through
+    declared fields: a walk of its own, not ``_exclusion_plan``, whose checks would follow an
+    extension of a type back into that type)."""
+    seen: set[str] = set()
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        if d.full_name in seen:
+            continue
+        seen.add(d.full_name)
+        for field in d.fields:
+            if _is_excluded(field):
+                return field
+        stack.extend(f.message_type for f in _message_fields(d))
+    return None
 
 
 @dataclass(frozen=True, slots=True)
