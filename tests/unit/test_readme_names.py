@@ -377,6 +377,7 @@ OTHER_TOOLS_OPTIONS = frozenset(
         "--grpc_python_out",
         "--include_imports",
         "--listen",
+        "--mypy_grpc_out",
         "--plugin",
         "--pyi_out",
         "--python_out",
