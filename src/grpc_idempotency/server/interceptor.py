@@ -400,10 +400,11 @@ class IdempotencyInterceptor(_Interceptor):
             policy = self._registry.get(path)
         except PolicyError as err:
             # The registry keeps the error: log it once (by error, not by path: a misspelt
-            # override refuses every path of its service, and the paths are the client's).
+            # override refuses every path of its service, and the paths are the client's: gRPC
+            # passes a newline or an ESC in one through, hence escaped).
             if err not in self._reported:
                 self._reported.add(err)
-                log.exception("bad idempotency options on %s", path)
+                log.exception("bad idempotency options on %s", loggable(path))
             return _refusing(handler, err)
         if policy is None:
             return handler
