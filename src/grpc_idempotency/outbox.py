@@ -59,6 +59,7 @@ from grpc_idempotency.core.errors import (
     PermanentDeliveryError,
     StoreUnavailable,
 )
+from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
 from grpc_idempotency.scope import tenant_header
@@ -520,6 +521,8 @@ class Relay:
                         error=outcome.error,
                     )
                 )
+                # The error quotes the receiver's status message or the sink's exception:
+                # escaped for the log (a newline forged lines), stored as it came.
                 if delay is None:
                     log.warning(
                         "outbox row %d (%s, key %s) is a dead letter after %d claim(s): %s",
@@ -527,7 +530,7 @@ class Relay:
                         message.step,
                         message.key,
                         message.attempts,
-                        outcome.error,
+                        loggable(outcome.error),
                     )
                 else:
                     log.info(
@@ -535,7 +538,7 @@ class Relay:
                         message.id,
                         message.attempts,
                         delay,
-                        outcome.error,
+                        loggable(outcome.error),
                     )
         # An outcome that cannot be recorded (the database fails here) leaves the rows claimed:
         # they are delivered again when the lease expires. The rows marked sent before such a

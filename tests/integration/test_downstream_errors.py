@@ -34,11 +34,12 @@ class Downstream:
 
     failures: int = 1_000_000
     calls: int = 0
+    details: str = SECRET
 
     async def handle(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         self.calls += 1
         if self.calls <= self.failures:
-            await context.abort(getattr(grpc.StatusCode, request.decode()), SECRET)
+            await context.abort(getattr(grpc.StatusCode, request.decode()), self.details)
         return b"ok"
 
 
@@ -148,6 +149,34 @@ async def test_any_other_downstream_status_is_internal_with_a_fixed_message(
     assert await ledger_rows(store, account) == 0
     logged = [r for r in caplog.records if r.name == "grpc_idempotency.server"]
     assert any(r.levelno == logging.ERROR and SECRET in r.getMessage() for r in logged)
+
+
+# A downstream's status message may quote what its caller sent: a forged log line after a
+# newline, an ESC sequence that moves a terminal's cursor up and erases a line, a bidi override.
+FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.server: ok"
+INJECTED = f"busy\n{FORGED}\x1b[1A\x1b[2K\u202eoops"
+
+
+@pytest.mark.parametrize(("code", "level"), [("UNAVAILABLE", "WARNING"), ("NOT_FOUND", "ERROR")])
+async def test_a_downstreams_status_message_cannot_forge_or_rewrite_the_servers_log_lines(
+    store: Store, caplog: pytest.LogCaptureFixture, code: str, level: str
+) -> None:
+    """The downstream's details go to the server's log, through the application's own handler
+    and formatter: a newline in them added a forged line, an ESC sequence rewrote a terminal's.
+    The record's message is one line, the details shown escaped."""
+    async with chain(store) as c:
+        c.downstream.details = INJECTED
+        with caplog.at_level(logging.WARNING, logger="grpc_idempotency.server"):
+            await c.call(code, fresh(), fresh("acct"))
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    (line,) = [
+        formatter.formatMessage(r)
+        for r in caplog.records
+        if r.name == "grpc_idempotency.server" and "a downstream call failed" in r.getMessage()
+    ]
+    assert line.startswith(level), line
+    assert not any(c in line for c in "\n\r\x1b\u202e"), line
+    assert f"busy\\n{FORGED}\\x1b[1A\\x1b[2K\\u202eoops" in line  # shown, escaped
 
 
 async def test_gRPCs_retry_policy_retries_a_passed_through_unavailable_to_success(

@@ -866,6 +866,68 @@ async def test_a_sink_header_grpc_would_refuse_is_not_quoted_in_the_dead_letter(
     assert "s3cr3t" not in error and "t0k" not in error, error
 
 
+# What a receiver's status message (or a sink's exception) may hold: a forged log line after a
+# newline, an ESC sequence that moves a terminal's cursor up and erases a line, a bidi override.
+FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.outbox: relay r: delivered"
+INJECTED = f"busy\n{FORGED}\x1b[1A\x1b[2K\u202eoops"
+
+
+def rendered(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
+    """The messages of ``logger``'s records as a plain formatter an application configures
+    renders them (no traceback: that is the exception's text, not the library's message)."""
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    return [formatter.formatMessage(r) for r in caplog.records if r.name == logger if r.message]
+
+
+@pytest.mark.parametrize(("code", "level"), [("UNAVAILABLE", "INFO"), ("NOT_FOUND", "WARNING")])
+async def test_a_receivers_status_message_cannot_forge_or_rewrite_the_relays_log_lines(
+    outbox: Store, caplog: pytest.LogCaptureFixture, code: str, level: str
+) -> None:
+    """A failed delivery is logged with its error, which quotes the receiving server's status
+    message (its caller's input, perhaps): in the application's own log handler a newline in it
+    added a forged line and an ESC sequence rewrote a terminal's (the CLI's formatter escaped
+    them, no other did). Retried (INFO) or a dead letter (WARNING), it is one escaped line."""
+
+    def refuse(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(getattr(grpc.StatusCode, code), INJECTED)
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("a.B", {"C": grpc.unary_unary_rpc_method_handler(refuse)})]
+    )  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await insert(outbox, outbox.schema, ["refused-row"])
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        with caplog.at_level(logging.INFO, logger="grpc_idempotency.outbox"):
+            assert await Relay(outbox, GrpcSink(channel, "/a.B/C")).run_once() == 0
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+    assert INJECTED in str((await row(outbox, "refused-row"))["last_error"])  # stored as said
+    (line,) = [m for m in rendered(caplog, "grpc_idempotency.outbox") if f"/a.B/C: {code}" in m]
+    assert line.startswith(level), line
+    assert not any(c in line for c in "\n\r\x1b\u202e"), line
+    assert f"busy\\n{FORGED}\\x1b[1A\\x1b[2K\\u202eoops" in line  # shown, escaped
+
+
+async def test_a_sinks_exception_text_cannot_forge_the_relays_log_lines(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sink's own exception (a broker client's) may quote what the broker answered."""
+
+    async def fail(message: OutboxMessage) -> None:
+        raise RuntimeError(INJECTED)
+
+    await insert(outbox, outbox.schema, ["sink-fails-row"])
+    with caplog.at_level(logging.INFO, logger="grpc_idempotency.outbox"):
+        assert await Relay(outbox, CallableSink(fail)).run_once() == 0
+    (line,) = [m for m in rendered(caplog, "grpc_idempotency.outbox") if "RuntimeError" in m]
+    assert not any(c in line for c in "\n\r\x1b\u202e"), line
+    assert "RuntimeError: busy\\n" in line
+
+
 def test_relay_arguments_are_checked() -> None:
     sink = CallableSink(lambda m: asyncio.sleep(0))
     store: Store = object()  # type: ignore[assignment]

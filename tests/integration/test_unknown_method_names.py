@@ -80,3 +80,40 @@ async def test_made_up_names_under_a_misspelt_override_are_refused_and_logged_on
         await server.stop(None)
     logged = [r for r in caplog.records if "bad idempotency options" in r.getMessage()]
     assert len(logged) == 1, f"logged {len(logged)} times"
+
+
+async def test_a_made_up_method_name_cannot_forge_or_rewrite_the_servers_log_lines(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The path logged with a misspelt override's error is the first one a client sent under
+    the service, and gRPC passes a newline or an ESC in it through: in the application's own
+    log handler it added a forged line, or rewrote a terminal's. Logged escaped."""
+    package = f"madeup{uuid.uuid4().hex[:12]}"
+    interceptor = IdempotencyInterceptor(
+        store, overrides={f"{package}.Svc/Chrage": MethodOverride()}, scope=StaticScope("t:a")
+    )
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
+    fdp.message_type.add(name="Req")
+    fdp.service.add(name="Svc").method.add(
+        name="Charge", input_type=f".{package}.Req", output_type=f".{package}.Req"
+    )
+    descriptor_pool.Default().Add(fdp)
+    server = grpc.aio.server(interceptors=[interceptor])
+    server.add_generic_rpc_handlers((CatchAll(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    forged = "2026-01-01 00:00:00,000 INFO grpc_idempotency.server: ok"
+    path = f"/{package}.Svc/X\n{forged}\x1b[1A\x1b[2K\u202eoops"
+    try:
+        with caplog.at_level(logging.ERROR, logger="grpc_idempotency"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await channel.unary_unary(path, None, None)(b"hello", timeout=10)
+    finally:
+        await server.stop(None)
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    (line,) = [
+        formatter.formatMessage(r) for r in caplog.records if "bad idempotency" in r.getMessage()
+    ]
+    assert not any(c in line for c in "\n\r\x1b\u202e"), line
+    assert f"X\\n{forged}\\x1b[1A\\x1b[2K\\u202eoops" in line  # shown, escaped

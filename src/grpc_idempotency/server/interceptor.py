@@ -78,6 +78,7 @@ from grpc_idempotency.core.lifecycle import (
     transition,
     wait_budget_s,
 )
+from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.core.policy import (
     KeyRequirement,
     MethodOverride,
@@ -399,10 +400,11 @@ class IdempotencyInterceptor(_Interceptor):
             policy = self._registry.get(path)
         except PolicyError as err:
             # The registry keeps the error: log it once (by error, not by path: a misspelt
-            # override refuses every path of its service, and the paths are the client's).
+            # override refuses every path of its service, and the paths are the client's: gRPC
+            # passes a newline or an ESC in one through, hence escaped).
             if err not in self._reported:
                 self._reported.add(err)
-                log.exception("bad idempotency options on %s", path)
+                log.exception("bad idempotency options on %s", loggable(path))
             return _refusing(handler, err)
         if policy is None:
             return handler
@@ -1203,12 +1205,15 @@ def _downstream_failed(method: str, err: grpc.aio.AioRpcError | grpc.Call) -> De
     through, any other is INTERNAL: the downstream's answer is not this method's. Either way
     with a fixed message (the details go to the log) and the key released."""
     code = err.code()
+    # The downstream's details are its text (perhaps quoting its own caller's): escaped, or a
+    # newline in them forged lines of the application's log.
+    details = loggable(str(err.details()))
     if code in _DOWNSTREAM_PASSED:
         log.warning(
             "%s: a downstream call failed with %s (%s); passed on, the key released",
             method,
             code.name,
-            err.details(),
+            details,
         )
         return DeferredAbort(code, f"a downstream call failed ({code.name}); retry", ())
     log.error(
@@ -1216,7 +1221,7 @@ def _downstream_failed(method: str, err: grpc.aio.AioRpcError | grpc.Call) -> De
         " answering INTERNAL, the key released",
         method,
         getattr(code, "name", code),
-        err.details(),
+        details,
         exc_info=err if isinstance(err, BaseException) else False,
     )
     return DeferredAbort(
