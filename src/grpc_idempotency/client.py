@@ -49,10 +49,11 @@ from grpc_idempotency.core.wire import (
 )
 from grpc_idempotency.registry import PolicyRegistry, Services
 
-# A typed stub's (grpc-stubs, mypy-protobuf's grpc stubs) request and response: what call() takes
-# and returns, so a typed caller keeps its types; protoc's untyped stubs give Any as before.
 RequestT = TypeVar("RequestT")
+"""A typed stub's request type (grpc-stubs, mypy-protobuf's grpc stubs): what ``Operation.call``
+takes. protoc's own, untyped stubs make it ``Any``."""
 ResponseT = TypeVar("ResponseT")
+"""A typed stub's response type: what ``Operation.call`` returns, so a typed caller keeps it."""
 
 _operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
 _step: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_idempotency_step")
