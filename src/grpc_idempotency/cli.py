@@ -90,7 +90,11 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        for arg in self._given:
+        quoted = list(self._given)
+        # --OPTION=VALUE: an option's type that refuses VALUE quotes VALUE alone ("not a
+        # number: '...'"), which the whole argument, masked, does not contain.
+        quoted += [a.partition("=")[2] for a in self._given if a.startswith("-") and "=" in a]
+        for arg in quoted:
             masked = safe_dsn(arg) if "://" in arg or "password" in arg.lower() else arg
             if masked != arg:  # quoted as given, or as its repr ("invalid choice: '...'")
                 message = message.replace(repr(arg), repr(masked)).replace(arg, masked)

@@ -200,7 +200,12 @@ def safe_dsn(dsn: str) -> str:
     userinfo, at, hosts = parts.netloc.rpartition("@")
     user, colon, _password = userinfo.partition(":")
     netloc = f"{user}{colon and ':' + _MASK}{at}{hosts}"
-    return urlunsplit(parts._replace(netloc=netloc, query=_mask_query(parts.query)))
+    masked = urlunsplit(parts._replace(netloc=netloc, query=_mask_query(parts.query)))
+    if not netloc:
+        # urlunsplit drops an empty authority: a unix socket's postgresql:///app?host=/run/pg
+        # was shown as postgresql:/app?host=/run/pg, a DSN that is not the one given.
+        masked = f"{parts.scheme}://{masked[len(parts.scheme) + 1 :]}"
+    return masked
 
 
 def _mask_query(query: str) -> str:

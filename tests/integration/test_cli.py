@@ -273,6 +273,9 @@ def test_an_unmigrated_schema_says_what_to_run(pg_dsn: str) -> None:
         ("postgresql://u@db/app?password=hunter22&sslmode=require",
          "postgresql://u@db/app?password=***&sslmode=require"),
         ("postgres://u:p%40ss@/app?host=/run/pg", "postgres://u:***@/app?host=/run/pg"),
+        # No authority at all (a unix socket): shown as given, not as "postgresql:/app".
+        ("postgresql:///app?host=/run/pg&password=hunter22",
+         "postgresql:///app?host=/run/pg&password=***"),
         ("host=db user=u password='hun ter' dbname=app", "host=db user=u password=*** dbname=app"),
         ("postgresql://u@db/app", "postgresql://u@db/app"),
         # Unencoded / ? # @ in the password: URL parsing cuts it into host, path, query or

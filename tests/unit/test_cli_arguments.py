@@ -234,6 +234,10 @@ SECRET_DSN = "postgresql://app:hunter22@db.internal:5432/shop"
         ["export-protos", "out", f"--dsn={SECRET_DSN}"],
         [SECRET_DSN],  # no command: "invalid choice: '...'"
         ["purge", "--dsn", SECRET_DSN, "host=db password=hunter22"],  # keyword form
+        # --OPTION=VALUE to an option whose type refuses it: argparse quotes the value alone
+        ["migrate", f"--command-timeout={SECRET_DSN}"],
+        ["migrate", f"--schema={SECRET_DSN}"],
+        ["outbox", "dead", "--limit=host=db password=hunter22"],
     ],
 )
 def test_a_dsn_that_argparse_quotes_back_has_its_password_masked(
