@@ -794,7 +794,13 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         # was logged with its traceback as on_listening's bug, and the clean stop exited 141.
         try:
             print(line, flush=True)
-        except (BrokenPipeError, OutputFailed):
+        except (BrokenPipeError, OutputFailed) as err:
+            # Said once, on stderr: a supervisor waiting for the "ready" line would otherwise
+            # wait with nothing to say why.
+            logging.getLogger("grpc_idempotency.relay").warning(
+                "stdout cannot be written (%s): the relay goes on; its stdout lines are dropped",
+                err,
+            )
             # The rest of stdout, what is still buffered too, goes to /dev/null.
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())

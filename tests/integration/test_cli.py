@@ -1026,6 +1026,8 @@ async def test_a_relay_whose_stdout_reader_went_goes_on_and_stops_cleanly(pg_dsn
     stderr = "".join(logged) + err.decode()
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+    # Said once, so that a supervisor's wait for the ready line has a reason to show.
+    assert stderr.count("stdout cannot be written") == 1, stderr
 
 
 FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.outbox: relay r: delivered"
