@@ -22,7 +22,7 @@ from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 import asyncpg
 
 from grpc_idempotency.core.errors import DsnUnusable, StoreMisconfigured, StoreUnavailable
-from grpc_idempotency.core.keys import CONTROL_CHARACTERS
+from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.stop_signals import catchable
 from grpc_idempotency.store.dsn_files import at_in_user_info, in_doubt, unsendable, unusable_file
 from grpc_idempotency.store.errors import dsn_unusable, session_refused
@@ -88,9 +88,9 @@ def printable(text: str) -> str:
     """``text`` with its control characters shown as escapes (``\\n``, ``\\x1b``), newlines
     included: stored text that a client or a downstream service chose (a recorded error's
     message, a delivery's last error) could otherwise add lines to an operator's output or,
-    on a terminal, move the cursor and overwrite lines already printed."""
-    # C0 controls, DEL and C1 controls: a terminal acts on them (ESC [ 1 A moves the cursor up).
-    return CONTROL_CHARACTERS.sub(lambda m: repr(m.group())[1:-1], text)
+    on a terminal, move the cursor and overwrite lines already printed. The same escapes as
+    the library's log lines (``core.log_text``): line separators and bidi overrides too."""
+    return loggable(text)
 
 
 def one_line(text: str, limit: int = 160) -> str:

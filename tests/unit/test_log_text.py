@@ -24,3 +24,14 @@ from grpc_idempotency.core.log_text import loggable
 def test_controls_separators_and_bidi_overrides_are_escaped(text: str, shown: str) -> None:
     assert loggable(text) == shown
     assert len(loggable(text).splitlines()) <= 1
+
+
+def test_the_commands_output_escapes_as_the_log_does() -> None:
+    """``inspect``, ``list`` and ``outbox dead`` show stored text (a recorded error's message, a
+    delivery's last error) through ``printable``: a bidi override or a line separator in it
+    reordered or split what the operator read, as in a log line."""
+    from grpc_idempotency.cli_errors import printable
+
+    text = "refund \u202e0001$\u202c ok\u2028INFO forged\x1b[2K"
+    assert printable(text) == loggable(text)
+    assert "\u202e" not in printable(text) and "\u2028" not in printable(text)
