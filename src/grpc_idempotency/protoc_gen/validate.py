@@ -8,9 +8,11 @@ bad ``recorded_error_codes``, an atomic method whose steps call services, bad du
 generator refuses exactly what a server would refuse at start, with the same words. Added here,
 because only the generator sees every file at once: a step's ``call`` must name a unary method
 declared in one of the request's files. And ``(grpc_idempotency.v1.field)`` on an extension is
-refused: the fingerprint clears declared fields only, so the option would be silently ignored;
-so are options setting fields this release's ``options.proto`` does not declare (a proto
-compiled against a later release's), which neither the generator nor the server would read.
+refused (unless FINGERPRINT_INCLUDE, what happens anyway), and so is an excluded field that a
+keyed method's request can carry inside an extension's value: the fingerprint clears declared
+fields only, so the option would be silently ignored. So are options setting fields this
+release's ``options.proto`` does not declare (a proto compiled against a later release's), which
+neither the generator nor the server would read.
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def check_file(
                 errors.append(f"{file.name}: {err.message}")
                 continue
             assert policy is not None  # the method has the option
+            errors += [
+                f"{file.name}: {path}: {problem}"
+                for problem in _excluded_in_extensions(method.input_type, pool)
+            ]
             calls: list[StepCall] = []
             # Retired steps key no calls: their target may be gone.
             for step in policy.steps:
@@ -171,6 +177,52 @@ def _field_policy(field: FieldDescriptor) -> options_pb2.FieldPolicy | None:
     return policy
 
 
+def _excluded_in_extensions(request: Descriptor, pool: descriptor_pool.DescriptorPool) -> list[str]:
+    """An error for each field marked anything but FINGERPRINT_INCLUDE that a ``request`` can
+    carry inside an extension's value (of any file of the request, of any message the request
+    holds). ``Fingerprinter`` clears excluded fields through declared fields only: an
+    extension's value, excluded fields and all, is hashed as sent, so a retry that changed one
+    was refused KEY_REUSED. The same type's exclusions where it is a declared field still hold:
+    a type only an extension of no request's message holds is not refused."""
+    problems: list[str] = []
+    # (type, the extension it is inside of, or None): its fields, and the extensions of it.
+    seen: set[tuple[str, str | None]] = set()
+    stack: list[tuple[Descriptor, FieldDescriptor | None]] = [(request, None)]
+    while stack:
+        message, inside = stack.pop()
+        state = (message.full_name, None if inside is None else inside.full_name)
+        if state in seen:
+            continue
+        seen.add(state)
+        held = [(f, inside) for f in message.fields]
+        held += [(e, inside or e) for e in pool.FindAllExtensions(message)]
+        for field, within in held:
+            policy = _field_policy(field) if within is not None and within is not field else None
+            if policy is not None and policy.fingerprint not in (
+                options_pb2.FINGERPRINT_UNSPECIFIED,
+                options_pb2.FINGERPRINT_INCLUDE,
+            ):
+                assert within is not None
+                problems.append(
+                    f"extension {within.full_name} holds {field.full_name}, marked"
+                    f" {_fingerprint_name(policy.fingerprint)}: the fingerprint clears excluded"
+                    " fields through the request's declared fields only, and hashes an"
+                    " extension's value as sent, so a retry that changes it would be refused"
+                    " KEY_REUSED; make the extension a field of the message, or remove the"
+                    " option"
+                )
+            # A group (proto2) or DELIMITED field holds a message too (CPPTYPE_MESSAGE).
+            if field.cpp_type == field.CPPTYPE_MESSAGE and field.message_type is not None:
+                stack.append((field.message_type, within))
+    return sorted(set(problems))
+
+
+def _fingerprint_name(value: int) -> str:
+    if value == options_pb2.FINGERPRINT_EXCLUDE:
+        return "FINGERPRINT_EXCLUDE"
+    return f"fingerprint {value}"
+
+
 def _extension_fingerprints(file: FileDescriptor) -> list[str]:
     """An error for each extension of ``file`` whose ``(grpc_idempotency.v1.field)`` says
     anything but FINGERPRINT_INCLUDE. The fingerprint clears the excluded *fields* of the
@@ -188,11 +240,7 @@ def _extension_fingerprints(file: FileDescriptor) -> list[str]:
         value = policy.fingerprint if policy is not None else options_pb2.FINGERPRINT_UNSPECIFIED
         if value in (options_pb2.FINGERPRINT_UNSPECIFIED, options_pb2.FINGERPRINT_INCLUDE):
             continue
-        said = (
-            "FINGERPRINT_EXCLUDE"
-            if value == options_pb2.FINGERPRINT_EXCLUDE
-            else f"fingerprint {value}"
-        )
+        said = _fingerprint_name(value)
         problems.append(
             f"extension {extension.full_name}: (grpc_idempotency.v1.field) is not read on an"
             f" extension ({said}): the fingerprint clears only fields the message declares and"
