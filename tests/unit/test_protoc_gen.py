@@ -603,6 +603,67 @@ def test_a_fingerprint_include_on_an_extension_is_generated(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
 
 
+EXTENSION_HOLDER = """\
+syntax = "proto2";
+package ext.v1;
+import "grpc_idempotency/v1/options.proto";
+message Meta {
+  optional string trace = 1 [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE];
+  optional string note = 2;
+}
+message Req { optional string x = 1; optional Meta meta = 2; extensions 100 to 199; }
+message Event { extensions 100 to 199; }
+message Res {}
+service Svc { rpc Do(Req) returns (Res) { option (grpc_idempotency.v1.method) = {}; } }
+"""
+EXCLUDED_INSIDE_EXTENSIONS = {
+    # Of the request, in the keyed method's file.
+    "same file": (
+        {"ext/v1/e.proto": EXTENSION_HOLDER + "extend Req { optional Meta extra = 100; }\n"},
+        "ext/v1/e.proto",
+        "ext.v1.extra",
+    ),
+    # Declared in another file generated with it: a request carrying it is hashed alike.
+    "another file": (
+        {
+            "ext/v1/e.proto": EXTENSION_HOLDER,
+            "ext/v1/more.proto": 'syntax = "proto2";\npackage ext.v1;\nimport "ext/v1/e.proto";\n'
+            "extend Req { optional Meta extra = 100; }\n",
+        },
+        "ext/v1/e.proto",
+        "ext.v1.extra",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXCLUDED_INSIDE_EXTENSIONS))
+def test_an_excluded_field_inside_a_requests_extension_is_an_error(
+    tmp_path: Path, case: str
+) -> None:
+    """The fingerprint clears excluded fields through the request's declared fields only: inside
+    an extension's value (a message whose field is FINGERPRINT_EXCLUDE) they are hashed as sent,
+    so a retry that changed one was refused KEY_REUSED, generated without a word."""
+    files, generated, extension = EXCLUDED_INSIDE_EXTENSIONS[case]
+    done = run_on(tmp_path, files)
+    assert_fails(
+        done,
+        f"--grpc-idempotency_out: {generated}: /ext.v1.Svc/Do: extension {extension}: holds"
+        " ext.v1.Meta.trace, which is FINGERPRINT_EXCLUDE",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert generated_files(tmp_path / "out") == {}
+
+
+def test_an_excluded_field_inside_an_extension_no_request_carries_is_generated(
+    tmp_path: Path,
+) -> None:
+    """Meta's exclusion holds where it is a declared field (Req.meta); as the value of an
+    extension of a message no keyed method takes, it is no request's: not refused."""
+    text = EXTENSION_HOLDER + "extend Event { optional Meta extra = 100; }\n"
+    done = run_on(tmp_path, {"ext/v1/e.proto": text})
+    assert done.returncode == 0, done.stderr
+
+
 JSON_NAME_CONFLICT = """\
 syntax = "proto2";
 package jn.v1;

@@ -3,7 +3,8 @@
 fingerprint = SHA-256( lp(full method name) || deterministic serialization of the request after
 clearing every field marked ``(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE`` )
 
-Clearing is recursive through nested messages, repeated fields and map values. The plan of what
+Clearing is recursive through nested messages, repeated fields and map values, never into an
+extension's value (hashed as sent: the protoc plugin refuses an exclusion there). The plan of what
 to clear is computed once per message type; a type with nothing to clear is hashed without a copy.
 Deterministic serialization makes the result independent of map order and of the client's
 serializer, so it is stable across processes and restarts. Fields the server's proto does not
