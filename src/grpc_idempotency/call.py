@@ -17,8 +17,10 @@ another connection for them: its writes would commit even when the outcome does 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import itertools
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
@@ -96,13 +98,28 @@ class IdempotentCall:
         """Downstream calls started through the client interceptor and not finished yet."""
         self.step_calls = StepCalls()
         """The steps this attempt has called (a step is one call)."""
+        self._waiting: set[concurrent.futures.Future[Any]] = set()
+        """What sync handlers' threads wait for in ``run`` (added and removed on those threads,
+        cancelled on the loop by ``end``: the lock)."""
+        self._waiting_lock = threading.Lock()
 
     def end(self) -> asyncio.Future[PooledConnection] | None:
         """The call is over (answered, failed or cancelled): from now on the handler, or a thread
         it left running, gets no transaction and runs no statement through ``run``. Returns the
         final transaction's opening if one was started: cancelled now if it was still under way
-        (the driver waits for it, then commits or releases what it opened)."""
+        (the driver waits for it, then commits or releases what it opened).
+
+        A thread still waiting in ``run`` stops waiting (``NotInIdempotentCall``), and what it
+        waited for on the loop is cancelled, as an async handler's awaits are: a downstream call
+        that never answered held the thread, one of the sync pool's few, for good. And once the
+        server has stopped, the loop may stop without running or cancelling it (a loop closed
+        by hand, as grpc's examples do): the thread waited for ever, and the process never
+        exited (the pool's threads are joined at exit)."""
         self._ended = True
+        with self._waiting_lock:
+            waiting = list(self._waiting)
+        for future in waiting:
+            future.cancel()
         if self._opening is not None and not self._opening.done():
             self._opening.cancel()
         return self._opening
@@ -114,10 +131,13 @@ class IdempotentCall:
 
     def _check_open(self) -> None:
         if self._ended:
-            raise NotInIdempotentCall(
-                f"{self.method}: the call is over (answered, failed or its client went); its"
-                " transaction is gone"
-            )
+            raise self._over()
+
+    def _over(self) -> NotInIdempotentCall:
+        return NotInIdempotentCall(
+            f"{self.method}: the call is over (answered, failed or its client went); its"
+            " transaction is gone"
+        )
 
     @property
     def phased(self) -> bool:
@@ -227,7 +247,8 @@ class IdempotentCall:
         Refused once the call is over: a cancelled sync handler's thread runs on (Python cannot
         stop it), and a statement it sent after the call's ROLLBACK would run outside any
         transaction and commit. The check runs on the loop, where the call ends, so it cannot
-        race the rollback.
+        race the rollback. A thread waiting here when the call ends stops waiting (``end``):
+        ``NotInIdempotentCall`` either way.
 
         Called on the loop's own thread (from an async handler, which awaits instead), it
         raises ``RuntimeError``: waiting there for the loop it blocks, it froze the whole
@@ -243,7 +264,24 @@ class IdempotentCall:
                 " thread; an async handler awaits the statement instead (run() here would block"
                 " the event loop it waits for)"
             )
-        return asyncio.run_coroutine_threadsafe(self._guarded(coro), self.loop).result()
+        if self._ended:
+            # Not handed to the loop: once the server has stopped, it may never run it again.
+            coro.close()
+            self._check_open()
+        future = asyncio.run_coroutine_threadsafe(self._guarded(coro), self.loop)
+        with self._waiting_lock:
+            self._waiting.add(future)
+        if self._ended:  # ended since the check, maybe before ``end`` could see ``future``
+            future.cancel()
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            if not self._ended:
+                raise  # cancelled on the loop, not by the call's end: the coroutine's own
+            raise self._over() from None  # not a bare CancelledError
+        finally:
+            with self._waiting_lock:
+                self._waiting.discard(future)
 
     async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._ended:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from grpc_idempotency.testing import EmbeddedPostgres
+from grpc_idempotency.testing import EmbeddedPostgres, _postmaster
 from grpc_idempotency.testing._postmaster import alive, clean_up
 from tests.support.waiting import until
 
@@ -28,7 +28,7 @@ from tests.support.waiting import until
 CHILD = """
 import json, os, signal, sys
 
-from grpc_idempotency.testing import EmbeddedPostgres
+from grpc_idempotency.testing import EmbeddedPostgres, _postmaster
 
 mode, data_dir = sys.argv[1], sys.argv[2] or None
 pg = EmbeddedPostgres(data_dir, durable=False)
@@ -110,6 +110,58 @@ def reachable_dir() -> Iterator[Path]:
 
 def _gone(path: str) -> bool:
     return not Path(path).exists()
+
+
+_NOBODY = 65534
+
+
+def test_a_pid_file_naming_another_accounts_process_still_removes_the_dirs() -> None:
+    """The owner dies after its postmaster did (the OOM killer's SIGKILL), leaving
+    postmaster.pid behind, and the pid is another account's process by then (reused: 32768 pids
+    on many machines). The watchdog could not signal it, died of the PermissionError, and left
+    the instance's directories behind. That process is no server of ours: they are deleted.
+
+    Another account's process: pid 1's, the watchdog run as another account than its own."""
+    as_other: tuple[str, ...] = ()
+    uid = os.geteuid()
+    if uid == 0:
+        setpriv = shutil.which("setpriv") or shutil.which("setpriv", path="/usr/bin:/bin")
+        if setpriv is None:
+            pytest.skip("as root, the watchdog runs as nobody through setpriv: not found")
+        as_other = (setpriv, f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--")
+        uid = _NOBODY
+    if os.stat("/proc/1").st_uid == uid:
+        pytest.skip("pid 1 is this account's: no other account's process to name")
+    parent = Path(tempfile.mkdtemp(prefix="gi-watchdog-test-"))
+    try:
+        data_dir, socket_dir = parent / "data", parent / "socket"
+        for path in (parent, data_dir, socket_dir):
+            path.mkdir(exist_ok=True)
+            os.chown(path, uid, -1)
+        (data_dir / "postmaster.pid").write_text(
+            f"1\n{data_dir}\n1700000000\n{PORT}\n{socket_dir}\nlocalhost\n"
+        )
+        read_end, write_end = os.pipe()
+        args = [str(read_end), str(data_dir), str(socket_dir), str(PORT)]
+        owned = [str(data_dir), str(socket_dir)]
+        watchdog = subprocess.Popen(
+            [*as_other, sys.executable, "-I", "-S", _postmaster.__file__, *args, *owned],
+            pass_fds=(read_end,),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        os.close(read_end)
+        os.close(write_end)  # the owner's end: the watchdog acts
+        try:
+            _, stderr = watchdog.communicate(timeout=DEADLINE_S)
+        finally:
+            if watchdog.poll() is None:
+                watchdog.kill()
+                watchdog.wait()
+        assert watchdog.returncode == 0, stderr
+        assert not data_dir.exists() and not socket_dir.exists(), stderr
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kill", ["process", "process-group"])
@@ -197,7 +249,7 @@ def test_close_ends_and_reaps_the_one_watchdog_of_an_instance() -> None:
 FORKED_START = textwrap.dedent(
     """
     import os, sys
-    from grpc_idempotency.testing import EmbeddedPostgres
+    from grpc_idempotency.testing import EmbeddedPostgres, _postmaster
 
     pg = EmbeddedPostgres(durable=False)
     pg.start()

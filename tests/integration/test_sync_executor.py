@@ -5,6 +5,7 @@ pool (re)connects."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import timedelta
@@ -17,7 +18,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import IdempotencyInterceptor, MethodOverride, Mode, Store
 from grpc_idempotency.testing import EmbeddedPostgres
-from tests.e2e.procs import ledger_process
+from tests.e2e.procs import ServiceProcess, ledger_process
 from tests.support.ledger import POST, fresh, ledger_rows, metadata, prepare, running_ledger
 from tests.support.pgbouncer import free_port
 from tests.support.waiting import until
@@ -118,6 +119,83 @@ async def test_call_run_from_the_event_loop_fails_the_call_instead_of_freezing_t
         served = await call_raw(channel, POST, fine, metadata(fresh()), 5)
         assert served.code is grpc.StatusCode.OK, served
     assert await ledger_rows(store, account) == 1  # the second call's row only
+
+
+async def test_a_sync_handler_waiting_in_call_run_stops_waiting_when_its_call_ends(
+    store: Store,
+) -> None:
+    """A sync handler's thread waits in ``current_call().run(...)`` for a coroutine on the loop
+    (a downstream call not answered yet); its client goes. The thread waited on until the
+    coroutine ended, for good if it never did, one of the sync pool's few threads lost with it
+    (an async handler's await is cancelled with its call). It stops waiting at the call's end,
+    with ``NotInIdempotentCall``, not a bare ``CancelledError``."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1, behaviour="wait-on-loop")
+    async with running_ledger(store) as ledger:
+        service = ledger.service
+        try:
+            pending = asyncio.ensure_future(ledger.call(SYNC, request, fresh()))
+            await until("the handler waiting in call.run", service.sync_started.is_set)
+            pending.cancel()  # the client goes
+            await asyncio.wait([pending])
+            await until("the handler's thread no longer waiting", lambda: service.sync_outcomes, 5)
+        finally:
+            service.release.set()  # lets a thread still waiting go: the test must not hang
+    assert service.sync_outcomes == ["NotInIdempotentCall"]
+
+
+async def test_a_sync_handler_sending_its_metadata_after_its_call_ended_is_told_so(
+    store: Store,
+) -> None:
+    """``context.send_initial_metadata`` from a sync handler whose call is over (its client
+    gone) raised grpc's internal errors (``ExecuteBatchError``; ``_ServerStoppedError`` once the
+    server had stopped). It is refused as ``current_call().run`` is: ``NotInIdempotentCall``."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="block-then-metadata")
+    async with running_ledger(store) as ledger:
+        service = ledger.service
+        try:
+            pending = asyncio.ensure_future(ledger.call(SYNC, request, fresh()))
+            await until("the handler blocked on its thread", service.sync_started.is_set)
+            pending.cancel()  # the client goes
+            await until("the call over", lambda: service.sync_calls[0].ended)
+        finally:
+            service.sync_release.set()
+        await until("the handler done", lambda: service.sync_outcomes)
+    assert service.sync_outcomes == ["NotInIdempotentCall"]
+
+
+async def test_a_server_stopped_under_a_sync_handler_waiting_in_call_run_lets_its_process_exit(
+    store: Store, pg_dsn: str, tmp_path: Path
+) -> None:
+    """A server whose event loop is run and closed by hand (as grpc's own examples do) stops
+    while a sync handler's thread waits in ``current_call().run(...)``. The loop, closed, never
+    ran nor cancelled what the thread waited for: it waited for ever, and the process with it,
+    which joins the pool's threads at exit. It exits, the handler told the call is over."""
+    server = ServiceProcess(
+        ["-m", "tests.support.sync_shutdown_process", pg_dsn],
+        ready="ledger ready",
+        log_dir=tmp_path,
+        name="sync-shutdown",
+    )
+    await server.start()
+    try:
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="wait-on-loop")
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            pending = asyncio.ensure_future(call_raw(channel, SYNC, request, metadata(fresh()), 10))
+            await until(
+                "the handler waiting in call.run",
+                lambda: "sync handler waiting" in server.stdout_path.read_text(),
+            )
+            server.send_signal(signal.SIGTERM)
+            answer = await pending
+            assert answer.code is grpc.StatusCode.UNAVAILABLE, answer  # the server stopped
+            try:
+                code = await server.wait(timeout=10)
+            except TimeoutError:
+                pytest.fail(f"the server process hung on its way out\n{server.logs()}")
+    finally:
+        await server.stop()
+    assert code == 0, server.logs()
+    assert "sync handlers ended: ['NotInIdempotentCall']" in server.stdout_path.read_text()
 
 
 @pytest.mark.parametrize("executor", ["process-pool", "not-an-executor"])

@@ -47,6 +47,7 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from grpc_idempotency.call import IdempotentCall
 from grpc_idempotency.store.postgres import PooledConnection
 from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
@@ -116,6 +117,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     sync_outcomes: list[str] = field(default_factory=list)
     sync_threads: list[str] = field(default_factory=list)
     """The names of the threads sync handlers ran on."""
+    sync_calls: list[IdempotentCall] = field(default_factory=list)
+    """The calls sync handlers served (``current_call()``)."""
 
     def _observe(self, context: Any) -> str | None:
         md = dict(context.invocation_metadata() or ())
@@ -339,6 +342,29 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         self.executions += 1
         self.sync_threads.append(threading.current_thread().name)
         call = current_call()
+        self.sync_calls.append(call)
+        if request.behaviour == "block-then-metadata":
+            # Blocks, then sends its initial metadata (the call may be over by then).
+            self.sync_started.set()
+            assert self.sync_release.wait(10), "test never released the sync handler"
+            try:
+                context.send_initial_metadata((("x-late", "1"),))
+            except Exception as exc:
+                self.sync_outcomes.append(type(exc).__name__)
+                raise
+            self.sync_outcomes.append("sent")
+            return testsvc_pb2.PostResponse(account=request.account)
+        if request.behaviour == "wait-on-loop":
+            # Waits in call.run for what has not come yet (a downstream call not answered):
+            # ``release``, on the loop. What ended the wait is kept.
+            self.sync_started.set()
+            try:
+                call.run(self.release.wait())
+            except Exception as exc:
+                self.sync_outcomes.append(type(exc).__name__)
+                raise
+            self.sync_outcomes.append("released")
+            return testsvc_pb2.PostResponse(account=request.account)
         if request.behaviour == "block-then-write":
             # Blocks first (where a phased handler would call downstream), then writes in the
             # call's transaction (opening it in phased mode); what happened is kept.

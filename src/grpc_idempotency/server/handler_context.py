@@ -12,13 +12,16 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
 from grpc_idempotency.core.errors import AbortInvalid
 from grpc_idempotency.core.wire import STEP_HEADER
 from grpc_idempotency.server.answers import Context, grpc_code, status_code, utf8_text
+
+if TYPE_CHECKING:
+    from grpc_idempotency.call import IdempotentCall
 
 log = logging.getLogger("grpc_idempotency.server")
 
@@ -197,9 +200,15 @@ class SyncContext:
     """For sync (``def``) handlers on a worker thread: blocking versions of the aio context's
     coroutine methods, run on the server's loop, and ``abort`` deferred."""
 
-    def __init__(self, context: Context, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        context: Context,
+        loop: asyncio.AbstractEventLoop,
+        call: IdempotentCall | None = None,
+    ) -> None:
         self._context = context
         self._loop = loop
+        self._call = call
         self.aborted: DeferredAbort | None = None
         """The handler's first abort (``_first_abort``)."""
         self.callbacks: list[Callable[[], Any]] = []
@@ -220,6 +229,13 @@ class SyncContext:
 
     def send_initial_metadata(self, metadata: Any) -> None:
         coro = self._context.send_initial_metadata(sendable_initial_metadata(metadata))
+        if self._call is not None:
+            # As a statement: refused once the call is over, and not waited for past its end
+            # (``IdempotentCall.run``). From a thread still running then, it raised grpc's
+            # internal errors (ExecuteBatchError; _ServerStoppedError once the server had
+            # stopped), and could wait for ever on a loop stopped without running it.
+            self._call.run(coro)
+            return
         asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def invocation_metadata(self) -> Any:

@@ -991,7 +991,7 @@ class IdempotencyInterceptor(_Interceptor):
                 # runs. It runs in a pool of its own (see ``sync_executor``), with the call's
                 # context variables (``current_call()``), as ``asyncio.to_thread`` would.
                 loop = asyncio.get_running_loop()
-                context = SyncContext(call.context, loop)
+                context = SyncContext(call.context, loop, call_context.current_call_or_none())
                 run = contextvars.copy_context().run
                 response = await loop.run_in_executor(
                     self._sync_pool(), run, method.handler, call.request, context

@@ -84,6 +84,10 @@ def stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int |
         return None
     pid = int(lines[0])
     sig = _STOP_SIGNALS[mode]
+    # A PermissionError signalling it: the pid is another account's process, so the server is
+    # gone (it runs as us, or we are root), its postmaster.pid left behind (the OOM killer's
+    # SIGKILL) and the pid taken since. Left to escape, the watchdog died of it, and the
+    # instance's directories stayed behind.
     deadline = time.monotonic() + _PG_CTL_WAIT_S
     try:
         # A pidfd pins the process: the signal and the wait cannot reach a later process
@@ -94,7 +98,7 @@ def stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int |
     if pidfd is None:
         try:
             os.kill(pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             return None
         while alive(pid):
             if time.monotonic() >= deadline:
@@ -104,7 +108,7 @@ def stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int |
     try:
         try:
             signal.pidfd_send_signal(pidfd, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             return None  # exited since postmaster.pid was read
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
