@@ -48,12 +48,9 @@ async def test_made_up_method_names_of_a_known_service_are_not_remembered(store:
     assert interceptor.policies == known
 
 
-async def test_made_up_names_under_a_misspelt_override_are_refused_and_logged_once(
-    store: Store, caplog: pytest.LogCaptureFixture
-) -> None:
-    """An override misspelling a method of a service imported after the start refuses every
-    path of that service: each made-up one was kept with its error, and logged with a traceback,
-    once per name the client made up."""
+def _misspelt_override_of_a_later_service(store: Store) -> tuple[str, IdempotencyInterceptor]:
+    """An interceptor whose override misspells ``Charge`` (``Chrage``) of a service ``Svc``
+    imported after it was built: the service's package, and the interceptor."""
     package = f"madeup{uuid.uuid4().hex[:12]}"
     interceptor = IdempotencyInterceptor(
         store, overrides={f"{package}.Svc/Chrage": MethodOverride()}, scope=StaticScope("t:a")
@@ -64,6 +61,16 @@ async def test_made_up_names_under_a_misspelt_override_are_refused_and_logged_on
         name="Charge", input_type=f".{package}.Req", output_type=f".{package}.Req"
     )
     descriptor_pool.Default().Add(fdp)  # what importing its _pb2 does
+    return package, interceptor
+
+
+async def test_made_up_names_under_a_misspelt_override_are_refused_and_logged_once(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An override misspelling a method of a service imported after the start refuses every
+    path of that service: each made-up one was kept with its error, and logged with a traceback,
+    once per name the client made up."""
+    package, interceptor = _misspelt_override_of_a_later_service(store)
     server = grpc.aio.server(interceptors=[interceptor])
     server.add_generic_rpc_handlers((CatchAll(),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -88,16 +95,7 @@ async def test_a_made_up_method_name_cannot_forge_or_rewrite_the_servers_log_lin
     """The path logged with a misspelt override's error is the first one a client sent under
     the service, and gRPC passes a newline or an ESC in it through: in the application's own
     log handler it added a forged line, or rewrote a terminal's. Logged escaped."""
-    package = f"madeup{uuid.uuid4().hex[:12]}"
-    interceptor = IdempotencyInterceptor(
-        store, overrides={f"{package}.Svc/Chrage": MethodOverride()}, scope=StaticScope("t:a")
-    )
-    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
-    fdp.message_type.add(name="Req")
-    fdp.service.add(name="Svc").method.add(
-        name="Charge", input_type=f".{package}.Req", output_type=f".{package}.Req"
-    )
-    descriptor_pool.Default().Add(fdp)
+    package, interceptor = _misspelt_override_of_a_later_service(store)
     server = grpc.aio.server(interceptors=[interceptor])
     server.add_generic_rpc_handlers((CatchAll(),))
     port = server.add_insecure_port("127.0.0.1:0")
