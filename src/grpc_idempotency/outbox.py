@@ -93,6 +93,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("grpc_idempotency.outbox")
+# A batch failing with no outage to explain it logs its traceback at most this often per kind of
+# error: a bug that fails every batch logged one per poll (720 an hour at the default 5 s).
+_TRACEBACK_EVERY_S = 60.0
 _METER_LOG_S = 60.0
 """How often a meter that raises on every batch is logged."""
 
@@ -459,6 +462,7 @@ class Relay:
         """Why the relay gave up LISTEN for polling (it did not hold on its session), if it
         did."""
         self._random = rng or random.Random()
+        self._traceback_logged: dict[type[BaseException], float] = {}
         self._wake = asyncio.Event()
         self._running = False
         # The interceptor's meter (its version too): one instrumentation scope, not two.
@@ -705,7 +709,7 @@ class Relay:
                 outage += 1
                 wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
                 log.warning("relay %s: %s; trying again in %.1fs", self.name, err, wait)
-            except Exception:
+            except Exception as err:
                 # No outage: a bug, or a driver's error the store does not map. Raised, it
                 # stopped every delivery until someone restarted the relay (one run as a task of
                 # a server's: until the server restarted). The batch's rows stay claimed and come
@@ -714,7 +718,7 @@ class Relay:
                 # failure on every batch does not spin.
                 outage += 1
                 wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
-                log.exception("relay %s: a batch failed; trying again in %.1fs", self.name, wait)
+                self._batch_failed(err, wait)
             if self.sent_retention is not None and loop.time() >= next_purge:
                 # A purge that hit its cap left rows past retention: go on at the next turn
                 # (between batches), else a relay sending more than the cap per interval (10,000
@@ -724,6 +728,26 @@ class Relay:
             if wait > 0 and not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _batch_failed(self, err: Exception, wait: float) -> None:
+        """Logs ``err``: its traceback once a minute per kind of error, one line (its text
+        escaped) in between."""
+        kind = type(err)
+        now = time.monotonic()
+        if now - self._traceback_logged.get(kind, -_TRACEBACK_EVERY_S) >= _TRACEBACK_EVERY_S:
+            self._traceback_logged[kind] = now
+            log.error(
+                "relay %s: a batch failed; trying again in %.1fs", self.name, wait, exc_info=err
+            )
+            return
+        log.warning(
+            "relay %s: a batch failed again (%s: %s; its traceback is logged once a minute);"
+            " trying again in %.1fs",
+            self.name,
+            kind.__name__,
+            loggable(str(err)),
+            wait,
+        )
 
     async def _idle_wait(self, batch: _Batch) -> float:
         """How long to sleep after a batch that was not full: until the next row falls due (a

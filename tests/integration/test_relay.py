@@ -1876,16 +1876,22 @@ async def test_a_relay_goes_on_after_its_purge_fails_unexpectedly(
 
 
 class _RandomFailingOnce(random.Random):
-    """Raises at its first use: a bug in a batch's bookkeeping, after its rows were claimed."""
+    """Raises at its first ``times`` uses: a bug in a batch's bookkeeping, after its rows were
+    claimed."""
 
-    def __init__(self) -> None:
+    def __init__(self, times: int = 1) -> None:
         super().__init__(7)
-        self.failed = False
+        self.failures = 0
+        self.times = times
+
+    @property
+    def failed(self) -> bool:
+        return self.failures >= self.times
 
     def random(self) -> float:
-        if not self.failed:
-            self.failed = True
-            raise RuntimeError("a bug in the batch's bookkeeping")
+        if self.failures < self.times:
+            self.failures += 1
+            raise RuntimeError(f"a bug in the batch's bookkeeping\n(#{self.failures})")
         return super().random()
 
 
@@ -1913,3 +1919,24 @@ async def test_a_relay_goes_on_after_a_batch_fails_unexpectedly(
     failed = [r for r in caplog.records if "a batch failed" in r.getMessage()]
     assert len(failed) == 1 and failed[0].exc_info is not None
     assert receiver.attempts["refused"] == 2
+
+
+async def test_a_batch_failing_again_and_again_logs_its_traceback_once_a_minute(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug that fails every batch logged a traceback per poll (720 an hour at the default
+    5 s): the first one a minute per kind of error has it, the others are one escaped line."""
+    rng = _RandomFailingOnce(times=3)  # used by a failed delivery's backoff
+    relay = Relay(outbox, Receiver(failing={"row"}), lease=0.3, poll_interval=0.05, rng=rng)
+    await insert(outbox, outbox.schema, ["row"])
+
+    async def recorded() -> bool:
+        return (await row(outbox, "row"))["failures"] == 1
+
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.outbox"):
+        async with running(relay):
+            await until("the row's failure recorded", recorded, timeout=WAIT_S)
+    assert rng.failures == 3
+    failed = [r for r in caplog.records if "a batch failed" in r.getMessage()]
+    assert [r.exc_info is not None for r in failed] == [True, False, False]
+    assert "RuntimeError: a bug in the batch's bookkeeping\\n(#2)" in failed[1].getMessage()
