@@ -102,6 +102,8 @@ class IdempotentCall:
         """What sync handlers' threads wait for in ``run`` (added and removed on those threads,
         cancelled on the loop by ``end``: the lock)."""
         self._waiting_lock = threading.Lock()
+        self._running: set[asyncio.Task[Any]] | None = None
+        """The tasks running those coroutines on the loop (only touched there: no lock)."""
 
     def end(self) -> asyncio.Future[PooledConnection] | None:
         """The call is over (answered, failed or cancelled): from now on the handler, or a thread
@@ -116,6 +118,16 @@ class IdempotentCall:
         by hand, as grpc's examples do): the thread waited for ever, and the process never
         exited (the pool's threads are joined at exit)."""
         self._ended = True
+        # The tasks first, and here: cancelling a thread's future only schedules its task's
+        # cancellation, which came after the call's ROLLBACK, scheduled next by the caller. That
+        # was refused ("another operation is in progress") and the connection dropped, taking
+        # asyncpg's cancel request of the statement with it: PostgreSQL ran it on (a lock wait,
+        # for as long as the lock was held), holding the key's claim all that time. Cancelled
+        # here, on the loop, asyncpg's reaction (its cancel request) is scheduled before the
+        # ROLLBACK, which then waits for the statement's end (as after an async handler's
+        # cancelled await).
+        for task in self._running or ():
+            task.cancel()
         with self._waiting_lock:
             waiting = list(self._waiting)
         for future in waiting:
@@ -287,7 +299,15 @@ class IdempotentCall:
         if self._ended:
             coro.close()
             self._check_open()
-        return await coro
+        task = asyncio.current_task()
+        assert task is not None  # run_coroutine_threadsafe runs it in a task
+        if self._running is None:
+            self._running = set()  # only for sync handlers: no cost to the others
+        self._running.add(task)
+        try:
+            return await coro
+        finally:
+            self._running.discard(task)
 
     def savepoint(self) -> _Savepoint:
         return _Savepoint(self.connection)

@@ -163,6 +163,48 @@ async def test_a_sync_handler_sending_its_metadata_after_its_call_ended_is_told_
     assert service.sync_outcomes == ["NotInIdempotentCall"]
 
 
+async def test_a_sync_handlers_statement_is_cancelled_in_postgresql_when_its_call_ends(
+    store: Store,
+) -> None:
+    """A sync handler's thread waits in ``current_call().run(...)`` for a statement on the
+    call's connection (here a lock wait); its client goes. The statement was cancelled on the
+    loop only after the call's ROLLBACK had been refused ("another operation is in progress")
+    and the connection dropped, which took asyncpg's cancel request down with it: PostgreSQL ran
+    the statement on, holding the key's claim, and every retry was refused as in progress until
+    it ended (for as long as the lock was held). An async handler's statement is cancelled in
+    PostgreSQL at once; so is this one: the retry is served while the lock is still held."""
+    account = fresh("acct")
+    key = fresh()
+    busy = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="write-then-busy")
+    lock_waits = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND query LIKE '%pg_advisory_xact_lock%'"
+    )
+    async with store.pool.acquire() as holder, running_ledger(store) as ledger:
+        service = ledger.service
+        await holder.execute("SELECT pg_advisory_lock(hashtext($1))", account)
+        try:
+            pending = asyncio.ensure_future(ledger.call(SYNC, busy, key))
+            await until("the handler's statement waiting", lambda: store.pool.fetchval(lock_waits))
+            pending.cancel()  # the client goes
+            await asyncio.wait([pending])
+            await until("the handler's thread no longer waiting", lambda: service.sync_outcomes, 5)
+            plain = testsvc_pb2.PostRequest(account=account, amount=1)
+
+            async def served() -> bool:
+                answer = await ledger.call(SYNC, plain, key)
+                if answer.code is grpc.StatusCode.ABORTED:  # the key still in progress
+                    return False
+                assert answer.code is grpc.StatusCode.OK, answer.details
+                return True
+
+            await until("the key released while the lock is held", served, 5)
+        finally:
+            await holder.execute("SELECT pg_advisory_unlock(hashtext($1))", account)
+    assert service.sync_outcomes == ["NotInIdempotentCall"]
+    assert await ledger_rows(store, account) == 1  # the retry's; the first's rolled back
+
+
 async def test_a_server_stopped_under_a_sync_handler_waiting_in_call_run_lets_its_process_exit(
     store: Store, pg_dsn: str, tmp_path: Path
 ) -> None:

@@ -18,7 +18,8 @@ answers OK ("set-trailer:NAME=VALUE;CODE": sets it, then aborts with CODE withou
 "initial:NAME=VALUE" sends that entry as initial metadata and answers OK; "return-none" returns None after its write (a bug gRPC cannot serialize); "run-on-loop" calls
 ``current_call().run(...)``, which is for sync handlers, from this async one;
 "hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
-the test lets go of the advisory lock ``hashtext(account)``; "isolation" and "claim-row" report
+the test lets go of the advisory lock ``hashtext(account)`` ("write-then-busy" in the sync
+handler); "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
 """
 
@@ -364,6 +365,27 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 self.sync_outcomes.append(type(exc).__name__)
                 raise
             self.sync_outcomes.append("released")
+            return testsvc_pb2.PostResponse(account=request.account)
+        if request.behaviour == "write-then-busy":
+            # Writes, then waits in a statement on the call's connection, as "busy" does, until
+            # the test lets go of the advisory lock ``hashtext(account)``. What ended it is kept.
+            try:
+                call.run(
+                    call.connection.execute(
+                        "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, $2)",
+                        request.account,
+                        request.amount,
+                    )
+                )
+                call.run(
+                    call.connection.execute(
+                        "SELECT pg_advisory_xact_lock(hashtext($1))", request.account
+                    )
+                )
+            except Exception as exc:
+                self.sync_outcomes.append(type(exc).__name__)
+                raise
+            self.sync_outcomes.append("locked")
             return testsvc_pb2.PostResponse(account=request.account)
         if request.behaviour == "block-then-write":
             # Blocks first (where a phased handler would call downstream), then writes in the
