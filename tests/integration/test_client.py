@@ -602,6 +602,30 @@ async def test_a_call_naming_a_step_its_handler_does_not_declare_is_refused(
     assert ledger.service.keys_seen == []  # nothing reached the ledger
 
 
+async def test_a_handler_naming_an_over_long_step_gets_the_librarys_error(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """StepUndeclared quoted the name whole in its grpc-message: past gRPC's metadata limit,
+    the caller was answered RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit")
+    instead, the one case of an over-long name the 128-character limit on declared names left."""
+    too_long = "a" * 20_000 + ".v1"
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            peek = testsvc_pb2.PeekRequest(account=request.account)
+            await self.ledger.Peek(peek, metadata=[step_metadata(too_long)])
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+    assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
+    assert f"is {len(too_long)} characters long; a step name has at most 128" in (
+        answer.details or ""
+    )
+    assert ledger.service.keys_seen == []  # nothing reached the ledger
+
+
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from grpc_idempotency.core.errors import StepAmbiguous, StepReused, StepUndeclared
-from grpc_idempotency.core.keys import child_key
+from grpc_idempotency.core.keys import MAX_STEP_NAME_LENGTH, child_key, step_name_problem
 from grpc_idempotency.core.policy import Step, normalize_method
 
 
@@ -65,6 +65,15 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
     active = [s for s in calling if s.active]
     if named is not None:
         chosen = next((s for s in calling if s.name == named), None)
+        if chosen is None and len(named) > MAX_STEP_NAME_LENGTH:
+            # Quoted whole, a name past gRPC's metadata limit (8 KiB) made the error's own
+            # grpc-message too long: the caller was answered RESOURCE_EXHAUSTED instead. No
+            # such name is declared (``policy.compile_policy`` refuses it).
+            raise StepUndeclared(
+                f"{parent.method} names a step for a call to {target}, but"
+                f" {step_name_problem(named)}; its declared steps calling {target} are"
+                f" {[s.name for s in calling]}"
+            )
         if chosen is None:
             raise StepUndeclared(
                 f"{parent.method} names step {named!r} for a call to {target}, but its declared"
