@@ -92,21 +92,25 @@ _WALK_BYTES = 4096
 small request the copy costs more than the walk)."""
 
 
+def reachable_message_types(root: Any) -> list[Any]:
+    """``root`` and every message type its declared fields reach (nested messages, groups, map
+    entries), each once: recursive types terminate. Extensions are not followed."""
+    reached: dict[str, Any] = {}
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        if d.full_name in reached:
+            continue
+        reached[d.full_name] = d
+        stack.extend(f.message_type for f in d.fields if f.message_type is not None)
+    return list(reached.values())
+
+
 @functools.cache
 def _reaches_extendable(descriptor: Any) -> bool:
     """Whether ``descriptor`` or a message type reachable from it has extension ranges (its
     messages may then hold extensions, which the size comparison does not see)."""
-    seen: set[str] = set()
-    stack = [descriptor]
-    while stack:
-        d = stack.pop()
-        if d.full_name in seen:
-            continue
-        seen.add(d.full_name)
-        if d.is_extendable:
-            return True
-        stack.extend(f.message_type for f in d.fields if f.message_type is not None)
-    return False
+    return any(d.is_extendable for d in reachable_message_types(descriptor))
 
 
 def _holds(message: Message, *, extensions: bool) -> bool:

@@ -30,7 +30,11 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
-from grpc_idempotency.core.field_order import field_ordered, needs_field_order
+from grpc_idempotency.core.field_order import (
+    field_ordered,
+    needs_field_order,
+    reachable_message_types,
+)
 from grpc_idempotency.core.option_checks import field_option_problem
 from grpc_idempotency.v1 import options_pb2
 
@@ -82,14 +86,7 @@ def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str]]:
     """(types, fields): full names of the message types reachable from ``root`` that contain an
     excluded field, directly or through a nested message, and of the excluded fields
     themselves. A fixpoint, so recursive message types terminate."""
-    reachable: dict[str, Descriptor] = {}
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        if d.full_name in reachable:
-            continue
-        reachable[d.full_name] = d
-        stack.extend(f.message_type for f in _message_fields(d))
+    reachable: dict[str, Descriptor] = {d.full_name: d for d in reachable_message_types(root)}
     for d in reachable.values():
         _check_options(d)
     fields = [f for d in reachable.values() for f in d.fields if _is_excluded(f)]
@@ -138,19 +135,13 @@ def _check_options(message: Descriptor) -> None:
 
 def _excluded_inside(root: Descriptor) -> FieldDescriptor | None:
     """The first excluded field declared in ``root`` or a message type it holds (through
-    declared fields: a walk of its own, not ``_exclusion_plan``, whose checks would follow an
-    extension of a type back into that type)."""
-    seen: set[str] = set()
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        if d.full_name in seen:
-            continue
-        seen.add(d.full_name)
-        for field in d.fields:
+    declared fields, not ``_exclusion_plan``, whose checks would follow an extension of a type
+    back into that type)."""
+    for d in reachable_message_types(root):
+        fields: list[FieldDescriptor] = list(d.fields)
+        for field in fields:
             if _is_excluded(field):
                 return field
-        stack.extend(f.message_type for f in _message_fields(d))
     return None
 
 
