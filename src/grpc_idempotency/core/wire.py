@@ -8,6 +8,8 @@ Server, client, relay and consumer all speak through this module, so the contrac
 - errors: a ``google.rpc.Status`` (the ``grpc-status-details-bin`` trailer, via grpcio-status)
   holding ``ErrorInfo{reason, domain: "grpc-idempotency"}``, and for a key still in progress a
   ``RetryInfo`` plus the ``grpc-retry-pushback-ms`` trailer that gRPC's own retries honour;
+- recorded errors: a handler's status message cut (``TRUNCATED``) so that its trailers fit in a
+  client's default metadata limit (``MAX_ERROR_TRAILER_BYTES``);
 - status codes: which a handler's error is recorded and replayed with (``DEFAULT_RECORDED_ERRORS``)
   and which may never be recorded, because they say the attempt did not finish (``NEVER_RECORDED``).
 
@@ -77,11 +79,15 @@ __all__ = [
     "HEADER_NAME",
     "KEY_HEADER_BIN",
     "LIBRARY_HEADERS",
+    "MAX_ERROR_TRAILER_BYTES",
     "NEVER_RECORDED",
     "PUSHBACK_TRAILER",
     "REPLAYED_HEADER",
     "REPLAYED_METADATA",
+    "TRUNCATED",
     "error_status",
+    "error_trailer_bytes",
+    "fitted_error",
     "pushback_trailers",
     "reason_of",
     "retry_after_ms",
@@ -185,3 +191,69 @@ def reason_of(trailing_metadata: Metadata | None) -> str | None:
             if info.domain == ERROR_DOMAIN:
                 return str(info.reason)
     return None
+
+
+MAX_ERROR_TRAILER_BYTES = 7 * 1024
+"""How large a recorded error's status message and details may be, as ``error_trailer_bytes``
+counts them: every answer of the error carries them in its trailers, and a gRPC client refuses
+trailers over its metadata limit (8 KiB by default in grpc-java; in the C-core clients, Python's
+included, each answer over 8 KiB is refused with a chance that grows to all of them at 16 KiB,
+as RESOURCE_EXHAUSTED, which clients retry). The rest of the 8 KiB is for the other entries
+(``:status``, ``content-type``, ``grpc-status``, 32 bytes more for each) and the handler's own."""
+
+# The bytes gRPC sends as they are in grpc-message; any other is percent-encoded ("%C3").
+_LITERAL = bytes(range(0x20, 0x7F)).replace(b"%", b"")
+TRUNCATED = " ... (truncated)"
+"""Ends a recorded error's status message that was cut to fit (``fitted_error``)."""
+
+
+def error_trailer_bytes(message: str, details: bytes | None) -> int:
+    """What a status message and details take of a client's metadata limit, as gRPC counts it:
+    the message as ``grpc-message`` sends it (UTF-8, percent-encoded: 3 bytes for each byte that
+    is not printable ASCII, or is "%"), the details as base64 (what grpc-java counts; the C-core
+    counts the bytes)."""
+    raw = message.encode("utf-8", "surrogatepass")
+    return len(raw) + 2 * len(raw.translate(None, _LITERAL)) + 4 * ((len(details or b"") + 2) // 3)
+
+
+def fitted_error(
+    message: str, details: bytes | None, limit: int
+) -> tuple[str, bytes | None] | None:
+    """``message`` and ``details`` as a recorded error may send them in ``limit`` bytes
+    (``error_trailer_bytes``): as they are if they fit, else with the message cut and ended with
+    ``TRUNCATED``, in the ``google.rpc.Status`` of ``details`` too when that holds the same
+    message (grpcio-status's ``rpc_status.from_call`` raises ValueError when the two differ).
+    ``None`` when even that does not fit: the details are too large, and the ``Any`` messages in
+    them cannot be cut."""
+    if error_trailer_bytes(message, details) <= limit:
+        return message, details
+    status: status_pb2.Status | None = None
+    if details:
+        try:
+            status = status_pb2.Status.FromString(details)
+        except DecodeError:  # not a Status: kept as it is, if it fits
+            status = None
+        if status is not None and status.message != message:
+            status = None
+
+    def cut(n: int) -> tuple[str, bytes | None]:
+        text = message[:n] + TRUNCATED
+        if status is None:
+            return text, details
+        status.message = text
+        return text, status.SerializeToString()
+
+    def fits(n: int) -> bool:
+        return error_trailer_bytes(*cut(n)) <= limit
+
+    if not fits(0):
+        return None
+    # The largest cut that fits: each character takes at least a byte, so no more than ``limit``.
+    low, high = 0, min(len(message), limit)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return cut(low)
