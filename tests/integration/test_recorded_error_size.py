@@ -11,13 +11,16 @@ from typing import Any
 import asyncpg
 import grpc
 import pytest
-from google.rpc import status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import IdempotencyInterceptor, MetadataScope, MethodOverride, Store
+from grpc_idempotency.core import wire
 from tests.support.ledger import POST, TENANT, fresh, ledger_server, metadata
 from tests.support.wire import call_raw
+
+POST_PHASED = "/testsvc.v1.LedgerService/PostPhased"
 
 
 class QuotingHandler(testsvc_pb2_grpc.LedgerServiceServicer):
@@ -34,10 +37,27 @@ class QuotingHandler(testsvc_pb2_grpc.LedgerServiceServicer):
             context.set_code(grpc.StatusCode.NOT_FOUND)
             context.set_details(message)
             return testsvc_pb2.PostResponse()
+        if request.behaviour == "set_details":
+            status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message=message)
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(message)
+            context.set_trailing_metadata(rpc_status.to_status(status).trailing_metadata)
+            return testsvc_pb2.PostResponse()
         if request.behaviour == "details":
             status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message=message)
             await context.abort_with_status(rpc_status.to_status(status))
+        if request.behaviour == "violation":  # the quote in a detail, not in the message
+            violation = error_details_pb2.BadRequest.FieldViolation(
+                field="account", description=message
+            )
+            status = status_pb2.Status(
+                code=grpc.StatusCode.NOT_FOUND.value[0], message="no such account"
+            )
+            status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+            await context.abort_with_status(rpc_status.to_status(status))
         await context.abort(grpc.StatusCode.NOT_FOUND, message)
+
+    PostPhased = Post
 
 
 async def stored_bytes(db: asyncpg.Connection, store: Store, key: str) -> int:
@@ -49,8 +69,49 @@ async def stored_bytes(db: asyncpg.Connection, store: Store, key: str) -> int:
     return size
 
 
+@pytest.mark.parametrize(
+    ("method", "behaviour"),
+    [
+        (POST, "abort"),
+        (POST, "set"),
+        (POST, "details"),
+        (POST, "set_details"),
+        (POST_PHASED, "abort"),
+    ],
+)
+async def test_a_recorded_error_too_large_for_a_clients_trailers_is_cut_to_fit(
+    store: Store, db: asyncpg.Connection, method: str, behaviour: str
+) -> None:
+    """20 KiB of UTF-8 (60 KiB as grpc-message sends it), far under max_response_bytes: every
+    answer of it was RESOURCE_EXHAUSTED on the client ("received metadata size exceeds hard
+    limit"), the first included, for the whole retention."""
+    handler = QuotingHandler()
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account="é" * 10_000, amount=1, behaviour=behaviour)
+    async with ledger_server(interceptor, handler) as (channel, _):
+        first = await call_raw(channel, method, request, metadata(key))
+        retry = await call_raw(channel, method, request, metadata(key))
+    assert first.code is retry.code is grpc.StatusCode.NOT_FOUND, (first.details, retry.details)
+    assert retry.replayed and handler.executions == 1
+    # The first answer says what the replays do.
+    assert first.details == retry.details
+    assert first.details is not None and first.details.startswith("no such account éé")
+    assert first.details.endswith(wire.TRUNCATED)
+    details = first.trailing.get(wire.DETAILS_TRAILER)
+    assert details == retry.trailing.get(wire.DETAILS_TRAILER)
+    assert wire.error_trailer_bytes(first.details, details) <= wire.MAX_ERROR_TRAILER_BYTES
+    if behaviour in ("details", "set_details"):
+        # Cut alike in the google.rpc.Status, or grpcio-status's from_call raised ValueError.
+        status = first.status()
+        assert status is not None and status.message == first.details
+    assert await stored_bytes(db, store, key) <= wire.MAX_ERROR_TRAILER_BYTES
+
+
 @pytest.mark.parametrize("behaviour", ["abort", "set", "details"])
-async def test_a_recorded_error_over_max_response_bytes_is_recorded_as_too_large(
+async def test_a_recorded_error_over_max_response_bytes_is_cut_to_fit_it(
     store: Store, db: asyncpg.Connection, behaviour: str
 ) -> None:
     handler = QuotingHandler()
@@ -58,17 +119,38 @@ async def test_a_recorded_error_over_max_response_bytes_is_recorded_as_too_large
         store,
         services=[testsvc_pb2],
         scope=MetadataScope(TENANT),
-        overrides={POST: MethodOverride(max_response_bytes=64 * 1024)},
+        overrides={POST: MethodOverride(max_response_bytes=1024)},
     )
     key = fresh()
     request = testsvc_pb2.PostRequest(account="a" * 1_000_000, amount=1, behaviour=behaviour)
     async with ledger_server(interceptor, handler) as (channel, _):
         first = await call_raw(channel, POST, request, metadata(key))
-        assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first.details
-        assert first.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
         retry = await call_raw(channel, POST, request, metadata(key))
-        assert retry.replayed and retry.code is grpc.StatusCode.FAILED_PRECONDITION
-        assert retry.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
+    assert first.code is retry.code is grpc.StatusCode.NOT_FOUND, first.details
+    assert first.details == retry.details and retry.replayed
+    assert first.details is not None and first.details.endswith("aaa" + wire.TRUNCATED)
+    assert handler.executions == 1
+    assert 512 < await stored_bytes(db, store, key) <= 1024
+
+
+async def test_a_recorded_error_whose_details_are_too_large_is_recorded_as_too_large(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    """Details (binary ``Any`` messages) cannot be cut: such an error is recorded as too large,
+    from its first answer on, and not cut into a Status that says something else."""
+    handler = QuotingHandler()
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account="a" * 20_000, amount=1, behaviour="violation")
+    async with ledger_server(interceptor, handler) as (channel, _):
+        first = await call_raw(channel, POST, request, metadata(key))
+        retry = await call_raw(channel, POST, request, metadata(key))
+    assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first.details
+    assert first.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
+    assert retry.replayed and retry.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert retry.reason() == "IDEMPOTENCY_RESPONSE_TOO_LARGE"
     assert handler.executions == 1
     assert await stored_bytes(db, store, key) < 1024
 

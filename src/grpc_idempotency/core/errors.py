@@ -200,8 +200,10 @@ class AbortInvalid(IdempotencyError, ValueError):
 
 
 class ResponseTooLarge(IdempotencyError):
-    """The handler's outcome (its response, or a recorded error's message and details) is
-    larger than the method's ``max_response_bytes``. Recorded (and replayed) instead of it, with
+    """The handler's response is larger than the method's ``max_response_bytes``; or a recorded
+    error's details, which cannot be cut as its message is (``wire.fitted_error``), are too large
+    for that or for a client's trailers (``wire.MAX_ERROR_TRAILER_BYTES``). Recorded (and
+    replayed) instead of it, with
     the handler's writes rolled back: an outcome too large to store, or for the client to
     receive, must not look like a failure that a retry could fix while the writes behind it had
     committed."""

@@ -118,6 +118,12 @@ def details_in(metadata: Any) -> bytes | None:
     return None
 
 
+def with_details(metadata: Any, details: bytes | None) -> tuple[tuple[str, str | bytes], ...]:
+    """``metadata`` with its ``grpc-status-details-bin`` entry holding ``details`` instead."""
+    kept = tuple((name, value) for name, value in metadata or () if name != wire.DETAILS_TRAILER)
+    return kept if details is None else (*kept, (wire.DETAILS_TRAILER, details))
+
+
 def recorded_error(err: IdempotencyError) -> Outcome:
     """``err`` as an outcome to record: replayed with the same status, message and details."""
     return Outcome(err.status_code, err.message, wire.error_status(err).SerializeToString())

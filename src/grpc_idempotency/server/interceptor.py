@@ -36,6 +36,7 @@ from opentelemetry import trace
 
 from grpc_idempotency import call as call_context
 from grpc_idempotency import failpoints
+from grpc_idempotency.core import wire
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
     AbortInvalid,
@@ -879,31 +880,56 @@ class IdempotencyInterceptor(_Interceptor):
             if what is Finish.RECORD:
                 data = answers.serialize(call.method.serializer, response)
                 outcome = Outcome(Code.OK, answers.handler_details(context), None, data)
-            elif aborted is not None:
+            else:
                 # An abort without trailers sends those set before it (set_trailing_metadata):
                 # grpc.aio does, and so the replay must, details included.
-                trailers = aborted.trailing_metadata or context.trailing_metadata()
+                if aborted is not None:
+                    trailers = aborted.trailing_metadata or context.trailing_metadata()
+                    message = aborted.details or ""
+                else:  # the handler used set_code() and returned
+                    trailers = context.trailing_metadata()
+                    message = answers.handler_details(context)
                 details = answers.details_in(trailers)
                 # As the replays will send it (a NUL cannot be stored), the first answer too.
-                aborted.details = answers.replayable_text(aborted.details or "", details)
-                outcome = Outcome(code, aborted.details, details)
-            else:  # the handler used set_code() and returned
-                details = answers.details_in(context.trailing_metadata())
-                message = answers.handler_details(context)
                 text = answers.replayable_text(message, details)
-                if text != message:
-                    context.set_details(text)  # the first answer says what the replays will
-                outcome = Outcome(code, text, details)
+                # Every answer of the error carries it in trailers, which a client refuses over
+                # its metadata limit (RESOURCE_EXHAUSTED, which clients retry): an error that
+                # quotes the request ("no such account ...") failed so for the whole retention.
+                # Its message is cut to fit instead (the code and the start of the text are
+                # what a client acts on); bounded by max_response_bytes too, as stored.
+                limit = min(policy.max_response_bytes, wire.MAX_ERROR_TRAILER_BYTES)
+                fitted = wire.fitted_error(text, details, limit)
+                if fitted is None:  # details too large, which cannot be cut
+                    too_large = _error_too_large(policy, code, text, details, limit)
+                    what, data, aborted = Finish.RECORD_ERROR, None, None
+                    outcome = answers.recorded_error(too_large)
+                else:
+                    if fitted[0] is not text:
+                        log.warning(
+                            "%s: a %s error of %d bytes (status message and details, as sent)"
+                            " exceeds %d bytes; its message is cut to fit",
+                            policy.method,
+                            code.name,
+                            wire.error_trailer_bytes(text, details),
+                            limit,
+                        )
+                    text, fitted_details = fitted
+                    if fitted_details is not details:
+                        trailers = answers.with_details(trailers, fitted_details)
+                        if aborted is None:
+                            context.set_trailing_metadata(trailers)
+                        else:
+                            aborted.trailing_metadata = trailers
+                    if aborted is not None:
+                        aborted.details = text
+                    elif text != message:
+                        context.set_details(text)  # the first answer says what the replays will
+                    outcome = Outcome(code, text, fitted_details)
             size = outcome_bytes(outcome)
             if size > policy.max_response_bytes:
                 # Stored or not, such an outcome would fail every retry the same way (or reach
-                # no client): record that, and not the writes behind it. A recorded error's
-                # message and details count too: a handler's error that quotes the request
-                # ("no such account ...") stored whatever the client sent, up to gRPC's 4 MiB
-                # per key, and every answer of it, over the 16 KiB of trailers a client takes,
-                # was RESOURCE_EXHAUSTED, retried for the whole retention. (Bounded by the cap
-                # alone: at the default 1 MiB, an error between a client's ~16 KiB and the cap
-                # is still recorded, and every answer of it still fails so on the client.)
+                # no client): record that, and not the writes behind it. (A recorded error was
+                # fitted to the cap above.)
                 too_large = _too_large(policy, size)
                 what, data, aborted = Finish.RECORD_ERROR, None, None
                 outcome = answers.recorded_error(too_large)
@@ -1583,6 +1609,26 @@ def _too_large(policy: MethodPolicy, size: int) -> ResponseTooLarge:
         f" exceeds max_response_bytes"
         f" ({policy.max_response_bytes}); the operation's writes were rolled back and this"
         " answer is recorded for its key"
+    )
+
+
+def _error_too_large(
+    policy: MethodPolicy, code: Code, message: str, details: bytes | None, limit: int
+) -> ResponseTooLarge:
+    size = wire.error_trailer_bytes(message, details)
+    log.warning(
+        "%s: a %s error of %d bytes (status message and details, as sent) exceeds %d bytes even"
+        " with its message cut; recorded as IDEMPOTENCY_RESPONSE_TOO_LARGE",
+        policy.method,
+        code.name,
+        size,
+        limit,
+    )
+    return ResponseTooLarge(
+        f"{policy.method}: the handler's {code.name} error (its status message and details:"
+        f" {size} bytes as sent) exceeds the {limit} bytes a recorded error may take (what a"
+        f" gRPC client takes in trailers by default, or max_response_bytes if less); the"
+        " operation's writes were rolled back and this answer is recorded for its key"
     )
 
 
