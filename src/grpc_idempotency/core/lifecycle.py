@@ -66,7 +66,8 @@ class Outcome:
 
 def outcome_bytes(outcome: Outcome) -> int:
     """What recording ``outcome`` stores, as ``max_response_bytes`` bounds it: the response,
-    and the status message and details (a recorded error is as large as its handler made it)."""
+    and the status message and details (a recorded error's, once cut to fit:
+    ``wire.fitted_error``)."""
     return (
         len(outcome.response or b"")
         + len(outcome.details or b"")
