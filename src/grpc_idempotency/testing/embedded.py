@@ -57,7 +57,6 @@ import os
 import pwd
 import secrets
 import shlex
-import shutil
 import signal
 import stat
 import subprocess
@@ -74,8 +73,10 @@ from typing import Any, Literal, Self
 from urllib.parse import quote
 
 from grpc_idempotency.testing import _postmaster
-from grpc_idempotency.testing._postmaster import _PG_CTL_WAIT_S, _STOP_SIGNALS
-from grpc_idempotency.testing._postmaster import alive as _alive
+from grpc_idempotency.testing._postmaster import _PG_CTL_WAIT_S, _STOP_SIGNALS, _TOOL_DIRS
+from grpc_idempotency.testing._postmaster import find_tool as _find_tool
+from grpc_idempotency.testing._postmaster import is_postmaster as _is_postmaster
+from grpc_idempotency.testing._postmaster import may_be_server as _may_be_server
 from grpc_idempotency.testing._postmaster import owned_by as _owned_by
 from grpc_idempotency.testing._postmaster import postmaster as _postmaster_lines
 from grpc_idempotency.testing._postmaster import read_pid_file as _read_pid_file
@@ -104,8 +105,6 @@ host all all 127.0.0.1/32 scram-sha-256
 """
 _DEFAULT_PORT = 5432
 _LOG_TAIL_LINES = 40
-# Where util-linux puts setpriv and runuser, for a root whose PATH lacks the sbin directories.
-_TOOL_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin")
 
 
 @dataclass(frozen=True)
@@ -268,17 +267,6 @@ def _widen_tree(root: Path, file_bits: int) -> None:
             _widen(Path(directory, name), directory_bits)
         for name in files:
             _widen(Path(directory, name), file_bits)
-
-
-def _find_tool(name: str) -> str | None:
-    found = shutil.which(name)
-    if found is not None:
-        return os.path.abspath(found)  # subprocess spawns without fork() only for a path
-    for directory in _TOOL_DIRS:
-        candidate = os.path.join(directory, name)
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 def _switch_user_prefix(name: str, uid: int, gid: int) -> tuple[str, ...]:
@@ -695,15 +683,19 @@ class EmbeddedPostgres:
             if self._closed:
                 raise RuntimeError("EmbeddedPostgres is closed")
             lines = _read_pid_file(self._data_dir)
-            if lines is not None and _alive(int(lines[0])):
+            if lines is not None:
                 if _owned_by(lines, self._socket_dir, self._port):
-                    return self.dsn
-                raise RuntimeError(
-                    f"another PostgreSQL server (pid {lines[0]}) is already running on "
-                    f"{self._data_dir}; stop it first"
-                )
+                    # The socket dir is this instance's: a server is ours or none at all.
+                    if _is_postmaster(lines, self._data_dir, self._socket_dir):
+                        return self.dsn
+                elif _may_be_server(int(lines[0])):
+                    raise RuntimeError(
+                        f"another PostgreSQL server (pid {lines[0]}) is already running on "
+                        f"{self._data_dir}; stop it first"
+                    )
             # Lock files left by a killed server: postgres would refuse to start while the
-            # pid they name is a zombie. The socket directory is ours alone.
+            # pid they name is a zombie, or a process that took the pid since (postgres
+            # itself trusts kill(pid, 0)). The socket directory is ours alone.
             if lines is not None:
                 (self._data_dir / "postmaster.pid").unlink(missing_ok=True)
             for leftover in (f".s.PGSQL.{self._port}.lock", f".s.PGSQL.{self._port}"):
@@ -750,7 +742,9 @@ class EmbeddedPostgres:
             if survivor is not None:
                 raise RuntimeError(
                     f"PostgreSQL (postmaster pid {survivor}) did not stop within"
-                    f" {_PG_CTL_WAIT_S} s of {_STOP_SIGNALS[mode].name} ({mode} shutdown)\n"
+                    f" {_PG_CTL_WAIT_S} s of {_STOP_SIGNALS[mode].name} ({mode} shutdown),"
+                    " or this process may not signal it (root without CAP_KILL, and no"
+                    " setpriv or runuser to signal it as its account)\n"
                     f"--- tail of {self._log_file} ---\n{self._log_tail()}"
                 )
             _log.debug("PostgreSQL stopped (%s): %s", mode, self._data_dir)
