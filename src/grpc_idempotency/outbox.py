@@ -168,7 +168,11 @@ class CallableSink:
 MetadataFor = Callable[[OutboxMessage], Iterable[tuple[str, str | bytes]]]
 
 # A receiver behind IdempotencyInterceptor records these for the key and replays them to every
-# retry, so retrying with the same key cannot change the answer; UNIMPLEMENTED: no such method.
+# retry (its DEFAULT_RECORDED_ERRORS), so retrying with the same key cannot change the answer.
+# Not UNIMPLEMENTED: gRPC answers it for a method the server lacks before any interceptor runs,
+# nothing is recorded, and in a rolling deploy the producer often ships before its consumer: the
+# message was a dead letter at its first delivery, for an operator to retry by hand. Retried, it
+# is delivered once the method is deployed; a misspelt method is parked after max_attempts.
 DEFAULT_PERMANENT_CODES: frozenset[grpc.StatusCode] = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -176,7 +180,6 @@ DEFAULT_PERMANENT_CODES: frozenset[grpc.StatusCode] = frozenset(
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.OUT_OF_RANGE,
-        grpc.StatusCode.UNIMPLEMENTED,
     }
 )
 
@@ -197,7 +200,11 @@ class GrpcSink:
 
     ``metadata_for(message)`` adds metadata per message (``forward_scope`` passes the enqueuing
     call's tenant on). A status in ``permanent_codes`` dead-letters the message at once; any
-    other error, including a deadline of ``timeout`` seconds, is retried.
+    other error, including a deadline of ``timeout`` seconds, is retried. The default,
+    ``DEFAULT_PERMANENT_CODES``, holds the errors a keyed receiver records for the key;
+    UNIMPLEMENTED (the receiver lacks the method: not deployed yet, or misspelt here) is retried
+    with the relay's backoff until its ``DeliveryPolicy.max_attempts``. To park such a message
+    at once: ``permanent_codes=DEFAULT_PERMANENT_CODES | {grpc.StatusCode.UNIMPLEMENTED}``.
     """
 
     def __init__(

@@ -32,7 +32,9 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import DsnUnusable, Store, StoreUnavailable, Telemetry
 from grpc_idempotency.core.outbox import DeliveryPolicy
+from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
 from grpc_idempotency.outbox import (
+    DEFAULT_PERMANENT_CODES,
     CallableSink,
     GrpcSink,
     OutboxMessage,
@@ -796,6 +798,111 @@ async def test_the_grpc_sink_sends_the_payload_with_the_key_to_a_keyed_receiver(
 
     with pytest.raises(ValueError, match=r"/package\.Service/Method"):
         GrpcSink(ledger.channel, "testsvc.v1.LedgerService/Post")
+
+
+class Rollout(grpc.GenericRpcHandler):  # type: ignore[type-arg]  # generic in stubs only
+    """A receiver that lacks ``/a.B/C`` (gRPC answers UNIMPLEMENTED itself, before any
+    interceptor) until ``deployed``, as during a rolling deploy that ships the producer first."""
+
+    def __init__(self) -> None:
+        self.deployed = False
+        self.refused = 0
+        self.refused_again = asyncio.Event()
+        self.delivered: list[str] = []
+        self.arrived = asyncio.Event()
+
+    def service(
+        self, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[bytes, bytes] | None:
+        if details.method != "/a.B/C":
+            return None
+        if not self.deployed:
+            self.refused += 1
+            if self.refused >= 2:
+                self.refused_again.set()
+            return None
+        return grpc.unary_unary_rpc_method_handler(self.accept)
+
+    async def accept(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        self.delivered.append(dict(context.invocation_metadata() or ())["idempotency-key"])
+        self.arrived.set()
+        return b""
+
+
+@contextlib.asynccontextmanager
+async def rollout_server() -> AsyncIterator[tuple[Rollout, grpc.aio.Channel]]:
+    rollout = Rollout()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([rollout])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield rollout, channel
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+
+
+async def test_a_message_for_a_method_not_deployed_yet_is_delivered_once_it_is(
+    outbox: Store,
+) -> None:
+    """UNIMPLEMENTED was permanent: a message enqueued before its receiver's method was deployed
+    was a dead letter at its first delivery, for an operator to retry by hand. It is retried
+    with backoff, and delivered once the method is there (a review's finding)."""
+    await insert(outbox, outbox.schema, ["early-row"])
+    async with rollout_server() as (rollout, channel):
+        policy = DeliveryPolicy(max_attempts=10, initial_backoff_s=0.02, max_backoff_s=0.1)
+        relay = Relay(outbox, GrpcSink(channel, "/a.B/C"), policy=policy)
+        assert await relay.run_once() == 0
+        early = await row(outbox, "early-row")
+        assert early["state"] == "pending", early
+        assert "/a.B/C: UNIMPLEMENTED" in str(early["last_error"])
+        async with running(relay):
+            await asyncio.wait_for(rollout.refused_again.wait(), WAIT_S)  # retried, refused
+            rollout.deployed = True
+            await asyncio.wait_for(rollout.arrived.wait(), WAIT_S)
+    sent = await row(outbox, "early-row")
+    assert sent["state"] == "sent" and rollout.delivered == [sent["key"]], sent
+    assert rollout.refused >= 2 and sent["failures"] == rollout.refused, sent
+    # Permanent by default: what a keyed receiver records for the key, and nothing else.
+    assert {c.name for c in DEFAULT_PERMANENT_CODES} == {c.name for c in DEFAULT_RECORDED_ERRORS}
+
+
+async def test_a_method_the_receiver_never_has_is_parked_after_max_attempts_or_at_once(
+    outbox: Store,
+) -> None:
+    """A misspelt method is a dead letter after max_attempts; with UNIMPLEMENTED among the
+    sink's permanent_codes, at its first delivery, as it was by default before."""
+    await insert(outbox, outbox.schema, ["misspelt-row", "strict-row"])
+    async with rollout_server() as (rollout, channel):
+        policy = DeliveryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.01)
+        relay = Relay(outbox, GrpcSink(channel, "/a.B/C"), policy=policy)
+        strict = GrpcSink(
+            channel,
+            "/a.B/C",
+            permanent_codes=DEFAULT_PERMANENT_CODES | {grpc.StatusCode.UNIMPLEMENTED},
+        )
+        await outbox.pool.execute(
+            f"""UPDATE "{outbox.schema}".outbox SET next_attempt_at = 'infinity'
+                WHERE key = 'strict-row'"""
+        )
+
+        async def parked() -> dict[str, object] | None:
+            await relay.run_once()
+            found = await row(outbox, "misspelt-row")
+            return found if found["state"] == "dead" else None
+
+        misspelt = await until("the misspelt row parked", parked, WAIT_S)
+        assert misspelt["attempts"] == 3 and rollout.refused == 3, misspelt
+        await outbox.pool.execute(
+            f"""UPDATE "{outbox.schema}".outbox SET next_attempt_at = clock_timestamp()
+                WHERE key = 'strict-row'"""
+        )
+        assert await Relay(outbox, strict, policy=policy).run_once() == 0
+    dead = await row(outbox, "strict-row")
+    assert dead["state"] == "dead" and dead["attempts"] == 1, dead
+    assert "/a.B/C: UNIMPLEMENTED" in str(dead["last_error"])
 
 
 async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> None:
