@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 import os
 import random
 import secrets
@@ -59,7 +58,7 @@ from grpc_idempotency.core.errors import (
     PermanentDeliveryError,
     StoreUnavailable,
 )
-from grpc_idempotency.core.log_text import loggable
+from grpc_idempotency.core.log_text import library_logger, loggable
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
 from grpc_idempotency.scope import tenant_header
@@ -92,7 +91,7 @@ __all__ = [
     "forward_scope",
 ]
 
-log = logging.getLogger("grpc_idempotency.outbox")
+log = library_logger("grpc_idempotency.outbox")
 # A batch failing with no outage to explain it logs its traceback at most this often per kind of
 # error: a bug that fails every batch logged one per poll (720 an hour at the default 5 s).
 _TRACEBACK_EVERY_S = 60.0

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
 
 from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.core.log_text import library_logger
 from grpc_idempotency.store.postgres import Store
 from grpc_idempotency.store.shards import ShardedStores
 
-log = logging.getLogger("grpc_idempotency.retention")
+log = library_logger("grpc_idempotency.retention")
 
 
 class Purger:

@@ -22,7 +22,6 @@ calls.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import CallOutcome
+from grpc_idempotency.core.log_text import library_logger
 
 OUTCOME = "grpc_idempotency.outcome"
 KEY = "grpc_idempotency.key"
@@ -94,7 +94,7 @@ DEADLINE_SLACK_S = 0.05
 client's own deadline, which cancels the call from its side, runs out up to the headers' one-way
 trip earlier than the server's copy of it."""
 
-log = logging.getLogger("grpc_idempotency.telemetry")
+log = library_logger("grpc_idempotency.telemetry")
 # A broken exporter fails on every call: its failures are logged once a minute, not per call.
 _FAILURE_LOG_INTERVAL_S = 60.0
 

@@ -8,6 +8,7 @@ downstream's details and debug string (its address), and no retry policy retried
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -177,6 +178,33 @@ async def test_a_downstreams_status_message_cannot_forge_or_rewrite_the_servers_
     assert line.startswith(level), line
     assert not any(c in line for c in "\n\r\x1b\u202e"), line
     assert f"busy\\n{FORGED}\\x1b[1A\\x1b[2K\\u202eoops" in line  # shown, escaped
+
+
+async def test_a_downstreams_status_message_in_the_logged_traceback_is_escaped(
+    store: Store,
+) -> None:
+    """The error record of a downstream error the handler let escape carries its traceback,
+    whose last line is the AioRpcError's text, the downstream's details in it: written raw by
+    the application's formatter after the escaped message, it forged lines and rewrote a
+    terminal's all the same. Its text is escaped there too; the frames keep their lines."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)  # as an application configures its log
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        async with chain(store) as c:
+            c.downstream.details = INJECTED
+            answer = await c.call("NOT_FOUND", fresh(), fresh("acct"))
+    finally:
+        root.removeHandler(handler)
+    assert answer.code is grpc.StatusCode.INTERNAL, answer
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert "Traceback (most recent call last):" in lines and "AioRpcError" in text, text
+    assert not any(line.startswith(FORGED) for line in lines), text
+    assert not any(c in text for c in "\r\x1b\u202e"), text
+    assert f'details = "busy\\n{FORGED}\\x1b[1A\\x1b[2K\\u202eoops"' in text, text
 
 
 async def test_gRPCs_retry_policy_retries_a_passed_through_unavailable_to_success(

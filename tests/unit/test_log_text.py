@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import io
+import logging
+
 import pytest
 
-from grpc_idempotency.core.log_text import loggable
+from grpc_idempotency.core.log_text import (
+    EscapedTracebacks,
+    escaped_traceback,
+    library_logger,
+    loggable,
+)
 
 
 @pytest.mark.parametrize(
@@ -35,3 +43,73 @@ def test_the_commands_output_escapes_as_the_log_does() -> None:
     text = "refund \u202e0001$\u202c ok\u2028INFO forged\x1b[2K"
     assert printable(text) == loggable(text)
     assert "\u202e" not in printable(text) and "\u2028" not in printable(text)
+
+
+# -- tracebacks ---------------------------------------------------------------------------------
+
+FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.server: ok"
+UNSAFE = "\n\r\x1b\u202e\u2028"
+
+
+def logged(exc: BaseException, logger: str = "grpc_idempotency.test_log_text") -> str:
+    """What an application's plain handler on the root logger writes for a library logger's
+    record of ``exc``, traceback and all."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        library_logger(logger).error("a call failed", exc_info=exc)
+    finally:
+        root.removeHandler(handler)
+    return out.getvalue()
+
+
+def raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:
+    try:
+        raise exc from cause
+    except BaseException as err:
+        return err
+
+
+def test_a_traceback_shows_the_exceptions_text_escaped_and_keeps_its_frames() -> None:
+    """The record's message was escaped, its traceback not: an exception quoting a downstream's
+    status message or a client's value (PostgreSQL's errors quote it) forged lines after it."""
+    cause = raised(KeyError(f"k\n{FORGED}"))
+    err = raised(ValueError(f"busy\n{FORGED}\x1b[2K\u202e"), cause)
+    err.add_note(f"note\n{FORGED}")
+    text = logged(err)
+    lines = text.splitlines()
+    assert not any(line.startswith(FORGED) for line in lines), text
+    assert not any(c in line for line in lines for c in UNSAFE), text
+    assert f"ValueError: busy\\n{FORGED}\\x1b[2K\\u202e" in lines, text
+    assert f"KeyError: 'k\\n{FORGED}'" in lines and f"note\\n{FORGED}" in lines, text
+    assert "The above exception was the direct cause of the following exception:" in lines
+    assert sum(line.startswith("Traceback (most recent call last):") for line in lines) == 2
+    assert sum(line.startswith('  File "') for line in lines) == 2  # the frames, one each
+    # The exceptions are the caller's: left as they were.
+    assert str(err) == f"busy\n{FORGED}\x1b[2K\u202e" and err.__notes__ == [f"note\n{FORGED}"]
+
+
+def test_a_group_members_text_is_escaped_too() -> None:
+    member = raised(RuntimeError(f"a\n{FORGED}"))
+    assert isinstance(member, RuntimeError)
+    group = raised(ExceptionGroup("two\nfailed", [member]))
+    text = logged(group)
+    assert not any(line.startswith(FORGED) for line in text.splitlines()), text
+    assert "two\\nfailed" in text and f"RuntimeError: a\\n{FORGED}" in text, text
+
+
+def test_a_traceback_with_nothing_to_escape_is_left_to_the_applications_formatter() -> None:
+    """``exc_text`` set, ``logging.Formatter`` writes it instead of calling ``formatException``
+    (which an application's formatter may override): set only when something needed escaping."""
+    clean = raised(RuntimeError("plain text, tab-free"))
+    assert escaped_traceback((RuntimeError, clean, clean.__traceback__)) is None
+    record = logging.LogRecord(
+        "x", logging.ERROR, __file__, 1, "m", (), (RuntimeError, clean, None)
+    )
+    assert EscapedTracebacks().filter(record) and record.exc_text is None
+    formatter = logging.Formatter()
+    expected = formatter.formatException((RuntimeError, clean, clean.__traceback__))
+    assert logged(clean).endswith(expected + "\n")

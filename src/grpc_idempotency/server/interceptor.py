@@ -19,7 +19,6 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import logging
 import math
 import os
 import time
@@ -79,7 +78,7 @@ from grpc_idempotency.core.lifecycle import (
     transition,
     wait_budget_s,
 )
-from grpc_idempotency.core.log_text import loggable
+from grpc_idempotency.core.log_text import library_logger, loggable
 from grpc_idempotency.core.policy import (
     KeyRequirement,
     MethodOverride,
@@ -112,7 +111,7 @@ from grpc_idempotency.store.postgres import (
 from grpc_idempotency.store.shards import ShardedStores
 from grpc_idempotency.telemetry import Telemetry, cancellation_code
 
-log = logging.getLogger("grpc_idempotency.server")
+log = library_logger("grpc_idempotency.server")
 
 
 # The replay cache's clock (its bounds: core/replay_cache.py): one that keeps counting while the

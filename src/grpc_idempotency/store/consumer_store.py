@@ -10,7 +10,6 @@ by ``lock_timeout``, and then is told ``MarkBusy``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import uuid
 
@@ -19,6 +18,7 @@ import asyncpg
 from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.core.log_text import library_logger
 from grpc_idempotency.store.errors import (
     aborted_by,
     from_the_driver,
@@ -34,7 +34,7 @@ from grpc_idempotency.store.postgres import (
 )
 from grpc_idempotency.store.sql import begin, float_literal, schema_identifier, text_literal
 
-log = logging.getLogger("grpc_idempotency.consumer")
+log = library_logger("grpc_idempotency.consumer")
 
 
 class MarkBusy(Exception):

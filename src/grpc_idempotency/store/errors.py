@@ -10,7 +10,6 @@ which exceptions are the database's. The original exception stays attached as ``
 
 from __future__ import annotations
 
-import logging
 import time
 
 import asyncpg
@@ -23,8 +22,9 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
     TransactionConflict,
 )
+from grpc_idempotency.core.log_text import library_logger
 
-log = logging.getLogger("grpc_idempotency.store")
+log = library_logger("grpc_idempotency.store")
 
 
 def sqlstate(exc: BaseException) -> str | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import math
 import os
 import time
@@ -47,6 +46,7 @@ from grpc_idempotency.core.lifecycle import (
     renewal_acquire_bound_s,
     renewal_bound_s,
 )
+from grpc_idempotency.core.log_text import library_logger
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import at_in_user_info, unsendable, unusable_file
@@ -67,7 +67,7 @@ from grpc_idempotency.store.errors import (
 from grpc_idempotency.store.sql import SAVEPOINT, Statements
 from grpc_idempotency.store.sql import begin as begin_sql
 
-log = logging.getLogger("grpc_idempotency.store")
+log = library_logger("grpc_idempotency.store")
 
 if TYPE_CHECKING:
     PooledConnection: TypeAlias = asyncpg.pool.PoolConnectionProxy[asyncpg.Record]

@@ -15,15 +15,15 @@ records (``WHERE scope = ...``) with its rows, in the same maintenance step.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 
 from grpc_idempotency.core.errors import IdempotencyError, StoreMisconfigured
+from grpc_idempotency.core.log_text import library_logger
 from grpc_idempotency.scope import is_async
 from grpc_idempotency.store.postgres import Store
 
-log = logging.getLogger("grpc_idempotency.store")
+log = library_logger("grpc_idempotency.store")
 
 ShardOf = Callable[[str], str]
 """Names the shard of a scope (a key of ``ShardedStores.shards``)."""
