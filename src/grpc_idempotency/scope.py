@@ -1,10 +1,11 @@
 """Scope resolvers: whose key is this? A record lives under (scope, key), never under a key alone.
 
 A resolver is a plain (not async) function: it takes the call's ``grpc.aio.ServicerContext`` and
-returns the scope, a str of 1..1024 bytes of UTF-8 without control characters, or raises
+returns the scope, a str of 1..1024 bytes of UTF-8 without control, line-separator or format
+characters (but ZWNJ and ZWJ: ``keys.scope_problem``), or raises
 ``ScopeUnavailable`` (the call is refused with UNAUTHENTICATED before the store is touched;
 another of the library's errors is answered with its own status). A str that cannot be a scope
-(empty, too long, holding a control character) is refused as ``ScopeUnavailable`` too. Anything
+(empty, too long, holding such a character) is refused as ``ScopeUnavailable`` too. Anything
 else it raises, or a return that is not a str, is a bug of the server's: logged (at most once a
 minute), and the call refused with INTERNAL (``ScopeResolverFailed``) without the exception's
 text.
@@ -20,7 +21,8 @@ from typing import Any
 import grpc
 
 from grpc_idempotency.core.errors import IdempotencyError, ScopeUnavailable
-from grpc_idempotency.core.keys import CONTROL_CHARACTERS, MAX_SCOPE_BYTES, validate_scope
+from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_scope
+from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.wire import HEADER_NAME, KEY_HEADER_BIN, LIBRARY_HEADERS
 
 ScopeResolver = Callable[[grpc.aio.ServicerContext[Any, Any]], str]
@@ -59,11 +61,12 @@ def peer_scope(identities: Iterable[bytes]) -> str:
     Names too many or too long for a scope (over ``MAX_SCOPE_BYTES`` so written: a certificate
     listing every DNS name of a service) give "peer-sha256:" and the SHA-256 of that text in
     hex, one per set of names still, and never a scope of plain names; such a peer was refused
-    on every keyed call. Names holding control characters (NUL, which no text column can hold, a
-    newline, ESC) are left as they are, and refused, however many (``validate_scope``)."""
+    on every keyed call. Names holding characters no scope may hold (NUL, which no text column
+    can hold, a newline, ESC, a bidi override: ``log_text.is_unsafe``) are left as they are, and
+    refused, however many (``validate_scope``)."""
     scope = "peer:" + ",".join(sorted(_name(identity) for identity in identities))
     written = scope.encode("utf-8")
-    if len(written) <= MAX_SCOPE_BYTES or CONTROL_CHARACTERS.search(scope):
+    if len(written) <= MAX_SCOPE_BYTES or unsafe_character(scope) is not None:
         return scope
     return "peer-sha256:" + hashlib.sha256(written).hexdigest()
 
@@ -100,9 +103,9 @@ class MetadataScope:
         # Refused now rather than on every call: no call could ever have a scope, or worse.
         self.header = tenant_header(header, prefix, user="MetadataScope")
         try:
-            # The shortest scope it makes: a prefix holding a control character (refused in
-            # every scope since validate_scope refuses them), or too long for a scope, had every
-            # call refused UNAUTHENTICATED.
+            # The shortest scope it makes: a prefix holding a control or format character
+            # (refused in every scope since validate_scope refuses them), or too long for a
+            # scope, had every call refused UNAUTHENTICATED.
             validate_scope(prefix + "-")
         except IdempotencyError as err:
             raise ValueError(f"MetadataScope: prefix {prefix!r}: {err.message}") from None
@@ -112,12 +115,17 @@ class MetadataScope:
         values = [v for k, v in context.invocation_metadata() or () if k == self.header]
         if len(values) != 1 or not isinstance(values[0], str) or not values[0]:
             raise ScopeUnavailable(f"expected exactly one {self.header!r} metadata entry")
-        if CONTROL_CHARACTERS.search(values[0]):
+        unsafe = unsafe_character(values[0])
+        if unsafe is not None:
             # No gRPC client sends one (it refuses what is not printable ASCII), but the
             # server passes a raw HTTP/2 client's on, decoded as UTF-8 or else Latin-1: a
-            # newline or an ESC sequence in a scope reached the server's log lines, the
-            # command-line tools' output and the outbox (whose forward_scope cannot send it).
-            raise ScopeUnavailable(f"the {self.header!r} metadata entry holds control characters")
+            # newline, an ESC sequence or a bidi override in a scope reached the server's log
+            # lines, the command-line tools' output and the outbox (whose forward_scope cannot
+            # send it). Said here as the header's fault, not the resolver's.
+            raise ScopeUnavailable(
+                f"the {self.header!r} metadata entry holds {code_point(unsafe)}, a control,"
+                " line-separator or format character"
+            )
         return self.prefix + values[0]
 
 

@@ -169,8 +169,14 @@ WIDE = "\U0001f600" * 1024  # 1024 characters, 4096 bytes: more than a record's 
             grpc.StatusCode.UNAUTHENTICATED,
             "IDEMPOTENCY_SCOPE_UNAVAILABLE",
         ),
+        # A bidi override reorders what an operator reads (tenant:acme shown for tenant:emca).
+        (
+            lambda context: "tenant:\u202eemca",
+            grpc.StatusCode.UNAUTHENTICATED,
+            "IDEMPOTENCY_SCOPE_UNAVAILABLE",
+        ),
     ],
-    ids=["raises", "int", "bytes", "4096-bytes", "surrogate", "nul", "newline", "c1-csi"],
+    ids=["raises", "int", "bytes", "4096-bytes", "surrogate", "nul", "newline", "c1-csi", "rlo"],
 )
 @pytest.mark.parametrize("method", [POST, PHASED, FAIL_OPEN])
 async def test_a_scope_resolver_that_fails_is_refused_before_the_handler(

@@ -127,7 +127,7 @@ def test_a_step_name_has_a_length_limit() -> None:
 def test_scope_validation() -> None:
     assert validate_scope("tenant:a") == "tenant:a"
     assert validate_scope("\u00e9" * 512) == "\u00e9" * 512  # 1024 bytes: the most
-    other = "t\u00e9nant \u2028 \u00a0"  # not C0, DEL or C1: taken
+    other = "t\u00e9nant \u00a0\u3000 \ue000"  # spaces, private use: shown as they are
     assert validate_scope(other) == other
     controls = ("a\nb", "a\rb", "a\tb", "a\x1b[2Jb", "a\x7fb", "a\x85b", "a\x9bb")
     for bad in ("", "x" * 1025, "a\x00b", "\u00e9" * 513, "\U0001f600" * 257, "t\udcff", *controls):
@@ -189,3 +189,44 @@ def test_child_keys_are_pinned(scope: str, parent: str, step: str, expected: str
 
 def test_claim_lock_ids_are_pinned() -> None:
     assert claim_lock_id("grpc_idempotency", "tenant:a", "order-1") == 4897178196358540786
+
+
+# A line or paragraph separator splits the line it is shown in (str.splitlines, many viewers);
+# a bidi embedding, override, isolate or mark reorders it on display; an invisible format
+# character makes two scopes read the same. Each was taken as a scope, and shown as it is in
+# the server's log lines, `inspect`, `list` and `outbox dead`.
+UNSAFE_FORMAT = {
+    "line-separator": "acme\u2028INFO forged",
+    "paragraph-separator": "acme\u2029",
+    "rlo": "tenant:\u202eemca",
+    "lre": "\u202aacme",
+    "rli": "acme\u2067x\u2069",
+    "rlm": "acme\u200f",
+    "arabic-letter-mark": "acme\u061c",
+    "zwsp": "ac\u200bme",
+    "soft-hyphen": "ac\u00adme",
+    "bom": "\ufeffacme",
+    "word-joiner": "acme\u2060",
+    "tag": "acme\U000e0041",
+}
+
+
+@pytest.mark.parametrize("scope", UNSAFE_FORMAT.values(), ids=UNSAFE_FORMAT.keys())
+def test_a_scope_holding_a_separator_or_format_character_is_refused(scope: str) -> None:
+    with pytest.raises(ScopeUnavailable) as caught:
+        validate_scope(scope)
+    unsafe = next(c for c in scope if not c.isascii())
+    # Which character, by its code point: the scope itself is not quoted (nor shown raw).
+    assert f"U+{ord(unsafe):04X}" in caught.value.message
+    assert scope not in caught.value.message
+
+
+def test_zwnj_and_zwj_are_taken_in_a_scope() -> None:
+    """Format characters too, but they spell words (Persian, the Indic scripts, emoji
+    sequences) and reorder nothing: IDNA and PRECIS allow them, as a scope does."""
+    for scope in (
+        "tenant:\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",
+        "t:\u0915\u094d\u200d\u0937",
+        "t:\U0001f469\u200d\U0001f4bb",
+    ):
+        assert validate_scope(scope) == scope

@@ -27,6 +27,13 @@ from grpc_idempotency.core.log_text import (
         # What a reader can read as it is stays so: tabs are controls, accents and quotes not.
         ("z\u00fcrich 'q' \\n", "z\u00fcrich 'q' \\n"),
         ("tab\there", "tab\\there"),
+        # Invisible format characters and bidi marks: two texts that read the same otherwise.
+        ("ac\u200bme\u200f\u00ad\ufeff\U000e0041", "ac\\u200bme\\u200f\\xad\\ufeff\\U000e0041"),
+        # ZWNJ and ZWJ spell words (Persian, Indic scripts, emoji): kept, as a scope keeps them.
+        (
+            "\u0645\u06cc\u200c\u062e \U0001f469\u200d\U0001f4bb",
+            "\u0645\u06cc\u200c\u062e \U0001f469\u200d\U0001f4bb",
+        ),
     ],
 )
 def test_controls_separators_and_bidi_overrides_are_escaped(text: str, shown: str) -> None:
@@ -113,3 +120,21 @@ def test_a_traceback_with_nothing_to_escape_is_left_to_the_applications_formatte
     formatter = logging.Formatter()
     expected = formatter.formatException((RuntimeError, clean, clean.__traceback__))
     assert logged(clean).endswith(expected + "\n")
+
+
+def test_a_scope_may_hold_exactly_what_a_log_line_shows_as_it_is() -> None:
+    """One rule (``log_text.is_unsafe``): what ``loggable`` escapes, no scope may hold, and a
+    scope reads the same in a log line, ``inspect`` and ``outbox dead``. Over the BMP and the
+    tags block (the astral format characters' home), a few hundred milliseconds."""
+    from grpc_idempotency.core.errors import ScopeUnavailable
+    from grpc_idempotency.core.keys import validate_scope
+
+    for cp in [*range(0xD800), *range(0xE000, 0x10000), *range(0xE0000, 0xE0080)]:
+        char = chr(cp)
+        escaped = loggable(char) != char
+        try:
+            validate_scope("t" + char)
+            refused = False
+        except ScopeUnavailable:
+            refused = True
+        assert escaped == refused, f"U+{cp:04X}"

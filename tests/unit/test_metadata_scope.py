@@ -42,7 +42,10 @@ def test_a_prefix_that_cannot_be_stored_is_refused() -> None:
         MetadataScope(prefix="tenant\x00")
 
 
-@pytest.mark.parametrize("prefix", ["tenant\n", "\x1b[31mtenant:", "tenant\x85", "t" * 1024])
+@pytest.mark.parametrize(
+    "prefix",
+    ["tenant\n", "\x1b[31mtenant:", "tenant\x85", "tenant\u2028", "\u202etenant:", "t" * 1024],
+)
 def test_a_prefix_no_call_could_have_a_scope_with_is_refused(prefix: str) -> None:
     # validate_scope refuses every scope holding a control character: made, every call was
     # refused UNAUTHENTICATED ("the scope resolver returned an unusable scope").

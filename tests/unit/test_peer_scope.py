@@ -62,7 +62,7 @@ def test_a_certificate_with_many_names_has_a_scope_the_store_can_hold() -> None:
         validate_scope(peer_scope([*many, b"a\x00b"]))
     # So is one holding another control character, long list or short (only NUL was refused:
     # a short list's scope was taken as it read, a long one's hashed).
-    for control in (b"a\nb", b"a\x1bb"):
+    for control in (b"a\nb", b"a\x1bb", "a\u202eb".encode(), "a\u2028b".encode()):
         with pytest.raises(ScopeUnavailable):
             validate_scope(peer_scope([*many, control]))
         with pytest.raises(ScopeUnavailable):

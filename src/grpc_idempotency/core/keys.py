@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 
 from grpc_idempotency.core.errors import KeyInvalid, ScopeResolverFailed, ScopeUnavailable
+from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.wire import KEY_HEADER, KEY_HEADER_BIN
 
 MAX_KEY_LENGTH = 255
@@ -69,32 +70,46 @@ def validate_key(key: str) -> str:
 
 def validate_scope(scope: object) -> str:
     """``scope`` as a scope resolver returned it, checked before it reaches the store: a str of
-    1..``MAX_SCOPE_BYTES`` UTF-8 bytes with no control character (``CONTROL_CHARACTERS``). What is
-    not a str is the resolver's bug (``ScopeResolverFailed``); the rest is ``ScopeUnavailable``.
-    (Counted in characters, 1024 four-byte ones passed, and the record's index refused them:
-    the handler ran and its call failed, or a fail-open method ran without deduplication.)"""
+    1..``MAX_SCOPE_BYTES`` UTF-8 bytes holding no character that is unsafe to show
+    (``scope_problem``). What is not a str is the resolver's bug (``ScopeResolverFailed``); the
+    rest is ``ScopeUnavailable``."""
     if not isinstance(scope, str):
         raise ScopeResolverFailed(f"the scope resolver returned {type(scope).__name__}, not str")
-    if not scope:
-        raise ScopeUnavailable("the scope resolver returned an empty scope")
-    try:
-        size = len(scope.encode("utf-8"))
-    except UnicodeEncodeError:  # a lone surrogate
-        size = -1
-    if not 0 < size <= MAX_SCOPE_BYTES or CONTROL_CHARACTERS.search(scope):
-        raise ScopeUnavailable(
-            f"the scope resolver returned an unusable scope (1-{MAX_SCOPE_BYTES} bytes of UTF-8,"
-            " no control characters)"
-        )
+    problem = scope_problem(scope)
+    if problem is not None:
+        raise ScopeUnavailable(f"the scope resolver returned an unusable scope: {problem}")
     return scope
 
 
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-"""C0 controls (NUL: PostgreSQL's text cannot hold one), DEL and C1 controls. A scope is
-written to log lines and the command-line tools' output, where a terminal acts on a newline or
-an ESC sequence, and sent as a header by ``forward_scope``, which gRPC refuses for them (the
-outbox row was a dead letter): whatever resolved it (a header, a certificate's name, a token),
-such a scope is refused."""
+def scope_problem(scope: str) -> str | None:
+    """Why ``scope`` can be no scope, without quoting it; ``None`` when it can be one.
+
+    Empty; over ``MAX_SCOPE_BYTES`` bytes of UTF-8 (counted in characters, 1024 four-byte ones
+    passed, and the record's index refused them: the handler ran and its call failed, or a
+    fail-open method ran without deduplication); not UTF-8 (a lone surrogate); or holding a
+    character that could split or disguise the lines it is shown in (``log_text.is_unsafe``:
+    a control character, NUL (which PostgreSQL's text cannot hold), a newline, ESC, a line
+    separator, a bidi override or mark, a zero width space). A scope is written to log lines
+    and the command-line tools' output, where a newline forged a line, an ESC sequence rewrote
+    a terminal and a bidi override reordered what the operator read, and sent as a header by
+    ``forward_scope``, which gRPC refuses for them (the outbox row was a dead letter): whatever
+    resolved it (a header, a certificate's name, a token), such a scope is refused. ZWNJ and
+    ZWJ, which spell words in some scripts, are taken."""
+    if not scope:
+        return "it is empty"
+    try:
+        size = len(scope.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it is not valid UTF-8 (a lone surrogate)"
+    if size > MAX_SCOPE_BYTES:
+        return f"it is {size} bytes of UTF-8, over {MAX_SCOPE_BYTES}"
+    unsafe = unsafe_character(scope)
+    if unsafe is not None:
+        return (
+            f"it holds {code_point(unsafe)}, a control, line-separator or format character"
+            " (which would split or disguise the lines it is shown in)"
+        )
+    return None
 
 
 def is_step_name(name: str) -> bool:

@@ -75,7 +75,9 @@ def key_text(text: str) -> str:
 
 
 def scope_text(text: str) -> str:
-    """A scope as the store holds one: 1..``MAX_SCOPE_BYTES`` bytes of UTF-8 without NUL."""
+    """A scope as the store holds one: 1..``MAX_SCOPE_BYTES`` bytes of UTF-8 without NUL. Not
+    ``validate_scope``'s rule, on purpose: records stored under a scope that a later version
+    refuses (a control or format character) stay readable, until retention removes them."""
     text = utf8_text(text)
     if not text:
         raise argparse.ArgumentTypeError("a scope is never empty")
