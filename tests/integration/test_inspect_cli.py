@@ -871,3 +871,67 @@ async def test_a_response_holding_an_any_is_decoded_with_the_descriptor_set(
         assert "decoded" not in op["response"]
         assert "no.such.Type" in op["response"]["undecoded"]
         assert "Traceback" not in done.stderr
+
+
+async def test_steps_unknown_because_the_options_are_refused_says_so_once(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """A method whose options this release refuses (here a field of a later release's
+    options.proto) has its records' steps unknown, as the server would not read them either;
+    that used to read "no descriptors for ... (--proto-module, --descriptor-set)" with its
+    module given. Now the refusal is said, once for the method however many records show it."""
+    from google.protobuf import descriptor_pb2
+
+    from grpc_idempotency.v1 import options_pb2
+
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="later/v1/later.proto",
+        package="later.v1",
+        syntax="proto3",
+        dependency=["grpc_idempotency/v1/options.proto"],
+    )
+    proto.message_type.add(name="Req")
+    method = proto.service.add(name="Later").method.add(
+        name="Do", input_type=".later.v1.Req", output_type=".later.v1.Req"
+    )
+    later = options_pb2.MethodPolicy()
+    later.MergeFromString(b"\x58\x01")  # field 11, varint 1: not in this release's MethodPolicy
+    method.options.Extensions[options_pb2.method].CopyFrom(later)
+    # A generated module, as protoc's Python generator writes one, in a few lines.
+    (tmp_path / "later_pb2.py").write_text(
+        "from google.protobuf import descriptor_pool\n"
+        "from grpc_idempotency.v1 import options_pb2  # noqa: F401\n"
+        f"descriptor_pool.Default().AddSerializedFile({proto.SerializeToString()!r})\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+    async with (
+        fresh_store(pg_dsn, "insp_later_a") as one,
+        fresh_store(pg_dsn, "insp_later_b") as two,
+    ):
+        for store in (one, two):  # the same operation seen in two services' stores
+            await store.pool.execute(
+                f'INSERT INTO "{store.schema}".records (scope, key, method, fingerprint, state,'
+                " fencing_token, status_code, response, completed_at, expires_at)"
+                " VALUES ('lv', 'k1', '/later.v1.Later/Do', '\\x00', 'completed', 1, 0, '',"
+                " clock_timestamp(), clock_timestamp() + interval '1 hour')"
+            )
+        where = ["--dsn", pg_dsn, "--schema", one.schema, "--schema", two.schema]
+        where += ["--proto-module", "later_pb2", "--scope", "lv", "k1"]
+
+        tree = await cli("inspect", *where, env=env)
+        assert tree.returncode == 0, tree.stderr
+        assert "no descriptors for" not in tree.stdout
+        assert tree.stdout.count("steps unknown: the method's options are refused") == 2
+        assert tree.stdout.count("sets field 11 that this release") == 1, tree.stdout
+        (why,) = [line for line in tree.stdout.splitlines() if "field 11" in line]
+        assert "/later.v1.Later/Do" in why and "upgrade grpc-idempotency" in why
+
+        done = await cli("inspect", *where, "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        for op in done.json()["operations"]:
+            assert op["steps_known"] is False
+            assert (
+                "/later.v1.Later/Do: (grpc_idempotency.v1.method) sets field 11"
+                in (op["steps_refused"])
+            )

@@ -328,6 +328,9 @@ class Node:
     error: RecordedError | None
     steps_known: bool
     """Whether the method's declared steps were known (its descriptors were given)."""
+    steps_refused: str | None = None
+    """Why they are unknown when its descriptors were given: its options, refused (the
+    server's words, naming the method)."""
     steps: list[StepNode] = field(default_factory=list)
     other_outbox: list[OutboxEntry] = field(default_factory=list)
     """Outbox rows with this operation as parent under no declared step's key (a step since
@@ -341,6 +344,7 @@ def node(
     output_type: str | None,
     output_class: MessageClass | None,
     steps_known: bool,
+    steps_refused: str | None = None,
 ) -> Node:
     """A node for ``record`` without its steps (``StepNode``s are added as they are looked up)."""
     response = None
@@ -351,6 +355,7 @@ def node(
         response=response,
         error=recorded_error(record),
         steps_known=steps_known,
+        steps_refused=steps_refused,
     )
 
 

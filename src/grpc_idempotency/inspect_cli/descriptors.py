@@ -39,6 +39,7 @@ class Descriptors:
         self.given = bool(modules or descriptor_sets)
         self._pools = [descriptor_pool.Default()]
         self._steps: dict[str, tuple[Step, ...]] = {}
+        self._refused: dict[str, str] = {}
         for path in descriptor_sets:
             label = f"--descriptor-set {path}"
             try:
@@ -62,7 +63,8 @@ class Descriptors:
         return None
 
     def steps_of(self, path: str) -> tuple[Step, ...] | None:
-        """The method's declared steps; ``None`` when its descriptors are unknown."""
+        """The method's declared steps; ``None`` when its descriptors are unknown, or its
+        options refused (then said by ``refusal``)."""
         path = normalize_method(path)
         if path in self._steps:
             return self._steps[path]
@@ -71,9 +73,18 @@ class Descriptors:
             return None
         try:
             policy = compile_policy(method)
-        except PolicyError:
+        except PolicyError as err:
+            # As the server would refuse them, so not read: but said, or the method's steps
+            # were "unknown" as if no descriptor for it had been given.
+            self._refused[path] = err.message
             return None
         return policy.steps if policy is not None else ()
+
+    def refusal(self, path: str) -> str | None:
+        """Why ``steps_of(path)`` was ``None`` although the method's descriptor is known: the
+        server's words refusing its options (a later release's option fields, an option on an
+        extension), naming the method; ``None`` otherwise."""
+        return self._refused.get(normalize_method(path))
 
     def output_type(self, path: str) -> str | None:
         method = self.method(path)

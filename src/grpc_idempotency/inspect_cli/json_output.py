@@ -87,6 +87,7 @@ def _node_json(service: str, n: Node) -> dict[str, Any]:
         else {"code": n.error.code, "message": n.error.message, "details": n.error.details}
     )
     out["steps_known"] = n.steps_known
+    out["steps_refused"] = n.steps_refused  # why unknown, when the descriptor is known
     out["steps"] = [_step_json(s) for s in n.steps]
     out["other_outbox"] = [
         _outbox_json(r, p) for r, p in zip(n.other_outbox, n.other_payloads, strict=True)

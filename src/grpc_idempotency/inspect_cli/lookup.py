@@ -119,6 +119,7 @@ class _Inspector:
             output_type=output,
             output_class=d.message_class(output),
             steps_known=steps is not None,
+            steps_refused=d.refusal(record.method),
         )
         kids = inspection.children(record, steps or ())
         outbox_keys = [c.key for c in kids if c.kind is ChildKind.OUTBOX]

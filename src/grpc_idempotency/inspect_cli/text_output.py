@@ -4,6 +4,7 @@ summary; ``list``'s table uses its outcome and time formats (``outcome_label``, 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 
 from grpc_idempotency.cli_errors import printable
@@ -163,7 +164,9 @@ def _node_lines(service: str, n: Node, depth: int) -> list[str]:
         items.append(sub)
     for row, payload in zip(n.other_outbox, n.other_payloads, strict=True):
         items.append([f"undeclared step {row.step} (outbox)", *_outbox_lines(row, payload)])
-    if not n.steps_known:
+    if n.steps_refused is not None:
+        items.append(["steps unknown: the method's options are refused (why: below)"])
+    elif not n.steps_known:
         items.append(
             [
                 f"steps unknown: no descriptors for {n.record.method}"
@@ -173,6 +176,14 @@ def _node_lines(service: str, n: Node, depth: int) -> list[str]:
     lines: list[str] = []
     _tree(lines, own, items, "")
     return lines
+
+
+def _refusals(nodes: Iterable[Node]) -> Iterator[str]:
+    """The ``steps_refused`` of these nodes and of every node below them, in tree order."""
+    for n in nodes:
+        if n.steps_refused is not None:
+            yield n.steps_refused
+        yield from _refusals(found.node for s in n.steps for found in s.records)
 
 
 def render_tree(
@@ -212,6 +223,11 @@ def render_tree(
                 " scope, such as the caller's mTLS identity: give it as `scope =` in that"
                 " service's --config section)"
             )
+    # Once per method however many of its records the tree holds: the text is long.
+    for why in dict.fromkeys(_refusals(found.node for found in roots)):
+        lines.append(
+            f"options refused (steps unknown), as this release's server refuses them: {why}"
+        )
     if not descriptors.given:
         lines.append("(no --proto-module or --descriptor-set: responses shown as bytes)")
     return lines
