@@ -896,7 +896,8 @@ async def test_steps_unknown_because_the_options_are_refused_says_so_once(
     )
     later = options_pb2.MethodPolicy()
     later.MergeFromString(b"\x58\x01")  # field 11, varint 1: not in this release's MethodPolicy
-    method.options.Extensions[options_pb2.method].CopyFrom(later)
+    options: Any = method.options  # protoc's stubs mistype extensions
+    options.Extensions[options_pb2.method].CopyFrom(later)
     # A generated module, as protoc's Python generator writes one, in a few lines.
     (tmp_path / "later_pb2.py").write_text(
         "from google.protobuf import descriptor_pool\n"
