@@ -39,7 +39,8 @@ class Purger:
 
     A run that fails is tried again at the next interval: an outage (``StoreUnavailable``) is
     logged as a warning, anything else (a bug) as an error with its traceback; neither stops
-    the purger, nor, sharded, another shard's schedule.
+    the purger, nor, sharded, another shard's schedule. A store the application closed
+    (``Store.closed``) ends its schedule, with one warning: no later run could purge it.
     """
 
     def __init__(
@@ -110,6 +111,16 @@ class Purger:
                     batch_size=self.batch_size, pause=self.pause, on_batch=self._count
                 )
             except StoreUnavailable as err:
+                if store.closed:
+                    # store.close() (a shutdown that closed the store before stopping the
+                    # purger): every later run failed alike, and said so every interval for as
+                    # long as the process lived. Sharded, the other shards' loops go on.
+                    log.warning(
+                        "purger stopped%s: its store was closed (store.close()); stop the purger"
+                        " first to end it quietly",
+                        where,
+                    )
+                    return
                 log.warning("purge skipped%s: %s", where, err)
             except Exception:
                 # No outage: a bug, or a driver's error the store does not map. Raised, it ended

@@ -589,3 +589,40 @@ async def test_a_purger_goes_on_after_an_unexpected_error(
     finally:
         await other.pool.execute(f'DROP SCHEMA "{other.schema}" CASCADE')
         await other.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-store", "sharded"])
+async def test_a_purger_whose_store_was_closed_stops_saying_so_once(
+    pg_dsn: str, purge_store: Store, caplog: pytest.LogCaptureFixture, sharded: bool
+) -> None:
+    """A store the application closed (``store.close()``) cannot be purged again: the purger
+    logged "purge skipped: idempotency store closed while purging records" every interval for
+    as long as the process lived. Its loop ends, with one line; a shard still open goes on."""
+    closed = await Store.connect(pg_dsn, schema=purge_store.schema, min_size=1, max_size=2)
+    try:
+        target: Store | ShardedStores = (
+            ShardedStores({"a": closed, "b": purge_store}, lambda scope: "a") if sharded else closed
+        )
+        await expired_records(purge_store, 1)
+        with caplog.at_level(logging.INFO, logger="grpc_idempotency.retention"):
+            async with Purger(target, interval=0.01) as purger:
+                await until("a first purge", lambda: purger.purged >= 1)
+                await closed.close()
+
+                def stopped() -> list[str]:
+                    return [m for m in caplog.messages if "purger stopped" in m]
+
+                await until("the purger's loop on the closed store ends", stopped, timeout=5)
+                if sharded:  # the open shard is still purged, on its own schedule
+                    before = purger.purged
+                    await expired_records(purge_store, 2)
+                    await until("the open shard purged", lambda: purger.purged >= before + 2)
+                    assert purger._task is not None and not purger._task.done()
+                else:
+                    assert purger._task is not None
+                    await asyncio.wait_for(purger._task, 5)  # ended, not cancelled
+        (line,) = stopped()
+        assert "closed" in line and ("shard 'a'" in line) == sharded
+        assert not [m for m in caplog.messages if "purge skipped" in m or "purge failed" in m]
+    finally:
+        await closed.close()

@@ -565,6 +565,13 @@ class Store:
         self._acquired = 0
         """Connections handed out by ``_acquire``: progress, seen by a wait that times out."""
 
+    @property
+    def closed(self) -> bool:
+        """Whether the application closed this store (``close()`` has begun), or its pool: no
+        statement will run on it again, unlike a store that cannot be reached for now. The
+        background loops (``Purger``, ``Relay.run``) end on it rather than retry for ever."""
+        return self._draining or self.pool.is_closing()
+
     @classmethod
     async def connect(
         cls,
