@@ -632,7 +632,9 @@ class Relay:
         ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
         and are delivered again after the lease. Database outages are logged and waited out;
         so is any other failure of a batch or of a purge (a bug), logged with its traceback: the
-        rows of a batch that failed are delivered again after their lease."""
+        rows of a batch that failed are delivered again after their lease. A store closed under
+        it (``store.close()``: stop the relay first) ends it with a ``RuntimeError`` saying so:
+        it could never deliver again."""
         if stop is not None and not (
             isinstance(stop, asyncio.Event)
             or (
@@ -712,6 +714,15 @@ class Relay:
                 wait = 0.0 if batch.more_due(self.batch_size) else await self._idle_wait(batch)
                 outage = 0
             except StoreUnavailable as err:
+                if self.store.closed:
+                    # Not an outage to wait out: it logged "idempotency store closed while ...;
+                    # trying again" every poll interval for as long as the process lived, and
+                    # delivered nothing.
+                    raise RuntimeError(
+                        f"relay {self.name}: its store was closed (store.close()) while it ran;"
+                        " stop the relay (set the stop event of run(stop)) before closing its"
+                        " store"
+                    ) from err
                 outage += 1
                 wait = min(self.poll_interval, 0.1 * 2 ** min(outage, 8))
                 log.warning("relay %s: %s; trying again in %.1fs", self.name, err, wait)

@@ -2047,3 +2047,28 @@ async def test_a_batch_failing_again_and_again_logs_its_traceback_once_a_minute(
     failed = [r for r in caplog.records if "a batch failed" in r.getMessage()]
     assert [r.exc_info is not None for r in failed] == [True, False, False]
     assert "RuntimeError: a bug in the batch's bookkeeping\\n(#2)" in failed[1].getMessage()
+
+
+@pytest.mark.parametrize("listen", [False, True], ids=["polling", "listening"])
+async def test_a_relay_whose_store_was_closed_stops_with_an_error_saying_so(
+    pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture, listen: bool
+) -> None:
+    """A store closed under a running relay (the README: stop relays first) cannot serve it
+    again: ``run()`` logged "idempotency store closed while claiming ...; trying again" every
+    poll interval (at most) for as long as the process lived, delivering nothing. It raises,
+    saying why, with no warning per poll; an outage is still waited out (the tests above)."""
+    async with second_store(pg_dsn, outbox) as store:
+        receiver = Receiver(expect=1)
+        relay = Relay(store, receiver, listen=listen, poll_interval=0.05)
+        with caplog.at_level(logging.WARNING, logger="grpc_idempotency.outbox"):
+            running_relay = asyncio.create_task(relay.run(asyncio.Event()))
+            await insert(outbox, outbox.schema, ["before-close"])
+            await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
+            # The LISTEN connection is the relay's until it stops: not waited for here.
+            await store.close(timeout=0.2)
+            with pytest.raises(RuntimeError, match="store was closed") as caught:
+                await asyncio.wait_for(running_relay, WAIT_S)
+        assert "stop the relay" in str(caught.value)
+        assert isinstance(caught.value.__cause__, StoreUnavailable)
+        assert not [r for r in caplog.records if "trying again" in r.getMessage()]
+        assert not relay._running  # another run() may start, on an open store
