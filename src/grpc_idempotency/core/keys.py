@@ -102,7 +102,7 @@ def scope_problem(scope: str) -> str | None:
     except UnicodeEncodeError:
         return "it is not valid UTF-8 (a lone surrogate)"
     if size > MAX_SCOPE_BYTES:
-        return f"it is {size} bytes of UTF-8, over {MAX_SCOPE_BYTES}"
+        return f"it is {size} bytes of UTF-8; a scope is 1-{MAX_SCOPE_BYTES} bytes"
     unsafe = unsafe_character(scope)
     if unsafe is not None:
         return (
