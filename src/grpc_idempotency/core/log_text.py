@@ -137,6 +137,8 @@ def library_logger(name: str) -> logging.Logger:
     if _ESCAPED_TRACEBACKS not in logger.filters:
         logger.addFilter(_ESCAPED_TRACEBACKS)
     return logger
+
+
 def code_point(char: str) -> str:
     """``char`` named as ``U+202E``: for an error saying which character it refuses without
     showing it (or the text around it)."""
