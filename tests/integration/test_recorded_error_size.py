@@ -1,7 +1,7 @@
 """A recorded error is bounded by ``max_response_bytes`` as a response is: its status message and
 details are what the record stores, and a handler's error may quote whatever the client sent
 ("no such account <the account>"). Unbounded, one key stored up to gRPC's 4 MiB of a client's
-choosing, and every answer of it (over the 16 KiB of trailers a gRPC client takes) reached the
+choosing, and every answer of it (over the 8 KiB of trailers a gRPC client takes) reached the
 client as RESOURCE_EXHAUSTED, a status clients retry, for the whole retention."""
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ class QuotingHandler(testsvc_pb2_grpc.LedgerServiceServicer):
         if request.behaviour == "details":
             status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message=message)
             await context.abort_with_status(rpc_status.to_status(status))
+        if request.behaviour.startswith("trailer"):  # trailers of its own (a trace id) too
+            debug = "d" * (7500 if request.behaviour == "trailer_huge" else 1500)
+            await context.abort(grpc.StatusCode.NOT_FOUND, message, (("x-debug", debug),))
+        if request.behaviour == "set_trailer":
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(message)
+            context.set_trailing_metadata((("x-debug", "d" * 1500),))
+            return testsvc_pb2.PostResponse()
         if request.behaviour == "violation":  # the quote in a detail, not in the message
             violation = error_details_pb2.BadRequest.FieldViolation(
                 field="account", description=message
@@ -108,6 +116,58 @@ async def test_a_recorded_error_too_large_for_a_clients_trailers_is_cut_to_fit(
         status = first.status()
         assert status is not None and status.message == first.details
     assert await stored_bytes(db, store, key) <= wire.MAX_ERROR_TRAILER_BYTES
+
+
+@pytest.mark.parametrize("behaviour", ["trailer", "set_trailer"])
+async def test_a_cut_error_leaves_room_for_the_handlers_own_trailers(
+    store: Store, behaviour: str
+) -> None:
+    """The handler's own trailers travel with the first answer (not with the replays): cut to
+    7 KiB regardless, its 1.5 KiB of them made the first answer's trailers 8.9 KiB, which a
+    client with an 8 KiB limit refused (grpc-java's default; C-core's from 8 KiB at random)
+    as RESOURCE_EXHAUSTED."""
+    handler = QuotingHandler()
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account="é" * 10_000, amount=1, behaviour=behaviour)
+    limit = (("grpc.max_metadata_size", 8192), ("grpc.absolute_max_metadata_size", 8192))
+    async with (
+        ledger_server(interceptor, handler) as (_, address),
+        grpc.aio.insecure_channel(address, options=limit) as channel,
+    ):
+        first = await call_raw(channel, POST, request, metadata(key))
+        retry = await call_raw(channel, POST, request, metadata(key))
+    assert first.code is retry.code is grpc.StatusCode.NOT_FOUND, first.details
+    assert first.trailing.get("x-debug") == "d" * 1500
+    assert first.details == retry.details and retry.replayed and handler.executions == 1
+    assert first.details is not None and first.details.endswith(wire.TRUNCATED)
+
+
+async def test_trailers_of_the_handlers_that_leave_no_room_do_not_replace_its_error(
+    store: Store,
+) -> None:
+    """Its first answer does not fit whatever the cut (the handler's doing); the replays, which
+    do not carry those trailers, do: the error is recorded, cut to fit them, and not replaced
+    by IDEMPOTENCY_RESPONSE_TOO_LARGE."""
+    handler = QuotingHandler()
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account="é" * 10_000, amount=1, behaviour="trailer_huge")
+    roomy = (("grpc.max_metadata_size", 65536), ("grpc.absolute_max_metadata_size", 65536))
+    async with (
+        ledger_server(interceptor, handler) as (_, address),
+        grpc.aio.insecure_channel(address, options=roomy) as channel,
+    ):
+        first = await call_raw(channel, POST, request, metadata(key))
+        retry = await call_raw(channel, POST, request, metadata(key))
+    assert first.code is retry.code is grpc.StatusCode.NOT_FOUND, first.details
+    assert first.details == retry.details and retry.replayed
+    assert first.details is not None and first.details.endswith(wire.TRUNCATED)
+    assert wire.error_trailer_bytes(first.details, None) > wire.MAX_ERROR_TRAILER_BYTES - 1024
 
 
 @pytest.mark.parametrize("behaviour", ["abort", "set", "details"])

@@ -103,6 +103,22 @@ def test_error_trailer_bytes_counts_what_the_client_counts(
     assert wire.error_trailer_bytes(message, details) == size
 
 
+@pytest.mark.parametrize(
+    ("trailers", "size"),
+    [
+        (None, 0),
+        ((("x-debug", "abc"),), 7 + 3 + 32),  # name, value and 32 bytes, as HTTP/2 counts
+        ((("x-debug", b"abc"),), 7 + 3 + 32),  # a text value given as bytes
+        ((("x-trace-bin", b"abcd"),), 11 + 8 + 32),  # base64
+        (((wire.DETAILS_TRAILER, b"abc"), ("a", "b")), 1 + 1 + 32),  # details: not counted
+    ],
+)
+def test_handler_trailer_bytes_counts_the_entries_other_than_the_details(
+    trailers: tuple[tuple[str, str | bytes], ...] | None, size: int
+) -> None:
+    assert wire.handler_trailer_bytes(trailers) == size
+
+
 def test_an_error_that_fits_is_kept_as_it_is() -> None:
     details = status_pb2.Status(code=5, message="no such account").SerializeToString()
     assert wire.fitted_error("no such account", details, 100) == ("no such account", details)

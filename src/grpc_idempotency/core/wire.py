@@ -88,6 +88,7 @@ __all__ = [
     "error_status",
     "error_trailer_bytes",
     "fitted_error",
+    "handler_trailer_bytes",
     "pushback_trailers",
     "reason_of",
     "retry_after_ms",
@@ -199,7 +200,9 @@ counts them: every answer of the error carries them in its trailers, and a gRPC 
 trailers over its metadata limit (8 KiB by default in grpc-java; in the C-core clients, Python's
 included, each answer over 8 KiB is refused with a chance that grows to all of them at 16 KiB,
 as RESOURCE_EXHAUSTED, which clients retry). The rest of the 8 KiB is for the other entries
-(``:status``, ``content-type``, ``grpc-status``, 32 bytes more for each) and the handler's own."""
+(``:status``, ``content-type``, ``grpc-status``, 32 bytes more for each); the handler's own
+trailers, which its first answer carries too, take their room from it
+(``handler_trailer_bytes``)."""
 
 # The bytes gRPC sends as they are in grpc-message; any other is percent-encoded ("%C3").
 _LITERAL = bytes(range(0x20, 0x7F)).replace(b"%", b"")
@@ -214,6 +217,22 @@ def error_trailer_bytes(message: str, details: bytes | None) -> int:
     counts the bytes)."""
     raw = message.encode("utf-8", "surrogatepass")
     return len(raw) + 2 * len(raw.translate(None, _LITERAL)) + 4 * ((len(details or b"") + 2) // 3)
+
+
+def handler_trailer_bytes(trailers: Iterable[tuple[str, str | bytes]] | None) -> int:
+    """What the entries of ``trailers`` other than the details (``error_trailer_bytes`` counts
+    those) take of a client's metadata limit, as HTTP/2 counts a header (RFC 7541: name, value
+    and 32 bytes), a ``-bin`` value as base64 (a text value is printable ASCII:
+    ``unsendable``)."""
+    size = 0
+    for name, value in trailers or ():
+        if name == DETAILS_TRAILER:
+            continue
+        length = len(value) if isinstance(value, bytes) else len(value.encode("utf-8"))
+        if name.endswith("-bin"):
+            length = 4 * ((length + 2) // 3)
+        size += len(name) + length + 32
+    return size
 
 
 def fitted_error(

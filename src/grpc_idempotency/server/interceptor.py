@@ -897,7 +897,14 @@ class IdempotencyInterceptor(_Interceptor):
                 # Its message is cut to fit instead (the code and the start of the text are
                 # what a client acts on); bounded by max_response_bytes too, as stored.
                 limit = min(policy.max_response_bytes, wire.MAX_ERROR_TRAILER_BYTES)
-                fitted = wire.fitted_error(text, details, limit)
+                # The handler's own trailers go with the first answer (not with the replays):
+                # cut to leave them room, or its first answer alone was refused so. Room or not,
+                # an error that fits ``limit`` is recorded (the replays fit).
+                room = wire.MAX_ERROR_TRAILER_BYTES - wire.handler_trailer_bytes(trailers)
+                bound = min(limit, room)
+                fitted = wire.fitted_error(text, details, bound)
+                if fitted is None and bound < limit:
+                    bound, fitted = limit, wire.fitted_error(text, details, limit)
                 if fitted is None:  # details too large, which cannot be cut
                     too_large = _error_too_large(policy, code, text, details, limit)
                     what, data, aborted = Finish.RECORD_ERROR, None, None
@@ -910,7 +917,7 @@ class IdempotencyInterceptor(_Interceptor):
                             policy.method,
                             code.name,
                             wire.error_trailer_bytes(text, details),
-                            limit,
+                            bound,
                         )
                     text, fitted_details = fitted
                     if fitted_details is not details:
