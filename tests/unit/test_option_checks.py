@@ -9,11 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
-from grpc_idempotency.core.policy import MethodOverride, compile_policy
+from grpc_idempotency.core.policy import MethodOverride, MethodPolicy, compile_policy
 from grpc_idempotency.v1 import options_pb2
 
 _counter = itertools.count()
@@ -35,13 +36,15 @@ def keyed_method(
     extension: Callable[[FDP], None] | None = None,
     nested: bool = False,
     held_exclusion: bool = False,
+    inner_option: bytes | None = None,
+    inner_twice: bool = False,
 ) -> MethodDescriptor:
     """A keyed method in a fresh proto2 file in the default pool. Its request ``Req`` has a
     field ``a`` (with ``field_option``) and, when ``nested``, a field ``inner`` of a message
-    ``Inner``. ``extension``: configure an extension ``ext`` of ``Inner`` (``nested``) or
+    ``Inner`` (with ``inner_option``; ``inner_twice``: and a field ``also`` of ``Inner``, without
+    options). ``extension``: configure an extension ``ext`` of ``Inner`` (``nested``) or
     ``Req``, declared in a second file added to the pool after the first (as a ``_pb2`` module
-    imported alongside). ``held_exclusion``: that file also declares ``Held``, holding an
-    ``Inside`` whose field ``y`` is FINGERPRINT_EXCLUDE (for an extension of type ``Held``)."""
+    imported alongside; ``extension_file``)."""
     n = next(_counter)
     package = f"optcheck{n}"
     fdp = descriptor_pb2.FileDescriptorProto(
@@ -57,13 +60,23 @@ def keyed_method(
     if field_option is not None:
         _field_option(a, field_option)
     if nested:
-        req.field.add(
+        inner_field = req.field.add(
             name="inner",
             number=2,
             type=FDP.TYPE_MESSAGE,
             type_name=f".{package}.Inner",
             label=FDP.LABEL_OPTIONAL,
         )
+        if inner_option is not None:
+            _field_option(inner_field, inner_option)
+        if inner_twice:
+            req.field.add(
+                name="also",
+                number=3,
+                type=FDP.TYPE_MESSAGE,
+                type_name=f".{package}.Inner",
+                label=FDP.LABEL_OPTIONAL,
+            )
     m = fdp.service.add(name="Svc").method.add(
         name="Do", input_type=f".{package}.Req", output_type=f".{package}.Req"
     )
@@ -72,32 +85,50 @@ def keyed_method(
     extensions[options_pb2.method].MergeFromString(method_option)
     pool = descriptor_pool.Default()
     pool.Add(fdp)
+    method = pool.FindServiceByName(f"{package}.Svc").methods_by_name["Do"]
     if extension is not None:
-        ext_file = descriptor_pb2.FileDescriptorProto(
-            name=f"option_checks_{n}_ext.proto", package=f"{package}.ext", syntax="proto2"
-        )
-        ext_file.dependency.extend([fdp.name, OPTIONS])
-        if held_exclusion:
-            inside = ext_file.message_type.add(name="Inside")
-            y = inside.field.add(name="y", number=1, type=FDP.TYPE_STRING, label=FDP.LABEL_OPTIONAL)
-            _excluded(y)
-            ext_file.message_type.add(name="Held").field.add(
-                name="inside",
-                number=1,
-                type=FDP.TYPE_MESSAGE,
-                type_name=f".{package}.ext.Inside",
-                label=FDP.LABEL_OPTIONAL,
-            )
-        ext = ext_file.extension.add(
-            name="ext",
-            number=100,
-            type=FDP.TYPE_STRING,
+        pool.Add(extension_file(method, extension, nested=nested, held_exclusion=held_exclusion))
+    return method
+
+
+def extension_file(
+    method: MethodDescriptor,
+    extension: Callable[[FDP], None],
+    *,
+    nested: bool,
+    held_exclusion: bool = False,
+) -> descriptor_pb2.FileDescriptorProto:
+    """A file declaring an extension ``ext`` of ``Inner`` (``nested``) or ``Req`` of
+    ``method``'s file (``keyed_method``), configured by ``extension``. ``held_exclusion``: it
+    also declares ``Held``, holding an ``Inside`` whose field ``y`` is FINGERPRINT_EXCLUDE (for
+    an extension of type ``Held``: ``_holding``)."""
+    package = method.containing_service.file.package
+    ext_file = descriptor_pb2.FileDescriptorProto(
+        name=f"{method.containing_service.file.name.removesuffix('.proto')}_ext.proto",
+        package=f"{package}.ext",
+        syntax="proto2",
+    )
+    ext_file.dependency.extend([method.containing_service.file.name, OPTIONS])
+    if held_exclusion:
+        inside = ext_file.message_type.add(name="Inside")
+        y = inside.field.add(name="y", number=1, type=FDP.TYPE_STRING, label=FDP.LABEL_OPTIONAL)
+        _excluded(y)
+        ext_file.message_type.add(name="Held").field.add(
+            name="inside",
+            number=1,
+            type=FDP.TYPE_MESSAGE,
+            type_name=f".{package}.ext.Inside",
             label=FDP.LABEL_OPTIONAL,
-            extendee=f".{package}.{'Inner' if nested else 'Req'}",
         )
-        extension(ext)
-        pool.Add(ext_file)
-    return pool.FindServiceByName(f"{package}.Svc").methods_by_name["Do"]
+    ext = ext_file.extension.add(
+        name="ext",
+        number=100,
+        type=FDP.TYPE_STRING,
+        label=FDP.LABEL_OPTIONAL,
+        extendee=f".{package}.{'Inner' if nested else 'Req'}",
+    )
+    extension(ext)
+    return ext_file
 
 
 def _excluded(ext: FDP) -> None:
@@ -114,6 +145,12 @@ def _out_of_enum(ext: FDP) -> None:
 
 def _newer_field(ext: FDP) -> None:
     _field_option(ext, b"\x10\x01")  # field 2, a later release's FieldPolicy field
+
+
+def _holding(ext: FDP) -> None:
+    """An extension of type ``Held`` (``extension_file(held_exclusion=True)``)."""
+    ext.type = FDP.TYPE_MESSAGE
+    ext.type_name = f".{ext.extendee.rpartition('.')[0].lstrip('.')}.ext.Held"
 
 
 @pytest.mark.parametrize(
@@ -188,12 +225,7 @@ def test_an_option_setting_a_field_this_release_does_not_know_is_refused(
 def test_an_extension_holding_a_message_with_an_excluded_field_is_refused() -> None:
     """An extension of a message type is hashed as sent, the inside of its message with it: an
     excluded field in there was kept as silently as an excluded extension."""
-
-    def holding(ext: FDP) -> None:
-        ext.type = FDP.TYPE_MESSAGE
-        ext.type_name = f".{ext.extendee.rpartition('.')[0].lstrip('.')}.ext.Held"
-
-    method = keyed_method(extension=holding, held_exclusion=True)
+    method = keyed_method(extension=_holding, held_exclusion=True)
     package = method.containing_service.full_name.rpartition(".")[0]
     with pytest.raises(PolicyError) as caught:
         compile_policy(method)
@@ -201,3 +233,119 @@ def test_an_extension_holding_a_message_with_an_excluded_field_is_refused() -> N
     assert message.startswith(f"/{package}.Svc/Do: extension {package}.ext.ext: ")
     assert f"{package}.ext.Inside.y" in message
     assert "FINGERPRINT_EXCLUDE" in message
+
+
+def _fingerprint(policy: MethodPolicy, request: Message) -> bytes:
+    return policy.fingerprint(request)
+
+
+def test_an_extension_added_to_the_pool_after_a_compile_is_checked_when_compiled_again() -> None:
+    """What a descriptor decides is cached by descriptor, but a file added to the pool later
+    can extend a type the request reaches: a method compiled after it (another registry, a
+    method compiled on its first call) must see the extension, as before the cache."""
+    method = keyed_method(nested=True)
+    assert compile_policy(method) is not None
+    descriptor_pool.Default().Add(
+        extension_file(method, _holding, nested=True, held_exclusion=True)
+    )
+    package = method.containing_service.file.package
+    for _ in range(2):  # and the refusal is not cached as an acceptance
+        with pytest.raises(PolicyError, match=f"extension {package}.ext.ext: holds"):
+            compile_policy(method)
+
+
+@pytest.mark.parametrize(
+    ("extension", "held_exclusion"),
+    [(_excluded, False), (_holding, True)],
+    ids=["excluded itself", "holding an excluded field"],
+)
+def test_an_extension_the_request_holds_only_inside_an_excluded_field_is_not_refused(
+    extension: Callable[[FDP], None], held_exclusion: bool
+) -> None:
+    """The excluded field is cleared before hashing, with whatever extensions its message holds:
+    nothing in there is hashed, so there is nothing left to honour. Refused, a request holding
+    ``google.protobuf.FieldOptions`` in an excluded field could not be keyed once any file in
+    the pool declared such a field option."""
+    method = keyed_method(
+        nested=True,
+        inner_option=b"\x08\x02",  # fingerprint: FINGERPRINT_EXCLUDE
+        extension=extension,
+        held_exclusion=held_exclusion,
+    )
+    policy = compile_policy(method)
+    assert policy is not None
+    pool = descriptor_pool.Default()
+    ext = pool.FindExtensionByName(f"{method.containing_service.file.package}.ext.ext")
+    request_class: Any = message_factory.GetMessageClass(method.input_type)
+    fingerprints = set()
+    for value in ("one", "two"):
+        request = request_class(a="same")
+        if ext.message_type is None:
+            request.inner.Extensions[ext] = value
+        else:
+            request.inner.Extensions[ext].inside.y = value
+        request.inner.x = value
+        fingerprints.add(_fingerprint(policy, request))
+    assert len(fingerprints) == 1
+
+
+@pytest.mark.parametrize(
+    ("extension", "held_exclusion", "said"),
+    [
+        (_excluded, False, "(FINGERPRINT_EXCLUDE)"),
+        (_holding, True, "FINGERPRINT_EXCLUDE, but an extension is fingerprinted as sent"),
+    ],
+    ids=["excluded itself", "holding an excluded field"],
+)
+def test_an_extension_the_request_holds_through_another_field_too_is_refused(
+    extension: Callable[[FDP], None], held_exclusion: bool, said: str
+) -> None:
+    """``Inner`` is excluded in one field and hashed in another: its extensions are hashed."""
+    method = keyed_method(
+        nested=True,
+        inner_option=b"\x08\x02",
+        inner_twice=True,
+        extension=extension,
+        held_exclusion=held_exclusion,
+    )
+    with pytest.raises(PolicyError) as caught:
+        compile_policy(method)
+    assert f"extension {method.containing_service.file.package}.ext.ext: " in caught.value.message
+    assert said in caught.value.message
+
+
+def test_a_later_release_setting_on_an_extension_inside_an_excluded_field_is_refused() -> None:
+    """A setting this release does not know may be about something other than the fingerprint:
+    refused wherever the request reaches it, as on a declared field."""
+    method = keyed_method(nested=True, inner_option=b"\x08\x02", extension=_newer_field)
+    with pytest.raises(PolicyError, match="sets field 2 that this release"):
+        compile_policy(method)
+
+
+def test_a_message_without_extension_ranges_cannot_gain_an_extension() -> None:
+    """What lets the checks skip such a type's extensions (upb scans every extension in the
+    pool to find a type's): the pool refuses a file extending it."""
+    method = keyed_method()
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name=f"{method.containing_service.file.name.removesuffix('.proto')}_none.proto",
+        package=f"{method.containing_service.file.package}.none",
+        syntax="proto2",
+    )
+    fdp.dependency.append(method.containing_service.file.name)
+    fdp.message_type.add(name="Plain")
+    descriptor_pool.Default().Add(fdp)
+    extending = descriptor_pb2.FileDescriptorProto(
+        name=f"{method.containing_service.file.name.removesuffix('.proto')}_none_ext.proto",
+        package=f"{method.containing_service.file.package}.none.ext",
+        syntax="proto2",
+    )
+    extending.dependency.append(fdp.name)
+    extending.extension.add(
+        name="x",
+        number=100,
+        type=FDP.TYPE_STRING,
+        label=FDP.LABEL_OPTIONAL,
+        extendee=f".{fdp.package}.Plain",
+    )
+    with pytest.raises(TypeError, match="has no extension range"):
+        descriptor_pool.Default().Add(extending)

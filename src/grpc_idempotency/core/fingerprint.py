@@ -16,11 +16,13 @@ inside of an unknown field, an ``Any``'s bytes) is compared as sent.
 So an extension cannot be excluded: ``(grpc_idempotency.v1.field)`` on one (anything but
 FINGERPRINT_INCLUDE), or an option setting a field this release does not declare, is refused
 when the method's policy is compiled (``core.option_checks``), for the extensions the request
-types' descriptor pool knows by then.
+types' descriptor pool knows by then (an exclusion only where the request can hold the extension
+outside an excluded field: inside one, it is cleared with the field).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,10 +73,6 @@ def _holds_messages(field: Any) -> bool:
     return bool(field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE)
 
 
-def _message_fields(descriptor: Descriptor) -> list[Any]:
-    return [f for f in descriptor.fields if _holds_messages(f)]
-
-
 def _map_value(field: Any) -> Any:
     entry = field.message_type
     if entry is not None and entry.GetOptions().map_entry:
@@ -82,61 +80,149 @@ def _map_value(field: Any) -> Any:
     return None
 
 
+# What a descriptor alone decides is cached by descriptor: its declared fields and their options
+# are fixed once it is built (the options are parsed once, with this module's extensions known).
+# What a pool can change is not: a file added later may extend a type, so the extensions of a
+# type are asked of its pool at every compile (``_check_extensions``). Bounded, as a discarded
+# pool's descriptors would otherwise be kept for the life of the process; past the bound an
+# entry is computed again, never wrong.
+_MEMO = 1 << 14
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What ``Fingerprinter.for_method`` needs of a request type that its descriptors decide."""
+
+    types: frozenset[str]
+    """Full names of the reachable types that hold an excluded field, directly or inside."""
+    fields: frozenset[str]
+    """Full names of the excluded fields."""
+    extendable: tuple[tuple[Descriptor, bool], ...]
+    """The reachable types that have extension ranges, in walk order, each with whether the
+    fingerprint hashes its messages (it reaches them through fields that are not excluded): a
+    type without extension ranges cannot gain an extension (the pool refuses the file), so it
+    is not asked for its extensions; nothing in a type reached only through excluded fields is
+    hashed, its extensions included."""
+
+
+@functools.lru_cache(maxsize=_MEMO)
+def _plan(root: Descriptor) -> _Plan:
+    reachable = reachable_message_types(root)
+    for d in reachable:
+        problem = _declared_problem(d)
+        if problem is not None:
+            raise PolicyError(problem)
+    excluded = {name for d in reachable for name in _excluded_fields(d)}
+    # The types that hold an excluded field, then every type that holds one of those: walked
+    # back along the message fields, so recursive types terminate.
+    holders: dict[str, list[str]] = {}
+    for d in reachable:
+        for f in d.fields:
+            if _holds_messages(f):
+                holders.setdefault(f.message_type.full_name, []).append(d.full_name)
+    needs: set[str] = set()
+    stack = [d.full_name for d in reachable if _excluded_fields(d)]
+    while stack:
+        name = stack.pop()
+        if name not in needs:
+            needs.add(name)
+            stack.extend(holders.get(name, ()))
+    hashed: dict[str, Descriptor] = {}
+    walk: list[Any] = [root]
+    while walk:
+        d = walk.pop()
+        if d.full_name in hashed:
+            continue
+        hashed[d.full_name] = d
+        walk.extend(
+            f.message_type for f in d.fields if _holds_messages(f) and f.full_name not in excluded
+        )
+    return _Plan(
+        types=frozenset(needs),
+        fields=frozenset(excluded),
+        extendable=tuple((d, d.full_name in hashed) for d in reachable if d.is_extendable),
+    )
+
+
+@functools.lru_cache(maxsize=_MEMO)
+def _declared_problem(message: Descriptor) -> str | None:
+    """The first ``option_checks.field_option_problem`` of ``message``'s declared fields: an
+    option setting a field this release does not declare."""
+    for field in message.fields:
+        problem = field_option_problem(field, _field_policy(field))
+        if problem is not None:
+            return problem
+    return None
+
+
+@functools.lru_cache(maxsize=_MEMO)
+def _excluded_fields(message: Descriptor) -> tuple[str, ...]:
+    """Full names of ``message``'s declared fields that are FINGERPRINT_EXCLUDE."""
+    fields: list[FieldDescriptor] = list(message.fields)
+    return tuple(f.full_name for f in fields if _is_excluded(f))
+
+
 def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str]]:
     """(types, fields): full names of the message types reachable from ``root`` that contain an
     excluded field, directly or through a nested message, and of the excluded fields
-    themselves. A fixpoint, so recursive message types terminate."""
-    reachable: dict[str, Descriptor] = {d.full_name: d for d in reachable_message_types(root)}
-    for d in reachable.values():
-        _check_options(d)
-    fields = [f for d in reachable.values() for f in d.fields if _is_excluded(f)]
-    excluded = {f.full_name for f in fields}
-    needs = {
-        name for name, d in reachable.items() if any(f.full_name in excluded for f in d.fields)
-    }
-    changed = True
-    while changed:
-        changed = False
-        for name, d in reachable.items():
-            if name not in needs and any(
-                f.message_type.full_name in needs for f in _message_fields(d)
-            ):
-                needs.add(name)
-                changed = True
-    return frozenset(needs), frozenset(excluded)
+    themselves; after refusing the options the fingerprint would not honour."""
+    plan = _plan(root)
+    for d, hashed in plan.extendable:
+        _check_extensions(d, hashed=hashed)
+    return plan.types, plan.fields
 
 
-def _check_options(message: Descriptor) -> None:
-    """Refuses a ``(grpc_idempotency.v1.field)`` on ``message``'s fields or extensions that the
-    fingerprint would not honour (``option_checks.field_option_problem``): an option setting a
-    field this release does not declare, or one on an extension, which is hashed as sent (an
-    "excluded" extension made every retry that changed it KEY_REUSED).
+def _check_extensions(message: Descriptor, *, hashed: bool) -> None:
+    """Refuses a ``(grpc_idempotency.v1.field)`` on an extension of ``message`` that the
+    fingerprint would not honour (``option_checks.field_option_problem``): one on an extension,
+    which is hashed as sent (an "excluded" extension made every retry that changed it
+    KEY_REUSED), or one setting a field this release does not declare; then an extension
+    holding a message with an excluded field inside. When ``message`` is not ``hashed`` (the
+    request holds it only inside excluded fields), only the setting this release does not
+    declare: the rest is cleared with the excluded field that holds it.
 
     The extensions are those its descriptor pool knows now, when the policy is compiled: an
     extension whose ``_pb2`` module is imported later (or never, by the server) cannot be
-    checked here; the protoc plugin checks every file it generates."""
+    checked here; the protoc plugin checks every file it generates. Asked of the pool at every
+    compile, never cached: a file added since may extend ``message``. (upb scans all the
+    pool's extensions for it: why only the types in ``_Plan.extendable`` are asked.)"""
     pool: Any = message.file.pool
-    extensions = sorted(pool.FindAllExtensions(message), key=lambda e: e.full_name)
-    for field in [*message.fields, *extensions]:
-        problem = field_option_problem(field, _field_policy(field))
-        if problem is not None:
-            raise PolicyError(problem)
-    for extension in extensions:
-        inside = _excluded_inside(extension.message_type) if _holds_messages(extension) else None
-        if inside is not None:
-            # Its message is hashed as sent too, the inside with it: an excluded field in there
-            # was kept as silently as an excluded extension.
-            raise PolicyError(
-                f"extension {extension.full_name}: holds {inside.full_name}, which is"
-                " FINGERPRINT_EXCLUDE, but an extension is fingerprinted as sent, its message"
-                " whole: exclude a field of the request's own types instead"
-            )
+    found: list[tuple[int, str, str]] = []
+    for extension in pool.FindAllExtensions(message):
+        verdict = _extension_problem(extension, hashed)
+        if verdict is not None:
+            found.append((verdict[0], extension.full_name, verdict[1]))
+    if found:
+        raise PolicyError(min(found)[2])
+
+
+@functools.lru_cache(maxsize=_MEMO)
+def _extension_problem(extension: FieldDescriptor, hashed: bool) -> tuple[int, str] | None:
+    """Why ``extension`` is refused (``_check_extensions``), ranked: 0 for its own option, 1 for
+    an excluded field inside its message (the option's refusal is said first, as when the
+    checks were one pass over the extensions, then another)."""
+    problem = field_option_problem(extension, _field_policy(extension), hashed=hashed)
+    if problem is not None:
+        return 0, problem
+    held = extension.message_type  # a message, group or editions DELIMITED message
+    if not hashed or held is None:
+        return None
+    inside = _excluded_inside(held)
+    if inside is not None:
+        # Its message is hashed as sent too, the inside with it: an excluded field in there
+        # was kept as silently as an excluded extension.
+        return 1, (
+            f"extension {extension.full_name}: holds {inside.full_name}, which is"
+            " FINGERPRINT_EXCLUDE, but an extension is fingerprinted as sent, its message"
+            " whole: exclude a field of the request's own types instead"
+        )
+    return None
 
 
 def _excluded_inside(root: Descriptor) -> FieldDescriptor | None:
     """The first excluded field declared in ``root`` or a message type it holds (through
-    declared fields, not ``_exclusion_plan``, whose checks would follow an extension of a type
-    back into that type)."""
+    declared fields, not ``_plan``, whose checks would follow an extension of a type back into
+    that type)."""
     for d in reachable_message_types(root):
         fields: list[FieldDescriptor] = list(d.fields)
         for field in fields:

@@ -51,20 +51,22 @@ def unknown_fields(message: Message, where: str = "") -> str:
 
 
 def field_option_problem(
-    field: FieldDescriptor, policy: options_pb2.FieldPolicy | None
+    field: FieldDescriptor, policy: options_pb2.FieldPolicy | None, *, hashed: bool = True
 ) -> str | None:
     """Why ``field``'s ``(grpc_idempotency.v1.field)`` (``policy``, ``None`` when unset) cannot
     be honoured, naming the field; ``None`` when it can.
 
     On an extension, anything but FINGERPRINT_INCLUDE (what happens anyway) is refused: the
     ``Fingerprinter`` clears the excluded *fields* of the request's types and hashes extensions
-    as sent, so an excluded one was silently kept. On any field, a setting this release does
-    not declare is refused (``UNKNOWN_WHY``). An out-of-enum ``fingerprint`` of a field is the
-    fingerprint's to refuse (``fingerprint._is_excluded``), as it reads the value."""
+    as sent, so an excluded one was silently kept. Not when ``hashed`` is false: the request
+    holds the extension only inside excluded fields, cleared with them, so nothing in it is
+    hashed. On any field, a setting this release does not declare is refused (``UNKNOWN_WHY``).
+    An out-of-enum ``fingerprint`` of a field is the fingerprint's to refuse
+    (``fingerprint._is_excluded``), as it reads the value."""
     if policy is None:
         return None
     kind = "extension" if field.is_extension else "field"
-    if field.is_extension:
+    if field.is_extension and hashed:
         value = policy.fingerprint
         if value not in (options_pb2.FINGERPRINT_UNSPECIFIED, options_pb2.FINGERPRINT_INCLUDE):
             said = (
