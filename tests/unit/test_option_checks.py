@@ -14,7 +14,12 @@ from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
-from grpc_idempotency.core.policy import MethodOverride, MethodPolicy, compile_policy
+from grpc_idempotency.core.policy import (
+    MethodOverride,
+    MethodPolicy,
+    compile_policies,
+    compile_policy,
+)
 from grpc_idempotency.v1 import options_pb2
 
 _counter = itertools.count()
@@ -38,11 +43,13 @@ def keyed_method(
     held_exclusion: bool = False,
     inner_option: bytes | None = None,
     inner_twice: bool = False,
+    inner_method: bool = False,
 ) -> MethodDescriptor:
     """A keyed method in a fresh proto2 file in the default pool. Its request ``Req`` has a
     field ``a`` (with ``field_option``) and, when ``nested``, a field ``inner`` of a message
     ``Inner`` (with ``inner_option``; ``inner_twice``: and a field ``also`` of ``Inner``, without
-    options). ``extension``: configure an extension ``ext`` of ``Inner`` (``nested``) or
+    options). ``inner_method``: the service also has a keyed method ``Direct`` whose request is
+    ``Inner``. ``extension``: configure an extension ``ext`` of ``Inner`` (``nested``) or
     ``Req``, declared in a second file added to the pool after the first (as a ``_pb2`` module
     imported alongside; ``extension_file``)."""
     n = next(_counter)
@@ -83,6 +90,12 @@ def keyed_method(
     extensions: Any = m.options.Extensions
     extensions[options_pb2.method].SetInParent()
     extensions[options_pb2.method].MergeFromString(method_option)
+    if inner_method:
+        direct = fdp.service[0].method.add(
+            name="Direct", input_type=f".{package}.Inner", output_type=f".{package}.Inner"
+        )
+        direct_options: Any = direct.options.Extensions
+        direct_options[options_pb2.method].SetInParent()
     pool = descriptor_pool.Default()
     pool.Add(fdp)
     method = pool.FindServiceByName(f"{package}.Svc").methods_by_name["Do"]
@@ -349,3 +362,15 @@ def test_a_message_without_extension_ranges_cannot_gain_an_extension() -> None:
     )
     with pytest.raises(TypeError, match="has no extension range"):
         descriptor_pool.Default().Add(extending)
+
+
+def test_methods_compiled_together_each_see_the_extensions_their_request_hashes() -> None:
+    """Compiled together, methods ask the pool once per type: a type found good where a
+    request holds it inside an excluded field is asked again where another request hashes it."""
+    excluded_inner = keyed_method(
+        nested=True, inner_option=b"\x08\x02", inner_method=True, extension=_excluded
+    )
+    direct = excluded_inner.containing_service.methods_by_name["Direct"]
+    assert compile_policy(excluded_inner) is not None
+    with pytest.raises(PolicyError, match=r"/Direct: extension .*\(FINGERPRINT_EXCLUDE\)"):
+        compile_policies([excluded_inner, direct])

@@ -162,13 +162,27 @@ def _excluded_fields(message: Descriptor) -> tuple[str, ...]:
     return tuple(f.full_name for f in fields if _is_excluded(f))
 
 
-def _exclusion_plan(root: Descriptor) -> tuple[frozenset[str], frozenset[str]]:
+ExtensionsChecked = set[tuple[Descriptor, bool]]
+"""The types whose extensions were found good (``_check_extensions``), each with ``hashed``:
+shared by the methods compiled together (``policy.compile_policies``, the protoc plugin), which
+see the pool at one moment, so each type's extensions are asked of the pool once for them all.
+Never kept from one such batch to the next: the pool may gain files in between."""
+
+
+def _exclusion_plan(
+    root: Descriptor, checked: ExtensionsChecked | None = None
+) -> tuple[frozenset[str], frozenset[str]]:
     """(types, fields): full names of the message types reachable from ``root`` that contain an
     excluded field, directly or through a nested message, and of the excluded fields
     themselves; after refusing the options the fingerprint would not honour."""
     plan = _plan(root)
     for d, hashed in plan.extendable:
+        # Found good as hashed, it is good unhashed too (fewer of its extensions are refused).
+        if checked is not None and ((d, hashed) in checked or (d, True) in checked):
+            continue
         _check_extensions(d, hashed=hashed)
+        if checked is not None:
+            checked.add((d, hashed))
     return plan.types, plan.fields
 
 
@@ -240,11 +254,18 @@ class Fingerprinter:
     excluded_fields: frozenset[str]
 
     @classmethod
-    def for_method(cls, method: str, request_type: Descriptor) -> Fingerprinter:
+    def for_method(
+        cls,
+        method: str,
+        request_type: Descriptor,
+        *,
+        checked: ExtensionsChecked | None = None,
+    ) -> Fingerprinter:
+        """``checked``: shared by methods compiled together (``ExtensionsChecked``)."""
         # An excluded field may be required (proto2 ``required``, editions LEGACY_REQUIRED):
         # the cleared copy is serialized partially, as any request is (``__call__``). It was
         # refused while the fingerprint serialized with protobuf's required-field check.
-        types, fields = _exclusion_plan(request_type)
+        types, fields = _exclusion_plan(request_type, checked)
         return cls(method=method, excluded_types=types, excluded_fields=fields)
 
     @property

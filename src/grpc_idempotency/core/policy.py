@@ -20,7 +20,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import PolicyError
-from grpc_idempotency.core.fingerprint import Fingerprinter
+from grpc_idempotency.core.fingerprint import ExtensionsChecked, Fingerprinter
 from grpc_idempotency.core.keys import step_name_problem
 from grpc_idempotency.core.option_checks import UNKNOWN_WHY, unknown_fields
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS, NEVER_RECORDED
@@ -305,9 +305,11 @@ _STORE_DOWN = {
 }
 
 
-def _fingerprinter(path: str, method: MethodDescriptor) -> Fingerprinter:
+def _fingerprinter(
+    path: str, method: MethodDescriptor, checked: ExtensionsChecked | None
+) -> Fingerprinter:
     try:
-        return Fingerprinter.for_method(path, method.input_type)
+        return Fingerprinter.for_method(path, method.input_type, checked=checked)
     except PolicyError as err:
         raise PolicyError(f"{path}: {err.message}") from None
 
@@ -323,9 +325,13 @@ def read_method_options(method: MethodDescriptor) -> options_pb2.MethodPolicy | 
 
 
 def compile_policy(
-    method: MethodDescriptor, override: MethodOverride | None = None
+    method: MethodDescriptor,
+    override: MethodOverride | None = None,
+    *,
+    checked: ExtensionsChecked | None = None,
 ) -> MethodPolicy | None:
-    """The method's policy, or ``None`` when it is not keyed (no option and no override)."""
+    """The method's policy, or ``None`` when it is not keyed (no option and no override).
+    ``checked``: shared by methods compiled together (``fingerprint.ExtensionsChecked``)."""
     path = method_path(method)
     options = read_method_options(method)
     if options is None and override is None:
@@ -390,7 +396,7 @@ def compile_policy(
         if ov.store_down is not None
         else _member(_STORE_DOWN, options, "store_down", path),
         steps=steps,
-        fingerprint=_fingerprinter(path, method),
+        fingerprint=_fingerprinter(path, method, checked),
         isolation=ov.isolation
         if ov.isolation is not None
         else _member(_ISOLATION, options, "isolation", path),
@@ -526,9 +532,12 @@ def compile_policies(
     """Policies for every keyed method in ``methods``, by gRPC path."""
     overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
     compiled: dict[str, MethodPolicy] = {}
+    # Their request types often share message types: each one's extensions asked of the pool
+    # once (upb scans all the pool's extensions for them), not once per method.
+    checked: ExtensionsChecked = set()
     for method in methods:
         path = method_path(method)
-        policy = compile_policy(method, overrides.get(path))
+        policy = compile_policy(method, overrides.get(path), checked=checked)
         if policy is not None:
             compiled[path] = policy
     return compiled

@@ -22,6 +22,7 @@ from __future__ import annotations
 from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
 
+from grpc_idempotency.core.fingerprint import ExtensionsChecked
 from grpc_idempotency.protoc_gen import names
 from grpc_idempotency.protoc_gen.pool import OPTIONS_FILE, Unloadable, extension_problems, load
 from grpc_idempotency.protoc_gen.render import RenderError, render
@@ -55,10 +56,11 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
         return response
     checked_files: list[KeyedFile] = []
     errors: list[str] = []
+    extensions_checked: ExtensionsChecked = set()
     for file in loaded.files:
         if file.name == OPTIONS_FILE:
             continue
-        checked, problems = check_file(file, loaded.pool)
+        checked, problems = check_file(file, loaded.pool, extensions_checked)
         errors += problems
         checked_files.append(checked)
     if not errors:

@@ -28,6 +28,7 @@ from google.protobuf.descriptor import (
 )
 
 from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.fingerprint import ExtensionsChecked
 from grpc_idempotency.core.option_checks import UNKNOWN_WHY, field_option_problem, unknown_fields
 from grpc_idempotency.core.policy import check_lease, compile_policy, method_path
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options
@@ -66,9 +67,13 @@ class KeyedFile:
 
 
 def check_file(
-    file: FileDescriptor, pool: descriptor_pool.DescriptorPool
+    file: FileDescriptor,
+    pool: descriptor_pool.DescriptorPool,
+    checked: ExtensionsChecked | None = None,
 ) -> tuple[KeyedFile, list[str]]:
-    """The file's keyed methods, and the errors found, each naming the file and the method."""
+    """The file's keyed methods, and the errors found, each naming the file and the method.
+    ``checked``: shared by the files of one request, whose pool does not change
+    (``fingerprint.ExtensionsChecked``)."""
     methods: list[KeyedMethod] = []
     field_problems = _field_option_problems(file)
     errors = [f"{file.name}: {problem}" for problem in field_problems]
@@ -92,7 +97,7 @@ def check_file(
                 )
                 continue
             try:
-                policy = compile_policy(method)
+                policy = compile_policy(method, checked=checked)
                 if policy is not None:
                     check_lease(policy)  # as the server checks it
             except PolicyError as err:
