@@ -22,10 +22,11 @@ Each round builds, in a fresh ``DescriptorPool`` (outside the timing), for each 
 
 and 20 keyed methods, each with a request type of its own holding the tree. Timed: the first
 method's ``compile_policy`` (nothing compiled yet in that pool: a server's first lazily compiled
-method), then each other method's (the tree's types compiled before: the median). Each version
-runs in a process of its own (``git archive <commit> src``, and the working tree's ``src/``),
-rounds alternating; per version, the median of the rounds; working tree / base paired round by
-round.
+method), then each other method's (the tree's types compiled before: the median); then, in
+another fresh pool, ``compile_policies`` of all 20 (what a server given the service compiles at
+start), the whole. Each version runs in a process of its own (``git archive <commit> src``,
+and the working tree's ``src/``), rounds alternating; per version, the median of the rounds;
+working tree / base paired round by round.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ REPO = _common.HERE.parent
 CHILD = r"""
 import gc, json, statistics, sys, time
 from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_idempotency.core.policy import compile_policy
+from grpc_idempotency.core.policy import compile_policies, compile_policy
 from grpc_idempotency.v1 import options_pb2
 
 FDP = descriptor_pb2.FieldDescriptorProto
@@ -150,6 +151,11 @@ for line in sys.stdin:
             gc.collect()
             out[f"{shape} {n} first"] = timed(methods[0])
             out[f"{shape} {n} other"] = statistics.median(timed(m) for m in methods[1:])
+            methods = build(shape, n)
+            gc.collect()
+            started = time.perf_counter()
+            assert len(compile_policies(methods)) == METHODS
+            out[f"{shape} {n} all"] = (time.perf_counter() - started) * 1e3
     print(json.dumps(out), flush=True)
 """
 
@@ -187,8 +193,8 @@ def main() -> None:
             p.wait(timeout=30)
         print(
             f"bench_option_checks: base {base} vs the working tree; {args.rounds} rounds;"
-            f" a request reaching {args.types} message types; compile_policy, ms per method"
-            " (median of the rounds)"
+            f" a request reaching {args.types} message types; ms per compile_policy (first,"
+            " other) or for compile_policies of 20 methods (all); median of the rounds"
         )
         print(f"\n  {'pool':<32} {'method':<7} {names[0]:>14} {names[1]:>14}  tree/base")
         for key in results[names[0]][0]:

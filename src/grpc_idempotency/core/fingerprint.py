@@ -203,6 +203,10 @@ def _check_extensions(message: Descriptor, *, hashed: bool) -> None:
     pool: Any = message.file.pool
     found: list[tuple[int, str, str]] = []
     for extension in pool.FindAllExtensions(message):
+        if not extension.has_options and (not hashed or extension.message_type is None):
+            # Nothing to refuse, and by far the commonest: not even a look-up in the cache
+            # (the pool may hold more such extensions than it keeps).
+            continue
         verdict = _extension_problem(extension, hashed)
         if verdict is not None:
             found.append((verdict[0], extension.full_name, verdict[1]))
