@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
 
@@ -138,3 +139,55 @@ def test_a_scope_may_hold_exactly_what_a_log_line_shows_as_it_is() -> None:
         except ScopeUnavailable:
             refused = True
         assert escaped == refused, f"U+{cp:04X}"
+
+
+class Shown:
+    """A note that is not a str: the traceback shows its ``str()``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def test_notes_that_are_not_a_list_of_str_are_escaped_too() -> None:
+    """The traceback shows ``str()`` of each note of any sequence, split at its newlines before
+    the exception's text is escaped: only a list or tuple's str notes were escaped, so a note
+    object, a str subclass with a ``__str__`` of its own, or a deque of notes forged lines."""
+
+    class Quiet(str):
+        def __str__(self) -> str:
+            return f"loud\n{FORGED}"
+
+    for notes in (
+        [Shown(f"obj\n{FORGED}")],
+        [Quiet("quiet")],
+        collections.deque([f"dq\n{FORGED}"]),
+    ):
+        err = raised(ValueError("v"))
+        err.__notes__ = notes  # type: ignore[assignment]  # what a library may set
+        text = logged(err)
+        assert not any(line.startswith(FORGED) for line in text.splitlines()), text
+        assert f"\\n{FORGED}" in text, text
+        assert err.__notes__ is notes  # the caller's, left as it was
+    # A note whose str() fails is shown as the standard formatter shows it.
+    err = raised(ValueError("v"))
+    err.__notes__ = [Unprintable(), f"n\n{FORGED}"]  # type: ignore[list-item]
+    text = logged(err)
+    assert "<note str() failed>" in text and f"n\\n{FORGED}" in text, text
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_a_traceback_shows_the_exceptions_own_type_as_the_standard_formatter_does() -> None:
+    """``logging.Formatter`` shows ``type(exc_info[1])``, whatever ``exc_info[0]`` says."""
+    err = raised(OSError(f"o\n{FORGED}"))
+    info = (ValueError, err, err.__traceback__)
+    text = escaped_traceback(info)
+    assert text is not None and f"\nOSError: o\\n{FORGED}" in text, text
+    plain = logging.Formatter().formatException(info)
+    assert text == plain.replace(f"\n{FORGED}", f"\\n{FORGED}"), (text, plain)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import traceback
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -71,7 +71,9 @@ def escaped_traceback(
     exception's own text (its message, its notes; its causes', contexts' and group members'
     too) through ``loggable``; ``None`` when none of that text needed escaping. The frames keep
     their lines. The exceptions are left as they are: their callers may still hold them."""
-    top = traceback.TracebackException(*exc_info, compact=True)
+    # type(value), not exc_info[0]: what logging's print_exception shows for a mismatched tuple.
+    value = exc_info[1]
+    top = traceback.TracebackException(type(value), value, exc_info[2], compact=True)
     changed: list[str] = []  # the texts escaped
 
     def escaping(plain: Callable[..., Iterator[str]]) -> Callable[..., Iterator[str]]:
@@ -95,12 +97,22 @@ def escaped_traceback(
         # On the instance: format() asks each exception of the chain for its text through it.
         vars(node)["format_exception_only"] = escaping(node.format_exception_only)
         # A note's lines come as chunks of their own: escaped before they are split, in a new
-        # list (the exception's own is the one TracebackException holds).
+        # list (the exception's own is the one TracebackException holds). The traceback shows
+        # str() of each note of any sequence but a str or bytes (a note object, a str subclass
+        # with a __str__ of its own, a deque of notes); one whose str() fails is left to it.
         notes = node.__notes__
-        if isinstance(notes, list | tuple):
-            safe = [loggable(n) if isinstance(n, str) else n for n in notes]
-            changed.extend(n for n, s in zip(notes, safe, strict=True) if n != s)
-            node.__notes__ = safe
+        if isinstance(notes, Sequence) and not isinstance(notes, str | bytes):
+            safe: list[object] = []
+            for note in notes:
+                try:
+                    text = str(note)
+                except Exception:
+                    safe.append(note)
+                    continue
+                safe.append(loggable(text))
+                if safe[-1] != text:
+                    changed.append(text)
+            node.__notes__ = safe  # type: ignore[assignment]  # shown through str(), as notes are
         todo.extend(n for n in (node.__cause__, node.__context__) if n is not None)
         todo.extend(node.exceptions or ())
     text = "".join(top.format())
