@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import io
 import logging
+from typing import Any
 
 import pytest
 
@@ -191,3 +192,11 @@ def test_a_traceback_shows_the_exceptions_own_type_as_the_standard_formatter_doe
     assert text is not None and f"\nOSError: o\\n{FORGED}" in text, text
     plain = logging.Formatter().formatException(info)
     assert text == plain.replace(f"\n{FORGED}", f"\\n{FORGED}"), (text, plain)
+
+
+def test_the_filter_never_fails_a_log_call() -> None:
+    """A malformed ``exc_info`` is the formatter's to report (``Handler.handleError``), as
+    without the filter: raised from the filter, it failed the library's log call itself."""
+    malformed: Any = (ValueError,)  # a log call's own tuple, passed on as it is
+    record = logging.LogRecord("x", logging.ERROR, __file__, 1, "m", (), malformed)
+    assert EscapedTracebacks().filter(record) and record.exc_text is None

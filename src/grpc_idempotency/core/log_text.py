@@ -129,8 +129,10 @@ class EscapedTracebacks(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         info = record.exc_info
-        if info and info[0] is not None and info[1] is not None and not record.exc_text:
-            try:
+        if info and not record.exc_text:
+            try:  # a malformed exc_info too: the formatter's to report, as without this filter
+                if info[0] is None or info[1] is None:
+                    return True
                 text = escaped_traceback((info[0], info[1], info[2]))
             except Exception:  # never fail the library's log call: the record goes as it is
                 return True
