@@ -200,3 +200,22 @@ def test_the_filter_never_fails_a_log_call() -> None:
     malformed: Any = (ValueError,)  # a log call's own tuple, passed on as it is
     record = logging.LogRecord("x", logging.ERROR, __file__, 1, "m", (), malformed)
     assert EscapedTracebacks().filter(record) and record.exc_text is None
+
+
+class Odd:
+    """``__notes__`` that is no sequence: the traceback shows its ``repr()``."""
+
+    def __repr__(self) -> str:
+        return f"odd\n{FORGED}"
+
+
+def test_notes_that_are_no_sequence_are_escaped() -> None:
+    """Python 3.11 to 3.13 yield such ``__notes__``'s repr() as one piece, escaped as it is;
+    CPython's main branch (gh-140051, colored notes, after 3.14) splits it at its newlines
+    first, as it does a note's: this fails there until ``escaped_traceback`` escapes the repr
+    itself."""
+    err = raised(ValueError("v"))
+    err.__notes__ = Odd()  # type: ignore[assignment]  # what a library may set
+    text = logged(err)
+    assert not any(line.startswith(FORGED) for line in text.splitlines()), text
+    assert f"odd\\n{FORGED}" in text, text
