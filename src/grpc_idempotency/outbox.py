@@ -58,9 +58,10 @@ from grpc_idempotency.core.errors import (
     PermanentDeliveryError,
     StoreUnavailable,
 )
-from grpc_idempotency.core.log_text import library_logger, loggable
+from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
+from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import tenant_header
 from grpc_idempotency.store.outbox_store import (
     BIGINT_MAX,

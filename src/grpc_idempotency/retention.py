@@ -19,7 +19,7 @@ import contextlib
 import math
 
 from grpc_idempotency.core.errors import StoreUnavailable
-from grpc_idempotency.core.log_text import library_logger
+from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store.postgres import Store
 from grpc_idempotency.store.shards import ShardedStores
 

@@ -34,7 +34,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import CallOutcome
-from grpc_idempotency.core.log_text import library_logger
+from grpc_idempotency.log_tracebacks import library_logger
 
 OUTCOME = "grpc_idempotency.outcome"
 KEY = "grpc_idempotency.key"

@@ -9,12 +9,8 @@ from typing import Any
 
 import pytest
 
-from grpc_idempotency.core.log_text import (
-    EscapedTracebacks,
-    escaped_traceback,
-    library_logger,
-    loggable,
-)
+from grpc_idempotency.core.log_text import loggable
+from grpc_idempotency.log_tracebacks import EscapedTracebacks, escaped_traceback, library_logger
 
 
 @pytest.mark.parametrize(

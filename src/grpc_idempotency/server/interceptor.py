@@ -78,7 +78,7 @@ from grpc_idempotency.core.lifecycle import (
     transition,
     wait_budget_s,
 )
-from grpc_idempotency.core.log_text import library_logger, loggable
+from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.core.policy import (
     KeyRequirement,
     MethodOverride,
@@ -88,6 +88,7 @@ from grpc_idempotency.core.policy import (
 )
 from grpc_idempotency.core.replay_cache import ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
+from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.registry import PolicyRegistry, Services, check_served
 from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers

@@ -18,7 +18,7 @@ import asyncpg
 from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import StoreUnavailable
-from grpc_idempotency.core.log_text import library_logger
+from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store.errors import (
     aborted_by,
     from_the_driver,

@@ -22,7 +22,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
     TransactionConflict,
 )
-from grpc_idempotency.core.log_text import library_logger
+from grpc_idempotency.log_tracebacks import library_logger
 
 log = library_logger("grpc_idempotency.store")
 

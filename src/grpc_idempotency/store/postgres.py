@@ -46,8 +46,8 @@ from grpc_idempotency.core.lifecycle import (
     renewal_acquire_bound_s,
     renewal_bound_s,
 )
-from grpc_idempotency.core.log_text import library_logger
 from grpc_idempotency.core.policy import Isolation
+from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import at_in_user_info, unsendable, unusable_file
 from grpc_idempotency.store.errors import (

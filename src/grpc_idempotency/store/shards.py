@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 
 from grpc_idempotency.core.errors import IdempotencyError, StoreMisconfigured
-from grpc_idempotency.core.log_text import library_logger
+from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import is_async
 from grpc_idempotency.store.postgres import Store
 
