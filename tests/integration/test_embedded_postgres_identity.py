@@ -20,8 +20,14 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from grpc_idempotency.testing import EmbeddedPostgres
-from grpc_idempotency.testing._postmaster import alive, clean_up, postmaster, stop_server
+from grpc_idempotency.testing import EmbeddedPostgres, embedded
+from grpc_idempotency.testing._postmaster import (
+    alive,
+    clean_up,
+    postmaster,
+    read_pid_file,
+    stop_server,
+)
 from tests.support.waiting import until
 
 PORT = 5432  # EmbeddedPostgres's socket name without a tcp_port
@@ -101,9 +107,9 @@ async def test_a_stale_pid_file_naming_a_reused_pid_is_started_over(
     """Its own server gone, an instance whose postmaster.pid names a process that took the pid
     said ``running`` and start() returned the DSN of no server; another instance on the data
     directory refused to start, "another PostgreSQL server is already running". That one is
-    not told by the socket dir: a process named postgres may be a server someone else started
-    there, and deleting its postmaster.pid would let a second server on the data directory, so
-    only a process proven to run another program is taken for a stale pid."""
+    not told by the socket dir, and still refuses (as postgres itself does: a live pid is a
+    running server, whatever program it seems to run here, see the pid namespace test below),
+    but says which file to delete if no server runs there, and leaves it in place."""
     data_dir = parent_dir / "pgdata"
     with EmbeddedPostgres(data_dir, durable=False) as pg:
         pg.stop()
@@ -116,14 +122,13 @@ async def test_a_stale_pid_file_naming_a_reused_pid_is_started_over(
         assert unrelated.poll() is None, "a stopping signal reached an unrelated process"
     # A later instance (a new socket dir) finds the same stale file.
     _stale_pid_file(data_dir, unrelated.pid, parent_dir / "an-earlier-socket-dir")
+    stale = (data_dir / "postmaster.pid").read_text()
     later = EmbeddedPostgres(data_dir, durable=False)
     try:
-        if Path(unrelated.args[0]).name == "postgres":
-            with pytest.raises(RuntimeError, match="another PostgreSQL server"):
-                later.start()
-        else:
+        with pytest.raises(RuntimeError, match="another PostgreSQL server") as refused:
             later.start()
-            assert later.running and await _answers(later.dsn)
+        assert str(data_dir / "postmaster.pid") in str(refused.value)
+        assert (data_dir / "postmaster.pid").read_text() == stale
     finally:
         later.close()
     assert unrelated.poll() is None, "a stopping signal reached an unrelated process"
@@ -202,3 +207,61 @@ async def test_as_root_without_cap_kill_the_owner_and_the_watchdog_stop_the_serv
         if owned:
             dirs = (Path(str(owned["data_dir"])), Path(str(owned["socket_dir"])))
             clean_up(dirs[0], dirs[1], PORT, dirs, "immediate")
+
+
+def _pid_namespaces(unshare: str) -> bool:
+    return subprocess.run([unshare, "--pid", "--fork", "true"], check=False).returncode == 0
+
+
+def _spawn_in_namespaces(unshare: list[str], postgres: list[str]) -> subprocess.Popen[bytes]:
+    as_server = embedded._load_runtime().as_server
+    return subprocess.Popen([*unshare, *as_server, *postgres], stderr=subprocess.DEVNULL)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def test_a_live_server_in_another_pid_namespace_keeps_its_postmaster_pid(
+    parent_dir: Path,
+) -> None:
+    """A server in another pid namespace (a container sharing the volume) writes a pid that
+    here is some other program's (its pid 1 is this namespace's init): that program is no
+    proof the server is gone. Its postmaster.pid was deleted and a second server started on the
+    live server's data directory (its own IPC namespace hides its shared memory, PostgreSQL's
+    other interlock)."""
+    unshare = shutil.which("unshare") or shutil.which("unshare", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or unshare is None:
+        pytest.skip("needs root and unshare (util-linux) for a pid namespace")
+    if not _pid_namespaces(unshare):
+        pytest.skip("no pid namespaces here (no CAP_SYS_ADMIN)")
+    data_dir, socket_dir = parent_dir / "pgdata", parent_dir / "socket"
+    with EmbeddedPostgres(data_dir, durable=False):
+        pass  # initdb
+    rt = embedded._load_runtime()
+    socket_dir.mkdir()
+    if rt.uid is not None and rt.gid is not None:
+        os.chown(socket_dir, rt.uid, rt.gid)
+    postgres = [str(rt.bin_dir / "postgres"), "-D", str(data_dir), "-c", "fsync=off"]
+    postgres += ["-c", f"unix_socket_directories={socket_dir}", "-c", "listen_addresses="]
+    inner = _spawn_in_namespaces([unshare, "--pid", "--ipc", "--fork", "--mount-proc"], postgres)
+
+    def ready() -> list[str] | None:
+        lines = read_pid_file(data_dir)
+        return lines if lines is not None and lines[-1].strip() == "ready" else None
+
+    try:
+        lines = await until("the other namespace's server to be ready", ready, DEADLINE_S)
+        assert int(lines[0]) not in _children(inner.pid)  # its pid here is another
+        later = EmbeddedPostgres(data_dir, durable=False)
+        try:
+            with pytest.raises(RuntimeError, match="another PostgreSQL server"):
+                later.start()
+        finally:
+            later.close()
+        assert (data_dir / "postmaster.pid").read_text().splitlines() == lines
+    finally:
+        # Its postmaster is the namespace's init: the namespace ends with it.
+        for server in _children(inner.pid) if inner.poll() is None else []:
+            os.kill(server, signal.SIGQUIT)
+        inner.wait(DEADLINE_S)

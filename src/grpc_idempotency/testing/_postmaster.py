@@ -104,25 +104,6 @@ def is_postmaster(lines: list[str], data_dir: Path, socket_dir: Path) -> bool:
     return uid == owner and f"unix_socket_directories={socket_dir}".encode() in argv
 
 
-def may_be_server(pid: int) -> bool:
-    """Whether the live process ``pid``, named by a postmaster.pid this process did not have
-    written, may be a PostgreSQL server: false only for one proven to run another program (by
-    procfs: neither its command name nor its argv[0] says postgres or postmaster). Its start
-    time is not compared with the file's: a clock stepped forward since would make a running
-    server look stale, and its postmaster.pid deleted, a second server on the data directory."""
-    if not alive(pid):
-        return False
-    if not _procfs():
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-    except OSError:
-        return alive(pid)  # unreadable (another account's, hidepid): maybe
-    names = (stat[stat.find(b"(") + 1 : stat.rfind(b")")], os.path.basename(argv0))
-    return any(b"postgres" in name or b"postmaster" in name for name in names)
-
-
 def owned_by(lines: list[str], socket_dir: Path, port: int) -> bool:
     # postmaster.pid: line 4 is the port, line 5 the (first) socket directory.
     return lines[3:5] == [str(port), str(socket_dir)]

@@ -74,9 +74,9 @@ from urllib.parse import quote
 
 from grpc_idempotency.testing import _postmaster
 from grpc_idempotency.testing._postmaster import _PG_CTL_WAIT_S, _STOP_SIGNALS, _TOOL_DIRS
+from grpc_idempotency.testing._postmaster import alive as _alive
 from grpc_idempotency.testing._postmaster import find_tool as _find_tool
 from grpc_idempotency.testing._postmaster import is_postmaster as _is_postmaster
-from grpc_idempotency.testing._postmaster import may_be_server as _may_be_server
 from grpc_idempotency.testing._postmaster import owned_by as _owned_by
 from grpc_idempotency.testing._postmaster import postmaster as _postmaster_lines
 from grpc_idempotency.testing._postmaster import read_pid_file as _read_pid_file
@@ -688,14 +688,20 @@ class EmbeddedPostgres:
                     # The socket dir is this instance's: a server is ours or none at all.
                     if _is_postmaster(lines, self._data_dir, self._socket_dir):
                         return self.dsn
-                elif _may_be_server(int(lines[0])):
+                elif _alive(int(lines[0])):
+                    # Another's file: its pid may be of another pid namespace (a container
+                    # sharing the volume) or host, where no program seen here disproves a
+                    # live server. Deleting the file let a second server on its data
+                    # directory: as postgres itself, a live pid is a running server.
                     raise RuntimeError(
-                        f"another PostgreSQL server (pid {lines[0]}) is already running on "
-                        f"{self._data_dir}; stop it first"
+                        f"another PostgreSQL server (pid {lines[0]}) is already running on"
+                        f" {self._data_dir}; stop it first (if none runs there, its pid"
+                        f" having gone to another program, delete"
+                        f" {self._data_dir / 'postmaster.pid'})"
                     )
             # Lock files left by a killed server: postgres would refuse to start while the
-            # pid they name is a zombie, or a process that took the pid since (postgres
-            # itself trusts kill(pid, 0)). The socket directory is ours alone.
+            # pid they name is a zombie, or (our own file) a process that took the pid since
+            # (postgres itself trusts kill(pid, 0)). The socket directory is ours alone.
             if lines is not None:
                 (self._data_dir / "postmaster.pid").unlink(missing_ok=True)
             for leftover in (f".s.PGSQL.{self._port}.lock", f".s.PGSQL.{self._port}"):
