@@ -101,7 +101,7 @@ def is_postmaster(lines: list[str], data_dir: Path, socket_dir: Path) -> bool:
         owner = data_dir.stat().st_uid
     except (OSError, KeyError, ValueError, IndexError):
         return False  # exited meanwhile, or its data directory is gone: no server of ours
-    return uid == owner and f"unix_socket_directories={socket_dir}".encode() in argv
+    return uid == owner and b"unix_socket_directories=" + os.fsencode(socket_dir) in argv
 
 
 def owned_by(lines: list[str], socket_dir: Path, port: int) -> bool:
