@@ -14,6 +14,7 @@ from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 
 from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.fingerprint import ExtensionsChecked
 from grpc_idempotency.core.policy import (
     MethodOverride,
     MethodPolicy,
@@ -374,3 +375,50 @@ def test_methods_compiled_together_each_see_the_extensions_their_request_hashes(
     assert compile_policy(excluded_inner) is not None
     with pytest.raises(PolicyError, match=r"/Direct: extension .*\(FINGERPRINT_EXCLUDE\)"):
         compile_policies([excluded_inner, direct])
+
+
+@pytest.mark.parametrize(
+    ("extension", "held_exclusion", "said"),
+    [
+        (_excluded, False, "(FINGERPRINT_EXCLUDE)"),
+        (_holding, True, "FINGERPRINT_EXCLUDE, but an extension is fingerprinted as sent"),
+    ],
+    ids=["excluded itself", "holding an excluded field"],
+)
+def test_an_extension_of_a_type_an_extension_of_the_request_holds_is_refused(
+    extension: Callable[[FDP], None], held_exclusion: bool, said: str
+) -> None:
+    """``Inner`` is reached through the excluded field ``inner``, and also as the value of an
+    extension ``whole`` of ``Req``, hashed as sent with whatever extensions it holds: an
+    "excluded" extension of ``Inner`` in there changed the fingerprint (KEY_REUSED). It was
+    accepted once ``Inner`` counted as held only inside excluded fields."""
+    method = keyed_method(
+        nested=True,
+        inner_option=b"\x08\x02",  # fingerprint: FINGERPRINT_EXCLUDE
+        extension=extension,
+        held_exclusion=held_exclusion,
+    )
+    file = method.containing_service.file
+    whole = descriptor_pb2.FileDescriptorProto(
+        name=f"{file.name.removesuffix('.proto')}_whole.proto",
+        package=f"{file.package}.whole",
+        syntax="proto2",
+    )
+    whole.dependency.append(file.name)
+    whole.extension.add(
+        name="whole",
+        number=101,
+        type=FDP.TYPE_MESSAGE,
+        type_name=f".{file.package}.Inner",
+        label=FDP.LABEL_OPTIONAL,
+        extendee=f".{file.package}.Req",
+    )
+    descriptor_pool.Default().Add(whole)
+    # Twice with one ``checked``, as the plugin compiles each method of a request: ``Req`` was
+    # found good before ``Inner`` was not, and is not skipped the second time without it.
+    checked: ExtensionsChecked = set()
+    for _ in range(2):
+        with pytest.raises(PolicyError) as caught:
+            compile_policy(method, checked=checked)
+        assert f"extension {file.package}.ext.ext: " in caught.value.message
+        assert said in caught.value.message

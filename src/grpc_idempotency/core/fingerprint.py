@@ -102,7 +102,7 @@ class _Plan:
     fingerprint hashes its messages (it reaches them through fields that are not excluded): a
     type without extension ranges cannot gain an extension (the pool refuses the file), so it
     is not asked for its extensions; nothing in a type reached only through excluded fields is
-    hashed, its extensions included."""
+    hashed, its extensions included (unless an extension holds it: ``_exclusion_plan``)."""
 
 
 @functools.lru_cache(maxsize=_MEMO)
@@ -163,10 +163,11 @@ def _excluded_fields(message: Descriptor) -> tuple[str, ...]:
 
 
 ExtensionsChecked = set[tuple[Descriptor, bool]]
-"""The types whose extensions were found good (``_check_extensions``), each with ``hashed``:
-shared by the methods compiled together (``policy.compile_policies``, the protoc plugin), which
-see the pool at one moment, so each type's extensions are asked of the pool once for them all.
-Never kept from one such batch to the next: the pool may gain files in between."""
+"""The types whose extensions were found good (``_check_extensions``), each with ``hashed``,
+and with them the types those extensions hold: shared by the methods compiled together
+(``policy.compile_policies``, the protoc plugin), which see the pool at one moment, so each
+type's extensions are asked of the pool once for them all. Never kept from one such batch to
+the next: the pool may gain files in between."""
 
 
 def _exclusion_plan(
@@ -176,17 +177,34 @@ def _exclusion_plan(
     excluded field, directly or through a nested message, and of the excluded fields
     themselves; after refusing the options the fingerprint would not honour."""
     plan = _plan(root)
-    for d, hashed in plan.extendable:
+    # Given to ``checked`` only once all are good: a type found good is skipped by the next
+    # method, the types its extensions hold with it.
+    done: ExtensionsChecked = set()
+    before: ExtensionsChecked = set() if checked is None else checked
+    todo = list(plan.extendable)
+    for d, hashed in todo:  # grows: the types the extensions found hold
         # Found good as hashed, it is good unhashed too (fewer of its extensions are refused).
-        if checked is not None and ((d, hashed) in checked or (d, True) in checked):
+        if any((d, h) in s for s in (done, before) for h in (hashed, True)):
             continue
-        _check_extensions(d, hashed=hashed)
-        if checked is not None:
-            checked.add((d, hashed))
+        for held in _check_extensions(d, hashed=hashed):
+            # An extension's value is hashed as sent, or cleared, with the message holding it
+            # (``_clear`` does not look into extensions): so are the extensions inside it,
+            # though ``_plan`` (declared fields) may see their types only inside an excluded
+            # field, or not at all.
+            todo.extend((t, hashed) for t in _extendable_within(held))
+        done.add((d, hashed))
+    if checked is not None:
+        checked |= done
     return plan.types, plan.fields
 
 
-def _check_extensions(message: Descriptor, *, hashed: bool) -> None:
+@functools.lru_cache(maxsize=_MEMO)
+def _extendable_within(message: Descriptor) -> tuple[Descriptor, ...]:
+    """``message`` and the types its declared fields reach that have extension ranges."""
+    return tuple(d for d in reachable_message_types(message) if d.is_extendable)
+
+
+def _check_extensions(message: Descriptor, *, hashed: bool) -> list[Descriptor]:
     """Refuses a ``(grpc_idempotency.v1.field)`` on an extension of ``message`` that the
     fingerprint would not honour (``option_checks.field_option_problem``): one on an extension,
     which is hashed as sent (an "excluded" extension made every retry that changed it
@@ -199,10 +217,16 @@ def _check_extensions(message: Descriptor, *, hashed: bool) -> None:
     extension whose ``_pb2`` module is imported later (or never, by the server) cannot be
     checked here; the protoc plugin checks every file it generates. Asked of the pool at every
     compile, never cached: a file added since may extend ``message``. (upb scans all the
-    pool's extensions for it: why only the types in ``_Plan.extendable`` are asked.)"""
+    pool's extensions for it: why only the types in ``_Plan.extendable`` are asked.)
+
+    Returns the message types its extensions hold, whose own extensions the request holds too
+    (``_exclusion_plan`` checks them)."""
     pool: Any = message.file.pool
     found: list[tuple[int, str, str]] = []
+    held: list[Descriptor] = []
     for extension in pool.FindAllExtensions(message):
+        if extension.message_type is not None:
+            held.append(extension.message_type)
         if not extension.has_options and (not hashed or extension.message_type is None):
             # Nothing to refuse, and by far the commonest: not even a look-up in the cache
             # (the pool may hold more such extensions than it keeps).
@@ -212,6 +236,7 @@ def _check_extensions(message: Descriptor, *, hashed: bool) -> None:
             found.append((verdict[0], extension.full_name, verdict[1]))
     if found:
         raise PolicyError(min(found)[2])
+    return held
 
 
 @functools.lru_cache(maxsize=_MEMO)
