@@ -184,14 +184,14 @@ def _exclusion_plan(
     todo = list(plan.extendable)
     for d, hashed in todo:  # grows: the types the extensions found hold
         # Found good as hashed, it is good unhashed too (fewer of its extensions are refused).
-        if any((d, h) in s for s in (done, before) for h in (hashed, True)):
+        if (d, True) in done or (d, hashed) in done or (d, True) in before or (d, hashed) in before:
             continue
         for held in _check_extensions(d, hashed=hashed):
             # An extension's value is hashed as sent, or cleared, with the message holding it
             # (``_clear`` does not look into extensions): so are the extensions inside it,
             # though ``_plan`` (declared fields) may see their types only inside an excluded
             # field, or not at all.
-            todo.extend((t, hashed) for t in _extendable_within(held))
+            todo += [(t, hashed) for t in _extendable_within(held)]
         done.add((d, hashed))
     if checked is not None:
         checked |= done
@@ -223,11 +223,12 @@ def _check_extensions(message: Descriptor, *, hashed: bool) -> list[Descriptor]:
     (``_exclusion_plan`` checks them)."""
     pool: Any = message.file.pool
     found: list[tuple[int, str, str]] = []
-    held: list[Descriptor] = []
+    held: dict[str, Descriptor] = {}  # once per type: many extensions hold the same
     for extension in pool.FindAllExtensions(message):
-        if extension.message_type is not None:
-            held.append(extension.message_type)
-        if not extension.has_options and (not hashed or extension.message_type is None):
+        held_type = extension.message_type
+        if held_type is not None:
+            held[held_type.full_name] = held_type
+        if not extension.has_options and (not hashed or held_type is None):
             # Nothing to refuse, and by far the commonest: not even a look-up in the cache
             # (the pool may hold more such extensions than it keeps).
             continue
@@ -236,7 +237,8 @@ def _check_extensions(message: Descriptor, *, hashed: bool) -> list[Descriptor]:
             found.append((verdict[0], extension.full_name, verdict[1]))
     if found:
         raise PolicyError(min(found)[2])
-    return held
+    # By name, not in the pool's order (its hash table's): which refusal is said first.
+    return [held[name] for name in sorted(held)]
 
 
 @functools.lru_cache(maxsize=_MEMO)
