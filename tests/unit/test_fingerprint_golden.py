@@ -7,8 +7,8 @@ FAILED_PRECONDITION / IDEMPOTENCY_KEY_REUSED for the whole retention period. Do 
 values to make the test pass: a change needs a migration plan (say, accepting the old and the
 new fingerprint side by side until the old records expire) and a release note.
 
-The same values come out of protobuf's upb and pure-Python backends (checked when pinned),
-except for the maps pinned per runtime at the end.
+The same values come out of protobuf's upb and pure-Python runtimes
+(tests/unit/test_fingerprint_runtimes.py runs these tests under the other runtime too).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import hashlib
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.internal import api_implementation
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency.core.fingerprint import Fingerprinter
@@ -98,15 +97,12 @@ def test_the_method_name_is_part_of_the_value() -> None:
 # Map entries are serialized in an order of the protobuf runtime's choosing, which is not the
 # same in upb and in the pure-Python runtime for keys other than plain strings: upb puts int64
 # keys in descending unsigned order (-1, 2**40, 3, 0), a string before its own prefix ("ab"
-# before "a", "" last) and true before false; the pure-Python runtime sorts them ascending. So
-# the fingerprint of such a request differs between the two runtimes (the README: run one
-# runtime across the fleet), and would change with a protobuf release that changed either
-# order. Pinned per runtime, so that such a release fails here instead of refusing retries as
-# KEY_REUSED.
-MAPS_FINGERPRINT = {
-    "upb": "d6afa85b9212abb922f580e34180a629cb7e698bccf2d57dd8d6e0317f1d1303",
-    "python": "9c8521cad7540c168cb73cb7575397dda0622ba09f85a8512bf41550d77733b3",
-}
+# before "a", "" last) and true before false; the pure-Python runtime sorts them ascending. The
+# fingerprint hashes upb's order under both (core/map_order.py), the value every record stored
+# under the default runtime holds; a protobuf release changing upb's order fails here instead
+# of refusing retries as KEY_REUSED. (Under the pure-Python runtime this value was
+# 9c8521cad7540c168cb73cb7575397dda0622ba09f85a8512bf41550d77733b3 before 0.1.0.)
+MAPS_FINGERPRINT = "d6afa85b9212abb922f580e34180a629cb7e698bccf2d57dd8d6e0317f1d1303"
 
 
 def test_the_fingerprint_of_maps_with_int_bool_and_prefix_string_keys_is_pinned() -> None:
@@ -135,4 +131,4 @@ def test_the_fingerprint_of_maps_with_int_bool_and_prefix_string_keys_is_pinned(
     for name in ("ab", "", "a", "b"):
         r.by_name[name] = name
     fingerprint = Fingerprinter.for_method("/golden.maps.S/M", cls.DESCRIPTOR)
-    assert fingerprint(r).hex() == MAPS_FINGERPRINT[api_implementation.Type()]
+    assert fingerprint(r).hex() == MAPS_FINGERPRINT

@@ -7,11 +7,13 @@ Clearing is recursive through nested messages, repeated fields and map values, n
 extension's value (hashed as sent: the protoc plugin refuses an exclusion there). The plan of what
 to clear is computed once per message type; a type with nothing to clear is hashed without a copy.
 Deterministic serialization makes the result independent of map order and of the client's
-serializer, so it is stable across processes and restarts. Fields the server's proto does not
-declare, and extensions (upb serializes them last), are put in field-number order
-(``core/field_order.py``), where a server that declares them serializes them: the same request
-hashes the same on both sides of a deploy that adds a field. What the server cannot parse (the
-inside of an unknown field, an ``Any``'s bytes) is compared as sent.
+serializer, so it is stable across processes and restarts; map entries are hashed in upb's order
+under the pure-Python runtime too (``core/map_order.py``), so replicas running either runtime
+agree. Fields the server's proto does not declare, and extensions (upb serializes them last),
+are put in field-number order (``core/field_order.py``), where a server that declares them
+serializes them: the same request hashes the same on both sides of a deploy that adds a field.
+What the server cannot parse (the inside of an unknown field, an ``Any``'s bytes) is compared as
+sent.
 
 So an extension cannot be excluded: ``(grpc_idempotency.v1.field)`` on one (anything but
 FINGERPRINT_INCLUDE), or an option setting a field this release does not declare, is refused
@@ -36,6 +38,11 @@ from grpc_idempotency.core.field_order import (
     field_ordered,
     needs_field_order,
     reachable_message_types,
+)
+from grpc_idempotency.core.map_order import (
+    PYTHON_RUNTIME,
+    needs_map_order,
+    put_maps_in_upb_order,
 )
 from grpc_idempotency.core.option_checks import field_option_problem
 from grpc_idempotency.v1 import options_pb2
@@ -304,7 +311,9 @@ class Fingerprinter:
         return bool(self.excluded_types)
 
     def __call__(self, request: Message) -> bytes:
-        if self.excluded_types:
+        # Only under the pure-Python runtime (upb's map order, ``core/map_order.py``).
+        upb_map_order = PYTHON_RUNTIME and needs_map_order(request.DESCRIPTOR)
+        if self.excluded_types or upb_map_order:
             clone = type(request)()
             clone.CopyFrom(request)
             self._clear(clone)
@@ -313,7 +322,13 @@ class Fingerprinter:
         # so a request lacking one reaches the handler, as it does without the library;
         # SerializeToString checks them, raised EncodeError, and every such call failed
         # UNKNOWN. The bytes of a complete request are the same either way.
-        body = request.SerializePartialToString(deterministic=True)
+        if upb_map_order:
+            # The maps' entries re-inserted in upb's order, serialized in insertion order:
+            # the pure-Python runtime's own sort is another order.
+            put_maps_in_upb_order(request)
+            body = request.SerializePartialToString(deterministic=False)
+        else:
+            body = request.SerializePartialToString(deterministic=True)
         if needs_field_order(request):
             # Unknown fields are serialized at the end of their message, and upb puts
             # extensions there too: put in field-number order, where a server that knows them
