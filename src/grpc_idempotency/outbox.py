@@ -279,8 +279,9 @@ def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> Me
     whose scope lacks the prefix, or is not printable ASCII (all a gRPC metadata value may be),
     cannot be delivered with it (``PermanentDeliveryError``: a dead letter at once, instead of
     failing on every try until then). A header no delivery could send (not a metadata name, the
-    library's own, gRPC's own, a -bin one) is a ``ValueError`` here, as ``MetadataScope``
-    refuses it; a name in capitals is sent in lowercase, as ``MetadataScope`` reads it."""
+    library's own, gRPC's own, a -bin one), or a prefix no scope can start with (holding a
+    character no scope may hold, or too long), is a ``ValueError`` here, as ``MetadataScope``
+    refuses them; a name in capitals is sent in lowercase, as ``MetadataScope`` reads it."""
     # Else every message was a dead letter at its first delivery (gRPC refuses the name).
     header = tenant_header(header, prefix, user="forward_scope")
 

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from grpc_idempotency.core.errors import IdempotencyError, ScopeUnavailable
-from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_scope
+from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, scope_problem, validate_scope
 from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.wire import HEADER_NAME, KEY_HEADER_BIN, LIBRARY_HEADERS
 
@@ -102,13 +102,6 @@ class MetadataScope:
     def __init__(self, header: str = "x-tenant-id", *, prefix: str = "tenant:") -> None:
         # Refused now rather than on every call: no call could ever have a scope, or worse.
         self.header = tenant_header(header, prefix, user="MetadataScope")
-        try:
-            # The shortest scope it makes: a prefix holding a control or format character
-            # (refused in every scope since validate_scope refuses them), or too long for a
-            # scope, had every call refused UNAUTHENTICATED.
-            validate_scope(prefix + "-")
-        except IdempotencyError as err:
-            raise ValueError(f"MetadataScope: prefix {prefix!r}: {err.message}") from None
         self.prefix = prefix
 
     def __call__(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
@@ -160,6 +153,12 @@ def tenant_header(header: str, prefix: str, *, user: str) -> str:
         )
     if "\x00" in prefix:
         raise ValueError(f"{user}: the prefix holds NUL, which no scope can hold")
+    # The shortest scope it makes: a prefix holding a control or format character (refused in
+    # every scope), or too long for a scope, had every MetadataScope call refused
+    # UNAUTHENTICATED, and every message forward_scope sent a dead letter (no scope starts so).
+    problem = scope_problem(prefix + "-")
+    if problem is not None:
+        raise ValueError(f"{user}: prefix {prefix!r} makes an unusable scope: {problem}")
     return name
 
 

@@ -54,3 +54,16 @@ def test_a_header_no_delivery_could_send_is_refused_when_made(header: str) -> No
 def test_a_prefix_with_nul_is_refused_when_made() -> None:
     with pytest.raises(ValueError, match="forward_scope: "):
         forward_scope(prefix="tenant\x00")
+
+
+@pytest.mark.parametrize(
+    "prefix", ["tenant\n", "\x1b[31mtenant:", "tenant\u2028", "\u202etenant:", "t" * 1024]
+)
+def test_a_prefix_no_scope_can_start_with_is_refused_when_made(prefix: str) -> None:
+    """``MetadataScope`` refuses such a prefix (no scope may hold the character, or leave room
+    for a tenant after it); made here, no message's scope started with it, so every message was
+    a dead letter at its first delivery ("does not start with")."""
+    with pytest.raises(ValueError, match=r"forward_scope: prefix .* unusable scope"):
+        forward_scope(prefix=prefix)
+    with pytest.raises(ValueError, match=r"MetadataScope: prefix .* unusable scope"):
+        MetadataScope(prefix=prefix)
