@@ -814,7 +814,8 @@ class Relay:
         replaces it when it drops (checked every ``poll_interval``). After each (re)connection
         the relay looks for due rows once: a notification sent while nobody listened is lost,
         and polling would otherwise find its row only later. Ends, leaving the relay to poll,
-        when the LISTEN does not hold on its session (a transaction pooler)."""
+        when the LISTEN does not hold on its session (a transaction pooler); ends, waking the
+        relay, when the store was closed (``_store_closed``)."""
         pause = 0.0
         while True:
             if pause:
@@ -842,8 +843,12 @@ class Relay:
                     if not await listener.still_listening(timeout=self.poll_interval):
                         self._give_up_listening()
                         return
+                if self._store_closed():
+                    return
                 log.warning("relay %s: LISTEN connection lost; reconnecting", self.name)
             except Exception as err:  # database errors, and anything else: listen again
+                if self._store_closed():
+                    return
                 log.warning(
                     "relay %s: LISTEN connection failed (%s); reconnecting",
                     self.name,
@@ -854,6 +859,17 @@ class Relay:
                 self.listening.clear()
                 if listener is not None:
                     await listener.close()
+
+    def _store_closed(self) -> bool:
+        """Whether the store was closed (``Store.closed``); if so, the relay is woken to find it
+        and end ``run()``. ``close()`` terminates the LISTEN connection after its timeout: it
+        was reconnected, "LISTEN connection failed ...; reconnecting" logged again and again
+        (no connection could come from a closed pool), until the next poll, a whole
+        ``poll_interval`` later, found the store closed."""
+        if not self.store.closed:
+            return False
+        self._wake.set()
+        return True
 
     def _announce_listening(self) -> None:
         """Calls ``on_listening``. What it raises is the caller's bug, logged with its traceback:

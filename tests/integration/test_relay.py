@@ -2072,3 +2072,32 @@ async def test_a_relay_whose_store_was_closed_stops_with_an_error_saying_so(
         assert isinstance(caught.value.__cause__, StoreUnavailable)
         assert not [r for r in caplog.records if "trying again" in r.getMessage()]
         assert not relay._running  # another run() may start, on an open store
+
+
+async def test_a_listening_relay_whose_store_was_closed_stops_without_waiting_for_its_poll(
+    pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Idle, a listening relay wakes on a notification or at its poll interval. ``close()``
+    terminates its LISTEN connection after its timeout, and the relay logged "LISTEN connection
+    lost; reconnecting", then "LISTEN connection failed ...; reconnecting" again and again (it
+    never could) until its next poll found the store closed, a whole ``poll_interval`` later.
+    The LISTEN loop now ends on a closed store and wakes the relay, which ends ``run()``."""
+    async with second_store(pg_dsn, outbox) as store:
+        relay = Relay(store, Receiver(), poll_interval=600.0, sent_retention=None)
+        idle = asyncio.Event()
+        idle_wait = relay._idle_wait
+
+        async def idling(batch: Any) -> float:
+            # Nothing is awaited between its return and the relay's wait for a wake-up.
+            wait = await idle_wait(batch)
+            idle.set()
+            return wait
+
+        relay._idle_wait = idling  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="grpc_idempotency.outbox"):
+            running_relay = asyncio.create_task(relay.run(asyncio.Event()))
+            await asyncio.wait_for(idle.wait(), WAIT_S)
+            await store.close(timeout=0.2)
+            with pytest.raises(RuntimeError, match="store was closed"):
+                await asyncio.wait_for(running_relay, WAIT_S)
+        assert not [r for r in caplog.records if "reconnecting" in r.getMessage()]
