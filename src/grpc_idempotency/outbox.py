@@ -636,7 +636,8 @@ class Relay:
         so is any other failure of a batch or of a purge (a bug), logged with its traceback: the
         rows of a batch that failed are delivered again after their lease. A store closed under
         it (``store.close()``: stop the relay first) ends it with a ``RuntimeError`` saying so:
-        it could never deliver again."""
+        it could never deliver again; once ``stop`` is set, it ends as stopped (a warning when a
+        batch could not be recorded)."""
         if stop is not None and not (
             isinstance(stop, asyncio.Event)
             or (
@@ -716,6 +717,17 @@ class Relay:
                 wait = 0.0 if batch.more_due(self.batch_size) else await self._idle_wait(batch)
                 outage = 0
             except StoreUnavailable as err:
+                if self.store.closed and stop.is_set():
+                    # Told to stop, and its store closed before run() returned (stop, then
+                    # close, not waiting for run()): no error, but the batch's outcomes were
+                    # not recorded, and its rows come back after their lease.
+                    log.warning(
+                        "relay %s: stopped; its store was closed before run() returned (await"
+                        " run() before closing the store): rows claimed and not recorded are"
+                        " delivered again after their lease",
+                        self.name,
+                    )
+                    return
                 if self.store.closed:
                     # Not an outage to wait out: it logged "idempotency store closed while ...;
                     # trying again" every poll interval for as long as the process lived, and

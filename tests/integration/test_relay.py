@@ -2101,3 +2101,30 @@ async def test_a_listening_relay_whose_store_was_closed_stops_without_waiting_fo
             with pytest.raises(RuntimeError, match="store was closed"):
                 await asyncio.wait_for(running_relay, WAIT_S)
         assert not [r for r in caplog.records if "reconnecting" in r.getMessage()]
+
+
+async def test_a_relay_told_to_stop_before_its_store_closed_ends_without_an_error(
+    pg_dsn: str, outbox: Store
+) -> None:
+    """The README's order, "set the stop event, then close the store", with the close not
+    waiting for ``run()`` to return: a batch still delivering when the pool closed failed to
+    record its outcome, and ``run()`` raised "its store was closed ... stop the relay", which it
+    was. It ends as a stopped relay does; the batch's rows stay claimed, delivered again after
+    their lease."""
+    async with second_store(pg_dsn, outbox) as store:
+        arrived, release = asyncio.Event(), asyncio.Event()
+
+        async def deliver(message: OutboxMessage) -> None:
+            arrived.set()
+            await release.wait()
+
+        relay = Relay(store, CallableSink(deliver), listen=False, poll_interval=0.05)
+        stop = asyncio.Event()
+        running_relay = asyncio.create_task(relay.run(stop))
+        await insert(outbox, outbox.schema, ["in-flight"])
+        await asyncio.wait_for(arrived.wait(), WAIT_S)
+        stop.set()
+        await store.close(timeout=WAIT_S)  # no connection is held while delivering
+        release.set()
+        await asyncio.wait_for(running_relay, WAIT_S)  # no RuntimeError
+        assert relay.stats.unrecorded == 1
