@@ -936,3 +936,18 @@ async def test_steps_unknown_because_the_options_are_refused_says_so_once(
                 "/later.v1.Later/Do: (grpc_idempotency.v1.method) sets field 11"
                 in (op["steps_refused"])
             )
+
+
+async def test_the_operators_own_scope_is_shown_escaped(pg_dsn: str, store: Store) -> None:
+    """``inspect`` and ``list`` take any scope a record may be stored under, and said "no
+    record" with it raw: a scope pasted with an ESC sequence or a newline rewrote the terminal's
+    line or added one, where ``outbox dead`` shows scopes escaped."""
+    scope = "t\x1b[2K\rforged\nline\u202e"
+    for args in (
+        ("inspect", "--dsn", pg_dsn, "--schema", store.schema, "--scope", scope, "k"),
+        ("list", "--dsn", pg_dsn, "--schema", store.schema, "--scope", scope),
+    ):
+        done = await cli(*args)
+        assert done.returncode == 3, done.stdout + done.stderr
+        (line,) = done.stdout.splitlines()
+        assert "\\x1b[2K\\rforged\\nline\\u202e" in line and "\x1b" not in line, line

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from grpc_idempotency.cli_errors import report_store_error, run_command
+from grpc_idempotency.cli_errors import printable, report_store_error, run_command
 from grpc_idempotency.core import inspection
 from grpc_idempotency.core.errors import StoreMisconfigured
 from grpc_idempotency.core.inspection import RecordState
@@ -84,5 +84,5 @@ async def run_list(args: argparse.Namespace, store: Store) -> int:
         more = " (--limit reached)" if len(records) == args.limit else ""
         print(f"{len(records)} record(s){more}; details: grpc-idempotency inspect --scope ...")
     else:
-        print(f"no records under {args.scope}" + (f" in state {args.state}" if state else ""))
+        print(f"no records under {printable(args.scope)}" + (f" in state {args.state}" if state else ""))
     return FOUND if records else NOT_FOUND

@@ -199,8 +199,8 @@ def render_tree(
     (``depth``: ``--depth``)."""
     names = ", ".join(s.name for s in config.stores)
     if not roots:
-        return [f"{scope} {key}: no record in {names}"]
-    lines = [f"{scope} {key}"]
+        return [f"{printable(scope)} {printable(key)}: no record in {names}"]
+    lines = [f"{printable(scope)} {printable(key)}"]
     for found in roots:
         lines += _node_lines(found.service, found.node, depth)
         t = inspection.totals(found.node)
