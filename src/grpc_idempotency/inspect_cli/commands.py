@@ -84,5 +84,6 @@ async def run_list(args: argparse.Namespace, store: Store) -> int:
         more = " (--limit reached)" if len(records) == args.limit else ""
         print(f"{len(records)} record(s){more}; details: grpc-idempotency inspect --scope ...")
     else:
-        print(f"no records under {printable(args.scope)}" + (f" in state {args.state}" if state else ""))
+        in_state = f" in state {args.state}" if state else ""
+        print(f"no records under {printable(args.scope)}{in_state}")
     return FOUND if records else NOT_FOUND
