@@ -1,8 +1,10 @@
-"""A recorded error is bounded by ``max_response_bytes`` as a response is: its status message and
+"""A recorded error is bounded, as a response is by ``max_response_bytes``: its status message and
 details are what the record stores, and a handler's error may quote whatever the client sent
 ("no such account <the account>"). Unbounded, one key stored up to gRPC's 4 MiB of a client's
 choosing, and every answer of it (over the 8 KiB of trailers a gRPC client takes) reached the
-client as RESOURCE_EXHAUSTED, a status clients retry, for the whole retention."""
+client as RESOURCE_EXHAUSTED, a status clients retry, for the whole retention. Its message is
+cut to fit that cap and a client's trailers (``wire.MAX_ERROR_TRAILER_BYTES``); only details
+too large to fit, which cannot be cut, make it IDEMPOTENCY_RESPONSE_TOO_LARGE."""
 
 from __future__ import annotations
 
