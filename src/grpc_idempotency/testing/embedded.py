@@ -19,9 +19,11 @@ at-fork hook closes it); what survives the owner's death is a machine or contain
 that also kills the watchdog, or a SIGKILL to the watchdog itself.
 
 Invariant: an instance stops only the server it started itself, the one whose postmaster.pid
-names this instance's socket directory (a fresh directory no other server uses). Another
-instance on the same data directory (one that found the server running and could not start),
-or a server someone else runs there, is never stopped by it.
+names this instance's socket directory (a fresh directory no other server uses), and, on Linux,
+whose pid ``/proc`` proves to be that server (``_postmaster.is_postmaster``: a pid left by a
+server killed unnoticed may be any process's by now). Another instance on the same data
+directory (one that found the server running and could not start), or a server someone else
+runs there, is never stopped by it.
 
 Invariant: nothing here fork()s the calling process. Callers are test processes full of gRPC
 threads: a fork() child of such a process runs gRPC's fork handlers and copies of locks other
