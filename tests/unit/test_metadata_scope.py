@@ -47,8 +47,8 @@ def test_a_prefix_that_cannot_be_stored_is_refused() -> None:
     ["tenant\n", "\x1b[31mtenant:", "tenant\x85", "tenant\u2028", "\u202etenant:", "t" * 1024],
 )
 def test_a_prefix_no_call_could_have_a_scope_with_is_refused(prefix: str) -> None:
-    # validate_scope refuses every scope holding a control character: made, every call was
-    # refused UNAUTHENTICATED ("the scope resolver returned an unusable scope").
+    # validate_scope refuses every scope holding a control, line-separator or format character
+    # (or too long): made, every call was refused UNAUTHENTICATED ("... an unusable scope").
     with pytest.raises(ValueError, match="unusable scope"):
         MetadataScope(prefix=prefix)
 

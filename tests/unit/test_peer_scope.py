@@ -60,8 +60,9 @@ def test_a_certificate_with_many_names_has_a_scope_the_store_can_hold() -> None:
     # A name holding NUL is still refused as it was (it cannot be stored), long or not.
     with pytest.raises(ScopeUnavailable):
         validate_scope(peer_scope([*many, b"a\x00b"]))
-    # So is one holding another control character, long list or short (only NUL was refused:
-    # a short list's scope was taken as it read, a long one's hashed).
+    # So is one holding another character no scope may hold (a control, line-separator or
+    # format character), long list or short (only NUL was refused: a short list's scope was
+    # taken as it read, a long one's hashed).
     for control in (b"a\nb", b"a\x1bb", "a\u202eb".encode(), "a\u2028b".encode()):
         with pytest.raises(ScopeUnavailable):
             validate_scope(peer_scope([*many, control]))
