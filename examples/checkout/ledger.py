@@ -64,7 +64,7 @@ class LedgerService(ledger_pb2_grpc.LedgerServiceServicer):
     ) -> ledger_pb2.RecordOrderCreatedResponse:
         if not request.order_id or not request.tenant or request.amount_cents <= 0:
             # A status the relay treats as permanent: the event becomes a dead letter at once
-            # instead of being retried forever.
+            # instead of being retried until the relay's --max-attempts.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a placed order")
         entry_id = "le_" + uuid.uuid4().hex[:16]
 

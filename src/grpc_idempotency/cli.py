@@ -630,7 +630,9 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         from grpc_idempotency.scope import tenant_header
 
         try:
-            tenant_header(args.scope_header, args.scope_prefix, user="relay: --scope-header")
+            # The header alone first, so that a prefix's error names --scope-prefix.
+            tenant_header(args.scope_header, "", user="relay: --scope-header")
+            tenant_header(args.scope_header, args.scope_prefix, user="relay: --scope-prefix")
         except ValueError as err:
             parser.error(str(err))
     # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would

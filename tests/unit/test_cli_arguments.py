@@ -86,8 +86,11 @@ def test_the_scope_header_is_checked_too() -> None:
     refused(*RELAY, "--scope-header", "user-agent")
     refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "tenant\x00")
     # A prefix no scope may start with (MetadataScope refuses it): every row a dead letter.
-    refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "\u202etenant:")
-    refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "t" * 1024)
+    said = refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "\u202etenant:")
+    assert "--scope-prefix" in said and "U+202E" in said, said  # the option at fault, named
+    said = refused(*RELAY, "--scope-header", "x-tenant", "--scope-prefix", "t" * 1024)
+    assert "--scope-prefix" in said, said
+    assert "--scope-header" in refused(*RELAY, "--scope-header", "x-tenant-bin")
 
 
 @pytest.mark.parametrize("method", ["bad", "a.B/C", "/a.B/C/D", "/a.B/", "//C"])

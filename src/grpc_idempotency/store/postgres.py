@@ -184,8 +184,9 @@ class Attempt:
                 )
                 await conn.execute(keep + sql, timeout=self._timeout)
             else:
-                # One more round trip (two for a recorded error, whose ROLLBACK TO goes first),
-                # a small price next to shipping the bytes as text.
+                # One more round trip (two when the writes are discarded, whose ROLLBACK TO goes
+                # first: a recorded error, cut to 7 KiB, no longer gets here), a small price next
+                # to shipping the bytes as text.
                 if discard_writes:
                     await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", timeout=self._timeout)
                 statements = self._store.statements
