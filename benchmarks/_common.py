@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 import tempfile
@@ -109,3 +110,20 @@ def export(commit: str, prefix: str) -> tuple[str, Path]:
     (work / "gen").mkdir()
     generate(work / "gen")
     return base, work
+
+
+def interleaved_rounds(
+    procs: dict[str, subprocess.Popen[str]], rounds: int
+) -> dict[str, list[dict[str, float]]]:
+    """Each child's results, one JSON line per "go" sent to it: the children take turns, in
+    an order that alternates every round, so drift on a shared machine falls on both sides."""
+    names = list(procs)
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            p = procs[name]
+            assert p.stdin is not None and p.stdout is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            results[name].append(json.loads(p.stdout.readline()))
+    return results

@@ -32,7 +32,6 @@ working tree / base paired round by round.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -179,14 +178,7 @@ def main() -> None:
                 env={**os.environ, "PYTHONPATH": str(src)},
             )
         names = list(procs)
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                p = procs[name]
-                assert p.stdin is not None and p.stdout is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-                results[name].append(json.loads(p.stdout.readline()))
+        results = _common.interleaved_rounds(procs, args.rounds)
         for p in procs.values():
             assert p.stdin is not None
             p.stdin.close()

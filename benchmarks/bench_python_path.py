@@ -24,7 +24,6 @@ call (``time.process_time``), and working tree / base paired round by round.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -205,14 +204,7 @@ def main() -> None:
                 env=env,
             )
         names = list(procs)
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                p = procs[name]
-                assert p.stdin is not None and p.stdout is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-                results[name].append(json.loads(p.stdout.readline()))
+        results = _common.interleaved_rounds(procs, args.rounds)
         print(
             f"bench_python_path: base {base} vs the working tree; {args.rounds} rounds x"
             f" {args.calls} first executions, then as many replays, per version"

@@ -17,7 +17,6 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from grpc_idempotency.testing import EmbeddedPostgres, embedded
@@ -28,6 +27,7 @@ from grpc_idempotency.testing._postmaster import (
     read_pid_file,
     stop_server,
 )
+from tests.support.postgres_answers import answers
 from tests.support.waiting import until
 
 PORT = 5432  # EmbeddedPostgres's socket name without a tcp_port
@@ -93,14 +93,6 @@ def test_a_reused_pid_is_no_server_and_gets_no_signal(
     assert not data_dir.exists() and not socket_dir.exists()
 
 
-async def _answers(dsn: str) -> bool:
-    conn = await asyncpg.connect(dsn, timeout=10)
-    try:
-        return bool(await conn.fetchval("SELECT true"))
-    finally:
-        await conn.close()
-
-
 async def test_a_stale_pid_file_naming_a_reused_pid_is_started_over(
     parent_dir: Path, unrelated: subprocess.Popen[bytes]
 ) -> None:
@@ -116,7 +108,7 @@ async def test_a_stale_pid_file_naming_a_reused_pid_is_started_over(
         _stale_pid_file(data_dir, unrelated.pid, pg._socket_dir)
         assert not pg.running
         pg.start()
-        assert pg.running and await _answers(pg.dsn)
+        assert pg.running and await answers(pg.dsn)
         pg.stop()
         assert not pg.running
         assert unrelated.poll() is None, "a stopping signal reached an unrelated process"

@@ -18,6 +18,7 @@ import pytest
 
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.pgbouncer import free_port
+from tests.support.postgres_answers import answers
 
 PASSWORD_FILE = "embedded-postgres.password"
 
@@ -32,14 +33,6 @@ def data_dir() -> Iterator[Path]:
         yield parent / "pgdata"
     finally:
         shutil.rmtree(parent, ignore_errors=True)
-
-
-async def _answers(dsn: str) -> bool:
-    conn = await asyncpg.connect(dsn, timeout=10)
-    try:
-        return bool(await conn.fetchval("SELECT true"))
-    finally:
-        await conn.close()
 
 
 async def _refused_without_password(port: int) -> None:
@@ -60,8 +53,8 @@ async def test_tcp_asks_for_the_password_that_only_tcp_dsn_carries(data_dir: Pat
     with EmbeddedPostgres(data_dir, tcp_port=port, durable=False) as pg:
         await _refused_without_password(port)
         assert f"@127.0.0.1:{port}/" in pg.tcp_dsn
-        assert await _answers(pg.tcp_dsn)
-        assert await _answers(pg.dsn), "the unix socket needs no password"
+        assert await answers(pg.tcp_dsn)
+        assert await answers(pg.dsn), "the unix socket needs no password"
         # Where the password is kept, and the socket's directory: no other user may read them.
         assert _private(data_dir / PASSWORD_FILE)
         assert _private(pg._socket_dir)
@@ -75,7 +68,7 @@ async def test_tcp_asks_for_the_password_that_only_tcp_dsn_carries(data_dir: Pat
         pg.stop()
         pg.start()
         assert pg.tcp_dsn == first, "stable across stop()/start(), like dsn"
-        assert await _answers(pg.tcp_dsn)
+        assert await answers(pg.tcp_dsn)
     # Another instance on the same cluster finds its password.
     with EmbeddedPostgres(data_dir, tcp_port=port, durable=False) as again:
         assert again.tcp_dsn == first
@@ -107,7 +100,7 @@ async def test_a_cluster_initialised_with_trust_and_no_password_is_closed_on_reu
     port = free_port()
     with EmbeddedPostgres(data_dir, tcp_port=port, durable=False) as reused:
         await _refused_without_password(port)
-        assert await _answers(reused.tcp_dsn)
+        assert await answers(reused.tcp_dsn)
         assert _private(data_dir / PASSWORD_FILE)
 
 
@@ -127,7 +120,7 @@ async def test_the_password_given_to_an_earlier_versions_cluster_is_not_in_its_l
         log = (data_dir / "embedded-postgres.log").read_text()
         assert "ALTER ROLE" in log, "the statement is logged, but not the password"
         assert password not in log
-        assert await _answers(reused.tcp_dsn)
+        assert await answers(reused.tcp_dsn)
 
 
 def test_tcp_dsn_without_a_tcp_port_says_so() -> None:
