@@ -13,8 +13,11 @@ request has each map's entries inserted in that order and is serialized without 
 runtime then writes a map in insertion order; each entry's bytes are the same as upb's).
 
 What this does not reach: a map the server does not declare (an unknown field) keeps the order
-it was sent in, under every runtime; a NaN's sign and payload bits, which the pure-Python
-runtime drops when it parses a request (upb keeps them).
+it was sent in, under every runtime; and what the runtimes parse differently, so that the
+handler too sees another request: a NaN's sign and payload bits (the pure-Python runtime drops
+them, upb keeps them), a proto2 closed enum's unknown value in a map value (the pure-Python
+runtime stores the enum's default), and a map entry carrying a field besides key and value (upb
+keeps the whole entry as an unknown field).
 """
 
 from __future__ import annotations
