@@ -391,6 +391,17 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         help="failed deliveries before a row is parked as a dead letter (default: %(default)s)",
     )
     relay.add_argument(
+        "--dead-letter-on",
+        action="append",
+        default=[],
+        type=_status_code,
+        metavar="CODE",
+        help="also park a row as a dead letter at once when a delivery is answered with this gRPC"
+        " status (repeatable; e.g. UNIMPLEMENTED, which is otherwise retried, as a receiver may"
+        " not have the method deployed yet) (default: only the codes a keyed receiver records:"
+        " INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE)",
+    )
+    relay.add_argument(
         "--initial-backoff",
         type=_positive,
         default=0.5,
@@ -553,6 +564,20 @@ def _header(text: str) -> tuple[str, str | bytes]:
             f" character {at + 1}; or name it ...-bin and give the bytes as base64) {hidden}"
         )
     return name, value
+
+
+def _status_code(text: str) -> Any:
+    """A gRPC status code by name (``UNIMPLEMENTED``, any case), not OK: a delivery answered OK
+    was delivered."""
+    import grpc  # here: the CLI's other commands start without it
+
+    code = grpc.StatusCode.__members__.get(text.strip().upper())
+    if code is None or code is grpc.StatusCode.OK:
+        names = ", ".join(c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a gRPC status code other than OK: {names}"
+        )
+    return code
 
 
 def _positive(text: str) -> float:
@@ -752,7 +777,13 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     import grpc
 
     from grpc_idempotency.core.outbox import DeliveryPolicy
-    from grpc_idempotency.outbox import GrpcSink, OutboxStore, Relay, forward_scope
+    from grpc_idempotency.outbox import (
+        DEFAULT_PERMANENT_CODES,
+        GrpcSink,
+        OutboxStore,
+        Relay,
+        forward_scope,
+    )
 
     handler = logging.StreamHandler()
     handler.setFormatter(_Escaped("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -787,7 +818,13 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     def metadata_for(message: OutboxMessage) -> list[tuple[str, str | bytes]]:
         return headers + (list(scope(message)) if scope is not None else [])
 
-    sink = GrpcSink(channel, args.method, metadata_for=metadata_for, timeout=args.timeout)
+    sink = GrpcSink(
+        channel,
+        args.method,
+        metadata_for=metadata_for,
+        timeout=args.timeout,
+        permanent_codes=DEFAULT_PERMANENT_CODES | set(args.dead_letter_on),
+    )
     announced = False
 
     def say(line: str) -> None:

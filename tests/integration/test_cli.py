@@ -1080,6 +1080,44 @@ async def test_a_downstream_error_cannot_add_or_overwrite_lines_of_the_relays_lo
     assert f"busy\\n{FORGED}\\x1b[1A" in logged[-1]  # shown, escaped
 
 
+async def test_a_relay_told_to_dead_letter_on_unimplemented_parks_at_once(pg_dsn: str) -> None:
+    """UNIMPLEMENTED is retried (a receiver may not have the method deployed yet); the CLI had
+    no way to park such rows at once, as ``GrpcSink(permanent_codes=...)`` does in Python."""
+    import grpc
+
+    server = grpc.aio.server()  # serves no method at all: every call is UNIMPLEMENTED
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    try:
+        async with fresh_store(pg_dsn, "relaydead") as s:
+            await s.pool.execute(
+                f'INSERT INTO "{s.schema}".outbox (scope, key, step, parent_key, method,'
+                " payload_type, payload) VALUES ('s', 'k', 'e.v1', 'p', '/x.Y/Z', 'x.E', '')"
+            )
+            argv = ["relay", "--dsn", pg_dsn, "--schema", s.schema, "--no-listen",
+                    "--grpc-target", f"127.0.0.1:{port}", "--method", "/a.B/C",
+                    "--dead-letter-on", "unimplemented", "--max-attempts", "5"]  # fmt: skip
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli", *argv,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+            try:
+                state = f'SELECT state, attempts FROM "{s.schema}".outbox'
+                row = await until(
+                    "the row leaves pending",
+                    lambda: s.pool.fetchrow(state + " WHERE state <> 'pending'"),
+                    timeout=30,
+                )
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await server.stop(None)
+    assert proc.returncode == 0, err.decode()
+    assert (row["state"], row["attempts"]) == ("dead", 1), dict(row)
+
+
 # -- output that cannot be written: `grpc-idempotency purge > /dev/full` --------------------------
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC

@@ -93,6 +93,17 @@ def test_the_scope_header_is_checked_too() -> None:
     assert "--scope-header" in refused(*RELAY, "--scope-header", "x-tenant-bin")
 
 
+def test_dead_letter_codes_are_grpc_status_names_other_than_ok() -> None:
+    import grpc
+
+    assert parse(*RELAY).dead_letter_on == []
+    args = parse(*RELAY, "--dead-letter-on", "unimplemented", "--dead-letter-on", "UNAVAILABLE")
+    assert args.dead_letter_on == [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE]
+    assert "UNIMPLEMENTED" in refused(*RELAY, "--dead-letter-on", "UNIMPLMENTED")  # the names
+    refused(*RELAY, "--dead-letter-on", "OK")  # an answered delivery was delivered
+    refused(*RELAY, "--dead-letter-on", "12")
+
+
 @pytest.mark.parametrize("method", ["bad", "a.B/C", "/a.B/C/D", "/a.B/", "//C"])
 def test_a_relay_method_that_is_no_method_path_is_refused_before_connecting(method: str) -> None:
     """GrpcSink refused it, made once the relay had connected: with the database down, the
