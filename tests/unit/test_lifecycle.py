@@ -25,6 +25,8 @@ from grpc_idempotency.core.lifecycle import (
     executed_outcome,
     finish,
     look_event,
+    outcome_bytes,
+    poll_delay_ms,
     renewal_acquire_bound_s,
     renewal_bound_s,
     renewal_interval_s,
@@ -66,6 +68,8 @@ def record(
         (record(expired=True), Action.CLAIM, False),
         (record(expired=True, fp=OTHER), Action.CLAIM, False),
         (record(), Action.REPLAY, False),
+        # As the store reports a completed record: no lock left, so its lease reads expired.
+        (record(lease_expired=True), Action.REPLAY, False),
         (record(fp=OTHER), Action.MISMATCH, False),
         (record(State.IN_PROGRESS, remaining=900), Action.WAIT, False),
         (record(State.IN_PROGRESS, fp=OTHER, remaining=900), Action.MISMATCH, False),
@@ -133,6 +137,22 @@ def test_retry_hint_is_clamped() -> None:
     assert retry_after_ms(10) == 50
     assert retry_after_ms(700) == 700
     assert retry_after_ms(60_000) == 2000
+    # A lease with nothing left (the owner is gone or about to be): the default hint, not the
+    # minimum, since a takeover's claim will take a moment.
+    assert retry_after_ms(0) == 250
+    assert retry_after_ms(-30) == 250
+
+
+def test_polls_back_off_to_their_last_step_and_stay_there() -> None:
+    delays = [poll_delay_ms(attempt) for attempt in range(12)]
+    assert delays[:7] == [2, 5, 10, 20, 40, 80, 100]
+    assert set(delays[7:]) == {100}
+
+
+def test_outcome_bytes_counts_the_message_in_utf8_bytes() -> None:
+    # max_response_bytes bounds what is stored: the message's bytes, not its characters.
+    assert outcome_bytes(Outcome(Code.OK, response=b"\x08\x01")) == 2
+    assert outcome_bytes(Outcome(Code.NOT_FOUND, "né €", details=b"abc")) == 3 + 7
 
 
 def test_failpoint_specs() -> None:
@@ -285,6 +305,26 @@ def test_renewals_during_an_outage_are_spaced_and_bounded(lease_s: float) -> Non
     assert sum(start < lease_s for start in starts) <= 3 + math.log2(lease_s / 0.05)
     late = [gap for a, gap in zip(starts, gaps, strict=False) if a >= lease_s]
     assert late and all(gap == pytest.approx(renewal_interval_s(lease_s)) for gap in late)
+
+
+@pytest.mark.parametrize("lease_s", [0.5, 3.0, 30.0])
+def test_after_renewals_refused_at_once_the_next_still_lands_in_the_lease(lease_s: float) -> None:
+    # Two renewals fail at once (the database restarting), the third is answered: it must go
+    # out before the lease runs out, so each failed try waits at most half of what is left.
+    schedule = _renewal_starts(lease_s, [DOWN, DOWN, 0.0])
+    assert [renewed for _, renewed in schedule] == [False, False, True]
+    assert schedule[-1][0] < lease_s
+
+
+def test_too_little_left_means_the_same_to_bound_acquire_and_spacing() -> None:
+    # At exactly twice the floor there is no room for another try after this one: all three
+    # fall back to the whole lease / the ordinary interval together.
+    edge = 0.1
+    assert renewal_bound_s(30.0, edge) == 30.0
+    assert renewal_acquire_bound_s(30.0, edge) == 30.0
+    assert renewal_spacing_s(30.0, edge, renewed=False) == renewal_interval_s(30.0)
+    assert renewal_bound_s(30.0, edge + 0.01) == pytest.approx((edge + 0.01) / 2)
+    assert renewal_acquire_bound_s(30.0, edge + 0.01) == pytest.approx(edge + 0.01)
 
 
 def test_renewals_that_go_well_come_a_third_of_a_lease_apart() -> None:
