@@ -201,6 +201,15 @@ def test_herd_release_batches_cover_every_waiter_once_in_arrival_order() -> None
     assert release.batches(10) == [(0.0, 0, 4), (0.5, 4, 8), (1.0, 8, 10)]
     assert release.batches(4) == [(0.0, 0, 4)]
     assert release.batches(0) == []
+    # A lone last waiter still gets its batch (a herd of one, or one past a full batch).
+    assert release.batches(1) == [(0.0, 0, 1)]
+    assert release.batches(9) == [(0.0, 0, 4), (0.5, 4, 8), (1.0, 8, 9)]
+
+
+def test_herd_release_without_an_interval_is_accepted_and_releases_at_once() -> None:
+    # interval_s=0 is valid (>= 0): batches for fairness within one iteration, no delay.
+    release = HerdRelease(per_batch=1, interval_s=0.0)
+    assert release.batches(3) == [(0.0, 0, 1), (0.0, 1, 2), (0.0, 2, 3)]
 
 
 @pytest.mark.parametrize(
