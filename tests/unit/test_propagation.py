@@ -528,3 +528,20 @@ def test_a_version_retired_for_good_keys_an_earlier_operation_with_the_version_i
     assert choose_step(between, CHARGE, "fee.v2").name == "fee.v2"
     with pytest.raises(StepUndeclared, match="retired at"):
         choose_step(between, CHARGE, "fee.v1")
+
+
+def test_default_retryable_codes_are_the_documented_three() -> None:
+    # README: the client retries UNAVAILABLE, ABORTED and DEADLINE_EXCEEDED by default.
+    policy = RetryPolicy()
+    assert policy.retryable == {Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED}
+    for code in policy.retryable:
+        assert policy.delay_s(attempt=1, code=code, retry_after_ms=None, jitter=0.5) is not None
+
+
+def test_a_multiplier_of_one_is_a_constant_backoff() -> None:
+    policy = RetryPolicy(multiplier=1.0, initial_backoff_s=0.2, max_backoff_s=5.0)
+    delays = [
+        policy.delay_s(attempt=a, code=Code.UNAVAILABLE, retry_after_ms=None, jitter=0.5)
+        for a in (1, 2, 4)
+    ]
+    assert delays == [0.1, 0.1, 0.1]
