@@ -767,6 +767,8 @@ def _lease(seconds: int, nanos: int) -> Callable[[options_pb2.MethodPolicy], Non
             "lease .* is not a valid Duration: seconds and nanos must have the same sign",
         ),
         (_lease(1, 1_500_000_000), "lease .* is not a valid Duration: nanos must be within"),
+        # A whole second in nanos is already out of range (it was read as 2 s).
+        (_lease(1, 1_000_000_000), "lease .* is not a valid Duration: nanos must be within"),
         (
             _retired(253_402_300_800),
             r"step 'charge.v1': retired_at \{ seconds: 253402300800 nanos: 0 \} is not a valid"
@@ -774,6 +776,7 @@ def _lease(seconds: int, nanos: int) -> Callable[[options_pb2.MethodPolicy], Non
         ),
         (_retired(1, 2_000_000_000), "retired_at .* is not a valid Timestamp: nanos must be"),
         (_retired(1, -1), "retired_at .* is not a valid Timestamp: nanos must be"),
+        (_retired(1, 1_000_000_000), "retired_at .* is not a valid Timestamp: nanos must be"),
     ],
     ids=[
         "key",
@@ -783,9 +786,11 @@ def _lease(seconds: int, nanos: int) -> Callable[[options_pb2.MethodPolicy], Non
         "retention-huge",
         "lease-mixed-signs",
         "lease-nanos",
+        "lease-nanos-a-whole-second",
         "retired_at-year-10000",
         "retired_at-nanos-big",
         "retired_at-nanos-negative",
+        "retired_at-nanos-a-whole-second",
     ],
 )
 def test_option_values_protoc_accepts_but_no_policy_can_hold_are_refused(
