@@ -74,6 +74,31 @@ def test_bytes_are_bounded_and_an_outcome_over_an_eighth_of_them_is_not_kept() -
     assert len(cache) == 8192 // entry_size(("s", "10"), b"fp", small)
 
 
+def test_an_outcome_of_exactly_an_eighth_of_max_bytes_is_kept() -> None:
+    slot = ("s", "k")
+    eighth = entry_size(slot, b"fp", OK)
+    cache = ReplayCache(max_bytes=8 * eighth)
+    cache.put(slot, b"fp", OK, sent=0.0, life_s=60.0, now=0.0)
+    assert len(cache) == 1
+    over = Outcome(Code.OK, "", None, b"response" + b"x")  # one byte over the eighth
+    cache.put(("s", "over"), b"fp", over, sent=0.0, life_s=60.0, now=0.0)
+    assert cache.get(("s", "over"), 0.0) is None
+
+
+def test_an_outcome_whose_bound_is_now_is_not_kept() -> None:
+    # Such an entry could never be answered (get drops it at its bound), yet it would count
+    # against the bounds and push live entries out.
+    now = replayable_until(sent=0.0, life_s=3.0, now=0.0, max_age_s=3600.0)
+    cache = ReplayCache(max_age=timedelta(hours=1))
+    cache.put(("s", "k"), b"fp", OK, sent=0.0, life_s=3.0, now=now)
+    assert len(cache) == 0 and cache.size_bytes == 0
+
+
+def test_an_entry_weighs_its_status_message_in_utf8_bytes() -> None:
+    error = Outcome(Code.NOT_FOUND, "\u20ac" * 100)  # 300 bytes of UTF-8
+    assert entry_size(("s", "k"), b"", error) == entry_size(("s", "k"), b"", Outcome(Code.OK)) + 300
+
+
 def test_replacing_an_entry_does_not_count_it_twice() -> None:
     cache = ReplayCache()
     for _ in range(3):
