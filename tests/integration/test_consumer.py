@@ -806,6 +806,22 @@ async def test_max_wait_bounds_a_duplicate_without_a_timeout(
     await first
 
 
+async def test_a_duplicate_with_no_max_wait_gives_up_at_once(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """max_wait=0 is a lock_timeout of 1 ms: PostgreSQL reads 0 as no bound, and the duplicate
+    waited on the concurrent delivery's row for as long as it ran."""
+    waiter = IdempotentConsumer(store, consumer.name, max_wait=timedelta(0))
+    message_id = fresh()
+    gate, first = await held(consumer, message_id)
+    try:
+        with pytest.raises(MessageInProgress):
+            await asyncio.wait_for(waiter.process(message_id, write(waiter, message_id)), 5.0)
+    finally:
+        gate.release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+
+
 async def test_the_effect_keeps_the_sessions_lock_timeout(
     store: Store, consumer: IdempotentConsumer
 ) -> None:

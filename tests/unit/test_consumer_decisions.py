@@ -1,0 +1,40 @@
+"""The idempotent consumer's pure decisions (``core.consumer``): its policy's bounds, the
+lock_timeout that bounds a duplicate's wait, the retry hint, and the names it accepts."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from grpc_idempotency.core.consumer import (
+    MAX_CONSUMER_NAME_LENGTH,
+    ConsumerPolicy,
+    in_progress,
+    lock_timeout,
+    validate_consumer_name,
+)
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 0.0004])
+def test_no_wait_left_is_a_lock_timeout_of_a_millisecond_never_zero(wait_s: float) -> None:
+    # 0 is "no bound" to PostgreSQL: a duplicate with no wait left would wait for ever.
+    assert lock_timeout(wait_s) == "1ms"
+
+
+def test_a_policy_may_say_duplicates_do_not_wait() -> None:
+    policy = ConsumerPolicy(max_wait=timedelta(0))
+    assert policy.wait_s(None) == 0.0 and policy.wait_s(10.0) == 0.0
+
+
+def test_the_in_progress_hint_grows_with_the_wait_within_its_bounds() -> None:
+    assert in_progress("m", 0.0).retry_after_ms == 50
+    assert in_progress("m", 1.0).retry_after_ms == 500
+    assert in_progress("m", 30.0).retry_after_ms == 1000
+
+
+def test_a_consumer_name_may_be_as_long_as_the_limit_and_no_longer() -> None:
+    longest = "c" * MAX_CONSUMER_NAME_LENGTH
+    assert validate_consumer_name(longest) == longest
+    with pytest.raises(ValueError, match="consumer name"):
+        validate_consumer_name(longest + "c")
