@@ -1,14 +1,18 @@
-"""DeliveryPolicy: the relay's retry decisions, checked when made, safe for any attempt count."""
+"""DeliveryPolicy: the relay's retry decisions, checked when made, safe for any attempt count;
+and outbox_step: which declared step keys an enqueued message."""
 
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpc_idempotency.core.outbox import DeliveryPolicy
+from grpc_idempotency.core.errors import StepUndeclared
+from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy, outbox_step
+from grpc_idempotency.core.policy import Step
 
 
 @pytest.mark.parametrize(
@@ -48,6 +52,7 @@ def test_a_policy_out_of_range_is_refused_when_made(
         {"max_attempts": 1},
         {"multiplier": 1},  # a constant backoff
         {"initial_backoff_s": 5, "max_backoff_s": 5},
+        {"max_backoff_s": MAX_DURATION_S},  # the longest the database's clock can take
     ],
 )
 def test_sensible_policies_are_accepted(settings: dict[str, float]) -> None:
@@ -108,3 +113,26 @@ def test_a_row_is_parked_undelivered_after_max_attempts_lost_claims_in_a_row(
     max_attempts: int, lost_claims: int, parked: bool
 ) -> None:
     assert DeliveryPolicy(max_attempts=max_attempts).parks_unrecorded(lost_claims) is parked
+
+
+RETIRED = datetime(2026, 3, 1, tzinfo=UTC)
+STEPS = (
+    Step(name="event.v1", outbox=True, retired_at=RETIRED),
+    Step(name="event.v2", outbox=True),
+    Step(name="charge.v1", call="pay.Payments/Charge"),
+)
+
+
+def test_an_outbox_step_is_the_version_the_operation_began_with() -> None:
+    # Begun before v1's retirement, the operation may have enqueued under v1's key already.
+    before, after = datetime(2026, 2, 1, tzinfo=UTC), datetime(2026, 4, 1, tzinfo=UTC)
+    assert outbox_step("/s.S/M", STEPS, "event.v2", before).name == "event.v1"
+    assert outbox_step("/s.S/M", STEPS, "event.v2", after).name == "event.v2"
+    assert outbox_step("/s.S/M", STEPS, "event.v2", None).name == "event.v2"
+
+
+@pytest.mark.parametrize("name", ["event.v1", "charge.v1", "event.v3"])
+def test_only_an_active_declared_outbox_step_may_be_enqueued(name: str) -> None:
+    # A retired version, a step that calls a method, or no declared step at all.
+    with pytest.raises(StepUndeclared, match=r"declared outbox steps are \['event.v2'\]"):
+        outbox_step("/s.S/M", STEPS, name, None)
