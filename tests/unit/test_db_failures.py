@@ -22,11 +22,15 @@ from grpc_idempotency.store.errors import dsn_unusable, store_error
         ("57014", Failure.UNAVAILABLE),  # query_canceled: statement_timeout
         ("53300", Failure.UNAVAILABLE),  # too_many_connections
         ("25P03", Failure.UNAVAILABLE),  # idle_in_transaction_session_timeout
+        ("25P04", Failure.UNAVAILABLE),  # transaction_timeout (PostgreSQL 17)
+        ("58030", Failure.UNAVAILABLE),  # io_error: class 58, system error
+        ("XX000", Failure.UNAVAILABLE),  # internal_error: class XX
         ("25006", Failure.UNAVAILABLE),  # read_only_sql_transaction: a replica after failover
         ("40001", Failure.CONFLICT),  # serialization_failure
         ("40P01", Failure.CONFLICT),  # deadlock_detected
         ("55P03", Failure.CONFLICT),  # lock_not_available
         ("42P01", Failure.MISCONFIGURED),  # undefined_table: not migrated
+        ("42703", Failure.MISCONFIGURED),  # undefined_column: migrations partly run
         ("42883", Failure.MISCONFIGURED),  # undefined_function
         ("3F000", Failure.MISCONFIGURED),  # invalid_schema_name
         ("3D000", Failure.MISCONFIGURED),  # invalid_catalog_name
@@ -60,6 +64,7 @@ def test_classify(sqlstate: str | None, failure: Failure) -> None:
         ("40001", False),  # serialization_failure
         ("40P01", False),  # deadlock_detected
         ("25P03", False),  # idle_in_transaction_session_timeout: the session, not the server
+        ("25P04", False),  # transaction_timeout: the session too
         ("53100", False),  # disk_full: it answers
         ("23505", False),
         ("42P01", False),  # misconfigured: decided apart (StoreMisconfigured)
