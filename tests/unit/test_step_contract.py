@@ -199,6 +199,47 @@ CASES: list[tuple[str, Contract, Contract, list[tuple[Change, str | None]], bool
         False,
     ),
     (
+        "the longer of the two retentions applies when it shrinks too",
+        place(call("charge.v1", retired=NOW - 36 * HOUR), retention=2 * DAY),
+        place(retention=DAY),
+        [(Change.RETIRED_STEP_REMOVED_EARLY, "charge.v1")],
+        False,
+    ),
+    (
+        "keyed method removed exactly when its retired step's retention ends",
+        place(call("charge.v1", retired=NOW - DAY)),
+        {},
+        [(Change.METHOD_REMOVED_SAFELY, None)],
+        True,
+    ),
+    (
+        "a retired step is removable exactly when its retention ends",
+        place(call("charge.v1", retired=NOW - DAY), call("charge.v2")),
+        place(call("charge.v1", retired=NOW - DAY), call("charge.v2")),
+        [(Change.RETIRED_STEP_REMOVABLE, "charge.v1")],
+        True,
+    ),
+    # No retired_at falls in the window: only the window's start shows these (and no named
+    # call does, for the outbox).
+    (
+        "an outbox version declared retired ahead of the active one",
+        place(outbox("event.v2")),
+        place(outbox("event.v2"), outbox("event.v3", retired=NOW + DAY)),
+        [(Change.STEP_ADDED, "event.v3"), (Change.OPERATIONS_REKEYED, "event.v2")],
+        False,
+    ),
+    (
+        "an outbox rollback with the retirement still ahead",
+        place(outbox("event.v1", retired=NOW + DAY), outbox("event.v2")),
+        place(outbox("event.v1"), outbox("event.v2", retired=NOW + DAY)),
+        [
+            (Change.STEP_REINSTATED, "event.v1"),
+            (Change.STEP_RETIRED, "event.v2"),
+            (Change.OPERATIONS_REKEYED, "event.v1"),
+        ],
+        False,
+    ),
+    (
         "call target changed under the same name",
         place(call("charge.v1")),
         place(call("charge.v1", "pay.v2.Payments/Charge")),
