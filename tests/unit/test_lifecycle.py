@@ -213,6 +213,11 @@ def _walk(phase: Phase, *events: Event) -> list[Step]:
             [Step.LOOK_UP, Step.CLAIM, Step.EXECUTE],
         ),
         (
+            [Event.SEEN_KEY, Event.ABANDONED, Event.CLAIM_LOST, Event.BUDGET_LEFT],
+            [Step.LOOK_UP, Step.CLAIM, Step.WAIT, Step.SLEEP],
+        ),
+        # So does a lost race for a key with no live record.
+        (
             [Event.SEEN_KEY, Event.NOTHING_LIVE, Event.CLAIM_LOST],
             [Step.LOOK_UP, Step.CLAIM, Step.WAIT],
         ),
