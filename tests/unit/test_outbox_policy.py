@@ -133,6 +133,8 @@ def test_an_outbox_step_is_the_version_the_operation_began_with() -> None:
 
 @pytest.mark.parametrize("name", ["event.v1", "charge.v1", "event.v3"])
 def test_only_an_active_declared_outbox_step_may_be_enqueued(name: str) -> None:
-    # A retired version, a step that calls a method, or no declared step at all.
+    # A retired version, a step that calls a method, or no declared step at all. (Unlike a
+    # call's step, propagation.choose_step, a retired version named is not read as the active
+    # version of its name: it is refused.)
     with pytest.raises(StepUndeclared, match=r"declared outbox steps are \['event.v2'\]"):
         outbox_step("/s.S/M", STEPS, name, None)
