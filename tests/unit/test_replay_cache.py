@@ -135,6 +135,11 @@ def test_bounds_are_validated(options: dict[str, object]) -> None:
         ReplayCache(**options)  # type: ignore[arg-type]
 
 
+def test_the_smallest_bounds_are_accepted() -> None:
+    cache = ReplayCache(max_entries=1, max_bytes=1024)
+    assert cache.max_entries == 1 and cache.max_bytes == 1024
+
+
 @given(
     sent=st.floats(0, 1e6),
     life=st.floats(0, 1e7),
