@@ -31,6 +31,8 @@ from grpc_idempotency.core.keys import (
         ([("idempotency-key", "a\x7fb")], "visible ASCII"),
         ([("idempotency-key", "a"), ("idempotency-key", "a")], "more than once"),
         ([("idempotency-key-bin", b"abc")], "-bin"),
+        # Bytes that are not UTF-8: refused as a key, not a UnicodeDecodeError.
+        ([("idempotency-key", b"a\xffb")], "visible ASCII"),
     ],
 )
 def test_malformed_keys_are_refused(metadata: list[tuple[str, str | bytes]], problem: str) -> None:
