@@ -206,6 +206,13 @@ def test_herd_release_batches_cover_every_waiter_once_in_arrival_order() -> None
     assert release.batches(9) == [(0.0, 0, 4), (0.5, 4, 8), (1.0, 8, 9)]
 
 
+def test_the_default_herd_release_is_the_documented_8_every_2_ms() -> None:
+    # README: "by default 8 every 2 ms: 200 in 48 ms" (the measured setting).
+    release = HerdRelease()
+    assert (release.per_batch, release.interval_s) == (8, 0.002)
+    assert release.batches(200)[-1][0] == pytest.approx(0.048)
+
+
 def test_herd_release_without_an_interval_is_accepted_and_releases_at_once() -> None:
     # interval_s=0 is valid (>= 0): batches for fairness within one iteration, no delay.
     release = HerdRelease(per_batch=1, interval_s=0.0)
