@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpc_idempotency.core.errors import StepUndeclared
+from grpc_idempotency.core.keys import step_base
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import Parent, choose_step
 from grpc_idempotency.core.step_contract import (
@@ -18,7 +19,6 @@ from grpc_idempotency.core.step_contract import (
     Contract,
     MethodSteps,
     Report,
-    _base,
     check_contract,
     removable_from,
 )
@@ -810,7 +810,7 @@ def method_steps(
 
 
 def _one_active_version(steps: tuple[Step, ...]) -> bool:
-    active = [(_base(s.name), s.call, s.outbox) for s in steps if s.active]
+    active = [(step_base(s.name), s.call, s.outbox) for s in steps if s.active]
     return len(active) == len(set(active))
 
 
@@ -829,7 +829,7 @@ def _versioned(before: MethodSteps, added: Step) -> bool:
     """Whether ``added``, retired, is a retired version of a name active on the same target in
     ``before`` (or retired there later): adding it breaks (``test_adding_steps_never_breaks``)."""
     return any(
-        _base(s.name) == _base(added.name)
+        step_base(s.name) == step_base(added.name)
         and s.call == added.call
         and (s.retired_at is None or (added.retired_at or s.retired_at) < s.retired_at)
         for s in before.steps

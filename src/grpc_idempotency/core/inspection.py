@@ -35,9 +35,9 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.keys import child_key
+from grpc_idempotency.core.keys import child_key, step_base
 from grpc_idempotency.core.policy import Step, normalize_method
-from grpc_idempotency.core.propagation import _base, as_of
+from grpc_idempotency.core.propagation import as_of
 
 PREFIX_BYTES = 32
 """How much of an undecodable payload is shown (as hex and base64)."""
@@ -270,7 +270,7 @@ def children(record: Record, steps: Sequence[Step]) -> list[Child]:
             # Or an earlier version of its name the operation began before (as_of).
             target = normalize_method(s.call)
             siblings = [c for c in calls if normalize_method(c.call or "") == target]
-            if not any(c.active and _base(c.name) == _base(s.name) for c in siblings):
+            if not any(c.active and step_base(c.name) == step_base(s.name) for c in siblings):
                 used.add(as_of(s, siblings, started).name)
     return [
         Child(

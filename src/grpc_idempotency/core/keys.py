@@ -129,6 +129,13 @@ def step_name_problem(name: str) -> str | None:
     return None
 
 
+def step_base(name: str) -> str:
+    """A step name without its version: "charge-card.v2" -> "charge-card" (the versions of one
+    step share it)."""
+    head, sep, version = name.rpartition(".v")
+    return head if sep and version.isdigit() else name
+
+
 def _lp(value: str) -> bytes:
     raw = value.encode("utf-8")
     return len(raw).to_bytes(4, "big") + raw

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from grpc_idempotency.core.errors import StepUndeclared
-from grpc_idempotency.core.keys import child_key
+from grpc_idempotency.core.keys import child_key, step_base
 from grpc_idempotency.core.policy import MAX_DURATION, Step
 from grpc_idempotency.core.propagation import as_of
 from grpc_idempotency.core.retry import backoff_ceiling_s
@@ -36,9 +36,27 @@ def outbox_step(
     method: str, steps: tuple[Step, ...], name: str, started_at: datetime | None
 ) -> Step:
     """The declared outbox step ``name`` (or, for an operation begun before it replaced an
-    earlier version, that version); ``StepUndeclared`` if ``method`` declares no such step."""
+    earlier version, that version); ``StepUndeclared`` if ``method`` declares no such step.
+    As for a call's step (``propagation.choose_step``), a retired version named stands for its
+    name's active version, and one with no active version keys only the operations begun
+    before its retirement."""
     outbox = [s for s in steps if s.outbox]
-    step = next((s for s in outbox if s.name == name and s.active), None)
+    step = next((s for s in outbox if s.name == name), None)
+    if step is not None and not step.active:
+        # Code not yet moved to the new version: refused, it failed every retry of an operation
+        # begun before the retirement (which the new version's name keys with this one anyway,
+        # as_of) with StepUndeclared, where a call naming its retired step went on.
+        step = next(
+            (s for s in outbox if s.active and step_base(s.name) == step_base(step.name)), step
+        )
+        if step.retired_at is not None and started_at is not None and started_at >= step.retired_at:
+            # Retired for good and the operation began after: a version of its name added
+            # later would key this operation's retry with another key (choose_step's reason).
+            raise StepUndeclared(
+                f"{method} enqueues outbox step {name!r}, but it was retired at"
+                f" {step.retired_at.isoformat()}, before this operation began, and no active"
+                " version of its name replaces it"
+            )
     if step is None:
         declared = [s.name for s in outbox if s.active]
         raise StepUndeclared(

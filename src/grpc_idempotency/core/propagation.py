@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from grpc_idempotency.core.errors import StepAmbiguous, StepReused, StepUndeclared
-from grpc_idempotency.core.keys import MAX_STEP_NAME_LENGTH, child_key, step_name_problem
+from grpc_idempotency.core.keys import (
+    MAX_STEP_NAME_LENGTH,
+    child_key,
+    step_base,
+    step_name_problem,
+)
 from grpc_idempotency.core.policy import Step, normalize_method
 
 
@@ -88,7 +93,9 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
             # keying operations begun after its retirement. Without an active version (a step
             # retired for good) it is used as is, for the operations begun before its
             # retirement only (below).
-            chosen = next((s for s in active if _base(s.name) == _base(chosen.name)), chosen)
+            chosen = next(
+                (s for s in active if step_base(s.name) == step_base(chosen.name)), chosen
+            )
         if (
             chosen.retired_at is not None
             and parent.started_at is not None
@@ -131,10 +138,6 @@ def choose_step(parent: Parent, target: str, named: str | None) -> Step:
     return as_of(chosen, calling, parent.started_at)
 
 
-def _base(name: str) -> str:
-    return name.rpartition(".v")[0]
-
-
 def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> Step:
     """The version of ``step`` that an operation begun at ``started_at`` used: an operation
     begun before ``charge-card.v1`` was retired for ``charge-card.v2`` may already have run v1,
@@ -161,7 +164,7 @@ def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> S
         s
         for s in calling
         if s.retired_at is not None
-        and _base(s.name) == _base(step.name)
+        and step_base(s.name) == step_base(step.name)
         and started_at < s.retired_at
         and (step.retired_at is None or s.name == step.name or s.retired_at < step.retired_at)
     ]

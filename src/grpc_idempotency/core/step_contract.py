@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from grpc_idempotency.core.errors import StepAmbiguous, StepUndeclared
+from grpc_idempotency.core.keys import step_base
 from grpc_idempotency.core.policy import Step, normalize_method
 from grpc_idempotency.core.propagation import Parent, as_of, choose_step
 
@@ -196,12 +197,6 @@ def _by_name(steps: tuple[Step, ...]) -> dict[str, Step]:
     return named
 
 
-def _base(name: str) -> str:
-    """The name without its version: "charge-card.v2" -> "charge-card"."""
-    head, sep, version = name.rpartition(".v")
-    return head if sep and version.isdigit() else name
-
-
 def _target(step: Step) -> str:
     if step.call:
         return normalize_method(step.call).lstrip("/")
@@ -296,11 +291,11 @@ def _compare_method(
     # it would say about them). Run only when nothing was breaking, it missed a name keyed
     # anew next to another name's breaking change (an old version declared retired beside a
     # step removed): the fixes printed, applied, failed the check once more.
-    broken = {_base(f.step) for f in findings if f.breaking and f.step is not None}
+    broken = {step_base(f.step) for f in findings if f.breaking and f.step is not None}
     findings.extend(
         f
         for f in _rekeyed(path, before, after, retention, now, among)
-        if f.step is None or _base(f.step) not in broken
+        if f.step is None or step_base(f.step) not in broken
     )
     return findings
 
@@ -317,7 +312,9 @@ def _rekeyed_fix(
     (a rollback) is declared as a new version, the old active one retired at ship time."""
 
     def versions(steps: tuple[Step, ...]) -> list[Step]:
-        return [s for s in steps if _same_target(s, step) and _base(s.name) == _base(step.name)]
+        return [
+            s for s in steps if _same_target(s, step) and step_base(s.name) == step_base(step.name)
+        ]
 
     kept = [
         _declaration(s, retire_at=_ships(now) if s is was and step.name != was.name else None)
@@ -325,7 +322,7 @@ def _rekeyed_fix(
     ]
     if step.name != was.name:
         new = Step(
-            name=f"{_base(step.name)}.v{_next_version(step.name, among)}",
+            name=f"{step_base(step.name)}.v{_next_version(step.name, among)}",
             call=step.call,
             outbox=step.outbox,
         )
@@ -372,7 +369,7 @@ def _rekeyed(
                 if s.active
                 and s.name not in still_active
                 and _same_target(s, step)
-                and _base(s.name) == _base(step.name)
+                and step_base(s.name) == step_base(step.name)
             ),
             None,
         )
@@ -411,7 +408,7 @@ def _rekeyed(
             break
     # One finding per name and target: its fix keeps all the versions as they were.
     done = {
-        (_base(s.name), _target(s)) for s in after.steps if s.name in {f.step for f in findings}
+        (step_base(s.name), _target(s)) for s in after.steps if s.name in {f.step for f in findings}
     }
     findings.extend(_rekeyed_named(path, before, after, retention, now, done))
     return findings
@@ -434,7 +431,7 @@ def _rekeyed_named(
     start = _minus(now, retention)
     findings: list[Finding] = []
     for step in after.steps:
-        if not step.call or (_base(step.name), _target(step)) in done:
+        if not step.call or (step_base(step.name), _target(step)) in done:
             continue
         calling_before = [_aware_step(s) for s in before.steps if _same_target(s, step)]
         calling_after = [_aware_step(s) for s in after.steps if _same_target(s, step)]
@@ -447,7 +444,9 @@ def _rekeyed_named(
             keyed = _named(calling_after, step, t)
             if used is None or keyed is None or used == keyed:
                 continue
-            previous = {s.name: s for s in calling_before if _base(s.name) == _base(step.name)}
+            previous = {
+                s.name: s for s in calling_before if step_base(s.name) == step_base(step.name)
+            }
             # Each as it was, but for the step's own retirement, made in this change (a version
             # added or a retired_at moved is what re-keyed the operation).
             kept = [
@@ -459,7 +458,7 @@ def _rekeyed_named(
             gone = [
                 f"delete {s.name}"
                 for s in calling_after
-                if _base(s.name) == _base(step.name) and s.name not in previous
+                if step_base(s.name) == step_base(step.name) and s.name not in previous
             ]
             findings.append(
                 Finding(
@@ -482,7 +481,7 @@ def _rekeyed_named(
                     ),
                 )
             )
-            done.add((_base(step.name), _target(step)))
+            done.add((step_base(step.name), _target(step)))
             break
     return findings
 
@@ -513,9 +512,9 @@ def _renames(before: MethodSteps, after: MethodSteps) -> dict[str, Step]:
         if not was.active or (kept is not None and kept.active):
             continue
         on_target = [s for s in new.values() if s.active and _same_target(s, was)]
-        if any(_base(s.name) == _base(name) for s in on_target):
+        if any(step_base(s.name) == step_base(name) for s in on_target):
             continue  # a new version of the same name follows it
-        had = {_base(s.name) for s in before.steps if s.active and _same_target(s, was)}
+        had = {step_base(s.name) for s in before.steps if s.active and _same_target(s, was)}
         taken = {s.name for s in renamed.values()}
         # A retired step made active again is as new to its target's calls as an added one: an
         # unnamed call that went to ``was`` goes to it now (the retired step was never chosen).
@@ -524,7 +523,7 @@ def _renames(before: MethodSteps, after: MethodSteps) -> dict[str, Step]:
             for s in on_target
             if (s.name not in old or not old[s.name].active) and s.name not in taken
         ]
-        successor = next((s for s in fresh if _base(s.name) not in had), None)
+        successor = next((s for s in fresh if step_base(s.name) not in had), None)
         if successor is not None:
             renamed[name] = successor
     return renamed
@@ -551,7 +550,7 @@ def _renamed(
     if retired_at is not None and _aware(retired_at) >= now:
         retire_at = _aware(retired_at)
     bumped = Step(
-        name=f"{_base(name)}.v{_next_version(name, before.steps + after.steps)}",
+        name=f"{step_base(name)}.v{_next_version(name, before.steps + after.steps)}",
         call=was.call,
         outbox=was.outbox,
     )
@@ -574,9 +573,9 @@ def _renamed(
         why=(
             "a step's name is its identity: child keys are derived from it, and only a new"
             f" version of the same name is followed (an operation begun before {name} was retired"
-            f" keeps {name}'s child key in place of a {_base(name)}.vN's); a retired step next to"
-            " a step with another name may as well have been dropped, so it is never read as"
-            f" renamed. An operation still in flight (retention {_span(retention)}) that already"
+            f" keeps {name}'s child key in place of a {step_base(name)}.vN's); a retired step"
+            " next to a step with another name may as well have been dropped, so it is never read"
+            f" as renamed. An operation still in flight (retention {_span(retention)}) that already"
             f" ran {name} and is retried, or taken over after a crash, would run the effect again"
             f" under {successor.name}'s child key, so the downstream service executes it a second"
             " time"
@@ -604,7 +603,7 @@ def _active_step_gone(
     """An active step is no longer declared, and not renamed (``_renames``): a new version, or a
     removal."""
     name = was.name
-    successor = _pick(unpaired, lambda s: _base(s.name) == _base(name))
+    successor = _pick(unpaired, lambda s: step_base(s.name) == step_base(name))
     if successor is None:
         what = f"step {name} ({_effect(was)}) was removed"
         change = Change.STEP_REMOVED
@@ -699,7 +698,7 @@ def _compare_step(
                 " reverse can replay an outcome that belongs to another effect"
             )
             fix = (
-                f"declare a new step (e.g. {_base(name)}.v{_next_version(name, among)}) for the"
+                f"declare a new step (e.g. {step_base(name)}.v{_next_version(name, among)}) for the"
                 f" new target and keep the old one declared as retired,"
                 f" {_declaration(was, retire_at=_ships(now))}"
             )
@@ -864,7 +863,8 @@ def _backdated_over_begun(was: Step, step: Step, retention: timedelta, now: date
 def _followed(step: Step, declared: tuple[Step, ...]) -> bool:
     """An active version of ``step``'s name calls its target."""
     return any(
-        s.active and _base(s.name) == _base(step.name) and _same_target(s, step) for s in declared
+        s.active and step_base(s.name) == step_base(step.name) and _same_target(s, step)
+        for s in declared
     )
 
 
@@ -908,7 +908,9 @@ def _minus(moment: datetime, span: timedelta) -> datetime:
 
 def _next_version(name: str, among: tuple[Step, ...] = ()) -> int:
     """The version after ``name``'s, and after any other version of its name in ``among``."""
-    versions = [_version(name)] + [_version(s.name) for s in among if _base(s.name) == _base(name)]
+    versions = [_version(name)] + [
+        _version(s.name) for s in among if step_base(s.name) == step_base(name)
+    ]
     return max(versions) + 1
 
 
