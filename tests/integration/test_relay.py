@@ -429,6 +429,26 @@ async def test_a_stale_relay_cannot_overwrite_a_newer_claim(outbox: Store) -> No
     assert (await row(outbox, "contested"))["state"] == "sent"
 
 
+async def test_a_stale_claim_of_the_same_relay_name_cannot_mark_the_newer_claim_sent(
+    outbox: Store,
+) -> None:
+    """Two relays given the same ``name`` (or one restarted under it while its old process
+    stalled): ``claimed_by`` cannot tell their claims apart, the claim's ``attempts`` does. The
+    stale claim's mark must not record the newer claim's delivery, still under way, as done."""
+    from grpc_idempotency.outbox import OutboxStore
+
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["same-name"])
+    (old,) = await store.claim(relay="r", limit=10, lease_s=0.05)
+    await until("the first lease to expire", lambda: due_now(store), timeout=WAIT_S)
+    (new,) = await store.claim(relay="r", limit=10, lease_s=30)
+    assert (old.attempts, new.attempts) == (1, 2)
+    assert await store.mark_sent(relay="r", claims=[(old.id, old.attempts)]) == 0
+    still = await row(outbox, "same-name")
+    assert still["state"] == "pending" and still["attempts"] == 2
+    assert await store.mark_sent(relay="r", claims=[(new.id, new.attempts)]) == 1
+
+
 async def due_now(store: object) -> bool:
     from grpc_idempotency.outbox import OutboxStore
 
