@@ -449,6 +449,28 @@ async def test_a_stale_claim_of_the_same_relay_name_cannot_mark_the_newer_claim_
     assert await store.mark_sent(relay="r", claims=[(new.id, new.attempts)]) == 1
 
 
+async def test_purging_dead_letters_leaves_pending_and_claimed_rows_alone(outbox: Store) -> None:
+    """``purge-dead`` (older than 0 s by default) deletes dead letters only: a pending row due
+    now, or claimed by a relay, is a message not delivered yet, whatever its next_attempt_at."""
+    from grpc_idempotency.outbox import OutboxStore
+    from grpc_idempotency.store.outbox_store import Failure
+
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["dead", "claimed"])
+    claimed = {m.key: m for m in await store.claim(relay="r", limit=10, lease_s=30)}
+    dead = claimed.pop("dead")
+    failure = Failure(id=dead.id, attempts=dead.attempts, delay_s=None, error="refused")
+    assert await store.mark_failed(relay="r", failures=[failure]) == (0, 1)
+    await insert(outbox, outbox.schema, ["due"])
+    # Long due, as a row left behind by a backlog is.
+    await outbox.pool.execute(
+        f'UPDATE "{outbox.schema}".outbox SET next_attempt_at = clock_timestamp()'
+        " - interval '1 day' WHERE key = 'due'"
+    )
+    assert await store.purge_dead() == 1
+    assert await states(outbox) == {"pending": 2}
+
+
 async def due_now(store: object) -> bool:
     from grpc_idempotency.outbox import OutboxStore
 
