@@ -117,6 +117,33 @@ async def test_an_owner_whose_claim_was_taken_over_cannot_commit(
     assert row is not None and row["state"] == "in_progress"  # the new owner's claim stands
 
 
+async def test_a_lease_lost_while_the_handler_runs_cancels_it_and_answers_lease_lost(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Another attempt takes the key over while the handler still runs: the lease keeper's next
+    renewal is refused, and the handler is cancelled then (it would only run on to a commit its
+    fencing refuses), the call answering LEASE_LOST without waiting for it."""
+    key, account = fresh(), fresh("acct")
+    owner = asyncio.ensure_future(ledger.call(PHASED, post(account, "wait"), key))
+    await ledger.service.started.wait()
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
+        " WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+    # The handler is never let go (``release``): only the keeper's cancellation ends it.
+    try:
+        answer = await asyncio.wait_for(owner, 10)
+    finally:
+        ledger.service.release.set()
+    assert answer.code is grpc.StatusCode.ABORTED, answer
+    assert answer.reason() == "IDEMPOTENCY_LEASE_LOST"
+    assert await ledger_rows(store, account) == 0
+    row = await record(store, key)
+    assert row is not None and row["state"] == "in_progress"  # the new owner's claim stands
+
+
 async def test_transient_error_ends_the_lease_so_a_retry_runs_at_once(
     ledger: RunningLedger, store: Store
 ) -> None:
