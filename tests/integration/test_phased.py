@@ -144,6 +144,27 @@ async def test_a_lease_lost_while_the_handler_runs_cancels_it_and_answers_lease_
     assert row is not None and row["state"] == "in_progress"  # the new owner's claim stands
 
 
+async def test_a_commit_refused_for_the_handlers_write_ends_the_lease_at_once(
+    store: Store,
+) -> None:
+    """The final commit fails on a constraint the handler's write broke, checked only at COMMIT:
+    nothing is recorded, and the claim's lease ends before the answer leaves, so the retry runs
+    at once instead of being told IN_PROGRESS for the rest of the lease."""
+    key, account = fresh(), fresh("acct")
+    long_lease = {PHASED: MethodOverride(lease=timedelta(seconds=30))}
+    async with running_ledger(store, overrides=long_lease) as ledger:
+        failed = await ledger.call(PHASED, post(account, "deferred-violation"), key)
+        assert failed.code is grpc.StatusCode.INTERNAL, failed
+        assert failed.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
+        row = await record(store, key)
+        assert row is not None and row["state"] == "in_progress"
+        assert row["locked_until"] <= row["now"]  # released, not left to its lease
+        retry = await ledger.call(PHASED, post(account, "deferred-violation"), key)
+        assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry
+        assert ledger.service.executions == 2
+    assert await ledger_rows(store, account) == 1
+
+
 async def test_transient_error_ends_the_lease_so_a_retry_runs_at_once(
     ledger: RunningLedger, store: Store
 ) -> None:
