@@ -570,6 +570,35 @@ async def test_a_claim_whose_connection_drops_after_its_caller_gave_up_is_releas
     await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
 
 
+async def test_a_claim_given_up_on_then_cut_by_the_command_timeout_is_released(
+    store: Store, pg_dsn: str
+) -> None:
+    """The caller gives up on a claim waiting in the database behind a row lock, and later the
+    statement itself reaches the pool's command_timeout: asyncpg gives up on it, but PostgreSQL
+    still runs it (the connection is dropped at once, asyncpg's cancel request with it), and it
+    commits once the row is free. A timed-out claim may have committed: it is released by the
+    call's attempt id, as one whose connection was lost. Taken for a refused claim, it kept its
+    lease with nobody behind it, and every retry was answered IN_PROGRESS for the whole lease."""
+    # The release by attempt id waits for the key's claim lock on the same pool, as long as
+    # command_timeout: the row is let go within that.
+    via = await Store.connect(pg_dsn, min_size=1, max_size=4, command_timeout=1.0)
+    try:
+        key = fresh()
+        async with claim_behind_a_row_lock(store, via, key, timeout=0.1) as (blocker, claiming):
+            with pytest.raises(StoreUnavailable):
+                await claiming  # the caller gave up; the claim is settled in the background
+            await until(
+                "the claim's statement to time out and its release to wait for the claim lock",
+                lambda: claim_lock_waited_for(store),
+                timeout=5,
+            )
+            await blocker.execute("ROLLBACK")  # the orphaned claim commits
+        await until("the claim to commit", lambda: _record(store, key))
+        await until("the lease to end", lambda: _lease_over(store, key), timeout=5)
+    finally:
+        await via.close(timeout=1)
+
+
 async def _record(store: Store, key: str, scope: str = "partition") -> bool:
     return bool(
         await store.pool.fetchval(
