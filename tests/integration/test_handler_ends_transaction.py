@@ -29,7 +29,7 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
-from grpc_idempotency.store.postgres import Attempt
+from grpc_idempotency.store.postgres import INLINE_OUTCOME_BYTES, Attempt
 from tests.support.ledger import TENANT, ledger_rows, ledger_server, metadata
 from tests.support.wire import Answer, call_raw
 
@@ -49,9 +49,10 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
     """``behaviour`` is "plain" (writes a ledger row, answers OK); "swallow" (writes, then
     catches the error of a failing statement and answers OK); "in-flight" (writes, then leaves
     a statement running as it returns); or "ENDING:THEN": writes a ledger row, ends the
-    transaction as ENDINGS says, then answers OK ("ok"), aborts UNAVAILABLE ("unavailable", a
-    transient status that releases the key), lets a serialization failure escape ("conflict",
-    answered ABORTED and released too) or raises ("raise")."""
+    transaction as ENDINGS says, then answers OK ("ok"; "big": with a response too large to be
+    inlined in the completion's statement, which then goes as bind parameters), aborts
+    UNAVAILABLE ("unavailable", a transient status that releases the key), lets a serialization
+    failure escape ("conflict", answered ABORTED and released too) or raises ("raise")."""
 
     def __init__(self) -> None:
         self.executions = 0
@@ -84,6 +85,9 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "downstream flaky")
         if then == "raise":
             raise RuntimeError("a bug after the handler's own COMMIT")
+        if then == "big":
+            blob = b"x" * (INLINE_OUTCOME_BYTES + 1024)
+            return testsvc_pb2.PostResponse(account=request.account, blob=blob)
         if then == "conflict":  # escapes as the library's TransactionConflict (ABORTED)
             await conn.execute(
                 "DO $$ BEGIN RAISE EXCEPTION 'lost a race' USING ERRCODE = '40001'; END $$"
@@ -140,6 +144,22 @@ async def test_a_handler_ending_the_transaction_then_answering_ok_records_nothin
     key, account = uuid.uuid4().hex, uuid.uuid4().hex
     async with serving(store) as (channel, _service):
         answer = await call(channel, method, f"{ending}:ok", key, account)
+    assert (answer.code, answer.reason()) == (grpc.StatusCode.INTERNAL, MISUSE), answer
+    assert not await recorded_ok(store, key)
+
+
+@pytest.mark.parametrize("method", [ATOMIC, PHASED])
+@pytest.mark.parametrize("ending", ["commit-begin", "rollback-begin"])
+async def test_a_handler_replacing_the_transaction_then_answering_a_large_response_records_nothing(
+    store: Store, method: str, ending: str
+) -> None:
+    """A response over the inlined outcome's size is completed with bind parameters, then
+    committed in a round trip of its own: that commit must still find the library's savepoint
+    gone (the handler replaced the transaction), or the outcome was recorded OK in the
+    replacement transaction, the writes before it committed (or lost) without it."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with serving(store) as (channel, _service):
+        answer = await call(channel, method, f"{ending}:big", key, account)
     assert (answer.code, answer.reason()) == (grpc.StatusCode.INTERNAL, MISUSE), answer
     assert not await recorded_ok(store, key)
 
