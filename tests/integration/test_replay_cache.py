@@ -128,6 +128,35 @@ async def test_a_replica_caches_a_read_outcome_only_for_the_records_remaining_li
     assert await ledger_rows(store, account) == 2
 
 
+async def test_a_replica_caches_a_record_read_near_its_end_only_until_that_end(
+    store: Store,
+) -> None:
+    """The life of an outcome read from the database is what is left of the record's, not the
+    method's whole retention: B reads a record with 700 ms left (aged by hand: its retention
+    mostly spent), and once the database calls it expired, a new operation under the key runs
+    on B, where a cache kept for a retention refused it (KEY_REUSED) for a day."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5)
+    async with running_ledger(store) as a, running_ledger(store) as b:
+        first = await a.call(POST, request, key)
+        assert first.code is grpc.StatusCode.OK
+        aged = await store.pool.execute(
+            "UPDATE grpc_idempotency.records SET expires_at = clock_timestamp()"
+            " + interval '700 milliseconds', retention = interval '0'"
+            " WHERE scope = $1 AND key = $2",
+            "tenant:tenant-a",
+            key,
+        )
+        assert aged == "UPDATE 1"
+        read = await b.call(POST, request, key)
+        assert read.code is grpc.StatusCode.OK and read.replayed and read.body == first.body
+        await until("the record to expire", lambda: _expired(store, "tenant:tenant-a", key))
+        changed = testsvc_pb2.PostRequest(account=account, amount=7)
+        new_operation = await b.call(POST, changed, key)
+        assert new_operation.code is grpc.StatusCode.OK and not new_operation.replayed
+    assert await ledger_rows(store, account) == 2
+
+
 async def test_a_cache_is_shared_only_by_interceptors_of_one_store(
     pg_dsn: str, store: Store
 ) -> None:
