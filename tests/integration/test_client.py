@@ -193,17 +193,26 @@ async def test_retry_helper_waits_as_the_server_asks_then_gets_the_outcome(store
 
 async def test_retry_helper_gives_up_on_non_retryable_errors(ledger: RunningLedger) -> None:
     op = Operation.new()
+    attempts = 0
     async with keyed_channel(ledger.address) as channel:
         stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+
+        async def post(request: Any, **options: Any) -> Any:
+            nonlocal attempts
+            attempts += 1
+            return await stub.Post(request, **options)
+
         await op.call(stub.Post, testsvc_pb2.PostRequest(account="a"), metadata=TENANT_MD)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await op.call(
-                stub.Post,
+                post,  # type: ignore[arg-type]
                 testsvc_pb2.PostRequest(account="b"),
                 metadata=TENANT_MD,
-                retry=RetryPolicy(),
+                retry=RetryPolicy(initial_backoff_s=0.01),
             )
     assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    # Raised at its first answer: retried, every attempt met the same refusal.
+    assert attempts == 1
     assert ledger.service.keys_seen.count(op.key) == 1  # the reused key never reached the handler
 
 
@@ -776,7 +785,7 @@ async def test_a_retry_inside_a_handler_stops_at_the_handler_deadline(
             # a draw under 0.002 (then one more attempt, which fails as fast).
             retry = RetryPolicy(max_attempts=5, initial_backoff_s=1000, max_backoff_s=1000)
             try:
-                current_call().run(Operation.new().call(post, failing, retry=retry))  # type: ignore[arg-type]
+                current_call().run(Operation.new().call(post, failing, timeout=60, retry=retry))  # type: ignore[arg-type]
             except grpc.aio.AioRpcError as err:
                 outcome.append(err.code())
                 raise
@@ -794,6 +803,10 @@ async def test_a_retry_inside_a_handler_stops_at_the_handler_deadline(
     assert outcome == [grpc.StatusCode.UNAVAILABLE, "done"]
     assert answer.code is grpc.StatusCode.UNAVAILABLE  # passed through, not the deadline's
     assert 1 <= len(attempts) < 5, attempts
+    # Each attempt's timeout (60 s asked) is bounded by the handler's deadline (2 s; gRPC's
+    # timeout header rounds up) by Operation.call itself, not only by a channel's interceptor
+    # (``post`` comes before it).
+    assert all(t is not None and t <= 2.05 for t in attempts), attempts
 
 
 async def test_named_step_and_unkeyed_reads(ledger: RunningLedger, store: Store) -> None:
@@ -819,3 +832,55 @@ async def test_the_remaining_deadline_propagates(ledger: RunningLedger, store: S
         # Without propagation the downstream call would have no deadline (a huge remainder);
         # gRPC's timeout header rounds up, so allow a few milliseconds over the client's 1.5 s.
         assert remaining is not None and remaining <= 1.55
+
+
+async def test_a_longer_downstream_timeout_is_cut_to_the_deadline_left(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A handler asking for a downstream timeout past its own deadline gets the time left: a
+    60 s timeout sent as is outlived the caller, who had given up and retried meanwhile."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+            await self.ledger.Post(post, timeout=60)
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        request = testsvc_pb2.ForwardRequest(account=fresh())
+        answer = await relay.forward(request, fresh(), timeout=1.5)
+    assert answer.code is grpc.StatusCode.OK
+    (remaining,) = ledger.service.deadlines_seen
+    assert remaining is not None and remaining <= 1.55  # gRPC's timeout header rounds up
+
+
+class Refusing(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]  # not generic at run time
+    """A later interceptor that refuses every call before it starts."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        raise ConnectionRefusedError("refused before the call started")
+
+
+async def test_a_downstream_call_failing_to_start_is_not_counted_in_flight(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A downstream call that raised as it started (a later interceptor, gRPC refusing its
+    metadata) is over: the handler that caught it can open its final transaction, which a
+    call counted in flight for good refused (TransactionOpen) on every attempt."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            with pytest.raises(ConnectionRefusedError):
+                await self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
+            await current_call().transaction()
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(
+        store,
+        ledger.address,
+        servicer=Relay,
+        downstream_interceptors=[Refusing()],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
+    ) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == []  # never sent
