@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, child_key
+from grpc_idempotency import KeyRequirement, MethodOverride, Step, Store, child_key
 from grpc_idempotency.outbox import OutboxStore
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.schemas import fresh_store
@@ -203,3 +204,39 @@ async def test_a_fail_open_call_enqueueing_while_the_store_is_down_is_unavailabl
             assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
     finally:
         await read_only.close()
+
+
+async def test_an_operation_begun_before_a_version_bump_enqueues_the_old_versions_message(
+    store: Store,
+) -> None:
+    """entry-posted.v1 retired an hour from now for v2: an operation begun now that enqueues
+    v2 gets v1's key and name, as its downstream steps keep their old versions (an attempt
+    may have enqueued v1 before the deploy; v2's key made a second message of it, and a row
+    named v2 under v1's key misnamed its step)."""
+    retired_at = datetime.now(UTC) + timedelta(hours=1)
+    steps = [
+        Step(name="entry-posted.v1", outbox=True, retired_at=retired_at),
+        Step(name="entry-posted.v2", outbox=True),
+    ]
+    overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        key = fresh()
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=7, behaviour="event-v2")
+        answer = await ledger.call(WITH_EVENT, request, key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    (row,) = await outbox_rows(store, key)
+    assert row["key"] == child_key("tenant:tenant-a", key, "entry-posted.v1")
+    assert row["step"] == "entry-posted.v1"
+
+
+async def test_a_call_served_without_a_key_cannot_enqueue(store: Store) -> None:
+    """An optional-key method called without one has no operation to key a message by: its
+    enqueue is refused with the library's error (FAILED_PRECONDITION), the write with it."""
+    overrides = {WITH_EVENT[1:]: MethodOverride(key=KeyRequirement.OPTIONAL)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        account = fresh("acct")
+        request = testsvc_pb2.PostRequest(account=account, amount=7)
+        answer = await ledger.call(WITH_EVENT, request, None)
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+    assert answer.reason() == "IDEMPOTENCY_NO_CURRENT_CALL"
+    assert await ledger_rows(store, account) == 0

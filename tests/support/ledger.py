@@ -322,7 +322,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         response = await self._post(
             testsvc_pb2.PostRequest(account=request.account, amount=request.amount), context
         )
-        step = "undeclared.v1" if request.behaviour == "undeclared-event" else "entry-posted.v1"
+        step = {"undeclared-event": "undeclared.v1", "event-v2": "entry-posted.v2"}.get(
+            request.behaviour, "entry-posted.v1"
+        )
         await current_call().enqueue(step, response)
         if request.behaviour == "event-twice":  # the same message again: nothing new
             await current_call().enqueue(step, response)
@@ -330,7 +332,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         if request.behaviour == "event-twice-different":
             await current_call().enqueue(step, testsvc_pb2.PostResponse(account="other"))
             return response
-        if request.behaviour and request.behaviour != "undeclared-event":
+        if request.behaviour not in ("", "undeclared-event", "event-v2"):
             # Fails after enqueuing: the event must go with the rest of the transaction.
             code = getattr(grpc.StatusCode, request.behaviour)
             await context.abort(code, f"handler says {request.behaviour}")
