@@ -947,11 +947,49 @@ async def test_a_method_the_receiver_never_has_is_parked_after_max_attempts_or_a
     assert "/a.B/C: UNIMPLEMENTED" in str(dead["last_error"])
 
 
+async def test_the_grpc_sinks_timeout_bounds_each_call_and_is_retried(outbox: Store) -> None:
+    """``GrpcSink(timeout=)`` is the call's deadline: a receiver that never answers fails the
+    delivery DEADLINE_EXCEEDED at that timeout (retried later), well before the relay's own
+    delivery_timeout."""
+    await insert(outbox, outbox.schema, ["slow-row"])
+    arrived = asyncio.Event()
+
+    async def never_answers(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        arrived.set()
+        await asyncio.Event().wait()  # cancelled when the call's deadline passes
+        raise AssertionError("unreachable")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "a.B", {"C": grpc.unary_unary_rpc_method_handler(never_answers)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        sink = GrpcSink(channel, "/a.B/C", timeout=0.2)
+        relay = Relay(outbox, sink, lease=10, delivery_timeout=5)
+        assert await asyncio.wait_for(relay.run_once(), WAIT_S) == 0
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+    assert arrived.is_set()
+    slow = await row(outbox, "slow-row")
+    assert slow["state"] == "pending", slow
+    assert "/a.B/C: DEADLINE_EXCEEDED" in str(slow["last_error"]), slow
+
+
 async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> None:
     await insert(outbox, outbox.schema, ["peer-row"], scope="peer:spiffe://x")
     # Not printable ASCII: gRPC refused it at send time, a failed delivery on every try until
     # the row was parked, max_attempts later.
     await insert(outbox, outbox.schema, ["accented-row"], scope="tenant:z\u00fcrich")
+    # The prefix alone: an empty tenant header, refused by the receiver on every try.
+    await insert(outbox, outbox.schema, ["empty-row"], scope="tenant:")
     channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never reached
     try:
         relay = Relay(outbox, GrpcSink(channel, "/a.B/C", metadata_for=forward_scope()))
@@ -962,6 +1000,8 @@ async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> 
     assert dead["state"] == "dead" and "does not start with 'tenant:'" in str(dead["last_error"])
     accented = await row(outbox, "accented-row")
     assert accented["state"] == "dead" and "printable ASCII" in str(accented["last_error"])
+    empty = await row(outbox, "empty-row")
+    assert empty["state"] == "dead" and "does not start with 'tenant:'" in str(empty["last_error"])
 
 
 @pytest.mark.parametrize(
@@ -2170,3 +2210,20 @@ async def test_a_relay_told_to_stop_before_its_store_closed_ends_without_an_erro
         release.set()
         await asyncio.wait_for(running_relay, WAIT_S)  # no RuntimeError
         assert relay.stats.unrecorded == 1
+
+
+async def test_a_due_row_another_relay_is_claiming_is_looked_for_again_shortly(
+    outbox: Store,
+) -> None:
+    """A due row this relay's claim skipped (another relay's claim holds it locked, committing
+    within milliseconds) is looked for again after a short pause, not at once: at once, the
+    relay spun on claims until the other's commit."""
+    await insert(outbox, outbox.schema, ["locked-row"])
+    relay = Relay(outbox, Receiver(), listen=False)
+    async with outbox.pool.acquire() as other, other.transaction():
+        await other.execute(
+            f'SELECT 1 FROM "{outbox.schema}".outbox WHERE key = $1 FOR UPDATE', "locked-row"
+        )
+        batch = await relay._batch()
+        assert batch.claimed == 0
+        assert 0 < await relay._idle_wait(batch) < relay.poll_interval
