@@ -194,8 +194,10 @@ class Statements:
         # row another transaction holds is waited for, not skipped, so the DELETE repeats the
         # whole condition: a row updated by a concurrent takeover (claim(), complete_atomic():
         # both under the key's claim lock) makes the DELETE wait for that transaction and, at
-        # READ COMMITTED, re-evaluate its WHERE on the new version, which is within retention or
-        # held by a lease and so stays. The condition sits in a CASE so that the planner cannot
+        # READ COMMITTED, re-evaluate its WHERE on the new version, which stays twice over: its
+        # ctid is not the one selected (an UPDATE, HOT or not, writes a new version), and it is
+        # within retention or held by a lease (the repeated condition, which does not rely on
+        # how PostgreSQL rechecks a ctid). The condition sits in a CASE so that the planner cannot
         # turn it into an expires_at index scan: the DELETE must find its rows by ctid.
         purgeable = f"""CASE state
                 WHEN 'completed' THEN GREATEST(expires_at, completed_at + retention) <= {bound}
