@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.keys import step_base
+from grpc_idempotency.core.outbox import outbox_step
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import Parent, choose_step
 from grpc_idempotency.core.step_contract import (
@@ -1207,3 +1208,24 @@ def test_a_step_reinstated_where_the_only_active_one_is_retired_is_a_rename() ->
     for start in (began, NOW - SECOND):  # begun before the retirement (now): charge.v1
         assert _step_for(fixed[PLACE].steps, start) == "charge.v1"
     assert _step_for(fixed[PLACE].steps, NOW + SECOND) == "charge.v2"
+
+
+def test_an_outbox_version_added_before_one_retired_for_good_is_a_rekeying() -> None:
+    """The outbox's case of the test above: a retired outbox version named in ``enqueue`` now
+    stands as a call's does (``outbox.outbox_step``), so event.v2 declared next to event.v1,
+    retired for good an hour ahead, keys the message of an operation begun before now, which
+    enqueued event.v1, with event.v2's key on its retry: delivered twice, under two keys.
+    check-steps read only calls naming their step, and passed it."""
+    old = place(outbox("event.v1"))
+    new = place(outbox("event.v1", retired=NOW + HOUR), outbox("event.v2", retired=NOW))
+    began = NOW - HOUR / 2
+    before = outbox_step(PLACE, old[PLACE].steps, "event.v1", began)
+    after = outbox_step(PLACE, new[PLACE].steps, "event.v1", began)
+    assert (before.name, after.name) == ("event.v1", "event.v2")
+    report = check_contract(old, new, now=NOW)
+    (f,) = report.breaking
+    assert f.change is Change.OPERATIONS_REKEYED and f.step == "event.v1"
+    assert "event.v2" in f.what
+    fixed = {PLACE: apply_fixes(new[PLACE], report)}
+    assert check_contract(old, fixed, now=NOW).ok
+    assert [s.name for s in fixed[PLACE].steps] == ["event.v1"]

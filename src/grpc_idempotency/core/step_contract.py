@@ -49,6 +49,7 @@ from datetime import UTC, datetime, timedelta
 
 from grpc_idempotency.core.errors import StepAmbiguous, StepUndeclared
 from grpc_idempotency.core.keys import step_base
+from grpc_idempotency.core.outbox import outbox_step
 from grpc_idempotency.core.policy import Step, normalize_method
 from grpc_idempotency.core.propagation import Parent, as_of, choose_step
 
@@ -423,15 +424,17 @@ def _rekeyed_named(
     done: set[tuple[str, str]],
 ) -> list[Finding]:
     """``_rekeyed`` for a call naming its step, as the runtime keys it
-    (``propagation.choose_step``): a step retired for good keys an operation begun before its
-    retirement with itself or a version retired before it (``as_of``), and a retired version
-    named stands for its name's active one, so a retired version declared in this change
-    (retired earlier), or an active one added, took over such an operation's calls, which the
-    rules above, reading active steps only, passed."""
+    (``propagation.choose_step``; an enqueue, ``outbox.outbox_step``, alike): a step retired for
+    good keys an operation begun before its retirement with itself or a version retired before
+    it (``as_of``), and a retired version named stands for its name's active one, so a retired
+    version declared in this change (retired earlier), or an active one added, took over such an
+    operation's calls, which the rules above, reading active steps only, passed."""
     start = _minus(now, retention)
     findings: list[Finding] = []
     for step in after.steps:
-        if not step.call or (step_base(step.name), _target(step)) in done:
+        # Outbox steps too: a retired outbox version named in enqueue stands for its name's active
+        # version as a call's step does (``outbox.outbox_step``), so it re-keys the same way.
+        if not (step.call or step.outbox) or (step_base(step.name), _target(step)) in done:
             continue
         calling_before = [_aware_step(s) for s in before.steps if _same_target(s, step)]
         calling_after = [_aware_step(s) for s in after.steps if _same_target(s, step)]
@@ -491,7 +494,9 @@ def _named(calling: list[Step], step: Step, started_at: datetime) -> str | None:
     (``None``: refused)."""
     parent = Parent(method="", scope="", key="", steps=tuple(calling), started_at=started_at)
     try:
-        return choose_step(parent, step.call or "", step.name).name
+        if not step.call:
+            return outbox_step("", tuple(calling), step.name, started_at).name
+        return choose_step(parent, step.call, step.name).name
     except (StepUndeclared, StepAmbiguous):
         return None
 
