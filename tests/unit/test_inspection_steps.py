@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.inspection import Record, children
+from grpc_idempotency.core.outbox import outbox_step
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import Parent, choose_step
 
@@ -88,3 +90,26 @@ def test_a_version_retired_for_good_is_in_effect_only_where_no_earlier_version_k
         assert choose_step(parent, TARGET, "send-mail.v2").name == used
         in_effect = {c.step for c in children(record(started), steps) if c.in_effect}
         assert in_effect == {used}
+
+
+def test_an_outbox_step_retired_for_good_is_in_effect_as_enqueue_keys_it() -> None:
+    """A retired outbox version named in ``enqueue`` keys as a call's retired step does
+    (``outbox.outbox_step``): retired for good, it keys the operations begun before its
+    retirement, or the version retired before it that they began before. ``inspect`` read only
+    call steps so, and said the step keying the operation's message was not in effect."""
+    later = RETIRED + timedelta(days=1)
+    steps = (
+        Step(name="audit.v1", outbox=True, retired_at=RETIRED),
+        Step(name="audit.v2", outbox=True, retired_at=later),
+    )
+    for started, used in (
+        (RETIRED - timedelta(hours=1), {"audit.v1"}),
+        (RETIRED + timedelta(hours=1), {"audit.v2"}),
+        (later + timedelta(hours=1), set()),
+    ):
+        enqueued = set()
+        for named in ("audit.v1", "audit.v2"):
+            with contextlib.suppress(StepUndeclared):
+                enqueued.add(outbox_step(METHOD, steps, named, started).name)
+        assert enqueued == used
+        assert {c.step for c in children(record(started), steps) if c.in_effect} == used

@@ -244,8 +244,8 @@ class Child:
     in_effect: bool
     """Whether this operation keys its effect with this step: an active step, unless the
     operation began before an earlier version was retired (then that version is in effect); a
-    call step retired for good (no active version of its name) for an operation begun before
-    its retirement (a handler naming it keys the call with it), unless it began before an
+    step retired for good (no active version of its name) for an operation begun before its
+    retirement (a handler naming it keys the call or message with it), unless it began before an
     earlier version's retirement too (then that version is in effect)."""
 
 
@@ -264,12 +264,16 @@ def children(record: Record, steps: Sequence[Step]) -> list[Child]:
                 else outbox
             )
             used.add(as_of(s, siblings, started).name)
-        elif s.call and s.retired_at is not None and started < s.retired_at:
-            # Retired for good (no active version of its name calls its target): a handler that
-            # names it keys an operation begun before its retirement with it (choose_step).
-            # Or an earlier version of its name the operation began before (as_of).
-            target = normalize_method(s.call)
-            siblings = [c for c in calls if normalize_method(c.call or "") == target]
+        elif s.retired_at is not None and started < s.retired_at:
+            # Retired for good (no active version of its name calls its target, or is an outbox
+            # step): a handler that names it keys an operation begun before its retirement with
+            # it (choose_step, outbox_step). Or an earlier version of its name the operation
+            # began before (as_of).
+            siblings = (
+                [c for c in calls if normalize_method(c.call or "") == normalize_method(s.call)]
+                if s.call
+                else outbox
+            )
             if not any(c.active and step_base(c.name) == step_base(s.name) for c in siblings):
                 used.add(as_of(s, siblings, started).name)
     return [
