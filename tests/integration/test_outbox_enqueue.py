@@ -229,6 +229,28 @@ async def test_an_operation_begun_before_a_version_bump_enqueues_the_old_version
     assert row["step"] == "entry-posted.v1"
 
 
+async def test_code_naming_a_retired_outbox_version_enqueues_its_names_active_version(
+    store: Store,
+) -> None:
+    """entry-posted.v1 retired an hour ago for v2, and the handler still enqueues v1 (code not
+    yet moved): an operation begun now gets v2's key and name, as naming v2 does. It was
+    refused (StepUndeclared, FAILED_PRECONDITION), and the write with it."""
+    retired_at = datetime.now(UTC) - timedelta(hours=1)
+    steps = [
+        Step(name="entry-posted.v1", outbox=True, retired_at=retired_at),
+        Step(name="entry-posted.v2", outbox=True),
+    ]
+    overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        key = fresh()
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=7)  # names v1
+        answer = await ledger.call(WITH_EVENT, request, key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    (row,) = await outbox_rows(store, key)
+    assert row["key"] == child_key("tenant:tenant-a", key, "entry-posted.v2")
+    assert row["step"] == "entry-posted.v2"
+
+
 async def test_a_call_served_without_a_key_cannot_enqueue(store: Store) -> None:
     """An optional-key method called without one has no operation to key a message by: its
     enqueue is refused with the library's error (FAILED_PRECONDITION), the write with it."""
