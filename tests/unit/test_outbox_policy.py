@@ -157,3 +157,18 @@ def test_an_outbox_step_retired_for_good_keys_only_operations_begun_before() -> 
     assert outbox_step("/s.S/M", steps, "audit.v1", before).name == "audit.v1"
     with pytest.raises(StepUndeclared, match="retired at 2026-03-01"):
         outbox_step("/s.S/M", steps, "audit.v1", after)
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [("x" * 20_000, "is 20000 characters long"), ("Event", "does not match")],
+)
+def test_a_name_that_is_no_step_name_is_refused_as_one(name: str, problem: str) -> None:
+    """As ``propagation.choose_step`` refuses it: quoted whole, a name past gRPC's metadata
+    limit made the error's own grpc-message too long (the caller was answered
+    RESOURCE_EXHAUSTED), and the advice to declare ``steps: { name: "Event" ... }`` was one
+    ``compile_policy`` refuses."""
+    with pytest.raises(StepUndeclared) as err:
+        outbox_step("/s.S/M", STEPS, name, None)
+    assert problem in str(err.value) and len(str(err.value)) < 500
+    assert "add steps" not in str(err.value)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from grpc_idempotency.core.errors import StepUndeclared
-from grpc_idempotency.core.keys import child_key, step_base
+from grpc_idempotency.core.keys import child_key, step_base, step_name_problem
 from grpc_idempotency.core.policy import MAX_DURATION, Step
 from grpc_idempotency.core.propagation import as_of
 from grpc_idempotency.core.retry import backoff_ceiling_s
@@ -59,6 +59,15 @@ def outbox_step(
             )
     if step is None:
         declared = [s.name for s in outbox if s.active]
+        problem = step_name_problem(name)
+        if problem is not None:
+            # As choose_step: quoted whole, a name past gRPC's metadata limit made the error's
+            # own grpc-message too long (RESOURCE_EXHAUSTED), and "add steps: { name: ... }"
+            # advised a declaration compile_policy refuses.
+            raise StepUndeclared(
+                f"{method} enqueues an outbox step, but {problem}; its declared outbox steps"
+                f" are {declared}"
+            )
         raise StepUndeclared(
             f"{method} enqueues outbox step {name!r}, but its declared outbox steps are"
             f' {declared}: add steps: {{ name: "{name}" outbox: true }} to its options'
