@@ -398,7 +398,8 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         metavar="CODE",
         help="also park a row as a dead letter at once when a delivery is answered with this gRPC"
         " status (repeatable; e.g. UNIMPLEMENTED, which is otherwise retried, as a receiver may"
-        " not have the method deployed yet) (default: only the codes a keyed receiver records:"
+        " not have the method deployed yet; a transient one such as UNAVAILABLE parks every row a"
+        " restarting receiver was handling) (default: only the codes a keyed receiver records:"
         " INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE)",
     )
     relay.add_argument(
