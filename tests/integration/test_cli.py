@@ -1033,6 +1033,24 @@ async def test_a_relay_whose_stdout_reader_went_goes_on_and_stops_cleanly(pg_dsn
 FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.outbox: relay r: delivered"
 
 
+async def relay_of_one_row(
+    dsn: str, store: Any, port: int, *more: str
+) -> asyncio.subprocess.Process:
+    """One pending outbox row in ``store``'s schema, and `grpc-idempotency relay` (polling, its
+    stderr piped) delivering it to ``/a.B/C`` on the loopback ``port``, with ``more`` arguments."""
+    await store.pool.execute(
+        f'INSERT INTO "{store.schema}".outbox (scope, key, step, parent_key, method,'
+        " payload_type, payload) VALUES ('s', 'k', 'e.v1', 'p', '/x.Y/Z', 'x.E', '')"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    argv = ["relay", "--dsn", dsn, "--schema", store.schema, "--no-listen",
+            "--grpc-target", f"127.0.0.1:{port}", "--method", "/a.B/C", *more]  # fmt: skip
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "grpc_idempotency.cli", *argv,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+
+
 async def test_a_downstream_error_cannot_add_or_overwrite_lines_of_the_relays_log(
     pg_dsn: str,
 ) -> None:
@@ -1050,19 +1068,9 @@ async def test_a_downstream_error_cannot_add_or_overwrite_lines_of_the_relays_lo
     )  # fmt: skip
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
     try:
         async with fresh_store(pg_dsn, "relaylog") as s:
-            await s.pool.execute(
-                f'INSERT INTO "{s.schema}".outbox (scope, key, step, parent_key, method,'
-                " payload_type, payload) VALUES ('s', 'k', 'e.v1', 'p', '/x.Y/Z', 'x.E', '')"
-            )
-            argv = ["relay", "--dsn", pg_dsn, "--schema", s.schema, "--no-listen",
-                    "--grpc-target", f"127.0.0.1:{port}", "--method", "/a.B/C"]  # fmt: skip
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "grpc_idempotency.cli", *argv,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
-            )  # fmt: skip
+            proc = await relay_of_one_row(pg_dsn, s, port)
             assert proc.stderr is not None
             logged: list[str] = []
             while not logged or "delivery 1 failed" not in logged[-1]:
@@ -1088,20 +1096,10 @@ async def test_a_relay_told_to_dead_letter_on_unimplemented_parks_at_once(pg_dsn
     server = grpc.aio.server()  # serves no method at all: every call is UNIMPLEMENTED
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
     try:
         async with fresh_store(pg_dsn, "relaydead") as s:
-            await s.pool.execute(
-                f'INSERT INTO "{s.schema}".outbox (scope, key, step, parent_key, method,'
-                " payload_type, payload) VALUES ('s', 'k', 'e.v1', 'p', '/x.Y/Z', 'x.E', '')"
-            )
-            argv = ["relay", "--dsn", pg_dsn, "--schema", s.schema, "--no-listen",
-                    "--grpc-target", f"127.0.0.1:{port}", "--method", "/a.B/C",
-                    "--dead-letter-on", "unimplemented", "--max-attempts", "5"]  # fmt: skip
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "grpc_idempotency.cli", *argv,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
-            )  # fmt: skip
+            more = ["--dead-letter-on", "unimplemented", "--max-attempts", "5"]
+            proc = await relay_of_one_row(pg_dsn, s, port, *more)
             try:
                 state = f'SELECT state, attempts FROM "{s.schema}".outbox'
                 row = await until(
