@@ -27,9 +27,10 @@ PHASED_FAIL_OPEN = {PHASED: MethodOverride(store_down=StoreDown.FAIL_OPEN)}
 @pytest.fixture
 async def short_store(pg_dsn: str) -> AsyncIterator[Store]:
     """A store in a schema of its own whose statements time out after 1 s (command_timeout)."""
-    store = await Store.connect(
-        pg_dsn, schema=f"locked_{uuid.uuid4().hex[:8]}", migrate=True, max_size=4, command_timeout=1
-    )
+    name = f"locked_{uuid.uuid4().hex[:8]}"
+    # Migrated with the default timeout: on a loaded machine a migration could pass 1 s.
+    await (await Store.connect(pg_dsn, schema=name, migrate=True)).close()
+    store = await Store.connect(pg_dsn, schema=name, max_size=4, command_timeout=1)
     try:
         await prepare(store)
         yield store

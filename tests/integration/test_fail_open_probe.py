@@ -55,6 +55,14 @@ def schema() -> str:
     return f"probe_{uuid.uuid4().hex[:8]}"
 
 
+async def migrated(dsn: str) -> str:
+    """A new schema, migrated with the default command_timeout: the tests' 1 s is for the
+    calls, and on a loaded CI machine a migration ran past it (StoreUnavailable at set-up)."""
+    name = schema()
+    await (await Store.connect(dsn, schema=name, migrate=True)).close()
+    return name
+
+
 @contextlib.asynccontextmanager
 async def completed_then_locked(
     ledger: RunningLedger, db: asyncpg.Connection, schema: str
@@ -71,7 +79,7 @@ async def completed_then_locked(
 async def test_callers_sharing_a_probe_each_get_its_answer(
     pg_dsn: str, db: asyncpg.Connection
 ) -> None:
-    store = await Store.connect(pg_dsn, schema=schema(), migrate=True, command_timeout=1)
+    store = await Store.connect(pg_dsn, schema=await migrated(pg_dsn), command_timeout=1)
     try:
         async with records_locked(db, store.schema):
             short, long_ = await asyncio.gather(store.answers(0.001), store.answers(2.0))
@@ -88,7 +96,7 @@ async def test_a_partition_fails_open_with_a_deadline_just_past_command_timeout(
     proxy = BlackholeProxy(pg_dsn)
     await proxy.start()
     store = await Store.connect(
-        proxy.dsn, min_size=1, max_size=2, command_timeout=1, schema=schema(), migrate=True
+        proxy.dsn, min_size=1, max_size=2, command_timeout=1, schema=await migrated(pg_dsn)
     )
     await prepare(store)
     try:
@@ -113,7 +121,7 @@ async def test_a_custom_connect_failing_in_the_probe_is_no_answer(
         return await asyncpg.connect(*args, **kwargs)
 
     store = await Store.connect(
-        pg_dsn, schema=schema(), migrate=True, max_size=2, command_timeout=1, connect=connect
+        pg_dsn, schema=await migrated(pg_dsn), max_size=2, command_timeout=1, connect=connect
     )
     await prepare(store)
     try:
@@ -138,7 +146,7 @@ async def test_a_custom_connect_is_called_as_the_pool_calls_it(
         )
 
     store = await Store.connect(
-        pg_dsn, schema=schema(), migrate=True, max_size=2, command_timeout=1, connect=connect
+        pg_dsn, schema=await migrated(pg_dsn), max_size=2, command_timeout=1, connect=connect
     )
     await prepare(store)
     try:
@@ -157,7 +165,7 @@ async def test_closing_the_store_during_a_probe_still_answers_the_call(pg_dsn: s
     proxy = BlackholeProxy(pg_dsn)
     await proxy.start()
     store = await Store.connect(
-        proxy.dsn, min_size=1, max_size=2, command_timeout=1, schema=schema(), migrate=True
+        proxy.dsn, min_size=1, max_size=2, command_timeout=1, schema=await migrated(pg_dsn)
     )
     await prepare(store)
     probing = asyncio.Event()
@@ -238,8 +246,7 @@ async def test_behind_pgbouncer_a_direct_probe_keeps_a_locked_table_closed(
     with running_pgbouncer(pg_dsn, pool_size=1) as bouncer:
         store = await Store.connect(
             bouncer.dsn,
-            schema=schema(),
-            migrate=True,
+            schema=await migrated(pg_dsn),
             min_size=1,
             max_size=2,
             command_timeout=1,
