@@ -2,7 +2,8 @@
 an IDE's stop button): a real child process starts one and is killed, and its watchdog stops
 the postmaster and deletes the temporary directories, also when the whole process group is
 killed, and also while a fork()ed child of the owner lives on. A normal close() or exit ends
-and reaps the watchdog, which does no cleanup of its own then."""
+and reaps the watchdog, which does no cleanup of its own then. A server that outlives its stop
+(the watchdog's or the owner's) keeps its directories, and stderr says so."""
 
 from __future__ import annotations
 
@@ -288,3 +289,134 @@ def test_a_forked_child_arming_the_watchdog_leaves_the_owners_watchdog_and_files
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "True", "True"], done.stderr
+
+
+# A stand-in for a postmaster that outlives its stop: a process of this account that ignores
+# both stopping signals and whose arguments name the instance's socket directory, as pg_ctl
+# starts the postmaster (``is_postmaster``'s proof that it is the instance's server).
+UNSTOPPABLE = textwrap.dedent(
+    """
+    import signal, sys
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    print("ready", flush=True)
+    while True:
+        signal.pause()
+    """
+)
+
+# The watchdog as the owner starts it (-I -S, the module by path), its wait for the server cut
+# from 60 s to a fraction of a second: a server that outlives it is reached at once.
+SHORT_WAIT_WATCHDOG = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {directory!r})
+    import _postmaster
+    _postmaster._PG_CTL_WAIT_S = 0.2
+    _postmaster.watch(sys.argv[1:])
+    """
+)
+
+
+@pytest.fixture
+def unstoppable_server() -> Iterator[Any]:
+    """A factory: ``start(socket_dir)`` runs an ``UNSTOPPABLE`` server for that socket dir."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(socket_dir: Path) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-c", UNSTOPPABLE, f"unix_socket_directories={socket_dir}"]
+        server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        started.append(server)
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+        server.wait()
+
+
+def _pid_file(data_dir: Path, pid: int, socket_dir: Path) -> None:
+    (data_dir / "postmaster.pid").write_text(
+        f"{pid}\n{data_dir}\n1700000000\n{PORT}\n{socket_dir}\n\n  5432001   0\nready   \n"
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs procfs")
+@pytest.mark.parametrize("failure", ["not-in-time", "not-signalled"])
+def test_a_server_the_watchdog_cannot_stop_keeps_its_dirs(
+    failure: str, reachable_dir: Path, unstoppable_server: Any
+) -> None:
+    """The watchdog deleted the instance's directories also when the server outlived its stop
+    (it ignored the signal past the wait, or the watchdog's account may not signal it): a
+    running server's data directory, socket and pg_hba.conf deleted under it. It leaves them,
+    says so on stderr with the pid and the paths, and exits 1.
+
+    not-signalled: the server runs as this account, the watchdog as nobody (through setpriv,
+    so as root only), which may not signal it (nor, being no root, have it signalled)."""
+    as_other: tuple[str, ...] = ()
+    if failure == "not-signalled":
+        setpriv = shutil.which("setpriv") or shutil.which("setpriv", path="/usr/bin:/bin")
+        if os.geteuid() != 0 or setpriv is None:
+            pytest.skip("needs root and setpriv to run the watchdog as another account")
+        as_other = (setpriv, f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--")
+    data_dir, socket_dir = reachable_dir / "data", reachable_dir / "socket"
+    data_dir.mkdir(mode=0o755)
+    socket_dir.mkdir(mode=0o700)
+    (socket_dir / "pg_hba.conf").write_text("local all all trust\n")
+    if as_other:
+        # Its owned dirs are nobody's to delete: only the stop stands between them and rmtree.
+        os.chown(reachable_dir, _NOBODY, -1)
+        os.chown(socket_dir, _NOBODY, -1)
+    server = unstoppable_server(socket_dir)
+    _pid_file(data_dir, server.pid, socket_dir)
+    read_end, write_end = os.pipe()
+    args = [str(read_end), str(data_dir), str(socket_dir), str(PORT), str(data_dir)]
+    script = SHORT_WAIT_WATCHDOG.format(directory=str(Path(_postmaster.__file__).parent))
+    watchdog = subprocess.Popen(
+        [*as_other, sys.executable, "-I", "-S", "-c", script, *args, str(socket_dir)],
+        pass_fds=(read_end,),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(read_end)
+    os.close(write_end)  # the owner's end: the watchdog acts
+    try:
+        _, stderr = watchdog.communicate(timeout=DEADLINE_S)
+    finally:
+        if watchdog.poll() is None:
+            watchdog.kill()
+            watchdog.wait()
+    assert server.poll() is None
+    assert (data_dir / "postmaster.pid").exists(), stderr
+    assert (socket_dir / "pg_hba.conf").exists(), stderr
+    assert f"postmaster pid {server.pid}" in stderr
+    assert str(data_dir) in stderr and str(socket_dir) in stderr
+    assert watchdog.returncode == 1, stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs procfs")
+def test_a_server_the_owner_cannot_stop_keeps_its_dirs(
+    unstoppable_server: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """close() raises when the server outlives its stop, and keeps the directories; but the
+    finalizer (garbage collection, interpreter exit, SIGTERM) then deleted them under the
+    running server. It leaves them and says so on stderr, as the watchdog does."""
+    monkeypatch.setattr(_postmaster, "_PG_CTL_WAIT_S", 0.2)
+    pg = EmbeddedPostgres(durable=False)
+    dirs = (pg._data_dir, pg._socket_dir)
+    try:
+        server = unstoppable_server(pg._socket_dir)
+        _pid_file(pg._data_dir, server.pid, pg._socket_dir)
+        with pytest.raises(RuntimeError, match=f"pid {server.pid}"):
+            pg.close()
+        assert all(path.exists() for path in dirs)
+        pg._finalizer()  # what garbage collection or interpreter exit runs
+        assert server.poll() is None
+        assert all(path.exists() for path in dirs)
+        stderr = capsys.readouterr().err
+        assert f"postmaster pid {server.pid}" in stderr
+        assert all(str(path) in stderr for path in dirs)
+    finally:
+        for path in dirs:
+            shutil.rmtree(path, ignore_errors=True)

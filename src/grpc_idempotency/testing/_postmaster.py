@@ -13,7 +13,11 @@ Invariant: the watchdog acts only on end of file on its pipe, whose write end on
 process holds (close-on-exec, and closed in a fork()'s child), so the kernel delivers it when
 the owner ends, however it ends (SIGKILL included). ``close()`` and the finalizer stop the
 server themselves and then kill the watchdog before they close their end: it never acts for a
-live owner. Its cleanup is what the finalizer does, and is harmless once that has run.
+live owner. Its cleanup is what the finalizer does, and is harmless once that has run; a
+finalizer whose server outlived its stop leaves it armed, to try again once the owner is gone.
+
+Invariant: an instance's directories are deleted only once its server is gone (``clean_up``):
+a server that did not stop, or could not be signalled, keeps them, and stderr names them.
 
 Run as a script (``python -I -S _postmaster.py FD DATA_DIR SOCKET_DIR PORT [OWNED...]``), by
 path and without ``site``, so it imports neither this package (grpc) nor site-packages: it
@@ -22,6 +26,7 @@ starts in the time of a bare interpreter, and only the standard library is impor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -244,11 +249,37 @@ def stop_server(data_dir: Path, socket_dir: Path, port: int, mode: str) -> int |
 
 def clean_up(
     data_dir: Path, socket_dir: Path, port: int, owned: tuple[Path, ...], mode: str
-) -> None:
-    """Stop an instance's server and delete the directories it created."""
-    stop_server(data_dir, socket_dir, port, mode)
+) -> bool:
+    """Stop an instance's server, then delete the directories it created; whether it did.
+
+    Only once the server is gone: one that did not stop in time, or that this process may not
+    signal, keeps its directories, and stderr says so. Deleted under it, the data directory
+    was lost to a server still writing it (and to whoever would stop it by hand and look at
+    its log), and the socket directory took the server's socket and its pg_hba.conf: a leak
+    that a message names is the lesser harm."""
+    survivor = stop_server(data_dir, socket_dir, port, mode)
+    if survivor is not None:
+        _say_left_in_place(survivor, owned, mode)
+        return False
     for path in owned:
         shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _say_left_in_place(pid: int, owned: tuple[Path, ...], mode: str) -> None:
+    sig = _STOP_SIGNALS[mode]
+    paths = ", ".join(map(str, owned))
+    message = (
+        f"EmbeddedPostgres: PostgreSQL (postmaster pid {pid}) did not stop within"
+        f" {_PG_CTL_WAIT_S} s of {sig.name} ({mode} shutdown), or this process may not signal"
+        f" it; its directories are left in place, not deleted under a running server: {paths}"
+        f" (once it is stopped, e.g. kill -s {sig.name.removeprefix('SIG')} {pid}, delete"
+        " them)\n"
+    )
+    # The watchdog's stderr is its dead owner's: maybe closed, or a pipe no one reads.
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.write(message)
+        sys.stderr.flush()
 
 
 def watch(argv: list[str]) -> None:
@@ -267,7 +298,8 @@ def watch(argv: list[str]) -> None:
     # A data directory the instance created is deleted next: an immediate shutdown (a crash)
     # loses nothing. The caller's own one gets a fast shutdown, as close() would give it.
     mode = "immediate" if data_dir in owned else "fast"
-    clean_up(data_dir, socket_dir, port, owned, mode)
+    if not clean_up(data_dir, socket_dir, port, owned, mode):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

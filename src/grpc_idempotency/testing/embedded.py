@@ -433,9 +433,12 @@ def _finalize(
     # run): pg_ctl daemonizes, so the server would otherwise outlive the interpreter.
     if os.getpid() != owner_pid:
         return  # a forked child must not stop its parent's server
-    _postmaster.clean_up(data_dir, socket_dir, port, owned, "fast")
-    # Only now: a SIGKILL before this point leaves the cleanup to the watchdog.
-    watchdog.disarm()
+    if _postmaster.clean_up(data_dir, socket_dir, port, owned, "fast"):
+        # Only now: a SIGKILL before this point leaves the cleanup to the watchdog.
+        watchdog.disarm()
+    # Else the server outlived its stop, and kept its directories (stderr says so): the
+    # watchdog, left armed, tries again once this process has ended, and deletes them if the
+    # server is gone by then.
 
 
 # Open instances of this process, for the signal handler.
