@@ -119,6 +119,18 @@ def test_an_inspect_config_dsn_holding_a_nul_exits_2(pg_dsn: str, tmp_path: Path
     assert_nul_refused(cli("inspect", "--config", str(config), "--scope", "s", "k"))
 
 
+def test_an_inspect_config_scope_the_server_refuses_exits_2(pg_dsn: str, tmp_path: Path) -> None:
+    """A service's ``scope`` the server never takes (it holds a control, line-separator or
+    format character) matched no record: the downstream records were looked up under it and
+    reported missing."""
+    config = tmp_path / "inspect.toml"
+    config.write_text(f'[services.a]\ndsn = "{pg_dsn}"\nscope = "tenant:\\u202eab"\n')
+    done = cli("inspect", "--config", str(config), "--scope", "s", "k")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "[services.a] scope: a scope holds no control" in done.stderr, done.stderr
+    assert "U+202E" in done.stderr and "\u202e" not in done.stderr
+
+
 @pytest.mark.parametrize("where", ["database", "user", "raw"])
 async def test_store_connect_refuses_a_nul_as_not_retryable(pg_dsn: str, where: str) -> None:
     with pytest.raises(DsnUnusable) as refused:

@@ -778,6 +778,8 @@ async def test_exit_status_not_found_unreachable_unusable(services: Services, pg
         (("inspect", "--scope", "", "k"), "a scope is never empty"),
         (("inspect", "--scope", "s" * 1025, "k"), "at most 1024 bytes"),
         (("list", "--scope", ""), "a scope is never empty"),
+        (("inspect", "--scope", "tenant:a\u2028b", "k"), "holds U+2028"),
+        (("list", "--scope", "tenant:\u200bab"), "holds U+200B"),
         (("list", "--scope", "s", "--method", "/a.B/C/D"), "not a method"),
         (("list", "--scope", "s", "--method", "nomethod"), "not a method"),
     ],
@@ -788,6 +790,8 @@ async def test_exit_status_not_found_unreachable_unusable(services: Services, pg
         "empty-scope",
         "long-scope",
         "list-empty-scope",
+        "scope-line-separator",
+        "list-scope-zero-width-space",
         "method-three-parts",
         "method-no-service",
     ],
@@ -795,12 +799,15 @@ async def test_exit_status_not_found_unreachable_unusable(services: Services, pg
 async def test_a_key_scope_or_method_no_record_can_have_is_bad_usage(
     pg_dsn: str, args: tuple[str, ...], says: str
 ) -> None:
-    """A key the server refuses, a scope the store cannot hold and a method that is no method
-    match no record: they were looked up, and answered "no record" (exit 3), as if the
-    operation had not been found; a mistyped argument reads as a missing operation."""
+    """A key the server refuses, a scope the store cannot hold or the server refuses (a
+    control, line-separator or format character) and a method that is no method match no
+    record: they were looked up, and answered "no record" (exit 3), as if the operation had not
+    been found; a mistyped argument reads as a missing operation."""
     done = await cli(*args, "--dsn", pg_dsn)
     assert done.returncode == 2, done.stdout + done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    # Named by code point: the character itself (an ESC sequence, a newline) never printed.
+    assert not any(c in done.stderr for c in "\u2028\u200b"), done.stderr
 
 
 ANY_RESPONSE_PROTO = """
@@ -938,16 +945,23 @@ async def test_steps_unknown_because_the_options_are_refused_says_so_once(
             )
 
 
-async def test_the_operators_own_scope_is_shown_escaped(pg_dsn: str, store: Store) -> None:
-    """``inspect`` and ``list`` take any scope a record may be stored under, and said "no
-    record" with it raw: a scope pasted with an ESC sequence or a newline rewrote the terminal's
-    line or added one, where ``outbox dead`` shows scopes escaped."""
+async def test_a_scope_the_server_refuses_is_bad_usage_and_never_shown_raw(
+    pg_dsn: str, store: Store
+) -> None:
+    """``inspect`` and ``list`` took any scope a record may be stored under: one holding an ESC
+    sequence, a newline or a bidi override, which the server refuses before the store is
+    touched (so no record is under it), was escaped, looked up and answered "no record" (exit
+    3). It is bad usage (exit 2), the character named by its code point: not shown raw, where
+    it rewrote the terminal's line or added one."""
     scope = "t\x1b[2K\rforged\nline\u202e"
     for args in (
         ("inspect", "--dsn", pg_dsn, "--schema", store.schema, "--scope", scope, "k"),
         ("list", "--dsn", pg_dsn, "--schema", store.schema, "--scope", scope),
     ):
         done = await cli(*args)
-        assert done.returncode == 3, done.stdout + done.stderr
-        (line,) = done.stdout.splitlines()
-        assert "\\x1b[2K\\rforged\\nline\\u202e" in line and "\x1b" not in line, line
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stdout == ""
+        assert "argument --scope: a scope holds no control" in done.stderr, done.stderr
+        assert "U+001B" in done.stderr, done.stderr
+        assert not any(c in done.stderr for c in "\x1b\r\u202e"), done.stderr
+        assert "forged" not in done.stderr, done.stderr

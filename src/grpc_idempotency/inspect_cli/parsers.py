@@ -13,6 +13,7 @@ from typing import TypeAlias
 from grpc_idempotency.core.errors import KeyInvalid
 from grpc_idempotency.core.inspection import RecordState
 from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_key
+from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.policy import normalize_method
 from grpc_idempotency.store.dsn_files import HOLDS_NUL, holds_nul, not_utf8
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
@@ -75,14 +76,23 @@ def key_text(text: str) -> str:
 
 
 def scope_text(text: str) -> str:
-    """A scope as the store holds one: 1..``MAX_SCOPE_BYTES`` bytes of UTF-8 without NUL. Not
-    ``validate_scope``'s rule, on purpose: records stored under a scope that a later version
-    refuses (a control or format character) stay readable, until retention removes them."""
+    """A scope as the server takes one (``validate_scope``'s rule): 1..``MAX_SCOPE_BYTES``
+    bytes of UTF-8 holding no control, line-separator or format character (``is_unsafe``).
+    The server refuses any other scope before the store is touched, so no record is under it:
+    one holding a newline, ESC or a bidi override was escaped, looked up and answered "no
+    record" (exit 3), a mistyped argument read as a missing operation."""
     text = utf8_text(text)
     if not text:
         raise argparse.ArgumentTypeError("a scope is never empty")
     if len(text.encode("utf-8")) > MAX_SCOPE_BYTES:
         raise argparse.ArgumentTypeError(f"a scope is at most {MAX_SCOPE_BYTES} bytes of UTF-8")
+    unsafe = unsafe_character(text)
+    if unsafe is not None:
+        # Named by code point, the scope not quoted: it is what would disturb the terminal.
+        raise argparse.ArgumentTypeError(
+            f"a scope holds no control, line-separator or format character, and this one holds"
+            f" {code_point(unsafe)}: the server refuses such a scope, so no record is under it"
+        )
     return text
 
 
