@@ -401,13 +401,17 @@ def test_a_server_the_owner_cannot_stop_keeps_its_dirs(
 ) -> None:
     """close() raises when the server outlives its stop, and keeps the directories; but the
     finalizer (garbage collection, interpreter exit, SIGTERM) then deleted them under the
-    running server. It leaves them and says so on stderr, as the watchdog does."""
+    running server. It leaves them, says so on stderr, as the watchdog does, and leaves the
+    watchdog armed: once the owner has ended and the server is gone, it deletes them."""
     monkeypatch.setattr(_postmaster, "_PG_CTL_WAIT_S", 0.2)
     pg = EmbeddedPostgres(durable=False)
     dirs = (pg._data_dir, pg._socket_dir)
     try:
         server = unstoppable_server(pg._socket_dir)
         _pid_file(pg._data_dir, server.pid, pg._socket_dir)
+        pg._watchdog.arm(pg._data_dir, pg._socket_dir, pg._port, pg._owned)  # start()'s
+        watchdog = pg._watchdog._proc
+        assert watchdog is not None
         with pytest.raises(RuntimeError, match=f"pid {server.pid}"):
             pg.close()
         assert all(path.exists() for path in dirs)
@@ -417,6 +421,13 @@ def test_a_server_the_owner_cannot_stop_keeps_its_dirs(
         stderr = capsys.readouterr().err
         assert f"postmaster pid {server.pid}" in stderr
         assert all(str(path) in stderr for path in dirs)
+        assert watchdog.poll() is None, "the finalizer ended the watchdog: no second try"
+        server.kill()
+        server.wait()
+        pg._watchdog._close_write_end()  # as the owner's end does
+        assert watchdog.wait(DEADLINE_S) == 0
+        assert not any(path.exists() for path in dirs)
     finally:
+        pg._watchdog.disarm()
         for path in dirs:
             shutil.rmtree(path, ignore_errors=True)
