@@ -14,9 +14,10 @@ dies of the signal). When the owner dies without running any of them (SIGKILL: a
 OOM killer), the instance's watchdog does: a small process (``_postmaster.py``) started with the
 server, in a session of its own, that stops it and deletes the instance's directories at the end
 of file of a pipe only the owner writes to. ``close()`` and the finalizer kill and reap it once
-they have cleaned up. A fork()ed child of the owner does not keep that pipe open (a Python
-at-fork hook closes it); what survives the owner's death is a machine or container shutdown
-that also kills the watchdog, or a SIGKILL to the watchdog itself.
+they have cleaned up (a finalizer whose server outlived its stop leaves it, to try again). A
+fork()ed child of the owner does not keep that pipe open (a Python at-fork hook closes it);
+what survives the owner's death is a machine or container shutdown that also kills the
+watchdog, or a SIGKILL to the watchdog itself.
 
 Invariant: an instance stops only the server it started itself, the one whose postmaster.pid
 names this instance's socket directory (a fresh directory no other server uses), and, on Linux,
@@ -589,7 +590,9 @@ class EmbeddedPostgres:
     first instance installs a handler that cleans up, then calls the handler that was there
     before, or dies of the signal as the default action would; not for a signal the process
     ignores). If the process is killed with SIGKILL, a watchdog process started with the server
-    stops it and deletes the temporary dirs.
+    stops it and deletes the temporary dirs. The dirs are deleted only once the server is gone:
+    one that outlives its stop (it does not exit in time, or may not be signalled) keeps them,
+    stderr names its pid and them, and the watchdog tries again when the owner process ends.
     """
 
     def __init__(
