@@ -7,12 +7,16 @@ runs the command against real ones)."""
 from __future__ import annotations
 
 import argparse
+import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
 
 from grpc_idempotency.cli import _check_outbox, _check_relay, _parser, main
+from grpc_idempotency.core.keys import scope_problem
 from grpc_idempotency.inspect_cli import ConfigError, config_of
+from grpc_idempotency.inspect_cli.parsers import scope_text
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
 
@@ -291,3 +295,29 @@ def test_a_config_scope_no_record_can_have_is_refused(
     args = parse("inspect", "--config", str(config), "--scope", "s", "k")
     with pytest.raises(ConfigError, match=says):
         config_of(args)
+
+
+def _scope_taken(scope: str) -> bool:
+    try:
+        scope_text(scope)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
+def test_scope_takes_exactly_the_scopes_the_server_takes() -> None:
+    """``--scope`` (and a ``--config`` service's ``scope``) is ``validate_scope``'s rule: a
+    scope the server refuses has no record (exit 2, not "no record"), and one it takes may have
+    one, so is never refused. Every control, line-separator and format character (ZWNJ and
+    ZWJ, which a server takes, among them), a NUL, a lone surrogate, the size bounds and
+    ordinary text, each checked against ``scope_problem``."""
+    unsafe_categories = {"Cc", "Cf", "Zl", "Zp"}
+    special = [chr(c) for c in range(sys.maxunicode + 1) if c < 0xD800 or c > 0xDFFF]
+    special = [c for c in special if unicodedata.category(c) in unsafe_categories]
+    assert "\u200d" in special and "\u202e" in special and "\n" in special
+    texts = [f"tenant:a{c}b" for c in [*special, "\ud800", " ", "\u00e9", "\U0001f469"]]
+    texts += ["", "s" * 1024, "s" * 1025, "\u00e9" * 512, "\u00e9" * 512 + "s"]
+    for text in texts:
+        assert _scope_taken(text) == (scope_problem(text) is None), ascii(text)
+    assert _scope_taken("t:\U0001f469\u200d\U0001f4bb")  # ZWJ: an emoji sequence
+    assert not _scope_taken("tenant:a\u200bb")  # zero width space
