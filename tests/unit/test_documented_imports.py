@@ -32,13 +32,23 @@ async def _typed(method: grpc.aio.UnaryUnaryMultiCallable[int, str]) -> str:
     return await _Operation.new().call(method, 1)
 """
 
+# The packages resolve their names on first use (a module ``__getattr__``); were mypy to see that
+# ``__getattr__``, every name imported from them would type-check as ``Any``, a misspelt one
+# included (the ignores below would then be unused: warn_unused_ignores).
+MISSPELT = """
+from grpc_idempotency import IdempotencyInterceptr  # type: ignore[attr-defined]
+from grpc_idempotency.testing import EmbededPostgres  # type: ignore[attr-defined]
+import grpc_idempotency as _package
+_package.Stroe  # type: ignore[attr-defined]
+"""
+
 
 def test_the_documented_imports_type_check_under_mypy_strict(tmp_path: Path) -> None:
     imports = _documented_imports()
     assert "from grpc_idempotency.client import Operation, RetryPolicy" in imports
     user = tmp_path / "user.py"
     user.write_text(
-        "\n".join(["from __future__ import annotations", *imports, TYPED_CALL]), "utf-8"
+        "\n".join(["from __future__ import annotations", *imports, TYPED_CALL, MISSPELT]), "utf-8"
     )
     # Run from tmp_path, away from this repository's mypy configuration, as in a user's
     # project; the package from this tree (MYPYPATH), its own modules' errors not reported.

@@ -51,7 +51,7 @@ def test_public_names_are_importable_by_name() -> None:
     assert IdempotencyInterceptor.__module__ == "grpc_idempotency.server.interceptor"
     assert Store.__module__ == "grpc_idempotency.store.postgres"
     with pytest.raises(AttributeError):
-        grpc_idempotency.NoSuchName  # noqa: B018
+        grpc_idempotency.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
     assert set(grpc_idempotency.__all__) <= set(dir(grpc_idempotency))
 
 

@@ -49,13 +49,18 @@ _LOCATIONS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LOCATIONS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+# Hidden from type checkers, which read the TYPE_CHECKING imports instead: seeing a module
+# __getattr__, mypy would type every name imported from the package as Any, a misspelt one
+# included, and a strict user's typo would pass the check to fail at import.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        module = _LOCATIONS.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:
