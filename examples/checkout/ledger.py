@@ -26,11 +26,10 @@ from checkout.v1 import events_pb2, ledger_pb2, ledger_pb2_grpc
 
 from examples.checkout import service
 from examples.checkout.auth import TENANT_HEADER, Authenticator, bearer, relay_token
-from grpc_idempotency import Store
+from grpc_idempotency import PooledConnection, Store
 from grpc_idempotency.consumer import IdempotentConsumer, message_id_from_call
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.outbox import GrpcSink, Relay, forward_scope
-from grpc_idempotency.store.postgres import PooledConnection
 
 NAME = "ledger"
 CONSUMER = "checkout-ledger"

@@ -89,7 +89,7 @@ if TYPE_CHECKING:
         peer_identity_scope,
     )
     from grpc_idempotency.server.interceptor import IdempotencyInterceptor
-    from grpc_idempotency.store.postgres import Store
+    from grpc_idempotency.store.postgres import PooledConnection, Store
     from grpc_idempotency.store.shards import ShardedStores
     from grpc_idempotency.telemetry import Telemetry
 
@@ -132,6 +132,7 @@ _LOCATIONS: dict[str, str] = {
     "OutboxMessage": "grpc_idempotency.outbox",
     "PermanentDeliveryError": "grpc_idempotency.core.errors",
     "PolicyError": "grpc_idempotency.core.errors",
+    "PooledConnection": "grpc_idempotency.store.postgres",
     "Purger": "grpc_idempotency.retention",
     "REPLAYED_HEADER": "grpc_idempotency.core.wire",
     "Relay": "grpc_idempotency.outbox",
@@ -232,6 +233,7 @@ __all__ = [
     "OutboxMessage",
     "PermanentDeliveryError",
     "PolicyError",
+    "PooledConnection",
     "Purger",
     "Relay",
     "ReplayCache",

@@ -14,9 +14,8 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import IdempotentConsumer, Store
+from grpc_idempotency import IdempotentConsumer, PooledConnection, Store
 from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
-from grpc_idempotency.store.postgres import PooledConnection
 from grpc_idempotency.testing import EmbeddedPostgres
 from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
 from tests.support.waiting import until

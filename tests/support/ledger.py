@@ -43,13 +43,13 @@ from grpc_idempotency import (
     IdempotencyInterceptor,
     MetadataScope,
     MethodOverride,
+    PooledConnection,
     ScopeResolver,
     ShardedStores,
     Store,
     current_call,
 )
 from grpc_idempotency.call import IdempotentCall
-from grpc_idempotency.store.postgres import PooledConnection
 from tests.support.waiting import until
 from tests.support.wire import Answer, call_raw
 

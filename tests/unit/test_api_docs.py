@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 UNDOCUMENTED = frozenset(
     {
         "grpc_idempotency.KEY_HEADER",
+        "grpc_idempotency.PooledConnection",
         "grpc_idempotency.REPLAYED_HEADER",
         "grpc_idempotency.ScopeResolver",
     }

@@ -42,13 +42,46 @@ import grpc_idempotency as _package
 _package.Stroe  # type: ignore[attr-defined]
 """
 
+# A user's own functions over the library's connection need a type to annotate it with: a named
+# consumer effect, a helper handed ``current_call().connection``. ``asyncpg.Connection`` is not
+# it (the pool hands out proxies, and mypy refuses an effect over one), so the package names it.
+TYPED_CONNECTION = """
+from typing import Any as _Any
+
+import asyncpg
+from grpc_idempotency import IdempotentConsumer as _Consumer
+from grpc_idempotency import PooledConnection as _Conn
+from grpc_idempotency import current_call as _current_call
+
+async def _effect(conn: _Conn) -> int:
+    return 1
+
+async def _plain(conn: asyncpg.Connection[_Any]) -> int:
+    return 1
+
+def _helper(conn: _Conn) -> None: ...
+
+async def _consume(consumer: _Consumer, context: grpc.aio.ServicerContext[_Any, _Any]) -> int:
+    _helper(_current_call().connection)
+    _helper(await _current_call().transaction())
+    async with _current_call().savepoint() as nested:
+        _helper(nested)
+    await consumer.process("m", _plain)  # type: ignore[arg-type]
+    called = await consumer.process_call(context, _effect)
+    result = await consumer.process("m", _effect)
+    return (result.value or 0) + (called.value or 0)
+"""
+
 
 def test_the_documented_imports_type_check_under_mypy_strict(tmp_path: Path) -> None:
     imports = _documented_imports()
     assert "from grpc_idempotency.client import Operation, RetryPolicy" in imports
     user = tmp_path / "user.py"
     user.write_text(
-        "\n".join(["from __future__ import annotations", *imports, TYPED_CALL, MISSPELT]), "utf-8"
+        "\n".join(
+            ["from __future__ import annotations", *imports, TYPED_CALL, MISSPELT, TYPED_CONNECTION]
+        ),
+        "utf-8",
     )
     # Run from tmp_path, away from this repository's mypy configuration, as in a user's
     # project; the package from this tree (MYPYPATH), its own modules' errors not reported.

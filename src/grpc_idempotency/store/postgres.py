@@ -69,6 +69,9 @@ from grpc_idempotency.store.sql import begin as begin_sql
 
 log = library_logger("grpc_idempotency.store")
 
+# The type of ``current_call().connection`` and of what a consumer's effect is given: the pool's
+# proxy, not an ``asyncpg.Connection``, so a user's function annotated with the latter is refused
+# by mypy; public as ``grpc_idempotency.PooledConnection`` for users to annotate with.
 if TYPE_CHECKING:
     PooledConnection: TypeAlias = asyncpg.pool.PoolConnectionProxy[asyncpg.Record]
 else:
