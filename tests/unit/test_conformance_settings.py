@@ -64,3 +64,15 @@ def test_external_effects_are_counted_only_when_the_class_defines_how() -> None:
     counting = Counting()
     counter = counting.conformance_target().count_external_effects
     assert counter is not None and counter == counting.count_external_effects
+
+
+def test_the_plan_refuses_a_target_that_is_not_one(tmp_path: Any) -> None:
+    """The README's ``ConformancePlan(target, dsn, log_dir)`` read with the class's ``server``
+    string as the target failed only in the first check, as "'str' object has no attribute
+    'server'"; refused when built, the error says what a target is and where one comes from."""
+    from grpc_idempotency.testing import ConformancePlan
+
+    with pytest.raises(TypeError, match=r"ConformanceTarget.*conformance_target\(\).*not str"):
+        ConformancePlan("pkg.mod:build_server", "postgresql://", tmp_path)  # type: ignore[arg-type]
+    plan = ConformancePlan(_Tuned().conformance_target(), "postgresql://", tmp_path)
+    assert plan.target.server == "pkg.mod:build_server"

@@ -315,6 +315,13 @@ class ConformancePlan:
     stops them all."""
 
     def __init__(self, target: ConformanceTarget, dsn: str, log_dir: Path) -> None:
+        if not isinstance(target, ConformanceTarget):
+            # Else the first check fails on an attribute of it, naming nothing the user wrote.
+            raise TypeError(
+                "target must be a ConformanceTarget(server=..., method=..., request=...,"
+                " count_effects=...), or an IdempotencyConformance subclass's"
+                f" MyChecks().conformance_target(), not {type(target).__name__}"
+            )
         self.target = target
         self.dsn = dsn
         self.log_dir = log_dir
