@@ -57,6 +57,20 @@ class Enqueue(Protocol):
 _savepoints = itertools.count(1)
 
 
+def _discard(given: object) -> None:
+    """What ``IdempotentCall.run`` refuses, never to run: a coroutine closed (not reported "never
+    awaited"); a gRPC call object (``stub.Method(...)``, which has no ``close()``: its
+    AttributeError hid the refusal) cancelled."""
+    # By duck type: grpc's own coroutines (send_initial_metadata, Cython's) are no CoroutineType.
+    close = getattr(given, "close", None)
+    if callable(close):
+        close()
+        return
+    cancel = getattr(given, "cancel", None)
+    if callable(cancel):
+        cancel()
+
+
 class IdempotentCall:
     """The keyed call being handled."""
 
@@ -270,7 +284,7 @@ class IdempotentCall:
         except RuntimeError:  # no loop running in this thread: a worker thread
             on_loop = False
         if on_loop:
-            coro.close()  # never run: not reported "never awaited"
+            _discard(coro)
             raise RuntimeError(
                 f"{self.method}: current_call().run() is for sync (def) handlers on a worker"
                 " thread; an async handler awaits the statement instead (run() here would block"
@@ -278,7 +292,7 @@ class IdempotentCall:
             )
         if self._ended:
             # Not handed to the loop: once the server has stopped, it may never run it again.
-            coro.close()
+            _discard(coro)
             self._check_open()
         future = asyncio.run_coroutine_threadsafe(self._guarded(coro), self.loop)
         with self._waiting_lock:
@@ -297,7 +311,7 @@ class IdempotentCall:
 
     async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._ended:
-            coro.close()
+            _discard(coro)
             self._check_open()
         task = asyncio.current_task()
         assert task is not None  # run_coroutine_threadsafe runs it in a task
