@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import itertools
 import threading
@@ -57,18 +58,28 @@ class Enqueue(Protocol):
 _savepoints = itertools.count(1)
 
 
-def _discard(given: object) -> None:
+def _discard(given: object, off_loop: asyncio.AbstractEventLoop | None = None) -> None:
     """What ``IdempotentCall.run`` refuses, never to run: a coroutine closed (not reported "never
     awaited"); a gRPC call object (``stub.Method(...)``, which has no ``close()``: its
-    AttributeError hid the refusal) cancelled."""
+    AttributeError hid the refusal) cancelled. ``off_loop``: the loop the caller is not on."""
     # By duck type: grpc's own coroutines (send_initial_metadata, Cython's) are no CoroutineType.
     close = getattr(given, "close", None)
     if callable(close):
-        close()
+        close()  # a coroutine never started: no loop's state touched
         return
     cancel = getattr(given, "cancel", None)
-    if callable(cancel):
-        cancel()
+    if not callable(cancel):
+        return
+    if off_loop is None or not off_loop.is_running():
+        # On the loop's thread, or no thread runs the loop. A closed loop never runs the call
+        # again, and a call object's cancel() would schedule on it ("Event loop is closed").
+        if off_loop is None or not off_loop.is_closed():
+            cancel()
+        return
+    # A call object's cancel() settles futures of the loop, which only the loop's thread may
+    # touch (from a worker thread, asyncio's debug mode raised over the refusal).
+    with contextlib.suppress(RuntimeError):  # closed since: it never runs the call again
+        off_loop.call_soon_threadsafe(cancel)
 
 
 class IdempotentCall:
@@ -292,7 +303,7 @@ class IdempotentCall:
             )
         if self._ended:
             # Not handed to the loop: once the server has stopped, it may never run it again.
-            _discard(coro)
+            _discard(coro, off_loop=self.loop)
             self._check_open()
         future = asyncio.run_coroutine_threadsafe(self._guarded(coro), self.loop)
         with self._waiting_lock:

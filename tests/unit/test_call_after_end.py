@@ -70,3 +70,78 @@ def test_run_refuses_with_its_own_error_whatever_it_is_given() -> None:
         assert given.cancelled
     finally:
         loop.close()
+
+
+def test_a_grpc_call_refused_on_a_worker_thread_is_cancelled_on_its_loop() -> None:
+    """A sync handler's ``run(stub.Method(...))`` once the call is over: the refused call object
+    belongs to the server's loop, running in another thread. Cancelling it from the worker
+    thread touched the loop's futures off its thread (asyncio's debug mode raised "Non-thread-safe
+    operation", hiding ``NotInIdempotentCall``; without it, a callback queued unsafely, the loop
+    not woken): it is cancelled on the loop instead."""
+    import threading
+
+    import grpc
+
+    loop = asyncio.new_event_loop()
+    loop.set_debug(True)  # asyncio then refuses a loop's futures touched from another thread
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    channel: grpc.aio.Channel | None = None
+
+    async def start_call() -> grpc.aio.UnaryUnaryCall[bytes, bytes]:
+        nonlocal channel
+        # Nothing listens on port 1: with wait_for_ready the call waits, under way, for ever.
+        channel = grpc.aio.insecure_channel("127.0.0.1:1")
+        post = channel.unary_unary("/testsvc.v1.LedgerService/Post", None, None)
+        started = post(b"", wait_for_ready=True)
+        for _ in range(3):  # its task runs to its first wait
+            await asyncio.sleep(0)
+        return started
+
+    try:
+        given = asyncio.run_coroutine_threadsafe(start_call(), loop).result(5)
+        call = IdempotentCall("/testsvc.v1.LedgerService/Post", "tenant:a", "k1", loop)
+        loop.call_soon_threadsafe(call.end)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)  # ended
+        with pytest.raises(NotInIdempotentCall, match="the call is over"):
+            call.run(given)  # type: ignore[arg-type]
+
+        async def cancelled() -> bool:
+            return given.cancelled()
+
+        assert asyncio.run_coroutine_threadsafe(cancelled(), loop).result(5)
+    finally:
+
+        async def close() -> None:
+            if channel is not None:
+                await channel.close(None)
+
+        asyncio.run_coroutine_threadsafe(close(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_grpc_call_refused_once_its_loop_is_closed_is_left_alone() -> None:
+    """The file's first case with ``run(stub.Method(...))``: the server's loop closed by hand with
+    the call object still under way. Cancelling it scheduled on the closed loop, and its
+    RuntimeError ("Event loop is closed") hid ``NotInIdempotentCall``; a closed loop never runs
+    the call again, so it is left as it is. (Its channel cannot be closed without that loop.)"""
+    import grpc
+
+    loop = asyncio.new_event_loop()
+
+    async def start_call() -> grpc.aio.UnaryUnaryCall[bytes, bytes]:
+        channel = grpc.aio.insecure_channel("127.0.0.1:1")  # nothing listens: waits for ever
+        post = channel.unary_unary("/testsvc.v1.LedgerService/Post", None, None)
+        started = post(b"", wait_for_ready=True)
+        for _ in range(3):  # its task runs to its first wait
+            await asyncio.sleep(0)
+        return started
+
+    given = loop.run_until_complete(start_call())
+    call = IdempotentCall("/testsvc.v1.LedgerService/Post", "tenant:a", "k1", loop)
+    call.end()
+    loop.close()
+    with pytest.raises(NotInIdempotentCall, match="the call is over"):
+        call.run(given)  # type: ignore[arg-type]
