@@ -945,9 +945,11 @@ async def _outbox(args: argparse.Namespace, store: Store) -> int:
         if not args.all and retried < len(set(args.ids)):
             # A mistyped id, or one another operator retried first: say so, and exit as inspect
             # and list do when nothing matched, so a script does not take it for done.
+            missed = len(set(args.ids)) - retried
+            were = "was not a dead letter" if missed == 1 else "were not dead letters"
             print(
-                f"grpc-idempotency: {len(set(args.ids)) - retried} of the ids given"
-                " were not dead letters (no such row, or already pending or sent)",
+                f"grpc-idempotency: {missed} of the ids given {were}"
+                " (no such row, or already pending or sent)",
                 file=sys.stderr,
             )
             return inspect_cli.NOT_FOUND

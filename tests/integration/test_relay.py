@@ -323,6 +323,9 @@ async def test_a_poison_row_is_dead_lettered_while_the_others_keep_flowing(
     assert stale.returncode == 3, stale.stderr
     assert "0 dead letter(s) back to pending" in stale.stdout
     assert "2 of the ids given were not dead letters" in stale.stderr
+    one = run_cli("outbox", "retry", *store_args, str(dead["id"]))
+    assert one.returncode == 3, one.stderr
+    assert "1 of the ids given was not a dead letter (" in one.stderr  # not "1 ... were"
 
 
 async def test_dead_letter_cli_retry_all_purge_and_stats(pg_dsn: str, outbox: Store) -> None:
