@@ -216,6 +216,53 @@ def test_a_new_field_inside_a_delimited_message_hashes_alike_on_both_sides_of_th
     assert fingerprint(old, bytes(request.SerializeToString())) != fingerprint(old, wire)
 
 
+def _tree_class(version: int) -> Any:
+    """tree.v1.Node (editions 2023), recursive: ``child`` (1) a length-prefixed Node,
+    ``wrapped`` (2) a DELIMITED one, ``tail`` (10); v2 adds ``mid`` (5)."""
+    node = descriptor_pb2.DescriptorProto(
+        name="Node",
+        field=[
+            _field("child", 1, F.TYPE_MESSAGE, type_name=".tree.v1.Node"),
+            _field("wrapped", 2, F.TYPE_MESSAGE, type_name=".tree.v1.Node"),
+            _field("tail", 10, F.TYPE_STRING),
+        ]
+        + ([_field("mid", 5, F.TYPE_INT64)] if version == 2 else []),
+    )
+    node.field[1].options.features.message_encoding = descriptor_pb2.FeatureSet.DELIMITED
+    file = descriptor_pb2.FileDescriptorProto(
+        name=f"tree_v{version}.proto",
+        package="tree.v1",
+        syntax="editions",
+        edition=descriptor_pb2.EDITION_2023,
+        message_type=[node],
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tree.v1.Node"))
+
+
+def test_a_new_field_at_every_level_of_a_deep_tree_hashes_alike_on_both_sides_of_the_deploy() -> (
+    None
+):
+    """field_ordered reads nested messages in place (no copy per level) and a DELIMITED
+    message's end as it reaches it (no reading ahead): at every level of a tree as deep as
+    protobuf parses, length-prefixed and DELIMITED in turn, each level's new field is put in
+    order, as the new server serializes it."""
+    old, new = _tree_class(1), _tree_class(2)
+    request = new()
+    level = request
+    for depth in range(98):  # and the root: 99 levels (protobuf parses 100)
+        level.mid, level.tail = depth, f"t{depth}"
+        level = level.child if depth % 2 else level.wrapped
+    wire = bytes(request.SerializeToString())
+    assert has_unknown_fields(old.FromString(wire))
+    assert fingerprint(old, wire) == fingerprint(new, wire)
+    assert field_ordered(old.FromString(wire).SerializeToString(), old.DESCRIPTOR) == wire
+    # The deepest new field still counts.
+    level.mid = 1
+    assert fingerprint(old, bytes(request.SerializeToString())) != fingerprint(old, wire)
+
+
 def _extendable_classes() -> tuple[Any, Any, Any]:
     """proto2 ``shop.v4.Charge`` (account 1, memo 200, extensions 100 to 199) in a pool without
     and a pool with ``ext.proto`` (``risk_score`` = 120 and ``risk`` = 130, an ``Inner``), as a

@@ -140,6 +140,22 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
     """``data`` (a serialized ``descriptor`` message) with each message's records in
     field-number order. (``descriptor`` is typed loosely: upb's and the pure-Python
     descriptor types differ in protobuf's stubs.)"""
+    return _ordered(data, 0, len(data), descriptor, None)[0]
+
+
+def _ordered(
+    data: bytes, at: int, end: int, descriptor: Any, group: int | None
+) -> tuple[bytes, int]:
+    """The records of the message in ``data[at:end]``, in field-number order, and where the
+    message ended: ``end``, or for a group (``group``, its field number) where its end tag
+    begins.
+
+    The nested messages are read within ``data``, in one pass, never copied out to be read
+    (a request nested as deep as protobuf parses, 100 levels, is a recursive type's: a
+    ``google.protobuf.Struct``, a tree): a copy per level held the message's contents once per
+    level above them, a 4 MB request 400 MB; and a group's end, found by reading ahead to it,
+    had each nested group's records read once per level above them, a 3 MB request nested 50
+    deep 77 s of CPU."""
     records: list[tuple[int, bytes]] = []
     # Looked up once: upb makes a new mapping object on every access. The loop runs once per
     # wire record, and a big request (a batch, a client sending junk) has hundreds of thousands:
@@ -147,8 +163,6 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
     by_number = descriptor.fields_by_number
     extendable = descriptor.is_extendable
     append = records.append
-    end = len(data)
-    at = 0
     while at < end:
         start = at
         tag = data[at]
@@ -169,7 +183,7 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
                 continue
         if wire_type == _LEN and field is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
             size, body = _varint(data, at)
-            inner = field_ordered(data[body : body + size], field.message_type)
+            inner = _ordered(data, body, body + size, field.message_type, None)[0]
             append((number, data[start:at] + _encode(len(inner)) + inner))
             at = body + size
         elif wire_type == _SGROUP and field is not None and field.type == _GROUP:
@@ -177,14 +191,22 @@ def field_ordered(data: bytes, descriptor: Any) -> bytes:
             # end tag instead of a length. Left as it was, a newer client's field inside one
             # stayed at its end on the old server and in order on the new: a retry crossing
             # the deploy was refused as KEY_REUSED.
-            body_end, group_end = _group_end(data, at, number)
-            inner = field_ordered(data[at:body_end], field.message_type)
+            inner, body_end = _ordered(data, at, end, field.message_type, number)
+            group_end = _varint(data, body_end)[1]
             append((number, data[start:at] + inner + data[body_end:group_end]))
             at = group_end
+        elif wire_type == _EGROUP and number == group:
+            return _joined(records), start
         else:
             at = _skip(data, at, wire_type, number)
             append((number, data[start:at]))
-    records.sort(key=_number)  # stable
+    if group is not None:
+        raise ValueError(f"group {group} has no end tag")
+    return _joined(records), at
+
+
+def _joined(records: list[tuple[int, bytes]]) -> bytes:
+    records.sort(key=_number)  # stable: the records of one repeated field keep their order
     return b"".join([record for _, record in records])
 
 
