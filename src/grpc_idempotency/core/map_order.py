@@ -72,6 +72,17 @@ def needs_map_order(descriptor: Any) -> bool:
     )
 
 
+def _in_order(value: Any, order: Any) -> None:
+    """Puts the entries of ``value``, a pure-Python runtime's ``ScalarMap`` or ``MessageMap``
+    that keeps them in a dict ``_values`` (protobuf's own code replaces that dict too), in
+    ``order``, moving no message they hold. Cleared and filled again instead, a map of messages
+    copied each value out and back, and with it each map nested inside, once per level: a
+    ``google.protobuf.Struct`` nested 32 deep (220 KB) took 10 s to fingerprint. (Where a map
+    keeps its entries otherwise, another protobuf release, they are still copied.)"""
+    values = value._values
+    value._values = {key: values[key] for key in sorted(values, key=order)}
+
+
 def put_maps_in_upb_order(message: Message) -> None:
     """Re-inserts the entries of every map in ``message`` (at every depth, extensions
     included) in upb's order, so that the pure-Python runtime's serialization without sorting
@@ -85,7 +96,15 @@ def put_maps_in_upb_order(message: Message) -> None:
             holds_messages = entry.fields_by_name["value"].cpp_type == (
                 FieldDescriptor.CPPTYPE_MESSAGE
             )
-            keys = sorted(value, key=_order(entry))
+            order = _order(entry)
+            if type(getattr(value, "_values", None)) is dict:
+                # In place (``_in_order``): each value's maps, then this map's entries.
+                if holds_messages:
+                    for item in value.values():
+                        put_maps_in_upb_order(item)
+                _in_order(value, order)
+                continue
+            keys = sorted(value, key=order)
             if holds_messages:
                 saved = []
                 for key in keys:
