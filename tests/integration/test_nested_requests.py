@@ -5,12 +5,12 @@ Such a request is put in field-number order for its fingerprint (``core/field_or
 the walk copied each nested message out to read it: the contents of the innermost message were
 held once per level above it, a 1 MB request took some 50 MB of the server's memory (a 4 MB
 ``google.protobuf.ListValue`` 400 MB: the ``Struct`` types are recursive, and common). Nested
-groups (proto2) or
-editions DELIMITED messages were worse: each group's end was found by reading ahead to it, so
-each record inside was read once per level above it, and a 600 KB request took the fingerprint's
-thread over 15 s (a 3 MB one 77 s), while every other big request of the server queued behind
-it. Each record is now read once, in place. Under protobuf's pure-Python runtime, the maps of a
-nested ``Struct`` were copied once per level above them too (``core/map_order.py``).
+groups (proto2) or editions DELIMITED messages were worse: each group's end was found by reading
+ahead to it, so each record inside was read once per level above it, and a 600 KB request took
+the fingerprint's thread over 15 s (a 3 MB one 77 s), while every other big request of the
+server queued behind it. Each record is now read once, in place. Under protobuf's pure-Python
+runtime, the maps of a nested ``Struct`` were copied once per level above them too
+(``core/map_order.py``).
 """
 
 from __future__ import annotations
