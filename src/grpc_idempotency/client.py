@@ -28,7 +28,7 @@ import grpc
 
 from grpc_idempotency.call import IdempotentCall, current_call_or_none
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import KeyInvalid, PolicyError, TransactionOpen
+from grpc_idempotency.core.errors import KeyInvalid, PolicyError, RequestInvalid, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import (
@@ -46,6 +46,7 @@ from grpc_idempotency.core.wire import (
     LIBRARY_HEADERS,
     STEP_HEADER,
     retry_after_ms,
+    unsendable,
 )
 from grpc_idempotency.registry import PolicyRegistry, Services
 
@@ -373,6 +374,32 @@ class IdempotencyClientInterceptor(_Interceptor):
             serving.downstream_ended()
         return call
 
+    def _forwarded(
+        self, live: IdempotentCall | None, kept: list[tuple[str, str | bytes]], path: str
+    ) -> list[tuple[str, str | bytes]]:
+        """The incoming call's ``forward_metadata`` entries to pass on, those ``kept`` (the
+        outgoing call's own) does not name. One gRPC cannot send (a raw HTTP/2 client's value
+        that is not printable ASCII, which the server hands on) is ``RequestInvalid``
+        (INVALID_ARGUMENT), the caller's: sent, it failed the call with gRPC's internal
+        ExecuteBatchError (answered UNKNOWN with its text), and a step's call never ended (the
+        handler waited for its status until the incoming deadline, for ever without one)."""
+        if live is None or not self._forward:
+            return []
+        present = {name for name, _ in kept}
+        forwarded = []
+        for name, value in live.forwarded_metadata(self._forward):
+            if name in present:
+                continue
+            problem = unsendable(name, value)
+            if problem is not None:
+                raise RequestInvalid(
+                    f"{live.method}: the call's metadata entry {name!r}, which its calls to"
+                    f" other services pass on (forward_metadata; here {path}), cannot be sent"
+                    f" by gRPC: {problem}"
+                )
+            forwarded.append((name, value))
+        return forwarded
+
     def _outgoing(
         self, client_call_details: grpc.aio.ClientCallDetails, *, keyed: bool
     ) -> tuple[grpc.aio.ClientCallDetails, IdempotentCall | None, str | None]:
@@ -451,6 +478,9 @@ class IdempotencyClientInterceptor(_Interceptor):
                 f"{live.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
             )
+        forwarded = self._forwarded(live, kept, path)
+        if serving is not None:
+            _refuse_unsendable(kept, serving, path)
         step = None
         if choice is not None and choice.key is not None:
             if choice.source is KeySource.CHILD and serving is not None and choice.step:
@@ -467,10 +497,7 @@ class IdempotencyClientInterceptor(_Interceptor):
             incoming = live.time_remaining()
             if incoming is not None:
                 timeout = incoming if timeout is None else min(timeout, incoming)
-            present = {name for name, _ in kept}
-            for name, value in live.forwarded_metadata(self._forward):
-                if name not in present:
-                    kept.append((name, value))
+            kept += forwarded
 
         details = grpc.aio.ClientCallDetails(
             client_call_details.method,
@@ -480,6 +507,30 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.wait_for_ready,
         )
         return details, serving, step
+
+
+def _refuse_unsendable(
+    metadata: list[tuple[str, str | bytes]], serving: IdempotentCall, path: str
+) -> None:
+    """Refuses a call made while serving ``serving`` whose metadata gRPC cannot send: such a
+    call fails as it starts, with gRPC's internal ExecuteBatchError (a handler letting it
+    escape was answered UNKNOWN with its text), and a step's call, which waits for its status
+    (``_send_step``), never ended: its handler waited until the incoming deadline, for ever
+    without one. An entry the incoming call carries (a handler passing on its
+    ``invocation_metadata()``, which the server hands a raw HTTP/2 client's values in) is the
+    caller's: ``RequestInvalid`` (INVALID_ARGUMENT); else the handler's, ``ValueError``."""
+    for name, value in metadata:
+        problem = unsendable(name, value)
+        if problem is None:
+            continue
+        if (name, value) in serving.metadata:
+            raise RequestInvalid(
+                f"{serving.method}: the call's metadata entry {name!r}, passed on to {path},"
+                f" cannot be sent by gRPC: {problem}"
+            )
+        raise ValueError(
+            f"{serving.method} called {path} with metadata gRPC cannot send: {problem}"
+        )
 
 
 # One interceptor per streaming kind, each an instance of that kind alone (grpc.aio files an

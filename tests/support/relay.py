@@ -105,6 +105,7 @@ class RunningRelay:
     server: grpc.aio.Server
     channel: grpc.aio.Channel
     stub: testsvc_pb2_grpc.RelayServiceStub
+    port: int
 
     async def forward(
         self,
@@ -153,7 +154,7 @@ async def running_relay(
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield RunningRelay(server, channel, testsvc_pb2_grpc.RelayServiceStub(channel))
+        yield RunningRelay(server, channel, testsvc_pb2_grpc.RelayServiceStub(channel), port)
     finally:
         await channel.close(None)
         await server.stop(None)

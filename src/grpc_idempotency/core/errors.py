@@ -75,7 +75,10 @@ class KeyInvalid(IdempotencyError):
 
 
 class RequestInvalid(IdempotencyError):
-    """The request's bytes are not a message of the method's request type."""
+    """The request's bytes are not a message of the method's request type; or a metadata entry
+    of the call that its handler's calls pass on (``forward_metadata``, or its
+    ``invocation_metadata()``) is one gRPC cannot send (a raw HTTP/2 client's value that is not
+    printable ASCII)."""
 
     status_code = Code.INVALID_ARGUMENT
     reason = "IDEMPOTENCY_REQUEST_INVALID"
