@@ -1556,6 +1556,12 @@ def _decoding(method: str, deserialize: Callable[..., Any] | None) -> Callable[[
             return deserialize(data)
         except DecodeError as err:
             return _Undecodable(f"{method}: the request does not parse: {err}")
+        except UnicodeDecodeError:
+            # protobuf's pure-Python runtime raises this for a string field that is not UTF-8
+            # (upb a DecodeError): grpc.aio answered UNKNOWN with the codec's text.
+            return _Undecodable(
+                f"{method}: the request does not parse: a string field is not valid UTF-8"
+            )
 
     return request_deserializer
 
