@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 from grpc_status import rpc_status
@@ -40,12 +41,47 @@ def passthrough(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], by
     return serialize
 
 
-def serialize(serializer: Callable[[Any], bytes] | None, response: Any) -> bytes:
+def serialize(
+    serializer: Callable[[Any], bytes] | None,
+    response: Any,
+    *,
+    output_type: Descriptor | None,
+    method: str,
+) -> bytes:
+    """``response`` as the bytes to record (or commit with, without a key): what the handler's
+    serializer makes of it, once it is known to be a message of ``output_type`` (the method's
+    response type; ``None``: not checked). upb serializes a message of any type with any
+    class's ``SerializeToString``: a handler answering the request, or another method's
+    response, was recorded as OK and replayed for the whole retention, bytes the client cannot
+    read as the answer, its writes committed. A TypeError instead, raised where a handler's
+    exception is: the call fails as grpc.aio fails a raise (UNKNOWN, logged), the writes roll
+    back and the key is released, as for None, which the serializer refuses itself."""
     if type(response) is Serialized:
         return response.data
+    if output_type is not None:
+        # One class attribute and an identity test on the path of every executed call.
+        try:
+            descriptor = type(response).DESCRIPTOR
+        except AttributeError:
+            # Not a protobuf message (None, a dict): the serializer takes it (a handler's own
+            # serializer, for objects of its own) or raises (protobuf's).
+            descriptor = output_type
+        if descriptor is not output_type:
+            _check_type(descriptor, output_type, method)
     if serializer is None:
         return bytes(response)
     return serializer(response)
+
+
+def _check_type(descriptor: Any, output_type: Descriptor, method: str) -> None:
+    # By name, not identity alone: a message class built from another pool (a copy of the same
+    # file) has descriptors of its own for the same type, and is the same message on the wire.
+    name = getattr(descriptor, "full_name", None)
+    if name != output_type.full_name:
+        raise TypeError(
+            f"the handler of {method} returned a {name or type(descriptor).__name__} message,"
+            f" not its response type {output_type.full_name}; its writes were rolled back"
+        )
 
 
 def utf8_text(text: str) -> str:

@@ -878,7 +878,12 @@ class IdempotencyInterceptor(_Interceptor):
         too_large: ResponseTooLarge | None = None
         try:
             if what is Finish.RECORD:
-                data = answers.serialize(call.method.serializer, response)
+                data = answers.serialize(
+                    call.method.serializer,
+                    response,
+                    output_type=policy.output_type,
+                    method=policy.method,
+                )
                 outcome = Outcome(Code.OK, answers.handler_details(context), None, data)
             else:
                 # An abort without trailers sends those set before it (set_trailing_metadata):
@@ -1195,13 +1200,19 @@ class IdempotencyInterceptor(_Interceptor):
                 misuse = await asyncio.shield(tx.rollback())
                 await answers.abort(context, misuse or err)
             # Serialized before the commit, as with a key: a response gRPC cannot serialize
-            # (None, a forgotten return) fails the call, and with it the transaction. Serialized
-            # by grpc.aio after the commit, the writes stood while the client was answered
-            # UNKNOWN, and each retry (no key to dedupe on) made them again. (The response is
+            # (None, a forgotten return), or a message of another type (``answers.serialize``),
+            # fails the call, and with it the transaction. Serialized by grpc.aio after the
+            # commit, the writes stood while the client was answered UNKNOWN, and each retry
+            # (no key to dedupe on) made them again. (The response is
             # still answered as the handler gave it: interceptors wrapping this one see the
             # message for a call without a key, as before.)
             try:
-                answers.serialize(call.method.serializer, response)
+                answers.serialize(
+                    call.method.serializer,
+                    response,
+                    output_type=policy.output_type,
+                    method=policy.method,
+                )
             except BaseException as exc:
                 misuse = await asyncio.shield(tx.rollback())
                 if misuse is not None and isinstance(exc, Exception):

@@ -1,0 +1,179 @@
+"""A handler that returns something other than its method's response message: a message of
+another type (the request, say) or no message at all (None, a str). upb serializes any message
+with any message class's ``SerializeToString``, so a message of another type was recorded as the
+key's OK outcome, committed with the handler's writes and replayed to every retry for the whole
+retention, though the client cannot read it as the method's response. It is a handler bug, as a
+raise is: the call fails as grpc.aio fails a raise (UNKNOWN), the writes roll back, nothing is
+recorded and a retry runs the handler again. With a key (atomic and phased, async and sync) and
+without one (an optional key's transaction)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from tests.support.ledger import TENANT, fresh, ledger_rows, ledger_server, metadata
+from tests.support.wire import Answer, call_raw
+
+SVC = "/testsvc.v1.LedgerService/"
+POST, PHASED, SYNC, OPTIONAL = (
+    SVC + "Post",
+    SVC + "PostPhased",
+    SVC + "PostSync",
+    SVC + "PostOptional",
+)
+SCOPE = "tenant:tenant-a"
+
+WRONG = {
+    "request": "a PostRequest, the request itself",
+    "other": "a PeekResponse, another method's response",
+}
+NOT_MESSAGES = ("none", "str")
+
+
+def _answer(request: Any, first: bool) -> Any:
+    """What the handler returns: on a key's first attempt what ``request.behaviour`` says, on a
+    retry the method's response."""
+    behaviour = request.behaviour if first else ""
+    if behaviour == "request":
+        return request
+    if behaviour == "other":
+        return testsvc_pb2.PeekResponse(entries=7)
+    if behaviour == "none":
+        return None
+    if behaviour == "str":
+        return "not a message"
+    return testsvc_pb2.PostResponse(account=request.account, amount=request.amount)
+
+
+@dataclass
+class Answers(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Each execution writes a ledger row in the call's transaction, then returns ``_answer``."""
+
+    executions: dict[str, int] = field(default_factory=dict)
+
+    def _count(self, request: Any) -> bool:
+        """Counts the execution; whether it is the first for this account."""
+        self.executions[request.account] = self.executions.get(request.account, 0) + 1
+        return self.executions[request.account] == 1
+
+    async def _write(self, request: Any, context: Any) -> Any:
+        first = self._count(request)
+        conn = await current_call().transaction()
+        await conn.execute(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
+        )
+        return _answer(request, first)
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        return await self._write(request, context)
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        return await self._write(request, context)
+
+    async def PostOptional(self, request: Any, context: Any) -> Any:
+        return await self._write(request, context)
+
+    def PostSync(self, request: Any, context: Any) -> Any:
+        first = self._count(request)
+        call = current_call()
+        call.run(
+            call.connection.execute(
+                "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
+            )
+        )
+        return _answer(request, first)
+
+
+@dataclass
+class Served:
+    service: Answers
+    channel: grpc.aio.Channel
+
+    async def call(self, method: str, behaviour: str, key: str | None, account: str) -> Answer:
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+        return await call_raw(self.channel, method, request, metadata(key), timeout=5.0)
+
+
+@pytest.fixture
+async def served(store: Store) -> AsyncIterator[Served]:
+    # No replay cache: the retries below are answered from the database.
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    service = Answers()
+    async with ledger_server(interceptor, service) as (channel, _address):
+        yield Served(service, channel)
+
+
+async def _record(store: Store, key: str) -> Any:
+    return await store.pool.fetchrow(
+        "SELECT state FROM grpc_idempotency.records WHERE scope = $1 AND key = $2", SCOPE, key
+    )
+
+
+async def _fails_then_runs_again(served: Served, store: Store, method: str, behaviour: str) -> str:
+    """The first call fails UNKNOWN with its write rolled back and nothing recorded as the key's
+    outcome; the retry (same key, same request) runs the handler again, answers the method's
+    response and is recorded. Returns the first answer's details."""
+    key, account = fresh(), fresh("acct")
+    first = await served.call(method, behaviour, key, account)
+    assert first.code is grpc.StatusCode.UNKNOWN, first
+    assert await ledger_rows(store, account) == 0  # rolled back
+    row = await _record(store, key)
+    assert row is None or row["state"] != "completed", row["state"]
+    retry = await served.call(method, behaviour, key, account)
+    assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry
+    assert served.service.executions[account] == 2  # run again, not replayed
+    assert retry.body is not None
+    response = testsvc_pb2.PostResponse.FromString(retry.body)
+    assert response.account == account
+    assert await ledger_rows(store, account) == 1
+    assert (await _record(store, key))["state"] == "completed"
+    return first.details or ""
+
+
+@pytest.mark.parametrize("method", [POST, PHASED, SYNC])
+@pytest.mark.parametrize("behaviour", sorted(WRONG))
+async def test_a_message_of_another_type_is_not_recorded_as_the_answer(
+    served: Served, store: Store, method: str, behaviour: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR):
+        details = await _fails_then_runs_again(served, store, method, behaviour)
+    wrong = "testsvc.v1.PostRequest" if behaviour == "request" else "testsvc.v1.PeekResponse"
+    # The answer names the bug (as grpc.aio names a raised exception), and so does the log.
+    assert wrong in details and "testsvc.v1.PostResponse" in details, details
+    assert wrong in caplog.text
+
+
+@pytest.mark.parametrize("method", [POST, PHASED, SYNC])
+@pytest.mark.parametrize("behaviour", NOT_MESSAGES)
+async def test_no_message_at_all_is_not_recorded_either(
+    served: Served, store: Store, method: str, behaviour: str
+) -> None:
+    """None (a forgotten return) or a str: protobuf's serializer refuses them (TypeError, answered
+    as grpc.aio answers a raise), before anything is committed."""
+    await _fails_then_runs_again(served, store, method, behaviour)
+
+
+@pytest.mark.parametrize("behaviour", [*sorted(WRONG), *NOT_MESSAGES])
+async def test_without_a_key_the_transaction_rolls_back(
+    served: Served, store: Store, behaviour: str
+) -> None:
+    """An optional-key method called without a key runs in a transaction of its own: a wrong
+    answer fails the call and rolls back its write (a client with no key to dedupe on would
+    write it again on each retry)."""
+    account = fresh("acct")
+    first = await served.call(OPTIONAL, behaviour, None, account)
+    assert first.code is grpc.StatusCode.UNKNOWN, first
+    assert await ledger_rows(store, account) == 0
+    again = await served.call(OPTIONAL, behaviour, None, account)
+    assert again.code is grpc.StatusCode.OK, again
+    assert await ledger_rows(store, account) == 1

@@ -1,0 +1,63 @@
+"""``answers.serialize``'s check of a handler's answer against the method's response type (the
+calls themselves: tests/integration/test_response_type.py)."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf import (
+    descriptor_pb2,
+    descriptor_pool,
+    duration_pb2,
+    empty_pb2,
+    message_factory,
+)
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency.registry import PolicyRegistry
+from grpc_idempotency.server import answers
+
+POST = "/testsvc.v1.LedgerService/Post"
+EMPTY = empty_pb2.Empty.DESCRIPTOR
+
+
+def _serialize(response: object, output_type: object = EMPTY, serializer: object = None) -> bytes:
+    return answers.serialize(
+        serializer or empty_pb2.Empty.SerializeToString,  # type: ignore[arg-type]
+        response,
+        output_type=output_type,  # type: ignore[arg-type]
+        method=POST,
+    )
+
+
+def test_the_policy_knows_the_methods_response_type() -> None:
+    policy = PolicyRegistry([testsvc_pb2]).get(POST)
+    assert policy is not None and policy.output_type is testsvc_pb2.PostResponse.DESCRIPTOR
+
+
+def test_a_message_of_another_type_is_refused_naming_both() -> None:
+    with pytest.raises(TypeError, match=r"google\.protobuf\.Duration message, not its response"):
+        _serialize(duration_pb2.Duration(seconds=1))
+    assert _serialize(empty_pb2.Empty()) == b""
+
+
+def test_the_same_type_from_another_pool_is_the_same_message() -> None:
+    """A copy of the same file in a pool of its own: other descriptors, the same type."""
+    pool = descriptor_pool.DescriptorPool()
+    proto = descriptor_pb2.FileDescriptorProto()
+    empty_pb2.DESCRIPTOR.CopyToProto(proto)
+    pool.Add(proto)
+    copy = message_factory.GetMessageClass(pool.FindMessageTypeByName("google.protobuf.Empty"))
+    assert copy.DESCRIPTOR is not EMPTY
+    assert _serialize(copy()) == b""
+
+
+def test_what_is_no_message_is_left_to_the_serializer() -> None:
+    """A handler's own serializer, for objects of its own, takes them; protobuf's refuses."""
+    assert _serialize({"a": 1}, serializer=lambda d: repr(d).encode()) == b"{'a': 1}"
+    with pytest.raises(TypeError, match="NoneType"):
+        _serialize(None)
+
+
+def test_without_a_known_response_type_nothing_is_checked() -> None:
+    one = duration_pb2.Duration(seconds=1)
+    assert _serialize(one, output_type=None) == one.SerializeToString()
