@@ -76,6 +76,8 @@ class Answers(testsvc_pb2_grpc.LedgerServiceServicer):
         return await self._write(request, context)
 
     async def PostPhased(self, request: Any, context: Any) -> Any:
+        if request.account.startswith("nowrite-"):  # no final transaction opened
+            return _answer(request, self._count(request))
         return await self._write(request, context)
 
     async def PostOptional(self, request: Any, context: Any) -> Any:
@@ -177,3 +179,19 @@ async def test_without_a_key_the_transaction_rolls_back(
     again = await served.call(OPTIONAL, behaviour, None, account)
     assert again.code is grpc.StatusCode.OK, again
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_phased_handler_that_wrote_nothing_releases_its_claim(
+    served: Served, store: Store
+) -> None:
+    """Phased, with no final transaction opened: the outcome's would be opened to record the
+    answer; the claim is released instead and a retry runs the handler again."""
+    key, account = fresh(), fresh("nowrite-")
+    first = await served.call(PHASED, "request", key, account)
+    assert first.code is grpc.StatusCode.UNKNOWN, first
+    row = await _record(store, key)
+    assert row is None or row["state"] != "completed", row["state"]
+    retry = await served.call(PHASED, "request", key, account)
+    assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry
+    assert served.service.executions[account] == 2
+    assert (await _record(store, key))["state"] == "completed"
