@@ -10,6 +10,7 @@ without one (an optional key's transaction)."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +24,12 @@ from tests.support.ledger import TENANT, fresh, ledger_rows, ledger_server, meta
 from tests.support.wire import Answer, call_raw
 
 SVC = "/testsvc.v1.LedgerService/"
-POST, PHASED, SYNC, OPTIONAL = (
+POST, PHASED, SYNC, OPTIONAL, FAIL_OPEN = (
     SVC + "Post",
     SVC + "PostPhased",
     SVC + "PostSync",
     SVC + "PostOptional",
+    SVC + "PostFailOpen",
 )
 SCOPE = "tenant:tenant-a"
 
@@ -82,6 +84,10 @@ class Answers(testsvc_pb2_grpc.LedgerServiceServicer):
 
     async def PostOptional(self, request: Any, context: Any) -> Any:
         return await self._write(request, context)
+
+    async def PostFailOpen(self, request: Any, context: Any) -> Any:
+        # Run only with the store down (below): no transaction to write in.
+        return _answer(request, self._count(request))
 
     def PostSync(self, request: Any, context: Any) -> Any:
         first = self._count(request)
@@ -195,3 +201,32 @@ async def test_a_phased_handler_that_wrote_nothing_releases_its_claim(
     assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry
     assert served.service.executions[account] == 2
     assert (await _record(store, key))["state"] == "completed"
+
+
+@pytest.mark.parametrize("behaviour", sorted(WRONG))
+async def test_a_fail_open_call_fails_a_message_of_another_type_too(behaviour: str) -> None:
+    """With its store down a fail-open method's handler runs unclaimed, nothing recorded: a
+    message of another type still fails the call (UNKNOWN) as with the store up, not answered OK
+    only during an outage."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    # Nobody listens there; opened empty and unchecked, the pool connects on first use.
+    down = await Store.connect(
+        f"postgresql://postgres@127.0.0.1:{port}/postgres", min_size=0, check_schema=False
+    )
+    interceptor = IdempotencyInterceptor(
+        down, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+    )
+    service = Answers()
+    try:
+        async with ledger_server(interceptor, service) as (channel, _address):
+            served = Served(service, channel)
+            wrong = await served.call(FAIL_OPEN, behaviour, fresh(), fresh("acct"))
+            right = await served.call(FAIL_OPEN, "", fresh(), fresh("acct"))
+    finally:
+        await down.close()
+    assert wrong.code is grpc.StatusCode.UNKNOWN, wrong
+    assert "testsvc.v1.PostResponse" in (wrong.details or ""), wrong
+    assert right.code is grpc.StatusCode.OK, right  # the store is down: run unclaimed
+    assert sum(service.executions.values()) == 2

@@ -58,19 +58,26 @@ def serialize(
     back and the key is released, as for None, which the serializer refuses itself."""
     if type(response) is Serialized:
         return response.data
-    if output_type is not None:
-        # One class attribute and an identity test on the path of every executed call.
-        try:
-            descriptor = type(response).DESCRIPTOR
-        except AttributeError:
-            # Not a protobuf message (None, a dict): the serializer takes it (a handler's own
-            # serializer, for objects of its own) or raises (protobuf's).
-            descriptor = output_type
-        if descriptor is not output_type:
-            _check_type(descriptor, output_type, method)
+    check_type(response, output_type, method)
     if serializer is None:
         return bytes(response)
     return serializer(response)
+
+
+def check_type(response: Any, output_type: Descriptor | None, method: str) -> None:
+    """Raises TypeError if ``response`` is a message of another type than ``output_type``
+    (``None``: not checked). See ``serialize``."""
+    if output_type is None:
+        return
+    # One class attribute and an identity test on the path of every executed call.
+    try:
+        descriptor = type(response).DESCRIPTOR
+    except AttributeError:
+        # Not a protobuf message (None, a dict): the serializer takes it (a handler's own
+        # serializer, for objects of its own) or raises (protobuf's).
+        return
+    if descriptor is not output_type:
+        _check_type(descriptor, output_type, method)
 
 
 def _check_type(descriptor: Any, output_type: Descriptor, method: str) -> None:

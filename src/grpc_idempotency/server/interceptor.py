@@ -1129,6 +1129,9 @@ class IdempotencyInterceptor(_Interceptor):
         # No store, so nothing to commit, but the answer carries the trailers the handler set:
         # a grpc-timeout trailer killed the server process here too (SIGABRT).
         await _refuse_unsendable_trailers(call.context, None)
+        # A message of another type than the method's fails the call as it does with a store
+        # (a raise: UNKNOWN), not answered OK only while the store is down.
+        answers.check_type(response, call.policy.output_type, method)
         return response
 
     async def _run_unkeyed(self, call: _Call) -> Any:
