@@ -64,9 +64,13 @@ def serialize(
     return serializer(response)
 
 
-def check_type(response: Any, output_type: Descriptor | None, method: str) -> None:
+def check_type(
+    response: Any, output_type: Descriptor | None, method: str, *, rolled_back: bool = True
+) -> None:
     """Raises TypeError if ``response`` is a message of another type than ``output_type``
-    (``None``: not checked). See ``serialize``."""
+    (``None``: not checked). See ``serialize``. ``rolled_back``: whether the call's writes are
+    (its text says so); ``False`` for a call run without the store (fail-open), which had none
+    to roll back, while what the handler did (its calls to other services) stands."""
     if output_type is None:
         return
     # One class attribute and an identity test on the path of every executed call.
@@ -77,17 +81,24 @@ def check_type(response: Any, output_type: Descriptor | None, method: str) -> No
         # serializer, for objects of its own) or raises (protobuf's).
         return
     if descriptor is not output_type:
-        _check_type(descriptor, output_type, method)
+        _check_type(descriptor, output_type, method, rolled_back)
 
 
-def _check_type(descriptor: Any, output_type: Descriptor, method: str) -> None:
+def _check_type(
+    descriptor: Any, output_type: Descriptor, method: str, rolled_back: bool = True
+) -> None:
     # By name, not identity alone: a message class built from another pool (a copy of the same
     # file) has descriptors of its own for the same type, and is the same message on the wire.
     name = getattr(descriptor, "full_name", None)
     if name != output_type.full_name:
         raise TypeError(
             f"the handler of {method} returned a {name or type(descriptor).__name__} message,"
-            f" not its response type {output_type.full_name}; its writes were rolled back"
+            f" not its response type {output_type.full_name}; "
+            + (
+                "its writes were rolled back"
+                if rolled_back
+                else "it ran without the store (fail-open): what it did stands"
+            )
         )
 
 
