@@ -3,6 +3,10 @@ calls themselves: tests/integration/test_response_type.py)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
+
 import pytest
 from google.protobuf import (
     descriptor_pb2,
@@ -17,7 +21,7 @@ from grpc_idempotency.registry import PolicyRegistry
 from grpc_idempotency.server import answers
 
 POST = "/testsvc.v1.LedgerService/Post"
-EMPTY = empty_pb2.Empty.DESCRIPTOR
+EMPTY = empty_pb2.Empty.DESCRIPTOR.full_name
 
 
 def _serialize(response: object, output_type: object = EMPTY, serializer: object = None) -> bytes:
@@ -31,7 +35,17 @@ def _serialize(response: object, output_type: object = EMPTY, serializer: object
 
 def test_the_policy_knows_the_methods_response_type() -> None:
     policy = PolicyRegistry([testsvc_pb2]).get(POST)
-    assert policy is not None and policy.output_type is testsvc_pb2.PostResponse.DESCRIPTOR
+    assert policy is not None and policy.output_type == "testsvc.v1.PostResponse"
+
+
+def test_a_policy_stays_copyable_and_picklable() -> None:
+    """A upb descriptor is neither: held in the policy, it made deepcopy, asdict and pickle of a
+    public MethodPolicy raise TypeError."""
+    policy = PolicyRegistry([testsvc_pb2]).get(POST)
+    assert policy is not None
+    assert copy.deepcopy(policy) == policy
+    assert pickle.loads(pickle.dumps(policy)).output_type == policy.output_type
+    assert dataclasses.asdict(policy)["output_type"] == "testsvc.v1.PostResponse"
 
 
 def test_a_message_of_another_type_is_refused_naming_both() -> None:
@@ -46,9 +60,9 @@ def test_the_same_type_from_another_pool_is_the_same_message() -> None:
     proto = descriptor_pb2.FileDescriptorProto()
     empty_pb2.DESCRIPTOR.CopyToProto(proto)
     pool.Add(proto)
-    copy = message_factory.GetMessageClass(pool.FindMessageTypeByName("google.protobuf.Empty"))
-    assert copy.DESCRIPTOR is not EMPTY
-    assert _serialize(copy()) == b""
+    copied = message_factory.GetMessageClass(pool.FindMessageTypeByName("google.protobuf.Empty"))
+    assert copied.DESCRIPTOR is not empty_pb2.Empty.DESCRIPTOR
+    assert _serialize(copied()) == b""
 
 
 def test_what_is_no_message_is_left_to_the_serializer() -> None:

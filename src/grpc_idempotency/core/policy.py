@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from google.protobuf.descriptor import Descriptor, MethodDescriptor
+from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions as _MethodOptions
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -204,12 +204,13 @@ class MethodPolicy:
     isolation: Isolation | None = None
     """``None``: the database's default isolation."""
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
-    output_type: Descriptor | None = field(default=None, repr=False, compare=False)
-    """The method's response message, which a handler's answer must be to be recorded as OK:
-    upb serializes any message with any class's ``SerializeToString``. ``None`` (a policy not
-    compiled from a descriptor): not checked, the handler's serializer alone decides. Not
-    compared: the method's, not its options' (the same options compiled for a copy of the
-    method in another pool make an equal policy)."""
+    output_type: str | None = field(default=None, repr=False, compare=False)
+    """The full name of the method's response message, which a handler's answer must be to be
+    recorded as OK: protobuf serializes any message with any class's ``SerializeToString``.
+    ``None`` (a policy not compiled from a descriptor): not checked, the handler's serializer
+    alone decides. A name, not the descriptor: a policy stays copyable and picklable (a upb
+    descriptor is neither), and a copy of the type from another pool is the same message on the
+    wire. Not compared: the method's, not its options'."""
     # The durations in seconds, as every call needs them (computed once, not per call).
     retention_s: float = field(init=False, repr=False, compare=False)
     lease_s: float = field(init=False, repr=False, compare=False)
@@ -409,7 +410,7 @@ def compile_policy(
         max_response_bytes=ov.max_response_bytes
         if ov.max_response_bytes is not None
         else options.max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES,
-        output_type=method.output_type,
+        output_type=method.output_type.full_name,
     )
     if policy.retention <= timedelta(0):
         raise fail("retention must be positive")
