@@ -19,7 +19,14 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    KeyRequirement,
+    MetadataScope,
+    MethodOverride,
+    Store,
+    current_call,
+)
 from tests.support.ledger import TENANT, fresh, ledger_rows, ledger_server, metadata
 from tests.support.wire import Answer, call_raw
 
@@ -203,8 +210,11 @@ async def test_a_phased_handler_that_wrote_nothing_releases_its_claim(
     assert (await _record(store, key))["state"] == "completed"
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["key", "no-key"])
 @pytest.mark.parametrize("behaviour", sorted(WRONG))
-async def test_a_fail_open_call_fails_a_message_of_another_type_too(behaviour: str) -> None:
+async def test_a_fail_open_call_fails_a_message_of_another_type_too(
+    behaviour: str, keyed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """With its store down a fail-open method's handler runs unclaimed, nothing recorded: a
     message of another type still fails the call (UNKNOWN) as with the store up, not answered OK
     only during an outage."""
@@ -216,14 +226,24 @@ async def test_a_fail_open_call_fails_a_message_of_another_type_too(behaviour: s
         f"postgresql://postgres@127.0.0.1:{port}/postgres", min_size=0, check_schema=False
     )
     interceptor = IdempotencyInterceptor(
-        down, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+        down,
+        services=[testsvc_pb2],
+        scope=MetadataScope(TENANT),
+        replay_cache=False,
+        # Without a key: the optional-key path, whose transaction cannot begin.
+        overrides={FAIL_OPEN: MethodOverride(key=KeyRequirement.OPTIONAL)},
     )
     service = Answers()
+
+    def key() -> str | None:
+        return fresh() if keyed else None
+
     try:
         async with ledger_server(interceptor, service) as (channel, _address):
             served = Served(service, channel)
-            wrong = await served.call(FAIL_OPEN, behaviour, fresh(), fresh("acct"))
-            right = await served.call(FAIL_OPEN, "", fresh(), fresh("acct"))
+            with caplog.at_level(logging.ERROR):
+                wrong = await served.call(FAIL_OPEN, behaviour, key(), fresh("acct"))
+            right = await served.call(FAIL_OPEN, "", key(), fresh("acct"))
     finally:
         await down.close()
     assert wrong.code is grpc.StatusCode.UNKNOWN, wrong
@@ -234,3 +254,10 @@ async def test_a_fail_open_call_fails_a_message_of_another_type_too(behaviour: s
     assert "rolled back" not in details and "without the store" in details, details
     assert right.code is grpc.StatusCode.OK, right  # the store is down: run unclaimed
     assert sum(service.executions.values()) == 2
+    # Logged as grpc.aio logs a raise, with its own traceback: not chained to the store's
+    # error (run inside the ``except StoreUnavailable``, it read "During handling of the above
+    # exception..." under the outage's traceback).
+    (logged,) = [
+        r.exc_info[1] for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], TypeError)
+    ]
+    assert logged.__context__ is None, repr(logged.__context__)

@@ -704,11 +704,15 @@ class IdempotencyInterceptor(_Interceptor):
             except StoreUnavailable as err:
                 fail_open = await _may_fail_open(policy, context, err, store)
                 step, phase = transition(phase, store_down_event(fail_open=fail_open))
-                if step is Step.RUN_WITHOUT_STORE:
-                    call.outcome = CallOutcome.BYPASSED
-                    return await self._run_without_store(call)
-                call.outcome = CallOutcome.UNAVAILABLE
-                await answers.abort(context, err)
+                if step is not Step.RUN_WITHOUT_STORE:
+                    call.outcome = CallOutcome.UNAVAILABLE
+                    await answers.abort(context, err)
+            if step is Step.RUN_WITHOUT_STORE:
+                # Run outside the except block: there, an exception of the handler's was chained
+                # to the store's error ("During handling of the above exception..."), and its
+                # logged traceback read as the outage's.
+                call.outcome = CallOutcome.BYPASSED
+                return await self._run_without_store(call)
             if step is Step.REPLAY:
                 assert record is not None and record.outcome is not None
                 call.outcome = CallOutcome.WAITED if call.waited else CallOutcome.REPLAYED
@@ -1155,12 +1159,16 @@ class IdempotencyInterceptor(_Interceptor):
                 lease_s=policy.lease_s,
             )
         except StoreUnavailable as err:
-            if await _may_fail_open(policy, context, err, store):
-                return await self._run_without_store(call)
-            # Refused, not run: counted "bypassed" (set for the unkeyed call), it said that the
-            # call ran without deduplication.
-            call.outcome = CallOutcome.UNAVAILABLE
-            await answers.abort(context, err)
+            if not await _may_fail_open(policy, context, err, store):
+                # Refused, not run: counted "bypassed" (set for the unkeyed call), it said that
+                # the call ran without deduplication.
+                call.outcome = CallOutcome.UNAVAILABLE
+                await answers.abort(context, err)
+            tx = None
+        if tx is None:
+            # Outside the except block, as in ``_attempt``: the handler's own exception is not
+            # chained to the store's error.
+            return await self._run_without_store(call)
         serving = _unclaimed(call, tx.connection)
         bound = call_context.bind(serving)
 
