@@ -6,7 +6,10 @@ A keyed method answers bytes that are not a request INVALID_ARGUMENT, reason
 IDEMPOTENCY_REQUEST_INVALID, before the key is read (README, "Errors"). upb raises DecodeError
 for a string field that is not UTF-8; the pure-Python runtime raises UnicodeDecodeError, which
 went past the library to grpc.aio: UNKNOWN, "Unexpected <class 'UnicodeDecodeError'>: 'utf-8'
-codec can't decode byte 0xff ...".
+codec can't decode byte 0xff ...". And it takes an undeclared group that upb refuses as
+corrupt (closed by another field's end tag, or holding a record cut short): the handler would run,
+but the fingerprint, which reads the request's records to put undeclared fields in order
+(``core/field_order.py``), could not, and the ValueError went to grpc.aio: UNKNOWN.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tests.support.ledger import TENANT, fresh, ledger_rows
 from tests.support.wire import Answer, call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
+_BAD_GROUP = b"\x9b\x06" + b"\x08\x01" + b"\x84\x9c\x06"
 
 
 class _Raw:
@@ -34,7 +38,7 @@ class _Raw:
         return self.data
 
 
-async def test_a_string_field_that_is_not_utf8_is_an_invalid_request(
+async def test_bytes_upb_would_not_parse_are_an_invalid_request(
     store: Store, pg_dsn: str, tmp_path: Path
 ) -> None:
     server = ServiceProcess(
@@ -45,27 +49,35 @@ async def test_a_string_field_that_is_not_utf8_is_an_invalid_request(
         env={"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"},
     )
     account = fresh("acct")
-    # account = the account's name, then a string field (behaviour, 3) holding 0xff 0xfe.
-    wire = b"\x0a" + bytes([len(account)]) + account.encode() + b"\x1a\x02\xff\xfe"
-    key = uuid.uuid4().hex
+    # account = the account's name, then:
+    prefix = b"\x0a" + bytes([len(account)]) + account.encode()
+    wires = {
+        # a string field (behaviour, 3) holding 0xff 0xfe
+        "a string field is not valid UTF-8": prefix + b"\x1a\x02\xff\xfe",
+        # an undeclared group (99) closed by field 12736's end tag, which ends in group 99's
+        # (the pure-Python runtime compares the last bytes only)
+        "a field it does not declare is malformed": prefix + _BAD_GROUP,
+        # the same inside meta (5)
+        "a field it does not declare is malformed ": (
+            prefix + b"\x2a" + bytes([len(_BAD_GROUP)]) + _BAD_GROUP
+        ),
+    }
+    keys = {problem: uuid.uuid4().hex for problem in wires}
+    answers: list[tuple[str, Answer]] = []
     await server.start()
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
-            answers: list[Answer] = []
-            for _ in range(2):  # nothing claimed: the same answer again
-                answers.append(
-                    await call_raw(
-                        channel, POST, _Raw(wire), ((TENANT, "tenant-a"), ("idempotency-key", key))
-                    )
-                )
+            for problem, wire in wires.items():
+                metadata = ((TENANT, "tenant-a"), ("idempotency-key", keys[problem]))
+                for _ in range(2):  # nothing claimed: the same answer again
+                    answer = await call_raw(channel, POST, _Raw(wire), metadata)
+                    answers.append((problem.strip(), answer))
     finally:
         await server.stop()
-    for answer in answers:
+    for problem, answer in answers:
         assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
         assert answer.reason() == "IDEMPOTENCY_REQUEST_INVALID"
-        assert (
-            answer.details
-            == f"{POST}: the request does not parse: a string field is not valid UTF-8"
-        )
+        assert answer.details == f"{POST}: the request does not parse: {problem}"
     assert await ledger_rows(store, account) == 0
-    assert await store.lookup("tenant:tenant-a", key) is None
+    for key in keys.values():
+        assert await store.lookup("tenant:tenant-a", key) is None

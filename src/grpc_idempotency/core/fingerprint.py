@@ -33,7 +33,7 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from grpc_idempotency.core.errors import PolicyError
+from grpc_idempotency.core.errors import PolicyError, RequestInvalid
 from grpc_idempotency.core.field_order import (
     field_ordered,
     needs_field_order,
@@ -334,7 +334,17 @@ class Fingerprinter:
             # extensions there too: put in field-number order, where a server that knows them
             # (or the pure-Python runtime) puts them, so a retry crossing a deploy is the same
             # request.
-            body = field_ordered(body, request.DESCRIPTOR)
+            try:
+                body = field_ordered(body, request.DESCRIPTOR)
+            except (ValueError, IndexError):
+                # Only under the pure-Python runtime: it takes an undeclared group that upb
+                # refuses as corrupt (closed by another field's end tag ending in the same
+                # bytes), and serializes it as it came. Raised as it was, grpc.aio answered
+                # UNKNOWN with the ValueError's text; upb's answer is INVALID_ARGUMENT.
+                raise RequestInvalid(
+                    f"{self.method}: the request does not parse: a field it does not declare"
+                    " is malformed"
+                ) from None
         name = self.method.encode("utf-8")
         return hashlib.sha256(len(name).to_bytes(4, "big") + name + body).digest()
 

@@ -529,10 +529,13 @@ class IdempotencyInterceptor(_Interceptor):
             return await self._run_unkeyed(call)
 
         request = call.request
-        if self._off_loop_bytes is not None and serialized_size(request) > self._off_loop_bytes:
-            fingerprint = await self._fingerprint_off_loop(policy, request)
-        else:
-            fingerprint = policy.fingerprint(request)
+        try:
+            if self._off_loop_bytes is not None and serialized_size(request) > self._off_loop_bytes:
+                fingerprint = await self._fingerprint_off_loop(policy, request)
+            else:
+                fingerprint = policy.fingerprint(request)
+        except RequestInvalid as err:  # bytes the pure-Python runtime took, upb does not
+            await answers.abort(context, err)
         budget = wait_budget_s(policy.max_wait_s, answers.time_remaining(context))
         wait_until = time.monotonic() + budget
         slot = (scope, key)
