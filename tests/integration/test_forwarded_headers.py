@@ -52,6 +52,7 @@ async def test_a_header_grpc_cannot_pass_on_is_refused_at_once(
             name = (extra[0][0] if extra else TENANT.encode()).decode()
             assert f"metadata entry {name!r}" in message and "cannot be sent by gRPC" in message
             assert "café" not in message  # the value is not shown
+            assert b"idempotency-replayed" not in answer  # released, not recorded
         assert ledger.service.executions == 0
 
 
@@ -81,4 +82,5 @@ async def test_a_steps_call_with_a_header_of_the_handlers_own_grpc_cannot_send_f
             assert answer.code is grpc.StatusCode.UNKNOWN, answer
             assert "ValueError" in str(answer.details)
             assert "metadata gRPC cannot send" in str(answer.details)
+            assert not answer.replayed
         assert ledger.service.executions == 0
