@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -143,14 +144,18 @@ def test_every_dependency_has_a_floor_and_ci_installs_exactly_the_floors() -> No
     assert pins == floors, "raise a floor in pyproject.toml and .ci/constraints-lowest.txt alike"
 
 
-def test_protobuf_floor_is_the_gencode_version_of_the_committed_pb2() -> None:
+def test_protobuf_floor_is_not_below_the_gencode_version_of_the_committed_pb2() -> None:
     # protobuf refuses a runtime older than the gencode (VersionError at import), and supports
-    # gencode only with a runtime of the same major version.
+    # gencode only with a runtime of the same major version. (The floor may be higher, for a
+    # runtime's bug: 7.36.0, see pyproject.toml.)
     generated = (ROOT / "src" / "grpc_idempotency" / "v1" / "options_pb2.py").read_text()
     (line,) = [x for x in generated.splitlines() if x.startswith("# Protobuf Python Version:")]
-    gencode = line.rsplit(" ", 1)[1]
+    gencode = Version(line.rsplit(" ", 1)[1])
     (protobuf,) = [Requirement(d) for d in PROJECT["dependencies"] if d.startswith("protobuf")]
-    assert str(protobuf.specifier) == f"<{int(gencode.split('.')[0]) + 1},>={gencode}"
+    (floor,) = [Version(s.version) for s in protobuf.specifier if s.operator == ">="]
+    (ceiling,) = [Version(s.version) for s in protobuf.specifier if s.operator == "<"]
+    assert floor >= gencode
+    assert floor.major == gencode.major and ceiling == Version(f"{gencode.major + 1}")
 
 
 def test_the_dev_extra_holds_what_builds_the_package() -> None:
