@@ -1,7 +1,6 @@
-"""A keyed service whose request type is recursive, nested.v1 ``Trees/Plant(Node)`` (and
-``Look``, the same without the idempotency option): for
-requests nested as deep as protobuf parses them (tests/integration/test_nested_requests.py), in
-this process or one of its own (``python -m tests.support.trees DSN`` prints ``trees ready on
+"""A keyed service whose request type is recursive, nested.v1 ``Trees/Plant(Node)``: for
+requests nested as deep as protobuf parses them (tests/integration/test_nested_requests.py,
+tests/unit/test_nested_request_work.py), in this process or one of its own (``python -m tests.support.trees DSN`` prints ``trees ready on
 HOST:PORT``, under whichever protobuf runtime its environment selects)."""
 
 from __future__ import annotations
@@ -21,13 +20,11 @@ from grpc_idempotency.v1 import options_pb2
 
 F = descriptor_pb2.FieldDescriptorProto
 METHOD = "/nested.v1.Trees/Plant"
-UNKEYED = "/nested.v1.Trees/Look"
 
 
 def tree_classes() -> tuple[Any, Any, Any]:
-    """nested.v1 (editions 2023): ``Plant(Node) returns (Planted)``, keyed, and ``Look``, the
-    same without the option, in the default pool (where the interceptor finds a method's
-    options). ``Node`` holds a ``Node`` as a
+    """nested.v1 (editions 2023): ``Plant(Node) returns (Planted)``, keyed, in the default pool
+    (where the interceptor finds a method's options). ``Node`` holds a ``Node`` as a
     length-prefixed message (``child``, 1) and as a DELIMITED one (``wrapped``, 2), bytes
     (``blob``, 3) and a ``google.protobuf.Struct`` (``attrs``, 4: maps of messages holding maps)."""
     pool = descriptor_pool.Default()
@@ -57,9 +54,6 @@ def tree_classes() -> tuple[Any, Any, Any]:
         )
         extensions: Any = method.options.Extensions  # protoc's stubs mistype extensions
         extensions[options_pb2.method].key = options_pb2.KEY_REQUIRED
-        file.service[0].method.add(  # no idempotency option: passed through untouched
-            name="Look", input_type=".nested.v1.Node", output_type=".nested.v1.Planted"
-        )
         pool.Add(file)
         service = pool.FindServiceByName("nested.v1.Trees")
     node_type, planted_type = (
@@ -90,11 +84,7 @@ async def serving_trees(store: Store) -> AsyncIterator[tuple[str, list[Any]]]:
         response_serializer=planted_type.SerializeToString,
     )
     server.add_generic_rpc_handlers(
-        [
-            grpc.method_handlers_generic_handler(
-                "nested.v1.Trees", {"Plant": handler, "Look": handler}
-            )
-        ]
+        [grpc.method_handlers_generic_handler("nested.v1.Trees", {"Plant": handler})]
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
