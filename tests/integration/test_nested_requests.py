@@ -29,6 +29,7 @@ from google.protobuf import struct_pb2
 from grpc_idempotency import Store
 from grpc_idempotency.core.wire import KEY_HEADER, REPLAYED_HEADER
 from tests.e2e.procs import ServiceProcess
+from tests.support.proto_wire import varint
 from tests.support.trees import METHOD, serving_trees
 
 
@@ -39,15 +40,6 @@ async def serving(store: Store) -> AsyncIterator[tuple[grpc.aio.Channel, list[An
         grpc.aio.insecure_channel(address) as channel,
     ):
         yield channel, executed
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 # Field 99, which Node does not declare: a varint (tag 0x98 0x06, value 1).
@@ -79,7 +71,7 @@ async def test_a_request_nested_as_deep_as_protobuf_parses_is_executed_once_and_
     wire = b""
     for depth in range(98):
         # child (length-prefixed), or wrapped (DELIMITED: between its start and end tags)
-        wire = b"\x0a" + _varint(len(wire)) + wire if depth % 2 else b"\x13" + wire + b"\x14"
+        wire = b"\x0a" + varint(len(wire)) + wire if depth % 2 else b"\x13" + wire + b"\x14"
         wire = _UNDECLARED * 1_000 + wire
     async with serving(store) as (channel, executed):
         await _once_and_replayed(channel, executed, wire, timeout=15.0)
@@ -95,7 +87,7 @@ def _struct_request(depth: int, entries: int) -> bytes:
     for i in range(entries):
         inner.fields[f"n{i}"].number_value = i
     wire = attrs.SerializeToString()
-    return b"\x22" + _varint(len(wire)) + wire  # Node.attrs
+    return b"\x22" + varint(len(wire)) + wire  # Node.attrs
 
 
 async def test_a_deep_struct_under_the_pure_python_runtime_is_executed_once_and_replayed(

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from grpc_idempotency.core.field_order import field_ordered
 from tests.support import field_order_frozen
+from tests.support.proto_wire import varint
 
 F = descriptor_pb2.FieldDescriptorProto
 MAX_FIELD = 2**29 - 1
@@ -107,15 +108,6 @@ def _classes() -> list[Any]:
 CLASSES = _classes()
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 # The numbers the types above declare (with every wire type), others, 0 and the highest.
 _numbers = st.one_of(
     st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 31, 32, 33, 41]),
@@ -125,21 +117,21 @@ _numbers = st.one_of(
 
 _well_formed_leaf = st.one_of(
     st.tuples(_numbers, st.sampled_from([0, 1, 300, 2**31, 2**63, 2**64 - 1])).map(
-        lambda r: _varint(r[0] << 3) + _varint(r[1])
+        lambda r: varint(r[0] << 3) + varint(r[1])
     ),
     st.tuples(_numbers, st.binary(min_size=8, max_size=8)).map(
-        lambda r: _varint(r[0] << 3 | 1) + r[1]
+        lambda r: varint(r[0] << 3 | 1) + r[1]
     ),
     st.tuples(_numbers, st.binary(min_size=4, max_size=4)).map(
-        lambda r: _varint(r[0] << 3 | 5) + r[1]
+        lambda r: varint(r[0] << 3 | 5) + r[1]
     ),
     st.tuples(_numbers, st.binary(max_size=6)).map(
-        lambda r: _varint(r[0] << 3 | 2) + _varint(len(r[1])) + r[1]
+        lambda r: varint(r[0] << 3 | 2) + varint(len(r[1])) + r[1]
     ),
 )
 _malformed_leaf = st.one_of(
-    st.tuples(_numbers, st.sampled_from([4, 6, 7])).map(lambda r: _varint(r[0] << 3 | r[1])),
-    st.tuples(st.just(0), st.sampled_from([0, 2])).map(lambda r: _varint(r[1]) + b"\x00"),
+    st.tuples(_numbers, st.sampled_from([4, 6, 7])).map(lambda r: varint(r[0] << 3 | r[1])),
+    st.tuples(st.just(0), st.sampled_from([0, 2])).map(lambda r: varint(r[1]) + b"\x00"),
     st.binary(max_size=3),  # stray bytes
 )
 
@@ -158,18 +150,18 @@ _leaf = _mostly(_well_formed_leaf, _malformed_leaf)
 def _nested(children: Any) -> Any:
     body = children.map(b"".join)
     well_formed = st.one_of(
-        st.tuples(_numbers, body).map(lambda r: _varint(r[0] << 3 | 2) + _varint(len(r[1])) + r[1]),
+        st.tuples(_numbers, body).map(lambda r: varint(r[0] << 3 | 2) + varint(len(r[1])) + r[1]),
         st.tuples(_numbers, body).map(
-            lambda r: _varint(r[0] << 3 | 3) + r[1] + _varint(r[0] << 3 | 4)
+            lambda r: varint(r[0] << 3 | 3) + r[1] + varint(r[0] << 3 | 4)
         ),
     )
     malformed = st.one_of(
         # A group closed by another field's end tag (the pure-Python runtime takes that in an
         # undeclared group), or not closed at all.
         st.tuples(_numbers, body, _numbers).map(
-            lambda r: _varint(r[0] << 3 | 3) + r[1] + _varint(r[2] << 3 | 4)
+            lambda r: varint(r[0] << 3 | 3) + r[1] + varint(r[2] << 3 | 4)
         ),
-        st.tuples(_numbers, body).map(lambda r: _varint(r[0] << 3 | 3) + r[1]),
+        st.tuples(_numbers, body).map(lambda r: varint(r[0] << 3 | 3) + r[1]),
     )
     return _mostly(well_formed, malformed)
 
@@ -211,15 +203,15 @@ def test_a_deep_request_of_groups_and_messages_gives_the_bytes_it_gave_before() 
     m = CLASSES[0]
     wire = b"\xf8\x06\x01"  # field 111 (an undeclared number in the extension range), varint
     for depth in range(57):
-        unknown = _varint((900 + depth) << 3) + _varint(depth)
+        unknown = varint((900 + depth) << 3) + varint(depth)
         if depth % 3 == 0:  # M.m (5), length-prefixed
             body = unknown + b"\x08\x01" + wire
-            wire = b"\x2a" + _varint(len(body)) + body
+            wire = b"\x2a" + varint(len(body)) + body
         elif depth % 3 == 1:  # M.g (3), a group of G: G.inner (32) holds an M
-            inner = b"\x82\x02" + _varint(len(wire)) + wire
+            inner = b"\x82\x02" + varint(len(wire)) + wire
             wire = b"\x1b" + unknown + inner + b"\xf8\x01\x07" + b"\x1c"
         else:  # EG through the extension eg (102), a group
-            zm = b"\x12" + _varint(len(wire)) + wire
+            zm = b"\x12" + varint(len(wire)) + wire
             wire = b"\xb3\x06" + unknown + zm + b"\x08\x02" + b"\xb4\x06"
     body = m.FromString(wire).SerializePartialToString(deterministic=True)
     expected = field_order_frozen.field_ordered(body, m.DESCRIPTOR)

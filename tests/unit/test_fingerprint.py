@@ -12,6 +12,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency.core.fingerprint import Fingerprinter
 from grpc_idempotency.v1 import options_pb2
+from tests.support.proto_wire import varint
 
 METHOD = "/testsvc.v1.LedgerService/Post"
 fingerprint = Fingerprinter.for_method(METHOD, testsvc_pb2.PostRequest.DESCRIPTOR)
@@ -164,22 +165,12 @@ def test_a_required_field_may_be_excluded(nested: bool, group: bool) -> None:
         assert fingerprint(a) != fingerprint(c)  # the field that is not excluded still counts
 
 
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # a negative int64 is its two's complement, ten bytes
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _len(number: int, body: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(body)) + body
+    return varint(number << 3 | 2) + varint(len(body)) + body
 
 
 def _int(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
+    return varint(number << 3) + varint(value)
 
 
 _records = st.fixed_dictionaries(

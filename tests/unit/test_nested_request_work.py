@@ -34,21 +34,13 @@ from google.protobuf.message import Message
 from grpc_idempotency.core.field_order import field_ordered
 from grpc_idempotency.core.fingerprint import Fingerprinter
 from grpc_idempotency.core.map_order import put_maps_in_upb_order
+from tests.support.proto_wire import varint
 from tests.support.trees import METHOD, tree_classes
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Field 99, which Node does not declare: a varint (tag 0x98 0x06, value 1).
 _UNDECLARED = b"\x98\x06\x01"
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 class _Counted(bytes):
@@ -84,9 +76,9 @@ def test_nested_messages_take_memory_for_their_size_not_their_depth() -> None:
     now a few copies whatever the depth."""
     _, node, _ = tree_classes()
     size = 1_000_000
-    wire = b"\x1a" + _varint(size) + b"b" * size  # Node.blob
+    wire = b"\x1a" + varint(size) + b"b" * size  # Node.blob
     for _ in range(48):
-        wire = b"\x0a" + _varint(len(wire)) + wire  # Node.child
+        wire = b"\x0a" + varint(len(wire)) + wire  # Node.child
     request = node.FromString(wire + _UNDECLARED)
     fingerprint = Fingerprinter.for_method(METHOD, node.DESCRIPTOR)
     tracemalloc.start()
