@@ -109,6 +109,27 @@ def reachable_dir() -> Iterator[Path]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+def _orphaned_watchdog(command: list[str], args: list[str]) -> tuple[int, str]:
+    """Runs a watchdog (``command``, its pipe's read end, then ``args``) whose owner's end of
+    the pipe is closed at once, as the owner's death closes it: its exit status and stderr."""
+    read_end, write_end = os.pipe()
+    watchdog = subprocess.Popen(
+        [*command, str(read_end), *args],
+        pass_fds=(read_end,),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(read_end)
+    os.close(write_end)  # the owner's end: the watchdog acts
+    try:
+        _, stderr = watchdog.communicate(timeout=DEADLINE_S)
+    finally:
+        if watchdog.poll() is None:
+            watchdog.kill()
+            watchdog.wait()
+    return watchdog.returncode, stderr
+
+
 def _gone(path: str) -> bool:
     return not Path(path).exists()
 
@@ -142,24 +163,11 @@ def test_a_pid_file_naming_another_accounts_process_still_removes_the_dirs() -> 
         (data_dir / "postmaster.pid").write_text(
             f"1\n{data_dir}\n1700000000\n{PORT}\n{socket_dir}\nlocalhost\n"
         )
-        read_end, write_end = os.pipe()
-        args = [str(read_end), str(data_dir), str(socket_dir), str(PORT)]
+        args = [str(data_dir), str(socket_dir), str(PORT)]
         owned = [str(data_dir), str(socket_dir)]
-        watchdog = subprocess.Popen(
-            [*as_other, sys.executable, "-I", "-S", _postmaster.__file__, *args, *owned],
-            pass_fds=(read_end,),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        os.close(read_end)
-        os.close(write_end)  # the owner's end: the watchdog acts
-        try:
-            _, stderr = watchdog.communicate(timeout=DEADLINE_S)
-        finally:
-            if watchdog.poll() is None:
-                watchdog.kill()
-                watchdog.wait()
-        assert watchdog.returncode == 0, stderr
+        command = [*as_other, sys.executable, "-I", "-S", _postmaster.__file__]
+        returncode, stderr = _orphaned_watchdog(command, [*args, *owned])
+        assert returncode == 0, stderr
         assert not data_dir.exists() and not socket_dir.exists(), stderr
     finally:
         shutil.rmtree(parent, ignore_errors=True)
@@ -370,29 +378,16 @@ def test_a_server_the_watchdog_cannot_stop_keeps_its_dirs(
         os.chown(socket_dir, _NOBODY, -1)
     server = unstoppable_server(socket_dir)
     _pid_file(data_dir, server.pid, socket_dir)
-    read_end, write_end = os.pipe()
-    args = [str(read_end), str(data_dir), str(socket_dir), str(PORT), str(data_dir)]
+    args = [str(data_dir), str(socket_dir), str(PORT), str(data_dir), str(socket_dir)]
     script = SHORT_WAIT_WATCHDOG.format(directory=str(Path(_postmaster.__file__).parent))
-    watchdog = subprocess.Popen(
-        [*as_other, sys.executable, "-I", "-S", "-c", script, *args, str(socket_dir)],
-        pass_fds=(read_end,),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    os.close(read_end)
-    os.close(write_end)  # the owner's end: the watchdog acts
-    try:
-        _, stderr = watchdog.communicate(timeout=DEADLINE_S)
-    finally:
-        if watchdog.poll() is None:
-            watchdog.kill()
-            watchdog.wait()
+    command = [*as_other, sys.executable, "-I", "-S", "-c", script]
+    returncode, stderr = _orphaned_watchdog(command, args)
     assert server.poll() is None
     assert (data_dir / "postmaster.pid").exists(), stderr
     assert (socket_dir / "pg_hba.conf").exists(), stderr
     assert f"postmaster pid {server.pid}" in stderr
     assert str(data_dir) in stderr and str(socket_dir) in stderr
-    assert watchdog.returncode == 1, stderr
+    assert returncode == 1, stderr
 
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs procfs")
