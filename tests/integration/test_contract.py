@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import grpc
@@ -516,12 +517,15 @@ async def test_in_progress_claim_with_another_fingerprint_is_a_mismatch(
     assert ledger.service.executions == 0
 
 
-async def test_live_claim_elsewhere_ends_in_aborted_with_retry_info(
-    ledger: RunningLedger, store: Store
-) -> None:
+async def test_live_claim_elsewhere_ends_in_aborted_with_retry_info(store: Store) -> None:
     key, account = fresh(), fresh("acct")
     await _plant_in_progress(store, key, post(account), lease_s=30)
-    answer = await ledger.call(POST, post(account), key, timeout=0.5)
+    # The wait is ended by max_wait, far from the deadline. Ended by a 0.5 s deadline, the
+    # answer left 100 ms before it (lifecycle.ANSWER_MARGIN_S), and on two loaded cores the
+    # client's deadline now and then won that race: DEADLINE_EXCEEDED, with no retry info.
+    overrides = {POST[1:]: MethodOverride(max_wait=timedelta(seconds=0.4))}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        answer = await ledger.call(POST, post(account), key, timeout=10)
     assert answer.code is grpc.StatusCode.ABORTED
     assert answer.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
     assert answer.initial == {}  # nothing sent before the error: gRPC's own retries stay possible
