@@ -138,19 +138,20 @@ async def test_a_busy_pool_is_no_outage_so_a_completed_key_is_not_run_again_uncl
     retryable) and the next retry replays."""
     small = await Store.connect(pg_dsn, min_size=1, max_size=1, acquire_timeout=1.0)
 
-    async def work() -> None:  # another call's 0.6 s on the pool's only connection
+    async def work() -> None:  # another call's 0.8 s on the pool's only connection
         with contextlib.suppress(StoreUnavailable):  # the third times out too
             async with small.connection("working"):
-                await asyncio.sleep(0.6)
+                await asyncio.sleep(0.8)
 
     try:
         async with running_ledger(small, replay_cache=False) as ledger:
             key, account = fresh(), fresh("acct")
             first = await ledger.call(SVC + "PostFailOpen", post(account), key)
             assert first.code is grpc.StatusCode.OK
-            # Three calls queued ahead: the first served at once, the second 0.6 s later (while
-            # this call waits), the third never; this call's wait ends at 1 s, before the
-            # connection comes free again (1.2 s).
+            # Three calls queued ahead: the first served at once, the second 0.8 s later (while
+            # this call waits), the third never; this call's wait ends 1 s after it queued,
+            # before the connection comes free again (1.6 s). (With 0.6 s holds, a call queued
+            # 0.2 s late on a loaded machine was served at 1.2 s, and the test failed.)
             queue = [asyncio.ensure_future(work()) for _ in range(3)]
             await until("the pool busy", lambda: small.pool.get_idle_size() == 0)
             busy = await ledger.call(SVC + "PostFailOpen", post(account), key, timeout=5)
