@@ -279,7 +279,9 @@ class IdempotentCall:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """From a sync (``def``) handler, which runs on a worker thread: run ``coro`` (a query on
-        ``connection``) on the server's event loop and wait for its result.
+        ``connection``, or a coroutine that makes a downstream call) on the server's event loop
+        and wait for its result. Not a gRPC call object (``stub.Method(...)``): made on the
+        worker thread, it starts the call off the loop.
 
         Refused once the call is over: a cancelled sync handler's thread runs on (Python cannot
         stop it), and a statement it sent after the call's ROLLBACK would run outside any

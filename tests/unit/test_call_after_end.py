@@ -47,8 +47,8 @@ class _Call:
 
 
 def test_run_refuses_with_its_own_error_whatever_it_is_given() -> None:
-    """The README's ``current_call().run(stub.Method(...))`` gives ``run`` a gRPC call object, not
-    a coroutine. From an async handler, and once the call is over, ``run`` closed what it was
+    """The README's former ``current_call().run(stub.Method(...))`` gives ``run`` a gRPC call
+    object, not a coroutine. From an async handler, and once the call is over, ``run`` closed what it was
     given before raising its error, and a call object has no ``close()``: the AttributeError hid
     the error that says what is wrong. The call object is cancelled instead, never awaited."""
 

@@ -205,8 +205,9 @@ class MethodPolicy:
     """``None``: the database's default isolation."""
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     output_type: str | None = field(default=None, repr=False, compare=False)
-    """The full name of the method's response message, which a handler's answer must be to be
-    recorded as OK: protobuf serializes any message with any class's ``SerializeToString``.
+    """The full name of the method's response type. A handler's answer that is a message of
+    another type fails the call (UNKNOWN) instead of being recorded as OK: protobuf serializes
+    any message with any class's ``SerializeToString``.
     ``None`` (a policy not compiled from a descriptor): not checked, the handler's serializer
     alone decides. A name, not the descriptor: a policy stays copyable and picklable (a upb
     descriptor is neither), and a copy of the type from another pool is the same message on the

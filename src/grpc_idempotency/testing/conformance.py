@@ -310,9 +310,10 @@ def _bytes_diff(first: bytes, second: bytes) -> str:
 
 class ConformancePlan:
     """The checks, run against ``target`` on PostgreSQL ``dsn``; server output goes to
-    ``log_dir``. One server process without failpoints serves every check's ordinary calls and
-    retries; checks that need failpoints start (and stop) processes of their own. ``close()``
-    stops them all."""
+    ``log_dir``. ``target`` is a ``ConformanceTarget``, or what an ``IdempotencyConformance``
+    subclass describes: ``MyChecks().conformance_target()``. One server process without
+    failpoints serves every check's ordinary calls and retries; checks that need failpoints
+    start (and stop) processes of their own. ``close()`` stops them all."""
 
     def __init__(self, target: ConformanceTarget, dsn: str, log_dir: Path) -> None:
         if not isinstance(target, ConformanceTarget):

@@ -591,8 +591,9 @@ class EmbeddedPostgres:
     before, or dies of the signal as the default action would; not for a signal the process
     ignores). If the process is killed with SIGKILL, a watchdog process started with the server
     stops it and deletes the temporary dirs. The dirs are deleted only once the server is gone:
-    one that outlives its stop (it does not exit in time, or may not be signalled) keeps them,
-    stderr names its pid and them, and the watchdog tries again when the owner process ends.
+    a server that outlives its stop (it does not exit in time, or may not be signalled) keeps
+    them, and stderr names its pid and the dirs (``close()`` raises ``RuntimeError``). When the
+    finalizer could not stop it, the watchdog tries again once the owner process ends.
     """
 
     def __init__(
@@ -765,6 +766,7 @@ class EmbeddedPostgres:
 
     def close(self) -> None:
         """Stop the server, then delete the temporary directories this instance created.
+        ``RuntimeError`` (``stop()``'s) if the server does not stop: the directories are kept.
 
         In a fork()'s child (one that leaves the ``with`` block, by ``sys.exit()`` say) it only
         marks the instance closed: the server and the directories are the parent's."""
