@@ -44,6 +44,7 @@ from grpc_idempotency.core.wire import (
     HEADER_NAME,
     KEY_HEADER,
     LIBRARY_HEADERS,
+    STATUS_HEADER,
     STEP_HEADER,
     retry_after_ms,
     unsendable,
@@ -477,6 +478,18 @@ class IdempotencyClientInterceptor(_Interceptor):
             raise TransactionOpen(
                 f"{live.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
+            )
+        if any(name == STATUS_HEADER for name, _ in kept):
+            # Sent, a call the server answered OK came back OK with None (a stream: with no
+            # messages), the response lost after its effect was done: a step counted as
+            # answered, and the handler failed on None. An error status came back as sent.
+            caller = (
+                f"{serving.method} called {path}" if serving is not None else f"a call of {path}"
+            )
+            raise ValueError(
+                f"{caller} with metadata {STATUS_HEADER!r}: a call's status is the server's to"
+                " set; sent in a request, gRPC's client drops the response of a call answered"
+                " OK and returns None"
             )
         forwarded = self._forwarded(live, kept, path)
         if serving is not None:

@@ -42,6 +42,10 @@ LIBRARY_HEADERS = frozenset({KEY_HEADER, KEY_HEADER_BIN, STEP_HEADER})
 step name): never copied from elsewhere (``forward_metadata``, a relay's ``--header``, a sink's
 ``metadata_for``). A server refuses a call that carries the -bin form."""
 REPLAYED_METADATA: tuple[tuple[str, str], ...] = ((REPLAYED_HEADER, "true"),)
+STATUS_HEADER = "grpc-status"
+"""A call's status, the server's to set. Sent in a request (gRPC sends it), gRPC's client
+dropped the response of a call answered OK and returned None (a stream: no messages): refused
+on every call the client interceptor sends. A server never hands an incoming one on."""
 HEADER_NAME = re.compile(r"[0-9a-z_.-]+")
 """A metadata name gRPC sends (it refuses others when the call starts)."""
 
@@ -84,6 +88,7 @@ __all__ = [
     "PUSHBACK_TRAILER",
     "REPLAYED_HEADER",
     "REPLAYED_METADATA",
+    "STATUS_HEADER",
     "TRUNCATED",
     "error_status",
     "error_trailer_bytes",
