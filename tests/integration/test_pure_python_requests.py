@@ -61,6 +61,9 @@ async def test_bytes_upb_would_not_parse_are_an_invalid_request(
         "a field it does not declare is malformed ": (
             prefix + b"\x2a" + bytes([len(_BAD_GROUP)]) + _BAD_GROUP
         ),
+        # an undeclared group (99) whose varint (field 1) runs to the end of the request: the
+        # records' reader runs off the end (IndexError, not ValueError)
+        "a field it does not declare is malformed  ": prefix + b"\x9b\x06\x08\x9c\x06",
     }
     keys = {problem: uuid.uuid4().hex for problem in wires}
     answers: list[tuple[str, Answer]] = []

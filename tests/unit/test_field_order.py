@@ -216,6 +216,18 @@ def test_a_new_field_inside_a_delimited_message_hashes_alike_on_both_sides_of_th
     assert fingerprint(old, bytes(request.SerializeToString())) != fingerprint(old, wire)
 
 
+def test_a_group_not_closed_by_its_own_end_tag_is_refused() -> None:
+    """A group is read to its own end tag: one closed by another field's end tag, or by none, is
+    not a message of the type, a ValueError (``Fingerprinter`` answers it RequestInvalid), not
+    read as if it ended there (the pure-Python runtime takes such bytes where upb does not)."""
+    charge = _delimited_class(1, group=True).DESCRIPTOR
+    closed = b"\x13\x0a\x01x\x14"  # inner (2): a = "x", then field 2's end tag
+    assert field_ordered(closed, charge) == closed
+    for bad in (b"\x13\x0a\x01x\x1c", b"\x13\x0a\x01x"):  # field 3's end tag; none
+        with pytest.raises(ValueError):
+            field_ordered(bad, charge)
+
+
 def _tree_class(version: int) -> Any:
     """tree.v1.Node (editions 2023), recursive: ``child`` (1) a length-prefixed Node,
     ``wrapped`` (2) a DELIMITED one, ``tail`` (10); v2 adds ``mid`` (5)."""
