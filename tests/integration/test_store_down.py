@@ -422,6 +422,14 @@ async def test_every_call_run_without_its_store_is_counted_as_bypassed(
     }
     (point,) = cast(Sum, metrics["grpc_idempotency.bypassed"].data).data_points
     assert point.value == 2
+    # And each call's outcome says so, the keyed one's too (set where the handler runs, outside
+    # the ``except StoreUnavailable``): not "waited" or "replayed", which say it did not run.
+    outcomes = {
+        (str(p.attributes["grpc_idempotency.outcome"]), p.value)
+        for p in cast(Sum, metrics["grpc_idempotency.calls"].data).data_points
+        if p.attributes is not None
+    }
+    assert outcomes == {("bypassed", 2)}, outcomes
 
 
 @pytest.mark.parametrize(
