@@ -84,3 +84,28 @@ async def test_a_steps_call_with_a_header_of_the_handlers_own_grpc_cannot_send_f
             assert "metadata gRPC cannot send" in str(answer.details)
             assert not answer.replayed
         assert ledger.service.executions == 0
+
+
+class _RetriesWithout(RelayService):
+    """Calls its step with a header gRPC cannot send, then, refused, calls it again without."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        with pytest.raises(ValueError, match="metadata gRPC cannot send"):
+            await self.ledger.Post(post, metadata=(("x-trace", "café"),))
+        answer = await self.ledger.Post(post)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_steps_call_refused_before_it_is_sent_leaves_the_step_free(store: Store) -> None:
+    """Refused before it is sent, the call never started: the step is not counted in flight (a
+    step is one call), and calling it again without the header is that one call, not
+    ``StepReused``."""
+    request = testsvc_pb2.ForwardRequest(account=fresh("acct"))
+    async with (
+        running_ledger(store) as ledger,
+        running_relay(store, ledger.address, servicer=_RetriesWithout) as relay,
+    ):
+        answer = await relay.forward(request, fresh(), timeout=3.0)
+        assert answer.code is grpc.StatusCode.OK, answer
+        assert ledger.service.executions == 1
