@@ -46,6 +46,10 @@ class _Call:
         yield  # pragma: no cover
 
 
+async def _awaited(call: Any) -> Any:
+    return await call
+
+
 def test_run_refuses_with_its_own_error_whatever_it_is_given() -> None:
     """The README's former ``current_call().run(stub.Method(...))`` gives ``run`` a gRPC call
     object, not a coroutine. From an async handler, and once the call is over, ``run`` closed what it was
@@ -68,6 +72,9 @@ def test_run_refuses_with_its_own_error_whatever_it_is_given() -> None:
         with pytest.raises(NotInIdempotentCall, match="the call is over"):
             ended.run(given)  # type: ignore[arg-type]
         assert given.cancelled
+        # Neither a coroutine nor a call object (no close(), no cancel()): left as it is.
+        with pytest.raises(NotInIdempotentCall, match="the call is over"):
+            ended.run(object())  # type: ignore[arg-type]
     finally:
         loop.close()
 
@@ -106,10 +113,15 @@ def test_a_grpc_call_refused_on_a_worker_thread_is_cancelled_on_its_loop() -> No
         with pytest.raises(NotInIdempotentCall, match="the call is over"):
             call.run(given)  # type: ignore[arg-type]
 
-        async def cancelled() -> bool:
+        async def ended() -> bool:
+            # Cancelled from the worker thread, the cancellation's RuntimeError (debug mode)
+            # came after the call was marked cancelled but before its task was woken: awaited,
+            # it never ended.
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(_awaited(given), 5)
             return given.cancelled()
 
-        assert asyncio.run_coroutine_threadsafe(cancelled(), loop).result(5)
+        assert asyncio.run_coroutine_threadsafe(ended(), loop).result(10)
     finally:
 
         async def close() -> None:
