@@ -51,30 +51,32 @@ async def test_bytes_upb_would_not_parse_are_an_invalid_request(
     account = fresh("acct")
     # account = the account's name, then:
     prefix = b"\x0a" + bytes([len(account)]) + account.encode()
-    wires = {
+    malformed = "a field it does not declare is malformed"
+    wires = [
         # a string field (behaviour, 3) holding 0xff 0xfe
-        "a string field is not valid UTF-8": prefix + b"\x1a\x02\xff\xfe",
+        ("a string field is not valid UTF-8", prefix + b"\x1a\x02\xff\xfe"),
         # an undeclared group (99) closed by field 12736's end tag, which ends in group 99's
         # (the pure-Python runtime compares the last bytes only)
-        "a field it does not declare is malformed": prefix + _BAD_GROUP,
+        (malformed, prefix + _BAD_GROUP),
         # the same inside meta (5)
-        "a field it does not declare is malformed ": (
-            prefix + b"\x2a" + bytes([len(_BAD_GROUP)]) + _BAD_GROUP
-        ),
+        (malformed, prefix + b"\x2a" + bytes([len(_BAD_GROUP)]) + _BAD_GROUP),
         # an undeclared group (99) whose varint (field 1) runs to the end of the request: the
         # records' reader runs off the end (IndexError, not ValueError)
-        "a field it does not declare is malformed  ": prefix + b"\x9b\x06\x08\x9c\x06",
-    }
-    keys = {problem: uuid.uuid4().hex for problem in wires}
+        (malformed, prefix + b"\x9b\x06\x08\x9c\x06"),
+        # a request big enough to be fingerprinted off the event loop (over 16 KiB: an
+        # undeclared field 100 of 17000 bytes), then the bad group
+        (malformed, prefix + b"\xa2\x06\xe8\x84\x01" + b"x" * 17000 + _BAD_GROUP),
+    ]
+    keys = [uuid.uuid4().hex for _ in wires]
     answers: list[tuple[str, Answer]] = []
     await server.start()
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
-            for problem, wire in wires.items():
-                metadata = ((TENANT, "tenant-a"), ("idempotency-key", keys[problem]))
+            for (problem, wire), key in zip(wires, keys, strict=True):
+                metadata = ((TENANT, "tenant-a"), ("idempotency-key", key))
                 for _ in range(2):  # nothing claimed: the same answer again
                     answer = await call_raw(channel, POST, _Raw(wire), metadata)
-                    answers.append((problem.strip(), answer))
+                    answers.append((problem, answer))
     finally:
         await server.stop()
     for problem, answer in answers:
@@ -82,5 +84,5 @@ async def test_bytes_upb_would_not_parse_are_an_invalid_request(
         assert answer.reason() == "IDEMPOTENCY_REQUEST_INVALID"
         assert answer.details == f"{POST}: the request does not parse: {problem}"
     assert await ledger_rows(store, account) == 0
-    for key in keys.values():
+    for key in keys:
         assert await store.lookup("tenant:tenant-a", key) is None
