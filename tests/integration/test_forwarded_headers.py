@@ -23,7 +23,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import Store
 from tests.support.ledger import TENANT, fresh, running_ledger
 from tests.support.raw_h2 import unary_call
-from tests.support.relay import FORWARD, RelayService, running_relay
+from tests.support.relay import FORWARD, RelayService, running_relay, step_refused_twice
 
 
 @pytest.mark.parametrize(
@@ -71,19 +71,7 @@ async def test_a_steps_call_with_a_header_of_the_handlers_own_grpc_cannot_send_f
     """The handler's own bug, not the caller's: a ValueError saying so (UNKNOWN, as any
     exception a handler lets escape), and the key released. Before, the step's call never
     ended, and the handler waited until the deadline."""
-    request = testsvc_pb2.ForwardRequest(account=fresh("acct"))
-    async with (
-        running_ledger(store) as ledger,
-        running_relay(store, ledger.address, servicer=_OwnBadHeader) as relay,
-    ):
-        key = fresh()
-        for _ in range(2):  # not recorded, the key released: the same again
-            answer = await relay.forward(request, key, timeout=3.0)
-            assert answer.code is grpc.StatusCode.UNKNOWN, answer
-            assert "ValueError" in str(answer.details)
-            assert "metadata gRPC cannot send" in str(answer.details)
-            assert not answer.replayed
-        assert ledger.service.executions == 0
+    await step_refused_twice(store, _OwnBadHeader, "metadata gRPC cannot send")
 
 
 class _RetriesWithout(RelayService):

@@ -21,7 +21,7 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 from grpc_idempotency import Store
 from grpc_idempotency.client import IdempotencyClientInterceptor
 from tests.support.ledger import fresh, metadata, running_ledger
-from tests.support.relay import RelayService, running_relay
+from tests.support.relay import RelayService, step_refused_twice
 
 
 class _OwnStatusHeader(RelayService):
@@ -38,18 +38,7 @@ async def test_a_steps_call_carrying_grpc_status_is_refused_before_it_is_sent(
 ) -> None:
     """Before, the ledger posted, the step counted as answered OK, and the handler failed on
     the response gRPC dropped (UNKNOWN, AttributeError on None)."""
-    request = testsvc_pb2.ForwardRequest(account=fresh("acct"))
-    async with (
-        running_ledger(store) as ledger,
-        running_relay(store, ledger.address, servicer=_OwnStatusHeader) as relay,
-    ):
-        key = fresh()
-        for _ in range(2):  # not recorded, the key released: the same again
-            answer = await relay.forward(request, key, timeout=3.0)
-            assert answer.code is grpc.StatusCode.UNKNOWN, answer
-            assert "ValueError" in str(answer.details) and "grpc-status" in str(answer.details)
-            assert not answer.replayed
-        assert ledger.service.executions == 0
+    await step_refused_twice(store, _OwnStatusHeader, "grpc-status")
 
 
 async def test_a_keyed_call_carrying_grpc_status_is_refused_before_it_is_sent(

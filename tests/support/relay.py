@@ -23,7 +23,7 @@ from grpc_idempotency import (
 )
 from grpc_idempotency.client import IdempotencyClientInterceptor, step
 from grpc_idempotency.core.wire import KEY_HEADER
-from tests.support.ledger import TENANT, metadata
+from tests.support.ledger import TENANT, fresh, metadata, running_ledger
 from tests.support.wire import Answer, call_raw
 
 FORWARD = "/testsvc.v1.RelayService/Forward"
@@ -159,3 +159,22 @@ async def running_relay(
         await channel.close(None)
         await server.stop(None)
         await downstream.close(None)
+
+
+async def step_refused_twice(store: Store, servicer: type[RelayService], *in_details: str) -> None:
+    """Runs ``servicer``'s Forward under one key twice, its step's call refused before it is
+    sent (the handler's own bug): each time UNKNOWN naming a ValueError and ``in_details``, not
+    a replay (nothing recorded, the key released), and the ledger never called."""
+    request = testsvc_pb2.ForwardRequest(account=fresh("acct"))
+    async with (
+        running_ledger(store) as ledger,
+        running_relay(store, ledger.address, servicer=servicer) as relay,
+    ):
+        key = fresh()
+        for _ in range(2):  # not recorded, the key released: the same again
+            answer = await relay.forward(request, key, timeout=3.0)
+            assert answer.code is grpc.StatusCode.UNKNOWN, answer
+            for text in ("ValueError", *in_details):
+                assert text in str(answer.details), answer
+            assert not answer.replayed
+        assert ledger.service.executions == 0
