@@ -16,8 +16,9 @@ Names are imported on first use, so ``EmbeddedPostgres`` needs neither pytest no
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from grpc_idempotency._lazy import lazy_names
 
 if TYPE_CHECKING:
     from grpc_idempotency.testing.assertions import (
@@ -53,14 +54,7 @@ _LOCATIONS: dict[str, str] = {
 # __getattr__, mypy would type every name imported from the package as Any, a misspelt one
 # included, and a strict user's typo would pass the check to fail at import.
 if not TYPE_CHECKING:
-
-    def __getattr__(name: str) -> Any:
-        module = _LOCATIONS.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
+    __getattr__ = lazy_names(__name__, _LOCATIONS, globals())
 
 
 def __dir__() -> list[str]:
