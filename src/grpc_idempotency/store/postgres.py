@@ -1639,12 +1639,7 @@ class _Probe:
         conn: Any = None
         try:
             async with asyncio.timeout(timeout):
-                # Its connect bounded by the probe's own budget, not the pool's connect timeout
-                # (the pool's command_timeout, 1 s say): on a loaded host a live database took
-                # longer than that to accept a connection, the probe read it as down, and a
-                # fail-open method ran a completed key's handler again, unclaimed.
-                options = {**self.options, "timeout": timeout}
-                conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **options)
+                conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **self.options)
                 await conn.fetchval("SELECT 1")
                 await conn.close()
             return True
