@@ -30,6 +30,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import DsnUnusable, Store, StoreMisconfigured
+from grpc_idempotency.store.postgres import PROBE_S
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import RunningLedger, fresh, prepare, records_locked, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
@@ -273,6 +274,33 @@ async def test_behind_pgbouncer_a_direct_probe_keeps_a_locked_table_closed(
             await store.close()
     assert again.code is grpc.StatusCode.UNAVAILABLE, again
     assert ledger.service.executions == 1
+
+
+async def test_the_probes_connect_is_bounded_by_the_probes_budget_not_the_pools(
+    pg_dsn: str,
+) -> None:
+    """The pool's connects are bounded by its command_timeout (``timeout``, 1 s here); the
+    probe's used that bound too, so a live database slower than that to accept a connection
+    (CI's loaded machine, in test_fail_open_locked_table) read as down, and a completed key's
+    handler ran again, unclaimed. The probe's budget bounds its connect: the connect's own
+    timeout lies past it, never at it (equal deadlines once hung the Python 3.13 job)."""
+    timeouts: list[float] = []
+
+    async def connect(dsn: str, **kwargs: Any) -> Any:
+        timeouts.append(kwargs["timeout"])
+        return await asyncpg.connect(dsn, **{k: v for k, v in kwargs.items() if k != "loop"})
+
+    store = await Store.connect(
+        pg_dsn, schema=await migrated(pg_dsn), max_size=2, command_timeout=1, connect=connect
+    )
+    try:
+        assert timeouts and set(timeouts) == {1}  # the pool's own connects
+        timeouts.clear()
+        assert await store.answers(1.5)
+    finally:
+        await store.close()
+    [probes] = timeouts
+    assert probes > PROBE_S
 
 
 async def test_a_partition_met_by_a_new_connection_fails_open_within_command_timeout(

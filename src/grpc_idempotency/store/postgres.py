@@ -1598,6 +1598,9 @@ PROBE_S = 2.0
 """How long a live database may take to answer a fresh connection's ``SELECT 1`` (connect,
 TLS, authentication included) before an ambiguous outage is taken for a real one."""
 
+_PROBE_CONNECT_SLACK_S = 1.0
+"""How far past the probe's budget its connect's own timeout is set: the budget decides."""
+
 _POOL_ONLY_OPTIONS = frozenset(
     {
         "init_size",
@@ -1639,7 +1642,13 @@ class _Probe:
         conn: Any = None
         try:
             async with asyncio.timeout(timeout):
-                conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **self.options)
+                # The pool's connect timeout is its command_timeout (1 s, say), which a loaded host
+                # can take to accept a live database's connection: read as down, and a fail-open
+                # method ran a completed key's handler again. The probe's own budget bounds it;
+                # the connect's timeout is set past that budget, so the two deadlines never fall
+                # together (when they did, one run of the Python 3.13 job hung).
+                options = {**self.options, "timeout": timeout + _PROBE_CONNECT_SLACK_S}
+                conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **options)
                 await conn.fetchval("SELECT 1")
                 await conn.close()
             return True
