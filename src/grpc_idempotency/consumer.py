@@ -148,13 +148,24 @@ class IdempotentConsumer:
         """Marks ``message_id`` and runs ``effect(connection)`` in one transaction and commits;
         ``DUPLICATE`` without running it when the id is already marked. ``timeout`` (seconds)
         bounds the wait for a connection and for a concurrent delivery, not the effect
-        (``math.inf``: no bound, as ``None``; NaN or a negative one is a ``ValueError``).
+        (``math.inf``: no bound, as ``None``; NaN or a negative one is a ``ValueError``, a
+        timedelta or another non-number a ``TypeError``).
 
         Raises ``MessageInProgress``, ``StoreUnavailable``, ``KeyInvalid`` (a malformed id),
         ``HandlerDatabaseError`` (the effect caught a failed statement's error and returned), or
         what the effect raised; in every case nothing is marked and the message must not be
         acknowledged."""
         validate_message_id(message_id)
+        if not callable(effect):
+            # Else it failed inside the mark's transaction, as "'NoneType' object is not
+            # callable", a database round trip later.
+            raise TypeError(f"effect must be an async function of the connection, not {effect!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float)
+        ):
+            # A timedelta (the consumer's settings are timedeltas) failed the comparison below
+            # with a bare "'>=' not supported".
+            raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
         if timeout is not None and not timeout >= 0:
             # NaN too: it compared false everywhere, and a busy pool's wait never ended.
             raise ValueError(f"timeout must be None or not negative, not {timeout!r}")

@@ -589,6 +589,26 @@ async def test_a_nan_or_negative_timeout_is_refused_before_anything_runs(
     assert ran == ["ran"]
 
 
+async def test_a_timeout_or_effect_of_the_wrong_type_is_refused_before_anything_runs(
+    store: Store,
+) -> None:
+    """A timedelta (the consumer's own settings are timedeltas) failed the bound's comparison with
+    a bare "'>=' not supported"; an effect that cannot be called failed only inside the mark's
+    transaction, a database round trip later, as "'NoneType' object is not callable"."""
+    ran: list[str] = []
+
+    async def effect(conn: Any) -> None:
+        ran.append("ran")
+
+    consumer = IdempotentConsumer(store, fresh("consumer"))
+    message_id = fresh()
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        await consumer.process(message_id, effect, timeout=timedelta(seconds=5))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="effect must be an async function of the connection"):
+        await consumer.process(message_id, None)  # type: ignore[arg-type]
+    assert ran == [] and not await consumer.is_processed(message_id)
+
+
 @pytest.mark.parametrize(
     "idle_timeout",
     [timedelta(0), timedelta(microseconds=1), timedelta(milliseconds=99), timedelta(days=36501)],

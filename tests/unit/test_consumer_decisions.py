@@ -38,3 +38,12 @@ def test_a_consumer_name_may_be_as_long_as_the_limit_and_no_longer() -> None:
     assert validate_consumer_name(longest) == longest
     with pytest.raises(ValueError, match="consumer name"):
         validate_consumer_name(longest + "c")
+
+
+@pytest.mark.parametrize("setting", ["retention", "max_wait", "idle_timeout"])
+@pytest.mark.parametrize("value", [30, 1.5, None])
+def test_a_setting_that_is_not_a_timedelta_is_refused_by_name(setting: str, value: object) -> None:
+    # Seconds as a number (as the relay's settings are given) compared a timedelta with an int:
+    # a bare "'<' not supported between instances" that named neither the setting nor the fix.
+    with pytest.raises(TypeError, match=rf"{setting} must be a timedelta"):
+        ConsumerPolicy(**{setting: value})  # type: ignore[arg-type]

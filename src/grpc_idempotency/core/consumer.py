@@ -66,6 +66,14 @@ class ConsumerPolicy:
     mark rolls back and a redelivery elsewhere runs the effect. The server's default lease."""
 
     def __post_init__(self) -> None:
+        for name in ("retention", "max_wait", "idle_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta):
+                # Seconds as a number (the relay takes its durations so) failed the comparisons
+                # below with a bare TypeError that named neither the setting nor the fix.
+                raise TypeError(
+                    f"{name} must be a timedelta (timedelta(seconds=30)), not {value!r}"
+                )
         if not timedelta(0) < self.retention <= MAX_DURATION:
             # Longer overflowed the mark's timestamp: every delivery failed as a store outage.
             raise ValueError(f"retention must be positive and at most {MAX_DURATION.days} days")
