@@ -19,6 +19,9 @@ commit together or not at all:
 - a new id: the effect runs, ``result.outcome is Consumed.PROCESSED``;
 - an id already processed (and within its retention): the effect does not run,
   ``Consumed.DUPLICATE``; acknowledge it all the same;
+- an id already processed with another payload (``process(..., payload=message_bytes)``, which
+  the mark keeps a SHA-256 of): ``KeyReused``, nothing run; another message under a reused id,
+  which a duplicate's acknowledgement would drop unseen: park it as a dead letter;
 - the effect raises: both roll back (the id is not marked) and the exception propagates; do not
   acknowledge, a redelivery runs the effect again;
 - a concurrent delivery of the same id (another replica, or a racing second delivery) is running:
@@ -45,7 +48,8 @@ the effect again, whether or not the expired mark has been purged (``purge_proce
 them in bounded batches). See ``grpc_idempotency.core.consumer`` for the decisions.
 
 Round trips per message: a new id costs one (BEGIN and the mark, batched) plus the effect's plus
-the COMMIT; a duplicate costs two (the mark, then ROLLBACK).
+the COMMIT; a duplicate costs two (the mark, then ROLLBACK), three given its payload (the
+mark's digest is read).
 
 A gRPC receiver fed by the relay's gRPC sink takes the message id from the call's
 ``idempotency-key`` (the row's key): ``process_call(context, effect)`` does that and answers
@@ -70,6 +74,8 @@ from grpc_idempotency.core.consumer import (
     ConsumerPolicy,
     in_progress,
     message_id_from_metadata,
+    payload_fingerprint,
+    payload_reused,
     validate_consumer_name,
     validate_message_id,
 )
@@ -143,19 +149,30 @@ class IdempotentConsumer:
         self._running: dict[str, asyncio.Future[None]] = {}
 
     async def process(
-        self, message_id: str, effect: Effect[T], *, timeout: float | None = None
+        self,
+        message_id: str,
+        effect: Effect[T],
+        *,
+        timeout: float | None = None,
+        payload: bytes | None = None,
     ) -> ConsumeResult[T]:
         """Marks ``message_id`` and runs ``effect(connection)`` in one transaction and commits;
-        ``DUPLICATE`` without running it when the id is already marked. ``timeout`` (seconds)
+        ``DUPLICATE`` without running it when the id is already marked. ``payload``: the
+        message's bytes as delivered; the mark keeps their SHA-256, and a delivery of the id
+        with other bytes is refused (``KeyReused``) rather than acknowledged as a duplicate
+        (a mark written without a payload, or a delivery without one, compares nothing).
+        ``timeout`` (seconds)
         bounds the wait for a connection and for a concurrent delivery, not the effect
         (``math.inf``: no bound, as ``None``; NaN or a negative one is a ``ValueError``, a
         timedelta or another non-number a ``TypeError``).
 
         Raises ``MessageInProgress``, ``StoreUnavailable``, ``KeyInvalid`` (a malformed id),
+        ``KeyReused`` (the id was processed with another payload),
         ``HandlerDatabaseError`` (the effect caught a failed statement's error and returned), or
         what the effect raised; in every case nothing is marked and the message must not be
         acknowledged."""
         validate_message_id(message_id)
+        fingerprint = payload_fingerprint(payload)
         if not callable(effect):
             # Else it failed inside the mark's transaction, as "'NoneType' object is not
             # callable", a database round trip later.
@@ -189,6 +206,7 @@ class IdempotentConsumer:
                 wait_s=max(0.0, wait_until - time.monotonic()),
                 acquire_timeout=None if timeout is None else timeout - (time.monotonic() - started),
                 started=started,
+                fingerprint=fingerprint,
             )
         finally:
             del self._running[message_id]
@@ -202,6 +220,7 @@ class IdempotentConsumer:
         wait_s: float,
         acquire_timeout: float | None,
         started: float,
+        fingerprint: bytes | None,
     ) -> ConsumeResult[T]:
         try:
             mark = await self._messages.mark(
@@ -211,11 +230,21 @@ class IdempotentConsumer:
                 wait_s=wait_s,
                 idle_timeout_s=self.policy.idle_timeout_s,
                 acquire_timeout=acquire_timeout,
+                fingerprint=fingerprint,
             )
         except MarkBusy:
             raise in_progress(message_id, time.monotonic() - started) from None
         if mark.outcome is Consumed.DUPLICATE:
+            # One more round trip, only for a delivery that gave its payload.
+            try:
+                kept = None if fingerprint is None else await mark.kept_fingerprint()
+            except BaseException as exc:
+                await mark.abandon(exc)
+                raise
             await mark.abandon(None)
+            reused = payload_reused(message_id, kept, fingerprint)
+            if reused is not None:
+                raise reused
             return ConsumeResult(message_id, mark.outcome)
         try:
             value = await effect(mark.connection)
@@ -229,7 +258,11 @@ class IdempotentConsumer:
         return ConsumeResult(message_id, mark.outcome, value)
 
     async def process_call(
-        self, context: grpc.aio.ServicerContext[Any, Any], effect: Effect[T]
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        effect: Effect[T],
+        *,
+        payload: bytes | None = None,
     ) -> ConsumeResult[T]:
         """``process`` for a gRPC handler: the message id is the call's ``idempotency-key`` (the
         outbox relay's gRPC sink sends the row's key there), taken as sent, with no scope: meant
@@ -238,10 +271,17 @@ class IdempotentConsumer:
         caller (two callers choosing one key here share one mark). The wait is bounded by the call's
         deadline, and library errors end the call with their status and ``ErrorInfo``: a missing
         or malformed key ``INVALID_ARGUMENT``, a concurrent delivery ``ABORTED`` (with a retry
-        delay), the store ``UNAVAILABLE``. Exceptions of the effect propagate."""
+        delay), the store ``UNAVAILABLE``, the key delivered again with another ``payload``
+        ``FAILED_PRECONDITION`` (``IDEMPOTENCY_KEY_REUSED``; the relay's ``GrpcSink`` parks the
+        row as a dead letter). Pass as ``payload`` bytes every delivery of the message shares:
+        a method with raw bytes as its request (no deserializer) gets the payload as the relay
+        sent it; a parsed request serialized again may differ once the receiver's proto changes.
+        Exceptions of the effect propagate."""
         try:
             message_id = message_id_from_call(context)
-            return await self.process(message_id, effect, timeout=_answers.time_remaining(context))
+            return await self.process(
+                message_id, effect, timeout=_answers.time_remaining(context), payload=payload
+            )
         except IdempotencyError as err:
             await _abort(context, err)
 

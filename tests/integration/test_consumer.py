@@ -24,6 +24,7 @@ from grpc_idempotency import (
     KEY_HEADER,
     HandlerDatabaseError,
     KeyInvalid,
+    KeyReused,
     Store,
     StoreUnavailable,
 )
@@ -473,6 +474,26 @@ async def test_a_message_id_with_dollar_quotes_commits(
     )
     assert await consumer.is_processed(message_id)
     assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+
+
+async def test_a_message_id_delivered_again_with_another_payload_is_refused(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """The same id under another payload (its key reused after the sender's retention, a sender's
+    bug): answered DUPLICATE, the second message's effect (another order's ledger entry) was
+    dropped without a word. Given the payload, the mark keeps its SHA-256 and the repeat is
+    KeyReused (FAILED_PRECONDITION: a relay's GrpcSink parks it as a dead letter), nothing run."""
+    message_id = fresh()
+    first = await consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+    again = await consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+    assert (first.outcome, again.outcome) == (Consumed.PROCESSED, Consumed.DUPLICATE)
+    with pytest.raises(KeyReused, match="another payload"):
+        await consumer.process(message_id, write(consumer, message_id), payload=b"order-2")
+    # Not given a payload, a delivery cannot tell: a duplicate, as before.
+    assert (await consumer.process(message_id, write(consumer, message_id))).duplicate
+    assert await effect_rows(store, consumer, message_id) == 1
+    with pytest.raises(TypeError, match="payload must be bytes"):
+        await consumer.process(fresh(), write(consumer, "x"), payload="order-1")  # type: ignore[arg-type]
 
 
 async def test_consumers_are_separated_by_name(store: Store, effects_table: None) -> None:
@@ -1094,14 +1115,16 @@ async def receiver(
     store: Store, effects_table: None
 ) -> AsyncIterator[tuple[grpc.aio.Channel, IdempotentConsumer, dict[str, Gate]]]:
     """An unkeyed gRPC method (raw bytes) that consumes each call with ``process_call``; a body
-    of b"hold" holds the effect open on the gate registered for the call's key."""
+    of b"hold" holds the effect open on the gate registered for the call's key; one starting with
+    b"order" is passed as the delivery's payload."""
     consumer = IdempotentConsumer(store, fresh("receiver"), max_wait=timedelta(milliseconds=300))
     gates: dict[str, Gate] = {}
 
     async def record(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         key = dict(context.invocation_metadata() or ()).get(KEY_HEADER, "")
         effect = gates[key] if request == b"hold" else write(consumer, key)
-        result = await consumer.process_call(context, effect)
+        payload = request if request.startswith(b"order") else None
+        result = await consumer.process_call(context, effect, payload=payload)
         return result.outcome.value.encode()
 
     server = grpc.aio.server()
@@ -1140,6 +1163,20 @@ async def test_process_call_dedupes_by_the_idempotency_key(
     answers = [await call_raw(channel, RECORD, Raw(b""), ((KEY_HEADER, key),)) for _ in range(3)]
     assert [a.code for a in answers] == [grpc.StatusCode.OK] * 3
     assert [a.body for a in answers] == [b"processed", b"duplicate", b"duplicate"]
+    assert await effect_rows(store, consumer, key) == 1
+
+
+async def test_process_call_refuses_a_key_delivered_again_with_another_payload(
+    store: Store, receiver: tuple[grpc.aio.Channel, IdempotentConsumer, dict[str, Gate]]
+) -> None:
+    channel, consumer, _ = receiver
+    key = fresh()
+    bodies = [b"order-1", b"order-1", b"order-2"]
+    answers = [await call_raw(channel, RECORD, Raw(b), ((KEY_HEADER, key),)) for b in bodies]
+    assert [a.code for a in answers] == [grpc.StatusCode.OK] * 2 + [
+        grpc.StatusCode.FAILED_PRECONDITION
+    ]
+    assert answers[2].reason() == "IDEMPOTENCY_KEY_REUSED"
     assert await effect_rows(store, consumer, key) == 1
 
 

@@ -378,7 +378,7 @@ async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_
         await store.pool.execute(f'ALTER TABLE "{schema}".records DROP COLUMN claim_attempt')
         await store.pool.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 14')
         with pytest.raises(
-            StoreMisconfigured, match=r"at version 13; .* needs migrations \[14, 15, 16\]"
+            StoreMisconfigured, match=r"at version 13; .* needs migrations \[14, 15, 16, 17\]"
         ):
             await Store.connect(pg_dsn, schema=schema)
         # What a server of the release before 0014 sends (0012's claim_with_start over claim()).
@@ -394,7 +394,7 @@ async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_
                 30.0,
             )
         assert refused.value.sqlstate == "GI002"
-        assert await store.migrate() == [14, 15, 16]
+        assert await store.migrate() == [14, 15, 16, 17]
         new = await claim(store, key, b"b" * 32, lease_s=30, retention_s=600)
         assert new is not None and new.token == 2
         await (await Store.connect(pg_dsn, schema=schema)).close()

@@ -24,6 +24,7 @@ Theory of operation (the driver is ``grpc_idempotency.consumer``):
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from datetime import timedelta
 from grpc_idempotency.core.errors import (
     KeyInvalid,
     KeyMissing,
+    KeyReused,
     MessageInProgress,
 )
 from grpc_idempotency.core.keys import key_from_metadata
@@ -148,6 +150,30 @@ def consumed(rows_marked: int) -> Consumed:
     """What the mark statement's row count means: 1, this transaction owns the id (a new id, or
     an expired mark taken over); 0, the id is marked and live: a duplicate."""
     return Consumed.PROCESSED if rows_marked else Consumed.DUPLICATE
+
+
+def payload_fingerprint(payload: bytes | bytearray | memoryview | None) -> bytes | None:
+    """What a mark keeps of a delivery's payload: its SHA-256 (``None``: no payload given)."""
+    if payload is None:
+        return None
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        # A str or a protobuf message has no single byte form the next delivery would share.
+        raise TypeError(
+            f"payload must be bytes (the message as delivered), not {type(payload).__name__}"
+        )
+    return hashlib.sha256(payload).digest()
+
+
+def payload_reused(message_id: str, kept: bytes | None, given: bytes | None) -> KeyReused | None:
+    """A duplicate whose payload is not the marked one's: another message under a reused id,
+    refused rather than acknowledged unrun. Either digest unknown: nothing to compare."""
+    if kept is None or given is None or kept == given:
+        return None
+    return KeyReused(
+        f"message {message_id!r} was processed with another payload: its id is reused by a"
+        " different message (a sender's key reused after its retention?); nothing ran: park it"
+        " as a dead letter"
+    )
 
 
 def in_progress(message_id: str, waited_s: float) -> MessageInProgress:

@@ -3,8 +3,9 @@
 A delivery opens a transaction that marks its message id (``ProcessedMessages.mark``), the
 consumer runs its effect on that transaction's connection, and the mark commits with the effect
 (``Mark.commit``, which also starts its retention) or goes with it (``Mark.abandon``). A
-duplicate finds the mark; a concurrent delivery of the same id waits on the row's lock, bounded
-by ``lock_timeout``, and then is told ``MarkBusy``.
+duplicate finds the mark (and the payload digest it keeps, ``Mark.kept_fingerprint``); a
+concurrent delivery of the same id waits on the row's lock, bounded by ``lock_timeout``, and
+then is told ``MarkBusy``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store.errors import (
+    STORE_ERRORS,
     aborted_by,
     from_the_driver,
     raised_in_asyncpg,
@@ -32,7 +34,13 @@ from grpc_idempotency.store.postgres import (
     _connection_gone,
     connection_closed,
 )
-from grpc_idempotency.store.sql import begin, float_literal, schema_identifier, text_literal
+from grpc_idempotency.store.sql import (
+    begin,
+    bytes_literal,
+    float_literal,
+    schema_identifier,
+    text_literal,
+)
 
 log = library_logger("grpc_idempotency.consumer")
 
@@ -70,12 +78,14 @@ class ConsumerStatements:
             "SELECT pg_catalog.current_setting('lock_timeout') AS setting), "
             "bounded AS MATERIALIZED ("
             "SELECT setting, pg_catalog.set_config('lock_timeout', {wait}, true) FROM prior) "
-            f"INSERT INTO {self.table} AS p (consumer, message_id, expires_at) "
+            f"INSERT INTO {self.table} AS p (consumer, message_id, expires_at, fingerprint) "
             "SELECT {consumer}, {message_id}, "
-            "pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => {retention}) "
+            "pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => {retention}), "
+            "{fingerprint} "
             "FROM bounded "
             "ON CONFLICT (consumer, message_id) DO UPDATE "
-            "SET processed_at = pg_catalog.clock_timestamp(), expires_at = EXCLUDED.expires_at "
+            "SET processed_at = pg_catalog.clock_timestamp(), expires_at = EXCLUDED.expires_at, "
+            "fingerprint = EXCLUDED.fingerprint "
             # A live mark is a duplicate; an expired one is taken over, as if purged already.
             "WHERE p.expires_at <= pg_catalog.clock_timestamp() "
             "RETURNING pg_catalog.set_config('lock_timeout', (SELECT setting FROM bounded), true), "
@@ -120,6 +130,11 @@ class ConsumerStatements:
             " (the effect ended it, or deleted the mark)'; END IF;"
             " PERFORM pg_catalog.set_config('search_path', prior, true); END{tag}; COMMIT"
         )
+        # A duplicate's mark, read in the duplicate's transaction (after the mark statement found
+        # it committed and live), to compare payloads.
+        self.fingerprint = (
+            f"SELECT fingerprint FROM {self.table} WHERE consumer = $1 AND message_id = $2"
+        )
         self.is_processed = (
             f"SELECT EXISTS (SELECT FROM {self.table} WHERE consumer = $1 AND message_id = $2"
             " AND expires_at > pg_catalog.clock_timestamp())"
@@ -143,9 +158,11 @@ class ConsumerStatements:
         wait_s: float,
         idle_timeout_s: float,
         token: str,
+        fingerprint: bytes | None,
     ) -> str:
         return self.mark_template.format(
             token=text_literal(token),
+            fingerprint=bytes_literal(fingerprint),
             begin=begin("read committed", idle_timeout_s),
             wait=text_literal(lock_timeout(wait_s)),
             consumer=text_literal(consumer),
@@ -185,10 +202,12 @@ class ProcessedMessages:
         wait_s: float,
         idle_timeout_s: float,
         acquire_timeout: float | None,
+        fingerprint: bytes | None = None,
     ) -> Mark:
-        """Opens a transaction holding ``message_id``'s mark for ``consumer``; its ``outcome``
-        says whether the id was new (``PROCESSED``) or marked already (``DUPLICATE``). Raises
-        ``MarkBusy`` after ``wait_s`` on a concurrent delivery, ``StoreUnavailable``."""
+        """Opens a transaction holding ``message_id``'s mark for ``consumer`` (with the payload's
+        ``fingerprint``, if given); its ``outcome`` says whether the id was new (``PROCESSED``)
+        or marked already (``DUPLICATE``). Raises ``MarkBusy`` after ``wait_s`` on a concurrent
+        delivery, ``StoreUnavailable``."""
         store = self.store
         token = uuid.uuid4().hex  # the mark's transaction, as the commit checks it
         deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
@@ -202,7 +221,9 @@ class ProcessedMessages:
             now = time.monotonic()
             marking = now if marking is None else marking
             wait = max(0.0, wait_s - (now - marking))
-            sql = self._sql.mark(consumer, message_id, retention_s, wait, idle_timeout_s, token)
+            sql = self._sql.mark(
+                consumer, message_id, retention_s, wait, idle_timeout_s, token, fingerprint
+            )
             # The statement may wait that long on the row (lock_timeout), beyond the pool's
             # command_timeout, which bounds the rest: with only command_timeout, a max_wait
             # longer than it was cut short, and the duplicate failed as StoreUnavailable (an
@@ -228,7 +249,8 @@ class ProcessedMessages:
                     raise store_error(exc, "marking a message") from exc
                 raise
             commit = self._sql.commit(consumer, message_id, retention_s, token)
-            return Mark(store, conn, consumed(int(status.split()[-1])), commit)
+            kept = (self._sql.fingerprint, consumer, message_id)
+            return Mark(store, conn, consumed(int(status.split()[-1])), commit, kept)
         raise AssertionError("unreachable")
 
     async def is_processed(self, consumer: str, message_id: str) -> bool:
@@ -267,13 +289,29 @@ class Mark:
     gives the connection back."""
 
     def __init__(
-        self, store: Store, conn: PooledConnection, outcome: Consumed, commit_sql: str
+        self,
+        store: Store,
+        conn: PooledConnection,
+        outcome: Consumed,
+        commit_sql: str,
+        kept_sql: tuple[str, str, str],
     ) -> None:
         self._store = store
         self.connection = conn
         self.outcome = outcome
         self._commit_sql = commit_sql
+        self._kept_sql = kept_sql
         self._done = False
+
+    async def kept_fingerprint(self) -> bytes | None:
+        """The payload digest the committed mark holds (``None``: written without one); for a
+        ``DUPLICATE``, before ``abandon``. Raises ``StoreUnavailable``."""
+        sql, consumer, message_id = self._kept_sql
+        try:
+            kept: bytes | None = await self.connection.fetchval(sql, consumer, message_id)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "reading a message's mark") from exc
+        return None if kept is None else bytes(kept)
 
     def lost_by(self, exc: BaseException) -> bool:
         """Whether ``exc`` (raised by the effect) is the connection breaking under it: the

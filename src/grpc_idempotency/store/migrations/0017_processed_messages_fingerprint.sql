@@ -1,0 +1,14 @@
+-- A consumer's mark keeps the SHA-256 of the message's payload, when the delivery gives one.
+--
+-- A mark held the message id alone, so a delivery of the id with another payload (the sender's
+-- idempotency key reused after its retention, the earlier outbox row purged; a sender's bug) was
+-- answered DUPLICATE and acknowledged: the second message's effect was dropped without a word.
+-- IdempotentConsumer.process(..., payload=) now writes the payload's digest with the mark, and a
+-- repeat whose payload differs is refused (KeyReused) instead.
+--
+-- Nullable without a default: adding it rewrites nothing, and the ACCESS EXCLUSIVE lock the
+-- ALTER takes is held for no longer than that. Marks written before this migration, or by a
+-- delivery that gave no payload, keep it NULL: nothing to compare, a repeat is a duplicate.
+-- IF NOT EXISTS, as 0016's column: applied again to a schema whose version was set back, it
+-- finds the column there.
+ALTER TABLE {schema}.processed_messages ADD COLUMN IF NOT EXISTS fingerprint bytea;
