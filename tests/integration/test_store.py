@@ -137,6 +137,39 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
         await store.close()
 
 
+async def test_a_migration_under_a_short_statement_timeout_still_gives_way_for_its_lock(
+    pg_dsn: str,
+) -> None:
+    """With a statement timeout below lock_timeout_s (Store.connect(command_timeout=1),
+    --command-timeout 1), the wait for the table lock ran into the statement timeout first: the
+    migration gave up at once instead of giving way and trying again, and was reported as too
+    slow ("give a migration this long more time"). Now the lock wait is bounded below the
+    statement timeout, and a lock held throughout ends as the lock story it is."""
+    from grpc_idempotency.store.migrations import migrate
+
+    schema = fresh_schema()
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True, min_size=1)
+    s = f'"{schema}"'
+    await store.pool.execute(
+        f"ALTER TABLE {s}.outbox DROP COLUMN failures, DROP COLUMN lost_claims;"
+        f" DELETE FROM {s}.schema_migrations WHERE version >= 10"
+    )
+    call = await asyncpg.connect(pg_dsn)  # a call's transaction that read the outbox
+    runner = await asyncpg.connect(pg_dsn)
+    try:
+        await call.execute(f"BEGIN; SELECT count(*) FROM {s}.outbox")
+        with pytest.raises(asyncpg.LockNotAvailableError):
+            await migrate(
+                runner, schema, lock_timeout_s=5.0, lock_attempts=1, statement_timeout_s=0.4
+            )
+        assert max(await applied_versions(runner, schema)) == 9
+    finally:
+        await call.close()
+        await runner.close()
+        await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
+        await store.close()
+
+
 @pytest.mark.parametrize(
     ("bound", "said"),
     [

@@ -13,8 +13,9 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
   whatever the database's default, so that the statement after the lock sees what the first
   runner committed while the second waited (at REPEATABLE READ its snapshot predates the lock,
   and it applied migration 1 again: "already exists").
-- DDL waits for its table lock at most ``LOCK_TIMEOUT_S``: an ALTER TABLE queued behind a long
-  transaction would otherwise hold up every call on that table behind it. It gives way, waits,
+- DDL waits for its table lock at most ``LOCK_TIMEOUT_S`` (or half the statement timeout, if
+  shorter): an ALTER TABLE queued behind a long transaction would otherwise hold up every call
+  on that table behind it. It gives way, waits,
   and tries again, ``LOCK_ATTEMPTS`` times in all, then raises ``LockNotAvailableError``.
 - A migration's statements are bounded by ``statement_timeout_s`` (the store's
   ``command_timeout``, ``--command-timeout``), not by the session's ``statement_timeout``: a
@@ -227,7 +228,16 @@ async def _apply(
         if done:
             return False
         # After the advisory lock, which may be waited for as long as another runner takes.
-        ms = max(1, round(lock_timeout_s * 1000))
+        # Under the statement's own bound (half of it, so that the server's lock_timeout fires
+        # before its statement_timeout and the client's command_timeout): a command_timeout
+        # below lock_timeout_s (Store.connect(command_timeout=1), --command-timeout 1) ended a
+        # wait for the table lock as a timeout, which gave up at once instead of giving way and
+        # trying again, and said "give a migration this long more time" of one that had only
+        # queued behind a long transaction.
+        wait_s = lock_timeout_s
+        if statement_timeout_s is not None:
+            wait_s = min(wait_s, statement_timeout_s / 2)
+        ms = max(1, round(wait_s * 1000))
         await conn.execute(f"SET LOCAL lock_timeout = {ms}")
         # The caller's bound, not the role's or the DSN's statement_timeout: a short one of
         # those cancelled a long migration (57014, "unavailable") however far --command-timeout
