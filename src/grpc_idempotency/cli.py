@@ -61,9 +61,11 @@ _DESCRIPTION = (
     " inspect an operation and the records of a scope. Commands that use the database exit 1"
     " when it cannot be reached (retry later) and 2 when it answers but cannot be used (no such"
     " database or role, bad password, schema not migrated) or on bad usage; inspect and list"
-    " exit 3 when nothing matched, outbox retry when an id given was not a dead letter."
+    " exit 3 when nothing matched, outbox retry when an id given was not a dead letter;"
+    " inspect exits 4 when a step's child key reached more than one record."
     " Stopped by SIGINT (Ctrl-C) or SIGTERM, a command exits 130 or 143 (the relay stops"
-    " cleanly, exit 0); its output cut short (list | head), 141 without a word."
+    " cleanly, exit 0); its output cut short (list | head), 141 without a word; its output"
+    " not writable at all (a full disk), 74, its work done."
 )
 
 

@@ -7,6 +7,7 @@ runs the command against real ones)."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import unicodedata
 from pathlib import Path
@@ -321,3 +322,15 @@ def test_scope_takes_exactly_the_scopes_the_server_takes() -> None:
         assert _scope_taken(text) == (scope_problem(text) is None), ascii(text)
     assert _scope_taken("t:\U0001f469\u200d\U0001f4bb")  # ZWJ: an emoji sequence
     assert not _scope_taken("tenant:a\u200bb")  # zero width space
+
+
+def test_the_help_names_every_exit_status_the_readme_names() -> None:
+    """The README's Operations section lists the exit statuses; ``--help`` left out 4 (inspect:
+    a child key on more than one record) and 74 (the output could not be written), and a script
+    author reading only the help took a 74 for an unknown failure."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    operations = readme.split("## Operations", 1)[1].split("**Migrations.**", 1)[0]
+    helped = " ".join(_parser().format_help().split())
+    for status in ("1", "2", "3", "4", "130", "143", "141", "74"):
+        assert re.search(rf"\b{status}\b", operations), status
+        assert re.search(rf"\b{status}\b", helped), status
