@@ -15,8 +15,8 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
   and it applied migration 1 again: "already exists").
 - DDL waits for its table lock at most ``LOCK_TIMEOUT_S`` (or half the statement timeout, if
   shorter): an ALTER TABLE queued behind a long transaction would otherwise hold up every call
-  on that table behind it. It gives way, waits,
-  and tries again, ``LOCK_ATTEMPTS`` times in all, then raises ``LockNotAvailableError``.
+  on that table behind it. It gives way, waits, and tries again, ``LOCK_ATTEMPTS`` times in
+  all, then raises ``LockNotAvailableError``.
 - A migration's statements are bounded by ``statement_timeout_s`` (the store's
   ``command_timeout``, ``--command-timeout``), not by the session's ``statement_timeout``: a
   role's short one (common for application roles) cancelled a long migration however far the
