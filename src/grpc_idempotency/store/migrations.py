@@ -180,6 +180,15 @@ def _cause(exc: BaseException) -> str:
     return "the statement timeout"
 
 
+def lock_wait_s(statement_timeout_s: float | None, lock_timeout_s: float = LOCK_TIMEOUT_S) -> float:
+    """How long one try of a migration waits for its table lock: ``lock_timeout_s``, or half the
+    statement's bound if that is shorter, so that the lock wait, which gives way and tries
+    again, ends before the statement's timeout, which gives up."""
+    if statement_timeout_s is None:
+        return lock_timeout_s
+    return min(lock_timeout_s, statement_timeout_s / 2)
+
+
 async def _apply(
     conn: Any,
     schema: str,
@@ -234,10 +243,7 @@ async def _apply(
         # wait for the table lock as a timeout, which gave up at once instead of giving way and
         # trying again, and said "give a migration this long more time" of one that had only
         # queued behind a long transaction.
-        wait_s = lock_timeout_s
-        if statement_timeout_s is not None:
-            wait_s = min(wait_s, statement_timeout_s / 2)
-        ms = max(1, round(wait_s * 1000))
+        ms = max(1, round(lock_wait_s(statement_timeout_s, lock_timeout_s) * 1000))
         await conn.execute(f"SET LOCAL lock_timeout = {ms}")
         # The caller's bound, not the role's or the DSN's statement_timeout: a short one of
         # those cancelled a long migration (57014, "unavailable") however far --command-timeout

@@ -790,9 +790,7 @@ class Store:
                     " schema of its own)"
                 ) from exc
             except asyncpg.LockNotAvailableError as exc:
-                wait_s = migrations.LOCK_TIMEOUT_S
-                if self.command_timeout is not None:  # as migrations._apply bounds the wait
-                    wait_s = min(wait_s, self.command_timeout / 2)
+                wait_s = migrations.lock_wait_s(self.command_timeout)
                 raise StoreUnavailable(
                     "a migration could not take its table lock (a long transaction holds it; "
                     f"{migrations.LOCK_ATTEMPTS} tries of {wait_s:g} s): run"
