@@ -379,6 +379,54 @@ async def test_a_takeover_across_a_version_bump_keeps_the_old_version(
     assert ledger.service.keys_seen[-1] == child_key("tenant:tenant-a", key2, "post-ledger.v2")
 
 
+class _NamesItsStep(RelayService):
+    """Names its step, as a call of a step retired for good must be named (choose_step)."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        with step("post-ledger.v1"):
+            answer = await self.ledger.Post(
+                testsvc_pb2.PostRequest(account=request.account, amount=1)
+            )
+        return testsvc_pb2.ForwardResponse(
+            entry_id=answer.entry_id, execution_nonce=answer.execution_nonce
+        )
+
+
+async def test_an_operation_begun_before_its_last_calling_step_was_retired_keeps_it(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """post-ledger.v1 retired for good (no version replaces it) after an operation began, which
+    had called it: the operation's retry keeps the step's child key, as a retired step keys the
+    operations begun before its retirement. Its mode unset, the method was compiled atomic as
+    soon as no *active* step called a service; an atomic attempt begins its operation anew (it
+    leaves nothing behind), here after the retirement, so the retry was refused
+    (StepUndeclared, FAILED_PRECONDITION) on every attempt until the key expired; before the
+    retirement, it called downstream with its transaction open."""
+    only = {"post-ledger.v1": POST}
+    old = {FORWARD: MethodOverride(steps=[Step(name=n, call=c) for n, c in only.items()])}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account)
+    async with running_relay(store, ledger.address, overrides=old, servicer=_NamesItsStep) as relay:
+        first = await relay.forward(request, key)
+        assert first.code is grpc.StatusCode.OK, first
+    await _crash_before_the_final_commit(store, key)
+    # Deployed with the step retired as of now: after the operation began, before its retry.
+    retired_at = datetime.now(UTC)
+    new = {
+        FORWARD: MethodOverride(
+            steps=[Step(name=n, call=c, retired_at=retired_at) for n, c in only.items()]
+        )
+    }
+    async with running_relay(
+        store, ledger.address, overrides=new, servicer=_NamesItsStep
+    ) as restarted:
+        second = await restarted.forward(request, key)
+        assert second.code is grpc.StatusCode.OK and not second.replayed, second
+    assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
+    assert second.body == first.body
+    assert ledger.service.executions == 1
+
+
 async def _crash_before_the_final_commit(store: Store, key: str) -> None:
     """As if the relay had crashed after calling downstream, before its final commit: the claim
     stays, its lease over, and the retry reaches a restarted relay, which takes it over."""

@@ -696,16 +696,27 @@ def test_a_misspelt_override_of_a_service_imported_later_refuses_its_methods() -
     assert policy is not None
 
 
-def test_retired_steps_are_read_and_do_not_make_a_method_phased() -> None:
+def test_retired_steps_are_read_and_a_retired_call_keeps_a_method_phased() -> None:
+    """A retired step still keys the calls of operations begun before its retirement, which
+    only a phased claim remembers: the unset mode stays phased while one is declared
+    (tests/integration/test_client.py, test_an_operation_begun_before_its_last_calling_step_
+    was_retired_keeps_it). A retired outbox step makes no method phased."""
+
     def retired(o: options_pb2.MethodPolicy) -> None:
         step = o.steps.add(name="charge.v1", call="a.B/C")
         step.retired_at.seconds = 1_700_000_000
 
     policy = compile_policy(method_with(retired))
     assert policy is not None
-    assert policy.mode is Mode.ATOMIC
+    assert policy.mode is Mode.PHASED
     (step,) = policy.steps
     assert step.retired_at is not None and step.retired_at.year == 2023 and not step.active
+
+    def retired_outbox(o: options_pb2.MethodPolicy) -> None:
+        o.steps.add(name="event.v1", outbox=True).retired_at.seconds = 1_700_000_000
+
+    policy = compile_policy(method_with(retired_outbox))
+    assert policy is not None and policy.mode is Mode.ATOMIC
 
 
 def test_a_method_found_on_first_use_with_bad_options_fails_the_same_way_every_call() -> None:

@@ -470,10 +470,17 @@ def _mode(
     """Unset mode: phased when a step calls another service, else atomic. An atomic method that
     calls other services is refused, whether the proto or a ``MethodOverride`` says atomic and
     whichever declared the steps: its transaction would stay open across the calls, holding a
-    connection and locks for as long as the slowest downstream service."""
+    connection and locks for as long as the slowest downstream service.
+
+    A retired step counts for the unset mode: it still keys the calls of the operations begun
+    before its retirement (``propagation.choose_step``), which only a phased claim remembers
+    (an atomic attempt begins its operation anew). Counted only while active, retiring a
+    method's last calling step made it atomic: the retry of an operation begun before the
+    retirement, which had made the call, was refused (``StepUndeclared``) once the retirement
+    had passed, and called downstream with its transaction open before."""
     calls = [s.name for s in steps if s.call and s.active]
     if override is None and options.mode == options_pb2.MODE_UNSPECIFIED:
-        return Mode.PHASED if calls else Mode.ATOMIC
+        return Mode.PHASED if any(s.call for s in steps) else Mode.ATOMIC
     mode = override if override is not None else _member(_MODE, options, "mode", path)
     if mode is Mode.ATOMIC and calls:
         said = "MODE_ATOMIC" if override is None else "MethodOverride(mode=Mode.ATOMIC)"
