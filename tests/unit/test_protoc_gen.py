@@ -1735,6 +1735,53 @@ def test_messages_named_like_keywords_are_read_with_getattr(tmp_path: Path) -> N
         assert expected in source, source
 
 
+DESCRIPTOR_NAMED = """\
+syntax = "proto3";
+package dsc.{version};
+import "grpc_idempotency/v1/options.proto";
+{declaration}
+message Res {{ string y = 1; }}
+service Pay {{ rpc Charge(Req) returns (Res) {{ option (grpc_idempotency.v1.method) = {{}}; }} }}
+"""
+
+
+def test_a_message_or_enum_value_named_descriptor_does_not_hide_the_services(
+    tmp_path: Path,
+) -> None:
+    """A top-level message, or enum value, named ``DESCRIPTOR`` (legal proto) is bound in the
+    file's _pb2 module under that name, over the module's file descriptor. protoc's own code
+    does not read it as one; ``SERVICES`` did (``shop_pb2.DESCRIPTOR.services_by_name``), and
+    the generated module failed to import (AttributeError: services_by_name). (protoc's .pyi
+    of such a file declares ``DESCRIPTOR`` twice, which mypy reports: generated without.)"""
+    message = "message DESCRIPTOR { string x = 1; }\nmessage Req { DESCRIPTOR d = 1; }"
+    value = "enum Kind { DESCRIPTOR = 0; }\nmessage Req { Kind kind = 1; }"
+    files = {
+        "dsc/v1/shop.proto": DESCRIPTOR_NAMED.format(version="v1", declaration=message),
+        "dsc/v2/shop.proto": DESCRIPTOR_NAMED.format(version="v2", declaration=value),
+    }
+    for name, text in files.items():
+        (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "protos" / name).write_text(text)
+    out = tmp_path / "out"
+    done = protoc(tmp_path / "protos", out, *files, extra=(f"--python_out={out}",))
+    assert done.returncode == 0, done.stderr
+    generated = sorted(generated_files(out))
+    assert generated == ["dsc/v1/shop_idempotency.py", "dsc/v2/shop_idempotency.py"]
+    check = textwrap.dedent(
+        """
+        from dsc.v1 import shop_idempotency as one
+        from dsc.v2 import shop_idempotency as two
+
+        print(*(s.full_name for s in (*one.SERVICES, *two.SERVICES)))
+        """
+    )
+    ran = run_with_generated(tmp_path, out, check)
+    assert ran.stdout.split() == ["dsc.v1.Pay", "dsc.v2.Pay"]
+    assert_ruff_clean([out / name for name in generated])
+    typed = mypy(out, *generated)
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+
+
 # -- the request's descriptor pool -----------------------------------------------------------
 
 

@@ -52,7 +52,8 @@ _ISOLATION = {
 _MODULE_NAMES = frozenset(
     {
         "importlib", "json", "Mapping", "Sequence", "datetime", "timedelta", "Final", "TypeVar",
-        "grpc", "ServiceDescriptor", "Message", "Code", "Isolation", "KeyRequirement",
+        "grpc", "descriptor_pool", "ServiceDescriptor", "Message", "Code", "Isolation",
+        "KeyRequirement",
         "MethodOverride", "Mode", "Step", "StoreDown", "step_metadata", "SERVICES", "POLICIES",
         "SERVICE_CONFIG", "CHANNEL_OPTIONS", "_Request", "_Response", "_unary",
     }
@@ -144,6 +145,9 @@ class _Renderer:
         if problems:
             raise NameClash("\n".join(problems))
         self.needs: set[str] = set()
+        # Modules an expression of the body reads (``_services``, ``_type``): one imported and
+        # read by none is imported for its descriptors alone (``_imports``).
+        self.read: set[str] = set()
 
     # -- the file ---------------------------------------------------------------------------
 
@@ -220,6 +224,8 @@ class _Renderer:
         third = []
         if "grpc" in self.needs:
             third.append("import grpc")
+        if "descriptor_pool" in self.needs:
+            third.append("from google.protobuf import descriptor_pool")
         third.append("from google.protobuf.descriptor import ServiceDescriptor")
         if "Message" in self.needs:
             third.append("from google.protobuf.message import Message")
@@ -234,7 +240,7 @@ class _Renderer:
             line
             for module, local in sorted(self.modules.items())
             if module not in self.dynamic
-            for line in _import_lines_of(module, local)
+            for line in _import_lines_of(module, local, unread=module not in self.read)
         ]
         # ``from in.v1 import pay_pb2`` is a SyntaxError: protoc's python_out imports such a
         # module with importlib too. So is a module whose .pyi protoc's pyi_out writes with a
@@ -272,8 +278,20 @@ class _Renderer:
         for method in self.file.methods:
             if method.service not in services:
                 services.append(method.service)
+        # A top-level message, enum, extension or enum value named DESCRIPTOR is bound in the
+        # _pb2 module over its file descriptor (protoc's own code never reads it as one): the
+        # services are found in the default pool instead, where importing the module put them.
+        hidden = _hides_descriptor(self.file.descriptor)
+        if hidden:
+            self.needs.add("descriptor_pool")
+        else:
+            self.read.add(names.pb2_module(self.source))
         entries: list[str] = []
         for service in services:
+            if hidden:
+                lookup = f'descriptor_pool.Default().FindServiceByName("{service.full_name}")'
+                entries += [f"{INDENT}{lookup},"]
+                continue
             entry = f'{INDENT}{own}.DESCRIPTOR.services_by_name["{service.name}"],'
             # An aliased module (``a_dot_v1_dot_service__pb2``) makes ordinary names long: split
             # at the bracket, as a formatter does.
@@ -500,6 +518,7 @@ class _Renderer:
         from``, ``Outer.class``) is read with ``getattr``: ``kw_pb2.Outer.class`` is a
         SyntaxError. Such a message's module is imported with importlib (``_stub_has_keyword``):
         its annotation is ``Message``."""
+        self.read.add(names.pb2_module(message.file.name))
         expression = self.modules[names.pb2_module(message.file.name)]
         for part in _relative_name(message).split("."):
             expression = (
@@ -532,6 +551,18 @@ def _stub_has_keyword(proto: FileDescriptor) -> bool:
         any(message_named(m) for m in proto.message_types_by_name.values())
         or any(enum_named(e) for e in proto.enum_types_by_name.values())
         or any(keyword.iskeyword(name) for name in proto.extensions_by_name)
+    )
+
+
+def _hides_descriptor(proto: FileDescriptor) -> bool:
+    """Whether ``proto``'s _pb2 module binds ``DESCRIPTOR`` to one of the file's own symbols:
+    a top-level message, enum, extension or enum value (enum values are bound at the top level
+    too) named so."""
+    return (
+        "DESCRIPTOR" in proto.message_types_by_name
+        or "DESCRIPTOR" in proto.enum_types_by_name
+        or "DESCRIPTOR" in proto.extensions_by_name
+        or any("DESCRIPTOR" in enum.values_by_name for enum in proto.enum_types_by_name.values())
     )
 
 
@@ -651,15 +682,22 @@ def _import_statement(module: str, local: str | None = None) -> str:
     return f"from {package} import {base}{alias}" if package else f"import {base}{alias}"
 
 
-def _import_lines_of(module: str, local: str) -> list[str]:
+def _import_lines_of(module: str, local: str, *, unread: bool = False) -> list[str]:
     """``_import_statement``, exploded as a formatter explodes it when it passes 88 columns (an
-    alias, ``service_pb2 as a_dot_v1_dot_service__pb2``, doubles the length of a name)."""
+    alias, ``service_pb2 as a_dot_v1_dot_service__pb2``, doubles the length of a name).
+    ``unread``: imported only for the descriptors it adds to the default pool (a formatter
+    leaves the pragma out of a line's length)."""
+    noqa = "  # noqa: F401" if unread else ""
     single = _import_statement(module, local)
     package, _, base = module.rpartition(".")
     if len(single) <= 88 or not package:
-        return [single]
+        return [single + noqa]
     alias = f" as {local}" if local != base else ""
-    return [f"from {package} import (", f"{INDENT}{base}{alias},", ")"]
+    return [
+        f"from {package} import (  {noqa.strip()}" if noqa else f"from {package} import (",
+        f"{INDENT}{base}{alias},",
+        ")",
+    ]
 
 
 def _import_lines(module: str, imported: list[str]) -> list[str]:
