@@ -217,6 +217,17 @@ def methods_of(services: Services) -> Iterable[MethodDescriptor]:
     for item in services:
         if isinstance(item, ModuleType):
             descriptor = getattr(item, "DESCRIPTOR", None)
+            if descriptor is not None and not isinstance(descriptor, FileDescriptor):
+                # Told apart from a _pb2_grpc module: refused as one, the _pb2 that was
+                # passed was said not to be one.
+                raise TypeError(
+                    f"module {item.__name__}: its DESCRIPTOR is not the file descriptor but"
+                    f" {descriptor!r}: its .proto declares a top-level message, enum, extension"
+                    " or enum value named DESCRIPTOR, which protoc's python_out binds over it;"
+                    " pass the file's services instead: its generated SERVICES"
+                    " (protoc-gen-grpc-idempotency), or"
+                    ' descriptor_pool.Default().FindServiceByName("package.Service")'
+                )
             if not isinstance(descriptor, FileDescriptor):
                 # Typically the _pb2_grpc module, which servicers come from: it has no
                 # descriptor (a bare AttributeError said only that).

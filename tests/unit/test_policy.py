@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -632,6 +633,21 @@ def test_services_given_as_the_grpc_module_are_refused_clearly() -> None:
 
     with pytest.raises(TypeError, match=r"testsvc_pb2_grpc.*pass the _pb2 module"):
         PolicyRegistry([testsvc_pb2_grpc])
+
+
+def test_a_pb2_module_whose_descriptor_is_hidden_is_refused_saying_why() -> None:
+    """A .proto declaring a top-level message (enum, extension, enum value) named DESCRIPTOR
+    has its _pb2 bind that name over the file descriptor. ``services=[x_pb2]`` was refused as
+    the _pb2_grpc module ("pass the _pb2 module"), which is what had been passed."""
+    from grpc_idempotency.registry import PolicyRegistry
+
+    hidden = ModuleType("dsc.v1.shop_pb2")
+    hidden.DESCRIPTOR = testsvc_pb2.PostRequest  # type: ignore[attr-defined]
+    with pytest.raises(TypeError) as refused:
+        PolicyRegistry([hidden])
+    text = str(refused.value)
+    assert "dsc.v1.shop_pb2" in text and "named DESCRIPTOR" in text, text
+    assert "pass the _pb2 module" not in text and "FindServiceByName" in text, text
 
 
 def test_an_override_of_a_service_not_known_yet_is_said_at_start(
