@@ -29,6 +29,7 @@ class BlackholeProxy:
         self._password = parts.password
         self._database = parts.path.lstrip("/") or "postgres"
         self._server: asyncio.Server | None = None
+        self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
         self._clients: list[asyncio.StreamWriter] = []
@@ -127,10 +128,18 @@ class BlackholeProxy:
             writer.write(data)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self._closed:
+            # Accepted as close() ran (asyncpg's pool reconnects in the background, to keep its
+            # min_size): close() did not see it, and left open it kept the server's
+            # wait_closed() waiting for ever (a hang of the Python 3.13 job).
+            client_w.transport.abort()
+            return
         self._writers.append(client_w)
         self._clients.append(client_w)
         if self.partitioned:
             await self._swallow(client_r)
+            # The client gave up: an open half of it, left so, kept wait_closed() waiting too.
+            client_w.transport.abort()
             return
         if self.connect_delay:
             await asyncio.sleep(self.connect_delay)
@@ -139,6 +148,10 @@ class BlackholeProxy:
         else:
             server_r, server_w = await asyncio.open_connection(*self._tcp)
         self._writers.append(server_w)
+        if self._closed:
+            server_w.transport.abort()
+            client_w.transport.abort()
+            return
         pipes = [
             asyncio.ensure_future(
                 self._pipe(client_r, server_w, upstream=True, client=(client_w, self._failovers))
@@ -195,6 +208,7 @@ class BlackholeProxy:
                 pass
 
     async def close(self) -> None:
+        self._closed = True
         if self._server is not None:
             self._server.close()
         for writer in self._writers:
