@@ -423,6 +423,7 @@ async def test_an_operation_in_progress_shows_its_lease(services: Services) -> N
         (op,) = done.json()["operations"]
         assert op["state"] == "in_progress" and op["completed_at"] is None
         assert op["lease"] is not None and op["lease"]["locked_until"] is not None
+        assert op["lease"]["released"] is False
         listed = await cli("list", "--dsn", services.dsn, "--schema", services.ledger_store.schema,
                            "--scope", scope, "--state", "in_progress", "--json")  # fmt: skip
         assert listed.returncode == 0, listed.stderr
@@ -430,6 +431,49 @@ async def test_an_operation_in_progress_shows_its_lease(services: Services) -> N
     finally:
         ledger.service.release.set()
         await call
+
+
+async def test_a_claim_released_by_a_failed_attempt_is_shown_released_not_as_a_running_one(
+    services: Services,
+) -> None:
+    """A phased attempt that fails transiently releases its claim (the row stays, its lease
+    ended at the operation's start). inspect showed it as an operation whose lease had run out
+    ("run out: a retry takes it over", as for an owner that died) and list as in_progress with
+    nothing more: the operator could not tell a failed attempt from a dead or running one."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await services.ledger.stub.PostPhased(
+            testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="UNAVAILABLE"),
+            metadata=metadata(key, tenant),
+        )
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
+
+    shown = await cli("inspect", *services.stores(), "--scope", scope, key)
+    assert shown.returncode == 0, shown.stderr
+    assert "lease: released: the last attempt failed or its client left" in shown.stdout
+    assert "run out" not in shown.stdout, shown.stdout
+    done = await cli("inspect", *services.stores(), "--scope", scope, key, "--json")
+    (op,) = done.json()["operations"]
+    assert (op["state"], op["lease"]["released"], op["lease"]["expired"]) == (
+        "in_progress",
+        True,
+        True,
+    )
+    base = [
+        "list",
+        "--dsn",
+        services.dsn,
+        "--schema",
+        services.ledger_store.schema,
+        "--scope",
+        scope,
+    ]
+    listed = await cli(*base, "--json")
+    (record,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert record["lease"]["released"] is True
+    table = await cli(*base)
+    assert f"{key}  (released)" in table.stdout, table.stdout
 
 
 async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(

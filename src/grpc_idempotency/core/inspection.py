@@ -85,6 +85,20 @@ class Record:
     """The database's clock when the record was read."""
 
     @property
+    def released(self) -> bool:
+        """Whether this claim was let go by its attempt (phased mode: a transient error, or its
+        client gone): the store ends a released lease at the operation's start, never later,
+        where a lease it granted, running or run out, always ends after it (``store.sql``'s
+        ``release`` and ``renew`` tell them apart by the same rule). Not a dead owner's claim,
+        nor a running one: nothing runs it now, and a retry runs it again at once."""
+        return (
+            self.state == "in_progress"
+            and self.locked_until is not None
+            and not self.lease_remaining_s
+            and self.locked_until <= self.created_at
+        )
+
+    @property
     def record_state(self) -> RecordState:
         if self.state != "completed":
             return RecordState.IN_PROGRESS

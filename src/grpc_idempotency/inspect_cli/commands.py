@@ -79,7 +79,8 @@ async def run_list(args: argparse.Namespace, store: Store) -> int:
         for r in records:
             print(
                 f"{outcome_label(r):<12} {r.fencing_token:>6}  {timestamp(r.created_at):<24}"
-                f"  {r.method:<40}  {r.key}{'  (expired)' if r.expired else ''}"
+                f"  {r.method:<40}  {r.key}{'  (released)' if r.released else ''}"
+                f"{'  (expired)' if r.expired else ''}"
             )
         more = " (--limit reached)" if len(records) == args.limit else ""
         print(f"{len(records)} record(s){more}; details: grpc-idempotency inspect --scope ...")

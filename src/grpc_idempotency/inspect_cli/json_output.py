@@ -41,6 +41,7 @@ def record_json(record: Record) -> dict[str, Any]:
             "locked_until": _time(record.locked_until),
             "remaining_s": record.lease_remaining_s,
             "expired": not record.lease_remaining_s,
+            "released": record.released,
         }
     return {
         "scope": record.scope,

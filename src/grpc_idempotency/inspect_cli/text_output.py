@@ -64,7 +64,18 @@ def _record_lines(service: str, n: Node) -> list[str]:
     verb = "expired" if r.expired else "replayed until"
     times += f", {verb} {timestamp(r.expires_at)}" if r.state == "completed" else ""
     lines.append(times)
-    if r.record_state is RecordState.IN_PROGRESS:
+    if r.released:
+        # Not a lease that ran out: its attempt ended, recorded nothing, and let the key go.
+        lines.append(
+            "lease: released: the last attempt failed or its client left, recording nothing; "
+            + (
+                "past its retention: the same request takes it over, continuing its"
+                " operation; another request starts a new one"
+                if r.expired
+                else "a retry runs it again"
+            )
+        )
+    elif r.record_state is RecordState.IN_PROGRESS:
         left = r.lease_remaining_s or 0.0
         lines.append(
             f"lease: until {timestamp(r.locked_until)}, "
