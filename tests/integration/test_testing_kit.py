@@ -391,10 +391,11 @@ async def test_assertions_tell_the_librarys_refusal_from_the_handlers_answer(
         await assert_replayed(first)
 
 
-async def test_a_call_that_reached_no_server_is_not_an_execution() -> None:
+async def test_a_call_that_reached_no_server_is_neither_an_execution_nor_a_replay() -> None:
     """gRPC's own UNAVAILABLE for a call that reached no server carries no replay marker and no
     reason of the library's: assert_not_replayed passed it as the handler's answer, so a test
-    asserting an execution passed with the server down."""
+    asserting an execution passed with the server down; assert_replayed failed it saying the
+    handler had run."""
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -405,6 +406,9 @@ async def test_a_call_that_reached_no_server_is_not_an_execution() -> None:
     assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
     with pytest.raises(AssertionError, match="the call reached no server"):
         await assert_not_replayed(failed.value)
+    # Nor a replay: assert_replayed said "the handler ran", of a call no server received.
+    with pytest.raises(AssertionError, match="expected a replay, but the call reached no server"):
+        await assert_replayed(failed.value)
 
 
 async def test_an_outcome_the_library_recorded_is_an_execution_then_a_replay(

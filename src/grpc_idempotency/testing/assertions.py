@@ -76,23 +76,6 @@ async def is_replayed(answer: Any) -> bool:
     return (REPLAYED_HEADER, _REPLAYED_VALUE) in await _initial_metadata(answer)
 
 
-async def assert_replayed(answer: Any) -> None:
-    """Fails unless ``answer`` is a replay: ``await assert_replayed(call)`` after ``await call``,
-    or ``await assert_replayed(err)`` with the ``AioRpcError`` of a replayed recorded error."""
-    metadata = await _initial_metadata(answer)
-    if (REPLAYED_HEADER, _REPLAYED_VALUE) not in metadata:
-        refused = await _refusal(answer)
-        if refused is not None:
-            raise AssertionError(
-                f"expected a replay, but the library answered the call itself: {refused}"
-            )
-        raise AssertionError(
-            f"expected a replay (initial metadata '{REPLAYED_HEADER}: {_REPLAYED_VALUE}'), but"
-            f" the handler ran: initial metadata {_describe(metadata)}. Same key, same request,"
-            " and the method served through IdempotencyInterceptor with an idempotency option?"
-        )
-
-
 # gRPC's own answer to a call that reached no server (its text since grpc 1.4x): no handler ran.
 _NEVER_SENT = ("failed to connect to all addresses",)
 
@@ -110,6 +93,27 @@ async def _never_sent(answer: Any) -> str | None:
     if unavailable and isinstance(details, str) and details.startswith(_NEVER_SENT):
         return details
     return None
+
+
+async def assert_replayed(answer: Any) -> None:
+    """Fails unless ``answer`` is a replay: ``await assert_replayed(call)`` after ``await call``,
+    or ``await assert_replayed(err)`` with the ``AioRpcError`` of a replayed recorded error."""
+    metadata = await _initial_metadata(answer)
+    if (REPLAYED_HEADER, _REPLAYED_VALUE) not in metadata:
+        # Not "the handler ran": no server received the call.
+        never = await _never_sent(answer)
+        if never is not None:
+            raise AssertionError(f"expected a replay, but the call reached no server: {never!r}")
+        refused = await _refusal(answer)
+        if refused is not None:
+            raise AssertionError(
+                f"expected a replay, but the library answered the call itself: {refused}"
+            )
+        raise AssertionError(
+            f"expected a replay (initial metadata '{REPLAYED_HEADER}: {_REPLAYED_VALUE}'), but"
+            f" the handler ran: initial metadata {_describe(metadata)}. Same key, same request,"
+            " and the method served through IdempotencyInterceptor with an idempotency option?"
+        )
 
 
 async def assert_not_replayed(answer: Any) -> None:
