@@ -76,3 +76,15 @@ def test_the_plan_refuses_a_target_that_is_not_one(tmp_path: Any) -> None:
         ConformancePlan("pkg.mod:build_server", "postgresql://", tmp_path)  # type: ignore[arg-type]
     plan = ConformancePlan(_Tuned().conformance_target(), "postgresql://", tmp_path)
     assert plan.target.server == "pkg.mod:build_server"
+
+
+@pytest.mark.parametrize("missing", sorted(_REQUIRED))
+def test_a_subclass_without_server_or_method_is_told_which_to_set(missing: str) -> None:
+    """It failed every check with "AttributeError: 'TestX' object has no attribute 'server'",
+    naming neither the class attribute to set nor what it holds."""
+    attrs = {"server": "pkg.mod:build_server", "method": "/pkg.Service/Method"}
+    del attrs[missing]
+    untuned = type("TestCharge", (IdempotencyConformance,), attrs)
+    with pytest.raises(TypeError, match=rf"TestCharge must set {missing} = ") as refused:
+        untuned().conformance_target()
+    assert not isinstance(refused.value, AttributeError)

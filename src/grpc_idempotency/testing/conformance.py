@@ -1009,6 +1009,15 @@ class IdempotencyConformance:
 
     def conformance_target(self) -> ConformanceTarget:
         """The ``ConformanceTarget`` this class describes."""
+        # Declared but not given a value: reading one raised a bare AttributeError in every
+        # check, naming neither what to set nor what it holds.
+        examples = {
+            "server": "'package.module:build_server'",
+            "method": "'/package.Service/Method'",
+        }
+        for name, example in examples.items():
+            if not hasattr(self, name):
+                raise TypeError(f"{type(self).__name__} must set {name} = {example}")
         error = self.make_error_request
         external = type(self).count_external_effects is not (
             IdempotencyConformance.count_external_effects
