@@ -113,6 +113,9 @@ class Operation:
         time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound the
         loop ran out ``max_attempts`` for a caller that had already given up)."""
         md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
+        # Checked here too, for a plain channel (no client interceptor to check it): sent, such
+        # an entry failed the call as gRPC's internal ExecuteBatchError.
+        _refuse_unsendable(md, current_call_or_none(), _path_of(method))
         serving = _serving()
         deadline = serving.deadline if serving is not None else None
         attempt = 0
@@ -147,6 +150,12 @@ class Operation:
         """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
         retry=RetryPolicy()).Charge(request)``."""
         return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+
+
+def _path_of(method: object) -> str:
+    """The method path of a grpc.aio multicallable, for an error message; else its repr."""
+    path = getattr(method, "_method", None)
+    return path.decode("latin-1") if isinstance(path, bytes) else repr(method)
 
 
 def _serving() -> IdempotentCall | None:
@@ -492,8 +501,7 @@ class IdempotencyClientInterceptor(_Interceptor):
                 " OK and returns None"
             )
         forwarded = self._forwarded(live, kept, path)
-        if serving is not None:
-            _refuse_unsendable(kept, serving, path)
+        _refuse_unsendable(kept, serving, path)
         step = None
         if choice is not None and choice.key is not None:
             if choice.source is KeySource.CHILD and serving is not None and choice.step:
@@ -523,27 +531,37 @@ class IdempotencyClientInterceptor(_Interceptor):
 
 
 def _refuse_unsendable(
-    metadata: list[tuple[str, str | bytes]], serving: IdempotentCall, path: str
+    metadata: Sequence[tuple[str, str | bytes]], serving: IdempotentCall | None, path: str
 ) -> None:
-    """Refuses a call made while serving ``serving`` whose metadata gRPC cannot send: such a
-    call fails as it starts, with gRPC's internal ExecuteBatchError (a handler letting it
-    escape was answered UNKNOWN with its text), and a step's call, which waits for its status
-    (``_send_step``), never ended: its handler waited until the incoming deadline, for ever
-    without one. An entry the incoming call carries (a handler passing on its
-    ``invocation_metadata()``, which the server hands a raw HTTP/2 client's values in) is the
-    caller's: ``RequestInvalid`` (INVALID_ARGUMENT); else the handler's, ``ValueError``."""
+    """Refuses a call whose metadata gRPC cannot send: such a call fails as it starts, with
+    gRPC's internal ExecuteBatchError, whose text names neither the entry nor the problem (a
+    handler letting it escape was answered UNKNOWN with it), and a step's call, which waits for
+    its status (``_send_step``), never ended: its handler waited until the incoming deadline,
+    for ever without one. Made while serving ``serving``, an entry the incoming call carries (a
+    handler passing on its ``invocation_metadata()``, which the server hands a raw HTTP/2
+    client's values in) is the caller's: ``RequestInvalid`` (INVALID_ARGUMENT); else the
+    handler's, ``ValueError``. Outside a handler, an ``idempotency-key`` gRPC cannot send is
+    ``KeyInvalid`` (as one given as bytes that are not ASCII is: ``_key_text``), anything
+    else ``ValueError``."""
     for name, value in metadata:
         problem = unsendable(name, value)
         if problem is None:
             continue
-        if (name, value) in serving.metadata:
+        if serving is not None and (name, value) in serving.metadata:
             raise RequestInvalid(
                 f"{serving.method}: the call's metadata entry {name!r}, passed on to {path},"
                 f" cannot be sent by gRPC: {problem}"
             )
-        raise ValueError(
-            f"{serving.method} called {path} with metadata gRPC cannot send: {problem}"
-        )
+        if serving is None and name == KEY_HEADER:
+            raise KeyInvalid(
+                f"a call of {path} with an idempotency key gRPC cannot send: {problem}; an"
+                " idempotency key is visible ASCII (0x21-0x7E)"
+            )
+        if name.lower() in LIBRARY_HEADERS and name != name.lower():
+            # HTTP's spelling (Idempotency-Key): not the key to gRPC, which names it in lowercase.
+            problem += f" (the library's header is {name.lower()!r})"
+        caller = f"{serving.method} called {path}" if serving is not None else f"a call of {path}"
+        raise ValueError(f"{caller} with metadata gRPC cannot send: {problem}")
 
 
 # One interceptor per streaming kind, each an instance of that kind alone (grpc.aio files an

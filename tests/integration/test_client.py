@@ -116,6 +116,36 @@ async def test_a_key_given_as_bytes_is_sent_and_captured_as_text(ledger: Running
     assert ledger.service.keys_seen == [key]  # nothing sent
 
 
+@pytest.mark.parametrize(
+    ("entry", "error", "says"),
+    [
+        # A key read from outside (a gateway passing on its client's Idempotency-Key) that gRPC
+        # cannot send, as str: the bytes form was refused KeyInvalid, the str form failed as
+        # gRPC's internal ExecuteBatchError, which names neither the entry nor the problem.
+        (("idempotency-key", "clé"), KeyInvalid, "printable ASCII"),
+        (("idempotency-key", "k\n"), KeyInvalid, "printable ASCII"),
+        # HTTP's spelling: not the key to gRPC (a fresh one was minted), and unsendable.
+        (("Idempotency-Key", "k-1"), ValueError, "lowercase"),
+        (("x-note", "café"), ValueError, "printable ASCII"),
+    ],
+    ids=["key-not-ascii", "key-newline", "upper-case-name", "value-not-ascii"],
+)
+async def test_metadata_grpc_cannot_send_is_refused_before_anything_is_sent(
+    ledger: RunningLedger, entry: tuple[str, str], error: type[Exception], says: str
+) -> None:
+    """Outside a handler too (inside one it was refused already): through the interceptor, and
+    through ``Operation.call`` on a plain channel."""
+    request = testsvc_pb2.PostRequest(account=fresh())
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with pytest.raises(error, match=says):
+            await stub.Post(request, metadata=(*TENANT_MD, entry))
+    if entry[0] != "idempotency-key":  # Operation.call sends its own key instead
+        with pytest.raises(error, match=says):
+            await Operation.new().call(ledger.stub.Post, request, metadata=(*TENANT_MD, entry))
+    assert ledger.service.keys_seen == []  # nothing reached the server
+
+
 async def test_operation_key_is_reused_and_cannot_change(
     ledger: RunningLedger, store: Store
 ) -> None:
