@@ -112,6 +112,14 @@ class Operation:
         (the wait included), the last error is raised instead of retrying (an attempt with no
         time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound the
         loop ran out ``max_attempts`` for a caller that had already given up)."""
+        if isinstance(method, _SYNC_MULTICALLABLES):
+            # Called, a sync method blocks the event loop's thread for the whole call, and its
+            # response is no awaitable: a TypeError after the effect was done.
+            raise TypeError(
+                f"Operation.call takes a grpc.aio stub's method, not a sync grpc channel's"
+                f" ({_path_of(method)}): on a sync channel, send the operation's key with each"
+                " attempt, stub.Method(request, metadata=op.metadata())"
+            )
         md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
         # an entry failed the call as gRPC's internal ExecuteBatchError.
@@ -150,6 +158,14 @@ class Operation:
         """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
         retry=RetryPolicy()).Charge(request)``."""
         return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+
+
+_SYNC_MULTICALLABLES = (
+    grpc.UnaryUnaryMultiCallable,
+    grpc.UnaryStreamMultiCallable,
+    grpc.StreamUnaryMultiCallable,
+    grpc.StreamStreamMultiCallable,
+)
 
 
 def _path_of(method: object) -> str:

@@ -173,6 +173,24 @@ async def test_operation_key_is_reused_and_cannot_change(
         Operation("not a key")
 
 
+async def test_a_sync_stubs_method_is_refused_before_it_is_called(ledger: RunningLedger) -> None:
+    """``Operation.call`` takes a grpc.aio stub's method. A sync channel's method was called on
+    the event loop's thread, blocking it for the whole call (here, where the server shares the
+    loop, until the timeout), and its response then awaited: after the effect, a TypeError,
+    "object PostResponse can't be used in 'await' expression"."""
+    channel = grpc.insecure_channel(ledger.address)
+    try:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        request = testsvc_pb2.PostRequest(account=fresh())
+        with pytest.raises(TypeError, match=r"grpc\.aio.*metadata=op\.metadata\(\)"):
+            await Operation.new().call(stub.Post, request, metadata=TENANT_MD, timeout=1)
+        with pytest.raises(TypeError, match=r"grpc\.aio"):
+            await Operation.new().bind(stub, metadata=TENANT_MD, timeout=1).Post(request)
+    finally:
+        channel.close()
+    assert ledger.service.keys_seen == []  # nothing sent
+
+
 def conflicts(reader: InMemoryMetricReader) -> float:
     data = reader.get_metrics_data()
     total: float = 0
