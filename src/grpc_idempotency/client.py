@@ -120,6 +120,14 @@ class Operation:
                 f" ({_path_of(method)}): on a sync channel, send the operation's key with each"
                 " attempt, stub.Method(request, metadata=op.metadata())"
             )
+        if isinstance(method, _AIO_STREAMING_MULTICALLABLES):
+            # No streaming method is keyed: the key did nothing there. A response stream is no
+            # awaitable (a TypeError, the call started), and a stream-unary call retried sent
+            # its request iterator again, consumed: an empty stream, run as a new request.
+            raise TypeError(
+                f"Operation.call is for unary methods, not the streaming {_path_of(method)}:"
+                " no streaming method is keyed"
+            )
         md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
         # an entry failed the call as gRPC's internal ExecuteBatchError.
@@ -165,6 +173,12 @@ _SYNC_MULTICALLABLES = (
     grpc.UnaryStreamMultiCallable,
     grpc.StreamUnaryMultiCallable,
     grpc.StreamStreamMultiCallable,
+)
+
+_AIO_STREAMING_MULTICALLABLES = (
+    grpc.aio.UnaryStreamMultiCallable,
+    grpc.aio.StreamUnaryMultiCallable,
+    grpc.aio.StreamStreamMultiCallable,
 )
 
 
