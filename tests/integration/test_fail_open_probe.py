@@ -283,7 +283,7 @@ async def test_the_probes_connect_is_bounded_by_the_probes_budget_not_the_pools(
     probe's used that bound too, so a live database slower than that to accept a connection
     (CI's loaded machine, in test_fail_open_locked_table) read as down, and a completed key's
     handler ran again, unclaimed. The probe's budget bounds its connect: the connect's own
-    timeout lies past it, never at it (equal deadlines once hung the Python 3.13 job)."""
+    timeout lies past it, so that the budget alone decides."""
     timeouts: list[float] = []
 
     async def connect(dsn: str, **kwargs: Any) -> Any:

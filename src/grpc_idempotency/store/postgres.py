@@ -1646,8 +1646,8 @@ class _Probe:
                 # The pool's connect timeout is its command_timeout (1 s, say), which a loaded host
                 # can take to accept a live database's connection: read as down, and a fail-open
                 # method ran a completed key's handler again. The probe's own budget bounds it;
-                # the connect's timeout is set past that budget, so the two deadlines never fall
-                # together (when they did, one run of the Python 3.13 job hung).
+                # the connect's timeout is set past that budget, so that the budget alone decides
+                # (and a timeout from the connect never races the budget's own).
                 options = {**self.options, "timeout": timeout + _PROBE_CONNECT_SLACK_S}
                 conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **options)
                 await conn.fetchval("SELECT 1")
