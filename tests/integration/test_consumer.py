@@ -496,6 +496,58 @@ async def test_a_message_id_delivered_again_with_another_payload_is_refused(
         await consumer.process(fresh(), write(consumer, "x"), payload="order-1")  # type: ignore[arg-type]
 
 
+async def test_a_mark_written_without_a_payload_compares_nothing(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """A mark with no digest (written by a delivery that gave no payload, or before migration
+    0017) cannot tell another message from a repeat: a delivery given its payload is a
+    duplicate, not refused as reused."""
+    message_id = fresh()
+    assert (
+        await consumer.process(message_id, write(consumer, message_id))
+    ).outcome is Consumed.PROCESSED
+    again = await consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+    assert again.duplicate
+    assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_an_expired_mark_taken_over_keeps_the_new_deliverys_payload(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """A mark past its retention is taken over by the next delivery of its id, another message:
+    the mark then holds that message's digest (or none, given no payload), not the expired
+    one's. Kept, the new message's own redelivery was refused as reused (a dead letter), and the
+    old one's answered DUPLICATE."""
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+    await expire(store, consumer, message_id)
+    taken = await consumer.process(message_id, write(consumer, message_id), payload=b"order-2")
+    assert taken.outcome is Consumed.PROCESSED
+    assert (
+        await consumer.process(message_id, write(consumer, message_id), payload=b"order-2")
+    ).duplicate
+    with pytest.raises(KeyReused):
+        await consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+    # Taken over by a delivery without a payload: nothing is left to compare.
+    await expire(store, consumer, message_id)
+    assert (
+        await consumer.process(message_id, write(consumer, message_id))
+    ).outcome is Consumed.PROCESSED
+    assert (
+        await consumer.process(message_id, write(consumer, message_id), payload=b"order-3")
+    ).duplicate
+    assert await effect_rows(store, consumer, message_id) == 3
+
+
+async def test_an_empty_payload_is_a_payload(store: Store, consumer: IdempotentConsumer) -> None:
+    """b"" has a digest of its own: not "no payload given", which compares nothing."""
+    message_id = fresh()
+    await consumer.process(message_id, write(consumer, message_id), payload=b"")
+    with pytest.raises(KeyReused):
+        await consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+    assert (await consumer.process(message_id, write(consumer, message_id), payload=b"")).duplicate
+
+
 async def test_consumers_are_separated_by_name(store: Store, effects_table: None) -> None:
     message_id = fresh()
     ledger = IdempotentConsumer(store, fresh("ledger"))
@@ -625,6 +677,8 @@ async def test_a_timeout_or_effect_of_the_wrong_type_is_refused_before_anything_
     message_id = fresh()
     with pytest.raises(TypeError, match="timeout must be a number of seconds"):
         await consumer.process(message_id, effect, timeout=timedelta(seconds=5))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        await consumer.process(message_id, effect, timeout=True)  # a bool is no number of seconds
     with pytest.raises(TypeError, match="effect must be an async function of the connection"):
         await consumer.process(message_id, None)  # type: ignore[arg-type]
     assert ran == [] and not await consumer.is_processed(message_id)
