@@ -3,6 +3,7 @@ lock_timeout that bounds a duplicate's wait, the retry hint, and the names it ac
 
 from __future__ import annotations
 
+import hashlib
 from datetime import timedelta
 
 import pytest
@@ -12,6 +13,7 @@ from grpc_idempotency.core.consumer import (
     ConsumerPolicy,
     in_progress,
     lock_timeout,
+    payload_fingerprint,
     validate_consumer_name,
 )
 
@@ -47,3 +49,13 @@ def test_a_setting_that_is_not_a_timedelta_is_refused_by_name(setting: str, valu
     # a bare "'<' not supported between instances" that named neither the setting nor the fix.
     with pytest.raises(TypeError, match=rf"{setting} must be a timedelta"):
         ConsumerPolicy(**{setting: value})  # type: ignore[arg-type]
+
+
+def test_a_payload_is_fingerprinted_by_its_bytes_whatever_holds_them() -> None:
+    """bytes, a bytearray and a memoryview of the same bytes share a digest; a memoryview that
+    is not contiguous (a slice with a step) raised a bare BufferError."""
+    digest = hashlib.sha256(b"ace").digest()
+    strided = memoryview(b"abcde")[::2]
+    assert payload_fingerprint(strided) == digest
+    assert payload_fingerprint(b"ace") == payload_fingerprint(bytearray(b"ace")) == digest
+    assert payload_fingerprint(None) is None

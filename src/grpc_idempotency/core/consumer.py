@@ -161,7 +161,10 @@ def payload_fingerprint(payload: bytes | bytearray | memoryview | None) -> bytes
         raise TypeError(
             f"payload must be bytes (the message as delivered), not {type(payload).__name__}"
         )
-    return hashlib.sha256(payload).digest()
+    # A memoryview by its bytes: hashing it as a buffer refused a strided one (BufferError).
+    return hashlib.sha256(
+        payload.tobytes() if isinstance(payload, memoryview) else payload
+    ).digest()
 
 
 def payload_reused(message_id: str, kept: bytes | None, given: bytes | None) -> KeyReused | None:
