@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import sys
+import time
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
@@ -17,7 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpc_idempotency import IdempotencyError, Store, StoreMisconfigured, StoreUnavailable
-from grpc_idempotency.store.migrations import applied_versions, available_migrations
+from grpc_idempotency.store.migrations import (
+    LOCK_TIMEOUT_S,
+    applied_versions,
+    available_migrations,
+    lock_wait_s,
+)
 from grpc_idempotency.store.sql import (
     bytes_literal,
     schema_identifier,
@@ -121,8 +127,12 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
     runner = await asyncpg.connect(pg_dsn)
     try:
         await call.execute(f"BEGIN; SELECT count(*) FROM {s}.outbox")
+        started = time.monotonic()
         with pytest.raises(asyncpg.LockNotAvailableError):
             await migrate(runner, schema, lock_timeout_s=0.2, lock_attempts=2)
+        # Two waits of lock_timeout_s and the 1 s pause between: the wait is the one given, not
+        # LOCK_TIMEOUT_S (5 s), with no statement timeout to shorten it.
+        assert time.monotonic() - started < 4.5
         assert max(await applied_versions(runner, schema)) == 9
         # Meanwhile other statements on the table went through (here: after the give-way).
         assert await store.pool.fetchval(f"SELECT count(*) FROM {s}.outbox") == 0
@@ -135,6 +145,13 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
         await runner.close()
         await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
         await store.close()
+
+
+def test_a_migrations_lock_wait_is_its_own_unless_half_the_statement_timeout_is_shorter() -> None:
+    assert lock_wait_s(None) == LOCK_TIMEOUT_S and lock_wait_s(None, 0.2) == 0.2
+    assert lock_wait_s(1.0) == 0.5 and lock_wait_s(0.4, 5.0) == 0.2
+    assert lock_wait_s(2 * LOCK_TIMEOUT_S) == LOCK_TIMEOUT_S  # at the boundary: either
+    assert lock_wait_s(60.0) == LOCK_TIMEOUT_S and lock_wait_s(60.0, 0.2) == 0.2
 
 
 async def test_a_migration_under_a_short_statement_timeout_still_gives_way_for_its_lock(
