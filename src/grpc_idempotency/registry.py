@@ -222,8 +222,9 @@ def methods_of(services: Services) -> Iterable[MethodDescriptor]:
                 # passed was said not to be one.
                 raise TypeError(
                     f"module {item.__name__}: its DESCRIPTOR is not the file descriptor but"
-                    f" {descriptor!r}: its .proto declares a top-level message, enum, extension"
-                    " or enum value named DESCRIPTOR, which protoc's python_out binds over it;"
+                    f" {descriptor!r}: its .proto declares a top-level message, enum, extension,"
+                    " enum value or (py_generic_services) service named DESCRIPTOR, which"
+                    " protoc's python_out binds over it;"
                     " pass the file's services instead: its generated SERVICES"
                     " (protoc-gen-grpc-idempotency), or"
                     ' descriptor_pool.Default().FindServiceByName("package.Service")'

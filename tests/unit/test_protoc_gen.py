@@ -1748,16 +1748,28 @@ service Pay {{ rpc Charge(Req) returns (Res) {{ option (grpc_idempotency.v1.meth
 def test_a_message_or_enum_value_named_descriptor_does_not_hide_the_services(
     tmp_path: Path,
 ) -> None:
-    """A top-level message, or enum value, named ``DESCRIPTOR`` (legal proto) is bound in the
-    file's _pb2 module under that name, over the module's file descriptor. protoc's own code
+    """A top-level message, enum, enum value, extension or (py_generic_services) service named
+    ``DESCRIPTOR`` (legal proto) is bound in the file's _pb2 module under that name, over the
+    module's file descriptor. protoc's own code
     does not read it as one; ``SERVICES`` did (``shop_pb2.DESCRIPTOR.services_by_name``), and
     the generated module failed to import (AttributeError: services_by_name). (protoc's .pyi
     of such a file declares ``DESCRIPTOR`` twice, which mypy reports: generated without.)"""
     message = "message DESCRIPTOR { string x = 1; }\nmessage Req { DESCRIPTOR d = 1; }"
     value = "enum Kind { DESCRIPTOR = 0; }\nmessage Req { Kind kind = 1; }"
+    enum = "enum DESCRIPTOR { D0 = 0; }\nmessage Req { DESCRIPTOR d = 1; }"
+    extension = (
+        'import "google/protobuf/descriptor.proto";\nmessage Req { string x = 1; }\n'
+        "extend google.protobuf.MessageOptions { string DESCRIPTOR = 50123; }"
+    )
+    # py_generic_services binds each service's class in the _pb2 under the service's name.
+    service = (
+        "option py_generic_services = true;\nmessage Req { string x = 1; }\n"
+        "service DESCRIPTOR { rpc Get(Req) returns (Res); }"
+    )
+    declarations = {"v1": message, "v2": value, "v3": enum, "v4": extension, "v5": service}
     files = {
-        "dsc/v1/shop.proto": DESCRIPTOR_NAMED.format(version="v1", declaration=message),
-        "dsc/v2/shop.proto": DESCRIPTOR_NAMED.format(version="v2", declaration=value),
+        f"dsc/{version}/shop.proto": DESCRIPTOR_NAMED.format(version=version, declaration=text)
+        for version, text in declarations.items()
     }
     for name, text in files.items():
         (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -1766,17 +1778,14 @@ def test_a_message_or_enum_value_named_descriptor_does_not_hide_the_services(
     done = protoc(tmp_path / "protos", out, *files, extra=(f"--python_out={out}",))
     assert done.returncode == 0, done.stderr
     generated = sorted(generated_files(out))
-    assert generated == ["dsc/v1/shop_idempotency.py", "dsc/v2/shop_idempotency.py"]
-    check = textwrap.dedent(
-        """
-        from dsc.v1 import shop_idempotency as one
-        from dsc.v2 import shop_idempotency as two
-
-        print(*(s.full_name for s in (*one.SERVICES, *two.SERVICES)))
-        """
+    assert generated == [f"dsc/{version}/shop_idempotency.py" for version in declarations]
+    check = "import importlib\n" + "".join(
+        f"print(*(s.full_name for s in importlib.import_module('dsc.{v}.shop_idempotency')"
+        ".SERVICES))\n"
+        for v in declarations
     )
     ran = run_with_generated(tmp_path, out, check)
-    assert ran.stdout.split() == ["dsc.v1.Pay", "dsc.v2.Pay"]
+    assert ran.stdout.split() == [f"dsc.{version}.Pay" for version in declarations]
     assert_ruff_clean([out / name for name in generated])
     typed = mypy(out, *generated)
     assert typed.returncode == 0, typed.stdout + typed.stderr

@@ -278,9 +278,10 @@ class _Renderer:
         for method in self.file.methods:
             if method.service not in services:
                 services.append(method.service)
-        # A top-level message, enum, extension or enum value named DESCRIPTOR is bound in the
-        # _pb2 module over its file descriptor (protoc's own code never reads it as one): the
-        # services are found in the default pool instead, where importing the module put them.
+        # A top-level message, enum, extension, enum value or (py_generic_services) service
+        # named DESCRIPTOR is bound in the _pb2 module over its file descriptor (protoc's own
+        # code never reads it as one): the services are found in the default pool instead,
+        # where importing the module put them.
         hidden = _hides_descriptor(self.file.descriptor)
         if hidden:
             self.needs.add("descriptor_pool")
@@ -557,11 +558,13 @@ def _stub_has_keyword(proto: FileDescriptor) -> bool:
 def _hides_descriptor(proto: FileDescriptor) -> bool:
     """Whether ``proto``'s _pb2 module binds ``DESCRIPTOR`` to one of the file's own symbols:
     a top-level message, enum, extension or enum value (enum values are bound at the top level
-    too) named so."""
+    too) named so, or a service (``py_generic_services`` binds each service's class; without
+    it the default pool's answer is the same)."""
     return (
         "DESCRIPTOR" in proto.message_types_by_name
         or "DESCRIPTOR" in proto.enum_types_by_name
         or "DESCRIPTOR" in proto.extensions_by_name
+        or "DESCRIPTOR" in proto.services_by_name
         or any("DESCRIPTOR" in enum.values_by_name for enum in proto.enum_types_by_name.values())
     )
 
