@@ -452,6 +452,7 @@ async def test_a_claim_released_by_a_failed_attempt_is_shown_released_not_as_a_r
     shown = await cli("inspect", *services.stores(), "--scope", scope, key)
     assert shown.returncode == 0, shown.stderr
     assert "lease: released: the last attempt failed or its client left" in shown.stdout
+    assert "recording nothing; a retry runs it again" in shown.stdout, shown.stdout
     assert "run out" not in shown.stdout, shown.stdout
     done = await cli("inspect", *services.stores(), "--scope", scope, key, "--json")
     (op,) = done.json()["operations"]

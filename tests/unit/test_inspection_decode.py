@@ -4,6 +4,8 @@ raised, when the packed type is known nowhere."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -107,3 +109,25 @@ def test_a_recorded_error_detail_of_an_unknown_type_is_described() -> None:
         {"@type": "type.googleapis.com/google.protobuf.Timestamp", "size": 9},
     ]
     assert inspection.PREFIX_BYTES == 32
+
+
+def _claim(*, started: datetime, until: datetime, remaining: float) -> Record:
+    return Record(
+        scope="s", key="k", method="/a.B/C", state="in_progress", fingerprint=b"",
+        fencing_token=1, created_at=started, completed_at=None, expires_at=started,
+        locked_until=until, lease_remaining_s=remaining, expired=False, status_code=None,
+        status_message=None, status_details=None, response=None, read_at=started,
+    )  # fmt: skip
+
+
+def test_a_claim_is_released_when_its_lease_ended_at_its_start_and_is_over() -> None:
+    """The store releases a claim by ending its lease at the operation's start; a granted lease
+    ends after it. A running lease that ends before the start (granted after the database's
+    clock stepped back, as ``renew`` allows) is no release: something runs it."""
+    start = datetime.now(UTC)
+    assert _claim(started=start, until=start, remaining=0.0).released
+    assert _claim(started=start, until=start - timedelta(seconds=1), remaining=0.0).released
+    assert not _claim(started=start, until=start + timedelta(seconds=30), remaining=0.0).released
+    assert not _claim(started=start, until=start - timedelta(seconds=1), remaining=5.0).released
+    completed = replace(_claim(started=start, until=start, remaining=0.0), state="completed")
+    assert not completed.released
