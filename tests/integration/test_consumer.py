@@ -35,6 +35,7 @@ from grpc_idempotency.consumer import (
     MessageInProgress,
     purge_processed,
 )
+from grpc_idempotency.store.postgres import ROLLBACK_TIMEOUT_S
 from grpc_idempotency.store.sql import text_literal
 from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.waiting import until
@@ -1157,6 +1158,37 @@ async def test_a_cancelled_delivery_leaves_nothing_and_no_open_transaction(
     assert (await consumer.process(message_id, write(consumer, message_id))).outcome is (
         Consumed.PROCESSED
     )
+
+
+async def test_a_duplicate_cancelled_while_its_marks_digest_is_read_gives_its_connection_back(
+    pg_dsn: str, store: Store, effects_table: None
+) -> None:
+    """A duplicate given its payload reads the mark's digest in the mark's transaction, one more
+    round trip: cancelled there (its caller gone), the transaction is abandoned as a cancelled
+    one (the connection dropped) and the connection given back; kept, the pool's only
+    connection was held for good."""
+    async with store_behind_proxy(pg_dsn, pool=1) as (proxy, own):
+        consumer = IdempotentConsumer(own, fresh("digest"))
+        message_id = fresh()
+        await consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+        proxy.hold_answers_after(b"SELECT fingerprint FROM")
+        delivery = asyncio.ensure_future(
+            consumer.process(message_id, write(consumer, message_id), payload=b"order-1")
+        )
+        await until("the digest's read to be held", lambda: proxy._holding)
+        cancelled = time.monotonic()
+        delivery.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await delivery
+        # Dropped at once, not rolled back: a ROLLBACK would first wait for the interrupted
+        # read's answer, here held (a dead link), until ROLLBACK_TIMEOUT_S.
+        assert time.monotonic() - cancelled < ROLLBACK_TIMEOUT_S / 2
+        proxy.deliver_answers()
+        again = await consumer.process(
+            message_id, write(consumer, message_id), payload=b"order-1", timeout=3
+        )
+        assert again.duplicate
+    assert await effect_rows(store, consumer, message_id) == 1
 
 
 # --- over gRPC: the message id is the call's idempotency-key -----------------------------------
