@@ -433,6 +433,19 @@ async def test_an_operation_in_progress_shows_its_lease(services: Services) -> N
         await call
 
 
+def _list_argv(services: Services, scope: str) -> list[str]:
+    """``list`` of ``scope`` in the ledger's store."""
+    return [
+        "list",
+        "--dsn",
+        services.dsn,
+        "--schema",
+        services.ledger_store.schema,
+        "--scope",
+        scope,
+    ]
+
+
 async def test_a_claim_released_by_a_failed_attempt_is_shown_released_not_as_a_running_one(
     services: Services,
 ) -> None:
@@ -461,15 +474,7 @@ async def test_a_claim_released_by_a_failed_attempt_is_shown_released_not_as_a_r
         True,
         True,
     )
-    base = [
-        "list",
-        "--dsn",
-        services.dsn,
-        "--schema",
-        services.ledger_store.schema,
-        "--scope",
-        scope,
-    ]
+    base = _list_argv(services, scope)
     listed = await cli(*base, "--json")
     (record,) = [json.loads(line) for line in listed.stdout.splitlines()]
     assert record["lease"]["released"] is True
@@ -590,15 +595,7 @@ async def test_list_filters_by_state_and_method(services: Services) -> None:
     await stub.PostWithEvent(
         testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(event_key, tenant)
     )
-    base = [
-        "list",
-        "--dsn",
-        services.dsn,
-        "--schema",
-        services.ledger_store.schema,
-        "--scope",
-        scope,
-    ]
+    base = _list_argv(services, scope)
 
     async def keys(*extra: str) -> tuple[int, list[dict[str, Any]]]:
         done = await cli(*base, "--json", *extra)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import signal
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -106,6 +108,32 @@ async def test_a_role_that_may_not_create_starts_against_a_migrated_schema(
         await admin.close()
 
 
+@contextlib.asynccontextmanager
+async def _before_migration_10_behind_a_reader(
+    pg_dsn: str,
+) -> AsyncIterator[tuple[Store, str, asyncpg.Connection, asyncpg.Connection]]:
+    """A fresh schema set back to just before migration 10 (it ALTERs the outbox), as if
+    upgrading from 9, with a call's transaction that read the outbox open (``call``), and a
+    connection to migrate from (``runner``); all dropped on the way out."""
+    schema = fresh_schema()
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True, min_size=1)
+    s = f'"{schema}"'
+    await store.pool.execute(
+        f"ALTER TABLE {s}.outbox DROP COLUMN failures, DROP COLUMN lost_claims;"
+        f" DELETE FROM {s}.schema_migrations WHERE version >= 10"
+    )
+    call = await asyncpg.connect(pg_dsn)
+    runner = await asyncpg.connect(pg_dsn)
+    try:
+        await call.execute(f"BEGIN; SELECT count(*) FROM {s}.outbox")
+        yield store, schema, call, runner
+    finally:
+        await call.close()
+        await runner.close()
+        await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
+        await store.close()
+
+
 async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_calls(
     pg_dsn: str,
 ) -> None:
@@ -114,19 +142,9 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
     out of tries, it fails and leaves the schema as it was."""
     from grpc_idempotency.store.migrations import migrate
 
-    schema = fresh_schema()
-    store = await Store.connect(pg_dsn, schema=schema, migrate=True, min_size=1)
-    s = f'"{schema}"'
     last = available_migrations()[-1].version
-    # Back to just before migration 10 (it ALTERs the outbox), as if upgrading from 9.
-    await store.pool.execute(
-        f"ALTER TABLE {s}.outbox DROP COLUMN failures, DROP COLUMN lost_claims;"
-        f" DELETE FROM {s}.schema_migrations WHERE version >= 10"
-    )
-    call = await asyncpg.connect(pg_dsn)  # a call's transaction that read the outbox
-    runner = await asyncpg.connect(pg_dsn)
-    try:
-        await call.execute(f"BEGIN; SELECT count(*) FROM {s}.outbox")
+    async with _before_migration_10_behind_a_reader(pg_dsn) as (store, schema, call, runner):
+        s = f'"{schema}"'
         started = time.monotonic()
         with pytest.raises(asyncpg.LockNotAvailableError):
             await migrate(runner, schema, lock_timeout_s=0.2, lock_attempts=2)
@@ -140,11 +158,6 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
         assert await migrate(runner, schema, lock_timeout_s=0.2, lock_attempts=2) == list(
             range(10, last + 1)
         )
-    finally:
-        await call.close()
-        await runner.close()
-        await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
-        await store.close()
 
 
 def test_a_migrations_lock_wait_is_its_own_unless_half_the_statement_timeout_is_shorter() -> None:
@@ -164,27 +177,12 @@ async def test_a_migration_under_a_short_statement_timeout_still_gives_way_for_i
     statement timeout, and a lock held throughout ends as the lock story it is."""
     from grpc_idempotency.store.migrations import migrate
 
-    schema = fresh_schema()
-    store = await Store.connect(pg_dsn, schema=schema, migrate=True, min_size=1)
-    s = f'"{schema}"'
-    await store.pool.execute(
-        f"ALTER TABLE {s}.outbox DROP COLUMN failures, DROP COLUMN lost_claims;"
-        f" DELETE FROM {s}.schema_migrations WHERE version >= 10"
-    )
-    call = await asyncpg.connect(pg_dsn)  # a call's transaction that read the outbox
-    runner = await asyncpg.connect(pg_dsn)
-    try:
-        await call.execute(f"BEGIN; SELECT count(*) FROM {s}.outbox")
+    async with _before_migration_10_behind_a_reader(pg_dsn) as (_, schema, _, runner):
         with pytest.raises(asyncpg.LockNotAvailableError):
             await migrate(
                 runner, schema, lock_timeout_s=5.0, lock_attempts=1, statement_timeout_s=0.4
             )
         assert max(await applied_versions(runner, schema)) == 9
-    finally:
-        await call.close()
-        await runner.close()
-        await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
-        await store.close()
 
 
 @pytest.mark.parametrize(
