@@ -59,6 +59,7 @@ errors with the library's statuses.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
@@ -247,7 +248,15 @@ class IdempotentConsumer:
                 raise reused
             return ConsumeResult(message_id, mark.outcome)
         try:
-            value = await effect(mark.connection)
+            pending = effect(mark.connection)
+            if not inspect.isawaitable(pending):
+                # A plain def: awaiting its value failed as "object ... can't be used in 'await'
+                # expression". Raised here, inside the try, so the mark rolls back with it.
+                raise TypeError(
+                    "effect must be an async function of the connection (async def, or a "
+                    f"callable returning an awaitable); {effect!r} returned {pending!r}"
+                )
+            value = await pending
         except BaseException as exc:
             lost = mark.lost_by(exc)
             await mark.abandon(exc)

@@ -685,6 +685,35 @@ async def test_a_timeout_or_effect_of_the_wrong_type_is_refused_before_anything_
     assert ran == [] and not await consumer.is_processed(message_id)
 
 
+async def test_an_effect_that_is_a_plain_def_is_refused_and_nothing_is_marked(
+    store: Store,
+) -> None:
+    """A callable that is not async passed the callable check and failed inside the mark's
+    transaction with a raw "object ... can't be used in 'await' expression"; now a TypeError
+    naming effect, the mark rolled back, so a redelivery runs."""
+    ran: list[str] = []
+
+    def returns_a_value(conn: Any) -> int:
+        ran.append("sync")
+        return 1
+
+    def returns_none(conn: Any) -> None:
+        ran.append("sync")
+
+    async def effect(conn: Any) -> None:
+        ran.append("async")
+
+    consumer = IdempotentConsumer(store, fresh("consumer"))
+    message_id = fresh()
+    for plain in (returns_a_value, returns_none):
+        with pytest.raises(TypeError, match="effect must be an async function of the connection"):
+            await consumer.process(message_id, plain)  # type: ignore[arg-type]
+        assert not await consumer.is_processed(message_id)
+    result = await consumer.process(message_id, effect)
+    assert not result.duplicate and ran == ["sync", "sync", "async"]
+    assert await consumer.is_processed(message_id)
+
+
 @pytest.mark.parametrize(
     "idle_timeout",
     [timedelta(0), timedelta(microseconds=1), timedelta(milliseconds=99), timedelta(days=36501)],
