@@ -35,6 +35,7 @@ from grpc_idempotency.cli_errors import (
     safe_dsn,
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.wire import HEADER_NAME, LIBRARY_HEADERS
 from grpc_idempotency.inspect_cli.parsers import (
@@ -428,7 +429,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     relay.add_argument(
         "--name",
-        type=utf8_text,  # stored in claimed_by: PostgreSQL refuses NUL and non-UTF-8 bytes
+        type=_relay_name,
         metavar="NAME",
         help="this relay's name in claimed_by and its log lines (default: host:pid:random)",
     )
@@ -533,6 +534,21 @@ def _header_name(text: str) -> str:
     if name.startswith("grpc-") or name in _RESERVED_HEADERS:
         raise argparse.ArgumentTypeError(f"header name {name!r} is reserved")
     return name
+
+
+def _relay_name(text: str) -> str:
+    """Stored in claimed_by (PostgreSQL refuses NUL and non-UTF-8 bytes) and printed bare in the
+    relay's ``ready``/``stopped`` lines, which a supervisor reads: a newline split them, and an
+    ESC sequence rewrote the terminal. The scopes' rule (``is_unsafe``), for the same reason."""
+    text = utf8_text(text)
+    unsafe = unsafe_character(text)
+    if unsafe is not None:
+        # Named by code point, the name not quoted: it is what would disturb the terminal.
+        raise argparse.ArgumentTypeError(
+            f"a relay name holds no control, line-separator or format character, and this one"
+            f" holds {code_point(unsafe)}: give one line of visible text"
+        )
+    return text
 
 
 def _header(text: str) -> tuple[str, str | bytes]:

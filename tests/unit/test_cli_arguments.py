@@ -222,6 +222,17 @@ def test_outbox_retry_takes_ids_or_all_checked_before_connecting(
     assert parse("outbox", "retry", "--all").all and parse("outbox", "retry", "7").ids == [7]
 
 
+@pytest.mark.parametrize("name", ["relay-1\nrelay-1 stopped: delivered 0", "r\x1b[2J", "r\u202e1"])
+def test_a_relay_name_that_would_split_or_disguise_its_lines_is_refused(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Printed bare in the relay's ready and stopped lines: a newline forged a line of its own."""
+    refused(*RELAY, "--name", name)
+    err = capsys.readouterr().err
+    assert "--name: a relay name holds no control" in err and name not in err
+    assert parse(*RELAY, "--name", "relay caf\u00e9:1").name == "relay caf\u00e9:1"
+
+
 @pytest.mark.parametrize(
     "header",
     [
