@@ -643,7 +643,16 @@ def _check_outbox(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     after connecting, the same mistake exited 1 ("unreachable, retry later") while the database
     was down, and a script retried a command that could never work."""
     if args.outbox_command == "retry" and bool(args.ids) == bool(args.all):
-        parser.error("outbox retry takes IDs or --all")
+        # Its own parser's error, with its usage: the top-level one printed the command list.
+        _subcommand(parser, "outbox", "retry").error("outbox retry takes IDs or --all")
+
+
+def _subcommand(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``names`` (``"outbox", "retry"``) under ``parser``."""
+    for name in names:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = commands.choices[name]
+    return parser
 
 
 def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
