@@ -809,6 +809,22 @@ async def test_exit_status_not_found_unreachable_unusable(services: Services, pg
     module = await cli("inspect", "--dsn", pg_dsn, "--proto-module", "no.such_pb2",
                        "--scope", "s", "k")  # fmt: skip
     assert module.returncode == 2 and "no.such_pb2" in module.stderr
+    # Importable but no generated module (a mistyped name): taken silently, every message was
+    # then shown as bytes.
+    no_pb2 = await cli("inspect", "--dsn", pg_dsn, "--proto-module", "os.path",
+                       "--scope", "s", "k")  # fmt: skip
+    assert no_pb2.returncode == 2, no_pb2.stderr
+    assert "--proto-module os.path: holds no protobuf descriptors" in no_pb2.stderr
+    assert "_pb2 module" in no_pb2.stderr and "Traceback" not in no_pb2.stderr
+
+
+def test_a_proto_module_that_imports_generated_modules_is_taken() -> None:
+    """A _pb2_grpc module holds no DESCRIPTOR of its own but imports its _pb2 module, so it
+    fills the pool too: not refused as a module without descriptors."""
+    from grpc_idempotency.inspect_cli.descriptors import Descriptors
+
+    descriptors = Descriptors(["testsvc.v1.testsvc_pb2_grpc"], [])
+    assert descriptors.given
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from types import ModuleType
 
 from google.protobuf import descriptor_pool, message_factory
-from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.descriptor import FileDescriptor, MethodDescriptor
 
 from grpc_idempotency.core import inspection
 from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.policy import Step, compile_policy, normalize_method
 from grpc_idempotency.inspect_cli.config import ConfigError
+
+
+def _has_descriptors(module: ModuleType) -> bool:
+    """Whether importing ``module`` gave the default pool descriptors: a generated ``_pb2``
+    module (its ``DESCRIPTOR`` is the file's), or one that imports such modules under its own
+    names (a ``_pb2_grpc`` module; a package whose ``__init__`` imports its ``_pb2`` modules)."""
+    if isinstance(getattr(module, "DESCRIPTOR", None), FileDescriptor):
+        return True
+    return any(
+        isinstance(value, ModuleType)
+        and isinstance(getattr(value, "DESCRIPTOR", None), FileDescriptor)
+        for value in list(vars(module).values())
+    )
 
 
 class Descriptors:
@@ -30,12 +44,19 @@ class Descriptors:
 
         for name in modules:
             try:
-                importlib.import_module(name)
+                module = importlib.import_module(name)
             except Exception as err:  # a broken module raises anything while it runs
                 raise ConfigError(
                     f"--proto-module {name}: cannot import: {type(err).__name__}: {err}"
                     " (is its directory on PYTHONPATH, or in the config's python_path?)"
                 ) from err
+            if not _has_descriptors(module):
+                # A mistyped name that happened to import (os.path, the package rather than
+                # its _pb2) was taken silently, and every message then showed as bytes.
+                raise ConfigError(
+                    f"--proto-module {name}: holds no protobuf descriptors: give a generated"
+                    " _pb2 module (one with a DESCRIPTOR), e.g. checkout.v1.payments_pb2"
+                )
         self.given = bool(modules or descriptor_sets)
         self._pools = [descriptor_pool.Default()]
         self._steps: dict[str, tuple[Step, ...]] = {}
