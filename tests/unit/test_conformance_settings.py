@@ -88,3 +88,54 @@ def test_a_subclass_without_server_or_method_is_told_which_to_set(missing: str) 
     with pytest.raises(TypeError, match=rf"TestCharge must set {missing} = ") as refused:
         untuned().conformance_target()
     assert not isinstance(refused.value, AttributeError)
+
+
+class _Requests(_Tuned):
+    def make_request(self) -> Any:
+        from google.protobuf import wrappers_pb2
+
+        return wrappers_pb2.StringValue(value=f"op-{id(object())}")
+
+
+class _NoneRequest(_Requests):
+    def make_request(self) -> Any:
+        return None  # forgot its return
+
+
+class _NoneMutated(_Requests):
+    def mutate_request(self, request: Any) -> Any:
+        request.value += "-changed"  # changed in place, not returned
+
+
+class _NotAMessageError(_Requests):
+    def make_error_request(self) -> Any:
+        return {"value": "bad"}
+
+
+@pytest.mark.parametrize(
+    ("checks", "check", "says"),
+    [
+        (_NoneRequest, "check_keyless", r"make_request\(\) \(ConformanceTarget\.request\(\)\)"),
+        (_NoneRequest, "check_sequential_replay", r"make_request\(\)"),
+        (_NoneMutated, "check_mutated_payload", r"mutate_request\(request\) \(Conformance"),
+        (_NotAMessageError, "check_deterministic_error", r"make_error_request\(\) .* not dict"),
+    ],
+    ids=["keyless", "replay", "mutate", "error-request"],
+)
+async def test_a_request_factory_returning_no_message_is_told_so_before_a_server_starts(
+    tmp_path: Any, checks: type[_Tuned], check: str, says: str
+) -> None:
+    """``make_request`` returning None failed in the call's serializer with a raw
+    AttributeError ("'NoneType' object has no attribute 'SerializeToString'"), after a server
+    process had started; refused first, naming the method to fix and what it must return. (The
+    DSN is unreachable: a server started would fail otherwise.)"""
+    from grpc_idempotency.testing import ConformancePlan
+
+    plan = ConformancePlan(checks().conformance_target(), "postgresql://u@127.0.0.1:1/x", tmp_path)
+    try:
+        with pytest.raises(TypeError, match=says) as refused:
+            await getattr(plan, check)()
+        assert "must return a protobuf message" in str(refused.value)
+        assert not isinstance(refused.value, AttributeError) and plan._started == []
+    finally:
+        plan.close()

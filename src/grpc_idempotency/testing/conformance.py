@@ -60,6 +60,8 @@ except ImportError as exc:  # the runtime install has no pytest: say which extra
         name="pytest",
     ) from exc
 
+from google.protobuf.message import Message
+
 from grpc_idempotency.core import wire
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import KeyInProgress, KeyMissing, KeyReused
@@ -194,6 +196,25 @@ def _claim_backend(rows: Sequence[Any], key: str) -> int | None:
         return named[0]
     cut = [r for r in rows if r["since_call"] and _claimed_key(str(r["query"]), key) is None]
     return int(cut[0]["pid"]) if len(cut) == 1 and cut[0]["settled"] else None
+
+
+def _message(value: Any, what: str) -> Any:
+    """``value``, a request ``what`` returned, when it is a protobuf message: anything else
+    (``None`` from a factory that forgot its return) failed deep in the call's serializer with
+    a raw AttributeError naming neither."""
+    if not isinstance(value, Message):
+        raise TypeError(
+            f"{what} (ConformanceTarget.{_TARGET_FIELDS[what]}) must return a protobuf message,"
+            f" a request of the method's type, not {type(value).__name__}"
+        )
+    return value
+
+
+_TARGET_FIELDS = {
+    "make_request()": "request()",
+    "mutate_request(request)": "mutate(request)",
+    "make_error_request()": "error_request()",
+}
 
 
 class ConformanceFailure(AssertionError):
@@ -372,6 +393,9 @@ class ConformancePlan:
         for process in self._started:
             process.stop()
 
+    def _request(self) -> Any:
+        return _message(self.target.request(), "make_request()")
+
     def _key(self, check: str) -> str:
         return f"conformance-{check}-{uuid.uuid4().hex}"
 
@@ -482,8 +506,8 @@ class ConformancePlan:
         lacks (a handler's own, which the library does not store)."""
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "sequential replay"
+        request, key = self._request(), self._key("replay")
         server = await self._clean_server()
-        request, key = self.target.request(), self._key("replay")
         async with self._db() as db:
             first = await self._first(check, server, request, key)
             if (count := await self._count(db, request)) != 1:
@@ -525,9 +549,12 @@ class ConformancePlan:
         ``IDEMPOTENCY_KEY_REUSED``) and runs nothing."""
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "mutated payload"
+        request, key = self._request(), self._key("mutated")
+        if self.target.mutate is None:
+            mutated = self._request()
+        else:
+            mutated = _message(self.target.mutate(request), "mutate_request(request)")
         server = await self._clean_server()
-        request, key = self.target.request(), self._key("mutated")
-        mutated = (self.target.mutate or (lambda _: self.target.request()))(request)
         if mutated.SerializeToString(deterministic=True) == request.SerializeToString(
             deterministic=True
         ):
@@ -565,7 +592,7 @@ class ConformancePlan:
         clean = await self._clean_server()
         slow_points = f"before_commit=sleep:{self.target.slow_commit_ms}"
         async with self._server_with(slow_points, "slow") as slow, self._db() as db:
-            request, key = self.target.request(), self._key("concurrent")
+            request, key = self._request(), self._key("concurrent")
             servers = [slow, clean] * n
             answers = await asyncio.gather(
                 *(self._call(servers[i].address, request, key) for i in range(n))
@@ -611,7 +638,7 @@ class ConformancePlan:
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = f"crash at {point}"
         committed = point == "after_commit_before_response"
-        request, key = self.target.request(), self._key(point)
+        request, key = self._request(), self._key(point)
         clean = await self._clean_server()
         async with self._server_with(f"{point}=crash", f"crash-{point}") as doomed:
             answer = await self._call(doomed.address, request, key)
@@ -678,7 +705,7 @@ class ConformancePlan:
         check = "lost response"
         deadline = self.target.lost_response_deadline_s
         hold_ms = int((deadline + self.target.call_timeout_s) * 1000)
-        request, key = self.target.request(), self._key("lost")
+        request, key = self._request(), self._key("lost")
         clean = await self._clean_server()
         points = f"after_commit_before_response=sleep:{hold_ms}"
         async with self._server_with(points, "lost-response") as holding, self._db() as db:
@@ -715,7 +742,8 @@ class ConformancePlan:
         check = "deterministic error"
         if self.target.error_request is None:
             raise ValueError("the deterministic-error check needs error_request")
-        request, key = self.target.error_request(), self._key("error")
+        request = _message(self.target.error_request(), "make_error_request()")
+        key = self._key("error")
         clean = await self._clean_server()
         async with self._db() as db:
             first = await self._call(clean.address, request, key)
@@ -758,7 +786,7 @@ class ConformancePlan:
         retry replays."""
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "transient error"
-        request, key = self.target.request(), self._key("transient")
+        request, key = self._request(), self._key("transient")
         clean = await self._clean_server()
         async with self._server_with("before_commit=error", "transient") as failing:
             failed = await self._call(failing.address, request, key)
@@ -827,7 +855,7 @@ class ConformancePlan:
         no call connection to cut after the claim; the check skips (``pytest.skip``)."""
         __tracebackhide__ = True  # pytest: the failure, not the kit's frames
         check = "lost connection"
-        request, key = self.target.request(), self._key("lostconn")
+        request, key = self._request(), self._key("lostconn")
         clean = await self._clean_server()
         pause_ms = self.target.lost_connection_pause_ms
         async with (
@@ -885,7 +913,7 @@ class ConformancePlan:
         answered OK (not a replay) with one effect."""
         __tracebackhide__ = True  # pytest: the failure, not the kit's frames
         check = "keyless call"
-        request = self.target.request()
+        request = self._request()
         clean = await self._clean_server()
         answer = await self._call(clean.address, request, None)
         async with self._db() as db:
