@@ -659,6 +659,8 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """Refuses what no single relay argument shows to be wrong, before connecting to anything
     and with exit code 2, as argparse does for a bad argument. (Each argument's own range is
     its type's; DeliveryPolicy and Relay check the same again for Python callers.)"""
+    # Its own parser's errors, with relay's usage: the top-level one printed the command list.
+    parser = _subcommand(parser, "relay")
     if args.max_backoff < args.initial_backoff:
         parser.error(
             f"relay: --max-backoff ({args.max_backoff:g}) must not be smaller than"

@@ -110,10 +110,14 @@ def test_dead_letter_codes_are_grpc_status_names_other_than_ok() -> None:
 
 
 @pytest.mark.parametrize("method", ["bad", "a.B/C", "/a.B/C/D", "/a.B/", "//C"])
-def test_a_relay_method_that_is_no_method_path_is_refused_before_connecting(method: str) -> None:
+def test_a_relay_method_that_is_no_method_path_is_refused_before_connecting(
+    method: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """GrpcSink refused it, made once the relay had connected: with the database down, the
-    mistake exited 1 ("retry later")."""
+    mistake exited 1 ("retry later"). With relay's usage, not the top-level command list."""
     refused(*RELAY[:-1], method)
+    err = capsys.readouterr().err
+    assert err.startswith("usage: grpc-idempotency relay ") and "COMMAND" not in err
 
 
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
