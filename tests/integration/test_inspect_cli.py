@@ -827,6 +827,21 @@ def test_a_proto_module_that_imports_generated_modules_is_taken() -> None:
     assert descriptors.given
 
 
+def test_a_pb2_module_whose_descriptor_name_is_taken_by_a_message_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A .proto declaring a top-level message named DESCRIPTOR: its _pb2 binds the message's
+    class over the file descriptor, yet importing it filled the pool: not refused."""
+    from grpc_idempotency.inspect_cli.descriptors import Descriptors
+
+    # No module among its names: only the message class tells that it filled the pool.
+    (tmp_path / "hides_descriptor_pb2.py").write_text(
+        "from google.protobuf.empty_pb2 import Empty as DESCRIPTOR\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert Descriptors(["hides_descriptor_pb2"], []).given
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

@@ -9,6 +9,7 @@ from types import ModuleType
 
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import FileDescriptor, MethodDescriptor
+from google.protobuf.message import Message
 
 from grpc_idempotency.core import inspection
 from grpc_idempotency.core.errors import PolicyError
@@ -18,15 +19,22 @@ from grpc_idempotency.inspect_cli.config import ConfigError
 
 def _has_descriptors(module: ModuleType) -> bool:
     """Whether importing ``module`` gave the default pool descriptors: a generated ``_pb2``
-    module (its ``DESCRIPTOR`` is the file's), or one that imports such modules under its own
-    names (a ``_pb2_grpc`` module; a package whose ``__init__`` imports its ``_pb2`` modules)."""
-    if isinstance(getattr(module, "DESCRIPTOR", None), FileDescriptor):
+    module (its ``DESCRIPTOR`` is the file's, or its message classes: a .proto declaring a
+    top-level symbol named DESCRIPTOR binds that over the file's), or one that imports such
+    modules under its own names (a ``_pb2_grpc`` module; a package whose ``__init__`` imports
+    its ``_pb2`` modules)."""
+    values = list(vars(module).values())
+    if _generated(module) or any(_is_message_class(value) for value in values):
         return True
-    return any(
-        isinstance(value, ModuleType)
-        and isinstance(getattr(value, "DESCRIPTOR", None), FileDescriptor)
-        for value in list(vars(module).values())
-    )
+    return any(isinstance(value, ModuleType) and _generated(value) for value in values)
+
+
+def _generated(module: ModuleType) -> bool:
+    return isinstance(getattr(module, "DESCRIPTOR", None), FileDescriptor)
+
+
+def _is_message_class(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, Message)
 
 
 class Descriptors:
