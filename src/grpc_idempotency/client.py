@@ -574,7 +574,10 @@ def _refuse_unsendable(
     ``KeyInvalid`` (as one given as bytes that are not ASCII is: ``_key_text``), anything
     else ``ValueError``."""
     for name, value in metadata:
-        problem = unsendable(name, value)
+        # Checked as gRPC encodes them: it sends a name given as bytes as those bytes and a None
+        # value as empty, outside its typing but sent before this check, so not refused here.
+        text_name = name.decode("latin-1") if isinstance(name, bytes) else name
+        problem = unsendable(text_name, b"" if value is None else value)
         if problem is None:
             continue
         if serving is not None and (name, value) in serving.metadata:
@@ -582,14 +585,14 @@ def _refuse_unsendable(
                 f"{serving.method}: the call's metadata entry {name!r}, passed on to {path},"
                 f" cannot be sent by gRPC: {problem}"
             )
-        if serving is None and name == KEY_HEADER:
+        if serving is None and text_name == KEY_HEADER:
             raise KeyInvalid(
                 f"a call of {path} with an idempotency key gRPC cannot send: {problem}; an"
                 " idempotency key is visible ASCII (0x21-0x7E)"
             )
-        if name.lower() in LIBRARY_HEADERS and name != name.lower():
+        if text_name.lower() in LIBRARY_HEADERS and text_name != text_name.lower():
             # HTTP's spelling (Idempotency-Key): not the key to gRPC, which names it in lowercase.
-            problem += f" (the library's header is {name.lower()!r})"
+            problem += f" (the library's header is {text_name.lower()!r})"
         caller = f"{serving.method} called {path}" if serving is not None else f"a call of {path}"
         raise ValueError(f"{caller} with metadata gRPC cannot send: {problem}")
 

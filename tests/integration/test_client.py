@@ -146,6 +146,24 @@ async def test_metadata_grpc_cannot_send_is_refused_before_anything_is_sent(
     assert ledger.service.keys_seen == []  # nothing reached the server
 
 
+@pytest.mark.parametrize(
+    "entry", [(b"x-note", "n"), ("x-note", None)], ids=["bytes-name", "none-value"]
+)
+async def test_metadata_grpc_sends_is_not_refused(ledger: RunningLedger, entry: Any) -> None:
+    """gRPC sends a name given as bytes as those bytes and a ``None`` value as empty (its
+    metadata encoding takes both). Through the interceptor and ``Operation.call`` such calls
+    were answered; refusing unsendable metadata outside a handler broke them, a bytes name with
+    a raw TypeError ("cannot use a string pattern on a bytes-like object"), a ``None`` value
+    with a ValueError."""
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        await stub.Post(testsvc_pb2.PostRequest(account=fresh()), metadata=(*TENANT_MD, entry))
+    await Operation.new().call(
+        ledger.stub.Post, testsvc_pb2.PostRequest(account=fresh()), metadata=(*TENANT_MD, entry)
+    )
+    assert len(ledger.service.keys_seen) == 2
+
+
 async def test_operation_key_is_reused_and_cannot_change(
     ledger: RunningLedger, store: Store
 ) -> None:
