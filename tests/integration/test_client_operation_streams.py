@@ -19,6 +19,7 @@ from grpc_idempotency.core.retry import RetryPolicy
 class Down:
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.address = ""
 
     async def unary_unary(self, request: bytes, context: Any) -> bytes:
         self.calls.append("unary_unary")
@@ -51,6 +52,7 @@ async def down() -> AsyncIterator[tuple[grpc.aio.Channel, Down]]:
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("s.v1.Down", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
+    service.address = f"127.0.0.1:{port}"
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -78,3 +80,19 @@ async def test_a_streaming_method_is_refused_before_the_call_starts(
     )
     assert await unary(b"x") == b"x"
     assert service.calls == ["unary_unary"]
+
+
+@pytest.mark.parametrize("kind", ["unary_unary", "unary_stream", "stream_unary", "stream_stream"])
+async def test_a_sync_channels_method_of_any_kind_is_refused_before_it_is_called(
+    down: tuple[grpc.aio.Channel, Down], kind: str
+) -> None:
+    """Each kind of a sync channel's method, not only unary-unary's: called, a sync streaming
+    method started its call on the event loop's thread (a stream-unary one blocked it for the
+    whole call) before its answer was awaited."""
+    _, service = down
+    with grpc.insecure_channel(service.address) as sync:
+        method = getattr(sync, kind)(f"/s.v1.Down/{kind}")
+        request = b"a" if kind.startswith("unary") else iter([b"a"])
+        with pytest.raises(TypeError, match=r"grpc\.aio stub's method"):
+            await Operation.new().call(method, request, timeout=1)
+    assert service.calls == []
