@@ -18,9 +18,10 @@ from typing import Any
 
 import grpc
 import pytest
-from testsvc.v1 import testsvc_pb2
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import Store
+from grpc_idempotency.client import Operation
 from tests.support.ledger import TENANT, fresh, running_ledger
 from tests.support.raw_h2 import unary_call
 from tests.support.relay import FORWARD, RelayService, running_relay, step_refused_twice
@@ -97,3 +98,45 @@ async def test_a_steps_call_refused_before_it_is_sent_leaves_the_step_free(store
         answer = await relay.forward(request, fresh(), timeout=3.0)
         assert answer.code is grpc.StatusCode.OK, answer
         assert ledger.service.executions == 1
+
+
+class _OperationOnPlainChannel(RelayService):
+    """Passes its incoming metadata on through ``Operation.call`` on a channel without the
+    client interceptor: only ``Operation.call``'s own check sees it."""
+
+    address = ""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        incoming = [
+            (k, v)
+            for k, v in context.invocation_metadata()
+            if k not in ("user-agent", "idempotency-key")
+        ]
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            await Operation.new().call(stub.Post, post, metadata=incoming, timeout=3)
+        raise AssertionError("the call was sent")
+
+
+async def test_operation_call_passing_on_a_header_grpc_cannot_send_is_the_callers_error(
+    store: Store,
+) -> None:
+    """On a plain channel inside a handler, ``Operation.call`` tells an entry the incoming call
+    carries (the caller's: INVALID_ARGUMENT) from the handler's own (a ValueError): checked as
+    if outside a handler, the caller was answered UNKNOWN for its own header."""
+    request = testsvc_pb2.ForwardRequest(account=fresh("acct")).SerializeToString()
+    headers = [
+        (TENANT.encode(), b"acme"),
+        (b"idempotency-key", fresh().encode()),
+        (b"grpc-timeout", b"3S"),
+        (b"x-trace", "café".encode()),
+    ]
+    async with running_ledger(store) as ledger:
+        _OperationOnPlainChannel.address = ledger.address
+        async with running_relay(store, ledger.address, servicer=_OperationOnPlainChannel) as relay:
+            answer = await asyncio.to_thread(unary_call, relay.port, FORWARD, request, headers)
+        assert answer.get(b"grpc-status") == b"%d" % grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        message = urllib.parse.unquote(answer[b"grpc-message"].decode())
+        assert "metadata entry 'x-trace'" in message and "cannot be sent by gRPC" in message
+        assert ledger.service.executions == 0
