@@ -685,6 +685,23 @@ async def test_a_timeout_or_effect_of_the_wrong_type_is_refused_before_anything_
     assert ran == [] and not await consumer.is_processed(message_id)
 
 
+async def test_an_effect_returning_an_awaitable_that_is_no_coroutine_runs(
+    consumer: IdempotentConsumer,
+) -> None:
+    """The plain-def refusal is for a value that cannot be awaited: a callable returning a task
+    (any awaitable, not only a coroutine) ran before it, and still runs and commits (refusing
+    what is no coroutine survived)."""
+    message_id = fresh()
+    work = write(consumer, message_id)
+
+    def effect(conn: Any) -> asyncio.Future[int]:
+        return asyncio.ensure_future(work(conn))
+
+    result = await consumer.process(message_id, effect)
+    assert not result.duplicate and isinstance(result.value, int)
+    assert await consumer.is_processed(message_id)
+
+
 async def test_an_effect_that_is_a_plain_def_is_refused_and_nothing_is_marked(
     store: Store,
 ) -> None:
