@@ -237,7 +237,22 @@ def test_a_relay_name_that_would_split_or_disguise_its_lines_is_refused(
     refused(*RELAY, "--name", name)
     err = capsys.readouterr().err
     assert "--name: a relay name holds no control" in err and name not in err
+    unsafe = next(char for char in name if not char.isprintable())
+    assert f"holds U+{ord(unsafe):04X}" in err  # named by code point, not shown
     assert parse(*RELAY, "--name", "relay caf\u00e9:1").name == "relay caf\u00e9:1"
+
+
+@pytest.mark.parametrize(
+    ("name", "says"), [("relay\udcff", "not valid UTF-8"), ("r\x00", "holds a NUL")]
+)
+def test_a_relay_name_claimed_by_cannot_store_is_refused(
+    name: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stored in claimed_by: PostgreSQL takes neither a lone surrogate (an argument that is not
+    UTF-8) nor NUL (with the scopes' rule alone the surrogate was taken, and the relay failed
+    on its first claim)."""
+    refused(*RELAY, "--name", name)
+    assert f"--name: {says}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
