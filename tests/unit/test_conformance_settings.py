@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from grpc_idempotency.testing import ConformanceTarget, IdempotencyConformance
+from grpc_idempotency.testing.conformance import CRASH_POINTS
 
 # What the class supplies as methods rather than class attributes.
 _FROM_METHODS = {"request", "count_effects", "mutate", "error_request", "count_external_effects"}
@@ -119,8 +120,24 @@ class _NotAMessageError(_Requests):
         (_NoneRequest, "check_sequential_replay", r"make_request\(\)"),
         (_NoneMutated, "check_mutated_payload", r"mutate_request\(request\) \(Conformance"),
         (_NotAMessageError, "check_deterministic_error", r"make_error_request\(\) .* not dict"),
+        # Every other check of make_request()'s request (reverting any one survived).
+        (_NoneRequest, "check_concurrent_duplicates", r"make_request\(\)"),
+        (_NoneRequest, "check_crash", r"make_request\(\)"),
+        (_NoneRequest, "check_lost_response", r"make_request\(\)"),
+        (_NoneRequest, "check_transient_error", r"make_request\(\)"),
+        (_NoneRequest, "check_lost_connection", r"make_request\(\)"),
     ],
-    ids=["keyless", "replay", "mutate", "error-request"],
+    ids=[
+        "keyless",
+        "replay",
+        "mutate",
+        "error-request",
+        "concurrent",
+        "crash",
+        "lost-response",
+        "transient",
+        "lost-connection",
+    ],
 )
 async def test_a_request_factory_returning_no_message_is_told_so_before_a_server_starts(
     tmp_path: Any, checks: type[_Tuned], check: str, says: str
@@ -134,7 +151,7 @@ async def test_a_request_factory_returning_no_message_is_told_so_before_a_server
     plan = ConformancePlan(checks().conformance_target(), "postgresql://u@127.0.0.1:1/x", tmp_path)
     try:
         with pytest.raises(TypeError, match=says) as refused:
-            await getattr(plan, check)()
+            await getattr(plan, check)(*(CRASH_POINTS[:1] if check == "check_crash" else ()))
         assert "must return a protobuf message" in str(refused.value)
         assert not isinstance(refused.value, AttributeError) and plan._started == []
     finally:

@@ -589,10 +589,10 @@ class ConformancePlan:
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "concurrent duplicates"
         n = self.target.concurrency
+        request, key = self._request(), self._key("concurrent")  # refused before servers start
         clean = await self._clean_server()
         slow_points = f"before_commit=sleep:{self.target.slow_commit_ms}"
         async with self._server_with(slow_points, "slow") as slow, self._db() as db:
-            request, key = self._request(), self._key("concurrent")
             servers = [slow, clean] * n
             answers = await asyncio.gather(
                 *(self._call(servers[i].address, request, key) for i in range(n))
