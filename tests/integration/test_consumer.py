@@ -694,7 +694,7 @@ async def test_an_effect_returning_an_awaitable_that_is_no_coroutine_runs(
     message_id = fresh()
     work = write(consumer, message_id)
 
-    def effect(conn: Any) -> asyncio.Future[int]:
+    def effect(conn: Any) -> Any:
         return asyncio.ensure_future(work(conn))
 
     result = await consumer.process(message_id, effect)
