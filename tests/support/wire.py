@@ -8,6 +8,9 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from grpc_idempotency.core.lifecycle import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS
+from grpc_idempotency.core.wire import ERROR_DOMAIN, PUSHBACK_TRAILER
+
 
 @dataclass
 class Answer:
@@ -26,14 +29,39 @@ class Answer:
         return None if raw is None else status_pb2.Status.FromString(raw)
 
     def reason(self) -> str | None:
+        """The first ``ErrorInfo.reason`` in the answer's ``google.rpc.Status``. One of the
+        library's (``IDEMPOTENCY_...``) is checked as the README's wire contract gives it to
+        clients in other languages, which read the Status alone: domain "grpc-idempotency", the
+        Status's code and message the call's, and for a key in progress no initial metadata (a
+        trailers-only answer, which gRPC's retries may retry) and one retry hint, in
+        ``RetryInfo`` and in ``grpc-retry-pushback-ms`` alike. So every test asserting such a
+        reason asserts these fields too."""
         status = self.status()
         for detail in status.details if status else ():
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
                 info = error_details_pb2.ErrorInfo()
                 detail.Unpack(info)
                 reason: str = info.reason
+                if reason.startswith("IDEMPOTENCY_"):
+                    self._check_library_error(status, info)
                 return reason
         return None
+
+    def _check_library_error(
+        self, status: status_pb2.Status | None, info: error_details_pb2.ErrorInfo
+    ) -> None:
+        assert status is not None
+        assert info.domain == ERROR_DOMAIN, (info.reason, info.domain)
+        assert (status.code, status.message) == (self.code.value[0], self.details), (
+            status,
+            self.code,
+            self.details,
+        )
+        if info.reason == "IDEMPOTENCY_KEY_IN_PROGRESS":
+            assert self.initial == {}, self.initial
+            delay = self.retry_delay_ms()
+            assert delay is not None and MIN_RETRY_AFTER_MS <= delay <= MAX_RETRY_AFTER_MS, delay
+            assert self.trailing.get(PUSHBACK_TRAILER) == str(delay), self.trailing
 
     def retry_delay_ms(self) -> int | None:
         status = self.status()
