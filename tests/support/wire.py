@@ -34,8 +34,8 @@ class Answer:
         clients in other languages, which read the Status alone: domain "grpc-idempotency", the
         Status's code and message the call's, and for a key in progress no initial metadata (a
         trailers-only answer, which gRPC's retries may retry) and one retry hint, in
-        ``RetryInfo`` and in ``grpc-retry-pushback-ms`` alike. So every test asserting such a
-        reason asserts these fields too."""
+        ``RetryInfo`` and in ``grpc-retry-pushback-ms`` alike (no other reason has one). So
+        every test asserting such a reason asserts these fields too."""
         status = self.status()
         for detail in status.details if status else ():
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
@@ -62,6 +62,8 @@ class Answer:
             delay = self.retry_delay_ms()
             assert delay is not None and MIN_RETRY_AFTER_MS <= delay <= MAX_RETRY_AFTER_MS, delay
             assert self.trailing.get(PUSHBACK_TRAILER) == str(delay), self.trailing
+        else:  # a hint only where the README gives one: the other answers name no time
+            assert PUSHBACK_TRAILER not in self.trailing and self.retry_delay_ms() is None
 
     def retry_delay_ms(self) -> int | None:
         status = self.status()
