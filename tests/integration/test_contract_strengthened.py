@@ -6,6 +6,7 @@ IN_PROGRESS retry hint given twice (trailer and RetryInfo) agreeing."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -462,3 +463,66 @@ async def test_a_handler_ending_deadline_exceeded_or_cancelled_releases_the_key(
     assert again.code is code and not again.replayed
     assert ledger.service.attempts[key] == 2
     assert await ledger_rows(store, account) == 0
+
+
+# -- 6. where each field travels, frame by frame -------------------------------------------------
+
+
+async def test_refusals_are_trailers_only_and_replays_mark_their_headers(store: Store) -> None:
+    """What a Go or Java client reads: a refusal (here KEY_MISSING, KEY_INVALID, KEY_REUSED,
+    IN_PROGRESS) is one trailers-only header block (no headers first: grpc-java's onHeaders is
+    not called, gRPC's retries may retry it), holding the status, the google.rpc.Status and
+    for IN_PROGRESS the pushback; a replay, of a response or of a recorded error, sends its
+    headers first with ``idempotency-replayed: true`` in them, never in the trailers; a first
+    execution carries no marker. A C-core client cannot tell a trailers-only answer from one
+    with empty headers."""
+    from tests.support.raw_h2 import unary_frames
+
+    async with running_ledger(store, overrides=SHORT_WAIT) as ledger:
+        port = int(ledger.address.rsplit(":", 1)[1])
+
+        async def blocks(request: Any, key: str | None) -> list[dict[bytes, bytes]]:
+            headers = [(name.encode(), value.encode()) for name, value in metadata(key)]
+            body = request.SerializeToString()
+            return await asyncio.to_thread(unary_frames, port, POST, body, headers)
+
+        def status_of(block: dict[bytes, bytes]) -> tuple[bytes, str | None]:
+            details = block.get(b"grpc-status-details-bin")
+            if details is None:
+                return block[b"grpc-status"], None
+            raw = base64.b64decode(details + b"=" * (-len(details) % 4))
+            return block[b"grpc-status"], error_info(status_pb2.Status.FromString(raw)).reason
+
+        account = fresh("acct")
+        ok, recorded = post(account), post(account, "NOT_FOUND")
+        ok_key, recorded_key = fresh(), fresh()
+        first = await blocks(ok, ok_key)
+        first_error = await blocks(recorded, recorded_key)
+        replays = [await blocks(ok, ok_key), await blocks(recorded, recorded_key)]
+        refusals = {
+            "IDEMPOTENCY_KEY_MISSING": await blocks(ok, None),
+            "IDEMPOTENCY_KEY_INVALID": await blocks(ok, "has space"),
+            "IDEMPOTENCY_KEY_REUSED": await blocks(post(account, amount=11), ok_key),
+        }
+        waiting, waiting_key = post(fresh("acct"), "wait"), fresh()
+        owner = asyncio.ensure_future(ledger.call(POST, waiting, waiting_key))
+        await ledger.service.started.wait()
+        try:
+            refusals["IDEMPOTENCY_KEY_IN_PROGRESS"] = await blocks(waiting, waiting_key)
+        finally:
+            ledger.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+
+    assert len(first) == 2 and b"idempotency-replayed" not in first[0] | first[1]
+    assert status_of(first[1]) == (b"0", None)
+    [only] = first_error  # the handler's recorded error, sent with no headers before it
+    assert status_of(only) == (b"5", None) and b"idempotency-replayed" not in only
+    for replay, code in zip(replays, (b"0", b"5"), strict=True):
+        headers, trailers = replay
+        assert headers[b"idempotency-replayed"] == b"true" and b"grpc-status" not in headers
+        assert b"idempotency-replayed" not in trailers and status_of(trailers) == (code, None)
+    for reason, answer in refusals.items():
+        [block] = answer
+        assert block[b":status"] == b"200" and b"idempotency-replayed" not in block
+        assert status_of(block)[1] == reason
+        assert (b"grpc-retry-pushback-ms" in block) == (reason == "IDEMPOTENCY_KEY_IN_PROGRESS")

@@ -17,6 +17,20 @@ def unary_call(
     port: int, path: str, message: bytes, headers: list[tuple[bytes, bytes]], timeout: float = 5.0
 ) -> dict[bytes, bytes]:
     """Sends one call; returns the response headers and trailers merged (grpc-status etc.)."""
+    answer: dict[bytes, bytes] = {}
+    for block in unary_frames(port, path, message, headers, timeout):
+        answer.update(block)
+    return answer
+
+
+def unary_frames(
+    port: int, path: str, message: bytes, headers: list[tuple[bytes, bytes]], timeout: float = 5.0
+) -> list[dict[bytes, bytes]]:
+    """Sends one call; returns the response's header blocks as they came, in order: one for a
+    trailers-only answer (nothing sent before the status), else the headers, then the trailers.
+    What a grpc-java client hands to ``onHeaders`` and what to ``onClose`` is decided here,
+    which a C-core client's initial and trailing metadata do not show apart for an answer with
+    empty headers."""
     config = h2.config.H2Configuration(
         client_side=True,
         header_encoding=None,
@@ -39,14 +53,14 @@ def unary_call(
         framed = b"\x00" + len(message).to_bytes(4, "big") + message
         conn.send_data(1, framed, end_stream=True)
         sock.sendall(conn.data_to_send())
-        answer: dict[bytes, bytes] = {}
+        blocks: list[dict[bytes, bytes]] = []
         while True:
             data = sock.recv(65535)
             if not data:
-                return answer
+                return blocks
             for event in conn.receive_data(data):
                 if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    answer.update(dict(event.headers))
+                    blocks.append(dict(event.headers))
                 if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
-                    return answer
+                    return blocks
             sock.sendall(conn.data_to_send())
