@@ -30,10 +30,12 @@ async def short_store(pg_dsn: str) -> AsyncIterator[Store]:
     name = f"locked_{uuid.uuid4().hex[:8]}"
     # Migrated with the default timeout: on a loaded machine a migration could pass 1 s.
     await (await Store.connect(pg_dsn, schema=name, migrate=True)).close()
-    # timeout=10: connects keep asyncpg's own bound, not command_timeout's 1 s, which also
-    # bounds the outage probe's fresh connection: on CI's loaded machine a live database took
-    # longer than 1 s to accept one, the probe read it as down, and the call failed open.
-    store = await Store.connect(pg_dsn, schema=name, max_size=4, command_timeout=1, timeout=10)
+    # timeout=10: connects keep asyncpg's own bound, not command_timeout's 1 s. probe_timeout=10:
+    # on CI's loaded machine a live database took longer than the default 2 s to accept the
+    # outage probe's fresh connection, the probe read it as down, and the call failed open.
+    store = await Store.connect(
+        pg_dsn, schema=name, max_size=4, command_timeout=1, timeout=10, probe_timeout=10
+    )
     try:
         await prepare(store)
         yield store

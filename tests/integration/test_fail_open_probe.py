@@ -172,7 +172,7 @@ async def test_closing_the_store_during_a_probe_still_answers_the_call(pg_dsn: s
     probing = asyncio.Event()
     answers = store.answers
 
-    async def watched(timeout: float) -> bool:
+    async def watched(timeout: float | None = None) -> bool:
         probing.set()
         return await answers(timeout)
 
@@ -301,6 +301,77 @@ async def test_the_probes_connect_is_bounded_by_the_probes_budget_not_the_pools(
         await store.close()
     [probes] = timeouts
     assert probes > PROBE_S
+
+
+async def test_probe_timeout_is_how_long_a_live_database_may_take_to_answer(pg_dsn: str) -> None:
+    """A live database that takes longer than the default 2 s to accept a connection (a
+    saturated host) read as down, and a fail-open method ran a completed key again, unclaimed:
+    ``probe_timeout`` is the operator's bound. The same slow database, probed by two stores at
+    once: the default budget gives up on it, a budget of 10 s gets its answer; the connect's
+    own timeout lies past each budget."""
+    slow_s = PROBE_S + 0.5
+    timeouts: list[float] = []
+    probing = False
+
+    async def connect(dsn: str, **kwargs: Any) -> Any:
+        if probing:  # the pools' own connects are not slowed
+            timeouts.append(kwargs["timeout"])
+            await asyncio.sleep(slow_s)  # stands for a slow accept: the outcome needs no race
+        return await asyncpg.connect(dsn, **{k: v for k, v in kwargs.items() if k != "loop"})
+
+    name = await migrated(pg_dsn)
+    default = await Store.connect(pg_dsn, schema=name, max_size=2, connect=connect)
+    patient = await Store.connect(
+        pg_dsn, schema=name, max_size=2, connect=connect, probe_timeout=10
+    )
+    try:
+        probing = True
+        started = asyncio.get_running_loop().time()
+        impatient, answered = await asyncio.wait_for(
+            asyncio.gather(default.answers(), patient.answers()), 30
+        )
+        took = asyncio.get_running_loop().time() - started
+    finally:
+        await default.close()
+        await patient.close()
+    assert not impatient
+    assert answered
+    assert took >= slow_s
+    assert sorted(timeouts) == [PROBE_S + 1, 11]
+
+
+async def test_a_call_waits_for_the_stores_probe_timeout_not_the_default(
+    pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    """The interceptor capped its wait for the probe at the default 2 s, whatever the store's
+    budget: a slow but live database still read as down, and the completed key ran again."""
+    probing = False
+
+    async def connect(dsn: str, **kwargs: Any) -> Any:
+        if probing:
+            await asyncio.sleep(PROBE_S + 0.5)  # a saturated host, slow to accept
+        return await asyncpg.connect(dsn, **{k: v for k, v in kwargs.items() if k != "loop"})
+
+    store = await Store.connect(
+        pg_dsn,
+        schema=await migrated(pg_dsn),
+        max_size=2,
+        command_timeout=1,
+        connect=connect,
+        probe_timeout=10,
+    )
+    await prepare(store)
+    try:
+        async with (
+            running_ledger(store, replay_cache=False) as ledger,
+            completed_then_locked(ledger, db, store.schema) as key,
+        ):
+            probing = True
+            again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
+    finally:
+        await store.close()
+    assert again.code is grpc.StatusCode.UNAVAILABLE, again
+    assert ledger.service.executions == 1
 
 
 async def test_a_partition_met_by_a_new_connection_fails_open_within_command_timeout(

@@ -471,6 +471,14 @@ async def test_a_bad_command_timeout_is_refused_by_name_not_blamed_on_the_dsn(
     assert not isinstance(raised.value, StoreMisconfigured)
 
 
+@pytest.mark.parametrize("value", [0, -1.5, math.nan, math.inf, "30", True, None])
+async def test_a_bad_probe_timeout_is_refused_by_name(pg_dsn: str, value: object) -> None:
+    # None too: a probe with no bound kept a fail-open call waiting on a database that accepts
+    # connections and never answers.
+    with pytest.raises((ValueError, TypeError), match="probe_timeout"):
+        await Store.connect(pg_dsn, probe_timeout=value)  # type: ignore[arg-type]
+
+
 async def test_a_bad_connection_option_is_the_drivers_value_error_not_the_dsns(
     pg_dsn: str,
 ) -> None:

@@ -103,7 +103,6 @@ from grpc_idempotency.server.handler_context import (
 )
 from grpc_idempotency.store.errors import handler_error
 from grpc_idempotency.store.postgres import (
-    PROBE_S,
     Attempt,
     PhasedClaim,
     PooledConnection,
@@ -1556,7 +1555,8 @@ async def _may_fail_open(
         return False
     if err.ambiguous:
         # Half the time left at most: a call that must fail open still has time to run.
-        if await store.answers(PROBE_S if remaining is None else min(remaining / 2, PROBE_S)):
+        # The store's own budget (``probe_timeout``) when the call has no deadline.
+        if await store.answers(None if remaining is None else remaining / 2):
             return False
         remaining = answers.time_remaining(context)
     return remaining is None or remaining > _DEADLINE_SPENT_S

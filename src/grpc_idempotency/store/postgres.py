@@ -97,6 +97,11 @@ ROLLBACK_TIMEOUT_S = 2.0
 READ_COMMITTED_IDLE_S = 5.0
 _DEFAULT_COMMAND_TIMEOUT_S = 30.0
 
+PROBE_S = 2.0
+"""How long a live database may take, by default, to answer the outage probe's ``SELECT 1``
+on a fresh connection (``Store.connect``'s ``probe_timeout``), and a DSN given for later use
+to answer at all (``vet_dsn``)."""
+
 
 def _lost_race(exc: asyncpg.PostgresError) -> bool:
     """A claim that failed this way lost to a concurrent attempt: look again. Besides the claim
@@ -490,6 +495,15 @@ def _checked_seconds(name: str, value: object) -> None:
         raise ValueError(f"{name} must be None (no timeout) or positive and finite, not {value!r}")
 
 
+def _checked_probe_timeout(value: object) -> None:
+    # Never None: an outage probe with no bound left a fail-open method waiting on a database
+    # that accepts connections and never answers, for as long as the call may wait.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"probe_timeout must be a number of seconds, not {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"probe_timeout must be positive and finite, not {value!r}")
+
+
 def _checked_server_settings(value: object) -> None:
     # asyncpg refuses any other with a ClientConfigurationError, told as "the DSN cannot be
     # parsed" (statement_timeout=5000, an int, is the likely slip).
@@ -589,6 +603,7 @@ class Store:
         migrate: bool = False,
         check_schema: bool = True,
         probe_dsn: str | None = None,
+        probe_timeout: float = PROBE_S,
         **pool_options: Any,
     ) -> Store:
         """Opens a pool for the store (and for handlers' writes, which share its transaction).
@@ -611,7 +626,11 @@ class Store:
         ``probe_dsn`` is where ``answers`` (the check before a fail-open method runs unclaimed on a
         timeout) connects, ``dsn`` by default. Behind PgBouncer give the database's own address:
         through the pooler, whose server connections a locked table can hold, the check can go
-        unanswered with the database up.
+        unanswered with the database up. ``probe_timeout`` is how long that check waits for the
+        fresh connection's ``SELECT 1`` (connect, TLS and authentication included), never more
+        than half the call's time left: past it the database counts as down, and a fail-open
+        method runs unclaimed. On a saturated host a live database can take longer than the
+        default 2 s to accept a connection; raise it there.
 
         ``migrate=True`` applies missing migrations first; production deployments usually run
         ``grpc-idempotency migrate`` instead. Otherwise ``check_schema`` (the default) verifies
@@ -620,6 +639,7 @@ class Store:
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
         _checked_seconds("command_timeout", command_timeout)
+        _checked_probe_timeout(probe_timeout)
         _checked_seconds("timeout", pool_options.get("timeout"))
         _checked_server_settings(pool_options.get("server_settings"))
         unsent = unsendable(dsn)
@@ -663,7 +683,9 @@ class Store:
         # As the pool calls ``connect`` (a custom one may require these).
         options.setdefault("connection_class", asyncpg.Connection)
         options.setdefault("record_class", asyncpg.Record)
-        store._probe = _Probe(connect, dsn if probe_dsn is None else probe_dsn, options)
+        store._probe = _Probe(
+            connect, dsn if probe_dsn is None else probe_dsn, options, float(probe_timeout)
+        )
         try:
             if probe_dsn is not None:
                 await store._probe.vet()
@@ -1565,9 +1587,10 @@ class Store:
         async with self.connection("checking the store", timeout) as conn:
             await conn.fetchval("SELECT 1")
 
-    async def answers(self, timeout: float) -> bool:
-        """Whether the database answers ``SELECT 1`` within ``timeout`` seconds on a connection
-        of its own, opened outside the pool with the parameters ``connect`` was given: it
+    async def answers(self, timeout: float | None = None) -> bool:
+        """Whether the database answers ``SELECT 1`` on a connection of its own within the
+        probe's budget (``Store.connect``'s ``probe_timeout``), waiting at most ``timeout``
+        seconds for it, opened outside the pool with the parameters ``connect`` was given: it
         confirms an ambiguous outage (``StoreUnavailable.ambiguous``). A table locked by a
         migration blocks every pooled connection's statement, the pool's included, so only a
         fresh connection tells a live database from an unreachable one. Never raises: any
@@ -1577,12 +1600,12 @@ class Store:
         a connection per call), each waiting at most its own ``timeout``. A store made directly
         on a pool (``Store(pool)``) does not know how to connect outside it and answers
         ``False``: an ambiguous outage counts as an outage there, as before."""
-        if self._probe is None or not timeout > 0:
+        if self._probe is None or (timeout is not None and not timeout > 0):
             return False
         probing = self._probing
         if probing is None or probing.done():
             # Its own budget, not this caller's: later callers with more time left share it.
-            probing = self._probing = asyncio.ensure_future(self._probe.answers(PROBE_S))
+            probing = self._probing = asyncio.ensure_future(self._probe.answers())
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(probing)
@@ -1594,10 +1617,6 @@ class Store:
                 return False  # the probe was cancelled by close(), not this caller
             raise
 
-
-PROBE_S = 2.0
-"""How long a live database may take to answer a fresh connection's ``SELECT 1`` (connect,
-TLS, authentication included) before an ambiguous outage is taken for a real one."""
 
 _PROBE_CONNECT_SLACK_S = 1.0
 """How far past the probe's budget its connect's own timeout is set: the budget decides."""
@@ -1626,6 +1645,9 @@ class _Probe:
     connect: Callable[..., Any]
     dsn: str
     options: dict[str, Any]
+    budget: float
+    """How long a live database may take to answer the probe's ``SELECT 1`` (connect, TLS,
+    authentication included) before an ambiguous outage is taken for a real one."""
 
     async def vet(self) -> None:
         """``Store.connect`` given a ``probe_dsn``: one the driver cannot parse or use is refused
@@ -1633,22 +1655,24 @@ class _Probe:
         methods run unclaimed, and each probe logged the driver's text. One that does not
         answer now (it may when it is needed) is only said in the log."""
         options = {"loop": asyncio.get_running_loop(), **self.options}
-        if not await vet_dsn("probe_dsn", self.dsn, self.connect, **options):
+        # Bounded by the probe's budget, as the probe is (``answers``).
+        options["timeout"] = self.budget + _PROBE_CONNECT_SLACK_S
+        if not await vet_dsn("probe_dsn", self.dsn, self.connect, self.budget, **options):
             log.warning(
                 "probe_dsn does not answer now: until it does, an ambiguous store outage counts"
                 " as a real one (fail-open methods run unclaimed)"
             )
 
-    async def answers(self, timeout: float) -> bool:
+    async def answers(self) -> bool:
         conn: Any = None
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(self.budget):
                 # The pool's connect timeout is its command_timeout (1 s, say), which a loaded host
                 # can take to accept a live database's connection: read as down, and a fail-open
                 # method ran a completed key's handler again. The probe's own budget bounds it;
                 # the connect's timeout is set past that budget, so that the budget alone decides
                 # (and a timeout from the connect never races the budget's own).
-                options = {**self.options, "timeout": timeout + _PROBE_CONNECT_SLACK_S}
+                options = {**self.options, "timeout": self.budget + _PROBE_CONNECT_SLACK_S}
                 conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **options)
                 await conn.fetchval("SELECT 1")
                 await conn.close()
@@ -1667,7 +1691,11 @@ class _Probe:
 
 
 async def vet_dsn(
-    name: str, dsn: str, connect: Callable[..., Any] = asyncpg.connect, **options: Any
+    name: str,
+    dsn: str,
+    connect: Callable[..., Any] = asyncpg.connect,
+    budget: float = PROBE_S,
+    **options: Any,
 ) -> bool:
     """Raises ``DsnUnusable`` naming ``name`` if the driver cannot parse or use ``dsn``, which
     is connected to later, over and over (``probe_dsn``, a relay's ``listen_dsn``): each failure
@@ -1680,7 +1708,7 @@ async def vet_dsn(
         raise DsnUnusable(f"{name}: {DsnUnusable().message}")
     conn: Any = None
     try:
-        async with asyncio.timeout(PROBE_S):
+        async with asyncio.timeout(budget):
             conn = await connect(dsn, **options)
             await conn.close()
     except Exception as exc:
