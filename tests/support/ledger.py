@@ -98,6 +98,13 @@ async def ledger_rows(store: Store, account: str) -> int:
     return count
 
 
+def _pairs(text: str) -> tuple[tuple[str, str], ...]:
+    """``NAME=VALUE&NAME=VALUE`` as metadata pairs (a behaviour's trailers or headers)."""
+    return tuple(
+        (name, value) for name, _, value in (pair.partition("=") for pair in text.split("&"))
+    )
+
+
 @dataclass
 class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     store: Store
@@ -248,18 +255,17 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", details)
         if behaviour.startswith(("trailer:", "set-trailer:")):
-            # One trailer of the handler's choice, NAME=VALUE: with an abort, or set and OK
-            # (or, after ";CODE", set and then an abort with CODE that gives no trailers).
-            name, _, value = behaviour.partition(":")[2].partition("=")
-            value, _, then = value.partition(";")
+            # Trailers of the handler's choice, NAME=VALUE[&NAME=VALUE...]: with an abort, or
+            # set and OK (or, after ";CODE", set and then an abort with CODE that gives none).
+            pairs, _, then = behaviour.partition(":")[2].partition(";")
+            trailers = _pairs(pairs)
             if behaviour.startswith("trailer:"):
-                await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", ((name, value),))
-            context.set_trailing_metadata(((name, value),))
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", trailers)
+            context.set_trailing_metadata(trailers)
             if then:
                 await context.abort(getattr(grpc.StatusCode, then), f"handler says {then}")
-        if behaviour.startswith("initial:"):  # NAME=VALUE as initial metadata, then OK
-            name, _, value = behaviour.partition(":")[2].partition("=")
-            await context.send_initial_metadata(((name, value),))
+        if behaviour.startswith("initial:"):  # NAME=VALUE[&...] as initial metadata, then OK
+            await context.send_initial_metadata(_pairs(behaviour.partition(":")[2]))
         if behaviour and hasattr(grpc.StatusCode, behaviour):
             await context.abort(getattr(grpc.StatusCode, behaviour), f"handler says {behaviour}")
         if behaviour == "run-on-loop":  # a helper written for sync handlers, called here
@@ -346,6 +352,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         self.sync_threads.append(threading.current_thread().name)
         call = current_call()
         self.sync_calls.append(call)
+        if request.behaviour.startswith("initial:"):  # NAME=VALUE[&...] as initial metadata
+            context.send_initial_metadata(_pairs(request.behaviour.partition(":")[2]))
+            return testsvc_pb2.PostResponse(account=request.account)
         if request.behaviour == "block-then-metadata":
             # Blocks, then sends its initial metadata (the call may be over by then).
             self.sync_started.set()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from grpc_idempotency.core.errors import AbortInvalid
-from grpc_idempotency.core.wire import STEP_HEADER
+from grpc_idempotency.core.wire import REPLAYED_HEADER, STEP_HEADER
 from grpc_idempotency.server.answers import Context, grpc_code, status_code, utf8_text
 
 if TYPE_CHECKING:
@@ -53,6 +53,18 @@ SET_TRAILERS = "set_trailing_metadata()"
 """``sendable_trailers``'s ``given_to`` for the trailers a handler set rather than aborted with."""
 
 
+def check_set_trailers(context: Context) -> None:
+    """Checks the trailers the handler set with set_trailing_metadata() (``sendable_trailers``:
+    ``AbortInvalid`` if gRPC could not send them) and sets them again without the replay marker
+    if they held it (``_sendable``)."""
+    given = context.trailing_metadata()
+    if not given:  # most calls
+        return
+    trailers = sendable_trailers(given, given_to=SET_TRAILERS)
+    if len(trailers) != len(tuple(given)):
+        context.set_trailing_metadata(trailers)
+
+
 def sendable_initial_metadata(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
     """``metadata`` for the handler's ``send_initial_metadata``, checked as trailers are
     (``AbortInvalid``, which fails the call INTERNAL and releases its key): a "grpc-timeout"
@@ -79,6 +91,12 @@ def _sendable(metadata: Any, what: str) -> tuple[tuple[str, str | bytes], ...]:
         key, value = entry
         if not isinstance(key, str) or _METADATA_KEY.fullmatch(key) is None:
             return _invalid(f"has the name {key!r}: names are lowercase a-z, 0-9, '-', '_' and '.'")
+        if key == REPLAYED_HEADER:
+            # The library's replay marker, copied from a downstream replay's headers say: on
+            # an executed call it told the client "a replay" (trailers-only answers carry
+            # trailers as headers) of a first execution. Dropped, said once per process.
+            _say_marker_dropped(what)
+            continue
         if key in _FATAL_TRAILERS:
             # Accepted, the outcome committed and then the server process died sending it
             # (every call it held failed with it; each new key through the path killed one).
@@ -97,6 +115,21 @@ def _sendable(metadata: Any, what: str) -> tuple[tuple[str, str | bytes], ...]:
             return _invalid(f"has a value under {key!r} that is not printable ASCII")
         pairs.append((key, value))  # a list pair too: grpc.aio takes tuples only
     return tuple(pairs)
+
+
+_marker_dropped_said = False
+
+
+def _say_marker_dropped(what: str) -> None:
+    global _marker_dropped_said
+    if not _marker_dropped_said:
+        _marker_dropped_said = True
+        log.warning(
+            "%s held %r, the library's replay marker: dropped (only the library says an answer"
+            " is a replay); said once per process",
+            what,
+            REPLAYED_HEADER,
+        )
 
 
 def _refuse(message: str) -> NoReturn:

@@ -94,12 +94,11 @@ from grpc_idempotency.scope import ScopeResolver, is_async, peer_identity_scope
 from grpc_idempotency.server import answers
 from grpc_idempotency.server.answers import Context
 from grpc_idempotency.server.handler_context import (
-    SET_TRAILERS,
     DeferredAbort,
     KeyedContext,
     SyncContext,
+    check_set_trailers,
     metadata_for_handler,
-    sendable_trailers,
 )
 from grpc_idempotency.store.errors import handler_error
 from grpc_idempotency.store.postgres import (
@@ -874,7 +873,7 @@ class IdempotencyInterceptor(_Interceptor):
             # refuses bad ones only as it sends them, after the commit (the first answer an
             # error, or a hang, for an outcome every retry replays). Checked before it instead.
             try:
-                sendable_trailers(context.trailing_metadata(), given_to=SET_TRAILERS)
+                check_set_trailers(context)
             except AbortInvalid as err:
                 call.outcome = CallOutcome.RELEASED
                 misuse = await self._release(attempt, claim)
@@ -1209,7 +1208,7 @@ class IdempotencyInterceptor(_Interceptor):
             # server process (SIGABRT) with the handler's writes committed, and the client,
             # answered UNAVAILABLE and with no key to dedupe on, wrote them again.
             try:
-                sendable_trailers(context.trailing_metadata(), given_to=SET_TRAILERS)
+                check_set_trailers(context)
             except AbortInvalid as err:
                 misuse = await asyncio.shield(tx.rollback())
                 await answers.abort(context, misuse or err)
@@ -1626,7 +1625,7 @@ async def _refuse_unsendable_trailers(context: Context, aborted: DeferredAbort |
     if aborted is not None and aborted.trailing_metadata:
         return
     try:
-        sendable_trailers(context.trailing_metadata(), given_to=SET_TRAILERS)
+        check_set_trailers(context)
     except AbortInvalid as err:
         await answers.abort(context, err)
 
