@@ -815,7 +815,7 @@ class Store:
                 wait_s = migrations.lock_wait_s(self.command_timeout)
                 raise StoreUnavailable(
                     "a migration could not take its table lock (a long transaction holds it; "
-                    f"{migrations.LOCK_ATTEMPTS} tries of {wait_s:g} s): run"
+                    f"{migrations.LOCK_ATTEMPTS} tries of {wait_s:g} s each): run"
                     " the migration again when that transaction has ended"
                 ) from exc
 
