@@ -24,6 +24,7 @@ from grpc_idempotency.core.lifecycle import (
     decide,
     executed_outcome,
     finish,
+    given_up_outcome,
     look_event,
     outcome_bytes,
     poll_delay_ms,
@@ -224,6 +225,21 @@ def _walk(phase: Phase, *events: Event) -> list[Step]:
         # The store down at any step that uses it.
         ([Event.UNSEEN_KEY, Event.STORE_DOWN_OPEN], [Step.CLAIM, Step.RUN_WITHOUT_STORE]),
         ([Event.SEEN_KEY, Event.STORE_DOWN_CLOSED], [Step.LOOK_UP, Step.ANSWER_UNAVAILABLE]),
+        # Or its wait there ended with the call's deadline: no outage.
+        (
+            [Event.UNSEEN_KEY, Event.DEADLINE_SPENT],
+            [Step.CLAIM, Step.ANSWER_DEADLINE_EXCEEDED],
+        ),
+        (
+            [
+                Event.SEEN_KEY,
+                Event.RUNNING,
+                Event.BUDGET_LEFT,
+                Event.SEEN_KEY,
+                Event.DEADLINE_SPENT,
+            ],
+            [Step.LOOK_UP, Step.WAIT, Step.SLEEP, Step.LOOK_UP, Step.ANSWER_DEADLINE_EXCEEDED],
+        ),
     ],
 )
 def test_paths_through_the_table(events: list[Event], steps: list[Step]) -> None:
@@ -257,6 +273,11 @@ def test_events_from_what_the_driver_saw() -> None:
     assert look_event(abandoned, OTHER) is Event.NOTHING_LIVE  # past retention: new
     assert store_down_event(fail_open=True) is Event.STORE_DOWN_OPEN
     assert store_down_event(fail_open=False) is Event.STORE_DOWN_CLOSED
+    assert store_down_event(fail_open=False, deadline_spent=True) is Event.DEADLINE_SPENT
+    assert store_down_event(fail_open=True, deadline_spent=True) is Event.DEADLINE_SPENT
+    # Ended with nothing kept: "conflict" after waiting on another attempt, else "released".
+    assert given_up_outcome(waited=True) is CallOutcome.CONFLICT
+    assert given_up_outcome(waited=False) is CallOutcome.RELEASED
     assert budget_event(now=5.0, wait_until=5.0) is Event.BUDGET_SPENT
     assert budget_event(now=4.9, wait_until=5.0) is Event.BUDGET_LEFT
     assert executed_outcome(Phase.TAKING_OVER) is CallOutcome.TAKEN_OVER

@@ -157,6 +157,8 @@ def look_first(*, recently_seen: bool, atomic: bool) -> bool:
 #   any phase that talks to the store:
 #                  STORE_DOWN_OPEN   -> RUN_WITHOUT_STORE DONE  (fail open, counted)
 #                  STORE_DOWN_CLOSED -> ANSWER_UNAVAILABLE DONE (fail closed)
+#                  DEADLINE_SPENT    -> ANSWER_DEADLINE_EXCEEDED DONE (the store's wait ended
+#                                       with the call's deadline: no outage, nothing kept)
 
 
 class Phase(enum.Enum):
@@ -190,6 +192,7 @@ class Event(enum.Enum):
     BUDGET_SPENT = "budget_spent"
     STORE_DOWN_OPEN = "store_down_open"
     STORE_DOWN_CLOSED = "store_down_closed"
+    DEADLINE_SPENT = "deadline_spent"
 
 
 class Step(enum.Enum):
@@ -203,6 +206,7 @@ class Step(enum.Enum):
     ANSWER_IN_PROGRESS = "answer_in_progress"
     RUN_WITHOUT_STORE = "run_without_store"
     ANSWER_UNAVAILABLE = "answer_unavailable"
+    ANSWER_DEADLINE_EXCEEDED = "answer_deadline_exceeded"
 
 
 class IllegalTransition(Exception):
@@ -212,6 +216,7 @@ class IllegalTransition(Exception):
 _STORE_DOWN: dict[Event, tuple[Step, Phase]] = {
     Event.STORE_DOWN_OPEN: (Step.RUN_WITHOUT_STORE, Phase.DONE),
     Event.STORE_DOWN_CLOSED: (Step.ANSWER_UNAVAILABLE, Phase.DONE),
+    Event.DEADLINE_SPENT: (Step.ANSWER_DEADLINE_EXCEEDED, Phase.DONE),
 }
 
 TRANSITIONS: dict[Phase, dict[Event, tuple[Step, Phase]]] = {
@@ -278,12 +283,28 @@ def look_event(record: StoredRecord | None, fingerprint: bytes) -> Event:
     return Event.RUNNING
 
 
-def store_down_event(*, fail_open: bool) -> Event:
+def store_down_event(*, fail_open: bool, deadline_spent: bool = False) -> Event:
+    """What a store failure is. ``deadline_spent``: the call's deadline was all but over when
+    it failed. The store bounds its statements and its wait for a connection by the call's
+    time left, so such a failure is that bound running out (a claim queued on a records table a
+    migration locked, a pool too busy), as gRPC's own cancellation at the deadline ends other
+    calls: the client gets DEADLINE_EXCEEDED either way, and it is no outage (nor grounds to
+    fail open, which the driver never does with the deadline spent)."""
+    if deadline_spent:
+        return Event.DEADLINE_SPENT
     return Event.STORE_DOWN_OPEN if fail_open else Event.STORE_DOWN_CLOSED
 
 
 def budget_event(*, now: float, wait_until: float) -> Event:
     return Event.BUDGET_SPENT if now >= wait_until else Event.BUDGET_LEFT
+
+
+def given_up_outcome(*, waited: bool) -> CallOutcome:
+    """How a keyed call that ended before any outcome, with nothing of its own kept (its
+    client left, or its deadline ran out while the store served it), is counted: "conflict"
+    if it had waited on the key busy with another attempt (as when that wait runs out),
+    "released" otherwise (its look-up or claim rolled back: the key free)."""
+    return CallOutcome.CONFLICT if waited else CallOutcome.RELEASED
 
 
 def executed_outcome(phase: Phase) -> CallOutcome:
