@@ -184,6 +184,19 @@ async def abort(context: Context, err: IdempotencyError) -> NoReturn:
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
+DEADLINE_EXCEEDED_TEXT = "Deadline Exceeded"
+"""The status message gRPC gives a call whose deadline passed."""
+
+
+async def deadline_exceeded(context: Context) -> NoReturn:
+    """Answers a call whose deadline ran out while the store served it as gRPC answers one
+    whose deadline passed: DEADLINE_EXCEEDED, gRPC's own text, no details. The two answers race
+    to the client (the store's wait is bounded by the same deadline); either way it reads the
+    same. ``UNAVAILABLE`` (the store's error) reached a client that still had a few ms left."""
+    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED_TEXT)
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
 async def replay(context: Context, outcome: Outcome) -> Any:
     await context.send_initial_metadata(wire.REPLAYED_METADATA)
     if outcome.code is Code.OK:

@@ -49,6 +49,7 @@ from grpc_idempotency.core.errors import (
     RequestInvalid,
     ResponseTooLarge,
     ScopeResolverFailed,
+    StoreMisconfigured,
     StoreUnavailable,
     TransactionConflict,
 )
@@ -68,6 +69,7 @@ from grpc_idempotency.core.lifecycle import (
     budget_event,
     executed_outcome,
     finish,
+    given_up_outcome,
     look_event,
     outcome_bytes,
     poll_delay_ms,
@@ -473,7 +475,7 @@ class IdempotencyInterceptor(_Interceptor):
                         # Given up while the key was busy with another attempt: "conflict", as
                         # when the wait runs out; during its own look-up or claim (rolled back
                         # with its connection): "released", nothing kept and the key free.
-                        call.outcome = CallOutcome.CONFLICT if call.waited else CallOutcome.RELEASED
+                        call.outcome = given_up_outcome(waited=call.waited)
                     raise
                 except BaseException:
                     code = answers.code_of(context, unset=Code.UNKNOWN)  # aborted, or raised
@@ -704,7 +706,16 @@ class IdempotencyInterceptor(_Interceptor):
                     continue
             except StoreUnavailable as err:
                 fail_open = await _may_fail_open(policy, context, err, store)
-                step, phase = transition(phase, store_down_event(fail_open=fail_open))
+                # Asked after ``_may_fail_open``: its outage check may spend what was left.
+                spent = not fail_open and _deadline_spent(context, err)
+                down = store_down_event(fail_open=fail_open, deadline_spent=spent)
+                step, phase = transition(phase, down)
+                if step is Step.ANSWER_DEADLINE_EXCEEDED:
+                    # Counted as gRPC's cancellation at the deadline is (``_serving``), which
+                    # it races: "unavailable", UNAVAILABLE blamed the store for a client's
+                    # deadline, an outage for a table a migration held.
+                    call.outcome = given_up_outcome(waited=call.waited)
+                    await answers.deadline_exceeded(context)
                 if step is not Step.RUN_WITHOUT_STORE:
                     call.outcome = CallOutcome.UNAVAILABLE
                     await answers.abort(context, err)
@@ -1161,6 +1172,10 @@ class IdempotencyInterceptor(_Interceptor):
             )
         except StoreUnavailable as err:
             if not await _may_fail_open(policy, context, err, store):
+                if _deadline_spent(context, err):
+                    # As a keyed call's (``_attempt``); counted "bypassed" still, as an unkeyed
+                    # call is that gRPC cancels at its deadline.
+                    await answers.deadline_exceeded(context)
                 # Refused, not run: counted "bypassed" (set for the unkeyed call), it said that
                 # the call ran without deduplication.
                 call.outcome = CallOutcome.UNAVAILABLE
@@ -1563,6 +1578,17 @@ async def _may_fail_open(
 
 _DEADLINE_SPENT_S = 0.05
 """Time left below which a store failure is taken for the call's deadline running out."""
+
+
+def _deadline_spent(context: Context, err: StoreUnavailable) -> bool:
+    """Whether ``err`` is the call's deadline running out (``store_down_event``), not an
+    outage. On the error path only: the hot path pays nothing. A misconfigured store (INTERNAL,
+    not retryable) is named whatever the time left: its error comes from the database at once,
+    and hidden behind a deadline an operator would not see it."""
+    if isinstance(err, StoreMisconfigured):
+        return False
+    remaining = answers.time_remaining(context)
+    return remaining is not None and remaining <= _DEADLINE_SPENT_S
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,243 @@
+"""A call whose deadline runs out while the store serves it is the deadline's, not an outage.
+
+Its claim queued on a records table that a migration locked, or its wait for a pooled connection
+on a busy pool, is bounded by the call's time left: it ends as gRPC's own cancellation at the
+deadline does, and the client gets DEADLINE_EXCEEDED. The call was counted "unavailable" with
+status UNAVAILABLE, its span an ERROR blaming the store (alerts on store outages paged for a
+client's short deadline), and the server's UNAVAILABLE reached a client that still had a few ms
+left. Now it is counted as gRPC's cancellation at the deadline is: "released" (nothing kept, the
+key free; "bypassed" still without a key), status DEADLINE_EXCEEDED. The store's own bounds
+running out with time left (command_timeout, acquire_timeout), or with no deadline at all, are
+still an outage: "unavailable", UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store, Telemetry
+from tests.integration.test_store_down import _queued
+from tests.integration.test_telemetry import _outcomes, _telemetry
+from tests.support.ledger import (
+    RunningLedger,
+    fresh,
+    ledger_rows,
+    prepare,
+    records_locked,
+    running_ledger,
+)
+from tests.support.otel import attributes
+from tests.support.waiting import until
+from tests.support.wire import Answer
+
+SVC = "/testsvc.v1.LedgerService/"
+POST, FAIL_OPEN, PHASED, OPTIONAL = (
+    SVC + name for name in ("Post", "PostFailOpen", "PostPhased", "PostOptional")
+)
+SCOPE = "tenant:tenant-a"
+DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+@pytest.fixture
+async def schema(pg_dsn: str) -> str:
+    """A migrated schema of the test's own, whose records table it may lock."""
+    name = f"deadline_{uuid.uuid4().hex[:8]}"
+    migrated = await Store.connect(pg_dsn, schema=name, migrate=True)
+    try:
+        await prepare(migrated)
+    finally:
+        await migrated.close()
+    return name
+
+
+@pytest.fixture
+async def opened() -> AsyncIterator[list[Store]]:
+    """The stores a test opens (``_connect``), closed after it."""
+    stores: list[Store] = []
+    yield stores
+    for store in stores:
+        await store.close()
+
+
+async def _connect(pg_dsn: str, schema: str, opened: list[Store], **options: Any) -> Store:
+    # timeout=10: connects keep asyncpg's own bound, not a short command_timeout's.
+    store = await Store.connect(pg_dsn, schema=schema, timeout=10, **options)
+    opened.append(store)
+    return store
+
+
+async def _the_span(spans: InMemorySpanExporter) -> ReadableSpan:
+    """The one finished span, once the call's task has ended (after the client's answer, on a
+    busy machine)."""
+    (span,) = await until("the call's span", spans.get_finished_spans)
+    return span
+
+
+def _never_ran(ledger: RunningLedger) -> None:
+    assert ledger.service.executions == 0, "the handler ran"
+
+
+@pytest.mark.parametrize("method", [POST, FAIL_OPEN, PHASED], ids=["atomic", "fail-open", "phased"])
+async def test_a_claim_on_a_locked_table_that_the_deadline_ends_is_counted_as_the_deadline(
+    pg_dsn: str, schema: str, opened: list[Store], db: asyncpg.Connection, method: str
+) -> None:
+    store = await _connect(pg_dsn, schema, opened, max_size=4)  # command_timeout: 30 s
+    telemetry, spans, reader = _telemetry()
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with running_ledger(store, telemetry=telemetry, replay_cache=False) as ledger:
+        # Held until the call is over on the server: its claim never gets the table.
+        async with records_locked(db, schema):
+            answer = await ledger.call(method, request, key, timeout=0.5)
+            span = await _the_span(spans)
+
+        # What the client saw: gRPC's own answer to a deadline, whichever side sent it.
+        assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
+        assert answer.details == "Deadline Exceeded" and answer.reason() is None
+        # Counted as the deadline, and as gRPC's cancellation at the deadline is counted.
+        assert attributes(span)["grpc_idempotency.outcome"] == "released"
+        assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
+        assert span.status.status_code is StatusCode.ERROR  # the conventions' server error
+        assert span.status.description == "DEADLINE_EXCEEDED (released)"
+        assert _outcomes(reader) == {("released", DEADLINE_EXCEEDED): 1}
+        # Nothing ran, nothing was claimed or committed: the key is free for the retry.
+        _never_ran(ledger)
+        assert await store.lookup(SCOPE, key) is None
+        assert await ledger_rows(store, account) == 0
+        retry = await ledger.call(method, request, key)
+        assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry
+        assert ledger.service.executions == 1
+
+
+@pytest.mark.parametrize("timeout", [None, 10.0], ids=["no-deadline", "time-left"])
+@pytest.mark.parametrize("method", [POST, PHASED], ids=["atomic", "phased"])
+async def test_a_store_timeout_with_time_left_is_still_counted_unavailable(
+    pg_dsn: str,
+    schema: str,
+    opened: list[Store],
+    db: asyncpg.Connection,
+    method: str,
+    timeout: float | None,
+) -> None:
+    """The pool's command_timeout ends the claim, the call's deadline far off or none: an
+    outage as far as the call can tell (UNAVAILABLE, retryable), and counted so."""
+    store = await _connect(pg_dsn, schema, opened, max_size=4, command_timeout=0.5)
+    telemetry, spans, reader = _telemetry()
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        async with records_locked(db, schema):
+            answer = await ledger.call(method, request, key, timeout=timeout)
+            span = await _the_span(spans)
+        assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
+        assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+        assert attributes(span)["grpc_idempotency.outcome"] == "unavailable"
+        assert attributes(span)["rpc.grpc.status_code"] == UNAVAILABLE
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.status.description == "UNAVAILABLE (unavailable)"
+        assert _outcomes(reader) == {("unavailable", UNAVAILABLE): 1}
+        _never_ran(ledger)
+        assert await store.lookup(SCOPE, key) is None
+
+
+async def _on_a_busy_pool(
+    store: Store,
+    telemetry: Telemetry,
+    spans: InMemorySpanExporter,
+    method: str,
+    key: str | None,
+    timeout: float,
+) -> tuple[RunningLedger, Answer, ReadableSpan]:
+    """Calls ``method`` while its store's only connection goes from one holder to another
+    queued before the call (other calls get connections: the pool is busy, not down), both
+    holding it until the call's span has ended. The ledger, the answer and the span."""
+    gates = [asyncio.Event(), asyncio.Event()]
+    held: list[int] = []
+
+    async def hold(i: int) -> None:
+        async with store.connection(f"work {i}"):
+            held.append(i)
+            await gates[i].wait()
+
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    async with running_ledger(store, telemetry=telemetry, replay_cache=False) as ledger:
+        await until("the connection idle", lambda: store.pool.get_idle_size() == 1)
+        holders = [asyncio.ensure_future(hold(0))]
+        try:
+            await until("the first holder", lambda: held == [0])
+            holders.append(asyncio.ensure_future(hold(1)))
+            await until("the second holder queued", lambda: _queued(store) == 1)
+            call = asyncio.ensure_future(ledger.call(method, request, key, timeout=timeout))
+            await until("the call queued", lambda: _queued(store) == 2)
+            gates[0].set()  # the second holder gets the connection while the call waits
+            await until("the second holder", lambda: held == [0, 1])
+            answer = await call
+            span = await _the_span(spans)
+        finally:
+            for gate in gates:
+                gate.set()
+            await asyncio.gather(*holders)
+    return ledger, answer, span
+
+
+@pytest.mark.parametrize(
+    ("method", "keyed", "outcome"),
+    [(POST, True, "released"), (PHASED, True, "released"), (OPTIONAL, False, "bypassed")],
+    ids=["atomic", "phased", "unkeyed"],
+)
+async def test_a_wait_for_a_busy_pool_that_the_deadline_ends_is_counted_as_the_deadline(
+    pg_dsn: str,
+    schema: str,
+    opened: list[Store],
+    method: str,
+    keyed: bool,
+    outcome: str,
+) -> None:
+    """No acquire_timeout: the call's deadline bounds its wait for a connection. Without a key
+    the call is counted "bypassed", as an unkeyed call is that gRPC cancels at its deadline."""
+    store = await _connect(pg_dsn, schema, opened, min_size=1, max_size=1)
+    telemetry, spans, reader = _telemetry()
+    key = fresh() if keyed else None
+    ledger, answer, span = await _on_a_busy_pool(store, telemetry, spans, method, key, 0.5)
+    assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
+    assert answer.details == "Deadline Exceeded" and answer.reason() is None
+    assert attributes(span)["grpc_idempotency.outcome"] == outcome
+    assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == f"DEADLINE_EXCEEDED ({outcome})"
+    assert _outcomes(reader) == {(outcome, DEADLINE_EXCEEDED): 1}
+    _never_ran(ledger)
+    if key is not None:
+        assert await store.lookup(SCOPE, key) is None
+
+
+@pytest.mark.parametrize("method", [POST, PHASED], ids=["atomic", "phased"])
+async def test_a_busy_pool_with_time_left_is_still_counted_unavailable(
+    pg_dsn: str, schema: str, opened: list[Store], method: str
+) -> None:
+    """acquire_timeout ends the wait with the call's time left: UNAVAILABLE "store busy", as
+    before, and counted "unavailable" (the store could not serve the call)."""
+    store = await _connect(pg_dsn, schema, opened, min_size=1, max_size=1, acquire_timeout=0.3)
+    telemetry, spans, reader = _telemetry()
+    key = fresh()
+    ledger, answer, span = await _on_a_busy_pool(store, telemetry, spans, method, key, 10.0)
+    assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
+    assert answer.reason() == "IDEMPOTENCY_STORE_UNAVAILABLE"
+    assert "busy" in (answer.details or "")
+    assert attributes(span)["grpc_idempotency.outcome"] == "unavailable"
+    assert attributes(span)["rpc.grpc.status_code"] == UNAVAILABLE
+    assert span.status.description == "UNAVAILABLE (unavailable)"
+    assert _outcomes(reader) == {("unavailable", UNAVAILABLE): 1}
+    _never_ran(ledger)
+    assert await store.lookup(SCOPE, key) is None
