@@ -35,7 +35,7 @@ from grpc_idempotency.cli_errors import (
     safe_dsn,
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
-from grpc_idempotency.core.log_text import code_point, unsafe_character
+from grpc_idempotency.core.outbox import relay_name_problem
 from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.wire import HEADER_NAME, LIBRARY_HEADERS
 from grpc_idempotency.inspect_cli.parsers import (
@@ -44,7 +44,6 @@ from grpc_idempotency.inspect_cli.parsers import (
     dsn_text,
     not_negative_int,
     schema_name,
-    utf8_text,
 )
 from grpc_idempotency.stop_signals import catchable
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
@@ -537,17 +536,10 @@ def _header_name(text: str) -> str:
 
 
 def _relay_name(text: str) -> str:
-    """Stored in claimed_by (PostgreSQL refuses NUL and non-UTF-8 bytes) and printed bare in the
-    relay's ``ready``/``stopped`` lines, which a supervisor reads: a newline split them, and an
-    ESC sequence rewrote the terminal. The scopes' rule (``is_unsafe``), for the same reason."""
-    text = utf8_text(text)
-    unsafe = unsafe_character(text)
-    if unsafe is not None:
-        # Named by code point, the name not quoted: it is what would disturb the terminal.
-        raise argparse.ArgumentTypeError(
-            f"a relay name holds no control, line-separator or format character, and this one"
-            f" holds {code_point(unsafe)}: give one line of visible text"
-        )
+    """``Relay(name=...)``'s rule (``relay_name_problem``), checked before connecting."""
+    problem = relay_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

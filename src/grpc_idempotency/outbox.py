@@ -59,7 +59,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
 )
 from grpc_idempotency.core.log_text import loggable
-from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy
+from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy, relay_name_problem
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import tenant_header
@@ -103,14 +103,6 @@ _METER_LOG_S = 60.0
 # at a turn, so that it never holds up deliveries for long.
 _PURGE_BATCH = 1000
 _PURGE_BATCHES = 10
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (bytes decoded with surrogateescape)
-        return False
-    return True
 
 
 @runtime_checkable
@@ -374,7 +366,9 @@ class Relay:
     - ``poll_interval``: the longest the relay sleeps without a notification;
     - ``sent_retention``: sent rows older than this many seconds are purged (every
       ``purge_interval``); ``None`` keeps them;
-    - ``name``: recorded as ``claimed_by``; unique per relay (default: host, pid, random);
+    - ``name``: recorded as ``claimed_by`` and shown in the relay's log lines; unique per
+      relay (``None`` or empty: host, pid, random). One line of visible text, as
+      ``grpc-idempotency relay --name`` takes it (``core.outbox.relay_name_problem``);
     - ``listen``: wake on ``LISTEN/NOTIFY`` (default). ``False`` polls only, every
       ``poll_interval`` (and when a retry falls due): for a database reached only through a
       transaction pooler, where LISTEN cannot work;
@@ -409,9 +403,14 @@ class Relay:
         listen: bool = True,
         listen_dsn: str | None = None,
     ) -> None:
-        if name is not None and ("\x00" in name or not _is_utf8(name)):
-            # Stored in claimed_by: refused by PostgreSQL, every claim read as an outage.
-            raise ValueError(f"relay name {name!r} holds NUL or is not UTF-8")
+        if name is not None:
+            if not isinstance(name, str):
+                raise TypeError(f"name must be a str or None, not {type(name).__name__}")
+            # The command's --name rule: a newline in it forged log lines, and NUL or a lone
+            # surrogate could not be stored in claimed_by (every claim read as an outage).
+            problem = relay_name_problem(name)
+            if problem is not None:
+                raise ValueError(f"name: {problem}")
         if listen_dsn is not None and not listen:
             raise ValueError("listen_dsn is for listening: not with listen=False")
         if not isinstance(batch_size, int) or not 1 <= batch_size <= BIGINT_MAX:

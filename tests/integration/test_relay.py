@@ -31,6 +31,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import DsnUnusable, Store, StoreUnavailable, Telemetry
+from grpc_idempotency.cli import _parser
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
 from grpc_idempotency.outbox import (
@@ -1147,6 +1148,59 @@ def test_relay_arguments_are_checked() -> None:
     ):
         with pytest.raises(ValueError):
             Relay(store, sink, **bad)
+
+
+# (name, refused): what `grpc-idempotency relay --name` takes, Relay(name=...) takes.
+RELAY_NAMES = [
+    ("relay-1", False),
+    ("relay caf\u00e9:1", False),  # letters of any script
+    ("\u0645\u06cc\u200c\u0634\u0648\u062f", False),  # ZWNJ spells Persian words
+    ("\U0001f469\u200d\U0001f4bb", False),  # ZWJ joins an emoji sequence
+    (" relay 1 ", False),  # spaces are visible text
+    ("-r", False),  # given as --name=-r
+    ("r" * 10_000, False),  # no length limit (claimed_by is text)
+    ("relay-1\nrelay-1 stopped: delivered 0", True),
+    ("r\t1", True),
+    ("r\x1b[2J", True),
+    ("r\x85", True),  # C1 NEL
+    ("r\u2028", True),  # line separator
+    ("r\u202e1", True),  # bidi override
+    ("r\ufeff", True),  # invisible (BOM)
+    ("r\x00", True),  # claimed_by cannot store NUL
+    ("r\udcff", True),  # nor a lone surrogate (bytes that were not UTF-8)
+]
+
+
+async def test_relay_takes_the_names_the_relay_command_takes(
+    outbox: Store, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Relay(name=...)`` took any text but NUL and lone surrogates, while the command refused
+    what would split or disguise the relay's log and ready/stopped lines (a newline, ESC, a
+    bidi override): a Python caller's relay forged lines the command's could not. One rule
+    now, with the same words; a wrong type is a TypeError naming the parameter."""
+    sink = CallableSink(lambda m: asyncio.sleep(0))
+    base = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
+    for name, bad in RELAY_NAMES:
+        if not bad:
+            assert _parser().parse_args([*base, f"--name={name}"]).name == name
+            assert Relay(outbox, sink, name=name).name == name
+            continue
+        with pytest.raises(SystemExit):
+            _parser().parse_args([*base, f"--name={name}"])
+        said = capsys.readouterr().err.splitlines()[-1]
+        assert "argument --name: " in said and name not in said, said
+        problem = said.partition("argument --name: ")[2]
+        with pytest.raises(ValueError) as refused:
+            Relay(outbox, sink, name=name)
+        assert str(refused.value) == f"name: {problem}"
+    # Empty: no name given, to both (the command passes it on as it is).
+    assert _parser().parse_args([*base, "--name="]).name == ""
+    assert re.fullmatch(r".+:\d+:[0-9a-f]{6}", Relay(outbox, sink, name="").name)
+    for wrong in (b"relay-1", 1):
+        with pytest.raises(
+            TypeError, match=f"name must be a str or None, not {type(wrong).__name__}"
+        ):
+            Relay(outbox, sink, name=wrong)  # type: ignore[arg-type]
 
 
 async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(

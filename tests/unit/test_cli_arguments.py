@@ -243,16 +243,22 @@ def test_a_relay_name_that_would_split_or_disguise_its_lines_is_refused(
 
 
 @pytest.mark.parametrize(
-    ("name", "says"), [("relay\udcff", "not valid UTF-8"), ("r\x00", "holds a NUL")]
-)
+    ("name", "says"),
+    [
+        ("relay\udcff", "a relay name is valid UTF-8, and this one is not: it holds U+DCFF"),
+        ("r\x00", "a relay name holds no control, line-separator or format character, and"
+         " this one holds U+0000"),
+    ],
+)  # fmt: skip
 def test_a_relay_name_claimed_by_cannot_store_is_refused(
     name: str, says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Stored in claimed_by: PostgreSQL takes neither a lone surrogate (an argument that is not
     UTF-8) nor NUL (with the scopes' rule alone the surrogate was taken, and the relay failed
-    on its first claim)."""
+    on its first claim). Named by code point, as the other refused characters are."""
     refused(*RELAY, "--name", name)
-    assert f"--name: {says}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--name: {says}" in err and name not in err
 
 
 @pytest.mark.parametrize(

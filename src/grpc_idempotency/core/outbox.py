@@ -23,6 +23,7 @@ from datetime import datetime
 
 from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.keys import child_key, step_base, step_name_problem
+from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.policy import MAX_DURATION, Step
 from grpc_idempotency.core.propagation import as_of
 from grpc_idempotency.core.retry import backoff_ceiling_s
@@ -77,6 +78,35 @@ def outbox_step(
 
 def message_key(scope: str, parent_key: str, step: Step) -> str:
     return child_key(scope, parent_key, step.name)
+
+
+def relay_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a relay, or ``None``: the one rule for ``Relay(name=...)`` and
+    ``grpc-idempotency relay --name``, so that neither takes a name the other refuses.
+
+    The name is stored in ``claimed_by`` (PostgreSQL refuses a lone surrogate, which no encoding
+    to the database takes, and NUL: every claim failed, read as the store being down) and shown
+    bare in the relay's log lines and the command's ``ready``/``stopped`` lines, which a
+    supervisor reads: a newline split them, an ESC sequence rewrote the terminal. So it holds
+    none of the characters a scope may not hold (``log_text.is_unsafe``: NUL is a control).
+    Letters of any script, spaces and ZWNJ/ZWJ are taken; so is any length. The empty name is
+    no problem here: both take it for "no name given" (host:pid:random)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as err:
+        # Bytes that were not UTF-8 (an argument, an environment variable), surrogate-escaped.
+        return (
+            "a relay name is valid UTF-8, and this one is not: it holds"
+            f" {code_point(name[err.start])}, a lone surrogate (from bytes that were not UTF-8)"
+        )
+    unsafe = unsafe_character(name)
+    if unsafe is not None:
+        # Named by code point, the name not quoted: it is what would disturb the terminal.
+        return (
+            "a relay name holds no control, line-separator or format character, and this one"
+            f" holds {code_point(unsafe)}: give one line of visible text"
+        )
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
