@@ -655,21 +655,21 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     parser = _subcommand(parser, "relay")
     if args.max_backoff < args.initial_backoff:
         parser.error(
-            f"relay: --max-backoff ({args.max_backoff:g}) must not be smaller than"
+            f"--max-backoff ({args.max_backoff:g}) must not be smaller than"
             f" --initial-backoff ({args.initial_backoff:g})"
         )
     if not args.grpc_target.strip():
         # `--grpc-target "$UNSET"`: the relay started, said it was ready, and every delivery
         # failed, so every row was dead-lettered.
-        parser.error("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
+        parser.error("--grpc-target is empty (an unset variable?): give HOST:PORT")
     if args.scope_header in {name for name, _ in args.header}:
-        parser.error(f"relay: --header {args.scope_header} is also the --scope-header")
+        parser.error(f"--header {args.scope_header} is also the --scope-header")
     from grpc_idempotency.outbox import check_method
 
     try:
         check_method(args.method)  # as GrpcSink checks it, which the relay makes once connected
     except ValueError as err:
-        parser.error(f"relay: --method: {err}")
+        parser.error(f"--method: {err}")
     if args.scope_header is not None:
         # As forward_scope checks them, which the relay makes only once connected: a -bin
         # header, user-agent, or a prefix holding NUL exited 1 ("retry later") while the
@@ -678,16 +678,14 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
         try:
             # The header alone first, so that a prefix's error names --scope-prefix.
-            tenant_header(args.scope_header, "", user="relay: --scope-header")
-            tenant_header(args.scope_header, args.scope_prefix, user="relay: --scope-prefix")
+            tenant_header(args.scope_header, "", user="--scope-header")
+            tenant_header(args.scope_header, args.scope_prefix, user="--scope-prefix")
         except ValueError as err:
             parser.error(str(err))
     # gRPC's C core aborts the process (SIGABRT) on a certificate without its key, and would
     # read the files only after the database is connected: check them all here.
     if (args.tls_cert is None) != (args.tls_key is None):
-        parser.error(
-            "relay: --tls-cert and --tls-key go together (the client certificate and its key)"
-        )
+        parser.error("--tls-cert and --tls-key go together (the client certificate and its key)")
     args.tls_pem = {}
     for option, path, kind, begin in (
         ("--tls-ca", args.tls_ca, "certificate", rb"-----BEGIN CERTIFICATE-----"),
@@ -699,11 +697,11 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         try:
             pem = Path(path).read_bytes()
         except OSError as err:
-            parser.error(f"relay: {option} {path}: cannot read: {err.strerror or err}")
+            parser.error(f"{option} {path}: cannot read: {err.strerror or err}")
         # A file of the wrong kind (the key given as the certificate) would fail only each
         # handshake, so each delivery: every row would end up dead-lettered.
         if not re.search(begin, pem):
-            parser.error(f"relay: {option} {path}: holds no PEM {kind}")
+            parser.error(f"{option} {path}: holds no PEM {kind}")
         args.tls_pem[option] = pem
 
 

@@ -145,10 +145,9 @@ def test_an_empty_relay_target_exits_2_before_connecting(target: str) -> None:
     dsn = "postgresql://app@127.0.0.1:1/shop"
     done = cli("relay", "--dsn", dsn, "--grpc-target", target, "--method", "/a.B/C")
     assert done.returncode == 2, done.stderr
-    assert (
-        done.stderr.strip()
-        .splitlines()[-1]
-        .endswith("relay: --grpc-target is empty (an unset variable?): give HOST:PORT")
+    # The command named once, as in argparse's own errors ("... relay: error: relay: ..." was).
+    assert done.stderr.strip().splitlines()[-1] == (
+        "grpc-idempotency relay: error: --grpc-target is empty (an unset variable?): give HOST:PORT"
     )
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
 

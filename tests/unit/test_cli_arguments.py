@@ -7,6 +7,7 @@ runs the command against real ones)."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import unicodedata
@@ -107,6 +108,41 @@ def test_dead_letter_codes_are_grpc_status_names_other_than_ok() -> None:
     assert "UNIMPLEMENTED" in refused(*RELAY, "--dead-letter-on", "UNIMPLMENTED")  # the names
     refused(*RELAY, "--dead-letter-on", "OK")  # an answered delivery was delivered
     refused(*RELAY, "--dead-letter-on", "12")
+
+
+NOT_PEM = os.devnull  # a file that holds no PEM
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--initial-backoff", "10", "--max-backoff", "1"],
+         "--max-backoff (1) must not be smaller than --initial-backoff (10)"),
+        (["--grpc-target", " "], "--grpc-target is empty (an unset variable?): give HOST:PORT"),
+        (["--scope-header", "x-t", "--header", "x-t=a"], "--header x-t is also the --scope-header"),
+        (["--method", "bad"], "--method: method must look like /package.Service/Method, not 'bad'"),
+        (["--scope-header", "x-t-bin"],
+         "--scope-header: 'x-t-bin' is binary metadata (-bin), whose values are bytes;"
+         " send the tenant as text"),
+        (["--scope-header", "x-t", "--scope-prefix", "t\x00"],
+         "--scope-prefix: the prefix holds NUL, which no scope can hold"),
+        (["--tls-cert", NOT_PEM],
+         "--tls-cert and --tls-key go together (the client certificate and its key)"),
+        (["--tls-ca", "/nonexistent/ca.pem"],
+         "--tls-ca /nonexistent/ca.pem: cannot read: No such file or directory"),
+        (["--tls-ca", NOT_PEM], f"--tls-ca {NOT_PEM}: holds no PEM certificate"),
+    ],
+)  # fmt: skip
+def test_a_relay_check_after_parsing_says_relay_once(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checks made after argparse's (arguments that only together are wrong, files) are errors
+    of relay's parser, which names the command: they read "grpc-idempotency relay: error:
+    relay: ...". Now each reads as argparse's own, the command named once."""
+    refused(*RELAY, *options)
+    err = capsys.readouterr().err
+    assert err.startswith("usage: grpc-idempotency relay ")
+    assert err.splitlines()[-1] == f"grpc-idempotency relay: error: {message}"
 
 
 @pytest.mark.parametrize("method", ["bad", "a.B/C", "/a.B/C/D", "/a.B/", "//C"])
