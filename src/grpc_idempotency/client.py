@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import enum
 import json
 import random
 import time
@@ -56,6 +57,8 @@ RequestT = TypeVar("RequestT")
 takes. protoc's own, untyped stubs make it ``Any``."""
 ResponseT = TypeVar("ResponseT")
 """A typed stub's response type: what ``Operation.call`` returns, so a typed caller keeps it."""
+
+_T = TypeVar("_T")
 
 _operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
 _step: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_idempotency_step")
@@ -99,13 +102,19 @@ class Operation:
         method: grpc.aio.UnaryUnaryMultiCallable[RequestT, ResponseT],
         request: RequestT,
         *,
-        metadata: Sequence[tuple[str, str | bytes]] = (),
+        metadata: Sequence[tuple[str, str | bytes]] | None = (),
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
     ) -> ResponseT:
         """Calls ``method`` with this operation's key; with ``retry``, attempts again on
         retryable errors, waiting as the server asks: a server asking for a longer wait than
-        ``retry.max_pushback_s`` gets its error raised at once. ``timeout`` is per attempt.
+        ``retry.max_pushback_s`` gets its error raised at once. ``timeout`` is per attempt;
+        ``metadata`` is sent with every attempt, the operation's key in place of any
+        ``idempotency-key`` entry; ``credentials``, ``wait_for_ready`` and ``compression`` go to
+        every attempt as ``method`` takes them.
 
         Inside a handler, the handler's deadline bounds them all: each attempt's timeout is at
         most the time left, and once the next attempt could only begin at or past the deadline
@@ -128,17 +137,31 @@ class Operation:
                 f"Operation.call is for unary methods, not the streaming {_path_of(method)}:"
                 " no streaming method is keyed"
             )
-        md = (*[m for m in metadata if m[0] != KEY_HEADER], *self.metadata())
+        # None as a grpc.aio method takes it: no metadata.
+        md = (*[m for m in metadata or () if m[0] != KEY_HEADER], *self.metadata())
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
         # an entry failed the call as gRPC's internal ExecuteBatchError.
         _refuse_unsendable(md, current_call_or_none(), _path_of(method))
         serving = _serving()
         deadline = serving.deadline if serving is not None else None
+        # Only those given: a stand-in for a stub's method (a wrapper, a test double) that takes
+        # just metadata and timeout keeps working; None is gRPC's own default for each.
+        options: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("credentials", credentials),
+                ("wait_for_ready", wait_for_ready),
+                ("compression", compression),
+            )
+            if value is not None
+        }
         attempt = 0
         while True:
             attempt += 1
             try:
-                return await method(request, metadata=md, timeout=_bounded(timeout, deadline))
+                return await method(
+                    request, metadata=md, timeout=_bounded(timeout, deadline), **options
+                )
             except grpc.aio.AioRpcError as err:
                 if retry is None:
                     raise
@@ -162,10 +185,26 @@ class Operation:
         metadata: Sequence[tuple[str, str | bytes]] = (),
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
     ) -> OperationStub:
         """``stub`` with every method called through ``self.call``: ``await op.bind(stub,
-        retry=RetryPolicy()).Charge(request)``."""
-        return OperationStub(self, stub, metadata=metadata, timeout=timeout, retry=retry)
+        retry=RetryPolicy()).Charge(request)``. The options given here are every call's; a
+        method takes the same options for one call (``.Charge(request, timeout=2)``), which
+        replace these: ``timeout=None`` there is no timeout, ``retry=None`` no retries; its
+        ``metadata`` entries replace those given here of the same names, and the rest of these
+        are sent too. The key is the operation's, whatever the metadata say."""
+        return OperationStub(
+            self,
+            stub,
+            metadata=metadata,
+            timeout=timeout,
+            retry=retry,
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
 
 
 _SYNC_MULTICALLABLES = (
@@ -207,8 +246,40 @@ def _bounded(timeout: float | None, deadline: float | None) -> float | None:
     return left if timeout is None else min(timeout, left)
 
 
+class _Unset(enum.Enum):
+    UNSET = enum.auto()
+
+
+_UNSET = _Unset.UNSET
+"""An option a bound method's call did not give: the bound stub's applies (``None`` is a value:
+no timeout, no retries)."""
+
+
+def _given(value: _T | _Unset, default: _T) -> _T:
+    return default if isinstance(value, _Unset) else value
+
+
+def _layered(
+    default: Sequence[tuple[str, str | bytes]], given: Sequence[tuple[str, str | bytes]]
+) -> tuple[tuple[str, str | bytes], ...]:
+    """The bound stub's metadata ``default`` with one call's ``given``: an entry of ``given``
+    replaces every entry of ``default`` of its name, as a request's headers replace a client's
+    defaults (gRPC names repeat: sent both, a call's own ``authorization`` or tenant would go
+    with the stub's, and a server reads the first)."""
+    named = {_entry_name(name) for name, _ in given}
+    kept = [(name, value) for name, value in default if _entry_name(name) not in named]
+    return (*kept, *given)
+
+
+def _entry_name(name: str | bytes) -> str:
+    # gRPC sends a name given as bytes as those bytes (_refuse_unsendable).
+    return name.decode("latin-1") if isinstance(name, bytes) else name
+
+
 class OperationStub:
-    """A generated stub whose methods carry one operation's key (see ``Operation.bind``)."""
+    """A generated stub whose methods carry one operation's key (see ``Operation.bind``). Each
+    method is ``await stub.Method(request, *, metadata=, timeout=, retry=, credentials=,
+    wait_for_ready=, compression=)``, made through ``Operation.call``."""
 
     def __init__(
         self,
@@ -218,17 +289,45 @@ class OperationStub:
         metadata: Sequence[tuple[str, str | bytes]],
         timeout: float | None,
         retry: RetryPolicy | None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
     ) -> None:
         self._operation = operation
         self._stub = stub
-        self._options: dict[str, Any] = {"metadata": metadata, "timeout": timeout, "retry": retry}
+        self._metadata = tuple(metadata)
+        self._timeout = timeout
+        self._retry = retry
+        self._credentials = credentials
+        self._wait_for_ready = wait_for_ready
+        self._compression = compression
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._stub, name)
 
-        async def call(request: Any) -> Any:
-            return await self._operation.call(method, request, **self._options)
+        async def call(
+            request: Any,
+            *,
+            metadata: Sequence[tuple[str, str | bytes]] | None = (),
+            timeout: float | _Unset | None = _UNSET,
+            retry: RetryPolicy | _Unset | None = _UNSET,
+            credentials: grpc.CallCredentials | _Unset | None = _UNSET,
+            wait_for_ready: bool | _Unset | None = _UNSET,
+            compression: grpc.Compression | _Unset | None = _UNSET,
+        ) -> Any:
+            # Through Operation.call, so that a bound method keys, checks and retries as it does.
+            return await self._operation.call(
+                method,
+                request,
+                metadata=_layered(self._metadata, metadata or ()),
+                timeout=_given(timeout, self._timeout),
+                retry=_given(retry, self._retry),
+                credentials=_given(credentials, self._credentials),
+                wait_for_ready=_given(wait_for_ready, self._wait_for_ready),
+                compression=_given(compression, self._compression),
+            )
 
+        call.__name__, call.__qualname__ = name, f"{type(self).__name__}.{name}"
         return call
 
 

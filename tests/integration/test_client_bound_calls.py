@@ -1,0 +1,229 @@
+"""``Operation.bind(stub)``'s methods take a call's options, as a grpc.aio stub's method does and
+through ``Operation.call``: ``timeout``, ``metadata``, ``retry``, ``credentials``,
+``wait_for_ready``, ``compression``. They took the request alone: a bound stub had one timeout
+for every call, and no way to wait for a server that was not up yet, to compress, or to send
+per-call credentials. Real grpc.aio servers on loopback; the handler that must outlast a
+deadline waits on an event the test sets only afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency.client import IdempotencyClientInterceptor, Operation
+from grpc_idempotency.core.retry import RetryPolicy
+from tests.support.ledger import RunningLedger, fresh
+
+TENANT_MD = (("x-tenant-id", "tenant-a"),)
+
+
+async def test_a_bound_methods_timeout_is_honoured(ledger: RunningLedger) -> None:
+    # "wait": the handler blocks until the test sets release, after both calls have ended.
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="wait")
+    for bound in (
+        Operation.new().bind(ledger.stub, metadata=TENANT_MD),  # no timeout of its own
+        Operation.new().bind(ledger.stub, metadata=TENANT_MD, timeout=3600),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await bound.Post(request, timeout=0.5)
+        assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    ledger.service.release.set()
+
+
+async def test_a_bound_methods_timeout_reaches_the_server_and_none_is_no_deadline(
+    ledger: RunningLedger,
+) -> None:
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+
+    def bound(**options: Any) -> Any:
+        # A new operation each: a replay would not reach the handler, which notes the deadline.
+        return Operation.new().bind(ledger.stub, metadata=TENANT_MD, **options)
+
+    await bound(timeout=3600).Post(request)  # the bound stub's
+    await bound(timeout=3600).Post(request, timeout=20)  # the call's
+    await bound().Post(request, timeout=20)
+    await bound(timeout=20).Post(request, timeout=None)
+    # As the server reads them (gRPC rounds a deadline up on the wire): far apart, so that no
+    # delay on a loaded machine can blur which one it was.
+    stubs, calls, unbounded, none = ledger.service.deadlines_seen
+    assert stubs is not None and 1000 < stubs <= 3700
+    assert calls is not None and 0 < calls <= 100
+    assert unbounded is not None and 0 < unbounded <= 100
+    assert none is None  # timeout=None given: no deadline, not the bound stub's 20 s
+
+
+async def test_a_bound_methods_metadata_and_retry_are_the_calls(ledger: RunningLedger) -> None:
+    op = Operation.new()
+    bound = op.bind(ledger.stub, metadata=TENANT_MD, retry=RetryPolicy())
+    # The call's tenant replaces the bound stub's (the scope is tenant-b's); the key is the
+    # operation's whatever the call's metadata say.
+    await bound.Post(
+        testsvc_pb2.PostRequest(account=fresh("acct")),
+        metadata=(("x-tenant-id", "tenant-b"), ("idempotency-key", "not-the-operations")),
+    )
+    assert ledger.service.keys_seen == [op.key]
+    assert ledger.service.tenants_seen == ["tenant-b"]
+    # "flaky:1" fails a key's first attempt UNAVAILABLE: retry=None on the call is no retry.
+    flaky = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="flaky:1")
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await (
+            Operation.new()
+            .bind(ledger.stub, metadata=TENANT_MD, retry=RetryPolicy())
+            .Post(flaky, retry=None)
+        )
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
+    again = Operation.new()
+    answer = await again.bind(ledger.stub, metadata=TENANT_MD).Post(flaky, retry=RetryPolicy())
+    assert answer.account == flaky.account
+    assert ledger.service.attempts[again.key] == 2
+
+
+class _Echo(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Answers Post, noting each call's metadata. No interceptor: what the client sent is what
+    is checked here."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, Any]] = []
+        self.entries: list[list[tuple[str, Any]]] = []
+
+    async def Post(
+        self, request: testsvc_pb2.PostRequest, context: Any
+    ) -> testsvc_pb2.PostResponse:
+        entries = [(name, value) for name, value in context.invocation_metadata() or ()]
+        self.entries.append(entries)
+        self.metadata.append(dict(entries))
+        return testsvc_pb2.PostResponse(account=request.account)
+
+
+@contextlib.asynccontextmanager
+async def local_server(intercepted: bool) -> AsyncIterator[tuple[_Echo, Any]]:
+    """A server on loopback with local credentials (so that calls may carry call credentials)
+    that refuses gzip-compressed requests, and a stub on a channel to it."""
+    echo = _Echo()
+    # Identity alone (bit 0): a gzip-compressed request is answered UNIMPLEMENTED.
+    server = grpc.aio.server(options=[("grpc.compression_enabled_algorithms_bitset", 1)])
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(echo, server)
+    local = grpc.LocalConnectionType.LOCAL_TCP
+    port = server.add_secure_port("127.0.0.1:0", grpc.local_server_credentials(local))
+    await server.start()
+    interceptors = IdempotencyClientInterceptor(services=[testsvc_pb2]).all_kinds()
+    channel = grpc.aio.secure_channel(
+        f"127.0.0.1:{port}",
+        grpc.local_channel_credentials(local),
+        interceptors=interceptors if intercepted else None,
+    )
+    try:
+        yield echo, testsvc_pb2_grpc.LedgerServiceStub(channel)
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+
+
+class _Header(grpc.AuthMetadataPlugin):
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __call__(self, context: Any, callback: Any) -> None:
+        callback((("x-credential", self.value),), None)
+
+
+def credential(value: str) -> grpc.CallCredentials:
+    return grpc.metadata_call_credentials(_Header(value))
+
+
+@pytest.mark.parametrize("intercepted", [False, True], ids=["plain", "intercepted"])
+async def test_a_bound_methods_credentials_compression_and_metadata_reach_grpc(
+    intercepted: bool,
+) -> None:
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    async with local_server(intercepted) as (echo, stub):
+        op = Operation.new()
+        await op.bind(stub).Post(request, credentials=credential("call"))
+        await op.bind(stub, credentials=credential("stub")).Post(request)
+        await op.bind(stub, credentials=credential("stub")).Post(
+            request, credentials=credential("call")
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await op.bind(stub).Post(request, compression=grpc.Compression.Gzip)
+        await op.bind(stub, compression=grpc.Compression.Gzip).Post(
+            request, compression=grpc.Compression.NoCompression
+        )
+        await op.bind(stub, metadata=(("x-tenant-id", "a"), ("x-note", "stub"))).Post(
+            request, metadata=(("x-tenant-id", "b"), ("idempotency-key", "other"))
+        )
+        # None, as a grpc.aio method takes it: no metadata of the call's own.
+        await op.bind(stub, metadata=(("x-note", "stub"),)).Post(request, metadata=None)
+        await op.call(stub.Post, request, metadata=None)
+    credentials = [md.get("x-credential") for md in echo.metadata]
+    assert credentials == ["call", "stub", "call", None, None, None, None]
+    assert {md.get("idempotency-key") for md in echo.metadata} == {op.key}
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "gzip" in (refused.value.details() or "")
+    # The call's entry replaces the bound stub's of its name, and only that one.
+    layered, bound_only, none = (
+        sorted((n, v) for n, v in entries if n in {"x-tenant-id", "x-note", "idempotency-key"})
+        for entries in echo.entries[-3:]
+    )
+    assert layered == [("idempotency-key", op.key), ("x-note", "stub"), ("x-tenant-id", "b")]
+    assert bound_only == [("idempotency-key", op.key), ("x-note", "stub")]
+    assert none == [("idempotency-key", op.key)]
+
+
+@contextlib.contextmanager
+def nothing_listening() -> Iterator[str]:
+    """A loopback address that refuses connections (bound, never listening) for as long as the
+    block runs, so that no other test's server can take its port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{taken.getsockname()[1]}"
+
+
+async def test_a_bound_methods_wait_for_ready_reaches_grpc() -> None:
+    """With nothing listening, a call fails fast (UNAVAILABLE) unless it waits for the server to
+    be ready, up to its deadline (DEADLINE_EXCEEDED): which of the two ends it shows whether
+    wait_for_ready reached gRPC."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    with nothing_listening() as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            op = Operation.new()
+            ended = []
+            for bound, options in (
+                (op.bind(stub), {"wait_for_ready": True, "timeout": 0.5}),
+                (op.bind(stub, wait_for_ready=True), {"timeout": 0.5}),
+                # Fails fast long before its deadline: the call's False replaces the stub's.
+                (op.bind(stub, wait_for_ready=True), {"wait_for_ready": False, "timeout": 60}),
+                (op.bind(stub), {"timeout": 60}),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await bound.Post(request, **options)
+                ended.append(failed.value.code())
+    assert ended == [
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNAVAILABLE,
+    ]
+
+
+async def test_operation_call_takes_the_same_options() -> None:
+    """What a bound method passes on, ``Operation.call`` takes itself."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    with nothing_listening() as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await Operation.new().call(stub.Post, request, wait_for_ready=True, timeout=0.5)
+    assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    async with local_server(intercepted=False) as (echo, local_stub):
+        await Operation.new().call(local_stub.Post, request, credentials=credential("call"))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await Operation.new().call(local_stub.Post, request, compression=grpc.Compression.Gzip)
+    assert echo.metadata[0].get("x-credential") == "call"
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
