@@ -28,8 +28,15 @@ POST_FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
         "set-trailer:grpc-timeout=1S",
         "set-trailer:grpc-timeout=1S;NOT_FOUND",
         "set-trailer:grpc-timeout=1S;UNAVAILABLE",
+        "set-trailer:grpc-timeout=1S;raise",
     ],
-    ids=["abort", "set_trailing_metadata", "set-then-recorded", "set-then-transient"],
+    ids=[
+        "abort",
+        "set_trailing_metadata",
+        "set-then-recorded",
+        "set-then-transient",
+        "set-then-raise",
+    ],
 )
 async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
     store: Store, pg_dsn: str, tmp_path: Path, behaviour: str
@@ -39,7 +46,8 @@ async def test_a_grpc_timeout_trailer_is_refused_before_the_commit(
     UNAVAILABLE for an outcome recorded, and each new key through that path killed a server
     again. Refused before the commit, as other unsendable trailers are: INTERNAL, nothing
     recorded, the server up. Set, then followed by a transient abort (the key released, nothing
-    committed), the trailer still went with the answer and killed the server, on every retry."""
+    committed), the trailer still went with the answer and killed the server, on every retry;
+    so it did followed by a raise, which grpc.aio answers UNKNOWN with the trailers set."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, behaviour=behaviour)
     async with ledger_process(pg_dsn, tmp_path) as (server, channel):

@@ -105,6 +105,19 @@ def _pairs(text: str) -> tuple[tuple[str, str], ...]:
     )
 
 
+async def _then(context: Any, then: str) -> None:
+    """What a handler does after setting trailers (``set-trailer:...;THEN``): nothing (``""``),
+    an abort with ``CODE`` that gives no trailers, ``set:CODE`` (set_code(); the caller then
+    returns), or ``raise``."""
+    if then == "raise":
+        raise RuntimeError("handler failed after setting trailers")
+    if then.startswith("set:"):
+        context.set_code(getattr(grpc.StatusCode, then[4:]))
+        context.set_details(f"set {then[4:]}")
+    elif then:
+        await context.abort(getattr(grpc.StatusCode, then), f"handler says {then}")
+
+
 @dataclass
 class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     store: Store
@@ -256,14 +269,16 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", details)
         if behaviour.startswith(("trailer:", "set-trailer:")):
             # Trailers of the handler's choice, NAME=VALUE[&NAME=VALUE...]: with an abort, or
-            # set and OK (or, after ";CODE", set and then an abort with CODE that gives none).
+            # set and OK (or, after ";CODE", set and then an abort with CODE that gives none;
+            # after ";set:CODE", set_code(CODE) and a return; after ";raise", a raise).
             pairs, _, then = behaviour.partition(":")[2].partition(";")
             trailers = _pairs(pairs)
             if behaviour.startswith("trailer:"):
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such account", trailers)
             context.set_trailing_metadata(trailers)
-            if then:
-                await context.abort(getattr(grpc.StatusCode, then), f"handler says {then}")
+            await _then(context, then)
+            if then.startswith("set:"):
+                return testsvc_pb2.PostResponse()
         if behaviour.startswith("initial:"):  # NAME=VALUE[&...] as initial metadata, then OK
             await context.send_initial_metadata(_pairs(behaviour.partition(":")[2]))
         if behaviour and hasattr(grpc.StatusCode, behaviour):
@@ -303,9 +318,10 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
 
     async def PostFailOpen(self, request: Any, context: Any) -> Any:
         self.executions += 1
-        if request.behaviour.startswith("set-trailer:"):  # NAME=VALUE, then OK
-            name, _, value = request.behaviour.partition(":")[2].partition("=")
-            context.set_trailing_metadata(((name, value),))
+        if request.behaviour.startswith("set-trailer:"):  # NAME=VALUE[&...][;...], as in _post
+            pairs, _, then = request.behaviour.partition(":")[2].partition(";")
+            context.set_trailing_metadata(_pairs(pairs))
+            await _then(context, then)
         return testsvc_pb2.PostResponse(account=request.account, execution_nonce=uuid.uuid4().hex)
 
     async def PostPhased(self, request: Any, context: Any) -> Any:

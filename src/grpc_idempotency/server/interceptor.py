@@ -1096,6 +1096,20 @@ class IdempotencyInterceptor(_Interceptor):
                     exc_info=exc,
                 )
                 raise DeferredAbort(code, f"Unexpected {type(exc)}: {exc}", ()) from exc
+            # grpc.aio answers the raise UNKNOWN with the trailers set with
+            # set_trailing_metadata(), in a trailers-only answer: checked as every other answer's
+            # are. Unchecked, a copied replay marker told the client "a replay" of a first
+            # execution, and a grpc-timeout trailer killed the server process (SIGABRT).
+            try:
+                check_set_trailers(call.context)
+            except AbortInvalid as err:
+                log.error(
+                    "%s: the handler raised %s",
+                    call.policy.method,
+                    type(exc).__name__,
+                    exc_info=exc,
+                )
+                raise err from exc
             raise
         if context.aborted is not None:
             # The handler caught its abort and returned: grpc.aio has sent the abort already.
