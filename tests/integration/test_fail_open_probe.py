@@ -340,11 +340,42 @@ async def test_probe_timeout_is_how_long_a_live_database_may_take_to_answer(pg_d
     assert sorted(timeouts) == [PROBE_S + 1, 11]
 
 
+async def test_probe_dsn_is_vetted_within_probe_timeout(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Store.connect`` connects to ``probe_dsn`` once (``vet_dsn``): bounded by the probe's
+    own budget, as every probe is, its connect's timeout past it, not by the default 2 s nor
+    the pool's connect timeout. Here the database takes longer than ``probe_timeout`` to accept
+    (far less than 2 s): not answered now, which is said, and the store opens all the same."""
+    timeouts: list[float] = []
+
+    async def connect(dsn: str, **kwargs: Any) -> Any:
+        # The only connect: min_size=0 and no schema check open none of the pool's.
+        timeouts.append(kwargs["timeout"])
+        await asyncio.sleep(1)  # past the 0.1 s budget: its timer fires first, whatever the load
+        return await asyncpg.connect(dsn, **{k: v for k, v in kwargs.items() if k != "loop"})
+
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.store"):
+        store = await Store.connect(
+            pg_dsn,
+            min_size=0,
+            check_schema=False,
+            connect=connect,
+            probe_dsn=pg_dsn,
+            probe_timeout=0.1,
+        )
+    await store.close()
+    assert timeouts == [pytest.approx(1.1)]  # the budget and the probe's slack, not 30 s
+    assert "probe_dsn does not answer now" in caplog.text
+
+
 async def test_a_call_waits_for_the_stores_probe_timeout_not_the_default(
     pg_dsn: str, db: asyncpg.Connection
 ) -> None:
     """The interceptor capped its wait for the probe at the default 2 s, whatever the store's
-    budget: a slow but live database still read as down, and the completed key ran again."""
+    budget: a slow but live database still read as down, and the completed key ran again. So
+    for a call with a deadline (half its time left is the cap): a new key's call, at the same
+    time (it shares the probe), would run unclaimed."""
     probing = False
 
     async def connect(dsn: str, **kwargs: Any) -> Any:
@@ -367,10 +398,14 @@ async def test_a_call_waits_for_the_stores_probe_timeout_not_the_default(
             completed_then_locked(ledger, db, store.schema) as key,
         ):
             probing = True
-            again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
+            again, other = await asyncio.gather(
+                ledger.call(FAIL_OPEN, post("acct"), key, timeout=None),
+                ledger.call(FAIL_OPEN, post("acct"), fresh(), timeout=30),
+            )
     finally:
         await store.close()
-    assert again.code is grpc.StatusCode.UNAVAILABLE, again
+    for answer in (again, other):
+        assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
     assert ledger.service.executions == 1
 
 
