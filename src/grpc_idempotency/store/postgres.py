@@ -17,6 +17,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -476,9 +477,15 @@ def _read_only(conn: PooledConnection) -> bool:
     )
 
 
+def _positive_finite(value: float) -> bool:
+    # Not ``< math.inf``: an int too large for a float (10**400) is below it, and float() of it
+    # raised OverflowError from asyncpg, or (probe_timeout) after the pool was open, left so.
+    return 0 < value <= sys.float_info.max
+
+
 def _checked_acquire_timeout(value: float | None) -> float | None:
     # A negative one was clamped to 1 ms without a word, and NaN compared false everywhere.
-    if value is not None and not 0 < value < math.inf:
+    if value is not None and not _positive_finite(value):
         raise ValueError(f"acquire_timeout must be None or positive and finite, not {value!r}")
     return value
 
@@ -491,7 +498,7 @@ def _checked_seconds(name: str, value: object) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be None or a number of seconds, not {value!r}")
-    if not 0 < value < math.inf:
+    if not _positive_finite(value):
         raise ValueError(f"{name} must be None (no timeout) or positive and finite, not {value!r}")
 
 
@@ -500,7 +507,7 @@ def _checked_probe_timeout(value: object) -> None:
     # that accepts connections and never answers, for as long as the call may wait.
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"probe_timeout must be a number of seconds, not {value!r}")
-    if not 0 < value < math.inf:
+    if not _positive_finite(value):
         raise ValueError(f"probe_timeout must be positive and finite, not {value!r}")
 
 
