@@ -46,6 +46,7 @@ from grpc_idempotency.inspect_cli.parsers import (
     schema_name,
 )
 from grpc_idempotency.stop_signals import catchable
+from grpc_idempotency.store.inspection_store import OUTBOX_READABLE_FROM, READABLE_FROM
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 
 if TYPE_CHECKING:
@@ -60,7 +61,9 @@ _DESCRIPTION = (
     " options.proto, check that step names stay a contract, relay and inspect the outbox,"
     " inspect an operation and the records of a scope. Commands that use the database exit 1"
     " when it cannot be reached (retry later) and 2 when it answers but cannot be used (no such"
-    " database or role, bad password, schema not migrated) or on bad usage; inspect and list"
+    " database or role, bad password, schema not migrated) or on bad usage; inspect, list,"
+    " outbox stats and outbox dead, which only read, read a schema that later migrations are"
+    " missing from as it stands, with a warning naming them; inspect and list"
     " exit 3 when nothing matched, outbox retry when an id given was not a dead letter;"
     " inspect exits 4 when a step's child key reached more than one record."
     " Stopped by SIGINT (Ctrl-C) or SIGTERM, a command exits 130 or 143 (the relay stops"
@@ -740,16 +743,21 @@ async def _with_store(args: argparse.Namespace) -> int:
     pool_options = _pool_options(args)
     if getattr(args, "command_timeout", None) is not None:  # migrate's
         pool_options["command_timeout"] = args.command_timeout
+    readable_from = _readable_from(args)
     store = await connect(
         args.dsn,
         schema=args.schema,
         min_size=1,
         max_size=pool_size,
-        # Every command but migrate needs the schema in place, and says so plainly if it is not.
-        check_schema=args.command != "migrate",
+        # Every command but migrate needs the schema in place, and says so plainly if it is not;
+        # one that only reads, as far as what it reads (below).
+        check_schema=args.command != "migrate" and readable_from is None,
         **pool_options,
     )
     try:
+        versions = None
+        if readable_from is not None:
+            versions = await store.check_schema(readable_from=readable_from)
         if args.command == "migrate":
             applied = await store.migrate()
             newer = await store.newer_migrations()
@@ -779,12 +787,25 @@ async def _with_store(args: argparse.Namespace) -> int:
         elif args.command == "relay":
             return await _relay(args, store)
         elif args.command == "list":
-            return await inspect_cli.run_list(args, store)
+            return await inspect_cli.run_list(args, store, applied=versions)
         else:
             return await _outbox(args, store)
     finally:
         await store.close()
     return 0
+
+
+def _readable_from(args: argparse.Namespace) -> int | None:
+    """The oldest schema version a command that only reads can read; ``None`` for one that
+    writes. Those read a schema that migrations are missing from as it stands, with a warning:
+    in a rolling upgrade the new command is installed before the schema is migrated, when an
+    operator most needs to look. Those that write refuse it: they would write in a shape the
+    schema does not have yet."""
+    if args.command == "list":
+        return READABLE_FROM
+    if args.command == "outbox" and args.outbox_command in ("stats", "dead"):
+        return OUTBOX_READABLE_FROM
+    return None
 
 
 def _pool_options(args: argparse.Namespace) -> dict[str, Any]:

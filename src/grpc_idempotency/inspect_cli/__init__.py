@@ -10,8 +10,11 @@ Exit status of ``inspect``: 0 the operation was found; 3 no configured store hol
 but a step's child key reached more than one record or outbox row (never expected: a store
 configured twice under two names, or records copied between stores); 1 a store could not be
 reached (retry later); 2 a store answers but cannot be used (no such database or role, bad
-password, schema not migrated), bad usage, or an unusable configuration, module or descriptor
-set. ``list``: 0 records listed, 3 none matched, 1 and 2 as above.
+password, schema not migrated before 0007), bad usage, or an unusable configuration, module or
+descriptor set. ``list``: 0 records listed, 3 none matched, 1 and 2 as above. A schema migrated
+that far but behind this release is read as it stands (a rolling upgrade installs the command
+before migrating), with a warning naming the migrations missing and ``migrate``; see
+``store/inspection_store.py``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Collection
 
 from grpc_idempotency.cli_errors import printable, report_store_error, run_command
 from grpc_idempotency.core import inspection
@@ -61,14 +62,17 @@ def run_inspect(args: argparse.Namespace) -> int:
     return FOUND
 
 
-async def run_list(args: argparse.Namespace, store: Store) -> int:
-    """``grpc-idempotency list``: the scope's records; returns the exit status."""
+async def run_list(
+    args: argparse.Namespace, store: Store, *, applied: Collection[int] | None = None
+) -> int:
+    """``grpc-idempotency list``: the scope's records; returns the exit status. ``applied``:
+    the schema's migrations, read as it stands (``InspectionStore``)."""
     if args.limit < 1:
         print("grpc-idempotency: --limit must be at least 1", file=sys.stderr)
         return UNUSABLE
     state = RecordState(args.state) if args.state else None
     method = normalize_method(args.method) if args.method else None
-    records = await InspectionStore(store).scope_records(
+    records = await InspectionStore(store, applied=applied).scope_records(
         args.scope, state=state, method=method, limit=args.limit
     )
     if args.json:

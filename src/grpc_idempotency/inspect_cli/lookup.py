@@ -23,7 +23,7 @@ from grpc_idempotency.core.inspection import (
 )
 from grpc_idempotency.inspect_cli.config import Config, ConfigError, StoreConfig
 from grpc_idempotency.inspect_cli.descriptors import Descriptors
-from grpc_idempotency.store.inspection_store import InspectionStore
+from grpc_idempotency.store.inspection_store import READABLE_FROM, InspectionStore
 from grpc_idempotency.store.postgres import Store
 
 _T = TypeVar("_T")
@@ -43,7 +43,8 @@ class _Open:
 
 
 async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
-    """One pool per DSN, shared by the stores (schemas) on it; each schema checked."""
+    """One pool per DSN, shared by the stores (schemas) on it; each schema checked (a pool
+    opened is closed by the caller's ``except`` if its schema is refused)."""
     pools: dict[str, Store] = {}
     opened: list[_Open] = []
     options: dict[str, Any] = {}
@@ -54,12 +55,20 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
             try:
                 owner = pools.get(s.dsn)
                 if owner is None:
-                    owner = await connect(s.dsn, schema=s.schema, min_size=1, max_size=2, **options)
+                    owner = await connect(
+                        s.dsn,
+                        schema=s.schema,
+                        min_size=1,
+                        max_size=2,
+                        check_schema=False,  # as for a shared pool's store, below
+                        **options,
+                    )
                     pools[s.dsn] = owner
                     store = owner
                 else:
                     store = Store(owner.pool, schema=s.schema)
-                    await store.check_schema()
+                # Read as it stands if only migrations behind (a rolling upgrade), with a warning.
+                applied = await store.check_schema(readable_from=READABLE_FROM)
             except StoreUnavailable as err:
                 raise StoreFailed(err, s) from err
             except UnusableDsn as err:
@@ -68,7 +77,7 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
                 raise ConfigError(f"store {s.name}: {unusable}") from None
             except ValueError as err:  # a schema name that is not an identifier
                 raise ConfigError(f"store {s.name}: {err}") from err
-            opened.append(_Open(s, InspectionStore(store)))
+            opened.append(_Open(s, InspectionStore(store, applied=applied)))
     except BaseException:
         await asyncio.gather(*(p.close() for p in pools.values()))
         raise

@@ -7,19 +7,51 @@ traffic. Times are compared by the database's clock (``clock_timestamp()``), as 
 the store, and each row says when it was read. Look-ups go through the primary key (scope, key)
 or the outbox's unique (scope, key); listing a scope walks that scope's part of the primary key.
 Database errors become ``StoreUnavailable`` / ``StoreMisconfigured`` (``Store.connection``).
+
+A schema behind this release's migrations is read as it stands (``READABLE_FROM``): in a rolling
+upgrade the new command is installed before the schema is migrated. What a reader shows is what
+the schema in place does, never what the newer release would do with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from grpc_idempotency.core.inspection import OutboxEntry, Record, RecordState
 from grpc_idempotency.store.postgres import Store
-from grpc_idempotency.store.sql import PAST_RETENTION, schema_identifier
+from grpc_idempotency.store.sql import (
+    PAST_RETENTION,
+    PAST_RETENTION_BEFORE_0014,
+    schema_identifier,
+)
 
-# What a listing prints, and more: everything but the stored outcome.
-_SUMMARY_COLUMNS = f"""
+# What each migration changed in what the read-only commands read, checked for every migration
+# up to REVIEWED_THROUGH (a schema before READABLE_FROM, or OUTBOX_READABLE_FROM, is refused):
+# - 0006 made the outbox: ``outbox stats`` and ``outbox dead`` read it (OutboxStore's counts and
+#   dead_letters), ``inspect`` reads it when it is there;
+# - 0007 added the records' retention column, which ``inspect`` and ``list`` select (a completed
+#   record's expiry);
+# - 0014 made an in-progress claim past its lease and its retention a new key for another
+#   request (claim()): before it, ``expired`` is read by the rule the schema's claim() still
+#   applies (PAST_RETENTION_BEFORE_0014);
+# - the others change nothing these reads select or decide: functions only the servers call
+#   (0008, 0009, 0012, 0013, 0015, 0016), the outbox's failures and lost_claims (0010, 0011),
+#   the records' claim_attempt (0016), processed_messages' fingerprint (0017: no command reads
+#   that table).
+READABLE_FROM = 7
+"""The oldest schema version ``inspect`` and ``list`` read (``Store.check_schema``)."""
+OUTBOX_READABLE_FROM = 6
+"""The oldest schema version ``outbox stats`` and ``outbox dead`` read."""
+REVIEWED_THROUGH = 17
+"""The last migration checked above. A test fails once a newer one ships, until it is checked
+too: a schema behind by it alone is read as if it were migrated."""
+_ABANDONED_CLAIMS_EXPIRE = 14
+
+
+def _summary_columns(past_retention: str) -> str:
+    """What a listing prints, and more: everything but the stored outcome."""
+    return f"""
     scope, key, method, state, fingerprint, fencing_token, created_at, completed_at,
     CASE WHEN state = 'completed' THEN GREATEST(expires_at, completed_at + retention)
          ELSE expires_at END AS expires_at,
@@ -28,15 +60,9 @@ _SUMMARY_COLUMNS = f"""
          THEN GREATEST(0, EXTRACT(EPOCH FROM
              locked_until - pg_catalog.clock_timestamp()))::float8 END
         AS lease_remaining_s,
-    {PAST_RETENTION} AS expired,
+    {past_retention} AS expired,
     status_code, pg_catalog.clock_timestamp() AS read_at"""
-_RECORD_COLUMNS = f"{_SUMMARY_COLUMNS}, status_message, status_details, response"
-# A listing prints no outcome: reading the stored ones fetched every listed record's response
-# (up to max_response_bytes each) and held them all at once, for nothing.
-_LISTED_COLUMNS = (
-    f"{_SUMMARY_COLUMNS}, NULL::text AS status_message, NULL::bytea AS status_details,"
-    " NULL::bytea AS response"
-)
+
 
 _STATE_FILTER = {
     None: "TRUE",
@@ -47,13 +73,24 @@ _STATE_FILTER = {
 
 
 class InspectionStore:
-    """Read-only look-ups on a ``Store``'s pool and schema."""
+    """Read-only look-ups on a ``Store``'s pool and schema. ``applied``: the schema's migrations
+    (``Store.check_schema(readable_from=READABLE_FROM)``), to read one behind as it stands;
+    ``None``: migrated."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, applied: Collection[int] | None = None) -> None:
         self.store = store
         s = schema_identifier(store.schema)
-        self._records = f"SELECT {_RECORD_COLUMNS} FROM {s}.records"
-        self._listed = f"SELECT {_LISTED_COLUMNS} FROM {s}.records"
+        old_rule = applied is not None and _ABANDONED_CLAIMS_EXPIRE not in applied
+        summary = _summary_columns(PAST_RETENTION_BEFORE_0014 if old_rule else PAST_RETENTION)
+        self._records = (
+            f"SELECT {summary}, status_message, status_details, response FROM {s}.records"
+        )
+        # A listing prints no outcome: reading the stored ones fetched every listed record's
+        # response (up to max_response_bytes each) and held them all at once, for nothing.
+        self._listed = (
+            f"SELECT {summary}, NULL::text AS status_message, NULL::bytea AS status_details,"
+            f" NULL::bytea AS response FROM {s}.records"
+        )
         self._outbox_table = f"{s}.outbox"
         self._outbox = f"""
             SELECT id, scope, key, step, parent_key, method, payload_type, payload, state,

@@ -765,23 +765,35 @@ class Store:
         ``close`` waits for it (the interceptor holds one around each execution)."""
         return _HoldingClaim(self._claiming)
 
-    async def check_schema(self) -> None:
+    async def check_schema(self, *, readable_from: int | None = None) -> frozenset[int]:
         """Raises ``StoreMisconfigured`` unless every migration this version of the library
-        needs has been applied to the store's schema."""
+        needs has been applied to the store's schema; returns the versions applied.
+
+        ``readable_from``: for a caller that only reads (``inspect``, ``list``, ``outbox stats``
+        and ``outbox dead``), the oldest schema version it can read. A schema migrated that far
+        is accepted with migrations missing, with a warning naming them and ``migrate``: in a
+        rolling upgrade the new command is installed before the schema is migrated, which is
+        when an operator most needs to look. The caller reads it as it stands (the versions
+        returned say how: ``InspectionStore(applied=...)``). Whatever writes keeps refusing it:
+        it would write in a shape the schema does not have yet."""
         async with self.connection("checking the schema") as conn:
-            applied = set(await migrations.applied_versions(conn, self.schema))
+            applied = frozenset(await migrations.applied_versions(conn, self.schema))
         wanted = [m.version for m in migrations.available_migrations()]
         missing = [v for v in wanted if v not in applied]
         if missing:
             state = f"at version {max(applied)}" if applied else "not created"
-            raise StoreMisconfigured(
+            behind = (
                 f"the idempotency schema {self.schema!r} is {state}; this version of"
                 f" grpc-idempotency needs migrations {missing}: run `grpc-idempotency migrate"
-                f" --dsn DSN --schema {self.schema}` (or Store.connect(..., migrate=True))"
+                f" --dsn DSN --schema {self.schema}`"
             )
-        newer = _unknown(applied)
+            if readable_from is None or min(missing) <= readable_from:
+                raise StoreMisconfigured(f"{behind} (or Store.connect(..., migrate=True))")
+            log.warning("%s; read as it stands meanwhile (commands that write refuse it)", behind)
+        newer = _unknown(set(applied))
         if newer:
             _warn_newer(self.schema, newer)
+        return applied
 
     async def newer_migrations(self) -> list[int]:
         """The migrations applied to the store's schema that this version of the library does

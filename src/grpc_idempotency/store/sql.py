@@ -109,6 +109,13 @@ END IS TRUE)"""
 and an in-progress one whose lease has run out too (any request under the key then starts a new
 operation). The look-up and the inspection read it alike."""
 
+PAST_RETENTION_BEFORE_0014 = """((state = 'completed'
+    AND GREATEST(expires_at, completed_at + retention) <= pg_catalog.clock_timestamp()) IS TRUE)"""
+"""The same, as claim() decided it before migration 0014 (migrations 0007 to 0013): completed
+records only. An in-progress claim whose lease has run out is taken over by the same request,
+continuing its operation, past its retention or not; another request is refused. ``inspect`` and
+``list`` read a schema not yet migrated to 0014 by this rule, as its own claim() still decides."""
+
 
 # Type names that are not SQL keywords resolve through search_path (bigint and integer are
 # keywords and cannot be shadowed).

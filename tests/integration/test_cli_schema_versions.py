@@ -1,0 +1,200 @@
+"""The read-only commands (``inspect``, ``list``, ``outbox stats``, ``outbox dead``) against a
+schema that is not at this release's version, run as a user runs them (a subprocess).
+
+Behind: in a rolling upgrade the new command is installed before (or while) the schema is
+migrated, and refusing to read then left an operator blind when looking mattered most. They read
+it as it stands, with a warning naming the schema's version, the migrations missing and
+``migrate``; what they show is what the schema in place does (an abandoned claim past its
+retention is not "expired" before migration 0014: that schema's claim() still keeps it for the
+same request). Every command that writes still refuses it, and writes nothing. Below what a
+reader reads (0007 for the records' retention column, 0006 for the outbox) it refuses as before.
+
+Ahead (a newer release migrated it): they read it, with a warning naming the unknown migrations.
+
+A schema is set back as an upgrade from an older release finds it: the columns the later
+migrations added are dropped (what a read could trip on) and their versions deleted from
+schema_migrations. The functions they replaced stay: no read calls one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import subprocess
+from collections.abc import AsyncIterator
+
+from grpc_idempotency import Store
+from grpc_idempotency.store.migrations import available_migrations
+from tests.support.schemas import fresh_store
+from tests.support.tools import run_cli
+
+# The columns each migration added: dropped when a schema is set back before it.
+ADDED = {
+    7: ["records.retention"],
+    10: ["outbox.failures", "outbox.lost_claims"],
+    16: ["records.claim_attempt"],
+    17: ["processed_messages.fingerprint"],
+}
+SCOPE = "tenant:acme"
+METHOD = "/shop.v1.Orders/Place"
+LATEST = available_migrations()[-1].version
+
+
+async def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    return await asyncio.to_thread(run_cli, *args, env=env)
+
+
+@contextlib.asynccontextmanager
+async def schema_at(pg_dsn: str, version: int) -> AsyncIterator[Store]:
+    """A fresh store whose schema is set back to ``version``, holding a dead outbox row."""
+    async with fresh_store(pg_dsn, f"at_{version}") as store:
+        s = f'"{store.schema}"'
+        for added_by, columns in ADDED.items():
+            if added_by > version:
+                for column in columns:
+                    table, _, name = column.partition(".")
+                    await store.pool.execute(f"ALTER TABLE {s}.{table} DROP COLUMN {name}")
+        await store.pool.execute(f"DELETE FROM {s}.schema_migrations WHERE version > {version}")
+        await store.pool.execute(
+            f"INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type,"
+            " payload, state, attempts, last_error)"
+            f" VALUES ('{SCOPE}', 'dead-key', 'notify.v1', 'order-1', '/shop.v1.Mail/Send',"
+            " 'shop.v1.Mail', '', 'dead', 3, 'receiver said no')"
+        )
+        yield store
+
+
+async def add_records(store: Store) -> None:
+    """A completed operation, and a phased claim abandoned two hours ago: its lease ran out an
+    hour ago (granted, not released: it ends after the start) and its retention a minute ago."""
+    await store.pool.execute(
+        f'INSERT INTO "{store.schema}".records (scope, key, method, fingerprint, state,'
+        " fencing_token, locked_until, status_code, response, created_at, completed_at,"
+        " expires_at, retention) VALUES"
+        f" ('{SCOPE}', 'done', '{METHOD}', '\\x01', 'completed', 1, NULL, 0, '\\x0801',"
+        "  now() - interval '1 minute', now(), now() + interval '1 day', interval '1 day'),"
+        f" ('{SCOPE}', 'abandoned', '{METHOD}', '\\x02', 'in_progress', 1,"
+        "  now() - interval '1 hour', NULL, NULL, now() - interval '2 hours', NULL,"
+        "  now() - interval '1 minute', interval '2 hours' - interval '1 minute')"
+    )
+
+
+def listed(stdout: str, key: str) -> str:
+    """``list``'s line of the record under ``key`` (the last column, then its marks)."""
+    (line,) = [line for line in stdout.splitlines() if re.search(rf"  {key}(  \(|$)", line)]
+    return line
+
+
+async def test_read_only_commands_read_a_schema_migrations_behind_and_writers_refuse_it(
+    pg_dsn: str,
+) -> None:
+    """At 0013, four migrations behind: each reader reads it, with the warning; each writer
+    refuses it (exit 2) and writes nothing."""
+    async with schema_at(pg_dsn, 13) as store:
+        await add_records(store)
+        where = ["--dsn", pg_dsn, "--schema", store.schema]
+        behind = (
+            f"the idempotency schema '{store.schema}' is at version 13; this version of"
+            f" grpc-idempotency needs migrations {list(range(14, LATEST + 1))}: run"
+            f" `grpc-idempotency migrate --dsn DSN --schema {store.schema}`"
+        )
+
+        done = await cli("list", *where, "--scope", SCOPE)
+        assert done.returncode == 0, done.stderr
+        assert behind in done.stderr and "WARNING" in done.stderr
+        assert "completed OK" in listed(done.stdout, "done")
+        # As the schema's claim() decides (before 0014): the same request continues the
+        # abandoned operation, another is refused; nothing treats the key as new.
+        assert "(expired)" not in listed(done.stdout, "abandoned")
+
+        done = await cli("inspect", *where, "--scope", SCOPE, "abandoned")
+        assert done.returncode == 0, done.stderr
+        assert behind in done.stderr
+        assert "lease: until" in done.stdout and "run out: a retry takes it over" in done.stdout
+        assert "past its retention" not in done.stdout
+
+        done = await cli("inspect", *where, "--scope", SCOPE, "done")
+        assert done.returncode == 0, done.stderr
+        assert "completed OK" in done.stdout and "replayed until" in done.stdout
+
+        done = await cli("outbox", "stats", *where)
+        assert done.returncode == 0, done.stderr
+        assert behind in done.stderr and "dead     1" in done.stdout
+
+        done = await cli("outbox", "dead", *where)
+        assert done.returncode == 0, done.stderr
+        assert behind in done.stderr and "receiver said no" in done.stdout
+
+        # They would write in the shape the schema does not have yet.
+        for writer in (
+            ["purge"],
+            ["outbox", "retry", "--all"],
+            ["outbox", "purge-dead"],
+            ["outbox", "purge-sent"],
+            ["relay", "--grpc-target", "127.0.0.1:1", "--method", "/shop.v1.Mail/Send"],
+        ):
+            done = await cli(*writer, *where)
+            assert done.returncode == 2, (writer, done.stderr)
+            assert behind in done.stderr and "WARNING" not in done.stderr, writer
+        s = f'"{store.schema}"'
+        assert await store.pool.fetchval(f"SELECT state FROM {s}.outbox") == "dead"
+        assert await store.pool.fetchval(f"SELECT count(*) FROM {s}.records") == 2
+
+        # Migrated, the same record is past its retention as 0014's claim() decides.
+        await store.migrate()
+        done = await cli("list", *where, "--scope", SCOPE)
+        assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr
+        assert "(expired)" in listed(done.stdout, "abandoned")
+
+
+async def test_a_schema_older_than_what_a_command_reads_is_refused_as_before(pg_dsn: str) -> None:
+    """At 0006 the outbox is there but the records have no retention column (0007)."""
+    async with schema_at(pg_dsn, 6) as store:
+        where = ["--dsn", pg_dsn, "--schema", store.schema]
+        for reader in (["list", "--scope", SCOPE], ["inspect", "--scope", SCOPE, "k"]):
+            done = await cli(*reader, *where)
+            assert done.returncode == 2, (reader, done.stderr)
+            assert f"'{store.schema}' is at version 6" in done.stderr
+            assert f"needs migrations {list(range(7, LATEST + 1))}" in done.stderr
+            assert "grpc-idempotency migrate" in done.stderr and "WARNING" not in done.stderr
+
+        done = await cli("outbox", "stats", *where)
+        assert done.returncode == 0, done.stderr
+        assert "is at version 6" in done.stderr and "WARNING" in done.stderr
+        assert "dead     1" in done.stdout
+
+
+async def test_read_only_commands_read_a_schema_a_newer_release_migrated_with_a_warning(
+    pg_dsn: str,
+) -> None:
+    """Already so before read-only commands read a schema behind (kept: the check changed)."""
+    async with fresh_store(pg_dsn, "ahead") as store:
+        await add_records(store)
+        s = f'"{store.schema}"'
+        newer = LATEST + 1
+        await store.pool.execute(
+            f"INSERT INTO {s}.schema_migrations (version, name) VALUES ($1, 'from_the_future')",
+            newer,
+        )
+        where = ["--dsn", pg_dsn, "--schema", store.schema]
+        said = f"schema '{store.schema}' has migrations [{newer}] that this version of"
+        for reader, shown in (
+            (["list", "--scope", SCOPE], "completed OK"),
+            (["inspect", "--scope", SCOPE, "done"], "replayed until"),
+            (["outbox", "stats"], "pending  0"),
+        ):
+            done = await cli(*reader, *where)
+            assert done.returncode == 0, (reader, done.stderr)
+            assert said in done.stderr and "WARNING" in done.stderr, reader
+            assert shown in done.stdout, (reader, done.stdout)
+
+
+def test_every_migration_was_checked_for_what_the_read_only_commands_read() -> None:
+    """A schema behind by a migration not checked would be read as if migrated: check what it
+    changes in the reads (store/inspection_store.py), then raise REVIEWED_THROUGH."""
+    from grpc_idempotency.store.inspection_store import REVIEWED_THROUGH
+
+    assert REVIEWED_THROUGH == LATEST
