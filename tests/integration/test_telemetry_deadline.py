@@ -25,7 +25,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, Telemetry
+from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable, Telemetry
+from grpc_idempotency.server.interceptor import _deadline_spent
 from tests.integration.test_store_down import _queued
 from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.ledger import (
@@ -241,3 +242,105 @@ async def test_a_busy_pool_with_time_left_is_still_counted_unavailable(
     assert _outcomes(reader) == {("unavailable", UNAVAILABLE): 1}
     _never_ran(ledger)
     assert await store.lookup(SCOPE, key) is None
+
+
+@pytest.mark.parametrize("method", [POST, PHASED], ids=["atomic", "phased"])
+async def test_a_duplicate_whose_look_up_the_deadline_ends_after_waiting_is_counted_conflict(
+    pg_dsn: str, schema: str, opened: list[Store], db: asyncpg.Connection, method: str
+) -> None:
+    """A call that waited on the key busy with another replica's attempt, and whose next look-up
+    then queued on a locked records table until its deadline, is counted as one whose wait ran
+    out ("conflict"), as gRPC's cancellation of it at the deadline is: its key was busy, not
+    free ("released"). It kept nothing: the other attempt's claim is as it was, and the key
+    runs once that attempt is gone."""
+    store = await _connect(pg_dsn, schema, opened, max_size=4)
+    telemetry, spans, reader = _telemetry()
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with running_ledger(store, telemetry=telemetry, replay_cache=False) as ledger:
+        policy = ledger.interceptor.policies[method]
+        assert policy is not None
+        # Another replica's attempt, in progress for as long as the test runs.
+        other = await store.claim_phased(
+            scope=SCOPE,
+            key=key,
+            method=policy.method,
+            fingerprint=policy.fingerprint(request),
+            retention_s=policy.retention_s,
+            lease_s=600.0,
+        )
+        assert other is not None
+        before = await store.lookup(SCOPE, key)
+        assert before is not None and not before.lease_expired
+        call = asyncio.ensure_future(ledger.call(method, request, key, timeout=1.0))
+        try:
+            # Polling: its next look-up queues on the table until the deadline ends it.
+            await until("the call waiting", lambda: ledger.interceptor.waiting_calls == 1)
+            async with records_locked(db, schema):
+                answer = await call
+                span = await _the_span(spans)
+        finally:
+            call.cancel()
+        assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
+        assert attributes(span)["grpc_idempotency.outcome"] == "conflict"
+        assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
+        assert _outcomes(reader) == {("conflict", DEADLINE_EXCEEDED): 1}
+        _never_ran(ledger)
+        after = await store.lookup(SCOPE, key)
+        assert after is not None and after.state is before.state and not after.lease_expired
+        assert after.started_at == before.started_at and after.outcome is None
+        await other.release()
+        retry = await ledger.call(method, request, key)
+        assert retry.code is grpc.StatusCode.OK and not retry.replayed, retry
+        assert ledger.service.executions == 1
+        assert await ledger_rows(store, account) == 1
+
+
+async def test_a_misconfigured_store_is_never_taken_for_the_deadline() -> None:
+    """What the server asks of a store failure (``_deadline_spent``), with real grpc.aio
+    contexts: one with its deadline spent (a handler gRPC cancelled at it), one with an hour
+    left, one with none. Only an outage with the deadline spent is the deadline's; a misconfigured
+    store (INTERNAL, which an operator must see) is named whatever the time left. A store whose
+    error comes at once as the deadline ends cannot be made on demand, so the rule is asked
+    here, of the contexts the interceptor is given."""
+    judged: list[tuple[bool, bool]] = []
+
+    def judge(context: Any) -> None:
+        judged.append(
+            (
+                _deadline_spent(context, StoreUnavailable("the store timed out")),
+                _deadline_spent(context, StoreMisconfigured("the records table is missing")),
+            )
+        )
+
+    async def handler(request: bytes, context: Any) -> bytes:
+        if request == b"outlast":
+            try:
+                await asyncio.Event().wait()  # until gRPC cancels the handler at the deadline
+            finally:
+                judge(context)
+        judge(context)
+        return b""
+
+    server = grpc.aio.server()
+    handlers = {"Judge": grpc.unary_unary_rpc_method_handler(handler)}
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Deadline", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            judge_call = channel.unary_unary(
+                "/t.Deadline/Judge", request_serializer=None, response_deserializer=None
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await judge_call(b"outlast", timeout=0.2)
+            assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            await until("the cancelled handler's judgement", lambda: judged)
+            await judge_call(b"now", timeout=3600)
+            await judge_call(b"now")
+    finally:
+        await server.stop(None)
+    spent, hour_left, no_deadline = judged
+    assert spent == (True, False)  # the outage is the deadline's; the misconfiguration is not
+    assert hour_left == (False, False)
+    assert no_deadline == (False, False)
