@@ -1164,6 +1164,7 @@ RELAY_NAMES = [
     ("r\x1b[2J", True),
     ("r\x85", True),  # C1 NEL
     ("r\u2028", True),  # line separator
+    ("r\u2029", True),  # paragraph separator
     ("r\u202e1", True),  # bidi override
     ("r\ufeff", True),  # invisible (BOM)
     ("r\x00", True),  # claimed_by cannot store NUL
@@ -1196,7 +1197,8 @@ async def test_relay_takes_the_names_the_relay_command_takes(
     # Empty: no name given, to both (the command passes it on as it is).
     assert _parser().parse_args([*base, "--name="]).name == ""
     assert re.fullmatch(r".+:\d+:[0-9a-f]{6}", Relay(outbox, sink, name="").name)
-    for wrong in (b"relay-1", 1):
+    # Falsy ones too: not taken for "no name given".
+    for wrong in (b"relay-1", 1, b"", 0):
         with pytest.raises(
             TypeError, match=f"name must be a str or None, not {type(wrong).__name__}"
         ):
