@@ -137,8 +137,9 @@ class Operation:
                 f"Operation.call is for unary methods, not the streaming {_path_of(method)}:"
                 " no streaming method is keyed"
             )
-        # None as a grpc.aio method takes it: no metadata.
-        md = (*[m for m in metadata or () if m[0] != KEY_HEADER], *self.metadata())
+        # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
+        # beside the operation's key (gRPC sends the name as those bytes), before it.
+        md = (*[m for m in metadata or () if _entry_name(m[0]) != KEY_HEADER], *self.metadata())
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
         # an entry failed the call as gRPC's internal ExecuteBatchError.
         _refuse_unsendable(md, current_call_or_none(), _path_of(method))

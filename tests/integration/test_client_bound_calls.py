@@ -227,3 +227,27 @@ async def test_operation_call_takes_the_same_options() -> None:
             await Operation.new().call(local_stub.Post, request, compression=grpc.Compression.Gzip)
     assert echo.metadata[0].get("x-credential") == "call"
     assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("intercepted", [False, True], ids=["plain", "intercepted"])
+async def test_an_entry_named_in_bytes_is_layered_and_the_key_stays_the_operations(
+    intercepted: bool,
+) -> None:
+    """gRPC sends a name given as bytes as those bytes: such an entry replaces the bound stub's
+    of its name, and an ``idempotency-key`` so named gives way to the operation's key. It was
+    sent before it, two keys on one call: this library's server refuses that (INVALID_ARGUMENT),
+    and a server reading the first key took the caller's for the operation's."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    caller_key: Any = b"idempotency-key"  # outside the metadata's typing, as gRPC takes it
+    async with local_server(intercepted) as (echo, stub):
+        op = Operation.new()
+        await op.bind(stub, metadata=(("x-note", "stub"),)).Post(
+            request, metadata=((b"x-note", "call"), (caller_key, "other"))
+        )
+        await op.call(stub.Post, request, metadata=((caller_key, b"other"),))
+    layered, called = (
+        sorted((n, v) for n, v in entries if n in {"x-note", "idempotency-key"})
+        for entries in echo.entries
+    )
+    assert layered == [("idempotency-key", op.key), ("x-note", "call")]
+    assert called == [("idempotency-key", op.key)]
