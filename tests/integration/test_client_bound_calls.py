@@ -8,6 +8,7 @@ deadline waits on an event the test sets only afterwards."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -82,6 +83,13 @@ async def test_a_bound_methods_metadata_and_retry_are_the_calls(ledger: RunningL
     answer = await again.bind(ledger.stub, metadata=TENANT_MD).Post(flaky, retry=RetryPolicy())
     assert answer.account == flaky.account
     assert ledger.service.attempts[again.key] == 2
+    # The bound stub's retry, the call giving none.
+    bound_retry = Operation.new()
+    retried = await bound_retry.bind(ledger.stub, metadata=TENANT_MD, retry=RetryPolicy()).Post(
+        flaky
+    )
+    assert retried.account == flaky.account
+    assert ledger.service.attempts[bound_retry.key] == 2
 
 
 class _Echo(testsvc_pb2_grpc.LedgerServiceServicer):
@@ -251,3 +259,55 @@ async def test_an_entry_named_in_bytes_is_layered_and_the_key_stays_the_operatio
     )
     assert layered == [("idempotency-key", op.key), ("x-note", "call")]
     assert called == [("idempotency-key", op.key)]
+
+
+async def test_the_bound_stubs_compression_applies_to_a_call_giving_none() -> None:
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    async with local_server(intercepted=False) as (_, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await Operation.new().bind(stub, compression=grpc.Compression.Gzip).Post(request)
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "gzip" in (refused.value.details() or "")
+
+
+async def test_wait_for_ready_false_is_given_to_grpc_over_the_channels_service_config() -> None:
+    """``wait_for_ready=False`` is a value, not "not given" (``None``): gRPC then fails the call
+    fast, whatever the channel's service config says; left out, the config's waitForReady
+    held the call until its deadline. With nothing listening, UNAVAILABLE (not
+    DEADLINE_EXCEEDED) shows that it reached gRPC."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    config = json.dumps(
+        {
+            "methodConfig": [
+                {"name": [{"service": "testsvc.v1.LedgerService"}], "waitForReady": True}
+            ]
+        }
+    )
+    with nothing_listening() as address:
+        options = [("grpc.service_config", config)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            op = Operation.new()
+            ended = []
+            for call in (
+                lambda: op.bind(stub).Post(request, wait_for_ready=False, timeout=10),
+                lambda: op.bind(stub, wait_for_ready=False).Post(request, timeout=10),
+                lambda: op.call(stub.Post, request, wait_for_ready=False, timeout=10),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await call()
+                ended.append(failed.value.code())
+    assert ended == [grpc.StatusCode.UNAVAILABLE] * 3
+
+
+async def test_a_bound_method_is_named_and_an_uppercase_name_is_refused_not_layered() -> None:
+    """gRPC names metadata in lowercase, and the call refuses a name it cannot send (a
+    ValueError before sending), so names are layered as they are, not case-folded: folded,
+    a call's ``x-note`` dropped the stub's ``X-Note`` unseen, which fails every other call."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    async with local_server(intercepted=False) as (echo, stub):
+        bound = Operation.new().bind(stub, metadata=(("X-Note", "stub"),))
+        assert (bound.Post.__name__, bound.Post.__qualname__) == ("Post", "OperationStub.Post")
+        with pytest.raises(ValueError, match="header name 'X-Note'"):
+            await bound.Post(request, metadata=(("x-note", "call"),))
+    assert echo.entries == []
