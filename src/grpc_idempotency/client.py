@@ -183,7 +183,7 @@ class Operation:
         self,
         stub: Any,
         *,
-        metadata: Sequence[tuple[str, str | bytes]] = (),
+        metadata: Sequence[tuple[str, str | bytes]] | None = (),
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         credentials: grpc.CallCredentials | None = None,
@@ -287,7 +287,7 @@ class OperationStub:
         operation: Operation,
         stub: Any,
         *,
-        metadata: Sequence[tuple[str, str | bytes]],
+        metadata: Sequence[tuple[str, str | bytes]] | None,
         timeout: float | None,
         retry: RetryPolicy | None,
         credentials: grpc.CallCredentials | None = None,
@@ -296,7 +296,7 @@ class OperationStub:
     ) -> None:
         self._operation = operation
         self._stub = stub
-        self._metadata = tuple(metadata)
+        self._metadata = tuple(metadata or ())  # None, as Operation.call takes it: none
         self._timeout = timeout
         self._retry = retry
         self._credentials = credentials

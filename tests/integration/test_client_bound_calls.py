@@ -168,19 +168,23 @@ async def test_a_bound_methods_credentials_compression_and_metadata_reach_grpc(
         # None, as a grpc.aio method takes it: no metadata of the call's own.
         await op.bind(stub, metadata=(("x-note", "stub"),)).Post(request, metadata=None)
         await op.call(stub.Post, request, metadata=None)
+        await op.bind(stub, metadata=None).Post(request)  # nor of the bound stub's
     credentials = [md.get("x-credential") for md in echo.metadata]
-    assert credentials == ["call", "stub", "call", None, None, None, None]
+    assert credentials == ["call", "stub", "call", None, None, None, None, None]
     assert {md.get("idempotency-key") for md in echo.metadata} == {op.key}
     assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
     assert "gzip" in (refused.value.details() or "")
     # The call's entry replaces the bound stub's of its name, and only that one.
     layered, bound_only, none = (
         sorted((n, v) for n, v in entries if n in {"x-tenant-id", "x-note", "idempotency-key"})
-        for entries in echo.entries[-3:]
+        for entries in echo.entries[-4:-1]
     )
     assert layered == [("idempotency-key", op.key), ("x-note", "stub"), ("x-tenant-id", "b")]
     assert bound_only == [("idempotency-key", op.key), ("x-note", "stub")]
     assert none == [("idempotency-key", op.key)]
+    assert [(n, v) for n, v in echo.entries[-1] if n != "user-agent"] == [
+        ("idempotency-key", op.key)
+    ]
 
 
 @contextlib.contextmanager
