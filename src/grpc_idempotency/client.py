@@ -568,7 +568,11 @@ class IdempotencyClientInterceptor(_Interceptor):
         named_by_call = False
         kept: list[tuple[str, str | bytes]] = []
         for name, value in metadata:
-            if name == KEY_HEADER:
+            # A name given as bytes is sent as those bytes (``_entry_name``): compared as str
+            # only, a caller's b"idempotency-key" went out beside the key chosen here (two keys,
+            # which the library's server refuses and another reads as the caller's).
+            text_name = _entry_name(name)
+            if text_name == KEY_HEADER:
                 key = _key_text(value)
                 if parent is not None and key == parent.key:
                     # The serving call's own key, passed on with its metadata
@@ -577,9 +581,9 @@ class IdempotencyClientInterceptor(_Interceptor):
                     # would share one downstream record; this call gets its child key instead.
                     continue
                 explicit = key
-                kept.append((name, key))
+                kept.append((KEY_HEADER, key))
                 continue
-            elif name == STEP_HEADER:
+            elif text_name == STEP_HEADER:
                 # Decoded like the key: gRPC sends a text entry given as bytes, and str(bytes),
                 # "b'charge.v1'", named a step that is not declared (StepUndeclared).
                 named = value.decode("latin-1") if isinstance(value, bytes) else str(value)
@@ -618,7 +622,7 @@ class IdempotencyClientInterceptor(_Interceptor):
                 f"{live.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
             )
-        if any(name == STATUS_HEADER for name, _ in kept):
+        if any(_entry_name(name) == STATUS_HEADER for name, _ in kept):
             # Sent, a call the server answered OK came back OK with None (a stream: with no
             # messages), the response lost after its effect was done: a step counted as
             # answered, and the handler failed on None. An error status came back as sent.

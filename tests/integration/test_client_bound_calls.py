@@ -265,6 +265,20 @@ async def test_an_entry_named_in_bytes_is_layered_and_the_key_stays_the_operatio
     assert called == [("idempotency-key", op.key)]
 
 
+async def test_the_client_interceptor_reads_library_entries_named_in_bytes() -> None:
+    """Without an ``Operation``: the client interceptor compared names as str only, so a
+    caller's key named in bytes went out beside the one it minted (two keys), and a status
+    header so named was not refused (its call answered OK came back None)."""
+    request = testsvc_pb2.PostRequest(account=fresh("acct"))
+    caller_key: Any = b"idempotency-key"
+    async with local_server(intercepted=True) as (echo, stub):
+        await stub.Post(request, metadata=((caller_key, "mine"),))
+        with pytest.raises(ValueError, match="grpc-status"):
+            await stub.Post(request, metadata=((b"grpc-status", "0"),))
+    [entries] = echo.entries
+    assert [(n, v) for n, v in entries if n == "idempotency-key"] == [("idempotency-key", "mine")]
+
+
 async def test_the_bound_stubs_compression_applies_to_a_call_giving_none() -> None:
     request = testsvc_pb2.PostRequest(account=fresh("acct"))
     async with local_server(intercepted=False) as (_, stub):
