@@ -639,7 +639,9 @@ def _check_outbox(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     was down, and a script retried a command that could never work."""
     if args.outbox_command == "retry" and bool(args.ids) == bool(args.all):
         # Its own parser's error, with its usage: the top-level one printed the command list.
-        _subcommand(parser, "outbox", "retry").error("outbox retry takes IDs or --all")
+        _subcommand(parser, "outbox", "retry").error(
+            "give dead letter IDs or --all, one of the two"
+        )
 
 
 def _subcommand(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
@@ -978,7 +980,10 @@ async def _outbox(args: argparse.Namespace, store: Store) -> int:
         print(f"{len(letters)} dead letter(s); retry with: grpc-idempotency outbox retry ID ...")
     elif command == "retry":
         if bool(args.ids) == bool(args.all):
-            print("grpc-idempotency: outbox retry takes IDs or --all", file=sys.stderr)
+            print(
+                "grpc-idempotency outbox retry: give dead letter IDs or --all, one of the two",
+                file=sys.stderr,
+            )
             return 2
         retried = await outbox.retry_dead(None if args.all else args.ids)
         print(f"{retried} dead letter(s) back to pending")
