@@ -26,12 +26,15 @@ import subprocess
 from collections.abc import AsyncIterator
 
 from grpc_idempotency import Store
+from grpc_idempotency.store.inspection_store import READABLE_FROM, InspectionStore
 from grpc_idempotency.store.migrations import available_migrations
 from tests.support.schemas import fresh_store
 from tests.support.tools import run_cli
 
-# The columns each migration added: dropped when a schema is set back before it.
+# The tables and columns (table.column) each migration added: dropped when a schema is set back
+# before it.
 ADDED = {
+    6: ["outbox", "processed_messages"],
     7: ["records.retention"],
     10: ["outbox.failures", "outbox.lost_claims"],
     16: ["records.claim_attempt"],
@@ -49,27 +52,34 @@ async def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 @contextlib.asynccontextmanager
 async def schema_at(pg_dsn: str, version: int) -> AsyncIterator[Store]:
-    """A fresh store whose schema is set back to ``version``, holding a dead outbox row."""
+    """A fresh store whose schema is set back to ``version``, holding a dead outbox row (from
+    0006, which made the outbox)."""
     async with fresh_store(pg_dsn, f"at_{version}") as store:
         s = f'"{store.schema}"'
-        for added_by, columns in ADDED.items():
+        for added_by, added in sorted(ADDED.items(), reverse=True):
             if added_by > version:
-                for column in columns:
-                    table, _, name = column.partition(".")
-                    await store.pool.execute(f"ALTER TABLE {s}.{table} DROP COLUMN {name}")
+                for what in added:
+                    table, _, column = what.partition(".")
+                    if column:
+                        await store.pool.execute(f"ALTER TABLE {s}.{table} DROP COLUMN {column}")
+                    else:
+                        await store.pool.execute(f"DROP TABLE {s}.{table}")
         await store.pool.execute(f"DELETE FROM {s}.schema_migrations WHERE version > {version}")
-        await store.pool.execute(
-            f"INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type,"
-            " payload, state, attempts, last_error)"
-            f" VALUES ('{SCOPE}', 'dead-key', 'notify.v1', 'order-1', '/shop.v1.Mail/Send',"
-            " 'shop.v1.Mail', '', 'dead', 3, 'receiver said no')"
-        )
+        if version >= 6:
+            await store.pool.execute(
+                f"INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type,"
+                " payload, state, attempts, last_error)"
+                f" VALUES ('{SCOPE}', 'dead-key', 'notify.v1', 'order-1', '/shop.v1.Mail/Send',"
+                " 'shop.v1.Mail', '', 'dead', 3, 'receiver said no')"
+            )
         yield store
 
 
 async def add_records(store: Store) -> None:
     """A completed operation, and a phased claim abandoned two hours ago: its lease ran out an
-    hour ago (granted, not released: it ends after the start) and its retention a minute ago."""
+    hour ago (granted, not released: it ends after the start) and its retention a minute ago.
+    Two more completed ones: ``stale``, past its retention; ``late``, past the retention counted
+    from its claim (expires_at) but not from its completion (migration 0007 keeps it)."""
     await store.pool.execute(
         f'INSERT INTO "{store.schema}".records (scope, key, method, fingerprint, state,'
         " fencing_token, locked_until, status_code, response, created_at, completed_at,"
@@ -78,7 +88,13 @@ async def add_records(store: Store) -> None:
         "  now() - interval '1 minute', now(), now() + interval '1 day', interval '1 day'),"
         f" ('{SCOPE}', 'abandoned', '{METHOD}', '\\x02', 'in_progress', 1,"
         "  now() - interval '1 hour', NULL, NULL, now() - interval '2 hours', NULL,"
-        "  now() - interval '1 minute', interval '2 hours' - interval '1 minute')"
+        "  now() - interval '1 minute', interval '2 hours' - interval '1 minute'),"
+        f" ('{SCOPE}', 'stale', '{METHOD}', '\\x03', 'completed', 1, NULL, 0, '\\x0801',"
+        "  now() - interval '3 days', now() - interval '3 days', now() - interval '2 days',"
+        "  interval '1 day'),"
+        f" ('{SCOPE}', 'late', '{METHOD}', '\\x04', 'completed', 1, NULL, 0, '\\x0801',"
+        "  now() - interval '2 hours', now() - interval '1 minute', now() - interval '1 hour',"
+        "  interval '1 hour')"
     )
 
 
@@ -109,6 +125,8 @@ async def test_read_only_commands_read_a_schema_migrations_behind_and_writers_re
         # As the schema's claim() decides (before 0014): the same request continues the
         # abandoned operation, another is refused; nothing treats the key as new.
         assert "(expired)" not in listed(done.stdout, "abandoned")
+        assert "(expired)" in listed(done.stdout, "stale")
+        assert "(expired)" not in listed(done.stdout, "late")
 
         done = await cli("inspect", *where, "--scope", SCOPE, "abandoned")
         assert done.returncode == 0, done.stderr
@@ -141,13 +159,21 @@ async def test_read_only_commands_read_a_schema_migrations_behind_and_writers_re
             assert behind in done.stderr and "WARNING" not in done.stderr, writer
         s = f'"{store.schema}"'
         assert await store.pool.fetchval(f"SELECT state FROM {s}.outbox") == "dead"
-        assert await store.pool.fetchval(f"SELECT count(*) FROM {s}.records") == 2
+        assert await store.pool.fetchval(f"SELECT count(*) FROM {s}.records") == 4
+
+        # The Python API alike: the versions check_schema returns say how to read it.
+        applied = await store.check_schema(readable_from=READABLE_FROM)
+        assert applied == frozenset(range(1, 14))
+        record = await InspectionStore(store, applied=applied).record(SCOPE, "abandoned")
+        assert record is not None and not record.expired
 
         # Migrated, the same record is past its retention as 0014's claim() decides.
         await store.migrate()
         done = await cli("list", *where, "--scope", SCOPE)
         assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr
         assert "(expired)" in listed(done.stdout, "abandoned")
+        record = await InspectionStore(store).record(SCOPE, "abandoned")  # migrated: the default
+        assert record is not None and record.expired
 
 
 async def test_a_schema_older_than_what_a_command_reads_is_refused_as_before(pg_dsn: str) -> None:
@@ -165,6 +191,49 @@ async def test_a_schema_older_than_what_a_command_reads_is_refused_as_before(pg_
         assert done.returncode == 0, done.stderr
         assert "is at version 6" in done.stderr and "WARNING" in done.stderr
         assert "dead     1" in done.stdout
+
+
+async def test_a_schema_at_exactly_a_floor_is_read_and_one_below_it_refused(pg_dsn: str) -> None:
+    """At 0007, the oldest ``inspect`` and ``list`` read, they read it (by the rule before 0014);
+    at 0005, before the outbox, ``outbox stats`` and ``outbox dead`` refuse it (0006 is read:
+    above) and write nothing."""
+    async with schema_at(pg_dsn, 7) as seven, schema_at(pg_dsn, 5) as five:
+        await add_records(seven)
+        where = ["--dsn", pg_dsn, "--schema", seven.schema]
+        at_7 = f"'{seven.schema}' is at version 7; this version of grpc-idempotency needs"
+        done = await cli("list", *where, "--scope", SCOPE)
+        assert done.returncode == 0, done.stderr
+        assert at_7 in done.stderr and "WARNING" in done.stderr
+        assert "(expired)" not in listed(done.stdout, "abandoned")
+        assert "(expired)" in listed(done.stdout, "stale")
+        done = await cli("inspect", *where, "--scope", SCOPE, "abandoned")
+        assert done.returncode == 0, done.stderr
+        assert at_7 in done.stderr and "run out: a retry takes it over" in done.stdout
+
+        where = ["--dsn", pg_dsn, "--schema", five.schema]
+        for reader in (["outbox", "stats"], ["outbox", "dead"]):
+            done = await cli(*reader, *where)
+            assert done.returncode == 2, (reader, done.stderr)
+            assert f"'{five.schema}' is at version 5" in done.stderr, reader
+            assert f"needs migrations {list(range(6, LATEST + 1))}" in done.stderr, reader
+            assert "WARNING" not in done.stderr and done.stdout == "", reader
+
+
+async def test_a_schema_at_0014_has_its_abandoned_claims_past_retention_expired(
+    pg_dsn: str,
+) -> None:
+    """Migrated to 0014 but not further: its claim() takes such a claim over for another
+    request, so the readers show it expired (the rule switches at 0014, not later)."""
+    async with schema_at(pg_dsn, 14) as store:
+        await add_records(store)
+        where = ["--dsn", pg_dsn, "--schema", store.schema]
+        done = await cli("list", *where, "--scope", SCOPE)
+        assert done.returncode == 0, done.stderr
+        assert f"needs migrations {list(range(15, LATEST + 1))}" in done.stderr
+        assert "(expired)" in listed(done.stdout, "abandoned")
+        done = await cli("inspect", *where, "--scope", SCOPE, "abandoned")
+        assert done.returncode == 0, done.stderr
+        assert "past its retention" in done.stdout
 
 
 async def test_read_only_commands_read_a_schema_a_newer_release_migrated_with_a_warning(
