@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from grpc_idempotency import Store
 from grpc_idempotency.store.inspection_store import READABLE_FROM, InspectionStore
@@ -259,6 +260,38 @@ async def test_read_only_commands_read_a_schema_a_newer_release_migrated_with_a_
             assert done.returncode == 0, (reader, done.stderr)
             assert said in done.stderr and "WARNING" in done.stderr, reader
             assert shown in done.stdout, (reader, done.stdout)
+
+
+async def test_inspect_names_the_configured_store_each_warning_is_about(
+    pg_dsn: str, store: Store, tmp_path: Path
+) -> None:
+    """``inspect`` reads several stores, and services often share a schema name on databases
+    of their own (the default one): a warning naming only the schema did not say which store to
+    migrate. Each warning is followed by the store's line, as a refusal is; a store that is
+    neither behind nor ahead gets none. Here all three share one pool (one DSN)."""
+    async with schema_at(pg_dsn, 13) as behind, fresh_store(pg_dsn, "ahead") as ahead:
+        await add_records(behind)
+        await ahead.pool.execute(
+            f'INSERT INTO "{ahead.schema}".schema_migrations (version, name)'
+            " VALUES ($1, 'from_the_future')",
+            LATEST + 1,
+        )
+        config = tmp_path / "inspect.toml"
+        config.write_text(
+            f'dsn = "{pg_dsn}"\n'
+            f'[services.orders]\nschema = "{behind.schema}"\n'
+            f'[services.payments]\nschema = "{ahead.schema}"\n'
+            f'[services.ledger]\nschema = "{store.schema}"\n'  # the session's: migrated
+        )
+        done = await cli("inspect", "--config", str(config), "--scope", SCOPE, "done")
+        assert done.returncode == 0, done.stderr
+        lines = done.stderr.splitlines()
+        (at_13,) = [i for i, line in enumerate(lines) if "is at version 13" in line]
+        assert lines[at_13 + 1] == f"  store: orders (schema {behind.schema})", done.stderr
+        (newer,) = [i for i, line in enumerate(lines) if f"has migrations [{LATEST + 1}]" in line]
+        assert lines[newer + 1] == f"  store: payments (schema {ahead.schema})", done.stderr
+        assert len(lines) == 4 and "ledger" not in done.stderr, done.stderr
+        assert "[orders]" in done.stdout
 
 
 def test_every_migration_was_checked_for_what_the_read_only_commands_read() -> None:

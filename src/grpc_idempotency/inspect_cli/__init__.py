@@ -13,8 +13,9 @@ reached (retry later); 2 a store answers but cannot be used (no such database or
 password, schema not migrated before 0007), bad usage, or an unusable configuration, module or
 descriptor set. ``list``: 0 records listed, 3 none matched, 1 and 2 as above. A schema migrated
 that far but behind this release is read as it stands (a rolling upgrade installs the command
-before migrating), with a warning naming the migrations missing and ``migrate``; see
-``store/inspection_store.py``.
+before migrating), with a warning naming the migrations missing and ``migrate`` (``inspect``
+follows it, and one about a newer release's migrations, with the store's line, as a refusal);
+see ``store/inspection_store.py``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ is named (``StoreFailed``)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from grpc_idempotency.core.inspection import (
 from grpc_idempotency.inspect_cli.config import Config, ConfigError, StoreConfig
 from grpc_idempotency.inspect_cli.descriptors import Descriptors
 from grpc_idempotency.store.inspection_store import READABLE_FROM, InspectionStore
+from grpc_idempotency.store.migrations import available_migrations
 from grpc_idempotency.store.postgres import Store
 
 _T = TypeVar("_T")
@@ -50,6 +52,7 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
     options: dict[str, Any] = {}
     if config.statement_cache_size is not None:
         options["statement_cache_size"] = config.statement_cache_size
+    this_release = frozenset(m.version for m in available_migrations())
     try:
         for s in config.stores:
             try:
@@ -69,6 +72,11 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
                     store = Store(owner.pool, schema=s.schema)
                 # Read as it stands if only migrations behind (a rolling upgrade), with a warning.
                 applied = await store.check_schema(readable_from=READABLE_FROM)
+                if applied != this_release:
+                    # It warned (behind, or a newer release's): naming the schema only, which
+                    # does not tell stores apart (services on databases of their own share the
+                    # default name). Named as a refusal is (commands.run_inspect).
+                    print(f"  store: {s.name} (schema {s.schema})", file=sys.stderr)
             except StoreUnavailable as err:
                 raise StoreFailed(err, s) from err
             except UnusableDsn as err:
