@@ -26,7 +26,10 @@ import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from grpc_idempotency import Store
+from grpc_idempotency.core.errors import StoreMisconfigured
 from grpc_idempotency.store.inspection_store import READABLE_FROM, InspectionStore
 from grpc_idempotency.store.migrations import available_migrations
 from tests.support.schemas import fresh_store
@@ -292,6 +295,16 @@ async def test_inspect_names_the_configured_store_each_warning_is_about(
         assert lines[newer + 1] == f"  store: payments (schema {ahead.schema})", done.stderr
         assert len(lines) == 4 and "ledger" not in done.stderr, done.stderr
         assert "[orders]" in done.stdout
+
+
+async def test_check_schema_refuses_a_readable_from_that_is_no_migration(store: Store) -> None:
+    """From 0 down, a schema never created was accepted (with a warning) as readable."""
+    never = Store(store.pool, schema="never_created_here")
+    for bad in (0, -1, True, 7.0, "7"):
+        with pytest.raises(ValueError, match=r"readable_from must be a migration version"):
+            await never.check_schema(readable_from=bad)  # type: ignore[arg-type]
+    with pytest.raises(StoreMisconfigured, match="is not created"):
+        await never.check_schema(readable_from=1)
 
 
 def test_every_migration_was_checked_for_what_the_read_only_commands_read() -> None:

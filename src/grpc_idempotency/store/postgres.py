@@ -776,6 +776,16 @@ class Store:
         when an operator most needs to look. The caller reads it as it stands (the versions
         returned say how: ``InspectionStore(applied=...)``). Whatever writes keeps refusing it:
         it would write in a shape the schema does not have yet."""
+        if readable_from is not None and (
+            isinstance(readable_from, bool)
+            or not isinstance(readable_from, int)
+            or readable_from < 1
+        ):
+            # Below 1 a schema never created passed as readable (with a warning), and every
+            # read then failed on tables that are not there. A str raised TypeError.
+            raise ValueError(
+                f"readable_from must be a migration version (1 or more): {readable_from!r}"
+            )
         async with self.connection("checking the schema") as conn:
             applied = frozenset(await migrations.applied_versions(conn, self.schema))
         wanted = [m.version for m in migrations.available_migrations()]
