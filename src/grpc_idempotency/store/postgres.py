@@ -774,7 +774,7 @@ class Store:
         is accepted with migrations missing, with a warning naming them and ``migrate``: in a
         rolling upgrade the new command is installed before the schema is migrated, which is
         when an operator most needs to look. The caller reads it as it stands (the versions
-        returned say how: ``InspectionStore(applied=...)``). Whatever writes keeps refusing it:
+        returned say how; the CLI's readers pass them on). Whatever writes keeps refusing it:
         it would write in a shape the schema does not have yet."""
         if readable_from is not None and (
             isinstance(readable_from, bool)
