@@ -122,7 +122,12 @@ async def test_a_custom_connect_failing_in_the_probe_is_no_answer(
         return await asyncpg.connect(*args, **kwargs)
 
     store = await Store.connect(
-        pg_dsn, schema=await migrated(pg_dsn), max_size=2, command_timeout=1, connect=connect
+        pg_dsn,
+        schema=await migrated(pg_dsn),
+        max_size=2,
+        command_timeout=1,
+        connect=connect,
+        timeout=10,
     )
     await prepare(store)
     try:
@@ -147,7 +152,12 @@ async def test_a_custom_connect_is_called_as_the_pool_calls_it(
         )
 
     store = await Store.connect(
-        pg_dsn, schema=await migrated(pg_dsn), max_size=2, command_timeout=1, connect=connect
+        pg_dsn,
+        schema=await migrated(pg_dsn),
+        max_size=2,
+        command_timeout=1,
+        connect=connect,
+        timeout=10,
     )
     await prepare(store)
     try:
