@@ -365,7 +365,8 @@ def all_options(parser: argparse.ArgumentParser) -> set[str]:
     return found
 
 
-# Options of other tools the README shows: protoc, mypy, pdoc, git, the checkout example.
+# Options of other tools the README shows: protoc, mypy, pdoc, git, the checkout example, and
+# the project's own test suite (pytest --shard, tests/conftest.py).
 OTHER_TOOLS_OPTIONS = frozenset(
     {
         "--check",
@@ -381,6 +382,7 @@ OTHER_TOOLS_OPTIONS = frozenset(
         "--plugin",
         "--pyi_out",
         "--python_out",
+        "--shard",
         "--strict",
     }
 )
