@@ -38,6 +38,7 @@ from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.core.outbox import relay_name_problem
 from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.wire import HEADER_NAME, LIBRARY_HEADERS
+from grpc_idempotency.inspect_cli.json_output import schema_json
 from grpc_idempotency.inspect_cli.parsers import (
     at_least_one,
     bigint,
@@ -789,9 +790,10 @@ async def _with_store(args: argparse.Namespace) -> int:
         elif args.command == "relay":
             return await _relay(args, store)
         elif args.command == "list":
+            assert versions is not None  # a reader's (_readable_from)
             return await inspect_cli.run_list(args, store, applied=versions)
         else:
-            return await _outbox(args, store)
+            return await _outbox(args, store, applied=versions)
     finally:
         await store.close()
     return 0
@@ -935,7 +937,8 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     return 0
 
 
-async def _outbox(args: argparse.Namespace, store: Store) -> int:
+async def _outbox(args: argparse.Namespace, store: Store, *, applied: frozenset[int] | None) -> int:
+    """``applied``: the schema's migrations, for the commands that only read (stats, dead)."""
     from grpc_idempotency.outbox import OutboxStore
 
     outbox = OutboxStore(store)
@@ -949,6 +952,8 @@ async def _outbox(args: argparse.Namespace, store: Store) -> int:
     if command == "dead":
         letters = await outbox.dead_letters(limit=args.limit)
         if args.json:
+            assert applied is not None  # a reader's (_readable_from)
+            schema = schema_json(applied)  # as list --json has it
             for d in letters:
                 print(
                     json.dumps(
@@ -964,6 +969,7 @@ async def _outbox(args: argparse.Namespace, store: Store) -> int:
                             "created_at": d.created_at.isoformat(),
                             "dead_since": d.dead_since.isoformat(),
                             "claimed_by": d.claimed_by,
+                            "schema_migrations": schema,
                         }
                     )
                 )

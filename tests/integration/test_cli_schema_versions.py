@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -150,6 +151,22 @@ async def test_read_only_commands_read_a_schema_migrations_behind_and_writers_re
         assert done.returncode == 0, done.stderr
         assert behind in done.stderr and "receiver said no" in done.stdout
 
+        # --json says so too, on every line (each line is a record or a dead letter, as
+        # before): a script reading stdout alone took the old rule's "expired" for the new's.
+        at_13 = {"version": 13, "expected": LATEST, "missing": list(range(14, LATEST + 1)),
+                 "unknown": []}  # fmt: skip
+        done = await cli("list", *where, "--scope", SCOPE, "--json")
+        assert done.returncode == 0 and behind in done.stderr, done.stderr
+        lines = [json.loads(line) for line in done.stdout.splitlines()]
+        assert {r["key"]: r["expired"] for r in lines} == {
+            "done": False, "abandoned": False, "stale": True, "late": False
+        }  # fmt: skip
+        assert all(r["schema_migrations"] == at_13 for r in lines), lines
+        done = await cli("outbox", "dead", *where, "--json")
+        assert done.returncode == 0 and behind in done.stderr, done.stderr
+        (letter,) = [json.loads(line) for line in done.stdout.splitlines()]
+        assert letter["key"] == "dead-key" and letter["schema_migrations"] == at_13
+
         # They would write in the shape the schema does not have yet.
         for writer in (
             ["purge"],
@@ -176,6 +193,14 @@ async def test_read_only_commands_read_a_schema_migrations_behind_and_writers_re
         done = await cli("list", *where, "--scope", SCOPE)
         assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr
         assert "(expired)" in listed(done.stdout, "abandoned")
+        done = await cli("list", *where, "--scope", SCOPE, "--json")
+        (abandoned,) = [
+            r for r in map(json.loads, done.stdout.splitlines()) if r["key"] == "abandoned"
+        ]
+        assert abandoned["expired"] is True
+        assert abandoned["schema_migrations"] == {
+            "version": LATEST, "expected": LATEST, "missing": [], "unknown": []
+        }  # fmt: skip
         record = await InspectionStore(store).record(SCOPE, "abandoned")  # migrated: the default
         assert record is not None and record.expired
 
@@ -295,6 +320,22 @@ async def test_inspect_names_the_configured_store_each_warning_is_about(
         assert lines[newer + 1] == f"  store: payments (schema {ahead.schema})", done.stderr
         assert len(lines) == 4 and "ledger" not in done.stderr, done.stderr
         assert "[orders]" in done.stdout
+
+        # --json names each store's schema version, and what this release expects.
+        done = await cli("inspect", "--config", str(config), "--scope", SCOPE, "done", "--json")
+        assert done.returncode == 0, done.stderr
+        stores = {s["name"]: s for s in json.loads(done.stdout)["stores"]}
+        assert stores["orders"] == {
+            "name": "orders", "schema": behind.schema,
+            "schema_migrations": {"version": 13, "expected": LATEST,
+                                  "missing": list(range(14, LATEST + 1)), "unknown": []},
+        }  # fmt: skip
+        assert stores["payments"]["schema_migrations"] == {
+            "version": LATEST + 1, "expected": LATEST, "missing": [], "unknown": [LATEST + 1]
+        }  # fmt: skip
+        assert stores["ledger"]["schema_migrations"] == {
+            "version": LATEST, "expected": LATEST, "missing": [], "unknown": []
+        }  # fmt: skip
 
 
 async def test_check_schema_refuses_a_readable_from_that_is_no_migration(store: Store) -> None:

@@ -15,7 +15,7 @@ from grpc_idempotency.core.inspection import RecordState
 from grpc_idempotency.core.policy import normalize_method
 from grpc_idempotency.inspect_cli.config import ConfigError, config_of
 from grpc_idempotency.inspect_cli.descriptors import Descriptors
-from grpc_idempotency.inspect_cli.json_output import inspect_json, record_json
+from grpc_idempotency.inspect_cli.json_output import inspect_json, record_json, schema_json
 from grpc_idempotency.inspect_cli.lookup import StoreFailed, inspect_key
 from grpc_idempotency.inspect_cli.text_output import outcome_label, render_tree, timestamp
 from grpc_idempotency.store.inspection_store import InspectionStore
@@ -40,7 +40,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         print("grpc-idempotency: --depth must not be negative", file=sys.stderr)
         return UNUSABLE
     try:
-        roots = run_command(inspect_key(config, descriptors, args.scope, args.key, args.depth))
+        roots, applied = run_command(
+            inspect_key(config, descriptors, args.scope, args.key, args.depth)
+        )
     except ConfigError as err:
         print(f"grpc-idempotency: {err}", file=sys.stderr)
         return UNUSABLE
@@ -50,7 +52,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         return UNUSABLE if isinstance(failed.error, StoreMisconfigured) else UNREACHABLE
     totals = [inspection.totals(f.node) for f in roots]
     if args.json:
-        report = inspect_json(args.scope, args.key, config, roots, depth=args.depth)
+        report = inspect_json(
+            args.scope, args.key, config, roots, depth=args.depth, applied=applied
+        )
         print(json.dumps(report, indent=2))
     else:
         tree = render_tree(args.scope, args.key, config, roots, descriptors, depth=args.depth)
@@ -62,11 +66,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     return FOUND
 
 
-async def run_list(
-    args: argparse.Namespace, store: Store, *, applied: Collection[int] | None = None
-) -> int:
+async def run_list(args: argparse.Namespace, store: Store, *, applied: Collection[int]) -> int:
     """``grpc-idempotency list``: the scope's records; returns the exit status. ``applied``:
-    the schema's migrations, read as it stands (``InspectionStore``)."""
+    the schema's migrations (``Store.check_schema``), read as it stands (``InspectionStore``)
+    and named on every ``--json`` line."""
     if args.limit < 1:
         print("grpc-idempotency: --limit must be at least 1", file=sys.stderr)
         return UNUSABLE
@@ -76,8 +79,11 @@ async def run_list(
         args.scope, state=state, method=method, limit=args.limit
     )
     if args.json:
+        # On each line, whatever the record: a line that is no record would break a reader
+        # that takes every line for one.
+        schema = schema_json(applied)
         for r in records:
-            print(json.dumps(record_json(r)))
+            print(json.dumps({**record_json(r), "schema_migrations": schema}))
     elif records:
         print(f"{'state':<12} {'claims':>6}  {'started':<24}  {'method':<40}  key")
         for r in records:

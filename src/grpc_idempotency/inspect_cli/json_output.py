@@ -1,7 +1,14 @@
-"""``inspect --json`` and ``list --json``: records, outbox rows and whole inspections as JSON."""
+"""``inspect --json`` and ``list --json``: records, outbox rows and whole inspections as JSON.
+
+Each output, and ``outbox dead --json``'s, says how far the schema it read is migrated
+(``schema_json``: per store in ``inspect``, on every line of the others): a schema behind is
+read as it stands (a rolling upgrade), and what it shows is what that schema does (``expired``
+before migration 0014), which a script reading only stdout could not otherwise tell.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,7 +22,8 @@ from grpc_idempotency.core.inspection import (
     Record,
     StepNode,
 )
-from grpc_idempotency.inspect_cli.config import Config
+from grpc_idempotency.inspect_cli.config import Config, StoreConfig
+from grpc_idempotency.store.migrations import available_migrations
 
 
 def _time(t: datetime | None) -> str | None:
@@ -31,6 +39,20 @@ def _payload_json(p: Payload | None) -> dict[str, Any] | None:
     else:
         out.update(undecoded=p.problem, hex_prefix=p.hex_prefix, base64_prefix=p.base64_prefix)
     return out
+
+
+def schema_json(applied: Collection[int]) -> dict[str, Any]:
+    """``schema_migrations``: the migrations of the schema read (``applied``, as
+    ``Store.check_schema`` returned them), against this release's. ``missing`` not empty: the
+    schema is behind and was read as it stands; ``unknown`` not empty: a newer release migrated
+    it. Both are warned about on stderr too."""
+    known = [m.version for m in available_migrations()]
+    return {
+        "version": max(applied, default=None),
+        "expected": known[-1],
+        "missing": [v for v in known if v not in applied],
+        "unknown": sorted(v for v in applied if v > known[-1]),
+    }
 
 
 def record_json(record: Record) -> dict[str, Any]:
@@ -116,15 +138,25 @@ def _step_json(s: StepNode) -> dict[str, Any]:
 
 
 def inspect_json(
-    scope: str, key: str, config: Config, roots: list[Found], *, depth: int
+    scope: str,
+    key: str,
+    config: Config,
+    roots: list[Found],
+    *,
+    depth: int,
+    applied: Mapping[StoreConfig, Collection[int]],
 ) -> dict[str, Any]:
-    """The whole inspection as one JSON document (``depth``: ``--depth``)."""
+    """The whole inspection as one JSON document (``depth``: ``--depth``; ``applied``: each
+    store's schema migrations, as read)."""
     return {
         "scope": scope,
         "key": key,
         "depth": depth,
         "found": bool(roots),
-        "stores": [{"name": s.name, "schema": s.schema} for s in config.stores],
+        "stores": [
+            {"name": s.name, "schema": s.schema, "schema_migrations": schema_json(applied[s])}
+            for s in config.stores
+        ],
         "operations": [
             {
                 **_node_json(f.service, f.node),

@@ -42,6 +42,7 @@ class StoreFailed(Exception):
 class _Open:
     config: StoreConfig
     reads: InspectionStore
+    applied: frozenset[int]  # the schema's migrations (it may be behind: read as it stands)
 
 
 async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
@@ -85,7 +86,7 @@ async def _open_stores(config: Config) -> tuple[list[_Open], list[Store]]:
                 raise ConfigError(f"store {s.name}: {unusable}") from None
             except ValueError as err:  # a schema name that is not an identifier
                 raise ConfigError(f"store {s.name}: {err}") from err
-            opened.append(_Open(s, InspectionStore(store, applied=applied)))
+            opened.append(_Open(s, InspectionStore(store, applied=applied), applied))
     except BaseException:
         await asyncio.gather(*(p.close() for p in pools.values()))
         raise
@@ -183,9 +184,11 @@ class _Inspector:
 
 async def inspect_key(
     config: Config, descriptors: Descriptors, scope: str, key: str, depth: int
-) -> list[Found]:
+) -> tuple[list[Found], dict[StoreConfig, frozenset[int]]]:
+    """The operations found under (scope, key), and each store's schema migrations as read."""
     stores, owners = await _open_stores(config)
     try:
-        return await _Inspector(stores, descriptors, depth).roots(scope, key)
+        roots = await _Inspector(stores, descriptors, depth).roots(scope, key)
+        return roots, {s.config: s.applied for s in stores}
     finally:
         await asyncio.gather(*(o.close() for o in owners))
