@@ -454,7 +454,7 @@ class Relay:
         self.sent_retention = sent_retention
         self.purge_interval = purge_interval
         self.delivery_timeout = delivery_timeout
-        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.outbox = OutboxStore(store)
         self.stats = RelayStats()
         self.listen_dsn = listen_dsn
@@ -480,6 +480,14 @@ class Relay:
             description="Outbox deliveries by outcome: sent, retry, dead",
         )
         self._count_failed_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The relay's name: its identity in the rows it claims (``claimed_by``), which its
+        marks are fenced by. Read-only: assigned, it skipped the check ``Relay(name=...)``
+        makes, and a rename while the relay runs left the rows it had claimed under the old
+        name unmarkable (each delivered again once its lease ran out)."""
+        return self._name
 
     # -- one batch -------------------------------------------------------------------------
 

@@ -1178,7 +1178,8 @@ async def test_relay_takes_the_names_the_relay_command_takes(
     """``Relay(name=...)`` took any text but NUL and lone surrogates, while the command refused
     what would split or disguise the relay's log and ready/stopped lines (a newline, ESC, a
     bidi override): a Python caller's relay forged lines the command's could not. One rule
-    now, with the same words; a wrong type is a TypeError naming the parameter."""
+    now, with the same words; a wrong type is a TypeError naming the parameter. The name is
+    read-only after: assigned, it skipped the rule (and renamed a running relay's claims)."""
     sink = CallableSink(lambda m: asyncio.sleep(0))
     base = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
     for name, bad in RELAY_NAMES:
@@ -1203,6 +1204,10 @@ async def test_relay_takes_the_names_the_relay_command_takes(
             TypeError, match=f"name must be a str or None, not {type(wrong).__name__}"
         ):
             Relay(outbox, sink, name=wrong)  # type: ignore[arg-type]
+    relay = Relay(outbox, sink, name="relay-1")
+    with pytest.raises(AttributeError):
+        relay.name = "relay-1\nrelay-1 stopped: delivered 0"  # type: ignore[misc]
+    assert relay.name == "relay-1"
 
 
 async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
