@@ -12,7 +12,14 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, MetadataScope, MethodOverride, Mode, Store
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    Mode,
+    Store,
+    current_call,
+)
 from tests.support.blackhole import store_behind_proxy
 from tests.support.ledger import (
     TENANT,
@@ -218,3 +225,63 @@ async def test_a_server_stopping_during_a_release_lets_close_wait_for_it(
                 await call
         assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
     assert await ledger_rows(store, account) == 0
+
+
+class _GivesUpOnTransaction(testsvc_pb2_grpc.LedgerServiceServicer):
+    """A phased handler that bounds its wait for the final transaction (``asyncio.wait_for``)
+    and, when that wait runs out, fails with a transient status; gRPC cancels its task (its
+    client gone, its deadline spent: a bound taken from the deadline runs out with it) at the
+    instant it ends, while the interceptor waits for the opening it left behind."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.go = asyncio.Event()
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        task = self.task = asyncio.current_task()
+        assert task is not None
+        await self.go.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(current_call().transaction(), 0.2)
+        # Delivered as grpc.aio delivers a cancel: from the loop, at the task's next wait.
+        asyncio.get_running_loop().call_soon(task.cancel)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the database is slow; try again")
+
+
+async def test_a_call_cancelled_while_a_given_up_final_transaction_opens_releases_its_claim(
+    store: Store, db: Any
+) -> None:
+    """The handler gave up waiting for its final transaction (its opening blocked: here on
+    the claim's row, which the test holds) and answered; the interceptor then cancels the
+    opening and waits for it to end, and the call was cancelled during that wait. The
+    cancellation went past the claim's release: the key stayed IN_PROGRESS for the whole
+    lease, every retry told "in progress" meanwhile."""
+    overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+    )
+    service = _GivesUpOnTransaction()
+    async with ledger_server(interceptor, service) as (channel, _):
+        stub = _raw_stub(channel, PHASED)
+        call = stub(request, metadata=metadata(key), timeout=30)
+        await until("the handler running", lambda: service.task is not None)
+        task = service.task
+        assert task is not None
+        row = db.transaction()
+        await row.start()
+        try:
+            # verify_claim (the final transaction's opening) waits on the claim's row.
+            await db.execute(
+                "SELECT 1 FROM grpc_idempotency.records WHERE scope = $1 AND key = $2 FOR UPDATE",
+                SCOPE,
+                key,
+            )
+            service.go.set()
+            await until("the call cancelled", lambda: task.cancelling() > 0 or task.done())
+        finally:
+            await row.rollback()  # a release waits on the row too
+        await until("the call over", task.done)
+        call.cancel()  # its answer is of no interest: the server's task was cancelled
+        assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out

@@ -830,17 +830,20 @@ class IdempotencyInterceptor(_Interceptor):
         finally:
             call_context.unbind(bound)
             opening = serving.end()  # ``_end``, without a coroutine when nothing was opened
-            if opening is not None:
-                await _opened(opening)
-            if lease is not None:
-                try:
+            try:
+                if opening is not None:
+                    # A final transaction the handler began opening and gave up on (a bound
+                    # wait for ``transaction()``), cancelled by ``end`` and waited for here.
+                    await _opened(opening)
+                if lease is not None:
                     await lease.stop()  # waits for a renewal in flight
-                except asyncio.CancelledError:
-                    # Cancelled while waiting (the handler had returned): nothing else would
-                    # release the claim or a final transaction the handler opened.
-                    call.outcome = CallOutcome.RELEASED
-                    await _to_the_end(end_and_release())
-                    raise
+            except asyncio.CancelledError:
+                # Cancelled while waiting (the handler had returned): nothing else would
+                # release the claim or a final transaction the handler opened. Cancelled while
+                # waiting for the opening, the claim was left IN_PROGRESS for the whole lease.
+                call.outcome = CallOutcome.RELEASED
+                await _to_the_end(end_and_release())
+                raise
         if lease is not None and lease.lost:
             call.outcome = CallOutcome.RELEASED
             misuse = await self._release(tx, None)
