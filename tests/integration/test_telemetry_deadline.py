@@ -8,13 +8,16 @@ client's short deadline), and the server's UNAVAILABLE reached a client that sti
 left. Now it is counted as gRPC's cancellation at the deadline is: "released" (nothing kept, the
 key free; "bypassed" still without a key), status DEADLINE_EXCEEDED. The store's own bounds
 running out with time left (command_timeout, acquire_timeout), or with no deadline at all, are
-still an outage: "unavailable", UNAVAILABLE."""
+still an outage: "unavailable", UNAVAILABLE. So too at the end of a phased call that ran its
+handler: its final transaction's opening, bounded by the call's time left as the claim is."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -25,7 +28,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable, Telemetry
+from grpc_idempotency import MethodOverride, Store, StoreMisconfigured, StoreUnavailable, Telemetry
+from grpc_idempotency.core.keys import claim_lock_id
+from grpc_idempotency.core.lifecycle import State
 from grpc_idempotency.server.interceptor import _deadline_spent
 from tests.integration.test_store_down import _queued
 from tests.integration.test_telemetry import _outcomes, _telemetry
@@ -344,3 +349,86 @@ async def test_a_misconfigured_store_is_never_taken_for_the_deadline() -> None:
     assert spent == (True, False)  # the outage is the deadline's; the misconfiguration is not
     assert hour_left == (False, False)
     assert no_deadline == (False, False)
+
+
+async def _waiting_on(db: asyncpg.Connection) -> int | None:
+    """The pid of the session waiting on a lock ``db`` holds, if any."""
+    pid: int | None = await db.fetchval(
+        "SELECT pid FROM pg_stat_activity"
+        " WHERE wait_event_type = 'Lock' AND pg_backend_pid() = ANY (pg_blocking_pids(pid))"
+    )
+    return pid
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "retried"),
+    [("wait", grpc.StatusCode.OK), ("wait-abort:NOT_FOUND", grpc.StatusCode.NOT_FOUND)],
+    ids=["opened-by-the-handler", "opened-to-record-an-error"],
+)
+async def test_a_final_transaction_that_the_deadline_ends_is_counted_as_the_deadline(
+    pg_dsn: str,
+    schema: str,
+    opened: list[Store],
+    db: asyncpg.Connection,
+    behaviour: str,
+    retried: grpc.StatusCode,
+) -> None:
+    """A phased call ran its handler, and its final transaction's opening (the handler's
+    ``current_call().transaction()``, or the library's own to record the handler's NOT_FOUND)
+    queued on the key's claim lock, which another session held (an earlier owner's final
+    transaction, stalled), until the call's deadline. The store bounds the opening by the
+    call's time left, as it does the claim: it is the deadline's, and is answered and counted
+    as a claim that the deadline ends is (DEADLINE_EXCEEDED, "released"). It was UNAVAILABLE,
+    counted "unavailable" (recording the error) or "released" (the handler's), with an ERROR
+    span blaming the store. The claim is released (its lease ended, not left to run out) and
+    the retry takes the operation over: run once more, recorded once.
+
+    The store's failure comes with the call's last 45 ms (its waiting statement cancelled then),
+    which the rule takes for the deadline: the same failure at the deadline itself races gRPC's
+    own cancellation of the call, which mostly wins, and answers the same."""
+    store = await _connect(pg_dsn, schema, opened, max_size=4)
+    telemetry, spans, reader = _telemetry()
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+    # A long lease: released, it ends at once; left alone, not within the test.
+    overrides = {PHASED[1:]: MethodOverride(lease=timedelta(seconds=30))}
+    async with running_ledger(
+        store, telemetry=telemetry, replay_cache=False, overrides=overrides
+    ) as ledger:
+        service = ledger.service
+        call = asyncio.ensure_future(ledger.call(PHASED, request, key, timeout=1.0))
+        try:
+            await until("the handler running", service.started.is_set)
+            async with db.transaction():
+                await db.execute(
+                    "SELECT pg_advisory_xact_lock($1)", claim_lock_id(schema, SCOPE, key)
+                )
+                service.release.set()  # the handler goes on to its final transaction
+                waiting = await until(
+                    "the opening waiting on the claim lock", partial(_waiting_on, db)
+                )
+                context = service.context
+                await until("the deadline all but spent", lambda: context.time_remaining() <= 0.045)
+                await db.execute("SELECT pg_cancel_backend($1)", waiting)
+                answer = await call
+                span = await _the_span(spans)
+        finally:
+            call.cancel()
+
+        assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
+        assert answer.details == "Deadline Exceeded" and answer.reason() is None
+        assert attributes(span)["grpc_idempotency.outcome"] == "released"
+        assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
+        assert span.status.description == "DEADLINE_EXCEEDED (released)"
+        assert _outcomes(reader) == {("released", DEADLINE_EXCEEDED): 1}
+        # Nothing but the claim was kept, and the claim was released.
+        left = await store.lookup(SCOPE, key)
+        assert left is not None and left.state is State.IN_PROGRESS and left.lease_expired
+        assert await ledger_rows(store, account) == 0
+        retry = await ledger.call(PHASED, request, key)
+        assert retry.code is retried and not retry.replayed, retry
+        assert service.executions == 2
+        done = await store.lookup(SCOPE, key)
+        assert done is not None and done.outcome is not None
+        assert done.outcome.code.value == retried.value[0]
+        assert await ledger_rows(store, account) == (1 if retried is grpc.StatusCode.OK else 0)

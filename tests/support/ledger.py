@@ -131,6 +131,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     keys_seen: list[str | None] = field(default_factory=list)
     operation_starts: list[Any] = field(default_factory=list)
     deadlines_seen: list[float | None] = field(default_factory=list)
+    context: Any = None
+    """The context of the call seen last (a test reads the time it has left)."""
     tenants_seen: list[str | None] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
     sync_started: threading.Event = field(default_factory=threading.Event)
@@ -147,6 +149,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         self.keys_seen.append(key)
         self.tenants_seen.append(md.get(TENANT))
         self.deadlines_seen.append(context.time_remaining())
+        self.context = context
         if key is not None:
             self.attempts[key] = self.attempts.get(key, 0) + 1
         return key

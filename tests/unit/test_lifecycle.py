@@ -23,6 +23,7 @@ from grpc_idempotency.core.lifecycle import (
     budget_event,
     decide,
     executed_outcome,
+    final_store_failure,
     finish,
     given_up_outcome,
     look_event,
@@ -283,6 +284,15 @@ def test_events_from_what_the_driver_saw() -> None:
     assert executed_outcome(Phase.TAKING_OVER) is CallOutcome.TAKEN_OVER
     assert executed_outcome(Phase.CLAIMING) is CallOutcome.EXECUTED
     assert executed_outcome(Phase.CLAIMING_BLIND) is CallOutcome.EXECUTED
+
+
+def test_a_store_failure_at_the_end_is_the_deadlines_only_before_the_transaction_opened() -> None:
+    # The final transaction's opening is bounded by the call's time left, as the claim is.
+    assert final_store_failure(opened=False, deadline_spent=True) is Step.ANSWER_DEADLINE_EXCEEDED
+    assert final_store_failure(opened=False, deadline_spent=False) is Step.ANSWER_UNAVAILABLE
+    # The COMMIT by the store alone, and its fate may be unknown: the store's, whatever is left.
+    assert final_store_failure(opened=True, deadline_spent=True) is Step.ANSWER_UNAVAILABLE
+    assert final_store_failure(opened=True, deadline_spent=False) is Step.ANSWER_UNAVAILABLE
 
 
 def _renewal_starts(lease_s: float, answers: list[float | None]) -> list[tuple[float, bool]]:

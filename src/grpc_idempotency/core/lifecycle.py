@@ -30,6 +30,10 @@ When the owner's handler ends, ``finish`` classifies its status:
     a recorded error (deterministic)     -> RECORD_ERROR  roll back the writes, commit the status
     anything else, or an exception       -> RELEASE       roll back everything; a retry runs again
 
+A store failure at that end is answered as ``final_store_failure`` says: DEADLINE_EXCEEDED when
+the call's deadline ran out before its final transaction opened (as during the claim), else
+UNAVAILABLE.
+
 The server interceptor walks a call through these decisions with ``transition`` (the table
 below ``Finish``'s neighbours: phase and event in, next step and phase out), so the look-up
 order, the wait's expiry, fail-open and takeovers are decided here, as data, and tested without
@@ -305,6 +309,25 @@ def given_up_outcome(*, waited: bool) -> CallOutcome:
     if it had waited on the key busy with another attempt (as when that wait runs out),
     "released" otherwise (its look-up or claim rolled back: the key free)."""
     return CallOutcome.CONFLICT if waited else CallOutcome.RELEASED
+
+
+def final_store_failure(*, opened: bool, deadline_spent: bool) -> Step:
+    """What answers a store failure at the end of a call that ran its handler (its claim then
+    released: ``Finish.RELEASE``). ``opened``: the call's transaction was open when the store
+    failed (atomic: always; phased: once the final transaction's opening succeeded).
+
+    Not yet opened, with the deadline spent: the deadline's (``store_down_event``),
+    ANSWER_DEADLINE_EXCEEDED, counted "released", as gRPC's cancellation of the call there is.
+    The store bounds the final transaction's opening by the call's time left, as it does the
+    claim: queued on a lock (a claim lock or a records row another session holds), it ran out
+    with the deadline, and nothing of the attempt's but its claim is in the database.
+    ANSWER_UNAVAILABLE otherwise: a store bound that ran out with time left, an outage, and a
+    failure of the outcome's COMMIT whatever the time left. The store bounds a COMMIT by itself
+    alone (not by the deadline, which ends it by cancelling the call: ``cut_short_outcome``), and
+    its fate may be unknown: it is never counted "released"."""
+    if deadline_spent and not opened:
+        return Step.ANSWER_DEADLINE_EXCEEDED
+    return Step.ANSWER_UNAVAILABLE
 
 
 def executed_outcome(phase: Phase) -> CallOutcome:

@@ -68,6 +68,7 @@ from grpc_idempotency.core.lifecycle import (
     begin_event,
     budget_event,
     executed_outcome,
+    final_store_failure,
     finish,
     given_up_outcome,
     look_event,
@@ -819,6 +820,10 @@ class IdempotencyInterceptor(_Interceptor):
             misuse = await _to_the_end(end_and_release())
             # A handler that ended the call's transaction itself may have committed writes:
             # that, not a retryable conflict or outage, is the answer.
+            if misuse is None and _ended_by_deadline(context, err, opened=tx is not None):
+                # Its final transaction's opening (``current_call().transaction()``) ran out
+                # with the deadline, as ``_finish``'s may.
+                await answers.deadline_exceeded(context)
             await answers.abort(context, misuse or err)
         except BaseException as exc:
             call.outcome = CallOutcome.RELEASED
@@ -983,6 +988,11 @@ class IdempotencyInterceptor(_Interceptor):
             # as the same failure in the handler does: "released", not "unavailable" (which
             # says the store is down, and was counted for every lost commit at SERIALIZABLE).
             released = lost or isinstance(err, (HandlerDatabaseError, TransactionConflict))
+            # The final transaction's opening (``attempt`` still None) queued on a lock until
+            # the deadline: counted and answered as gRPC's cancellation there is, which it
+            # races. It was "unavailable", UNAVAILABLE: an ERROR span blaming the store.
+            spent = _ended_by_deadline(context, err, opened=attempt is not None)
+            released = released or spent
             call.outcome = CallOutcome.RELEASED if released else CallOutcome.UNAVAILABLE
             if claim is not None:
                 # Lost too: the release matches this claim's token only, so it cannot end the
@@ -993,6 +1003,8 @@ class IdempotencyInterceptor(_Interceptor):
                 # (the server stopping), the call left the release to the background, where
                 # ``Store.close()`` did not wait for it, and the key stayed IN_PROGRESS.
                 await self._release(None, claim)
+            if spent:
+                await answers.deadline_exceeded(context)
             await answers.abort(context, err)
         except BaseException as exc:
             call.outcome = CallOutcome.RELEASED
@@ -1606,6 +1618,17 @@ def _deadline_spent(context: Context, err: StoreUnavailable) -> bool:
         return False
     remaining = answers.time_remaining(context)
     return remaining is not None and remaining <= _DEADLINE_SPENT_S
+
+
+def _ended_by_deadline(context: Context, err: IdempotencyError, *, opened: bool) -> bool:
+    """Whether ``err``, which ended a call that ran its handler, is its deadline running out
+    (``final_store_failure``). ``opened``: the call's transaction was open. On the error path
+    only."""
+    return (
+        isinstance(err, StoreUnavailable)
+        and final_store_failure(opened=opened, deadline_spent=_deadline_spent(context, err))
+        is Step.ANSWER_DEADLINE_EXCEEDED
+    )
 
 
 @dataclass(frozen=True, slots=True)
