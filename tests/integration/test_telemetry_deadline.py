@@ -9,7 +9,9 @@ left. Now it is counted as gRPC's cancellation at the deadline is: "released" (n
 key free; "bypassed" still without a key), status DEADLINE_EXCEEDED. The store's own bounds
 running out with time left (command_timeout, acquire_timeout), or with no deadline at all, are
 still an outage: "unavailable", UNAVAILABLE. So too at the end of a phased call that ran its
-handler: its final transaction's opening, bounded by the call's time left as the claim is."""
+handler: its final transaction's opening, bounded by the call's time left as the claim is. Its
+outcome's COMMIT is not (the deadline ends it by cancelling the call): one that was sent commits
+as a rule, and is counted "executed", not "released"."""
 
 from __future__ import annotations
 
@@ -432,3 +434,73 @@ async def test_a_final_transaction_that_the_deadline_ends_is_counted_as_the_dead
         assert done is not None and done.outcome is not None
         assert done.outcome.code.value == retried.value[0]
         assert await ledger_rows(store, account) == (1 if retried is grpc.StatusCode.OK else 0)
+
+
+@pytest.mark.parametrize(
+    ("method", "behaviour", "sent"),
+    [(POST, "hold", True), (PHASED, "hold", True), (POST, "hold-big:20000", False)],
+    ids=["atomic", "phased", "outcome-before-its-commit"],
+)
+async def test_a_commit_the_deadline_cuts_short_is_counted_executed_not_released(
+    pg_dsn: str,
+    schema: str,
+    opened: list[Store],
+    db: asyncpg.Connection,
+    method: str,
+    behaviour: str,
+    sent: bool,
+) -> None:
+    """The outcome's COMMIT (with the record's write, in one batch) waits on a lock past the
+    call's deadline: a SHARE lock on the records table, as a CREATE INDEX without CONCURRENTLY
+    takes. The store bounds a COMMIT by itself alone, not by the deadline: gRPC's cancellation
+    at the deadline ends the call (DEADLINE_EXCEEDED, as gRPC answers it) and the connection is
+    dropped. PostgreSQL reads nothing from a client while its statement waits: once the lock
+    is gone, it commits the outcome with the handler's write, and the retry replays it. It was
+    counted "released" (nothing recorded, the key free); now "executed".
+
+    An outcome too large for that batch is written first, the COMMIT sent after it: cut short
+    while the write waits, the COMMIT never went, nothing commits, and the call is "released";
+    the retry runs the handler again (its first write rolled back)."""
+    store = await _connect(pg_dsn, schema, opened, max_size=4)
+    telemetry, spans, reader = _telemetry()
+    key, account = fresh(), fresh("acct")
+    # "hold": the handler writes its row, then waits, its transaction idle, until let go.
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+    overrides = {name[1:]: MethodOverride(lease=timedelta(seconds=30)) for name in (POST, PHASED)}
+    async with running_ledger(
+        store, telemetry=telemetry, replay_cache=False, overrides=overrides
+    ) as ledger:
+        service = ledger.service
+        call = asyncio.ensure_future(ledger.call(method, request, key, timeout=1.0))
+        try:
+            await until("the handler's row written", service.started.is_set)
+            async with db.transaction():
+                await db.execute(f'LOCK TABLE "{schema}".records IN SHARE MODE')
+                service.release.set()
+                await until("the outcome waiting on the records table", partial(_waiting_on, db))
+                answer = await call
+                # Not committed while the lock is held: the call ended before its outcome.
+                before = await store.lookup(SCOPE, key)
+                assert before is None or before.state is State.IN_PROGRESS
+        finally:
+            call.cancel()
+        span = await _the_span(spans)  # a phased call's release waited for the lock too
+
+        outcome = "executed" if sent else "released"
+        assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
+        assert attributes(span)["grpc_idempotency.outcome"] == outcome
+        assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
+        assert span.status.description == f"DEADLINE_EXCEEDED ({outcome})"
+        assert _outcomes(reader) == {(outcome, DEADLINE_EXCEEDED): 1}
+
+        async def committed() -> bool:
+            record = await store.lookup(SCOPE, key)
+            return record is not None and record.state is State.COMPLETED
+
+        if sent:
+            await until("the outcome committed", committed)
+            assert await ledger_rows(store, account) == 1
+        retry = await ledger.call(method, request, key)
+        assert retry.code is grpc.StatusCode.OK and retry.replayed is sent, retry
+        assert service.executions == (1 if sent else 2)
+        assert await ledger_rows(store, account) == 1

@@ -17,9 +17,9 @@ details (grpc-status-details-bin), "rich-before" sets them as trailers, then abo
 answers OK ("set-trailer:NAME=VALUE;CODE": sets it, then aborts with CODE without trailers);
 "initial:NAME=VALUE" sends that entry as initial metadata and answers OK; "return-none" returns None after its write (a bug gRPC cannot serialize); "run-on-loop" calls
 ``current_call().run(...)``, which is for sync handlers, from this async one;
-"hold" keeps the transaction idle until ``release``; "busy" keeps it busy in a statement until
-the test lets go of the advisory lock ``hashtext(account)`` ("write-then-busy" in the sync
-handler); "isolation" and "claim-row" report
+"hold" keeps the transaction idle until ``release`` ("hold-big:N" then answers as "big:N");
+"busy" keeps it busy in a statement until the test lets go of the advisory lock
+``hashtext(account)`` ("write-then-busy" in the sync handler); "isolation" and "claim-row" report
 the transaction's isolation and the call's own record as the transaction sees it.
 """
 
@@ -185,7 +185,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             request.amount,
             call.scope,
         )
-        if behaviour == "hold":
+        if behaviour == "hold" or behaviour.startswith("hold-big:"):
             # Keeps the (final) transaction open, idle, until the test releases it.
             self.started.set()
             await self.release.wait()
@@ -291,8 +291,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         if behaviour == "return-none":  # forgot the return statement's message
             return None
         blob = b""
-        if behaviour.startswith("big:"):
-            blob = bytes(range(256)) * (int(behaviour[4:]) // 256)
+        if behaviour.startswith(("big:", "hold-big:")):
+            blob = bytes(range(256)) * (int(behaviour.rpartition(":")[2]) // 256)
         isolation = claim_row = ""
         if behaviour in ("isolation", "claim-row"):
             isolation = await conn.fetchval("SELECT current_setting('transaction_isolation')")

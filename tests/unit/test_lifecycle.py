@@ -21,6 +21,7 @@ from grpc_idempotency.core.lifecycle import (
     StoredRecord,
     begin_event,
     budget_event,
+    cut_short_outcome,
     decide,
     executed_outcome,
     final_store_failure,
@@ -293,6 +294,13 @@ def test_a_store_failure_at_the_end_is_the_deadlines_only_before_the_transaction
     # The COMMIT by the store alone, and its fate may be unknown: the store's, whatever is left.
     assert final_store_failure(opened=True, deadline_spent=True) is Step.ANSWER_UNAVAILABLE
     assert final_store_failure(opened=True, deadline_spent=False) is Step.ANSWER_UNAVAILABLE
+
+
+def test_a_call_cut_short_is_released_unless_its_commit_was_sent() -> None:
+    assert cut_short_outcome(CallOutcome.EXECUTED, commit_sent=False) is CallOutcome.RELEASED
+    # Sent, the COMMIT lands as a rule: counted as the attempt it is.
+    assert cut_short_outcome(CallOutcome.EXECUTED, commit_sent=True) is CallOutcome.EXECUTED
+    assert cut_short_outcome(CallOutcome.TAKEN_OVER, commit_sent=True) is CallOutcome.TAKEN_OVER
 
 
 def _renewal_starts(lease_s: float, answers: list[float | None]) -> list[tuple[float, bool]]:

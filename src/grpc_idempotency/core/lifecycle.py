@@ -330,6 +330,17 @@ def final_store_failure(*, opened: bool, deadline_spent: bool) -> Step:
     return Step.ANSWER_UNAVAILABLE
 
 
+def cut_short_outcome(executed: CallOutcome, *, commit_sent: bool) -> CallOutcome:
+    """How a call that ran its handler and was cancelled before its answer (its client left,
+    its deadline ran out) is counted: "released", its writes rolled back and its claim released;
+    but as the attempt it is (``executed``: "executed" or "taken_over") once the COMMIT of its
+    outcome was sent. PostgreSQL goes on with a statement whose client left (one waiting on a
+    lock waits on: it reads nothing from its client until it answers), and the outcome commits,
+    which a retry replays: counted "released" (nothing recorded, the key free), it was not what
+    the database held. Its fate is PostgreSQL's still: on a rollback the retry runs again."""
+    return executed if commit_sent else CallOutcome.RELEASED
+
+
 def executed_outcome(phase: Phase) -> CallOutcome:
     """How a call that ran its handler from ``phase`` (the claiming phase) is counted."""
     return CallOutcome.TAKEN_OVER if phase is Phase.TAKING_OVER else CallOutcome.EXECUTED

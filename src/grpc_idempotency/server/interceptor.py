@@ -67,6 +67,7 @@ from grpc_idempotency.core.lifecycle import (
     StoredRecord,
     begin_event,
     budget_event,
+    cut_short_outcome,
     executed_outcome,
     final_store_failure,
     finish,
@@ -1007,7 +1008,10 @@ class IdempotencyInterceptor(_Interceptor):
                 await answers.deadline_exceeded(context)
             await answers.abort(context, err)
         except BaseException as exc:
-            call.outcome = CallOutcome.RELEASED
+            # Cancelled mid-commit (its client gone, its deadline spent), the outcome commits as
+            # a rule: not "released", whatever the answer gRPC gives the call.
+            committed = attempt is not None and attempt.commit_sent
+            call.outcome = cut_short_outcome(executed, commit_sent=committed)
             misuse = await self._release(attempt, claim)
             if misuse is not None and isinstance(exc, Exception):
                 await answers.abort(context, misuse)

@@ -138,6 +138,12 @@ class Attempt:
     back to the pool in every case.
     """
 
+    commit_sent = False
+    """Whether ``record`` or ``record_error`` was cancelled (the call's client gone, its
+    deadline spent) with the COMMIT handed to the driver: its fate is then PostgreSQL's, which
+    commits it as a rule (a statement waiting on a lock waits on, its client gone). Set on that
+    path only (a class attribute until then: nothing on every call's)."""
+
     def __init__(
         self, store: Store, conn: PooledConnection, claim: _Claim, timeout: float | None = None
     ) -> None:
@@ -196,6 +202,7 @@ class Attempt:
                 # One more round trip (two when the writes are discarded, whose ROLLBACK TO goes
                 # first: a recorded error, cut to 7 KiB, no longer gets here), a small price next
                 # to shipping the bytes as text.
+                committing = False
                 if discard_writes:
                     await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", timeout=self._timeout)
                 statements = self._store.statements
@@ -215,6 +222,7 @@ class Attempt:
                     c.retention_s,
                     timeout=self._timeout,
                 )
+                committing = True
                 await conn.execute(keep + "COMMIT", timeout=self._timeout)
         except asyncpg.PostgresError as exc:
             await self._rollback_quietly()
@@ -261,6 +269,8 @@ class Attempt:
             # gave up on it: the pool's command_timeout (30 s by default), for good without one.
             # Dropped, as ``Store.connection`` drops a statement cut short: PostgreSQL commits
             # or rolls back what it has, and a retry replays or runs again.
+            # (One batch with the COMMIT, when inline: sent before the first await in it.)
+            self.commit_sent = size <= INLINE_OUTCOME_BYTES or committing
             _drop(conn)
             raise
         finally:
