@@ -1,6 +1,7 @@
 """Production configurations: a retention shorter than a slow handler, isolation levels other
 than READ COMMITTED, the database ending a handler's session, database errors escaping a
-handler, responses too large to store, and a schema that was never migrated.
+handler, responses too large to store, a schema that was never migrated, and the interceptor
+given to a sync ``grpc.server()``.
 
 Each test here failed before the matching fix (see the README's "Running in production")."""
 
@@ -11,19 +12,22 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TypedDict, cast
 
 import asyncpg
 import grpc
 import pytest
-from testsvc.v1 import testsvc_pb2
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import (
     DsnUnusable,
+    IdempotencyInterceptor,
     Isolation,
     KeyRequirement,
     MethodOverride,
+    StaticScope,
     Store,
     StoreMisconfigured,
 )
@@ -648,3 +652,34 @@ async def test_an_optional_key_call_without_a_key_forwards_metadata_and_deadline
     # gRPC sends a deadline as a timeout rounded up to its units: a hair over 3 s can arrive.
     assert remaining is not None and 0 < remaining <= 3.05
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_sync_grpc_server_refuses_each_call_clearly_and_keeps_serving(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The interceptor is grpc.aio's; a sync ``grpc.server`` accepts it all the same. It then
+    refuses every call (UNKNOWN, gRPC's answer to an interceptor that raises) and logs how to
+    fix it. (The sync server got a coroutine where it expected a handler: its serving thread
+    died of an AttributeError, and that call and every later one hung until their deadlines.)"""
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=StaticScope("sync"))
+    # The misuse on purpose: mypy refuses it, but grpc.server() checks nothing.
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), interceptors=[interceptor])  # type: ignore[list-item]
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(
+        testsvc_pb2_grpc.LedgerServiceServicer(), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            for _ in range(2):  # the second: the server still answers
+                with pytest.raises(grpc.RpcError) as refused:
+                    await asyncio.to_thread(
+                        stub.Post, post(fresh("acct")), metadata=[("idempotency-key", fresh())],
+                        timeout=10,
+                    )  # fmt: skip
+                assert refused.value.code() is grpc.StatusCode.UNKNOWN, refused.value
+    finally:
+        # Bounded: a sync server whose serving thread died never finishes stopping.
+        server.stop(0).wait(10)
+    assert "grpc.aio.server(interceptors=" in caplog.text

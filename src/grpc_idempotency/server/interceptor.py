@@ -388,7 +388,28 @@ class IdempotencyInterceptor(_Interceptor):
             self._resolver_failure_logged = now
             log.error(message + " (logged at most once a minute)", *args, exc_info=exc_info)
 
-    async def intercept_service(
+    def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Coroutine[Any, Any, grpc.RpcMethodHandler[Any, Any]]:
+        # grpc.aio awaits this on its event loop. A sync grpc.server(), which takes any
+        # interceptor, calls it on a thread of its own with no loop running, and took the
+        # coroutine for a handler: its serving thread died of an AttributeError, every call
+        # hung until its deadline and stop(None) never returned. Raised here, the sync server
+        # logs the error and answers the call UNKNOWN, and goes on serving.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise TypeError(
+                "IdempotencyInterceptor is a grpc.aio server interceptor: add it to"
+                " grpc.aio.server(interceptors=[...]), not to a sync grpc.server()"
+            ) from None
+        return self._intercept(continuation, handler_call_details)
+
+    async def _intercept(
         self,
         continuation: Callable[
             [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
