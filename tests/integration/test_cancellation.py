@@ -20,6 +20,7 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.blackhole import store_behind_proxy
 from tests.support.ledger import (
     TENANT,
@@ -231,41 +232,75 @@ class _GivesUpOnTransaction(testsvc_pb2_grpc.LedgerServiceServicer):
     """A phased handler that bounds its wait for the final transaction (``asyncio.wait_for``)
     and, when that wait runs out, fails with a transient status; gRPC cancels its task (its
     client gone, its deadline spent: a bound taken from the deadline runs out with it) at the
-    instant it ends, while the interceptor waits for the opening it left behind."""
+    instant it ends, while the interceptor waits for the opening it left behind. ``cancels``
+    2: cancelled again as soon as it has taken the first (the server stopping, say), before
+    the release has reached the database. The first attempt at the key only waits for the
+    test (``first_go``), then fails transiently: the call under test is a retry that waited
+    on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cancels: int) -> None:
+        self.first: asyncio.Task[Any] | None = None
+        self.first_go = asyncio.Event()
         self.task: asyncio.Task[Any] | None = None
         self.go = asyncio.Event()
+        self.cancels = cancels
 
     async def PostPhased(self, request: Any, context: Any) -> Any:
+        if self.first is None:
+            self.first = asyncio.current_task()
+            await self.first_go.wait()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the first attempt: try again")
         task = self.task = asyncio.current_task()
         assert task is not None
         await self.go.wait()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(current_call().transaction(), 0.2)
+        loop = asyncio.get_running_loop()
+
+        def cancel(times: int) -> None:
+            task.cancel()
+            if times > 1:
+                # Queued behind the task's wake-up with the first: the task takes this one at
+                # its next wait, the release's first (two cancels before it wakes are one).
+                loop.call_soon(cancel, times - 1)
+
         # Delivered as grpc.aio delivers a cancel: from the loop, at the task's next wait.
-        asyncio.get_running_loop().call_soon(task.cancel)
+        loop.call_soon(cancel, self.cancels)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the database is slow; try again")
 
 
+@pytest.mark.parametrize("cancels", [1, 2])
 async def test_a_call_cancelled_while_a_given_up_final_transaction_opens_releases_its_claim(
-    store: Store, db: Any
+    store: Store, db: Any, cancels: int
 ) -> None:
     """The handler gave up waiting for its final transaction (its opening blocked: here on
     the claim's row, which the test holds) and answered; the interceptor then cancels the
     opening and waits for it to end, and the call was cancelled during that wait. The
     cancellation went past the claim's release: the key stayed IN_PROGRESS for the whole
-    lease, every retry told "in progress" meanwhile."""
+    lease, every retry told "in progress" meanwhile. Cancelled again meanwhile, the release
+    still runs to its end; either way the call is counted as cancelled and released (it ran,
+    after waiting on an earlier attempt: not "conflict", a wait given up), not answered."""
     overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
     key = fresh()
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    telemetry, _, reader = _telemetry()
     interceptor = IdempotencyInterceptor(
-        store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+        store,
+        services=[testsvc_pb2],
+        overrides=overrides,
+        scope=MetadataScope(TENANT),
+        telemetry=telemetry,
     )
-    service = _GivesUpOnTransaction()
+    service = _GivesUpOnTransaction(cancels)
     async with ledger_server(interceptor, service) as (channel, _):
         stub = _raw_stub(channel, PHASED)
+        first = stub(request, metadata=metadata(key), timeout=30)
+        await until("the first attempt running", lambda: service.first is not None)
         call = stub(request, metadata=metadata(key), timeout=30)
+        await until("the retry waiting on it", lambda: interceptor.waiting_calls == 1)
+        service.first_go.set()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await first  # released: the retry runs
         await until("the handler running", lambda: service.task is not None)
         task = service.task
         assert task is not None
@@ -279,9 +314,15 @@ async def test_a_call_cancelled_while_a_given_up_final_transaction_opens_release
                 key,
             )
             service.go.set()
-            await until("the call cancelled", lambda: task.cancelling() > 0 or task.done())
+            # Every cancel taken while the release waits on the row (it cannot be over yet).
+            await until("the call cancelled", lambda: task.cancelling() >= cancels or task.done())
         finally:
             await row.rollback()  # a release waits on the row too
         await until("the call over", task.done)
         call.cancel()  # its answer is of no interest: the server's task was cancelled
         assert await _lease_over(store, key) is True  # not a lease of 30 s to wait out
+    unavailable, cancelled = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED
+    assert _outcomes(reader) == {
+        ("released", unavailable.value[0]): 1,  # the first attempt
+        ("released", cancelled.value[0]): 1,  # the cancellation passed on, not swallowed
+    }
