@@ -525,7 +525,9 @@ class IdempotencyClientInterceptor(_Interceptor):
         handler waited for its status until the incoming deadline, for ever without one)."""
         if live is None or not self._forward:
             return []
-        present = {name for name, _ in kept}
+        # By the name gRPC sends: a call's own entry named in bytes (b"x-tenant-id") went out
+        # beside the forwarded one, two values a server reading exactly one refused.
+        present = {_entry_name(name) for name, _ in kept}
         forwarded = []
         for name, value in live.forwarded_metadata(self._forward):
             if name in present:

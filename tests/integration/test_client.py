@@ -637,6 +637,26 @@ async def test_a_step_name_given_as_bytes_names_the_step(
     assert await ledger_rows(store, account) == 1
 
 
+async def test_a_calls_own_entry_named_in_bytes_replaces_the_forwarded_one(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A handler's call naming a forwarded header itself, by a bytes name (which gRPC sends as
+    those bytes), was sent the forwarded entry too: two tenant headers, and the ledger's scope
+    resolver, reading exactly one, refused the call UNAUTHENTICATED. Named as a str, the call's
+    own entry replaced the forwarded one; named in bytes, it does too."""
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+            await self.ledger.Post(post, metadata=[(b"x-tenant-id", "tenant-b")])
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), fresh())
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.tenants_seen == ["tenant-b"]
+
+
 async def test_an_explicit_key_inside_a_handler_is_kept(
     ledger: RunningLedger, store: Store
 ) -> None:
