@@ -418,6 +418,13 @@ class IdempotencyClientInterceptor(_Interceptor):
             raise TypeError(
                 f"forward_metadata is a list of names: forward_metadata=[{forward_metadata!r}]"
             )
+        for name in forward_metadata:
+            if not isinstance(name, str):
+                # A bytes name (gRPC's own metadata may hold them) or None failed here with
+                # re's or str's own error, which named neither the option nor the entry.
+                raise TypeError(
+                    f"forward_metadata names headers by str, not {type(name).__name__}: {name!r}"
+                )
         self._forward = tuple(h.lower() for h in forward_metadata)
         for name in self._forward:
             if not HEADER_NAME.fullmatch(name):

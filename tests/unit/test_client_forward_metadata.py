@@ -38,3 +38,11 @@ def test_a_name_no_metadata_entry_can_have_is_refused(name: str) -> None:
     """gRPC sends no entry under such a name: it was accepted and forwarded nothing."""
     with pytest.raises(ValueError, match="forward_metadata: "):
         IdempotencyClientInterceptor(forward_metadata=["x-tenant", name])
+
+
+@pytest.mark.parametrize("name", [b"x-tenant", None])
+def test_a_name_that_is_no_str_is_refused_naming_the_option(name: object) -> None:
+    """It failed with re's "cannot use a string pattern on a bytes-like object", or an
+    AttributeError on None, neither naming forward_metadata."""
+    with pytest.raises(TypeError, match="forward_metadata names headers by str"):
+        IdempotencyClientInterceptor(forward_metadata=["x-tenant", name])  # type: ignore[list-item]
