@@ -38,6 +38,7 @@ Or from the command line: ``grpc-idempotency relay --dsn DSN --grpc-target HOST:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import os
@@ -128,6 +129,11 @@ async def _accepted(result: object, what: str) -> None:
     then failed lost it for good."""
     if inspect.isawaitable(result):
         acknowledged = await result
+        if isinstance(acknowledged, concurrent.futures.Future):
+            # A blocking client's send handed to a thread pool (executor.submit): not
+            # awaitable, it was taken for the message accepted while the send still ran, and
+            # a send that then failed lost the message (its row marked sent).
+            acknowledged = asyncio.wrap_future(acknowledged)
         if inspect.isawaitable(acknowledged):
             await acknowledged
     elif result is not None:
@@ -140,7 +146,8 @@ async def _accepted(result: object, what: str) -> None:
 class CallableSink:
     """A sink that awaits ``fn(message)``: a broker client, an HTTP call, a test's recorder.
     A future it gives (an async ``send`` returning the broker's acknowledgement, as aiokafka's
-    does) is awaited too: the message is accepted once that is done.
+    does, or a thread pool's ``concurrent.futures.Future``) is awaited too: the message is
+    accepted once that is done.
     A plain function (a broker client's blocking ``send``) is called, and its return (``None``)
     taken as the message accepted; it runs on the event loop, so it must be quick. One that
     returns something else, not awaitable (a future), parks the message as a dead letter."""

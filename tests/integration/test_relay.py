@@ -2101,6 +2101,36 @@ async def test_an_async_send_returning_the_brokers_future_waits_for_its_acknowle
     assert "broker unreachable" in str(failed["last_error"])
 
 
+async def test_an_async_send_returning_a_thread_pools_future_waits_for_it(outbox: Store) -> None:
+    """``CallableSink`` of an async function that hands a blocking client's send to a thread
+    pool and returns its ``concurrent.futures.Future`` (``executor.submit(producer.send, ...)``):
+    not awaitable, it was taken for the message accepted and the row marked sent while the send
+    still ran; a send that then failed lost the message for good. Now it is waited for."""
+    import concurrent.futures
+
+    started, release = threading.Event(), threading.Event()
+
+    def blocking_send(message: OutboxMessage) -> None:
+        started.set()
+        release.wait(WAIT_S)
+        raise ConnectionError("broker unreachable: not acknowledged")
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+
+        async def send(message: OutboxMessage) -> concurrent.futures.Future[None]:
+            return pool.submit(blocking_send, message)
+
+        await insert(outbox, outbox.schema, ["in-a-thread"])
+        relay = Relay(outbox, CallableSink(send), listen=False)
+        batch = asyncio.ensure_future(relay.run_once())
+        await asyncio.to_thread(started.wait, WAIT_S)
+        release.set()  # the send fails only now, whenever the relay looked at its future
+        assert await asyncio.wait_for(batch, WAIT_S) == 0
+    failed = await row(outbox, "in-a-thread")
+    assert failed["state"] == "pending" and failed["failures"] == 1
+    assert "broker unreachable" in str(failed["last_error"])
+
+
 async def test_a_relay_goes_on_after_its_purge_fails_unexpectedly(
     outbox: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
