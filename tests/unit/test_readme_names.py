@@ -49,6 +49,7 @@ NOT_THE_LIBRARYS = frozenset(
         "DateStyle",
         "False",
         "FieldOptions",
+        "FutureRecordMetadata",  # kafka-python's
         "Mapping",
         "Message",
         "Method",
