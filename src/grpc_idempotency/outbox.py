@@ -48,7 +48,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import grpc
 from opentelemetry import metrics
@@ -363,6 +363,24 @@ class _Failed:
     permanent: bool
 
 
+_SETTINGS = frozenset(
+    {
+        "store",
+        "sink",
+        "policy",
+        "batch_size",
+        "lease",
+        "poll_interval",
+        "sent_retention",
+        "purge_interval",
+        "delivery_timeout",
+        "outbox",
+        "listen_dsn",
+    }
+)
+"""``Relay``'s attributes that cannot be assigned once the relay is made."""
+
+
 class Relay:
     """Delivers the outbox of ``store`` through ``sink``.
 
@@ -452,19 +470,21 @@ class Relay:
                 "a relay that listens on the store's pool needs max_size >= 2 (one connection"
                 " holds the LISTEN); pass listen_dsn=, or listen=False to poll"
             )
-        self.store = store
-        self.sink = sink
-        self.policy = policy
-        self.batch_size = batch_size
-        self.lease = lease
-        self.poll_interval = poll_interval
-        self.sent_retention = sent_retention
-        self.purge_interval = purge_interval
-        self.delivery_timeout = delivery_timeout
+        # Read-only once set (``__setattr__``, ``_SETTINGS``): checked here, together, and read
+        # live while the relay runs.
+        self.store: Final = store
+        self.sink: Final = sink
+        self.policy: Final = policy
+        self.batch_size: Final = batch_size
+        self.lease: Final = lease
+        self.poll_interval: Final = poll_interval
+        self.sent_retention: Final = sent_retention
+        self.purge_interval: Final = purge_interval
+        self.delivery_timeout: Final = delivery_timeout
         self._name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self.outbox = OutboxStore(store)
+        self.outbox: Final = OutboxStore(store)
         self.stats = RelayStats()
-        self.listen_dsn = listen_dsn
+        self.listen_dsn: Final = listen_dsn
         self.listening = asyncio.Event()
         """Set while the relay holds its LISTEN connection (``run`` only)."""
         self._on_listening = on_listening
@@ -487,6 +507,18 @@ class Relay:
             description="Outbox deliveries by outcome: sent, retry, dead",
         )
         self._count_failed_at: float | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The settings were checked together when the relay was made (``delivery_timeout``
+        # shorter than ``lease``, a positive ``batch_size``, a ``Sink``) and are read while it
+        # runs: one changed afterwards skipped those checks (``relay.delivery_timeout = 2 *
+        # relay.lease`` let a delivery outlast its claim, and the row go out twice at once).
+        if name in _SETTINGS and name in self.__dict__:
+            raise AttributeError(
+                f"Relay.{name} is read-only: the relay checked it when it was made and reads"
+                " it while it runs; make a new Relay with the setting"
+            )
+        object.__setattr__(self, name, value)
 
     @property
     def name(self) -> str:

@@ -42,6 +42,7 @@ from grpc_idempotency.outbox import (
     OutboxStore,
     PermanentDeliveryError,
     Relay,
+    RelayStats,
     Sink,
     forward_scope,
 )
@@ -1208,6 +1209,32 @@ async def test_relay_takes_the_names_the_relay_command_takes(
     with pytest.raises(AttributeError):
         relay.name = "relay-1\nrelay-1 stopped: delivered 0"  # type: ignore[misc]
     assert relay.name == "relay-1"
+
+
+async def test_a_relays_settings_cannot_be_changed_past_their_checks(outbox: Store) -> None:
+    """Checked together when the relay is made and read while it runs: assigned afterwards,
+    ``delivery_timeout = 2 * lease`` let a delivery outlast its claim (the row delivered twice at
+    once), ``batch_size = 0`` claimed nothing for ever. Its counters stay its own to reset."""
+    relay = Relay(outbox, CallableSink(lambda m: asyncio.sleep(0)), lease=10, delivery_timeout=5)
+    before = dict(vars(relay))
+    for setting, value in {
+        "delivery_timeout": 20,
+        "lease": 1,
+        "batch_size": 0,
+        "poll_interval": float("nan"),
+        "sent_retention": -1,
+        "purge_interval": 0,
+        "policy": None,
+        "sink": None,
+        "store": None,
+        "outbox": None,
+        "listen_dsn": "postgresql://elsewhere",
+    }.items():
+        with pytest.raises(AttributeError, match=f"Relay.{setting} is read-only"):
+            setattr(relay, setting, value)
+    assert vars(relay) == before
+    relay.stats = RelayStats()  # not a setting
+    assert relay.stats.batches == 0
 
 
 async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
