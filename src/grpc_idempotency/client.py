@@ -9,7 +9,8 @@
   first), gives keyed calls their key (see ``core.propagation`` for the order) and, inside a
   handler serving a keyed call, the child key of the declared step for the target method, plus
   the remaining deadline; streaming calls get the deadline but never a key.
-- ``service_config(...)``: the channel's retry configuration for keyed methods.
+- ``service_config(...)``: the channel's retry configuration for the methods whose key is
+  required.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from grpc_idempotency.call import IdempotentCall, current_call_or_none
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import KeyInvalid, PolicyError, RequestInvalid, TransactionOpen
 from grpc_idempotency.core.keys import validate_key
-from grpc_idempotency.core.policy import MethodOverride, MethodPolicy
+from grpc_idempotency.core.policy import KeyRequirement, MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import (
     KeySource,
     Parent,
@@ -764,19 +765,31 @@ def service_config(
     registry_or_services: Services | PolicyRegistry, *, max_attempts: int = 5
 ) -> str:
     """The recommended ``grpc.service_config`` (JSON) for a channel: retry UNAVAILABLE and
-    ABORTED on every keyed method of the given services. Pass it with
-    ``options=[("grpc.service_config", service_config([...])), ("grpc.enable_retries", 1)]``."""
+    ABORTED on every method of the given services whose key is required. Pass it with
+    ``options=[("grpc.service_config", service_config([...])), ("grpc.enable_retries", 1)]``.
+
+    Not the methods whose key is optional: a call of one without a key (a plain stub, a channel
+    without ``IdempotencyClientInterceptor``) runs undeduplicated, and gRPC, which cannot see
+    whether a call carries a key, would run it again after an UNAVAILABLE that came once it
+    had run (``core.retry.service_config``). Retry their calls with ``Operation.call``, which
+    keeps one key. A ``PolicyRegistry`` with the server's overrides gives their view of which
+    keys are required."""
     registry = (
         registry_or_services
         if isinstance(registry_or_services, PolicyRegistry)
         else PolicyRegistry(registry_or_services)
     )
-    keyed = [path for path, policy in registry.policies.items() if policy is not None]
-    return json.dumps(_service_config(keyed, max_attempts=max_attempts))
+    required = [
+        path
+        for path, policy in registry.policies.items()
+        if policy is not None and policy.key is KeyRequirement.REQUIRED
+    ]
+    return json.dumps(_service_config(required, max_attempts=max_attempts))
 
 
 def channel_options(services: Services, *, max_attempts: int = 5) -> list[tuple[str, Any]]:
-    """Channel options enabling gRPC's retries for the keyed methods of ``services``."""
+    """Channel options enabling gRPC's retries for the methods of ``services`` whose key is
+    required (``service_config``)."""
     return [
         ("grpc.service_config", service_config(services, max_attempts=max_attempts)),
         ("grpc.enable_retries", 1),

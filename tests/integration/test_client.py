@@ -313,6 +313,8 @@ def test_service_config_retries_keyed_methods_only() -> None:
     assert ("testsvc.v1.LedgerService", "Post") in names
     assert ("testsvc.v1.RelayService", "Forward") in names
     assert ("testsvc.v1.LedgerService", "Peek") not in names
+    # Key optional: a call without one runs undeduplicated, and gRPC's retry ran it twice.
+    assert ("testsvc.v1.LedgerService", "PostOptional") not in names
     assert set(method_config["retryPolicy"]["retryableStatusCodes"]) == {"UNAVAILABLE", "ABORTED"}
 
 

@@ -235,6 +235,113 @@ async def test_a_re_run_handler_reaches_the_same_downstream_records(
         assert [done.reservation_id, done.debit_entry, done.refund_entry] == svc.seen.ids
 
 
+class LoseFirstAnswer(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Outermost: the first call of each of ``methods`` runs to its end (the idempotency
+    interceptor committed its writes), then its answer is lost on the way back and the client
+    is answered UNAVAILABLE, as a reset connection or a proxy answers. (The library's server
+    answers UNAVAILABLE after a committed write itself, for a commit whose answer a partition
+    lost: test_partition.py.)"""
+
+    def __init__(self, *methods: str) -> None:
+        self.pending = set(methods)
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method not in self.pending:
+            return handler
+        inner = handler.unary_unary
+
+        async def lose(request: Any, context: Any) -> Any:
+            response = await inner(request, context)
+            if details.method in self.pending:
+                self.pending.discard(details.method)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(
+            lose,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+async def test_channel_options_never_retry_a_call_that_may_carry_no_key(
+    store: Store, gen: Generated
+) -> None:
+    """CHANNEL_OPTIONS has gRPC retry UNAVAILABLE and ABORTED. Safe for a method whose every
+    call carries a key (the server refuses one without); a KEY_OPTIONAL method (Cancel) called
+    without one runs undeduplicated, and gRPC's retry of its lost answer ran it, and committed
+    its write, a second time. Its caller now sees the UNAVAILABLE instead; Reserve (key
+    required) is still retried, and replayed."""
+    account = f"cart-{uuid.uuid4().hex}"
+    cancels = [0]
+    reserves = [0]
+
+    # Classes of modules generated at test time: named here for mypy, which takes bases by name.
+    checkout_servicer: Any = gen.shop_pb2_grpc.CheckoutServiceServicer
+    stock_servicer: Any = gen.shop_pb2_grpc.StockServiceServicer
+
+    class Checkout(checkout_servicer):
+        async def Cancel(self, request: Any, context: Any) -> Any:
+            cancels[0] += 1
+            conn = await current_call().transaction()
+            await conn.execute(
+                "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, -1)",
+                request.cart_id,
+            )
+            return gen.shop_pb2.CancelResponse()
+
+    class Stock(stock_servicer):
+        async def Reserve(self, request: Any, context: Any) -> Any:
+            reserves[0] += 1
+            return gen.shop_pb2.ReserveResponse(reservation_id=uuid.uuid4().hex)
+
+    lose = LoseFirstAnswer(
+        "/codegen_shop.v1.CheckoutService/Cancel", "/codegen_shop.v1.StockService/Reserve"
+    )
+    server = grpc.aio.server(
+        interceptors=[
+            lose,
+            IdempotencyInterceptor(
+                store,
+                services=gen.shop.SERVICES,
+                overrides=gen.shop.POLICIES,
+                scope=StaticScope(DOWNSTREAM_SCOPE),
+            ),
+        ]
+    )
+    gen.shop_pb2_grpc.add_CheckoutServiceServicer_to_server(Checkout(), server)
+    gen.shop_pb2_grpc.add_StockServiceServicer_to_server(Stock(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    # A plain stub: no client interceptor to give the call a key.
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=gen.shop.CHANNEL_OPTIONS)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            await gen.shop_pb2_grpc.CheckoutServiceStub(channel).Cancel(
+                gen.shop_pb2.CancelRequest(cart_id=account), timeout=10
+            )
+        assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
+        async with store.pool.acquire() as conn:
+            rows = await conn.fetchval(
+                "SELECT count(*) FROM test_ledger.ledger WHERE account = $1", account
+            )
+        assert (cancels, rows) == ([1], 1)
+
+        # A key required: gRPC's retry is safe and still on; the retry is replayed.
+        reserved = await gen.shop_pb2_grpc.StockServiceStub(channel).Reserve(
+            gen.shop_pb2.ReserveRequest(cart_id=account),
+            metadata=[("idempotency-key", uuid.uuid4().hex)],
+            timeout=10,
+        )
+        assert reserved.reservation_id
+        assert reserves == [1]
+        assert not lose.pending  # both answers were lost once
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+
+
 DOTTED = """\
 syntax = "proto3";
 package dotted_shop.v1;

@@ -351,6 +351,18 @@ def test_service_config_is_the_librarys(shop: Path) -> None:
         }
 
 
+def test_a_file_whose_keys_are_all_optional_retries_nothing(tmp_path: Path) -> None:
+    """gRPC's retry cannot see whether a call carries a key; one of a key-optional method
+    without a key runs undeduplicated, and was run again (tests/integration/
+    test_generated_code.py). Such a file's channel configuration retries nothing."""
+    done = run_on(tmp_path, {"errs/v1/a.proto": svc("key: KEY_OPTIONAL")})
+    assert done.returncode == 0, done.stderr
+    module = (tmp_path / "out" / "errs/v1/a_idempotency.py").read_text()
+    assert "SERVICE_CONFIG: Final = json.dumps({})\n" in module
+    assert "no method here requires a key, so\ngRPC retries none" in module
+    assert_ruff_clean([tmp_path / "out" / "errs/v1/a_idempotency.py"])
+
+
 # -- validation: each error fails protoc and names the file and the method -------------------
 
 HEADER = """\

@@ -105,11 +105,18 @@ def backoff_ceiling_s(attempt: int, initial_s: float, multiplier: float, max_s: 
 
 
 def service_config(methods: list[str], *, max_attempts: int = 5) -> dict[str, object]:
-    """gRPC's channel service config retrying UNAVAILABLE and ABORTED on the keyed ``methods``
-    ("/pkg.Service/Method"): safe because each attempt carries the same key. gRPC caps attempts
-    at 5 (more is read as 5) and honours the server's ``grpc-retry-pushback-ms``;
-    ``max_attempts=1`` is no retry policy at all (gRPC's own config has no way to say one
-    attempt: a policy needs at least 2)."""
+    """gRPC's channel service config retrying UNAVAILABLE and ABORTED on ``methods``
+    ("/pkg.Service/Method"), which must be methods whose key is required: safe because every
+    call that runs carries a key (the server refuses one without, INVALID_ARGUMENT, which is
+    not retried) and each attempt carries the same key. gRPC caps attempts at 5 (more is read
+    as 5) and honours the server's ``grpc-retry-pushback-ms``; ``max_attempts=1`` is no retry
+    policy at all (gRPC's own config has no way to say one attempt: a policy needs at least 2).
+
+    Never a method whose key is optional: gRPC's retry policy cannot see whether a call carries
+    a key, and one without runs undeduplicated. An UNAVAILABLE after it ran (its answer lost on
+    the way back, a commit whose fate is unknown, a downstream's UNAVAILABLE passed on) had
+    gRPC run the write a second time, unseen by the caller. Such a method's keyed calls are
+    retried with their key by ``Operation.call`` (``RetryPolicy``)."""
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise ValueError(f"max_attempts must be a whole number of at least 1, not {max_attempts!r}")
     names = []

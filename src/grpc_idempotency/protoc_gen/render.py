@@ -200,8 +200,12 @@ class _Renderer:
             "  field, or a method left out, keeps what the proto says), and fingerprint",
             "  exclusions come from the request's field options.",
             "- ``SERVICE_CONFIG``, ``CHANNEL_OPTIONS``: the recommended configuration of a",
-            "  channel calling the keyed methods: gRPC retries UNAVAILABLE and ABORTED (safe:",
-            "  every attempt carries the same key).",
+            "  channel calling the keyed methods: gRPC retries UNAVAILABLE and ABORTED of the",
+            "  methods whose key is required (safe: the server refuses a call without a key,",
+            "  and every attempt carries the same one). Not of those whose key is optional: a",
+            "  call without a key runs undeduplicated, and retried after an UNAVAILABLE that",
+            "  came once it had run, it would run twice. Retry their calls with",
+            "  ``Operation.call``, which keeps one key.",
             "- ``<Service><Method>Steps``: a keyed method's step names and, built with",
             "  channels to the called services, one typed call per step, made with the step",
             "  named so that it carries the step's child key.",
@@ -382,7 +386,13 @@ class _Renderer:
 
     def _service_config(self) -> list[str]:
         self.needs |= {"json", "Final"}
-        config = service_config([m.path for m in self.file.methods])
+        # gRPC's retry policy cannot see whether a call carries a key. A key-optional method
+        # called without one (a plain stub, no client interceptor) runs undeduplicated, and
+        # gRPC ran it again after an UNAVAILABLE that came once it had run (its answer lost, a
+        # commit of unknown fate): the write twice. So only required keys (unset means
+        # required, as on the server), whose every call that runs carries one.
+        required = [m.path for m in self.file.methods if m.declared.key != options_pb2.KEY_OPTIONAL]
+        config = service_config(required)
         literal = _literal(config)
         # ``json.dumps({})`` on one line: the form a formatter gives it.
         call = (
@@ -390,14 +400,21 @@ class _Renderer:
             if len(literal) == 1
             else ["SERVICE_CONFIG: Final = json.dumps(", *(INDENT + line for line in literal), ")"]
         )
-        about = (
-            [
+        if required:
+            about = [
                 '"""The ``grpc.service_config`` for a channel calling these methods: gRPC retries',
-                'UNAVAILABLE and ABORTED, honouring the server\'s pushback."""',
+                "UNAVAILABLE and ABORTED of those whose key is required, honouring the server's",
+                'pushback."""',
             ]
-            if self.file.methods
-            else ['"""The ``grpc.service_config`` for a channel: no keyed methods, no retries."""']
-        )
+        elif self.file.methods:
+            about = [
+                '"""The ``grpc.service_config`` for a channel: no method here requires a key, so',
+                'gRPC retries none (a call without a key runs undeduplicated)."""',
+            ]
+        else:
+            about = [
+                '"""The ``grpc.service_config`` for a channel: no keyed methods, no retries."""'
+            ]
         return [
             *call,
             *about,

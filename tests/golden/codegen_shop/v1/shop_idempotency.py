@@ -11,8 +11,12 @@
   field, or a method left out, keeps what the proto says), and fingerprint
   exclusions come from the request's field options.
 - ``SERVICE_CONFIG``, ``CHANNEL_OPTIONS``: the recommended configuration of a
-  channel calling the keyed methods: gRPC retries UNAVAILABLE and ABORTED (safe:
-  every attempt carries the same key).
+  channel calling the keyed methods: gRPC retries UNAVAILABLE and ABORTED of the
+  methods whose key is required (safe: the server refuses a call without a key,
+  and every attempt carries the same one). Not of those whose key is optional: a
+  call without a key runs undeduplicated, and retried after an UNAVAILABLE that
+  came once it had run, it would run twice. Retry their calls with
+  ``Operation.call``, which keeps one key.
 - ``<Service><Method>Steps``: a keyed method's step names and, built with
   channels to the called services, one typed call per step, made with the step
   named so that it carries the step's child key.
@@ -109,10 +113,6 @@ SERVICE_CONFIG: Final = json.dumps(
                 "name": [
                     {
                         "service": "codegen_shop.v1.CheckoutService",
-                        "method": "Cancel",
-                    },
-                    {
-                        "service": "codegen_shop.v1.CheckoutService",
                         "method": "Checkout",
                     },
                     {
@@ -135,7 +135,8 @@ SERVICE_CONFIG: Final = json.dumps(
     }
 )
 """The ``grpc.service_config`` for a channel calling these methods: gRPC retries
-UNAVAILABLE and ABORTED, honouring the server's pushback."""
+UNAVAILABLE and ABORTED of those whose key is required, honouring the server's
+pushback."""
 
 CHANNEL_OPTIONS: Final[tuple[tuple[str, str | int], ...]] = (
     ("grpc.service_config", SERVICE_CONFIG),
