@@ -30,7 +30,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, cli
+from grpc_idempotency import Store, StoreMisconfigured, cli
 from grpc_idempotency.outbox import OutboxMessage, Relay
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
 from tests.support.pgbouncer import PgBouncer, free_port, running_pgbouncer
@@ -237,6 +237,30 @@ async def test_pgbouncer_killed_and_restarted_under_keyed_calls(pg_dsn: str, sto
         "SELECT state FROM grpc_idempotency.records WHERE key = ANY($1)", [a_key, p_key]
     )
     assert [r["state"] for r in states] == ["completed"] * 2
+
+
+@pytest.mark.parametrize(
+    ("dsn_of", "refusal"),
+    [
+        # A DSN query parameter is a startup parameter: PgBouncer forwards only the few it
+        # tracks (application_name, TimeZone, ...) and refuses the session for any other.
+        (lambda b: b.dsn + "?statement_timeout=5000", "unsupported startup parameter"),
+        (lambda b: b.dsn.rsplit("/", 1)[0] + "/no_such_db_here", "no such database"),
+        (lambda b: b.dsn.replace("@", "_nobody@", 1), "authentication failed"),
+    ],
+    ids=["startup-parameter", "database", "user"],
+)
+async def test_pgbouncers_refusal_of_the_session_for_good_is_misconfigured_not_unavailable(
+    bouncer: PgBouncer, dsn_of: Any, refusal: str
+) -> None:
+    """PgBouncer refuses a session's start-up with SQLSTATE 08P01 whatever the reason, where
+    PostgreSQL says 42704 (a setting), 3D000 (a database) or 28xxx (a role), which the store
+    reports as misconfigured (CLI exit 2): every connection fails alike until the DSN or the
+    pooler's configuration changes. Behind PgBouncer the same mistakes were "unavailable"
+    (retryable, an outage: exit 1), and a deploy step's migrate retried them for good."""
+    with pytest.raises(StoreMisconfigured, match="misconfigured while connecting") as refused:
+        await Store.connect(dsn_of(bouncer), min_size=1, max_size=2, **POOL_OPTIONS)
+    assert refusal in str(refused.value.__cause__), refused.value.__cause__
 
 
 # -- relays -------------------------------------------------------------------------------------

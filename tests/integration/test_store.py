@@ -508,6 +508,17 @@ async def test_a_bad_connection_option_is_the_drivers_value_error_not_the_dsns(
     assert not isinstance(raised.value, StoreMisconfigured)
 
 
+async def test_a_setting_refused_at_connection_is_misconfigured_with_no_connection_opened_first(
+    pg_dsn: str,
+) -> None:
+    """With ``min_size=0`` the pool opens its first connection for the schema check (and, in a
+    server, for a call), not when it is created: a setting the server refuses there (42704) was
+    "unavailable while checking the schema" (retryable, exit 1), each keyed call UNAVAILABLE,
+    where the same DSN with ``min_size=1`` is misconfigured (``connect_error``)."""
+    with pytest.raises(StoreMisconfigured, match=r"misconfigured while connecting.*42704"):
+        await Store.connect(pg_dsn, min_size=0, server_settings={"no_such_setting": "1"})
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [

@@ -159,14 +159,45 @@ def _pooler_said(exc: BaseException) -> bool:
 _NOT_ACCEPTING_CONNECTIONS = "55000"
 
 
-def connect_error(exc: BaseException) -> StoreUnavailable:
-    """Opening a connection failed. Past the network and authentication, the server refuses a
-    session's start-up for a setting it was asked for (a query parameter of the DSN, a
-    ``server_settings`` entry: one it does not know, 42704; a value it does not accept, 22023):
-    every connection fails alike until the DSN changes, as with a missing database. So here a
-    SQLSTATE that is neither an outage nor a conflict (``Failure.OTHER``) is misconfigured: it
-    was "unavailable", retryable, and a deploy step's migrate retried it for good."""
+# PgBouncer's refusals of a session's start-up that stay until its configuration or the DSN
+# changes, as its messages say them (PgBouncer 1.x): a startup parameter it does not track
+# ("unsupported startup parameter: statement_timeout", "... in options: ..."), a database it
+# does not know, a user its auth_file lacks or a password it refuses. All come as 08P01, like
+# its passing failures (query_wait_timeout, max_client_conn, a server it cannot reach).
+_POOLER_REFUSALS = (
+    "unsupported startup parameter",
+    "no such database",
+    "no such user",
+    "authentication failed",
+)
+
+
+def _pooler_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (from opening a connection) is PgBouncer's refusal of the session for
+    good (``_POOLER_REFUSALS``)."""
+    if sqlstate(exc) != "08P01":
+        return False
+    text = str(exc).lower()
+    return any(refusal in text for refusal in _POOLER_REFUSALS)
+
+
+def connect_error(exc: BaseException, doing: str = "connecting") -> StoreUnavailable:
+    """Opening a connection failed (``doing``: what it was opened for). Past the network and
+    authentication, the server refuses a session's start-up for a setting it was asked for (a
+    query parameter of the DSN, a ``server_settings`` entry: one it does not know, 42704; a
+    value it does not accept, 22023): every connection fails alike until the DSN changes, as
+    with a missing database. So here a SQLSTATE that is neither an outage nor a conflict
+    (``Failure.OTHER``) is misconfigured: it was "unavailable", retryable, and a deploy step's
+    migrate retried it for good. So is PgBouncer's refusal of the same mistakes
+    (``_pooler_refused``), which it says with 08P01, a connection exception."""
     state = sqlstate(exc)
+    if _pooler_refused(exc):
+        _log_misconfigured(exc, "connecting")
+        return StoreMisconfigured(
+            f"idempotency store misconfigured while connecting (SQLSTATE {state}): the pooler"
+            " (PgBouncer) refused the session: check the DSN's database, user and parameters"
+            " (PgBouncer forwards only the startup parameters it tracks) and its configuration"
+        )
     if state == _NOT_ACCEPTING_CONNECTIONS:
         # ALTER DATABASE ... ALLOW_CONNECTIONS false: an operator closed the database (a
         # maintenance window) and will open it again, as after a start-up: retry later. Not an
@@ -181,7 +212,7 @@ def connect_error(exc: BaseException) -> StoreUnavailable:
         return StoreMisconfigured(
             f"idempotency store misconfigured while connecting (SQLSTATE {state}): {_hint(state)}"
         )
-    return store_error(exc, "connecting")
+    return store_error(exc, doing)
 
 
 def session_refused(exc: BaseException) -> str | None:

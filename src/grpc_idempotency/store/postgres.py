@@ -1003,7 +1003,10 @@ class Store:
                 raise StoreUnavailable(
                     f"idempotency store closed while {doing}", outage=False
                 ) from exc
-            raise store_error(exc, doing) from exc
+            # The pool opened a connection for it (``min_size=0``, a pool growing, a connection
+            # replaced after a restart): refused for good at start-up (a setting, a database,
+            # PgBouncer's refusals), it is misconfigured here as in ``connect``, not unavailable.
+            raise connect_error(exc, doing) from exc
         self._acquired += 1
         return conn
 
