@@ -204,11 +204,11 @@ def plan_for(pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
     ) -> ConformancePlan:
         env = {VARIANT_ENV: variant} if scope is None else {VARIANT_ENV: variant, SCOPE_ENV: scope}
         target.setdefault("lost_connection_pause_ms", LOST_CONNECTION_PAUSE_MS)
+        target.setdefault("request", _request)
         plan = ConformancePlan(
             ConformanceTarget(
                 server=f"{MODULE}:build_server",
                 method=method,
-                request=_request,
                 count_effects=_rows,
                 server_env=env,
                 **target,
@@ -418,6 +418,19 @@ async def test_duplicates_that_all_failed_are_not_blamed_on_the_interceptor(
         " UNAVAILABLE 'the downstream is down'"
     ), message
     assert "IdempotencyInterceptor" not in message.splitlines()[0]
+
+
+async def test_a_request_factory_repeating_one_operation_is_named_not_the_service(
+    plan_for: Any,
+) -> None:
+    # count_effects(db, request) cannot tell two equal requests' effects apart: every check
+    # after the first counted the earlier checks' rows too, and blamed the service for them
+    # ("the handler writes outside the call's transaction", a missing interceptor).
+    same = testsvc_pb2.PostRequest(account="kit-checks-same-" + uuid.uuid4().hex, amount=5)
+    plan = plan_for("correct", request=lambda: same)
+    await plan.check_sequential_replay()  # the first operation: nothing to tell it from yet
+    with pytest.raises(ValueError, match=r"make_request\(\) .* returned the same request again"):
+        await plan.check_crash("before_commit")
 
 
 async def test_a_server_answering_before_the_crash_failpoint_is_not_waited_for(

@@ -349,6 +349,7 @@ class ConformancePlan:
         self.log_dir = log_dir
         self._clean: ServerProcess | None = None
         self._started: list[ServerProcess] = []
+        self._last_request: bytes | None = None
 
     # -- processes and calls -------------------------------------------------------------
 
@@ -394,7 +395,19 @@ class ConformancePlan:
             process.stop()
 
     def _request(self) -> Any:
-        return _message(self.target.request(), "make_request()")
+        request = _message(self.target.request(), "make_request()")
+        # count_effects(db, request) cannot tell the effects of two equal requests apart: each
+        # check after the first counted the earlier checks' effects too, and blamed the service
+        # ("the handler writes outside the call's transaction", a missing interceptor).
+        data = request.SerializeToString(deterministic=True)
+        if data == self._last_request:
+            raise ValueError(
+                "make_request() (ConformanceTarget.request()) returned the same request again:"
+                " each must be a new operation (a fresh id in it, e.g. uuid.uuid4().hex), or"
+                " count_effects counts the earlier operations' effects as this one's"
+            )
+        self._last_request = data
+        return request
 
     def _key(self, check: str) -> str:
         return f"conformance-{check}-{uuid.uuid4().hex}"
