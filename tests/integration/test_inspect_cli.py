@@ -620,6 +620,13 @@ async def test_list_filters_by_state_and_method(services: Services) -> None:
     assert table.returncode == 0, table.stderr
     assert "error NOT_FOUND" in table.stdout and error_key in table.stdout
     assert "4 record(s)" in table.stdout
+    # Each row's values under their headings: "error NOT_FOUND", wider than the state column
+    # was, pushed its row's claims under "started" and its method and key along with them.
+    header, *rows = table.stdout.splitlines()[:-1]
+    claims_end, key_at = header.index("claims") + len("claims"), header.index("key")
+    assert [(r[claims_end - 1 : claims_end + 1], r[key_at:]) for r in rows] == [
+        ("1 ", key) for key in (event_key, error_key, *reversed(ok_keys))
+    ], table.stdout
     empty = await cli("list", "--dsn", services.dsn, "--schema", services.ledger_store.schema,
                       "--scope", "tenant:nobody-" + fresh())  # fmt: skip
     assert empty.returncode == 3 and "no records under" in empty.stdout

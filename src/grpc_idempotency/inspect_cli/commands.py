@@ -85,11 +85,16 @@ async def run_list(args: argparse.Namespace, store: Store, *, applied: Collectio
         for r in records:
             print(json.dumps({**record_json(r), "schema_migrations": schema}))
     elif records:
-        print(f"{'state':<12} {'claims':>6}  {'started':<24}  {'method':<40}  key")
+        # As wide as the widest value: "error FAILED_PRECONDITION" (or a long method) pushed its
+        # row's claims, start and key out from under their headings.
+        state_w = max(12, *(len(outcome_label(r)) for r in records))
+        method_w = max(40, *(len(r.method) for r in records))
+        print(f"{'state':<{state_w}} {'claims':>6}  {'started':<24}  {'method':<{method_w}}  key")
         for r in records:
             print(
-                f"{outcome_label(r):<12} {r.fencing_token:>6}  {timestamp(r.created_at):<24}"
-                f"  {r.method:<40}  {r.key}{'  (released)' if r.released else ''}"
+                f"{outcome_label(r):<{state_w}} {r.fencing_token:>6}"
+                f"  {timestamp(r.created_at):<24}  {r.method:<{method_w}}"
+                f"  {r.key}{'  (released)' if r.released else ''}"
                 f"{'  (expired)' if r.expired else ''}"
             )
         more = " (--limit reached)" if len(records) == args.limit else ""
