@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import TypedDict, cast
+from typing import Any, TypedDict, cast
 
 import asyncpg
 import grpc
@@ -655,12 +655,14 @@ async def test_an_optional_key_call_without_a_key_forwards_metadata_and_deadline
 
 
 async def test_a_sync_grpc_server_refuses_each_call_clearly_and_keeps_serving(
-    store: Store, caplog: pytest.LogCaptureFixture
+    store: Store, caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder
 ) -> None:
     """The interceptor is grpc.aio's; a sync ``grpc.server`` accepts it all the same. It then
-    refuses every call (UNKNOWN, gRPC's answer to an interceptor that raises) and logs how to
-    fix it. (The sync server got a coroutine where it expected a handler: its serving thread
-    died of an AttributeError, and that call and every later one hung until their deadlines.)"""
+    refuses every call (UNKNOWN, gRPC's answer to an interceptor that raises) with a TypeError
+    that says how to fix it, and makes no coroutine it would leave unawaited (a RuntimeWarning
+    on every call). (The sync server got a coroutine where it expected a handler: its serving
+    thread died of an AttributeError, and that call and every later one hung until their
+    deadlines.)"""
     interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=StaticScope("sync"))
     # The misuse on purpose: mypy refuses it, but grpc.server() checks nothing.
     server = grpc.server(ThreadPoolExecutor(max_workers=2), interceptors=[interceptor])  # type: ignore[list-item]
@@ -682,4 +684,15 @@ async def test_a_sync_grpc_server_refuses_each_call_clearly_and_keeps_serving(
     finally:
         # Bounded: a sync server whose serving thread died never finishes stopping.
         server.stop(0).wait(10)
-    assert "grpc.aio.server(interceptors=" in caplog.text
+    assert (
+        "TypeError: IdempotencyInterceptor is a grpc.aio server interceptor: add it to"
+        " grpc.aio.server(interceptors=[...])" in caplog.text
+    ), caplog.text
+
+    def as_the_serving_thread_calls_it() -> None:  # no event loop running
+        with pytest.raises(TypeError, match=r"grpc\.aio\.server\(interceptors="):
+            interceptor.intercept_service(cast(Any, None), cast(Any, None)).close()
+
+    await asyncio.to_thread(as_the_serving_thread_calls_it)
+    # (Checked here: the log records above hold the server's errors, and their frames.)
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
