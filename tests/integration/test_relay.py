@@ -2158,6 +2158,39 @@ async def test_an_async_send_returning_a_thread_pools_future_waits_for_it(outbox
     assert "broker unreachable" in str(failed["last_error"])
 
 
+async def test_a_thread_pools_future_cut_or_cancelled_is_a_failed_delivery(
+    outbox: Store,
+) -> None:
+    """A thread pool's future that the relay's ``delivery_timeout`` cuts is cancelled with the
+    delivery: still queued (the pool's one worker busy), its send never runs, after the row was
+    recorded failed or beside the retry. One the sender cancels is a failed delivery, not a
+    message accepted."""
+    import concurrent.futures
+
+    busy, sent = threading.Event(), list[str]()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        try:
+            pool.submit(busy.wait, WAIT_S)  # the sends queue behind it
+
+            async def send(message: OutboxMessage) -> concurrent.futures.Future[None]:
+                queued = pool.submit(sent.append, message.key)
+                if message.key == "cancelled":
+                    queued.cancel()
+                return queued
+
+            await insert(outbox, outbox.schema, ["queued", "cancelled"])
+            relay = Relay(outbox, CallableSink(send), lease=0.4, listen=False)
+            assert await relay.run_once() == 0  # delivery_timeout: 0.2 s
+        finally:
+            busy.set()
+    assert sent == []  # the pool has shut down: a send still queued has run by now
+    queued, cancelled = await row(outbox, "queued"), await row(outbox, "cancelled")
+    assert queued["state"] == "pending" and queued["failures"] == 1
+    assert "timed out after 0.2s" in str(queued["last_error"])
+    assert cancelled["state"] == "pending" and cancelled["failures"] == 1
+    assert "cancelled" in str(cancelled["last_error"])
+
+
 async def test_a_relay_goes_on_after_its_purge_fails_unexpectedly(
     outbox: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
