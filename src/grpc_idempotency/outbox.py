@@ -520,6 +520,12 @@ class Relay:
             )
         object.__setattr__(self, name, value)
 
+    def __delattr__(self, name: str) -> None:
+        # Deleted, a setting could be assigned again past ``__setattr__``'s guard.
+        if name in _SETTINGS:
+            raise AttributeError(f"Relay.{name} is read-only: it cannot be deleted")
+        object.__delattr__(self, name)
+
     @property
     def name(self) -> str:
         """The relay's name: its identity in the rows it claims (``claimed_by``), which its

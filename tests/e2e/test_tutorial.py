@@ -3,8 +3,8 @@
 It generates code from examples/tutorial/payments.proto with protoc, starts an embedded
 PostgreSQL (or uses GRPC_IDEMPOTENCY_TEST_DSN), serves PaymentService behind the interceptor,
 charges once and retries with the same key. It must print a replayed retry with the same charge
-id and exactly one charge row, and exit 0; and it must need nothing beyond
-``pip install 'grpc-idempotency[codegen,embedded]'``.
+id and exactly one charge row, and exit 0; and it must need nothing beyond the checkout's
+``pip install -e '.[codegen,embedded]'``.
 """
 
 from __future__ import annotations

@@ -1232,6 +1232,8 @@ async def test_a_relays_settings_cannot_be_changed_past_their_checks(outbox: Sto
     }.items():
         with pytest.raises(AttributeError, match=f"Relay.{setting} is read-only"):
             setattr(relay, setting, value)
+        with pytest.raises(AttributeError, match=f"Relay.{setting} is read-only"):
+            delattr(relay, setting)  # and then assigned past the guard
     assert vars(relay) == before
     relay.stats = RelayStats()  # not a setting
     assert relay.stats.batches == 0
