@@ -31,8 +31,10 @@ from opentelemetry.trace import StatusCode
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store, StoreMisconfigured, StoreUnavailable, Telemetry
+from grpc_idempotency.core.fingerprint import Fingerprinter
 from grpc_idempotency.core.keys import claim_lock_id
 from grpc_idempotency.core.lifecycle import State
+from grpc_idempotency.server import interceptor
 from grpc_idempotency.server.interceptor import _deadline_spent
 from tests.integration.test_store_down import _queued
 from tests.integration.test_telemetry import _outcomes, _telemetry
@@ -504,3 +506,127 @@ async def test_a_commit_the_deadline_cuts_short_is_counted_executed_not_released
         assert retry.code is grpc.StatusCode.OK and retry.replayed is sent, retry
         assert service.executions == (1 if sent else 2)
         assert await ledger_rows(store, account) == 1
+
+
+async def _plant_expired_claim(store: Store, schema: str, key: str, request: Any) -> None:
+    """A phased claim an earlier attempt left IN_PROGRESS, its lease over: a call of the key
+    takes it over (a phased call looks the key up first, and so tells a takeover apart)."""
+    fingerprint = Fingerprinter.for_method(PHASED, testsvc_pb2.PostRequest.DESCRIPTOR)(request)
+    await store.pool.execute(
+        f'INSERT INTO "{schema}".records (scope, key, method, fingerprint, state,'
+        " fencing_token, locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 7,"
+        " clock_timestamp() - interval '1 second', clock_timestamp() + interval '1 hour')",
+        SCOPE,
+        key,
+        PHASED,
+        fingerprint,
+    )
+
+
+async def test_a_takeover_cut_short_at_the_commit_of_its_large_outcome_is_counted_taken_over(
+    pg_dsn: str, schema: str, opened: list[Store], db: asyncpg.Connection
+) -> None:
+    """An outcome too large for the one batch is written first, its COMMIT sent alone after it.
+    Here the COMMIT itself waits, past the call's deadline: the handler's row of a unique
+    constraint checked at COMMIT waits for another session's uncommitted row of the same value.
+    The COMMIT was sent: PostgreSQL commits once that session rolls back, and the retry
+    replays. Counted as the attempt it is, a takeover of an expired claim: "taken_over" (not
+    "released", nor "executed"). (Its claim's release waits for the COMMIT, as the final
+    transaction holds the claim's row.)"""
+    store = await _connect(pg_dsn, schema, opened, max_size=4)
+    telemetry, spans, reader = _telemetry()
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="checked-big:20000")
+    await _plant_expired_claim(store, schema, key, request)
+    async with running_ledger(store, telemetry=telemetry, replay_cache=False) as ledger:
+        service = ledger.service
+        blocker = db.transaction()
+        await blocker.start()
+        try:
+            await db.execute("INSERT INTO test_ledger.checked_at_commit VALUES ($1)", account)
+            call = asyncio.ensure_future(ledger.call(PHASED, request, key, timeout=1.0))
+            try:
+                waiting = await until("the COMMIT waiting", partial(_waiting_on, db))
+                # The COMMIT sent alone, not the outcome's write before it. (Asked outside
+                # ``db``'s transaction, whose view of pg_stat_activity is a snapshot.)
+                query = await store.pool.fetchval(
+                    "SELECT query FROM pg_stat_activity WHERE pid = $1", waiting
+                )
+                assert query.endswith("COMMIT") and "complete" not in query, query
+                answer = await call
+            finally:
+                call.cancel()
+            before = await store.lookup(SCOPE, key)
+            assert before is not None and before.state is State.IN_PROGRESS
+        finally:
+            await blocker.rollback()
+        span = await _the_span(spans)
+
+        assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
+        assert attributes(span)["grpc_idempotency.outcome"] == "taken_over"
+        assert span.status.description == "DEADLINE_EXCEEDED (taken_over)"
+        assert _outcomes(reader) == {("taken_over", DEADLINE_EXCEEDED): 1}
+
+        async def committed() -> bool:
+            record = await store.lookup(SCOPE, key)
+            return record is not None and record.state is State.COMPLETED
+
+        await until("the outcome committed", committed)
+        retry = await ledger.call(PHASED, request, key)
+        assert retry.code is grpc.StatusCode.OK and retry.replayed, retry
+        assert service.executions == 1 and await ledger_rows(store, account) == 1
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "outcome"),
+    [("busy", "released"), ("hold", "unavailable")],
+    ids=["the-handlers-statement", "the-outcomes-commit"],
+)
+async def test_a_store_failure_in_an_open_transaction_is_never_taken_for_the_deadline(
+    pg_dsn: str,
+    schema: str,
+    opened: list[Store],
+    db: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+    behaviour: str,
+    outcome: str,
+) -> None:
+    """An atomic call's transaction is open from its claim: a statement of it that fails with
+    the deadline all but spent (the handler's own, or the outcome's COMMIT) was bounded by the
+    store alone, not by the deadline, and a COMMIT's fate may be unknown. UNAVAILABLE, as with
+    time left; only a final transaction's opening is the deadline's (``final_store_failure``).
+
+    The statement waits on a lock (an advisory lock the handler's statement asks for; the
+    records table, SHARE, for the outcome's write) and is cancelled inside the window taken
+    for a spent deadline, widened to 0.5 s: with 50 ms, the answer would race gRPC's own
+    cancellation at the deadline, which answers DEADLINE_EXCEEDED too."""
+    monkeypatch.setattr(interceptor, "_DEADLINE_SPENT_S", 0.5)
+    store = await _connect(pg_dsn, schema, opened, max_size=4)
+    telemetry, spans, reader = _telemetry()
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+    async with running_ledger(store, telemetry=telemetry, replay_cache=False) as ledger:
+        service = ledger.service
+        async with db.transaction():
+            if behaviour == "busy":
+                await db.execute("SELECT pg_advisory_xact_lock(hashtext($1))", account)
+            else:
+                await db.execute(f'LOCK TABLE "{schema}".records IN SHARE MODE')
+            call = asyncio.ensure_future(ledger.call(POST, request, key, timeout=1.0))
+            try:
+                await until("the handler running", service.started.is_set)
+                service.release.set()
+                waiting = await until("a statement waiting on the lock", partial(_waiting_on, db))
+                context = service.context
+                await until("the deadline taken for spent", lambda: context.time_remaining() < 0.45)
+                await db.execute("SELECT pg_cancel_backend($1)", waiting)
+                answer = await call
+            finally:
+                call.cancel()
+        span = await _the_span(spans)
+
+    assert answer.code is grpc.StatusCode.UNAVAILABLE, answer
+    assert attributes(span)["grpc_idempotency.outcome"] == outcome
+    assert attributes(span)["rpc.grpc.status_code"] == UNAVAILABLE
+    assert _outcomes(reader) == {(outcome, UNAVAILABLE): 1}
+    assert await store.lookup(SCOPE, key) is None  # the claim rolled back with the rest

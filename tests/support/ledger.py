@@ -8,7 +8,9 @@ name (e.g. "NOT_FOUND") aborts with it; "set:NOT_FOUND" sets the code and return
 "commit" / "commit-then:CODE" misbehave by committing the library's transaction themselves;
 "swallow" (a key's first attempt) runs a failing statement and catches the error (its
 transaction is then aborted); "deferred-violation" (a key's first attempt) writes a row that
-violates a constraint checked only at COMMIT;
+violates a constraint checked only at COMMIT ("checked-big:N" writes one such row, which
+another session's uncommitted row of the account makes the COMMIT wait on, then answers as
+"big:N");
 "int:N" aborts with the status's number, "set-int:N" sets it; "abort-surrogate",
 "set-surrogate" and "details-surrogate" give details with a lone surrogate (abort(); set_code
 NOT_FOUND and set_details(); set_details() and OK); "rich" aborts with rich
@@ -246,6 +248,10 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             await conn.execute(
                 "INSERT INTO test_ledger.checked_at_commit VALUES ($1), ($1)", request.account
             )
+        if behaviour.startswith("checked-big:"):
+            await conn.execute(
+                "INSERT INTO test_ledger.checked_at_commit VALUES ($1)", request.account
+            )
         if behaviour == "table-missing":
             await conn.execute("INSERT INTO test_ledger.no_such_table VALUES (1)")
         if behaviour.startswith("set:"):
@@ -291,7 +297,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         if behaviour == "return-none":  # forgot the return statement's message
             return None
         blob = b""
-        if behaviour.startswith(("big:", "hold-big:")):
+        if behaviour.startswith(("big:", "hold-big:", "checked-big:")):
             blob = bytes(range(256)) * (int(behaviour.rpartition(":")[2]) // 256)
         isolation = claim_row = ""
         if behaviour in ("isolation", "claim-row"):
