@@ -630,3 +630,50 @@ async def test_a_store_failure_in_an_open_transaction_is_never_taken_for_the_dea
     assert attributes(span)["rpc.grpc.status_code"] == UNAVAILABLE
     assert _outcomes(reader) == {(outcome, UNAVAILABLE): 1}
     assert await store.lookup(SCOPE, key) is None  # the claim rolled back with the rest
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "committed"),
+    [("", True), ("deferred-violation", False)],
+    ids=["committed", "its-commit-failed"],
+)
+async def test_a_call_cancelled_as_its_connection_goes_back_is_counted_as_its_commit_ended(
+    pg_dsn: str, schema: str, opened: list[Store], behaviour: str, committed: bool
+) -> None:
+    """The outcome's COMMIT was answered: committed. The call is cancelled (its client gone)
+    while the store hands the connection back to the pool, which awaits the pool's reset (a
+    round trip with a ``reset=`` of the pool's own; a turn of the loop with the library's).
+    Counted as what the database holds, "executed", as a call cut short with its COMMIT sent
+    is; it was "released" (nothing recorded, the key free), and the retry replayed. A COMMIT
+    that failed (the handler's write, checked at COMMIT) stays "released": the retry runs."""
+    entered, let_go = asyncio.Event(), asyncio.Event()
+
+    async def reset(_conn: Any) -> None:  # holds the first connection handed back once armed
+        if armed and not entered.is_set():
+            entered.set()
+            await let_go.wait()
+
+    armed = False
+    store = await _connect(pg_dsn, schema, opened, max_size=4, reset=reset)
+    telemetry, spans, reader = _telemetry()
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+    async with running_ledger(store, telemetry=telemetry, replay_cache=False) as ledger:
+        armed = True
+        call = asyncio.ensure_future(ledger.call(POST, request, key))
+        try:
+            await until("the connection going back", entered.is_set)
+            done = await store.lookup(SCOPE, key)
+            assert (done is not None and done.state is State.COMPLETED) is committed
+            call.cancel()
+            span = await _the_span(spans)  # the call ended, the reset still held
+        finally:
+            let_go.set()
+            call.cancel()
+
+        outcome = "executed" if committed else "released"
+        assert attributes(span)["grpc_idempotency.outcome"] == outcome
+        assert [counted for counted, _ in _outcomes(reader)] == [outcome]
+        retry = await ledger.call(POST, request, key)  # "deferred-violation": the first only
+        assert retry.code is grpc.StatusCode.OK and retry.replayed is committed, retry
+        assert ledger.service.executions == (1 if committed else 2)

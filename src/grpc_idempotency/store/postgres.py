@@ -141,8 +141,9 @@ class Attempt:
     commit_sent = False
     """Whether ``record`` or ``record_error`` was cancelled (the call's client gone, its
     deadline spent) with the COMMIT handed to the driver: its fate is then PostgreSQL's, which
-    commits it as a rule (a statement waiting on a lock waits on, its client gone). Set on that
-    path only (a class attribute until then: nothing on every call's)."""
+    commits it as a rule (a statement waiting on a lock waits on, its client gone); or with
+    the COMMIT answered, as the connection went back to the pool. Set on those paths only (a
+    class attribute until then: nothing on every call's)."""
 
     def __init__(
         self, store: Store, conn: PooledConnection, claim: _Claim, timeout: float | None = None
@@ -177,6 +178,7 @@ class Attempt:
         # batch fails (3B001) instead of committing the outcome with half the writes (discarding
         # them, ROLLBACK TO SAVEPOINT does the same). No round trip more.
         keep = "" if discard_writes else f"RELEASE SAVEPOINT {SAVEPOINT}; "
+        committed = False
         try:
             # (A connection asyncpg terminated cannot even be asked: the statement below then
             # fails as the store's error, as it does on one the server closed.)
@@ -224,6 +226,7 @@ class Attempt:
                 )
                 committing = True
                 await conn.execute(keep + "COMMIT", timeout=self._timeout)
+            committed = True
         except asyncpg.PostgresError as exc:
             await self._rollback_quietly()
             if exc.sqlstate == _CLAIM_LOST:
@@ -274,7 +277,16 @@ class Attempt:
             _drop(conn)
             raise
         finally:
-            await self._finish()
+            try:
+                await self._finish()
+            except asyncio.CancelledError:
+                # Cancelled as the connection went back to the pool (its reset: a turn of the
+                # loop, a round trip with a ``reset=`` of the pool's own), the COMMIT answered:
+                # the outcome is committed. Counted "released", it was not what the database
+                # held, and the retry replayed it.
+                if committed:
+                    self.commit_sent = True
+                raise
 
     async def release(self, *, interrupted: bool = False) -> HandlerDatabaseError | None:
         """Rolls back everything, once the handler has run: the claim disappears and a retry
