@@ -179,13 +179,17 @@ class Attempt:
         # them, ROLLBACK TO SAVEPOINT does the same). No round trip more.
         keep = "" if discard_writes else f"RELEASE SAVEPOINT {SAVEPOINT}; "
         committed = False
+        inline = size <= INLINE_OUTCOME_BYTES
+        # Whether a cancellation finds the COMMIT handed to the driver: inline, one batch with
+        # it, sent before the first await in it (the check below raises, never waits).
+        committing = inline
         try:
             # (A connection asyncpg terminated cannot even be asked: the statement below then
             # fails as the store's error, as it does on one the server closed.)
             if not connection_closed(conn) and not conn.is_in_transaction():
                 # Committed (it may not be retried: the writes would be made again) or gone.
                 raise ended_by_handler("no transaction was open at the commit")
-            if size <= INLINE_OUTCOME_BYTES:
+            if inline:
                 sql = self._store.statements.complete_and_commit(
                     scope=c.scope,
                     key=c.key,
@@ -204,7 +208,6 @@ class Attempt:
                 # One more round trip (two when the writes are discarded, whose ROLLBACK TO goes
                 # first: a recorded error, cut to 7 KiB, no longer gets here), a small price next
                 # to shipping the bytes as text.
-                committing = False
                 if discard_writes:
                     await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", timeout=self._timeout)
                 statements = self._store.statements
@@ -272,8 +275,7 @@ class Attempt:
             # gave up on it: the pool's command_timeout (30 s by default), for good without one.
             # Dropped, as ``Store.connection`` drops a statement cut short: PostgreSQL commits
             # or rolls back what it has, and a retry replays or runs again.
-            # (One batch with the COMMIT, when inline: sent before the first await in it.)
-            self.commit_sent = size <= INLINE_OUTCOME_BYTES or committing
+            self.commit_sent = committing
             _drop(conn)
             raise
         finally:
