@@ -30,7 +30,7 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, StoreMisconfigured, cli
+from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable, cli
 from grpc_idempotency.outbox import OutboxMessage, Relay
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
 from tests.support.pgbouncer import PgBouncer, free_port, running_pgbouncer
@@ -261,6 +261,36 @@ async def test_pgbouncers_refusal_of_the_session_for_good_is_misconfigured_not_u
     with pytest.raises(StoreMisconfigured, match="misconfigured while connecting") as refused:
         await Store.connect(dsn_of(bouncer), min_size=1, max_size=2, **POOL_OPTIONS)
     assert refusal in str(refused.value.__cause__), refused.value.__cause__
+
+
+@pytest.mark.parametrize("failure", ["max_client_conn", "server-unreachable"])
+async def test_pgbouncers_passing_failures_at_connection_stay_unavailable(
+    pg_dsn: str, failure: str
+) -> None:
+    """PgBouncer sends its passing failures with the same 08P01 as its refusals for good: a
+    client past max_client_conn, and a session whose start-up waited for a server PgBouncer
+    cannot reach (query_wait_timeout in 1.18; "pgbouncer cannot connect to server" or "server
+    login has been failing" in others). Taken for misconfigured (``connect_error`` matching
+    every 08P01), a deploy step's migrate gave up (exit 2) on a pooler that recovers, a call's
+    client was told not to retry (INTERNAL), and a fail-open method ran unclaimed with no
+    check that the database was down. They stay a presumed outage: retryable, confirmed first."""
+    async with contextlib.AsyncExitStack() as stack:
+        if failure == "max_client_conn":
+            bouncer = stack.enter_context(running_pgbouncer(pg_dsn, max_client_conn=1))
+            held = await asyncpg.connect(bouncer.dsn, statement_cache_size=0)
+            stack.push_async_callback(held.close)
+        else:
+            nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
+            settings = {"query_wait_timeout": "1"}  # 1.18 waits that long for the server
+            bouncer = stack.enter_context(running_pgbouncer(nowhere, settings=settings))
+        with pytest.raises(StoreUnavailable, match="unavailable while connecting") as failed:
+            await Store.connect(bouncer.dsn, min_size=1, max_size=2, **POOL_OPTIONS)
+    cause = failed.value.__cause__
+    assert type(failed.value) is StoreUnavailable, failed.value  # not StoreMisconfigured
+    assert failed.value.outage and failed.value.ambiguous, failed.value
+    assert getattr(cause, "sqlstate", None) == "08P01", repr(cause)
+    if failure == "max_client_conn":
+        assert "max_client_conn" in str(cause), cause
 
 
 # -- relays -------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from grpc_idempotency.store.sql import (
     timestamp_literal,
 )
 from tests.support.blackhole import BlackholeProxy
+from tests.support.pgbouncer import free_port
 from tests.support.tools import run_cli
 from tests.support.waiting import until
 
@@ -517,6 +518,12 @@ async def test_a_setting_refused_at_connection_is_misconfigured_with_no_connecti
     where the same DSN with ``min_size=1`` is misconfigured (``connect_error``)."""
     with pytest.raises(StoreMisconfigured, match=r"misconfigured while connecting.*42704"):
         await Store.connect(pg_dsn, min_size=0, server_settings={"no_such_setting": "1"})
+    # Not every failure there: a server that is not there stays an outage (retryable), named
+    # for what the connection was opened for.
+    nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
+    with pytest.raises(StoreUnavailable, match="unavailable while checking the schema") as down:
+        await Store.connect(nowhere, min_size=0)
+    assert type(down.value) is StoreUnavailable and down.value.outage, down.value
 
 
 @pytest.mark.parametrize(

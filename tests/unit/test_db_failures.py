@@ -8,7 +8,8 @@ import asyncpg
 import pytest
 
 from grpc_idempotency.core.db_failures import Failure, classify, outage, presumed_outage
-from grpc_idempotency.store.errors import dsn_unusable, store_error
+from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.store.errors import connect_error, dsn_unusable, store_error
 
 
 @pytest.mark.parametrize(
@@ -123,3 +124,53 @@ def test_a_poolers_error_is_a_presumed_outage_to_be_confirmed() -> None:
     assert shutdown.outage and not shutdown.ambiguous
     reset = store_error(ConnectionResetError(104, "Connection reset by peer"), "claiming a key")
     assert reset.outage and not reset.ambiguous
+
+
+@pytest.mark.parametrize(
+    ("said", "for_good"),
+    [
+        # Its refusals of the session for good, as its versions word them (older ones
+        # capitalised), and 1.18's forwarding of the server's refusal of its own login (newer
+        # versions forward that with the server's SQLSTATE, 28P01, and repeat it cached).
+        ("unsupported startup parameter: statement_timeout", True),
+        ("Unsupported startup parameter: search_path", True),
+        ("unsupported startup parameter in options: jit", True),
+        ("no such database: shop", True),
+        ("No such database: shop", True),
+        ("no such user", True),  # auth_query found no row
+        ("No such user: app", True),
+        ("password authentication failed", True),
+        ("SASL authentication failed", True),
+        ('password authentication failed for user "app"', True),
+        (
+            "server login has been failing, cached error: password authentication failed for"
+            ' user "app" (server_login_retry)',
+            True,
+        ),
+        # Its passing failures, and a server's passing refusal of its login, also 08P01.
+        ("query_wait_timeout", False),
+        ("no more connections allowed (max_client_conn)", False),
+        ("pgbouncer cannot connect to server", False),
+        ("server login has been failing, try again later (server_login_retry)", False),
+        ("server login has been failing, cached error: connect failed (server_login_retry)", False),
+        ("client_login_timeout (server down)", False),
+        ('database "shop" is disabled', False),
+        ("database does not allow connections: shop", False),
+        ("the database system is starting up", False),
+        ("sorry, too many clients already", False),
+    ],
+)
+def test_pgbouncers_refusals_for_good_are_told_from_its_passing_failures(
+    said: str, for_good: bool
+) -> None:
+    """PgBouncer sends every failure of its own as 08P01, and its text alone tells a refusal
+    that stays until the DSN or its configuration changes (misconfigured: not retryable) from
+    one that passes (a presumed outage: retryable, confirmed before a fail-open method runs
+    unclaimed). tests/integration/test_pgbouncer.py meets both with the PgBouncer installed;
+    these are the wordings of the others."""
+    error = connect_error(asyncpg.ProtocolViolationError(said), "claiming a key")
+    if for_good:
+        assert isinstance(error, StoreMisconfigured), error
+    else:
+        assert type(error) is StoreUnavailable, error
+        assert error.outage and error.ambiguous, error
