@@ -19,6 +19,7 @@ comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -425,12 +426,17 @@ async def test_a_request_factory_repeating_one_operation_is_named_not_the_servic
 ) -> None:
     # count_effects(db, request) cannot tell two equal requests' effects apart: every check
     # after the first counted the earlier checks' rows too, and blamed the service for them
-    # ("the handler writes outside the call's transaction", a missing interceptor).
-    same = testsvc_pb2.PostRequest(account="kit-checks-same-" + uuid.uuid4().hex, amount=5)
-    plan = plan_for("correct", request=lambda: same)
-    await plan.check_sequential_replay()  # the first operation: nothing to tell it from yet
+    # ("the handler writes outside the call's transaction", a missing interceptor). Equal, not
+    # the same object: each request is built anew. Two operations taking turns are caught
+    # too, each the second time it comes back, not only one repeated at once.
+    accounts = itertools.cycle(f"kit-checks-turns-{uuid.uuid4().hex}-{n}" for n in (1, 2))
+    plan = plan_for(
+        "correct", request=lambda: testsvc_pb2.PostRequest(account=next(accounts), amount=5)
+    )
+    await plan.check_sequential_replay()  # the first two operations: nothing to tell them from
+    await plan.check_crash("before_commit")
     with pytest.raises(ValueError, match=r"make_request\(\) .* returned the same request again"):
-        await plan.check_crash("before_commit")
+        await plan.check_sequential_replay()
 
 
 async def test_a_server_answering_before_the_crash_failpoint_is_not_waited_for(

@@ -349,7 +349,7 @@ class ConformancePlan:
         self.log_dir = log_dir
         self._clean: ServerProcess | None = None
         self._started: list[ServerProcess] = []
-        self._last_request: bytes | None = None
+        self._requests_made: set[bytes] = set()  # serialized: equal requests, equal bytes
 
     # -- processes and calls -------------------------------------------------------------
 
@@ -398,15 +398,17 @@ class ConformancePlan:
         request = _message(self.target.request(), "make_request()")
         # count_effects(db, request) cannot tell the effects of two equal requests apart: each
         # check after the first counted the earlier checks' effects too, and blamed the service
-        # ("the handler writes outside the call's transaction", a missing interceptor).
+        # ("the handler writes outside the call's transaction", a missing interceptor). Any
+        # earlier request, not only the last: one of a few taking turns (itertools.cycle, a
+        # random.choice of fixed ids) counted another check's effects just the same.
         data = request.SerializeToString(deterministic=True)
-        if data == self._last_request:
+        if data in self._requests_made:
             raise ValueError(
                 "make_request() (ConformanceTarget.request()) returned the same request again:"
                 " each must be a new operation (a fresh id in it, e.g. uuid.uuid4().hex), or"
                 " count_effects counts the earlier operations' effects as this one's"
             )
-        self._last_request = data
+        self._requests_made.add(data)
         return request
 
     def _key(self, check: str) -> str:
