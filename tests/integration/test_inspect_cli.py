@@ -616,12 +616,22 @@ async def test_list_filters_by_state_and_method(services: Services) -> None:
     code, none = await keys("--state", "in_progress")
     assert (code, none) == (3, [])
 
+    # A method past the method column's 40 characters, as a service's full name makes one.
+    long_method = "/shop.payments.v1.PaymentAuthorizationService/AuthorizeAndCapture"
+    store = services.ledger_store
+    await store.pool.execute(
+        f"UPDATE {store.schema}.records SET method = $3 WHERE scope = $1 AND key = $2",
+        scope,
+        event_key,
+        long_method,
+    )
     table = await cli(*base)
     assert table.returncode == 0, table.stderr
     assert "error NOT_FOUND" in table.stdout and error_key in table.stdout
     assert "4 record(s)" in table.stdout
     # Each row's values under their headings: "error NOT_FOUND", wider than the state column
-    # was, pushed its row's claims under "started" and its method and key along with them.
+    # was, pushed its row's claims under "started" and its method and key along with them, and
+    # the long method its row's key.
     header, *rows = table.stdout.splitlines()[:-1]
     claims_end, key_at = header.index("claims") + len("claims"), header.index("key")
     assert [(r[claims_end - 1 : claims_end + 1], r[key_at:]) for r in rows] == [
