@@ -263,6 +263,17 @@ async def test_pgbouncers_refusal_of_the_session_for_good_is_misconfigured_not_u
     assert refusal in str(refused.value.__cause__), refused.value.__cause__
 
 
+async def test_a_probe_dsn_pgbouncer_refuses_for_good_is_refused_at_connect(
+    pg_dsn: str, bouncer: PgBouncer
+) -> None:
+    """As the store's own DSN refused so (above), and as a probe_dsn PostgreSQL refuses: it was
+    accepted with a warning that it "does not answer now", every probe then failed alike, and
+    every ambiguous outage let fail-open methods run unclaimed."""
+    probe_dsn = bouncer.dsn + "?statement_timeout=5000"
+    with pytest.raises(StoreMisconfigured, match=r"probe_dsn: the pooler \(PgBouncer\) refused"):
+        await Store.connect(pg_dsn, probe_dsn=probe_dsn, check_schema=False)
+
+
 @pytest.mark.parametrize("failure", ["max_client_conn", "server-unreachable"])
 async def test_pgbouncers_passing_failures_at_connection_stay_unavailable(
     pg_dsn: str, failure: str

@@ -172,6 +172,13 @@ _POOLER_REFUSALS = (
 )
 
 
+# What to check when PgBouncer refused a session for good (``_pooler_refused``).
+_POOLER_HINT = (
+    "check the DSN's database, user and parameters (PgBouncer forwards only the startup"
+    " parameters it tracks) and its configuration"
+)
+
+
 def _pooler_refused(exc: BaseException) -> bool:
     """Whether ``exc`` (from opening a connection) is PgBouncer's refusal of the session for
     good (``_POOLER_REFUSALS``)."""
@@ -195,8 +202,7 @@ def connect_error(exc: BaseException, doing: str = "connecting") -> StoreUnavail
         _log_misconfigured(exc, "connecting")
         return StoreMisconfigured(
             f"idempotency store misconfigured while connecting (SQLSTATE {state}): the pooler"
-            " (PgBouncer) refused the session: check the DSN's database, user and parameters"
-            " (PgBouncer forwards only the startup parameters it tracks) and its configuration"
+            f" (PgBouncer) refused the session: {_POOLER_HINT}"
         )
     if state == _NOT_ACCEPTING_CONNECTIONS:
         # ALTER DATABASE ... ALLOW_CONNECTIONS false: an operator closed the database (a
@@ -219,8 +225,13 @@ def session_refused(exc: BaseException) -> str | None:
     """What the server said, when ``exc`` (from opening a connection) is its refusal of the
     session for good (``connect_error``'s misconfigured cases: a password or database that is
     wrong, a setting it does not know); ``None`` otherwise. Logs nothing: for a DSN other than
-    the store's own (``vet_dsn``), where "every keyed call fails" would not be true."""
+    the store's own (``vet_dsn``), where "every keyed call fails" would not be true. PgBouncer's
+    refusals for good too (``_pooler_refused``): a ``probe_dsn`` it refused was "does not answer
+    now", and every probe failed alike, so every ambiguous outage let fail-open methods run
+    unclaimed."""
     state = sqlstate(exc)
+    if _pooler_refused(exc):
+        return f"the pooler (PgBouncer) refused the session (SQLSTATE {state}): {_POOLER_HINT}"
     if state is None or state == _NOT_ACCEPTING_CONNECTIONS:
         return None
     if classify(state) not in (Failure.MISCONFIGURED, Failure.OTHER):
