@@ -32,6 +32,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable, cli
 from grpc_idempotency.outbox import OutboxMessage, Relay
+from grpc_idempotency.store import errors as store_errors
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
 from tests.support.pgbouncer import PgBouncer, free_port, running_pgbouncer
 from tests.support.waiting import until
@@ -105,6 +106,47 @@ async def test_transaction_pooling_loses_named_statements_and_keeps_unnamed_ones
         finally:
             for conn in (cached, uncached, holder):
                 await conn.close()
+
+
+async def test_a_store_statement_failing_for_the_statement_cache_says_why_in_the_log(
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store left with asyncpg's statement cache behind PgBouncer: its statements fail now and
+    then (26000, 42P05), as a call lands on a server connection its cached statement is not on.
+    The call's answer stays what it was; the log names the likely cause and the fix, where it
+    said nothing about the store's own statements. Made to happen as in the test above: a
+    statement cached on the one server connection that another client then pins."""
+    # A limiter of its own: another test's failure in this minute must not silence this one.
+    fresh = store_errors._PreparedStatementLostLog()
+    monkeypatch.setattr(store_errors, "_log_prepared_statement_lost", fresh)
+    caplog.set_level(logging.ERROR, logger="grpc_idempotency.store")
+    with running_pgbouncer(pg_dsn, pool_size=2) as small:
+        cached = await Store.connect(small.dsn, min_size=1, max_size=1)  # asyncpg's defaults
+        holder = await asyncpg.connect(small.dsn, **POOL_OPTIONS)
+        try:
+            async with running_ledger(cached) as ledger:
+                run = uuid.uuid4().hex[:10]
+                request = testsvc_pb2.PostRequest(account=f"pgb-{run}", amount=1)
+                warm = await call_raw(ledger.channel, PHASED, request, metadata(f"pgb-{run}-1"))
+                assert warm.code is grpc.StatusCode.OK, warm.details  # cached on one server
+                assert not caplog.records
+                async with holder.transaction():
+                    await holder.fetchval("SELECT 1")  # pins that server (last in, first out)
+                    failed = await call_raw(
+                        ledger.channel, PHASED, request, metadata(f"pgb-{run}-2")
+                    )
+        finally:
+            await holder.close()
+            await cached.close()
+    # Unchanged: the store's statement failed, retryable.
+    assert failed.code is grpc.StatusCode.UNAVAILABLE, failed.details
+    assert failed.details == "idempotency store unavailable while looking up a key (26000)"
+    [record] = [r for r in caplog.records if "statement_cache_size=0" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    message = record.getMessage()
+    assert "while looking up a key (SQLSTATE 26000" in message, message
+    assert "behind PgBouncer in transaction mode" in message, message
+    assert "pass Store.connect(..., statement_cache_size=0)" in message, message
 
 
 # -- keyed calls --------------------------------------------------------------------------------

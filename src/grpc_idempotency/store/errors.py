@@ -32,20 +32,33 @@ def sqlstate(exc: BaseException) -> str | None:
     return state if isinstance(state, str) else None
 
 
-class _MisconfiguredLog:
-    """Logs permanent store errors with their cause, at most once a minute per SQLSTATE: every
-    call fails the same way until an operator acts, and the log must say why, not drown."""
+class _OnceAMinute:
+    """Whether an operator's log line about ``what`` is due: at most once a minute each, since
+    every call can fail the same way until an operator acts, and the log must say why, not
+    drown."""
 
     def __init__(self, every_s: float = 60.0) -> None:
         self._every_s = every_s
-        self._last: dict[str | None, float] = {}
+        self._last: dict[object, float] = {}
+
+    def due(self, what: object) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(what, -self._every_s) < self._every_s:
+            return False
+        self._last[what] = now
+        return True
+
+
+class _MisconfiguredLog:
+    """Logs permanent store errors with their cause, once a minute per SQLSTATE."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self._once = _OnceAMinute(every_s)
 
     def __call__(self, exc: BaseException, doing: str) -> None:
         state = sqlstate(exc)
-        now = time.monotonic()
-        if now - self._last.get(state, -self._every_s) < self._every_s:
+        if not self._once.due(state):
             return
-        self._last[state] = now
         log.error(
             "idempotency store misconfigured while %s (SQLSTATE %s): %s; every keyed call fails"
             " until this is fixed (%s)",
@@ -72,6 +85,47 @@ def _hint(state: str | None) -> str:
 _log_misconfigured = _MisconfiguredLog()
 
 
+# invalid_sql_statement_name ("prepared statement "__asyncpg_stmt_..." does not exist") and
+# duplicate_prepared_statement ("... already exists"): a named statement of asyncpg's cache
+# (on by default) run on a server connection other than the one it was prepared on, or
+# prepared again where another client's already is. What PgBouncer in transaction mode does to
+# it, swapping server connections between transactions: keyed calls failed now and then
+# (UNAVAILABLE, a released key left in progress for its lease), and nothing said why.
+_PREPARED_STATEMENT_LOST = frozenset({"26000", "42P05"})
+
+
+def _prepared_statement_lost(exc: BaseException) -> bool:
+    # asyncpg's own classes carry these SQLSTATEs; both looked at, whichever it raises.
+    return sqlstate(exc) in _PREPARED_STATEMENT_LOST or isinstance(
+        exc, (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError)
+    )
+
+
+class _PreparedStatementLostLog:
+    """Logs a store statement that failed for asyncpg's statement cache, with the likely
+    cause and the fix, once a minute: the SQLSTATE alone sends an operator nowhere."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self._once = _OnceAMinute(every_s)
+
+    def __call__(self, exc: BaseException, doing: str) -> None:
+        if not self._once.due(None):
+            return
+        log.error(
+            "an idempotency store statement failed while %s (SQLSTATE %s: %s): behind PgBouncer"
+            " in transaction mode (before 1.21, or max_prepared_statements = 0) asyncpg's"
+            " statement cache breaks: pass Store.connect(..., statement_cache_size=0)"
+            " (--statement-cache-size 0 on the command line)",
+            doing,
+            sqlstate(exc),
+            # The first line only: asyncpg appends a hint of its own about PgBouncer.
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+
+
+_log_prepared_statement_lost = _PreparedStatementLostLog()
+
+
 def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
     """The store's own statement failed: unavailable (retryable) or misconfigured (not)."""
     if not isinstance(exc, STORE_ERRORS):
@@ -85,6 +139,8 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
             outage=False,
         )
     state = sqlstate(exc)
+    if _prepared_statement_lost(exc):
+        _log_prepared_statement_lost(exc, doing)
     if classify(state) is Failure.MISCONFIGURED:
         _log_misconfigured(exc, doing)
         return StoreMisconfigured(
@@ -127,14 +183,11 @@ class _DriverFailureLog:
     """Logs the driver's unexpected failures with their traceback, once a minute per type."""
 
     def __init__(self, every_s: float = 60.0) -> None:
-        self._every_s = every_s
-        self._last: dict[type[BaseException], float] = {}
+        self._once = _OnceAMinute(every_s)
 
     def __call__(self, exc: BaseException, doing: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(type(exc), -self._every_s) < self._every_s:
+        if not self._once.due(type(exc)):
             return
-        self._last[type(exc)] = now
         log.error(
             "the database driver failed while %s, reading an answer it could not make sense of"
             " (a corrupt stream?)",
