@@ -111,16 +111,10 @@ async def test_a_partition_fails_open_with_a_deadline_just_past_command_timeout(
         await proxy.close()
 
 
-async def test_a_custom_connect_failing_in_the_probe_is_no_answer(
-    pg_dsn: str, db: asyncpg.Connection
-) -> None:
-    broken = False
-
-    async def connect(*args: Any, **kwargs: Any) -> Any:  # e.g. fetches a token first
-        if broken:
-            raise RuntimeError("token service unreachable")
-        return await asyncpg.connect(*args, **kwargs)
-
+@contextlib.asynccontextmanager
+async def _custom_connect_store(pg_dsn: str, connect: Any) -> AsyncIterator[Store]:
+    """A store whose pool opens connections with ``connect``: a 1 s command_timeout (the probe's
+    case), but 10 s to connect (a loaded CI machine took longer than 1 s)."""
     store = await Store.connect(
         pg_dsn,
         schema=await migrated(pg_dsn),
@@ -131,12 +125,28 @@ async def test_a_custom_connect_failing_in_the_probe_is_no_answer(
     )
     await prepare(store)
     try:
-        async with running_ledger(store, replay_cache=False) as ledger:
-            broken = True
-            async with records_locked(db, store.schema):
-                answer = await ledger.call(FAIL_OPEN, post(fresh("a")), fresh(), timeout=None)
+        yield store
     finally:
         await store.close()
+
+
+async def test_a_custom_connect_failing_in_the_probe_is_no_answer(
+    pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    broken = False
+
+    async def connect(*args: Any, **kwargs: Any) -> Any:  # e.g. fetches a token first
+        if broken:
+            raise RuntimeError("token service unreachable")
+        return await asyncpg.connect(*args, **kwargs)
+
+    async with (
+        _custom_connect_store(pg_dsn, connect) as store,
+        running_ledger(store, replay_cache=False) as ledger,
+    ):
+        broken = True
+        async with records_locked(db, store.schema):
+            answer = await ledger.call(FAIL_OPEN, post(fresh("a")), fresh(), timeout=None)
     assert answer.code is not grpc.StatusCode.UNKNOWN, answer
     assert "token" not in (answer.details or "")
 
@@ -151,23 +161,12 @@ async def test_a_custom_connect_is_called_as_the_pool_calls_it(
             dsn, connection_class=connection_class, record_class=record_class, **kwargs
         )
 
-    store = await Store.connect(
-        pg_dsn,
-        schema=await migrated(pg_dsn),
-        max_size=2,
-        command_timeout=1,
-        connect=connect,
-        timeout=10,
-    )
-    await prepare(store)
-    try:
-        async with (
-            running_ledger(store, replay_cache=False) as ledger,
-            completed_then_locked(ledger, db, store.schema) as key,
-        ):
-            again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
-    finally:
-        await store.close()
+    async with (
+        _custom_connect_store(pg_dsn, connect) as store,
+        running_ledger(store, replay_cache=False) as ledger,
+        completed_then_locked(ledger, db, store.schema) as key,
+    ):
+        again = await ledger.call(FAIL_OPEN, post("acct"), key, timeout=None)
     assert again.code is grpc.StatusCode.UNAVAILABLE, again
     assert ledger.service.executions == 1
 
