@@ -60,6 +60,7 @@ NOT_THE_LIBRARYS = frozenset(
         "PermissionError",
         "RetryInfo",
         "RuntimeError",
+        "Struct",  # protobuf's
         "TimeZone",
         "Timestamp",
         "True",
