@@ -25,6 +25,7 @@ from grpc_idempotency.core.policy import (
     compile_policy,
     method_path,
     normalize_method,
+    overrides_by_path,
 )
 
 Services = Iterable[ServiceDescriptor | FileDescriptor | ModuleType]
@@ -53,7 +54,7 @@ class PolicyRegistry:
                 raise TypeError(
                     f"overrides[{name!r}] must be a MethodOverride, not {type(override).__name__}"
                 )
-        self._overrides = {normalize_method(k): v for k, v in overrides.items()}
+        self._overrides = overrides_by_path(overrides)
         self._check = check
         self._policies: dict[str, MethodPolicy | None] = {}
         # A method found on first use whose options are bad: the same error on every call,

@@ -463,6 +463,26 @@ def test_compile_policies_uses_overrides_by_any_spelling() -> None:
     assert normalize_method("pkg.Svc/M") == normalize_method("/pkg.Svc/M") == "/pkg.Svc/M"
 
 
+def test_two_different_overrides_of_one_method_by_two_spellings_are_refused() -> None:
+    """Each spelling of a method ("pkg.Svc/M", "/pkg.Svc/M", "pkg.Svc.M") names the same
+    method: two of them with different overrides kept the last one only, silently (here the
+    method ran keyless calls undeduplicated, the key the first override required dropped)."""
+    service = "testsvc.v1.LedgerService"
+    overrides = {
+        f"{service}/Post": MethodOverride(key=KeyRequirement.REQUIRED),
+        f"{service}.Post": MethodOverride(key=KeyRequirement.OPTIONAL),
+    }
+    for services in ([testsvc_pb2], ()):
+        with pytest.raises(PolicyError, match=r"named twice.*LedgerService/Post"):
+            PolicyRegistry(services, overrides)
+    methods = list(testsvc_pb2.DESCRIPTOR.services_by_name["LedgerService"].methods)
+    with pytest.raises(PolicyError, match="named twice"):
+        compile_policies(methods, overrides)
+    # The same override under two spellings is no conflict.
+    same = {f"/{service}/Post": MethodOverride(), f"{service}.Post": MethodOverride()}
+    assert PolicyRegistry([testsvc_pb2], same).get(f"/{service}/Post") is not None
+
+
 def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
     from grpc_idempotency import IdempotencyInterceptor, Store
 

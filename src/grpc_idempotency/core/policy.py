@@ -546,7 +546,7 @@ def compile_policies(
     methods: Iterable[MethodDescriptor], overrides: Mapping[str, MethodOverride] | None = None
 ) -> dict[str, MethodPolicy]:
     """Policies for every keyed method in ``methods``, by gRPC path."""
-    overrides = {normalize_method(k): v for k, v in (overrides or {}).items()}
+    overrides = overrides_by_path(overrides or {})
     compiled: dict[str, MethodPolicy] = {}
     # Their request types often share message types: each one's extensions asked of the pool
     # once (upb scans all the pool's extensions for them), not once per method.
@@ -557,6 +557,23 @@ def compile_policies(
         if policy is not None:
             compiled[path] = policy
     return compiled
+
+
+def overrides_by_path(overrides: Mapping[str, MethodOverride]) -> dict[str, MethodOverride]:
+    """``overrides`` by gRPC path. Two spellings of one method ("pkg.Svc/M", "pkg.Svc.M") with
+    different overrides are refused: the last one alone was kept, silently."""
+    by_path: dict[str, MethodOverride] = {}
+    spelt: dict[str, str] = {}
+    for name, override in overrides.items():
+        path = normalize_method(name)
+        if path in by_path and by_path[path] != override:
+            raise PolicyError(
+                f"overrides: {path} is named twice ({spelt[path]!r} and {name!r}) with different"
+                " overrides; give one MethodOverride per method"
+            )
+        by_path[path] = override
+        spelt[path] = name
+    return by_path
 
 
 def normalize_method(name: str) -> str:
