@@ -170,12 +170,20 @@ def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescri
         known.setdefault(method.containing_service.full_name, set()).add(method.name)
     unchecked: set[str] = set()
     for path in overrides:
-        service_name = path.lstrip("/").partition("/")[0]
+        service_name, _, method_name = path.lstrip("/").partition("/")
         names = known.get(service_name)
         if names is None:
             try:
                 service = descriptor_pool.Default().FindServiceByName(service_name)
             except KeyError:
+                whole = f"{service_name}.{method_name}"
+                if whole in known or _in_pool(whole):
+                    # "pkg.Service" reads as method "Service" of a service "pkg", never
+                    # imported: meant for every method, the override applied to none.
+                    raise PolicyError(
+                        f"override for {whole}: names service {whole}, not a method; give one"
+                        f" override per method ('{whole}/Method')"
+                    ) from None
                 unchecked.add(service_name)
                 continue
             names = set(service.methods_by_name)
@@ -245,3 +253,11 @@ def methods_of(services: Services) -> Iterable[MethodDescriptor]:
             yield from item.methods
         else:
             raise TypeError(f"expected a service or file descriptor or a _pb2 module, got {item!r}")
+
+
+def _in_pool(service_name: str) -> bool:
+    try:
+        descriptor_pool.Default().FindServiceByName(service_name)
+    except KeyError:
+        return False
+    return True

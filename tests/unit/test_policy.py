@@ -689,6 +689,16 @@ def test_an_override_of_a_service_not_known_yet_is_said_at_start(
     assert not caplog.records  # a service it knows: nothing to say
 
 
+@pytest.mark.parametrize("services", [[testsvc_pb2], ()], ids=["given", "in-the-pool"])
+def test_an_override_naming_a_whole_service_is_refused(services: list[Any]) -> None:
+    """An override named "pkg.Service" read as method "Service" of a service "pkg", which is
+    never imported: the override (meant for every method of the service) applied to none of
+    them, and the warning said only that a service "testsvc.v1" was not imported yet."""
+    for name in ("testsvc.v1.LedgerService", "/testsvc.v1.LedgerService"):
+        with pytest.raises(PolicyError, match=r"names service testsvc\.v1\.LedgerService"):
+            PolicyRegistry(services, {name: MethodOverride(store_down=StoreDown.FAIL_OPEN)})
+
+
 def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> None:
     """A call naming a method before its _pb2 was imported (a generic call, say) found nothing,
     and "not keyed" was cached: the method stayed unkeyed (no key sent, or none required) for
