@@ -96,6 +96,11 @@ class PolicyRegistry:
             # keyed for now, but not cached, or the method stayed unkeyed for the life of the
             # process once its _pb2 was imported. A miss costs well under a microsecond.
             return None
+        package, _, last = service_name.rpartition(".")
+        if package and f"/{package}/{last}" in self._overrides and service_name not in self._typos:
+            # An override of the whole service, imported only now (refused at construction
+            # when the service is known then).
+            self._typos[service_name] = _whole_service(service_name)
         if service_name in self._unchecked:
             typo = _unknown_override(self._overrides, service_name, set(service.methods_by_name))
             if typo is not None:
@@ -180,10 +185,7 @@ def _check_overrides(overrides: Mapping[str, object], methods: list[MethodDescri
                 if whole in known or _in_pool(whole):
                     # "pkg.Service" reads as method "Service" of a service "pkg", never
                     # imported: meant for every method, the override applied to none.
-                    raise PolicyError(
-                        f"override for {whole}: names service {whole}, not a method; give one"
-                        f" override per method ('{whole}/Method')"
-                    ) from None
+                    raise _whole_service(whole) from None
                 unchecked.add(service_name)
                 continue
             names = set(service.methods_by_name)
@@ -253,6 +255,13 @@ def methods_of(services: Services) -> Iterable[MethodDescriptor]:
             yield from item.methods
         else:
             raise TypeError(f"expected a service or file descriptor or a _pb2 module, got {item!r}")
+
+
+def _whole_service(name: str) -> PolicyError:
+    return PolicyError(
+        f"override for {name}: names service {name}, not a method; give one override per"
+        f" method ('{name}/Method')"
+    )
 
 
 def _in_pool(service_name: str) -> bool:

@@ -719,6 +719,22 @@ def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> Non
     assert policy is not None and policy.method == path
 
 
+def test_an_override_naming_a_whole_service_imported_later_refuses_its_methods() -> None:
+    """As at construction: "pkg.Svc" named no method of the service imported later, and each
+    of its methods ran as its proto says, the override applied to none."""
+    package = f"latewhole{next(_counter)}"
+    registry = PolicyRegistry((), {f"{package}.Svc": MethodOverride()})
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
+    fdp.message_type.add(name="Req")
+    fdp.service.add(name="Svc").method.add(
+        name="Do", input_type=f".{package}.Req", output_type=f".{package}.Req"
+    )
+    descriptor_pool.Default().Add(fdp)
+    for _ in range(2):  # the same answer on every call
+        with pytest.raises(PolicyError, match=rf"names service {package}\.Svc, not a method"):
+            registry.get(f"/{package}.Svc/Do")
+
+
 def test_a_misspelt_override_of_a_service_imported_later_refuses_its_methods() -> None:
     """An override naming a method of a service not yet in the pool was to be "checked on first
     use", and never was: the method it meant stayed unkeyed, silently."""
