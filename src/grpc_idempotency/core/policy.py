@@ -569,7 +569,8 @@ def overrides_by_path(overrides: Mapping[str, MethodOverride]) -> dict[str, Meth
         if path in by_path and by_path[path] != override:
             raise PolicyError(
                 f"overrides: {path} is named twice ({spelt[path]!r} and {name!r}) with different"
-                " overrides; give one MethodOverride per method"
+                " overrides; give one MethodOverride per method, under one spelling (a generated"
+                f" POLICIES entry is replaced under its own key, {path!r})"
             )
         by_path[path] = override
         spelt[path] = name
