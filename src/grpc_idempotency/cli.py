@@ -15,7 +15,7 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -775,18 +775,15 @@ async def _with_store(args: argparse.Namespace) -> int:
             else:
                 print("schema is up to date")
         elif args.command == "purge":
-            done = [0]  # committed batches' rows, to report if the purge is stopped midway
-            try:
-                await store.purge(
+            await _purging(
+                "expired records",
+                lambda on_batch: store.purge(
                     batch_size=args.batch_size,
                     max_batches=args.max_batches,
                     pause=args.pause,
-                    on_batch=lambda n: done.__setitem__(0, done[0] + n),
-                )
-            except asyncio.CancelledError:  # SIGINT or SIGTERM (run_command)
-                print(f"purged {done[0]} expired records before it was stopped", flush=True)
-                raise
-            print(f"purged {done[0]} expired records")
+                    on_batch=on_batch,
+                ),
+            )
         elif args.command == "relay":
             return await _relay(args, store)
         elif args.command == "list":
@@ -797,6 +794,21 @@ async def _with_store(args: argparse.Namespace) -> int:
     finally:
         await store.close()
     return 0
+
+
+async def _purging(what: str, purge: Callable[[Callable[[int], None]], Awaitable[int]]) -> None:
+    """Runs ``purge`` (given the callback of its committed batches) and says how many ``what``
+    went: stopped midway (SIGINT or SIGTERM: ``run_command``), how many its committed batches
+    took, which stay purged, before the interruption is reported. Every purge command: the
+    outbox's said nothing of its committed batches, and an operator stopping one on a backlog
+    could not tell whether anything went."""
+    done = [0]
+    try:
+        await purge(lambda n: done.__setitem__(0, done[0] + n))
+    except asyncio.CancelledError:
+        print(f"purged {done[0]} {what} before it was stopped", flush=True)
+        raise
+    print(f"purged {done[0]} {what}")
 
 
 def _readable_from(args: argparse.Namespace) -> int | None:
@@ -1005,11 +1017,19 @@ async def _outbox(args: argparse.Namespace, store: Store, *, applied: frozenset[
             )
             return inspect_cli.NOT_FOUND
     elif command == "purge-dead":
-        purged = await outbox.purge_dead(older_than_s=args.older_than, batch_size=args.batch_size)
-        print(f"purged {purged} dead letter(s)")
+        await _purging(
+            "dead letter(s)",
+            lambda on_batch: outbox.purge_dead(
+                older_than_s=args.older_than, batch_size=args.batch_size, on_batch=on_batch
+            ),
+        )
     elif command == "purge-sent":
-        purged = await outbox.purge_sent(older_than_s=args.older_than, batch_size=args.batch_size)
-        print(f"purged {purged} sent row(s)")
+        await _purging(
+            "sent row(s)",
+            lambda on_batch: outbox.purge_sent(
+                older_than_s=args.older_than, batch_size=args.batch_size, on_batch=on_batch
+            ),
+        )
     else:
         counts = await outbox.counts()
         for state in ("pending", "sent", "dead"):

@@ -923,8 +923,70 @@ async def test_an_interrupted_purge_rolls_its_batch_back_says_so_and_exits_128_p
             assert out == b"purged 2 expired records before it was stopped\n"
             assert left == 3
         else:
-            assert out == b""
+            assert out == b"purged 0 sent row(s) before it was stopped\n"
             assert left == 5
+
+
+# Batches after the first two rows deleted wait on advisory lock 4242 (the test holds it), in
+# whatever order the purge takes the rows: the count lives in a table of its own.
+GATE = """
+CREATE TABLE {schema}.gate (n integer NOT NULL);
+INSERT INTO {schema}.gate VALUES (0);
+CREATE FUNCTION {schema}.gate() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE v integer;
+BEGIN
+    UPDATE {schema}.gate SET n = n + 1 RETURNING n INTO v;
+    IF v > 2 THEN PERFORM pg_advisory_xact_lock(4242); END IF;
+    RETURN OLD;
+END $$;
+CREATE TRIGGER gate BEFORE DELETE ON {schema}.outbox FOR EACH ROW EXECUTE FUNCTION {schema}.gate();
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "state", "said"),
+    [("purge-sent", "sent", "sent row(s)"), ("purge-dead", "dead", "dead letter(s)")],
+)
+async def test_an_interrupted_outbox_purge_says_what_its_committed_batches_purged(
+    pg_dsn: str, db: Any, command: str, state: str, said: str
+) -> None:
+    """As purge does: stopped after its first batch committed, an outbox purge printed nothing
+    of the rows that batch deleted for good (only "interrupted"), and an operator purging a
+    backlog could not tell whether anything went."""
+    async with fresh_store(pg_dsn, "interrupted_outbox") as s:
+        table = f'"{s.schema}".outbox'
+        await s.pool.execute(
+            f"INSERT INTO {table} (scope, key, step, parent_key, method, payload_type, payload,"
+            " state, sent_at, next_attempt_at) SELECT 's', 'old-' || i, 'st', 'p', '/a.B/C', 't',"
+            f" '\\x00', '{state}', clock_timestamp() - interval '2 days',"
+            " clock_timestamp() - interval '2 days' FROM generate_series(1, 5) i"
+        )
+        await s.pool.execute(GATE.format(schema=f'"{s.schema}"'))
+        await db.execute("SELECT pg_advisory_lock(4242)")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "grpc_idempotency.cli", "outbox", command,
+            "--older-than", "3600", "--batch-size", "2", "--dsn", pg_dsn, "--schema", s.schema,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        try:
+
+            async def waiting_on_the_gate() -> int | None:
+                assert proc.returncode is None, "the purge ended before it waited"
+                return await delete_waiting_on_a_lock(s.pool, table)
+
+            pid = await until("the second batch waiting on the gate", waiting_on_the_gate, 30)
+            proc.send_signal(signal.SIGINT)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            await until("the purge's backend to exit", lambda: backend_gone(s.pool, pid), 10)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await db.execute("SELECT pg_advisory_unlock(4242)")
+        assert (proc.returncode, err.decode()) == (130, "grpc-idempotency: interrupted\n")
+        assert out.decode() == f"purged 2 {said} before it was stopped\n"
+        assert await s.pool.fetchval(f"SELECT count(*) FROM {table}") == 3
 
 
 @pytest.mark.parametrize("command", [["inspect", "--scope", "s", "k"], ["list", "--scope", "s"]])

@@ -401,19 +401,40 @@ class OutboxStore:
         return value
 
     async def purge_sent(
-        self, *, older_than_s: float, batch_size: int = 1000, max_batches: int | None = None
+        self,
+        *,
+        older_than_s: float,
+        batch_size: int = 1000,
+        max_batches: int | None = None,
+        on_batch: Callable[[int], None] | None = None,
     ) -> int:
-        """Deletes rows sent more than ``older_than_s`` seconds ago, in bounded batches."""
-        return await self._purge(self.statements.purge_sent, older_than_s, batch_size, max_batches)
+        """Deletes rows sent more than ``older_than_s`` seconds ago, in bounded batches.
+        ``on_batch``: called with each committed batch's count (``Store.purge``'s)."""
+        return await self._purge(
+            self.statements.purge_sent, older_than_s, batch_size, max_batches, on_batch
+        )
 
     async def purge_dead(
-        self, *, older_than_s: float = 0.0, batch_size: int = 1000, max_batches: int | None = None
+        self,
+        *,
+        older_than_s: float = 0.0,
+        batch_size: int = 1000,
+        max_batches: int | None = None,
+        on_batch: Callable[[int], None] | None = None,
     ) -> int:
-        """Deletes dead letters parked more than ``older_than_s`` seconds ago."""
-        return await self._purge(self.statements.purge_dead, older_than_s, batch_size, max_batches)
+        """Deletes dead letters parked more than ``older_than_s`` seconds ago (``on_batch``: as
+        ``purge_sent``'s)."""
+        return await self._purge(
+            self.statements.purge_dead, older_than_s, batch_size, max_batches, on_batch
+        )
 
     async def _purge(
-        self, sql: str, older_than_s: float, batch_size: int, max_batches: int | None
+        self,
+        sql: str,
+        older_than_s: float,
+        batch_size: int,
+        max_batches: int | None,
+        on_batch: Callable[[int], None] | None,
     ) -> int:
         # Not `older_than_s < 0`: NaN passes it. Past MAX_DURATION_S the database cannot
         # take it from its clock (22008), which read as the store being down.
@@ -427,6 +448,7 @@ class OutboxStore:
             float(older_than_s),
             batch_size=batch_size,
             max_batches=max_batches,
+            on_batch=on_batch,
         )
 
     async def dead_letters(self, *, limit: int = 1000) -> list[DeadLetter]:
