@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Status, StatusCode
@@ -82,6 +82,23 @@ _NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 # The variable through which opentelemetry-api loads a global tracer provider (its
 # ``opentelemetry.environment_variables.OTEL_PYTHON_TRACER_PROVIDER``).
 _TRACER_PROVIDER_ENV = "OTEL_PYTHON_TRACER_PROVIDER"
+_METER_PROVIDER_ENV = "OTEL_PYTHON_METER_PROVIDER"
+_T = TypeVar("_T")
+
+
+def _named_in_env(variable: str, make: Callable[[], _T]) -> _T:
+    """``make()``, whose global provider the API may load from the entry point ``variable``
+    names: one that no installed package provides failed the interceptor's construction with the
+    API's bare ``StopIteration``, naming neither the variable nor its value."""
+    try:
+        return make()
+    except StopIteration:
+        raise ValueError(
+            f"{variable}={os.environ.get(variable, '')!r} names no installed provider (an"
+            f" opentelemetry_{variable.removeprefix('OTEL_PYTHON_').lower()} entry point):"
+            " install the package that provides it, or unset the variable"
+        ) from None
+
 
 try:
     _VERSION = version("grpc-idempotency")
@@ -145,7 +162,10 @@ class Telemetry:
         record_key: bool = False,
         record_scope: bool = False,
     ) -> None:
-        self.tracer = trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider)
+        self.tracer = _named_in_env(
+            _TRACER_PROVIDER_ENV,
+            lambda: trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider),
+        )
         self._own_tracer = tracer_provider is not None
         self._env_provider = _TRACER_PROVIDER_ENV in os.environ
         self.record_key = record_key
@@ -153,7 +173,10 @@ class Telemetry:
         self._attributes: dict[str, dict[str, str]] = {}
         self._failures: dict[str, float] = {}
         self._labels: dict[tuple[str, Code, CallOutcome], dict[str, str | int]] = {}
-        meter = metrics.get_meter("grpc_idempotency", _VERSION, meter_provider)
+        meter = _named_in_env(
+            _METER_PROVIDER_ENV,
+            lambda: metrics.get_meter("grpc_idempotency", _VERSION, meter_provider),
+        )
         self.calls = meter.create_counter(
             "grpc_idempotency.calls", unit="{call}", description="Keyed calls by outcome"
         )

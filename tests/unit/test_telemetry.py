@@ -5,6 +5,9 @@ the advisory (1.30) still working."""
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -98,3 +101,23 @@ def test_an_api_without_the_bucket_advisory_gets_the_histogram_without_it() -> N
     assert old.histograms == ["grpc_idempotency.call.duration"]
     telemetry.record(trace.INVALID_SPAN, METHOD, CallOutcome.EXECUTED, 0.2)
     assert _histogram_point(reader).count == 1
+
+
+@pytest.mark.parametrize("variable", ["OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER"])
+def test_a_provider_named_in_the_environment_but_not_installed_is_named_in_the_error(
+    variable: str,
+) -> None:
+    # A process of its own: the API reads the variable only while no global provider is set.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env[variable] = "not-installed"
+    done = subprocess.run(
+        [sys.executable, "-c", "from grpc_idempotency.telemetry import Telemetry; Telemetry()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: "), last
+    assert f"{variable}='not-installed'" in last
