@@ -74,7 +74,7 @@ from grpc_idempotency.store.outbox_store import (
     StateCount,
 )
 from grpc_idempotency.store.postgres import Store, one_store, vet_dsn
-from grpc_idempotency.telemetry import _VERSION
+from grpc_idempotency.telemetry import _VERSION, METER_PROVIDER_ENV, provider_from_env
 
 __all__ = [
     "DEFAULT_PERMANENT_CODES",
@@ -500,7 +500,10 @@ class Relay:
         self._wake = asyncio.Event()
         self._running = False
         # The interceptor's meter (its version too): one instrumentation scope, not two.
-        meter = metrics.get_meter("grpc_idempotency", _VERSION, meter_provider)
+        meter = provider_from_env(
+            METER_PROVIDER_ENV,
+            lambda: metrics.get_meter("grpc_idempotency", _VERSION, meter_provider),
+        )
         self._deliveries = meter.create_counter(
             "grpc_idempotency.outbox.deliveries",
             unit="{message}",

@@ -82,11 +82,11 @@ _NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 # The variable through which opentelemetry-api loads a global tracer provider (its
 # ``opentelemetry.environment_variables.OTEL_PYTHON_TRACER_PROVIDER``).
 _TRACER_PROVIDER_ENV = "OTEL_PYTHON_TRACER_PROVIDER"
-_METER_PROVIDER_ENV = "OTEL_PYTHON_METER_PROVIDER"
+METER_PROVIDER_ENV = "OTEL_PYTHON_METER_PROVIDER"
 _T = TypeVar("_T")
 
 
-def _named_in_env(variable: str, make: Callable[[], _T]) -> _T:
+def provider_from_env(variable: str, make: Callable[[], _T]) -> _T:
     """``make()``, whose global provider the API may load from the entry point ``variable``
     names: one that no installed package provides failed the interceptor's construction with the
     API's bare ``StopIteration``, naming neither the variable nor its value."""
@@ -162,7 +162,7 @@ class Telemetry:
         record_key: bool = False,
         record_scope: bool = False,
     ) -> None:
-        self.tracer = _named_in_env(
+        self.tracer = provider_from_env(
             _TRACER_PROVIDER_ENV,
             lambda: trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider),
         )
@@ -173,8 +173,8 @@ class Telemetry:
         self._attributes: dict[str, dict[str, str]] = {}
         self._failures: dict[str, float] = {}
         self._labels: dict[tuple[str, Code, CallOutcome], dict[str, str | int]] = {}
-        meter = _named_in_env(
-            _METER_PROVIDER_ENV,
+        meter = provider_from_env(
+            METER_PROVIDER_ENV,
             lambda: metrics.get_meter("grpc_idempotency", _VERSION, meter_provider),
         )
         self.calls = meter.create_counter(

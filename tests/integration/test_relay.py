@@ -13,9 +13,11 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import random
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -2383,3 +2385,36 @@ async def test_a_due_row_another_relay_is_claiming_is_looked_for_again_shortly(
         batch = await relay._batch()
         assert batch.claimed == 0
         assert 0 < await relay._idle_wait(batch) < relay.poll_interval
+
+
+async def test_a_meter_provider_named_in_the_environment_but_not_installed_is_named(
+    pg_dsn: str, outbox: Store
+) -> None:
+    # A process of its own: the API reads the variable only while no global provider is set.
+    script = (
+        "import asyncio, sys\n"
+        "from grpc_idempotency import Store\n"
+        "from grpc_idempotency.outbox import CallableSink, Relay\n"
+        "async def main():\n"
+        "    store = await Store.connect(sys.argv[1], schema=sys.argv[2], min_size=1)\n"
+        "    try:\n"
+        "        Relay(store, CallableSink(lambda message: None))\n"
+        "    finally:\n"
+        "        await store.close()\n"
+        "asyncio.run(main())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_PYTHON_METER_PROVIDER"] = "not-installed"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        script,
+        pg_dsn,
+        outbox.schema,
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1
+    last = stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("ValueError: OTEL_PYTHON_METER_PROVIDER='not-installed'"), last
