@@ -28,6 +28,7 @@ NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 DAY = timedelta(days=1)
 HOUR = timedelta(hours=1)
 SECOND = timedelta(seconds=1)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 PLACE = "/shop.v1.Orders/Place"
 CANCEL = "/shop.v1.Orders/Cancel"
 CHARGE = "pay.v1.Payments/Charge"
@@ -60,7 +61,7 @@ def _same_target(a: Step, b: Step) -> bool:
 
 DECLARATION = re.compile(
     r'steps: \{ name: "([^"]+)" (?:call: "([^"]+)"|outbox: true)'
-    r"(?: retired_at: \{ seconds: (-?\d+) \})? \}"
+    r"(?: retired_at: \{ seconds: (-?\d+)(?: nanos: (\d+))? \})? \}"
 )
 
 
@@ -73,12 +74,15 @@ def apply_fixes(after: MethodSteps, report: Report) -> MethodSteps:
         assert f.change in FIXABLE, f
         printed = DECLARATION.findall(f.fix)
         assert printed, f.fix
-        for name, target, seconds in printed:
+        for name, target, seconds, nanos in printed:
             declared[name] = Step(
                 name=name,
                 call=target or None,
                 outbox=not target,
-                retired_at=datetime.fromtimestamp(int(seconds), UTC) if seconds else None,
+                retired_at=EPOCH
+                + timedelta(seconds=int(seconds), microseconds=int(nanos or 0) // 1000)
+                if seconds
+                else None,
             )
         instead = re.search(r"in place of ([^\s;,]+)", f.fix)
         if instead:
@@ -1164,6 +1168,27 @@ def test_a_retirement_moved_into_the_past_is_fixed_by_keeping_it_as_it_was(was: 
     # What the text said, done: a retirement that had taken effect moved later.
     later = place(call("charge.v1", retired=NOW + DAY), call("charge.v2"))
     assert check_contract(old, later, now=NOW).ok is (was > NOW)
+
+
+@pytest.mark.parametrize(
+    "retired",
+    [NOW - HOUR + timedelta(milliseconds=500), datetime(1969, 12, 31, 23, 59, 59, 500000, UTC)],
+    ids=["fraction of a second", "before 1970"],
+)
+def test_a_printed_retired_at_is_the_declared_one_to_the_microsecond(retired: datetime) -> None:
+    """A retired_at with a fraction of a second (``nanos``) was printed in a fix as whole
+    seconds, truncated toward 1970 (``int(timestamp())``): "keep" it as printed moved the
+    retirement earlier (or, before 1970, later), which fails the check again, as it should."""
+    old = {
+        PLACE: MethodSteps(
+            retention=DAY * 30000, steps=(call("charge.v1", retired=retired), call("charge.v2"))
+        )
+    }
+    new = {PLACE: replace(old[PLACE], steps=(call("charge.v2"),))}
+    report = check_contract(old, new, now=NOW)
+    (f,) = report.breaking
+    assert f.change is Change.RETIRED_STEP_REMOVED_EARLY
+    assert check_contract(old, {PLACE: apply_fixes(new[PLACE], report)}, now=NOW).ok, f.fix
 
 
 def test_a_retired_version_added_before_one_retired_for_good_is_a_rekeying() -> None:

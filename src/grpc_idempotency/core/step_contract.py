@@ -948,8 +948,21 @@ def _declaration(step: Step, *, retire_at: datetime | None = None) -> str:
     """The proto text of ``step``, retired at ``retire_at`` when given."""
     what = f'call: "{step.call}"' if step.call else "outbox: true"
     when = retire_at if retire_at is not None else step.retired_at
-    retired = f" retired_at: {{ seconds: {int(_aware(when).timestamp())} }}" if when else ""
+    retired = f" retired_at: {_timestamp_text(when)}" if when else ""
     return f'steps: {{ name: "{step.name}" {what}{retired} }}'
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _timestamp_text(moment: datetime) -> str:
+    """``moment`` as a Timestamp in proto text, to the microsecond it was read with: printed in
+    whole seconds (``int(timestamp())``), a declared fraction was dropped, so a fix that said to
+    keep a retired_at as it was moved it earlier (later before 1970), and failed the check."""
+    since = _aware(moment) - _EPOCH
+    seconds = since.days * 86400 + since.seconds  # floored, nanos >= 0: as Timestamp counts
+    nanos = f" nanos: {since.microseconds * 1000}" if since.microseconds else ""
+    return f"{{ seconds: {seconds}{nanos} }}"
 
 
 def _ts(t: datetime | None) -> str:
