@@ -451,8 +451,10 @@ def test_unreadable_file(build: Build, tmp_path: Path, capsys: pytest.CaptureFix
         (b'{"file": []}', "it looks like JSON"),
         (b"\x08\x96\x01", "not a binary descriptor set"),  # a valid message, but no files
         (b"\x1f\x8bnot gzip", "broken gzip data"),
+        # A gzip header, then no deflate stream: zlib.error, a traceback with exit 1 ("broken").
+        (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\xff" * 20, "broken gzip data"),
     ],
-    ids=["empty", "proto source", "json", "other message", "bad gzip"],
+    ids=["empty", "proto source", "json", "other message", "bad gzip", "bad deflate"],
 )
 def test_not_a_descriptor_set(
     content: bytes, message: str, build: Build, tmp_path: Path, capsys: pytest.CaptureFixture[str]

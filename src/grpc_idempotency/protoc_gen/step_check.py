@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import gzip
 import sys
+import zlib
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import IO, Any
@@ -79,7 +80,8 @@ def read_descriptor_set(source: str, *, label: str, stdin: IO[bytes] | None = No
     if data[:2] == b"\x1f\x8b":
         try:
             data = gzip.decompress(data)
-        except (OSError, EOFError) as err:
+        except (OSError, EOFError, zlib.error) as err:
+            # zlib.error (no OSError): a gzip header over a corrupt deflate stream.
             raise InputError(f"{where}: broken gzip data: {err}") from err
     if not data:
         raise InputError(f"{where}: empty input, not a descriptor set")
