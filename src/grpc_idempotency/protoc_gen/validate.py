@@ -164,7 +164,8 @@ def _find_method(
     except KeyError:
         return None, (
             f"{call!r}, but no file given to the generator declares service {service_name}:"
-            " pass the .proto that declares it to protoc (or import it)"
+            " pass the .proto that declares it to protoc (or import it); with buf generate:"
+            " strategy: all in buf.gen.yaml (its default sends each directory's files alone)"
         )
     method = service.methods_by_name.get(method_name)
     if method is None:
