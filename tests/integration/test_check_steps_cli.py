@@ -549,6 +549,17 @@ def test_stdin_from_a_terminal_is_refused(build: Build) -> None:
     assert "NEW (stdin): standard input is a terminal" in err.getvalue()
 
 
+def test_stdin_closed_is_bad_input(build: Build, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run with stdin closed (``<&-``, some process managers: ``sys.stdin`` is None), NEW read
+    from stdin died with a traceback (AttributeError) and exit 1, which a build reads as a
+    broken contract."""
+    good = str(build("good", orders_proto()))
+    monkeypatch.setattr(sys, "stdin", None)
+    err = io.StringIO()
+    assert run(good, "-", err=err) == 2
+    assert "NEW (stdin): standard input is closed" in err.getvalue(), err.getvalue()
+
+
 def test_a_retired_at_past_what_a_timestamp_allows_is_bad_input(build: Build) -> None:
     """Year 10000: protoc takes it (seconds are an int64), and check-steps died with a
     traceback ("Timestamp is not valid")."""

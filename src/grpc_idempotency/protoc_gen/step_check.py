@@ -64,6 +64,9 @@ def read_descriptor_set(source: str, *, label: str, stdin: IO[bytes] | None = No
     """
     where = f"{label} ({'stdin' if source == '-' else source})"
     if source == "-":
+        if stdin is None and sys.stdin is None:
+            # Run with stdin closed (`<&-`, some process managers): an AttributeError, exit 1.
+            raise InputError(f"{where}: standard input is closed; pass {label} as a file")
         stream = stdin if stdin is not None else sys.stdin.buffer
         if stream.isatty():
             raise InputError(
