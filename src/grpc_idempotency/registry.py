@@ -97,9 +97,15 @@ class PolicyRegistry:
             # process once its _pb2 was imported. A miss costs well under a microsecond.
             return None
         package, _, last = service_name.rpartition(".")
-        if package and f"/{package}/{last}" in self._overrides and service_name not in self._typos:
+        if (
+            package
+            and f"/{package}/{last}" in self._overrides
+            and service_name not in self._typos
+            and not _in_pool(package)
+        ):
             # An override of the whole service, imported only now (refused at construction
-            # when the service is known then).
+            # when the service is known then). Not when ``package`` is a service itself: the
+            # override names its method ``last`` (checked as any other), as at construction.
             self._typos[service_name] = _whole_service(service_name)
         if service_name in self._unchecked:
             typo = _unknown_override(self._overrides, service_name, set(service.methods_by_name))

@@ -735,6 +735,24 @@ def test_an_override_naming_a_whole_service_imported_later_refuses_its_methods()
             registry.get(f"/{package}.Svc/Do")
 
 
+def test_an_override_of_a_method_named_like_a_service_refuses_no_service() -> None:
+    """Method B of service pkg.A ("pkg.A/B") reads like a whole service pkg.A.B: in a pool
+    that holds both (files compiled apart), each call of service pkg.A.B was refused as
+    overridden whole, though the override named a method that exists."""
+    package = f"likeservice{next(_counter)}"
+    for name, svc, method in ((package, "A", "B"), (f"{package}.A", "B", "Do")):
+        fdp = descriptor_pb2.FileDescriptorProto(name=f"{name}.proto", package=name)
+        fdp.message_type.add(name="Req")
+        fdp.service.add(name=svc).method.add(
+            name=method, input_type=f".{name}.Req", output_type=f".{name}.Req"
+        )
+        descriptor_pool.Default().Add(fdp)
+    registry = PolicyRegistry((), {f"{package}.A/B": MethodOverride()})
+    assert registry.get(f"/{package}.A.B/Do") is None  # as its proto says: not keyed
+    policy = registry.get(f"/{package}.A/B")
+    assert policy is not None and policy.method == f"/{package}.A/B"
+
+
 def test_a_misspelt_override_of_a_service_imported_later_refuses_its_methods() -> None:
     """An override naming a method of a service not yet in the pool was to be "checked on first
     use", and never was: the method it meant stayed unkeyed, silently."""
