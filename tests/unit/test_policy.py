@@ -472,8 +472,13 @@ def test_two_different_overrides_of_one_method_by_two_spellings_are_refused() ->
         f"{service}/Post": MethodOverride(key=KeyRequirement.REQUIRED),
         f"{service}.Post": MethodOverride(key=KeyRequirement.OPTIONAL),
     }
+    # Both spellings named, and the key a generated POLICIES entry is replaced under.
+    said = (
+        rf"{service}/Post is named twice \('{service}/Post' and '{service}\.Post'\)"
+        rf".*under its own key, '/{service}/Post'"
+    )
     for services in ([testsvc_pb2], ()):
-        with pytest.raises(PolicyError, match=r"named twice.*LedgerService/Post"):
+        with pytest.raises(PolicyError, match=said):
             PolicyRegistry(services, overrides)
     methods = list(testsvc_pb2.DESCRIPTOR.services_by_name["LedgerService"].methods)
     with pytest.raises(PolicyError, match="named twice"):
@@ -689,14 +694,25 @@ def test_an_override_of_a_service_not_known_yet_is_said_at_start(
     assert not caplog.records  # a service it knows: nothing to say
 
 
-@pytest.mark.parametrize("services", [[testsvc_pb2], ()], ids=["given", "in-the-pool"])
-def test_an_override_naming_a_whole_service_is_refused(services: list[Any]) -> None:
+@pytest.mark.parametrize("where", ["given", "in-the-pool", "given-from-its-own-pool"])
+def test_an_override_naming_a_whole_service_is_refused(where: str) -> None:
     """An override named "pkg.Service" read as method "Service" of a service "pkg", which is
     never imported: the override (meant for every method of the service) applied to none of
     them, and the warning said only that a service "testsvc.v1" was not imported yet."""
-    for name in ("testsvc.v1.LedgerService", "/testsvc.v1.LedgerService"):
-        with pytest.raises(PolicyError, match=r"names service testsvc\.v1\.LedgerService"):
-            PolicyRegistry(services, {name: MethodOverride(store_down=StoreDown.FAIL_OPEN)})
+    service, services = "testsvc.v1.LedgerService", {"given": [testsvc_pb2], "in-the-pool": []}
+    if where == "given-from-its-own-pool":
+        # Known from the services given alone, not from the default pool.
+        pool = descriptor_pool.DescriptorPool()
+        fdp = descriptor_pb2.FileDescriptorProto(name="ownpool.proto", package="ownpool.v1")
+        fdp.message_type.add(name="Req")
+        fdp.service.add(name="Svc").method.add(
+            name="Do", input_type=".ownpool.v1.Req", output_type=".ownpool.v1.Req"
+        )
+        pool.Add(fdp)
+        service, services[where] = "ownpool.v1.Svc", [pool.FindServiceByName("ownpool.v1.Svc")]
+    for name in (service, f"/{service}"):
+        with pytest.raises(PolicyError, match=rf"names service {re.escape(service)}, not a"):
+            PolicyRegistry(services[where], {name: MethodOverride(store_down=StoreDown.FAIL_OPEN)})
 
 
 def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> None:
@@ -722,7 +738,7 @@ def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> Non
 def test_an_override_naming_a_whole_service_imported_later_refuses_its_methods() -> None:
     """As at construction: "pkg.Svc" named no method of the service imported later, and each
     of its methods ran as its proto says, the override applied to none."""
-    package = f"latewhole{next(_counter)}"
+    package = f"latewhole{next(_counter)}.v1"  # dotted: the service's last name is split off
     registry = PolicyRegistry((), {f"{package}.Svc": MethodOverride()})
     fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
     fdp.message_type.add(name="Req")
