@@ -103,21 +103,34 @@ def test_an_api_without_the_bucket_advisory_gets_the_histogram_without_it() -> N
     assert _histogram_point(reader).count == 1
 
 
-@pytest.mark.parametrize("variable", ["OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER"])
+@pytest.mark.parametrize(
+    ("variable", "group"),
+    [
+        ("OTEL_PYTHON_TRACER_PROVIDER", "opentelemetry_tracer_provider"),
+        ("OTEL_PYTHON_METER_PROVIDER", "opentelemetry_meter_provider"),
+    ],
+)
 def test_a_provider_named_in_the_environment_but_not_installed_is_named_in_the_error(
-    variable: str,
+    variable: str, group: str
 ) -> None:
     # A process of its own: the API reads the variable only while no global provider is set.
+    # Providers given are used as they are: the variable is not read for them.
+    script = (
+        "from opentelemetry import metrics, trace\n"
+        "from grpc_idempotency.telemetry import Telemetry\n"
+        "Telemetry(tracer_provider=trace.NoOpTracerProvider(),"
+        " meter_provider=metrics.NoOpMeterProvider())\n"
+        "print('given: made')\n"
+        "Telemetry()\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env[variable] = "not-installed"
     done = subprocess.run(
-        [sys.executable, "-c", "from grpc_idempotency.telemetry import Telemetry; Telemetry()"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
     )
-    assert done.returncode == 1
+    assert (done.returncode, done.stdout) == (1, "given: made\n")
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: "), last
-    assert f"{variable}='not-installed'" in last
+    assert f"{variable}='not-installed'" in last and f"an {group} entry point" in last
+    # The ValueError alone, not chained to the API's StopIteration.
+    assert "During handling of the above exception" not in done.stderr
