@@ -626,3 +626,38 @@ async def test_a_purger_whose_store_was_closed_stops_saying_so_once(
         assert not [m for m in caplog.messages if "purge skipped" in m or "purge failed" in m]
     finally:
         await closed.close()
+
+
+async def test_a_purge_stopped_as_its_batch_goes_back_to_the_pool_counts_that_batch(
+    pg_dsn: str,
+) -> None:
+    """Stopped after a batch committed, while its connection went back to the pool (an await:
+    the pool's reset), the purge never passed that batch to on_batch: the CLI said fewer rows
+    purged than went for good. The pool's ``reset`` holds the hand-back here."""
+    armed, handing_back, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def reset(_conn: object) -> None:
+        if armed.is_set():
+            handing_back.set()
+            await go.wait()
+
+    schema = "gi_" + uuid.uuid4().hex[:12]
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True, reset=reset)
+    try:
+        await expired_records(store, 2)
+        counted: list[int] = []
+        armed.set()
+        task = asyncio.create_task(store.purge(batch_size=5, on_batch=counted.append))
+        await asyncio.wait_for(handing_back.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        armed.clear()
+        go.set()
+        assert counted == [2]
+        assert await keys(store) == []  # committed: gone for good
+    finally:
+        armed.clear()
+        go.set()
+        await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await store.close()

@@ -1562,19 +1562,22 @@ class Store:
                     # In a transaction of its own even at a READ COMMITTED default: a batch cut
                     # short (a purge stopped) is rolled back, never committed behind a count
                     # that leaves it out.
-                    async with (
-                        self._holding(conn, doing),
-                        self.read_committed(conn, own_transaction=True),
-                    ):
-                        if walk:
-                            row = await conn.fetchrow(sql, batch_size, position, *args)
-                            assert row is not None
-                            deleted = int(row["deleted"])
-                            last = row["last"]
-                        else:
-                            status = await conn.execute(sql, batch_size, *args)
-                            deleted = int(status.split()[-1])
-                            last = None
+                    async with self._holding(conn, doing):
+                        async with self.read_committed(conn, own_transaction=True):
+                            if walk:
+                                row = await conn.fetchrow(sql, batch_size, position, *args)
+                                assert row is not None
+                                deleted = int(row["deleted"])
+                                last = row["last"]
+                            else:
+                                status = await conn.execute(sql, batch_size, *args)
+                                deleted = int(status.split()[-1])
+                                last = None
+                        # Committed: counted before the connection goes back to the pool, an
+                        # await at which a stop (the CLI's SIGINT) lost the count of a batch
+                        # that stays deleted, and the purge said fewer rows went than did.
+                        if on_batch is not None:
+                            on_batch(deleted)
                 except StoreUnavailable as err:
                     cause = err.__cause__
                     if tried < tries and cause is not None and _connection_gone(cause):
@@ -1585,8 +1588,6 @@ class Store:
                 position = last
             total += deleted
             batches += 1
-            if on_batch is not None:
-                on_batch(deleted)
             if deleted < batch_size:
                 break
         return total
