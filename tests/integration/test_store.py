@@ -547,6 +547,49 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
     assert not isinstance(raised.value, IdempotencyError)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("schema", "Payments"),
+        ("schema", None),
+        ("min_size", "1"),
+        ("max_size", "10"),
+        ("acquire_timeout", "5"),
+    ],
+)
+async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
+    pg_dsn: str, option: str, value: object
+) -> None:
+    """A schema PostgreSQL's rules refuse was checked only once the pool was open, and that
+    pool was left open (its connections held until the process ended: a start-up loop trying
+    again leaked more each time); with the database down, the typo was an outage to retry
+    (``StoreUnavailable``). A pool size or acquire timeout given as text (read from the
+    environment) was a bare ``'<' not supported between 'str' and 'int'``, naming no option."""
+    app = f"bad-option-{uuid.uuid4().hex[:8]}"
+    with pytest.raises((ValueError, TypeError), match=option):
+        await Store.connect(
+            pg_dsn,
+            server_settings={"application_name": app},
+            **{option: value},  # type: ignore[arg-type]
+        )
+    left = await _connections_named(pg_dsn, app)
+    assert left == 0, f"{left} connection(s) left open"
+    nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
+    with pytest.raises((ValueError, TypeError), match=option):
+        await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
+
+
+async def _connections_named(dsn: str, application_name: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        count = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", application_name
+        )
+    finally:
+        await conn.close()
+    return int(count)
+
+
 def test_cli_migrate_and_purge(pg_dsn: str) -> None:
     schema = fresh_schema()
     first = run_cli("migrate", "--dsn", pg_dsn, "--schema", schema)

@@ -65,7 +65,7 @@ from grpc_idempotency.store.errors import (
     sqlstate,
     store_error,
 )
-from grpc_idempotency.store.sql import SAVEPOINT, Statements
+from grpc_idempotency.store.sql import SAVEPOINT, Statements, schema_identifier
 from grpc_idempotency.store.sql import begin as begin_sql
 
 log = library_logger("grpc_idempotency.store")
@@ -509,6 +509,9 @@ def _positive_finite(value: float) -> bool:
 
 def _checked_acquire_timeout(value: float | None) -> float | None:
     # A negative one was clamped to 1 ms without a word, and NaN compared false everywhere.
+    # Text (from the environment) was a bare "'<' not supported", naming no option.
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise TypeError(f"acquire_timeout must be None or a number of seconds, not {value!r}")
     if value is not None and not _positive_finite(value):
         raise ValueError(f"acquire_timeout must be None or positive and finite, not {value!r}")
     return value
@@ -533,6 +536,21 @@ def _checked_probe_timeout(value: object) -> None:
         raise TypeError(f"probe_timeout must be a number of seconds, not {value!r}")
     if not _positive_finite(value):
         raise ValueError(f"probe_timeout must be positive and finite, not {value!r}")
+
+
+def _checked_pool_size(name: str, value: object) -> None:
+    # asyncpg checks the values, not the type: text (from the environment) was a bare
+    # "'<' not supported between instances of 'str' and 'int'", naming no option.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number of connections, not {value!r}")
+
+
+def _checked_schema(schema: object) -> None:
+    # Before the pool is opened: refused after, the pool was left open (its connections held
+    # until the process ended), and with the database down a typo was an outage to retry.
+    if not isinstance(schema, str):
+        raise TypeError(f"schema must be a str (a PostgreSQL schema name), not {schema!r}")
+    schema_identifier(schema)
 
 
 def _checked_server_settings(value: object) -> None:
@@ -669,6 +687,9 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
+        _checked_schema(schema)
+        _checked_pool_size("min_size", min_size)
+        _checked_pool_size("max_size", max_size)
         _checked_seconds("command_timeout", command_timeout)
         _checked_probe_timeout(probe_timeout)
         _checked_seconds("timeout", pool_options.get("timeout"))
