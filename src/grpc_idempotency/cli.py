@@ -107,6 +107,30 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+class _OneDsn(argparse.Action):
+    """Stores a DSN option given at most once: a command works on one database, and argparse's
+    last-one-wins dropped all but the last without a word (``purge --dsn $EU --dsn $US``, one
+    per shard: one shard was never purged, and the command said it was done). Never quotes the
+    DSNs: they may hold passwords."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        given = f"_{self.dest}_given"
+        if getattr(namespace, given, False):
+            raise argparse.ArgumentError(
+                self,
+                "given more than once: a command works on one database; run it once per"
+                " database (each shard's DSN)",
+            )
+        setattr(namespace, given, True)
+        setattr(namespace, self.dest, values)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = _Parser(prog="grpc-idempotency", description=_DESCRIPTION)
     parser.add_argument(
@@ -126,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     def with_store(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--dsn",
+            action=_OneDsn,
             # argparse applies the type to a string default too: the variable is checked alike.
             default=os.environ.get("GRPC_IDEMPOTENCY_DSN"),
             type=dsn_text,
@@ -295,6 +320,7 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     wake = relay.add_mutually_exclusive_group()
     wake.add_argument(
         "--listen-dsn",
+        action=_OneDsn,
         default=os.environ.get("GRPC_IDEMPOTENCY_LISTEN_DSN"),
         type=dsn_text,
         metavar="DSN",

@@ -339,6 +339,26 @@ def test_a_dsn_the_driver_cannot_parse_is_refused_without_its_text(
         assert piece not in done.stderr + done.stdout
 
 
+# inspect takes --dsn once per service it follows (repeatable by design).
+ONE_DATABASE = {name: argv for name, argv in COMMANDS.items() if name != "inspect"}
+
+
+@pytest.mark.parametrize("command", ONE_DATABASE.values(), ids=ONE_DATABASE.keys())
+def test_a_second_dsn_is_refused_not_the_first_dropped(command: list[str]) -> None:
+    """A command of one database given --dsn twice (one per shard: ``purge --dsn $EU --dsn
+    $US`` in a cron job): argparse kept the last and dropped the first without a word, so one
+    shard was never purged (or migrated), and the command said it had done its work."""
+    first = f"postgresql://ops:first-pw@127.0.0.1:{free_port()}/shard_eu"
+    second = f"postgresql://ops:second-pw@127.0.0.1:{free_port()}/shard_us"
+    done = cli(*command, "--dsn", first, f"--dsn={second}")
+    assert done.returncode == 2, done.stderr  # bad usage, not "unreachable, retry later"
+    assert "--dsn" in done.stderr and "once per database" in done.stderr, done.stderr
+    assert "first-pw" not in done.stderr and "second-pw" not in done.stderr
+    if command[0] == "relay":  # its LISTEN connection's DSN alike
+        done = cli(*command, "--dsn", first, "--listen-dsn", first, "--listen-dsn", second)
+        assert done.returncode == 2 and "--listen-dsn: given more than once" in done.stderr
+
+
 def test_a_listen_dsn_the_driver_cannot_parse_is_refused_while_the_database_is_down() -> None:
     """Exit 2, fix the command: it was checked once --dsn had connected, so with that database
     down it exited 1, "retry later", which could never help."""
