@@ -26,6 +26,7 @@ from grpc_idempotency.store.migrations import (
     available_migrations,
     lock_wait_s,
 )
+from grpc_idempotency.store.outbox_store import OutboxStore
 from grpc_idempotency.store.sql import (
     bytes_literal,
     schema_identifier,
@@ -577,6 +578,45 @@ async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
     nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
     with pytest.raises((ValueError, TypeError), match=option):
         await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
+
+
+async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
+    pg_dsn: str, store: Store
+) -> None:
+    """asyncpg calls a ``password=`` callable for every connection it opens (how a rotated
+    secret is read: a file, a vault). Its own error was taken for the DSN's or the database's:
+    a KeyError or ValueError (an unset variable) became "the DSN cannot be parsed ...
+    percent-encode the password", its cause dropped; a FileNotFoundError (the secret file
+    mid-rotation) a certain outage, so a fail-open method ran unclaimed with the database up;
+    anything else escaped raw (a call answered UNKNOWN)."""
+    failing: list[Exception] = []
+
+    def password() -> str:
+        if failing:
+            raise failing[0]
+        return ""  # the session's PostgreSQL trusts its local connections
+
+    failing.append(KeyError("DB_PASSWORD"))
+    with pytest.raises(StoreUnavailable, match=r"password callable .*KeyError") as raised:
+        await Store.connect(pg_dsn, password=password, min_size=1)
+    assert not raised.value.outage and isinstance(raised.value.__cause__, KeyError)
+    failing.clear()
+    rotated = await Store.connect(pg_dsn, password=password, min_size=0, max_size=1)
+    try:
+        await rotated.pool.expire_connections()  # the next statement opens a connection
+        for error in (FileNotFoundError(2, "No such file or directory"), RuntimeError("sealed")):
+            failing[:] = [error]
+            with pytest.raises(StoreUnavailable, match="password callable") as raised:
+                await rotated.lookup("scope", "key")
+            # The database is up and may hold the key's outcome: no failing open.
+            assert not raised.value.outage and raised.value.__cause__ is error
+        # A relay's LISTEN session, from the pool, alike (it escaped raw, ending the relay).
+        with pytest.raises(StoreUnavailable, match="password callable"):
+            await OutboxStore(rotated).listen(lambda *_: None)
+        failing.clear()
+        assert await rotated.lookup("scope", "key") is None
+    finally:
+        await rotated.close()
 
 
 async def _connections_named(dsn: str, application_name: str) -> int:

@@ -69,6 +69,39 @@ class _MisconfiguredLog:
         )
 
 
+class PasswordFailed(Exception):
+    """Raised in place of the error of a ``password=`` callable, which asyncpg calls for each
+    connection it opens (``Store.connect`` wraps it): its own error, raised from inside the
+    driver, was taken for the DSN's (a KeyError, a ValueError: "the DSN cannot be parsed", the
+    cause dropped) or for an unreachable database (an OSError: a fail-open method ran
+    unclaimed with the database up), or escaped raw. The original is its ``__cause__``."""
+
+
+_password_log = _OnceAMinute()
+
+
+def password_error(exc: PasswordFailed, doing: str) -> StoreUnavailable:
+    """A connection could not be opened because the ``password=`` callable failed: retryable
+    (a secret being rotated, a vault that answers again), and no outage (the database may be up
+    and hold the key's outcome). The callable's text is not quoted (it may hold the secret or a
+    token), only its type; the log has its traceback, once a minute."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    what = type(cause).__name__
+    if _password_log.due(what):
+        log.error(
+            "the password callable (Store.connect's password=) raised %s while %s: no new"
+            " connection to the store until it returns a password",
+            what,
+            doing,
+            exc_info=cause,
+        )
+    return StoreUnavailable(
+        f"idempotency store unavailable while {doing}: its password callable (Store.connect's"
+        f" password=) raised {what}",
+        outage=False,
+    )
+
+
 def _hint(state: str | None) -> str:
     if state in ("42P01", "42703", "42883", "3F000"):
         return "the schema is not migrated: run `grpc-idempotency migrate`"

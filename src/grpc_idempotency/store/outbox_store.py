@@ -41,7 +41,13 @@ import asyncpg
 
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.core.outbox import MAX_DURATION_S
-from grpc_idempotency.store.errors import STORE_ERRORS, from_the_driver, store_error
+from grpc_idempotency.store.errors import (
+    STORE_ERRORS,
+    PasswordFailed,
+    from_the_driver,
+    password_error,
+    store_error,
+)
 from grpc_idempotency.store.postgres import PooledConnection, Store, _connection_gone
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -284,6 +290,8 @@ class OutboxStore:
             raise ValueError(
                 "the listen DSN cannot be parsed: percent-encode special characters in its password"
             ) from None
+        except PasswordFailed as exc:  # the pool's password= callable (Store.connect)
+            raise password_error(exc, doing) from exc.__cause__
         except STORE_ERRORS as exc:
             raise store_error(exc, doing) from exc
         listener = Listener(self, conn, pooled=dsn is None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import math
 import os
 import sys
@@ -55,12 +56,14 @@ from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     NO_SUCH_SAVEPOINT,
     STORE_ERRORS,
+    PasswordFailed,
     aborted_by,
     connect_error,
     dsn_unusable,
     ended_by_handler,
     from_the_driver,
     handler_error,
+    password_error,
     session_refused,
     sqlstate,
     store_error,
@@ -538,6 +541,25 @@ def _checked_probe_timeout(value: object) -> None:
         raise ValueError(f"probe_timeout must be positive and finite, not {value!r}")
 
 
+def _own_password(password: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, Any]]:
+    """``password``, whose failure is raised as ``PasswordFailed``: asyncpg calls it (and awaits
+    what it returns) for each connection it opens, and lets its error escape from inside the
+    driver, where it passed for the DSN's or the database's."""
+
+    async def own() -> Any:
+        try:
+            value = password()
+            if inspect.isawaitable(value):
+                value = await value
+        except Exception as exc:
+            raise PasswordFailed(
+                f"the password callable (Store.connect's password=) raised {type(exc).__name__}"
+            ) from exc
+        return value
+
+    return own
+
+
 def _checked_pool_size(name: str, value: object) -> None:
     # asyncpg checks the values, not the type: text (from the environment) was a bare
     # "'<' not supported between instances of 'str' and 'int'", naming no option.
@@ -706,6 +728,8 @@ class Store:
             if at_in_user_info(probe_dsn):
                 raise DsnUnusable(f"probe_dsn: {DsnUnusable().message}")
         pool_options.setdefault("reset", _no_session_reset)
+        if callable(pool_options.get("password")):
+            pool_options["password"] = _own_password(pool_options["password"])
         if command_timeout is not None:
             # A connection the pool opens for a call (after a restart, or to grow) is bounded
             # like a statement: behind a partition the handshake hung for asyncpg's connect
@@ -721,6 +745,8 @@ class Store:
                 **pool_options,
             )
         except Exception as exc:
+            if isinstance(exc, PasswordFailed):
+                raise password_error(exc, "connecting") from exc.__cause__
             if dsn_unusable(exc):
                 # The driver's text can quote pieces of the password: name the file it could
                 # not use, if that is what it was, else say nothing of it.
@@ -1030,6 +1056,8 @@ class Store:
                     outage=False,
                 ) from exc
             raise store_error(exc, doing) from exc
+        except PasswordFailed as exc:
+            raise password_error(exc, doing) from exc.__cause__
         except STORE_ERRORS as exc:
             if self._closing:
                 # The pool is closing or closed (asyncpg's InterfaceError, no SQLSTATE): no
