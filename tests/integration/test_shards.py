@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from grpc_idempotency import (
     ScopeUnavailable,
     ShardedStores,
     Store,
+    StoreMisconfigured,
     StoreUnavailable,
     purge_processed,
 )
@@ -390,6 +392,30 @@ async def test_shards_that_no_call_could_use_are_refused_when_made(
             ShardedStores({"one": one}, "one")  # type: ignore[arg-type]
     finally:
         pending.close()
+
+
+async def test_a_shard_of_handing_back_a_coroutine_is_refused_and_the_coroutine_closed(
+    shards: dict[str, Shard], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A plain function around an async lookup passes the constructor's check for async
+    # functions; left unclosed, each call's coroutine warned "never awaited".
+    async def lookup(scope: str) -> str:
+        return "one"
+
+    handed: list[Any] = []
+
+    def shard_of(scope: str) -> str:
+        handed.append(lookup(scope))
+        return cast(str, handed[-1])
+
+    sharded = ShardedStores({"one": shards["one"].store}, shard_of)
+    with (
+        caplog.at_level(logging.ERROR, logger="grpc_idempotency.store"),
+        pytest.raises(StoreMisconfigured, match="could not place this call"),
+    ):
+        sharded.for_scope("tenant:a")
+    assert handed[0].cr_frame is None  # closed, never to be awaited
+    assert "shard_of returned a coroutine for scope 'tenant:a'" in caplog.text
 
 
 async def test_a_relay_or_consumer_given_sharded_stores_says_to_run_one_per_shard(

@@ -15,6 +15,7 @@ records (``WHERE scope = ...``) with its rows, in the same maintenance step.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping
 
@@ -84,6 +85,17 @@ class ShardedStores:
             self._log("shard_of raised for scope %r", scope, exc_info=True)
             raise _unplaced() from exc
         store = self.shards.get(name) if isinstance(name, str) else None
+        if store is None and inspect.iscoroutine(name):
+            # A plain function handing back a coroutine (``lambda s: lookup(s)`` around an async
+            # lookup) passes the constructor's check: closed here, or Python warned "never
+            # awaited" for every call, and the log named only ``<coroutine ...>``.
+            name.close()
+            self._log(
+                "shard_of returned a coroutine for scope %r: it must return a shard's name,"
+                " without I/O (an async lookup cannot be awaited there)",
+                scope,
+            )
+            raise _unplaced()
         if store is None:
             self._log(
                 "shard_of placed scope %r on %r, which is not one of the shards %s",
