@@ -1312,8 +1312,9 @@ class IdempotencyInterceptor(_Interceptor):
         return response
 
 
-# A downstream call's status that says "try again" passes through (gRPC's retry policies and
-# the library's clients retry these); the key is released, as for a handler aborting with it.
+# A downstream call's status that says "try again" passes through (the library's RetryPolicy
+# retries the first three; RESOURCE_EXHAUSTED is left to the caller's own policy, as gRPC's
+# retry policies may name it); the key is released, as for a handler aborting with it.
 _DOWNSTREAM_PASSED = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
