@@ -560,6 +560,16 @@ def test_stdin_closed_is_bad_input(build: Build, monkeypatch: pytest.MonkeyPatch
     assert "NEW (stdin): standard input is closed" in err.getvalue(), err.getvalue()
 
 
+def test_unreadable_stdin_is_bad_input(build: Build, tmp_path: Path) -> None:
+    """Stdin open for writing only (``0>file``): reading it fails (EBADF), which died with a
+    traceback (OSError) and exit 1, which a build reads as a broken contract."""
+    good = str(build("good", orders_proto()))
+    err = io.StringIO()
+    with open(os.open(tmp_path / "w", os.O_WRONLY | os.O_CREAT), "rb") as write_only:
+        assert run("-", good, stdin=write_only, err=err) == 2
+    assert "OLD (stdin): cannot read standard input: Bad file descriptor" in err.getvalue()
+
+
 def test_a_retired_at_past_what_a_timestamp_allows_is_bad_input(build: Build) -> None:
     """Year 10000: protoc takes it (seconds are an int64), and check-steps died with a
     traceback ("Timestamp is not valid")."""

@@ -73,7 +73,12 @@ def read_descriptor_set(source: str, *, label: str, stdin: IO[bytes] | None = No
                 f"{where}: standard input is a terminal; pass a file, or pipe a descriptor set"
                 " (e.g. `buf build -o - | grpc-idempotency check-steps --against old.binpb`)"
             )
-        data = stream.read()
+        try:
+            data = stream.read()
+        except OSError as err:
+            # Open for writing only (`0>file`: EBADF), or a read error: bad input like a file
+            # that cannot be read, not a traceback with exit 1 (read as a broken contract).
+            raise InputError(f"{where}: cannot read standard input: {err.strerror or err}") from err
     else:
         try:
             with open(source, "rb") as f:
