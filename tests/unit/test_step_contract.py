@@ -1172,8 +1172,12 @@ def test_a_retirement_moved_into_the_past_is_fixed_by_keeping_it_as_it_was(was: 
 
 @pytest.mark.parametrize(
     "retired",
-    [NOW - HOUR + timedelta(milliseconds=500), datetime(1969, 12, 31, 23, 59, 59, 500000, UTC)],
-    ids=["fraction of a second", "before 1970"],
+    [
+        NOW - HOUR + timedelta(microseconds=500_001),
+        datetime(1969, 12, 31, 23, 59, 59, 500_001, UTC),
+        (NOW - HOUR + timedelta(microseconds=1)).replace(tzinfo=None),  # read as UTC
+    ],
+    ids=["fraction of a second", "before 1970", "naive"],
 )
 def test_a_printed_retired_at_is_the_declared_one_to_the_microsecond(retired: datetime) -> None:
     """A retired_at with a fraction of a second (``nanos``) was printed in a fix as whole
