@@ -453,8 +453,9 @@ def test_unreadable_file(build: Build, tmp_path: Path, capsys: pytest.CaptureFix
         (b"\x1f\x8bnot gzip", "broken gzip data"),
         # A gzip header, then no deflate stream: zlib.error, a traceback with exit 1 ("broken").
         (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\xff" * 20, "broken gzip data"),
+        (gzip.compress(b"\x08\x96\x01")[:-8], "broken gzip data"),  # EOFError: no trailer
     ],
-    ids=["empty", "proto source", "json", "other message", "bad gzip", "bad deflate"],
+    ids=["empty", "proto source", "json", "other message", "bad gzip", "bad deflate", "cut gzip"],
 )
 def test_not_a_descriptor_set(
     content: bytes, message: str, build: Build, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -558,6 +559,10 @@ def test_stdin_closed_is_bad_input(build: Build, monkeypatch: pytest.MonkeyPatch
     err = io.StringIO()
     assert run(good, "-", err=err) == 2
     assert "NEW (stdin): standard input is closed" in err.getvalue(), err.getvalue()
+    # A stream given to run() is read, whatever became of the process's own stdin.
+    assert (
+        run(good, "-", stdin=io.BytesIO(Path(good).read_bytes()), err=err, out=io.StringIO()) == 0
+    )
 
 
 def test_unreadable_stdin_is_bad_input(build: Build, tmp_path: Path) -> None:

@@ -793,7 +793,8 @@ def test_a_called_method_counts_when_its_file_is_given_or_imported(tmp_path: Pat
     assert_fails(alone, "no file given to the generator declares service pay.v1.Payments")
     # buf's default strategy sends one request per directory: "pass it to protoc" told a buf
     # user nothing they could do.
-    assert "with buf generate: strategy: all in buf.gen.yaml" in alone.stderr, alone.stderr
+    fix = "to protoc (or import it); with buf generate: strategy: all in buf.gen.yaml"
+    assert fix in alone.stderr, alone.stderr
     both = run_on(tmp_path, files, "errs/v1/orders.proto", "pay/v1/payments.proto")
     assert both.returncode == 0, both.stderr
     generated = (tmp_path / "out" / "errs" / "v1" / "orders_idempotency.py").read_text()
