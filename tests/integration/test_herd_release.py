@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from datetime import timedelta
+from typing import Any
 
 import grpc
 import pytest
@@ -31,6 +32,8 @@ from tests.support.ledger import (
     waiting_herd,
 )
 from tests.support.waiting import until
+
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
 
 
 async def test_waiting_duplicates_are_answered_a_batch_per_interval(store: Store) -> None:
@@ -250,3 +253,45 @@ async def test_a_duplicate_that_waits_after_the_owner_handed_over_gets_the_outco
         released.hand_over(None)  # no outcome: look again, at once
         again = released.wait()
         assert again.done() and again.result() is None
+
+
+async def test_a_herd_whose_key_runs_on_another_replica_polls_the_database_as_one_call(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Duplicates in one process of a key another replica is executing wait on the one that
+    polls the database for it, as they would on a local owner. They were handed "look again"
+    after each of its polls, and each became a poller in turn: the database was polled as many
+    times more as the herd was large (8 duplicates: about 8x the look-ups of one)."""
+    pollers: list[int] = []  # the task of each look-up, once the owner's handler runs
+    lookup = Store.lookup
+
+    async def recording(self: Store, *args: Any, **kwargs: Any) -> Any:
+        pollers.append(id(asyncio.current_task()))
+        return await lookup(self, *args, **kwargs)
+
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
+    async with running_ledger(store) as a, running_ledger(store) as b:
+        owner = asyncio.ensure_future(a.call(PHASED, request, key))
+        await a.service.started.wait()
+        monkeypatch.setattr(Store, "lookup", recording)
+        herd = [asyncio.ensure_future(b.call(PHASED, request, key, timeout=10)) for _ in range(8)]
+        # Several polls (the first ones come a few ms apart), all within the herd's budget.
+        await until("a few polls of the key", lambda: len(pollers) >= 6)
+        # Another request under the key is refused, as the claim it meets says, not kept
+        # waiting on the poll (then answered IN_PROGRESS, a retry hint for what cannot run).
+        mutated = testsvc_pb2.PostRequest(account=request.account, amount=9)
+        refused = await b.call(PHASED, mutated, key, timeout=10)
+        assert (refused.code, refused.reason()) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "IDEMPOTENCY_KEY_REUSED",
+        ), refused
+        a.service.release.set()
+        first = await owner
+        answers = await asyncio.gather(*herd)
+    assert first.code is grpc.StatusCode.OK
+    for answer in answers:
+        assert answer.code is grpc.StatusCode.OK and answer.replayed and answer.body == first.body
+    assert a.service.executions == 1 and b.service.executions == 0
+    # One poller, and the mutated request's own look-ups (it is refused after one).
+    assert len(set(pollers)) == 2, f"{len(set(pollers))} calls polled the database"

@@ -63,6 +63,7 @@ from grpc_idempotency.core.lifecycle import (
     IllegalTransition,
     Outcome,
     Phase,
+    State,
     Step,
     StoredRecord,
     begin_event,
@@ -591,17 +592,33 @@ class IdempotencyInterceptor(_Interceptor):
                     return await answers.replay(context, shared.outcome)
                 continue
 
-            # This call becomes the key's local owner: local duplicates wait on it.
+            # This call becomes the key's local owner: local duplicates wait on it, also while
+            # it polls for an attempt elsewhere (another replica's). Handed "look again" after
+            # each poll, every duplicate became a poller in turn: a herd of N polled the
+            # database N times as often as one call does.
             owned = self._owners[slot] = _Owner(self._herd_release)
             try:
-                return await self._attempt(call, scope, key, fingerprint, owned)
-            except _Busy as busy:
-                step, _ = transition(
-                    Phase.WAITING, budget_event(now=time.monotonic(), wait_until=wait_until)
-                )
-                if step is Step.ANSWER_IN_PROGRESS:
-                    call.outcome = CallOutcome.CONFLICT
-                    await answers.abort(context, _in_progress(policy, busy.retry_after_ms))
+                while True:
+                    try:
+                        return await self._attempt(call, scope, key, fingerprint, owned)
+                    except _Busy as busy:
+                        step, _ = transition(
+                            Phase.WAITING,
+                            budget_event(now=time.monotonic(), wait_until=wait_until),
+                        )
+                        if step is Step.ANSWER_IN_PROGRESS:
+                            call.outcome = CallOutcome.CONFLICT
+                            await answers.abort(context, _in_progress(policy, busy.retry_after_ms))
+                    call.waited = True
+                    delay = min(
+                        poll_delay_ms(polls) / 1000, max(0.0, wait_until - time.monotonic())
+                    )
+                    polls += 1
+                    self._waiting += 1
+                    try:
+                        await asyncio.sleep(delay)
+                    finally:
+                        self._waiting -= 1
             finally:
                 del self._owners[slot]
                 settled = call.settled
@@ -616,14 +633,6 @@ class IdempotencyInterceptor(_Interceptor):
                         now=_cache_clock(),
                     )
                 owned.hand_over(settled.shared if settled is not None else None)
-            call.waited = True
-            delay = min(poll_delay_ms(polls) / 1000, max(0.0, wait_until - time.monotonic()))
-            polls += 1
-            self._waiting += 1
-            try:
-                await asyncio.sleep(delay)
-            finally:
-                self._waiting -= 1
 
     async def _wait_for_owner(
         self, call: _Call, owner: _Owner, wait_until: float, fingerprint: bytes
@@ -649,7 +658,7 @@ class IdempotencyInterceptor(_Interceptor):
                 call.outcome = CallOutcome.MISMATCH  # claimed since this call began waiting
                 await answers.abort(call.context, _reused())
             call.outcome = CallOutcome.CONFLICT
-            await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
+            await answers.abort(call.context, _in_progress(call.policy, owner.retry_after_ms))
         finally:
             owner.forget(waiter)
             self._waiting -= 1
@@ -759,6 +768,11 @@ class IdempotencyInterceptor(_Interceptor):
                 call.outcome = CallOutcome.MISMATCH
                 await answers.abort(context, _reused())
             if step is Step.WAIT:
+                if record is not None and record.state is State.IN_PROGRESS:
+                    # Polling a claim other attempts see (another replica's): a local duplicate
+                    # of another request is refused (``_refused_by_claim``), not kept waiting.
+                    owned.claimed = record.fingerprint
+                owned.retry_after_ms = busy_ms
                 raise _Busy(busy_ms)
             raise IllegalTransition(f"the driver cannot carry out {step.name} in {phase.name}")
 
@@ -1406,7 +1420,7 @@ class _Owner:
     hundreds of duplicates wait on one key. They are resolved a batch at a time when
     ``release`` says so (``core/herd.py``)."""
 
-    __slots__ = ("_release", "_waiters", "claimed", "handed", "shared")
+    __slots__ = ("_release", "_waiters", "claimed", "handed", "retry_after_ms", "shared")
 
     def __init__(self, release: HerdRelease | None = None) -> None:
         self._release = release
@@ -1416,6 +1430,9 @@ class _Owner:
         self.claimed: bytes | None = None
         """The fingerprint of the owner's claim once other attempts can see it (a phased claim,
         committed): a duplicate with another fingerprint is then refused, not kept waiting."""
+        self.retry_after_ms = retry_after_ms(None)
+        """The retry hint of the owner's last poll for an attempt elsewhere (``_Busy``): a
+        duplicate whose wait runs out first is answered with it."""
         self.handed = False
         self.shared: _Shared | None = None
         """What the owner handed over (once ``handed``): the outcome, or ``None``, look again."""
