@@ -295,3 +295,32 @@ async def test_a_herd_whose_key_runs_on_another_replica_polls_the_database_as_on
     assert a.service.executions == 1 and b.service.executions == 0
     # One poller, and the mutated request's own look-ups (it is refused after one).
     assert len(set(pollers)) == 2, f"{len(set(pollers))} calls polled the database"
+
+
+async def test_a_duplicate_whose_wait_on_a_poll_runs_out_gets_the_polls_retry_hint(
+    store: Store,
+) -> None:
+    """A duplicate waiting on the call that polls another replica's claim, whose own wait runs
+    out first, is told to retry when that claim's lease says (as the poller itself would be),
+    not after the 250 ms meant for an attempt nobody can see."""
+    overrides = {PHASED: MethodOverride(lease=timedelta(seconds=30))}
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
+    async with (
+        running_ledger(store, overrides=overrides) as a,
+        running_ledger(store, overrides=overrides) as b,
+    ):
+        owner = asyncio.ensure_future(a.call(PHASED, request, key))
+        await a.service.started.wait()
+        poller = asyncio.ensure_future(b.call(PHASED, request, key, timeout=10))
+        await until("the poll waiting", lambda: b.interceptor.waiting_calls == 1)
+        short = await b.call(PHASED, request, key, timeout=0.5)
+        a.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+        await poller  # its own budget (max_wait 1 s) decides its answer: not this test's
+    assert (short.code, short.reason()) == (
+        grpc.StatusCode.ABORTED,
+        "IDEMPOTENCY_KEY_IN_PROGRESS",
+    ), short
+    # A 30 s lease, renewed: the longest hint there is (core.lifecycle.MAX_RETRY_AFTER_MS).
+    assert short.retry_delay_ms() == 2000, short

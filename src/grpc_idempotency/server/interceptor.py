@@ -658,7 +658,7 @@ class IdempotencyInterceptor(_Interceptor):
                 call.outcome = CallOutcome.MISMATCH  # claimed since this call began waiting
                 await answers.abort(call.context, _reused())
             call.outcome = CallOutcome.CONFLICT
-            await answers.abort(call.context, _in_progress(call.policy, retry_after_ms(None)))
+            await answers.abort(call.context, _in_progress(call.policy, owner.retry_after_ms))
         finally:
             owner.forget(waiter)
             self._waiting -= 1
@@ -772,6 +772,7 @@ class IdempotencyInterceptor(_Interceptor):
                     # Polling a claim other attempts see (another replica's): a local duplicate
                     # of another request is refused (``_refused_by_claim``), not kept waiting.
                     owned.claimed = record.fingerprint
+                owned.retry_after_ms = busy_ms
                 raise _Busy(busy_ms)
             raise IllegalTransition(f"the driver cannot carry out {step.name} in {phase.name}")
 
@@ -1419,7 +1420,7 @@ class _Owner:
     hundreds of duplicates wait on one key. They are resolved a batch at a time when
     ``release`` says so (``core/herd.py``)."""
 
-    __slots__ = ("_release", "_waiters", "claimed", "handed", "shared")
+    __slots__ = ("_release", "_waiters", "claimed", "handed", "retry_after_ms", "shared")
 
     def __init__(self, release: HerdRelease | None = None) -> None:
         self._release = release
@@ -1429,6 +1430,9 @@ class _Owner:
         self.claimed: bytes | None = None
         """The fingerprint of the owner's claim once other attempts can see it (a phased claim,
         committed): a duplicate with another fingerprint is then refused, not kept waiting."""
+        self.retry_after_ms = retry_after_ms(None)
+        """The retry hint of the owner's last poll for an attempt elsewhere (``_Busy``): a
+        duplicate whose wait on the owner runs out first is told what the owner would be."""
         self.handed = False
         self.shared: _Shared | None = None
         """What the owner handed over (once ``handed``): the outcome, or ``None``, look again."""
