@@ -186,3 +186,57 @@ async def _locked_until(store: Store, key: str) -> datetime:
         "SELECT locked_until FROM grpc_idempotency.records WHERE key = $1", key
     )
     return found
+
+
+async def test_a_lease_that_runs_out_with_its_renewals_failing_is_logged(
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Renewals failing for a store outage (this replica cut off) were tried again without a
+    word: the lease ran out, another replica could take the live operation over, and the call
+    ended LEASE_LOST with nothing in the log to say why. Once its lease has run out by the
+    keeper's count, a warning says so, once per call; the renewals go on (a lease run out that
+    nobody took over is still renewed)."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.server"):
+        async with (
+            store_behind_proxy(pg_dsn, pool=2) as (proxy, via),
+            running_ledger(via) as owner,  # PostPhased: a 0.6 s lease
+        ):
+            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+            try:
+                await owner.service.started.wait()
+                first_lease_end = await _locked_until(store, key)
+                proxy.blackhole()
+
+                async def first_lease_over() -> bool:
+                    return bool(
+                        await store.pool.fetchval(
+                            "SELECT clock_timestamp() > $1::timestamptz", first_lease_end
+                        )
+                    )
+
+                await until("the end of the claim's first lease", first_lease_over)
+                await until("the lapse logged", lambda: _lapsed(caplog))
+                proxy.partitioned = False
+
+                async def renewed() -> bool:
+                    return bool(await _locked_until(store, key) > first_lease_end)
+
+                await until("the lease renewed", renewed)
+                owner.service.release.set()
+                answer = await calling
+                assert answer.code is grpc.StatusCode.OK, answer.details
+            finally:
+                owner.service.release.set()
+                await asyncio.gather(calling, return_exceptions=True)
+    assert len(_lapsed(caplog)) == 1
+    assert await ledger_rows(store, account) == 1
+
+
+def _lapsed(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "lease has run out" in r.getMessage()
+    ]

@@ -435,7 +435,7 @@ async def test_stopping_the_lease_keeper_passes_on_a_cancellation_of_the_stopper
     )
     assert claim is not None
     handler = asyncio.ensure_future(asyncio.Event().wait())  # stands for the handler
-    keeper = _LeaseKeeper(claim, handler)
+    keeper = _LeaseKeeper(claim, handler, PHASED)
     keeper.start()
     stopping = asyncio.ensure_future(keeper.stop())
     await asyncio.sleep(0)  # the stopper now waits for the keeper to end

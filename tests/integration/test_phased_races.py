@@ -206,7 +206,7 @@ async def test_stopping_the_keeper_lets_a_renewal_on_the_wire_finish(
     claim = await claim_key(store, key, lease_s=3.0)
     assert claim is not None
     handler = asyncio.ensure_future(asyncio.Event().wait())
-    keeper = interceptor._LeaseKeeper(claim, handler)
+    keeper = interceptor._LeaseKeeper(claim, handler, PHASED)
     await lock_row(row_lock, SCOPE, key)
     keeper.start()
     try:
@@ -815,7 +815,7 @@ async def test_stopping_the_keeper_behind_a_partition_takes_at_most_about_a_leas
     try:
         claim = await claim_key(partitioned, fresh(), lease_s=lease_s)
         assert claim is not None
-        keeper = interceptor._LeaseKeeper(claim, handler)
+        keeper = interceptor._LeaseKeeper(claim, handler, PHASED)
         proxy.blackhole()
         keeper.start()
         await until("the renewal on the wire", lambda: keeper._renewing, timeout=5)

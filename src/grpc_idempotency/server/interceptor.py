@@ -802,7 +802,7 @@ class IdempotencyInterceptor(_Interceptor):
         assert handler_task is not None
         tx: Attempt | None = held if isinstance(held, Attempt) else None
         claim: PhasedClaim | None = held if isinstance(held, PhasedClaim) else None
-        lease = _LeaseKeeper(claim, handler_task) if claim is not None else None
+        lease = _LeaseKeeper(claim, handler_task, policy.method) if claim is not None else None
 
         async def open_final() -> Any:
             nonlocal tx
@@ -1511,9 +1511,11 @@ class _LeaseKeeper:
     matches no released or completed claim (store/sql.py), so it cannot set the lease again
     after that."""
 
-    def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any]) -> None:
+    def __init__(self, claim: PhasedClaim, handler: asyncio.Task[Any], method: str) -> None:
         self._claim = claim
         self._handler = handler
+        self._method = method
+        self._lapsed = False
         self._task: asyncio.Task[None] | None = None
         self._renewing = False
         self._failed = False
@@ -1553,8 +1555,20 @@ class _LeaseKeeper:
                 if failpoints.ENABLED:
                     await failpoints.hit("lease_renewal")
                 renewed = await self._claim.renew(lease_until=lease_until)
-            except StoreUnavailable:
-                # The lease may still hold; the final commit checks the token anyway.
+            except StoreUnavailable as err:
+                # The lease may still hold; the final commit checks the token anyway. Once it
+                # has run out by this count, said once per call: another attempt may take the
+                # live operation over, and the call then ends LEASE_LOST, which the log alone
+                # explains (renewals failing for an outage said nothing).
+                if not self._lapsed and time.monotonic() >= lease_until:
+                    self._lapsed = True
+                    log.warning(
+                        "%s: renewing a phased claim's lease failed (%s); the lease has run out:"
+                        " another attempt may take the operation over (this call then ends"
+                        " LEASE_LOST); still trying",
+                        self._method,
+                        err,
+                    )
                 spacing = renewal_spacing_s(lease_s, left, renewed=False)
                 continue
             except Exception:
