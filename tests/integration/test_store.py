@@ -590,11 +590,18 @@ async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
     mid-rotation) a certain outage, so a fail-open method ran unclaimed with the database up;
     anything else escaped raw (a call answered UNKNOWN)."""
     failing: list[Exception] = []
+    returned: list[object] = [""]  # the session's PostgreSQL trusts its local connections
 
-    def password() -> str:
+    def password() -> object:
         if failing:
             raise failing[0]
-        return ""  # the session's PostgreSQL trusts its local connections
+        value = returned[0]
+        return value() if callable(value) else value
+
+    async def vault() -> str:  # an async lookup: awaited, and its failure told alike
+        if failing:
+            raise failing[0]
+        return ""
 
     failing.append(KeyError("DB_PASSWORD"))
     with pytest.raises(StoreUnavailable, match=r"password callable .*KeyError") as raised:
@@ -610,6 +617,20 @@ async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
                 await rotated.lookup("scope", "key")
             # The database is up and may hold the key's outcome: no failing open.
             assert not raised.value.outage and raised.value.__cause__ is error
+            # Nor from the outage probe's own connection (it was "no answer": an outage).
+            assert await rotated.answers(5.0)
+        failing.clear()
+        # Bytes (or any non-str) were asyncpg's InternalClientError where the server asks for a
+        # password: a certain outage. Refused alike, here too, where no password is asked for.
+        returned[0] = b"secret"
+        with pytest.raises(StoreUnavailable, match=r"password callable .*TypeError") as raised:
+            await rotated.lookup("scope", "key")
+        assert not raised.value.outage and "secret" not in str(raised.value.__cause__)
+        returned[0] = vault
+        failing.append(ConnectionRefusedError(111, "Connection refused"))
+        with pytest.raises(StoreUnavailable, match="raised ConnectionRefusedError") as raised:
+            await rotated.lookup("scope", "key")
+        assert not raised.value.outage
         # A relay's LISTEN session, from the pool, alike (it escaped raw, ending the relay).
         with pytest.raises(StoreUnavailable, match="password callable"):
             await OutboxStore(rotated).listen(lambda *_: None)

@@ -551,6 +551,11 @@ def _own_password(password: Callable[[], Any]) -> Callable[[], Coroutine[Any, An
             value = password()
             if inspect.isawaitable(value):
                 value = await value
+            if value is not None and not isinstance(value, str):
+                # Never quoted: it is the secret. asyncpg refused it only where the server asks
+                # for a password, as an InternalClientError taken for a certain outage (a
+                # fail-open method ran unclaimed with the database up).
+                raise TypeError(f"the password callable returned {type(value).__name__}, not a str")
         except Exception as exc:
             raise PasswordFailed(
                 f"the password callable (Store.connect's password=) raised {type(exc).__name__}"
@@ -1700,7 +1705,8 @@ class Store:
         confirms an ambiguous outage (``StoreUnavailable.ambiguous``). A table locked by a
         migration blocks every pooled connection's statement, the pool's included, so only a
         fresh connection tells a live database from an unreachable one. Never raises: any
-        failure, or no answer in time, is ``False``.
+        failure, or no answer in time, is ``False``, except a ``password=`` callable's, which
+        says nothing of the database: ``True`` (no certain outage, no failing open).
 
         Concurrent callers share one probe (a lock that blocks every call would otherwise open
         a connection per call), each waiting at most its own ``timeout``. A store made directly
@@ -1782,6 +1788,12 @@ class _Probe:
                 conn = await self.connect(self.dsn, loop=asyncio.get_running_loop(), **options)
                 await conn.fetchval("SELECT 1")
                 await conn.close()
+            return True
+        except PasswordFailed as exc:
+            # The pool's password= callable (``_own_password``) failed: that says nothing of the
+            # database, which may be up and hold the key's outcome. Taken for no answer, a
+            # fail-open method ran unclaimed while the secret was being rotated.
+            password_error(exc, "probing the database after an ambiguous outage")
             return True
         except STORE_ERRORS as exc:
             # TimeoutError included (one of STORE_ERRORS): no answer in time.
