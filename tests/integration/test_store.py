@@ -556,6 +556,8 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
         ("min_size", "1"),
         ("max_size", "10"),
         ("acquire_timeout", "5"),
+        ("min_size", True),  # asyncpg took True for 1 connection
+        ("acquire_timeout", True),
     ],
 )
 async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
@@ -580,8 +582,12 @@ async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
         await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
 
 
+class _VaultSealed(Exception):
+    pass
+
+
 async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
-    pg_dsn: str, store: Store
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     """asyncpg calls a ``password=`` callable for every connection it opens (how a rotated
     secret is read: a file, a vault). Its own error was taken for the DSN's or the database's:
@@ -611,14 +617,21 @@ async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
     rotated = await Store.connect(pg_dsn, password=password, min_size=0, max_size=1)
     try:
         await rotated.pool.expire_connections()  # the next statement opens a connection
-        for error in (FileNotFoundError(2, "No such file or directory"), RuntimeError("sealed")):
+        sealed = _VaultSealed("token s.XyZ")
+        for error in (FileNotFoundError(2, "No such file or directory"), sealed):
             failing[:] = [error]
-            with pytest.raises(StoreUnavailable, match="password callable") as raised:
-                await rotated.lookup("scope", "key")
-            # The database is up and may hold the key's outcome: no failing open.
-            assert not raised.value.outage and raised.value.__cause__ is error
-            # Nor from the outage probe's own connection (it was "no answer": an outage).
-            assert await rotated.answers(5.0)
+            with caplog.at_level("ERROR", logger="grpc_idempotency.store"):
+                with pytest.raises(StoreUnavailable, match="password callable") as raised:
+                    await rotated.lookup("scope", "key")
+                # The database is up and may hold the key's outcome: no failing open.
+                assert not raised.value.outage and raised.value.__cause__ is error
+                assert "s.XyZ" not in str(raised.value)  # not quoted: it may be a secret
+                # Nor from the outage probe's own connection (it was "no answer": an outage).
+                assert await rotated.answers(5.0)
+        # Logged once a minute (the lookup's and the probe's failures: one record), traceback
+        # and all.
+        logged = [r for r in caplog.records if "_VaultSealed" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].exc_info and logged[0].exc_info[1] is sealed
         failing.clear()
         # Bytes (or any non-str) were asyncpg's InternalClientError where the server asks for a
         # password: a certain outage. Refused alike, here too, where no password is asked for.
@@ -626,18 +639,27 @@ async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
         with pytest.raises(StoreUnavailable, match=r"password callable .*TypeError") as raised:
             await rotated.lookup("scope", "key")
         assert not raised.value.outage and "secret" not in str(raised.value.__cause__)
+        returned[0] = None  # asyncpg's "no password": passed through
+        assert await rotated.lookup("scope", "key") is None
+        await rotated.pool.expire_connections()
         returned[0] = vault
         failing.append(ConnectionRefusedError(111, "Connection refused"))
         with pytest.raises(StoreUnavailable, match="raised ConnectionRefusedError") as raised:
             await rotated.lookup("scope", "key")
         assert not raised.value.outage
         # A relay's LISTEN session, from the pool, alike (it escaped raw, ending the relay).
-        with pytest.raises(StoreUnavailable, match="password callable"):
+        with pytest.raises(StoreUnavailable, match="password callable") as raised:
             await OutboxStore(rotated).listen(lambda *_: None)
+        assert raised.value.__cause__ is failing[0]
         failing.clear()
         assert await rotated.lookup("scope", "key") is None
     finally:
         await rotated.close()
+
+
+async def test_a_whole_number_of_seconds_is_an_acquire_timeout(store: Store) -> None:
+    # The check that refuses text and bools must let an int through (acquire_timeout=5).
+    assert Store(store.pool, acquire_timeout=5).acquire_timeout == 5
 
 
 async def _connections_named(dsn: str, application_name: str) -> int:
