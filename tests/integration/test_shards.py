@@ -416,6 +416,11 @@ async def test_a_shard_of_handing_back_a_coroutine_is_refused_and_the_coroutine_
         sharded.for_scope("tenant:a")
     assert handed[0].cr_frame is None  # closed, never to be awaited
     assert "shard_of returned a coroutine for scope 'tenant:a'" in caplog.text
+    # Any other awaitable (a future) is only not a shard's name: it has no close() to call.
+    future = asyncio.get_running_loop().create_future()
+    placing = ShardedStores({"one": shards["one"].store}, lambda scope: cast(str, future))
+    with pytest.raises(StoreMisconfigured, match="could not place this call"):
+        placing.for_scope("tenant:a")
 
 
 async def test_a_relay_or_consumer_given_sharded_stores_says_to_run_one_per_shard(
