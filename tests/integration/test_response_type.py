@@ -261,3 +261,48 @@ async def test_a_fail_open_call_fails_a_message_of_another_type_too(
         r.exc_info[1] for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], TypeError)
     ]
     assert logged.__context__ is None, repr(logged.__context__)
+
+
+async def test_a_serializer_making_no_bytes_fails_the_call_before_the_commit(
+    store: Store,
+) -> None:
+    """A response serializer of the application's own (a generic handler's) returning a
+    bytearray: grpc.aio sends bytes only and refuses it as it sends the answer, which for a
+    keyed call was after the commit: the writes and an OK outcome were committed while the
+    client was answered UNKNOWN, and so was every retry the replay cache answered. Refused
+    before the commit instead (UNKNOWN, as grpc.aio answers it), with a key and without."""
+    service = Answers()
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(service, name),
+            request_deserializer=testsvc_pb2.PostRequest.FromString,
+            response_serializer=lambda m: bytearray(m.SerializeToString()),
+        )
+        for name in ("Post", "PostOptional")
+    }
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+    server = grpc.aio.server(interceptors=[interceptor])
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("testsvc.v1.LedgerService", handlers),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    served = Served(service, channel)
+    try:
+        key, account = fresh(), fresh("acct")
+        first = await served.call(POST, "", key, account)
+        assert first.code is grpc.StatusCode.UNKNOWN, first
+        assert "bytearray" in (first.details or ""), first.details
+        assert await ledger_rows(store, account) == 0
+        assert await _record(store, key) is None
+        # Retried, it runs again (and fails alike): not a replay of an outcome never sent.
+        retry = await served.call(POST, "", key, account)
+        assert retry.code is grpc.StatusCode.UNKNOWN and not retry.replayed, retry
+        assert service.executions[account] == 2
+        unkeyed = fresh("acct")
+        assert (await served.call(OPTIONAL, "", None, unkeyed)).code is grpc.StatusCode.UNKNOWN
+        assert await ledger_rows(store, unkeyed) == 0
+    finally:
+        await channel.close(None)
+        await server.stop(None)

@@ -59,9 +59,21 @@ def serialize(
     if type(response) is Serialized:
         return response.data
     check_type(response, output_type, method)
-    if serializer is None:
-        return bytes(response)
-    return serializer(response)
+    data = response if serializer is None else serializer(response)
+    if type(data) is not bytes:
+        # grpc.aio sends bytes only ("Expected bytes, got bytearray"), and refuses anything
+        # else only as it sends the answer: after the commit. A serializer of the handler's own
+        # returning a bytearray had its writes committed and its outcome recorded OK while
+        # the client was answered UNKNOWN, and so was every retry answered from the replay
+        # cache. Refused here, before the commit, as a raise is (``bytes()`` made no bytes
+        # of a message either, and made zeros of an int).
+        raise TypeError(
+            f"the response serializer of {method} returned {type(data).__name__}, not bytes"
+            if serializer is not None
+            else f"the handler of {method} has no response serializer and returned"
+            f" {type(data).__name__}, not bytes"
+        )
+    return data
 
 
 def check_type(
