@@ -99,6 +99,8 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
         elif behaviour == "set-then-bad-abort":  # set_code(), then an abort the library refuses
             context.set_code(grpc.StatusCode.NOT_FOUND)
             await context.abort(grpc.StatusCode.NOT_FOUND, "nf", BAD_TRAILERS["name"])
+        elif behaviour == "write-early":  # the response's bytes sent at once, then returned
+            await context.write(testsvc_pb2.PostResponse(account="early").SerializeToString())
         elif behaviour.startswith("set-bad-trailers:"):  # set_trailing_metadata(), then...
             _, case, then = behaviour.split(":")
             context.set_trailing_metadata(BAD_TRAILERS[case])
@@ -401,3 +403,23 @@ async def test_a_library_error_raised_after_set_code_releases_the_key(
         assert await record(store, key) is None
         assert edges.service.executions == attempt
     assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("method", [POST, PHASED])
+async def test_a_write_to_the_context_sends_nothing_before_the_commit(
+    edges: Served, store: Store, method: str
+) -> None:
+    """``context.write()`` on a keyed (unary) method: grpc.aio sent the bytes at once, before the
+    outcome was committed, and the returned response after them hung the client's call until
+    its deadline while the outcome committed. Refused instead (UsageError, answered UNKNOWN as
+    a raise): nothing committed, nothing recorded, a retry runs again."""
+    key, account = fresh(), fresh("acct")
+    first = await edges.call(method, "write-early", key, account)
+    assert first.code is grpc.StatusCode.UNKNOWN, first
+    assert "context.write()" in (first.details or ""), first.details
+    assert await ledger_rows(store, account) == 0
+    row = await record(store, key)
+    assert row is None or row["state"] != "completed", row
+    retry = await edges.call(method, "write-early", key, account)
+    assert retry.code is grpc.StatusCode.UNKNOWN and not retry.replayed, retry
+    assert edges.service.executions == 2

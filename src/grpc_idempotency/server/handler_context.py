@@ -225,8 +225,23 @@ class KeyedContext:
     async def abort_with_status(self, status: grpc.Status) -> NoReturn:
         raise _first_abort(self, status.code, status.details, status.trailing_metadata)
 
+    async def write(self, message: Any) -> NoReturn:
+        raise _early_write()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
+
+
+def _early_write() -> grpc.aio.UsageError:
+    """What a keyed method's ``context.write()`` raises (a ``UsageError``, as grpc.aio raises for
+    a call it cannot make). grpc.aio's own sent the bytes it was given at once, before the
+    outcome was committed: a second message then hung the client's unary call until its
+    deadline while the outcome committed, and a status after it went out with a response the
+    client had already been sent."""
+    return grpc.aio.UsageError(
+        "context.write() on a unary method: its response is the handler's return value, sent"
+        " once the outcome is committed"
+    )
 
 
 class SyncContext:
@@ -254,6 +269,11 @@ class SyncContext:
 
     def abort_with_status(self, status: grpc.Status) -> NoReturn:
         raise _first_abort(self, status.code, status.details, status.trailing_metadata)
+
+    def write(self, message: Any) -> NoReturn:
+        # grpc.aio's sync context has none; passed through, the aio context's coroutine was
+        # made here and never awaited.
+        raise _early_write()
 
     def add_callback(self, callback: Callable[[], Any]) -> None:
         """As grpc.aio's context for sync handlers: ``callback()`` runs on the event loop once
