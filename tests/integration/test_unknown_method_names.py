@@ -115,3 +115,41 @@ async def test_a_made_up_method_name_cannot_forge_or_rewrite_the_servers_log_lin
     ]
     assert not any(c in line for c in "\n\r\x1b\u202e"), line
     assert f"X\\n{forged}\\x1b[1A\\x1b[2K\\u202eoops" in line  # shown, escaped
+
+
+async def test_a_keyed_method_no_handler_serves_is_unimplemented_and_claims_nothing(
+    store: Store,
+) -> None:
+    """A keyed method the server has no handler for (its service registered without it, a
+    generic handler serving another method): gRPC's UNIMPLEMENTED, with a key or without (not
+    the interceptor's KEY_MISSING), and no record: nothing ran, so a retry reaching a server
+    that has the method must run it."""
+
+    async def phased(request: Any, context: Any) -> Any:  # never called here
+        raise AssertionError("not this method")
+
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=StaticScope("tenant:unimplemented")
+    )
+    server = grpc.aio.server(interceptors=[interceptor])
+    only = {"PostPhased": grpc.unary_unary_rpc_method_handler(phased)}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("testsvc.v1.LedgerService", only),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    key = f"k-{uuid.uuid4().hex}"
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            post = channel.unary_unary("/testsvc.v1.LedgerService/Post", None, None)
+            request = testsvc_pb2.PostRequest(account="a", amount=1).SerializeToString()
+            for metadata in ((("idempotency-key", key),), ()):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await post(request, metadata=metadata, timeout=10)
+                assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED, refused.value
+    finally:
+        await server.stop(None)
+    stored = await store.pool.fetchval(
+        "SELECT count(*) FROM grpc_idempotency.records WHERE key = $1", key
+    )
+    assert stored == 0
