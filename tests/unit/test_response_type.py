@@ -76,3 +76,21 @@ def test_what_is_no_message_is_left_to_the_serializer() -> None:
 def test_without_a_known_response_type_nothing_is_checked() -> None:
     one = duration_pb2.Duration(seconds=1)
     assert _serialize(one, output_type=None) == one.SerializeToString()
+
+
+class _Bytes(bytes):
+    """A subclass of bytes: grpc.aio's Cython send takes exact bytes only ("Expected bytes, got
+    _Bytes"), as it does a bytearray, and refuses it only after the commit."""
+
+
+def test_only_exact_bytes_are_recorded() -> None:
+    """What grpc.aio would refuse as it sends the answer is refused before the commit, saying
+    whose it is (the handler's serializer's, or the handler's own without one); exact bytes
+    from a handler without a serializer are its answer as they are."""
+    data = b"\x08\x01"
+    with pytest.raises(TypeError, match=r"response serializer of \S+ returned _Bytes, not bytes"):
+        _serialize(empty_pb2.Empty(), serializer=lambda m: _Bytes(m.SerializeToString()))
+    for answer in (_Bytes(data), bytearray(data), 3):  # bytes(3) made b"\0\0\0" of the last
+        with pytest.raises(TypeError, match="has no response serializer and returned"):
+            answers.serialize(None, answer, output_type=EMPTY, method=POST)
+    assert answers.serialize(None, data, output_type=EMPTY, method=POST) is data
