@@ -130,6 +130,8 @@ class Edges(testsvc_pb2_grpc.LedgerServiceServicer):
         elif request.behaviour == "set-then-bad-abort":
             context.set_code(grpc.StatusCode.NOT_FOUND)
             context.abort(grpc.StatusCode.NOT_FOUND, "nf", BAD_TRAILERS["name"])
+        elif request.behaviour == "write-early":
+            context.write(testsvc_pb2.PostResponse(account="early").SerializeToString())
         elif request.behaviour == "abort-twice":
             try:
                 context.abort(grpc.StatusCode.NOT_FOUND, "first")
@@ -405,14 +407,16 @@ async def test_a_library_error_raised_after_set_code_releases_the_key(
     assert await ledger_rows(store, account) == 0
 
 
-@pytest.mark.parametrize("method", [POST, PHASED])
+@pytest.mark.parametrize("method", [POST, PHASED, SYNC])
 async def test_a_write_to_the_context_sends_nothing_before_the_commit(
     edges: Served, store: Store, method: str
 ) -> None:
     """``context.write()`` on a keyed (unary) method: grpc.aio sent the bytes at once, before the
     outcome was committed, and the returned response after them hung the client's call until
     its deadline while the outcome committed. Refused instead (UsageError, answered UNKNOWN as
-    a raise): nothing committed, nothing recorded, a retry runs again."""
+    a raise): nothing committed, nothing recorded, a retry runs again. A sync handler's too
+    (grpc.aio's sync context has no ``write``): passed through to the aio context, it made a
+    coroutine never awaited, and the call was recorded OK as if it had written."""
     key, account = fresh(), fresh("acct")
     first = await edges.call(method, "write-early", key, account)
     assert first.code is grpc.StatusCode.UNKNOWN, first
