@@ -216,6 +216,16 @@ class GrpcSink:
         permanent_codes: Iterable[grpc.StatusCode] = DEFAULT_PERMANENT_CODES,
     ) -> None:
         check_method(method)
+        if not isinstance(channel, grpc.aio.Channel):
+            # A blocking channel's call (grpc.insecure_channel) ran on the event loop, froze it
+            # (a server on it too) until answered, and gave bytes that could not be awaited:
+            # each delivery reached the receiver and was recorded as failed, so the message
+            # went out again on every retry and ended a dead letter, delivered.
+            raise TypeError(
+                "GrpcSink takes a grpc.aio channel (grpc.aio.insecure_channel or"
+                f" grpc.aio.secure_channel), not {type(channel).__module__}."
+                f"{type(channel).__qualname__}"
+            )
         # Else each failed every delivery DEADLINE_EXCEEDED (gRPC's deadline overflows past
         # about 1e10 s), or matched no status: every rejection retried to the last attempt.
         if timeout is not None and not 0 < timeout <= MAX_DURATION_S:

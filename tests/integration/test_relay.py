@@ -1271,6 +1271,19 @@ async def test_a_sink_or_policy_that_cannot_deliver_is_refused_when_made(
         await channel.close(None)
 
 
+async def test_a_grpc_sink_refuses_a_blocking_channel(outbox: Store) -> None:
+    """A sync channel (``grpc.insecure_channel``) was taken: each delivery blocked the event
+    loop until the receiver answered, then awaiting its bytes raised TypeError, a failed
+    delivery. The receiver had the message every time, and the row went out again on every
+    retry until it was a dead letter."""
+    blocking = grpc.insecure_channel("127.0.0.1:1")
+    try:
+        with pytest.raises(TypeError, match=r"grpc\.aio channel .* not grpc\._channel\.Channel"):
+            GrpcSink(blocking, "/a.B/C")  # type: ignore[arg-type]
+    finally:
+        blocking.close()
+
+
 async def test_permanent_codes_given_as_a_generator_are_kept() -> None:
     """The check of their type read a one-shot iterable through, and the sink kept what was
     left of it, nothing: every rejection was retried to the last attempt."""
