@@ -499,7 +499,7 @@ def _outbox_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     )
     dead.add_argument("--json", action="store_true", help="one JSON object per line")
     retry = _command(
-        actions, "retry", "put dead letters back to pending (attempts from zero), due now"
+        actions, "retry", "put dead letters back to pending (failures from zero), due now"
     )
     with_store(retry)
     retry.add_argument(

@@ -313,7 +313,8 @@ async def test_a_poison_row_is_dead_lettered_while_the_others_keep_flowing(
     retried = run_cli("outbox", "retry", *store_args, str(dead["id"]))
     assert retried.returncode == 0 and "1 dead letter(s) back to pending" in retried.stdout
     revived = await row(outbox, "poison")
-    assert revived["state"] == "pending" and revived["attempts"] == 0
+    assert revived["state"] == "pending" and revived["failures"] == 0
+    assert revived["attempts"] == 3  # the claims' fencing token goes on counting
     receiver.failing.clear()  # the receiver was fixed
     assert await relay.run_once() == 1
     assert receiver.delivered["poison"] == 1
@@ -454,6 +455,33 @@ async def test_a_stale_claim_of_the_same_relay_name_cannot_mark_the_newer_claim_
     still = await row(outbox, "same-name")
     assert still["state"] == "pending" and still["attempts"] == 2
     assert await store.mark_sent(relay="r", claims=[(new.id, new.attempts)]) == 1
+
+
+async def test_a_stale_claim_cannot_record_its_outcome_over_a_claim_made_after_a_retry(
+    outbox: Store,
+) -> None:
+    """``outbox retry`` set ``attempts``, the claim's fencing token, back to 0: the first claim
+    after it had the number a claim before the row died had, and that claim, stalled under the
+    same relay name meanwhile, recorded its outcome over the live one (here a permanent failure:
+    the row parked while the new claim delivered it, and that delivery's mark found it dead)."""
+    from grpc_idempotency.outbox import OutboxStore
+    from grpc_idempotency.store.outbox_store import Failure
+
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["requeued"])
+    (stale,) = await store.claim(relay="r", limit=10, lease_s=0.05)
+    await until("the stalled claim's lease to expire", lambda: due_now(store), timeout=WAIT_S)
+    (parked,) = await store.claim(relay="r", limit=10, lease_s=30)
+    gave_up = Failure(id=parked.id, attempts=parked.attempts, delay_s=None, error="refused")
+    assert await store.mark_failed(relay="r", failures=[gave_up]) == (0, 1)
+    assert await store.retry_dead([parked.id]) == 1
+    (live,) = await store.claim(relay="r", limit=10, lease_s=30)
+    stale_outcome = Failure(id=stale.id, attempts=stale.attempts, delay_s=None, error="stale")
+    assert await store.mark_failed(relay="r", failures=[stale_outcome]) == (0, 0)
+    assert await store.mark_sent(relay="r", claims=[(stale.id, stale.attempts)]) == 0
+    assert await store.mark_sent(relay="r", claims=[(live.id, live.attempts)]) == 1
+    done = await row(outbox, "requeued")
+    assert done["state"] == "sent" and done["failures"] == 0 and done["lost_claims"] == 0, done
 
 
 async def test_purging_dead_letters_leaves_pending_and_claimed_rows_alone(outbox: Store) -> None:

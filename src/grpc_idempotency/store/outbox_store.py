@@ -213,11 +213,14 @@ class OutboxStatements:
             SELECT id, scope, key, step, method, payload_type, attempts, last_error, created_at,
                    next_attempt_at AS dead_since, claimed_by
             FROM {s}.outbox WHERE state = 'dead' ORDER BY id LIMIT $1"""
-        # $1 ids, or NULL for every dead row. Back to pending, due now, attempts (and the
-        # failures and lost claims) from zero; last_error stays as a record of why it died.
+        # $1 ids, or NULL for every dead row. Back to pending, due now, the failures and lost
+        # claims (what parks a row) from zero; last_error stays as a record of why it died.
+        # attempts goes on counting: it is the claims' fencing token, and from zero the next
+        # claim had the number of one made before the row died, whose relay, stalled under the
+        # same name, then recorded its outcome over the live claim's.
         self.retry_dead = f"""
             UPDATE {s}.outbox
-            SET state = 'pending', attempts = 0, failures = 0, lost_claims = 0,
+            SET state = 'pending', failures = 0, lost_claims = 0,
                 next_attempt_at = pg_catalog.clock_timestamp(),
                 locked_until = NULL, claimed_by = NULL
             WHERE state = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))"""
@@ -470,7 +473,8 @@ class OutboxStore:
 
     async def retry_dead(self, ids: Sequence[int] | None) -> int:
         """Puts dead letters (``ids``, or all of them with ``None``) back to pending, due now,
-        with attempts from zero, and wakes the relays; returns how many."""
+        with their failures and lost claims from zero (``attempts``, the claims' fencing token,
+        goes on counting), and wakes the relays; returns how many."""
         if ids is not None:
             ids = list(ids)
             for id_ in ids:
