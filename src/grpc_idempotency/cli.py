@@ -882,6 +882,10 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         initial_backoff_s=args.initial_backoff,
         max_backoff_s=args.max_backoff,
     )
+    # The response is dropped, of any size: refused over gRPC's default 4 MiB (RESOURCE_EXHAUSTED,
+    # retried), a delivery the receiver had run and answered OK failed, went out again on every
+    # retry, and its row ended a dead letter.
+    options = [("grpc.max_receive_message_length", -1)]
     if args.tls_pem:  # any of --tls-ca, --tls-cert and --tls-key (read by _check_relay)
         channel = grpc.aio.secure_channel(
             args.grpc_target,
@@ -890,9 +894,10 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
                 private_key=args.tls_pem.get("--tls-key"),
                 certificate_chain=args.tls_pem.get("--tls-cert"),
             ),
+            options=options,
         )
     else:
-        channel = grpc.aio.insecure_channel(args.grpc_target)
+        channel = grpc.aio.insecure_channel(args.grpc_target, options=options)
     headers: list[tuple[str, str | bytes]] = list(args.header)
     scope = (
         forward_scope(args.scope_header, prefix=args.scope_prefix) if args.scope_header else None

@@ -204,6 +204,10 @@ class GrpcSink:
     UNIMPLEMENTED (the receiver lacks the method: not deployed yet, or misspelt here) is retried
     with the relay's backoff until its ``DeliveryPolicy.max_attempts``. To park such a message
     at once: ``permanent_codes=DEFAULT_PERMANENT_CODES | {grpc.StatusCode.UNIMPLEMENTED}``.
+
+    The response is dropped, but ``channel`` still refuses one over its receive limit (gRPC's
+    default is 4 MiB) with RESOURCE_EXHAUSTED, a failed delivery of a message the receiver ran:
+    give it ``options=[("grpc.max_receive_message_length", -1)]``, as the ``relay`` command does.
     """
 
     def __init__(

@@ -1205,6 +1205,46 @@ async def test_a_relay_told_to_dead_letter_on_unimplemented_parks_at_once(pg_dsn
     assert (row["state"], row["attempts"]) == ("dead", 1), dict(row)
 
 
+async def test_a_relay_takes_a_delivery_answered_with_a_large_response_as_delivered(
+    pg_dsn: str,
+) -> None:
+    """The relay drops the response, but its channel refused one over gRPC's default 4 MiB
+    (RESOURCE_EXHAUSTED, retried): a receiver that had run the message and answered OK was
+    called again on every retry, replayed its answer, and the row ended a dead letter."""
+    import grpc
+
+    calls: list[bytes] = []
+
+    def answer_large(request: bytes, context: grpc.ServicerContext) -> bytes:
+        calls.append(request)
+        return b"x" * (5 * 1024 * 1024)
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("a.B", {"C": grpc.unary_unary_rpc_method_handler(answer_large)})]
+    )  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with fresh_store(pg_dsn, "relaylarge") as s:
+            proc = await relay_of_one_row(pg_dsn, s, port)
+            try:
+                found = f'SELECT state, failures, last_error FROM "{s.schema}".outbox'
+                row = await until(
+                    "the delivery's outcome recorded",
+                    lambda: s.pool.fetchrow(found + " WHERE state <> 'pending' OR failures > 0"),
+                    timeout=30,
+                )
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await server.stop(None)
+    assert proc.returncode == 0, err.decode()
+    assert (row["state"], row["failures"]) == ("sent", 0), dict(row)
+    assert len(calls) == 1
+
+
 # -- output that cannot be written: `grpc-idempotency purge > /dev/full` --------------------------
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC
