@@ -61,7 +61,7 @@ from grpc_idempotency.core.errors import (
 )
 from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy, relay_name_problem
-from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, unsendable
+from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, retry_after_ms, unsendable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import tenant_header
 from grpc_idempotency.store.outbox_store import (
@@ -199,7 +199,9 @@ class GrpcSink:
 
     ``metadata_for(message)`` adds metadata per message (``forward_scope`` passes the enqueuing
     call's tenant on). A status in ``permanent_codes`` dead-letters the message at once; any
-    other error, including a deadline of ``timeout`` seconds, is retried. The default,
+    other error, including a deadline of ``timeout`` seconds, is retried, no sooner than the
+    receiver's pushback asks (``grpc-retry-pushback-ms`` or ``RetryInfo``, up to the policy's
+    ``max_backoff_s``). The default,
     ``DEFAULT_PERMANENT_CODES``, holds the errors a keyed receiver records for the key;
     UNIMPLEMENTED (the receiver lacks the method: not deployed yet, or misspelt here) is retried
     with the relay's backoff until its ``DeliveryPolicy.max_attempts``. To park such a message
@@ -283,7 +285,12 @@ class GrpcSink:
             text = f"{self.method}: {code.name}: {err.details() or ''}"
             if code in self.permanent_codes:
                 raise PermanentDeliveryError(text) from err
-            raise DeliveryError(text) from err
+            # The receiver's pushback (a keyed one's for a key still in progress): retried on
+            # the relay's backoff alone, it was tried sooner than asked, each early try another
+            # failed delivery towards the dead letter. Malformed (-1) or none: the backoff.
+            hint = retry_after_ms(err.trailing_metadata())
+            retry_after = hint / 1000 if hint is not None and hint > 0 else None
+            raise DeliveryError(text, retry_after_s=retry_after) from err
 
 
 def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> MetadataFor:
@@ -375,6 +382,7 @@ _UNRECORDED = "unrecorded"
 class _Failed:
     error: str
     permanent: bool
+    retry_after_s: float | None = None
 
 
 _SETTINGS = frozenset(
@@ -594,6 +602,11 @@ class Relay:
                     if outcome.permanent
                     else self.policy.after_failure(message.failures + 1, self._random.random())
                 )
+                if delay is not None and outcome.retry_after_s is not None:
+                    # As the receiver asked, up to the longest backoff: a hint of hours (a
+                    # misconfigured receiver) cannot hold the row past the operator's bound.
+                    asked = min(outcome.retry_after_s, self.policy.max_backoff_s)
+                    delay = max(delay, asked)
                 failures.append(
                     Failure(
                         id=message.id,
@@ -674,6 +687,8 @@ class Relay:
                 # never fired, it hid the sink's error.
                 return _Failed(_error_text(err), permanent=False)
             return _Failed(f"delivery timed out after {self.delivery_timeout:g}s", permanent=False)
+        except DeliveryError as err:
+            return _Failed(_error_text(err), permanent=False, retry_after_s=err.retry_after_s)
         except Exception as err:
             return _Failed(_error_text(err), permanent=False)
         except asyncio.CancelledError:

@@ -1018,6 +1018,41 @@ async def test_the_grpc_sinks_timeout_bounds_each_call_and_is_retried(outbox: St
     assert "/a.B/C: DEADLINE_EXCEEDED" in str(slow["last_error"]), slow
 
 
+async def test_a_receivers_retry_pushback_is_honoured_up_to_the_longest_backoff(
+    outbox: Store,
+) -> None:
+    """A receiver that says when to come back (``grpc-retry-pushback-ms``, as a keyed one does
+    for a key still in progress, with ``RetryInfo``) was retried on the relay's own backoff,
+    sooner than asked: each early try was another failed delivery towards the dead letter."""
+    await insert(outbox, outbox.schema, ["pushed-back"])
+
+    async def busy(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", "5000"),))
+        await context.abort(grpc.StatusCode.ABORTED, "still running: come back in 5 s")
+        raise AssertionError("unreachable")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("a.B", {"C": grpc.unary_unary_rpc_method_handler(busy)})]
+    )  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        # Asked for 5 s; the policy's longest backoff, 3 s, bounds what a receiver may ask.
+        policy = DeliveryPolicy(initial_backoff_s=0.01, max_backoff_s=3.0)
+        assert await Relay(outbox, GrpcSink(channel, "/a.B/C"), policy=policy).run_once() == 0
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+    due_in = await outbox.pool.fetchval(
+        f"""SELECT EXTRACT(EPOCH FROM next_attempt_at - clock_timestamp())::float8
+            FROM "{outbox.schema}".outbox WHERE key = 'pushed-back'"""
+    )
+    assert 2.5 < due_in <= 3.0, due_in
+    assert "ABORTED: still running" in str((await row(outbox, "pushed-back"))["last_error"])
+
+
 async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> None:
     await insert(outbox, outbox.schema, ["peer-row"], scope="peer:spiffe://x")
     # Not printable ASCII: gRPC refused it at send time, a failed delivery on every try until

@@ -268,10 +268,21 @@ class MessageInProgress(KeyInProgress):
 
 class DeliveryError(IdempotencyError):
     """A delivery failed; it is retried with backoff (any other exception from a sink is too).
-    Its message becomes the row's ``last_error`` as it is."""
+    Its message becomes the row's ``last_error`` as it is. ``retry_after_s``: when the receiver
+    asked to be tried again (its pushback); the relay waits at least that long, up to its
+    policy's longest backoff."""
 
     status_code = Code.UNAVAILABLE
     reason = "IDEMPOTENCY_DELIVERY_FAILED"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        if retry_after_s is not None and (
+            isinstance(retry_after_s, bool) or not isinstance(retry_after_s, int | float)
+        ):
+            # Else the relay's batch failed computing the delay, its rows left for the lease.
+            raise TypeError(f"retry_after_s must be a number of seconds, not {retry_after_s!r}")
+        self.retry_after_s = retry_after_s
 
 
 class PermanentDeliveryError(DeliveryError):
