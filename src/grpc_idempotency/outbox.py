@@ -688,7 +688,12 @@ class Relay:
                 return _Failed(_error_text(err), permanent=False)
             return _Failed(f"delivery timed out after {self.delivery_timeout:g}s", permanent=False)
         except DeliveryError as err:
-            return _Failed(_error_text(err), permanent=False, retry_after_s=err.retry_after_s)
+            # Read with care: a subclass that skipped DeliveryError.__init__, or set it to
+            # something else, would otherwise fail the whole batch computing its delay.
+            hint = getattr(err, "retry_after_s", None)
+            if isinstance(hint, bool) or not isinstance(hint, int | float):
+                hint = None
+            return _Failed(_error_text(err), permanent=False, retry_after_s=hint)
         except Exception as err:
             return _Failed(_error_text(err), permanent=False)
         except asyncio.CancelledError:
