@@ -39,6 +39,7 @@ from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
 from grpc_idempotency.outbox import (
     DEFAULT_PERMANENT_CODES,
     CallableSink,
+    DeliveryError,
     GrpcSink,
     OutboxMessage,
     OutboxStore,
@@ -1051,6 +1052,26 @@ async def test_a_receivers_retry_pushback_is_honoured_up_to_the_longest_backoff(
     )
     assert 2.5 < due_in <= 3.0, due_in
     assert "ABORTED: still running" in str((await row(outbox, "pushed-back"))["last_error"])
+
+
+async def test_a_delivery_error_subclass_without_a_retry_hint_is_a_failed_delivery(
+    outbox: Store,
+) -> None:
+    """A sink's own DeliveryError subclass that never ran DeliveryError.__init__ has no
+    ``retry_after_s``: reading it must not fail the batch (its rows left for the lease)."""
+
+    class Odd(DeliveryError):
+        def __init__(self, text: str) -> None:
+            Exception.__init__(self, text)
+
+    async def refuse(message: OutboxMessage) -> None:
+        raise Odd("broker busy")
+
+    await insert(outbox, outbox.schema, ["odd"])
+    assert await Relay(outbox, CallableSink(refuse)).run_once() == 0
+    failed = await row(outbox, "odd")
+    assert (failed["state"], failed["failures"]) == ("pending", 1), failed
+    assert failed["locked_until"] is None, failed  # recorded, not left claimed
 
 
 async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> None:
