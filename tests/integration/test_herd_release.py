@@ -9,6 +9,7 @@ its batch takes the outcome that is already there.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from datetime import timedelta
@@ -298,11 +299,19 @@ async def test_a_herd_whose_key_runs_on_another_replica_polls_the_database_as_on
 
 
 async def test_a_duplicate_whose_wait_on_a_poll_runs_out_gets_the_polls_retry_hint(
-    store: Store,
+    store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A duplicate waiting on the call that polls another replica's claim, whose own wait runs
     out first, is told to retry when that claim's lease says (as the poller itself would be),
-    not after the 250 ms meant for an attempt nobody can see."""
+    not after the 250 ms meant for an attempt nobody can see. The poll backs off meanwhile."""
+    looked: collections.Counter[int] = collections.Counter()  # look-ups by task
+    lookup = Store.lookup
+
+    async def counting(self: Store, *args: Any, **kwargs: Any) -> Any:
+        looked[id(asyncio.current_task())] += 1
+        return await lookup(self, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "lookup", counting)
     overrides = {PHASED: MethodOverride(lease=timedelta(seconds=30))}
     key = fresh()
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
@@ -324,3 +333,29 @@ async def test_a_duplicate_whose_wait_on_a_poll_runs_out_gets_the_polls_retry_hi
     ), short
     # A 30 s lease, renewed: the longest hint there is (core.lifecycle.MAX_RETRY_AFTER_MS).
     assert short.retry_delay_ms() == 2000, short
+    # Up to 100 ms between polls (core.lifecycle.poll_delay_ms): a dozen or so in the poller's
+    # life (at most its 1 s budget), not one every few ms (its count of polls kept at 0 passed).
+    assert max(looked.values()) <= 25, looked
+
+
+async def test_a_duplicate_whose_wait_on_a_local_attempt_runs_out_gets_the_default_hint(
+    store: Store,
+) -> None:
+    """A duplicate whose wait on an attempt in this process (atomic: nobody else can see it)
+    runs out is told to retry after the default 250 ms: the lease-based hint is a poll's, for a
+    claim elsewhere (a local owner that never polled passing on another hint passed)."""
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
+    async with running_ledger(store) as a:
+        owner = asyncio.ensure_future(a.call(POST, request, key))
+        try:
+            await a.service.started.wait()
+            short = await a.call(POST, request, key, timeout=0.5)
+        finally:
+            a.service.release.set()
+            await asyncio.gather(owner, return_exceptions=True)
+    assert (short.code, short.reason()) == (
+        grpc.StatusCode.ABORTED,
+        "IDEMPOTENCY_KEY_IN_PROGRESS",
+    ), short
+    assert short.retry_delay_ms() == 250, short  # core.lifecycle.DEFAULT_RETRY_AFTER_MS

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -25,6 +26,7 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
 from grpc_idempotency.core.failpoints import FailAction, Failpoint
+from grpc_idempotency.server import interceptor
 from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.waiting import until
@@ -240,3 +242,57 @@ def _lapsed(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
         for r in caplog.records
         if r.levelno == logging.WARNING and "lease has run out" in r.getMessage()
     ]
+
+
+async def test_the_lapse_of_a_lease_whose_renewals_fail_is_logged_once_it_has_run_out(
+    pg_dsn: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lapse warning comes once the lease has run out by the keeper's count, not at the
+    first renewal that fails for an outage (the lease still held, it says nothing to act on),
+    and once: not again at the next renewal that fails. The test above could pass either way
+    (its partition heals as soon as the warning is out). Every renewal fails here, partitioned before
+    the keeper starts: the first ends a third of a lease before the lease does."""
+    from grpc_idempotency import failpoints
+
+    points = _CountedPoints({})  # none armed: counts the renewals begun
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "_points", points)
+    lease_s = 0.6
+    stamps: list[tuple[float, int]] = []  # when each warning came, and the renewals begun by then
+
+    class _Stamp(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "lease has run out" in record.getMessage():
+                stamps.append((time.monotonic(), points.hits["lease_renewal"]))
+
+    stamp = _Stamp(logging.WARNING)
+    logger = logging.getLogger("grpc_idempotency.server")
+    handler = asyncio.ensure_future(asyncio.Event().wait())  # stands for the handler
+    logger.addHandler(stamp)
+    try:
+        async with store_behind_proxy(pg_dsn, pool=2) as (proxy, via):
+            claim = await via.claim_phased(
+                scope="tenant-a",
+                key=fresh(),
+                method=PHASED,
+                fingerprint=b"f" * 32,
+                retention_s=600.0,
+                lease_s=lease_s,
+            )
+            assert claim is not None
+            keeper = interceptor._LeaseKeeper(claim, handler, PHASED)
+            proxy.blackhole()
+            began = time.monotonic()  # the keeper counts its lease from later
+            keeper.start()
+            try:
+                await until("the lapse logged", lambda: stamps, timeout=5)
+                # The renewal after the one that said it has failed too once another begins.
+                tried = stamps[0][1] + 2
+                await until("another renewal failed", lambda: points.hits["lease_renewal"] >= tried)
+            finally:
+                await keeper.stop()
+    finally:
+        logger.removeHandler(stamp)
+        handler.cancel()
+    assert stamps[0][0] >= began + lease_s, f"logged {stamps[0][0] - began:.3f} s in: lease held"
+    assert len(stamps) == 1, stamps
