@@ -23,7 +23,7 @@ from grpc_idempotency import HerdRelease, MethodOverride, Store
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.server.interceptor import _Owner, _Shared
-from tests.support.blackhole import BlackholeProxy
+from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.ledger import (
     POST,
     fresh,
@@ -248,11 +248,11 @@ async def test_a_duplicate_that_waits_after_the_owner_handed_over_gets_the_outco
     for release in (HerdRelease(), None):
         owner = _Owner(release)
         owner.hand_over(shared)
-        late = owner.wait()
+        late = owner.wait(b"fingerprint")
         assert late.done() and late.result() is shared
         released = _Owner(release)
         released.hand_over(None)  # no outcome: look again, at once
-        again = released.wait()
+        again = released.wait(b"fingerprint")
         assert again.done() and again.result() is None
 
 
@@ -359,3 +359,47 @@ async def test_a_duplicate_whose_wait_on_a_local_attempt_runs_out_gets_the_defau
         "IDEMPOTENCY_KEY_IN_PROGRESS",
     ), short
     assert short.retry_delay_ms() == 250, short  # core.lifecycle.DEFAULT_RETRY_AFTER_MS
+
+
+async def test_a_duplicate_of_another_request_waiting_before_the_first_poll_is_refused_at_once(
+    pg_dsn: str, store: Store
+) -> None:
+    """A duplicate of another request that began waiting on the poller during its first look-up
+    (no claim seen yet) is refused as soon as the poll sees the claim, as one arriving a moment
+    later is. It waited out its whole budget instead (max_wait: 30 s here, 5 s by default) for
+    the same KEY_REUSED: since the poller keeps its ownership between polls, no "look again"
+    after a poll came to make it look."""
+    overrides = {PHASED: MethodOverride(max_wait=timedelta(seconds=30))}
+    key = fresh()
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5, behaviour="wait")
+    mutated = testsvc_pb2.PostRequest(account=request.account, amount=9)
+    async with (
+        store_behind_proxy(pg_dsn, pool=2) as (proxy, via),
+        running_ledger(store) as a,
+        running_ledger(via, overrides=overrides) as b,
+    ):
+        owner = asyncio.ensure_future(a.call(PHASED, request, key))
+        poller: asyncio.Future[Any] | None = None
+        try:
+            await a.service.started.wait()
+            proxy.hold_answers_after(key.encode())  # the poller's first look-up, answered later
+            poller = asyncio.ensure_future(b.call(PHASED, request, key, timeout=30))
+            await until("the first look-up held", lambda: proxy._holding)
+            other = asyncio.ensure_future(b.call(PHASED, mutated, key, timeout=30))
+            await until("the duplicate waiting", lambda: b.interceptor.waiting_calls == 1)
+            proxy.deliver_answers()
+            refused = await asyncio.wait_for(other, 10)
+            assert (refused.code, refused.reason()) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "IDEMPOTENCY_KEY_REUSED",
+            ), refused
+            assert not poller.done()  # refused while the poll goes on, not at its end
+            a.service.release.set()
+            first = await owner
+            polled = await poller
+        finally:
+            a.service.release.set()
+            await asyncio.gather(owner, *([poller] if poller else []), return_exceptions=True)
+    assert first.code is grpc.StatusCode.OK
+    assert polled.code is grpc.StatusCode.OK and polled.replayed and polled.body == first.body
+    assert a.service.executions == 1 and b.service.executions == 0

@@ -643,7 +643,7 @@ class IdempotencyInterceptor(_Interceptor):
             # budget for ABORTED, a retry hint for a request that can never run.
             call.outcome = CallOutcome.MISMATCH
             await answers.abort(call.context, _reused())
-        waiter = owner.wait()
+        waiter = owner.wait(fingerprint)
         call.waited = True
         self._waiting += 1
         try:
@@ -721,7 +721,7 @@ class IdempotencyInterceptor(_Interceptor):
                     if step is Step.EXECUTE:
                         assert claim is not None
                         if phased:
-                            owned.claimed = fingerprint  # committed: other attempts see it
+                            owned.claim(fingerprint)  # committed: other attempts see it
                         executed = executed_outcome(claiming)
                         # Child keys follow the steps declared when the operation began
                         # (propagation.choose_step), on every attempt: a phased claim knows when,
@@ -771,7 +771,7 @@ class IdempotencyInterceptor(_Interceptor):
                 if record is not None and record.state is State.IN_PROGRESS:
                     # Polling a claim other attempts see (another replica's): a local duplicate
                     # of another request is refused (``_refused_by_claim``), not kept waiting.
-                    owned.claimed = record.fingerprint
+                    owned.claim(record.fingerprint)
                 owned.retry_after_ms = busy_ms
                 raise _Busy(busy_ms)
             raise IllegalTransition(f"the driver cannot carry out {step.name} in {phase.name}")
@@ -1426,10 +1426,12 @@ class _Owner:
         self._release = release
         # In arrival order (the order batches are released in), and a dict so that a waiter
         # that leaves is forgotten at once (``forget``).
-        self._waiters: dict[asyncio.Future[_Shared | None], None] = {}
+        # Each with its call's fingerprint (``claim``).
+        self._waiters: dict[asyncio.Future[_Shared | None], bytes] = {}
         self.claimed: bytes | None = None
         """The fingerprint of the owner's claim once other attempts can see it (a phased claim,
-        committed): a duplicate with another fingerprint is then refused, not kept waiting."""
+        committed, or another replica's the owner polls): a duplicate with another fingerprint
+        is then refused, not kept waiting. Set by ``claim``."""
         self.retry_after_ms = retry_after_ms(None)
         """The retry hint of the owner's last poll for an attempt elsewhere (``_Busy``): a
         duplicate whose wait on the owner runs out first is told what the owner would be."""
@@ -1437,7 +1439,7 @@ class _Owner:
         self.shared: _Shared | None = None
         """What the owner handed over (once ``handed``): the outcome, or ``None``, look again."""
 
-    def wait(self) -> asyncio.Future[_Shared | None]:
+    def wait(self, fingerprint: bytes) -> asyncio.Future[_Shared | None]:
         waiter: asyncio.Future[_Shared | None] = asyncio.get_running_loop().create_future()
         if self.handed:
             # Handed over already: a duplicate finds the owner, then may await a look-up
@@ -1446,8 +1448,23 @@ class _Owner:
             # waited out its whole budget for an outcome that was there.
             waiter.set_result(self.shared)
             return waiter
-        self._waiters[waiter] = None
+        self._waiters[waiter] = fingerprint
         return waiter
+
+    def claim(self, fingerprint: bytes) -> None:
+        """Sets ``claimed``. A duplicate of another request that began waiting before (while
+        the owner claimed, or looked up another replica's claim for the first time) is told to
+        look again, at once: it is then refused from the claim (``_refused_by_claim``). Left
+        waiting, it was refused only when its whole budget ran out (max_wait, 5 s by default),
+        where one arriving a moment later was refused at once. Once per fingerprint: the poll
+        that sees the same claim again wakes nobody."""
+        if fingerprint == self.claimed:
+            return
+        self.claimed = fingerprint
+        others = [waiter for waiter, theirs in self._waiters.items() if theirs != fingerprint]
+        for waiter in others:
+            del self._waiters[waiter]
+        _answer(others, None)
 
     def forget(self, waiter: asyncio.Future[_Shared | None]) -> None:
         """Drops a waiter that stopped waiting (its wait ran out, or its client went). Kept
