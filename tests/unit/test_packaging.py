@@ -3,8 +3,12 @@ license; the dependency floors are the versions CI's lowest-versions job install
 
 from __future__ import annotations
 
+import ast
 import email
 import email.message
+import importlib.metadata
+import importlib.util
+import os
 import subprocess
 import sys
 import tarfile
@@ -14,12 +18,14 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 PROJECT = PYPROJECT["project"]
 CONSTRAINTS_LOWEST = ROOT / ".ci" / "constraints-lowest.txt"
+PACKAGE = ROOT / "src" / "grpc_idempotency"
 MIGRATIONS = sorted((ROOT / "src" / "grpc_idempotency" / "store" / "migrations").glob("*.sql"))
 
 
@@ -170,3 +176,62 @@ def test_the_dev_extra_holds_what_builds_the_package() -> None:
         backend = Requirement(line)
         assert backend.name in dev, f"add {line!r} to the dev extra"
         assert dev[backend.name].specifier == backend.specifier, line
+
+
+def _third_party_imports(files: list[Path]) -> dict[str, set[str]]:
+    """Each module the files import from outside the standard library and the package (``from a
+    import b`` as ``a.b``, which may be a module: ``google.rpc`` alone is a namespace shared by
+    several distributions), with the files importing it."""
+    imported: dict[str, set[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".", 1)[0]
+                if top not in sys.stdlib_module_names and top != "grpc_idempotency":
+                    imported.setdefault(name, set()).add(path.relative_to(PACKAGE).as_posix())
+    return imported
+
+
+def _distribution_of(module: str, owners: dict[str, str]) -> str | None:
+    """The installed distribution whose files hold ``module`` (or the nearest enclosing module
+    that is a file: ``a.b.Name`` is looked up as ``a.b``)."""
+    parts = module.split(".")
+    while parts:
+        try:
+            spec = importlib.util.find_spec(".".join(parts))
+        except ImportError:  # a name inside a module, not a submodule
+            spec = None
+        if spec is not None and spec.has_location and spec.origin:
+            return owners.get(os.path.normcase(os.path.realpath(spec.origin)))
+        parts.pop()
+    return None
+
+
+def test_every_third_party_import_comes_from_a_declared_dependency() -> None:
+    # A module imported through another dependency's requirement is not declared: its floor is
+    # that package's (grpcio-status asks googleapis-common-protos>=1.5.5, whose google.rpc
+    # gencode a protobuf 7 runtime refuses at import), and the lowest-versions job never pins it.
+    owners: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        base = os.path.realpath(str(dist.locate_file("")))
+        name = canonicalize_name(dist.metadata["Name"])
+        for file in dist.files or ():
+            owners[os.path.normcase(os.path.normpath(os.path.join(base, str(file))))] = name
+    runtime = {canonicalize_name(Requirement(d).name) for d in PROJECT["dependencies"]}
+    testing = runtime | {
+        canonicalize_name(Requirement(d).name) for d in PROJECT["optional-dependencies"]["testing"]
+    }
+    sources = [p for p in PACKAGE.rglob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+    undeclared = []
+    for module, importers in sorted(_third_party_imports(sources).items()):
+        allowed = testing if all(i.startswith("testing/") for i in importers) else runtime
+        owner = _distribution_of(module, owners)
+        if owner not in allowed:
+            undeclared.append(f"{module} ({owner or 'no distribution found'}): {sorted(importers)}")
+    assert not undeclared, "imported, not declared in pyproject.toml:\n" + "\n".join(undeclared)
