@@ -101,7 +101,9 @@ def test_metadata_names_pythons_urls_and_extras(wheel: zipfile.ZipFile) -> None:
     assert {"codegen", "embedded", "dev"} <= set(metadata.get_all("Provides-Extra") or [])
 
 
-def test_sdist_ships_the_license_proto_and_migrations(tmp_path: Path) -> None:
+def test_sdist_ships_the_license_proto_and_migrations(
+    tmp_path: Path, wheel: zipfile.ZipFile
+) -> None:
     subprocess.run(
         [sys.executable, "-c",
          f"from setuptools import build_meta; build_meta.build_sdist({str(tmp_path)!r})"],
@@ -119,6 +121,22 @@ def test_sdist_ships_the_license_proto_and_migrations(tmp_path: Path) -> None:
         *(f"src/grpc_idempotency/store/migrations/{m.name}" for m in MIGRATIONS),
     ):
         assert required in names, required
+    # What builds the package and nothing else from the tree (no virtualenv, data directory,
+    # cache), and the wheel pip builds from the sdist is the wheel built from the tree.
+    assert {n.split("/", 1)[0] for n in names} == {
+        "LICENSE", "PKG-INFO", "README.md", "pyproject.toml", "setup.cfg", "src",
+    }  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "from-sdist"), str(sdist)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    (rebuilt_path,) = (tmp_path / "from-sdist").glob("grpc_idempotency-*.whl")
+    rebuilt = zipfile.ZipFile(rebuilt_path)
+    assert sorted(rebuilt.namelist()) == sorted(wheel.namelist())
+    for name in wheel.namelist():
+        assert rebuilt.read(name) == wheel.read(name), name
 
 
 def _floors() -> dict[str, str]:
