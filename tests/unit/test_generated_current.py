@@ -27,6 +27,8 @@ TREE = (
 )
 GENERATED = "examples/checkout/gen/checkout/v1/payments_pb2_grpc.py"
 SHIPPED = "src/grpc_idempotency/_proto/grpc_idempotency/v1/options.proto"
+# The library's own gencode, in the wheel: its stubs are what a user's type checker reads.
+LIBRARY_STUB = "src/grpc_idempotency/v1/options_pb2.pyi"
 
 
 def _regenerate(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -61,13 +63,19 @@ def test_check_reports_stale_files_and_regenerate_repairs_them(tmp_path: Path) -
         else:
             shutil.copyfile(source, target)
     (tmp_path / GENERATED).write_text("# edited by hand\n")
+    (tmp_path / LIBRARY_STUB).write_text("# edited by hand\n")
     (tmp_path / SHIPPED).unlink()
     orphan = tmp_path / "examples/checkout/gen/checkout/v1/removed_pb2.py"
     orphan.write_text("# its proto is gone\n")
 
     check = _regenerate(tmp_path, "--check")
     assert check.returncode == 1, check.stdout + check.stderr
-    for rel in (GENERATED, SHIPPED, "examples/checkout/gen/checkout/v1/removed_pb2.py"):
+    for rel in (
+        GENERATED,
+        LIBRARY_STUB,
+        SHIPPED,
+        "examples/checkout/gen/checkout/v1/removed_pb2.py",
+    ):
         assert f"stale: {rel}" in check.stdout, check.stdout
     assert (tmp_path / GENERATED).read_text() == "# edited by hand\n", "--check wrote files"
     assert not (tmp_path / SHIPPED).exists(), "--check wrote files"
@@ -75,6 +83,7 @@ def test_check_reports_stale_files_and_regenerate_repairs_them(tmp_path: Path) -
     fix = _regenerate(tmp_path)
     assert fix.returncode == 0, fix.stdout + fix.stderr
     assert (tmp_path / GENERATED).read_bytes() == (ROOT / GENERATED).read_bytes()
+    assert (tmp_path / LIBRARY_STUB).read_bytes() == (ROOT / LIBRARY_STUB).read_bytes()
     assert (tmp_path / SHIPPED).read_bytes() == (
         ROOT / "protos/grpc_idempotency/v1/options.proto"
     ).read_bytes()
