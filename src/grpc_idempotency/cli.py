@@ -35,7 +35,7 @@ from grpc_idempotency.cli_errors import (
     safe_dsn,
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
-from grpc_idempotency.core.outbox import relay_name_problem
+from grpc_idempotency.core.outbox import relay_name_problem, step_routes
 from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.wire import HEADER_NAME, LIBRARY_HEADERS
 from grpc_idempotency.inspect_cli.json_output import schema_json
@@ -312,7 +312,8 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         " --grpc-target with each row's payload as the request and its key as idempotency-key,"
         " marks them sent, retries failures with backoff and parks rows as dead letters"
         " after --max-attempts. Wakes on LISTEN/NOTIFY, polls as a fallback. Several relays"
-        " may run side by side. Stops cleanly on SIGTERM or SIGINT. Behind PgBouncer in"
+        " may run side by side; outbox steps bound for different receivers each need a relay"
+        " of their own, with --step. Stops cleanly on SIGTERM or SIGINT. Behind PgBouncer in"
         " transaction mode: --statement-cache-size 0, and --listen-dsn naming PostgreSQL"
         " itself (LISTEN needs a session of its own) or --no-listen.",
     )
@@ -346,6 +347,17 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
         required=True,
         metavar="/PACKAGE.SERVICE/METHOD",
         help="the unary method called with each row's payload as its request",
+    )
+    relay.add_argument(
+        "--step",
+        action="append",
+        dest="steps",
+        type=_step_selector,
+        metavar="NAME",
+        help="deliver only the rows of this outbox step (repeatable): NAME.vN for that version,"
+        " NAME alone for every version of it. Run one relay per receiver, each with the steps"
+        " its --method takes: a relay without --step claims every row, and would send other"
+        " receivers' messages to its --method (default: every step)",
     )
     relay.add_argument(
         "--header",
@@ -563,6 +575,16 @@ def _header_name(text: str) -> str:
     if name.startswith("grpc-") or name in _RESERVED_HEADERS:
         raise argparse.ArgumentTypeError(f"header name {name!r} is reserved")
     return name
+
+
+def _step_selector(text: str) -> str:
+    """``Relay(steps=...)``'s rule for one selector (``step_routes``), checked before
+    connecting."""
+    try:
+        step_routes([text])
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("steps: ")) from None
+    return text
 
 
 def _relay_name(text: str) -> str:
@@ -944,7 +966,11 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
                 if relay.polling_only
                 else f"listening on {relay.outbox.channel}"
             )
-            say(f"relay {relay.name} ready: {wake}, delivering to {args.grpc_target}{args.method}")
+            steps = f"steps {', '.join(args.steps)} " if args.steps else ""
+            say(
+                f"relay {relay.name} ready: {wake}, delivering {steps}to"
+                f" {args.grpc_target}{args.method}"
+            )
 
     relay = Relay(
         store,
@@ -959,6 +985,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         on_listening=ready,
         listen=not args.no_listen,
         listen_dsn=args.listen_dsn if not args.no_listen else None,
+        steps=args.steps,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

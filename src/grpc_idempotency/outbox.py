@@ -25,7 +25,9 @@ delivery, so receivers dedupe on it. The relay:
   seconds (or sooner, when a retry falls due). LISTEN needs a session of its own: behind
   PgBouncer in transaction mode, give it a direct DSN (``listen_dsn=``) or poll only
   (``listen=False``); a LISTEN found not to hold on its session is given up for polling;
-- **purges** rows sent more than ``sent_retention`` seconds ago, in bounded batches.
+- **purges** rows sent more than ``sent_retention`` seconds ago, in bounded batches;
+- is **routed** by step with ``steps=``: a relay claims only the rows of those outbox steps, so
+  steps bound for different receivers each get a relay (and sink) of their own.
 
     relay = Relay(store, GrpcSink(channel, "/billing.v1.Ledger/Record"))
     stop = asyncio.Event()
@@ -60,7 +62,12 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
 )
 from grpc_idempotency.core.log_text import loggable
-from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy, relay_name_problem
+from grpc_idempotency.core.outbox import (
+    MAX_DURATION_S,
+    DeliveryPolicy,
+    relay_name_problem,
+    step_routes,
+)
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, retry_after_ms, unsendable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import tenant_header
@@ -398,6 +405,7 @@ _SETTINGS = frozenset(
         "delivery_timeout",
         "outbox",
         "listen_dsn",
+        "steps",
     }
 )
 """``Relay``'s attributes that cannot be assigned once the relay is made."""
@@ -423,7 +431,14 @@ class Relay:
       of the store's pool. When the store's DSN goes through PgBouncer in transaction (or
       statement) mode, point this at PostgreSQL itself, or at a session-mode pool: a
       notification reaches only the session that listens, and a pooler hands each
-      transaction to any server connection.
+      transaction to any server connection;
+    - ``steps``: deliver only the rows of these outbox steps, for a relay whose sink is one
+      receiver among several (``None``, the default: every row). A step name
+      (``receipt-email.v1``) takes that version only; a name without its version
+      (``receipt-email``) takes every version, so a ``.v2`` is not left to no relay. Relays
+      with different ``steps`` share the outbox without taking each other's rows; a row whose
+      step no relay names waits, pending. ``relay.steps`` holds them, read
+      (``core.outbox.StepRoutes``).
 
     Through a transaction pooler LISTEN fails silently: the relay would only poll, and the
     pooled server connection it ran on goes on receiving notifications that nobody reads. So
@@ -449,7 +464,10 @@ class Relay:
         on_listening: Callable[[], None] | None = None,
         listen: bool = True,
         listen_dsn: str | None = None,
+        steps: Iterable[str] | None = None,
     ) -> None:
+        # Checked first, before the store: a malformed selector is the caller's to fix.
+        routes = step_routes(steps)
         if name is not None:
             if not isinstance(name, str):
                 raise TypeError(f"name must be a str or None, not {type(name).__name__}")
@@ -507,6 +525,8 @@ class Relay:
         self.outbox: Final = OutboxStore(store)
         self.stats = RelayStats()
         self.listen_dsn: Final = listen_dsn
+        self.steps: Final = routes
+        """The steps whose rows this relay claims (``StepRoutes``), ``None``: every step."""
         self.listening = asyncio.Event()
         """Set while the relay holds its LISTEN connection (``run`` only)."""
         self._on_listening = on_listening
@@ -581,7 +601,7 @@ class Relay:
 
     async def _batch(self) -> _Batch:
         messages = await self.outbox.claim(
-            relay=self.name, limit=self.batch_size, lease_s=self.lease
+            relay=self.name, limit=self.batch_size, lease_s=self.lease, steps=self.steps
         )
         self.stats.batches += 1
         if not messages:
@@ -872,7 +892,7 @@ class Relay:
     async def _idle_wait(self, batch: _Batch) -> float:
         """How long to sleep after a batch that was not full: until the next row falls due (a
         retry), at most ``poll_interval``; notifications cut it short."""
-        due = await self.outbox.next_due_in()
+        due = await self.outbox.next_due_in(steps=self.steps)
         if due is None:
             return self.poll_interval
         if due > 0:

@@ -18,11 +18,18 @@ charged nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
 from grpc_idempotency.core.errors import StepUndeclared
-from grpc_idempotency.core.keys import child_key, step_base, step_name_problem
+from grpc_idempotency.core.keys import (
+    MAX_STEP_NAME_LENGTH,
+    STEP_NAME,
+    child_key,
+    step_base,
+    step_name_problem,
+)
 from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.policy import MAX_DURATION, Step
 from grpc_idempotency.core.propagation import as_of
@@ -107,6 +114,75 @@ def relay_name_problem(name: str) -> str | None:
             f" holds {code_point(unsafe)}: give one line of visible text"
         )
     return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepRoutes:
+    """The outbox steps one relay delivers (``Relay(steps=...)``, ``relay --step``): the steps
+    in ``names`` exactly, and every version of the steps in ``bases``. A relay that delivers
+    to one receiver must never claim another receiver's rows: the payload of one step would be
+    sent to a method expecting another's, which protobuf often parses anyway, and a wrong
+    receiver's OK marked the row sent, lost for its own receiver. The store's SQL holds the
+    same rule (``OutboxStatements``); ``matches`` is it, in Python."""
+
+    names: tuple[str, ...]
+    """Full step names (``receipt-email.v1``): that version only."""
+    bases: tuple[str, ...]
+    """Step names without their version (``receipt-email``): every version, so that a version
+    bump (``.v2``) does not leave the new rows to no relay."""
+
+    def matches(self, step: str) -> bool:
+        return step in self.names or step_base(step) in self.bases
+
+
+def step_routes(steps: object) -> StepRoutes | None:
+    """``Relay(steps=...)`` read and checked: ``None`` (every step) stays ``None``; otherwise a
+    non-empty collection of selectors, each a step name (``receipt-email.v1``: that version)
+    or one without its version (``receipt-email``: every version). ``TypeError`` or
+    ``ValueError`` names the first selector at fault."""
+    if steps is None:
+        return None
+    if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
+        # A single name given bare was read as its characters, each refused for a reason
+        # that said nothing of the mistake.
+        raise TypeError(
+            "steps must be None (every step) or a collection of step names, e.g."
+            f" ['receipt-email.v1'], not {_quoted(steps)}"
+        )
+    selectors = list(steps)  # read once: a generator read by a check would leave nothing
+    if not selectors:
+        # An empty list is no routing at all: a relay claiming nothing would look healthy
+        # while its rows piled up; every step is None.
+        raise ValueError("steps is empty: give at least one step, or None for every step")
+    names: list[str] = []
+    bases: list[str] = []
+    for selector in selectors:
+        if not isinstance(selector, str):
+            raise TypeError(f"steps: a step selector is a str, not {_quoted(selector)}")
+        if "." in selector:
+            problem = step_name_problem(selector)
+            if problem is not None:
+                raise ValueError(f"steps: {problem}")
+            if selector not in names:
+                names.append(selector)
+            continue
+        # Without a version: a step's name as its versions share it (core.keys.step_base), so
+        # exactly what a step name allows before ".vN".
+        longest = MAX_STEP_NAME_LENGTH - len(".v1")  # no longer one has a version that fits
+        if STEP_NAME.fullmatch(selector + ".v1") is None or len(selector) > longest:
+            raise ValueError(
+                f"steps: {_quoted(selector)} is neither a step name (name.vN) nor a step's name"
+                f" without its version ([a-z][a-z0-9-]*, at most {longest} characters)"
+            )
+        if selector not in bases:
+            bases.append(selector)
+    return StepRoutes(names=tuple(names), bases=tuple(bases))
+
+
+def _quoted(value: object) -> str:
+    """``repr(value)``, cut short: an error quoting a huge argument whole is unreadable."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:50] + "..."
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

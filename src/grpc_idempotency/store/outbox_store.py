@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from grpc_idempotency.core.errors import StoreUnavailable
-from grpc_idempotency.core.outbox import MAX_DURATION_S
+from grpc_idempotency.core.outbox import MAX_DURATION_S, StepRoutes
 from grpc_idempotency.store.errors import (
     STORE_ERRORS,
     PasswordFailed,
@@ -132,31 +132,11 @@ class OutboxStatements:
         # for a claim of its own, which it gets once the rows before it in due order are
         # claimed: no kind of row starves the other. Only the rows taken (and the head) are
         # locked, so a relay claiming at the same time takes the next rows, lost or not.
-        self.claim = f"""
-            WITH lease AS (
-                SELECT pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $2)
-                    AS until),
-            head AS (
-                SELECT id, locked_until IS NOT NULL AS lost FROM {s}.outbox
-                WHERE state = 'pending' AND next_attempt_at <= pg_catalog.clock_timestamp()
-                ORDER BY next_attempt_at, id
-                LIMIT 1
-                FOR UPDATE SKIP LOCKED),
-            batch AS (
-                SELECT id FROM {s}.outbox
-                WHERE state = 'pending' AND next_attempt_at <= pg_catalog.clock_timestamp()
-                  AND locked_until IS NULL AND NOT EXISTS (SELECT FROM head WHERE lost)
-                ORDER BY next_attempt_at, id
-                LIMIT $1
-                FOR UPDATE SKIP LOCKED),
-            taken AS (SELECT id FROM head WHERE lost UNION ALL SELECT id FROM batch)
-            UPDATE {s}.outbox o
-            SET attempts = o.attempts + 1, claimed_by = $3,
-                lost_claims = CASE WHEN o.locked_until IS NULL THEN 0 ELSE o.lost_claims + 1 END,
-                locked_until = lease.until, next_attempt_at = lease.until
-            FROM taken, lease
-            WHERE o.id = taken.id
-            RETURNING {_SELECT_MESSAGE}"""
+        self.claim = _claim(s, "")
+        # The same for a relay routed by step (``core.outbox.StepRoutes``): $4 its step names,
+        # $5 its steps' names without version. Filtered in the walk of outbox_due, before the
+        # row locks: other steps' rows are neither locked nor claimed (nor taken as the head).
+        self.claim_routed = _claim(s, _routed(4))
         # $1 ids, $2 attempts (the claim's), $3 relay name.
         self.mark_sent = f"""
             UPDATE {s}.outbox o
@@ -189,6 +169,10 @@ class OutboxStatements:
             SELECT EXTRACT(EPOCH FROM
                 pg_catalog.min(next_attempt_at) - pg_catalog.clock_timestamp())::float8
             FROM {s}.outbox WHERE state = 'pending'"""
+        # $1 step names, $2 names without version: a routed relay's next row. Other steps'
+        # due rows, counted, kept it claiming in a loop (nothing of its own due) while their
+        # relay was down; their retries woke it early.
+        self.next_due_in_routed = self.next_due_in + _routed(1)
         # $1 batch size, $2 age in seconds; bounded batches that skip locked rows. The bound is
         # statement_timestamp(), not clock_timestamp(): a volatile bound cannot be an index
         # condition (outbox_done), and every purge read all the sent rows. Each batch is a
@@ -235,6 +219,47 @@ class OutboxStatements:
                        pg_catalog.clock_timestamp() - pg_catalog.min(created_at))::float8
                        AS oldest_s
             FROM {s}.outbox GROUP BY state"""
+
+
+def _claim(s: str, routed: str) -> str:
+    """The claim statement on schema ``s`` (quoted), its candidate rows narrowed by ``routed``
+    (an ``AND ...`` clause, or empty)."""
+    return f"""
+            WITH lease AS (
+                SELECT pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $2)
+                    AS until),
+            head AS (
+                SELECT id, locked_until IS NOT NULL AS lost FROM {s}.outbox
+                WHERE state = 'pending' AND next_attempt_at <= pg_catalog.clock_timestamp(){routed}
+                ORDER BY next_attempt_at, id
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED),
+            batch AS (
+                SELECT id FROM {s}.outbox
+                WHERE state = 'pending' AND next_attempt_at <= pg_catalog.clock_timestamp()
+                  AND locked_until IS NULL AND NOT EXISTS (SELECT FROM head WHERE lost){routed}
+                ORDER BY next_attempt_at, id
+                LIMIT $1
+                FOR UPDATE SKIP LOCKED),
+            taken AS (SELECT id FROM head WHERE lost UNION ALL SELECT id FROM batch)
+            UPDATE {s}.outbox o
+            SET attempts = o.attempts + 1, claimed_by = $3,
+                lost_claims = CASE WHEN o.locked_until IS NULL THEN 0 ELSE o.lost_claims + 1 END,
+                locked_until = lease.until, next_attempt_at = lease.until
+            FROM taken, lease
+            WHERE o.id = taken.id
+            RETURNING {_SELECT_MESSAGE}"""
+
+
+def _routed(first: int) -> str:
+    """The rows of a routed relay's steps (``StepRoutes.matches``, in SQL): parameter ``first``
+    holds the step names taken exactly, the next one the names taken in every version. The
+    version is cut as ``core.keys.step_base`` cuts it ("receipt-email.v2" -> "receipt-email");
+    the two agree on every step name (``STEP_NAME``), which is all an outbox row holds."""
+    return (
+        f" AND (step = ANY(${first}::text[])"
+        f" OR pg_catalog.regexp_replace(step, '[.]v[0-9]+$', '') = ANY(${first + 1}::text[]))"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -344,11 +369,23 @@ class OutboxStore:
                     raise
         raise AssertionError("unreachable")
 
-    async def claim(self, *, relay: str, limit: int, lease_s: float) -> list[OutboxMessage]:
-        """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once)."""
+    async def claim(
+        self, *, relay: str, limit: int, lease_s: float, steps: StepRoutes | None = None
+    ) -> list[OutboxMessage]:
+        """Claims up to ``limit`` due pending rows for ``lease_s`` seconds (committed at once);
+        only rows of ``steps`` (``core.outbox.step_routes``), unless ``None``."""
 
         async def claim(conn: PooledConnection) -> list[Any]:
-            return await conn.fetch(self.statements.claim, limit, lease_s, relay)
+            if steps is None:
+                return await conn.fetch(self.statements.claim, limit, lease_s, relay)
+            return await conn.fetch(
+                self.statements.claim_routed,
+                limit,
+                lease_s,
+                relay,
+                list(steps.names),
+                list(steps.bases),
+            )
 
         rows = await self._once_more_if_gone("claiming outbox rows", claim)
         messages = [
@@ -405,10 +442,17 @@ class OutboxStore:
         dead = sum(1 for r in rows if r["state"] == "dead")
         return len(rows) - dead, dead
 
-    async def next_due_in(self) -> float | None:
-        """Seconds until the earliest pending row is due (<= 0: due now), ``None``: none."""
+    async def next_due_in(self, *, steps: StepRoutes | None = None) -> float | None:
+        """Seconds until the earliest pending row (of ``steps``, unless ``None``) is due (<= 0:
+        due now), ``None``: none."""
         async with self.store.connection("looking for due outbox rows") as conn:
-            value: float | None = await conn.fetchval(self.statements.next_due_in)
+            value: float | None
+            if steps is None:
+                value = await conn.fetchval(self.statements.next_due_in)
+            else:
+                value = await conn.fetchval(
+                    self.statements.next_due_in_routed, list(steps.names), list(steps.bases)
+                )
         return value
 
     async def purge_sent(
