@@ -33,7 +33,6 @@ from grpc_idempotency.store.outbox_store import OutboxStatements
 
 PAYLOAD = b"x" * 120
 ROUTES = step_routes(["mine-event"])
-assert ROUTES is not None
 
 
 async def _timed(make: Callable[[], Awaitable[Any]]) -> float:
@@ -57,6 +56,7 @@ async def one_backlog(dsn: str, backlog: int, reps: int) -> dict[str, float]:
         await store.pool.execute(insert, backlog, PAYLOAD, "other-event.v1", "other-", 60.0)
         await store.pool.execute(insert, 1, PAYLOAD, "mine-event.v1", "mine-", 1.0)
         await store.pool.execute(f"ANALYZE {table}")
+        assert ROUTES is not None
         names, bases = list(ROUTES.names), list(ROUTES.bases)
         times: dict[str, list[float]] = {}
         async with store.pool.acquire() as conn:
