@@ -1019,8 +1019,16 @@ async def test_the_grpc_sinks_timeout_bounds_each_call_and_is_retried(outbox: St
     assert "/a.B/C: DEADLINE_EXCEEDED" in str(slow["last_error"]), slow
 
 
+@pytest.mark.parametrize(
+    "pushback, due_from, due_to",
+    [
+        ("1500", 1.0, 1.5),  # as asked: 1.5 s, in milliseconds on the wire
+        ("5000", 2.5, 3.0),  # the policy's longest backoff, 3 s, bounds what a receiver asks
+    ],
+    ids=["asked", "bounded"],
+)
 async def test_a_receivers_retry_pushback_is_honoured_up_to_the_longest_backoff(
-    outbox: Store,
+    outbox: Store, pushback: str, due_from: float, due_to: float
 ) -> None:
     """A receiver that says when to come back (``grpc-retry-pushback-ms``, as a keyed one does
     for a key still in progress, with ``RetryInfo``) was retried on the relay's own backoff,
@@ -1028,8 +1036,8 @@ async def test_a_receivers_retry_pushback_is_honoured_up_to_the_longest_backoff(
     await insert(outbox, outbox.schema, ["pushed-back"])
 
     async def busy(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        context.set_trailing_metadata((("grpc-retry-pushback-ms", "5000"),))
-        await context.abort(grpc.StatusCode.ABORTED, "still running: come back in 5 s")
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
+        await context.abort(grpc.StatusCode.ABORTED, "still running: come back later")
         raise AssertionError("unreachable")
 
     server = grpc.aio.server()
@@ -1040,7 +1048,6 @@ async def test_a_receivers_retry_pushback_is_honoured_up_to_the_longest_backoff(
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        # Asked for 5 s; the policy's longest backoff, 3 s, bounds what a receiver may ask.
         policy = DeliveryPolicy(initial_backoff_s=0.01, max_backoff_s=3.0)
         assert await Relay(outbox, GrpcSink(channel, "/a.B/C"), policy=policy).run_once() == 0
     finally:
@@ -1050,28 +1057,74 @@ async def test_a_receivers_retry_pushback_is_honoured_up_to_the_longest_backoff(
         f"""SELECT EXTRACT(EPOCH FROM next_attempt_at - clock_timestamp())::float8
             FROM "{outbox.schema}".outbox WHERE key = 'pushed-back'"""
     )
-    assert 2.5 < due_in <= 3.0, due_in
+    assert due_from < due_in <= due_to, due_in
     assert "ABORTED: still running" in str((await row(outbox, "pushed-back"))["last_error"])
 
 
-async def test_a_delivery_error_subclass_without_a_retry_hint_is_a_failed_delivery(
-    outbox: Store,
+_NO_HINT = object()
+
+
+@pytest.mark.parametrize(
+    "hint", [_NO_HINT, "soon", True, float("nan")], ids=["missing", "text", "bool", "nan"]
+)
+async def test_a_delivery_error_without_a_usable_retry_hint_is_retried_on_the_backoff(
+    outbox: Store, hint: object
 ) -> None:
     """A sink's own DeliveryError subclass that never ran DeliveryError.__init__ has no
-    ``retry_after_s``: reading it must not fail the batch (its rows left for the lease)."""
+    ``retry_after_s``, or one set to anything: reading it must not fail the batch (its rows
+    left for the lease), nor make a delay of it (True waited a second; NaN, a float
+    DeliveryError takes, is no delay the database can add)."""
 
     class Odd(DeliveryError):
         def __init__(self, text: str) -> None:
             Exception.__init__(self, text)
+            if hint is not _NO_HINT:
+                self.retry_after_s = hint  # type: ignore[assignment]  # on purpose: not a number
 
     async def refuse(message: OutboxMessage) -> None:
         raise Odd("broker busy")
 
     await insert(outbox, outbox.schema, ["odd"])
-    assert await Relay(outbox, CallableSink(refuse)).run_once() == 0
+    policy = DeliveryPolicy(initial_backoff_s=0.01)
+    assert await Relay(outbox, CallableSink(refuse), policy=policy).run_once() == 0
     failed = await row(outbox, "odd")
     assert (failed["state"], failed["failures"]) == ("pending", 1), failed
     assert failed["locked_until"] is None, failed  # recorded, not left claimed
+    due_in = await outbox.pool.fetchval(
+        f"""SELECT EXTRACT(EPOCH FROM next_attempt_at - clock_timestamp())::float8
+            FROM "{outbox.schema}".outbox WHERE key = 'odd'"""
+    )
+    assert due_in < 0.5, due_in  # the backoff's 10 ms, not a hint's second
+
+
+async def test_a_retry_hint_does_not_keep_a_row_from_being_parked(outbox: Store) -> None:
+    """A hint delays a retry; a row with no retry left (its last attempt, or a permanent
+    failure) is parked all the same, at once."""
+
+    async def refuse(message: OutboxMessage) -> None:
+        if message.key == "gone":
+            raise PermanentDeliveryError("gone for good", retry_after_s=5.0)
+        raise DeliveryError("busy", retry_after_s=5.0)
+
+    await insert(outbox, outbox.schema, ["gone", "last-attempt"])
+    await outbox.pool.execute(
+        f"""UPDATE "{outbox.schema}".outbox SET failures = 1 WHERE key = 'last-attempt'"""
+    )
+    policy = DeliveryPolicy(max_attempts=2)
+    assert await Relay(outbox, CallableSink(refuse), policy=policy).run_once() == 0
+    for key in ("gone", "last-attempt"):
+        parked = await row(outbox, key)
+        assert parked["state"] == "dead", parked
+
+
+def test_a_delivery_errors_retry_hint_must_be_a_number_of_seconds() -> None:
+    """Anything else failed the relay's batch computing the delay (its rows left for the
+    lease); refused where it is made, naming it."""
+    for bad in ("5", True, [1.0]):
+        with pytest.raises(TypeError, match="retry_after_s must be a number of seconds"):
+            DeliveryError("busy", retry_after_s=bad)  # type: ignore[arg-type]
+    assert DeliveryError("busy", retry_after_s=2).retry_after_s == 2
+    assert DeliveryError("busy").retry_after_s is None
 
 
 async def test_a_scope_without_the_prefix_cannot_be_forwarded(outbox: Store) -> None:
