@@ -1205,12 +1205,17 @@ async def test_a_relay_told_to_dead_letter_on_unimplemented_parks_at_once(pg_dsn
     assert (row["state"], row["attempts"]) == ("dead", 1), dict(row)
 
 
+TLS = Path(__file__).resolve().parent.parent / "support" / "tls"  # make.sh: localhost's
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
 async def test_a_relay_takes_a_delivery_answered_with_a_large_response_as_delivered(
-    pg_dsn: str,
+    pg_dsn: str, tls: bool
 ) -> None:
     """The relay drops the response, but its channel refused one over gRPC's default 4 MiB
     (RESOURCE_EXHAUSTED, retried): a receiver that had run the message and answered OK was
-    called again on every retry, replayed its answer, and the row ended a dead letter."""
+    called again on every retry, replayed its answer, and the row ended a dead letter. Over
+    TLS (--tls-ca) too: a channel of its own kind."""
     import grpc
 
     calls: list[bytes] = []
@@ -1223,11 +1228,17 @@ async def test_a_relay_takes_a_delivery_answered_with_a_large_response_as_delive
     server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler("a.B", {"C": grpc.unary_unary_rpc_method_handler(answer_large)})]
     )  # fmt: skip
-    port = server.add_insecure_port("127.0.0.1:0")
+    more: list[str] = []
+    if tls:
+        pem = (TLS / "server.key").read_bytes(), (TLS / "server.crt").read_bytes()
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pem]))
+        more = ["--tls-ca", str(TLS / "ca.crt")]
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with fresh_store(pg_dsn, "relaylarge") as s:
-            proc = await relay_of_one_row(pg_dsn, s, port)
+            proc = await relay_of_one_row(pg_dsn, s, port, *more)
             try:
                 found = f'SELECT state, failures, last_error FROM "{s.schema}".outbox'
                 row = await until(
