@@ -43,6 +43,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import math
 import os
 import random
 import secrets
@@ -711,7 +712,11 @@ class Relay:
             # Read with care: a subclass that skipped DeliveryError.__init__, or set it to
             # something else, would otherwise fail the whole batch computing its delay.
             hint = getattr(err, "retry_after_s", None)
-            if isinstance(hint, bool) or not isinstance(hint, int | float):
+            if (
+                isinstance(hint, bool)
+                or not isinstance(hint, int | float)
+                or not 0 < hint < math.inf  # NaN too: a delay PostgreSQL refuses (22008)
+            ):
                 hint = None
             return _Failed(_error_text(err), permanent=False, retry_after_s=hint)
         except Exception as err:

@@ -1065,7 +1065,9 @@ _NO_HINT = object()
 
 
 @pytest.mark.parametrize(
-    "hint", [_NO_HINT, "soon", True, float("nan")], ids=["missing", "text", "bool", "nan"]
+    "hint",
+    [_NO_HINT, "soon", True, float("nan"), float("inf"), -3.0],
+    ids=["missing", "text", "bool", "nan", "inf", "negative"],
 )
 async def test_a_delivery_error_without_a_usable_retry_hint_is_retried_on_the_backoff(
     outbox: Store, hint: object
@@ -1123,7 +1125,11 @@ def test_a_delivery_errors_retry_hint_must_be_a_number_of_seconds() -> None:
     for bad in ("5", True, [1.0]):
         with pytest.raises(TypeError, match="retry_after_s must be a number of seconds"):
             DeliveryError("busy", retry_after_s=bad)  # type: ignore[arg-type]
+    for bad_value in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="retry_after_s must be finite and not negative"):
+            DeliveryError("busy", retry_after_s=bad_value)
     assert DeliveryError("busy", retry_after_s=2).retry_after_s == 2
+    assert DeliveryError("busy", retry_after_s=0).retry_after_s == 0
     assert DeliveryError("busy").retry_after_s is None
 
 

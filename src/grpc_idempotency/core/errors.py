@@ -35,6 +35,7 @@ Lower-layer errors (asyncpg, OSError, grpc) are mapped to these at the boundary,
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from grpc_idempotency.core.codes import Code
@@ -282,6 +283,10 @@ class DeliveryError(IdempotencyError):
         ):
             # Else the relay's batch failed computing the delay, its rows left for the lease.
             raise TypeError(f"retry_after_s must be a number of seconds, not {retry_after_s!r}")
+        if retry_after_s is not None and not 0 <= retry_after_s < math.inf:
+            raise ValueError(
+                f"retry_after_s must be finite and not negative, not {retry_after_s!r}"
+            )
         self.retry_after_s = retry_after_s
 
 
