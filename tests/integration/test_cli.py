@@ -1123,7 +1123,7 @@ FORGED = "2026-01-01 00:00:00,000 INFO grpc_idempotency.outbox: relay r: deliver
 
 
 async def relay_of_one_row(
-    dsn: str, store: Any, port: int, *more: str
+    dsn: str, store: Any, port: int, *more: str, stdout: int = asyncio.subprocess.DEVNULL
 ) -> asyncio.subprocess.Process:
     """One pending outbox row in ``store``'s schema, and `grpc-idempotency relay` (polling, its
     stderr piped) delivering it to ``/a.B/C`` on the loopback ``port``, with ``more`` arguments."""
@@ -1136,7 +1136,7 @@ async def relay_of_one_row(
             "--grpc-target", f"127.0.0.1:{port}", "--method", "/a.B/C", *more]  # fmt: skip
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "grpc_idempotency.cli", *argv,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+        stdout=stdout, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
 
 

@@ -414,3 +414,19 @@ def test_the_help_names_every_exit_status_the_readme_names() -> None:
     for status in ("1", "2", "3", "4", "130", "143", "141", "74"):
         assert re.search(rf"\b{status}\b", operations), status
         assert re.search(rf"\b{status}\b", helped), status
+
+
+def test_relay_step_selectors_are_checked_before_connecting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--step`` takes ``Relay(steps=...)``'s selectors, repeated; a wrong one is bad usage
+    (exit 2), as the relay would refuse it only once connected."""
+    assert parse(*RELAY).steps is None  # every step
+    assert parse(*RELAY, "--step", "receipt-email.v1", "--step", "order").steps == [
+        "receipt-email.v1",
+        "order",
+    ]
+    refused(*RELAY, "--step", "Receipt-Email")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("grpc-idempotency relay: error: argument --step: 'Receipt-Email' is")
+    assert "steps:" not in err
