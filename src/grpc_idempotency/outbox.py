@@ -66,6 +66,7 @@ from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.core.outbox import (
     MAX_DURATION_S,
     DeliveryPolicy,
+    StepRoutes,
     relay_name_problem,
     step_routes,
 )
@@ -465,7 +466,7 @@ class Relay:
         on_listening: Callable[[], None] | None = None,
         listen: bool = True,
         listen_dsn: str | None = None,
-        steps: Iterable[str] | None = None,
+        steps: Iterable[str] | StepRoutes | None = None,
     ) -> None:
         # Checked first, before the store: a malformed selector is the caller's to fix.
         routes = step_routes(steps)

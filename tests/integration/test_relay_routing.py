@@ -139,6 +139,8 @@ async def test_a_relays_steps_are_read_once_deduplicated_and_read_only(store: St
         del relay.steps  # and then assigned past the guard
     assert relay.steps == routes
     assert Relay(store, CallableSink(lambda m: None)).steps is None
+    # Another relay's steps, as they are (a StepRoutes is no collection of selectors).
+    assert Relay(store, CallableSink(lambda m: None), steps=relay.steps).steps == routes
 
 
 async def test_the_relay_command_delivers_only_the_steps_given_with_step(

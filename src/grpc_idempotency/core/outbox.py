@@ -140,8 +140,8 @@ def step_routes(steps: object) -> StepRoutes | None:
     non-empty collection of selectors, each a step name (``receipt-email.v1``: that version)
     or one without its version (``receipt-email``: every version). ``TypeError`` or
     ``ValueError`` names the first selector at fault."""
-    if steps is None:
-        return None
+    if steps is None or isinstance(steps, StepRoutes):
+        return steps  # another relay's ``relay.steps``, checked when it was made
     if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
         # A single name given bare was read as its characters, each refused for a reason
         # that said nothing of the mistake.
