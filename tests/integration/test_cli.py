@@ -1140,6 +1140,23 @@ async def relay_of_one_row(
     )  # fmt: skip
 
 
+async def relayed_row(
+    dsn: str, store: Any, port: int, *more: str, columns: str, leaves: str
+) -> tuple[Any, asyncio.subprocess.Process, bytes]:
+    """``relay_of_one_row`` run until its row matches ``leaves`` (a WHERE clause), then stopped
+    (SIGTERM): the row's ``columns``, the finished process and its stderr."""
+    proc = await relay_of_one_row(dsn, store, port, *more)
+    try:
+        found = f'SELECT {columns} FROM "{store.schema}".outbox WHERE {leaves}'
+        row = await until(
+            "the delivery's outcome recorded", lambda: store.pool.fetchrow(found), timeout=30
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    return row, proc, err
+
+
 async def test_a_downstream_error_cannot_add_or_overwrite_lines_of_the_relays_log(
     pg_dsn: str,
 ) -> None:
@@ -1188,17 +1205,9 @@ async def test_a_relay_told_to_dead_letter_on_unimplemented_parks_at_once(pg_dsn
     try:
         async with fresh_store(pg_dsn, "relaydead") as s:
             more = ["--dead-letter-on", "unimplemented", "--max-attempts", "5"]
-            proc = await relay_of_one_row(pg_dsn, s, port, *more)
-            try:
-                state = f'SELECT state, attempts FROM "{s.schema}".outbox'
-                row = await until(
-                    "the row leaves pending",
-                    lambda: s.pool.fetchrow(state + " WHERE state <> 'pending'"),
-                    timeout=30,
-                )
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                _, err = await asyncio.wait_for(proc.communicate(), 60)
+            row, proc, err = await relayed_row(
+                pg_dsn, s, port, *more, columns="state, attempts", leaves="state <> 'pending'"
+            )
     finally:
         await server.stop(None)
     assert proc.returncode == 0, err.decode()
@@ -1238,17 +1247,14 @@ async def test_a_relay_takes_a_delivery_answered_with_a_large_response_as_delive
     await server.start()
     try:
         async with fresh_store(pg_dsn, "relaylarge") as s:
-            proc = await relay_of_one_row(pg_dsn, s, port, *more)
-            try:
-                found = f'SELECT state, failures, last_error FROM "{s.schema}".outbox'
-                row = await until(
-                    "the delivery's outcome recorded",
-                    lambda: s.pool.fetchrow(found + " WHERE state <> 'pending' OR failures > 0"),
-                    timeout=30,
-                )
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                _, err = await asyncio.wait_for(proc.communicate(), 60)
+            row, proc, err = await relayed_row(
+                pg_dsn,
+                s,
+                port,
+                *more,
+                columns="state, failures, last_error",
+                leaves="state <> 'pending' OR failures > 0",
+            )
     finally:
         await server.stop(None)
     assert proc.returncode == 0, err.decode()
