@@ -167,11 +167,7 @@ async def test_a_renewal_that_fails_unexpectedly_is_tried_again(
                 first_lease_end = await _locked_until(store, key)
                 await until("a second failed renewal", lambda: points.hits["lease_renewal"] >= 2)
                 points.clear()  # disarmed: the next renewal goes through
-
-                async def renewed() -> bool:
-                    return bool(await _locked_until(store, key) > first_lease_end)
-
-                await until("the lease renewed", renewed)
+                await _until_renewed(store, key, first_lease_end)
                 owner.service.release.set()
                 answer = await calling
                 assert answer.code is grpc.StatusCode.OK, answer.details
@@ -181,6 +177,13 @@ async def test_a_renewal_that_fails_unexpectedly_is_tried_again(
     failed = [r for r in caplog.records if "renewing a phased claim's lease" in r.getMessage()]
     assert len(failed) == 1 and failed[0].exc_info is not None
     assert await ledger_rows(store, account) == 1
+
+
+async def _until_renewed(store: Store, key: str, lease_end: datetime) -> None:
+    async def renewed() -> bool:
+        return bool(await _locked_until(store, key) > lease_end)
+
+    await until("the lease renewed", renewed)
 
 
 async def _locked_until(store: Store, key: str) -> datetime:
@@ -221,11 +224,7 @@ async def test_a_lease_that_runs_out_with_its_renewals_failing_is_logged(
                 await until("the end of the claim's first lease", first_lease_over)
                 await until("the lapse logged", lambda: _lapsed(caplog))
                 proxy.partitioned = False
-
-                async def renewed() -> bool:
-                    return bool(await _locked_until(store, key) > first_lease_end)
-
-                await until("the lease renewed", renewed)
+                await _until_renewed(store, key, first_lease_end)
                 owner.service.release.set()
                 answer = await calling
                 assert answer.code is grpc.StatusCode.OK, answer.details
