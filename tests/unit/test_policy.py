@@ -715,6 +715,17 @@ def test_an_override_naming_a_whole_service_is_refused(where: str) -> None:
             PolicyRegistry(services[where], {name: MethodOverride(store_down=StoreDown.FAIL_OPEN)})
 
 
+def _add_service(package: str, service: str, method: str) -> None:
+    """A file declaring ``package.service`` with ``method`` (request and response ``Req``) in
+    the default pool: what importing its _pb2 does."""
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
+    fdp.message_type.add(name="Req")
+    fdp.service.add(name=service).method.add(
+        name=method, input_type=f".{package}.Req", output_type=f".{package}.Req"
+    )
+    descriptor_pool.Default().Add(fdp)
+
+
 def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> None:
     """A call naming a method before its _pb2 was imported (a generic call, say) found nothing,
     and "not keyed" was cached: the method stayed unkeyed (no key sent, or none required) for
@@ -725,12 +736,7 @@ def test_a_service_imported_after_a_call_named_it_is_keyed_from_then_on() -> Non
     path = f"/{package}.Svc/Do"
     registry = PolicyRegistry((), {path: MethodOverride()})
     assert registry.get(path) is None  # not in the pool yet
-    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
-    fdp.message_type.add(name="Req")
-    fdp.service.add(name="Svc").method.add(
-        name="Do", input_type=f".{package}.Req", output_type=f".{package}.Req"
-    )
-    descriptor_pool.Default().Add(fdp)  # what importing its _pb2 does
+    _add_service(package, "Svc", "Do")  # what importing its _pb2 does
     policy = registry.get(path)
     assert policy is not None and policy.method == path
 
@@ -740,12 +746,7 @@ def test_an_override_naming_a_whole_service_imported_later_refuses_its_methods()
     of its methods ran as its proto says, the override applied to none."""
     package = f"latewhole{next(_counter)}.v1"  # dotted: the service's last name is split off
     registry = PolicyRegistry((), {f"{package}.Svc": MethodOverride()})
-    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
-    fdp.message_type.add(name="Req")
-    fdp.service.add(name="Svc").method.add(
-        name="Do", input_type=f".{package}.Req", output_type=f".{package}.Req"
-    )
-    descriptor_pool.Default().Add(fdp)
+    _add_service(package, "Svc", "Do")
     for _ in range(2):  # the same answer on every call
         with pytest.raises(PolicyError, match=rf"names service {package}\.Svc, not a method"):
             registry.get(f"/{package}.Svc/Do")
@@ -757,12 +758,7 @@ def test_an_override_of_a_method_named_like_a_service_refuses_no_service() -> No
     overridden whole, though the override named a method that exists."""
     package = f"likeservice{next(_counter)}"
     for name, svc, method in ((package, "A", "B"), (f"{package}.A", "B", "Do")):
-        fdp = descriptor_pb2.FileDescriptorProto(name=f"{name}.proto", package=name)
-        fdp.message_type.add(name="Req")
-        fdp.service.add(name=svc).method.add(
-            name=method, input_type=f".{name}.Req", output_type=f".{name}.Req"
-        )
-        descriptor_pool.Default().Add(fdp)
+        _add_service(name, svc, method)
     registry = PolicyRegistry((), {f"{package}.A/B": MethodOverride()})
     assert registry.get(f"/{package}.A.B/Do") is None  # as its proto says: not keyed
     policy = registry.get(f"/{package}.A/B")
@@ -776,12 +772,7 @@ def test_a_misspelt_override_of_a_service_imported_later_refuses_its_methods() -
 
     package = f"latetypo{next(_counter)}"
     registry = PolicyRegistry((), {f"{package}.Svc/Chrage": MethodOverride()})
-    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
-    fdp.message_type.add(name="Req")
-    fdp.service.add(name="Svc").method.add(
-        name="Charge", input_type=f".{package}.Req", output_type=f".{package}.Req"
-    )
-    descriptor_pool.Default().Add(fdp)
+    _add_service(package, "Svc", "Charge")
     for _ in range(2):  # the same answer on every call
         with pytest.raises(PolicyError, match=r"has no method 'Chrage'.*Charge"):
             registry.get(f"/{package}.Svc/Charge")
