@@ -381,6 +381,47 @@ async def test_stored_error_text_cannot_add_or_overwrite_lines_of_the_output(
     assert "\x1b" not in dead.stdout and "x \\x1b[1A\\x1b[2K" in dead.stdout, dead.stdout
 
 
+async def test_a_payload_of_a_well_known_type_or_of_another_type_than_declared_is_shown(
+    services: Services,
+) -> None:
+    """The JSON form of some well-known types is no object (an Int64Value's is a string): the
+    tree stopped with a traceback on such a payload. And bytes read with a descriptor that does
+    not declare them (another type than the one stored) showed as that type's defaults, decoded
+    cleanly: here a charge id, stored as a StringValue, read as an Int64Value of 0."""
+    from google.protobuf import wrappers_pb2
+
+    tenant = fresh("tenant")
+    scope = f"tenant:{tenant}"
+    key = fresh()
+    await services.ledger.stub.PostWithEvent(
+        testsvc_pb2.PostRequest(account=fresh("acct"), amount=7), metadata=metadata(key, tenant)
+    )
+    stored = wrappers_pb2.StringValue(value="ch_123").SerializeToString()
+    ledger = services.ledger_store
+    await ledger.pool.execute(
+        f"UPDATE \"{ledger.schema}\".outbox SET payload_type = 'google.protobuf.Int64Value',"
+        " payload = $1 WHERE scope = $2",
+        stored,
+        scope,
+    )
+    argv = ["inspect", *services.stores(), "--proto-module", MODULE,
+            "--proto-module", "google.protobuf.wrappers_pb2", "--scope", scope, key]  # fmt: skip
+
+    tree = await cli(*argv)
+
+    assert tree.returncode == 0, tree.stderr
+    lines = tree.stdout.splitlines()
+    (at,) = [i for i, ln in enumerate(lines) if "payload google.protobuf.Int64Value" in ln]
+    assert lines[at].endswith(f"({len(stored)} bytes)"), lines[at]
+    undeclared = f"{len(stored)} of its bytes hold fields google.protobuf.Int64Value does not"
+    assert undeclared in lines[at + 1], tree.stdout
+    assert lines[at + 2].endswith('  "0"'), tree.stdout
+    (op,) = (await cli(*argv, "--json")).json()["operations"]
+    (row,) = step_of(op, "entry-posted.v1")["outbox"]
+    assert row["payload"]["decoded"] == "0"
+    assert row["payload"]["undeclared_bytes"] == len(stored)
+
+
 async def test_a_dead_letters_scope_cannot_add_or_overwrite_lines_of_the_output(
     services: Services,
 ) -> None:

@@ -131,3 +131,19 @@ def test_a_claim_is_released_when_its_lease_ended_at_its_start_and_is_over() -> 
     assert not _claim(started=start, until=start - timedelta(seconds=1), remaining=5.0).released
     completed = replace(_claim(started=start, until=start, remaining=0.0), state="completed")
     assert not completed.released
+
+
+def test_bytes_the_descriptor_does_not_declare_are_counted_not_hidden() -> None:
+    """A stored message read with a descriptor that does not match it (another type, another
+    version of it) parses: what the descriptor does not declare goes to unknown fields, which
+    the JSON mapping drops. A charge id stored as a StringValue showed as an Int64Value of 0,
+    decoded cleanly, as if the response had been empty."""
+    from google.protobuf import wrappers_pb2
+
+    data = wrappers_pb2.StringValue(value="ch_123").SerializeToString()
+
+    shown = decode(data, "google.protobuf.Int64Value", wrappers_pb2.Int64Value)
+
+    assert shown.decoded and shown.undeclared_bytes == len(data)
+    matching = decode(data, "google.protobuf.StringValue", wrappers_pb2.StringValue)
+    assert matching.fields == "ch_123" and matching.undeclared_bytes == 0

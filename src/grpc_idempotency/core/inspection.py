@@ -136,16 +136,21 @@ class Payload:
     type_name: str | None
     """The protobuf full name, when known."""
     size: int
-    fields: dict[str, Any] | None = None
-    """The decoded message (proto field names, protobuf's JSON mapping); ``None`` if undecoded."""
+    fields: Any = None
+    """The decoded message (proto field names, protobuf's JSON mapping: an object, or for some
+    well-known types a string, list or null); ``None`` if undecoded."""
     problem: str | None = None
     """Why it was not decoded."""
+    undeclared_bytes: int = 0
+    """Decoded: how many of its bytes hold fields its descriptor does not declare (another
+    message type, or a newer version of it), which ``fields`` cannot show."""
     hex_prefix: str = ""
     base64_prefix: str = ""
 
     @property
     def decoded(self) -> bool:
-        return self.fields is not None
+        # Not ``fields is not None``: a google.protobuf.Value holding null decodes to None.
+        return self.problem is None
 
 
 # What json_format raises on a message that parsed: an Any whose type_url names a type in no pool
@@ -185,7 +190,15 @@ def decode(data: bytes | None, type_name: str | None, cls: MessageClass | None) 
         except _UNSHOWABLE as err:
             problem = f"cannot be shown as JSON: {type(err).__name__}: {err}"
         else:
-            return Payload(type_name=type_name, size=len(raw), fields=fields)
+            # Bytes the descriptor does not declare parse as unknown fields, which the JSON
+            # mapping drops: counted, or a mismatched descriptor showed them as default values.
+            known = cls()
+            known.CopyFrom(message)
+            known.DiscardUnknownFields()
+            undeclared = message.ByteSize() - known.ByteSize()
+            return Payload(
+                type_name=type_name, size=len(raw), fields=fields, undeclared_bytes=undeclared
+            )
     elif type_name is None:
         problem = "the method's descriptors were not given (--proto-module, --descriptor-set)"
     else:

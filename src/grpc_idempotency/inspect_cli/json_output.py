@@ -36,6 +36,7 @@ def _payload_json(p: Payload | None) -> dict[str, Any] | None:
     out: dict[str, Any] = {"type": p.type_name, "size": p.size}
     if p.decoded:
         out["decoded"] = p.fields
+        out["undeclared_bytes"] = p.undeclared_bytes
     else:
         out.update(undecoded=p.problem, hex_prefix=p.hex_prefix, base64_prefix=p.base64_prefix)
     return out

@@ -100,9 +100,17 @@ def _record_lines(service: str, n: Node) -> list[str]:
 
 
 def _payload_lines(label: str, p: Payload) -> list[str]:
-    if p.decoded and p.fields is not None:
+    if p.decoded:
         lines = [f"{label} {p.type_name} ({p.size} bytes)"]
-        lines += [f"  {name}: {json.dumps(value)}" for name, value in p.fields.items()]
+        if p.undeclared_bytes:
+            lines.append(
+                f"  ({p.undeclared_bytes} of its bytes hold fields {p.type_name} does not"
+                " declare, not shown: another message type, or a newer version of it?)"
+            )
+        if isinstance(p.fields, dict):
+            lines += [f"  {name}: {json.dumps(value)}" for name, value in p.fields.items()]
+        else:  # a well-known type's JSON form: a string (Timestamp, the wrappers), list, null
+            lines.append(f"  {json.dumps(p.fields)}")
         return lines
     what = p.type_name or "of unknown type"
     return [
