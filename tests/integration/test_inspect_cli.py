@@ -558,6 +558,37 @@ async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(
     assert record["key"] == key and record["expired"] is True
 
 
+async def test_list_tells_a_claim_whose_lease_ran_out_from_a_running_one(
+    services: Services,
+) -> None:
+    """A phased owner that died leaves its claim in progress until its lease runs out; then
+    nothing runs it and a retry takes it over. list's table showed it as it shows a running
+    one ("in_progress", nothing more): an operator looking for a stuck charge saw it running."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    store = services.ledger_store
+    await services.ledger.stub.PostPhased(
+        testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(key, tenant)
+    )
+    # As a dead owner's claim looks once its lease ran out, within its retention (a lease
+    # granted ends after the operation's start; a released one, at it).
+    await store.pool.execute(
+        f"UPDATE {store.schema}.records SET state = 'in_progress', completed_at = NULL,"
+        " response = NULL, status_code = NULL,"
+        " created_at = clock_timestamp() - interval '1 minute',"
+        " locked_until = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        scope,
+        key,
+    )
+
+    table = await cli(*_list_argv(services, scope))
+
+    assert table.returncode == 0, table.stderr
+    (row,) = [ln for ln in table.stdout.splitlines() if key in ln]
+    assert row.startswith("in_progress") and row.endswith(f"{key}  (lease run out)"), row
+
+
 async def test_a_released_claim_past_its_retention_is_continued_by_the_same_request(
     pg_dsn: str, store: Store
 ) -> None:

@@ -91,10 +91,17 @@ async def run_list(args: argparse.Namespace, store: Store, *, applied: Collectio
         method_w = max(40, *(len(r.method) for r in records))
         print(f"{'state':<{state_w}} {'claims':>6}  {'started':<24}  {'method':<{method_w}}  key")
         for r in records:
+            # A dead owner's claim whose lease ran out showed as a running one: nothing runs it.
+            ran_out = (
+                r.record_state is RecordState.IN_PROGRESS
+                and not r.released
+                and not r.lease_remaining_s
+            )
             print(
                 f"{outcome_label(r):<{state_w}} {r.fencing_token:>6}"
                 f"  {timestamp(r.created_at):<24}  {r.method:<{method_w}}"
                 f"  {r.key}{'  (released)' if r.released else ''}"
+                f"{'  (lease run out)' if ran_out else ''}"
                 f"{'  (expired)' if r.expired else ''}"
             )
         more = " (--limit reached)" if len(records) == args.limit else ""
