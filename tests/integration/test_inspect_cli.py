@@ -188,6 +188,33 @@ async def test_one_store_reached_through_two_dsns_is_not_a_duplicated_effect(
     assert op["totals"]["effects_by_step"]["post-ledger.v1"] == 1
 
 
+async def test_one_operation_recorded_in_two_stores_is_duplicated(
+    services: Services, pg_dsn: str
+) -> None:
+    """A key of one method with a record in two stores ran there twice: a tenant's retry that
+    reached another shard (a placement that moved it, or differs by replica) found no record
+    and ran the handler again. inspect showed the two trees and exited 0, with nothing in the
+    summary: the "was I charged twice?" question answered "no" to a script."""
+    key, tenant = fresh(), fresh("tenant")
+    scope = f"tenant:{tenant}"
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5)
+    async with fresh_store(pg_dsn, "insp_shard") as shard, running_ledger(shard) as other:
+        await services.ledger.stub.Post(request, metadata=metadata(key, tenant))
+        await other.stub.Post(request, metadata=metadata(key, tenant))
+        argv = ["inspect", "--dsn", pg_dsn, "--schema", services.ledger_store.schema,
+                "--schema", shard.schema, "--scope", scope, key]  # fmt: skip
+
+        tree = await cli(*argv)
+        report = await cli(*argv, "--json")
+
+    assert tree.returncode == 4, tree.stdout + tree.stderr
+    assert f"DUPLICATED: {POST} recorded in {services.ledger_store.schema}, {shard.schema}" in (
+        tree.stdout
+    ), tree.stdout
+    assert report.returncode == 4
+    assert report.json()["duplicated"] == [POST]
+
+
 async def test_steps_below_depth_are_not_looked_up_rather_than_counted_as_no_effect(
     services: Services,
 ) -> None:

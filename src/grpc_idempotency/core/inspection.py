@@ -390,6 +390,15 @@ def node(
     )
 
 
+def duplicated(roots: Sequence[Found]) -> list[str]:
+    """The methods whose operation under the inspected key has a record in more than one store
+    (``roots``, a row read twice already counted once): it ran in each, as a tenant's retry
+    that reached another shard does. Another method under the key is another service's
+    operation (keys are per service), not a duplicate."""
+    methods = [f.node.record.method for f in roots]
+    return [m for m in dict.fromkeys(methods) if methods.count(m) > 1]
+
+
 def split_outbox(
     rows: Sequence[OutboxEntry], kids: Sequence[Child]
 ) -> tuple[dict[str, list[OutboxEntry]], list[OutboxEntry]]:

@@ -61,7 +61,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         print("\n".join(tree))
     if not roots:
         return NOT_FOUND
-    if any(t.duplicates for t in totals):
+    if inspection.duplicated(roots) or any(t.duplicates for t in totals):
         return DUPLICATED
     return FOUND
 

@@ -154,6 +154,7 @@ def inspect_json(
         "key": key,
         "depth": depth,
         "found": bool(roots),
+        "duplicated": inspection.duplicated(roots),  # methods recorded in more than one store
         "stores": [
             {"name": s.name, "schema": s.schema, "schema_migrations": schema_json(applied[s])}
             for s in config.stores

@@ -242,6 +242,9 @@ def render_tree(
                 " scope, such as the caller's mTLS identity: give it as `scope =` in that"
                 " service's --config section)"
             )
+    for method in inspection.duplicated(roots):
+        where = ", ".join(f.service for f in roots if f.node.record.method == method)
+        lines.append(f"DUPLICATED: {method} recorded in {where}: the operation ran in each store")
     # Once per method however many of its records the tree holds: the text is long.
     for why in dict.fromkeys(_refusals(found.node for found in roots)):
         lines.append(
