@@ -905,6 +905,8 @@ async def test_exit_status_not_found_unreachable_unusable(services: Services, pg
     assert missing.json()["found"] is False and missing.json()["operations"] == []
     text = await cli("inspect", *services.stores(), "--scope", "tenant:x", "nope")
     assert text.returncode == 3 and "tenant:x nope: no record in" in text.stdout
+    # "No record" alone invited running a charge again by hand.
+    assert "not proof that it never ran" in text.stdout
 
     port = free_port()
     unreachable = await cli(

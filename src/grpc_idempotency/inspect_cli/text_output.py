@@ -218,7 +218,13 @@ def render_tree(
     (``depth``: ``--depth``)."""
     names = ", ".join(s.name for s in config.stores)
     if not roots:
-        return [f"{printable(scope)} {printable(key)}: no record in {names}"]
+        # Read alone, "no record" invites running the operation again by hand.
+        return [
+            f"{printable(scope)} {printable(key)}: no record in {names}",
+            "(not proof that it never ran: an atomic operation writes its record only when it"
+            " commits, a record past its retention may be purged, and another scope's records"
+            " are not looked at)",
+        ]
     lines = [f"{printable(scope)} {printable(key)}"]
     for found in roots:
         lines += _node_lines(found.service, found.node, depth)
