@@ -64,7 +64,8 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     the pool), ``needs_key`` (fails a call without a key), ``trailer`` or ``header`` (the entry's
     id in custom trailing or initial metadata, which a replay does not carry), ``commits`` (ends
     the call's transaction itself: the library answers INTERNAL), ``unavailable`` (fails every
-    call, transiently) or ``outside`` (PostPhased writes through the pool, outside its final
+    call, transiently), ``error_trailer`` (its deterministic error, for an amount of 0, carries a
+    custom trailer, which a replay does not) or ``outside`` (PostPhased writes through the pool, outside its final
     transaction)."""
 
     def __init__(self, pool: asyncpg.Pool[Any], variant: str) -> None:
@@ -76,6 +77,10 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
     ) -> testsvc_pb2.PostResponse:
         if self.variant == "needs_key" and current_call().key is None:
             raise RuntimeError("the handler uses the idempotency key as the entry's id")
+        if request.amount == 0:  # the deterministic error, recorded and replayed
+            if self.variant == "error_trailer":
+                context.set_trailing_metadata((("x-error-code", "AMOUNT_ZERO"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "amount must not be 0")
         conn: Any = current_call().connection
         if self.variant == "fallback":
             try:
@@ -401,6 +406,25 @@ async def test_handler_metadata_a_replay_lacks_fails_the_sequential_replay_check
         r" the replay does not: .* Put what a retry must see in the response message\.",
     ):
         await plan_for(variant).check_sequential_replay()
+
+
+def _error_request() -> testsvc_pb2.PostRequest:
+    return testsvc_pb2.PostRequest(account="kit-checks-error-" + uuid.uuid4().hex, amount=0)
+
+
+async def test_error_metadata_a_replay_lacks_fails_the_deterministic_error_check(
+    plan_for: Any,
+) -> None:
+    # The handler's own trailers go with an error's first answer, not with its replays: a
+    # client whose first answer was lost never saw the code it carried. The check compared the
+    # status, message and details only, and passed.
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[deterministic error\] the first answer carried metadata \['x-error-code'\]"
+        r" that the replay does not: .* Put what a retry must see in the status details",
+    ):
+        await plan_for("error_trailer", error_request=_error_request).check_deterministic_error()
+    await plan_for("correct", error_request=_error_request).check_deterministic_error()
 
 
 async def test_what_the_library_replays_passes_the_sequential_replay_check(plan_for: Any) -> None:

@@ -18,7 +18,8 @@ another process of the same server, as it would to another replica. The checks:
                             replays, when the crash came after COMMIT); nothing is left
                             before COMMIT but, in phased mode, a child-keyed call's effect
 ``lost_response``           the client's deadline passes after COMMIT: the retry replays
-``deterministic_error``     a recorded error (INVALID_ARGUMENT, ...) is replayed, nothing kept
+``deterministic_error``     a recorded error (INVALID_ARGUMENT, ...) is replayed, metadata
+                            included, nothing kept
 ``transient_error``         an attempt that fails unexpectedly after the handler ran is rolled
                             back and released: the retry runs the handler
 ``lost_connection``         the call's database connection dies after the claim, before the
@@ -513,6 +514,22 @@ class ConformancePlan:
             raise self._fail(check, f"the first call with a new key was a replay: {answer}")
         return answer
 
+    def _same_metadata(self, check: str, first: _Answer, retry: _Answer, where: str) -> None:
+        """Raises when ``first`` carried metadata ``retry``, its replay, lacks."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
+        # The library replays the response (or error), status and details, never metadata a
+        # handler sets: what the first answer carried and the replay lacks, the client gets
+        # only once.
+        lost = sorted(_names(first) - _names(retry))
+        if lost:
+            raise self._fail(
+                check,
+                f"the first answer carried metadata {lost} that the replay does not: metadata"
+                " the handler sets (set_trailing_metadata, send_initial_metadata) is not stored,"
+                " and a client whose first answer was lost never sees it. Put what a retry must"
+                f" see in {where}.",
+            )
+
     # -- the checks ----------------------------------------------------------------------
 
     async def check_sequential_replay(self) -> None:
@@ -546,17 +563,7 @@ class ConformancePlan:
                 "the replayed response differs from the first one:"
                 f" {_bytes_diff(first.data, retry.data)}",
             )
-        # The library replays the response, status and details, never metadata a handler sets:
-        # what the first answer carried and the replay lacks, the client gets only once.
-        lost = sorted(_names(first) - _names(retry))
-        if lost:
-            raise self._fail(
-                check,
-                f"the first answer carried metadata {lost} that the replay does not: metadata"
-                " the handler sets (set_trailing_metadata, send_initial_metadata) is not stored,"
-                " and a client whose first answer was lost never sees it. Put what a retry must"
-                " see in the response message.",
-            )
+        self._same_metadata(check, first, retry, "the response message")
         await self._at_most_once_outside(check, request)
 
     async def check_mutated_payload(self) -> None:
@@ -752,7 +759,8 @@ class ConformancePlan:
 
     async def check_deterministic_error(self) -> None:
         """A recorded error (INVALID_ARGUMENT, NOT_FOUND, ...) is answered again from the record
-        on retry, the same status, message and details, and leaves no effect."""
+        on retry, the same status, message and details, and leaves no effect. The first answer
+        carries no metadata the replay lacks (a handler's own trailers, which are not stored)."""
         __tracebackhide__ = True  # pytest: the failure, not the kit\'s frames
         check = "deterministic error"
         if self.target.error_request is None:
@@ -787,6 +795,10 @@ class ConformancePlan:
         )
         if not same:
             raise self._fail(check, f"the replayed error differs: {first} then {retry}")
+        # An error's own trailers (a code for the client, say) go with its first answer only.
+        self._same_metadata(
+            check, first, retry, "the status details (google.rpc.Status details, rich errors)"
+        )
         if count != 0:
             raise self._fail(
                 check, f"a failed call left {count} effects, expected 0. {_OUTSIDE_TRANSACTION}"
