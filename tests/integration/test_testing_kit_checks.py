@@ -129,10 +129,21 @@ class CheckedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
         return testsvc_pb2.PostResponse(entry_id=entry_id, execution_nonce=uuid.uuid4().hex)
 
 
+LEASE_ENV = "KIT_CHECKS_PHASED_LEASE_S"
+
+
 async def build_server(dsn: str) -> AsyncIterator[Any]:
     store = await Store.connect(dsn, min_size=1, max_size=10)
     scope = StaticScope(os.environ.get(SCOPE_ENV, "kit"))
-    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=scope)
+    lease = os.environ.get(LEASE_ENV)
+    overrides = (
+        {POST_PHASED.lstrip("/"): MethodOverride(lease=timedelta(seconds=float(lease)))}
+        if lease
+        else None
+    )
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=scope, overrides=overrides
+    )
     server = grpc.aio.server(interceptors=[interceptor])
     servicer = CheckedLedger(store.pool, os.environ.get(VARIANT_ENV, "correct"))
     testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
@@ -202,13 +213,15 @@ LOST_CONNECTION_PAUSE_MS = 1000
 @pytest.fixture
 def plan_for(pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """``plan_for(variant, method=POST, scope=None, **target)``: a plan on a server of that
-    variant (its calls' scope ``scope``, default ``kit``)."""
+    variant (its calls' scope ``scope``, default ``kit``; ``server_env`` adds to its
+    environment)."""
     plans: list[ConformancePlan] = []
 
     def make(
         variant: str, method: str = POST, scope: str | None = None, **target: Any
     ) -> ConformancePlan:
         env = {VARIANT_ENV: variant} if scope is None else {VARIANT_ENV: variant, SCOPE_ENV: scope}
+        env.update(target.pop("server_env", {}))
         target.setdefault("lost_connection_pause_ms", LOST_CONNECTION_PAUSE_MS)
         target.setdefault("request", _request)
         plan = ConformancePlan(
@@ -461,6 +474,23 @@ async def test_a_request_factory_repeating_one_operation_is_named_not_the_servic
     await plan.check_crash("before_commit")
     with pytest.raises(ValueError, match=r"make_request\(\) .* returned the same request again"):
         await plan.check_sequential_replay()
+
+
+async def test_a_lease_longer_than_the_in_progress_timeout_is_named_not_the_service(
+    plan_for: Any,
+) -> None:
+    # After a crash past a phased claim, the retry finds the key in progress until the dead
+    # owner's lease runs out: a lease longer than in_progress_timeout_s (a minute, for a slow
+    # operation) failed a correct service as "the effect count is 0, expected 1".
+    plan = plan_for(
+        "correct", method=POST_PHASED, in_progress_timeout_s=0.5, server_env={LEASE_ENV: "60"}
+    )
+    with pytest.raises(
+        ConformanceFailure,
+        match=r"\[crash at after_claim\] the retry still found the key in progress after"
+        r" in_progress_timeout_s=0\.5 s: .*KEY_IN_PROGRESS.* raise in_progress_timeout_s",
+    ):
+        await plan.check_crash("after_claim")
 
 
 async def test_a_server_answering_before_the_crash_failpoint_is_not_waited_for(

@@ -448,14 +448,28 @@ class ConformancePlan:
                 _pairs(await call.trailing_metadata()),
             )
 
-    async def _settled(self, address: str, request: Any, key: str) -> _Answer:
-        """Calls until the key is no longer in progress elsewhere (bounded), honouring the
-        server's retry pushback, as a well-behaved client does."""
-        deadline = time.monotonic() + self.target.in_progress_timeout_s
+    async def _settled(self, check: str, server: ServerProcess, request: Any, key: str) -> _Answer:
+        """Calls until the key is no longer in progress elsewhere, honouring the server's retry
+        pushback, as a well-behaved client does; fails the check when it still is after
+        ``in_progress_timeout_s``."""
+        __tracebackhide__ = True  # pytest: the failure, not the kit's frames
+        timeout = self.target.in_progress_timeout_s
+        deadline = time.monotonic() + timeout
         while True:
-            answer = await self._call(address, request, key)
-            if answer.reason != KeyInProgress.reason or time.monotonic() > deadline:
+            answer = await self._call(server.address, request, key)
+            if answer.reason != KeyInProgress.reason:
                 return answer
+            if time.monotonic() > deadline:
+                # Reported as the timeout it is: the checks that follow saw "the effect count
+                # is 0, expected 1" and blamed a correct service whose lease is long.
+                raise self._fail(
+                    check,
+                    f"the retry still found the key in progress after in_progress_timeout_s="
+                    f"{timeout:g} s: {answer}. After a failed attempt of a phased method, a"
+                    " retry waits out the dead attempt's lease: raise in_progress_timeout_s"
+                    " above the method's lease (and its max_wait).",
+                    server,
+                )
             pushback = wire.retry_after_ms(answer.trailing_metadata) or 50
             await asyncio.sleep(min(max(pushback, 10), 1000) / 1000)
 
@@ -700,7 +714,7 @@ class ConformancePlan:
                     check,
                     f"after the crash the effect count is {left}, expected {expected}. {cause}",
                 )
-            retry = await self._settled(clean.address, request, key)
+            retry = await self._settled(check, clean, request, key)
             count = await self._count(db, request)
             again = await self._call(clean.address, request, key)
         if count != 1:
@@ -746,7 +760,7 @@ class ConformancePlan:
                     f" 1 (did it commit within lost_response_deadline_s={deadline}?)",
                     holding,
                 )
-            retry = await self._settled(clean.address, request, key)
+            retry = await self._settled(check, clean, request, key)
             count = await self._count(db, request)
         if not (retry.ok and retry.replayed) or count != 1:
             raise self._fail(
@@ -832,7 +846,7 @@ class ConformancePlan:
                     f"the failed attempt ({failed}) left {left} effects, expected 0."
                     f" {_OUTSIDE_TRANSACTION}",
                 )
-            retry = await self._settled(clean.address, request, key)
+            retry = await self._settled(check, clean, request, key)
             count = await self._count(db, request)
         if not retry.ok or retry.replayed:
             raise self._fail(
@@ -923,7 +937,7 @@ class ConformancePlan:
                 raise self._fail(
                     check, f"the call answered {failed} although its transaction was gone", paused
                 )
-            retry = await self._settled(clean.address, request, key)
+            retry = await self._settled(check, clean, request, key)
             count = await self._count(db, request)
         if not retry.ok or retry.replayed or count != 1:
             raise self._fail(
