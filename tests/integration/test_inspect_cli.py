@@ -194,22 +194,31 @@ async def test_one_operation_recorded_in_two_stores_is_duplicated(
     """A key of one method with a record in two stores ran there twice: a tenant's retry that
     reached another shard (a placement that moved it, or differs by replica) found no record
     and ran the handler again. inspect showed the two trees and exited 0, with nothing in the
-    summary: the "was I charged twice?" question answered "no" to a script."""
+    summary: the "was I charged twice?" question answered "no" to a script. Another method's
+    record under the key, in a third store, is another operation: not named."""
     key, tenant = fresh(), fresh("tenant")
     scope = f"tenant:{tenant}"
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=5)
-    async with fresh_store(pg_dsn, "insp_shard") as shard, running_ledger(shard) as other:
+    async with (
+        fresh_store(pg_dsn, "insp_shard") as shard,
+        running_ledger(shard) as other,
+        fresh_store(pg_dsn, "insp_events") as events,
+        running_ledger(events) as third,
+    ):
         await services.ledger.stub.Post(request, metadata=metadata(key, tenant))
         await other.stub.Post(request, metadata=metadata(key, tenant))
+        await third.stub.PostWithEvent(request, metadata=metadata(key, tenant))
         argv = ["inspect", "--dsn", pg_dsn, "--schema", services.ledger_store.schema,
-                "--schema", shard.schema, "--scope", scope, key]  # fmt: skip
+                "--schema", shard.schema, "--schema", events.schema, "--scope", scope, key]  # fmt: skip
 
         tree = await cli(*argv)
         report = await cli(*argv, "--json")
 
     assert tree.returncode == 4, tree.stdout + tree.stderr
-    assert f"DUPLICATED: {POST} recorded in {services.ledger_store.schema}, {shard.schema}" in (
-        tree.stdout
+    (line,) = [ln for ln in tree.stdout.splitlines() if ln.startswith("DUPLICATED")]
+    assert line == (
+        f"DUPLICATED: {POST} recorded in {services.ledger_store.schema}, {shard.schema}:"
+        " the operation ran in each store"
     ), tree.stdout
     assert report.returncode == 4
     assert report.json()["duplicated"] == [POST]
@@ -496,6 +505,10 @@ async def test_an_operation_in_progress_shows_its_lease(services: Services) -> N
                            "--scope", scope, "--state", "in_progress", "--json")  # fmt: skip
         assert listed.returncode == 0, listed.stderr
         assert [json.loads(line)["key"] for line in listed.stdout.splitlines()] == [key]
+        # A running claim's row is not marked as one whose lease ran out.
+        table = await cli(*_list_argv(services, scope))
+        (row,) = [ln for ln in table.stdout.splitlines() if key in ln]
+        assert row.startswith("in_progress") and row.endswith(key), row
     finally:
         ledger.service.release.set()
         await call
@@ -547,7 +560,8 @@ async def test_a_claim_released_by_a_failed_attempt_is_shown_released_not_as_a_r
     (record,) = [json.loads(line) for line in listed.stdout.splitlines()]
     assert record["lease"]["released"] is True
     table = await cli(*base)
-    assert f"{key}  (released)" in table.stdout, table.stdout
+    (row,) = [ln for ln in table.stdout.splitlines() if key in ln]
+    assert row.endswith(f"{key}  (released)"), row  # not also "(lease run out)"
 
 
 async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(

@@ -147,3 +147,26 @@ def test_bytes_the_descriptor_does_not_declare_are_counted_not_hidden() -> None:
     assert shown.decoded and shown.undeclared_bytes == len(data)
     matching = decode(data, "google.protobuf.StringValue", wrappers_pb2.StringValue)
     assert matching.fields == "ch_123" and matching.undeclared_bytes == 0
+    # A declared field given twice (the last one wins) is no undeclared byte: counted on the
+    # message as parsed, not on the bytes' length.
+    twice = wrappers_pb2.Int64Value(value=1).SerializeToString() * 2
+    once = decode(twice, "google.protobuf.Int64Value", wrappers_pb2.Int64Value)
+    assert once.fields == "1" and once.undeclared_bytes == 0
+
+
+def test_a_value_holding_null_is_decoded_and_shown() -> None:
+    """A google.protobuf.Value holding null decodes to None, as an undecoded payload's fields
+    are: judged by its problem, it is shown as null, not as bytes that did not decode."""
+    from google.protobuf import struct_pb2
+
+    from grpc_idempotency.inspect_cli.text_output import _payload_lines
+
+    data = struct_pb2.Value(null_value=struct_pb2.NULL_VALUE).SerializeToString()
+
+    shown = decode(data, "google.protobuf.Value", struct_pb2.Value)
+
+    assert shown.decoded and shown.fields is None and shown.problem is None
+    assert _payload_lines("response", shown) == [
+        f"response google.protobuf.Value ({len(data)} bytes)",
+        "  null",
+    ]
