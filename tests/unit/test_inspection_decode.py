@@ -58,6 +58,23 @@ def test_an_any_of_a_type_in_the_descriptor_set_is_unpacked() -> None:
     assert shown.fields == {"extra": {"@type": "type.googleapis.com/r.v1.Detail", "note": "hello"}}
 
 
+def test_bytes_an_any_packs_that_its_type_does_not_declare_are_counted() -> None:
+    """The JSON mapping unpacks an Any and drops its message's unknown fields, which discarding
+    the outer message's leaves in the Any's bytes: a newer version of the packed message, read
+    with an older descriptor set, showed as a clean decode of its older fields."""
+    pool = pool_like_a_descriptor_set()
+    res_class = message(pool, "r.v1.Res")
+    newer = message(pool, "r.v1.Detail")(note="hello").SerializeToString() + b"\x10\x07"
+    response: Message = res_class()
+    response.extra.type_url = "type.googleapis.com/r.v1.Detail"  # type: ignore[attr-defined]
+    response.extra.value = newer  # type: ignore[attr-defined]
+
+    shown = decode(response.SerializeToString(), "r.v1.Res", res_class)
+
+    assert shown.fields == {"extra": {"@type": "type.googleapis.com/r.v1.Detail", "note": "hello"}}
+    assert shown.undeclared_bytes == 2
+
+
 @pytest.mark.parametrize(
     "fill, problem",
     [

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
-from google.protobuf import descriptor_pool, json_format
+from google.protobuf import any_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
@@ -169,6 +169,47 @@ MessageClass = Callable[[], Message]
 """A generated message class (called with no arguments for an empty message)."""
 
 
+def _undeclared(message: Message, pool: descriptor_pool.DescriptorPool) -> int:
+    """How many bytes of ``message`` its descriptors do not declare, counting those of the
+    messages its ``google.protobuf.Any`` fields pack: the JSON mapping unpacks an Any and drops
+    its message's unknown fields too, which discarding the outer message's (recursive as it is)
+    leaves in the Any's bytes. (``decode`` has shown the message as JSON: each Any that names a
+    type names one in ``pool``, and its bytes parse.)"""
+    known = type(message)()
+    known.CopyFrom(message)
+    known.DiscardUnknownFields()
+    count = message.ByteSize() - known.ByteSize()
+    todo = [known]
+    while todo:
+        m = todo.pop()
+        if m.DESCRIPTOR.full_name == "google.protobuf.Any":
+            packed = cast(any_pb2.Any, m)
+            # An empty Any (no type_url) is shown as {}: json_format unpacks nothing.
+            if packed.type_url:
+                name = packed.type_url.rpartition("/")[2]
+                cls = message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+                count += _undeclared(cls.FromString(packed.value), pool)
+        else:
+            todo += _messages_in(m)
+    return count
+
+
+def _messages_in(message: Message) -> list[Message]:
+    """The messages directly inside ``message``: its message fields, repeated and map values."""
+    inner: list[Message] = []
+    for fd, value in message.ListFields():
+        if fd.message_type is None:
+            continue
+        if fd.message_type.GetOptions().map_entry:
+            if fd.message_type.fields_by_name["value"].message_type is not None:
+                inner += list(value.values())
+        elif fd.is_repeated:
+            inner += list(value)
+        else:
+            inner.append(value)
+    return inner
+
+
 def decode(data: bytes | None, type_name: str | None, cls: MessageClass | None) -> Payload:
     """``data`` parsed as ``cls`` (the message class of ``type_name``), or described by length
     and prefix when there is no class or the bytes do not parse."""
@@ -192,10 +233,7 @@ def decode(data: bytes | None, type_name: str | None, cls: MessageClass | None) 
         else:
             # Bytes the descriptor does not declare parse as unknown fields, which the JSON
             # mapping drops: counted, or a mismatched descriptor showed them as default values.
-            known = cls()
-            known.CopyFrom(message)
-            known.DiscardUnknownFields()
-            undeclared = message.ByteSize() - known.ByteSize()
+            undeclared = _undeclared(message, _pool_of(message))
             return Payload(
                 type_name=type_name, size=len(raw), fields=fields, undeclared_bytes=undeclared
             )
