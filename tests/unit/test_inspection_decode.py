@@ -73,6 +73,9 @@ def test_bytes_an_any_packs_that_its_type_does_not_declare_are_counted() -> None
 
     assert shown.fields == {"extra": {"@type": "type.googleapis.com/r.v1.Detail", "note": "hello"}}
     assert shown.undeclared_bytes == 2
+    # An empty Any names no type to unpack: shown as {}, nothing undeclared.
+    empty = decode(b"", "google.protobuf.Any", any_pb2.Any)
+    assert empty.fields == {} and empty.undeclared_bytes == 0
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,9 @@ renders what ``core/inspection.py`` decides, as a tree (``text_output``) or as J
 
 Exit status of ``inspect``: 0 the operation was found; 3 no configured store holds it; 4 found,
 but a step's child key reached more than one record or outbox row (never expected: a store
-configured twice under two names, or records copied between stores); 1 a store could not be
+configured twice under two names, or records copied between stores), or one method's operation
+under the key has a record in more than one store (DUPLICATED: a retry that reached another
+shard ran it again); 1 a store could not be
 reached (retry later); 2 a store answers but cannot be used (no such database or role, bad
 password, schema not migrated before 0007), bad usage, or an unusable configuration, module or
 descriptor set. ``list``: 0 records listed, 3 none matched, 1 and 2 as above. A schema migrated
