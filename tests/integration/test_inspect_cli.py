@@ -186,6 +186,10 @@ async def test_one_store_reached_through_two_dsns_is_not_a_duplicated_effect(
     assert child["key"] == child_key(scope, key, "post-ledger.v1")
     assert op["totals"]["duplicates"] == []
     assert op["totals"]["effects_by_step"]["post-ledger.v1"] == 1
+    # Nor is the child's operation, inspected itself, one recorded in two stores.
+    child_op = await cli("inspect", *stores, "--scope", scope, child["key"], "--json")
+    assert child_op.returncode == 0, child_op.stdout + child_op.stderr
+    assert child_op.json()["duplicated"] == [] and len(child_op.json()["operations"]) == 1
 
 
 async def test_one_operation_recorded_in_two_stores_is_duplicated(
