@@ -222,7 +222,7 @@ async def test_one_operation_recorded_in_two_stores_is_duplicated(
     (line,) = [ln for ln in tree.stdout.splitlines() if ln.startswith("DUPLICATED")]
     assert line == (
         f"DUPLICATED: {POST} recorded in {services.ledger_store.schema}, {shard.schema}:"
-        " the operation ran in each store"
+        " the operation was claimed in each store"
     ), tree.stdout
     assert report.returncode == 4
     assert report.json()["duplicated"] == [POST]

@@ -250,7 +250,11 @@ def render_tree(
             )
     for method in inspection.duplicated(roots):
         where = ", ".join(f.service for f in roots if f.node.record.method == method)
-        lines.append(f"DUPLICATED: {method} recorded in {where}: the operation ran in each store")
+        # "Claimed", not "ran": one of the records may be a claim whose attempt recorded
+        # nothing (released), though a phased handler may have had effects before it failed.
+        lines.append(
+            f"DUPLICATED: {method} recorded in {where}: the operation was claimed in each store"
+        )
     # Once per method however many of its records the tree holds: the text is long.
     for why in dict.fromkeys(_refusals(found.node for found in roots)):
         lines.append(
