@@ -568,28 +568,37 @@ async def test_a_claim_released_by_a_failed_attempt_is_shown_released_not_as_a_r
     assert row.endswith(f"{key}  (released)"), row  # not also "(lease run out)"
 
 
-async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(
-    services: Services,
-) -> None:
-    """Such a claim is a new key for another request (migration 0014), and the same request
-    continues it: inspect and list said it was in progress, to be taken over by a retry of the
-    same request only."""
+async def _claim_left_behind(services: Services, times: str) -> tuple[str, str]:
+    """A phased operation's record made into a claim its owner left behind (in progress, no
+    outcome) with ``times`` (an SQL SET list); its scope and key."""
     key, tenant = fresh(), fresh("tenant")
     scope = f"tenant:{tenant}"
     store = services.ledger_store
     await services.ledger.stub.PostPhased(
         testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(key, tenant)
     )
-    # As a claim left behind looks: its owner gone before completing, lease and retention over.
     await store.pool.execute(
         f"UPDATE {store.schema}.records SET state = 'in_progress', completed_at = NULL,"
-        " response = NULL, status_code = NULL,"
-        " locked_until = clock_timestamp() - interval '1 second',"
-        " expires_at = clock_timestamp() - interval '1 second'"
-        " WHERE scope = $1 AND key = $2",
+        f" response = NULL, status_code = NULL, {times} WHERE scope = $1 AND key = $2",
         scope,
         key,
     )
+    return scope, key
+
+
+async def test_an_abandoned_claim_past_its_lease_and_retention_shows_as_expired(
+    services: Services,
+) -> None:
+    """Such a claim is a new key for another request (migration 0014), and the same request
+    continues it: inspect and list said it was in progress, to be taken over by a retry of the
+    same request only."""
+    # As a claim left behind looks: its owner gone before completing, lease and retention over.
+    scope, key = await _claim_left_behind(
+        services,
+        "locked_until = clock_timestamp() - interval '1 second',"
+        " expires_at = clock_timestamp() - interval '1 second'",
+    )
+    store = services.ledger_store
     shown = await cli("inspect", *services.stores(), "--scope", scope, key)
     assert shown.returncode == 0, shown.stderr
     assert (
@@ -609,22 +618,12 @@ async def test_list_tells_a_claim_whose_lease_ran_out_from_a_running_one(
     """A phased owner that died leaves its claim in progress until its lease runs out; then
     nothing runs it and a retry takes it over. list's table showed it as it shows a running
     one ("in_progress", nothing more): an operator looking for a stuck charge saw it running."""
-    key, tenant = fresh(), fresh("tenant")
-    scope = f"tenant:{tenant}"
-    store = services.ledger_store
-    await services.ledger.stub.PostPhased(
-        testsvc_pb2.PostRequest(account=fresh("acct")), metadata=metadata(key, tenant)
-    )
     # As a dead owner's claim looks once its lease ran out, within its retention (a lease
     # granted ends after the operation's start; a released one, at it).
-    await store.pool.execute(
-        f"UPDATE {store.schema}.records SET state = 'in_progress', completed_at = NULL,"
-        " response = NULL, status_code = NULL,"
-        " created_at = clock_timestamp() - interval '1 minute',"
-        " locked_until = clock_timestamp() - interval '1 second'"
-        " WHERE scope = $1 AND key = $2",
-        scope,
-        key,
+    scope, key = await _claim_left_behind(
+        services,
+        "created_at = clock_timestamp() - interval '1 minute',"
+        " locked_until = clock_timestamp() - interval '1 second'",
     )
 
     table = await cli(*_list_argv(services, scope))
