@@ -384,9 +384,10 @@ def _relay_parser(commands: _Subparsers, with_store: _WithStore) -> None:
     relay.add_argument(
         "--timeout",
         type=_positive,
-        default=10.0,
+        default=None,
         metavar="SECONDS",
-        help="deadline of each delivery call (default: %(default)s)",
+        help="deadline of each delivery call, at most half of --lease (default: 10, or half of"
+        " --lease if that is less)",
     )
     relay.add_argument(
         "--tls-ca",
@@ -712,6 +713,13 @@ def _check_relay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"--max-backoff ({args.max_backoff:g}) must not be smaller than"
             f" --initial-backoff ({args.initial_backoff:g})"
         )
+    if args.timeout is not None and args.timeout > args.lease / 2:
+        # Each delivery gets at most half the lease (so that its batch is marked within it):
+        # a longer --timeout was cut to that, silently, and calls were cancelled before it.
+        parser.error(
+            f"--timeout ({args.timeout:g}) is more than half of --lease ({args.lease:g}), the"
+            f" most a delivery gets: raise --lease to at least {2 * args.timeout:g}"
+        )
     if not args.grpc_target.strip():
         # `--grpc-target "$UNSET"`: the relay started, said it was ready, and every delivery
         # failed, so every row was dead-lettered.
@@ -928,11 +936,12 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
     def metadata_for(message: OutboxMessage) -> list[tuple[str, str | bytes]]:
         return headers + (list(scope(message)) if scope is not None else [])
 
+    timeout = args.timeout if args.timeout is not None else min(10.0, args.lease / 2)
     sink = GrpcSink(
         channel,
         args.method,
         metadata_for=metadata_for,
-        timeout=args.timeout,
+        timeout=timeout,
         permanent_codes=DEFAULT_PERMANENT_CODES | set(args.dead_letter_on),
     )
     announced = False
@@ -980,7 +989,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         lease=args.lease,
         poll_interval=args.poll_interval,
         sent_retention=None if args.sent_retention < 0 else args.sent_retention,
-        delivery_timeout=min(args.timeout + 1.0, args.lease / 2),
+        delivery_timeout=min(timeout + 1.0, args.lease / 2),
         name=args.name,
         on_listening=ready,
         listen=not args.no_listen,

@@ -119,6 +119,10 @@ NOT_PEM = os.devnull  # a file that holds no PEM
         (["--initial-backoff", "10", "--max-backoff", "1"],
          "--max-backoff (1) must not be smaller than --initial-backoff (10)"),
         (["--grpc-target", " "], "--grpc-target is empty (an unset variable?): give HOST:PORT"),
+        # Cut to half the lease without a word, and each call cancelled before its deadline.
+        (["--lease", "10", "--timeout", "6"],
+         "--timeout (6) is more than half of --lease (10), the most a delivery gets: raise"
+         " --lease to at least 12"),
         (["--scope-header", "x-t", "--header", "x-t=a"], "--header x-t is also the --scope-header"),
         (["--method", "bad"], "--method: method must look like /package.Service/Method, not 'bad'"),
         (["--scope-header", "x-t-bin"],
