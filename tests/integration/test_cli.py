@@ -885,6 +885,34 @@ EXPIRED_SENT = (
 )
 
 
+async def purge_signalled_while_waiting(
+    dsn: str, store: Any, table: str, argv: list[str], sig: signal.Signals
+) -> tuple[asyncio.subprocess.Process, bytes, bytes]:
+    """The purge command ``argv`` run until one of its DELETEs on ``table`` waits on a lock the
+    test holds, then sent ``sig``: the finished process, its stdout and stderr. Returns once the
+    DELETE's backend is gone, the lock still held: the statement was stopped, not left waiting."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "grpc_idempotency.cli", *argv, "--dsn", dsn,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+
+        async def waiting_on_the_lock() -> int | None:
+            assert proc.returncode is None, "the purge ended before it waited"
+            return await delete_waiting_on_a_lock(store.pool, table)
+
+        pid = await until("the purge's DELETE waiting on the lock", waiting_on_the_lock, 30)
+        proc.send_signal(sig)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        await until("the purge's backend to exit", lambda: backend_gone(store.pool, pid), 10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return proc, out, err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("command", ["purge", "outbox purge-sent"])
 async def test_an_interrupted_purge_rolls_its_batch_back_says_so_and_exits_128_plus_the_signal(
@@ -913,27 +941,11 @@ async def test_an_interrupted_purge_rolls_its_batch_back_says_so_and_exits_128_p
         tx = db.transaction()
         await tx.start()
         await db.execute(lock)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "grpc_idempotency.cli", *argv, "--dsn", pg_dsn,
-            "--schema", s.schema,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
         try:
-
-            async def waiting_on_the_lock() -> int | None:
-                assert proc.returncode is None, "the purge ended before it waited"
-                return await delete_waiting_on_a_lock(s.pool, table)
-
-            pid = await until("the purge's DELETE waiting on the lock", waiting_on_the_lock, 30)
-            proc.send_signal(sig)
-            out, err = await asyncio.wait_for(proc.communicate(), 60)
-            # With the lock still held: the statement was stopped, not left waiting for it.
-            await until("the purge's backend to exit", lambda: backend_gone(s.pool, pid), 10)
+            proc, out, err = await purge_signalled_while_waiting(
+                pg_dsn, s, table, [*argv, "--schema", s.schema], sig
+            )
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
             await tx.rollback()
         name = "interrupted" if sig == signal.SIGINT else "terminated"
         assert (proc.returncode, err.decode()) == (128 + sig, f"grpc-idempotency: {name}\n")
@@ -983,26 +995,12 @@ async def test_an_interrupted_outbox_purge_says_what_its_committed_batches_purge
         )
         await s.pool.execute(GATE.format(schema=f'"{s.schema}"'))
         await db.execute("SELECT pg_advisory_lock(4242)")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "grpc_idempotency.cli", "outbox", command,
-            "--older-than", "3600", "--batch-size", "2", "--dsn", pg_dsn, "--schema", s.schema,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+        argv = ["outbox", command, "--older-than", "3600", "--batch-size", "2"]
         try:
-
-            async def waiting_on_the_gate() -> int | None:
-                assert proc.returncode is None, "the purge ended before it waited"
-                return await delete_waiting_on_a_lock(s.pool, table)
-
-            pid = await until("the third batch waiting on the gate", waiting_on_the_gate, 30)
-            proc.send_signal(signal.SIGINT)
-            out, err = await asyncio.wait_for(proc.communicate(), 60)
-            await until("the purge's backend to exit", lambda: backend_gone(s.pool, pid), 10)
+            proc, out, err = await purge_signalled_while_waiting(
+                pg_dsn, s, table, [*argv, "--schema", s.schema], signal.SIGINT
+            )
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
             await db.execute("SELECT pg_advisory_unlock(4242)")
         assert (proc.returncode, err.decode()) == (130, "grpc-idempotency: interrupted\n")
         # Both committed batches, summed (not the last one's alone).
