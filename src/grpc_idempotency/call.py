@@ -115,6 +115,8 @@ class IdempotentCall:
         """When the operation began: this attempt, or the earlier one it took over (phased mode,
         on the database's clock). Child keys use the steps declared then."""
         self._outbox = outbox
+        self._enqueuing: asyncio.Lock | None = None
+        """Held by ``enqueue`` while its statements run (made at the first enqueue)."""
         self._connection = connection
         self._open_final = open_final
         self._opening: asyncio.Future[PooledConnection] | None = None
@@ -265,16 +267,24 @@ class IdempotentCall:
         conn = await self.transaction()
         if self._outbox is None:
             raise NotInIdempotentCall(f"{self.method}: this call cannot enqueue outbox messages")
-        await self._outbox(
-            conn,
-            scope=self.scope,
-            key=key,
-            step=chosen.name,
-            parent_key=self.key,
-            method=self.method,
-            payload_type=message.DESCRIPTOR.full_name,
-            payload=message.SerializeToString(deterministic=True),
-        )
+        # One enqueue at a time on the call's one connection: gathered enqueues (two outbox
+        # steps at once) sent their statements together, asyncpg refused the second ("another
+        # operation is in progress"), and the call failed as the handler misusing its
+        # connection, which it never touched.
+        if self._enqueuing is None:
+            self._enqueuing = asyncio.Lock()
+        async with self._enqueuing:
+            self._check_open()  # the call may have ended while this one waited its turn
+            await self._outbox(
+                conn,
+                scope=self.scope,
+                key=key,
+                step=chosen.name,
+                parent_key=self.key,
+                method=self.method,
+                payload_type=message.DESCRIPTOR.full_name,
+                payload=message.SerializeToString(deterministic=True),
+            )
         return key
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:

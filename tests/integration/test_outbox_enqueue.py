@@ -262,3 +262,19 @@ async def test_a_call_served_without_a_key_cannot_enqueue(store: Store) -> None:
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
     assert answer.reason() == "IDEMPOTENCY_NO_CURRENT_CALL"
     assert await ledger_rows(store, account) == 0
+
+
+async def test_outbox_steps_enqueued_at_once_both_commit(store: Store) -> None:
+    """``asyncio.gather`` of two enqueues (two outbox steps, as gathered downstream steps are
+    written): their statements met on the call's one connection, asyncpg refused the second
+    ("another operation is in progress"), and the call failed INTERNAL as the handler misusing
+    its connection, which it never touched."""
+    steps = [Step(name="entry-posted.v1", outbox=True), Step(name="entry-audited.v1", outbox=True)]
+    overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        key = fresh()
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="event-gathered")
+        answer = await ledger.call(WITH_EVENT, request, key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    rows = await outbox_rows(store, key)
+    assert sorted(str(r["step"]) for r in rows) == ["entry-audited.v1", "entry-posted.v1"]

@@ -356,6 +356,12 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         step = {"undeclared-event": "undeclared.v1", "event-v2": "entry-posted.v2"}.get(
             request.behaviour, "entry-posted.v1"
         )
+        if request.behaviour == "event-gathered":  # two outbox steps enqueued at once
+            await asyncio.gather(
+                current_call().enqueue(step, response),
+                current_call().enqueue("entry-audited.v1", response),
+            )
+            return response
         await current_call().enqueue(step, response)
         if request.behaviour == "event-twice":  # the same message again: nothing new
             await current_call().enqueue(step, response)
