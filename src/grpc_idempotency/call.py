@@ -58,6 +58,14 @@ class Enqueue(Protocol):
 _savepoints = itertools.count(1)
 
 
+def _kind(value: object) -> str:
+    """What ``value`` is, for an error: a class is named as one (a message's class given for an
+    instance of it)."""
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    return type(value).__name__
+
+
 def _discard(given: object, off_loop: asyncio.AbstractEventLoop | None = None) -> None:
     """What ``IdempotentCall.run`` refuses, never to run: a coroutine closed (not reported "never
     awaited"); a gRPC call object (``stub.Method(...)``, which has no ``close()``: its
@@ -255,6 +263,15 @@ class IdempotentCall:
         the call's transaction (phased mode: the final one, opened if need be). Returns the
         message's key: the step's child key. The same message enqueued again adds nothing; a
         different one under that key raises ``OutboxKeyReused`` (``Store.enqueue``)."""
+        if not isinstance(step, str) or not isinstance(message, Message):
+            # Else a Python error of its own, out of the middle of the enqueue: bytes or a dict
+            # as the message gave "no attribute 'DESCRIPTOR'", the message's class "unbound
+            # method ... needs an argument", a step that is no str "has no len()".
+            raise TypeError(
+                f"{self.method}: enqueue(step, message) takes the outbox step's name (a str)"
+                " and a protobuf message instance, not"
+                f" ({type(step).__name__}, {_kind(message)})"
+            )
         if self.key is None or self.scope is None:
             raise NotInIdempotentCall(
                 f"{self.method}: only a keyed call can enqueue outbox messages"

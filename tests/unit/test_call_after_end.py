@@ -1,18 +1,21 @@
 """``IdempotentCall.run`` from a sync handler's thread once the call is over and the server's loop
 is gone (a server run and closed by hand, as grpc's examples do): refused with the library's
-error, the statement never handed to the closed loop."""
+error, the statement never handed to the closed loop. And ``IdempotentCall.enqueue`` given what
+is no step name or message, refused before anything is written."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 from collections.abc import Generator
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from google.protobuf import empty_pb2
 
 from grpc_idempotency.call import IdempotentCall
 from grpc_idempotency.core.errors import NotInIdempotentCall
+from grpc_idempotency.core.policy import Step
 
 
 def test_a_statement_after_the_call_ended_and_its_loop_closed_is_refused() -> None:
@@ -157,3 +160,34 @@ def test_a_grpc_call_refused_once_its_loop_is_closed_is_left_alone() -> None:
     loop.close()
     with pytest.raises(NotInIdempotentCall, match="the call is over"):
         call.run(given)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [("entry-posted.v1", b"raw"), ("entry-posted.v1", empty_pb2.Empty), (5, empty_pb2.Empty())],
+    ids=["bytes", "message-class", "step-not-str"],
+)
+def test_enqueue_refuses_what_is_no_step_name_or_message_with_its_own_error(
+    step: Any, message: Any
+) -> None:
+    """Given bytes, a message's class or an int step, ``enqueue`` failed with Python's own error
+    from inside ("no attribute 'DESCRIPTOR'", "unbound method ... needs an argument", "has no
+    len()"), which the client got as its UNKNOWN status's text."""
+
+    async def outbox(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("enqueued")
+
+    async def enqueue() -> None:
+        call = IdempotentCall(
+            "/testsvc.v1.LedgerService/PostWithEvent",
+            "tenant:a",
+            "k1",
+            asyncio.get_running_loop(),
+            cast(Any, object()),  # a transaction's connection, never used
+            steps=(Step(name="entry-posted.v1", outbox=True),),
+            outbox=outbox,
+        )
+        await call.enqueue(step, message)
+
+    with pytest.raises(TypeError, match=r"takes the outbox step's name \(a str\) and a protobuf"):
+        asyncio.run(enqueue())
