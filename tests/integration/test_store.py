@@ -582,6 +582,20 @@ async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
         await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
 
 
+async def test_a_pool_of_one_needs_no_min_size(pg_dsn: str) -> None:
+    """``max_size=1`` alone was refused by asyncpg as "min_size is greater than max_size": the
+    default ``min_size`` was a fixed 2, an option the caller never gave. A ``min_size`` the
+    caller does give above ``max_size`` is still refused."""
+    store = await Store.connect(pg_dsn, max_size=1, check_schema=False)
+    try:
+        assert store.pool.get_max_size() == 1
+        assert store.pool.get_min_size() == 1
+    finally:
+        await store.close()
+    with pytest.raises(ValueError, match="min_size"):
+        await Store.connect(pg_dsn, min_size=3, max_size=1, check_schema=False)
+
+
 class _VaultSealed(Exception):
     pass
 

@@ -565,6 +565,9 @@ def _own_password(password: Callable[[], Any]) -> Callable[[], Coroutine[Any, An
     return own
 
 
+_DEFAULT_MIN_SIZE = 2
+
+
 def _checked_pool_size(name: str, value: object) -> None:
     # asyncpg checks the values, not the type: text (from the environment) was a bare
     # "'<' not supported between instances of 'str' and 'int'", naming no option.
@@ -672,7 +675,7 @@ class Store:
         dsn: str,
         *,
         schema: str = DEFAULT_SCHEMA,
-        min_size: int = 2,
+        min_size: int | None = None,
         max_size: int = 10,
         acquire_timeout: float | None = None,
         command_timeout: float | None = _DEFAULT_COMMAND_TIMEOUT_S,
@@ -683,6 +686,8 @@ class Store:
         **pool_options: Any,
     ) -> Store:
         """Opens a pool for the store (and for handlers' writes, which share its transaction).
+
+        ``min_size`` (connections kept open) is 2, or ``max_size`` if that is smaller.
 
         ``acquire_timeout`` bounds the wait for a pooled connection; a call's own deadline always
         does. ``None`` (the default) waits as long as the call may, without arming a timer when
@@ -715,8 +720,12 @@ class Store:
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
         _checked_schema(schema)
-        _checked_pool_size("min_size", min_size)
         _checked_pool_size("max_size", max_size)
+        if min_size is None:
+            # Not a fixed 2: ``max_size=1`` alone was refused by asyncpg as "min_size is greater
+            # than max_size", naming an option the caller never gave.
+            min_size = min(_DEFAULT_MIN_SIZE, max_size)
+        _checked_pool_size("min_size", min_size)
         _checked_seconds("command_timeout", command_timeout)
         _checked_probe_timeout(probe_timeout)
         _checked_seconds("timeout", pool_options.get("timeout"))
