@@ -4,6 +4,7 @@ whatever the stage, the key is left completed or released, never claimed for its
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from datetime import timedelta
 from typing import Any
@@ -32,6 +33,7 @@ from tests.support.ledger import (
     write_row,
 )
 from tests.support.waiting import until
+from tests.support.wire import call_raw
 
 POST = "/testsvc.v1.LedgerService/Post"
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
@@ -326,3 +328,42 @@ async def test_a_call_cancelled_while_a_given_up_final_transaction_opens_release
         ("released", unavailable.value[0]): 1,  # the first attempt
         ("released", cancelled.value[0]): 1,  # the cancellation passed on, not swallowed
     }
+
+
+class _StrayCancel(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Writes, then lets out a CancelledError that is not its call's: a task it awaited was
+    cancelled by something else (a sync handler: the concurrent.futures one)."""
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        await write_row(request)
+        other = asyncio.ensure_future(asyncio.Event().wait())
+        await asyncio.sleep(0)  # started
+        other.cancel()
+        await other  # raises CancelledError: ``other``'s, not this task's
+        return testsvc_pb2.PostResponse()
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        return await self.Post(request, context)
+
+    def PostSync(self, request: Any, context: Any) -> Any:
+        raise concurrent.futures.CancelledError()
+
+
+@pytest.mark.parametrize("method", ["Post", "PostPhased", "PostSync"])
+async def test_a_handler_letting_out_another_tasks_cancellation_is_answered_at_once(
+    store: Store, method: str
+) -> None:
+    """grpc.aio takes any CancelledError out of a handler for its call's cancellation and sends
+    no status: the client waited until its deadline (for ever without one). Answered UNKNOWN at
+    once instead, as any raise, with the writes rolled back and the key released."""
+    key, account = fresh(), fresh("acct")
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+    request = testsvc_pb2.PostRequest(account=account, amount=1)
+    async with ledger_server(interceptor, _StrayCancel()) as (channel, _):
+        for _ in range(2):  # released: the retry runs again, and is answered the same
+            answer = await call_raw(
+                channel, f"/testsvc.v1.LedgerService/{method}", request, metadata(key), 10
+            )
+            assert answer.code is grpc.StatusCode.UNKNOWN, answer
+            assert "CancelledError" in str(answer.details) and not answer.replayed
+    assert await ledger_rows(store, account) == 0

@@ -1106,6 +1106,29 @@ class IdempotencyInterceptor(_Interceptor):
                 )
                 for callback in context.callbacks:  # as grpc.aio runs a sync handler's
                     callback()
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this call's own: its client gone, its deadline, a stop, a lost lease
+            # A CancelledError that cancelled nothing here: a task the handler awaited was
+            # cancelled elsewhere (or a sync handler's concurrent.futures one, which asyncio
+            # hands back as its own). grpc.aio takes any for the call's cancellation and sends
+            # no status: the client waited until its deadline, for ever without one. Answered
+            # as any other raise is (UNKNOWN, the key released).
+            if context.aborted is not None:
+                raise context.aborted from None
+            log.error(
+                "%s: the handler raised CancelledError, but its call was not cancelled;"
+                " answering UNKNOWN, the key released",
+                call.policy.method,
+                exc_info=exc,
+            )
+            raise DeferredAbort(
+                grpc.StatusCode.UNKNOWN,
+                "the handler raised CancelledError without its call being cancelled; see the"
+                " server's log",
+                (),
+            ) from exc
         except Exception as exc:
             aborted = context.aborted
             if aborted is not None and aborted is not exc:
