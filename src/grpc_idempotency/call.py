@@ -380,7 +380,14 @@ class _Savepoint:
         if exc_type is None:
             await self._conn.execute(f"RELEASE SAVEPOINT {self._name}")
         else:
-            await self._conn.execute(f"ROLLBACK TO SAVEPOINT {self._name}")
+            # Released too, in the same round trip: rolled back to, a savepoint stays open, and
+            # every later one nested inside it. A handler catching failures in a loop then ran
+            # its next write that many subtransactions deep, taking an id per level: past 64,
+            # the session's subtransaction cache overflowed, which slows every snapshot on the
+            # server (and its replicas) while the transaction lasts.
+            await self._conn.execute(
+                f"ROLLBACK TO SAVEPOINT {self._name}; RELEASE SAVEPOINT {self._name}"
+            )
 
 
 _current: contextvars.ContextVar[IdempotentCall] = contextvars.ContextVar("grpc_idempotency_call")
