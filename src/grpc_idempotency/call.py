@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import inspect
 import itertools
 import threading
 import time
@@ -124,6 +125,7 @@ class IdempotentCall:
         on the database's clock). Child keys use the steps declared then."""
         self._outbox = outbox
         self._enqueuing: asyncio.Lock | None = None
+        self._enqueued: list[tuple[str, Coroutine[Any, Any, str]]] | None = None
         """Held by ``enqueue`` while its statements run (made at the first enqueue)."""
         self._connection = connection
         self._open_final = open_final
@@ -258,11 +260,15 @@ class IdempotentCall:
         self._connection = await asyncio.shield(self._opening)
         return self._connection
 
-    async def enqueue(self, step: str, message: Message) -> str:
+    def enqueue(self, step: str, message: Message) -> Coroutine[Any, Any, str]:
         """Puts ``message`` in the transactional outbox as the declared outbox step ``step``, in
         the call's transaction (phased mode: the final one, opened if need be). Returns the
         message's key: the step's child key. The same message enqueued again adds nothing; a
-        different one under that key raises ``OutboxKeyReused`` (``Store.enqueue``)."""
+        different one under that key raises ``OutboxKeyReused`` (``Store.enqueue``).
+
+        A coroutine, to await (``call.run(call.enqueue(...))`` in a sync handler). One never
+        awaited fails the call (``HandlerDatabaseError``, nothing committed): it committed the
+        handler's writes without the message, lost with only Python's "never awaited" warning."""
         if not isinstance(step, str) or not isinstance(message, Message):
             # Else a Python error of its own, out of the middle of the enqueue: bytes or a dict
             # as the message gave "no attribute 'DESCRIPTOR'", the message's class "unbound
@@ -272,6 +278,25 @@ class IdempotentCall:
                 " and a protobuf message instance, not"
                 f" ({type(step).__name__}, {_kind(message)})"
             )
+        enqueued = self._enqueue(step, message)
+        if self._enqueued is None:
+            self._enqueued = []
+        # Kept to check, as the call ends, that each was awaited (``unawaited_enqueues``).
+        # Appended on the loop, or on a sync handler's thread (list.append is atomic).
+        self._enqueued.append((step, enqueued))
+        return enqueued
+
+    def unawaited_enqueues(self) -> list[str]:
+        """The steps of ``enqueue`` coroutines never started, closed now (the driver fails the
+        call rather than commit without their messages)."""
+        steps = []
+        for step, enqueued in self._enqueued or ():
+            if inspect.getcoroutinestate(enqueued) == inspect.CORO_CREATED:
+                enqueued.close()
+                steps.append(step)
+        return steps
+
+    async def _enqueue(self, step: str, message: Message) -> str:
         if self.key is None or self.scope is None:
             raise NotInIdempotentCall(
                 f"{self.method}: only a keyed call can enqueue outbox messages"

@@ -278,3 +278,20 @@ async def test_outbox_steps_enqueued_at_once_both_commit(store: Store) -> None:
     assert answer.code is grpc.StatusCode.OK, answer.details
     rows = await outbox_rows(store, key)
     assert sorted(str(r["step"]) for r in rows) == ["entry-audited.v1", "entry-posted.v1"]
+
+
+async def test_an_enqueue_never_awaited_fails_the_call_instead_of_losing_its_message(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """``call.enqueue(...)`` without ``await`` (or, in a sync handler, without ``call.run``)
+    made a coroutine that never ran: the call committed OK with its write and no message, every
+    retry replayed it, and the event was never sent (Python's "never awaited" warning aside)."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=5, behaviour="event-not-awaited")
+    for _ in range(2):  # the retry runs it again: nothing was recorded
+        answer = await ledger.call(WITH_EVENT, request, key)
+        assert answer.code is grpc.StatusCode.INTERNAL, answer.details
+        assert answer.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
+        assert "'entry-posted.v1' was never awaited" in (answer.details or "")
+    assert await ledger_rows(store, account) == 0
+    assert await outbox_rows(store, key) == []

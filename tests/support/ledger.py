@@ -356,6 +356,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         step = {"undeclared-event": "undeclared.v1", "event-v2": "entry-posted.v2"}.get(
             request.behaviour, "entry-posted.v1"
         )
+        if request.behaviour == "event-not-awaited":  # a forgotten await: the message is lost
+            current_call().enqueue(step, response)  # type: ignore[unused-coroutine]
+            return response
         if request.behaviour == "event-gathered":  # two outbox steps enqueued at once
             await asyncio.gather(
                 current_call().enqueue(step, response),

@@ -891,6 +891,13 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(
                 context, misuse or LeaseLost("the lease ran out and another attempt took over")
             )
+        unawaited = serving.unawaited_enqueues()
+        if unawaited:
+            # Committed, the outcome would say done without the message: every retry replays
+            # it, and the event is never sent. Released instead, as for a failed statement.
+            call.outcome = CallOutcome.RELEASED
+            misuse = await self._release(tx, claim)
+            await answers.abort(context, misuse or _enqueue_not_awaited(policy.method, unawaited))
         return await self._finish(call, response, aborted, fingerprint, executed, tx, claim)
 
     async def _finish(
@@ -1415,6 +1422,14 @@ async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
     except asyncio.CancelledError:
         await asyncio.wait([task])  # cancelled again: the background finishes it
         raise
+
+
+def _enqueue_not_awaited(method: str, steps: list[str]) -> HandlerDatabaseError:
+    return HandlerDatabaseError(
+        f"{method}: the handler's enqueue of {', '.join(map(repr, steps))} was never awaited"
+        " (`await call.enqueue(...)`; in a sync handler `call.run(call.enqueue(...))`); nothing"
+        " was committed, or its message would have been lost"
+    )
 
 
 async def _end(serving: call_context.IdempotentCall) -> None:
