@@ -10,6 +10,7 @@ import grpc
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store
+from grpc_idempotency.core.fingerprint import Fingerprinter
 from tests.support.ledger import (
     RunningLedger,
     fresh,
@@ -195,6 +196,43 @@ async def test_a_mutated_duplicate_waiting_before_a_phased_claim_is_refused_when
         ledger.service.release.set()
         assert (await owner).code is grpc.StatusCode.OK
     assert ledger.service.executions == 1
+
+
+async def test_a_mutated_duplicate_of_an_atomic_takeover_is_refused_at_once_on_every_replica(
+    store: Store,
+) -> None:
+    """An atomic attempt that takes over a claim left in progress (its lease over) leaves that
+    claim visible (README, "running key, different fingerprint"): another replica refuses
+    another request KEY_REUSED at once. The owner's own replica kept it waiting on its local
+    owner for max_wait, then answered ABORTED KEY_IN_PROGRESS, a retry hint for a request
+    that can never run."""
+    key, account = fresh(), fresh("acct")
+    running = testsvc_pb2.PostRequest(account=account, behaviour="wait")
+    fingerprint = Fingerprinter.for_method(POST, testsvc_pb2.PostRequest.DESCRIPTOR)(running)
+    await store.pool.execute(  # a crashed phased owner's claim (before a deploy made it atomic)
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+        " fencing_token, locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 7,"
+        " clock_timestamp() - interval '1 second', clock_timestamp() + interval '1 hour')",
+        "tenant:tenant-a",
+        key,
+        POST,
+        fingerprint,
+    )
+    async with running_ledger(store) as ledger, running_ledger(store) as other:
+        owner = asyncio.ensure_future(ledger.call(POST, running, key))
+        await ledger.service.started.wait()  # taken over, and its handler running
+        mutated = testsvc_pb2.PostRequest(account=account, amount=9)
+        for replica in (other, ledger):
+            answer = await replica.call(POST, mutated, key)
+            assert (answer.code, answer.reason()) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "IDEMPOTENCY_KEY_REUSED",
+            ), (replica is ledger, answer)
+            assert not owner.done()
+        ledger.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
 
 
 async def test_duplicates_across_two_servers_execute_once(store: Store) -> None:

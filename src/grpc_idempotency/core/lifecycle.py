@@ -341,6 +341,19 @@ def cut_short_outcome(executed: CallOutcome, *, commit_sent: bool) -> CallOutcom
     return executed if commit_sent else CallOutcome.RELEASED
 
 
+def claim_visible(*, phased: bool, claiming: Phase) -> bool:
+    """Whether the claim a call just won (from ``claiming``, the claiming phase) may be seen by
+    other attempts, whose requests it refuses (``decide``: MISMATCH): a local duplicate of
+    another request must then be checked against the record too, as on any other replica, not
+    kept waiting on the owner until its wait runs out (ABORTED, a retry hint for a request
+    that can never run). A phased claim is committed. An atomic one that took a claim left in
+    progress over (TAKING_OVER) leaves that row visible, with this request's fingerprint,
+    until it commits; one made without a look (CLAIMING_BLIND) may have done so unseen. Only an
+    atomic claim after a look that found nothing live (CLAIMING) is invisible. A hint: the
+    driver asks the record before refusing."""
+    return phased or claiming is not Phase.CLAIMING
+
+
 def executed_outcome(phase: Phase) -> CallOutcome:
     """How a call that ran its handler from ``phase`` (the claiming phase) is counted."""
     return CallOutcome.TAKEN_OVER if phase is Phase.TAKING_OVER else CallOutcome.EXECUTED

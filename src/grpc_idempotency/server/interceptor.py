@@ -68,6 +68,7 @@ from grpc_idempotency.core.lifecycle import (
     StoredRecord,
     begin_event,
     budget_event,
+    claim_visible,
     cut_short_outcome,
     executed_outcome,
     final_store_failure,
@@ -720,8 +721,11 @@ class IdempotencyInterceptor(_Interceptor):
                     step, phase = transition(phase, won)
                     if step is Step.EXECUTE:
                         assert claim is not None
-                        if phased:
-                            owned.claim(fingerprint)  # committed: other attempts see it
+                        if claim_visible(phased=phased, claiming=claiming):
+                            # Other attempts may see it (phased: committed; atomic: a takeover
+                            # leaves the row visible), and refuse another request at once: a
+                            # local duplicate of one is refused too (``_refused_by_claim``).
+                            owned.claim(fingerprint)
                         executed = executed_outcome(claiming)
                         # Child keys follow the steps declared when the operation began
                         # (propagation.choose_step), on every attempt: a phased claim knows when,
@@ -1468,8 +1472,9 @@ class _Owner:
         self._waiters: dict[asyncio.Future[_Shared | None], bytes] = {}
         self.claimed: bytes | None = None
         """The fingerprint of the owner's claim once other attempts can see it (a phased claim,
-        committed, or another replica's the owner polls): a duplicate with another fingerprint
-        is then refused, not kept waiting. Set by ``claim``."""
+        committed, an atomic takeover of a claim left in progress, or another replica's the
+        owner polls: ``core.lifecycle.claim_visible``): a duplicate with another fingerprint is
+        then refused, if the record says so, not kept waiting. Set by ``claim``."""
         self.retry_after_ms = retry_after_ms(None)
         """The retry hint of the owner's last poll for an attempt elsewhere (``_Busy``): a
         duplicate whose wait on the owner runs out first is told what the owner would be."""
