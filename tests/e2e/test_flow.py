@@ -32,13 +32,14 @@ from examples.checkout.service import records_schema
 from grpc_idempotency import KEY_HEADER, REPLAYED_HEADER, child_key
 from grpc_idempotency.client import IdempotencyClientInterceptor, capture_keys, channel_options
 from tests.e2e import tenants
-from tests.e2e.procs import SIGKILLED, Processes, ServiceProcess
+from tests.e2e.procs import SIGKILLED, Processes, ServiceProcess, free_port
 from tests.e2e.services import CHARGE, start_downstream
 from tests.e2e.tenants import Tenant
 from tests.support.waiting import until
 
 # isort: split
-from checkout.v1 import orders_pb2, orders_pb2_grpc  # importable only once examples.checkout.gen is
+# importable only once examples.checkout.gen is
+from checkout.v1 import orders_pb2, orders_pb2_grpc, payments_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -47,6 +48,7 @@ SEND_EMAIL = "/checkout.v1.NotificationService/SendEmail"
 CHARGE_STEP = "charge-card.v1"
 EMAIL_STEP = "send-confirmation.v1"
 ORDERS_RECORDS = records_schema("orders")
+PAYMENTS_RECORDS = records_schema("payments")
 DETAILS_TRAILER = "grpc-status-details-bin"
 CALL_TIMEOUT_S = 15.0
 
@@ -418,6 +420,124 @@ async def test_kill_between_charge_and_order_then_retry_after_lease_charges_once
     assert record is not None and record["fencing_token"] == 2, record
     # Both runs sent the same child keys; payments and notifications replayed the second.
     await assert_child_keys(db, order, runs=2)
+
+
+async def place_until_answered(target: str, order: Order) -> Placed:
+    """Places ``order`` as a client that retries UNAVAILABLE would: OrderService's channel to a
+    downstream that was just restarted may still be waiting to connect again (gRPC's reconnect
+    backoff), and the attempt then fails UNAVAILABLE with the key released. Bounded."""
+    for _ in range(20):
+        try:
+            return await place(target, order)
+        except grpc.aio.AioRpcError as err:
+            if err.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise
+    pytest.fail(f"PlaceOrder of {order.order_id} still UNAVAILABLE after 20 attempts")
+
+
+async def test_payments_killed_after_its_commit_then_the_retry_replays_the_charge(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """The downstream's lost answer: payments commits the charge of PlaceOrder's child call and
+    dies (kill -9) before answering it. PlaceOrder sees UNAVAILABLE, passes it on and releases
+    its key; the retry runs the handler again, and its Charge, with the same child key, reaches
+    the restarted payments, which replays the committed charge: charged once, not twice."""
+    order = Order()
+    port = free_port()  # the restarted payments must be where OrderService's channel points
+    point = "after_commit_before_response"
+    doomed = await procs.payments(pg_dsn, port, failpoints=f"{point}=crash")
+    orders = await start_orders(procs, pg_dsn, Downstream(port, downstream.notifications))
+
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await place(orders.address, order)
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE, failed.value
+    assert await doomed.wait() == SIGKILLED, doomed.logs()
+    assert f"failpoint {point}=crash" in doomed.stderr_path.read_text(), doomed.logs()
+
+    # Charged (committed with payments' record of the child key), no email, no order; the
+    # order's key released at once, not left in progress for its lease.
+    done = await effects(db, order)
+    assert (len(done.charges), done.emails, done.orders) == (1, [], []), done
+    child = await db.fetchrow(
+        f"SELECT state, response FROM {PAYMENTS_RECORDS}.records WHERE scope = $1 AND key = $2",
+        order.scope,
+        order.child(CHARGE_STEP),
+    )
+    assert child is not None and child["state"] == "completed", child
+    record = await record_of(db, order)
+    assert record is not None and record["state"] == "in_progress", record
+    assert record["lease_expired"], record
+
+    await procs.payments(pg_dsn, port)
+    placed = await place_until_answered(orders.address, order)
+
+    assert not placed.replayed  # OrderService ran again ...
+    await assert_once_each(db, order, placed)  # ... and payments replayed the lost answer
+    assert placed.response.charge_id == done.charges[0]
+    charged = payments_pb2.ChargeResponse.FromString(bytes(child["response"]))
+    assert charged.charge_id == done.charges[0]
+    called = await assert_child_keys(db, order, runs=1)
+    assert called.charges >= 2, called  # the killed call, then the retry's (replayed)
+
+
+async def charge_open(db: asyncpg.Connection) -> int | None:
+    """The backend of a payments attempt inside its transaction, its charge written and not
+    committed (its library connection idle in transaction after the INSERT), if there is one."""
+    pid: int | None = await db.fetchval(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'grpc-idempotency'"
+        " AND state = 'idle in transaction' AND query LIKE 'INSERT INTO payments.charges%'"
+    )
+    return pid
+
+
+async def test_orders_killed_while_its_charge_is_uncommitted_then_the_takeover_charges_once(
+    pg_dsn: str, procs: Processes, db: asyncpg.Connection, downstream: Downstream
+) -> None:
+    """OrderService dies (kill -9) while its child Charge sits in payments' open transaction,
+    the charge written, not committed. The orphaned downstream attempt is cancelled with its
+    caller's connection and rolls back; the retry, once the dead owner's lease runs out, takes
+    the order over and its Charge, with the same child key, charges once."""
+    order = Order()
+    # Payments holds each charge uncommitted for a while: the window to kill the caller in.
+    slow = await procs.payments(pg_dsn, 0, failpoints="before_commit=sleep:1000")
+    assert slow.port is not None
+    to_slow = Downstream(slow.port, downstream.notifications)
+    doomed, other = await asyncio.gather(
+        start_orders(procs, pg_dsn, to_slow, lease=1),
+        start_orders(procs, pg_dsn, to_slow, lease=1),
+    )
+    async with grpc.aio.insecure_channel(doomed.address) as channel:
+        call = _start_place(channel, order, CALL_TIMEOUT_S)
+        backend = await until(
+            "the charge written in payments' open transaction", lambda: charge_open(db)
+        )
+        doomed.kill()
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await call
+        assert failed.value.code() is grpc.StatusCode.UNAVAILABLE, failed.value
+    assert await doomed.wait() == SIGKILLED, doomed.logs()
+
+    # Payments' attempt ends with its caller gone (gRPC cancels it; the interceptor rolls back
+    # and releases the child key): nothing charged. The order's claim outlives its owner until
+    # the lease runs out.
+    async def orphan_over() -> bool:
+        state: str | None = await db.fetchval(
+            "SELECT state FROM pg_stat_activity WHERE pid = $1", backend
+        )
+        # Idle again (or gone), not merely "active": a COMMIT on the wire is active too.
+        return state in (None, "idle")
+
+    await until("payments' orphaned attempt to end", orphan_over)
+    assert (await effects(db, order)).charges == []
+    await lease_expired(db, order)
+
+    placed = await place(other.address, order)
+
+    assert not placed.replayed
+    await assert_once_each(db, order, placed)
+    record = await record_of(db, order)
+    assert record is not None and record["fencing_token"] == 2, record
+    await assert_child_keys(db, order, runs=1)
 
 
 async def test_an_order_notifications_would_refuse_is_refused_before_the_card_is_charged(
