@@ -35,6 +35,7 @@ class BlackholeProxy:
         self._clients: list[asyncio.StreamWriter] = []
         self.partitioned = False
         self._failovers = 0
+        self._silenced = 0
         self._holding = False
         self._held: list[tuple[asyncio.StreamWriter, bytes]] = []
         self._hold_after: bytes | None = None
@@ -42,7 +43,9 @@ class BlackholeProxy:
         self.bytes_upstream = 0
         """Bytes delivered to PostgreSQL so far (what the client sent)."""
         self.bytes_dropped = 0
-        """Bytes read and dropped while partitioned, either way."""
+        """Bytes read and dropped while partitioned (or silenced), either way."""
+        self.accepted = 0
+        """Connections accepted so far (a client's reconnections show here)."""
         self.connect_delay = 0.0
         """Seconds a new connection waits before it is passed on (a slow connect: TLS, auth)."""
         self._corrupt: bytes | None = None
@@ -63,6 +66,13 @@ class BlackholeProxy:
     def blackhole(self) -> None:
         """From now on nothing passes, and new connections hang."""
         self.partitioned = True
+
+    def silence_open_connections(self) -> None:
+        """The connections open until now deliver nothing more, either way, for good (nothing
+        is closed or reset: a receiver frozen or gone behind a load balancer, NAT or firewall
+        state lost on the path); new connections pass as before. Neither end of an old one
+        notices on its own."""
+        self._silenced += 1
 
     def fail_over(self, *, ended: bool = False) -> None:
         """From now on the address leads to another host, as after a failover that moved a
@@ -134,6 +144,7 @@ class BlackholeProxy:
             # wait_closed() waiting for ever (a hang of the Python 3.13 job).
             client_w.transport.abort()
             return
+        self.accepted += 1
         self._writers.append(client_w)
         self._clients.append(client_w)
         if self.partitioned:
@@ -152,11 +163,14 @@ class BlackholeProxy:
             server_w.transport.abort()
             client_w.transport.abort()
             return
+        born = self._silenced
         pipes = [
             asyncio.ensure_future(
-                self._pipe(client_r, server_w, upstream=True, client=(client_w, self._failovers))
+                self._pipe(
+                    client_r, server_w, upstream=True, client=(client_w, self._failovers), born=born
+                )
             ),
-            asyncio.ensure_future(self._pipe(server_r, client_w)),
+            asyncio.ensure_future(self._pipe(server_r, client_w, born=born)),
         ]
         self._tasks.update(pipes)
         await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
@@ -169,13 +183,14 @@ class BlackholeProxy:
         writer: asyncio.StreamWriter,
         upstream: bool = False,
         client: tuple[asyncio.StreamWriter, int] | None = None,
+        born: int = 0,
     ) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while data := await reader.read(65536):
                 if client is not None and client[1] < self._failovers:
                     _reset(client[0])
                     break
-                if self.partitioned:
+                if self.partitioned or born < self._silenced:
                     self.bytes_dropped += len(data)
                     continue  # read and dropped: the peer's writes succeed, nothing arrives
                 if upstream:
