@@ -219,6 +219,16 @@ class GrpcSink:
     The response is dropped, but ``channel`` still refuses one over its receive limit (gRPC's
     default is 4 MiB) with RESOURCE_EXHAUSTED, a failed delivery of a message the receiver ran:
     give it ``options=[("grpc.max_receive_message_length", -1)]``, as the ``relay`` command does.
+    Nor does a channel without keepalive leave a connection whose receiver went silent (its host
+    gone, or the connection's state lost at a NAT or load balancer): every delivery goes out on
+    it and fails DEADLINE_EXCEEDED, a failure towards the dead letter each, for as long as it
+    stays open. The ``relay`` command's channel pings once half of ``timeout`` passes with
+    nothing read during a delivery, and closes the connection if the ping is not answered in the
+    other half: ``("grpc.keepalive_time_ms", half)``, ``("grpc.http2.ping_timeout_ms", half)``
+    (gRPC core waits that long for the answer; it does not apply ``grpc.keepalive_timeout_ms``)
+    and ``("grpc.keepalive_permit_without_calls", 0)`` (receivers' default policy counts pings
+    without calls as abuse: enough of them end the connection, GOAWAY ``too_many_pings``),
+    ``half`` in milliseconds.
     """
 
     def __init__(

@@ -1327,3 +1327,70 @@ async def test_output_that_cannot_be_written_is_one_line_and_exit_74(
         )
         status, err = await asyncio.to_thread(into_dev_full, *command, *database)
     assert (status, err) == (74, NO_SPACE)
+
+
+async def test_a_relay_leaves_a_connection_whose_receiver_went_silent_for_a_new_one(
+    pg_dsn: str,
+) -> None:
+    """A connection that stays open while nothing comes back on it (the receiver's host gone,
+    or the state of it lost at a NAT or load balancer on the way) is READY for gRPC: without
+    keepalive, every delivery went out on it and failed DEADLINE_EXCEEDED (still so 100 s on),
+    each a failure towards the row's dead letter, though a new connection reached a working
+    receiver. The relay's channel pings within half of --timeout once nothing is read during
+    a delivery, and closes the connection when the ping is not answered within the other
+    half: the delivery after it reconnects."""
+    import grpc
+
+    from tests.support.blackhole import BlackholeProxy
+
+    keys: list[str | bytes] = []
+
+    def accept(request: bytes, context: grpc.ServicerContext) -> bytes:
+        keys.append(dict(context.invocation_metadata())["idempotency-key"])
+        return b""
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("a.B", {"C": grpc.unary_unary_rpc_method_handler(accept)})]
+    )  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    proxy = BlackholeProxy(f"postgresql://u@127.0.0.1:{port}/x")  # TCP only: any protocol
+    await proxy.start()
+    timeout = 2.0
+    more = ["--timeout", f"{timeout:g}", "--lease", f"{2 * timeout:g}", "--poll-interval", "0.1",
+            "--initial-backoff", "0.1", "--max-backoff", "0.1"]  # fmt: skip
+    try:
+        async with fresh_store(pg_dsn, "relaysilent") as s:
+            proc = await relay_of_one_row(pg_dsn, s, proxy.port, *more)
+            try:
+                sent = (
+                    f'SELECT state, failures FROM "{s.schema}".outbox'
+                    " WHERE key = $1 AND state = 'sent'"
+                )
+                await until("the first row sent", lambda: s.pool.fetchrow(sent, "k"), 30)
+                proxy.silence_open_connections()
+                await s.pool.execute(
+                    f'INSERT INTO "{s.schema}".outbox (scope, key, step, parent_key, method,'
+                    " payload_type, payload) VALUES ('s', 'k2', 'e.v1', 'p2', '/x.Y/Z', 'x.E', '')"
+                )
+                started = time.monotonic()
+                # Its first delivery fails by its deadline (the ping sent within half of it,
+                # unanswered for the other half, closes the connection); the retry, due 0.1 s
+                # later, reconnects. Without keepalive the connection was still used at 100 s.
+                row = await until(
+                    "the second row sent through a new connection",
+                    lambda: s.pool.fetchrow(sent, "k2"),
+                    timeout=2 * timeout + 2.0,
+                )
+                took = time.monotonic() - started
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await proxy.close()
+        await server.stop(None)
+    assert proc.returncode == 0, err.decode()
+    assert keys == ["k", "k2"], (keys, took)
+    assert row["failures"] <= 1, dict(row)
+    assert proxy.accepted == 2, proxy.accepted  # one reconnection
