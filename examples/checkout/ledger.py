@@ -29,7 +29,7 @@ from examples.checkout.auth import TENANT_HEADER, Authenticator, bearer, relay_t
 from grpc_idempotency import PooledConnection, Store
 from grpc_idempotency.consumer import IdempotentConsumer, message_id_from_call
 from grpc_idempotency.core.outbox import DeliveryPolicy
-from grpc_idempotency.outbox import GrpcSink, Relay, forward_scope
+from grpc_idempotency.outbox import GrpcSink, Relay, forward_scope, relay_channel_options
 
 NAME = "ledger"
 CONSUMER = "checkout-ledger"
@@ -127,8 +127,9 @@ async def relay(
         dsn, schema=service.records_schema("orders"), min_size=1, max_size=3, migrate=True
     )
     # The relay drops the ledger's answer: any size is taken, or one over gRPC's 4 MiB default
-    # would fail a delivery the ledger ran.
-    channel = grpc.aio.insecure_channel(ledger, options=[("grpc.max_receive_message_length", -1)])
+    # would fail a delivery the ledger ran; and a connection to a ledger gone silent is left for
+    # a new one within a delivery's time.
+    channel = grpc.aio.insecure_channel(ledger, options=relay_channel_options(lease / 2))
     try:
         credential = bearer(relay_token())
         tenant_of = forward_scope(TENANT_HEADER)

@@ -886,38 +886,6 @@ def _pool_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"statement_cache_size": args.statement_cache_size}
 
 
-def _relay_channel_options(timeout: float) -> list[tuple[str, int]]:
-    """The relay's channel options, for deliveries of ``timeout`` seconds each."""
-    # Each delivery's half: the ping goes out at most that long after the call starts (when
-    # nothing has been read for that long), and the connection is closed if it is not answered
-    # within the other half. Not under 1 s: gRPC sends no more than a ping a second anyway.
-    half_ms = min(max(1000, round(timeout * 500)), 2**31 - 1)  # a C int of milliseconds
-    return [
-        # The response is dropped, of any size: refused over gRPC's default 4 MiB
-        # (RESOURCE_EXHAUSTED, retried), a delivery the receiver had run and answered OK failed,
-        # went out again on every retry, and its row ended a dead letter.
-        ("grpc.max_receive_message_length", -1),
-        # A connection whose receiver is gone without a word (its host down, state lost at a NAT
-        # or load balancer on the way) stays READY without keepalive: every delivery went out
-        # on it and failed DEADLINE_EXCEEDED, for as long as it lasted (over 100 s measured on
-        # loopback), each a failure towards the row's dead letter, though a new connection
-        # would reach a working receiver. A ping unanswered closes it; the next delivery
-        # reconnects.
-        ("grpc.keepalive_time_ms", half_ms),
-        ("grpc.keepalive_timeout_ms", half_ms),
-        # What bounds the wait for the ping's answer in gRPC core today (keepalive_timeout_ms,
-        # set above for a gRPC that applies it, is not: grpc/grpc#39239); its default is 60 s.
-        # It bounds every ping's answer, a BDP probe's too: half a deadline is ample for a peer
-        # that is there.
-        ("grpc.http2.ping_timeout_ms", half_ms),
-        # Pings only while a delivery is in flight: a receiver's default policy (gRPC core's
-        # and grpc-go's) counts pings on a connection without calls as abuse, enough of them
-        # ending it (GOAWAY too_many_pings); and an idle relay has nothing to check: its next
-        # delivery's own ping finds a dead connection.
-        ("grpc.keepalive_permit_without_calls", 0),
-    ]
-
-
 async def _relay(args: argparse.Namespace, store: Store) -> int:
     import grpc
 
@@ -928,6 +896,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         OutboxStore,
         Relay,
         forward_scope,
+        relay_channel_options,
     )
 
     handler = logging.StreamHandler()
@@ -945,7 +914,7 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         max_backoff_s=args.max_backoff,
     )
     timeout = args.timeout if args.timeout is not None else min(10.0, args.lease / 2)
-    options = _relay_channel_options(timeout)
+    options = relay_channel_options(timeout)
     if args.tls_pem:  # any of --tls-ca, --tls-cert and --tls-key (read by _check_relay)
         channel = grpc.aio.secure_channel(
             args.grpc_target,

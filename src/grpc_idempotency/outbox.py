@@ -100,6 +100,7 @@ __all__ = [
     "Sink",
     "StateCount",
     "forward_scope",
+    "relay_channel_options",
 ]
 
 log = library_logger("grpc_idempotency.outbox")
@@ -200,6 +201,46 @@ def check_method(method: str) -> str:
     return method
 
 
+def relay_channel_options(timeout: float | None = 10.0) -> list[tuple[str, int]]:
+    """Options for a relay's channel (``grpc.aio.insecure_channel(target, options=...)``) whose
+    deliveries get ``timeout`` seconds each (``GrpcSink(timeout=)``; ``None``: 10 s).
+
+    Any response size is taken, and a connection whose receiver went silent is left for a new
+    one within about one delivery's time: a ping goes out once half of ``timeout`` passes with
+    nothing read during a delivery, and the connection is closed if the ping is not answered in
+    the other half (half at least 1 s). No pings without calls: receivers' default policy
+    counts those as abuse."""
+    # Each delivery's half: the ping goes out at most that long after the call starts (when
+    # nothing has been read for that long), and the connection is closed if it is not answered
+    # within the other half. Not under 1 s: gRPC sends no more than a ping a second anyway.
+    seconds = 10.0 if timeout is None else timeout
+    half_ms = min(max(1000, round(seconds * 500)), 2**31 - 1)  # a C int of milliseconds
+    return [
+        # The response is dropped, of any size: refused over gRPC's default 4 MiB
+        # (RESOURCE_EXHAUSTED, retried), a delivery the receiver had run and answered OK failed,
+        # went out again on every retry, and its row ended a dead letter.
+        ("grpc.max_receive_message_length", -1),
+        # A connection whose receiver is gone without a word (its host down, state lost at a NAT
+        # or load balancer on the way) stays READY without keepalive: every delivery went out
+        # on it and failed DEADLINE_EXCEEDED, for as long as it lasted (over 100 s measured on
+        # loopback), each a failure towards the row's dead letter, though a new connection
+        # would reach a working receiver. A ping unanswered closes it; the next delivery
+        # reconnects.
+        ("grpc.keepalive_time_ms", half_ms),
+        ("grpc.keepalive_timeout_ms", half_ms),
+        # What bounds the wait for the ping's answer in gRPC core today (keepalive_timeout_ms,
+        # set above for a gRPC that applies it, is not: grpc/grpc#39239); its default is 60 s.
+        # It bounds every ping's answer, a BDP probe's too: half a deadline is ample for a peer
+        # that is there.
+        ("grpc.http2.ping_timeout_ms", half_ms),
+        # Pings only while a delivery is in flight: a receiver's default policy (gRPC core's
+        # and grpc-go's) counts pings on a connection without calls as abuse, enough of them
+        # ending it (GOAWAY too_many_pings); and an idle relay has nothing to check: its next
+        # delivery's own ping finds a dead connection.
+        ("grpc.keepalive_permit_without_calls", 0),
+    ]
+
+
 class GrpcSink:
     """Calls the unary ``method`` (``/package.Service/Method``) on ``channel`` with the message's
     payload bytes as the request, unchanged (the method's request type should be the payload's
@@ -222,13 +263,8 @@ class GrpcSink:
     Nor does a channel without keepalive leave a connection whose receiver went silent (its host
     gone, or the connection's state lost at a NAT or load balancer): every delivery goes out on
     it and fails DEADLINE_EXCEEDED, a failure towards the dead letter each, for as long as it
-    stays open. The ``relay`` command's channel pings once half of ``timeout`` passes with
-    nothing read during a delivery, and closes the connection if the ping is not answered in the
-    other half: ``("grpc.keepalive_time_ms", half)``, ``("grpc.http2.ping_timeout_ms", half)``
-    (gRPC core waits that long for the answer; it does not apply ``grpc.keepalive_timeout_ms``)
-    and ``("grpc.keepalive_permit_without_calls", 0)`` (receivers' default policy counts pings
-    without calls as abuse: enough of them end the connection, GOAWAY ``too_many_pings``),
-    ``half`` in milliseconds.
+    stays open. ``relay_channel_options(timeout)`` gives both, as the ``relay`` command uses
+    them: ``grpc.aio.insecure_channel(target, options=relay_channel_options(10.0))``.
     """
 
     def __init__(

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from grpc_idempotency.core.errors import StepUndeclared
 from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy, outbox_step
 from grpc_idempotency.core.policy import Step
+from grpc_idempotency.outbox import relay_channel_options
 
 
 @pytest.mark.parametrize(
@@ -172,3 +173,24 @@ def test_a_name_that_is_no_step_name_is_refused_as_one(name: str, problem: str) 
         outbox_step("/s.S/M", STEPS, name, None)
     assert problem in str(err.value) and len(str(err.value)) < 500
     assert "add steps" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "half_ms"),
+    [(10.0, 5000), (None, 5000), (3.0, 1500), (0.5, 1000), (1e10, 2**31 - 1)],
+)
+def test_a_relay_channel_checks_its_connection_within_half_a_delivery(
+    timeout: float | None, half_ms: int
+) -> None:
+    """The ping goes out after half a delivery's time with nothing read, and its answer is
+    waited for the other half (``grpc.http2.ping_timeout_ms``: gRPC core does not apply
+    ``keepalive_timeout_ms``); never under a second, never past a C int; no pings without calls.
+    The behaviour itself: tests/integration/test_cli.py, a receiver gone silent."""
+    options = dict(relay_channel_options(timeout))
+    assert options == {
+        "grpc.max_receive_message_length": -1,
+        "grpc.keepalive_time_ms": half_ms,
+        "grpc.keepalive_timeout_ms": half_ms,
+        "grpc.http2.ping_timeout_ms": half_ms,
+        "grpc.keepalive_permit_without_calls": 0,
+    }
