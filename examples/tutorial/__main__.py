@@ -8,7 +8,7 @@
 4. Charge once and retry with the same key (client.py); count the charges written.
 
 Exit status 0 when the retry was replayed and exactly one charge was written, 1 otherwise, 2
-when an extra it needs is not installed.
+when an extra it needs is not installed or the store cannot be opened on the PostgreSQL given.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from grpc_idempotency import proto_include
+from grpc_idempotency import IdempotencyError, StoreUnavailable, proto_include
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,10 +40,22 @@ def generate(out: Path) -> None:
     sys.path.insert(0, str(out))  # payments_pb2, payments_pb2_grpc
 
 
-async def run(dsn: str) -> int:
+async def run(dsn: str, given: bool = False) -> int:
     from examples.tutorial import client, server  # they import the generated modules
 
-    grpc_server, store, port = await server.serve(dsn)
+    try:
+        grpc_server, store, port = await server.serve(dsn)
+    except IdempotencyError as err:  # unreachable, refused, unparsable: the library says which
+        # One line, not a traceback: the error names the cause, and where it came from is the
+        # one thing the user can change.
+        where = "the PostgreSQL of --dsn" if given else "the embedded PostgreSQL"
+        hint = (
+            ": is PostgreSQL running where the DSN points?"
+            if isinstance(err, StoreUnavailable)
+            else ""
+        )
+        print(f"cannot open the idempotency store on {where}: {err}{hint}", file=sys.stderr)
+        return 2
     print(f"payments server listening on 127.0.0.1:{port}")
     try:
         order_id = "order-" + uuid.uuid4().hex[:8]
@@ -82,7 +94,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tutorial-gen-") as gen:
         generate(Path(gen))
         if args.dsn:
-            return asyncio.run(run(args.dsn))
+            return asyncio.run(run(args.dsn, given=True))
         from grpc_idempotency.testing import EmbeddedPostgres
 
         postgres = EmbeddedPostgres()

@@ -13,6 +13,7 @@ import ast
 import importlib
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -89,3 +90,29 @@ def test_without_an_extra_it_names_the_install_from_this_checkout(
     monkeypatch.setitem(sys.modules, "grpc_tools", None)
     assert tutorial.main() == 2
     assert "pip install -e '.[codegen]'" in capsys.readouterr().err
+
+
+def test_a_dsn_it_cannot_use_is_one_line_naming_dsn_and_exit_2() -> None:
+    """A wrong --dsn (here a socket directory that does not exist) is the library's error on one
+    line, said to come from --dsn, exit 2. (It was a traceback through the example's server, exit
+    1, whose last line named neither the DSN nor what to check.)"""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_IDEMPOTENCY_TEST_DSN"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    dsn = f"postgresql://postgres@/postgres?host={TUTORIAL / 'no-such-socket-dir'}&port=5432"
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.tutorial", "--dsn", dsn],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    report = f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 2, report
+    assert "Traceback" not in done.stderr, report
+    assert done.stderr.startswith(
+        "cannot open the idempotency store on the PostgreSQL of --dsn: idempotency store"
+        " unavailable while connecting"
+    ), report
+    assert "is PostgreSQL running where the DSN points?" in done.stderr, report
