@@ -354,3 +354,21 @@ def test_every_migration_was_checked_for_what_the_read_only_commands_read() -> N
     from grpc_idempotency.store.inspection_store import REVIEWED_THROUGH
 
     assert REVIEWED_THROUGH == LATEST
+
+
+async def test_a_reader_given_a_schema_that_is_not_there_is_told_the_stores_there(
+    pg_dsn: str,
+) -> None:
+    """``inspect``/``list`` with --schema left out or mistyped (the checkout keeps a store per
+    service): they said "run `grpc-idempotency migrate`", which makes an empty store there, every
+    look-up in it then "no record". Now: nothing to read, and the schemas that hold a store."""
+    async with fresh_store(pg_dsn, "aaaa_first") as store:  # sorts first: in the names listed
+        missing = f"{store.schema}_typo"
+        for command in (["list"], ["inspect", "some-key"]):
+            done = await cli(*command, "--scope", SCOPE, "--dsn", pg_dsn, "--schema", missing)
+            assert done.returncode == 2, done.stderr
+            assert f"the idempotency schema '{missing}' is not created" in done.stderr
+            assert f"holding a store in this database: '{store.schema}'" in done.stderr
+            assert "migrate" not in done.stderr, done.stderr
+        async with store.pool.acquire() as conn:  # and nothing was created
+            assert not await conn.fetchval("SELECT to_regnamespace($1) IS NOT NULL", missing)

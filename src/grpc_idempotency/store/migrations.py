@@ -102,6 +102,21 @@ async def applied_versions(conn: Any, schema: str) -> list[int]:
     return [r["version"] for r in rows]
 
 
+async def store_schemas(conn: Any, limit: int = 10) -> list[str]:
+    """The schemas of this database that hold a store (its version table and its records),
+    first ``limit`` by name: what a reader given a schema that is not there may have meant.
+    ``schema_migrations`` alone is no store's mark: other migration tools name theirs so."""
+    rows = await conn.fetch(
+        "SELECT n.nspname FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.relname IN ('schema_migrations', 'records') AND c.relkind IN ('r', 'p')"
+        " GROUP BY n.nspname HAVING count(DISTINCT c.relname) = 2"
+        " ORDER BY n.nspname LIMIT $1",
+        limit,
+    )
+    return [r["nspname"] for r in rows]
+
+
 # Every statement on the table queues behind a DDL statement waiting for its lock, so the wait
 # is what a live call may stall for: short (the usual advice for busy services is 1-2 s, under
 # common client deadlines) and tried often rather than long (it was 5 s, 6 times).

@@ -873,8 +873,21 @@ class Store:
             )
         async with self.connection("checking the schema") as conn:
             applied = frozenset(await migrations.applied_versions(conn, self.schema))
+            others = (
+                [] if applied or readable_from is None else await migrations.store_schemas(conn)
+            )
         wanted = [m.version for m in migrations.available_migrations()]
         missing = [v for v in wanted if v not in applied]
+        if not applied and readable_from is not None:
+            # A reader given a schema that is not there most likely named the wrong one (left
+            # out --schema for a store that has its own): "run migrate" sent it to create an
+            # empty store there, whose every look-up then answered "no record".
+            here = ", ".join(repr(o) for o in others) if others else "none"
+            raise StoreMisconfigured(
+                f"the idempotency schema {self.schema!r} is not created in this database, so"
+                f" there is nothing to read there: check the schema's name (the schemas"
+                f" holding a store in this database: {here})"
+            )
         if missing:
             state = f"at version {max(applied)}" if applied else "not created"
             behind = (
