@@ -125,8 +125,9 @@ class IdempotentCall:
         on the database's clock). Child keys use the steps declared then."""
         self._outbox = outbox
         self._enqueuing: asyncio.Lock | None = None
-        self._enqueued: list[tuple[str, Coroutine[Any, Any, str]]] | None = None
         """Held by ``enqueue`` while its statements run (made at the first enqueue)."""
+        self._enqueued: list[tuple[str, Coroutine[Any, Any, str]]] | None = None
+        """Each ``enqueue`` coroutine made, with its step (``unawaited_enqueues``)."""
         self._connection = connection
         self._open_final = open_final
         self._opening: asyncio.Future[PooledConnection] | None = None
@@ -287,12 +288,17 @@ class IdempotentCall:
         return enqueued
 
     def unawaited_enqueues(self) -> list[str]:
-        """The steps of ``enqueue`` coroutines never started, closed now (the driver fails the
-        call rather than commit without their messages)."""
+        """The steps of ``enqueue`` coroutines not run to their end (the driver fails the call
+        rather than commit without their messages). One never started is closed now; one
+        started in a task the handler left behind (``create_task`` not awaited), still waiting
+        for its turn or for the final transaction, is that task's: the call's end refuses it
+        (``NotInIdempotentCall``), and the call committed OK without its message."""
         steps = []
         for step, enqueued in self._enqueued or ():
-            if inspect.getcoroutinestate(enqueued) == inspect.CORO_CREATED:
+            state = inspect.getcoroutinestate(enqueued)
+            if state == inspect.CORO_CREATED:
                 enqueued.close()
+            if state != inspect.CORO_CLOSED:
                 steps.append(step)
         return steps
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -11,7 +12,8 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import KeyRequirement, MethodOverride, Step, Store, child_key
+from grpc_idempotency import KeyRequirement, MethodOverride, Mode, Step, Store, child_key
+from grpc_idempotency.core.errors import NotInIdempotentCall
 from grpc_idempotency.outbox import OutboxStore
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.schemas import fresh_store
@@ -280,18 +282,46 @@ async def test_outbox_steps_enqueued_at_once_both_commit(store: Store) -> None:
     assert sorted(str(r["step"]) for r in rows) == ["entry-audited.v1", "entry-posted.v1"]
 
 
+@pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])
 async def test_an_enqueue_never_awaited_fails_the_call_instead_of_losing_its_message(
-    ledger: RunningLedger, store: Store
+    store: Store, mode: Mode
 ) -> None:
     """``call.enqueue(...)`` without ``await`` (or, in a sync handler, without ``call.run``)
     made a coroutine that never ran: the call committed OK with its write and no message, every
     retry replayed it, and the event was never sent (Python's "never awaited" warning aside)."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=5, behaviour="event-not-awaited")
-    for _ in range(2):  # the retry runs it again: nothing was recorded
+    overrides = {WITH_EVENT[1:]: MethodOverride(mode=mode)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        for _ in range(2):  # released (phased: the claim too): the retry runs it again
+            answer = await ledger.call(WITH_EVENT, request, key)
+            assert answer.code is grpc.StatusCode.INTERNAL, answer.details
+            assert answer.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
+            assert "'entry-posted.v1' was never awaited" in (answer.details or "")
+            # Closed by the server, not left to warn "never awaited" whenever it is collected.
+            state = inspect.getcoroutinestate(ledger.service.left_behind)
+            assert state == inspect.CORO_CLOSED
+    assert await ledger_rows(store, account) == 0
+    assert await outbox_rows(store, key) == []
+
+
+async def test_an_enqueue_left_behind_in_a_task_fails_the_call_instead_of_losing_its_message(
+    store: Store,
+) -> None:
+    """An enqueue the handler started in a task and left behind (``create_task``, not
+    awaited), still waiting for its turn behind an awaited one when the handler returned: the
+    call committed OK with one message of two, every retry replaying it. The task, woken once
+    the call was over, is refused (``NotInIdempotentCall``), never sending its statement on
+    the connection the call ends on."""
+    steps = [Step(name="entry-posted.v1", outbox=True), Step(name="entry-audited.v1", outbox=True)]
+    overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps)}
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="event-left-behind")
+    async with running_ledger(store, overrides=overrides) as ledger:
         answer = await ledger.call(WITH_EVENT, request, key)
-        assert answer.code is grpc.StatusCode.INTERNAL, answer.details
-        assert answer.reason() == "IDEMPOTENCY_HANDLER_DATABASE_ERROR"
-        assert "'entry-posted.v1' was never awaited" in (answer.details or "")
+        with pytest.raises(NotInIdempotentCall, match="the call is over"):
+            await ledger.service.left_behind
+    assert answer.code is grpc.StatusCode.INTERNAL, answer.details
+    assert "'entry-audited.v1' was never awaited" in (answer.details or "")
     assert await ledger_rows(store, account) == 0
     assert await outbox_rows(store, key) == []

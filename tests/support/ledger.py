@@ -144,6 +144,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     """The names of the threads sync handlers ran on."""
     sync_calls: list[IdempotentCall] = field(default_factory=list)
     """The calls sync handlers served (``current_call()``)."""
+    left_behind: Any = None
+    """The enqueue a handler did not await (``event-not-awaited``, ``event-left-behind``)."""
 
     def _observe(self, context: Any) -> str | None:
         md = dict(context.invocation_metadata() or ())
@@ -357,7 +359,13 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             request.behaviour, "entry-posted.v1"
         )
         if request.behaviour == "event-not-awaited":  # a forgotten await: the message is lost
-            current_call().enqueue(step, response)  # type: ignore[unused-coroutine]
+            self.left_behind = current_call().enqueue(step, response)
+            return response
+        if request.behaviour == "event-left-behind":  # a task not awaited, behind another
+            self.left_behind = asyncio.ensure_future(
+                current_call().enqueue("entry-audited.v1", response)
+            )
+            await current_call().enqueue(step, response)  # the task waits its turn meanwhile
             return response
         if request.behaviour == "event-gathered":  # two outbox steps enqueued at once
             await asyncio.gather(

@@ -1431,8 +1431,9 @@ async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
 def _enqueue_not_awaited(method: str, steps: list[str]) -> HandlerDatabaseError:
     return HandlerDatabaseError(
         f"{method}: the handler's enqueue of {', '.join(map(repr, steps))} was never awaited"
-        " (`await call.enqueue(...)`; in a sync handler `call.run(call.enqueue(...))`); nothing"
-        " was committed, or its message would have been lost"
+        " to its end (`await call.enqueue(...)`; in a sync handler"
+        " `call.run(call.enqueue(...))`); nothing was committed, or its message would have been"
+        " lost"
     )
 
 
