@@ -15,6 +15,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import KeyRequirement, MethodOverride, Mode, Step, Store, child_key
 from grpc_idempotency.core.errors import NotInIdempotentCall
 from grpc_idempotency.outbox import OutboxStore
+from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.schemas import fresh_store
 from tests.support.waiting import until
@@ -317,11 +318,13 @@ async def test_an_enqueue_left_behind_in_a_task_fails_the_call_instead_of_losing
     overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps)}
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="event-left-behind")
-    async with running_ledger(store, overrides=overrides) as ledger:
+    telemetry, _, reader = _telemetry()
+    async with running_ledger(store, overrides=overrides, telemetry=telemetry) as ledger:
         answer = await ledger.call(WITH_EVENT, request, key)
         with pytest.raises(NotInIdempotentCall, match="the call is over"):
             await ledger.service.left_behind
     assert answer.code is grpc.StatusCode.INTERNAL, answer.details
     assert "'entry-audited.v1' was never awaited" in (answer.details or "")
+    assert _outcomes(reader) == {("released", grpc.StatusCode.INTERNAL.value[0]): 1}
     assert await ledger_rows(store, account) == 0
     assert await outbox_rows(store, key) == []

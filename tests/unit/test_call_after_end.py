@@ -163,12 +163,16 @@ def test_a_grpc_call_refused_once_its_loop_is_closed_is_left_alone() -> None:
 
 
 @pytest.mark.parametrize(
-    ("step", "message"),
-    [("entry-posted.v1", b"raw"), ("entry-posted.v1", empty_pb2.Empty), (5, empty_pb2.Empty())],
+    ("step", "message", "given"),
+    [
+        ("entry-posted.v1", b"raw", "(str, bytes)"),
+        ("entry-posted.v1", empty_pb2.Empty, "(str, the class Empty)"),
+        (5, empty_pb2.Empty(), "(int, Empty)"),
+    ],
     ids=["bytes", "message-class", "step-not-str"],
 )
 def test_enqueue_refuses_what_is_no_step_name_or_message_with_its_own_error(
-    step: Any, message: Any
+    step: Any, message: Any, given: str
 ) -> None:
     """Given bytes, a message's class or an int step, ``enqueue`` failed with Python's own error
     from inside ("no attribute 'DESCRIPTOR'", "unbound method ... needs an argument", "has no
@@ -189,5 +193,8 @@ def test_enqueue_refuses_what_is_no_step_name_or_message_with_its_own_error(
         )
         await call.enqueue(step, message)
 
-    with pytest.raises(TypeError, match=r"takes the outbox step's name \(a str\) and a protobuf"):
+    with pytest.raises(
+        TypeError, match=r"takes the outbox step's name \(a str\) and a protobuf"
+    ) as err:
         asyncio.run(enqueue())
+    assert str(err.value).endswith(f"not {given}")  # what it was given, a class named as one
