@@ -336,6 +336,9 @@ class _StrayCancel(testsvc_pb2_grpc.LedgerServiceServicer):
 
     async def Post(self, request: Any, context: Any) -> Any:
         await write_row(request)
+        if request.behaviour == "abort-first":  # its abort caught, as by an ``except Exception``
+            with contextlib.suppress(Exception):
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no such account")
         other = asyncio.ensure_future(asyncio.Event().wait())
         await asyncio.sleep(0)  # started
         other.cancel()
@@ -367,3 +370,39 @@ async def test_a_handler_letting_out_another_tasks_cancellation_is_answered_at_o
             assert answer.code is grpc.StatusCode.UNKNOWN, answer
             assert "CancelledError" in str(answer.details) and not answer.replayed
     assert await ledger_rows(store, account) == 0
+
+
+async def test_a_handler_letting_out_another_tasks_cancellation_after_its_abort_answers_the_abort(
+    store: Store,
+) -> None:
+    """As with any raise after an abort (caught by the handler): the abort is the answer."""
+    key, account = fresh(), fresh("acct")
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="abort-first")
+    async with ledger_server(interceptor, _StrayCancel()) as (channel, _):
+        answer = await call_raw(channel, POST, request, metadata(key), 10)
+    assert (answer.code, answer.details) == (grpc.StatusCode.NOT_FOUND, "no such account")
+    assert await ledger_rows(store, account) == 0
+
+
+async def test_a_call_cancelled_by_its_client_is_not_taken_for_a_stray_cancellation(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler's task is the one cancelled: passed on as gRPC's cancellation (counted
+    CANCELLED), not answered UNKNOWN and logged as a handler's stray CancelledError."""
+    telemetry, _, reader = _telemetry()
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), telemetry=telemetry
+    )
+    service = _Holding()
+    async with ledger_server(interceptor, service) as (channel, _):
+        call = _raw_stub(channel, POST)(
+            testsvc_pb2.PostRequest(account=fresh("acct"), amount=1), metadata=metadata(fresh())
+        )
+        await service.wrote.wait()
+        task = service.task
+        assert task is not None
+        call.cancel()
+        await until("the call over", task.done)
+    assert _outcomes(reader) == {("released", grpc.StatusCode.CANCELLED.value[0]): 1}
+    assert "its call was not cancelled" not in caplog.text
