@@ -42,7 +42,8 @@ class TriesEach(LedgerService):
             with contextlib.suppress(asyncpg.DivisionByZeroError):
                 async with call.savepoint() as conn:
                     await conn.execute("SELECT 1 / 0")
-        conn = await write_row(request)
+        async with call.savepoint():  # released, not rolled back: the write stays
+            conn = await write_row(request)
         self.overflowed.append(
             await conn.fetchval(
                 "SELECT subxact_overflowed FROM pg_stat_get_backend_subxact("

@@ -592,6 +592,11 @@ async def test_a_pool_of_one_needs_no_min_size(pg_dsn: str) -> None:
         assert store.pool.get_min_size() == 1
     finally:
         await store.close()
+    store = await Store.connect(pg_dsn, check_schema=False)
+    try:
+        assert (store.pool.get_min_size(), store.pool.get_max_size()) == (2, 10)  # the defaults
+    finally:
+        await store.close()
     with pytest.raises(ValueError, match="min_size"):
         await Store.connect(pg_dsn, min_size=3, max_size=1, check_schema=False)
 

@@ -21,6 +21,7 @@ from grpc_idempotency.core.lifecycle import (
     StoredRecord,
     begin_event,
     budget_event,
+    claim_visible,
     cut_short_outcome,
     decide,
     executed_outcome,
@@ -387,3 +388,19 @@ def test_a_renewal_may_wait_for_its_connection_until_the_lease_runs_out() -> Non
     assert renewal_acquire_bound_s(30.0, 20.0) == 20.0
     assert renewal_acquire_bound_s(30.0, 0.05) == 30.0  # too little left: a whole lease
     assert renewal_acquire_bound_s(30.0, -5.0) == 30.0
+
+
+@pytest.mark.parametrize(
+    ("phased", "claiming", "visible"),
+    [
+        (True, Phase.CLAIMING, True),  # committed
+        (True, Phase.TAKING_OVER, True),
+        (False, Phase.CLAIMING, False),  # a new row, unseen until it commits
+        (False, Phase.TAKING_OVER, True),  # the row taken over stays visible
+        (False, Phase.CLAIMING_BLIND, True),  # may have taken one over, unseen
+    ],
+)
+def test_which_won_claims_other_attempts_may_see(
+    phased: bool, claiming: Phase, visible: bool
+) -> None:
+    assert claim_visible(phased=phased, claiming=claiming) is visible
