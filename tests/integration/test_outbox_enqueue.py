@@ -306,6 +306,23 @@ async def test_an_enqueue_never_awaited_fails_the_call_instead_of_losing_its_mes
     assert await outbox_rows(store, key) == []
 
 
+async def test_an_error_answer_stands_over_an_enqueue_never_awaited(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """An error answer commits none of the handler's writes, so no message is lost: the
+    handler's (recorded) error is the answer, and its replay, not the enqueue's INTERNAL."""
+    key, account = fresh(), fresh("acct")
+    behaviour = "event-not-awaited-NOT_FOUND"
+    request = testsvc_pb2.PostRequest(account=account, amount=5, behaviour=behaviour)
+    first = await ledger.call(WITH_EVENT, request, key)
+    assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "handler says NOT_FOUND")
+    assert inspect.getcoroutinestate(ledger.service.left_behind) == inspect.CORO_CLOSED
+    retry = await ledger.call(WITH_EVENT, request, key)
+    assert (retry.code, retry.replayed) == (grpc.StatusCode.NOT_FOUND, True)
+    assert await ledger_rows(store, account) == 0
+    assert await outbox_rows(store, key) == []
+
+
 async def test_an_enqueue_left_behind_in_a_task_fails_the_call_instead_of_losing_its_message(
     store: Store,
 ) -> None:

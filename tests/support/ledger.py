@@ -358,8 +358,10 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
         step = {"undeclared-event": "undeclared.v1", "event-v2": "entry-posted.v2"}.get(
             request.behaviour, "entry-posted.v1"
         )
-        if request.behaviour == "event-not-awaited":  # a forgotten await: the message is lost
+        if request.behaviour.startswith("event-not-awaited"):  # a forgotten await
             self.left_behind = current_call().enqueue(step, response)
+            if request.behaviour == "event-not-awaited-NOT_FOUND":  # then an error answer
+                await context.abort(grpc.StatusCode.NOT_FOUND, "handler says NOT_FOUND")
             return response
         if request.behaviour == "event-left-behind":  # a task not awaited, behind another
             self.left_behind = asyncio.ensure_future(

@@ -896,9 +896,10 @@ class IdempotencyInterceptor(_Interceptor):
                 context, misuse or LeaseLost("the lease ran out and another attempt took over")
             )
         unawaited = serving.unawaited_enqueues()
-        if unawaited:
+        if unawaited and aborted is None and answers.code_of(context) is Code.OK:
             # Committed, the outcome would say done without the message: every retry replays
-            # it, and the event is never sent. Released instead, as for a failed statement.
+            # it, and the event is never sent. Released instead, as for a failed statement. An
+            # error answer commits none of the handler's writes (recorded or not): it stands.
             call.outcome = CallOutcome.RELEASED
             misuse = await self._release(tx, claim)
             await answers.abort(context, misuse or _enqueue_not_awaited(policy.method, unawaited))
