@@ -126,8 +126,10 @@ class IdempotentCall:
         self._outbox = outbox
         self._enqueuing: asyncio.Lock | None = None
         """Held by ``enqueue`` while its statements run (made at the first enqueue)."""
-        self._enqueued: list[tuple[str, Coroutine[Any, Any, str]]] | None = None
-        """Each ``enqueue`` coroutine made, with its step (``unawaited_enqueues``)."""
+        self._enqueued: list[tuple[str, Coroutine[Any, Any, str]]] = []
+        """Each ``enqueue`` coroutine made, with its step (``unawaited_enqueues``). Made here,
+        not at the first enqueue: two threads of a sync handler could each make one, and an
+        enqueue in the list dropped would go unchecked."""
         self._connection = connection
         self._open_final = open_final
         self._opening: asyncio.Future[PooledConnection] | None = None
@@ -280,8 +282,6 @@ class IdempotentCall:
                 f" ({type(step).__name__}, {_kind(message)})"
             )
         enqueued = self._enqueue(step, message)
-        if self._enqueued is None:
-            self._enqueued = []
         # Kept to check, as the call ends, that each was awaited (``unawaited_enqueues``).
         # Appended on the loop, or on a sync handler's thread (list.append is atomic).
         self._enqueued.append((step, enqueued))
@@ -294,7 +294,7 @@ class IdempotentCall:
         for its turn or for the final transaction, is that task's: the call's end refuses it
         (``NotInIdempotentCall``), and the call committed OK without its message."""
         steps = []
-        for step, enqueued in self._enqueued or ():
+        for step, enqueued in self._enqueued:
             state = inspect.getcoroutinestate(enqueued)
             if state == inspect.CORO_CREATED:
                 enqueued.close()
