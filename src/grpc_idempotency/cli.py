@@ -33,6 +33,7 @@ from grpc_idempotency.cli_errors import (
     report_store_error,
     run_command,
     safe_dsn,
+    store_error_status,
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.core.outbox import relay_name_problem, step_routes
@@ -1306,9 +1307,10 @@ def _main(argv: Sequence[str] | None) -> int:
         report_store_error(err, args.dsn)
         return 2
     except StoreUnavailable as err:
-        # Unreachable, refused, timed out, shutting down: retry later (exit 1).
+        # Unreachable, refused, timed out, shutting down: retry later (exit 1); or asyncpg's
+        # statement cache behind PgBouncer, which no retry fixes (exit 2).
         report_store_error(err, args.dsn)
-        return 1
+        return store_error_status(err)
     except ValueError as err:
         message = f"grpc-idempotency: {err}"
         print(

@@ -25,7 +25,7 @@ from grpc_idempotency.core.errors import DsnUnusable, StoreMisconfigured, StoreU
 from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.stop_signals import catchable
 from grpc_idempotency.store.dsn_files import at_in_user_info, in_doubt, unsendable, unusable_file
-from grpc_idempotency.store.errors import dsn_unusable, session_refused
+from grpc_idempotency.store.errors import dsn_unusable, prepared_statement_lost, session_refused
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA, Store
 from grpc_idempotency.store.sql import schema_identifier
 
@@ -297,9 +297,30 @@ def _describe(exc: BaseException) -> str:
     return one_line(text, limit=400)
 
 
+def statement_cache_broken(err: StoreUnavailable) -> bool:
+    """Whether ``err`` came of asyncpg's statement cache behind a transaction pooler (26000,
+    42P05: a named statement missing from, or already on, the server connection PgBouncer gave).
+    The database answers; runs keep failing until the command gets --statement-cache-size 0:
+    exit 2 (fix the command), not 1, which sent a cron job's retries round for good."""
+    return any(prepared_statement_lost(cause) for cause in _causes(err))
+
+
+def store_error_status(err: StoreUnavailable) -> int:
+    """The exit status for a store error: 2 when a retry cannot help (misconfigured, or the
+    statement cache behind PgBouncer), 1 when the store is unreachable (retry later)."""
+    return 2 if isinstance(err, StoreMisconfigured) or statement_cache_broken(err) else 1
+
+
 def report_store_error(err: StoreUnavailable, dsn: str | None) -> None:
     lines = [f"grpc-idempotency: {err}"]
     lines += [f"  caused by {_describe(cause)}" for cause in _causes(err)]
+    if statement_cache_broken(err):
+        # The store's log line naming this fix is an ERROR, which the CLI leaves to this report
+        # (_ReportedByMain); asyncpg's own hint is cut off before its fix in the line above.
+        lines.append(
+            "  behind PgBouncer in transaction mode (before 1.21, or max_prepared_statements ="
+            " 0) asyncpg's statement cache breaks: pass --statement-cache-size 0"
+        )
     if dsn:
         lines.append(f"  database: {dsn_target(dsn)} ({printable(safe_dsn(dsn))})")
     text = "\n".join(lines)

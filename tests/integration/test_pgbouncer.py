@@ -149,6 +149,33 @@ async def test_a_store_statement_failing_for_the_statement_cache_says_why_in_the
     assert "pass Store.connect(..., statement_cache_size=0)" in message, message
 
 
+@pytest.mark.parametrize("command", [["purge"], ["inspect", "--scope", "s", "k"]])
+async def test_a_command_failing_for_the_statement_cache_exits_2_naming_the_flag(
+    pg_dsn: str, store: Store, command: list[str]
+) -> None:
+    """A command behind PgBouncer without --statement-cache-size 0 whose named statement meets
+    one already on the server connection (42P05, as a previous run leaves it there) exits 2 and
+    names the flag. It exited 1 ("unreachable, retry later") with asyncpg's hint cut off before
+    its fix, and the store's log line naming the flag was left out of the CLI's output: a cron
+    job retried for good. Made to happen at once: asyncpg's first statement name in a fresh
+    process, prepared on the pooler's one server connection."""
+    with running_pgbouncer(pg_dsn, pool_size=1) as single:
+        squatter = await asyncpg.connect(single.dsn, **POOL_OPTIONS)
+        try:
+            await squatter.execute('PREPARE "__asyncpg_stmt_1__" AS SELECT 1')
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "grpc_idempotency.cli", *command,
+                "--dsn", single.dsn, "--schema", store.schema,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            _, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+        finally:
+            await squatter.close()
+    assert "(42P05)" in err.decode(), err.decode()
+    assert proc.returncode == 2, err.decode()
+    assert "pass --statement-cache-size 0" in err.decode(), err.decode()
+
+
 # -- keyed calls --------------------------------------------------------------------------------
 
 

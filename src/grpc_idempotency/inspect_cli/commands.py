@@ -8,9 +8,13 @@ import json
 import sys
 from collections.abc import Collection
 
-from grpc_idempotency.cli_errors import printable, report_store_error, run_command
+from grpc_idempotency.cli_errors import (
+    printable,
+    report_store_error,
+    run_command,
+    store_error_status,
+)
 from grpc_idempotency.core import inspection
-from grpc_idempotency.core.errors import StoreMisconfigured
 from grpc_idempotency.core.inspection import RecordState
 from grpc_idempotency.core.policy import normalize_method
 from grpc_idempotency.inspect_cli.config import ConfigError, config_of
@@ -49,7 +53,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     except StoreFailed as failed:
         report_store_error(failed.error, failed.store.dsn)
         print(f"  store: {failed.store.name} (schema {failed.store.schema})", file=sys.stderr)
-        return UNUSABLE if isinstance(failed.error, StoreMisconfigured) else UNREACHABLE
+        return store_error_status(failed.error)
     totals = [inspection.totals(f.node) for f in roots]
     if args.json:
         report = inspect_json(

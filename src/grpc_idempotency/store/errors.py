@@ -127,7 +127,7 @@ _log_misconfigured = _MisconfiguredLog()
 _PREPARED_STATEMENT_LOST = frozenset({"26000", "42P05"})
 
 
-def _prepared_statement_lost(exc: BaseException) -> bool:
+def prepared_statement_lost(exc: BaseException) -> bool:
     # asyncpg's own classes carry these SQLSTATEs; both looked at, whichever it raises.
     return sqlstate(exc) in _PREPARED_STATEMENT_LOST or isinstance(
         exc, (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError)
@@ -172,7 +172,7 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
             outage=False,
         )
     state = sqlstate(exc)
-    if _prepared_statement_lost(exc):
+    if prepared_statement_lost(exc):
         _log_prepared_statement_lost(exc, doing)
     if classify(state) is Failure.MISCONFIGURED:
         _log_misconfigured(exc, doing)
