@@ -217,6 +217,12 @@ class IdempotentCall:
     def downstream_ended(self) -> None:
         self._downstream -= 1
 
+    @property
+    def downstream_in_flight(self) -> bool:
+        """Whether a downstream call started through the client interceptor is not over yet
+        (counted on an ended call too: a task the handler left running may still be in one)."""
+        return self._downstream > 0
+
     def forwarded_metadata(self, names: Sequence[str]) -> list[tuple[str, str | bytes]]:
         """The incoming call's entries named in ``names`` (to pass on to downstream calls)."""
         return [(k, v) for k, v in self.metadata if k in names] if names else []

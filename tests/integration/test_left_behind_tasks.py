@@ -179,3 +179,56 @@ async def test_a_task_left_running_gets_no_transaction_once_its_handler_failed(
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
     assert servicer.seen == ["refused"]
     assert await ledger_rows(store, account) == 0
+
+
+IN_FLIGHT: list[LeavesACallInFlight] = []
+
+
+class LeavesACallInFlight(RelayService):
+    """Forward's first attempt starts the step's call in a task it never awaits and returns
+    (``"writes"``: after opening its final transaction); the retry awaits the call."""
+
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.left: list[asyncio.Future[Any]] = []
+        IN_FLIGHT.append(self)
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="wait")
+        if not self.left:
+            if request.mode == "writes":
+                await current_call().transaction()
+            # The tenant header given: the call starts (through the client interceptor) once
+            # the handler has returned, when forward_metadata's copies no longer apply.
+            tenant = ((TENANT, "tenant-a"),)
+            self.left.append(asyncio.ensure_future(self.ledger.Post(post, metadata=tenant)))
+            return testsvc_pb2.ForwardResponse()
+        answer = await self.ledger.Post(post)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+@pytest.mark.parametrize("mode", ["returns", "writes"])
+async def test_an_outcome_is_not_recorded_while_a_downstream_call_is_in_flight(
+    ledger: RunningLedger, store: Store, mode: str
+) -> None:
+    """Recorded OK while the step's call was still in flight, the outcome was replayed to every
+    retry whether that call then succeeded or failed (a failed charge never made again). The
+    call fails instead (TransactionOpen), nothing recorded, the key released; the retry sends the
+    same child key, and the ledger replays the call that went on to commit."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode=mode)
+    async with running_relay(store, ledger.address, servicer=LeavesACallInFlight) as relay:
+        first = await relay.forward(request, key)
+        # Answered before the call could end: the ledger holds it until ``release``.
+        await asyncio.wait_for(ledger.service.started.wait(), 10)
+        assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first
+        assert first.reason() == "IDEMPOTENCY_TRANSACTION_OPEN", first
+        ledger.service.release.set()
+        charged = await IN_FLIGHT[-1].left[0]  # the call went on, and committed on the ledger
+        second = await relay.forward(request, key)
+        assert second.code is grpc.StatusCode.OK and not second.replayed, second
+    # The retry's call carried the same child key, and the ledger replayed its answer.
+    assert testsvc_pb2.ForwardResponse.FromString(second.body or b"").entry_id == charged.entry_id
+    assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1

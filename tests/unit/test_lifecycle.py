@@ -122,6 +122,20 @@ def test_finish_classifies_by_default_recorded_set(code: Code, expected: Finish)
     assert finish(code, DEFAULT_RECORDED_ERRORS) is expected
 
 
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (Code.OK, Finish.UNSETTLED),
+        (Code.NOT_FOUND, Finish.UNSETTLED),  # a recorded error would be replayed just the same
+        (Code.UNAVAILABLE, Finish.RELEASE),  # released anyway: its own answer stands
+    ],
+)
+def test_finish_records_nothing_while_a_downstream_call_is_in_flight(
+    code: Code, expected: Finish
+) -> None:
+    assert finish(code, DEFAULT_RECORDED_ERRORS, downstream_in_flight=True) is expected
+
+
 def test_finish_respects_an_overridden_set() -> None:
     assert finish(Code.NOT_FOUND, frozenset({Code.PERMISSION_DENIED})) is Finish.RELEASE
     assert (

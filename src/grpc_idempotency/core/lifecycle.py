@@ -29,6 +29,8 @@ When the owner's handler ends, ``finish`` classifies its status:
     OK                                   -> RECORD        commit the writes and the response
     a recorded error (deterministic)     -> RECORD_ERROR  roll back the writes, commit the status
     anything else, or an exception       -> RELEASE       roll back everything; a retry runs again
+    either of the first two, with a downstream call still in flight
+                                         -> UNSETTLED     roll back everything; the call fails
 
 A store failure at that end is answered as ``final_store_failure`` says: DEADLINE_EXCEEDED when
 the call's deadline ran out before its final transaction opened (as during the claim), else
@@ -363,13 +365,27 @@ class Finish(enum.Enum):
     RECORD = "record"
     RECORD_ERROR = "record_error"
     RELEASE = "release"
+    UNSETTLED = "unsettled"
+    """An outcome to record, but a downstream call the handler started is still in flight:
+    release the key and fail the call (``TransactionOpen``), nothing recorded."""
 
 
-def finish(code: Code, recorded_errors: frozenset[Code]) -> Finish:
+def finish(
+    code: Code, recorded_errors: frozenset[Code], *, downstream_in_flight: bool = False
+) -> Finish:
+    """What to do with the status ``code`` the handler ended with. ``downstream_in_flight``: a
+    call it made through the client interceptor is not over (started in a task it never awaited,
+    ``asyncio.ensure_future(stub.Charge(...))``). Such a call's effect is undecided: recorded
+    now, the outcome (OK, or a recorded error) would be replayed to every retry whether that
+    call then succeeds or fails, and a failed charge was never made again. So it is not
+    recorded, as the final transaction does not open across such a call
+    (``IdempotentCall.transaction``): the key is released, and the retry re-sends the same child
+    keys, so a call that did commit downstream is replayed there, not repeated. A status that
+    releases the key anyway keeps its own answer (a retry runs again just the same)."""
     if code is Code.OK:
-        return Finish.RECORD
+        return Finish.UNSETTLED if downstream_in_flight else Finish.RECORD
     if code in recorded_errors:
-        return Finish.RECORD_ERROR
+        return Finish.UNSETTLED if downstream_in_flight else Finish.RECORD_ERROR
     return Finish.RELEASE
 
 

@@ -52,6 +52,7 @@ from grpc_idempotency.core.errors import (
     StoreMisconfigured,
     StoreUnavailable,
     TransactionConflict,
+    TransactionOpen,
 )
 from grpc_idempotency.core.field_order import serialized_size
 from grpc_idempotency.core.herd import HerdRelease
@@ -903,7 +904,19 @@ class IdempotencyInterceptor(_Interceptor):
             call.outcome = CallOutcome.RELEASED
             misuse = await self._release(tx, claim)
             await answers.abort(context, misuse or _enqueue_not_awaited(policy.method, unawaited))
-        return await self._finish(call, response, aborted, fingerprint, executed, tx, claim)
+        return await self._finish(
+            call,
+            response,
+            aborted,
+            fingerprint,
+            executed,
+            tx,
+            claim,
+            # Read after the handler returned and the lease stopped (phased: at least a loop
+            # turn, in which a call object the handler made last, never awaited, starts through
+            # the client interceptor and is counted).
+            downstream_in_flight=serving.downstream_in_flight,
+        )
 
     async def _finish(
         self,
@@ -914,13 +927,22 @@ class IdempotencyInterceptor(_Interceptor):
         executed: CallOutcome,
         attempt: Attempt | None,
         claim: PhasedClaim | None = None,
+        *,
+        downstream_in_flight: bool = False,
     ) -> Any:
         """Commits the handler's outcome (or releases the key), then answers. ``attempt`` is the
         open transaction holding the claim; in phased mode it may be ``None`` (the handler wrote
-        nothing) and is opened here from ``claim``."""
+        nothing) and is opened here from ``claim``. ``downstream_in_flight``: a downstream call
+        the handler started is not over (``finish``: then nothing is recorded)."""
         policy, context = call.policy, call.context
         code = answers.code_of(context) if aborted is None else answers.status_code(aborted.code)
-        what = finish(code, policy.recorded_errors)
+        what = finish(code, policy.recorded_errors, downstream_in_flight=downstream_in_flight)
+        if what is Finish.UNSETTLED:
+            # Committed, the outcome would be replayed to every retry however that call ends:
+            # a charge that then failed was never made again.
+            call.outcome = CallOutcome.RELEASED
+            misuse = await self._release(attempt, claim)
+            await answers.abort(context, misuse or _downstream_in_flight(policy.method))
         if what is Finish.RELEASE:
             call.outcome = CallOutcome.RELEASED
             misuse = await self._release(attempt, claim)
@@ -1427,6 +1449,15 @@ async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
     except asyncio.CancelledError:
         await asyncio.wait([task])  # cancelled again: the background finishes it
         raise
+
+
+def _downstream_in_flight(method: str) -> TransactionOpen:
+    return TransactionOpen(
+        f"{method}: the handler returned while a downstream call it started was still in"
+        " flight (a task it did not await); its outcome cannot be recorded before that call's"
+        " answer: nothing was committed and the key was released. Await the downstream calls"
+        " before returning"
+    )
 
 
 def _enqueue_not_awaited(method: str, steps: list[str]) -> HandlerDatabaseError:
