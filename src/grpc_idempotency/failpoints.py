@@ -5,7 +5,8 @@ for example ``after_commit_before_response=crash`` (the process dies at once, li
 ``before_commit=sleep:2000`` or ``after_claim=error``. Points: ``after_claim``,
 ``before_commit``, ``after_commit_before_response`` (the server), ``relay_after_delivery`` (the
 outbox relay: delivered, not yet marked sent), ``purge_batch`` (every purge, before each batch),
-``lease_renewal`` (a phased claim's lease keeper, before each renewal).
+``lease_renewal`` (a phased claim's lease keeper, before each renewal), ``lease_renewed`` (the
+keeper, with a renewal's answer, before it acts on it).
 When the variable is unset, ``ENABLED`` is False and the server never calls ``hit``: no cost on
 the request path.
 

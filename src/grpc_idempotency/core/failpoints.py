@@ -27,6 +27,8 @@ POINTS = frozenset(
         "purge_batch",
         # a phased claim's lease keeper is about to renew the lease while the handler runs
         "lease_renewal",
+        # the keeper has its renewal's answer (renewed or lost) and has not acted on it yet
+        "lease_renewed",
     }
 )
 

@@ -1648,6 +1648,8 @@ class _LeaseKeeper:
                 if failpoints.ENABLED:
                     await failpoints.hit("lease_renewal")
                 renewed = await self._claim.renew(lease_until=lease_until)
+                if failpoints.ENABLED:
+                    await failpoints.hit("lease_renewed")
             except StoreUnavailable as err:
                 # The lease may still hold; the final commit checks the token anyway. Once it
                 # has run out by this count, said once per call: another attempt may take the
