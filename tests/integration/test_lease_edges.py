@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
-from grpc_idempotency import Store
-from tests.support.ledger import fresh
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import (
+    HandlerDatabaseError,
+    IdempotencyInterceptor,
+    MetadataScope,
+    MethodOverride,
+    Store,
+    failpoints,
+)
+from tests.support.ledger import TENANT, LedgerService, fresh, ledger_server, metadata
+from tests.support.wire import call_raw
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
 SCOPE = "tenant:tenant-a"
@@ -44,3 +60,68 @@ async def test_a_lease_run_out_that_nobody_took_over_is_still_renewed(store: Sto
     )
     assert leased is True
     await claim.release()
+
+
+class RaisesOnceTheLeaseIsLost(LedgerService):
+    """PostPhased raises ``raising`` once the lease keeper has its renewal's answer (the lease
+    lost: the test took the claim from it) and before the keeper acts on it."""
+
+    renewed: asyncio.Event
+    go: asyncio.Event
+    raising: type[Exception]
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        self.executions += 1
+        await self.renewed.wait()
+        # The keeper goes on in the next loop turn, once this handler has raised: the one turn
+        # before the driver stops the lease (its release runs in a task of its own).
+        self.go.set()
+        raise self.raising("the handler fails")
+
+
+@pytest.mark.parametrize(
+    ("raising", "code"),
+    [(HandlerDatabaseError, grpc.StatusCode.INTERNAL), (RuntimeError, grpc.StatusCode.UNKNOWN)],
+)
+async def test_a_lease_lost_as_the_handler_raises_does_not_cancel_the_call(
+    store: Store, monkeypatch: pytest.MonkeyPatch, raising: type[Exception], code: grpc.StatusCode
+) -> None:
+    """A renewal that found the lease lost just as the handler raised cancelled the call's task
+    (the keeper cancels a handler that is still running): by then the driver's, answering the
+    handler's error. The CancelledError escaped it, and grpc.aio sent no status at all: the
+    client waited until its deadline. The call answers the handler's error."""
+    key = fresh()
+    renewed, go = asyncio.Event(), asyncio.Event()
+
+    async def hit(name: str) -> None:
+        if name == "lease_renewal":  # the claim taken over: this renewal finds it lost
+            await store.pool.execute(
+                "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
+                " WHERE scope = $1 AND key = $2",
+                SCOPE,
+                key,
+            )
+        elif name == "lease_renewed":
+            renewed.set()
+            await go.wait()
+
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "hit", hit)
+    servicer = RaisesOnceTheLeaseIsLost(store)
+    servicer.renewed, servicer.go, servicer.raising = renewed, go, raising
+    interceptor = IdempotencyInterceptor(
+        store,
+        services=[testsvc_pb2],
+        scope=MetadataScope(TENANT),
+        overrides={PHASED[1:]: MethodOverride(lease=timedelta(seconds=1))},
+    )
+    async with ledger_server(interceptor, servicer) as (channel, _):
+        answer = await call_raw(
+            channel,
+            PHASED,
+            testsvc_pb2.PostRequest(account=fresh("acct"), amount=1),
+            metadata(key),
+            timeout=5,
+        )
+    assert answer.code is code, answer
+    assert servicer.executions == 1

@@ -844,9 +844,13 @@ class IdempotencyInterceptor(_Interceptor):
         if lease is not None:
             lease.start()
         try:
-            if failpoints.ENABLED:
-                await failpoints.hit("after_claim")
-            response = await self._invoke(call)
+            try:
+                if failpoints.ENABLED:
+                    await failpoints.hit("after_claim")
+                response = await self._invoke(call)
+            finally:
+                if lease is not None:
+                    lease.handler_over()  # before any await: see there
         except DeferredAbort as exc:  # the handler called context.abort()
             aborted = exc
         except asyncio.CancelledError:
@@ -1617,6 +1621,15 @@ class _LeaseKeeper:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(time.monotonic()))
+
+    def handler_over(self) -> None:
+        """The handler has ended (returned or raised): a renewal that finds the lease lost from
+        now on sets ``lost`` and cancels nothing, and no renewal is sent any more. ``stop``
+        comes next, but after a raise an await away (the release runs in a task of its own):
+        a renewal answered "lost" in that loop turn cancelled the call's task, by then the
+        driver's, answering the handler's error. The CancelledError escaped it, grpc.aio sent
+        no status, and the client waited until its deadline."""
+        self.stopping = True
 
     async def stop(self) -> None:
         """Returns once no renewal of this keeper is in flight, and none will be sent. May be
