@@ -22,7 +22,12 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from grpc_idempotency import IdempotencyError, StoreUnavailable, proto_include
+from grpc_idempotency import (
+    IdempotencyError,
+    StoreMisconfigured,
+    StoreUnavailable,
+    proto_include,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,11 +54,11 @@ async def run(dsn: str, given: bool = False) -> int:
         # One line, not a traceback: the error names the cause, and where it came from is the
         # one thing the user can change.
         where = "the PostgreSQL of --dsn" if given else "the embedded PostgreSQL"
-        hint = (
-            ": is PostgreSQL running where the DSN points?"
-            if isinstance(err, StoreUnavailable)
-            else ""
-        )
+        # Only for one it could not reach: a DSN it cannot parse, a password refused, a
+        # database that is not there are StoreMisconfigured (a StoreUnavailable too), and the
+        # question sent the user to check a server that was not the problem.
+        unreached = isinstance(err, StoreUnavailable) and not isinstance(err, StoreMisconfigured)
+        hint = ": is PostgreSQL running where the DSN points?" if unreached else ""
         print(f"cannot open the idempotency store on {where}: {err}{hint}", file=sys.stderr)
         return 2
     print(f"payments server listening on 127.0.0.1:{port}")

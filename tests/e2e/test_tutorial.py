@@ -92,13 +92,25 @@ def test_without_an_extra_it_names_the_install_from_this_checkout(
     assert "pip install -e '.[codegen]'" in capsys.readouterr().err
 
 
-def test_a_dsn_it_cannot_use_is_one_line_naming_dsn_and_exit_2() -> None:
-    """A wrong --dsn (here a socket directory that does not exist) is the library's error on one
-    line, said to come from --dsn, exit 2. (It was a traceback through the example's server, exit
-    1, whose last line named neither the DSN nor what to check.)"""
+@pytest.mark.parametrize(
+    ("dsn", "said"),
+    [
+        (
+            f"postgresql://postgres@/postgres?host={TUTORIAL / 'no-such-socket-dir'}&port=5432",
+            "idempotency store unavailable while connecting",
+        ),
+        # Misconfigured, which is a StoreUnavailable too: no "is PostgreSQL running" for it.
+        ("postgresql://postgres@127.0.0.1:99999/postgres", "the DSN cannot be parsed"),
+    ],
+    ids=["unreachable", "unparsable"],
+)
+def test_a_dsn_it_cannot_use_is_one_line_naming_dsn_and_exit_2(dsn: str, said: str) -> None:
+    """A wrong --dsn (a socket directory that does not exist; a port out of range) is the
+    library's error on one line, said to come from --dsn, exit 2, asking whether PostgreSQL runs
+    there only when it could not be reached. (It was a traceback through the example's server,
+    exit 1, whose last line named neither the DSN nor what to check.)"""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_IDEMPOTENCY_TEST_DSN"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    dsn = f"postgresql://postgres@/postgres?host={TUTORIAL / 'no-such-socket-dir'}&port=5432"
     done = subprocess.run(
         [sys.executable, "-m", "examples.tutorial", "--dsn", dsn],
         cwd=ROOT,
@@ -112,7 +124,7 @@ def test_a_dsn_it_cannot_use_is_one_line_naming_dsn_and_exit_2() -> None:
     assert done.returncode == 2, report
     assert "Traceback" not in done.stderr, report
     assert done.stderr.startswith(
-        "cannot open the idempotency store on the PostgreSQL of --dsn: idempotency store"
-        " unavailable while connecting"
+        f"cannot open the idempotency store on the PostgreSQL of --dsn: {said}"
     ), report
-    assert "is PostgreSQL running where the DSN points?" in done.stderr, report
+    running = "is PostgreSQL running where the DSN points?" in done.stderr
+    assert running == (said != "the DSN cannot be parsed"), report
