@@ -361,14 +361,35 @@ async def test_a_reader_given_a_schema_that_is_not_there_is_told_the_stores_ther
 ) -> None:
     """``inspect``/``list`` with --schema left out or mistyped (the checkout keeps a store per
     service): they said "run `grpc-idempotency migrate`", which makes an empty store there, every
-    look-up in it then "no record". Now: nothing to read, and the schemas that hold a store."""
-    async with fresh_store(pg_dsn, "aaaa_first") as store:  # sorts first: in the names listed
-        missing = f"{store.schema}_typo"
-        for command in (["list"], ["inspect", "some-key"]):
-            done = await cli(*command, "--scope", SCOPE, "--dsn", pg_dsn, "--schema", missing)
-            assert done.returncode == 2, done.stderr
-            assert f"the idempotency schema '{missing}' is not created" in done.stderr
-            assert f"holding a store in this database: '{store.schema}'" in done.stderr
-            assert "migrate" not in done.stderr, done.stderr
+    look-up in it then "no record". Now: nothing to read, and the schemas that hold a store, not
+    another app's tables of the same names (a Rails app's ``schema_migrations`` and a
+    ``records`` model) nor a schema --schema would refuse by its name."""
+    decoys = ["AAAA", "aaaa_app"]  # both sort before the stores: listed first if taken for one
+    # Each app-like: a migration table alone, and a records table of a store's under a name no
+    # store can have.
+    sql = [
+        'CREATE SCHEMA "AAAA"',
+        'CREATE TABLE "AAAA".schema_migrations (version integer)',
+        'CREATE TABLE "AAAA".records (fencing_token bigint)',
+        "CREATE SCHEMA aaaa_app",
+        "CREATE TABLE aaaa_app.schema_migrations (version varchar PRIMARY KEY)",
+        "CREATE TABLE aaaa_app.records (id bigint)",
+    ]
+    async with (
+        fresh_store(pg_dsn, "aaaa_first") as store,
+        fresh_store(pg_dsn, "aaaa_second") as second,
+    ):
+        await store.pool.execute("; ".join(sql))
+        try:
+            missing = f"{store.schema}_typo"
+            for command in (["list"], ["inspect", "some-key"]):
+                done = await cli(*command, "--scope", SCOPE, "--dsn", pg_dsn, "--schema", missing)
+                assert done.returncode == 2, done.stderr
+                assert f"the idempotency schema '{missing}' is not created" in done.stderr
+                here = f"holding a store in this database: '{store.schema}', '{second.schema}'"
+                assert here in done.stderr, done.stderr
+                assert "migrate" not in done.stderr, done.stderr
+        finally:
+            await store.pool.execute("; ".join(f'DROP SCHEMA "{d}" CASCADE' for d in decoys))
         async with store.pool.acquire() as conn:  # and nothing was created
             assert not await conn.fetchval("SELECT to_regnamespace($1) IS NOT NULL", missing)

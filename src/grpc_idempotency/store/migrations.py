@@ -43,7 +43,7 @@ from typing import Any
 import asyncpg
 
 from grpc_idempotency.core.db_failures import Failure, classify
-from grpc_idempotency.store.sql import schema_identifier
+from grpc_idempotency.store.sql import SCHEMA_NAME, schema_identifier
 
 log = logging.getLogger("grpc_idempotency.store")
 
@@ -105,14 +105,22 @@ async def applied_versions(conn: Any, schema: str) -> list[int]:
 async def store_schemas(conn: Any, limit: int = 10) -> list[str]:
     """The schemas of this database that hold a store (its version table and its records),
     first ``limit`` by name: what a reader given a schema that is not there may have meant.
-    ``schema_migrations`` alone is no store's mark: other migration tools name theirs so."""
+    Neither table's name alone marks a store: other apps and migration tools name theirs so (a
+    Rails app's ``schema_migrations`` and ``records`` model), hence the records' column of a
+    store's; and a schema whose name ``--schema`` refuses is none to suggest."""
+    # Read from the catalogs, which any role may read: to_regclass of a schema the role may not
+    # use raises, and one such schema would have cut the list short with an error.
     rows = await conn.fetch(
         "SELECT n.nspname FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE c.relname IN ('schema_migrations', 'records') AND c.relkind IN ('r', 'p')"
-        " GROUP BY n.nspname HAVING count(DISTINCT c.relname) = 2"
+        " WHERE c.relname = 'records' AND c.relkind IN ('r', 'p') AND n.nspname ~ $2"
+        " AND EXISTS (SELECT FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid"
+        " AND a.attname = 'fencing_token' AND NOT a.attisdropped)"
+        " AND EXISTS (SELECT FROM pg_catalog.pg_class m WHERE m.relnamespace = n.oid"
+        " AND m.relname = 'schema_migrations' AND m.relkind IN ('r', 'p'))"
         " ORDER BY n.nspname LIMIT $1",
         limit,
+        f"^({SCHEMA_NAME.pattern})$",
     )
     return [r["nspname"] for r in rows]
 

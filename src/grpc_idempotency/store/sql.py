@@ -21,12 +21,12 @@ from datetime import UTC, datetime
 
 # At most 56 characters: the outbox's NOTIFY channel is "<schema>_outbox", and PostgreSQL
 # refuses channel names of 64 bytes or more (every enqueue would fail, migrations passing).
-_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,55}")
+SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,55}")
 
 
 def schema_identifier(schema: str) -> str:
-    if not _SCHEMA_NAME.fullmatch(schema):
-        raise ValueError(f"schema name {schema!r} must match {_SCHEMA_NAME.pattern}")
+    if not SCHEMA_NAME.fullmatch(schema):
+        raise ValueError(f"schema name {schema!r} must match {SCHEMA_NAME.pattern}")
     if schema.startswith("pg_"):
         raise ValueError(f"schema name {schema!r}: names starting with pg_ are PostgreSQL's")
     if schema == "information_schema":
