@@ -24,8 +24,10 @@ import json
 import os
 import re
 import subprocess
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -363,10 +365,9 @@ async def test_a_reader_given_a_schema_that_is_not_there_is_told_the_stores_ther
     service): they said "run `grpc-idempotency migrate`", which makes an empty store there, every
     look-up in it then "no record". Now: nothing to read, and the schemas that hold a store, not
     another app's tables of the same names (a Rails app's ``schema_migrations`` and a
-    ``records`` model) nor a schema --schema would refuse by its name."""
-    decoys = ["AAAA", "aaaa_app"]  # both sort before the stores: listed first if taken for one
-    # Each app-like: a migration table alone, and a records table of a store's under a name no
-    # store can have.
+    ``records`` model), a store's records without its version table, nor a schema --schema would
+    refuse by its name. A database holding none (the DSN's database wrong) says so."""
+    decoys = ["AAAA", "aaaa_app", "aaaa_b"]  # sort before the stores: listed first if taken
     sql = [
         'CREATE SCHEMA "AAAA"',
         'CREATE TABLE "AAAA".schema_migrations (version integer)',
@@ -374,6 +375,8 @@ async def test_a_reader_given_a_schema_that_is_not_there_is_told_the_stores_ther
         "CREATE SCHEMA aaaa_app",
         "CREATE TABLE aaaa_app.schema_migrations (version varchar PRIMARY KEY)",
         "CREATE TABLE aaaa_app.records (id bigint)",
+        "CREATE SCHEMA aaaa_b",
+        "CREATE TABLE aaaa_b.records (fencing_token bigint)",
     ]
     async with (
         fresh_store(pg_dsn, "aaaa_first") as store,
@@ -393,3 +396,13 @@ async def test_a_reader_given_a_schema_that_is_not_there_is_told_the_stores_ther
             await store.pool.execute("; ".join(f'DROP SCHEMA "{d}" CASCADE' for d in decoys))
         async with store.pool.acquire() as conn:  # and nothing was created
             assert not await conn.fetchval("SELECT to_regnamespace($1) IS NOT NULL", missing)
+        empty = f"no_stores_{uuid.uuid4().hex[:8]}"
+        await store.pool.execute(f"CREATE DATABASE {empty}")
+        try:
+            there = urlunsplit(urlsplit(pg_dsn)._replace(path=f"/{empty}"))
+            done = await cli("list", "--scope", SCOPE, "--dsn", there, "--schema", missing)
+        finally:
+            await store.pool.execute(f"DROP DATABASE {empty}")
+        assert done.returncode == 2, done.stderr
+        assert "holding a store in this database: none)" in done.stderr, done.stderr
+        assert "migrate" not in done.stderr, done.stderr
