@@ -127,10 +127,12 @@ async def running_relay(
     overrides: Mapping[str, MethodOverride] | None = None,
     servicer: type[RelayService] = RelayService,
     downstream_interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    **interceptor_options: Any,
 ) -> AsyncIterator[RunningRelay]:
     """RelayService (or a subclass of it, ``servicer``) calling the ledger at
     ``ledger_address`` through a channel with the client interceptor (then
-    ``downstream_interceptors``)."""
+    ``downstream_interceptors``); ``interceptor_options`` go to its server's
+    ``IdempotencyInterceptor`` (``telemetry=``, say)."""
     downstream = grpc.aio.insecure_channel(
         ledger_address,
         interceptors=[
@@ -143,7 +145,11 @@ async def running_relay(
     server = grpc.aio.server(
         interceptors=[
             IdempotencyInterceptor(
-                store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+                store,
+                services=[testsvc_pb2],
+                overrides=overrides,
+                scope=MetadataScope(TENANT),
+                **interceptor_options,
             )
         ]
     )
