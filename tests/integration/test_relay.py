@@ -29,7 +29,7 @@ import asyncpg
 import grpc
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData, Sum
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import DsnUnusable, Store, StoreUnavailable, Telemetry
@@ -2574,3 +2574,64 @@ async def test_a_meter_provider_named_in_the_environment_but_not_installed_is_na
     assert proc.returncode == 1
     last = stderr.decode().strip().splitlines()[-1]
     assert last.startswith("ValueError: OTEL_PYTHON_METER_PROVIDER='not-installed'"), last
+
+
+class _Scripted:
+    """A sink that answers each key as told: "block" (until ``go``, the first time), "fail"
+    (transient, the first time), "dead" (permanent); anything else is delivered."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.blocked = asyncio.Event()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    async def deliver(self, message: OutboxMessage) -> None:
+        self.seen[message.key] += 1
+        if message.key == "block" and self.seen["block"] == 1:
+            self.blocked.set()
+            await self.go.wait()
+        if message.key == "fail" and self.seen["fail"] == 1:
+            raise DeliveryError("not now")
+        if message.key == "dead":
+            raise PermanentDeliveryError("never")
+
+
+async def test_the_deliveries_counter_counts_each_recorded_outcome_once(outbox: Store) -> None:
+    """``grpc_idempotency.outbox.deliveries`` counts what the marks recorded: a relay whose claim
+    was lost (another took the row over after its lease, delivered and marked it) counts
+    nothing for it, so a row delivered by two relays is "sent" once; a failed delivery is one
+    "retry", its redelivery one "sent", a permanent failure one "dead"."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    sink = _Scripted()
+    first = Relay(outbox, sink, name="first", meter_provider=provider, listen=False)
+    second = Relay(outbox, sink, name="second", meter_provider=provider, listen=False)
+    schema = outbox.schema
+    await insert(outbox, schema, ["block"])
+    lost = asyncio.ensure_future(first.run_once())
+    await asyncio.wait_for(sink.blocked.wait(), WAIT_S)
+    # The first relay's lease runs out while it delivers: the second takes the row over.
+    await outbox.pool.execute(
+        f"UPDATE \"{schema}\".outbox SET locked_until = clock_timestamp() - interval '1 second',"
+        " next_attempt_at = clock_timestamp() - interval '1 second'"
+    )
+    assert await second.run_once() == 1
+    sink.go.set()
+    assert await lost == 0  # its mark found the row another's
+    assert sink.seen["block"] == 2
+    await insert(outbox, schema, ["fail", "dead"])
+    assert await second.run_once() == 0
+    await outbox.pool.execute(
+        f"UPDATE \"{schema}\".outbox SET next_attempt_at = clock_timestamp() WHERE key = 'fail'"
+    )
+    assert await second.run_once() == 1
+    counted = {
+        str(dict(p.attributes or {})["grpc_idempotency.outbox.outcome"]): int(p.value)
+        for rm in cast(MetricsData, reader.get_metrics_data()).resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "grpc_idempotency.outbox.deliveries"
+        for p in cast(Sum, m.data).data_points
+    }
+    assert counted == {"sent": 2, "retry": 1, "dead": 1}
+    assert first.stats.delivered == 0 and second.stats.delivered == 2
