@@ -30,7 +30,12 @@ from typing import Any, Protocol, TypeVar
 
 from google.protobuf.message import Message
 
-from grpc_idempotency.core.errors import NotInIdempotentCall, StoreUnavailable, TransactionOpen
+from grpc_idempotency.core.errors import (
+    IdempotencyError,
+    NotInIdempotentCall,
+    StoreUnavailable,
+    TransactionOpen,
+)
 from grpc_idempotency.core.outbox import message_key, outbox_step
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import StepCalls
@@ -136,6 +141,8 @@ class IdempotentCall:
         self._ended = False
         self._downstream = 0
         """Downstream calls started through the client interceptor and not finished yet."""
+        self._refused: IdempotencyError | None = None
+        """The first downstream call the client interceptor refused (``downstream_refused``)."""
         self.step_calls = StepCalls()
         """The steps this attempt has called (a step is one call)."""
         self._waiting: set[concurrent.futures.Future[Any]] = set()
@@ -216,6 +223,21 @@ class IdempotentCall:
 
     def downstream_ended(self) -> None:
         self._downstream -= 1
+
+    def downstream_refused(self, err: IdempotencyError) -> None:
+        """The client interceptor refused a downstream call with ``err`` before sending it, as a
+        misuse (made after the final transaction opened, a step called twice, ...). The refusal is
+        raised inside the call object, which a handler may never await
+        (``stub.X(...)`` made and dropped, ``ensure_future`` not awaited): its OK answer would
+        then commit without the call's effect, the only trace asyncio's "exception was never
+        retrieved". So it is kept here, and the driver fails an OK answer with it."""
+        if self._refused is None:
+            self._refused = err
+
+    @property
+    def refused_downstream(self) -> IdempotencyError | None:
+        """The first downstream call's refusal (``downstream_refused``), if any."""
+        return self._refused
 
     @property
     def downstream_in_flight(self) -> bool:

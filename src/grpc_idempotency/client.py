@@ -30,7 +30,15 @@ import grpc
 
 from grpc_idempotency.call import IdempotentCall, current_call_or_none
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import KeyInvalid, PolicyError, RequestInvalid, TransactionOpen
+from grpc_idempotency.core.errors import (
+    KeyInvalid,
+    PolicyError,
+    RequestInvalid,
+    StepAmbiguous,
+    StepReused,
+    StepUndeclared,
+    TransactionOpen,
+)
 from grpc_idempotency.core.keys import validate_key
 from grpc_idempotency.core.policy import KeyRequirement, MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import (
@@ -473,7 +481,17 @@ class IdempotencyClientInterceptor(_Interceptor):
     ) -> Any:
         """Sends the call as ``_outgoing`` rewrites it, counted as in flight while serving a
         call. ``request``: the request, or the request iterator of a client-streaming call."""
-        details, serving, step = self._outgoing(client_call_details, keyed=keyed)
+        try:
+            details, serving, step = self._outgoing(client_call_details, keyed=keyed)
+        except _MISUSES as err:
+            # Raised in the call object's task, which the handler may never await: told to the
+            # served call too, whose driver then fails an OK answer (``downstream_refused``).
+            # Not a metadata entry gRPC cannot send (ValueError, RequestInvalid, KeyInvalid): a
+            # handler may catch that and call again without it, as that one call.
+            refusing = current_call_or_none()
+            if refusing is not None:
+                refusing.downstream_refused(err)
+            raise
         if serving is None:
             return await continuation(details, request)
         if step is not None:
@@ -672,6 +690,11 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.wait_for_ready,
         )
         return details, serving, step
+
+
+_MISUSES = (TransactionOpen, StepReused, StepUndeclared, StepAmbiguous, PolicyError)
+"""What the client interceptor refuses a handler's call for that no handler can recover from by
+calling again: its OK answer would say done without that call's effect."""
 
 
 def _refuse_unsendable(

@@ -14,12 +14,15 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import (
+    IdempotencyError,
     IdempotencyInterceptor,
     KeyRequirement,
     MetadataScope,
     MethodOverride,
     NotInIdempotentCall,
+    StepReused,
     Store,
+    TransactionOpen,
     child_key,
     current_call,
 )
@@ -230,5 +233,71 @@ async def test_an_outcome_is_not_recorded_while_a_downstream_call_is_in_flight(
     # The retry's call carried the same child key, and the ledger replayed its answer.
     assert testsvc_pb2.ForwardResponse.FromString(second.body or b"").entry_id == charged.entry_id
     assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+REFUSED: list[RefusedUnawaited] = []
+
+
+class RefusedUnawaited(RelayService):
+    """Forward's first attempt makes a call object it never awaits, which the client
+    interceptor refuses, then opens its final transaction and writes: ``"step"``, the step's
+    call, made once the transaction is open (TransactionOpen); ``"twice"``, the step's call
+    again once it was answered (StepReused). The retry makes its call as it should."""
+
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.left: list[Any] = []
+        self.attempts = 0
+        REFUSED.append(self)
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        self.attempts += 1
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        if self.attempts > 1:
+            answer = await self.ledger.Post(post)
+            return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+        # gRPC starts a call (its interceptors, in a task of their own) at once; the handler
+        # never awaits these, and so never sees them refused.
+        if request.mode == "twice":
+            await self.ledger.Post(post)
+            self.left.append(self.ledger.Post(post))
+        if self.left:
+            # A loop turn: the call's task (made first) runs the interceptor, which refuses
+            # it now, not as made with the final transaction opening (TransactionOpen).
+            await asyncio.sleep(0)
+        conn = await current_call().transaction()
+        if request.mode == "step":
+            self.left.append(self.ledger.Post(post))
+        # The write's round trip: the interceptors' task runs (and refuses the call) meanwhile.
+        await conn.execute(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
+        )
+        return testsvc_pb2.ForwardResponse()
+
+
+@pytest.mark.parametrize(("mode", "refusal"), [("step", TransactionOpen), ("twice", StepReused)])
+async def test_a_call_refused_in_an_object_never_awaited_fails_the_call(
+    ledger: RunningLedger, store: Store, mode: str, refusal: type[IdempotencyError]
+) -> None:
+    """The client interceptor refused the call inside a call object nobody awaited: the outcome
+    committed OK (with the handler's write) without the call's effect, replayed to every retry,
+    and the only trace was asyncio's "exception was never retrieved". The refusal is the
+    call's answer instead, nothing committed, the key released; the retry runs again."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode=mode)
+    async with running_relay(store, ledger.address, servicer=RefusedUnawaited) as relay:
+        first = await relay.forward(request, key)
+        assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first
+        assert first.reason() == refusal.reason, first
+        refused = REFUSED[-1].left[0]
+        assert refused.done()
+        with pytest.raises(refusal):
+            await refused  # retrieved: no "never retrieved" log
+        second = await relay.forward(request, key)
+        assert second.code is grpc.StatusCode.OK and not second.replayed, second
+    # The first attempt's write rolled back; the step's effect made once (the retry's call, or
+    # "twice": the first attempt's, which the retry's call of the step replays).
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1

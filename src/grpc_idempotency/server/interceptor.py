@@ -908,6 +908,15 @@ class IdempotencyInterceptor(_Interceptor):
             call.outcome = CallOutcome.RELEASED
             misuse = await self._release(tx, claim)
             await answers.abort(context, misuse or _enqueue_not_awaited(policy.method, unawaited))
+        refused = serving.refused_downstream
+        if refused is not None and aborted is None and answers.code_of(context) is Code.OK:
+            # A downstream call the client interceptor refused as a misuse, maybe in a call
+            # object the handler never awaited (or awaited and swallowed the refusal): committed,
+            # the OK outcome would say done without that call's effect, replayed to every retry.
+            # An error answer stands, as for an enqueue (the refused call did nothing).
+            call.outcome = CallOutcome.RELEASED
+            misuse = await self._release(tx, claim)
+            await answers.abort(context, misuse or refused)
         return await self._finish(
             call,
             response,
