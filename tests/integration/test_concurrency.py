@@ -139,21 +139,18 @@ async def test_a_mutated_duplicate_waiting_on_an_owner_is_refused(
     assert await ledger_rows(store, account) == 1
 
 
-async def test_a_mutated_duplicate_of_a_running_phased_key_is_refused_at_once_on_every_replica(
-    store: Store,
+async def _mutated_duplicates_refused_on_every_replica(
+    store: Store, method: str, running: testsvc_pb2.PostRequest, key: str
 ) -> None:
-    """A phased claim is committed, visible to every attempt: the README's "running key,
-    different fingerprint" row answers KEY_REUSED at once. Another replica did; the owner's own
-    replica kept the request waiting on its local owner for max_wait, then answered ABORTED
-    KEY_IN_PROGRESS, a retry hint for a request that can never run."""
-    key, account = fresh(), fresh("acct")
+    """Runs ``running`` (a "wait" request) under ``key`` on one replica; while its handler
+    waits (claimed or taken over), another request under the key is refused KEY_REUSED at once
+    by another replica and by the owner's own; then the owner answers, having run once."""
     async with running_ledger(store) as ledger, running_ledger(store) as other:
-        running = testsvc_pb2.PostRequest(account=account, behaviour="wait")
-        owner = asyncio.ensure_future(ledger.call(PHASED, running, key))
-        await ledger.service.started.wait()  # claimed, and its handler running
-        mutated = testsvc_pb2.PostRequest(account=account, amount=9)
+        owner = asyncio.ensure_future(ledger.call(method, running, key))
+        await ledger.service.started.wait()  # its handler running
+        mutated = testsvc_pb2.PostRequest(account=running.account, amount=9)
         for replica in (other, ledger):
-            answer = await replica.call(PHASED, mutated, key)
+            answer = await replica.call(method, mutated, key)
             assert (answer.code, answer.reason()) == (
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "IDEMPOTENCY_KEY_REUSED",
@@ -162,7 +159,19 @@ async def test_a_mutated_duplicate_of_a_running_phased_key_is_refused_at_once_on
         ledger.service.release.set()
         assert (await owner).code is grpc.StatusCode.OK
     assert ledger.service.executions == 1
-    assert await ledger_rows(store, account) == 1
+    assert await ledger_rows(store, running.account) == 1
+
+
+async def test_a_mutated_duplicate_of_a_running_phased_key_is_refused_at_once_on_every_replica(
+    store: Store,
+) -> None:
+    """A phased claim is committed, visible to every attempt: the README's "running key,
+    different fingerprint" row answers KEY_REUSED at once. Another replica did; the owner's own
+    replica kept the request waiting on its local owner for max_wait, then answered ABORTED
+    KEY_IN_PROGRESS, a retry hint for a request that can never run."""
+    key, account = fresh(), fresh("acct")
+    running = testsvc_pb2.PostRequest(account=account, behaviour="wait")
+    await _mutated_duplicates_refused_on_every_replica(store, PHASED, running, key)
 
 
 async def test_a_mutated_duplicate_waiting_before_a_phased_claim_is_refused_when_its_wait_ends(
@@ -218,21 +227,7 @@ async def test_a_mutated_duplicate_of_an_atomic_takeover_is_refused_at_once_on_e
         POST,
         fingerprint,
     )
-    async with running_ledger(store) as ledger, running_ledger(store) as other:
-        owner = asyncio.ensure_future(ledger.call(POST, running, key))
-        await ledger.service.started.wait()  # taken over, and its handler running
-        mutated = testsvc_pb2.PostRequest(account=account, amount=9)
-        for replica in (other, ledger):
-            answer = await replica.call(POST, mutated, key)
-            assert (answer.code, answer.reason()) == (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "IDEMPOTENCY_KEY_REUSED",
-            ), (replica is ledger, answer)
-            assert not owner.done()
-        ledger.service.release.set()
-        assert (await owner).code is grpc.StatusCode.OK
-    assert ledger.service.executions == 1
-    assert await ledger_rows(store, account) == 1
+    await _mutated_duplicates_refused_on_every_replica(store, POST, running, key)
 
 
 async def test_duplicates_across_two_servers_execute_once(store: Store) -> None:
