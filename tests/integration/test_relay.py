@@ -2069,9 +2069,67 @@ async def test_a_batch_delivered_across_a_failover_is_recorded_on_a_fresh_connec
         await proxy.close()
 
 
+@pytest.mark.parametrize("outcome", ["sent", "retry", "dead"])
+async def test_a_mark_whose_commit_answer_is_lost_is_counted_once(
+    pg_dsn: str, outbox: Store, outcome: str
+) -> None:
+    """The relay's mark commits and its answer is lost with the connection (a failover). It runs
+    once more on a fresh connection, where its rows are no longer under the claim: the second
+    run matched nothing, and the outcome went to ``unrecorded``, never counted sent, retry or
+    dead. The rows already recorded by this very claim count as recorded."""
+    from tests.support.blackhole import BlackholeProxy
+
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, schema=outbox.schema, min_size=2, max_size=2)
+    try:
+        (id_,) = await insert(outbox, outbox.schema, [outcome])
+        delivering, go = asyncio.Event(), asyncio.Event()
+
+        async def deliver(message: OutboxMessage) -> None:
+            delivering.set()
+            await go.wait()
+            if outcome == "retry":
+                raise DeliveryError("not now")
+            if outcome == "dead":
+                raise PermanentDeliveryError("never")
+
+        relay = Relay(via, CallableSink(deliver), name="lost-answer", listen=False, lease=30)
+        batch = asyncio.ensure_future(relay.run_once())
+        await asyncio.wait_for(delivering.wait(), WAIT_S)
+        # The claim is answered; the relay's name is bound next by its mark, whose answer
+        # (the commit's, a statement of its own) is held.
+        proxy.hold_answers_after(b"lost-answer")
+        go.set()
+        recorded = {"sent": "state = 'sent'", "retry": "failures = 1", "dead": "state = 'dead'"}
+
+        async def committed() -> bool:
+            return bool(
+                await outbox.pool.fetchval(
+                    f'SELECT {recorded[outcome]} FROM "{outbox.schema}".outbox WHERE id = $1', id_
+                )
+            )
+
+        await until("the mark to commit", committed)
+        proxy.fail_over_losing_answers()
+        assert await asyncio.wait_for(batch, WAIT_S) == (outcome == "sent")
+        stats = relay.stats
+        assert (stats.delivered, stats.retried, stats.dead, stats.unrecorded) == (
+            outcome == "sent",
+            outcome == "retry",
+            outcome == "dead",
+            0,
+        )
+        assert (await row(outbox, outcome))["failures"] == (outcome != "sent")  # not twice
+    finally:
+        await via.close(timeout=1)
+        await proxy.close()
+
+
 async def test_recording_a_failed_delivery_again_changes_nothing(outbox: Store) -> None:
     """What the retry of a mark whose answer was lost (it committed) does: the rescheduled row
-    is pending with the same claim, and must not be charged a second failure."""
+    is pending with the same claim, and must not be charged a second failure; it counts as
+    rescheduled by this claim (a run that found it so is told so, not that nothing was)."""
     from grpc_idempotency.store.outbox_store import Failure
 
     store = OutboxStore(outbox)
@@ -2080,7 +2138,7 @@ async def test_recording_a_failed_delivery_again_changes_nothing(outbox: Store) 
     failure = Failure(id=claimed.id, attempts=claimed.attempts, delay_s=60.0, error="refused")
     assert await store.mark_failed(relay="r", failures=[failure]) == (1, 0)
     before = await row(outbox, "twice")
-    assert await store.mark_failed(relay="r", failures=[failure]) == (0, 0)
+    assert await store.mark_failed(relay="r", failures=[failure]) == (1, 0)
     after = await row(outbox, "twice")
     assert after["failures"] == 1 and after["next_attempt_at"] == before["next_attempt_at"]
 

@@ -137,33 +137,61 @@ class OutboxStatements:
         # $5 its steps' names without version. Filtered in the walk of outbox_due, before the
         # row locks: other steps' rows are neither locked nor claimed (nor taken as the head).
         self.claim_routed = _claim(s, _routed(4))
-        # $1 ids, $2 attempts (the claim's), $3 relay name.
+        # $1 ids, $2 attempts (the claim's), $3 relay name. Counts the rows this claim has
+        # marked sent, now or before: run again after its answer was lost
+        # (``OutboxStore._once_more_if_gone``), it found its rows sent, not pending, and they
+        # went uncounted (``RelayStats.unrecorded``). A row sent under the same claim (attempts,
+        # the fencing token, and relay unchanged) can only be this claim's own mark; a row
+        # another claim took over has other attempts and is not counted. "already" reads the
+        # statement's snapshot, from before "marked" changed anything: no row is in both.
         self.mark_sent = f"""
-            UPDATE {s}.outbox o
-            SET state = 'sent', sent_at = pg_catalog.clock_timestamp(), locked_until = NULL
-            FROM ROWS FROM (pg_catalog.unnest($1::bigint[]), pg_catalog.unnest($2::integer[]))
-                AS d(id, attempts)
-            WHERE o.id = d.id AND o.attempts = d.attempts AND o.claimed_by = $3
-              AND o.state = 'pending'"""
+            WITH d AS (
+                SELECT * FROM ROWS FROM (pg_catalog.unnest($1::bigint[]),
+                                         pg_catalog.unnest($2::integer[])) AS d(id, attempts)),
+            marked AS (
+                UPDATE {s}.outbox o
+                SET state = 'sent', sent_at = pg_catalog.clock_timestamp(), locked_until = NULL
+                FROM d
+                WHERE o.id = d.id AND o.attempts = d.attempts AND o.claimed_by = $3
+                  AND o.state = 'pending'
+                RETURNING o.id),
+            already AS (
+                SELECT o.id FROM {s}.outbox o JOIN d ON o.id = d.id AND o.attempts = d.attempts
+                WHERE o.claimed_by = $3 AND o.state = 'sent')
+            SELECT (SELECT pg_catalog.count(*) FROM marked)
+                 + (SELECT pg_catalog.count(*) FROM already)"""
         # $1 ids, $2 attempts, $3 delays (NULL: dead), $4 errors, $5 relay name. A dead row's
         # next_attempt_at records when it was parked (purge-dead --older-than counts from it).
         # locked_until: still under the claim (every mark clears it), so that the statement run
         # again after its answer was lost (``OutboxStore._once_more_if_gone``) counts no failure
-        # twice on a row it rescheduled, still pending with the same claim.
+        # twice on a row it rescheduled, still pending with the same claim. Returns the state
+        # of every row this claim has recorded a failure for, now or before (as mark_sent
+        # counts): a row of the same claim that is dead, or pending with its lease cleared, was
+        # marked by this statement's first run, whose answer was lost.
         self.mark_failed = f"""
-            UPDATE {s}.outbox o
-            SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
-                failures = o.failures + 1,
-                next_attempt_at = pg_catalog.clock_timestamp()
-                    + pg_catalog.make_interval(secs => COALESCE(f.delay_s, 0)),
-                locked_until = NULL,
-                last_error = f.error
-            FROM ROWS FROM (pg_catalog.unnest($1::bigint[]), pg_catalog.unnest($2::integer[]),
-                           pg_catalog.unnest($3::float8[]), pg_catalog.unnest($4::text[]))
-                AS f(id, attempts, delay_s, error)
-            WHERE o.id = f.id AND o.attempts = f.attempts AND o.claimed_by = $5
-              AND o.state = 'pending' AND o.locked_until IS NOT NULL
-            RETURNING o.state"""
+            WITH f AS (
+                SELECT * FROM ROWS FROM (pg_catalog.unnest($1::bigint[]),
+                                         pg_catalog.unnest($2::integer[]),
+                                         pg_catalog.unnest($3::float8[]),
+                                         pg_catalog.unnest($4::text[]))
+                    AS f(id, attempts, delay_s, error)),
+            marked AS (
+                UPDATE {s}.outbox o
+                SET state = CASE WHEN f.delay_s IS NULL THEN 'dead' ELSE 'pending' END,
+                    failures = o.failures + 1,
+                    next_attempt_at = pg_catalog.clock_timestamp()
+                        + pg_catalog.make_interval(secs => COALESCE(f.delay_s, 0)),
+                    locked_until = NULL,
+                    last_error = f.error
+                FROM f
+                WHERE o.id = f.id AND o.attempts = f.attempts AND o.claimed_by = $5
+                  AND o.state = 'pending' AND o.locked_until IS NOT NULL
+                RETURNING o.state)
+            SELECT state FROM marked
+            UNION ALL
+            SELECT o.state FROM {s}.outbox o JOIN f ON o.id = f.id AND o.attempts = f.attempts
+            WHERE o.claimed_by = $5
+              AND (o.state = 'dead' OR (o.state = 'pending' AND o.locked_until IS NULL))"""
         # Seconds until the earliest pending row is due (negative: overdue); NULL: none pending.
         self.next_due_in = f"""
             SELECT EXTRACT(EPOCH FROM
@@ -354,9 +382,10 @@ class OutboxStore:
         """``run(conn)`` at READ COMMITTED; once more, on a connection opened now, if the pooled
         one was found gone (a restart or a failover: the pool's others are expired then), as
         the store's claims and look-ups do. Safe for the relay's statements: a mark changes
-        only rows still under the claim, so one that ran before its answer was lost finds
-        nothing the second time; a claim that did leaves its rows to come back after the lease
-        (a lost claim), as it would have without the second try.
+        only rows still under the claim, so one that ran before its answer was lost changes
+        nothing the second time (and counts those rows as this claim's, recorded); a claim that
+        did leaves its rows to come back after the lease (a lost claim), as it would have
+        without the second try.
 
         Not tried again, a mark left the whole batch claimed (delivered again after the lease,
         each row counted a lost claim and claimed alone), and a claim raised StoreUnavailable
@@ -410,23 +439,24 @@ class OutboxStore:
         return messages
 
     async def mark_sent(self, *, relay: str, claims: Sequence[tuple[int, int]]) -> int:
-        """Marks delivered rows (``(id, attempts)`` of their claims) sent; returns how many were
-        still this relay's claim (the others were taken over after their lease expired)."""
+        """Marks delivered rows (``(id, attempts)`` of their claims) sent; returns how many are
+        sent under these claims (the others were taken over after their lease expired), those
+        a first try whose answer was lost marked included."""
         if not claims:
             return 0
 
-        async def mark(conn: PooledConnection) -> str:
-            status: str = await conn.execute(
+        async def mark(conn: PooledConnection) -> int:
+            count: int = await conn.fetchval(
                 self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
             )
-            return status
+            return count
 
-        status = await self._once_more_if_gone("marking outbox rows sent", mark)
-        return int(status.split()[-1])
+        return await self._once_more_if_gone("marking outbox rows sent", mark)
 
     async def mark_failed(self, *, relay: str, failures: Sequence[Failure]) -> tuple[int, int]:
         """Reschedules failed rows, or parks them as dead letters; returns (rescheduled, dead)
-        among the rows still claimed by this relay."""
+        among the rows still claimed by this relay, those a first try whose answer was lost
+        recorded included."""
         if not failures:
             return 0, 0
 
