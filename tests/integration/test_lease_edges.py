@@ -63,12 +63,13 @@ async def test_a_lease_run_out_that_nobody_took_over_is_still_renewed(store: Sto
 
 
 class RaisesOnceTheLeaseIsLost(LedgerService):
-    """PostPhased raises ``raising`` once the lease keeper has its renewal's answer (the lease
-    lost: the test took the claim from it) and before the keeper acts on it."""
+    """PostPhased raises ``raising`` (returns OK if None) once the lease keeper has its
+    renewal's answer (the lease lost: the test took the claim from it) and before the keeper
+    acts on it."""
 
     renewed: asyncio.Event
     go: asyncio.Event
-    raising: type[Exception]
+    raising: type[Exception] | None
 
     async def PostPhased(self, request: Any, context: Any) -> Any:
         self.executions += 1
@@ -76,15 +77,24 @@ class RaisesOnceTheLeaseIsLost(LedgerService):
         # The keeper goes on in the next loop turn, once this handler has raised: the one turn
         # before the driver stops the lease (its release runs in a task of its own).
         self.go.set()
+        if self.raising is None:
+            return testsvc_pb2.PostResponse(account=request.account)
         raise self.raising("the handler fails")
 
 
 @pytest.mark.parametrize(
     ("raising", "code"),
-    [(HandlerDatabaseError, grpc.StatusCode.INTERNAL), (RuntimeError, grpc.StatusCode.UNKNOWN)],
+    [
+        (HandlerDatabaseError, grpc.StatusCode.INTERNAL),
+        (RuntimeError, grpc.StatusCode.UNKNOWN),
+        (None, grpc.StatusCode.ABORTED),  # returned OK: LEASE_LOST, nothing recorded
+    ],
 )
 async def test_a_lease_lost_as_the_handler_raises_does_not_cancel_the_call(
-    store: Store, monkeypatch: pytest.MonkeyPatch, raising: type[Exception], code: grpc.StatusCode
+    store: Store,
+    monkeypatch: pytest.MonkeyPatch,
+    raising: type[Exception] | None,
+    code: grpc.StatusCode,
 ) -> None:
     """A renewal that found the lease lost just as the handler raised cancelled the call's task
     (the keeper cancels a handler that is still running): by then the driver's, answering the
@@ -125,3 +135,47 @@ async def test_a_lease_lost_as_the_handler_raises_does_not_cancel_the_call(
         )
     assert answer.code is code, answer
     assert servicer.executions == 1
+    if raising is None:
+        assert answer.reason() == "IDEMPOTENCY_LEASE_LOST", answer
+
+
+async def test_the_lease_renewed_failpoint_comes_after_the_renewal(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lease_renewed`` is hit with the renewal's answer in, as the test above relies on (hit
+    before the renewal, it put nothing in that loop turn): the lease it set is in the database
+    by then."""
+    key = fresh()
+    seen: dict[str, Any] = {}
+    renewed, go = asyncio.Event(), asyncio.Event()
+
+    async def hit(name: str) -> None:
+        if name in ("lease_renewal", "lease_renewed") and name not in seen:
+            seen[name] = await store.pool.fetchval(
+                "SELECT locked_until FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+                SCOPE,
+                key,
+            )
+            if name == "lease_renewed":
+                renewed.set()
+
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "hit", hit)
+    servicer = RaisesOnceTheLeaseIsLost(store)
+    servicer.renewed, servicer.go, servicer.raising = renewed, go, None
+    interceptor = IdempotencyInterceptor(
+        store,
+        services=[testsvc_pb2],
+        scope=MetadataScope(TENANT),
+        overrides={PHASED[1:]: MethodOverride(lease=timedelta(seconds=1))},
+    )
+    async with ledger_server(interceptor, servicer) as (channel, _):
+        answer = await call_raw(
+            channel,
+            PHASED,
+            testsvc_pb2.PostRequest(account=fresh("acct"), amount=1),
+            metadata(key),
+            timeout=5,
+        )
+    assert answer.code is grpc.StatusCode.OK, answer
+    assert seen["lease_renewed"] > seen["lease_renewal"], seen
