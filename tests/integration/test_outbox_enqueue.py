@@ -306,13 +306,16 @@ async def test_an_enqueue_never_awaited_fails_the_call_instead_of_losing_its_mes
     assert await outbox_rows(store, key) == []
 
 
+@pytest.mark.parametrize(
+    "behaviour", ["event-not-awaited-NOT_FOUND", "event-not-awaited-set-NOT_FOUND"]
+)
 async def test_an_error_answer_stands_over_an_enqueue_never_awaited(
-    ledger: RunningLedger, store: Store
+    ledger: RunningLedger, store: Store, behaviour: str
 ) -> None:
     """An error answer commits none of the handler's writes, so no message is lost: the
-    handler's (recorded) error is the answer, and its replay, not the enqueue's INTERNAL."""
+    handler's (recorded) error is the answer, and its replay, not the enqueue's INTERNAL. The
+    error aborted with, or set with ``context.set_code`` and returned."""
     key, account = fresh(), fresh("acct")
-    behaviour = "event-not-awaited-NOT_FOUND"
     request = testsvc_pb2.PostRequest(account=account, amount=5, behaviour=behaviour)
     first = await ledger.call(WITH_EVENT, request, key)
     assert (first.code, first.details) == (grpc.StatusCode.NOT_FOUND, "handler says NOT_FOUND")

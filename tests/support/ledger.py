@@ -362,6 +362,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             self.left_behind = current_call().enqueue(step, response)
             if request.behaviour == "event-not-awaited-NOT_FOUND":  # then an error answer
                 await context.abort(grpc.StatusCode.NOT_FOUND, "handler says NOT_FOUND")
+            if request.behaviour == "event-not-awaited-set-NOT_FOUND":  # one set, returned
+                context.set_code(grpc.StatusCode.NOT_FOUND)
+                context.set_details("handler says NOT_FOUND")
             return response
         if request.behaviour == "event-left-behind":  # a task not awaited, behind another
             self.left_behind = asyncio.ensure_future(
