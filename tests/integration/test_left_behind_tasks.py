@@ -27,6 +27,7 @@ from grpc_idempotency import (
     current_call,
 )
 from grpc_idempotency.client import Operation
+from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.ledger import (
     TENANT,
     LedgerService,
@@ -216,16 +217,22 @@ async def test_an_outcome_is_not_recorded_while_a_downstream_call_is_in_flight(
 ) -> None:
     """Recorded OK while the step's call was still in flight, the outcome was replayed to every
     retry whether that call then succeeded or failed (a failed charge never made again). The
-    call fails instead (TransactionOpen), nothing recorded, the key released; the retry sends the
-    same child key, and the ledger replays the call that went on to commit."""
+    call fails instead (TransactionOpen), nothing recorded, the key released (counted so); the
+    retry sends the same child key, and the ledger replays the call that went on to commit."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.ForwardRequest(account=account, mode=mode)
-    async with running_relay(store, ledger.address, servicer=LeavesACallInFlight) as relay:
+    telemetry, _, reader = _telemetry()
+    async with running_relay(
+        store, ledger.address, servicer=LeavesACallInFlight, telemetry=telemetry
+    ) as relay:
         first = await relay.forward(request, key)
         # Answered before the call could end: the ledger holds it until ``release``.
         await asyncio.wait_for(ledger.service.started.wait(), 10)
         assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first
         assert first.reason() == "IDEMPOTENCY_TRANSACTION_OPEN", first
+        # Released at once (the claim too): the retry does not wait for the lease to run out.
+        claim = await store.lookup("tenant:tenant-a", key)
+        assert claim is not None and claim.outcome is None and claim.lease_expired, claim
         ledger.service.release.set()
         charged = await IN_FLIGHT[-1].left[0]  # the call went on, and committed on the ledger
         second = await relay.forward(request, key)
@@ -235,6 +242,8 @@ async def test_an_outcome_is_not_recorded_while_a_downstream_call_is_in_flight(
     assert ledger.service.keys_seen == [child_key("tenant:tenant-a", key, "post-ledger.v1")]
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
+    failed_precondition = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert _outcomes(reader).get(("released", failed_precondition)) == 1, _outcomes(reader)
 
 
 REFUSED: list[RefusedUnawaited] = []
