@@ -1467,9 +1467,10 @@ async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
 def _downstream_in_flight(method: str) -> TransactionOpen:
     return TransactionOpen(
         f"{method}: the handler returned while a downstream call it started was still in"
-        " flight (a task it did not await); its outcome cannot be recorded before that call's"
-        " answer: nothing was committed and the key was released. Await the downstream calls"
-        " before returning"
+        " flight (a task it did not await, or a stream not read to its end); its outcome cannot"
+        " be recorded before that call's answer: nothing was committed and the key was"
+        " released. Await the downstream calls before returning, or cancel them"
+        " (`call.cancel()`)"
     )
 
 
