@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import grpc
@@ -15,6 +16,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import KeyRequirement, MethodOverride, Mode, Step, Store, child_key
 from grpc_idempotency.core.errors import NotInIdempotentCall
 from grpc_idempotency.outbox import OutboxStore
+from grpc_idempotency.server import interceptor as interceptor_module
 from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.ledger import RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.schemas import fresh_store
@@ -230,6 +232,36 @@ async def test_an_operation_begun_before_a_version_bump_enqueues_the_old_version
     (row,) = await outbox_rows(store, key)
     assert row["key"] == child_key("tenant:tenant-a", key, "entry-posted.v1")
     assert row["step"] == "entry-posted.v1"
+
+
+async def test_an_atomic_operations_start_is_the_databases_not_a_skewed_replicas(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An atomic attempt keys its outbox message with the step versions declared when its
+    operation began, by the database's clock, as the record's created_at says (and inspect,
+    and a phased claim, read it): a replica whose clock ran two hours ahead took entry-posted.v1,
+    retired an hour from now on the database's clock, as retired, and enqueued v2."""
+    db_now = await store.pool.fetchval("SELECT pg_catalog.clock_timestamp()")
+    steps = [
+        Step(name="entry-posted.v1", outbox=True, retired_at=db_now + timedelta(hours=1)),
+        Step(name="entry-posted.v2", outbox=True),
+    ]
+
+    class _Ahead(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) + timedelta(hours=2)
+
+    monkeypatch.setattr(interceptor_module, "datetime", _Ahead)
+    overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps)}
+    async with running_ledger(store, overrides=overrides) as ledger:
+        key = fresh()
+        request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=7, behaviour="event-v2")
+        answer = await ledger.call(WITH_EVENT, request, key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    (row,) = await outbox_rows(store, key)
+    assert row["step"] == "entry-posted.v1"
+    assert row["key"] == child_key("tenant:tenant-a", key, "entry-posted.v1")
 
 
 async def test_code_naming_a_retired_outbox_version_enqueues_its_names_active_version(

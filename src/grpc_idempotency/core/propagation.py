@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from grpc_idempotency.core.errors import StepAmbiguous, StepReused, StepUndeclared
 from grpc_idempotency.core.keys import (
@@ -169,6 +169,22 @@ def as_of(step: Step, calling: Sequence[Step], started_at: datetime | None) -> S
         and (step.retired_at is None or s.name == step.name or s.retired_at < step.retired_at)
     ]
     return min(earlier, key=lambda s: s.retired_at or started_at) if earlier else step
+
+
+CLOCK_TRUST = timedelta(days=1)
+"""How far an application server's clock is trusted to be from the database's: an atomic
+attempt whose clock reads further than this from every declared step's retirement takes its
+operation's start from its own clock (``start_decides``)."""
+
+
+def start_decides(steps: Sequence[Step], now: datetime) -> bool:
+    """Whether an atomic attempt's operation start must be read from the database rather than
+    from this process's clock ``now``: some step's retirement is within ``CLOCK_TRUST`` of it,
+    so a replica's clock seconds or minutes off the database's keyed the operation with another
+    version of a step than its record's start (the database's now()) says it used, the version
+    ``inspect`` and a phased takeover go by. Far from every retirement (or with none) the two
+    clocks choose alike, and the atomic path saves the round trip."""
+    return any(s.retired_at is not None and abs(s.retired_at - now) <= CLOCK_TRUST for s in steps)
 
 
 def declares_step(parent: Parent, target: str) -> bool:

@@ -93,6 +93,7 @@ from grpc_idempotency.core.policy import (
     Mode,
     StoreDown,
 )
+from grpc_idempotency.core.propagation import start_decides
 from grpc_idempotency.core.replay_cache import ReplayCache
 from grpc_idempotency.core.wire import KEY_HEADER, STEP_HEADER
 from grpc_idempotency.log_tracebacks import library_logger
@@ -707,16 +708,34 @@ class IdempotencyInterceptor(_Interceptor):
                     continue
                 if step is Step.CLAIM:
                     claiming = phase
-                    claim = await (store.claim_phased if phased else store.claim_atomic)(
-                        scope=scope,
-                        key=key,
-                        method=policy.method,
-                        fingerprint=fingerprint,
-                        retention_s=policy.retention_s,
-                        lease_s=policy.lease_s,
-                        isolation=policy.isolation,
-                        timeout=answers.time_remaining(context),
-                    )
+                    claim: Attempt | PhasedClaim | None
+                    if phased:
+                        claim = await store.claim_phased(
+                            scope=scope,
+                            key=key,
+                            method=policy.method,
+                            fingerprint=fingerprint,
+                            retention_s=policy.retention_s,
+                            lease_s=policy.lease_s,
+                            isolation=policy.isolation,
+                            timeout=answers.time_remaining(context),
+                        )
+                    else:
+                        claim = await store.claim_atomic(
+                            scope=scope,
+                            key=key,
+                            method=policy.method,
+                            fingerprint=fingerprint,
+                            retention_s=policy.retention_s,
+                            lease_s=policy.lease_s,
+                            isolation=policy.isolation,
+                            timeout=answers.time_remaining(context),
+                            # Near a step's retirement the operation's start decides its
+                            # versions: read on the database's clock, as its record and a
+                            # phased claim have it, not on this replica's (start_decides).
+                            read_start=bool(policy.steps)
+                            and start_decides(policy.steps, datetime.now(UTC)),
+                        )
                     won = Event.CLAIM_WON if claim is not None else Event.CLAIM_LOST
                     busy_ms = retry_after_ms(None)
                     step, phase = transition(phase, won)
@@ -731,8 +750,11 @@ class IdempotencyInterceptor(_Interceptor):
                         # Child keys follow the steps declared when the operation began
                         # (propagation.choose_step), on every attempt: a phased claim knows when,
                         # on the database's clock (a takeover keeps the start); an atomic attempt
-                        # leaves nothing behind it, so its operation begins now.
-                        started_at = claim.started_at if isinstance(claim, PhasedClaim) else None
+                        # leaves nothing behind it, so its operation begins now: by the
+                        # database's clock near a retirement (claim_atomic's read_start), where
+                        # this replica's, off by minutes, chose another version than the record
+                        # says; far from every retirement the clocks choose alike.
+                        started_at = claim.started_at
                         if started_at is None:
                             started_at = datetime.now(UTC)
                         # Until the claim is committed or released: the store's close() waits.

@@ -141,6 +141,11 @@ class Attempt:
     back to the pool in every case.
     """
 
+    started_at: datetime | None = None
+    """Atomic mode: when the operation began on the database's clock, if the claim was asked
+    to read it (``claim_atomic(read_start=True)``). A class attribute until then: nothing on
+    every call's."""
+
     commit_sent = False
     """Whether ``record`` or ``record_error`` was cancelled (the call's client gone, its
     deadline spent) with the COMMIT handed to the driver: its fate is then PostgreSQL's, which
@@ -1203,9 +1208,11 @@ class Store:
         lease_s: float,
         isolation: Isolation | None = None,
         timeout: float | None = None,
+        read_start: bool = False,
     ) -> Attempt | None:
         """Opens the call's transaction and claims the key in it; ``None`` if another attempt
-        holds or has recorded the key (look again).
+        holds or has recorded the key (look again). ``read_start``: set the attempt's
+        ``started_at`` from the database (one round trip more).
 
         The transaction may sit idle for at most ``lease_s`` (the atomic lease): a frozen or
         partitioned owner loses the claim then, and a retry can take the key."""
@@ -1257,8 +1264,26 @@ class Store:
                     "idempotency store unavailable while claiming a key (read-only: a standby,"
                     " or default_transaction_read_only)"
                 )
+            if read_start:
+                attempt.started_at = await self._atomic_start(attempt, scope, key, left)
             return attempt
         raise AssertionError("unreachable")
+
+    async def _atomic_start(
+        self, attempt: Attempt, scope: str, key: str, timeout: float | None
+    ) -> datetime:
+        """When the atomic attempt's operation began, on the database's clock (its record's
+        created_at to be): the step versions it keys with follow it (``start_decides``)."""
+        try:
+            started: datetime = await attempt.connection.fetchval(
+                self.statements.atomic_start, scope, key, timeout=self.statement_timeout(timeout)
+            )
+        except BaseException as exc:
+            await attempt._abandon(interrupted=_state_unknown(exc))
+            if from_the_driver(exc):
+                raise store_error(exc, "claiming a key") from exc
+            raise
+        return started
 
     async def _transaction_read_only(self, attempt: Attempt, timeout: float | None) -> bool:
         """Whether the claim's transaction is read-only, asked of the transaction itself: once

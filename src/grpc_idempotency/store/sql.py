@@ -238,6 +238,14 @@ class Statements:
             f"SELECT token, started_at FROM {s}.claim_with_start($1::text, $2::text, $3::bigint,"
             " $4::text, $5::bytea, $6::float8, $7::float8, $8::bigint)"
         )
+        # When the atomic attempt's operation began, on the database's clock, as its record
+        # will say: the in-progress row's start (one claim() wrote in this transaction, at
+        # REPEATABLE READ and above, or a phased claim it took over), else the transaction's
+        # start, which complete_atomic writes as created_at (migration 0009).
+        self.atomic_start = f"""
+            SELECT COALESCE((SELECT created_at FROM {s}.records
+                             WHERE scope = $1 AND key = $2 AND state = 'in_progress'),
+                            pg_catalog.now())"""
         self.complete_atomic = (
             f"SELECT {s}.complete_atomic($1::{_T}, $2::{_T}, $3::{_T}, $4::{_B}, $5::integer,"
             f" $6::{_T}, $7::{_B}, $8::{_B}, $9::{_F})"
