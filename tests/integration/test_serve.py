@@ -5,13 +5,14 @@ address it cannot bind is a one-line error and exit status 2, not a traceback.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,23 @@ async def raises_type_error(dsn: str) -> Any:
     return len(42)  # type: ignore[arg-type]
 
 
+@contextlib.contextmanager
+def _default_in_children(signum: int) -> Iterator[None]:
+    """Children started meanwhile get ``signum`` at its default action even if pytest ignores
+    it. Under nohup pytest ignores SIGHUP, and so did the runner it started (an inherited
+    ignored signal is left alone): the SIGHUP test waited 30 s in vain. exec resets a caught
+    signal to its default, not an ignored one; a handler that does nothing (not SIG_DFL) keeps
+    pytest shielded meanwhile."""
+    if signal.getsignal(signum) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signum, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "signum",
@@ -71,14 +89,26 @@ async def test_a_signal_to_end_it_runs_the_clean_up(tmp_path: Path, signum: int)
         NO_DSN,
         log_dir=tmp_path,
         name="server",
-        env={MARKER_ENV: str(marker)},
+        # A timeout below aborts it (SIGABRT): faulthandler writes where each thread was stuck.
+        env={MARKER_ENV: str(marker), "PYTHONFAULTHANDLER": "1"},
     )
-    await server.start(60)
+    with _default_in_children(signum):
+        await server.start(60)
+    name = signal.Signals(signum).name
     try:
+        # Its ready line comes once its handlers are in place; one it ignores (inherited so)
+        # it leaves alone, and the wait below would be in vain.
+        ignored, caught = _dispositions(server.pid, signum)
+        assert not ignored, f"it inherited {name} ignored"
+        assert caught, f"ready with no handler for {name}"
         os.kill(server.pid, signum)
         code = await server.wait_exit(30)
+        if code is None:
+            os.kill(server.pid, signal.SIGABRT)
+            await server.wait_exit(10)
     finally:
         server.stop()
+    assert code is not None, f"still running 30 s after {name}; its stacks:\n{server.logs()}"
     assert code == 0, f"exit {code}: killed without its clean-up\n{server.logs()}"
     assert marker.read_text() == "cleaned up"
 
