@@ -24,9 +24,11 @@ outside an excluded field: inside one, it is cleared with the field).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,6 +292,10 @@ class Fingerprinter:
     method: str
     excluded_types: frozenset[str]
     excluded_fields: frozenset[str]
+    _clearings: dict[str, _Clearing] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """Each type's ``_Clearing``, computed on first use."""
 
     @classmethod
     def for_method(
@@ -350,27 +356,74 @@ class Fingerprinter:
 
     def _clear(self, message: Message) -> None:
         descriptor: Any = message.DESCRIPTOR
-        if descriptor.full_name not in self.excluded_types:
-            return
-        for field in descriptor.fields:
-            if field.full_name in self.excluded_fields:
-                message.ClearField(field.name)
-                continue
-            # A map field's type is its entry message, which is in excluded_types exactly when
-            # the map's values need clearing.
-            if _holds_messages(field) and field.message_type.full_name in self.excluded_types:
-                self._clear_field(message, field)
+        if descriptor.full_name in self.excluded_types:
+            self._clear_all((message,), self._clearing(descriptor))
 
-    def _clear_field(self, message: Message, field: Any) -> None:
-        value = getattr(message, field.name)
-        value_field = _map_value(field)
-        visit: Callable[[Message], None] = self._clear
-        if value_field is not None:
-            if _holds_messages(value_field):
-                for item in value.values():
-                    visit(item)
-        elif field.is_repeated:
-            for item in value:
-                visit(item)
-        elif message.HasField(field.name):
-            visit(value)
+    def _clearing(self, descriptor: Any) -> _Clearing:
+        clearing = self._clearings.get(descriptor.full_name)
+        if clearing is None:
+            # Computed on a worker thread too (fingerprint_off_loop_bytes): two threads that
+            # compute one type's at once store equal values.
+            clearing = self._clearings[descriptor.full_name] = _clearing(
+                descriptor, self.excluded_types, self.excluded_fields
+            )
+        return clearing
+
+    def _clear_all(self, messages: Iterable[Message], clearing: _Clearing) -> None:
+        """Clears ``messages``, all of the type ``clearing`` was made for.
+
+        A client chooses how many messages a request holds (4 MiB of empty repeated entries
+        is 2 million of them): per message, only what ``clearing`` lists, in one loop here.
+        Walking each message's descriptor fields, in a call per message, cost 3.4 us a
+        message: 6.4 s of CPU, the GIL held, for one such request that parses in 0.1 s."""
+        clear, visit = clearing.clear, clearing.visit
+        for message in messages:
+            for name in clear:
+                message.ClearField(name)
+            for name, kind, held in visit:
+                if kind is _Visit.SINGLE:
+                    if message.HasField(name):
+                        self._clear_all((getattr(message, name),), self._clearing(held))
+                    continue
+                items = getattr(message, name)
+                if items:
+                    values = items.values() if kind is _Visit.MAP else items
+                    self._clear_all(values, self._clearing(held))
+
+
+class _Visit(enum.Enum):
+    SINGLE = 1
+    REPEATED = 2
+    MAP = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Clearing:
+    """What ``Fingerprinter._clear_all`` does to a message of one type in ``excluded_types``:
+    ``clear`` the names of its excluded fields, and ``visit`` its message fields whose types
+    hold one (a map field: its message values), each as (name, kind, the visited type)."""
+
+    clear: tuple[str, ...]
+    visit: tuple[tuple[str, _Visit, Any], ...]
+
+
+def _clearing(
+    descriptor: Any, excluded_types: frozenset[str], excluded_fields: frozenset[str]
+) -> _Clearing:
+    clear: list[str] = []
+    visit: list[tuple[str, _Visit, Any]] = []
+    for f in descriptor.fields:
+        if f.full_name in excluded_fields:
+            clear.append(f.name)
+        elif _holds_messages(f) and f.message_type.full_name in excluded_types:
+            # A map field's type is its entry message, which is in excluded_types exactly
+            # when the map's values need clearing.
+            value_field = _map_value(f)
+            if value_field is not None:
+                if _holds_messages(value_field):
+                    visit.append((f.name, _Visit.MAP, value_field.message_type))
+            elif f.is_repeated:
+                visit.append((f.name, _Visit.REPEATED, f.message_type))
+            else:
+                visit.append((f.name, _Visit.SINGLE, f.message_type))
+    return _Clearing(tuple(clear), tuple(visit))
