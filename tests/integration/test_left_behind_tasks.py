@@ -21,6 +21,7 @@ from grpc_idempotency import (
     MethodOverride,
     NotInIdempotentCall,
     StepReused,
+    StepUndeclared,
     Store,
     TransactionOpen,
     child_key,
@@ -310,3 +311,39 @@ async def test_a_call_refused_in_an_object_never_awaited_fails_the_call(
     # "twice": the first attempt's, which the retry's call of the step replays).
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
+
+
+class DropsAtOnce(RelayService):
+    """Forward, atomic (no steps), writes, then makes a keyed call (undeclared: refused) and
+    returns without another await: the call's task has not run yet when the handler is over."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        await current_call().connection.execute(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
+        )
+        REFUSED_AT_ONCE.append(self.ledger.Post(testsvc_pb2.PostRequest(account=request.account)))
+        return testsvc_pb2.ForwardResponse()
+
+
+REFUSED_AT_ONCE: list[Any] = []
+
+
+async def test_an_atomic_call_refused_in_an_object_made_last_fails_the_call(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """An atomic call has no lease to stop: with no loop turn after the handler returned, the
+    call object's task ran the client interceptor (and its refusal) during the commit, and the
+    outcome was recorded OK, the handler's write with it."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account)
+    overrides = {FORWARD: MethodOverride(steps=[])}
+    async with running_relay(
+        store, ledger.address, servicer=DropsAtOnce, overrides=overrides
+    ) as relay:
+        first = await relay.forward(request, key)
+        with pytest.raises(StepUndeclared):
+            await REFUSED_AT_ONCE[-1]  # retrieved: no "never retrieved" log
+        assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first
+        assert first.reason() == StepUndeclared.reason, first
+    assert ledger.service.executions == 0
+    assert await ledger_rows(store, account) == 0

@@ -930,6 +930,19 @@ class IdempotencyInterceptor(_Interceptor):
             call.outcome = CallOutcome.RELEASED
             misuse = await self._release(tx, claim)
             await answers.abort(context, misuse or _enqueue_not_awaited(policy.method, unawaited))
+        if lease is None:
+            # Atomic: a loop turn, as the lease's stop gives a phased call, in which a call
+            # object the handler made last and never awaited starts through the client
+            # interceptor: refused (``downstream_refused``) or counted in flight. Read at once,
+            # its refusal came after the commit, the outcome recorded OK without its effect.
+            # After the enqueues are read: a task left behind, woken in it, runs its enqueue
+            # to its refusal (closed), no longer seen as never awaited.
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                call.outcome = CallOutcome.RELEASED
+                await _to_the_end(end_and_release())
+                raise
         refused = serving.refused_downstream
         if refused is not None and aborted is None and answers.code_of(context) is Code.OK:
             # A downstream call the client interceptor refused as a misuse, maybe in a call
