@@ -460,6 +460,40 @@ async def test_a_stale_claim_of_the_same_relay_name_cannot_mark_the_newer_claim_
     assert await store.mark_sent(relay="r", claims=[(new.id, new.attempts)]) == 1
 
 
+async def test_a_mark_counts_as_recorded_only_the_rows_its_own_claim_recorded(
+    outbox: Store,
+) -> None:
+    """A mark counts the rows it finds already recorded (its run again after a lost answer) by
+    the claim's ``attempts`` and relay: a stale claim of the same relay name counts nothing the
+    newer claim recorded (sent, rescheduled, dead), and a dead row ``outbox retry`` revived is
+    no longer its claim's record. Counted, each row's outcome went to the stats twice."""
+    from grpc_idempotency.outbox import OutboxStore
+    from grpc_idempotency.store.outbox_store import Failure
+
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["n-sent", "n-retry", "n-retry-2", "n-dead"])
+    old = {m.key: m for m in await store.claim(relay="r", limit=10, lease_s=0.05)}
+    await until("the first lease to expire", lambda: due_now(store), timeout=WAIT_S)
+    new: dict[str, OutboxMessage] = {}
+    while len(new) < 4:  # each lost row is claimed alone
+        new.update((m.key, m) for m in await store.claim(relay="r", limit=10, lease_s=30))
+
+    def failures(claim: dict[str, OutboxMessage]) -> list[Failure]:
+        return [
+            Failure(id=claim[k].id, attempts=claim[k].attempts, delay_s=delay, error="no")
+            for k, delay in (("n-retry", 60.0), ("n-retry-2", 60.0), ("n-dead", None))
+        ]
+
+    sent = new["n-sent"]
+    assert await store.mark_sent(relay="r", claims=[(sent.id, sent.attempts)]) == 1
+    assert await store.mark_failed(relay="r", failures=failures(new)) == (2, 1)
+    stale = old["n-sent"]
+    assert await store.mark_sent(relay="r", claims=[(stale.id, stale.attempts)]) == 0
+    assert await store.mark_failed(relay="r", failures=failures(old)) == (0, 0)
+    assert await store.retry_dead([new["n-dead"].id]) == 1
+    assert await store.mark_failed(relay="r", failures=failures(new)[2:]) == (0, 0)
+
+
 async def test_a_stale_claim_cannot_record_its_outcome_over_a_claim_made_after_a_retry(
     outbox: Store,
 ) -> None:
