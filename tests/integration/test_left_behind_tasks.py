@@ -297,10 +297,20 @@ async def test_a_call_refused_in_an_object_never_awaited_fails_the_call(
     call's answer instead, nothing committed, the key released; the retry runs again."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.ForwardRequest(account=account, mode=mode)
-    async with running_relay(store, ledger.address, servicer=RefusedUnawaited) as relay:
+    telemetry, _, reader = _telemetry()
+    async with running_relay(
+        store, ledger.address, servicer=RefusedUnawaited, telemetry=telemetry
+    ) as relay:
         first = await relay.forward(request, key)
         assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first
         assert first.reason() == refusal.reason, first
+        assert _outcomes(reader) == {("released", first.code.value[0]): 1}
+        # The claim's lease ended with the answer: the retry is not kept waiting for it.
+        assert await store.pool.fetchval(
+            "SELECT locked_until <= clock_timestamp() FROM grpc_idempotency.records"
+            " WHERE scope = 'tenant:tenant-a' AND key = $1",
+            key,
+        )
         refused = REFUSED[-1].left[0]
         assert refused.done()
         with pytest.raises(refusal):
@@ -347,3 +357,30 @@ async def test_an_atomic_call_refused_in_an_object_made_last_fails_the_call(
         assert first.reason() == StepUndeclared.reason, first
     assert ledger.service.executions == 0
     assert await ledger_rows(store, account) == 0
+
+
+class ConvertsTheRefusal(RelayService):
+    """Forward awaits a keyed call the client interceptor refuses (undeclared) and answers an
+    error of its own: aborts (``"abort"``), or sets its code and returns (``"set-code"``)."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        try:
+            await self.ledger.PostShortLived(testsvc_pb2.PostRequest(account=request.account))
+        except StepUndeclared:
+            if request.mode == "abort":
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not yet")
+            context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+            context.set_details("not yet")
+        return testsvc_pb2.ForwardResponse()
+
+
+@pytest.mark.parametrize("mode", ["abort", "set-code"])
+async def test_an_error_answer_stands_over_a_refused_call(
+    ledger: RunningLedger, store: Store, mode: str
+) -> None:
+    """The handler answered the refusal with an error of its own: nothing commits, so that
+    answer stands (as over an enqueue never awaited), not the refusal."""
+    request = testsvc_pb2.ForwardRequest(account=fresh("acct"), mode=mode)
+    async with running_relay(store, ledger.address, servicer=ConvertsTheRefusal) as relay:
+        answer = await relay.forward(request, fresh())
+    assert (answer.code, answer.details) == (grpc.StatusCode.UNIMPLEMENTED, "not yet"), answer
