@@ -358,16 +358,18 @@ async def test_an_error_answer_stands_over_an_enqueue_never_awaited(
     assert await outbox_rows(store, key) == []
 
 
+@pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])
 async def test_an_enqueue_left_behind_in_a_task_fails_the_call_instead_of_losing_its_message(
-    store: Store,
+    store: Store, mode: Mode
 ) -> None:
     """An enqueue the handler started in a task and left behind (``create_task``, not
     awaited), still waiting for its turn behind an awaited one when the handler returned: the
     call committed OK with one message of two, every retry replaying it. The task, woken once
     the call was over, is refused (``NotInIdempotentCall``), never sending its statement on
-    the connection the call ends on."""
+    the connection the call ends on. Phased, the task ran its enqueue to that refusal in the
+    loop turn of the lease's stop, and it was taken for awaited."""
     steps = [Step(name="entry-posted.v1", outbox=True), Step(name="entry-audited.v1", outbox=True)]
-    overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps)}
+    overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps, mode=mode)}
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="event-left-behind")
     telemetry, _, reader = _telemetry()

@@ -902,6 +902,10 @@ class IdempotencyInterceptor(_Interceptor):
         finally:
             call_context.unbind(bound)
             opening = serving.end()  # ``_end``, without a coroutine when nothing was opened
+            # Read before any await: in the loop turn of the lease's stop or of the opening's
+            # wait, a task left behind with an enqueue, woken by the end, ran it to its
+            # refusal (closed), and the call committed OK without its message.
+            unawaited = serving.unawaited_enqueues()
             try:
                 if opening is not None:
                     # A final transaction the handler began opening and gave up on (a bound
@@ -922,7 +926,6 @@ class IdempotencyInterceptor(_Interceptor):
             await answers.abort(
                 context, misuse or LeaseLost("the lease ran out and another attempt took over")
             )
-        unawaited = serving.unawaited_enqueues()
         if unawaited and aborted is None and answers.code_of(context) is Code.OK:
             # Committed, the outcome would say done without the message: every retry replays
             # it, and the event is never sent. Released instead, as for a failed statement. An
@@ -935,8 +938,7 @@ class IdempotencyInterceptor(_Interceptor):
             # object the handler made last and never awaited starts through the client
             # interceptor: refused (``downstream_refused``) or counted in flight. Read at once,
             # its refusal came after the commit, the outcome recorded OK without its effect.
-            # After the enqueues are read: a task left behind, woken in it, runs its enqueue
-            # to its refusal (closed), no longer seen as never awaited.
+            # After the enqueues are read (the end's).
             try:
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
