@@ -151,7 +151,10 @@ def _proto2_request(*, required: bool, nested: bool = False, group: bool = False
     extensions: Any = sent_at.options.Extensions
     extensions[options_pb2.field].fingerprint = options_pb2.FINGERPRINT_EXCLUDE
     pool = descriptor_pool.Default()
-    pool.Add(fdp)
+    try:
+        pool.FindFileByName(fdp.name)  # made once per process (test_fingerprint_clearing too)
+    except KeyError:
+        pool.Add(fdp)
     return pool.FindMessageTypeByName(f"{fdp.package}.Req")
 
 

@@ -23,7 +23,7 @@ import operator
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import EncodeError, Message
+from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
@@ -79,12 +79,14 @@ def needs_field_order(message: Message) -> bool:
 
 def serialized_size(message: Message) -> int:
     """``message.ByteSize()``, also for a proto2 message missing a required field (upb's
-    ByteSize checks them and raises EncodeError; parsing does not, so such a request is
-    served)."""
-    try:
+    ByteSize checks them; parsing does not, so such a request is served)."""
+    if message.IsInitialized():
         return message.ByteSize()
-    except EncodeError:
-        return len(message.SerializePartialToString())
+    # Not ByteSize and its EncodeError: upb builds the error's text by walking the message,
+    # and reads a map with scalar values in it as if they were messages (``words[-546253904]``),
+    # or crashes the process (SIGSEGV): a client that left out a required field beside such a
+    # map, or every request whose excluded required field the fingerprint's copy cleared.
+    return len(message.SerializePartialToString())
 
 
 _WALK_BYTES = 4096
