@@ -14,7 +14,10 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import KeyRequirement, MethodOverride, Mode, Step, Store, child_key
+from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import NotInIdempotentCall
+from grpc_idempotency.core.lifecycle import Outcome
+from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.outbox import OutboxStore
 from grpc_idempotency.server import interceptor as interceptor_module
 from tests.integration.test_telemetry import _outcomes, _telemetry
@@ -262,6 +265,49 @@ async def test_an_atomic_operations_start_is_the_databases_not_a_skewed_replicas
     (row,) = await outbox_rows(store, key)
     assert row["step"] == "entry-posted.v1"
     assert row["key"] == child_key("tenant:tenant-a", key, "entry-posted.v1")
+
+
+@pytest.mark.parametrize("isolation", [None, Isolation.REPEATABLE_READ, Isolation.SERIALIZABLE])
+@pytest.mark.parametrize("before", ["new", "completed-past-retention", "expired-claim"])
+async def test_an_atomic_attempts_read_start_is_the_start_its_record_gets(
+    store: Store, isolation: Isolation | None, before: str
+) -> None:
+    """``claim_atomic(read_start=True)`` says when the operation began as its record will: a new
+    key's and a record past retention's (a new operation) at the claim, not a day-old start the
+    table held; an expired claim of the same request (a phased claim taken over: the operation
+    goes on) at that claim's start. At READ COMMITTED the claim writes no row for a new key; at
+    REPEATABLE READ and SERIALIZABLE it writes one, at another moment than the transaction's."""
+    s, key, fingerprint = store.schema, fresh(), b"fp"
+    args: dict[str, Any] = {
+        "scope": "tenant:start", "key": key, "method": WITH_EVENT, "fingerprint": fingerprint,
+        "retention_s": 3600.0, "lease_s": 30.0,
+    }  # fmt: skip
+    if before == "completed-past-retention":
+        first = await store.claim_atomic(**args)
+        assert first is not None
+        await first.record(Outcome(code=Code.OK, response=b"old"))
+        past = "created_at = now() - interval '2 days', completed_at = now() - interval '2 days'"
+        await store.pool.execute(
+            f"UPDATE {s}.records SET {past}, expires_at = now() - interval '1 day'"
+            " WHERE scope = $1 AND key = $2",
+            args["scope"], key,
+        )  # fmt: skip
+    elif before == "expired-claim":
+        assert await store.claim_phased(**args) is not None
+        await store.pool.execute(
+            f"UPDATE {s}.records SET created_at = now() - interval '1 day',"
+            " locked_until = now() - interval '1 second' WHERE scope = $1 AND key = $2",
+            args["scope"], key,
+        )  # fmt: skip
+    attempt = await store.claim_atomic(**args, isolation=isolation, read_start=True)
+    assert attempt is not None and attempt.started_at is not None
+    await attempt.record(Outcome(code=Code.OK, response=b"new"))
+    created = await store.pool.fetchval(
+        f"SELECT created_at FROM {s}.records WHERE scope = $1 AND key = $2", args["scope"], key
+    )
+    assert attempt.started_at == created
+    taken_over = before == "expired-claim"
+    assert (created < datetime.now(UTC) - timedelta(hours=23)) is taken_over
 
 
 async def test_code_naming_a_retired_outbox_version_enqueues_its_names_active_version(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
@@ -11,10 +12,12 @@ from grpc_idempotency.core.errors import StepAmbiguous, StepUndeclared
 from grpc_idempotency.core.keys import child_key
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import (
+    CLOCK_TRUST,
     KeySource,
     Parent,
     choose_key,
     choose_step,
+    start_decides,
 )
 from grpc_idempotency.core.retry import RetryPolicy, service_config
 
@@ -545,3 +548,25 @@ def test_a_multiplier_of_one_is_a_constant_backoff() -> None:
         for a in (1, 2, 4)
     ]
     assert delays == [0.1, 0.1, 0.1]
+
+
+def test_an_atomic_attempt_reads_its_start_only_within_clock_trust_of_a_retirement() -> None:
+    """Within ``CLOCK_TRUST`` of a declared step's retirement, before or after it, a replica's
+    clock may choose another version than the database's (``start_decides``); further away, or
+    with no step retired, the two choose alike and the call saves the round trip."""
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    active = Step(name="e.v2", outbox=True)
+
+    def retired(at: timedelta) -> Step:
+        return Step(name="e.v1", outbox=True, retired_at=now + at)
+
+    for at, reads in [
+        (CLOCK_TRUST, True),
+        (-CLOCK_TRUST, True),
+        (timedelta(0), True),
+        (CLOCK_TRUST + timedelta(microseconds=1), False),
+        (-CLOCK_TRUST - timedelta(microseconds=1), False),
+    ]:
+        assert start_decides([active, retired(at)], now) is reads, at
+    assert not start_decides([active], now)
+    assert not start_decides([], now)
