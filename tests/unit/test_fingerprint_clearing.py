@@ -21,6 +21,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency.core import fingerprint as fingerprint_module
 from grpc_idempotency.core.field_order import serialized_size
 from grpc_idempotency.core.fingerprint import Fingerprinter
+from grpc_idempotency.core.inspection import _undeclared
 from grpc_idempotency.v1 import options_pb2
 from tests.unit.test_fingerprint import _proto2_request
 
@@ -310,3 +311,15 @@ def test_a_request_missing_a_required_field_beside_a_map_of_scalars_is_served() 
             words={i: "w" * (i % 7)}, leaf_list=[Leaf(keep="k", req_drop=i), Leaf(req_drop=1)]
         )
         assert new(partial) == new(sent) == previous(sent)
+
+
+def test_inspect_counts_the_undeclared_bytes_of_a_message_missing_a_required_field() -> None:
+    """``inspect`` decodes stored messages and counts the bytes their descriptors do not
+    declare by size: upb's ByteSize on one missing a required field beside a map of scalars
+    crashed the operator's process, as it did the server's (``serialized_size``)."""
+    leaf = descriptor_pool.Default().FindMessageTypeByName(f"{_PACKAGE}.Leaf")
+    Leaf: Any = message_factory.GetMessageClass(leaf)
+    for i in range(300):
+        partial = Node(words={i: "w" * (i % 7)}, leaf_list=[Leaf(keep="k"), Leaf()])
+        stored = Node.FromString(partial.SerializePartialToString() + b"\xf8\x07\x01")
+        assert _undeclared(stored, descriptor_pool.Default()) == 3  # field 127, varint 1

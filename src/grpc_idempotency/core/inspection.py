@@ -35,6 +35,7 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.field_order import serialized_size
 from grpc_idempotency.core.keys import child_key, step_base
 from grpc_idempotency.core.policy import Step, normalize_method
 from grpc_idempotency.core.propagation import as_of
@@ -178,7 +179,9 @@ def _undeclared(message: Message, pool: descriptor_pool.DescriptorPool) -> int:
     known = type(message)()
     known.CopyFrom(message)
     known.DiscardUnknownFields()
-    count = message.ByteSize() - known.ByteSize()
+    # Not ByteSize: a stored message missing a proto2 required field beside a map of scalars
+    # crashed the process in upb's error text (``serialized_size``).
+    count = serialized_size(message) - serialized_size(known)
     todo = [known]
     while todo:
         m = todo.pop()
