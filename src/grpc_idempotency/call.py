@@ -317,17 +317,24 @@ class IdempotentCall:
 
     def unawaited_enqueues(self) -> list[str]:
         """The steps of ``enqueue`` coroutines not run to their end (the driver fails the call
-        rather than commit without their messages). One never started is closed now; one
-        started in a task the handler left behind (``create_task`` not awaited), still waiting
-        for its turn or for the final transaction, is that task's: the call's end refuses it
-        (``NotInIdempotentCall``), and the call committed OK without its message."""
+        rather than commit without their messages). One never started and in no task is closed
+        now (not reported "never awaited"). One in a task the handler left behind
+        (``create_task`` not awaited), started or not, is that task's: the call's end refuses it
+        (``NotInIdempotentCall``) before any statement. Closed under a task that had not
+        started yet (made as the handler returned), it failed that task with asyncio's "cannot
+        reuse already awaited coroutine", which named nothing of the call."""
         steps = []
+        tasks: list[object] | None = None
         for step, enqueued in self._enqueued:
             state = inspect.getcoroutinestate(enqueued)
+            if state == inspect.CORO_CLOSED:
+                continue
+            steps.append(step)
             if state == inspect.CORO_CREATED:
-                enqueued.close()
-            if state != inspect.CORO_CLOSED:
-                steps.append(step)
+                if tasks is None:  # only here: a call whose enqueues all ran pays nothing
+                    tasks = [task.get_coro() for task in asyncio.all_tasks(self.loop)]
+                if not any(coro is enqueued for coro in tasks):
+                    enqueued.close()
         return steps
 
     async def _enqueue(self, step: str, message: Message) -> str:

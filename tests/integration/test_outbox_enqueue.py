@@ -405,26 +405,32 @@ async def test_an_error_answer_stands_over_an_enqueue_never_awaited(
 
 
 @pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])
+@pytest.mark.parametrize(
+    ("behaviour", "left"),
+    [("event-left-behind", "entry-audited.v1"), ("event-left-last", "entry-posted.v1")],
+)
 async def test_an_enqueue_left_behind_in_a_task_fails_the_call_instead_of_losing_its_message(
-    store: Store, mode: Mode
+    store: Store, mode: Mode, behaviour: str, left: str
 ) -> None:
     """An enqueue the handler started in a task and left behind (``create_task``, not
     awaited), still waiting for its turn behind an awaited one when the handler returned: the
     call committed OK with one message of two, every retry replaying it. The task, woken once
     the call was over, is refused (``NotInIdempotentCall``), never sending its statement on
     the connection the call ends on. Phased, the task ran its enqueue to that refusal in the
-    loop turn of the lease's stop, and it was taken for awaited."""
+    loop turn of the lease's stop, and it was taken for awaited. A task made as the handler
+    returns (``event-left-last``) is refused so too: its coroutine, not started yet, was
+    closed under it, and the task failed "cannot reuse already awaited coroutine"."""
     steps = [Step(name="entry-posted.v1", outbox=True), Step(name="entry-audited.v1", outbox=True)]
     overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps, mode=mode)}
     key, account = fresh(), fresh("acct")
-    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="event-left-behind")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
     telemetry, _, reader = _telemetry()
     async with running_ledger(store, overrides=overrides, telemetry=telemetry) as ledger:
         answer = await ledger.call(WITH_EVENT, request, key)
         with pytest.raises(NotInIdempotentCall, match="the call is over"):
             await ledger.service.left_behind
     assert answer.code is grpc.StatusCode.INTERNAL, answer.details
-    assert "'entry-audited.v1' was never awaited" in (answer.details or "")
+    assert f"{left!r} was never awaited" in (answer.details or "")
     assert _outcomes(reader) == {("released", grpc.StatusCode.INTERNAL.value[0]): 1}
     assert await ledger_rows(store, account) == 0
     assert await outbox_rows(store, key) == []

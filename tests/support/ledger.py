@@ -145,7 +145,8 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     sync_calls: list[IdempotentCall] = field(default_factory=list)
     """The calls sync handlers served (``current_call()``)."""
     left_behind: Any = None
-    """The enqueue a handler did not await (``event-not-awaited``, ``event-left-behind``)."""
+    """The enqueue a handler did not await (``event-not-awaited``, ``event-left-behind``,
+    ``event-left-last``)."""
 
     def _observe(self, context: Any) -> str | None:
         md = dict(context.invocation_metadata() or ())
@@ -371,6 +372,9 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
                 current_call().enqueue("entry-audited.v1", response)
             )
             await current_call().enqueue(step, response)  # the task waits its turn meanwhile
+            return response
+        if request.behaviour == "event-left-last":  # a task made as the handler returns
+            self.left_behind = asyncio.ensure_future(current_call().enqueue(step, response))
             return response
         if request.behaviour == "event-gathered":  # two outbox steps enqueued at once
             await asyncio.gather(
