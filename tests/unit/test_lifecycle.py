@@ -136,6 +136,35 @@ def test_finish_records_nothing_while_a_downstream_call_is_in_flight(
     assert finish(code, DEFAULT_RECORDED_ERRORS, downstream_in_flight=True) is expected
 
 
+_LEFT = ("lease_lost", "enqueue_unawaited", "downstream_refused", "downstream_in_flight")
+
+
+@pytest.mark.parametrize(
+    ("code", "left", "expected"),
+    [
+        # The lease lost wins over everything, whatever the status: nothing can be recorded.
+        (Code.OK, _LEFT, Finish.LEASE_LOST),
+        (Code.NOT_FOUND, _LEFT, Finish.LEASE_LOST),
+        (Code.UNAVAILABLE, ("lease_lost",), Finish.LEASE_LOST),
+        # OK: an enqueue never run to its end, then a refused call, then one in flight.
+        (Code.OK, _LEFT[1:], Finish.ENQUEUE_UNAWAITED),
+        (Code.OK, _LEFT[2:], Finish.DOWNSTREAM_REFUSED),
+        (Code.OK, ("enqueue_unawaited", "downstream_in_flight"), Finish.ENQUEUE_UNAWAITED),
+        (Code.OK, ("downstream_in_flight",), Finish.UNSETTLED),
+        # An error answer commits none of the handler's writes: an enqueue or a refused call
+        # lost nothing, so a recorded error is recorded, unless a call is still in flight.
+        (Code.NOT_FOUND, _LEFT[1:3], Finish.RECORD_ERROR),
+        (Code.NOT_FOUND, _LEFT[1:], Finish.UNSETTLED),
+        (Code.UNAVAILABLE, _LEFT[1:], Finish.RELEASE),
+    ],
+)
+def test_finish_decides_which_of_what_the_handler_left_behind_wins(
+    code: Code, left: tuple[str, ...], expected: Finish
+) -> None:
+    flags = {name: name in left for name in _LEFT}
+    assert finish(code, DEFAULT_RECORDED_ERRORS, **flags) is expected
+
+
 def test_finish_respects_an_overridden_set() -> None:
     assert finish(Code.NOT_FOUND, frozenset({Code.PERMISSION_DENIED})) is Finish.RELEASE
     assert (

@@ -32,6 +32,11 @@ When the owner's handler ends, ``finish`` classifies its status:
     either of the first two, with a downstream call still in flight
                                          -> UNSETTLED     roll back everything; the call fails
 
+and, before the status, what the handler left behind it, each failing the call with nothing
+recorded (the first that applies wins): the lease lost (LEASE_LOST, whatever the status); then,
+for OK only, an enqueue not run to its end (ENQUEUE_UNAWAITED) and a downstream call refused as a
+misuse (DOWNSTREAM_REFUSED). An error answer commits none of the handler's writes, so it stands.
+
 A store failure at that end is answered as ``final_store_failure`` says: DEADLINE_EXCEEDED when
 the call's deadline ran out before its final transaction opened (as during the claim), else
 UNAVAILABLE.
@@ -368,21 +373,50 @@ class Finish(enum.Enum):
     UNSETTLED = "unsettled"
     """An outcome to record, but a downstream call the handler started is still in flight:
     release the key and fail the call (``TransactionOpen``), nothing recorded."""
+    LEASE_LOST = "lease_lost"
+    """Phased: the claim's lease was lost (another attempt may own the key): nothing recorded,
+    only this call's own transaction rolled back, and the call fails (``LeaseLost``)."""
+    ENQUEUE_UNAWAITED = "enqueue_unawaited"
+    """OK, but an ``enqueue`` was never run to its end: committed, the outcome would say done
+    without the message. Release the key and fail the call (``HandlerDatabaseError``)."""
+    DOWNSTREAM_REFUSED = "downstream_refused"
+    """OK, but the client interceptor refused a downstream call as a misuse (maybe inside a
+    call object never awaited): release the key and fail the call with that refusal."""
 
 
 def finish(
-    code: Code, recorded_errors: frozenset[Code], *, downstream_in_flight: bool = False
+    code: Code,
+    recorded_errors: frozenset[Code],
+    *,
+    lease_lost: bool = False,
+    enqueue_unawaited: bool = False,
+    downstream_refused: bool = False,
+    downstream_in_flight: bool = False,
 ) -> Finish:
-    """What to do with the status ``code`` the handler ended with. ``downstream_in_flight``: a
-    call it made through the client interceptor is not over (started in a task it never awaited,
-    ``asyncio.ensure_future(stub.Charge(...))``). Such a call's effect is undecided: recorded
-    now, the outcome (OK, or a recorded error) would be replayed to every retry whether that
-    call then succeeds or fails, and a failed charge was never made again. So it is not
-    recorded, as the final transaction does not open across such a call
-    (``IdempotentCall.transaction``): the key is released, and the retry re-sends the same child
-    keys, so a call that did commit downstream is replayed there, not repeated. A status that
-    releases the key anyway keeps its own answer (a retry runs again just the same)."""
+    """What to do with the status ``code`` the handler ended with, given what it left behind;
+    the first that applies wins (the module's table):
+
+    - ``lease_lost``: whatever the status, this attempt can record nothing (``LEASE_LOST``);
+    - ``enqueue_unawaited`` (an ``enqueue`` coroutine not run to its end), then
+      ``downstream_refused`` (a downstream call the client interceptor refused as a misuse):
+      an OK answer would commit without that message or that call's effect. An error answer
+      commits none of the handler's writes (recorded or not), so it stands;
+    - ``downstream_in_flight``: a call it made through the client interceptor is not over
+      (started in a task it never awaited, ``asyncio.ensure_future(stub.Charge(...))``). Such
+      a call's effect is undecided: recorded now, the outcome (OK, or a recorded error) would
+      be replayed to every retry whether that call then succeeds or fails, and a failed charge
+      was never made again. So it is not recorded (``UNSETTLED``), as the final transaction
+      does not open across such a call (``IdempotentCall.transaction``): the key is released,
+      and the retry re-sends the same child keys, so a call that did commit downstream is
+      replayed there, not repeated. A status that releases the key anyway keeps its own answer
+      (a retry runs again just the same)."""
+    if lease_lost:
+        return Finish.LEASE_LOST
     if code is Code.OK:
+        if enqueue_unawaited:
+            return Finish.ENQUEUE_UNAWAITED
+        if downstream_refused:
+            return Finish.DOWNSTREAM_REFUSED
         return Finish.UNSETTLED if downstream_in_flight else Finish.RECORD
     if code in recorded_errors:
         return Finish.UNSETTLED if downstream_in_flight else Finish.RECORD_ERROR

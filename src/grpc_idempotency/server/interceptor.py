@@ -23,11 +23,11 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -920,19 +920,6 @@ class IdempotencyInterceptor(_Interceptor):
                 call.outcome = CallOutcome.RELEASED
                 await _to_the_end(end_and_release())
                 raise
-        if lease is not None and lease.lost:
-            call.outcome = CallOutcome.RELEASED
-            misuse = await self._release(tx, None)
-            await answers.abort(
-                context, misuse or LeaseLost("the lease ran out and another attempt took over")
-            )
-        if unawaited and aborted is None and answers.code_of(context) is Code.OK:
-            # Committed, the outcome would say done without the message: every retry replays
-            # it, and the event is never sent. Released instead, as for a failed statement. An
-            # error answer commits none of the handler's writes (recorded or not): it stands.
-            call.outcome = CallOutcome.RELEASED
-            misuse = await self._release(tx, claim)
-            await answers.abort(context, misuse or _enqueue_not_awaited(policy.method, unawaited))
         if lease is None:
             # Atomic: a loop turn, as the lease's stop gives a phased call, in which a call
             # object the handler made last and never awaited starts through the client
@@ -945,15 +932,6 @@ class IdempotencyInterceptor(_Interceptor):
                 call.outcome = CallOutcome.RELEASED
                 await _to_the_end(end_and_release())
                 raise
-        refused = serving.refused_downstream
-        if refused is not None and aborted is None and answers.code_of(context) is Code.OK:
-            # A downstream call the client interceptor refused as a misuse, maybe in a call
-            # object the handler never awaited (or awaited and swallowed the refusal): committed,
-            # the OK outcome would say done without that call's effect, replayed to every retry.
-            # An error answer stands, as for an enqueue (the refused call did nothing).
-            call.outcome = CallOutcome.RELEASED
-            misuse = await self._release(tx, claim)
-            await answers.abort(context, misuse or refused)
         return await self._finish(
             call,
             response,
@@ -962,9 +940,11 @@ class IdempotencyInterceptor(_Interceptor):
             executed,
             tx,
             claim,
-            # Read after the handler returned and the lease stopped (phased: at least a loop
-            # turn, in which a call object the handler made last, never awaited, starts through
-            # the client interceptor and is counted).
+            # What the handler left behind (its enqueues read as it ended, the rest a loop turn
+            # later: the lease's stop, or the sleep above); ``finish`` decides which one wins.
+            lease_lost=lease is not None and lease.lost,
+            unawaited=unawaited,
+            refused=serving.refused_downstream,
             downstream_in_flight=serving.downstream_in_flight,
         )
 
@@ -978,21 +958,47 @@ class IdempotencyInterceptor(_Interceptor):
         attempt: Attempt | None,
         claim: PhasedClaim | None = None,
         *,
+        lease_lost: bool = False,
+        unawaited: Sequence[str] = (),
+        refused: IdempotencyError | None = None,
         downstream_in_flight: bool = False,
     ) -> Any:
         """Commits the handler's outcome (or releases the key), then answers. ``attempt`` is the
         open transaction holding the claim; in phased mode it may be ``None`` (the handler wrote
-        nothing) and is opened here from ``claim``. ``downstream_in_flight``: a downstream call
-        the handler started is not over (``finish``: then nothing is recorded)."""
+        nothing) and is opened here from ``claim``. The rest is what the handler left behind
+        (``finish``, which may then record nothing and fail the call): ``lease_lost``, the
+        phased claim's lease; ``unawaited``, the steps of enqueues not run to their end;
+        ``refused``, a downstream call's refusal (``IdempotentCall.downstream_refused``);
+        ``downstream_in_flight``, a downstream call the handler started is not over."""
         policy, context = call.policy, call.context
         code = answers.code_of(context) if aborted is None else answers.status_code(aborted.code)
-        what = finish(code, policy.recorded_errors, downstream_in_flight=downstream_in_flight)
+        what = finish(
+            code,
+            policy.recorded_errors,
+            lease_lost=lease_lost,
+            enqueue_unawaited=bool(unawaited),
+            downstream_refused=refused is not None,
+            downstream_in_flight=downstream_in_flight,
+        )
+        if what is Finish.LEASE_LOST:
+            # Another attempt may own the key: the claim is not this call's to release.
+            await self._released_answering(call, attempt, None, _lease_lost())
+        if what is Finish.ENQUEUE_UNAWAITED:
+            # Committed, the outcome would say done without the message: every retry replays
+            # it, and the event is never sent. Released instead, as for a failed statement.
+            unsent = _enqueue_not_awaited(policy.method, unawaited)
+            await self._released_answering(call, attempt, claim, unsent)
+        if what is Finish.DOWNSTREAM_REFUSED:
+            # Refused maybe in a call object the handler never awaited (or awaited, and it
+            # swallowed the refusal): committed, the OK outcome would say done without that
+            # call's effect, replayed to every retry.
+            assert refused is not None
+            await self._released_answering(call, attempt, claim, refused)
         if what is Finish.UNSETTLED:
             # Committed, the outcome would be replayed to every retry however that call ends:
             # a charge that then failed was never made again.
-            call.outcome = CallOutcome.RELEASED
-            misuse = await self._release(attempt, claim)
-            await answers.abort(context, misuse or _downstream_in_flight(policy.method))
+            unsettled = _downstream_in_flight(policy.method)
+            await self._released_answering(call, attempt, claim, unsettled)
         if what is Finish.RELEASE:
             call.outcome = CallOutcome.RELEASED
             misuse = await self._release(attempt, claim)
@@ -1014,9 +1020,7 @@ class IdempotencyInterceptor(_Interceptor):
             try:
                 check_set_trailers(context)
             except AbortInvalid as err:
-                call.outcome = CallOutcome.RELEASED
-                misuse = await self._release(attempt, claim)
-                await answers.abort(context, misuse or err)
+                await self._released_answering(call, attempt, claim, err)
 
         data: bytes | None = None
         too_large: ResponseTooLarge | None = None
@@ -1146,6 +1150,20 @@ class IdempotencyInterceptor(_Interceptor):
         if data is None:  # set_code(): answer as the handler did
             return response
         return answers.Serialized(data)
+
+    async def _released_answering(
+        self,
+        call: _Call,
+        attempt: Attempt | None,
+        claim: PhasedClaim | None,
+        err: IdempotencyError,
+    ) -> NoReturn:
+        """Records nothing: releases the key (``_release``) and answers ``err``, or the
+        handler's misuse of the call's transaction that the release found (it ended that
+        transaction itself: its writes may have committed, which is the answer then)."""
+        call.outcome = CallOutcome.RELEASED
+        misuse = await self._release(attempt, claim)
+        await answers.abort(call.context, misuse or err)
 
     async def _release(
         self, attempt: Attempt | None, claim: PhasedClaim | None
@@ -1501,6 +1519,10 @@ async def _to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
         raise
 
 
+def _lease_lost() -> LeaseLost:
+    return LeaseLost("the lease ran out and another attempt took over")
+
+
 def _downstream_in_flight(method: str) -> TransactionOpen:
     return TransactionOpen(
         f"{method}: the handler returned while a downstream call it started was still in"
@@ -1511,7 +1533,7 @@ def _downstream_in_flight(method: str) -> TransactionOpen:
     )
 
 
-def _enqueue_not_awaited(method: str, steps: list[str]) -> HandlerDatabaseError:
+def _enqueue_not_awaited(method: str, steps: Sequence[str]) -> HandlerDatabaseError:
     return HandlerDatabaseError(
         f"{method}: the handler's enqueue of {', '.join(map(repr, steps))} was never awaited"
         " to its end (`await call.enqueue(...)`; in a sync handler"
