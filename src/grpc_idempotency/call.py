@@ -36,6 +36,7 @@ from grpc_idempotency.core.errors import (
     StoreUnavailable,
     TransactionOpen,
 )
+from grpc_idempotency.core.field_order import check_required
 from grpc_idempotency.core.outbox import message_key, outbox_step
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import StepCalls
@@ -343,6 +344,9 @@ class IdempotentCall:
                 f"{self.method}: only a keyed call can enqueue outbox messages"
             )
         chosen = outbox_step(self.method, self.steps, step, self.started_at)
+        # Before SerializeToString, whose required-field check can kill the process (see
+        # ``check_required``).
+        check_required(message, f"{self.method}: the outbox message of step {step!r}")
         key = message_key(self.scope, self.key, chosen)
         # A keyed call failing open (the store down) has no transaction: StoreUnavailable, as
         # from ``connection``. It was refused as not keyed (NotInIdempotentCall), and the call

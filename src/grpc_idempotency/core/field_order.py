@@ -23,7 +23,7 @@ import operator
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import EncodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
@@ -87,6 +87,20 @@ def serialized_size(message: Message) -> int:
     # or crashes the process (SIGSEGV): a client that left out a required field beside such a
     # map, or every request whose excluded required field the fingerprint's copy cleared.
     return len(message.SerializePartialToString())
+
+
+def check_required(message: Message, what: str) -> None:
+    """Raises EncodeError, as ``SerializeToString`` would, when ``message`` lacks a required
+    field (proto2 ``required``, editions LEGACY_REQUIRED): call it before SerializeToString.
+    That one's check builds its error's text with the walk ``serialized_size`` avoids, which
+    reads a map of scalar values beside such a field as messages: the text named
+    ``words[79152520].need``, or the process died (SIGSEGV), as a handler answered or enqueued
+    such a message, and again on every retry. ``IsInitialized()`` without a list of errors
+    builds no text."""
+    if not message.IsInitialized():
+        raise EncodeError(
+            f"{what}: the {message.DESCRIPTOR.full_name} message is missing required fields"
+        )
 
 
 _WALK_BYTES = 4096

@@ -14,6 +14,7 @@ from grpc_status import rpc_status
 from grpc_idempotency.core import wire
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import IdempotencyError
+from grpc_idempotency.core.field_order import check_required
 from grpc_idempotency.core.lifecycle import Outcome
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -59,6 +60,10 @@ def serialize(
     if type(response) is Serialized:
         return response.data
     check_type(response, output_type, method)
+    if serializer is not None and serializer is getattr(type(response), "SerializeToString", None):
+        # protobuf's own serializer (a generated handler's), which checks required fields: not
+        # one of the handler's own (which may serialize partially, on purpose).
+        check_required(response, f"the handler of {method} answered, and its writes roll back")
     data = response if serializer is None else serializer(response)
     if type(data) is not bytes:
         # grpc.aio sends bytes only ("Expected bytes, got bytearray"), and refuses anything
