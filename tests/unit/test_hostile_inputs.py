@@ -11,7 +11,10 @@ from google.rpc import status_pb2
 from grpc_idempotency.cli import _parser
 from grpc_idempotency.core import wire
 from grpc_idempotency.core.consumer import lock_timeout
+from grpc_idempotency.core.errors import RequestInvalid
+from grpc_idempotency.core.fingerprint import Fingerprinter
 from grpc_idempotency.core.step_contract import _plus, _ts
+from tests.support.hostile import classes
 
 
 def details(type_name: str, value: bytes) -> tuple[tuple[str, bytes], ...]:
@@ -67,3 +70,15 @@ def test_a_saturated_date_with_an_offset_prints() -> None:
 
     late = datetime.max.replace(tzinfo=timezone(timedelta(hours=-5)))
     assert _ts(late) == "9999-12-31T23:59:59Z"
+
+
+def test_a_proto2_map_key_that_is_not_utf8_is_an_invalid_request() -> None:
+    """proto2 strings are not checked as UTF-8 when parsed (upb keeps the bytes), and the
+    fingerprint's walks read a map's string keys as str to reach its message values: a raw
+    UnicodeDecodeError, which grpc.aio answered as UNKNOWN with the codec's text. Found by
+    tests/e2e/test_hostile_requests.py."""
+    req = classes()[1]["Req"]
+    fingerprint = Fingerprinter.for_method("/hostile.v1.Hostile/Take", req.DESCRIPTOR)
+    request = req.FromString(b"\x2a\x03\x0a\x01\xff")  # leaves {"\xff": Leaf()}
+    with pytest.raises(RequestInvalid, match="not valid UTF-8"):
+        fingerprint(request)

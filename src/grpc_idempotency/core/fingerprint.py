@@ -317,6 +317,20 @@ class Fingerprinter:
         return bool(self.excluded_types)
 
     def __call__(self, request: Message) -> bytes:
+        try:
+            return self._digest(request)
+        except UnicodeDecodeError:
+            # A proto2 string is not checked as UTF-8 when parsed: upb keeps its bytes, and
+            # Python reads a map's string keys as str when the walks below take the map's
+            # values (clearing excluded fields in them, looking for undeclared fields). Raised
+            # as it was, grpc.aio answered UNKNOWN with the codec's text, for a request whose
+            # handler never ran. The pure-Python runtime refuses such a string as it parses
+            # (``_decoding``): INVALID_ARGUMENT here too.
+            raise RequestInvalid(
+                f"{self.method}: the request does not parse: a map's string key is not valid UTF-8"
+            ) from None
+
+    def _digest(self, request: Message) -> bytes:
         # Only under the pure-Python runtime (upb's map order, ``core/map_order.py``).
         upb_map_order = PYTHON_RUNTIME and needs_map_order(request.DESCRIPTOR)
         if self.excluded_types or upb_map_order:
