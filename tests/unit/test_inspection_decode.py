@@ -101,6 +101,18 @@ def test_what_json_cannot_show_is_described_not_raised(fill: Any, problem: str) 
     assert shown.size == len(data) and shown.hex_prefix == data[:32].hex()
 
 
+def test_an_any_nested_past_the_recursion_limit_is_described_not_raised() -> None:
+    """A handler's message may nest ``Any`` thousands deep (the server never opens one); the
+    JSON mapping unpacks each, recursively: a RecursionError crashed ``inspect``."""
+    data = b""
+    for _ in range(3000):
+        data = any_pb2.Any(type_url="type.googleapis.com/google.protobuf.Any", value=data)
+        data = data.SerializeToString()
+    shown = decode(data, "google.protobuf.Any", any_pb2.Any)
+    assert not shown.decoded
+    assert shown.problem is not None and "RecursionError" in shown.problem
+
+
 def test_a_recorded_error_detail_of_an_unknown_type_is_described() -> None:
     from datetime import UTC, datetime
 

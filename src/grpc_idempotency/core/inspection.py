@@ -156,8 +156,10 @@ class Payload:
 
 # What json_format raises on a message that parsed: an Any whose type_url names a type in no pool
 # it was given, or that it cannot read (TypeError); a well-known type holding a value it will not
-# print (a Timestamp out of range, a Duration's mismatched signs, a NaN Value: ValueError).
-_UNSHOWABLE = (TypeError, ValueError, KeyError, json_format.Error)
+# print (a Timestamp out of range, a Duration's mismatched signs, a NaN Value: ValueError); or
+# Any nested past Python's recursion limit, which the JSON mapping unpacks level by level (the
+# server never opens one, so a handler's message may hold thousands: RecursionError).
+_UNSHOWABLE = (TypeError, ValueError, KeyError, RecursionError, json_format.Error)
 
 
 def _pool_of(message: Message) -> descriptor_pool.DescriptorPool:
