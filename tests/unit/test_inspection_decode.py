@@ -106,8 +106,8 @@ def test_an_any_nested_past_the_recursion_limit_is_described_not_raised() -> Non
     JSON mapping unpacks each, recursively: a RecursionError crashed ``inspect``."""
     data = b""
     for _ in range(3000):
-        data = any_pb2.Any(type_url="type.googleapis.com/google.protobuf.Any", value=data)
-        data = data.SerializeToString()
+        outer = any_pb2.Any(type_url="type.googleapis.com/google.protobuf.Any", value=data)
+        data = outer.SerializeToString()
     shown = decode(data, "google.protobuf.Any", any_pb2.Any)
     assert not shown.decoded
     assert shown.problem is not None and "RecursionError" in shown.problem
