@@ -142,6 +142,8 @@ class IdempotentCall:
         self._ended = False
         self._downstream = 0
         """Downstream calls started through the client interceptor and not finished yet."""
+        self._keyed_downstream = 0
+        """Those of them that carry a key a retry sends again (``downstream_started``)."""
         self._refused: IdempotencyError | None = None
         """The first downstream call the client interceptor refused (``downstream_refused``)."""
         self.step_calls = StepCalls()
@@ -217,13 +219,20 @@ class IdempotentCall:
         conn = self._connection
         return conn is not None and not connection_closed(conn)
 
-    def downstream_started(self) -> None:
+    def downstream_started(self, *, keyed: bool) -> None:
         """A downstream call is starting (the client interceptor); ``downstream_ended`` when it
-        is over. The final transaction does not open while one is in flight."""
+        is over. The final transaction does not open while one is in flight, keyed or not: its
+        locks would be held across a network call. ``keyed``: the call carries a key that the
+        operation's retry sends again (a step's child key, a key the handler gave), so its OK
+        answer is not recorded while it is in flight (``keyed_downstream_in_flight``)."""
         self._downstream += 1
+        if keyed:
+            self._keyed_downstream += 1
 
-    def downstream_ended(self) -> None:
+    def downstream_ended(self, *, keyed: bool) -> None:
         self._downstream -= 1
+        if keyed:
+            self._keyed_downstream -= 1
 
     def downstream_refused(self, err: IdempotencyError) -> None:
         """The client interceptor refused a downstream call with ``err`` before sending it, as a
@@ -245,6 +254,15 @@ class IdempotentCall:
         """Whether a downstream call started through the client interceptor is not over yet
         (counted on an ended call too: a task the handler left running may still be in one)."""
         return self._downstream > 0
+
+    @property
+    def keyed_downstream_in_flight(self) -> bool:
+        """Whether a keyed downstream call (``downstream_started``) is not over yet. Only such a
+        call holds up the outcome: the key released, the retry re-sends its key, and a call
+        that went on to commit is replayed downstream, not repeated. An unkeyed call (metrics,
+        a cache warm-up left in a task) would be repeated by the retry all the same, so failing
+        the answer for it made nothing safer and failed every OK answer of such a handler."""
+        return self._keyed_downstream > 0
 
     def forwarded_metadata(self, names: Sequence[str]) -> list[tuple[str, str | bytes]]:
         """The incoming call's entries named in ``names`` (to pass on to downstream calls)."""

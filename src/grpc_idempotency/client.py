@@ -403,10 +403,11 @@ class IdempotencyClientInterceptor(_Interceptor):
     While serving a call (inside a handler), every call made through the channel, unary or
     streaming, is sent with at most the serving call's remaining deadline and with its
     ``forward_metadata`` entries; is counted as in flight until it is over, so the handler's
-    final transaction refuses to open across it; and is refused (``TransactionOpen``) once that
-    transaction is open. Streaming calls are never keyed (idempotency options apply to unary
-    methods only): no key is minted or derived for one, and a key the caller put in its metadata
-    is sent as given.
+    final transaction refuses to open across it (and, if the call carries a key other than one
+    minted for it, a step's child key or one the handler gave, the handler's answer is not
+    recorded while it is); and is refused (``TransactionOpen``) once that transaction is open.
+    Streaming calls are never keyed (idempotency options apply to unary methods only): no key is
+    minted or derived for one, and a key the caller put in its metadata is sent as given.
 
     ``services``: the services called through the channel (descriptors or ``_pb2`` modules);
     others are found in the default descriptor pool. ``forward_metadata``: entries copied from
@@ -482,7 +483,7 @@ class IdempotencyClientInterceptor(_Interceptor):
         """Sends the call as ``_outgoing`` rewrites it, counted as in flight while serving a
         call. ``request``: the request, or the request iterator of a client-streaming call."""
         try:
-            details, serving, step = self._outgoing(client_call_details, keyed=keyed)
+            details, serving, step, resent = self._outgoing(client_call_details, keyed=keyed)
         except _MISUSES as err:
             # Raised in the call object's task, which the handler may never await: told to the
             # served call too, whose driver then fails an OK answer (``downstream_refused``).
@@ -499,18 +500,18 @@ class IdempotencyClientInterceptor(_Interceptor):
         # Counted until the call is over, so that the handler's final transaction refuses to
         # open across it (IdempotentCall.transaction); counted before the first await, as a
         # transaction() gathered with this call may run as soon as this task yields.
-        serving.downstream_started()
+        serving.downstream_started(keyed=resent)
         try:
             call = await continuation(details, request)
         except BaseException:
-            serving.downstream_ended()
+            serving.downstream_ended(keyed=resent)
             raise
         try:
-            call.add_done_callback(lambda _: serving.downstream_ended())
+            call.add_done_callback(lambda _: serving.downstream_ended(keyed=resent))
         except NotImplementedError:
             # A later interceptor returned the response rather than the call (grpc.aio allows
             # it): gRPC hands back a finished UnaryUnaryCallResponse that takes no callbacks.
-            serving.downstream_ended()
+            serving.downstream_ended(keyed=resent)
         return call
 
     async def _send_step(
@@ -525,7 +526,7 @@ class IdempotencyClientInterceptor(_Interceptor):
         it back (the retry-interceptor pattern: ``await call.code()`` raises nothing), so that
         the step counts as answered before the handler can call again (``StepCalls``)."""
         ok = False
-        serving.downstream_started()
+        serving.downstream_started(keyed=True)  # the step's child key
         try:
             call = await continuation(details, request)
             try:
@@ -537,7 +538,7 @@ class IdempotencyClientInterceptor(_Interceptor):
                 raise
         finally:
             serving.step_calls.ended(step, ok=ok)
-            serving.downstream_ended()
+            serving.downstream_ended(keyed=True)
         return call
 
     def _forwarded(
@@ -570,13 +571,14 @@ class IdempotencyClientInterceptor(_Interceptor):
 
     def _outgoing(
         self, client_call_details: grpc.aio.ClientCallDetails, *, keyed: bool
-    ) -> tuple[grpc.aio.ClientCallDetails, IdempotentCall | None, str | None]:
+    ) -> tuple[grpc.aio.ClientCallDetails, IdempotentCall | None, str | None, bool]:
         """The call to send instead of ``client_call_details``, the call being served, if any,
-        and the step whose child key the call carries, if any (counted in flight in the served
-        call's ``step_calls``). ``keyed``: a unary call, whose key is chosen here
-        (``core.propagation``); a streaming call gets none (no streaming method is keyed) and
-        keeps an explicit one. Raises ``TransactionOpen`` for any call made after the served
-        call's final transaction was opened, ``StepReused`` for a step called twice."""
+        the step whose child key the call carries, if any (counted in flight in the served
+        call's ``step_calls``), and whether it carries a key that the operation's retry sends
+        again (``IdempotentCall.downstream_started``). ``keyed``: a unary call, whose key is
+        chosen here (``core.propagation``); a streaming call gets none (no streaming method is
+        keyed) and keeps an explicit one. Raises ``TransactionOpen`` for any call made after the
+        served call's final transaction was opened, ``StepReused`` for a step called twice."""
         method = client_call_details.method
         path = method.decode() if isinstance(method, bytes) else method  # bytes on aio clients
         metadata = list(client_call_details.metadata or ())
@@ -689,7 +691,12 @@ class IdempotencyClientInterceptor(_Interceptor):
             client_call_details.credentials,
             client_call_details.wait_for_ready,
         )
-        return details, serving, step
+        # A key given (the handler's, or an Operation's, which outlives the attempt) or derived
+        # from the served call's is sent again by a retry; one minted here is this call's alone.
+        resent = explicit is not None or (
+            choice is not None and choice.source in (KeySource.CHILD, KeySource.OPERATION)
+        )
+        return details, serving, step, resent
 
 
 _MISUSES = (TransactionOpen, StepReused, StepUndeclared, StepAmbiguous, PolicyError)

@@ -28,6 +28,7 @@ from grpc_idempotency import (
     current_call,
 )
 from grpc_idempotency.client import Operation
+from grpc_idempotency.core.wire import KEY_HEADER
 from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.ledger import (
     TENANT,
@@ -245,6 +246,72 @@ async def test_an_outcome_is_not_recorded_while_a_downstream_call_is_in_flight(
     assert await ledger_rows(store, account) == 1
     failed_precondition = grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert _outcomes(reader).get(("released", failed_precondition)) == 1, _outcomes(reader)
+
+
+class Gate(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]  # not generic at run time
+    """Holds each call (behind the client interceptor, which counts it in flight meanwhile)
+    until ``open`` is set."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        await self.open.wait()
+        return await continuation(details, request)
+
+
+LEFT_UNAWAITED: list[LeavesAnotherCall] = []
+
+
+class LeavesAnotherCall(RelayService):
+    """Forward starts a call in a task it never awaits and returns: ``"peek"``, Peek, unkeyed
+    (a read, metrics, a cache warm-up); ``"own-key"``, Post with a key the handler gives."""
+
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.left: list[asyncio.Future[Any]] = []
+        LEFT_UNAWAITED.append(self)
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        if request.mode == "peek":
+            call = self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
+        else:
+            post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+            own = ((KEY_HEADER, f"own-{request.account}"), (TENANT, "tenant-a"))
+            call = self.ledger.Post(post, metadata=own)
+        self.left.append(asyncio.ensure_future(call))
+        return testsvc_pb2.ForwardResponse()
+
+
+@pytest.mark.parametrize(("mode", "recorded"), [("peek", True), ("own-key", False)])
+async def test_only_a_keyed_call_in_flight_holds_up_the_outcome(
+    ledger: RunningLedger, store: Store, mode: str, recorded: bool
+) -> None:
+    """An unkeyed call left in flight failed every OK answer (TransactionOpen): the retry would
+    repeat it all the same, so failing the answer made nothing safer. The outcome is recorded.
+    A call with a key the handler gave still holds it up, as a step's call does (above)."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode=mode)
+    gate = Gate()
+    async with running_relay(
+        store,
+        ledger.address,
+        servicer=LeavesAnotherCall,
+        downstream_interceptors=[gate],  # type: ignore[list-item]  # grpc-stubs: cast or ignore
+    ) as relay:
+        try:
+            answer = await relay.forward(request, key)
+        finally:
+            gate.open.set()
+        await LEFT_UNAWAITED[-1].left[0]
+    record = await store.lookup("tenant:tenant-a", key)
+    assert record is not None
+    if recorded:
+        assert answer.code is grpc.StatusCode.OK, answer
+        assert record.outcome is not None, record
+    else:
+        assert answer.reason() == "IDEMPOTENCY_TRANSACTION_OPEN", answer
+        assert record.outcome is None, record
 
 
 REFUSED: list[RefusedUnawaited] = []

@@ -29,7 +29,7 @@ When the owner's handler ends, ``finish`` classifies its status:
     OK                                   -> RECORD        commit the writes and the response
     a recorded error (deterministic)     -> RECORD_ERROR  roll back the writes, commit the status
     anything else, or an exception       -> RELEASE       roll back everything; a retry runs again
-    either of the first two, with a downstream call still in flight
+    either of the first two, with a keyed downstream call still in flight
                                          -> UNSETTLED     roll back everything; the call fails
 
 and, before the status, what the handler left behind it, each failing the call with nothing
@@ -401,15 +401,18 @@ def finish(
       ``downstream_refused`` (a downstream call the client interceptor refused as a misuse):
       an OK answer would commit without that message or that call's effect. An error answer
       commits none of the handler's writes (recorded or not), so it stands;
-    - ``downstream_in_flight``: a call it made through the client interceptor is not over
-      (started in a task it never awaited, ``asyncio.ensure_future(stub.Charge(...))``). Such
-      a call's effect is undecided: recorded now, the outcome (OK, or a recorded error) would
-      be replayed to every retry whether that call then succeeds or fails, and a failed charge
-      was never made again. So it is not recorded (``UNSETTLED``), as the final transaction
-      does not open across such a call (``IdempotentCall.transaction``): the key is released,
-      and the retry re-sends the same child keys, so a call that did commit downstream is
-      replayed there, not repeated. A status that releases the key anyway keeps its own answer
-      (a retry runs again just the same)."""
+    - ``downstream_in_flight``: a keyed call it made through the client interceptor (a step's
+      child key, or a key it gave) is not over (started in a task it never awaited,
+      ``asyncio.ensure_future(stub.Charge(...))``). Such a call's effect is undecided:
+      recorded now, the outcome (OK, or a recorded error) would be replayed to every retry
+      whether that call then succeeds or fails, and a failed charge was never made again. So
+      it is not recorded (``UNSETTLED``), as the final transaction does not open across such a
+      call (``IdempotentCall.transaction``): the key is released, and the retry re-sends the
+      same keys, so a call that did commit downstream is replayed there, not repeated. An
+      unkeyed call in flight does not count: the retry would repeat it whatever this answer,
+      so failing it makes nothing safer (metrics, a cache warm-up left running would fail
+      every answer). A status that releases the key anyway keeps its own answer (a retry runs
+      again just the same)."""
     if lease_lost:
         return Finish.LEASE_LOST
     if code is Code.OK:

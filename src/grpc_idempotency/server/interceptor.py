@@ -945,7 +945,7 @@ class IdempotencyInterceptor(_Interceptor):
             lease_lost=lease is not None and lease.lost,
             unawaited=unawaited,
             refused=serving.refused_downstream,
-            downstream_in_flight=serving.downstream_in_flight,
+            downstream_in_flight=serving.keyed_downstream_in_flight,
         )
 
     async def _finish(
@@ -969,7 +969,8 @@ class IdempotencyInterceptor(_Interceptor):
         (``finish``, which may then record nothing and fail the call): ``lease_lost``, the
         phased claim's lease; ``unawaited``, the steps of enqueues not run to their end;
         ``refused``, a downstream call's refusal (``IdempotentCall.downstream_refused``);
-        ``downstream_in_flight``, a downstream call the handler started is not over."""
+        ``downstream_in_flight``, a keyed downstream call the handler started is not over
+        (``IdempotentCall.keyed_downstream_in_flight``)."""
         policy, context = call.policy, call.context
         code = answers.code_of(context) if aborted is None else answers.status_code(aborted.code)
         what = finish(
@@ -1525,8 +1526,8 @@ def _lease_lost() -> LeaseLost:
 
 def _downstream_in_flight(method: str) -> TransactionOpen:
     return TransactionOpen(
-        f"{method}: the handler returned while a downstream call it started was still in"
-        " flight (a task it did not await, or a stream not read to its end); its outcome cannot"
+        f"{method}: the handler returned while a keyed downstream call it started (a step's, or"
+        " one given a key) was still in flight (a task it did not await); its outcome cannot"
         " be recorded before that call's answer: nothing was committed and the key was"
         " released. Await the downstream calls before returning, or cancel them"
         " (`call.cancel()`)"
