@@ -64,6 +64,24 @@ class Enqueue(Protocol):
 
 _savepoints = itertools.count(1)
 
+_client_interceptor_made = False
+"""Whether an ``IdempotencyClientInterceptor`` was ever made in this process: the only thing that
+counts a call's downstream calls or refuses one (``IdempotentCall.downstream_started`` and
+``downstream_refused``). Never reset: set once, read for every call's finish."""
+
+
+def client_interceptor_made() -> bool:
+    """Whether a downstream call can have been counted or refused (``_client_interceptor_made``);
+    ``False``: the driver need not give a handler's last call objects a loop turn to start."""
+    return _client_interceptor_made
+
+
+def mark_client_interceptor_made() -> None:
+    """Called by each ``IdempotencyClientInterceptor`` as it is made (whatever the thread; the
+    call it serves reads the flag only once its handler has returned)."""
+    global _client_interceptor_made
+    _client_interceptor_made = True
+
 
 def _kind(value: object) -> str:
     """What ``value`` is, for an error: a class is named as one (a message's class given for an

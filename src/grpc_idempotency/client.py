@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from grpc_idempotency.call import IdempotentCall, current_call_or_none
+from grpc_idempotency.call import IdempotentCall, current_call_or_none, mark_client_interceptor_made
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
     KeyInvalid,
@@ -458,6 +458,9 @@ class IdempotencyClientInterceptor(_Interceptor):
             _StreamUnary(self),
             _StreamStream(self),
         )
+        # From now on a server's driver gives an atomic handler's last call objects a loop turn
+        # to start through this interceptor (and be counted or refused) before it reads them.
+        mark_client_interceptor_made()
 
     def all_kinds(self) -> tuple[Any, ...]:
         """The interceptors to put first in ``interceptors=[...]``, one for each kind of call:

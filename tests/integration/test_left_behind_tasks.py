@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import pytest
-from testsvc.v1 import testsvc_pb2
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import (
     IdempotencyError,
@@ -27,7 +28,8 @@ from grpc_idempotency import (
     child_key,
     current_call,
 )
-from grpc_idempotency.client import Operation
+from grpc_idempotency import call as call_module
+from grpc_idempotency.client import IdempotencyClientInterceptor, Operation
 from grpc_idempotency.core.wire import KEY_HEADER
 from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.ledger import (
@@ -423,6 +425,49 @@ async def test_an_atomic_call_refused_in_an_object_made_last_fails_the_call(
         assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first
         assert first.reason() == StepUndeclared.reason, first
     assert ledger.service.executions == 0
+    assert await ledger_rows(store, account) == 0
+
+
+@dataclass
+class MakesItsOwnChannel(LedgerService):
+    """Post (atomic, no steps) writes, then makes a client interceptor and a channel of its own,
+    makes a call of Post through it (undeclared: refused) and returns without another await."""
+
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+    left: list[Any] = field(default_factory=list)
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        await current_call().connection.execute(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
+        )
+        idem = IdempotencyClientInterceptor(services=[testsvc_pb2])
+        # Refused before it is sent: the channel never connects to anything.
+        channel = grpc.aio.insecure_channel("127.0.0.1:1", interceptors=idem.all_kinds())
+        self.channels.append(channel)
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        self.left.append(stub.Post(testsvc_pb2.PostRequest(account=request.account)))
+        return testsvc_pb2.PostResponse()
+
+
+async def test_a_client_interceptor_made_after_the_server_started_is_waited_for(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop turn above is skipped while no client interceptor was ever made in the process
+    (none can count or refuse a call); asked as each call ends, not as the server starts or
+    the call begins: here none was made before the handler made its own."""
+    monkeypatch.setattr(call_module, "_client_interceptor_made", False)
+    account, servicer = fresh("acct"), MakesItsOwnChannel(store)
+    interceptor = IdempotencyInterceptor(store, services=[testsvc_pb2], scope=MetadataScope(TENANT))
+    async with ledger_server(interceptor, servicer) as (channel, _):
+        post = testsvc_pb2.PostRequest(account=account, amount=1)
+        answer = await call_raw(channel, "/testsvc.v1.LedgerService/Post", post, metadata(fresh()))
+        try:
+            with pytest.raises(StepUndeclared):
+                await servicer.left[0]  # retrieved: no "never retrieved" log
+        finally:
+            for own in servicer.channels:
+                await own.close(None)
+    assert answer.reason() == StepUndeclared.reason, answer
     assert await ledger_rows(store, account) == 0
 
 

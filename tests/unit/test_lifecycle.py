@@ -24,6 +24,7 @@ from grpc_idempotency.core.lifecycle import (
     claim_visible,
     cut_short_outcome,
     decide,
+    downstream_decides,
     executed_outcome,
     final_store_failure,
     finish,
@@ -163,6 +164,16 @@ def test_finish_decides_which_of_what_the_handler_left_behind_wins(
 ) -> None:
     flags = {name: name in left for name in _LEFT}
     assert finish(code, DEFAULT_RECORDED_ERRORS, **flags) is expected
+
+
+@pytest.mark.parametrize("code", list(Code))
+def test_downstream_decides_exactly_where_finish_reads_what_was_left(code: Code) -> None:
+    """The driver skips an atomic call's loop turn (in which a call object made last starts,
+    and is refused or counted) where ``downstream_decides`` says no: there, neither must change
+    what ``finish`` does; where it says yes, either does."""
+    left = finish(code, DEFAULT_RECORDED_ERRORS, downstream_refused=True, downstream_in_flight=True)
+    changes = left is not finish(code, DEFAULT_RECORDED_ERRORS)
+    assert downstream_decides(code, DEFAULT_RECORDED_ERRORS) is changes
 
 
 def test_finish_respects_an_overridden_set() -> None:

@@ -426,6 +426,14 @@ def finish(
     return Finish.RELEASE
 
 
+def downstream_decides(code: Code, recorded_errors: frozenset[Code]) -> bool:
+    """Whether a downstream call the handler left behind (refused, or keyed and in flight) can
+    change what ``finish`` does with ``code``: only for an outcome it would record (OK, a
+    recorded error). Any other status releases the key whatever was left, so the driver need
+    not wait a loop turn for a call object made last to start."""
+    return code is Code.OK or code in recorded_errors
+
+
 class CallOutcome(enum.Enum):
     """How a keyed call ended: the span attribute and the metric label."""
 

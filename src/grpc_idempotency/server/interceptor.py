@@ -71,6 +71,7 @@ from grpc_idempotency.core.lifecycle import (
     budget_event,
     claim_visible,
     cut_short_outcome,
+    downstream_decides,
     executed_outcome,
     final_store_failure,
     finish,
@@ -920,12 +921,22 @@ class IdempotencyInterceptor(_Interceptor):
                 call.outcome = CallOutcome.RELEASED
                 await _to_the_end(end_and_release())
                 raise
-        if lease is None:
+        if (
+            lease is None
+            and call_context.client_interceptor_made()
+            and downstream_decides(
+                answers.code_of(context) if aborted is None else answers.status_code(aborted.code),
+                policy.recorded_errors,
+            )
+        ):
             # Atomic: a loop turn, as the lease's stop gives a phased call, in which a call
             # object the handler made last and never awaited starts through the client
             # interceptor: refused (``downstream_refused``) or counted in flight. Read at once,
             # its refusal came after the commit, the outcome recorded OK without its effect.
-            # After the enqueues are read (the end's).
+            # After the enqueues are read (the end's). Not taken where it cannot change the
+            # finish (a hot path): no client interceptor was ever made (none can count or
+            # refuse a call; one made by the handler was made before it returned), or a status
+            # that releases the key whatever the handler left.
             try:
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
