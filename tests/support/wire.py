@@ -9,7 +9,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from grpc_idempotency.core.lifecycle import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS
-from grpc_idempotency.core.wire import ERROR_DOMAIN, PUSHBACK_TRAILER
+from grpc_idempotency.core.wire import ERROR_DOMAIN, PUSHBACK_TRAILER, REPLAYED_HEADER
 
 
 @dataclass
@@ -22,7 +22,15 @@ class Answer:
 
     @property
     def replayed(self) -> bool:
-        return self.initial.get("idempotency-replayed") == "true"
+        return self.initial.get(REPLAYED_HEADER) == "true"
+
+    def check_replay_marker(self) -> None:
+        """README, "Metadata": a replay sends its headers first, the marker only in them and
+        nothing else (the handler's own initial metadata is not stored); no answer carries the
+        marker in its trailers. Checked on every answer ``call_raw`` reads."""
+        assert REPLAYED_HEADER not in self.trailing, self.trailing
+        if REPLAYED_HEADER in self.initial:
+            assert self.initial == {REPLAYED_HEADER: "true"}, self.initial
 
     def status(self) -> status_pb2.Status | None:
         raw = self.trailing.get("grpc-status-details-bin")
@@ -52,6 +60,12 @@ class Answer:
     ) -> None:
         assert status is not None
         assert info.domain == ERROR_DOMAIN, (info.reason, info.domain)
+        assert not info.metadata, info  # README: "and no ErrorInfo metadata"
+        infos = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+        assert len(infos) == 1, status
+        # Trailers-only (no headers first: gRPC's retry policy may retry it), or a replay of
+        # a recorded RESPONSE_TOO_LARGE, whose headers carry the marker alone.
+        assert self.initial in ({}, {REPLAYED_HEADER: "true"}), (info.reason, self.initial)
         assert (status.code, status.message) == (self.code.value[0], self.details), (
             status,
             self.code,
@@ -90,7 +104,7 @@ async def call_raw(
     try:
         body = await call
     except grpc.aio.AioRpcError as err:
-        return Answer(
+        answer = Answer(
             err.code(),
             None,
             dict(err.initial_metadata() or ()),
@@ -99,10 +113,13 @@ async def call_raw(
             dict(err.trailing_metadata() or ()),  # type: ignore[arg-type]
             err.details(),
         )
-    return Answer(
-        await call.code(),
-        body,
-        dict(await call.initial_metadata() or ()),
-        dict(await call.trailing_metadata() or ()),
-        await call.details(),
-    )
+    else:
+        answer = Answer(
+            await call.code(),
+            body,
+            dict(await call.initial_metadata() or ()),
+            dict(await call.trailing_metadata() or ()),
+            await call.details(),
+        )
+    answer.check_replay_marker()
+    return answer
