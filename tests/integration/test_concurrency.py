@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import timedelta
 
 import asyncpg
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store
+from grpc_idempotency import MethodOverride, Store
 from grpc_idempotency.core.fingerprint import Fingerprinter
 from tests.support.ledger import (
     RunningLedger,
@@ -139,6 +141,43 @@ async def test_a_mutated_duplicate_waiting_on_an_owner_is_refused(
     assert await ledger_rows(store, account) == 1
 
 
+@pytest.mark.parametrize("first", ["running", "released"])
+async def test_a_mutated_duplicate_of_a_fresh_atomic_key_waits_for_in_progress_or_its_turn(
+    store: Store, first: str
+) -> None:
+    """README, "running key, different fingerprint", atomic on a fresh key: nothing is visible
+    before the commit, so another request waits like a duplicate; IN_PROGRESS if the first
+    attempt still runs when its wait ends, and it runs itself if the first was released
+    (KEY_REUSED once the first committed: the test above)."""
+    key, account = fresh(), fresh("acct")
+    owner_request = testsvc_pb2.PostRequest(
+        account=account, behaviour="wait" if first == "running" else "wait:UNAVAILABLE"
+    )
+    mutated_request = testsvc_pb2.PostRequest(account=account, amount=9)
+    short = {POST[1:]: MethodOverride(max_wait=timedelta(milliseconds=300))}
+    async with running_ledger(store, overrides=short if first == "running" else None) as ledger:
+        owner = asyncio.ensure_future(ledger.call(POST, owner_request, key))
+        await ledger.service.started.wait()
+        mutated = asyncio.ensure_future(ledger.call(POST, mutated_request, key))
+        await until("1 call waiting", lambda: ledger.interceptor.waiting_calls == 1)
+        if first == "running":
+            answer = await mutated  # its max_wait ends while the owner's handler waits
+            assert (answer.code, answer.reason()) == (
+                grpc.StatusCode.ABORTED,
+                "IDEMPOTENCY_KEY_IN_PROGRESS",
+            ), answer
+            assert not owner.done() and ledger.service.executions == 1
+            ledger.service.release.set()
+            assert (await owner).code is grpc.StatusCode.OK
+        else:
+            ledger.service.release.set()
+            assert (await owner).code is grpc.StatusCode.UNAVAILABLE
+            answer = await mutated
+            assert answer.code is grpc.StatusCode.OK and not answer.replayed, answer
+            assert ledger.service.executions == 2
+    assert await ledger_rows(store, account) == 1
+
+
 async def _mutated_duplicates_refused_on_every_replica(
     store: Store, method: str, running: testsvc_pb2.PostRequest, key: str
 ) -> None:
@@ -228,6 +267,44 @@ async def test_a_mutated_duplicate_of_an_atomic_takeover_is_refused_at_once_on_e
         fingerprint,
     )
     await _mutated_duplicates_refused_on_every_replica(store, POST, running, key)
+
+
+async def test_a_released_atomic_takeover_leaves_the_claim_to_its_first_request(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """README, "running key, different fingerprint": the takeover of a claim left in progress
+    is released (a transient error); its rollback restores the claim, which stays the first
+    request's: another request is still KEY_REUSED, the same request takes it over again."""
+    key, account = fresh(), fresh("acct")
+    running = testsvc_pb2.PostRequest(account=account, behaviour="UNAVAILABLE")
+    fingerprint = Fingerprinter.for_method(POST, testsvc_pb2.PostRequest.DESCRIPTOR)(running)
+    await store.pool.execute(  # a crashed phased owner's claim (before a deploy made it atomic)
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+        " fencing_token, locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 7,"
+        " clock_timestamp() - interval '1 second', clock_timestamp() + interval '1 hour')",
+        "tenant:tenant-a",
+        key,
+        POST,
+        fingerprint,
+    )
+    taken = await ledger.call(POST, running, key)
+    assert taken.code is grpc.StatusCode.UNAVAILABLE and ledger.service.executions == 1
+    row = await store.pool.fetchrow(
+        "SELECT state, fingerprint, fencing_token FROM grpc_idempotency.records"
+        " WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+    assert row is not None and tuple(row) == ("in_progress", fingerprint, 7)
+    another = await ledger.call(POST, testsvc_pb2.PostRequest(account=account, amount=9), key)
+    assert (another.code, another.reason()) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "IDEMPOTENCY_KEY_REUSED",
+    ), another
+    assert ledger.service.executions == 1
+    again = await ledger.call(POST, running, key)  # the same request: taken over again
+    assert again.code is grpc.StatusCode.UNAVAILABLE and ledger.service.executions == 2
+    assert await ledger_rows(store, account) == 0
 
 
 async def test_duplicates_across_two_servers_execute_once(store: Store) -> None:
