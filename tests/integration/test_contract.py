@@ -151,6 +151,7 @@ WIDE = "\U0001f600" * 1024  # 1024 characters, 4096 bytes: more than a record's 
         (_raises, grpc.StatusCode.INTERNAL, "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"),
         (lambda context: 42, grpc.StatusCode.INTERNAL, "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"),
         (lambda context: b"tenant", grpc.StatusCode.INTERNAL, "IDEMPOTENCY_SCOPE_RESOLVER_FAILED"),
+        (lambda context: "", grpc.StatusCode.UNAUTHENTICATED, "IDEMPOTENCY_SCOPE_UNAVAILABLE"),
         (lambda context: WIDE, grpc.StatusCode.UNAUTHENTICATED, "IDEMPOTENCY_SCOPE_UNAVAILABLE"),
         (
             lambda context: "t\udcff",
@@ -177,7 +178,18 @@ WIDE = "\U0001f600" * 1024  # 1024 characters, 4096 bytes: more than a record's 
             "IDEMPOTENCY_SCOPE_UNAVAILABLE",
         ),
     ],
-    ids=["raises", "int", "bytes", "4096-bytes", "surrogate", "nul", "newline", "c1-csi", "rlo"],
+    ids=[
+        "raises",
+        "int",
+        "bytes",
+        "empty",
+        "4096-bytes",
+        "surrogate",
+        "nul",
+        "newline",
+        "c1-csi",
+        "rlo",
+    ],
 )
 @pytest.mark.parametrize("method", [POST, PHASED, FAIL_OPEN])
 async def test_a_scope_resolver_that_fails_is_refused_before_the_handler(
@@ -620,12 +632,13 @@ async def test_a_handler_that_ends_the_transaction_itself_gets_no_success(
     ids=["bad-option", "streaming"],
 )
 async def test_a_method_whose_options_cannot_be_compiled_is_refused_internal(
-    store: Store, configure: Any, streaming: bool
+    store: Store, configure: Any, streaming: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Options found bad when a method is first called (its service not given to the
     interceptor) raised PolicyError out of the interception, which grpc answers UNKNOWN
     "Unexpected <class 'PolicyError'>". They are answered with the error's own status and
-    reason, and the handler does not run."""
+    reason, on every call (README: "on every call of that method, logged once"), and the
+    handler does not run."""
     method = method_with(configure, streaming=streaming)
     request_class: Any = message_factory.GetMessageClass(
         method.input_type
@@ -656,32 +669,36 @@ async def test_a_method_whose_options_cannot_be_compiled_is_refused_internal(
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    answers: list[tuple[grpc.StatusCode, str | None, Any]] = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             path = f"/{service}/Do"
-            metadata = (("idempotency-key", fresh()),)
-            if streaming:
-                call = channel.unary_stream(
-                    path,
-                    request_serializer=request_class.SerializeToString,
-                    response_deserializer=None,
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    async for _ in call(request_class(a="x"), metadata=metadata, timeout=10):
-                        pass
-                code, details = refused.value.code(), refused.value.details()
-                reason = rpc_status.from_call(refused.value)  # type: ignore[arg-type]  # grpc-stubs: from_call takes an AioRpcError too
-            else:
-                answer = await call_raw(channel, path, request_class(a="x"), metadata)
-                code, details, reason = answer.code, answer.details, answer.reason()
+            for _ in range(2):
+                metadata = (("idempotency-key", fresh()),)
+                if streaming:
+                    call = channel.unary_stream(
+                        path,
+                        request_serializer=request_class.SerializeToString,
+                        response_deserializer=None,
+                    )
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        async for _ in call(request_class(a="x"), metadata=metadata, timeout=10):
+                            pass
+                    status = rpc_status.from_call(refused.value)  # type: ignore[arg-type]  # grpc-stubs: from_call takes an AioRpcError too
+                    assert status is not None
+                    info = error_details_pb2.ErrorInfo()
+                    assert len(status.details) == 1 and status.details[0].Unpack(info)
+                    assert info.domain == "grpc-idempotency" and not info.metadata
+                    answers.append((refused.value.code(), refused.value.details(), info.reason))
+                else:
+                    answer = await call_raw(channel, path, request_class(a="x"), metadata)
+                    answers.append((answer.code, answer.details, answer.reason()))
     finally:
         await server.stop(None)
-    if streaming:
-        assert reason is not None
-        info = error_details_pb2.ErrorInfo()
-        assert reason.details[0].Unpack(info)
-        reason = info.reason
-    assert code is grpc.StatusCode.INTERNAL, details
-    assert reason == "IDEMPOTENCY_POLICY_INVALID"
-    assert "Unexpected" not in (details or "")
+    for code, details, reason in answers:
+        assert code is grpc.StatusCode.INTERNAL, details
+        assert reason == "IDEMPOTENCY_POLICY_INVALID"
+        assert "Unexpected" not in (details or "")
     assert ran == []
+    logged = [r for r in caplog.records if "bad idempotency options" in r.getMessage()]
+    assert len(logged) == 1, logged

@@ -125,6 +125,7 @@ async def test_a_transient_downstream_status_passes_through_and_releases_the_key
             assert answer.code is getattr(grpc.StatusCode, code), answer
             assert not leaks(answer), answer
             assert answer.details == f"a downstream call failed ({code}); retry"
+            assert answer.status() is None and "grpc-retry-pushback-ms" not in answer.trailing
             assert await record(store, key) is None  # released: nothing recorded
             assert len(c.upstream.executions) == attempt  # a retry runs again
     assert await ledger_rows(store, account) == 0
@@ -145,6 +146,7 @@ async def test_any_other_downstream_status_is_internal_with_a_fixed_message(
                 assert answer.code is grpc.StatusCode.INTERNAL, answer
                 assert answer.details == "a downstream call failed; see the server's log"
                 assert not leaks(answer), answer
+                assert answer.status() is None  # no library reason: not the library's refusal
                 assert await record(store, key) is None
                 assert len(c.upstream.executions) == attempt
     assert await ledger_rows(store, account) == 0

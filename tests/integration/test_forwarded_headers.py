@@ -13,11 +13,13 @@ client interceptor waits for, never ended: the handler hung until the incoming c
 from __future__ import annotations
 
 import asyncio
+import base64
 import urllib.parse
 from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import Store
@@ -53,6 +55,11 @@ async def test_a_header_grpc_cannot_pass_on_is_refused_at_once(
             name = (extra[0][0] if extra else TENANT.encode()).decode()
             assert f"metadata entry {name!r}" in message and "cannot be sent by gRPC" in message
             assert "café" not in message  # the value is not shown
+            raw = answer[b"grpc-status-details-bin"]
+            status = status_pb2.Status.FromString(base64.b64decode(raw + b"=" * (-len(raw) % 4)))
+            info = error_details_pb2.ErrorInfo()
+            assert len(status.details) == 1 and status.details[0].Unpack(info)
+            assert (info.reason, info.domain) == ("IDEMPOTENCY_REQUEST_INVALID", "grpc-idempotency")
             assert b"idempotency-replayed" not in answer  # released, not recorded
         assert ledger.service.executions == 0
 

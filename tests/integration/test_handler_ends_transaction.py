@@ -197,7 +197,7 @@ BROKEN_CONNECTION = {
 @pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
 @pytest.mark.parametrize("behaviour", list(BROKEN_CONNECTION))
 async def test_a_connection_the_handler_left_unusable_records_nothing_and_commits_nothing(
-    store: Store, method: str, behaviour: str
+    store: Store, method: str, behaviour: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     key, account = uuid.uuid4().hex, uuid.uuid4().hex
     async with serving(store) as (channel, _service):
@@ -205,6 +205,8 @@ async def test_a_connection_the_handler_left_unusable_records_nothing_and_commit
     assert (answer.code, answer.reason()) == BROKEN_CONNECTION[behaviour], answer
     assert not await recorded_ok(store, key)
     assert await ledger_rows(store, account) == 0
+    if behaviour == "swallow":  # README: the log says how to run such a statement
+        assert "`SAVEPOINT s` and `ROLLBACK TO SAVEPOINT s`" in caplog.text
 
 
 async def test_without_a_key_a_well_behaved_handler_commits_and_the_pool_stays_clean(

@@ -90,7 +90,8 @@ async def test_a_handlers_replay_marker_is_dropped_from_a_first_execution(
 async def test_a_replay_still_carries_the_marker_after_the_handler_sent_one(
     store: Store,
 ) -> None:
-    """The library's own marker is untouched: the retry of that call is marked a replay."""
+    """The library's own marker is untouched: the retry of that call is marked a replay, and
+    carries only that (README, "Metadata": the handler's initial metadata is not stored)."""
     key, account = fresh(), fresh("acct")
     async with running_ledger(store) as ledger:
         first = await frames(ledger, POST, f"initial:{BOTH}", key, account)
@@ -98,6 +99,8 @@ async def test_a_replay_still_carries_the_marker_after_the_handler_sent_one(
     assert all(MARKER not in block for block in first)
     headers, trailers = replay
     assert headers[MARKER] == b"true" and trailers[b"grpc-status"] == b"0"
+    assert any(block.get(b"x-handler") == b"kept" for block in first)
+    assert b"x-handler" not in headers and b"x-handler" not in trailers
 
 
 # What the handler does after setting the trailers, and the answer's grpc-status: every way

@@ -90,7 +90,11 @@ async def stored_bytes(db: asyncpg.Connection, store: Store, key: str) -> int:
     ],
 )
 async def test_a_recorded_error_too_large_for_a_clients_trailers_is_cut_to_fit(
-    store: Store, db: asyncpg.Connection, method: str, behaviour: str
+    store: Store,
+    db: asyncpg.Connection,
+    method: str,
+    behaviour: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """20 KiB of UTF-8 (60 KiB as grpc-message sends it), far under max_response_bytes: every
     answer of it was RESOURCE_EXHAUSTED on the client ("received metadata size exceeds hard
@@ -118,6 +122,8 @@ async def test_a_recorded_error_too_large_for_a_clients_trailers_is_cut_to_fit(
         status = first.status()
         assert status is not None and status.message == first.details
     assert await stored_bytes(db, store, key) <= wire.MAX_ERROR_TRAILER_BYTES
+    cut = [r for r in caplog.records if "its message is cut to fit" in r.getMessage()]
+    assert len(cut) == 1 and cut[0].levelname == "WARNING", cut  # logged (README), once
 
 
 @pytest.mark.parametrize("behaviour", ["trailer", "set_trailer"])

@@ -29,7 +29,7 @@ async def test_a_step_without_a_key_is_refused_naming_the_missing_client_interce
         assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
         assert answer.reason() == "IDEMPOTENCY_KEY_MISSING"
         assert "x-grpc-idempotency-step" in (answer.details or "")
-        assert "client interceptor" in (answer.details or "")
+        assert "IdempotencyClientInterceptor" in (answer.details or "")
     assert ledger.service.executions == 0
     assert await ledger_rows(ledger.service.store, account) == 0
 

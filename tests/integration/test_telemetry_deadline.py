@@ -114,7 +114,7 @@ async def test_a_claim_on_a_locked_table_that_the_deadline_ends_is_counted_as_th
 
         # What the client saw: gRPC's own answer to a deadline, whichever side sent it.
         assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
-        assert answer.details == "Deadline Exceeded" and answer.reason() is None
+        assert answer.details == "Deadline Exceeded" and answer.status() is None
         # Counted as the deadline, and as gRPC's cancellation at the deadline is counted.
         assert attributes(span)["grpc_idempotency.outcome"] == "released"
         assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
@@ -221,7 +221,7 @@ async def test_a_wait_for_a_busy_pool_that_the_deadline_ends_is_counted_as_the_d
     key = fresh() if keyed else None
     ledger, answer, span = await _on_a_busy_pool(store, telemetry, spans, method, key, 0.5)
     assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
-    assert answer.details == "Deadline Exceeded" and answer.reason() is None
+    assert answer.details == "Deadline Exceeded" and answer.status() is None
     assert attributes(span)["grpc_idempotency.outcome"] == outcome
     assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
     assert span.status.status_code is StatusCode.ERROR
@@ -420,7 +420,7 @@ async def test_a_final_transaction_that_the_deadline_ends_is_counted_as_the_dead
             call.cancel()
 
         assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED, answer
-        assert answer.details == "Deadline Exceeded" and answer.reason() is None
+        assert answer.details == "Deadline Exceeded" and answer.status() is None
         assert attributes(span)["grpc_idempotency.outcome"] == "released"
         assert attributes(span)["rpc.grpc.status_code"] == DEADLINE_EXCEEDED
         assert span.status.description == "DEADLINE_EXCEEDED (released)"
