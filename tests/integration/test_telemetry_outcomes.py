@@ -312,15 +312,17 @@ def _counted(reader: InMemoryMetricReader) -> int:
 
 
 def _metrics(reader: InMemoryMetricReader, name: str) -> list[Any]:
-    data = reader.get_metrics_data()  # None: nothing recorded yet
-    return [
-        p
-        for rm in (data.resource_metrics if data else ())
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-        if m.name == name
-        for p in m.data.data_points
-    ]
+    # Each read collects; opentelemetry-sdk 1.16 (the floor) returns only the streams recorded
+    # since the last collection (nothing, after the polling's read), so each stream's last
+    # point is kept on the reader: the totals so far (cumulative temporality).
+    seen: dict[tuple[str, frozenset[Any]], Any] = reader.__dict__.setdefault("_seen_points", {})
+    data = reader.get_metrics_data()  # None: nothing recorded since the last read
+    for rm in data.resource_metrics if data else ():
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                for p in m.data.data_points:
+                    seen[(m.name, frozenset(attributes(p).items()))] = p
+    return [p for (metric, _), p in seen.items() if metric == name]
 
 
 def _points(reader: InMemoryMetricReader, name: str) -> Counter[tuple[str, int]]:
