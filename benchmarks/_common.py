@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -127,3 +128,32 @@ def interleaved_rounds(
             p.stdin.flush()
             results[name].append(json.loads(p.stdout.readline()))
     return results
+
+
+def source_rounds(
+    script: str, child_args: list[str], base: str | None, rounds: int, prefix: str
+) -> dict[str, list[dict[str, float]]]:
+    """Runs ``script --child *child_args`` once on this checkout's ``src/`` and, with ``base``,
+    once on that commit's, and collects ``rounds`` interleaved rounds of their JSON lines
+    (``interleaved_rounds``), by label: "current", "base <commit>"."""
+    sources = {"current": str(HERE.parent / "src")}
+    if base:
+        name, work = export(base, prefix)
+        sources[f"base {name}"] = str(work / "src")
+    procs = {
+        label: subprocess.Popen(
+            [sys.executable, script, "--child", *child_args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": src},
+        )
+        for label, src in sources.items()
+    }
+    try:
+        return interleaved_rounds(procs, rounds)
+    finally:
+        for p in procs.values():
+            assert p.stdin is not None
+            p.stdin.close()
+            p.wait()

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -117,35 +115,13 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     import _common
 
-    sources = {"current": str(HERE.parent / "src")}
-    if args.base:
-        name, work = _common.export(args.base, "bench-field-order-")
-        sources[f"base {name}"] = str(work / "src")
-    procs = {
-        label: subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                "--mib",
-                str(args.mib),
-                "--repeat",
-                str(args.repeat),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": src},
-        )
-        for label, src in sources.items()
-    }
-    try:
-        results = _common.interleaved_rounds(procs, args.rounds)
-    finally:
-        for p in procs.values():
-            assert p.stdin is not None
-            p.stdin.close()
-            p.wait()
+    results = _common.source_rounds(
+        __file__,
+        ["--mib", str(args.mib), "--repeat", str(args.repeat)],
+        args.base,
+        args.rounds,
+        "bench-field-order-",
+    )
     counts = {name: len(r.lines) for name, r in requests(args.mib).items()}
     print(f"{args.mib} MiB requests, best of {args.repeat}, median of {args.rounds} rounds")
     for label, rows in results.items():

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -109,35 +107,13 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     import _common
 
-    sources = {"current": str(HERE.parent / "src")}
-    if args.base:
-        name, work = _common.export(args.base, "bench-clearing-")
-        sources[f"base {name}"] = str(work / "src")
-    procs = {
-        label: subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                "--messages",
-                str(args.messages),
-                "--repeat",
-                str(args.repeat),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": src},
-        )
-        for label, src in sources.items()
-    }
-    try:
-        results = _common.interleaved_rounds(procs, args.rounds)
-    finally:
-        for p in procs.values():
-            assert p.stdin is not None
-            p.stdin.close()
-            p.wait()
+    results = _common.source_rounds(
+        __file__,
+        ["--messages", str(args.messages), "--repeat", str(args.repeat)],
+        args.base,
+        args.rounds,
+        "bench-clearing-",
+    )
     print(f"{args.messages} small messages, best of {args.repeat}, median of {args.rounds} rounds")
     for label, rows in results.items():
         library = statistics.median(r["library_s"] for r in rows)

@@ -709,34 +709,28 @@ class IdempotencyInterceptor(_Interceptor):
                     continue
                 if step is Step.CLAIM:
                     claiming = phase
-                    claim: Attempt | PhasedClaim | None
-                    if phased:
-                        claim = await store.claim_phased(
-                            scope=scope,
-                            key=key,
-                            method=policy.method,
-                            fingerprint=fingerprint,
-                            retention_s=policy.retention_s,
-                            lease_s=policy.lease_s,
-                            isolation=policy.isolation,
-                            timeout=answers.time_remaining(context),
-                        )
-                    else:
-                        claim = await store.claim_atomic(
-                            scope=scope,
-                            key=key,
-                            method=policy.method,
-                            fingerprint=fingerprint,
-                            retention_s=policy.retention_s,
-                            lease_s=policy.lease_s,
-                            isolation=policy.isolation,
-                            timeout=answers.time_remaining(context),
+                    claim_in = (
+                        store.claim_phased
+                        if phased
+                        else functools.partial(
+                            store.claim_atomic,
                             # Near a step's retirement the operation's start decides its
                             # versions: read on the database's clock, as its record and a
                             # phased claim have it, not on this replica's (start_decides).
                             read_start=bool(policy.steps)
                             and start_decides(policy.steps, datetime.now(UTC)),
                         )
+                    )
+                    claim: Attempt | PhasedClaim | None = await claim_in(
+                        scope=scope,
+                        key=key,
+                        method=policy.method,
+                        fingerprint=fingerprint,
+                        retention_s=policy.retention_s,
+                        lease_s=policy.lease_s,
+                        isolation=policy.isolation,
+                        timeout=answers.time_remaining(context),
+                    )
                     won = Event.CLAIM_WON if claim is not None else Event.CLAIM_LOST
                     busy_ms = retry_after_ms(None)
                     step, phase = transition(phase, won)
