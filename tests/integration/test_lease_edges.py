@@ -119,20 +119,7 @@ async def test_a_lease_lost_as_the_handler_raises_does_not_cancel_the_call(
     monkeypatch.setattr(failpoints, "hit", hit)
     servicer = RaisesOnceTheLeaseIsLost(store)
     servicer.renewed, servicer.go, servicer.raising = renewed, go, raising
-    interceptor = IdempotencyInterceptor(
-        store,
-        services=[testsvc_pb2],
-        scope=MetadataScope(TENANT),
-        overrides={PHASED[1:]: MethodOverride(lease=timedelta(seconds=1))},
-    )
-    async with ledger_server(interceptor, servicer) as (channel, _):
-        answer = await call_raw(
-            channel,
-            PHASED,
-            testsvc_pb2.PostRequest(account=fresh("acct"), amount=1),
-            metadata(key),
-            timeout=5,
-        )
+    answer = await _phased_call_with_a_short_lease(store, servicer, key)
     assert answer.code is code, answer
     assert servicer.executions == 1
     if raising is None:
@@ -163,6 +150,15 @@ async def test_the_lease_renewed_failpoint_comes_after_the_renewal(
     monkeypatch.setattr(failpoints, "hit", hit)
     servicer = RaisesOnceTheLeaseIsLost(store)
     servicer.renewed, servicer.go, servicer.raising = renewed, go, None
+    answer = await _phased_call_with_a_short_lease(store, servicer, key)
+    assert answer.code is grpc.StatusCode.OK, answer
+    assert seen["lease_renewed"] > seen["lease_renewal"], seen
+
+
+async def _phased_call_with_a_short_lease(
+    store: Store, servicer: RaisesOnceTheLeaseIsLost, key: str
+) -> Any:
+    """One PostPhased call under ``key`` to ``servicer``, with a lease of 1 s."""
     interceptor = IdempotencyInterceptor(
         store,
         services=[testsvc_pb2],
@@ -170,12 +166,10 @@ async def test_the_lease_renewed_failpoint_comes_after_the_renewal(
         overrides={PHASED[1:]: MethodOverride(lease=timedelta(seconds=1))},
     )
     async with ledger_server(interceptor, servicer) as (channel, _):
-        answer = await call_raw(
+        return await call_raw(
             channel,
             PHASED,
             testsvc_pb2.PostRequest(account=fresh("acct"), amount=1),
             metadata(key),
             timeout=5,
         )
-    assert answer.code is grpc.StatusCode.OK, answer
-    assert seen["lease_renewed"] > seen["lease_renewal"], seen
