@@ -246,6 +246,24 @@ async def test_a_mutated_duplicate_waiting_before_a_phased_claim_is_refused_when
     assert ledger.service.executions == 1
 
 
+async def _claim_left_in_progress(
+    store: Store, request: testsvc_pb2.PostRequest, key: str
+) -> bytes:
+    """A crashed phased owner's claim of Post under ``key`` for ``request`` (before a deploy
+    made the method atomic), its lease over: fencing token 7. Returns its fingerprint."""
+    fingerprint = Fingerprinter.for_method(POST, testsvc_pb2.PostRequest.DESCRIPTOR)(request)
+    await store.pool.execute(
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+        " fencing_token, locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 7,"
+        " clock_timestamp() - interval '1 second', clock_timestamp() + interval '1 hour')",
+        "tenant:tenant-a",
+        key,
+        POST,
+        fingerprint,
+    )
+    return fingerprint
+
+
 async def test_a_mutated_duplicate_of_an_atomic_takeover_is_refused_at_once_on_every_replica(
     store: Store,
 ) -> None:
@@ -256,16 +274,7 @@ async def test_a_mutated_duplicate_of_an_atomic_takeover_is_refused_at_once_on_e
     that can never run."""
     key, account = fresh(), fresh("acct")
     running = testsvc_pb2.PostRequest(account=account, behaviour="wait")
-    fingerprint = Fingerprinter.for_method(POST, testsvc_pb2.PostRequest.DESCRIPTOR)(running)
-    await store.pool.execute(  # a crashed phased owner's claim (before a deploy made it atomic)
-        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
-        " fencing_token, locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 7,"
-        " clock_timestamp() - interval '1 second', clock_timestamp() + interval '1 hour')",
-        "tenant:tenant-a",
-        key,
-        POST,
-        fingerprint,
-    )
+    await _claim_left_in_progress(store, running, key)
     await _mutated_duplicates_refused_on_every_replica(store, POST, running, key)
 
 
@@ -277,16 +286,7 @@ async def test_a_released_atomic_takeover_leaves_the_claim_to_its_first_request(
     request's: another request is still KEY_REUSED, the same request takes it over again."""
     key, account = fresh(), fresh("acct")
     running = testsvc_pb2.PostRequest(account=account, behaviour="UNAVAILABLE")
-    fingerprint = Fingerprinter.for_method(POST, testsvc_pb2.PostRequest.DESCRIPTOR)(running)
-    await store.pool.execute(  # a crashed phased owner's claim (before a deploy made it atomic)
-        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
-        " fencing_token, locked_until, expires_at) VALUES ($1, $2, $3, $4, 'in_progress', 7,"
-        " clock_timestamp() - interval '1 second', clock_timestamp() + interval '1 hour')",
-        "tenant:tenant-a",
-        key,
-        POST,
-        fingerprint,
-    )
+    fingerprint = await _claim_left_in_progress(store, running, key)
     taken = await ledger.call(POST, running, key)
     assert taken.code is grpc.StatusCode.UNAVAILABLE and ledger.service.executions == 1
     row = await store.pool.fetchrow(
