@@ -63,13 +63,13 @@ async def test_a_lease_run_out_that_nobody_took_over_is_still_renewed(store: Sto
 
 
 class RaisesOnceTheLeaseIsLost(LedgerService):
-    """PostPhased raises ``raising`` (returns OK if None) once the lease keeper has its
-    renewal's answer (the lease lost: the test took the claim from it) and before the keeper
-    acts on it."""
+    """PostPhased raises ``raising`` (aborts with it if a status; returns OK if None) once the
+    lease keeper has its renewal's answer (the lease lost: the test took the claim from it) and
+    before the keeper acts on it."""
 
     renewed: asyncio.Event
     go: asyncio.Event
-    raising: type[Exception] | None
+    raising: type[Exception] | grpc.StatusCode | None
 
     async def PostPhased(self, request: Any, context: Any) -> Any:
         self.executions += 1
@@ -79,7 +79,10 @@ class RaisesOnceTheLeaseIsLost(LedgerService):
         self.go.set()
         if self.raising is None:
             return testsvc_pb2.PostResponse(account=request.account)
-        raise self.raising("the handler fails")
+        if isinstance(self.raising, grpc.StatusCode):
+            await context.abort(self.raising, "the handler fails")
+        else:
+            raise self.raising("the handler fails")
 
 
 @pytest.mark.parametrize(
@@ -88,18 +91,21 @@ class RaisesOnceTheLeaseIsLost(LedgerService):
         (HandlerDatabaseError, grpc.StatusCode.INTERNAL),
         (RuntimeError, grpc.StatusCode.UNKNOWN),
         (None, grpc.StatusCode.ABORTED),  # returned OK: LEASE_LOST, nothing recorded
+        # Its own error answer does not stand either (core.lifecycle.finish): LEASE_LOST.
+        (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED),
     ],
 )
 async def test_a_lease_lost_as_the_handler_raises_does_not_cancel_the_call(
     store: Store,
     monkeypatch: pytest.MonkeyPatch,
-    raising: type[Exception] | None,
+    raising: type[Exception] | grpc.StatusCode | None,
     code: grpc.StatusCode,
 ) -> None:
     """A renewal that found the lease lost just as the handler raised cancelled the call's task
     (the keeper cancels a handler that is still running): by then the driver's, answering the
     handler's error. The CancelledError escaped it, and grpc.aio sent no status at all: the
-    client waited until its deadline. The call answers the handler's error."""
+    client waited until its deadline. The call answers the handler's error if it raised;
+    LEASE_LOST if it answered, OK or an error (``core.lifecycle.finish``)."""
     key = fresh()
     renewed, go = asyncio.Event(), asyncio.Event()
 
@@ -122,7 +128,7 @@ async def test_a_lease_lost_as_the_handler_raises_does_not_cancel_the_call(
     answer = await _phased_call_with_a_short_lease(store, servicer, key)
     assert answer.code is code, answer
     assert servicer.executions == 1
-    if raising is None:
+    if code is grpc.StatusCode.ABORTED:
         assert answer.reason() == "IDEMPOTENCY_LEASE_LOST", answer
 
 

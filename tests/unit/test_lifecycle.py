@@ -167,6 +167,14 @@ def test_finish_decides_which_of_what_the_handler_left_behind_wins(
 
 
 @pytest.mark.parametrize("code", list(Code))
+def test_a_lost_lease_overrides_every_answer_of_the_handler(code: Code) -> None:
+    """Not only OK and a recorded error (neither can be recorded): an error that releases the
+    key (UNAVAILABLE, PERMISSION_DENIED) is not the answer either. The operation is another
+    attempt's, whose outcome a retry gets; the handler's error spoke of this attempt only."""
+    assert finish(code, DEFAULT_RECORDED_ERRORS, lease_lost=True) is Finish.LEASE_LOST
+
+
+@pytest.mark.parametrize("code", list(Code))
 def test_downstream_decides_exactly_where_finish_reads_what_was_left(code: Code) -> None:
     """The driver skips an atomic call's loop turn (in which a call object made last starts,
     and is refused or counted) where ``downstream_decides`` says no: there, neither must change

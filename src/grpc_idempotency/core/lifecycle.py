@@ -35,7 +35,8 @@ When the owner's handler ends, ``finish`` classifies its status:
 and, before the status, what the handler left behind it, each failing the call with nothing
 recorded (the first that applies wins): the lease lost (LEASE_LOST, whatever the status); then,
 for OK only, an enqueue not run to its end (ENQUEUE_UNAWAITED) and a downstream call refused as a
-misuse (DOWNSTREAM_REFUSED). An error answer commits none of the handler's writes, so it stands.
+misuse (DOWNSTREAM_REFUSED). An error answer commits none of the handler's writes, so it stands
+against those two; not against the lost lease, which says whose the operation is now (``finish``).
 
 A store failure at that end is answered as ``final_store_failure`` says: DEADLINE_EXCEEDED when
 the call's deadline ran out before its final transaction opened (as during the claim), else
@@ -396,7 +397,16 @@ def finish(
     """What to do with the status ``code`` the handler ended with, given what it left behind;
     the first that applies wins (the module's table):
 
-    - ``lease_lost``: whatever the status, this attempt can record nothing (``LEASE_LOST``);
+    - ``lease_lost``: whatever the status, this attempt can record nothing (``LEASE_LOST``),
+      and its error answer does not stand either, recorded or not. The operation is another
+      attempt's now: a retry under the key gets that attempt's outcome (waits on it, replays
+      it; another request's, is refused KEY_REUSED), which may well be OK. A recorded error
+      answered unrecorded contradicts that replay. Any other error speaks of this attempt only:
+      a client may take it as final (PERMISSION_DENIED, INTERNAL) while the operation goes on
+      to succeed, or as "released, a retry runs the handler again" (UNAVAILABLE), which it
+      does not; and it may be an echo of the takeover (a downstream call under the same child
+      key, busy with the new owner). LEASE_LOST says what holds: nothing of this attempt's was
+      kept, and another attempt has the operation, whose outcome a retry with the key learns;
     - ``enqueue_unawaited`` (an ``enqueue`` coroutine not run to its end), then
       ``downstream_refused`` (a downstream call the client interceptor refused as a misuse):
       an OK answer would commit without that message or that call's effect. An error answer
