@@ -21,6 +21,8 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from grpc_idempotency.server import interceptor as interceptor_module
+from grpc_idempotency.store import PhasedClaim
 from tests.integration.test_telemetry import _outcomes, _telemetry
 from tests.support.blackhole import store_behind_proxy
 from tests.support.ledger import (
@@ -406,3 +408,49 @@ async def test_a_call_cancelled_by_its_client_is_not_taken_for_a_stray_cancellat
         await until("the call over", task.done)
     assert _outcomes(reader) == {("released", grpc.StatusCode.CANCELLED.value[0]): 1}
     assert "its call was not cancelled" not in caplog.text
+
+
+class _Raises(testsvc_pb2_grpc.LedgerServiceServicer):
+    """A phased handler that raises: the interceptor releases the key as it ends."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        self.task = asyncio.current_task()
+        raise RuntimeError("the handler fails")
+
+
+async def test_a_call_cancelled_once_its_key_is_released_releases_it_once_and_keeps_its_answer(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler raised and the call released its key; then the driver stopped the lease
+    keeper again, stopped already by the release: a loop turn for nothing. A cancellation
+    there (the server stopping; here the test's, at any stop once the key was released)
+    released the key a second time (a round trip more), and its CancelledError replaced the
+    answer, UNKNOWN: grpc.aio sent no status at all, and the client waited until its
+    deadline."""
+    service = _Raises()
+    releases: list[PhasedClaim] = []
+    release, stop = PhasedClaim.release, interceptor_module._LeaseKeeper.stop
+
+    async def counted(self: PhasedClaim) -> None:
+        releases.append(self)
+        await release(self)
+
+    async def cancelled_once_released(self: Any) -> None:
+        task = service.task
+        if releases and task is not None and task is asyncio.current_task():
+            task.cancel()  # taken at the stop's wait, if it has one
+        await stop(self)
+
+    monkeypatch.setattr(PhasedClaim, "release", counted)
+    monkeypatch.setattr(interceptor_module._LeaseKeeper, "stop", cancelled_once_released)
+    overrides = {PHASED: MethodOverride(mode=Mode.PHASED, lease=timedelta(seconds=30))}
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], overrides=overrides, scope=MetadataScope(TENANT)
+    )
+    request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    async with ledger_server(interceptor, service) as (channel, _):
+        answer = await call_raw(channel, PHASED, request, metadata(fresh()), 3)
+    assert (answer.code, len(releases)) == (grpc.StatusCode.UNKNOWN, 1), answer

@@ -850,7 +850,11 @@ class IdempotencyInterceptor(_Interceptor):
         )
         bound = call_context.bind(serving)
 
+        released = False  # ``end_and_release`` ran (its lease keeper stopped)
+
         async def end_and_release() -> HandlerDatabaseError | None:
+            nonlocal released
+            released = True
             await _end(serving)  # first: ``tx`` then holds what a late opening opened
             if lease is not None:
                 await lease.stop()  # first too: a renewal after the release would undo it
@@ -906,7 +910,10 @@ class IdempotencyInterceptor(_Interceptor):
                     # A final transaction the handler began opening and gave up on (a bound
                     # wait for ``transaction()``), cancelled by ``end`` and waited for here.
                     await _opened(opening)
-                if lease is not None:
+                if lease is not None and not released:
+                    # Not after a release: its keeper is stopped, and this stop only gave a loop
+                    # turn, where a second cancellation released the key again and its
+                    # CancelledError replaced the answer (grpc.aio sent no status at all).
                     await lease.stop()  # waits for a renewal in flight
             except asyncio.CancelledError:
                 # Cancelled while waiting (the handler had returned): nothing else would
