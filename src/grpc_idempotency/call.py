@@ -83,6 +83,26 @@ def mark_client_interceptor_made() -> None:
     _client_interceptor_made = True
 
 
+def _held_by_tasks(loop: asyncio.AbstractEventLoop) -> dict[int, object]:
+    """The coroutines ``loop``'s tasks run or hold to run, by id: each task's own, what it
+    awaits, and what a coroutine holds in its frame. A task wrapping an ``enqueue`` coroutine
+    (``ensure_future(asyncio.wait_for(call.enqueue(...), 5))``, not started yet) holds it only
+    as an argument of its own coroutine: closed under it, the task failed "cannot reuse already
+    awaited coroutine", naming nothing of the call (``IdempotentCall.unawaited_enqueues``)."""
+    held: dict[int, object] = {}
+    stack: list[object] = [task.get_coro() for task in asyncio.all_tasks(loop)]
+    while stack:
+        coro = stack.pop()
+        if not inspect.iscoroutine(coro) or id(coro) in held:
+            continue
+        held[id(coro)] = coro  # kept: an id is only unique among live objects
+        if coro.cr_await is not None:
+            stack.append(coro.cr_await)
+        if coro.cr_frame is not None:
+            stack.extend(coro.cr_frame.f_locals.values())
+    return held
+
+
 def _kind(value: object) -> str:
     """What ``value`` is, for an error: a class is named as one (a message's class given for an
     instance of it)."""
@@ -361,16 +381,16 @@ class IdempotentCall:
         started yet (made as the handler returned), it failed that task with asyncio's "cannot
         reuse already awaited coroutine", which named nothing of the call."""
         steps = []
-        tasks: list[object] | None = None
+        held: dict[int, object] | None = None
         for step, enqueued in self._enqueued:
             state = inspect.getcoroutinestate(enqueued)
             if state == inspect.CORO_CLOSED:
                 continue
             steps.append(step)
             if state == inspect.CORO_CREATED:
-                if tasks is None:  # only here: a call whose enqueues all ran pays nothing
-                    tasks = [task.get_coro() for task in asyncio.all_tasks(self.loop)]
-                if not any(coro is enqueued for coro in tasks):
+                if held is None:  # only here: a call whose enqueues all ran pays nothing
+                    held = _held_by_tasks(self.loop)
+                if id(enqueued) not in held:
                     enqueued.close()
         return steps
 

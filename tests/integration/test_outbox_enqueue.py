@@ -407,7 +407,11 @@ async def test_an_error_answer_stands_over_an_enqueue_never_awaited(
 @pytest.mark.parametrize("mode", [Mode.ATOMIC, Mode.PHASED])
 @pytest.mark.parametrize(
     ("behaviour", "left"),
-    [("event-left-behind", "entry-audited.v1"), ("event-left-last", "entry-posted.v1")],
+    [
+        ("event-left-behind", "entry-audited.v1"),
+        ("event-left-last", "entry-posted.v1"),
+        ("event-left-last-wrapped", "entry-posted.v1"),
+    ],
 )
 async def test_an_enqueue_left_behind_in_a_task_fails_the_call_instead_of_losing_its_message(
     store: Store, mode: Mode, behaviour: str, left: str
@@ -419,7 +423,9 @@ async def test_an_enqueue_left_behind_in_a_task_fails_the_call_instead_of_losing
     the connection the call ends on. Phased, the task ran its enqueue to that refusal in the
     loop turn of the lease's stop, and it was taken for awaited. A task made as the handler
     returns (``event-left-last``) is refused so too: its coroutine, not started yet, was
-    closed under it, and the task failed "cannot reuse already awaited coroutine"."""
+    closed under it, and the task failed "cannot reuse already awaited coroutine"; so was one
+    whose coroutine holds the enqueue (``asyncio.wait_for(enqueue(...), 30)``:
+    ``event-left-last-wrapped``)."""
     steps = [Step(name="entry-posted.v1", outbox=True), Step(name="entry-audited.v1", outbox=True)]
     overrides = {WITH_EVENT[1:]: MethodOverride(steps=steps, mode=mode)}
     key, account = fresh(), fresh("acct")

@@ -146,7 +146,7 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
     """The calls sync handlers served (``current_call()``)."""
     left_behind: Any = None
     """The enqueue a handler did not await (``event-not-awaited``, ``event-left-behind``,
-    ``event-left-last``)."""
+    ``event-left-last``, ``event-left-last-wrapped``)."""
 
     def _observe(self, context: Any) -> str | None:
         md = dict(context.invocation_metadata() or ())
@@ -375,6 +375,11 @@ class LedgerService(testsvc_pb2_grpc.LedgerServiceServicer):
             return response
         if request.behaviour == "event-left-last":  # a task made as the handler returns
             self.left_behind = asyncio.ensure_future(current_call().enqueue(step, response))
+            return response
+        if request.behaviour == "event-left-last-wrapped":  # held by the task's coroutine
+            self.left_behind = asyncio.ensure_future(
+                asyncio.wait_for(current_call().enqueue(step, response), 30)
+            )
             return response
         if request.behaviour == "event-gathered":  # two outbox steps enqueued at once
             await asyncio.gather(
