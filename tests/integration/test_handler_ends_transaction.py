@@ -50,9 +50,10 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
     catches the error of a failing statement and answers OK); "in-flight" (writes, then leaves
     a statement running as it returns); or "ENDING:THEN": writes a ledger row, ends the
     transaction as ENDINGS says, then answers OK ("ok"; "big": with a response too large to be
-    inlined in the completion's statement, which then goes as bind parameters), aborts
-    UNAVAILABLE ("unavailable", a transient status that releases the key), lets a serialization
-    failure escape ("conflict", answered ABORTED and released too) or raises ("raise")."""
+    inlined in the completion's statement, which then goes as bind parameters), sets a
+    trailer gRPC cannot send and answers OK ("bad-trailer"), aborts UNAVAILABLE ("unavailable",
+    a transient status that releases the key), lets a serialization failure escape
+    ("conflict", answered ABORTED and released too) or raises ("raise")."""
 
     def __init__(self) -> None:
         self.executions = 0
@@ -85,6 +86,8 @@ class Misbehaving(testsvc_pb2_grpc.LedgerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "downstream flaky")
         if then == "raise":
             raise RuntimeError("a bug after the handler's own COMMIT")
+        if then == "bad-trailer":  # refused before the commit (AbortInvalid), and released
+            context.set_trailing_metadata((("grpc-timeout", "1S"),))
         if then == "big":
             blob = b"x" * (INLINE_OUTCOME_BYTES + 1024)
             return testsvc_pb2.PostResponse(account=request.account, blob=blob)
@@ -144,6 +147,19 @@ async def test_a_handler_ending_the_transaction_then_answering_ok_records_nothin
     key, account = uuid.uuid4().hex, uuid.uuid4().hex
     async with serving(store) as (channel, _service):
         answer = await call(channel, method, f"{ending}:ok", key, account)
+    assert (answer.code, answer.reason()) == (grpc.StatusCode.INTERNAL, MISUSE), answer
+    assert not await recorded_ok(store, key)
+
+
+async def test_a_handler_ending_the_transaction_outranks_what_the_finish_refuses(
+    store: Store,
+) -> None:
+    """An answer the finish refuses and releases (here a trailer gRPC cannot send) is told as
+    the handler's misuse of the transaction when the release finds one: its writes may have
+    committed, which is what the caller must know, not that a trailer was bad."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with serving(store) as (channel, _service):
+        answer = await call(channel, ATOMIC, "commit:bad-trailer", key, account)
     assert (answer.code, answer.reason()) == (grpc.StatusCode.INTERNAL, MISUSE), answer
     assert not await recorded_ok(store, key)
 

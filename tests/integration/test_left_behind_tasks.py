@@ -316,6 +316,87 @@ async def test_only_a_keyed_call_in_flight_holds_up_the_outcome(
         assert record.outcome is None, record
 
 
+class Refuses(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]  # not generic at run time
+    """Raises as each call starts (behind the client interceptor, which has counted it)."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        raise RuntimeError("no route to the ledger")
+
+
+MADE_LAST: list[AnswersBesideAKeyedCall] = []
+
+
+class AnswersBesideAKeyedCall(RelayService):
+    """Forward, atomic (no steps), makes a call of Post with a key it gives: ``"made-last"``,
+    a call object it never awaits, and answers PERMISSION_DENIED (set_code); ``"awaited"``,
+    awaits it, catches its failure, and answers OK."""
+
+    def __init__(self, ledger: Any) -> None:
+        super().__init__(ledger)
+        self.left: list[Any] = []
+        MADE_LAST.append(self)
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        own = ((KEY_HEADER, f"own-{request.account}"), (TENANT, "tenant-a"))
+        if request.mode == "made-last":
+            self.left.append(self.ledger.Post(post, metadata=own))
+            context.set_code(grpc.StatusCode.PERMISSION_DENIED)
+            return testsvc_pb2.ForwardResponse()
+        with contextlib.suppress(RuntimeError):
+            await self.ledger.Post(post, metadata=own)
+        return testsvc_pb2.ForwardResponse()
+
+
+async def test_a_keyed_call_made_last_holds_up_an_error_recorded_by_the_methods_own_set(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The atomic loop turn in which a call object made last starts (and is counted in flight)
+    is taken for a status the method records (here by its override, not by default): skipped,
+    PERMISSION_DENIED was recorded while the keyed call went on, replayed whatever it did."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="made-last")
+    overrides = {
+        FORWARD: MethodOverride(steps=[], recorded_errors=[grpc.StatusCode.PERMISSION_DENIED])
+    }
+    gate = Gate()
+    async with running_relay(
+        store,
+        ledger.address,
+        servicer=AnswersBesideAKeyedCall,
+        overrides=overrides,
+        downstream_interceptors=[gate],  # type: ignore[list-item]  # grpc-stubs: cast or ignore
+    ) as relay:
+        try:
+            answer = await relay.forward(request, key)
+        finally:
+            gate.open.set()
+        await MADE_LAST[-1].left[0]
+    assert answer.reason() == "IDEMPOTENCY_TRANSACTION_OPEN", answer
+    assert await store.lookup("tenant:tenant-a", key) is None  # the atomic claim rolled back
+
+
+async def test_a_keyed_call_that_fails_as_it_starts_is_over(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A keyed call an interceptor behind the client interceptor refused by raising is over:
+    the handler caught that, and its OK answer is recorded (not held up by the call as if it
+    were still in flight)."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="awaited")
+    async with running_relay(
+        store,
+        ledger.address,
+        servicer=AnswersBesideAKeyedCall,
+        overrides={FORWARD: MethodOverride(steps=[])},
+        downstream_interceptors=[Refuses()],  # type: ignore[list-item]  # grpc-stubs: cast or ignore
+    ) as relay:
+        answer = await relay.forward(request, key)
+    assert answer.code is grpc.StatusCode.OK, answer
+    record = await store.lookup("tenant:tenant-a", key)
+    assert record is not None and record.outcome is not None, record
+
+
 REFUSED: list[RefusedUnawaited] = []
 
 

@@ -174,14 +174,18 @@ def test_a_lost_lease_overrides_every_answer_of_the_handler(code: Code) -> None:
     assert finish(code, DEFAULT_RECORDED_ERRORS, lease_lost=True) is Finish.LEASE_LOST
 
 
+@pytest.mark.parametrize("recorded", [DEFAULT_RECORDED_ERRORS, frozenset({Code.PERMISSION_DENIED})])
 @pytest.mark.parametrize("code", list(Code))
-def test_downstream_decides_exactly_where_finish_reads_what_was_left(code: Code) -> None:
+def test_downstream_decides_exactly_where_finish_reads_what_was_left(
+    code: Code, recorded: frozenset[Code]
+) -> None:
     """The driver skips an atomic call's loop turn (in which a call object made last starts,
     and is refused or counted) where ``downstream_decides`` says no: there, neither must change
-    what ``finish`` does; where it says yes, either does."""
-    left = finish(code, DEFAULT_RECORDED_ERRORS, downstream_refused=True, downstream_in_flight=True)
-    changes = left is not finish(code, DEFAULT_RECORDED_ERRORS)
-    assert downstream_decides(code, DEFAULT_RECORDED_ERRORS) is changes
+    what ``finish`` does; where it says yes, either does. With the method's own recorded set
+    (an override), not the default's."""
+    left = finish(code, recorded, downstream_refused=True, downstream_in_flight=True)
+    changes = left is not finish(code, recorded)
+    assert downstream_decides(code, recorded) is changes
 
 
 def test_finish_respects_an_overridden_set() -> None:

@@ -15,10 +15,12 @@ from google.protobuf import (
     empty_pb2,
     message_factory,
 )
+from google.protobuf.message import EncodeError
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency.registry import PolicyRegistry
 from grpc_idempotency.server import answers
+from tests.support.hostile import classes
 
 POST = "/testsvc.v1.LedgerService/Post"
 EMPTY = empty_pb2.Empty.DESCRIPTOR.full_name
@@ -71,6 +73,19 @@ def test_what_is_no_message_is_left_to_the_serializer() -> None:
     # upb's TypeError, or the pure-Python runtime's AttributeError: a raise either way.
     with pytest.raises((TypeError, AttributeError), match="NoneType"):
         _serialize(None)
+
+
+def test_only_protobufs_own_serializer_has_required_fields_checked_first() -> None:
+    """protobuf's SerializeToString checks required fields with a walk that can kill the
+    process (``check_required``): the answer is checked before it, with the library's error. A
+    handler's own serializer may serialize partially on purpose: its answer is left to it."""
+    leaf = classes()[1]["Leaf"]  # proto2: ``need`` and ``seen`` required (no map: no crash)
+    partial = leaf(note="n")
+    name = leaf.DESCRIPTOR.full_name
+    with pytest.raises(EncodeError, match="answered, and its writes roll back"):
+        _serialize(partial, output_type=name, serializer=leaf.SerializeToString)
+    own = _serialize(partial, output_type=name, serializer=lambda m: m.SerializePartialToString())
+    assert own == partial.SerializePartialToString()
 
 
 def test_without_a_known_response_type_nothing_is_checked() -> None:
