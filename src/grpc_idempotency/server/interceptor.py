@@ -886,6 +886,11 @@ class IdempotencyInterceptor(_Interceptor):
             misuse = await _to_the_end(end_and_release())
             # A handler that ended the call's transaction itself may have committed writes:
             # that, not a retryable conflict or outage, is the answer.
+            if misuse is None and lease is not None and lease.lost:
+                # Read after the release, which waited for a renewal in flight: as an answer
+                # (``finish``), an error raised after the lease was lost speaks of this attempt
+                # only, and another attempt has the operation.
+                await answers.abort(context, _lease_lost())
             if misuse is None and _ended_by_deadline(context, err, opened=tx is not None):
                 # Its final transaction's opening (``current_call().transaction()``) ran out
                 # with the deadline, as ``_finish``'s may.
@@ -897,6 +902,8 @@ class IdempotencyInterceptor(_Interceptor):
             if misuse is not None and isinstance(exc, Exception):
                 # It ended the call's transaction, then raised: say so, not UNKNOWN.
                 await answers.abort(context, misuse)
+            if lease is not None and lease.lost and isinstance(exc, Exception):
+                await answers.abort(context, _lease_lost())  # as for an IdempotencyError above
             raise
         finally:
             call_context.unbind(bound)
