@@ -1546,10 +1546,10 @@ def _lease_lost() -> LeaseLost:
 def _downstream_in_flight(method: str) -> TransactionOpen:
     return TransactionOpen(
         f"{method}: the handler returned while a keyed downstream call it started (a step's, or"
-        " one given a key) was still in flight (a task it did not await); its outcome cannot"
-        " be recorded before that call's answer: nothing was committed and the key was"
-        " released. Await the downstream calls before returning, or cancel them"
-        " (`call.cancel()`)"
+        " one given a key) was still in flight (a task it did not await, or a stream it did not"
+        " read to its end); its outcome cannot be recorded before that call's answer: nothing"
+        " was committed and the key was released. Await the downstream calls (and read their"
+        " streams to the end) before returning, or cancel them (`call.cancel()`)"
     )
 
 
