@@ -95,6 +95,29 @@ async def test_a_live_claim_is_not_taken_over_by_another_replica(store: Store) -
     assert await ledger_rows(store, account) == 1
 
 
+async def test_a_local_duplicate_whose_wait_runs_out_is_told_the_owners_remaining_lease(
+    store: Store,
+) -> None:
+    """As a duplicate on another replica is told (from the record), not the default 250 ms: the
+    owner's lease keeper knows its lease (2 s here, renewed every 2/3 s)."""
+    key, account = fresh(), fresh("acct")
+    overrides = {
+        PHASED[1:]: MethodOverride(lease=timedelta(seconds=2), max_wait=timedelta(milliseconds=200))
+    }
+    async with running_ledger(store, overrides=overrides) as a:
+        owner = asyncio.ensure_future(
+            call_raw(a.channel, PHASED, post(account, "wait"), metadata(key))
+        )
+        await a.service.started.wait()
+        dup = await call_raw(a.channel, PHASED, post(account, "wait"), metadata(key), timeout=5)
+        assert dup.code is grpc.StatusCode.ABORTED and dup.reason() == "IDEMPOTENCY_KEY_IN_PROGRESS"
+        hint = dup.retry_delay_ms()
+        assert hint is not None and 250 < hint <= 2000, hint
+        a.service.release.set()
+        assert (await owner).code is grpc.StatusCode.OK
+    assert await ledger_rows(store, account) == 1
+
+
 async def test_an_owner_whose_claim_was_taken_over_cannot_commit(
     ledger: RunningLedger, store: Store
 ) -> None:

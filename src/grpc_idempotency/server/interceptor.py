@@ -662,7 +662,7 @@ class IdempotencyInterceptor(_Interceptor):
                 call.outcome = CallOutcome.MISMATCH  # claimed since this call began waiting
                 await answers.abort(call.context, _reused())
             call.outcome = CallOutcome.CONFLICT
-            await answers.abort(call.context, _in_progress(call.policy, owner.retry_after_ms))
+            await answers.abort(call.context, _in_progress(call.policy, owner.busy_ms()))
         finally:
             owner.forget(waiter)
             self._waiting -= 1
@@ -755,7 +755,7 @@ class IdempotencyInterceptor(_Interceptor):
                         # Until the claim is committed or released: the store's close() waits.
                         with store.holding_claim():
                             return await self._execute(
-                                call, claim, scope, key, fingerprint, executed, started_at
+                                call, claim, scope, key, fingerprint, executed, started_at, owned
                             )
                     continue
             except StoreUnavailable as err:
@@ -807,9 +807,11 @@ class IdempotencyInterceptor(_Interceptor):
         fingerprint: bytes,
         executed: CallOutcome,
         started_at: datetime | None = None,
+        owned: _Owner | None = None,
     ) -> Any:
         """Runs the handler, then commits its outcome or releases the key; only then does the
-        answer leave. One path for both modes, which differ only in where the transaction is:
+        answer leave. One path for both modes, which differ only in where the transaction is
+        (``owned``: this call's entry as the key's local owner, told of a phased claim's lease):
 
         - atomic (``held`` is an ``Attempt``): the claim's transaction is open already and the
           handler writes in it;
@@ -825,6 +827,8 @@ class IdempotencyInterceptor(_Interceptor):
         tx: Attempt | None = held if isinstance(held, Attempt) else None
         claim: PhasedClaim | None = held if isinstance(held, PhasedClaim) else None
         lease = _LeaseKeeper(claim, handler_task, policy.method) if claim is not None else None
+        if owned is not None:
+            owned.lease = lease
 
         async def open_final() -> Any:
             nonlocal tx
@@ -1588,7 +1592,7 @@ class _Owner:
     hundreds of duplicates wait on one key. They are resolved a batch at a time when
     ``release`` says so (``core/herd.py``)."""
 
-    __slots__ = ("_release", "_waiters", "claimed", "handed", "retry_after_ms", "shared")
+    __slots__ = ("_release", "_waiters", "claimed", "handed", "lease", "retry_after_ms", "shared")
 
     def __init__(self, release: HerdRelease | None = None) -> None:
         self._release = release
@@ -1604,6 +1608,8 @@ class _Owner:
         self.retry_after_ms = retry_after_ms(None)
         """The retry hint of the owner's last poll for an attempt elsewhere (``_Busy``): a
         duplicate whose wait on the owner runs out first is told what the owner would be."""
+        self.lease: _LeaseKeeper | None = None
+        """The owner's phased claim's lease, once it runs the handler (``busy_ms``)."""
         self.handed = False
         self.shared: _Shared | None = None
         """What the owner handed over (once ``handed``): the outcome, or ``None``, look again."""
@@ -1619,6 +1625,15 @@ class _Owner:
             return waiter
         self._waiters[waiter] = fingerprint
         return waiter
+
+    def busy_ms(self) -> int:
+        """The retry hint for a duplicate whose wait on the owner ran out: the owner's remaining
+        lease if it runs a phased handler (as a duplicate on another replica is told, from the
+        record), else ``retry_after_ms``."""
+        lease = self.lease
+        if lease is None or lease.lost:
+            return self.retry_after_ms
+        return retry_after_ms(round((lease.lease_until - time.monotonic()) * 1000))
 
     def claim(self, fingerprint: bytes) -> None:
         """Sets ``claimed``. A duplicate of another request that began waiting before (while
@@ -1707,9 +1722,13 @@ class _LeaseKeeper:
         self._failed = False
         self.stopping = False
         self.lost = False
+        self.lease_until = time.monotonic() + claim.lease_s
+        """When the lease ends by this keeper's count (the monotonic clock), as last set."""
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(time.monotonic()))
+        start = time.monotonic()
+        self.lease_until = start + self._claim.lease_s
+        self._task = asyncio.get_running_loop().create_task(self._run(start))
 
     def handler_over(self) -> None:
         """The handler has ended (returned or raised): a renewal that finds the lease lost from
@@ -1739,7 +1758,7 @@ class _LeaseKeeper:
         # ``start``, when the claim had just been answered (core/lifecycle.py, "A phased
         # claim's lease").
         lease_s = self._claim.lease_s
-        lease_until = start + lease_s
+        lease_until = self.lease_until = start + lease_s
         spacing = renewal_interval_s(lease_s)
         while not self.stopping:
             await asyncio.sleep(max(0.0, start + spacing - time.monotonic()))
@@ -1781,7 +1800,7 @@ class _LeaseKeeper:
             finally:
                 self._renewing = False
             if renewed:
-                lease_until = start + lease_s
+                lease_until = self.lease_until = start + lease_s
                 spacing = renewal_spacing_s(lease_s, left, renewed=True)
                 continue
             self.lost = True
