@@ -25,10 +25,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import _common
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,43 +39,8 @@ PAYLOADS = {
 }
 
 
-def _request_type() -> Any:
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    field = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(
-        name="bench_field_order.proto", package="benchfieldorder", syntax="proto3"
-    )
-    meta = fdp.message_type.add(name="Meta")
-    meta.field.add(name="trace", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
-    line = fdp.message_type.add(name="Line")
-    line.field.add(name="amount", number=1, type=field.TYPE_INT64, label=field.LABEL_OPTIONAL)
-    line.field.add(name="seen_at", number=2, type=field.TYPE_INT64, label=field.LABEL_OPTIONAL)
-    line.field.add(
-        name="meta", number=3, type=field.TYPE_MESSAGE, type_name=".benchfieldorder.Meta",
-        label=field.LABEL_OPTIONAL,
-    )  # fmt: skip
-    req = fdp.message_type.add(name="Req")
-    req.field.add(
-        name="lines", number=1, type=field.TYPE_MESSAGE, type_name=".benchfieldorder.Line",
-        label=field.LABEL_REPEATED,
-    )  # fmt: skip
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("benchfieldorder.Req"))
-
-
-def _best(work: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def requests(mib: float) -> dict[str, Any]:
-    req_type = _request_type()
+    req_type = _common.lines_request_type("benchfieldorder", exclude_seen_at=False)
     size = int(mib * (1 << 20))
     return {
         name: req_type.FromString(entry * ((size - len(tail)) // len(entry)) + tail)
@@ -94,8 +59,8 @@ def child(mib: float, repeat: int) -> None:
     for _ in sys.stdin:
         row: dict[str, float] = {}
         for name, request in built.items():
-            row[name] = _best(lambda r=request: fingerprint(r), repeat)
-            row[f"{name}_floor"] = _best(
+            row[name] = _common.best_of(lambda r=request: fingerprint(r), repeat)
+            row[f"{name}_floor"] = _common.best_of(
                 lambda r=request: r.SerializePartialToString(deterministic=True), repeat
             )
         print(json.dumps(row), flush=True)
@@ -112,8 +77,6 @@ def main() -> None:
     if args.child:
         child(args.mib, args.repeat)
         return
-    sys.path.insert(0, str(HERE))
-    import _common
 
     results = _common.source_rounds(
         __file__,

@@ -21,61 +21,18 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+import _common
 
 HERE = Path(__file__).resolve().parent
-
-
-def _request_type() -> Any:
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    from grpc_idempotency.v1 import options_pb2
-
-    field = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(
-        name="bench_clearing.proto", package="benchclearing", syntax="proto3"
-    )
-    fdp.dependency.append("grpc_idempotency/v1/options.proto")
-    meta = fdp.message_type.add(name="Meta")
-    meta.field.add(name="trace", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
-    line = fdp.message_type.add(name="Line")
-    line.field.add(name="amount", number=1, type=field.TYPE_INT64, label=field.LABEL_OPTIONAL)
-    seen_at = line.field.add(
-        name="seen_at", number=2, type=field.TYPE_INT64, label=field.LABEL_OPTIONAL
-    )
-    extensions: Any = seen_at.options.Extensions
-    extensions[options_pb2.field].fingerprint = options_pb2.FINGERPRINT_EXCLUDE
-    line.field.add(
-        name="meta", number=3, type=field.TYPE_MESSAGE, type_name=".benchclearing.Meta",
-        label=field.LABEL_OPTIONAL,
-    )  # fmt: skip
-    req = fdp.message_type.add(name="Req")
-    req.field.add(
-        name="lines", number=1, type=field.TYPE_MESSAGE, type_name=".benchclearing.Line",
-        label=field.LABEL_REPEATED,
-    )  # fmt: skip
-    pool = descriptor_pool.Default()
-    pool.Add(fdp)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("benchclearing.Req"))
-
-
-def _best(work: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def child(messages: int, repeat: int) -> None:
     """Measures on "go" lines from stdin, one JSON line each (this process's ``src/``)."""
     from grpc_idempotency.core.fingerprint import Fingerprinter
 
-    req_type = _request_type()
+    req_type = _common.lines_request_type("benchclearing", exclude_seen_at=True)
     request = req_type.FromString(b"\x0a\x00" * messages)
     request.lines[7].seen_at = 1
     request.lines[9].meta.trace = "t"
@@ -88,8 +45,8 @@ def child(messages: int, repeat: int) -> None:
             line.ClearField("seen_at")
 
     for _ in sys.stdin:
-        library = _best(lambda: fingerprint(request), repeat)
-        least = _best(floor, repeat)
+        library = _common.best_of(lambda: fingerprint(request), repeat)
+        least = _common.best_of(floor, repeat)
         print(json.dumps({"library_s": library, "floor_s": least}), flush=True)
 
 
@@ -104,8 +61,6 @@ def main() -> None:
     if args.child:
         child(args.messages, args.repeat)
         return
-    sys.path.insert(0, str(HERE))
-    import _common
 
     results = _common.source_rounds(
         __file__,
