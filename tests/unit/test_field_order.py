@@ -12,11 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, message_factory
+from google.protobuf.message import EncodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpc_idempotency.core.field_order import field_ordered, has_unknown_fields, needs_field_order
+from grpc_idempotency.core.field_order import (
+    check_required,
+    field_ordered,
+    has_unknown_fields,
+    needs_field_order,
+    serialized_size,
+)
 from grpc_idempotency.core.fingerprint import Fingerprinter
 
 F = descriptor_pb2.FieldDescriptorProto
@@ -484,3 +491,76 @@ def test_a_big_request_is_found_to_hold_undeclared_fields_as_a_small_one_is(
     assert needs_field_order(old) is (where is not None)
     assert needs_field_order(old) is has_unknown_fields(old)  # the walk agrees
     assert fingerprint(V1, wire) == fingerprint(V2, wire)
+
+
+def _holders() -> dict[str, Any]:
+    """proto2 (and one editions) types that declare no required field but reach one: through a
+    map value, a repeated message, a group, an extension, a LEGACY_REQUIRED field."""
+    req, opt = F.LABEL_REQUIRED, F.LABEL_OPTIONAL
+    file = descriptor_pb2.FileDescriptorProto(name="holders.proto", package="h", syntax="proto2")
+    leaf = file.message_type.add(name="Leaf")
+    leaf.field.add(name="need", number=1, type=F.TYPE_INT32, label=req)
+    by_map = file.message_type.add(name="ByMap")
+    entry = by_map.nested_type.add(name="LeavesEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=F.TYPE_STRING, label=opt)
+    entry.field.add(name="value", number=2, type=F.TYPE_MESSAGE, label=opt, type_name=".h.Leaf")
+    by_map.field.add(name="leaves", number=1, type=F.TYPE_MESSAGE, label=F.LABEL_REPEATED,
+                     type_name=".h.ByMap.LeavesEntry")  # fmt: skip
+    by_list = file.message_type.add(name="ByList")
+    by_list.field.add(name="leaves", number=1, type=F.TYPE_MESSAGE, label=F.LABEL_REPEATED,
+                      type_name=".h.Leaf")  # fmt: skip
+    by_group = file.message_type.add(name="ByGroup")
+    group = by_group.nested_type.add(name="G")
+    group.field.add(name="b", number=2, type=F.TYPE_INT32, label=req)
+    by_group.field.add(name="g", number=1, type=F.TYPE_GROUP, label=opt, type_name=".h.ByGroup.G")
+    by_extension = file.message_type.add(name="ByExtension")
+    by_extension.extension_range.add(start=100, end=200)
+    file.extension.add(name="leaf", number=100, type=F.TYPE_MESSAGE, label=opt,
+                       type_name=".h.Leaf", extendee=".h.ByExtension")  # fmt: skip
+    edition = descriptor_pb2.FileDescriptorProto(
+        name="holders2023.proto", package="h", syntax="editions",
+        edition=descriptor_pb2.EDITION_2023,
+    )  # fmt: skip
+    needy = edition.message_type.add(name="Needy")
+    need = needy.field.add(name="need", number=1, type=F.TYPE_INT32, label=opt)
+    need.options.features.field_presence = descriptor_pb2.FeatureSet.LEGACY_REQUIRED
+    by_edition = edition.message_type.add(name="ByEdition")
+    by_edition.field.add(
+        name="needy", number=1, type=F.TYPE_MESSAGE, label=opt, type_name=".h.Needy"
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    pool.Add(edition)
+    names = ("Leaf", "ByMap", "ByList", "ByGroup", "ByExtension", "ByEdition", "Needy")
+    found: dict[str, Any] = {
+        n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"h.{n}")) for n in names
+    }
+    found["leaf_extension"] = pool.FindExtensionByName("h.leaf")
+    return found
+
+
+def test_a_required_field_is_found_wherever_a_type_can_hold_one() -> None:
+    """``check_required`` and ``serialized_size`` skip upb's required-field walk for a type that
+    can lack none: one that reaches a required field only through a map value, a repeated
+    message, a group, an extension or an editions LEGACY_REQUIRED field must stay checked."""
+    h = _holders()
+    leaf = h["Leaf"]()  # need left out
+    through_extension = h["ByExtension"]()
+    through_extension.Extensions[h["leaf_extension"]].SetInParent()
+    partial = [
+        h["ByMap"](leaves={"k": leaf}),
+        h["ByList"](leaves=[leaf]),
+        h["ByGroup"](g=h["ByGroup"].G()),
+        through_extension,
+        h["ByEdition"](needy=h["Needy"]()),
+    ]
+    for message in partial:
+        assert not message.IsInitialized()
+        with pytest.raises(EncodeError, match="missing required fields"):
+            check_required(message, "here")
+        assert serialized_size(message) == len(message.SerializePartialToString())
+    complete = [h["ByMap"](leaves={"k": h["Leaf"](need=1)}), duration_pb2.Duration(seconds=3)]
+    for message in complete:
+        check_required(message, "here")
+        assert serialized_size(message) == message.ByteSize()

@@ -80,7 +80,7 @@ def needs_field_order(message: Message) -> bool:
 def serialized_size(message: Message) -> int:
     """``message.ByteSize()``, also for a proto2 message missing a required field (upb's
     ByteSize checks them; parsing does not, so such a request is served)."""
-    if message.IsInitialized():
+    if not _may_lack_required(message.DESCRIPTOR) or message.IsInitialized():
         return message.ByteSize()
     # Not ByteSize and its EncodeError: upb builds the error's text by walking the message,
     # and reads a map with scalar values in it as if they were messages (``words[-546253904]``),
@@ -97,7 +97,7 @@ def check_required(message: Message, what: str) -> None:
     ``words[79152520].need``, or the process died (SIGSEGV), as a handler answered or enqueued
     such a message, and again on every retry. ``IsInitialized()`` without a list of errors
     builds no text."""
-    if not message.IsInitialized():
+    if _may_lack_required(message.DESCRIPTOR) and not message.IsInitialized():
         raise EncodeError(
             f"{what}: the {message.DESCRIPTOR.full_name} message is missing required fields"
         )
@@ -120,6 +120,18 @@ def reachable_message_types(root: Any) -> list[Any]:
         reached[d.full_name] = d
         stack.extend(f.message_type for f in d.fields if f.message_type is not None)
     return list(reached.values())
+
+
+@functools.cache
+def _may_lack_required(descriptor: Any) -> bool:
+    """Whether a ``descriptor`` message can lack a required field: a type reachable from it
+    declares one, or has extension ranges (an extension's message may declare one). Not for a
+    proto3 request or response, whose ``IsInitialized`` walk (every call, twice: the request's
+    size, the response's check) is then skipped."""
+    return any(
+        d.is_extendable or any(f.is_required for f in d.fields)
+        for d in reachable_message_types(descriptor)
+    )
 
 
 @functools.cache
