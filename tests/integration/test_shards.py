@@ -35,8 +35,10 @@ from grpc_idempotency import (
     purge_processed,
 )
 from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
+from tests.integration.test_telemetry import _telemetry
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, prepare, running_ledger
+from tests.support.otel import attributes
 from tests.support.waiting import until
 
 POST = "/testsvc.v1.LedgerService/Post"
@@ -180,7 +182,8 @@ async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
 ) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1)
-    async with running_ledger(_sharded(shards, shard_of)) as server:
+    telemetry, spans, _ = _telemetry(record_key=True, record_scope=True)
+    async with running_ledger(_sharded(shards, shard_of), telemetry=telemetry) as server:
         for method in (POST, OPTIONAL):
             answer = await server.call(method, request, key, tenant=tenant)
             assert answer.code is grpc.StatusCode.INTERNAL
@@ -191,6 +194,12 @@ async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
             assert f"tenant:{tenant}" not in answer.details
             assert not any(name in answer.details for name in ("one", "two", "three"))
         assert server.service.executions == 0
+    # The server's configuration failed the calls, not their requests: counted "unavailable"
+    # (they were "rejected", which says the client erred), the scope on the span for the
+    # operator (the log names one unplaced scope a minute).
+    ended = [attributes(s) for s in spans.get_finished_spans()]
+    assert [a["grpc_idempotency.outcome"] for a in ended] == ["unavailable"] * 2
+    assert [a.get("grpc_idempotency.scope") for a in ended] == [f"tenant:{tenant}"] * 2
     for shard in shards.values():
         assert await shard.rows(account) == []
         assert await shard.records(key) == []

@@ -546,7 +546,16 @@ class IdempotencyInterceptor(_Interceptor):
             if isinstance(store, ShardedStores):
                 # Sharded, an unkeyed call needs its scope too: its transaction runs on its shard.
                 scope = self._resolve_scope(context)
-                store = store.for_scope(scope)
+                try:
+                    store = store.for_scope(scope)
+                except StoreUnavailable:
+                    # No shard for the scope: the server's configuration, not the client's
+                    # request ("rejected", the default, said the client erred). "unavailable",
+                    # as a shard not migrated is: the store could not be used. With its key and
+                    # scope (``record_scope``): the log names one unplaced scope a minute.
+                    call.outcome = CallOutcome.UNAVAILABLE
+                    call.key, call.scope = key, scope
+                    raise
             else:
                 scope = None if key is None else self._resolve_scope(context)
         except IdempotencyError as err:
