@@ -858,12 +858,16 @@ async def _purging(what: str, purge: Callable[[Callable[[int], None]], Awaitable
     went: stopped midway (SIGINT or SIGTERM: ``run_command``), how many its committed batches
     took, which stay purged, before the interruption is reported. Every purge command: the
     outbox's said nothing of its committed batches, and an operator stopping one on a backlog
-    could not tell whether anything went."""
+    could not tell whether anything went. Failed midway (a lock timeout, an outage), likewise:
+    the error alone read as if nothing went, where the batches before it stay purged."""
     done = [0]
     try:
         await purge(lambda n: done.__setitem__(0, done[0] + n))
     except asyncio.CancelledError:
         print(f"purged {done[0]} {what} before it was stopped", flush=True)
+        raise
+    except Exception:
+        print(f"purged {done[0]} {what} before it failed", flush=True)
         raise
     print(f"purged {done[0]} {what}")
 

@@ -242,6 +242,31 @@ async def test_cli_purge_with_a_pause(purge_store: Store, pg_dsn: str) -> None:
     assert done.returncode == 0 and "purged 25 expired records" in done.stdout, done.stderr
 
 
+async def test_cli_purge_failing_midway_says_what_its_committed_batches_took(
+    purge_store: Store, pg_dsn: str, db: asyncpg.Connection
+) -> None:
+    """The second batch meets a row lock (a long transaction) past the session's lock_timeout:
+    exit 1 with the store's error, as before, and the count of the first batch, which stays
+    purged. Only an interruption said it: a failure printed the error alone, as if nothing
+    had gone."""
+    await expired_records(purge_store, 5)
+    tx = db.transaction()
+    await tx.start()
+    try:
+        await db.execute(f"SELECT 1 FROM {records(purge_store)} WHERE key = 'old-3' FOR UPDATE")
+        separator = "&" if "?" in pg_dsn else "?"
+        dsn = f"{pg_dsn}{separator}options=-c%20lock_timeout%3D200"
+        done = await asyncio.to_thread(
+            run_cli, "purge", "--dsn", dsn, "--schema", purge_store.schema, "--batch-size", "2"
+        )
+    finally:
+        await tx.rollback()
+    assert done.returncode == 1, done.stderr
+    assert "lock timeout" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout == "purged 2 expired records before it failed\n"
+    assert await keys(purge_store) == ["old-3", "old-4", "old-5"]
+
+
 async def test_a_purger_stopped_midway_rolls_its_batch_back_and_counts_what_committed(
     purge_store: Store, db: asyncpg.Connection
 ) -> None:
