@@ -960,9 +960,15 @@ class Relay:
     async def _purge(self, retention: float) -> bool:
         """Deletes up to ``_PURGE_BATCHES`` batches of sent rows past ``retention``; whether it
         stopped at that cap (so more may be left)."""
+        # Counted per committed batch, as Purger counts: counted from the return value, a purge
+        # failing midway left the batches it had committed (they stay deleted) out of
+        # stats.purged.
         try:
             purged = await self.outbox.purge_sent(
-                older_than_s=retention, batch_size=_PURGE_BATCH, max_batches=_PURGE_BATCHES
+                older_than_s=retention,
+                batch_size=_PURGE_BATCH,
+                max_batches=_PURGE_BATCHES,
+                on_batch=self._count_purged,
             )
         except StoreUnavailable as err:
             log.warning("relay %s: purging sent rows failed: %s", self.name, err)
@@ -972,10 +978,12 @@ class Relay:
             # and stopped the deliveries. Tried again at the next purge_interval.
             log.exception("relay %s: purging sent rows failed", self.name)
             return False
-        self.stats.purged += purged
         if purged:
             log.info("relay %s: purged %d sent rows", self.name, purged)
         return purged >= _PURGE_BATCH * _PURGE_BATCHES
+
+    def _count_purged(self, deleted: int) -> None:
+        self.stats.purged += deleted
 
     # -- wake-ups ----------------------------------------------------------------------------
 

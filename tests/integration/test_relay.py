@@ -793,6 +793,36 @@ async def test_the_relay_purges_sent_rows_after_retention(outbox: Store) -> None
     assert relay.stats.purged == 5
 
 
+async def test_a_relays_purge_failing_midway_counts_the_batches_it_committed(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first batch of 1,000 sent rows commits; the second meets a row whose delete fails
+    (a trigger: an error no outage explains). stats.purged counted the purge's return value
+    only, and left out the 1,000 rows that stay deleted."""
+    s = f'"{outbox.schema}"'
+    await outbox.pool.execute(
+        f"""INSERT INTO {s}.outbox
+                (scope, key, step, parent_key, method, payload_type, payload, state, sent_at)
+            SELECT 'tenant:tenant-a', 'old-' || i, 'entry-posted.v1', 'parent', '/m', 't', '',
+                   'sent', pg_catalog.clock_timestamp() - interval '2 days' + i * interval '1 s'
+            FROM pg_catalog.generate_series(1, 1001) AS i;
+            CREATE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN RAISE EXCEPTION 'not this one'; END $$;
+            CREATE TRIGGER refuse BEFORE DELETE ON {s}.outbox
+                FOR EACH ROW WHEN (OLD.key = 'old-1001') EXECUTE FUNCTION {s}.refuse()"""
+    )
+    relay = Relay(outbox, Receiver(), sent_retention=3600, purge_interval=3600, poll_interval=0.05)
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.outbox"):
+        async with running(relay):
+            await until(
+                "the purge to fail",
+                lambda: "purging sent rows failed" in caplog.text,
+                timeout=WAIT_S,
+            )
+    assert await states(outbox) == {"sent": 1}
+    assert relay.stats.purged == 1000
+
+
 async def test_a_purge_backlog_past_the_relays_cap_is_worked_off_without_waiting_intervals(
     outbox: Store,
 ) -> None:
