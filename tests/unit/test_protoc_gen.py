@@ -1496,6 +1496,68 @@ def test_a_method_whose_steps_are_all_outbox_steps_is_formatted(tmp_path: Path) 
     assert '    """The steps of ``ob.v1.Shop/Buy``."""\n' in source["ob/v1/shop_idempotency.py"]
 
 
+FORMATTER_SHAPES = """\
+syntax = "proto3";
+package payments.checkout.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req { string x = 1; }
+message Res { string y = 1; }
+service CustomerPaymentService {
+  rpc Charge(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = { recorded_error_codes: "FAILED_PRECONDITION" };
+  }
+  rpc Order(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = {
+      steps: { name: "charge-the-customers-saved-card.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
+      steps: { name: "send-the-order-confirmation-email-now.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
+    };
+  }
+}
+"""
+
+FORMATTER_SHAPES_HIDDEN = """\
+syntax = "proto3";
+package payments.checkout.v2;
+import "grpc_idempotency/v1/options.proto";
+message DESCRIPTOR {}
+service CustomerPaymentService {
+  rpc Charge(DESCRIPTOR) returns (DESCRIPTOR) { option (grpc_idempotency.v1.method) = {}; }
+}
+"""
+
+
+def test_one_recorded_code_and_long_names_are_in_the_formatters_shape(tmp_path: Path) -> None:
+    """A one-element tuple's comma is no magic trailing comma: ``recorded_errors`` of one code,
+    exploded, was joined onto one line by ruff format (and black). And past 88 columns they
+    split a step wrapper's ``metadata=`` tuple (from a step name of 37 characters), a step
+    constant (38) and, in a file with a symbol named ``DESCRIPTOR``, a service's lookup (a
+    full name of 37): names of usual length, not only very long ones. (protoc's .pyi of a file
+    with a ``DESCRIPTOR`` message declares the name twice, which mypy reports: that file is
+    imported and formatted, not type-checked.)"""
+    files = {"pay/v1/plain.proto": FORMATTER_SHAPES, "pay/v2/hidden.proto": FORMATTER_SHAPES_HIDDEN}
+    for name, text in files.items():
+        (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "protos" / name).write_text(text)
+    out = tmp_path / "out"
+    done = protoc(
+        tmp_path / "protos", out, *files, extra=(f"--python_out={out}", f"--pyi_out={out}")
+    )
+    assert done.returncode == 0, done.stderr
+    plain, hidden = "pay/v1/plain_idempotency.py", "pay/v2/hidden_idempotency.py"
+    assert sorted(generated_files(out)) == [plain, hidden]
+    run_with_generated(tmp_path, out, "import pay.v1.plain_idempotency, pay.v2.hidden_idempotency")
+    assert_ruff_clean([out / plain, out / hidden])
+    typed = mypy(out, plain)
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    source = (out / plain).read_text()
+    assert "        recorded_errors=(Code.FAILED_PRECONDITION,),\n" in source
+    assert "    SEND_THE_ORDER_CONFIRMATION_EMAIL_NOW: Final = (\n" in source
+    assert "            metadata=(\n                *metadata,\n" in source
+    assert '        "payments.checkout.v2.CustomerPaymentService"\n    ),\n' in (
+        (out / hidden).read_text()
+    )
+
+
 EDITION_2024 = """\
 edition = "2024";
 package e24.v1;

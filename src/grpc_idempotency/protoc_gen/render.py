@@ -295,7 +295,17 @@ class _Renderer:
         for service in services:
             if hidden:
                 lookup = f'descriptor_pool.Default().FindServiceByName("{service.full_name}")'
-                entries += [f"{INDENT}{lookup},"]
+                # Split as a formatter splits a call of one argument: that argument on a line
+                # of its own, with no trailing comma.
+                entries += (
+                    [f"{INDENT}{lookup},"]
+                    if len(f"{INDENT}{lookup},") <= 88
+                    else [
+                        f"{INDENT}descriptor_pool.Default().FindServiceByName(",
+                        f'{INDENT * 2}"{service.full_name}"',
+                        f"{INDENT}),",
+                    ]
+                )
                 continue
             entry = f'{INDENT}{own}.DESCRIPTOR.services_by_name["{service.name}"],'
             # An aliased module (``a_dot_v1_dot_service__pb2``) makes ordinary names long: split
@@ -354,7 +364,13 @@ class _Renderer:
         if declared.recorded_error_codes:
             self.needs.add("Code")
             codes = list(dict.fromkeys(declared.recorded_error_codes))
-            fields += ["recorded_errors=(", *(f"{INDENT}Code.{c}," for c in codes), "),"]
+            # A one-element tuple's comma is no "magic trailing comma" to a formatter (it is
+            # the tuple's syntax): exploded, ruff format and black joined it onto one line.
+            fields += (
+                [f"recorded_errors=(Code.{codes[0]},),"]
+                if len(codes) == 1
+                else ["recorded_errors=(", *(f"{INDENT}Code.{c}," for c in codes), "),"]
+            )
         if declared.store_down in _STORE_DOWN:
             self.needs.add("StoreDown")
             fields.append(f"store_down=StoreDown.{_STORE_DOWN[declared.store_down]},")
@@ -469,10 +485,14 @@ class _Renderer:
         lines.append("")
         for step in steps:
             what = f"Calls ``{step.call.lstrip('/')}``." if step.call else "An outbox message."
-            lines += [
-                f"{INDENT}{constants[step.name].upper()}: Final = {_str(step.name)}",
-                f'{INDENT}"""{what}"""',
-            ]
+            constant = f"{INDENT}{constants[step.name].upper()}: Final = "
+            lines += (
+                [constant + _str(step.name)]
+                if len(constant + _str(step.name)) <= 88
+                # as a formatter splits a long value: in parentheses, on a line of its own
+                else [constant + "(", f"{INDENT * 2}{_str(step.name)}", f"{INDENT})"]
+            )
+            lines.append(f'{INDENT}"""{what}"""')
         if not method.calls:
             return lines
         self.needs |= {"grpc", "Sequence", "step_metadata"}
@@ -517,7 +537,7 @@ class _Renderer:
                 f"{INDENT * 2}{awaits} self._{ident}(",
                 f"{INDENT * 3}request,",
                 f"{INDENT * 3}timeout=timeout,",
-                f"{INDENT * 3}metadata=(*metadata, step_metadata(self.{ident.upper()})),",
+                *_metadata_argument(f"step_metadata(self.{ident.upper()})"),
                 f"{INDENT * 2})",
                 *([f"{INDENT * 2}return response"] if untyped else []),
             ]
@@ -717,6 +737,21 @@ def _import_lines_of(module: str, local: str, *, unread: bool = False) -> list[s
         f"from {package} import (  {noqa.strip()}" if noqa else f"from {package} import (",
         f"{INDENT}{base}{alias},",
         ")",
+    ]
+
+
+def _metadata_argument(step: str) -> list[str]:
+    """A step wrapper's ``metadata=`` argument, a tuple of the caller's entries and ``step``,
+    exploded (a tuple a formatter splits one element a line, with a trailing comma) when a long
+    step name pushes it past 88 columns: from a step name of 37 characters."""
+    line = f"{INDENT * 3}metadata=(*metadata, {step}),"
+    if len(line) <= 88:
+        return [line]
+    return [
+        f"{INDENT * 3}metadata=(",
+        f"{INDENT * 4}*metadata,",
+        f"{INDENT * 4}{step},",
+        f"{INDENT * 3}),",
     ]
 
 
