@@ -53,6 +53,7 @@ from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
     HEADER_NAME,
     KEY_HEADER,
+    KEY_HEADER_BIN,
     LIBRARY_HEADERS,
     STATUS_HEADER,
     STEP_HEADER,
@@ -122,8 +123,8 @@ class Operation:
         retryable errors, waiting as the server asks: a server asking for a longer wait than
         ``retry.max_pushback_s`` gets its error raised at once. ``timeout`` is per attempt;
         ``metadata`` is sent with every attempt, the operation's key in place of any
-        ``idempotency-key`` entry; ``credentials``, ``wait_for_ready`` and ``compression`` go to
-        every attempt as ``method`` takes them.
+        ``idempotency-key`` (or ``-bin``) entry; ``credentials``, ``wait_for_ready`` and
+        ``compression`` go to every attempt as ``method`` takes them.
 
         Inside a handler, the handler's deadline bounds them all: each attempt's timeout is at
         most the time left, and once the next attempt could only begin at or past the deadline
@@ -147,8 +148,12 @@ class Operation:
                 " no streaming method is keyed"
             )
         # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
-        # beside the operation's key (gRPC sends the name as those bytes), before it.
-        md = (*[m for m in metadata or () if _entry_name(m[0]) != KEY_HEADER], *self.metadata())
+        # beside the operation's key (gRPC sends the name as those bytes), before it. And a key
+        # given as -bin: sent beside it, the server refused the call (KEY_INVALID).
+        md = (
+            *[m for m in metadata or () if _entry_name(m[0]) not in (KEY_HEADER, KEY_HEADER_BIN)],
+            *self.metadata(),
+        )
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
         # an entry failed the call as gRPC's internal ExecuteBatchError.
         _refuse_unsendable(md, current_call_or_none(), _path_of(method))
@@ -597,6 +602,8 @@ class IdempotencyClientInterceptor(_Interceptor):
                 serving.method, serving.scope, serving.key, serving.steps, serving.started_at
             )
         explicit = None
+        explicit_keys = 0
+        binary_key = False
         named = _step.get(None)
         named_by_call = False
         kept: list[tuple[str, str | bytes]] = []
@@ -614,8 +621,11 @@ class IdempotencyClientInterceptor(_Interceptor):
                     # would share one downstream record; this call gets its child key instead.
                     continue
                 explicit = key
+                explicit_keys += 1
                 kept.append((KEY_HEADER, key))
                 continue
+            elif text_name == KEY_HEADER_BIN:
+                binary_key = True
             elif text_name == STEP_HEADER:
                 # Decoded like the key: gRPC sends a text entry given as bytes, and str(bytes),
                 # "b'charge.v1'", named a step that is not declared (StepUndeclared).
@@ -625,16 +635,19 @@ class IdempotencyClientInterceptor(_Interceptor):
             kept.append((name, value))
 
         choice = None
+        target_keyed = False
         if keyed:
+            # A declared step keys its target whatever the caller's descriptor says, also for a
+            # call served without a key (an optional key not sent): with no parent key to
+            # derive from, it gets a key of its own, as a target the descriptor keys does. Sent
+            # unkeyed, a target keyed only on its server (or by a newer proto) refused it
+            # (KEY_MISSING), failing every keyless call of the method.
+            target_keyed = self._registry.get(path) is not None or (
+                serving is not None and steps_call(serving.steps, path)
+            )
             choice = choose_key(
                 target=path,
-                # A declared step keys its target whatever the caller's descriptor says, also
-                # for a call served without a key (an optional key not sent): with no parent
-                # key to derive from, it gets a key of its own, as a target the descriptor
-                # keys does. Sent unkeyed, a target keyed only on its server (or by a newer
-                # proto) refused it (KEY_MISSING), failing every keyless call of the method.
-                target_keyed=self._registry.get(path) is not None
-                or (serving is not None and steps_call(serving.steps, path)),
+                target_keyed=target_keyed,
                 explicit_key=explicit,
                 parent=parent,
                 named_step=named,
@@ -669,6 +682,9 @@ class IdempotencyClientInterceptor(_Interceptor):
             )
         forwarded = self._forwarded(live, kept, path)
         _refuse_unsendable(kept, serving, path)
+        if target_keyed:
+            # After _refuse_unsendable, whose error names what gRPC itself cannot send.
+            _refuse_malformed_key(explicit, explicit_keys, binary_key, serving, path)
         step = None
         if choice is not None and choice.key is not None:
             if choice.source is KeySource.CHILD and serving is not None and choice.step:
@@ -705,6 +721,34 @@ class IdempotencyClientInterceptor(_Interceptor):
 _MISUSES = (TransactionOpen, StepReused, StepUndeclared, StepAmbiguous, PolicyError)
 """What the client interceptor refuses a handler's call for that no handler can recover from by
 calling again: its OK answer would say done without that call's effect."""
+
+
+def _refuse_malformed_key(
+    key: str | None, count: int, binary: bool, serving: IdempotentCall | None, path: str
+) -> None:
+    """Refuses a keyed call whose own ``idempotency-key`` entries a server refuses as malformed
+    (``keys.key_from_metadata``): a key that is empty, over 255 characters or holds a space,
+    one given twice, or one given as ``-bin`` (beside which this interceptor would send a key
+    of its own). Sent, the call was answered INVALID_ARGUMENT by the server, after the trip,
+    and a handler's step call so refused failed its handler with the downstream's error.
+    Outside a handler it is the caller's key: ``KeyInvalid``; inside one, the handler's
+    choice: ``ValueError`` (as for other metadata it cannot send, ``_refuse_unsendable``), not
+    an INVALID_ARGUMENT that would tell its caller the caller's own key was malformed."""
+    problem = None
+    if binary:
+        problem = f"send the idempotency key as text metadata {KEY_HEADER!r}, not -bin"
+    elif count > 1:
+        problem = f"{KEY_HEADER!r} given {count} times; a call carries one key"
+    elif key is not None:
+        try:
+            validate_key(key)
+        except KeyInvalid as err:
+            problem = str(err)
+    if problem is None:
+        return
+    if serving is None:
+        raise KeyInvalid(f"a call of {path}: {problem}")
+    raise ValueError(f"{serving.method} called {path} with a malformed key: {problem}")
 
 
 def _refuse_unsendable(

@@ -147,6 +147,62 @@ async def test_metadata_grpc_cannot_send_is_refused_before_anything_is_sent(
 
 
 @pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        ((("idempotency-key", ""),), "empty"),
+        ((("idempotency-key", "has space"),), "visible ASCII"),
+        ((("idempotency-key", "k" * 256),), "longer than 255"),
+        ((("idempotency-key", "k-1"), ("idempotency-key", "k-1")), "given 2 times"),
+        ((("idempotency-key-bin", b"k-1"),), "not -bin"),
+    ],
+    ids=["empty", "space", "too-long", "twice", "bin"],
+)
+async def test_a_malformed_key_is_refused_before_anything_is_sent(
+    ledger: RunningLedger, entries: tuple[tuple[str, Any], ...], says: str
+) -> None:
+    """Keys gRPC can send but every server refuses (``key_from_metadata``): the interceptor
+    sent them (beside a key of its own for ``-bin``) and the call was answered
+    INVALID_ARGUMENT after the trip. ``Operation.call`` replaces a ``-bin`` entry with its
+    key, as it does an ``idempotency-key`` one: sent beside it, the call was refused."""
+    request = testsvc_pb2.PostRequest(account=fresh())
+    async with keyed_channel(ledger.address) as channel:
+        stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+        with pytest.raises(KeyInvalid, match=says):
+            await stub.Post(request, metadata=(*TENANT_MD, *entries))
+        assert ledger.service.keys_seen == []  # nothing reached the server
+        # A read is not keyed: its metadata pass through untouched.
+        await stub.Peek(testsvc_pb2.PeekRequest(account="x"), metadata=(*TENANT_MD, *entries))
+    op = Operation.new()
+    await op.call(ledger.stub.Post, request, metadata=(*TENANT_MD, *entries))
+    assert ledger.service.keys_seen[-1] == op.key
+
+
+async def test_a_handlers_malformed_key_is_its_own_error(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Inside a handler the key is the handler's choice: a ``ValueError`` it may catch, not a
+    KeyInvalid that would answer its caller INVALID_ARGUMENT about the caller's own key."""
+    refused: list[Exception] = []
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            post = testsvc_pb2.PostRequest(account=request.account)
+            try:
+                await self.ledger.Post(post, metadata=(("idempotency-key", ""),))
+            except ValueError as err:
+                refused.append(err)
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert [type(err) for err in refused] == [ValueError]
+    assert "Forward called /testsvc.v1.LedgerService/Post" in str(refused[0])
+    assert "empty" in str(refused[0])
+    assert ledger.service.keys_seen == []
+
+
+@pytest.mark.parametrize(
     "entry", [(b"x-note", "n"), ("x-note", None)], ids=["bytes-name", "none-value"]
 )
 async def test_metadata_grpc_sends_is_not_refused(ledger: RunningLedger, entry: Any) -> None:
