@@ -57,6 +57,7 @@ from grpc_idempotency.core.wire import (
     LIBRARY_HEADERS,
     STATUS_HEADER,
     STEP_HEADER,
+    reason_of,
     retry_after_ms,
     unsendable,
 )
@@ -181,11 +182,13 @@ class Operation:
                 if retry is None:
                     raise
                 code = Code(err.code().value[0])
+                trailers = err.trailing_metadata()
                 delay = retry.delay_s(
                     attempt=attempt,
                     code=code,
-                    retry_after_ms=retry_after_ms(err.trailing_metadata()),
+                    retry_after_ms=retry_after_ms(trailers),
                     jitter=random.random(),
+                    reason=reason_of(trailers),
                 )
                 if delay is None:
                     raise

@@ -34,6 +34,7 @@ from grpc_idempotency.client import (
     step,
     step_metadata,
 )
+from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import KeyInvalid, NotInIdempotentCall
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.step_contract import Change, MethodSteps, check_contract
@@ -332,9 +333,22 @@ async def test_retry_helper_gives_up_on_non_retryable_errors(ledger: RunningLedg
                 metadata=TENANT_MD,
                 retry=RetryPolicy(initial_backoff_s=0.01),
             )
+        # Nor by a policy that retries FAILED_PRECONDITION (a service's own transient state):
+        # KEY_REUSED says this request is another than the key's, on every attempt.
+        with pytest.raises(grpc.aio.AioRpcError) as widened:
+            await op.call(
+                post,  # type: ignore[arg-type]
+                testsvc_pb2.PostRequest(account="b"),
+                metadata=TENANT_MD,
+                retry=RetryPolicy(
+                    initial_backoff_s=0.01,
+                    retryable=frozenset({Code.FAILED_PRECONDITION, Code.UNAVAILABLE}),
+                ),
+            )
     assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert widened.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     # Raised at its first answer: retried, every attempt met the same refusal.
-    assert attempts == 1
+    assert attempts == 2
     assert ledger.service.keys_seen.count(op.key) == 1  # the reused key never reached the handler
 
 

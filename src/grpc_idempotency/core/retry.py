@@ -12,8 +12,18 @@ import math
 from dataclasses import dataclass, field
 
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.errors import KeyInvalid, KeyMissing, KeyReused, RequestInvalid
 
 RETRYABLE: frozenset[Code] = frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED})
+
+FINAL_REASONS: frozenset[str] = frozenset(
+    error.reason for error in (KeyReused, KeyInvalid, KeyMissing, RequestInvalid)
+)
+"""The library's answers that every attempt of an operation gets alike: its key was used for
+another request, or its key or request is malformed. Each attempt carries the same key and
+request, so none is retried, whatever ``retryable`` holds (a policy retrying
+FAILED_PRECONDITION or INVALID_ARGUMENT, for a service's own transient states, retried them
+``max_attempts`` times with backoff, then raised the same error)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,13 +69,20 @@ class RetryPolicy:
             raise ValueError(f"max_pushback_s must be finite and not negative, not {pushback!r}")
 
     def delay_s(
-        self, *, attempt: int, code: Code, retry_after_ms: int | None, jitter: float
+        self,
+        *,
+        attempt: int,
+        code: Code,
+        retry_after_ms: int | None,
+        jitter: float,
+        reason: str | None = None,
     ) -> float | None:
         """Seconds to wait before attempt ``attempt + 1`` (attempts count from 1), or ``None``
-        to stop: no attempts left, a code not retried, or a pushback that is negative (gRPC's
-        "do not retry") or beyond ``max_pushback_s``. ``jitter`` is a random number in [0, 1):
-        full jitter on the backoff."""
-        if attempt >= self.max_attempts or code not in self.retryable:
+        to stop: no attempts left, a code not retried, an answer of ``FINAL_REASONS``
+        (``reason``: the library's ``ErrorInfo.reason``, if any), or a pushback that is
+        negative (gRPC's "do not retry") or beyond ``max_pushback_s``. ``jitter`` is a random
+        number in [0, 1): full jitter on the backoff."""
+        if attempt >= self.max_attempts or code not in self.retryable or reason in FINAL_REASONS:
             return None
         if retry_after_ms is not None:
             if retry_after_ms < 0:
