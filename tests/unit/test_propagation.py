@@ -159,10 +159,19 @@ def test_backoff_stays_at_its_ceiling_however_many_attempts() -> None:
         {"multiplier": float("inf")},
         {"multiplier": 0.5},
         {"initial_backoff_s": 0},
+        # Raw comparison TypeErrors that named no field ("'<' not supported between instances
+        # of 'int' and 'str'"); True was one second.
+        {"initial_backoff_s": "0.1"},
+        {"max_backoff_s": None},
+        {"multiplier": "2"},
+        {"initial_backoff_s": True},
+        # One code, not a set: "'Code' object is not iterable"; a str was read letter by letter.
+        {"retryable": Code.UNAVAILABLE},
+        {"retryable": "UNAVAILABLE"},
     ],
 )
 def test_retry_policy_refuses_backoffs_that_are_not_numbers(bad: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=next(iter(bad))):
         RetryPolicy(**bad)  # type: ignore[arg-type]
 
 

@@ -9,6 +9,7 @@ still take (``RetryInfo`` or ``grpc-retry-pushback-ms``), and that hint wins ove
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from grpc_idempotency.core.codes import Code
@@ -48,8 +49,21 @@ class RetryPolicy:
     This library's servers ask for at most 2 s."""
 
     def __post_init__(self) -> None:
+        retryable: object = self.retryable
+        if isinstance(retryable, str | bytes) or not isinstance(retryable, Iterable):
+            # One code (Code, grpc.StatusCode, a name): not iterable, or a str read letter by
+            # letter; either way an error that did not say what was wrong.
+            raise ValueError(
+                f"retryable is a set of status codes, not {retryable!r}:"
+                f" retryable=frozenset({{{retryable!r}}})"
+            )
         # grpc.StatusCode members compared unequal to every Code: such a policy never retried.
-        object.__setattr__(self, "retryable", frozenset(map(_code, self.retryable)))
+        object.__setattr__(self, "retryable", frozenset(map(_code, retryable)))
+        for name in ("initial_backoff_s", "max_backoff_s", "multiplier"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                # Compared below, a str or None raised a TypeError naming no field; True was 1.
+                raise ValueError(f"{name} must be a number, not {value!r}")
         # A whole number, as DeliveryPolicy's: NaN compares false both ways and inf is never
         # reached (delay_s retried for ever), a str failed a raw comparison, True meant 1.
         attempts = self.max_attempts
