@@ -64,15 +64,20 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
+from types import TracebackType
 from typing import Any, Generic, NoReturn, TypeVar
 
 import grpc
+from opentelemetry import trace
 
 from grpc_idempotency.core.consumer import (
     Consumed,
+    ConsumerOutcome,
     ConsumerPolicy,
+    failed_outcome,
     in_progress,
     message_id_from_metadata,
     payload_fingerprint,
@@ -85,10 +90,12 @@ from grpc_idempotency.server import answers as _answers
 from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
 from grpc_idempotency.store.errors import store_error
 from grpc_idempotency.store.postgres import PooledConnection, Store, one_store
+from grpc_idempotency.telemetry import Telemetry
 
 __all__ = [
     "ConsumeResult",
     "Consumed",
+    "ConsumerOutcome",
     "IdempotentConsumer",
     "MessageInProgress",
     "message_id_from_call",
@@ -115,6 +122,68 @@ class ConsumeResult(Generic[T]):
         return self.outcome is Consumed.DUPLICATE
 
 
+class _Delivery:
+    """One ``process`` or ``process_call`` as telemetry sees it: its span (none while nothing
+    traces), how it ended and how long it took. Counted once, when the block ends; nothing
+    OpenTelemetry raises reaches the delivery (``Telemetry`` guards the span and the record)."""
+
+    __slots__ = (
+        "_consumer",
+        "_span",
+        "_started",
+        "_telemetry",
+        "checked",
+        "error",
+        "message_id",
+        "outcome",
+        "span",
+    )
+
+    def __init__(self, telemetry: Telemetry, consumer: str) -> None:
+        self._telemetry = telemetry
+        self._consumer = consumer
+        self.message_id: str | None = None
+        """Set once the id is valid: a malformed one (a lone surrogate) could not be exported."""
+        self.outcome: ConsumerOutcome | None = None
+        self.error: str | None = None
+        self.checked = False
+        """The id and the arguments were accepted: what is raised after is no refusal."""
+
+    def __enter__(self) -> _Delivery:
+        self._span: AbstractContextManager[trace.Span] = self._telemetry.consumer_span(
+            self._consumer
+        )
+        self.span = self._span.__enter__()
+        self._started = time.perf_counter()
+        return self
+
+    def failed(self, exc: BaseException, outcome: ConsumerOutcome | None = None) -> None:
+        """How the delivery ended, told by what it raised (the first told stands: what the effect
+        raised, or a library error before the call is aborted with its status)."""
+        if self.outcome is None:
+            self.outcome = outcome or failed_outcome(exc, checked=self.checked)
+            self.error = type(exc).__name__
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.failed(exc)
+        self._telemetry.record_consumed(
+            self.span,
+            self._consumer,
+            self.outcome or ConsumerOutcome.RELEASED,  # always set: a result, or failed()
+            time.perf_counter() - self._started,
+            message_id=self.message_id,
+            error=self.error,
+        )
+        # Ended after the record, which sets its attributes; what the block raised goes on.
+        self._span.__exit__(exc_type, exc, traceback)
+
+
 class IdempotentConsumer:
     """Runs each message's effect once per ``name``, in a transaction with the mark of its id.
 
@@ -123,7 +192,10 @@ class IdempotentConsumer:
     ``max_wait``: how long a duplicate waits for a concurrent delivery of the same id;
     ``idle_timeout``: how long the delivery's transaction may sit idle (the effect awaiting
     anything but the database) before PostgreSQL ends its session, so that a replica frozen or
-    cut off mid-effect frees the message for a redelivery instead of holding it for hours.
+    cut off mid-effect frees the message for a redelivery instead of holding it for hours;
+    ``telemetry``: where each delivery's span, count and duration go (a ``Telemetry``, which an
+    ``IdempotencyInterceptor`` may share; by default the global OpenTelemetry providers), with its
+    ``ConsumerOutcome``; ``Telemetry(record_key=True)`` puts the message id on the span.
     """
 
     def __init__(
@@ -134,7 +206,13 @@ class IdempotentConsumer:
         retention: timedelta = timedelta(days=7),
         max_wait: timedelta = timedelta(seconds=5),
         idle_timeout: timedelta = timedelta(seconds=30),
+        telemetry: Telemetry | None = None,
     ) -> None:
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise TypeError(
+                "telemetry must be a Telemetry (Telemetry(tracer_provider=...,"
+                f" meter_provider=...)) or None, not {telemetry!r}"
+            )
         self.store = one_store(
             store,
             user="IdempotentConsumer",
@@ -145,6 +223,7 @@ class IdempotentConsumer:
             retention=retention, max_wait=max_wait, idle_timeout=idle_timeout
         )
         self._messages = ProcessedMessages(store)
+        self._telemetry = telemetry or Telemetry()
         # Deliveries of one id in this process queue here, holding no connection; the database
         # row decides between processes.
         self._running: dict[str, asyncio.Future[None]] = {}
@@ -172,6 +251,17 @@ class IdempotentConsumer:
         ``HandlerDatabaseError`` (the effect caught a failed statement's error and returned), or
         what the effect raised; in every case nothing is marked and the message must not be
         acknowledged."""
+        with _Delivery(self._telemetry, self.name) as delivery:
+            return await self._deliver(delivery, message_id, effect, timeout, payload)
+
+    async def _deliver(
+        self,
+        delivery: _Delivery,
+        message_id: str,
+        effect: Effect[T],
+        timeout: float | None,
+        payload: bytes | None,
+    ) -> ConsumeResult[T]:
         validate_message_id(message_id)
         fingerprint = payload_fingerprint(payload)
         if not callable(effect):
@@ -189,6 +279,8 @@ class IdempotentConsumer:
             raise ValueError(f"timeout must be None or not negative, not {timeout!r}")
         if timeout == math.inf:
             timeout = None
+        delivery.message_id = message_id
+        delivery.checked = True
         started = time.monotonic()
         wait_until = started + self.policy.wait_s(timeout)
         while (running := self._running.get(message_id)) is not None:
@@ -201,7 +293,8 @@ class IdempotentConsumer:
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._running[message_id] = mine
         try:
-            return await self._process(
+            result = await self._process(
+                delivery,
                 message_id,
                 effect,
                 wait_s=max(0.0, wait_until - time.monotonic()),
@@ -212,9 +305,12 @@ class IdempotentConsumer:
         finally:
             del self._running[message_id]
             mine.set_result(None)
+        delivery.outcome = ConsumerOutcome(result.outcome.value)
+        return result
 
     async def _process(
         self,
+        delivery: _Delivery,
         message_id: str,
         effect: Effect[T],
         *,
@@ -259,6 +355,9 @@ class IdempotentConsumer:
             value = await pending
         except BaseException as exc:
             lost = mark.lost_by(exc)
+            if not lost:
+                # The effect's failure whatever it raised (a library error of its own too).
+                delivery.failed(exc, ConsumerOutcome.RELEASED)
             await mark.abandon(exc)
             if lost:
                 raise store_error(exc, "running the effect") from exc
@@ -286,13 +385,15 @@ class IdempotentConsumer:
         a method with raw bytes as its request (no deserializer) gets the payload as the relay
         sent it; a parsed request serialized again may differ once the receiver's proto changes.
         Exceptions of the effect propagate."""
-        try:
-            message_id = message_id_from_call(context)
-            return await self.process(
-                message_id, effect, timeout=_answers.time_remaining(context), payload=payload
-            )
-        except IdempotencyError as err:
-            await _abort(context, err)
+        with _Delivery(self._telemetry, self.name) as delivery:
+            try:
+                message_id = message_id_from_call(context)
+                timeout = _answers.time_remaining(context)
+                return await self._deliver(delivery, message_id, effect, timeout, payload)
+            except IdempotencyError as err:
+                # Told now: the block ends with grpc's AbortError, which says nothing of it.
+                delivery.failed(err)
+                await _abort(context, err)
 
     async def is_processed(self, message_id: str) -> bool:
         """Whether ``message_id`` is marked and within its retention (committed marks only)."""

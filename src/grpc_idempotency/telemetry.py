@@ -18,6 +18,15 @@ Metrics: a counter ``grpc_idempotency.calls`` and a histogram ``grpc_idempotency
 opentelemetry-api 1.30 or later), both labelled by ``rpc.system``, ``rpc.service``, ``rpc.method``,
 ``rpc.grpc.status_code`` and the outcome; a counter ``grpc_idempotency.bypassed`` for fail-open
 calls.
+
+An ``IdempotentConsumer``'s deliveries: one span per ``process`` / ``process_call``,
+``grpc_idempotency process <consumer>`` (kind INTERNAL, around the effect, whose database spans
+nest in it), with ``grpc_idempotency.consumer.name`` and ``grpc_idempotency.consumer.outcome``
+(``ConsumerOutcome``), its status ERROR when the effect or the store failed (``released``,
+``unavailable``); the message id (``grpc_idempotency.consumer.message_id``) only with
+``record_key``. A counter ``grpc_idempotency.consumer.messages`` and a histogram
+``grpc_idempotency.consumer.process.duration`` (seconds, the same buckets), both labelled by the
+consumer's name and the outcome.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
@@ -33,6 +42,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Status, StatusCode
 
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.consumer import ConsumerOutcome
 from grpc_idempotency.core.lifecycle import CallOutcome
 from grpc_idempotency.log_tracebacks import library_logger
 
@@ -43,6 +53,12 @@ SYSTEM = "rpc.system"
 SERVICE = "rpc.service"
 METHOD = "rpc.method"
 STATUS_CODE = "rpc.grpc.status_code"
+CONSUMER = "grpc_idempotency.consumer.name"
+CONSUMER_OUTCOME = "grpc_idempotency.consumer.outcome"
+MESSAGE_ID = "grpc_idempotency.consumer.message_id"
+
+# A delivery whose effect or store failed: nothing marked, the message not acknowledged.
+CONSUMER_ERRORS = frozenset({ConsumerOutcome.RELEASED, ConsumerOutcome.UNAVAILABLE})
 
 # What the RPC conventions count as a server's error (the client's mistakes are not).
 SERVER_ERRORS = frozenset(
@@ -79,6 +95,8 @@ conventions' duration buckets, with 1 and 2.5 ms below them for replays. An advi
 configured in the SDK takes precedence."""
 
 _NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+# The span of a call or delivery while no tracer provider is set: none at all (``tracing``).
+_NO_SPAN = nullcontext(trace.INVALID_SPAN)
 # The variable through which opentelemetry-api loads a global tracer provider (its
 # ``opentelemetry.environment_variables.OTEL_PYTHON_TRACER_PROVIDER``).
 _TRACER_PROVIDER_ENV = "OTEL_PYTHON_TRACER_PROVIDER"
@@ -132,9 +150,8 @@ def rpc_attributes(method: str) -> dict[str, str]:
     return {SYSTEM: "grpc", SERVICE: service, METHOD: name}
 
 
-def _duration_histogram(meter: metrics.Meter) -> metrics.Histogram:
-    name, unit = "grpc_idempotency.call.duration", "s"
-    description = "Time spent in keyed calls, handler included"
+def _duration_histogram(meter: metrics.Meter, name: str, description: str) -> metrics.Histogram:
+    unit = "s"
     # Without buckets of its own the SDK uses (0, 5, 10, ..., 10000), made for milliseconds:
     # every call of under 5 s would land in one bucket. A dict, not the keyword itself, so
     # that this type-checks against the oldest API we support too.
@@ -180,12 +197,25 @@ class Telemetry:
         self.calls = meter.create_counter(
             "grpc_idempotency.calls", unit="{call}", description="Keyed calls by outcome"
         )
-        self.duration = _duration_histogram(meter)
+        self.duration = _duration_histogram(
+            meter, "grpc_idempotency.call.duration", "Time spent in keyed calls, handler included"
+        )
         self.bypassed = meter.create_counter(
             "grpc_idempotency.bypassed",
             unit="{call}",
             description="Calls run without deduplication (fail-open while the store was down)",
         )
+        self.messages = meter.create_counter(
+            "grpc_idempotency.consumer.messages",
+            unit="{message}",
+            description="Deliveries to idempotent consumers by outcome",
+        )
+        self.process_duration = _duration_histogram(
+            meter,
+            "grpc_idempotency.consumer.process.duration",
+            "Time spent in idempotent consumers' process calls, effect and waits included",
+        )
+        self._consumer_labels: dict[tuple[str, ConsumerOutcome], dict[str, str]] = {}
 
     def attributes(self, method: str) -> dict[str, str]:
         """The method's RPC attributes (computed once per method)."""
@@ -208,20 +238,30 @@ class Telemetry:
             return False
         return not isinstance(trace.get_tracer_provider(), _NO_TRACING)
 
-    @contextmanager
-    def span(self, method: str) -> Iterator[trace.Span]:
+    def span(self, method: str) -> AbstractContextManager[trace.Span]:
         """The call's span. The SDK calls span processors (exporters) unguarded: one that raised
         as the span started failed every keyed call before its handler ran, and one that raised
         as it ended answered UNKNOWN for a write that had committed, replays included. Failures
         of the span's start and end are logged here and never change the call; what the block
         raises goes through untouched."""
         if not self.tracing():
-            yield trace.INVALID_SPAN
-            return
+            return _NO_SPAN
         attributes = self.attributes(method)
+        return self._span(
+            f"grpc_idempotency {attributes[SERVICE]}/{attributes[METHOD]}", attributes
+        )
+
+    def consumer_span(self, consumer: str) -> AbstractContextManager[trace.Span]:
+        """An ``IdempotentConsumer`` delivery's span, guarded as ``span``'s is."""
+        if not self.tracing():
+            return _NO_SPAN
+        return self._span(f"grpc_idempotency process {consumer}", {CONSUMER: consumer})
+
+    @contextmanager
+    def _span(self, name: str, attributes: dict[str, str]) -> Iterator[trace.Span]:
         try:
             current = self.tracer.start_as_current_span(
-                f"grpc_idempotency {attributes[SERVICE]}/{attributes[METHOD]}",
+                name,
                 kind=trace.SpanKind.INTERNAL,
                 attributes=attributes,
                 record_exception=False,
@@ -306,3 +346,34 @@ class Telemetry:
             self._labels[(method, code, outcome)] = labels
         self.calls.add(1, labels)
         self.duration.record(seconds, labels)
+
+    def record_consumed(
+        self,
+        span: trace.Span,
+        consumer: str,
+        outcome: ConsumerOutcome,
+        seconds: float,
+        *,
+        message_id: str | None,
+        error: str | None,
+    ) -> None:
+        """Counts one delivery to ``consumer`` and sets its span's outcome; ``error``: the name
+        of the exception it ended with. What OpenTelemetry raises is logged, never raised: the
+        delivery's outcome is the consumer's, not its telemetry's."""
+        try:
+            if span.is_recording():
+                span.set_attribute(CONSUMER_OUTCOME, outcome.value)
+                if outcome in CONSUMER_ERRORS:
+                    why = outcome.value if error is None else f"{outcome.value} ({error})"
+                    span.set_status(Status(StatusCode.ERROR, why))
+                if self.record_key and message_id is not None:
+                    span.set_attribute(MESSAGE_ID, message_id)
+            # Bounded (consumers x outcomes) and built once each.
+            labels = self._consumer_labels.get((consumer, outcome))
+            if labels is None:
+                labels = {CONSUMER: consumer, CONSUMER_OUTCOME: outcome.value}
+                self._consumer_labels[(consumer, outcome)] = labels
+            self.messages.add(1, labels)
+            self.process_duration.record(seconds, labels)
+        except Exception:
+            self.failed("recording a delivery")

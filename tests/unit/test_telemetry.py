@@ -98,7 +98,10 @@ def test_an_api_without_the_bucket_advisory_gets_the_histogram_without_it() -> N
     reader = InMemoryMetricReader()
     old = _MeterBefore130(MeterProvider(metric_readers=[reader]).get_meter("x"))
     telemetry = Telemetry(meter_provider=_ProviderBefore130(old))  # type: ignore[arg-type]
-    assert old.histograms == ["grpc_idempotency.call.duration"]
+    assert old.histograms == [
+        "grpc_idempotency.call.duration",
+        "grpc_idempotency.consumer.process.duration",
+    ]
     telemetry.record(trace.INVALID_SPAN, METHOD, CallOutcome.EXECUTED, 0.2)
     assert _histogram_point(reader).count == 1
 

@@ -35,6 +35,7 @@ from grpc_idempotency.core.errors import (
     KeyMissing,
     KeyReused,
     MessageInProgress,
+    StoreUnavailable,
 )
 from grpc_idempotency.core.keys import key_from_metadata
 from grpc_idempotency.core.policy import MAX_DURATION, MIN_LEASE
@@ -54,6 +55,36 @@ class Consumed(enum.Enum):
     """The effect ran and committed with the mark, in this call."""
     DUPLICATE = "duplicate"
     """The id was already marked: the effect did not run. Acknowledge the message."""
+
+
+class ConsumerOutcome(enum.Enum):
+    """How a delivery to ``IdempotentConsumer.process`` (or ``process_call``) ended: the span
+    attribute and the metric label. The first two are ``Consumed``'s (it returned); the others
+    raised, nothing marked, the message not to be acknowledged."""
+
+    PROCESSED = Consumed.PROCESSED.value
+    DUPLICATE = Consumed.DUPLICATE.value
+    MISMATCH = "mismatch"  # a processed id delivered with another payload (KeyReused)
+    CONFLICT = "conflict"  # another delivery of the id still ran past the wait (MessageInProgress)
+    RELEASED = "released"  # the effect raised (or caught a failed statement), or was cancelled
+    UNAVAILABLE = "unavailable"  # StoreUnavailable: the store, or the effect's connection, failed
+    REJECTED = "rejected"  # a missing or malformed id, or arguments refused before the store
+
+
+def failed_outcome(error: BaseException, *, checked: bool) -> ConsumerOutcome:
+    """The outcome of a delivery that raised ``error``; ``checked``: its id and arguments had
+    been accepted (before that, whatever was raised refused them). What the effect raised is
+    classified where the consumer catches it, not here: an effect may raise a library error of
+    its own (a nested consumer's ``KeyReused``), which is still its failure."""
+    if not checked:
+        return ConsumerOutcome.REJECTED
+    if isinstance(error, KeyReused):
+        return ConsumerOutcome.MISMATCH
+    if isinstance(error, MessageInProgress):
+        return ConsumerOutcome.CONFLICT
+    if isinstance(error, StoreUnavailable):
+        return ConsumerOutcome.UNAVAILABLE
+    return ConsumerOutcome.RELEASED
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
