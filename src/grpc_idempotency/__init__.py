@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from grpc_idempotency.consumer import (
         Consumed,
         ConsumeResult,
+        ConsumerOutcome,
         IdempotentConsumer,
         purge_processed,
     )
@@ -102,6 +103,7 @@ _LOCATIONS: dict[str, str] = {
     "Code": "grpc_idempotency.core.codes",
     "ConsumeResult": "grpc_idempotency.consumer",
     "Consumed": "grpc_idempotency.consumer",
+    "ConsumerOutcome": "grpc_idempotency.consumer",
     "DeliveryError": "grpc_idempotency.core.errors",
     "DeliveryPolicy": "grpc_idempotency.core.outbox",
     "DsnUnusable": "grpc_idempotency.core.errors",
@@ -197,6 +199,7 @@ __all__ = [
     "Code",
     "ConsumeResult",
     "Consumed",
+    "ConsumerOutcome",
     "DeliveryError",
     "DeliveryPolicy",
     "DsnUnusable",
