@@ -21,6 +21,7 @@ import grpc_idempotency
 import grpc_idempotency.testing
 from grpc_idempotency import cli
 from grpc_idempotency.core import errors, failpoints, policy
+from grpc_idempotency.core.consumer import ConsumerOutcome
 from grpc_idempotency.core.lifecycle import CallOutcome
 from grpc_idempotency.testing import IdempotencyConformance
 
@@ -294,8 +295,15 @@ def test_the_outcomes_and_metric_names_it_gives() -> None:
         "grpc_idempotency.bypassed",
         "grpc_idempotency.outbox.deliveries",
         "grpc_idempotency.outbox.outcome",
+        "grpc_idempotency.consumer.messages",
+        "grpc_idempotency.consumer.process.duration",
+        "grpc_idempotency.consumer.name",
+        "grpc_idempotency.consumer.outcome",
     ):
         assert f"`{name}`" in README and f'"{name}"' in SOURCE, name
+    consumer = re.search(r"\(`ConsumerOutcome`\):\s((?:`[a-z_]+`(?:,\s|\sor\s)?)+)", README)
+    assert consumer is not None
+    assert set(re.findall(r"`([a-z_]+)`", consumer[1])) == {o.value for o in ConsumerOutcome}
 
 
 def test_the_option_defaults_it_gives() -> None:
