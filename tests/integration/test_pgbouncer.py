@@ -32,7 +32,6 @@ from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable, cli
 from grpc_idempotency.outbox import OutboxMessage, Relay
-from grpc_idempotency.store import errors as store_errors
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
 from tests.support.pgbouncer import PgBouncer, free_port, running_pgbouncer
 from tests.support.waiting import until
@@ -109,16 +108,15 @@ async def test_transaction_pooling_loses_named_statements_and_keeps_unnamed_ones
 
 
 async def test_a_store_statement_failing_for_the_statement_cache_says_why_in_the_log(
-    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A store left with asyncpg's statement cache behind PgBouncer: its statements fail now and
     then (26000, 42P05), as a call lands on a server connection its cached statement is not on.
     The call's answer stays what it was; the log names the likely cause and the fix, where it
     said nothing about the store's own statements. Made to happen as in the test above: a
     statement cached on the one server connection that another client then pins."""
-    # A limiter of its own: another test's failure in this minute must not silence this one.
-    fresh = store_errors._PreparedStatementLostLog()
-    monkeypatch.setattr(store_errors, "_log_prepared_statement_lost", fresh)
+    # A store of its own below, so a limiter of its own (``Store.store_log``): another test's
+    # failure in this minute does not silence this one.
     caplog.set_level(logging.ERROR, logger="grpc_idempotency.store")
     with running_pgbouncer(pg_dsn, pool_size=2) as small:
         cached = await Store.connect(small.dsn, min_size=1, max_size=1)  # asyncpg's defaults

@@ -34,7 +34,7 @@ from grpc_idempotency import (
 from grpc_idempotency.client import Operation
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.retry import RetryPolicy
-from grpc_idempotency.store.errors import store_error
+from grpc_idempotency.store.errors import StoreLog, store_error
 from grpc_idempotency.store.migrations import available_migrations
 from tests.support.blackhole import BlackholeProxy
 from tests.support.ledger import fresh, ledger_rows, metadata, running_ledger
@@ -387,11 +387,11 @@ async def test_a_lease_longer_than_postgresqls_timeouts_can_hold_still_claims(
 def test_a_store_statement_the_database_refuses_on_a_live_connection_is_no_outage() -> None:
     """SQLSTATE classes that say the store is up (a value it cannot hold, a constraint) do not
     let a fail-open method run unclaimed; unreachable and misconfigured stores do."""
-    assert not store_error(asyncpg.InvalidParameterValueError("x"), "claiming").outage
-    assert not store_error(asyncpg.DatetimeFieldOverflowError("x"), "claiming").outage
-    assert store_error(asyncpg.CannotConnectNowError("x"), "claiming").outage
-    assert store_error(ConnectionRefusedError(), "claiming").outage
-    assert store_error(asyncpg.UndefinedTableError("x"), "claiming").outage
+    assert not store_error(asyncpg.InvalidParameterValueError("x"), "claiming", StoreLog()).outage
+    assert not store_error(asyncpg.DatetimeFieldOverflowError("x"), "claiming", StoreLog()).outage
+    assert store_error(asyncpg.CannotConnectNowError("x"), "claiming", StoreLog()).outage
+    assert store_error(ConnectionRefusedError(), "claiming", StoreLog()).outage
+    assert store_error(asyncpg.UndefinedTableError("x"), "claiming", StoreLog()).outage
 
 
 @pytest.mark.parametrize("method", [POST, PHASED])

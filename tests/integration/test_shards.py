@@ -304,6 +304,33 @@ async def test_a_replica_starts_and_serves_while_one_shard_is_down(
     assert gone.code is grpc.StatusCode.UNAVAILABLE, gone.details
 
 
+async def test_each_misconfigured_shard_is_logged_naming_it_within_the_same_minute(
+    shards: dict[str, Shard], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both shards unmigrated (the same SQLSTATE, 3F000): the log was limited to one line a
+    minute per SQLSTATE for the whole process, so the second shard's problem went unsaid, and
+    the line that was written named no database and said every keyed call fails. Each shard's
+    line names it (its name, address, database and schema) and the calls it fails."""
+    schema = f"gi_unmigrated_{uuid.uuid4().hex[:8]}"
+    sharded = ShardedStores(
+        {name: Store(shard.store.pool, schema=schema) for name, shard in shards.items()},
+        PLACEMENT.__getitem__,
+    )
+    caplog.set_level(logging.ERROR, logger="grpc_idempotency.store")
+    async with running_ledger(sharded) as server:
+        for tenant in ("a", "b", "a"):
+            request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+            answer = await server.call(POST, request, fresh(), tenant=tenant)
+            assert answer.reason() == "IDEMPOTENCY_STORE_MISCONFIGURED", answer.details
+    lines = [r.getMessage() for r in caplog.records if "misconfigured while" in r.getMessage()]
+    assert len(lines) == 2, lines  # once a minute per shard: tenant a's second call is not
+    for line, (name, shard) in zip(lines, shards.items(), strict=True):
+        assert f"[shard {name!r}: " in line and f"/{shard.name}, schema {schema}]" in line, line
+        assert f"every keyed call placed on shard {name!r} fails" in line, line
+        assert "SQLSTATE 3F000" in line and "grpc-idempotency migrate" in line, line
+        assert "postgres@" not in line and "password" not in line, line
+
+
 async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_none(
     shards: dict[str, Shard],
 ) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from grpc_idempotency.core.db_failures import Failure, classify, outage, presumed_outage
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
-from grpc_idempotency.store.errors import connect_error, dsn_unusable, store_error
+from grpc_idempotency.store.dsn_files import dsn_where
+from grpc_idempotency.store.errors import StoreLog, connect_error, dsn_unusable, store_error
 
 
 @pytest.mark.parametrize(
@@ -113,16 +114,21 @@ def test_a_poolers_error_is_a_presumed_outage_to_be_confirmed() -> None:
     assert not presumed_outage("57P01") and outage("57P01")
     lost = asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation")
     lost.__cause__ = asyncpg.ProtocolViolationError("query_wait_timeout")
-    pooler = store_error(lost, "claiming a key")
+    pooler = store_error(lost, "claiming a key", StoreLog())
     assert pooler.outage and pooler.ambiguous
     closed = store_error(
         asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
         "claiming a key",
+        StoreLog(),
     )
     assert closed.outage and closed.ambiguous  # asyncpg 0.30's form of the pooler's error
-    shutdown = store_error(asyncpg.AdminShutdownError("terminating connection"), "claiming a key")
+    shutdown = store_error(
+        asyncpg.AdminShutdownError("terminating connection"), "claiming a key", StoreLog()
+    )
     assert shutdown.outage and not shutdown.ambiguous
-    reset = store_error(ConnectionResetError(104, "Connection reset by peer"), "claiming a key")
+    reset = store_error(
+        ConnectionResetError(104, "Connection reset by peer"), "claiming a key", StoreLog()
+    )
     assert reset.outage and not reset.ambiguous
 
 
@@ -168,9 +174,33 @@ def test_pgbouncers_refusals_for_good_are_told_from_its_passing_failures(
     one that passes (a presumed outage: retryable, confirmed before a fail-open method runs
     unclaimed). tests/integration/test_pgbouncer.py meets both with the PgBouncer installed;
     these are the wordings of the others."""
-    error = connect_error(asyncpg.ProtocolViolationError(said), "claiming a key")
+    error = connect_error(asyncpg.ProtocolViolationError(said), StoreLog(), "claiming a key")
     if for_good:
         assert isinstance(error, StoreMisconfigured), error
     else:
         assert type(error) is StoreUnavailable, error
         assert error.outage and error.ambiguous, error
+
+
+@pytest.mark.parametrize(
+    ("dsn", "options", "named"),
+    [
+        (
+            "postgresql://app:s3cret@db.internal:6432/orders?sslmode=require",
+            {},
+            "db.internal:6432/orders",
+        ),
+        (
+            "postgresql://app@/orders?host=/run/pg&port=5433&password=s3cret",
+            {},
+            "/run/pg:5433/orders",
+        ),
+        ("postgresql://app:s3cret@db/orders", {"port": 5433, "database": "o2"}, "db:5433/o2"),
+        ("postgresql://app:pw@x@db/orders", {}, "?/?"),  # in doubt: pieces of the password
+        ("postgresql://db/ord%0aers", {}, "db/ord\\ners"),
+    ],
+)
+def test_a_store_is_named_in_the_log_by_its_server_and_database_never_its_secrets(
+    dsn: str, options: dict[str, object], named: str
+) -> None:
+    assert dsn_where(dsn, options) == named

@@ -109,7 +109,7 @@ from grpc_idempotency.server.handler_context import (
     check_set_trailers,
     metadata_for_handler,
 )
-from grpc_idempotency.store.errors import handler_error
+from grpc_idempotency.store.errors import UNNAMED, handler_error
 from grpc_idempotency.store.postgres import (
     Attempt,
     PhasedClaim,
@@ -1279,7 +1279,11 @@ class IdempotencyInterceptor(_Interceptor):
                 raise
             serving = call_context.current_call_or_none()
             live = serving is not None and serving.connection_live
-            mapped = handler_error(exc, connection_live=live)
+            mapped = handler_error(
+                exc,
+                connection_live=live,
+                store=UNNAMED if call.store is None else call.store.store_log,
+            )
             if mapped is not None:
                 raise mapped from exc
             if isinstance(exc, grpc.aio.AioRpcError) or (
@@ -1352,7 +1356,11 @@ class IdempotencyInterceptor(_Interceptor):
         stay deduplicated downstream, whose stores may well be up. Logged and counted
         (``grpc_idempotency.bypassed``), keyed or not."""
         method = call.policy.method
-        log.warning("%s: store unavailable, running without deduplication", method)
+        log.warning(
+            "%s: idempotency store%s unavailable, running without deduplication",
+            method,
+            "" if call.store is None else call.store.store_log.label,
+        )
         self._telemetry.count_bypassed(method)
         serving = _unclaimed(call)
         bound = call_context.bind(serving)

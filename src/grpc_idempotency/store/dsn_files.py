@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import ssl
-from urllib.parse import SplitResult, parse_qsl, urlsplit
+from collections.abc import Mapping
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+
+from grpc_idempotency.core.log_text import loggable
 
 NOT_UTF8 = (
     "not valid UTF-8 (a byte such as 0xff, from the command line or the environment):"
@@ -131,3 +134,40 @@ def unusable_file(dsn: str) -> str | None:
         except OSError as err:  # ssl.SSLError: not PEM, or a key that does not match
             return f"{label} {path}: {err.strerror or err}"
     return None
+
+
+def dsn_where(dsn: object, options: Mapping[str, object] | None = None) -> str:
+    """Where ``dsn`` connects, as ``host:port/database``, for naming a store in the log: never
+    the user, the password or a query parameter (``password=``, an ``sslpassword``). The
+    connection's keyword arguments (``host``, ``port``, ``database``; asyncpg's, which win over
+    the DSN's) replace the DSN's pieces. Nothing is looked up (no PGHOST, no default port): a
+    piece that neither names is left out. A DSN that does not split unambiguously gives ``?``
+    for its server and database (either may be a piece of the password)."""
+    options = options or {}
+    hosts = database = ""
+    port: object = ""
+    if isinstance(dsn, str) and dsn:
+        try:
+            parts: SplitResult | None = urlsplit(dsn)
+        except ValueError:
+            parts = None
+        if parts is None or "://" not in dsn or in_doubt(dsn, parts):
+            hosts, database = "?", "?"
+        else:
+            query = dict(parse_qsl(parts.query))
+            hosts = unquote(parts.netloc.rpartition("@")[2]) or query.get("host", "")
+            port = query.get("port", "")
+            database = (
+                unquote(parts.path.lstrip("/")) or query.get("dbname") or query.get("database", "")
+            )
+    host = options.get("host")
+    if isinstance(host, str | list | tuple) and host:
+        hosts = ",".join(map(str, host)) if isinstance(host, list | tuple) else host
+    if isinstance(options.get("port"), int | str):
+        port = options["port"]
+    if isinstance(options.get("database"), str):
+        database = str(options["database"])
+    if port and hosts and ":" not in hosts.rpartition("]")[2]:
+        hosts = f"{hosts}:{port}"
+    # Escaped: a percent-decoded %0a would add a line to the log.
+    return loggable(f"{hosts}/{database}")

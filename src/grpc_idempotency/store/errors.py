@@ -49,24 +49,66 @@ class _OnceAMinute:
         return True
 
 
-class _MisconfiguredLog:
-    """Logs permanent store errors with their cause, once a minute per SQLSTATE."""
+class StoreLog:
+    """Which store the operator's log names, and how often it speaks of each of its problems:
+    one per ``Store`` (``Store.store_log``), given its name once, when the store is made
+    (``where``: ``host:port/database, schema S``) and when ``ShardedStores`` takes it as a shard
+    (``shards``). Once a minute per problem (a SQLSTATE, an exception's type) of each store: a
+    process-wide limit hid one shard's problem behind another's for up to a minute, and the line
+    named neither database."""
 
-    def __init__(self, every_s: float = 60.0) -> None:
+    def __init__(self, where: str = "", *, every_s: float = 60.0) -> None:
+        self.where = where
+        self.shards: tuple[str, ...] = ()
+        """The names ``ShardedStores`` gave this store (several if it was given as more than
+        one shard): its problem fails only the calls placed on them."""
         self._once = _OnceAMinute(every_s)
 
-    def __call__(self, exc: BaseException, doing: str) -> None:
-        state = sqlstate(exc)
-        if not self._once.due(state):
-            return
-        log.error(
-            "idempotency store misconfigured while %s (SQLSTATE %s): %s; every keyed call fails"
-            " until this is fixed (%s)",
-            doing,
-            state,
-            exc,
-            _hint(state),
-        )
+    def due(self, what: object) -> bool:
+        return self._once.due(what)
+
+    def shard_named(self, name: str) -> None:
+        if name not in self.shards:
+            self.shards = (*self.shards, name)
+
+    @property
+    def label(self) -> str:
+        """`` [shard 'two': host:port/db, schema S]`` (with its leading space), ``""`` for a
+        store that knows nothing of where it is."""
+        shards = ", ".join(repr(name) for name in self.shards)
+        if shards:
+            what = "shards" if len(self.shards) > 1 else "shard"
+            return f" [{what} {shards}: {self.where}]" if self.where else f" [{what} {shards}]"
+        return f" [{self.where}]" if self.where else ""
+
+    @property
+    def failing(self) -> str:
+        """Which keyed calls fail while the store is misconfigured: all of them, or a shard's
+        (``ShardedStores``: the other shards' tenants are served)."""
+        if not self.shards:
+            return "every keyed call fails"
+        shards = " or ".join(repr(name) for name in self.shards)
+        return f"every keyed call placed on shard {shards} fails (the other shards serve theirs)"
+
+
+UNNAMED = StoreLog()
+"""For a statement of no known store's (the handler's own, on a connection of its choosing)."""
+
+
+def _log_misconfigured(exc: BaseException, doing: str, store: StoreLog) -> None:
+    """Logs a permanent store error with its cause, once a minute per store and SQLSTATE."""
+    state = sqlstate(exc)
+    if not store.due(("misconfigured", state)):
+        return
+    log.error(
+        "idempotency store%s misconfigured while %s (SQLSTATE %s): %s; %s until this is fixed (%s)",
+        store.label,
+        doing,
+        state,
+        exc,
+        store.failing,
+        _hint(state),
+    )
 
 
 class PasswordFailed(Exception):
@@ -77,22 +119,20 @@ class PasswordFailed(Exception):
     unclaimed with the database up), or escaped raw. The original is its ``__cause__``."""
 
 
-_password_log = _OnceAMinute()
-
-
-def password_error(exc: PasswordFailed, doing: str) -> StoreUnavailable:
+def password_error(exc: PasswordFailed, doing: str, store: StoreLog) -> StoreUnavailable:
     """A connection could not be opened because the ``password=`` callable failed: retryable
     (a secret being rotated, a vault that answers again), and no outage (the database may be up
     and hold the key's outcome). The callable's text is not quoted (it may hold the secret or a
     token), only its type; the log has its traceback, once a minute."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     what = type(cause).__name__
-    if _password_log.due(what):
+    if store.due(("password", what)):
         log.error(
             "the password callable (Store.connect's password=) raised %s while %s: no new"
-            " connection to the store until it returns a password",
+            " connection to the store%s until it returns a password",
             what,
             doing,
+            store.label,
             exc_info=cause,
         )
     return StoreUnavailable(
@@ -115,9 +155,6 @@ def _hint(state: str | None) -> str:
     return "the server refused a setting of the session: check the DSN's parameters"
 
 
-_log_misconfigured = _MisconfiguredLog()
-
-
 # invalid_sql_statement_name ("prepared statement "__asyncpg_stmt_..." does not exist") and
 # duplicate_prepared_statement ("... already exists"): a named statement of asyncpg's cache
 # (on by default) run on a server connection other than the one it was prepared on, or
@@ -134,38 +171,32 @@ def prepared_statement_lost(exc: BaseException) -> bool:
     )
 
 
-class _PreparedStatementLostLog:
+def _log_prepared_statement_lost(exc: BaseException, doing: str, store: StoreLog) -> None:
     """Logs a store statement that failed for asyncpg's statement cache, with the likely
-    cause and the fix, once a minute: the SQLSTATE alone sends an operator nowhere."""
-
-    def __init__(self, every_s: float = 60.0) -> None:
-        self._once = _OnceAMinute(every_s)
-
-    def __call__(self, exc: BaseException, doing: str) -> None:
-        if not self._once.due(None):
-            return
-        log.error(
-            "an idempotency store statement failed while %s (SQLSTATE %s: %s): behind PgBouncer"
-            " in transaction mode (before 1.21, or max_prepared_statements = 0) asyncpg's"
-            " statement cache breaks: pass Store.connect(..., statement_cache_size=0)"
-            " (--statement-cache-size 0 on the command line)",
-            doing,
-            sqlstate(exc),
-            # The first line only: asyncpg appends a hint of its own about PgBouncer.
-            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-        )
+    cause and the fix, once a minute per store: the SQLSTATE alone sends an operator nowhere."""
+    if not store.due("prepared statement lost"):
+        return
+    log.error(
+        "an idempotency store%s statement failed while %s (SQLSTATE %s: %s): behind PgBouncer"
+        " in transaction mode (before 1.21, or max_prepared_statements = 0) asyncpg's"
+        " statement cache breaks: pass Store.connect(..., statement_cache_size=0)"
+        " (--statement-cache-size 0 on the command line)",
+        store.label,
+        doing,
+        sqlstate(exc),
+        # The first line only: asyncpg appends a hint of its own about PgBouncer.
+        str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+    )
 
 
-_log_prepared_statement_lost = _PreparedStatementLostLog()
-
-
-def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
-    """The store's own statement failed: unavailable (retryable) or misconfigured (not)."""
+def store_error(exc: BaseException, doing: str, store: StoreLog) -> StoreUnavailable:
+    """The store's own statement failed: unavailable (retryable) or misconfigured (not).
+    ``store``: the failing store's ``Store.store_log``, which the log names."""
     if not isinstance(exc, STORE_ERRORS):
         # One of ``from_the_driver``'s others: the database answered, and asyncpg could not
         # make sense of it. Not an outage (the database is up and may hold the key's outcome);
         # logged with its traceback, which the StoreUnavailable's text leaves out.
-        _log_driver_failure(exc, doing)
+        _log_driver_failure(exc, doing, store)
         return StoreUnavailable(
             f"idempotency store unavailable while {doing} (the driver failed reading the"
             f" database's answer: {type(exc).__name__})",
@@ -173,9 +204,9 @@ def store_error(exc: BaseException, doing: str) -> StoreUnavailable:
         )
     state = sqlstate(exc)
     if prepared_statement_lost(exc):
-        _log_prepared_statement_lost(exc, doing)
+        _log_prepared_statement_lost(exc, doing, store)
     if classify(state) is Failure.MISCONFIGURED:
-        _log_misconfigured(exc, doing)
+        _log_misconfigured(exc, doing, store)
         return StoreMisconfigured(
             f"idempotency store misconfigured while {doing} (SQLSTATE {state}): {_hint(state)}"
         )
@@ -212,24 +243,18 @@ def from_the_driver(exc: BaseException) -> bool:
     )
 
 
-class _DriverFailureLog:
-    """Logs the driver's unexpected failures with their traceback, once a minute per type."""
-
-    def __init__(self, every_s: float = 60.0) -> None:
-        self._once = _OnceAMinute(every_s)
-
-    def __call__(self, exc: BaseException, doing: str) -> None:
-        if not self._once.due(type(exc)):
-            return
-        log.error(
-            "the database driver failed while %s, reading an answer it could not make sense of"
-            " (a corrupt stream?)",
-            doing,
-            exc_info=exc,
-        )
-
-
-_log_driver_failure = _DriverFailureLog()
+def _log_driver_failure(exc: BaseException, doing: str, store: StoreLog) -> None:
+    """Logs the driver's unexpected failures with their traceback, once a minute per store and
+    type."""
+    if not store.due(("driver", type(exc))):
+        return
+    log.error(
+        "the database driver failed while %s, reading an answer it could not make sense of"
+        " (a corrupt stream?), from the idempotency store%s",
+        doing,
+        store.label,
+        exc_info=exc,
+    )
 
 
 def _pooler_said(exc: BaseException) -> bool:
@@ -274,7 +299,9 @@ def _pooler_refused(exc: BaseException) -> bool:
     return any(refusal in text for refusal in _POOLER_REFUSALS)
 
 
-def connect_error(exc: BaseException, doing: str = "connecting") -> StoreUnavailable:
+def connect_error(
+    exc: BaseException, store: StoreLog, doing: str = "connecting"
+) -> StoreUnavailable:
     """Opening a connection failed (``doing``: what it was opened for). Past the network and
     authentication, the server refuses a session's start-up for a setting it was asked for (a
     query parameter of the DSN, a ``server_settings`` entry: one it does not know, 42704; a
@@ -285,7 +312,7 @@ def connect_error(exc: BaseException, doing: str = "connecting") -> StoreUnavail
     (``_pooler_refused``), which it says with 08P01, a connection exception."""
     state = sqlstate(exc)
     if _pooler_refused(exc):
-        _log_misconfigured(exc, "connecting")
+        _log_misconfigured(exc, "connecting", store)
         return StoreMisconfigured(
             f"idempotency store misconfigured while connecting (SQLSTATE {state}): the pooler"
             f" (PgBouncer) refused the session: {_POOLER_HINT}"
@@ -300,11 +327,11 @@ def connect_error(exc: BaseException, doing: str = "connecting") -> StoreUnavail
             outage=False,
         )
     if state is not None and classify(state) is Failure.OTHER:
-        _log_misconfigured(exc, "connecting")
+        _log_misconfigured(exc, "connecting", store)
         return StoreMisconfigured(
             f"idempotency store misconfigured while connecting (SQLSTATE {state}): {_hint(state)}"
         )
-    return store_error(exc, doing)
+    return store_error(exc, doing, store)
 
 
 def session_refused(exc: BaseException) -> str | None:
@@ -385,11 +412,14 @@ def _raised_in_function(exc: BaseException, module: str, function: str) -> bool:
     return False
 
 
-def handler_error(exc: BaseException, *, connection_live: bool = False) -> IdempotencyError | None:
+def handler_error(
+    exc: BaseException, *, connection_live: bool = False, store: StoreLog = UNNAMED
+) -> IdempotencyError | None:
     """What a database error that escaped the handler (raised by a statement it ran on the
     call's connection) answers; ``None`` when ``exc`` is not a database error. The key is
     released in every case; only the status differs. ``connection_live``: the call's connection
-    is still connected, so an asyncpg InterfaceError is the handler's misuse of it."""
+    is still connected, so an asyncpg InterfaceError is the handler's misuse of it. ``store``:
+    the call's store (``Store.store_log``), named by the log."""
     if connection_live and isinstance(exc, asyncpg.InterfaceError):
         # Nesting ``connection.transaction()`` in the call's transaction, two statements at once
         # on it: the handler's bug. Answered as the store being down, it was UNAVAILABLE,
@@ -414,7 +444,7 @@ def handler_error(exc: BaseException, *, connection_live: bool = False) -> Idemp
             " nothing was recorded: retry"
         )
     if failure is Failure.UNAVAILABLE or not isinstance(exc, asyncpg.PostgresError):
-        return store_error(exc, "running the handler")
+        return store_error(exc, "running the handler", store)
     log.error("the handler's database statement failed (SQLSTATE %s)", state, exc_info=exc)
     return HandlerDatabaseError(
         f"the handler's database statement failed (SQLSTATE {state}); nothing was recorded"

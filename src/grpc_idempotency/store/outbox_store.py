@@ -41,6 +41,7 @@ import asyncpg
 
 from grpc_idempotency.core.errors import StoreUnavailable
 from grpc_idempotency.core.outbox import MAX_DURATION_S, StepRoutes
+from grpc_idempotency.store.dsn_files import dsn_where
 from grpc_idempotency.store.errors import (
     STORE_ERRORS,
     PasswordFailed,
@@ -326,6 +327,9 @@ class OutboxStore:
         connection of the pool, or one of its own to ``dsn`` (PostgreSQL itself, when the pool
         goes through a transaction pooler, where LISTEN cannot hold)."""
         doing = "opening the outbox's LISTEN session"
+        if dsn is not None:
+            # Not the store's own address, which the log names: where this one goes.
+            doing += f" on listen_dsn {dsn_where(dsn)}"
         conn: asyncpg.Connection[Any] | PooledConnection
         try:
             if dsn is None:
@@ -342,23 +346,23 @@ class OutboxStore:
             if isinstance(exc, OSError):
                 # ssl.SSLCertVerificationError, a ValueError too: the server's certificate
                 # failed verify-full, a connection failure, not a DSN that does not parse.
-                raise store_error(exc, doing) from exc
+                raise store_error(exc, doing, self.store.store_log) from exc
             # Never the driver's text, which quotes pieces of the DSN (of a password holding an
             # unencoded / ? #).
             raise ValueError(
                 "the listen DSN cannot be parsed: percent-encode special characters in its password"
             ) from None
         except PasswordFailed as exc:  # the pool's password= callable (Store.connect)
-            raise password_error(exc, doing) from exc.__cause__
+            raise password_error(exc, doing, self.store.store_log) from exc.__cause__
         except STORE_ERRORS as exc:
-            raise store_error(exc, doing) from exc
+            raise store_error(exc, doing, self.store.store_log) from exc
         listener = Listener(self, conn, pooled=dsn is None)
         try:
             await conn.add_listener(self.channel, on_notify)
         except BaseException as exc:
             await listener.close()
             if from_the_driver(exc):
-                raise store_error(exc, doing) from exc
+                raise store_error(exc, doing, self.store.store_log) from exc
             raise
         return listener
 
@@ -613,7 +617,9 @@ class Listener:
                 _LISTENS_SQL, self._outbox.channel, timeout=timeout
             )
         except STORE_ERRORS as exc:  # the driver's own, raw, through the public API
-            raise store_error(exc, "checking the outbox's LISTEN session") from exc
+            raise store_error(
+                exc, "checking the outbox's LISTEN session", self._outbox.store.store_log
+            ) from exc
         return listening
 
     async def close(self) -> None:

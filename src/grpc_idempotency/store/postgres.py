@@ -51,12 +51,13 @@ from grpc_idempotency.core.lifecycle import (
 from grpc_idempotency.core.policy import Isolation
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store import migrations
-from grpc_idempotency.store.dsn_files import at_in_user_info, unsendable, unusable_file
+from grpc_idempotency.store.dsn_files import at_in_user_info, dsn_where, unsendable, unusable_file
 from grpc_idempotency.store.errors import (
     IN_FAILED_TRANSACTION,
     NO_SUCH_SAVEPOINT,
     STORE_ERRORS,
     PasswordFailed,
+    StoreLog,
     aborted_by,
     connect_error,
     dsn_unusable,
@@ -254,8 +255,8 @@ class Attempt:
                 ) from exc
             if failure is Failure.OTHER:
                 # The handler's write failing only now: a constraint checked at COMMIT.
-                raise _handler_failed(exc) from exc
-            raise store_error(exc, "committing the outcome") from exc
+                raise _handler_failed(exc, self._store) from exc
+            raise store_error(exc, "committing the outcome", self._store.store_log) from exc
         except (LeaseLost, HandlerDatabaseError):
             await self._rollback_quietly()
             raise
@@ -266,15 +267,15 @@ class Attempt:
                 # asyncpg could not read an answer (the COMMIT's, perhaps): the connection's
                 # state is unknown, and the commit's fate is PostgreSQL's, as on a lost one.
                 _drop(conn)
-                raise store_error(exc, "committing the outcome") from exc
+                raise store_error(exc, "committing the outcome", self._store.store_log) from exc
             live = not connection_closed(conn)
             await self._rollback_quietly()
             # A statement of the handler's still running on the connection (spawned, not
             # awaited): asyncpg refuses the commit (InterfaceError, "another operation is in
             # progress"). The handler's bug, not a store outage to retry for ever.
             if live and isinstance(exc, asyncpg.InterfaceError):
-                raise _handler_failed(exc, connection_live=True) from exc
-            raise store_error(exc, "committing the outcome") from exc
+                raise _handler_failed(exc, self._store, connection_live=True) from exc
+            raise store_error(exc, "committing the outcome", self._store.store_log) from exc
         except asyncio.CancelledError:
             # The call was cancelled (its client gone, its deadline spent, the server stopping)
             # with the commit on the wire: its fate is PostgreSQL's. Handed back, the connection
@@ -645,6 +646,19 @@ class Store:
         self.pool = pool
         self.schema = schema
         self.statements = Statements(schema)
+        # Named from the pool's own connect arguments (asyncpg keeps them with the pool; a pool
+        # that keeps them elsewhere is named by its schema alone): ``Store(pool)`` too.
+        args = getattr(pool, "_connect_args", None)
+        kwargs = getattr(pool, "_connect_kwargs", None)
+        self.store_log = StoreLog(
+            _described(
+                args[0] if isinstance(args, list | tuple) and args else None,
+                kwargs if isinstance(kwargs, dict) else {},
+                schema,
+            )
+        )
+        """How the operator's log names this store (``host:port/database, schema S``; and its
+        shard's name, given by ``ShardedStores``), each of its problems once a minute."""
         self.acquire_timeout = _checked_acquire_timeout(acquire_timeout)
         # The pool's command_timeout (asyncpg keeps it with the pool's connect options; a pool
         # made without one, or an asyncpg that keeps it elsewhere, gives None: calls' deadlines
@@ -755,6 +769,7 @@ class Store:
             # timeout (60 s), past most calls' deadlines, and a fail-open method never ran.
             pool_options.setdefault("timeout", command_timeout)
         pool_options.setdefault("server_settings", {"application_name": "grpc-idempotency"})
+        named = StoreLog(_described(dsn, pool_options, schema))  # for a pool that fails to open
         try:
             pool = await asyncpg.create_pool(
                 dsn,
@@ -765,14 +780,14 @@ class Store:
             )
         except Exception as exc:
             if isinstance(exc, PasswordFailed):
-                raise password_error(exc, "connecting") from exc.__cause__
+                raise password_error(exc, "connecting", named) from exc.__cause__
             if dsn_unusable(exc):
                 # The driver's text can quote pieces of the password: name the file it could
                 # not use, if that is what it was, else say nothing of it.
                 problem = unusable_file(dsn)
                 raise DsnUnusable(f"cannot use the DSN: {problem}" if problem else "") from None
             if isinstance(exc, STORE_ERRORS):
-                raise connect_error(exc) from exc
+                raise connect_error(exc, named) from exc
             raise
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         connect = pool_options.get("connect") or asyncpg.connect
@@ -781,7 +796,11 @@ class Store:
         options.setdefault("connection_class", asyncpg.Connection)
         options.setdefault("record_class", asyncpg.Record)
         store._probe = _Probe(
-            connect, dsn if probe_dsn is None else probe_dsn, options, float(probe_timeout)
+            connect,
+            dsn if probe_dsn is None else probe_dsn,
+            options,
+            float(probe_timeout),
+            store.store_log,
         )
         try:
             if probe_dsn is not None:
@@ -981,7 +1000,7 @@ class Store:
                 # is unknown, and handed back it may fail the next statement on it.
                 _drop(conn)
             await self._forget_connections_if_gone(exc)
-            raise store_error(exc, doing) from exc
+            raise store_error(exc, doing, self.store_log) from exc
         except asyncio.CancelledError:
             _drop(conn)
             raise
@@ -1087,9 +1106,9 @@ class Store:
                     f" for this call within {budget:g} s",
                     outage=False,
                 ) from exc
-            raise store_error(exc, doing) from exc
+            raise store_error(exc, doing, self.store_log) from exc
         except PasswordFailed as exc:
-            raise password_error(exc, doing) from exc.__cause__
+            raise password_error(exc, doing, self.store_log) from exc.__cause__
         except STORE_ERRORS as exc:
             if self._closing:
                 # The pool is closing or closed (asyncpg's InterfaceError, no SQLSTATE): no
@@ -1101,7 +1120,7 @@ class Store:
             # The pool opened a connection for it (``min_size=0``, a pool growing, a connection
             # replaced after a restart): refused for good at start-up (a setting, a database,
             # PgBouncer's refusals), it is misconfigured here as in ``connect``, not unavailable.
-            raise connect_error(exc, doing) from exc
+            raise connect_error(exc, self.store_log, doing) from exc
         self._acquired += 1
         return conn
 
@@ -1150,7 +1169,7 @@ class Store:
                 # A statement that timed out met a database that stopped answering (TimeoutError
                 # is an OSError): trying again would wait out the timeout again, then a connect.
                 if attempt == attempts or isinstance(exc, TimeoutError):
-                    raise store_error(exc, "looking up a key") from exc
+                    raise store_error(exc, "looking up a key", self.store_log) from exc
                 # The next try on a connection opened now, not on another one of the pool's
                 # that a restart or a failover left as dead as this one.
                 await self._forget_connections_if_gone(exc)
@@ -1158,14 +1177,14 @@ class Store:
             except asyncpg.PostgresError as exc:
                 if classify(exc.sqlstate) is Failure.CONFLICT and attempt < attempts:
                     continue
-                raise store_error(exc, "looking up a key") from exc
+                raise store_error(exc, "looking up a key", self.store_log) from exc
             except STORE_ERRORS as exc:
-                raise store_error(exc, "looking up a key") from exc
+                raise store_error(exc, "looking up a key", self.store_log) from exc
             except Exception as exc:
                 if not from_the_driver(exc):
                     raise
                 _drop(conn)  # what it read made no sense to asyncpg: its state is unknown
-                raise store_error(exc, "looking up a key") from exc
+                raise store_error(exc, "looking up a key", self.store_log) from exc
             except asyncio.CancelledError:
                 # The client went with the look-up on the wire: handed back, asyncpg would wait
                 # for PostgreSQL to confirm the cancellation, behind a partition the whole
@@ -1245,13 +1264,13 @@ class Store:
                 # key again, on a database that was up and held its outcome.
                 if tried < tries and await self._forget_connections_if_gone(exc):
                     continue
-                raise store_error(exc, "claiming a key") from exc
+                raise store_error(exc, "claiming a key", self.store_log) from exc
             except BaseException as exc:
                 await attempt._abandon(interrupted=_state_unknown(exc))
                 if from_the_driver(exc):
                     if tried < tries and await self._forget_connections_if_gone(exc):
                         continue
-                    raise store_error(exc, "claiming a key") from exc
+                    raise store_error(exc, "claiming a key", self.store_log) from exc
                 raise
             if _read_only(conn) and await self._transaction_read_only(attempt, left):
                 # The claim writes nothing for a new key (the record is written with the
@@ -1281,7 +1300,7 @@ class Store:
         except BaseException as exc:
             await attempt._abandon(interrupted=_state_unknown(exc))
             if from_the_driver(exc):
-                raise store_error(exc, "claiming a key") from exc
+                raise store_error(exc, "claiming a key", self.store_log) from exc
             raise
         return started
 
@@ -1302,7 +1321,7 @@ class Store:
         except BaseException as exc:
             await attempt._abandon(interrupted=_state_unknown(exc))
             if from_the_driver(exc):
-                raise store_error(exc, "claiming a key") from exc
+                raise store_error(exc, "claiming a key", self.store_log) from exc
             raise
         return bool(value == "on")
 
@@ -1344,7 +1363,7 @@ class Store:
                     # opened now (as claim_atomic), not UNAVAILABLE with the database up.
                     if tried < tries and await self._forget_connections_if_gone(exc):
                         continue
-                    raise store_error(exc, "beginning a transaction") from exc
+                    raise store_error(exc, "beginning a transaction", self.store_log) from exc
                 raise
             commit_timeout = None if lease_s is None else _commit_timeout(lease_s)
             return PlainTransaction(self, conn, commit_timeout)
@@ -1499,7 +1518,7 @@ class Store:
             )
         except TimeoutError as exc:
             self._settle(claiming, scope, key, retention_s, lease_s, attempt_id)
-            raise store_error(exc, "claiming a key") from exc
+            raise store_error(exc, "claiming a key", self.store_log) from exc
         except asyncio.CancelledError:
             self._settle(claiming, scope, key, retention_s, lease_s, attempt_id)
             raise
@@ -1807,6 +1826,8 @@ class _Probe:
     budget: float
     """How long a live database may take to answer the probe's ``SELECT 1`` (connect, TLS,
     authentication included) before an ambiguous outage is taken for a real one."""
+    store_log: StoreLog
+    """The store's (``Store.store_log``): its log lines name the store probed."""
 
     async def vet(self) -> None:
         """``Store.connect`` given a ``probe_dsn``: one the driver cannot parse or use is refused
@@ -1818,8 +1839,10 @@ class _Probe:
         options["timeout"] = self.budget + _PROBE_CONNECT_SLACK_S
         if not await vet_dsn("probe_dsn", self.dsn, self.connect, self.budget, **options):
             log.warning(
-                "probe_dsn does not answer now: until it does, an ambiguous store outage counts"
-                " as a real one (fail-open methods run unclaimed)"
+                "probe_dsn does not answer now (idempotency store%s): until it does, an"
+                " ambiguous outage of the store counts as a real one (fail-open methods run"
+                " unclaimed)",
+                self.store_log.label,
             )
 
     async def answers(self) -> bool:
@@ -1840,14 +1863,14 @@ class _Probe:
             # The pool's password= callable (``_own_password``) failed: that says nothing of the
             # database, which may be up and hold the key's outcome. Taken for no answer, a
             # fail-open method ran unclaimed while the secret was being rotated.
-            password_error(exc, "probing the database after an ambiguous outage")
+            password_error(exc, "probing the database after an ambiguous outage", self.store_log)
             return True
         except STORE_ERRORS as exc:
             # TimeoutError included (one of STORE_ERRORS): no answer in time.
-            log.debug("the database did not answer a probe: %r", exc)
+            log.debug("the database did not answer a probe%s: %r", self.store_log.label, exc)
             return False
         except Exception as exc:  # a custom connect's own failure: no answer either
-            log.warning("the store's outage probe failed: %r", exc)
+            log.warning("the store's outage probe failed%s: %r", self.store_log.label, exc)
             return False
         finally:
             if conn is not None and not connection_closed(conn):
@@ -1895,6 +1918,12 @@ async def vet_dsn(
     return True
 
 
+def _described(dsn: object, options: dict[str, Any], schema: str) -> str:
+    """``host:port/database, schema S``: a store's name in the log (``dsn_where``: never a
+    password)."""
+    return f"{dsn_where(dsn, options)}, schema {schema}"
+
+
 def _level(isolation: Isolation | None) -> str | None:
     return None if isolation is None else isolation.value
 
@@ -1929,9 +1958,12 @@ def _record(row: asyncpg.Record) -> StoredRecord:
 
 
 def _handler_failed(
-    exc: asyncpg.PostgresError | asyncpg.InterfaceError, *, connection_live: bool = False
+    exc: asyncpg.PostgresError | asyncpg.InterfaceError,
+    store: Store,
+    *,
+    connection_live: bool = False,
 ) -> IdempotencyError:
-    mapped = handler_error(exc, connection_live=connection_live)
+    mapped = handler_error(exc, connection_live=connection_live, store=store.store_log)
     assert mapped is not None  # a PostgresError always maps, a live connection's misuse too
     return mapped
 
@@ -1990,15 +2022,15 @@ class PlainTransaction:
             _drop(self.connection)
             # A statement of the handler's still running (InterfaceError): its bug, no outage.
             if live and isinstance(exc, asyncpg.InterfaceError):
-                raise _handler_failed(exc, connection_live=True) from exc
+                raise _handler_failed(exc, self._store, connection_live=True) from exc
             failure = classify(sqlstate(exc))
             if failure is Failure.CONFLICT:
                 raise TransactionConflict(
                     f"the commit failed on a serialization conflict (SQLSTATE {sqlstate(exc)})"
                 ) from exc
             if failure is Failure.OTHER and isinstance(exc, asyncpg.PostgresError):
-                raise _handler_failed(exc) from exc  # a constraint checked at COMMIT
-            raise store_error(exc, "committing") from exc
+                raise _handler_failed(exc, self._store) from exc  # a constraint checked at COMMIT
+            raise store_error(exc, "committing", self._store.store_log) from exc
         finally:
             await self._store._release(self.connection)
 
@@ -2125,14 +2157,18 @@ class PhasedClaim:
                 if not reconnected and await store._forget_connections_if_gone(exc):
                     reconnected = True
                     continue
-                raise store_error(exc, "opening the final transaction") from exc
+                raise store_error(
+                    exc, "opening the final transaction", self._store.store_log
+                ) from exc
             except BaseException as exc:
                 await attempt._abandon(interrupted=_state_unknown(exc))
                 if from_the_driver(exc):
                     if not reconnected and await store._forget_connections_if_gone(exc):
                         reconnected = True
                         continue
-                    raise store_error(exc, "opening the final transaction") from exc
+                    raise store_error(
+                        exc, "opening the final transaction", self._store.store_log
+                    ) from exc
                 raise
             return attempt
 

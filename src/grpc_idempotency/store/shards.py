@@ -65,6 +65,9 @@ class ShardedStores:
         if not callable(shard_of) or is_async(shard_of):
             raise TypeError("shard_of must be a plain function from a scope to a shard's name")
         self.shards: dict[str, Store] = dict(shards)
+        for name, store in self.shards.items():
+            # Its log lines name the shard, and say that only the shard's calls fail.
+            store.store_log.shard_named(name)
         self._shard_of = shard_of
         self._logged_at = -_LOG_EVERY_S
 
