@@ -73,6 +73,7 @@ from grpc_idempotency.core.outbox import (
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, retry_after_ms, unsendable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import tenant_header
+from grpc_idempotency.store.dsn_files import dsn_where
 from grpc_idempotency.store.outbox_store import (
     BIGINT_MAX,
     DeadLetter,
@@ -109,6 +110,13 @@ log = library_logger("grpc_idempotency.outbox")
 _TRACEBACK_EVERY_S = 60.0
 _METER_LOG_S = 60.0
 """How often a meter that raises on every batch is logged."""
+
+_LISTEN_CHECK = "grpc-idempotency:listen-check:"
+"""The payload prefix of a relay's listen_dsn check (``Relay._check_listen_database``)."""
+_LISTEN_CHECK_MIN_S = 1.0
+_LISTEN_CHECK_MAX_S = 5.0
+"""How long the check waits for its NOTIFY: ``poll_interval`` (what LISTEN saves over polling),
+within these bounds. A healthy relay waits only as long as the NOTIFY takes (milliseconds)."""
 
 # A relay's purge of sent rows deletes in batches of this many rows, at most this many batches
 # at a turn, so that it never holds up deliveries for long.
@@ -479,7 +487,10 @@ class Relay:
       of the store's pool. When the store's DSN goes through PgBouncer in transaction (or
       statement) mode, point this at PostgreSQL itself, or at a session-mode pool: a
       notification reaches only the session that listens, and a pooler hands each
-      transaction to any server connection;
+      transaction to any server connection. Each time it connects, the relay checks that a
+      NOTIFY sent through the store's pool reaches it (within ``poll_interval``, 1 to 5 s): if
+      not (this DSN names another database, another shard's, on which the channel has the
+      same name), it logs a warning naming both, and its rows are found by polling;
     - ``steps``: deliver only the rows of these outbox steps, for a relay whose sink is one
       receiver among several (``None``, the default: every row). A step name
       (``receipt-email.v1``) takes that version only; a name without its version
@@ -585,6 +596,13 @@ class Relay:
         self.listen_failure: str | None = None
         """Why the relay gave up LISTEN for polling (it did not hold on its session), if it
         did."""
+        self._heard = asyncio.Event()
+        """Set when the listen_dsn check's NOTIFY (``_check_token``) arrives
+        (``_check_listen_database``)."""
+        self._check_token = ""
+        self._unheard: tuple[str, float] | None = None
+        """The listen_dsn check whose NOTIFY did not arrive in time (its payload, when it was
+        sent): warned of once, until a check is answered."""
         self._random = rng or random.Random()
         self._traceback_logged: dict[type[BaseException], float] = {}
         self._wake = asyncio.Event()
@@ -987,7 +1005,22 @@ class Relay:
 
     # -- wake-ups ----------------------------------------------------------------------------
 
-    def _notified(self, *_args: object) -> None:
+    def _notified(self, *args: object) -> None:
+        payload = args[3] if len(args) > 3 else ""
+        if isinstance(payload, str) and payload.startswith(_LISTEN_CHECK):
+            # A relay's listen_dsn check (this one's, or another relay's on the database): no
+            # row to deliver.
+            if payload == self._check_token:
+                self._heard.set()
+            if self._unheard is not None and payload == self._unheard[0]:
+                log.info(
+                    "relay %s: the listen_dsn check's NOTIFY arrived after all, %.1fs after it"
+                    " was sent: listen_dsn reaches the store's database",
+                    self.name,
+                    time.monotonic() - self._unheard[1],
+                )
+                self._unheard = None
+            return
         self._wake.set()
 
     async def _listen_loop(self) -> None:
@@ -1013,6 +1046,9 @@ class Relay:
                 self._announce_listening()
                 self._wake.set()
                 pause = 0.05
+                if self.listen_dsn is not None:
+                    # Once listening: a healthy relay's start waits for none of it.
+                    await self._check_listen_database()
                 while not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), self.poll_interval)
@@ -1040,6 +1076,45 @@ class Relay:
                 self.listening.clear()
                 if listener is not None:
                     await listener.close()
+
+    async def _check_listen_database(self) -> None:
+        """Warns when ``listen_dsn`` is not the store's database: a NOTIFY with a payload of its
+        own, sent through the store's pool, does not reach the LISTEN session in a bounded time.
+        The channel has the same name in every database (another shard's, a staging copy's), so
+        such a relay was woken for others' rows, found its own only by polling, and said
+        nothing. A warning only, never a refusal: a live database's notification can be late
+        on a loaded host, and polling delivers everything anyway (its arrival later is logged).
+        No verdict when the store cannot send it in time (an outage, a busy pool)."""
+        bound = min(_LISTEN_CHECK_MAX_S, max(_LISTEN_CHECK_MIN_S, self.poll_interval))
+        heard = self._heard = asyncio.Event()
+        token = self._check_token = f"{_LISTEN_CHECK}{secrets.token_hex(8)}"
+        try:
+            await self.outbox.notify_listeners(token, timeout=bound)
+        except StoreUnavailable as err:
+            log.debug("relay %s: listen_dsn not checked (%s)", self.name, err)
+            return
+        sent = time.monotonic()  # the wait starts once it is sent: a busy pool is no verdict
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(bound):
+                await heard.wait()
+        if heard.is_set():
+            log.debug("relay %s: listen_dsn reaches the store's database", self.name)
+            self._unheard = None
+            return
+        if self._unheard is None:  # once, not at each reconnection
+            log.warning(
+                "relay %s: a NOTIFY sent through the store's pool (%s) did not reach the LISTEN"
+                " session on listen_dsn (%s) within %gs: listen_dsn is likely another database"
+                " (another shard's?), whose notifications wake this relay for rows that are not"
+                " its own; its own rows are found by polling, every %gs. Point listen_dsn"
+                " (--listen-dsn, GRPC_IDEMPOTENCY_LISTEN_DSN) at the store's own database.",
+                self.name,
+                self.store.store_log.where,
+                dsn_where(self.listen_dsn),
+                bound,
+                self.poll_interval,
+            )
+        self._unheard = (token, sent)
 
     def _store_closed(self) -> bool:
         """Whether the store was closed (``Store.closed``); if so, the relay is woken to find it

@@ -445,8 +445,9 @@ async def test_a_polling_relay_delivers_every_row_through_pgbouncer(
 
 
 async def test_a_relay_behind_pgbouncer_is_woken_through_its_direct_listen_dsn(
-    pg_dsn: str, bounced_outbox: Store
+    pg_dsn: str, bounced_outbox: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
     receiver = Receiver(expect=20)
     relay = Relay(bounced_outbox, receiver, listen_dsn=pg_dsn, poll_interval=60)
     assert not relay.polling_only
@@ -462,7 +463,10 @@ async def test_a_relay_behind_pgbouncer_is_woken_through_its_direct_listen_dsn(
         await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
         assert time.monotonic() - enqueued < 5.0  # woken, not polled (60 s)
         assert relay.listening.is_set() and relay.listen_failure is None
+        # Its check of listen_dsn: a NOTIFY sent through PgBouncer reached the direct session.
+        await until("the listen_dsn check", lambda: "reaches the store's database" in caplog.text)
     assert len(receiver.delivered) == 20 and set(receiver.delivered.values()) == {1}
+    assert "did not reach" not in caplog.text
 
 
 async def test_a_relay_listening_through_pgbouncer_notices_and_falls_back_to_polling(

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import grpc
@@ -727,6 +728,35 @@ async def test_one_relay_runs_once_at_a_time(pg_dsn: str, outbox: Store) -> None
         stop.set()
         await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), WAIT_S)
     assert first.done() and first.exception() is None
+
+
+async def test_a_listen_dsn_on_another_database_is_warned_of_and_the_right_one_is_not(
+    pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The outbox's NOTIFY channel has the same name in every database: a listen_dsn naming
+    another one (another shard's) was accepted, and the relay woke for others' rows and found
+    its own by polling only, saying nothing. Its check (a NOTIFY through the store's pool)
+    warns, naming both; a listen_dsn on the store's database passes it, without a warning."""
+    parts = urlsplit(pg_dsn)
+    elsewhere = urlunsplit(parts._replace(path="/template1"))  # a database every server has
+    wrong = Relay(outbox, Receiver(), poll_interval=1.0, listen_dsn=elsewhere, name="wrong")
+    right = Relay(outbox, Receiver(), poll_interval=1.0, listen_dsn=pg_dsn, name="right")
+    caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
+
+    def said(relay: str, text: str) -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.getMessage().startswith(f"relay {relay}: ") and text in r.getMessage()
+        ]
+
+    async with running(wrong, right):
+        await until("the wrong relay's warning", lambda: said("wrong", "did not reach"))
+        await until("the right relay's check", lambda: said("right", "reaches the store's"))
+    (warning,) = said("wrong", "did not reach")
+    assert f"{outbox.store_log.where}" in warning and "/template1)" in warning, warning
+    assert "found by polling, every 1s" in warning, warning
+    assert not said("right", "did not reach") and not said("wrong", "reaches the store's")
 
 
 async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Store) -> None:

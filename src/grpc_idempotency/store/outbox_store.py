@@ -238,6 +238,7 @@ class OutboxStatements:
                 locked_until = NULL, claimed_by = NULL
             WHERE state = 'dead' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))"""
         self.notify = "SELECT pg_catalog.pg_notify($1, '')"
+        self.notify_with = "SELECT pg_catalog.pg_notify($1, $2)"
         self.counts = f"""
             SELECT state, pg_catalog.count(*) AS n,
                    pg_catalog.count(*) FILTER (WHERE state = 'pending'
@@ -567,6 +568,13 @@ class OutboxStore:
             if count:
                 await conn.execute(self.statements.notify, self.channel)
         return count
+
+    async def notify_listeners(self, payload: str, *, timeout: float) -> None:
+        """Sends ``NOTIFY <channel>, payload`` through the store's pool, so on the store's own
+        database (a relay checks that its ``listen_dsn`` hears it). Raises
+        ``StoreUnavailable``."""
+        async with self.store.connection("notifying the outbox's listeners", timeout) as conn:
+            await conn.execute(self.statements.notify_with, self.channel, payload, timeout=timeout)
 
     async def counts(self) -> dict[str, StateCount]:
         """Rows per state (``pending``, ``sent``, ``dead``; absent states are left out)."""
