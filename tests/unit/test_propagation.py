@@ -168,6 +168,8 @@ def test_backoff_stays_at_its_ceiling_however_many_attempts() -> None:
         # One code, not a set: "'Code' object is not iterable"; a str was read letter by letter.
         {"retryable": Code.UNAVAILABLE},
         {"retryable": "UNAVAILABLE"},
+        # bytes too: b"\x0e" was read byte by byte, as the code 14 (UNAVAILABLE).
+        {"retryable": b"\x0e"},
     ],
 )
 def test_retry_policy_refuses_backoffs_that_are_not_numbers(bad: dict[str, float]) -> None:
@@ -206,6 +208,30 @@ def test_retry_decisions() -> None:
     )
     with pytest.raises(ValueError):
         RetryPolicy(max_attempts=0)
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (Code.FAILED_PRECONDITION, "IDEMPOTENCY_KEY_REUSED"),
+        (Code.INVALID_ARGUMENT, "IDEMPOTENCY_KEY_INVALID"),
+        (Code.INVALID_ARGUMENT, "IDEMPOTENCY_KEY_MISSING"),
+        (Code.INVALID_ARGUMENT, "IDEMPOTENCY_REQUEST_INVALID"),
+    ],
+)
+def test_an_answer_every_attempt_gets_alike_is_never_retried(code: Code, reason: str) -> None:
+    """Named here, not read from FINAL_REASONS: a reason left out of it was retried
+    ``max_attempts`` times by a policy retrying its code. Another reason of the code, or
+    none, is retried as the policy says."""
+    policy = RetryPolicy(retryable=frozenset({code}))
+    assert (
+        policy.delay_s(attempt=1, code=code, retry_after_ms=None, jitter=0.5, reason=reason) is None
+    )
+    for retried in ("IDEMPOTENCY_KEY_IN_PROGRESS", None):
+        delay = policy.delay_s(
+            attempt=1, code=code, retry_after_ms=None, jitter=0.5, reason=retried
+        )
+        assert delay is not None
 
 
 def test_a_nan_max_attempts_is_refused() -> None:
