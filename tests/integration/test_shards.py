@@ -200,6 +200,7 @@ async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
     ended = [attributes(s) for s in spans.get_finished_spans()]
     assert [a["grpc_idempotency.outcome"] for a in ended] == ["unavailable"] * 2
     assert [a.get("grpc_idempotency.scope") for a in ended] == [f"tenant:{tenant}"] * 2
+    assert [a.get("grpc_idempotency.key") for a in ended] == [key] * 2
     for shard in shards.values():
         assert await shard.rows(account) == []
         assert await shard.records(key) == []
@@ -214,11 +215,16 @@ async def test_shard_of_may_refuse_a_call_with_an_error_of_its_own(
         return PLACEMENT[scope]
 
     request = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
-    async with running_ledger(_sharded(shards, shard_of)) as server:
+    telemetry, spans, _ = _telemetry()
+    async with running_ledger(_sharded(shards, shard_of), telemetry=telemetry) as server:
         answer = await server.call(POST, request, fresh(), tenant="suspended")
         assert answer.code is grpc.StatusCode.UNAUTHENTICATED
         assert answer.details == "this tenant is suspended"
         assert server.service.executions == 0
+    # shard_of's own refusal is the request's, as the scope resolver's is: "rejected", not the
+    # "unavailable" of a scope the server's configuration cannot place.
+    ended = [attributes(s) for s in spans.get_finished_spans()]
+    assert [a["grpc_idempotency.outcome"] for a in ended] == ["rejected"]
 
 
 async def test_an_unkeyed_call_runs_on_its_shard_and_needs_a_scope_to_find_it(
