@@ -1510,6 +1510,9 @@ service CustomerPaymentService {
     option (grpc_idempotency.v1.method) = {
       steps: { name: "charge-the-customers-saved-card.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
       steps: { name: "send-the-order-confirmation-email-now.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
+      steps: { name: "notify-the-warehouse-of-the-order.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
+      steps: { name: "charge-the-customers-gift-card-now.v10" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
+      steps: { name: "release-the-reserved-stock-of-order.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
     };
   }
 }
@@ -1523,6 +1526,12 @@ message DESCRIPTOR {}
 service CustomerPaymentService {
   rpc Charge(DESCRIPTOR) returns (DESCRIPTOR) { option (grpc_idempotency.v1.method) = {}; }
 }
+service CustomerRefunds {
+  rpc Refund(DESCRIPTOR) returns (DESCRIPTOR) { option (grpc_idempotency.v1.method) = {}; }
+}
+service CustomerDiscount {
+  rpc Grant(DESCRIPTOR) returns (DESCRIPTOR) { option (grpc_idempotency.v1.method) = {}; }
+}
 """
 
 
@@ -1533,7 +1542,9 @@ def test_one_recorded_code_and_long_names_are_in_the_formatters_shape(tmp_path: 
     constant (38) and, in a file with a symbol named ``DESCRIPTOR``, a service's lookup (a
     full name of 37): names of usual length, not only very long ones. (protoc's .pyi of a file
     with a ``DESCRIPTOR`` message declares the name twice, which mypy reports: that file is
-    imported and formatted, not type-checked.)"""
+    imported and formatted, not type-checked.) The three new steps and the services
+    ``CustomerRefunds`` and ``CustomerDiscount`` put a line at 88 columns, kept whole, and
+    one at 89, split: a split from 88, or none at 89, is rewritten by the formatter."""
     files = {"pay/v1/plain.proto": FORMATTER_SHAPES, "pay/v2/hidden.proto": FORMATTER_SHAPES_HIDDEN}
     for name, text in files.items():
         (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -1553,6 +1564,11 @@ def test_one_recorded_code_and_long_names_are_in_the_formatters_shape(tmp_path: 
     assert "        recorded_errors=(Code.FAILED_PRECONDITION,),\n" in source
     assert "    SEND_THE_ORDER_CONFIRMATION_EMAIL_NOW: Final = (\n" in source
     assert "            metadata=(\n                *metadata,\n" in source
+    # 88 columns: one line (an exploded tuple keeps its magic trailing comma, so only this
+    # says it is not split early).
+    assert "metadata=(*metadata, step_metadata(self.NOTIFY_THE_WAREHOUSE_OF_THE_ORDER)),\n" in (
+        source
+    )
     assert '        "payments.checkout.v2.CustomerPaymentService"\n    ),\n' in (
         (out / hidden).read_text()
     )
