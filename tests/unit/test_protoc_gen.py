@@ -29,6 +29,7 @@ from google.protobuf.descriptor import FileDescriptor
 
 from grpc_idempotency import proto_include
 from grpc_idempotency.client import service_config
+from grpc_idempotency.core.keys import MAX_STEP_NAME_LENGTH
 from grpc_idempotency.core.policy import MethodOverride, MethodPolicy, compile_policy, method_path
 from grpc_idempotency.protoc_gen import generate, names
 from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options, load
@@ -1496,7 +1497,32 @@ def test_a_method_whose_steps_are_all_outbox_steps_is_formatted(tmp_path: Path) 
     assert '    """The steps of ``ob.v1.Shop/Buy``."""\n' in source["ob/v1/shop_idempotency.py"]
 
 
-FORMATTER_SHAPES = """\
+# Step names at both sides of each length where a line of a step's code changes shape (with
+# method ``Charge``; in a module whose messages are typed ``Message`` too): the wrapper's
+# docstring wraps from 45; its ``await`` is parenthesized from 51 (``Message``); its
+# ``step_metadata(...)`` is split from 55; ``await`` and ``return await`` lines take a ``noqa``
+# from 63 and 64; ``self._x = _unary(`` is parenthesized from 68, with a ``noqa`` from 74;
+# the constant is one line with a ``noqa`` from 77; and the longest name.
+LONG_STEP_LENGTHS = (44, 45, 50, 51, 54, 55, 62, 63, 64, 67, 68, 73, 74, 76, 77, 128)
+assert max(LONG_STEP_LENGTHS) == MAX_STEP_NAME_LENGTH
+
+
+def long_step(length: int, version: int = 1) -> str:
+    base = f"long-step-{length}-v{version}-"
+    return f"{base.ljust(length - len(f'.v{version}'), 'x')}.v{version}"
+
+
+def long_steps(target: str) -> str:
+    # A long version leaves a short constant: ``NAME: Final = (`` fits, the parenthesized
+    # value line (88 columns, then 89) decides alone.
+    lengths = [(n, 1) for n in LONG_STEP_LENGTHS] + [(78, 1000), (79, 1000)]
+    return "".join(f'steps: {{ name: "{long_step(n, v)}" call: "{target}" }}\n' for n, v in lengths)
+
+
+# A keyed method (a class, a parameter, gRPC paths) and a called one named at length.
+LONG_METHOD = "RefundTheOrderAndReleaseTheReservedStockOfEveryLineOfItToTheWarehouse"
+FORMATTER_SHAPES = (
+    """\
 syntax = "proto3";
 package payments.checkout.v1;
 import "grpc_idempotency/v1/options.proto";
@@ -1513,18 +1539,32 @@ service CustomerPaymentService {
       steps: { name: "notify-the-warehouse-of-the-order.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
       steps: { name: "charge-the-customers-gift-card-now.v10" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
       steps: { name: "release-the-reserved-stock-of-order.v1" call: "payments.checkout.v1.CustomerPaymentService/Charge" }
-    };
-  }
-}
 """
+    + long_steps("payments.checkout.v1.CustomerPaymentService/Charge")
+    + f"""\
+    }};
+  }}
+  rpc {LONG_METHOD}(Req) returns (Res) {{
+    option (grpc_idempotency.v1.method) = {{
+      steps: {{ name: "refund.v1" call: "payments.checkout.v1.CustomerPaymentService/{LONG_METHOD}" }}
+    }};
+  }}
+}}
+"""
+)
 
 FORMATTER_SHAPES_HIDDEN = """\
 syntax = "proto3";
 package payments.checkout.v2;
 import "grpc_idempotency/v1/options.proto";
 message DESCRIPTOR {}
+message Outer { message from {} }
 service CustomerPaymentService {
   rpc Charge(DESCRIPTOR) returns (DESCRIPTOR) { option (grpc_idempotency.v1.method) = {}; }
+  rpc Order(DESCRIPTOR) returns (DESCRIPTOR) {
+    option (grpc_idempotency.v1.method) = {
+STEPS    };
+  }
 }
 service CustomerRefunds {
   rpc Refund(DESCRIPTOR) returns (DESCRIPTOR) { option (grpc_idempotency.v1.method) = {}; }
@@ -1532,7 +1572,7 @@ service CustomerRefunds {
 service CustomerDiscount {
   rpc Grant(DESCRIPTOR) returns (DESCRIPTOR) { option (grpc_idempotency.v1.method) = {}; }
 }
-"""
+""".replace("STEPS", long_steps("payments.checkout.v2.CustomerPaymentService/Charge"))
 
 
 def test_one_recorded_code_and_long_names_are_in_the_formatters_shape(tmp_path: Path) -> None:
@@ -1544,7 +1584,14 @@ def test_one_recorded_code_and_long_names_are_in_the_formatters_shape(tmp_path: 
     with a ``DESCRIPTOR`` message declares the name twice, which mypy reports: that file is
     imported and formatted, not type-checked.) The three new steps and the services
     ``CustomerRefunds`` and ``CustomerDiscount`` put a line at 88 columns, kept whole, and
-    one at 89, split: a split from 88, or none at 89, is rewritten by the formatter."""
+    one at 89, split: a split from 88, or none at 89, is rewritten by the formatter. Longer
+    step names (``LONG_STEP_LENGTHS``, up to the longest valid) broke it again: a wrapper's
+    docstring passed 88 columns (E501) from 45 characters, the formatter split
+    ``step_metadata(...)`` from 55 and parenthesized ``self._x = _unary(`` from 68, and from
+    77 it joined the parenthesized constant back onto one line, past 88. A line no shape
+    fits carries a ``noqa: E501`` (RUF100 says if one is not needed); ``hidden.proto``'s
+    messages are typed ``Message``, as a keyword-named one makes them, so its wrappers
+    assign ``response`` before returning it."""
     files = {"pay/v1/plain.proto": FORMATTER_SHAPES, "pay/v2/hidden.proto": FORMATTER_SHAPES_HIDDEN}
     for name, text in files.items():
         (tmp_path / "protos" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -1569,9 +1616,11 @@ def test_one_recorded_code_and_long_names_are_in_the_formatters_shape(tmp_path: 
     assert "metadata=(*metadata, step_metadata(self.NOTIFY_THE_WAREHOUSE_OF_THE_ORDER)),\n" in (
         source
     )
-    assert '        "payments.checkout.v2.CustomerPaymentService"\n    ),\n' in (
-        (out / hidden).read_text()
-    )
+    untyped = (out / hidden).read_text()
+    assert '        "payments.checkout.v2.CustomerPaymentService"\n    ),\n' in untyped
+    assert f'        """Calls ``Charge`` as step ``{long_step(44)}``."""\n' in source
+    assert f'        """Calls ``Charge`` as step\n        ``{long_step(45)}``."""\n' in source
+    assert "        response: Message = (\n            await self._long_step_51_" in untyped
 
 
 EDITION_2024 = """\

@@ -2,18 +2,20 @@
 the same names, empty, that imports nothing of the file's).
 
 The output is deterministic, typed for ``mypy --strict``, and in the shape ``ruff format`` (and
-black) give it as long as its lines fit in 88 columns: every bracket that may grow is exploded
-with a trailing comma, so a formatter run over a tree generated from names of usual length
-changes nothing. A line that very long names (a package, service, method or step) push past 88
-columns is left as it is, where a formatter would split it: run the formatter as part of
-generating, or exclude generated code from it, so that the committed code stays current.
+black) give it at 88 columns, lint clean (E501 too), for names of every valid length (a step's
+up to ``MAX_STEP_NAME_LENGTH``): every bracket that may grow is exploded with a trailing comma,
+a line a long name pushes past 88 columns takes the shape a formatter gives it (checked by
+running ``ruff format`` over names at each boundary), and one that no shape fits (a long
+identifier, which cannot be split) carries a ``# noqa: E501``, which formatters leave out of a
+line's length. So a formatter run over generated code changes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import keyword
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from functools import partial
 
 from google.protobuf.descriptor import (
     Descriptor,
@@ -336,10 +338,11 @@ class _Renderer:
         lines = ["POLICIES: Final[Mapping[str, MethodOverride]] = {"]
         for method in self.file.methods:
             fields = self._override_fields(method.declared)
+            # A long gRPC path cannot be split: the line keeps it whole (``_long``).
             if not fields:
-                lines.append(f'{INDENT}"{method.path}": MethodOverride(),')
+                lines.append(_long(f'{INDENT}"{method.path}": MethodOverride(),'))
                 continue
-            lines.append(f'{INDENT}"{method.path}": MethodOverride(')
+            lines.append(_long(f'{INDENT}"{method.path}": MethodOverride('))
             lines += [INDENT * 2 + line for line in fields]
             lines.append(f"{INDENT}),")
         lines += [
@@ -414,7 +417,11 @@ class _Renderer:
         call = (
             [f"SERVICE_CONFIG: Final = json.dumps({literal[0]})"]
             if len(literal) == 1
-            else ["SERVICE_CONFIG: Final = json.dumps(", *(INDENT + line for line in literal), ")"]
+            else [
+                "SERVICE_CONFIG: Final = json.dumps(",
+                *(_long(INDENT + line) for line in literal),
+                ")",
+            ]
         )
         if required:
             about = [
@@ -468,10 +475,10 @@ class _Renderer:
         target = method.path.lstrip("/")
         steps = _active_steps(method)
         constants = _step_identifiers(steps)
-        lines = [f"class {name}:"]
+        lines = [_long(f"class {name}:")]
         if method.calls:
             lines += [
-                f'{INDENT}"""The steps of ``{target}``.',
+                *_docstring(INDENT, f"The steps of ``{target}``.", closed=False),
                 "",
                 f"{INDENT}Build it with channels to the called services, each carrying an",
                 f"{INDENT}``IdempotencyClientInterceptor``, and call its methods from the",
@@ -481,18 +488,12 @@ class _Renderer:
             ]
         else:
             # One line, closed on it: a formatter folds a lone closing quote onto the first line.
-            lines.append(f'{INDENT}"""The steps of ``{target}``."""')
+            lines += _docstring(INDENT, f"The steps of ``{target}``.")
         lines.append("")
         for step in steps:
             what = f"Calls ``{step.call.lstrip('/')}``." if step.call else "An outbox message."
-            constant = f"{INDENT}{constants[step.name].upper()}: Final = "
-            lines += (
-                [constant + _str(step.name)]
-                if len(constant + _str(step.name)) <= 88
-                # as a formatter splits a long value: in parentheses, on a line of its own
-                else [constant + "(", f"{INDENT * 2}{_str(step.name)}", f"{INDENT})"]
-            )
-            lines.append(f'{INDENT}"""{what}"""')
+            lines += _constant(constants[step.name].upper(), _str(step.name))
+            lines += _docstring(INDENT, what)
         if not method.calls:
             return lines
         self.needs |= {"grpc", "Sequence", "step_metadata"}
@@ -504,42 +505,49 @@ class _Renderer:
             f"{INDENT}def __init__(",
             f"{INDENT * 2}self,",
             f"{INDENT * 2}*,",
-            *(f"{INDENT * 2}{p}: grpc.aio.Channel," for p in params.values()),
+            *(_long(f"{INDENT * 2}{p}: grpc.aio.Channel,") for p in params.values()),
             f"{INDENT}) -> None:",
         ]
         for call in method.calls:
             service = call.target.containing_service
-            lines += [
-                f"{INDENT * 2}self._{constants[call.name]} = _unary(",
-                f"{INDENT * 3}{params[service.full_name]},",
-                f'{INDENT * 3}"/{service.full_name}/{call.target.name}",',
-                f"{INDENT * 3}{self._type(call.target.input_type)},",
-                f"{INDENT * 3}{self._type(call.target.output_type)},",
-                f"{INDENT * 2})",
+            arguments = [
+                params[service.full_name],
+                f'"/{service.full_name}/{call.target.name}"',
+                self._type(call.target.input_type),
+                self._type(call.target.output_type),
             ]
+            lines += _assignment(2, f"self._{constants[call.name]}", _call("_unary", arguments))
         for call in method.calls:
             ident = constants[call.name]
             returned = self._annotation(call.target.output_type)
             # A message of a module imported with importlib is Any to a type checker: returned
             # as is, it fails mypy --strict (warn_return_any).
             untyped = returned != self._type(call.target.output_type)
-            awaits = "response: Message = await" if untyped else "return await"
+
+            step_call = _call(
+                f"await self._{ident}",
+                ["request", "timeout=timeout"],
+                partial(_metadata_argument, ident.upper()),
+            )
+            if untyped:
+                body = [
+                    *_assignment(2, "response: Message", step_call),
+                    f"{INDENT * 2}return response",
+                ]
+            else:
+                returned_call = step_call(2)
+                body = [_long(f"{INDENT * 2}return {returned_call[0]}"), *returned_call[1:]]
             lines += [
                 "",
-                f"{INDENT}async def {names.safe_identifier(ident, self.reserved)}(",
+                _long(f"{INDENT}async def {names.safe_identifier(ident, self.reserved)}("),
                 f"{INDENT * 2}self,",
-                f"{INDENT * 2}request: {self._annotation(call.target.input_type)},",
+                _long(f"{INDENT * 2}request: {self._annotation(call.target.input_type)},"),
                 f"{INDENT * 2}*,",
                 f"{INDENT * 2}timeout: float | None = None,",
                 f"{INDENT * 2}metadata: Sequence[tuple[str, str | bytes]] = (),",
-                f"{INDENT}) -> {returned}:",
-                f'{INDENT * 2}"""Calls ``{call.target.name}`` as step ``{call.name}``."""',
-                f"{INDENT * 2}{awaits} self._{ident}(",
-                f"{INDENT * 3}request,",
-                f"{INDENT * 3}timeout=timeout,",
-                *_metadata_argument(f"step_metadata(self.{ident.upper()})"),
-                f"{INDENT * 2})",
-                *([f"{INDENT * 2}return response"] if untyped else []),
+                _long(f"{INDENT}) -> {returned}:"),
+                *_docstring(INDENT * 2, f"Calls ``{call.target.name}`` as step ``{call.name}``."),
+                *body,
             ]
         return lines
 
@@ -740,19 +748,113 @@ def _import_lines_of(module: str, local: str, *, unread: bool = False) -> list[s
     ]
 
 
-def _metadata_argument(step: str) -> list[str]:
-    """A step wrapper's ``metadata=`` argument, a tuple of the caller's entries and ``step``,
-    exploded (a tuple a formatter splits one element a line, with a trailing comma) when a long
-    step name pushes it past 88 columns: from a step name of 37 characters."""
-    line = f"{INDENT * 3}metadata=(*metadata, {step}),"
+def _metadata_argument(constant: str, depth: int) -> list[str]:
+    """A step wrapper's ``metadata=`` argument, a tuple of the caller's entries and the step's
+    ``step_metadata(self.CONSTANT)``, exploded (a tuple a formatter splits one element a line,
+    with a trailing comma) when a long step name pushes it past 88 columns: from a step name of
+    37 characters. From 55 the call is split too, its one argument on a line of its own without
+    a trailing comma (none is added where no comma separates arguments), whether or not that
+    line fits: a line of one word, which E501 lets pass."""
+    step = f"step_metadata(self.{constant})"
+    indent, inner = INDENT * depth, INDENT * (depth + 1)
+    line = f"{indent}metadata=(*metadata, {step}),"
     if len(line) <= 88:
         return [line]
-    return [
-        f"{INDENT * 3}metadata=(",
-        f"{INDENT * 4}*metadata,",
-        f"{INDENT * 4}{step},",
-        f"{INDENT * 3}),",
-    ]
+    element = (
+        [f"{inner}{step},"]
+        if len(f"{inner}{step},") <= 88
+        else [f"{inner}step_metadata(", f"{inner}{INDENT}self.{constant}", f"{inner}),"]
+    )
+    return [f"{indent}metadata=(", f"{inner}*metadata,", *element, f"{indent}),"]
+
+
+def _constant(name: str, value: str) -> list[str]:
+    """A class constant, ``NAME: Final = "value"``. Past 88 columns a formatter puts the value
+    in parentheses on a line of its own, but only if both that line and the first,
+    ``NAME: Final = (``, then fit (from a step name of 39 characters to one of 76): otherwise
+    the split gains nothing and it keeps (or joins back) the one line, which only a ``noqa``
+    makes lint clean (a formatter leaves a pragma out of a line's length)."""
+    single = f"{INDENT}{name}: Final = {value}"
+    if len(single) <= 88:
+        return [single]
+    head, body = f"{INDENT}{name}: Final = (", f"{INDENT * 2}{value}"
+    if len(head) <= 88 and len(body) <= 88:
+        return [head, body, f"{INDENT})"]
+    return [single + _NOQA_E501]
+
+
+def _call(
+    callee: str,
+    arguments: Sequence[str],
+    last: Callable[[int], list[str]] | None = None,
+) -> Callable[[int], list[str]]:
+    """An exploded call, as a function of its depth: its lines, the first unindented (it follows
+    ``return `` or ``target = ``), each argument on a line of its own, then ``last``'s lines."""
+
+    def at(depth: int) -> list[str]:
+        inner = INDENT * (depth + 1)
+        return [
+            f"{callee}(",
+            *(f"{inner}{argument}," for argument in arguments),
+            *(last(depth + 1) if last else []),
+            f"{INDENT * depth})",
+        ]
+
+    return at
+
+
+def _assignment(depth: int, target: str, value: Callable[[int], list[str]]) -> list[str]:
+    """``target = value`` at ``depth``, ``value`` an exploded call: ``value(depth)`` its lines as
+    they follow ``target = `` (the first unindented). When a long target or callee (a step's
+    identifier: ``self._x = _unary(`` from a step name of 68 characters, ``response: Message =
+    await self._x(`` from 51) puts the first line past 88 columns, a formatter puts the call in
+    parentheses, on lines of their own, if then every line fits (to 73 and 62); if not, it
+    leaves the first line as it is (``_long``)."""
+    indent = INDENT * depth
+    flat = value(depth)
+    head = f"{indent}{target} = {flat[0]}"
+    if len(head) > 88:
+        inner = value(depth + 1)
+        parenthesized = [
+            f"{indent}{target} = (",
+            INDENT * (depth + 1) + inner[0],
+            *inner[1:],
+            f"{indent})",
+        ]
+        if all(len(line) <= 88 for line in parenthesized):
+            return parenthesized
+    return [_long(head), *flat[1:]]
+
+
+def _long(line: str) -> str:
+    """``line``, which a formatter leaves as it is however long (its brackets are split
+    already, or it has none), with a ``noqa: E501`` if a long name puts it past 88 columns:
+    ``async def`` from a step name of 77 characters, ``return await self._x(`` from 64, a
+    class, parameter or gRPC path from long service and method names."""
+    return line + _NOQA_E501 if len(line) > 88 else line
+
+
+_NOQA_E501 = "  # noqa: E501"
+
+
+def _docstring(indent: str, text: str, *, closed: bool = True) -> list[str]:
+    """``text`` as a docstring at ``indent``: one line when it fits in 88 columns, else filled
+    word by word (``ruff format`` and black never rewrap a docstring's text, nor move its
+    closing quotes). A word too long for a line of its own, a step name of 71 characters or
+    more, is alone on its line: one word, which E501 lets pass. ``closed=False``: the first
+    paragraph of a docstring that goes on, without the closing quotes."""
+    words = text.split(" ")
+    lines: list[str] = []
+    line = f'{indent}"""{words[0]}'
+    for position, word in enumerate(words[1:], 2):
+        # the last word carries the closing quotes
+        end = '"""' if closed and position == len(words) else ""
+        if len(f"{line} {word}{end}") <= 88:
+            line = f"{line} {word}"
+        else:
+            lines.append(line)
+            line = indent + word
+    return [*lines, line + '"""' if closed else line]
 
 
 def _import_lines(module: str, imported: list[str]) -> list[str]:
