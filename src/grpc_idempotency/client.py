@@ -49,6 +49,7 @@ from grpc_idempotency.core.propagation import (
     steps_call,
 )
 from grpc_idempotency.core.retry import RetryPolicy as RetryPolicy  # re-exported for the README
+from grpc_idempotency.core.retry import attempt_timeout_s, call_deadline
 from grpc_idempotency.core.retry import service_config as _service_config
 from grpc_idempotency.core.wire import (
     HEADER_NAME,
@@ -127,11 +128,12 @@ class Operation:
         ``idempotency-key`` (or ``-bin``) entry; ``credentials``, ``wait_for_ready`` and
         ``compression`` go to every attempt as ``method`` takes them.
 
-        Inside a handler, the handler's deadline bounds them all: each attempt's timeout is at
-        most the time left, and once the next attempt could only begin at or past the deadline
-        (the wait included), the last error is raised instead of retrying (an attempt with no
-        time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound the
-        loop ran out ``max_attempts`` for a caller that had already given up)."""
+        A deadline bounds them all, if there is one: ``retry.total_timeout_s`` from now, or
+        inside a handler the handler's deadline, whichever is earlier. Each attempt's timeout is
+        at most the time left, and once the next attempt could only begin at or past the
+        deadline (the wait included), the last error is raised instead of retrying (an attempt
+        with no time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound
+        the loop ran out ``max_attempts`` for a caller that had already given up)."""
         if isinstance(method, _SYNC_MULTICALLABLES):
             # Called, a sync method blocks the event loop's thread for the whole call, and its
             # response is no awaitable: a TypeError after the effect was done.
@@ -159,7 +161,11 @@ class Operation:
         # an entry failed the call as gRPC's internal ExecuteBatchError.
         _refuse_unsendable(md, current_call_or_none(), _path_of(method))
         serving = _serving()
-        deadline = serving.deadline if serving is not None else None
+        deadline = call_deadline(
+            started_at=time.monotonic(),
+            total_timeout_s=retry.total_timeout_s if retry is not None else None,
+            handler_deadline=serving.deadline if serving is not None else None,
+        )
         # Only those given: a stand-in for a stub's method (a wrapper, a test double) that takes
         # just metadata and timeout keeps working; None is gRPC's own default for each.
         options: dict[str, Any] = {
@@ -176,7 +182,10 @@ class Operation:
             attempt += 1
             try:
                 return await method(
-                    request, metadata=md, timeout=_bounded(timeout, deadline), **options
+                    request,
+                    metadata=md,
+                    timeout=attempt_timeout_s(timeout, deadline, time.monotonic()),
+                    **options,
                 )
             except grpc.aio.AioRpcError as err:
                 if retry is None:
@@ -189,10 +198,9 @@ class Operation:
                     retry_after_ms=retry_after_ms(trailers),
                     jitter=random.random(),
                     reason=reason_of(trailers),
+                    time_left_s=None if deadline is None else deadline - time.monotonic(),
                 )
                 if delay is None:
-                    raise
-                if deadline is not None and time.monotonic() + delay >= deadline:
                     raise
                 await asyncio.sleep(delay)
 
@@ -254,14 +262,6 @@ def _serving() -> IdempotentCall | None:
     long after its commit), such a task could not call out at all, or called as another."""
     serving = current_call_or_none()
     return None if serving is None or serving.ended else serving
-
-
-def _bounded(timeout: float | None, deadline: float | None) -> float | None:
-    """``timeout``, at most the time left before ``deadline`` (``time.monotonic()``)."""
-    if deadline is None:
-        return timeout
-    left = max(0.0, deadline - time.monotonic())
-    return left if timeout is None else min(timeout, left)
 
 
 class _Unset(enum.Enum):

@@ -47,6 +47,16 @@ class RetryPolicy:
     end it. Not cut to this bound either: retrying sooner than the server asked is what
     pushback exists to prevent (gRFC A6 honours it exactly, bounded by the call's deadline).
     This library's servers ask for at most 2 s."""
+    total_timeout_s: float | None = None
+    """The longest ``Operation.call`` takes, all attempts and waits included (``None``: no
+    bound but ``max_attempts``). No attempt starts once it is spent; each attempt's timeout is
+    at most the time left (the call's ``timeout=`` is per attempt); a backoff or pushback that
+    would end at or past it stops the retries, the last error raised at once (as one beyond
+    ``max_pushback_s`` is). An attempt the bound cuts short ends with its own DEADLINE_EXCEEDED.
+    Without it a caller outside a handler (whose deadline bounds the retries there) waited up to
+    ``max_attempts`` times the timeout plus every wait, and could not say "a second at most"
+    (google.api_core's ``Retry(timeout=)``, gRPC's call deadline over its own retries). Inside a
+    handler the earlier of the two bounds applies."""
 
     def __post_init__(self) -> None:
         retryable: object = self.retryable
@@ -81,6 +91,18 @@ class RetryPolicy:
             raise ValueError(f"max_pushback_s must be a number of seconds, not {pushback!r}")
         if not 0 <= pushback < math.inf:
             raise ValueError(f"max_pushback_s must be finite and not negative, not {pushback!r}")
+        # NaN compares false both ways (never spent: no bound at all), 0 spent before the first
+        # attempt, True was 1 second.
+        total = self.total_timeout_s
+        if total is not None and (
+            isinstance(total, bool)
+            or not isinstance(total, int | float)
+            or not 0 < total < math.inf
+        ):
+            raise ValueError(
+                f"total_timeout_s must be a positive, finite number of seconds or None, not"
+                f" {total!r}"
+            )
 
     def delay_s(
         self,
@@ -90,12 +112,15 @@ class RetryPolicy:
         retry_after_ms: int | None,
         jitter: float,
         reason: str | None = None,
+        time_left_s: float | None = None,
     ) -> float | None:
         """Seconds to wait before attempt ``attempt + 1`` (attempts count from 1), or ``None``
         to stop: no attempts left, a code not retried, an answer of ``FINAL_REASONS``
-        (``reason``: the library's ``ErrorInfo.reason``, if any), or a pushback that is
-        negative (gRPC's "do not retry") or beyond ``max_pushback_s``. ``jitter`` is a random
-        number in [0, 1): full jitter on the backoff."""
+        (``reason``: the library's ``ErrorInfo.reason``, if any), a pushback that is negative
+        (gRPC's "do not retry") or beyond ``max_pushback_s``, or a wait that would end at or
+        past the call's deadline (``time_left_s``: the seconds left before it, if it has one;
+        ``call_deadline``). ``jitter`` is a random number in [0, 1): full jitter on the
+        backoff."""
         if attempt >= self.max_attempts or code not in self.retryable or reason in FINAL_REASONS:
             return None
         if retry_after_ms is not None:
@@ -103,11 +128,40 @@ class RetryPolicy:
                 return None  # the server says: do not retry
             if retry_after_ms / 1000 > self.max_pushback_s:
                 return None  # longer than this caller waits: its error, now (max_pushback_s)
-            return retry_after_ms / 1000
-        return (
-            backoff_ceiling_s(attempt, self.initial_backoff_s, self.multiplier, self.max_backoff_s)
-            * jitter
-        )
+            delay = retry_after_ms / 1000
+        else:
+            delay = (
+                backoff_ceiling_s(
+                    attempt, self.initial_backoff_s, self.multiplier, self.max_backoff_s
+                )
+                * jitter
+            )
+        if time_left_s is not None and delay >= time_left_s:
+            # The next attempt could only begin with no time left, to fail DEADLINE_EXCEEDED
+            # (retryable) at once: the last error now, its trailers intact, rather than a sleep
+            # that ends in an error the server never gave.
+            return None
+        return delay
+
+
+def call_deadline(
+    *, started_at: float, total_timeout_s: float | None, handler_deadline: float | None
+) -> float | None:
+    """When a call begun at ``started_at`` must be over, on the same clock: the earlier of its
+    retry policy's ``total_timeout_s`` from then and the deadline of the handler it is made in
+    (if either), or ``None``."""
+    budget = None if total_timeout_s is None else started_at + total_timeout_s
+    bounds = [bound for bound in (budget, handler_deadline) if bound is not None]
+    return min(bounds) if bounds else None
+
+
+def attempt_timeout_s(timeout: float | None, deadline: float | None, now: float) -> float | None:
+    """An attempt's gRPC timeout: the per-attempt ``timeout``, at most the time left before
+    ``deadline`` (0 once it is spent: the attempt fails DEADLINE_EXCEEDED at once)."""
+    if deadline is None:
+        return timeout
+    left = max(0.0, deadline - now)
+    return left if timeout is None else min(timeout, left)
 
 
 def _code(code: object) -> Code:
