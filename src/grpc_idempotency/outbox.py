@@ -1048,7 +1048,7 @@ class Relay:
                 pause = 0.05
                 if self.listen_dsn is not None:
                     # Once listening: a healthy relay's start waits for none of it.
-                    await self._check_listen_database()
+                    await self._check_listen_database(lost)
                 while not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), self.poll_interval)
@@ -1077,14 +1077,15 @@ class Relay:
                 if listener is not None:
                     await listener.close()
 
-    async def _check_listen_database(self) -> None:
+    async def _check_listen_database(self, lost: asyncio.Event) -> None:
         """Warns when ``listen_dsn`` is not the store's database: a NOTIFY with a payload of its
         own, sent through the store's pool, does not reach the LISTEN session in a bounded time.
         The channel has the same name in every database (another shard's, a staging copy's), so
         such a relay was woken for others' rows, found its own only by polling, and said
         nothing. A warning only, never a refusal: a live database's notification can be late
         on a loaded host, and polling delivers everything anyway (its arrival later is logged).
-        No verdict when the store cannot send it in time (an outage, a busy pool)."""
+        No verdict when the store cannot send it in time (an outage, a busy pool), nor when the
+        LISTEN session is ``lost`` before it arrives (its notifications are gone with it)."""
         bound = min(_LISTEN_CHECK_MAX_S, max(_LISTEN_CHECK_MIN_S, self.poll_interval))
         heard = self._heard = asyncio.Event()
         token = self._check_token = f"{_LISTEN_CHECK}{secrets.token_hex(8)}"
@@ -1094,12 +1095,20 @@ class Relay:
             log.debug("relay %s: listen_dsn not checked (%s)", self.name, err)
             return
         sent = time.monotonic()  # the wait starts once it is sent: a busy pool is no verdict
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(bound):
-                await heard.wait()
+        waits = [asyncio.ensure_future(heard.wait()), asyncio.ensure_future(lost.wait())]
+        try:
+            await asyncio.wait(waits, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
         if heard.is_set():
             log.debug("relay %s: listen_dsn reaches the store's database", self.name)
             self._unheard = None
+            return
+        if lost.is_set():
+            # A session dropped mid-check never hears it, whichever database it is on: warned
+            # of, a listen_dsn on the store's own database was called "likely another".
+            log.debug("relay %s: listen_dsn not checked (its session was lost)", self.name)
             return
         if self._unheard is None:  # once, not at each reconnection
             log.warning(

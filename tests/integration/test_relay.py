@@ -739,7 +739,8 @@ async def test_a_listen_dsn_on_another_database_is_warned_of_and_the_right_one_i
     warns, naming both; a listen_dsn on the store's database passes it, without a warning."""
     parts = urlsplit(pg_dsn)
     elsewhere = urlunsplit(parts._replace(path="/template1"))  # a database every server has
-    wrong = Relay(outbox, Receiver(), poll_interval=1.0, listen_dsn=elsewhere, name="wrong")
+    # Polled every 0.2 s: the check still waits 1 s (poll_interval, within 1 to 5 s).
+    wrong = Relay(outbox, Receiver(), poll_interval=0.2, listen_dsn=elsewhere, name="wrong")
     right = Relay(outbox, Receiver(), poll_interval=1.0, listen_dsn=pg_dsn, name="right")
     caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
 
@@ -755,8 +756,65 @@ async def test_a_listen_dsn_on_another_database_is_warned_of_and_the_right_one_i
         await until("the right relay's check", lambda: said("right", "reaches the store's"))
     (warning,) = said("wrong", "did not reach")
     assert f"{outbox.store_log.where}" in warning and "/template1)" in warning, warning
-    assert "found by polling, every 1s" in warning, warning
+    assert "within 1s" in warning and "found by polling, every 0.2s" in warning, warning
     assert not said("right", "did not reach") and not said("wrong", "reaches the store's")
+
+
+async def test_a_listen_session_lost_during_its_check_gives_no_verdict(
+    pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LISTEN session dropped while the listen_dsn check waits for its NOTIFY never hears
+    it, whatever database it is on: the check waited out its bound on the dead session and
+    warned that listen_dsn was "likely another database" (a network blip, a restart of the
+    listen_dsn's server). No verdict then: the relay reconnects at once and checks again."""
+    elsewhere = urlunsplit(urlsplit(pg_dsn)._replace(path="/template1"))  # never heard
+    relay = Relay(outbox, Receiver(), poll_interval=5.0, listen_dsn=elsewhere, name="dropped")
+    caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
+    async with running(relay):
+        # Listening: its check is under way, waiting (up to 5 s) on this session.
+        pids = await outbox.pool.fetchval(
+            "SELECT pg_catalog.array_agg(pid) FROM pg_catalog.pg_stat_activity"
+            " WHERE datname = 'template1' AND application_name = 'grpc-idempotency'"
+        )
+        assert pids, "no LISTEN session on template1"
+        for pid in pids:
+            await outbox.pool.execute("SELECT pg_catalog.pg_terminate_backend($1)", pid)
+        await until("the reconnection", lambda: "LISTEN connection lost" in caplog.text)
+    assert "did not reach" not in caplog.text
+    assert "listen_dsn not checked (its session was lost)" in caplog.text
+
+
+async def test_the_listen_dsn_check_warns_once_and_its_payloads_wake_no_relay(
+    pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unheard twice (no session listens at all): one warning, not one per reconnection. A
+    check's payload, another relay's too (they share the channel), wakes no relay and answers
+    no other check; this relay's own arriving late is said once. A store that cannot send the
+    NOTIFY gives no verdict."""
+    elsewhere = urlunsplit(urlsplit(pg_dsn)._replace(path="/template1"))
+    relay = Relay(outbox, Receiver(), poll_interval=0.2, listen_dsn=elsewhere, name="alone")
+    caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
+    channel = outbox.schema + "_outbox"
+    for _ in range(2):
+        await relay._check_listen_database(asyncio.Event())
+    assert caplog.text.count("did not reach the LISTEN session") == 1, caplog.text
+    late = relay._check_token  # the latest check's, which is the one still awaited
+    relay._notified(None, 1, channel, "grpc-idempotency:listen-check:another-relays")
+    assert not relay._wake.is_set() and not relay._heard.is_set()
+    assert "arrived after all" not in caplog.text
+    for _ in range(2):
+        relay._notified(None, 1, channel, late)
+    assert caplog.text.count("arrived after all") == 1, caplog.text
+    assert not relay._wake.is_set()
+    relay._notified(None, 1, channel, "")  # a row's
+    assert relay._wake.is_set()
+
+    closed = await Store.connect(pg_dsn, schema=outbox.schema)
+    await closed.close()
+    unsent = Relay(closed, Receiver(), poll_interval=0.2, listen_dsn=elsewhere, name="unsent")
+    await unsent._check_listen_database(asyncio.Event())
+    assert "relay unsent: listen_dsn not checked" in caplog.text
+    assert "relay unsent: a NOTIFY" not in caplog.text and unsent._unheard is None
 
 
 async def test_a_relay_stops_at_once_while_its_listen_cannot_connect(outbox: Store) -> None:
