@@ -198,9 +198,34 @@ def test_pgbouncers_refusals_for_good_are_told_from_its_passing_failures(
         ("postgresql://app:s3cret@db/orders", {"port": 5433, "database": "o2"}, "db:5433/o2"),
         ("postgresql://app:pw@x@db/orders", {}, "?/?"),  # in doubt: pieces of the password
         ("postgresql://db/ord%0aers", {}, "db/ord\\ners"),
+        ("postgresql://app:s3cret@[::1]/orders", {"port": 5433}, "[::1]:5433/orders"),
+        ("postgresql://app:s3cret@db/?dbname=orders", {}, "db/orders"),
+        ("postgresql://app:s3cret@/orders", {"host": ["a", "b"], "port": 5433}, "a,b:5433/orders"),
+        # Not a URL at all (key=value text, which asyncpg refuses): no piece of it, though a
+        # "://" in its password made it split.
+        ("host=db password=se://cret dbname=x", {}, "?/?"),
+        ("mysql://app:s3cret@db/orders", {}, "?/?"),
     ],
 )
 def test_a_store_is_named_in_the_log_by_its_server_and_database_never_its_secrets(
     dsn: str, options: dict[str, object], named: str
 ) -> None:
     assert dsn_where(dsn, options) == named
+
+
+def test_a_store_logs_each_of_its_problems_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    """Per problem (a SQLSTATE, a driver failure's type), not per kind of line: the second
+    problem of a store is not held back behind its first. A shard named twice is named once;
+    a store of no known address adds nothing to the line."""
+    store = StoreLog("db:5432/orders, schema s")
+    store.shard_named("one")
+    store.shard_named("one")
+    assert store.label == " [shard 'one': db:5432/orders, schema s]"
+    assert StoreLog().label == ""
+    caplog.set_level("ERROR", logger="grpc_idempotency.store")
+    unmigrated, no_schema = asyncpg.UndefinedTableError("x"), asyncpg.InvalidSchemaNameError("y")
+    for exc in (unmigrated, no_schema, unmigrated, ValueError("a"), KeyError("b"), KeyError("c")):
+        store_error(exc, "claiming a key", store)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 4, said
+    assert all("[shard 'one': db:5432/orders, schema s]" in line for line in said), said

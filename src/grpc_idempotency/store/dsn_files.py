@@ -141,8 +141,9 @@ def dsn_where(dsn: object, options: Mapping[str, object] | None = None) -> str:
     the user, the password or a query parameter (``password=``, an ``sslpassword``). The
     connection's keyword arguments (``host``, ``port``, ``database``; asyncpg's, which win over
     the DSN's) replace the DSN's pieces. Nothing is looked up (no PGHOST, no default port): a
-    piece that neither names is left out. A DSN that does not split unambiguously gives ``?``
-    for its server and database (either may be a piece of the password)."""
+    piece that neither names is left out. A DSN that does not split unambiguously, or is no
+    ``postgres(ql)://`` URL, gives ``?`` for its server and database (either may be a piece of
+    the password)."""
     options = options or {}
     hosts = database = ""
     port: object = ""
@@ -151,7 +152,14 @@ def dsn_where(dsn: object, options: Mapping[str, object] | None = None) -> str:
             parts: SplitResult | None = urlsplit(dsn)
         except ValueError:
             parts = None
-        if parts is None or "://" not in dsn or in_doubt(dsn, parts):
+        # Only a URL asyncpg takes splits into pieces: key=value text with "://" in its
+        # password split as a URL whose "path" was all of it, the password included.
+        if (
+            parts is None
+            or parts.scheme not in ("postgres", "postgresql")
+            or "://" not in dsn
+            or in_doubt(dsn, parts)
+        ):
             hosts, database = "?", "?"
         else:
             query = dict(parse_qsl(parts.query))
