@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpc_idempotency import IdempotencyError, Store, StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.store.dsn_files import dsn_where
 from grpc_idempotency.store.migrations import (
     LOCK_TIMEOUT_S,
     applied_versions,
@@ -511,14 +512,20 @@ async def test_a_bad_connection_option_is_the_drivers_value_error_not_the_dsns(
 
 
 async def test_a_setting_refused_at_connection_is_misconfigured_with_no_connection_opened_first(
-    pg_dsn: str,
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With ``min_size=0`` the pool opens its first connection for the schema check (and, in a
     server, for a call), not when it is created: a setting the server refuses there (42704) was
     "unavailable while checking the schema" (retryable, exit 1), each keyed call UNAVAILABLE,
     where the same DSN with ``min_size=1`` is misconfigured (``connect_error``)."""
-    with pytest.raises(StoreMisconfigured, match=r"misconfigured while connecting.*42704"):
-        await Store.connect(pg_dsn, min_size=0, server_settings={"no_such_setting": "1"})
+    caplog.set_level("ERROR", logger="grpc_idempotency.store")
+    for min_size in (0, 1):
+        with pytest.raises(StoreMisconfigured, match=r"misconfigured while connecting.*42704"):
+            await Store.connect(pg_dsn, min_size=min_size, server_settings={"no_such_setting": "1"})
+    # Each line names the store (the pool opening one later, and the pool that did not open).
+    said = [r.getMessage() for r in caplog.records if "42704" in r.getMessage()]
+    assert len(said) == 2, said
+    assert all(f"store [{dsn_where(pg_dsn)}, schema " in line for line in said), said
     # Not every failure there: a server that is not there stays an outage (retryable), named
     # for what the connection was opened for.
     nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
@@ -632,6 +639,8 @@ async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
     with pytest.raises(StoreUnavailable, match=r"password callable .*KeyError") as raised:
         await Store.connect(pg_dsn, password=password, min_size=1)
     assert not raised.value.outage and isinstance(raised.value.__cause__, KeyError)
+    (said,) = [r.getMessage() for r in caplog.records if "raised KeyError" in r.getMessage()]
+    assert f"to the store [{dsn_where(pg_dsn)}, schema " in said, said  # the pool never opened
     failing.clear()
     rotated = await Store.connect(pg_dsn, password=password, min_size=0, max_size=1)
     try:
