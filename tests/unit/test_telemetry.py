@@ -8,13 +8,14 @@ import inspect
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 
+from grpc_idempotency import IdempotentConsumer
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import CallOutcome
 from grpc_idempotency.telemetry import DURATION_BUCKETS_S, Telemetry, cancellation_code
@@ -137,3 +138,34 @@ def test_a_provider_named_in_the_environment_but_not_installed_is_named_in_the_e
     assert f"{variable}='not-installed'" in last and f"an {group} entry point" in last
     # The ValueError alone, not chained to the API's StopIteration.
     assert "During handling of the above exception" not in done.stderr
+
+
+class _CountingTracer:
+    """Counts the spans asked for (it makes none)."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start_as_current_span(self, name: str, **_: object) -> Any:
+        self.started.append(name)
+        raise AssertionError("no span should be made")
+
+
+def test_a_consumer_delivery_makes_no_span_while_nothing_traces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As for the interceptor's calls: until a provider is set, a span (a context attached and
+    detached) per message is CPU spent on nothing."""
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)  # no global provider set (yet)
+    monkeypatch.delenv("OTEL_PYTHON_TRACER_PROVIDER", raising=False)
+    telemetry = Telemetry()
+    counting = _CountingTracer()
+    telemetry.tracer = cast(trace.Tracer, counting)
+    with telemetry.consumer_span("orders") as span:
+        assert span is trace.INVALID_SPAN
+    assert counting.started == []
+
+
+def test_a_consumer_refuses_what_is_no_telemetry() -> None:
+    with pytest.raises(TypeError, match="telemetry must be a Telemetry"):
+        IdempotentConsumer(cast(Any, None), "orders", telemetry=cast(Any, object()))
