@@ -245,7 +245,8 @@ async def test_writes_outside_the_transaction_fail_the_crash_and_transient_check
     # The interceptor still deduplicates completed calls: the replay check cannot see the bug.
     await outside_transaction.check_sequential_replay()
     with pytest.raises(
-        ConformanceFailure, match=r"effect count is 1, expected 0\. The handler writes outside"
+        ConformanceFailure,
+        match=r"effect count is 1, expected 0\. The handler makes its effect outside",
     ):
         await outside_transaction.check_crash("before_commit")
     with pytest.raises(

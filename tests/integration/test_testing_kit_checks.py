@@ -191,6 +191,38 @@ async def orchestrator_server(dsn: str) -> AsyncIterator[Any]:
         await store.close()
 
 
+class PlainChannelRelay(testsvc_pb2_grpc.RelayServiceServicer):
+    """Forward's effect, a ledger row, made through a channel without the client interceptor:
+    the call carries no child key (the ledger's PostOptional runs every call it gets)."""
+
+    def __init__(self, ledger: testsvc_pb2_grpc.LedgerServiceStub) -> None:
+        self.ledger = ledger
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        answer = await self.ledger.PostOptional(post, metadata=((TENANT, "plain"),))
+        await current_call().transaction()
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def plain_channel_server(dsn: str) -> AsyncIterator[Any]:
+    store = await Store.connect(
+        dsn, schema="kit_checks_relay", min_size=1, max_size=10, migrate=True
+    )
+    downstream = grpc.aio.insecure_channel(os.environ[LEDGER_ENV])
+    interceptor = IdempotencyInterceptor(
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), overrides=FORWARD_LEASE
+    )
+    server = grpc.aio.server(interceptors=[interceptor])
+    relay = PlainChannelRelay(testsvc_pb2_grpc.LedgerServiceStub(downstream))
+    testsvc_pb2_grpc.add_RelayServiceServicer_to_server(relay, server)
+    try:
+        yield server
+    finally:
+        await downstream.close(None)
+        await store.close()
+
+
 def _request() -> testsvc_pb2.PostRequest:
     return testsvc_pb2.PostRequest(account="kit-checks-" + uuid.uuid4().hex, amount=5)
 
@@ -364,6 +396,37 @@ async def test_a_phased_handler_writing_outside_its_final_transaction_still_fail
         await plan.check_crash("before_commit")
     with pytest.raises(ConformanceFailure, match=r"effect count is 2, expected 1.*outside"):
         await plan.check_transient_error()
+
+
+async def test_a_downstream_call_without_the_child_key_is_named_as_the_cause(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # A phased handler calling another service through a plain channel (no client interceptor,
+    # so no child key): the failed attempt's call committed downstream, and the retry made it
+    # again. The kit caught it but said only "never through a connection of your own", which
+    # sent the user looking for a database write the handler does not make.
+    async with running_ledger(store) as ledger:
+        plan = ConformancePlan(
+            ConformanceTarget(
+                server=f"{MODULE}:plain_channel_server",
+                method="/testsvc.v1.RelayService/Forward",
+                request=lambda: testsvc_pb2.ForwardRequest(account=_request().account),
+                count_effects=_rows,
+                metadata=((TENANT, "kit-checks-plain"),),
+                server_env={LEDGER_ENV: ledger.address},
+            ),
+            pg_dsn,
+            tmp_path_factory.mktemp("plain-channel"),
+        )
+        try:
+            with pytest.raises(
+                ConformanceFailure,
+                match=r"effect count is 2, expected 1\..*through a channel with"
+                r" IdempotencyClientInterceptor .*child key",
+            ):
+                await plan.check_transient_error()
+        finally:
+            plan.close()
 
 
 async def test_a_required_key_passes_the_keyless_check(plan_for: Any) -> None:

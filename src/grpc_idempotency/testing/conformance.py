@@ -98,10 +98,14 @@ _NOT_INTERCEPTED = (
     " give a caller the same scope (one taken from the hostname or the pid gives each replica"
     " keys of its own)?"
 )
+# The kit sees only the count: a write through a connection of the handler's own and a call to
+# another service without a child key (a plain channel) look the same, and both are common.
 _OUTSIDE_TRANSACTION = (
-    "The handler writes outside the call's transaction: write through"
+    "The handler makes its effect outside the call's transaction: write through"
     " current_call().connection (or current_call().transaction() in phased mode), never through"
-    " a connection of your own."
+    " a connection of your own; and call another service only as a declared step, through a"
+    " channel with IdempotencyClientInterceptor (the call then carries the step's child key and"
+    " a retry replays it), never through a plain channel."
 )
 _OUTSIDE_DATABASE = (
     "An attempt that does not commit (a crash, a transient error) runs the handler again, and"
