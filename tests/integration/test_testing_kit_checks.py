@@ -256,11 +256,11 @@ def plan_for(pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
         env.update(target.pop("server_env", {}))
         target.setdefault("lost_connection_pause_ms", LOST_CONNECTION_PAUSE_MS)
         target.setdefault("request", _request)
+        target.setdefault("count_effects", _rows)
         plan = ConformancePlan(
             ConformanceTarget(
                 server=f"{MODULE}:build_server",
                 method=method,
-                count_effects=_rows,
                 server_env=env,
                 **target,
             ),
@@ -537,6 +537,27 @@ async def test_a_request_factory_repeating_one_operation_is_named_not_the_servic
     await plan.check_crash("before_commit")
     with pytest.raises(ValueError, match=r"make_request\(\) .* returned the same request again"):
         await plan.check_sequential_replay()
+
+
+async def test_a_counter_that_is_not_an_async_function_returning_an_int_is_named(
+    plan_for: Any,
+) -> None:
+    # Python's own TypeError ("int() argument must be ... not 'NoneType'", "object int can't be
+    # used in 'await' expression") named neither count_effects nor what it must return.
+    async def no_return(db: asyncpg.Connection[Any], request: Any) -> None:
+        await _rows(db, request)
+
+    def not_async(db: asyncpg.Connection[Any], request: Any) -> int:
+        return 1
+
+    for counter, said in (
+        (no_return, r"an int, not NoneType \(a missing return"),
+        (not_async, r"it returned int, not an awaitable"),
+    ):
+        with pytest.raises(
+            TypeError, match=r"^count_effects\(db, request\) must be an async function .*" + said
+        ):
+            await plan_for("correct", count_effects=counter).check_sequential_replay()
 
 
 async def test_a_lease_longer_than_the_in_progress_timeout_is_named_not_the_service(

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import signal
 import time
 import uuid
@@ -213,6 +214,23 @@ def _message(value: Any, what: str) -> Any:
             f" a request of the method's type, not {type(value).__name__}"
         )
     return value
+
+
+async def _counted(value: Any, what: str) -> int:
+    """The number a counter (``what``) returned, awaited. A plain ``def`` (its int cannot be
+    awaited), a forgotten ``return`` (``None``) or ``db.fetch`` (a list of rows) failed with
+    Python's own TypeError ("int() argument must be ...", "can't be used in 'await'
+    expression"), naming neither the counter nor what it must return."""
+    expected = f"{what} must be an async function (async def) returning the number of effects"
+    if not inspect.isawaitable(value):
+        raise TypeError(f"{expected}; it returned {type(value).__name__}, not an awaitable")
+    count = await value
+    if not isinstance(count, int):
+        raise TypeError(
+            f"{expected}, an int, not {type(count).__name__} (a missing return? db.fetchval(...)"
+            " returns the count, db.fetch(...) the rows)"
+        )
+    return count
 
 
 _TARGET_FIELDS = {
@@ -478,7 +496,7 @@ class ConformancePlan:
             await asyncio.sleep(min(max(pushback, 10), 1000) / 1000)
 
     async def _count(self, db: asyncpg.Connection[Any], request: Any) -> int:
-        return int(await self.target.count_effects(db, request))
+        return await _counted(self.target.count_effects(db, request), "count_effects(db, request)")
 
     async def _claim_committed(self, db: asyncpg.Connection[Any], key: str) -> bool:
         """Whether ``key``'s claim was committed on its own (phased mode: before the handler
@@ -497,7 +515,7 @@ class ConformancePlan:
         counter = self.target.count_external_effects
         if counter is None:
             return
-        if (count := int(await counter(request))) > 1:
+        if (count := await _counted(counter(request), "count_external_effects(request)")) > 1:
             raise self._fail(
                 check,
                 f"the effect outside the database happened {count} times for one operation."
