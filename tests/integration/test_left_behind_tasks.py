@@ -42,6 +42,7 @@ from tests.support.ledger import (
     metadata,
 )
 from tests.support.relay import FORWARD, RelayService, running_relay
+from tests.support.waiting import until
 from tests.support.wire import call_raw
 
 SERVICERS: list[LeavesATask] = []
@@ -454,6 +455,9 @@ async def test_a_call_refused_in_an_object_never_awaited_fails_the_call(
         first = await relay.forward(request, key)
         assert first.code is grpc.StatusCode.FAILED_PRECONDITION, first
         assert first.reason() == refusal.reason, first
+        # grpc.aio's abort sends the status before the handler's coroutine ends (and the call is
+        # counted): under load the client read the metrics first and found none.
+        await until("the call counted", lambda: reader.get_metrics_data() is not None)
         assert _outcomes(reader) == {("released", first.code.value[0]): 1}
         # The claim's lease ended with the answer: the retry is not kept waiting for it.
         assert await store.pool.fetchval(
