@@ -217,6 +217,10 @@ def test_retry_decisions() -> None:
         (Code.INVALID_ARGUMENT, "IDEMPOTENCY_KEY_INVALID"),
         (Code.INVALID_ARGUMENT, "IDEMPOTENCY_KEY_MISSING"),
         (Code.INVALID_ARGUMENT, "IDEMPOTENCY_REQUEST_INVALID"),
+        # Both FAILED_PRECONDITION too: the outbox's step kept with another message (the key
+        # reused past its retention) and a response too large, recorded and so replayed.
+        (Code.FAILED_PRECONDITION, "IDEMPOTENCY_OUTBOX_KEY_REUSED"),
+        (Code.FAILED_PRECONDITION, "IDEMPOTENCY_RESPONSE_TOO_LARGE"),
     ],
 )
 def test_an_answer_every_attempt_gets_alike_is_never_retried(code: Code, reason: str) -> None:

@@ -13,18 +13,34 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from grpc_idempotency.core.codes import Code
-from grpc_idempotency.core.errors import KeyInvalid, KeyMissing, KeyReused, RequestInvalid
+from grpc_idempotency.core.errors import (
+    KeyInvalid,
+    KeyMissing,
+    KeyReused,
+    OutboxKeyReused,
+    RequestInvalid,
+    ResponseTooLarge,
+)
 
 RETRYABLE: frozenset[Code] = frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED})
 
 FINAL_REASONS: frozenset[str] = frozenset(
-    error.reason for error in (KeyReused, KeyInvalid, KeyMissing, RequestInvalid)
+    error.reason
+    for error in (
+        KeyReused,
+        OutboxKeyReused,
+        KeyInvalid,
+        KeyMissing,
+        RequestInvalid,
+        ResponseTooLarge,
+    )
 )
 """The library's answers that every attempt of an operation gets alike: its key was used for
-another request, or its key or request is malformed. Each attempt carries the same key and
-request, so none is retried, whatever ``retryable`` holds (a policy retrying
-FAILED_PRECONDITION or INVALID_ARGUMENT, for a service's own transient states, retried them
-``max_attempts`` times with backoff, then raised the same error)."""
+another request (or its outbox step, still kept, for another message), its key or request is
+malformed, or its answer was too large to record (recorded so, and replayed). Each attempt
+carries the same key and request, so none is retried, whatever ``retryable`` holds (a policy
+retrying FAILED_PRECONDITION or INVALID_ARGUMENT, for a service's own transient states, retried
+them ``max_attempts`` times with backoff, then raised the same error)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
