@@ -199,6 +199,9 @@ def test_pgbouncers_refusals_for_good_are_told_from_its_passing_failures(
         ("postgresql://app:pw@x@db/orders", {}, "?/?"),  # in doubt: pieces of the password
         ("postgresql://db/ord%0aers", {}, "db/ord\\ners"),
         ("postgresql://app:s3cret@[::1]/orders", {"port": 5433}, "[::1]:5433/orders"),
+        # asyncpg's port= wins over the DSN's hosts' own ports.
+        ("postgresql://app:s3cret@db:6432/orders", {"port": 5433}, "db:5433/orders"),
+        ("postgresql://app:s3cret@a:1,[::1]:2/orders", {"port": "5433"}, "a,[::1]:5433/orders"),
         ("postgresql://app:s3cret@db/?dbname=orders", {}, "db/orders"),
         ("postgresql://app:s3cret@/orders", {"host": ["a", "b"], "port": 5433}, "a,b:5433/orders"),
         # Not a URL at all (key=value text, which asyncpg refuses): no piece of it, though a

@@ -173,9 +173,23 @@ def dsn_where(dsn: object, options: Mapping[str, object] | None = None) -> str:
         hosts = ",".join(map(str, host)) if isinstance(host, list | tuple) else host
     if isinstance(options.get("port"), int | str):
         port = options["port"]
+        if not isinstance(host, str | list | tuple) or not host:
+            # asyncpg's port= wins over a port in the DSN's host list too (``db:6432``): named
+            # with it, the line named a port the store never connected to.
+            hosts = ",".join(map(_without_port, hosts.split(",")))
     if isinstance(options.get("database"), str):
         database = str(options["database"])
     if port and hosts and ":" not in hosts.rpartition("]")[2]:
         hosts = f"{hosts}:{port}"
     # Escaped: a percent-decoded %0a would add a line to the log.
     return loggable(f"{hosts}/{database}")
+
+
+def _without_port(hostspec: str) -> str:
+    """A host of a DSN's host list without its ``:port``: an IPv6 address keeps its brackets,
+    a Unix socket's directory has no port."""
+    if hostspec.startswith("["):
+        return hostspec.partition("]")[0] + "]" if "]" in hostspec else hostspec
+    if hostspec.startswith("/"):
+        return hostspec
+    return hostspec.partition(":")[0]
