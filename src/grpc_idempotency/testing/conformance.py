@@ -44,12 +44,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import numbers
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -225,12 +227,16 @@ async def _counted(value: Any, what: str) -> int:
     if not inspect.isawaitable(value):
         raise TypeError(f"{expected}; it returned {type(value).__name__}, not an awaitable")
     count = await value
-    if not isinstance(count, int):
-        raise TypeError(
-            f"{expected}, an int, not {type(count).__name__} (a missing return? db.fetchval(...)"
-            " returns the count, db.fetch(...) the rows)"
-        )
-    return count
+    # A whole number of any type: PostgreSQL's sum() of a bigint column is numeric, which
+    # asyncpg returns as a Decimal (``int()`` took it before this check was added).
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+        return int(count)
+    if isinstance(count, Decimal) and count.is_finite() and count == count.to_integral_value():
+        return int(count)
+    raise TypeError(
+        f"{expected}, an int, not {type(count).__name__} (a missing return? db.fetchval(...)"
+        " returns the count, db.fetch(...) the rows)"
+    )
 
 
 _TARGET_FIELDS = {
