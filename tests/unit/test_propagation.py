@@ -609,3 +609,10 @@ def test_an_atomic_attempt_reads_its_start_only_within_clock_trust_of_a_retireme
         assert start_decides([active, retired(at)], now) is reads, at
     assert not start_decides([active], now)
     assert not start_decides([], now)
+
+
+def test_a_set_is_suggested_only_for_one_code() -> None:
+    with pytest.raises(ValueError, match=r"retryable=frozenset\(\{<Code.UNAVAILABLE"):
+        RetryPolicy(retryable=Code.UNAVAILABLE)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"not None$"):  # not "frozenset({None})"
+        RetryPolicy(retryable=None)  # type: ignore[arg-type]

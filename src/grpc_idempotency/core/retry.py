@@ -8,6 +8,7 @@ still take (``RetryInfo`` or ``grpc-retry-pushback-ms``), and that hint wins ove
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -79,10 +80,9 @@ class RetryPolicy:
         if isinstance(retryable, str | bytes) or not isinstance(retryable, Iterable):
             # One code (Code, grpc.StatusCode, a name): not iterable, or a str read letter by
             # letter; either way an error that did not say what was wrong.
-            raise ValueError(
-                f"retryable is a set of status codes, not {retryable!r}:"
-                f" retryable=frozenset({{{retryable!r}}})"
-            )
+            one = isinstance(retryable, int | str | enum.Enum)  # Code, grpc.StatusCode, 14
+            hint = f": retryable=frozenset({{{retryable!r}}})" if one else ""
+            raise ValueError(f"retryable is a set of status codes, not {retryable!r}{hint}")
         # grpc.StatusCode members compared unequal to every Code: such a policy never retried.
         object.__setattr__(self, "retryable", frozenset(map(_code, retryable)))
         for name in ("initial_backoff_s", "max_backoff_s", "multiplier"):
