@@ -1064,6 +1064,32 @@ async def test_a_longer_downstream_timeout_is_cut_to_the_deadline_left(
     assert remaining is not None and remaining <= 1.55  # gRPC's timeout header rounds up
 
 
+async def test_a_call_without_retries_is_cut_to_the_deadline_left_too(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Operation.call without ``retry`` inside a handler: its one attempt's timeout (60 s asked)
+    is cut to the handler's time left by Operation.call itself (``post`` comes before the
+    channel's interceptor), as each attempt's is with retries; the cut applied only with a
+    retry policy went unnoticed."""
+    timeouts: list[float | None] = []
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            async def post(req: Any, *, metadata: Any, timeout: float | None) -> Any:
+                timeouts.append(timeout)
+                return await self.ledger.Post(req, metadata=metadata, timeout=timeout)
+
+            posting = testsvc_pb2.PostRequest(account=request.account, amount=1)
+            await Operation.new().call(post, posting, timeout=60)  # type: ignore[arg-type]
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        request = testsvc_pb2.ForwardRequest(account=fresh())
+        answer = await relay.forward(request, fresh(), timeout=1.5)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert len(timeouts) == 1 and timeouts[0] is not None and timeouts[0] <= 1.55, timeouts
+
+
 class Refusing(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]  # not generic at run time
     """A later interceptor that refuses every call before it starts."""
 
