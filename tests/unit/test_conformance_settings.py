@@ -156,3 +156,35 @@ async def test_a_request_factory_returning_no_message_is_told_so_before_a_server
         assert not isinstance(refused.value, AttributeError) and plan._started == []
     finally:
         plan.close()
+
+
+def _not_async(checks: Any, request: Any) -> int:
+    return 2
+
+
+async def _no_return(checks: Any, request: Any) -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    ("counter", "says"),
+    [
+        (_not_async, r"it returned int, not an awaitable"),
+        (_no_return, r"an int, not NoneType \(a missing return"),
+    ],
+    ids=["plain-def", "no-return"],
+)
+async def test_an_external_counter_that_is_not_an_async_function_returning_an_int_is_named(
+    tmp_path: Any, counter: Any, says: str
+) -> None:
+    """``count_external_effects`` is checked as ``count_effects`` is: Python's own TypeError
+    ("int() argument must be ...", "can't be used in 'await' expression") named neither the
+    counter nor what it must return. Asked of the plan directly: no server, no database."""
+    from grpc_idempotency.testing import ConformancePlan
+
+    checks = type("Counting", (_Tuned,), {"count_external_effects": counter})()
+    plan = ConformancePlan(checks.conformance_target(), "postgresql://u@127.0.0.1:1/x", tmp_path)
+    with pytest.raises(
+        TypeError, match=r"^count_external_effects\(request\) must be an async function .*" + says
+    ):
+        await plan._at_most_once_outside("check_x", object())
