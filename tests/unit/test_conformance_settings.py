@@ -166,13 +166,18 @@ async def _no_return(checks: Any, request: Any) -> None:
     return None
 
 
+async def _exists(checks: Any, request: Any) -> bool:
+    return True  # SELECT EXISTS (...): never more than 1, whatever was done twice
+
+
 @pytest.mark.parametrize(
     ("counter", "says"),
     [
         (_not_async, r"it returned int, not an awaitable"),
         (_no_return, r"an int, not NoneType \(a missing return"),
+        (_exists, r"an int, not bool: count the effects"),
     ],
-    ids=["plain-def", "no-return"],
+    ids=["plain-def", "no-return", "a-yes-or-no"],
 )
 async def test_an_external_counter_that_is_not_an_async_function_returning_an_int_is_named(
     tmp_path: Any, counter: Any, says: str

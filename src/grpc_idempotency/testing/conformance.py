@@ -227,9 +227,16 @@ async def _counted(value: Any, what: str) -> int:
     if not inspect.isawaitable(value):
         raise TypeError(f"{expected}; it returned {type(value).__name__}, not an awaitable")
     count = await value
+    if isinstance(count, bool):
+        # An int to isinstance, but a yes/no (SELECT EXISTS ...) never exceeds 1: every check
+        # would pass with the effect made twice.
+        raise TypeError(
+            f"{expected}, an int, not bool: count the effects (SELECT count(*) ...), for a"
+            " yes/no cannot show one made twice"
+        )
     # A whole number of any type: PostgreSQL's sum() of a bigint column is numeric, which
     # asyncpg returns as a Decimal (``int()`` took it before this check was added).
-    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+    if isinstance(count, numbers.Integral):
         return int(count)
     if isinstance(count, Decimal) and count.is_finite() and count == count.to_integral_value():
         return int(count)
