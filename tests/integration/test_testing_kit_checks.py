@@ -19,11 +19,12 @@ comes from the server's environment (``KIT_CHECKS_VARIANT``). They write into
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -168,22 +169,30 @@ async def orchestrator_server(dsn: str) -> AsyncIterator[Any]:
     """RelayService.Forward (phased): its one effect is a call to the ledger at ``LEDGER_ENV``
     (a server of the test process, without the failpoints) with the step's child key, as the
     README says to call another service."""
+    interceptors = IdempotencyClientInterceptor(
+        services=[testsvc_pb2], forward_metadata=[TENANT]
+    ).all_kinds()
+    async with _relay_server(dsn, RelayService, interceptors) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def _relay_server(
+    dsn: str, relay: Callable[[Any], Any], interceptors: Sequence[Any] = ()
+) -> AsyncIterator[Any]:
+    """A keyed RelayService server (``relay``, made with a ledger stub) whose ledger channel has
+    ``interceptors``."""
     store = await Store.connect(
         dsn, schema="kit_checks_relay", min_size=1, max_size=10, migrate=True
     )
-    downstream = grpc.aio.insecure_channel(
-        os.environ[LEDGER_ENV],
-        interceptors=IdempotencyClientInterceptor(
-            services=[testsvc_pb2], forward_metadata=[TENANT]
-        ).all_kinds(),
-    )
-    scope = MetadataScope(TENANT)
+    downstream = grpc.aio.insecure_channel(os.environ[LEDGER_ENV], interceptors=interceptors)
     interceptor = IdempotencyInterceptor(
-        store, services=[testsvc_pb2], scope=scope, overrides=FORWARD_LEASE
+        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), overrides=FORWARD_LEASE
     )
     server = grpc.aio.server(interceptors=[interceptor])
-    relay = RelayService(testsvc_pb2_grpc.LedgerServiceStub(downstream))
-    testsvc_pb2_grpc.add_RelayServiceServicer_to_server(relay, server)
+    testsvc_pb2_grpc.add_RelayServiceServicer_to_server(
+        relay(testsvc_pb2_grpc.LedgerServiceStub(downstream)), server
+    )
     try:
         yield server
     finally:
@@ -206,21 +215,8 @@ class PlainChannelRelay(testsvc_pb2_grpc.RelayServiceServicer):
 
 
 async def plain_channel_server(dsn: str) -> AsyncIterator[Any]:
-    store = await Store.connect(
-        dsn, schema="kit_checks_relay", min_size=1, max_size=10, migrate=True
-    )
-    downstream = grpc.aio.insecure_channel(os.environ[LEDGER_ENV])
-    interceptor = IdempotencyInterceptor(
-        store, services=[testsvc_pb2], scope=MetadataScope(TENANT), overrides=FORWARD_LEASE
-    )
-    server = grpc.aio.server(interceptors=[interceptor])
-    relay = PlainChannelRelay(testsvc_pb2_grpc.LedgerServiceStub(downstream))
-    testsvc_pb2_grpc.add_RelayServiceServicer_to_server(relay, server)
-    try:
+    async with _relay_server(dsn, PlainChannelRelay) as server:
         yield server
-    finally:
-        await downstream.close(None)
-        await store.close()
 
 
 def _request() -> testsvc_pb2.PostRequest:
