@@ -1046,9 +1046,10 @@ class Relay:
                 self._announce_listening()
                 self._wake.set()
                 pause = 0.05
-                if self.listen_dsn is not None:
-                    # Once listening: a healthy relay's start waits for none of it.
-                    await self._check_listen_database(lost)
+                # Once listening: a healthy relay's start waits for none of it.
+                if self.listen_dsn is not None and not await self._check_listen_database(listener):
+                    self._give_up_listening()
+                    return
                 while not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), self.poll_interval)
@@ -1077,7 +1078,7 @@ class Relay:
                 if listener is not None:
                     await listener.close()
 
-    async def _check_listen_database(self, lost: asyncio.Event) -> None:
+    async def _check_listen_database(self, listener: Listener) -> bool:
         """Warns when ``listen_dsn`` is not the store's database: a NOTIFY with a payload of its
         own, sent through the store's pool, does not reach the LISTEN session in a bounded time.
         The channel has the same name in every database (another shard's, a staging copy's), so
@@ -1085,7 +1086,10 @@ class Relay:
         nothing. A warning only, never a refusal: a live database's notification can be late
         on a loaded host, and polling delivers everything anyway (its arrival later is logged).
         No verdict when the store cannot send it in time (an outage, a busy pool), nor when the
-        LISTEN session is ``lost`` before it arrives (its notifications are gone with it)."""
+        LISTEN session is ``lost`` before it arrives (its notifications are gone with it).
+        Returns False when, unheard, the session is found not to listen at all (listen_dsn
+        through a transaction pooler): the caller gives LISTEN up, with the pooler's warning."""
+        lost = listener.lost
         bound = min(_LISTEN_CHECK_MAX_S, max(_LISTEN_CHECK_MIN_S, self.poll_interval))
         heard = self._heard = asyncio.Event()
         token = self._check_token = f"{_LISTEN_CHECK}{secrets.token_hex(8)}"
@@ -1093,7 +1097,7 @@ class Relay:
             await self.outbox.notify_listeners(token, timeout=bound)
         except StoreUnavailable as err:
             log.debug("relay %s: listen_dsn not checked (%s)", self.name, err)
-            return
+            return True
         sent = time.monotonic()  # the wait starts once it is sent: a busy pool is no verdict
         waits = [asyncio.ensure_future(heard.wait()), asyncio.ensure_future(lost.wait())]
         try:
@@ -1104,19 +1108,30 @@ class Relay:
         if heard.is_set():
             log.debug("relay %s: listen_dsn reaches the store's database", self.name)
             self._unheard = None
-            return
+            return True
         if lost.is_set():
             # A session dropped mid-check never hears it, whichever database it is on: warned
             # of, a listen_dsn on the store's own database was called "likely another".
             log.debug("relay %s: listen_dsn not checked (its session was lost)", self.name)
-            return
+            return True
+        # A session that does not listen (listen_dsn through PgBouncer in transaction mode)
+        # hears nothing either, whichever database it reaches: it was called "likely another
+        # database", and the pooler's warning came a poll_interval later. One query to tell.
+        # Raising (a link that died silently), it is a failed LISTEN connection: reconnected.
+        # Not always told: PgBouncer hands a lone client the server connection that holds its
+        # LISTEN (it listens) yet drops what arrives there between transactions (the warning
+        # names both causes then).
+        if not await listener.still_listening(timeout=bound):
+            return False
         if self._unheard is None:  # once, not at each reconnection
             log.warning(
                 "relay %s: a NOTIFY sent through the store's pool (%s) did not reach the LISTEN"
                 " session on listen_dsn (%s) within %gs: listen_dsn is likely another database"
                 " (another shard's?), whose notifications wake this relay for rows that are not"
-                " its own; its own rows are found by polling, every %gs. Point listen_dsn"
-                " (--listen-dsn, GRPC_IDEMPOTENCY_LISTEN_DSN) at the store's own database.",
+                " its own, or a pooler in transaction mode (PgBouncer?), which drops them; its"
+                " own rows are found by polling, every %gs. Point listen_dsn (--listen-dsn,"
+                " GRPC_IDEMPOTENCY_LISTEN_DSN) at the store's own database, on PostgreSQL itself"
+                " or a session-mode pool.",
                 self.name,
                 self.store.store_log.where,
                 dsn_where(self.listen_dsn),
@@ -1124,6 +1139,7 @@ class Relay:
                 self.poll_interval,
             )
         self._unheard = (token, sent)
+        return True
 
     def _store_closed(self) -> bool:
         """Whether the store was closed (``Store.closed``); if so, the relay is woken to find it

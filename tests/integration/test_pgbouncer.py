@@ -517,6 +517,45 @@ async def test_a_relay_listening_through_pgbouncer_notices_and_falls_back_to_pol
     assert set(receiver.delivered.values()) == {1} and len(receiver.delivered) == 10
 
 
+async def test_a_listen_dsn_through_pgbouncer_gets_the_poolers_warning_not_another_database(
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """listen_dsn through PgBouncer (the store direct): its LISTEN lands on one of the two server
+    connections, which the test then holds, so the relay's NOTIFY is dropped there and its
+    listen_dsn check's probe of the session runs on the other, which does not listen. The
+    verdict is the pooler's at once, never "likely another database"."""
+    caplog.set_level(logging.WARNING, logger="grpc_idempotency.outbox")
+    with running_pgbouncer(pg_dsn, pool_size=2) as small:
+        clients = [await asyncpg.connect(small.dsn, **POOL_OPTIONS) for _ in range(2)]
+        try:
+            held = [c.transaction() for c in clients]
+            await held[0].start()  # one server connection busy: LISTEN goes to the other
+            listening = asyncio.Event()
+            relay = Relay(
+                store,
+                Receiver(expect=1),
+                listen_dsn=small.dsn,
+                poll_interval=3.0,  # the check waits 3 s for its NOTIFY: time to hold its server
+                on_listening=listening.set,
+            )
+            async with running(relay):
+                await asyncio.wait_for(listening.wait(), WAIT_S)
+                await held[1].start()  # the LISTEN's server connection, from the other client
+                assert await clients[1].fetchval(LISTENS, relay.outbox.channel)
+                await held[0].rollback()  # the probe runs on this one
+
+                async def gave_up() -> bool:
+                    return relay.polling_only
+
+                await until("the pooler's verdict", gave_up, timeout=WAIT_S)
+                await held[1].rollback()
+        finally:
+            for c in clients:
+                await c.close()
+    assert "listen_dsn goes through a pooler" in (relay.listen_failure or "")
+    assert "did not reach" not in caplog.text
+
+
 async def test_the_relay_command_runs_behind_pgbouncer(
     bounced_outbox: Store, store: Store, bouncer: PgBouncer
 ) -> None:

@@ -787,16 +787,20 @@ async def test_a_listen_session_lost_during_its_check_gives_no_verdict(
 async def test_the_listen_dsn_check_warns_once_and_its_payloads_wake_no_relay(
     pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Unheard twice (no session listens at all): one warning, not one per reconnection. A
-    check's payload, another relay's too (they share the channel), wakes no relay and answers
-    no other check; this relay's own arriving late is said once. A store that cannot send the
-    NOTIFY gives no verdict."""
+    """Unheard twice (its session listens on another database): one warning, not one per
+    reconnection. A check's payload, another relay's too (they share the channel), wakes no
+    relay and answers no other check; this relay's own arriving late is said once. A store that
+    cannot send the NOTIFY gives no verdict."""
     elsewhere = urlunsplit(urlsplit(pg_dsn)._replace(path="/template1"))
     relay = Relay(outbox, Receiver(), poll_interval=0.2, listen_dsn=elsewhere, name="alone")
     caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
     channel = outbox.schema + "_outbox"
-    for _ in range(2):
-        await relay._check_listen_database(asyncio.Event())
+    listener = await relay.outbox.listen(lambda *_: None, dsn=elsewhere)
+    try:
+        for _ in range(2):
+            assert await relay._check_listen_database(listener)  # it listens: no pooler
+    finally:
+        await listener.close()
     assert caplog.text.count("did not reach the LISTEN session") == 1, caplog.text
     late = relay._check_token  # the latest check's, which is the one still awaited
     relay._notified(None, 1, channel, "grpc-idempotency:listen-check:another-relays")
@@ -812,7 +816,11 @@ async def test_the_listen_dsn_check_warns_once_and_its_payloads_wake_no_relay(
     closed = await Store.connect(pg_dsn, schema=outbox.schema)
     await closed.close()
     unsent = Relay(closed, Receiver(), poll_interval=0.2, listen_dsn=elsewhere, name="unsent")
-    await unsent._check_listen_database(asyncio.Event())
+    listener = await relay.outbox.listen(lambda *_: None, dsn=elsewhere)
+    try:
+        assert await unsent._check_listen_database(listener)
+    finally:
+        await listener.close()
     assert "relay unsent: listen_dsn not checked" in caplog.text
     assert "relay unsent: a NOTIFY" not in caplog.text and unsent._unheard is None
 
