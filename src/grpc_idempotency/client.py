@@ -58,6 +58,7 @@ from grpc_idempotency.core.wire import (
     LIBRARY_HEADERS,
     STATUS_HEADER,
     STEP_HEADER,
+    is_replayed,
     reason_of,
     retry_after_ms,
     unsendable,
@@ -199,6 +200,8 @@ class Operation:
                     jitter=random.random(),
                     reason=reason_of(trailers),
                     time_left_s=None if deadline is None else deadline - time.monotonic(),
+                    # A replayed error is what every later attempt gets: not retried.
+                    replayed=is_replayed(err.initial_metadata()),
                 )
                 if delay is None:
                     raise

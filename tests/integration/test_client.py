@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from grpc_status import rpc_status
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Sum
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
@@ -350,6 +351,35 @@ async def test_retry_helper_gives_up_on_non_retryable_errors(ledger: RunningLedg
     # Raised at its first answer: retried, every attempt met the same refusal.
     assert attempts == 2
     assert ledger.service.keys_seen.count(op.key) == 1  # the reused key never reached the handler
+
+
+async def test_retry_helper_stops_at_a_replayed_error(ledger: RunningLedger) -> None:
+    """A policy retrying a code the method records (NOT_FOUND: a service's transient "not yet")
+    retried the replay of the first attempt's error, which every later attempt gets alike, until
+    ``max_attempts``. Now the first answer (executed) is retried once, its replay raised, trailers
+    intact; an operation whose first answer is already a replay makes one attempt."""
+    op = Operation.new()
+    attempts = 0
+
+    async def post(request: Any, **options: Any) -> Any:
+        nonlocal attempts
+        attempts += 1
+        return await ledger.stub.Post(request, **options)
+
+    policy = RetryPolicy(initial_backoff_s=0.01, retryable=frozenset({Code.NOT_FOUND}))
+    request = testsvc_pb2.PostRequest(account=fresh(), behaviour="rich")
+    for expected in (2, 1):
+        attempts = 0
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await op.call(post, request, metadata=TENANT_MD, retry=policy)  # type: ignore[arg-type]
+        assert attempts == expected
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        assert ("idempotency-replayed", "true") in tuple(caught.value.initial_metadata())
+        # The handler's rich status, recorded and replayed in the trailers.
+        details = rpc_status.from_call(caught.value)  # type: ignore[arg-type]
+        assert details is not None
+        assert details.message == "no such account"
+    assert ledger.service.executions == 1
 
 
 def test_retry_hint_parsing() -> None:

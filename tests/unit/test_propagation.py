@@ -238,6 +238,17 @@ def test_an_answer_every_attempt_gets_alike_is_never_retried(code: Code, reason:
         assert delay is not None
 
 
+def test_a_replayed_error_is_never_retried() -> None:
+    """A replay of a recorded error is what every later attempt gets: retried, a policy
+    retrying its code spent ``max_attempts`` and their backoff on the same answer. The same
+    error not replayed (its first, executed answer) is retried as the policy says."""
+    policy = RetryPolicy(retryable=frozenset({Code.NOT_FOUND}))
+    answer = {"attempt": 1, "code": Code.NOT_FOUND, "retry_after_ms": None, "jitter": 0.5}
+    assert policy.delay_s(**answer, replayed=True) is None  # type: ignore[arg-type]
+    assert policy.delay_s(**answer, replayed=False) is not None  # type: ignore[arg-type]
+    assert policy.delay_s(**answer) is not None  # type: ignore[arg-type]
+
+
 def test_a_nan_max_attempts_is_refused() -> None:
     """NaN compares false with everything: ``attempt >= max_attempts`` never held, and a
     policy made with it retried for ever (bounded only by a deadline, if the caller had one)."""

@@ -129,6 +129,7 @@ class RetryPolicy:
         jitter: float,
         reason: str | None = None,
         time_left_s: float | None = None,
+        replayed: bool = False,
     ) -> float | None:
         """Seconds to wait before attempt ``attempt + 1`` (attempts count from 1), or ``None``
         to stop: no attempts left, a code not retried, an answer of ``FINAL_REASONS``
@@ -136,8 +137,19 @@ class RetryPolicy:
         (gRPC's "do not retry") or beyond ``max_pushback_s``, or a wait that would end at or
         past the call's deadline (``time_left_s``: the seconds left before it, if it has one;
         ``call_deadline``). ``jitter`` is a random number in [0, 1): full jitter on the
-        backoff."""
-        if attempt >= self.max_attempts or code not in self.retryable or reason in FINAL_REASONS:
+        backoff.
+
+        ``replayed``: the error is a replay of a recorded outcome (``wire.is_replayed``, the
+        marker in its initial metadata), never retried whatever its code: the key's record
+        answers every later attempt with the same error, so a retry only spent attempts and
+        backoff (a policy retrying NOT_FOUND or FAILED_PRECONDITION, a service's transient
+        states, ran out ``max_attempts`` against an error recorded by the first)."""
+        if (
+            replayed
+            or attempt >= self.max_attempts
+            or code not in self.retryable
+            or reason in FINAL_REASONS
+        ):
             return None
         if retry_after_ms is not None:
             if retry_after_ms < 0:

@@ -94,6 +94,7 @@ __all__ = [
     "error_trailer_bytes",
     "fitted_error",
     "handler_trailer_bytes",
+    "is_replayed",
     "pushback_trailers",
     "reason_of",
     "retry_after_ms",
@@ -157,6 +158,13 @@ def _status_in(trailing_metadata: Metadata | None) -> status_pb2.Status | None:
             except DecodeError:  # a proxy's or a foreign server's garbage: no hint in it
                 return None
     return None
+
+
+def is_replayed(initial_metadata: Metadata | None) -> bool:
+    """Whether an answer is a replay of a recorded outcome: its initial metadata carries
+    ``REPLAYED_METADATA`` (for an error too: a replay sends it before its status, and the
+    library's own refusals, trailers-only, never carry it)."""
+    return any(tuple(entry) in REPLAYED_METADATA for entry in initial_metadata or ())
 
 
 def retry_after_ms(trailing_metadata: Metadata | None) -> int | None:
