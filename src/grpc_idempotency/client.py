@@ -39,7 +39,7 @@ from grpc_idempotency.core.errors import (
     StepUndeclared,
     TransactionOpen,
 )
-from grpc_idempotency.core.keys import validate_key
+from grpc_idempotency.core.keys import key_from_metadata, validate_key
 from grpc_idempotency.core.policy import KeyRequirement, MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import (
     KeySource,
@@ -608,8 +608,9 @@ class IdempotencyClientInterceptor(_Interceptor):
                 serving.method, serving.scope, serving.key, serving.steps, serving.started_at
             )
         explicit = None
-        explicit_keys = 0
-        binary_key = False
+        # The key entries this call would send of its own (not the parent's, replaced below),
+        # in order: checked as the server checks them (``_refuse_malformed_key``).
+        own_keys: list[tuple[str, str | bytes]] = []
         named = _step.get(None)
         named_by_call = False
         kept: list[tuple[str, str | bytes]] = []
@@ -627,11 +628,11 @@ class IdempotencyClientInterceptor(_Interceptor):
                     # would share one downstream record; this call gets its child key instead.
                     continue
                 explicit = key
-                explicit_keys += 1
+                own_keys.append((KEY_HEADER, key))
                 kept.append((KEY_HEADER, key))
                 continue
             elif text_name == KEY_HEADER_BIN:
-                binary_key = True
+                own_keys.append((KEY_HEADER_BIN, value))
             elif text_name == STEP_HEADER:
                 # Decoded like the key: gRPC sends a text entry given as bytes, and str(bytes),
                 # "b'charge.v1'", named a step that is not declared (StepUndeclared).
@@ -690,7 +691,7 @@ class IdempotencyClientInterceptor(_Interceptor):
         _refuse_unsendable(kept, serving, path)
         if target_keyed:
             # After _refuse_unsendable, whose error names what gRPC itself cannot send.
-            _refuse_malformed_key(explicit, explicit_keys, binary_key, serving, path)
+            _refuse_malformed_key(own_keys, serving, path)
         step = None
         if choice is not None and choice.key is not None:
             if choice.source is KeySource.CHILD and serving is not None and choice.step:
@@ -730,31 +731,23 @@ calling again: its OK answer would say done without that call's effect."""
 
 
 def _refuse_malformed_key(
-    key: str | None, count: int, binary: bool, serving: IdempotentCall | None, path: str
+    own_keys: Sequence[tuple[str, str | bytes]], serving: IdempotentCall | None, path: str
 ) -> None:
-    """Refuses a keyed call whose own ``idempotency-key`` entries a server refuses as malformed
-    (``keys.key_from_metadata``): a key that is empty, over 255 characters or holds a space,
-    one given twice, or one given as ``-bin`` (beside which this interceptor would send a key
-    of its own). Sent, the call was answered INVALID_ARGUMENT by the server, after the trip,
-    and a handler's step call so refused failed its handler with the downstream's error.
-    Outside a handler it is the caller's key: ``KeyInvalid``; inside one, the handler's
-    choice: ``ValueError`` (as for other metadata it cannot send, ``_refuse_unsendable``), not
-    an INVALID_ARGUMENT that would tell its caller the caller's own key was malformed."""
-    problem = None
-    if binary:
-        problem = f"send the idempotency key as text metadata {KEY_HEADER!r}, not -bin"
-    elif count > 1:
-        problem = f"{KEY_HEADER!r} given {count} times; a call carries one key"
-    elif key is not None:
-        try:
-            validate_key(key)
-        except KeyInvalid as err:
-            problem = str(err)
-    if problem is None:
-        return
-    if serving is None:
-        raise KeyInvalid(f"a call of {path}: {problem}")
-    raise ValueError(f"{serving.method} called {path} with a malformed key: {problem}")
+    """Refuses a keyed call whose own ``idempotency-key`` entries (``own_keys``) a server refuses
+    as malformed, by the server's own check (``keys.key_from_metadata``): a key that is empty,
+    over 255 characters or not visible ASCII (0x21-0x7E), one given twice, or one given as
+    ``-bin`` (beside which this interceptor would send a key of its own). Sent, the call was
+    answered INVALID_ARGUMENT by the server, after the trip, and a handler's step call so
+    refused failed its handler with the downstream's error. Outside a handler it is the
+    caller's key: ``KeyInvalid``; inside one, the handler's choice: ``ValueError`` (as for other
+    metadata it cannot send, ``_refuse_unsendable``), not an INVALID_ARGUMENT that would tell its
+    caller the caller's own key was malformed."""
+    try:
+        key_from_metadata(own_keys)
+    except KeyInvalid as err:
+        if serving is None:
+            raise KeyInvalid(f"a call of {path}: {err}") from None
+        raise ValueError(f"{serving.method} called {path} with a malformed key: {err}") from None
 
 
 def _refuse_unsendable(

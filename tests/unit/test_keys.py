@@ -3,11 +3,13 @@ from __future__ import annotations
 import hashlib
 import uuid
 
+import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency.client import Operation
+from grpc_idempotency.client import IdempotencyClientInterceptor, Operation
 from grpc_idempotency.core.errors import KeyInvalid, ScopeResolverFailed, ScopeUnavailable
 from grpc_idempotency.core.keys import (
     MAX_STEP_NAME_LENGTH,
@@ -232,3 +234,51 @@ def test_zwnj_and_zwj_are_taken_in_a_scope() -> None:
         "t:\U0001f469\u200d\U0001f4bb",
     ):
         assert validate_scope(scope) == scope
+
+
+_KEY_METADATA = [
+    [],
+    [("x-tenant-id", "t")],
+    [("idempotency-key", "k-1")],
+    [("idempotency-key", b"k-1")],
+    [("idempotency-key", "~" * 255)],
+    [("idempotency-key", "")],
+    [("idempotency-key", "k" * 256)],
+    [("idempotency-key", "has space")],
+    [("idempotency-key", "a\tb")],
+    [("idempotency-key", "caf\u00e9")],
+    [("idempotency-key", "a\x7fb")],
+    [("idempotency-key", b"a\xffb")],
+    [("idempotency-key", "k-1"), ("idempotency-key", "k-1")],
+    [("idempotency-key", "k-1"), ("idempotency-key", "k-2")],
+    [("idempotency-key-bin", b"k-1")],
+    [("idempotency-key", "k-1"), ("idempotency-key-bin", b"k-1")],
+    [("idempotency-key-bin", b"k-1"), ("idempotency-key", "")],
+]
+
+
+@pytest.mark.parametrize("metadata", _KEY_METADATA, ids=repr)
+def test_client_and_server_refuse_the_same_key_metadata(
+    metadata: list[tuple[str, str | bytes]],
+) -> None:
+    """The client interceptor refuses a keyed call's key metadata exactly when the server would
+    (``key_from_metadata``), before sending it; and what it does send, the server takes. The
+    client once kept its own copy of the checks, free to drift from the server's."""
+    try:
+        key_from_metadata(metadata)
+    except KeyInvalid:
+        server_refuses = True
+    else:
+        server_refuses = False
+    interceptor = IdempotencyClientInterceptor(services=[testsvc_pb2])
+    details = grpc.aio.ClientCallDetails(
+        "/testsvc.v1.LedgerService/Post", None, grpc.aio.Metadata(*metadata), None, None
+    )
+    try:
+        sent, *_ = interceptor._outgoing(details, keyed=True)
+    except KeyInvalid:
+        client_refuses = True
+    else:
+        client_refuses = False
+        assert key_from_metadata(tuple(sent.metadata or ())) is not None  # keyed, and valid
+    assert client_refuses == server_refuses

@@ -41,17 +41,29 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 def key_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The call's key, ``None`` when absent; raises ``KeyInvalid`` for every malformed form."""
-    found: str | None = None
+    """The call's key, ``None`` when absent; raises ``KeyInvalid`` for every malformed form: an
+    ``idempotency-key-bin`` entry, the key given more than once, or a key ``validate_key``
+    refuses.
+
+    The one definition of a malformed key's metadata: the server refuses a call by it, and the
+    client interceptor refuses to send one by it (given the key entries it would send), so that
+    the two cannot drift (the client's own copy of these checks was a second list to keep in
+    step). Whichever the entries' order, -bin is said first, then the count, then the key."""
+    keys: list[str | bytes] = []
     for name, value in metadata or ():
         if name == KEY_HEADER_BIN:
+            # Said even beside a valid text key: a reader of the -bin form took another key.
             raise KeyInvalid(f"send the idempotency key as text metadata {KEY_HEADER!r}, not -bin")
-        if name != KEY_HEADER:
-            continue
-        if found is not None:
-            raise KeyInvalid(f"{KEY_HEADER!r} was sent more than once")
-        found = validate_key(value.decode("latin-1") if isinstance(value, bytes) else value)
-    return found
+        if name == KEY_HEADER:
+            keys.append(value)
+    if not keys:
+        return None
+    if len(keys) > 1:
+        raise KeyInvalid(
+            f"{KEY_HEADER!r} given {len(keys)} times; a call carries one key, never more than once"
+        )
+    (value,) = keys
+    return validate_key(value.decode("latin-1") if isinstance(value, bytes) else value)
 
 
 def validate_key(key: str) -> str:
