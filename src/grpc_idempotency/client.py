@@ -58,7 +58,7 @@ from grpc_idempotency.core.wire import (
     LIBRARY_HEADERS,
     STATUS_HEADER,
     STEP_HEADER,
-    is_replayed,
+    carries_replay_marker,
     reason_of,
     retry_after_ms,
     unsendable,
@@ -201,7 +201,7 @@ class Operation:
                     reason=reason_of(trailers),
                     time_left_s=None if deadline is None else deadline - time.monotonic(),
                     # A replayed error is what every later attempt gets: not retried.
-                    replayed=is_replayed(err.initial_metadata()),
+                    replayed=carries_replay_marker(err.initial_metadata()),
                 )
                 if delay is None:
                     raise

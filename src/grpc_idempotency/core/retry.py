@@ -139,10 +139,10 @@ class RetryPolicy:
         ``call_deadline``). ``jitter`` is a random number in [0, 1): full jitter on the
         backoff.
 
-        ``replayed``: the error is a replay of a recorded outcome (``wire.is_replayed``, the
-        marker in its initial metadata), never retried whatever its code: the key's record
-        answers every later attempt with the same error, so a retry only spent attempts and
-        backoff (a policy retrying NOT_FOUND or FAILED_PRECONDITION, a service's transient
+        ``replayed``: the error is a replay of a recorded outcome (the marker in its initial
+        metadata, ``wire.carries_replay_marker``), never retried whatever its code: the key's
+        record answers every later attempt with the same error, so a retry only spent attempts
+        and backoff (a policy retrying NOT_FOUND or FAILED_PRECONDITION, a service's transient
         states, ran out ``max_attempts`` against an error recorded by the first)."""
         if (
             replayed

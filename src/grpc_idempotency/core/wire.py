@@ -90,11 +90,11 @@ __all__ = [
     "REPLAYED_METADATA",
     "STATUS_HEADER",
     "TRUNCATED",
+    "carries_replay_marker",
     "error_status",
     "error_trailer_bytes",
     "fitted_error",
     "handler_trailer_bytes",
-    "is_replayed",
     "pushback_trailers",
     "reason_of",
     "retry_after_ms",
@@ -160,7 +160,7 @@ def _status_in(trailing_metadata: Metadata | None) -> status_pb2.Status | None:
     return None
 
 
-def is_replayed(initial_metadata: Metadata | None) -> bool:
+def carries_replay_marker(initial_metadata: Metadata | None) -> bool:
     """Whether an answer is a replay of a recorded outcome: its initial metadata carries
     ``REPLAYED_METADATA`` (for an error too: a replay sends it before its status, and the
     library's own refusals, trailers-only, never carry it)."""
