@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ssl
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -182,6 +183,14 @@ def test_pgbouncers_refusals_for_good_are_told_from_its_passing_failures(
         assert error.outage and error.ambiguous, error
 
 
+def _splits(url: str) -> bool:
+    try:
+        urlsplit(url)
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize(
     ("dsn", "options", "named"),
     [
@@ -201,7 +210,13 @@ def test_pgbouncers_refusals_for_good_are_told_from_its_passing_failures(
         ("postgresql://app:s3cret@[::1]/orders", {"port": 5433}, "[::1]:5433/orders"),
         # asyncpg's port= wins over the DSN's hosts' own ports.
         ("postgresql://app:s3cret@db:6432/orders", {"port": 5433}, "db:5433/orders"),
-        ("postgresql://app:s3cret@a:1,[::1]:2/orders", {"port": "5433"}, "a,[::1]:5433/orders"),
+        # Python 3.13's urlsplit (and so asyncpg's urlparse) refuses brackets after a host list's
+        # first host ("Invalid IPv6 URL"): a DSN no store connects with there, its pieces "?".
+        (
+            "postgresql://app:s3cret@a:1,[::1]:2/orders",
+            {"port": "5433"},
+            "a,[::1]:5433/orders" if _splits("postgresql://a:1,[::1]:2/") else "?:5433/?",
+        ),
         ("postgresql://app:s3cret@db/?dbname=orders", {}, "db/orders"),
         ("postgresql://app:s3cret@/orders", {"host": ["a", "b"], "port": 5433}, "a,b:5433/orders"),
         # Not a URL at all (key=value text, which asyncpg refuses): no piece of it, though a
