@@ -33,6 +33,13 @@ from grpc_idempotency.core.keys import (
         ([("idempotency-key", "a\x7fb")], "visible ASCII"),
         ([("idempotency-key", "a"), ("idempotency-key", "a")], "more than once"),
         ([("idempotency-key-bin", b"abc")], "-bin"),
+        # -bin is said even after a valid text key (a reader of -bin took another key), and
+        # before the count.
+        ([("idempotency-key", "a"), ("idempotency-key-bin", b"b")], "-bin"),
+        (
+            [("idempotency-key", "a"), ("idempotency-key", "b"), ("idempotency-key-bin", b"")],
+            "-bin",
+        ),
         # Bytes that are not UTF-8: refused as a key, not a UnicodeDecodeError.
         ([("idempotency-key", b"a\xffb")], "visible ASCII"),
     ],

@@ -20,6 +20,7 @@ from grpc_idempotency.core.propagation import (
     start_decides,
 )
 from grpc_idempotency.core.retry import RetryPolicy, service_config
+from grpc_idempotency.core.wire import REPLAYED_METADATA, carries_replay_marker
 
 PARENT = Parent(
     method="/checkout.v1.OrderService/PlaceOrder",
@@ -247,6 +248,14 @@ def test_a_replayed_error_is_never_retried() -> None:
     assert policy.delay_s(**answer, replayed=True) is None  # type: ignore[arg-type]
     assert policy.delay_s(**answer, replayed=False) is not None  # type: ignore[arg-type]
     assert policy.delay_s(**answer) is not None  # type: ignore[arg-type]
+
+
+def test_the_replay_marker_is_its_entry_not_its_name() -> None:
+    """What ``Operation.call`` reads to stop retrying: the marker entry itself, among others,
+    not any entry of its name (a server's "false" is not a replay) nor any other entry."""
+    assert carries_replay_marker((("x-a", "1"), *REPLAYED_METADATA, ("x-b", "2")))
+    for metadata in (None, (), (("x-a", "1"),), ((REPLAYED_METADATA[0][0], "false"),)):
+        assert not carries_replay_marker(metadata), metadata
 
 
 def test_a_nan_max_attempts_is_refused() -> None:
