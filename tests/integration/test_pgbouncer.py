@@ -548,6 +548,8 @@ async def test_a_listen_dsn_through_pgbouncer_gets_the_poolers_warning_not_anoth
                     return relay.polling_only
 
                 await until("the pooler's verdict", gave_up, timeout=WAIT_S)
+                # Given up at once, its LISTEN session let go: not kept a poll_interval longer.
+                assert not relay.listening.is_set()
                 await held[1].rollback()
         finally:
             for c in clients:
