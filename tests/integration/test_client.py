@@ -204,6 +204,26 @@ async def test_a_handlers_malformed_key_is_its_own_error(
     assert ledger.service.keys_seen == []
 
 
+async def test_a_handlers_own_key_beside_its_passed_on_metadata_is_not_malformed(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The parent's key in passed-on metadata (``invocation_metadata()``) is not one of the
+    call's own keys: beside the handler's key it is dropped, not counted as a second key."""
+    own = fresh()
+
+    class Relay(RelayService):
+        async def Forward(self, request: Any, context: Any) -> Any:
+            post = testsvc_pb2.PostRequest(account=request.account)
+            passed_on = (*context.invocation_metadata(), ("idempotency-key", own))
+            await self.ledger.Post(post, metadata=passed_on)
+            return testsvc_pb2.ForwardResponse()
+
+    async with running_relay(store, ledger.address, servicer=Relay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [own]
+
+
 @pytest.mark.parametrize(
     "entry", [(b"x-note", "n"), ("x-note", None)], ids=["bytes-name", "none-value"]
 )
