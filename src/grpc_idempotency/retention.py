@@ -38,7 +38,9 @@ class Purger:
     under way, if any.
 
     A run that fails is tried again at the next interval: an outage (``StoreUnavailable``) is
-    logged as a warning, anything else (a bug) as an error with its traceback; neither stops
+    logged as a warning ("purge stopped after N rows" when batches of the run committed first,
+    which stay purged; "purge skipped" when none did), anything else (a bug) as an error with
+    its traceback; neither stops
     the purger, nor, sharded, another shard's schedule. A store the application closed
     (``Store.closed``) ends its schedule, with one warning: no later run could purge it.
     """
@@ -99,17 +101,18 @@ class Purger:
             for name, store in self.store.shards.items():
                 shards.create_task(self._purge_every_interval(store, f" on shard {name!r}"))
 
-    def _count(self, deleted: int) -> None:
-        self.purged += deleted
-
     async def _purge_every_interval(self, store: Store, where: str) -> None:
         while True:
+            run = [0]  # this run's committed batches: the log of a run that fails says them
+
+            def count(deleted: int, run: list[int] = run) -> None:
+                self.purged += deleted
+                run[0] += deleted
+
             try:
                 # Counted per committed batch: a purge stopped midway left its committed batches
                 # out of ``purged``.
-                await store.purge(
-                    batch_size=self.batch_size, pause=self.pause, on_batch=self._count
-                )
+                await store.purge(batch_size=self.batch_size, pause=self.pause, on_batch=count)
             except StoreUnavailable as err:
                 if store.closed:
                     # store.close() (a shutdown that closed the store before stopping the
@@ -121,12 +124,21 @@ class Purger:
                         where,
                     )
                     return
-                log.warning("purge skipped%s: %s", where, err)
+                if run[0]:
+                    # Its committed batches stay purged: "skipped" read as if nothing had gone.
+                    log.warning("purge stopped%s after %d rows: %s", where, run[0], err)
+                else:
+                    log.warning("purge skipped%s: %s", where, err)
             except Exception:
                 # No outage: a bug, or a driver's error the store does not map. Raised, it ended
                 # this loop for good, unseen until stop() (sharded, the TaskGroup cancelled every
                 # other shard's loop with it), and the table grew without bound. Deleting is
                 # housekeeping a later run may well complete: said with its traceback, every
                 # interval while it lasts. stop()'s cancellation is no Exception: it ends the loop.
-                log.exception("purge failed%s; trying again in %gs", where, self.interval)
+                log.exception(
+                    "purge failed%s after %d rows; trying again in %gs",
+                    where,
+                    run[0],
+                    self.interval,
+                )
             await asyncio.sleep(self.interval)
