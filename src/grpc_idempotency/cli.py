@@ -1306,8 +1306,8 @@ def _main(argv: Sequence[str] | None) -> int:
         report_store_error(refused.error, refused.dsn)
         return 2
     except StoreMisconfigured as err:
-        # No such database or role, bad password, not migrated, no privilege: retrying will not
-        # help (exit 2).
+        # No such database or role, bad password, not migrated, no privilege, a purge that a
+        # trigger or foreign key refused: retrying will not help (exit 2).
         report_store_error(err, args.dsn)
         return 2
     except StoreUnavailable as err:

@@ -267,6 +267,32 @@ async def test_cli_purge_failing_midway_says_what_its_committed_batches_took(
     assert await keys(purge_store) == ["old-3", "old-4", "old-5"]
 
 
+async def test_cli_purge_refused_by_a_trigger_is_misconfigured_not_unavailable(
+    purge_store: Store, pg_dsn: str
+) -> None:
+    """An application's trigger refuses to delete one record (RAISE, SQLSTATE P0001) in the
+    second batch: the purge said "store unavailable (P0001)" and exited 1 (retry later), though
+    every retry meets the same trigger. Now: exit 2, naming the SQLSTATE and the trigger's
+    message, after the first batch's count."""
+    await expired_records(purge_store, 5)
+    schema = f'"{purge_store.schema}"'
+    await purge_store.pool.execute(
+        f"CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$BEGIN RAISE EXCEPTION 'record % is kept for audit', OLD.key; END$$;"
+        f" CREATE TRIGGER keep BEFORE DELETE ON {records(purge_store)} FOR EACH ROW"
+        f" WHEN (OLD.key = 'old-3') EXECUTE FUNCTION {schema}.refuse()"
+    )
+    done = await asyncio.to_thread(
+        run_cli, "purge", "--dsn", pg_dsn, "--schema", purge_store.schema, "--batch-size", "2"
+    )
+    assert done.returncode == 2, done.stderr
+    first = done.stderr.splitlines()[0]
+    assert "SQLSTATE P0001: record old-3 is kept for audit" in first, done.stderr
+    assert "unavailable" not in first and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout == "purged 2 expired records before it failed\n"
+    assert await keys(purge_store) == ["old-3", "old-4", "old-5"]
+
+
 async def test_a_purger_stopped_midway_rolls_its_batch_back_and_counts_what_committed(
     purge_store: Store, db: asyncpg.Connection
 ) -> None:

@@ -227,6 +227,28 @@ def store_error(exc: BaseException, doing: str, store: StoreLog) -> StoreUnavail
     )
 
 
+def purge_refused(exc: BaseException, doing: str) -> StoreMisconfigured | None:
+    """What a purge's statement that the database refused for no outage, conflict or schema
+    problem (``Failure.OTHER``: a trigger's ``RAISE``, P0001; a foreign key of the
+    application's restricting the delete, 23503) raises; ``None`` for any other failure, which
+    ``store_error`` has mapped. Such a refusal was "store unavailable", retryable: a Purger
+    warned every interval of an outage that was not one, and the CLI's purge exited 1 (retry
+    later) for good. It comes back at every batch until the trigger or key is changed, so it is
+    misconfigured (exit 2), naming the SQLSTATE and the database's message: the purge is the
+    operator's, and no client ever sees it."""
+    if not isinstance(exc, asyncpg.PostgresError) or prepared_statement_lost(exc):
+        return None  # the statement cache behind PgBouncer: store_error's, with its own hint
+    state = sqlstate(exc)
+    if state is None or classify(state) is not Failure.OTHER:
+        return None
+    said = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return StoreMisconfigured(
+        f"idempotency store refused {doing} (SQLSTATE {state}: {said}): not an outage, and"
+        " retrying cannot help until what refused it (a trigger, rule or foreign key on the"
+        " store's tables) is changed"
+    )
+
+
 def from_the_driver(exc: BaseException) -> bool:
     """Whether ``exc``, raised by a store statement, is the database's or its driver's failure:
     one of ``STORE_ERRORS``, or any other Exception raised inside asyncpg. Its protocol code

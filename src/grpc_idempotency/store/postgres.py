@@ -65,6 +65,7 @@ from grpc_idempotency.store.errors import (
     from_the_driver,
     handler_error,
     password_error,
+    purge_refused,
     session_refused,
     sqlstate,
     store_error,
@@ -1702,6 +1703,8 @@ class Store:
                     cause = err.__cause__
                     if tried < tries and cause is not None and _connection_gone(cause):
                         continue
+                    if cause is not None and (refused := purge_refused(cause, doing)):
+                        raise refused from cause
                     raise
                 break
             if last is not None:
