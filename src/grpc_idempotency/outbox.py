@@ -112,11 +112,19 @@ _METER_LOG_S = 60.0
 """How often a meter that raises on every batch is logged."""
 
 _LISTEN_CHECK = "grpc-idempotency:listen-check:"
-"""The payload prefix of a relay's listen_dsn check (``Relay._check_listen_database``)."""
+"""The payload prefix of a relay's NOTIFY round trip (``Relay._check_listen_database``): woken
+by it, relays (all of them share the channel) claim nothing."""
 _LISTEN_CHECK_MIN_S = 1.0
 _LISTEN_CHECK_MAX_S = 5.0
 """How long the check waits for its NOTIFY: ``poll_interval`` (what LISTEN saves over polling),
 within these bounds. A healthy relay waits only as long as the NOTIFY takes (milliseconds)."""
+_LISTEN_CHECK_EVERY = 6
+"""A listening relay sends its NOTIFY round trip every this many ``poll_interval``s (30 s by
+default), besides the one at each connection to ``listen_dsn``: asking the session whether it
+listens (every ``poll_interval``) misses a pooler that hands a lone client back the server
+connection holding its LISTEN, yet drops what arrives there between transactions."""
+_LISTEN_CHECK_WARN_EVERY_S = 3600.0
+"""A round trip unheard again, after one was heard, is warned of at most this often."""
 
 # A relay's purge of sent rows deletes in batches of this many rows, at most this many batches
 # at a turn, so that it never holds up deliveries for long.
@@ -503,6 +511,10 @@ class Relay:
     pooled server connection it ran on goes on receiving notifications that nobody reads. So
     the relay checks, every ``poll_interval``, that its session still listens; when it does not
     (the check ran on another server connection), it logs a warning, stops listening and polls.
+    Every 6 poll intervals it also sends a NOTIFY through the store's pool and waits (1 to 5 s,
+    apart from its deliveries) for it to arrive: a pooler that hands a lone client back the
+    server connection holding its LISTEN passes the first check, yet drops the notifications.
+    Unheard, it logs a warning once, and its rows are found by polling.
     """
 
     def __init__(
@@ -597,12 +609,13 @@ class Relay:
         """Why the relay gave up LISTEN for polling (it did not hold on its session), if it
         did."""
         self._heard = asyncio.Event()
-        """Set when the listen_dsn check's NOTIFY (``_check_token``) arrives
+        """Set when the NOTIFY round trip's (``_check_token``) arrives
         (``_check_listen_database``)."""
         self._check_token = ""
         self._unheard: tuple[str, float] | None = None
-        """The listen_dsn check whose NOTIFY did not arrive in time (its payload, when it was
-        sent): warned of once, until a check is answered."""
+        """The round trip whose NOTIFY did not arrive in time (its payload, when it was sent):
+        warned of once, until a round trip is answered."""
+        self._unheard_warned_at: float | None = None
         self._random = rng or random.Random()
         self._traceback_logged: dict[type[BaseException], float] = {}
         self._wake = asyncio.Event()
@@ -1008,16 +1021,20 @@ class Relay:
     def _notified(self, *args: object) -> None:
         payload = args[3] if len(args) > 3 else ""
         if isinstance(payload, str) and payload.startswith(_LISTEN_CHECK):
-            # A relay's listen_dsn check (this one's, or another relay's on the database): no
+            # A relay's NOTIFY round trip (this one's, or another relay's on the database): no
             # row to deliver.
             if payload == self._check_token:
                 self._heard.set()
             if self._unheard is not None and payload == self._unheard[0]:
+                direct = self.listen_dsn is not None
                 log.info(
-                    "relay %s: the listen_dsn check's NOTIFY arrived after all, %.1fs after it"
-                    " was sent: listen_dsn reaches the store's database",
+                    "relay %s: %s NOTIFY arrived after all, %.1fs after it was sent: %s",
                     self.name,
+                    "the listen_dsn check's" if direct else "its LISTEN check's",
                     time.monotonic() - self._unheard[1],
+                    "listen_dsn reaches the store's database"
+                    if direct
+                    else "its LISTEN session hears the store's notifications",
                 )
                 self._unheard = None
             return
@@ -1050,11 +1067,23 @@ class Relay:
                 if self.listen_dsn is not None and not await self._check_listen_database(listener):
                     self._give_up_listening()
                     return
+                turns = 0
                 while not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), self.poll_interval)
                     if lost.is_set():
                         break
+                    turns += 1
+                    # Now and then a NOTIFY round trip (in this task: deliveries never wait for
+                    # it): PgBouncer in transaction mode hands a lone client the server
+                    # connection that holds its LISTEN (the query below says it listens), and
+                    # drops what arrives there between transactions. It asks that query too
+                    # when unheard.
+                    if turns % _LISTEN_CHECK_EVERY == 0:
+                        if not await self._check_listen_database(listener):
+                            self._give_up_listening()
+                            return
+                        continue
                     # A link that died silently (no FIN) shows up only when used; a LISTEN
                     # that went to a pooled server connection shows up as a session that is
                     # not listening.
@@ -1079,24 +1108,32 @@ class Relay:
                     await listener.close()
 
     async def _check_listen_database(self, listener: Listener) -> bool:
-        """Warns when ``listen_dsn`` is not the store's database: a NOTIFY with a payload of its
-        own, sent through the store's pool, does not reach the LISTEN session in a bounded time.
+        """A NOTIFY round trip: warns when a NOTIFY with a payload of its own, sent through the
+        store's pool, does not reach the LISTEN session in a bounded time. Run at each
+        connection to ``listen_dsn``, and every ``_LISTEN_CHECK_EVERY`` poll intervals.
         The channel has the same name in every database (another shard's, a staging copy's), so
-        such a relay was woken for others' rows, found its own only by polling, and said
-        nothing. A warning only, never a refusal: a live database's notification can be late
-        on a loaded host, and polling delivers everything anyway (its arrival later is logged).
+        a relay whose listen_dsn named another was woken for others' rows, found its own only by
+        polling, and said nothing; and PgBouncer in transaction mode can hand a lone client back
+        the server connection that holds its LISTEN (asked, the session listens) while it drops
+        the notifications that arrive there between transactions.
+        A warning only, never a refusal: a live database's notification can be late on a loaded
+        host, and polling delivers everything anyway (its arrival later is logged). Warned of
+        once, until a round trip is heard, and at most once an hour.
         No verdict when the store cannot send it in time (an outage, a busy pool), nor when the
         LISTEN session is ``lost`` before it arrives (its notifications are gone with it).
-        Returns False when, unheard, the session is found not to listen at all (listen_dsn
-        through a transaction pooler): the caller gives LISTEN up, with the pooler's warning."""
+        Returns False when, unheard, the session is found not to listen at all (through a
+        transaction pooler, on another server connection): the caller gives LISTEN up, with the
+        pooler's warning."""
         lost = listener.lost
+        direct = self.listen_dsn is not None
+        what = "listen_dsn" if direct else "its LISTEN session"
         bound = min(_LISTEN_CHECK_MAX_S, max(_LISTEN_CHECK_MIN_S, self.poll_interval))
         heard = self._heard = asyncio.Event()
         token = self._check_token = f"{_LISTEN_CHECK}{secrets.token_hex(8)}"
         try:
             await self.outbox.notify_listeners(token, timeout=bound)
         except StoreUnavailable as err:
-            log.debug("relay %s: listen_dsn not checked (%s)", self.name, err)
+            log.debug("relay %s: %s not checked (%s)", self.name, what, err)
             return True
         sent = time.monotonic()  # the wait starts once it is sent: a busy pool is no verdict
         waits = [asyncio.ensure_future(heard.wait()), asyncio.ensure_future(lost.wait())]
@@ -1106,38 +1143,62 @@ class Relay:
             for wait in waits:
                 wait.cancel()
         if heard.is_set():
-            log.debug("relay %s: listen_dsn reaches the store's database", self.name)
+            if direct:
+                log.debug("relay %s: listen_dsn reaches the store's database", self.name)
+            else:
+                log.debug("relay %s: its LISTEN session hears the store's NOTIFY", self.name)
             self._unheard = None
             return True
         if lost.is_set():
             # A session dropped mid-check never hears it, whichever database it is on: warned
             # of, a listen_dsn on the store's own database was called "likely another".
-            log.debug("relay %s: listen_dsn not checked (its session was lost)", self.name)
+            log.debug("relay %s: %s not checked (its session was lost)", self.name, what)
             return True
-        # A session that does not listen (listen_dsn through PgBouncer in transaction mode)
-        # hears nothing either, whichever database it reaches: it was called "likely another
-        # database", and the pooler's warning came a poll_interval later. One query to tell.
-        # Raising (a link that died silently), it is a failed LISTEN connection: reconnected.
-        # Not always told: PgBouncer hands a lone client the server connection that holds its
-        # LISTEN (it listens) yet drops what arrives there between transactions (the warning
-        # names both causes then).
+        # A session that does not listen (through PgBouncer in transaction mode) hears nothing
+        # either, whichever database it reaches: it was called "likely another database", and
+        # the pooler's warning came a poll_interval later. One query to tell. Raising (a link
+        # that died silently), it is a failed LISTEN connection: reconnected. Not always told:
+        # PgBouncer hands a lone client the server connection that holds its LISTEN (it
+        # listens) yet drops what arrives there between transactions (the warning names the
+        # pooler then).
         if not await listener.still_listening(timeout=bound):
             return False
-        if self._unheard is None:  # once, not at each reconnection
-            log.warning(
-                "relay %s: a NOTIFY sent through the store's pool (%s) did not reach the LISTEN"
-                " session on listen_dsn (%s) within %gs: listen_dsn is likely another database"
-                " (another shard's?), whose notifications wake this relay for rows that are not"
-                " its own, or a pooler in transaction mode (PgBouncer?), which drops them; its"
-                " own rows are found by polling, every %gs. Point listen_dsn (--listen-dsn,"
-                " GRPC_IDEMPOTENCY_LISTEN_DSN) at the store's own database, on PostgreSQL itself"
-                " or a session-mode pool.",
-                self.name,
-                self.store.store_log.where,
-                dsn_where(self.listen_dsn),
-                bound,
-                self.poll_interval,
-            )
+        now = time.monotonic()
+        last = self._unheard_warned_at
+        # Once, not at each reconnection nor at each round trip; again (an hour on) only after
+        # one was heard in between.
+        if self._unheard is None and (last is None or now - last >= _LISTEN_CHECK_WARN_EVERY_S):
+            self._unheard_warned_at = now
+            if direct:
+                log.warning(
+                    "relay %s: a NOTIFY sent through the store's pool (%s) did not reach the"
+                    " LISTEN session on listen_dsn (%s) within %gs: listen_dsn is likely another"
+                    " database (another shard's?), whose notifications wake this relay for rows"
+                    " that are not its own, or a pooler in transaction mode (PgBouncer?), which"
+                    " drops them; its own rows are found by polling, every %gs. Point listen_dsn"
+                    " (--listen-dsn, GRPC_IDEMPOTENCY_LISTEN_DSN) at the store's own database, on"
+                    " PostgreSQL itself or a session-mode pool.",
+                    self.name,
+                    self.store.store_log.where,
+                    dsn_where(self.listen_dsn),
+                    bound,
+                    self.poll_interval,
+                )
+            else:
+                # The LISTEN is on the store's own pool: the same database, so the pooler.
+                log.warning(
+                    "relay %s: a NOTIFY sent through the store's pool (%s) did not reach its"
+                    " LISTEN session, on the same pool, within %gs: the store's DSN likely goes"
+                    " through a pooler in transaction mode (PgBouncer?), which drops"
+                    " notifications; its rows are found by polling, every %gs. Pass listen_dsn="
+                    " (--listen-dsn, GRPC_IDEMPOTENCY_LISTEN_DSN) naming the store's own"
+                    " database on PostgreSQL itself or a session-mode pool, or listen=False"
+                    " (--no-listen) to poll without trying.",
+                    self.name,
+                    self.store.store_log.where,
+                    bound,
+                    self.poll_interval,
+                )
         self._unheard = (token, sent)
         return True
 

@@ -558,6 +558,54 @@ async def test_a_listen_dsn_through_pgbouncer_gets_the_poolers_warning_not_anoth
     assert "did not reach" not in caplog.text
 
 
+async def test_a_lone_client_behind_pgbouncer_is_warned_of_by_the_relays_notify_round_trip(
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PgBouncer with one server connection: every client gets the one holding the relay's
+    LISTEN, so asked, the session listens; the NOTIFY a commit sends there reaches the client
+    holding it then (the sender), never the relay. Its periodic NOTIFY round trip (no start-up
+    check without listen_dsn) warns, once, naming the pooler; the relay goes on listening and
+    polling. Direct, the same round trip is heard and says nothing."""
+    schema = "pgb_" + uuid.uuid4().hex[:12]
+    caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
+    unheard = "did not reach its LISTEN session"
+    with running_pgbouncer(pg_dsn, pool_size=1) as lone:
+        outbox = await Store.connect(
+            lone.dsn, schema=schema, min_size=1, max_size=2, migrate=True, **POOL_OPTIONS
+        )
+        direct = await Store.connect(pg_dsn, schema=schema, min_size=1, max_size=2)
+        try:
+            relay = Relay(outbox, Receiver(expect=1), poll_interval=0.05, name="lone")
+            async with running(relay):
+                await until("the round trip's warning", lambda: unheard in caplog.text, WAIT_S)
+                first = relay._check_token
+
+                def unheard_again() -> bool:  # the next round trip, unheard too: no warning
+                    latest = relay._check_token
+                    return (
+                        latest != first
+                        and relay._unheard is not None
+                        and relay._unheard[0] == latest
+                    )
+
+                await until("a second round trip, unheard", unheard_again, WAIT_S)
+                assert relay.listening.is_set() and relay.listen_failure is None
+            assert caplog.text.count(unheard) == 1, caplog.text
+            assert "relay lone: a NOTIFY sent through the store's pool" in caplog.text
+            assert "pooler in transaction mode (PgBouncer?)" in caplog.text
+
+            caplog.clear()
+            relay = Relay(direct, Receiver(expect=1), poll_interval=0.05, name="direct")
+            async with running(relay):
+                heard = "relay direct: its LISTEN session hears the store's NOTIFY"
+                await until("the direct relay's round trip", lambda: heard in caplog.text, WAIT_S)
+            assert "did not reach" not in caplog.text and relay._unheard is None
+        finally:
+            await direct.close()
+            await outbox.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            await outbox.close()
+
+
 async def test_the_relay_command_runs_behind_pgbouncer(
     bounced_outbox: Store, store: Store, bouncer: PgBouncer
 ) -> None:
