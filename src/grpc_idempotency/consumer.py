@@ -360,7 +360,7 @@ class IdempotentConsumer:
                 delivery.failed(exc, ConsumerOutcome.RELEASED)
             await mark.abandon(exc)
             if lost:
-                raise store_error(exc, "running the effect", self.store.store_log) from exc
+                raise store_error(exc, "running the effect", store=self.store.store_log) from exc
             raise
         await mark.commit(message_id)
         return ConsumeResult(message_id, mark.outcome, value)

@@ -387,11 +387,15 @@ async def test_a_lease_longer_than_postgresqls_timeouts_can_hold_still_claims(
 def test_a_store_statement_the_database_refuses_on_a_live_connection_is_no_outage() -> None:
     """SQLSTATE classes that say the store is up (a value it cannot hold, a constraint) do not
     let a fail-open method run unclaimed; unreachable and misconfigured stores do."""
-    assert not store_error(asyncpg.InvalidParameterValueError("x"), "claiming", StoreLog()).outage
-    assert not store_error(asyncpg.DatetimeFieldOverflowError("x"), "claiming", StoreLog()).outage
-    assert store_error(asyncpg.CannotConnectNowError("x"), "claiming", StoreLog()).outage
-    assert store_error(ConnectionRefusedError(), "claiming", StoreLog()).outage
-    assert store_error(asyncpg.UndefinedTableError("x"), "claiming", StoreLog()).outage
+    assert not store_error(
+        asyncpg.InvalidParameterValueError("x"), "claiming", store=StoreLog()
+    ).outage
+    assert not store_error(
+        asyncpg.DatetimeFieldOverflowError("x"), "claiming", store=StoreLog()
+    ).outage
+    assert store_error(asyncpg.CannotConnectNowError("x"), "claiming", store=StoreLog()).outage
+    assert store_error(ConnectionRefusedError(), "claiming", store=StoreLog()).outage
+    assert store_error(asyncpg.UndefinedTableError("x"), "claiming", store=StoreLog()).outage
 
 
 @pytest.mark.parametrize("method", [POST, PHASED])

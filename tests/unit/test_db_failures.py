@@ -115,20 +115,20 @@ def test_a_poolers_error_is_a_presumed_outage_to_be_confirmed() -> None:
     assert not presumed_outage("57P01") and outage("57P01")
     lost = asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation")
     lost.__cause__ = asyncpg.ProtocolViolationError("query_wait_timeout")
-    pooler = store_error(lost, "claiming a key", StoreLog())
+    pooler = store_error(lost, "claiming a key", store=StoreLog())
     assert pooler.outage and pooler.ambiguous
     closed = store_error(
         asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
         "claiming a key",
-        StoreLog(),
+        store=StoreLog(),
     )
     assert closed.outage and closed.ambiguous  # asyncpg 0.30's form of the pooler's error
     shutdown = store_error(
-        asyncpg.AdminShutdownError("terminating connection"), "claiming a key", StoreLog()
+        asyncpg.AdminShutdownError("terminating connection"), "claiming a key", store=StoreLog()
     )
     assert shutdown.outage and not shutdown.ambiguous
     reset = store_error(
-        ConnectionResetError(104, "Connection reset by peer"), "claiming a key", StoreLog()
+        ConnectionResetError(104, "Connection reset by peer"), "claiming a key", store=StoreLog()
     )
     assert reset.outage and not reset.ambiguous
 
@@ -175,7 +175,7 @@ def test_pgbouncers_refusals_for_good_are_told_from_its_passing_failures(
     one that passes (a presumed outage: retryable, confirmed before a fail-open method runs
     unclaimed). tests/integration/test_pgbouncer.py meets both with the PgBouncer installed;
     these are the wordings of the others."""
-    error = connect_error(asyncpg.ProtocolViolationError(said), StoreLog(), "claiming a key")
+    error = connect_error(asyncpg.ProtocolViolationError(said), "claiming a key", store=StoreLog())
     if for_good:
         assert isinstance(error, StoreMisconfigured), error
     else:
@@ -243,7 +243,7 @@ def test_a_store_logs_each_of_its_problems_once_a_minute(caplog: pytest.LogCaptu
     caplog.set_level("ERROR", logger="grpc_idempotency.store")
     unmigrated, no_schema = asyncpg.UndefinedTableError("x"), asyncpg.InvalidSchemaNameError("y")
     for exc in (unmigrated, no_schema, unmigrated, ValueError("a"), KeyError("b"), KeyError("c")):
-        store_error(exc, "claiming a key", store)
+        store_error(exc, "claiming a key", store=store)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 4, said
     assert all("[shard 'one': db:5432/orders, schema s]" in line for line in said), said

@@ -246,7 +246,7 @@ class ProcessedMessages:
                     # dead connections failed a delivery in turn with the database up.
                     if tried < tries and await store._forget_connections_if_gone(exc):
                         continue
-                    raise store_error(exc, "marking a message", store.store_log) from exc
+                    raise store_error(exc, "marking a message", store=store.store_log) from exc
                 raise
             commit = self._sql.commit(consumer, message_id, retention_s, token)
             kept = (self._sql.fingerprint, consumer, message_id)
@@ -310,7 +310,7 @@ class Mark:
         try:
             kept: bytes | None = await self.connection.fetchval(sql, consumer, message_id)
         except STORE_ERRORS as exc:
-            raise store_error(exc, "reading a message's mark", self._store.store_log) from exc
+            raise store_error(exc, "reading a message's mark", store=self._store.store_log) from exc
         return None if kept is None else bytes(kept)
 
     def lost_by(self, exc: BaseException) -> bool:
@@ -359,7 +359,7 @@ class Mark:
                     raise
                 if from_the_driver(exc):
                     raise store_error(
-                        exc, "committing a processed message", self._store.store_log
+                        exc, "committing a processed message", store=self._store.store_log
                     ) from exc
                 raise
             if status != "COMMIT":  # ROLLBACK: neither the effect nor the mark committed

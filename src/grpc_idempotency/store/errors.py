@@ -119,7 +119,7 @@ class PasswordFailed(Exception):
     unclaimed with the database up), or escaped raw. The original is its ``__cause__``."""
 
 
-def password_error(exc: PasswordFailed, doing: str, store: StoreLog) -> StoreUnavailable:
+def password_error(exc: PasswordFailed, doing: str, *, store: StoreLog) -> StoreUnavailable:
     """A connection could not be opened because the ``password=`` callable failed: retryable
     (a secret being rotated, a vault that answers again), and no outage (the database may be up
     and hold the key's outcome). The callable's text is not quoted (it may hold the secret or a
@@ -189,7 +189,7 @@ def _log_prepared_statement_lost(exc: BaseException, doing: str, store: StoreLog
     )
 
 
-def store_error(exc: BaseException, doing: str, store: StoreLog) -> StoreUnavailable:
+def store_error(exc: BaseException, doing: str, *, store: StoreLog) -> StoreUnavailable:
     """The store's own statement failed: unavailable (retryable) or misconfigured (not).
     ``store``: the failing store's ``Store.store_log``, which the log names."""
     if not isinstance(exc, STORE_ERRORS):
@@ -322,7 +322,7 @@ def _pooler_refused(exc: BaseException) -> bool:
 
 
 def connect_error(
-    exc: BaseException, store: StoreLog, doing: str = "connecting"
+    exc: BaseException, doing: str = "connecting", *, store: StoreLog
 ) -> StoreUnavailable:
     """Opening a connection failed (``doing``: what it was opened for). Past the network and
     authentication, the server refuses a session's start-up for a setting it was asked for (a
@@ -353,7 +353,7 @@ def connect_error(
         return StoreMisconfigured(
             f"idempotency store misconfigured while connecting (SQLSTATE {state}): {_hint(state)}"
         )
-    return store_error(exc, doing, store)
+    return store_error(exc, doing, store=store)
 
 
 def session_refused(exc: BaseException) -> str | None:
@@ -466,7 +466,7 @@ def handler_error(
             " nothing was recorded: retry"
         )
     if failure is Failure.UNAVAILABLE or not isinstance(exc, asyncpg.PostgresError):
-        return store_error(exc, "running the handler", store)
+        return store_error(exc, "running the handler", store=store)
     log.error("the handler's database statement failed (SQLSTATE %s)", state, exc_info=exc)
     return HandlerDatabaseError(
         f"the handler's database statement failed (SQLSTATE {state}); nothing was recorded"

@@ -347,23 +347,23 @@ class OutboxStore:
             if isinstance(exc, OSError):
                 # ssl.SSLCertVerificationError, a ValueError too: the server's certificate
                 # failed verify-full, a connection failure, not a DSN that does not parse.
-                raise store_error(exc, doing, self.store.store_log) from exc
+                raise store_error(exc, doing, store=self.store.store_log) from exc
             # Never the driver's text, which quotes pieces of the DSN (of a password holding an
             # unencoded / ? #).
             raise ValueError(
                 "the listen DSN cannot be parsed: percent-encode special characters in its password"
             ) from None
         except PasswordFailed as exc:  # the pool's password= callable (Store.connect)
-            raise password_error(exc, doing, self.store.store_log) from exc.__cause__
+            raise password_error(exc, doing, store=self.store.store_log) from exc.__cause__
         except STORE_ERRORS as exc:
-            raise store_error(exc, doing, self.store.store_log) from exc
+            raise store_error(exc, doing, store=self.store.store_log) from exc
         listener = Listener(self, conn, pooled=dsn is None)
         try:
             await conn.add_listener(self.channel, on_notify)
         except BaseException as exc:
             await listener.close()
             if from_the_driver(exc):
-                raise store_error(exc, doing, self.store.store_log) from exc
+                raise store_error(exc, doing, store=self.store.store_log) from exc
             raise
         return listener
 
@@ -626,7 +626,7 @@ class Listener:
             )
         except STORE_ERRORS as exc:  # the driver's own, raw, through the public API
             raise store_error(
-                exc, "checking the outbox's LISTEN session", self._outbox.store.store_log
+                exc, "checking the outbox's LISTEN session", store=self._outbox.store.store_log
             ) from exc
         return listening
 

@@ -257,7 +257,7 @@ class Attempt:
             if failure is Failure.OTHER:
                 # The handler's write failing only now: a constraint checked at COMMIT.
                 raise _handler_failed(exc, self._store) from exc
-            raise store_error(exc, "committing the outcome", self._store.store_log) from exc
+            raise store_error(exc, "committing the outcome", store=self._store.store_log) from exc
         except (LeaseLost, HandlerDatabaseError):
             await self._rollback_quietly()
             raise
@@ -268,7 +268,9 @@ class Attempt:
                 # asyncpg could not read an answer (the COMMIT's, perhaps): the connection's
                 # state is unknown, and the commit's fate is PostgreSQL's, as on a lost one.
                 _drop(conn)
-                raise store_error(exc, "committing the outcome", self._store.store_log) from exc
+                raise store_error(
+                    exc, "committing the outcome", store=self._store.store_log
+                ) from exc
             live = not connection_closed(conn)
             await self._rollback_quietly()
             # A statement of the handler's still running on the connection (spawned, not
@@ -276,7 +278,7 @@ class Attempt:
             # progress"). The handler's bug, not a store outage to retry for ever.
             if live and isinstance(exc, asyncpg.InterfaceError):
                 raise _handler_failed(exc, self._store, connection_live=True) from exc
-            raise store_error(exc, "committing the outcome", self._store.store_log) from exc
+            raise store_error(exc, "committing the outcome", store=self._store.store_log) from exc
         except asyncio.CancelledError:
             # The call was cancelled (its client gone, its deadline spent, the server stopping)
             # with the commit on the wire: its fate is PostgreSQL's. Handed back, the connection
@@ -781,14 +783,14 @@ class Store:
             )
         except Exception as exc:
             if isinstance(exc, PasswordFailed):
-                raise password_error(exc, "connecting", named) from exc.__cause__
+                raise password_error(exc, "connecting", store=named) from exc.__cause__
             if dsn_unusable(exc):
                 # The driver's text can quote pieces of the password: name the file it could
                 # not use, if that is what it was, else say nothing of it.
                 problem = unusable_file(dsn)
                 raise DsnUnusable(f"cannot use the DSN: {problem}" if problem else "") from None
             if isinstance(exc, STORE_ERRORS):
-                raise connect_error(exc, named) from exc
+                raise connect_error(exc, store=named) from exc
             raise
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         connect = pool_options.get("connect") or asyncpg.connect
@@ -1001,7 +1003,7 @@ class Store:
                 # is unknown, and handed back it may fail the next statement on it.
                 _drop(conn)
             await self._forget_connections_if_gone(exc)
-            raise store_error(exc, doing, self.store_log) from exc
+            raise store_error(exc, doing, store=self.store_log) from exc
         except asyncio.CancelledError:
             _drop(conn)
             raise
@@ -1107,9 +1109,9 @@ class Store:
                     f" for this call within {budget:g} s",
                     outage=False,
                 ) from exc
-            raise store_error(exc, doing, self.store_log) from exc
+            raise store_error(exc, doing, store=self.store_log) from exc
         except PasswordFailed as exc:
-            raise password_error(exc, doing, self.store_log) from exc.__cause__
+            raise password_error(exc, doing, store=self.store_log) from exc.__cause__
         except STORE_ERRORS as exc:
             if self._closing:
                 # The pool is closing or closed (asyncpg's InterfaceError, no SQLSTATE): no
@@ -1121,7 +1123,7 @@ class Store:
             # The pool opened a connection for it (``min_size=0``, a pool growing, a connection
             # replaced after a restart): refused for good at start-up (a setting, a database,
             # PgBouncer's refusals), it is misconfigured here as in ``connect``, not unavailable.
-            raise connect_error(exc, self.store_log, doing) from exc
+            raise connect_error(exc, doing, store=self.store_log) from exc
         self._acquired += 1
         return conn
 
@@ -1170,7 +1172,7 @@ class Store:
                 # A statement that timed out met a database that stopped answering (TimeoutError
                 # is an OSError): trying again would wait out the timeout again, then a connect.
                 if attempt == attempts or isinstance(exc, TimeoutError):
-                    raise store_error(exc, "looking up a key", self.store_log) from exc
+                    raise store_error(exc, "looking up a key", store=self.store_log) from exc
                 # The next try on a connection opened now, not on another one of the pool's
                 # that a restart or a failover left as dead as this one.
                 await self._forget_connections_if_gone(exc)
@@ -1178,14 +1180,14 @@ class Store:
             except asyncpg.PostgresError as exc:
                 if classify(exc.sqlstate) is Failure.CONFLICT and attempt < attempts:
                     continue
-                raise store_error(exc, "looking up a key", self.store_log) from exc
+                raise store_error(exc, "looking up a key", store=self.store_log) from exc
             except STORE_ERRORS as exc:
-                raise store_error(exc, "looking up a key", self.store_log) from exc
+                raise store_error(exc, "looking up a key", store=self.store_log) from exc
             except Exception as exc:
                 if not from_the_driver(exc):
                     raise
                 _drop(conn)  # what it read made no sense to asyncpg: its state is unknown
-                raise store_error(exc, "looking up a key", self.store_log) from exc
+                raise store_error(exc, "looking up a key", store=self.store_log) from exc
             except asyncio.CancelledError:
                 # The client went with the look-up on the wire: handed back, asyncpg would wait
                 # for PostgreSQL to confirm the cancellation, behind a partition the whole
@@ -1265,13 +1267,13 @@ class Store:
                 # key again, on a database that was up and held its outcome.
                 if tried < tries and await self._forget_connections_if_gone(exc):
                     continue
-                raise store_error(exc, "claiming a key", self.store_log) from exc
+                raise store_error(exc, "claiming a key", store=self.store_log) from exc
             except BaseException as exc:
                 await attempt._abandon(interrupted=_state_unknown(exc))
                 if from_the_driver(exc):
                     if tried < tries and await self._forget_connections_if_gone(exc):
                         continue
-                    raise store_error(exc, "claiming a key", self.store_log) from exc
+                    raise store_error(exc, "claiming a key", store=self.store_log) from exc
                 raise
             if _read_only(conn) and await self._transaction_read_only(attempt, left):
                 # The claim writes nothing for a new key (the record is written with the
@@ -1301,7 +1303,7 @@ class Store:
         except BaseException as exc:
             await attempt._abandon(interrupted=_state_unknown(exc))
             if from_the_driver(exc):
-                raise store_error(exc, "claiming a key", self.store_log) from exc
+                raise store_error(exc, "claiming a key", store=self.store_log) from exc
             raise
         return started
 
@@ -1322,7 +1324,7 @@ class Store:
         except BaseException as exc:
             await attempt._abandon(interrupted=_state_unknown(exc))
             if from_the_driver(exc):
-                raise store_error(exc, "claiming a key", self.store_log) from exc
+                raise store_error(exc, "claiming a key", store=self.store_log) from exc
             raise
         return bool(value == "on")
 
@@ -1364,7 +1366,7 @@ class Store:
                     # opened now (as claim_atomic), not UNAVAILABLE with the database up.
                     if tried < tries and await self._forget_connections_if_gone(exc):
                         continue
-                    raise store_error(exc, "beginning a transaction", self.store_log) from exc
+                    raise store_error(exc, "beginning a transaction", store=self.store_log) from exc
                 raise
             commit_timeout = None if lease_s is None else _commit_timeout(lease_s)
             return PlainTransaction(self, conn, commit_timeout)
@@ -1519,7 +1521,7 @@ class Store:
             )
         except TimeoutError as exc:
             self._settle(claiming, scope, key, retention_s, lease_s, attempt_id)
-            raise store_error(exc, "claiming a key", self.store_log) from exc
+            raise store_error(exc, "claiming a key", store=self.store_log) from exc
         except asyncio.CancelledError:
             self._settle(claiming, scope, key, retention_s, lease_s, attempt_id)
             raise
@@ -1866,7 +1868,9 @@ class _Probe:
             # The pool's password= callable (``_own_password``) failed: that says nothing of the
             # database, which may be up and hold the key's outcome. Taken for no answer, a
             # fail-open method ran unclaimed while the secret was being rotated.
-            password_error(exc, "probing the database after an ambiguous outage", self.store_log)
+            password_error(
+                exc, "probing the database after an ambiguous outage", store=self.store_log
+            )
             return True
         except STORE_ERRORS as exc:
             # TimeoutError included (one of STORE_ERRORS): no answer in time.
@@ -2033,7 +2037,7 @@ class PlainTransaction:
                 ) from exc
             if failure is Failure.OTHER and isinstance(exc, asyncpg.PostgresError):
                 raise _handler_failed(exc, self._store) from exc  # a constraint checked at COMMIT
-            raise store_error(exc, "committing", self._store.store_log) from exc
+            raise store_error(exc, "committing", store=self._store.store_log) from exc
         finally:
             await self._store._release(self.connection)
 
@@ -2161,7 +2165,7 @@ class PhasedClaim:
                     reconnected = True
                     continue
                 raise store_error(
-                    exc, "opening the final transaction", self._store.store_log
+                    exc, "opening the final transaction", store=self._store.store_log
                 ) from exc
             except BaseException as exc:
                 await attempt._abandon(interrupted=_state_unknown(exc))
@@ -2170,7 +2174,7 @@ class PhasedClaim:
                         reconnected = True
                         continue
                     raise store_error(
-                        exc, "opening the final transaction", self._store.store_log
+                        exc, "opening the final transaction", store=self._store.store_log
                     ) from exc
                 raise
             return attempt
