@@ -436,6 +436,25 @@ async def test_shards_that_no_call_could_use_are_refused_when_made(
         pending.close()
 
 
+async def test_a_store_named_as_a_shard_is_refused_under_another_name(
+    shards: dict[str, Shard],
+) -> None:
+    """The shard's name is written into its Store's log lines: given to a second ShardedStores
+    under another name, the names were added up, and the lines of either (and of the store used
+    alone) named it "shards 'one', 'uno'". Refused, naming nothing; the same name is kept."""
+    one = shards["one"].store
+    ShardedStores({"one": one}, PLACEMENT.__getitem__)
+    two = await Store.connect(shards["two"].dsn, min_size=1, max_size=1)  # named by no test yet
+    try:
+        with pytest.raises(ValueError, match=r"shard 'uno': this Store \[shard 'one': .*another"):
+            ShardedStores({"two": two, "uno": one}, PLACEMENT.__getitem__)
+        assert (one.store_log.shards, two.store_log.shards) == (("one",), ())
+        ShardedStores({"one": one, "two": two}, PLACEMENT.__getitem__)  # the same name again
+        assert two.store_log.label.startswith(" [shard 'two': ")
+    finally:
+        await two.close()
+
+
 async def test_a_shard_of_handing_back_a_coroutine_is_refused_and_the_coroutine_closed(
     shards: dict[str, Shard], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -233,11 +233,10 @@ def test_a_store_is_named_in_the_log_by_its_server_and_database_never_its_secret
 
 def test_a_store_logs_each_of_its_problems_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
     """Per problem (a SQLSTATE, a driver failure's type), not per kind of line: the second
-    problem of a store is not held back behind its first. A shard named twice is named once;
-    a store of no known address adds nothing to the line."""
+    problem of a store is not held back behind its first. A store of no known address adds
+    nothing to the line."""
     store = StoreLog("db:5432/orders, schema s")
-    store.shard_named("one")
-    store.shard_named("one")
+    store.name_shards(("one",))
     assert store.label == " [shard 'one': db:5432/orders, schema s]"
     assert StoreLog().label == ""
     caplog.set_level("ERROR", logger="grpc_idempotency.store")

@@ -53,9 +53,9 @@ class StoreLog:
     """Which store the operator's log names, and how often it speaks of each of its problems:
     one per ``Store`` (``Store.store_log``), given its name once, when the store is made
     (``where``: ``host:port/database, schema S``) and when ``ShardedStores`` takes it as a shard
-    (``shards``). Once a minute per problem (a SQLSTATE, an exception's type) of each store: a
-    process-wide limit hid one shard's problem behind another's for up to a minute, and the line
-    named neither database."""
+    (``shards``, by ``name_shards``). Once a minute per problem (a SQLSTATE, an exception's
+    type) of each store: a process-wide limit hid one shard's problem behind another's for up to
+    a minute, and the line named neither database."""
 
     def __init__(self, where: str = "", *, every_s: float = 60.0) -> None:
         self.where = where
@@ -67,9 +67,24 @@ class StoreLog:
     def due(self, what: object) -> bool:
         return self._once.due(what)
 
-    def shard_named(self, name: str) -> None:
-        if name not in self.shards:
-            self.shards = (*self.shards, name)
+    def shards_refused(self, names: tuple[str, ...]) -> str | None:
+        """Why this store cannot be named ``names`` (the shards one ``ShardedStores`` gives
+        it), ``None`` when it can: it is named once, by the first, and another naming it
+        otherwise is refused. The names are the store's, not the ShardedStores': added up,
+        a store given as shard 'a' of one and 'b' of another was "shards 'a', 'b'" in the log
+        of either (and of its use alone), each naming a shard it did not know."""
+        if not self.shards or set(self.shards) == set(names):
+            return None
+        given = " and ".join(map(repr, self.shards))
+        return (
+            f"this Store{self.label} is already shard {given} of another ShardedStores, and its"
+            " log lines name it so wherever it is used: give it the same name here, or connect"
+            " a Store of its own for each name"
+        )
+
+    def name_shards(self, names: tuple[str, ...]) -> None:
+        """Names the store as ``names`` once ``shards_refused`` has found nothing against it."""
+        self.shards = names
 
     @property
     def label(self) -> str:

@@ -46,6 +46,9 @@ class ShardedStores:
 
     Each shard keeps its own retention, outbox and migrations: ``Purger(sharded)`` purges every
     shard; run a ``Relay`` and ``grpc-idempotency migrate`` for every store in ``shards``.
+
+    A shard's name goes into its ``Store``'s log lines, wherever the store is used: a store
+    another ``ShardedStores`` named otherwise is refused (ValueError); connect one per name.
     """
 
     def __init__(self, shards: Mapping[str, Store], shard_of: ShardOf) -> None:
@@ -65,11 +68,20 @@ class ShardedStores:
         if not callable(shard_of) or is_async(shard_of):
             raise TypeError("shard_of must be a plain function from a scope to a shard's name")
         self.shards: dict[str, Store] = dict(shards)
-        for name, store in self.shards.items():
-            # Its log lines name the shard, and say that only the shard's calls fail.
-            store.store_log.shard_named(name)
+        # Its log lines name the shard, and say that only the shard's calls fail. Every store
+        # is checked before any is named: a ShardedStores refused leaves no name behind.
+        named = {id(store): (store, self._names_of(store)) for store in self.shards.values()}
+        for store, names in named.values():
+            refused = store.store_log.shards_refused(names)
+            if refused is not None:
+                raise ValueError(f"shard {names[0]!r}: {refused}")
+        for store, names in named.values():
+            store.store_log.name_shards(names)
         self._shard_of = shard_of
         self._logged_at = -_LOG_EVERY_S
+
+    def _names_of(self, store: Store) -> tuple[str, ...]:
+        return tuple(name for name, shard in self.shards.items() if shard is store)
 
     def __iter__(self) -> Iterator[Store]:
         return iter(self.shards.values())
