@@ -382,6 +382,18 @@ def test_a_config_scope_no_record_can_have_is_refused(
         config_of(args)
 
 
+def test_stores_of_one_schema_are_named_by_where_they_connect() -> None:
+    """Named as the log names a store (``dsn_where``): the user and password left out, and a
+    host the DSN leaves to the driver said to be the default one, not left blank."""
+    args = parse(
+        "inspect",
+        *("--dsn", "postgresql://u:s3cret@db:6432/app", "--dsn", "postgresql://u:s3cret@/app"),
+        *("--scope", "s", "k"),
+    )
+    names = [store.name for store in config_of(args).stores]
+    assert names == ["grpc_idempotency@db:6432/app", "grpc_idempotency@(default host)/app"], names
+
+
 def _scope_taken(scope: str) -> bool:
     try:
         scope_text(scope)

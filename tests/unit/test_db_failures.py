@@ -223,6 +223,10 @@ def _splits(url: str) -> bool:
         # "://" in its password made it split.
         ("host=db password=se://cret dbname=x", {}, "?/?"),
         ("mysql://app:s3cret@db/orders", {}, "?/?"),
+        # Left to the driver's defaults: "/orders" named no server at all.
+        ("postgresql://app:s3cret@/orders", {}, "(default host)/orders"),
+        ("postgresql://db?port=5433", {}, "db:5433/(default database)"),
+        (None, {"port": 5433}, "(default host):5433/(default database)"),
     ],
 )
 def test_a_store_is_named_in_the_log_by_its_server_and_database_never_its_secrets(

@@ -11,10 +11,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from grpc_idempotency.cli_errors import safe_dsn
 from grpc_idempotency.inspect_cli.parsers import schema_name, scope_text
+from grpc_idempotency.store.dsn_files import dsn_where
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 
 _SERVICE_SETTINGS = {"dsn", "dsn_env", "schema", "scope", "proto_modules", "descriptor_sets"}
@@ -100,22 +99,12 @@ def _option_stores(dsns: list[str] | None, schemas: list[str] | None) -> list[St
     names = [schema for _, schema in pairs]
     return [
         StoreConfig(
-            name=schema if names.count(schema) == 1 else f"{schema}@{_where(dsn)}",
+            name=schema if names.count(schema) == 1 else f"{schema}@{dsn_where(dsn)}",
             dsn=dsn,
             schema=schema,
         )
         for dsn, schema in pairs
     ]
-
-
-def _where(dsn: str) -> str:
-    """host:port/database of a URL DSN, for naming a store (never the user or password: taken
-    from the masked DSN, which keeps nothing before the last "@" of a DSN in doubt)."""
-    try:
-        parts = urlsplit(safe_dsn(dsn))
-        return f"{parts.netloc.rpartition('@')[2]}{parts.path}" or "?"
-    except ValueError:
-        return "?"
 
 
 def _read_config(path: Path) -> Config:

@@ -136,14 +136,24 @@ def unusable_file(dsn: str) -> str | None:
     return None
 
 
+# What the driver connects to when neither the DSN nor a keyword argument says: libpq's
+# environment (PGHOST, PGDATABASE), else a local socket or localhost, and the user's name. Not
+# looked up here, where it could differ from what the driver resolves; worded so that no host
+# or database can be taken for it.
+DEFAULT_HOST = "(default host)"
+DEFAULT_DATABASE = "(default database)"
+
+
 def dsn_where(dsn: object, options: Mapping[str, object] | None = None) -> str:
     """Where ``dsn`` connects, as ``host:port/database``, for naming a store in the log: never
     the user, the password or a query parameter (``password=``, an ``sslpassword``). The
     connection's keyword arguments (``host``, ``port``, ``database``; asyncpg's, which win over
-    the DSN's) replace the DSN's pieces. Nothing is looked up (no PGHOST, no default port): a
-    piece that neither names is left out. A DSN that does not split unambiguously, or is no
-    ``postgres(ql)://`` URL, gives ``?`` for its server and database (either may be a piece of
-    the password)."""
+    the DSN's) replace the DSN's pieces. Nothing is looked up (PGHOST, PGPORT, PGDATABASE):
+    a host or database that neither names is ``DEFAULT_HOST`` or ``DEFAULT_DATABASE`` (it was
+    left out, and ``/orders`` named no server at all), a port left out is the default one. A
+    DSN that does not split unambiguously, or is no ``postgres(ql)://`` URL, gives ``?`` for its
+    server and database (either may be a piece of the password). The command-line tools name a
+    store by it too."""
     options = options or {}
     hosts = database = ""
     port: object = ""
@@ -179,7 +189,8 @@ def dsn_where(dsn: object, options: Mapping[str, object] | None = None) -> str:
             hosts = ",".join(map(_without_port, hosts.split(",")))
     if isinstance(options.get("database"), str):
         database = str(options["database"])
-    if port and hosts and ":" not in hosts.rpartition("]")[2]:
+    hosts, database = hosts or DEFAULT_HOST, database or DEFAULT_DATABASE
+    if port and ":" not in hosts.rpartition("]")[2]:
         hosts = f"{hosts}:{port}"
     # Escaped: a percent-decoded %0a would add a line to the log.
     return loggable(f"{hosts}/{database}")
