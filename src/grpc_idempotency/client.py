@@ -620,7 +620,7 @@ class IdempotencyClientInterceptor(_Interceptor):
             # which the library's server refuses and another reads as the caller's).
             text_name = _entry_name(name)
             if text_name == KEY_HEADER:
-                key = _key_text(value)
+                key = _key_text(value, serving, path)
                 if parent is not None and key == parent.key:
                     # The serving call's own key, passed on with its metadata
                     # (`metadata=context.invocation_metadata()`): the parent's key, not a choice
@@ -822,18 +822,26 @@ class _StreamStream(_Streaming, _StreamStreamInterceptor):
         return await self._streaming(continuation, client_call_details, request_iterator)
 
 
-def _key_text(value: str | bytes) -> str:
+def _key_text(value: str | bytes, serving: IdempotentCall | None, path: str) -> str:
     """An ``idempotency-key`` value as the text gRPC sends: bytes are decoded as ASCII (a key is
     visible ASCII), so that ``capture_keys`` and the comparison with the parent's key see the
-    key itself rather than ``"b'...'"``."""
+    key itself rather than ``"b'...'"``. Bytes that are not ASCII are refused as every other
+    malformed key is (``_refuse_malformed_key``): ``KeyInvalid`` outside a handler, the
+    handler's ``ValueError`` inside one (it was ``KeyInvalid`` there too, which answered the
+    handler's caller INVALID_ARGUMENT about a key the caller never chose)."""
     if isinstance(value, str):
         return value
     try:
         return value.decode("ascii")
     except UnicodeDecodeError:
-        raise KeyInvalid(
+        problem = (
             f"the {KEY_HEADER!r} metadata given as bytes is not ASCII ({value!r}): an"
             " idempotency key is visible ASCII (0x21-0x7E)"
+        )
+        if serving is None:
+            raise KeyInvalid(problem) from None
+        raise ValueError(
+            f"{serving.method} called {path} with a malformed key: {problem}"
         ) from None
 
 

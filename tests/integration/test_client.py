@@ -183,24 +183,28 @@ async def test_a_handlers_malformed_key_is_its_own_error(
     ledger: RunningLedger, store: Store
 ) -> None:
     """Inside a handler the key is the handler's choice: a ``ValueError`` it may catch, not a
-    KeyInvalid that would answer its caller INVALID_ARGUMENT about the caller's own key."""
+    KeyInvalid that would answer its caller INVALID_ARGUMENT about the caller's own key. Also
+    a key given as bytes that are not ASCII (refused before the other checks, as KeyInvalid)."""
     refused: list[Exception] = []
 
     class Relay(RelayService):
         async def Forward(self, request: Any, context: Any) -> Any:
             post = testsvc_pb2.PostRequest(account=request.account)
-            try:
-                await self.ledger.Post(post, metadata=(("idempotency-key", ""),))
-            except ValueError as err:
-                refused.append(err)
+            for key in ("", "clé".encode()):
+                try:
+                    await self.ledger.Post(post, metadata=(("idempotency-key", key),))
+                except Exception as err:
+                    refused.append(err)
             return testsvc_pb2.ForwardResponse()
 
     async with running_relay(store, ledger.address, servicer=Relay) as relay:
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh()), fresh())
     assert answer.code is grpc.StatusCode.OK, answer.details
-    assert [type(err) for err in refused] == [ValueError]
-    assert "Forward called /testsvc.v1.LedgerService/Post" in str(refused[0])
+    assert [type(err) for err in refused] == [ValueError, ValueError], refused
+    for err in refused:
+        assert "Forward called /testsvc.v1.LedgerService/Post" in str(err)
     assert "empty" in str(refused[0])
+    assert "not ASCII" in str(refused[1])
     assert ledger.service.keys_seen == []
 
 
