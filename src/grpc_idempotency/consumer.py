@@ -305,7 +305,8 @@ class IdempotentConsumer:
         finally:
             del self._running[message_id]
             mine.set_result(None)
-        delivery.outcome = ConsumerOutcome(result.outcome.value)
+        if delivery.outcome is None:  # else REPROCESSED, told by _process
+            delivery.outcome = ConsumerOutcome(result.outcome.value)
         return result
 
     async def _process(
@@ -363,6 +364,8 @@ class IdempotentConsumer:
                 raise store_error(exc, "running the effect", store=self.store.store_log) from exc
             raise
         await mark.commit(message_id)
+        if mark.taken_over:
+            delivery.outcome = ConsumerOutcome.REPROCESSED
         return ConsumeResult(message_id, mark.outcome, value)
 
     async def process_call(

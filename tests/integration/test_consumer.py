@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +38,8 @@ from grpc_idempotency.consumer import (
 )
 from grpc_idempotency.store.postgres import ROLLBACK_TIMEOUT_S
 from grpc_idempotency.store.sql import text_literal
+from tests.integration.test_consumer_telemetry import _counts
+from tests.integration.test_telemetry import _telemetry
 from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.waiting import until
 from tests.support.wire import call_raw
@@ -813,6 +816,60 @@ async def test_a_frozen_replica_frees_its_message_after_the_idle_timeout(
             replica.send_signal(signal.SIGCONT)
             replica.kill()
         await replica.wait()
+
+
+@pytest.mark.parametrize("marked", ["new", "expired"])
+async def test_a_delivery_waiting_on_a_killed_replicas_mark_takes_it_over(
+    pg_dsn: str, store: Store, effects_table: None, marked: str
+) -> None:
+    """A replica killed mid-effect (SIGKILL: its session ends, PostgreSQL rolls its effect and
+    mark back) while a delivery of the id waits on its row: the waiting one runs the effect,
+    counted as what the database held before the dead replica, told by the mark statement
+    itself. A new id is "processed": a mark is never committed before its effect, so a dead
+    replica leaves nothing to take over. An expired mark (the id processed before, past its
+    retention), which the dead replica was taking over, is "reprocessed": the effect has now
+    committed twice."""
+    telemetry, _, reader = _telemetry()
+    name, message_id = fresh("killed"), fresh()
+    other = IdempotentConsumer(store, name, max_wait=timedelta(seconds=20), telemetry=telemetry)
+    if marked == "expired":
+        await other.process(message_id, write(other, message_id))
+        await expire(store, other, message_id)
+    # An idle timeout far past the test: only the kill ends the replica's session.
+    replica = await asyncio.create_subprocess_exec(
+        *[
+            sys.executable,
+            "-m",
+            "tests.support.consumer_replica",
+            pg_dsn,
+            name,
+            message_id,
+            "60000",
+        ],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert replica.stdout is not None
+    try:
+        entered = await asyncio.wait_for(replica.stdout.readline(), timeout=30)
+        assert entered == b"entered\n"  # its mark taken and its effect's row written, uncommitted
+        waiter = asyncio.create_task(other.process(message_id, write(other, message_id)))
+        await waiting_on_a_lock(store)
+        assert not waiter.done()
+        replica.kill()
+        await replica.wait()
+        result = await asyncio.wait_for(waiter, timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            replica.kill()
+        await replica.wait()
+    assert result.outcome is Consumed.PROCESSED
+    # The dead replica's row rolled back; the earlier delivery's (expired) committed.
+    assert await effect_rows(store, other, message_id) == (1 if marked == "new" else 2)
+    taken = "processed" if marked == "new" else "reprocessed"
+    want = Counter({(name, taken): 1} | ({(name, "processed"): 1} if marked == "expired" else {}))
+    assert _counts(reader, "grpc_idempotency.consumer.messages") == want
 
 
 @pytest.mark.parametrize(

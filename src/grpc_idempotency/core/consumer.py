@@ -59,11 +59,15 @@ class Consumed(enum.Enum):
 
 class ConsumerOutcome(enum.Enum):
     """How a delivery to ``IdempotentConsumer.process`` (or ``process_call``) ended: the span
-    attribute and the metric label. The first two are ``Consumed``'s (it returned); the others
-    raised, nothing marked, the message not to be acknowledged."""
+    attribute and the metric label. The first three returned (``Consumed.PROCESSED``,
+    ``DUPLICATE``, and ``PROCESSED`` over an expired mark); the others raised, nothing marked,
+    the message not to be acknowledged."""
 
     PROCESSED = Consumed.PROCESSED.value
     DUPLICATE = Consumed.DUPLICATE.value
+    # PROCESSED over an expired mark: the id was processed before, past its retention, and the
+    # effect ran again (a retention shorter than redeliveries arrive, or a dead letter retried).
+    REPROCESSED = "reprocessed"
     MISMATCH = "mismatch"  # a processed id delivered with another payload (KeyReused)
     CONFLICT = "conflict"  # another delivery of the id still ran past the wait (MessageInProgress)
     RELEASED = "released"  # the effect raised (or caught a failed statement), or was cancelled
@@ -177,10 +181,12 @@ def lock_timeout(wait_s: float) -> str:
     return f"{min(max(_MIN_WAIT_MS, round(wait_s * 1000)), 2**31 - 1)}ms"
 
 
-def consumed(rows_marked: int) -> Consumed:
-    """What the mark statement's row count means: 1, this transaction owns the id (a new id, or
-    an expired mark taken over); 0, the id is marked and live: a duplicate."""
-    return Consumed.PROCESSED if rows_marked else Consumed.DUPLICATE
+def consumed(rows_marked: int) -> tuple[Consumed, bool]:
+    """What the mark statement's row count means, and whether the id's mark was taken over: 1,
+    this transaction owns a new id; 2, it owns the id by taking its expired mark over (the id
+    was processed before, past its retention: the effect runs again); 0, the id is marked and
+    live: a duplicate. (An expired mark already purged leaves no trace: a new id, 1.)"""
+    return (Consumed.PROCESSED if rows_marked else Consumed.DUPLICATE), rows_marked == 2
 
 
 def payload_fingerprint(payload: bytes | bytearray | memoryview | None) -> bytes | None:

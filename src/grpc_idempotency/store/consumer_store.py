@@ -77,8 +77,9 @@ class ConsumerStatements:
             "WITH prior AS MATERIALIZED ("
             "SELECT pg_catalog.current_setting('lock_timeout') AS setting), "
             "bounded AS MATERIALIZED ("
-            "SELECT setting, pg_catalog.set_config('lock_timeout', {wait}, true) FROM prior) "
-            f"INSERT INTO {self.table} AS p (consumer, message_id, expires_at, fingerprint) "
+            "SELECT setting, pg_catalog.set_config('lock_timeout', {wait}, true) FROM prior), "
+            f"marked AS (INSERT INTO {self.table} AS p "
+            "(consumer, message_id, expires_at, fingerprint) "
             "SELECT {consumer}, {message_id}, "
             "pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => {retention}), "
             "{fingerprint} "
@@ -91,7 +92,16 @@ class ConsumerStatements:
             "RETURNING pg_catalog.set_config('lock_timeout', (SELECT setting FROM bounded), true), "
             # This transaction's token, checked by the commit (below); a setting local to the
             # transaction: ROLLBACK and COMMIT clear it, a savepoint's rollback does not.
-            f"pg_catalog.set_config('{_MARK_SETTING}', {{token}}, true)"
+            f"pg_catalog.set_config('{_MARK_SETTING}', {{token}}, true), "
+            # Whether the row was inserted (a new id) or an expired mark updated (taken over:
+            # processed before, to be processed again). Told by the statement's row count, as
+            # the batch's simple query returns only its last status, in the one round trip: a
+            # new id 1 row, an expired mark taken over 2, a live mark 0. An updated row's xmax
+            # is this transaction's (ON CONFLICT DO UPDATE locks the row first), an inserted
+            # one's 0.
+            "(p.xmax = 0) AS inserted) "
+            "SELECT FROM marked, (VALUES (false), (true)) AS twice (again) "
+            "WHERE NOT (twice.again AND marked.inserted)"
         )
         # The mark's retention counts from its commit, not from the mark: an effect slower
         # than the retention committed a mark already expired, and a redelivery (or the
@@ -250,7 +260,8 @@ class ProcessedMessages:
                 raise
             commit = self._sql.commit(consumer, message_id, retention_s, token)
             kept = (self._sql.fingerprint, consumer, message_id)
-            return Mark(store, conn, consumed(int(status.split()[-1])), commit, kept)
+            outcome, taken_over = consumed(int(status.split()[-1]))
+            return Mark(store, conn, outcome, commit, kept, taken_over=taken_over)
         raise AssertionError("unreachable")
 
     async def is_processed(self, consumer: str, message_id: str) -> bool:
@@ -295,10 +306,14 @@ class Mark:
         outcome: Consumed,
         commit_sql: str,
         kept_sql: tuple[str, str, str],
+        *,
+        taken_over: bool = False,
     ) -> None:
         self._store = store
         self.connection = conn
         self.outcome = outcome
+        self.taken_over = taken_over
+        """The id's mark had expired and was taken over: it was processed before."""
         self._commit_sql = commit_sql
         self._kept_sql = kept_sql
         self._done = False
