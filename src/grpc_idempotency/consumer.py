@@ -290,6 +290,13 @@ class IdempotentConsumer:
                 )
             except TimeoutError:
                 raise in_progress(message_id, time.monotonic() - started) from None
+            except asyncio.CancelledError as exc:
+                # Cancelled while another delivery of the id ran here: the id was busy, not
+                # this delivery's effect failing ("released"), as the server counts a caller
+                # that left while waiting. (A wait on another process's row lock, inside the
+                # mark statement, cannot be told from the statement's own time: "released".)
+                delivery.failed(exc, ConsumerOutcome.CONFLICT)
+                raise
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._running[message_id] = mine
         try:

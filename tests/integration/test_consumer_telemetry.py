@@ -152,6 +152,26 @@ async def cancelled(env: Env) -> Ended:
     return [("released", message_id, "CancelledError")]
 
 
+async def cancelled_while_waiting(env: Env) -> Ended:
+    """Cancelled while another delivery of the id runs in this process: "conflict" (the id was
+    busy), as the server counts a caller that left while waiting on another attempt; it was
+    "released", the label of an effect that failed, though no effect had run."""
+    message_id, held = fresh(), _Held()
+    first = asyncio.create_task(env.consumer.process(message_id, held))
+    await held.entered.wait()
+    waiter = asyncio.create_task(env.consumer.process(message_id, _effect(env)))
+    # One turn of the loop runs the waiter to its first await, the wait on the first delivery
+    # (nothing before it awaits): cancelled there, not before it started.
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    held.release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+    return [("conflict", message_id, "CancelledError"), ("processed", message_id, None)]
+
+
 async def expired_mark_taken_over(env: Env) -> Ended:
     """A delivery past the id's retention runs the effect again, over the expired mark:
     "reprocessed" (counted "processed" as a new id was, though the effect ran a second time),
@@ -230,6 +250,7 @@ ROWS: list[Callable[[Env], Awaitable[Ended]]] = [
     in_progress_elsewhere,
     effect_raises,
     cancelled,
+    cancelled_while_waiting,
     expired_mark_taken_over,
     store_failed,
     rejected,

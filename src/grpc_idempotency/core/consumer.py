@@ -69,8 +69,13 @@ class ConsumerOutcome(enum.Enum):
     # effect ran again (a retention shorter than redeliveries arrive, or a dead letter retried).
     REPROCESSED = "reprocessed"
     MISMATCH = "mismatch"  # a processed id delivered with another payload (KeyReused)
-    CONFLICT = "conflict"  # another delivery of the id still ran past the wait (MessageInProgress)
-    RELEASED = "released"  # the effect raised (or caught a failed statement), or was cancelled
+    # Another delivery of the id still ran past the wait (MessageInProgress), or this one was
+    # cancelled while waiting for it in this process (the server's "conflict" of a caller that
+    # left while waiting).
+    CONFLICT = "conflict"
+    # The effect raised (or caught a failed statement), or the delivery was cancelled (but for
+    # a wait on another delivery in this process: CONFLICT).
+    RELEASED = "released"
     UNAVAILABLE = "unavailable"  # StoreUnavailable: the store, or the effect's connection, failed
     REJECTED = "rejected"  # a missing or malformed id, or arguments refused before the store
 
