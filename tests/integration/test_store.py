@@ -36,6 +36,7 @@ from grpc_idempotency.store.sql import (
 )
 from tests.support.blackhole import BlackholeProxy
 from tests.support.pgbouncer import free_port
+from tests.support.schemas import backend_gone
 from tests.support.tools import run_cli
 from tests.support.waiting import until
 
@@ -388,6 +389,56 @@ async def test_a_migration_runner_that_stops_answering_does_not_hold_its_table_l
         runner.kill()
         await runner.wait()
         await call.close()
+        await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
+        await store.close()
+
+
+async def test_a_migration_runner_killed_mid_statement_does_not_leave_it_running(
+    pg_dsn: str,
+) -> None:
+    """A runner killed (kill -9, an evicted deploy job) while a migration's statement ran left
+    PostgreSQL running it to its end (up to --command-timeout) with its locks held: it notices
+    a closed socket only when it next writes. Now it checks the socket while the statement runs.
+    """
+    schema = fresh_schema()
+    store = await Store.connect(pg_dsn, schema=schema, migrate=True, min_size=1)
+    s = f'"{schema}"'
+    # Back to just before migration 11 (an UPDATE over the outbox), with a row that update
+    # takes a minute over (a large backlog, in short).
+    await store.pool.execute(
+        f"DELETE FROM {s}.schema_migrations WHERE version >= 11;"
+        f" INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload,"
+        " attempts) VALUES ('s', 'k', 'st', 'p', '/m', 't', '\\x00', 2);"
+        f" CREATE FUNCTION {s}.slow() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN PERFORM pg_catalog.pg_sleep(60); RETURN NEW; END $$;"
+        f" CREATE TRIGGER slow BEFORE UPDATE ON {s}.outbox FOR EACH ROW"
+        f" EXECUTE FUNCTION {s}.slow()"
+    )
+    name = f"killed-migrator-{uuid.uuid4().hex[:8]}"
+    runner = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FROZEN_MIGRATOR, pg_dsn, schema, name
+    )
+    pid = None
+    try:
+        pid = await until(
+            "migration 11 running",
+            lambda: store.pool.fetchval(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = $1"
+                " AND wait_event = 'PgSleep'",
+                name,
+            ),
+        )
+        runner.kill()
+        await runner.wait()
+        # Within seconds (PostgreSQL checks every CHECK_CLIENT_S), not the minute it takes.
+        await until("its statement ended", lambda: backend_gone(store.pool, pid))
+        assert max(await applied_versions(store.pool, schema)) == 10  # rolled back
+    finally:
+        if runner.returncode is None:
+            runner.kill()
+            await runner.wait()
+        if pid is not None:  # a backend left running (no fix) holds the outbox's row lock
+            await store.pool.execute("SELECT pg_terminate_backend($1)", pid)
         await store.pool.execute(f"DROP SCHEMA {s} CASCADE")
         await store.close()
 

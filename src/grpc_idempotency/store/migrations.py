@@ -24,7 +24,9 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
 - A runner that stops answering in the middle of a migration (a paused VM, a partition, a
   debugger) would hold the table lock its DDL took until TCP gave up on it, hours later, and
   every call on the table with it: each migration's transaction is ended by PostgreSQL once it
-  sits idle for ``IDLE_TIMEOUT_S`` (the migration is rolled back; run it again).
+  sits idle for ``IDLE_TIMEOUT_S`` (the migration is rolled back; run it again). One killed in
+  the middle of a statement has the statement cancelled within ``CHECK_CLIENT_S`` (PostgreSQL
+  14 and later), not run to its end with its locks held.
 - A migration that PostgreSQL refuses for what the schema holds (an object of the same name
   that is not the store's, data a new constraint rejects, a privilege) fails the same way every
   time it runs: ``MigrationFailed`` names it, and the store reports it as misconfigured.
@@ -132,6 +134,9 @@ LOCK_TIMEOUT_S = 2.0
 LOCK_ATTEMPTS = 10
 # A healthy runner is idle inside a migration's transaction for a round trip at a time.
 IDLE_TIMEOUT_S = 10.0
+# How often PostgreSQL looks whether a migration's runner is still connected while a statement
+# runs (client_connection_check_interval): a poll() of the socket, nothing on the wire.
+CHECK_CLIENT_S = 1.0
 
 
 async def migrate(
@@ -241,10 +246,20 @@ async def _apply(
         # migration however far --command-timeout was raised, as statement_timeout did (below).
         # Each statement stays bounded (command_timeout, statement_timeout), and so does the
         # time between them (idle_in_transaction_session_timeout). Same round trip.
+        # And a runner gone in the middle of a statement (kill -9, an evicted deploy job) has it
+        # cancelled within CHECK_CLIENT_S: PostgreSQL notices a closed socket only when it next
+        # writes, so the orphan ran its statement to the end (up to --command-timeout, 3600 s
+        # for a large table) holding its table and advisory locks, and the next run waited on
+        # them and said "another runner is applying migrations". PostgreSQL 14 and later, and
+        # not on every platform (Windows refuses a value): skipped where it is refused.
+        check_ms = max(1, round(CHECK_CLIENT_S * 1000))
         await conn.execute(
             f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms};"
             " SELECT pg_catalog.set_config(name, '0', true) FROM pg_catalog.pg_settings"
-            " WHERE name = 'transaction_timeout'"
+            " WHERE name = 'transaction_timeout';"
+            " DO $$ BEGIN PERFORM pg_catalog.set_config("
+            f"'client_connection_check_interval', '{check_ms}', true);"
+            " EXCEPTION WHEN undefined_object OR invalid_parameter_value THEN NULL; END $$"
         )
         # The migrations name the built-ins they use in column defaults and statements without
         # a schema, and those are bound when the DDL runs: a role's search_path with a clock of
