@@ -5,14 +5,15 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
 
 - Nothing to do, nothing done: the versions are read first, so a replica whose role may not
   create schemas or tables (least privilege) starts against a schema an operator migrated.
-- A transaction-scoped advisory lock per schema serialises concurrent runners: the second
-  waits, then sees the first's versions and does nothing. Its wait is a statement like any
-  other, bounded by the connection's timeout: past it, ``MigrationLockTimeout`` says that
-  another runner is at work (it said only "store unavailable ... (TimeoutError)", and an
-  operator looked for an outage). The transactions are READ COMMITTED
-  whatever the database's default, so that the statement after the lock sees what the first
-  runner committed while the second waited (at REPEATABLE READ its snapshot predates the lock,
-  and it applied migration 1 again: "already exists").
+- A transaction-scoped advisory lock per schema serialises concurrent runners, one migration
+  at a time: a runner that waited sees the version the other committed and skips it, so each
+  migration runs once and in order, and two runners may each apply some of them. Its wait
+  is a statement like any other, bounded by the connection's timeout: past it,
+  ``MigrationLockTimeout`` says that another runner is at work (it said only "store
+  unavailable ... (TimeoutError)", and an operator looked for an outage). The transactions
+  are READ COMMITTED whatever the database's default, so that the statement after the lock
+  sees what the first runner committed while the second waited (at REPEATABLE READ its
+  snapshot predates the lock, and it applied migration 1 again: "already exists").
 - DDL waits for its table lock at most ``LOCK_TIMEOUT_S`` (or half the statement timeout, if
   shorter): an ALTER TABLE queued behind a long transaction would otherwise hold up every call
   on that table behind it. It gives way, waits, and tries again, ``LOCK_ATTEMPTS`` times in
