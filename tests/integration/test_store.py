@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpc_idempotency import IdempotencyError, Store, StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import dsn_where
 from grpc_idempotency.store.migrations import (
     LOCK_TIMEOUT_S,
@@ -169,8 +170,6 @@ async def test_a_migration_out_of_lock_tries_says_how_many_and_how_long(
 ) -> None:
     """The store's message names the tries and each one's wait, as they were: LOCK_ATTEMPTS
     (read when the migration runs) of half the 1 s command_timeout."""
-    from grpc_idempotency.store import migrations
-
     monkeypatch.setattr(migrations, "LOCK_ATTEMPTS", 2)
     async with _before_migration_10_behind_a_reader(pg_dsn) as (_, schema, _, runner):
         with pytest.raises(StoreUnavailable) as raised:
@@ -291,6 +290,44 @@ async def test_a_migration_refused_for_what_the_schema_holds_is_misconfigured(
         assert await applied_versions(db, schema) == [1, 2, 3, 4, 5]
     finally:
         await db.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+# Before it, migration 0004 dropped the one-argument-shorter verify_claim, as no release since
+# has needed: that schema predates the rolling-upgrade promise.
+KEEPS_WHAT_THE_PREVIOUS_RELEASE_CALLS_FROM = 5
+
+
+async def test_each_migration_keeps_what_servers_not_yet_upgraded_use(pg_dsn: str) -> None:
+    """A rolling upgrade migrates while servers of the previous release run, and a rollback
+    runs them against a schema it does not downgrade (``Store.connect`` only warns of a newer
+    one): the README promises they keep working. So no migration may drop or change the
+    signature or result type of a function of the store's, nor a column or its type, that the
+    schema before it had; an overload (0013, 0016) or a nullable column (0016, 0017) is how a
+    change is made. Checked one migration at a time, on the real files."""
+    schema = fresh_schema()
+    conn = await asyncpg.connect(pg_dsn)
+    shape = """
+        SELECT 'function ' || p.oid::regprocedure::text || ' -> '
+               || pg_get_function_result(p.oid)
+          FROM pg_proc p WHERE p.pronamespace = $1::regnamespace
+        UNION ALL
+        SELECT 'column ' || c.relname || '.' || a.attname || ' '
+               || format_type(a.atttypid, a.atttypmod)
+          FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid
+         WHERE c.relnamespace = $1::regnamespace AND c.relkind = 'r' AND a.attnum > 0
+           AND NOT a.attisdropped"""
+    try:
+        before: set[str] = set()
+        for migration in available_migrations():
+            assert await migrations._apply(conn, schema, migration, LOCK_TIMEOUT_S)
+            after = {r[0] for r in await conn.fetch(shape, schema)}
+            if migration.version >= KEEPS_WHAT_THE_PREVIOUS_RELEASE_CALLS_FROM:
+                gone = sorted(before - after)
+                assert not gone, f"migration {migration.version} dropped or changed {gone}"
+            before = after
+    finally:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await conn.close()
 
 
 async def test_migrations_leave_functions_they_did_not_create_alone(pg_dsn: str) -> None:
