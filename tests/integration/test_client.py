@@ -184,7 +184,7 @@ async def test_a_handlers_malformed_key_is_its_own_error(
 ) -> None:
     """Inside a handler the key is the handler's choice: a ``ValueError`` it may catch, not a
     KeyInvalid that would answer its caller INVALID_ARGUMENT about the caller's own key. Also
-    a key given as bytes that are not ASCII (refused before the other checks, as KeyInvalid)."""
+    a key given as bytes that are not ASCII (refused before the other checks; it was KeyInvalid)."""
     refused: list[Exception] = []
 
     class Relay(RelayService):

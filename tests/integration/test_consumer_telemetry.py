@@ -175,7 +175,9 @@ async def cancelled_while_waiting(env: Env) -> Ended:
 async def expired_mark_taken_over(env: Env) -> Ended:
     """A delivery past the id's retention runs the effect again, over the expired mark:
     "reprocessed" (counted "processed" as a new id was, though the effect ran a second time),
-    while ``process`` says ``PROCESSED`` as before."""
+    while ``process`` says ``PROCESSED`` as before. Only once it committed: a takeover whose
+    effect raised is "released", one whose commit failed "unavailable" (nothing marked either
+    time: the mark stays expired for the next)."""
     message_id = fresh()
     await env.consumer.process(message_id, _effect(env))
     await env.store.pool.execute(
@@ -185,9 +187,26 @@ async def expired_mark_taken_over(env: Env) -> Ended:
         env.consumer.name,
         message_id,
     )
+
+    async def failing(conn: Any) -> None:
+        raise RuntimeError("effect failed")
+
+    async def ends_its_transaction(conn: Any) -> None:
+        # The mark rolled back under the commit, which refuses it (StoreUnavailable).
+        await conn.execute("ROLLBACK; BEGIN")
+
+    with pytest.raises(RuntimeError):
+        await env.consumer.process(message_id, failing)
+    with pytest.raises(StoreUnavailable):
+        await env.consumer.process(message_id, ends_its_transaction)
     again = await env.consumer.process(message_id, _effect(env))
     assert again.outcome is Consumed.PROCESSED
-    return [("processed", message_id, None), ("reprocessed", message_id, None)]
+    return [
+        ("processed", message_id, None),
+        ("released", message_id, "RuntimeError"),
+        ("unavailable", message_id, "StoreUnavailable"),
+        ("reprocessed", message_id, None),
+    ]
 
 
 async def store_failed(env: Env) -> Ended:
