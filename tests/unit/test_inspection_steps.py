@@ -113,3 +113,37 @@ def test_an_outbox_step_retired_for_good_is_in_effect_as_enqueue_keys_it() -> No
                 enqueued.add(outbox_step(METHOD, steps, named, started).name)
         assert enqueued == used
         assert {c.step for c in children(record(started), steps) if c.in_effect} == used
+
+
+def test_an_outbox_row_under_no_known_step_counts_as_an_effect_and_is_not_called_undeclared() -> (
+    None
+):
+    """Without the method's descriptors every outbox row is under no known step's key: the tree
+    showed the row as an "undeclared step", then "effects: none" under it."""
+    from grpc_idempotency.core.inspection import Found, OutboxEntry, decode, node, totals
+    from grpc_idempotency.inspect_cli.config import Config, StoreConfig
+    from grpc_idempotency.inspect_cli.descriptors import Descriptors
+    from grpc_idempotency.inspect_cli.text_output import render_tree
+
+    started = RETIRED
+    op = node(record(started), output_type=None, output_class=None, steps_known=False)
+    row = OutboxEntry(
+        id=1, scope="tenant:a", key="k", step="order-placed.v1", parent_key="order-1",
+        method="/shop.v1.Events/Publish", payload_type="shop.v1.Placed", payload=b"",
+        state="pending", attempts=0, next_attempt_at=started, locked_until=None,
+        claimed_by=None, last_error=None, created_at=started, sent_at=None,
+    )  # fmt: skip
+    op.other_outbox.append(row)
+    op.other_payloads.append(decode(b"", row.payload_type, None))
+
+    assert totals(op).effects_by_step == {"order-placed.v1": 1}
+    config = Config(
+        stores=(StoreConfig(name="orders", dsn="x", schema="orders"),),
+        proto_modules=(),
+        descriptor_sets=(),
+        statement_cache_size=None,
+    )
+    found = [Found(service="orders", node=op)]
+    lines = render_tree("tenant:a", "order-1", config, found, Descriptors([], []), depth=4)
+    assert "effects: order-placed.v1 x1" in lines
+    assert not [line for line in lines if "undeclared" in line]

@@ -465,7 +465,8 @@ class Totals:
     records: int
     """Records in the tree: the operation and every child record found."""
     effects_by_step: dict[str, int]
-    """Per step name: child records found (call steps) or outbox rows (outbox steps)."""
+    """Per step name: child records found (call steps) or outbox rows (outbox steps, and rows
+    under no known step's key: ``Node.other_outbox``)."""
     duplicates: list[str]
     """Steps whose child key reached more than one record or row (never expected)."""
     missing: list[str]
@@ -501,6 +502,12 @@ def totals(root: Node) -> Totals:
                 missing.append(name)
             for f in s.records:
                 walk(f.node, f"{name}/")
+        for row in n.other_outbox:
+            # A row under no known step's key (its step since removed, or the method's steps
+            # unknown) is an effect all the same: left out, a tree showing the row said
+            # "effects: none".
+            name = f"{path}{row.step}"
+            effects[name] = effects.get(name, 0) + 1
 
     walk(root, "")
     return Totals(

@@ -182,7 +182,9 @@ def _node_lines(service: str, n: Node, depth: int) -> list[str]:
         _tree(sub, heads, parts, "")
         items.append(sub)
     for row, payload in zip(n.other_outbox, n.other_payloads, strict=True):
-        items.append([f"undeclared step {row.step} (outbox)", *_outbox_lines(row, payload)])
+        # "Undeclared" only when the steps are known: otherwise it may well be declared.
+        label = "undeclared step" if n.steps_known else "step"
+        items.append([f"{label} {row.step} (outbox)", *_outbox_lines(row, payload)])
     if n.steps_refused is not None:
         items.append(["steps unknown: the method's options are refused (why: below)"])
     elif not n.steps_known:
