@@ -1042,6 +1042,7 @@ async def test_a_response_holding_an_any_is_decoded_with_the_descriptor_set(
         message_factory,
         text_format,
     )
+    from google.rpc import status_pb2
 
     files = descriptor_pb2.FileDescriptorSet()
     any_pb2.DESCRIPTOR.CopyToProto(files.file.add())
@@ -1087,6 +1088,24 @@ async def test_a_response_holding_an_any_is_decoded_with_the_descriptor_set(
         assert "decoded" not in op["response"]
         assert "no.such.Type" in op["response"]["undecoded"]
         assert "Traceback" not in done.stderr
+
+        # A recorded error's detail of a type the descriptor set declares: decoded too (it was
+        # unpacked in the default pool only, and shown as its type URL and size).
+        status = status_pb2.Status(code=9, message="no stock")
+        status.details.add().Pack(detail(note="sku-1"))
+        await store.pool.execute(
+            f'INSERT INTO "{store.schema}".records (scope, key, method, fingerprint, state,'
+            " fencing_token, status_code, status_message, status_details, completed_at,"
+            " expires_at) VALUES ('rv', 'k3', '/r.v1.S/Do', '\\x00', 'completed', 1, 9,"
+            " 'no stock', $1, clock_timestamp(), clock_timestamp() + interval '1 hour')",
+            status.SerializeToString(),
+        )
+        done = await cli("inspect", *where, "--scope", "rv", "k3", "--json")
+        assert done.returncode == 0, done.stderr
+        (op,) = done.json()["operations"]
+        assert op["error"]["details"] == [
+            {"@type": "type.googleapis.com/r.v1.Detail", "note": "sku-1"}
+        ]
 
 
 async def test_steps_unknown_because_the_options_are_refused_says_so_once(

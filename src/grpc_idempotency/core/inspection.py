@@ -264,11 +264,16 @@ class RecordedError:
     """The status code's name, e.g. ``NOT_FOUND``."""
     message: str
     details: list[dict[str, Any]]
-    """``google.rpc.Status.details``, each decoded when its type is known to this process."""
+    """``google.rpc.Status.details``, each decoded when its type is known (an imported module
+    or, through ``recorded_error``'s ``message_class``, a descriptor set)."""
 
 
-def recorded_error(record: Record) -> RecordedError | None:
-    """The record's recorded error, ``None`` unless it is in state ``error``."""
+def recorded_error(
+    record: Record, message_class: Callable[[str], MessageClass | None] | None = None
+) -> RecordedError | None:
+    """The record's recorded error, ``None`` unless it is in state ``error``. ``message_class``:
+    the class of a message type by full name (``Descriptors.message_class``), to decode details
+    of a type declared only in a descriptor set."""
     if record.record_state is not RecordState.ERROR:
         return None
     code = record.status_code or 0
@@ -285,8 +290,12 @@ def recorded_error(record: Record) -> RecordedError | None:
             details.append({"undecoded": decode(record.status_details, None, None).hex_prefix})
         else:
             for item in status.details:
+                # Unpacked in the pool that declares its type: the default one knew only the
+                # imported modules' types, so a detail type from --descriptor-set was bytes.
+                cls = message_class(item.TypeName()) if message_class else None
+                pool = _pool_of(cls() if cls is not None else item)
                 try:
-                    details.append(json_format.MessageToDict(item, descriptor_pool=_pool_of(item)))
+                    details.append(json_format.MessageToDict(item, descriptor_pool=pool))
                 except (DecodeError, *_UNSHOWABLE):  # an Any whose type this process does not know
                     details.append({"@type": item.type_url, "size": len(item.value)})
     return RecordedError(code=name, message=record.status_message or "", details=details)
@@ -419,15 +428,17 @@ def node(
     output_class: MessageClass | None,
     steps_known: bool,
     steps_refused: str | None = None,
+    message_class: Callable[[str], MessageClass | None] | None = None,
 ) -> Node:
-    """A node for ``record`` without its steps (``StepNode``s are added as they are looked up)."""
+    """A node for ``record`` without its steps (``StepNode``s are added as they are looked up);
+    ``message_class`` as for ``recorded_error``."""
     response = None
     if record.record_state is RecordState.COMPLETED:
         response = decode(record.response, output_type, output_class)
     return Node(
         record=record,
         response=response,
-        error=recorded_error(record),
+        error=recorded_error(record, message_class),
         steps_known=steps_known,
         steps_refused=steps_refused,
     )

@@ -138,6 +138,7 @@ class _Inspector:
             output_class=d.message_class(output),
             steps_known=steps is not None,
             steps_refused=d.refusal(record.method),
+            message_class=d.message_class,
         )
         kids = inspection.children(record, steps or ())
         outbox_keys = [c.key for c in kids if c.kind is ChildKind.OUTBOX]
