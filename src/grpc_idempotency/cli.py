@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import base64
 import copy
+import errno
 import json
 import logging
 import math
@@ -1202,10 +1203,14 @@ class _Stdout:
     """``sys.stdout`` for ``main``: its failed writes raise ``OutputFailed``, told apart from
     every other ``OSError`` a command may meet. A ``BrokenPipeError`` stays one (exit 141)."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
+        if self._stream is None:
+            # Started with stdout closed (`grpc-idempotency list >&-`): Python sets sys.stdout
+            # to None, and the first print was an AttributeError traceback and exit 1.
+            raise OutputFailed(OSError(errno.EBADF, "standard output is closed"))
         try:
             try:
                 return self._stream.write(text)
@@ -1224,6 +1229,8 @@ class _Stdout:
             raise OutputFailed(err) from err
 
     def flush(self) -> None:
+        if self._stream is None:
+            return
         try:
             self._stream.flush()
         except BrokenPipeError:
@@ -1236,7 +1243,7 @@ class _Stdout:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    stdout = sys.stdout
+    stdout: TextIO | None = sys.stdout
     sys.stdout = cast("TextIO", _Stdout(stdout))
     try:
         try:
@@ -1250,7 +1257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except OutputFailed as failed:
         # What is still buffered goes to /dev/null, or flushing it at exit would fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        if stdout is not None:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         print(f"grpc-idempotency: cannot write the output: {failed}", file=sys.stderr)
         return OUTPUT_FAILED
     except Interrupted as stopped:
@@ -1266,7 +1274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # reports for a writer SIGPIPE killed (Python ignores SIGPIPE, so writes raise
         # instead). What is still buffered goes to /dev/null, or flushing it at exit would
         # raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        if stdout is not None:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         return 128 + signal.SIGPIPE
     finally:
         sys.stdout = stdout

@@ -1329,6 +1329,27 @@ async def test_output_that_cannot_be_written_is_one_line_and_exit_74(
     assert (status, err) == (74, NO_SPACE)
 
 
+def test_a_command_started_with_stdout_closed_exits_74_with_one_line() -> None:
+    """``grpc-idempotency inspect ... >&-``: Python starts with ``sys.stdout`` None, and every
+    command's first print was an AttributeError traceback and exit 1 ("unreachable, retry
+    later" for ``inspect`` and ``list``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    done = subprocess.run(
+        # A shell closes it: preexec_fn is not safe in a process running threads.
+        ["sh", "-c", 'exec "$0" "$@" >&-', sys.executable, "-m", "grpc_idempotency.cli",
+         "include-path"],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (
+        74,
+        "grpc-idempotency: cannot write the output: standard output is closed\n",
+    )
+
+
 async def test_a_relay_leaves_a_connection_whose_receiver_went_silent_for_a_new_one(
     pg_dsn: str,
 ) -> None:
