@@ -147,3 +147,46 @@ def test_an_outbox_row_under_no_known_step_counts_as_an_effect_and_is_not_called
     lines = render_tree("tenant:a", "order-1", config, found, Descriptors([], []), depth=4)
     assert "effects: order-placed.v1 x1" in lines
     assert not [line for line in lines if "undeclared" in line]
+
+
+def test_stored_names_in_the_tree_reach_the_terminal_escaped() -> None:
+    """A google.protobuf.Struct response's keys (data, not field names), and an outbox row's
+    step and payload type as stored, were printed raw: an ESC in them rewrote the terminal."""
+    from dataclasses import replace
+
+    from google.protobuf import struct_pb2
+
+    from grpc_idempotency.core.inspection import Found, OutboxEntry, decode, node
+    from grpc_idempotency.inspect_cli.config import Config, StoreConfig
+    from grpc_idempotency.inspect_cli.descriptors import Descriptors
+    from grpc_idempotency.inspect_cli.text_output import render_tree
+
+    response = struct_pb2.Struct()
+    response.update({"\x1b[2J": 1})
+    stored = replace(record(RETIRED), response=response.SerializeToString())
+    op = node(
+        stored,
+        output_type="google.protobuf.Struct",
+        output_class=struct_pb2.Struct,
+        steps_known=True,
+    )
+    row = OutboxEntry(
+        id=1, scope="tenant:a", key="k", step="st\x1b]0;x\x07ep", parent_key="order-1",
+        method="/shop.v1.Events/Publish", payload_type="p\x1b[2J", payload=b"",
+        state="pending", attempts=0, next_attempt_at=RETIRED, locked_until=None,
+        claimed_by=None, last_error=None, created_at=RETIRED, sent_at=None,
+    )  # fmt: skip
+    op.other_outbox.append(row)
+    op.other_payloads.append(decode(b"", row.payload_type, None))
+    config = Config(
+        stores=(StoreConfig(name="orders", dsn="x", schema="orders"),),
+        proto_modules=(),
+        descriptor_sets=(),
+        statement_cache_size=None,
+    )
+    found = [Found(service="orders", node=op)]
+
+    lines = render_tree("tenant:a", "order-1", config, found, Descriptors([], []), depth=4)
+
+    assert [line for line in lines if "\x1b" in line or "\x07" in line] == []
+    assert "  \\x1b[2J: 1.0" in lines

@@ -108,13 +108,17 @@ def _payload_lines(label: str, p: Payload) -> list[str]:
                 " declare, not shown: another message type, or a newer version of it?)"
             )
         if isinstance(p.fields, dict):
-            lines += [f"  {name}: {json.dumps(value)}" for name, value in p.fields.items()]
+            # Escaped: a google.protobuf.Struct's keys are data, not field names.
+            lines += [
+                f"  {printable(name)}: {json.dumps(value)}" for name, value in p.fields.items()
+            ]
         else:  # a well-known type's JSON form: a string (Timestamp, the wrappers), list, null
             lines.append(f"  {json.dumps(p.fields)}")
         return lines
-    what = p.type_name or "of unknown type"
+    # An outbox row's payload_type, as stored, and quoted in the problem.
+    what = printable(p.type_name) if p.type_name else "of unknown type"
     return [
-        f"{label} {what} ({p.size} bytes, not decoded: {p.problem})",
+        f"{label} {what} ({p.size} bytes, not decoded: {printable(p.problem or '')})",
         f"  hex {p.hex_prefix}{'...' if p.size > inspection.PREFIX_BYTES else ''}",
         f"  base64 {p.base64_prefix}{'...' if p.size > inspection.PREFIX_BYTES else ''}",
     ]
@@ -184,7 +188,7 @@ def _node_lines(service: str, n: Node, depth: int) -> list[str]:
     for row, payload in zip(n.other_outbox, n.other_payloads, strict=True):
         # "Undeclared" only when the steps are known: otherwise it may well be declared.
         label = "undeclared step" if n.steps_known else "step"
-        items.append([f"{label} {row.step} (outbox)", *_outbox_lines(row, payload)])
+        items.append([f"{label} {printable(row.step)} (outbox)", *_outbox_lines(row, payload)])
     if n.steps_refused is not None:
         items.append(["steps unknown: the method's options are refused (why: below)"])
     elif not n.steps_known:
@@ -231,7 +235,9 @@ def render_tree(
     for found in roots:
         lines += _node_lines(found.service, found.node, depth)
         t = inspection.totals(found.node)
-        effects = ", ".join(f"{step} x{n}" for step, n in t.effects_by_step.items()) or "none"
+        effects = (
+            ", ".join(f"{printable(step)} x{n}" for step, n in t.effects_by_step.items()) or "none"
+        )
         lines.append(f"effects: {effects}")
         if t.not_looked_up:
             lines.append(
