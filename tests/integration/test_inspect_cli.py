@@ -1174,6 +1174,22 @@ async def test_steps_unknown_because_the_options_are_refused_says_so_once(
                 in (op["steps_refused"])
             )
 
+        # The same from a descriptor set: its one refused method made inspect exit 2 ("bad
+        # descriptor set") for any operation, where the server refuses that method alone.
+        from google.protobuf import duration_pb2, timestamp_pb2
+
+        files = descriptor_pb2.FileDescriptorSet()
+        for module in (descriptor_pb2, duration_pb2, timestamp_pb2, options_pb2):
+            module.DESCRIPTOR.CopyToProto(files.file.add())
+        files.file.append(proto)
+        image = tmp_path / "later.binpb"
+        image.write_bytes(files.SerializeToString())
+        from_set = ["--dsn", pg_dsn, "--schema", one.schema, "--descriptor-set", str(image)]
+        tree = await cli("inspect", *from_set, "--scope", "lv", "k1")
+        assert tree.returncode == 0, tree.stderr
+        assert tree.stdout.count("steps unknown: the method's options are refused") == 1
+        assert "sets field 11 that this release" in tree.stdout
+
 
 async def test_a_scope_the_server_refuses_is_bad_usage_and_never_shown_raw(
     pg_dsn: str, store: Store

@@ -74,8 +74,13 @@ class Descriptors:
             try:
                 fds = read_descriptor_set(path, label=label)
                 self._pools.append(build_pool(fds, label=label))
-                for method, declared in contract_of(fds, label=label).items():
+                refused: dict[str, str] = {}
+                for method, declared in contract_of(fds, label=label, refused=refused).items():
                     self._steps.setdefault(method, declared.steps)
+                # As the server refuses such a method alone: its steps unknown, said why.
+                for method, why in refused.items():
+                    if method not in self._steps:
+                        self._refused.setdefault(method, why)
             except InputError as err:
                 raise ConfigError(str(err)) from err
 
@@ -97,6 +102,8 @@ class Descriptors:
         path = normalize_method(path)
         if path in self._steps:
             return self._steps[path]
+        if path in self._refused:
+            return None
         method = self.method(path)
         if method is None:
             return None

@@ -156,8 +156,13 @@ def build_pool(fds: Any, *, label: str) -> descriptor_pool.DescriptorPool:
     return pool
 
 
-def contract_of(fds: Any, *, label: str) -> dict[str, MethodSteps]:
-    """The keyed methods of a descriptor set read by ``read_descriptor_set``."""
+def contract_of(
+    fds: Any, *, label: str, refused: dict[str, str] | None = None
+) -> dict[str, MethodSteps]:
+    """The keyed methods of a descriptor set read by ``read_descriptor_set``. ``refused``: when
+    given, a method whose options are refused is left out and its refusal put there (by its
+    path), rather than raised (``inspect``: one method's options refused, the server refusing
+    that method alone, made every operation uninspectable)."""
     pool = build_pool(fds, label=label)
     _check_extension(pool, label)
     raw_options: dict[str, bytes] = {}
@@ -171,20 +176,33 @@ def contract_of(fds: Any, *, label: str) -> dict[str, MethodSteps]:
     for f in fds.file:
         for service in pool.FindFileByName(f.name).services_by_name.values():
             for method in service.methods:
-                policy = _method_policy(method, raw_options.get(method.full_name, b""), label)
-                if policy is not None:
-                    where = f"{label}: {method_path(method)}"
-                    unknown = option_checks.unknown_fields(policy)
-                    if unknown:
-                        # A later release's Step (or MethodPolicy) field, which may bear on the
-                        # contract: compared without it, the check could pass what that release
-                        # would call breaking. The server and the generator refuse it too.
-                        raise InputError(
-                            f"{where}: (grpc_idempotency.v1.method) sets {unknown}"
-                            f" {option_checks.UNKNOWN_WHY}"
-                        )
-                    contract[method_path(method)] = _method_steps(policy, where)
+                try:
+                    steps = _steps_of(method, raw_options.get(method.full_name, b""), label)
+                except InputError as err:
+                    if refused is None:
+                        raise
+                    refused[method_path(method)] = str(err)
+                    continue
+                if steps is not None:
+                    contract[method_path(method)] = steps
     return contract
+
+
+def _steps_of(method: Any, raw_options: bytes, label: str) -> MethodSteps | None:
+    """``method``'s steps (``None``: not keyed); ``InputError`` if its options are refused."""
+    policy = _method_policy(method, raw_options, label)
+    if policy is None:
+        return None
+    where = f"{label}: {method_path(method)}"
+    unknown = option_checks.unknown_fields(policy)
+    if unknown:
+        # A later release's Step (or MethodPolicy) field, which may bear on the contract:
+        # compared without it, the check could pass what that release would call breaking.
+        # The server and the generator refuse it too.
+        raise InputError(
+            f"{where}: (grpc_idempotency.v1.method) sets {unknown} {option_checks.UNKNOWN_WHY}"
+        )
+    return _method_steps(policy, where)
 
 
 def _check_extension(pool: descriptor_pool.DescriptorPool, label: str) -> None:
