@@ -31,7 +31,9 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable, cli
+from grpc_idempotency.cli_errors import report_store_error, store_error_status
 from grpc_idempotency.outbox import OutboxMessage, Relay
+from grpc_idempotency.store.errors import prepared_statement_lost
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
 from tests.support.pgbouncer import PgBouncer, free_port, running_pgbouncer
 from tests.support.waiting import until
@@ -172,6 +174,52 @@ async def test_a_command_failing_for_the_statement_cache_exits_2_naming_the_flag
     assert "(42P05)" in err.decode(), err.decode()
     assert proc.returncode == 2, err.decode()
     assert "pass --statement-cache-size 0" in err.decode(), err.decode()
+
+
+async def test_a_bind_that_does_not_fit_another_clients_statement_is_the_statement_cache(
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The statement cache's other failure behind PgBouncer: a cached statement executed on a
+    server connection where another client has since prepared one of the same name (asyncpg
+    numbers its statements alike on every connection) with other parameters. PostgreSQL refuses
+    the Bind with 08P01, the SQLSTATE of PgBouncer's own failures: one of four concurrent
+    migrate runs exited 1, "unavailable", a presumed outage, for good. Like 26000 and 42P05 it
+    is logged naming the fix, is no outage, and a command exits 2 naming the flag. Made to
+    happen at once: the store's statements, cached on the pooler's one server connection, are
+    each prepared again there by another client with one parameter more."""
+    caplog.set_level(logging.ERROR, logger="grpc_idempotency.store")
+    with running_pgbouncer(pg_dsn, pool_size=1) as single:
+        cached = await Store.connect(single.dsn, schema=store.schema, min_size=1, max_size=1)
+        squatter = await asyncpg.connect(single.dsn, **POOL_OPTIONS)
+        try:
+            await cached.check_schema()  # its statements prepared and cached
+            named = await squatter.fetch(
+                "SELECT name, cardinality(parameter_types) AS n FROM pg_prepared_statements"
+                " WHERE starts_with(name, '__asyncpg_')"
+            )
+            assert named, "the store's statements are on the one server connection"
+            for name, n in named:
+                types = ", ".join(["int"] * (n + 1))
+                await squatter.execute(
+                    f'DEALLOCATE "{name}"; PREPARE "{name}"({types}) AS SELECT 1'
+                )
+            with pytest.raises(StoreUnavailable) as raised:
+                await cached.check_schema()
+        finally:
+            await squatter.close()
+            await cached.close()
+    err = raised.value
+    cause = err.__cause__
+    assert isinstance(cause, asyncpg.ProtocolViolationError), repr(cause)
+    assert str(cause).startswith("bind message supplies "), str(cause)
+    assert prepared_statement_lost(cause)
+    assert not err.outage and not err.ambiguous, "the database answered"
+    [record] = [r for r in caplog.records if "statement_cache_size=0" in r.getMessage()]
+    assert "(SQLSTATE 08P01: bind message supplies" in record.getMessage(), record.getMessage()
+    # What the CLI makes of it (migrate, purge, inspect...): exit 2, naming the flag.
+    assert store_error_status(err) == 2
+    report_store_error(err, single.dsn)
+    assert "pass --statement-cache-size 0" in capsys.readouterr().err
 
 
 # -- keyed calls --------------------------------------------------------------------------------

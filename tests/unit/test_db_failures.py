@@ -11,7 +11,13 @@ import pytest
 from grpc_idempotency.core.db_failures import Failure, classify, outage, presumed_outage
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.dsn_files import dsn_where
-from grpc_idempotency.store.errors import StoreLog, connect_error, dsn_unusable, store_error
+from grpc_idempotency.store.errors import (
+    StoreLog,
+    connect_error,
+    dsn_unusable,
+    prepared_statement_lost,
+    store_error,
+)
 
 
 @pytest.mark.parametrize(
@@ -250,3 +256,33 @@ def test_a_store_logs_each_of_its_problems_once_a_minute(caplog: pytest.LogCaptu
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 4, said
     assert all("[shard 'one': db:5432/orders, schema s]" in line for line in said), said
+
+
+def test_a_bind_misfit_is_the_statement_cache_and_poolers_own_08p01_stays_an_outage() -> None:
+    """PostgreSQL refuses a Bind that does not fit the statement of that name on the server
+    connection with 08P01 (tests/integration/test_pgbouncer.py makes one through PgBouncer):
+    asyncpg's statement cache meeting another client's statement, not an outage. PgBouncer's
+    own errors come with the same 08P01 and stay presumed outages; so does a misfit of a
+    statement that is not one of asyncpg's cached ones (the unnamed statement)."""
+    lost = [
+        'bind message supplies 0 parameters, but prepared statement "__asyncpg_stmt_2__"'
+        " requires 1",
+        "bind message has 3 result formats but query has 2 columns",
+    ]
+    for said in lost:
+        exc = asyncpg.ProtocolViolationError(said)
+        assert prepared_statement_lost(exc), said
+        error = store_error(exc, "migrating", store=StoreLog())
+        assert not error.outage and not error.ambiguous, said
+    pooler = [
+        "query_wait_timeout",
+        "server login has been failing, try again later (server_login_retry)",
+        "no more connections allowed (max_client_conn)",
+        'bind message supplies 0 parameters, but prepared statement "" requires 1',
+        "bind message has 2 parameter formats but 1 parameters",
+    ]
+    for said in pooler:
+        exc = asyncpg.ProtocolViolationError(said)
+        assert not prepared_statement_lost(exc), said
+        error = store_error(exc, "migrating", store=StoreLog())
+        assert error.outage and error.ambiguous, said

@@ -10,6 +10,7 @@ which exceptions are the database's. The original exception stays attached as ``
 
 from __future__ import annotations
 
+import re
 import time
 
 import asyncpg
@@ -179,7 +180,23 @@ def _hint(state: str | None) -> str:
 _PREPARED_STATEMENT_LOST = frozenset({"26000", "42P05"})
 
 
+# The same cause when the server connection holds another client's statement under the name
+# asyncpg cached (``__asyncpg_stmt_N__``, numbered alike by every connection): PostgreSQL
+# refuses the Bind that does not fit it as a protocol violation, 08P01, the SQLSTATE PgBouncer
+# sends its own failures with (query_wait_timeout...). Taken for those, it was "unavailable"
+# and a presumed outage, a command exited 1 (retry later) for good. Told apart by PostgreSQL's
+# messages for a Bind that does not fit its statement (postgres.c, pquery.c), which PgBouncer
+# never sends: a parameter count naming one of asyncpg's statements, or a count of result
+# formats (asyncpg sends one per column when a column is read as text).
+_BIND_MISFIT = re.compile(
+    r'^bind message supplies \d+ parameters?, but prepared statement "__asyncpg_'
+    r"|^bind message has \d+ result formats? but query has \d+ columns?"
+)
+
+
 def prepared_statement_lost(exc: BaseException) -> bool:
+    if sqlstate(exc) == "08P01":  # PgBouncer's own errors too: only a Bind's misfit is this
+        return _BIND_MISFIT.match(str(exc)) is not None
     # asyncpg's own classes carry these SQLSTATEs; both looked at, whichever it raises.
     return sqlstate(exc) in _PREPARED_STATEMENT_LOST or isinstance(
         exc, (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError)
@@ -218,7 +235,8 @@ def store_error(exc: BaseException, doing: str, *, store: StoreLog) -> StoreUnav
             outage=False,
         )
     state = sqlstate(exc)
-    if prepared_statement_lost(exc):
+    lost = prepared_statement_lost(exc)
+    if lost:
         _log_prepared_statement_lost(exc, doing, store)
     if classify(state) is Failure.MISCONFIGURED:
         _log_misconfigured(exc, doing, store)
@@ -235,10 +253,12 @@ def store_error(exc: BaseException, doing: str, *, store: StoreLog) -> StoreUnav
     # So is a pooler's own error (PgBouncer's 08P01): taken for a certain outage, a client that
     # waited past query_wait_timeout for a busy pool had a fail-open method run a completed
     # key again, unclaimed, with the database up and holding its outcome.
+    # The statement cache behind PgBouncer (its 08P01 too): the database answered, no outage.
     return StoreUnavailable(
         f"idempotency store unavailable while {doing} ({detail})",
-        outage=outage(state),
-        ambiguous=(state is None and isinstance(exc, TimeoutError)) or _pooler_said(exc),
+        outage=outage(state) and not lost,
+        ambiguous=not lost
+        and ((state is None and isinstance(exc, TimeoutError)) or _pooler_said(exc)),
     )
 
 
