@@ -616,6 +616,9 @@ class Relay:
         """The round trip whose NOTIFY did not arrive in time (its payload, when it was sent):
         warned of once, until a round trip is answered."""
         self._unheard_warned_at: float | None = None
+        self._warn_unheard = True
+        """Whether a round trip unheard is to be warned of (``_LISTEN_CHECK_WARN_EVERY_S`` after
+        the last warning): not since one was, until one is heard."""
         self._random = rng or random.Random()
         self._traceback_logged: dict[type[BaseException], float] = {}
         self._wake = asyncio.Event()
@@ -1037,6 +1040,7 @@ class Relay:
                     else "its LISTEN session hears the store's notifications",
                 )
                 self._unheard = None
+                self._warn_unheard = True
             return
         self._wake.set()
 
@@ -1148,6 +1152,7 @@ class Relay:
             else:
                 log.debug("relay %s: its LISTEN session hears the store's NOTIFY", self.name)
             self._unheard = None
+            self._warn_unheard = True
             return True
         if lost.is_set():
             # A session dropped mid-check never hears it, whichever database it is on: warned
@@ -1166,8 +1171,11 @@ class Relay:
         now = time.monotonic()
         last = self._unheard_warned_at
         # Once, not at each reconnection nor at each round trip; again (an hour on) only after
-        # one was heard in between.
-        if self._unheard is None and (last is None or now - last >= _LISTEN_CHECK_WARN_EVERY_S):
+        # one was heard in between. Not "the last one was warned of" (``_unheard``): unheard
+        # again within the hour of a warning, its round trips were taken for warned ones, and
+        # however long that lasted it was never said.
+        if self._warn_unheard and (last is None or now - last >= _LISTEN_CHECK_WARN_EVERY_S):
+            self._warn_unheard = False
             self._unheard_warned_at = now
             if direct:
                 log.warning(

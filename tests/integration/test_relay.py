@@ -34,6 +34,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData, 
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import DsnUnusable, Store, StoreUnavailable, Telemetry
+from grpc_idempotency import outbox as outbox_module
 from grpc_idempotency.cli import _parser
 from grpc_idempotency.core.outbox import DeliveryPolicy
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS
@@ -788,12 +789,16 @@ async def test_a_listen_session_lost_during_its_check_gives_no_verdict(
 
 
 async def test_the_listen_dsn_check_warns_once_and_its_payloads_wake_no_relay(
-    pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture
+    pg_dsn: str, outbox: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Unheard twice (its session listens on another database): one warning, not one per
     reconnection. A check's payload, another relay's too (they share the channel), wakes no
-    relay and answers no other check; this relay's own arriving late is said once. A store that
-    cannot send the NOTIFY gives no verdict."""
+    relay and answers no other check; this relay's own arriving late is said once. Heard (late)
+    and unheard again within the hour: warned of once the hour is up, once (it was never said
+    again: the unwarned round trip was taken for the warned one). A store that cannot send the
+    NOTIFY gives no verdict."""
+    monkeypatch.setattr(outbox_module, "_LISTEN_CHECK_MIN_S", 0.2)  # each check waits 0.2 s
+    warned = "did not reach the LISTEN session"
     elsewhere = urlunsplit(urlsplit(pg_dsn)._replace(path="/template1"))
     relay = Relay(outbox, Receiver(), poll_interval=0.2, listen_dsn=elsewhere, name="alone")
     caplog.set_level(logging.DEBUG, logger="grpc_idempotency.outbox")
@@ -812,7 +817,30 @@ async def test_the_listen_dsn_check_warns_once_and_its_payloads_wake_no_relay(
     for _ in range(2):
         relay._notified(None, 1, channel, late)
     assert caplog.text.count("arrived after all") == 1, caplog.text
+    assert "the listen_dsn check's NOTIFY arrived after all" in caplog.text, caplog.text
     assert not relay._wake.is_set()
+    listener = await relay.outbox.listen(lambda *_: None, dsn=elsewhere)
+    try:
+        assert await relay._check_listen_database(listener)  # within the hour of the warning
+        assert caplog.text.count(warned) == 1, caplog.text
+        assert relay._unheard_warned_at is not None
+        relay._unheard_warned_at -= outbox_module._LISTEN_CHECK_WARN_EVERY_S  # an hour on
+        for _ in range(2):
+            assert await relay._check_listen_database(listener)
+        assert caplog.text.count(warned) == 2, caplog.text
+        relay._unheard_warned_at -= outbox_module._LISTEN_CHECK_WARN_EVERY_S  # never heard
+        assert await relay._check_listen_database(listener)
+        assert caplog.text.count(warned) == 2, caplog.text
+        heard = await relay.outbox.listen(relay._notified, dsn=pg_dsn)
+        try:
+            assert await relay._check_listen_database(heard)  # heard in time, then not again
+        finally:
+            await heard.close()
+        relay._unheard_warned_at -= outbox_module._LISTEN_CHECK_WARN_EVERY_S
+        assert await relay._check_listen_database(listener)
+        assert caplog.text.count(warned) == 3, caplog.text
+    finally:
+        await listener.close()
     relay._notified(None, 1, channel, "")  # a row's
     assert relay._wake.is_set()
 
