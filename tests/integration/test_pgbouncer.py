@@ -643,11 +643,21 @@ async def test_a_lone_client_behind_pgbouncer_is_warned_of_by_the_relays_notify_
             assert "pooler in transaction mode (PgBouncer?)" in caplog.text
 
             caplog.clear()
-            relay = Relay(direct, Receiver(expect=1), poll_interval=0.05, name="direct")
+            listening: list[float] = []
+            relay = Relay(
+                direct,
+                Receiver(expect=1),
+                poll_interval=0.05,
+                name="direct",
+                on_listening=lambda: listening.append(time.time()),
+            )
             async with running(relay):
                 heard = "relay direct: its LISTEN session hears the store's NOTIFY"
                 await until("the direct relay's round trip", lambda: heard in caplog.text, WAIT_S)
             assert "did not reach" not in caplog.text and relay._unheard is None
+            # Every 6th poll_interval, not at every one (each waits for its NOTIFY).
+            heard_at = next(r.created for r in caplog.records if r.getMessage() == heard)
+            assert heard_at - listening[0] >= 5 * 0.05, heard_at - listening[0]
         finally:
             await direct.close()
             await outbox.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
