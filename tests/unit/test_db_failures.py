@@ -16,6 +16,7 @@ from grpc_idempotency.store.errors import (
     connect_error,
     dsn_unusable,
     prepared_statement_lost,
+    purge_refused,
     store_error,
 )
 
@@ -286,3 +287,28 @@ def test_a_bind_misfit_is_the_statement_cache_and_poolers_own_08p01_stays_an_out
         assert not prepared_statement_lost(exc), said
         error = store_error(exc, "migrating", store=StoreLog())
         assert error.outage and error.ambiguous, said
+
+
+def test_only_a_refusal_of_the_purges_statement_is_misconfigured() -> None:
+    """A trigger's RAISE and an application's foreign key refuse every retry: misconfigured.
+    A race, a lock timeout, an outage, a statement cancelled, a statement cache lost behind
+    PgBouncer (26000, 42P05: SQLSTATEs classify reads as OTHER) or no answer at all stay
+    ``store_error``'s (None): taken for misconfigured, a CLI purge exited 2 for good."""
+    refused = purge_refused(asyncpg.RaiseError("record old-3 is\nkept"), "purging records")
+    assert isinstance(refused, StoreMisconfigured)
+    assert "SQLSTATE P0001: record old-3 is kept)" in str(refused), refused
+    assert isinstance(
+        purge_refused(asyncpg.ForeignKeyViolationError("fk"), "purging"), StoreMisconfigured
+    )
+    for exc in (
+        asyncpg.SerializationError("x"),
+        asyncpg.LockNotAvailableError("x"),
+        asyncpg.AdminShutdownError("x"),
+        asyncpg.QueryCanceledError("x"),
+        asyncpg.UndefinedTableError("x"),  # store_error's own misconfigured, with its hint
+        asyncpg.InvalidSQLStatementNameError("x"),
+        asyncpg.DuplicatePreparedStatementError("x"),
+        asyncpg.ConnectionDoesNotExistError("x"),
+        TimeoutError(),
+    ):
+        assert purge_refused(exc, "purging records") is None, exc
