@@ -449,8 +449,12 @@ async def test_a_store_named_as_a_shard_is_refused_under_another_name(
         with pytest.raises(ValueError, match=r"shard 'uno': this Store \[shard 'one': .*another"):
             ShardedStores({"two": two, "uno": one}, PLACEMENT.__getitem__)
         assert (one.store_log.shards, two.store_log.shards) == (("one",), ())
-        ShardedStores({"one": one, "two": two}, PLACEMENT.__getitem__)  # the same name again
-        assert two.store_log.label.startswith(" [shard 'two': ")
+        with pytest.raises(ValueError, match="shard 'one': "):  # a name added is another name
+            ShardedStores({"one": one, "uno": one}, PLACEMENT.__getitem__)
+        ShardedStores({"two": two, "dos": two}, PLACEMENT.__getitem__)  # one Store, two names
+        assert two.store_log.label.startswith(" [shards 'two', 'dos': ")
+        # The same names again, in any order.
+        ShardedStores({"one": one, "dos": two, "two": two}, PLACEMENT.__getitem__)
     finally:
         await two.close()
 
