@@ -675,6 +675,31 @@ async def test_a_purger_goes_on_after_an_unexpected_error(
         await other.close()
 
 
+async def test_a_purger_failing_unexpectedly_midway_says_what_its_run_committed(
+    purge_store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """purge_batch=error at the second batch only: the error's line says the rows the first
+    batch committed, which stay purged; the next run purges the rest."""
+    from grpc_idempotency import failpoints
+    from grpc_idempotency.core.failpoints import FailAction, Failpoint
+
+    class SecondBatch(dict[str, Failpoint]):
+        hits = 0
+
+        def get(self, name: str, default: object = None) -> Failpoint | None:  # type: ignore[override]
+            self.hits += 1
+            return Failpoint(FailAction.ERROR) if self.hits == 2 else None
+
+    await expired_records(purge_store, 3)
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "_points", SecondBatch())
+    with caplog.at_level(logging.ERROR, logger="grpc_idempotency.retention"):
+        async with Purger(purge_store, batch_size=2, interval=0.01) as purger:
+            await until("the rest purged", lambda: purger.purged == 3)
+    (line,) = [m for m in caplog.messages if "purge failed" in m]
+    assert line.startswith("purge failed after 2 rows; trying again"), line
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-store", "sharded"])
 async def test_a_purger_whose_store_was_closed_stops_saying_so_once(
     pg_dsn: str, purge_store: Store, caplog: pytest.LogCaptureFixture, sharded: bool
