@@ -613,8 +613,8 @@ class Relay:
         (``_check_listen_database``)."""
         self._check_token = ""
         self._unheard: tuple[str, float] | None = None
-        """The round trip whose NOTIFY did not arrive in time (its payload, when it was sent):
-        warned of once, until a round trip is answered."""
+        """The latest round trip, if its NOTIFY did not arrive in time (its payload, when it was
+        sent): its arrival later is logged. Whether it is warned of is ``_warn_unheard``'s."""
         self._unheard_warned_at: float | None = None
         self._warn_unheard = True
         """Whether a round trip unheard is to be warned of (``_LISTEN_CHECK_WARN_EVERY_S`` after
