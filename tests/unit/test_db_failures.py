@@ -302,6 +302,9 @@ def test_only_a_refusal_of_the_purges_statement_is_misconfigured() -> None:
     )
     for exc in (
         asyncpg.SerializationError("x"),
+        asyncpg.TransactionIntegrityConstraintViolationError("x"),
+        asyncpg.StatementCompletionUnknownError("x"),
+        asyncpg.SnapshotTooOldError("x"),
         asyncpg.LockNotAvailableError("x"),
         asyncpg.AdminShutdownError("x"),
         asyncpg.QueryCanceledError("x"),

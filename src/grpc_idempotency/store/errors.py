@@ -262,6 +262,11 @@ def store_error(exc: BaseException, doing: str, *, store: StoreLog) -> StoreUnav
     )
 
 
+# Classes a purge may meet that no trigger or key raises and the next run may not meet again:
+# transaction rollback (40002, 40003: a commit's outcome unknown), snapshot too old (72000).
+_NOT_A_REFUSAL = frozenset({"40", "72"})
+
+
 def purge_refused(exc: BaseException, doing: str) -> StoreMisconfigured | None:
     """What a purge's statement that the database refused for no outage, conflict or schema
     problem (``Failure.OTHER``: a trigger's ``RAISE``, P0001; a foreign key of the
@@ -274,7 +279,7 @@ def purge_refused(exc: BaseException, doing: str) -> StoreMisconfigured | None:
     if not isinstance(exc, asyncpg.PostgresError) or prepared_statement_lost(exc):
         return None  # the statement cache behind PgBouncer: store_error's, with its own hint
     state = sqlstate(exc)
-    if state is None or classify(state) is not Failure.OTHER:
+    if state is None or classify(state) is not Failure.OTHER or state[:2] in _NOT_A_REFUSAL:
         return None
     said = " ".join(str(exc).split())[:300] or type(exc).__name__
     return StoreMisconfigured(
