@@ -129,6 +129,12 @@ _TRANSPORT_HEADERS = frozenset({"content-type", "te", "user-agent"})
 def tenant_header(header: str, prefix: str, *, user: str) -> str:
     """``header`` as gRPC names it (lowercase), checked for carrying a tenant as a scope's text
     after ``prefix``: ``MetadataScope`` reads it, ``forward_scope`` sends it."""
+    # Types first: None or an int header was a bare AttributeError ("no attribute 'lower'"), a
+    # None prefix "argument of type 'NoneType' is not iterable", naming neither.
+    if not isinstance(header, str):
+        raise TypeError(f"{user}: header must be a str (a metadata name), not {header!r}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"{user}: prefix must be a str, not {prefix!r}")
     name = header.lower()
     if not HEADER_NAME.fullmatch(name):
         raise ValueError(

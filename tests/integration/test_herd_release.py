@@ -232,6 +232,10 @@ def test_herd_release_without_an_interval_is_accepted_and_releases_at_once() -> 
         {"interval_s": -1.0},
         {"interval_s": float("nan")},
         {"interval_s": float("inf")},
+        # Compared raw, these were a bare "'<=' not supported"; True was 1 s.
+        {"interval_s": None},
+        {"interval_s": "0.002"},
+        {"interval_s": True},
     ],
 )
 def test_herd_release_refuses_nonsense(bad: dict[str, float]) -> None:

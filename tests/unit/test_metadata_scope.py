@@ -37,6 +37,19 @@ def test_a_header_no_tenant_can_come_from_is_refused(header: str, problem: str) 
         MetadataScope(header)
 
 
+@pytest.mark.parametrize(
+    ("options", "argument"),
+    [({"header": None}, "header"), ({"header": 5}, "header"), ({"prefix": None}, "prefix")],
+)
+def test_a_header_or_prefix_that_is_no_str_is_a_type_error(
+    options: dict[str, object], argument: str
+) -> None:
+    # Were a bare AttributeError ("'NoneType' object has no attribute 'lower'") and "argument
+    # of type 'NoneType' is not iterable".
+    with pytest.raises(TypeError, match=f"^MetadataScope: {argument} must be a str"):
+        MetadataScope(**options)  # type: ignore[arg-type]
+
+
 def test_a_prefix_that_cannot_be_stored_is_refused() -> None:
     with pytest.raises(ValueError, match="NUL"):
         MetadataScope(prefix="tenant\x00")

@@ -35,6 +35,10 @@ from grpc_idempotency.outbox import relay_channel_options
         ({"multiplier": -2}, "multiplier must be a number >= 1"),
         ({"multiplier": math.nan}, "multiplier must be a number >= 1"),
         ({"multiplier": math.inf}, "multiplier must be a number >= 1"),
+        # math.isfinite said "must be real number, not str", naming no setting; True was 1.
+        ({"initial_backoff_s": "0.5"}, "initial_backoff_s must be a number, not '0.5'"),
+        ({"max_backoff_s": None}, "max_backoff_s must be a number, not None"),
+        ({"multiplier": True}, "multiplier must be a number, not True"),
         # Added to the database's clock, it overflowed (22008): the failure went unrecorded.
         ({"initial_backoff_s": 5e13, "max_backoff_s": 5e13}, "max_backoff_s must be at most"),
     ],

@@ -128,11 +128,24 @@ def test_a_cache_serves_one_store() -> None:
         {"max_bytes": 10},
         {"max_bytes": float("nan")},
         {"max_age": timedelta(0)},
+        # A whole number: None or text was a bare "'>=' not supported", inf disabled the bound.
+        {"max_entries": None},
+        {"max_entries": "10000"},
+        {"max_entries": float("inf")},
+        {"max_bytes": float("inf")},
+        {"max_entries": True},
     ],
 )
 def test_bounds_are_validated(options: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         ReplayCache(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("max_age", [60, 60.0, None])
+def test_max_age_is_a_timedelta(max_age: object) -> None:
+    """Seconds as a number was a bare "'<=' not supported", naming no setting."""
+    with pytest.raises(TypeError, match="max_age must be a timedelta"):
+        ReplayCache(max_age=max_age)  # type: ignore[arg-type]
 
 
 def test_the_smallest_bounds_are_accepted() -> None:

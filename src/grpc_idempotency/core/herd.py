@@ -38,6 +38,9 @@ class HerdRelease:
             raise ValueError("HerdRelease.per_batch must be an int")
         if self.per_batch < 1:
             raise ValueError("HerdRelease.per_batch must be at least 1")
+        if isinstance(self.interval_s, bool) or not isinstance(self.interval_s, int | float):
+            # Compared below, None or text raised a bare "'<=' not supported"; True meant 1 s.
+            raise ValueError(f"HerdRelease.interval_s must be a number, not {self.interval_s!r}")
         if not 0 <= self.interval_s < math.inf:
             raise ValueError("HerdRelease.interval_s must be a finite number of seconds >= 0")
 

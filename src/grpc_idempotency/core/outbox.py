@@ -204,6 +204,12 @@ class DeliveryPolicy:
             raise ValueError(f"max_attempts must be an integer, not {self.max_attempts!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, not {self.max_attempts}")
+        for name in ("initial_backoff_s", "max_backoff_s", "multiplier"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                # math.isfinite said "must be real number, not str", naming no setting; True
+                # was taken for 1.
+                raise ValueError(f"{name} must be a number, not {value!r}")
         # `not x > 0` rather than `x <= 0`: NaN compares false both ways and must be refused.
         if not (math.isfinite(self.initial_backoff_s) and self.initial_backoff_s > 0):
             raise ValueError(

@@ -93,9 +93,17 @@ class ReplayCache:
         max_bytes: int = 32 * 1024 * 1024,
         max_age: timedelta = timedelta(seconds=60),
     ) -> None:
-        if not max_entries >= 1:  # NaN as well: it would disable the bound
+        for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                # A whole number: None or text was a bare "'>=' not supported", inf (as NaN)
+                # disabled the bound, True was one entry.
+                raise ValueError(f"{name} must be a whole number, not {value!r}")
+        if not isinstance(max_age, timedelta):
+            # Seconds as a number was a bare "'<=' not supported", naming no setting.
+            raise TypeError(f"max_age must be a timedelta (timedelta(seconds=60)), not {max_age!r}")
+        if not max_entries >= 1:
             raise ValueError("max_entries must be at least 1")
-        if not max_bytes >= 1024:  # NaN as well: it would disable the bound
+        if not max_bytes >= 1024:
             raise ValueError("max_bytes must be at least 1024")
         if max_age <= timedelta(0):
             raise ValueError("max_age must be positive")
