@@ -549,7 +549,35 @@ class Relay:
                 raise ValueError(f"name: {problem}")
         if listen_dsn is not None and not listen:
             raise ValueError("listen_dsn is for listening: not with listen=False")
-        if not isinstance(batch_size, int) or not 1 <= batch_size <= BIGINT_MAX:
+        if listen_dsn is not None and not isinstance(listen_dsn, str):
+            # Else accepted, to fail only once the relay ran.
+            raise TypeError(f"listen_dsn must be a str (a DSN) or None, not {listen_dsn!r}")
+        durations = {
+            "lease": lease,
+            "poll_interval": poll_interval,
+            "purge_interval": purge_interval,
+            "sent_retention": sent_retention,  # None: keep sent rows
+            "delivery_timeout": delivery_timeout,  # None: half the lease
+        }
+        for setting, value in durations.items():
+            if value is None and setting in ("sent_retention", "delivery_timeout"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                # Compared raw below, None, text or a timedelta was a bare "'<' not supported"
+                # naming no setting; True was 1 s.
+                raise TypeError(f"{setting} must be a number of seconds, not {value!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise ValueError(f"batch_size must be a whole number, not {batch_size!r}")
+        if meter_provider is not None and not callable(getattr(meter_provider, "get_meter", None)):
+            # Else a bare AttributeError ("no attribute 'get_meter'") out of the constructor.
+            raise TypeError(
+                "meter_provider must be an OpenTelemetry MeterProvider or None, not"
+                f" {meter_provider!r}"
+            )
+        if rng is not None and not callable(getattr(rng, "random", None)):
+            # Else accepted, to fail at the first failed delivery (no attribute 'random').
+            raise TypeError(f"rng must be a random.Random or None, not {rng!r}")
+        if not 1 <= batch_size <= BIGINT_MAX:
             # Past bigint every claim failed (asyncpg's DataError), read as a store outage.
             raise ValueError(f"batch_size must be a whole number from 1 to {BIGINT_MAX}")
         # NaN passes every comparison: a NaN poll_interval made the relay claim in a tight loop.

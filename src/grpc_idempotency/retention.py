@@ -53,6 +53,11 @@ class Purger:
         batch_size: int = 1000,
         pause: float = 0.0,
     ) -> None:
+        for setting, value in (("interval", interval), ("pause", pause)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                # Compared raw below, None, text or a timedelta was a bare "'<' not supported"
+                # naming no setting; True was 1 s.
+                raise TypeError(f"{setting} must be a number of seconds, not {value!r}")
         # NaN passes every comparison, and asyncio.sleep(nan) (or inf) never returns: the purger
         # would stop after its first run, silently, and the table grow without bound.
         if not (0 < interval < math.inf):

@@ -10,6 +10,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any, cast
 
 import asyncpg
@@ -207,6 +208,12 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
     for interval in (0, -1, nan, inf):
         with pytest.raises(ValueError):
             Purger(purge_store, interval=interval)
+    # Compared raw, these were a bare "'<' not supported" naming neither; True was 1 s.
+    for wrong in (None, "60", True, timedelta(seconds=60)):
+        with pytest.raises(TypeError, match=r"^interval must be a number of seconds"):
+            Purger(purge_store, interval=wrong)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^pause must be a number of seconds"):
+            Purger(purge_store, pause=wrong)  # type: ignore[arg-type]
     # Refused when made, as Store.purge refuses them, not at the first run (unseen until stop).
     for batch_size in (0, -1, 2**63, 2.5, True):
         with pytest.raises(ValueError, match="batch_size"):

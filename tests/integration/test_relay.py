@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -1484,9 +1485,26 @@ def test_relay_arguments_are_checked() -> None:
         {"name": "relay\x00x"},
         {"name": "relay\udcff"},
         {"sent_retention": 1e13},
+        {"batch_size": True},  # was one row per batch
     ):
         with pytest.raises(ValueError):
             Relay(store, sink, **bad)
+    # Compared raw, these were a bare "'<' not supported" naming no setting (True was 1 s); a
+    # meter provider that is none was an AttributeError; an rng or listen_dsn that is none
+    # was accepted, to fail only once the relay ran.
+    for setting, value in (
+        ("lease", "30"),
+        ("lease", True),
+        ("poll_interval", None),
+        ("purge_interval", timedelta(seconds=60)),
+        ("sent_retention", "86400"),
+        ("delivery_timeout", "1"),
+        ("meter_provider", 5),
+        ("rng", 5),
+        ("listen_dsn", 5),
+    ):
+        with pytest.raises(TypeError, match=rf"^{setting} must be"):
+            Relay(store, sink, **{setting: value})  # type: ignore[arg-type]
 
 
 # (name, refused): what `grpc-idempotency relay --name` takes, Relay(name=...) takes.
