@@ -211,6 +211,9 @@ DEFAULT_PERMANENT_CODES: frozenset[grpc.StatusCode] = frozenset(
 
 def check_method(method: str) -> str:
     """``method`` if it is a gRPC method path, "/package.Service/Method"; else ``ValueError``."""
+    if not isinstance(method, str):
+        # None or bytes was a bare AttributeError ("no attribute 'split'").
+        raise TypeError(f"method must be a str, /package.Service/Method, not {method!r}")
     parts = method.split("/")
     if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
         raise ValueError(f"method must look like /package.Service/Method, not {method!r}")

@@ -42,6 +42,13 @@ class PolicyRegistry:
         check: Callable[[MethodPolicy], None] | None = None,
     ) -> None:
         overrides = overrides or {}
+        if not isinstance(overrides, Mapping):
+            # A list of pairs (or one override) was a bare AttributeError ("no attribute
+            # 'items'") out of the interceptor's constructor.
+            raise TypeError(
+                "overrides must be a mapping of method names to MethodOverride"
+                f" ({{'pkg.Service/Method': MethodOverride(...)}}), not {overrides!r}"
+            )
         for name, override in overrides.items():
             # Here, not in compile_policy: a method found on its first call compiles then, and
             # an AttributeError from a dict in place of the override failed each of its calls

@@ -1070,6 +1070,9 @@ async def test_the_grpc_sink_sends_the_payload_with_the_key_to_a_keyed_receiver(
 
     with pytest.raises(ValueError, match=r"/package\.Service/Method"):
         GrpcSink(ledger.channel, "testsvc.v1.LedgerService/Post")
+    # Was a bare AttributeError ("'NoneType' object has no attribute 'split'").
+    with pytest.raises(TypeError, match=r"^method must be a str, /package\.Service/Method"):
+        GrpcSink(ledger.channel, None)  # type: ignore[arg-type]
 
 
 class Rollout(grpc.GenericRpcHandler):  # type: ignore[type-arg]  # generic in stubs only

@@ -432,6 +432,10 @@ async def test_shards_that_no_call_could_use_are_refused_when_made(
             ShardedStores({"one": one}, placed_later)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="plain function"):
             ShardedStores({"one": one}, "one")  # type: ignore[arg-type]
+        # One Store, or a list of them: a bare AttributeError ("no attribute 'items'").
+        for wrong in (one, [one]):
+            with pytest.raises(TypeError, match=r"^shards must be a mapping of shard names"):
+                ShardedStores(wrong, PLACEMENT.__getitem__)  # type: ignore[arg-type]
     finally:
         pending.close()
 

@@ -657,6 +657,11 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
         ("acquire_timeout", "5"),
         ("min_size", True),  # asyncpg took True for 1 connection
         ("acquire_timeout", True),
+        # asyncpg's: a bare "'<' not supported between 'str' and 'int'".
+        ("statement_cache_size", "0"),
+        ("max_queries", 50_000.0),
+        # Accepted, and every probe failed ("does not answer").
+        ("probe_dsn", 5),
     ],
 )
 async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
@@ -679,6 +684,14 @@ async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
     nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
     with pytest.raises((ValueError, TypeError), match=option):
         await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dsn", [5, b"postgresql://nobody@127.0.0.1/nowhere"])
+async def test_a_dsn_that_is_no_str_is_a_type_error(dsn: object) -> None:
+    """Was a bare AttributeError ("no attribute 'decode'"), or a TypeError about bytes and str,
+    out of the driver."""
+    with pytest.raises(TypeError, match=f"^dsn must be a str, not {type(dsn).__name__}$"):
+        await Store.connect(dsn)  # type: ignore[arg-type]
 
 
 async def test_a_pool_of_one_needs_no_min_size(pg_dsn: str) -> None:

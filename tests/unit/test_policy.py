@@ -516,6 +516,8 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
         ("telemetry", trace.NoOpTracerProvider()),  # the provider, not Telemetry(tracer_provider=)
         ("replay_cache", 10_000),  # a size, read as True: the default cache, silently
         ("herd_release", 8),
+        # A list of pairs: a bare AttributeError ("'list' object has no attribute 'items'").
+        ("overrides", [("pkg.Service/Method", MethodOverride())]),
     ],
 )
 def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(

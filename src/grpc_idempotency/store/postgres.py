@@ -584,6 +584,22 @@ def _checked_pool_size(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a whole number of connections, not {value!r}")
 
 
+_WHOLE_NUMBER_OPTIONS = (
+    "statement_cache_size",
+    "max_cached_statement_lifetime",
+    "max_cacheable_statement_size",
+    "max_queries",
+)
+"""asyncpg's pool and connection options that are counts (or whole seconds): asyncpg compares
+them raw, and text (from the environment, ``statement_cache_size="0"`` behind PgBouncer) was a
+bare "'<' not supported between 'str' and 'int'", naming no option."""
+
+
+def _checked_whole_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, not {value!r}")
+
+
 def _checked_schema(schema: object) -> None:
     # Before the pool is opened: refused after, the pool was left open (its connections held
     # until the process ended), and with the database down a typo was an outage to retry.
@@ -752,6 +768,16 @@ class Store:
         _checked_probe_timeout(probe_timeout)
         _checked_seconds("timeout", pool_options.get("timeout"))
         _checked_server_settings(pool_options.get("server_settings"))
+        for name in _WHOLE_NUMBER_OPTIONS:
+            if name in pool_options:
+                _checked_whole_number(name, pool_options[name])
+        # None (dsn) is asyncpg's: the PG* environment variables' database. Anything else but
+        # text was a bare AttributeError ("no attribute 'decode'") out of the driver, and a
+        # probe_dsn that is none was accepted, to fail every probe ("does not answer").
+        if dsn is not None and not isinstance(dsn, str):
+            raise TypeError(f"dsn must be a str, not {type(dsn).__name__}")
+        if probe_dsn is not None and not isinstance(probe_dsn, str):
+            raise TypeError(f"probe_dsn must be a str or None, not {type(probe_dsn).__name__}")
         unsent = unsendable(dsn)
         if unsent is not None:  # never quoted: it may hold a password
             raise DsnUnusable(f"cannot use the DSN: {unsent}")

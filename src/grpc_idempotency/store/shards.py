@@ -52,6 +52,12 @@ class ShardedStores:
     """
 
     def __init__(self, shards: Mapping[str, Store], shard_of: ShardOf) -> None:
+        if isinstance(shards, Store) or (shards is not None and not isinstance(shards, Mapping)):
+            # One Store, or a list of them, was a bare AttributeError ("no attribute 'items'").
+            raise TypeError(
+                "shards must be a mapping of shard names to Stores ({'eu': store_eu, ...}),"
+                f" not {type(shards).__name__}"
+            )
         if not shards:
             raise ValueError("ShardedStores needs at least one shard")
         # Refused here, not on every call: each of these was accepted, and then no call could
