@@ -356,6 +356,7 @@ class OperationStub:
 def step(name: str) -> Iterator[None]:
     """Names the declared step of the calls made within the block (when several steps of the
     current method call the same target)."""
+    _checked_step_name(name)
     token = _step.set(name)
     try:
         yield
@@ -365,7 +366,15 @@ def step(name: str) -> Iterator[None]:
 
 def step_metadata(name: str) -> tuple[str, str]:
     """Names the step of one call: ``stub.Charge(req, metadata=[step_metadata("x.v1")])``."""
+    _checked_step_name(name)
     return (STEP_HEADER, name)
+
+
+def _checked_step_name(name: object) -> None:
+    # A step is named by its declared name: None named no step (the call went on as if none
+    # were given), and a number was sent as its text, to be refused downstream as undeclared.
+    if not isinstance(name, str):
+        raise TypeError(f"a step is named by a str (its declared name, 'x.v1'), not {name!r}")
 
 
 @contextlib.contextmanager

@@ -238,6 +238,15 @@ def _unknown_override(
 
 
 def methods_of(services: Services) -> Iterable[MethodDescriptor]:
+    if isinstance(services, ModuleType | FileDescriptor | ServiceDescriptor):
+        # One given alone was "'module' object is not iterable", naming no argument.
+        raise TypeError(
+            f"services must be a list of services or _pb2 modules, not one: [{services!r}]"
+        )
+    if isinstance(services, str | bytes) or not isinstance(services, Iterable):
+        raise TypeError(
+            f"services must be a list of service descriptors or _pb2 modules, not {services!r}"
+        )
     for item in services:
         if isinstance(item, ModuleType):
             descriptor = getattr(item, "DESCRIPTOR", None)

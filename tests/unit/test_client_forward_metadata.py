@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpc_idempotency.client import IdempotencyClientInterceptor
+from grpc_idempotency.client import IdempotencyClientInterceptor, step, step_metadata
 
 
 @pytest.mark.parametrize(
@@ -46,3 +46,13 @@ def test_a_name_that_is_no_str_is_refused_naming_the_option(name: object) -> Non
     AttributeError on None, neither naming forward_metadata."""
     with pytest.raises(TypeError, match="forward_metadata names headers by str"):
         IdempotencyClientInterceptor(forward_metadata=["x-tenant", name])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("name", [None, 5, b"charge.v1"])
+def test_a_step_named_by_no_str_is_refused(name: object) -> None:
+    """``step(None)`` named no step (the call went on as if none were given), and a number was
+    sent as its text, refused downstream as undeclared."""
+    with pytest.raises(TypeError, match="a step is named by a str"):
+        step_metadata(name)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a step is named by a str"), step(name):  # type: ignore[arg-type]
+        pass

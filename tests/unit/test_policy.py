@@ -518,6 +518,9 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
         ("herd_release", 8),
         # A list of pairs: a bare AttributeError ("'list' object has no attribute 'items'").
         ("overrides", [("pkg.Service/Method", MethodOverride())]),
+        # One _pb2 module, not in a list: "'module' object is not iterable".
+        ("services", testsvc_pb2),
+        ("services", 5),
     ],
 )
 def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(
