@@ -580,6 +580,9 @@ class Relay:
         if rng is not None and not callable(getattr(rng, "random", None)):
             # Else accepted, to fail at the first failed delivery (no attribute 'random').
             raise TypeError(f"rng must be a random.Random or None, not {rng!r}")
+        if on_listening is not None and not callable(on_listening):
+            # Else accepted, and its call failed (logged) each time LISTEN was established.
+            raise TypeError(f"on_listening must be a function or None, not {on_listening!r}")
         if not 1 <= batch_size <= BIGINT_MAX:
             # Past bigint every claim failed (asyncpg's DataError), read as a store outage.
             raise ValueError(f"batch_size must be a whole number from 1 to {BIGINT_MAX}")

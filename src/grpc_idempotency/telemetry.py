@@ -179,6 +179,17 @@ class Telemetry:
         record_key: bool = False,
         record_scope: bool = False,
     ) -> None:
+        # Checked here: another object (a Tracer for its provider, a module) was a bare
+        # AttributeError ("no attribute 'get_tracer'") naming no argument.
+        for name, provider, method in (
+            ("tracer_provider", tracer_provider, "get_tracer"),
+            ("meter_provider", meter_provider, "get_meter"),
+        ):
+            if provider is not None and not callable(getattr(provider, method, None)):
+                raise TypeError(
+                    f"{name} must be an OpenTelemetry {name.split('_')[0].capitalize()}Provider"
+                    f" or None, not {provider!r}"
+                )
         self.tracer = provider_from_env(
             _TRACER_PROVIDER_ENV,
             lambda: trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider),

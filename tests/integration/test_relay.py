@@ -1505,6 +1505,7 @@ def test_relay_arguments_are_checked() -> None:
         ("meter_provider", 5),
         ("rng", 5),
         ("listen_dsn", 5),
+        ("on_listening", 5),
     ):
         with pytest.raises(TypeError, match=rf"^{setting} must be"):
             Relay(store, sink, **{setting: value})  # type: ignore[arg-type]

@@ -686,6 +686,15 @@ async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
         await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("pool", [None, "postgresql://nobody@127.0.0.1/nowhere"])
+def test_a_store_of_a_dsn_not_a_pool_is_refused_when_made(pool: object) -> None:
+    """Accepted: every statement then failed with a bare AttributeError naming no argument."""
+    with pytest.raises(TypeError, match=r"^Store takes an asyncpg pool, .* Store\.connect\(dsn\)"):
+        Store(pool)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="schema must be a str"):
+        Store(object(), schema=5)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("dsn", [5, b"postgresql://nobody@127.0.0.1/nowhere"])
 async def test_a_dsn_that_is_no_str_is_a_type_error(dsn: object) -> None:
     """Was a bare AttributeError ("no attribute 'decode'"), or a TypeError about bytes and str,

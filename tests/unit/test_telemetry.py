@@ -169,3 +169,14 @@ def test_a_consumer_delivery_makes_no_span_while_nothing_traces(
 def test_a_consumer_refuses_what_is_no_telemetry() -> None:
     with pytest.raises(TypeError, match="telemetry must be a Telemetry"):
         IdempotentConsumer(cast(Any, None), "orders", telemetry=cast(Any, object()))
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("tracer_provider", trace.get_tracer(__name__)), ("meter_provider", 5)],
+)
+def test_a_provider_that_is_none_is_refused_naming_it(argument: str, value: object) -> None:
+    """A Tracer for its provider, or a number, was a bare AttributeError ("no attribute
+    'get_tracer'") naming no argument."""
+    with pytest.raises(TypeError, match=f"^{argument} must be an OpenTelemetry"):
+        Telemetry(**{argument: value})  # type: ignore[arg-type]

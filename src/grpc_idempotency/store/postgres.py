@@ -662,6 +662,17 @@ class Store:
         schema: str = DEFAULT_SCHEMA,
         acquire_timeout: float | None = None,
     ) -> None:
+        # (Not every awaitable: an asyncpg Pool is one, awaited to open it.)
+        if pool is None or isinstance(pool, str | bytes) or inspect.iscoroutine(pool):
+            # The DSN (or None, or an un-awaited Store.connect) was accepted: every statement
+            # then failed with a bare AttributeError naming no argument.
+            if inspect.iscoroutine(pool):
+                pool.close()  # else reported "never awaited" when collected
+            raise TypeError(
+                f"Store takes an asyncpg pool, not {type(pool).__name__}: for a DSN,"
+                " store = await Store.connect(dsn)"
+            )
+        _checked_schema(schema)  # its type too: re's "expected string" named no argument
         self.pool = pool
         self.schema = schema
         self.statements = Statements(schema)

@@ -630,6 +630,10 @@ class EmbeddedPostgres:
             self._data_dir = Path(tempfile.mkdtemp(prefix="grpc-idempotency-pgdata-"))
             owned.append(self._data_dir)
         else:
+            if isinstance(data_dir, str) and not data_dir:
+                # Path("") is the working directory: not a data directory anyone meant (an
+                # unset environment variable, most likely).
+                raise ValueError("data_dir is empty: pass None for a temporary directory")
             # Absolute: the binaries run with cwd="/".
             self._data_dir = Path(data_dir).expanduser().resolve()
             _check_data_dir(self._data_dir, "data_dir")
