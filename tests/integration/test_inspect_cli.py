@@ -731,6 +731,14 @@ async def test_list_filters_by_state_and_method(services: Services) -> None:
     assert [r["key"] for r in limited] == [event_key]
     code, none = await keys("--state", "in_progress")
     assert (code, none) == (3, [])
+    # A method the scope has no record of, while it has others': it said "no records under
+    # S", as if the scope were empty.
+    for state, said in [((), ""), (("--state", "error"), " in state error")]:
+        other = await cli(*base, "--method", POST_PHASED, *state)
+        assert (other.returncode, other.stdout) == (
+            3,
+            f"no records of method {POST_PHASED} under {scope}{said}\n",
+        ), other.stderr
 
     # A method past the method column's 40 characters, as a service's full name makes one.
     long_method = "/shop.payments.v1.PaymentAuthorizationService/AuthorizeAndCapture"

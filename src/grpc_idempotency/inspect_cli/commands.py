@@ -111,6 +111,8 @@ async def run_list(args: argparse.Namespace, store: Store, *, applied: Collectio
         more = " (--limit reached)" if len(records) == args.limit else ""
         print(f"{len(records)} record(s){more}; details: grpc-idempotency inspect --scope ...")
     else:
+        # Named as asked: "no records under S" with --method given read as an empty scope.
+        of_method = f" of method {printable(method)}" if method else ""
         in_state = f" in state {args.state}" if state else ""
-        print(f"no records under {printable(args.scope)}{in_state}")
+        print(f"no records{of_method} under {printable(args.scope)}{in_state}")
     return FOUND if records else NOT_FOUND
