@@ -20,7 +20,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, StaticScope, Store, child_key
+from grpc_idempotency.inspect_cli.cursor import ListCursor
 from tests.e2e.procs import free_port
 from tests.support.ledger import RunningLedger, fresh, metadata, running_ledger
 from tests.support.relay import RunningRelay, running_relay
@@ -1219,3 +1220,82 @@ async def test_a_scope_the_server_refuses_is_bad_usage_and_never_shown_raw(
         assert "U+001B" in done.stderr, done.stderr
         assert not any(c in done.stderr for c in "\x1b\r\u202e"), done.stderr
         assert "forged" not in done.stderr, done.stderr
+
+
+async def test_list_pages_on_with_after_and_rows_inserted_meanwhile_move_nothing(
+    pg_dsn: str, store: Store
+) -> None:
+    """``list`` listed the newest --limit records and no more: nothing past them could be
+    listed. A page cut at --limit now ends with the cursor of the next (``--after``): the last
+    record's (created_at, key), exact to the microsecond whatever the key holds, so records
+    begun meanwhile, and ties on created_at, make no page repeat or skip a record."""
+    scope = f"tenant:{fresh('pages')}"
+
+    async def insert(micros: int, key: str) -> None:
+        await store.pool.execute(
+            f'INSERT INTO "{store.schema}".records (scope, key, method, fingerprint, state,'
+            " fencing_token, status_code, response, created_at, completed_at, expires_at)"
+            f" VALUES ($1, $2, '{POST}', '\\x00', 'completed', 1, 0, '', $3, clock_timestamp(),"
+            " clock_timestamp() + interval '1 hour')",
+            scope,
+            key,
+            T0 + timedelta(microseconds=micros),
+        )
+
+    # Three records begun at the same microsecond; keys with quotes, a comma, a backslash.
+    for micros, key in [(9, 'k"1'), (5, "a,b"), (5, "b'c"), (5, "c\\d"), (3, "x=1"),
+                        (1, "y}"), (0, "z;")]:  # fmt: skip
+        await insert(micros, key)
+    base = ["list", "--dsn", pg_dsn, "--schema", store.schema, "--scope", scope, "--limit", "2"]
+
+    async def page(*after: str) -> tuple[list[str], str | None]:
+        done = await cli(*base, "--json", *after)
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in done.stdout.splitlines()]
+        (following,) = {line["next"] for line in lines}  # the same on every line
+        return [line["key"] for line in lines], following
+
+    listed, cursor = await page()
+    assert listed == ['k"1', "a,b"] and cursor is not None
+    # The text listing ends with the same cursor, alone on its last line.
+    text = await cli(*base)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.splitlines()[-1] == f"next page: the same command with --after {cursor}"
+    # Begun meanwhile: one newer than the page and one at the cursor's microsecond sorting
+    # before its key (neither is listed on), one after the cursor (listed once).
+    await insert(20, "new")
+    await insert(5, "a,a")
+    await insert(2, "mid")
+    while cursor is not None:
+        more, cursor = await page("--after", cursor)
+        assert len(more) == 2  # eight records listed: the last page is full, and ends them
+        listed += more
+    order = await store.pool.fetch(
+        f'SELECT key FROM "{store.schema}".records WHERE scope = $1 ORDER BY created_at DESC, key',
+        scope,
+    )
+    assert listed == [r["key"] for r in order if r["key"] not in ("new", "a,a")]
+    assert len(listed) == 8 and "mid" in listed
+
+    last = await cli(*base, "--after", cursor_of(0, "z;"))
+    assert (last.returncode, last.stdout) == (3, f"no records under {scope} after the cursor\n")
+
+    valid = cursor_of(5, "a,b")
+    for bad in ["not a cursor", valid[:-3], b64url(b'{"v":1}'), cursor_of(0, "\x00"),
+                b64url(b'{"v":1,"t":99999999999999999999,"k":"a"}')]:  # fmt: skip
+        done = await cli(*base, "--after", bad)
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        assert "argument --after: not a cursor" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def b64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+T0 = datetime(2026, 1, 1, 0, 0, 0, 1, tzinfo=UTC)
+
+
+def cursor_of(micros: int, key: str) -> str:
+    """The cursor ``list`` prints after the record ``key`` begun ``micros`` after ``T0``."""
+    return ListCursor(T0 + timedelta(microseconds=micros), key).encode()

@@ -4,7 +4,8 @@
 configuration file (``config``), loads the descriptors that decode stored messages
 (``descriptors``), drives the look-ups (``lookup``, over ``store/inspection_store.py``), and
 renders what ``core/inspection.py`` decides, as a tree (``text_output``) or as JSON
-(``json_output``); ``commands`` runs the two commands.
+(``json_output``); ``commands`` runs the two commands; ``cursor`` is ``list``'s page cursor
+(``--after``).
 
 Exit status of ``inspect``: 0 the operation was found; 3 no configured store holds it; 4 found,
 but a step's child key reached more than one record or outbox row (never expected: a store

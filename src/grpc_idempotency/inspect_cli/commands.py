@@ -18,9 +18,11 @@ from grpc_idempotency.core import inspection
 from grpc_idempotency.core.inspection import RecordState
 from grpc_idempotency.core.policy import normalize_method
 from grpc_idempotency.inspect_cli.config import ConfigError, config_of
+from grpc_idempotency.inspect_cli.cursor import ListCursor
 from grpc_idempotency.inspect_cli.descriptors import Descriptors
 from grpc_idempotency.inspect_cli.json_output import inspect_json, record_json, schema_json
 from grpc_idempotency.inspect_cli.lookup import StoreFailed, inspect_key
+from grpc_idempotency.inspect_cli.parsers import BIGINT_MAX
 from grpc_idempotency.inspect_cli.text_output import outcome_label, render_tree, timestamp
 from grpc_idempotency.store.inspection_store import InspectionStore
 from grpc_idempotency.store.postgres import Store
@@ -79,15 +81,25 @@ async def run_list(args: argparse.Namespace, store: Store, *, applied: Collectio
         return UNUSABLE
     state = RecordState(args.state) if args.state else None
     method = normalize_method(args.method) if args.method else None
-    records = await InspectionStore(store, applied=applied).scope_records(
-        args.scope, state=state, method=method, limit=args.limit
+    after: ListCursor | None = args.after
+    # One more than asked for says whether a next page has any record: a cursor printed after
+    # a page that happened to end the listing led to an empty page, exit 3 ("none matched").
+    rows = await InspectionStore(store, applied=applied).scope_records(
+        args.scope,
+        state=state,
+        method=method,
+        limit=min(args.limit + 1, BIGINT_MAX),
+        after=None if after is None else (after.created_at, after.key),
     )
+    records = rows[: args.limit]
+    last = records[-1] if len(rows) > args.limit else None
+    following = None if last is None else ListCursor(last.created_at, last.key).encode()
     if args.json:
         # On each line, whatever the record: a line that is no record would break a reader
-        # that takes every line for one.
+        # that takes every line for one. ``next``, the same on every line of a page, so too.
         schema = schema_json(applied)
         for r in records:
-            print(json.dumps({**record_json(r), "schema_migrations": schema}))
+            print(json.dumps({**record_json(r), "schema_migrations": schema, "next": following}))
     elif records:
         # As wide as the widest value: "error FAILED_PRECONDITION" (or a long method) pushed its
         # row's claims, start and key out from under their headings.
@@ -108,11 +120,16 @@ async def run_list(args: argparse.Namespace, store: Store, *, applied: Collectio
                 f"{'  (lease run out)' if ran_out else ''}"
                 f"{'  (expired)' if r.expired else ''}"
             )
-        more = " (--limit reached)" if len(records) == args.limit else ""
+        more = ", more after them" if following else ""
         print(f"{len(records)} record(s){more}; details: grpc-idempotency inspect --scope ...")
+        if following:
+            # Last, alone on its line: what a script or an operator copies. The command itself
+            # is not repeated: its --dsn may hold a password.
+            print(f"next page: the same command with --after {following}")
     else:
         # Named as asked: "no records under S" with --method given read as an empty scope.
         of_method = f" of method {printable(method)}" if method else ""
         in_state = f" in state {args.state}" if state else ""
-        print(f"no records{of_method} under {printable(args.scope)}{in_state}")
+        past = " after the cursor" if after else ""
+        print(f"no records{of_method} under {printable(args.scope)}{in_state}{past}")
     return FOUND if records else NOT_FOUND

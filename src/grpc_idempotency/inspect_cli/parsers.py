@@ -15,6 +15,7 @@ from grpc_idempotency.core.inspection import RecordState
 from grpc_idempotency.core.keys import MAX_SCOPE_BYTES, validate_key
 from grpc_idempotency.core.log_text import code_point, unsafe_character
 from grpc_idempotency.core.policy import normalize_method
+from grpc_idempotency.inspect_cli.cursor import CursorInvalid, ListCursor, decode_cursor
 from grpc_idempotency.store.dsn_files import HOLDS_NUL, holds_nul, not_utf8
 from grpc_idempotency.store.postgres import DEFAULT_SCHEMA
 from grpc_idempotency.store.sql import schema_identifier
@@ -104,6 +105,15 @@ def method_name(text: str) -> str:
     if not service or not method or "/" in method or not service.strip("."):
         raise argparse.ArgumentTypeError(f"not a method, /package.Service/Method: {text!r}")
     return text
+
+
+def list_cursor(text: str) -> ListCursor:
+    """A cursor ``list`` printed (``cursor.py``)."""
+    try:
+        return decode_cursor(text)
+    except CursorInvalid as err:
+        # Not quoted: it is long, and opaque; what is wrong with it is said instead.
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def dsn_text(text: str) -> str:
@@ -215,7 +225,8 @@ def add_parsers(
         "list",
         "list a scope's records, newest first",
         "List the records under --scope, newest operation first: key, method, state (in_progress,"
-        " completed with status OK, error: a recorded error), claims and times. Exit 0: records"
+        " completed with status OK, error: a recorded error), claims and times; page by page"
+        " with --limit and --after. Exit 0: records"
         " listed; 3: none matched; 1: the database is unreachable; 2: it cannot be used or bad"
         " usage.",
     )
@@ -240,7 +251,17 @@ def add_parsers(
         type=at_least_one,
         default=100,
         metavar="N",
-        help="list at most this many (default: %(default)s)",
+        help="list at most this many (default: %(default)s); a listing cut there ends with the"
+        " cursor of the next page (--after)",
+    )
+    listing.add_argument(
+        "--after",
+        type=list_cursor,
+        metavar="CURSOR",
+        help="list the records after CURSOR, which a listing cut at --limit printed last (in"
+        " --json, as next): the next page, older records, as the same command lists them;"
+        " records begun meanwhile are not listed, none is listed twice or skipped (default:"
+        " from the newest)",
     )
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
 

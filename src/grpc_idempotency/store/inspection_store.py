@@ -16,6 +16,7 @@ the schema in place does, never what the newer release would do with it.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from datetime import datetime
 from typing import Any
 
 from grpc_idempotency.core.inspection import OutboxEntry, Record, RecordState
@@ -122,16 +123,25 @@ class InspectionStore:
         state: RecordState | None = None,
         method: str | None = None,
         limit: int = 100,
+        after: tuple[datetime, str] | None = None,
     ) -> list[Record]:
-        """``scope``'s records, newest operation first, at most ``limit``: without their
-        outcomes (``response``, ``status_message`` and ``status_details`` are ``None``, not
+        """``scope``'s records, newest operation first, at most ``limit``, and only those after
+        ``after`` (the (created_at, key) of the last record a page listed) in that order: without
+        their outcomes (``response``, ``status_message`` and ``status_details`` are ``None``, not
         read; ``status_code`` is); ``records`` reads a record whole."""
+        # The order is total (a key is unique in its scope), so "after" is one place in it that
+        # rows inserted meanwhile do not move (keyset paging: inspect_cli/cursor.py). No index
+        # serves it: the scope's rows are read (through the primary key's scope prefix) and
+        # sorted, as the first page's are; an index would cost every keyed call a write.
+        # ``key > $5`` compares under the column's collation, the one ORDER BY sorts by.
+        keyset = " AND (created_at < $4 OR (created_at = $4 AND key > $5))" if after else ""
         sql = (
             f"{self._listed} WHERE scope = $1 AND ({_STATE_FILTER[state]})"
-            " AND ($2::text IS NULL OR method = $2) ORDER BY created_at DESC, key LIMIT $3"
+            f" AND ($2::text IS NULL OR method = $2){keyset}"
+            " ORDER BY created_at DESC, key LIMIT $3"
         )
         async with self.store.connection("listing records") as conn:
-            rows = await conn.fetch(sql, scope, method, limit)
+            rows = await conn.fetch(sql, scope, method, limit, *(after or ()))
         return [_record(r) for r in rows]
 
     async def outbox(self, scope: str, parent_key: str, keys: Sequence[str]) -> list[OutboxEntry]:
