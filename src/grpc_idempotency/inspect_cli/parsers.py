@@ -260,7 +260,7 @@ def add_parsers(
         metavar="CURSOR",
         help="list the records after CURSOR, which a listing cut at --limit printed last (in"
         " --json, as next): the next page, older records, as the same command lists them;"
-        " records begun meanwhile are not listed, none is listed twice or skipped (default:"
+        " whatever was recorded meanwhile, no record is listed twice or skipped (default:"
         " from the newest)",
     )
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
