@@ -23,7 +23,6 @@ from grpc_idempotency import (
     Step,
     Store,
     StoreDown,
-    StoreUnavailable,
     Telemetry,
     child_key,
 )
@@ -138,24 +137,33 @@ async def test_a_busy_pool_is_no_outage_so_a_completed_key_is_not_run_again_uncl
     retryable) and the next retry replays."""
     small = await Store.connect(pg_dsn, min_size=1, max_size=1, acquire_timeout=1.0)
 
-    async def work() -> None:  # another call's 0.8 s on the pool's only connection
-        with contextlib.suppress(StoreUnavailable):  # the third times out too
-            async with small.connection("working"):
-                await asyncio.sleep(0.8)
+    async def work(done: asyncio.Event) -> None:  # another call on the pool's only connection
+        async with small.connection("working"):
+            await done.wait()
 
     try:
         async with running_ledger(small, replay_cache=False) as ledger:
             key, account = fresh(), fresh("acct")
             first = await ledger.call(SVC + "PostFailOpen", post(account), key)
             assert first.code is grpc.StatusCode.OK
-            # Three calls queued ahead: the first served at once, the second 0.8 s later (while
-            # this call waits), the third never; this call's wait ends 1 s after it queued,
-            # before the connection comes free again (1.6 s). (With 0.6 s holds, a call queued
-            # 0.2 s late on a loaded machine was served at 1.2 s, and the test failed.)
-            queue = [asyncio.ensure_future(work()) for _ in range(3)]
+            # One call holds the connection, a second waits for it, then this call: the first
+            # hands the connection to the second while this call waits, and the second keeps it
+            # past this call's 1 s. Events, not holds of 0.8 s timed against the 1 s acquire
+            # timeout: on a loaded machine the connection could come free in time for this call.
+            done = [asyncio.Event(), asyncio.Event()]
+            holding = asyncio.ensure_future(work(done[0]))
             await until("the pool busy", lambda: small.pool.get_idle_size() == 0)
-            busy = await ledger.call(SVC + "PostFailOpen", post(account), key, timeout=5)
-            await asyncio.gather(*queue)
+            next_ = asyncio.ensure_future(work(done[1]))
+            await until("another call waiting", lambda: _queued(small) == 1)
+            call = asyncio.ensure_future(
+                ledger.call(SVC + "PostFailOpen", post(account), key, timeout=5)
+            )
+            await until("this call waiting too", lambda: _queued(small) == 2)
+            done[0].set()
+            await holding
+            busy = await call
+            done[1].set()
+            await next_
             assert busy.code is grpc.StatusCode.UNAVAILABLE, busy.details
             assert "busy" in (busy.details or "")
             again = await ledger.call(SVC + "PostFailOpen", post(account), key)
