@@ -218,7 +218,9 @@ async def test_kill_from_outside_mid_transaction_rolls_back_and_retry_executes(
 ) -> None:
     op = Operation()
     port = free_port()
-    server = await procs.payments(pg_dsn, port, failpoints="after_claim=sleep:3000")
+    # The wait after the claim only has to outlast the test's look at pg_stat_activity and its
+    # kill: long, so that load cannot end it first (and free: the process is killed in it).
+    server = await procs.payments(pg_dsn, port, failpoints="after_claim=sleep:60000")
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = _call(channel, op)

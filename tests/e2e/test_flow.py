@@ -498,13 +498,16 @@ async def test_orders_killed_while_its_charge_is_uncommitted_then_the_takeover_c
     caller's connection and rolls back; the retry, once the dead owner's lease runs out, takes
     the order over and its Charge, with the same child key, charges once."""
     order = Order()
-    # Payments holds each charge uncommitted for a while: the window to kill the caller in.
-    slow = await procs.payments(pg_dsn, 0, failpoints="before_commit=sleep:1000")
+    # Payments holds each charge uncommitted: the window to kill the caller in. Long, so that
+    # load cannot close it (with 1 s, a loaded machine could commit the charge before the test
+    # had seen it and killed orders), and free: the caller's death cancels the wait. The
+    # takeover goes through another payments replica, which does not wait.
+    slow = await procs.payments(pg_dsn, 0, failpoints="before_commit=sleep:60000")
     assert slow.port is not None
     to_slow = Downstream(slow.port, downstream.notifications)
     doomed, other = await asyncio.gather(
         start_orders(procs, pg_dsn, to_slow, lease=1),
-        start_orders(procs, pg_dsn, to_slow, lease=1),
+        start_orders(procs, pg_dsn, downstream, lease=1),
     )
     async with grpc.aio.insecure_channel(doomed.address) as channel:
         call = _start_place(channel, order, CALL_TIMEOUT_S)
@@ -683,7 +686,10 @@ async def test_stalled_owner_past_its_lease_cannot_commit(
     order = Order()
     if stall == "before_the_charge":
         # A waits after its claim: provably inside the phased execution, nothing charged yet.
-        a_setup: dict[str, Any] = {"failpoints": "after_claim=sleep:3000"}
+        # The wait only has to outlast the SIGSTOP below, which a loaded machine can delay: so
+        # it is long, and costs nothing, since resumed A's lease keeper finds the lease lost
+        # and cancels the handler, the wait with it (3 s left a window load could close).
+        a_setup: dict[str, Any] = {"failpoints": "after_claim=sleep:60000"}
     else:
         # A's own notifications replica is slow: A has charged and waits for the email.
         slow = await procs.notifications(pg_dsn, 0, failpoints="after_claim=sleep:1500")
