@@ -770,11 +770,16 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
     released the previous one's claim waits for it, and may be answered ABORTED and retried. The
     test asserts the contract, not a count: one minted key on every attempt, one effect."""
     order = Order()
-    # Each attempt waits after claiming the key: the window in which its connection is reset. It
-    # costs only the last attempt's wait (the test resets the others as soon as they claim).
-    orders = await start_orders(procs, pg_dsn, downstream, failpoints="after_claim=sleep:3000")
-    assert orders.port is not None
-    proxy = ResettingProxy(f"127.0.0.1:{orders.port}")
+    # Each attempt at ``holding`` waits after claiming the key: the window in which its
+    # connection is reset. Long, so that no load closes it (3 s once let an attempt commit
+    # before its reset, and the next one replayed), and free: the reset cancels the wait. The
+    # last attempt, which nothing resets, is sent to a replica that does not wait.
+    holding, plain = await asyncio.gather(
+        start_orders(procs, pg_dsn, downstream, failpoints="after_claim=sleep:60000"),
+        start_orders(procs, pg_dsn, downstream),
+    )
+    assert holding.port is not None and plain.port is not None
+    proxy = ResettingProxy(f"127.0.0.1:{holding.port}")
     address = await proxy.start()
     channel = grpc.aio.insecure_channel(
         address,
@@ -797,6 +802,8 @@ async def test_minted_key_is_the_same_on_every_grpc_retry(
 
         for claim in (1, 2):
             await holds_claim(db, order, claim)
+            if claim == 2:  # the retry after this reset connects anew: to the plain replica
+                proxy.upstream = f"127.0.0.1:{plain.port}"
             assert proxy.reset() == 1, f"claim {claim}: no connection to drop"
 
         response = await call
