@@ -115,12 +115,18 @@ START_TIMEOUT_S = 20.0
 CONCURRENT_CALLS = 50
 ORDER_LEASE_S = 1.0  # drills h, j: a short orders lease, so a dead or frozen claim frees quickly
 RELAY_LEASE_S = 1.5  # drill i: how soon the events a crashed relay claimed are due again
-STALL_MS = 3000  # drill j: how long the stalled replica waits after its claim (it is frozen there)
+# drill j: how long the stalled replica waits after its claim, frozen there. It only has to
+# outlast the demo's look at the claim and its SIGSTOP, which load can delay (3 s left a window
+# for that), so it is long; resumed, the replica's lease keeper finds the lease taken over and
+# cancels the handler, the wait with it: it costs nothing.
+STALL_MS = 60_000
 RETRY_TIMEOUT_S = 15.0  # drills b, f, j, k: calls that span a lease or gRPC's retries
 HOLD_MS = 60_000  # drills b, f: the answer held back after the commit, longer than anyone waits
-CLAIM_HOLD_MS = 6000  # drill k: each attempt waits after its claim, the window for the reset
-# (3 s was once too short under CI load: the second attempt committed before its connection's
-# reset reached it, and the third got its answer replayed)
+# drill k: each attempt at the holding replica waits after its claim, the window for the reset.
+# Long, so that no load closes it (3 s once let the second attempt commit before its connection's
+# reset reached it, and the third got its answer replayed), and free: the reset cancels the wait,
+# and the last attempt, which nothing resets, goes to a replica that does not wait.
+CLAIM_HOLD_MS = 60_000
 RESETS = 2  # drill k: connections dropped under the first attempts
 LEASE_LOST = "IDEMPOTENCY_LEASE_LOST"
 RECORDS = "orders_idempotency.records"
@@ -998,40 +1004,50 @@ class Demo:
 
     async def one_key_across_grpc_retries(self, d: Drill) -> None:
         tenant = d.tenants[0]
-        # Each attempt waits after its claim: provably inside the handler when its connection
-        # drops (the server then cancels it and releases the claim for the next attempt).
-        await self.orders.start(f"after_claim=sleep:{CLAIM_HOLD_MS}")
-        proxy = ResettingProxy(self.orders.address)
-        client = OrdersClient(
-            await proxy.start(),
-            self.orders.credentials,
-            interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
-            options=channel_options([orders_pb2]),
-        )
+        # Each attempt at a second replica waits after its claim: provably inside the handler
+        # when its connection drops (the server then cancels it and releases the claim for the
+        # next attempt). The attempt after the last reset goes to the demo's own replica
+        # (restarted without failpoints), which answers it without waiting.
+        holding = Orders(self.orders.dsn, _free_port(), self.payments, self.notifications)
         try:
-            with capture_keys() as keys:  # the task's context shares this list
-                call = asyncio.create_task(
-                    client.place(tenant, None, d.order_id, timeout=RETRY_TIMEOUT_S)
-                )
+            await asyncio.gather(
+                holding.start(f"after_claim=sleep:{CLAIM_HOLD_MS}"), self.orders.start()
+            )
+            proxy = ResettingProxy(holding.address)
+            client = OrdersClient(
+                await proxy.start(),
+                self.orders.credentials,
+                interceptors=[IdempotencyClientInterceptor(services=[orders_pb2])],
+                options=channel_options([orders_pb2]),
+            )
             try:
-                deadline = time.monotonic() + 10
-                while not keys:  # the interceptor runs once the call has started
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the interceptor minted no key")
-                    await asyncio.sleep(0.01)
-                key = keys[0]
-                for claim in range(1, RESETS + 1):
-                    await self.wait_for_claim(tenant, key, claim=claim)
-                    dropped = proxy.reset()
-                    d.check(dropped == 1, f"claim {claim}: {dropped} connections to drop")
-                    print(f"  the attempt holding claim {claim}: connection reset", flush=True)
-                answer = await call
+                with capture_keys() as keys:  # the task's context shares this list
+                    call = asyncio.create_task(
+                        client.place(tenant, None, d.order_id, timeout=RETRY_TIMEOUT_S)
+                    )
+                try:
+                    deadline = time.monotonic() + 10
+                    while not keys:  # the interceptor runs once the call has started
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("the interceptor minted no key")
+                        await asyncio.sleep(0.01)
+                    key = keys[0]
+                    for claim in range(1, RESETS + 1):
+                        await self.wait_for_claim(tenant, key, claim=claim)
+                        if claim == RESETS:  # the retry after this reset connects anew
+                            proxy.upstream = self.orders.address
+                        dropped = proxy.reset()
+                        d.check(dropped == 1, f"claim {claim}: {dropped} connections to drop")
+                        print(f"  the attempt holding claim {claim}: connection reset", flush=True)
+                    answer = await call
+                finally:
+                    if not call.done():
+                        call.cancel()
             finally:
-                if not call.done():
-                    call.cancel()
+                await client.close()
+                await proxy.close()
         finally:
-            await client.close()
-            await proxy.close()
+            await holding.stop()
         d.answers.append(answer)
         d.check(len(keys) == 1, f"the interceptor minted {len(keys)} keys (expected 1)")
         d.check(answer.ok and not answer.replayed, f"the call: expected OK, got {answer.label}")
