@@ -601,9 +601,12 @@ async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exist
     b = Order(tenant=a.account)
     b.order_id = a.order_id
     stalling, other = await asyncio.gather(
-        # The sleep only has to outlast the test's SIGSTOP; the lease (which bounds how long the
-        # final transaction may sit idle) has to outlast the sleep and the stop together.
-        start_orders(procs, pg_dsn, downstream, lease=30, failpoints="before_commit=sleep:1000"),
+        # The sleep only has to outlast the test's look at pg_stat_activity and its SIGSTOP; the
+        # lease (which bounds how long the final transaction may sit idle) has to outlast the
+        # sleep and the stop together. Resumed, A sits out what is left of it, so it is short,
+        # yet 2.5 s: with 1 s a loaded machine could let A commit before the stop, and B, seeing
+        # the order, was refused before it charged.
+        start_orders(procs, pg_dsn, downstream, lease=30, failpoints="before_commit=sleep:2500"),
         start_orders(procs, pg_dsn, downstream),
     )
 
@@ -691,8 +694,11 @@ async def test_stalled_owner_past_its_lease_cannot_commit(
         # and cancels the handler, the wait with it (3 s left a window load could close).
         a_setup: dict[str, Any] = {"failpoints": "after_claim=sleep:60000"}
     else:
-        # A's own notifications replica is slow: A has charged and waits for the email.
-        slow = await procs.notifications(pg_dsn, 0, failpoints="after_claim=sleep:1500")
+        # A's own notifications replica is slow: A has charged and waits for the email. The wait
+        # has to outlast the test's look and its SIGSTOP of A (1.5 s left a window load could
+        # close: A emailed, committed, and B replayed); B's email waits for it to end, so it is
+        # not longer still.
+        slow = await procs.notifications(pg_dsn, 0, failpoints="after_claim=sleep:2500")
         a_setup = {"notifications": slow.port}
     a, b = await asyncio.gather(
         start_orders(procs, pg_dsn, downstream, lease=1, **a_setup),
