@@ -949,21 +949,30 @@ async def _relay(args: argparse.Namespace, store: Store) -> int:
         permanent_codes=DEFAULT_PERMANENT_CODES | set(args.dead_letter_on),
     )
     announced = False
+    stdout_gone = False
 
     def say(line: str) -> None:
         # stdout's reader may go while the relay runs (a log shipper restarting): the relay goes
         # on delivering, and stops with 0, its log being stderr's. Raised, a BrokenPipeError
         # was logged with its traceback as on_listening's bug, and the clean stop exited 141.
+        nonlocal stdout_gone
+        if stdout_gone:
+            return
         try:
             print(line, flush=True)
         except (BrokenPipeError, OutputFailed) as err:
+            stdout_gone = True
             # Said once, on stderr: a supervisor waiting for the "ready" line would otherwise
             # wait with nothing to say why.
             logging.getLogger("grpc_idempotency.relay").warning(
                 "stdout cannot be written (%s): the relay goes on; its stdout lines are dropped",
                 err,
             )
-            # The rest of stdout, what is still buffered too, goes to /dev/null.
+            # The rest of stdout, what is still buffered too, goes to /dev/null. Not when the
+            # relay started with stdout closed (`>&-`): there is no stream (its fileno() was an
+            # AttributeError, and the relay stopped), and descriptor 1 may since be a socket.
+            if isinstance(sys.stdout, _Stdout) and not sys.stdout.opened:
+                return
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
@@ -1205,6 +1214,11 @@ class _Stdout:
 
     def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
+
+    @property
+    def opened(self) -> bool:
+        """False if the process started with stdout closed (Python's ``sys.stdout`` None)."""
+        return self._stream is not None
 
     def write(self, text: str) -> int:
         if self._stream is None:

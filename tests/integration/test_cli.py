@@ -1083,18 +1083,24 @@ async def test_a_reader_that_goes_early_ends_the_command_quietly_with_141(
     assert (proc.returncode, err.decode()) == (141, "")
 
 
-async def test_a_relay_whose_stdout_reader_went_goes_on_and_stops_cleanly(pg_dsn: str) -> None:
+@pytest.mark.parametrize("stdout", ["reader gone", "closed"])
+async def test_a_relay_whose_stdout_reader_went_goes_on_and_stops_cleanly(
+    pg_dsn: str, stdout: str
+) -> None:
     """A relay's stdout piped to a log shipper that restarts: its "ready" line raised
     BrokenPipeError, logged with its traceback as on_listening's bug, and the clean stop after
     SIGTERM exited 141, where the relay's is 0. The relay goes on delivering (its log is
-    stderr's); what it still prints on stdout is dropped."""
+    stderr's); what it still prints on stdout is dropped. The same for a relay started with
+    stdout closed (``>&-``): dropping its lines asked ``None`` for its file descriptor."""
     async with fresh_store(pg_dsn, "relaypipe") as s:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
         read_end, write_end = os.pipe()
         os.close(read_end)  # the reader is gone before the relay says it is ready
+        # A shell closes it: preexec_fn is not safe in a process running threads.
+        closing = ["sh", "-c", 'exec "$0" "$@" >&-'] if stdout == "closed" else []
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "grpc_idempotency.cli",
+                *closing, sys.executable, "-m", "grpc_idempotency.cli",
                 *relay_args(pg_dsn, "--schema", s.schema, "--no-listen", "--poll-interval", "60"),
                 stdout=write_end, stderr=asyncio.subprocess.PIPE, env=env,
             )  # fmt: skip
