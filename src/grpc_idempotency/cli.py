@@ -1273,7 +1273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # What is still buffered goes to /dev/null, or flushing it at exit would fail again.
         if stdout is not None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
-        print(f"grpc-idempotency: cannot write the output: {failed}", file=sys.stderr)
+        # Not with stderr closed too (`>&- 2>&-`): print(file=None) writes to stdout, which
+        # raised again, and the exit was 1 ("unreachable, retry later").
+        if sys.stderr is not None:
+            print(f"grpc-idempotency: cannot write the output: {failed}", file=sys.stderr)
         return OUTPUT_FAILED
     except Interrupted as stopped:
         print(f"grpc-idempotency: {stopped}", file=sys.stderr)

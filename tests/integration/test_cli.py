@@ -1335,14 +1335,16 @@ async def test_output_that_cannot_be_written_is_one_line_and_exit_74(
     assert (status, err) == (74, NO_SPACE)
 
 
-def test_a_command_started_with_stdout_closed_exits_74_with_one_line() -> None:
+@pytest.mark.parametrize("closing", [">&-", ">&- 2>&-"])
+def test_a_command_started_with_stdout_closed_exits_74_with_one_line(closing: str) -> None:
     """``grpc-idempotency inspect ... >&-``: Python starts with ``sys.stdout`` None, and every
     command's first print was an AttributeError traceback and exit 1 ("unreachable, retry
-    later" for ``inspect`` and ``list``)."""
+    later" for ``inspect`` and ``list``). With stderr closed too, 74 all the same: the line
+    for stderr went to stdout (``print(file=None)``), which raised again (exit 1)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
     done = subprocess.run(
         # A shell closes it: preexec_fn is not safe in a process running threads.
-        ["sh", "-c", 'exec "$0" "$@" >&-', sys.executable, "-m", "grpc_idempotency.cli",
+        ["sh", "-c", f'exec "$0" "$@" {closing}', sys.executable, "-m", "grpc_idempotency.cli",
          "include-path"],
         stderr=subprocess.PIPE,
         text=True,
@@ -1350,10 +1352,8 @@ def test_a_command_started_with_stdout_closed_exits_74_with_one_line() -> None:
         env=env,
         check=False,
     )  # fmt: skip
-    assert (done.returncode, done.stderr) == (
-        74,
-        "grpc-idempotency: cannot write the output: standard output is closed\n",
-    )
+    said = "grpc-idempotency: cannot write the output: standard output is closed\n"
+    assert (done.returncode, done.stderr) == (74, "" if "2>&-" in closing else said)
 
 
 async def test_a_relay_leaves_a_connection_whose_receiver_went_silent_for_a_new_one(
