@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,3 +192,59 @@ def test_stored_names_in_the_tree_reach_the_terminal_escaped() -> None:
 
     assert [line for line in lines if "\x1b" in line or "\x07" in line] == []
     assert "  \\x1b[2J: 1.0" in lines
+
+
+def _descriptor_set(path: Path, refused: bool) -> str:
+    """A set declaring ``/later.v1.Later/Do`` (its options a later release's, refused, or
+    this release's) and ``/later.v1.Later/Fine`` (keyed, no steps) beside it."""
+    from google.protobuf import descriptor_pb2, duration_pb2, timestamp_pb2
+
+    from grpc_idempotency.v1 import options_pb2
+
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="later/v1/later.proto",
+        package="later.v1",
+        syntax="proto3",
+        dependency=["grpc_idempotency/v1/options.proto"],
+    )
+    proto.message_type.add(name="Req")
+    service = proto.service.add(name="Later")
+    for name in ("Do", "Fine"):
+        method = service.method.add(
+            name=name, input_type=".later.v1.Req", output_type=".later.v1.Req"
+        )
+        policy = options_pb2.MethodPolicy()
+        if refused and name == "Do":
+            policy.MergeFromString(b"\x58\x01")  # field 11: not in this release's MethodPolicy
+        options: Any = method.options  # protoc's stubs mistype extensions
+        options.Extensions[options_pb2.method].CopyFrom(policy)
+    files = descriptor_pb2.FileDescriptorSet()
+    for module in (descriptor_pb2, duration_pb2, timestamp_pb2, options_pb2):
+        module.DESCRIPTOR.CopyToProto(files.file.add())
+    files.file.append(proto)
+    path.write_bytes(files.SerializeToString())
+    return str(path)
+
+
+def test_a_method_refused_in_a_descriptor_set_is_that_method_alone_and_never_also_known(
+    tmp_path: Path,
+) -> None:
+    """A refused method's steps are unknown and said why; the set's other methods keep theirs.
+    Of two sets, the first to declare the method is taken, as for its steps: a refusal in the
+    first beside steps from the second gave a node whose steps were known ("steps_known":
+    true) and refused at once ("steps unknown: the method's options are refused")."""
+    from grpc_idempotency.inspect_cli.descriptors import Descriptors
+
+    refusing = _descriptor_set(tmp_path / "later.binpb", refused=True)
+    keyed = _descriptor_set(tmp_path / "now.binpb", refused=False)
+    alone = Descriptors([], [refusing])
+    assert alone.steps_of("/later.v1.Later/Do") is None
+    assert "sets field 11" in (alone.refusal("later.v1.Later.Do") or "")
+    assert (alone.steps_of("/later.v1.Later/Fine"), alone.refusal("/later.v1.Later/Fine")) == (
+        (),
+        None,
+    )
+    for sets, known in (([refusing, keyed], False), ([keyed, refusing], True)):
+        d = Descriptors([], sets)
+        steps, why = d.steps_of("/later.v1.Later/Do"), d.refusal("/later.v1.Later/Do")
+        assert (steps is not None, why is None) == (known, known), sets

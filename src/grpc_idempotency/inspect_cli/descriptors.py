@@ -76,7 +76,11 @@ class Descriptors:
                 self._pools.append(build_pool(fds, label=label))
                 refused: dict[str, str] = {}
                 for method, declared in contract_of(fds, label=label, refused=refused).items():
-                    self._steps.setdefault(method, declared.steps)
+                    # The first set declaring the method is taken, refusing it or not: steps
+                    # from a later set beside an earlier one's refusal showed a node whose
+                    # steps were known and refused at once.
+                    if method not in self._refused:
+                        self._steps.setdefault(method, declared.steps)
                 # As the server refuses such a method alone: its steps unknown, said why.
                 for method, why in refused.items():
                     if method not in self._steps:
