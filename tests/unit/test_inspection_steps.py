@@ -194,9 +194,10 @@ def test_stored_names_in_the_tree_reach_the_terminal_escaped() -> None:
     assert "  \\x1b[2J: 1.0" in lines
 
 
-def _descriptor_set(path: Path, refused: bool) -> str:
+def _descriptor_set(path: Path, refused: bool, malformed: bool = False) -> str:
     """A set declaring ``/later.v1.Later/Do`` (its options a later release's, refused, or
-    this release's) and ``/later.v1.Later/Fine`` (keyed, no steps) beside it."""
+    this release's; ``malformed``: our option's field number with the wrong wire type) and
+    ``/later.v1.Later/Fine`` (keyed, no steps) beside it."""
     from google.protobuf import descriptor_pb2, duration_pb2, timestamp_pb2
 
     from grpc_idempotency.v1 import options_pb2
@@ -217,7 +218,10 @@ def _descriptor_set(path: Path, refused: bool) -> str:
         if refused and name == "Do":
             policy.MergeFromString(b"\x58\x01")  # field 11: not in this release's MethodPolicy
         options: Any = method.options  # protoc's stubs mistype extensions
-        options.Extensions[options_pb2.method].CopyFrom(policy)
+        if malformed and name == "Do":
+            options.MergeFromString(bytes([0x90, 0xA8, 0x19, 0x01]))
+        else:
+            options.Extensions[options_pb2.method].CopyFrom(policy)
     files = descriptor_pb2.FileDescriptorSet()
     for module in (descriptor_pb2, duration_pb2, timestamp_pb2, options_pb2):
         module.DESCRIPTOR.CopyToProto(files.file.add())
@@ -244,7 +248,48 @@ def test_a_method_refused_in_a_descriptor_set_is_that_method_alone_and_never_als
         (),
         None,
     )
+    # Refused by contract_of, never read again (upb parses this option as an empty policy:
+    # read through the pool, the method had no steps, known, and a refusal beside them).
+    garbled = Descriptors([], [_descriptor_set(tmp_path / "bad.binpb", False, malformed=True)])
+    assert garbled.steps_of("/later.v1.Later/Do") is None
+    assert "does not parse" in (garbled.refusal("/later.v1.Later/Do") or "")
     for sets, known in (([refusing, keyed], False), ([keyed, refusing], True)):
         d = Descriptors([], sets)
         steps, why = d.steps_of("/later.v1.Later/Do"), d.refusal("/later.v1.Later/Do")
         assert (steps is not None, why is None) == (known, known), sets
+
+
+def test_rows_under_no_known_step_of_a_child_record_count_under_its_path_each() -> None:
+    """Rows under no known step's key count once each (two rows, x2) under the path of the
+    record whose key they hang from, and are called "undeclared" where its steps are known."""
+    from grpc_idempotency.core.inspection import (
+        Child,
+        ChildKind,
+        Found,
+        OutboxEntry,
+        StepNode,
+        decode,
+        node,
+        totals,
+    )
+    from grpc_idempotency.inspect_cli.text_output import _node_lines
+
+    op = node(record(RETIRED), output_type=None, output_class=None, steps_known=True)
+    charged = node(record(RETIRED), output_type=None, output_class=None, steps_known=True)
+    charge = Child(
+        step="charge.v1", kind=ChildKind.CALL, key="c", call=TARGET, retired_at=None, in_effect=True
+    )
+    op.steps.append(StepNode(child=charge, records=[Found(service="orders", node=charged)]))
+    for i in (1, 2):
+        row = OutboxEntry(
+            id=i, scope="tenant:a", key=f"k{i}", step="audit.v1", parent_key="c",
+            method="/shop.v1.Events/Publish", payload_type="shop.v1.Audit", payload=b"",
+            state="pending", attempts=0, next_attempt_at=RETIRED, locked_until=None,
+            claimed_by=None, last_error=None, created_at=RETIRED, sent_at=None,
+        )  # fmt: skip
+        charged.other_outbox.append(row)
+        charged.other_payloads.append(decode(b"", row.payload_type, None))
+
+    assert totals(op).effects_by_step == {"charge.v1": 1, "charge.v1/audit.v1": 2}
+    lines = _node_lines("orders", op, depth=4)
+    assert sum("undeclared step audit.v1 (outbox)" in line for line in lines) == 2, lines
