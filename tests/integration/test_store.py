@@ -297,6 +297,29 @@ async def test_a_migration_refused_for_what_the_schema_holds_is_misconfigured(
 KEEPS_WHAT_THE_PREVIOUS_RELEASE_CALLS_FROM = 5
 
 
+async def test_the_client_check_is_skipped_where_refused_and_ends_with_each_migration(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """client_connection_check_interval is set for the migration's transaction alone (the
+    connection goes back to a pool, or to the application that lent it), and a value the
+    server refuses (Windows refuses any, 22023) skips it rather than failing the migration.
+    Here a value beyond PostgreSQL's int milliseconds is what it refuses."""
+    schema = fresh_schema()
+    conn = await asyncpg.connect(pg_dsn)
+    first, second, *_ = available_migrations()
+    show = "SELECT pg_catalog.current_setting('client_connection_check_interval')"
+    try:
+        before = await conn.fetchval(show)
+        assert await migrations._apply(conn, schema, first, LOCK_TIMEOUT_S)
+        assert await conn.fetchval(show) == before
+        monkeypatch.setattr(migrations, "CHECK_CLIENT_S", 2.0**31)
+        assert await migrations._apply(conn, schema, second, LOCK_TIMEOUT_S)
+        assert await applied_versions(conn, schema) == [first.version, second.version]
+    finally:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await conn.close()
+
+
 async def test_each_migration_keeps_what_servers_not_yet_upgraded_use(pg_dsn: str) -> None:
     """A rolling upgrade migrates while servers of the previous release run, and a rollback
     runs them against a schema it does not downgrade (``Store.connect`` only warns of a newer
