@@ -540,6 +540,9 @@ class Relay:
         listen_dsn: str | None = None,
         steps: Iterable[str] | StepRoutes | None = None,
     ) -> None:
+        if not isinstance(listen, bool):
+            # Truth-tested: listen="no" (from the environment) listened.
+            raise TypeError(f"listen must be True or False, not {listen!r}")
         # Checked first, before the store: a malformed selector is the caller's to fix.
         routes = step_routes(steps)
         if name is not None:

@@ -179,6 +179,10 @@ class Telemetry:
         record_key: bool = False,
         record_scope: bool = False,
     ) -> None:
+        for flag, value in (("record_key", record_key), ("record_scope", record_scope)):
+            # Truth-tested per span: record_key="no" put every key (a customer's) on the spans.
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, not {value!r}")
         # Checked here: another object (a Tracer for its provider, a module) was a bare
         # AttributeError ("no attribute 'get_tracer'") naming no argument.
         for name, provider, method in (

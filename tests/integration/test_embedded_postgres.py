@@ -159,6 +159,12 @@ def test_a_bad_tcp_port_is_refused_by_the_constructor(port: object, error: type[
         EmbeddedPostgres(tcp_port=port, durable=False)  # type: ignore[arg-type]
 
 
+def test_durable_that_is_no_bool_is_refused() -> None:
+    """Truth-tested: durable="no" (from the environment) kept fsync on."""
+    with pytest.raises(TypeError, match=r"^durable must be True or False"):
+        EmbeddedPostgres(durable="no")  # type: ignore[arg-type]
+
+
 def test_an_empty_data_dir_is_not_the_working_directory() -> None:
     """Path("") is the working directory: it was taken as the data directory."""
     with pytest.raises(ValueError, match="data_dir is empty"):

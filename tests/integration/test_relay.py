@@ -1506,6 +1506,7 @@ def test_relay_arguments_are_checked() -> None:
         ("rng", 5),
         ("listen_dsn", 5),
         ("on_listening", 5),
+        ("listen", "no"),  # truth-tested: it listened
     ):
         with pytest.raises(TypeError, match=rf"^{setting} must be"):
             Relay(store, sink, **{setting: value})  # type: ignore[arg-type]

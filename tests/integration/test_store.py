@@ -685,6 +685,13 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
         ("max_queries", 50_000.0),
         # Accepted, and every probe failed ("does not answer").
         ("probe_dsn", 5),
+        # Truth-tested: "false" (from the environment) migrated, None skipped the check.
+        ("migrate", "false"),
+        ("check_schema", None),
+        # asyncpg's: a bare "'<' not supported", or "'int' object is not callable".
+        ("max_inactive_connection_lifetime", "5"),
+        ("init", 5),
+        ("setup", "x"),
     ],
 )
 async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
@@ -707,6 +714,17 @@ async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
     nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
     with pytest.raises((ValueError, TypeError), match=option):
         await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
+
+
+async def test_a_close_timeout_that_is_no_number_is_refused_by_name(pg_dsn: str) -> None:
+    """Was a bare "unsupported operand type(s) for +: 'float' and 'str'"."""
+    store = await Store.connect(pg_dsn, migrate=True)
+    try:
+        with pytest.raises(TypeError, match=r"^timeout must be a number of seconds"):
+            await store.close(timeout="10")  # type: ignore[arg-type]
+        assert not store.closed and await store.pool.fetchval("SELECT 1") == 1
+    finally:
+        await store.close()
 
 
 @pytest.mark.parametrize("pool", [None, "postgresql://nobody@127.0.0.1/nowhere"])

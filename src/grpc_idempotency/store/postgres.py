@@ -595,6 +595,10 @@ them raw, and text (from the environment, ``statement_cache_size="0"`` behind Pg
 bare "'<' not supported between 'str' and 'int'", naming no option."""
 
 
+_CALLABLE_OPTIONS = ("connect", "setup", "init", "reset")
+"""asyncpg's pool options that are functions it calls."""
+
+
 def _checked_whole_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a whole number, not {value!r}")
@@ -768,6 +772,11 @@ class Store:
         server does not start only to fail every keyed call.
         """
         _checked_acquire_timeout(acquire_timeout)  # before a pool is opened for nothing
+        for flag, value in (("migrate", migrate), ("check_schema", check_schema)):
+            # Truth-tested below: migrate="false" (from the environment) migrated, and
+            # check_schema=None skipped the check.
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, not {value!r}")
         _checked_schema(schema)
         _checked_pool_size("max_size", max_size)
         if min_size is None:
@@ -782,6 +791,17 @@ class Store:
         for name in _WHOLE_NUMBER_OPTIONS:
             if name in pool_options:
                 _checked_whole_number(name, pool_options[name])
+        lifetime = pool_options.get("max_inactive_connection_lifetime")
+        if isinstance(lifetime, bool) or not isinstance(lifetime, int | float | None):
+            # asyncpg compares it raw: text was a bare "'<' not supported", naming no option.
+            raise TypeError(
+                f"max_inactive_connection_lifetime must be a number of seconds, not {lifetime!r}"
+            )
+        for name in _CALLABLE_OPTIONS:
+            # asyncpg calls them only as the pool opens: 5 or a name was a bare "'int' object is
+            # not callable", naming no option.
+            if pool_options.get(name) is not None and not callable(pool_options[name]):
+                raise TypeError(f"{name} must be a function or None, not {pool_options[name]!r}")
         # None (dsn) is asyncpg's: the PG* environment variables' database. Anything else but
         # text was a bare AttributeError ("no attribute 'decode'") out of the driver, and a
         # probe_dsn that is none was accepted, to fail every probe ("does not answer").
@@ -867,6 +887,9 @@ class Store:
         needs a pooled connection: closed first, the pool refused it, and the key stayed
         claimed for its whole lease (a retry elsewhere was told "in progress" that long). So
         are claims whose callers went while they were on the wire (``_settle``)."""
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            # Else a bare "unsupported operand" naming nothing, and the store left open.
+            raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
         deadline = asyncio.get_running_loop().time() + timeout
         if self._probing is not None:
             self._probing.cancel()  # its waiters take that for "no answer" (``answers``)

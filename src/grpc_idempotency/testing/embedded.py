@@ -616,6 +616,9 @@ class EmbeddedPostgres:
         """
         if tcp_port is not None:
             tcp_port = _checked_port(tcp_port)
+        if not isinstance(durable, bool):
+            # Truth-tested: durable="no" (from the environment) kept fsync on.
+            raise TypeError(f"durable must be True or False, not {durable!r}")
         self._rt = _load_runtime()  # fail here, clearly, when the wheel is missing
         self._tcp_port = tcp_port
         # The socket file is named after the port; a fixed one keeps the DSN stable.
