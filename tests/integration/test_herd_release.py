@@ -236,6 +236,8 @@ def test_herd_release_without_an_interval_is_accepted_and_releases_at_once() -> 
         {"interval_s": None},
         {"interval_s": "0.002"},
         {"interval_s": True},
+        # Below inf: call_later() of it raised OverflowError in the owner's finally.
+        {"interval_s": 10**400},
     ],
 )
 def test_herd_release_refuses_nonsense(bad: dict[str, float]) -> None:

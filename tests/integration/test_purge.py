@@ -200,12 +200,13 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
     await expired_records(purge_store, 35)
     nan, inf = float("nan"), float("inf")
     # NaN and inf too: asyncio.sleep() of either never returns, and a purger stopped silently.
-    for pause in (-1, nan, inf):
+    # 10**400 is below inf: asyncio.sleep() of it was a bare OverflowError after a batch.
+    for pause in (-1, nan, inf, 10**400):
         with pytest.raises(ValueError):
             await purge_store.purge(pause=pause)
         with pytest.raises(ValueError):
             Purger(purge_store, pause=pause)
-    for interval in (0, -1, nan, inf):
+    for interval in (0, -1, nan, inf, 10**400, 1e30):
         with pytest.raises(ValueError):
             Purger(purge_store, interval=interval)
     # Compared raw, these were a bare "'<' not supported" naming neither; True was 1 s.

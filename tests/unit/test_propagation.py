@@ -156,6 +156,9 @@ def test_backoff_stays_at_its_ceiling_however_many_attempts() -> None:
     [
         {"initial_backoff_s": float("nan")},
         {"max_backoff_s": float("inf")},
+        # Below inf: a bare OverflowError at the first retry (10**400), or a sleep for ever.
+        {"max_backoff_s": 10**400},
+        {"max_backoff_s": 1e30},
         {"multiplier": float("nan")},
         {"multiplier": float("inf")},
         {"multiplier": 0.5},

@@ -19,8 +19,9 @@ takes the outcome that is already there instead of giving up (``interceptor._wai
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from grpc_idempotency.core.policy import MAX_DURATION
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +42,13 @@ class HerdRelease:
         if isinstance(self.interval_s, bool) or not isinstance(self.interval_s, int | float):
             # Compared below, None or text raised a bare "'<=' not supported"; True meant 1 s.
             raise ValueError(f"HerdRelease.interval_s must be a number, not {self.interval_s!r}")
-        if not 0 <= self.interval_s < math.inf:
-            raise ValueError("HerdRelease.interval_s must be a finite number of seconds >= 0")
+        # Not only ``< math.inf``: 10**400 is below it, and the release (in the owner's
+        # ``finally``, after its commit) raised OverflowError from call_later.
+        if not 0 <= self.interval_s <= MAX_DURATION.total_seconds():
+            raise ValueError(
+                "HerdRelease.interval_s must be a number of seconds from 0 to"
+                f" {MAX_DURATION.total_seconds():g} ({MAX_DURATION.days} days)"
+            )
 
     def batches(self, waiting: int) -> list[tuple[float, int, int]]:
         """``(delay_s, start, stop)`` for each batch of ``waiting`` duplicates in arrival order:

@@ -22,6 +22,11 @@ from grpc_idempotency.core.errors import (
     RequestInvalid,
     ResponseTooLarge,
 )
+from grpc_idempotency.core.policy import MAX_DURATION
+
+_LONGEST_S = MAX_DURATION.total_seconds()
+"""The longest backoff or total timeout: past about 7e9 s from now gRPC's deadline overflows
+(every attempt DEADLINE_EXCEEDED at once), and a sleep of an int too large for a float raises."""
 
 RETRYABLE: frozenset[Code] = frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED})
 
@@ -99,6 +104,13 @@ class RetryPolicy:
             raise ValueError(
                 "backoffs must be positive and finite, and max_backoff_s >= initial_backoff_s"
             )
+        if self.max_backoff_s > _LONGEST_S:
+            # Not ``< math.inf``: 10**400 is below it, and the backoff was a bare OverflowError
+            # ("int too large to convert to float") at the first retry; 1e30 slept for ever.
+            raise ValueError(
+                f"max_backoff_s must be at most {_LONGEST_S:g} s ({MAX_DURATION.days} days),"
+                f" not {self.max_backoff_s!r}"
+            )
         if not 1 <= self.multiplier < math.inf:
             raise ValueError("multiplier must be at least 1, and finite")
         # NaN compares false both ways: every pushback was waited out, however long.
@@ -118,6 +130,13 @@ class RetryPolicy:
             raise ValueError(
                 f"total_timeout_s must be a positive, finite number of seconds or None, not"
                 f" {total!r}"
+            )
+        if total is not None and total > _LONGEST_S:
+            # gRPC's deadline overflows past about 7e9 s from now: every attempt ended at once
+            # with DEADLINE_EXCEEDED, as if the server were too slow.
+            raise ValueError(
+                f"total_timeout_s must be at most {_LONGEST_S:g} s ({MAX_DURATION.days} days),"
+                f" not {total!r}"
             )
 
     def delay_s(

@@ -48,7 +48,7 @@ from grpc_idempotency.core.lifecycle import (
     renewal_acquire_bound_s,
     renewal_bound_s,
 )
-from grpc_idempotency.core.policy import Isolation
+from grpc_idempotency.core.policy import MAX_DURATION, Isolation
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import at_in_user_info, dsn_where, unsendable, unusable_file
@@ -1721,8 +1721,10 @@ class Store:
             raise ValueError("batch_size and max_batches must be positive")
         if batch_size > 2**63 - 1:  # a bigint: beyond, 22000 read as the store being down
             raise ValueError("batch_size must be at most 2**63 - 1")
-        if not (0 <= pause < math.inf):  # NaN too: asyncio.sleep(nan) never returns
-            raise ValueError("pause must be finite and not negative")
+        # NaN too: asyncio.sleep(nan) never returns; 10**400 (below math.inf) was a bare
+        # OverflowError after the first batch.
+        if not (0 <= pause <= MAX_DURATION.total_seconds()):
+            raise ValueError(f"pause must be from 0 to {MAX_DURATION.total_seconds():g} s")
         total = batches = 0
         position: object = None
         while max_batches is None or batches < max_batches:
