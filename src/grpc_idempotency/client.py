@@ -40,7 +40,7 @@ from grpc_idempotency.core.errors import (
     TransactionOpen,
 )
 from grpc_idempotency.core.keys import key_from_metadata, validate_key
-from grpc_idempotency.core.policy import KeyRequirement, MethodOverride, MethodPolicy
+from grpc_idempotency.core.policy import MAX_DURATION, KeyRequirement, MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import (
     KeySource,
     Parent,
@@ -151,6 +151,19 @@ class Operation:
                 f"Operation.call is for unary methods, not the streaming {_path_of(method)}:"
                 " no streaming method is keyed"
             )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float)
+        ):
+            raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+        if timeout is not None and timeout > MAX_DURATION.total_seconds():
+            # gRPC's deadline overflows past about 7e9 s from now: the attempt failed at once
+            # with DEADLINE_EXCEEDED (retryable), as if the server were too slow.
+            raise ValueError(
+                f"timeout must be at most {MAX_DURATION.total_seconds():g} s, not {timeout!r}"
+            )
+        if wait_for_ready is not None and not isinstance(wait_for_ready, bool):
+            # gRPC truth-tests it: wait_for_ready="no" waited for a channel that was down.
+            raise TypeError(f"wait_for_ready must be True, False or None, not {wait_for_ready!r}")
         # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
         # beside the operation's key (gRPC sends the name as those bytes), before it. And a key
         # given as -bin: sent beside it, the server refused the call (KEY_INVALID).

@@ -291,6 +291,25 @@ async def test_a_sync_stubs_method_is_refused_before_it_is_called(ledger: Runnin
     assert ledger.service.keys_seen == []  # nothing sent
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("timeout", "5"),
+        ("timeout", 1e30),  # gRPC's deadline overflowed: DEADLINE_EXCEEDED at once
+        ("wait_for_ready", "no"),  # truth-tested by gRPC: it waited
+    ],
+)
+async def test_a_call_setting_of_the_wrong_type_or_size_is_refused_before_anything_is_sent(
+    ledger: RunningLedger, setting: str, value: object
+) -> None:
+    request = testsvc_pb2.PostRequest(account=fresh())
+    with pytest.raises((TypeError, ValueError), match=rf"^{setting} must be"):
+        await Operation.new().call(
+            ledger.stub.Post, request, metadata=TENANT_MD, **{setting: value}
+        )
+    assert ledger.service.keys_seen == []
+
+
 def conflicts(reader: InMemoryMetricReader) -> float:
     data = reader.get_metrics_data()
     total: float = 0
