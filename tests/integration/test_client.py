@@ -305,7 +305,10 @@ async def test_a_call_setting_of_the_wrong_type_or_size_is_refused_before_anythi
     request = testsvc_pb2.PostRequest(account=fresh())
     with pytest.raises((TypeError, ValueError), match=rf"^{setting} must be"):
         await Operation.new().call(
-            ledger.stub.Post, request, metadata=TENANT_MD, **{setting: value}
+            ledger.stub.Post,
+            request,
+            metadata=TENANT_MD,
+            **{setting: value},  # type: ignore[arg-type]
         )
     assert ledger.service.keys_seen == []
 
