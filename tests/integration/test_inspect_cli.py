@@ -1231,13 +1231,13 @@ async def test_list_pages_on_with_after_and_rows_inserted_meanwhile_move_nothing
     begun meanwhile, and ties on created_at, make no page repeat or skip a record."""
     scope = f"tenant:{fresh('pages')}"
 
-    async def insert(micros: int, key: str) -> None:
+    async def insert(micros: int, key: str, in_scope: str = scope) -> None:
         await store.pool.execute(
             f'INSERT INTO "{store.schema}".records (scope, key, method, fingerprint, state,'
             " fencing_token, status_code, response, created_at, completed_at, expires_at)"
             f" VALUES ($1, $2, '{POST}', '\\x00', 'completed', 1, 0, '', $3, clock_timestamp(),"
             " clock_timestamp() + interval '1 hour')",
-            scope,
+            in_scope,
             key,
             T0 + timedelta(microseconds=micros),
         )
@@ -1246,6 +1246,9 @@ async def test_list_pages_on_with_after_and_rows_inserted_meanwhile_move_nothing
     for micros, key in [(9, 'k"1'), (5, "a,b"), (5, "b'c"), (5, "c\\d"), (3, "x=1"),
                         (1, "y}"), (0, "z;")]:  # fmt: skip
         await insert(micros, key)
+    # Another scope's record at the cursor's microsecond, its key sorting after the cursor's:
+    # the keyset is one condition ANDed with the scope, never an OR beside it.
+    await insert(5, "zz", f"{scope}-other")
     base = ["list", "--dsn", pg_dsn, "--schema", store.schema, "--scope", scope, "--limit", "2"]
 
     async def page(*after: str) -> tuple[list[str], str | None]:
@@ -1260,7 +1263,9 @@ async def test_list_pages_on_with_after_and_rows_inserted_meanwhile_move_nothing
     # The text listing ends with the same cursor, alone on its last line.
     text = await cli(*base)
     assert text.returncode == 0, text.stderr
-    assert text.stdout.splitlines()[-1] == f"next page: the same command with --after {cursor}"
+    *_, counted, following = text.stdout.splitlines()
+    assert counted.startswith("2 record(s), more after them;")
+    assert following == f"next page: the same command with --after {cursor}"
     # Begun meanwhile: one newer than the page and one at the cursor's microsecond sorting
     # before its key (neither is listed on), one after the cursor (listed once).
     await insert(20, "new")

@@ -7,10 +7,12 @@ runs the command against real ones)."""
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import re
 import sys
 import unicodedata
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from grpc_idempotency.cli import _check_outbox, _check_relay, _parser, main
 from grpc_idempotency.core.keys import scope_problem
 from grpc_idempotency.inspect_cli import ConfigError, config_of
+from grpc_idempotency.inspect_cli.cursor import ListCursor
 from grpc_idempotency.inspect_cli.parsers import scope_text
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
@@ -446,3 +449,39 @@ def test_relay_step_selectors_are_checked_before_connecting(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("grpc-idempotency relay: error: argument --step: 'Receipt-Email' is")
     assert "steps:" not in err
+
+
+def _b64url(doc: str) -> str:
+    return base64.urlsafe_b64encode(doc.encode()).rstrip(b"=").decode()
+
+
+def test_a_list_cursor_reads_back_the_instant_and_key_it_was_made_of() -> None:
+    """Exact to the microsecond whatever time zone the record's time came in (the binary
+    protocol's is UTC; another is the same instant), and whatever the key holds."""
+    at = datetime(
+        2026, 3, 29, 1, 59, 59, 999_999, tzinfo=timezone(timedelta(hours=-3, minutes=-30))
+    )
+    made = ListCursor(at, 'k"é,\\ 1')
+    assert parse("list", "--scope", "s", "--after", made.encode()).after == made
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        '["v","t","k"]',  # JSON holding the three names, but no object
+        '{"v":1,"t":1,"k":"a","x":0}',
+        '{"v":true,"t":1,"k":"a"}',
+        '{"v":2,"t":1,"k":"a"}',  # another release's
+        '{"v":1,"t":1.5,"k":"a"}',
+        '{"v":1,"t":"1","k":"a"}',
+        '{"v":1,"t":1,"k":5}',
+        '{"v":1,"t":1,"k":""}',
+        '{"v":1,"t":1,"k":"\\ud800"}',  # a lone surrogate: no text PostgreSQL holds
+        "[" * 100_000,  # past the JSON parser's depth
+    ],
+)
+def test_a_list_cursor_list_never_printed_is_bad_usage(doc: str) -> None:
+    """Refused before connecting (exit 2), saying what is wrong; sent, these failed as a
+    database error to retry (exit 1), or were argparse's "invalid list_cursor value"."""
+    error = refused("list", "--scope", "s", "--after", _b64url(doc))
+    assert re.match(r"argument --after: (not a cursor|a cursor of another release)", error), error
