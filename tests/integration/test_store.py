@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import os
 import signal
@@ -683,6 +684,9 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
         # asyncpg's: a bare "'<' not supported between 'str' and 'int'".
         ("statement_cache_size", "0"),
         ("max_queries", 50_000.0),
+        ("max_cached_statement_lifetime", "300"),
+        ("max_cacheable_statement_size", "15360"),
+        ("max_queries", True),  # asyncpg took True for one query per connection
         # Accepted, and every probe failed ("does not answer").
         ("probe_dsn", 5),
         # Truth-tested: "false" (from the environment) migrated, None skipped the check.
@@ -727,13 +731,22 @@ async def test_a_close_timeout_that_is_no_number_is_refused_by_name(pg_dsn: str)
         await store.close()
 
 
-@pytest.mark.parametrize("pool", [None, "postgresql://nobody@127.0.0.1/nowhere"])
+@pytest.mark.parametrize("pool", [None, "postgresql://nobody@127.0.0.1/nowhere", b"postgresql://"])
 def test_a_store_of_a_dsn_not_a_pool_is_refused_when_made(pool: object) -> None:
     """Accepted: every statement then failed with a bare AttributeError naming no argument."""
     with pytest.raises(TypeError, match=r"^Store takes an asyncpg pool, .* Store\.connect\(dsn\)"):
         Store(pool)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="schema must be a str"):
         Store(object(), schema=5)  # type: ignore[arg-type]
+
+
+def test_a_store_of_an_unawaited_connect_is_refused_and_the_connect_closed() -> None:
+    """``Store(Store.connect(dsn))``, the await forgotten, was accepted like a pool; closed
+    here, the coroutine is not reported "never awaited" later, far from the mistake."""
+    connecting = Store.connect("postgresql://nobody@127.0.0.1/nowhere")
+    with pytest.raises(TypeError, match=r"^Store takes an asyncpg pool, not coroutine"):
+        Store(connecting)  # type: ignore[arg-type]
+    assert inspect.getcoroutinestate(connecting) == inspect.CORO_CLOSED
 
 
 @pytest.mark.parametrize("dsn", [5, b"postgresql://nobody@127.0.0.1/nowhere"])

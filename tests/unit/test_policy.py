@@ -521,6 +521,8 @@ def test_the_interceptor_refuses_to_start_on_bad_options() -> None:
         # One _pb2 module, not in a list: "'module' object is not iterable".
         ("services", testsvc_pb2),
         ("services", 5),
+        # A service's name: iterated, "got 't'", naming no argument.
+        ("services", "testsvc.v1.TestService"),
     ],
 )
 def test_an_interceptor_argument_of_the_wrong_type_is_refused_at_construction(
