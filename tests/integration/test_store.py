@@ -685,6 +685,7 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
         ("statement_cache_size", "0"),
         ("max_queries", 50_000.0),
         ("max_cached_statement_lifetime", "300"),
+        ("max_cached_statement_lifetime", math.nan),  # passed asyncpg's check (nan < 0 is false)
         ("max_cacheable_statement_size", "15360"),
         ("max_queries", True),  # asyncpg took True for one query per connection
         # Accepted, and every probe failed ("does not answer").
@@ -738,6 +739,18 @@ def test_a_store_of_a_dsn_not_a_pool_is_refused_when_made(pool: object) -> None:
         Store(pool)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="schema must be a str"):
         Store(object(), schema=5)  # type: ignore[arg-type]
+
+
+async def test_a_statement_lifetime_of_a_fraction_of_a_second_is_taken(
+    pg_dsn: str, store: Store
+) -> None:
+    """Seconds, as asyncpg times it (and its own tests set 0.5): refused as no whole number, a
+    setting that works failed to connect."""
+    timed = await Store.connect(pg_dsn, max_cached_statement_lifetime=0.5)
+    try:
+        assert await timed.pool.fetchval("SELECT 1") == 1
+    finally:
+        await timed.close()
 
 
 def test_a_store_of_an_unawaited_connect_is_refused_and_the_connect_closed() -> None:

@@ -586,13 +586,12 @@ def _checked_pool_size(name: str, value: object) -> None:
 
 _WHOLE_NUMBER_OPTIONS = (
     "statement_cache_size",
-    "max_cached_statement_lifetime",
     "max_cacheable_statement_size",
     "max_queries",
 )
-"""asyncpg's pool and connection options that are counts (or whole seconds): asyncpg compares
-them raw, and text (from the environment, ``statement_cache_size="0"`` behind PgBouncer) was a
-bare "'<' not supported between 'str' and 'int'", naming no option."""
+"""asyncpg's pool and connection options that are counts: asyncpg compares them raw, and text
+(from the environment, ``statement_cache_size="0"`` behind PgBouncer) was a bare "'<' not
+supported between 'str' and 'int'", naming no option."""
 
 
 _CALLABLE_OPTIONS = ("connect", "setup", "init", "reset")
@@ -602,6 +601,18 @@ _CALLABLE_OPTIONS = ("connect", "setup", "init", "reset")
 def _checked_whole_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a whole number, not {value!r}")
+
+
+def _checked_statement_lifetime(value: object) -> None:
+    # Seconds, as asyncpg times it (loop.call_later): 0.5 works, and asyncpg's own tests use it;
+    # refused as no whole number, a valid setting failed. Text was asyncpg's bare "'<' not
+    # supported"; NaN passed its check (nan < 0 is false) to time every cached statement out
+    # at nan.
+    name = "max_cached_statement_lifetime"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds (0: no limit), not {value!r}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be 0 (no limit) or a positive finite number, not {value!r}")
 
 
 def _checked_schema(schema: object) -> None:
@@ -802,6 +813,8 @@ class Store:
             # not callable", naming no option.
             if pool_options.get(name) is not None and not callable(pool_options[name]):
                 raise TypeError(f"{name} must be a function or None, not {pool_options[name]!r}")
+        if "max_cached_statement_lifetime" in pool_options:
+            _checked_statement_lifetime(pool_options["max_cached_statement_lifetime"])
         # None (dsn) is asyncpg's: the PG* environment variables' database. Anything else but
         # text was a bare AttributeError ("no attribute 'decode'") out of the driver, and a
         # probe_dsn that is none was accepted, to fail every probe ("does not answer").
