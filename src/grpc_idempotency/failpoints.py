@@ -2,11 +2,12 @@
 
 Switched on by the environment variable ``GRPC_IDEMPOTENCY_FAILPOINTS`` when the process starts,
 for example ``after_commit_before_response=crash`` (the process dies at once, like kill -9),
-``before_commit=sleep:2000`` or ``after_claim=error``. Points: ``after_claim``,
-``before_commit``, ``after_commit_before_response`` (the server), ``relay_after_delivery`` (the
-outbox relay: delivered, not yet marked sent), ``purge_batch`` (every purge, before each batch),
-``lease_renewal`` (a phased claim's lease keeper, before each renewal), ``lease_renewed`` (the
-keeper, with a renewal's answer, before it acts on it).
+``before_commit=sleep:2000``, ``after_claim=error`` or ``after_claim=stop`` (the process sends
+itself SIGSTOP there and stays frozen, mid-request, until a SIGCONT; POSIX only). Points:
+``after_claim``, ``before_commit``, ``after_commit_before_response`` (the server),
+``relay_after_delivery`` (the outbox relay: delivered, not yet marked sent), ``purge_batch``
+(every purge, before each batch), ``lease_renewal`` (a phased claim's lease keeper, before each
+renewal), ``lease_renewed`` (the keeper, with a renewal's answer, before it acts on it).
 When the variable is unset, ``ENABLED`` is False and the server never calls ``hit``: no cost on
 the request path.
 
@@ -68,5 +69,12 @@ async def hit(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif point.action is FailAction.SLEEP:
         await asyncio.sleep(point.sleep_ms / 1000)
+    elif point.action is FailAction.STOP:
+        sys.stderr.write(f"grpc-idempotency: failpoint {name}=stop, stopped until SIGCONT\n")
+        sys.stderr.flush()
+        # Every thread stops with it (the event loop, gRPC's, asyncpg's sockets), as in a frozen
+        # VM. On SIGCONT this request goes on from here; timers that fell due meanwhile (a lease
+        # keeper's renewal) fire at once, late: exactly what a replica resumed from a freeze does.
+        os.kill(os.getpid(), signal.SIGSTOP)
     else:
         raise FailpointError(f"failpoint {name} fired")

@@ -227,9 +227,11 @@ def test_outcome_bytes_counts_the_message_in_utf8_bytes() -> None:
 
 def test_failpoint_specs() -> None:
     points = parse_failpoints(
-        "after_claim=crash, before_commit=sleep:2000,after_commit_before_response=error"
+        "after_claim=crash, before_commit=sleep:2000,after_commit_before_response=error,"
+        "lease_renewal=stop"
     )
     assert points["after_claim"].action is FailAction.CRASH
+    assert points["lease_renewal"].action is FailAction.STOP
     assert points["before_commit"].sleep_ms == 2000
     assert points["after_commit_before_response"].action is FailAction.ERROR
     assert parse_failpoints("") == {}
@@ -239,9 +241,23 @@ def test_failpoint_specs() -> None:
         "after_claim=explode",
         "after_claim=sleep:x",
         "after_claim=crash:1",
+        "after_claim=stop:1",
     ):
         with pytest.raises(ValueError):
             parse_failpoints(bad)
+
+
+def test_a_stop_failpoint_is_refused_where_there_is_no_sigstop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows has no SIGSTOP: ``stop`` is refused when the variable is read, naming why, not
+    when a request reaches the point."""
+    from grpc_idempotency.core import failpoints
+
+    monkeypatch.setattr(failpoints, "CAN_STOP", False)
+    with pytest.raises(ValueError, match="POSIX only"):
+        parse_failpoints("before_commit=stop")
+    assert parse_failpoints("before_commit=sleep:1")["before_commit"].sleep_ms == 1
 
 
 # -- the transition table ----------------------------------------------------------------------

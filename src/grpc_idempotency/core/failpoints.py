@@ -3,12 +3,16 @@ relay and in purges, for tests.
 
 ``GRPC_IDEMPOTENCY_FAILPOINTS="after_commit_before_response=crash,after_claim=sleep:2000"``
 
+``stop`` freezes the process at the point (it sends itself SIGSTOP) until a SIGCONT: a test waits
+until the process is stopped, rather than hoping a sleep outlasts its own SIGSTOP under load.
+
 Parsing is here (pure); carrying out an action is the driver's (``grpc_idempotency.failpoints``).
 """
 
 from __future__ import annotations
 
 import enum
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +41,12 @@ class FailAction(enum.Enum):
     CRASH = "crash"  # the process dies at once, as with kill -9
     SLEEP = "sleep"  # delay, in milliseconds
     ERROR = "error"  # raise FailpointError: the attempt fails like an unexpected exception
+    STOP = "stop"  # SIGSTOP to itself: frozen at the point until SIGCONT (POSIX only)
+
+
+# Refused at parse time where there is no SIGSTOP (Windows): a test arming ``stop`` would
+# otherwise find out only when the point is reached, mid-request.
+CAN_STOP = hasattr(signal, "SIGSTOP")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +67,7 @@ def parse_failpoints(spec: str) -> Mapping[str, Failpoint]:
             kind = FailAction(verb)
         except ValueError:
             raise ValueError(
-                f"{ENV_VAR}: {part!r}: action must be crash, sleep:MS or error"
+                f"{ENV_VAR}: {part!r}: action must be crash, sleep:MS, error or stop"
             ) from None
         if kind is FailAction.SLEEP:
             if not arg.isdigit():
@@ -65,6 +75,11 @@ def parse_failpoints(spec: str) -> Mapping[str, Failpoint]:
             points[name] = Failpoint(kind, int(arg))
         elif arg:
             raise ValueError(f"{ENV_VAR}: {part!r}: {verb} takes no argument")
+        elif kind is FailAction.STOP and not CAN_STOP:
+            raise ValueError(
+                f"{ENV_VAR}: {part!r}: stop sends the process SIGSTOP, which this platform"
+                " does not have (POSIX only)"
+            )
         else:
             points[name] = Failpoint(kind)
     return points
