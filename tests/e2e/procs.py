@@ -146,8 +146,22 @@ class ServiceProcess:
         self.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        """SIGCONT after ``pause``."""
+        """SIGCONT after ``pause`` (or a ``stop`` failpoint)."""
         self.send_signal(signal.SIGCONT)
+
+    async def wait_stopped(self, timeout: float = 20.0) -> None:
+        """Waits until the process is stopped (SIGSTOP: ``pause``, or a ``stop`` failpoint it
+        reached); raises if it exits first or is still running after ``timeout``. A ``pause``
+        only queues the signal: this is when the process can no longer take a step."""
+        assert self.proc is not None, "not started"
+        deadline = time.monotonic() + timeout
+        while not _is_stopped(self.proc.pid):
+            if self.proc.returncode is not None:
+                raise RuntimeError(f"{self.args} exited with {self.proc.returncode}\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.args}: not stopped in {timeout}s\n{self.logs()}")
+            with contextlib.suppress(TimeoutError):  # wakes at once if it exits
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), 0.01)
 
     def send_signal(self, sig: int) -> None:
         """Sends ``sig``; no-op once the process has exited."""
@@ -178,6 +192,22 @@ class ServiceProcess:
                 text = ""
             parts.append(f"--- {path.name} ---\n{text[-4000:]}")
         return "\n".join(parts)
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal: state ``T`` in /proc/PID/stat on Linux, else as
+    ``ps`` shows it. The child's parent reaps it through asyncio, so no waitpid(WUNTRACED) here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # "pid (comm) state ...": comm may hold spaces and parentheses, so the last ")".
+            return stat.read().rpartition(b")")[2].split()[0] == b"T"
+    except FileNotFoundError:
+        if sys.platform == "linux":
+            return False  # gone: the caller sees its return code
+    ps = subprocess.run(
+        ["ps", "-o", "state=", "-p", str(pid)], capture_output=True, text=True, check=False
+    )
+    return ps.stdout.strip().startswith("T")
 
 
 @contextlib.asynccontextmanager

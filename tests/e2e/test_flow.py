@@ -601,12 +601,11 @@ async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exist
     b = Order(tenant=a.account)
     b.order_id = a.order_id
     stalling, other = await asyncio.gather(
-        # The sleep only has to outlast the test's look at pg_stat_activity and its SIGSTOP; the
-        # lease (which bounds how long the final transaction may sit idle) has to outlast the
-        # sleep and the stop together. Resumed, A sits out what is left of it, so it is short,
-        # yet 2.5 s: with 1 s a loaded machine could let A commit before the stop, and B, seeing
-        # the order, was refused before it charged.
-        start_orders(procs, pg_dsn, downstream, lease=30, failpoints="before_commit=sleep:2500"),
+        # A stops itself (SIGSTOP) before its commit and stays stopped until the test resumes it:
+        # no sleep for load to outrun (with one, a loaded machine let A commit before the test's
+        # SIGSTOP, and B, seeing the order, was refused before it charged). The lease bounds how
+        # long the final transaction may sit idle: it has to outlast the stop.
+        start_orders(procs, pg_dsn, downstream, lease=30, failpoints="before_commit=stop"),
         start_orders(procs, pg_dsn, downstream),
     )
 
@@ -619,9 +618,9 @@ async def test_two_keys_racing_for_one_order_the_loser_is_answered_already_exist
 
     async with grpc.aio.insecure_channel(stalling.address) as channel:
         call = _start_place(channel, a, CALL_TIMEOUT_S)
-        await until("A's order written in its open final transaction", lambda: final_open(db))
-        stalling.pause()  # A cannot commit until B's INSERT waits for A's row
         try:
+            await stalling.wait_stopped()  # A cannot commit until B's INSERT waits for A's row
+            await until("A's order written in its open final transaction", lambda: final_open(db))
             b_first = asyncio.ensure_future(place(other.address, b))
             await until("B's INSERT to wait for A's uncommitted order", b_waits_for_a)
         finally:
@@ -694,11 +693,11 @@ async def test_stalled_owner_past_its_lease_cannot_commit(
         # and cancels the handler, the wait with it (3 s left a window load could close).
         a_setup: dict[str, Any] = {"failpoints": "after_claim=sleep:60000"}
     else:
-        # A's own notifications replica is slow: A has charged and waits for the email. The wait
-        # has to outlast the test's look and its SIGSTOP of A (1.5 s left a window load could
-        # close: A emailed, committed, and B replayed); B's email waits for it to end, so it is
-        # not longer still.
-        slow = await procs.notifications(pg_dsn, 0, failpoints="after_claim=sleep:2500")
+        # A's own notifications replica stops itself (SIGSTOP) once it has claimed A's email:
+        # A has charged and waits for the answer while the test stops A too, and only then lets
+        # the email go on. A timed wait there left a window load could close (A emailed,
+        # committed, and B replayed); B's email waits for the claim to end.
+        slow = await procs.notifications(pg_dsn, 0, failpoints="after_claim=stop")
         a_setup = {"notifications": slow.port}
     a, b = await asyncio.gather(
         start_orders(procs, pg_dsn, downstream, lease=1, **a_setup),
@@ -708,17 +707,14 @@ async def test_stalled_owner_past_its_lease_cannot_commit(
         stale = _start_place(channel, order, CALL_TIMEOUT_S)
         await claimed(db, order, attempts_seen=1)
         if stall == "after_the_charge":
-
-            async def charged_and_emailing() -> bool:
-                done = await effects(db, order)
-                return bool(done.charges) and bool(
-                    await attempts(db, "notifications", order.tenant)
-                )
-
-            await until("A to charge and call SendEmail", charged_and_emailing)
+            await slow.wait_stopped()  # A charged and called SendEmail; the email is claimed
         charged_by_a = (await effects(db, order)).charges
         a.pause()
         try:
+            if stall == "after_the_charge":
+                assert charged_by_a, "A called SendEmail before it charged"
+                await a.wait_stopped()  # then the email's answer waits for A's resumption
+                slow.resume()
             await lease_expired(db, order)  # nobody renews it now
             placed = await place(b.address, order)
             assert not placed.replayed
