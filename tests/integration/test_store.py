@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpc_idempotency import IdempotencyError, Store, StoreMisconfigured, StoreUnavailable
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import dsn_where
 from grpc_idempotency.store.migrations import (
@@ -695,6 +696,11 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
         ("check_schema", None),
         # asyncpg's: a bare "'<' not supported", or "'int' object is not callable".
         ("max_inactive_connection_lifetime", "5"),
+        ("max_inactive_connection_lifetime", None),  # no default: asyncpg's "'<' not supported"
+        ("max_inactive_connection_lifetime", True),
+        # Below inf: call_later() of it raised OverflowError once the pool ran.
+        ("max_inactive_connection_lifetime", 10**400),
+        ("max_cached_statement_lifetime", 10**400),
         ("init", 5),
         ("setup", "x"),
     ],
@@ -722,12 +728,16 @@ async def test_a_bad_store_option_is_refused_by_name_before_any_connection(
 
 
 async def test_a_close_timeout_that_is_no_number_is_refused_by_name(pg_dsn: str) -> None:
-    """Was a bare "unsupported operand type(s) for +: 'float' and 'str'"."""
+    """Was a bare "unsupported operand type(s) for +: 'float' and 'str'"; NaN cut every wait to
+    none (the pool terminated under the claims), and 10**400 was a bare OverflowError."""
     store = await Store.connect(pg_dsn, migrate=True)
     try:
-        with pytest.raises(TypeError, match=r"^timeout must be a number of seconds"):
-            await store.close(timeout="10")  # type: ignore[arg-type]
-        assert not store.closed and await store.pool.fetchval("SELECT 1") == 1
+        for bad in ("10", True, math.nan):
+            with pytest.raises((TypeError, ValueError), match=r"^timeout must be a number of"):
+                await store.close(timeout=bad)  # type: ignore[arg-type]
+            assert not store.closed and await store.pool.fetchval("SELECT 1") == 1
+        await store.close(timeout=10**400)  # no bound, as math.inf
+        assert store.pool.is_closing()
     finally:
         await store.close()
 
@@ -746,11 +756,19 @@ async def test_a_statement_lifetime_of_a_fraction_of_a_second_is_taken(
 ) -> None:
     """Seconds, as asyncpg times it (and its own tests set 0.5): refused as no whole number, a
     setting that works failed to connect."""
-    timed = await Store.connect(pg_dsn, max_cached_statement_lifetime=0.5)
-    try:
-        assert await timed.pool.fetchval("SELECT 1") == 1
-    finally:
-        await timed.close()
+    longest = MAX_DURATION.total_seconds()
+    # 0 is asyncpg's "no limit"; the cap itself is taken too.
+    for statement, inactive in ((0.5, 0), (0, longest), (longest, 0.5)):
+        timed = await Store.connect(
+            pg_dsn,
+            min_size=1,
+            max_cached_statement_lifetime=statement,
+            max_inactive_connection_lifetime=inactive,
+        )
+        try:
+            assert await timed.pool.fetchval("SELECT 1") == 1
+        finally:
+            await timed.close()
 
 
 def test_a_store_of_an_unawaited_connect_is_refused_and_the_connect_closed() -> None:

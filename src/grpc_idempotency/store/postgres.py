@@ -603,16 +603,19 @@ def _checked_whole_number(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a whole number, not {value!r}")
 
 
-def _checked_statement_lifetime(value: object) -> None:
-    # Seconds, as asyncpg times it (loop.call_later): 0.5 works, and asyncpg's own tests use it;
-    # refused as no whole number, a valid setting failed. Text was asyncpg's bare "'<' not
-    # supported"; NaN passed its check (nan < 0 is false) to time every cached statement out
-    # at nan.
-    name = "max_cached_statement_lifetime"
+def _checked_lifetime(name: str, value: object) -> None:
+    # Seconds, as asyncpg times both lifetimes (loop.call_later): 0.5 works, and asyncpg's own
+    # tests use it; refused as no whole number, a valid setting failed. Text or None was
+    # asyncpg's bare "'<' not supported"; NaN passed its check (nan < 0 is false) to time every
+    # cached statement out at nan, and 10**400 (below math.inf) made call_later raise
+    # OverflowError once the pool ran. 0 is asyncpg's "no limit".
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds (0: no limit), not {value!r}")
-    if not 0 <= value < math.inf:
-        raise ValueError(f"{name} must be 0 (no limit) or a positive finite number, not {value!r}")
+    if not 0 <= value <= MAX_DURATION.total_seconds():
+        raise ValueError(
+            f"{name} must be 0 (no limit) or a positive number of seconds up to"
+            f" {MAX_DURATION.total_seconds():g} ({MAX_DURATION.days} days), not {value!r}"
+        )
 
 
 def _checked_schema(schema: object) -> None:
@@ -802,19 +805,15 @@ class Store:
         for name in _WHOLE_NUMBER_OPTIONS:
             if name in pool_options:
                 _checked_whole_number(name, pool_options[name])
-        lifetime = pool_options.get("max_inactive_connection_lifetime")
-        if isinstance(lifetime, bool) or not isinstance(lifetime, int | float | None):
-            # asyncpg compares it raw: text was a bare "'<' not supported", naming no option.
-            raise TypeError(
-                f"max_inactive_connection_lifetime must be a number of seconds, not {lifetime!r}"
-            )
         for name in _CALLABLE_OPTIONS:
             # asyncpg calls them only as the pool opens: 5 or a name was a bare "'int' object is
             # not callable", naming no option.
             if pool_options.get(name) is not None and not callable(pool_options[name]):
                 raise TypeError(f"{name} must be a function or None, not {pool_options[name]!r}")
-        if "max_cached_statement_lifetime" in pool_options:
-            _checked_statement_lifetime(pool_options["max_cached_statement_lifetime"])
+        for name in ("max_cached_statement_lifetime", "max_inactive_connection_lifetime"):
+            # Only if given: None is no default of asyncpg's (its "'<' not supported").
+            if name in pool_options:
+                _checked_lifetime(name, pool_options[name])
         # None (dsn) is asyncpg's: the PG* environment variables' database. Anything else but
         # text was a bare AttributeError ("no attribute 'decode'") out of the driver, and a
         # probe_dsn that is none was accepted, to fail every probe ("does not answer").
@@ -903,6 +902,14 @@ class Store:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             # Else a bare "unsupported operand" naming nothing, and the store left open.
             raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
+        if timeout != timeout:
+            # NaN: every wait below was cut to none, and the pool terminated under the calls
+            # holding claims (their keys claimed for their whole lease), without a word.
+            raise ValueError("timeout must be a number of seconds, not nan")
+        if timeout > MAX_DURATION.total_seconds():
+            # No bound, as math.inf is: 10**400 (below it) was a bare OverflowError, and the
+            # store left open.
+            timeout = math.inf
         deadline = asyncio.get_running_loop().time() + timeout
         if self._probing is not None:
             self._probing.cancel()  # its waiters take that for "no answer" (``answers``)
