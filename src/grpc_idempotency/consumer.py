@@ -61,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
@@ -86,6 +85,7 @@ from grpc_idempotency.core.consumer import (
     validate_message_id,
 )
 from grpc_idempotency.core.errors import IdempotencyError, MessageInProgress
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.server import answers as _answers
 from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
 from grpc_idempotency.store.errors import store_error
@@ -243,8 +243,8 @@ class IdempotentConsumer:
         (a mark written without a payload, or a delivery without one, compares nothing).
         ``timeout`` (seconds)
         bounds the wait for a connection and for a concurrent delivery, not the effect
-        (``math.inf``: no bound, as ``None``; NaN or a negative one is a ``ValueError``, a
-        timedelta or another non-number a ``TypeError``).
+        (``math.inf``, or anything past 36500 days: no bound, as ``None``; NaN or a negative
+        one is a ``ValueError``, a timedelta or another non-number a ``TypeError``).
 
         Raises ``MessageInProgress``, ``StoreUnavailable``, ``KeyInvalid`` (a malformed id),
         ``KeyReused`` (the id was processed with another payload),
@@ -277,7 +277,9 @@ class IdempotentConsumer:
         if timeout is not None and not timeout >= 0:
             # NaN too: it compared false everywhere, and a busy pool's wait never ended.
             raise ValueError(f"timeout must be None or not negative, not {timeout!r}")
-        if timeout == math.inf:
+        if timeout is not None and timeout > MAX_DURATION.total_seconds():
+            # No bound, as math.inf: 10**400 (below it) was a bare OverflowError computing the
+            # wait for a pooled connection, after the wait on a concurrent delivery.
             timeout = None
         delivery.message_id = message_id
         delivery.checked = True

@@ -661,9 +661,10 @@ async def test_a_nan_or_negative_timeout_is_refused_before_anything_runs(
     with pytest.raises(ValueError, match="timeout must be None or not negative"):
         await consumer.process(fresh(), effect, timeout=timeout)
     assert ran == []
-    # math.inf is no bound, as None.
+    # math.inf is no bound, as None, and so is 10**400 (below it: a bare OverflowError).
     assert not (await consumer.process(fresh(), effect, timeout=float("inf"))).duplicate
-    assert ran == ["ran"]
+    assert not (await consumer.process(fresh(), effect, timeout=10**400)).duplicate
+    assert ran == ["ran", "ran"]
 
 
 async def test_a_timeout_or_effect_of_the_wrong_type_is_refused_before_anything_runs(
