@@ -151,19 +151,7 @@ class Operation:
                 f"Operation.call is for unary methods, not the streaming {_path_of(method)}:"
                 " no streaming method is keyed"
             )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float)
-        ):
-            raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-        if timeout is not None and timeout > MAX_DURATION.total_seconds():
-            # gRPC's deadline overflows past about 7e9 s from now: the attempt failed at once
-            # with DEADLINE_EXCEEDED (retryable), as if the server were too slow.
-            raise ValueError(
-                f"timeout must be at most {MAX_DURATION.total_seconds():g} s, not {timeout!r}"
-            )
-        if wait_for_ready is not None and not isinstance(wait_for_ready, bool):
-            # gRPC truth-tests it: wait_for_ready="no" waited for a channel that was down.
-            raise TypeError(f"wait_for_ready must be True, False or None, not {wait_for_ready!r}")
+        _check_call_settings(timeout, wait_for_ready)
         # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
         # beside the operation's key (gRPC sends the name as those bytes), before it. And a key
         # given as -bin: sent beside it, the server refused the call (KEY_INVALID).
@@ -280,6 +268,24 @@ def _serving() -> IdempotentCall | None:
     return None if serving is None or serving.ended else serving
 
 
+def _check_call_settings(timeout: object, wait_for_ready: object) -> None:
+    """Checks a call's ``timeout`` and ``wait_for_ready`` (``Operation.call``, and ``bind``:
+    there, else, a wrong one was found only at the bound stub's first call)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    # Not ``timeout > ...``: NaN passes it. gRPC's deadline overflows past about 7e9 s from now,
+    # and NaN is no deadline: either way the attempt failed at once with DEADLINE_EXCEEDED
+    # (retryable), as if the server were too slow.
+    if timeout is not None and not timeout <= MAX_DURATION.total_seconds():
+        raise ValueError(
+            f"timeout must be a number of seconds up to {MAX_DURATION.total_seconds():g}"
+            f" ({MAX_DURATION.days} days) or None, not {timeout!r}"
+        )
+    if wait_for_ready is not None and not isinstance(wait_for_ready, bool):
+        # gRPC truth-tests it: wait_for_ready="no" waited for a channel that was down.
+        raise TypeError(f"wait_for_ready must be True, False or None, not {wait_for_ready!r}")
+
+
 class _Unset(enum.Enum):
     UNSET = enum.auto()
 
@@ -327,6 +333,7 @@ class OperationStub:
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> None:
+        _check_call_settings(timeout, wait_for_ready)  # here, not at the first call
         self._operation = operation
         self._stub = stub
         self._metadata = tuple(metadata or ())  # None, as Operation.call takes it: none

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -37,6 +38,7 @@ from grpc_idempotency.client import (
 )
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import KeyInvalid, NotInIdempotentCall
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.step_contract import Change, MethodSteps, check_contract
 from grpc_idempotency.core.wire import STEP_HEADER, retry_after_ms
@@ -295,7 +297,9 @@ async def test_a_sync_stubs_method_is_refused_before_it_is_called(ledger: Runnin
     ("setting", "value"),
     [
         ("timeout", "5"),
+        ("timeout", True),  # gRPC took it for 1 s
         ("timeout", 1e30),  # gRPC's deadline overflowed: DEADLINE_EXCEEDED at once
+        ("timeout", math.nan),  # no deadline to gRPC: DEADLINE_EXCEEDED at once
         ("wait_for_ready", "no"),  # truth-tested by gRPC: it waited
     ],
 )
@@ -310,7 +314,25 @@ async def test_a_call_setting_of_the_wrong_type_or_size_is_refused_before_anythi
             metadata=TENANT_MD,
             **{setting: value},  # type: ignore[arg-type]
         )
+    # Bound, refused there: else only at the bound stub's first call, far from the mistake.
+    with pytest.raises((TypeError, ValueError), match=rf"^{setting} must be"):
+        Operation.new().bind(ledger.stub, **{setting: value})  # type: ignore[arg-type]
     assert ledger.service.keys_seen == []
+
+
+async def test_a_timeout_of_the_longest_duration_and_wait_for_ready_false_are_taken(
+    ledger: RunningLedger,
+) -> None:
+    """The cap itself is no overflow (gRPC's is past about 7e9 s)."""
+    request = testsvc_pb2.PostRequest(account=fresh())
+    longest = MAX_DURATION.total_seconds()
+    op = Operation.new()
+    await op.call(ledger.stub.Post, request, metadata=TENANT_MD, timeout=longest)
+    bound = Operation.new().bind(
+        ledger.stub, metadata=TENANT_MD, timeout=longest, wait_for_ready=False
+    )
+    await bound.Post(request)
+    assert len(ledger.service.keys_seen) == 2
 
 
 def conflicts(reader: InMemoryMetricReader) -> float:
