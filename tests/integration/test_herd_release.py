@@ -22,6 +22,7 @@ from testsvc.v1 import testsvc_pb2
 from grpc_idempotency import HerdRelease, MethodOverride, Store
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.server.interceptor import _Owner, _Shared
 from tests.support.blackhole import BlackholeProxy, store_behind_proxy
 from tests.support.ledger import (
@@ -227,15 +228,9 @@ def test_herd_release_without_an_interval_is_accepted_and_releases_at_once() -> 
     "bad",
     [
         {"per_batch": 0},
-        {"per_batch": 2.5},
-        {"per_batch": True},
         {"interval_s": -1.0},
         {"interval_s": float("nan")},
         {"interval_s": float("inf")},
-        # Compared raw, these were a bare "'<=' not supported"; True was 1 s.
-        {"interval_s": None},
-        {"interval_s": "0.002"},
-        {"interval_s": True},
         # Below inf: call_later() of it raised OverflowError in the owner's finally.
         {"interval_s": 10**400},
     ],
@@ -243,6 +238,28 @@ def test_herd_release_without_an_interval_is_accepted_and_releases_at_once() -> 
 def test_herd_release_refuses_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="HerdRelease"):
         HerdRelease(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"per_batch": 2.5},
+        {"per_batch": True},
+        # Compared raw, these were a bare "'<=' not supported"; True was 1 s.
+        {"interval_s": None},
+        {"interval_s": "0.002"},
+        {"interval_s": True},
+    ],
+)
+def test_herd_release_refuses_the_wrong_type_as_a_type_error(bad: dict[str, object]) -> None:
+    """As every other setting of the wrong type: they were ValueErrors."""
+    with pytest.raises(TypeError, match=r"^HerdRelease\.\w+ must be an? (int|number), not"):
+        HerdRelease(**bad)  # type: ignore[arg-type]
+
+
+def test_herd_release_takes_the_longest_duration() -> None:
+    longest = MAX_DURATION.total_seconds()
+    assert HerdRelease(interval_s=longest).batches(9) == [(0.0, 0, 8), (longest, 8, 9)]
 
 
 async def test_a_duplicate_that_waits_after_the_owner_handed_over_gets_the_outcome() -> None:

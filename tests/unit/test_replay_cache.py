@@ -120,14 +120,19 @@ def test_a_cache_serves_one_store() -> None:
 
 
 @pytest.mark.parametrize(
+    "options", [{"max_entries": 0}, {"max_bytes": 10}, {"max_age": timedelta(0)}]
+)
+def test_bounds_are_validated(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        ReplayCache(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     "options",
     [
-        {"max_entries": 0},
         # NaN compares false both ways: the bound on entries was never enforced.
         {"max_entries": float("nan")},
-        {"max_bytes": 10},
         {"max_bytes": float("nan")},
-        {"max_age": timedelta(0)},
         # A whole number: None or text was a bare "'>=' not supported", inf disabled the bound.
         {"max_entries": None},
         {"max_entries": "10000"},
@@ -136,8 +141,9 @@ def test_a_cache_serves_one_store() -> None:
         {"max_entries": True},
     ],
 )
-def test_bounds_are_validated(options: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+def test_a_bound_that_is_no_whole_number_is_a_type_error(options: dict[str, object]) -> None:
+    """As every other setting of the wrong type (max_age's too): it was a ValueError."""
+    with pytest.raises(TypeError, match=r"^max_(entries|bytes) must be a whole number, not"):
         ReplayCache(**options)  # type: ignore[arg-type]
 
 

@@ -36,12 +36,13 @@ class HerdRelease:
         # Checked here, not when a herd is released: that happens in the owner's ``finally``,
         # after its commit, where a bad value would turn a committed answer into an error.
         if isinstance(self.per_batch, bool) or not isinstance(self.per_batch, int):
-            raise ValueError("HerdRelease.per_batch must be an int")
+            # TypeError, as every other setting of the wrong type (2.5 or True is no count).
+            raise TypeError(f"HerdRelease.per_batch must be an int, not {self.per_batch!r}")
         if self.per_batch < 1:
             raise ValueError("HerdRelease.per_batch must be at least 1")
         if isinstance(self.interval_s, bool) or not isinstance(self.interval_s, int | float):
             # Compared below, None or text raised a bare "'<=' not supported"; True meant 1 s.
-            raise ValueError(f"HerdRelease.interval_s must be a number, not {self.interval_s!r}")
+            raise TypeError(f"HerdRelease.interval_s must be a number, not {self.interval_s!r}")
         # Not only ``< math.inf``: 10**400 is below it, and the release (in the owner's
         # ``finally``, after its commit) raised OverflowError from call_later.
         if not 0 <= self.interval_s <= MAX_DURATION.total_seconds():

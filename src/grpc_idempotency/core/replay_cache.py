@@ -97,7 +97,8 @@ class ReplayCache:
             if isinstance(value, bool) or not isinstance(value, int):
                 # A whole number: None or text was a bare "'>=' not supported", inf (as NaN)
                 # disabled the bound, True was one entry.
-                raise ValueError(f"{name} must be a whole number, not {value!r}")
+                # TypeError, as every other setting of the wrong type (max_age's below).
+                raise TypeError(f"{name} must be a whole number, not {value!r}")
         if not isinstance(max_age, timedelta):
             # Seconds as a number was a bare "'<=' not supported", naming no setting.
             raise TypeError(f"max_age must be a timedelta (timedelta(seconds=60)), not {max_age!r}")
