@@ -19,6 +19,7 @@ import pytest
 from grpc_idempotency import Purger, ShardedStores, Store
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.store.outbox_store import OutboxStatements
 from tests.support.blackhole import BlackholeProxy
 from tests.support.schemas import backend_gone, delete_waiting_on_a_lock
@@ -220,6 +221,10 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
         with pytest.raises(ValueError, match="batch_size"):
             Purger(purge_store, batch_size=batch_size)  # type: ignore[arg-type]
     assert await purge_store.purge(batch_size=10, pause=0.001) == 35
+    # The cap itself is taken (one batch: no pause is waited).
+    longest = MAX_DURATION.total_seconds()
+    Purger(purge_store, interval=longest, pause=longest)
+    assert await purge_store.purge(max_batches=1, pause=longest) == 0
     assert await keys(purge_store) == []
 
 

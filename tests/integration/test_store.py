@@ -703,6 +703,8 @@ async def test_a_bad_connect_option_is_refused_by_name_not_as_the_dsn_or_an_outa
         ("max_cached_statement_lifetime", 10**400),
         ("init", 5),
         ("setup", "x"),
+        ("reset", 5),
+        ("connect", "x"),
     ],
 )
 async def test_a_bad_store_option_is_refused_by_name_before_any_connection(

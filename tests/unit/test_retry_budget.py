@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.policy import MAX_DURATION
 from grpc_idempotency.core.retry import RetryPolicy, attempt_timeout_s, call_deadline
 
 
@@ -80,6 +81,13 @@ def test_an_attempts_timeout_is_at_most_the_time_left(
 def test_the_default_is_no_budget() -> None:
     assert RetryPolicy().total_timeout_s is None
     assert RetryPolicy(total_timeout_s=1).total_timeout_s == 1
+
+
+def test_the_longest_backoff_and_budget_are_taken() -> None:
+    """The 36500-day cap itself: no overflow there."""
+    longest = MAX_DURATION.total_seconds()
+    policy = RetryPolicy(max_backoff_s=longest, total_timeout_s=longest)
+    assert (policy.max_backoff_s, policy.total_timeout_s) == (longest, longest)
 
 
 # 1e30: gRPC's deadline overflowed, every attempt DEADLINE_EXCEEDED at once.
