@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -30,8 +31,9 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, StoreMisconfigured, StoreUnavailable, cli
+from grpc_idempotency import KeyReused, Store, StoreMisconfigured, StoreUnavailable, cli
 from grpc_idempotency.cli_errors import report_store_error, store_error_status
+from grpc_idempotency.consumer import Consumed, IdempotentConsumer
 from grpc_idempotency.outbox import OutboxMessage, Relay
 from grpc_idempotency.store.errors import prepared_statement_lost
 from tests.support.ledger import RunningLedger, ledger_rows, metadata, running_ledger
@@ -417,6 +419,147 @@ async def test_pgbouncers_passing_failures_at_connection_stay_unavailable(
     assert getattr(cause, "sqlstate", None) == "08P01", repr(cause)
     if failure == "max_client_conn":
         assert "max_client_conn" in str(cause), cause
+
+
+# -- consumers ----------------------------------------------------------------------------------
+
+# What a delivery sets in its transaction (sql.begin, the mark, the commit's DO block), the token
+# setting included: each must be back at the session's default for the next client.
+SESSION_SETTINGS = (
+    "SELECT pg_catalog.pg_backend_pid() AS pid,"
+    " pg_catalog.current_setting('lock_timeout') AS lock_timeout,"
+    " pg_catalog.current_setting('idle_in_transaction_session_timeout') AS idle_timeout,"
+    " pg_catalog.current_setting('search_path') AS search_path,"
+    " pg_catalog.current_setting('grpc_idempotency.consumer_mark', true) AS token"
+)
+
+
+async def test_a_consumer_through_pgbouncer_runs_each_message_once_and_leaves_no_settings(
+    bouncer: PgBouncer, bounced: Store, store: Store
+) -> None:
+    """An IdempotentConsumer on a store behind PgBouncer (statement_cache_size=0): its mark is
+    one simple-query batch whose lock_timeout and token are set_config(..., true), local to the
+    transaction PgBouncer pins a server connection to. Processed, duplicate, another payload
+    refused, a second replica's delivery waiting on the first's row then a duplicate, a failed
+    effect releasing the mark, purge; then every server connection the deliveries ran on, taken
+    by other clients, has the session's defaults (PgBouncer runs no reset query in transaction
+    mode: a session-level SET would reach them)."""
+    await store.pool.execute(
+        "CREATE TABLE IF NOT EXISTS public.pgb_consumer_effects"
+        " (consumer text NOT NULL, message_id text NOT NULL)"
+    )
+    name = f"pgb-{uuid.uuid4().hex[:10]}"
+    # A bound unlike the default lock_timeout (0), so a leaked one would show.
+    consumer = IdempotentConsumer(bounced, name, max_wait=timedelta(seconds=WAIT_S))
+    replica = IdempotentConsumer(bounced, name, max_wait=timedelta(seconds=WAIT_S))
+    servers: set[int] = set()  # the server connections (backends) the effects ran on
+    inside: list[asyncpg.Record] = []
+    entered, release = asyncio.Event(), asyncio.Event()  # the racing delivery's effect
+
+    def effect(message_id: str, hold: asyncio.Event | None = None, fail: bool = False) -> Any:
+        async def run(conn: Any) -> None:
+            await conn.execute(
+                "INSERT INTO public.pgb_consumer_effects VALUES ($1, $2)", name, message_id
+            )
+            settings = await conn.fetchrow(SESSION_SETTINGS)
+            servers.add(settings["pid"])
+            inside.append(settings)
+            if hold is not None:
+                entered.set()
+                await asyncio.wait_for(hold.wait(), WAIT_S)
+            if fail:
+                raise RuntimeError("the effect failed after writing")
+
+        return run
+
+    async def effects(message_id: str) -> int:
+        count: int = await store.pool.fetchval(
+            "SELECT count(*) FROM public.pgb_consumer_effects"
+            " WHERE consumer = $1 AND message_id = $2",
+            name,
+            message_id,
+        )
+        return count
+
+    async def must_not_run(conn: Any) -> None:
+        raise AssertionError("a duplicate's effect ran")
+
+    first_id, raced_id, failed_id = (f"{name}-{i}" for i in range(3))
+    done = await consumer.process(first_id, effect(first_id), payload=b"one")
+    assert done.outcome is Consumed.PROCESSED
+    again = await replica.process(first_id, must_not_run, payload=b"one")
+    assert again.outcome is Consumed.DUPLICATE
+    with pytest.raises(KeyReused):
+        await replica.process(first_id, must_not_run, payload=b"another")
+    assert await effects(first_id) == 1
+
+    # Two replicas: the second's mark waits on the first's uncommitted row (a lock wait on
+    # another server connection) until the first commits, then sees the duplicate.
+    first = asyncio.create_task(consumer.process(raced_id, effect(raced_id, hold=release)))
+    await asyncio.wait_for(entered.wait(), WAIT_S)
+    second = asyncio.create_task(replica.process(raced_id, must_not_run))
+
+    async def waiting() -> int:
+        count: int = await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND strpos(query, $1) > 0",
+            f"'{raced_id}'",
+        )
+        return count
+
+    await until("the second delivery to wait on the first's row", waiting, WAIT_S)
+    assert not second.done()
+    release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+    assert (await second).outcome is Consumed.DUPLICATE
+    assert await effects(raced_id) == 1
+
+    # An effect that raises: its write and the mark roll back; the redelivery processes it.
+    with pytest.raises(RuntimeError, match="the effect failed"):
+        await consumer.process(failed_id, effect(failed_id, fail=True))
+    assert await effects(failed_id) == 0 and not await consumer.is_processed(failed_id)
+    assert (await replica.process(failed_id, effect(failed_id))).outcome is Consumed.PROCESSED
+    assert await effects(failed_id) == 1
+
+    # Inside the effect: the mark's token set, the session's lock_timeout back (the mark's bound
+    # is for the mark only).
+    direct = await store.pool.fetchrow(SESSION_SETTINGS)
+    assert direct is not None
+    for settings in inside:
+        assert settings["lock_timeout"] == direct["lock_timeout"], settings
+        assert len(settings["token"] or "") == 32, settings
+
+    # Purge: the marks expired by the database's clock go, batch by batch.
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.processed_messages"
+        " SET expires_at = clock_timestamp() - interval '1 second' WHERE consumer = $1",
+        name,
+    )
+    assert await consumer.purge_processed(batch_size=2) == 3
+    assert not await consumer.is_processed(first_id)
+    assert (await replica.process(first_id, effect(first_id))).outcome is Consumed.PROCESSED
+
+    # Every server connection at once, each pinned by a client of its own in a transaction:
+    # none holds a delivery's transaction still, and none kept a setting of one.
+    clients = [
+        await asyncpg.connect(bouncer.dsn, **POOL_OPTIONS) for _ in range(SERVER_CONNECTIONS)
+    ]
+    try:
+        seen = []
+        for client in clients:
+            await client.execute("BEGIN")
+            seen.append(await asyncio.wait_for(client.fetchrow(SESSION_SETTINGS), WAIT_S))
+        for client in clients:
+            await client.execute("ROLLBACK")
+    finally:
+        for client in clients:
+            await client.close()
+    assert servers <= {s["pid"] for s in seen}, (servers, seen)
+    for settings in seen:
+        for setting in ("lock_timeout", "idle_timeout", "search_path"):
+            assert settings[setting] == direct[setting], (setting, settings, direct)
+        # A custom setting once set in a session reads '' after its transaction, not NULL.
+        assert settings["token"] in (None, ""), settings
 
 
 # -- relays -------------------------------------------------------------------------------------
