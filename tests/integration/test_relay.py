@@ -402,11 +402,17 @@ async def test_retries_fall_due_without_waiting_for_the_poll(outbox: Store) -> N
 async def test_rows_of_a_dead_relay_are_delivered_again_after_its_lease(outbox: Store) -> None:
     await insert(outbox, outbox.schema, ["orphan"])
     # A relay claims the row and dies before marking it (nothing more is ever heard from it).
-    (claimed,) = await relay_claims(outbox, lease_s=0.5)
+    (claimed,) = await relay_claims(outbox, lease_s=30)
     assert claimed.attempts == 1
     receiver = Receiver(expect=1)
     relay = Relay(outbox, receiver, poll_interval=60)
     assert await relay.run_once() == 0  # still under the dead relay's lease
+    # Only now does the lease end soon, by the database's clock. (A 0.5 s lease from the claim
+    # could run out before run_once claimed, with round trips slow on a loaded CI machine.)
+    await outbox.pool.execute(
+        f'UPDATE "{outbox.schema}".outbox SET locked_until = clock_timestamp() + interval'
+        " '0.3 s', next_attempt_at = clock_timestamp() + interval '0.3 s' WHERE key = 'orphan'"
+    )
     async with running(relay):
         # No notification comes: the relay sleeps until the lease ends, by the database's clock.
         await asyncio.wait_for(receiver.all_in.wait(), WAIT_S)
@@ -2185,8 +2191,14 @@ async def test_drain_does_not_stop_while_a_row_whose_claim_was_lost_is_due(
     short batch for "nothing more is due" and returned with the lost row due."""
     store = OutboxStore(outbox)
     await insert(outbox, outbox.schema, ["lost"])
-    await store.claim(relay="dead-relay", limit=10, lease_s=0.3)  # and the relay dies
+    await store.claim(relay="dead-relay", limit=10, lease_s=30)  # and the relay dies
     await insert(outbox, outbox.schema, ["fresh"])  # due now, before the lost row's lease ends
+    # The lease ends now, after the fresh row's insert: so the fresh row is due first. (A short
+    # lease from the claim could end first, with the insert slow on a loaded CI machine.)
+    await outbox.pool.execute(
+        f'UPDATE "{outbox.schema}".outbox SET locked_until = clock_timestamp(),'
+        " next_attempt_at = clock_timestamp() WHERE key = 'lost'"
+    )
 
     async def both_due() -> bool:
         due: int = await outbox.pool.fetchval(
