@@ -188,19 +188,22 @@ async def test_a_commit_refused_for_the_handlers_write_ends_the_lease_at_once(
     assert await ledger_rows(store, account) == 1
 
 
-async def test_transient_error_ends_the_lease_so_a_retry_runs_at_once(
-    ledger: RunningLedger, store: Store
-) -> None:
+async def test_transient_error_ends_the_lease_so_a_retry_runs_at_once(store: Store) -> None:
     key, account = fresh(), fresh("acct")
-    first = await ledger.call(PHASED, post(account, "UNAVAILABLE"), key)
-    assert first.code is grpc.StatusCode.UNAVAILABLE
-    released = await record(store, key)
-    # Kept, with its lease over: the retry takes the same operation over (keeping its start).
-    assert released is not None and released["state"] == "in_progress"
-    assert released["locked_until"] <= released["now"]
-    again = await ledger.call(PHASED, post(account, "UNAVAILABLE"), key, timeout=0.5)
-    assert again.code is grpc.StatusCode.UNAVAILABLE and not again.replayed  # ran again, no wait
-    assert ledger.service.executions == 2
+    # A 30 s lease and a 5 s deadline: a retry told to wait the lease out ends DEADLINE_EXCEEDED.
+    # (The fixture's 0.6 s lease against a 0.5 s deadline left a loaded CI machine 0.5 s for the
+    # whole retry, a look-up, a takeover, the handler and the release: it could run out.)
+    long_lease = {PHASED: MethodOverride(lease=timedelta(seconds=30))}
+    async with running_ledger(store, overrides=long_lease) as ledger:
+        first = await ledger.call(PHASED, post(account, "UNAVAILABLE"), key)
+        assert first.code is grpc.StatusCode.UNAVAILABLE
+        released = await record(store, key)
+        # Kept, with its lease over: the retry takes the same operation over (keeping its start).
+        assert released is not None and released["state"] == "in_progress"
+        assert released["locked_until"] <= released["now"]
+        again = await ledger.call(PHASED, post(account, "UNAVAILABLE"), key, timeout=5)
+        assert again.code is grpc.StatusCode.UNAVAILABLE and not again.replayed  # ran, no wait
+        assert ledger.service.executions == 2
     taken = await record(store, key)
     assert taken is not None and taken["fencing_token"] == released["fencing_token"] + 1
     assert await ledger_rows(store, account) == 0
