@@ -353,7 +353,11 @@ def conflicts(reader: InMemoryMetricReader) -> float:
 async def test_retry_helper_waits_as_the_server_asks_then_gets_the_outcome(store: Store) -> None:
     reader = InMemoryMetricReader()
     telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
-    async with running_ledger(store, telemetry=telemetry) as ledger:
+    # Each attempt's wait runs out at max_wait, far from its deadline: ended 100 ms before the
+    # deadline (core.lifecycle.ANSWER_MARGIN_S) instead, its ABORTED could lose the race to the
+    # client's deadline on a loaded CI machine, and no conflict was counted.
+    short_wait = {"testsvc.v1.LedgerService/Post": MethodOverride(max_wait=timedelta(seconds=0.2))}
+    async with running_ledger(store, telemetry=telemetry, overrides=short_wait) as ledger:
         account = fresh("acct")
         op = Operation.new()
         request = testsvc_pb2.PostRequest(account=account, behaviour="wait")
@@ -368,11 +372,11 @@ async def test_retry_helper_waits_as_the_server_asks_then_gets_the_outcome(store
                     stub.Post,
                     request,
                     metadata=TENANT_MD,
-                    timeout=0.3,
+                    timeout=5,
                     retry=RetryPolicy(max_attempts=20),
                 )
             )
-            # The first attempts end ABORTED (in progress) within their 0.3 s deadline.
+            # The first attempts end ABORTED (in progress) at their 0.2 s max_wait.
             await until("3 conflicts", lambda: conflicts(reader) >= 3)
             assert not retrying.done()
             ledger.service.release.set()
