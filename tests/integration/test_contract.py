@@ -422,7 +422,9 @@ async def test_transient_error_releases_the_claim(
 
 async def test_cancelled_call_releases_the_claim(ledger: RunningLedger, store: Store) -> None:
     key, account = fresh(), fresh("acct")
-    answer = await ledger.call(POST, post(account, behaviour="sleep:2000"), key, timeout=0.3)
+    # 1 s: the handler must have begun (its claim made) before the deadline, which a loaded CI
+    # machine could take 0.3 s over; the deadline still ends it asleep.
+    answer = await ledger.call(POST, post(account, behaviour="sleep:2000"), key, timeout=1.0)
     assert answer.code is grpc.StatusCode.DEADLINE_EXCEEDED
 
     # The server notices the deadline, cancels the handler and rolls the claim back.
