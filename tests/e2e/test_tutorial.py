@@ -2,8 +2,9 @@
 
 It generates code from examples/tutorial/payments.proto with protoc, starts an embedded
 PostgreSQL (or uses GRPC_IDEMPOTENCY_TEST_DSN), serves PaymentService behind the interceptor,
-charges once and retries with the same key. It must print a replayed retry with the same charge
-id and exactly one charge row, and exit 0; and it must need nothing beyond the checkout's
+charges once, retries with the same key, then reuses the key for another amount. It must print a
+replayed retry with the same charge id, the reuse refused as IDEMPOTENCY_KEY_REUSED and exactly
+one charge row, and exit 0; and it must need nothing beyond the checkout's
 ``pip install -e '.[codegen,embedded]'``.
 """
 
@@ -39,14 +40,24 @@ def test_the_tutorial_replays_the_retry_and_charges_once() -> None:
     assert first and again, report
     assert again.group(1) == first.group(1), "the retry got another charge id"
     assert again.group(2) == "true", "the retry was not marked replayed"
+    assert "attempt 3, another amount: FAILED_PRECONDITION IDEMPOTENCY_KEY_REUSED\n" in out, report
     assert f"charges written for {first.group(2)}: 1\n" in out, report
-    assert "OK: the retry was replayed; the card was charged once" in out, report
+    assert "OK: the retry was replayed, the reused key refused; the card was charged once" in out, (
+        report
+    )
 
 
 def test_the_tutorial_needs_only_the_codegen_and_embedded_extras() -> None:
     """Its modules import the standard library, the package and its dependencies, the generated
     code and each other: nothing that only the dev extra installs (pytest, h2, the OTel SDK)."""
-    allowed = {"grpc", "google", "grpc_idempotency", "payments_pb2", "payments_pb2_grpc"}
+    allowed = {
+        "grpc",
+        "grpc_status",
+        "google",
+        "grpc_idempotency",
+        "payments_pb2",
+        "payments_pb2_grpc",
+    }
     allowed |= {"examples", "__future__"} | set(sys.stdlib_module_names)
     sources = sorted(TUTORIAL.glob("*.py"))
     assert {p.name for p in sources} >= {"__main__.py", "server.py", "client.py"}
