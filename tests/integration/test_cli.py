@@ -124,6 +124,21 @@ def test_version_prints_the_installed_version() -> None:
     assert done.stdout.strip() == f"grpc-idempotency {metadata.version('grpc-idempotency')}"
 
 
+def test_python_dash_m_runs_the_command() -> None:
+    """``python -m grpc_idempotency`` is the command, for a virtualenv whose scripts are not on
+    PATH (it was "No module named grpc_idempotency.__main__")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "grpc_idempotency", "include-path"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip(), "grpc_idempotency", "v1", "options.proto").is_file()
+
+
 # -- database errors: the real message, the target, never the password --------------------------
 
 
