@@ -41,6 +41,7 @@ from grpc_idempotency.core.outbox import message_key, outbox_step
 from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import StepCalls
 from grpc_idempotency.store.postgres import PooledConnection, connection_closed
+from grpc_idempotency.telemetry import trace_carrier
 
 T = TypeVar("T")
 
@@ -59,6 +60,7 @@ class Enqueue(Protocol):
         method: str,
         payload_type: str,
         payload: bytes,
+        trace_context: str | None = None,
     ) -> Awaitable[None]: ...
 
 
@@ -366,7 +368,9 @@ class IdempotentCall:
                 " and a protobuf message instance, not"
                 f" ({type(step).__name__}, {_kind(message)})"
             )
-        enqueued = self._enqueue(step, message)
+        # The trace is read here, where the handler calls enqueue (its span current), not in
+        # the coroutine: a sync handler's runs on the event loop (``run``), in another context.
+        enqueued = self._enqueue(step, message, trace_carrier())
         # Kept to check, as the call ends, that each was awaited (``unawaited_enqueues``).
         # Appended on the loop, or on a sync handler's thread (list.append is atomic).
         self._enqueued.append((step, enqueued))
@@ -394,7 +398,7 @@ class IdempotentCall:
                     enqueued.close()
         return steps
 
-    async def _enqueue(self, step: str, message: Message) -> str:
+    async def _enqueue(self, step: str, message: Message, trace_context: str | None) -> str:
         if self.key is None or self.scope is None:
             raise NotInIdempotentCall(
                 f"{self.method}: only a keyed call can enqueue outbox messages"
@@ -427,6 +431,7 @@ class IdempotentCall:
                 method=self.method,
                 payload_type=message.DESCRIPTOR.full_name,
                 payload=message.SerializeToString(deterministic=True),
+                trace_context=trace_context,
             )
         return key
 

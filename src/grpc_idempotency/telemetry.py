@@ -27,10 +27,15 @@ nest in it), with ``grpc_idempotency.consumer.name`` and ``grpc_idempotency.cons
 ``record_key``. A counter ``grpc_idempotency.consumer.messages`` and a histogram
 ``grpc_idempotency.consumer.process.duration`` (seconds, the same buckets), both labelled by the
 consumer's name and the outcome.
+
+The outbox: a message enqueued while a span is current keeps that span's context (injected with
+the global propagator, W3C by default: ``trace_carrier``), and the relay's span for each
+delivery attempt, ``grpc_idempotency deliver <step>`` (kind PRODUCER), links to it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +43,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
-from opentelemetry import metrics, trace
+from opentelemetry import metrics, propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
 from grpc_idempotency.core.codes import Code
@@ -99,7 +104,7 @@ _NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 _NO_SPAN = nullcontext(trace.INVALID_SPAN)
 # The variable through which opentelemetry-api loads a global tracer provider (its
 # ``opentelemetry.environment_variables.OTEL_PYTHON_TRACER_PROVIDER``).
-_TRACER_PROVIDER_ENV = "OTEL_PYTHON_TRACER_PROVIDER"
+TRACER_PROVIDER_ENV = "OTEL_PYTHON_TRACER_PROVIDER"
 METER_PROVIDER_ENV = "OTEL_PYTHON_METER_PROVIDER"
 _T = TypeVar("_T")
 
@@ -164,6 +169,64 @@ def _duration_histogram(meter: metrics.Meter, name: str, description: str) -> me
         return meter.create_histogram(name, unit=unit, description=description)
 
 
+def tracing(*, own_tracer: bool, env_provider: bool) -> bool:
+    """Whether spans are recorded: a provider was given (``own_tracer``), or one was set
+    globally. ``env_provider``: whether ``OTEL_PYTHON_TRACER_PROVIDER`` was set when the caller
+    was made."""
+    if own_tracer:
+        return True
+    # Asked on every call. With no global provider set (the API's module global still None)
+    # and none named in the environment, the answer is no, without get_tracer_provider(), which
+    # probes os.environ each time (~1 us). Once a provider is set it cannot be replaced.
+    if env_provider is False and getattr(trace, "_TRACER_PROVIDER", False) is None:
+        return False
+    return not isinstance(trace.get_tracer_provider(), _NO_TRACING)
+
+
+_carrier_failed_at: float | None = None
+
+
+def trace_carrier() -> str | None:
+    """The current span's context as the global propagator writes it (W3C ``traceparent`` and
+    ``tracestate`` by default, or whatever propagator the application configured), a JSON
+    object, for an outbox row; ``None`` with no valid span context: tracing off costs one
+    context look-up. Never raises: a propagator that fails is logged (once a minute) and the
+    message is enqueued without its trace, as telemetry never changes a call."""
+    global _carrier_failed_at
+    try:
+        if not trace.get_current_span().get_span_context().is_valid:
+            return None
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        if not carrier:
+            return None  # a propagator that writes nothing ("none")
+        return json.dumps(carrier, separators=(",", ":"), sort_keys=True)
+    except Exception:
+        now = time.monotonic()
+        if _carrier_failed_at is None or now - _carrier_failed_at >= _FAILURE_LOG_INTERVAL_S:
+            _carrier_failed_at = now
+            log.warning(
+                "telemetry failed injecting the trace context of an outbox message; it is"
+                " enqueued without it",
+                exc_info=True,
+            )
+        return None
+
+
+def linked_context(carrier: object) -> trace.SpanContext | None:
+    """The span context ``trace_carrier`` stored (extracted with the global propagator), if it
+    holds a valid one: the link of a delivery's span. ``carrier``: the JSON text, or the object
+    it decodes to. Raises on a carrier it cannot read (the caller guards it)."""
+    if carrier is None:
+        return None
+    if isinstance(carrier, str):
+        carrier = json.loads(carrier)
+    if not isinstance(carrier, dict):
+        return None
+    found = trace.get_current_span(propagate.extract(carrier)).get_span_context()
+    return found if found.is_valid else None
+
+
 class Telemetry:
     """The span, counters and histogram of keyed calls (opentelemetry-api only; the SDK, if
     configured, exports them). Pass your own providers to ``IdempotencyInterceptor(telemetry=)``.
@@ -195,11 +258,11 @@ class Telemetry:
                     f" or None, not {provider!r}"
                 )
         self.tracer = provider_from_env(
-            _TRACER_PROVIDER_ENV,
+            TRACER_PROVIDER_ENV,
             lambda: trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider),
         )
         self._own_tracer = tracer_provider is not None
-        self._env_provider = _TRACER_PROVIDER_ENV in os.environ
+        self._env_provider = TRACER_PROVIDER_ENV in os.environ
         self.record_key = record_key
         self.record_scope = record_scope
         self._attributes: dict[str, dict[str, str]] = {}
@@ -243,15 +306,7 @@ class Telemetry:
         """Whether spans are recorded: a provider was given, or one was set globally. Until an
         SDK sets one, the API's spans record nothing, and making them (a context attached and
         detached per call) was measured at 5-10% of the server's CPU per keyed call."""
-        if self._own_tracer:
-            return True
-        # Asked on every call. With no global provider set (the API's module global still
-        # None) and none named in the environment, the answer is no, without
-        # get_tracer_provider(), which probes os.environ each time (~1 us). The environment is
-        # read once, when this Telemetry is made. Once a provider is set it cannot be replaced.
-        if self._env_provider is False and getattr(trace, "_TRACER_PROVIDER", False) is None:
-            return False
-        return not isinstance(trace.get_tracer_provider(), _NO_TRACING)
+        return tracing(own_tracer=self._own_tracer, env_provider=self._env_provider)
 
     def span(self, method: str) -> AbstractContextManager[trace.Span]:
         """The call's span. The SDK calls span processors (exporters) unguarded: one that raised

@@ -27,6 +27,7 @@ FROZEN = [
     (15, "functions_fix_search_path", "3988792f25cb5193"),
     (16, "claim_knows_its_attempt", "5774c03d8e34811a"),
     (17, "processed_messages_fingerprint", "86200b6b970ce760"),
+    (18, "outbox_trace_context", "a279bc0417201138"),
 ]
 
 

@@ -39,12 +39,12 @@ from grpc_idempotency.store.sql import (
 # - the others change nothing these reads select or decide: functions only the servers call
 #   (0008, 0009, 0012, 0013, 0015, 0016), the outbox's failures and lost_claims (0010, 0011),
 #   the records' claim_attempt (0016), processed_messages' fingerprint (0017: no command reads
-#   that table).
+#   that table), the outbox's trace_context (0018: a nullable column no command selects).
 READABLE_FROM = 7
 """The oldest schema version ``inspect`` and ``list`` read (``Store.check_schema``)."""
 OUTBOX_READABLE_FROM = 6
 """The oldest schema version ``outbox stats`` and ``outbox dead`` read."""
-REVIEWED_THROUGH = 17
+REVIEWED_THROUGH = 18
 """The last migration checked above. A test fails once a newer one ships, until it is checked
 too: a schema behind by it alone is read as if it were migrated."""
 _ABANDONED_CLAIMS_EXPIRE = 14

@@ -56,7 +56,7 @@ T = TypeVar("T")
 
 _SELECT_MESSAGE = (
     "o.id, o.scope, o.key, o.step, o.method, o.payload_type, o.payload, o.attempts, o.failures,"
-    " o.lost_claims, o.created_at"
+    " o.lost_claims, o.created_at, o.trace_context::text AS trace_context"
 )
 
 
@@ -85,6 +85,10 @@ class OutboxMessage:
     lost_claims: int = 0
     """Claims of this row in a row, just before this one, that ended with no recorded outcome
     (their relay died or stalled past its lease). When positive, this row was claimed alone."""
+    trace_context: str | None = None
+    """The propagation carrier (a JSON object, W3C ``traceparent`` by default) of the span that
+    was current when the message was enqueued, that the relay's delivery span links to; ``None``
+    when there was none (tracing off), or for a row enqueued before migration 0018."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -437,6 +441,7 @@ class OutboxStore:
                 created_at=r["created_at"],
                 failures=r["failures"],
                 lost_claims=r["lost_claims"],
+                trace_context=r["trace_context"],
             )
             for r in rows
         ]

@@ -1810,14 +1810,25 @@ class Store:
         method: str,
         payload_type: str,
         payload: bytes,
+        trace_context: str | None = None,
     ) -> None:
         """Writes an outbox row on ``conn``, in the call's transaction. ``key`` (the outbox
         step's child key) is unique with ``scope``: the same message again adds nothing; a
-        different one under the same key raises ``OutboxKeyReused`` rather than be dropped."""
+        different one under the same key raises ``OutboxKeyReused`` rather than be dropped.
+        ``trace_context``: the enqueuing span's propagation carrier, JSON
+        (``telemetry.trace_carrier``), that the relay's delivery span links to; ``None``: none."""
         attempts = 3  # bounded: each repeat needs a row written and purged again meanwhile
         for _ in range(attempts):
             status = await conn.execute(
-                self.statements.enqueue, scope, key, step, parent_key, method, payload_type, payload
+                self.statements.enqueue,
+                scope,
+                key,
+                step,
+                parent_key,
+                method,
+                payload_type,
+                payload,
+                trace_context,
             )
             if status == "INSERT 0 1":
                 return

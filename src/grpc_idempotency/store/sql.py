@@ -179,9 +179,11 @@ class Statements:
         # PostgreSQL (it notices a client gone only when it answers), and commit after both.
         self.wait_claim_lock = "SELECT pg_catalog.pg_advisory_xact_lock($1::bigint)"
         # The key is the outbox step's child key; on a conflict Store.enqueue compares messages.
+        # $8: the enqueuing span's propagation carrier, JSON text or NULL (migration 0018).
         self.enqueue = f"""
-            INSERT INTO {s}.outbox (scope, key, step, parent_key, method, payload_type, payload)
-            VALUES ($1, $2, $3, $4, $5, $6, $7)
+            INSERT INTO {s}.outbox
+                (scope, key, step, parent_key, method, payload_type, payload, trace_context)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8::text::jsonb)
             ON CONFLICT (scope, key) DO NOTHING"""
         self.enqueued = (
             f"SELECT payload_type, payload FROM {s}.outbox WHERE scope = $1 AND key = $2"

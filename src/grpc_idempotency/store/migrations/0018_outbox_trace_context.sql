@@ -1,0 +1,12 @@
+-- An outbox row keeps the trace context of the call that enqueued it, so that the relay's
+-- delivery span can link to it: the trace of the handler no longer ends at the outbox.
+--
+-- The propagation carrier as the configured OpenTelemetry propagator wrote it (W3C
+-- traceparent/tracestate by default), a JSON object of strings; NULL when the enqueuing call
+-- had no valid span context (tracing off), and for rows written before this migration or by a
+-- server of the previous release, which the relay delivers without a link.
+--
+-- Nullable without a default: adding it rewrites nothing, and the ACCESS EXCLUSIVE lock the
+-- ALTER takes is held for no longer than that. IF NOT EXISTS, as 0017's column: applied again
+-- to a schema whose version was set back, it finds the column there.
+ALTER TABLE {schema}.outbox ADD COLUMN IF NOT EXISTS trace_context jsonb;
