@@ -27,7 +27,12 @@ delivery, so receivers dedupe on it. The relay:
   (``listen=False``); a LISTEN found not to hold on its session is given up for polling;
 - **purges** rows sent more than ``sent_retention`` seconds ago, in bounded batches;
 - is **routed** by step with ``steps=``: a relay claims only the rows of those outbox steps, so
-  steps bound for different receivers each get a relay (and sink) of their own.
+  steps bound for different receivers each get a relay (and sink) of their own;
+- **traces** each delivery attempt: a span ``grpc_idempotency deliver <step>`` (kind PRODUCER),
+  current while the sink runs (an instrumented gRPC or broker client's span nests in it), linked
+  to the span that was current when the handler enqueued the message (its context is kept in the
+  row): a link, not a parent, as messaging tracing does, since a delivery may come long after
+  and be one of many attempts.
 
     relay = Relay(store, GrpcSink(channel, "/billing.v1.Ledger/Record"))
     stop = asyncio.Event()
@@ -54,7 +59,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
 import grpc
-from opentelemetry import metrics
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.trace import Status, StatusCode
 
 from grpc_idempotency import failpoints
 from grpc_idempotency.core.errors import (
@@ -84,7 +91,14 @@ from grpc_idempotency.store.outbox_store import (
     StateCount,
 )
 from grpc_idempotency.store.postgres import Store, one_store, vet_dsn
-from grpc_idempotency.telemetry import _VERSION, METER_PROVIDER_ENV, provider_from_env
+from grpc_idempotency.telemetry import (
+    _VERSION,
+    METER_PROVIDER_ENV,
+    TRACER_PROVIDER_ENV,
+    linked_context,
+    provider_from_env,
+    tracing,
+)
 
 __all__ = [
     "DEFAULT_PERMANENT_CODES",
@@ -109,7 +123,14 @@ log = library_logger("grpc_idempotency.outbox")
 # error: a bug that fails every batch logged one per poll (720 an hour at the default 5 s).
 _TRACEBACK_EVERY_S = 60.0
 _METER_LOG_S = 60.0
-"""How often a meter that raises on every batch is logged."""
+"""How often a meter (or tracer) that raises on every batch is logged."""
+
+# A delivery span's attributes. The outcome is the metric's label, with the same values, and
+# "unrecorded" for an attempt whose outcome is left to the lease (as ``RelayStats.unrecorded``).
+OUTCOME = "grpc_idempotency.outbox.outcome"
+STEP = "grpc_idempotency.outbox.step"
+ATTEMPT = "grpc_idempotency.outbox.attempt"
+ROW_ID = "grpc_idempotency.outbox.row_id"
 
 _LISTEN_CHECK = "grpc-idempotency:listen-check:"
 """The payload prefix of a relay's NOTIFY round trip (``Relay._check_listen_database``): woken
@@ -457,6 +478,18 @@ class _Failed:
     error: str
     permanent: bool
     retry_after_s: float | None = None
+    kind: str | None = None
+    """The class of the exception the delivery ended with, for its span's status."""
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """A delivery's outcome, and its span (``None``: not traced) with when the delivery ended:
+    the span ends once the batch knows the outcome (retry or dead), at that time."""
+
+    outcome: str | _Failed
+    span: trace.Span | None = None
+    ended_ns: int = 0
 
 
 _SETTINGS = frozenset(
@@ -509,6 +542,14 @@ class Relay:
       with different ``steps`` share the outbox without taking each other's rows; a row whose
       step no relay names waits, pending. ``relay.steps`` holds them, read
       (``core.outbox.StepRoutes``).
+    - ``meter_provider`` / ``tracer_provider``: where its counter and its delivery spans go (the
+      global providers unless given). One span per delivery attempt, ``grpc_idempotency deliver
+      <step>``, kind PRODUCER (it hands the message on; a gRPC sink's CLIENT span nests in it),
+      with ``grpc_idempotency.outbox.step``, ``.attempt``, ``.row_id`` and ``.outcome`` (the
+      counter's ``sent``, ``retry``, ``dead``, or ``unrecorded``: left to the lease), status
+      ERROR on a failed delivery naming the exception's class, and a link to the span that
+      enqueued the message, if one was current. What OpenTelemetry raises never changes a
+      delivery.
 
     Through a transaction pooler LISTEN fails silently: the relay would only poll, and the
     pooled server connection it ran on goes on receiving notifications that nobody reads. So
@@ -535,6 +576,7 @@ class Relay:
         name: str | None = None,
         rng: random.Random | None = None,
         meter_provider: metrics.MeterProvider | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
         on_listening: Callable[[], None] | None = None,
         listen: bool = True,
         listen_dsn: str | None = None,
@@ -579,6 +621,14 @@ class Relay:
             raise TypeError(
                 "meter_provider must be an OpenTelemetry MeterProvider or None, not"
                 f" {meter_provider!r}"
+            )
+        if tracer_provider is not None and not callable(
+            getattr(tracer_provider, "get_tracer", None)
+        ):
+            # As meter_provider: else a bare AttributeError out of the constructor.
+            raise TypeError(
+                "tracer_provider must be an OpenTelemetry TracerProvider or None, not"
+                f" {tracer_provider!r}"
             )
         if rng is not None and not callable(getattr(rng, "random", None)):
             # Else accepted, to fail at the first failed delivery (no attribute 'random').
@@ -671,6 +721,14 @@ class Relay:
             description="Outbox deliveries by outcome: sent, retry, dead",
         )
         self._count_failed_at: float | None = None
+        # The interceptor's tracer too; the global provider unless one is given.
+        self._tracer = provider_from_env(
+            TRACER_PROVIDER_ENV,
+            lambda: trace.get_tracer("grpc_idempotency", _VERSION, tracer_provider),
+        )
+        self._own_tracer = tracer_provider is not None
+        self._env_tracer = TRACER_PROVIDER_ENV in os.environ
+        self._trace_failed_at: float | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The settings were checked together when the relay was made (``delivery_timeout``
@@ -727,10 +785,13 @@ class Relay:
             return _Batch()
         self.stats.claimed += len(messages)
         alone = messages[0].lost_claims > 0  # the claim takes a lost row alone
-        outcomes = await asyncio.gather(*(self._deliver(m) for m in messages))
+        attempts = await asyncio.gather(*(self._attempt(m) for m in messages))
         sent: list[tuple[int, int]] = []
         failures: list[Failure] = []
-        for message, outcome in zip(messages, outcomes, strict=True):
+        for message, attempt in zip(messages, attempts, strict=True):
+            outcome = attempt.outcome
+            if isinstance(outcome, str):  # sent, or left to the lease (unrecorded)
+                self._end_span(attempt, outcome, None)
             if outcome == _SENT:
                 sent.append((message.id, message.attempts))
             elif isinstance(outcome, _Failed):
@@ -754,6 +815,7 @@ class Relay:
                         error=outcome.error,
                     )
                 )
+                self._end_span(attempt, "dead" if delay is None else "retry", outcome.kind)
                 # The error quotes the receiver's status message or the sink's exception:
                 # escaped for the log (a newline forged lines), stored as it came.
                 if delay is None:
@@ -804,6 +866,79 @@ class Relay:
                 self._count_failed_at = now
                 log.warning("telemetry failed counting deliveries", exc_info=True)
 
+    async def _attempt(self, message: OutboxMessage) -> _Attempt:
+        """Delivers ``message`` (``_deliver``) in its span, current while the sink runs: a gRPC
+        or broker client's instrumented call nests in it. The span ends in ``_batch``, once the
+        outcome is known (retry or dead). No span while nothing records them (no provider set),
+        and none when OpenTelemetry fails: a tracer, propagator or span processor that raises
+        never changes a delivery."""
+        span = (
+            self._start_span(message)
+            if tracing(own_tracer=self._own_tracer, env_provider=self._env_tracer)
+            else None
+        )
+        if span is None:
+            return _Attempt(await self._deliver(message))
+        token = None
+        try:
+            token = otel_context.attach(trace.set_span_in_context(span))
+        except Exception:
+            self._trace_failed("making a delivery's span current")
+        try:
+            outcome = await self._deliver(message)
+        except BaseException:
+            # The relay is cancelled mid-delivery: its rows come back after the lease.
+            self._end_span(_Attempt(_UNRECORDED, span, time.time_ns()), _UNRECORDED, None)
+            raise
+        finally:
+            if token is not None:
+                try:
+                    otel_context.detach(token)
+                except Exception:
+                    self._trace_failed("ending a delivery's span")
+        return _Attempt(outcome, span, time.time_ns())
+
+    def _start_span(self, message: OutboxMessage) -> trace.Span | None:
+        try:
+            link = None
+            try:
+                link = linked_context(message.trace_context)
+            except Exception:
+                # A carrier the propagator cannot read (edited by hand, another propagator's):
+                # the span goes without its link.
+                self._trace_failed("reading an outbox message's trace context")
+            return self._tracer.start_span(
+                f"grpc_idempotency deliver {message.step}",
+                kind=trace.SpanKind.PRODUCER,
+                attributes={STEP: message.step, ATTEMPT: message.attempts, ROW_ID: message.id},
+                links=[trace.Link(link)] if link is not None else None,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+        except Exception:
+            self._trace_failed("starting a delivery's span")
+            return None
+
+    def _end_span(self, attempt: _Attempt, outcome: str, error: str | None) -> None:
+        span = attempt.span
+        if span is None:
+            return
+        try:
+            span.set_attribute(OUTCOME, outcome)
+            if outcome in ("retry", "dead"):
+                why = outcome if error is None else f"{outcome} ({error})"
+                span.set_status(Status(StatusCode.ERROR, why))
+            span.end(end_time=attempt.ended_ns)
+        except Exception:
+            self._trace_failed("ending a delivery's span")
+
+    def _trace_failed(self, doing: str) -> None:
+        # It fails every delivery: logged once a minute, as the interceptor's telemetry is.
+        now = time.monotonic()
+        if self._trace_failed_at is None or now - self._trace_failed_at >= _METER_LOG_S:
+            self._trace_failed_at = now
+            log.warning("telemetry failed %s; the delivery goes on", doing, exc_info=True)
+
     async def _deliver(self, message: OutboxMessage) -> str | _Failed:
         if self.policy.parks_unrecorded(message.lost_claims):
             # Its last claims all ended without an outcome, every one but the first with the
@@ -819,13 +954,17 @@ class Relay:
             async with bound:
                 await _accepted(self.sink.deliver(message), "the sink's deliver")
         except PermanentDeliveryError as err:
-            return _Failed(_error_text(err), permanent=True)
+            return _Failed(_error_text(err), permanent=True, kind=type(err).__name__)
         except TimeoutError as err:
             if not bound.expired():
                 # The sink's own (a broker client's): recorded as the relay's timeout, which
                 # never fired, it hid the sink's error.
-                return _Failed(_error_text(err), permanent=False)
-            return _Failed(f"delivery timed out after {self.delivery_timeout:g}s", permanent=False)
+                return _Failed(_error_text(err), permanent=False, kind=type(err).__name__)
+            return _Failed(
+                f"delivery timed out after {self.delivery_timeout:g}s",
+                permanent=False,
+                kind="TimeoutError",
+            )
         except DeliveryError as err:
             # Read with care: a subclass that skipped DeliveryError.__init__, or set it to
             # something else, would otherwise fail the whole batch computing its delay.
@@ -836,9 +975,11 @@ class Relay:
                 or not 0 < hint < math.inf  # NaN too: a delay PostgreSQL refuses (22008)
             ):
                 hint = None
-            return _Failed(_error_text(err), permanent=False, retry_after_s=hint)
+            return _Failed(
+                _error_text(err), permanent=False, retry_after_s=hint, kind=type(err).__name__
+            )
         except Exception as err:
-            return _Failed(_error_text(err), permanent=False)
+            return _Failed(_error_text(err), permanent=False, kind=type(err).__name__)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -846,7 +987,11 @@ class Relay:
             # Nobody cancelled this task: the sink's call was (grpc.aio raises CancelledError
             # for a call whose channel closed). A failed delivery, recorded with its batch;
             # raised, it took run() down and left the batch's delivered rows to be sent again.
-            return _Failed("the delivery was cancelled (its channel closed?)", permanent=False)
+            return _Failed(
+                "the delivery was cancelled (its channel closed?)",
+                permanent=False,
+                kind="CancelledError",
+            )
         if failpoints.ENABLED:
             try:
                 await failpoints.hit("relay_after_delivery")

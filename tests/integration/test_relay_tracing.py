@@ -1,0 +1,149 @@
+"""The relay's delivery spans: the trace of the handler that enqueued a message continues, by a
+link, in the span of each delivery attempt (migration 0018 keeps the handler's context in the
+row). With the real OpenTelemetry SDK, a real handler behind the interceptor, and a real relay."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import Store, Telemetry
+from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
+from tests.support.ledger import fresh, prepare, running_ledger
+from tests.support.schemas import fresh_store
+
+WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
+STEP = "entry-posted.v1"
+
+
+@pytest.fixture
+async def outbox(pg_dsn: str) -> AsyncIterator[Store]:
+    """A store on a fresh schema: no other test's row reaches these relays."""
+    async with fresh_store(pg_dsn, "trace", max_size=6) as store:
+        await prepare(store)  # the handler's ledger table
+        yield store
+
+
+def _tracing() -> tuple[TracerProvider, InMemorySpanExporter]:
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    return provider, spans
+
+
+async def _enqueue(store: Store, telemetry: Telemetry | None) -> str:
+    """A keyed call whose handler enqueues its event; the outbox row's trace_context."""
+    options: dict[str, Any] = {} if telemetry is None else {"telemetry": telemetry}
+    key = fresh()
+    async with running_ledger(store, **options) as ledger:
+        answer = await ledger.call(WITH_EVENT, testsvc_pb2.PostRequest(account=fresh("a")), key)
+    assert answer.code.name == "OK", answer.details
+    stored: str | None = await store.pool.fetchval(
+        f'SELECT trace_context::text FROM "{store.schema}".outbox WHERE parent_key = $1', key
+    )
+    return stored  # type: ignore[return-value]
+
+
+def _deliveries(spans: InMemorySpanExporter) -> list[ReadableSpan]:
+    return [s for s in spans.get_finished_spans() if s.name == f"grpc_idempotency deliver {STEP}"]
+
+
+async def test_a_delivery_span_links_to_the_handler_span_that_enqueued_the_message(
+    outbox: Store,
+) -> None:
+    provider, spans = _tracing()
+    stored = await _enqueue(outbox, Telemetry(tracer_provider=provider))
+    (handler,) = [s for s in spans.get_finished_spans() if s.name.endswith("/PostWithEvent")]
+    assert handler.context is not None
+    assert "traceparent" in json.loads(stored)  # W3C, the global propagator's default
+
+    current: list[trace.SpanContext] = []
+
+    def record(message: OutboxMessage) -> None:
+        current.append(trace.get_current_span().get_span_context())
+
+    relay = Relay(outbox, CallableSink(record), tracer_provider=provider, listen=False)
+    assert await relay.run_once() == 1
+    (delivery,) = _deliveries(spans)
+    assert delivery.kind is SpanKind.PRODUCER
+    # Linked, not parented: a delivery can come long after the call, and again.
+    assert delivery.parent is None
+    assert delivery.context.trace_id != handler.context.trace_id
+    (link,) = delivery.links
+    assert (link.context.trace_id, link.context.span_id) == (
+        handler.context.trace_id,
+        handler.context.span_id,
+    )
+    row_id = await outbox.pool.fetchval(f'SELECT id FROM "{outbox.schema}".outbox')
+    assert dict(delivery.attributes or {}) == {
+        "grpc_idempotency.outbox.step": STEP,
+        "grpc_idempotency.outbox.attempt": 1,
+        "grpc_idempotency.outbox.row_id": row_id,
+        "grpc_idempotency.outbox.outcome": "sent",
+    }
+    assert delivery.status.status_code is StatusCode.UNSET
+    # Current while the sink ran: an instrumented client's span nests in it.
+    assert current == [delivery.context]
+
+
+async def test_no_span_context_stores_null_and_a_failed_delivery_is_an_error_to_retry(
+    outbox: Store,
+) -> None:
+    """A handler with no span (no telemetry, no global provider): the row's trace_context is
+    NULL and the delivery's span links to nothing. The sink raises: ERROR naming the class,
+    outcome retry."""
+    assert await _enqueue(outbox, None) is None
+    provider, spans = _tracing()
+
+    def refuse(message: OutboxMessage) -> None:
+        raise ConnectionResetError("receiver gone")
+
+    relay = Relay(outbox, CallableSink(refuse), tracer_provider=provider, listen=False)
+    assert await relay.run_once() == 0
+    assert relay.stats.retried == 1
+    (delivery,) = _deliveries(spans)
+    assert delivery.links == ()
+    assert (delivery.attributes or {})["grpc_idempotency.outbox.outcome"] == "retry"
+    assert delivery.status.status_code is StatusCode.ERROR
+    assert delivery.status.description == "retry (ConnectionResetError)"
+
+
+class _RaisingTracerProvider(trace.TracerProvider):
+    """A tracer provider (the API lets users bring their own) whose spans fail to start."""
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> trace.Tracer:
+        class Tracer(trace.NoOpTracer):
+            def start_span(self, *a: Any, **k: Any) -> trace.Span:
+                raise RuntimeError("tracer bug")
+
+        return Tracer()
+
+
+async def test_a_tracer_that_raises_does_not_change_a_delivery(outbox: Store) -> None:
+    provider, _ = _tracing()
+    await _enqueue(outbox, Telemetry(tracer_provider=provider))  # a context to link to
+    delivered: list[str] = []
+    relay = Relay(
+        outbox,
+        CallableSink(lambda m: delivered.append(m.key)),
+        tracer_provider=_RaisingTracerProvider(),
+        listen=False,
+    )
+    assert await relay.run_once() == 1
+    assert len(delivered) == 1 and relay.stats.delivered == 1
+    state = await outbox.pool.fetchval(f'SELECT state FROM "{outbox.schema}".outbox')
+    assert state == "sent"
+
+
+def test_tracer_provider_is_checked() -> None:
+    with pytest.raises(TypeError, match="tracer_provider must be an OpenTelemetry"):
+        Relay(object(), CallableSink(print), tracer_provider=trace.get_tracer(__name__))  # type: ignore[arg-type]
