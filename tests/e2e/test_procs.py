@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.procs import ROOT
+from tests.e2e.procs import ROOT, ServiceProcess
 from tests.support.processes import running
 
 # A stand-in for pytest: starts a "service" with ServiceProcess, prints its pid, then waits to be
@@ -63,3 +63,51 @@ def test_a_service_dies_with_the_killed_test_process(tmp_path: Path) -> None:
             parent.stdout.close()
         if child is not None and running(child):
             os.kill(child, signal.SIGKILL)
+
+
+# A "service" whose comm ("a) T (") would read as stopped, were /proc/PID/stat split at its first
+# ")": it waits for the test's go file, then reaches a ``stop`` failpoint, then says it went on.
+STOPPING = """
+import asyncio, os, sys, time
+with open("/proc/self/comm", "w") as comm:
+    comm.write("a) T (")
+from grpc_idempotency import failpoints
+print("service ready", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+asyncio.run(failpoints.hit("purge_batch"))
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/PID/comm is Linux's")
+async def test_a_stop_failpoint_freezes_the_process_there_until_sigcont(tmp_path: Path) -> None:
+    """``stop`` says so on stderr, then stops the process where it is (wait_stopped sees it, a
+    comm with parentheses notwithstanding); SIGCONT lets it go on from that point. wait_stopped
+    is bounded, and gives up on a process that has exited."""
+    go = tmp_path / "go"
+    service = ServiceProcess(
+        ["-c", STOPPING, str(go)],
+        ready="service ready",
+        log_dir=tmp_path,
+        name="stopping",
+        env={"GRPC_IDEMPOTENCY_FAILPOINTS": "purge_batch=stop"},
+    )
+    await service.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"not stopped in 0\.05s"):
+            await service.wait_stopped(0.05)  # running: waiting for the go file
+        go.touch()
+        await service.wait_stopped(10)
+        assert "failpoint purge_batch=stop, stopped until SIGCONT" in service.logs()
+        assert "went on" not in service.stdout_path.read_text()
+        service.resume()
+        assert await service.wait() == 0, service.logs()
+        assert "went on" in service.stdout_path.read_text()
+        with pytest.raises(RuntimeError, match="exited with 0"):
+            await service.wait_stopped()
+    finally:
+        service.kill()
+        if service.proc is not None:
+            await service.proc.wait()
