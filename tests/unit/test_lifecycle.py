@@ -242,8 +242,11 @@ def test_failpoint_specs() -> None:
         "after_claim=sleep:x",
         "after_claim=crash:1",
         "after_claim=stop:1",
+        "after_claim=stop:",
+        "after_claim=sleep:\u00b2",  # a digit to str.isdigit(), not to int()
+        "after_claim=sleep:\u0663",  # ARABIC-INDIC DIGIT THREE
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="GRPC_IDEMPOTENCY_FAILPOINTS"):
             parse_failpoints(bad)
 
 

@@ -62,7 +62,7 @@ def parse_failpoints(spec: str) -> Mapping[str, Failpoint]:
         name, sep, action = part.partition("=")
         if not sep or name not in POINTS:
             raise ValueError(f"{ENV_VAR}: unknown failpoint {part!r}; known: {sorted(POINTS)}")
-        verb, _, arg = action.partition(":")
+        verb, colon, arg = action.partition(":")
         try:
             kind = FailAction(verb)
         except ValueError:
@@ -70,10 +70,12 @@ def parse_failpoints(spec: str) -> Mapping[str, Failpoint]:
                 f"{ENV_VAR}: {part!r}: action must be crash, sleep:MS, error or stop"
             ) from None
         if kind is FailAction.SLEEP:
-            if not arg.isdigit():
+            # ASCII digits: str.isdigit() also takes a superscript two (then int() failed,
+            # naming no variable) and an Arabic-Indic three (read as 3 ms).
+            if not (arg.isascii() and arg.isdigit()):
                 raise ValueError(f"{ENV_VAR}: {part!r}: sleep needs milliseconds, e.g. sleep:2000")
             points[name] = Failpoint(kind, int(arg))
-        elif arg:
+        elif colon:  # "stop:" too: a ":" names an argument, even an empty one
             raise ValueError(f"{ENV_VAR}: {part!r}: {verb} takes no argument")
         elif kind is FailAction.STOP and not CAN_STOP:
             raise ValueError(
