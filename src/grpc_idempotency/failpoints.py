@@ -1,4 +1,4 @@
-"""Failpoints: crash, delay or fail the request path at named points. A testing facility.
+"""Failpoints: crash, delay, freeze or fail the request path at named points. A testing facility.
 
 Switched on by the environment variable ``GRPC_IDEMPOTENCY_FAILPOINTS`` when the process starts,
 for example ``after_commit_before_response=crash`` (the process dies at once, like kill -9),
@@ -50,7 +50,7 @@ def announce() -> None:
             return
         _announced = True
     _log.warning(
-        "%s=%s: failpoints are armed in this process; they crash, delay or fail requests on"
+        "%s=%s: failpoints are armed in this process; they crash, delay, freeze or fail requests on"
         " purpose. A testing facility: unset the variable in production.",
         ENV_VAR,
         _SPEC.strip(),

@@ -1,4 +1,4 @@
-"""Failpoint specs: named crash, delay and error points on the request path, in the outbox
+"""Failpoint specs: named crash, delay, stop and error points on the request path, in the outbox
 relay and in purges, for tests.
 
 ``GRPC_IDEMPOTENCY_FAILPOINTS="after_commit_before_response=crash,after_claim=sleep:2000"``
