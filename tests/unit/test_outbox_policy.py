@@ -40,7 +40,11 @@ from grpc_idempotency.outbox import relay_channel_options
         ({"max_backoff_s": None}, "max_backoff_s must be a number, not None"),
         ({"multiplier": True}, "multiplier must be a number, not True"),
         # Added to the database's clock, it overflowed (22008): the failure went unrecorded.
-        ({"initial_backoff_s": 5e13, "max_backoff_s": 5e13}, "max_backoff_s must be at most"),
+        ({"max_backoff_s": 5e13}, "max_backoff_s must be at most"),
+        ({"initial_backoff_s": 5e13}, "initial_backoff_s must be a positive"),
+        # An int too large for a float: math.isfinite raised a bare OverflowError.
+        ({"initial_backoff_s": 10**400}, "initial_backoff_s must be a positive"),
+        ({"max_backoff_s": 10**400}, "max_backoff_s must be at most"),
     ],
 )
 def test_a_policy_out_of_range_is_refused_when_made(
@@ -58,6 +62,7 @@ def test_a_policy_out_of_range_is_refused_when_made(
         {"multiplier": 1},  # a constant backoff
         {"initial_backoff_s": 5, "max_backoff_s": 5},
         {"max_backoff_s": MAX_DURATION_S},  # the longest the database's clock can take
+        {"multiplier": 10**400},  # finite (math.isfinite raised OverflowError); capped by max
     ],
 )
 def test_sensible_policies_are_accepted(settings: dict[str, float]) -> None:

@@ -211,12 +211,15 @@ class DeliveryPolicy:
                 # was taken for 1.
                 raise ValueError(f"{name} must be a number, not {value!r}")
         # `not x > 0` rather than `x <= 0`: NaN compares false both ways and must be refused.
-        if not (math.isfinite(self.initial_backoff_s) and self.initial_backoff_s > 0):
+        # Compared, not math.isfinite: an int too large for a float (10**400) made it raise a
+        # bare OverflowError naming no setting. At most max_backoff_s's cap (below), or the
+        # message comparing the two would format it.
+        if not 0 < self.initial_backoff_s <= MAX_DURATION_S:
             raise ValueError(
-                f"initial_backoff_s must be a positive number of seconds,"
-                f" not {self.initial_backoff_s!r}"
+                f"initial_backoff_s must be a positive number of seconds, at most"
+                f" {MAX_DURATION_S:g}, not {self.initial_backoff_s!r}"
             )
-        if not (math.isfinite(self.max_backoff_s) and self.max_backoff_s >= self.initial_backoff_s):
+        if not self.initial_backoff_s <= self.max_backoff_s < math.inf:
             raise ValueError(
                 f"max_backoff_s must be a number of seconds no smaller than initial_backoff_s"
                 f" ({self.initial_backoff_s:g}), not {self.max_backoff_s!r}"
@@ -228,7 +231,8 @@ class DeliveryPolicy:
                 f"max_backoff_s must be at most {MAX_DURATION_S:g} s"
                 f" ({MAX_DURATION.days} days), not {self.max_backoff_s!r}"
             )
-        if not (math.isfinite(self.multiplier) and self.multiplier >= 1):
+        # 10**400 is taken (finite): backoff_ceiling_s caps what its power overflows to.
+        if not 1 <= self.multiplier < math.inf:
             raise ValueError(f"multiplier must be a number >= 1, not {self.multiplier!r}")
 
     def after_failure(self, attempts: int, jitter: float) -> float | None:
