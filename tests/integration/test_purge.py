@@ -216,6 +216,8 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
             Purger(purge_store, interval=wrong)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"^pause must be a number of seconds"):
             Purger(purge_store, pause=wrong)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^pause must be a number of seconds"):
+            await purge_store.purge(pause=wrong)  # type: ignore[arg-type]
     # Refused when made, as Store.purge refuses them, not at the first run (unseen until stop).
     for batch_size in (0, -1, 2**63, 2.5, True):
         with pytest.raises(ValueError, match="batch_size"):

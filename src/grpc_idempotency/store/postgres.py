@@ -1741,6 +1741,9 @@ class Store:
             raise ValueError("batch_size and max_batches must be positive")
         if batch_size > 2**63 - 1:  # a bigint: beyond, 22000 read as the store being down
             raise ValueError("batch_size must be at most 2**63 - 1")
+        if isinstance(pause, bool) or not isinstance(pause, int | float):
+            # As Purger checks it: None or text was a bare "'<=' not supported", True 1 s.
+            raise TypeError(f"pause must be a number of seconds, not {pause!r}")
         # NaN too: asyncio.sleep(nan) never returns; 10**400 (below math.inf) was a bare
         # OverflowError after the first batch.
         if not (0 <= pause <= MAX_DURATION.total_seconds()):
