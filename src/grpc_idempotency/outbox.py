@@ -615,7 +615,8 @@ class Relay:
                 # naming no setting; True was 1 s.
                 raise TypeError(f"{setting} must be a number of seconds, not {value!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-            raise ValueError(f"batch_size must be a whole number, not {batch_size!r}")
+            # TypeError, as the durations above and every other setting of the wrong type.
+            raise TypeError(f"batch_size must be a whole number, not {batch_size!r}")
         if meter_provider is not None and not callable(getattr(meter_provider, "get_meter", None)):
             # Else a bare AttributeError ("no attribute 'get_meter'") out of the constructor.
             raise TypeError(

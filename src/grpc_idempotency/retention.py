@@ -69,7 +69,8 @@ class Purger:
         # Checked here as Store.purge checks it: refused only at the first run, the error ended
         # the purger's task, unseen until stop(), and nothing was purged meanwhile.
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-            raise ValueError(f"batch_size must be a whole number, not {batch_size!r}")
+            # TypeError, as interval and pause above (and Store.purge's).
+            raise TypeError(f"batch_size must be a whole number, not {batch_size!r}")
         if not 0 < batch_size <= 2**63 - 1:
             raise ValueError("batch_size must be positive and at most 2**63 - 1 (a bigint)")
         if not (0 <= pause <= _LONGEST_S):

@@ -219,9 +219,15 @@ async def test_paced_purge_deletes_the_same_and_refuses_a_negative_pause(
         with pytest.raises(TypeError, match=r"^pause must be a number of seconds"):
             await purge_store.purge(pause=wrong)  # type: ignore[arg-type]
     # Refused when made, as Store.purge refuses them, not at the first run (unseen until stop).
-    for batch_size in (0, -1, 2**63, 2.5, True):
+    for batch_size in (0, -1, 2**63):
         with pytest.raises(ValueError, match="batch_size"):
-            Purger(purge_store, batch_size=batch_size)  # type: ignore[arg-type]
+            Purger(purge_store, batch_size=batch_size)
+    # No whole number: a TypeError, as interval and pause (and Store.purge's).
+    for wrong_size in (2.5, True):
+        with pytest.raises(TypeError, match=r"^batch_size must be a whole number"):
+            Purger(purge_store, batch_size=wrong_size)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^batch_size must be a whole number"):
+            await purge_store.purge(batch_size=wrong_size)  # type: ignore[arg-type]
     assert await purge_store.purge(batch_size=10, pause=0.001) == 35
     # The cap itself is taken (one batch: no pause is waited).
     longest = MAX_DURATION.total_seconds()

@@ -1736,7 +1736,7 @@ class Store:
         # as the LIMIT.
         for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{name} must be a whole number, not {value!r}")
+                raise TypeError(f"{name} must be a whole number, not {value!r}")
         if batch_size <= 0 or (max_batches is not None and max_batches <= 0):
             raise ValueError("batch_size and max_batches must be positive")
         if batch_size > 2**63 - 1:  # a bigint: beyond, 22000 read as the store being down
