@@ -185,22 +185,37 @@ def tracing(*, own_tracer: bool, env_provider: bool) -> bool:
 
 _carrier_failed_at: float | None = None
 
+CARRIER_MAX_CHARS = 16384
+"""The longest carrier (its JSON text) an outbox row keeps. W3C's own limits give about 8 KiB
+of baggage and a tracestate of 32 members; a propagator that writes more (a bug, or an
+application's own) would make every row that large, so the message goes without its trace."""
+
 
 def trace_carrier() -> str | None:
     """The current span's context as the global propagator writes it (W3C ``traceparent`` and
     ``tracestate`` by default, or whatever propagator the application configured), a JSON
     object, for an outbox row; ``None`` with no valid span context: tracing off costs one
-    context look-up. Never raises: a propagator that fails is logged (once a minute) and the
-    message is enqueued without its trace, as telemetry never changes a call."""
+    context look-up. Never raises: a propagator that fails, or writes what is no header (a value
+    that is not a str, or holds a NUL) or more than ``CARRIER_MAX_CHARS``, is logged (once a
+    minute) and the message is enqueued without its trace, as telemetry never changes a call."""
     global _carrier_failed_at
     try:
         if not trace.get_current_span().get_span_context().is_valid:
             return None
-        carrier: dict[str, str] = {}
+        carrier: dict[str, Any] = {}
         propagate.inject(carrier)
         if not carrier:
             return None  # a propagator that writes nothing ("none")
-        return json.dumps(carrier, separators=(",", ":"), sort_keys=True)
+        for name, value in carrier.items():
+            # Header values, as the extracting side reads them back. A NUL, or a lone
+            # surrogate, is JSON PostgreSQL's jsonb refuses: the INSERT, and the call, failed.
+            if not (isinstance(name, str) and isinstance(value, str)) or "\x00" in name + value:
+                raise ValueError(f"the propagator wrote a {type(value).__name__}, not a header")
+            (name + value).encode()  # UnicodeEncodeError on a lone surrogate
+        text = json.dumps(carrier, separators=(",", ":"), sort_keys=True)
+        if len(text) > CARRIER_MAX_CHARS:
+            raise ValueError(f"the carrier is {len(text)} characters, over {CARRIER_MAX_CHARS}")
+        return text
     except Exception:
         now = time.monotonic()
         if _carrier_failed_at is None or now - _carrier_failed_at >= _FAILURE_LOG_INTERVAL_S:

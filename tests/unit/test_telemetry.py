@@ -5,20 +5,30 @@ the advisory (1.30) still working."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
 from typing import Any, cast
 
 import pytest
-from opentelemetry import metrics, trace
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from grpc_idempotency import IdempotentConsumer
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import CallOutcome
-from grpc_idempotency.telemetry import DURATION_BUCKETS_S, Telemetry, cancellation_code
+from grpc_idempotency.telemetry import (
+    CARRIER_MAX_CHARS,
+    DURATION_BUCKETS_S,
+    Telemetry,
+    cancellation_code,
+    linked_context,
+    trace_carrier,
+)
 
 METHOD = "/testsvc.v1.LedgerService/Post"
 
@@ -185,3 +195,62 @@ def test_an_argument_of_the_wrong_type_is_refused_naming_it(argument: str, value
     'get_tracer'") naming no argument."""
     with pytest.raises(TypeError, match=f"^{argument} must be "):
         Telemetry(**{argument: value})  # type: ignore[arg-type]
+
+
+class _Writes(TextMapPropagator):
+    """A propagator (an application may configure its own) that writes ``fields`` as they are."""
+
+    def __init__(self, **fields: object) -> None:
+        self._fields = fields
+
+    def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
+        carrier.update(self._fields)
+
+    def extract(self, carrier: Any, context: Any = None, getter: Any = None) -> Any:
+        return context
+
+    @property
+    def fields(self) -> set[str]:
+        return set(self._fields)
+
+
+_TRACESTATE = "vendor1=a:b,vendor2=c;d"  # commas and the characters W3C allows in it
+
+
+@pytest.mark.parametrize(
+    ("propagator", "kept"),
+    [
+        (TraceContextTextMapPropagator(), True),
+        # What jsonb refuses (a NUL; a lone surrogate): the INSERT failed, and the call with it.
+        (_Writes(traceparent="00-\x00"), False),
+        (_Writes(traceparent="\ud800"), False),
+        (_Writes(traceparent=["00-1"]), False),  # not a header value
+        (_Writes(traceparent="0" * (CARRIER_MAX_CHARS + 1)), False),  # every row that large
+    ],
+)
+def test_an_outbox_carrier_is_headers_of_bounded_size_or_none(
+    propagator: TextMapPropagator, kept: bool
+) -> None:
+    """trace_carrier never raises; what it keeps reads back as the span it came from."""
+    span = trace.NonRecordingSpan(
+        trace.SpanContext(
+            trace_id=0x1234,
+            span_id=0x5678,
+            is_remote=False,
+            trace_flags=trace.TraceFlags(1),
+            trace_state=trace.TraceState.from_header([_TRACESTATE]),
+        )
+    )
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(propagator)
+    try:
+        with trace.use_span(span):
+            carrier = trace_carrier()
+        assert (carrier is not None) is kept
+        if carrier is not None:
+            linked = linked_context(json.loads(json.dumps(json.loads(carrier))))
+            assert linked is not None
+            assert (linked.trace_id, linked.span_id) == (0x1234, 0x5678)
+            assert linked.trace_state.to_header() == _TRACESTATE
+    finally:
+        propagate.set_global_textmap(before)
