@@ -485,7 +485,7 @@ class _Failed:
 @dataclass(slots=True)
 class _Attempt:
     """A delivery's outcome, and its span (``None``: not traced) with when the delivery ended:
-    the span ends once the batch knows the outcome (retry or dead), at that time."""
+    the span ends once the batch has recorded the outcome (or failed to), at that time."""
 
     outcome: str | _Failed
     span: trace.Span | None = None
@@ -785,14 +785,40 @@ class Relay:
         if not messages:
             return _Batch()
         self.stats.claimed += len(messages)
-        alone = messages[0].lost_claims > 0  # the claim takes a lost row alone
         attempts = await asyncio.gather(*(self._attempt(m) for m in messages))
+        # Each span ends (in finally) with its outcome once recorded: a batch whose outcomes
+        # could not be recorded (the database down, the relay cancelled) leaves them to the
+        # lease, "unrecorded", as RelayStats and the counter have it.
+        decided = [_UNRECORDED] * len(attempts)
+        recorded = [False, False]
+        try:
+            return await self._record(messages, attempts, decided, recorded)
+        finally:
+            recorded_sent, recorded_failed = recorded
+            for attempt, outcome in zip(attempts, decided, strict=True):
+                failed = attempt.outcome if isinstance(attempt.outcome, _Failed) else None
+                if (outcome == _SENT and not recorded_sent) or (
+                    failed is not None and not recorded_failed
+                ):
+                    outcome = _UNRECORDED
+                self._end_span(attempt, outcome, failed)
+
+    async def _record(
+        self,
+        messages: list[OutboxMessage],
+        attempts: list[_Attempt],
+        decided: list[str],
+        recorded: list[bool],
+    ) -> _Batch:
+        """Records a batch's outcomes; ``decided`` gets each delivery's, ``recorded`` whether
+        the sent rows, then the failed ones, were recorded."""
+        alone = messages[0].lost_claims > 0  # the claim takes a lost row alone
         sent: list[tuple[int, int]] = []
         failures: list[Failure] = []
-        for message, attempt in zip(messages, attempts, strict=True):
+        for i, (message, attempt) in enumerate(zip(messages, attempts, strict=True)):
             outcome = attempt.outcome
             if isinstance(outcome, str):  # sent, or left to the lease (unrecorded)
-                self._end_span(attempt, outcome, None)
+                decided[i] = outcome
             if outcome == _SENT:
                 sent.append((message.id, message.attempts))
             elif isinstance(outcome, _Failed):
@@ -816,7 +842,7 @@ class Relay:
                         error=outcome.error,
                     )
                 )
-                self._end_span(attempt, "dead" if delay is None else "retry", outcome.kind)
+                decided[i] = "dead" if delay is None else "retry"
                 # The error quotes the receiver's status message or the sink's exception:
                 # escaped for the log (a newline forged lines), stored as it came.
                 if delay is None:
@@ -842,7 +868,9 @@ class Relay:
         delivered = retried = dead = 0
         try:
             delivered = await self.outbox.mark_sent(relay=self.name, claims=sent)
+            recorded[0] = True
             retried, dead = await self.outbox.mark_failed(relay=self.name, failures=failures)
+            recorded[1] = True
         finally:
             self.stats.unrecorded += len(messages) - delivered - retried - dead
             self.stats.delivered += delivered
@@ -870,9 +898,9 @@ class Relay:
     async def _attempt(self, message: OutboxMessage) -> _Attempt:
         """Delivers ``message`` (``_deliver``) in its span, current while the sink runs: a gRPC
         or broker client's instrumented call nests in it. The span ends in ``_batch``, once the
-        outcome is known (retry or dead). No span while nothing records them (no provider set),
-        and none when OpenTelemetry fails: a tracer, propagator or span processor that raises
-        never changes a delivery."""
+        outcome is recorded (or could not be: unrecorded). No span while nothing records them
+        (no provider set), and none when OpenTelemetry fails: a tracer, propagator or span
+        processor that raises never changes a delivery."""
         span = (
             self._start_span(message)
             if tracing(own_tracer=self._own_tracer, env_provider=self._env_tracer)
@@ -920,14 +948,16 @@ class Relay:
             self._trace_failed("starting a delivery's span")
             return None
 
-    def _end_span(self, attempt: _Attempt, outcome: str, error: str | None) -> None:
+    def _end_span(self, attempt: _Attempt, outcome: str, failed: _Failed | None) -> None:
+        """Ends ``attempt``'s span with ``outcome``; ERROR for a ``failed`` delivery (its outcome
+        ``retry``, ``dead``, or ``unrecorded`` when that could not be recorded)."""
         span = attempt.span
         if span is None:
             return
         try:
             span.set_attribute(OUTCOME, outcome)
-            if outcome in ("retry", "dead"):
-                why = outcome if error is None else f"{outcome} ({error})"
+            if failed is not None:
+                why = outcome if failed.kind is None else f"{outcome} ({failed.kind})"
                 span.set_status(Status(StatusCode.ERROR, why))
             span.end(end_time=attempt.ended_ns)
         except Exception:

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import Store, Telemetry
+from grpc_idempotency import Store, StoreUnavailable, Telemetry
 from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
 from tests.support.ledger import fresh, prepare, running_ledger
 from tests.support.schemas import fresh_store
@@ -147,3 +147,41 @@ async def test_a_tracer_that_raises_does_not_change_a_delivery(outbox: Store) ->
 def test_tracer_provider_is_checked() -> None:
     with pytest.raises(TypeError, match="tracer_provider must be an OpenTelemetry"):
         Relay(object(), CallableSink(print), tracer_provider=trace.get_tracer(__name__))  # type: ignore[arg-type]
+
+
+async def test_a_batch_whose_outcomes_cannot_be_recorded_ends_its_spans_unrecorded(
+    outbox: Store,
+) -> None:
+    """The database refuses the outcomes (here a constraint the sink adds): the rows are left
+    to the lease, so their spans say "unrecorded", as RelayStats does, not "sent" or "retry";
+    the failed delivery's span is an ERROR all the same."""
+    await _enqueue(outbox, None)
+    await _enqueue(outbox, None)
+    provider, spans = _tracing()
+    table = f'"{outbox.schema}".outbox'
+    first: list[int] = []
+
+    async def deliver(message: OutboxMessage) -> None:
+        if not first:
+            first.append(message.id)
+            await outbox.pool.execute(
+                f"ALTER TABLE {table} ADD CONSTRAINT no_sent CHECK (state <> 'sent') NOT VALID"
+            )
+            return
+        raise ConnectionResetError("receiver gone")
+
+    relay = Relay(outbox, CallableSink(deliver), tracer_provider=provider, listen=False)
+    try:
+        with pytest.raises(StoreUnavailable, match="marking outbox rows sent"):
+            await relay.run_once()  # one batch: one row sent, one failed, neither recorded
+    finally:
+        await outbox.pool.execute(f"ALTER TABLE {table} DROP CONSTRAINT IF EXISTS no_sent")
+    assert relay.stats.unrecorded == 2
+    ended = {(d.attributes or {})["grpc_idempotency.outbox.row_id"]: d for d in _deliveries(spans)}
+    assert len(ended) == 2
+    for row_id, delivery in ended.items():
+        assert (delivery.attributes or {})["grpc_idempotency.outbox.outcome"] == "unrecorded"
+        if row_id in first:
+            assert delivery.status.status_code is StatusCode.UNSET
+        else:
+            assert delivery.status.description == "unrecorded (ConnectionResetError)"
