@@ -4,6 +4,7 @@ row). With the real OpenTelemetry SDK, a real handler behind the interceptor, an
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -185,3 +186,41 @@ async def test_a_batch_whose_outcomes_cannot_be_recorded_ends_its_spans_unrecord
             assert delivery.status.status_code is StatusCode.UNSET
         else:
             assert delivery.status.description == "unrecorded (ConnectionResetError)"
+
+
+async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: Store) -> None:
+    """A carrier the propagator cannot read (edited by hand): the span goes without its link.
+    The relay cancelled while the sink runs: the span ends once, "unrecorded" (the row comes
+    back after its lease), not left open."""
+    await _enqueue(outbox, None)
+    await outbox.pool.execute(
+        f"""UPDATE "{outbox.schema}".outbox SET trace_context = '{{"traceparent": 5}}'"""
+    )
+    provider, spans = _tracing()
+    entered = asyncio.Event()
+
+    async def hang(message: OutboxMessage) -> None:
+        entered.set()
+        await asyncio.Event().wait()
+
+    relay = Relay(outbox, CallableSink(hang), tracer_provider=provider, listen=False)
+    running = asyncio.create_task(relay.run_once())
+    await asyncio.wait_for(entered.wait(), 10)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    (delivery,) = _deliveries(spans)
+    assert delivery.links == ()
+    assert (delivery.attributes or {})["grpc_idempotency.outbox.outcome"] == "unrecorded"
+
+
+async def test_no_tracer_provider_no_span(outbox: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing records spans (no provider given, none set globally): the relay makes none."""
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    monkeypatch.delenv("OTEL_PYTHON_TRACER_PROVIDER", raising=False)
+    await _enqueue(outbox, None)
+    started: list[OutboxMessage] = []
+    monkeypatch.setattr(Relay, "_start_span", lambda self, message: started.append(message))
+    relay = Relay(outbox, CallableSink(lambda m: None), listen=False)
+    assert await relay.run_once() == 1
+    assert started == []

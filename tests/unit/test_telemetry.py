@@ -226,6 +226,7 @@ _TRACESTATE = "vendor1=a:b,vendor2=c;d"  # commas and the characters W3C allows 
         (_Writes(traceparent="\ud800"), False),
         (_Writes(traceparent=["00-1"]), False),  # not a header value
         (_Writes(traceparent="0" * (CARRIER_MAX_CHARS + 1)), False),  # every row that large
+        (_Writes(), False),  # a propagator that writes nothing: NULL, not "{}"
     ],
 )
 def test_an_outbox_carrier_is_headers_of_bounded_size_or_none(
@@ -254,3 +255,22 @@ def test_an_outbox_carrier_is_headers_of_bounded_size_or_none(
             assert linked.trace_state.to_header() == _TRACESTATE
     finally:
         propagate.set_global_textmap(before)
+
+
+def test_no_span_no_propagator_and_a_carrier_without_a_span_links_to_nothing() -> None:
+    """Tracing off, an enqueue costs one context look-up: the propagator is never asked. A
+    carrier that holds no span context (only baggage) gives no link, not an invalid one."""
+    asked: list[object] = []
+
+    class Counting(_Writes):
+        def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
+            asked.append(carrier)
+
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(Counting())
+    try:
+        assert trace_carrier() is None
+    finally:
+        propagate.set_global_textmap(before)
+    assert asked == []
+    assert linked_context('{"baggage":"k=v"}') is None
