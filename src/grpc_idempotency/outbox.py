@@ -785,7 +785,16 @@ class Relay:
         if not messages:
             return _Batch()
         self.stats.claimed += len(messages)
-        attempts = await asyncio.gather(*(self._attempt(m) for m in messages))
+        delivering = [asyncio.ensure_future(self._attempt(m)) for m in messages]
+        try:
+            attempts = await asyncio.gather(*delivering)
+        except BaseException:
+            # The relay cancelled mid-batch: the deliveries still running end their spans
+            # (unrecorded); those done had left theirs to be ended here, with the batch.
+            for done in delivering:
+                if done.done() and not done.cancelled() and done.exception() is None:
+                    self._end_span(done.result(), _UNRECORDED, None)
+            raise
         # Each span ends (in finally) with its outcome once recorded: a batch whose outcomes
         # could not be recorded (the database down, the relay cancelled) leaves them to the
         # lease, "unrecorded", as RelayStats and the counter have it.

@@ -190,18 +190,22 @@ async def test_a_batch_whose_outcomes_cannot_be_recorded_ends_its_spans_unrecord
 
 async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: Store) -> None:
     """A carrier the propagator cannot read (edited by hand): the span goes without its link.
-    The relay cancelled while the sink runs: the span ends once, "unrecorded" (the row comes
-    back after its lease), not left open."""
+    The relay cancelled while the sink runs: the spans end once, "unrecorded" (the rows come
+    back after their lease), not left open: the delivery still running, and the one done
+    already, whose span waited for the batch to record it."""
+    await _enqueue(outbox, None)
     await _enqueue(outbox, None)
     await outbox.pool.execute(
         f"""UPDATE "{outbox.schema}".outbox SET trace_context = '{{"traceparent": 5}}'"""
     )
     provider, spans = _tracing()
-    entered = asyncio.Event()
+    entered, done = asyncio.Event(), asyncio.Event()
 
     async def hang(message: OutboxMessage) -> None:
-        entered.set()
-        await asyncio.Event().wait()
+        if done.is_set():
+            entered.set()
+            await asyncio.Event().wait()
+        done.set()  # the first delivery returns at once
 
     relay = Relay(outbox, CallableSink(hang), tracer_provider=provider, listen=False)
     running = asyncio.create_task(relay.run_once())
@@ -209,9 +213,11 @@ async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: 
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running
-    (delivery,) = _deliveries(spans)
-    assert delivery.links == ()
-    assert (delivery.attributes or {})["grpc_idempotency.outbox.outcome"] == "unrecorded"
+    ended = _deliveries(spans)
+    assert len(ended) == 2
+    for delivery in ended:
+        assert delivery.links == ()
+        assert (delivery.attributes or {})["grpc_idempotency.outbox.outcome"] == "unrecorded"
 
 
 async def test_no_tracer_provider_no_span(outbox: Store, monkeypatch: pytest.MonkeyPatch) -> None:
