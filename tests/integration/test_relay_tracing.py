@@ -15,12 +15,21 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from testsvc.v1 import testsvc_pb2
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import Store, StoreUnavailable, Telemetry
+from grpc_idempotency import (
+    IdempotencyInterceptor,
+    MetadataScope,
+    Store,
+    StoreUnavailable,
+    Telemetry,
+    current_call,
+)
 from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
-from tests.support.ledger import fresh, prepare, running_ledger
+from grpc_idempotency.telemetry import linked_context
+from tests.support.ledger import TENANT, fresh, ledger_server, metadata, prepare, running_ledger
 from tests.support.schemas import fresh_store
+from tests.support.wire import call_raw
 
 WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
 STEP = "entry-posted.v1"
@@ -230,3 +239,47 @@ async def test_no_tracer_provider_no_span(outbox: Store, monkeypatch: pytest.Mon
     relay = Relay(outbox, CallableSink(lambda m: None), listen=False)
     assert await relay.run_once() == 1
     assert started == []
+
+
+class _SyncHandler(testsvc_pb2_grpc.LedgerServiceServicer):  # type: ignore[misc]
+    """PostWithEvent as a sync (def) handler, enqueuing in a span of its own, on its thread."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self.tracer = tracer
+        self.own: list[trace.SpanContext] = []
+
+    def PostWithEvent(self, request: Any, context: Any) -> Any:
+        event = testsvc_pb2.PostResponse(account=request.account)
+        call = current_call()
+        with self.tracer.start_as_current_span("the handler's own") as span:
+            self.own.append(span.get_span_context())
+            enqueued = call.enqueue(STEP, event)
+        call.run(enqueued)  # run after its span ended: the context was read at the call
+        return event
+
+
+async def test_a_sync_handler_enqueues_with_the_span_current_on_its_thread(outbox: Store) -> None:
+    """The context is read where the handler calls enqueue, on its worker thread: the span it
+    made there, current then, not the interceptor's, current when the enqueue runs."""
+    provider, _ = _tracing()
+    service = _SyncHandler(provider.get_tracer(__name__))
+    interceptor = IdempotencyInterceptor(
+        outbox,
+        services=[testsvc_pb2],
+        scope=MetadataScope(TENANT),
+        telemetry=Telemetry(tracer_provider=provider),
+    )
+    key = fresh()
+    async with ledger_server(interceptor, service) as (channel, _):
+        request = testsvc_pb2.PostRequest(account=fresh("a"))
+        answer = await call_raw(channel, WITH_EVENT, request, metadata(key), timeout=5.0)
+    assert answer.code.name == "OK", answer.details
+    stored = await outbox.pool.fetchval(
+        f'SELECT trace_context::text FROM "{outbox.schema}".outbox WHERE parent_key = $1', key
+    )
+    (own,) = service.own
+    linked = linked_context(stored)
+    assert linked is not None and (linked.trace_id, linked.span_id) == (
+        own.trace_id,
+        own.span_id,
+    )
