@@ -193,7 +193,8 @@ application's own) would make every row that large, so the message goes without 
 
 def trace_carrier() -> str | None:
     """The current span's context as the global propagator writes it (W3C ``traceparent`` and
-    ``tracestate`` by default, or whatever propagator the application configured), a JSON
+    ``tracestate`` by default, or whatever propagator the application configured; never its
+    ``baggage``), a JSON
     object, for an outbox row; ``None`` with no valid span context: tracing off costs one
     context look-up. Never raises: a propagator that fails, or writes what is no header (a value
     that is not a str, or holds a NUL) or more than ``CARRIER_MAX_CHARS``, is logged (once a
@@ -204,6 +205,10 @@ def trace_carrier() -> str | None:
             return None
         carrier: dict[str, Any] = {}
         propagate.inject(carrier)
+        # Baggage is the application's (user ids, tenant names) and the relay links to the span
+        # without restoring it: stored, it only sat in the row until purged, copied from every
+        # call. The default propagator writes it beside the trace context.
+        carrier.pop("baggage", None)
         if not carrier:
             return None  # a propagator that writes nothing ("none")
         for name, value in carrier.items():

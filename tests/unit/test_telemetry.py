@@ -274,3 +274,26 @@ def test_no_span_no_propagator_and_a_carrier_without_a_span_links_to_nothing() -
         propagate.set_global_textmap(before)
     assert asked == []
     assert linked_context('{"baggage":"k=v"}') is None
+
+
+def test_an_outbox_carrier_keeps_the_trace_context_and_never_the_baggage() -> None:
+    """The default propagator writes baggage beside traceparent: the application's (user ids,
+    tenants), which the relay never restores, so it is not copied into outbox rows."""
+    from opentelemetry import baggage, context, trace
+
+    from grpc_idempotency.telemetry import trace_carrier
+
+    span = trace.NonRecordingSpan(
+        trace.SpanContext(
+            trace_id=0x1234, span_id=0x5678, is_remote=False, trace_flags=trace.TraceFlags(1)
+        )
+    )
+    token = context.attach(baggage.set_baggage("user.id", "alice", trace.set_span_in_context(span)))
+    try:
+        text = trace_carrier()
+    finally:
+        context.detach(token)
+    assert text is not None
+    carrier = json.loads(text)
+    assert carrier["traceparent"].endswith("00000000000000000000000000001234-0000000000005678-01")
+    assert "baggage" not in carrier and "alice" not in text
