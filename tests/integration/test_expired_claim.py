@@ -12,6 +12,7 @@ Every wait here is for the database's clock to pass the record's lease and reten
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -384,8 +385,9 @@ async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_
         )
         await store.pool.execute(f'ALTER TABLE "{schema}".records DROP COLUMN claim_attempt')
         await store.pool.execute(f'DELETE FROM "{schema}".schema_migrations WHERE version >= 14')
+        later = [m.version for m in available_migrations() if m.version >= 14]
         with pytest.raises(
-            StoreMisconfigured, match=r"at version 13; .* needs migrations \[14, 15, 16, 17\]"
+            StoreMisconfigured, match=rf"at version 13; .* needs migrations {re.escape(str(later))}"
         ):
             await Store.connect(pg_dsn, schema=schema)
         # What a server of the release before 0014 sends (0012's claim_with_start over claim()).
@@ -401,7 +403,7 @@ async def test_a_schema_at_0013_needs_0014_and_takes_abandoned_claims_over_once_
                 30.0,
             )
         assert refused.value.sqlstate == "GI002"
-        assert await store.migrate() == [14, 15, 16, 17]
+        assert await store.migrate() == later
         new = await claim(store, key, b"b" * 32, lease_s=30, retention_s=600)
         assert new is not None and new.token == 2
         await (await Store.connect(pg_dsn, schema=schema)).close()
