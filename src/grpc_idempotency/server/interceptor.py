@@ -339,6 +339,7 @@ class IdempotencyInterceptor(_Interceptor):
         self._owners: dict[tuple[str, str], _Owner] = {}
         self._recent = _RecentKeys()
         self._reported: set[str | PolicyError] = set()
+        self._passed_raw: set[str] = set()
         self._waiting = 0
         failpoints.announce()  # a server with failpoints armed says so when it is built
 
@@ -445,7 +446,17 @@ class IdempotencyInterceptor(_Interceptor):
             # place (typically one that refuses the call): it gets raw bytes, which cannot be
             # fingerprinted, and it does not serve the method. Interceptors that must apply to
             # replays (authentication) go *before* this one (README, "Running in production").
-            log.debug("%s: handler without a request deserializer passed through", path)
+            # Or the method's own handler, served raw (a bytes generic handler, a proxy): then
+            # every call runs without deduplication, which a DEBUG line hid. Said once per
+            # method (``path`` is a keyed method's: the set is bounded by the registry).
+            if path not in self._passed_raw:
+                self._passed_raw.add(path)
+                log.warning(
+                    "%s is keyed, but its handler has no request deserializer (a raw-bytes"
+                    " handler, or one an interceptor after IdempotencyInterceptor put in its"
+                    " place): its calls pass through without deduplication",
+                    path,
+                )
             return handler
         try:
             wrapped = self._wrap(policy, handler)
