@@ -106,6 +106,7 @@ class RunningRelay:
     channel: grpc.aio.Channel
     stub: testsvc_pb2_grpc.RelayServiceStub
     port: int
+    interceptor: IdempotencyInterceptor
 
     async def forward(
         self,
@@ -142,17 +143,14 @@ async def running_relay(
             *downstream_interceptors,
         ],
     )
-    server = grpc.aio.server(
-        interceptors=[
-            IdempotencyInterceptor(
-                store,
-                services=[testsvc_pb2],
-                overrides=overrides,
-                scope=MetadataScope(TENANT),
-                **interceptor_options,
-            )
-        ]
+    interceptor = IdempotencyInterceptor(
+        store,
+        services=[testsvc_pb2],
+        overrides=overrides,
+        scope=MetadataScope(TENANT),
+        **interceptor_options,
     )
+    server = grpc.aio.server(interceptors=[interceptor])
     testsvc_pb2_grpc.add_RelayServiceServicer_to_server(
         servicer(testsvc_pb2_grpc.LedgerServiceStub(downstream)), server
     )
@@ -160,7 +158,9 @@ async def running_relay(
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield RunningRelay(server, channel, testsvc_pb2_grpc.RelayServiceStub(channel), port)
+        yield RunningRelay(
+            server, channel, testsvc_pb2_grpc.RelayServiceStub(channel), port, interceptor
+        )
     finally:
         await channel.close(None)
         await server.stop(None)
