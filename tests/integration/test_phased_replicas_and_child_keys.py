@@ -41,7 +41,8 @@ class _Stall:
 
 class _Ends(RelayService):
     """Calls its step (post-ledger.v1), then ends as ``request.mode`` says: "writes" (a local
-    row in its final transaction), "no-writes", or "error" (a deterministic error, recorded).
+    row in its final transaction), "no-writes", "error" (a deterministic error, recorded), or
+    "taker-fails" (the taker fails transiently, releasing the claim; the stalled one writes).
     Each replica's answer names it (``execution_nonce``, the error's details)."""
 
     name: ClassVar[str]
@@ -54,7 +55,9 @@ class _Ends(RelayService):
             await self.stall.go.wait()
         if request.mode == "error":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused by {self.name}")
-        if request.mode == "writes":
+        if request.mode == "taker-fails" and self.name == "taker":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+        if request.mode in ("writes", "taker-fails"):
             conn = await current_call().transaction()
             await conn.execute(
                 "INSERT INTO test_ledger.ledger (account, amount, tenant) VALUES ($1, 1, $2)",
@@ -137,6 +140,132 @@ async def test_a_stalled_owner_returning_after_its_taker_recorded_the_outcome_ov
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
     assert await _local_rows(store, account) == (["taker"] if ending == "writes" else [])
+
+
+async def test_a_stalled_owner_returning_after_its_taker_released_the_claim_cannot_commit(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The taker fails transiently: the claim is released (its lease ended, its fencing token
+    the taker's). The stalled owner coming back finds a claim no one holds, but not its own: it
+    is fenced off all the same, and the operation is the next retry's, which takes it over and
+    whose call of the step is replayed: the step runs once over three attempts, and only the
+    last attempt's local write commits."""
+    stall = _Stall()
+    stall.reached, stall.go = asyncio.Event(), asyncio.Event()
+    stalled_replica = type("Stalled", (_Ends,), {"name": "stalled", "stall": stall})
+    taking_replica = type("Taker", (_Ends,), {"name": "taker"})
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="taker-fails")
+    async with (
+        running_relay(store, ledger.address, overrides=LONG_LEASE, servicer=stalled_replica) as a,
+        running_relay(store, ledger.address, overrides=LONG_LEASE, servicer=taking_replica) as b,
+    ):
+        owner = asyncio.ensure_future(a.forward(request, key, timeout=30))
+        try:
+            await stall.reached.wait()
+            await store.pool.execute(
+                "UPDATE grpc_idempotency.records SET locked_until = clock_timestamp()"
+                " - interval '1 second' WHERE scope = $1 AND key = $2",
+                TENANT_A,
+                key,
+            )
+            failed = await b.forward(request, key, timeout=30)
+            assert failed.code is grpc.StatusCode.UNAVAILABLE, failed
+            # The stalled owner may not come back with the stall's next attempt: one at a time.
+            stall.reached.clear()
+        finally:
+            stall.go.set()
+        stalled = await owner
+        assert stalled.code is grpc.StatusCode.ABORTED, stalled
+        assert stalled.reason() == "IDEMPOTENCY_LEASE_LOST"
+        assert await _local_rows(store, account) == []
+        retried = await a.forward(request, key, timeout=30)
+        replayed = await b.forward(request, key)
+    assert retried.code is grpc.StatusCode.OK and not retried.replayed, retried
+    assert testsvc_pb2.ForwardResponse.FromString(retried.body or b"").execution_nonce == "stalled"
+    assert replayed.replayed and replayed.body == retried.body
+    row = await store.pool.fetchrow(
+        "SELECT state, fencing_token FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        TENANT_A,
+        key,
+    )
+    assert row is not None and row["state"] == "completed"
+    assert row["fencing_token"] == 3  # the owner's, the taker's, the retry's
+    assert ledger.service.keys_seen == [child_key(TENANT_A, key, "post-ledger.v1")]
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+    assert await _local_rows(store, account) == ["stalled"]  # the retry's, on replica a
+
+
+def _stall() -> _Stall:
+    stall = _Stall()
+    stall.reached, stall.go = asyncio.Event(), asyncio.Event()
+    return stall
+
+
+async def test_two_replicas_racing_to_take_over_an_expired_lease_run_it_once(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Two replicas take over the stalled owner's expired claim at once: one wins (its handler
+    runs, held by the test until the other is seen waiting), the other waits and replays the
+    winner's outcome; the stalled owner is fenced off; the step runs once."""
+    stalls = {name: _stall() for name in ("owner", "b", "c")}
+    replicas = {
+        name: type(f"Replica_{name}", (_Ends,), {"name": name, "stall": stall})
+        for name, stall in stalls.items()
+    }
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="writes")
+    relays = [
+        running_relay(store, ledger.address, overrides=LONG_LEASE, servicer=replicas[name])
+        for name in ("owner", "b", "c")
+    ]
+    async with relays[0] as a, relays[1] as b, relays[2] as c:
+        owner = asyncio.ensure_future(a.forward(request, key, timeout=30))
+        takers = {}
+        try:
+            await stalls["owner"].reached.wait()
+            await store.pool.execute(
+                "UPDATE grpc_idempotency.records SET locked_until = clock_timestamp()"
+                " - interval '1 second' WHERE scope = $1 AND key = $2",
+                TENANT_A,
+                key,
+            )
+            takers = {
+                name: asyncio.ensure_future(relay.forward(request, key, timeout=30))
+                for name, relay in (("b", b), ("c", c))
+            }
+
+            def winner_held_and_loser_waiting() -> str | None:
+                for name, other in (("b", c), ("c", b)):
+                    if stalls[name].reached.is_set() and other.interceptor.waiting_calls == 1:
+                        return name
+                return None
+
+            won = await until("one taker running, the other waiting", winner_held_and_loser_waiting)
+            lost = "c" if won == "b" else "b"
+            assert not stalls[lost].reached.is_set()
+        finally:
+            for stall in (stalls["b"], stalls["c"]):
+                stall.go.set()
+        winner, loser = await takers[won], await takers[lost]
+        stalls["owner"].go.set()
+        stalled = await owner
+    assert winner.code is grpc.StatusCode.OK and not winner.replayed, winner
+    assert testsvc_pb2.ForwardResponse.FromString(winner.body or b"").execution_nonce == won
+    assert loser.code is grpc.StatusCode.OK and loser.replayed and loser.body == winner.body
+    assert not stalls[lost].reached.is_set()  # its handler never ran
+    assert stalled.code is grpc.StatusCode.ABORTED, stalled
+    assert stalled.reason() == "IDEMPOTENCY_LEASE_LOST"
+    token = await store.pool.fetchval(
+        "SELECT fencing_token FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        TENANT_A,
+        key,
+    )
+    assert token == 2  # one takeover
+    assert ledger.service.keys_seen == [child_key(TENANT_A, key, "post-ledger.v1")]
+    assert ledger.service.executions == 1
+    assert await _local_rows(store, account) == [won]
 
 
 PHASED_STEPS = ("post-phased-a.v1", "post-phased-b.v1")
