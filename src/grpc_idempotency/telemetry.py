@@ -5,19 +5,25 @@ With no SDK installed (or none configured) the API's no-op providers make this n
 One span per keyed call, ``grpc_idempotency <service>/<method>`` (kind INTERNAL: it sits inside
 the gRPC server span that instrumentation such as opentelemetry-instrumentation-grpc makes), with
 ``rpc.system`` = ``grpc``, ``rpc.service`` (``pkg.Service``), ``rpc.method`` (``Method``, no
-slash), ``rpc.grpc.status_code`` (the answer's code, an int) and ``grpc_idempotency.outcome``.
-The span's status is ERROR when the answer is a server-side failure (UNKNOWN, DEADLINE_EXCEEDED,
-UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS: a store that is down or misconfigured among
-them), unset otherwise, as the conventions ask of a server. The idempotency key and the scope can
+slash), ``rpc.grpc.status_code`` (the answer's code, an int) and ``grpc_idempotency.outcome``:
+the RPC conventions of semconv 1.37, the default. ``OTEL_SEMCONV_STABILITY_OPT_IN`` (read when a
+``Telemetry`` is made; a comma-separated list shared with other domains) opts in to their
+successors: with ``rpc``, ``rpc.system.name`` = ``grpc``, ``rpc.method`` = ``pkg.Service/Method``
+and ``rpc.response.status_code`` (the code's name, ``OK``), plus ``error.type`` (the code's name)
+for a server-side failure; with ``rpc/dup`` (which wins over ``rpc``), both sets, where
+``rpc.method``, one key in both, takes the new form. The span's status is ERROR when the
+answer is a server-side failure (UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL,
+UNAVAILABLE, DATA_LOSS: a store that is down or misconfigured among them), unset otherwise, as
+the conventions ask of a server. The idempotency key and the scope can
 identify a customer: they become span attributes (``grpc_idempotency.key``,
 ``grpc_idempotency.scope``) only when ``Telemetry(record_key=True, record_scope=True)`` asks, and
 never metric labels.
 
 Metrics: a counter ``grpc_idempotency.calls`` and a histogram ``grpc_idempotency.call.duration``
 (seconds; bucket boundaries ``DURATION_BUCKETS_S``, 1 ms to 10 s, advised to the SDK with
-opentelemetry-api 1.30 or later), both labelled by ``rpc.system``, ``rpc.service``, ``rpc.method``,
-``rpc.grpc.status_code`` and the outcome; a counter ``grpc_idempotency.bypassed`` for fail-open
-calls.
+opentelemetry-api 1.30 or later), both labelled by the span's RPC attributes (``error.type``
+included) and the outcome; a counter ``grpc_idempotency.bypassed`` for fail-open calls,
+labelled by the method's.
 
 An ``IdempotentConsumer``'s deliveries: one span per ``process`` / ``process_call``,
 ``grpc_idempotency process <consumer>`` (kind INTERNAL, around the effect, whose database spans
@@ -41,7 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.trace import Status, StatusCode
@@ -58,6 +64,10 @@ SYSTEM = "rpc.system"
 SERVICE = "rpc.service"
 METHOD = "rpc.method"
 STATUS_CODE = "rpc.grpc.status_code"
+# Their successors (semantic-conventions after 1.37; docs/non-normative/rpc-migration.md there).
+SYSTEM_NAME = "rpc.system.name"
+RESPONSE_STATUS_CODE = "rpc.response.status_code"
+ERROR_TYPE = "error.type"
 CONSUMER = "grpc_idempotency.consumer.name"
 CONSUMER_OUTCOME = "grpc_idempotency.consumer.outcome"
 MESSAGE_ID = "grpc_idempotency.consumer.message_id"
@@ -148,11 +158,63 @@ def cancellation_code(time_remaining: float | None) -> Code:
     return Code.CANCELLED
 
 
-def rpc_attributes(method: str) -> dict[str, str]:
-    """``rpc.system``, ``rpc.service`` and ``rpc.method`` of a gRPC method path
-    (``/pkg.Service/Method`` or ``pkg.Service/Method``)."""
+SEMCONV_OPT_IN_ENV = "OTEL_SEMCONV_STABILITY_OPT_IN"
+
+
+class RpcConventions(NamedTuple):
+    """Which RPC conventions a ``Telemetry`` emits: those of semconv 1.37 (``old``), their
+    successors (``new``), or both."""
+
+    old: bool
+    new: bool
+
+
+DEFAULT_CONVENTIONS = RpcConventions(old=True, new=False)
+
+
+def rpc_conventions(opt_in: str | None) -> RpcConventions:
+    """The RPC conventions ``OTEL_SEMCONV_STABILITY_OPT_IN`` = ``opt_in`` asks for: ``rpc``
+    the new only, ``rpc/dup`` both (over ``rpc`` if both are listed), anything else the old.
+    Tokens are matched exactly, whitespace around them aside, as opentelemetry-instrumentation
+    matches its own (``http``, ``database``): a value that switched only some of an
+    application's instrumentations would split its telemetry across two sets of names. Other
+    domains' tokens are expected in the list, so an unknown one is no error."""
+    tokens = {token.strip() for token in (opt_in or "").split(",")}
+    if "rpc/dup" in tokens:
+        return RpcConventions(old=True, new=True)
+    if "rpc" in tokens:
+        return RpcConventions(old=False, new=True)
+    return DEFAULT_CONVENTIONS
+
+
+def rpc_attributes(
+    method: str, conventions: RpcConventions = DEFAULT_CONVENTIONS
+) -> dict[str, str]:
+    """The RPC attributes of a gRPC method path (``/pkg.Service/Method`` or
+    ``pkg.Service/Method``): ``rpc.system``, ``rpc.service`` and ``rpc.method`` = ``Method``
+    (old); ``rpc.system.name`` and ``rpc.method`` = ``pkg.Service/Method`` (new). Both: one
+    ``rpc.method``, the new one, which names the service too (``rpc.service`` still does)."""
     service, _, name = method.lstrip("/").rpartition("/")
-    return {SYSTEM: "grpc", SERVICE: service, METHOD: name}
+    attributes: dict[str, str] = {}
+    if conventions.old:
+        attributes.update({SYSTEM: "grpc", SERVICE: service, METHOD: name})
+    if conventions.new:
+        attributes.update({SYSTEM_NAME: "grpc", METHOD: f"{service}/{name}"})
+    return attributes
+
+
+def status_attributes(code: Code, conventions: RpcConventions) -> dict[str, str | int]:
+    """The attributes of the answer's status: ``rpc.grpc.status_code`` (an int, old);
+    ``rpc.response.status_code`` (its name), and ``error.type`` (the same name) for a
+    server-side failure (new), as the gRPC conventions' server span has them."""
+    attributes: dict[str, str | int] = {}
+    if conventions.old:
+        attributes[STATUS_CODE] = int(code)
+    if conventions.new:
+        attributes[RESPONSE_STATUS_CODE] = code.name
+        if code in SERVER_ERRORS:
+            attributes[ERROR_TYPE] = code.name
+    return attributes
 
 
 def _duration_histogram(meter: metrics.Meter, name: str, description: str) -> metrics.Histogram:
@@ -252,7 +314,8 @@ class Telemetry:
     configured, exports them). Pass your own providers to ``IdempotencyInterceptor(telemetry=)``.
 
     ``record_key`` / ``record_scope``: put the idempotency key / the scope on each span (off by
-    default: both can identify a customer)."""
+    default: both can identify a customer). The RPC conventions its spans and metrics follow
+    are read from ``OTEL_SEMCONV_STABILITY_OPT_IN`` here, once (``rpc_conventions``)."""
 
     def __init__(
         self,
@@ -285,7 +348,12 @@ class Telemetry:
         self._env_provider = TRACER_PROVIDER_ENV in os.environ
         self.record_key = record_key
         self.record_scope = record_scope
+        # Read once: every call's attributes come from what is computed from it (per method,
+        # per code), never from the environment again.
+        self.conventions = rpc_conventions(os.environ.get(SEMCONV_OPT_IN_ENV))
         self._attributes: dict[str, dict[str, str]] = {}
+        self._span_names: dict[str, str] = {}
+        self._status = {code: status_attributes(code, self.conventions) for code in Code}
         self._failures: dict[str, float] = {}
         self._labels: dict[tuple[str, Code, CallOutcome], dict[str, str | int]] = {}
         meter = provider_from_env(
@@ -319,7 +387,16 @@ class Telemetry:
         """The method's RPC attributes (computed once per method)."""
         found = self._attributes.get(method)
         if found is None:
-            found = self._attributes[method] = rpc_attributes(method)
+            found = self._attributes[method] = rpc_attributes(method, self.conventions)
+        return found
+
+    def span_name(self, method: str) -> str:
+        """``grpc_idempotency <pkg.Service>/<Method>``, whichever conventions the attributes
+        follow (computed once per method)."""
+        found = self._span_names.get(method)
+        if found is None:
+            service, _, name = method.lstrip("/").rpartition("/")
+            found = self._span_names[method] = f"grpc_idempotency {service}/{name}"
         return found
 
     def tracing(self) -> bool:
@@ -336,10 +413,7 @@ class Telemetry:
         raises goes through untouched."""
         if not self.tracing():
             return _NO_SPAN
-        attributes = self.attributes(method)
-        return self._span(
-            f"grpc_idempotency {attributes[SERVICE]}/{attributes[METHOD]}", attributes
-        )
+        return self._span(self.span_name(method), self.attributes(method))
 
     def consumer_span(self, consumer: str) -> AbstractContextManager[trace.Span]:
         """An ``IdempotentConsumer`` delivery's span, guarded as ``span``'s is."""
@@ -422,7 +496,7 @@ class Telemetry:
     ) -> None:
         if span.is_recording():
             span.set_attribute(OUTCOME, outcome.value)
-            span.set_attribute(STATUS_CODE, int(code))
+            span.set_attributes(self._status[code])
             if code in SERVER_ERRORS:
                 span.set_status(Status(StatusCode.ERROR, f"{code.name} ({outcome.value})"))
             if self.record_key and key is not None:
@@ -432,7 +506,7 @@ class Telemetry:
         # Bounded (methods x codes x outcomes) and built once each: this runs on every call.
         labels = self._labels.get((method, code, outcome))
         if labels is None:
-            labels = {**self.attributes(method), STATUS_CODE: int(code), OUTCOME: outcome.value}
+            labels = {**self.attributes(method), **self._status[code], OUTCOME: outcome.value}
             self._labels[(method, code, outcome)] = labels
         self.calls.add(1, labels)
         self.duration.record(seconds, labels)
