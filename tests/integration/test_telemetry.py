@@ -512,3 +512,39 @@ async def test_the_handlers_spans_are_children_of_the_calls_span(store: Store, s
     assert call.name == "grpc_idempotency testsvc.v1.LedgerService/Post"
     assert child.parent is not None and call.context is not None
     assert child.parent.span_id == call.context.span_id
+
+
+async def test_the_newer_rpc_conventions_when_opted_in_reach_the_calls_span_and_metrics(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a real server: the variable, read as the Telemetry is made, sets the attributes of
+    the interceptor's spans and metric points (the unit tests cover every value)."""
+    monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", "http, rpc")
+    telemetry, spans, reader = _telemetry()
+    async with running_ledger(store, telemetry=telemetry) as ledger:
+        await ledger.call(POST, testsvc_pb2.PostRequest(account=fresh("acct")), fresh())
+        raising = testsvc_pb2.PostRequest(account=fresh("acct"), behaviour="raise")
+        await ledger.call(POST, raising, fresh())
+        # A span ends as its handler's task does, maybe after the client has its answer.
+        await until("both spans", lambda: len(spans.get_finished_spans()) == 2)
+    rpc = {"rpc.system.name": "grpc", "rpc.method": "testsvc.v1.LedgerService/Post"}
+    ok = {**rpc, "rpc.response.status_code": "OK"}
+    failed = {**rpc, "rpc.response.status_code": "UNKNOWN", "error.type": "UNKNOWN"}
+    found = [
+        {k: v for k, v in attributes(s).items() if k.startswith(("rpc.", "error."))}
+        for s in spans.get_finished_spans()
+    ]
+    assert sorted(found, key=len) == [ok, failed]
+    data = cast(MetricsData, reader.get_metrics_data())
+    (calls,) = [
+        m
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "grpc_idempotency.calls"
+    ]
+    labels = [
+        {k: v for k, v in attributes(p).items() if k != "grpc_idempotency.outcome"}
+        for p in cast(Sum, calls.data).data_points
+    ]
+    assert sorted(labels, key=len) == [ok, failed]
