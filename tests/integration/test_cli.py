@@ -935,7 +935,8 @@ async def test_an_interrupted_purge_rolls_its_batch_back_says_so_and_exits_128_p
 ) -> None:
     """Ctrl-C printed a traceback (CancelledError, then KeyboardInterrupt) and SIGTERM killed
     the command without a word. The purge waits on a lock the test holds, so the signal arrives
-    while its DELETE is on the wire, deterministically.
+    while its DELETE is on the wire, deterministically (not a row lock: a batch waits on one a
+    bounded while, then is redone skipping the row).
 
     Then that DELETE ran on in PostgreSQL, waiting on the lock as long as it was held, and
     committed (each batch was a statement of its own): the rows went although the command had
@@ -944,8 +945,16 @@ async def test_an_interrupted_purge_rolls_its_batch_back_says_so_and_exits_128_p
         if command == "purge":
             table = f'"{s.schema}".records'
             await s.pool.execute(EXPIRED.format(records=table))
-            # The row lock: the batch after the first (old-1, old-2) waits on old-3.
-            lock = f"SELECT 1 FROM {table} WHERE key = 'old-3' FOR UPDATE"
+            # The batch after the first (old-1, old-2) waits on old-3: a trigger deleting it
+            # waits on an advisory lock the test holds, redone skipping locked rows or not.
+            gate = secrets.randbits(62)
+            await s.pool.execute(
+                f'CREATE FUNCTION "{s.schema}".gate() RETURNS trigger LANGUAGE plpgsql AS'
+                f" $$BEGIN PERFORM pg_advisory_xact_lock({gate}); RETURN OLD; END$$;"
+                f" CREATE TRIGGER gate BEFORE DELETE ON {table} FOR EACH ROW"
+                f""" WHEN (OLD.key = 'old-3') EXECUTE FUNCTION "{s.schema}".gate()"""
+            )
+            lock = f"SELECT pg_advisory_xact_lock({gate})"
             argv = ["purge", "--batch-size", "2"]
         else:
             table = f'"{s.schema}".outbox'

@@ -562,6 +562,43 @@ async def test_a_consumer_through_pgbouncer_runs_each_message_once_and_leaves_no
         assert settings["token"] in (None, ""), settings
 
 
+async def test_a_purge_through_pgbouncer_redone_past_a_held_row_leaves_no_lock_timeout(
+    bouncer: PgBouncer, bounced_outbox: Store, store: Store
+) -> None:
+    """A records purge batch bounds its row-lock wait with ``SET LOCAL lock_timeout`` and, past
+    it (a row the test holds), is redone skipping the row: through PgBouncer it finishes with
+    the lock still held, and no server connection keeps the bound for the next client."""
+    table = f'"{bounced_outbox.schema}".records'
+    await store.pool.execute(
+        f"INSERT INTO {table} (scope, key, method, fingerprint, state, fencing_token,"
+        " locked_until, status_code, completed_at, expires_at, retention)"
+        " SELECT 's', 'old-' || i, '/m', '\\x00', 'completed', 1, NULL, 0,"
+        "  clock_timestamp() - interval '2 h',"
+        "  clock_timestamp() - interval '1 h' + i * interval '1 ms', interval '1 h'"
+        " FROM generate_series(1, 5) i"
+    )
+    direct = await store.pool.fetchrow(SESSION_SETTINGS)
+    assert direct is not None
+    async with store.pool.acquire() as holder, holder.transaction():
+        await holder.execute(f"SELECT 1 FROM {table} WHERE key = 'old-3' FOR UPDATE")
+        assert await asyncio.wait_for(bounced_outbox.purge(batch_size=10), WAIT_S) == 4
+    clients = [
+        await asyncpg.connect(bouncer.dsn, **POOL_OPTIONS) for _ in range(SERVER_CONNECTIONS)
+    ]
+    try:
+        seen = []
+        for client in clients:
+            await client.execute("BEGIN")
+            seen.append(await asyncio.wait_for(client.fetchrow(SESSION_SETTINGS), WAIT_S))
+        for client in clients:
+            await client.execute("ROLLBACK")
+    finally:
+        for client in clients:
+            await client.close()
+    for settings in seen:
+        assert settings["lock_timeout"] == direct["lock_timeout"], (settings, direct)
+
+
 # -- relays -------------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from grpc_idempotency import Purger, ShardedStores, Store
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.core.policy import MAX_DURATION
+from grpc_idempotency.store import postgres
 from grpc_idempotency.store.outbox_store import OutboxStatements
 from tests.support.blackhole import BlackholeProxy
 from tests.support.schemas import backend_gone, delete_waiting_on_a_lock
@@ -66,6 +67,21 @@ async def expired_records(store: Store, n: int) -> None:
     )
 
 
+async def deleting_waits_on_a_lock(store: Store, key: str) -> int:
+    """A trigger that makes deleting ``key`` wait on an advisory lock, whose id it returns: a
+    lock that a purge meets which skipping locked rows cannot step round (an application's
+    trigger, a table lock), so that its wait ends in the session's lock_timeout."""
+    lock = uuid.uuid4().int % 2**63  # the test's own: advisory locks are the database's
+    schema = f'"{store.schema}"'
+    await store.pool.execute(
+        f"CREATE FUNCTION {schema}.wait() RETURNS trigger LANGUAGE plpgsql AS"
+        f" $$BEGIN PERFORM pg_advisory_xact_lock({lock}); RETURN OLD; END$$;"
+        f" CREATE TRIGGER wait BEFORE DELETE ON {records(store)} FOR EACH ROW"
+        f" WHEN (OLD.key = '{key}') EXECUTE FUNCTION {schema}.wait()"
+    )
+    return lock
+
+
 async def fill_within_retention(store: Store, n: int) -> int:
     """n completed 1 KiB records a day from expiring; returns the table's size in pages."""
     await store.pool.execute(
@@ -109,12 +125,14 @@ def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
+@pytest.mark.parametrize("statement", ["purge", "purge_skipping"])
 @pytest.mark.parametrize("generic", [False, True], ids=["custom-plan", "generic-plan"])
 async def test_purge_walks_the_expires_at_index_and_deletes_by_ctid(
-    purge_store: Store, db: asyncpg.Connection, generic: bool
+    purge_store: Store, db: asyncpg.Connection, generic: bool, statement: str
 ) -> None:
     await fill_within_retention(purge_store, 2_000)
-    plan = await explain(db, purge_store.statements.purge, analyze=False, generic=generic)
+    sql = getattr(purge_store.statements, statement)
+    plan = await explain(db, sql, analyze=False, generic=generic)
     scans = {(n["Node Type"], n.get("Index Name")) for n in nodes(plan["Plan"])}
     assert ("Index Scan", "records_expires_at") in scans, scans
     assert ("Tid Scan", None) in scans, scans
@@ -266,15 +284,17 @@ async def test_cli_purge_with_a_pause(purge_store: Store, pg_dsn: str) -> None:
 async def test_cli_purge_failing_midway_says_what_its_committed_batches_took(
     purge_store: Store, pg_dsn: str, db: asyncpg.Connection
 ) -> None:
-    """The second batch meets a row lock (a long transaction) past the session's lock_timeout:
-    exit 1 with the store's error, as before, and the count of the first batch, which stays
-    purged. Only an interruption said it: a failure printed the error alone, as if nothing
-    had gone."""
+    """The second batch meets a lock (an application's trigger waits on one a long transaction
+    holds) past the session's lock_timeout: exit 1 with the store's error, as before, and the
+    count of the first batch, which stays purged. Only an interruption said it: a failure
+    printed the error alone, as if nothing had gone. (Not a row lock: a batch that meets one
+    is redone skipping the row, test_a_purge_never_holds_its_batch_behind_a_long_foreign_lock.)"""
     await expired_records(purge_store, 5)
+    lock = await deleting_waits_on_a_lock(purge_store, "old-3")
     tx = db.transaction()
     await tx.start()
     try:
-        await db.execute(f"SELECT 1 FROM {records(purge_store)} WHERE key = 'old-3' FOR UPDATE")
+        await db.execute(f"SELECT pg_advisory_xact_lock({lock})")
         separator = "&" if "?" in pg_dsn else "?"
         dsn = f"{pg_dsn}{separator}options=-c%20lock_timeout%3D200"
         done = await asyncio.to_thread(
@@ -315,12 +335,14 @@ async def test_cli_purge_refused_by_a_trigger_is_misconfigured_not_unavailable(
 
 
 async def test_a_purger_stopped_midway_rolls_its_batch_back_and_counts_what_committed(
-    purge_store: Store, db: asyncpg.Connection
+    purge_store: Store, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``Purger.stop()`` while a batch's DELETE waits on a row lock the test holds. That DELETE
     ran on in PostgreSQL after the purger stopped (asyncpg's cancel request went down with the
     dropped connection), waiting as long as the lock was held, and committed, a statement of
     its own; and ``purged`` left out the batches that had committed."""
+    # The wait long enough to stop the purger in it (by default it is redone skipping the row).
+    monkeypatch.setattr(postgres, "PURGE_LOCK_WAIT_S", 60.0)
     await expired_records(purge_store, 5)
     table = records(purge_store)
     tx = db.transaction()
@@ -352,7 +374,8 @@ async def test_purgers_on_two_replicas_at_once_delete_each_record_once(
     other = await Store.connect(pg_dsn, schema=purge_store.schema)
     try:
         # They meet on the same rows: one waits for the other's batch (no deadlock: both lock
-        # in ctid order), finds the rows gone and ends its run; nothing is counted twice.
+        # in ctid order), finds the rows gone and ends its run, or, past PURGE_LOCK_WAIT_S,
+        # redoes its batch skipping them; nothing is counted twice.
         counts = await asyncio.gather(
             *(s.purge(batch_size=50) for s in (purge_store, other, purge_store, other))
         )
@@ -361,6 +384,67 @@ async def test_purgers_on_two_replicas_at_once_delete_each_record_once(
     left = 3000 - sum(counts)
     assert await purge_store.purge() == left  # a run may end early; the next one finishes
     assert await keys(purge_store) == []
+
+
+async def test_a_purge_never_holds_its_batch_behind_a_long_foreign_lock(
+    purge_store: Store, db: asyncpg.Connection
+) -> None:
+    """A transaction holds one expired record locked for as long as it likes. The batch's
+    DELETE waited for it holding the rows it had already deleted, and a claim of one of their
+    keys waited as long as that unrelated lock was held. Now the batch waits PURGE_LOCK_WAIT_S
+    at most, is redone skipping the held row, and the claim and the purge both finish while the
+    lock is still held; the held row goes in a later purge, once released."""
+    await expired_records(purge_store, 5)  # old-1 .. old-5, in ctid order
+    table = records(purge_store)
+    tx = db.transaction()
+    await tx.start()
+    try:
+        await db.execute(f"SELECT 1 FROM {table} WHERE key = 'old-3' FOR UPDATE")
+        purging = asyncio.ensure_future(purge_store.purge(batch_size=10))
+        # The DELETE, by ctid order, has deleted old-1 and old-2 and waits on old-3 (or, past
+        # the bound already, has been redone): a claim of old-1 now met the purge's lock.
+        await until(
+            "the purge's DELETE waiting on the held row, or done",
+            lambda: purging.done() or delete_waiting_on_a_lock(purge_store.pool, table),
+        )
+        claim = await asyncio.wait_for(
+            purge_store.claim_phased(
+                scope="s",
+                key="old-1",
+                method="/m",
+                fingerprint=b"\x01",
+                retention_s=3600,
+                lease_s=30,
+            ),
+            10,  # a failure's guard: it waited for the test's lock, which the test never ends
+        )
+        assert claim is not None  # past retention (or purged): a new operation's claim
+        deleted = await asyncio.wait_for(purging, 10)
+        # old-2, old-4, old-5; and old-1 too if the purge was done before the claim took it.
+        assert deleted in (3, 4)
+        assert await keys(purge_store) == ["old-1", "old-3"]
+    finally:
+        await tx.rollback()
+    assert await purge_store.purge() == 1  # old-3, released
+    assert await keys(purge_store) == ["old-1"]  # the claim's record, held by its lease
+
+
+async def test_a_batch_redone_past_a_held_row_keeps_the_walks_progress(
+    purge_store: Store, db: asyncpg.Connection
+) -> None:
+    """Batches of 2 over old-1 .. old-5, old-3 held by another transaction: the second batch
+    meets it, is redone skipping it, deletes old-4 and old-5 and the run goes on from there
+    (nothing deleted counted twice, nothing behind the held row left for lack of a batch)."""
+    await expired_records(purge_store, 5)
+    table = records(purge_store)
+    batches: list[int] = []
+    async with db.transaction():
+        await db.execute(f"SELECT 1 FROM {table} WHERE key = 'old-3' FOR UPDATE")
+        deleted = await asyncio.wait_for(
+            purge_store.purge(batch_size=2, on_batch=batches.append), 10
+        )
+    assert (deleted, batches) == (4, [2, 2, 0])
+    assert await keys(purge_store) == ["old-3"]
 
 
 # -- concurrent takeovers ----------------------------------------------------------------------
@@ -381,8 +465,15 @@ async def expired_record(store: Store, key: str, *, state: str = "completed") ->
     ["atomic", "phased", "phased-abandoned", "phased-abandoned-new"],
 )
 async def test_purge_never_deletes_a_key_taken_over_concurrently(
-    purge_store: Store, pg_dsn: str, db: asyncpg.Connection, takeover: str
+    purge_store: Store,
+    pg_dsn: str,
+    db: asyncpg.Connection,
+    takeover: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The DELETE waits for the takeover and re-checks the row, as it does on a lock held less
+    # than PURGE_LOCK_WAIT_S (past it the batch skips the row: test_a_purge_never_holds_...).
+    monkeypatch.setattr(postgres, "PURGE_LOCK_WAIT_S", 60.0)
     s = f'"{purge_store.schema}"'
     state = "in_progress" if takeover.startswith("phased-abandoned") else "completed"
     await expired_record(purge_store, "taken", state=state)
@@ -539,11 +630,12 @@ async def test_a_takeover_completes_when_a_purge_deletes_the_expired_record_unde
 
 
 async def test_a_purge_at_a_repeatable_read_default_skips_a_row_changed_under_it(
-    pg_dsn: str, purge_store: Store
+    pg_dsn: str, purge_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A database or role whose ``default_transaction_isolation`` is repeatable read: the
     purge's DELETE, waiting on a row a call holds, failed with 40001 ("store unavailable") once
     the call committed, instead of re-checking the row and going on with the others."""
+    monkeypatch.setattr(postgres, "PURGE_LOCK_WAIT_S", 60.0)  # waiting, not skipping the row
     await expired_records(purge_store, 3)
     at_rr = await Store.connect(
         pg_dsn,
@@ -621,10 +713,11 @@ async def test_a_purge_after_a_failover_is_not_refused_for_the_pools_dead_connec
 async def test_a_purger_failing_midway_logs_what_its_committed_batches_took(
     purge_store: Store, pg_dsn: str, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The third batch meets a row lock past the session's lock_timeout (a StoreUnavailable)
+    """The third batch meets a lock past the session's lock_timeout (a StoreUnavailable)
     after two committed: the log said "purge skipped", as if nothing had gone. It counts this
     run's rows, all its batches': the next run, stopped at its first batch, is "skipped"."""
     await expired_records(purge_store, 5)
+    lock = await deleting_waits_on_a_lock(purge_store, "old-5")
     via = await Store.connect(
         pg_dsn,
         schema=purge_store.schema,
@@ -633,7 +726,7 @@ async def test_a_purger_failing_midway_logs_what_its_committed_batches_took(
     tx = db.transaction()
     await tx.start()
     try:
-        await db.execute(f"SELECT 1 FROM {records(purge_store)} WHERE key = 'old-5' FOR UPDATE")
+        await db.execute(f"SELECT pg_advisory_xact_lock({lock})")
         with caplog.at_level(logging.WARNING, logger="grpc_idempotency.retention"):
             async with Purger(via, batch_size=2, interval=0.01) as purger:
 

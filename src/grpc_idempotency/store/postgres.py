@@ -101,6 +101,14 @@ ROLLBACK_TIMEOUT_S = 2.0
 # or marks, a purge batch) may sit idle: its statements are sent back to back, so an idle gap
 # this long means the process froze or the network split while it held rows locked.
 READ_COMMITTED_IDLE_S = 5.0
+# How long a records purge batch waits on a row lock another transaction holds (lock_timeout,
+# per wait) before it is rolled back and redone skipping locked rows (Statements.purge_skipping).
+# While it waits it holds the rows it already deleted, and claims of their keys wait with it:
+# this bounds that wait. Above the usual holders' time (a takeover's statement, a batch of
+# 1,000 deleted in about 5 ms) so that the faster statement stays the usual one; a lock held
+# longer (a long call transaction, a session idle in one) is skipped, at the cost of one batch
+# redone (tens of ms of the purge's time).
+PURGE_LOCK_WAIT_S = 0.1
 _DEFAULT_COMMAND_TIMEOUT_S = 30.0
 
 PROBE_S = 2.0
@@ -1097,6 +1105,7 @@ class Store:
         *,
         idle_timeout_s: float = READ_COMMITTED_IDLE_S,
         own_transaction: bool = False,
+        lock_timeout_s: float | None = None,
     ) -> AsyncIterator[None]:
         """The block's statements at READ COMMITTED, whatever the database's or role's default:
         ``SKIP LOCKED`` and the re-check of a row changed meanwhile rely on it (at REPEATABLE
@@ -1120,7 +1129,13 @@ class Store:
         connection whose statement may still be running. Here a cancellation first waits, a
         bounded while, for asyncpg's cancel request of the statement to reach PostgreSQL
         (``_stopped``), then leaves the connection to ``Store.connection``, which drops it
-        (PostgreSQL rolls back)."""
+        (PostgreSQL rolls back).
+
+        ``lock_timeout_s``: each lock wait of the transaction's statements at most that long
+        (``SET LOCAL lock_timeout``; 55P03 past it, raised as asyncpg's
+        ``LockNotAvailableError``); only with ``own_transaction``."""
+        if lock_timeout_s is not None and not own_transaction:
+            raise ValueError("lock_timeout_s needs own_transaction")
         if self._default_isolation is None:
             self._default_isolation = await conn.fetchval("SHOW default_transaction_isolation")
         if self._default_isolation == "read committed" and not own_transaction:
@@ -1130,7 +1145,7 @@ class Store:
                 await _stopped(conn)
                 raise
             return
-        await conn.execute(begin_sql("read committed", idle_timeout_s))
+        await conn.execute(begin_sql("read committed", idle_timeout_s, lock_timeout_s))
         try:
             yield
         except asyncio.CancelledError:
@@ -1708,6 +1723,7 @@ class Store:
             batch_size=batch_size,
             max_batches=max_batches,
             walk=True,
+            skipping=self.statements.purge_skipping,
             pause=pause,
             on_batch=on_batch,
         )
@@ -1722,6 +1738,7 @@ class Store:
         walk: bool = False,
         pause: float = 0.0,
         on_batch: Callable[[int], None] | None = None,
+        skipping: str | None = None,
     ) -> int:
         """Runs a purge statement (``$1`` the batch size, ``args`` after it) once per transaction
         until a batch comes back short or ``max_batches`` ran, ``pause`` seconds apart (holding
@@ -1731,7 +1748,13 @@ class Store:
 
         ``walk``: the statement takes where the previous batch stopped as ``$2`` (``None`` at
         first) and returns one row, ``deleted`` and ``last`` (where the next batch starts);
-        otherwise it is a ``DELETE`` and its status says how many rows went."""
+        otherwise it is a ``DELETE`` and its status says how many rows went.
+
+        ``skipping``: ``sql`` waits on rows other transactions hold, and this (its arguments
+        alike) skips them instead. A batch then waits on a lock ``PURGE_LOCK_WAIT_S`` at most
+        and is redone, from where it started, with ``skipping``: a purge never keeps the rows
+        of its batch locked, and the claims of their keys waiting, behind an unrelated long
+        transaction, and it loses no progress. ``None``: ``sql`` itself skips locked rows."""
         # Whole numbers, as Purger checks them: a str raised a raw TypeError, a float was sent
         # as the LIMIT.
         for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):
@@ -1771,16 +1794,42 @@ class Store:
                     # short (a purge stopped) is rolled back, never committed behind a count
                     # that leaves it out.
                     async with self._holding(conn, doing):
-                        async with self.read_committed(conn, own_transaction=True):
-                            if walk:
-                                row = await conn.fetchrow(sql, batch_size, position, *args)
-                                assert row is not None
-                                deleted = int(row["deleted"])
-                                last = row["last"]
-                            else:
-                                status = await conn.execute(sql, batch_size, *args)
-                                deleted = int(status.split()[-1])
-                                last = None
+                        statement, bounded = sql, skipping is not None
+                        while True:
+                            try:
+                                async with self.read_committed(
+                                    conn,
+                                    own_transaction=True,
+                                    lock_timeout_s=PURGE_LOCK_WAIT_S if bounded else None,
+                                ):
+                                    if walk:
+                                        row = await conn.fetchrow(
+                                            statement, batch_size, position, *args
+                                        )
+                                        assert row is not None
+                                        deleted = int(row["deleted"])
+                                        last = row["last"]
+                                    else:
+                                        status = await conn.execute(statement, batch_size, *args)
+                                        deleted = int(status.split()[-1])
+                                        last = None
+                            except asyncpg.LockNotAvailableError:
+                                # Rolled back (read_committed): the rows it had locked are free.
+                                # Unbounded this time: a lock that skipping cannot step round
+                                # (a table's, an application trigger's) is waited for as before;
+                                # a role's own lock_timeout still applies, and its 55P03 is the
+                                # purge's error.
+                                if not bounded or skipping is None:
+                                    raise
+                                log.debug(
+                                    "%s: a batch waited on a lock over %g s; redone skipping"
+                                    " locked rows",
+                                    doing,
+                                    PURGE_LOCK_WAIT_S,
+                                )
+                                statement, bounded = skipping, False
+                                continue
+                            break
                         # Committed: counted before the connection goes back to the pool, an
                         # await at which a stop (the CLI's SIGINT) lost the count of a batch
                         # that stays deleted, and the purge said fewer rows went than did.

@@ -76,7 +76,11 @@ _MAX_TIMEOUT_MS = 2**31 - 1
 """The largest value of PostgreSQL's millisecond timeouts (a C int)."""
 
 
-def begin(isolation: str | None, idle_timeout_s: float | None = None) -> str:
+def begin(
+    isolation: str | None,
+    idle_timeout_s: float | None = None,
+    lock_timeout_s: float | None = None,
+) -> str:
     """BEGIN at ``isolation`` (``None``: the database's default_transaction_isolation).
 
     ``idle_timeout_s`` bounds how long the transaction may sit idle: if this process freezes or
@@ -95,6 +99,11 @@ def begin(isolation: str | None, idle_timeout_s: float | None = None) -> str:
         # (policies allow 36500 days) failed every claim with 22023, as if the store were down.
         ms = min(max(1, round(idle_timeout_s * 1000)), _MAX_TIMEOUT_MS)
         sql += f"; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+    if lock_timeout_s is not None:
+        # ``lock_timeout_s`` bounds each lock wait of the transaction's statements (55P03 past
+        # it), for this transaction only, as above.
+        ms = min(max(1, round(lock_timeout_s * 1000)), _MAX_TIMEOUT_MS)
+        sql += f"; SET LOCAL lock_timeout = {ms}"
     return sql
 
 
@@ -200,7 +209,8 @@ class Statements:
         #
         # No FOR UPDATE SKIP LOCKED pass: it wrote every row twice (a lock, then the delete);
         # without it, deleting by ctid, a batch runs 2.2-2.6x faster (benchmarks/README.md). A
-        # row another transaction holds is waited for, not skipped, so the DELETE repeats the
+        # row another transaction holds is waited for, not skipped (for PURGE_LOCK_WAIT_S at
+        # most: past it the batch is redone as purge_skipping, below), so the DELETE repeats the
         # whole condition: a row updated by a concurrent takeover (claim(), complete_atomic():
         # both under the key's claim lock) makes the DELETE wait for that transaction and, at
         # READ COMMITTED, re-evaluate its WHERE on the new version, which stays twice over: its
@@ -212,18 +222,28 @@ class Statements:
                 WHEN 'completed' THEN GREATEST(expires_at, completed_at + retention) <= {bound}
                 WHEN 'in_progress' THEN expires_at <= {bound} AND locked_until <= {bound}
             END"""
-        self.purge = f"""
+        purge = """
             WITH gone AS (
                 DELETE FROM {s}.records
                 WHERE ctid = ANY (ARRAY(
                         SELECT ctid FROM {s}.records
                         WHERE expires_at >= COALESCE($2::timestamptz, '-infinity')
                           AND expires_at <= {bound} AND {purgeable}
-                        ORDER BY expires_at LIMIT $1))
+                        ORDER BY expires_at LIMIT $1{lock}))
                   AND {purgeable}
                 RETURNING expires_at)
             SELECT pg_catalog.count(*)::integer AS deleted, pg_catalog.max(expires_at) AS last
             FROM gone"""
+        self.purge = purge.format(s=s, bound=bound, purgeable=purgeable, lock="")
+        # The same batch for when the DELETE above met a row that another transaction held
+        # past PURGE_LOCK_WAIT_S (55P03): waiting, it kept the rows it had already deleted
+        # locked, and a claim of one of those keys waited as long as that unrelated lock was
+        # held. Locking first, skipping what another holds (the slower statement the one above
+        # replaced, used only for a batch that met such a lock), it never waits on a row. The
+        # rows it skips lie behind where the walk goes on from: the next purge takes them.
+        self.purge_skipping = purge.format(
+            s=s, bound=bound, purgeable=purgeable, lock=" FOR UPDATE SKIP LOCKED"
+        )
 
         # The completion with bind parameters, for outcomes too large to inline as literals:
         # bytea travels in binary, instead of as hex text twice its size. Its types are named
