@@ -7,9 +7,12 @@ row a concurrent takeover changed, so it never removes a record that an attempt 
 claim, a completion). An atomic attempt at READ COMMITTED that takes over a record past
 retention writes nothing until its completion: that record may be purged under it, and the
 completion then inserts the record anew (migration 0009); the key stays the attempt's, under its
-claim lock, meanwhile. Several
-purgers (one per replica) may run: one that meets another's batch waits for it, finds its rows
-gone, and ends its run.
+claim lock, meanwhile. A batch waits on a row another transaction holds for
+``PURGE_LOCK_WAIT_S`` at most (store/postgres.py): past it, it is rolled back and redone
+skipping locked rows, so that it never keeps the rows it already deleted, and the claims of
+their keys, waiting behind an unrelated long transaction; a skipped row goes in a later run.
+Several purgers (one per replica) may run: one that meets another's batch waits for it, finds
+its rows gone, and ends its run (or, past that bound, skips them and goes on).
 """
 
 from __future__ import annotations
