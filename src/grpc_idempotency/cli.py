@@ -38,7 +38,7 @@ from grpc_idempotency.cli_errors import (
 )
 from grpc_idempotency.core.errors import StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.core.outbox import relay_name_problem, step_routes
-from grpc_idempotency.core.policy import MAX_DURATION
+from grpc_idempotency.core.seconds import MAX_DURATION, MAX_DURATION_S
 from grpc_idempotency.core.wire import HEADER_NAME, LIBRARY_HEADERS
 from grpc_idempotency.inspect_cli.json_output import schema_json
 from grpc_idempotency.inspect_cli.parsers import (
@@ -654,7 +654,6 @@ def _positive(text: str) -> float:
 
 
 _MIN_LEASE_S = 1.0
-_MAX_S = MAX_DURATION.total_seconds()
 
 
 def _lease(text: str) -> float:
@@ -678,9 +677,9 @@ def _finite(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number: {text}")
-    if abs(value) > _MAX_S:
+    if abs(value) > MAX_DURATION_S:
         raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_DURATION.days} days ({_MAX_S:g} s): {text}"
+            f"must be at most {MAX_DURATION.days} days ({MAX_DURATION_S:g} s): {text}"
         )
     return value
 

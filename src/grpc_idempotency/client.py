@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import enum
 import json
+import math
 import random
 import time
 import uuid
@@ -40,7 +41,7 @@ from grpc_idempotency.core.errors import (
     TransactionOpen,
 )
 from grpc_idempotency.core.keys import key_from_metadata, validate_key
-from grpc_idempotency.core.policy import MAX_DURATION, KeyRequirement, MethodOverride, MethodPolicy
+from grpc_idempotency.core.policy import KeyRequirement, MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import (
     KeySource,
     Parent,
@@ -51,6 +52,7 @@ from grpc_idempotency.core.propagation import (
 from grpc_idempotency.core.retry import RetryPolicy as RetryPolicy  # re-exported for the README
 from grpc_idempotency.core.retry import attempt_timeout_s, call_deadline
 from grpc_idempotency.core.retry import service_config as _service_config
+from grpc_idempotency.core.seconds import checked_seconds
 from grpc_idempotency.core.wire import (
     HEADER_NAME,
     KEY_HEADER,
@@ -271,16 +273,10 @@ def _serving() -> IdempotentCall | None:
 def _check_call_settings(timeout: object, wait_for_ready: object) -> None:
     """Checks a call's ``timeout`` and ``wait_for_ready`` (``Operation.call``, and ``bind``:
     there, else, a wrong one was found only at the bound stub's first call)."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
-        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-    # Not ``timeout > ...``: NaN passes it. gRPC's deadline overflows past about 7e9 s from now,
-    # and NaN is no deadline: either way the attempt failed at once with DEADLINE_EXCEEDED
-    # (retryable), as if the server were too slow.
-    if timeout is not None and not timeout <= MAX_DURATION.total_seconds():
-        raise ValueError(
-            f"timeout must be a number of seconds up to {MAX_DURATION.total_seconds():g}"
-            f" ({MAX_DURATION.days} days) or None, not {timeout!r}"
-        )
+    # gRPC's deadline overflows past about 7e9 s from now, and NaN is no deadline: either way
+    # the attempt failed at once with DEADLINE_EXCEEDED (retryable), as if the server were too
+    # slow. No lower bound: 0 or less is a deadline already passed, as gRPC takes it.
+    checked_seconds("timeout", timeout, or_none=True, minimum=-math.inf)
     if wait_for_ready is not None and not isinstance(wait_for_ready, bool):
         # gRPC truth-tests it: wait_for_ready="no" waited for a channel that was down.
         raise TypeError(f"wait_for_ready must be True, False or None, not {wait_for_ready!r}")

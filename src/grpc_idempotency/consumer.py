@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
@@ -85,7 +86,7 @@ from grpc_idempotency.core.consumer import (
     validate_message_id,
 )
 from grpc_idempotency.core.errors import IdempotencyError, MessageInProgress
-from grpc_idempotency.core.policy import MAX_DURATION
+from grpc_idempotency.core.seconds import MAX_DURATION_S, checked_seconds
 from grpc_idempotency.server import answers as _answers
 from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
 from grpc_idempotency.store.errors import store_error
@@ -268,16 +269,11 @@ class IdempotentConsumer:
             # Else it failed inside the mark's transaction, as "'NoneType' object is not
             # callable", a database round trip later.
             raise TypeError(f"effect must be an async function of the connection, not {effect!r}")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float)
-        ):
-            # A timedelta (the consumer's settings are timedeltas) failed the comparison below
-            # with a bare "'>=' not supported".
-            raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-        if timeout is not None and not timeout >= 0:
-            # NaN too: it compared false everywhere, and a busy pool's wait never ended.
-            raise ValueError(f"timeout must be None or not negative, not {timeout!r}")
-        if timeout is not None and timeout > MAX_DURATION.total_seconds():
+        # A timedelta (the consumer's settings are timedeltas) failed the comparison below with
+        # a bare "'>=' not supported"; NaN compared false everywhere, and a busy pool's wait
+        # never ended. Past the cap: no bound (below).
+        checked_seconds("timeout", timeout, or_none=True, cap=math.inf)
+        if timeout is not None and timeout > MAX_DURATION_S:
             # No bound, as math.inf: 10**400 (below it) was a bare OverflowError computing the
             # wait for a pooled connection, after the wait on a concurrent delivery.
             timeout = None

@@ -71,12 +71,12 @@ from grpc_idempotency.core.errors import (
 )
 from grpc_idempotency.core.log_text import loggable
 from grpc_idempotency.core.outbox import (
-    MAX_DURATION_S,
     DeliveryPolicy,
     StepRoutes,
     relay_name_problem,
     step_routes,
 )
+from grpc_idempotency.core.seconds import checked_seconds
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, retry_after_ms, unsendable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import tenant_header
@@ -329,11 +329,7 @@ class GrpcSink:
             )
         # Else each failed every delivery DEADLINE_EXCEEDED (gRPC's deadline overflows past
         # about 1e10 s), or matched no status: every rejection retried to the last attempt.
-        if timeout is not None and not 0 < timeout <= MAX_DURATION_S:
-            raise ValueError(
-                f"timeout must be None or positive and at most {MAX_DURATION_S:g} s, not"
-                f" {timeout!r}"
-            )
+        checked_seconds("timeout", timeout, positive=True, or_none=True)
         if isinstance(permanent_codes, str | bytes) or not isinstance(permanent_codes, Iterable):
             raise TypeError(
                 "permanent_codes must be a collection of grpc.StatusCode members"
@@ -600,20 +596,17 @@ class Relay:
         if listen_dsn is not None and not isinstance(listen_dsn, str):
             # Else accepted, to fail only once the relay ran.
             raise TypeError(f"listen_dsn must be a str (a DSN) or None, not {listen_dsn!r}")
-        durations = {
-            "lease": lease,
-            "poll_interval": poll_interval,
-            "purge_interval": purge_interval,
-            "sent_retention": sent_retention,  # None: keep sent rows
-            "delivery_timeout": delivery_timeout,  # None: half the lease
-        }
-        for setting, value in durations.items():
-            if value is None and setting in ("sent_retention", "delivery_timeout"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                # Compared raw below, None, text or a timedelta was a bare "'<' not supported"
-                # naming no setting; True was 1 s.
-                raise TypeError(f"{setting} must be a number of seconds, not {value!r}")
+        # Compared raw, None, text or a timedelta was a bare "'<' not supported" naming no
+        # setting; True was 1 s; a NaN poll_interval made the relay claim in a tight loop.
+        for setting, value in (
+            ("lease", lease),
+            ("poll_interval", poll_interval),
+            ("purge_interval", purge_interval),
+        ):
+            checked_seconds(setting, value, positive=True)
+        checked_seconds("sent_retention", sent_retention, or_none=True)  # None: keep sent rows
+        # None: half the lease.
+        checked_seconds("delivery_timeout", delivery_timeout, positive=True, or_none=True)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
             # TypeError, as the durations above and every other setting of the wrong type.
             raise TypeError(f"batch_size must be a whole number, not {batch_size!r}")
@@ -640,14 +633,6 @@ class Relay:
         if not 1 <= batch_size <= BIGINT_MAX:
             # Past bigint every claim failed (asyncpg's DataError), read as a store outage.
             raise ValueError(f"batch_size must be a whole number from 1 to {BIGINT_MAX}")
-        # NaN passes every comparison: a NaN poll_interval made the relay claim in a tight loop.
-        if not all(0 < v <= MAX_DURATION_S for v in (lease, poll_interval, purge_interval)):
-            raise ValueError(
-                "lease, poll_interval and purge_interval must be positive and at most"
-                f" {MAX_DURATION_S:g} s"
-            )
-        if sent_retention is not None and not 0 <= sent_retention <= MAX_DURATION_S:
-            raise ValueError(f"sent_retention must be 0 to {MAX_DURATION_S:g} s")
         if delivery_timeout is None:
             delivery_timeout = lease / 2
         if not 0 < delivery_timeout < lease:

@@ -21,12 +21,10 @@ import asyncio
 import contextlib
 
 from grpc_idempotency.core.errors import StoreUnavailable
-from grpc_idempotency.core.policy import MAX_DURATION
+from grpc_idempotency.core.seconds import checked_seconds
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store.postgres import Store
 from grpc_idempotency.store.shards import ShardedStores
-
-_LONGEST_S = MAX_DURATION.total_seconds()
 
 log = library_logger("grpc_idempotency.retention")
 
@@ -58,17 +56,11 @@ class Purger:
         batch_size: int = 1000,
         pause: float = 0.0,
     ) -> None:
-        for setting, value in (("interval", interval), ("pause", pause)):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                # Compared raw below, None, text or a timedelta was a bare "'<' not supported"
-                # naming no setting; True was 1 s.
-                raise TypeError(f"{setting} must be a number of seconds, not {value!r}")
-        # NaN passes every comparison, and asyncio.sleep(nan) (or inf) never returns: the purger
-        # would stop after its first run, silently, and the table grow without bound.
-        # Not only ``< math.inf``: 10**400 is below it, and asyncio.sleep() of it raised
+        # asyncio.sleep(nan) (or inf) never returns: the purger would stop after its first run,
+        # silently, and the table grow without bound; 10**400 (below math.inf) raised
         # OverflowError after the first run, ending the purger's task unseen until stop().
-        if not (0 < interval <= _LONGEST_S):
-            raise ValueError(f"interval must be positive and at most {_LONGEST_S:g} s")
+        checked_seconds("interval", interval, positive=True)
+        checked_seconds("pause", pause)
         # Checked here as Store.purge checks it: refused only at the first run, the error ended
         # the purger's task, unseen until stop(), and nothing was purged meanwhile.
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
@@ -76,8 +68,6 @@ class Purger:
             raise TypeError(f"batch_size must be a whole number, not {batch_size!r}")
         if not 0 < batch_size <= 2**63 - 1:
             raise ValueError("batch_size must be positive and at most 2**63 - 1 (a bigint)")
-        if not (0 <= pause <= _LONGEST_S):
-            raise ValueError(f"pause must be from 0 to {_LONGEST_S:g} s")
         if not isinstance(store, Store | ShardedStores):
             # Else its task died at the first run (unseen until stop()), and nothing was purged.
             raise TypeError(f"Purger takes a Store or ShardedStores, not {type(store).__name__}")

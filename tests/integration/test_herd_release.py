@@ -253,7 +253,9 @@ def test_herd_release_refuses_nonsense(bad: dict[str, float]) -> None:
 )
 def test_herd_release_refuses_the_wrong_type_as_a_type_error(bad: dict[str, object]) -> None:
     """As every other setting of the wrong type: they were ValueErrors."""
-    with pytest.raises(TypeError, match=r"^HerdRelease\.\w+ must be an? (int|number), not"):
+    with pytest.raises(
+        TypeError, match=r"^HerdRelease\.\w+ must be an? (int|number of seconds), not"
+    ):
         HerdRelease(**bad)  # type: ignore[arg-type]
 
 

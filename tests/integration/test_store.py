@@ -610,6 +610,21 @@ async def test_a_bad_command_timeout_is_refused_by_name_not_blamed_on_the_dsn(
 
 
 @pytest.mark.parametrize(
+    "option", ["acquire_timeout", "command_timeout", "probe_timeout", "timeout"]
+)
+async def test_a_connect_timeout_past_36500_days_is_refused(option: str) -> None:
+    """Each was bounded only by the largest float: 1e300 was taken, as 36500 days are by every
+    other number of seconds. Refused before any connection is tried (the DSN goes nowhere)."""
+    nowhere = f"postgresql://nobody@127.0.0.1:{free_port()}/nowhere"
+    for value in (36500 * 86400 + 1, 1e300):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{option} must be (None or )?a number of seconds above 0 up to 3\.1536e\+09",
+        ):
+            await Store.connect(nowhere, **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     "value", [0, -1.5, math.nan, math.inf, pytest.param(10**400, id="10**400"), "30", True, None]
 )
 async def test_a_bad_probe_timeout_is_refused_by_name(pg_dsn: str, value: object) -> None:

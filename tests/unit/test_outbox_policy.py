@@ -11,9 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpc_idempotency.core.errors import StepUndeclared
-from grpc_idempotency.core.outbox import MAX_DURATION_S, DeliveryPolicy, outbox_step
+from grpc_idempotency.core.outbox import DeliveryPolicy, outbox_step
 from grpc_idempotency.core.policy import Step
+from grpc_idempotency.core.seconds import MAX_DURATION_S
 from grpc_idempotency.outbox import relay_channel_options
+
+_RANGE = r"must be a number of seconds above 0 up to 3\.1536e\+09 \(36500 days\)"
 
 
 @pytest.mark.parametrize(
@@ -21,36 +24,79 @@ from grpc_idempotency.outbox import relay_channel_options
     [
         ({"max_attempts": 0}, "max_attempts must be at least 1"),
         ({"max_attempts": -3}, "max_attempts must be at least 1"),
-        ({"max_attempts": 2.5}, "max_attempts must be an integer"),
-        ({"max_attempts": True}, "max_attempts must be an integer"),
-        ({"initial_backoff_s": 0}, "initial_backoff_s must be a positive"),
-        ({"initial_backoff_s": -1}, "initial_backoff_s must be a positive"),
-        ({"initial_backoff_s": math.nan}, "initial_backoff_s must be a positive"),
-        ({"initial_backoff_s": math.inf}, "initial_backoff_s must be a positive"),
-        ({"max_backoff_s": 0.1}, "max_backoff_s must be a number of seconds no smaller"),
-        ({"max_backoff_s": math.nan}, "max_backoff_s must be a number of seconds no smaller"),
-        ({"max_backoff_s": math.inf}, "max_backoff_s must be a number of seconds no smaller"),
+        (
+            {"initial_backoff_s": 0},
+            f"initial_backoff_s {_RANGE}, not 0",
+        ),
+        (
+            {"initial_backoff_s": -1},
+            f"initial_backoff_s {_RANGE}, not -1",
+        ),
+        (
+            {"initial_backoff_s": math.nan},
+            f"initial_backoff_s {_RANGE}, not nan",
+        ),
+        (
+            {"initial_backoff_s": math.inf},
+            f"initial_backoff_s {_RANGE}, not inf",
+        ),
+        ({"max_backoff_s": 0.1}, r"max_backoff_s must be at least initial_backoff_s \(0.5\)"),
+        (
+            {"max_backoff_s": math.nan},
+            f"max_backoff_s {_RANGE}, not nan",
+        ),
+        (
+            {"max_backoff_s": math.inf},
+            f"max_backoff_s {_RANGE}, not inf",
+        ),
         ({"multiplier": 0.5}, "multiplier must be a number >= 1"),
         ({"multiplier": 0}, "multiplier must be a number >= 1"),
         ({"multiplier": -2}, "multiplier must be a number >= 1"),
         ({"multiplier": math.nan}, "multiplier must be a number >= 1"),
         ({"multiplier": math.inf}, "multiplier must be a number >= 1"),
-        # math.isfinite said "must be real number, not str", naming no setting; True was 1.
-        ({"initial_backoff_s": "0.5"}, "initial_backoff_s must be a number, not '0.5'"),
-        ({"max_backoff_s": None}, "max_backoff_s must be a number, not None"),
-        ({"multiplier": True}, "multiplier must be a number, not True"),
         # Added to the database's clock, it overflowed (22008): the failure went unrecorded.
-        ({"max_backoff_s": 5e13}, "max_backoff_s must be at most"),
-        ({"initial_backoff_s": 5e13}, "initial_backoff_s must be a positive"),
+        (
+            {"max_backoff_s": 5e13},
+            f"max_backoff_s {_RANGE}, not 5",
+        ),
+        (
+            {"initial_backoff_s": 5e13},
+            f"initial_backoff_s {_RANGE}, not 5",
+        ),
         # An int too large for a float: math.isfinite raised a bare OverflowError.
-        ({"initial_backoff_s": 10**400}, "initial_backoff_s must be a positive"),
-        ({"max_backoff_s": 10**400}, "max_backoff_s must be at most"),
+        (
+            {"initial_backoff_s": 10**400},
+            f"initial_backoff_s {_RANGE}, not 1000",
+        ),
+        (
+            {"max_backoff_s": 10**400},
+            f"max_backoff_s {_RANGE}, not 1000",
+        ),
     ],
 )
 def test_a_policy_out_of_range_is_refused_when_made(
     settings: dict[str, float], complaint: str
 ) -> None:
-    with pytest.raises(ValueError, match=complaint):
+    with pytest.raises(ValueError, match=f"^{complaint}"):
+        DeliveryPolicy(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("settings", "complaint"),
+    [
+        ({"max_attempts": 2.5}, "max_attempts must be a whole number, not 2.5"),
+        ({"max_attempts": True}, "max_attempts must be a whole number, not True"),
+        # math.isfinite said "must be real number, not str", naming no setting; True was 1.
+        ({"initial_backoff_s": "0.5"}, "initial_backoff_s must be a number of seconds, not '0.5'"),
+        ({"max_backoff_s": None}, "max_backoff_s must be a number of seconds, not None"),
+        ({"multiplier": True}, "multiplier must be a number, not True"),
+    ],
+)
+def test_a_policy_setting_of_the_wrong_type_is_a_type_error(
+    settings: dict[str, object], complaint: str
+) -> None:
+    """A TypeError, as every other setting of the wrong type: it was a ValueError."""
+    with pytest.raises(TypeError, match=f"^{complaint}$"):
         DeliveryPolicy(**settings)  # type: ignore[arg-type]
 
 

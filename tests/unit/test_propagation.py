@@ -163,12 +163,6 @@ def test_backoff_stays_at_its_ceiling_however_many_attempts() -> None:
         {"multiplier": float("inf")},
         {"multiplier": 0.5},
         {"initial_backoff_s": 0},
-        # Raw comparison TypeErrors that named no field ("'<' not supported between instances
-        # of 'int' and 'str'"); True was one second.
-        {"initial_backoff_s": "0.1"},
-        {"max_backoff_s": None},
-        {"multiplier": "2"},
-        {"initial_backoff_s": True},
         # One code, not a set: "'Code' object is not iterable"; a str was read letter by letter.
         {"retryable": Code.UNAVAILABLE},
         {"retryable": "UNAVAILABLE"},
@@ -178,6 +172,26 @@ def test_backoff_stays_at_its_ceiling_however_many_attempts() -> None:
 )
 def test_retry_policy_refuses_backoffs_that_are_not_numbers(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
+        RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"initial_backoff_s": "0.1"},
+        {"max_backoff_s": None},
+        {"multiplier": "2"},
+        {"initial_backoff_s": True},
+    ],
+)
+def test_retry_policy_refuses_backoffs_of_the_wrong_type_with_a_type_error(
+    bad: dict[str, object],
+) -> None:
+    """Raw comparison TypeErrors named no field ("'<' not supported between instances of 'int'
+    and 'str'"), and True was one second; then a ValueError: now a TypeError, as every other
+    setting of the wrong type, naming the field and the value."""
+    name, value = next(iter(bad.items()))
+    with pytest.raises(TypeError, match=rf"^{name} must be a number(| of seconds), not {value!r}$"):
         RetryPolicy(**bad)  # type: ignore[arg-type]
 
 
@@ -264,7 +278,7 @@ def test_the_replay_marker_is_its_entry_not_its_name() -> None:
 def test_a_nan_max_attempts_is_refused() -> None:
     """NaN compares false with everything: ``attempt >= max_attempts`` never held, and a
     policy made with it retried for ever (bounded only by a deadline, if the caller had one)."""
-    with pytest.raises(ValueError, match="max_attempts must be at least 1"):
+    with pytest.raises(TypeError, match=r"^max_attempts must be a whole number, not nan$"):
         RetryPolicy(max_attempts=float("nan"))  # type: ignore[arg-type]
 
 
@@ -272,9 +286,15 @@ def test_a_nan_max_attempts_is_refused() -> None:
 def test_a_max_attempts_that_is_not_a_whole_number_is_refused(bad: object) -> None:
     """inf passed the NaN guard and retried for ever, as NaN had (1e308 alike, for any caller's
     lifetime); "5" and None raised a raw comparison TypeError; True meant one attempt.
-    ``DeliveryPolicy`` refuses them all."""
-    with pytest.raises(ValueError, match="max_attempts must be at least 1"):
+    ``DeliveryPolicy`` refuses them all. A TypeError, as every other wrong type."""
+    with pytest.raises(TypeError, match=r"^max_attempts must be a whole number, not"):
         RetryPolicy(max_attempts=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_too_few_max_attempts_is_a_value_error(bad: int) -> None:
+    with pytest.raises(ValueError, match=f"^max_attempts must be at least 1, not {bad}$"):
+        RetryPolicy(max_attempts=bad)
 
 
 def test_service_config_shape() -> None:

@@ -91,9 +91,19 @@ def test_the_longest_backoff_and_budget_are_taken() -> None:
 
 
 # 1e30: gRPC's deadline overflowed, every attempt DEADLINE_EXCEEDED at once.
-@pytest.mark.parametrize("bad", [0, 0.0, -1.0, float("nan"), float("inf"), True, "5", 1e30])
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, float("nan"), float("inf"), 1e30])
 def test_total_timeout_s_is_refused_unless_a_positive_finite_number(bad: object) -> None:
     """NaN compared false both ways (a bound never reached), 0 was spent before the first
-    attempt, True was 1 second, a str failed a raw comparison naming no field."""
-    with pytest.raises(ValueError, match="total_timeout_s"):
+    attempt."""
+    with pytest.raises(
+        ValueError,
+        match=r"^total_timeout_s must be None or a number of seconds above 0 up to 3.1536e\+09",
+    ):
+        RetryPolicy(total_timeout_s=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [True, "5"])
+def test_total_timeout_s_of_the_wrong_type_is_a_type_error(bad: object) -> None:
+    """True was 1 second, a str failed a raw comparison naming no field; then a ValueError."""
+    with pytest.raises(TypeError, match=r"^total_timeout_s must be None or a number of seconds"):
         RetryPolicy(total_timeout_s=bad)  # type: ignore[arg-type]

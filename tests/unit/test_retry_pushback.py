@@ -7,6 +7,7 @@ import pytest
 
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.retry import RetryPolicy
+from grpc_idempotency.core.seconds import MAX_DURATION_S
 
 
 @pytest.mark.parametrize(
@@ -38,8 +39,23 @@ def test_the_default_bound_is_a_minute_and_backoff_is_not_affected() -> None:
     assert tight.delay_s(attempt=1, code=Code.UNAVAILABLE, retry_after_ms=None, jitter=0.5) == 0.5
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, True, "60", None])
-def test_max_pushback_s_is_refused_unless_a_finite_number_of_seconds(bad: object) -> None:
+# 1e30 and 10**400 (below inf) were taken: uncapped, where every other duration is capped.
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 1e30, 10**400])
+def test_max_pushback_s_is_refused_unless_a_number_of_seconds_in_range(bad: object) -> None:
     """NaN compared false both ways, and every pushback was waited out, however long."""
-    with pytest.raises(ValueError, match="max_pushback_s"):
+    with pytest.raises(
+        ValueError, match=r"^max_pushback_s must be a number of seconds from 0 up to 3.1536e\+09"
+    ):
+        RetryPolicy(max_pushback_s=bad)  # type: ignore[arg-type]
+
+
+def test_the_longest_max_pushback_s_is_taken() -> None:
+    longest = MAX_DURATION_S
+    assert RetryPolicy(max_pushback_s=longest).max_pushback_s == longest
+
+
+@pytest.mark.parametrize("bad", [True, "60", None])
+def test_max_pushback_s_of_the_wrong_type_is_a_type_error(bad: object) -> None:
+    """True was 1 second, a str or None a ValueError; now a TypeError, as every other."""
+    with pytest.raises(TypeError, match=r"^max_pushback_s must be a number of seconds, not"):
         RetryPolicy(max_pushback_s=bad)  # type: ignore[arg-type]

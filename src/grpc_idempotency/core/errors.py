@@ -35,10 +35,10 @@ Lower-layer errors (asyncpg, OSError, grpc) are mapped to these at the boundary,
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.seconds import checked_seconds
 
 ERROR_DOMAIN = "grpc-idempotency"
 
@@ -278,16 +278,8 @@ class DeliveryError(IdempotencyError):
 
     def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        if retry_after_s is not None and (
-            isinstance(retry_after_s, bool) or not isinstance(retry_after_s, int | float)
-        ):
-            # Else the relay's batch failed computing the delay, its rows left for the lease.
-            raise TypeError(f"retry_after_s must be a number of seconds, not {retry_after_s!r}")
-        if retry_after_s is not None and not 0 <= retry_after_s < math.inf:
-            raise ValueError(
-                f"retry_after_s must be finite and not negative, not {retry_after_s!r}"
-            )
-        self.retry_after_s = retry_after_s
+        # Else the relay's batch failed computing the delay, its rows left for the lease.
+        self.retry_after_s = checked_seconds("retry_after_s", retry_after_s, or_none=True)
 
 
 class PermanentDeliveryError(DeliveryError):

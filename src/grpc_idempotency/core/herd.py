@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpc_idempotency.core.policy import MAX_DURATION
+from grpc_idempotency.core.seconds import checked_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +40,9 @@ class HerdRelease:
             raise TypeError(f"HerdRelease.per_batch must be an int, not {self.per_batch!r}")
         if self.per_batch < 1:
             raise ValueError("HerdRelease.per_batch must be at least 1")
-        if isinstance(self.interval_s, bool) or not isinstance(self.interval_s, int | float):
-            # Compared below, None or text raised a bare "'<=' not supported"; True meant 1 s.
-            raise TypeError(f"HerdRelease.interval_s must be a number, not {self.interval_s!r}")
-        # Not only ``< math.inf``: 10**400 is below it, and the release (in the owner's
-        # ``finally``, after its commit) raised OverflowError from call_later.
-        if not 0 <= self.interval_s <= MAX_DURATION.total_seconds():
-            raise ValueError(
-                "HerdRelease.interval_s must be a number of seconds from 0 to"
-                f" {MAX_DURATION.total_seconds():g} ({MAX_DURATION.days} days)"
-            )
+        # Capped: 10**400 (below math.inf) made the release (in the owner's ``finally``, after
+        # its commit) raise OverflowError from call_later.
+        checked_seconds("HerdRelease.interval_s", self.interval_s)
 
     def batches(self, waiting: int) -> list[tuple[float, int, int]]:
         """``(delay_s, start, stop)`` for each batch of ``waiting`` duplicates in arrival order:

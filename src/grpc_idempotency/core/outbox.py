@@ -31,13 +31,10 @@ from grpc_idempotency.core.keys import (
     step_name_problem,
 )
 from grpc_idempotency.core.log_text import code_point, unsafe_character
-from grpc_idempotency.core.policy import MAX_DURATION, Step
+from grpc_idempotency.core.policy import Step
 from grpc_idempotency.core.propagation import as_of
 from grpc_idempotency.core.retry import backoff_ceiling_s
-
-MAX_DURATION_S = MAX_DURATION.total_seconds()
-"""The longest lease, backoff or age the outbox's SQL adds to (or takes from) the database's
-clock: longer overflows a timestamp (SQLSTATE 22008), which read as the store being down."""
+from grpc_idempotency.core.seconds import checked_seconds
 
 
 def outbox_step(
@@ -200,36 +197,21 @@ class DeliveryPolicy:
     multiplier: float = 2.0
 
     def __post_init__(self) -> None:
+        # TypeError for a wrong type, as every other setting's (True was taken for 1).
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
-            raise ValueError(f"max_attempts must be an integer, not {self.max_attempts!r}")
+            raise TypeError(f"max_attempts must be a whole number, not {self.max_attempts!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, not {self.max_attempts}")
-        for name in ("initial_backoff_s", "max_backoff_s", "multiplier"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                # math.isfinite said "must be real number, not str", naming no setting; True
-                # was taken for 1.
-                raise ValueError(f"{name} must be a number, not {value!r}")
-        # `not x > 0` rather than `x <= 0`: NaN compares false both ways and must be refused.
-        # Compared, not math.isfinite: an int too large for a float (10**400) made it raise a
-        # bare OverflowError naming no setting. At most max_backoff_s's cap (below), or the
-        # message comparing the two would format it.
-        if not 0 < self.initial_backoff_s <= MAX_DURATION_S:
+        # Capped: the database adds the backoff to its clock, and past the cap it overflows
+        # (22008): the failure was never recorded (the row stayed claimed with failures=0).
+        checked_seconds("initial_backoff_s", self.initial_backoff_s, positive=True)
+        checked_seconds("max_backoff_s", self.max_backoff_s, positive=True)
+        if isinstance(self.multiplier, bool) or not isinstance(self.multiplier, int | float):
+            raise TypeError(f"multiplier must be a number, not {self.multiplier!r}")
+        if not self.initial_backoff_s <= self.max_backoff_s:
             raise ValueError(
-                f"initial_backoff_s must be a positive number of seconds, at most"
-                f" {MAX_DURATION_S:g}, not {self.initial_backoff_s!r}"
-            )
-        if not self.initial_backoff_s <= self.max_backoff_s < math.inf:
-            raise ValueError(
-                f"max_backoff_s must be a number of seconds no smaller than initial_backoff_s"
-                f" ({self.initial_backoff_s:g}), not {self.max_backoff_s!r}"
-            )
-        if self.max_backoff_s > MAX_DURATION_S:
-            # The database adds the backoff to its clock: past this it overflows (22008), and
-            # the failure was never recorded (the row stayed claimed with failures=0).
-            raise ValueError(
-                f"max_backoff_s must be at most {MAX_DURATION_S:g} s"
-                f" ({MAX_DURATION.days} days), not {self.max_backoff_s!r}"
+                f"max_backoff_s must be at least initial_backoff_s ({self.initial_backoff_s:g}),"
+                f" not {self.max_backoff_s!r}"
             )
         # 10**400 is taken (finite): backoff_ceiling_s caps what its power overflows to.
         if not 1 <= self.multiplier < math.inf:

@@ -23,6 +23,7 @@ from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.fingerprint import ExtensionsChecked, Fingerprinter
 from grpc_idempotency.core.keys import step_name_problem
 from grpc_idempotency.core.option_checks import UNKNOWN_WHY, unknown_fields
+from grpc_idempotency.core.seconds import MAX_DURATION as MAX_DURATION
 from grpc_idempotency.core.wire import DEFAULT_RECORDED_ERRORS, NEVER_RECORDED
 from grpc_idempotency.v1 import options_pb2
 
@@ -38,9 +39,6 @@ MIN_LEASE = timedelta(milliseconds=100)
 duplicate took the claim over from its live owner (both ran the handler); atomic, it is the
 transaction's idle timeout, and ended the session under any handler that awaited anything
 (answered UNAVAILABLE as if the store were down, on every retry)."""
-MAX_DURATION = timedelta(days=36500)
-"""The longest retention, lease or wait: added to the database's clock, a longer one can
-overflow a timestamp (SQLSTATE 22008), which failed every call as if the store were down."""
 DEFAULT_MAX_WAIT = timedelta(seconds=5)
 # Below gRPC's default 4 MiB receive limit, so that whatever is stored can also be received.
 DEFAULT_MAX_RESPONSE_BYTES = 1 << 20

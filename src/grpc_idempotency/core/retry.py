@@ -22,11 +22,7 @@ from grpc_idempotency.core.errors import (
     RequestInvalid,
     ResponseTooLarge,
 )
-from grpc_idempotency.core.policy import MAX_DURATION
-
-_LONGEST_S = MAX_DURATION.total_seconds()
-"""The longest backoff or total timeout: past about 7e9 s from now gRPC's deadline overflows
-(every attempt DEADLINE_EXCEEDED at once), and a sleep of an int too large for a float raises."""
+from grpc_idempotency.core.seconds import checked_seconds
 
 RETRYABLE: frozenset[Code] = frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED})
 
@@ -90,54 +86,32 @@ class RetryPolicy:
             raise ValueError(f"retryable is a set of status codes, not {retryable!r}{hint}")
         # grpc.StatusCode members compared unequal to every Code: such a policy never retried.
         object.__setattr__(self, "retryable", frozenset(map(_code, retryable)))
-        for name in ("initial_backoff_s", "max_backoff_s", "multiplier"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                # Compared below, a str or None raised a TypeError naming no field; True was 1.
-                raise ValueError(f"{name} must be a number, not {value!r}")
+        # TypeError for a wrong type, as every other setting's (a str or None raised a bare
+        # comparison error naming no field; True was 1). Capped: 10**400 (below math.inf) was a
+        # bare OverflowError at the first retry, 1e30 slept for ever, and gRPC's deadline
+        # overflows past about 7e9 s from now (every attempt DEADLINE_EXCEEDED at once).
+        checked_seconds("initial_backoff_s", self.initial_backoff_s, positive=True)
+        checked_seconds("max_backoff_s", self.max_backoff_s, positive=True)
+        if isinstance(self.multiplier, bool) or not isinstance(self.multiplier, int | float):
+            raise TypeError(f"multiplier must be a number, not {self.multiplier!r}")
         # A whole number, as DeliveryPolicy's: NaN compares false both ways and inf is never
         # reached (delay_s retried for ever), a str failed a raw comparison, True meant 1.
         attempts = self.max_attempts
-        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, a whole number; not {attempts!r}")
-        if not (0 < self.initial_backoff_s <= self.max_backoff_s < math.inf):
+        if isinstance(attempts, bool) or not isinstance(attempts, int):
+            raise TypeError(f"max_attempts must be a whole number, not {attempts!r}")
+        if attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, not {attempts!r}")
+        if not self.initial_backoff_s <= self.max_backoff_s:
             raise ValueError(
-                "backoffs must be positive and finite, and max_backoff_s >= initial_backoff_s"
-            )
-        if self.max_backoff_s > _LONGEST_S:
-            # Not ``< math.inf``: 10**400 is below it, and the backoff was a bare OverflowError
-            # ("int too large to convert to float") at the first retry; 1e30 slept for ever.
-            raise ValueError(
-                f"max_backoff_s must be at most {_LONGEST_S:g} s ({MAX_DURATION.days} days),"
+                f"max_backoff_s must be at least initial_backoff_s ({self.initial_backoff_s:g}),"
                 f" not {self.max_backoff_s!r}"
             )
         if not 1 <= self.multiplier < math.inf:
             raise ValueError("multiplier must be at least 1, and finite")
-        # NaN compares false both ways: every pushback was waited out, however long.
-        pushback = self.max_pushback_s
-        if isinstance(pushback, bool) or not isinstance(pushback, int | float):
-            raise ValueError(f"max_pushback_s must be a number of seconds, not {pushback!r}")
-        if not 0 <= pushback < math.inf:
-            raise ValueError(f"max_pushback_s must be finite and not negative, not {pushback!r}")
-        # NaN compares false both ways (never spent: no bound at all), 0 spent before the first
-        # attempt, True was 1 second.
-        total = self.total_timeout_s
-        if total is not None and (
-            isinstance(total, bool)
-            or not isinstance(total, int | float)
-            or not 0 < total < math.inf
-        ):
-            raise ValueError(
-                f"total_timeout_s must be a positive, finite number of seconds or None, not"
-                f" {total!r}"
-            )
-        if total is not None and total > _LONGEST_S:
-            # gRPC's deadline overflows past about 7e9 s from now: every attempt ended at once
-            # with DEADLINE_EXCEEDED, as if the server were too slow.
-            raise ValueError(
-                f"total_timeout_s must be at most {_LONGEST_S:g} s ({MAX_DURATION.days} days),"
-                f" not {total!r}"
-            )
+        # NaN: every pushback was waited out, however long; past the cap, as a backoff's.
+        checked_seconds("max_pushback_s", self.max_pushback_s)
+        # NaN: never spent (no bound at all); 0 spent before the first attempt.
+        checked_seconds("total_timeout_s", self.total_timeout_s, positive=True, or_none=True)
 
     def delay_s(
         self,

@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 import asyncpg
 
 from grpc_idempotency.core.errors import StoreUnavailable
-from grpc_idempotency.core.outbox import MAX_DURATION_S, StepRoutes
+from grpc_idempotency.core.outbox import StepRoutes
+from grpc_idempotency.core.seconds import checked_seconds
 from grpc_idempotency.store.dsn_files import dsn_where
 from grpc_idempotency.store.errors import (
     STORE_ERRORS,
@@ -533,10 +534,9 @@ class OutboxStore:
         max_batches: int | None,
         on_batch: Callable[[int], None] | None,
     ) -> int:
-        # Not `older_than_s < 0`: NaN passes it. Past MAX_DURATION_S the database cannot
-        # take it from its clock (22008), which read as the store being down.
-        if not 0 <= older_than_s <= MAX_DURATION_S:
-            raise ValueError(f"older_than_s must be 0 to {MAX_DURATION_S:g} s")
+        # Past the cap the database cannot take it from its clock (22008), which read as the
+        # store being down.
+        checked_seconds("older_than_s", older_than_s)
         # Each batch at READ COMMITTED (Store.purge_in_batches): relays purge side by side, and
         # at REPEATABLE READ a row another one deleted since the batch began would fail it.
         return await self.store.purge_in_batches(

@@ -18,7 +18,6 @@ import functools
 import inspect
 import math
 import os
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -48,7 +47,8 @@ from grpc_idempotency.core.lifecycle import (
     renewal_acquire_bound_s,
     renewal_bound_s,
 )
-from grpc_idempotency.core.policy import MAX_DURATION, Isolation
+from grpc_idempotency.core.policy import Isolation
+from grpc_idempotency.core.seconds import MAX_DURATION_S, checked_seconds
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store import migrations
 from grpc_idempotency.store.dsn_files import at_in_user_info, dsn_where, unsendable, unusable_file
@@ -521,41 +521,19 @@ def _read_only(conn: PooledConnection) -> bool:
     )
 
 
-def _positive_finite(value: float) -> bool:
-    # Not ``< math.inf``: an int too large for a float (10**400) is below it, and float() of it
-    # raised OverflowError from asyncpg, or (probe_timeout) after the pool was open, left so.
-    return 0 < value <= sys.float_info.max
-
-
 def _checked_acquire_timeout(value: float | None) -> float | None:
     # A negative one was clamped to 1 ms without a word, and NaN compared false everywhere.
-    # Text (from the environment) was a bare "'<' not supported", naming no option.
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise TypeError(f"acquire_timeout must be None or a number of seconds, not {value!r}")
-    if value is not None and not _positive_finite(value):
-        raise ValueError(f"acquire_timeout must be None or positive and finite, not {value!r}")
-    return value
+    # Text (from the environment) was a bare "'<' not supported", naming no option. Capped:
+    # 10**400 (below math.inf) raised OverflowError from asyncpg.
+    return checked_seconds("acquire_timeout", value, positive=True, or_none=True)
 
 
-def _checked_seconds(name: str, value: object) -> None:
+def _checked_timeout(name: str, value: object) -> None:
     # Checked here: asyncpg's own check of command_timeout raises from its connection-parameter
     # module, where it was told as "the DSN cannot be parsed"; a connect timeout of 0 or less
-    # timed every connection out, told as an outage; NaN and inf meant no timeout at all.
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be None or a number of seconds, not {value!r}")
-    if not _positive_finite(value):
-        raise ValueError(f"{name} must be None (no timeout) or positive and finite, not {value!r}")
-
-
-def _checked_probe_timeout(value: object) -> None:
-    # Never None: an outage probe with no bound left a fail-open method waiting on a database
-    # that accepts connections and never answers, for as long as the call may wait.
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"probe_timeout must be a number of seconds, not {value!r}")
-    if not _positive_finite(value):
-        raise ValueError(f"probe_timeout must be positive and finite, not {value!r}")
+    # timed every connection out, told as an outage; NaN and inf meant no timeout at all; and
+    # 10**400 (below math.inf) raised OverflowError from asyncpg. None: no timeout.
+    checked_seconds(name, value, positive=True, or_none=True)
 
 
 def _own_password(password: Callable[[], Any]) -> Callable[[], Coroutine[Any, Any, Any]]:
@@ -617,13 +595,7 @@ def _checked_lifetime(name: str, value: object) -> None:
     # asyncpg's bare "'<' not supported"; NaN passed its check (nan < 0 is false) to time every
     # cached statement out at nan, and 10**400 (below math.inf) made call_later raise
     # OverflowError once the pool ran. 0 is asyncpg's "no limit".
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds (0: no limit), not {value!r}")
-    if not 0 <= value <= MAX_DURATION.total_seconds():
-        raise ValueError(
-            f"{name} must be 0 (no limit) or a positive number of seconds up to"
-            f" {MAX_DURATION.total_seconds():g} ({MAX_DURATION.days} days), not {value!r}"
-        )
+    checked_seconds(name, value)
 
 
 def _checked_schema(schema: object) -> None:
@@ -806,9 +778,11 @@ class Store:
             # than max_size", naming an option the caller never gave.
             min_size = min(_DEFAULT_MIN_SIZE, max_size)
         _checked_pool_size("min_size", min_size)
-        _checked_seconds("command_timeout", command_timeout)
-        _checked_probe_timeout(probe_timeout)
-        _checked_seconds("timeout", pool_options.get("timeout"))
+        _checked_timeout("command_timeout", command_timeout)
+        # Never None: an outage probe with no bound left a fail-open method waiting on a
+        # database that accepts connections and never answers, as long as the call may wait.
+        checked_seconds("probe_timeout", probe_timeout, positive=True)
+        _checked_timeout("timeout", pool_options.get("timeout"))
         _checked_server_settings(pool_options.get("server_settings"))
         for name in _WHOLE_NUMBER_OPTIONS:
             if name in pool_options:
@@ -907,14 +881,12 @@ class Store:
         needs a pooled connection: closed first, the pool refused it, and the key stayed
         claimed for its whole lease (a retry elsewhere was told "in progress" that long). So
         are claims whose callers went while they were on the wire (``_settle``)."""
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            # Else a bare "unsupported operand" naming nothing, and the store left open.
-            raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
-        if timeout != timeout:
-            # NaN: every wait below was cut to none, and the pool terminated under the calls
-            # holding claims (their keys claimed for their whole lease), without a word.
-            raise ValueError("timeout must be a number of seconds, not nan")
-        if timeout > MAX_DURATION.total_seconds():
+        # Else text was a bare "unsupported operand" naming nothing, and the store left open;
+        # NaN cut every wait below to none, and the pool terminated under the calls holding
+        # claims (their keys claimed for their whole lease), without a word. Any other number
+        # goes: 0 or less closes at once, more than the cap waits without bound.
+        checked_seconds("timeout", timeout, minimum=-math.inf, cap=math.inf)
+        if timeout > MAX_DURATION_S:
             # No bound, as math.inf is: 10**400 (below it) was a bare OverflowError, and the
             # store left open.
             timeout = math.inf
@@ -1764,13 +1736,10 @@ class Store:
             raise ValueError("batch_size and max_batches must be positive")
         if batch_size > 2**63 - 1:  # a bigint: beyond, 22000 read as the store being down
             raise ValueError("batch_size must be at most 2**63 - 1")
-        if isinstance(pause, bool) or not isinstance(pause, int | float):
-            # As Purger checks it: None or text was a bare "'<=' not supported", True 1 s.
-            raise TypeError(f"pause must be a number of seconds, not {pause!r}")
-        # NaN too: asyncio.sleep(nan) never returns; 10**400 (below math.inf) was a bare
-        # OverflowError after the first batch.
-        if not (0 <= pause <= MAX_DURATION.total_seconds()):
-            raise ValueError(f"pause must be from 0 to {MAX_DURATION.total_seconds():g} s")
+        # As Purger checks it: None or text was a bare "'<=' not supported", True 1 s;
+        # asyncio.sleep(nan) never returns; 10**400 (below math.inf) was a bare OverflowError
+        # after the first batch.
+        checked_seconds("pause", pause)
         total = batches = 0
         position: object = None
         while max_batches is None or batches < max_batches:
