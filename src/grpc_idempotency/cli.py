@@ -794,6 +794,10 @@ async def _with_store(args: argparse.Namespace) -> int:
     if not args.dsn:
         print("grpc-idempotency: --dsn (or GRPC_IDEMPOTENCY_DSN) is required", file=sys.stderr)
         return 2
+    if args.command == "list" and (mismatch := inspect_cli.list_cursor_mismatch(args)):
+        # Before connecting, as a cursor that is none is refused (by argparse).
+        print(f"grpc-idempotency: argument --after: {mismatch}", file=sys.stderr)
+        return 2
     if args.command == "relay" and args.listen_dsn and not args.no_listen:
         # Before --dsn is connected: checked once connected, an unusable --listen-dsn exited 1
         # ("retry later") while --dsn's database was down.

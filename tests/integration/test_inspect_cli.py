@@ -29,7 +29,7 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, StaticScope, Store, child_key
-from grpc_idempotency.inspect_cli.cursor import ListCursor
+from grpc_idempotency.inspect_cli.cursor import ListCursor, Listing
 from tests.e2e.procs import free_port
 from tests.support.ledger import RunningLedger, fresh, metadata, running_ledger
 from tests.support.relay import RunningRelay, running_relay
@@ -1282,15 +1282,29 @@ async def test_list_pages_on_with_after_and_rows_inserted_meanwhile_move_nothing
     assert listed == [r["key"] for r in order if r["key"] not in ("new", "a,a")]
     assert len(listed) == 8 and "mid" in listed
 
-    last = await cli(*base, "--after", cursor_of(0, "z;"))
+    last = await cli(*base, "--after", cursor_of(0, "z;", scope))
     assert (last.returncode, last.stdout) == (3, f"no records under {scope} after the cursor\n")
 
-    valid = cursor_of(5, "a,b")
-    for bad in ["not a cursor", valid[:-3], b64url(b'{"v":1}'), cursor_of(0, "\x00"),
-                b64url(b'{"v":1,"t":99999999999999999999,"k":"a"}')]:  # fmt: skip
+    valid = cursor_of(5, "a,b", scope)
+    digests = b'"s":"0a1b2c3d","l":"0a1b2c3d"'
+    for bad in ["not a cursor", valid[:-3], b64url(b'{"v":2}'), cursor_of(0, "\x00", scope),
+                b64url(b'{"v":2,"t":99999999999999999999,"k":"a",' + digests + b"}")]:  # fmt: skip
         done = await cli(*base, "--after", bad)
         assert (done.returncode, done.stdout) == (2, ""), done.stderr
         assert "argument --after: not a cursor" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+    # Another listing's cursor, the scope's under a filter or another scope's, paged from a
+    # place in another order. Refused before connecting: the database need not be reachable.
+    nowhere = ["list", "--dsn", "postgresql://nowhere.invalid/db", "--after", valid]
+    for others, says in [
+        (["--scope", scope, "--method", POST], "a cursor of this scope listed with other filters"),
+        (["--scope", scope, "--state", "completed"], "listed with other filters"),
+        (["--scope", f"{scope}-other"], "a cursor of another scope's listing"),
+    ]:
+        done = await cli(*nowhere, *others)
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        assert "argument --after: a cursor of " in done.stderr and says in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
 
 
@@ -1301,6 +1315,7 @@ def b64url(raw: bytes) -> str:
 T0 = datetime(2026, 1, 1, 0, 0, 0, 1, tzinfo=UTC)
 
 
-def cursor_of(micros: int, key: str) -> str:
-    """The cursor ``list`` prints after the record ``key`` begun ``micros`` after ``T0``."""
-    return ListCursor(T0 + timedelta(microseconds=micros), key).encode()
+def cursor_of(micros: int, key: str, scope: str) -> str:
+    """The cursor ``list --scope scope`` prints after the record ``key`` begun ``micros`` after
+    ``T0``."""
+    return ListCursor.of(Listing(scope), T0 + timedelta(microseconds=micros), key).encode()

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import unicodedata
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,8 @@ import pytest
 from grpc_idempotency.cli import _check_outbox, _check_relay, _parser, main
 from grpc_idempotency.core.keys import scope_problem
 from grpc_idempotency.inspect_cli import ConfigError, config_of
-from grpc_idempotency.inspect_cli.cursor import ListCursor
+from grpc_idempotency.inspect_cli.commands import list_cursor_mismatch
+from grpc_idempotency.inspect_cli.cursor import ListCursor, Listing
 from grpc_idempotency.inspect_cli.parsers import scope_text
 
 RELAY = ["relay", "--dsn", "postgresql://u@db/app", "--grpc-target", "t:1", "--method", "/a.B/C"]
@@ -461,22 +462,27 @@ def test_a_list_cursor_reads_back_the_instant_and_key_it_was_made_of() -> None:
     at = datetime(
         2026, 3, 29, 1, 59, 59, 999_999, tzinfo=timezone(timedelta(hours=-3, minutes=-30))
     )
-    made = ListCursor(at, 'k"é,\\ 1')
+    made = ListCursor.of(Listing("s"), at, 'k"é,\\ 1')
     assert parse("list", "--scope", "s", "--after", made.encode()).after == made
 
 
 @pytest.mark.parametrize(
     "doc",
     [
-        '["v","t","k"]',  # JSON holding the three names, but no object
-        '{"v":1,"t":1,"k":"a","x":0}',
-        '{"v":true,"t":1,"k":"a"}',
-        '{"v":2,"t":1,"k":"a"}',  # another release's
-        '{"v":1,"t":1.5,"k":"a"}',
-        '{"v":1,"t":"1","k":"a"}',
-        '{"v":1,"t":1,"k":5}',
-        '{"v":1,"t":1,"k":""}',
-        '{"v":1,"t":1,"k":"\\ud800"}',  # a lone surrogate: no text PostgreSQL holds
+        '["v","t","k","s","l"]',  # JSON holding the five names, but no object
+        '{"v":2,"t":1,"k":"a","s":"0a1b2c3d","l":"0a1b2c3d","x":0}',
+        '{"v":true,"t":1,"k":"a","s":"0a1b2c3d","l":"0a1b2c3d"}',
+        '{"v":3,"t":1,"k":"a","s":"0a1b2c3d","l":"0a1b2c3d"}',  # another release's
+        '{"v":1,"t":1,"k":"a"}',  # one without its listing, as none was released
+        '{"v":2,"t":1,"k":"a"}',
+        '{"v":2,"t":1.5,"k":"a","s":"0a1b2c3d","l":"0a1b2c3d"}',
+        '{"v":2,"t":"1","k":"a","s":"0a1b2c3d","l":"0a1b2c3d"}',
+        '{"v":2,"t":1,"k":5,"s":"0a1b2c3d","l":"0a1b2c3d"}',
+        '{"v":2,"t":1,"k":"","s":"0a1b2c3d","l":"0a1b2c3d"}',
+        '{"v":2,"t":1,"k":"\\ud800","s":"0a1b2c3d","l":"0a1b2c3d"}',  # a lone surrogate
+        '{"v":2,"t":1,"k":"a","s":"0A1B2C3D","l":"0a1b2c3d"}',
+        '{"v":2,"t":1,"k":"a","s":"0a1b2c3d","l":5}',
+        '{"v":2,"t":1,"k":"a","s":"0a1b2c3d","l":"0a1b2c"}',
         "[" * 100_000,  # past the JSON parser's depth
     ],
 )
@@ -485,3 +491,27 @@ def test_a_list_cursor_list_never_printed_is_bad_usage(doc: str) -> None:
     database error to retry (exit 1), or were argparse's "invalid list_cursor value"."""
     error = refused("list", "--scope", "s", "--after", _b64url(doc))
     assert re.match(r"argument --after: (not a cursor|a cursor of another release)", error), error
+
+
+def test_a_list_cursor_pages_only_the_listing_that_printed_it() -> None:
+    """Taken from ``--scope A --method M``, it paged ``--scope B`` (or A under another filter)
+    from a place in another order, silently. Refused, saying whether the scope or the filters
+    differ; the spellings --method takes of one method, and another --limit, are one listing."""
+    made = ListCursor.of(Listing("A", method=POST_METHOD), T, "k").encode()
+
+    def mismatch(*argv: str) -> str | None:
+        return list_cursor_mismatch(parse("list", *argv, "--after", made))
+
+    assert mismatch("--scope", "A", "--method", POST_METHOD) is None
+    assert mismatch("--scope", "A", "--method", POST_METHOD.lstrip("/"), "--limit", "7") is None
+    assert mismatch("--scope", "A", "--method", "testsvc.v1.LedgerService.Post") is None
+    other_scope = mismatch("--scope", "B", "--method", POST_METHOD)
+    assert other_scope is not None and "another scope's listing" in other_scope, other_scope
+    for filters in [[], ["--state", "completed"], ["--method", "/testsvc.v1.LedgerService/Get"],
+                    ["--method", POST_METHOD, "--state", "error"]]:  # fmt: skip
+        differs = mismatch("--scope", "A", *filters)
+        assert differs is not None and "other filters" in differs, (filters, differs)
+
+
+POST_METHOD = "/testsvc.v1.LedgerService/Post"
+T = datetime(2026, 1, 1, tzinfo=UTC)

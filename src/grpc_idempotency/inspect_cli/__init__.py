@@ -29,6 +29,7 @@ from grpc_idempotency.inspect_cli.commands import (
     NOT_FOUND,
     UNREACHABLE,
     UNUSABLE,
+    list_cursor_mismatch,
     run_inspect,
     run_list,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "add_parsers",
     "run_inspect",
     "run_list",
+    "list_cursor_mismatch",
     "FOUND",
     "UNREACHABLE",
     "UNUSABLE",

@@ -18,7 +18,7 @@ from grpc_idempotency.core import inspection
 from grpc_idempotency.core.inspection import RecordState
 from grpc_idempotency.core.policy import normalize_method
 from grpc_idempotency.inspect_cli.config import ConfigError, config_of
-from grpc_idempotency.inspect_cli.cursor import ListCursor
+from grpc_idempotency.inspect_cli.cursor import ListCursor, Listing
 from grpc_idempotency.inspect_cli.descriptors import Descriptors
 from grpc_idempotency.inspect_cli.json_output import inspect_json, record_json, schema_json
 from grpc_idempotency.inspect_cli.lookup import StoreFailed, inspect_key
@@ -72,6 +72,22 @@ def run_inspect(args: argparse.Namespace) -> int:
     return FOUND
 
 
+def listing_of(args: argparse.Namespace) -> Listing:
+    """The listing ``list``'s arguments ask for: what its cursors belong to."""
+    return Listing(
+        args.scope,
+        state=args.state or None,
+        method=normalize_method(args.method) if args.method else None,
+    )
+
+
+def list_cursor_mismatch(args: argparse.Namespace) -> str | None:
+    """Why ``list``'s --after cannot page the listing its other arguments ask for, or None.
+    Checked before connecting: bad usage (exit 2) whether or not the database is up."""
+    after: ListCursor | None = args.after
+    return None if after is None else after.mismatch(listing_of(args))
+
+
 async def run_list(args: argparse.Namespace, store: Store, *, applied: Collection[int]) -> int:
     """``grpc-idempotency list``: the scope's records; returns the exit status. ``applied``:
     the schema's migrations (``Store.check_schema``), read as it stands (``InspectionStore``)
@@ -79,9 +95,13 @@ async def run_list(args: argparse.Namespace, store: Store, *, applied: Collectio
     if args.limit < 1:
         print("grpc-idempotency: --limit must be at least 1", file=sys.stderr)
         return UNUSABLE
-    state = RecordState(args.state) if args.state else None
-    method = normalize_method(args.method) if args.method else None
+    listing = listing_of(args)
+    state = RecordState(listing.state) if listing.state else None
+    method = listing.method
     after: ListCursor | None = args.after
+    if after is not None and (mismatch := after.mismatch(listing)) is not None:
+        print(f"grpc-idempotency: argument --after: {mismatch}", file=sys.stderr)
+        return UNUSABLE
     # One more than asked for says whether a next page has any record: a cursor printed after
     # a page that happened to end the listing led to an empty page, exit 3 ("none matched").
     rows = await InspectionStore(store, applied=applied).scope_records(
@@ -93,7 +113,7 @@ async def run_list(args: argparse.Namespace, store: Store, *, applied: Collectio
     )
     records = rows[: args.limit]
     last = records[-1] if len(rows) > args.limit else None
-    following = None if last is None else ListCursor(last.created_at, last.key).encode()
+    following = None if last is None else ListCursor.of(listing, last.created_at, last.key).encode()
     if args.json:
         # On each line, whatever the record: a line that is no record would break a reader
         # that takes every line for one. ``next``, the same on every line of a page, so too.

@@ -260,8 +260,10 @@ def add_parsers(
         metavar="CURSOR",
         help="list the records after CURSOR, which a listing cut at --limit printed last (in"
         " --json, as next): the next page, older records, as the same command lists them;"
-        " whatever was recorded meanwhile, no record is listed twice or skipped (default:"
-        " from the newest)",
+        " whatever was recorded meanwhile, no record is listed twice or skipped. Only with the"
+        " --scope, --state and --method that printed it (--limit may change). A key claimed"
+        " again once its record expired is a new operation: it lists among the newest, not"
+        " on a later page (default: from the newest)",
     )
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
 
