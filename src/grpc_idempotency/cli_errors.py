@@ -300,7 +300,8 @@ def _describe(exc: BaseException) -> str:
 def statement_cache_broken(err: StoreUnavailable) -> bool:
     """Whether ``err`` came of asyncpg's statement cache behind a transaction pooler (26000,
     42P05: a named statement missing from, or already on, the server connection PgBouncer gave;
-    08P01 for a Bind that does not fit another client's statement of the same name there).
+    08P01 for a Bind that does not fit another client's statement of the same name there, 22P03
+    for one whose parameters that statement reads as other types).
     The database answers; runs keep failing until the command gets --statement-cache-size 0:
     exit 2 (fix the command), not 1, which sent a cron job's retries round for good."""
     return any(prepared_statement_lost(cause) for cause in _causes(err))

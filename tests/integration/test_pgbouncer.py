@@ -224,6 +224,50 @@ async def test_a_bind_that_does_not_fit_another_clients_statement_is_the_stateme
     assert "pass --statement-cache-size 0" in capsys.readouterr().err
 
 
+async def test_a_bind_another_clients_statement_reads_as_other_types_is_the_statement_cache(
+    pg_dsn: str, store: Store, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As above, but the other client's statement of the same name has as many parameters, of
+    other types: PostgreSQL reads the store's binary text as a bigint, bytes are left over, and
+    it refuses the Bind with 22P03 ("incorrect binary data format in bind parameter 1"). Taken
+    for a value the database refused, it was no hint and a command's exit 1, retried for good.
+    Made to happen at once: each of the store's cached statements with parameters is prepared
+    again on the pooler's one server connection with each text parameter a bigint."""
+    caplog.set_level(logging.ERROR, logger="grpc_idempotency.store")
+    with running_pgbouncer(pg_dsn, pool_size=1) as single:
+        cached = await Store.connect(single.dsn, schema=store.schema, min_size=1, max_size=1)
+        squatter = await asyncpg.connect(single.dsn, **POOL_OPTIONS)
+        try:
+            await cached.check_schema()  # its statements prepared and cached
+            named = await squatter.fetch(
+                "SELECT name, parameter_types::text[] AS types FROM pg_prepared_statements"
+                " WHERE starts_with(name, '__asyncpg_') AND cardinality(parameter_types) > 0"
+            )
+            # to_regclass($1): the schema_migrations table's qualified name, more than 8 bytes.
+            assert any("text" in types for _, types in named), named
+            for name, types in named:
+                others = ", ".join("bigint" if t == "text" else "text" for t in types)
+                await squatter.execute(
+                    f'DEALLOCATE "{name}"; PREPARE "{name}"({others}) AS SELECT true'
+                )
+            with pytest.raises(StoreUnavailable) as raised:
+                await cached.check_schema()
+        finally:
+            await squatter.close()
+            await cached.close()
+    err = raised.value
+    cause = err.__cause__
+    assert isinstance(cause, asyncpg.InvalidBinaryRepresentationError), repr(cause)
+    assert str(cause) == "incorrect binary data format in bind parameter 1", str(cause)
+    assert prepared_statement_lost(cause)
+    assert not err.outage and not err.ambiguous, "the database answered"
+    [record] = [r for r in caplog.records if "statement_cache_size=0" in r.getMessage()]
+    assert "(SQLSTATE 22P03: incorrect binary data format" in record.getMessage()
+    assert store_error_status(err) == 2
+    report_store_error(err, single.dsn)
+    assert "pass --statement-cache-size 0" in capsys.readouterr().err
+
+
 # -- keyed calls --------------------------------------------------------------------------------
 
 

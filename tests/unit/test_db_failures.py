@@ -289,6 +289,27 @@ def test_a_bind_misfit_is_the_statement_cache_and_poolers_own_08p01_stays_an_out
         assert error.outage and error.ambiguous, said
 
 
+def test_a_bind_left_unread_is_the_statement_cache_not_a_refused_value() -> None:
+    """22P03 with exec_bind_message's own message (postgres.c: the parameter's receive function
+    left bytes unread) is a Bind on another client's statement of the same name, with other
+    parameter types (tests/integration/test_pgbouncer.py makes one through PgBouncer): the store
+    binds only its own values, through codecs that write what the declared type reads. A
+    receive function's own 22P03 refusals of a value stay the value's."""
+    exc = asyncpg.InvalidBinaryRepresentationError(
+        "incorrect binary data format in bind parameter 3"
+    )
+    assert prepared_statement_lost(exc)
+    error = store_error(exc, "claiming a key", store=StoreLog())
+    assert not error.outage and not error.ambiguous
+    assert purge_refused(exc, "purging records") is None  # store_error's, with its hint
+    for said in [
+        'invalid sign in external "numeric" value',
+        "incorrect binary data format in bind parameter 3 of statement x",
+        "incorrect binary data format",
+    ]:
+        assert not prepared_statement_lost(asyncpg.InvalidBinaryRepresentationError(said)), said
+
+
 def test_only_a_refusal_of_the_purges_statement_is_misconfigured() -> None:
     """A trigger's RAISE and an application's foreign key refuse every retry: misconfigured.
     A race, a lock timeout, an outage, a statement cancelled, a statement cache lost behind

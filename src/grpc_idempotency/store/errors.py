@@ -194,9 +194,24 @@ _BIND_MISFIT = re.compile(
 )
 
 
+# The same cause when the other client's statement has as many parameters but of other types:
+# asyncpg binds every parameter in binary, encoded for the type the server described when
+# asyncpg prepared the statement, and the server decodes it with its own statement's type's
+# receive function; one that leaves bytes unread (a text of more than 8 bytes read as a bigint)
+# fails the Bind with 22P03 and this message (postgres.c, exec_bind_message). Not a value of
+# the caller's: the store binds only its own parameters, through asyncpg's codecs for the
+# types its statements declare (text, bytea, integers, timestamps), which write exactly what
+# the receive function of the same type reads; text and bytea read any bytes. A Bind on the
+# statement asyncpg prepared cannot leave bytes unread, so the statement is another client's.
+# Taken for a refused value (OTHER), a command exited 1, "retry later", for good.
+_BINARY_MISFIT = re.compile(r"^incorrect binary data format in bind parameter \d+$")
+
+
 def prepared_statement_lost(exc: BaseException) -> bool:
     if sqlstate(exc) == "08P01":  # PgBouncer's own errors too: only a Bind's misfit is this
         return _BIND_MISFIT.match(str(exc)) is not None
+    if sqlstate(exc) == "22P03":  # a receive function's own refusals too (numeric's sign...)
+        return _BINARY_MISFIT.match(str(exc)) is not None
     # asyncpg's own classes carry these SQLSTATEs; both looked at, whichever it raises.
     return sqlstate(exc) in _PREPARED_STATEMENT_LOST or isinstance(
         exc, (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError)
