@@ -1756,6 +1756,51 @@ def test_a_wrapper_never_shadows_a_name_the_annotations_use(tmp_path: Path) -> N
     )
 
 
+AMBIGUOUS_NAMES = """\
+syntax = "proto3";
+package a.v1;
+import "grpc_idempotency/v1/options.proto";
+message Req {}
+message Res {}
+service L { rpc Get(Req) returns (Res); }
+service Shop {
+  rpc Buy(Req) returns (Res) {
+    option (grpc_idempotency.v1.method) = {
+      steps: { name: "l.v1" call: "a.v1.L/Get" }
+      steps: { name: "i.v1" call: "a.v1.L/Get" }
+      steps: { name: "o.v1" outbox: true }
+    };
+  }
+}
+"""
+AMBIGUOUS_USAGE = """
+from __future__ import annotations
+
+import grpc
+
+from a.v1 import svc_pb2
+from a.v1.svc_idempotency import ShopBuySteps
+
+
+async def handler(channel: grpc.aio.Channel) -> tuple[svc_pb2.Res, str, str]:
+    steps = ShopBuySteps(l=channel)
+    return await steps.l(svc_pb2.Req()), ShopBuySteps.I, ShopBuySteps.O
+"""
+
+
+def test_one_letter_names_pycodestyle_calls_ambiguous_keep_their_name_and_lint_clean(
+    tmp_path: Path,
+) -> None:
+    """Steps ``o.v1``, ``i.v1`` and ``l.v1`` and a called service ``L`` gave constants ``O``
+    and ``I``, a wrapper ``l`` and a parameter ``l``: E741/E743 in code said to be lint clean.
+    The names stay what the step and service names give; their lines carry the ``noqa``."""
+    files = {"a/v1/svc.proto": AMBIGUOUS_NAMES}
+    shop = generate_checked(tmp_path, files, AMBIGUOUS_USAGE)["a/v1/svc_idempotency.py"]
+    assert '    O: Final = "o.v1"  # noqa: E741\n' in shop, shop
+    assert "    async def l(  # noqa: E743\n" in shop
+    assert "        l: grpc.aio.Channel,  # noqa: E741\n" in shop
+
+
 SHADOWING_SERVICES = """\
 syntax = "proto3";
 package a.v1;

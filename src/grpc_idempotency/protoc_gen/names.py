@@ -52,6 +52,14 @@ def safe_identifier(name: str, reserved: Collection[str] = ()) -> str:
     return f"{name}_" if taken else name
 
 
+def ambiguous(name: str) -> bool:
+    """Whether ``name`` is one pycodestyle calls ambiguous (E741-E743: ``l``, ``O``, ``I``,
+    easily misread as ``1`` and ``0``): step ``o.v1`` gives constant ``O``, step ``l.v1``
+    wrapper ``l``, service ``L`` parameter ``l``. The name is kept (it is what a user reads off
+    the step's name) and the line carries a ``noqa`` for it."""
+    return name in {"l", "O", "I"}
+
+
 def has_keyword(module: str) -> bool:
     """Whether a part of the dotted ``module`` is a Python keyword (``in.v1.pay_pb2``): then
     no import statement can name it, and protoc's python_out uses ``importlib``."""

@@ -505,7 +505,12 @@ class _Renderer:
             f"{INDENT}def __init__(",
             f"{INDENT * 2}self,",
             f"{INDENT * 2}*,",
-            *(_long(f"{INDENT * 2}{p}: grpc.aio.Channel,") for p in params.values()),
+            *(
+                f"{INDENT * 2}{p}: grpc.aio.Channel,  # noqa: E741"
+                if names.ambiguous(p)
+                else _long(f"{INDENT * 2}{p}: grpc.aio.Channel,")
+                for p in params.values()
+            ),
             f"{INDENT}) -> None:",
         ]
         for call in method.calls:
@@ -539,7 +544,7 @@ class _Renderer:
                 body = [_long(f"{INDENT * 2}return {returned_call[0]}"), *returned_call[1:]]
             lines += [
                 "",
-                _long(f"{INDENT}async def {names.safe_identifier(ident, self.reserved)}("),
+                _wrapper_head(names.safe_identifier(ident, self.reserved)),
                 f"{INDENT * 2}self,",
                 _long(f"{INDENT * 2}request: {self._annotation(call.target.input_type)},"),
                 f"{INDENT * 2}*,",
@@ -775,6 +780,8 @@ def _constant(name: str, value: str) -> list[str]:
     the split gains nothing and it keeps (or joins back) the one line, which only a ``noqa``
     makes lint clean (a formatter leaves a pragma out of a line's length)."""
     single = f"{INDENT}{name}: Final = {value}"
+    if names.ambiguous(name):  # a name of one letter, its value short: one line
+        return [single + "  # noqa: E741"]
     if len(single) <= 88:
         return [single]
     head, body = f"{INDENT}{name}: Final = (", f"{INDENT * 2}{value}"
@@ -835,6 +842,12 @@ def _long(line: str) -> str:
 
 
 _NOQA_E501 = "  # noqa: E501"
+
+
+def _wrapper_head(wrapper: str) -> str:
+    """A step wrapper's ``async def`` line (``_long``; a name of one letter fits)."""
+    head = f"{INDENT}async def {wrapper}("
+    return f"{head}  # noqa: E743" if names.ambiguous(wrapper) else _long(head)
 
 
 def _docstring(indent: str, text: str, *, closed: bool = True) -> list[str]:
