@@ -1763,12 +1763,14 @@ import "grpc_idempotency/v1/options.proto";
 message Req {}
 message Res {}
 service L { rpc Get(Req) returns (Res); }
+service __Pay { rpc Get(Req) returns (Res); }
 service Shop {
   rpc Buy(Req) returns (Res) {
     option (grpc_idempotency.v1.method) = {
       steps: { name: "l.v1" call: "a.v1.L/Get" }
       steps: { name: "i.v1" call: "a.v1.L/Get" }
       steps: { name: "o.v1" outbox: true }
+      steps: { name: "pay.v1" call: "a.v1.__Pay/Get" }
     };
   }
 }
@@ -1783,22 +1785,37 @@ from a.v1.svc_idempotency import ShopBuySteps
 
 
 async def handler(channel: grpc.aio.Channel) -> tuple[svc_pb2.Res, str, str]:
-    steps = ShopBuySteps(l=channel)
+    steps = ShopBuySteps(l=channel, _pay=channel)
     return await steps.l(svc_pb2.Req()), ShopBuySteps.I, ShopBuySteps.O
 """
 
 
-def test_one_letter_names_pycodestyle_calls_ambiguous_keep_their_name_and_lint_clean(
+def test_odd_but_legal_names_give_parameters_callers_can_pass_and_lint_clean_code(
     tmp_path: Path,
 ) -> None:
     """Steps ``o.v1``, ``i.v1`` and ``l.v1`` and a called service ``L`` gave constants ``O``
     and ``I``, a wrapper ``l`` and a parameter ``l``: E741/E743 in code said to be lint clean.
-    The names stay what the step and service names give; their lines carry the ``noqa``."""
+    The names stay what the step and service names give; their lines carry the ``noqa``.
+    A called service ``__Pay`` gave parameter ``__pay``, which Python mangles in a class body
+    (``_ShopBuySteps__pay``): no caller could pass it. It is ``_pay``."""
     files = {"a/v1/svc.proto": AMBIGUOUS_NAMES}
     shop = generate_checked(tmp_path, files, AMBIGUOUS_USAGE)["a/v1/svc_idempotency.py"]
     assert '    O: Final = "o.v1"  # noqa: E741\n' in shop, shop
     assert "    async def l(  # noqa: E743\n" in shop
     assert "        l: grpc.aio.Channel,  # noqa: E741\n" in shop
+    build = textwrap.dedent(
+        """
+        import asyncio, grpc
+        from a.v1.svc_idempotency import ShopBuySteps
+
+        async def main() -> None:
+            async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
+                ShopBuySteps(l=channel, _pay=channel)
+
+        asyncio.run(main())
+        """
+    )
+    run_with_generated(tmp_path, tmp_path / "out", build)
 
 
 SHADOWING_SERVICES = """\
@@ -2103,6 +2120,9 @@ def test_identifiers() -> None:
     assert names.safe_identifier("self") == "self_"
     assert names.safe_identifier("str", {"str"}) == "str_"
     assert names.safe_identifier("str") == "str"
+    # Python mangles ``__x`` in a class body, not ``__x__`` nor ``_x``.
+    assert names.safe_identifier("__pay") == "_pay" == names.safe_identifier("___pay")
+    assert names.safe_identifier("__pay__") == "__pay__"
     # A snapshot, so that the output does not depend on the Python the plugin runs on; a
     # Python with a new builtin fails here: add it (it renames a wrapper named like it).
     from grpc_idempotency.protoc_gen.render import _BUILTINS

@@ -47,7 +47,12 @@ def snake_case(name: str) -> str:
 
 def safe_identifier(name: str, reserved: Collection[str] = ()) -> str:
     """``name``, or ``name_`` when it is a keyword, ``self`` (a parameter of every method) or
-    one of ``reserved`` (names it would shadow where they are used)."""
+    one of ``reserved`` (names it would shadow where they are used). A name Python would
+    mangle in a class body (``__pay``, from service ``__Pay``) gets one leading underscore:
+    parameter ``__pay`` of ``__init__`` was ``_ShopBuySteps__pay``, which no caller's
+    ``__pay=`` reaches (TypeError)."""
+    if name.startswith("__") and not name.endswith("__"):
+        name = "_" + name.lstrip("_")
     taken = keyword.iskeyword(name) or name == "self" or name in reserved
     return f"{name}_" if taken else name
 
