@@ -364,7 +364,7 @@ def test_a_file_whose_keys_are_all_optional_retries_nothing(tmp_path: Path) -> N
     assert_ruff_clean([tmp_path / "out" / "errs/v1/a_idempotency.py"])
 
 
-# -- validation: each error fails protoc and names the file and the method -------------------
+# -- validation: each error fails protoc and names the file, line and method -----------------
 
 HEADER = """\
 syntax = "proto3";
@@ -489,7 +489,8 @@ def test_validation_error(tmp_path: Path, case: str) -> None:
     options, body, message = ERRORS[case]
     extra = "  rpc Watch(Req) returns (stream Res);\n"
     done = run_on(tmp_path, {"errs/v1/bad.proto": svc(options, body=body, extra_rpc=extra)})
-    assert_fails(done, f"--grpc-idempotency_out: errs/v1/bad.proto: /errs.v1.Svc/Do: {message}")
+    # protoc's own form, file:line:column, at the method's option (line 6 of ``svc``).
+    assert_fails(done, f"--grpc-idempotency_out: errs/v1/bad.proto:6:5: /errs.v1.Svc/Do: {message}")
     assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out" / "errs").exists()
 
@@ -507,7 +508,7 @@ def test_a_fingerprint_option_out_of_its_enum_is_an_error(tmp_path: Path) -> Non
     done = run_on(tmp_path, {"errs/v1/bad.proto": text})
     assert_fails(
         done,
-        "--grpc-idempotency_out: errs/v1/bad.proto: /errs.v1.Svc/Do: field errs.v1.Inner.at:"
+        "--grpc-idempotency_out: errs/v1/bad.proto:6:5: /errs.v1.Svc/Do: field errs.v1.Inner.at:"
         " unknown fingerprint 7",
     )
     assert "Traceback" not in done.stderr, done.stderr
@@ -597,7 +598,7 @@ def test_an_excluded_extension_in_another_file_names_the_method_it_breaks(tmp_pa
     assert_fails(
         done,
         "ext/v1/trace.proto: extension ext.v1.trace: (grpc_idempotency.v1.field) is not read",
-        "ext/v1/req.proto: /ext.v1.Svc/Do: extension ext.v1.trace: (grpc_idempotency.v1.field)"
+        "ext/v1/req.proto:7:31: /ext.v1.Svc/Do: extension ext.v1.trace: (grpc_idempotency.v1.field)"
         " is not read",
     )
     assert generated_files(tmp_path / "out") == {}
@@ -660,7 +661,7 @@ def test_an_excluded_field_inside_a_requests_extension_is_an_error(
     done = run_on(tmp_path, files)
     assert_fails(
         done,
-        f"--grpc-idempotency_out: {generated}: /ext.v1.Svc/Do: extension {extension}: holds"
+        f"--grpc-idempotency_out: {generated}:11:43: /ext.v1.Svc/Do: extension {extension}: holds"
         " ext.v1.Meta.trace, which is FINGERPRINT_EXCLUDE",
     )
     assert "Traceback" not in done.stderr, done.stderr
@@ -765,6 +766,14 @@ def test_valid_options_generate_a_module(tmp_path: Path) -> None:
 
 
 def test_every_error_is_reported_in_one_run(tmp_path: Path) -> None:
+    """Each error starts ``file:line:column:`` at the method's option, as protoc's own do
+    (editors and CI annotations read it); at its first line when it is set field by field."""
+    by_field = HEADER.replace("errs.v1", "errs.v3") + (
+        "service Svc {\n  rpc Do(Req) returns (Res) {\n    option deprecated = true;\n"
+        "    option (grpc_idempotency.v1.method).key = KEY_REQUIRED;\n"
+        '    option (grpc_idempotency.v1.method).steps = { name: "Bad" outbox: true };\n'
+        "  }\n}\n" + MESSAGES
+    )
     text = svc(
         'steps: { name: "Bad" outbox: true }',
         extra_rpc=(
@@ -774,12 +783,14 @@ def test_every_error_is_reported_in_one_run(tmp_path: Path) -> None:
         ),
     )
     done = run_on(tmp_path, {"errs/v1/two.proto": text, "errs/v2/three.proto": svc("").replace(
-        "errs.v1", "errs.v2").replace("rpc Do(Req) returns (Res) {", "rpc Do(Req) returns (Res) {\n    option idempotency_level = NO_SIDE_EFFECTS;")})  # fmt: skip
+        "errs.v1", "errs.v2").replace("rpc Do(Req) returns (Res) {", "rpc Do(Req) returns (Res) {\n    option idempotency_level = NO_SIDE_EFFECTS;"),
+        "errs/v3/four.proto": by_field})  # fmt: skip
     assert_fails(
         done,
-        "errs/v1/two.proto: /errs.v1.Svc/Do: step name 'Bad'",
-        "errs/v1/two.proto: /errs.v1.Svc/Other: step 'x.v1' calls 'errs.v1.Nope/X'",
-        "errs/v2/three.proto: /errs.v2.Svc/Do: the method is declared idempotent",
+        "errs/v1/two.proto:6:5: /errs.v1.Svc/Do: step name 'Bad'",
+        "errs/v1/two.proto:11:5: /errs.v1.Svc/Other: step 'x.v1' calls 'errs.v1.Nope/X'",
+        "errs/v2/three.proto:7:5: /errs.v2.Svc/Do: the method is declared idempotent",
+        "errs/v3/four.proto:7:5: /errs.v3.Svc/Do: step name 'Bad'",
     )
 
 
@@ -906,17 +917,17 @@ NEWER_OPTIONS = {
     "a method option": (
         "future_flag: true",
         "",
-        "/errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets field 11",
+        ":6:5: /errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets field 11",
     ),
     "a step's": (
         'steps: { name: "a.v1" outbox: true } steps: { name: "b.v1" outbox: true note: "later" }',
         "",
-        "/errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets steps[1] field 5",
+        ":6:5: /errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets steps[1] field 5",
     ),
     "a field option": (
         "",
         "string a = 1 [(grpc_idempotency.v1.field) = { redact: true }];",
-        "field errs.v1.Req.a: (grpc_idempotency.v1.field) sets field 2",
+        ": field errs.v1.Req.a: (grpc_idempotency.v1.field) sets field 2",
     ),
 }
 
@@ -932,7 +943,7 @@ def test_options_this_release_does_not_know_are_an_error(tmp_path: Path, case: s
     done = run_on(tmp_path, files, "errs/v1/new.proto")
     assert_fails(
         done,
-        f"--grpc-idempotency_out: errs/v1/new.proto: {message}",
+        f"--grpc-idempotency_out: errs/v1/new.proto{message}",
         "this release of grpc-idempotency does not know",
     )
     assert "Traceback" not in done.stderr, done.stderr
@@ -1165,7 +1176,7 @@ def test_called_services_whose_names_snake_case_alike_get_parameters_of_their_ow
     clash = run_on(tmp_path / "clash", {"errs/v1/one.proto": one_package})
     assert_fails(
         clash,
-        "errs/v1/one.proto: /errs.v1.Svc/Do: called services errs.v1.HTTPGateway and"
+        "errs/v1/one.proto:6:5: /errs.v1.Svc/Do: called services errs.v1.HTTPGateway and"
         " errs.v1.HttpGateway would both be parameter 'errs_v1_http_gateway': generated names"
         " collide",
     )
@@ -1183,7 +1194,7 @@ def test_steps_whose_identifiers_collide_are_refused(tmp_path: Path) -> None:
     done = run_on(tmp_path, {"errs/v1/clash.proto": text})
     assert_fails(
         done,
-        "errs/v1/clash.proto: /errs.v1.Svc/Do: steps 'import.v1' and 'import-.v1' would both"
+        "errs/v1/clash.proto:6:5: /errs.v1.Svc/Do: steps 'import.v1' and 'import-.v1' would both"
         " be import_() in SvcDoSteps",
     )
     assert not (tmp_path / "out" / "errs").exists()
@@ -1200,7 +1211,7 @@ def test_two_active_versions_of_a_step_are_refused(tmp_path: Path) -> None:
     done = run_on(tmp_path, {"errs/v1/twice.proto": text})
     assert_fails(
         done,
-        "errs/v1/twice.proto: /errs.v1.Svc/Do: steps 'a.v1' and 'a.v2' are both active on"
+        "errs/v1/twice.proto:6:5: /errs.v1.Svc/Do: steps 'a.v1' and 'a.v2' are both active on"
         " errs.v1.Svc/Target",
     )
 
@@ -1751,7 +1762,7 @@ def test_a_wrapper_never_shadows_a_name_the_annotations_use(tmp_path: Path) -> N
     )
     assert_fails(
         run_on(tmp_path / "clash", {"errs/v1/clash.proto": clash}),
-        "errs/v1/clash.proto: /errs.v1.Svc/Do: steps 'str.v1' and 'str-.v1' would both be"
+        "errs/v1/clash.proto:6:5: /errs.v1.Svc/Do: steps 'str.v1' and 'str-.v1' would both be"
         " str_() in SvcDoSteps",
     )
 

@@ -60,7 +60,9 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
     for file in loaded.files:
         if file.name == OPTIONS_FILE:
             continue
-        checked, problems = check_file(file, loaded.pool, extensions_checked)
+        checked, problems = check_file(
+            file, loaded.pool, extensions_checked, loaded.locations.get(file.name, {})
+        )
         errors += problems
         checked_files.append(checked)
     if not errors:

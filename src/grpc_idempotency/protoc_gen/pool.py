@@ -24,7 +24,7 @@ under another path than ``grpc_idempotency/v1/options.proto``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,28 @@ class Request:
     files: tuple[FileDescriptor, ...]
     """The files to generate, in the order protoc named them."""
     parameter: str
+    locations: Mapping[str, Locations]
+    """Each file's source positions, by file name (``locations``)."""
+
+
+Locations = Mapping[tuple[int, ...], tuple[int, int]]
+"""A file's source positions: 1-based line and column by ``SourceCodeInfo`` path."""
+
+
+def locations(proto: Any) -> Locations:
+    """Where each element of ``proto`` (a ``FileDescriptorProto``) starts, by its path; for a
+    path protoc gives no location of its own, where its first part does (an option set field
+    by field, ``option (grpc_idempotency.v1.method).key = ...``, has locations for its fields
+    only). protoc sends source info with the files to generate only: other files have none."""
+    found = {
+        tuple(location.path): (location.span[0] + 1, location.span[1] + 1)
+        for location in proto.source_code_info.location
+    }
+    # protoc lists locations in source order: the first part met is the first written.
+    for path, position in list(found.items()):
+        for end in range(len(path) - 1, 0, -1):
+            found.setdefault(path[:end], position)
+    return found
 
 
 def parse_request(data: bytes) -> Any:
@@ -148,7 +170,13 @@ def load(request: Any) -> Request:
                 " _pb2 module fails to import alike: fix what the message names"
             ) from None
     files = tuple(pool.FindFileByName(name) for name in request.file_to_generate)
-    return Request(pool=pool, files=files, parameter=request.parameter)
+    by_name = {proto.name: proto for proto in request.proto_file}
+    return Request(
+        pool=pool,
+        files=files,
+        parameter=request.parameter,
+        locations={name: locations(by_name[name]) for name in request.file_to_generate},
+    )
 
 
 def declared_options(method: MethodDescriptor) -> options_pb2.MethodPolicy | None:

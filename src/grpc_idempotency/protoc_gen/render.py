@@ -132,7 +132,7 @@ class _Renderer:
             problems.append(f"{self.source}: generated class names collide: {clashes}")
         for method in self.step_classes:
             problems += [
-                f"{self.source}: {method.path}: {clash}"
+                f"{method.where}: {method.path}: {clash}"
                 for clash in _step_clashes(
                     _active_steps(method), self.classes[method.path], self.reserved
                 )
@@ -143,7 +143,7 @@ class _Renderer:
                     self.parameters_reserved,
                 )
             except NameClash as clash:
-                problems.append(f"{self.source}: {method.path}: {clash}")
+                problems.append(f"{method.where}: {method.path}: {clash}")
         if problems:
             raise NameClash("\n".join(problems))
         self.needs: set[str] = set()

@@ -31,7 +31,7 @@ from grpc_idempotency.core.errors import PolicyError
 from grpc_idempotency.core.fingerprint import ExtensionsChecked
 from grpc_idempotency.core.option_checks import UNKNOWN_WHY, field_option_problem, unknown_fields
 from grpc_idempotency.core.policy import check_lease, compile_policy, method_path
-from grpc_idempotency.protoc_gen.pool import OptionsInvisible, declared_options
+from grpc_idempotency.protoc_gen.pool import Locations, OptionsInvisible, declared_options
 from grpc_idempotency.v1 import options_pb2
 
 
@@ -50,6 +50,8 @@ class KeyedMethod:
     """The option as written: ``POLICIES`` mirrors it, leaving the rest to the library."""
     calls: tuple[StepCall, ...]
     """The active steps that call a method, in declaration order."""
+    where: str
+    """What the method's errors start with: ``file:line:column`` of its option (``_place``)."""
 
     @property
     def path(self) -> str:
@@ -70,19 +72,23 @@ def check_file(
     file: FileDescriptor,
     pool: descriptor_pool.DescriptorPool,
     checked: ExtensionsChecked | None = None,
+    locations: Locations | None = None,
 ) -> tuple[KeyedFile, list[str]]:
     """The file's keyed methods, and the errors found, each naming the file and the method.
     ``checked``: shared by the files of one request, whose pool does not change
-    (``fingerprint.ExtensionsChecked``)."""
+    (``fingerprint.ExtensionsChecked``). ``locations``: the file's source positions; a
+    method's errors then start ``file:line:column:`` (as protoc's own do, which editors and
+    CI annotations read), at its option."""
     methods: list[KeyedMethod] = []
     field_problems = _field_option_problems(file)
     errors = [f"{file.name}: {problem}" for problem in field_problems]
     for service in sorted(file.services_by_name.values(), key=lambda s: s.index):
         for method in service.methods:
+            where = _place(file, method, locations or {})
             try:
                 declared = declared_options(method)
             except OptionsInvisible as err:
-                errors.append(f"{file.name}: {err}")
+                errors.append(f"{where}: {err}")
                 continue
             if declared is None:
                 continue
@@ -92,8 +98,7 @@ def check_file(
                 # The option as written: compile_policy refuses the same in the descriptor's
                 # view, which declared_options found to agree.
                 errors.append(
-                    f"{file.name}: {path}: (grpc_idempotency.v1.method) sets {unknown}"
-                    f" {UNKNOWN_WHY}"
+                    f"{where}: {path}: (grpc_idempotency.v1.method) sets {unknown} {UNKNOWN_WHY}"
                 )
                 continue
             try:
@@ -104,7 +109,7 @@ def check_file(
                 # The server's refusal of a field option of this file (through the request's
                 # fingerprint) is said once, above; one of another file's is said here.
                 if not any(err.message == f"{path}: {p}" for p in field_problems):
-                    errors.append(f"{file.name}: {err.message}")
+                    errors.append(f"{where}: {err.message}")
                 continue
             assert policy is not None  # the method has the option
             calls: list[StepCall] = []
@@ -114,11 +119,29 @@ def check_file(
                     continue
                 target, problem = _find_method(pool, step.call)
                 if problem is not None:
-                    errors.append(f"{file.name}: {path}: step {step.name!r} calls {problem}")
+                    errors.append(f"{where}: {path}: step {step.name!r} calls {problem}")
                 elif target is not None:
                     calls.append(StepCall(step.name, target))
-            methods.append(KeyedMethod(method, declared, tuple(calls)))
+            methods.append(KeyedMethod(method, declared, tuple(calls), where))
     return KeyedFile(file, tuple(methods)), errors
+
+
+def _place(file: FileDescriptor, method: MethodDescriptor, locations: Locations) -> str:
+    """``file:line:column`` of the method's ``(grpc_idempotency.v1.method)`` option (its first
+    line when set field by field), or the file's name without positions."""
+    rpc = (
+        descriptor_pb2.FileDescriptorProto.SERVICE_FIELD_NUMBER,
+        method.containing_service.index,
+        descriptor_pb2.ServiceDescriptorProto.METHOD_FIELD_NUMBER,
+        method.index,
+    )
+    option = (
+        *rpc,
+        descriptor_pb2.MethodDescriptorProto.OPTIONS_FIELD_NUMBER,
+        options_pb2.method.number,
+    )
+    position = locations.get(option) or locations.get(rpc)
+    return f"{file.name}:{position[0]}:{position[1]}" if position else file.name
 
 
 def _field_option_problems(file: FileDescriptor) -> list[str]:
