@@ -859,12 +859,24 @@ class Relay:
         # An outcome that cannot be recorded (the database fails here) leaves the rows claimed:
         # they are delivered again when the lease expires. The rows marked sent before such a
         # failure are delivered all the same, and counted so.
+        # A row the marks leave out was claimed again after its lease expired (the fencing on
+        # its attempts): its outcome is not this relay's to record, and it is delivered again,
+        # so its span ends unrecorded, as RelayStats.unrecorded counts it.
         delivered = retried = dead = 0
         try:
-            delivered = await self.outbox.mark_sent(relay=self.name, claims=sent)
+            marked = await self.outbox.mark_sent_ids(relay=self.name, claims=sent)
+            delivered = len(marked)
             recorded[0] = True
-            retried, dead = await self.outbox.mark_failed(relay=self.name, failures=failures)
+            states = await self.outbox.mark_failed_states(relay=self.name, failures=failures)
+            dead = sum(1 for state in states.values() if state == "dead")
+            retried = len(states) - dead
             recorded[1] = True
+            for i, message in enumerate(messages):
+                if decided[i] == _SENT:
+                    if message.id not in marked:
+                        decided[i] = _UNRECORDED
+                elif decided[i] != _UNRECORDED and message.id not in states:
+                    decided[i] = _UNRECORDED
         finally:
             self.stats.unrecorded += len(messages) - delivered - retried - dead
             self.stats.delivered += delivered

@@ -25,7 +25,7 @@ from grpc_idempotency import (
     Telemetry,
     current_call,
 )
-from grpc_idempotency.outbox import CallableSink, OutboxMessage, Relay
+from grpc_idempotency.outbox import CallableSink, OutboxMessage, OutboxStore, Relay
 from grpc_idempotency.telemetry import linked_context
 from tests.support.ledger import TENANT, fresh, ledger_server, metadata, prepare, running_ledger
 from tests.support.schemas import fresh_store
@@ -195,6 +195,60 @@ async def test_a_batch_whose_outcomes_cannot_be_recorded_ends_its_spans_unrecord
             assert delivery.status.status_code is StatusCode.UNSET
         else:
             assert delivery.status.description == "unrecorded (ConnectionResetError)"
+
+
+async def test_a_delivery_whose_claim_was_taken_over_ends_its_span_unrecorded(
+    outbox: Store,
+) -> None:
+    """Two of four rows lose their claim while the sink runs (their lease expires and another
+    relay claims them): the marks leave them out (fenced by attempts) and they are delivered
+    again, so their spans say "unrecorded", as RelayStats counts them, not "sent" or
+    "retry"; the failed one's span is an ERROR all the same."""
+    for _ in range(4):
+        await _enqueue(outbox, None)
+    table = f'"{outbox.schema}".outbox'
+    ids = [r["id"] for r in await outbox.pool.fetch(f"SELECT id FROM {table} ORDER BY id")]
+    kept_sent, lost_sent, kept_failed, lost_failed = ids
+    lost = {lost_sent, lost_failed}
+    provider, spans = _tracing()
+    taken: list[int] = []
+    takeover = asyncio.Lock()
+
+    async def deliver(message: OutboxMessage) -> None:
+        async with takeover:  # the first delivery in takes both rows over, before any mark
+            if not taken:
+                await outbox.pool.execute(
+                    f"UPDATE {table} SET locked_until = clock_timestamp() - interval '1 s',"
+                    " next_attempt_at = clock_timestamp() - interval '1 s'"
+                    " WHERE id = ANY($1::bigint[])",
+                    list(lost),
+                )
+                usurper = OutboxStore(outbox)
+                for _ in lost:  # a lost row is claimed alone
+                    (claimed,) = await usurper.claim(relay="usurper", limit=10, lease_s=30)
+                    taken.append(claimed.id)
+        if message.id in (kept_failed, lost_failed):
+            raise ConnectionResetError("receiver gone")
+
+    relay = Relay(outbox, CallableSink(deliver), tracer_provider=provider, listen=False)
+    assert await relay.run_once() == 1
+    assert set(taken) == lost
+    assert (relay.stats.delivered, relay.stats.retried, relay.stats.unrecorded) == (1, 1, 2)
+    ended = {(d.attributes or {})["grpc_idempotency.outbox.row_id"]: d for d in _deliveries(spans)}
+    outcomes = {i: (d.attributes or {})["grpc_idempotency.outbox.outcome"] for i, d in ended.items()}
+    assert outcomes == {
+        kept_sent: "sent",
+        lost_sent: "unrecorded",
+        kept_failed: "retry",
+        lost_failed: "unrecorded",
+    }
+    assert ended[lost_sent].status.status_code is StatusCode.UNSET
+    assert ended[lost_failed].status.description == "unrecorded (ConnectionResetError)"
+    # The usurper's claims stand: the rows are pending under it, to be delivered again.
+    rows = await outbox.pool.fetch(
+        f"SELECT state, claimed_by, attempts FROM {table} WHERE id = ANY($1::bigint[])", list(lost)
+    )
+    assert [tuple(r) for r in rows] == [("pending", "usurper", 2)] * 2
 
 
 async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: Store) -> None:

@@ -143,8 +143,9 @@ class OutboxStatements:
         # $5 its steps' names without version. Filtered in the walk of outbox_due, before the
         # row locks: other steps' rows are neither locked nor claimed (nor taken as the head).
         self.claim_routed = _claim(s, _routed(4))
-        # $1 ids, $2 attempts (the claim's), $3 relay name. Counts the rows this claim has
-        # marked sent, now or before: run again after its answer was lost
+        # $1 ids, $2 attempts (the claim's), $3 relay name. The ids of the rows this claim has
+        # marked sent, now or before (the relay ends the span of a row not among them
+        # unrecorded, in the same round trip): run again after its answer was lost
         # (``OutboxStore._once_more_if_gone``), it found its rows sent, not pending, and they
         # went uncounted (``RelayStats.unrecorded``). A row sent under the same claim (attempts,
         # the fencing token, and relay unchanged) can only be this claim's own mark; a row
@@ -164,14 +165,13 @@ class OutboxStatements:
             already AS (
                 SELECT o.id FROM {s}.outbox o JOIN d ON o.id = d.id AND o.attempts = d.attempts
                 WHERE o.claimed_by = $3 AND o.state = 'sent')
-            SELECT (SELECT pg_catalog.count(*) FROM marked)
-                 + (SELECT pg_catalog.count(*) FROM already)"""
+            SELECT id FROM marked UNION ALL SELECT id FROM already"""
         # $1 ids, $2 attempts, $3 delays (NULL: dead), $4 errors, $5 relay name. A dead row's
         # next_attempt_at records when it was parked (purge-dead --older-than counts from it).
         # locked_until: still under the claim (every mark clears it), so that the statement run
         # again after its answer was lost (``OutboxStore._once_more_if_gone``) counts no failure
-        # twice on a row it rescheduled, still pending with the same claim. Returns the state
-        # of every row this claim has recorded a failure for, now or before (as mark_sent
+        # twice on a row it rescheduled, still pending with the same claim. Returns the id and
+        # state of every row this claim has recorded a failure for, now or before (as mark_sent
         # counts): a row of the same claim that is dead, or pending with its lease cleared, was
         # marked by this statement's first run, whose answer was lost.
         self.mark_failed = f"""
@@ -192,10 +192,10 @@ class OutboxStatements:
                 FROM f
                 WHERE o.id = f.id AND o.attempts = f.attempts AND o.claimed_by = $5
                   AND o.state = 'pending' AND o.locked_until IS NOT NULL
-                RETURNING o.state)
-            SELECT state FROM marked
+                RETURNING o.id, o.state)
+            SELECT id, state FROM marked
             UNION ALL
-            SELECT o.state FROM {s}.outbox o JOIN f ON o.id = f.id AND o.attempts = f.attempts
+            SELECT o.id, o.state FROM {s}.outbox o JOIN f ON o.id = f.id AND o.attempts = f.attempts
             WHERE o.claimed_by = $5
               AND (o.state = 'dead' OR (o.state = 'pending' AND o.locked_until IS NULL))"""
         # Seconds until the earliest pending row is due (negative: overdue); NULL: none pending.
@@ -453,23 +453,39 @@ class OutboxStore:
         """Marks delivered rows (``(id, attempts)`` of their claims) sent; returns how many are
         sent under these claims (the others were taken over after their lease expired), those
         a first try whose answer was lost marked included."""
-        if not claims:
-            return 0
+        return len(await self.mark_sent_ids(relay=relay, claims=claims))
 
-        async def mark(conn: PooledConnection) -> int:
-            count: int = await conn.fetchval(
+    async def mark_sent_ids(
+        self, *, relay: str, claims: Sequence[tuple[int, int]]
+    ) -> frozenset[int]:
+        """``mark_sent``, returning the ids of the rows sent under these claims: a row missing
+        was taken over after its lease expired, and is delivered again."""
+        if not claims:
+            return frozenset()
+
+        async def mark(conn: PooledConnection) -> list[Any]:
+            return await conn.fetch(
                 self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
             )
-            return count
 
-        return await self._once_more_if_gone("marking outbox rows sent", mark)
+        rows = await self._once_more_if_gone("marking outbox rows sent", mark)
+        return frozenset(r["id"] for r in rows)
 
     async def mark_failed(self, *, relay: str, failures: Sequence[Failure]) -> tuple[int, int]:
         """Reschedules failed rows, or parks them as dead letters; returns (rescheduled, dead)
         among the rows still claimed by this relay, those a first try whose answer was lost
         recorded included."""
+        states = await self.mark_failed_states(relay=relay, failures=failures)
+        dead = sum(1 for state in states.values() if state == "dead")
+        return len(states) - dead, dead
+
+    async def mark_failed_states(
+        self, *, relay: str, failures: Sequence[Failure]
+    ) -> dict[int, str]:
+        """``mark_failed``, returning each recorded row's id and state (``pending``: to retry,
+        ``dead``); a row missing was taken over after its lease expired."""
         if not failures:
-            return 0, 0
+            return {}
 
         async def mark(conn: PooledConnection) -> list[Any]:
             return await conn.fetch(
@@ -482,8 +498,7 @@ class OutboxStore:
             )
 
         rows = await self._once_more_if_gone("recording failed deliveries", mark)
-        dead = sum(1 for r in rows if r["state"] == "dead")
-        return len(rows) - dead, dead
+        return {r["id"]: r["state"] for r in rows}
 
     async def next_due_in(self, *, steps: StepRoutes | None = None) -> float | None:
         """Seconds until the earliest pending row (of ``steps``, unless ``None``) is due (<= 0:
