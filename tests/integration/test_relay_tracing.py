@@ -235,7 +235,9 @@ async def test_a_delivery_whose_claim_was_taken_over_ends_its_span_unrecorded(
     assert set(taken) == lost
     assert (relay.stats.delivered, relay.stats.retried, relay.stats.unrecorded) == (1, 1, 2)
     ended = {(d.attributes or {})["grpc_idempotency.outbox.row_id"]: d for d in _deliveries(spans)}
-    outcomes = {i: (d.attributes or {})["grpc_idempotency.outbox.outcome"] for i, d in ended.items()}
+    outcomes = {
+        i: (d.attributes or {})["grpc_idempotency.outbox.outcome"] for i, d in ended.items()
+    }
     assert outcomes == {
         kept_sent: "sent",
         lost_sent: "unrecorded",
