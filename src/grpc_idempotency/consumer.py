@@ -49,7 +49,9 @@ them in bounded batches). See ``grpc_idempotency.core.consumer`` for the decisio
 
 Round trips per message: a new id costs one (BEGIN and the mark, batched) plus the effect's plus
 the COMMIT; a duplicate costs two (the mark, then ROLLBACK), three given its payload (the
-mark's digest is read).
+mark's digest is read). A delivery that finds the id held by another process's delivery costs
+two more (the mark's first statement does not wait on the row: it rolls back, and the mark waits
+in a second), so that a delivery cancelled while it waits there counts ``conflict``.
 
 A gRPC receiver fed by the relay's gRPC sink takes the message id from the call's
 ``idempotency-key`` (the row's key): ``process_call(context, effect)`` does that and answers
@@ -291,8 +293,7 @@ class IdempotentConsumer:
             except asyncio.CancelledError as exc:
                 # Cancelled while another delivery of the id ran here: the id was busy, not
                 # this delivery's effect failing ("released"), as the server counts a caller
-                # that left while waiting. (A wait on another process's row lock, inside the
-                # mark statement, cannot be told from the statement's own time: "released".)
+                # that left while waiting (and so does a wait on another process's, _process).
                 delivery.failed(exc, ConsumerOutcome.CONFLICT)
                 raise
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -325,6 +326,11 @@ class IdempotentConsumer:
         started: float,
         fingerprint: bytes | None,
     ) -> ConsumeResult[T]:
+        elsewhere = [False]  # the mark waits on the row held by another process's delivery
+
+        def waiting(held: bool) -> None:
+            elsewhere[0] = held
+
         try:
             mark = await self._messages.mark(
                 self.name,
@@ -334,9 +340,16 @@ class IdempotentConsumer:
                 idle_timeout_s=self.policy.idle_timeout_s,
                 acquire_timeout=acquire_timeout,
                 fingerprint=fingerprint,
+                waiting=waiting,
             )
         except MarkBusy:
             raise in_progress(message_id, time.monotonic() - started) from None
+        except asyncio.CancelledError as exc:
+            # Cancelled while another process's delivery of the id held it: the id was busy,
+            # as with a delivery of this process (above), "conflict", not "released".
+            if elsewhere[0]:
+                delivery.failed(exc, ConsumerOutcome.CONFLICT)
+            raise
         if mark.outcome is Consumed.DUPLICATE:
             # One more round trip, only for a delivery that gave its payload.
             try:

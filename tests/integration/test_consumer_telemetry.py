@@ -172,6 +172,39 @@ async def cancelled_while_waiting(env: Env) -> Ended:
     return [("conflict", message_id, "CancelledError"), ("processed", message_id, None)]
 
 
+async def cancelled_while_waiting_on_another_process(env: Env) -> Ended:
+    """Cancelled while another process's delivery of the id holds its row (a replica: a
+    consumer of its own, whose deliveries this one's do not know of): "conflict", as above, not
+    "released". The mark waits on the row in a statement of its own, after one that does not
+    wait (lock_timeout 1ms): cancelled in that one, the wait is told from the statement's own
+    time."""
+    message_id, held = fresh(), _Held()
+    replica = IdempotentConsumer(
+        env.store, env.consumer.name, max_wait=timedelta(seconds=30), telemetry=env.telemetry
+    )
+    first = asyncio.create_task(env.consumer.process(message_id, held))
+    await held.entered.wait()
+    waiter = asyncio.create_task(replica.process(message_id, _effect(env)))
+
+    async def waiting_on_the_row() -> bool:
+        # The mark's statement waiting on the row's lock with the consumer's wait (not 1ms).
+        found: bool = await env.store.pool.fetchval(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_stat_activity WHERE wait_event_type ="
+            " 'Lock' AND strpos(query, $1) > 0 AND strpos(query, $2) = 0)",
+            message_id,
+            "'1ms'",
+        )
+        return found
+
+    await until("the replica's mark waiting on the row", waiting_on_the_row)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    held.release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+    return [("conflict", message_id, "CancelledError"), ("processed", message_id, None)]
+
+
 async def expired_mark_taken_over(env: Env) -> Ended:
     """A delivery past the id's retention runs the effect again, over the expired mark:
     "reprocessed" (counted "processed" as a new id was, though the effect ran a second time),
@@ -270,6 +303,7 @@ ROWS: list[Callable[[Env], Awaitable[Ended]]] = [
     effect_raises,
     cancelled,
     cancelled_while_waiting,
+    cancelled_while_waiting_on_another_process,
     expired_mark_taken_over,
     store_failed,
     rejected,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 
 import asyncpg
 
@@ -50,6 +51,7 @@ class MarkBusy(Exception):
 
 
 _LOCK_NOT_AVAILABLE = "55P03"
+_PROBE_S = 0.0  # the mark's first statement: lock_timeout at its minimum (core.consumer)
 _MARK_GONE = "GI004"  # raised by the commit: the mark's transaction is not the one committing
 _MARK_SETTING = "grpc_idempotency.consumer_mark"
 # A connection that broke under the effect: the store's failure, not the effect's. Also the
@@ -213,24 +215,34 @@ class ProcessedMessages:
         idle_timeout_s: float,
         acquire_timeout: float | None,
         fingerprint: bytes | None = None,
+        waiting: Callable[[bool], None] | None = None,
     ) -> Mark:
         """Opens a transaction holding ``message_id``'s mark for ``consumer`` (with the payload's
         ``fingerprint``, if given); its ``outcome`` says whether the id was new (``PROCESSED``)
         or marked already (``DUPLICATE``). Raises ``MarkBusy`` after ``wait_s`` on a concurrent
-        delivery, ``StoreUnavailable``."""
+        delivery, ``StoreUnavailable``. ``waiting(True)``: the mark waits on another
+        transaction's hold of the row (a delivery elsewhere), ``waiting(False)``: it stopped."""
         store = self.store
         token = uuid.uuid4().hex  # the mark's transaction, as the commit checks it
         deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
         marking: float | None = None  # when the first try's statement was sent
+        # A first statement that does not wait on the row (the shortest lock_timeout): a mark
+        # cancelled while it waits on another process's delivery cannot otherwise be told from
+        # one cancelled in its own statement time. Only when the row is held does the mark wait,
+        # in a second statement: a round trip more for a delivery that waits anyway.
+        probing = waiting is not None and wait_s > _PROBE_S
+        contended = False  # the probe found the row held
         tries = 2
-        for tried in range(1, tries + 1):
+        tried = 0
+        while tried < tries:
+            tried += 1
             left = None if deadline is None else deadline - time.monotonic()
             conn = await store._acquire("marking a message", left)
             # The second try waits on a concurrent delivery's row only what the first left of
             # wait_s: it waited wait_s anew, up to twice max_wait and past the caller's timeout.
             now = time.monotonic()
             marking = now if marking is None else marking
-            wait = max(0.0, wait_s - (now - marking))
+            wait = _PROBE_S if probing else max(0.0, wait_s - (now - marking))
             sql = self._sql.mark(
                 consumer, message_id, retention_s, wait, idle_timeout_s, token, fingerprint
             )
@@ -247,6 +259,12 @@ class ProcessedMessages:
                 await _abandon(conn, exc)
                 await store._release(conn)
                 if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                    if probing and waiting is not None:
+                        # Held elsewhere: wait on it now, as a try of its own.
+                        probing, contended = False, True
+                        waiting(True)
+                        tried -= 1
+                        continue
                     raise MarkBusy(message_id) from None
                 if from_the_driver(exc):
                     # A pooled connection that a restart or a failover left dead: the pool's
@@ -258,6 +276,9 @@ class ProcessedMessages:
                         continue
                     raise store_error(exc, "marking a message", store=store.store_log) from exc
                 raise
+            # Not in a finally: a cancellation must find the mark still waiting.
+            if waiting is not None and contended:
+                waiting(False)
             commit = self._sql.commit(consumer, message_id, retention_s, token)
             kept = (self._sql.fingerprint, consumer, message_id)
             outcome, taken_over = consumed(int(status.split()[-1]))
