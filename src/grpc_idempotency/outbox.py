@@ -131,6 +131,18 @@ OUTCOME = "grpc_idempotency.outbox.outcome"
 STEP = "grpc_idempotency.outbox.step"
 ATTEMPT = "grpc_idempotency.outbox.attempt"
 ROW_ID = "grpc_idempotency.outbox.row_id"
+# The messaging conventions' (semconv 1.37) attributes of a PRODUCER span that sends one
+# message: the relay hands the row's message on ("send"; the span name keeps its documented
+# form, "<system> deliver <step>"). The destination is the step, the outbox's unit of routing
+# (``Relay(steps=...)``), declared and few: the sink's own target (a gRPC method, a topic) is
+# its own instrumented client span's to tell. Not messaging.message.id: the message id is the
+# row's key, recorded (as the consumer's message id) only where the user opts in to keys.
+_MESSAGING = {
+    "messaging.system": "grpc_idempotency",
+    "messaging.operation.type": "send",
+    "messaging.operation.name": "deliver",
+}
+MESSAGING_DESTINATION = "messaging.destination.name"
 
 _LISTEN_CHECK = "grpc-idempotency:listen-check:"
 """The payload prefix of a relay's NOTIFY round trip (``Relay._check_listen_database``): woken
@@ -542,7 +554,11 @@ class Relay:
       global providers unless given). One span per delivery attempt, ``grpc_idempotency deliver
       <step>``, kind PRODUCER (it hands the message on; a gRPC sink's CLIENT span nests in it),
       with ``grpc_idempotency.outbox.step``, ``.attempt``, ``.row_id`` and ``.outcome`` (the
-      counter's ``sent``, ``retry``, ``dead``, or ``unrecorded``: left to the lease), status
+      counter's ``sent``, ``retry``, ``dead``, or ``unrecorded``: left to the lease, its claim
+      taken over meanwhile or its outcome not recorded), the messaging conventions'
+      ``messaging.system`` (``grpc_idempotency``), ``messaging.operation.type`` (``send``),
+      ``messaging.operation.name`` (``deliver``) and ``messaging.destination.name`` (the
+      step), status
       ERROR on a failed delivery naming the exception's class, and a link to the span that
       enqueued the message, if one was current. What OpenTelemetry raises never changes a
       delivery.
@@ -945,7 +961,13 @@ class Relay:
             return self._tracer.start_span(
                 f"grpc_idempotency deliver {message.step}",
                 kind=trace.SpanKind.PRODUCER,
-                attributes={STEP: message.step, ATTEMPT: message.attempts, ROW_ID: message.id},
+                attributes={
+                    STEP: message.step,
+                    ATTEMPT: message.attempts,
+                    ROW_ID: message.id,
+                    **_MESSAGING,
+                    MESSAGING_DESTINATION: message.step,
+                },
                 links=[trace.Link(link)] if link is not None else None,
                 record_exception=False,
                 set_status_on_exception=False,

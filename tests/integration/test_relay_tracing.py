@@ -99,6 +99,11 @@ async def test_a_delivery_span_links_to_the_handler_span_that_enqueued_the_messa
         "grpc_idempotency.outbox.attempt": 1,
         "grpc_idempotency.outbox.row_id": row_id,
         "grpc_idempotency.outbox.outcome": "sent",
+        # The messaging conventions of a span sending one message, to the step.
+        "messaging.system": "grpc_idempotency",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "deliver",
+        "messaging.destination.name": STEP,
     }
     assert delivery.status.status_code is StatusCode.UNSET
     # Current while the sink ran: an instrumented client's span nests in it.
