@@ -147,7 +147,11 @@ class RetryPolicy:
         if retry_after_ms is not None:
             if retry_after_ms < 0:
                 return None  # the server says: do not retry
-            if retry_after_ms / 1000 > self.max_pushback_s:
+            # Compared in milliseconds, an int against a float (exact in Python): divided, a
+            # pushback of 309 digits or more (``wire.retry_after_ms`` reads any run of digits)
+            # was an OverflowError in place of a decision. grpc.aio's C-core hands on at most
+            # 2**63 - 1, but this method is public and takes any int.
+            if retry_after_ms > self.max_pushback_s * 1000:
                 return None  # longer than this caller waits: its error, now (max_pushback_s)
             delay = retry_after_ms / 1000
         else:
