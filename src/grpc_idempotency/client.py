@@ -162,7 +162,9 @@ class Operation:
             *self.metadata(),
         )
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
-        # an entry failed the call as gRPC's internal ExecuteBatchError.
+        # an entry failed the call as gRPC's internal ExecuteBatchError, and a grpc-status
+        # entry had the call return None after the server ran it, answering OK.
+        _refuse_status_header(md, current_call_or_none(), _path_of(method))
         _refuse_unsendable(md, current_call_or_none(), _path_of(method))
         serving = _serving()
         deadline = call_deadline(
@@ -700,18 +702,7 @@ class IdempotencyClientInterceptor(_Interceptor):
                 f"{live.method} called {path} after opening its final transaction; make"
                 " downstream calls first, then `await current_call().transaction()`"
             )
-        if any(_entry_name(name) == STATUS_HEADER for name, _ in kept):
-            # Sent, a call the server answered OK came back OK with None (a stream: with no
-            # messages), the response lost after its effect was done: a step counted as
-            # answered, and the handler failed on None. An error status came back as sent.
-            caller = (
-                f"{serving.method} called {path}" if serving is not None else f"a call of {path}"
-            )
-            raise ValueError(
-                f"{caller} with metadata {STATUS_HEADER!r}: a call's status is the server's to"
-                " set; sent in a request, gRPC's client drops the response of a call answered"
-                " OK and returns None"
-            )
+        _refuse_status_header(kept, serving, path)
         forwarded = self._forwarded(live, kept, path)
         _refuse_unsendable(kept, serving, path)
         if target_keyed:
@@ -773,6 +764,23 @@ def _refuse_malformed_key(
         if serving is None:
             raise KeyInvalid(f"a call of {path}: {err}") from None
         raise ValueError(f"{serving.method} called {path} with a malformed key: {err}") from None
+
+
+def _refuse_status_header(
+    metadata: Sequence[tuple[str, str | bytes]], serving: IdempotentCall | None, path: str
+) -> None:
+    """Refuses a call whose own metadata holds ``grpc-status``, which gRPC sends: a call the
+    server answered OK then came back OK with ``None`` (a stream: with no messages), the
+    response lost after its effect was done (a step counted as answered, and the handler failed
+    on None). Checked by the client interceptor and by ``Operation.call``, for a plain
+    channel."""
+    if any(_entry_name(name) == STATUS_HEADER for name, _ in metadata):
+        caller = f"{serving.method} called {path}" if serving is not None else f"a call of {path}"
+        raise ValueError(
+            f"{caller} with metadata {STATUS_HEADER!r}: a call's status is the server's to"
+            " set; sent in a request, gRPC's client drops the response of a call answered"
+            " OK and returns None"
+        )
 
 
 def _refuse_unsendable(

@@ -131,8 +131,11 @@ async def test_a_key_given_as_bytes_is_sent_and_captured_as_text(ledger: Running
         # HTTP's spelling: not the key to gRPC (a fresh one was minted), and unsendable.
         (("Idempotency-Key", "k-1"), ValueError, "lowercase.*header is 'idempotency-key'"),
         (("x-note", "café"), ValueError, "printable ASCII"),
+        # Sendable, but a plain channel's Operation.call sent it: the server ran the call and
+        # answered OK, and the call returned None.
+        (("grpc-status", "14"), ValueError, "'grpc-status': a call's status is the server's"),
     ],
-    ids=["key-not-ascii", "key-newline", "upper-case-name", "value-not-ascii"],
+    ids=["key-not-ascii", "key-newline", "upper-case-name", "value-not-ascii", "grpc-status"],
 )
 async def test_metadata_grpc_cannot_send_is_refused_before_anything_is_sent(
     ledger: RunningLedger, entry: tuple[str, str], error: type[Exception], says: str
