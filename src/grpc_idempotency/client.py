@@ -153,7 +153,7 @@ class Operation:
                 f"Operation.call is for unary methods, not the streaming {_path_of(method)}:"
                 " no streaming method is keyed"
             )
-        _check_call_settings(timeout, wait_for_ready)
+        _check_call_settings(timeout, wait_for_ready, retry)
         # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
         # beside the operation's key (gRPC sends the name as those bytes), before it. And a key
         # given as -bin: sent beside it, the server refused the call (KEY_INVALID).
@@ -272,9 +272,15 @@ def _serving() -> IdempotentCall | None:
     return None if serving is None or serving.ended else serving
 
 
-def _check_call_settings(timeout: object, wait_for_ready: object) -> None:
-    """Checks a call's ``timeout`` and ``wait_for_ready`` (``Operation.call``, and ``bind``:
-    there, else, a wrong one was found only at the bound stub's first call)."""
+def _check_call_settings(timeout: object, wait_for_ready: object, retry: object) -> None:
+    """Checks a call's ``timeout``, ``wait_for_ready`` and ``retry`` (``Operation.call``, and
+    ``bind``: there, else, a wrong one was found only at the bound stub's first call)."""
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        # Else Python's own error naming no setting: the class itself (``retry=RetryPolicy``)
+        # was "unsupported operand type(s) for +: 'float' and 'member_descriptor'", True or a
+        # dict "has no attribute 'total_timeout_s'", and bind took either.
+        hint = ": retry=RetryPolicy()" if retry is RetryPolicy else ""
+        raise TypeError(f"retry must be a RetryPolicy or None, not {retry!r}{hint}")
     # gRPC's deadline overflows past about 7e9 s from now, and NaN is no deadline: either way
     # the attempt failed at once with DEADLINE_EXCEEDED (retryable), as if the server were too
     # slow. No lower bound: 0 or less is a deadline already passed, as gRPC takes it.
@@ -331,7 +337,7 @@ class OperationStub:
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> None:
-        _check_call_settings(timeout, wait_for_ready)  # here, not at the first call
+        _check_call_settings(timeout, wait_for_ready, retry)  # here, not at the first call
         self._operation = operation
         self._stub = stub
         self._metadata = tuple(metadata or ())  # None, as Operation.call takes it: none

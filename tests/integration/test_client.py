@@ -304,6 +304,10 @@ async def test_a_sync_stubs_method_is_refused_before_it_is_called(ledger: Runnin
         ("timeout", 1e30),  # gRPC's deadline overflowed: DEADLINE_EXCEEDED at once
         ("timeout", math.nan),  # no deadline to gRPC: DEADLINE_EXCEEDED at once
         ("wait_for_ready", "no"),  # truth-tested by gRPC: it waited
+        # Python's own errors, naming no setting ("'float' and 'member_descriptor'", "'bool'
+        # object has no attribute 'total_timeout_s'"), and bind took them
+        ("retry", RetryPolicy),
+        ("retry", True),
     ],
 )
 async def test_a_call_setting_of_the_wrong_type_or_size_is_refused_before_anything_is_sent(
