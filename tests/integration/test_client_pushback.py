@@ -23,7 +23,7 @@ AT_ONCE_S = 5.0
 class PushingBack:
     """A service whose one method refuses every call UNAVAILABLE, asking for ``pushback_ms``."""
 
-    def __init__(self, pushback_ms: int) -> None:
+    def __init__(self, pushback_ms: int | str) -> None:
         self.pushback_ms = pushback_ms
         self.attempts = 0
 
@@ -83,3 +83,29 @@ async def test_a_pushback_beyond_the_bound_fails_the_call_at_once(
     # The server's own error, its pushback with it: the caller may retry later, same key.
     assert retry_after_ms(caught.value.trailing_metadata()) == pushback_ms
     assert service.attempts == attempts
+
+
+@pytest.mark.parametrize(
+    "pushback",
+    ["-5", "soon", "1.5", "99999999999999999999", "1" + "0" * 400],
+    ids=["negative", "not-a-number", "fraction", "past-int64", "401-digits"],
+)
+async def test_an_absurd_pushback_stops_the_retries_with_the_servers_error(
+    server: tuple[grpc.aio.Channel, PushingBack], pushback: str
+) -> None:
+    """Over the wire, gRPC's C-core hands on a pushback it cannot read as a 64-bit number (not
+    a number, a fraction, too large) as -2**63, and a negative one as sent: either way "do not
+    retry" (gRFC A6), so the server's own error is raised at the first answer, trailers intact,
+    never a Python error of the client's own nor a retry sooner than asked."""
+    channel, service = server
+    service.pushback_ms = pushback
+    method = channel.unary_unary(
+        "/pushback.v1.Service/Call", request_serializer=None, response_deserializer=None
+    )
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.001)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await asyncio.wait_for(Operation.new().call(method, b"", retry=policy), AT_ONCE_S)
+    assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+    # The trailer is still there (as -2**63 with grpcio 1.85: not asserted, gRPC's own reading).
+    assert retry_after_ms(caught.value.trailing_metadata()) is not None
+    assert service.attempts == 1
