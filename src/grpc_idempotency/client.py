@@ -29,10 +29,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from grpc_idempotency.call import IdempotentCall, current_call_or_none, mark_client_interceptor_made
+from grpc_idempotency.call import (
+    IdempotentCall,
+    current_call,
+    current_call_or_none,
+    mark_client_interceptor_made,
+)
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.errors import (
     KeyInvalid,
+    NotInIdempotentCall,
     PolicyError,
     RequestInvalid,
     StepAmbiguous,
@@ -83,24 +89,60 @@ _captured: contextvars.ContextVar[list[str]] = contextvars.ContextVar("grpc_idem
 class Operation:
     """One logical operation, named by its idempotency key. Immutable."""
 
-    __slots__ = ("_key",)
+    __slots__ = ("_key", "_serving")
 
     def __init__(self, key: str) -> None:
         self._key = validate_key(key)
+        self._serving: IdempotentCall | None = None
+        """Set for ``Operation.current()``: the call whose operation this is."""
 
     @classmethod
     def new(cls) -> Operation:
         """A fresh operation with a random key (a UUID4)."""
         return cls(str(uuid.uuid4()))
 
+    @classmethod
+    def current(cls) -> Operation:
+        """Inside a handler of a keyed method, the operation the handler serves (its ``key`` is
+        the caller's key): ``await Operation.current().call(stub.Charge, request,
+        retry=RetryPolicy())`` retries a step's call with the step's child key on every
+        attempt, derived by the client interceptor as for a plain stub call. Its own key is
+        never sent: the parent's key, sent downstream as given, would let two tenants who
+        picked the same key share one record there (on a channel without the client
+        interceptor the call then carries no key, as a plain stub call made there does).
+
+        Raises ``NotInIdempotentCall`` outside such a handler, and in a handler serving a call
+        that came without a key (an optional key not sent): with no parent key, each attempt
+        would get a fresh key, and a retry could run the effect again."""
+        serving = current_call()
+        if serving.key is None:
+            raise NotInIdempotentCall(
+                f"{serving.method} was called without an idempotency key: there is no"
+                " operation to derive its steps' child keys from, so Operation.current() has"
+                " none to retry them with"
+            )
+        operation = cls(serving.key)
+        operation._serving = serving
+        return operation
+
     @property
     def key(self) -> str:
         return self._key
 
     def __repr__(self) -> str:
+        if self._serving is not None:
+            return f"Operation.current() (serving {self._serving.method}, key {self._key!r})"
         return f"Operation({self._key!r})"
 
     def metadata(self) -> tuple[tuple[str, str]]:
+        if self._serving is not None:
+            # Sent, the parent's key: on a channel without the client interceptor (which drops
+            # it for the step's child key) two tenants who picked one key shared a record.
+            raise TypeError(
+                "Operation.current() has no metadata to send: its calls carry their step's"
+                " child key, which the client interceptor derives; call through"
+                " Operation.current().call(...) on a channel with IdempotencyClientInterceptor"
+            )
         return ((KEY_HEADER, self._key),)
 
     @contextlib.contextmanager
@@ -137,6 +179,14 @@ class Operation:
         deadline (the wait included), the last error is raised instead of retrying (an attempt
         with no time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound
         the loop ran out ``max_attempts`` for a caller that had already given up)."""
+        if self._serving is not None and current_call_or_none() is not self._serving:
+            # Called elsewhere (another handler, code outside any), the interceptor derived
+            # child keys from whatever call is served there, not from this operation's key.
+            raise NotInIdempotentCall(
+                f"Operation.current() of {self._serving.method} called outside the handler"
+                " serving it (or a task it started): take Operation.current() where the call"
+                " is made"
+            )
         if isinstance(method, _SYNC_MULTICALLABLES):
             # Called, a sync method blocks the event loop's thread for the whole call, and its
             # response is no awaitable: a TypeError after the effect was done.
@@ -157,9 +207,11 @@ class Operation:
         # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
         # beside the operation's key (gRPC sends the name as those bytes), before it. And a key
         # given as -bin: sent beside it, the server refused the call (KEY_INVALID).
+        # The current operation sends no key of its own: the client interceptor gives each
+        # attempt the step's child key (the same one every attempt, and every re-run).
         md = (
             *[m for m in metadata or () if _entry_name(m[0]) not in (KEY_HEADER, KEY_HEADER_BIN)],
-            *self.metadata(),
+            *(self.metadata() if self._serving is None else ()),
         )
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
         # an entry failed the call as gRPC's internal ExecuteBatchError, and a grpc-status
