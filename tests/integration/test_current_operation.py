@@ -1,0 +1,189 @@
+"""``Operation.current()``: a handler retrying its step's call with ``Operation.call``'s retry
+loop. Every attempt, and every re-run of the handler, carries the step's child key (derived by
+the client interceptor), never a key of its own. Real servers on loopback (a relay calling the
+ledger) and real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import NotInIdempotentCall, Store, child_key
+from grpc_idempotency.call import IdempotentCall, bind, unbind
+from grpc_idempotency.client import Operation, RetryPolicy, step
+from grpc_idempotency.core.wire import reason_of
+from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows
+from tests.support.relay import FORWARD, RelayService, running_relay
+
+SCOPE = "tenant:tenant-a"
+FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.001)
+
+
+async def crashed_before_commit(store: Store, key: str) -> None:
+    """As if the relay crashed after its step's call, before its final commit: its claim left
+    in progress with the lease over, for a restarted relay to take the operation over."""
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET state = 'in_progress', response = NULL,"
+        " status_code = NULL, completed_at = NULL,"
+        " locked_until = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        SCOPE,
+        key,
+    )
+
+
+class RetryingRelay(RelayService):
+    """Calls its step (post-ledger.v1) once, retried by Operation.call: the ledger fails the
+    first two attempts of a key with UNAVAILABLE."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="flaky:2")
+        answer = await Operation.current().call(self.ledger.Post, post, retry=FAST)
+        return testsvc_pb2.ForwardResponse(
+            entry_id=answer.entry_id, execution_nonce=answer.execution_nonce
+        )
+
+
+async def test_a_retried_step_call_carries_its_child_key_on_every_attempt_and_rerun(
+    ledger: RunningLedger, store: Store
+) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account)
+    async with running_relay(store, ledger.address, servicer=RetryingRelay) as relay:
+        answer = await relay.forward(request, key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    child = child_key(SCOPE, key, "post-ledger.v1")
+    assert ledger.service.keys_seen == [child] * 3  # two UNAVAILABLE, then OK
+    assert ledger.service.executions == 1
+    # A re-run of the handler (a takeover after a crash before its commit) retries the step
+    # with the same child key: replayed downstream, not run again.
+    await crashed_before_commit(store, key)
+    async with running_relay(store, ledger.address, servicer=RetryingRelay) as restarted:
+        again = await restarted.forward(request, key)
+    assert again.code is grpc.StatusCode.OK and not again.replayed, again
+    assert again.body == answer.body  # the step's call replayed its first answer
+    assert ledger.service.keys_seen == [child] * 3  # replayed by the ledger's interceptor
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+
+
+class TwiceRelay(RelayService):
+    """Calls its step through Operation.current() twice: the second after the first was OK."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        await Operation.current().call(self.ledger.Post, post, retry=FAST)
+        answer = await Operation.current().call(self.ledger.Post, post, retry=FAST)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_the_current_operation_calling_a_step_answered_ok_again_is_refused(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A retry loop retries failed attempts; a step answered OK is not called again (StepReused
+    is no retryable error: raised at once, before anything is sent)."""
+    async with running_relay(store, ledger.address, servicer=TwiceRelay) as relay:
+        key = fresh()
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer.details
+    assert answer.reason() == "IDEMPOTENCY_STEP_REUSED"
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")]
+    assert ledger.service.executions == 1
+
+
+class NamedStepRelay(RelayService):
+    """Names one of two steps on the same target with step(...), through a bound stub."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="flaky:1")
+        with step("post-phased-b.v1"):
+            answer = await Operation.current().bind(self.ledger, retry=FAST).PostPhased(post)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_bound_stub_of_the_current_operation_keys_the_step_named_with_step(
+    ledger: RunningLedger, store: Store
+) -> None:
+    async with running_relay(store, ledger.address, servicer=NamedStepRelay) as relay:
+        key = fresh()
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-phased-b.v1")] * 2
+
+
+class LeakingRelay(RelayService):
+    """Keeps its Operation.current() for the test to use outside the handler."""
+
+    kept: ClassVar[list[Operation]] = []
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        self.kept.append(Operation.current())
+        return testsvc_pb2.ForwardResponse()
+
+
+async def test_the_current_operation_is_refused_outside_its_handler(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Outside a handler there is no current operation; one taken inside and used outside would
+    have its calls keyed by whatever call is served there (here: none, a fresh key)."""
+    with pytest.raises(NotInIdempotentCall):
+        Operation.current()
+    async with running_relay(store, ledger.address, servicer=LeakingRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), fresh())
+        assert answer.code is grpc.StatusCode.OK, answer.details
+        kept = LeakingRelay.kept.pop()
+        with pytest.raises(NotInIdempotentCall, match="outside the handler serving it"):
+            await kept.call(relay.stub.Forward, testsvc_pb2.ForwardRequest())
+    assert ledger.service.executions == 0
+    with pytest.raises(TypeError, match="child key"):
+        kept.metadata()  # the parent's key is never handed out to be sent
+
+
+async def test_a_call_served_without_a_key_has_no_current_operation() -> None:
+    """An optional key not sent: no parent key to derive child keys from."""
+    token = bind(IdempotentCall(FORWARD, None, None, asyncio.get_running_loop()))
+    try:
+        with pytest.raises(NotInIdempotentCall, match="without an idempotency key"):
+            Operation.current()
+    finally:
+        unbind(token)
+
+
+class PlainChannelRelay(RelayService):
+    """Calls its step through Operation.current() on a channel without the client interceptor,
+    and keeps the reason of the downstream's refusal."""
+
+    address = ""
+    reasons: ClassVar[list[str | None]] = []
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        async with grpc.aio.insecure_channel(self.address) as plain:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(plain)
+            try:
+                # The tenant header the interceptor would forward: else refused for its scope.
+                await Operation.current().call(
+                    stub.Post, post, metadata=[(TENANT, "tenant-a")], retry=FAST
+                )
+            except grpc.aio.AioRpcError as err:
+                self.reasons.append(reason_of(err.trailing_metadata()))
+        return testsvc_pb2.ForwardResponse()
+
+
+async def test_the_current_operation_never_sends_the_parents_key(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Its key is the parent's: sent as given (no interceptor to replace it with the child
+    key), it reached the downstream record of the parent itself (one store, one tenant), and
+    two tenants who picked the same key would share one record there. The call goes out with
+    no key, as a plain stub call there does: refused KEY_MISSING, nothing run."""
+    PlainChannelRelay.address = ledger.address
+    async with running_relay(store, ledger.address, servicer=PlainChannelRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), fresh())
+    assert answer.code is grpc.StatusCode.OK, answer
+    assert PlainChannelRelay.reasons == ["IDEMPOTENCY_KEY_MISSING"]
+    assert ledger.service.executions == 0
