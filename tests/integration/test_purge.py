@@ -447,6 +447,70 @@ async def test_a_batch_redone_past_a_held_row_keeps_the_walks_progress(
     assert await keys(purge_store) == ["old-3"]
 
 
+@pytest.mark.parametrize("mode", ["UPDATE", "NO KEY UPDATE", "SHARE", "KEY SHARE"])
+async def test_a_batch_skips_a_row_held_under_any_row_lock_mode(
+    purge_store: Store, db: asyncpg.Connection, mode: str
+) -> None:
+    """Every row lock conflicts with the DELETE's, FOR KEY SHARE (a foreign key's check) too:
+    the redone batch must skip a row held under any of them. Locking it weaker than FOR UPDATE
+    (FOR NO KEY UPDATE, FOR SHARE) does not conflict with FOR KEY SHARE or FOR SHARE, took the
+    held row, and the DELETE waited on it without bound."""
+    await expired_records(purge_store, 5)
+    async with db.transaction():
+        await db.execute(f"SELECT 1 FROM {records(purge_store)} WHERE key = 'old-3' FOR {mode}")
+        assert await asyncio.wait_for(purge_store.purge(batch_size=10), 10) == 4
+    assert await keys(purge_store) == ["old-3"]
+
+
+async def test_a_redone_batch_waits_for_a_table_lock_past_the_bound(
+    purge_store: Store, db: asyncpg.Connection
+) -> None:
+    """A table lock, which skipping locked rows cannot step round: the batch waits
+    PURGE_LOCK_WAIT_S, then its redo waits as long as the lock is held, and the purge then
+    finishes; the redo must not carry the bound (it failed the purge with 55P03)."""
+    await expired_records(purge_store, 3)
+    tx = db.transaction()
+    await tx.start()
+    try:
+        await db.execute(f"LOCK TABLE {records(purge_store)} IN EXCLUSIVE MODE")
+        purging = asyncio.ensure_future(purge_store.purge())
+        # The redo (its statement skips locked rows) waiting on the table lock for three times
+        # the bound, as the database's clock says; or the purge over (the mutant's 55P03).
+        await until(
+            "the redone batch waiting on the table lock past the bound, or the purge over",
+            lambda: (
+                purging.done()
+                or purge_store.pool.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE '%SKIP LOCKED%' AND pid <> pg_backend_pid()"
+                    " AND clock_timestamp() - query_start > $1 * interval '3 s'",
+                    postgres.PURGE_LOCK_WAIT_S,
+                )
+            ),
+        )
+        assert not purging.done(), purging
+    finally:
+        await tx.rollback()
+    assert await asyncio.wait_for(purging, 10) == 3
+    assert await keys(purge_store) == []
+
+
+async def test_a_purge_leaves_no_lock_timeout_on_its_pooled_connection(
+    purge_store: Store, pg_dsn: str
+) -> None:
+    """The bound is SET LOCAL, the batch's transaction's alone: a session-wide one stayed on
+    the pooled connection after a batch committed, and every later claim on it gave up on a
+    lock after 100 ms."""
+    await expired_records(purge_store, 3)
+    one = await Store.connect(pg_dsn, schema=purge_store.schema, min_size=1, max_size=1)
+    try:
+        default = await one.pool.fetchval("SHOW lock_timeout")
+        assert await one.purge() == 3
+        assert await one.pool.fetchval("SHOW lock_timeout") == default
+    finally:
+        await one.close()
+
+
 # -- concurrent takeovers ----------------------------------------------------------------------
 
 
@@ -884,3 +948,15 @@ async def test_a_purge_stopped_as_its_batch_goes_back_to_the_pool_counts_that_ba
         go.set()
         await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
         await store.close()
+
+
+async def test_a_lock_timeout_outside_a_transaction_of_its_own_is_refused(
+    purge_store: Store,
+) -> None:
+    """At a READ COMMITTED default ``read_committed`` opens no transaction, and a bound asked
+    for there was silently not applied: refused, before anything is sent."""
+    async with purge_store.connection("test") as conn:
+        with pytest.raises(ValueError, match="lock_timeout_s needs own_transaction"):
+            async with purge_store.read_committed(conn, lock_timeout_s=0.1):
+                pass
+        assert not conn.is_in_transaction()
