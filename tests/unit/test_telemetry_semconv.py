@@ -103,6 +103,8 @@ def _recorded(
         ("rpc/old", DEFAULT),
         ("rpcs,grpc", DEFAULT),
         (" , ,", DEFAULT),
+        ("rpc /dup", DEFAULT),  # whitespace inside a token is not ignored
+        ("\trpc\n", STABLE),  # any whitespace around one is
     ],
 )
 def test_spans_and_metric_labels_follow_the_conventions_opted_in_to(
