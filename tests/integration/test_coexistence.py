@@ -276,8 +276,9 @@ async def test_a_keyed_method_served_without_a_request_deserializer_warns_once(
     it passes through (so that a refusing handler an interceptor after ours puts in place
     answers as it meant, tests/integration/test_auth_order.py). For a keyed method served so
     (a raw-bytes generic handler, a proxy) that is every call run without deduplication: at
-    DEBUG only, nothing said so. A WARNING naming the method, once per method."""
-    service, msg = _service()
+    DEBUG only, nothing said so. A WARNING naming the method, once per method: two such
+    methods, each called three times, two warnings (one each, not one for the server)."""
+    services = [_service() for _ in range(2)]
     ran: list[bytes] = []
 
     async def raw(request: bytes, context: Any) -> bytes:
@@ -292,6 +293,7 @@ async def test_a_keyed_method_served_without_a_request_deserializer_warns_once(
             grpc.method_handlers_generic_handler(
                 service, {"Keyed": grpc.unary_unary_rpc_method_handler(raw)}
             )
+            for service, _ in services
         ]
     )
     port = server.add_insecure_port("127.0.0.1:0")
@@ -299,17 +301,19 @@ async def test_a_keyed_method_served_without_a_request_deserializer_warns_once(
     key = fresh()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            keyed = channel.unary_unary(f"/{service}/Keyed", **_codec(msg))
-            for _ in range(3):
-                call = keyed(msg(a="k"), metadata=(("idempotency-key", key),), timeout=10)
-                assert (await call).a == "k"
+            for service, msg in services:
+                keyed = channel.unary_unary(f"/{service}/Keyed", **_codec(msg))
+                for _ in range(3):
+                    call = keyed(msg(a="k"), metadata=(("idempotency-key", key),), timeout=10)
+                    assert (await call).a == "k"
     finally:
         await server.stop(None)
-    assert len(ran) == 3 and await _records(store, key) == 0
-    warned = [
-        r
-        for r in caplog.records
-        if r.levelname == "WARNING" and f"/{service}/Keyed" in r.getMessage()
-    ]
-    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
-    assert "without deduplication" in warned[0].getMessage()
+    assert len(ran) == 6 and await _records(store, key) == 0
+    for service, _ in services:
+        warned = [
+            r
+            for r in caplog.records
+            if r.levelname == "WARNING" and f"/{service}/Keyed" in r.getMessage()
+        ]
+        assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+        assert "without deduplication" in warned[0].getMessage()
