@@ -342,6 +342,21 @@ async def test_a_timeout_of_the_longest_duration_and_wait_for_ready_false_are_ta
     assert len(ledger.service.keys_seen) == 2
 
 
+@pytest.mark.parametrize("timeout", [0, -1.5, -math.inf])
+async def test_a_timeout_of_zero_or_less_is_a_deadline_already_passed(
+    ledger: RunningLedger, timeout: float
+) -> None:
+    """No lower bound, as gRPC takes it: the call ends DEADLINE_EXCEEDED, as one whose time
+    ran out, not as a setting refused (a computed timeout that ran out is no mistake)."""
+    request = testsvc_pb2.PostRequest(account=fresh())
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await Operation.new().call(ledger.stub.Post, request, metadata=TENANT_MD, timeout=timeout)
+    assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await Operation.new().bind(ledger.stub, metadata=TENANT_MD, timeout=timeout).Post(request)
+    assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def conflicts(reader: InMemoryMetricReader) -> float:
     data = reader.get_metrics_data()
     total: float = 0

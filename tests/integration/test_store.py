@@ -759,6 +759,19 @@ async def test_a_close_timeout_that_is_no_number_is_refused_by_name(pg_dsn: str)
         await store.close()
 
 
+@pytest.mark.parametrize("timeout", [0, -1.5, -math.inf])
+async def test_a_close_timeout_of_zero_or_less_closes_at_once(pg_dsn: str, timeout: float) -> None:
+    """Taken, as before the one check of seconds: no wait for the claims, the pool closed (or
+    terminated) at once. Refused, a shutdown computing what is left of its grace raised, and
+    left the store open."""
+    store = await Store.connect(pg_dsn, migrate=True)
+    try:
+        await store.close(timeout=timeout)
+        assert store.closed and store.pool.is_closing()
+    finally:
+        await store.close()
+
+
 @pytest.mark.parametrize("pool", [None, "postgresql://nobody@127.0.0.1/nowhere", b"postgresql://"])
 def test_a_store_of_a_dsn_not_a_pool_is_refused_when_made(pool: object) -> None:
     """Accepted: every statement then failed with a bare AttributeError naming no argument."""
