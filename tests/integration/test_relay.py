@@ -1524,6 +1524,17 @@ def test_relay_arguments_are_checked() -> None:
             Relay(store, sink, **{setting: value})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("setting", ["lease", "poll_interval", "purge_interval"])
+def test_a_relay_interval_of_zero_is_refused_naming_it(setting: str) -> None:
+    """Zero is no interval: a poll_interval of 0 claimed in a tight loop, a purge_interval of 0
+    purged in one. Refused by its own check, naming it (a lease of 0 was also refused, but as
+    its delivery_timeout's)."""
+    sink = CallableSink(lambda m: asyncio.sleep(0))
+    store: Store = object()  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=rf"^{setting} must be a number of seconds above 0 up"):
+        Relay(store, sink, **{setting: 0})  # type: ignore[arg-type]
+
+
 # (name, refused): what `grpc-idempotency relay --name` takes, Relay(name=...) takes.
 RELAY_NAMES = [
     ("relay-1", False),
