@@ -482,6 +482,7 @@ def test_a_list_cursor_reads_back_the_instant_and_key_it_was_made_of() -> None:
         '{"v":2,"t":1,"k":"\\ud800","s":"0a1b2c3d","l":"0a1b2c3d"}',  # a lone surrogate
         '{"v":2,"t":1,"k":"a","s":"0A1B2C3D","l":"0a1b2c3d"}',
         '{"v":2,"t":1,"k":"a","s":"0a1b2c3d","l":5}',
+        '{"v":2,"t":1,"k":"a","s":5,"l":"0a1b2c3d"}',
         '{"v":2,"t":1,"k":"a","s":"0a1b2c3d","l":"0a1b2c"}',
         "[" * 100_000,  # past the JSON parser's depth
     ],
@@ -491,6 +492,23 @@ def test_a_list_cursor_list_never_printed_is_bad_usage(doc: str) -> None:
     database error to retry (exit 1), or were argparse's "invalid list_cursor value"."""
     error = refused("list", "--scope", "s", "--after", _b64url(doc))
     assert re.match(r"argument --after: (not a cursor|a cursor of another release)", error), error
+
+
+@pytest.mark.parametrize(
+    ("doc", "version"),
+    [
+        ('{"v":1,"t":1,"k":"a"}', 1),  # the first format: no listing digests
+        ('{"v":3,"t":1,"k":"a","s":"0a1b2c3d","l":"0a1b2c3d"}', 3),
+        ('{"v":3,"t":1,"k":"a","x":[]}', 3),  # another release's fields
+    ],
+)
+def test_a_list_cursor_of_another_format_says_so_whatever_its_fields(
+    doc: str, version: int
+) -> None:
+    """Its version is read before its fields: another release's hold others, and taken for
+    no cursor it said "cut short or mistyped?" of one copied whole."""
+    error = refused("list", "--scope", "s", "--after", _b64url(doc))
+    assert f"argument --after: a cursor of another release (version {version})" in error, error
 
 
 def test_a_list_cursor_pages_only_the_listing_that_printed_it() -> None:
