@@ -239,6 +239,7 @@ BIGINT_MAX = 2**63 - 1
         [*RELAY, "--lease", "1e13"],
         [*RELAY, "--max-backoff", "1e13"],
         [*RELAY, "--sent-retention", "1e13"],
+        ["outbox", "purge-sent", "--older-than", str(36500 * 86400 + 1)],  # just past the cap
     ],
 )
 def test_input_the_database_would_refuse_is_refused_up_front(argv: list[str]) -> None:

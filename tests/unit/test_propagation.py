@@ -163,6 +163,7 @@ def test_backoff_stays_at_its_ceiling_however_many_attempts() -> None:
         {"multiplier": float("inf")},
         {"multiplier": 0.5},
         {"initial_backoff_s": 0},
+        {"initial_backoff_s": 2.0, "max_backoff_s": 1.0},  # the ceiling below the first wait
         # One code, not a set: "'Code' object is not iterable"; a str was read letter by letter.
         {"retryable": Code.UNAVAILABLE},
         {"retryable": "UNAVAILABLE"},
