@@ -342,7 +342,7 @@ async def test_a_timeout_of_the_longest_duration_and_wait_for_ready_false_are_ta
     assert len(ledger.service.keys_seen) == 2
 
 
-@pytest.mark.parametrize("timeout", [0, -1.5, -math.inf])
+@pytest.mark.parametrize("timeout", [0, -1.5, -math.inf, -(10**400)])
 async def test_a_timeout_of_zero_or_less_is_a_deadline_already_passed(
     ledger: RunningLedger, timeout: float
 ) -> None:

@@ -759,7 +759,7 @@ async def test_a_close_timeout_that_is_no_number_is_refused_by_name(pg_dsn: str)
         await store.close()
 
 
-@pytest.mark.parametrize("timeout", [0, -1.5, -math.inf])
+@pytest.mark.parametrize("timeout", [0, -1.5, -math.inf, -(10**400)])
 async def test_a_close_timeout_of_zero_or_less_closes_at_once(pg_dsn: str, timeout: float) -> None:
     """Taken, as before the one check of seconds: no wait for the claims, the pool closed (or
     terminated) at once. Refused, a shutdown computing what is left of its grace raised, and

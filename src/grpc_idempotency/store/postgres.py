@@ -890,6 +890,10 @@ class Store:
             # No bound, as math.inf is: 10**400 (below it) was a bare OverflowError, and the
             # store left open.
             timeout = math.inf
+        elif timeout < 0:
+            # At once, as 0: -10**400 (an int no float holds) was a bare OverflowError added to
+            # the clock, and the store left open.
+            timeout = 0.0
         deadline = asyncio.get_running_loop().time() + timeout
         if self._probing is not None:
             self._probing.cancel()  # its waiters take that for "no answer" (``answers``)
