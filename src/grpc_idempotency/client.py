@@ -147,7 +147,12 @@ class Operation:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Operation]:
-        """Within this block, keyed calls through an intercepted channel carry this key."""
+        """Within this block, keyed calls through an intercepted channel carry this key (those
+        made while serving a keyed call carry their step's child key instead: for
+        ``Operation.current()``, in its handler, a block that changes nothing)."""
+        # Outside its handler, the key of its calls there would be the operation's: the parent's
+        # key itself, sent downstream (to the parent's own record, with one store and tenant).
+        self._refuse_elsewhere()
         token = _operation.set(self)
         try:
             yield self
@@ -179,14 +184,7 @@ class Operation:
         deadline (the wait included), the last error is raised instead of retrying (an attempt
         with no time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound
         the loop ran out ``max_attempts`` for a caller that had already given up)."""
-        if self._serving is not None and current_call_or_none() is not self._serving:
-            # Called elsewhere (another handler, code outside any), the interceptor derived
-            # child keys from whatever call is served there, not from this operation's key.
-            raise NotInIdempotentCall(
-                f"Operation.current() of {self._serving.method} called outside the handler"
-                " serving it (or a task it started): take Operation.current() where the call"
-                " is made"
-            )
+        self._refuse_elsewhere()
         if isinstance(method, _SYNC_MULTICALLABLES):
             # Called, a sync method blocks the event loop's thread for the whole call, and its
             # response is no awaitable: a TypeError after the effect was done.
@@ -267,6 +265,17 @@ class Operation:
                 if delay is None:
                     raise
                 await asyncio.sleep(delay)
+
+    def _refuse_elsewhere(self) -> None:
+        """Refuses ``Operation.current()`` used outside the handler it was taken in (or a task
+        that handler started): elsewhere (another handler, code outside any) the interceptor
+        keys calls from whatever call is served there, not from this operation."""
+        if self._serving is not None and current_call_or_none() is not self._serving:
+            raise NotInIdempotentCall(
+                f"Operation.current() of {self._serving.method} used outside the handler"
+                " serving it (or a task it started): take Operation.current() where the call"
+                " is made"
+            )
 
     def bind(
         self,

@@ -116,12 +116,15 @@ async def test_a_bound_stub_of_the_current_operation_keys_the_step_named_with_st
 
 
 class LeakingRelay(RelayService):
-    """Keeps its Operation.current() for the test to use outside the handler."""
+    """Keeps its Operation.current() (and its intercepted ledger stub) for the test to use
+    outside the handler."""
 
     kept: ClassVar[list[Operation]] = []
+    ledgers: ClassVar[list[Any]] = []
 
     async def Forward(self, request: Any, context: Any) -> Any:
         self.kept.append(Operation.current())
+        self.ledgers.append(self.ledger)
         return testsvc_pb2.ForwardResponse()
 
 
@@ -135,12 +138,56 @@ async def test_the_current_operation_is_refused_outside_its_handler(
     async with running_relay(store, ledger.address, servicer=LeakingRelay) as relay:
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), fresh())
         assert answer.code is grpc.StatusCode.OK, answer.details
-        kept = LeakingRelay.kept.pop()
+        kept, intercepted = LeakingRelay.kept.pop(), LeakingRelay.ledgers.pop()
         with pytest.raises(NotInIdempotentCall, match="outside the handler serving it"):
             await kept.call(relay.stub.Forward, testsvc_pb2.ForwardRequest())
+        # Made active there, its key was the operation key of every intercepted call in the
+        # block: the parent's key itself, sent downstream.
+        post = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+        with (
+            pytest.raises(NotInIdempotentCall, match="outside the handler serving it"),
+            kept.active(),
+        ):
+            await intercepted.Post(post, metadata=[(TENANT, "tenant-a")])
     assert ledger.service.executions == 0
+    assert ledger.service.keys_seen == []
     with pytest.raises(TypeError, match="child key"):
         kept.metadata()  # the parent's key is never handed out to be sent
+    assert repr(kept).startswith("Operation.current() (serving /testsvc.v1.RelayService/Forward")
+
+
+class CrossHandlerRelay(RelayService):
+    """Keeps the Operation.current() of its first call and calls its step with it in its
+    second, another operation's handler."""
+
+    kept: ClassVar[list[Operation]] = []
+    refused: ClassVar[list[BaseException]] = []
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        if not self.kept:
+            self.kept.append(Operation.current())
+            return testsvc_pb2.ForwardResponse()
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        try:
+            await self.kept[0].call(self.ledger.Post, post)
+        except NotInIdempotentCall as err:
+            self.refused.append(err)
+        return testsvc_pb2.ForwardResponse()
+
+
+async def test_the_current_operation_is_refused_in_another_handler(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """There the interceptor keyed its calls with the other handler's child keys: a call of
+    the first operation's step made as the second's."""
+    CrossHandlerRelay.kept.clear()
+    CrossHandlerRelay.refused.clear()
+    async with running_relay(store, ledger.address, servicer=CrossHandlerRelay) as relay:
+        for _ in range(2):
+            answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("a")), fresh())
+            assert answer.code is grpc.StatusCode.OK, answer.details
+    assert [type(err) for err in CrossHandlerRelay.refused] == [NotInIdempotentCall]
+    assert ledger.service.keys_seen == []
 
 
 async def test_a_call_served_without_a_key_has_no_current_operation() -> None:
