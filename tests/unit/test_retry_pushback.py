@@ -16,11 +16,19 @@ from grpc_idempotency.core.seconds import MAX_DURATION_S
         (60.0, 2_000, 2.0),  # this library's longest hint: waited out
         (60.0, 60_000, 60.0),  # at the bound: waited out
         (60.0, 60_001, None),  # past it: the last error, now
+        # At a bound of a fraction of a second too: 1.001 * 1000 is 1000.9999999999999 as a
+        # float, which refused the pushback the bound names.
+        (1.001, 1_001, 1.001),
+        (0.007, 7, 0.007),
+        (1.001, 1_002, None),
         (60.0, 36_000_000, None),  # "retry in 10 hours" slept 10 hours
         # 401 digits: an OverflowError (gRPC's C-core saturates its own trailer at 2**63, but
         # RetryPolicy.delay_s is public and retry_after_ms reads any run of digits)
         pytest.param(60.0, 10**400, None, id="401-digits"),
         pytest.param(MAX_DURATION_S, 10**400, None, id="401-digits-longest-bound"),
+        pytest.param(
+            MAX_DURATION_S, int(MAX_DURATION_S) * 1000, MAX_DURATION_S, id="at-the-longest-bound"
+        ),
         (0.0, 0, 0.0),  # "retry now" is within any bound
         (0.0, 1, None),
         (60.0, -1, None),  # gRPC's "do not retry", as before
