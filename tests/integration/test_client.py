@@ -327,6 +327,11 @@ async def test_a_call_setting_of_the_wrong_type_or_size_is_refused_before_anythi
     assert ledger.service.keys_seen == []
 
 
+def test_retry_given_the_policy_class_itself_says_to_make_one() -> None:
+    with pytest.raises(TypeError, match=r"RetryPolicy'>: retry=RetryPolicy\(\)$"):
+        Operation.new().bind(object(), retry=RetryPolicy)  # type: ignore[arg-type]
+
+
 async def test_a_timeout_of_the_longest_duration_and_wait_for_ready_false_are_taken(
     ledger: RunningLedger,
 ) -> None:
