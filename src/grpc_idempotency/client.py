@@ -84,6 +84,12 @@ _T = TypeVar("_T")
 _operation: contextvars.ContextVar[Operation] = contextvars.ContextVar("grpc_idempotency_op")
 _step: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_idempotency_step")
 _captured: contextvars.ContextVar[list[str]] = contextvars.ContextVar("grpc_idempotency_keys")
+_intercepted: contextvars.ContextVar[list[bool]] = contextvars.ContextVar(
+    "grpc_idempotency_intercepted"
+)
+"""Set by ``Operation.current().call`` around each attempt; the client interceptor marks it when
+it keys the call (its task runs in a copy of the caller's context, so a mutable mark, not a
+value set there, is what the caller sees)."""
 
 
 class Operation:
@@ -108,8 +114,10 @@ class Operation:
         retry=RetryPolicy())`` retries a step's call with the step's child key on every
         attempt, derived by the client interceptor as for a plain stub call. Its own key is
         never sent: the parent's key, sent downstream as given, would let two tenants who
-        picked the same key share one record there (on a channel without the client
-        interceptor the call then carries no key, as a plain stub call made there does).
+        picked the same key share one record there. On a channel without the client
+        interceptor its call is a ``TypeError``: sent with no key, a retry could run the step
+        again (refused before it is sent, or, for a method that cannot be told so, such as a
+        wrapper, once its first attempt failed, rather than retried).
 
         Raises ``NotInIdempotentCall`` outside such a handler, and in a handler serving a call
         that came without a key (an optional key not sent): with no parent key, each attempt
@@ -185,6 +193,8 @@ class Operation:
         with no time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound
         the loop ran out ``max_attempts`` for a caller that had already given up)."""
         self._refuse_elsewhere()
+        if self._serving is not None and _without_client_interceptor(method):
+            raise TypeError(_NOT_INTERCEPTED.format(path=_path_of(method)))
         if isinstance(method, _SYNC_MULTICALLABLES):
             # Called, a sync method blocks the event loop's thread for the whole call, and its
             # response is no awaitable: a TypeError after the effect was done.
@@ -240,6 +250,8 @@ class Operation:
         attempt = 0
         while True:
             attempt += 1
+            intercepted: list[bool] = []
+            marking = _intercepted.set(intercepted)
             try:
                 return await method(
                     request,
@@ -248,6 +260,10 @@ class Operation:
                     **options,
                 )
             except grpc.aio.AioRpcError as err:
+                if self._serving is not None and not intercepted:
+                    # A method whose channel could not be told beforehand: the attempt went out
+                    # with no key, and a retry could run its effect again (an optional key).
+                    raise TypeError(_NOT_INTERCEPTED.format(path=_path_of(method))) from err
                 if retry is None:
                     raise
                 code = Code(err.code().value[0])
@@ -265,6 +281,8 @@ class Operation:
                 if delay is None:
                     raise
                 await asyncio.sleep(delay)
+            finally:
+                _intercepted.reset(marking)
 
     def _refuse_elsewhere(self) -> None:
         """Refuses ``Operation.current()`` used outside the handler it was taken in (or a task
@@ -318,6 +336,28 @@ _AIO_STREAMING_MULTICALLABLES = (
     grpc.aio.StreamUnaryMultiCallable,
     grpc.aio.StreamStreamMultiCallable,
 )
+
+
+_NOT_INTERCEPTED = (
+    "Operation.current().call({path}) on a channel without IdempotencyClientInterceptor: its"
+    " calls carry their step's child key, which only that interceptor derives; sent without"
+    " one, a retry could run the step's effect again. Make the call on a channel with"
+    " interceptors=IdempotencyClientInterceptor(...).all_kinds()"
+)
+
+
+def _without_client_interceptor(method: object) -> bool:
+    """Whether ``method`` is a grpc.aio stub's method on a channel without the client
+    interceptor, as far as can be told before calling it: grpc.aio keeps a channel's unary
+    interceptors on each multicallable (``_interceptors``, not public). Anything else (a
+    wrapper, a test double, a grpc.aio without the attribute) cannot be told: its first attempt
+    is checked instead (``_intercepted``)."""
+    if not isinstance(method, grpc.aio.UnaryUnaryMultiCallable):
+        return False
+    interceptors = getattr(method, "_interceptors", _UNSET)
+    if interceptors is not None and not isinstance(interceptors, (list, tuple)):
+        return False  # none kept there, or not as a sequence: cannot tell
+    return not any(isinstance(i, IdempotencyClientInterceptor) for i in interceptors or ())
 
 
 def _path_of(method: object) -> str:
@@ -594,6 +634,10 @@ class IdempotencyClientInterceptor(_Interceptor):
     ) -> Any:
         """Sends the call as ``_outgoing`` rewrites it, counted as in flight while serving a
         call. ``request``: the request, or the request iterator of a client-streaming call."""
+        if keyed:
+            intercepted = _intercepted.get(None)
+            if intercepted is not None:
+                intercepted.append(True)  # Operation.current().call: keyed here
         try:
             details, serving, step, resent = self._outgoing(client_call_details, keyed=keyed)
         except _MISUSES as err:

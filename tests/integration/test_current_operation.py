@@ -15,7 +15,6 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 from grpc_idempotency import NotInIdempotentCall, Store, child_key
 from grpc_idempotency.call import IdempotentCall, bind, unbind
 from grpc_idempotency.client import Operation, RetryPolicy, step
-from grpc_idempotency.core.wire import reason_of
 from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows
 from tests.support.relay import FORWARD, RelayService, running_relay
 
@@ -201,36 +200,58 @@ async def test_a_call_served_without_a_key_has_no_current_operation() -> None:
 
 
 class PlainChannelRelay(RelayService):
-    """Calls its step through Operation.current() on a channel without the client interceptor,
-    and keeps the reason of the downstream's refusal."""
+    """Calls its step through Operation.current() on a channel without the client interceptor:
+    a grpc.aio stub's method, then a wrapper of one (which cannot be told beforehand), and
+    keeps what each raised."""
 
     address = ""
-    reasons: ClassVar[list[str | None]] = []
+    raised: ClassVar[list[BaseException]] = []
 
     async def Forward(self, request: Any, context: Any) -> Any:
-        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        # The tenant header the interceptor would forward: else refused for its scope.
+        tenant = [(TENANT, "tenant-a")]
         async with grpc.aio.insecure_channel(self.address) as plain:
             stub = testsvc_pb2_grpc.LedgerServiceStub(plain)
-            try:
-                # The tenant header the interceptor would forward: else refused for its scope.
-                await Operation.current().call(
-                    stub.Post, post, metadata=[(TENANT, "tenant-a")], retry=FAST
-                )
-            except grpc.aio.AioRpcError as err:
-                self.reasons.append(reason_of(err.trailing_metadata()))
+
+            async def wrapped(request: Any, **options: Any) -> Any:
+                return await stub.PostOptional(request, **options)
+
+            # "flaky:1" without a key: every attempt fails UNAVAILABLE before running.
+            optional = testsvc_pb2.PostRequest(account=request.account, behaviour="flaky:1")
+            for method, post in (
+                (stub.Post, testsvc_pb2.PostRequest(account=request.account, amount=1)),
+                (stub.PostOptional, optional),
+                (wrapped, optional),
+            ):
+                try:
+                    await Operation.current().call(
+                        method,  # type: ignore[arg-type]  # a wrapper stands in for a method
+                        post,
+                        metadata=tenant,
+                        retry=FAST,
+                    )
+                except (TypeError, grpc.aio.AioRpcError) as err:
+                    self.raised.append(err)
         return testsvc_pb2.ForwardResponse()
 
 
-async def test_the_current_operation_never_sends_the_parents_key(
+async def test_the_current_operation_refuses_a_channel_without_the_client_interceptor(
     ledger: RunningLedger, store: Store
 ) -> None:
-    """Its key is the parent's: sent as given (no interceptor to replace it with the child
-    key), it reached the downstream record of the parent itself (one store, one tenant), and
-    two tenants who picked the same key would share one record there. The call goes out with
-    no key, as a plain stub call there does: refused KEY_MISSING, nothing run."""
+    """Its key is the parent's, never sent (with one store and tenant it reached the parent's
+    own record; two tenants who picked one key shared a record downstream); only the client
+    interceptor gives its calls their step's child key. On a plain channel they went out with
+    no key: a required key refused KEY_MISSING, an optional one ran undeduplicated, and a retry
+    could run it again. A stub's method there is refused before anything is sent; a method that
+    cannot be told so (a wrapper) after its first attempt, rather than retried."""
     PlainChannelRelay.address = ledger.address
+    PlainChannelRelay.raised.clear()
     async with running_relay(store, ledger.address, servicer=PlainChannelRelay) as relay:
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), fresh())
     assert answer.code is grpc.StatusCode.OK, answer
-    assert PlainChannelRelay.reasons == ["IDEMPOTENCY_KEY_MISSING"]
+    assert [type(err) for err in PlainChannelRelay.raised] == [TypeError] * 3
+    for err in PlainChannelRelay.raised:
+        assert "without IdempotencyClientInterceptor" in str(err)
+    assert isinstance(PlainChannelRelay.raised[2].__cause__, grpc.aio.AioRpcError)
+    assert ledger.service.keys_seen == [None]  # the wrapper's first attempt, not retried
     assert ledger.service.executions == 0
