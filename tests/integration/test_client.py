@@ -1054,26 +1054,61 @@ async def test_one_effect_per_item_with_keys_derived_from_the_parents(
         assert await ledger_rows(store, account) == 2  # re-run: both items replayed
 
 
+class KeysSent(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]  # not generic at run time
+    """After the client interceptor: the key each attempt carried on the wire, replayed
+    downstream or not (the ledger's handler sees only those it runs)."""
+
+    def __init__(self) -> None:
+        self.keys: list[str | None] = []
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.keys.append(details.metadata.get("idempotency-key"))
+        return await continuation(details, request)
+
+
 async def test_a_step_whose_call_failed_may_be_called_again(
     ledger: RunningLedger, store: Store
 ) -> None:
     """A call of a step that failed (UNAVAILABLE) retried inside the handler is the same call
-    again, with the same child key: allowed, and executed once downstream."""
-    async with running_relay(store, ledger.address) as relay:
-        key, account = fresh(), fresh("acct")
-        request = testsvc_pb2.ForwardRequest(account=account, mode="retry-step")
+    again, with the same child key: allowed, and executed once downstream. A re-run of the
+    handler (a takeover after a crash before its final commit, on a fresh server: the same one
+    answered the retry from its own replay, and its handler never ran again) calls the step
+    with that key too, and is replayed: had the retry carried another key, the re-run's call
+    (the first the ledger saw of the child key for a second time) ran the effect again."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="retry-step")
+    expected = child_key("tenant:tenant-a", key, "post-ledger.v1")
+    sent = KeysSent()
+    async with running_relay(
+        store,
+        ledger.address,
+        downstream_interceptors=[sent],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
+    ) as relay:
         answer = await relay.forward(request, key)
-        assert answer.code is grpc.StatusCode.OK, answer.details
-        expected = child_key("tenant:tenant-a", key, "post-ledger.v1")
-        assert ledger.service.keys_seen == [expected, expected]
-        assert ledger.service.executions == 1
-        assert await ledger_rows(store, account) == 1
-        # A re-run of the parent's handler (a new attempt) may call the step again: replayed.
-        await forget_outcome(store, key)
-        again = await relay.forward(request, key)
-        assert again.code is grpc.StatusCode.OK, again.details
-        assert again.body == answer.body  # the step's call replayed downstream
-        assert ledger.service.executions == 1
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert sent.keys == [expected, expected]
+    assert ledger.service.keys_seen == [expected, expected]
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
+    await store.pool.execute(
+        "UPDATE grpc_idempotency.records SET state = 'in_progress', response = NULL,"
+        " status_code = NULL, completed_at = NULL,"
+        " locked_until = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
+        "tenant:tenant-a",
+        key,
+    )
+    async with running_relay(
+        store,
+        ledger.address,
+        downstream_interceptors=[sent],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
+    ) as restarted:
+        again = await restarted.forward(request, key)
+    assert again.code is grpc.StatusCode.OK and not again.replayed, again  # the handler ran
+    assert sent.keys == [expected] * 3  # the re-run's call: the same child key
+    assert again.body == answer.body  # ... replayed downstream: the first run's entry
+    assert ledger.service.executions == 1
+    assert await ledger_rows(store, account) == 1
 
 
 async def test_the_final_transaction_does_not_open_across_a_downstream_call(
