@@ -114,6 +114,30 @@ async def test_a_bound_stub_of_the_current_operation_keys_the_step_named_with_st
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-phased-b.v1")] * 2
 
 
+class OwnKeyRelay(RelayService):
+    """Calls its step through a bound stub of Operation.current() given a key of its own."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        own = [("idempotency-key", "a-key-of-its-own"), (b"idempotency-key", b"another")]
+        answer = await Operation.current().bind(self.ledger, metadata=own).Post(post)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_the_current_operation_drops_a_key_given_in_its_metadata(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """As Operation.call puts the operation's key in place of a key entry given in its
+    metadata, the current operation's call carries the step's child key in place of one: kept,
+    the call went out with the entries given (here two, refused as malformed), not the step's
+    key."""
+    async with running_relay(store, ledger.address, servicer=OwnKeyRelay) as relay:
+        key = fresh()
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")]
+
+
 class LeakingRelay(RelayService):
     """Keeps its Operation.current() (and its intercepted ledger stub) for the test to use
     outside the handler."""
