@@ -119,7 +119,10 @@ class OwnKeyRelay(RelayService):
 
     async def Forward(self, request: Any, context: Any) -> Any:
         post = testsvc_pb2.PostRequest(account=request.account, amount=1)
-        own = [("idempotency-key", "a-key-of-its-own"), (b"idempotency-key", b"another")]
+        own: list[tuple[Any, str | bytes]] = [
+            ("idempotency-key", "a-key-of-its-own"),
+            (b"idempotency-key", b"another"),
+        ]
         answer = await Operation.current().bind(self.ledger, metadata=own).Post(post)
         return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
 
