@@ -142,6 +142,25 @@ class Operation:
             return f"Operation.current() (serving {self._serving.method}, key {self._key!r})"
         return f"Operation({self._key!r})"
 
+    def __copy__(self) -> Operation:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Operation:
+        # Copied, the call served (its loop, its connection) failed to copy with an error
+        # about a contextvars.Context; a copy of Operation.current() is still the operation of
+        # the one call it serves.
+        return self
+
+    def __reduce__(self) -> tuple[type[Operation], tuple[str]]:
+        if self._serving is not None:
+            # Unpickled elsewhere it serves no call there: refused with a clear error, not
+            # pickle's own about a WeakSet, and never a plain Operation sending the parent's key.
+            raise TypeError(
+                "Operation.current() cannot be pickled: it is the operation of the call its"
+                " handler serves, in that handler only"
+            )
+        return (Operation, (self._key,))
+
     def metadata(self) -> tuple[tuple[str, str]]:
         if self._serving is not None:
             # Sent, the parent's key: on a channel without the client interceptor (which drops

@@ -6,6 +6,8 @@ ledger) and real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 from typing import Any, ClassVar
 
 import grpc
@@ -214,6 +216,20 @@ async def test_the_current_operation_is_refused_in_another_handler(
             assert answer.code is grpc.StatusCode.OK, answer.details
     assert [type(err) for err in CrossHandlerRelay.refused] == [NotInIdempotentCall]
     assert ledger.service.keys_seen == []
+
+
+async def test_the_current_operation_copies_as_itself_and_is_not_pickled() -> None:
+    """Unpickled, a plain Operation would send the parent's key itself."""
+    token = bind(IdempotentCall(FORWARD, SCOPE, "k1", asyncio.get_running_loop()))
+    try:
+        current = Operation.current()
+        assert copy.copy(current) is current and copy.deepcopy(current) is current
+        with pytest.raises(TypeError, match=r"^Operation.current\(\) cannot be pickled"):
+            pickle.dumps(current)
+        plain = pickle.loads(pickle.dumps(Operation("k1")))
+        assert plain.metadata() == (("idempotency-key", "k1"),)
+    finally:
+        unbind(token)
 
 
 async def test_a_call_served_without_a_key_has_no_current_operation() -> None:
