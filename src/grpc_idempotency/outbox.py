@@ -882,16 +882,17 @@ class Relay:
         try:
             marked = await self.outbox.mark_sent_ids(relay=self.name, claims=sent)
             delivered = len(marked)
+            # Before the failures' mark: should it fail, the sent rows' spans end as recorded.
+            for i, message in enumerate(messages):
+                if decided[i] == _SENT and message.id not in marked:
+                    decided[i] = _UNRECORDED
             recorded[0] = True
             states = await self.outbox.mark_failed_states(relay=self.name, failures=failures)
             dead = sum(1 for state in states.values() if state == "dead")
             retried = len(states) - dead
             recorded[1] = True
             for i, message in enumerate(messages):
-                if decided[i] == _SENT:
-                    if message.id not in marked:
-                        decided[i] = _UNRECORDED
-                elif decided[i] != _UNRECORDED and message.id not in states:
+                if decided[i] in ("retry", "dead") and message.id not in states:
                     decided[i] = _UNRECORDED
         finally:
             self.stats.unrecorded += len(messages) - delivered - retried - dead

@@ -258,6 +258,51 @@ async def test_a_delivery_whose_claim_was_taken_over_ends_its_span_unrecorded(
     assert [tuple(r) for r in rows] == [("pending", "usurper", 2)] * 2
 
 
+async def test_a_sent_row_taken_over_ends_unrecorded_when_the_failures_cannot_be_recorded(
+    outbox: Store,
+) -> None:
+    """The sent rows are marked, then the failures' mark fails (a constraint refusing their
+    error): a sent row whose claim was taken over meanwhile still ends "unrecorded", as
+    RelayStats counts it, not "sent" (its span's outcome was fixed only after both marks)."""
+    await _enqueue(outbox, None)
+    await _enqueue(outbox, None)
+    table = f'"{outbox.schema}".outbox'
+    lost, failed = [r["id"] for r in await outbox.pool.fetch(f"SELECT id FROM {table} ORDER BY id")]
+    provider, spans = _tracing()
+    taken = asyncio.Event()
+
+    async def deliver(message: OutboxMessage) -> None:
+        if message.id == lost:
+            await outbox.pool.execute(
+                f"UPDATE {table} SET locked_until = clock_timestamp() - interval '1 s',"
+                " next_attempt_at = clock_timestamp() - interval '1 s' WHERE id = $1",
+                lost,
+            )
+            (claimed,) = await OutboxStore(outbox).claim(relay="usurper", limit=10, lease_s=30)
+            assert claimed.id == lost
+            await outbox.pool.execute(
+                f"ALTER TABLE {table} ADD CONSTRAINT no_gone"
+                " CHECK (last_error NOT LIKE '%receiver gone%') NOT VALID"
+            )
+            taken.set()
+            return
+        await taken.wait()
+        raise ConnectionResetError("receiver gone")
+
+    relay = Relay(outbox, CallableSink(deliver), tracer_provider=provider, listen=False)
+    try:
+        with pytest.raises(StoreUnavailable, match="recording failed deliveries"):
+            await relay.run_once()
+    finally:
+        await outbox.pool.execute(f"ALTER TABLE {table} DROP CONSTRAINT IF EXISTS no_gone")
+    assert (relay.stats.delivered, relay.stats.unrecorded) == (0, 2)
+    ended = {(d.attributes or {})["grpc_idempotency.outbox.row_id"]: d for d in _deliveries(spans)}
+    outcomes = {
+        i: (d.attributes or {})["grpc_idempotency.outbox.outcome"] for i, d in ended.items()
+    }
+    assert outcomes == {lost: "unrecorded", failed: "unrecorded"}
+
+
 async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: Store) -> None:
     """A carrier the propagator cannot read (edited by hand): the span goes without its link.
     The relay cancelled while the sink runs: the spans end once, "unrecorded" (the rows come
