@@ -36,6 +36,7 @@ from grpc_idempotency.consumer import (
     MessageInProgress,
     purge_processed,
 )
+from grpc_idempotency.store.consumer_store import MarkBusy, ProcessedMessages
 from grpc_idempotency.store.postgres import ROLLBACK_TIMEOUT_S
 from grpc_idempotency.store.sql import text_literal
 from tests.integration.test_consumer_telemetry import _counts
@@ -1577,6 +1578,37 @@ async def test_a_max_wait_longer_than_the_pools_command_timeout_is_waited_out(
         assert await effect_rows(store, consumer, message_id) == 1
     finally:
         await short.close()
+
+
+async def test_the_mark_says_when_it_waits_on_another_transactions_row(
+    store: Store, consumer: IdempotentConsumer
+) -> None:
+    """``ProcessedMessages.mark(waiting=)``: told nothing for a free id, nor with no wait at
+    all (wait_s 0: MarkBusy at once, its one statement's 1 ms being no wait of the consumer's),
+    and True, then False once it has the row, for a row another transaction holds."""
+    marks_ = ProcessedMessages(store)
+    told: list[bool] = []
+    bounds: dict[str, Any] = {"retention_s": 60.0, "idle_timeout_s": 60.0, "acquire_timeout": 10}
+    free = await marks_.mark(consumer.name, fresh(), wait_s=5, waiting=told.append, **bounds)
+    await free.abandon(None)
+    assert told == []
+    message_id = fresh()
+    gate, first = await held(consumer, message_id)
+    try:
+        with pytest.raises(MarkBusy):
+            await marks_.mark(consumer.name, message_id, wait_s=0, waiting=told.append, **bounds)
+        assert told == []
+        marking = asyncio.create_task(
+            marks_.mark(consumer.name, message_id, wait_s=30, waiting=told.append, **bounds)
+        )
+        await waiting_on_a_lock(store)
+        assert told == [True]
+    finally:
+        gate.release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+    mark = await marking
+    await mark.abandon(None)
+    assert (mark.outcome, told) == (Consumed.DUPLICATE, [True, False])
 
 
 async def test_the_marks_second_try_waits_only_what_is_left_of_max_wait(

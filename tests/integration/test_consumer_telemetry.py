@@ -205,6 +205,26 @@ async def cancelled_while_waiting_on_another_process(env: Env) -> Ended:
     return [("conflict", message_id, "CancelledError"), ("processed", message_id, None)]
 
 
+async def cancelled_waiting_for_a_connection(env: Env) -> Ended:
+    """Cancelled while its mark waits for a pooled connection (every one in use), no other
+    delivery of the id anywhere: "released", the delivery's own time, not "conflict" (which
+    only a wait on the id's row, here or in another process, is)."""
+    message_id = fresh()
+    pool = env.store.pool
+    held = [await pool.acquire() for _ in range(pool.get_max_size())]
+    try:
+        delivery = asyncio.create_task(env.consumer.process(message_id, _effect(env)))
+        # Registered as running here just before its mark asks the pool for a connection.
+        await until("the delivery's mark", lambda: message_id in env.consumer._running)
+        delivery.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await delivery
+    finally:
+        for conn in held:
+            await pool.release(conn)
+    return [("released", message_id, "CancelledError")]
+
+
 async def expired_mark_taken_over(env: Env) -> Ended:
     """A delivery past the id's retention runs the effect again, over the expired mark:
     "reprocessed" (counted "processed" as a new id was, though the effect ran a second time),
@@ -304,6 +324,7 @@ ROWS: list[Callable[[Env], Awaitable[Ended]]] = [
     cancelled,
     cancelled_while_waiting,
     cancelled_while_waiting_on_another_process,
+    cancelled_waiting_for_a_connection,
     expired_mark_taken_over,
     store_failed,
     rejected,
