@@ -511,6 +511,47 @@ async def test_a_purge_leaves_no_lock_timeout_on_its_pooled_connection(
         await one.close()
 
 
+@pytest.mark.parametrize(
+    ("session", "seen"),
+    [
+        (None, "100ms"),  # no lock_timeout of the session's (0): ours
+        ("20", "20ms"),  # a shorter one of the role's or the connection's: it stays
+        ("99ms", "99ms"),
+        ("100", "100ms"),
+        ("1s", "100ms"),  # a longer one: ours
+        ("1min", "100ms"),
+    ],
+)
+async def test_a_shorter_session_lock_timeout_bounds_the_first_attempt(
+    purge_store: Store, pg_dsn: str, session: str | None, seen: str
+) -> None:
+    """A batch's bound is the shorter of PURGE_LOCK_WAIT_S and the session's own lock_timeout:
+    SET LOCAL lock_timeout = 100 overrode a role's 20 ms for the batch's first attempt, and a
+    purge meeting a lock waited five times what the role allowed. Read where it applies, in
+    the batch's DELETE (a trigger records the setting its statement runs under); no lock is
+    met, so the first attempt is the only one."""
+    await expired_records(purge_store, 2)
+    schema = f'"{purge_store.schema}"'
+    await purge_store.pool.execute(
+        f"CREATE TABLE {schema}.seen (lock_timeout text);"
+        f" CREATE FUNCTION {schema}.seen() RETURNS trigger LANGUAGE plpgsql AS"
+        f" $$BEGIN INSERT INTO {schema}.seen"
+        " VALUES (pg_catalog.current_setting('lock_timeout')); RETURN OLD; END$$;"
+        f" CREATE TRIGGER seen BEFORE DELETE ON {records(purge_store)} FOR EACH ROW"
+        f" EXECUTE FUNCTION {schema}.seen()"
+    )
+    settings = {} if session is None else {"lock_timeout": session}
+    via = await Store.connect(pg_dsn, schema=purge_store.schema, server_settings=settings)
+    try:
+        own = await via.pool.fetchval("SHOW lock_timeout")
+        assert await via.purge() == 2
+        assert await via.pool.fetchval("SHOW lock_timeout") == own  # the session's, after
+    finally:
+        await via.close()
+    rows = await purge_store.pool.fetch(f"SELECT lock_timeout FROM {schema}.seen")
+    assert [r["lock_timeout"] for r in rows] == [seen, seen]
+
+
 # -- concurrent takeovers ----------------------------------------------------------------------
 
 

@@ -107,7 +107,8 @@ READ_COMMITTED_IDLE_S = 5.0
 # this bounds that wait. Above the usual holders' time (a takeover's statement, a batch of
 # 1,000 deleted in about 5 ms) so that the faster statement stays the usual one; a lock held
 # longer (a long call transaction, a session idle in one) is skipped, at the cost of one batch
-# redone (tens of ms of the purge's time).
+# redone (tens of ms of the purge's time). A session's own lock_timeout (a role's), if
+# shorter, bounds it instead (sql.begin).
 PURGE_LOCK_WAIT_S = 0.1
 _DEFAULT_COMMAND_TIMEOUT_S = 30.0
 
@@ -1107,9 +1108,10 @@ class Store:
         (``_stopped``), then leaves the connection to ``Store.connection``, which drops it
         (PostgreSQL rolls back).
 
-        ``lock_timeout_s``: each lock wait of the transaction's statements at most that long
-        (``SET LOCAL lock_timeout``; 55P03 past it, raised as asyncpg's
-        ``LockNotAvailableError``); only with ``own_transaction``."""
+        ``lock_timeout_s``: each lock wait of the transaction's statements at most that long,
+        or the session's own ``lock_timeout`` if shorter (local to the transaction, as ``SET
+        LOCAL``; 55P03 past it, raised as asyncpg's ``LockNotAvailableError``); only with
+        ``own_transaction``."""
         if lock_timeout_s is not None and not own_transaction:
             raise ValueError("lock_timeout_s needs own_transaction")
         if self._default_isolation is None:
@@ -1790,8 +1792,9 @@ class Store:
                                 # Rolled back (read_committed): the rows it had locked are free.
                                 # Unbounded this time: a lock that skipping cannot step round
                                 # (a table's, an application trigger's) is waited for as before;
-                                # a role's own lock_timeout still applies, and its 55P03 is the
-                                # purge's error.
+                                # a role's own lock_timeout still applies (to the first attempt
+                                # too, if shorter than ours), and its 55P03 is the purge's
+                                # error.
                                 if not bounded or skipping is None:
                                     raise
                                 log.debug(
