@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 from dataclasses import replace
@@ -1000,11 +1001,15 @@ async def test_misdeclared_downstream_calls_fail_before_anything_is_sent(
         assert held == 0  # the parent's claim was released (its lease ended), nothing recorded
 
 
-async def forget_outcome(store: Store, key: str) -> None:
-    """Deletes tenant-a's record of ``key``, as if its server crashed before its final commit:
-    the next call with the key runs the handler again."""
+async def lease_expired_before_final_commit(store: Store, key: str) -> None:
+    """Puts tenant-a's completed record of ``key`` back in progress with its lease run out, as
+    if its server crashed before its final commit: the next call with the key, on a server
+    with no replay of its own, takes it over and runs the handler again."""
     await store.pool.execute(
-        "DELETE FROM grpc_idempotency.records WHERE scope = $1 AND key = $2",
+        "UPDATE grpc_idempotency.records SET state = 'in_progress', response = NULL,"
+        " status_code = NULL, completed_at = NULL,"
+        " locked_until = clock_timestamp() - interval '1 second'"
+        " WHERE scope = $1 AND key = $2",
         "tenant:tenant-a",
         key,
     )
@@ -1040,18 +1045,39 @@ async def test_one_effect_per_item_with_keys_derived_from_the_parents(
     ledger: RunningLedger, store: Store
 ) -> None:
     """The README's way to one call per item: each item's own key, derived from the parent's,
-    kept as given; a re-run of the handler reaches the same two records."""
-    async with running_relay(store, ledger.address) as relay:
-        key, account = fresh(), fresh("acct")
-        request = testsvc_pb2.ForwardRequest(account=account, mode="post-per-item")
+    kept as given. A re-run of the handler (a takeover after a crash before its final commit,
+    on a fresh server: the same one answered a retry from its own replay, its handler never ran
+    again, and the test passed whatever keys the items carried) sends the same two keys, and
+    both calls are replayed downstream: one effect per item."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.ForwardRequest(account=account, mode="post-per-item")
+    step_key = child_key("tenant:tenant-a", key, "post-ledger.v1")
+    expected = [hashlib.sha256(f"{step_key}/{item}".encode()).hexdigest() for item in "ab"]
+    sent = KeysSent()
+    async with running_relay(
+        store,
+        ledger.address,
+        downstream_interceptors=[sent],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
+    ) as relay:
         answer = await relay.forward(request, key)
-        assert answer.code is grpc.StatusCode.OK, answer.details
-        assert len(set(ledger.service.keys_seen)) == 2
-        assert await ledger_rows(store, account) == 2
-        await forget_outcome(store, key)
-        again = await relay.forward(request, key)
-        assert again.code is grpc.StatusCode.OK, again.details
-        assert await ledger_rows(store, account) == 2  # re-run: both items replayed
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert sent.keys == expected
+    assert ledger.service.keys_seen == expected
+    assert ledger.service.executions == 2
+    assert await ledger_rows(store, account) == 2
+    await lease_expired_before_final_commit(store, key)
+    async with running_relay(
+        store,
+        ledger.address,
+        downstream_interceptors=[sent],  # type: ignore[list-item]  # grpc-stubs: cast or ignore client interceptors
+    ) as restarted:
+        again = await restarted.forward(request, key)
+    assert again.code is grpc.StatusCode.OK and not again.replayed, again  # the handler ran
+    assert sent.keys == expected * 2  # the re-run's calls: the same per-item keys
+    assert ledger.service.keys_seen == expected  # ... both replayed downstream
+    assert ledger.service.executions == 2
+    assert again.body == answer.body  # the last item's entry, replayed
+    assert await ledger_rows(store, account) == 2
 
 
 class KeysSent(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]  # not generic at run time
@@ -1090,14 +1116,7 @@ async def test_a_step_whose_call_failed_may_be_called_again(
     assert ledger.service.keys_seen == [expected, expected]
     assert ledger.service.executions == 1
     assert await ledger_rows(store, account) == 1
-    await store.pool.execute(
-        "UPDATE grpc_idempotency.records SET state = 'in_progress', response = NULL,"
-        " status_code = NULL, completed_at = NULL,"
-        " locked_until = clock_timestamp() - interval '1 second'"
-        " WHERE scope = $1 AND key = $2",
-        "tenant:tenant-a",
-        key,
-    )
+    await lease_expired_before_final_commit(store, key)
     async with running_relay(
         store,
         ledger.address,
