@@ -45,6 +45,7 @@ POST = "/testsvc.v1.LedgerService/Post"
 OPTIONAL = "/testsvc.v1.LedgerService/PostOptional"
 WITH_EVENT = "/testsvc.v1.LedgerService/PostWithEvent"
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
+FAIL_OPEN = "/testsvc.v1.LedgerService/PostFailOpen"
 
 # MetadataScope("x-tenant-id") files tenant T's keys under "tenant:T".
 PLACEMENT = {"tenant:a": "one", "tenant:b": "two", "tenant:lost": "three"}
@@ -283,6 +284,36 @@ async def test_a_shard_that_is_down_takes_only_its_own_tenants_down(
         await proxy.close()
     assert await shards["one"].rows(account_a) == [("tenant:a", 1)]
     assert await shards["two"].rows(account_b) == []
+
+
+async def test_a_fail_open_method_fails_open_only_for_the_tenants_of_the_shard_that_is_down(
+    shards: dict[str, Shard],
+) -> None:
+    """Shard "two" partitioned: its tenant's fail-open call runs unclaimed once the probe of
+    *its* shard gets no answer (a probe of shard "one", which answers, refused to fail open),
+    while tenant a's calls of the same method are claimed and replayed on shard "one"."""
+    proxy = BlackholeProxy(shards["two"].dsn)
+    await proxy.start()
+    two = await Store.connect(proxy.dsn, min_size=1, max_size=2, command_timeout=0.5)
+    sharded = ShardedStores({"one": shards["one"].store, "two": two}, PLACEMENT.__getitem__)
+    key_a, key_b = fresh(), fresh()
+    request_a = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    request_b = testsvc_pb2.PostRequest(account=fresh("acct"), amount=1)
+    try:
+        async with running_ledger(sharded, replay_cache=False) as server:
+            proxy.blackhole()
+            down = await server.call(FAIL_OPEN, request_b, key_b, tenant="b", timeout=3)
+            assert down.code is grpc.StatusCode.OK, down.details
+            assert server.service.executions == 1
+            for _ in range(2):  # claimed on shard "one", then replayed from it
+                up = await server.call(FAIL_OPEN, request_a, key_a, tenant="a")
+                assert up.code is grpc.StatusCode.OK, up.details
+            assert server.service.executions == 2
+    finally:
+        two.pool.terminate()
+        await proxy.close()
+    assert await shards["one"].records(key_a) == [("tenant:a", "completed")]
+    assert await shards["one"].records(key_b) == []
 
 
 async def test_a_replica_starts_and_serves_while_one_shard_is_down(
