@@ -153,6 +153,37 @@ async def test_a_phased_call_claims_and_completes_on_its_shard(shards: dict[str,
     assert await shards["one"].rows(account) == [] and await shards["one"].records(key) == []
 
 
+async def test_each_call_asks_shard_of_once_and_claims_writes_and_completes_where_it_said(
+    shards: dict[str, Shard],
+) -> None:
+    """A ``shard_of`` that answers otherwise each time it is asked (the ``hash()`` the README
+    warns of, across replicas) never splits a call: asked once, its claim, the handler's rows
+    and the record land on the shard first named. Its retry, placed elsewhere, finds no record
+    there and runs again: why the placement must be the same for every replica and call."""
+    asked: list[str] = []
+
+    def flip_flop(scope: str) -> str:
+        asked.append(scope)
+        return ("one", "two")[len(asked) % 2 - 1]  # "one", then "two", then "one"...
+
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=6)
+    async with running_ledger(_sharded(shards, flip_flop), replay_cache=False) as server:
+        for method in (PHASED, POST):
+            asked.clear()
+            first = await server.call(method, request, key + method[-6:], tenant="b")
+            again = await server.call(method, request, key + method[-6:], tenant="b")
+            assert first.code is again.code is grpc.StatusCode.OK, (first.details, again.details)
+            assert asked == ["tenant:b", "tenant:b"]  # once per call
+            assert not again.replayed  # placed on "two", which has no record of it
+        assert server.service.executions == 4
+    for method in (PHASED, POST):
+        for name in ("one", "two"):
+            assert await shards[name].records(key + method[-6:]) == [("tenant:b", "completed")]
+    assert await shards["one"].rows(account) == [("tenant:b", 6)] * 2
+    assert await shards["two"].rows(account) == [("tenant:b", 6)] * 2
+
+
 async def test_concurrent_duplicates_on_a_shard_run_the_handler_once(
     shards: dict[str, Shard],
 ) -> None:
