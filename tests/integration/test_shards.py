@@ -372,6 +372,31 @@ async def test_a_replica_starts_and_serves_while_one_shard_is_down(
     assert gone.code is grpc.StatusCode.UNAVAILABLE, gone.details
 
 
+async def test_a_shard_that_cannot_be_opened_at_start_is_named_by_its_error(
+    shards: dict[str, Shard],
+) -> None:
+    """Every shard's schema has the same name, and the README opens them side by side
+    (``ShardedStores({"eu-1": await Store.connect(EU1), "us-1": await Store.connect(US1)})``):
+    a shard one migration behind, or down, was refused with nothing to tell which one it was
+    ("the idempotency schema 'grpc_idempotency' is at version 13", "unavailable while
+    connecting (ConnectionRefusedError)"). Its error names its database (never a password)."""
+    two = shards["two"]
+    schema = f"gi_behind_{uuid.uuid4().hex[:8]}"
+    behind = await Store.connect(two.dsn, schema=schema, migrate=True)
+    await behind.pool.execute(f"DELETE FROM {schema}.schema_migrations WHERE version > 13")
+    await behind.close()
+    with pytest.raises(StoreMisconfigured, match="is at version 13") as refused:
+        await Store.connect(two.dsn, schema=schema)
+    assert str(refused.value).endswith(f"/{two.name}, schema {schema}]"), refused.value
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(StoreUnavailable, match="while connecting") as down:
+        await Store.connect(f"postgresql://postgres:secret@127.0.0.1:{port}/shard_three")
+    assert str(down.value).endswith(f" [127.0.0.1:{port}/shard_three, schema grpc_idempotency]")
+    assert "secret" not in str(down.value)
+
+
 async def test_each_misconfigured_shard_is_logged_naming_it_within_the_same_minute(
     shards: dict[str, Shard], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -835,14 +835,15 @@ class Store:
             )
         except Exception as exc:
             if isinstance(exc, PasswordFailed):
-                raise password_error(exc, "connecting", store=named) from exc.__cause__
+                refused = password_error(exc, "connecting", store=named)
+                raise _naming(refused, named) from exc.__cause__
             if dsn_unusable(exc):
                 # The driver's text can quote pieces of the password: name the file it could
                 # not use, if that is what it was, else say nothing of it.
                 problem = unusable_file(dsn)
                 raise DsnUnusable(f"cannot use the DSN: {problem}" if problem else "") from None
             if isinstance(exc, STORE_ERRORS):
-                raise connect_error(exc, store=named) from exc
+                raise _naming(connect_error(exc, store=named), named) from exc
             raise
         store = cls(pool, schema=schema, acquire_timeout=acquire_timeout)
         connect = pool_options.get("connect") or asyncpg.connect
@@ -867,8 +868,10 @@ class Store:
                     _warn_newer(store.schema, newer)
             elif check_schema:
                 await store.check_schema()
-        except BaseException:
+        except BaseException as exc:
             await store.close()
+            if isinstance(exc, StoreUnavailable):
+                _naming(exc, store.store_log)
             raise
         return store
 
@@ -2044,6 +2047,18 @@ async def vet_dsn(
         if conn is not None and not connection_closed(conn):
             conn.terminate()  # cut short: close() would wait for the server
     return True
+
+
+def _naming(err: StoreUnavailable, store: StoreLog) -> StoreUnavailable:
+    """``err`` of ``Store.connect``, its text ending with the store's database (``[host:port/
+    database, schema S]``, never a password). Every shard's schema has the same name, and the
+    shards are opened side by side (``ShardedStores({"eu": await Store.connect(EU), "us":
+    await Store.connect(US)})``): a shard behind or down at start was refused with nothing to
+    tell which one. A DSN that cannot be parsed has no database to name."""
+    if not isinstance(err, DsnUnusable) and store.label:
+        err.message = f"{err.message}{store.label}"
+        err.args = (err.message, *err.args[1:])
+    return err
 
 
 def _described(dsn: object, options: dict[str, Any], schema: str) -> str:
