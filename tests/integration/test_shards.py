@@ -216,7 +216,8 @@ async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
     request = testsvc_pb2.PostRequest(account=account, amount=1)
     telemetry, spans, _ = _telemetry(record_key=True, record_scope=True)
     async with running_ledger(_sharded(shards, shard_of), telemetry=telemetry) as server:
-        for method in (POST, OPTIONAL):
+        # A fail-open method too: no shard is no outage, and its handler has nowhere to write.
+        for method in (POST, OPTIONAL, FAIL_OPEN):
             answer = await server.call(method, request, key, tenant=tenant)
             assert answer.code is grpc.StatusCode.INTERNAL
             assert answer.reason() == "IDEMPOTENCY_STORE_MISCONFIGURED"
@@ -230,9 +231,9 @@ async def test_a_scope_the_server_cannot_place_is_refused_before_the_handler(
     # (they were "rejected", which says the client erred), the scope on the span for the
     # operator (the log names one unplaced scope a minute).
     ended = [attributes(s) for s in spans.get_finished_spans()]
-    assert [a["grpc_idempotency.outcome"] for a in ended] == ["unavailable"] * 2
-    assert [a.get("grpc_idempotency.scope") for a in ended] == [f"tenant:{tenant}"] * 2
-    assert [a.get("grpc_idempotency.key") for a in ended] == [key] * 2
+    assert [a["grpc_idempotency.outcome"] for a in ended] == ["unavailable"] * 3
+    assert [a.get("grpc_idempotency.scope") for a in ended] == [f"tenant:{tenant}"] * 3
+    assert [a.get("grpc_idempotency.key") for a in ended] == [key] * 3
     for shard in shards.values():
         assert await shard.rows(account) == []
         assert await shard.records(key) == []
