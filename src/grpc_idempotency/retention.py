@@ -100,9 +100,17 @@ class Purger:
         if not isinstance(self.store, ShardedStores):
             await self._purge_every_interval(self.store, "")
             return
+        # One schedule per Store, not per name: two shards on one database (one Store under two
+        # names) had two purges of one table side by side, each batch waiting on the rows the
+        # other was deleting, and every outage said twice.
+        names: dict[int, tuple[Store, list[str]]] = {}
+        for name, store in self.store.shards.items():
+            names.setdefault(id(store), (store, []))[1].append(name)
         async with asyncio.TaskGroup() as shards:
-            for name, store in self.store.shards.items():
-                shards.create_task(self._purge_every_interval(store, f" on shard {name!r}"))
+            for store, named in names.values():
+                what = "shards" if len(named) > 1 else "shard"
+                where = f" on {what} {', '.join(map(repr, named))}"
+                shards.create_task(self._purge_every_interval(store, where))
 
     async def _purge_every_interval(self, store: Store, where: str) -> None:
         while True:

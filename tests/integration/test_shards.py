@@ -464,6 +464,25 @@ async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_n
         await proxy.close()
 
 
+async def test_a_store_named_as_two_shards_is_purged_by_one_schedule(
+    shards: dict[str, Shard], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two shards on one database (one Store under two names, which ShardedStores accepts):
+    the purger ran a schedule per name, two purges of one table side by side, each batch
+    waiting on the rows the other was deleting, and each outage said twice. One schedule per
+    Store, its lines naming every shard it is (a closed store's one line shows it)."""
+    both = await Store.connect(shards["two"].dsn, min_size=1, max_size=1)
+    await both.close()
+    sharded = ShardedStores({"two": both, "dos": both}, PLACEMENT.__getitem__)
+    with caplog.at_level(logging.WARNING, logger="grpc_idempotency.retention"):
+        purger = Purger(sharded, interval=60)
+        purger.start()
+        assert purger._task is not None
+        await asyncio.wait_for(purger._task, 5)  # its one loop ended: the store is closed
+    (line,) = [m for m in caplog.messages if "purger stopped" in m]
+    assert "on shards 'two', 'dos'" in line, line
+
+
 async def test_closing_waits_for_partitioned_shards_side_by_side(
     shards: dict[str, Shard],
 ) -> None:
