@@ -9,6 +9,7 @@ import contextlib
 from datetime import timedelta
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
@@ -454,3 +455,61 @@ async def test_a_call_cancelled_once_its_key_is_released_releases_it_once_and_ke
     async with ledger_server(interceptor, service) as (channel, _):
         answer = await call_raw(channel, PHASED, request, metadata(fresh()), 3)
     assert (answer.code, len(releases)) == (grpc.StatusCode.UNKNOWN, 1), answer
+
+
+async def test_a_release_cancelled_while_its_rollback_is_unanswered_lets_go_of_its_connection(
+    pg_dsn: str, store: Store
+) -> None:
+    """An atomic attempt rolled back (``Attempt.release``: its handler failed), cancelled while
+    the ROLLBACK's answer is not back (a partition at that instant, the call's client gone).
+    Handed back as it was, the connection made the pool wait for the database to confirm the
+    cancellation of the ROLLBACK: with the answer lost, the release's task and the pool's
+    connection were held for as long as the partition lasted (asyncpg's wait has no bound
+    there). Dropped instead, as a statement cut short is everywhere else: PostgreSQL rolls
+    back what was open."""
+    async with store_behind_proxy(pg_dsn, pool=1) as (proxy, own):
+        attempt = await own.claim_atomic(
+            scope=SCOPE,
+            key=fresh(),
+            method=POST,
+            fingerprint=b"\x01",
+            retention_s=60,
+            lease_s=30,
+        )
+        assert attempt is not None
+        proxy.hold_answers_after(b"ROLLBACK")
+        releasing = asyncio.ensure_future(attempt.release())
+        await until("the rollback's answer to be held", lambda: proxy._holding)
+        releasing.cancel()
+        await until("the release over", releasing.done, timeout=5)
+        assert releasing.cancelled()
+        pool = own.pool
+        assert pool.get_size() == pool.get_idle_size()  # nothing left checked out
+        proxy.deliver_answers()
+        conn = await pool.acquire(timeout=2)  # the pool's only connection (opened anew)
+        await pool.release(conn)
+
+
+async def test_a_failed_keyless_commit_cancelled_during_its_rollback_gives_its_connection_back(
+    pg_dsn: str, store: Store
+) -> None:
+    """A keyless transaction (``Store.begin``) whose handler caught a failed statement: its
+    COMMIT fails (25P02) and is rolled back. Cancelled during that ROLLBACK (the call's client
+    gone), the cancellation came out of the commit's ``except PostgresError`` clause: the
+    connection was neither dropped nor given back, and the pool had one connection less for
+    good (here its only one)."""
+    async with store_behind_proxy(pg_dsn, pool=1) as (proxy, own):
+        txn = await own.begin()
+        with contextlib.suppress(asyncpg.DivisionByZeroError):
+            await txn.connection.execute("SELECT 1/0")  # the handler carries on after it
+        proxy.hold_answers_after(b"ROLLBACK")
+        committing = asyncio.ensure_future(txn.commit())
+        await until("the rollback's answer to be held", lambda: proxy._holding)
+        committing.cancel()
+        await until("the commit over", committing.done, timeout=5)
+        assert committing.cancelled()
+        pool = own.pool
+        assert pool.get_size() == pool.get_idle_size()  # nothing left checked out
+        proxy.deliver_answers()
+        conn = await pool.acquire(timeout=2)  # the pool's only connection (opened anew)
+        await pool.release(conn)

@@ -1639,3 +1639,41 @@ async def test_the_marks_second_try_waits_only_what_is_left_of_max_wait(
         gate.release.set()
     assert (await first).outcome is Consumed.PROCESSED
     assert await effect_rows(store, consumer, message_id) == 1
+
+
+async def test_a_mark_cancelled_during_its_rollback_gives_its_connection_back(
+    pg_dsn: str, store: Store, consumer: IdempotentConsumer
+) -> None:
+    """The mark's statement failed (the id's row held elsewhere: MarkBusy) and the mark is
+    cancelled during the ROLLBACK that follows (its caller gone): ``_abandon`` drops the
+    connection and re-raises, and the mark's own release after it never runs. The pool must
+    still hand out its one connection (a connection terminated goes back to asyncpg's pool;
+    had it not, each such cancellation shrank the pool by one for good)."""
+    message_id = fresh()
+    gate, first = await held(consumer, message_id)
+    try:
+        async with store_behind_proxy(pg_dsn, pool=1) as (proxy, own):
+            marks_ = ProcessedMessages(own)
+            proxy.hold_answers_after(b"ROLLBACK")
+            marking = asyncio.ensure_future(
+                marks_.mark(
+                    consumer.name,
+                    message_id,
+                    wait_s=0,
+                    retention_s=60.0,
+                    idle_timeout_s=60.0,
+                    acquire_timeout=10,
+                )
+            )
+            await until("the rollback's answer to be held", lambda: proxy._holding)
+            marking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await marking
+            proxy.deliver_answers()
+            pool = own.pool
+            await until("no connection in use", lambda: pool.get_size() == pool.get_idle_size())
+            conn = await pool.acquire(timeout=2)  # the pool's only connection, free again
+            await pool.release(conn)
+    finally:
+        gate.release.set()
+    assert (await first).outcome is Consumed.PROCESSED

@@ -256,8 +256,13 @@ class ProcessedMessages:
             try:
                 status = await conn.execute(sql, timeout=statement_timeout)
             except BaseException as exc:
-                await _abandon(conn, exc)
-                await store._release(conn)
+                try:
+                    await _abandon(conn, exc)
+                finally:
+                    # However the abandon ends: cancelled during its ROLLBACK, it drops the
+                    # connection and re-raises (asyncpg's pool takes a terminated connection
+                    # back by itself; the release is then a no-op, here in case it does not).
+                    await store._release(conn)
                 if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
                     if probing and waiting is not None:
                         # Held elsewhere: wait on it now, as a try of its own.

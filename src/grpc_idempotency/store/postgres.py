@@ -381,6 +381,9 @@ async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | No
         # STORE_ERRORS alone: what asyncpg raises reading an answer it cannot make sense of
         # escaped the release raw.)
         _drop(conn)
+    except BaseException:
+        _drop(conn)  # cancelled on the wire: see _rollback_quietly
+        raise
     return None
 
 
@@ -392,6 +395,14 @@ async def _rollback_quietly(conn: PooledConnection) -> None:
     except Exception:
         # The transaction dies with the connection; make sure the pool does not reuse it.
         _drop(conn)
+    except BaseException:
+        # Cancelled with the ROLLBACK on the wire (the call's client gone, its deadline spent):
+        # handed back, the connection made the pool wait for the database to confirm the
+        # cancellation, unbounded, and with the answer lost (a partition) the release's task
+        # and the connection were held as long as the partition lasted. Dropped: PostgreSQL
+        # rolls back, and asyncpg's pool takes a terminated connection back on its own.
+        _drop(conn)
+        raise
 
 
 def connection_closed(conn: PooledConnection) -> bool:
@@ -2140,8 +2151,13 @@ class PlainTransaction:
             raise
         except asyncpg.PostgresError as exc:
             if exc.sqlstate in (NO_SUCH_SAVEPOINT, IN_FAILED_TRANSACTION):
-                await _rollback_quietly(conn)  # the batch stopped at its failing statement
-                await self._store._release(conn)
+                try:
+                    await _rollback_quietly(conn)  # the batch stopped at its failing statement
+                finally:
+                    # However the ROLLBACK ends: a cancellation raised in this clause skips the
+                    # BaseException one below (the connection once neither dropped nor given
+                    # back: lost to the pool for good).
+                    await self._store._release(conn)
                 if exc.sqlstate == NO_SUCH_SAVEPOINT:
                     raise ended_by_handler("its transaction was replaced by another") from exc
                 raise aborted_by("the handler") from exc
