@@ -438,8 +438,9 @@ def test_dev_extra_holds_the_testing_extra_and_the_plugin_is_registered() -> Non
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     assert set(extras["testing"]) <= set(extras["dev"])
+    # Named after its module: see tests/unit/test_plugin_entry_point.py.
     assert project["entry-points"]["pytest11"] == {
-        "grpc_idempotency": "grpc_idempotency.testing.plugin"
+        "grpc_idempotency.testing.plugin": "grpc_idempotency.testing.plugin"
     }
 
 

@@ -1,5 +1,10 @@
 """The pytest plugin (entry point ``pytest11``; ``pip install 'grpc-idempotency[testing]'``).
 
+The entry point's name is this module's, ``grpc_idempotency.testing.plugin`` (``-p no:`` it to
+turn it off): a project that also names the module, with ``-p`` or ``pytest_plugins`` (to load
+it where ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` is set), would otherwise register it a second time,
+under another name, and pytest stops before collecting a test.
+
 Fixtures, all named ``idempotency_*`` so they stay clear of a project's own:
 
 - ``idempotency_dsn`` (session): the DSN in the environment variable named by the ini option
