@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from grpc_idempotency.testing import assert_not_replayed, assert_replayed, is_replayed
 
@@ -41,3 +42,13 @@ async def test_what_is_no_metadata_is_a_type_error() -> None:
     for wrong in ("idempotency-replayed", b"true", 3):
         with pytest.raises(TypeError, match="initial metadata"):
             await assert_replayed(wrong)
+
+
+async def test_a_response_message_is_a_type_error_that_says_to_keep_the_call() -> None:
+    # What ``response = await stub.M(...)`` leaves in hand: no metadata, and an error that said
+    # only "not ChargeResponse" did not say what to pass instead.
+    for check in (assert_replayed, assert_not_replayed, is_replayed):
+        with pytest.raises(
+            TypeError, match=r"not its response message \(Timestamp\).*keep the call"
+        ):
+            await check(Timestamp())

@@ -13,6 +13,8 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from google.protobuf.message import Message
+
 from grpc_idempotency.core.errors import ResponseTooLarge
 from grpc_idempotency.core.wire import REPLAYED_HEADER, REPLAYED_METADATA, reason_of
 
@@ -24,6 +26,13 @@ _REPLAYED_VALUE = dict(REPLAYED_METADATA)[REPLAYED_HEADER]
 async def _initial_metadata(answer: Any) -> tuple[tuple[str, str | bytes], ...]:
     metadata_of = getattr(answer, "initial_metadata", None)
     if metadata_of is None:
+        if isinstance(answer, Message):
+            # ``response = await stub.M(...)`` keeps only the message: the likeliest mistake.
+            raise TypeError(
+                f"expected a grpc.aio call, not its response message ({type(answer).__name__}),"
+                " which carries no metadata: keep the call, call = stub.Method(request,"
+                " metadata=...); await call; await assert_replayed(call)"
+            )
         if isinstance(answer, str | bytes) or not isinstance(answer, Iterable):
             raise TypeError(
                 "expected a grpc.aio call, a grpc.aio.AioRpcError or initial metadata,"
