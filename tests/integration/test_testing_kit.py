@@ -281,6 +281,37 @@ async def test_the_same_handler_written_correctly_passes(correct: ConformancePla
 
 
 @pytest.mark.e2e
+async def test_record_schemas_the_kit_cannot_read_are_not_the_services(
+    correct: ConformancePlan, pg_dsn: str
+) -> None:
+    """A shared database may hold another program's ``claim_with_start`` beside no records
+    table, or a store of another role's: the kit, looking for the call's record (polled by the
+    lost-connection check until it finds the call's backend; by the crash and transient checks
+    when an effect is left), failed a correct service's check with asyncpg's
+    UndefinedTableError (or, as a role without USAGE there, InsufficientPrivilegeError), and
+    hid a broken one's explanation behind it. Checked on the lookup itself: the lost-connection
+    check pauses 2 s."""
+    decoy, role = "decoy_" + uuid.uuid4().hex[:8], "kit_" + uuid.uuid4().hex[:8]
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute(
+            f"CREATE SCHEMA {decoy}; CREATE FUNCTION {decoy}.claim_with_start() RETURNS int"
+            " LANGUAGE sql AS 'SELECT 1'"
+        )
+        assert not await correct._claim_committed(admin, f"k-{uuid.uuid4().hex}")
+        # A role that may read none of the database's stores finds none to look in.
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        limited = await asyncpg.connect(pg_dsn.replace("postgres@", f"{role}@", 1))
+        try:
+            assert not await correct._claim_committed(limited, f"k-{uuid.uuid4().hex}")
+        finally:
+            await limited.close()
+    finally:
+        await admin.execute(f"DROP SCHEMA IF EXISTS {decoy} CASCADE; DROP ROLE IF EXISTS {role}")
+        await admin.close()
+
+
+@pytest.mark.e2e
 async def test_phased_crash_after_claim_retries_until_the_lease_runs_out(
     pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -132,11 +132,20 @@ _ATOMIC_CLAIM_BACKENDS = """
       AND state = 'idle in transaction' AND pg_catalog.strpos(query, '.claim_atomic(') > 0
 """
 # The schemas holding the library's records (whichever the server's store uses), each once
-# (claim_with_start has two overloads since migration 0016).
+# (claim_with_start has two overloads since migration 0016). Only those the kit can read: in a
+# shared database another role's store (no USAGE for the test's role), or another program's
+# claim_with_start beside no records table, failed a correct service's checks with a bare
+# asyncpg error. The server's own schema is always among them: it runs as the same role.
 _RECORD_SCHEMAS = """
     SELECT DISTINCT n.nspname FROM pg_catalog.pg_proc p
     JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+    JOIN pg_catalog.pg_class c
+      ON c.relnamespace = n.oid AND c.relname = 'records' AND c.relkind IN ('r', 'p')
     WHERE p.proname = 'claim_with_start'
+      AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')
+      AND pg_catalog.has_table_privilege(c.oid, 'SELECT')
+      AND (SELECT count(*) FROM pg_catalog.pg_attribute a
+           WHERE a.attrelid = c.oid AND a.attname IN ('key', 'state') AND NOT a.attisdropped) = 2
 """
 
 
