@@ -5,6 +5,7 @@ address it cannot bind is a one-line error and exit status 2, not a traceback.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -111,6 +112,29 @@ async def test_a_signal_to_end_it_runs_the_clean_up(tmp_path: Path, signum: int)
     assert code is not None, f"still running 30 s after {name}; its stacks:\n{server.logs()}"
     assert code == 0, f"exit {code}: killed without its clean-up\n{server.logs()}"
     assert marker.read_text() == "cleaned up"
+
+
+@pytest.mark.e2e
+async def test_the_kits_servers_take_no_fixed_address_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GRPC_IDEMPOTENCY_SERVE_ADDRESS left in the shell (from running a server by hand) gave
+    every server of the conformance kit its fixed port: the kit runs two at once, and every
+    check but the first failed with "cannot listen on ...: the port is in use"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(serve.ADDRESS_ENV, f"127.0.0.1:{port}")
+    servers = [
+        ServerProcess(f"{MODULE}:bare_server", NO_DSN, log_dir=tmp_path, name=f"s{i}")
+        for i in range(2)
+    ]
+    try:
+        await asyncio.gather(*(server.start(60) for server in servers))
+        assert len({server.port for server in servers}) == 2
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def _dispositions(pid: int, signum: int) -> tuple[bool, bool]:

@@ -34,8 +34,12 @@ class ServerStartError(RuntimeError):
 
 def child_environment(dsn: str, failpoints: str | None, extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment, its ``sys.path`` on ``PYTHONPATH`` (so the child imports
-    what the test can), the DSN, and exactly the given failpoints."""
-    env = {k: v for k, v in os.environ.items() if k != FAILPOINTS_ENV}
+    what the test can), the DSN, and exactly the given failpoints; the address is ``extra``'s,
+    else any free port on 127.0.0.1."""
+    # Nor the address this process's environment may name, for a server run by hand: the kit
+    # runs several at once, and every one after the first failed to bind its fixed port.
+    # ``extra`` (a target's ``server_env``) may still choose one.
+    env = {k: v for k, v in os.environ.items() if k not in (FAILPOINTS_ENV, serve.ADDRESS_ENV)}
     env.update(extra)
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
