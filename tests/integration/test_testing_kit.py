@@ -312,6 +312,19 @@ async def test_record_schemas_the_kit_cannot_read_are_not_the_services(
 
 
 @pytest.mark.e2e
+async def test_a_method_the_server_does_not_serve_is_named_not_blamed_on_the_request(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The failure said "the request factory must make a request the method answers OK".
+    for plan in _plan(pg_dsn, tmp_path_factory, "bare_server", POST):
+        with pytest.raises(
+            ConformanceFailure,
+            match=rf"UNIMPLEMENTED .*the server serves no method {POST}: check the method",
+        ):
+            await plan.check_sequential_replay()
+
+
+@pytest.mark.e2e
 async def test_phased_crash_after_claim_retries_until_the_lease_runs_out(
     pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

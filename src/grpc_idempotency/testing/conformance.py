@@ -560,11 +560,18 @@ class ConformancePlan:
                 int(Code.INTERNAL),
                 int(Code.UNKNOWN),
             )
-            hint = (
-                "the server failed it; its log (below) says why"
-                if failed
-                else "the request factory must make a request the method answers OK"
-            )
+            if answer.code.value[0] == int(Code.UNIMPLEMENTED) and answer.reason is None:
+                # gRPC's own "Method not found!": blaming the request sent users to the wrong
+                # place for a misspelt method or a servicer build_server never added.
+                hint = (
+                    f"the server serves no method {self.target.method}: check the method"
+                    " (/package.Service/Method, as in the .proto) and that build_server adds"
+                    " its servicer"
+                )
+            elif failed:
+                hint = "the server failed it; its log (below) says why"
+            else:
+                hint = "the request factory must make a request the method answers OK"
             raise self._fail(
                 check, f"the first call with a new key failed: {answer}; {hint}", server
             )
