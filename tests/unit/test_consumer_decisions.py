@@ -7,6 +7,7 @@ import hashlib
 from datetime import timedelta
 
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from grpc_idempotency.core.consumer import (
     MAX_CONSUMER_NAME_LENGTH,
@@ -59,3 +60,13 @@ def test_a_payload_is_fingerprinted_by_its_bytes_whatever_holds_them() -> None:
     assert payload_fingerprint(strided) == digest
     assert payload_fingerprint(b"ace") == payload_fingerprint(bytearray(b"ace")) == digest
     assert payload_fingerprint(None) is None
+
+
+def test_a_parsed_protobuf_payload_is_refused_with_how_to_pass_its_bytes() -> None:
+    """The README's ``process_call(context, effect, payload=request)`` in a generated servicer
+    hands the parsed request: refused, as no byte form of it is sure to be the one sent, and the
+    error says how to get the bytes instead of only "not Timestamp"."""
+    with pytest.raises(TypeError, match=r"not Timestamp: a parsed protobuf request;.*raw bytes"):
+        payload_fingerprint(Timestamp(seconds=1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"not str$"):  # no hint for what is not a message
+        payload_fingerprint("order-1")  # type: ignore[arg-type]

@@ -200,8 +200,18 @@ def payload_fingerprint(payload: bytes | bytearray | memoryview | None) -> bytes
         return None
     if not isinstance(payload, bytes | bytearray | memoryview):
         # A str or a protobuf message has no single byte form the next delivery would share.
+        hint = ""
+        if callable(getattr(payload, "SerializeToString", None)):
+            # The README's payload=request, in a servicer added by the generated
+            # add_*Servicer_to_server, hands the parsed request: the bare "not OrderCreated"
+            # said nothing of how to get the bytes, and each delivery failed until parked.
+            hint = (
+                ": a parsed protobuf request; register the method with raw bytes as its request"
+                " (grpc.unary_unary_rpc_method_handler without request_deserializer) and pass"
+                " those, as the relay sent them"
+            )
         raise TypeError(
-            f"payload must be bytes (the message as delivered), not {type(payload).__name__}"
+            f"payload must be bytes (the message as delivered), not {type(payload).__name__}{hint}"
         )
     # A memoryview by its bytes: hashing it as a buffer refused a strided one (BufferError).
     return hashlib.sha256(
