@@ -432,3 +432,21 @@ def test_the_enum_members_it_names_exist() -> None:
     assert len(ours) >= 3
     for cls, member in ours:
         assert hasattr(getattr(grpc_idempotency, cls), member), f"{cls}.{member}"
+
+
+def test_the_method_option_snippets_parse() -> None:
+    """The proto fragments a user pastes into ``option (grpc_idempotency.v1.method) = {...}``
+    (the outbox step's ``steps: { name: ... outbox: true }``, the step versions') name the
+    option's fields and values as ``options.proto`` spells them. Whole files (the tutorial's
+    ``syntax = ...``) are compiled by the tutorial's own test."""
+    from google.protobuf import text_format
+
+    from grpc_idempotency.v1 import options_pb2
+
+    blocks = re.findall(r"^( *)```proto\n(.*?)^\1```", README, re.S | re.M)
+    fragments = [textwrap.dedent(body) for _, body in blocks if "syntax =" not in body]
+    assert any("outbox: true" in fragment for fragment in fragments), "the pattern is stale"
+    for fragment in fragments:
+        option = re.search(r"option \(grpc_idempotency\.v1\.method\) = \{(.*)\};", fragment, re.S)
+        policy = text_format.Parse(option[1] if option else fragment, options_pb2.MethodPolicy())
+        assert policy.steps, fragment
