@@ -312,6 +312,49 @@ async def test_record_schemas_the_kit_cannot_read_are_not_the_services(
 
 
 @pytest.mark.e2e
+async def test_record_schemas_are_only_those_with_a_readable_records_table_of_key_and_state(
+    correct: ConformancePlan, pg_dsn: str
+) -> None:
+    """Each of the lookup's conditions on its own (the test above meets several at once): a
+    decoy schema holding ``claim_with_start`` and a relation called ``records`` that is not a
+    table, or a table missing ``state``, or another table; and, to a role, a store schema it
+    may use but whose records it may not read, or read but not use. Any of them looked in
+    failed the check with asyncpg's error."""
+    tag = uuid.uuid4().hex[:8]
+    role = "kit_" + tag
+    decoys = {
+        "other_table": "CREATE TABLE {s}.other (key text, state text)",
+        "not_a_table": "CREATE TYPE {s}.records AS (key text, state text)",
+        "no_state": "CREATE TABLE {s}.records (key text)",
+        "usage_only": "CREATE TABLE {s}.records (key text, state text);"
+        " GRANT USAGE ON SCHEMA {s} TO {role}",
+        "select_only": "CREATE TABLE {s}.records (key text, state text);"
+        " GRANT SELECT ON {s}.records TO {role}",
+    }
+    schemas = {name: f"decoy_{name}_{tag}" for name in decoys}
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        for name, ddl in decoys.items():
+            s = schemas[name]
+            await admin.execute(
+                f"CREATE SCHEMA {s}; CREATE FUNCTION {s}.claim_with_start() RETURNS int"
+                " LANGUAGE sql AS 'SELECT 1'; " + ddl.format(s=s, role=role)
+            )
+        assert not await correct._claim_committed(admin, f"k-{uuid.uuid4().hex}")
+        limited = await asyncpg.connect(pg_dsn.replace("postgres@", f"{role}@", 1))
+        try:
+            assert not await correct._claim_committed(limited, f"k-{uuid.uuid4().hex}")
+        finally:
+            await limited.close()
+    finally:
+        for s in schemas.values():
+            await admin.execute(f"DROP SCHEMA IF EXISTS {s} CASCADE")
+        await admin.execute(f"DROP OWNED BY {role}; DROP ROLE IF EXISTS {role}")
+        await admin.close()
+
+
+@pytest.mark.e2e
 async def test_a_method_the_server_does_not_serve_is_named_not_blamed_on_the_request(
     pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
