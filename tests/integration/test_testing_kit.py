@@ -595,6 +595,33 @@ def test_plugin_fixtures_serve_a_users_service(
     result.stdout.fnmatch_lines(["*define a fixture named idempotency_service*"])
 
 
+def test_a_dsn_no_server_answers_is_one_line_naming_its_variable(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DSN's variable (here the ini option's) names a closed port: every fixture on it
+    failed with asyncpg's traceback, which named neither the variable nor the way out."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("KIT_DSN", f"postgresql://kit:hunter2@127.0.0.1:{port}/kit")
+    pytester.makeini("[pytest]\nidempotency_dsn_env = KIT_DSN\n")
+    pytester.makepyfile(
+        test_inner="import pytest\n\n@pytest.mark.asyncio\nasync def test_s(idempotency_store):\n"
+        "    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"KIT_DSN names a PostgreSQL the grpc-idempotency fixtures cannot connect to"
+            f" (postgresql://kit:***@127.0.0.1:{port}/kit): ConnectionRefusedError*"
+            " unset it for an embedded PostgreSQL"
+        ]
+    )
+    assert "hunter2" not in result.stdout.str()
+    assert "Traceback" not in result.stdout.str() and "asyncpg" not in result.stdout.str()
+
+
 INNER_HAND_WRITTEN_KEY = (
     """
 import pytest

@@ -10,7 +10,8 @@ Fixtures, all named ``idempotency_*`` so they stay clear of a project's own:
 - ``idempotency_dsn`` (session): the DSN in the environment variable named by the ini option
   ``idempotency_dsn_env`` (default ``GRPC_IDEMPOTENCY_TEST_DSN``), else a throwaway
   ``EmbeddedPostgres`` started on first use and stopped at the end of the session. Nothing
-  starts unless a test asks for it.
+  starts unless a test asks for it. A DSN no server accepts a connection on fails the fixture
+  in one line naming the variable, the DSN (its password masked) and the cause.
 - ``idempotency_schema`` (session): the records' schema, ``grpc_idempotency_test``; override it
   to use another.
 - ``idempotency_store``: a migrated ``Store`` on that DSN and schema, closed after the test.
@@ -27,6 +28,8 @@ The async fixtures use pytest-asyncio, in the event loop your configuration give
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -47,6 +50,9 @@ if TYPE_CHECKING:
 DSN_ENV_INI = "idempotency_dsn_env"
 DEFAULT_DSN_ENV = "GRPC_IDEMPOTENCY_TEST_DSN"
 DEFAULT_SCHEMA = "grpc_idempotency_test"
+# How long the DSN's server may take to accept a first connection (asyncpg's own is 60 s): one
+# behind a partition fails the session's first fixture after this, not after a minute.
+_PROBE_TIMEOUT_S = 10.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,12 +87,44 @@ def idempotency_dsn(pytestconfig: pytest.Config) -> Iterator[str]:
     variable = str(pytestconfig.getini(DSN_ENV_INI) or DEFAULT_DSN_ENV)
     dsn = os.environ.get(variable)
     if dsn:
+        _reachable(variable, dsn)
         yield dsn
         return
     from grpc_idempotency.testing.embedded import EmbeddedPostgres
 
     with EmbeddedPostgres(durable=False) as postgres:
         yield postgres.dsn
+
+
+def _reachable(variable: str, dsn: str) -> None:
+    """Fails the fixture, in one line naming ``variable``, unless ``dsn`` takes a connection.
+    Else each fixture on it failed with the driver's traceback, which says neither where the
+    DSN came from nor that unsetting the variable gives an embedded PostgreSQL."""
+    import asyncpg
+
+    from grpc_idempotency.cli_errors import safe_dsn
+
+    async def probe() -> None:
+        conn = await asyncpg.connect(dsn, timeout=_PROBE_TIMEOUT_S)
+        await conn.close()
+
+    try:
+        # In a thread of its own: its event loop is not the one pytest-asyncio gives fixtures.
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            thread.submit(asyncio.run, probe()).result()
+        return
+    except Exception as exc:
+        # The server's words (PostgresError) and a socket's name only addresses; anything else
+        # (a DSN asyncpg could not parse) may quote a piece of the password: its type alone.
+        words = f": {exc}" if isinstance(exc, asyncpg.PostgresError | OSError) and str(exc) else ""
+        cause = f"{type(exc).__name__}{words}"
+    # Out of the except clause: pytest would print the driver's exception above the message.
+    pytest.fail(
+        f"{variable} names a PostgreSQL the grpc-idempotency fixtures cannot connect to"
+        f" ({safe_dsn(dsn)}): {cause}. Start it, correct {variable}, or unset it for an"
+        " embedded PostgreSQL",
+        pytrace=False,
+    )
 
 
 @pytest.fixture(scope="session")
