@@ -155,6 +155,33 @@ async def bare_server(dsn: str) -> Any:
     return grpc.aio.server()
 
 
+class _ClosedLedger(testsvc_pb2_grpc.LedgerServiceServicer):
+    def __init__(self, *, logs: bool) -> None:
+        self.logs = logs
+
+    async def Post(
+        self, request: testsvc_pb2.PostRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> testsvc_pb2.PostResponse:
+        if self.logs:
+            print("ledger: closed until the audit ends", file=sys.stderr, flush=True)
+        await context.abort(grpc.StatusCode.INTERNAL, "the ledger is closed for the day")
+        raise AssertionError("unreachable")
+
+
+async def closed_ledger_server(dsn: str) -> Any:
+    """A Post that fails every call, saying why only in its status (it logs nothing)."""
+    server = grpc.aio.server()
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(_ClosedLedger(logs=False), server)
+    return server
+
+
+async def logging_closed_ledger_server(dsn: str) -> Any:
+    """The same, but it says why on stderr too."""
+    server = grpc.aio.server()
+    testsvc_pb2_grpc.add_LedgerServiceServicer_to_server(_ClosedLedger(logs=True), server)
+    return server
+
+
 async def hung_cleanup_server(dsn: str) -> AsyncIterator[Any]:
     """Its clean-up blocks the event loop for good: the worst server to shut down."""
     yield grpc.aio.server()
@@ -363,6 +390,31 @@ async def test_a_method_the_server_does_not_serve_is_named_not_blamed_on_the_req
         with pytest.raises(
             ConformanceFailure,
             match=rf"UNIMPLEMENTED .*the server serves no method {POST}: check the method",
+        ):
+            await plan.check_sequential_replay()
+
+
+@pytest.mark.e2e
+async def test_a_failure_the_server_did_not_log_is_not_said_to_be_in_its_log(
+    pg_dsn: str, store: Store, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The failure said "its log (below) says why" above an empty log. Without the interceptor,
+    # current_call() raised NotInIdempotentCall: the status alone said so.
+    for plan in _plan(pg_dsn, tmp_path_factory, "no_interceptor_server", POST_PHASED):
+        with pytest.raises(ConformanceFailure) as failed:
+            await plan.check_sequential_replay()
+        message = str(failed.value)
+        assert "current_call() found no idempotent call: Is the method served through" in message
+        assert "says why" not in message
+    for plan in _plan(pg_dsn, tmp_path_factory, "closed_ledger_server"):
+        with pytest.raises(
+            ConformanceFailure,
+            match="it logged nothing; the status details say why: the ledger is closed",
+        ):
+            await plan.check_sequential_replay()
+    for plan in _plan(pg_dsn, tmp_path_factory, "logging_closed_ledger_server"):
+        with pytest.raises(
+            ConformanceFailure, match=r"(?s)its log \(below\) says why.*closed until the audit"
         ):
             await plan.check_sequential_replay()
 

@@ -159,6 +159,13 @@ class ServerProcess:
         failpoints = f" with {FAILPOINTS_ENV}={self.failpoints}" if self.failpoints else ""
         return f"server {self.target}{failpoints}"
 
+    def logged(self) -> bool:
+        """Whether it wrote anything to stderr (stdout has the port it listens on, at least)."""
+        try:
+            return self._stderr.stat().st_size > 0
+        except OSError:
+            return False
+
     def logs(self) -> str:
         """The tail of its stdout and stderr."""
         parts = []

@@ -360,6 +360,20 @@ class _Answer:
         return f"{self.code.name} {self.details!r}{reason}{replay}"
 
 
+def _why(answers: Sequence[_Answer], *servers: ServerProcess) -> str:
+    """Where to look for why ``servers`` failed ``answers``. A handler's exception, or an abort,
+    is often in the status details alone: "its log (below) says why" pointed at an empty log."""
+    details = "; ".join(dict.fromkeys(a.details for a in answers if a.details))
+    if "NotInIdempotentCall" in details:
+        # current_call() in a handler the interceptor did not run: the likeliest cause.
+        return f"current_call() found no idempotent call: {_NOT_INTERCEPTED}"
+    if any(server.logged() for server in servers):
+        return "its log (below) says why"
+    if details:
+        return f"it logged nothing; the status details say why: {details}"
+    return "it logged nothing and the status has no details"
+
+
 def _pairs(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((str(name), value) for name, value in metadata or ())
 
@@ -569,7 +583,7 @@ class ConformancePlan:
                     " its servicer"
                 )
             elif failed:
-                hint = "the server failed it; its log (below) says why"
+                hint = f"the server failed it; {_why([answer], server)}"
             else:
                 hint = "the request factory must make a request the method answers OK"
             raise self._fail(
@@ -692,7 +706,7 @@ class ConformancePlan:
             raise self._fail(
                 check,
                 f"no duplicate succeeded and the effect never happened: {summary}; the server"
-                " failed them, its log (below) says why",
+                f" failed them; {_why(answers, clean, slow)}",
                 clean,
                 slow,
             )
@@ -741,7 +755,7 @@ class ConformancePlan:
                 raise self._fail(
                     check,
                     f"the server answered {answer} before it reached the failpoint {point}, where"
-                    " it should have died; its log (below) says why",
+                    f" it should have died; {_why([answer], doomed)}",
                     doomed,
                 )
             code = await doomed.wait_exit(self.target.call_timeout_s)
