@@ -672,6 +672,14 @@ def test_a_dsn_no_server_answers_is_one_line_naming_its_variable(
     )
     assert "hunter2" not in result.stdout.str()
     assert "Traceback" not in result.stdout.str() and "asyncpg" not in result.stdout.str()
+    assert f"Connect call failed ('127.0.0.1', {port})" in result.stdout.str()
+    # An unescaped "/" in the password: asyncpg reads "s3cr" as the port, and its error quotes
+    # it. Only the error's type is said, never what the driver makes of the DSN.
+    monkeypatch.setenv("KIT_DSN", f"postgresql://kit:s3cr/et@127.0.0.1:{port}/kit")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["KIT_DSN names a PostgreSQL * (postgresql://***@127.0.0.1*): *"])
+    assert "s3cr" not in result.stdout.str()
 
 
 INNER_HAND_WRITTEN_KEY = (
