@@ -103,6 +103,7 @@ def _reachable(variable: str, dsn: str) -> None:
     import asyncpg
 
     from grpc_idempotency.cli_errors import safe_dsn
+    from grpc_idempotency.store.errors import dsn_unusable
 
     async def probe() -> None:
         conn = await asyncpg.connect(dsn, timeout=_PROBE_TIMEOUT_S)
@@ -118,6 +119,8 @@ def _reachable(variable: str, dsn: str) -> None:
         # (a DSN asyncpg could not parse) may quote a piece of the password: its type alone.
         words = f": {exc}" if isinstance(exc, asyncpg.PostgresError | OSError) and str(exc) else ""
         cause = f"{type(exc).__name__}{words}"
+        if dsn_unusable(exc):
+            cause = f"the DSN cannot be parsed or used ({type(exc).__name__})"
     # Out of the except clause: pytest would print the driver's exception above the message.
     pytest.fail(
         f"{variable} names a PostgreSQL the grpc-idempotency fixtures cannot connect to"
