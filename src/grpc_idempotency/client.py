@@ -212,7 +212,9 @@ class Operation:
         with no time left fails DEADLINE_EXCEEDED at once, which is retryable: without the bound
         the loop ran out ``max_attempts`` for a caller that had already given up)."""
         self._refuse_elsewhere()
-        if self._serving is not None and _without_client_interceptor(method):
+        # None: the channel cannot be told beforehand (its first attempt is checked instead).
+        intercepting = None if self._serving is None else _client_intercepted(method)
+        if intercepting is False:
             raise TypeError(_NOT_INTERCEPTED.format(path=_path_of(method)))
         if isinstance(method, _SYNC_MULTICALLABLES):
             # Called, a sync method blocks the event loop's thread for the whole call, and its
@@ -279,9 +281,11 @@ class Operation:
                     **options,
                 )
             except grpc.aio.AioRpcError as err:
-                if self._serving is not None and not intercepted:
+                if self._serving is not None and intercepting is None and not intercepted:
                     # A method whose channel could not be told beforehand: the attempt went out
                     # with no key, and a retry could run its effect again (an optional key).
+                    # Not one told to have it: another interceptor before ours (a circuit
+                    # breaker) can fail an attempt before ours runs, a retryable error.
                     raise TypeError(_NOT_INTERCEPTED.format(path=_path_of(method))) from err
                 if retry is None:
                     raise
@@ -365,18 +369,18 @@ _NOT_INTERCEPTED = (
 )
 
 
-def _without_client_interceptor(method: object) -> bool:
-    """Whether ``method`` is a grpc.aio stub's method on a channel without the client
-    interceptor, as far as can be told before calling it: grpc.aio keeps a channel's unary
-    interceptors on each multicallable (``_interceptors``, not public). Anything else (a
-    wrapper, a test double, a grpc.aio without the attribute) cannot be told: its first attempt
-    is checked instead (``_intercepted``)."""
+def _client_intercepted(method: object) -> bool | None:
+    """Whether ``method`` is a grpc.aio stub's method on a channel with the client interceptor
+    (True) or without (False), as far as can be told before calling it: grpc.aio keeps a
+    channel's unary interceptors on each multicallable (``_interceptors``, not public). Anything
+    else (a wrapper, a test double, a grpc.aio without the attribute) cannot be told (None): its
+    first attempt is checked instead (``_intercepted``)."""
     if not isinstance(method, grpc.aio.UnaryUnaryMultiCallable):
-        return False
+        return None
     interceptors = getattr(method, "_interceptors", _UNSET)
     if interceptors is not None and not isinstance(interceptors, (list, tuple)):
-        return False  # none kept there, or not as a sequence: cannot tell
-    return not any(isinstance(i, IdempotencyClientInterceptor) for i in interceptors or ())
+        return None  # none kept there, or not as a sequence: cannot tell
+    return any(isinstance(i, IdempotencyClientInterceptor) for i in interceptors or ())
 
 
 def _path_of(method: object) -> str:

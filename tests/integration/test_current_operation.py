@@ -16,7 +16,7 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import NotInIdempotentCall, Store, child_key
 from grpc_idempotency.call import IdempotentCall, bind, unbind
-from grpc_idempotency.client import Operation, RetryPolicy, step
+from grpc_idempotency.client import IdempotencyClientInterceptor, Operation, RetryPolicy, step
 from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows
 from tests.support.relay import FORWARD, RelayService, running_relay
 
@@ -298,3 +298,50 @@ async def test_the_current_operation_refuses_a_channel_without_the_client_interc
     assert isinstance(PlainChannelRelay.raised[2].__cause__, grpc.aio.AioRpcError)
     assert ledger.service.keys_seen == [None]  # the wrapper's first attempt, not retried
     assert ledger.service.executions == 0
+
+
+class RefusingFirst(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]
+    """An interceptor put before the client interceptor that fails a call's first attempt
+    itself, UNAVAILABLE, without sending it (a client-side circuit breaker, a rate limiter)."""
+
+    def __init__(self) -> None:
+        self.refused = 0
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if not self.refused:
+            self.refused += 1
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "open", None
+            )
+        return await continuation(details, request)
+
+
+class InterceptedSecondRelay(RelayService):
+    """Calls its step through Operation.current() on a channel whose client interceptor comes
+    after another interceptor, one that refuses the first attempt before it reaches ours."""
+
+    address = ""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        ours = IdempotencyClientInterceptor(services=[testsvc_pb2], forward_metadata=[TENANT])
+        interceptors = [RefusingFirst(), *ours.all_kinds()]
+        async with grpc.aio.insecure_channel(self.address, interceptors=interceptors) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+            answer = await Operation.current().call(stub.Post, post, retry=FAST)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_channel_with_the_client_interceptor_after_another_is_retried(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The client interceptor is on the channel, after another that failed the first attempt
+    before it ran: a retryable error, retried (the channel was told to have it beforehand),
+    never refused as a channel without it."""
+    InterceptedSecondRelay.address = ledger.address
+    key = fresh()
+    async with running_relay(store, ledger.address, servicer=InterceptedSecondRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")]
+    assert ledger.service.executions == 1
