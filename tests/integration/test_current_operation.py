@@ -345,3 +345,38 @@ async def test_a_channel_with_the_client_interceptor_after_another_is_retried(
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")]
     assert ledger.service.executions == 1
+
+
+class Delegating(grpc.aio.UnaryUnaryMultiCallable):  # type: ignore[type-arg]
+    """A grpc.aio multicallable of the caller's own, calling a stub's method (a wrapper adding
+    metrics, say): it keeps no channel's interceptors, so the channel cannot be told from it."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+
+    def __call__(self, request: Any, **options: Any) -> Any:  # type: ignore[override]
+        return self.method(request, **options)
+
+
+class DelegatingRelay(RelayService):
+    """Calls its step through Operation.current() with a wrapper of the intercepted channel's
+    stub method; the ledger fails the key's first attempt UNAVAILABLE."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="flaky:1")
+        answer = await Operation.current().call(Delegating(self.ledger.Post), post, retry=FAST)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_wrapper_of_an_intercepted_method_is_retried_with_its_child_key(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A method that cannot be told beforehand, on a channel with the client interceptor: its
+    first attempt, keyed by the interceptor, failed retryable, and is retried with the same
+    child key (neither refused beforehand nor taken for a channel without the interceptor)."""
+    key = fresh()
+    async with running_relay(store, ledger.address, servicer=DelegatingRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")] * 2
+    assert ledger.service.executions == 1
