@@ -868,6 +868,8 @@ async def test_a_password_callable_that_fails_is_named_and_is_no_outage(
     with pytest.raises(StoreUnavailable, match=r"password callable .*KeyError") as raised:
         await Store.connect(pg_dsn, password=password, min_size=1)
     assert not raised.value.outage and isinstance(raised.value.__cause__, KeyError)
+    # Named, as Store.connect's other errors (which shard's secret failed to be read).
+    assert str(raised.value).endswith(f" [{dsn_where(pg_dsn)}, schema grpc_idempotency]")
     (said,) = [r.getMessage() for r in caplog.records if "raised KeyError" in r.getMessage()]
     assert f"to the store [{dsn_where(pg_dsn)}, schema " in said, said  # the pool never opened
     failing.clear()
