@@ -20,6 +20,7 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 from grpc_idempotency import (
     IdempotencyInterceptor,
     MetadataScope,
+    PermanentDeliveryError,
     Store,
     StoreUnavailable,
     Telemetry,
@@ -202,13 +203,18 @@ async def test_a_batch_whose_outcomes_cannot_be_recorded_ends_its_spans_unrecord
             assert delivery.status.description == "unrecorded (ConnectionResetError)"
 
 
+@pytest.mark.parametrize(
+    ("failure", "failed"),
+    [(ConnectionResetError("receiver gone"), "retry"), (PermanentDeliveryError("no"), "dead")],
+)
 async def test_a_delivery_whose_claim_was_taken_over_ends_its_span_unrecorded(
-    outbox: Store,
+    outbox: Store, failure: Exception, failed: str
 ) -> None:
     """Two of four rows lose their claim while the sink runs (their lease expires and another
     relay claims them): the marks leave them out (fenced by attempts) and they are delivered
     again, so their spans say "unrecorded", as RelayStats counts them, not "sent" or
-    "retry"; the failed one's span is an ERROR all the same."""
+    "retry" (or "dead": a dead letter's mark is fenced too); the failed one's span is an ERROR
+    all the same."""
     for _ in range(4):
         await _enqueue(outbox, None)
     table = f'"{outbox.schema}".outbox'
@@ -233,12 +239,13 @@ async def test_a_delivery_whose_claim_was_taken_over_ends_its_span_unrecorded(
                     (claimed,) = await usurper.claim(relay="usurper", limit=10, lease_s=30)
                     taken.append(claimed.id)
         if message.id in (kept_failed, lost_failed):
-            raise ConnectionResetError("receiver gone")
+            raise failure
 
     relay = Relay(outbox, CallableSink(deliver), tracer_provider=provider, listen=False)
     assert await relay.run_once() == 1
     assert set(taken) == lost
-    assert (relay.stats.delivered, relay.stats.retried, relay.stats.unrecorded) == (1, 1, 2)
+    stats = relay.stats
+    assert (stats.delivered, stats.retried + stats.dead, stats.unrecorded) == (1, 1, 2)
     ended = {(d.attributes or {})["grpc_idempotency.outbox.row_id"]: d for d in _deliveries(spans)}
     outcomes = {
         i: (d.attributes or {})["grpc_idempotency.outbox.outcome"] for i, d in ended.items()
@@ -246,11 +253,11 @@ async def test_a_delivery_whose_claim_was_taken_over_ends_its_span_unrecorded(
     assert outcomes == {
         kept_sent: "sent",
         lost_sent: "unrecorded",
-        kept_failed: "retry",
+        kept_failed: failed,
         lost_failed: "unrecorded",
     }
     assert ended[lost_sent].status.status_code is StatusCode.UNSET
-    assert ended[lost_failed].status.description == "unrecorded (ConnectionResetError)"
+    assert ended[lost_failed].status.description == f"unrecorded ({type(failure).__name__})"
     # The usurper's claims stand: the rows are pending under it, to be delivered again.
     rows = await outbox.pool.fetch(
         f"SELECT state, claimed_by, attempts FROM {table} WHERE id = ANY($1::bigint[])", list(lost)
