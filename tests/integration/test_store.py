@@ -664,6 +664,8 @@ async def test_a_setting_refused_at_connection_is_misconfigured_with_no_connecti
     with pytest.raises(StoreUnavailable, match="unavailable while checking the schema") as down:
         await Store.connect(nowhere, min_size=0)
     assert type(down.value) is StoreUnavailable and down.value.outage, down.value
+    # Named as the errors of opening the pool are (which shard of several was down).
+    assert str(down.value).endswith(f" [{dsn_where(nowhere)}, schema grpc_idempotency]")
 
 
 @pytest.mark.parametrize(
