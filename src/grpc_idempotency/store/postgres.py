@@ -70,7 +70,7 @@ from grpc_idempotency.store.errors import (
     sqlstate,
     store_error,
 )
-from grpc_idempotency.store.sql import SAVEPOINT, Statements, schema_identifier
+from grpc_idempotency.store.sql import SAVEPOINT, SESSION_RESET, Statements, schema_identifier
 from grpc_idempotency.store.sql import begin as begin_sql
 
 log = library_logger("grpc_idempotency.store")
@@ -128,8 +128,9 @@ def _lost_race(exc: asyncpg.PostgresError) -> bool:
 
 async def _no_session_reset(_conn: PooledConnection) -> None:
     """The library ends every transaction it opens, takes only transaction-scoped locks and
-    sets nothing on the session, so the pool's default reset query would be a wasted round trip
-    on every call (see README, "Handlers and the connection")."""
+    sets nothing on the session, and resets what a handler may have set in the same round trip
+    as its commit (``sql.SESSION_RESET``), so the pool's default reset query would be a wasted
+    round trip on every call (see README, "Handlers and the connection")."""
 
 
 @dataclass(slots=True)  # not frozen: never changed, and built on every claim (2 us frozen)
@@ -247,7 +248,7 @@ class Attempt:
                     timeout=self._timeout,
                 )
                 committing = True
-                await conn.execute(keep + "COMMIT", timeout=self._timeout)
+                await conn.execute(keep + SESSION_RESET + "COMMIT", timeout=self._timeout)
             committed = True
         except asyncpg.PostgresError as exc:
             await self._rollback_quietly()
@@ -369,8 +370,14 @@ async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | No
             return None
         if not conn.is_in_transaction():
             return ended_by_handler("no transaction was open at the release")
+        # A rollback undoes every SET, LISTEN, cursor and temporary table of the handler's,
+        # but not a session advisory lock it took: held by a pooled connection, it blocked
+        # every later call that asked for it, for as long as the connection lived. (After the
+        # ROLLBACK: in an aborted transaction it would fail, and the ROLLBACK with it.)
         await conn.execute(
-            f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK", timeout=ROLLBACK_TIMEOUT_S
+            f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK; "
+            "SELECT pg_catalog.pg_advisory_unlock_all()",
+            timeout=ROLLBACK_TIMEOUT_S,
         )
     except asyncpg.PostgresError as exc:
         await _rollback_quietly(conn)  # the batch stopped at its failing statement
@@ -2144,7 +2151,8 @@ class PlainTransaction:
             # allowed), a commit whose answer a partition swallowed held the call, and its
             # connection, until TCP gave up. Past the bound its fate is unknown: UNAVAILABLE.
             await conn.execute(
-                f"RELEASE SAVEPOINT {SAVEPOINT}; COMMIT", timeout=self._commit_timeout
+                f"RELEASE SAVEPOINT {SAVEPOINT}; {SESSION_RESET}COMMIT",
+                timeout=self._commit_timeout,
             )
         except HandlerDatabaseError:
             await self._store._release(conn)

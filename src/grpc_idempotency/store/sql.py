@@ -69,6 +69,20 @@ def timestamp_literal(value: datetime) -> str:
 
 SAVEPOINT = "grpc_idempotency_handler"
 
+# Sent just before the COMMIT of every transaction a handler was given (same round trip): the
+# pool runs no reset query on release (Store.connect), so session state a handler left (a SET
+# without LOCAL, SET ROLE or SESSION AUTHORIZATION, a session advisory lock, LISTEN, a WITH
+# HOLD cursor, a temporary table) reached the next call on that connection, another tenant's
+# perhaps. Inside the transaction: a failure here aborts it, so it can never turn a committed
+# outcome into an error (after the COMMIT it could). The SETs are transactional, the
+# advisory unlock is not (it need not be). Not DEALLOCATE ALL: it would drop asyncpg's own
+# prepared statements. A rollback undoes all of it but advisory locks (released after it:
+# postgres._rollback_checked) and PREPARE.
+SESSION_RESET = (
+    "SELECT pg_catalog.pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; "
+    "RESET SESSION AUTHORIZATION; RESET ROLE; DISCARD TEMP; "
+)
+
 ISOLATION_LEVELS = frozenset({"read committed", "repeatable read", "serializable"})
 
 
@@ -364,4 +378,4 @@ class Statements:
             )
         else:
             call = f"complete({text_literal(scope)}, {text_literal(key)}, {token:d}, {outcome})"
-        return f"{rollback}SELECT {self.schema}.{call}; COMMIT"
+        return f"{rollback}SELECT {self.schema}.{call}; {SESSION_RESET}COMMIT"

@@ -1,0 +1,120 @@
+"""Session state a handler leaves on its connection does not reach the next call on it.
+
+The store's pool runs no reset query on release (a round trip per call saved), so a handler's
+``SET search_path`` without LOCAL, its ``SET statement_timeout``, a session advisory lock it
+took, a LISTEN, a WITH HOLD cursor or a temporary table reached the next call handed that
+pooled connection: another tenant's perhaps, whose statements then ran in the first one's
+schema, under its timeout, saw its temporary rows or waited for ever on its lock. The commit
+of the call's transaction now resets the session in the same round trip, and a rollback
+releases session advisory locks (it undoes the rest itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
+
+from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from grpc_idempotency.store.postgres import INLINE_OUTCOME_BYTES
+from tests.support.ledger import TENANT, ledger_rows, ledger_server, metadata, prepare
+from tests.support.wire import call_raw
+
+SVC = "/testsvc.v1.LedgerService/"
+ATOMIC, PHASED, OPTIONAL = SVC + "Post", SVC + "PostPhased", SVC + "PostOptional"
+LOCK = 7_340_001  # a session advisory lock's key, as a handler might pick
+
+LEAVE_BEHIND = (
+    "SET search_path = pg_catalog",
+    "SET statement_timeout = 4321",
+    f"SELECT pg_advisory_lock({LOCK})",
+    "CREATE TEMP TABLE scratch AS SELECT 'tenant-a secret' AS note",
+    "LISTEN tenant_a_events",
+    "DECLARE tenant_a_cursor CURSOR WITH HOLD FOR SELECT 1",
+)
+
+
+class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
+    """Writes the request's ledger row, changes the session as LEAVE_BEHIND says, then answers
+    as ``behaviour`` says: "ok", "big" (OK with a response too large to be inlined in the
+    completion's statement, which then goes on its own), or "unavailable" (released)."""
+
+    async def _post(self, request: Any, context: Any) -> testsvc_pb2.PostResponse:
+        conn = await current_call().transaction()
+        await conn.execute(
+            "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
+        )
+        for statement in LEAVE_BEHIND:
+            await conn.execute(statement)
+        if request.behaviour == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "downstream flaky")
+        blob = b"x" * (INLINE_OUTCOME_BYTES + 1024) if request.behaviour == "big" else b""
+        return testsvc_pb2.PostResponse(account=request.account, blob=blob)
+
+    async def Post(self, request: Any, context: Any) -> Any:
+        return await self._post(request, context)
+
+    async def PostPhased(self, request: Any, context: Any) -> Any:
+        return await self._post(request, context)
+
+    async def PostOptional(self, request: Any, context: Any) -> Any:
+        return await self._post(request, context)
+
+
+@contextlib.asynccontextmanager
+async def one_connection(pg_dsn: str) -> AsyncIterator[tuple[Store, grpc.aio.Channel]]:
+    """A store whose pool holds one connection: the next call, or acquire, gets the same one."""
+    store = await Store.connect(pg_dsn, min_size=1, max_size=1, migrate=True)
+    try:
+        await prepare(store)
+        interceptor = IdempotencyInterceptor(
+            store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
+        )
+        async with ledger_server(interceptor, LeavesSessionState()) as (channel, _address):
+            yield store, channel
+    finally:
+        await store.close()
+
+
+async def session_left(store: Store) -> dict[str, Any]:
+    async with store.pool.acquire() as conn:
+        row = await conn.fetchrow(
+            "SELECT current_setting('search_path') AS search_path,"
+            " current_setting('statement_timeout') AS statement_timeout,"
+            " (SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory'"
+            "  AND pid = pg_catalog.pg_backend_pid()) AS advisory_locks,"
+            " pg_catalog.to_regclass('pg_temp.scratch') IS NOT NULL AS temp_table,"
+            " (SELECT count(*) FROM pg_catalog.pg_listening_channels()) AS listening,"
+            " (SELECT count(*) FROM pg_catalog.pg_cursors WHERE is_holdable) AS cursors"
+        )
+    assert row is not None
+    return dict(row)
+
+
+# "big" without a key is "ok": nothing is recorded, so no completion statement of its own.
+@pytest.mark.parametrize(
+    ("method", "behaviour"),
+    [(m, b) for m in (ATOMIC, PHASED) for b in ("ok", "big", "unavailable")]
+    + [(OPTIONAL, "ok"), (OPTIONAL, "unavailable")],
+)
+async def test_session_state_a_handler_leaves_does_not_reach_the_next_call(
+    pg_dsn: str, method: str, behaviour: str
+) -> None:
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with one_connection(pg_dsn) as (store, channel):
+        clean = await session_left(store)
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+        answer = await call_raw(
+            channel, method, request, metadata(None if method == OPTIONAL else key)
+        )
+        expected = grpc.StatusCode.UNAVAILABLE if behaviour == "unavailable" else grpc.StatusCode.OK
+        assert answer.code is expected, answer
+        assert await ledger_rows(store, account) == (0 if behaviour == "unavailable" else 1)
+        assert await session_left(store) == clean
+    assert clean["advisory_locks"] == clean["listening"] == clean["cursors"] == 0
+    assert not clean["temp_table"]
