@@ -1,12 +1,12 @@
 """Session state a handler leaves on its connection does not reach the next call on it.
 
 The store's pool runs no reset query on release (a round trip per call saved), so a handler's
-``SET search_path`` without LOCAL, its ``SET statement_timeout``, a session advisory lock it
-took, a LISTEN, a WITH HOLD cursor or a temporary table reached the next call handed that
-pooled connection: another tenant's perhaps, whose statements then ran in the first one's
-schema, under its timeout, saw its temporary rows or waited for ever on its lock. The commit
-of the call's transaction now resets the session in the same round trip, and a rollback
-releases session advisory locks (it undoes the rest itself).
+``SET search_path`` without LOCAL, its ``SET statement_timeout`` or ``SET ROLE``, a session
+advisory lock it took, a LISTEN, a WITH HOLD cursor or a temporary table reached the next call
+handed that pooled connection: another tenant's perhaps, whose statements then ran in the first
+one's schema, under its timeout and role, saw its temporary rows or waited for ever on its lock.
+The commit of the call's transaction now resets the session in the same round trip, and a
+rollback releases session advisory locks (it undoes the rest itself).
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ from tests.support.wire import call_raw
 SVC = "/testsvc.v1.LedgerService/"
 ATOMIC, PHASED, OPTIONAL = SVC + "Post", SVC + "PostPhased", SVC + "PostOptional"
 LOCK = 7_340_001  # a session advisory lock's key, as a handler might pick
+# A superuser (as the tests' login is): the library's statements after the handler's run as it.
+ROLE = "gi_handler_session_role"
 
 LEAVE_BEHIND = (
     "SET search_path = pg_catalog",
     "SET statement_timeout = 4321",
+    f"SET ROLE {ROLE}",
     f"SELECT pg_advisory_lock({LOCK})",
     "CREATE TEMP TABLE scratch AS SELECT 'tenant-a secret' AS note",
     "LISTEN tenant_a_events",
@@ -72,6 +75,10 @@ async def one_connection(pg_dsn: str) -> AsyncIterator[tuple[Store, grpc.aio.Cha
     store = await Store.connect(pg_dsn, min_size=1, max_size=1, migrate=True)
     try:
         await prepare(store)
+        await store.pool.execute(
+            f"DO $$ BEGIN CREATE ROLE {ROLE} SUPERUSER; EXCEPTION WHEN duplicate_object THEN"
+            " NULL; END $$"
+        )
         interceptor = IdempotencyInterceptor(
             store, services=[testsvc_pb2], scope=MetadataScope(TENANT), replay_cache=False
         )
@@ -84,7 +91,7 @@ async def one_connection(pg_dsn: str) -> AsyncIterator[tuple[Store, grpc.aio.Cha
 async def session_left(store: Store) -> dict[str, Any]:
     async with store.pool.acquire() as conn:
         row = await conn.fetchrow(
-            "SELECT current_setting('search_path') AS search_path,"
+            "SELECT current_setting('search_path') AS search_path, current_user AS role,"
             " current_setting('statement_timeout') AS statement_timeout,"
             " (SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory'"
             "  AND pid = pg_catalog.pg_backend_pid()) AS advisory_locks,"
