@@ -42,17 +42,28 @@ LEAVE_BEHIND = (
 )
 
 
+# The handler ends the call's transaction itself, then changes the session (out of any
+# transaction, so no rollback undoes it), perhaps opening another one after.
+ENDINGS = {"commit": ("COMMIT",), "rollback-begin": ("ROLLBACK", "BEGIN")}
+
+
 class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
     """Writes the request's ledger row, changes the session as LEAVE_BEHIND says, then answers
     as ``behaviour`` says: "ok", "big" (OK with a response too large to be inlined in the
-    completion's statement, which then goes on its own), or "unavailable" (released)."""
+    completion's statement, which then goes on its own), or "unavailable" (released); or,
+    as ENDINGS says, ends the transaction first and answers OK."""
 
     async def _post(self, request: Any, context: Any) -> testsvc_pb2.PostResponse:
         conn = await current_call().transaction()
         await conn.execute(
             "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
         )
+        ending = ENDINGS.get(request.behaviour, ())
+        for statement in ending[:1]:
+            await conn.execute(statement)
         for statement in LEAVE_BEHIND:
+            await conn.execute(statement)
+        for statement in ending[1:]:
             await conn.execute(statement)
         if request.behaviour == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "downstream flaky")
@@ -125,3 +136,23 @@ async def test_session_state_a_handler_leaves_does_not_reach_the_next_call(
         assert await session_left(store) == clean
     assert clean["advisory_locks"] == clean["listening"] == clean["cursors"] == 0
     assert not clean["temp_table"]
+
+
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
+@pytest.mark.parametrize("ending", list(ENDINGS))
+async def test_a_session_changed_after_the_handler_ended_the_transaction_is_not_reused(
+    pg_dsn: str, method: str, ending: str
+) -> None:
+    """No commit or rollback of the library's can undo those: the connection is dropped."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with one_connection(pg_dsn) as (store, channel):
+        clean = await session_left(store)
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=ending)
+        answer = await call_raw(
+            channel, method, request, metadata(None if method == OPTIONAL else key)
+        )
+        assert (answer.code, answer.reason()) == (
+            grpc.StatusCode.INTERNAL,
+            "IDEMPOTENCY_HANDLER_DATABASE_ERROR",
+        ), answer
+        assert await session_left(store) == clean

@@ -208,7 +208,7 @@ class Attempt:
             # fails as the store's error, as it does on one the server closed.)
             if not connection_closed(conn) and not conn.is_in_transaction():
                 # Committed (it may not be retried: the writes would be made again) or gone.
-                raise ended_by_handler("no transaction was open at the commit")
+                raise _ended_by_handler(conn, "no transaction was open at the commit")
             if inline:
                 sql = self._store.statements.complete_and_commit(
                     scope=c.scope,
@@ -255,7 +255,7 @@ class Attempt:
             if exc.sqlstate == _CLAIM_LOST:
                 raise LeaseLost("the claim was lost before commit; nothing recorded") from exc
             if exc.sqlstate == NO_SUCH_SAVEPOINT:
-                raise ended_by_handler("its transaction was replaced by another") from exc
+                raise _ended_by_handler(conn, "its transaction was replaced by another") from exc
             if exc.sqlstate == IN_FAILED_TRANSACTION:
                 raise aborted_by("the handler") from exc
             failure = classify(exc.sqlstate)
@@ -369,7 +369,7 @@ async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | No
         if connection_closed(conn):
             return None
         if not conn.is_in_transaction():
-            return ended_by_handler("no transaction was open at the release")
+            return _ended_by_handler(conn, "no transaction was open at the release")
         # A rollback undoes every SET, LISTEN, cursor and temporary table of the handler's,
         # but not a session advisory lock it took: held by a pooled connection, it blocked
         # every later call that asked for it, for as long as the connection lived. (After the
@@ -382,7 +382,7 @@ async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | No
     except asyncpg.PostgresError as exc:
         await _rollback_quietly(conn)  # the batch stopped at its failing statement
         if exc.sqlstate == NO_SUCH_SAVEPOINT:
-            return ended_by_handler("its transaction was replaced by another")
+            return _ended_by_handler(conn, "its transaction was replaced by another")
     except Exception:
         # The transaction dies with the connection; make sure the pool does not reuse it. (Not
         # STORE_ERRORS alone: what asyncpg raises reading an answer it cannot make sense of
@@ -434,6 +434,15 @@ def _warn_newer(schema: str, newer: list[int]) -> None:
         schema,
         newer,
     )
+
+
+def _ended_by_handler(conn: PooledConnection, how: str) -> HandlerDatabaseError:
+    """``ended_by_handler``, and the connection dropped: once the call's transaction is over,
+    what the handler ran on the session (a SET, an advisory lock, a LISTEN) is no longer
+    undone by a ROLLBACK, and no commit of the library's resets it (``sql.SESSION_RESET``).
+    Given back, the next call on the connection, another tenant's perhaps, inherited it."""
+    _drop(conn)
+    return ended_by_handler(how)
 
 
 def _drop(conn: PooledConnection) -> None:
@@ -2146,7 +2155,7 @@ class PlainTransaction:
         conn = self.connection
         try:
             if not connection_closed(conn) and not conn.is_in_transaction():
-                raise ended_by_handler("no transaction was open at the commit")
+                raise _ended_by_handler(conn, "no transaction was open at the commit")
             # Bounded as a keyed call's commit: with the pool's command_timeout only (None
             # allowed), a commit whose answer a partition swallowed held the call, and its
             # connection, until TCP gave up. Past the bound its fate is unknown: UNAVAILABLE.
@@ -2159,6 +2168,9 @@ class PlainTransaction:
             raise
         except asyncpg.PostgresError as exc:
             if exc.sqlstate in (NO_SUCH_SAVEPOINT, IN_FAILED_TRANSACTION):
+                ended = None
+                if exc.sqlstate == NO_SUCH_SAVEPOINT:  # dropped before it goes back
+                    ended = _ended_by_handler(conn, "its transaction was replaced by another")
                 try:
                     await _rollback_quietly(conn)  # the batch stopped at its failing statement
                 finally:
@@ -2166,8 +2178,8 @@ class PlainTransaction:
                     # BaseException one below (the connection once neither dropped nor given
                     # back: lost to the pool for good).
                     await self._store._release(conn)
-                if exc.sqlstate == NO_SUCH_SAVEPOINT:
-                    raise ended_by_handler("its transaction was replaced by another") from exc
+                if ended is not None:
+                    raise ended from exc
                 raise aborted_by("the handler") from exc
             await self._failed_commit(exc)
         except STORE_ERRORS as exc:
