@@ -20,7 +20,14 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import IdempotencyInterceptor, MetadataScope, Store, current_call
+from grpc_idempotency import (
+    Consumed,
+    IdempotencyInterceptor,
+    IdempotentConsumer,
+    MetadataScope,
+    Store,
+    current_call,
+)
 from grpc_idempotency.store.postgres import INLINE_OUTCOME_BYTES
 from tests.support.ledger import TENANT, ledger_rows, ledger_server, metadata, prepare
 from tests.support.wire import call_raw
@@ -155,4 +162,22 @@ async def test_a_session_changed_after_the_handler_ended_the_transaction_is_not_
             grpc.StatusCode.INTERNAL,
             "IDEMPOTENCY_HANDLER_DATABASE_ERROR",
         ), answer
+        assert await session_left(store) == clean
+
+
+async def test_session_state_a_consumers_effect_leaves_does_not_reach_the_next_delivery(
+    pg_dsn: str,
+) -> None:
+    """An idempotent consumer's effect runs on a pooled connection too, and commits the same
+    way."""
+    async with one_connection(pg_dsn) as (store, _channel):
+        clean = await session_left(store)
+        consumer = IdempotentConsumer(store, "session-state")
+
+        async def effect(conn: Any) -> None:
+            for statement in LEAVE_BEHIND:
+                await conn.execute(statement)
+
+        result = await consumer.process(uuid.uuid4().hex, effect)
+        assert result.outcome is Consumed.PROCESSED
         assert await session_left(store) == clean

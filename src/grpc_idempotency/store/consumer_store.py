@@ -36,6 +36,7 @@ from grpc_idempotency.store.postgres import (
     connection_closed,
 )
 from grpc_idempotency.store.sql import (
+    SESSION_RESET,
     begin,
     bytes_literal,
     float_literal,
@@ -140,7 +141,11 @@ class ConsumerStatements:
             f"IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = '{_MARK_GONE}', "
             "MESSAGE = 'grpc_idempotency: the consumer''s mark is not in this transaction"
             " (the effect ended it, or deleted the mark)'; END IF;"
-            " PERFORM pg_catalog.set_config('search_path', prior, true); END{tag}; COMMIT"
+            " PERFORM pg_catalog.set_config('search_path', prior, true); END{tag}; "
+            # After the block, whose set_config it would undo; what the effect set on the
+            # session goes, as a handler's does (sql.SESSION_RESET: no braces, for format).
+            + SESSION_RESET
+            + "COMMIT"
         )
         # A duplicate's mark, read in the duplicate's transaction (after the mark statement found
         # it committed and live), to compare payloads.

@@ -77,8 +77,11 @@ SAVEPOINT = "grpc_idempotency_handler"
 # outcome into an error (after the COMMIT it could). The SETs are transactional, the
 # advisory unlock is not (it need not be). Not DEALLOCATE ALL: it would drop asyncpg's own
 # prepared statements. A rollback undoes all of it but advisory locks (released after it:
-# postgres._rollback_checked) and PREPARE.
+# postgres._rollback_checked) and PREPARE. Deferred constraints are checked first, as the
+# COMMIT would have: their triggers (the application's) see the handler's settings and role.
+# A SET LOCAL of a setting read at the COMMIT itself (synchronous_commit) is reset too.
 SESSION_RESET = (
+    "SET CONSTRAINTS ALL IMMEDIATE; "
     "SELECT pg_catalog.pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; "
     "RESET SESSION AUTHORIZATION; RESET ROLE; DISCARD TEMP; "
 )
