@@ -54,17 +54,42 @@ LEAVE_BEHIND = (
 ENDINGS = {"commit": ("COMMIT",), "rollback-begin": ("ROLLBACK", "BEGIN")}
 
 
+# A constraint trigger checked at the commit, as an application's may be, noting the
+# search_path it ran with.
+DEFERRED_PROBE = """
+CREATE TABLE IF NOT EXISTS test_ledger.deferred_probe (account text, saw text);
+CREATE OR REPLACE FUNCTION test_ledger.note_search_path() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE test_ledger.deferred_probe SET saw = pg_catalog.current_setting('search_path')
+    WHERE account = NEW.account;
+    RETURN NULL;
+END $$;
+DROP TRIGGER IF EXISTS note_search_path ON test_ledger.deferred_probe;
+CREATE CONSTRAINT TRIGGER note_search_path AFTER INSERT
+    ON test_ledger.deferred_probe DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION test_ledger.note_search_path();
+"""
+
+
 class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
     """Writes the request's ledger row, changes the session as LEAVE_BEHIND says, then answers
     as ``behaviour`` says: "ok", "big" (OK with a response too large to be inlined in the
     completion's statement, which then goes on its own), or "unavailable" (released); or,
-    as ENDINGS says, ends the transaction first and answers OK."""
+    as ENDINGS says, ends the transaction first and answers OK. "deferred" only writes a
+    DEFERRED_PROBE row under a SET LOCAL search_path, and answers OK."""
 
     async def _post(self, request: Any, context: Any) -> testsvc_pb2.PostResponse:
         conn = await current_call().transaction()
         await conn.execute(
             "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", request.account
         )
+        if request.behaviour == "deferred":
+            await conn.execute("SET LOCAL search_path = test_ledger, pg_catalog")
+            await conn.execute(
+                "INSERT INTO test_ledger.deferred_probe (account) VALUES ($1)", request.account
+            )
+            return testsvc_pb2.PostResponse(account=request.account)
         ending = ENDINGS.get(request.behaviour, ())
         for statement in ending[:1]:
             await conn.execute(statement)
@@ -93,6 +118,7 @@ async def one_connection(pg_dsn: str) -> AsyncIterator[tuple[Store, grpc.aio.Cha
     store = await Store.connect(pg_dsn, min_size=1, max_size=1, migrate=True)
     try:
         await prepare(store)
+        await store.pool.execute(DEFERRED_PROBE)
         await store.pool.execute(
             f"DO $$ BEGIN CREATE ROLE {ROLE} SUPERUSER; EXCEPTION WHEN duplicate_object THEN"
             " NULL; END $$"
@@ -181,3 +207,22 @@ async def test_session_state_a_consumers_effect_leaves_does_not_reach_the_next_d
         result = await consumer.process(uuid.uuid4().hex, effect)
         assert result.outcome is Consumed.PROCESSED
         assert await session_left(store) == clean
+
+
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
+async def test_a_deferred_constraint_trigger_sees_the_handlers_settings(
+    pg_dsn: str, method: str
+) -> None:
+    """The reset goes before the COMMIT, where deferred constraints are checked: it checks them
+    first, so an application's constraint trigger runs with the handler's SET LOCAL."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with one_connection(pg_dsn) as (store, channel):
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="deferred")
+        answer = await call_raw(
+            channel, method, request, metadata(None if method == OPTIONAL else key)
+        )
+        assert answer.code is grpc.StatusCode.OK, answer
+        saw = await store.pool.fetchval(
+            "SELECT saw FROM test_ledger.deferred_probe WHERE account = $1", account
+        )
+    assert saw == "test_ledger, pg_catalog"
