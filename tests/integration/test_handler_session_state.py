@@ -22,10 +22,12 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import (
     Consumed,
+    HandlerDatabaseError,
     IdempotencyInterceptor,
     IdempotentConsumer,
     MetadataScope,
     Store,
+    StoreUnavailable,
     current_call,
 )
 from grpc_idempotency.store.postgres import INLINE_OUTCOME_BYTES
@@ -69,7 +71,14 @@ DROP TRIGGER IF EXISTS note_search_path ON test_ledger.deferred_probe;
 CREATE CONSTRAINT TRIGGER note_search_path AFTER INSERT
     ON test_ledger.deferred_probe DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW EXECUTE FUNCTION test_ledger.note_search_path();
+CREATE TABLE IF NOT EXISTS test_ledger.deferred_unique
+    (account text CONSTRAINT deferred_unique_account UNIQUE DEFERRABLE INITIALLY DEFERRED);
 """
+
+# The handler takes a session advisory lock (which no rollback releases), then its commit
+# fails before the reset in the commit's batch runs: "aborted" caught a failed statement's
+# error and answers OK; "duplicate" breaks a deferred unique constraint, checked at the commit.
+FAILING_COMMITS = ("aborted", "duplicate")
 
 
 class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
@@ -90,6 +99,17 @@ class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
                 "INSERT INTO test_ledger.deferred_probe (account) VALUES ($1)", request.account
             )
             return testsvc_pb2.PostResponse(account=request.account)
+        if request.behaviour in FAILING_COMMITS:
+            await conn.execute(f"SELECT pg_advisory_lock({LOCK})")
+            if request.behaviour == "aborted":
+                with contextlib.suppress(Exception):
+                    await conn.execute("SELECT 1 / 0")
+            else:
+                for _ in range(2):
+                    await conn.execute(
+                        "INSERT INTO test_ledger.deferred_unique VALUES ($1)", request.account
+                    )
+            return testsvc_pb2.PostResponse(account=request.account)
         ending = ENDINGS.get(request.behaviour, ())
         for statement in ending[:1]:
             await conn.execute(statement)
@@ -99,6 +119,8 @@ class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
             await conn.execute(statement)
         if request.behaviour == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "downstream flaky")
+        if request.behaviour == "invalid":  # recorded: the writes rolled back to the savepoint
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such account")
         blob = b"x" * (INLINE_OUTCOME_BYTES + 1024) if request.behaviour == "big" else b""
         return testsvc_pb2.PostResponse(account=request.account, blob=blob)
 
@@ -150,8 +172,8 @@ async def session_left(store: Store) -> dict[str, Any]:
 # "big" without a key is "ok": nothing is recorded, so no completion statement of its own.
 @pytest.mark.parametrize(
     ("method", "behaviour"),
-    [(m, b) for m in (ATOMIC, PHASED) for b in ("ok", "big", "unavailable")]
-    + [(OPTIONAL, "ok"), (OPTIONAL, "unavailable")],
+    [(m, b) for m in (ATOMIC, PHASED) for b in ("ok", "big", "unavailable", "invalid")]
+    + [(OPTIONAL, "ok"), (OPTIONAL, "unavailable"), (OPTIONAL, "invalid")],
 )
 async def test_session_state_a_handler_leaves_does_not_reach_the_next_call(
     pg_dsn: str, method: str, behaviour: str
@@ -163,12 +185,35 @@ async def test_session_state_a_handler_leaves_does_not_reach_the_next_call(
         answer = await call_raw(
             channel, method, request, metadata(None if method == OPTIONAL else key)
         )
-        expected = grpc.StatusCode.UNAVAILABLE if behaviour == "unavailable" else grpc.StatusCode.OK
-        assert answer.code is expected, answer
-        assert await ledger_rows(store, account) == (0 if behaviour == "unavailable" else 1)
+        expected = {
+            "unavailable": grpc.StatusCode.UNAVAILABLE,
+            "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+        }
+        assert answer.code is expected.get(behaviour, grpc.StatusCode.OK), answer
+        assert await ledger_rows(store, account) == (0 if behaviour in expected else 1)
         assert await session_left(store) == clean
     assert clean["advisory_locks"] == clean["listening"] == clean["cursors"] == 0
     assert not clean["temp_table"]
+
+
+@pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
+@pytest.mark.parametrize("behaviour", FAILING_COMMITS)
+async def test_a_session_advisory_lock_is_released_when_the_commit_fails(
+    pg_dsn: str, method: str, behaviour: str
+) -> None:
+    """The failed batch stopped before its reset; the rollback after it releases the lock (or
+    the connection goes), or the next call on the connection held it: for ever, for anyone
+    else asking for it."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with one_connection(pg_dsn) as (store, channel):
+        clean = await session_left(store)
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+        answer = await call_raw(
+            channel, method, request, metadata(None if method == OPTIONAL else key)
+        )
+        assert answer.code is not grpc.StatusCode.OK, answer
+        assert await ledger_rows(store, account) == 0
+        assert await session_left(store) == clean
 
 
 @pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
@@ -226,3 +271,41 @@ async def test_a_deferred_constraint_trigger_sees_the_handlers_settings(
             "SELECT saw FROM test_ledger.deferred_probe WHERE account = $1", account
         )
     assert saw == "test_ledger, pg_catalog"
+
+
+class _EffectFailed(Exception):
+    pass
+
+
+# How a consumer's effect ends after taking a session advisory lock (and, "replaced", changing
+# the session out of any transaction): none commits.
+EFFECT_ENDINGS = ("raises", "aborted", "replaced")
+
+
+@pytest.mark.parametrize("ending", EFFECT_ENDINGS)
+async def test_session_state_of_an_effect_that_commits_nothing_does_not_reach_the_next_delivery(
+    pg_dsn: str, ending: str
+) -> None:
+    """Rolled back, the lock is released after; a transaction the effect replaced takes its
+    connection with it, as a handler's does."""
+    async with one_connection(pg_dsn) as (store, _channel):
+        clean = await session_left(store)
+        consumer = IdempotentConsumer(store, "session-state")
+
+        async def effect(conn: Any) -> None:
+            await conn.execute(f"SELECT pg_advisory_lock({LOCK})")
+            if ending == "raises":
+                raise _EffectFailed
+            if ending == "aborted":
+                with contextlib.suppress(Exception):
+                    await conn.execute("SELECT 1 / 0")
+                return
+            await conn.execute("ROLLBACK")
+            for statement in LEAVE_BEHIND:
+                await conn.execute(statement)
+            await conn.execute("BEGIN")
+
+        raised = _EffectFailed if ending == "raises" else (HandlerDatabaseError, StoreUnavailable)
+        with pytest.raises(raised):
+            await consumer.process(uuid.uuid4().hex, effect)
+        assert await session_left(store) == clean

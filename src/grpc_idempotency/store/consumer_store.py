@@ -36,6 +36,7 @@ from grpc_idempotency.store.postgres import (
     connection_closed,
 )
 from grpc_idempotency.store.sql import (
+    ROLLBACK_AND_UNLOCK,
     SESSION_RESET,
     begin,
     bytes_literal,
@@ -378,7 +379,9 @@ class Mark:
             if not conn.is_in_transaction():
                 # The effect committed or rolled back itself: whether the mark went with it is
                 # unknown, so do not claim success (the message is not acknowledged; a
-                # redelivery sees the mark or runs again).
+                # redelivery sees the mark or runs again). What it ran on the session after
+                # (a SET, a LISTEN) no rollback undoes: the connection goes, as a handler's.
+                _terminate(conn)
                 raise _ended_by_the_effect(message_id)
             try:
                 status = await conn.execute(self._commit_sql)
@@ -392,8 +395,10 @@ class Mark:
                     # The effect ended the mark's transaction and opened another (ROLLBACK;
                     # BEGIN, or COMMIT; BEGIN): the mark is not in the transaction at hand.
                     # Roll that one back (what the effect wrote after its BEGIN) and report it
-                    # as the effect ending the transaction itself.
+                    # as the effect ending the transaction itself. The connection goes: what
+                    # the effect ran between its ROLLBACK and its BEGIN no rollback undoes.
                     await _abandon(conn, None)
+                    _terminate(conn)
                     raise _ended_by_the_effect(message_id) from None
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
@@ -472,8 +477,9 @@ async def _abandon(conn: PooledConnection, exc: BaseException | None) -> None:
     try:
         if conn.is_in_transaction():
             # Bounded: a ROLLBACK that hangs (the link died just now) is given up on, and the
-            # connection dropped, rather than holding the delivery for ever.
-            await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
+            # connection dropped, rather than holding the delivery for ever. A session advisory
+            # lock of the effect's, which the ROLLBACK leaves, is released after it.
+            await conn.execute(ROLLBACK_AND_UNLOCK, timeout=ROLLBACK_TIMEOUT_S)
     except Exception:
         log.debug("rollback failed; dropping the connection", exc_info=True)
         _terminate(conn)

@@ -70,7 +70,13 @@ from grpc_idempotency.store.errors import (
     sqlstate,
     store_error,
 )
-from grpc_idempotency.store.sql import SAVEPOINT, SESSION_RESET, Statements, schema_identifier
+from grpc_idempotency.store.sql import (
+    ROLLBACK_AND_UNLOCK,
+    SAVEPOINT,
+    SESSION_RESET,
+    Statements,
+    schema_identifier,
+)
 from grpc_idempotency.store.sql import begin as begin_sql
 
 log = library_logger("grpc_idempotency.store")
@@ -375,9 +381,7 @@ async def _rollback_checked(conn: PooledConnection) -> HandlerDatabaseError | No
         # every later call that asked for it, for as long as the connection lived. (After the
         # ROLLBACK: in an aborted transaction it would fail, and the ROLLBACK with it.)
         await conn.execute(
-            f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; ROLLBACK; "
-            "SELECT pg_catalog.pg_advisory_unlock_all()",
-            timeout=ROLLBACK_TIMEOUT_S,
+            f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; {ROLLBACK_AND_UNLOCK}", timeout=ROLLBACK_TIMEOUT_S
         )
     except asyncpg.PostgresError as exc:
         await _rollback_quietly(conn)  # the batch stopped at its failing statement
@@ -398,7 +402,10 @@ async def _rollback_quietly(conn: PooledConnection) -> None:
     try:
         if connection_closed(conn) or not conn.is_in_transaction():
             return
-        await conn.execute("ROLLBACK", timeout=ROLLBACK_TIMEOUT_S)
+        # A commit's batch that failed (an aborted transaction, a deferred constraint, a lost
+        # claim) stopped before its reset: a session advisory lock of the handler's, which the
+        # ROLLBACK leaves, reached the next call on the connection (_rollback_checked).
+        await conn.execute(ROLLBACK_AND_UNLOCK, timeout=ROLLBACK_TIMEOUT_S)
     except Exception:
         # The transaction dies with the connection; make sure the pool does not reuse it.
         _drop(conn)

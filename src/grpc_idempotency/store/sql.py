@@ -86,6 +86,11 @@ SESSION_RESET = (
     "RESET SESSION AUTHORIZATION; RESET ROLE; DISCARD TEMP; "
 )
 
+# How a transaction a handler (or a consumer's effect) ran in is rolled back: all the rollback
+# leaves of its session state is a session advisory lock, released after it (in an aborted
+# transaction the unlock would fail, and the ROLLBACK with it). The library holds none.
+ROLLBACK_AND_UNLOCK = "ROLLBACK; SELECT pg_catalog.pg_advisory_unlock_all()"
+
 ISOLATION_LEVELS = frozenset({"read committed", "repeatable read", "serializable"})
 
 
