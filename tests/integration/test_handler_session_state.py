@@ -43,6 +43,7 @@ ROLE = "gi_handler_session_role"
 LEAVE_BEHIND = (
     "SET search_path = pg_catalog",
     "SET statement_timeout = 4321",
+    f"SET SESSION AUTHORIZATION {ROLE}",  # before SET ROLE, which it would reset
     f"SET ROLE {ROLE}",
     f"SELECT pg_advisory_lock({LOCK})",
     "CREATE TEMP TABLE scratch AS SELECT 'tenant-a secret' AS note",
@@ -158,6 +159,7 @@ async def session_left(store: Store) -> dict[str, Any]:
     async with store.pool.acquire() as conn:
         row = await conn.fetchrow(
             "SELECT current_setting('search_path') AS search_path, current_user AS role,"
+            " session_user AS session_user,"
             " current_setting('statement_timeout') AS statement_timeout,"
             " (SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory'"
             "  AND pid = pg_catalog.pg_backend_pid()) AS advisory_locks,"
