@@ -86,7 +86,8 @@ class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
     """Writes the request's ledger row, changes the session as LEAVE_BEHIND says, then answers
     as ``behaviour`` says: "ok", "big" (OK with a response too large to be inlined in the
     completion's statement, which then goes on its own), or "unavailable" (released); or,
-    as ENDINGS says, ends the transaction first and answers OK. "deferred" only writes a
+    as ENDINGS says, ends the transaction first and answers OK (or, "<ending>+unavailable",
+    UNAVAILABLE: released). "deferred" only writes a
     DEFERRED_PROBE row under a SET LOCAL search_path, and answers OK."""
 
     async def _post(self, request: Any, context: Any) -> testsvc_pb2.PostResponse:
@@ -111,14 +112,14 @@ class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
                         "INSERT INTO test_ledger.deferred_unique VALUES ($1)", request.account
                     )
             return testsvc_pb2.PostResponse(account=request.account)
-        ending = ENDINGS.get(request.behaviour, ())
+        ending = ENDINGS.get(request.behaviour.partition("+")[0], ())
         for statement in ending[:1]:
             await conn.execute(statement)
         for statement in LEAVE_BEHIND:
             await conn.execute(statement)
         for statement in ending[1:]:
             await conn.execute(statement)
-        if request.behaviour == "unavailable":
+        if request.behaviour.rpartition("+")[2] == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "downstream flaky")
         if request.behaviour == "invalid":  # recorded: the writes rolled back to the savepoint
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such account")
@@ -136,9 +137,11 @@ class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def one_connection(pg_dsn: str) -> AsyncIterator[tuple[Store, grpc.aio.Channel]]:
+async def one_connection(
+    pg_dsn: str, **options: Any
+) -> AsyncIterator[tuple[Store, grpc.aio.Channel]]:
     """A store whose pool holds one connection: the next call, or acquire, gets the same one."""
-    store = await Store.connect(pg_dsn, min_size=1, max_size=1, migrate=True)
+    store = await Store.connect(pg_dsn, min_size=1, max_size=1, migrate=True, **options)
     try:
         await prepare(store)
         await store.pool.execute(DEFERRED_PROBE)
@@ -198,6 +201,28 @@ async def test_session_state_a_handler_leaves_does_not_reach_the_next_call(
     assert not clean["temp_table"]
 
 
+async def test_the_role_a_connection_starts_with_is_what_the_reset_goes_back_to(
+    pg_dsn: str,
+) -> None:
+    """RESET SESSION AUTHORIZATION drops the role too; RESET ROLE, after it, puts back the one
+    set at connection (server_settings, ALTER ROLE ... SET role): not the login's. (PostgreSQL
+    18's RESET SESSION AUTHORIZATION puts it back itself; RESET ROLE is for older servers.)"""
+    start_role = ROLE + "_start"  # not the handler's
+    async with one_connection(pg_dsn) as (store, _channel):
+        await store.pool.execute(
+            f"DO $$ BEGIN CREATE ROLE {start_role} SUPERUSER; EXCEPTION WHEN duplicate_object"
+            " THEN NULL; END $$"
+        )
+    async with one_connection(pg_dsn, server_settings={"role": start_role}) as (store, channel):
+        clean = await session_left(store)
+        key, account = uuid.uuid4().hex, uuid.uuid4().hex
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="ok")
+        answer = await call_raw(channel, ATOMIC, request, metadata(key))
+        assert answer.code is grpc.StatusCode.OK, answer
+        assert await session_left(store) == clean
+    assert clean["role"] == start_role != clean["session_user"]
+
+
 @pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
 @pytest.mark.parametrize("behaviour", FAILING_COMMITS)
 async def test_a_session_advisory_lock_is_released_when_the_commit_fails(
@@ -220,14 +245,15 @@ async def test_a_session_advisory_lock_is_released_when_the_commit_fails(
 
 @pytest.mark.parametrize("method", [ATOMIC, PHASED, OPTIONAL])
 @pytest.mark.parametrize("ending", list(ENDINGS))
+@pytest.mark.parametrize("then", ["", "+unavailable"])  # committed, or released
 async def test_a_session_changed_after_the_handler_ended_the_transaction_is_not_reused(
-    pg_dsn: str, method: str, ending: str
+    pg_dsn: str, method: str, ending: str, then: str
 ) -> None:
     """No commit or rollback of the library's can undo those: the connection is dropped."""
     key, account = uuid.uuid4().hex, uuid.uuid4().hex
     async with one_connection(pg_dsn) as (store, channel):
         clean = await session_left(store)
-        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=ending)
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=ending + then)
         answer = await call_raw(
             channel, method, request, metadata(None if method == OPTIONAL else key)
         )
@@ -281,7 +307,7 @@ class _EffectFailed(Exception):
 
 # How a consumer's effect ends after taking a session advisory lock (and, "replaced", changing
 # the session out of any transaction): none commits.
-EFFECT_ENDINGS = ("raises", "aborted", "replaced")
+EFFECT_ENDINGS = ("raises", "aborted", "replaced", "committed")
 
 
 @pytest.mark.parametrize("ending", EFFECT_ENDINGS)
@@ -302,10 +328,11 @@ async def test_session_state_of_an_effect_that_commits_nothing_does_not_reach_th
                 with contextlib.suppress(Exception):
                     await conn.execute("SELECT 1 / 0")
                 return
-            await conn.execute("ROLLBACK")
+            await conn.execute("ROLLBACK" if ending == "replaced" else "COMMIT")
             for statement in LEAVE_BEHIND:
                 await conn.execute(statement)
-            await conn.execute("BEGIN")
+            if ending == "replaced":
+                await conn.execute("BEGIN")
 
         raised = _EffectFailed if ending == "raises" else (HandlerDatabaseError, StoreUnavailable)
         with pytest.raises(raised):
