@@ -233,10 +233,12 @@ class Operation:
                 " no streaming method is keyed"
             )
         _check_call_settings(timeout, wait_for_ready, retry)
-        if timeout is not None and timeout < 0:
-            # A deadline already passed, as 0 is: -10**400 (an int no float holds) was a bare
-            # OverflowError from gRPC computing the deadline, instead of DEADLINE_EXCEEDED.
-            timeout = 0.0
+        if timeout is not None and timeout < -1:
+            # A deadline already passed: -10**400 (an int no float holds) was a bare
+            # OverflowError from gRPC computing the deadline, instead of DEADLINE_EXCEEDED. Not
+            # 0: a deadline of "now" races the call on loopback (gRPC's clock is coarse), and a
+            # fast answer can beat it.
+            timeout = -1.0
         # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
         # beside the operation's key (gRPC sends the name as those bytes), before it. And a key
         # given as -bin: sent beside it, the server refused the call (KEY_INVALID).

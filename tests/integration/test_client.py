@@ -348,12 +348,14 @@ async def test_a_timeout_of_the_longest_duration_and_wait_for_ready_false_are_ta
     assert len(ledger.service.keys_seen) == 2
 
 
-@pytest.mark.parametrize("timeout", [0, -1.5, -math.inf, -(10**400)])
+@pytest.mark.parametrize("timeout", [-1.5, -math.inf, -(10**400)])
 async def test_a_timeout_of_zero_or_less_is_a_deadline_already_passed(
     ledger: RunningLedger, timeout: float
 ) -> None:
     """No lower bound, as gRPC takes it: the call ends DEADLINE_EXCEEDED, as one whose time
-    ran out, not as a setting refused (a computed timeout that ran out is no mistake)."""
+    ran out, not as a setting refused (a computed timeout that ran out is no mistake). Not 0:
+    gRPC's own deadline of "now" races a fast answer on loopback (its clock is coarse), and
+    a negative timeout taken as 0 failed this test now and then (CI, Python 3.13)."""
     request = testsvc_pb2.PostRequest(account=fresh())
     with pytest.raises(grpc.aio.AioRpcError) as ended:
         await Operation.new().call(ledger.stub.Post, request, metadata=TENANT_MD, timeout=timeout)

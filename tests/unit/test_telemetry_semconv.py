@@ -5,7 +5,7 @@ in memory, no server)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -13,12 +13,15 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util.types import AnyValue
 
 from grpc_idempotency.core.codes import Code
 from grpc_idempotency.core.lifecycle import CallOutcome
 from grpc_idempotency.telemetry import Telemetry
 from tests.support.otel import attributes
+
+if TYPE_CHECKING:
+    # Typing only: opentelemetry-api 1.16, the lowest supported, has no AnyValue.
+    from opentelemetry.util.types import AnyValue
 
 # The variable, spelled out: its name is what applications set, not ours to change.
 SEMCONV_OPT_IN_ENV = "OTEL_SEMCONV_STABILITY_OPT_IN"
