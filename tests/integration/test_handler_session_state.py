@@ -81,6 +81,16 @@ CREATE TABLE IF NOT EXISTS test_ledger.deferred_unique
 # error and answers OK; "duplicate" breaks a deferred unique constraint, checked at the commit.
 FAILING_COMMITS = ("aborted", "duplicate")
 
+# The handler, after its write, makes the rest of its transaction (or session) read-only
+# ("+big": then answers too large to be inlined in the completion's statement).
+READ_ONLY = {
+    "ro-set-local": "SET LOCAL transaction_read_only = on",
+    "ro-set-transaction": "SET TRANSACTION READ ONLY",
+    "ro-default-local": "SET LOCAL default_transaction_read_only = on",
+    "ro-session-characteristics": "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+    "ro-default-session": "SET default_transaction_read_only = on",
+}
+
 
 class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
     """Writes the request's ledger row, changes the session as LEAVE_BEHIND says, then answers
@@ -101,6 +111,11 @@ class LeavesSessionState(testsvc_pb2_grpc.LedgerServiceServicer):
                 "INSERT INTO test_ledger.deferred_probe (account) VALUES ($1)", request.account
             )
             return testsvc_pb2.PostResponse(account=request.account)
+        if request.behaviour.removesuffix("+big") in READ_ONLY:
+            await conn.execute(READ_ONLY[request.behaviour.removesuffix("+big")])
+            big = request.behaviour.endswith("+big")
+            blob = b"x" * (INLINE_OUTCOME_BYTES + 1024) if big else b""
+            return testsvc_pb2.PostResponse(account=request.account, blob=blob)
         if request.behaviour in FAILING_COMMITS:
             await conn.execute(f"SELECT pg_advisory_lock({LOCK})")
             if request.behaviour == "aborted":
@@ -168,7 +183,8 @@ async def session_left(store: Store) -> dict[str, Any]:
             "  AND pid = pg_catalog.pg_backend_pid()) AS advisory_locks,"
             " pg_catalog.to_regclass('pg_temp.scratch') IS NOT NULL AS temp_table,"
             " (SELECT count(*) FROM pg_catalog.pg_listening_channels()) AS listening,"
-            " (SELECT count(*) FROM pg_catalog.pg_cursors WHERE is_holdable) AS cursors"
+            " (SELECT count(*) FROM pg_catalog.pg_cursors WHERE is_holdable) AS cursors,"
+            " current_setting('default_transaction_read_only') AS read_only"
         )
     assert row is not None
     return dict(row)
@@ -337,4 +353,46 @@ async def test_session_state_of_an_effect_that_commits_nothing_does_not_reach_th
         raised = _EffectFailed if ending == "raises" else (HandlerDatabaseError, StoreUnavailable)
         with pytest.raises(raised):
             await consumer.process(uuid.uuid4().hex, effect)
+        assert await session_left(store) == clean
+
+
+@pytest.mark.parametrize("method", [ATOMIC, PHASED])
+@pytest.mark.parametrize("size", ["", "+big"])
+@pytest.mark.parametrize("behaviour", list(READ_ONLY))
+async def test_a_handler_making_its_transaction_read_only_after_writing_is_recorded_once(
+    pg_dsn: str, method: str, size: str, behaviour: str
+) -> None:
+    """A read-only switch is allowed after writes, and its COMMIT commits them. The handler
+    runs inside the library's savepoint, whose release puts back the read-write state it began
+    with (RESET ALL would not: transaction_read_only is not reset by it): the outcome is
+    recorded with the write, and the retry replays. Too large to be inlined, the outcome was
+    recorded inside the savepoint: refused (25006), answered UNAVAILABLE and rolled back, on
+    every retry."""
+    key, account = uuid.uuid4().hex, uuid.uuid4().hex
+    async with one_connection(pg_dsn) as (store, channel):
+        clean = await session_left(store)
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour + size)
+        first = await call_raw(channel, method, request, metadata(key))
+        assert first.code is grpc.StatusCode.OK, first
+        assert not first.replayed
+        retry = await call_raw(channel, method, request, metadata(key))
+        assert (retry.code, retry.replayed, retry.body) == (grpc.StatusCode.OK, True, first.body)
+        assert await ledger_rows(store, account) == 1
+        assert await session_left(store) == clean
+    assert clean["read_only"] == "off"
+
+
+@pytest.mark.parametrize("behaviour", list(READ_ONLY))
+async def test_without_a_key_a_read_only_switch_after_the_write_commits_it(
+    pg_dsn: str, behaviour: str
+) -> None:
+    """Nothing is recorded (each call runs, as any call without a key); the write commits, and
+    the next call on the connection is not read-only."""
+    account = uuid.uuid4().hex
+    async with one_connection(pg_dsn) as (store, channel):
+        clean = await session_left(store)
+        request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour=behaviour)
+        answer = await call_raw(channel, OPTIONAL, request, metadata(None))
+        assert answer.code is grpc.StatusCode.OK, answer
+        assert await ledger_rows(store, account) == 1
         assert await session_left(store) == clean

@@ -231,11 +231,14 @@ class Attempt:
                 )
                 await conn.execute(keep + sql, timeout=self._timeout)
             else:
-                # One more round trip (two when the writes are discarded, whose ROLLBACK TO goes
-                # first: a recorded error, cut to 7 KiB, no longer gets here), a small price next
-                # to shipping the bytes as text.
-                if discard_writes:
-                    await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", timeout=self._timeout)
+                # Two more round trips, a small price next to shipping the bytes as text. The
+                # savepoint is ended first, as in the inline batch: the handler's writes rolled
+                # back to it (a recorded error, cut to 7 KiB, no longer gets here) or kept. Kept,
+                # the release also ends a SET TRANSACTION READ ONLY of the handler's (PostgreSQL
+                # puts back the read-write state the savepoint began with): recorded inside it,
+                # the outcome failed (25006) where the inline batch committed it.
+                end = "ROLLBACK TO" if discard_writes else "RELEASE"
+                await conn.execute(f"{end} SAVEPOINT {SAVEPOINT}", timeout=self._timeout)
                 statements = self._store.statements
                 by_token: tuple[Any, ...] = (c.token,)
                 sql = statements.complete
@@ -254,7 +257,7 @@ class Attempt:
                     timeout=self._timeout,
                 )
                 committing = True
-                await conn.execute(keep + SESSION_RESET + "COMMIT", timeout=self._timeout)
+                await conn.execute(SESSION_RESET + "COMMIT", timeout=self._timeout)
             committed = True
         except asyncpg.PostgresError as exc:
             await self._rollback_quietly()
