@@ -396,3 +396,35 @@ async def test_without_a_key_a_read_only_switch_after_the_write_commits_it(
         assert answer.code is grpc.StatusCode.OK, answer
         assert await ledger_rows(store, account) == 1
         assert await session_left(store) == clean
+
+
+@pytest.mark.parametrize("behaviour", list(READ_ONLY))
+async def test_an_effect_making_its_transaction_read_only_is_refused_or_processed_once(
+    pg_dsn: str, behaviour: str
+) -> None:
+    """A consumer's effect runs in the mark's transaction, with no savepoint of the library's:
+    made read-only, the mark's update at the commit is refused, nothing commits, and every
+    delivery fails so: the effect's error (HandlerDatabaseError), not StoreUnavailable, which
+    said the store was down. A default_* setting applies to later transactions only: the
+    first delivery is processed, the second a duplicate. Never twice."""
+    async with one_connection(pg_dsn) as (store, _channel):
+        clean = await session_left(store)
+        consumer = IdempotentConsumer(store, "read-only")
+        message_id, account = uuid.uuid4().hex, uuid.uuid4().hex
+
+        async def effect(conn: Any) -> None:
+            await conn.execute(
+                "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", account
+            )
+            await conn.execute(READ_ONLY[behaviour])
+
+        if behaviour.startswith("ro-set-"):
+            for _ in range(2):
+                with pytest.raises(HandlerDatabaseError, match="read-only"):
+                    await consumer.process(message_id, effect)
+            assert await ledger_rows(store, account) == 0
+        else:
+            outcomes = [(await consumer.process(message_id, effect)).outcome for _ in range(2)]
+            assert outcomes == [Consumed.PROCESSED, Consumed.DUPLICATE]
+            assert await ledger_rows(store, account) == 1
+        assert await session_left(store) == clean

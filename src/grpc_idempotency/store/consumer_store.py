@@ -19,7 +19,7 @@ import asyncpg
 
 from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
 from grpc_idempotency.core.db_failures import Failure, classify
-from grpc_idempotency.core.errors import StoreUnavailable
+from grpc_idempotency.core.errors import HandlerDatabaseError, StoreUnavailable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.store.errors import (
     STORE_ERRORS,
@@ -55,6 +55,7 @@ class MarkBusy(Exception):
 _LOCK_NOT_AVAILABLE = "55P03"
 _PROBE_S = 0.0  # the mark's first statement: lock_timeout at its minimum (core.consumer)
 _MARK_GONE = "GI004"  # raised by the commit: the mark's transaction is not the one committing
+_READ_ONLY = "25006"  # read_only_sql_transaction
 _MARK_SETTING = "grpc_idempotency.consumer_mark"
 # A connection that broke under the effect: the store's failure, not the effect's. Also the
 # SQLSTATE classes 08 (connection exception) and 57P (the server shutting down or restarting).
@@ -400,6 +401,14 @@ class Mark:
                     await _abandon(conn, None)
                     _terminate(conn)
                     raise _ended_by_the_effect(message_id) from None
+                if getattr(exc, "sqlstate", None) == _READ_ONLY:
+                    # The effect made the mark's transaction read-only (SET TRANSACTION READ
+                    # ONLY), which then refused the mark's update: no failover (the mark was
+                    # written in this transaction), nor the store's fault. The batch stopped
+                    # before its COMMIT: nothing committed, and every redelivery fails the same
+                    # way, so it is the effect's error, not StoreUnavailable (retried).
+                    await _abandon(conn, None)
+                    raise _made_read_only_by_the_effect(message_id) from None
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
                 if isinstance(exc, asyncpg.PostgresError) and classify(exc.sqlstate) is (
@@ -434,6 +443,14 @@ def _ended_by_the_effect(message_id: str) -> StoreUnavailable:
     return StoreUnavailable(
         f"the effect of message {message_id!r} ended the consumer's transaction itself, or"
         " deleted its mark; never COMMIT or ROLLBACK it"
+    )
+
+
+def _made_read_only_by_the_effect(message_id: str) -> HandlerDatabaseError:
+    return HandlerDatabaseError(
+        f"the effect of message {message_id!r} made the consumer's transaction read-only"
+        " (SET TRANSACTION READ ONLY), so its mark could not be committed; nothing was"
+        " committed (inside a savepoint, the switch ends at RELEASE SAVEPOINT)"
     )
 
 
