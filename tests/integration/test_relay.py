@@ -1227,8 +1227,11 @@ async def test_the_grpc_sinks_timeout_bounds_each_call_and_is_retried(outbox: St
     [
         ("1500", 1.0, 1.5),  # as asked: 1.5 s, in milliseconds on the wire
         ("5000", 2.5, 3.0),  # the policy's longest backoff, 3 s, bounds what a receiver asks
+        # Past 36500 days (1e10 s): DeliveryError refused it, and the delivery failed as the
+        # library's ValueError on the shortest backoff, the receiver's status lost.
+        ("10000000000000", 2.5, 3.0),
     ],
-    ids=["asked", "bounded"],
+    ids=["asked", "bounded", "past-the-longest-wait"],
 )
 async def test_a_receivers_retry_pushback_is_honoured_up_to_the_longest_backoff(
     outbox: Store, pushback: str, due_from: float, due_to: float
