@@ -283,7 +283,12 @@ class Operation:
                     **options,
                 )
             except grpc.aio.AioRpcError as err:
-                if self._serving is not None and intercepting is None and not intercepted:
+                if intercepted:
+                    # Told now, for the attempts after it too: one that another interceptor
+                    # before ours fails (a circuit breaker opened by this failure) is retried,
+                    # not refused as a channel without the client interceptor.
+                    intercepting = True
+                if self._serving is not None and intercepting is None:
                     # A method whose channel could not be told beforehand: the attempt went out
                     # with no key, and a retry could run its effect again (an optional key).
                     # Not one told to have it: another interceptor before ours (a circuit

@@ -380,3 +380,53 @@ async def test_a_wrapper_of_an_intercepted_method_is_retried_with_its_child_key(
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")] * 2
     assert ledger.service.executions == 1
+
+
+class RefusingSecond(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]
+    """An interceptor before the client interceptor that lets a call's first attempt through
+    and fails the second itself, UNAVAILABLE (a circuit breaker the first failure opened)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.seen += 1
+        if self.seen == 2:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "open", None
+            )
+        return await continuation(details, request)
+
+
+class DelegatingBehindABreakerRelay(RelayService):
+    """Calls its step through Operation.current() with a wrapper of a stub method whose channel
+    has a breaker before the client interceptor; the ledger fails the first attempt."""
+
+    address = ""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        ours = IdempotencyClientInterceptor(services=[testsvc_pb2], forward_metadata=[TENANT])
+        interceptors = [RefusingSecond(), *ours.all_kinds()]
+        async with grpc.aio.insecure_channel(self.address, interceptors=interceptors) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            post = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="flaky:1")
+            answer = await Operation.current().call(Delegating(stub.Post), post, retry=FAST)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_wrapper_seen_intercepted_is_retried_past_an_attempt_refused_before_ours(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A wrapper's first attempt reached the client interceptor (keyed) and failed; the second
+    was failed by an interceptor before ours: retried, as the first attempt told the channel
+    has ours. It was refused as a channel without the client interceptor (a TypeError, the
+    handler failing), the retry given up."""
+    DelegatingBehindABreakerRelay.address = ledger.address
+    key = fresh()
+    async with running_relay(
+        store, ledger.address, servicer=DelegatingBehindABreakerRelay
+    ) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")] * 2
+    assert ledger.service.executions == 1
