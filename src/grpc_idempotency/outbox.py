@@ -76,7 +76,7 @@ from grpc_idempotency.core.outbox import (
     relay_name_problem,
     step_routes,
 )
-from grpc_idempotency.core.seconds import MAX_DURATION_S, checked_seconds
+from grpc_idempotency.core.seconds import MAX_DURATION_MS, checked_seconds
 from grpc_idempotency.core.wire import KEY_HEADER, LIBRARY_HEADERS, retry_after_ms, unsendable
 from grpc_idempotency.log_tracebacks import library_logger
 from grpc_idempotency.scope import tenant_header
@@ -397,13 +397,9 @@ class GrpcSink:
             # 309 digits or more is an OverflowError.
             hint = retry_after_ms(err.trailing_metadata())
             retry_after = (
-                min(hint, _LONGEST_PUSHBACK_MS) / 1000 if hint is not None and hint > 0 else None
+                min(hint, MAX_DURATION_MS) / 1000 if hint is not None and hint > 0 else None
             )
             raise DeliveryError(text, retry_after_s=retry_after) from err
-
-
-_LONGEST_PUSHBACK_MS = int(MAX_DURATION_S) * 1000
-"""The longest pushback a ``DeliveryError`` takes, in milliseconds as the wire says it."""
 
 
 def forward_scope(header: str = "x-tenant-id", *, prefix: str = "tenant:") -> MetadataFor:

@@ -22,7 +22,7 @@ from grpc_idempotency.core.errors import (
     RequestInvalid,
     ResponseTooLarge,
 )
-from grpc_idempotency.core.seconds import MAX_DURATION_S, checked_seconds
+from grpc_idempotency.core.seconds import MAX_DURATION_MS, checked_seconds
 
 RETRYABLE: frozenset[Code] = frozenset({Code.UNAVAILABLE, Code.ABORTED, Code.DEADLINE_EXCEEDED})
 
@@ -147,13 +147,13 @@ class RetryPolicy:
         if retry_after_ms is not None:
             if retry_after_ms < 0:
                 return None  # the server says: do not retry
-            # Past the longest bound first, an int against a float (exact in Python): divided, a
+            # Past the longest bound first, compared as ints (``MAX_DURATION_MS``): divided, a
             # pushback of 309 digits or more (``wire.retry_after_ms`` reads any run of digits)
             # was an OverflowError in place of a decision. grpc.aio's C-core hands on at most
             # 2**63 - 1, but this method is public and takes any int. Then in seconds, as the
             # bound is given: in milliseconds, ``max_pushback_s * 1000`` rounds (1.001 s is
             # 1000.9999999999999 ms), which refused a pushback of exactly the bound.
-            if retry_after_ms > _LONGEST_PUSHBACK_MS or retry_after_ms / 1000 > self.max_pushback_s:
+            if retry_after_ms > MAX_DURATION_MS or retry_after_ms / 1000 > self.max_pushback_s:
                 return None  # longer than this caller waits: its error, now (max_pushback_s)
             delay = retry_after_ms / 1000
         else:
@@ -169,11 +169,6 @@ class RetryPolicy:
             # that ends in an error the server never gave.
             return None
         return delay
-
-
-_LONGEST_PUSHBACK_MS = MAX_DURATION_S * 1000
-"""The longest ``max_pushback_s`` in milliseconds (exact: a whole number well within a float's
-53 bits): any pushback past it is beyond every policy's bound."""
 
 
 def call_deadline(

@@ -20,6 +20,9 @@ overflow a timestamp (SQLSTATE 22008), which failed every call as if the store w
 MAX_DURATION_S = MAX_DURATION.total_seconds()
 """``MAX_DURATION`` in seconds, the cap of every setting given as a number of seconds: past
 about 7e9 s from now gRPC's deadline overflows too, and 10**400 cannot be slept on."""
+MAX_DURATION_MS = int(MAX_DURATION_S) * 1000
+"""``MAX_DURATION`` in whole milliseconds, as a pushback comes over the wire: compared with one
+as an int (exact), never dividing it (one of 309 digits or more overflows a float)."""
 
 
 @overload
