@@ -29,6 +29,8 @@ from grpc_idempotency import (
     Store,
     current_call,
 )
+from grpc_idempotency.core.codes import Code
+from grpc_idempotency.core.lifecycle import Outcome
 from grpc_idempotency.store.postgres import INLINE_OUTCOME_BYTES, Attempt
 from tests.support.ledger import TENANT, ledger_rows, ledger_server, metadata
 from tests.support.wire import Answer, call_raw
@@ -289,4 +291,22 @@ async def test_releasing_the_libraries_own_transaction_reports_nothing(
         with contextlib.suppress(asyncpg.DivisionByZeroError):
             await conn.execute("SELECT 1 / 0")
     assert await attempt.release() is None
+    assert await ledger_rows(store, account) == 0
+
+
+@pytest.mark.parametrize("phased", [False, True], ids=["atomic", "phased"])
+async def test_a_large_recorded_error_is_committed_without_the_handlers_writes(
+    store: Store, phased: bool
+) -> None:
+    """Over ``INLINE_OUTCOME_BYTES`` the outcome goes in a round trip of its own, after the
+    savepoint is ended: rolled back to for an error, as the inline batch does, not released
+    (which committed the writes of a handler that failed). The interceptor cuts a recorded
+    error below the bound; ``Attempt`` is the store's own API, and takes any size."""
+    attempt = await attempt_of(store, phased)
+    account = uuid.uuid4().hex
+    await attempt.connection.execute(
+        "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", account
+    )
+    details = b"d" * (INLINE_OUTCOME_BYTES + 1)
+    await attempt.record_error(Outcome(Code.NOT_FOUND, "no such account", details))
     assert await ledger_rows(store, account) == 0
