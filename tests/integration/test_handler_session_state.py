@@ -406,9 +406,12 @@ async def test_an_effect_making_its_transaction_read_only_is_refused_or_processe
     made read-only, the mark's update at the commit is refused, nothing commits, and every
     delivery fails so: the effect's error (HandlerDatabaseError), not StoreUnavailable, which
     said the store was down. A default_* setting applies to later transactions only: the
-    first delivery is processed, the second a duplicate. Never twice."""
+    first delivery is processed, the second a duplicate. Never twice. Refused, the transaction
+    is rolled back (a session advisory lock of the effect's released after it) and the
+    connection kept: nothing of the switch outlives the rollback."""
     async with one_connection(pg_dsn) as (store, _channel):
         clean = await session_left(store)
+        backend = await store.pool.fetchval("SELECT pg_catalog.pg_backend_pid()")
         consumer = IdempotentConsumer(store, "read-only")
         message_id, account = uuid.uuid4().hex, uuid.uuid4().hex
 
@@ -416,6 +419,7 @@ async def test_an_effect_making_its_transaction_read_only_is_refused_or_processe
             await conn.execute(
                 "INSERT INTO test_ledger.ledger (account, amount) VALUES ($1, 1)", account
             )
+            await conn.execute("SELECT pg_catalog.pg_advisory_lock(7)")
             await conn.execute(READ_ONLY[behaviour])
 
         if behaviour.startswith("ro-set-"):
@@ -423,6 +427,7 @@ async def test_an_effect_making_its_transaction_read_only_is_refused_or_processe
                 with pytest.raises(HandlerDatabaseError, match="read-only"):
                     await consumer.process(message_id, effect)
             assert await ledger_rows(store, account) == 0
+            assert await store.pool.fetchval("SELECT pg_catalog.pg_backend_pid()") == backend
         else:
             outcomes = [(await consumer.process(message_id, effect)).outcome for _ in range(2)]
             assert outcomes == [Consumed.PROCESSED, Consumed.DUPLICATE]
