@@ -1337,12 +1337,12 @@ def _main(argv: Sequence[str] | None) -> int:
     except StoreMisconfigured as err:
         # No such database or role, bad password, not migrated, no privilege, a purge that a
         # trigger or foreign key refused: retrying will not help (exit 2).
-        report_store_error(err, args.dsn)
+        report_store_error(err, args.dsn, schema=args.schema)
         return 2
     except StoreUnavailable as err:
         # Unreachable, refused, timed out, shutting down: retry later (exit 1); or asyncpg's
         # statement cache behind PgBouncer, which no retry fixes (exit 2).
-        report_store_error(err, args.dsn)
+        report_store_error(err, args.dsn, schema=args.schema)
         return store_error_status(err)
     except ValueError as err:
         message = f"grpc-idempotency: {err}"

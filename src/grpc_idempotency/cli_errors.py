@@ -313,8 +313,14 @@ def store_error_status(err: StoreUnavailable) -> int:
     return 2 if isinstance(err, StoreMisconfigured) or statement_cache_broken(err) else 1
 
 
-def report_store_error(err: StoreUnavailable, dsn: str | None) -> None:
-    lines = [f"grpc-idempotency: {err}"]
+def report_store_error(
+    err: StoreUnavailable, dsn: str | None, *, schema: str | None = None
+) -> None:
+    """Prints ``err``, its causes and, with ``dsn``, the database it was about (and ``schema``,
+    the store's): in place of the store's name that ``Store.connect`` appended to the message,
+    which said the database a second time, less fully."""
+    message = str(err).removesuffix(err.store_label) if dsn else str(err)
+    lines = [f"grpc-idempotency: {message}"]
     lines += [f"  caused by {_describe(cause)}" for cause in _causes(err)]
     if statement_cache_broken(err):
         # The store's log line naming this fix is an ERROR, which the CLI leaves to this report
@@ -324,7 +330,8 @@ def report_store_error(err: StoreUnavailable, dsn: str | None) -> None:
             " 0) asyncpg's statement cache breaks: pass --statement-cache-size 0"
         )
     if dsn:
-        lines.append(f"  database: {dsn_target(dsn)} ({printable(safe_dsn(dsn))})")
+        where = dsn_target(dsn) if schema is None else f"{dsn_target(dsn)}, schema {schema}"
+        lines.append(f"  database: {where} ({printable(safe_dsn(dsn))})")
     text = "\n".join(lines)
     if dsn:
         # Drivers do not echo passwords, but a message quoting the DSN itself would.

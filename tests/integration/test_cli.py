@@ -163,6 +163,12 @@ def test_a_missing_database_is_named_with_the_user_and_exit_2(pg_dsn: str) -> No
     assert f'database "{database}" does not exist' in done.stderr  # PostgreSQL's own words
     assert f'database "{database}", user "{user}"' in done.stderr  # the target
     assert "Traceback" not in done.stderr and done.stdout == ""
+    # Named once, by the database line (with the schema), not again at the end of the first
+    # line (Store.connect's "[host:port/database, schema S]").
+    first = done.stderr.splitlines()[0]
+    assert first.endswith("no such database: check the DSN"), first
+    (target,) = [line for line in done.stderr.splitlines() if line.startswith("  database: ")]
+    assert f'database "{database}", user "{user}", schema grpc_idempotency (' in target
     if password:
         assert password not in done.stderr
 

@@ -147,6 +147,10 @@ class StoreUnavailable(IdempotencyError):
         super().__init__(message)
         self.outage = outage
         self.ambiguous = outage and ambiguous
+        self.store_label = ""
+        """The store's name that ``Store.connect`` appended to ``message`` (`` [host:port/
+        database, schema S]``), ``""`` if none: a report naming the database itself (the
+        command line's) prints the message without it rather than say the database twice."""
 
 
 class StoreMisconfigured(StoreUnavailable):

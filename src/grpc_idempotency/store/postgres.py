@@ -2095,6 +2095,7 @@ def _naming(err: StoreUnavailable, store: StoreLog) -> StoreUnavailable:
     if not isinstance(err, DsnUnusable) and store.label:
         err.message = f"{err.message}{store.label}"
         err.args = (err.message, *err.args[1:])
+        err.store_label = store.label
     return err
 
 
