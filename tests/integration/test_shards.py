@@ -547,6 +547,19 @@ async def test_shards_that_no_call_could_use_are_refused_when_made(
         pending.close()
 
 
+async def test_the_shards_cannot_be_changed_once_made(shards: dict[str, Shard]) -> None:
+    """``shards`` was a public dict: a shard added to it skipped the checks and the naming of
+    the constructor, and a running Purger never purged it. Read-only, nor tied to the caller's."""
+    given = {"one": shards["one"].store}
+    sharded = ShardedStores(given, PLACEMENT.__getitem__)
+    with pytest.raises(TypeError):
+        sharded.shards["two"] = shards["two"].store  # type: ignore[index]
+    with pytest.raises(TypeError):
+        del sharded.shards["one"]  # type: ignore[attr-defined]
+    given["two"] = shards["two"].store
+    assert list(sharded.shards) == ["one"]
+
+
 async def test_a_store_named_as_a_shard_is_refused_under_another_name(
     shards: dict[str, Shard],
 ) -> None:

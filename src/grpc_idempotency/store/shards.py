@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping
 
 from grpc_idempotency.core.errors import IdempotencyError, StoreMisconfigured
@@ -73,7 +74,9 @@ class ShardedStores:
                 )
         if not callable(shard_of) or is_async(shard_of):
             raise TypeError("shard_of must be a plain function from a scope to a shard's name")
-        self.shards: dict[str, Store] = dict(shards)
+        # Read-only: a shard added afterwards would skip the checks above and the naming below,
+        # and a running Purger, which lists the shards when it starts, would never purge it.
+        self.shards: Mapping[str, Store] = types.MappingProxyType(dict(shards))
         # Its log lines name the shard, and say that only the shard's calls fail. Every store
         # is checked before any is named: a ShardedStores refused leaves no name behind.
         named = {id(store): (store, self._names_of(store)) for store in self.shards.values()}
