@@ -393,8 +393,11 @@ class GrpcSink:
             # failed delivery towards the dead letter. Malformed (-1) or none: the backoff.
             # Past the longest wait, that wait (the relay waits max_backoff_s at most anyway):
             # DeliveryError refused it, and the delivery failed as the library's ValueError,
-            # the receiver's status and its pushback lost. Compared as an int: divided, one of
-            # 309 digits or more is an OverflowError.
+            # the receiver's status and its pushback lost. From the wire the hint stays far
+            # below a float's overflow (gRPC's C-core reads the trailer as an int64, anything
+            # larger reaching Python as -2**63, malformed; a RetryInfo tops out near 1e22 ms):
+            # the cap here is for the longest wait. Capping ints before dividing guards direct
+            # callers (RetryPolicy.delay_s, a sink raising its own DeliveryError), not this.
             hint = retry_after_ms(err.trailing_metadata())
             retry_after = (
                 min(hint, MAX_DURATION_MS) / 1000 if hint is not None and hint > 0 else None

@@ -147,12 +147,14 @@ class RetryPolicy:
         if retry_after_ms is not None:
             if retry_after_ms < 0:
                 return None  # the server says: do not retry
-            # Past the longest bound first, compared as ints (``MAX_DURATION_MS``): divided, a
-            # pushback of 309 digits or more (``wire.retry_after_ms`` reads any run of digits)
-            # was an OverflowError in place of a decision. grpc.aio's C-core hands on at most
-            # 2**63 - 1, but this method is public and takes any int. Then in seconds, as the
-            # bound is given: in milliseconds, ``max_pushback_s * 1000`` rounds (1.001 s is
-            # 1000.9999999999999 ms), which refused a pushback of exactly the bound.
+            # Past the longest bound first, compared as ints (``MAX_DURATION_MS``): divided, an
+            # int of 309 digits or more was an OverflowError in place of a decision. Not one
+            # from the wire (gRPC's C-core reads the pushback trailer as an int64, anything
+            # larger reaching Python as -2**63, malformed; a RetryInfo tops out near 1e22 ms):
+            # the guard is for direct callers, as this method is public and takes any int.
+            # Then in seconds, as the bound is given: in milliseconds, ``max_pushback_s * 1000``
+            # rounds (1.001 s is 1000.9999999999999 ms), which refused a pushback of exactly
+            # the bound.
             if retry_after_ms > MAX_DURATION_MS or retry_after_ms / 1000 > self.max_pushback_s:
                 return None  # longer than this caller waits: its error, now (max_pushback_s)
             delay = retry_after_ms / 1000
