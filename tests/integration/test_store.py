@@ -992,3 +992,22 @@ async def test_a_look_up_whose_connection_resets_mid_statement_tries_again(
     finally:
         await through.close(timeout=1)
         await proxy.close()
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+async def test_a_connection_left_by_a_stop_that_is_no_error_is_dropped_not_reused(
+    pg_dsn: str, stop: type[BaseException]
+) -> None:
+    """Only a cancellation dropped the connection: a KeyboardInterrupt or SystemExit inside the
+    block (its statement maybe mid-flight) handed it back to the pool, for the next user to wait
+    on that statement. Dropped now, as a cancellation's; the pool opens another."""
+    store = await Store.connect(pg_dsn, min_size=1, max_size=1, check_schema=False)
+    try:
+        with pytest.raises(stop):
+            async with store.connection("test") as conn:
+                first = conn.get_server_pid()
+                raise stop
+        async with store.connection("test") as conn:
+            assert conn.get_server_pid() != first
+    finally:
+        await store.close()

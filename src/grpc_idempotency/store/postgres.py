@@ -1084,12 +1084,13 @@ class Store:
     ) -> AsyncIterator[PooledConnection]:
         """A pooled connection; database errors inside the block become ``StoreUnavailable``.
 
-        Cancelled inside the block (a purger or relay stopping, a call's deadline), or timed out
-        there (a statement's ``timeout=``), the connection is dropped, not handed back: its
-        statement may still be running, and asyncpg would wait for the database to confirm the
-        cancellation, which behind a network partition takes the whole ``command_timeout``
-        (forever without one): a lease renewal bounded by the lease took lease +
-        ``command_timeout``. PostgreSQL rolls back what was open."""
+        Cancelled inside the block (a purger or relay stopping, a call's deadline), stopped
+        (KeyboardInterrupt, SystemExit), or timed out there (a statement's ``timeout=``), the
+        connection is dropped, not handed back: its statement may still be running, and
+        asyncpg would wait for the database to confirm the cancellation, which behind a network
+        partition takes the whole ``command_timeout`` (forever without one): a lease renewal
+        bounded by the lease took lease + ``command_timeout``. PostgreSQL rolls back what was
+        open."""
         conn = await self._acquire(doing, timeout)
         async with self._holding(conn, doing):
             yield conn
@@ -1109,7 +1110,9 @@ class Store:
                 _drop(conn)
             await self._forget_connections_if_gone(exc)
             raise store_error(exc, doing, store=self.store_log) from exc
-        except asyncio.CancelledError:
+        except BaseException:
+            # Cancelled, or any other exit that is no error (KeyboardInterrupt, SystemExit):
+            # a statement may be mid-flight, and the next user would wait for it (as _abandon).
             _drop(conn)
             raise
         finally:
