@@ -1611,6 +1611,97 @@ async def test_the_mark_says_when_it_waits_on_another_transactions_row(
     assert (mark.outcome, told) == (Consumed.DUPLICATE, [True, False])
 
 
+async def test_the_mark_waits_on_the_row_on_its_probes_connection(
+    pg_dsn: str, store: Store, consumer: IdempotentConsumer
+) -> None:
+    """The probe found the row held (55P03): the waiting statement goes on the probe's own
+    connection, rolled back, not on one acquired again. Given back, the probe's connection went
+    to a delivery queued for one (the pool exhausted), and the mark waited for a connection,
+    told ``waiting(True)`` all along, though it waited on no row. The probe is held up (a
+    ``LOCK TABLE`` queued behind the holder of the row, ahead of it) to read its backend's pid
+    and queue a taker for the one connection before it fails."""
+    name = f"probe-{uuid.uuid4().hex[:12]}"
+    one = await Store.connect(
+        pg_dsn, min_size=1, max_size=1, server_settings={"application_name": name}
+    )
+    admin = await asyncpg.connect(pg_dsn)
+    locker = await asyncpg.connect(pg_dsn)
+    message_id = fresh()
+    gate, first = await held(consumer, message_id)
+    told: list[bool] = []
+    taker: asyncio.Task[Any] | None = None
+    marking: asyncio.Task[Any] | None = None
+    table = f"{store.schema}.processed_messages"
+
+    async def mark_waiting(event: str) -> int | None:
+        pid: int | None = await admin.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1"
+            " AND wait_event_type = 'Lock' AND wait_event = $2"
+            " AND query LIKE '%INSERT INTO %processed_messages%'",
+            name,
+            event,
+        )
+        return pid
+
+    try:
+        locker_pid = locker.get_server_pid()
+        await locker.execute("BEGIN")
+        locking = asyncio.create_task(locker.execute(f"LOCK TABLE {table} IN SHARE MODE"))
+        await until(
+            "the LOCK TABLE queued behind the held row",
+            lambda: admin.fetchval(
+                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1",
+                locker_pid,
+            ),
+        )
+        marking = asyncio.create_task(
+            ProcessedMessages(one).mark(
+                consumer.name,
+                message_id,
+                retention_s=60.0,
+                wait_s=30.0,
+                idle_timeout_s=60.0,
+                acquire_timeout=10,
+                waiting=told.append,
+            )
+        )
+        probe_pid = await until("the probe on the table's lock", lambda: mark_waiting("relation"))
+        # Queued for the pool's one connection before the probe can fail: it runs to the
+        # pool's queue in the loop's next turn, the probe's answer comes after the cancel's.
+        taker = asyncio.ensure_future(one.pool.acquire())
+        await admin.execute("SELECT pg_catalog.pg_cancel_backend($1)", locker_pid)
+        with pytest.raises(asyncpg.QueryCanceledError):
+            await locking
+        await locker.execute("ROLLBACK")
+
+        async def waiting_on_the_row() -> int | None:
+            # Told first: the probe itself waits its 1 ms on the row too.
+            return await mark_waiting("transactionid") if told else None
+
+        row_pid = await until("the mark waiting on the held row", waiting_on_the_row, timeout=3)
+        assert (row_pid, told, taker.done()) == (probe_pid, [True], False)
+    finally:
+        gate.release.set()
+        with contextlib.suppress(Exception):
+            await first
+        if taker is not None:
+            # Either holds the one connection the other waits for.
+            if taker.done():
+                await one.pool.release(taker.result())
+            else:
+                taker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await taker
+        if marking is not None:
+            with contextlib.suppress(Exception):
+                await (await marking).abandon(None)
+        await locker.close()
+        await admin.close()
+        await one.close()
+    assert (await first).outcome is Consumed.PROCESSED
+    assert told == [True, False]
+
+
 async def test_the_marks_second_try_waits_only_what_is_left_of_max_wait(
     store: Store, consumer: IdempotentConsumer
 ) -> None:

@@ -239,12 +239,15 @@ class ProcessedMessages:
         # in a second statement: a round trip more for a delivery that waits anyway.
         probing = waiting is not None and wait_s > _PROBE_S
         contended = False  # the probe found the row held
+        told = False  # waiting(True) was said
         tries = 2
         tried = 0
+        conn: PooledConnection | None = None  # kept from the probe, rolled back
         while tried < tries:
             tried += 1
-            left = None if deadline is None else deadline - time.monotonic()
-            conn = await store._acquire("marking a message", left)
+            if conn is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                conn = await store._acquire("marking a message", left)
             # The second try waits on a concurrent delivery's row only what the first left of
             # wait_s: it waited wait_s anew, up to twice max_wait and past the caller's timeout.
             now = time.monotonic()
@@ -260,24 +263,39 @@ class ProcessedMessages:
             statement_timeout = (
                 None if store.command_timeout is None else store.command_timeout + wait
             )
+            if contended and not told and waiting is not None:
+                # Said only now, the waiting statement about to go on a connection held: a
+                # delivery cancelled while it waited for a pooled connection (the probe's
+                # dropped) is the delivery's own time ("released"), not a wait on the row.
+                told = True
+                waiting(True)
             try:
                 status = await conn.execute(sql, timeout=statement_timeout)
             except BaseException as exc:
+                busy = getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+                keep = False
                 try:
                     await _abandon(conn, exc)
+                    # The probe's only statement failed, rolled back (_abandon's ROLLBACK and
+                    # advisory unlock, one round trip as a bare ROLLBACK): the wait goes on this
+                    # connection, not after a release and an acquire, which an exhausted pool
+                    # makes a wait of its own. Unless the ROLLBACK failed and dropped it.
+                    keep = busy and probing and not connection_closed(conn)
                 finally:
                     # However the abandon ends: cancelled during its ROLLBACK, it drops the
                     # connection and re-raises (asyncpg's pool takes a terminated connection
                     # back by itself; the release is then a no-op, here in case it does not).
-                    await store._release(conn)
-                if getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                    if not keep:
+                        await store._release(conn)
+                if busy:
                     if probing and waiting is not None:
                         # Held elsewhere: wait on it now, as a try of its own.
                         probing, contended = False, True
-                        waiting(True)
+                        conn = conn if keep else None
                         tried -= 1
                         continue
                     raise MarkBusy(message_id) from None
+                conn = None
                 if from_the_driver(exc):
                     # A pooled connection that a restart or a failover left dead: the pool's
                     # others are replaced now, and the mark tried once more on a connection
@@ -289,7 +307,7 @@ class ProcessedMessages:
                     raise store_error(exc, "marking a message", store=store.store_log) from exc
                 raise
             # Not in a finally: a cancellation must find the mark still waiting.
-            if waiting is not None and contended:
+            if waiting is not None and told:
                 waiting(False)
             commit = self._sql.commit(consumer, message_id, retention_s, token)
             kept = (self._sql.fingerprint, consumer, message_id)
