@@ -1601,6 +1601,8 @@ async def test_the_mark_says_when_it_waits_on_another_transactions_row(
         marking = asyncio.create_task(
             marks_.mark(consumer.name, message_id, wait_s=30, waiting=told.append, **bounds)
         )
+        # Told first: the probe itself waits its 1 ms on the row, which a poll may catch.
+        await until("the mark told it waits", lambda: told)
         await waiting_on_a_lock(store)
         assert told == [True]
     finally:
