@@ -15,6 +15,7 @@ import pytest
 from grpc_idempotency.client import Operation
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.wire import PUSHBACK_TRAILER, retry_after_ms
+from tests.support.raw_unary import raw_unary_method
 
 # A safety net for the test alone: far beyond any budget below, far below the waits the calls
 # made without one (a 10 s pushback, 60 s attempts).
@@ -49,21 +50,8 @@ class Refusing:
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[Any, Refusing]]:
     service = Refusing()
-    handler = grpc.method_handlers_generic_handler(
-        "budget.v1.Service", {"Call": grpc.unary_unary_rpc_method_handler(service.call)}
-    )
-    running = grpc.aio.server()
-    running.add_generic_rpc_handlers((handler,))
-    port = running.add_insecure_port("127.0.0.1:0")
-    await running.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            method = channel.unary_unary(
-                "/budget.v1.Service/Call", request_serializer=None, response_deserializer=None
-            )
-            yield method, service
-    finally:
-        await running.stop(None)
+    async with raw_unary_method("budget.v1.Service", service.call) as method:
+        yield method, service
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import pytest
 from grpc_idempotency.client import Operation
 from grpc_idempotency.core.retry import RetryPolicy
 from grpc_idempotency.core.wire import PUSHBACK_TRAILER
+from tests.support.raw_unary import raw_unary_method
 from tests.support.waiting import until
 
 # A safety net for the test alone, far beyond the few milliseconds each call takes.
@@ -44,21 +45,8 @@ class Flaky:
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[Any, Flaky]]:
     service = Flaky()
-    handler = grpc.method_handlers_generic_handler(
-        "attempts.v1.Service", {"Call": grpc.unary_unary_rpc_method_handler(service.call)}
-    )
-    running = grpc.aio.server()
-    running.add_generic_rpc_handlers((handler,))
-    port = running.add_insecure_port("127.0.0.1:0")
-    await running.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            method = channel.unary_unary(
-                "/attempts.v1.Service/Call", request_serializer=None, response_deserializer=None
-            )
-            yield method, service
-    finally:
-        await running.stop(None)
+    async with raw_unary_method("attempts.v1.Service", service.call) as method:
+        yield method, service
 
 
 async def test_every_attempt_sends_the_operations_key_and_the_same_request(
