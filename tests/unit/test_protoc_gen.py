@@ -521,18 +521,21 @@ EXCLUDED_EXTENSIONS = {
         "extend Req { optional string trace = 100 [(grpc_idempotency.v1.field) = {"
         " fingerprint: FINGERPRINT_EXCLUDE }]; }",
         "ext.v1.trace",
+        43,
     ),
     # Declared inside a message, of a message the request holds.
     "nested, of a held message": (
         "message Holder { extend Inner { optional int64 sent_at = 100"
         " [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE]; } }",
         "ext.v1.Holder.sent_at",
+        63,
     ),
     # A value of no Fingerprint (a newer options.proto's), which a field is refused for.
     "out of its enum": (
         "extend Req { optional string trace = 100 [(grpc_idempotency.v1.field) = {"
         " fingerprint: 7 }]; }",
         "ext.v1.trace",
+        43,
     ),
 }
 
@@ -541,8 +544,9 @@ EXCLUDED_EXTENSIONS = {
 def test_a_fingerprint_option_on_an_extension_is_an_error(tmp_path: Path, case: str) -> None:
     """The fingerprint clears the request's declared fields (``Fingerprinter``); an extension's
     ``(grpc_idempotency.v1.field)`` was never read, so an extension marked FINGERPRINT_EXCLUDE
-    stayed in the fingerprint while the proto said it did not."""
-    extension, name = EXCLUDED_EXTENSIONS[case]
+    stayed in the fingerprint while the proto said it did not. The error points at the
+    option (line 10: the extension follows the file's 9 lines), as a method's does."""
+    extension, name, column = EXCLUDED_EXTENSIONS[case]
     text = textwrap.dedent(
         """\
         syntax = "proto2";
@@ -559,8 +563,8 @@ def test_a_fingerprint_option_on_an_extension_is_an_error(tmp_path: Path, case: 
     done = run_on(tmp_path, {"ext/v1/e.proto": text + extension + "\n"})
     assert_fails(
         done,
-        f"--grpc-idempotency_out: ext/v1/e.proto: extension {name}: (grpc_idempotency.v1.field)"
-        " is not read on an extension",
+        f"--grpc-idempotency_out: ext/v1/e.proto:10:{column}: extension {name}:"
+        " (grpc_idempotency.v1.field) is not read on an extension",
     )
     # Said once: the server's own refusal of it (compile_policy, through the request's
     # fingerprint) is the same problem.
@@ -597,7 +601,7 @@ def test_an_excluded_extension_in_another_file_names_the_method_it_breaks(tmp_pa
     done = run_on(tmp_path, {"ext/v1/req.proto": request, "ext/v1/trace.proto": extension})
     assert_fails(
         done,
-        "ext/v1/trace.proto: extension ext.v1.trace: (grpc_idempotency.v1.field) is not read",
+        "ext/v1/trace.proto:5:43: extension ext.v1.trace: (grpc_idempotency.v1.field) is not read",
         "ext/v1/req.proto:7:31: /ext.v1.Svc/Do: extension ext.v1.trace: (grpc_idempotency.v1.field)"
         " is not read",
     )
@@ -767,12 +771,15 @@ def test_valid_options_generate_a_module(tmp_path: Path) -> None:
 
 def test_every_error_is_reported_in_one_run(tmp_path: Path) -> None:
     """Each error starts ``file:line:column:`` at the method's option, as protoc's own do
-    (editors and CI annotations read it); at its first line when it is set field by field."""
+    (editors and CI annotations read it); at its first line when it is set field by field. A
+    field option's error at that option."""
     by_field = HEADER.replace("errs.v1", "errs.v3") + (
         "service Svc {\n  rpc Do(Req) returns (Res) {\n    option deprecated = true;\n"
         "    option (grpc_idempotency.v1.method).key = KEY_REQUIRED;\n"
         '    option (grpc_idempotency.v1.method).steps = { name: "Bad" outbox: true };\n'
-        "  }\n}\n" + MESSAGES
+        "  }\n}\n" + MESSAGES + 'import "google/protobuf/descriptor.proto";\n'
+        "extend google.protobuf.FieldOptions {\n  string note = 50001\n"
+        "    [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE];\n}\n"
     )
     text = svc(
         'steps: { name: "Bad" outbox: true }',
@@ -791,7 +798,34 @@ def test_every_error_is_reported_in_one_run(tmp_path: Path) -> None:
         "errs/v1/two.proto:11:5: /errs.v1.Svc/Other: step 'x.v1' calls 'errs.v1.Nope/X'",
         "errs/v2/three.proto:7:5: /errs.v2.Svc/Do: the method is declared idempotent",
         "errs/v3/four.proto:7:5: /errs.v3.Svc/Do: step name 'Bad'",
+        "errs/v3/four.proto:16:6: extension errs.v3.note: (grpc_idempotency.v1.field) is not read",
     )
+
+
+def test_errors_name_only_the_file_without_source_info(tmp_path: Path) -> None:
+    """A request without SourceCodeInfo (one built from a descriptor set, not by protoc for its
+    plugin): a method's and a field option's errors name the file alone, as before."""
+    text = svc('steps: { name: "Bad" outbox: true }').replace(
+        "message Req {}",
+        'message Req {}\nimport "google/protobuf/descriptor.proto";\n'
+        "extend google.protobuf.FieldOptions { string note = 50001"
+        " [(grpc_idempotency.v1.field).fingerprint = FINGERPRINT_EXCLUDE]; }",
+    )
+    (tmp_path / "errs" / "v1").mkdir(parents=True)
+    (tmp_path / "errs" / "v1" / "bare.proto").write_text(text)
+    out = tmp_path / "set.binpb"
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{tmp_path}", f"-I{proto_include()}",
+         "--include_imports", f"--descriptor_set_out={out}", "errs/v1/bare.proto"],
+        capture_output=True, check=True,
+    )  # fmt: skip
+    files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    request = plugin_pb2.CodeGeneratorRequest(
+        file_to_generate=["errs/v1/bare.proto"], proto_file=files
+    )
+    error = generate(request).error
+    assert "errs/v1/bare.proto: /errs.v1.Svc/Do: step name 'Bad'" in error, error
+    assert "errs/v1/bare.proto: extension errs.v1.note: (grpc_idempotency.v1.field)" in error, error
 
 
 def test_a_called_method_counts_when_its_file_is_given_or_imported(tmp_path: Path) -> None:
@@ -924,10 +958,16 @@ NEWER_OPTIONS = {
         "",
         ":6:5: /errs.v1.Svc/Do: (grpc_idempotency.v1.method) sets steps[1] field 5",
     ),
+    # At the field's option (line 11 of ``svc``: message Req), as a method's.
     "a field option": (
         "",
         "string a = 1 [(grpc_idempotency.v1.field) = { redact: true }];",
-        ": field errs.v1.Req.a: (grpc_idempotency.v1.field) sets field 2",
+        ":11:29: field errs.v1.Req.a: (grpc_idempotency.v1.field) sets field 2",
+    ),
+    "a nested message's field option": (
+        "",
+        "message Deep { message Deeper { string b = 1 [(grpc_idempotency.v1.field).redact = true]; } }",
+        ":11:61: field errs.v1.Req.Deep.Deeper.b: (grpc_idempotency.v1.field) sets field 2",
     ),
 }
 

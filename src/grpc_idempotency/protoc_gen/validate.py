@@ -78,10 +78,13 @@ def check_file(
     ``checked``: shared by the files of one request, whose pool does not change
     (``fingerprint.ExtensionsChecked``). ``locations``: the file's source positions; a
     method's errors then start ``file:line:column:`` (as protoc's own do, which editors and
-    CI annotations read), at its option."""
+    CI annotations read), at its option, and a field option's at that option."""
     methods: list[KeyedMethod] = []
-    field_problems = _field_option_problems(file)
-    errors = [f"{file.name}: {problem}" for problem in field_problems]
+    found = _field_option_problems(file)
+    field_problems = [problem for _, problem in found]
+    errors = [
+        f"{_field_place(file, field, locations or {})}: {problem}" for field, problem in found
+    ]
     for service in sorted(file.services_by_name.values(), key=lambda s: s.index):
         for method in service.methods:
             where = _place(file, method, locations or {})
@@ -140,11 +143,54 @@ def _place(file: FileDescriptor, method: MethodDescriptor, locations: Locations)
         descriptor_pb2.MethodDescriptorProto.OPTIONS_FIELD_NUMBER,
         options_pb2.method.number,
     )
-    position = locations.get(option) or locations.get(rpc)
+    return _at(file, locations.get(option) or locations.get(rpc))
+
+
+def _field_place(file: FileDescriptor, field: FieldDescriptor, locations: Locations) -> str:
+    """``file:line:column`` of the field's ``(grpc_idempotency.v1.field)`` option (its first
+    part when set field by field), else of the field, or the file's name without positions."""
+    message = field.extension_scope if field.is_extension else field.containing_type
+    if message is None:  # an extension declared at the file's top level
+        owner: tuple[int, ...] = (descriptor_pb2.FileDescriptorProto.EXTENSION_FIELD_NUMBER,)
+    else:
+        owner = (
+            *_message_path(message),
+            descriptor_pb2.DescriptorProto.EXTENSION_FIELD_NUMBER
+            if field.is_extension
+            else descriptor_pb2.DescriptorProto.FIELD_FIELD_NUMBER,
+        )
+    declared = (*owner, field.index)
+    option = (
+        *declared,
+        descriptor_pb2.FieldDescriptorProto.OPTIONS_FIELD_NUMBER,
+        options_pb2.field.number,
+    )
+    return _at(file, locations.get(option) or locations.get(declared))
+
+
+def _message_path(message: Descriptor) -> tuple[int, ...]:
+    """The ``SourceCodeInfo`` path of a message declared in the file, nested or not. A message
+    descriptor has no ``index`` (upb): its place among its siblings, kept in declaration order,
+    and unique by name."""
+    parent = message.containing_type
+    if parent is None:
+        siblings = list(message.file.message_types_by_name)
+        return (
+            descriptor_pb2.FileDescriptorProto.MESSAGE_TYPE_FIELD_NUMBER,
+            siblings.index(message.name),
+        )
+    return (
+        *_message_path(parent),
+        descriptor_pb2.DescriptorProto.NESTED_TYPE_FIELD_NUMBER,
+        [nested.name for nested in parent.nested_types].index(message.name),
+    )
+
+
+def _at(file: FileDescriptor, position: tuple[int, int] | None) -> str:
     return f"{file.name}:{position[0]}:{position[1]}" if position else file.name
 
 
-def _field_option_problems(file: FileDescriptor) -> list[str]:
+def _field_option_problems(file: FileDescriptor) -> list[tuple[FieldDescriptor, str]]:
     """``option_checks.field_option_problem`` of each field and extension declared in ``file``,
     whether or not a keyed method's request holds it: the server checks those a request holds
     when it compiles the method's policy, and only the extensions imported by then."""
@@ -154,11 +200,11 @@ def _field_option_problems(file: FileDescriptor) -> list[str]:
         message = messages.pop(0)
         fields += [*message.fields, *message.extensions]
         messages += message.nested_types
-    problems: list[str] = []
+    problems: list[tuple[FieldDescriptor, str]] = []
     for field in fields:
         problem = field_option_problem(field, _field_policy(field))
         if problem is not None:
-            problems.append(problem)
+            problems.append((field, problem))
     return problems
 
 
