@@ -1770,3 +1770,27 @@ async def test_a_mark_cancelled_during_its_rollback_gives_its_connection_back(
     finally:
         gate.release.set()
     assert (await first).outcome is Consumed.PROCESSED
+
+
+async def test_a_probe_failing_otherwise_than_busy_gives_its_connection_back(
+    pg_dsn: str, consumer: IdempotentConsumer
+) -> None:
+    """Only a probe's 55P03 keeps its connection for the wait on the row: a probe that fails
+    otherwise (here a retention PostgreSQL cannot add to now()) hands it back, or a pool of one was
+    left with none."""
+    one = await Store.connect(pg_dsn, min_size=1, max_size=1)
+    try:
+        marks = ProcessedMessages(one)
+        for _ in range(2):  # the second finds the one connection back in the pool
+            with pytest.raises(StoreUnavailable):
+                await marks.mark(
+                    consumer.name,
+                    fresh(),
+                    retention_s=1e300,
+                    wait_s=30.0,
+                    idle_timeout_s=60.0,
+                    acquire_timeout=1,
+                    waiting=lambda held: None,
+                )
+    finally:
+        await one.close()
