@@ -7,7 +7,9 @@ itself SIGSTOP there and stays frozen, mid-request, until a SIGCONT; POSIX only)
 ``after_claim``, ``before_commit``, ``after_commit_before_response`` (the server),
 ``relay_after_delivery`` (the outbox relay: delivered, not yet marked sent), ``purge_batch``
 (every purge, before each batch), ``lease_renewal`` (a phased claim's lease keeper, before each
-renewal), ``lease_renewed`` (the keeper, with a renewal's answer, before it acts on it).
+renewal), ``lease_renewed`` (the keeper, with a renewal's answer, before it acts on it),
+``mark_probe_rollback`` (the consumer's mark: its probe met the row held, the ROLLBACK before
+the wait on the row is about to run).
 When the variable is unset, ``ENABLED`` is False and the server never calls ``hit``: no cost on
 the request path.
 

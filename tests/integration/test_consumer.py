@@ -1794,3 +1794,121 @@ async def test_a_probe_failing_otherwise_than_busy_gives_its_connection_back(
         assert one.pool.get_idle_size() == 1
     finally:
         await one.close()
+
+
+@pytest.fixture
+def probe_rollback_fails(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Arms ``mark_probe_rollback=error``: the ROLLBACK after a probe's 55P03 fails. The list
+    holds the failpoints reached, in order."""
+    from grpc_idempotency import failpoints
+    from grpc_idempotency.core.failpoints import FailAction, Failpoint
+
+    reached: list[str] = []
+    hit = failpoints.hit
+
+    async def recorded(name: str) -> None:
+        reached.append(name)
+        await hit(name)
+
+    monkeypatch.setattr(failpoints, "_announced", True)  # no WARNING: armed on purpose
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "_points", {"mark_probe_rollback": Failpoint(FailAction.ERROR)})
+    monkeypatch.setattr(failpoints, "hit", recorded)
+    return reached
+
+
+async def test_a_probe_whose_rollback_fails_drops_its_connection_and_waits_on_another(
+    pg_dsn: str, consumer: IdempotentConsumer, probe_rollback_fails: list[str]
+) -> None:
+    """The probe met the row held (55P03) and its ROLLBACK failed: the transaction's state is
+    unknown, so the probe's connection is dropped, neither handed back to the pool nor kept for
+    the wait (the wait then ran on a closed connection, failed, and the store replaced every
+    connection of the pool as after a restart; kept unrolled back, it failed the delivery as
+    StoreUnavailable). The wait goes on a connection acquired anew, and the duplicate is told
+    so once its first delivery commits. A pool of two: the connection the probe did not use
+    must be the one it was."""
+    name = f"probe-rb-{uuid.uuid4().hex[:12]}"
+    two = await Store.connect(
+        pg_dsn, min_size=2, max_size=2, server_settings={"application_name": name}
+    )
+    admin = await asyncpg.connect(pg_dsn)
+    message_id = fresh()
+    gate, first = await held(consumer, message_id)
+    told: list[bool] = []
+    marking: asyncio.Task[Any] | None = None
+
+    async def backends() -> set[int]:
+        rows = await admin.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1", name
+        )
+        return {row["pid"] for row in rows}
+
+    try:
+        before = await backends()
+        assert len(before) == 2
+        marking = asyncio.create_task(
+            ProcessedMessages(two).mark(
+                consumer.name,
+                message_id,
+                retention_s=60.0,
+                wait_s=30.0,
+                idle_timeout_s=60.0,
+                acquire_timeout=10,
+                waiting=told.append,
+            )
+        )
+
+        async def waiting_on_the_row() -> int | None:
+            pid: int | None = await admin.fetchval(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = $1"
+                " AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO %processed_messages%'",
+                name,
+            )
+            return pid if told else None
+
+        await until("the mark waiting on the held row", waiting_on_the_row)
+        assert (told, probe_rollback_fails) == ([True], ["mark_probe_rollback"])
+        # The probe's backend is gone, the other still there.
+        assert len(before & await backends()) == 1
+    finally:
+        gate.release.set()
+    try:
+        assert (await first).outcome is Consumed.PROCESSED
+        mark = await marking
+        await mark.abandon(None)
+        assert (mark.outcome, told) == (Consumed.DUPLICATE, [True, False])
+        pool = two.pool
+        assert (pool.get_size(), pool.get_idle_size()) == (2, 2)
+        # Both connections taken: the one the probe did not use was not replaced.
+        taken = [await pool.acquire(timeout=2) for _ in range(2)]
+        pids = {conn.get_server_pid() for conn in taken}
+        for conn in taken:
+            await pool.release(conn)
+        assert len(before & pids) == 1
+    finally:
+        await admin.close()
+        await two.close()
+
+
+async def test_a_delivery_whose_probe_rollback_fails_runs_its_effect_once(
+    store: Store, consumer: IdempotentConsumer, probe_rollback_fails: list[str]
+) -> None:
+    """Through the public API: the delivery waiting on a concurrent one whose effect then fails
+    runs the effect itself, once, though its probe's ROLLBACK failed; no raw error escapes."""
+    message_id = fresh()
+    gate, first = await held(consumer, message_id, fail=True)
+    # Another process's consumer, as it were: one of this one's waits for the first in-process.
+    other = IdempotentConsumer(store, consumer.name)
+    try:
+        second = asyncio.create_task(other.process(message_id, write(other, message_id)))
+        # Then the wait on the row, on a connection of its own: the probe's own 1 ms wait,
+        # which a poll may catch, is over.
+        await until("the probe's rollback to fail", lambda: probe_rollback_fails)
+        await waiting_on_a_lock(store)
+    finally:
+        gate.release.set()
+    with pytest.raises(RuntimeError, match="the effect failed after writing"):
+        await first
+    result = await second
+    assert (result.outcome, result.duplicate) == (Consumed.PROCESSED, False)
+    assert await effect_rows(store, consumer, message_id) == 1

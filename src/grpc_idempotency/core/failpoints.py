@@ -33,6 +33,10 @@ POINTS = frozenset(
         "lease_renewal",
         # the keeper has its renewal's answer (renewed or lost) and has not acted on it yet
         "lease_renewed",
+        # the consumer's mark: its 1 ms probe met the row held (55P03) and the ROLLBACK before the
+        # wait on the row is about to run on the probe's connection: ``error`` stands for that
+        # ROLLBACK failing (the connection is then dropped, its transaction's state unknown)
+        "mark_probe_rollback",
     }
 )
 

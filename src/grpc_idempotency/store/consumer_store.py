@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import asyncpg
 
+from grpc_idempotency import failpoints
 from grpc_idempotency.core.consumer import Consumed, consumed, lock_timeout
 from grpc_idempotency.core.db_failures import Failure, classify
 from grpc_idempotency.core.errors import HandlerDatabaseError, StoreUnavailable
@@ -275,7 +276,8 @@ class ProcessedMessages:
                 busy = getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE
                 keep = False
                 try:
-                    await _abandon(conn, exc)
+                    point = "mark_probe_rollback" if busy and probing else None
+                    await _abandon(conn, exc, failpoint=point)
                     # The probe's only statement failed, rolled back (_abandon's ROLLBACK and
                     # advisory unlock, one round trip as a bare ROLLBACK): the wait goes on this
                     # connection, not after a release and an acquire, which an exhausted pool
@@ -496,7 +498,9 @@ def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
     )
 
 
-async def _abandon(conn: PooledConnection, exc: BaseException | None) -> None:
+async def _abandon(
+    conn: PooledConnection, exc: BaseException | None, *, failpoint: str | None = None
+) -> None:
     """Ends the transaction without committing. A cancellation or a timeout may have interrupted
     a statement mid-flight, and a failed ROLLBACK leaves the transaction's fate with the
     connection: in these cases the connection is dropped (PostgreSQL rolls back) rather than
@@ -510,6 +514,9 @@ async def _abandon(conn: PooledConnection, exc: BaseException | None) -> None:
         _terminate(conn)
         return
     try:
+        if failpoint is not None and failpoints.ENABLED:
+            # In the ROLLBACK's place: ``error`` fails it, as a link that died just now does.
+            await failpoints.hit(failpoint)
         if conn.is_in_transaction():
             # Bounded: a ROLLBACK that hangs (the link died just now) is given up on, and the
             # connection dropped, rather than holding the delivery for ever. A session advisory
