@@ -28,9 +28,9 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from grpc_idempotency import proto_include
+from grpc_idempotency import Store, StoreUnavailable, proto_include
 from grpc_idempotency.cli import _parser
-from grpc_idempotency.cli_errors import dsn_target, safe_dsn
+from grpc_idempotency.cli_errors import dsn_target, report_store_error, safe_dsn
 from tests.e2e.procs import free_port
 from tests.support.schemas import backend_gone, delete_waiting_on_a_lock, fresh_store
 from tests.support.tools import DB_COMMANDS as COMMANDS
@@ -171,6 +171,47 @@ def test_a_missing_database_is_named_with_the_user_and_exit_2(pg_dsn: str) -> No
     assert f'database "{database}", user "{user}", schema grpc_idempotency (' in target
     if password:
         assert password not in done.stderr
+
+
+async def refused_by_a_missing_database(pg_dsn: str) -> tuple[str, StoreUnavailable]:
+    """``Store.connect``'s own error for a database that does not exist, and its DSN."""
+    dsn = with_database(pg_dsn, f"no_such_db_{secrets.token_hex(4)}")
+    with pytest.raises(StoreUnavailable) as refused:
+        await Store.connect(dsn, schema="labelled")
+    err = refused.value
+    assert err.store_label.startswith(" [") and "schema labelled]" in err.store_label, err
+    assert str(err).endswith(err.store_label), str(err)
+    return dsn, err
+
+
+async def test_a_store_error_reported_without_a_dsn_keeps_the_stores_name(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a DSN there is no database line: the name ``Store.connect`` appended to the
+    message is then the report's only word of which database it was, and stays on its first
+    line (a shard of several, opened in the application's code)."""
+    _, err = await refused_by_a_missing_database(pg_dsn)
+    report_store_error(err, None)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"grpc-idempotency: {err}", lines
+    assert lines[0].endswith(err.store_label), lines
+    assert not [line for line in lines if line.startswith("  database: ")], lines
+
+
+async def test_a_store_error_reported_with_its_dsn_names_the_database_once(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the DSN the database line names the database (with the schema): the first line
+    drops the store's name, which said it again, less fully."""
+    dsn, err = await refused_by_a_missing_database(pg_dsn)
+    report_store_error(err, dsn, schema="labelled")
+    lines = capsys.readouterr().err.splitlines()
+    message = str(err).removesuffix(err.store_label)
+    assert message != str(err)
+    assert lines[0] == f"grpc-idempotency: {message}", lines
+    assert err.store_label not in "\n".join(lines), lines
+    (target,) = [line for line in lines if line.startswith("  database: ")]
+    assert target.startswith(f"  database: {dsn_target(dsn)}, schema labelled ("), target
 
 
 @pytest.mark.parametrize(
