@@ -201,9 +201,11 @@ class Operation:
         """Calls ``method`` with this operation's key; with ``retry``, attempts again on
         retryable errors, waiting as the server asks: a server asking for a longer wait than
         ``retry.max_pushback_s`` gets its error raised at once. ``timeout`` is per attempt;
-        ``metadata`` is sent with every attempt, the operation's key in place of any
-        ``idempotency-key`` (or ``-bin``) entry; ``credentials``, ``wait_for_ready`` and
-        ``compression`` go to every attempt as ``method`` takes them.
+        ``metadata`` is sent with every attempt; an ``idempotency-key`` entry other than the
+        operation's key, or any ``idempotency-key-bin``, is refused (``ValueError``) before
+        anything is sent: the call carries the operation's key, never another.
+        ``credentials``, ``wait_for_ready`` and ``compression`` go to every attempt as
+        ``method`` takes them.
 
         A deadline bounds them all, if there is one: ``retry.total_timeout_s`` from now, or
         inside a handler the handler's deadline, whichever is earlier. Each attempt's timeout is
@@ -239,13 +241,14 @@ class Operation:
             # 0: a deadline of "now" races the call on loopback (gRPC's clock is coarse), and a
             # fast answer can beat it.
             timeout = -1.0
-        # None as a grpc.aio method takes it: no metadata. A key entry named in bytes too: sent
-        # beside the operation's key (gRPC sends the name as those bytes), before it. And a key
-        # given as -bin: sent beside it, the server refused the call (KEY_INVALID).
-        # The current operation sends no key of its own: the client interceptor gives each
-        # attempt the step's child key (the same one every attempt, and every re-run).
+        _refuse_own_key(metadata or (), self, current_call_or_none(), _path_of(method))
+        # None as a grpc.aio method takes it: no metadata. An entry of the operation's own key
+        # (op.metadata(), a handler's invocation_metadata() for the current operation) is
+        # dropped, so the key goes once. The current operation sends no key of its own: the
+        # client interceptor gives each attempt the step's child key (the same one every
+        # attempt, and every re-run).
         md = (
-            *[m for m in metadata or () if _entry_name(m[0]) not in (KEY_HEADER, KEY_HEADER_BIN)],
+            *[m for m in metadata or () if _entry_name(m[0]) != KEY_HEADER],
             *(self.metadata() if self._serving is None else ()),
         )
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such
@@ -341,7 +344,8 @@ class Operation:
         method takes the same options for one call (``.Charge(request, timeout=2)``), which
         replace these: ``timeout=None`` there is no timeout, ``retry=None`` no retries; its
         ``metadata`` entries replace those given here of the same names, and the rest of these
-        are sent too. The key is the operation's, whatever the metadata say."""
+        are sent too. The key is the operation's: metadata naming another is refused at the
+        call, as ``Operation.call`` refuses it."""
         return OperationStub(
             self,
             stub,
@@ -909,6 +913,41 @@ def _refuse_malformed_key(
         if serving is None:
             raise KeyInvalid(f"a call of {path}: {err}") from None
         raise ValueError(f"{serving.method} called {path} with a malformed key: {err}") from None
+
+
+def _refuse_own_key(
+    metadata: Sequence[tuple[str | bytes, str | bytes]],
+    operation: Operation,
+    serving: IdempotentCall | None,
+    path: str,
+) -> None:
+    """Refuses an ``Operation.call`` (or a bound stub's) whose own metadata holds an
+    ``idempotency-key`` other than the operation's, or any ``idempotency-key-bin``: the call
+    carries the operation's key (the current operation's: its step's child key), and the
+    caller's was silently replaced, hiding that the key they meant was never sent. An entry of
+    the operation's own key (``op.metadata()``) or, in a handler, of the serving call's key
+    (its ``invocation_metadata()`` passed on, as the client interceptor takes it) is no other
+    choice: dropped, not refused. A name spelt otherwise (``Idempotency-Key``) is no key to
+    gRPC: ``_refuse_unsendable`` refuses it."""
+    for name, value in metadata:
+        text_name = _entry_name(name)
+        if text_name == KEY_HEADER:
+            given = value.decode("latin-1") if isinstance(value, bytes) else value
+            if given == operation.key or (serving is not None and given == serving.key):
+                continue
+        elif text_name != KEY_HEADER_BIN:
+            continue
+        caller = f"{serving.method} called {path}" if serving is not None else f"a call of {path}"
+        sent = (
+            "its step's child key, which the client interceptor derives"
+            if operation._serving is not None
+            else f"the operation's key {operation.key!r}"
+        )
+        raise ValueError(
+            f"{caller} through Operation.call with metadata {text_name!r}: the call carries"
+            f" {sent}, never a key of the caller's; drop the entry, or make the call through"
+            " the Operation of that key (Operation(key).call)"
+        )
 
 
 def _refuse_status_header(

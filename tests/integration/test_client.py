@@ -148,9 +148,11 @@ async def test_metadata_grpc_cannot_send_is_refused_before_anything_is_sent(
         stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
         with pytest.raises(error, match=says):
             await stub.Post(request, metadata=(*TENANT_MD, entry))
-    if entry[0] != "idempotency-key":  # Operation.call sends its own key instead
-        with pytest.raises(error, match=says):
-            await Operation.new().call(ledger.stub.Post, request, metadata=(*TENANT_MD, entry))
+    if entry[0] == "idempotency-key":
+        # Operation.call refuses any key but the operation's, sendable or not.
+        error, says = ValueError, "metadata 'idempotency-key': the call carries the operation's"
+    with pytest.raises(error, match=says):
+        await Operation.new().call(ledger.stub.Post, request, metadata=(*TENANT_MD, entry))
     assert ledger.service.keys_seen == []  # nothing reached the server
 
 
@@ -170,8 +172,8 @@ async def test_a_malformed_key_is_refused_before_anything_is_sent(
 ) -> None:
     """Keys gRPC can send but every server refuses (``key_from_metadata``): the interceptor
     sent them (beside a key of its own for ``-bin``) and the call was answered
-    INVALID_ARGUMENT after the trip. ``Operation.call`` replaces a ``-bin`` entry with its
-    key, as it does an ``idempotency-key`` one: sent beside it, the call was refused."""
+    INVALID_ARGUMENT after the trip. ``Operation.call`` refuses them too, as any key entry
+    but its operation's (it replaced them with its key, silently)."""
     request = testsvc_pb2.PostRequest(account=fresh())
     async with keyed_channel(ledger.address) as channel:
         stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
@@ -180,9 +182,9 @@ async def test_a_malformed_key_is_refused_before_anything_is_sent(
         assert ledger.service.keys_seen == []  # nothing reached the server
         # A read is not keyed: its metadata pass through untouched.
         await stub.Peek(testsvc_pb2.PeekRequest(account="x"), metadata=(*TENANT_MD, *entries))
-    op = Operation.new()
-    await op.call(ledger.stub.Post, request, metadata=(*TENANT_MD, *entries))
-    assert ledger.service.keys_seen[-1] == op.key
+    with pytest.raises(ValueError, match=r"Operation.call with metadata 'idempotency-key"):
+        await Operation.new().call(ledger.stub.Post, request, metadata=(*TENANT_MD, *entries))
+    assert len(ledger.service.keys_seen) == 1  # the read alone
 
 
 async def test_a_handlers_malformed_key_is_its_own_error(
@@ -263,7 +265,7 @@ async def test_operation_key_is_reused_and_cannot_change(
         request = testsvc_pb2.PostRequest(account=account)
         first = await op.call(stub.Post, request, metadata=TENANT_MD)
         second = await restored.call(
-            stub.Post, request, metadata=(*TENANT_MD, ("idempotency-key", "other"))
+            stub.Post, request, metadata=(*TENANT_MD, *restored.metadata())
         )
         with op.active():
             third = await stub.Post(request, metadata=TENANT_MD)

@@ -63,10 +63,14 @@ async def test_a_bound_methods_metadata_and_retry_are_the_calls(ledger: RunningL
     op = Operation.new()
     bound = op.bind(ledger.stub, metadata=TENANT_MD, retry=RetryPolicy())
     # The call's tenant replaces the bound stub's (the scope is tenant-b's); the key is the
-    # operation's whatever the call's metadata say.
+    # operation's, and the call's metadata naming another is refused before it is sent.
+    with pytest.raises(ValueError, match="'idempotency-key': the call carries the operation's"):
+        await bound.Post(
+            testsvc_pb2.PostRequest(account=fresh("acct")),
+            metadata=(("x-tenant-id", "tenant-b"), ("idempotency-key", "not-the-operations")),
+        )
     await bound.Post(
-        testsvc_pb2.PostRequest(account=fresh("acct")),
-        metadata=(("x-tenant-id", "tenant-b"), ("idempotency-key", "not-the-operations")),
+        testsvc_pb2.PostRequest(account=fresh("acct")), metadata=(("x-tenant-id", "tenant-b"),)
     )
     assert ledger.service.keys_seen == [op.key]
     assert ledger.service.tenants_seen == ["tenant-b"]
@@ -163,7 +167,7 @@ async def test_a_bound_methods_credentials_compression_and_metadata_reach_grpc(
             request, compression=grpc.Compression.NoCompression
         )
         await op.bind(stub, metadata=(("x-tenant-id", "a"), ("x-note", "stub"))).Post(
-            request, metadata=(("x-tenant-id", "b"), ("idempotency-key", "other"))
+            request, metadata=(("x-tenant-id", "b"), ("idempotency-key", op.key))
         )
         # None, as a grpc.aio method takes it: no metadata of the call's own.
         await op.bind(stub, metadata=(("x-note", "stub"),)).Post(request, metadata=None)
@@ -246,17 +250,20 @@ async def test_an_entry_named_in_bytes_is_layered_and_the_key_stays_the_operatio
     intercepted: bool,
 ) -> None:
     """gRPC sends a name given as bytes as those bytes: such an entry replaces the bound stub's
-    of its name, and an ``idempotency-key`` so named gives way to the operation's key. It was
-    sent before it, two keys on one call: this library's server refuses that (INVALID_ARGUMENT),
-    and a server reading the first key took the caller's for the operation's."""
+    of its name, and an ``idempotency-key`` so named is read as the key: the operation's own
+    goes once, another is refused. It was sent before the operation's, two keys on one call:
+    this library's server refuses that (INVALID_ARGUMENT), and a server reading the first key
+    took the caller's for the operation's."""
     request = testsvc_pb2.PostRequest(account=fresh("acct"))
     caller_key: Any = b"idempotency-key"  # outside the metadata's typing, as gRPC takes it
     async with local_server(intercepted) as (echo, stub):
         op = Operation.new()
         await op.bind(stub, metadata=(("x-note", "stub"),)).Post(
-            request, metadata=((b"x-note", "call"), (caller_key, "other"))
+            request, metadata=((b"x-note", "call"), (caller_key, op.key))
         )
-        await op.call(stub.Post, request, metadata=((caller_key, b"other"),))
+        await op.call(stub.Post, request, metadata=((caller_key, op.key.encode()),))
+        with pytest.raises(ValueError, match="metadata 'idempotency-key'"):
+            await op.call(stub.Post, request, metadata=((caller_key, b"other"),))
     layered, called = (
         sorted((n, v) for n, v in entries if n in {"x-note", "idempotency-key"})
         for entries in echo.entries

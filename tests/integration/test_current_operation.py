@@ -117,29 +117,43 @@ async def test_a_bound_stub_of_the_current_operation_keys_the_step_named_with_st
 
 
 class OwnKeyRelay(RelayService):
-    """Calls its step through a bound stub of Operation.current() given a key of its own."""
+    """Calls its step through a bound stub of Operation.current() given a key of its own, then
+    given its incoming metadata (the parent's key among them), and keeps what was refused."""
+
+    refused: ClassVar[list[BaseException]] = []
 
     async def Forward(self, request: Any, context: Any) -> Any:
         post = testsvc_pb2.PostRequest(account=request.account, amount=1)
-        own: list[tuple[Any, str | bytes]] = [
-            ("idempotency-key", "a-key-of-its-own"),
-            (b"idempotency-key", b"another"),
-        ]
-        answer = await Operation.current().bind(self.ledger, metadata=own).Post(post)
+        for own in (
+            [("idempotency-key", "a-key-of-its-own")],
+            [(b"idempotency-key", b"another")],
+            [("idempotency-key-bin", b"a-key-of-its-own")],
+        ):
+            try:
+                await Operation.current().bind(self.ledger, metadata=own).Post(post)
+            except ValueError as err:
+                self.refused.append(err)
+        incoming = [(k, v) for k, v in context.invocation_metadata() if k != "user-agent"]
+        answer = await Operation.current().bind(self.ledger, metadata=incoming).Post(post)
         return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
 
 
-async def test_the_current_operation_drops_a_key_given_in_its_metadata(
+async def test_the_current_operation_refuses_a_key_given_in_its_metadata(
     ledger: RunningLedger, store: Store
 ) -> None:
-    """As Operation.call puts the operation's key in place of a key entry given in its
-    metadata, the current operation's call carries the step's child key in place of one: kept,
-    the call went out with the entries given (here two, refused as malformed), not the step's
-    key."""
+    """As Operation.call refuses a key entry other than its operation's, the current
+    operation's call refuses one: its call carries the step's child key, and the key given
+    was silently dropped (the caller believing it sent). The parent's own key, passed on
+    with the handler's incoming metadata, is no choice of the caller's: the child key goes."""
+    OwnKeyRelay.refused.clear()
     async with running_relay(store, ledger.address, servicer=OwnKeyRelay) as relay:
         key = fresh()
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
     assert answer.code is grpc.StatusCode.OK, answer.details
+    assert len(OwnKeyRelay.refused) == 3
+    for err in OwnKeyRelay.refused:
+        assert "through Operation.call with metadata 'idempotency-key" in str(err)
+        assert "its step's child key" in str(err)
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")]
 
 
