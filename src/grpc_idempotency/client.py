@@ -49,6 +49,7 @@ from grpc_idempotency.core.errors import (
 from grpc_idempotency.core.keys import key_from_metadata, validate_key
 from grpc_idempotency.core.policy import KeyRequirement, MethodOverride, MethodPolicy
 from grpc_idempotency.core.propagation import (
+    KeyChoice,
     KeySource,
     Parent,
     choose_key,
@@ -90,6 +91,11 @@ _intercepted: contextvars.ContextVar[list[bool]] = contextvars.ContextVar(
 """Set by ``Operation.current().call`` around each attempt; the client interceptor marks it when
 it keys the call (its task runs in a copy of the caller's context, so a mutable mark, not a
 value set there, is what the caller sees)."""
+_stepping: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "grpc_idempotency_stepping", default=False
+)
+"""Set by ``Operation.current().call`` around each attempt: the client interceptor refuses
+such a call that it would send without a step's child key (``_refuse_unstepped``)."""
 
 
 class Operation:
@@ -278,6 +284,7 @@ class Operation:
             attempt += 1
             intercepted: list[bool] = []
             marking = _intercepted.set(intercepted)
+            stepping = _stepping.set(self._serving is not None)
             try:
                 return await method(
                     request,
@@ -315,6 +322,7 @@ class Operation:
                     raise
                 await asyncio.sleep(delay)
             finally:
+                _stepping.reset(stepping)
                 _intercepted.reset(marking)
 
     def _refuse_elsewhere(self) -> None:
@@ -846,6 +854,8 @@ class IdempotencyClientInterceptor(_Interceptor):
                 " streaming method is keyed, so its effect would run again on every retry;"
                 " declare steps for unary methods only"
             )
+        if keyed and parent is not None and _stepping.get():
+            _refuse_unstepped(parent, path, choice)
         if live is not None and live.phased and live.transaction_open:
             raise TransactionOpen(
                 f"{live.method} called {path} after opening its final transaction; make"
@@ -913,6 +923,23 @@ def _refuse_malformed_key(
         if serving is None:
             raise KeyInvalid(f"a call of {path}: {err}") from None
         raise ValueError(f"{serving.method} called {path} with a malformed key: {err}") from None
+
+
+def _refuse_unstepped(parent: Parent, path: str, choice: KeyChoice | None) -> None:
+    """Refuses a call of ``Operation.current().call`` that would go out without a step's child
+    key: ``path`` is neither a step ``parent`` declares nor keyed by the descriptors this
+    interceptor knows (a method keyed only by its own server's ``MethodOverride``, say). Sent,
+    it carried no key, and the retry loop, which is there to retry a step with its child key,
+    ran it again on each attempt (and every re-run of the handler): the effect run twice."""
+    if choice is not None and choice.source is KeySource.CHILD:
+        return
+    raise StepUndeclared(
+        f"{parent.method} called {path} through Operation.current().call, but declares no"
+        f" step calling it and {path} is not keyed here: the call would carry no child key,"
+        f" and each retry could run it again. Declare the step (steps: {{ name:"
+        f' "<what>.v1" call: "{path.lstrip("/")}" }} in its (grpc_idempotency.v1.method)'
+        " option), or, for a read, call the stub's method itself"
+    )
 
 
 def _refuse_own_key(

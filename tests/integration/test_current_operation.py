@@ -14,10 +14,10 @@ import grpc
 import pytest
 from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
-from grpc_idempotency import NotInIdempotentCall, Store, child_key
+from grpc_idempotency import KeyRequirement, MethodOverride, NotInIdempotentCall, Store, child_key
 from grpc_idempotency.call import IdempotentCall, bind, unbind
 from grpc_idempotency.client import IdempotencyClientInterceptor, Operation, RetryPolicy, step
-from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows
+from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.relay import FORWARD, RelayService, running_relay
 
 SCOPE = "tenant:tenant-a"
@@ -444,3 +444,65 @@ async def test_a_wrapper_seen_intercepted_is_retried_past_an_attempt_refused_bef
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")] * 2
     assert ledger.service.executions == 1
+
+
+class OtherServicesRelay(RelayService):
+    """Calls its step through Operation.current() on a channel whose client interceptor was
+    built for other services (none of the ledger's named); the ledger fails the key's first
+    two attempts UNAVAILABLE."""
+
+    address = ""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        ours = IdempotencyClientInterceptor(services=[], forward_metadata=[TENANT])
+        async with grpc.aio.insecure_channel(
+            self.address, interceptors=ours.all_kinds()
+        ) as channel:
+            stub = testsvc_pb2_grpc.LedgerServiceStub(channel)
+            post = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="flaky:2")
+            answer = await Operation.current().call(stub.Post, post, retry=FAST)
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_client_interceptor_built_for_other_services_keys_the_step(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The step's declaration is the served method's, read by its server; the client
+    interceptor needs only to know the call is keyed, which the declaration says. Every
+    attempt carries the step's child key."""
+    OtherServicesRelay.address = ledger.address
+    key = fresh()
+    async with running_relay(store, ledger.address, servicer=OtherServicesRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1")] * 3
+    assert ledger.service.executions == 1
+
+
+class UndeclaredTargetRelay(RelayService):
+    """Calls Peek through Operation.current(), with retries: Forward declares no step calling
+    it, and the relay's descriptor does not key it (its ledger does, by an override)."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        peek = testsvc_pb2.PeekRequest(account=request.account)
+        await Operation.current().call(self.ledger.Peek, peek, retry=FAST)
+        return testsvc_pb2.ForwardResponse()
+
+
+async def test_the_current_operation_refuses_a_call_it_cannot_key_with_a_step(
+    store: Store,
+) -> None:
+    """Neither a declared step nor keyed by the client interceptor's descriptors: it went out
+    with no key, and the retry loop ran it again on every retryable failure (and every re-run
+    of the handler ran it once more), the effect its server keys run twice. Refused before it
+    is sent, as a keyed target without a declared step is."""
+    overrides = {"/testsvc.v1.LedgerService/Peek": MethodOverride(key=KeyRequirement.OPTIONAL)}
+    async with (
+        running_ledger(store, overrides=overrides) as ledger,
+        running_relay(store, ledger.address, servicer=UndeclaredTargetRelay) as relay,
+    ):
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), fresh())
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
+    assert "through Operation.current().call, but declares no step" in (answer.details or "")
+    assert ledger.service.keys_seen == []  # nothing sent
