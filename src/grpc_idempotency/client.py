@@ -99,7 +99,12 @@ such a call that it would send without a step's child key (``_refuse_unstepped``
 
 
 class Operation:
-    """One logical operation, named by its idempotency key. Immutable."""
+    """One logical operation, named by its idempotency key. Immutable.
+
+    Compared (and hashed) by identity, not by key: the record a key names is the server's,
+    in the scope it resolves for each call (a tenant's header, say), which an ``Operation``
+    does not hold, so two equal keys may name two operations; and ``Operation.current()``
+    is a handle on the call it serves, not a value. Compare ``op.key`` to compare keys."""
 
     __slots__ = ("_key", "_serving")
 
@@ -123,7 +128,11 @@ class Operation:
         picked the same key share one record there. On a channel without the client
         interceptor its call is a ``TypeError``: sent with no key, a retry could run the step
         again (refused before it is sent, or, for a method that cannot be told so, such as a
-        wrapper, once its first attempt failed, rather than retried).
+        wrapper, once its first attempt failed, rather than retried). The interceptor need not
+        know the handler's service (its steps are the served call's): it keys a declared
+        step's target whatever ``services`` it was given. A call it would send without a
+        child key (a target the handler declares no step for, and that the descriptors it
+        knows do not key) is ``StepUndeclared``, before it is sent: ``call`` is for steps.
 
         Raises ``NotInIdempotentCall`` outside such a handler, and in a handler serving a call
         that came without a key (an optional key not sent): with no parent key, each attempt

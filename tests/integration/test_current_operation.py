@@ -16,7 +16,13 @@ from testsvc.v1 import testsvc_pb2, testsvc_pb2_grpc
 
 from grpc_idempotency import KeyRequirement, MethodOverride, NotInIdempotentCall, Store, child_key
 from grpc_idempotency.call import IdempotentCall, bind, unbind
-from grpc_idempotency.client import IdempotencyClientInterceptor, Operation, RetryPolicy, step
+from grpc_idempotency.client import (
+    IdempotencyClientInterceptor,
+    Operation,
+    RetryPolicy,
+    step,
+    step_metadata,
+)
 from tests.support.ledger import TENANT, RunningLedger, fresh, ledger_rows, running_ledger
 from tests.support.relay import FORWARD, RelayService, running_relay
 
@@ -124,11 +130,12 @@ class OwnKeyRelay(RelayService):
 
     async def Forward(self, request: Any, context: Any) -> Any:
         post = testsvc_pb2.PostRequest(account=request.account, amount=1)
-        for own in (
+        owns: list[list[tuple[Any, str | bytes]]] = [
             [("idempotency-key", "a-key-of-its-own")],
             [(b"idempotency-key", b"another")],
             [("idempotency-key-bin", b"a-key-of-its-own")],
-        ):
+        ]
+        for own in owns:
             try:
                 await Operation.current().bind(self.ledger, metadata=own).Post(post)
             except ValueError as err:
@@ -506,3 +513,34 @@ async def test_the_current_operation_refuses_a_call_it_cannot_key_with_a_step(
     assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
     assert "through Operation.current().call, but declares no step" in (answer.details or "")
     assert ledger.service.keys_seen == []  # nothing sent
+
+
+def test_operations_compare_by_identity_not_by_key() -> None:
+    """Two operations of one key may be two records (the scope is the server's): not equal."""
+    op = Operation("k-1")
+    assert op == op and op != Operation("k-1") and op.key == Operation("k-1").key
+    assert len({op, Operation("k-1")}) == 2
+
+
+class StepHeaderRelay(RelayService):
+    """Names its step in the call's own metadata (step_metadata), through Operation.current()."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1, behaviour="flaky:1")
+        named = [step_metadata("post-phased-a.v1")]
+        answer = await Operation.current().call(
+            self.ledger.PostPhased, post, metadata=named, retry=FAST
+        )
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_the_step_header_in_the_current_operations_metadata_names_the_step(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """Not refused as a key entry is: the step's name is the caller's to give (step_metadata),
+    and the client interceptor reads it, never sends it."""
+    key = fresh()
+    async with running_relay(store, ledger.address, servicer=StepHeaderRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-phased-a.v1")] * 2
