@@ -2376,6 +2376,71 @@ async def test_a_mark_whose_commit_answer_is_lost_is_counted_once(
         await proxy.close()
 
 
+@pytest.mark.parametrize("outcome", ["sent", "retry"])
+async def test_a_mark_still_running_when_its_connection_is_lost_is_counted_as_recorded(
+    pg_dsn: str, outbox: Store, outcome: str
+) -> None:
+    """The relay's mark waits on a row lock (another session holds the row a moment) when its
+    connection is lost. PostgreSQL notices a client gone only when it answers: the statement
+    runs on, and commits once the lock is let go. The relay marks again on a fresh connection;
+    that second run read the rows before the first committed (its snapshot), then found them no
+    longer under the claim: a row sent (or rescheduled) was counted unrecorded, its span ended
+    so, and ``run_once`` said nothing was delivered."""
+    from tests.support.blackhole import BlackholeProxy
+
+    proxy = BlackholeProxy(pg_dsn)
+    await proxy.start()
+    via = await Store.connect(proxy.dsn, schema=outbox.schema, min_size=2, max_size=2)
+    locker = await asyncpg.connect(pg_dsn)
+    try:
+        (id_,) = await insert(outbox, outbox.schema, [f"running-{outcome}"])
+        delivering, go = asyncio.Event(), asyncio.Event()
+
+        async def deliver(message: OutboxMessage) -> None:
+            delivering.set()
+            await go.wait()
+            if outcome == "retry":
+                raise DeliveryError("not now")
+
+        relay = Relay(via, CallableSink(deliver), listen=False, lease=30)
+        batch = asyncio.ensure_future(relay.run_once())
+        await asyncio.wait_for(delivering.wait(), WAIT_S)
+        lock = locker.transaction()
+        await lock.start()
+        await locker.execute(
+            f'SELECT 1 FROM "{outbox.schema}".outbox WHERE id = $1 FOR UPDATE', id_
+        )
+
+        async def waiting(n: int) -> bool:
+            found = await outbox.pool.fetchval(
+                "SELECT count(*) FROM pg_catalog.pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND pid <> pg_catalog.pg_backend_pid()"
+                " AND query LIKE '%' || $1 || '%'",
+                f'"{outbox.schema}".outbox',
+            )
+            return bool(found == n)
+
+        go.set()
+        await until("the mark to wait on the row lock", lambda: waiting(1))
+        proxy.fail_over_losing_answers()  # the relay's connection reset; its statement runs on
+        await until("the second run to wait too", lambda: waiting(2))
+        await lock.commit()  # the first run marks the row and commits
+        assert await asyncio.wait_for(batch, WAIT_S) == (outcome == "sent")
+        stats = relay.stats
+        assert (stats.delivered, stats.retried, stats.unrecorded) == (
+            outcome == "sent",
+            outcome == "retry",
+            0,
+        )
+        found = await row(outbox, f"running-{outcome}")
+        assert found["state"] == ("sent" if outcome == "sent" else "pending")
+        assert found["failures"] == (outcome == "retry")  # recorded once, not twice
+    finally:
+        await locker.close()
+        await via.close(timeout=1)
+        await proxy.close()
+
+
 async def test_recording_a_failed_delivery_again_changes_nothing(outbox: Store) -> None:
     """What the retry of a mark whose answer was lost (it committed) does: the rescheduled row
     is pending with the same claim, and must not be charged a second failure; it counts as

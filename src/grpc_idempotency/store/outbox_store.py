@@ -387,7 +387,11 @@ class OutboxStore:
             yield conn
 
     async def _once_more_if_gone(
-        self, doing: str, run: Callable[[PooledConnection], Awaitable[T]]
+        self,
+        doing: str,
+        run: Callable[[PooledConnection], Awaitable[T]],
+        *,
+        mark: bool = False,
     ) -> T:
         """``run(conn)`` at READ COMMITTED; once more, on a connection opened now, if the pooled
         one was found gone (a restart or a failover: the pool's others are expired then), as
@@ -399,11 +403,22 @@ class OutboxStore:
 
         Not tried again, a mark left the whole batch claimed (delivered again after the lease,
         each row counted a lost claim and claimed alone), and a claim raised StoreUnavailable
-        from ``run_once``/``drain``, the database up."""
+        from ``run_once``/``drain``, the database up.
+
+        ``mark``: ``run`` is a mark, which counts the rows its claim recorded. Tried again, it
+        runs twice, and the second run's count is the answer. The first try may still be running
+        in PostgreSQL, waiting on a row lock (it notices its client gone only when it answers),
+        and commit once the second began: that one read those rows as its snapshot had them,
+        pending, then found them changed, and counted them taken over, though this very claim
+        had recorded them. It waited for every row the first try held, so once it is done the
+        first try has committed whatever it recorded, and a statement begun then (a snapshot of
+        its own) counts it."""
         tries = 2
         for tried in range(1, tries + 1):
             try:
                 async with self._at_read_committed(doing) as conn:
+                    if tried > 1 and mark:
+                        await run(conn)
                     return await run(conn)
             except StoreUnavailable as exc:
                 if tried == tries or not _connection_gone(exc.__cause__ or exc):
@@ -468,7 +483,7 @@ class OutboxStore:
                 self.statements.mark_sent, [c[0] for c in claims], [c[1] for c in claims], relay
             )
 
-        rows = await self._once_more_if_gone("marking outbox rows sent", mark)
+        rows = await self._once_more_if_gone("marking outbox rows sent", mark, mark=True)
         return frozenset(r["id"] for r in rows)
 
     async def mark_failed(self, *, relay: str, failures: Sequence[Failure]) -> tuple[int, int]:
@@ -497,7 +512,7 @@ class OutboxStore:
                 relay,
             )
 
-        rows = await self._once_more_if_gone("recording failed deliveries", mark)
+        rows = await self._once_more_if_gone("recording failed deliveries", mark, mark=True)
         return {r["id"]: r["state"] for r in rows}
 
     async def next_due_in(self, *, steps: StepRoutes | None = None) -> float | None:
