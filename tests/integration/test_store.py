@@ -210,17 +210,23 @@ async def test_a_migration_under_a_short_statement_timeout_still_gives_way_for_i
     ("bound", "said"),
     [
         ({"command_timeout": 0.5}, "the statement timeout"),
-        ({"server_settings": {"statement_timeout": "500"}}, "the server's statement_timeout"),
-        ({"server_settings": {"lock_timeout": "500"}}, "the server's lock_timeout"),
+        # With the role's short timeouts too: they no longer bound the wait (below).
+        (
+            {
+                "command_timeout": 0.5,
+                "server_settings": {"statement_timeout": "100", "lock_timeout": "100"},
+            },
+            "the statement timeout",
+        ),
     ],
-    ids=["command_timeout", "statement_timeout", "lock_timeout"],
+    ids=["command_timeout", "and_the_roles"],
 )
 async def test_a_replica_waiting_for_another_runners_migration_says_so(
     pg_dsn: str, bound: dict[str, Any], said: str
 ) -> None:
     """A replica started with migrate=True while another runner applies a long migration waits
-    for the migration lock as long as its timeouts allow (asyncpg's, or the server's set on the
-    role); past that, the error says that another runner is at work and is no outage. It read
+    for the migration lock as long as its timeout allows (asyncpg's command_timeout, not the
+    role's: ``test_a_replica_waits_for_another_runner_...``); past that, the error says that another runner is at work and is no outage. It read
     "store unavailable while migrating (TimeoutError)" or "(57014)", or blamed a table lock after
     six tries, and an operator looked for a database that was down (reviews' findings)."""
     from grpc_idempotency.store.migrations import _lock_id
@@ -243,6 +249,65 @@ async def test_a_replica_waiting_for_another_runners_migration_says_so(
             await store.close()
     finally:
         await runner.close()
+
+
+@pytest.mark.parametrize(
+    "role_bound",
+    [{"lock_timeout": "1"}, {"statement_timeout": "300"}],
+    ids=["lock_timeout", "statement_timeout"],
+)
+async def test_a_replica_waits_for_another_runner_as_long_as_its_command_timeout_not_the_roles(
+    pg_dsn: str, role_bound: dict[str, str]
+) -> None:
+    """Two replicas start together under an application role with a short lock_timeout or
+    statement_timeout (common advice for such roles): the second waited for the first's
+    migration lock only that long, whatever --command-timeout said, and crash-looped with
+    "another runner is applying migrations ... (the server's lock_timeout)", although the README
+    says the wait lasts the statement timeout (``command_timeout``, ``--command-timeout``) and
+    a migration's statements run under it in place of the role's. The wait is the caller's now:
+    it outlasts the role's bound and ends when the other runner commits."""
+    from grpc_idempotency.store.migrations import _lock_id
+
+    schema = fresh_schema()
+    runner = await asyncpg.connect(pg_dsn)  # the other runner, mid-migration
+    observer = await asyncpg.connect(pg_dsn)
+    try:
+        await runner.execute("BEGIN")
+        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        starting = asyncio.create_task(
+            Store.connect(
+                pg_dsn,
+                schema=schema,
+                migrate=True,
+                command_timeout=30,
+                server_settings={"application_name": schema, **role_bound},
+            )
+        )
+
+        async def waited_past_the_roles_bound() -> bool:
+            # Past the role's bound by the server's own clock (it is 300 ms at most), or ended.
+            # Asked outside the runner's transaction, which keeps its first view of the stats.
+            return starting.done() or bool(
+                await observer.fetchval(
+                    "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1"
+                    " AND wait_event = 'advisory'"
+                    " AND pg_catalog.clock_timestamp() - query_start > interval '500 ms')",
+                    schema,
+                )
+            )
+
+        await until("the replica to wait past the role's bound", waited_past_the_roles_bound)
+        assert not starting.done(), starting.exception()
+        await runner.execute("ROLLBACK")  # the other runner is done (here: it applied nothing)
+        store = await starting
+        try:
+            assert await store.check_schema() == {m.version for m in available_migrations()}
+        finally:
+            await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            await store.close()
+    finally:
+        await runner.close()
+        await observer.close()
 
 
 async def test_a_schema_a_newer_release_migrated_is_reported_however_the_store_starts(

@@ -8,7 +8,8 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
 - A transaction-scoped advisory lock per schema serialises concurrent runners, one migration
   at a time: a runner that waited sees the version the other committed and skips it, so each
   migration runs once and in order, and two runners may each apply some of them. Its wait
-  is a statement like any other, bounded by the connection's timeout: past it,
+  is bounded by the caller's timeout (``command_timeout``), not the role's ``lock_timeout``
+  or ``statement_timeout``: past it,
   ``MigrationLockTimeout`` says that another runner is at work (it said only "store
   unavailable ... (TimeoutError)", and an operator looked for an outage). The transactions
   are READ COMMITTED whatever the database's default, so that the statement after the lock
@@ -205,14 +206,15 @@ async def _take_lock(conn: Any, schema: str) -> None:
         raise MigrationLockTimeout(
             f"another runner is applying migrations to schema {schema!r}: waited"
             f" {time.monotonic() - started:.1f} s for it to finish ({_cause(exc)}); run again"
-            " once it is done, or allow more time (command_timeout, --command-timeout, or the"
-            " role's statement_timeout / lock_timeout)"
+            " once it is done, or allow more time (command_timeout, --command-timeout)"
         ) from exc
 
 
 def _cause(exc: BaseException) -> str:
+    # The server's own timeouts are off for the wait (``_apply``): what cancels it there is
+    # someone's pg_cancel_backend, or a server setting that is no timeout of the session's.
     if isinstance(exc, asyncpg.QueryCanceledError):
-        return "the server's statement_timeout"
+        return "cancelled on the server"
     if isinstance(exc, asyncpg.LockNotAvailableError):
         return "the server's lock_timeout"
     return "the statement timeout"
@@ -254,8 +256,15 @@ async def _apply(
         # them and said "another runner is applying migrations". PostgreSQL 14 and later, and
         # not on every platform (Windows refuses a value): skipped where it is refused.
         check_ms = max(1, round(CHECK_CLIENT_S * 1000))
+        # And the wait for another runner (``_take_lock``) is the caller's to bound (asyncpg's
+        # command_timeout, --command-timeout), not the role's: a short lock_timeout or
+        # statement_timeout on an application role (common advice) ended the second replica's
+        # wait within it, however far --command-timeout was raised, and it crash-looped while
+        # the first one migrated. The waiter holds no lock a call could queue behind; both are
+        # set again, to the migration's own bounds, once the lock is taken.
         await conn.execute(
-            f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms};"
+            "SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0;"
+            f" SET LOCAL idle_in_transaction_session_timeout = {idle_ms};"
             " SELECT pg_catalog.set_config(name, '0', true) FROM pg_catalog.pg_settings"
             " WHERE name = 'transaction_timeout';"
             " DO $$ BEGIN PERFORM pg_catalog.set_config("
