@@ -268,6 +268,64 @@ async def test_a_bind_another_clients_statement_reads_as_other_types_is_the_stat
     assert "pass --statement-cache-size 0" in capsys.readouterr().err
 
 
+# -- migrations ---------------------------------------------------------------------------------
+
+
+async def test_replicas_migrating_together_through_pgbouncer_apply_each_migration_once(
+    pg_dsn: str, bouncer: PgBouncer
+) -> None:
+    """Replicas' init steps migrating at once through the pooler: their lock is taken inside
+    each migration's transaction (a session's advisory lock would stay on whichever server
+    connection took it, held by the next client there and never released), so they queue
+    behind the runner at work, each migration is applied once, and every runner ends well."""
+    from grpc_idempotency.store.migrations import _lock_id, applied_versions, available_migrations
+
+    schema = "pgb_" + uuid.uuid4().hex[:12]
+    runner = await asyncpg.connect(pg_dsn)  # the first runner, mid-migration
+    replicas = SERVER_CONNECTIONS - 1  # each waits holding a server connection of PgBouncer's
+    try:
+        await runner.execute("BEGIN")
+        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        starting = [
+            asyncio.create_task(
+                Store.connect(
+                    bouncer.dsn, schema=schema, min_size=1, max_size=1, migrate=True, **POOL_OPTIONS
+                )
+            )
+            for _ in range(replicas)
+        ]
+
+        async def all_waiting() -> bool:
+            if any(t.done() for t in starting):
+                return True  # for the assertion below to say what ended
+            waiting = await runner.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND (classid::bigint << 32 | objid::bigint) = $1",
+                _lock_id(schema),
+            )
+            return bool(waiting == replicas)
+
+        await until("every replica to queue for the migration lock", all_waiting, WAIT_S)
+        assert not any(t.done() for t in starting)
+        await runner.execute("ROLLBACK")  # done (here: it applied nothing)
+        stores = await asyncio.gather(*starting)
+        try:
+            versions = [m.version for m in available_migrations()]
+            assert await applied_versions(runner, schema) == versions
+            # Once each: a version applied twice would have failed its runner (already exists).
+            assert await runner.fetchval(
+                f'SELECT count(*) FROM "{schema}".schema_migrations'
+            ) == len(versions)
+            for store in stores:
+                assert await store.check_schema() == frozenset(versions)
+        finally:
+            await runner.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            for store in stores:
+                await store.close()
+    finally:
+        await runner.close()
+
+
 # -- keyed calls --------------------------------------------------------------------------------
 
 
