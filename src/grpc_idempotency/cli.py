@@ -193,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="the longest any one statement may run, for a migration that rewrites a large"
-        " table (default: the store's, 30)",
+        " table, and the longest this runner waits for another one's migration (neither is"
+        " bounded by the role's statement_timeout or lock_timeout; default: the store's, 30)",
     )
     purge = _command(
         commands,
