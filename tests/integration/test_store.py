@@ -359,6 +359,41 @@ async def test_a_migration_refused_for_what_the_schema_holds_is_misconfigured(
         await db.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
+@pytest.mark.parametrize(
+    "table",
+    [
+        "version varchar PRIMARY KEY",  # Rails'
+        "version bigint PRIMARY KEY, dirty boolean NOT NULL DEFAULT false",  # golang-migrate's
+    ],
+    ids=["rails", "golang_migrate"],
+)
+@pytest.mark.parametrize("migrate", [False, True], ids=["check", "migrate"])
+async def test_another_tools_version_table_in_the_schema_is_named_not_read_as_the_stores(
+    pg_dsn: str, db: Any, table: str, migrate: bool
+) -> None:
+    """The store given a schema holding another tool's ``schema_migrations`` (an application's
+    own schema): it read that tool's versions as its own. A start said "at version
+    20230101120000 ... run grpc-idempotency migrate" and warned of "migrations [20230101120000]
+    that this version does not know (a newer release migrated it)"; the migrate then failed
+    with asyncpg's "invalid input for query argument $1: 1 (expected str, got int)" or "column
+    name does not exist". Now both say what the table is and what to do, and create nothing."""
+    schema = fresh_schema()
+    await db.execute(
+        f'CREATE SCHEMA "{schema}"; CREATE TABLE "{schema}".schema_migrations ({table});'
+        f" INSERT INTO \"{schema}\".schema_migrations (version) VALUES ('20230101120000')"
+    )
+    try:
+        with pytest.raises(StoreMisconfigured) as refused:
+            await Store.connect(pg_dsn, schema=schema, migrate=migrate)
+        said = str(refused.value)
+        assert f"{schema}.schema_migrations is not the store's" in said
+        assert "give the store a schema of its own" in said
+        assert "20230101120000" not in said and "query argument" not in said
+        assert await db.fetchval("SELECT to_regclass($1)", f"{schema}.records") is None
+    finally:
+        await db.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
 # Before it, migration 0004 dropped the one-argument-shorter verify_claim, as no release since
 # has needed: that schema predates the rolling-upgrade promise.
 KEEPS_WHAT_THE_PREVIOUS_RELEASE_CALLS_FROM = 5

@@ -47,6 +47,7 @@ from typing import Any
 import asyncpg
 
 from grpc_idempotency.core.db_failures import Failure, classify
+from grpc_idempotency.core.errors import StoreMisconfigured
 from grpc_idempotency.store.sql import SCHEMA_NAME, schema_identifier
 
 log = logging.getLogger("grpc_idempotency.store")
@@ -96,12 +97,30 @@ def _lock_id(schema: str) -> int:
 
 
 async def applied_versions(conn: Any, schema: str) -> list[int]:
+    """The versions applied to ``schema``; raises ``StoreMisconfigured`` if its
+    ``schema_migrations`` is not the store's (another tool's, in a schema the store shares)."""
     s = schema_identifier(schema)
-    exists = await conn.fetchval(
-        "SELECT pg_catalog.to_regclass($1) IS NOT NULL", f"{s}.schema_migrations"
+    # Its shape, in the same round trip: another migration tool's table of that name (Rails', a
+    # varchar version; golang-migrate's, bigint and "dirty") was read as the store's. Its
+    # versions said "at version 20230101120000 ... run migrate", or were taken for a newer
+    # release's, and migrate then failed on asyncpg's "invalid input for query argument" or
+    # "column name does not exist" (said as "not migrated: run migrate").
+    found = await conn.fetchrow(
+        "SELECT t.oid IS NOT NULL AS present, (SELECT pg_catalog.count(*) = 2"
+        " FROM pg_catalog.pg_attribute a WHERE a.attrelid = t.oid AND NOT a.attisdropped"
+        " AND ((a.attname = 'version' AND a.atttypid = 'pg_catalog.int4'::pg_catalog.regtype)"
+        " OR (a.attname = 'name' AND a.atttypid = 'pg_catalog.text'::pg_catalog.regtype)))"
+        " AS ours FROM (SELECT pg_catalog.to_regclass($1) AS oid) t",
+        f"{s}.schema_migrations",
     )
-    if not exists:
+    if not found["present"]:
         return []
+    if not found["ours"]:
+        raise StoreMisconfigured(
+            f"{schema}.schema_migrations is not the store's (another migration tool's table of"
+            f" that name?): give the store a schema of its own (--schema,"
+            f" Store.connect(..., schema=...))"
+        )
     rows = await conn.fetch(f"SELECT version FROM {s}.schema_migrations ORDER BY version")
     return [r["version"] for r in rows]
 
