@@ -159,6 +159,10 @@ connection holding its LISTEN, yet drops what arrives there between transactions
 _LISTEN_CHECK_WARN_EVERY_S = 3600.0
 """A round trip unheard again, after one was heard, is warned of at most this often."""
 
+_CANCEL_CLEANUP_S = 5.0
+"""How long a relay cancelled mid-batch may take to record its batch and give back the claims
+it did not deliver (``Relay._settle_cancelled``): a shutdown waits for it."""
+
 # A relay's purge of sent rows deletes in batches of this many rows, at most this many batches
 # at a turn, so that it never holds up deliveries for long.
 _PURGE_BATCH = 1000
@@ -798,13 +802,77 @@ class Relay:
         delivering = [asyncio.ensure_future(self._attempt(m)) for m in messages]
         try:
             attempts = await asyncio.gather(*delivering)
+        except asyncio.CancelledError:
+            # gather has cancelled the deliveries still running, and waited for them.
+            await self._settle_cancelled(messages, delivering)
+            raise
         except BaseException:
-            # The relay cancelled mid-batch: the deliveries still running end their spans
-            # (unrecorded); those done had left theirs to be ended here, with the batch.
+            # The deliveries still running end their spans (unrecorded); those done had left
+            # theirs to be ended here, with the batch.
             for done in delivering:
                 if done.done() and not done.cancelled() and done.exception() is None:
                     self._end_span(done.result(), _UNRECORDED, None)
             raise
+        return await self._record_ending_spans(messages, attempts)
+
+    async def _settle_cancelled(
+        self, messages: list[OutboxMessage], delivering: list[asyncio.Future[_Attempt]]
+    ) -> None:
+        """The relay was cancelled mid-batch (``task.cancel()`` in a server's shutdown hook,
+        ``asyncio.run`` cancelling leftover tasks): records the outcomes of the deliveries that
+        ended, and gives back the claims of those cut short, due again at once. Left claimed,
+        the batch came back only after the lease, as a lost claim: a row in flight at
+        ``max_attempts + 1`` such cancels in a row (a deploy each) was parked without a delivery
+        ever failing, and the rows the receiver had accepted waited out the lease to go again.
+        A relay killed outright (kill -9) cannot do this: its claims stay lost claims, which is
+        what parks a row whose delivery kills relays; a cancel says nothing against the row.
+        Shielded from a second cancel and bounded (``_CANCEL_CLEANUP_S``): a database that does
+        not answer leaves the rows to their lease, as before, and never holds up a shutdown."""
+        ended: list[tuple[OutboxMessage, _Attempt]] = []
+        cut: list[tuple[int, int]] = []
+        for message, done in zip(messages, delivering, strict=True):
+            if done.done() and not done.cancelled() and done.exception() is None:
+                ended.append((message, done.result()))
+            else:
+                cut.append((message.id, message.attempts))
+
+        async def settle() -> None:
+            if ended:
+                await self._record_ending_spans([m for m, _ in ended], [a for _, a in ended])
+            # After the marks: a release that cannot run leaves only undelivered rows claimed.
+            released = await self.outbox.release(relay=self.name, claims=cut)
+            log.info(
+                "relay %s: cancelled mid-batch; %d claim(s) not delivered given back",
+                self.name,
+                released,
+            )
+
+        cleanup = asyncio.ensure_future(settle())
+        try:
+            async with asyncio.timeout(_CANCEL_CLEANUP_S):
+                await asyncio.shield(cleanup)
+        except asyncio.CancelledError:
+            raise  # cancelled again: the cleanup goes on while the loop runs
+        except TimeoutError:
+            cleanup.cancel()
+            log.warning(
+                "relay %s: cancelled mid-batch, and its outcomes could not be recorded within"
+                " %gs: its rows are delivered again after their lease",
+                self.name,
+                _CANCEL_CLEANUP_S,
+            )
+        except Exception as err:
+            log.warning(
+                "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
+                " its rows are delivered again after their lease",
+                self.name,
+                err,
+            )
+
+    async def _record_ending_spans(
+        self, messages: list[OutboxMessage], attempts: list[_Attempt]
+    ) -> _Batch:
+        """``_record``, then ends each delivery's span with its outcome."""
         # Each span ends (in finally) with its outcome once recorded: a batch whose outcomes
         # could not be recorded (the database down, the relay cancelled) leaves them to the
         # lease, "unrecorded", as RelayStats and the counter have it.

@@ -3008,3 +3008,63 @@ async def test_the_deliveries_counter_counts_each_recorded_outcome_once(outbox: 
     }
     assert counted == {"sent": 2, "retry": 1, "dead": 1}
     assert first.stats.delivered == 0 and second.stats.delivered == 2
+
+
+class _Stuck:
+    """A sink that delivers ``done`` keys at once, fails ``failing`` keys, and holds any other
+    key until cancelled, saying when it holds one (``holding``)."""
+
+    def __init__(self, *, failing: Iterable[str] = ()) -> None:
+        self.failing = set(failing)
+        self.delivered: collections.Counter[str] = collections.Counter()
+        self.holding = asyncio.Event()
+        self.release_all = False
+
+    async def deliver(self, message: OutboxMessage) -> None:
+        if message.key in self.failing:
+            raise RuntimeError(f"receiver refuses {message.key}")
+        if message.key.startswith("slow") and not self.release_all:
+            self.holding.set()
+            await asyncio.Event().wait()  # cancelled with the relay
+        self.delivered[message.key] += 1
+
+
+async def test_a_relay_cancelled_mid_batch_records_what_was_delivered_and_releases_the_rest(
+    outbox: Store,
+) -> None:
+    """A relay task cancelled (a server's shutdown hook, asyncio.run's leftover tasks) while a
+    delivery is in flight: the rows the sink accepted are marked sent, the failed ones recorded,
+    and the one still in flight is released, due again at once and charged nothing. Left
+    claimed, it came back only after the lease as a lost claim, and after max_attempts + 1 such
+    cancels (a deploy each) it was parked without a delivery ever failing."""
+    policy = DeliveryPolicy(max_attempts=1)
+    sink = _Stuck(failing=["bad"])
+    await insert(outbox, outbox.schema, ["fast", "bad", "slow"])
+    for cancel in range(policy.max_attempts + 2):
+        sink.holding.clear()
+        relay = Relay(outbox, sink, policy=policy, lease=30, poll_interval=60, listen=False)
+        task = asyncio.create_task(relay.run())
+        await asyncio.wait_for(sink.holding.wait(), WAIT_S)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+        slow = await row(outbox, "slow")
+        assert slow["state"] == "pending", (cancel, slow)
+        assert slow["locked_until"] is None and slow["failures"] == 0, (cancel, slow)
+        assert slow["lost_claims"] == 0, (cancel, slow)
+        due = await outbox.pool.fetchval(
+            f'SELECT next_attempt_at <= clock_timestamp() FROM "{outbox.schema}".outbox'
+            " WHERE key = 'slow'"
+        )
+        assert due, cancel  # not after the lease: due at once
+        if cancel == 0:
+            # A delivery that did fail is recorded as one (max_attempts=1: parked).
+            assert relay.stats.delivered == 1 and relay.stats.dead == 1
+            assert (await row(outbox, "fast"))["state"] == "sent"
+            bad = await row(outbox, "bad")
+            assert bad["state"] == "dead" and bad["failures"] == 1
+    assert sink.delivered == {"fast": 1}
+    sink.release_all = True
+    relay = Relay(outbox, sink, policy=policy, lease=30, poll_interval=60, listen=False)
+    assert await relay.run_once() == 1
+    assert await sent(outbox, "slow") and sink.delivered["slow"] == 1

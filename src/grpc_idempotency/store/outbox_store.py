@@ -198,6 +198,20 @@ class OutboxStatements:
             SELECT o.id, o.state FROM {s}.outbox o JOIN f ON o.id = f.id AND o.attempts = f.attempts
             WHERE o.claimed_by = $5
               AND (o.state = 'dead' OR (o.state = 'pending' AND o.locked_until IS NULL))"""
+        # $1 ids, $2 attempts, $3 relay name: claims given back undelivered (the relay was
+        # cancelled mid-batch). Due at once, as if never claimed: locked_until cleared, so the
+        # next claim takes the row with its batch and counts no lost claim, and no failure is
+        # recorded. Fenced as the marks are: a claim taken over after its lease is not touched.
+        self.release = f"""
+            WITH r AS (
+                SELECT * FROM ROWS FROM (pg_catalog.unnest($1::bigint[]),
+                                         pg_catalog.unnest($2::integer[])) AS r(id, attempts))
+            UPDATE {s}.outbox o
+            SET locked_until = NULL, next_attempt_at = pg_catalog.clock_timestamp()
+            FROM r
+            WHERE o.id = r.id AND o.attempts = r.attempts AND o.claimed_by = $3
+              AND o.state = 'pending' AND o.locked_until IS NOT NULL
+            RETURNING o.id"""
         # Seconds until the earliest pending row is due (negative: overdue); NULL: none pending.
         self.next_due_in = f"""
             SELECT EXTRACT(EPOCH FROM
@@ -514,6 +528,21 @@ class OutboxStore:
 
         rows = await self._once_more_if_gone("recording failed deliveries", mark, mark=True)
         return {r["id"]: r["state"] for r in rows}
+
+    async def release(self, *, relay: str, claims: Sequence[tuple[int, int]]) -> int:
+        """Gives back claims (``(id, attempts)``) whose rows were not delivered: pending and due
+        at once, no failure or lost claim counted; returns how many this changed (a claim taken
+        over after its lease, or already given back, is left alone)."""
+        if not claims:
+            return 0
+
+        async def release(conn: PooledConnection) -> list[Any]:
+            return await conn.fetch(
+                self.statements.release, [c[0] for c in claims], [c[1] for c in claims], relay
+            )
+
+        # Tried again on a fresh connection, it changes nothing its first try changed.
+        return len(await self._once_more_if_gone("releasing outbox claims", release))
 
     async def next_due_in(self, *, steps: StepRoutes | None = None) -> float | None:
         """Seconds until the earliest pending row (of ``steps``, unless ``None``) is due (<= 0:
