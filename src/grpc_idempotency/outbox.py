@@ -709,7 +709,7 @@ class Relay:
         self._listen = listen
         self.listen_failure: str | None = None
         """Why the relay gave up LISTEN for polling (it did not hold on its session), if it
-        did."""
+        did in its latest ``run()``: each run tries LISTEN again."""
         self._heard = asyncio.Event()
         """Set when the NOTIFY round trip's (``_check_token``) arrives
         (``_check_listen_database``)."""
@@ -1171,6 +1171,9 @@ class Relay:
         # Set before anything is awaited: a second run() while the first checks its listen_dsn
         # passed the test above, and both ran.
         self._running = True
+        # Each run tries LISTEN afresh: kept, one run's verdict (a pooler that was then fixed)
+        # left every later run() of this relay polling only.
+        self.listen_failure = None
         stop = stop or asyncio.Event()
         helpers: list[asyncio.Task[None]] = []
         try:

@@ -3068,3 +3068,21 @@ async def test_a_relay_cancelled_mid_batch_records_what_was_delivered_and_releas
     relay = Relay(outbox, sink, policy=policy, lease=30, poll_interval=60, listen=False)
     assert await relay.run_once() == 1
     assert await sent(outbox, "slow") and sink.delivered["slow"] == 1
+
+
+async def test_a_relay_run_again_tries_listen_again_after_an_earlier_run_gave_it_up(
+    outbox: Store,
+) -> None:
+    """A run that found its LISTEN not holding (a transaction pooler) polls for the rest of that
+    run; run() again (the pooler fixed, the relay restarted in the same process) listens again.
+    The verdict was kept on the relay: every later run only polled, and said nothing of it."""
+    receiver = Receiver()
+    relay = Relay(outbox, receiver, poll_interval=60)
+    # As _give_up_listening leaves it when a run's check finds the session not listening.
+    relay.listen_failure = "LISTEN did not hold on its session (an earlier run)"
+    async with running(relay):  # waits for relay.listening: never set while it only polls
+        assert relay.listen_failure is None and not relay.polling_only
+        await until("the relay to go idle", lambda: batches_after_listen(relay), timeout=WAIT_S)
+        await insert(outbox, outbox.schema, ["woken"])
+        await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)  # the poll would take 60 s
+    assert receiver.delivered == {"woken": 1}
