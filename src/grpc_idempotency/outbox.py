@@ -367,10 +367,52 @@ class GrpcSink:
             method, request_serializer=None, response_deserializer=None
         )
 
+    def _metadata(self, message: OutboxMessage) -> list[tuple[str, str | bytes]]:
+        """``metadata_for(message)``, checked: anything but (name, value) pairs, a str name and
+        a str or bytes value, is the function's bug, the same on every try, so a dead letter at
+        once that names it (``PermanentDeliveryError``), as metadata gRPC refuses is. It failed
+        with the interpreter's words ("too many values to unpack") on every try until
+        max_attempts; one pair returned bare, ``("ab", "cd")``, went out as headers a and c.
+        What the function raises is left as it is: a failed delivery, retried (a look-up that
+        failed), or a dead letter if it raised PermanentDeliveryError (``forward_scope``).
+        Types are named, never values: a value may be a credential."""
+        assert self.metadata_for is not None
+        returned = self.metadata_for(message)
+        shape = "(name, value) pairs, a str name and a str or bytes value,"
+        if isinstance(returned, str | bytes | dict) or not isinstance(returned, Iterable):
+            if isinstance(returned, dict):
+                given = "a dict (pass list(d.items()))"
+            else:
+                given = type(returned).__name__
+            raise PermanentDeliveryError(
+                f"{self.method}: metadata_for must return {shape} not {given}"
+            )
+        extra = list(returned)
+        for item in extra:
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                what = f"an item {type(item).__name__}"
+                if isinstance(item, tuple | list):
+                    what += f" of {len(item)}"
+                raise PermanentDeliveryError(
+                    f"{self.method}: metadata_for must return {shape} not {what}"
+                )
+            name, value = item
+            if not isinstance(name, str):
+                raise PermanentDeliveryError(
+                    f"{self.method}: metadata_for must return {shape} not a name"
+                    f" {type(name).__name__}"
+                )
+            if not isinstance(value, str | bytes):
+                raise PermanentDeliveryError(
+                    f"{self.method}: metadata_for must return {shape} not a value"
+                    f" {type(value).__name__} (header {name!r})"
+                )
+        return [(name, value) for name, value in extra]
+
     async def deliver(self, message: OutboxMessage) -> None:
         metadata: list[tuple[str, str | bytes]] = [(KEY_HEADER, message.key)]
         if self.metadata_for is not None:
-            extra = list(self.metadata_for(message))
+            extra = self._metadata(message)
             own = sorted({name.lower() for name, _ in extra} & LIBRARY_HEADERS)
             if own:
                 # The server would refuse the call (two keys, or the -bin form) on every try.
@@ -1016,7 +1058,7 @@ class Relay:
         try:
             outcome = await self._deliver(message)
         except BaseException:
-            # The relay is cancelled mid-delivery: its rows come back after the lease.
+            # The relay is cancelled mid-delivery: its claim is given back (_settle_cancelled).
             self._end_span(_Attempt(_UNRECORDED, span, time.time_ns()), _UNRECORDED, None)
             raise
         finally:
@@ -1120,7 +1162,7 @@ class Relay:
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
-                raise  # the relay is being cancelled: its rows come back after the lease
+                raise  # the relay is being cancelled: _settle_cancelled gives the claim back
             # Nobody cancelled this task: the sink's call was (grpc.aio raises CancelledError
             # for a call whose channel closed). A failed delivery, recorded with its batch;
             # raised, it took run() down and left the batch's delivered rows to be sent again.
@@ -1145,8 +1187,9 @@ class Relay:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
-        ``stop`` is set finishes and is recorded first; on cancellation its rows stay claimed
-        and are delivered again after the lease. Database outages are logged and waited out;
+        ``stop`` is set finishes and is recorded first; on cancellation the deliveries in
+        flight are cut short, the outcomes of those done recorded and the others' claims given
+        back, due again at once (within 5 s; else they are delivered again after the lease). Database outages are logged and waited out;
         so is any other failure of a batch or of a purge (a bug), logged with its traceback: the
         rows of a batch that failed are delivered again after their lease. A store closed under
         it (``store.close()``: stop the relay first) ends it with a ``RuntimeError`` saying so:

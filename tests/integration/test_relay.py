@@ -3086,3 +3086,39 @@ async def test_a_relay_run_again_tries_listen_again_after_an_earlier_run_gave_it
         await insert(outbox, outbox.schema, ["woken"])
         await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)  # the poll would take 60 s
     assert receiver.delivered == {"woken": 1}
+
+
+@pytest.mark.parametrize(
+    ("returned", "said"),
+    [
+        (None, "not NoneType"),
+        (("x-team", "s3cr3t"), "an item str"),  # one pair, not a list of them
+        ({"x-team": "s3cr3t"}, "not a dict (pass list(d.items()))"),  # iterated: its names
+        ([("x-team",)], "an item tuple of 1"),
+        ([("x-team", "s3cr3t", "b")], "an item tuple of 3"),
+        ([(b"x-team", "s3cr3t")], "a name bytes"),
+        ([("x-team", 7)], "a value int"),
+    ],
+)
+async def test_a_metadata_for_giving_no_pairs_is_a_dead_letter_naming_it(
+    outbox: Store, returned: object, said: str
+) -> None:
+    """metadata_for's result not (name, value) pairs, a str name and a str or bytes value: a
+    bug in the user's function, the same on every try. It failed with the interpreter's words
+    ("too many values to unpack", "'bytes' object has no attribute 'lower'"), retried until
+    max_attempts; and ("ab", "cd") in place of [("ab", "cd")] was taken as two pairs and sent
+    as headers a and c. A dead letter at once, naming metadata_for, as bad headers are."""
+    await insert(outbox, outbox.schema, ["shape-row"])
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never reached
+    try:
+        sink = GrpcSink(channel, "/a.B/C", metadata_for=lambda m: returned)  # type: ignore[arg-type, return-value]
+        relay = Relay(outbox, sink, listen=False)
+        assert await relay.run_once() == 0
+    finally:
+        await channel.close(None)
+    dead = await row(outbox, "shape-row")
+    assert dead["state"] == "dead" and dead["failures"] == 1, dead
+    error = str(dead["last_error"])
+    assert "/a.B/C: metadata_for must return (name, value) pairs" in error, error
+    assert said in error, error
+    assert "s3cr3t" not in error  # values are not quoted: they may be credentials

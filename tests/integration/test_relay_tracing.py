@@ -312,9 +312,9 @@ async def test_a_sent_row_taken_over_ends_unrecorded_when_the_failures_cannot_be
 
 async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: Store) -> None:
     """A carrier the propagator cannot read (edited by hand): the span goes without its link.
-    The relay cancelled while the sink runs: the spans end once, "unrecorded" (the rows come
-    back after their lease), not left open: the delivery still running, and the one done
-    already, whose span waited for the batch to record it."""
+    The relay cancelled while the sink runs: the spans end once, not left open: the delivery
+    still running "unrecorded" (its claim given back), and the one done already, whose span
+    waited for the batch to record it, "sent" (the cancelled relay records it first)."""
     await _enqueue(outbox, None)
     await _enqueue(outbox, None)
     await outbox.pool.execute(
@@ -337,9 +337,20 @@ async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: 
         await running
     ended = _deliveries(spans)
     assert len(ended) == 2
-    for delivery in ended:
-        assert delivery.links == ()
-        assert (delivery.attributes or {})["grpc_idempotency.outbox.outcome"] == "unrecorded"
+    outcomes = {
+        (d.attributes or {})["grpc_idempotency.outbox.row_id"]: (d.attributes or {})[
+            "grpc_idempotency.outbox.outcome"
+        ]
+        for d in ended
+    }
+    assert all(delivery.links == () for delivery in ended)
+    states = {
+        r["id"]: r["state"]
+        for r in await outbox.pool.fetch(f'SELECT id, state FROM "{outbox.schema}".outbox')
+    }
+    assert sorted(outcomes.values()) == ["sent", "unrecorded"], outcomes
+    assert {states[i] for i, o in outcomes.items() if o == "sent"} == {"sent"}
+    assert {states[i] for i, o in outcomes.items() if o == "unrecorded"} == {"pending"}
 
 
 async def test_no_tracer_provider_no_span(outbox: Store, monkeypatch: pytest.MonkeyPatch) -> None:
