@@ -54,7 +54,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -367,7 +367,9 @@ class GrpcSink:
             method, request_serializer=None, response_deserializer=None
         )
 
-    def _metadata(self, message: OutboxMessage) -> list[tuple[str, str | bytes]]:
+    def _metadata(
+        self, metadata_for: MetadataFor, message: OutboxMessage
+    ) -> list[tuple[str, str | bytes]]:
         """``metadata_for(message)``, checked: anything but (name, value) pairs, a str name and
         a str or bytes value, is the function's bug, the same on every try, so a dead letter at
         once that names it (``PermanentDeliveryError``), as metadata gRPC refuses is. It failed
@@ -376,8 +378,7 @@ class GrpcSink:
         What the function raises is left as it is: a failed delivery, retried (a look-up that
         failed), or a dead letter if it raised PermanentDeliveryError (``forward_scope``).
         Types are named, never values: a value may be a credential."""
-        assert self.metadata_for is not None
-        returned = self.metadata_for(message)
+        returned: object = metadata_for(message)
         shape = "(name, value) pairs, a str name and a str or bytes value,"
         if isinstance(returned, str | bytes | dict) or not isinstance(returned, Iterable):
             if isinstance(returned, dict):
@@ -412,7 +413,7 @@ class GrpcSink:
     async def deliver(self, message: OutboxMessage) -> None:
         metadata: list[tuple[str, str | bytes]] = [(KEY_HEADER, message.key)]
         if self.metadata_for is not None:
-            extra = self._metadata(message)
+            extra = self._metadata(self.metadata_for, message)
             own = sorted({name.lower() for name, _ in extra} & LIBRARY_HEADERS)
             if own:
                 # The server would refuse the call (two keys, or the -bin form) on every try.
@@ -858,7 +859,7 @@ class Relay:
         return await self._record_ending_spans(messages, attempts)
 
     async def _settle_cancelled(
-        self, messages: list[OutboxMessage], delivering: list[asyncio.Future[_Attempt]]
+        self, messages: list[OutboxMessage], delivering: Sequence[asyncio.Future[_Attempt]]
     ) -> None:
         """The relay was cancelled mid-batch (``task.cancel()`` in a server's shutdown hook,
         ``asyncio.run`` cancelling leftover tasks): records the outcomes of the deliveries that
@@ -1189,9 +1190,10 @@ class Relay:
         """Delivers until ``stop`` is set (or the task is cancelled). A batch in flight when
         ``stop`` is set finishes and is recorded first; on cancellation the deliveries in
         flight are cut short, the outcomes of those done recorded and the others' claims given
-        back, due again at once (within 5 s; else they are delivered again after the lease). Database outages are logged and waited out;
-        so is any other failure of a batch or of a purge (a bug), logged with its traceback: the
-        rows of a batch that failed are delivered again after their lease. A store closed under
+        back, due again at once (within 5 s; else they are delivered again after the lease).
+        Database outages are logged and waited out; so is any other failure of a batch or of a
+        purge (a bug), logged with its traceback: the rows of a batch that failed are delivered
+        again after their lease. A store closed under
         it (``store.close()``: stop the relay first) ends it with a ``RuntimeError`` saying so:
         it could never deliver again; once ``stop`` is set, it ends as stopped (a warning when a
         batch could not be recorded)."""

@@ -338,9 +338,9 @@ async def test_an_unreadable_carrier_and_a_relay_cancelled_mid_delivery(outbox: 
     ended = _deliveries(spans)
     assert len(ended) == 2
     outcomes = {
-        (d.attributes or {})["grpc_idempotency.outbox.row_id"]: (d.attributes or {})[
-            "grpc_idempotency.outbox.outcome"
-        ]
+        (d.attributes or {})["grpc_idempotency.outbox.row_id"]: str(
+            (d.attributes or {})["grpc_idempotency.outbox.outcome"]
+        )
         for d in ended
     }
     assert all(delivery.links == () for delivery in ended)
