@@ -900,14 +900,14 @@ class Relay:
             cleanup.cancel()
             log.warning(
                 "relay %s: cancelled mid-batch, and its outcomes could not be recorded within"
-                " %gs: its rows are delivered again after their lease",
+                " %gs: rows not recorded are delivered again after their lease",
                 self.name,
                 _CANCEL_CLEANUP_S,
             )
         except Exception as err:
             log.warning(
                 "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
-                " its rows are delivered again after their lease",
+                " rows not recorded are delivered again after their lease",
                 self.name,
                 err,
             )

@@ -3122,3 +3122,34 @@ async def test_a_metadata_for_giving_no_pairs_is_a_dead_letter_naming_it(
     assert "/a.B/C: metadata_for must return (name, value) pairs" in error, error
     assert said in error, error
     assert "s3cr3t" not in error  # values are not quoted: they may be credentials
+
+
+async def test_a_cancelled_relay_that_cannot_record_in_time_still_ends_and_leaves_the_lease(
+    outbox: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancelled relay's cleanup is bounded: its mark waiting on a row lock (or a database
+    that does not answer) does not hold up the shutdown. What it could not record stays claimed,
+    delivered again after the lease, as before, and the log says so."""
+    monkeypatch.setattr(outbox_module, "_CANCEL_CLEANUP_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="grpc_idempotency.outbox")
+    sink = _Stuck()
+    await insert(outbox, outbox.schema, ["fast", "slow"])
+    relay = Relay(outbox, sink, lease=30, poll_interval=60, listen=False)
+    task = asyncio.create_task(relay.run())
+    await asyncio.wait_for(sink.holding.wait(), WAIT_S)
+    async with outbox.pool.acquire() as conn, conn.transaction():
+        # The mark of "fast" waits on this lock for as long as the transaction lasts.
+        await conn.execute(
+            f'SELECT 1 FROM "{outbox.schema}".outbox WHERE key = $1 FOR UPDATE', "fast"
+        )
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+    assert "could not be recorded within 0.3s" in caplog.text
+    # Not given back (that comes after the marks): still claimed, for the lease to end.
+    slow = await row(outbox, "slow")
+    assert slow["state"] == "pending" and slow["locked_until"] is not None, slow
+    # The mark given up on may still commit in PostgreSQL once the lock is gone (it was
+    # delivered): sent then, else left claimed; never anything else.
+    fast = await row(outbox, "fast")
+    assert fast["state"] == "sent" or fast["locked_until"] is not None, fast
