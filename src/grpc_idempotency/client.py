@@ -256,14 +256,16 @@ class Operation:
             # 0: a deadline of "now" races the call on loopback (gRPC's clock is coarse), and a
             # fast answer can beat it.
             timeout = -1.0
-        _refuse_own_key(metadata or (), self, current_call_or_none(), _path_of(method))
-        # None as a grpc.aio method takes it: no metadata. An entry of the operation's own key
-        # (op.metadata(), a handler's invocation_metadata() for the current operation) is
-        # dropped, so the key goes once. The current operation sends no key of its own: the
+        # None as a grpc.aio method takes it: no metadata. Read once: an iterator (a generator
+        # filtering a handler's metadata) checked here would be empty when sent.
+        given = tuple(metadata or ())
+        _refuse_own_key(given, self, current_call_or_none(), _path_of(method))
+        # An entry of the operation's own key (op.metadata(), a handler's
+        # invocation_metadata() for the current operation) is dropped, so the key goes once. The current operation sends no key of its own: the
         # client interceptor gives each attempt the step's child key (the same one every
         # attempt, and every re-run).
         md = (
-            *[m for m in metadata or () if _entry_name(m[0]) != KEY_HEADER],
+            *[m for m in given if _entry_name(m[0]) != KEY_HEADER],
             *(self.metadata() if self._serving is None else ()),
         )
         # Checked here too, for a plain channel (no client interceptor to check it): sent, such

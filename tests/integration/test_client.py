@@ -236,6 +236,17 @@ async def test_a_handlers_own_key_beside_its_passed_on_metadata_is_not_malformed
     assert ledger.service.keys_seen == [own]
 
 
+async def test_metadata_given_as_an_iterator_is_sent(ledger: RunningLedger) -> None:
+    """``metadata`` read once: checked for keys, then sent. Iterated twice, a generator (the
+    incoming metadata filtered, say) was empty the second time: the call went without the
+    tenant header, in another scope."""
+    op = Operation.new()
+    request = testsvc_pb2.PostRequest(account=fresh())
+    await op.call(ledger.stub.Post, request, metadata=(entry for entry in TENANT_MD))
+    assert ledger.service.keys_seen == [op.key]
+    assert ledger.service.tenants_seen == ["tenant-a"]
+
+
 @pytest.mark.parametrize(
     "entry", [(b"x-note", "n"), ("x-note", None)], ids=["bytes-name", "none-value"]
 )
