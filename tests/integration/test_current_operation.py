@@ -544,3 +544,25 @@ async def test_the_step_header_in_the_current_operations_metadata_names_the_step
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-phased-a.v1")] * 2
+
+
+class StepThenReadRelay(RelayService):
+    """Calls its step through Operation.current(), then reads through the stub itself."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        answer = await Operation.current().call(self.ledger.Post, post, retry=FAST)
+        await self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_read_after_the_current_operations_call_is_not_taken_for_a_step(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The mark that refuses an unstepped call (StepUndeclared) holds for the call's attempts
+    only: left set, the handler's plain read after it was refused as an undeclared step."""
+    key = fresh()
+    async with running_relay(store, ledger.address, servicer=StepThenReadRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1"), None]
