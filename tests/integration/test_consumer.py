@@ -1890,6 +1890,32 @@ async def test_a_probe_whose_rollback_fails_drops_its_connection_and_waits_on_an
         await two.close()
 
 
+async def test_the_probe_rollback_failpoint_is_the_probes_alone(
+    store: Store, consumer: IdempotentConsumer, probe_rollback_fails: list[str]
+) -> None:
+    """``mark_probe_rollback`` stands for the probe's ROLLBACK only: a mark with no wait
+    (wait_s 0, no probe) that meets the row held is MarkBusy, its ROLLBACK not the failpoint's
+    (an armed ``error`` there would drop its connection, a probe's failure it never had)."""
+    message_id = fresh()
+    told: list[bool] = []
+    gate, first = await held(consumer, message_id)
+    try:
+        with pytest.raises(MarkBusy):
+            await ProcessedMessages(store).mark(
+                consumer.name,
+                message_id,
+                retention_s=60.0,
+                wait_s=0,
+                idle_timeout_s=60.0,
+                acquire_timeout=10,
+                waiting=told.append,
+            )
+    finally:
+        gate.release.set()
+    assert (await first).outcome is Consumed.PROCESSED
+    assert (told, probe_rollback_fails) == ([], [])
+
+
 async def test_a_delivery_whose_probe_rollback_fails_runs_its_effect_once(
     store: Store, consumer: IdempotentConsumer, probe_rollback_fails: list[str]
 ) -> None:
