@@ -91,11 +91,13 @@ _intercepted: contextvars.ContextVar[list[bool]] = contextvars.ContextVar(
 """Set by ``Operation.current().call`` around each attempt; the client interceptor marks it when
 it keys the call (its task runs in a copy of the caller's context, so a mutable mark, not a
 value set there, is what the caller sees)."""
-_stepping: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "grpc_idempotency_stepping", default=False
+_stepping: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "grpc_idempotency_stepping", default=None
 )
 """Set by ``Operation.current().call`` around each attempt: the client interceptor refuses
-such a call that it would send without a step's child key (``_refuse_unstepped``)."""
+such a call that it would send without a step's child key (``_refuse_unstepped``). A mutable
+mark, cleared when the attempt ends: a task the attempt started (a wrapper's) keeps a copy of
+its context, and its calls after the attempt are not the attempt's."""
 
 
 class Operation:
@@ -261,9 +263,9 @@ class Operation:
         given = tuple(metadata or ())
         _refuse_own_key(given, self, current_call_or_none(), _path_of(method))
         # An entry of the operation's own key (op.metadata(), a handler's
-        # invocation_metadata() for the current operation) is dropped, so the key goes once. The current operation sends no key of its own: the
-        # client interceptor gives each attempt the step's child key (the same one every
-        # attempt, and every re-run).
+        # invocation_metadata() for the current operation) is dropped, so the key goes once.
+        # The current operation sends no key of its own: the client interceptor gives each
+        # attempt the step's child key (the same one every attempt, and every re-run).
         md = (
             *[m for m in given if _entry_name(m[0]) != KEY_HEADER],
             *(self.metadata() if self._serving is None else ()),
@@ -295,7 +297,8 @@ class Operation:
             attempt += 1
             intercepted: list[bool] = []
             marking = _intercepted.set(intercepted)
-            stepping = _stepping.set(self._serving is not None)
+            stepping_mark = [True] if self._serving is not None else None
+            stepping = _stepping.set(stepping_mark)
             try:
                 return await method(
                     request,
@@ -333,6 +336,8 @@ class Operation:
                     raise
                 await asyncio.sleep(delay)
             finally:
+                if stepping_mark is not None:
+                    stepping_mark[0] = False
                 _stepping.reset(stepping)
                 _intercepted.reset(marking)
 
@@ -865,7 +870,8 @@ class IdempotencyClientInterceptor(_Interceptor):
                 " streaming method is keyed, so its effect would run again on every retry;"
                 " declare steps for unary methods only"
             )
-        if keyed and parent is not None and _stepping.get():
+        stepping = _stepping.get()
+        if keyed and parent is not None and stepping is not None and stepping[0]:
             _refuse_unstepped(parent, path, choice)
         if live is not None and live.phased and live.transaction_open:
             raise TransactionOpen(

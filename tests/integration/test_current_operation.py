@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import pickle
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import grpc
 import pytest
@@ -563,6 +563,45 @@ async def test_a_read_after_the_current_operations_call_is_not_taken_for_a_step(
     only: left set, the handler's plain read after it was refused as an undeclared step."""
     key = fresh()
     async with running_relay(store, ledger.address, servicer=StepThenReadRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
+    assert answer.code is grpc.StatusCode.OK, answer.details
+    assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1"), None]
+
+
+class WrapperTaskRelay(RelayService):
+    """Calls its step through Operation.current() with a wrapper of the stub's method that
+    starts a task; the task reads through the stub itself once the call is over."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        post = testsvc_pb2.PostRequest(account=request.account, amount=1)
+        call_over = asyncio.Event()
+
+        async def read_later() -> None:
+            await call_over.wait()
+            await self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
+
+        tasks: list[asyncio.Task[None]] = []
+
+        async def posting(request: Any, **options: Any) -> Any:
+            tasks.append(asyncio.create_task(read_later()))
+            return await self.ledger.Post(request, **options)
+
+        # A wrapper is no multicallable by its type; Operation.call takes one (a stand-in).
+        wrapper = cast(Any, posting)
+        answer: Any = await Operation.current().call(wrapper, post, retry=FAST)
+        call_over.set()
+        await tasks[0]
+        return testsvc_pb2.ForwardResponse(entry_id=answer.entry_id)
+
+
+async def test_a_task_started_in_an_attempt_is_not_taken_for_the_attempt_once_it_is_over(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """A task started inside an attempt (by a wrapper of the stub's method) runs in a copy of
+    the attempt's context: the mark refusing an unstepped call was still set there after the
+    call returned, and the task's plain read was refused as an undeclared step."""
+    key = fresh()
+    async with running_relay(store, ledger.address, servicer=WrapperTaskRelay) as relay:
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1"), None]
