@@ -605,3 +605,34 @@ async def test_a_task_started_in_an_attempt_is_not_taken_for_the_attempt_once_it
         answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), key)
     assert answer.code is grpc.StatusCode.OK, answer.details
     assert ledger.service.keys_seen == [child_key(SCOPE, key, "post-ledger.v1"), None]
+
+
+class NestedOperationRelay(RelayService):
+    """A wrapper of the current operation's call makes a call of another Operation, then
+    reads through the stub itself, still inside the current operation's attempt."""
+
+    async def Forward(self, request: Any, context: Any) -> Any:
+        other = testsvc_pb2.PostRequest(account=request.account, amount=1)
+
+        async def posting(request: Any, **options: Any) -> Any:
+            await Operation.new().call(self.ledger.Post, other)
+            await self.ledger.Peek(testsvc_pb2.PeekRequest(account=request.account))
+            return await self.ledger.Post(request, **options)
+
+        wrapper = cast(Any, posting)  # no multicallable by its type: a stand-in
+        await Operation.current().call(wrapper, other)
+        return testsvc_pb2.ForwardResponse()
+
+
+async def test_the_attempts_mark_outlasts_a_nested_operations_call(
+    ledger: RunningLedger, store: Store
+) -> None:
+    """The inner ``Operation.call`` restores the attempt's mark when it ends: the read after
+    it, still in the current operation's attempt, is refused (StepUndeclared) before it is
+    sent, as it is before the inner call."""
+    async with running_relay(store, ledger.address, servicer=NestedOperationRelay) as relay:
+        answer = await relay.forward(testsvc_pb2.ForwardRequest(account=fresh("acct")), fresh())
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert answer.reason() == "IDEMPOTENCY_STEP_UNDECLARED"
+    assert "LedgerService/Peek" in (answer.details or "")
+    assert len(ledger.service.keys_seen) == 1  # the inner operation's call alone
