@@ -24,7 +24,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -467,12 +467,14 @@ def _given(value: _T | _Unset, default: _T) -> _T:
 
 
 def _layered(
-    default: Sequence[tuple[str, str | bytes]], given: Sequence[tuple[str, str | bytes]]
+    default: Sequence[tuple[str, str | bytes]], given: Iterable[tuple[str, str | bytes]]
 ) -> tuple[tuple[str, str | bytes], ...]:
     """The bound stub's metadata ``default`` with one call's ``given``: an entry of ``given``
     replaces every entry of ``default`` of its name, as a request's headers replace a client's
     defaults (gRPC names repeat: sent both, a call's own ``authorization`` or tenant would go
-    with the stub's, and a server reads the first)."""
+    with the stub's, and a server reads the first). ``given`` is read once: it may be an
+    iterator (gRPC takes any iterable)."""
+    given = tuple(given)
     named = {_entry_name(name) for name, _ in given}
     kept = [(name, value) for name, value in default if _entry_name(name) not in named]
     return (*kept, *given)

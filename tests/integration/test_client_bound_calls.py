@@ -96,6 +96,18 @@ async def test_a_bound_methods_metadata_and_retry_are_the_calls(ledger: RunningL
     assert ledger.service.attempts[bound_retry.key] == 2
 
 
+async def test_a_bound_methods_metadata_given_as_an_iterator_is_sent(ledger: RunningLedger) -> None:
+    """A call's ``metadata`` layered over the bound stub's read once: a generator (incoming
+    metadata filtered, say) read for its names first was empty when sent, so the call went
+    with the stub's tenant, in the other tenant's scope."""
+    op = Operation.new()
+    bound = op.bind(ledger.stub, metadata=TENANT_MD)
+    entries: Any = (entry for entry in (("x-tenant-id", "tenant-b"),))
+    await bound.Post(testsvc_pb2.PostRequest(account=fresh("acct")), metadata=entries)
+    assert ledger.service.keys_seen == [op.key]
+    assert ledger.service.tenants_seen == ["tenant-b"]
+
+
 class _Echo(testsvc_pb2_grpc.LedgerServiceServicer):
     """Answers Post, noting each call's metadata. No interceptor: what the client sent is what
     is checked here."""
