@@ -742,6 +742,9 @@ class Store:
         self._closing = False
         self._probe: _Probe | None = None
         """How ``answers`` opens a connection of its own; set by ``connect`` only."""
+        self._renewal_line: _RenewalLine | None = None
+        """The connection of its own that lease renewals use when the pool has none free; set
+        by ``connect`` only (a ``Store(pool)`` cannot open one: its renewals wait in the pool)."""
         self._probing: asyncio.Future[bool] | None = None
         self._default_isolation: str | None = None
         self._acquired = 0
@@ -895,6 +898,9 @@ class Store:
             float(probe_timeout),
             store.store_log,
         )
+        # The pool's DSN, not probe_dsn: behind PgBouncer (transaction mode) each renewal is a
+        # transaction of its own, so the line takes a server connection only while it renews.
+        store._renewal_line = _RenewalLine(connect, dsn, options, store.store_log)
         try:
             if probe_dsn is not None:
                 await store._probe.vet()
@@ -950,6 +956,9 @@ class Store:
                 break
             await asyncio.wait(ending, timeout=self._left(deadline))
         self._closing = True
+        if self._renewal_line is not None:
+            # After the drain: the calls that held claims have stopped their lease keepers.
+            self._renewal_line.close()
         try:
             await asyncio.wait_for(self.pool.close(), self._left(deadline))
         except TimeoutError:
@@ -1985,6 +1994,93 @@ _POOL_ONLY_OPTIONS = frozenset(
 """``asyncpg.create_pool``'s own options: the rest of ``Store.connect``'s are the connection's."""
 
 
+class _RenewalLine:
+    """One connection outside the pool for lease renewals that find no pooled connection free
+    (``PhasedClaim.renew``), opened on first use, shared by the store's renewals one at a time.
+
+    Each renewal is one statement, a transaction of its own: no session state, so a
+    transaction pooler may hand any server connection over. A renewal cut short (its bound, a
+    cancellation) or failed on the wire drops the connection, as ``Store._holding`` drops a
+    pooled one: its statement may still be running, and the next renewal opens a fresh one."""
+
+    def __init__(
+        self, connect: Callable[..., Any], dsn: str, options: dict[str, Any], store_log: StoreLog
+    ) -> None:
+        self._connect = connect
+        self._dsn = dsn
+        self._options = options
+        self._store_log = store_log
+        self._conn: Any = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def execute(
+        self,
+        sql: str,
+        args: tuple[Any, ...],
+        *,
+        connect_until: float,
+        deadline: float,
+        doing: str,
+    ) -> str:
+        """``sql`` with ``args``, its status; the wait for the line and its connect by
+        ``connect_until``, the statement by ``deadline`` (``time.monotonic()``)."""
+        try:
+            async with asyncio.timeout(max(0.001, connect_until - time.monotonic())):
+                await self._lock.acquire()
+        except TimeoutError as exc:
+            raise StoreUnavailable(
+                f"idempotency store busy while {doing}: the renewal line stayed busy",
+                outage=False,
+            ) from exc
+        try:
+            if self._closed:
+                raise StoreUnavailable(f"idempotency store closed while {doing}", outage=False)
+            try:
+                if self._conn is None or connection_closed(self._conn):
+                    budget = max(0.001, connect_until - time.monotonic())
+                    async with asyncio.timeout(budget):
+                        self._conn = await self._connect(
+                            self._dsn,
+                            loop=asyncio.get_running_loop(),
+                            **{**self._options, "timeout": budget},
+                        )
+                    if self._closed:  # the store closed while it connected: nothing may leak
+                        self._drop()
+                        raise StoreUnavailable(
+                            f"idempotency store closed while {doing}", outage=False
+                        )
+                status: str = await self._conn.execute(
+                    sql, *args, timeout=max(0.001, deadline - time.monotonic())
+                )
+                return status
+            except PasswordFailed as exc:
+                self._drop()
+                raise password_error(exc, doing, store=self._store_log) from exc.__cause__
+            except Exception as exc:
+                self._drop()
+                if not from_the_driver(exc):
+                    raise
+                raise store_error(exc, doing, store=self._store_log) from exc
+            except BaseException:
+                self._drop()  # cancelled mid-statement: see the class's docstring
+                raise
+        finally:
+            self._lock.release()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(*STORE_ERRORS):
+                conn.terminate()
+
+    def close(self) -> None:
+        """With the store: a renewal still on the line (none once the claims have ended) is cut
+        short."""
+        self._closed = True
+        self._drop()
+
+
 @dataclass(frozen=True)
 class _Probe:
     """A connection outside the pool, opened as the pool opens its own (``Store.answers``)."""
@@ -2286,6 +2382,25 @@ class PhasedClaim:
         if lease_until is not None:
             bound = renewal_acquire_bound_s(self.lease_s, lease_until - time.monotonic())
         deadline = time.monotonic() + bound
+        args = (c.scope, c.key, self.token, self.lease_s, self.started_at)
+        line = store._renewal_line
+        if line is not None and store.pool.get_idle_size() == 0 and not store._closing:
+            # Every pooled connection is held (long handlers, a burst of calls): that is load,
+            # not an outage of this owner. Queued behind them, the renewal gave up at the end
+            # of the lease, and a retry elsewhere took the live operation over (both handlers
+            # running, the owner fenced off at its commit): spurious takeovers exactly under
+            # load. The store's renewal line is not in the pool.
+            if lease_until is not None:
+                left = lease_until - time.monotonic()
+                deadline = time.monotonic() + renewal_bound_s(self.lease_s, left)
+            status = await line.execute(
+                store.statements.renew,
+                args,
+                connect_until=time.monotonic() + bound,
+                deadline=deadline,
+                doing=doing,
+            )
+            return status.endswith(" 1")
         # The wait for a connection bounded too, even when the pool counts one as free: after a
         # failover or a restart (``_forget_connections_if_gone``) every free connection is
         # opened anew when acquired, and that waited for asyncpg's connect timeout (60 s) while
@@ -2297,13 +2412,7 @@ class PhasedClaim:
             deadline = time.monotonic() + renewal_bound_s(self.lease_s, left)
         async with store._holding(conn, doing):
             status = await conn.execute(
-                store.statements.renew,
-                c.scope,
-                c.key,
-                self.token,
-                self.lease_s,
-                self.started_at,
-                timeout=max(0.001, deadline - time.monotonic()),
+                store.statements.renew, *args, timeout=max(0.001, deadline - time.monotonic())
             )
         return status.endswith(" 1")
 

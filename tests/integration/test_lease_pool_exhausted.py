@@ -1,0 +1,137 @@
+"""A phased claim's lease must hold while the store's pool is exhausted: every pooled
+connection held by long handlers (atomic ones hold theirs for the whole call, phased ones in
+their final transaction) is load, not an outage of the owner.
+
+Renewals took their connection from the same pool: queued behind the handlers, each gave up
+at the end of the lease, the lease ran out, a retry on another replica took the live operation
+over (its handler running beside the owner's, its downstream calls made twice), and the owner
+was fenced off at its commit (ABORTED, IDEMPOTENCY_LEASE_LOST): spurious takeovers exactly
+under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+
+import grpc
+from testsvc.v1 import testsvc_pb2
+
+from grpc_idempotency import MethodOverride, Store
+from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
+from tests.support.waiting import until
+
+PHASED = "/testsvc.v1.LedgerService/PostPhased"
+LEASE = timedelta(milliseconds=300)
+
+
+async def test_the_lease_holds_while_every_pooled_connection_is_held(
+    pg_dsn: str, store: Store
+) -> None:
+    await _the_lease_holds_with_the_pool_exhausted(pg_dsn, store, kill_the_line=False)
+
+
+async def test_a_renewal_line_lost_is_opened_again(pg_dsn: str, store: Store) -> None:
+    """The renewals' own connection dropped by the database (a restart, a pooler, an idle
+    timeout) is opened again by the next renewal: kept, every renewal failed on it, and the
+    lease ran out under load as before."""
+    await _the_lease_holds_with_the_pool_exhausted(pg_dsn, store, kill_the_line=True)
+
+
+async def test_the_renewal_line_closes_with_the_store(pg_dsn: str, store: Store) -> None:
+    """``Store.close`` closes the renewals' own connection too: left open, each store closed
+    (a test's, a shard's, a reload's) kept a server connection until the process ended."""
+    owner_store = await Store.connect(pg_dsn, min_size=1, max_size=1)
+    try:
+        claim = await owner_store.claim_phased(
+            scope="tenant:tenant-a",
+            key=fresh(),
+            method=PHASED,
+            fingerprint=b"f" * 32,
+            retention_s=600.0,
+            lease_s=30.0,
+        )
+        assert claim is not None
+        async with owner_store.pool.acquire():  # the pool exhausted: the renewal takes the line
+            assert await claim.renew()
+        pid = await _line_pid(store)
+        await claim.release()
+    finally:
+        await owner_store.close()
+
+    async def gone() -> bool:
+        return not await store.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid
+        )
+
+    await until("the renewal line's server connection gone", gone)
+
+
+async def _line_pid(store: Store) -> int:
+    """The server pid of the only renewal line open: the one connection that ran the renewal
+    statement last (no other test runs beside this one's owner)."""
+    pid: int = await until(
+        "the renewal line's server connection",
+        lambda: store.pool.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            " AND query LIKE '%UPDATE%records%SET locked_until%make_interval%'"
+            " ORDER BY query_start DESC LIMIT 1"
+        ),
+    )
+    return pid
+
+
+async def _the_lease_holds_with_the_pool_exhausted(
+    pg_dsn: str, store: Store, *, kill_the_line: bool
+) -> None:
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    # max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
+    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
+    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
+    held: list[object] = []
+    try:
+        await prepare(owner_store)
+        async with (
+            running_ledger(owner_store, overrides=overrides) as owner,
+            running_ledger(store, overrides=overrides) as other,
+        ):
+            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+            await owner.service.started.wait()
+            # Long handlers hold every connection of the owner's pool from now on.
+            async with contextlib.AsyncExitStack() as stack:
+                for _ in range(2):
+                    held.append(await stack.enter_async_context(owner_store.pool.acquire()))
+                leased_at = await store.pool.fetchval(
+                    "SELECT clock_timestamp() FROM grpc_idempotency.records WHERE key = $1", key
+                )
+
+                async def leases_later() -> bool:
+                    # Three leases on the database's clock: renewed, the claim still holds.
+                    return bool(
+                        await store.pool.fetchval(
+                            "SELECT clock_timestamp() > $1::timestamptz + 3 * $2::interval",
+                            leased_at,
+                            LEASE,
+                        )
+                    )
+
+                await until("three leases with the pool exhausted", leases_later)
+                if kill_the_line:
+                    killed = await store.pool.fetchval(
+                        "SELECT pg_terminate_backend($1)", await _line_pid(store)
+                    )
+                    assert killed is True
+                    leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
+                    await until("three leases more with the line lost", leases_later)
+                duplicate = await other.call(PHASED, request, key)
+                assert other.service.executions == 0, "a duplicate took the live claim over"
+                assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
+            owner.service.release.set()
+            other.service.release.set()
+            answer = await calling
+            assert answer.code is grpc.StatusCode.OK, answer.details
+        assert await ledger_rows(store, account) == 1
+    finally:
+        await owner_store.close()
