@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import timedelta
+from typing import Any
 
 import grpc
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store
 from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
+from tests.support.pgbouncer import running_pgbouncer
 from tests.support.waiting import until
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
@@ -82,15 +84,26 @@ async def _line_pid(store: Store) -> int:
     return pid
 
 
+async def test_the_renewal_line_works_through_pgbouncer_in_transaction_mode(
+    pg_dsn: str, store: Store
+) -> None:
+    """Each renewal on the line is one statement, a transaction of its own, with the pool's
+    connect options (``statement_cache_size=0``): PgBouncer in transaction mode hands it any
+    server connection, as it does the pool's."""
+    with running_pgbouncer(pg_dsn, pool_size=2) as bouncer:
+        await _the_lease_holds_with_the_pool_exhausted(
+            bouncer.dsn, store, kill_the_line=False, statement_cache_size=0
+        )
+
+
 async def _the_lease_holds_with_the_pool_exhausted(
-    pg_dsn: str, store: Store, *, kill_the_line: bool
+    dsn: str, store: Store, *, kill_the_line: bool, **options: Any
 ) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
     # max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
     overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
-    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
-    held: list[object] = []
+    owner_store = await Store.connect(dsn, min_size=2, max_size=2, **options)
     try:
         await prepare(owner_store)
         async with (
@@ -102,7 +115,7 @@ async def _the_lease_holds_with_the_pool_exhausted(
             # Long handlers hold every connection of the owner's pool from now on.
             async with contextlib.AsyncExitStack() as stack:
                 for _ in range(2):
-                    held.append(await stack.enter_async_context(owner_store.pool.acquire()))
+                    await stack.enter_async_context(owner_store.pool.acquire())
                 leased_at = await store.pool.fetchval(
                     "SELECT clock_timestamp() FROM grpc_idempotency.records WHERE key = $1", key
                 )
@@ -129,6 +142,54 @@ async def _the_lease_holds_with_the_pool_exhausted(
                 assert other.service.executions == 0, "a duplicate took the live claim over"
                 assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
             owner.service.release.set()
+            other.service.release.set()
+            answer = await calling
+            assert answer.code is grpc.StatusCode.OK, answer.details
+        assert await ledger_rows(store, account) == 1
+    finally:
+        await owner_store.close()
+
+
+async def test_the_lease_holds_while_the_final_transaction_waits_for_a_connection(
+    pg_dsn: str, store: Store
+) -> None:
+    """``current_call().transaction()`` with every pooled connection held waits for one: the
+    lease must be renewed meanwhile. The keeper was stopped before that wait (the final
+    transaction locks the claim row, which a renewal would then wait on), the lease ran out,
+    and a retry elsewhere took over an owner that had made all its downstream calls."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
+    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
+    try:
+        await prepare(owner_store)
+        async with (
+            running_ledger(owner_store, overrides=overrides) as owner,
+            running_ledger(store, overrides=overrides) as other,
+        ):
+            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+            await owner.service.started.wait()
+            async with contextlib.AsyncExitStack() as stack:
+                for _ in range(2):
+                    await stack.enter_async_context(owner_store.pool.acquire())
+                owner.service.release.set()  # the handler goes on to its final transaction
+                await owner.service.opening.wait()
+                leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
+
+                async def leases_later() -> bool:
+                    return bool(
+                        await store.pool.fetchval(
+                            "SELECT clock_timestamp() > $1::timestamptz + 3 * $2::interval",
+                            leased_at,
+                            LEASE,
+                        )
+                    )
+
+                await until("three leases with the final transaction waiting", leases_later)
+                assert not calling.done()
+                duplicate = await other.call(PHASED, request, key)
+                assert other.service.executions == 0, "a duplicate took the live claim over"
+                assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
             other.service.release.set()
             answer = await calling
             assert answer.code is grpc.StatusCode.OK, answer.details

@@ -853,10 +853,14 @@ class IdempotencyInterceptor(_Interceptor):
         async def open_final() -> Any:
             nonlocal tx
             assert claim is not None and lease is not None
-            # The final transaction locks the claim row: renewing from here on would wait on
-            # that lock and then find the key completed.
-            await lease.stop()
-            tx = await claim.begin_final(timeout=answers.time_remaining(context))
+            # The final transaction locks the claim row: renewing from then on would wait on
+            # that lock and then find the key completed. Stopped once a pooled connection is
+            # held, not before the wait for one: with every connection held by other calls,
+            # the lease ran out meanwhile, and a retry elsewhere took over an owner that had
+            # made all its downstream calls (fenced off at its commit: LEASE_LOST).
+            tx = await claim.begin_final(
+                timeout=answers.time_remaining(context), acquired=lease.stop
+            )
             return tx.connection
 
         serving = call_context.IdempotentCall(

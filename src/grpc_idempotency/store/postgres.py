@@ -2020,11 +2020,12 @@ class _RenewalLine:
         args: tuple[Any, ...],
         *,
         connect_until: float,
-        deadline: float,
+        deadline: Callable[[], float],
         doing: str,
     ) -> str:
         """``sql`` with ``args``, its status; the wait for the line and its connect by
-        ``connect_until``, the statement by ``deadline`` (``time.monotonic()``)."""
+        ``connect_until``, the statement by what ``deadline()`` says once they are done (both
+        on ``time.monotonic()``)."""
         try:
             async with asyncio.timeout(max(0.001, connect_until - time.monotonic())):
                 await self._lock.acquire()
@@ -2051,7 +2052,7 @@ class _RenewalLine:
                             f"idempotency store closed while {doing}", outage=False
                         )
                 status: str = await self._conn.execute(
-                    sql, *args, timeout=max(0.001, deadline - time.monotonic())
+                    sql, *args, timeout=max(0.001, deadline() - time.monotonic())
                 )
                 return status
             except PasswordFailed as exc:
@@ -2390,14 +2391,19 @@ class PhasedClaim:
             # of the lease, and a retry elsewhere took the live operation over (both handlers
             # running, the owner fenced off at its commit): spurious takeovers exactly under
             # load. The store's renewal line is not in the pool.
-            if lease_until is not None:
+
+            def statement_deadline() -> float:
+                # As on a pooled connection: counted once the line is held and open.
+                if lease_until is None:
+                    return deadline
                 left = lease_until - time.monotonic()
-                deadline = time.monotonic() + renewal_bound_s(self.lease_s, left)
+                return time.monotonic() + renewal_bound_s(self.lease_s, left)
+
             status = await line.execute(
                 store.statements.renew,
                 args,
-                connect_until=time.monotonic() + bound,
-                deadline=deadline,
+                connect_until=deadline,
+                deadline=statement_deadline,
                 doing=doing,
             )
             return status.endswith(" 1")
@@ -2416,8 +2422,15 @@ class PhasedClaim:
             )
         return status.endswith(" 1")
 
-    async def begin_final(self, *, timeout: float | None = None) -> Attempt:
-        """Opens the final transaction, holding the claim row; raises ``LeaseLost``."""
+    async def begin_final(
+        self,
+        *,
+        timeout: float | None = None,
+        acquired: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ) -> Attempt:
+        """Opens the final transaction, holding the claim row; raises ``LeaseLost``.
+        ``acquired`` is awaited once a pooled connection is held, before the claim is checked
+        on it (the lease keeper's stop: the lease is renewed while the pool has none free)."""
         store, c = self._store, self._claim
         sql = store.statements.begin_final(
             scope=c.scope,
@@ -2439,6 +2452,12 @@ class PhasedClaim:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             conn = await store._acquire("opening the final transaction", left)
+            if acquired is not None:
+                try:
+                    await acquired()
+                except BaseException:
+                    await store._release(conn)  # nothing was sent on it
+                    raise
             attempt = Attempt(store, conn, c, _commit_timeout(self.lease_s))
             try:
                 await conn.execute(sql, timeout=store.statement_timeout(left))
