@@ -196,3 +196,47 @@ async def test_the_lease_holds_while_the_final_transaction_waits_for_a_connectio
         assert await ledger_rows(store, account) == 1
     finally:
         await owner_store.close()
+
+
+async def test_the_lease_holds_while_the_outcome_waits_for_a_connection(
+    pg_dsn: str, store: Store
+) -> None:
+    """A handler that ends without opening its final transaction (an error recorded, no
+    writes): its outcome's transaction waits for a pooled connection, with the lease renewed
+    meanwhile."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait-abort:NOT_FOUND")
+    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
+    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
+    try:
+        async with (
+            running_ledger(owner_store, overrides=overrides) as owner,
+            running_ledger(store, overrides=overrides) as other,
+        ):
+            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+            await owner.service.started.wait()
+            async with contextlib.AsyncExitStack() as stack:
+                for _ in range(2):
+                    await stack.enter_async_context(owner_store.pool.acquire())
+                owner.service.release.set()  # the handler aborts NOT_FOUND: recorded
+                leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
+
+                async def leases_later() -> bool:
+                    return bool(
+                        await store.pool.fetchval(
+                            "SELECT clock_timestamp() > $1::timestamptz + 3 * $2::interval",
+                            leased_at,
+                            LEASE,
+                        )
+                    )
+
+                await until("three leases with the outcome waiting", leases_later)
+                assert not calling.done()
+                duplicate = await other.call(PHASED, request, key)
+                assert other.service.executions == 0, "a duplicate took the live claim over"
+                assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
+            other.service.release.set()
+            answer = await calling
+            assert answer.code is grpc.StatusCode.NOT_FOUND, answer.details
+    finally:
+        await owner_store.close()

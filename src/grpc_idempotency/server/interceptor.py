@@ -990,6 +990,7 @@ class IdempotencyInterceptor(_Interceptor):
             # What the handler left behind (its enqueues read as it ended, the rest a loop turn
             # later: the lease's stop, or the sleep above); ``finish`` decides which one wins.
             lease_lost=lease is not None and lease.lost,
+            lease=lease,
             unawaited=unawaited,
             refused=serving.refused_downstream,
             downstream_in_flight=serving.keyed_downstream_in_flight,
@@ -1006,6 +1007,7 @@ class IdempotencyInterceptor(_Interceptor):
         claim: PhasedClaim | None = None,
         *,
         lease_lost: bool = False,
+        lease: _LeaseKeeper | None = None,
         unawaited: Sequence[str] = (),
         refused: IdempotencyError | None = None,
         downstream_in_flight: bool = False,
@@ -1017,7 +1019,8 @@ class IdempotencyInterceptor(_Interceptor):
         phased claim's lease; ``unawaited``, the steps of enqueues not run to their end;
         ``refused``, a downstream call's refusal (``IdempotentCall.downstream_refused``);
         ``downstream_in_flight``, a keyed downstream call the handler started is not over
-        (``IdempotentCall.keyed_downstream_in_flight``)."""
+        (``IdempotentCall.keyed_downstream_in_flight``). ``lease``: the phased claim's keeper,
+        stopped; resumed while the outcome's final transaction waits for its connection."""
         policy, context = call.policy, call.context
         code = answers.code_of(context) if aborted is None else answers.status_code(aborted.code)
         what = finish(
@@ -1145,7 +1148,16 @@ class IdempotencyInterceptor(_Interceptor):
                 await failpoints.hit("before_commit")
             if attempt is None:
                 assert claim is not None
-                attempt = await claim.begin_final(timeout=answers.time_remaining(context))
+                if lease is None:
+                    attempt = await claim.begin_final(timeout=answers.time_remaining(context))
+                else:
+                    lease.resume()  # renewed until a pooled connection is held
+                    try:
+                        attempt = await claim.begin_final(
+                            timeout=answers.time_remaining(context), acquired=lease.stop
+                        )
+                    finally:
+                        await lease.stop()  # (done when opened) never left renewing
             # Not shielded: if the call is cancelled mid-commit, the commit's fate is PostgreSQL's
             # (all or nothing), the client has gone, and a retry replays or runs again.
             sent = _cache_clock()  # before the commit: the record's completed_at is later
@@ -1752,6 +1764,7 @@ class _LeaseKeeper:
         self._task: asyncio.Task[None] | None = None
         self._renewing = False
         self._failed = False
+        self._handler_over = False
         self.stopping = False
         self.lost = False
         self.lease_until = time.monotonic() + claim.lease_s
@@ -1769,7 +1782,21 @@ class _LeaseKeeper:
         a renewal answered "lost" in that loop turn cancelled the call's task, by then the
         driver's, answering the handler's error. The CancelledError escaped it, grpc.aio sent
         no status, and the client waited until its deadline."""
+        self._handler_over = True
         self.stopping = True
+
+    def resume(self) -> None:
+        """After ``stop``, once the handler is over: renews again, from the lease as last set,
+        until the next ``stop``; a lease found lost then cancels nothing (``lost`` says it).
+        For the wait for the connection of an outcome's final transaction (``_finish``): with
+        every pooled connection held by other calls, the lease ran out meanwhile, and a retry
+        elsewhere took over an owner whose handler had ended."""
+        task = self._task
+        if task is None or not task.done() or self.lost:
+            return
+        self.stopping = False
+        start = self.lease_until - self._claim.lease_s
+        self._task = asyncio.get_running_loop().create_task(self._run(start))
 
     async def stop(self) -> None:
         """Returns once no renewal of this keeper is in flight, and none will be sent. May be
@@ -1792,6 +1819,9 @@ class _LeaseKeeper:
         lease_s = self._claim.lease_s
         lease_until = self.lease_until = start + lease_s
         spacing = renewal_interval_s(lease_s)
+        if self._handler_over:
+            # Resumed (``resume``): the lease may be near its end already.
+            spacing = renewal_spacing_s(lease_s, lease_until - time.monotonic(), renewed=False)
         while not self.stopping:
             await asyncio.sleep(max(0.0, start + spacing - time.monotonic()))
             start = time.monotonic()
@@ -1836,7 +1866,8 @@ class _LeaseKeeper:
                 spacing = renewal_spacing_s(lease_s, left, renewed=True)
                 continue
             self.lost = True
-            if not self.stopping:  # a stopping call is past its handler: it looks at ``lost``
+            # A stopping call, or one resumed, is past its handler: it looks at ``lost``.
+            if not self.stopping and not self._handler_over:
                 self._handler.cancel()
             return
 
