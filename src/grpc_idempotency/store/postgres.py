@@ -777,6 +777,11 @@ class Store:
 
         ``min_size`` (connections kept open) is 2, or ``max_size`` if that is smaller.
 
+        One more connection, outside the pool, is opened when a phased claim's lease renewal
+        finds no pooled connection free (every one held by handlers): renewals never queue
+        behind them, so a busy pool does not cost a live owner its lease. Count ``max_size``
+        + 1 per store against ``max_connections`` (or PgBouncer's client limit).
+
         ``acquire_timeout`` bounds the wait for a pooled connection; a call's own deadline always
         does. ``None`` (the default) waits as long as the call may, without arming a timer when
         it has no deadline.
