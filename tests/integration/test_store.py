@@ -251,6 +251,51 @@ async def test_a_replica_waiting_for_another_runners_migration_says_so(
         await runner.close()
 
 
+async def test_a_replicas_wait_for_another_runner_cancelled_on_the_server_says_so(
+    pg_dsn: str, db: Any
+) -> None:
+    """The wait for another runner's migration lock is not bounded by the role's timeouts, so a
+    57014 there is someone's ``pg_cancel_backend`` (or a server setting): it is still the story
+    of another runner at work, said so, not "migration 0001_records took too long" (a
+    ``MigrationTimedOut`` naming a migration that was never started), nor a statement_timeout
+    the wait no longer has."""
+    from grpc_idempotency.store.migrations import _lock_id
+
+    schema = fresh_schema()
+    runner = await asyncpg.connect(pg_dsn)  # the other runner, mid-migration
+    try:
+        await runner.execute("BEGIN")
+        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        starting = asyncio.create_task(
+            Store.connect(
+                pg_dsn,
+                schema=schema,
+                migrate=True,
+                command_timeout=30,
+                server_settings={"application_name": schema},
+            )
+        )
+
+        async def waiting() -> bool:
+            return starting.done() or bool(
+                await db.fetchval(
+                    "SELECT pg_catalog.pg_cancel_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name = $1 AND wait_event = 'advisory'",
+                    schema,
+                )
+            )
+
+        await until("the replica's wait to be cancelled", waiting)
+        with pytest.raises(StoreUnavailable, match="another runner is applying migrations") as err:
+            await starting
+        assert not err.value.outage
+        assert "(cancelled on the server)" in str(err.value)
+        assert "statement_timeout" not in str(err.value)
+    finally:
+        await runner.close()
+        await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 @pytest.mark.parametrize(
     "role_bound",
     [{"lock_timeout": "1"}, {"statement_timeout": "300"}],
@@ -364,8 +409,10 @@ async def test_a_migration_refused_for_what_the_schema_holds_is_misconfigured(
     [
         "version varchar PRIMARY KEY",  # Rails'
         "version bigint PRIMARY KEY, dirty boolean NOT NULL DEFAULT false",  # golang-migrate's
+        # A hand-rolled one with a name column like the store's: both columns must be its type.
+        "version bigint PRIMARY KEY, name text",
     ],
-    ids=["rails", "golang_migrate"],
+    ids=["rails", "golang_migrate", "bigint_version_text_name"],
 )
 @pytest.mark.parametrize("migrate", [False, True], ids=["check", "migrate"])
 async def test_another_tools_version_table_in_the_schema_is_named_not_read_as_the_stores(
