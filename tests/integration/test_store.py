@@ -167,6 +167,46 @@ async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_c
         )
 
 
+async def test_a_migration_chosen_as_a_deadlock_victim_gives_way_and_tries_again(
+    pg_dsn: str,
+) -> None:
+    """A migration waiting for its table lock behind a transaction that then waits for a lock
+    the migration holds: PostgreSQL breaks the deadlock by failing one of them (40P01). The
+    migration failed at once (StoreUnavailable, the replica's start with it), although giving
+    way is what it does for a lock wait that ran out (55P03), and the same retry takes it once
+    the other transaction is done. Now it gives way and tries again, as for a lock timeout."""
+    from grpc_idempotency.store.migrations import _lock_id, migrate
+
+    last = available_migrations()[-1].version
+    async with _before_migration_10_behind_a_reader(pg_dsn) as (_, schema, call, runner):
+        # The migration, not the call, is the one that finds the deadlock and fails: its
+        # session looks after 50 ms, the call's not for a minute.
+        await runner.execute("SET deadlock_timeout = 50")
+        await call.execute("SET deadlock_timeout = '1min'")
+        migrating = asyncio.create_task(
+            migrate(runner, schema, lock_timeout_s=30.0, lock_attempts=2)
+        )
+        pid = runner.get_server_pid()
+
+        async def waiting_for_the_outbox() -> bool:
+            return migrating.done() or bool(
+                await call.fetchval(
+                    "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks"
+                    " WHERE pid = $1 AND NOT granted AND relation = $2::regclass)",
+                    pid,
+                    f'"{schema}".outbox',
+                )
+            )
+
+        await until("the migration to wait for the outbox", waiting_for_the_outbox)
+        assert not migrating.done(), migrating.exception()
+        # The call now waits for what the migration holds (here its migration lock): a deadlock.
+        # It gets it once the migration gives way, and ends.
+        await call.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        await call.execute("ROLLBACK")
+        assert await asyncio.wait_for(migrating, 30) == list(range(10, last + 1))
+
+
 async def test_a_migration_out_of_lock_tries_says_how_many_and_how_long(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,7 +18,8 @@ replaced by the quoted schema name (``{schema_name}``: the bare name, for use in
 - DDL waits for its table lock at most ``LOCK_TIMEOUT_S`` (or half the statement timeout, if
   shorter): an ALTER TABLE queued behind a long transaction would otherwise hold up every call
   on that table behind it. It gives way, waits, and tries again, ``LOCK_ATTEMPTS`` times in
-  all, then raises ``LockNotAvailableError``.
+  all, then raises ``LockNotAvailableError``. A deadlock PostgreSQL breaks by failing the
+  migration (40P01) is given way to alike (the last one raised, out of tries).
 - A migration's statements are bounded by ``statement_timeout_s`` (the store's
   ``command_timeout``, ``--command-timeout``), not by the session's ``statement_timeout``: a
   role's short one (common for application roles) cancelled a long migration however far the
@@ -189,7 +190,12 @@ async def migrate(
                 ):
                     applied_now.append(migration.version)
                 break
-            except asyncpg.LockNotAvailableError:
+            # A deadlock is given way to as a lock wait that ran out is: PostgreSQL failed the
+            # migration to free a transaction that queued for a lock it held (its migration
+            # lock, or a table it had altered) while it queued for that one's table lock. It
+            # failed the start at once ("store unavailable (40P01)"); the other transaction
+            # goes on with what the migration let go, and the same retry then takes the lock.
+            except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError):
                 if attempt == lock_attempts:
                     raise
                 await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
