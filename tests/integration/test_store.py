@@ -207,6 +207,52 @@ async def test_a_migration_chosen_as_a_deadlock_victim_gives_way_and_tries_again
         assert await asyncio.wait_for(migrating, 30) == list(range(10, last + 1))
 
 
+async def test_a_migration_out_of_tries_on_a_deadlock_says_so(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of tries, the last one a deadlock's victim: the store's message says that a
+    transaction deadlocked with the migration, not that a long one held the lock (nor a bare
+    "store unavailable ... (40P01)")."""
+    from grpc_idempotency.store.migrations import _lock_id
+
+    monkeypatch.setattr(migrations, "LOCK_ATTEMPTS", 1)
+    async with _before_migration_10_behind_a_reader(pg_dsn) as (_, schema, call, runner):
+        await call.execute("SET deadlock_timeout = '1min'")  # the migration finds it (50 ms)
+        starting = asyncio.create_task(
+            Store.connect(
+                pg_dsn,
+                schema=schema,
+                migrate=True,
+                min_size=1,
+                max_size=1,
+                server_settings={"application_name": schema, "deadlock_timeout": "50"},
+            )
+        )
+
+        async def waiting_for_the_outbox() -> bool:
+            return starting.done() or bool(
+                await call.fetchval(
+                    "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l"
+                    " JOIN pg_catalog.pg_stat_activity a USING (pid)"
+                    " WHERE a.application_name = $1 AND NOT l.granted"
+                    " AND l.relation = $2::regclass)",
+                    schema,
+                    f'"{schema}".outbox',
+                )
+            )
+
+        await until("the migration to wait for the outbox", waiting_for_the_outbox)
+        assert not starting.done(), starting.exception()
+        await call.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        await call.execute("ROLLBACK")
+        with pytest.raises(StoreUnavailable) as raised:
+            await starting
+        assert max(await applied_versions(runner, schema)) == 9
+    said = str(raised.value)
+    assert "could not take its table lock" in said
+    assert "deadlocked with it, the last of 1 tries" in said and "long transaction" not in said
+
+
 async def test_a_migration_out_of_lock_tries_says_how_many_and_how_long(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1084,11 +1084,19 @@ class Store:
                     " (an object of the same name that is not the store's: give the store a"
                     " schema of its own)"
                 ) from exc
-            except asyncpg.LockNotAvailableError as exc:
+            except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError) as exc:
                 wait_s = migrations.lock_wait_s(self.command_timeout)
+                # Its last try a deadlock's victim (40P01), said so: "a long transaction holds
+                # it" and how long each wait was would send the operator to the wrong cause.
+                why = (
+                    f"a long transaction holds it; {migrations.LOCK_ATTEMPTS} tries of"
+                    f" {wait_s:g} s each"
+                    if isinstance(exc, asyncpg.LockNotAvailableError)
+                    else "a transaction waiting for what the migration held deadlocked with it,"
+                    f" the last of {migrations.LOCK_ATTEMPTS} tries"
+                )
                 raise StoreUnavailable(
-                    "a migration could not take its table lock (a long transaction holds it; "
-                    f"{migrations.LOCK_ATTEMPTS} tries of {wait_s:g} s each): run"
+                    f"a migration could not take its table lock ({why}): run"
                     " the migration again when that transaction has ended"
                 ) from exc
 
