@@ -208,7 +208,7 @@ async def test_a_migration_chosen_as_a_deadlock_victim_gives_way_and_tries_again
 
 
 async def test_a_migration_out_of_tries_on_a_deadlock_says_so(
-    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+    pg_dsn: str, db: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Out of tries, the last one a deadlock's victim: the store's message says that a
     transaction deadlocked with the migration, not that a long one held the lock (nor a bare
@@ -216,6 +216,8 @@ async def test_a_migration_out_of_tries_on_a_deadlock_says_so(
     from grpc_idempotency.store.migrations import _lock_id
 
     monkeypatch.setattr(migrations, "LOCK_ATTEMPTS", 1)
+    # Its one wait for the outbox outlasts anything here: it ends as the deadlock's victim.
+    monkeypatch.setattr(migrations, "LOCK_TIMEOUT_S", 60.0)
     async with _before_migration_10_behind_a_reader(pg_dsn) as (_, schema, call, runner):
         await call.execute("SET deadlock_timeout = '1min'")  # the migration finds it (50 ms)
         starting = asyncio.create_task(
@@ -225,13 +227,15 @@ async def test_a_migration_out_of_tries_on_a_deadlock_says_so(
                 migrate=True,
                 min_size=1,
                 max_size=1,
+                command_timeout=300,
                 server_settings={"application_name": schema, "deadlock_timeout": "50"},
             )
         )
 
         async def waiting_for_the_outbox() -> bool:
+            # Not asked in the call's transaction, which keeps its first view of the activity.
             return starting.done() or bool(
-                await call.fetchval(
+                await db.fetchval(
                     "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l"
                     " JOIN pg_catalog.pg_stat_activity a USING (pid)"
                     " WHERE a.application_name = $1 AND NOT l.granted"
