@@ -163,6 +163,9 @@ _CANCEL_CLEANUP_S = 5.0
 """How long a relay cancelled mid-batch may take to record its batch and give back the claims
 it did not deliver (``Relay._settle_cancelled``): a shutdown waits for it."""
 
+_CLEANUPS: set[asyncio.Future[None]] = set()
+"""The cleanups of cancelled relays (``Relay._settle_cancelled``) still running."""
+
 # A relay's purge of sent rows deletes in batches of this many rows, at most this many batches
 # at a turn, so that it never holds up deliveries for long.
 _PURGE_BATCH = 1000
@@ -880,10 +883,21 @@ class Relay:
                 cut.append((message.id, message.attempts))
 
         async def settle() -> None:
-            if ended:
-                await self._record_ending_spans([m for m, _ in ended], [a for _, a in ended])
-            # After the marks: a release that cannot run leaves only undelivered rows claimed.
-            released = await self.outbox.release(relay=self.name, claims=cut)
+            # Its failure is logged here, not where it is awaited: after a second cancel nobody
+            # awaits it, and it was an exception never retrieved, the relay's warning unsaid.
+            try:
+                if ended:
+                    await self._record_ending_spans([m for m, _ in ended], [a for _, a in ended])
+                # After the marks: a release that cannot run leaves only undelivered rows claimed.
+                released = await self.outbox.release(relay=self.name, claims=cut)
+            except Exception as err:
+                log.warning(
+                    "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
+                    " rows not recorded are delivered again after their lease",
+                    self.name,
+                    err,
+                )
+                return
             log.info(
                 "relay %s: cancelled mid-batch; %d claim(s) not delivered given back",
                 self.name,
@@ -891,6 +905,10 @@ class Relay:
             )
 
         cleanup = asyncio.ensure_future(settle())
+        # The loop holds tasks weakly: after a second cancel this set is the cleanup's only
+        # strong reference while it runs.
+        _CLEANUPS.add(cleanup)
+        cleanup.add_done_callback(_CLEANUPS.discard)
         try:
             async with asyncio.timeout(_CANCEL_CLEANUP_S):
                 await asyncio.shield(cleanup)
@@ -903,13 +921,6 @@ class Relay:
                 " %gs: rows not recorded are delivered again after their lease",
                 self.name,
                 _CANCEL_CLEANUP_S,
-            )
-        except Exception as err:
-            log.warning(
-                "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
-                " rows not recorded are delivered again after their lease",
-                self.name,
-                err,
             )
 
     async def _record_ending_spans(

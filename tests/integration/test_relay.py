@@ -3093,6 +3093,9 @@ async def test_a_relay_run_again_tries_listen_again_after_an_earlier_run_gave_it
     [
         (None, "not NoneType"),
         (("x-team", "s3cr3t"), "an item str"),  # one pair, not a list of them
+        (("ab", "cd"), "an item str"),  # one pair of two-letter strs: unpacked, headers a and c
+        ("x-team: s3cr3t", "not str"),
+        (7, "not int"),
         ({"x-team": "s3cr3t"}, "not a dict (pass list(d.items()))"),  # iterated: its names
         ([("x-team",)], "an item tuple of 1"),
         ([("x-team", "s3cr3t", "b")], "an item tuple of 3"),
@@ -3153,3 +3156,115 @@ async def test_a_cancelled_relay_that_cannot_record_in_time_still_ends_and_leave
     # delivered): sent then, else left claimed; never anything else.
     fast = await row(outbox, "fast")
     assert fast["state"] == "sent" or fast["locked_until"] is not None, fast
+
+
+async def test_release_gives_back_only_the_claims_still_held_as_they_were_claimed(
+    outbox: Store,
+) -> None:
+    """``OutboxStore.release`` is fenced as the marks are: a claim taken over after its lease
+    (other attempts, even under the same relay name: a restarted process), a row already marked
+    sent, a claim of another relay, or one already given back is left as it is; it returns how
+    many it gave back. Unfenced, a cancelled relay gave back the claim of the relay delivering
+    the row now, which a third then claimed and delivered at the same time."""
+    store = OutboxStore(outbox)
+    await insert(outbox, outbox.schema, ["a", "b", "c", "taken"])
+    claimed = {m.key: m for m in await store.claim(relay="r", limit=10, lease_s=30)}
+    assert set(claimed) == {"a", "b", "c", "taken"}
+    claims = {key: (m.id, m.attempts) for key, m in claimed.items()}
+    # "taken": its lease ran out, and a relay of the same name claimed it again.
+    await outbox.pool.execute(
+        f"UPDATE \"{outbox.schema}\".outbox SET locked_until = clock_timestamp() - interval"
+        " '1 second', next_attempt_at = clock_timestamp() - interval '1 second'"
+        " WHERE key = 'taken'"
+    )
+    again = await store.claim(relay="r", limit=10, lease_s=30)
+    assert [m.key for m in again] == ["taken"] and again[0].attempts == claims["taken"][1] + 1
+    assert await store.mark_sent_ids(relay="r", claims=[claims["b"]]) == {claims["b"][0]}
+    assert await store.release(relay="other", claims=[claims["a"]]) == 0
+    assert await store.release(relay="r", claims=[claims["taken"], claims["b"]]) == 0
+    assert await store.release(relay="r", claims=[claims["a"], claims["c"]]) == 2
+    assert await store.release(relay="r", claims=[claims["a"], claims["c"]]) == 0  # given back
+    assert await store.release(relay="r", claims=[]) == 0
+    for key in ("a", "c"):
+        given = await row(outbox, key)
+        assert given["state"] == "pending" and given["locked_until"] is None, given
+        assert given["failures"] == 0 and given["lost_claims"] == 0, given
+    taken = await row(outbox, "taken")
+    assert taken["locked_until"] is not None and taken["attempts"] == again[0].attempts, taken
+    assert (await row(outbox, "b"))["state"] == "sent"
+
+
+async def _relay_waiting_on_lock(outbox: Store, conn: asyncpg.Connection) -> int:
+    """The pid of the backend whose statement waits on a row lock ``conn`` holds."""
+    blocked: int | None = await until(
+        "the cancelled relay's mark to wait on the row lock",
+        lambda: outbox.pool.fetchval(
+            "SELECT pid FROM pg_catalog.pg_stat_activity"
+            " WHERE $1 = ANY(pg_catalog.pg_blocking_pids(pid))",
+            conn.get_server_pid(),
+        ),
+        timeout=WAIT_S,
+    )
+    assert blocked is not None
+    return blocked
+
+
+async def test_a_relay_cancelled_again_during_its_cleanup_ends_at_once_and_the_cleanup_goes_on(
+    outbox: Store,
+) -> None:
+    """A second cancel (a shutdown that will not wait) ends the relay at once; the cleanup,
+    shielded, still records what was delivered and gives back the rest once it can."""
+    sink = _Stuck()
+    await insert(outbox, outbox.schema, ["fast", "slow"])
+    relay = Relay(outbox, sink, lease=30, poll_interval=60, listen=False)
+    task = asyncio.create_task(relay.run())
+    await asyncio.wait_for(sink.holding.wait(), WAIT_S)
+    async with outbox.pool.acquire() as conn:
+        async with conn.transaction():
+            await conn.execute(
+                f'SELECT 1 FROM "{outbox.schema}".outbox WHERE key = $1 FOR UPDATE', "fast"
+            )
+            task.cancel()
+            await _relay_waiting_on_lock(outbox, conn)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, WAIT_S)  # the lock still held
+        await until("fast to be marked sent", lambda: sent(outbox, "fast"), timeout=WAIT_S)
+
+    async def given_back() -> bool:
+        return (await row(outbox, "slow"))["locked_until"] is None
+
+    await until("slow to be given back", given_back, timeout=WAIT_S)
+    assert relay.stats.delivered == 1
+
+
+async def test_a_relay_cancelled_again_whose_cleanup_then_fails_says_so(
+    outbox: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cleanup that goes on after a second cancel and then fails (the database) is logged
+    as the relay's, like one that fails in time: it was an exception no one retrieved, and
+    asyncio's "Task exception was never retrieved", if anything, said it."""
+    caplog.set_level(logging.WARNING, logger="grpc_idempotency.outbox")
+    sink = _Stuck()
+    await insert(outbox, outbox.schema, ["fast", "slow"])
+    relay = Relay(outbox, sink, lease=30, poll_interval=60, listen=False)
+    task = asyncio.create_task(relay.run())
+    await asyncio.wait_for(sink.holding.wait(), WAIT_S)
+    async with outbox.pool.acquire() as conn, conn.transaction():
+        await conn.execute(
+            f'SELECT 1 FROM "{outbox.schema}".outbox WHERE key = $1 FOR UPDATE', "fast"
+        )
+        task.cancel()
+        blocked = await _relay_waiting_on_lock(outbox, conn)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+        # The mark fails: the statement cancelled (as by statement_timeout).
+        assert await outbox.pool.fetchval("SELECT pg_catalog.pg_cancel_backend($1)", blocked)
+        await until(
+            "the failed cleanup to be logged",
+            lambda: "outcomes could not be recorded" in caplog.text,
+            timeout=WAIT_S,
+        )
+    slow = await row(outbox, "slow")
+    assert slow["locked_until"] is not None, slow  # left to its lease, as the log says
