@@ -3173,7 +3173,7 @@ async def test_release_gives_back_only_the_claims_still_held_as_they_were_claime
     claims = {key: (m.id, m.attempts) for key, m in claimed.items()}
     # "taken": its lease ran out, and a relay of the same name claimed it again.
     await outbox.pool.execute(
-        f"UPDATE \"{outbox.schema}\".outbox SET locked_until = clock_timestamp() - interval"
+        f'UPDATE "{outbox.schema}".outbox SET locked_until = clock_timestamp() - interval'
         " '1 second', next_attempt_at = clock_timestamp() - interval '1 second'"
         " WHERE key = 'taken'"
     )
