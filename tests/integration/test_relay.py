@@ -3268,3 +3268,31 @@ async def test_a_relay_cancelled_again_whose_cleanup_then_fails_says_so(
         )
     slow = await row(outbox, "slow")
     assert slow["locked_until"] is not None, slow  # left to its lease, as the log says
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda pairs: grpc.aio.Metadata(*pairs),
+        lambda pairs: tuple(pairs),
+        lambda pairs: [list(pair) for pair in pairs],
+        lambda pairs: (pair for pair in pairs),
+    ],
+    ids=["grpc.aio.Metadata", "tuple of tuples", "list of lists", "generator"],
+)
+async def test_metadata_for_may_give_pairs_in_any_form_grpc_takes(
+    outbox: Store, ledger: RunningLedger, form: Callable[[list[tuple[str, str]]], object]
+) -> None:
+    """The shape check refuses what is not pairs, never a form of them that gRPC itself takes
+    as metadata: a ``grpc.aio.Metadata``, tuples, lists, a generator."""
+    key = f"form-{uuid.uuid4().hex}"
+    request = testsvc_pb2.PostRequest(account="acct-" + uuid.uuid4().hex, amount=1)
+    await insert(outbox, outbox.schema, [key], payload=lambda _k: request.SerializeToString())
+    sink = GrpcSink(
+        ledger.channel,
+        "/testsvc.v1.LedgerService/Post",
+        metadata_for=lambda m: form([("x-tenant-id", "tenant-b")]),  # type: ignore[arg-type, return-value]
+    )
+    assert await Relay(outbox, sink, listen=False).run_once() == 1
+    assert ledger.service.attempts == {key: 1}
+    assert ledger.service.tenants_seen[-1:] == ["tenant-b"]
