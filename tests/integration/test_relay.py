@@ -3194,14 +3194,15 @@ async def test_release_gives_back_only_the_claims_still_held_as_they_were_claime
     assert (await row(outbox, "b"))["state"] == "sent"
 
 
-async def _relay_waiting_on_lock(outbox: Store, conn: asyncpg.Connection) -> int:
-    """The pid of the backend whose statement waits on a row lock ``conn`` holds."""
+async def _relay_waiting_on_lock(outbox: Store, holder: int) -> int:
+    """The pid of the backend whose statement waits on a row lock the backend ``holder``
+    holds."""
     blocked: int | None = await until(
         "the cancelled relay's mark to wait on the row lock",
         lambda: outbox.pool.fetchval(
             "SELECT pid FROM pg_catalog.pg_stat_activity"
             " WHERE $1 = ANY(pg_catalog.pg_blocking_pids(pid))",
-            conn.get_server_pid(),
+            holder,
         ),
         timeout=WAIT_S,
     )
@@ -3225,7 +3226,7 @@ async def test_a_relay_cancelled_again_during_its_cleanup_ends_at_once_and_the_c
                 f'SELECT 1 FROM "{outbox.schema}".outbox WHERE key = $1 FOR UPDATE', "fast"
             )
             task.cancel()
-            await _relay_waiting_on_lock(outbox, conn)
+            await _relay_waiting_on_lock(outbox, conn.get_server_pid())
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(task, WAIT_S)  # the lock still held
@@ -3255,7 +3256,7 @@ async def test_a_relay_cancelled_again_whose_cleanup_then_fails_says_so(
             f'SELECT 1 FROM "{outbox.schema}".outbox WHERE key = $1 FOR UPDATE', "fast"
         )
         task.cancel()
-        blocked = await _relay_waiting_on_lock(outbox, conn)
+        blocked = await _relay_waiting_on_lock(outbox, conn.get_server_pid())
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, WAIT_S)
