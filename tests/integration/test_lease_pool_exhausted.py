@@ -240,3 +240,34 @@ async def test_the_lease_holds_while_the_outcome_waits_for_a_connection(
             assert answer.code is grpc.StatusCode.NOT_FOUND, answer.details
     finally:
         await owner_store.close()
+
+
+async def test_no_renewal_is_sent_while_the_final_transaction_is_open(store: Store) -> None:
+    """The keeper stops once the final transaction holds its connection (``acquired``): a
+    renewal sent after that waits on the claim row the transaction locked, holding a pooled
+    connection, until its bound cuts it short (its connection dropped), again and again for as
+    long as the handler works in its transaction."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="busy")
+    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
+    await prepare(store)
+    async with store.pool.acquire() as blocker, running_ledger(store, overrides=overrides) as owner:
+        # The handler's transaction stays busy (not idle, which PostgreSQL ends after a lease)
+        # in a statement waiting on this lock.
+        await blocker.execute("SELECT pg_advisory_lock(hashtext($1))", account)
+        calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+        await owner.service.started.wait()  # in its final transaction
+        since = await store.pool.fetchval("SELECT clock_timestamp()")
+        while await store.pool.fetchval(
+            "SELECT clock_timestamp() < $1::timestamptz + 3 * $2::interval", since, LEASE
+        ):
+            renewing = await store.pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+                " AND state = 'active'"
+                " AND query LIKE '%UPDATE%records%SET locked_until%make_interval%'"
+            )
+            assert renewing == 0, "a renewal was sent with the final transaction open"
+        await blocker.execute("SELECT pg_advisory_unlock(hashtext($1))", account)
+        answer = await calling
+        assert answer.code is grpc.StatusCode.OK, answer.details
+    assert await ledger_rows(store, account) == 1
