@@ -16,10 +16,12 @@ import contextlib
 from datetime import timedelta
 from typing import Any
 
+import asyncpg
 import grpc
+import pytest
 from testsvc.v1 import testsvc_pb2
 
-from grpc_idempotency import MethodOverride, Store
+from grpc_idempotency import MethodOverride, Store, StoreUnavailable
 from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
 from tests.support.waiting import until
@@ -271,3 +273,41 @@ async def test_no_renewal_is_sent_while_the_final_transaction_is_open(store: Sto
         answer = await calling
         assert answer.code is grpc.StatusCode.OK, answer.details
     assert await ledger_rows(store, account) == 1
+
+
+async def test_a_line_opened_as_the_store_closes_is_not_kept(pg_dsn: str, store: Store) -> None:
+    """``Store.close`` while a renewal opens the line: the connection it then gets is closed at
+    once, and the renewal fails. Kept, it ran the renewal and stayed open past the store's
+    close, a server connection held until the process ended."""
+    armed, entered, gate = False, asyncio.Event(), asyncio.Event()
+    opened: list[asyncpg.Connection] = []
+
+    async def connect(*args: Any, **kwargs: Any) -> asyncpg.Connection:
+        if armed:  # the line's connect: the pool's own are open by then
+            entered.set()
+            await gate.wait()
+        conn = await asyncpg.connect(*args, **kwargs)
+        opened.append(conn)
+        return conn
+
+    owner_store = await Store.connect(pg_dsn, min_size=1, max_size=1, connect=connect)
+    try:
+        claim = await owner_store.claim_phased(
+            scope="tenant:tenant-a",
+            key=fresh(),
+            method=PHASED,
+            fingerprint=b"f" * 32,
+            retention_s=600.0,
+            lease_s=30.0,
+        )
+        assert claim is not None
+        async with owner_store.pool.acquire():  # the pool exhausted: the renewal takes the line
+            armed = True
+            renewing = asyncio.ensure_future(claim.renew())
+            await entered.wait()
+    finally:
+        await owner_store.close()
+    gate.set()
+    with pytest.raises(StoreUnavailable):
+        await renewing
+    assert opened[-1].is_closed(), "the line's connection outlived the store"
