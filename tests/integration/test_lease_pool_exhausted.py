@@ -311,3 +311,61 @@ async def test_a_line_opened_as_the_store_closes_is_not_kept(pg_dsn: str, store:
     with pytest.raises(StoreUnavailable):
         await renewing
     assert opened[-1].is_closed(), "the line's connection outlived the store"
+
+
+@pytest.mark.parametrize("cut_short_by", ["its bound", "a cancellation"])
+async def test_a_renewal_cut_short_drops_the_line(
+    store: Store, pg_dsn: str, cut_short_by: str
+) -> None:
+    """A renewal on the line cut short (its bound, or cancelled) drops the line's connection:
+    its statement may still run, and behind a partition the connection never answers again.
+    Kept, every renewal after it waited on that connection until its own bound, and the lease
+    ran out with the database up."""
+    opened: list[asyncpg.Connection] = []
+
+    async def connect(*args: Any, **kwargs: Any) -> asyncpg.Connection:
+        conn = await asyncpg.connect(*args, **kwargs)
+        opened.append(conn)
+        return conn
+
+    owner_store = await Store.connect(pg_dsn, min_size=1, max_size=1, connect=connect)
+    try:
+        key = fresh()
+        claim = await owner_store.claim_phased(
+            scope="tenant:tenant-a",
+            key=key,
+            method=PHASED,
+            fingerprint=b"f" * 32,
+            retention_s=600.0,
+            lease_s=30.0,
+        )
+        assert claim is not None
+        async with store.pool.acquire() as locker, locker.transaction():
+            # The renewal's UPDATE waits on the claim row, locked here.
+            await locker.execute(
+                "SELECT 1 FROM grpc_idempotency.records WHERE key = $1 FOR UPDATE", key
+            )
+            async with owner_store.pool.acquire():  # the pool exhausted: the line it is
+                if cut_short_by == "its bound":
+                    with pytest.raises(StoreUnavailable):
+                        await claim.renew(timeout=0.2)
+                else:
+                    renewing = asyncio.ensure_future(claim.renew())
+
+                    async def waiting() -> bool:
+                        return bool(
+                            await store.pool.fetchval(
+                                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
+                                " 'Lock' AND query LIKE '%UPDATE%records%SET locked_until%'"
+                            )
+                        )
+
+                    await until("the renewal waiting on the claim row", waiting)
+                    renewing.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await renewing
+                line = opened[-1]
+                assert line.is_closed(), "the line was kept after a renewal cut short"
+        await claim.release()
+    finally:
+        await owner_store.close()
