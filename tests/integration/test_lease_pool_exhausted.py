@@ -369,3 +369,61 @@ async def test_a_renewal_cut_short_drops_the_line(
         await claim.release()
     finally:
         await owner_store.close()
+
+
+async def test_a_lease_found_lost_while_the_outcome_waits_is_answered_lease_lost(
+    pg_dsn: str, store: Store
+) -> None:
+    """The keeper resumed while the outcome's transaction waits for a connection finds the
+    lease lost (another attempt took over): it cancels nothing, the handler being over, and the
+    call ends LEASE_LOST as its final transaction finds the claim gone. Cancelled, the call's
+    task (by then the finish's) answered no status, or CANCELLED, instead."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait-abort:NOT_FOUND")
+    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
+    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
+    try:
+        async with running_ledger(owner_store, overrides=overrides) as owner:
+            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=10))
+            await owner.service.started.wait()
+            async with contextlib.AsyncExitStack() as stack:
+                for _ in range(2):
+                    await stack.enter_async_context(owner_store.pool.acquire())
+                owner.service.release.set()  # the outcome's transaction waits for a connection
+                leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
+
+                async def leases_later() -> bool:
+                    return bool(
+                        await store.pool.fetchval(
+                            "SELECT clock_timestamp() > $1::timestamptz + 2 * $2::interval",
+                            leased_at,
+                            LEASE,
+                        )
+                    )
+
+                await until("two leases with the outcome waiting", leases_later)
+                # Taken over, as another attempt does: the owner's token matches no more.
+                await store.pool.execute(
+                    "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
+                    " WHERE key = $1",
+                    key,
+                )
+
+                async def long_lost() -> bool:
+                    # Two leases past its end on the database's clock: renewals tried meanwhile.
+                    return bool(
+                        await store.pool.fetchval(
+                            "SELECT locked_until + 2 * $2::interval < clock_timestamp()"
+                            " FROM grpc_idempotency.records WHERE key = $1",
+                            key,
+                            LEASE,
+                        )
+                    )
+
+                await until("the lease lost to the owner's renewals", long_lost)
+                assert not calling.done()
+            answer = await calling
+            assert answer.code is grpc.StatusCode.ABORTED, answer.details
+            assert answer.reason() == "IDEMPOTENCY_LEASE_LOST", answer
+    finally:
+        await owner_store.close()
