@@ -427,3 +427,54 @@ async def test_a_lease_found_lost_while_the_outcome_waits_is_answered_lease_lost
             assert answer.reason() == "IDEMPOTENCY_LEASE_LOST", answer
     finally:
         await owner_store.close()
+
+
+async def test_a_call_cancelled_while_its_keeper_stops_gives_its_connection_back(
+    pg_dsn: str, store: Store
+) -> None:
+    """The final transaction's connection is held while the keeper stops (``acquired``),
+    which waits for a renewal in flight: cancelled there (its client gone), the call gives the
+    connection back to the pool. Kept, the pool was one connection short for good."""
+    key, account = fresh(), fresh("acct")
+    request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
+    # Long enough that a renewal waiting on the claim row is still in flight when cancelled.
+    lease = timedelta(seconds=3)
+    overrides = {PHASED[1:]: MethodOverride(lease=lease, max_wait=timedelta(0))}
+    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
+    try:
+        await prepare(owner_store)
+        async with running_ledger(owner_store, overrides=overrides) as owner:
+            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+            await owner.service.started.wait()
+            held = [await owner_store.pool.acquire() for _ in range(2)]
+            async with store.pool.acquire() as locker, locker.transaction():
+                await locker.execute(
+                    "SELECT 1 FROM grpc_idempotency.records WHERE key = $1 FOR UPDATE", key
+                )
+
+                async def renewal_waiting() -> bool:
+                    return bool(
+                        await store.pool.fetchval(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
+                            " 'Lock' AND query LIKE '%UPDATE%records%SET locked_until%'"
+                        )
+                    )
+
+                await until("a renewal on the line waiting on the claim row", renewal_waiting)
+                owner.service.release.set()  # to its final transaction, waiting for a connection
+                await owner.service.opening.wait()
+                await owner_store.pool.release(held.pop())
+                await until(
+                    "the final transaction holding the connection (the keeper stopping)",
+                    lambda: owner_store.pool.get_idle_size() == 0 or None,
+                )
+                assert await renewal_waiting()  # the keeper's stop still waits for it
+                calling.cancel()
+                await until("the call's handler cancelled", owner.service.cancelled_opening.is_set)
+            await owner_store.pool.release(held.pop())
+            await until(
+                "every pooled connection given back",
+                lambda: owner_store.pool.get_idle_size() == 2 or None,
+            )
+    finally:
+        await owner_store.close()
