@@ -286,7 +286,7 @@ async def test_a_line_opened_as_the_store_closes_is_not_kept(pg_dsn: str, store:
         if armed:  # the line's connect: the pool's own are open by then
             entered.set()
             await gate.wait()
-        conn = await asyncpg.connect(*args, **kwargs)
+        conn: asyncpg.Connection = await asyncpg.connect(*args, **kwargs)
         opened.append(conn)
         return conn
 
@@ -324,7 +324,7 @@ async def test_a_renewal_cut_short_drops_the_line(
     opened: list[asyncpg.Connection] = []
 
     async def connect(*args: Any, **kwargs: Any) -> asyncpg.Connection:
-        conn = await asyncpg.connect(*args, **kwargs)
+        conn: asyncpg.Connection = await asyncpg.connect(*args, **kwargs)
         opened.append(conn)
         return conn
 
