@@ -377,7 +377,7 @@ class IdempotentConsumer:
             if not lost:
                 # The effect's failure whatever it raised (a library error of its own too).
                 delivery.failed(exc, ConsumerOutcome.RELEASED)
-            await mark.abandon(exc)
+            await mark.abandon(exc, after_effect=True)
             if lost:
                 raise store_error(exc, "running the effect", store=self.store.store_log) from exc
             raise

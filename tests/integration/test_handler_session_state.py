@@ -356,6 +356,48 @@ async def test_session_state_of_an_effect_that_commits_nothing_does_not_reach_th
         assert await session_left(store) == clean
 
 
+@pytest.mark.parametrize(
+    ("ending", "then"),
+    [
+        ("committed", "raises"),
+        ("replaced", "raises"),
+        ("replaced", "aborted"),
+        ("replaced", "read-only"),
+    ],
+)
+async def test_session_state_an_effect_leaves_out_of_its_transaction_does_not_reach_the_next_delivery(
+    pg_dsn: str, ending: str, then: str
+) -> None:
+    """The effect ends the mark's transaction, changes the session out of any transaction (and,
+    "replaced", opens another), then fails: raises (its exception goes on unchanged), catches
+    a failed statement, or makes the transaction read-only. Its connection went back to the
+    pool with the effect's role, search_path, advisory lock, temp table, LISTEN and cursor, to
+    the next delivery or call on it: the rollback after a failed effect undoes nothing run out
+    of the transaction it rolls back (and after a COMMIT of the effect's none was open)."""
+    async with one_connection(pg_dsn) as (store, _channel):
+        clean = await session_left(store)
+        consumer = IdempotentConsumer(store, "session-state")
+
+        async def effect(conn: Any) -> None:
+            await conn.execute("ROLLBACK" if ending == "replaced" else "COMMIT")
+            for statement in LEAVE_BEHIND:
+                await conn.execute(statement)
+            if ending == "replaced":
+                await conn.execute("BEGIN")
+            if then == "raises":
+                raise _EffectFailed
+            if then == "aborted":
+                with contextlib.suppress(Exception):
+                    await conn.execute("SELECT 1 / 0")
+            else:
+                await conn.execute("SET TRANSACTION READ ONLY")
+
+        raised = _EffectFailed if then == "raises" else HandlerDatabaseError
+        with pytest.raises(raised):
+            await consumer.process(uuid.uuid4().hex, effect)
+        assert await session_left(store) == clean
+
+
 @pytest.mark.parametrize("method", [ATOMIC, PHASED])
 @pytest.mark.parametrize("size", ["", "+big"])
 @pytest.mark.parametrize("behaviour", list(READ_ONLY))

@@ -37,6 +37,8 @@ from grpc_idempotency.store.postgres import (
     connection_closed,
 )
 from grpc_idempotency.store.sql import (
+    RESET_SESSION_ALONE,
+    ROLLBACK_AND_RESET,
     ROLLBACK_AND_UNLOCK,
     SESSION_RESET,
     begin,
@@ -409,7 +411,7 @@ class Mark:
             except asyncpg.InFailedSQLTransactionError:
                 # The effect caught a failed statement's error: the transaction was aborted,
                 # the COMMIT after the mark's update never ran, nothing committed.
-                await _abandon(conn, None)
+                await _abandon(conn, None, after_effect=True)
                 raise aborted_by("the effect") from None
             except BaseException as exc:
                 if getattr(exc, "sqlstate", None) == _MARK_GONE:
@@ -427,7 +429,7 @@ class Mark:
                     # written in this transaction), nor the store's fault. The batch stopped
                     # before its COMMIT: nothing committed, and every redelivery fails the same
                     # way, so it is the effect's error, not StoreUnavailable (retried).
-                    await _abandon(conn, None)
+                    await _abandon(conn, None, after_effect=True)
                     raise _made_read_only_by_the_effect(message_id) from None
                 # The commit may or may not have happened: never reuse this connection.
                 _terminate(conn)
@@ -447,9 +449,11 @@ class Mark:
         finally:
             await self._finish()
 
-    async def abandon(self, exc: BaseException | None) -> None:
+    async def abandon(self, exc: BaseException | None, *, after_effect: bool = False) -> None:
+        """Rolls back; ``after_effect``: the effect ran, and the session is reset too (it may
+        have changed it out of the mark's transaction, which it may have ended)."""
         try:
-            await _abandon(self.connection, exc)
+            await _abandon(self.connection, exc, after_effect=after_effect)
         finally:
             await self._finish()
 
@@ -499,7 +503,11 @@ def _connection_lost(conn: PooledConnection, exc: BaseException) -> bool:
 
 
 async def _abandon(
-    conn: PooledConnection, exc: BaseException | None, *, failpoint: str | None = None
+    conn: PooledConnection,
+    exc: BaseException | None,
+    *,
+    failpoint: str | None = None,
+    after_effect: bool = False,
 ) -> None:
     """Ends the transaction without committing. A cancellation or a timeout may have interrupted
     a statement mid-flight, and a failed ROLLBACK leaves the transaction's fate with the
@@ -520,8 +528,14 @@ async def _abandon(
         if conn.is_in_transaction():
             # Bounded: a ROLLBACK that hangs (the link died just now) is given up on, and the
             # connection dropped, rather than holding the delivery for ever. A session advisory
-            # lock of the effect's, which the ROLLBACK leaves, is released after it.
-            await conn.execute(ROLLBACK_AND_UNLOCK, timeout=ROLLBACK_TIMEOUT_S)
+            # lock of the effect's, which the ROLLBACK leaves, is released after it; after the
+            # effect, the whole session is reset (sql.ROLLBACK_AND_RESET).
+            rollback = ROLLBACK_AND_RESET if after_effect else ROLLBACK_AND_UNLOCK
+            await conn.execute(rollback, timeout=ROLLBACK_TIMEOUT_S)
+        elif after_effect:
+            # The effect committed (or rolled back) the mark's transaction itself, then failed:
+            # what it ran on the session after, no transaction of the library's holds.
+            await conn.execute(RESET_SESSION_ALONE, timeout=ROLLBACK_TIMEOUT_S)
     except Exception:
         log.debug("rollback failed; dropping the connection", exc_info=True)
         _terminate(conn)

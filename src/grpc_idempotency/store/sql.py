@@ -80,16 +80,25 @@ SAVEPOINT = "grpc_idempotency_handler"
 # postgres._rollback_checked) and PREPARE. Deferred constraints are checked first, as the
 # COMMIT would have: their triggers (the application's) see the handler's settings and role.
 # A SET LOCAL of a setting read at the COMMIT itself (synchronous_commit) is reset too.
-SESSION_RESET = (
-    "SET CONSTRAINTS ALL IMMEDIATE; "
+_RESET_SESSION = (
     "SELECT pg_catalog.pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; "
-    "RESET SESSION AUTHORIZATION; RESET ROLE; DISCARD TEMP; "
+    "RESET SESSION AUTHORIZATION; RESET ROLE; DISCARD TEMP"
 )
+SESSION_RESET = f"SET CONSTRAINTS ALL IMMEDIATE; {_RESET_SESSION}; "
 
 # How a transaction a handler (or a consumer's effect) ran in is rolled back: all the rollback
 # leaves of its session state is a session advisory lock, released after it (in an aborted
 # transaction the unlock would fail, and the ROLLBACK with it). The library holds none.
 ROLLBACK_AND_UNLOCK = "ROLLBACK; SELECT pg_catalog.pg_advisory_unlock_all()"
+
+# How a consumer's transaction is rolled back once its effect ran: the whole session is reset
+# after the ROLLBACK, not only advisory locks. An effect that ended the mark's transaction
+# (COMMIT, or ROLLBACK then BEGIN) and changed the session out of it (SET ROLE, a search_path,
+# LISTEN...) before failing left state no rollback undoes, and with no savepoint of the
+# library's to tell the transaction was replaced, the connection went back to the pool with
+# it. ``RESET_SESSION_ALONE``: the same when the effect left no transaction open.
+ROLLBACK_AND_RESET = f"ROLLBACK; {_RESET_SESSION}"
+RESET_SESSION_ALONE = _RESET_SESSION
 
 ISOLATION_LEVELS = frozenset({"read committed", "repeatable read", "serializable"})
 
