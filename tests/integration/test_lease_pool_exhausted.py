@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import timedelta
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -22,12 +23,72 @@ import pytest
 from testsvc.v1 import testsvc_pb2
 
 from grpc_idempotency import MethodOverride, Store, StoreUnavailable
-from tests.support.ledger import fresh, ledger_rows, prepare, running_ledger
+from tests.support.ledger import RunningLedger, fresh, ledger_rows, prepare, running_ledger
 from tests.support.pgbouncer import running_pgbouncer
 from tests.support.waiting import until
+from tests.support.wire import Answer
 
 PHASED = "/testsvc.v1.LedgerService/PostPhased"
 LEASE = timedelta(milliseconds=300)
+# max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
+OVERRIDES = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
+# The owner's pool: small enough to hold every connection of it from the test.
+OWNER_POOL_SIZE = 2
+
+
+@contextlib.asynccontextmanager
+async def _owner_store(dsn: str, **options: Any) -> AsyncIterator[Store]:
+    """The owner replica's store, a pool of ``OWNER_POOL_SIZE`` connections, closed after."""
+    owner_store = await Store.connect(
+        dsn, min_size=OWNER_POOL_SIZE, max_size=OWNER_POOL_SIZE, **options
+    )
+    try:
+        yield owner_store
+    finally:
+        await owner_store.close()
+
+
+@contextlib.asynccontextmanager
+async def _every_pooled_connection_held(owner_store: Store) -> AsyncIterator[None]:
+    """Long handlers hold every connection of the owner's pool until the block ends."""
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(OWNER_POOL_SIZE):
+            await stack.enter_async_context(owner_store.pool.acquire())
+        yield
+
+
+async def _owner_call_started(
+    owner: RunningLedger, request: testsvc_pb2.PostRequest, key: str
+) -> asyncio.Future[Answer]:
+    """The owner's call, once its handler has started (it then waits for ``release``)."""
+    calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
+    await owner.service.started.wait()
+    return calling
+
+
+async def _until_leases_pass(store: Store, what: str, since: datetime, leases: int) -> None:
+    """Until ``leases`` leases have passed since ``since`` on the database's clock."""
+
+    async def leases_later() -> bool:
+        return bool(
+            await store.pool.fetchval(
+                "SELECT clock_timestamp() > $1::timestamptz + $3::int * $2::interval",
+                since,
+                LEASE,
+                leases,
+            )
+        )
+
+    await until(what, leases_later)
+
+
+async def _a_duplicate_is_turned_away(
+    other: RunningLedger, request: testsvc_pb2.PostRequest, key: str
+) -> None:
+    """A duplicate on another replica finds the claim live: it neither runs nor takes over."""
+    duplicate = await other.call(PHASED, request, key)
+    assert other.service.executions == 0, "a duplicate took the live claim over"
+    assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
 
 
 async def test_the_lease_holds_while_every_pooled_connection_is_held(
@@ -103,53 +164,36 @@ async def _the_lease_holds_with_the_pool_exhausted(
 ) -> None:
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
-    # max_wait 0: a duplicate is answered at once, IN_PROGRESS, unless it can take over.
-    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
-    owner_store = await Store.connect(dsn, min_size=2, max_size=2, **options)
-    try:
+    async with _owner_store(dsn, **options) as owner_store:
         await prepare(owner_store)
         async with (
-            running_ledger(owner_store, overrides=overrides) as owner,
-            running_ledger(store, overrides=overrides) as other,
+            running_ledger(owner_store, overrides=OVERRIDES) as owner,
+            running_ledger(store, overrides=OVERRIDES) as other,
         ):
-            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
-            await owner.service.started.wait()
-            # Long handlers hold every connection of the owner's pool from now on.
-            async with contextlib.AsyncExitStack() as stack:
-                for _ in range(2):
-                    await stack.enter_async_context(owner_store.pool.acquire())
+            calling = await _owner_call_started(owner, request, key)
+            async with _every_pooled_connection_held(owner_store):
                 leased_at = await store.pool.fetchval(
                     "SELECT clock_timestamp() FROM grpc_idempotency.records WHERE key = $1", key
                 )
-
-                async def leases_later() -> bool:
-                    # Three leases on the database's clock: renewed, the claim still holds.
-                    return bool(
-                        await store.pool.fetchval(
-                            "SELECT clock_timestamp() > $1::timestamptz + 3 * $2::interval",
-                            leased_at,
-                            LEASE,
-                        )
-                    )
-
-                await until("three leases with the pool exhausted", leases_later)
+                # Three leases on the database's clock: renewed, the claim still holds.
+                await _until_leases_pass(
+                    store, "three leases with the pool exhausted", leased_at, 3
+                )
                 if kill_the_line:
                     killed = await store.pool.fetchval(
                         "SELECT pg_terminate_backend($1)", await _line_pid(store)
                     )
                     assert killed is True
                     leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
-                    await until("three leases more with the line lost", leases_later)
-                duplicate = await other.call(PHASED, request, key)
-                assert other.service.executions == 0, "a duplicate took the live claim over"
-                assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
+                    await _until_leases_pass(
+                        store, "three leases more with the line lost", leased_at, 3
+                    )
+                await _a_duplicate_is_turned_away(other, request, key)
             owner.service.release.set()
             other.service.release.set()
             answer = await calling
             assert answer.code is grpc.StatusCode.OK, answer.details
         assert await ledger_rows(store, account) == 1
-    finally:
-        await owner_store.close()
 
 
 async def test_the_lease_holds_while_the_final_transaction_waits_for_a_connection(
@@ -161,43 +205,26 @@ async def test_the_lease_holds_while_the_final_transaction_waits_for_a_connectio
     and a retry elsewhere took over an owner that had made all its downstream calls."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait")
-    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
-    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
-    try:
+    async with _owner_store(pg_dsn) as owner_store:
         await prepare(owner_store)
         async with (
-            running_ledger(owner_store, overrides=overrides) as owner,
-            running_ledger(store, overrides=overrides) as other,
+            running_ledger(owner_store, overrides=OVERRIDES) as owner,
+            running_ledger(store, overrides=OVERRIDES) as other,
         ):
-            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
-            await owner.service.started.wait()
-            async with contextlib.AsyncExitStack() as stack:
-                for _ in range(2):
-                    await stack.enter_async_context(owner_store.pool.acquire())
+            calling = await _owner_call_started(owner, request, key)
+            async with _every_pooled_connection_held(owner_store):
                 owner.service.release.set()  # the handler goes on to its final transaction
                 await owner.service.opening.wait()
                 leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
-
-                async def leases_later() -> bool:
-                    return bool(
-                        await store.pool.fetchval(
-                            "SELECT clock_timestamp() > $1::timestamptz + 3 * $2::interval",
-                            leased_at,
-                            LEASE,
-                        )
-                    )
-
-                await until("three leases with the final transaction waiting", leases_later)
+                await _until_leases_pass(
+                    store, "three leases with the final transaction waiting", leased_at, 3
+                )
                 assert not calling.done()
-                duplicate = await other.call(PHASED, request, key)
-                assert other.service.executions == 0, "a duplicate took the live claim over"
-                assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
+                await _a_duplicate_is_turned_away(other, request, key)
             other.service.release.set()
             answer = await calling
             assert answer.code is grpc.StatusCode.OK, answer.details
         assert await ledger_rows(store, account) == 1
-    finally:
-        await owner_store.close()
 
 
 async def test_the_lease_holds_while_the_outcome_waits_for_a_connection(
@@ -208,40 +235,21 @@ async def test_the_lease_holds_while_the_outcome_waits_for_a_connection(
     meanwhile."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait-abort:NOT_FOUND")
-    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
-    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
-    try:
-        async with (
-            running_ledger(owner_store, overrides=overrides) as owner,
-            running_ledger(store, overrides=overrides) as other,
-        ):
-            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=30))
-            await owner.service.started.wait()
-            async with contextlib.AsyncExitStack() as stack:
-                for _ in range(2):
-                    await stack.enter_async_context(owner_store.pool.acquire())
-                owner.service.release.set()  # the handler aborts NOT_FOUND: recorded
-                leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
-
-                async def leases_later() -> bool:
-                    return bool(
-                        await store.pool.fetchval(
-                            "SELECT clock_timestamp() > $1::timestamptz + 3 * $2::interval",
-                            leased_at,
-                            LEASE,
-                        )
-                    )
-
-                await until("three leases with the outcome waiting", leases_later)
-                assert not calling.done()
-                duplicate = await other.call(PHASED, request, key)
-                assert other.service.executions == 0, "a duplicate took the live claim over"
-                assert duplicate.code is grpc.StatusCode.ABORTED, duplicate.details
-            other.service.release.set()
-            answer = await calling
-            assert answer.code is grpc.StatusCode.NOT_FOUND, answer.details
-    finally:
-        await owner_store.close()
+    async with (
+        _owner_store(pg_dsn) as owner_store,
+        running_ledger(owner_store, overrides=OVERRIDES) as owner,
+        running_ledger(store, overrides=OVERRIDES) as other,
+    ):
+        calling = await _owner_call_started(owner, request, key)
+        async with _every_pooled_connection_held(owner_store):
+            owner.service.release.set()  # the handler aborts NOT_FOUND: recorded
+            leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
+            await _until_leases_pass(store, "three leases with the outcome waiting", leased_at, 3)
+            assert not calling.done()
+            await _a_duplicate_is_turned_away(other, request, key)
+        other.service.release.set()
+        answer = await calling
+        assert answer.code is grpc.StatusCode.NOT_FOUND, answer.details
 
 
 async def test_no_renewal_is_sent_while_the_final_transaction_is_open(store: Store) -> None:
@@ -380,53 +388,39 @@ async def test_a_lease_found_lost_while_the_outcome_waits_is_answered_lease_lost
     task (by then the finish's) answered no status, or CANCELLED, instead."""
     key, account = fresh(), fresh("acct")
     request = testsvc_pb2.PostRequest(account=account, amount=1, behaviour="wait-abort:NOT_FOUND")
-    overrides = {PHASED[1:]: MethodOverride(lease=LEASE, max_wait=timedelta(0))}
-    owner_store = await Store.connect(pg_dsn, min_size=2, max_size=2)
-    try:
-        async with running_ledger(owner_store, overrides=overrides) as owner:
-            calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=10))
-            await owner.service.started.wait()
-            async with contextlib.AsyncExitStack() as stack:
-                for _ in range(2):
-                    await stack.enter_async_context(owner_store.pool.acquire())
-                owner.service.release.set()  # the outcome's transaction waits for a connection
-                leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
+    async with (
+        _owner_store(pg_dsn) as owner_store,
+        running_ledger(owner_store, overrides=OVERRIDES) as owner,
+    ):
+        calling = asyncio.ensure_future(owner.call(PHASED, request, key, timeout=10))
+        await owner.service.started.wait()
+        async with _every_pooled_connection_held(owner_store):
+            owner.service.release.set()  # the outcome's transaction waits for a connection
+            leased_at = await store.pool.fetchval("SELECT clock_timestamp()")
+            await _until_leases_pass(store, "two leases with the outcome waiting", leased_at, 2)
+            # Taken over, as another attempt does: the owner's token matches no more.
+            await store.pool.execute(
+                "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
+                " WHERE key = $1",
+                key,
+            )
 
-                async def leases_later() -> bool:
-                    return bool(
-                        await store.pool.fetchval(
-                            "SELECT clock_timestamp() > $1::timestamptz + 2 * $2::interval",
-                            leased_at,
-                            LEASE,
-                        )
+            async def long_lost() -> bool:
+                # Two leases past its end on the database's clock: renewals tried meanwhile.
+                return bool(
+                    await store.pool.fetchval(
+                        "SELECT locked_until + 2 * $2::interval < clock_timestamp()"
+                        " FROM grpc_idempotency.records WHERE key = $1",
+                        key,
+                        LEASE,
                     )
-
-                await until("two leases with the outcome waiting", leases_later)
-                # Taken over, as another attempt does: the owner's token matches no more.
-                await store.pool.execute(
-                    "UPDATE grpc_idempotency.records SET fencing_token = fencing_token + 1"
-                    " WHERE key = $1",
-                    key,
                 )
 
-                async def long_lost() -> bool:
-                    # Two leases past its end on the database's clock: renewals tried meanwhile.
-                    return bool(
-                        await store.pool.fetchval(
-                            "SELECT locked_until + 2 * $2::interval < clock_timestamp()"
-                            " FROM grpc_idempotency.records WHERE key = $1",
-                            key,
-                            LEASE,
-                        )
-                    )
-
-                await until("the lease lost to the owner's renewals", long_lost)
-                assert not calling.done()
-            answer = await calling
-            assert answer.code is grpc.StatusCode.ABORTED, answer.details
-            assert answer.reason() == "IDEMPOTENCY_LEASE_LOST", answer
-    finally:
-        await owner_store.close()
+            await until("the lease lost to the owner's renewals", long_lost)
+            assert not calling.done()
+        answer = await calling
+        assert answer.code is grpc.StatusCode.ABORTED, answer.details
+        assert answer.reason() == "IDEMPOTENCY_LEASE_LOST", answer
 
 
 async def test_a_call_cancelled_while_its_keeper_stops_gives_its_connection_back(
