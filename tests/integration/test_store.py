@@ -141,6 +141,24 @@ async def _before_migration_10_behind_a_reader(
         await store.close()
 
 
+@contextlib.asynccontextmanager
+async def _another_runner_mid_migration(
+    pg_dsn: str,
+) -> AsyncIterator[tuple[str, asyncpg.Connection]]:
+    """A fresh schema's name and another runner's connection (``runner``) holding its
+    migration lock in an open transaction, as mid-migration; the connection closed after."""
+    from grpc_idempotency.store.migrations import _lock_id
+
+    schema = fresh_schema()
+    runner = await asyncpg.connect(pg_dsn)
+    try:
+        await runner.execute("BEGIN")
+        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+        yield schema, runner
+    finally:
+        await runner.close()
+
+
 async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_calls(
     pg_dsn: str,
 ) -> None:
@@ -319,13 +337,7 @@ async def test_a_replica_waiting_for_another_runners_migration_says_so(
     role's: ``test_a_replica_waits_for_another_runner_...``); past that, the error says that another runner is at work and is no outage. It read
     "store unavailable while migrating (TimeoutError)" or "(57014)", or blamed a table lock after
     six tries, and an operator looked for a database that was down (reviews' findings)."""
-    from grpc_idempotency.store.migrations import _lock_id
-
-    schema = fresh_schema()
-    runner = await asyncpg.connect(pg_dsn)  # the other runner, mid-migration
-    try:
-        await runner.execute("BEGIN")
-        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
+    async with _another_runner_mid_migration(pg_dsn) as (schema, runner):
         with pytest.raises(StoreUnavailable, match="another runner is applying migrations") as err:
             await Store.connect(pg_dsn, schema=schema, migrate=True, **bound)
         assert not err.value.outage
@@ -337,8 +349,6 @@ async def test_a_replica_waiting_for_another_runners_migration_says_so(
         finally:
             await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
             await store.close()
-    finally:
-        await runner.close()
 
 
 async def test_a_replicas_wait_for_another_runner_cancelled_on_the_server_says_so(
@@ -349,41 +359,37 @@ async def test_a_replicas_wait_for_another_runner_cancelled_on_the_server_says_s
     of another runner at work, said so, not "migration 0001_records took too long" (a
     ``MigrationTimedOut`` naming a migration that was never started), nor a statement_timeout
     the wait no longer has."""
-    from grpc_idempotency.store.migrations import _lock_id
-
-    schema = fresh_schema()
-    runner = await asyncpg.connect(pg_dsn)  # the other runner, mid-migration
-    try:
-        await runner.execute("BEGIN")
-        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
-        starting = asyncio.create_task(
-            Store.connect(
-                pg_dsn,
-                schema=schema,
-                migrate=True,
-                command_timeout=30,
-                server_settings={"application_name": schema},
-            )
-        )
-
-        async def waiting() -> bool:
-            return starting.done() or bool(
-                await db.fetchval(
-                    "SELECT pg_catalog.pg_cancel_backend(pid) FROM pg_stat_activity"
-                    " WHERE application_name = $1 AND wait_event = 'advisory'",
-                    schema,
+    async with _another_runner_mid_migration(pg_dsn) as (schema, _):
+        try:
+            starting = asyncio.create_task(
+                Store.connect(
+                    pg_dsn,
+                    schema=schema,
+                    migrate=True,
+                    command_timeout=30,
+                    server_settings={"application_name": schema},
                 )
             )
 
-        await until("the replica's wait to be cancelled", waiting)
-        with pytest.raises(StoreUnavailable, match="another runner is applying migrations") as err:
-            await starting
-        assert not err.value.outage
-        assert "(cancelled on the server)" in str(err.value)
-        assert "statement_timeout" not in str(err.value)
-    finally:
-        await runner.close()
-        await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            async def waiting() -> bool:
+                return starting.done() or bool(
+                    await db.fetchval(
+                        "SELECT pg_catalog.pg_cancel_backend(pid) FROM pg_stat_activity"
+                        " WHERE application_name = $1 AND wait_event = 'advisory'",
+                        schema,
+                    )
+                )
+
+            await until("the replica's wait to be cancelled", waiting)
+            with pytest.raises(
+                StoreUnavailable, match="another runner is applying migrations"
+            ) as err:
+                await starting
+            assert not err.value.outage
+            assert "(cancelled on the server)" in str(err.value)
+            assert "statement_timeout" not in str(err.value)
+        finally:
+            await db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.mark.parametrize(
@@ -401,48 +407,42 @@ async def test_a_replica_waits_for_another_runner_as_long_as_its_command_timeout
     says the wait lasts the statement timeout (``command_timeout``, ``--command-timeout``) and
     a migration's statements run under it in place of the role's. The wait is the caller's now:
     it outlasts the role's bound and ends when the other runner commits."""
-    from grpc_idempotency.store.migrations import _lock_id
-
-    schema = fresh_schema()
-    runner = await asyncpg.connect(pg_dsn)  # the other runner, mid-migration
-    observer = await asyncpg.connect(pg_dsn)
-    try:
-        await runner.execute("BEGIN")
-        await runner.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
-        starting = asyncio.create_task(
-            Store.connect(
-                pg_dsn,
-                schema=schema,
-                migrate=True,
-                command_timeout=30,
-                server_settings={"application_name": schema, **role_bound},
-            )
-        )
-
-        async def waited_past_the_roles_bound() -> bool:
-            # Past the role's bound by the server's own clock (it is 300 ms at most), or ended.
-            # Asked outside the runner's transaction, which keeps its first view of the stats.
-            return starting.done() or bool(
-                await observer.fetchval(
-                    "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1"
-                    " AND wait_event = 'advisory'"
-                    " AND pg_catalog.clock_timestamp() - query_start > interval '500 ms')",
-                    schema,
+    async with _another_runner_mid_migration(pg_dsn) as (schema, runner):
+        observer = await asyncpg.connect(pg_dsn)
+        try:
+            starting = asyncio.create_task(
+                Store.connect(
+                    pg_dsn,
+                    schema=schema,
+                    migrate=True,
+                    command_timeout=30,
+                    server_settings={"application_name": schema, **role_bound},
                 )
             )
 
-        await until("the replica to wait past the role's bound", waited_past_the_roles_bound)
-        assert not starting.done(), starting.exception()
-        await runner.execute("ROLLBACK")  # the other runner is done (here: it applied nothing)
-        store = await starting
-        try:
-            assert await store.check_schema() == {m.version for m in available_migrations()}
+            async def waited_past_the_roles_bound() -> bool:
+                # Past the role's bound by the server's own clock (it is 300 ms at most), or ended.
+                # Asked outside the runner's transaction, which keeps its first view of the stats.
+                return starting.done() or bool(
+                    await observer.fetchval(
+                        "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1"
+                        " AND wait_event = 'advisory'"
+                        " AND pg_catalog.clock_timestamp() - query_start > interval '500 ms')",
+                        schema,
+                    )
+                )
+
+            await until("the replica to wait past the role's bound", waited_past_the_roles_bound)
+            assert not starting.done(), starting.exception()
+            await runner.execute("ROLLBACK")  # the other runner is done (here: it applied nothing)
+            store = await starting
+            try:
+                assert await store.check_schema() == {m.version for m in available_migrations()}
+            finally:
+                await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
+                await store.close()
         finally:
-            await store.pool.execute(f'DROP SCHEMA "{schema}" CASCADE')
-            await store.close()
-    finally:
-        await runner.close()
-        await observer.close()
+            await observer.close()
 
 
 async def test_a_schema_a_newer_release_migrated_is_reported_however_the_store_starts(
