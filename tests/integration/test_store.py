@@ -159,6 +159,20 @@ async def _another_runner_mid_migration(
         await runner.close()
 
 
+async def _until_the_migration_waits_for_the_outbox(
+    migrating: asyncio.Task[Any], asking: Any, schema: str, waiting_on_the_outbox: str, who: object
+) -> None:
+    """Until ``waiting_on_the_outbox`` (``$1``: ``who``, ``$2``: the outbox), asked on
+    ``asking``, finds the migration waiting for the outbox's lock, or the migration ended."""
+
+    async def waiting() -> bool:
+        return migrating.done() or bool(
+            await asking.fetchval(waiting_on_the_outbox, who, f'"{schema}".outbox')
+        )
+
+    await until("the migration to wait for the outbox", waiting)
+
+
 async def test_a_migration_gives_way_to_a_long_transaction_instead_of_stalling_calls(
     pg_dsn: str,
 ) -> None:
@@ -204,19 +218,14 @@ async def test_a_migration_chosen_as_a_deadlock_victim_gives_way_and_tries_again
         migrating = asyncio.create_task(
             migrate(runner, schema, lock_timeout_s=30.0, lock_attempts=2)
         )
-        pid = runner.get_server_pid()
-
-        async def waiting_for_the_outbox() -> bool:
-            return migrating.done() or bool(
-                await call.fetchval(
-                    "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks"
-                    " WHERE pid = $1 AND NOT granted AND relation = $2::regclass)",
-                    pid,
-                    f'"{schema}".outbox',
-                )
-            )
-
-        await until("the migration to wait for the outbox", waiting_for_the_outbox)
+        await _until_the_migration_waits_for_the_outbox(
+            migrating,
+            call,
+            schema,
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks"
+            " WHERE pid = $1 AND NOT granted AND relation = $2::regclass)",
+            runner.get_server_pid(),
+        )
         assert not migrating.done(), migrating.exception()
         # The call now waits for what the migration holds (here its migration lock): a deadlock.
         # It gets it once the migration gives way, and ends.
@@ -250,20 +259,17 @@ async def test_a_migration_out_of_tries_on_a_deadlock_says_so(
             )
         )
 
-        async def waiting_for_the_outbox() -> bool:
-            # Not asked in the call's transaction, which keeps its first view of the activity.
-            return starting.done() or bool(
-                await db.fetchval(
-                    "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l"
-                    " JOIN pg_catalog.pg_stat_activity a USING (pid)"
-                    " WHERE a.application_name = $1 AND NOT l.granted"
-                    " AND l.relation = $2::regclass)",
-                    schema,
-                    f'"{schema}".outbox',
-                )
-            )
-
-        await until("the migration to wait for the outbox", waiting_for_the_outbox)
+        # Not asked in the call's transaction, which keeps its first view of the activity.
+        await _until_the_migration_waits_for_the_outbox(
+            starting,
+            db,
+            schema,
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l"
+            " JOIN pg_catalog.pg_stat_activity a USING (pid)"
+            " WHERE a.application_name = $1 AND NOT l.granted"
+            " AND l.relation = $2::regclass)",
+            schema,
+        )
         assert not starting.done(), starting.exception()
         await call.execute("SELECT pg_advisory_xact_lock($1)", _lock_id(schema))
         await call.execute("ROLLBACK")
