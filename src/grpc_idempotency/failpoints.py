@@ -5,7 +5,8 @@ for example ``after_commit_before_response=crash`` (the process dies at once, li
 ``before_commit=sleep:2000``, ``after_claim=error`` or ``after_claim=stop`` (the process sends
 itself SIGSTOP there and stays frozen, mid-request, until a SIGCONT; POSIX only). Points:
 ``after_claim``, ``before_commit``, ``after_commit_before_response`` (the server),
-``relay_after_delivery`` (the outbox relay: delivered, not yet marked sent), ``purge_batch``
+``relay_after_delivery`` (the outbox relay: delivered, not yet marked sent),
+``relay_after_claim`` (the relay's claim committed, its rows not yet the relay's), ``purge_batch``
 (every purge, before each batch), ``lease_renewal`` (a phased claim's lease keeper, before each
 renewal), ``lease_renewed`` (the keeper, with a renewal's answer, before it acts on it),
 ``mark_probe_rollback`` (the consumer's mark: its probe met the row held, the ROLLBACK before

@@ -518,6 +518,9 @@ class RelayStats:
     unrecorded: int = 0
     """Outcomes not recorded: the claim was taken over meanwhile, or marking failed; such rows
     are delivered again when their lease expires."""
+    released: int = 0
+    """Claims given back undelivered, due again at once: the relay was cancelled mid-batch (or
+    as its claim committed). ``claimed`` is the sum of these five."""
     purged: int = 0
     """Sent rows deleted after retention."""
 
@@ -837,10 +840,29 @@ class Relay:
             if batch.claimed == 0:
                 return total
 
-    async def _batch(self) -> _Batch:
+    async def _claim(self) -> list[OutboxMessage]:
         messages = await self.outbox.claim(
             relay=self.name, limit=self.batch_size, lease_s=self.lease, steps=self.steps
         )
+        if failpoints.ENABLED:
+            # The claim committed, its rows not yet the relay's: where a cancel that lands as
+            # the claim's answer comes back stands.
+            await failpoints.hit("relay_after_claim")
+        return messages
+
+    async def _batch(self) -> _Batch:
+        # Seen through when the relay is cancelled (a task of its own, shielded): a cancel
+        # while the statement runs may come after PostgreSQL committed it, and the rows it
+        # claimed, never seen, waited out the lease as lost claims. Given back instead; by
+        # their claims (id, attempts), not "every row claimed by this name": a name given to
+        # two relays (``name=``, ``--name``; nothing enforces it unique) gave back the rows the
+        # other was delivering.
+        claiming = asyncio.ensure_future(self._claim())
+        try:
+            messages = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            await self._outlast_cancel(self._give_back_claim(claiming))
+            raise
         self.stats.batches += 1
         if not messages:
             return _Batch()
@@ -859,7 +881,70 @@ class Relay:
                 if done.done() and not done.cancelled() and done.exception() is None:
                     self._end_span(done.result(), _UNRECORDED, None)
             raise
-        return await self._record_ending_spans(messages, attempts)
+        # Every delivery ended: a cancel now cut the marks short (cancelled in PostgreSQL too),
+        # and left delivered rows claimed, to go again after the lease as lost claims. So they
+        # run on, shielded and bounded as a cancelled batch's cleanup; once (the outcomes, the
+        # stats and the spans are recorded by that one task).
+        recording = asyncio.ensure_future(self._record_ending_spans(messages, attempts))
+        try:
+            return await asyncio.shield(recording)
+        except asyncio.CancelledError:
+            await self._outlast_cancel(self._recorded_after_cancel(recording))
+            raise
+
+    async def _give_back_claim(self, claiming: asyncio.Future[list[OutboxMessage]]) -> None:
+        """The relay was cancelled while claiming: gives back what the claim took, once it
+        has (``_outlast_cancel``)."""
+        try:
+            messages = await claiming
+        except Exception as err:
+            log.warning(
+                "relay %s: cancelled while claiming, and the claim failed (%s): rows it may"
+                " have claimed are delivered again after their lease",
+                self.name,
+                err,
+            )
+            return
+        self.stats.batches += 1
+        if messages:
+            self.stats.claimed += len(messages)
+            await self._settle([], [(m.id, m.attempts) for m in messages])
+
+    async def _recorded_after_cancel(self, recording: asyncio.Future[_Batch]) -> None:
+        """The relay was cancelled while recording its batch: awaits the recording, and logs
+        its failure (after a second cancel nobody else retrieves it)."""
+        try:
+            await recording
+        except Exception as err:
+            log.warning(
+                "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
+                " rows not recorded are delivered again after their lease",
+                self.name,
+                err,
+            )
+
+    async def _outlast_cancel(self, cleanup: Awaitable[None]) -> None:
+        """Runs ``cleanup`` (which logs its own failure) after the relay was cancelled:
+        shielded from a second cancel and bounded (``_CANCEL_CLEANUP_S``), so that a database
+        that does not answer leaves the rows to their lease and never holds up a shutdown."""
+        task = asyncio.ensure_future(cleanup)
+        # The loop holds tasks weakly: after a second cancel this set is the cleanup's only
+        # strong reference while it runs.
+        _CLEANUPS.add(task)
+        task.add_done_callback(_CLEANUPS.discard)
+        try:
+            async with asyncio.timeout(_CANCEL_CLEANUP_S):
+                await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise  # cancelled again: the cleanup goes on while the loop runs
+        except TimeoutError:
+            task.cancel()
+            log.warning(
+                "relay %s: cancelled mid-batch, and its outcomes could not be recorded within"
+                " %gs: rows not recorded are delivered again after their lease",
+                self.name,
+                _CANCEL_CLEANUP_S,
+            )
 
     async def _settle_cancelled(
         self, messages: list[OutboxMessage], delivering: Sequence[asyncio.Future[_Attempt]]
@@ -881,47 +966,39 @@ class Relay:
                 ended.append((message, done.result()))
             else:
                 cut.append((message.id, message.attempts))
+        await self._outlast_cancel(self._settle(ended, cut))
 
-        async def settle() -> None:
-            # Its failure is logged here, not where it is awaited: after a second cancel nobody
-            # awaits it, and it was an exception never retrieved, the relay's warning unsaid.
-            try:
-                if ended:
-                    await self._record_ending_spans([m for m, _ in ended], [a for _, a in ended])
-                # After the marks: a release that cannot run leaves only undelivered rows claimed.
-                released = await self.outbox.release(relay=self.name, claims=cut)
-            except Exception as err:
-                log.warning(
-                    "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
-                    " rows not recorded are delivered again after their lease",
-                    self.name,
-                    err,
-                )
-                return
-            log.info(
-                "relay %s: cancelled mid-batch; %d claim(s) not delivered given back",
-                self.name,
-                released,
-            )
-
-        cleanup = asyncio.ensure_future(settle())
-        # The loop holds tasks weakly: after a second cancel this set is the cleanup's only
-        # strong reference while it runs.
-        _CLEANUPS.add(cleanup)
-        cleanup.add_done_callback(_CLEANUPS.discard)
+    async def _settle(
+        self, ended: list[tuple[OutboxMessage, _Attempt]], cut: list[tuple[int, int]]
+    ) -> None:
+        """Records the outcomes of the deliveries that ``ended`` and gives back the claims
+        ``cut`` short. Its failure is logged here, not where it is awaited: after a second
+        cancel nobody awaits it, and it was an exception never retrieved, the relay's warning
+        unsaid."""
+        released = 0
         try:
-            async with asyncio.timeout(_CANCEL_CLEANUP_S):
-                await asyncio.shield(cleanup)
-        except asyncio.CancelledError:
-            raise  # cancelled again: the cleanup goes on while the loop runs
-        except TimeoutError:
-            cleanup.cancel()
+            if ended:
+                await self._record_ending_spans([m for m, _ in ended], [a for _, a in ended])
+            # After the marks: a release that cannot run leaves only undelivered rows claimed.
+            released = await self.outbox.release(relay=self.name, claims=cut)
+        except Exception as err:
             log.warning(
-                "relay %s: cancelled mid-batch, and its outcomes could not be recorded within"
-                " %gs: rows not recorded are delivered again after their lease",
+                "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
+                " rows not recorded are delivered again after their lease",
                 self.name,
-                _CANCEL_CLEANUP_S,
+                err,
             )
+            return
+        finally:
+            # A claim not given back (taken over after its lease, or the release failed or ran
+            # out of time) is left to the lease: unrecorded, so that the counts add up.
+            self.stats.released += released
+            self.stats.unrecorded += len(cut) - released
+        log.info(
+            "relay %s: cancelled mid-batch; %d claim(s) not delivered given back",
+            self.name,
+            released,
+        )
 
     async def _record_ending_spans(
         self, messages: list[OutboxMessage], attempts: list[_Attempt]

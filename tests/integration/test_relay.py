@@ -3060,6 +3060,9 @@ async def test_a_relay_cancelled_mid_batch_records_what_was_delivered_and_releas
         if cancel == 0:
             # A delivery that did fail is recorded as one (max_attempts=1: parked).
             assert relay.stats.delivered == 1 and relay.stats.dead == 1
+            # The claims add up: each delivered, failed, left to the lease or given back.
+            stats = relay.stats
+            assert (stats.claimed, stats.released, stats.unrecorded) == (3, 1, 0), stats
             assert (await row(outbox, "fast"))["state"] == "sent"
             bad = await row(outbox, "bad")
             assert bad["state"] == "dead" and bad["failures"] == 1
@@ -3297,3 +3300,108 @@ async def test_metadata_for_may_give_pairs_in_any_form_grpc_takes(
     assert await Relay(outbox, sink, listen=False).run_once() == 1
     assert ledger.service.attempts == {key: 1}
     assert ledger.service.tenants_seen[-1:] == ["tenant-b"]
+
+
+class _Held:
+    """A sink that says when it delivers (``delivering``) and returns only once ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.delivering = asyncio.Event()
+        self.go = asyncio.Event()
+        self.delivered: collections.Counter[str] = collections.Counter()
+
+    async def deliver(self, message: OutboxMessage) -> None:
+        self.delivering.set()
+        await self.go.wait()
+        self.delivered[message.key] += 1
+
+
+async def _still_waiting_on(outbox: Store, blocked: int, holder: int) -> bool:
+    return bool(
+        await outbox.pool.fetchval(
+            "SELECT $2 = ANY(pg_catalog.pg_blocking_pids($1))", blocked, holder
+        )
+    )
+
+
+async def test_a_relay_cancelled_while_it_marks_its_batch_still_records_it(
+    outbox: Store,
+) -> None:
+    """A cancel that lands once every delivery has ended, while the batch's marks run: the marks
+    go on, shielded, and the relay ends once they are done. Cut there, the mark was cancelled in
+    PostgreSQL too and the delivered row stayed claimed: sent again after the lease, and counted
+    a lost claim (max_attempts + 1 such cancels in a row parked a row that never failed)."""
+    sink = _Held()
+    await insert(outbox, outbox.schema, ["marked"])
+    relay = Relay(outbox, sink, lease=30, poll_interval=60, listen=False)
+    cleanups = len(outbox_module._CLEANUPS)
+    task = asyncio.create_task(relay.run())
+    await asyncio.wait_for(sink.delivering.wait(), WAIT_S)  # claimed: the row is free to lock
+    async with outbox.pool.acquire() as conn:
+        async with conn.transaction():
+            await conn.execute(
+                f'SELECT 1 FROM "{outbox.schema}".outbox WHERE key = $1 FOR UPDATE', "marked"
+            )
+            sink.go.set()
+            blocked = await _relay_waiting_on_lock(outbox, conn.get_server_pid())
+            task.cancel()
+
+            async def cancel_taken() -> bool:
+                # Shielded: the marks go on (held as a cleanup). Cut: the mark's statement is
+                # cancelled in PostgreSQL; the lock is released only once it is, so that it
+                # cannot commit late and hide the cut.
+                return len(outbox_module._CLEANUPS) > cleanups or not await _still_waiting_on(
+                    outbox, blocked, conn.get_server_pid()
+                )
+
+            await until("the cancel to reach the mark", cancel_taken, timeout=WAIT_S)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+    marked = await row(outbox, "marked")
+    assert marked["state"] == "sent" and marked["locked_until"] is None, marked
+    assert relay.stats.delivered == 1 and relay.stats.unrecorded == 0, relay.stats
+    assert sink.delivered == {"marked": 1}
+
+
+async def test_a_relay_cancelled_while_its_claim_commits_gives_the_claimed_rows_back(
+    outbox: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel that lands while the claim's answer is on its way (the statement committed in
+    PostgreSQL, the relay not yet holding its rows: the failpoint ``relay_after_claim`` stands
+    there): the claim is seen through, shielded, and its rows given back, due at once and
+    charged nothing. Cut there, they stayed claimed until the lease, each counted a lost claim,
+    though the relay never saw them."""
+    from grpc_idempotency import failpoints
+
+    reached, go = asyncio.Event(), asyncio.Event()
+
+    async def hit(name: str) -> None:
+        if name == "relay_after_claim":
+            reached.set()
+            await go.wait()
+
+    monkeypatch.setattr(failpoints, "ENABLED", True)
+    monkeypatch.setattr(failpoints, "hit", hit)
+    sink = _Held()
+    await insert(outbox, outbox.schema, ["a", "b"])
+    relay = Relay(outbox, sink, lease=30, poll_interval=60, listen=False)
+    task = asyncio.create_task(relay.run())
+    await asyncio.wait_for(reached.wait(), WAIT_S)
+    claimed = await row(outbox, "a")
+    assert claimed["locked_until"] is not None and claimed["claimed_by"] == relay.name
+    task.cancel()
+    go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, WAIT_S)
+    for key in ("a", "b"):
+        given = await row(outbox, key)
+        assert given["state"] == "pending" and given["locked_until"] is None, given
+        assert given["failures"] == 0 and given["lost_claims"] == 0, given
+    assert not sink.delivering.is_set()  # nothing delivered: the relay was stopping
+    stats = relay.stats
+    assert stats.claimed == 2 and stats.released == 2 and stats.unrecorded == 0, stats
+    monkeypatch.setattr(failpoints, "ENABLED", False)
+    sink.go.set()
+    again = Relay(outbox, sink, lease=30, poll_interval=60, listen=False)
+    assert await again.run_once() == 2  # one batch: neither row is a lost claim
+    assert sink.delivered == {"a": 1, "b": 1}

@@ -26,6 +26,9 @@ POINTS = frozenset(
         # the outbox relay: a sink delivered a message; the row is not yet marked sent (a crash
         # here leaves it claimed, and it is delivered again once the claim's lease expires)
         "relay_after_delivery",
+        # the outbox relay's claim committed; its rows are not yet the relay's (``crash``: they
+        # come back after the lease as lost claims; a cancel here gives them back)
+        "relay_after_claim",
         # a purge (``Purger``, a relay's purge of sent rows, ``grpc-idempotency purge``) is about
         # to run a batch: ``error`` stands for a failure no outage explains (a bug)
         "purge_batch",
