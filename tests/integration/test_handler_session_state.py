@@ -398,6 +398,29 @@ async def test_session_state_an_effect_leaves_out_of_its_transaction_does_not_re
         assert await session_left(store) == clean
 
 
+async def test_an_effect_that_committed_itself_then_went_read_only_is_told_its_commit_stands(
+    pg_dsn: str,
+) -> None:
+    """The effect commits the mark's transaction itself, opens another and makes it read-only:
+    the mark's update is refused there, but the effect's COMMIT already committed the mark. The
+    error said "nothing was committed"; a redelivery is a duplicate, as the error now says."""
+    async with one_connection(pg_dsn) as (store, _channel):
+        consumer = IdempotentConsumer(store, "read-only-after-commit")
+        message_id = uuid.uuid4().hex
+
+        async def effect(conn: Any) -> None:
+            await conn.execute("COMMIT")
+            await conn.execute("BEGIN")
+            await conn.execute("SET TRANSACTION READ ONLY")
+
+        with pytest.raises(HandlerDatabaseError) as refused:
+            await consumer.process(message_id, effect)
+        assert "nothing was committed" not in str(refused.value)
+        assert "stays committed" in str(refused.value)
+        again = await consumer.process(message_id, effect)
+        assert again.duplicate
+
+
 @pytest.mark.parametrize("method", [ATOMIC, PHASED])
 @pytest.mark.parametrize("size", ["", "+big"])
 @pytest.mark.parametrize("behaviour", list(READ_ONLY))

@@ -473,8 +473,9 @@ def _ended_by_the_effect(message_id: str) -> StoreUnavailable:
 def _made_read_only_by_the_effect(message_id: str) -> HandlerDatabaseError:
     return HandlerDatabaseError(
         f"the effect of message {message_id!r} made the consumer's transaction read-only"
-        " (SET TRANSACTION READ ONLY), so its mark could not be committed; nothing was"
-        " committed (inside a savepoint, the switch ends at RELEASE SAVEPOINT)"
+        " (SET TRANSACTION READ ONLY), so its mark could not be committed there and that"
+        " transaction was rolled back (inside a savepoint, the switch ends at RELEASE"
+        " SAVEPOINT); what the effect committed itself before, if it did, stays committed"
     )
 
 
