@@ -35,7 +35,9 @@ class Purger:
 
     ``async with Purger(store):`` or ``start()`` / ``await stop()``. Given ``ShardedStores``, it
     purges every shard, each on a schedule of its own: a shard that cannot be reached (each of
-    its statements waits out its timeout) or has a long backlog holds up no other.
+    its statements waits out its timeout) or has a long backlog holds up no other. Shards on one
+    database and schema (one ``Store`` under two names, or two ``Store``s connected to it, DSNs
+    spelled alike or not) share one schedule.
 
     ``purged`` counts the records of every committed batch; ``stop()`` rolls back the batch
     under way, if any.
@@ -106,50 +108,107 @@ class Purger:
         names: dict[int, tuple[Store, list[str]]] = {}
         for name, store in self.store.shards.items():
             names.setdefault(id(store), (store, []))[1].append(name)
+        # And one per database: two Stores connected to one database and schema (one per name,
+        # from DSNs that need not be spelled alike) were two purges of one table all the same.
+        # Which database a store reaches is known only by asking it, each run (a DSN's host may
+        # move): the first schedule to name a database purges it while it runs, the others skip.
+        owners: dict[tuple[object, ...], tuple[object, str]] | None = {} if len(names) > 1 else None
         async with asyncio.TaskGroup() as shards:
             for store, named in names.values():
                 what = "shards" if len(named) > 1 else "shard"
-                where = f" on {what} {', '.join(map(repr, named))}"
-                shards.create_task(self._purge_every_interval(store, where))
+                label = f"{what} {', '.join(map(repr, named))}"
+                shards.create_task(self._purge_every_interval(store, f" on {label}", owners, label))
 
-    async def _purge_every_interval(self, store: Store, where: str) -> None:
-        while True:
-            run = [0]  # this run's committed batches: the log of a run that fails says them
-
-            def count(deleted: int, run: list[int] = run) -> None:
-                self.purged += deleted
-                run[0] += deleted
-
-            try:
-                # Counted per committed batch: a purge stopped midway left its committed batches
-                # out of ``purged``.
-                await store.purge(batch_size=self.batch_size, pause=self.pause, on_batch=count)
-            except StoreUnavailable as err:
-                if store.closed:
-                    # store.close() (a shutdown that closed the store before stopping the
-                    # purger): every later run failed alike, and said so every interval for as
-                    # long as the process lived. Sharded, the other shards' loops go on.
-                    log.warning(
-                        "purger stopped%s: its store was closed (store.close()); stop the purger"
-                        " first to end it quietly",
-                        where,
-                    )
+    async def _purge_every_interval(
+        self,
+        store: Store,
+        where: str,
+        owners: dict[tuple[object, ...], tuple[object, str]] | None = None,
+        label: str = "",
+    ) -> None:
+        me = object()
+        claimed: tuple[object, ...] | None = None
+        told: str | None = None  # the schedule this one was last said to be left to
+        try:
+            while True:
+                if owners is not None:
+                    identity = await _identity_of(store)
+                    if claimed is not None and claimed != identity:
+                        del owners[claimed]  # its database moved: another schedule may take it
+                        claimed = None
+                    if identity is not None:
+                        owner, owner_label = owners.setdefault(identity, (me, label))
+                        if owner is not me:
+                            if told != owner_label:
+                                told = owner_label
+                                log.info(
+                                    "%s is purged by the schedule of %s: they are one database"
+                                    " and schema",
+                                    label,
+                                    owner_label,
+                                )
+                            await asyncio.sleep(self.interval)
+                            continue
+                        claimed, told = identity, None
+                if not await self._purge_once(store, where):
                     return
-                if run[0]:
-                    # Its committed batches stay purged: "skipped" read as if nothing had gone.
-                    log.warning("purge stopped%s after %d rows: %s", where, run[0], err)
-                else:
-                    log.warning("purge skipped%s: %s", where, err)
-            except Exception:
-                # No outage: a bug, or a driver's error the store does not map. Raised, it ended
-                # this loop for good, unseen until stop() (sharded, the TaskGroup cancelled every
-                # other shard's loop with it), and the table grew without bound. Deleting is
-                # housekeeping a later run may well complete: said with its traceback, every
-                # interval while it lasts. stop()'s cancellation is no Exception: it ends the loop.
-                log.exception(
-                    "purge failed%s after %d rows; trying again in %gs",
+                await asyncio.sleep(self.interval)
+        finally:
+            # Ended (its store closed, or stopped): another schedule on its database takes over.
+            if owners is not None and claimed is not None:
+                del owners[claimed]
+
+    async def _purge_once(self, store: Store, where: str) -> bool:
+        """One run; ``False`` when no later run could purge (the store was closed)."""
+        run = [0]  # this run's committed batches: the log of a run that fails says them
+
+        def count(deleted: int, run: list[int] = run) -> None:
+            self.purged += deleted
+            run[0] += deleted
+
+        try:
+            # Counted per committed batch: a purge stopped midway left its committed batches
+            # out of ``purged``.
+            await store.purge(batch_size=self.batch_size, pause=self.pause, on_batch=count)
+        except StoreUnavailable as err:
+            if store.closed:
+                # store.close() (a shutdown that closed the store before stopping the
+                # purger): every later run failed alike, and said so every interval for as
+                # long as the process lived. Sharded, the other shards' loops go on.
+                log.warning(
+                    "purger stopped%s: its store was closed (store.close()); stop the purger"
+                    " first to end it quietly",
                     where,
-                    run[0],
-                    self.interval,
                 )
-            await asyncio.sleep(self.interval)
+                return False
+            if run[0]:
+                # Its committed batches stay purged: "skipped" read as if nothing had gone.
+                log.warning("purge stopped%s after %d rows: %s", where, run[0], err)
+            else:
+                log.warning("purge skipped%s: %s", where, err)
+        except Exception:
+            # No outage: a bug, or a driver's error the store does not map. Raised, it ended
+            # this loop for good, unseen until stop() (sharded, the TaskGroup cancelled every
+            # other shard's loop with it), and the table grew without bound. Deleting is
+            # housekeeping a later run may well complete: said with its traceback, every
+            # interval while it lasts. stop()'s cancellation is no Exception: it ends the loop.
+            log.exception(
+                "purge failed%s after %d rows; trying again in %gs",
+                where,
+                run[0],
+                self.interval,
+            )
+        return True
+
+
+async def _identity_of(store: Store) -> tuple[object, ...] | None:
+    """The database and schema ``store`` reaches, or ``None`` when that cannot be told now (the
+    store down or closed: its run then purges, or fails and says so, as it would alone)."""
+    try:
+        return await store.database_identity()
+    except StoreUnavailable:
+        return None
+    except Exception:
+        # Not worth a schedule: the run that follows meets the same trouble and says it.
+        log.debug("could not identify a store's database", exc_info=True)
+        return None

@@ -675,3 +675,48 @@ async def test_a_shard_failing_over_reconnects_its_own_pool_and_the_purger_goes_
         with contextlib.suppress(Exception):
             await moved.close(timeout=1)
         await proxy.close()
+
+
+async def test_two_stores_on_one_database_are_purged_by_one_schedule(
+    shards: dict[str, Shard], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two shard names on one database, each with a Store of its own (connected per name, from
+    DSNs written differently): grouped by Store object, the purger ran two purges of that one
+    table side by side. Grouped by what the database is (its server, database and schema),
+    whatever the DSN said: one schedule; the other shard's is left to it and says so, and a
+    shard on another database keeps its own."""
+    parts = urlsplit(shards["two"].dsn)
+    # The same database under another spelling: postgres:// and an explicit default parameter.
+    query = "&".join(q for q in (parts.query, "application_name=dos") if q)
+    other = urlunsplit(parts._replace(scheme="postgres", query=query))
+    assert other != shards["two"].dsn
+    dos = await Store.connect(other, min_size=1, max_size=1)
+    scope = f"purge-{uuid.uuid4().hex[:8]}"
+    expired = (
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
+        " clock_timestamp() - interval '1 s')"
+    )
+    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
+    try:
+        for shard in shards.values():
+            await shard.fetch(expired, scope, "old")
+        sharded = ShardedStores(
+            {"one": shards["one"].store, "two": shards["two"].store, "dos": dos},
+            PLACEMENT.__getitem__,
+        )
+        with caplog.at_level(logging.INFO, logger="grpc_idempotency.retention"):
+            async with Purger(sharded, interval=60):
+                await until(
+                    "one schedule left to the other",
+                    lambda: any("purged by the schedule of" in m for m in caplog.messages),
+                )
+                for shard in shards.values():
+                    await until(
+                        f"{shard.name} purged", functools.partial(_none, shard, count, scope)
+                    )
+        (line,) = [m for m in caplog.messages if "purged by the schedule of" in m]
+        # Whichever of the two identified its database first purges it; "one" is no part of it.
+        assert ("shard 'dos'" in line and "shard 'two'" in line) and "'one'" not in line, line
+    finally:
+        await dos.close()

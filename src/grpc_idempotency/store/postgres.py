@@ -1951,6 +1951,17 @@ class Store:
             f" others {attempts} times during this call; retry"
         )
 
+    async def database_identity(self) -> tuple[object, ...] | None:
+        """What tells this store's tables from any other's, whatever DSN reached them (another
+        spelling, host name, port or option names the same database): the server's start time,
+        the database's and the schema's OIDs. ``None`` while the schema does not exist (two
+        stores of different schemas not yet created would look alike). Raises
+        ``StoreUnavailable`` as any statement does."""
+        async with self.connection("identifying its database") as conn:
+            row = await conn.fetchrow(_IDENTITY, self.schema)
+        assert row is not None
+        return None if row["schema"] is None else tuple(row)
+
     async def ping(self, timeout: float | None = None) -> None:
         async with self.connection("checking the store", timeout) as conn:
             await conn.fetchval("SELECT 1")
@@ -2512,6 +2523,16 @@ class PhasedClaim:
         c = self._claim
         statement = self._store.statements.release
         await self._store._end_lease(c.scope, c.key, statement, self.token, self.started_at)
+
+
+# A server's start time with a database's and a schema's OIDs: OIDs alone repeat from one
+# cluster to another (two clones of one backup), the start time to the microsecond does not.
+_IDENTITY = """
+    SELECT pg_catalog.pg_postmaster_start_time() AS started,
+           (SELECT oid FROM pg_catalog.pg_database
+            WHERE datname = pg_catalog.current_database()) AS database,
+           (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1) AS schema
+"""
 
 
 def one_store(store: object, *, user: str, per_shard: str) -> Store:
