@@ -720,3 +720,38 @@ async def test_two_stores_on_one_database_are_purged_by_one_schedule(
         assert ("shard 'dos'" in line and "shard 'two'" in line) and "'one'" not in line, line
     finally:
         await dos.close()
+
+
+async def test_a_database_whose_purging_schedule_ends_is_taken_over_by_another_of_its_shards(
+    shards: dict[str, Shard], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Of two shards' Stores on one database, the one whose schedule purges it is closed (its
+    schedule ends): the other's takes the database over, or it was never purged again."""
+    stores = {n: await Store.connect(shards["two"].dsn, min_size=1, max_size=1) for n in "xy"}
+    scope = f"purge-{uuid.uuid4().hex[:8]}"
+    expired = (
+        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
+        " clock_timestamp() - interval '1 s')"
+    )
+    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
+    try:
+        sharded = ShardedStores(stores, PLACEMENT.__getitem__)
+        with caplog.at_level(logging.INFO, logger="grpc_idempotency.retention"):
+            async with Purger(sharded, interval=0.02):
+                await until(
+                    "one schedule left to the other",
+                    lambda: any("purged by the schedule of" in m for m in caplog.messages),
+                )
+                (line,) = [m for m in caplog.messages if "purged by the schedule of" in m]
+                owner = "y" if line.startswith("shard 'x'") else "x"
+                await stores[owner].close()
+                await until(
+                    "the owner's schedule ended",
+                    lambda: any("purger stopped" in m for m in caplog.messages),
+                )
+                await shards["two"].fetch(expired, scope, "after")
+                await until("purged by the other", lambda: _none(shards["two"], count, scope))
+    finally:
+        for store in stores.values():
+            await store.close()
