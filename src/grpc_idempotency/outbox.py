@@ -916,12 +916,7 @@ class Relay:
         try:
             await recording
         except Exception as err:
-            log.warning(
-                "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
-                " rows not recorded are delivered again after their lease",
-                self.name,
-                err,
-            )
+            self._warn_unrecorded(f"({err})")
 
     async def _outlast_cancel(self, cleanup: Awaitable[None]) -> None:
         """Runs ``cleanup`` (which logs its own failure) after the relay was cancelled:
@@ -939,12 +934,16 @@ class Relay:
             raise  # cancelled again: the cleanup goes on while the loop runs
         except TimeoutError:
             task.cancel()
-            log.warning(
-                "relay %s: cancelled mid-batch, and its outcomes could not be recorded within"
-                " %gs: rows not recorded are delivered again after their lease",
-                self.name,
-                _CANCEL_CLEANUP_S,
-            )
+            self._warn_unrecorded(f"within {_CANCEL_CLEANUP_S:g}s")
+
+    def _warn_unrecorded(self, why: str) -> None:
+        """The one warning of a cancelled batch whose outcomes were not all recorded."""
+        log.warning(
+            "relay %s: cancelled mid-batch, and its outcomes could not be recorded %s:"
+            " rows not recorded are delivered again after their lease",
+            self.name,
+            why,
+        )
 
     async def _settle_cancelled(
         self, messages: list[OutboxMessage], delivering: Sequence[asyncio.Future[_Attempt]]
@@ -982,12 +981,7 @@ class Relay:
             # After the marks: a release that cannot run leaves only undelivered rows claimed.
             released = await self.outbox.release(relay=self.name, claims=cut)
         except Exception as err:
-            log.warning(
-                "relay %s: cancelled mid-batch, and its outcomes could not be recorded (%s):"
-                " rows not recorded are delivered again after their lease",
-                self.name,
-                err,
-            )
+            self._warn_unrecorded(f"({err})")
             return
         finally:
             # A claim not given back (taken over after its lease, or the release failed or ran
