@@ -1,6 +1,6 @@
-"""``--shard I/N`` (tests/conftest.py): CI's 3.12 and 3.13 runs each take half of the unit
-tests and half of the integration tests; together they must take every one, neither the same
-one twice."""
+"""``--shard I/N`` (tests/conftest.py): CI's lowest-versions, 3.12 and 3.13 runs each take a
+third of the unit tests and a third of the integration tests; together they must take every one,
+no two the same one."""
 
 from __future__ import annotations
 
@@ -30,17 +30,17 @@ def collected(*args: str) -> tuple[int, list[str]]:
     return done.returncode, [line for line in done.stdout.splitlines() if "::" in line]
 
 
-def test_two_shards_split_the_unit_and_integration_tests() -> None:
+def test_three_shards_split_the_unit_and_integration_tests() -> None:
     _, every = collected()
-    _, first = collected("--shard", "0/2")
-    _, second = collected("--shard", "1/2")
-    assert set(first) | set(second) == set(every)
+    shards = [set(collected("--shard", f"{i}/3")[1]) for i in range(3)]
+    assert set().union(*shards) == set(every)
     for part in ("tests/unit/", "tests/integration/"):
         split = {t for t in every if t.startswith(part)}
-        assert len(split) > 2, part
-        assert not (set(first) & set(second) & split), part
-        assert (set(first) | set(second)) & split == split, part
-        assert abs(len(set(first) & split) - len(set(second) & split)) <= 1, part
+        assert len(split) > 3, part
+        taken = [shard & split for shard in shards]
+        assert sum(len(t) for t in taken) == len(split), part  # none taken twice
+        assert set().union(*taken) == split, part
+        assert max(map(len, taken)) - min(map(len, taken)) <= 1, part
 
 
 def test_a_shard_out_of_range_is_a_usage_error() -> None:
