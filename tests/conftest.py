@@ -53,6 +53,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: no error where xdist is not installed
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    # `-n auto` (the README's test command): a worker per core, each with its own embedded
+    # PostgreSQL. Tests given one database (GRPC_IDEMPOTENCY_TEST_DSN) share it by fresh keys
+    # and scopes, one at a time: a relay test draining the outbox could take another test's
+    # rows, so that database runs them in one process.
+    if os.environ.get("GRPC_IDEMPOTENCY_TEST_DSN"):
+        return 0
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # CI runs the whole suite at the newest versions on 3.11, and side by side the unit and
     # integration tests once more split in three: the lowest versions, 3.12 and 3.13 each take

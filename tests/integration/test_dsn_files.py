@@ -21,6 +21,7 @@ import pytest
 
 from grpc_idempotency import DsnUnusable, Store, StoreMisconfigured, StoreUnavailable
 from grpc_idempotency.store.errors import dsn_unusable
+from tests.support.tools import run_cli
 
 # A real bundle of root certificates, shipped inside grpcio: a usable sslrootcert.
 ROOTS = Path(grpc.__file__).parent / "_cython" / "_credentials" / "roots.pem"
@@ -83,10 +84,7 @@ def dsn_of(case: str, files: dict[str, str]) -> tuple[str, str]:
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "grpc_idempotency.cli", *args],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
-    )  # fmt: skip
+    return run_cli(*args, env=env)
 
 
 @pytest.mark.parametrize("case", CASES)

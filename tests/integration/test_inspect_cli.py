@@ -34,6 +34,7 @@ from tests.e2e.procs import free_port
 from tests.support.ledger import RunningLedger, fresh, metadata, running_ledger
 from tests.support.relay import RunningRelay, running_relay
 from tests.support.schemas import fresh_store
+from tests.support.tools import run_cli
 from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,21 +55,12 @@ class Done:
 
 
 async def cli(*args: str, env: dict[str, str] | None = None) -> Done:
-    """The command as a subprocess, without the caller's PG* / GRPC_IDEMPOTENCY_* settings; the
-    generated test modules stay importable (PYTHONPATH, set by tests/conftest.py)."""
+    """The command as a process of its own (tests/support/tools.py's run_cli), without the
+    caller's PG* / GRPC_IDEMPOTENCY_* settings; the generated test modules stay importable
+    (PYTHONPATH, set by tests/conftest.py)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "GRPC_IDEMPOTENCY_"))}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "grpc_idempotency.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**clean, **(env or {})},
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return Done(proc.returncode, out.decode(), err.decode())
+    done = await asyncio.to_thread(run_cli, *args, env={**clean, **(env or {})})
+    return Done(done.returncode, done.stdout, done.stderr)
 
 
 @dataclass

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
+
+from tests.support.cli_forks import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,14 +39,7 @@ def buf_binary() -> str | None:
 def run_cli(
     *args: str, cwd: Path | None = None, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``grpc-idempotency <args>`` run to the end as ``python -m grpc_idempotency.cli`` (60 s at
-    most), its output captured as text; ``env`` replaces the inherited environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "grpc_idempotency.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=cwd,
-        env=env,
-        check=False,
-    )
+    """``grpc-idempotency <args>`` run to the end in a process of its own (a fork of one that
+    imported the CLI: tests/support/cli_forks.py; 60 s at most), its output captured as text;
+    ``env`` replaces the inherited environment."""
+    return run_forked(list(args), env=os.environ if env is None else env, cwd=cwd)

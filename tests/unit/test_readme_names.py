@@ -376,12 +376,13 @@ def all_options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 # Options of other tools the README shows: protoc, mypy, pdoc, git, the checkout example, and
-# the project's own test suite (pytest --shard, tests/conftest.py).
+# the project's own test suite (pytest --shard, tests/conftest.py; pytest-xdist's --dist).
 OTHER_TOOLS_OPTIONS = frozenset(
     {
         "--check",
         "--descriptor_set_out",
         "--detach",
+        "--dist",
         "--docformat",
         "--follow-imports",
         "--grpc-idempotency_out",
