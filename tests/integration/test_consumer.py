@@ -1878,9 +1878,13 @@ async def test_a_probe_whose_rollback_fails_drops_its_connection_and_waits_on_an
         await mark.abandon(None)
         assert (mark.outcome, told) == (Consumed.DUPLICATE, [True, False])
         pool = two.pool
-        assert (pool.get_size(), pool.get_idle_size()) == (2, 2)
-        # Both connections taken: the one the probe did not use was not replaced.
-        taken = [await pool.acquire(timeout=2) for _ in range(2)]
+        # Nothing held. (The pool's size is 1 or 2 here: the wait may have taken the probe's
+        # emptied slot, reconnecting it, or the other connection; asserting 2 failed under CI
+        # load.)
+        assert pool.get_idle_size() == pool.get_size()
+        # Both connections taken (the emptied slot reconnects): the one the probe did not use
+        # was not replaced.
+        taken = [await pool.acquire(timeout=10) for _ in range(2)]
         pids = {conn.get_server_pid() for conn in taken}
         for conn in taken:
             await pool.release(conn)
