@@ -1,6 +1,6 @@
 """``--shard I/N`` (tests/conftest.py): CI's lowest-versions, 3.12 and 3.13 runs each take a
-third of the unit tests and a third of the integration tests; together they must take every one,
-no two the same one."""
+quarter of the unit tests and a quarter of the integration tests, none the same one; the N
+shards together take every one."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def collected(*args: str) -> tuple[int, list[str]]:
     return done.returncode, [line for line in done.stdout.splitlines() if "::" in line]
 
 
-def test_three_shards_split_the_unit_and_integration_tests() -> None:
+def test_four_shards_split_the_unit_and_integration_tests() -> None:
     _, every = collected()
-    shards = [set(collected("--shard", f"{i}/3")[1]) for i in range(3)]
+    shards = [set(collected("--shard", f"{i}/4")[1]) for i in range(4)]
     assert set().union(*shards) == set(every)
     for part in ("tests/unit/", "tests/integration/"):
         split = {t for t in every if t.startswith(part)}
-        assert len(split) > 3, part
+        assert len(split) > 4, part
         taken = [shard & split for shard in shards]
         assert sum(len(t) for t in taken) == len(split), part  # none taken twice
         assert set().union(*taken) == split, part
