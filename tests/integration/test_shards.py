@@ -434,26 +434,20 @@ async def test_one_purger_purges_every_shard_and_a_shard_that_is_down_holds_up_n
     # that long, which must hold up no other shard's purge.
     down = await Store.connect(proxy.dsn, min_size=1, max_size=1)
     scope = f"purge-{uuid.uuid4().hex[:8]}"
-    expired = (
-        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
-        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
-        " clock_timestamp() - interval '1 s')"
-    )
-    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
     try:
         for shard in shards.values():
-            await shard.fetch(expired, scope, "old")
+            await shard.fetch(EXPIRED_RECORD, scope, "old")
         # Both shards purged by one Purger.
         both = ShardedStores({n: s.store for n, s in shards.items()}, PLACEMENT.__getitem__)
         async with Purger(both, interval=0.02):
             for shard in shards.values():
-                await until(f"{shard.name} purged", functools.partial(_none, shard, count, scope))
+                await until(f"{shard.name} purged", functools.partial(_none, shard, scope))
         # Shard "two" partitioned: "one" is still purged, every interval.
-        await shards["one"].fetch(expired, scope, "again")
+        await shards["one"].fetch(EXPIRED_RECORD, scope, "again")
         proxy.blackhole()
         partly = ShardedStores({"two": down, "one": shards["one"].store}, PLACEMENT.__getitem__)
         async with Purger(partly, interval=0.02) as purger:
-            await until("one purged again", lambda: _none(shards["one"], count, scope))
+            await until("one purged again", lambda: _none(shards["one"], scope))
             # Stopping does not wait for the partitioned shard's statement to time out (30 s).
             began = asyncio.get_running_loop().time()
             await purger.stop()
@@ -509,7 +503,17 @@ async def test_closing_waits_for_partitioned_shards_side_by_side(
             await proxy.close()
 
 
-async def _none(shard: Shard, count: str, scope: str) -> bool:
+# A record of `scope` (key $2) that expired a second ago: the purge's to delete.
+EXPIRED_RECORD = (
+    "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
+    " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
+    " clock_timestamp() - interval '1 s')"
+)
+
+
+async def _none(shard: Shard, scope: str) -> bool:
+    """No record of ``scope`` left on ``shard``."""
+    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
     return await shard.fetchval(count, scope) == 0
 
 
@@ -645,24 +649,18 @@ async def test_a_shard_failing_over_reconnects_its_own_pool_and_the_purger_goes_
     await proxy.start()
     moved = await Store.connect(proxy.dsn, min_size=3, max_size=3)
     scope = f"failover-{uuid.uuid4().hex[:8]}"
-    expired = (
-        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
-        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
-        " clock_timestamp() - interval '1 s')"
-    )
-    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
     one = shards["one"].store
     generation = one.pool._generation  # type: ignore[attr-defined]  # asyncpg's expirations
     try:
         sharded = ShardedStores({"one": one, "two": moved}, PLACEMENT.__getitem__)
         async with Purger(sharded, interval=0.02) as purger:
             for shard in shards.values():
-                await shard.fetch(expired, scope, "before")
-                await until(f"{shard.name} purged", functools.partial(_none, shard, count, scope))
+                await shard.fetch(EXPIRED_RECORD, scope, "before")
+                await until(f"{shard.name} purged", functools.partial(_none, shard, scope))
             proxy.fail_over()
             for shard in shards.values():
-                await shard.fetch(expired, scope, "after")
-                await until(f"{shard.name} purged", functools.partial(_none, shard, count, scope))
+                await shard.fetch(EXPIRED_RECORD, scope, "after")
+                await until(f"{shard.name} purged", functools.partial(_none, shard, scope))
             assert purger._task is not None and not purger._task.done()
             async with running_ledger(sharded, replay_cache=False) as ledger:
                 for tenant in ("a", "b"):
@@ -692,15 +690,9 @@ async def test_two_stores_on_one_database_are_purged_by_one_schedule(
     assert other != shards["two"].dsn
     dos = await Store.connect(other, min_size=1, max_size=1)
     scope = f"purge-{uuid.uuid4().hex[:8]}"
-    expired = (
-        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
-        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
-        " clock_timestamp() - interval '1 s')"
-    )
-    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
     try:
         for shard in shards.values():
-            await shard.fetch(expired, scope, "old")
+            await shard.fetch(EXPIRED_RECORD, scope, "old")
         sharded = ShardedStores(
             {"one": shards["one"].store, "two": shards["two"].store, "dos": dos},
             PLACEMENT.__getitem__,
@@ -712,9 +704,7 @@ async def test_two_stores_on_one_database_are_purged_by_one_schedule(
                     lambda: any("purged by the schedule of" in m for m in caplog.messages),
                 )
                 for shard in shards.values():
-                    await until(
-                        f"{shard.name} purged", functools.partial(_none, shard, count, scope)
-                    )
+                    await until(f"{shard.name} purged", functools.partial(_none, shard, scope))
         (line,) = [m for m in caplog.messages if "purged by the schedule of" in m]
         # Whichever of the two identified its database first purges it; "one" is no part of it.
         assert ("shard 'dos'" in line and "shard 'two'" in line) and "'one'" not in line, line
@@ -729,12 +719,6 @@ async def test_a_database_whose_purging_schedule_ends_is_taken_over_by_another_o
     schedule ends): the other's takes the database over, or it was never purged again."""
     stores = {n: await Store.connect(shards["two"].dsn, min_size=1, max_size=1) for n in "xy"}
     scope = f"purge-{uuid.uuid4().hex[:8]}"
-    expired = (
-        "INSERT INTO grpc_idempotency.records (scope, key, method, fingerprint, state,"
-        " fencing_token, expires_at) VALUES ($1, $2, '/m', '\\x00', 'completed', 1,"
-        " clock_timestamp() - interval '1 s')"
-    )
-    count = "SELECT count(*) FROM grpc_idempotency.records WHERE scope = $1"
     try:
         sharded = ShardedStores(stores, PLACEMENT.__getitem__)
         with caplog.at_level(logging.INFO, logger="grpc_idempotency.retention"):
@@ -750,8 +734,8 @@ async def test_a_database_whose_purging_schedule_ends_is_taken_over_by_another_o
                     "the owner's schedule ended",
                     lambda: any("purger stopped" in m for m in caplog.messages),
                 )
-                await shards["two"].fetch(expired, scope, "after")
-                await until("purged by the other", lambda: _none(shards["two"], count, scope))
+                await shards["two"].fetch(EXPIRED_RECORD, scope, "after")
+                await until("purged by the other", lambda: _none(shards["two"], scope))
     finally:
         for store in stores.values():
             await store.close()
